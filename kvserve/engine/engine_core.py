@@ -1,0 +1,145 @@
+"""The engine core: schedule -> execute -> update, one step at a time.
+
+The same class runs in-process under the offline `LLM` (and tests) and inside the engine-core process
+behind the server. It knows token ids only: tokenization, detokenization and stop strings live with the
+caller (`OutputProcessor`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from kvserve.config import ConfigError, EngineConfig
+from kvserve.core.outputs import EngineCoreOutput, SchedulerStats
+from kvserve.core.request import Request
+from kvserve.core.scheduler import Scheduler
+from kvserve.protocol.engine import EngineCoreRequest
+from kvserve.worker.memory import gpu_capacity_hint
+from kvserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class KVCapacity:
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def max_concurrency(self) -> float:
+        """How many requests of max_model_len tokens fit at once."""
+        return self.num_tokens / self.max_model_len
+
+    def describe(self) -> str:
+        return (
+            f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens; "
+            f"max concurrency at max_model_len={self.max_model_len}: {self.max_concurrency:.2f}x"
+        )
+
+
+@dataclass
+class EngineStepResult:
+    outputs: list[EngineCoreOutput]
+    stats: SchedulerStats
+    num_scheduled_tokens: int
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        start = time.perf_counter()
+        # Seconds spent in each start-up phase (benchmarks report them).
+        self.startup_phases: dict[str, float] = {}
+        self.runner = ModelRunner(config)
+        self._mark_phase("model_init", start)
+        cache = config.cache_config
+        num_blocks = cache.num_blocks or self.runner.determine_num_blocks()
+        self._mark_phase("memory_profile", start)
+        self.capacity = KVCapacity(num_blocks, cache.block_size, config.model_config.max_model_len)
+        self._check_capacity(config)
+        self.config = config.with_num_blocks(num_blocks)
+        self.runner.initialize_kv_cache(num_blocks)
+        self._mark_phase("kv_cache_alloc", start)
+        self.runner.capture_cuda_graphs()
+        self._mark_phase("cuda_graph_capture", start)
+        self.scheduler = Scheduler(
+            self.config.scheduler_config,
+            num_blocks=num_blocks,
+            block_size=cache.block_size,
+            enable_prefix_caching=cache.enable_prefix_caching,
+        )
+        self.startup_s = time.perf_counter() - start
+        logger.info("%s (engine ready in %.1f s)", self.capacity.describe(), self.startup_s)
+
+    def _mark_phase(self, name: str, start: float) -> None:
+        if self.runner.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self.runner.device)
+        self.startup_phases[name] = time.perf_counter() - start - sum(self.startup_phases.values())
+
+    def _check_capacity(self, config: EngineConfig) -> None:
+        cap = self.capacity
+        if cap.num_tokens >= cap.max_model_len:
+            return
+        per_block = self.runner.kv_cache_bytes_per_block()
+        needed_gib = -(-cap.max_model_len // cap.block_size) * per_block / (1 << 30)
+        profile = self.runner.memory_profile
+        if config.device_config.device == "cpu":
+            hint = f"raise --kv-cache-memory to at least {needed_gib:.2f}GiB"
+        elif profile is not None:
+            blocks_needed = -(-cap.max_model_len // cap.block_size)
+            hint = gpu_capacity_hint(
+                profile, config.cache_config.gpu_memory_utilization, per_block, blocks_needed
+            )
+        else:
+            hint = "raise num_kv_blocks"
+        raise ConfigError(
+            f"the KV cache holds {cap.num_tokens} tokens ({cap.num_blocks} blocks), fewer than one request "
+            f"of max_model_len={cap.max_model_len} needs: {hint}, or lower --max-model-len"
+        )
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return self.runner.eos_token_ids
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.model_config.max_model_len
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request. Raises RequestRejected when it can never be served."""
+        self.scheduler.add_request(
+            Request(
+                req_id=request.req_id,
+                prompt_token_ids=request.prompt_token_ids,
+                sampling_params=request.sampling_params,
+                eos_token_ids=request.eos_token_ids,
+                max_tokens=request.max_tokens,
+                cache_salt=request.cache_salt,
+                arrival_time=request.arrival_time or None,
+            ),
+            group_key=request.group_key,
+        )
+
+    def abort_requests(self, req_ids: list[str]) -> None:
+        self.scheduler.abort_requests(req_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> EngineStepResult:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute_model(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return EngineStepResult(
+            outputs=outputs,
+            stats=self.scheduler.make_stats(),
+            num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
+        )

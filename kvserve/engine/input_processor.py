@@ -1,0 +1,102 @@
+"""Prompt -> engine requests: tokenization, chat templates, max_tokens resolution, n>1 fan-out."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from kvserve.protocol.engine import EngineCoreRequest
+from kvserve.protocol.sampling_params import SamplingParams, SamplingParamsError
+
+PromptType = str | Sequence[int] | dict[str, Any]
+
+
+@dataclass
+class ProcessedPrompt:
+    prompt: str | None
+    prompt_token_ids: list[int]
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_model_len: int, eos_token_ids: Sequence[int]) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        eos = list(eos_token_ids)
+        if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+            eos.append(tokenizer.eos_token_id)
+        self.eos_token_ids = eos
+
+    def tokenize(self, prompt: PromptType) -> ProcessedPrompt:
+        """A string (tokenized with the tokenizer's special tokens), token ids, or a dict with "prompt" or
+        "prompt_token_ids"."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return self.tokenize(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self.tokenize(prompt["prompt"])
+            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            ids = self.tokenizer(prompt)["input_ids"]
+            return ProcessedPrompt(prompt, list(ids))
+        ids = [int(t) for t in prompt]
+        vocab = len(self.tokenizer)
+        if any(t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        return ProcessedPrompt(None, ids)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> ProcessedPrompt:
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template; pass chat_template (--chat-template)")
+        text = self.tokenizer.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+            **(chat_template_kwargs or {}),
+        )
+        assert isinstance(text, str)
+        # The template already carries the special tokens (BOS and role markers): don't add them twice.
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return ProcessedPrompt(text, list(ids))
+
+    def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        room = self.max_model_len - num_prompt_tokens
+        if params.max_tokens is None:
+            return max(room, 1)
+        return max(min(params.max_tokens, room), 1)
+
+    def check_logit_bias(self, params: SamplingParams) -> None:
+        vocab = len(self.tokenizer)
+        for token_id in (params.logit_bias or {}):
+            if not 0 <= token_id < vocab:
+                raise SamplingParamsError(f"logit_bias token id {token_id} is out of range [0, {vocab})", "logit_bias")
+
+    def make_engine_request(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        group_key: str | None = None,
+        arrival_time: float | None = None,
+    ) -> EngineCoreRequest:
+        return EngineCoreRequest(
+            req_id=req_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=params,
+            max_tokens=self.resolve_max_tokens(len(prompt_token_ids), params),
+            eos_token_ids=self.eos_token_ids,
+            arrival_time=arrival_time if arrival_time is not None else time.time(),
+            cache_salt=cache_salt,
+            group_key=group_key,
+        )

@@ -1,0 +1,137 @@
+"""The offline API: `LLM(model).generate(prompts, SamplingParams(...))` and `LLM.chat(conversations)`."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
+
+from kvserve.config import EngineArgs
+from kvserve.engine.input_processor import PromptType
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.model.tokenizer import load_tokenizer
+from kvserve.protocol.outputs import RequestOutput
+from kvserve.protocol.sampling_params import SamplingParams
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """Generate with a model in this process.
+
+    `model` is an HF model directory, a .gguf file, or None for the default model (SmolLM2-135M-Instruct
+    GGUF). Other keyword arguments are engine settings named as vLLM names them (`dtype`,
+    `max_model_len`, `block_size`, `enable_prefix_caching`, `max_num_seqs`, `max_num_batched_tokens`,
+    `kv_cache_memory`, `seed`, ...; see `kvserve.config.EngineArgs`).
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        args = EngineArgs(model=model, **engine_args)
+        config = args.create_engine_config()
+        tokenizer = load_tokenizer(config.model_config.tokenizer, config.model_config.chat_template)
+        self.engine = LLMEngine(config, tokenizer)
+        self.config = self.engine.config
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of `prompts`.
+
+        A prompt is a string, a list of token ids, or {"prompt": ...} / {"prompt_token_ids": ...}.
+        `sampling_params` is one SamplingParams for all prompts or one per prompt.
+        """
+        prompt_list = self._as_prompt_list(prompts)
+        params_list = self._as_params_list(sampling_params, len(prompt_list))
+        request_ids = []
+        try:
+            for prompt, params in zip(prompt_list, params_list, strict=True):
+                request_id = str(next(self._ids))
+                self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
+                request_ids.append(request_id)
+        except Exception:
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+            raise
+        return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Like `generate`, for conversations ([{"role": ..., "content": ...}, ...]) rendered with the
+        tokenizer's chat template (or `chat_template`)."""
+        conversations: list[Conversation]
+        if messages and isinstance(messages[0], dict):
+            conversations = [messages]  # type: ignore[list-item]
+        else:
+            conversations = list(messages)  # type: ignore[arg-type]
+        processed = [
+            self.engine.input_processor.apply_chat_template(
+                conv, chat_template, add_generation_prompt, chat_template_kwargs
+            )
+            for conv in conversations
+        ]
+        return self.generate(
+            [{"prompt_token_ids": p.prompt_token_ids} for p in processed], sampling_params, use_tqdm
+        )
+
+    # ------------------------------------------------------------------ internals
+
+    @staticmethod
+    def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        items = list(prompts)
+        if items and all(isinstance(t, int) for t in items):
+            return [items]  # one prompt given as token ids
+        return items
+
+    @staticmethod
+    def _as_params_list(
+        params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+    ) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams() for _ in range(num_prompts)]
+        if isinstance(params, SamplingParams):
+            return [params] * num_prompts
+        params = list(params)
+        if len(params) != num_prompts:
+            raise ValueError(f"got {len(params)} SamplingParams for {num_prompts} prompts")
+        return params
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        start = time.perf_counter()
+        num_prompt_tokens = num_output_tokens = 0
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if not output.finished:
+                    continue
+                finished[output.request_id] = output
+                num_prompt_tokens += len(output.prompt_token_ids)
+                num_output_tokens += sum(len(o.token_ids) for o in output.outputs)
+                elapsed = max(time.perf_counter() - start, 1e-9)
+                bar.set_postfix_str(
+                    f"input: {num_prompt_tokens / elapsed:.1f} tok/s, output: {num_output_tokens / elapsed:.1f} tok/s"
+                )
+                bar.update(1)
+        bar.close()
+        return [finished[request_id] for request_id in request_ids]

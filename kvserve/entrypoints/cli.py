@@ -1,0 +1,141 @@
+"""`kvserve <command>`: generate (one prompt, offline), serve (the OpenAI-compatible server)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from kvserve import __version__
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine flags shared by every command that builds an engine (vLLM's names)."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct GGUF)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    g.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bf16 on GPUs that have it), float32, float16, bfloat16")
+    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output in tokens (default: the model's limit)")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step (default 8192)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    g.add_argument("--kv-cache-memory", default=None, help="KV cache size on CPU, e.g. 2GiB (default 1GiB)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory kvserve may use")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse KV blocks of shared prompt prefixes")
+    g.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
+    g.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per replica")
+    g.add_argument("--quantization", default=None, help="weight quantization of the checkpoint")
+    g.add_argument("--seed", type=int, default=0, help="seed of the sampler's shared random generator")
+    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+
+
+def engine_args_from(ns: argparse.Namespace) -> dict[str, object]:
+    return {
+        "model": ns.model,
+        "tokenizer": ns.tokenizer,
+        "dtype": ns.dtype,
+        "max_model_len": ns.max_model_len,
+        "max_num_seqs": ns.max_num_seqs,
+        "max_num_batched_tokens": ns.max_num_batched_tokens,
+        "block_size": ns.block_size,
+        "kv_cache_memory": ns.kv_cache_memory,
+        "gpu_memory_utilization": ns.gpu_memory_utilization,
+        "enable_prefix_caching": ns.enable_prefix_caching,
+        "enforce_eager": ns.enforce_eager,
+        "tensor_parallel_size": ns.tensor_parallel_size,
+        "quantization": ns.quantization,
+        "seed": ns.seed,
+        "device": ns.device,
+    }
+
+
+def _cmd_generate(ns: argparse.Namespace) -> int:
+    from kvserve import LLM, SamplingParams
+
+    llm = LLM(**engine_args_from(ns))
+    params = SamplingParams(
+        temperature=ns.temperature,
+        top_p=ns.top_p,
+        top_k=ns.top_k,
+        max_tokens=ns.max_tokens,
+        seed=ns.sampling_seed,
+        stop=ns.stop or None,
+    )
+    if ns.chat:
+        outputs = llm.chat([{"role": "user", "content": ns.prompt}], params, use_tqdm=False)
+    else:
+        outputs = llm.generate([ns.prompt], params, use_tqdm=False)
+    print(outputs[0].outputs[0].text)
+    return 0
+
+
+def _cmd_serve(ns: argparse.Namespace) -> int:
+    # Imported here: the server pulls in FastAPI and uvicorn, which `kvserve generate` does not need.
+    from kvserve.entrypoints.openai.api_server import run_server
+
+    return run_server(ns)
+
+
+def _cmd_bench(ns: argparse.Namespace) -> int:
+    from kvserve.bench.cli_args import config_from_args
+    from kvserve.bench.runner import run_cli
+
+    return run_cli(config_from_args(ns))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description="kvserve: LLM inference serving")
+    parser.add_argument("--version", action="version", version=f"kvserve {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one prompt offline and print the text")
+    gen.add_argument("--prompt", required=True, help="the prompt text")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sampling-seed", type=int, default=None, help="seed of this request's sampling")
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    add_engine_args(gen)
+    gen.set_defaults(func=_cmd_generate)
+
+    from kvserve.entrypoints.openai.cli_args import add_server_args
+
+    serve = sub.add_parser(
+        "serve",
+        help="serve a model with an OpenAI-compatible HTTP API",
+        description="Serve a model with an OpenAI-compatible API: /v1/chat/completions, /v1/completions, "
+        "/v1/models, /health, /version, /tokenize, /detokenize, /metrics.",
+    )
+    add_server_args(serve)
+    serve.set_defaults(func=_cmd_serve)
+
+    from kvserve.bench.cli_args import add_bench_args
+
+    bench = sub.add_parser(
+        "bench",
+        help="load-test an OpenAI-compatible server and report latency and throughput",
+        description="Load-test any OpenAI-compatible server (kvserve, vLLM, SGLang, TGI): TTFT, ITL, TPOT, "
+        "end-to-end latency, throughput, goodput, errors by kind, server metrics.",
+    )
+    add_bench_args(bench)
+    bench.set_defaults(func=_cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        return int(ns.func(ns))
+    except ValueError as e:  # ConfigError, ModelLoadError, bad sampling params, rejected requests
+        print(f"kvserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

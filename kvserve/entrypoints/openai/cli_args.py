@@ -1,0 +1,64 @@
+"""Flags of `kvserve serve` / `python -m kvserve.entrypoints.openai.api_server` (vLLM's names).
+
+Kept free of heavy imports: `kvserve --help` builds this parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from kvserve.entrypoints.cli import add_engine_args, engine_args_from
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """Every flag of the server: the model (positional or --model), engine flags, HTTP flags."""
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="HF model directory or .gguf file (same as --model; default: SmolLM2-135M-Instruct "
+                             "GGUF)")
+    add_engine_args(parser)
+    g = parser.add_argument_group("server")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model name(s) clients use in the `model` field; the first is reported in responses and "
+                        "metrics (default: the model path's last component)")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all interfaces)")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    g.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer <key>` on /v1/* (default: $KVSERVE_API_KEY; none = open)")
+    g.add_argument("--chat-template", default=None,
+                   help="chat template replacing the tokenizer's: a file path or the Jinja template text")
+    g.add_argument("--disable-log-requests", action="store_true",
+                   help="do not log each request's id and parameters (prompts are logged only at DEBUG level)")
+    g.add_argument("--disable-uvicorn-access-log", action="store_true", help="do not log each HTTP request line")
+    g.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS,
+                   help="log level of uvicorn, the HTTP server (default info)")
+    g.add_argument("--metrics-compat", default=None, choices=["vllm"],
+                   help="also export every metric under vLLM's `vllm:` names (incl. vllm:gpu_cache_usage_perc), "
+                        "so vLLM dashboards work unchanged")
+    g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                   help="larger request bodies get 413 (default 32 MiB)")
+    g.add_argument("--timeout-keep-alive", type=int, default=5, help="seconds an idle HTTP connection is kept open (default 5)")
+    g.add_argument("--shutdown-timeout", type=float, default=60.0,
+                   help="on SIGTERM, seconds to let in-flight requests finish before exiting anyway (default 60)")
+
+
+def server_engine_args(ns: argparse.Namespace) -> dict[str, object]:
+    """EngineArgs keyword arguments from parsed server flags (the positional model wins over --model)."""
+    if ns.model_tag is not None and ns.model is not None and ns.model_tag != ns.model:
+        raise ValueError(f"the model is given twice: {ns.model_tag!r} (positional) and --model {ns.model!r}")
+    args = engine_args_from(ns)
+    args["model"] = ns.model_tag if ns.model_tag is not None else ns.model
+    args["served_model_name"] = ns.served_model_name[0] if ns.served_model_name else None
+    args["chat_template"] = ns.chat_template
+    return args
+
+
+def make_arg_parser(prog: str = "kvserve serve") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Serve a model with an OpenAI-compatible API (chat, completions, models, tokenize, metrics).",
+    )
+    add_server_args(parser)
+    return parser

@@ -1,0 +1,179 @@
+"""Torch versions of every kernel: the CPU path and the oracle that GPU kernels are tested against.
+
+Each function here has the same signature as its fast counterpart in this package; the docstring is the
+contract both follow (shapes, dtypes, layout).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.layers.attention_metadata import AttentionMetadata
+
+
+def reshape_and_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write new K/V into the paged cache.
+
+    key, value: [num_tokens, num_kv_heads, head_dim]; kv_cache: [2, num_blocks, block_size, num_kv_heads,
+    head_dim] (same dtype); slot_mapping: int64 [num_tokens], slot = block_id * block_size + offset.
+    Slots < 0 are skipped (padding tokens).
+    """
+    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    flat = kv_cache.view(2, num_blocks * block_size, kv_cache.shape[3], kv_cache.shape[4])
+    valid = slot_mapping >= 0
+    if bool(valid.all()):
+        flat[0].index_copy_(0, slot_mapping, key)
+        flat[1].index_copy_(0, slot_mapping, value)
+    else:
+        slots = slot_mapping[valid]
+        flat[0].index_copy_(0, slots, key[valid])
+        flat[1].index_copy_(0, slots, value[valid])
+
+
+@dataclass
+class _PaddedPlan:
+    """Per-step index tensors shared by every layer's reference attention (built once per step)."""
+
+    token_req: torch.Tensor  # [num_tokens] request of each flat token
+    token_pos: torch.Tensor  # [num_tokens] index of each token within its request's query
+    max_q: int
+    max_s: int
+    num_ctx_blocks: int
+    mask: torch.Tensor  # float32 [num_reqs, 1, max_q, max_s]: 0 where allowed, -inf elsewhere
+
+
+def _padded_plan(metadata: AttentionMetadata, block_size: int, device: torch.device) -> _PaddedPlan:
+    cached = metadata.backend_cache.get("reference")
+    if cached is not None:
+        return cached
+    num_reqs = metadata.num_reqs
+    qsl = torch.tensor(metadata.query_start_loc_cpu, dtype=torch.int64)
+    query_lens = qsl[1:] - qsl[:-1]
+    seq_lens = torch.tensor(metadata.seq_lens_cpu, dtype=torch.int64)
+    max_q = int(query_lens.max())
+    max_s = int(seq_lens.max())
+    token_req = torch.repeat_interleave(torch.arange(num_reqs), query_lens)
+    token_pos = torch.arange(int(qsl[-1])) - qsl[:-1][token_req]
+    # Query i of request r sits at absolute position seq_len - query_len + i and sees keys <= it.
+    q_abs = (seq_lens - query_lens)[:, None] + torch.arange(max_q)[None, :]
+    k_idx = torch.arange(max_s)
+    allowed = (k_idx[None, None, :] <= q_abs[:, :, None]) & (k_idx[None, None, :] < seq_lens[:, None, None])
+    mask = torch.zeros(allowed.shape, dtype=torch.float32).masked_fill_(~allowed, float("-inf"))
+    plan = _PaddedPlan(
+        token_req=token_req.to(device),
+        token_pos=token_pos.to(device),
+        max_q=max_q,
+        max_s=max_s,
+        num_ctx_blocks=(max_s + block_size - 1) // block_size,
+        mask=mask[:, None].to(device),
+    )
+    metadata.backend_cache["reference"] = plan
+    return plan
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of each request's new tokens over its cached context.
+
+    query: [num_tokens, num_heads, head_dim]; kv_cache as in `reshape_and_cache` (already holding this
+    step's K/V); num_heads must be a multiple of num_kv_heads (GQA: query head h reads KV head
+    h // (num_heads // num_kv_heads)). Returns [num_tokens, num_heads, head_dim] in query's dtype, written
+    into `out` when given.
+
+    The batch is padded to [num_reqs, max_query_len] queries over [num_reqs, max_seq_len] keys gathered
+    through the block tables, and masked per request; scores and softmax run in float32, in the order
+    HF Transformers' eager attention uses (q @ k^T * scale, softmax, @ v).
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    group = num_heads // num_kv_heads
+    num_reqs = metadata.num_reqs
+    plan = _padded_plan(metadata, block_size, query.device)
+    max_q, max_s = plan.max_q, plan.max_s
+
+    # Each request's context: [num_reqs, max_s, num_kv_heads, head_dim].
+    tables = metadata.block_tables[:num_reqs, : plan.num_ctx_blocks].long()
+    span = plan.num_ctx_blocks * block_size
+    keys = kv_cache[0][tables].reshape(num_reqs, span, num_kv_heads, head_dim)[:, :max_s]
+    values = kv_cache[1][tables].reshape(num_reqs, span, num_kv_heads, head_dim)[:, :max_s]
+
+    if max_q == 1:
+        padded_q = query.view(num_reqs, 1, num_heads, head_dim)
+    else:
+        padded_q = query.new_zeros(num_reqs, max_q, num_heads, head_dim)
+        padded_q[plan.token_req, plan.token_pos] = query
+    # GQA without copying KV: the query heads of one KV head become extra query rows of that head.
+    # [R, Q, Hkv, G, D] -> [R, Hkv, G*Q, D]
+    q = padded_q.float().view(num_reqs, max_q, num_kv_heads, group, head_dim)
+    q = q.permute(0, 2, 3, 1, 4).reshape(num_reqs, num_kv_heads, group * max_q, head_dim)
+    k = keys.float().permute(0, 2, 1, 3)  # [R, Hkv, S, D]
+    v = values.float().permute(0, 2, 1, 3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [R, Hkv, G*Q, S]
+    scores = scores.view(num_reqs, num_kv_heads, group, max_q, max_s) + plan.mask[:, :, None]
+    # Padded query rows (query_len < max_q) see no key; nan_to_num keeps them finite (they are dropped).
+    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
+    attn = torch.matmul(probs.view(num_reqs, num_kv_heads, group * max_q, max_s), v)
+    # [R, Hkv, G*Q, D] -> [R, Q, Hkv*G, D]
+    attn = attn.view(num_reqs, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
+    attn = attn.reshape(num_reqs, max_q, num_heads, head_dim)
+    if max_q == 1:
+        result = attn.reshape(num_tokens, num_heads, head_dim).to(query.dtype)
+    else:
+        result = attn[plan.token_req, plan.token_pos].to(query.dtype)
+    if out is not None:
+        out.copy_(result)
+        return out
+    return result
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dim, optionally after adding `residual`.
+
+    Returns (normed, new_residual) where new_residual = x + residual (or x when residual is None), computed
+    in x's dtype; the normalisation runs in float32 and is cast back before the weight multiply (as HF
+    Transformers' Llama/Qwen RMSNorm does).
+    """
+    if residual is not None:
+        x = x + residual
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype), x
+
+
+def rotary_embedding(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotary embedding (rotate halves), as HF Llama/Qwen apply it.
+
+    positions: int64 [num_tokens]; query: [num_tokens, num_heads, head_dim]; key: [num_tokens,
+    num_kv_heads, head_dim]; cos_sin_cache: float32 [max_position, head_dim] holding cos in the first
+    head_dim/2 columns and sin in the last (per frequency). Returns rotated (query, key) in their dtype.
+    """
+    half = cos_sin_cache.shape[1] // 2
+    cos_sin = cos_sin_cache.index_select(0, positions)
+    cos = torch.cat([cos_sin[:, :half], cos_sin[:, :half]], dim=-1)[:, None, :].to(query.dtype)
+    sin = torch.cat([cos_sin[:, half:], cos_sin[:, half:]], dim=-1)[:, None, :].to(query.dtype)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x[..., :half], x[..., half:]
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+    return rotate(query), rotate(key)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, 2 * d] holding gate then up; returns silu(gate) * up, [num_tokens, d]."""
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]

@@ -1,0 +1,416 @@
+"""Triton paged attention over the block-table KV cache (GPU twin of `reference.paged_attention`).
+
+One entry point, `paged_attention`, serves every batch the scheduler builds; it picks one of two launches
+from host ints only (never a device read):
+
+* **Mixed / prefill batches** (`max_query_len > 1`): one program per (query tile, KV head). A tile holds
+  `BLOCK_Q` consecutive query tokens of one request times the `GROUP = num_heads // num_kv_heads` query
+  heads sharing that KV head, i.e. `BLOCK_M = BLOCK_Q * GROUP` rows (padded to a power of two), so each K/V
+  tile is loaded once for the whole group and both products are `tl.dot`s. Programs find their request by
+  a binary search over `query_start_loc`: request r owns tiles starting at `query_start_loc[r] // BLOCK_Q +
+  r`, which bounds the grid by `num_tokens // BLOCK_Q + num_reqs` (a few programs exit at once). Decode
+  rows in a mixed batch are tiles with one token.
+* **Decode-only batches** (`max_query_len == 1`): one program per (request, KV head, split). The GROUP
+  query heads of a KV head form the rows of one tile (padded to 16 for `tl.dot`), and the request's context
+  is cut into `num_splits` contiguous ranges of KV tiles (flash-decoding). With one split the program
+  writes the output; with more, each writes an unnormalised fp32 partial (acc, running max, running sum)
+  and `_reduce_splits_kernel` (one program per (token, query head)) merges them.
+
+Keys are read `TILE_N` at a time whatever the cache block size: key j of request r lives at block
+`block_tables[r, j // block_size]`, offset `j % block_size`, so one tile may span several (non-contiguous)
+cache blocks. Softmax is online in fp32 with exp2 (log2(e) folded into the scale); P is cast to the cache
+dtype for the second dot (as FlashAttention does). Query i of a request with context length S and Q new
+tokens sits at position S - Q + i and sees keys 0..S - Q + i.
+
+CUDA graphs (decode): a launch reads only device tensors plus host ints, never syncs, and allocates only
+fixed-size scratch. The grid and the scratch size depend on `num_reqs`, `num_tokens`, the model's head
+counts and `num_splits`, which `choose_num_splits` derives from `num_reqs` and `max_seq_len`. So a captured
+graph is valid for replays with the same `num_reqs` (pad the batch; padding rows may have seq_len 0 and
+produce zeros) and any seq_lens <= the `max_seq_len` it was captured with (capture with the bucket's upper
+bound). `query`, `out`, `kv_cache`, `query_start_loc`, `seq_lens` and `block_tables` must be the same
+tensors (updated in place) at every replay, block_tables at least `max_seq_len / block_size` wide. Mixed
+batches have no host sync either (grid from num_tokens, num_reqs, max_query_len), but are not meant for
+capture.
+"""
+
+# Kernel parameters stay unannotated: @triton.jit reads annotations as type/constexpr specialisations.
+# ruff: noqa: ANN001
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from kvserve.layers.attention_metadata import AttentionMetadata
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_LOG2E = 1.4426950408889634
+
+# Split heuristic (tunable on the GPU): aim for ~2 programs per SM, never fewer keys per split than one decode
+# tile (a split's fixed cost, loading Q and writing a partial, is then at most ~10% of its KV traffic at
+# GQA group 7), at most this many splits.
+_TARGET_PROGRAMS_PER_SM = 2
+_DECODE_TILE_N = 64
+_MIN_KEYS_PER_SPLIT = _DECODE_TILE_N
+_MAX_SPLITS = 64
+# Stand-in multiprocessor count for the CPU interpreter (small, so tests reach the split path cheaply).
+_INTERPRETER_NUM_SMS = 4
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    partial_acc_ptr,
+    partial_max_ptr,
+    partial_sum_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    scale_log2,
+    num_reqs,
+    num_splits,
+    stride_q_token,
+    stride_q_head,
+    stride_out_token,
+    stride_out_head,
+    stride_cache_block,
+    stride_cache_offset,
+    stride_cache_head,
+    stride_block_table,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr,
+    IS_DECODE: tl.constexpr,
+    USE_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    if IS_DECODE:
+        req = tile
+        local_tile = 0
+    else:
+        # Binary search: the largest r with query_start_loc[r] // BLOCK_Q + r <= tile (r's first tile).
+        lo = 0
+        hi = num_reqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= tile:
+                lo = mid + 1
+            else:
+                hi = mid
+        req = lo - 1
+        local_tile = tile - (tl.load(query_start_loc_ptr + req) // BLOCK_Q + req)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    if local_tile * BLOCK_Q >= q_len:
+        return
+    # Later query blocks see more keys (causal): hand them to the lowest program ids, which the hardware
+    # schedules first, so the longest tiles do not form the tail of the launch.
+    q_block = tl.cdiv(q_len, BLOCK_Q) - 1 - local_tile
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx_len = seq_len - q_len
+
+    # Row m of the tile is query token q_block * BLOCK_Q + m // GROUP, head kv_head * GROUP + m % GROUP.
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_block * BLOCK_Q + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_valid = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
+    q_pos = ctx_len + q_idx
+    dims = tl.arange(0, HEAD_DIM)
+    token = (q_start + q_idx).to(tl.int64)
+    q = tl.load(
+        q_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head + dims[None, :],
+        mask=row_valid[:, None],
+        other=0.0,
+    )
+
+    # Keys this tile needs: up to the position of its last valid query (causal), at most seq_len.
+    kv_end = tl.minimum(seq_len, ctx_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len))
+    num_tiles = tl.cdiv(kv_end, TILE_N)
+    if USE_SPLITS:
+        tiles_per_split = tl.cdiv(num_tiles, num_splits)
+        tile_begin = split * tiles_per_split
+        tile_end = tl.minimum(num_tiles, tile_begin + tiles_per_split)
+    else:
+        tile_begin = 0
+        tile_end = num_tiles
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    cols = tl.arange(0, TILE_N)
+    block_table_row = block_tables_ptr + req.to(tl.int64) * stride_block_table
+    head_offset = kv_head.to(tl.int64) * stride_cache_head
+    for t in range(tile_begin, tile_end):
+        k_pos = t * TILE_N + cols
+        k_valid = k_pos < kv_end
+        block_id = tl.load(block_table_row + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
+        kv_offset = block_id * stride_cache_block + (k_pos % BLOCK_SIZE) * stride_cache_offset + head_offset
+        k = tl.load(k_cache_ptr + kv_offset[None, :] + dims[:, None], mask=k_valid[None, :], other=0.0)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N], log2 domain
+        allowed = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row with no allowed key yet keeps m = -inf; shift by 0 so exp2 gives 0 instead of NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_shift[:, None])
+        alpha = tl.math.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + kv_offset[:, None] + dims[None, :], mask=k_valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if USE_SPLITS:
+        # Partials are [num_tokens, NUM_HEADS, num_splits(, HEAD_DIM)], fp32, unnormalised.
+        part = (token * NUM_HEADS + head) * num_splits + split
+        tl.store(partial_max_ptr + part, m_i, mask=row_valid)
+        tl.store(partial_sum_ptr + part, l_i, mask=row_valid)
+        tl.store(partial_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_valid[:, None])
+    else:
+        # Rows with no key at all (seq_len 0 padding rows) give 0, as the reference's nan_to_num does.
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(
+            out_ptr + token[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None],
+        )
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    partial_acc_ptr,
+    partial_max_ptr,
+    partial_sum_ptr,
+    out_ptr,
+    num_splits,
+    stride_out_token,
+    stride_out_head,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    split_valid = splits < num_splits
+    base = (token * NUM_HEADS + head) * num_splits
+    m_s = tl.load(partial_max_ptr + base + splits, mask=split_valid, other=float("-inf"))
+    l_s = tl.load(partial_sum_ptr + base + splits, mask=split_valid, other=0.0)
+    m = tl.max(m_s, axis=0)
+    # Empty splits carry m = -inf and weigh 0; a row with no keys at all (m = -inf everywhere) gives 0.
+    w = tl.math.exp2(m_s - tl.where(m == float("-inf"), 0.0, m))
+    total = tl.sum(w * l_s, axis=0)
+    dims = tl.arange(0, HEAD_DIM)
+    acc = tl.load(
+        partial_acc_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :],
+        mask=split_valid[:, None],
+        other=0.0,
+    )
+    out = tl.sum(w[:, None] * acc, axis=0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(
+        out_ptr + token * stride_out_token + head * stride_out_head + dims, out.to(out_ptr.dtype.element_ty)
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    # Looked up on first use, not at import: the same module serves the CPU interpreter and the GPU.
+    if device.type != "cuda":
+        return _INTERPRETER_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Number of KV splits for a decode-only batch, from host ints only.
+
+    Without splitting there are num_reqs * num_kv_heads programs (4 for Qwen2.5-7B at batch 1, on 132
+    SMs); split until there are about `_TARGET_PROGRAMS_PER_SM` programs per SM, but keep at least
+    `_MIN_KEYS_PER_SPLIT` keys per split. Deterministic in its arguments, so a CUDA graph captured for a
+    (batch size, max_seq_len bucket) pair always replays with the grid it was captured with.
+    """
+    base_programs = num_reqs * num_kv_heads
+    if base_programs >= num_sms:
+        return 1
+    wanted = triton.cdiv(_TARGET_PROGRAMS_PER_SM * num_sms, base_programs)
+    by_length = max(1, max_seq_len // _MIN_KEYS_PER_SPLIT)
+    return max(1, min(wanted, by_length, _MAX_SPLITS))
+
+
+def _check_contract(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata) -> None:
+    assert query.dim() == 3, f"query must be [num_tokens, num_heads, head_dim], got {tuple(query.shape)}"
+    assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, (
+        f"kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], got {tuple(kv_cache.shape)}"
+    )
+    num_tokens, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    assert kv_cache.shape[4] == head_dim, (
+        f"kv_cache head_dim {kv_cache.shape[4]} != query head_dim {head_dim}"
+    )
+    assert num_heads % num_kv_heads == 0, (
+        f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}"
+    )
+    assert head_dim >= 16 and triton.next_power_of_2(head_dim) == head_dim, (
+        f"head_dim must be a power of two >= 16, got {head_dim}"
+    )
+    assert triton.next_power_of_2(block_size) == block_size, (
+        f"block_size must be a power of two, got {block_size}"
+    )
+    assert query.dtype == kv_cache.dtype and query.dtype in _FLOAT_DTYPES, (
+        f"query and kv_cache must share a float dtype, got {query.dtype} and {kv_cache.dtype}"
+    )
+    assert query.stride(2) == 1, f"query's head_dim must be contiguous, got strides {query.stride()}"
+    assert kv_cache.stride(4) == 1, f"kv_cache's head_dim must be contiguous, got strides {kv_cache.stride()}"
+    assert num_tokens == metadata.num_tokens, (
+        f"query has {num_tokens} tokens but metadata.query_start_loc_cpu ends at {metadata.num_tokens}"
+    )
+    for name, t, dim in (
+        ("query_start_loc", metadata.query_start_loc, 1),
+        ("seq_lens", metadata.seq_lens, 1),
+        ("block_tables", metadata.block_tables, 2),
+    ):
+        assert t.dtype == torch.int32 and t.dim() == dim and t.stride(-1) == 1, (
+            f"metadata.{name} must be an int32 {dim}-d tensor with a contiguous last dim, got {t.dtype} "
+            f"{tuple(t.shape)} strides {t.stride()}"
+        )
+        assert t.device == query.device, f"metadata.{name} is on {t.device}, query on {query.device}"
+    assert metadata.query_start_loc.shape[0] >= metadata.num_reqs + 1, "query_start_loc too short"
+    assert metadata.seq_lens.shape[0] >= metadata.num_reqs, "seq_lens too short"
+    assert metadata.block_tables.shape[0] >= metadata.num_reqs, "block_tables has fewer rows than num_reqs"
+    assert metadata.block_tables.shape[1] * block_size >= metadata.max_seq_len, (
+        f"block_tables width {metadata.block_tables.shape[1]} x block_size {block_size} < max_seq_len "
+        f"{metadata.max_seq_len}"
+    )
+
+
+def launch_paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """`paged_attention` with the decode split count exposed (None: `choose_num_splits`).
+
+    num_splits only applies to decode-only batches (metadata.max_query_len == 1); must be >= 1.
+    """
+    _check_contract(query, kv_cache, metadata)
+    num_tokens, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    else:
+        assert out.shape == query.shape and out.dtype == query.dtype and out.device == query.device, (
+            f"out must be {tuple(query.shape)} {query.dtype} on {query.device}, got {tuple(out.shape)} "
+            f"{out.dtype} on {out.device}"
+        )
+        assert out.stride(2) == 1, f"out's head_dim must be contiguous, got strides {out.stride()}"
+    num_reqs = metadata.num_reqs
+    if num_tokens == 0 or num_reqs == 0:
+        return out
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    is_decode = metadata.max_query_len == 1
+    dot_precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    common = dict(
+        NUM_HEADS=num_heads,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        DOT_PRECISION=dot_precision,
+    )
+    strides = (
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        metadata.block_tables.stride(0),
+    )
+    log2_scale = scale * _LOG2E
+
+    if not is_decode:
+        # Rows per tile: enough for the longest query (times the group), at most 128 (register budget).
+        block_m = min(128, max(16, triton.next_power_of_2(metadata.max_query_len * group)))
+        block_m = max(block_m, triton.next_power_of_2(group))
+        block_q = block_m // group
+        grid = (num_tokens // block_q + num_reqs, num_kv_heads, 1)
+        _paged_attention_kernel[grid](
+            query, k_cache, v_cache, out, out, out, out,
+            metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
+            log2_scale, num_reqs, 1, *strides,
+            BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=64,
+            IS_DECODE=False, USE_SPLITS=False,
+            num_warps=8 if block_m >= 128 else 4, num_stages=2,
+            **common,
+        )  # fmt: skip
+        return out
+
+    if num_splits is None:
+        num_splits = choose_num_splits(num_reqs, num_kv_heads, metadata.max_seq_len, _num_sms(query.device))
+    assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
+    block_m = max(16, triton.next_power_of_2(group))
+    tile_n = _DECODE_TILE_N
+    decode_kwargs = dict(
+        BLOCK_M=block_m, BLOCK_Q=1, TILE_N=tile_n, IS_DECODE=True, num_warps=4, num_stages=3, **common
+    )
+    if num_splits == 1:
+        _paged_attention_kernel[(num_reqs, num_kv_heads, 1)](
+            query, k_cache, v_cache, out, out, out, out,
+            metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
+            log2_scale, num_reqs, 1, *strides,
+            USE_SPLITS=False, **decode_kwargs,
+        )  # fmt: skip
+        return out
+
+    partial_acc = torch.empty(
+        num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device
+    )
+    partial_max = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=query.device)
+    partial_sum = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=query.device)
+    _paged_attention_kernel[(num_reqs, num_kv_heads, num_splits)](
+        query, k_cache, v_cache, out, partial_acc, partial_max, partial_sum,
+        metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
+        log2_scale, num_reqs, num_splits, *strides,
+        USE_SPLITS=True, **decode_kwargs,
+    )  # fmt: skip
+    _reduce_splits_kernel[(num_tokens, num_heads)](
+        partial_acc, partial_max, partial_sum, out,
+        num_splits, out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits),
+        num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of each request's new tokens over its cached context (contract of the reference).
+
+    query: [num_tokens, num_heads, head_dim], float16/bfloat16/float32, stride(2) == 1; kv_cache:
+    [2, num_blocks, block_size, num_kv_heads, head_dim], same dtype, stride(4) == 1, already holding this
+    step's K/V; head_dim and block_size powers of two (head_dim >= 16); num_heads a multiple of
+    num_kv_heads. metadata: query_start_loc / seq_lens / block_tables int32 on query's device (see
+    AttentionMetadata); only its host ints size the launch. Returns [num_tokens, num_heads, head_dim] in
+    query's dtype, written into `out` (same shape/dtype, stride(2) == 1) when given.
+    """
+    return launch_paged_attention(query, kv_cache, metadata, scale, out)

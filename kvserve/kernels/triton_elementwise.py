@@ -1,0 +1,270 @@
+"""Triton twins of the per-token elementwise kernels in `reference.py`: rms_norm, rotary_embedding, silu_and_mul.
+
+All three are memory-bound: one program per token row (plus a column split for silu_and_mul, whose rows are
+long), every load contiguous. Each kernel rounds to the activation dtype at the same points the torch
+reference does, so that in bf16/fp16 the results match the reference (and HF Transformers) to the last bit
+in almost every element rather than drifting by one ulp where an fp32 kernel would round once.
+"""
+
+# Kernel parameters stay unannotated: @triton.jit reads annotations as type/constexpr specialisations.
+# ruff: noqa: ANN001
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _num_warps(block: int) -> int:
+    """Warps for a row of `block` elements: ~8-16 elements per thread keeps loads 16-byte wide."""
+    if block <= 512:
+        return 2
+    if block <= 2048:
+        return 4
+    if block <= 8192:
+        return 8
+    return 16
+
+
+# --------------------------------------------------------------------------------------------- rms_norm
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    new_residual_ptr,
+    stride_x,
+    stride_residual,
+    stride_out,
+    stride_new_residual,
+    hidden_size,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden_size
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
+        # The sum is rounded to x's dtype before the norm, as the reference's `x + residual` is.
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(new_residual_ptr + row * stride_new_residual + cols, x, mask=mask)
+    h = x.to(tl.float32)
+    mean_sq = tl.sum(h * h, axis=0) / hidden_size
+    normed = (h * tl.rsqrt(mean_sq + eps)).to(x_ptr.dtype.element_ty)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    y = w.to(tl.float32) * normed.to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dim, optionally after adding `residual` (contract of `reference.rms_norm`).
+
+    x: [..., hidden] float16/bfloat16/float32 with stride(-1) == 1; weight: [hidden]; residual: like x.
+    Returns (normed, new_residual): new_residual = x + residual rounded to x's dtype (x itself when residual
+    is None, no copy); normed = weight * (norm in float32, cast to x's dtype), in the dtype torch promotion
+    of (weight, x) gives, as in the reference. Outputs are new contiguous tensors; inputs are not modified.
+    """
+    hidden = x.shape[-1]
+    assert x.dtype in _FLOAT_DTYPES and weight.dtype in _FLOAT_DTYPES, (
+        f"x and weight must be float16/bfloat16/float32, got {x.dtype}, {weight.dtype}"
+    )
+    assert weight.shape == (hidden,) and weight.is_contiguous(), (
+        f"weight must be contiguous [{hidden}], got {tuple(weight.shape)}"
+    )
+    assert x.stride(-1) == 1, f"x's last dim must be contiguous, got strides {x.stride()}"
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype, (
+            f"residual must match x ({tuple(x.shape)}, {x.dtype}), got {tuple(residual.shape)}, {residual.dtype}"
+        )
+        assert residual.stride(-1) == 1, f"residual's last dim must be contiguous, got {residual.stride()}"
+    assert x.device == weight.device, "x and weight must be on one device"
+    x2 = x.reshape(-1, hidden)
+    num_rows = x2.shape[0]
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    out2 = out.view(-1, hidden)
+    if residual is not None:
+        residual2 = residual.reshape(-1, hidden)
+        new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        new_residual2 = new_residual.view(-1, hidden)
+    else:
+        residual2 = new_residual2 = x2  # never read or written: HAS_RESIDUAL is False
+        new_residual = x
+    if num_rows == 0:
+        return out, new_residual
+    block = triton.next_power_of_2(hidden)
+    _rms_norm_kernel[(num_rows,)](
+        x2,
+        residual2,
+        weight,
+        out2,
+        new_residual2,
+        x2.stride(0),
+        residual2.stride(0),
+        out2.stride(0),
+        new_residual2.stride(0),
+        hidden,
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK=block,
+        num_warps=_num_warps(block),
+    )
+    return out, new_residual
+
+
+# ------------------------------------------------------------------------------------------- rotary
+
+
+@triton.jit
+def _rotary_kernel(
+    positions_ptr,
+    q_ptr,
+    k_ptr,
+    cos_sin_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    stride_q_token,
+    stride_k_token,
+    stride_q_out_token,
+    stride_k_out_token,
+    stride_cos_sin,
+    num_heads,
+    num_kv_heads,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    # Program (token, 0) rotates the token's query heads, (token, 1) its key heads.
+    token = tl.program_id(0).to(tl.int64)
+    if tl.program_id(1) == 0:
+        x_ptr = q_ptr + token * stride_q_token
+        out_ptr = q_out_ptr + token * stride_q_out_token
+        n_heads = num_heads
+    else:
+        x_ptr = k_ptr + token * stride_k_token
+        out_ptr = k_out_ptr + token * stride_k_out_token
+        n_heads = num_kv_heads
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    half: tl.constexpr = HEAD_DIM // 2
+    cols = tl.arange(0, half)
+    heads = tl.arange(0, BLOCK_H)
+    mask = (heads < n_heads)[:, None]
+    offs = heads[:, None] * HEAD_DIM + cols[None, :]
+    dtype = q_ptr.dtype.element_ty
+    # The reference casts cos/sin to the activation dtype, then rounds x * cos, rotate_half(x) * sin and
+    # their sum to it, one step at a time; each step here is an fp32 op followed by the same rounding.
+    cos = tl.load(cos_sin_ptr + pos * stride_cos_sin + cols).to(dtype).to(tl.float32)[None, :]
+    sin = tl.load(cos_sin_ptr + pos * stride_cos_sin + half + cols).to(dtype).to(tl.float32)[None, :]
+    x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + offs + half, mask=mask, other=0.0).to(tl.float32)
+    o1 = (x1 * cos).to(dtype).to(tl.float32) + (-x2 * sin).to(dtype).to(tl.float32)
+    o2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
+    tl.store(out_ptr + offs, o1.to(dtype), mask=mask)
+    tl.store(out_ptr + offs + half, o2.to(dtype), mask=mask)
+
+
+def rotary_embedding(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotary embedding (contract of `reference.rotary_embedding`).
+
+    positions: int64/int32 [num_tokens], contiguous, each < max_position; query: [num_tokens, num_heads,
+    head_dim]; key: [num_tokens, num_kv_heads, head_dim]; both with contiguous heads (stride(2) == 1,
+    stride(1) == head_dim; any token stride, so views into a fused QKV output work), same float dtype.
+    head_dim even with head_dim / 2 a power of two (64, 128, ...). cos_sin_cache: contiguous float32
+    [max_position, head_dim], cos in the first head_dim/2 columns, sin in the rest. Returns new contiguous
+    (query, key); the inputs are not modified.
+    """
+    assert query.dim() == 3 and key.dim() == 3, "query/key must be [num_tokens, heads, head_dim]"
+    num_tokens, num_heads, head_dim = query.shape
+    assert key.shape[0] == num_tokens and key.shape[2] == head_dim, (
+        f"key {tuple(key.shape)} does not match query {tuple(query.shape)}"
+    )
+    num_kv_heads = key.shape[1]
+    assert head_dim % 2 == 0 and triton.next_power_of_2(head_dim // 2) == head_dim // 2, (
+        f"head_dim / 2 must be a power of two, got head_dim={head_dim}"
+    )
+    assert query.dtype == key.dtype and query.dtype in _FLOAT_DTYPES, (
+        f"query/key must share a float dtype, got {query.dtype}, {key.dtype}"
+    )
+    for name, t in (("query", query), ("key", key)):
+        assert t.stride(2) == 1 and t.stride(1) == head_dim, (
+            f"{name} must have contiguous heads (stride(1) == head_dim, stride(2) == 1), got {t.stride()}"
+        )
+    assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.is_contiguous(), (
+        f"cos_sin_cache must be contiguous float32, got {cos_sin_cache.dtype}"
+    )
+    assert cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == head_dim, (
+        f"cos_sin_cache must be [max_position, {head_dim}], got {tuple(cos_sin_cache.shape)}"
+    )
+    assert positions.shape == (num_tokens,) and positions.dtype in (torch.int64, torch.int32), (
+        f"positions must be int64/int32 [{num_tokens}], got {positions.dtype} {tuple(positions.shape)}"
+    )
+    assert positions.is_contiguous(), "positions must be contiguous"
+    q_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    k_out = torch.empty(key.shape, dtype=key.dtype, device=key.device)
+    if num_tokens == 0:
+        return q_out, k_out
+    block_h = triton.next_power_of_2(max(num_heads, num_kv_heads))
+    _rotary_kernel[(num_tokens, 2)](
+        positions,
+        query,
+        key,
+        cos_sin_cache,
+        q_out,
+        k_out,
+        query.stride(0),
+        key.stride(0),
+        q_out.stride(0),
+        k_out.stride(0),
+        cos_sin_cache.stride(0),
+        num_heads,
+        num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=block_h,
+        num_warps=_num_warps(block_h * head_dim),
+    )
+    return q_out, k_out
+
+
+# ------------------------------------------------------------------------------------- silu_and_mul
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, d, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d
+    dtype = x_ptr.dtype.element_ty
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0).to(tl.float32)
+    # silu(gate) is rounded to the activation dtype before the multiply, as `F.silu(gate) * up` is.
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (act * up).to(dtype), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, 2 * d] (gate then up; stride(1) == 1), float16/bfloat16/float32.
+
+    Returns a new contiguous [num_tokens, d] tensor, silu(gate) * up, in x's dtype.
+    """
+    assert x.dim() == 2 and x.shape[1] % 2 == 0, f"x must be [num_tokens, 2 * d], got {tuple(x.shape)}"
+    assert x.dtype in _FLOAT_DTYPES, f"x must be float16/bfloat16/float32, got {x.dtype}"
+    assert x.stride(1) == 1, f"x's last dim must be contiguous, got strides {x.stride()}"
+    num_tokens, d = x.shape[0], x.shape[1] // 2
+    out = torch.empty(num_tokens, d, dtype=x.dtype, device=x.device)
+    if num_tokens == 0 or d == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(d))
+    grid = (num_tokens, triton.cdiv(d, block))
+    _silu_and_mul_kernel[grid](x, out, x.stride(0), out.stride(0), d, BLOCK=block, num_warps=4)
+    return out

@@ -1,0 +1,41 @@
+"""Paged attention as a layer: write this step's K/V into the cache, then attend over the cache."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvserve.kernels import ops
+from kvserve.layers.attention_metadata import AttentionMetadata
+
+
+class Attention(nn.Module):
+    """Causal GQA attention of a flat batch over the paged KV cache (see `attention_metadata` for layout).
+
+    Query head h reads KV head h // (num_heads // num_kv_heads); scores are scaled by `scale`
+    (head_dim ** -0.5 for Llama/Qwen).
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """query [num_tokens, num_heads, head_dim]; key/value [num_tokens, num_kv_heads, head_dim];
+        kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] in the same dtype.
+        Returns [num_tokens, num_heads, head_dim] in query's dtype."""
+        # NOTE: K/V go into the cache first: the kernel reads every key, including this step's, from there.
+        ops.reshape_and_cache(key, value, kv_cache, attn_metadata.slot_mapping)
+        return ops.paged_attention(query, kv_cache, attn_metadata, self.scale)

@@ -1,0 +1,363 @@
+"""Turn one step's logits into next tokens (and the logprobs a request asked for), on the logits' device.
+
+Order of operations, per row (vLLM/OpenAI meanings; see `SamplingParams`):
+
+1. **Logprobs** (only when some row has ``params.logprobs`` set) come from the *raw* logits:
+   ``log_softmax`` in float32, before anything below.
+2. **Penalties** on the model's logits: ``repetition_penalty`` for every token seen in the prompt or the
+   output (positive logits divided, negative multiplied), then ``frequency_penalty * count`` and
+   ``presence_penalty * [count > 0]`` subtracted, counting output tokens only.
+3. **logit_bias** added. Token ids outside the vocabulary are ignored here: the input processor rejects
+   them; a bad id must not crash a whole batch.
+4. **min_tokens**: while ``len(output) < min_tokens`` the request's ``stop_token_ids`` and, unless
+   ``ignore_eos``, the EOS ids are set to -inf (as in vLLM: with ``ignore_eos`` EOS is an ordinary token
+   that cannot end the request, so there is nothing to hold back).
+5. **Greedy** rows (``temperature ~ 0``): argmax of the logits after 2-4. Top-k/top-p/min-p do not apply.
+6. Other rows: divide by ``temperature``; **top-k** (keep logits >= the k-th largest, so ties at the
+   boundary are kept); **top-p** (nucleus over the sorted renormalised probabilities: a token is kept while
+   the probability mass *before* it is < top_p, so the top token always stays); **min-p** (drop tokens with
+   ``p < min_p * p_max``); then sample with the exponential race ``argmax(p / q)``, ``q ~ Exp(1)``.
+   A row with its own generator (``params.seed``) draws ``q`` from it, a full-vocabulary draw per step, so
+   its token depends only on its logits and its generator: not on the batch size, its position, or the
+   other rows. Unseeded rows draw from the sampler's shared generator.
+
+Output layout: every row gets a logprobs row (width ``1 + max_k`` over the batch); rows that did not ask
+or asked for fewer than ``max_k`` are sliced by the caller (``[:1 + k]``).
+
+Host syncs: none. Per-row parameters travel host→device from pinned memory with ``non_blocking`` copies;
+the only device→host copy of the step belongs to the caller (sampled ids and logprobs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.protocol.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """One request's row in this step's batch (row i of the logits)."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]  # generated so far, before this step
+    generator: torch.Generator | None  # the request's own generator when params.seed is set, else None
+
+
+@dataclass
+class SamplerOutput:
+    """Device tensors; all ``None`` logprob fields when no row asked for logprobs.
+
+    * ``sampled_token_ids``: int64 ``[num_rows]``.
+    * ``logprobs``: float32 ``[num_rows, 1 + max_k]``: column 0 is the sampled token's raw logprob, columns
+      ``1..`` the top-``max_k`` raw logprobs in descending order.
+    * ``logprob_token_ids``: int64 ``[num_rows, 1 + max_k]``: the matching token ids.
+    * ``sampled_ranks``: int64 ``[num_rows]``: 1 + the number of tokens with a strictly larger raw logprob
+      than the sampled one (1 = the top token).
+    """
+
+    sampled_token_ids: torch.Tensor
+    logprobs: torch.Tensor | None = None
+    logprob_token_ids: torch.Tensor | None = None
+    sampled_ranks: torch.Tensor | None = None
+
+
+def make_generator(seed: int, device: torch.device) -> torch.Generator:
+    """A generator on `device` seeded with `seed` (one per seeded request, kept across its steps)."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on `device` without a host sync.
+
+    A plain ``.to(cuda)`` from pageable memory waits for the stream (the whole forward pass); from pinned
+    memory with ``non_blocking`` it is queued instead. The caching host allocator keeps the pinned buffer
+    alive until the copy has run.
+    """
+    tensor = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return tensor
+    if device.type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The pieces, each a pure function on tensors (tests check them against hand computations).
+# ---------------------------------------------------------------------------------------------------------
+
+
+def token_counts(
+    token_id_lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """How often each token occurs in each list: float32 ``[len(token_id_lists), vocab_size]``.
+
+    Ids outside ``[0, vocab_size)`` are not counted.
+    """
+    num_rows = len(token_id_lists)
+    max_len = max((len(ids) for ids in token_id_lists), default=0)
+    counts = torch.zeros(num_rows, vocab_size + 1, dtype=torch.float32, device=device)
+    if max_len == 0:
+        return counts[:, :vocab_size]
+    # Pad (and redirect out-of-range ids) to the extra column `vocab_size`, dropped below.
+    padded = [
+        [t if 0 <= t < vocab_size else vocab_size for t in ids] + [vocab_size] * (max_len - len(ids))
+        for ids in token_id_lists
+    ]
+    index = to_device(padded, torch.int64, device)
+    counts.scatter_add_(1, index, torch.ones(index.shape, dtype=torch.float32, device=device))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_counts: torch.Tensor,
+    output_counts: torch.Tensor,
+    repetition_penalties: torch.Tensor,
+    frequency_penalties: torch.Tensor,
+    presence_penalties: torch.Tensor,
+) -> torch.Tensor:
+    """Penalised copy of `logits` (float32 ``[R, V]``).
+
+    `prompt_counts`/`output_counts`: float32 ``[R, V]`` token counts; the penalties: float32 ``[R]``.
+    ``repetition_penalty`` r applies to tokens seen in prompt or output (logit > 0: ``/ r``, else ``* r``);
+    then ``logit -= frequency * output_count + presence * [output_count > 0]``.
+    """
+    seen = (prompt_counts > 0) | (output_counts > 0)
+    rep = repetition_penalties.unsqueeze(1)
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    out = torch.where(seen, penalised, logits)
+    out = out - frequency_penalties.unsqueeze(1) * output_counts
+    out = out - presence_penalties.unsqueeze(1) * (output_counts > 0).to(out.dtype)
+    return out
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Copy of `logits` (float32 ``[R, V]``) with tokens outside top-k and then top-p set to -inf.
+
+    `top_k`: int64 ``[R]``, 0 (or >= V) = off; `top_p`: float32 ``[R]``, 1 = off. Top-k keeps every logit
+    >= the k-th largest. Top-p then sorts the surviving probabilities and keeps a token while the mass
+    of the tokens ranked above it is < top_p (the top token always survives).
+    """
+    vocab_size = logits.shape[1]
+    sorted_logits, sorted_ids = logits.sort(dim=1, descending=True)
+    k = torch.where((top_k <= 0) | (top_k > vocab_size), torch.full_like(top_k, vocab_size), top_k)
+    kth_logit = sorted_logits.gather(1, (k - 1).unsqueeze(1))
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_logit, float("-inf"))
+    sorted_probs = sorted_logits.softmax(dim=1)
+    mass_before = sorted_probs.cumsum(dim=1) - sorted_probs
+    # `top_p < 1` guard: rounding in the cumsum must not drop tail tokens of a row with top-p off.
+    drop_sorted = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    drop_sorted |= sorted_logits == float("-inf")
+    drop = torch.zeros_like(drop_sorted).scatter_(1, sorted_ids, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Copy of `logits` (float32 ``[R, V]``) with tokens of ``p < min_p * p_max`` set to -inf.
+
+    `min_p`: float32 ``[R]``, 0 = off. The ratio p / p_max does not depend on renormalisation, so this
+    can follow top-k/top-p directly.
+    """
+    probs = logits.softmax(dim=1)
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p_min_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Top-k, then top-p, then min-p (see the two functions); shapes as there."""
+    return apply_min_p(apply_top_k_top_p(logits, top_k, top_p), min_p)
+
+
+def exponential_race(
+    probs: torch.Tensor,
+    row_generators: Sequence[torch.Generator | None],
+    shared_generator: torch.Generator | None,
+) -> torch.Tensor:
+    """Sample one token per row of `probs` (float32 ``[R, V]``, rows sum to 1): int64 ``[R]``.
+
+    ``argmax(p / q)`` with ``q ~ Exp(1)`` i.i.d. picks token i with probability p_i (``q_i / p_i`` is
+    Exp(p_i) and the smallest of independent exponentials is i with probability p_i / sum p). Row i draws
+    its noise from ``row_generators[i]`` when given, else from `shared_generator` (None: torch's default).
+    """
+    noise = torch.empty_like(probs)
+    if any(g is None for g in row_generators):
+        noise.exponential_(generator=shared_generator)
+    for row, generator in enumerate(row_generators):
+        if generator is not None:
+            noise[row].exponential_(generator=generator)
+    # Exp(1) can round to 0; 0/0 would be NaN, which argmax treats as the maximum.
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    return (probs / noise).argmax(dim=1)
+
+
+def compute_logprobs(
+    raw_logprobs: torch.Tensor, sampled_token_ids: torch.Tensor, max_k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logprobs ``[R, 1 + max_k]``, token ids ``[R, 1 + max_k]``, sampled ranks ``[R]``); see `SamplerOutput`."""
+    sampled = sampled_token_ids.unsqueeze(1)
+    sampled_logprob = raw_logprobs.gather(1, sampled)
+    ranks = (raw_logprobs > sampled_logprob).sum(dim=1) + 1
+    if max_k > 0:
+        top_logprobs, top_ids = raw_logprobs.topk(max_k, dim=1)
+        logprobs = torch.cat([sampled_logprob, top_logprobs], dim=1)
+        ids = torch.cat([sampled, top_ids], dim=1)
+    else:
+        logprobs, ids = sampled_logprob, sampled
+    return logprobs, ids, ranks
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+class Sampler:
+    """Applies the steps in the module docstring to a batch; one instance per model runner."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self._seed = seed
+        # One shared generator per device, made on first use (the device is only known at call time).
+        self._shared_generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], eos_token_ids: Sequence[int]
+    ) -> SamplerOutput:
+        """`logits`: float ``[len(rows), vocab]`` (not modified). Returns tensors on the logits' device."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be [num_rows={len(rows)}, vocab], got {tuple(logits.shape)}")
+        asked = [row.params.logprobs for row in rows if row.params.logprobs is not None]
+        raw_logprobs = torch.log_softmax(logits.float(), dim=1) if asked else None
+
+        # Our own float32 copy: the caller's tensor stays untouched.
+        work = logits.to(dtype=torch.float32, copy=True)
+        work = self._apply_penalties(work, rows)
+        work = self._apply_logit_bias(work, rows)
+        work = self._apply_min_tokens(work, rows, eos_token_ids)
+        sampled = self._sample(work, rows)
+
+        if raw_logprobs is None:
+            return SamplerOutput(sampled_token_ids=sampled)
+        logprobs, logprob_ids, ranks = compute_logprobs(raw_logprobs, sampled, max(asked))
+        return SamplerOutput(sampled, logprobs, logprob_ids, ranks)
+
+    # -- steps --------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _apply_penalties(work: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        index = [
+            i
+            for i, row in enumerate(rows)
+            if row.params.repetition_penalty != 1.0
+            or row.params.frequency_penalty != 0.0
+            or row.params.presence_penalty != 0.0
+        ]
+        if not index:
+            return work
+        device, vocab_size = work.device, work.shape[1]
+        # Prompt tokens only matter for the repetition penalty: skip counting them when it is off.
+        prompts = [
+            rows[i].prompt_token_ids if rows[i].params.repetition_penalty != 1.0 else () for i in index
+        ]
+        prompt_counts = token_counts(prompts, vocab_size, device)
+        output_counts = token_counts([rows[i].output_token_ids for i in index], vocab_size, device)
+        params = [rows[i].params for i in index]
+        rows_t = to_device(index, torch.int64, device)
+        work[rows_t] = apply_penalties(
+            work[rows_t],
+            prompt_counts,
+            output_counts,
+            to_device([p.repetition_penalty for p in params], torch.float32, device),
+            to_device([p.frequency_penalty for p in params], torch.float32, device),
+            to_device([p.presence_penalty for p in params], torch.float32, device),
+        )
+        return work
+
+    @staticmethod
+    def _apply_logit_bias(work: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        vocab_size = work.shape[1]
+        row_ids: list[int] = []
+        token_ids: list[int] = []
+        values: list[float] = []
+        for i, row in enumerate(rows):
+            for token_id, value in (row.params.logit_bias or {}).items():
+                if 0 <= token_id < vocab_size:
+                    row_ids.append(i)
+                    token_ids.append(token_id)
+                    values.append(value)
+        if not row_ids:
+            return work
+        device = work.device
+        work.index_put_(
+            (to_device(row_ids, torch.int64, device), to_device(token_ids, torch.int64, device)),
+            to_device(values, torch.float32, device),
+            accumulate=True,
+        )
+        return work
+
+    @staticmethod
+    def _apply_min_tokens(
+        work: torch.Tensor, rows: Sequence[SamplingRow], eos_token_ids: Sequence[int]
+    ) -> torch.Tensor:
+        vocab_size = work.shape[1]
+        row_ids: list[int] = []
+        token_ids: list[int] = []
+        for i, row in enumerate(rows):
+            params = row.params
+            if len(row.output_token_ids) >= params.min_tokens:
+                continue
+            banned = set(params.stop_token_ids or ())
+            if not params.ignore_eos:
+                banned.update(eos_token_ids)
+            for token_id in banned:
+                if 0 <= token_id < vocab_size:
+                    row_ids.append(i)
+                    token_ids.append(token_id)
+        if not row_ids:
+            return work
+        device = work.device
+        index = (to_device(row_ids, torch.int64, device), to_device(token_ids, torch.int64, device))
+        # A device-side fill: a Python scalar turned into a device tensor would be a synchronous copy.
+        work.index_put_(index, torch.full((len(row_ids),), float("-inf"), device=device))
+        return work
+
+    def _sample(self, work: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        greedy = [row.params.is_greedy for row in rows]
+        if all(greedy):
+            return work.argmax(dim=1)
+        device = work.device
+        # Greedy rows ride along with neutral settings; their result is replaced by the argmax below.
+        temperature, top_k, top_p, min_p = [], [], [], []
+        for row, is_greedy in zip(rows, greedy, strict=True):
+            p = row.params
+            temperature.append(1.0 if is_greedy else p.temperature)
+            top_k.append(0 if is_greedy else p.top_k)
+            top_p.append(1.0 if is_greedy else p.top_p)
+            min_p.append(0.0 if is_greedy else p.min_p)
+        scaled = work / to_device(temperature, torch.float32, device).unsqueeze(1)
+        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+            scaled = apply_top_k_top_p(
+                scaled, to_device(top_k, torch.int64, device), to_device(top_p, torch.float32, device)
+            )
+        if any(p > 0.0 for p in min_p):
+            scaled = apply_min_p(scaled, to_device(min_p, torch.float32, device))
+        probs = scaled.softmax(dim=1)
+        # Greedy rows draw nothing from their own generator: its stream advances only on sampled steps.
+        generators = [None if g else row.generator for row, g in zip(rows, greedy, strict=True)]
+        sampled = exponential_race(probs, generators, self._shared_generator(device))
+        if any(greedy):
+            sampled = torch.where(to_device(greedy, torch.bool, device), work.argmax(dim=1), sampled)
+        return sampled
+
+    def _shared_generator(self, device: torch.device) -> torch.Generator:
+        generator = self._shared_generators.get(device)
+        if generator is None:
+            generator = make_generator(self._seed, device)
+            self._shared_generators[device] = generator
+        return generator

@@ -1,0 +1,323 @@
+"""The model's shape and flavour (`ArchConfig`), read from an HF `config.json` or from GGUF metadata.
+
+One frozen dataclass describes every supported decoder: Llama, Qwen2 (bias on q/k/v) and Qwen3 (RMSNorm on
+each q/k head, head_dim independent of hidden_size / num_heads). Model code reads only these fields, never
+the architecture name, so a GGUF and a safetensors checkpoint of one model build the same network.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from kvserve.layers.activation import supported_activations
+from kvserve.layers.rotary import check_rope_scaling
+from kvserve.model.gguf import check_tensor_types, read_gguf_info
+from kvserve.model.paths import ModelLoadError
+from kvserve.model.registry import is_supported_architecture, supported_architectures
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    """Hyper-parameters of a decoder-only transformer, in HF's names.
+
+    rope_scaling: None for plain RoPE, else {"rope_type": "linear" | "llama3", <its parameters>}.
+    rope_freq_factors: per-frequency divisors (GGUF `rope_freqs`), or None.
+    attention_bias / o_proj_bias / mlp_bias: bias on the q/k/v, o and MLP projections respectively.
+    qk_norm: RMSNorm over head_dim on every q and k head before RoPE (Qwen3).
+    eos_token_ids: every id that ends generation (config.json and generation_config.json merged).
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    hidden_act: str = "silu"
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    rope_freq_factors: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ModelLoadError(f"model config: {name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelLoadError(
+                f"model config: num_attention_heads ({self.num_attention_heads}) is not a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ModelLoadError(f"model config: head_dim must be even for RoPE, got {self.head_dim}")
+        if self.hidden_act not in supported_activations():
+            raise ModelLoadError(
+                f"model config: hidden_act {self.hidden_act!r} is not supported; supported: "
+                f"{', '.join(supported_activations())}"
+            )
+        try:
+            check_rope_scaling(self.rope_scaling)
+        except ValueError as exc:
+            raise ModelLoadError(f"model config: {exc}") from None
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
+            raise ModelLoadError(
+                f"rope_freqs has {len(self.rope_freq_factors)} values, expected head_dim/2 = "
+                f"{self.head_dim // 2}"
+            )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def kv_cache_bytes_per_token(self, element_size_bytes: int) -> int:
+        """K and V of one token over all layers."""
+        return 2 * self.num_hidden_layers * self.kv_size * element_size_bytes
+
+
+@dataclass(frozen=True)
+class _Family:
+    """Defaults HF's config class applies when config.json omits a key, plus fixed per-family traits."""
+
+    max_position_embeddings: int
+    head_dim: int | None  # None: hidden_size // num_attention_heads
+    bos_token_id: int | None
+    eos_token_id: int | None
+    qkv_bias_always: bool  # Qwen2 hard-codes q/k/v bias; others follow `attention_bias`
+    o_proj_bias_follows_attention_bias: bool
+    qk_norm: bool
+
+
+_FAMILIES: dict[str, _Family] = {
+    "LlamaForCausalLM": _Family(
+        max_position_embeddings=2048, head_dim=None, bos_token_id=1, eos_token_id=2,
+        qkv_bias_always=False, o_proj_bias_follows_attention_bias=True, qk_norm=False,
+    ),
+    "Qwen2ForCausalLM": _Family(
+        max_position_embeddings=32768, head_dim=None, bos_token_id=None, eos_token_id=None,
+        qkv_bias_always=True, o_proj_bias_follows_attention_bias=False, qk_norm=False,
+    ),
+    "Qwen3ForCausalLM": _Family(
+        max_position_embeddings=32768, head_dim=128, bos_token_id=None, eos_token_id=None,
+        qkv_bias_always=False, o_proj_bias_follows_attention_bias=True, qk_norm=True,
+    ),
+}
+
+# GGUF `general.architecture` -> HF architecture name.
+GGUF_ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+_DEFAULT_ROPE_THETA = 10000.0
+_DEFAULT_RMS_NORM_EPS = 1e-6
+
+
+def load_arch_config(path: str) -> ArchConfig:
+    """ArchConfig of an HF model directory or a .gguf file (as resolved by `resolve_model_path`)."""
+    if path.endswith(".gguf"):
+        return _from_gguf(path)
+    return _from_hf_dir(path)
+
+
+# ---------------------------------------------------------------------------------------------- HF dir
+
+
+def _from_hf_dir(path: str) -> ArchConfig:
+    cfg = _read_json(os.path.join(path, "config.json"))
+    if cfg is None:
+        raise ModelLoadError(f"model directory {path} has no config.json")
+    architectures = cfg.get("architectures") or []
+    if not architectures:
+        raise ModelLoadError(
+            f"{path}/config.json has no 'architectures' entry; supported: "
+            f"{', '.join(supported_architectures())}"
+        )
+    architecture = architectures[0]
+    family = _family(architecture)
+    if cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or []):
+        raise ModelLoadError(f"{path}: sliding-window attention layers are not supported yet")
+
+    def require(key: str) -> Any:
+        if cfg.get(key) is None:
+            raise ModelLoadError(f"{path}/config.json lacks {key!r}")
+        return cfg[key]
+
+    hidden_size = require("hidden_size")
+    num_heads = require("num_attention_heads")
+    max_position = int(cfg.get("max_position_embeddings") or family.max_position_embeddings)
+    rope_theta, rope_scaling = _rope_from_hf_config(cfg, max_position)
+    head_dim = cfg.get("head_dim") or family.head_dim or hidden_size // num_heads
+    attention_bias = bool(cfg.get("attention_bias", False))
+
+    generation = _read_json(os.path.join(path, "generation_config.json")) or {}
+    eos_ids = _merge_ids(generation.get("eos_token_id"), cfg.get("eos_token_id", family.eos_token_id))
+    return ArchConfig(
+        architecture=architecture,
+        vocab_size=require("vocab_size"),
+        hidden_size=hidden_size,
+        intermediate_size=require("intermediate_size"),
+        num_hidden_layers=require("num_hidden_layers"),
+        num_attention_heads=num_heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or num_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", _DEFAULT_RMS_NORM_EPS)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=max_position,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=family.qkv_bias_always or attention_bias,
+        o_proj_bias=family.o_proj_bias_follows_attention_bias and attention_bias,
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        qk_norm=family.qk_norm,
+        bos_token_id=cfg.get("bos_token_id", family.bos_token_id),
+        eos_token_ids=eos_ids,
+        hidden_act=cfg.get("hidden_act", "silu"),
+    )
+
+
+def _rope_from_hf_config(cfg: dict[str, Any], max_position: int) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from transformers-5 `rope_parameters` or the older `rope_theta` +
+    `rope_scaling` (whose type key is `type` or `rope_type`)."""
+    params: dict[str, Any] = {}
+    for source in (cfg.get("rope_scaling"), cfg.get("rope_parameters")):
+        if isinstance(source, dict):
+            params.update(source)
+    if any(isinstance(value, dict) for value in params.values()):
+        raise ModelLoadError("per-layer-type rope parameters are not supported")
+    theta = params.pop("rope_theta", None) or cfg.get("rope_theta") or _DEFAULT_ROPE_THETA
+    legacy_type = params.pop("type", None)
+    rope_type = params.pop("rope_type", None) or legacy_type or "default"
+    partial = params.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ModelLoadError(f"partial_rotary_factor={partial} is not supported")
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type == "llama3":
+        # HF falls back to the model's own length when the pre-training length is not given.
+        params.setdefault(
+            "original_max_position_embeddings", cfg.get("original_max_position_embeddings", max_position)
+        )
+    return float(theta), {"rope_type": rope_type, **params}
+
+
+# ------------------------------------------------------------------------------------------------ GGUF
+
+
+def _from_gguf(path: str) -> ArchConfig:
+    info = read_gguf_info(path)
+    meta = info.metadata
+    gguf_arch = meta.get("general.architecture")
+    architecture = GGUF_ARCHITECTURES.get(gguf_arch or "")
+    if architecture is None:
+        raise ModelLoadError(
+            f"{os.path.basename(path)}: GGUF architecture {gguf_arch!r} is not supported; supported: "
+            f"{', '.join(sorted(GGUF_ARCHITECTURES))}"
+        )
+    family = _family(architecture)
+    check_tensor_types(path, info.tensor_types)
+
+    def key(name: str, default: Any = None) -> Any:
+        return meta.get(f"{gguf_arch}.{name}", default)
+
+    hidden_size = key("embedding_length")
+    num_heads = key("attention.head_count")
+    if not isinstance(num_heads, int) or not isinstance(hidden_size, int):
+        raise ModelLoadError(
+            f"{path}: GGUF metadata lacks {gguf_arch}.embedding_length or {gguf_arch}.attention.head_count"
+        )
+    embedding_shape = info.tensor_shapes.get("token_embd.weight")
+    if embedding_shape is None:
+        raise ModelLoadError(f"{path}: GGUF file has no token_embd.weight tensor")
+    tensors = info.tensor_types
+    eos_ids = _merge_ids(
+        meta.get("tokenizer.ggml.eos_token_id"),
+        meta.get("tokenizer.ggml.eot_token_id"),
+        meta.get("tokenizer.ggml.eom_token_id"),
+    )
+    return ArchConfig(
+        architecture=architecture,
+        vocab_size=embedding_shape[0],
+        hidden_size=hidden_size,
+        intermediate_size=key("feed_forward_length"),
+        num_hidden_layers=key("block_count"),
+        num_attention_heads=num_heads,
+        num_key_value_heads=key("attention.head_count_kv", num_heads),
+        head_dim=key("attention.key_length") or key("rope.dimension_count") or hidden_size // num_heads,
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", _DEFAULT_RMS_NORM_EPS)),
+        rope_theta=float(key("rope.freq_base", _DEFAULT_ROPE_THETA)),
+        rope_scaling=_rope_from_gguf(key("rope.scaling.type"), key("rope.scaling.factor")),
+        max_position_embeddings=key("context_length", family.max_position_embeddings),
+        # The converter drops output.weight exactly when the model ties it to the embedding.
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        o_proj_bias="blk.0.attn_output.bias" in tensors,
+        mlp_bias="blk.0.ffn_down.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=eos_ids,
+        rope_freq_factors=info.rope_freqs,
+    )
+
+
+def _rope_from_gguf(scaling_type: str | None, factor: float | None) -> dict[str, Any] | None:
+    if scaling_type in (None, "none"):
+        return None
+    if scaling_type == "linear":
+        return {"rope_type": "linear", "factor": float(factor or 1.0)}
+    raise ModelLoadError(f"GGUF rope scaling type {scaling_type!r} is not supported (supported: linear)")
+
+
+# --------------------------------------------------------------------------------------------- helpers
+
+
+def _family(architecture: str) -> _Family:
+    if not is_supported_architecture(architecture) or architecture not in _FAMILIES:
+        raise ModelLoadError(
+            f"unsupported model architecture {architecture!r}; supported: "
+            f"{', '.join(supported_architectures())}"
+        )
+    return _FAMILIES[architecture]
+
+
+def _read_json(path: str) -> dict[str, Any] | None:
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} does not hold a JSON object")
+    return data
+
+
+def _merge_ids(*sources: int | list[int] | None) -> tuple[int, ...]:
+    """Token ids from several int-or-list sources, first occurrence order, duplicates dropped."""
+    ids: list[int] = []
+    for source in sources:
+        values = source if isinstance(source, list) else [source]
+        for value in values:
+            if isinstance(value, int) and value not in ids:
+                ids.append(value)
+    return tuple(ids)

@@ -1,0 +1,219 @@
+"""The Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3) over a paged KV cache.
+
+Module and parameter names mirror HF Transformers (``model.layers.N.self_attn...``) except for the fused
+projections: ``qkv_proj`` holds q_proj/k_proj/v_proj and ``mlp.gate_up_proj`` holds gate_proj/up_proj.
+Differences between the families are flags of `ArchConfig` (qkv bias, q/k norm, tied embeddings, RoPE
+scaling), so the three registered classes share this one implementation.
+
+Numerics follow HF's op order so float32 outputs match HF's: RMSNorm in float32 then cast, residual adds
+in the model dtype, RoPE from an HF-identical float32 table, attention scaled by head_dim ** -0.5.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+
+import torch
+from torch import nn
+
+from kvserve.layers.activation import get_act_and_mul
+from kvserve.layers.attention import Attention
+from kvserve.layers.attention_metadata import AttentionMetadata
+from kvserve.layers.embedding import LMHead, VocabEmbedding
+from kvserve.layers.linear import Linear, MergedLinear, QKVLinear
+from kvserve.layers.norm import RMSNorm
+from kvserve.layers.rotary import RotaryEmbedding
+from kvserve.model.arch import ArchConfig
+from kvserve.model.paths import ModelLoadError
+from kvserve.model.registry import CausalLM
+
+# (fused parameter, checkpoint name part, shard id): checkpoint `...self_attn.q_proj.weight` is shard "q"
+# of `...self_attn.qkv_proj.weight`.
+_STACKED_PARAMS: tuple[tuple[str, str, Hashable], ...] = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+
+# Checkpoint entries that are not parameters (old HF checkpoints saved the RoPE buffer).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, arch: ArchConfig, rotary_emb: RotaryEmbedding, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = arch.num_attention_heads
+        self.num_kv_heads = arch.num_key_value_heads
+        self.head_dim = arch.head_dim
+        self.qkv_proj = QKVLinear(
+            arch.hidden_size, arch.head_dim, self.num_heads, self.num_kv_heads, arch.attention_bias, dtype
+        )
+        self.o_proj = Linear(arch.q_size, arch.hidden_size, arch.o_proj_bias, dtype)
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
+        # Shared by every layer (one table per model); nn.Module registers it under each layer harmlessly.
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)[0]
+            k = self.k_norm(k)[0]
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v, kv_cache, attn_metadata)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, arch: ArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        size = arch.intermediate_size
+        self.gate_up_proj = MergedLinear(arch.hidden_size, [size, size], arch.mlp_bias, dtype)
+        self.act_fn = get_act_and_mul(arch.hidden_act)
+        self.down_proj = Linear(size, arch.hidden_size, arch.mlp_bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, arch: ArchConfig, rotary_emb: RotaryEmbedding, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(arch, rotary_emb, dtype)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(arch, dtype)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, residual stream before it); their sum is the layer output.
+
+        Deferring the residual add into the next norm is exact: HF adds `residual + hidden` in the model
+        dtype too, and the fused norm does the same add before normalising.
+        """
+        normed, residual = self.input_layernorm(hidden, residual)
+        attn_out = self.self_attn(positions, normed, kv_cache, attn_metadata)
+        normed, residual = self.post_attention_layernorm(attn_out, residual)
+        return self.mlp(normed), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, arch: ArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size, dtype)
+        rotary_emb = RotaryEmbedding(
+            arch.head_dim,
+            arch.max_position_embeddings,
+            arch.rope_theta,
+            arch.rope_scaling,
+            arch.rope_freq_factors,
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(arch, rotary_emb, dtype) for _ in range(arch.num_hidden_layers)
+        )
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
+        return self.norm(hidden, residual)[0]
+
+
+class LlamaForCausalLM(CausalLM):
+    """Llama-family causal LM; see the module docstring. Construct as ``cls(arch, dtype)``."""
+
+    def __init__(self, arch: ArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.arch = arch
+        self.dtype = dtype
+        self.model = LlamaModel(arch, dtype)
+        self.lm_head = LMHead(arch.vocab_size, arch.hidden_size, dtype)
+        if arch.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        # named_parameters() lists a tied lm_head once, under model.embed_tokens.
+        params = dict(self.named_parameters())
+        loaded: dict[str, set[Hashable]] = {name: set() for name in params}
+        for ckpt_name, tensor in weights:
+            if ckpt_name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if self.arch.tie_word_embeddings and ckpt_name == "lm_head.weight":
+                # Some exporters save the tied copy anyway; the embedding is the one we keep.
+                continue
+            param_name, shard_id = _param_name(ckpt_name)
+            param = params.get(param_name)
+            if param is None:
+                raise ModelLoadError(
+                    f"checkpoint tensor {ckpt_name!r} matches no parameter of {type(self).__name__}"
+                )
+            try:
+                param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
+            except ValueError as exc:
+                raise ModelLoadError(f"checkpoint tensor {ckpt_name!r}: {exc}") from None
+            loaded[param_name].add(shard_id)
+        missing = [
+            f"{name} (shard {shard!r})" if shard is not None else name
+            for name, param in params.items()
+            for shard in param.shard_ids  # type: ignore[attr-defined]
+            if shard not in loaded[name]
+        ]
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise ModelLoadError(f"checkpoint lacks weights for {shown}")
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: Llama with bias on q/k/v (ArchConfig.attention_bias)."""
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: Llama with per-head q/k RMSNorm (ArchConfig.qk_norm) and an independent head_dim."""
+
+
+def _param_name(ckpt_name: str) -> tuple[str, Hashable]:
+    """Checkpoint name -> (our parameter name, shard id or None)."""
+    for fused, part, shard_id in _STACKED_PARAMS:
+        marker = f".{part}."
+        if marker in ckpt_name:
+            return ckpt_name.replace(marker, f".{fused}."), shard_id
+    return ckpt_name, None

@@ -1,0 +1,92 @@
+"""Build a model for a `ModelConfig` and fill it from safetensors shards or a GGUF file."""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+
+from kvserve.config import ModelConfig
+from kvserve.model.arch import ArchConfig, load_arch_config
+from kvserve.model.gguf import iter_gguf_weights
+from kvserve.model.paths import ModelLoadError
+from kvserve.model.registry import CausalLM, get_model_class
+
+__all__ = ["CausalLM", "init_dummy_weights", "iter_safetensors_weights", "iter_weights", "load_model"]
+
+# Standard deviation of dummy weights: the usual init scale of these models (HF initializer_range), so
+# activations and logits have realistic magnitudes rather than near-uniform softmaxes.
+_DUMMY_STD = 0.02
+
+
+def load_model(model_config: ModelConfig, device: torch.device) -> CausalLM:
+    """The model of `model_config.model` on `device`, parameters in `model_config.dtype`, in eval mode.
+
+    Parameters are allocated directly on `device` and each checkpoint tensor is copied (and cast) into
+    place as it is read, so peak host memory is about one tensor, not one model.
+    """
+    arch = load_arch_config(model_config.model)
+    model_cls = get_model_class(arch.architecture)
+    dtype = getattr(torch, model_config.dtype)
+    with torch.device(device):
+        model = model_cls(arch, dtype)
+    with torch.no_grad():
+        if model_config.load_format == "dummy":
+            init_dummy_weights(model, model_config.seed)
+        else:
+            model.load_weights(iter_weights(model_config.model, arch))
+    return model.eval()
+
+
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """Fill every parameter with random values drawn on its own device (no files, no host copies).
+
+    Matrices and biases get N(0, 0.02^2); norm weights 1 + N(0, 0.02^2) so the residual stream keeps its
+    scale. Deterministic in `seed` for a given device. For benchmarks at real shapes: the model computes
+    nothing meaningful, but every kernel sees realistic (non-zero, non-constant) data.
+    """
+    generators: dict[torch.device, torch.Generator] = {}
+    for name, param in model.named_parameters():
+        generator = generators.get(param.device)
+        if generator is None:
+            generator = torch.Generator(device=param.device)
+            generator.manual_seed(seed)
+            generators[param.device] = generator
+        # normal_ has no kernel for every dtype/device pair in old torch; draw in fp32 chunks then cast.
+        flat = param.data.view(-1)
+        chunk = 1 << 26
+        for start in range(0, flat.numel(), chunk):
+            part = flat[start : start + chunk]
+            values = torch.empty(part.shape, dtype=torch.float32, device=part.device)
+            values.normal_(0.0, _DUMMY_STD, generator=generator)
+            if name.endswith("norm.weight"):
+                values += 1.0
+            part.copy_(values)
+
+
+def iter_weights(path: str, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF parameter name, CPU tensor) for every weight of an HF directory or a .gguf file."""
+    if path.endswith(".gguf"):
+        return iter_gguf_weights(
+            path,
+            # llama.cpp permutes q/k rows only for its llama architecture (see gguf.unpermute_qk_rows).
+            unpermute_qk=arch.architecture == "LlamaForCausalLM",
+            num_heads=arch.num_attention_heads,
+            num_kv_heads=arch.num_key_value_heads,
+        )
+    return iter_safetensors_weights(path)
+
+
+def iter_safetensors_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of every `*.safetensors` file in `model_dir` (sharded or not), read one at a time."""
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise ModelLoadError(f"model directory {model_dir} has no *.safetensors weights")
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)

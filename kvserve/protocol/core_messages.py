@@ -1,0 +1,83 @@
+"""Messages between the API process and the engine-core process (msgspec, msgpack on ZMQ sockets).
+
+Two one-way channels, one message per ZMQ frame:
+
+* API -> engine (``EngineInput``): `AddRequests`, `AbortRequests`, `Shutdown`.
+* engine -> API (``EngineMessage``): `EngineReady` once after start-up (model loaded, KV cache
+  allocated), then `EngineOutputs` after every step (and after an add/abort that did not lead to a step,
+  so gauges such as KV usage stay current), `RequestFailed` when the core rejects a request, and
+  `EngineDead` (start-up failed, or a step raised) right before the process exits non-zero.
+
+Each message is a tagged `msgspec.Struct`, so one decoder per direction reads any of them.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvserve.core.outputs import EngineCoreOutput, SchedulerStats
+from kvserve.protocol.engine import EngineCoreRequest
+
+
+class AddRequests(msgspec.Struct, tag="add"):
+    """Queue requests; the samples of one n>1 request travel together."""
+
+    requests: list[EngineCoreRequest]
+
+
+class AbortRequests(msgspec.Struct, tag="abort"):
+    """Abort requests in any state (frees their KV blocks); unknown or finished ids are ignored."""
+
+    req_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    """Leave the busy loop and exit 0 (unfinished requests are dropped)."""
+
+
+EngineInput = AddRequests | AbortRequests | Shutdown
+
+
+class EngineReady(msgspec.Struct, tag="ready"):
+    """Sent once the model is loaded and the KV cache allocated."""
+
+    pid: int
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    eos_token_ids: list[int]
+    startup_s: float
+    capacity_description: str  # KVCapacity.describe(): blocks, tokens, concurrency at max_model_len
+
+
+class EngineOutputs(msgspec.Struct, tag="outputs"):
+    """What one step (or one batch of adds/aborts) produced, with the scheduler's gauges after it."""
+
+    outputs: list[EngineCoreOutput]
+    stats: SchedulerStats
+    timestamp: float  # time.time() in the engine process when the message was made
+
+
+class RequestFailed(msgspec.Struct, tag="failed"):
+    """The core refused a request (`RequestRejected` / ValueError); `param` names the cause."""
+
+    req_id: str
+    message: str
+    param: str | None = None
+
+
+class EngineDead(msgspec.Struct, tag="dead"):
+    """The engine core cannot go on (start-up failed or a step raised); the process exits next."""
+
+    message: str
+
+
+EngineMessage = EngineReady | EngineOutputs | RequestFailed | EngineDead
+
+
+def make_input_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(EngineInput)
+
+
+def make_message_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(EngineMessage)

@@ -1,0 +1,43 @@
+"""What users get back from `LLM.generate` / `LLM.chat` (and what the server turns into JSON)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int  # 1 = most likely token under the model
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a request. `text` / `token_ids` are cumulative; `*_delta` hold what the latest
+    update added (for streaming)."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None  # per generated token: sampled + top-k
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    text_delta: str = ""
+    token_ids_delta: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    metrics: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,122 @@
+"""Per-request sampling settings, validated on construction (names and meanings as in vLLM/OpenAI)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+_SAMPLING_EPS = 1e-5
+
+
+class SamplingParamsError(ValueError):
+    """An out-of-range or inconsistent sampling parameter. `param` names the offending field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    * ``temperature=0`` is greedy; ``top_k=0`` or ``-1`` disables top-k; ``top_p=1`` disables top-p;
+      ``min_p=0`` disables min-p.
+    * Penalties follow vLLM: presence/frequency penalties apply to generated tokens (OpenAI semantics);
+      ``repetition_penalty`` (1 = off) divides positive / multiplies negative logits of every token seen
+      in the prompt or the output.
+    * ``seed`` makes one request's samples reproducible whatever else is in the batch.
+    * ``stop`` strings are cut from the output; ``stop_token_ids`` end generation (the token is not
+      shown as text). EOS ends generation unless ``ignore_eos``. Neither fires before ``min_tokens``.
+    * ``logprobs=k`` returns the sampled token's logprob and the top-k logprobs of each step
+      (from the model's raw distribution, before temperature and penalties).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    extra: dict[str, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(msg: str, param: str) -> None:
+            raise SamplingParamsError(msg, param)
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad(f"n must be an integer >= 1, got {self.n}", "n")
+        if self.temperature < 0.0:
+            bad(f"temperature must be >= 0, got {self.temperature}", "temperature")
+        if not 0.0 < self.top_p <= 1.0:
+            bad(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k}", "top_k")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}", "presence_penalty")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}", "frequency_penalty")
+        if self.repetition_penalty <= 0.0:
+            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}", "repetition_penalty")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            bad(f"max_tokens must be an integer >= 1, got {self.max_tokens}", "max_tokens")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            bad(f"min_tokens must be an integer >= 0, got {self.min_tokens}", "min_tokens")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})", "min_tokens")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            bad(f"logprobs must be an integer in [0, 20], got {self.logprobs}", "logprobs")
+        if self.prompt_logprobs is not None:
+            bad("prompt_logprobs is not supported", "prompt_logprobs")
+        if any(not isinstance(s, str) or s == "" for s in self.stop):  # type: ignore[union-attr]
+            bad("stop strings must be non-empty strings", "stop")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):  # type: ignore[union-attr]
+            bad("stop_token_ids must be non-negative integers", "stop_token_ids")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad(f"seed must be an integer, got {self.seed!r}", "seed")
+        if self.logit_bias is not None:
+            for value in self.logit_bias.values():
+                if not -100.0 <= value <= 100.0:
+                    bad(f"logit_bias values must be in [-100, 100], got {value}", "logit_bias")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _SAMPLING_EPS
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return list(self.stop or [])
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """Parameters of sample `index` of an n>1 request: n=1, and a distinct seed when seeded."""
+        seed = None if self.seed is None else self.seed + index
+        return replace(self, n=1, seed=seed)

@@ -1,0 +1,141 @@
+"""CUDA graphs for decode-only batches: capture once at start, replay padded to the nearest captured size.
+
+A decode step of a 7B model is ~28 x 12 kernel launches whose Python + launch cost (several ms) would
+exceed the GPU time at small batches; one graph replay costs ~10 us. Each graph is captured over the
+runner's persistent device buffers (`InputBuffers.dev`, its batch block-table buffer, the KV cache), so a
+replay only needs those buffers refilled: `InputBuffers.prepare(..., pad_to=size)` does that, with padding
+rows that write nothing (slot -1) and attend to nothing (seq_len 0).
+
+Graphs are captured largest first into one shared memory pool (they never run concurrently, so their
+activations can share memory). Attention's split count is fixed at capture from (batch size,
+max_model_len); `triton_attention`'s docstring says why that stays valid for every shorter context.
+Batches with prefill chunks run eagerly: their GPU time (ms per chunk) dwarfs the launch overhead.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from kvserve.layers.attention_metadata import AttentionMetadata
+from kvserve.model.registry import CausalLM
+
+logger = logging.getLogger(__name__)
+
+
+def padded_batch_size(num_reqs: int, capture_sizes: Sequence[int]) -> int | None:
+    """The smallest captured size >= num_reqs (capture_sizes sorted ascending), or None when there is
+    none (the batch runs eagerly)."""
+    if num_reqs < 1:
+        return None
+    index = bisect.bisect_left(capture_sizes, num_reqs)
+    return capture_sizes[index] if index < len(capture_sizes) else None
+
+
+def padding_rows(num_reqs: int, padded: int) -> dict[str, list[int]]:
+    """The per-row inputs of the padding rows num_reqs..padded-1 (what `InputBuffers.prepare` writes):
+    token 0 at position 0, slot -1 (nothing written to the cache), seq_len 0 (attends to nothing), and
+    query_start_loc continuing one token per row."""
+    count = max(padded - num_reqs, 0)
+    return {
+        "input_ids": [0] * count,
+        "positions": [0] * count,
+        "slot_mapping": [-1] * count,
+        "seq_lens": [0] * count,
+        "query_start_loc": list(range(num_reqs + 1, padded + 1)),
+    }
+
+
+class CUDAGraphRunner:
+    """Owns the captured decode graphs. `capture` once (after the KV cache exists), then `replay(size)`.
+
+    input_ids/positions/slot_mapping/query_start_loc/seq_lens: the runner's persistent device buffers
+    (at least max(sizes) long, query_start_loc one more); block_tables: its persistent batch block-table
+    buffer [>= max(sizes), width], width * block_size >= max_model_len.
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_caches: list[torch.Tensor],
+        buffers: dict[str, torch.Tensor],
+        block_tables: torch.Tensor,
+        sizes: Sequence[int],
+        max_model_len: int,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.buffers = buffers
+        self.block_tables = block_tables
+        self.sizes = sorted(sizes)
+        self.max_model_len = max_model_len
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool_bytes = 0
+        self.capture_s = 0.0
+
+    def padded_size(self, num_reqs: int) -> int | None:
+        return padded_batch_size(num_reqs, self.sizes) if self._graphs else None
+
+    def _metadata(self, size: int) -> AttentionMetadata:
+        b = self.buffers
+        return AttentionMetadata(
+            query_start_loc=b["query_start_loc"][: size + 1],
+            seq_lens=b["seq_lens"][:size],
+            block_tables=self.block_tables[:size],
+            slot_mapping=b["slot_mapping"][:size],
+            max_query_len=1,
+            # Captured for the longest context: the split count and grid then fit every replay.
+            max_seq_len=self.max_model_len,
+            query_start_loc_cpu=list(range(size + 1)),
+            seq_lens_cpu=[self.max_model_len] * size,
+        )
+
+    def _forward(self, size: int) -> torch.Tensor:
+        b = self.buffers
+        return self.model(b["input_ids"][:size], b["positions"][:size], self.kv_caches, self._metadata(size))
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture one graph per size, largest first, into one pool. The buffers are set to a padding-only
+        batch (writes nothing, reads nothing) for the warm-up and capture runs."""
+        start = time.perf_counter()
+        b = self.buffers
+        largest = self.sizes[-1]
+        b["input_ids"][:largest].zero_()
+        b["positions"][:largest].zero_()
+        b["slot_mapping"][:largest].fill_(-1)
+        b["seq_lens"][:largest].zero_()
+        b["query_start_loc"][: largest + 1].copy_(torch.arange(largest + 1, dtype=torch.int32))
+        self.block_tables[:largest].zero_()
+        torch.cuda.synchronize()
+        before = torch.cuda.mem_get_info()[0]
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for size in reversed(self.sizes):
+                # Warm-up outside capture: compiles the Triton kernels of this shape, sets up cuBLAS.
+                self._forward(size)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    out = self._forward(size)
+                self._graphs[size] = (graph, out)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        self.pool_bytes = max(before - torch.cuda.mem_get_info()[0], 0)
+        self.capture_s = time.perf_counter() - start
+        logger.info(
+            "captured %d decode CUDA graphs (batch sizes %s) in %.1f s, pool %.1f MiB",
+            len(self._graphs), self.sizes, self.capture_s, self.pool_bytes / (1 << 20),
+        )
+
+    def replay(self, size: int) -> torch.Tensor:
+        """Run the graph of `size` over the current buffer contents; returns its hidden states
+        [size, hidden_size] (a buffer of the pool, valid until the next replay)."""
+        graph, out = self._graphs[size]
+        graph.replay()
+        return out

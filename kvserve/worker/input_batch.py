@@ -1,0 +1,286 @@
+"""Turns a SchedulerOutput into the flat tensors one forward pass reads, from persistent buffers.
+
+Two objects live as long as the runner:
+
+* `BlockTable`: every live request's block ids in a row of its own, held twice: a host numpy mirror (for
+  slot mappings, computed on the host) and a device tensor (for attention). Each step applies only the
+  scheduler's diffs (new block ids, resets, finished requests) to both: the device side gets one scatter of
+  the changed entries, never a rebuilt table.
+* `InputBuffers`: fixed-size host buffers (pinned on CUDA, so the host-to-device copies are asynchronous)
+  and their device twins. `prepare` fills the host side with numpy, copies each used prefix to the device
+  with `non_blocking=True`, and gathers the batch's block-table rows on the device. The device tensors are
+  the same at every step, which is what lets a CUDA graph captured over them be replayed.
+
+Host-buffer reuse: a pinned buffer may not be rewritten while a copy out of it is still queued. The
+runner's per-step sync (the sampled ids) normally guarantees that; a step that samples nothing (only
+partial prefill chunks) does not, so `prepare` waits for the previous step's copies first (an event that is
+almost always already complete).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvserve.core.outputs import SchedulerOutput
+from kvserve.layers.attention_metadata import AttentionMetadata
+from kvserve.worker.cuda_graph import padding_rows
+
+
+@dataclass
+class BatchInputs:
+    input_ids: torch.Tensor  # int64 [num_tokens] (padded length when padded_num_reqs is set)
+    positions: torch.Tensor  # int64 [num_tokens]
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # int64 [num_sampled]: last token of each request that samples
+    sampled_req_ids: list[str]
+    num_reqs: int  # real requests (rows past it are padding)
+    padded_num_reqs: int | None  # decode batch padded to this CUDA-graph size (>= num_reqs), or None
+    is_decode_only: bool
+    all_rows_sample: bool  # decode-only and every row samples: logits rows = hidden[:num_reqs]
+
+
+def _host_buffer(size: int | tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    tensor = torch.zeros(size, dtype=dtype)
+    return tensor.pin_memory() if pin else tensor
+
+
+class BlockTable:
+    """req_id -> row of block ids, mirrored on the host (numpy) and the device (int32 tensor).
+
+    `width` = blocks of one max_model_len request. Rows are handed out on a request's first schedule and
+    returned when it finishes; the row pool grows (doubling) if more requests are alive at once than
+    expected (preempted requests keep their row).
+    """
+
+    def __init__(self, num_rows: int, width: int, device: torch.device) -> None:
+        self.width = width
+        self.device = device
+        self._pin = device.type == "cuda"
+        self.host = np.zeros((num_rows, width), dtype=np.int32)
+        self.num_blocks = np.zeros(num_rows, dtype=np.int64)
+        self.device_table = torch.zeros((num_rows, width), dtype=torch.int32, device=device)
+        self._row_of: dict[str, int] = {}
+        self._free_rows = list(range(num_rows - 1, -1, -1))
+        self._staging_capacity = 0
+        self._ensure_staging(max(1024, num_rows))
+
+    # -- queries --------------------------------------------------------------------------------------
+
+    def row(self, req_id: str) -> int:
+        return self._row_of[req_id]
+
+    def blocks(self, req_id: str) -> list[int]:
+        """The request's block ids (host mirror), for tests and debugging."""
+        row = self._row_of[req_id]
+        return self.host[row, : self.num_blocks[row]].tolist()
+
+    @property
+    def num_live(self) -> int:
+        return len(self._row_of)
+
+    # -- updates --------------------------------------------------------------------------------------
+
+    def apply(self, scheduler_output: SchedulerOutput) -> None:
+        """Apply one step's diffs: free finished requests' rows, reset and/or extend scheduled ones."""
+        for req_id in scheduler_output.finished_req_ids:
+            row = self._row_of.pop(req_id, None)
+            if row is not None:
+                self.num_blocks[row] = 0
+                self._free_rows.append(row)
+        flat_index: list[np.ndarray] = []
+        values: list[list[int]] = []
+        for s in scheduler_output.scheduled:
+            row = self._row_of.get(s.req_id)
+            if row is None:
+                row = self._alloc_row(s.req_id)
+            if s.reset_block_table:
+                self.num_blocks[row] = 0
+            if not s.new_block_ids:
+                continue
+            start = int(self.num_blocks[row])
+            end = start + len(s.new_block_ids)
+            if end > self.width:
+                raise RuntimeError(
+                    f"request {s.req_id} needs {end} blocks, more than max_model_len allows ({self.width})"
+                )
+            self.host[row, start:end] = s.new_block_ids
+            self.num_blocks[row] = end
+            flat_index.append(np.arange(row * self.width + start, row * self.width + end, dtype=np.int64))
+            values.append(s.new_block_ids)
+        if flat_index:
+            self._push(np.concatenate(flat_index), np.concatenate([np.asarray(v, np.int32) for v in values]))
+
+    def _alloc_row(self, req_id: str) -> int:
+        if not self._free_rows:
+            self._grow(2 * self.host.shape[0])
+        row = self._free_rows.pop()
+        self._row_of[req_id] = row
+        self.num_blocks[row] = 0
+        return row
+
+    def _grow(self, num_rows: int) -> None:
+        old_rows = self.host.shape[0]
+        host = np.zeros((num_rows, self.width), dtype=np.int32)
+        host[:old_rows] = self.host
+        self.host = host
+        self.num_blocks = np.concatenate([self.num_blocks, np.zeros(num_rows - old_rows, dtype=np.int64)])
+        table = torch.zeros((num_rows, self.width), dtype=torch.int32, device=self.device)
+        table[:old_rows] = self.device_table
+        self.device_table = table
+        self._free_rows.extend(range(num_rows - 1, old_rows - 1, -1))
+
+    def _ensure_staging(self, size: int) -> None:
+        if size <= self._staging_capacity:
+            return
+        self._staging_capacity = max(size, 2 * self._staging_capacity)
+        self._index_host = _host_buffer(self._staging_capacity, torch.int64, self._pin)
+        self._value_host = _host_buffer(self._staging_capacity, torch.int32, self._pin)
+        self._index_dev = torch.zeros(self._staging_capacity, dtype=torch.int64, device=self.device)
+        self._value_dev = torch.zeros(self._staging_capacity, dtype=torch.int32, device=self.device)
+
+    def _push(self, flat_index: np.ndarray, values: np.ndarray) -> None:
+        """Scatter the changed entries into the device table (two async copies and one index_copy_)."""
+        n = len(flat_index)
+        self._ensure_staging(n)
+        self._index_host.numpy()[:n] = flat_index
+        self._value_host.numpy()[:n] = values
+        index = self._index_dev[:n]
+        index.copy_(self._index_host[:n], non_blocking=True)
+        value = self._value_dev[:n]
+        value.copy_(self._value_host[:n], non_blocking=True)
+        self.device_table.view(-1).index_copy_(0, index, value)
+
+
+class InputBuffers:
+    """Persistent host/device buffers for one step's batch (see the module docstring).
+
+    max_num_tokens: tokens of the largest step (max_num_batched_tokens, and at least max_num_reqs so a
+    padded decode batch fits); max_num_reqs: requests of the largest step.
+    """
+
+    def __init__(
+        self, max_num_tokens: int, max_num_reqs: int, block_table_width: int, block_size: int, device: torch.device
+    ) -> None:
+        self.max_num_tokens = max_num_tokens
+        self.max_num_reqs = max_num_reqs
+        self.block_size = block_size
+        self.device = device
+        pin = device.type == "cuda"
+        self._host = {
+            "input_ids": _host_buffer(max_num_tokens, torch.int64, pin),
+            "positions": _host_buffer(max_num_tokens, torch.int64, pin),
+            "slot_mapping": _host_buffer(max_num_tokens, torch.int64, pin),
+            "query_start_loc": _host_buffer(max_num_reqs + 1, torch.int32, pin),
+            "seq_lens": _host_buffer(max_num_reqs, torch.int32, pin),
+            "rows": _host_buffer(max_num_reqs, torch.int64, pin),
+            "logits_indices": _host_buffer(max_num_reqs, torch.int64, pin),
+        }
+        self._np = {name: t.numpy() for name, t in self._host.items()}
+        self.dev = {name: torch.zeros_like(t, device=device) for name, t in self._host.items()}
+        self.block_tables = torch.zeros((max_num_reqs, block_table_width), dtype=torch.int32, device=device)
+        # Recorded after each step's copies; re-recorded every step (one event, no per-step allocation).
+        self._copies_done = torch.cuda.Event() if device.type == "cuda" else None
+
+    def prepare(
+        self, scheduler_output: SchedulerOutput, block_table: BlockTable, pad_to: int | None = None
+    ) -> BatchInputs:
+        """Fill the buffers for `scheduler_output` (block_table already updated for this step).
+
+        pad_to: for a decode-only batch, the CUDA-graph batch size to fill (>= num_reqs): rows past
+        num_reqs get token 0 at position 0, slot -1 (not written), seq_len 0 (attend to nothing), and one
+        query token each. Ignored for batches with prefill chunks.
+        """
+        scheduled = scheduler_output.scheduled
+        num_reqs = len(scheduled)
+        if num_reqs > self.max_num_reqs:
+            raise RuntimeError(f"batch of {num_reqs} requests exceeds max_num_seqs={self.max_num_reqs}")
+        if self._copies_done is not None:
+            # SYNC: only waits when the previous step sampled nothing (see the module docstring).
+            self._copies_done.synchronize()
+        h = self._np
+        query_lens = np.fromiter((len(s.token_ids) for s in scheduled), dtype=np.int64, count=num_reqs)
+        num_computed = np.fromiter((s.num_computed_tokens for s in scheduled), dtype=np.int64, count=num_reqs)
+        rows = np.fromiter((block_table.row(s.req_id) for s in scheduled), dtype=np.int64, count=num_reqs)
+        qsl = h["query_start_loc"]
+        qsl[0] = 0
+        np.cumsum(query_lens, out=qsl[1 : num_reqs + 1])
+        num_tokens = int(qsl[num_reqs])
+        if num_tokens > self.max_num_tokens:
+            raise RuntimeError(f"batch of {num_tokens} tokens exceeds max_num_batched_tokens={self.max_num_tokens}")
+        seq_lens = num_computed + query_lens
+        h["seq_lens"][:num_reqs] = seq_lens
+        h["rows"][:num_reqs] = rows
+        is_decode = num_tokens == num_reqs
+
+        positions = h["positions"][:num_tokens]
+        if is_decode:
+            h["input_ids"][:num_reqs] = [s.token_ids[0] for s in scheduled]
+            positions[:] = num_computed
+            token_rows = rows
+        else:
+            input_ids = h["input_ids"]
+            offset = 0
+            for s in scheduled:
+                input_ids[offset : offset + len(s.token_ids)] = s.token_ids
+                offset += len(s.token_ids)
+            req_of_token = np.repeat(np.arange(num_reqs), query_lens)
+            positions[:] = num_computed[req_of_token] + (np.arange(num_tokens) - qsl[:num_reqs][req_of_token])
+            token_rows = rows[req_of_token]
+        block_ids = block_table.host[token_rows, positions // self.block_size].astype(np.int64)
+        h["slot_mapping"][:num_tokens] = block_ids * self.block_size + positions % self.block_size
+
+        sample_rows = [i for i, s in enumerate(scheduled) if s.sample]
+        num_sampled = len(sample_rows)
+        h["logits_indices"][:num_sampled] = qsl[1:][sample_rows] - 1
+
+        padded = pad_to if (is_decode and pad_to is not None) else None
+        if padded is not None:
+            if padded < num_reqs or padded > self.max_num_reqs or padded > self.max_num_tokens:
+                raise RuntimeError(f"cannot pad a batch to {padded} rows (buffers hold {self.max_num_reqs})")
+            for name, values in padding_rows(num_reqs, padded).items():
+                start = num_reqs + 1 if name == "query_start_loc" else num_reqs
+                h[name][start : start + len(values)] = values
+            h["rows"][num_reqs:padded] = 0  # any valid row: a seq_len of 0 reads none of it
+        n_reqs = padded or num_reqs
+        n_tokens = padded or num_tokens
+
+        dev = self.dev
+        for name, length in (
+            ("input_ids", n_tokens),
+            ("positions", n_tokens),
+            ("slot_mapping", n_tokens),
+            ("query_start_loc", n_reqs + 1),
+            ("seq_lens", n_reqs),
+            ("rows", n_reqs),
+            ("logits_indices", num_sampled),
+        ):
+            dev[name][:length].copy_(self._host[name][:length], non_blocking=True)
+        if self._copies_done is not None:
+            self._copies_done.record()
+        block_tables = self.block_tables[:n_reqs]
+        torch.index_select(block_table.device_table, 0, dev["rows"][:n_reqs], out=block_tables)
+
+        metadata = AttentionMetadata(
+            query_start_loc=dev["query_start_loc"][: n_reqs + 1],
+            seq_lens=dev["seq_lens"][:n_reqs],
+            block_tables=block_tables,
+            slot_mapping=dev["slot_mapping"][:n_tokens],
+            max_query_len=int(query_lens.max()) if num_reqs else 0,
+            max_seq_len=int(seq_lens.max()) if num_reqs else 0,
+            query_start_loc_cpu=qsl[: n_reqs + 1].tolist(),
+            seq_lens_cpu=h["seq_lens"][:n_reqs].tolist(),
+        )
+        return BatchInputs(
+            input_ids=dev["input_ids"][:n_tokens],
+            positions=dev["positions"][:n_tokens],
+            attn_metadata=metadata,
+            logits_indices=dev["logits_indices"][:num_sampled],
+            sampled_req_ids=[scheduled[i].req_id for i in sample_rows],
+            num_reqs=num_reqs,
+            padded_num_reqs=padded,
+            is_decode_only=is_decode,
+            all_rows_sample=is_decode and num_sampled == num_reqs,
+        )

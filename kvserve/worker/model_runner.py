@@ -1,0 +1,244 @@
+"""Owns the model, the KV cache tensors and the sampler; runs one SchedulerOutput per call.
+
+Start-up order (driven by EngineCore): construct (load weights, allocate persistent input buffers) ->
+`determine_num_blocks` (CPU: the --kv-cache-memory budget; GPU: a profiled forward, see `worker.memory`)
+-> `initialize_kv_cache` -> `capture_cuda_graphs` (GPU, unless enforce_eager).
+
+Per step: apply the scheduler's diffs to the runner's request states and block table, fill the persistent
+input buffers, run the model (a CUDA-graph replay for decode-only batches that fit a captured size, else
+eager), sample on the device, and copy the sampled ids (and requested logprobs) to the host: the one
+host sync of the step.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from kvserve.config import EngineConfig
+from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from kvserve.layers.attention_metadata import AttentionMetadata
+from kvserve.layers.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
+from kvserve.model.loader import load_model
+from kvserve.protocol.sampling_params import SamplingParams
+from kvserve.worker.cuda_graph import CUDAGraphRunner
+from kvserve.worker.input_batch import BlockTable, InputBuffers
+from kvserve.worker.memory import CUDA_GRAPH_RESERVE_BYTES, KVCachePlan, MemoryProfile, plan_kv_cache
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunnerRequestState:
+    """What sampling needs to remember about a live request (kept across preemption)."""
+
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device_config.device)
+        self.dtype: torch.dtype = getattr(torch, config.model_config.dtype)
+        self.block_size = config.cache_config.block_size
+        self.model = load_model(config.model_config, self.device)
+        self.arch = self.model.arch
+        self.eos_token_ids = list(self.arch.eos_token_ids)
+        self.sampler = Sampler(seed=config.model_config.seed)
+        self.requests: dict[str, RunnerRequestState] = {}
+        sched = config.scheduler_config
+        self.max_num_reqs = sched.max_num_seqs
+        width = -(-config.model_config.max_model_len // self.block_size)
+        self.block_table = BlockTable(self.max_num_reqs, width, self.device)
+        self.inputs = InputBuffers(
+            max_num_tokens=max(sched.max_num_batched_tokens, self.max_num_reqs),
+            max_num_reqs=self.max_num_reqs,
+            block_table_width=width,
+            block_size=self.block_size,
+            device=self.device,
+        )
+        self.kv_caches: list[torch.Tensor] = []
+        self.graphs: CUDAGraphRunner | None = None
+        self.memory_profile: MemoryProfile | None = None
+        self.kv_plan: KVCachePlan | None = None
+
+    # ------------------------------------------------------------------ KV cache
+
+    def kv_cache_bytes_per_block(self) -> int:
+        arch = self.arch
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * arch.num_hidden_layers * self.block_size * arch.num_key_value_heads * arch.head_dim * elem
+
+    def weights_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def determine_num_blocks(self) -> int:
+        """Blocks that fit the KV budget: `--kv-cache-memory` on CPU; on GPU what `gpu_memory_utilization`
+        leaves after the weights and a profiled forward at max_num_batched_tokens (see `worker.memory`)."""
+        per_block = self.kv_cache_bytes_per_block()
+        if self.device.type == "cpu":
+            return max(self.config.cache_config.kv_cache_memory_bytes // per_block, 0)
+        self.memory_profile = self.profile_memory()
+        self.kv_plan = plan_kv_cache(
+            self.memory_profile, self.config.cache_config.gpu_memory_utilization, per_block
+        )
+        logger.info(
+            "%s", self.kv_plan.describe(self.memory_profile, self.config.cache_config.gpu_memory_utilization)
+        )
+        return self.kv_plan.num_blocks
+
+    @torch.inference_mode()
+    def profile_memory(self) -> MemoryProfile:
+        """Run the largest step the scheduler can send (max_num_batched_tokens prompt tokens, then logits and
+        a top-k/top-p sampling pass with logprobs over max_num_seqs rows) and measure its peak memory."""
+        sched = self.config.scheduler_config
+        device = self.device
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        base_allocated = torch.cuda.memory_allocated(device)
+
+        num_tokens = sched.max_num_batched_tokens
+        max_len = self.config.model_config.max_model_len
+        num_reqs = min(max(1, -(-num_tokens // max_len)), num_tokens)
+        lens = [num_tokens // num_reqs + (1 if i < num_tokens % num_reqs else 0) for i in range(num_reqs)]
+        # A one-block cache that no token writes (slot -1): activations, not KV, are being measured.
+        arch = self.arch
+        kv_shape = (2, 1, self.block_size, arch.num_key_value_heads, arch.head_dim)
+        kv_caches = [torch.zeros(kv_shape, dtype=self.dtype, device=device) for _ in range(arch.num_hidden_layers)]
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        width = -(-max(lens) // self.block_size)
+        metadata = AttentionMetadata(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+            block_tables=torch.zeros((num_reqs, width), dtype=torch.int32, device=device),
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
+            max_query_len=max(lens),
+            max_seq_len=max(lens),
+            query_start_loc_cpu=starts,
+            seq_lens_cpu=lens,
+        )
+        generator = torch.Generator(device=device)
+        generator.manual_seed(0)
+        input_ids = torch.randint(0, arch.vocab_size, (num_tokens,), device=device, generator=generator)
+        positions = torch.cat([torch.arange(n, device=device) for n in lens])
+        hidden = self.model(input_ids, positions, kv_caches, metadata)
+        num_rows = self.max_num_reqs
+        rows_index = torch.arange(num_rows, device=device) % num_tokens
+        logits = self.model.compute_logits(hidden[rows_index])
+        params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.01, logprobs=20)
+        rows = [SamplingRow(params, [], [], None) for _ in range(num_rows)]
+        self.sampler(logits, rows, self.eos_token_ids)
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - base_allocated
+        del hidden, logits, kv_caches, metadata, input_ids, positions
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        use_graphs = self.config.use_cuda_graphs
+        return MemoryProfile(
+            total_bytes=total,
+            weights_bytes=self.weights_bytes(),
+            in_use_bytes=total - free,
+            activation_peak_bytes=peak,
+            graph_reserve_bytes=CUDA_GRAPH_RESERVE_BYTES if use_graphs else 0,
+        )
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        arch = self.arch
+        shape = (2, num_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim)
+        # Zeroed so never-written slots hold finite values: masked attention weights are exactly 0, and
+        # 0 * NaN from uninitialised memory would still poison the output.
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(arch.num_hidden_layers)
+        ]
+
+    def capture_cuda_graphs(self) -> None:
+        """Capture the decode graphs (GPU, graphs enabled, KV cache allocated); a failure to capture is
+        logged and leaves the runner eager rather than failing start-up."""
+        if not self.config.use_cuda_graphs or not self.kv_caches:
+            return
+        graphs = CUDAGraphRunner(
+            self.model,
+            self.kv_caches,
+            self.inputs.dev,
+            self.inputs.block_tables,
+            self.config.cuda_graph_sizes,
+            self.config.model_config.max_model_len,
+        )
+        try:
+            graphs.capture()
+        except Exception:
+            logger.exception("CUDA graph capture failed; decode runs eagerly")
+            torch.cuda.synchronize(self.device)
+            return
+        self.graphs = graphs
+
+    # ------------------------------------------------------------------ one step
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        for req_id in scheduler_output.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in scheduler_output.new_requests:
+            params = new.sampling_params
+            generator = make_generator(params.seed, self.device) if params.seed is not None else None
+            self.requests[new.req_id] = RunnerRequestState(
+                prompt_token_ids=new.prompt_token_ids, sampling_params=params, generator=generator
+            )
+        self.block_table.apply(scheduler_output)
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(scheduler_output)
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
+        num_reqs = len(scheduler_output.scheduled)
+        pad_to = self.graphs.padded_size(num_reqs) if self.graphs is not None else None
+        batch = self.inputs.prepare(scheduler_output, self.block_table, pad_to)
+        if batch.padded_num_reqs is not None and self.graphs is not None:
+            hidden = self.graphs.replay(batch.padded_num_reqs)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)
+        if not batch.sampled_req_ids:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
+        sample_hidden = hidden[:num_reqs] if batch.all_rows_sample else hidden[batch.logits_indices]
+        logits = self.model.compute_logits(sample_hidden)
+        states = [self.requests[req_id] for req_id in batch.sampled_req_ids]
+        rows = [
+            SamplingRow(
+                params=s.sampling_params,
+                prompt_token_ids=s.prompt_token_ids,
+                output_token_ids=s.output_token_ids,
+                generator=s.generator,
+            )
+            for s in states
+        ]
+        sampled = self.sampler(logits, rows, self.eos_token_ids)
+        # SYNC: the one device->host copy per step: sampled ids (and logprobs when asked).
+        token_ids: list[int] = sampled.sampled_token_ids.tolist()
+        logprobs = self._logprobs_lists(sampled, states)
+        for state, token_id in zip(states, token_ids, strict=True):
+            state.output_token_ids.append(token_id)
+        return ModelRunnerOutput(req_ids=batch.sampled_req_ids, sampled_token_ids=token_ids, logprobs=logprobs)
+
+    @staticmethod
+    def _logprobs_lists(sampled: SamplerOutput, states: list[RunnerRequestState]) -> list[TokenLogprobs | None]:
+        wanted = [s.sampling_params.logprobs for s in states]
+        if sampled.logprobs is None or sampled.logprob_token_ids is None or all(k is None for k in wanted):
+            return [None] * len(states)
+        values = sampled.logprobs.tolist()
+        ids = sampled.logprob_token_ids.tolist()
+        ranks = sampled.sampled_ranks.tolist() if sampled.sampled_ranks is not None else [0] * len(states)
+        out: list[TokenLogprobs | None] = []
+        for i, k in enumerate(wanted):
+            if k is None:
+                out.append(None)
+            else:
+                out.append(TokenLogprobs(token_ids=ids[i][: 1 + k], logprobs=values[i][: 1 + k], rank=ranks[i]))
+        return out

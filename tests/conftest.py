@@ -1,0 +1,91 @@
+"""Session-wide fixtures for model tests. Expensive objects are built once per session and shared.
+
+* `default_gguf_path` -> str: the SmolLM2-135M-Instruct Q4_1 GGUF (skips the test if not installed).
+* `smollm_tokenizer` -> the HF tokenizer of that GGUF (vocab 49152, chat template); ~4 s the first time.
+* `tiny_model_dir(arch="llama", seed=0, **config_overrides)` -> str: a tiny random HF checkpoint directory
+  (config.json, model.safetensors, tokenizer) made by `helpers.tiny_models.make_tiny_checkpoint`;
+  `arch` is one of "llama", "llama3" (Llama 3.1 RoPE scaling), "llama-tied", "qwen2", "qwen3". Cached per
+  argument set; treat the directory as read-only.
+* `tiny_gguf_path(arch="llama")` -> str: the same tiny checkpoint re-exported as a float32 GGUF file laid out
+  as llama.cpp's converter does (plain-RoPE variants only).
+* `hf_gguf_model` -> HF Transformers' float32 model loaded from `default_gguf_path` (~13 s, once), eval mode.
+  Do not modify it.
+
+Helpers to build KV caches, attention metadata and run a batch: `helpers` (tests/helpers; pytest puts
+tests/ on sys.path because tests/ has no __init__.py, so import it as `from helpers import ...`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from helpers import tiny_models
+
+from kvserve.model.paths import ModelLoadError, default_model_path
+
+
+@pytest.fixture(scope="session")
+def default_gguf_path() -> str:
+    try:
+        return default_model_path()
+    except ModelLoadError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def smollm_tokenizer(default_gguf_path: str) -> Any:
+    return tiny_models.smollm_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_gguf_path: str) -> Callable[..., str]:
+    cache: dict[str, str] = {}
+
+    def make(arch: str = "llama", seed: int = 0, **config_overrides: Any) -> str:
+        key = json.dumps([arch, seed, config_overrides], sort_keys=True)
+        if key not in cache:
+            directory = tmp_path_factory.mktemp(f"tiny-{arch}")
+            cache[key] = tiny_models.make_tiny_checkpoint(str(directory), arch, seed, **config_overrides)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_path(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Callable[..., str]
+) -> Callable[..., str]:
+    cache: dict[str, str] = {}
+
+    def make(arch: str = "llama") -> str:
+        if arch not in cache:
+            path = os.path.join(str(tmp_path_factory.mktemp(f"gguf-{arch}")), f"tiny-{arch}.gguf")
+            cache[arch] = tiny_models.write_gguf(tiny_model_dir(arch), path)
+        return cache[arch]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_model(default_gguf_path: str) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(default_gguf_path),
+        gguf_file=os.path.basename(default_gguf_path),
+        dtype=torch.float32,
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def default_llm(default_gguf_path: str) -> Any:
+    """kvserve's LLM on the default model (float32 on CPU, default settings, max_model_len 2048)."""
+    from kvserve import LLM
+
+    return LLM(max_model_len=2048)

@@ -1,0 +1,81 @@
+"""kvserve against itself: settings that must not change greedy output.
+
+Prefix caching on/off, block size 16/32, a small step budget (chunked prefill), and a KV pool so small
+that requests get preempted and recomputed must all give the same greedy tokens as the default engine.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+
+SYSTEM = (
+    "You are a careful assistant. Answer briefly and precisely, and say when you are unsure. "
+    "Use plain words. "
+)
+PROMPTS = [
+    SYSTEM + "What is the capital of France?",
+    SYSTEM + "Name three primary colours.",
+    "Hello, my name is",
+    SYSTEM + "What is the capital of France?",  # an exact repeat: a full prefix hit
+    "今天天气很好，我们",
+    SYSTEM + "Explain what a KV cache is in one sentence.",
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def _tokens(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(default_llm: LLM) -> list[list[int]]:
+    tokens = _tokens(default_llm)
+    assert all(len(t) == 24 for t in tokens)
+    return tokens
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"enable_prefix_caching": False},
+        {"block_size": 32},
+        {"block_size": 16, "max_num_batched_tokens": 24},  # prompts are prefilled over several steps
+        {"max_num_seqs": 2},
+    ],
+    ids=["no-prefix-cache", "block32", "chunked-prefill", "max-num-seqs-2"],
+)
+def test_greedy_output_unchanged(settings: dict, reference_tokens: list[list[int]]) -> None:
+    llm = LLM(max_model_len=512, **settings)
+    assert _tokens(llm) == reference_tokens
+
+
+def test_greedy_output_unchanged_under_preemption(reference_tokens: list[list[int]]) -> None:
+    # 12 blocks of 16 tokens: one request needs up to 5 blocks here, so six at once cannot all fit and
+    # the newest running requests are preempted and recomputed.
+    llm = LLM(max_model_len=192, num_kv_blocks=12, block_size=16)
+    assert _tokens(llm) == reference_tokens
+    stats = llm.engine.last_stats
+    assert stats is not None and stats.num_preemptions > 0, "the pool was meant to force preemption"
+    assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_prefix_cache_hits_reported(default_llm: LLM) -> None:
+    outs = default_llm.generate([SYSTEM + "Say hi.", SYSTEM + "Say bye."], GREEDY, use_tqdm=False)
+    # Both share the SYSTEM prefix with earlier prompts run on this engine.
+    assert all(o.num_cached_tokens >= 16 for o in outs)
+    again = default_llm.generate([SYSTEM + "Say hi."], GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens == (len(again.prompt_token_ids) - 1) // 16 * 16
+    assert again.outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
+def test_cache_salt_isolates_prefix_cache(default_llm: LLM) -> None:
+    prompt = SYSTEM + "A salted prompt about owls."
+    first = default_llm.generate([prompt], GREEDY, use_tqdm=False, cache_salt="tenant-a")[0]
+    other_tenant = default_llm.generate([prompt], GREEDY, use_tqdm=False, cache_salt="tenant-b")[0]
+    same_tenant = default_llm.generate([prompt], GREEDY, use_tqdm=False, cache_salt="tenant-a")[0]
+    assert first.num_cached_tokens == 0
+    assert other_tenant.num_cached_tokens == 0
+    assert same_tenant.num_cached_tokens > 0
+    assert first.outputs[0].token_ids == other_tenant.outputs[0].token_ids == same_tenant.outputs[0].token_ids

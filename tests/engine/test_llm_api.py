@@ -1,0 +1,187 @@
+"""The offline API as a user drives it: generate, chat, sampling options, errors, abort."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.config import ConfigError
+from kvserve.protocol.sampling_params import SamplingParamsError
+
+
+def test_generate_text_matches_tokens(default_llm: LLM) -> None:
+    outs = default_llm.generate(
+        ["Hello, my name is", "The capital of France is"],
+        SamplingParams(temperature=0, max_tokens=16),
+        use_tqdm=False,
+    )
+    tok = default_llm.get_tokenizer()
+    assert [o.prompt for o in outs] == ["Hello, my name is", "The capital of France is"]
+    for out in outs:
+        completion = out.outputs[0]
+        assert out.finished and completion.finish_reason in ("stop", "length")
+        assert 1 <= len(completion.token_ids) <= 16
+        assert completion.text == tok.decode(completion.token_ids, skip_special_tokens=True)
+
+
+def test_chat_uses_the_template(default_llm: LLM) -> None:
+    msgs = [{"role": "user", "content": "解释PagedAttention的工作原理"}]
+    out = default_llm.chat([msgs], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    tok = default_llm.get_tokenizer()
+    expected = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert out.prompt_token_ids == tok(expected, add_special_tokens=False)["input_ids"]
+    assert out.outputs[0].text.strip()
+    # A single conversation (not wrapped in a list) is accepted too.
+    single = default_llm.chat(msgs, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    assert single.outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_max_tokens_gives_length(default_llm: LLM) -> None:
+    out = default_llm.generate(["Count: 1, 2, 3,"], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                               use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 5
+    assert out.outputs[0].finish_reason == "length"
+
+
+def test_stop_string_is_cut(default_llm: LLM) -> None:
+    base = default_llm.generate(["Count: 1, 2, 3,"], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                                use_tqdm=False)[0].outputs[0]
+    assert len(base.text) > 6
+    stop = base.text[3:6]  # a stop string that occurs in the greedy text
+    out = default_llm.generate(["Count: 1, 2, 3,"],
+                               SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]),
+                               use_tqdm=False)[0].outputs[0]
+    cut = base.text.index(stop)
+    assert out.text == base.text[:cut]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    # Generation ended at the stop string instead of running to max_tokens.
+    assert len(out.token_ids) < len(base.token_ids)
+
+
+def test_stop_token_ids(default_llm: LLM) -> None:
+    base = default_llm.generate(["Count: 1, 2, 3,"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                                use_tqdm=False)[0].outputs[0]
+    stop_id = base.token_ids[4]
+    first = base.token_ids.index(stop_id)
+    out = default_llm.generate(["Count: 1, 2, 3,"],
+                               SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop_id]),
+                               use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == base.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(default_llm: LLM) -> None:
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=1234, ignore_eos=True)
+    alone = default_llm.generate(["Once upon a time"], params, use_tqdm=False)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    batch = default_llm.generate(
+        ["The weather today", "Once upon a time", "我们今天"], [others, params, others], use_tqdm=False
+    )
+    assert batch[1].outputs[0].token_ids == alone
+    different = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=4321, ignore_eos=True)
+    other_seed = default_llm.generate(["Once upon a time"], different, use_tqdm=False)[0].outputs[0].token_ids
+    assert other_seed != alone
+
+
+@pytest.mark.parametrize("enable_prefix_caching", [True, False])
+def test_n_samples_share_prompt_blocks(enable_prefix_caching: bool) -> None:
+    llm = LLM(max_model_len=256, enable_prefix_caching=enable_prefix_caching)
+    prompt = "Write a haiku about the sea. " * 4  # several full blocks
+    out = llm.generate([prompt], SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=7, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert all(len(o.token_ids) == 8 for o in out.outputs)
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1, "distinct seeds should give distinct samples"
+    # The later samples found the first one's prompt blocks.
+    assert out.num_cached_tokens == (len(out.prompt_token_ids) - 1) // 16 * 16
+    stats = llm.engine.last_stats
+    assert stats is not None and stats.num_free_blocks == stats.num_blocks
+
+
+def test_logprobs(default_llm: LLM) -> None:
+    out = default_llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=6, logprobs=3),
+                               use_tqdm=False)[0].outputs[0]
+    assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
+    total = 0.0
+    for token_id, entry in zip(out.token_ids, out.logprobs, strict=True):
+        assert token_id in entry and 1 <= len(entry) <= 4
+        sampled = entry[token_id]
+        assert sampled.rank == 1  # greedy picks the most likely token
+        assert sampled.logprob == pytest.approx(max(lp.logprob for lp in entry.values()))
+        assert all(lp.logprob <= 0 for lp in entry.values())
+        total += sampled.logprob
+    assert out.cumulative_logprob == pytest.approx(total)
+    assert math.isfinite(total)
+
+
+def test_prompt_too_long_is_rejected_and_engine_survives() -> None:
+    llm = LLM(max_model_len=64)
+    with pytest.raises(ValueError, match=r"\b64\b") as info:
+        llm.generate([list(range(100, 180))], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert "80" in str(info.value)
+    assert not llm.engine.has_unfinished_requests()
+    out = llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    assert out.finished and len(out.outputs[0].token_ids) >= 1
+
+
+def test_output_stops_at_max_model_len() -> None:
+    llm = LLM(max_model_len=40)
+    out = llm.generate([list(range(100, 130))], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 40
+    assert out.outputs[0].finish_reason == "length"
+
+
+def test_abort_frees_blocks(default_llm: LLM) -> None:
+    engine = default_llm.engine
+    engine.add_request("abort-me", "Tell me a long story about dragons.", SamplingParams(max_tokens=200))
+    engine.add_request("keep-me", "Hello", SamplingParams(temperature=0, max_tokens=3))
+    for _ in range(3):
+        engine.step()
+    pool = engine.core.scheduler.kv.pool
+    assert pool.num_free_blocks < pool.num_blocks
+    engine.abort_request("abort-me")
+    while engine.has_unfinished_requests():
+        engine.step()
+    # Aborting frees the blocks at once, without waiting for another step.
+    assert pool.num_free_blocks == pool.num_blocks
+    assert not engine.core.scheduler.requests
+    engine.core.scheduler.check_invariants()
+
+
+def test_bad_sampling_params_are_clear() -> None:
+    with pytest.raises(SamplingParamsError) as info:
+        SamplingParams(top_p=1.5)
+    assert info.value.param == "top_p"
+    with pytest.raises(SamplingParamsError):
+        SamplingParams(temperature=-1)
+
+
+def test_max_model_len_above_model_limit_is_refused() -> None:
+    with pytest.raises(ConfigError, match="8192"):
+        LLM(max_model_len=100_000)
+
+
+def test_cli_generate(tiny_model_dir) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvserve", "generate", "--model", tiny_model_dir("llama"), "--prompt", "Hello",
+         "--max-tokens", "4", "--max-model-len", "128"],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr
+    llm = LLM(tiny_model_dir("llama"), max_model_len=128)
+    expected = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    assert proc.stdout == expected.outputs[0].text + "\n"
+
+
+def test_cli_reports_bad_model_path() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvserve", "generate", "--model", "/nonexistent/model", "--prompt", "x"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "/nonexistent/model" in proc.stderr

@@ -1,0 +1,210 @@
+"""Tiny random checkpoints built with HF Transformers' own classes: the oracle side of differential tests.
+
+`make_tiny_checkpoint(dir, variant)` writes a 2-layer model (hidden 64, 4 heads / 2 KV heads, intermediate
+128, the SmolLM2 tokenizer, vocab 49152) as `config.json` + `model.safetensors` + tokenizer files, and
+returns `dir`. Weights are drawn from a seeded generator (same variant + seed -> same bytes), with biases
+and norm weights randomised too so that loading them wrongly changes the output.
+
+`write_gguf(checkpoint_dir, gguf_path)` re-exports such a checkpoint as a GGUF file the way llama.cpp's
+converter lays it out (tensor names, metadata, and the q/k row permutation for the llama architecture), with
+float32 tensors, so a model loaded from it must reproduce the HF checkpoint's logits.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvserve.model.paths import default_model_path
+
+# variant -> (HF model_type, config overrides)
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("llama", {}),
+    # Llama 3.1 scaling with a short pre-training length so all three frequency bands (kept, divided,
+    # interpolated) occur at head_dim 16.
+    "llama3": (
+        "llama",
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    "qwen2": ("qwen2", {}),
+    # head_dim 32 != hidden / heads = 16: catches code deriving head_dim from hidden_size.
+    "qwen3": ("qwen3", {"head_dim": 32}),
+}
+
+_BASE_CONFIG: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
+
+
+@functools.lru_cache(maxsize=1)
+def smollm_tokenizer() -> Any:
+    """The default GGUF's tokenizer as HF Transformers loads it (about 4 s; built once per process)."""
+    from transformers import AutoTokenizer
+
+    gguf_path = default_model_path()
+    return AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
+
+
+@functools.lru_cache(maxsize=1)
+def smollm_tokenizer_dir() -> str:
+    """A directory holding `smollm_tokenizer()` saved with `save_pretrained` (written once per process)."""
+    out = tempfile.mkdtemp(prefix="kvserve-smollm-tokenizer-")
+    smollm_tokenizer().save_pretrained(out)
+    return out
+
+
+def make_tiny_checkpoint(directory: str, arch: str = "llama", seed: int = 0, **config_overrides: Any) -> str:
+    """Write a tiny random HF checkpoint of `arch` (a key of VARIANTS) into `directory`; returns it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, variant_overrides = VARIANTS[arch]
+    tokenizer_dir = smollm_tokenizer_dir()
+    tokenizer = smollm_tokenizer()
+    settings = {
+        **_BASE_CONFIG,
+        "vocab_size": len(tokenizer),
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        **variant_overrides,
+        **config_overrides,
+    }
+    config = AutoConfig.for_model(model_type, **settings)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model, seed)
+    os.makedirs(directory, exist_ok=True)
+    model.save_pretrained(directory)
+    for name in os.listdir(tokenizer_dir):
+        shutil.copy(os.path.join(tokenizer_dir, name), directory)
+    return directory
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Scale-aware random weights: logits of order 1, and no parameter left at a neutral value (HF inits
+    biases to 0 and norms to 1, which would hide a bias or norm weight that is not loaded)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            if "norm" in name:
+                param.copy_(1.0 + 0.2 * noise)
+            elif name.endswith(".bias"):
+                param.copy_(0.2 * noise)
+            elif "embed_tokens" in name:
+                param.copy_(noise)
+            else:
+                param.copy_(noise / param.shape[-1] ** 0.5)
+
+
+# ------------------------------------------------------------------------------------------------ GGUF
+
+_HF_TO_GGUF_BLOCK = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_HF_TO_GGUF_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+def _gguf_name(hf_name: str) -> str:
+    stem, kind = hf_name.rsplit(".", 1)
+    if stem in _HF_TO_GGUF_GLOBAL:
+        return f"{_HF_TO_GGUF_GLOBAL[stem]}.{kind}"
+    _, _, layer, rest = stem.split(".", 3)  # model.layers.N.<rest>
+    return f"blk.{layer}.{_HF_TO_GGUF_BLOCK[rest]}.{kind}"
+
+
+def _converter_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf's Llama q/k permutation: rotate-half rows -> interleaved pairs."""
+    return (
+        weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def write_gguf(checkpoint_dir: str, gguf_path: str, rope_freqs: list[float] | None = None) -> str:
+    """Re-export a tiny checkpoint (from `make_tiny_checkpoint`) as a float32 GGUF file; returns its path.
+
+    RoPE scaling has no GGUF metadata here: a scaled checkpoint needs `rope_freqs`, the per-frequency
+    divisors llama.cpp's converter writes as the `rope_freqs.weight` tensor in its place.
+    """
+    import gguf
+    from safetensors.numpy import load_file
+
+    with open(os.path.join(checkpoint_dir, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    arch = cfg["model_type"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    rope = cfg.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default" and rope_freqs is None:
+        raise ValueError("a checkpoint with RoPE scaling needs rope_freqs")
+
+    writer = gguf.GGUFWriter(gguf_path, arch)
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_vocab_size(cfg["vocab_size"])
+    writer.add_bos_token_id(cfg["bos_token_id"])
+    writer.add_eos_token_id(cfg["eos_token_id"])
+
+    tensors: dict[str, np.ndarray] = {}
+    for file in sorted(os.listdir(checkpoint_dir)):
+        if file.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(checkpoint_dir, file)))
+    for hf_name, value in sorted(tensors.items()):
+        value = value.astype(np.float32)
+        if arch == "llama" and ".self_attn.q_proj." in hf_name:
+            value = _converter_permute(value, heads)
+        elif arch == "llama" and ".self_attn.k_proj." in hf_name:
+            value = _converter_permute(value, kv_heads)
+        writer.add_tensor(_gguf_name(hf_name), np.ascontiguousarray(value))
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return gguf_path

@@ -1,0 +1,242 @@
+"""Kernel tests run the Triton kernels compiled on a CUDA GPU, or under Triton's interpreter on CPU.
+
+`@triton.jit` decides at decoration time (module import) whether a function is compiled or interpreted, from
+`TRITON_INTERPRET` (triton 3.9 reads it through `triton.knobs.runtime.interpret`, which looks at the
+environment on each access). That applies to triton's own @jit library functions too (tl.sum, tl.max, tl.cdiv,
+decorated when `triton.language` is imported). So this file sets it at import, before the test modules
+import triton, and if something imported triton or a kernel module earlier, it re-runs those decorators by
+reloading the modules (a reload re-executes the module in the same namespace, so functions imported from
+those modules earlier see the re-decorated kernels too). The kernel modules themselves cache nothing that
+depends on the mode.
+
+The interpreter runs each program in numpy: keep shapes small. It does not support bfloat16 (stored as uint16:
+`tl.dot` multiplies the raw bits, fp32 -> bf16 casts truncate instead of rounding to nearest even; triton's
+debugging guide says to cast bf16 to fp32 first), so bf16 cases run only on a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from types import ModuleType
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _redecorate_triton_library() -> None:
+    """Re-run the decorators of triton's own @jit library functions (tl.sum, tl.max, tl.cdiv, ...).
+
+    Needed only when something imported triton before this file set TRITON_INTERPRET: those functions were
+    then compiled-mode JITFunctions, which an interpreted kernel cannot call.
+    """
+    import triton.language as tl
+    from triton.runtime.jit import JITFunction
+
+    stale = {name: value for name, value in vars(tl).items() if isinstance(value, JITFunction)}
+    for module_name in sorted({value.fn.__module__ for value in stale.values()}):
+        importlib.reload(sys.modules[module_name])
+    for name, value in stale.items():
+        setattr(tl, name, getattr(sys.modules[value.fn.__module__], value.fn.__name__))
+    leftover = [name for name, value in vars(tl).items() if isinstance(value, JITFunction)]
+    assert not leftover, f"triton.language functions still compiled-mode after reload: {leftover}"
+
+
+if INTERPRET and "triton.language" in sys.modules:
+    _redecorate_triton_library()
+# Kernel modules imported before this point were decorated for compilation: decorate them again.
+for _name in [m for m in sys.modules if m.startswith("kvserve.kernels.triton_")]:
+    importlib.reload(sys.modules[_name])
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    """Where kernel inputs live: the GPU when kernels compile, the CPU under the interpreter."""
+    if INTERPRET:
+        return torch.device("cpu")
+    if not CUDA:
+        pytest.skip("no CUDA GPU and TRITON_INTERPRET is not 1: Triton kernels cannot run")
+    return torch.device("cuda")
+
+
+@pytest.fixture
+def skip_bf16_on_interpreter() -> Callable[[torch.dtype], None]:
+    """Call with the test's dtype: bfloat16 runs only on a GPU (see the module docstring)."""
+
+    def check(dtype: torch.dtype) -> None:
+        if dtype == torch.bfloat16 and INTERPRET:
+            pytest.skip(
+                "the Triton interpreter does not support bfloat16 (tl.dot on raw bits, truncating casts)"
+            )
+
+    return check
+
+
+class _PoisoningTorch:
+    """Stands in for `torch` inside a kernel module: every float tensor it allocates starts as NaN.
+
+    A kernel that leaves part of an output (or a scratch buffer it later reads) unwritten then fails the
+    element-wise comparison, whatever the allocator happened to hand back.
+    """
+
+    def __init__(self) -> None:
+        self._torch = torch
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._torch, name)
+
+    @staticmethod
+    def _poison(t: torch.Tensor) -> torch.Tensor:
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    def empty(self, *args: object, **kwargs: object) -> torch.Tensor:
+        return self._poison(torch.empty(*args, **kwargs))
+
+    def empty_like(self, *args: object, **kwargs: object) -> torch.Tensor:
+        return self._poison(torch.empty_like(*args, **kwargs))
+
+
+@pytest.fixture
+def poison_allocations(monkeypatch: pytest.MonkeyPatch) -> Callable[[ModuleType], None]:
+    """Call with a kernel module to make its torch.empty / torch.empty_like return NaN-filled tensors."""
+
+    def apply(module: ModuleType) -> None:
+        monkeypatch.setattr(module, "torch", _PoisoningTorch())
+
+    return apply
+
+
+# ------------------------------------------------------------------- ahead-of-time compile for Hopper
+
+_TRITON_TYPES = {
+    torch.float32: "fp32",
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.int32: "i32",
+    torch.int64: "i64",
+}
+
+
+class _LaunchRecorder:
+    """Replaces a kernel in its module: `kernel[grid](*args, **kwargs)` is recorded, not run."""
+
+    def __init__(self, kernel: object) -> None:
+        self.kernel = kernel
+        self.launches: list[tuple[tuple[object, ...], dict[str, object]]] = []
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
+        def launch(*args: object, **kwargs: object) -> None:
+            self.launches.append((args, kwargs))
+
+        return launch
+
+
+def _launch_spec(
+    module: ModuleType, name: str, kernel: object, args: tuple[object, ...], kwargs: dict
+) -> dict:
+    """What the JIT would specialise one launch on: argument types, constexprs, 16-divisibility, options."""
+    params = list(inspect.signature(kernel.fn).parameters.values())
+    kwargs = dict(kwargs)
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    bound = dict(zip([p.name for p in params], args, strict=False))  # constexprs come as kwargs
+    bound.update(kwargs)
+    signature: dict[str, str] = {}
+    constexprs: dict[str, object] = {}
+    divisible: list[int] = []
+    for i, param in enumerate(params):
+        value = bound[param.name]
+        if param.annotation in ("tl.constexpr", "constexpr") or "constexpr" in str(param.annotation):
+            signature[param.name] = "constexpr"
+            constexprs[param.name] = value
+        elif isinstance(value, torch.Tensor):
+            signature[param.name] = "*" + _TRITON_TYPES[value.dtype]
+            if value.data_ptr() % 16 == 0:
+                divisible.append(i)
+        elif isinstance(value, float):
+            signature[param.name] = "fp32"
+        elif isinstance(value, int):
+            signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            if value % 16 == 0:
+                divisible.append(i)
+        else:
+            raise TypeError(f"cannot type argument {param.name}={value!r}")
+    return dict(
+        module=module.__name__,
+        kernel=name,
+        signature=signature,
+        constexprs=constexprs,
+        divisible=divisible,
+        options=options,
+    )
+
+
+# Runs in a fresh interpreter without TRITON_INTERPRET: once the interpreter is on, triton's own jit helpers
+# (tl.cdiv, tl.sigmoid, ...) are interpreted functions that the compiler cannot inline.
+_COMPILE_SCRIPT = """
+import json, sys
+import importlib
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+results = []
+for spec in json.load(sys.stdin):
+    kernel = getattr(importlib.import_module(spec["module"]), spec["kernel"])
+    attrs = {(i,): [["tt.divisibility", 16]] for i in spec["divisible"]}
+    source = ASTSource(kernel, spec["signature"], spec["constexprs"], attrs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=spec["options"])
+    results.append({"kernel": spec["kernel"], "shared_bytes": compiled.metadata.shared})
+print(json.dumps(results))
+"""
+
+
+class HopperCompiler:
+    """Records kernel launches made by launcher calls, then compiles them all for sm_90 in one subprocess
+    (no GPU needed: triton ships ptxas). Catches what the interpreter lets through: type and layout errors,
+    unsupported ops, shared memory over the limit."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self._monkeypatch = monkeypatch
+        self.specs: list[dict] = []
+
+    def record(self, module: ModuleType, kernel_names: list[str], call: Callable[[], object]) -> None:
+        recorders = {name: _LaunchRecorder(getattr(module, name)) for name in kernel_names}
+        with self._monkeypatch.context() as patch:
+            for name, recorder in recorders.items():
+                patch.setattr(module, name, recorder)
+            call()
+        for name, recorder in recorders.items():
+            assert recorder.launches, f"{name} was never launched"
+            self.specs += [_launch_spec(module, name, recorder.kernel, a, k) for a, k in recorder.launches]
+
+    def compile_all(self) -> list[dict]:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences triton 3.9's default-change warning
+        result = subprocess.run(
+            [sys.executable, "-c", _COMPILE_SCRIPT],
+            input=json.dumps(self.specs),
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=600,
+        )
+        assert result.returncode == 0, result.stderr[-4000:]
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def hopper_compiler(monkeypatch: pytest.MonkeyPatch) -> HopperCompiler:
+    if not INTERPRET:
+        pytest.skip("the kernels run compiled on this machine; the ahead-of-time check is for CPU-only runs")
+    pytest.importorskip("triton.backends.nvidia", reason="triton without its NVIDIA backend")
+    return HopperCompiler(monkeypatch)

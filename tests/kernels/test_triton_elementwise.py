@@ -1,0 +1,164 @@
+"""Triton rms_norm, rotary_embedding and silu_and_mul against the torch reference.
+
+Outputs are allocated by the kernels' launchers; `poison_allocations` makes those allocations start as
+NaN, so an element a kernel leaves unwritten fails the comparison.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kvserve.kernels import reference, triton_elementwise  # noqa: E402
+from kvserve.kernels.triton_elementwise import rms_norm, rotary_embedding, silu_and_mul  # noqa: E402
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# The kernels round to the activation dtype at the same steps as the reference, so they agree to within two
+# ulps: fp32 intrinsics (rsqrt, exp) may differ from torch's in the last fp32 bit and flip one intermediate
+# rounding, which the final rounding can at most double.
+TWO_ULPS = {
+    torch.float32: dict(atol=1e-6, rtol=2**-21),
+    torch.float16: dict(atol=1e-5, rtol=2**-9),
+    torch.bfloat16: dict(atol=1e-4, rtol=2**-6),
+}
+
+
+@pytest.fixture(autouse=True)
+def _poison(poison_allocations):
+    poison_allocations(triton_elementwise)
+
+
+def randn(*shape: int, dtype: torch.dtype, device: torch.device, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device=device, dtype=dtype)
+
+
+# ------------------------------------------------------------------------------------------ rms_norm
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("hidden", [96, 576])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+def test_rms_norm_matches_reference(dtype, hidden, with_residual, device, skip_bf16_on_interpreter):
+    skip_bf16_on_interpreter(dtype)
+    x = randn(7, hidden, dtype=dtype, device=device) * 3
+    weight = randn(hidden, dtype=dtype, device=device, seed=1)
+    residual = randn(7, hidden, dtype=dtype, device=device, seed=2) if with_residual else None
+    x_before = x.clone()
+    out, new_residual = rms_norm(x, weight, 1e-5, residual)
+    expected_out, expected_residual = reference.rms_norm(x, weight, 1e-5, residual)
+    assert out.dtype == expected_out.dtype and new_residual.dtype == expected_residual.dtype
+    torch.testing.assert_close(out, expected_out, **TWO_ULPS[dtype])
+    torch.testing.assert_close(new_residual, expected_residual, **TWO_ULPS[dtype])
+    assert torch.equal(x, x_before)
+    if not with_residual:
+        assert new_residual is x  # as the reference: no copy
+
+
+def test_rms_norm_takes_views_leading_dims_and_fp32_weight(device):
+    """qk-norm shape [tokens, heads, head_dim]; x a strided view; fp32 weight promotes the output."""
+    wide = randn(5, 4, 128, dtype=torch.float16, device=device)
+    x = wide[:, 1:3, :64]  # non-contiguous rows
+    weight = randn(64, dtype=torch.float32, device=device, seed=1)
+    out, new_residual = rms_norm(x, weight, 1e-6)
+    expected, _ = reference.rms_norm(x, weight, 1e-6)
+    assert out.shape == x.shape and out.dtype == torch.float32
+    # The norm is rounded to x's dtype before the fp32 weight multiply: fp16 precision.
+    torch.testing.assert_close(out, expected, **TWO_ULPS[torch.float16])
+    assert new_residual is x
+
+
+def test_rms_norm_rejects_mismatched_residual(device):
+    x = randn(3, 64, dtype=torch.float16, device=device)
+    with pytest.raises(AssertionError, match="residual must match x"):
+        rms_norm(x, randn(64, dtype=torch.float16, device=device), 1e-6, x.float())
+
+
+# ------------------------------------------------------------------------------------------- rotary
+
+
+def cos_sin_cache(max_position: int, head_dim: int, theta: float = 1e5) -> torch.Tensor:
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (7, 1, 128)])
+def test_rotary_embedding_matches_reference(
+    dtype, num_heads, num_kv_heads, head_dim, device, skip_bf16_on_interpreter
+):
+    """query/key as views into a fused QKV output (token stride > heads * head_dim)."""
+    skip_bf16_on_interpreter(dtype)
+    num_tokens = 6
+    qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, device=device)
+    query = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    key = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(
+        num_tokens, num_kv_heads, head_dim
+    )
+    positions = torch.tensor([0, 1, 17, 4095, 2, 300], dtype=torch.int64, device=device)
+    cache = cos_sin_cache(4096, head_dim).to(device)
+    qkv_before = qkv.clone()
+    q_out, k_out = rotary_embedding(positions, query, key, cache)
+    q_expected, k_expected = reference.rotary_embedding(positions, query, key, cache)
+    torch.testing.assert_close(q_out, q_expected, **TWO_ULPS[dtype])
+    torch.testing.assert_close(k_out, k_expected, **TWO_ULPS[dtype])
+    assert torch.equal(qkv, qkv_before)
+
+
+def test_rotary_embedding_position_zero_is_identity(device):
+    query = randn(2, 4, 64, dtype=torch.float32, device=device)
+    key = randn(2, 2, 64, dtype=torch.float32, device=device, seed=1)
+    positions = torch.zeros(2, dtype=torch.int64, device=device)
+    q_out, k_out = rotary_embedding(positions, query, key, cos_sin_cache(8, 64).to(device))
+    assert torch.equal(q_out, query) and torch.equal(k_out, key)
+
+
+def test_rotary_embedding_rejects_wrong_cache_width(device):
+    query = randn(2, 4, 64, dtype=torch.float32, device=device)
+    with pytest.raises(AssertionError, match="cos_sin_cache must be"):
+        rotary_embedding(
+            torch.zeros(2, dtype=torch.int64, device=device), query, query, cos_sin_cache(8, 128).to(device)
+        )
+
+
+# ------------------------------------------------------------------------------------- silu_and_mul
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d", [40, 1500])  # 1500: two column blocks, the second partial
+def test_silu_and_mul_matches_reference(dtype, d, device, skip_bf16_on_interpreter):
+    skip_bf16_on_interpreter(dtype)
+    x = randn(5, 2 * d, dtype=dtype, device=device) * 4
+    out = silu_and_mul(x)
+    torch.testing.assert_close(out, reference.silu_and_mul(x), **TWO_ULPS[dtype])
+
+
+def test_silu_and_mul_takes_a_strided_view(device):
+    wide = randn(3, 300, dtype=torch.float32, device=device)
+    x = wide[:, :200]
+    torch.testing.assert_close(silu_and_mul(x), reference.silu_and_mul(x), **TWO_ULPS[torch.float32])
+
+
+def test_elementwise_kernels_compile_for_hopper(device, hopper_compiler):
+    hidden, num_heads, num_kv_heads, head_dim, intermediate = 3584, 28, 4, 128, 18944  # Qwen2.5-7B
+    for dtype in (torch.bfloat16, torch.float16):
+        x = randn(2, hidden, dtype=dtype, device=device)
+        weight = randn(hidden, dtype=dtype, device=device)
+        query = randn(2, num_heads, head_dim, dtype=dtype, device=device)
+        key = randn(2, num_kv_heads, head_dim, dtype=dtype, device=device)
+        positions = torch.zeros(2, dtype=torch.int64, device=device)
+        cache = cos_sin_cache(4, head_dim).to(device)
+        gate_up = randn(2, 2 * intermediate, dtype=dtype, device=device)
+        module = triton_elementwise
+        hopper_compiler.record(module, ["_rms_norm_kernel"], partial(rms_norm, x, weight, 1e-6))
+        hopper_compiler.record(module, ["_rms_norm_kernel"], partial(rms_norm, x, weight, 1e-6, x))
+        hopper_compiler.record(
+            module, ["_rotary_kernel"], partial(rotary_embedding, positions, query, key, cache)
+        )
+        hopper_compiler.record(module, ["_silu_and_mul_kernel"], partial(silu_and_mul, gate_up))
+    for result in hopper_compiler.compile_all():
+        assert result["shared_bytes"] <= 227 * 1024, result

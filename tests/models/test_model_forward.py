@@ -1,0 +1,227 @@
+"""Differential tests of the model against HF Transformers in float32 on the CPU.
+
+The oracle is HF's own implementation of each architecture (tiny random checkpoints built with HF's classes,
+and HF's GGUF loader for the default model). Paged-attention layouts that must not change the output
+(non-contiguous block ids, chunked prefill, batching with other requests) are checked against it too.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+from helpers import RequestSlice, make_kv_caches, run_model
+from helpers.tiny_models import write_gguf
+
+from kvserve.config import ModelConfig
+from kvserve.model.arch import load_arch_config
+from kvserve.model.loader import load_model
+from kvserve.model.registry import CausalLM
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 12
+# HF and kvserve run the same float32 ops in the same order except for fused matmuls and the attention
+# gather, so they agree to a few ulps of the logits' magnitude (order 1-10).
+ATOL = 1e-4
+RTOL = 1e-5
+VARIANTS = ["llama", "llama3", "llama-tied", "qwen2", "qwen3"]
+
+PROMPT = "The quick brown fox jumps over the lazy dog while the old cat sleeps on a warm mat by the door."
+OTHER_PROMPT = "Paged attention stores keys in blocks."
+
+
+def _load_ours(path: str) -> CausalLM:
+    arch = load_arch_config(path)
+    max_len = arch.max_position_embeddings
+    config = ModelConfig(model=path, tokenizer=path, dtype="float32", max_model_len=max_len)
+    return load_model(config, torch.device("cpu"))
+
+
+def _hf_logits(hf_model: Any, token_ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf_model(torch.tensor([token_ids])).logits[0].float()
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tiny_model_dir: Callable[..., str]) -> Callable[[str], tuple[CausalLM, Any]]:
+    """variant -> (our model, HF model) of the same tiny checkpoint, loaded once per module."""
+    from transformers import AutoModelForCausalLM
+
+    cache: dict[str, tuple[CausalLM, Any]] = {}
+
+    def get(variant: str) -> tuple[CausalLM, Any]:
+        if variant not in cache:
+            path = tiny_model_dir(variant)
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+            cache[variant] = (_load_ours(path), hf.eval())
+        return cache[variant]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(smollm_tokenizer: Any) -> list[int]:
+    ids = smollm_tokenizer(PROMPT).input_ids
+    # Two blocks, the second one partial: the test exercises a block boundary and a partial block.
+    assert BLOCK_SIZE < len(ids) < 2 * BLOCK_SIZE
+    return ids
+
+
+@pytest.fixture(scope="module")
+def other_ids(smollm_tokenizer: Any) -> list[int]:
+    ids = smollm_tokenizer(OTHER_PROMPT).input_ids
+    assert len(ids) < BLOCK_SIZE
+    return ids
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_prompt_logits_match_hf(variant: str, tiny_pair: Callable, prompt_ids: list[int]) -> None:
+    ours, hf = tiny_pair(variant)
+    caches = make_kv_caches(ours.arch, NUM_BLOCKS, BLOCK_SIZE)
+    # Out-of-order, non-contiguous blocks: position 0 lives in block 9, position 16 in block 4.
+    request = RequestSlice(block_ids=(9, 4), num_cached_tokens=0, num_new_tokens=len(prompt_ids))
+    [logits] = run_model(ours, [request], [prompt_ids], caches, BLOCK_SIZE)
+    expected = _hf_logits(hf, prompt_ids)
+    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=RTOL)
+    # The cache holds K/V only where the block table points.
+    untouched = [b for b in range(NUM_BLOCKS) if b not in (9, 4)]
+    assert not caches[0][:, untouched].any()
+    assert caches[0][:, 4, : len(prompt_ids) - BLOCK_SIZE].abs().sum() > 0
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_chunked_prefill_reads_cached_kv(variant: str, tiny_pair: Callable, prompt_ids: list[int]) -> None:
+    ours, hf = tiny_pair(variant)
+    caches = make_kv_caches(ours.arch, NUM_BLOCKS, BLOCK_SIZE)
+    split = 12  # inside the first block: the second chunk fills it, then starts the next one
+    n = len(prompt_ids)
+    [first] = run_model(ours, [RequestSlice((3, 7), 0, split)], [prompt_ids], caches, BLOCK_SIZE)
+    [second] = run_model(ours, [RequestSlice((3, 7), split, n - split)], [prompt_ids], caches, BLOCK_SIZE)
+    expected = _hf_logits(hf, prompt_ids)
+    torch.testing.assert_close(torch.cat([first, second]), expected, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_batch_equals_each_request_alone(
+    variant: str, tiny_pair: Callable, prompt_ids: list[int], other_ids: list[int]
+) -> None:
+    ours, hf = tiny_pair(variant)
+    long_req = RequestSlice((6, 1), 0, len(prompt_ids))
+    short_req = RequestSlice((10,), 0, len(other_ids))
+    alone = [
+        run_model(ours, [req], [ids], make_kv_caches(ours.arch, NUM_BLOCKS, BLOCK_SIZE), BLOCK_SIZE)[0]
+        for req, ids in ((long_req, prompt_ids), (short_req, other_ids))
+    ]
+    caches = make_kv_caches(ours.arch, NUM_BLOCKS, BLOCK_SIZE)
+    # Shorter request first so its tokens are not simply a prefix of the flat batch.
+    batched = run_model(ours, [short_req, long_req], [other_ids, prompt_ids], caches, BLOCK_SIZE)
+    torch.testing.assert_close(batched[0], alone[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(batched[1], alone[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(batched[1], _hf_logits(hf, prompt_ids), atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen3"])
+def test_decode_mixed_with_prefill_matches_hf(
+    variant: str, tiny_pair: Callable, prompt_ids: list[int], other_ids: list[int]
+) -> None:
+    """One request decodes (1 new token over 16+ cached) while another prefills, in one step."""
+    ours, hf = tiny_pair(variant)
+    caches = make_kv_caches(ours.arch, NUM_BLOCKS, BLOCK_SIZE)
+    n = len(prompt_ids)
+    run_model(ours, [RequestSlice((8, 2), 0, n - 1)], [prompt_ids], caches, BLOCK_SIZE)
+    decode, prefill = run_model(
+        ours,
+        [RequestSlice((8, 2), n - 1, 1), RequestSlice((5,), 0, len(other_ids))],
+        [prompt_ids, other_ids],
+        caches,
+        BLOCK_SIZE,
+    )
+    torch.testing.assert_close(decode[0], _hf_logits(hf, prompt_ids)[-1], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(prefill, _hf_logits(hf, other_ids), atol=ATOL, rtol=RTOL)
+
+
+# ------------------------------------------------------------------------------------------------ GGUF
+
+
+@pytest.mark.parametrize("variant", ["llama", "llama-tied", "qwen2", "qwen3"])
+def test_gguf_export_reproduces_hf_checkpoint(
+    variant: str,
+    tiny_model_dir: Callable,
+    tiny_gguf_path: Callable,
+    tiny_pair: Callable,
+    prompt_ids: list[int],
+) -> None:
+    """A float32 GGUF of a tiny checkpoint, laid out as llama.cpp's converter writes it (tensor names,
+    metadata, Llama's permuted q/k rows), loads into the same model as the HF checkpoint."""
+    gguf_path = tiny_gguf_path(variant)
+    from_gguf = load_arch_config(gguf_path)
+    from_hf = load_arch_config(tiny_model_dir(variant))
+    # GGUF stores eps as float32.
+    assert from_gguf.rms_norm_eps == pytest.approx(from_hf.rms_norm_eps, rel=1e-6)
+    assert replace(from_gguf, rms_norm_eps=from_hf.rms_norm_eps) == from_hf
+
+    ours = _load_ours(gguf_path)
+    _, hf = tiny_pair(variant)
+    caches = make_kv_caches(ours.arch, NUM_BLOCKS, BLOCK_SIZE)
+    [logits] = run_model(ours, [RequestSlice((2, 0), 0, len(prompt_ids))], [prompt_ids], caches, BLOCK_SIZE)
+    torch.testing.assert_close(logits, _hf_logits(hf, prompt_ids), atol=ATOL, rtol=RTOL)
+
+
+def test_gguf_rope_freqs_divide_frequencies(
+    tmp_path: Any, tiny_model_dir: Callable, prompt_ids: list[int]
+) -> None:
+    """llama.cpp stores Llama 3 style scaling as `rope_freqs` divisors; divisors all equal to 8 are HF's
+    linear scaling with factor 8 (which divides every inverse frequency by 8)."""
+    from transformers import AutoModelForCausalLM
+
+    linear = {"rope_type": "linear", "factor": 8.0, "rope_theta": 10000.0}
+    checkpoint = tiny_model_dir("llama", rope_parameters=linear)
+    head_dim = load_arch_config(checkpoint).head_dim
+    gguf_path = write_gguf(checkpoint, str(tmp_path / "freqs.gguf"), rope_freqs=[8.0] * (head_dim // 2))
+    ours = _load_ours(gguf_path)
+    assert ours.arch.rope_scaling is None and ours.arch.rope_freq_factors == (8.0,) * (head_dim // 2)
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation="eager")
+    caches = make_kv_caches(ours.arch, NUM_BLOCKS, BLOCK_SIZE)
+    [logits] = run_model(ours, [RequestSlice((1, 3), 0, len(prompt_ids))], [prompt_ids], caches, BLOCK_SIZE)
+    torch.testing.assert_close(logits, _hf_logits(hf.eval(), prompt_ids), atol=ATOL, rtol=RTOL)
+
+
+@pytest.fixture(scope="module")
+def default_gguf_model(default_gguf_path: str) -> CausalLM:
+    return _load_ours(default_gguf_path)
+
+
+@pytest.mark.parametrize(
+    "prompt", ["The capital of France is", "请用一句话介绍一下长城。"], ids=["english", "chinese"]
+)
+def test_default_gguf_matches_hf_gguf_loader(
+    prompt: str, default_gguf_model: CausalLM, hf_gguf_model: Any, smollm_tokenizer: Any
+) -> None:
+    """SmolLM2 Q4_1/Q8_0: same dequantized weights and Llama q/k un-permutation as HF's GGUF loader."""
+    messages = [{"role": "user", "content": prompt}]
+    text = smollm_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = smollm_tokenizer(text, add_special_tokens=False).input_ids
+    assert len(ids) > BLOCK_SIZE
+    arch = default_gguf_model.arch
+    num_blocks = -(-len(ids) // BLOCK_SIZE)
+    caches = make_kv_caches(arch, num_blocks + 2, BLOCK_SIZE)
+    block_ids = tuple(reversed(range(2, num_blocks + 2)))
+    request = RequestSlice(block_ids, 0, len(ids))
+    [logits] = run_model(default_gguf_model, [request], [ids], caches, BLOCK_SIZE)
+    expected = _hf_logits(hf_gguf_model, ids)
+    torch.testing.assert_close(logits[-1], expected[-1], atol=1e-3, rtol=1e-4)
+    assert int(logits[-1].argmax()) == int(expected[-1].argmax())
+
+
+def test_default_gguf_arch_config(default_gguf_path: str) -> None:
+    """The facts of the shipped model, as its model card states them (independent of our reading code)."""
+    arch = load_arch_config(default_gguf_path)
+    assert os.path.basename(default_gguf_path) == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert (arch.architecture, arch.num_hidden_layers, arch.hidden_size) == ("LlamaForCausalLM", 30, 576)
+    assert (arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim) == (9, 3, 64)
+    assert (arch.vocab_size, arch.rope_theta, arch.tie_word_embeddings) == (49152, 100000.0, True)
+    assert arch.max_position_embeddings == 8192 and arch.eos_token_ids == (2,)

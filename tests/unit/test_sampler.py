@@ -1,0 +1,396 @@
+"""Sampler: each step checked against a hand computation, sampling checked by its support and frequencies."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvserve.layers.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingRow,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+    apply_top_k_top_p_min_p,
+    make_generator,
+    token_counts,
+)
+from kvserve.protocol.sampling_params import SamplingParams
+
+VOCAB = 32
+CPU = torch.device("cpu")
+
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")]
+    ),
+]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> torch.device:
+    return torch.device(request.param)
+
+
+def row(params: SamplingParams, prompt=(), output=(), generator=None) -> SamplingRow:
+    return SamplingRow(
+        params=params, prompt_token_ids=list(prompt), output_token_ids=list(output), generator=generator
+    )
+
+
+def probs_to_logits(probs: list[float]) -> torch.Tensor:
+    """Logits whose softmax is `probs` (zeros become -inf)."""
+    return torch.tensor([math.log(p) if p > 0 else float("-inf") for p in probs], dtype=torch.float32)
+
+
+def draw_many(
+    logits_row: torch.Tensor,
+    params: SamplingParams,
+    num_draws: int,
+    seed: int = 0,
+    device: torch.device = CPU,
+) -> torch.Tensor:
+    """Sample `num_draws` times from one distribution in a single batched call (result on the CPU)."""
+    sampler = Sampler(seed=seed)
+    logits = logits_row.unsqueeze(0).repeat(num_draws, 1).to(device)
+    out = sampler(logits, [row(params)] * num_draws, eos_token_ids=[]).sampled_token_ids
+    assert out.device == logits.device
+    return out.cpu()
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow], device: torch.device, eos=()) -> SamplerOutput:
+    """One sampler call on `device` with CPU-made logits; every output tensor back on the CPU."""
+    logits_on_device = logits.to(device)
+    before = logits_on_device.clone()
+    out = Sampler()(logits_on_device, rows, list(eos))
+    assert torch.equal(logits_on_device, before), "the sampler modified the caller's logits"
+    assert out.sampled_token_ids.device.type == device.type
+    assert out.sampled_token_ids.dtype == torch.int64
+    fields = (out.sampled_token_ids, out.logprobs, out.logprob_token_ids, out.sampled_ranks)
+    return SamplerOutput(*(None if t is None else t.cpu() for t in fields))
+
+
+# ------------------------------------------------------------------------------------------------ greedy
+
+
+def test_greedy_is_argmax(device):
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(7, VOCAB, generator=gen)
+    out = sample(logits, [row(SamplingParams(temperature=0.0))] * 7, device, eos=[0])
+    assert torch.equal(out.sampled_token_ids, logits.argmax(dim=1))
+    assert out.logprobs is None and out.logprob_token_ids is None and out.sampled_ranks is None
+
+
+def test_mixed_batch_greedy_rows_stay_argmax(device):
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(6, VOCAB, generator=gen)
+    rows = [row(SamplingParams(temperature=0.0 if i % 2 == 0 else 1.0)) for i in range(6)]
+    out = sample(logits, rows, device)
+    assert torch.equal(out.sampled_token_ids[0::2], logits[0::2].argmax(dim=1))
+
+
+# ------------------------------------------------------------------------------------------------ seeds
+
+
+def test_same_seed_same_tokens_across_calls(device):
+    gen = torch.Generator().manual_seed(3)
+    steps = [torch.randn(1, VOCAB, generator=gen).to(device) for _ in range(20)]
+    params = SamplingParams(temperature=1.0, seed=1234)
+
+    def run() -> list[int]:
+        generator = make_generator(1234, device)
+        sampler = Sampler(seed=99)
+        return [int(sampler(lg, [row(params, generator=generator)], []).sampled_token_ids[0]) for lg in steps]
+
+    first, second = run(), run()
+    assert first == second
+    assert len(set(first)) > 1  # really sampling, not degenerate
+
+
+def test_seeded_row_independent_of_batch_and_position(device):
+    gen = torch.Generator().manual_seed(4)
+    num_steps = 30
+    target_logits = [torch.randn(VOCAB, generator=gen) for _ in range(num_steps)]
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
+
+    # Alone.
+    generator = make_generator(7, device)
+    sampler = Sampler(seed=0)
+    alone = [
+        int(sampler(lg.unsqueeze(0).to(device), [row(params, generator=generator)], []).sampled_token_ids[0])
+        for lg in target_logits
+    ]
+
+    # In a batch of 6 whose other rows (seeded and unseeded, greedy and not) change every step, and
+    # with the target row at a different position each step.
+    generator = make_generator(7, device)
+    other_gens = [make_generator(100 + i, device) for i in range(5)]
+    sampler = Sampler(seed=12345)
+    in_batch = []
+    for step, lg in enumerate(target_logits):
+        position = step % 6
+        others = [
+            row(SamplingParams(temperature=1.0, seed=100 + i), generator=other_gens[i])
+            if i % 2
+            else row(SamplingParams(temperature=0.0 if i == 4 else 1.5, top_k=3 if i == 2 else 0))
+            for i in range(5)
+        ]
+        rows = others[:position] + [row(params, generator=generator)] + others[position:]
+        logits = torch.randn(6, VOCAB, generator=gen)
+        logits[position] = lg
+        in_batch.append(int(sampler(logits.to(device), rows, []).sampled_token_ids[position]))
+    assert alone == in_batch
+    assert len(set(alone)) > 1
+
+
+# ------------------------------------------------------------------------------------------------ filters
+
+
+def test_top_k_support(device):
+    probs = [0.05, 0.3, 0.1, 0.25, 0.2, 0.1]
+    draws = draw_many(probs_to_logits(probs), SamplingParams(temperature=1.0, top_k=3), 3000, device=device)
+    assert set(draws.tolist()) == {1, 3, 4}
+
+
+def test_top_p_support(device):
+    # Sorted: 1 (0.4), 3 (0.3), 4 (0.15), 2 (0.1), 0 (0.05). Mass before 4 is 0.7 < 0.75 (kept), before
+    # 2 it is 0.85 (dropped).
+    probs = [0.05, 0.4, 0.1, 0.3, 0.15]
+    draws = draw_many(
+        probs_to_logits(probs), SamplingParams(temperature=1.0, top_p=0.75), 3000, device=device
+    )
+    assert set(draws.tolist()) == {1, 3, 4}
+
+
+def test_top_p_always_keeps_top_token(device):
+    probs = [0.1, 0.6, 0.3]
+    draws = draw_many(probs_to_logits(probs), SamplingParams(temperature=1.0, top_p=0.01), 500, device=device)
+    assert set(draws.tolist()) == {1}
+
+
+def test_min_p_support(device):
+    # p_max = 0.4, min_p = 0.3 -> threshold 0.12: tokens 0 (0.05) and 2 (0.1) are dropped.
+    probs = [0.05, 0.4, 0.1, 0.3, 0.15]
+    draws = draw_many(probs_to_logits(probs), SamplingParams(temperature=1.0, min_p=0.3), 3000, device=device)
+    assert set(draws.tolist()) == {1, 3, 4}
+
+
+def test_top_k_top_p_min_p_functions_exact(device):
+    logits = torch.stack(
+        [
+            probs_to_logits([0.05, 0.4, 0.1, 0.3, 0.15]),
+            probs_to_logits([0.2, 0.2, 0.2, 0.2, 0.2]),
+            probs_to_logits([0.5, 0.25, 0.125, 0.0625, 0.0625]),
+        ]
+    )
+    neg = float("-inf")
+
+    def on(*values):
+        return torch.tensor(values).to(device)
+
+    # Row 0: top-k 4 drops token 0; renormalised [_, .421, .105, .316, .158]; top-p 0.7: mass before
+    # token 3 is .421 (kept), before token 4 .737 (dropped). Row 1: ties at the k-th logit are all kept.
+    # Row 2: everything off.
+    out = apply_top_k_top_p(logits.to(device), on(4, 2, 0), on(0.7, 1.0, 1.0)).cpu()
+    assert torch.isinf(out[0]).tolist() == [True, False, True, False, True]
+    assert torch.equal(out[0, [1, 3]], logits[0, [1, 3]])
+    assert torch.equal(out[1], logits[1])
+    assert torch.equal(out[2], logits[2])
+
+    out = apply_min_p(logits.to(device), on(0.3, 0.5, 0.2)).cpu()
+    # Row 2: threshold 0.1 drops 0.0625 twice.
+    assert torch.equal(out[2], torch.tensor([logits[2, 0], logits[2, 1], logits[2, 2], neg, neg]))
+    assert torch.equal(out[1], logits[1])
+    assert torch.isinf(out[0]).tolist() == [True, False, True, False, False]
+
+    combined = apply_top_k_top_p_min_p(logits.to(device), on(0, 0, 2), on(1.0, 1.0, 1.0), on(0.0, 0.0, 0.6))
+    # Row 2: top-k 2 keeps 0 and 1; min-p 0.6 then drops 1 (0.25 < 0.3).
+    assert torch.isinf(combined[2]).tolist() == [False, True, True, True, True]
+    assert torch.equal(combined[:2].cpu(), logits[:2])
+
+
+def test_allowed_tokens_are_drawn_with_right_frequencies(device):
+    probs = [0.5, 0.3, 0.2]
+    num_draws = 6000
+    draws = draw_many(
+        probs_to_logits(probs), SamplingParams(temperature=1.0), num_draws, seed=5, device=device
+    )
+    freq = torch.bincount(draws, minlength=3).float() / num_draws
+    # Binomial std at n=6000 is < 0.007; 0.03 is > 4 sigma.
+    assert torch.allclose(freq, torch.tensor(probs), atol=0.03)
+
+
+def test_low_temperature_concentrates_high_temperature_spreads(device):
+    logits = probs_to_logits([0.4, 0.35, 0.25])
+    cold = draw_many(logits, SamplingParams(temperature=0.1), 2000, device=device)
+    hot = draw_many(logits, SamplingParams(temperature=5.0), 2000, device=device)
+    cold_top = (cold == 0).float().mean().item()
+    hot_top = (hot == 0).float().mean().item()
+    # T=0.1: p_top = 1 / (1 + (7/8)^10 + (5/8)^10) ~ 0.79; T=5: ~ 0.35.
+    assert cold_top > 0.72
+    assert hot_top < 0.42
+    assert (hot == 2).any()
+
+
+# ------------------------------------------------------------------------------------------------ penalties
+
+
+def test_token_counts(device):
+    counts = token_counts([[1, 1, 3], [], [0, 4, 4, 4, 99]], 5, device)
+    assert counts.device.type == device.type
+    assert counts.tolist() == [[0, 2, 0, 1, 0], [0, 0, 0, 0, 0], [1, 0, 0, 0, 3]]
+
+
+def test_apply_penalties_matches_hand_computation():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
+    prompt_counts = token_counts([[0, 1]], 5, CPU)
+    output_counts = token_counts([[3, 3, 1]], 5, CPU)
+    out = apply_penalties(
+        logits, prompt_counts, output_counts, torch.tensor([2.0]), torch.tensor([0.5]), torch.tensor([0.25])
+    )
+    expected = [
+        2.0 / 2,  # prompt, positive: divided
+        -1.0 * 2 - 0.5 * 1 - 0.25,  # prompt + output once, negative: multiplied, then freq + presence
+        0.5,  # unseen
+        3.0 / 2 - 0.5 * 2 - 0.25,  # output twice
+        -2.0,  # unseen
+    ]
+    assert out[0].tolist() == pytest.approx(expected)
+
+
+def test_sampler_penalties_only_touch_rows_that_ask(device):
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0], [2.0, -1.0, 0.5, 3.0]])
+    # Greedy row 0 with frequency penalty 2 on token 3 (twice): 3 - 4 = -1 -> argmax is 0. Row 1 untouched.
+    rows = [
+        row(SamplingParams(temperature=0.0, frequency_penalty=2.0), output=[3, 3]),
+        row(SamplingParams(temperature=0.0), output=[3, 3]),
+    ]
+    assert sample(logits, rows, device).sampled_token_ids.tolist() == [0, 3]
+
+
+def test_penalties_come_before_logit_bias(device):
+    # Token 1: logit -2, in the output, repetition penalty 2, bias +3.
+    # Penalty then bias: -2 * 2 + 3 = -1 < 0 (token 0 wins); bias then penalty would give (1) / 2 = 0.5.
+    logits = torch.tensor([[0.0, -2.0]])
+    params = SamplingParams(temperature=0.0, repetition_penalty=2.0, logit_bias={1: 3.0})
+    assert sample(logits, [row(params, output=[1])], device).sampled_token_ids.tolist() == [0]
+
+
+def test_repetition_penalty_uses_prompt_tokens(device):
+    logits = torch.tensor([[2.0, 1.5, 0.0]])
+    # Token 0 in the prompt: 2 / 1.5 = 1.33 < 1.5.
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.5)
+    assert sample(logits, [row(params, prompt=[0])], device).sampled_token_ids.tolist() == [1]
+    # Presence/frequency penalties ignore prompt tokens (OpenAI semantics).
+    params = SamplingParams(temperature=0.0, presence_penalty=2.0, frequency_penalty=2.0)
+    assert sample(logits, [row(params, prompt=[0])], device).sampled_token_ids.tolist() == [0]
+
+
+def test_logit_bias(device):
+    logits = torch.tensor([[1.0, 0.0, 0.5], [1.0, 0.0, 0.5]])
+    rows = [
+        row(SamplingParams(temperature=0.0, logit_bias={1: 2.0, 2: -100.0, 10_000: 5.0})),
+        row(SamplingParams(temperature=0.0)),
+    ]
+    assert sample(logits, rows, device).sampled_token_ids.tolist() == [1, 0]
+    # -100 removes a token from sampling.
+    draws = draw_many(torch.zeros(3), SamplingParams(logit_bias={2: -100.0}), 1000, device=device)
+    assert set(draws.tolist()) == {0, 1}
+
+
+# ------------------------------------------------------------------------------------------------ min_tokens
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_masks_eos_and_stop_ids(device, temperature):
+    eos, stop_id = 5, 6
+    logits = torch.full((1, 8), -5.0)
+    logits[0, eos] = 10.0
+    logits[0, stop_id] = 9.0
+    logits[0, 2] = 0.0
+    params = SamplingParams(temperature=temperature, min_tokens=3, stop_token_ids=[stop_id])
+    below = sample(
+        logits.repeat(50, 1), [row(params, output=[1, 1])] * 50, device, eos=[eos]
+    ).sampled_token_ids
+    assert not ((below == eos) | (below == stop_id)).any()
+    reached = sample(logits, [row(params, output=[1, 1, 1])], device, eos=[eos]).sampled_token_ids
+    if temperature == 0.0:
+        assert reached.tolist() == [eos]
+
+
+def test_min_tokens_with_ignore_eos_leaves_eos_alone(device):
+    eos, stop_id = 5, 6
+    logits = torch.zeros(1, 8)
+    logits[0, eos] = 10.0
+    logits[0, stop_id] = 9.0
+    params = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[stop_id], ignore_eos=True)
+    assert sample(logits, [row(params)], device, eos=[eos]).sampled_token_ids.tolist() == [eos]
+    params = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[eos], ignore_eos=True)
+    # An explicit stop id is masked regardless of ignore_eos.
+    assert sample(logits, [row(params)], device, eos=[eos]).sampled_token_ids.tolist() == [stop_id]
+
+
+# ------------------------------------------------------------------------------------------------ logprobs
+
+
+def test_logprobs_are_raw_log_softmax_with_top_k(device):
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.randn(4, VOCAB, generator=gen) * 3
+    rows = [
+        row(SamplingParams(temperature=0.0, logprobs=3, repetition_penalty=1.8), prompt=[0, 1, 2]),
+        row(SamplingParams(temperature=0.7, logprobs=0, logit_bias={4: 50.0})),
+        row(SamplingParams(temperature=1.2, top_k=2)),
+        row(SamplingParams(temperature=0.0, logprobs=1)),
+    ]
+    out = sample(logits, rows, device)
+    expected = torch.log_softmax(logits.double(), dim=1).float()
+    assert out.logprobs is not None and out.logprob_token_ids is not None and out.sampled_ranks is not None
+    assert out.logprobs.shape == (4, 4) and out.logprob_token_ids.shape == (4, 4)
+    assert out.logprobs.dtype == torch.float32 and out.logprob_token_ids.dtype == torch.int64
+    sampled = out.sampled_token_ids
+    assert torch.equal(out.logprob_token_ids[:, 0], sampled)
+    assert torch.allclose(out.logprobs[:, 0], expected.gather(1, sampled[:, None])[:, 0], atol=1e-5)
+    order = expected.argsort(dim=1, descending=True)
+    assert torch.equal(out.logprob_token_ids[:, 1:], order[:, :3])
+    assert torch.allclose(out.logprobs[:, 1:], expected.gather(1, order[:, :3]), atol=1e-5)
+    # Row 1's bias forces token 4; its logprob is still the raw one and its rank the raw rank.
+    assert sampled[1].item() == 4
+    raw_rank = int((expected[1] > expected[1, 4]).sum()) + 1
+    assert out.sampled_ranks[1].item() == raw_rank
+    assert out.sampled_ranks[3].item() == 1  # greedy, no processing: the top token
+
+
+# ------------------------------------------------------------------------------------------------ syncs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+def test_no_host_sync_on_cuda():
+    device = torch.device("cuda")
+    logits = torch.randn(4, VOCAB, device=device)
+    rows = [
+        row(
+            SamplingParams(temperature=0.0, logprobs=2, frequency_penalty=1.0, repetition_penalty=1.2),
+            [1],
+            [2],
+        ),
+        row(
+            SamplingParams(temperature=0.9, top_p=0.9, min_p=0.05, seed=3),
+            generator=make_generator(3, device),
+        ),
+        row(SamplingParams(temperature=1.0, top_k=4, logit_bias={0: 1.0}, min_tokens=2, stop_token_ids=[7])),
+        row(SamplingParams(temperature=1.3, presence_penalty=0.5), output=[5, 5, 6]),
+    ]
+    sampler = Sampler()
+    sampler(logits, rows, [2])  # first call creates the shared generator and warms caches
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = sampler(logits, rows, [2])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.sampled_token_ids.shape == (4,)
