@@ -150,6 +150,11 @@ class OutputProcessor:
         results = []
         for parent in updated.values():
             results.append(parent.snapshot())
+            # Deltas belong to this step's snapshot only: a sample with no output next step must not
+            # repeat them (n>1 samples finish at different steps).
+            for s in parent.samples:
+                s.output.text_delta = ""
+                s.output.token_ids_delta = []
             if parent.finished:
                 del self._parents[parent.request_id]
                 for s in parent.samples:

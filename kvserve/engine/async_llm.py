@@ -1,0 +1,255 @@
+"""The API process's engine: tokenizer + OutputProcessor + a client of the engine-core process.
+
+The asyncio counterpart of `LLMEngine`: `generate()` queues one user request (all its n samples) in the
+engine core and yields `RequestOutput` updates as the core's steps arrive. Each user request has an
+asyncio queue; the client's reader task detokenizes every step's outputs (`OutputProcessor`) and puts
+each request's update on its queue, so a slow client never stalls the others.
+
+Leaving the `generate()` iterator early (client disconnect, cancellation) aborts the request in the
+engine core, which frees its KV blocks in its next loop iteration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from kvserve.config import EngineConfig
+from kvserve.core.outputs import SchedulerStats
+from kvserve.engine.core_client import EngineCoreClient, EngineDeadError
+from kvserve.engine.input_processor import InputProcessor
+from kvserve.engine.output_processor import OutputProcessor, child_request_id
+from kvserve.metrics.stats import IterationStats, RequestStatsTracker, StatLogger
+from kvserve.model.tokenizer import load_tokenizer
+from kvserve.protocol.core_messages import EngineOutputs, EngineReady, RequestFailed
+from kvserve.protocol.outputs import RequestOutput
+from kvserve.protocol.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class RequestFailedError(ValueError):
+    """The engine core refused the request (it can never be served); `param` names the cause."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class _RequestState:
+    queue: asyncio.Queue[RequestOutput | Exception]
+    child_ids: list[str]
+    finished_children: set[str]
+
+
+class AsyncLLM:
+    """Use from one event loop: `await start()`, then `generate()` from any number of tasks."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        stat_loggers: list[StatLogger] | None = None,
+        log_level: str = "INFO",
+    ) -> None:
+        """`tokenizer` None: `start()` loads the model's (while the engine process loads the model)."""
+        self.config = config
+        self._tokenizer = tokenizer
+        self.stat_loggers = list(stat_loggers or [])
+        self.client = EngineCoreClient(config, self, log_level)
+        self._output_processor: OutputProcessor | None = None
+        self._input_processor: InputProcessor | None = None
+        self.ready: EngineReady | None = None
+        self.last_stats: SchedulerStats | None = None
+        self._requests: dict[str, _RequestState] = {}
+        self._child_to_parent: dict[str, str] = {}
+        self._tracker = RequestStatsTracker()
+        self._dead_callbacks: list[Callable[[EngineDeadError], None]] = []
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> EngineReady:
+        """Start the engine-core process and wait until it is ready. Raises EngineDeadError when the engine
+        fails to start, ModelLoadError when the tokenizer cannot be loaded (the engine is shut down then)."""
+        engine_started = asyncio.ensure_future(self.client.start())
+        try:
+            if self._tokenizer is None:
+                model = self.config.model_config
+                self._tokenizer = await asyncio.to_thread(load_tokenizer, model.tokenizer, model.chat_template)
+            self.ready = await engine_started
+        except BaseException:
+            engine_started.cancel()
+            await self.client.shutdown()
+            raise
+        self._output_processor = OutputProcessor(self._tokenizer)
+        self._input_processor = InputProcessor(self._tokenizer, self.ready.max_model_len, self.ready.eos_token_ids)
+        return self.ready
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        assert self._tokenizer is not None, "start() first"
+        return self._tokenizer
+
+    @property
+    def input_processor(self) -> InputProcessor:
+        assert self._input_processor is not None, "start() first"
+        return self._input_processor
+
+    @property
+    def output_processor(self) -> OutputProcessor:
+        assert self._output_processor is not None, "start() first"
+        return self._output_processor
+
+    async def shutdown(self) -> None:
+        await self.client.shutdown()
+
+    @property
+    def is_alive(self) -> bool:
+        return self.client.is_alive
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        return self.client.dead_error
+
+    @property
+    def max_model_len(self) -> int:
+        assert self.ready is not None, "start() first"
+        return self.ready.max_model_len
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def add_dead_callback(self, callback: Callable[[EngineDeadError], None]) -> None:
+        self._dead_callbacks.append(callback)
+
+    # ------------------------------------------------------------------ requests
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Queue a request and yield its updates; the last one has `finished=True`.
+
+        Each update's CompletionOutputs carry that update's `text_delta` / `token_ids_delta`; their
+        `logprobs` list is cumulative and consistent with the update (the last `len(token_ids_delta)`
+        entries belong to the delta). Raises EngineDeadError when the engine is gone and
+        RequestFailedError when the core refuses the request.
+        """
+        if self.dead_error is not None:
+            raise self.dead_error
+        self.input_processor.check_logit_bias(params)
+        now = time.time()
+        children = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params, now)
+        group_key = request_id if params.n > 1 else None
+        requests = [
+            self.input_processor.make_engine_request(
+                child_id, prompt_token_ids, child_params, cache_salt, group_key, now
+            )
+            for child_id, child_params in children
+        ]
+        state = _RequestState(asyncio.Queue(), [c for c, _ in children], set())
+        self._requests[request_id] = state
+        for request in requests:
+            self._child_to_parent[request.req_id] = request_id
+            self._tracker.add(request.req_id, now, len(prompt_token_ids), request.max_tokens)
+        finished = False
+        try:
+            await self.client.add_requests(requests)
+            while True:
+                item = await state.queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._abort(request_id)
+            self._forget(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a user request (all its samples); its `generate()` iterator stops receiving updates."""
+        self._abort(request_id)
+
+    def _abort(self, request_id: str) -> None:
+        child_ids = self.output_processor.abort_request(request_id)
+        self.client.abort_requests(child_ids)
+        now = time.time()
+        iteration = IterationStats()
+        for child_id in child_ids:
+            self._tracker.finish(child_id, "abort", now, iteration)
+        self._record(None, iteration)
+        self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        state = self._requests.pop(request_id, None)
+        if state is not None:
+            for child_id in state.child_ids:
+                self._child_to_parent.pop(child_id, None)
+
+    # ------------------------------------------------------------------ EngineMessageHandler
+
+    def on_engine_outputs(self, message: EngineOutputs) -> None:
+        now = time.time()
+        self.last_stats = message.stats
+        iteration = IterationStats()
+        for out in message.outputs:
+            self._tracker.on_output(out, now, iteration)
+        updates, stopped_by_string = self.output_processor.process_outputs(message.outputs, now)
+        if stopped_by_string:
+            self.client.abort_requests(stopped_by_string)
+        for update in updates:
+            state = self._requests.get(update.request_id)
+            n = len(update.outputs)
+            for completion in update.outputs:
+                child_id = child_request_id(update.request_id, completion.index, n)
+                if completion.logprobs is not None:
+                    # The live list keeps growing; the consumer may read this update later.
+                    completion.logprobs = list(completion.logprobs)
+                if completion.finished and state is not None and child_id not in state.finished_children:
+                    state.finished_children.add(child_id)
+                    self._tracker.finish(child_id, completion.finish_reason or "stop", now, iteration)
+            if state is not None:
+                state.queue.put_nowait(update)
+        self._record(message.stats, iteration)
+
+    def on_request_failed(self, message: RequestFailed) -> None:
+        request_id = self._child_to_parent.get(message.req_id)
+        if request_id is None:
+            return
+        state = self._requests.get(request_id)
+        # Its other samples are aborted by the core already; forget them here without counting an abort.
+        for child_id in self.output_processor.abort_request(request_id):
+            self._tracker.finish(child_id, "abort", time.time(), IterationStats())
+        if state is not None:
+            state.queue.put_nowait(RequestFailedError(message.message, message.param))
+
+    def on_engine_dead(self, error: EngineDeadError) -> None:
+        for state in self._requests.values():
+            state.queue.put_nowait(error)
+        for callback in self._dead_callbacks:
+            callback(error)
+
+    def _record(self, stats: SchedulerStats | None, iteration: IterationStats) -> None:
+        if stats is None and iteration.is_empty:
+            return
+        for stat_logger in self.stat_loggers:
+            try:
+                stat_logger.record(stats, iteration)
+            except Exception:  # metrics must never take the server down
+                logger.exception("stat logger %r failed", stat_logger)

@@ -1,0 +1,225 @@
+"""The API process's side of the engine-core process: start it, talk to it over ZMQ, notice its death.
+
+`EngineCoreClient.start()` binds two ipc:// sockets in a private temp directory, spawns
+`core_proc.run_engine_core` and waits for `EngineReady` (or for the process to die, whose `EngineDead`
+message becomes the error). After that a reader task decodes every engine message and hands it to the
+`EngineMessageHandler` (the `AsyncLLM`); the process's sentinel is watched by the event loop, so an engine
+that dies without a word (SIGKILL, OOM killer) is noticed at once.
+
+All methods must be called from the event loop thread that ran `start()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+from typing import Protocol
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from kvserve.config import EngineConfig
+from kvserve.engine.core_proc import run_engine_core
+from kvserve.protocol.core_messages import (
+    AbortRequests,
+    AddRequests,
+    EngineDead,
+    EngineInput,
+    EngineOutputs,
+    EngineReady,
+    RequestFailed,
+    Shutdown,
+    make_message_decoder,
+)
+from kvserve.protocol.engine import EngineCoreRequest
+
+logger = logging.getLogger(__name__)
+
+# After the process exits, how long to keep reading for the EngineDead message that says why.
+_DEATH_MESSAGE_GRACE_S = 0.5
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process is gone (or failed to start); the message says why when it is known."""
+
+
+class EngineMessageHandler(Protocol):
+    def on_engine_outputs(self, message: EngineOutputs) -> None: ...
+
+    def on_request_failed(self, message: RequestFailed) -> None: ...
+
+    def on_engine_dead(self, error: EngineDeadError) -> None: ...
+
+
+class EngineCoreClient:
+    def __init__(self, config: EngineConfig, handler: EngineMessageHandler, log_level: str = "INFO") -> None:
+        self.config = config
+        self.handler = handler
+        self.log_level = log_level
+        self.ready: EngineReady | None = None
+        self.dead_error: EngineDeadError | None = None
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._ipc_dir = tempfile.mkdtemp(prefix="kvserve-ipc-")
+        self._ctx = zmq.asyncio.Context()
+        self._input = self._ctx.socket(zmq.PUSH)
+        self._output = self._ctx.socket(zmq.PULL)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = make_message_decoder()
+        self._reader: asyncio.Task[None] | None = None
+        self._pending_sends: set[asyncio.Task[None]] = set()
+        self._ready_future: asyncio.Future[EngineReady] | None = None
+        self._shutting_down = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    @property
+    def is_alive(self) -> bool:
+        return self.dead_error is None and self._process is not None and self._process.is_alive()
+
+    async def start(self) -> EngineReady:
+        """Spawn the engine core and wait until it is ready. Raises EngineDeadError when it fails to start."""
+        loop = asyncio.get_running_loop()
+        input_address = f"ipc://{os.path.join(self._ipc_dir, 'input')}"
+        output_address = f"ipc://{os.path.join(self._ipc_dir, 'output')}"
+        self._input.setsockopt(zmq.LINGER, 0)
+        self._input.bind(input_address)
+        self._output.bind(output_address)
+        self._ready_future = loop.create_future()
+        # NOTE: spawn, never fork: the engine initializes CUDA, and a forked child of a process with
+        # threads (asyncio, tokenizers) can inherit held locks.
+        mp = multiprocessing.get_context("spawn")
+        self._process = mp.Process(
+            target=run_engine_core,
+            args=(self.config, input_address, output_address, self.log_level),
+            name="kvserve-engine-core",
+            daemon=False,
+        )
+        self._process.start()
+        logger.info("engine core process started (pid %d); loading the model", self._process.pid)
+        self._reader = loop.create_task(self._read_loop())
+        loop.add_reader(self._process.sentinel, self._on_process_exit)
+        self.ready = await self._ready_future
+        return self.ready
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Ask the engine to exit; terminate it if it does not within `timeout_s`. Idempotent."""
+        if self._shutting_down:
+            return
+        self._shutting_down = True
+        process = self._process
+        if process is not None:
+            asyncio.get_running_loop().remove_reader(process.sentinel)
+            if process.is_alive():
+                try:
+                    await asyncio.wait_for(self._input.send(self._encoder.encode(Shutdown())), 1.0)
+                except (asyncio.TimeoutError, zmq.ZMQError):
+                    pass
+                await _join(process, timeout_s)
+            if process.is_alive():
+                logger.warning("engine core did not exit in %.0f s; terminating it", timeout_s)
+                process.terminate()
+                await _join(process, 5.0)
+            if process.is_alive():
+                process.kill()
+                await _join(process, 5.0)
+            logger.info("engine core stopped (exit code %s)", process.exitcode)
+        if self._reader is not None:
+            self._reader.cancel()
+        self._input.close(linger=0)
+        self._output.close(linger=0)
+        self._ctx.term()
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+    # ------------------------------------------------------------------ requests
+
+    async def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        self._check_alive()
+        await self._send(AddRequests(requests))
+
+    def abort_requests(self, req_ids: list[str]) -> None:
+        """Fire-and-forget (callable from `finally` blocks and callbacks); a dead engine needs no abort."""
+        if not req_ids or self.dead_error is not None or self._shutting_down:
+            return
+        task = asyncio.get_running_loop().create_task(self._send(AbortRequests(list(req_ids))))
+        self._pending_sends.add(task)
+        task.add_done_callback(self._pending_sends.discard)
+
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise self.dead_error
+        if self.ready is None:
+            raise EngineDeadError("the engine core is not ready")
+
+    async def _send(self, message: EngineInput) -> None:
+        # PUSH blocks only when the engine stops reading (its queue is unbounded): that is a dead engine,
+        # which the sentinel watcher reports.
+        await self._input.send(self._encoder.encode(message), copy=False)
+
+    # ------------------------------------------------------------------ engine -> API
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                frame = await self._output.recv(copy=False)
+                self._dispatch(self._decoder.decode(frame.buffer))
+        except asyncio.CancelledError:
+            raise
+        except zmq.ZMQError:
+            if not self._shutting_down:
+                self._declare_dead("the connection to the engine core broke")
+        except Exception as e:  # a handler bug or an undecodable frame: the server cannot go on
+            logger.exception("engine output handling failed")
+            self._declare_dead(f"engine output handling failed: {type(e).__name__}: {e}")
+
+    def _dispatch(self, message: object) -> None:
+        if isinstance(message, EngineOutputs):
+            self.handler.on_engine_outputs(message)
+        elif isinstance(message, RequestFailed):
+            self.handler.on_request_failed(message)
+        elif isinstance(message, EngineReady):
+            if self._ready_future is not None and not self._ready_future.done():
+                self._ready_future.set_result(message)
+        elif isinstance(message, EngineDead):
+            self._declare_dead(message.message)
+
+    def _on_process_exit(self) -> None:
+        """The process's sentinel became readable: it exited. Read what it said last, then declare."""
+        loop = asyncio.get_running_loop()
+        assert self._process is not None
+        loop.remove_reader(self._process.sentinel)
+        if self._shutting_down:
+            return
+        loop.create_task(self._after_exit())
+
+    async def _after_exit(self) -> None:
+        # An engine that failed sends EngineDead before exiting; give the reader a moment to get it.
+        await asyncio.sleep(_DEATH_MESSAGE_GRACE_S)
+        assert self._process is not None
+        self._process.join(timeout=0)
+        self._declare_dead(f"the engine core process exited unexpectedly (exit code {self._process.exitcode})")
+
+    def _declare_dead(self, reason: str) -> None:
+        if self.dead_error is not None or self._shutting_down:
+            return
+        self.dead_error = EngineDeadError(reason)
+        logger.error("engine core is dead: %s", reason)
+        if self._ready_future is not None and not self._ready_future.done():
+            self._ready_future.set_exception(self.dead_error)
+            return
+        self.handler.on_engine_dead(self.dead_error)
+
+
+async def _join(process: multiprocessing.process.BaseProcess, timeout_s: float) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while process.is_alive() and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
+    process.join(timeout=0)

@@ -1,0 +1,229 @@
+"""The engine-core process: `EngineCore`'s busy loop behind two ZMQ sockets.
+
+Started by `EngineCoreClient` with the multiprocessing *spawn* context (a fresh interpreter: no inherited
+CUDA state, locks or sockets). Three threads:
+
+* the **main thread** runs ``schedule -> execute -> update`` (`EngineCore.step`) while any request is
+  unfinished, and blocks on the input queue when idle;
+* an **input thread** owns the PULL socket: it decodes `EngineInput` messages and queues them;
+* an **output thread** owns the PUSH socket: it encodes and sends `EngineMessage`s.
+
+ZMQ sockets are not thread-safe, so each belongs to exactly one thread; msgpack encoding and decoding
+happen in the IO threads and overlap with the model's forward (which releases the GIL).
+
+Exit codes: 0 after `Shutdown`; 1 when start-up or a step failed (an `EngineDead` message saying why is
+sent first) or when the parent process disappeared.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+from typing import Any
+
+import msgspec
+import zmq
+
+from kvserve.config import EngineConfig
+from kvserve.core.outputs import SchedulerStats
+from kvserve.protocol.core_messages import (
+    AbortRequests,
+    AddRequests,
+    EngineDead,
+    EngineInput,
+    EngineMessage,
+    EngineOutputs,
+    EngineReady,
+    RequestFailed,
+    Shutdown,
+    make_input_decoder,
+)
+
+logger = logging.getLogger(__name__)
+
+# How often an idle or busy loop checks that the API process is still there.
+_PARENT_CHECK_INTERVAL_S = 1.0
+# How long queued output messages may take to leave when the process exits.
+_SEND_LINGER_MS = 5000
+# Pause after a step that scheduled nothing (cannot happen with a sane scheduler; guards the loop anyway).
+_IDLE_STEP_SLEEP_S = 0.001
+
+
+def run_engine_core(config: EngineConfig, input_address: str, output_address: str, log_level: str) -> None:
+    """Process entry point (must be importable: spawn pickles it by name). Never returns normally."""
+    # Ctrl-C reaches the whole process group; the API process decides when the engine stops (it drains
+    # first), so the engine ignores SIGINT and waits for `Shutdown`.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    parent_pid = os.getppid()
+    outbox: queue.Queue[EngineMessage | None] = queue.Queue()
+    inbox: queue.Queue[EngineInput] = queue.Queue()
+    # The sender has a context of its own: terminating it at exit flushes the last messages (EngineDead)
+    # without waiting for the input socket, whose thread may be blocked in recv().
+    sender = threading.Thread(target=_send_loop, args=(zmq.Context(), output_address, outbox), daemon=True,
+                              name="engine-output")
+    sender.start()
+    exit_code = 1
+    try:
+        core = _start_core(config, outbox)
+        if core is not None:
+            threading.Thread(target=_receive_loop, args=(zmq.Context(), input_address, inbox), daemon=True,
+                             name="engine-input").start()
+            exit_code = EngineCoreProc(core, inbox, outbox, parent_pid).run()
+    except BaseException as e:  # noqa: BLE001 - any failure must reach the API process as a message
+        logger.error("engine core failed:\n%s", traceback.format_exc())
+        outbox.put(EngineDead(f"engine core failed: {type(e).__name__}: {e}"))
+    finally:
+        outbox.put(None)
+        sender.join(timeout=_SEND_LINGER_MS / 1000 + 1)
+    # The input thread may be blocked in recv(); os._exit does not wait for it.
+    logging.shutdown()
+    os._exit(exit_code)
+
+
+def _start_core(config: EngineConfig, outbox: queue.Queue[EngineMessage | None]) -> Any:
+    """Build the EngineCore (loads the model, allocates the KV cache); send `EngineReady` or `EngineDead`."""
+    # Imported here: the API process imports this module for the entry point's name only, and must not
+    # import the model code.
+    from kvserve.engine.engine_core import EngineCore
+
+    try:
+        core = EngineCore(config)
+    except Exception as e:  # noqa: BLE001 - reported to the API process, which exits with it
+        logger.debug("engine start-up failed:\n%s", traceback.format_exc())
+        outbox.put(EngineDead(f"{type(e).__name__}: {e}"))
+        return None
+    cap = core.capacity
+    outbox.put(
+        EngineReady(
+            pid=os.getpid(),
+            num_blocks=cap.num_blocks,
+            block_size=cap.block_size,
+            max_model_len=core.max_model_len,
+            eos_token_ids=list(core.eos_token_ids),
+            startup_s=core.startup_s,
+            capacity_description=cap.describe(),
+        )
+    )
+    return core
+
+
+class EngineCoreProc:
+    """The busy loop: apply queued inputs, step while there is work, report every change."""
+
+    def __init__(
+        self,
+        core: Any,
+        inbox: queue.Queue[EngineInput],
+        outbox: queue.Queue[EngineMessage | None],
+        parent_pid: int,
+    ) -> None:
+        self.core = core  # kvserve.engine.engine_core.EngineCore (not imported at module level)
+        self.inbox = inbox
+        self.outbox = outbox
+        self.parent_pid = parent_pid
+        self._changed = False  # an add/abort changed the scheduler's state since the last report
+        self._last_stats: SchedulerStats | None = None  # the stats last sent
+        self._last_parent_check = time.monotonic()
+
+    def run(self) -> int:
+        while True:
+            if not self.core.has_unfinished_requests():
+                try:
+                    message = self.inbox.get(timeout=_PARENT_CHECK_INTERVAL_S)
+                except queue.Empty:
+                    if not self._parent_alive():
+                        return 1
+                    continue
+                if self._handle(message):
+                    return 0
+            while True:
+                try:
+                    message = self.inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if self._handle(message):
+                    return 0
+            if self.core.has_unfinished_requests():
+                result = self.core.step()
+                if result.outputs or self._changed or result.stats != self._last_stats:
+                    self.outbox.put(EngineOutputs(result.outputs, result.stats, time.time()))
+                    self._last_stats = result.stats
+                elif result.num_scheduled_tokens == 0:
+                    # Unfinished requests but nothing could be scheduled: don't spin a core flat out.
+                    time.sleep(_IDLE_STEP_SLEEP_S)
+                self._changed = False
+            elif self._changed:
+                # Nothing left to run (e.g. the last request was aborted): report the freed blocks now,
+                # there will be no step to carry the stats.
+                self._last_stats = self.core.scheduler.make_stats()
+                self.outbox.put(EngineOutputs([], self._last_stats, time.time()))
+                self._changed = False
+            now = time.monotonic()
+            if now - self._last_parent_check > _PARENT_CHECK_INTERVAL_S:
+                self._last_parent_check = now
+                if not self._parent_alive():
+                    return 1
+
+    def _handle(self, message: EngineInput) -> bool:
+        """Apply one input message. Returns True on `Shutdown`."""
+        if isinstance(message, AddRequests):
+            self._add(message)
+        elif isinstance(message, AbortRequests):
+            self.core.abort_requests(message.req_ids)
+        elif isinstance(message, Shutdown):
+            return True
+        self._changed = True
+        return False
+
+    def _add(self, message: AddRequests) -> None:
+        added: list[str] = []
+        for request in message.requests:
+            try:
+                self.core.add_request(request)
+            except ValueError as e:  # RequestRejected (has .param) or a malformed request
+                # The samples of one n>1 request stand or fall together.
+                self.core.abort_requests(added)
+                for other in message.requests:
+                    self.outbox.put(RequestFailed(other.req_id, str(e), getattr(e, "param", None)))
+                return
+            added.append(request.req_id)
+
+    def _parent_alive(self) -> bool:
+        # Reparented (to init or a subreaper) means the API process is gone: nobody will read our output.
+        alive = os.getppid() == self.parent_pid
+        if not alive:
+            logger.error("the API process (pid %d) is gone; engine core exiting", self.parent_pid)
+        return alive
+
+
+def _receive_loop(ctx: zmq.Context, address: str, inbox: queue.Queue[EngineInput]) -> None:
+    socket = ctx.socket(zmq.PULL)
+    socket.connect(address)
+    decoder = make_input_decoder()
+    while True:
+        frame = socket.recv(copy=False)
+        try:
+            inbox.put(decoder.decode(frame.buffer))
+        except msgspec.DecodeError:
+            # Only our own client writes to this socket; a bad frame is a bug, not a reason to die.
+            logger.exception("dropping an undecodable engine input message")
+
+
+def _send_loop(ctx: zmq.Context, address: str, outbox: queue.Queue[EngineMessage | None]) -> None:
+    socket = ctx.socket(zmq.PUSH)
+    socket.setsockopt(zmq.LINGER, _SEND_LINGER_MS)
+    socket.connect(address)
+    encoder = msgspec.msgpack.Encoder()
+    while True:
+        message = outbox.get()
+        if message is None:
+            break
+        socket.send(encoder.encode(message), copy=False)
+    socket.close()
+    ctx.term()  # returns once queued messages are delivered (or LINGER has passed)

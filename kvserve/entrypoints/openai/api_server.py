@@ -1,0 +1,373 @@
+"""The OpenAI-compatible server: `kvserve serve` and `python -m kvserve.entrypoints.openai.api_server`.
+
+Start-up: resolve the engine config, bind the listening socket (a busy port fails fast, before the model
+loads), start the engine-core process and load the tokenizer meanwhile, wait for the engine's ready
+message, log the KV capacity, then serve.
+
+Lifecycle:
+* SIGTERM / SIGINT drain: new requests get 503, in-flight ones finish (up to --shutdown-timeout), then
+  the engine core is shut down and the process exits 0. A second signal exits at once.
+* If the engine-core process dies, /health turns 503, in-flight requests fail, and the server exits 1
+  shortly after (so an orchestrator restarts it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from types import FrameType
+from typing import Any
+
+import jinja2
+import uvicorn
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kvserve import __version__, envs
+from kvserve.config import EngineArgs, EngineConfig
+from kvserve.engine.async_llm import AsyncLLM
+from kvserve.engine.core_client import EngineDeadError
+from kvserve.entrypoints.openai.cli_args import make_arg_parser, server_engine_args
+from kvserve.entrypoints.openai.errors import BadRequestError, OpenAIError, error_response
+from kvserve.entrypoints.openai.middleware import GuardMiddleware, ServerState
+from kvserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from kvserve.entrypoints.openai.serving_chat import chat_full, chat_stream, message_dict, prepare_chat
+from kvserve.entrypoints.openai.serving_common import (
+    ClientDisconnected,
+    ServingContext,
+    check_token_ids,
+    run_unless_disconnected,
+    wait_for_disconnect,
+)
+from kvserve.entrypoints.openai.serving_completion import (
+    completion_full,
+    completion_stream,
+    prepare_completion,
+)
+from kvserve.metrics.log_stats import LoggingStatLogger
+from kvserve.metrics.prometheus import PrometheusStatLogger
+
+logger = logging.getLogger("kvserve.server")
+
+# After the engine died: keep answering (503) this long so health checks see it, then exit 1.
+ENGINE_DEAD_EXIT_DELAY_S = 1.0
+
+_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 503)
+}
+
+
+# ------------------------------------------------------------------------------------------ the app
+
+
+class SSEResponse(Response):
+    """A server-sent-events stream that stops (and so aborts the request) when the client disconnects.
+
+    Starlette's StreamingResponse only notices a disconnect when a send fails, and uvicorn's h11 server
+    drops sends to a closed connection silently, so a request would run to the end for nobody. Here a
+    second task listens for `http.disconnect` and cancels the stream.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, body: AsyncIterator[str]) -> None:
+        self.body_iterator = body
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        stream = asyncio.ensure_future(self._stream(send))
+        listen = asyncio.ensure_future(wait_for_disconnect(receive))
+        try:
+            await asyncio.wait({stream, listen}, return_when=asyncio.FIRST_COMPLETED)
+            if stream.done() and not stream.cancelled() and stream.exception() is not None:
+                exc = stream.exception()
+                if not isinstance(exc, OSError):  # OSError: the client went away mid-send
+                    raise exc  # type: ignore[misc]
+        finally:
+            for task in (stream, listen):
+                task.cancel()
+            await asyncio.gather(stream, listen, return_exceptions=True)
+            # Runs the generators' cleanup now (it aborts the request in the engine if it is unfinished).
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+    async def _stream(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for event in self.body_iterator:
+            await send({"type": "http.response.body", "body": event.encode("utf-8"), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def build_app(ctx: ServingContext, state: ServerState, metrics: PrometheusStatLogger, api_key: str | None,
+              max_body_bytes: int) -> ASGIApp:
+    """The FastAPI app wrapped in the guard middleware (413 / 401 / 503 while draining)."""
+    app = FastAPI(title="kvserve OpenAI-compatible API", version=__version__)
+    _add_error_handlers(app)
+    engine = ctx.engine
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.draining or not engine.is_alive:
+            return error_response(503, "the engine is not running" if not engine.is_alive else
+                                  "the server is shutting down")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.generate_latest(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def list_models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {"id": name, "object": "model", "created": ctx.created, "owned_by": "kvserve",
+                 "root": ctx.model_path, "parent": None, "max_model_len": engine.max_model_len}
+                for name in ctx.served_model_names
+            ],
+        }
+
+    @app.post("/v1/chat/completions", responses={200: {"model": ChatCompletionResponse}, **_ERROR_RESPONSES})
+    async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
+        chat = prepare_chat(ctx, body)
+        if body.stream:
+            options = body.stream_options
+            return SSEResponse(chat_stream(ctx, chat, bool(options and options.include_usage),
+                                           bool(options and options.continuous_usage_stats)))
+        return JSONResponse(await run_unless_disconnected(raw, chat_full(ctx, chat)))
+
+    @app.post("/v1/completions", responses={200: {"model": CompletionResponse}, **_ERROR_RESPONSES})
+    async def create_completion(body: CompletionRequest, raw: Request) -> Response:
+        cmpl = prepare_completion(ctx, body)
+        if body.stream:
+            options = body.stream_options
+            return SSEResponse(completion_stream(ctx, cmpl, bool(options and options.include_usage),
+                                                 bool(options and options.continuous_usage_stats)))
+        return JSONResponse(await run_unless_disconnected(raw, completion_full(ctx, cmpl)))
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERROR_RESPONSES)
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        ctx.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise BadRequestError("give exactly one of prompt and messages", "prompt")
+        if body.chat_template is not None:
+            raise BadRequestError("a per-request chat_template is not accepted", "chat_template")
+        if body.messages is not None:
+            try:
+                ids = engine.input_processor.apply_chat_template(
+                    [message_dict(m) for m in body.messages], None, body.add_generation_prompt
+                ).prompt_token_ids
+            except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
+                raise BadRequestError(f"cannot apply the chat template to these messages: {e}", "messages") from None
+        else:
+            ids = list(engine.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
+        token_strs = engine.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": token_strs}
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERROR_RESPONSES)
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        ctx.check_model(body.model)
+        check_token_ids(engine, body.tokens, "tokens")
+        return {"prompt": engine.tokenizer.decode(body.tokens)}
+
+    return GuardMiddleware(app, state, api_key, max_body_bytes)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_: Request, exc: OpenAIError) -> Response:
+        return exc.to_response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> Response:
+        message, param = _describe_validation_error(exc)
+        return error_response(400, message, "BadRequestError", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(ClientDisconnected)
+    async def client_gone(_: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+
+
+def _describe_validation_error(exc: RequestValidationError) -> tuple[str, str | None]:
+    """A readable message and the offending top-level field from pydantic's error list."""
+    errors = list(exc.errors())
+    if not errors:
+        return "invalid request", None
+    parts = []
+    param = None
+    for error in errors[:3]:
+        loc = [str(part) for part in error.get("loc", ()) if part != "body"]
+        if error.get("type") == "json_invalid":
+            return f"invalid JSON body: {error.get('msg', '')}", None
+        if param is None and loc:
+            param = loc[0]
+        where = ".".join(loc) if loc else "body"
+        parts.append(f"{where}: {error.get('msg', 'invalid value')}")
+    more = f" (and {len(errors) - 3} more errors)" if len(errors) > 3 else ""
+    return "; ".join(parts) + more, param
+
+
+# --------------------------------------------------------------------------------------- the server
+
+
+class _Server(uvicorn.Server):
+    """uvicorn with a draining shutdown and an exit when the engine dies."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout_s: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self.exit_code = 0
+        self._drain_deadline: float | None = None
+        self._exit_at: float | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # NOTE: the signal is not recorded in _captured_signals as uvicorn does: uvicorn re-raises recorded
+        # signals after shutting down, and the process would then die of SIGTERM instead of exiting 0.
+        if self.state.draining:  # second signal: stop now
+            self.force_exit = True
+            self.should_exit = True
+            return
+        logger.info("signal %d: draining (new requests get 503; %d in flight)", sig, self.state.num_inflight)
+        self.state.draining = True
+        self._drain_deadline = time.monotonic() + self.shutdown_timeout_s
+
+    def on_engine_dead(self, error: EngineDeadError) -> None:
+        self.exit_code = 1
+        self._exit_at = time.monotonic() + ENGINE_DEAD_EXIT_DELAY_S
+
+    async def on_tick(self, counter: int) -> bool:
+        now = time.monotonic()
+        if self._exit_at is not None and now >= self._exit_at:
+            logger.error("exiting because the engine core is dead")
+            self.should_exit = True
+        if self._drain_deadline is not None:
+            if self.state.num_inflight == 0:
+                logger.info("drained; shutting down")
+                self.should_exit = True
+            elif now >= self._drain_deadline:
+                logger.warning("shutdown timeout: %d requests still in flight", self.state.num_inflight)
+                self.should_exit = True
+        return await super().on_tick(counter)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+async def serve(ns: argparse.Namespace, config: EngineConfig) -> int:
+    """Run the server until drained or the engine dies; returns the process exit code."""
+    try:
+        sock = _bind(ns.host, ns.port)
+    except OSError as e:
+        logger.error("cannot listen on %s:%d: %s", ns.host, ns.port, e)
+        return 1
+    engine = AsyncLLM(config, log_level=envs.KVSERVE_LOGGING_LEVEL)
+    try:
+        ready = await engine.start()
+    except EngineDeadError as e:
+        logger.error("the engine failed to start: %s", e)
+        sock.close()
+        return 1
+    except ValueError as e:  # ModelLoadError: the tokenizer
+        logger.error("%s", e)
+        sock.close()
+        return 2
+    try:
+        logger.info("%s (engine ready in %.1f s)", ready.capacity_description, ready.startup_s)
+        served_names = list(ns.served_model_name or [config.model_config.served_model_name])
+        metrics = PrometheusStatLogger(
+            served_names[0],
+            ready.max_model_len,
+            ns.metrics_compat,
+            cache_info={
+                "block_size": str(ready.block_size),
+                "num_gpu_blocks": str(ready.num_blocks),
+                "enable_prefix_caching": str(config.cache_config.enable_prefix_caching),
+            },
+        )
+        engine.stat_loggers += [metrics, LoggingStatLogger()]
+        ctx = ServingContext(
+            engine=engine,
+            served_model_names=served_names,
+            model_path=config.model_config.model,
+            log_requests=not ns.disable_log_requests,
+            created=int(time.time()),
+        )
+        state = ServerState()
+        api_key = ns.api_key or envs.KVSERVE_API_KEY or None  # empty = no key, as vLLM
+        app = build_app(ctx, state, metrics, api_key, ns.max_request_body_bytes)
+        uv_config = uvicorn.Config(
+            app,
+            log_level=ns.uvicorn_log_level,
+            access_log=not ns.disable_uvicorn_access_log,
+            timeout_keep_alive=ns.timeout_keep_alive,
+            lifespan="off",
+        )
+        server = _Server(uv_config, state, ns.shutdown_timeout)
+        engine.add_dead_callback(server.on_engine_dead)
+        host, port = sock.getsockname()[:2]
+        logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", served_names[0], host, port)
+        await server.serve(sockets=[sock])
+        if engine.dead_error is not None:
+            server.exit_code = 1
+        return server.exit_code
+    finally:
+        await engine.shutdown()
+        sock.close()
+
+
+def run_server(ns: argparse.Namespace) -> int:
+    """Entry point shared by `kvserve serve` and `python -m kvserve.entrypoints.openai.api_server`."""
+    logging.basicConfig(level=envs.KVSERVE_LOGGING_LEVEL.upper(),
+                        format="%(levelname)s %(asctime)s %(name)s: %(message)s", force=True)
+    try:
+        config = EngineArgs(**server_engine_args(ns)).create_engine_config()  # type: ignore[arg-type]
+    except ValueError as e:  # ConfigError, ModelLoadError, conflicting flags
+        print(f"kvserve serve: error: {e}", file=sys.stderr)
+        return 2
+    return asyncio.run(serve(ns, config))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = make_arg_parser(prog="python -m kvserve.entrypoints.openai.api_server")
+    return run_server(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

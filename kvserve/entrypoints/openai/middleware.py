@@ -1,0 +1,127 @@
+"""The ASGI layer in front of the app: body-size limit (413), API key (401), draining / dead engine (503),
+and the in-flight request count that SIGTERM's drain waits on.
+
+Pure ASGI (not Starlette's BaseHTTPMiddleware) so streaming responses and disconnect detection pass
+through untouched.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvserve.entrypoints.openai.errors import error_body
+
+# Paths that answer while draining (a scraper should see the last numbers).
+_ALWAYS_SERVED = ("/metrics",)
+
+
+@dataclass
+class ServerState:
+    """Mutable server-wide flags shared by the middleware, the handlers and the uvicorn loop."""
+
+    draining: bool = False
+    num_inflight: int = 0
+
+
+class GuardMiddleware:
+    def __init__(
+        self,
+        app: ASGIApp,
+        state: ServerState,
+        api_key: str | None,
+        max_body_bytes: int,
+    ) -> None:
+        self.app = app
+        self.state = state
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope.get("path", "")
+        if self.state.draining and path not in _ALWAYS_SERVED:
+            await _send_error(send, 503, "the server is shutting down")
+            return
+        if self.api_key is not None and path.startswith("/v1") and not self._authorized(scope):
+            await _send_error(send, 401, "invalid or missing API key (send `Authorization: Bearer <key>`)",
+                              headers=[(b"www-authenticate", b"Bearer")])
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_body_bytes:
+            await _send_error(send, 413, f"request body of {declared} bytes is over the limit of "
+                                         f"{self.max_body_bytes} bytes")
+            return
+        body, more_body_follows = await _read_body(receive, self.max_body_bytes)
+        if more_body_follows:
+            await _send_error(send, 413, f"request body is over the limit of {self.max_body_bytes} bytes")
+            return
+        self.state.num_inflight += 1
+        try:
+            await self.app(scope, _replay(body, receive), send)
+        finally:
+            self.state.num_inflight -= 1
+
+    def _authorized(self, scope: Scope) -> bool:
+        assert self.api_key is not None
+        for name, value in scope.get("headers", []):
+            if name == b"authorization":
+                scheme, _, token = value.decode("latin-1").partition(" ")
+                return scheme.lower() == "bearer" and hmac.compare_digest(token.strip(), self.api_key)
+        return False
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", []):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+async def _read_body(receive: Receive, limit: int) -> tuple[bytes, bool]:
+    """Read the whole body (up to `limit` bytes). Returns (body, True if there was more than `limit`)."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":  # disconnected before the body was complete
+            return b"".join(chunks), False
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return b"", True
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks), False
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive() that yields the buffered body once, then the real channel (for disconnects)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+async def _send_error(send: Send, status: int, message: str, headers: list[tuple[bytes, bytes]] | None = None
+                      ) -> None:
+    payload = json.dumps(error_body(status, message)).encode()
+    raw_headers: list[Any] = [(b"content-type", b"application/json"),
+                              (b"content-length", str(len(payload)).encode())] + (headers or [])
+    await send({"type": "http.response.start", "status": status, "headers": raw_headers})
+    await send({"type": "http.response.body", "body": payload, "more_body": False})

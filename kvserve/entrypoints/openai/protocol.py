@@ -1,0 +1,252 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic), as OpenAI and vLLM name them.
+
+Request models check types and the ranges that `SamplingParams` cannot (sizes that could exhaust memory,
+integers that must fit 64 bits, finite floats); the sampling ranges themselves are checked once, by
+`SamplingParams`, whose `SamplingParamsError.param` becomes the error's `param`. Unknown fields are
+ignored, as OpenAI's API does. Response models document the shapes (OpenAPI); handlers build the
+JSON directly for speed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
+
+# Largest n accepted: each sample is a sequence in the batch.
+MAX_N = 128
+MAX_TOP_LOGPROBS = 20
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+Int64 = Annotated[int, Field(ge=_INT64_MIN, le=_INT64_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=_INT64_MAX)]
+
+
+class OpenAIBaseModel(BaseModel):
+    # NaN/inf are not JSON, but Python's json module accepts them; refuse them rather than sample with them.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: StrictBool | None = False
+    # vLLM: usage on every chunk
+    continuous_usage_stats: StrictBool | None = False
+
+
+class SamplingFields(OpenAIBaseModel):
+    """Sampling parameters shared by chat and completions (OpenAI names, then vLLM's extras)."""
+
+    model: str | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    seed: Int64 | None = None
+    stop: str | list[str] | None = None
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: Int64 | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=_INT64_MAX)] = 0
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    spaces_between_special_tokens: StrictBool = True
+    cache_salt: str | None = None
+    request_id: str | None = Field(default=None, max_length=256)
+
+
+# --------------------------------------------------------------------------------------------- chat
+
+
+class TextContentPart(OpenAIBaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class OtherContentPart(BaseModel):
+    """Any non-text part (image_url, input_audio, ...): accepted by the schema, refused with a 400."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart | OtherContentPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: str
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    logprobs: StrictBool | None = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    max_tokens: Int64 | None = Field(default=None, description="Deprecated by OpenAI; max_completion_tokens.")
+    max_completion_tokens: Int64 | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    # vLLM extras
+    echo: StrictBool = False
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+# ---------------------------------------------------------------------------------------- completions
+
+
+class CompletionRequest(SamplingFields):
+    # A string, a list of strings, a list of token ids, or a list of token-id lists.
+    prompt: str | Annotated[list[str], Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)] | \
+        Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    max_tokens: Int64 | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    echo: StrictBool = False
+    suffix: str | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    add_special_tokens: StrictBool = True
+
+
+# ---------------------------------------------------------------------------------------- tokenizer
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+    chat_template: str | None = None
+    return_token_strs: StrictBool = False
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str
+
+
+# ------------------------------------------------------------------------------------------ responses
+
+
+class ErrorInfo(OpenAIBaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(OpenAIBaseModel):
+    error: ErrorInfo
+
+
+class PromptTokensDetails(OpenAIBaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(OpenAIBaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class TopLogprob(OpenAIBaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobEntry(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatChoiceLogprobs(OpenAIBaseModel):
+    content: list[ChatLogprobEntry] | None = None
+
+
+class ChatResponseMessage(OpenAIBaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(OpenAIBaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionLogprobs(OpenAIBaseModel):
+    text_offset: list[int] = []
+    token_logprobs: list[float | None] = []
+    tokens: list[str] = []
+    top_logprobs: list[dict[str, float] | None] = []
+
+
+class CompletionChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class ModelCard(OpenAIBaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "kvserve"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIBaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,211 @@
+"""POST /v1/chat/completions: chat template -> engine -> one JSON response or an SSE stream of chunks."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+import jinja2
+
+from kvserve.entrypoints.openai.errors import BadRequestError
+from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, OtherContentPart
+from kvserve.entrypoints.openai.serving_common import (
+    SSE_DONE,
+    ServingContext,
+    chat_logprobs,
+    check_lengths,
+    delta_logprobs,
+    engine_error,
+    log_request,
+    new_request_id,
+    sampling_params_from,
+    sse,
+    stop_reason,
+    usage_dict,
+)
+from kvserve.protocol.outputs import RequestOutput
+from kvserve.protocol.sampling_params import SamplingParams
+
+# apply_chat_template arguments a request's chat_template_kwargs must not override.
+_RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tokenize", "chat_template", "add_generation_prompt",
+                             "return_dict", "return_tensors", "padding", "truncation", "max_length"}
+
+
+class PreparedChat:
+    """A validated chat request, ready to generate."""
+
+    def __init__(self, request_id: str, model: str, prompt: str, prompt_token_ids: list[int],
+                 params: SamplingParams, num_top_logprobs: int | None) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.num_top_logprobs = num_top_logprobs  # None: no logprobs
+        self.created = int(time.time())
+
+
+def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> PreparedChat:
+    """Validate, render the chat template and tokenize. Raises OpenAIError (400/404/503)."""
+    model = ctx.check_model(req.model)
+    ctx.check_engine()
+    if req.tools and req.tool_choice != "none":
+        raise BadRequestError("tool calling is not supported by this server", "tools")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise BadRequestError(f"response_format {req.response_format.type!r} is not supported (only 'text')",
+                              "response_format")
+    if req.chat_template is not None:
+        raise BadRequestError("a per-request chat_template is not accepted; start the server with --chat-template",
+                              "chat_template")
+    if req.stream_options is not None and not req.stream:
+        raise BadRequestError("stream_options can only be given when stream is true", "stream_options")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise BadRequestError("top_logprobs needs logprobs set to true", "top_logprobs")
+    if req.continue_final_message and req.add_generation_prompt:
+        raise BadRequestError("continue_final_message needs add_generation_prompt set to false",
+                              "continue_final_message")
+
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    num_top = (req.top_logprobs or 0) if req.logprobs else None
+    params = sampling_params_from(req, max_tokens, num_top,
+                                  {"max_tokens": max_tokens_param, "logprobs": "top_logprobs"})
+
+    engine = ctx.engine
+    assert engine.input_processor is not None
+    kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
+    if req.continue_final_message:
+        kwargs["continue_final_message"] = True
+    try:
+        processed = engine.input_processor.apply_chat_template(
+            [message_dict(m) for m in req.messages], None, req.add_generation_prompt, kwargs
+        )
+    except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
+        raise BadRequestError(f"cannot apply the chat template to these messages: {e}", "messages") from None
+    assert processed.prompt is not None
+    check_lengths(engine, len(processed.prompt_token_ids), params.max_tokens, "messages", max_tokens_param)
+    request_id = new_request_id(engine, "chatcmpl", req.request_id)
+    log_request(ctx, request_id, len(processed.prompt_token_ids), params, processed.prompt)
+    return PreparedChat(request_id, model, processed.prompt, processed.prompt_token_ids, params, num_top)
+
+
+def message_dict(message: ChatMessage) -> dict[str, Any]:
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if isinstance(part, OtherContentPart):
+                raise BadRequestError(f"content parts of type {part.type!r} are not supported (only text)",
+                                      "messages")
+            texts.append(part.text)
+        content = "\n".join(texts)
+    out: dict[str, Any] = {"role": message.role, "content": content if content is not None else ""}
+    if message.name is not None:
+        out["name"] = message.name
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.tool_calls is not None:
+        out["tool_calls"] = message.tool_calls
+    return out
+
+
+async def chat_full(ctx: ServingContext, chat: PreparedChat) -> dict[str, Any]:
+    """Run to completion and build the `chat.completion` object."""
+    final: RequestOutput | None = None
+    try:
+        async with aclosing(ctx.engine.generate(chat.request_id, chat.prompt_token_ids, chat.params,
+                                                chat.prompt)) as updates:
+            async for update in updates:
+                final = update
+    except Exception as e:
+        raise engine_error(e) from None
+    assert final is not None and final.finished
+    tokenizer = ctx.engine.tokenizer
+    choices = []
+    for completion in final.outputs:
+        logprobs = None
+        if chat.num_top_logprobs is not None and completion.logprobs is not None:
+            logprobs = chat_logprobs(tokenizer, completion.token_ids, completion.logprobs, chat.num_top_logprobs)
+        choices.append({
+            "index": completion.index,
+            "message": {"role": "assistant", "content": completion.text},
+            "logprobs": logprobs,
+            "finish_reason": completion.finish_reason,
+            "stop_reason": stop_reason(completion, chat.params),
+        })
+    num_completion_tokens = sum(len(c.token_ids) for c in final.outputs)
+    return {
+        "id": chat.request_id,
+        "object": "chat.completion",
+        "created": chat.created,
+        "model": chat.model,
+        "choices": choices,
+        "usage": usage_dict(len(chat.prompt_token_ids), num_completion_tokens, final.num_cached_tokens),
+    }
+
+
+async def chat_stream(ctx: ServingContext, chat: PreparedChat, include_usage: bool, continuous_usage: bool
+                      ) -> AsyncIterator[str]:
+    """SSE events: a role chunk per choice, content chunks, the finish chunk of each choice, [DONE]."""
+    num_prompt_tokens = len(chat.prompt_token_ids)
+    usage_field = include_usage or continuous_usage
+    counts = {"completion": 0, "cached": 0}
+
+    def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
+        body: dict[str, Any] = {"id": chat.request_id, "object": "chat.completion.chunk", "created": chat.created,
+                                "model": chat.model, "choices": choices}
+        if usage_field:
+            body["usage"] = usage
+        return sse(body)
+
+    def usage() -> dict[str, Any]:
+        return usage_dict(num_prompt_tokens, counts["completion"], counts["cached"])
+
+    for index in range(chat.params.n):
+        yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None}])
+    finished_sent: set[int] = set()
+    try:
+        async with aclosing(ctx.engine.generate(chat.request_id, chat.prompt_token_ids, chat.params,
+                                                chat.prompt)) as updates:
+            async for update in updates:
+                counts["cached"] = update.num_cached_tokens
+                for choice in _choice_deltas(ctx, chat, update, finished_sent, counts):
+                    yield chunk([choice], usage() if continuous_usage else None)
+    except Exception as e:
+        yield sse(engine_error(e).to_body())
+        yield SSE_DONE
+        return
+    if include_usage:
+        yield chunk([], usage())
+    yield SSE_DONE
+
+
+def _choice_deltas(ctx: ServingContext, chat: PreparedChat, update: RequestOutput, finished_sent: set[int],
+                   counts: dict[str, int]) -> list[dict[str, Any]]:
+    """The chunk choices of one update: text deltas, logprobs, and each choice's finish (sent once)."""
+    choices = []
+    for completion in update.outputs:
+        if completion.index in finished_sent:
+            continue
+        counts["completion"] += len(completion.token_ids_delta)
+        want_logprobs = chat.num_top_logprobs is not None and completion.logprobs is not None
+        if not (completion.text_delta or completion.finished or (want_logprobs and completion.token_ids_delta)):
+            continue
+        logprobs = None
+        if want_logprobs:
+            logprobs = chat_logprobs(ctx.engine.tokenizer, completion.token_ids_delta, delta_logprobs(completion),
+                                     chat.num_top_logprobs or 0)
+        choice: dict[str, Any] = {
+            "index": completion.index,
+            "delta": {"content": completion.text_delta} if completion.text_delta else {},
+            "logprobs": logprobs,
+            "finish_reason": completion.finish_reason if completion.finished else None,
+        }
+        if completion.finished:
+            choice["stop_reason"] = stop_reason(completion, chat.params)
+            finished_sent.add(completion.index)
+        choices.append(choice)
+    return choices

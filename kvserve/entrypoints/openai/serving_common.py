@@ -1,0 +1,295 @@
+"""What the chat and completion handlers share: model names, sampling parameters, length checks, SSE,
+logprob formatting and cancellation on client disconnect."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import uuid
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+from starlette.types import Receive
+
+from kvserve.engine.async_llm import AsyncLLM, RequestFailedError
+from kvserve.engine.core_client import EngineDeadError
+from kvserve.entrypoints.openai.errors import (
+    BadRequestError,
+    NotFoundError,
+    OpenAIError,
+    ServiceUnavailableError,
+)
+from kvserve.entrypoints.openai.protocol import SamplingFields
+from kvserve.protocol.outputs import CompletionOutput, Logprob
+from kvserve.protocol.sampling_params import SamplingParams, SamplingParamsError
+
+logger = logging.getLogger("kvserve.server")
+
+T = TypeVar("T")
+
+
+@dataclass
+class ServingContext:
+    """What every handler needs; built once at start-up."""
+
+    engine: AsyncLLM
+    served_model_names: list[str]
+    model_path: str
+    log_requests: bool = True
+    created: int = 0
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def check_model(self, model: str | None) -> str:
+        """The name to report in the response; 404 for a model this server does not serve."""
+        if model is None or model == "":
+            return self.model_name
+        if model not in self.served_model_names:
+            raise NotFoundError(f"The model `{model}` does not exist.", "model")
+        return model
+
+    def check_engine(self) -> None:
+        if self.engine.dead_error is not None or not self.engine.is_alive:
+            raise ServiceUnavailableError("the engine is not running", None)
+
+
+def new_request_id(engine: AsyncLLM, prefix: str, requested: str | None) -> str:
+    """A fresh id, or the client's `request_id` (vLLM's extra) when it is not in use."""
+    if not requested:
+        return f"{prefix}-{uuid.uuid4().hex}"
+    if engine.has_request(requested):
+        raise BadRequestError(f"request_id {requested!r} is already in use", "request_id")
+    return requested
+
+
+def sampling_params_from(
+    req: SamplingFields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    param_names: dict[str, str] | None = None,
+) -> SamplingParams:
+    """SamplingParams of an API request; out-of-range values become 400s naming the API's field."""
+    names = param_names or {}
+    logit_bias: dict[int, float] | None = None
+    if req.logit_bias:
+        try:
+            logit_bias = {int(k): float(v) for k, v in req.logit_bias.items()}
+        except ValueError:
+            raise BadRequestError("logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
+    try:
+        return SamplingParams(
+            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            seed=req.seed,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=logit_bias,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            ignore_eos=req.ignore_eos,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            spaces_between_special_tokens=req.spaces_between_special_tokens,
+        )
+    except SamplingParamsError as e:
+        raise BadRequestError(str(e), names.get(e.param, e.param)) from None
+
+
+def check_lengths(
+    engine: AsyncLLM,
+    num_prompt_tokens: int,
+    max_tokens: int | None,
+    prompt_param: str,
+    max_tokens_param: str,
+) -> None:
+    """Refuse (400) what cannot fit in max_model_len instead of truncating it, as vLLM does."""
+    max_model_len = engine.max_model_len
+    if num_prompt_tokens == 0:
+        raise BadRequestError("the prompt is empty (it must have at least one token)", prompt_param)
+    if num_prompt_tokens >= max_model_len:
+        raise BadRequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
+            f"{num_prompt_tokens} tokens, and it must be shorter than the maximum context length to leave "
+            f"room for at least one output token. Please reduce the length of the prompt.",
+            prompt_param,
+        )
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
+        raise BadRequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} in the "
+            f"completion). Please reduce the length of the prompt or {max_tokens_param}.",
+            max_tokens_param,
+        )
+
+
+def check_token_ids(engine: AsyncLLM, token_ids: list[int], param: str) -> None:
+    vocab = len(engine.tokenizer)
+    for token_id in token_ids:
+        if not 0 <= token_id < vocab:
+            raise BadRequestError(f"token id {token_id} is out of range [0, {vocab})", param)
+
+
+def log_request(ctx: ServingContext, request_id: str, num_prompt_tokens: int, params: SamplingParams,
+                prompt: str | None) -> None:
+    if not ctx.log_requests:
+        return
+    # NOTE: parameters and sizes only at INFO; prompts are user data and appear only at DEBUG.
+    logger.info(
+        "request %s: %d prompt tokens, n=%d, max_tokens=%s, temperature=%s, top_p=%s, top_k=%s, seed=%s, "
+        "logprobs=%s, stop=%d strings",
+        request_id, num_prompt_tokens, params.n, params.max_tokens, params.temperature, params.top_p,
+        params.top_k, params.seed, params.logprobs, len(params.stop or []),
+    )
+    if prompt is not None and logger.isEnabledFor(logging.DEBUG):
+        logger.debug("request %s prompt: %r", request_id, prompt)
+
+
+def engine_error(e: Exception) -> OpenAIError:
+    """Map what `AsyncLLM.generate` raises to an HTTP error."""
+    if isinstance(e, EngineDeadError):
+        return ServiceUnavailableError(f"the engine is not running: {e}")
+    if isinstance(e, RequestFailedError):
+        return BadRequestError(str(e), e.param)
+    if isinstance(e, SamplingParamsError):
+        return BadRequestError(str(e), e.param)
+    if isinstance(e, ValueError):
+        return BadRequestError(str(e))
+    raise e
+
+
+def sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def usage_dict(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
+    }
+
+
+def stop_reason(completion: CompletionOutput, params: SamplingParams) -> int | str | None:
+    """vLLM's `stop_reason`: the stop string or stop_token_ids entry that ended the choice; None for EOS."""
+    reason = completion.stop_reason
+    if isinstance(reason, int) and reason not in (params.stop_token_ids or []):
+        return None
+    return reason
+
+
+# ------------------------------------------------------------------------------------------ logprobs
+
+
+def sampled_and_top(
+    token_id: int, entry: dict[int, Logprob], num_top: int
+) -> tuple[Logprob, list[tuple[int, Logprob]]]:
+    """The sampled token's Logprob and the `num_top` most likely (token id, Logprob), most likely first."""
+    sampled = entry[token_id]
+    top = sorted(((tid, lp) for tid, lp in entry.items() if lp.rank <= num_top), key=lambda t: t[1].rank)
+    return sampled, top[:num_top]
+
+
+def _token_text(tokenizer: Any, token_id: int, lp: Logprob) -> str:
+    return lp.decoded_token if lp.decoded_token is not None else tokenizer.decode([token_id])
+
+
+def chat_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, Logprob]], num_top: int
+                  ) -> dict[str, Any]:
+    """OpenAI chat `logprobs` object: {"content": [{token, logprob, bytes, top_logprobs}, ...]}."""
+    content = []
+    for token_id, entry in zip(token_ids, entries, strict=True):
+        sampled, top = sampled_and_top(token_id, entry, num_top)
+        text = _token_text(tokenizer, token_id, sampled)
+        content.append({
+            "token": text,
+            "logprob": _finite(sampled.logprob),
+            "bytes": list(text.encode("utf-8")),
+            "top_logprobs": [
+                {"token": (t := _token_text(tokenizer, tid, lp)), "logprob": _finite(lp.logprob),
+                 "bytes": list(t.encode("utf-8"))}
+                for tid, lp in top
+            ],
+        })
+    return {"content": content}
+
+
+def completion_logprobs(
+    tokenizer: Any, token_ids: list[int], entries: list[dict[int, Logprob]], num_top: int, text_offset: int
+) -> dict[str, Any]:
+    """OpenAI completions `logprobs` object (tokens, token_logprobs, top_logprobs, text_offset)."""
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    offset = text_offset
+    for token_id, entry in zip(token_ids, entries, strict=True):
+        sampled, top = sampled_and_top(token_id, entry, num_top)
+        text = _token_text(tokenizer, token_id, sampled)
+        tokens.append(text)
+        token_logprobs.append(_finite(sampled.logprob))
+        tops.append({_token_text(tokenizer, tid, lp): _finite(lp.logprob) for tid, lp in top} if num_top else None)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _finite(value: float) -> float:
+    # -inf (a token masked out) and NaN are not valid JSON; report such tokens with a very low logprob.
+    value = float(value)
+    return value if math.isfinite(value) else -9999.0
+
+
+def delta_logprobs(completion: CompletionOutput) -> list[dict[int, Logprob]]:
+    """The logprob entries of this update's `token_ids_delta` (see `AsyncLLM.generate`)."""
+    assert completion.logprobs is not None
+    num = len(completion.token_ids_delta)
+    return completion.logprobs[len(completion.logprobs) - num:] if num else []
+
+
+# ---------------------------------------------------------------------------------------- disconnects
+
+
+async def run_unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Run `work`; cancel it if the client disconnects first (its generators then abort the request)."""
+    work_task = asyncio.ensure_future(work)
+    listen_task = asyncio.ensure_future(wait_for_disconnect(request.receive))
+    try:
+        done, _ = await asyncio.wait({work_task, listen_task}, return_when=asyncio.FIRST_COMPLETED)
+        if work_task in done:
+            return work_task.result()
+        work_task.cancel()
+        try:
+            await work_task
+        except BaseException:  # noqa: BLE001 - the client is gone; nothing to report to it
+            pass
+        raise ClientDisconnected()
+    finally:
+        listen_task.cancel()
+        if not work_task.done():
+            work_task.cancel()
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the response was ready."""
+
+
+async def wait_for_disconnect(receive: Receive) -> None:
+    """Returns when the client has gone (the request body must have been read already)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return

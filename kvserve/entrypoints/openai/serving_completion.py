@@ -1,0 +1,242 @@
+"""POST /v1/completions: prompt(s) -> engine -> one JSON response or an SSE stream of chunks.
+
+The prompt is a string, a list of strings, a list of token ids, or a list of token-id lists. Prompt `p`'s
+sample `j` is choice `p * n + j`, as in OpenAI's API; the prompts run concurrently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from kvserve.entrypoints.openai.errors import BadRequestError
+from kvserve.entrypoints.openai.protocol import CompletionRequest
+from kvserve.entrypoints.openai.serving_common import (
+    SSE_DONE,
+    ServingContext,
+    check_lengths,
+    check_token_ids,
+    completion_logprobs,
+    delta_logprobs,
+    engine_error,
+    log_request,
+    new_request_id,
+    sampling_params_from,
+    sse,
+    stop_reason,
+    usage_dict,
+)
+from kvserve.protocol.outputs import RequestOutput
+from kvserve.protocol.sampling_params import SamplingParams
+
+
+class PreparedPrompt:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], text: str | None) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.text = text  # the prompt as given (strings) or None (token ids)
+
+
+class PreparedCompletion:
+    def __init__(self, request_id: str, model: str, prompts: list[PreparedPrompt], params: SamplingParams,
+                 echo: bool) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.prompts = prompts
+        self.params = params
+        self.echo = echo
+        self.created = int(time.time())
+
+
+def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> PreparedCompletion:
+    """Validate and tokenize. Raises OpenAIError (400/404/503)."""
+    model = ctx.check_model(req.model)
+    ctx.check_engine()
+    if req.suffix:
+        raise BadRequestError("suffix is not supported", "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise BadRequestError("best_of must equal n (beam-style best-of is not supported)", "best_of")
+    if req.stream_options is not None and not req.stream:
+        raise BadRequestError("stream_options can only be given when stream is true", "stream_options")
+    if req.echo and req.logprobs is not None:
+        raise BadRequestError("echo together with logprobs is not supported (prompt logprobs)", "echo")
+    params = sampling_params_from(req, req.max_tokens, req.logprobs)
+
+    engine = ctx.engine
+    raw = req.prompt
+    items: list[str | list[int]]
+    if isinstance(raw, str):
+        items = [raw]
+    elif raw and isinstance(raw[0], int):
+        items = [list(raw)]  # type: ignore[arg-type]
+    else:
+        items = list(raw)  # type: ignore[arg-type]
+    request_id = new_request_id(engine, "cmpl", req.request_id)
+    prompts = []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            ids = list(engine.tokenizer(item, add_special_tokens=req.add_special_tokens)["input_ids"])
+            text: str | None = item
+        else:
+            check_token_ids(engine, item, "prompt")
+            ids, text = list(item), None
+        check_lengths(engine, len(ids), params.max_tokens, "prompt", "max_tokens")
+        sub_id = request_id if len(items) == 1 else f"{request_id}-{i}"
+        prompts.append(PreparedPrompt(sub_id, ids, text))
+    for p in prompts:
+        log_request(ctx, p.request_id, len(p.prompt_token_ids), params, p.text)
+    return PreparedCompletion(request_id, model, prompts, params, req.echo)
+
+
+def _echo_text(ctx: ServingContext, prompt: PreparedPrompt) -> str:
+    if prompt.text is not None:
+        return prompt.text
+    return ctx.engine.tokenizer.decode(prompt.prompt_token_ids)
+
+
+async def _run_one(ctx: ServingContext, prompt: PreparedPrompt, params: SamplingParams) -> RequestOutput:
+    final: RequestOutput | None = None
+    async with aclosing(ctx.engine.generate(prompt.request_id, prompt.prompt_token_ids, params,
+                                            prompt.text)) as updates:
+        async for update in updates:
+            final = update
+    assert final is not None and final.finished
+    return final
+
+
+async def completion_full(ctx: ServingContext, cmpl: PreparedCompletion) -> dict[str, Any]:
+    """Run every prompt to completion and build the `text_completion` object."""
+    tasks = [asyncio.ensure_future(_run_one(ctx, p, cmpl.params)) for p in cmpl.prompts]
+    try:
+        finals = await asyncio.gather(*tasks)
+    except Exception as e:
+        raise engine_error(e) from None
+    finally:
+        for task in tasks:  # one failed or we were cancelled: stop (and thereby abort) the others
+            task.cancel()
+    n = cmpl.params.n
+    num_top = cmpl.params.logprobs
+    choices = []
+    num_prompt_tokens = num_completion_tokens = num_cached_tokens = 0
+    for p_index, (prompt, final) in enumerate(zip(cmpl.prompts, finals, strict=True)):
+        num_prompt_tokens += len(prompt.prompt_token_ids)
+        num_cached_tokens += final.num_cached_tokens
+        prefix = _echo_text(ctx, prompt) if cmpl.echo else ""
+        for completion in final.outputs:
+            num_completion_tokens += len(completion.token_ids)
+            logprobs = None
+            if num_top is not None and completion.logprobs is not None:
+                logprobs = completion_logprobs(ctx.engine.tokenizer, completion.token_ids, completion.logprobs,
+                                               num_top, len(prefix))
+            choices.append({
+                "index": p_index * n + completion.index,
+                "text": prefix + completion.text,
+                "logprobs": logprobs,
+                "finish_reason": completion.finish_reason,
+                "stop_reason": stop_reason(completion, cmpl.params),
+            })
+    choices.sort(key=lambda c: c["index"])
+    return {
+        "id": cmpl.request_id,
+        "object": "text_completion",
+        "created": cmpl.created,
+        "model": cmpl.model,
+        "choices": choices,
+        "usage": usage_dict(num_prompt_tokens, num_completion_tokens, num_cached_tokens),
+    }
+
+
+async def completion_stream(ctx: ServingContext, cmpl: PreparedCompletion, include_usage: bool,
+                            continuous_usage: bool) -> AsyncIterator[str]:
+    """SSE events: text chunks of every choice as they come, each choice's finish, [DONE]."""
+    n = cmpl.params.n
+    num_top = cmpl.params.logprobs
+    usage_field = include_usage or continuous_usage
+    num_prompt_tokens = sum(len(p.prompt_token_ids) for p in cmpl.prompts)
+    num_completion_tokens = 0
+    cached: dict[int, int] = {}
+    finished_sent: set[int] = set()
+    offsets: dict[int, int] = {}
+
+    def chunk(choice: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
+        body: dict[str, Any] = {"id": cmpl.request_id, "object": "text_completion", "created": cmpl.created,
+                                "model": cmpl.model, "choices": choice}
+        if usage_field:
+            body["usage"] = usage
+        return sse(body)
+
+    try:
+        async for p_index, update in _merge(ctx, cmpl):
+            cached[p_index] = update.num_cached_tokens
+            for completion in update.outputs:
+                index = p_index * n + completion.index
+                if index in finished_sent:
+                    continue
+                num_completion_tokens += len(completion.token_ids_delta)
+                text = completion.text_delta
+                if cmpl.echo and index not in offsets:
+                    text = _echo_text(ctx, cmpl.prompts[p_index]) + text
+                offset = offsets.setdefault(index, 0)
+                want_logprobs = num_top is not None and completion.logprobs is not None
+                if not (text or completion.finished or (want_logprobs and completion.token_ids_delta)):
+                    continue
+                logprobs = None
+                if want_logprobs:
+                    logprobs = completion_logprobs(ctx.engine.tokenizer, completion.token_ids_delta,
+                                                   delta_logprobs(completion), num_top or 0, offset)
+                offsets[index] = offset + len(text)
+                choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs,
+                                          "finish_reason": completion.finish_reason if completion.finished else None}
+                if completion.finished:
+                    choice["stop_reason"] = stop_reason(completion, cmpl.params)
+                    finished_sent.add(index)
+                usage = (usage_dict(num_prompt_tokens, num_completion_tokens, sum(cached.values()))
+                         if continuous_usage else None)
+                yield chunk([choice], usage)
+    except Exception as e:
+        yield sse(engine_error(e).to_body())
+        yield SSE_DONE
+        return
+    if include_usage:
+        yield chunk([], usage_dict(num_prompt_tokens, num_completion_tokens, sum(cached.values())))
+    yield SSE_DONE
+
+
+async def _merge(ctx: ServingContext, cmpl: PreparedCompletion) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Updates of all prompts, interleaved as they arrive, tagged with the prompt's position."""
+    if len(cmpl.prompts) == 1:
+        p = cmpl.prompts[0]
+        async with aclosing(ctx.engine.generate(p.request_id, p.prompt_token_ids, cmpl.params, p.text)) as updates:
+            async for update in updates:
+                yield 0, update
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, prompt: PreparedPrompt) -> None:
+        try:
+            async with aclosing(ctx.engine.generate(prompt.request_id, prompt.prompt_token_ids, cmpl.params,
+                                                    prompt.text)) as updates:
+                async for update in updates:
+                    queue.put_nowait((index, update))
+        except Exception as e:
+            queue.put_nowait((index, e))
+            return
+        queue.put_nowait((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, p)) for i, p in enumerate(cmpl.prompts)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:  # disconnect or a failed prompt: stop (and thereby abort) the others
+            task.cancel()

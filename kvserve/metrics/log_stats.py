@@ -1,0 +1,56 @@
+"""A periodic one-line summary of the engine in the server log (throughput, queue, KV usage, cache hits)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from kvserve.core.outputs import SchedulerStats
+from kvserve.metrics.stats import IterationStats
+
+logger = logging.getLogger("kvserve.stats")
+
+
+class LoggingStatLogger:
+    """Logs at most every `interval_s`, and only while there is work (an idle server stays quiet)."""
+
+    def __init__(self, interval_s: float = 10.0) -> None:
+        self.interval_s = interval_s
+        self._last_log = time.monotonic()
+        self._num_prompt_tokens = 0
+        self._num_generation_tokens = 0
+        self._last_stats: SchedulerStats | None = None
+        self._last_queries = self._last_hits = 0
+
+    def record(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats) -> None:
+        self._num_prompt_tokens += iteration.num_prompt_tokens
+        self._num_generation_tokens += iteration.num_generation_tokens
+        if scheduler_stats is not None:
+            self._last_stats = scheduler_stats
+        now = time.monotonic()
+        elapsed = now - self._last_log
+        if elapsed < self.interval_s:
+            return
+        stats = self._last_stats
+        busy = stats is not None and (stats.num_running_reqs or stats.num_waiting_reqs)
+        if not (busy or self._num_prompt_tokens or self._num_generation_tokens):
+            self._last_log = now
+            return
+        hit_rate = 0.0
+        if stats is not None:
+            queries = stats.prefix_cache_queries - self._last_queries
+            hits = stats.prefix_cache_hits - self._last_hits
+            hit_rate = hits / queries if queries > 0 else 0.0
+            self._last_queries, self._last_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+        logger.info(
+            "prompt throughput: %.1f tokens/s, generation throughput: %.1f tokens/s, running: %d reqs, "
+            "waiting: %d reqs, KV cache usage: %.1f%%, prefix cache hit rate: %.1f%%",
+            self._num_prompt_tokens / elapsed,
+            self._num_generation_tokens / elapsed,
+            stats.num_running_reqs if stats else 0,
+            stats.num_waiting_reqs if stats else 0,
+            100 * (stats.kv_cache_usage if stats else 0.0),
+            100 * hit_rate,
+        )
+        self._last_log = now
+        self._num_prompt_tokens = self._num_generation_tokens = 0

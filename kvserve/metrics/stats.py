@@ -1,0 +1,115 @@
+"""Per-request timing and token counts, measured in the API process (plain data; no prometheus here).
+
+`RequestStatsTracker` follows each engine request (one sample of a user request) from arrival to finish
+and turns every batch of engine outputs into an `IterationStats`: the TTFTs, inter-token latencies,
+token counts and finished requests of that batch. A `StatLogger` (Prometheus, a log line) consumes them
+together with the engine's `SchedulerStats`.
+
+All times are wall-clock seconds (`time.time()`): the queue time subtracts the engine process's
+first-scheduled timestamp from the API process's arrival timestamp, so both must use the same clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvserve.core.outputs import EngineCoreOutput, SchedulerStats
+
+
+@dataclass
+class FinishedRequestStats:
+    finish_reason: str  # "stop" | "length" | "abort"
+    e2e_latency_s: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    queue_time_s: float | None  # None: never scheduled (aborted while waiting)
+    prefill_time_s: float | None  # first scheduled -> first token
+    decode_time_s: float | None  # first token -> last token
+    max_tokens: int
+
+
+@dataclass
+class IterationStats:
+    """What one batch of engine outputs added (all lists may be empty)."""
+
+    num_prompt_tokens: int = 0  # prompts whose prefill completed in this batch
+    num_generation_tokens: int = 0
+    time_to_first_tokens_s: list[float] = field(default_factory=list)
+    inter_token_latencies_s: list[float] = field(default_factory=list)
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.num_prompt_tokens or self.num_generation_tokens or self.finished)
+
+
+class StatLogger(Protocol):
+    def record(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats) -> None: ...
+
+
+@dataclass
+class _RequestTimes:
+    arrival_time: float
+    num_prompt_tokens: int
+    max_tokens: int
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_generation_tokens: int = 0
+
+
+class RequestStatsTracker:
+    """Timing state of every live engine request (keyed by engine request id)."""
+
+    def __init__(self) -> None:
+        self._requests: dict[str, _RequestTimes] = {}
+
+    def add(self, req_id: str, arrival_time: float, num_prompt_tokens: int, max_tokens: int) -> None:
+        self._requests[req_id] = _RequestTimes(arrival_time, num_prompt_tokens, max_tokens)
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def on_output(self, out: EngineCoreOutput, now: float, iteration: IterationStats) -> None:
+        """Account one engine output received at `now` (finishing is reported separately)."""
+        times = self._requests.get(out.req_id)
+        if times is None or not out.new_token_ids:
+            return
+        if out.first_scheduled_time and times.first_scheduled_time is None:
+            times.first_scheduled_time = out.first_scheduled_time
+        if times.first_token_time is None:
+            times.first_token_time = now
+            iteration.num_prompt_tokens += times.num_prompt_tokens
+            iteration.time_to_first_tokens_s.append(now - times.arrival_time)
+        else:
+            assert times.last_token_time is not None
+            iteration.inter_token_latencies_s.append(now - times.last_token_time)
+        times.last_token_time = now
+        times.num_generation_tokens += len(out.new_token_ids)
+        iteration.num_generation_tokens += len(out.new_token_ids)
+
+    def finish(self, req_id: str, finish_reason: str, now: float, iteration: IterationStats) -> None:
+        """The request ended (engine finish, stop string, or abort); unknown ids are ignored."""
+        times = self._requests.pop(req_id, None)
+        if times is None:
+            return
+        queue_s = prefill_s = decode_s = None
+        if times.first_scheduled_time is not None:
+            queue_s = max(times.first_scheduled_time - times.arrival_time, 0.0)
+            if times.first_token_time is not None:
+                prefill_s = max(times.first_token_time - times.first_scheduled_time, 0.0)
+        if times.first_token_time is not None and times.last_token_time is not None:
+            decode_s = times.last_token_time - times.first_token_time
+        iteration.finished.append(
+            FinishedRequestStats(
+                finish_reason=finish_reason,
+                e2e_latency_s=now - times.arrival_time,
+                num_prompt_tokens=times.num_prompt_tokens,
+                num_generation_tokens=times.num_generation_tokens,
+                queue_time_s=queue_s,
+                prefill_time_s=prefill_s,
+                decode_time_s=decode_s,
+                max_tokens=times.max_tokens,
+            )
+        )

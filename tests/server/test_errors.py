@@ -1,0 +1,203 @@
+"""Every error case returns its status and OpenAI's error body {"error": {message, type, param, code}}."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from .conftest import (
+    API_KEY,
+    STRICT_ALIAS,
+    STRICT_CHAT_TEMPLATE,
+    STRICT_MAX_BODY_BYTES,
+    STRICT_MAX_MODEL_LEN,
+    STRICT_NAME,
+    ServerProcess,
+    assert_openai_error,
+)
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def http(strict_server: ServerProcess) -> httpx.Client:
+    with httpx.Client(base_url=strict_server.base_url, headers=AUTH, timeout=60) as client:
+        yield client
+
+
+def test_valid_requests_pass(http):
+    """The baseline the error cases below deviate from."""
+    chat = http.post("/v1/chat/completions", json={"model": STRICT_NAME, "messages": CHAT, "max_tokens": 2})
+    assert chat.status_code == 200, chat.text
+    alias = http.post("/v1/completions", json={"model": STRICT_ALIAS, "prompt": "hi", "max_tokens": 2})
+    assert alias.status_code == 200 and alias.json()["model"] == STRICT_ALIAS
+
+
+def test_malformed_json_and_non_object_body(http):
+    bad = http.post("/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"})
+    assert "JSON" in assert_openai_error(bad, 400)["message"]
+    for body in (b"[1, 2]", b'"text"', b"null", b""):
+        assert_openai_error(http.post("/v1/completions", content=body,
+                                      headers={"content-type": "application/json"}), 400)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("temperature", "hot"),
+    ("max_tokens", "many"),
+    ("n", 1.5),
+    ("stop", 5),
+    ("logprobs", "yes"),
+    ("stream", "maybe"),
+    ("messages", "hello"),
+    ("messages", []),
+    ("stream_options", [1]),
+])
+def test_wrong_types(http, field, value):
+    body = {"messages": CHAT, "max_tokens": 2, field: value}
+    assert_openai_error(http.post("/v1/chat/completions", json=body), 400, field)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("temperature", -0.5),
+    ("top_p", 1.5),
+    ("top_p", 0),
+    ("top_k", -2),
+    ("min_p", 2.0),
+    ("presence_penalty", 2.5),
+    ("frequency_penalty", -3),
+    ("repetition_penalty", 0),
+    ("n", 0),
+    ("n", 100000),
+    ("max_tokens", 0),
+    ("max_tokens", -4),
+    ("seed", 2**64),
+    ("logprobs", 21),
+    ("logit_bias", {"not-a-token": 1}),
+    ("logit_bias", {"99999999": 1}),
+    ("logit_bias", {"5": 1000}),
+    ("stop", [""]),
+    ("min_tokens", 5),  # > max_tokens (2)
+    ("stop_token_ids", [-1]),
+])
+def test_out_of_range_completion_parameters(http, field, value):
+    body = {"prompt": "hello", "max_tokens": 2, field: value}
+    assert_openai_error(http.post("/v1/completions", json=body), 400, field)
+
+
+def test_chat_only_parameters(http):
+    bad_top = {"messages": CHAT, "max_tokens": 2, "logprobs": True, "top_logprobs": 21}
+    assert_openai_error(http.post("/v1/chat/completions", json=bad_top), 400, "top_logprobs")
+    without_logprobs = {"messages": CHAT, "max_tokens": 2, "top_logprobs": 2}
+    assert_openai_error(http.post("/v1/chat/completions", json=without_logprobs), 400, "top_logprobs")
+    bad_completion_tokens = {"messages": CHAT, "max_completion_tokens": 0}
+    assert_openai_error(http.post("/v1/chat/completions", json=bad_completion_tokens), 400, "max_completion_tokens")
+    options_without_stream = {"messages": CHAT, "max_tokens": 2, "stream_options": {"include_usage": True}}
+    assert_openai_error(http.post("/v1/chat/completions", json=options_without_stream), 400, "stream_options")
+
+
+def test_non_finite_numbers_are_refused(http):
+    # Python's json module (the server's) parses NaN and Infinity; they must not reach the sampler.
+    for literal in (b"NaN", b"Infinity", b"-Infinity"):
+        body = b'{"prompt": "hi", "max_tokens": 2, "temperature": ' + literal + b"}"
+        assert_openai_error(http.post("/v1/completions", content=body,
+                                      headers={"content-type": "application/json"}), 400, "temperature")
+
+
+def test_unsupported_features_are_refused(http):
+    cases = [
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"chat_template": "{{ 1 }}"}, "chat_template"),
+    ]
+    for extra, param in cases:
+        body = {"messages": CHAT, "max_tokens": 2, **extra}
+        assert_openai_error(http.post("/v1/chat/completions", json=body), 400, param)
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
+    assert_openai_error(http.post("/v1/chat/completions", json={"messages": image, "max_tokens": 2}), 400,
+                        "messages")
+    assert_openai_error(http.post("/v1/completions", json={"prompt": "a", "suffix": "b", "max_tokens": 2}), 400,
+                        "suffix")
+    assert_openai_error(http.post("/v1/completions", json={"prompt": "a", "best_of": 3, "max_tokens": 2}), 400,
+                        "best_of")
+
+
+def test_prompt_too_long_says_both_numbers(http, tiny_tokenizer):
+    prompt = " ".join(["word"] * 60)
+    num_prompt_tokens = len(tiny_tokenizer(prompt)["input_ids"])
+    assert num_prompt_tokens > STRICT_MAX_MODEL_LEN
+    error = assert_openai_error(http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}), 400, "prompt")
+    assert str(STRICT_MAX_MODEL_LEN) in error["message"] and str(num_prompt_tokens) in error["message"]
+    # As token ids too, and in chat.
+    ids = list(range(100, 100 + STRICT_MAX_MODEL_LEN))
+    assert_openai_error(http.post("/v1/completions", json={"prompt": ids}), 400, "prompt")
+    long_chat = [{"role": "user", "content": prompt}]
+    assert_openai_error(http.post("/v1/chat/completions", json={"messages": long_chat}), 400, "messages")
+
+
+def test_prompt_plus_max_tokens_over_limit_is_refused_not_truncated(http, tiny_tokenizer):
+    num_prompt_tokens = len(tiny_tokenizer("hello there")["input_ids"])
+    max_tokens = STRICT_MAX_MODEL_LEN - num_prompt_tokens + 1
+    error = assert_openai_error(
+        http.post("/v1/completions", json={"prompt": "hello there", "max_tokens": max_tokens}), 400, "max_tokens")
+    message = error["message"]
+    assert str(STRICT_MAX_MODEL_LEN) in message and str(num_prompt_tokens) in message and str(max_tokens) in message
+    # Exactly at the limit is fine.
+    ok = http.post("/v1/completions", json={"prompt": "hello there", "max_tokens": max_tokens - 1})
+    assert ok.status_code == 200, ok.text
+
+
+def test_bad_token_ids_and_empty_prompt(http):
+    assert_openai_error(http.post("/v1/completions", json={"prompt": [1, 10**9], "max_tokens": 1}), 400, "prompt")
+    assert_openai_error(http.post("/v1/completions", json={"prompt": "", "max_tokens": 1}), 400, "prompt")
+    assert_openai_error(http.post("/detokenize", json={"tokens": [10**9]}), 400, "tokens")
+
+
+def test_api_key(strict_server):
+    url = strict_server.base_url
+    body = {"prompt": "hi", "max_tokens": 1}
+    assert_openai_error(httpx.post(url + "/v1/completions", json=body), 401)
+    assert_openai_error(httpx.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer wrong"}),
+                        401)
+    assert_openai_error(httpx.get(url + "/v1/models", headers={"Authorization": f"Basic {API_KEY}"}), 401)
+    assert httpx.get(url + "/v1/models", headers=AUTH).status_code == 200
+    assert httpx.get(url + "/health").status_code == 200  # health checks carry no key
+    client = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        client.models.list()
+    assert openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0).models.list().data[0].id == STRICT_NAME
+
+
+def test_unknown_model_and_route(http):
+    error = assert_openai_error(http.post("/v1/completions", json={"model": "gpt-4", "prompt": "hi"}), 404, "model")
+    assert "gpt-4" in error["message"]
+    assert_openai_error(http.post("/v1/chat/completions", json={"model": "nope", "messages": CHAT}), 404, "model")
+    assert_openai_error(http.post("/tokenize", json={"model": "nope", "prompt": "hi"}), 404, "model")
+    assert_openai_error(http.get("/v1/nothing-here"), 404)
+    assert_openai_error(http.get("/v1/completions"), 405)
+
+
+def test_body_over_limit(http):
+    big = {"prompt": "x" * (STRICT_MAX_BODY_BYTES + 10), "max_tokens": 1}
+    assert_openai_error(http.post("/v1/completions", json=big), 413)
+
+    def chunked():  # no content-length: the limit is enforced while reading
+        yield b'{"prompt": "'
+        for _ in range(STRICT_MAX_BODY_BYTES // 1000 + 2):
+            yield b"y" * 1000
+        yield b'"}'
+
+    assert_openai_error(http.post("/v1/completions", content=chunked(),
+                                  headers={"content-type": "application/json"}), 413)
+
+
+def test_chat_template_flag_overrides_the_tokenizers(http, tiny_tokenizer):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    expected_text = tiny_tokenizer.apply_chat_template(messages, chat_template=STRICT_CHAT_TEMPLATE, tokenize=False,
+                                                       add_generation_prompt=True)
+    assert expected_text == "system: be brief\nuser: hi there\nassistant:"
+    tokens = http.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    assert tokens == tiny_tokenizer(expected_text, add_special_tokens=False)["input_ids"]
+    out = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json()
+    assert out["usage"]["prompt_tokens"] == len(tokens)

@@ -1,0 +1,145 @@
+"""Process lifecycle: engine death, SIGTERM drain, losing the API process, start-up failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import httpx
+
+from .conftest import ServerProcess, assert_openai_error, pid_alive, scrape, wait_for
+
+FLAGS = ["--max-model-len", "256", "--kv-cache-memory", "64MiB", "--served-model-name", "tiny"]
+
+
+class StreamReader(threading.Thread):
+    """Reads one streaming completion in the background; `first_chunk` is set when text starts flowing."""
+
+    def __init__(self, base_url: str, max_tokens: int) -> None:
+        super().__init__(daemon=True)
+        self.base_url = base_url
+        self.body = {"prompt": "Tell me everything:", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        self.first_chunk = threading.Event()
+        self.events: list[dict | str] = []
+        self.status: int | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with httpx.stream("POST", self.base_url + "/v1/completions", json=self.body, timeout=120) as response:
+                self.status = response.status_code
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        payload = line[6:]
+                        self.events.append(payload if payload == "[DONE]" else json.loads(payload))
+                        self.first_chunk.set()
+        except BaseException as e:  # noqa: BLE001 - inspected by the test
+            self.error = e
+        finally:
+            self.first_chunk.set()
+
+
+def test_engine_death_turns_health_503_and_server_exits_nonzero(launch_server: Callable[..., ServerProcess],
+                                                                tiny_llama_dir: str):
+    server = launch_server([tiny_llama_dir, *FLAGS])
+    assert server.engine_pid is not None and pid_alive(server.engine_pid)
+    # Without --metrics-compat there are no vllm: series.
+    assert not [name for name, _ in scrape(server.base_url) if name.startswith("vllm:")]
+    stream = StreamReader(server.base_url, max_tokens=240)
+    stream.start()
+    assert stream.first_chunk.wait(60) and stream.error is None
+
+    os.kill(server.engine_pid, signal.SIGKILL)
+    seen_503 = False
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and server.proc.poll() is None:
+        try:
+            health = httpx.get(server.base_url + "/health", timeout=2)
+        except httpx.HTTPError:
+            break  # already gone
+        if health.status_code == 503:
+            seen_503 = True
+            assert_openai_error(health, 503)
+            break
+        time.sleep(0.05)
+    assert seen_503, "/health never answered 503 after the engine died"
+    code = server.wait_exit(15)
+    assert code != 0
+    stream.join(10)
+    # The in-flight stream ended with an error event (engine gone), not with a normal finish.
+    errors = [e for e in stream.events if isinstance(e, dict) and "error" in e]
+    assert errors and errors[0]["error"]["code"] == 503, stream.events[-3:]
+    assert "engine core is dead" in server.log()
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_0(launch_server: Callable[..., ServerProcess],
+                                                       tiny_llama_dir: str):
+    server = launch_server([tiny_llama_dir, *FLAGS, "--disable-log-requests"])
+    engine_pid = server.engine_pid
+    stream = StreamReader(server.base_url, max_tokens=60)
+    stream.start()
+    assert stream.first_chunk.wait(60) and stream.error is None
+
+    server.proc.send_signal(signal.SIGTERM)
+    refused = None
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and stream.is_alive():
+        response = httpx.post(server.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=30)
+        if response.status_code == 503:
+            refused = response
+            break
+        time.sleep(0.02)
+    assert refused is not None, "no 503 for a new request while draining"
+    assert_openai_error(refused, 503)
+    assert httpx.get(server.base_url + "/health", timeout=5).status_code == 503
+
+    stream.join(120)
+    assert stream.error is None and stream.status == 200
+    assert stream.events[-1] == "[DONE]"
+    chunks = [e for e in stream.events if isinstance(e, dict)]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert server.wait_exit(30) == 0
+    assert "prompt tokens" not in server.log()  # --disable-log-requests
+    assert engine_pid is not None
+    wait_for(lambda: not pid_alive(engine_pid), 10, "the engine process to exit")
+
+
+def test_engine_exits_when_the_api_process_is_killed(launch_server: Callable[..., ServerProcess],
+                                                     tiny_llama_dir: str):
+    server = launch_server([tiny_llama_dir, *FLAGS], env={"KVSERVE_API_KEY": "from-env"})
+    # (While it is up: the API key can come from the environment.)
+    assert_openai_error(httpx.get(server.base_url + "/v1/models", timeout=10), 401)
+    ok = httpx.get(server.base_url + "/v1/models", headers={"Authorization": "Bearer from-env"}, timeout=10)
+    assert ok.status_code == 200
+    assert server.engine_pid is not None
+    server.proc.kill()
+    server.wait_exit(10)
+    wait_for(lambda: not pid_alive(server.engine_pid), 15, "the orphaned engine process to exit")
+
+
+def test_engine_start_failure_exits_nonzero_with_its_error(launch_server: Callable[..., ServerProcess],
+                                                           tiny_llama_dir: str):
+    server = launch_server([tiny_llama_dir, "--max-model-len", "256", "--kv-cache-memory", "1KiB"], wait=False)
+    assert server.wait_exit(180) == 1
+    log = server.log()
+    assert "engine failed to start" in log and "KV cache holds 0 tokens" in log
+
+
+def test_config_error_exits_2_before_starting_the_engine(launch_server, tiny_llama_dir):
+    server = launch_server([tiny_llama_dir, "--max-model-len", "100000"], wait=False)
+    assert server.wait_exit(60) == 2
+    assert "max_model_len=100000" in server.log() and "engine core process started" not in server.log()
+
+
+def test_busy_port_exits_nonzero(launch_server, tiny_llama_dir):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        server = launch_server([tiny_llama_dir, *FLAGS], wait=False, port=busy.getsockname()[1])
+        assert server.wait_exit(60) == 1
+    assert "cannot listen" in server.log() and "engine core process started" not in server.log()

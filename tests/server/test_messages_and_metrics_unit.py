@@ -1,0 +1,154 @@
+"""In-process tests of the pieces under the server: the engine <-> API messages (msgspec round trips), the
+per-request stats tracker and the Prometheus logger. No processes, no model."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvserve.core.outputs import EngineCoreOutput, SchedulerStats, TokenLogprobs
+from kvserve.metrics.prometheus import PrometheusStatLogger, token_buckets
+from kvserve.metrics.stats import IterationStats, RequestStatsTracker
+from kvserve.protocol.core_messages import (
+    AbortRequests,
+    AddRequests,
+    EngineDead,
+    EngineOutputs,
+    EngineReady,
+    RequestFailed,
+    Shutdown,
+    make_input_decoder,
+    make_message_decoder,
+)
+from kvserve.protocol.engine import EngineCoreRequest
+from kvserve.protocol.sampling_params import SamplingParams
+
+
+def _roundtrip(message: object, decoder: msgspec.msgpack.Decoder) -> object:
+    return decoder.decode(msgspec.msgpack.encode(message))
+
+
+def test_engine_inputs_round_trip_with_every_sampling_field():
+    params = SamplingParams(
+        n=1, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=2**63 - 1, presence_penalty=0.5,
+        frequency_penalty=-0.5, repetition_penalty=1.2, logit_bias={0: -100.0, 49151: 5.5}, max_tokens=7,
+        min_tokens=2, ignore_eos=True, stop=["\n\n", "END"], stop_token_ids=[2, 3], include_stop_str_in_output=True,
+        logprobs=5, skip_special_tokens=False, spaces_between_special_tokens=False,
+        extra={"tag": [1, "two", {"three": 3.0}]},
+    )
+    request = EngineCoreRequest(req_id="0_abc", prompt_token_ids=[1, 2, 3], sampling_params=params, max_tokens=7,
+                                eos_token_ids=[2], arrival_time=123.5, cache_salt="salt", group_key="abc")
+    decoded = _roundtrip(AddRequests([request]), make_input_decoder())
+    assert isinstance(decoded, AddRequests)
+    assert decoded.requests == [request]
+    got = decoded.requests[0].sampling_params
+    assert isinstance(got, SamplingParams) and got == params
+    assert all(type(k) is int for k in got.logit_bias)  # msgpack keeps integer map keys
+    assert _roundtrip(AbortRequests(["a", "b"]), make_input_decoder()) == AbortRequests(["a", "b"])
+    assert _roundtrip(Shutdown(), make_input_decoder()) == Shutdown()
+
+
+def test_decoding_revalidates_sampling_params():
+    # A dataclass decoded by msgspec runs __post_init__: an out-of-range value cannot slip through the socket.
+    bad = msgspec.msgpack.encode({"type": "add", "requests": [{
+        "req_id": "r", "prompt_token_ids": [1], "max_tokens": 1, "sampling_params": {"temperature": -1.0}}]})
+    with pytest.raises((msgspec.ValidationError, ValueError)):
+        make_input_decoder().decode(bad)
+
+
+def test_engine_messages_round_trip():
+    decoder = make_message_decoder()
+    outputs = EngineOutputs(
+        outputs=[
+            EngineCoreOutput("r1", [5], [TokenLogprobs([5, 6], [-0.1, -2.5], 1)], first_scheduled_time=10.25),
+            EngineCoreOutput("r2", [7], finish_reason="stop", stop_token_id=2, num_cached_tokens=16),
+        ],
+        stats=SchedulerStats(num_running_reqs=1, num_waiting_reqs=2, kv_cache_usage=0.25, prefix_cache_queries=64,
+                             prefix_cache_hits=16, num_preemptions=1, num_blocks=100, num_free_blocks=75),
+        timestamp=99.0,
+    )
+    assert _roundtrip(outputs, decoder) == outputs
+    ready = EngineReady(pid=1, num_blocks=10, block_size=16, max_model_len=256, eos_token_ids=[2], startup_s=1.5,
+                        capacity_description="KV cache: ...")
+    for message in (ready, RequestFailed("r", "too long", "prompt"), RequestFailed("r", "bad"), EngineDead("boom")):
+        assert _roundtrip(message, decoder) == message
+
+
+def test_stats_tracker_measures_each_request():
+    tracker = RequestStatsTracker()
+    tracker.add("a", arrival_time=100.0, num_prompt_tokens=10, max_tokens=3)
+    it = IterationStats()
+    tracker.on_output(EngineCoreOutput("a", [1], first_scheduled_time=100.5), now=101.0, iteration=it)
+    assert it.time_to_first_tokens_s == [1.0] and it.num_prompt_tokens == 10 and it.num_generation_tokens == 1
+    it = IterationStats()
+    tracker.on_output(EngineCoreOutput("a", [2]), now=101.25, iteration=it)
+    tracker.on_output(EngineCoreOutput("a", [3]), now=101.75, iteration=it)
+    assert it.inter_token_latencies_s == [0.25, 0.5] and it.num_prompt_tokens == 0
+    tracker.finish("a", "length", now=102.0, iteration=it)
+    (done,) = it.finished
+    assert (done.finish_reason, done.e2e_latency_s, done.queue_time_s) == ("length", 2.0, 0.5)
+    assert (done.prefill_time_s, done.decode_time_s, done.num_generation_tokens) == (0.5, 0.75, 3)
+    tracker.finish("a", "length", now=103.0, iteration=it)  # finished ids are forgotten: no double count
+    assert len(it.finished) == 1 and len(tracker) == 0
+
+
+def test_stats_tracker_abort_before_scheduling():
+    tracker = RequestStatsTracker()
+    tracker.add("b", arrival_time=5.0, num_prompt_tokens=4, max_tokens=8)
+    it = IterationStats()
+    tracker.finish("b", "abort", now=6.0, iteration=it)
+    (done,) = it.finished
+    assert done.queue_time_s is None and done.num_generation_tokens == 0 and done.e2e_latency_s == 1.0
+
+
+def _samples(logger: PrometheusStatLogger) -> dict[tuple[str, tuple], float]:
+    out = {}
+    for family in text_string_to_metric_families(logger.generate_latest().decode()):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_prometheus_logger_turns_cumulative_engine_counters_into_increments():
+    logger = PrometheusStatLogger("m", max_model_len=100, metrics_compat="vllm")
+    label = (("model_name", "m"),)
+    logger.record(SchedulerStats(prefix_cache_queries=10, prefix_cache_hits=4, num_preemptions=1), IterationStats())
+    logger.record(SchedulerStats(num_running_reqs=3, kv_cache_usage=0.5, prefix_cache_queries=30,
+                                 prefix_cache_hits=4, num_preemptions=2), IterationStats())
+    s = _samples(logger)
+    assert s[("kvserve:prefix_cache_queries_total", label)] == 30
+    assert s[("kvserve:prefix_cache_hits_total", label)] == 4
+    assert s[("kvserve:num_preemptions_total", label)] == 2
+    assert s[("kvserve:num_requests_running", label)] == 3
+    assert s[("vllm:gpu_cache_usage_perc", label)] == s[("kvserve:kv_cache_usage_perc", label)] == 0.5
+    # An engine that restarted its counts (smaller numbers) contributes them as new increments.
+    logger.record(SchedulerStats(prefix_cache_queries=5), IterationStats())
+    assert _samples(logger)[("kvserve:prefix_cache_queries_total", label)] == 35
+
+
+def test_prometheus_logger_observes_iterations():
+    logger = PrometheusStatLogger("m", max_model_len=100)
+    tracker = RequestStatsTracker()
+    tracker.add("a", 0.0, 7, 2)
+    it = IterationStats()
+    tracker.on_output(EngineCoreOutput("a", [1], first_scheduled_time=0.001), 0.0015, it)
+    tracker.on_output(EngineCoreOutput("a", [2]), 0.004, it)
+    tracker.finish("a", "stop", 0.004, it)
+    logger.record(None, it)
+    s = _samples(logger)
+    label = ("model_name", "m")
+    assert s[("kvserve:prompt_tokens_total", (label,))] == 7
+    assert s[("kvserve:generation_tokens_total", (label,))] == 2
+    assert s[("kvserve:request_success_total", (("finished_reason", "stop"), label))] == 1
+    # 1.5 ms TTFT lands between the 1 ms and 2 ms buckets; 2.5 ms ITL between 2 ms and 3 ms.
+    ttft = "kvserve:time_to_first_token_seconds_bucket"
+    assert s[(ttft, (("le", "0.001"), label))] == 0 and s[(ttft, (("le", "0.002"), label))] == 1
+    itl = "kvserve:inter_token_latency_seconds_bucket"
+    assert s[(itl, (("le", "0.002"), label))] == 0 and s[(itl, (("le", "0.003"), label))] == 1
+    assert not any(name.startswith("vllm:") for name, _ in s)
+
+
+def test_token_buckets():
+    assert token_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
+    assert token_buckets(8192)[-1] == 5000

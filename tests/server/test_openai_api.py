@@ -1,0 +1,222 @@
+"""The official `openai` client against a real server (tiny random Llama): chat and completions, streaming
+and not, usage, n=2, logprobs (checked against HF Transformers), stop strings, and the small endpoints."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+import torch
+
+import kvserve
+
+from .conftest import TINY_NAME, ServerProcess, read_sse
+
+MESSAGES_EN = [{"role": "user", "content": "Tell me a short story about a fox."}]
+MESSAGES_ZH = [{"role": "user", "content": "给我讲一个关于狐狸的短故事。"}]
+
+
+@pytest.fixture(scope="module")
+def client(tiny_server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=tiny_server.base_url + "/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+def _stream_chat(client: openai.OpenAI, **kwargs: object) -> tuple[dict[int, str], dict[int, str | None], list]:
+    texts: dict[int, str] = {}
+    finish: dict[int, str | None] = {}
+    chunks = list(client.chat.completions.create(model=TINY_NAME, stream=True, **kwargs))
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            if choice.finish_reason is not None:
+                assert choice.index not in finish, "a choice finished twice"
+                finish[choice.index] = choice.finish_reason
+    return texts, finish, chunks
+
+
+def _chat_prompt_len(tokenizer, messages: list[dict]) -> int:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+@pytest.mark.parametrize("messages", [MESSAGES_EN, MESSAGES_ZH], ids=["english", "chinese"])
+def test_chat_stream_equals_non_stream_and_usage(client, tiny_tokenizer, messages):
+    full = client.chat.completions.create(model=TINY_NAME, messages=messages, temperature=0, max_tokens=12,
+                                          extra_body={"ignore_eos": True})
+    assert full.object == "chat.completion" and full.model == TINY_NAME
+    assert full.choices[0].message.role == "assistant"
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == 12
+    assert full.usage.prompt_tokens == _chat_prompt_len(tiny_tokenizer, messages)
+    assert full.usage.total_tokens == full.usage.prompt_tokens + 12
+
+    texts, finish, chunks = _stream_chat(client, messages=messages, temperature=0, max_tokens=12,
+                                         extra_body={"ignore_eos": True},
+                                         stream_options={"include_usage": True})
+    assert texts == {0: full.choices[0].message.content}
+    assert finish == {0: "length"}
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+@pytest.mark.parametrize("prompt", ["The capital of France is", "北京是中国的首都，"], ids=["english", "chinese"])
+def test_completion_stream_equals_non_stream(client, tiny_tokenizer, prompt):
+    full = client.completions.create(model=TINY_NAME, prompt=prompt, temperature=0, max_tokens=10)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=TINY_NAME, prompt=prompt, temperature=0, max_tokens=10, stream=True) if c.choices)
+    assert streamed == full.choices[0].text
+    assert full.object == "text_completion"
+    assert full.usage.prompt_tokens == len(tiny_tokenizer(prompt)["input_ids"])
+    assert full.usage.completion_tokens <= 10
+    if full.choices[0].finish_reason == "length":
+        assert full.usage.completion_tokens == 10
+
+
+def test_n2_seeded_samples_stream_equals_non_stream(client):
+    kwargs = dict(messages=MESSAGES_EN, temperature=1.0, max_tokens=8, n=2, seed=1234)
+    full = client.chat.completions.create(model=TINY_NAME, **kwargs)
+    assert sorted(c.index for c in full.choices) == [0, 1]
+    assert full.usage.completion_tokens == sum(
+        len(c.logprobs.content) for c in client.chat.completions.create(
+            model=TINY_NAME, logprobs=True, **kwargs).choices)
+    texts, finish, _ = _stream_chat(client, **kwargs)
+    assert texts == {c.index: c.message.content for c in full.choices}
+    assert finish == {c.index: c.finish_reason for c in full.choices}
+    # Each sample draws from its own seeded generator: the two differ (random 49k-token model, 8 draws).
+    assert full.choices[0].message.content != full.choices[1].message.content
+
+
+def test_n3_samples_finishing_at_different_steps_stream_equals_non_stream(tiny_server):
+    """Stop strings end the seeded samples at different steps; every choice's streamed text, logprob tokens,
+    finish and stop reason match the non-streamed response, and each choice finishes exactly once."""
+    body = {"model": TINY_NAME, "prompt": "Hello", "max_tokens": 12, "n": 3, "seed": 7, "temperature": 1.0,
+            "stop": ["a", "o"], "ignore_eos": True, "logprobs": 1}
+    full = httpx.post(tiny_server.base_url + "/v1/completions", json=body, timeout=120).json()
+    texts: dict[int, str] = {}
+    tokens: dict[int, list[str]] = {}
+    finish: dict[int, tuple] = {}
+    with httpx.stream("POST", tiny_server.base_url + "/v1/completions", json={**body, "stream": True},
+                      timeout=120) as response:
+        events = read_sse(response)
+    assert events[-1] == "[DONE]"
+    for event in events[:-1]:
+        for c in event["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+            tokens.setdefault(c["index"], []).extend(c["logprobs"]["tokens"] if c["logprobs"] else [])
+            if c["finish_reason"]:
+                assert c["index"] not in finish
+                finish[c["index"]] = (c["finish_reason"], c.get("stop_reason"))
+    assert sorted(finish) == [0, 1, 2]
+    for choice in full["choices"]:
+        i = choice["index"]
+        assert texts[i] == choice["text"]
+        assert tokens[i] == choice["logprobs"]["tokens"]
+        assert finish[i] == (choice["finish_reason"], choice["stop_reason"])
+        if choice["finish_reason"] == "stop":
+            assert choice["stop_reason"] in ("a", "o") and not any(s in choice["text"] for s in ("a", "o"))
+
+
+def test_completion_list_prompts_and_token_ids(client, tiny_tokenizer):
+    ids = tiny_tokenizer("Once upon a time")["input_ids"]
+    single = client.completions.create(model=TINY_NAME, prompt=ids, temperature=0, max_tokens=5)
+    text_single = client.completions.create(model=TINY_NAME, prompt="Once upon a time", temperature=0,
+                                            max_tokens=5)
+    assert single.choices[0].text == text_single.choices[0].text
+    batch = client.completions.create(model=TINY_NAME, prompt=["Once upon a time", "Hello"], temperature=0,
+                                      max_tokens=5, n=2)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    # Prompt p's samples are choices p*n .. p*n+n-1; greedy samples of one prompt agree.
+    assert batch.choices[0].text == batch.choices[1].text == single.choices[0].text
+    hello = client.completions.create(model=TINY_NAME, prompt="Hello", temperature=0, max_tokens=5)
+    assert batch.choices[2].text == batch.choices[3].text == hello.choices[0].text
+    assert batch.usage.prompt_tokens == len(ids) + len(tiny_tokenizer("Hello")["input_ids"])
+
+
+@pytest.fixture(scope="module")
+def hf_tiny(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+
+
+def test_completion_logprobs_match_hf(client, tiny_tokenizer, hf_tiny):
+    ids = tiny_tokenizer("The quick brown fox")["input_ids"]
+    out = client.completions.create(model=TINY_NAME, prompt=ids, temperature=0, max_tokens=4, logprobs=3,
+                                    extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    # Oracle: HF Transformers' log-softmax over the same tokens.
+    generated = tiny_tokenizer(out.choices[0].text, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        logits = hf_tiny(torch.tensor([ids + generated[:3]])).logits[0, len(ids) - 1:]
+    expected = torch.log_softmax(logits.float(), dim=-1)
+    for step in range(min(len(generated), 4)):
+        top = torch.topk(expected[step], 3)
+        assert lp.token_logprobs[step] == pytest.approx(top.values[0].item(), abs=1e-3)
+        got_top = sorted(lp.top_logprobs[step].values(), reverse=True)
+        assert got_top == pytest.approx(top.values.tolist(), abs=1e-3)
+
+
+def test_chat_logprobs_shape(client):
+    out = client.chat.completions.create(model=TINY_NAME, messages=MESSAGES_EN, temperature=0, max_tokens=5,
+                                         logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens == 5
+    for entry in content:
+        assert entry.logprob <= 0
+        assert len(entry.top_logprobs) == 3
+        values = [t.logprob for t in entry.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        # Greedy: the sampled token is the most likely one.
+        assert entry.token == entry.top_logprobs[0].token
+        assert entry.logprob == pytest.approx(values[0])
+        assert bytes(entry.bytes).decode("utf-8", errors="replace") == entry.token
+    # Streamed logprobs cover the same tokens.
+    streamed = [e for chunk in client.chat.completions.create(
+        model=TINY_NAME, messages=MESSAGES_EN, temperature=0, max_tokens=5, logprobs=True, top_logprobs=3,
+        stream=True, extra_body={"ignore_eos": True})
+        for c in chunk.choices if c.logprobs for e in c.logprobs.content]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in content]
+
+
+def test_stop_string_stream_equals_non_stream(client):
+    base = client.completions.create(model=TINY_NAME, prompt="Hello there", temperature=0, max_tokens=12,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    assert len(base) > 6
+    stop = base[len(base) // 2: len(base) // 2 + 3]
+    cut = base[: base.index(stop)]
+    full = client.completions.create(model=TINY_NAME, prompt="Hello there", temperature=0, max_tokens=12,
+                                     stop=[stop], extra_body={"ignore_eos": True})
+    assert full.choices[0].text == cut
+    assert full.choices[0].finish_reason == "stop"
+    assert full.choices[0].model_extra.get("stop_reason") == stop
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=TINY_NAME, prompt="Hello there", temperature=0, max_tokens=12, stop=[stop], stream=True,
+        extra_body={"ignore_eos": True}) if c.choices)
+    assert streamed == cut
+
+
+def test_models_version_tokenize_detokenize(tiny_server, client, tiny_tokenizer):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [TINY_NAME]
+    assert models.data[0].model_extra["max_model_len"] == 256
+    assert httpx.get(tiny_server.base_url + "/version").json() == {"version": kvserve.__version__}
+    tok = httpx.post(tiny_server.base_url + "/tokenize", json={"prompt": "Hello world"}).json()
+    assert tok["tokens"] == tiny_tokenizer("Hello world")["input_ids"]
+    assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 256
+    chat_tok = httpx.post(tiny_server.base_url + "/tokenize", json={"messages": MESSAGES_EN}).json()
+    assert chat_tok["count"] == _chat_prompt_len(tiny_tokenizer, MESSAGES_EN)
+    detok = httpx.post(tiny_server.base_url + "/detokenize", json={"tokens": tok["tokens"]}).json()
+    assert detok == {"prompt": "Hello world"}
+
+
+def test_requests_are_logged_without_prompts(tiny_server, client):
+    secret = "the password is swordfish"
+    client.completions.create(model=TINY_NAME, prompt=secret, max_tokens=1)
+    client.chat.completions.create(model=TINY_NAME, messages=[{"role": "user", "content": secret}], max_tokens=1)
+    log = tiny_server.log()
+    assert "swordfish" not in log
+    assert "prompt tokens" in log  # the request lines are there, with sizes and parameters only
