@@ -1,0 +1,162 @@
+"""`kvserve bench` flags (vLLM's `bench serve` names where one exists) and their translation to BenchConfig."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from kvserve.bench.config import APIS, GOODPUT_KEYS, BenchConfig, BenchConfigError, LoadShape
+from kvserve.bench.datasets import DATASETS, LANGUAGES, LENGTH_DISTS, DatasetConfig
+
+DEFAULT_ENDPOINT = "http://127.0.0.1:8000/v1/chat/completions"
+DEFAULT_DURATION_S = 60.0
+
+
+def _positive_list(kind: type, flag: str) -> Callable[[str], list[float]]:
+    def parse(text: str) -> list[float]:
+        try:
+            values = [kind(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes a comma-separated list, got {text!r}") from None
+        if not values or any(not v > 0 for v in values):
+            raise argparse.ArgumentTypeError(f"{flag} takes positive values, got {text!r}")
+        return values
+
+    return parse
+
+
+def add_bench_args(parser: argparse.ArgumentParser) -> None:
+    target = parser.add_argument_group("target")
+    target.add_argument("--endpoint", default=DEFAULT_ENDPOINT,
+                        help=f"full URL of .../v1/chat/completions or .../v1/completions (default {DEFAULT_ENDPOINT})")
+    target.add_argument("--api", choices=APIS, default=None,
+                        help="request format (default: chat when the endpoint ends in chat/completions)")
+    target.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
+    target.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    target.add_argument("--request-timeout", type=float, default=600.0,
+                        help="seconds one request may take before it counts as a timeout (default 600)")
+
+    load = parser.add_argument_group("load")
+    load.add_argument("--concurrency", type=int, default=None,
+                      help="closed loop: N requests in flight, each sent when another ends (default 1)")
+    load.add_argument("--request-rate", type=float, default=None,
+                      help="open loop: requests/s arriving as a Poisson process ('inf': all at once)")
+    load.add_argument("--burstiness", type=float, default=1.0,
+                      help="open loop: gamma shape of the arrival gaps; 1 = Poisson, <1 burstier, >1 smoother")
+    load.add_argument("--max-concurrency", type=int, default=None,
+                      help="open loop: most requests in flight; later arrivals wait (the wait is reported)")
+    load.add_argument("--duration", type=float, default=None,
+                      help=f"seconds to issue requests for (default {DEFAULT_DURATION_S:g} unless --num-prompts)")
+    load.add_argument("--num-prompts", type=int, default=None,
+                      help="requests to send (with --duration: whichever ends first)")
+    load.add_argument("--drain-timeout", type=float, default=60.0,
+                      help="with --duration: cancel requests still running this many seconds after it "
+                           "(counted as 'cancelled'; default 60)")
+    load.add_argument("--warmup", type=int, default=0, help="requests sent first and not counted (default 0)")
+    load.add_argument("--sweep-concurrency", type=_positive_list(int, "--sweep-concurrency"), default=None,
+                      metavar="N,N,...", help="one closed-loop run per concurrency, one table row each")
+    load.add_argument("--sweep-rate", type=_positive_list(float, "--sweep-rate"), default=None,
+                      metavar="R,R,...", help="one open-loop run per request rate, one table row each")
+
+    work = parser.add_argument_group("workload")
+    work.add_argument("--dataset", choices=DATASETS, default="random",
+                      help="random prose, shared-prefix (prefix caching), or file (JSONL) (default random)")
+    work.add_argument("--dataset-path", default=None,
+                      help='--dataset file: JSONL with {"prompt": ...} or {"messages": [...]}, optional "output_len"')
+    work.add_argument("--input-len", type=int, default=256,
+                      help="prompt tokens (the median for --input-dist chat) (default 256)")
+    work.add_argument("--input-dist", choices=LENGTH_DISTS, default="fixed",
+                      help="prompt length distribution; chat = long-tailed like real chat traffic (default fixed)")
+    work.add_argument("--max-tokens", "--output-len", dest="max_tokens", type=int, default=128,
+                      help="max_tokens of each request (the median for --output-dist chat) (default 128)")
+    work.add_argument("--output-dist", choices=LENGTH_DISTS, default="fixed",
+                      help="max_tokens distribution (default fixed)")
+    work.add_argument("--range-ratio", type=float, default=0.25,
+                      help="uniform: +-ratio around the length; normal: std = ratio x length (default 0.25)")
+    work.add_argument("--language", choices=LANGUAGES, default="mixed",
+                      help="prompt text: English, Chinese, or mixed (70%% English) (default mixed)")
+    work.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: system prompt tokens (default 512)")
+    work.add_argument("--num-prefixes", type=int, default=1, help="shared-prefix: distinct system prompts (default 1)")
+    work.add_argument("--prefix-reuse", type=float, default=1.0,
+                      help="shared-prefix: fraction of requests that reuse a shared prompt (default 1.0)")
+    work.add_argument("--max-model-len", type=int, default=None,
+                      help="clip drawn lengths so prompt + output fit the server's context (default: no clip)")
+    work.add_argument("--ignore-eos", action="store_true",
+                      help="ask the server to generate max_tokens even past end-of-sequence (vLLM extension)")
+    work.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the server's)")
+    work.add_argument("--seed", type=int, default=0, help="seed of lengths, texts and arrival times (default 0)")
+    work.add_argument("--tokenizer", default=None,
+                      help="local tokenizer (HF directory or .gguf) for prompt lengths and for counting tokens "
+                           "when the server sends no usage (default: the default model's)")
+
+    out = parser.add_argument_group("output")
+    out.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                     help=f"SLOs for goodput, keys {', '.join(GOODPUT_KEYS)} in ms, e.g. ttft:500 itl:50")
+    out.add_argument("--json", dest="json_path", default=None, metavar="FILE",
+                     help="write the configuration, summary and every request's record as JSON")
+    out.add_argument("--plot", dest="plot_path", default=None, metavar="FILE.png",
+                     help="write latency CDFs, throughput over time and server metrics as a PNG")
+    out.add_argument("--compare", dest="compare_path", default=None, metavar="OLD.json",
+                     help="print the change of each metric against an earlier --json result")
+    out.add_argument("--server-metrics", action=argparse.BooleanOptionalAction, default=True,
+                     help="sample the server's Prometheus /metrics during the run (default on)")
+    out.add_argument("--metrics-url", default=None, help="where /metrics is (default: the endpoint's host)")
+    out.add_argument("--metrics-interval", type=float, default=1.0, help="seconds between /metrics samples")
+    out.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                     help="live progress bar (default: when stderr is a terminal)")
+
+
+def _parse_goodput(items: list[str] | None) -> dict[str, float]:
+    slos: dict[str, float] = {}
+    for item in items or []:
+        key, sep, value = item.partition(":")
+        try:
+            slos[key.strip().lower()] = float(value)
+        except ValueError:
+            raise BenchConfigError(f"--goodput takes KEY:MS pairs, got {item!r}") from None
+        if not sep:
+            raise BenchConfigError(f"--goodput takes KEY:MS pairs, got {item!r}")
+    return slos
+
+
+def _shapes(ns: argparse.Namespace) -> tuple[LoadShape, ...]:
+    duration = ns.duration
+    if duration is None and ns.num_prompts is None:
+        duration = DEFAULT_DURATION_S
+    common = {"duration_s": duration, "num_prompts": ns.num_prompts}
+    open_loop = {"burstiness": ns.burstiness, "max_concurrency": ns.max_concurrency}
+    if ns.sweep_concurrency and ns.sweep_rate:
+        raise BenchConfigError("give --sweep-concurrency or --sweep-rate, not both")
+    if ns.sweep_concurrency:
+        if ns.request_rate is not None or ns.concurrency is not None:
+            raise BenchConfigError("--sweep-concurrency replaces --concurrency and --request-rate")
+        return tuple(LoadShape(concurrency=int(c), **common) for c in ns.sweep_concurrency)
+    if ns.sweep_rate:
+        if ns.request_rate is not None or ns.concurrency is not None:
+            raise BenchConfigError("--sweep-rate replaces --request-rate and --concurrency")
+        return tuple(LoadShape(request_rate=r, **open_loop, **common) for r in ns.sweep_rate)
+    if ns.request_rate is not None:
+        if ns.concurrency is not None:
+            raise BenchConfigError("--concurrency is closed loop, --request-rate open loop: give one "
+                                   "(cap an open loop with --max-concurrency)")
+        return (LoadShape(request_rate=ns.request_rate, **open_loop, **common),)
+    if ns.max_concurrency is not None or ns.burstiness != 1.0:
+        raise BenchConfigError("--max-concurrency and --burstiness shape an open loop: add --request-rate")
+    return (LoadShape(concurrency=ns.concurrency if ns.concurrency is not None else 1, **common),)
+
+
+def config_from_args(ns: argparse.Namespace) -> BenchConfig:
+    dataset = DatasetConfig(
+        name=ns.dataset, input_len=ns.input_len, input_dist=ns.input_dist, output_len=ns.max_tokens,
+        output_dist=ns.output_dist, range_ratio=ns.range_ratio, language=ns.language, seed=ns.seed,
+        max_model_len=ns.max_model_len, prefix_len=ns.prefix_len, num_prefixes=ns.num_prefixes,
+        prefix_reuse=ns.prefix_reuse, path=ns.dataset_path,
+    )
+    return BenchConfig(
+        endpoint=ns.endpoint, shapes=_shapes(ns), dataset=dataset, api=ns.api, model=ns.model,
+        api_key=ns.api_key, tokenizer=ns.tokenizer, warmup=ns.warmup, request_timeout_s=ns.request_timeout,
+        drain_timeout_s=ns.drain_timeout,
+        ignore_eos=ns.ignore_eos, temperature=ns.temperature, goodput_ms=_parse_goodput(ns.goodput),
+        server_metrics=ns.server_metrics, metrics_url=ns.metrics_url, metrics_interval_s=ns.metrics_interval,
+        json_path=ns.json_path, plot_path=ns.plot_path, compare_path=ns.compare_path, progress=ns.progress,
+    )

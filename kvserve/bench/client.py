@@ -1,0 +1,284 @@
+"""One streaming request to an OpenAI-compatible server, timed from the stream: `StreamClient.send()`.
+
+Timing (all `time.perf_counter()`, from just before the request is handed to the connection pool):
+
+* TTFT: until the first SSE chunk that carries text (a role-only first chunk does not count).
+* ITL: gaps between consecutive text-carrying chunks (a server that packs several tokens in one chunk
+  shows fewer, longer gaps; TPOT below does not depend on chunking).
+* E2E: until the stream ends (`[DONE]`, or the end of the body after a finish_reason).
+* TPOT: (E2E - TTFT) / (output tokens - 1), per request.
+
+Token counts come from the final `usage` chunk (requested with `stream_options.include_usage`); when the
+server sends none, the output text is kept so that the caller can count it with a local tokenizer.
+
+Failures are records too, never exceptions: `error_kind` is `http_<status>`, `timeout`, `connection` (no
+response), `broken_stream` (the stream stopped before a finish_reason or `[DONE]`), `stream_error` (the
+server sent an error object inside the stream), `invalid_response` (a chunk that is not JSON) or
+`cancelled` (still running when the run was ended by its drain timeout or an interrupt; `send` records it
+and re-raises the cancellation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import msgspec
+
+from kvserve.bench.datasets import BenchRequest
+
+ERROR_TIMEOUT = "timeout"
+ERROR_CONNECTION = "connection"
+ERROR_BROKEN_STREAM = "broken_stream"
+ERROR_STREAM_ERROR = "stream_error"
+ERROR_INVALID_RESPONSE = "invalid_response"
+# Still running when the run ended (drain timeout or interrupt): not the server's failure, but not a
+# completed request either, so it stays in the denominators.
+ERROR_CANCELLED = "cancelled"
+# Error messages kept per record (the first bytes of an error body are enough to tell what went wrong).
+_MAX_ERROR_CHARS = 300
+
+
+@dataclass
+class RequestRecord:
+    """What happened to one request. Times in seconds; `start_s` and `scheduled_s` are relative to the run
+    start. `queued_s` is how long an open-loop arrival waited for a concurrency slot (or for the event loop)
+    after its scheduled time: latencies are measured from the actual send, so it is reported separately."""
+
+    index: int
+    max_tokens: int
+    input_tokens_target: int | None = None
+    scheduled_s: float | None = None
+    start_s: float = 0.0
+    queued_s: float = 0.0
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None
+    cached_tokens: int | None = None
+    token_source: str | None = None
+    finish_reason: str | None = None
+    error_kind: str | None = None
+    error: str | None = None
+    status_code: int | None = None
+    # Kept only until tokens are counted (never serialized): the fallback counts them with a tokenizer.
+    output_text: str = field(default="", repr=False, compare=False)
+
+    @property
+    def success(self) -> bool:
+        return self.error_kind is None
+
+    @property
+    def tpot_s(self) -> float | None:
+        if not self.success or self.ttft_s is None or self.e2e_s is None or not self.output_tokens:
+            return None
+        if self.output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+    @property
+    def end_s(self) -> float:
+        return self.start_s + (self.e2e_s or 0.0)
+
+    def fail(self, kind: str, message: str, status_code: int | None = None) -> None:
+        self.error_kind = kind
+        self.error = message[:_MAX_ERROR_CHARS]
+        self.status_code = status_code
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in _RECORD_FIELDS}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RequestRecord:
+        return cls(**{name: data[name] for name in _RECORD_FIELDS if name in data})
+
+
+_RECORD_FIELDS = tuple(name for name in RequestRecord.__dataclass_fields__ if name != "output_text")
+
+
+@dataclass(frozen=True)
+class ClientSettings:
+    """Everything `StreamClient` sends besides the request itself."""
+
+    endpoint: str
+    api: str
+    model: str
+    api_key: str | None = None
+    request_timeout_s: float = 600.0
+    ignore_eos: bool = False
+    temperature: float | None = None
+    max_connections: int | None = None
+
+
+class StreamClient:
+    """Pooled async HTTP client for streaming completions. The pool holds `max_connections` connections
+    (the run's concurrency), so no request waits for a connection the load shape meant it to have."""
+
+    def __init__(self, settings: ClientSettings) -> None:
+        self.settings = settings
+        limits = httpx.Limits(max_connections=settings.max_connections,
+                              max_keepalive_connections=settings.max_connections)
+        headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
+        timeout = httpx.Timeout(settings.request_timeout_s, connect=min(settings.request_timeout_s, 30.0))
+        self._http = httpx.AsyncClient(limits=limits, headers=headers, timeout=timeout)
+        self._decoder = msgspec.json.Decoder()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    def body(self, request: BenchRequest) -> dict[str, Any]:
+        s = self.settings
+        body: dict[str, Any] = {"model": s.model, "max_tokens": request.max_tokens, "stream": True,
+                                "stream_options": {"include_usage": True}}
+        if s.api == "chat":
+            body["messages"] = [dict(m) for m in request.messages]
+        else:
+            body["prompt"] = request.prompt()
+        if s.ignore_eos:
+            body["ignore_eos"] = True
+        if s.temperature is not None:
+            body["temperature"] = s.temperature
+        return body
+
+    async def send(self, request: BenchRequest, run_start: float, record: RequestRecord | None = None
+                   ) -> RequestRecord:
+        """Send `request`, stream the answer, and return its record (failures included; never raises
+        except on cancellation, after marking `record` cancelled). The whole request is bounded by the
+        request timeout."""
+        if record is None:
+            record = RequestRecord(request.index, request.max_tokens, request.input_tokens)
+        body = self.body(request)
+        started = time.perf_counter()
+        record.start_s = started - run_start
+        try:
+            await asyncio.wait_for(self._stream(body, record, started), self.settings.request_timeout_s)
+        except asyncio.CancelledError:
+            record.fail(ERROR_CANCELLED, "still running when the run ended (drain timeout or interrupt)",
+                        record.status_code)
+            record.e2e_s = time.perf_counter() - started
+            raise
+        except asyncio.TimeoutError:
+            record.fail(ERROR_TIMEOUT, f"no complete answer within {self.settings.request_timeout_s:g} s",
+                        record.status_code)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            record.fail(ERROR_CONNECTION, f"{type(exc).__name__}: {exc}")
+        except httpx.TimeoutException as exc:
+            record.fail(ERROR_TIMEOUT, f"{type(exc).__name__}: {exc}", record.status_code)
+        except httpx.HTTPError as exc:
+            # Headers received: the stream broke; none: the connection failed before any answer.
+            kind = ERROR_BROKEN_STREAM if record.status_code is not None else ERROR_CONNECTION
+            record.fail(kind, f"{type(exc).__name__}: {exc}", record.status_code)
+        if record.e2e_s is None:
+            record.e2e_s = time.perf_counter() - started
+        return record
+
+    async def _stream(self, body: dict[str, Any], record: RequestRecord, started: float) -> None:
+        async with self._http.stream("POST", self.settings.endpoint, json=body) as response:
+            record.status_code = response.status_code
+            if response.status_code >= 400:
+                text = (await response.aread()).decode("utf-8", "replace")
+                record.fail(f"http_{response.status_code}", text.strip(), response.status_code)
+                return
+            if "text/event-stream" not in response.headers.get("content-type", ""):
+                # A server that ignores `stream`: the whole answer is one chunk.
+                obj = self._decode(await response.aread(), record)
+                state = _StreamState(record, started)
+                if obj is not None and state.on_payload(obj, self.settings.api):
+                    state.finish(done=True)
+                return
+            state = _StreamState(record, started)
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue  # blank separators, comments (keep-alives), `event:` lines
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    state.finish(done=True)
+                    return
+                obj = self._decode(payload, record)
+                if obj is None or not state.on_payload(obj, self.settings.api):
+                    return
+            state.finish(done=False)
+
+    def _decode(self, payload: str | bytes, record: RequestRecord) -> dict[str, Any] | None:
+        try:
+            obj = self._decoder.decode(payload)
+        except msgspec.DecodeError:
+            obj = None
+        if not isinstance(obj, dict):
+            record.fail(ERROR_INVALID_RESPONSE, f"chunk is not a JSON object: {payload[:100]!r}", record.status_code)
+            return None
+        return obj
+
+
+class _StreamState:
+    """Accumulates one response's chunks into its record."""
+
+    def __init__(self, record: RequestRecord, started: float) -> None:
+        self.record = record
+        self.started = started
+        self.last_text_at: float | None = None
+        self.pieces: list[str] = []
+
+    def on_payload(self, obj: dict[str, Any], api: str) -> bool:
+        """Apply one chunk; False when the stream must stop (an error object)."""
+        now = time.perf_counter()
+        record = self.record
+        if "error" in obj and not obj.get("choices"):
+            error = obj["error"]
+            message = error.get("message", str(error)) if isinstance(error, dict) else str(error)
+            record.fail(ERROR_STREAM_ERROR, message, record.status_code)
+            return False
+        for choice in obj.get("choices") or ():
+            text = _choice_text(choice, api)
+            if text:
+                if self.last_text_at is None:
+                    record.ttft_s = now - self.started
+                else:
+                    record.itl_s.append(now - self.last_text_at)
+                self.last_text_at = now
+                self.pieces.append(text)
+            if choice.get("finish_reason"):
+                record.finish_reason = choice["finish_reason"]
+        usage = obj.get("usage")
+        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            record.prompt_tokens = usage.get("prompt_tokens")
+            record.output_tokens = usage["completion_tokens"]
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                record.cached_tokens = details["cached_tokens"]
+            record.token_source = "usage"
+        return True
+
+    def finish(self, done: bool) -> None:
+        record = self.record
+        record.e2e_s = time.perf_counter() - self.started
+        record.output_text = "".join(self.pieces)
+        if record.error_kind is None and not done and record.finish_reason is None:
+            record.fail(ERROR_BROKEN_STREAM, "the stream ended before a finish_reason or [DONE]",
+                        record.status_code)
+        if record.error_kind is None and record.ttft_s is None:
+            # An answer with no text at all (e.g. max_tokens hit by special tokens): the first token time
+            # is unknown, the end is the best bound.
+            record.ttft_s = record.e2e_s
+
+
+def _choice_text(choice: dict[str, Any], api: str) -> str:
+    if api == "chat":
+        delta = choice.get("delta") or choice.get("message") or {}
+        # Reasoning models stream their thinking first; it is output the server had to generate.
+        return (delta.get("reasoning_content") or "") + (delta.get("content") or "")
+    return choice.get("text") or ""
+
+
+async def fetch_model_names(api_base: str, api_key: str | None, timeout_s: float = 10.0) -> list[str]:
+    """The ids listed by `GET {api_base}/models` (raises httpx errors when the server is unreachable)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(timeout=timeout_s, headers=headers) as http:
+        response = await http.get(api_base + "/models")
+        response.raise_for_status()
+        data = response.json().get("data") or []
+        return [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]

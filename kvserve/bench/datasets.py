@@ -1,0 +1,370 @@
+"""Workloads: what each benchmark request asks for (its messages and `max_tokens`).
+
+Three datasets, chosen by name (`DATASETS`):
+
+* `random` — real English/Chinese prose cut to a token length drawn from a `LengthDist`
+  (`fixed`, `uniform`, `normal`, or the long-tailed `chat` preset), with a task line on top.
+* `shared-prefix` — a system prompt of `prefix_len` tokens that a fraction `prefix_reuse` of requests
+  share (one of `num_prefixes`), then a per-request question: measures prefix caching.
+* `file` — a JSONL file, one request per line: `{"prompt": str}` or `{"messages": [...]}`, optionally
+  with `"output_len"` (or `"max_tokens"`).
+
+A dataset is a pure function of (seed, index): `get(i)` returns the same request whatever the load shape
+or the order requests are issued in, so two runs with the same seed send the same text. The exception is
+the run nonce: every generated prompt starts with a reference line holding a per-run random nonce and the
+request index, so neither requests of one run nor a re-run against the same server hit the prefix cache by
+accident (shared prefixes put it inside the shared part: shared within the run, cold across runs).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from kvserve.bench import corpus
+
+DATASETS = ("random", "shared-prefix", "file")
+LENGTH_DISTS = ("fixed", "uniform", "normal", "chat")
+LANGUAGES = ("en", "zh", "mixed")
+# Share of Chinese prompts under --language mixed.
+MIXED_ZH_FRACTION = 0.3
+# Log-normal sigma of the `chat` preset. Public chat traces (ShareGPT, LMSYS-Chat-1M, Azure's LLM
+# inference traces) have right-skewed lengths: most prompts short, mean about twice the median, a tail of
+# long ones. sigma 1.1 gives mean = 1.83 x median, P90 = 4.1 x, P99 = 13 x; outputs are less skewed.
+CHAT_INPUT_SIGMA = 1.1
+CHAT_OUTPUT_SIGMA = 0.8
+# The `chat` preset's cap, as a multiple of the median: keeps one draw from exceeding any context window.
+CHAT_INPUT_CAP = 16
+CHAT_OUTPUT_CAP = 8
+# Tokens left for the chat template and special tokens when lengths are clipped to --max-model-len.
+TEMPLATE_MARGIN_TOKENS = 64
+
+# Random-number streams: measured requests, warm-up requests and shared prefixes never share draws.
+_STREAM_MEASURED, _STREAM_WARMUP, _STREAM_PREFIX = 0, 1, 2
+
+
+class DatasetError(ValueError):
+    """A dataset setting or file is unusable; the message says which and why."""
+
+
+class TextTokenizer(Protocol):
+    """The two methods of a Hugging Face tokenizer the benchmark uses."""
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """One request. `messages` are chat messages ({"role", "content"}); the completions API sends their
+    contents joined by a blank line (`prompt()`). `input_tokens` is the length the dataset aimed for by its
+    tokenizer (None for file prompts); the server's `usage` is what the report counts."""
+
+    index: int
+    messages: tuple[dict[str, str], ...]
+    max_tokens: int
+    input_tokens: int | None = None
+    language: str | None = None
+    shared_prefix: bool = False
+
+    def prompt(self) -> str:
+        return "\n\n".join(m["content"] for m in self.messages)
+
+
+@dataclass(frozen=True)
+class LengthDist:
+    """Token lengths: `fixed` = `center`; `uniform` on center x [1 - ratio, 1 + ratio]; `normal` with
+    std = ratio x center; `chat` log-normal with median `center` and shape `sigma`, capped at
+    `cap` x center. Every draw is clipped to [1, `max_len`] when `max_len` is set."""
+
+    kind: str
+    center: int
+    range_ratio: float = 0.0
+    sigma: float = CHAT_INPUT_SIGMA
+    cap: int = CHAT_INPUT_CAP
+    max_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in LENGTH_DISTS:
+            raise DatasetError(f"length distribution must be one of {', '.join(LENGTH_DISTS)}, got {self.kind!r}")
+        if self.center < 1:
+            raise DatasetError(f"lengths must be at least 1 token, got {self.center}")
+        if not 0.0 <= self.range_ratio < 1.0:
+            raise DatasetError(f"--range-ratio must be in [0, 1), got {self.range_ratio}")
+
+    def sample(self, rng: np.random.Generator) -> int:
+        if self.kind == "fixed":
+            value = float(self.center)
+        elif self.kind == "uniform":
+            value = rng.uniform(self.center * (1 - self.range_ratio), self.center * (1 + self.range_ratio))
+        elif self.kind == "normal":
+            value = rng.normal(self.center, self.center * self.range_ratio)
+        else:
+            value = min(rng.lognormal(math.log(self.center), self.sigma), self.cap * self.center)
+        length = max(1, int(round(value)))
+        return min(length, self.max_len) if self.max_len is not None else length
+
+
+@dataclass(frozen=True)
+class DatasetConfig:
+    """What `make_dataset` builds. `max_model_len`, when set, clips input + output lengths to fit."""
+
+    name: str = "random"
+    input_len: int = 256
+    input_dist: str = "fixed"
+    output_len: int = 128
+    output_dist: str = "fixed"
+    range_ratio: float = 0.25
+    language: str = "mixed"
+    seed: int = 0
+    max_model_len: int | None = None
+    prefix_len: int = 512
+    num_prefixes: int = 1
+    prefix_reuse: float = 1.0
+    path: str | None = None
+    # None: a fresh random nonce per run (see the module docstring); tests pass a fixed one.
+    run_nonce: str | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.name not in DATASETS:
+            raise DatasetError(f"--dataset must be one of {', '.join(DATASETS)}, got {self.name!r}")
+        if self.language not in LANGUAGES:
+            raise DatasetError(f"--language must be one of {', '.join(LANGUAGES)}, got {self.language!r}")
+        if not 0.0 <= self.prefix_reuse <= 1.0:
+            raise DatasetError(f"--prefix-reuse must be in [0, 1], got {self.prefix_reuse}")
+        if self.num_prefixes < 1 or self.prefix_len < 1:
+            raise DatasetError("--num-prefixes and --prefix-len must be at least 1")
+        if self.name == "file" and not self.path:
+            raise DatasetError("--dataset file needs --dataset-path FILE.jsonl")
+        if self.max_model_len is not None and self.max_model_len <= TEMPLATE_MARGIN_TOKENS + 1:
+            raise DatasetError(f"--max-model-len must exceed {TEMPLATE_MARGIN_TOKENS + 1} tokens")
+        # Builds (and so validates) both length distributions now rather than at the first request.
+        self.input_dist_obj()
+        self.output_dist_obj()
+
+    def output_dist_obj(self) -> LengthDist:
+        max_len = None if self.max_model_len is None else self.max_model_len - TEMPLATE_MARGIN_TOKENS - 1
+        return LengthDist(self.output_dist, self.output_len, self.range_ratio, CHAT_OUTPUT_SIGMA,
+                          CHAT_OUTPUT_CAP, max_len)
+
+    def input_dist_obj(self) -> LengthDist:
+        return LengthDist(self.input_dist, self.input_len, self.range_ratio, CHAT_INPUT_SIGMA, CHAT_INPUT_CAP)
+
+    def fit_input(self, input_len: int, output_len: int, fixed_len: int = 0) -> int:
+        """`input_len` clipped so that fixed_len + input + output + margin <= max_model_len."""
+        if self.max_model_len is None:
+            return input_len
+        room = self.max_model_len - TEMPLATE_MARGIN_TOKENS - output_len - fixed_len
+        return max(1, min(input_len, room))
+
+
+def _rng(seed: int, stream: int, index: int) -> np.random.Generator:
+    return np.random.default_rng([seed, stream, index])
+
+
+# ------------------------------------------------------------------------------------------------ text
+
+
+_SENTENCE_END = {"en": re.compile(r"(?<=[.!?])\s+"), "zh": re.compile(r"(?<=[。！？；])")}
+
+
+class TextSource:
+    """Cuts real prose of an exact token length (by `tokenizer`) out of the corpus, starting at a
+    sentence. The corpus is tokenized once per language, sentence by sentence, so any slice decodes to the
+    text it came from; a slice longer than the corpus wraps around to its first sentence."""
+
+    def __init__(self, tokenizer: TextTokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._ids: dict[str, list[int]] = {}
+        self._starts: dict[str, list[int]] = {}
+        for language, paragraphs in (("en", corpus.ENGLISH_PARAGRAPHS), ("zh", corpus.CHINESE_PARAGRAPHS)):
+            ids: list[int] = []
+            starts: list[int] = []
+            for paragraph in paragraphs:
+                for sentence in _SENTENCE_END[language].split(paragraph):
+                    if not sentence.strip():
+                        continue
+                    starts.append(len(ids))
+                    # English sentences carry their leading space so that joined slices read naturally.
+                    ids.extend(tokenizer.encode((" " if language == "en" else "") + sentence.strip(),
+                                                add_special_tokens=False))
+            self._ids[language] = ids
+            self._starts[language] = starts
+
+    def count(self, text: str) -> int:
+        return len(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def text(self, language: str, num_tokens: int, rng: np.random.Generator) -> str:
+        """About `num_tokens` tokens of prose (a cut inside a multi-byte character drops that character)."""
+        ids = self._ids[language]
+        start = self._starts[language][int(rng.integers(len(self._starts[language])))]
+        picked: list[int] = []
+        position = start
+        while len(picked) < num_tokens:
+            take = min(num_tokens - len(picked), len(ids) - position)
+            picked.extend(ids[position:position + take])
+            position = (position + take) % len(ids)
+        # A slice can end inside a character's bytes: its replacement character is not real text.
+        return self.tokenizer.decode(picked).strip().rstrip("\ufffd")
+
+
+def _pick_language(config: DatasetConfig, rng: np.random.Generator) -> str:
+    if config.language != "mixed":
+        return config.language
+    return "zh" if rng.random() < MIXED_ZH_FRACTION else "en"
+
+
+def _task_prompt(source: TextSource, language: str, header: str, num_tokens: int,
+                 rng: np.random.Generator) -> str:
+    """`header` + a task line + prose, `num_tokens` long in total. The task line is left out when it would
+    take more than half the budget; a budget below the header's own length gives the header + 1 token."""
+    instructions = corpus.CHINESE_INSTRUCTIONS if language == "zh" else corpus.ENGLISH_INSTRUCTIONS
+    head = f"{header} {instructions[int(rng.integers(len(instructions)))]}\n\n"
+    head_tokens = source.count(head)
+    if 2 * head_tokens > num_tokens:
+        head = f"{header}\n\n"
+        head_tokens = source.count(head)
+    return head + source.text(language, max(1, num_tokens - head_tokens), rng)
+
+
+def _reference(language: str, nonce: str, tag: str) -> str:
+    return f"编号 {tag}-{nonce}。" if language == "zh" else f"Ref {tag}-{nonce}."
+
+
+# -------------------------------------------------------------------------------------------- datasets
+
+
+class Dataset(Protocol):
+    """`get(index)` -> the request of that index; the same (config, index) always gives the same request.
+    `size` is the number of distinct requests (None: unbounded); requests past it repeat."""
+
+    size: int | None
+
+    def get(self, index: int, warmup: bool = False) -> BenchRequest: ...
+
+
+class RandomDataset:
+    size: int | None = None
+
+    def __init__(self, config: DatasetConfig, tokenizer: TextTokenizer) -> None:
+        self.config = config
+        self.source = TextSource(tokenizer)
+        self.nonce = config.run_nonce if config.run_nonce is not None else secrets.token_hex(4)
+        self._input = config.input_dist_obj()
+        self._output = config.output_dist_obj()
+
+    def get(self, index: int, warmup: bool = False) -> BenchRequest:
+        rng = _rng(self.config.seed, _STREAM_WARMUP if warmup else _STREAM_MEASURED, index)
+        output_len = self._output.sample(rng)
+        input_len = self.config.fit_input(self._input.sample(rng), output_len)
+        language = _pick_language(self.config, rng)
+        tag = f"w{index}" if warmup else str(index)
+        text = _task_prompt(self.source, language, _reference(language, self.nonce, tag), input_len, rng)
+        return BenchRequest(index, ({"role": "user", "content": text},), output_len, input_len, language)
+
+
+class SharedPrefixDataset:
+    size: int | None = None
+
+    def __init__(self, config: DatasetConfig, tokenizer: TextTokenizer) -> None:
+        self.config = config
+        self.source = TextSource(tokenizer)
+        self.nonce = config.run_nonce if config.run_nonce is not None else secrets.token_hex(4)
+        self._input = config.input_dist_obj()
+        self._output = config.output_dist_obj()
+        self._prefixes = [self._system_prompt(_rng(config.seed, _STREAM_PREFIX, k), f"p{k}")
+                          for k in range(config.num_prefixes)]
+
+    def _system_prompt(self, rng: np.random.Generator, tag: str) -> tuple[str, str]:
+        language = _pick_language(self.config, rng)
+        return _task_prompt(self.source, language, _reference(language, self.nonce, tag),
+                            self.config.prefix_len, rng), language
+
+    def get(self, index: int, warmup: bool = False) -> BenchRequest:
+        rng = _rng(self.config.seed, _STREAM_WARMUP if warmup else _STREAM_MEASURED, index)
+        tag = f"w{index}" if warmup else str(index)
+        shared = rng.random() < self.config.prefix_reuse
+        if shared:
+            system, language = self._prefixes[int(rng.integers(len(self._prefixes)))]
+        else:
+            system, language = self._system_prompt(rng, f"u{tag}")
+        output_len = self._output.sample(rng)
+        input_len = self.config.fit_input(self._input.sample(rng), output_len, self.config.prefix_len)
+        question = _task_prompt(self.source, language, _reference(language, self.nonce, tag), input_len, rng)
+        messages = ({"role": "system", "content": system}, {"role": "user", "content": question})
+        return BenchRequest(index, messages, output_len, self.config.prefix_len + input_len, language, shared)
+
+
+class FileDataset:
+    """JSONL prompts, in file order; index i takes line i mod the number of lines."""
+
+    def __init__(self, config: DatasetConfig) -> None:
+        assert config.path is not None
+        self.config = config
+        self._output = config.output_dist_obj()
+        self._entries = _read_jsonl(config.path)
+        self.size: int | None = len(self._entries)
+
+    def get(self, index: int, warmup: bool = False) -> BenchRequest:
+        messages, output_len = self._entries[index % len(self._entries)]
+        if output_len is None:
+            output_len = self._output.sample(_rng(self.config.seed, _STREAM_WARMUP if warmup else
+                                                  _STREAM_MEASURED, index))
+        return BenchRequest(index, messages, output_len)
+
+
+def _read_jsonl(path: str) -> list[tuple[tuple[dict[str, str], ...], int | None]]:
+    if not os.path.isfile(path):
+        raise DatasetError(f"dataset file {path} does not exist")
+    entries: list[tuple[tuple[dict[str, str], ...], int | None]] = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DatasetError(f"{path}:{line_no}: not JSON ({exc})") from None
+            entries.append(_parse_entry(item, f"{path}:{line_no}"))
+    if not entries:
+        raise DatasetError(f"dataset file {path} has no prompts")
+    return entries
+
+
+def _parse_entry(item: object, where: str) -> tuple[tuple[dict[str, str], ...], int | None]:
+    if isinstance(item, str):
+        item = {"prompt": item}
+    if not isinstance(item, dict):
+        raise DatasetError(f"{where}: expected an object with 'prompt' or 'messages', or a string")
+    if isinstance(item.get("prompt"), str):
+        messages: tuple[dict[str, str], ...] = ({"role": "user", "content": item["prompt"]},)
+    elif isinstance(item.get("messages"), list) and item["messages"]:
+        for m in item["messages"]:
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise DatasetError(f"{where}: each message needs string 'role' and 'content'")
+        messages = tuple({"role": m["role"], "content": m["content"]} for m in item["messages"])
+    else:
+        raise DatasetError(f"{where}: expected a string 'prompt' or a non-empty 'messages' list")
+    output_len = item.get("output_len", item.get("max_tokens"))
+    if output_len is not None and (not isinstance(output_len, int) or isinstance(output_len, bool)
+                                   or output_len < 1):
+        raise DatasetError(f"{where}: output_len must be a positive integer, got {output_len!r}")
+    return messages, output_len
+
+
+def make_dataset(config: DatasetConfig, tokenizer: Callable[[], TextTokenizer]) -> Dataset:
+    """The dataset `config.name`; `tokenizer()` is called only by datasets that generate text."""
+    if config.name == "file":
+        return FileDataset(config)
+    if config.name == "shared-prefix":
+        return SharedPrefixDataset(config, tokenizer())
+    return RandomDataset(config, tokenizer())

@@ -1,0 +1,288 @@
+"""`kvserve bench` from configuration to printed report: warm-up, one run per load shape (with server
+metrics sampling and the client's own health check), token-count fallback, JSON, plot, comparison."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import signal
+import sys
+import threading
+import time
+from typing import Any, TextIO
+
+import httpx
+from tqdm import tqdm
+
+from kvserve.bench.client import ClientSettings, RequestRecord, StreamClient, fetch_model_names
+from kvserve.bench.client_health import ClientHealthMonitor
+from kvserve.bench.config import BenchConfig, LoadShape
+from kvserve.bench.datasets import Dataset, TextTokenizer, make_dataset
+from kvserve.bench.load import run_load
+from kvserve.bench.report import format_compare, format_summary, format_sweep
+from kvserve.bench.results import BenchResult, RunResult, jsonable, read_json, write_json
+from kvserve.bench.server_metrics import ServerMetricsSampler, summarize_samples
+from kvserve.bench.summary import summarize
+
+
+class BenchError(ValueError):
+    """The benchmark cannot run (server unreachable, no model to name); the message says what to do."""
+
+
+@functools.lru_cache(maxsize=4)
+def _load_tokenizer(path: str) -> TextTokenizer:
+    from kvserve.model.tokenizer import load_tokenizer
+
+    return load_tokenizer(path)
+
+
+class LazyTokenizer:
+    """The local tokenizer, loaded on first use: `--tokenizer`, else the default model's. Only datasets that
+    generate text and requests whose server sent no `usage` need it."""
+
+    def __init__(self, path: str | None, log: TextIO) -> None:
+        self.path = path
+        self.log = log
+        self._tokenizer: TextTokenizer | None = None
+
+    def __call__(self) -> TextTokenizer:
+        if self._tokenizer is None:
+            path = self.path
+            if path is None:
+                from kvserve.model.paths import default_model_path
+
+                path = default_model_path()
+            print(f"loading tokenizer {path}", file=self.log)
+            self._tokenizer = _load_tokenizer(path)
+        return self._tokenizer
+
+
+def count_missing_tokens(records: list[RequestRecord], dataset: Dataset, tokenizer: LazyTokenizer, api: str,
+                         warmup: bool = False) -> None:
+    """Token counts of successful requests whose server sent no `usage`, with the local tokenizer. The chat
+    prompt is counted through the tokenizer's chat template when it has one (the server's template may
+    differ: these counts are estimates, and the report says how many requests used them)."""
+    for record in records:
+        if record.success and record.token_source is None:
+            tok = tokenizer()
+            record.output_tokens = len(tok.encode(record.output_text, add_special_tokens=False))
+            request = dataset.get(record.index, warmup)
+            record.prompt_tokens = _count_prompt(tok, request.messages, request.prompt(), api)
+            record.token_source = "tokenizer"
+        record.output_text = ""
+
+
+def _count_prompt(tok: Any, messages: tuple[dict[str, str], ...], prompt: str, api: str) -> int:
+    if api == "chat" and getattr(tok, "chat_template", None):
+        try:
+            ids = tok.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=True)
+            if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding (a mapping)
+                ids = ids["input_ids"]
+            return len(ids)
+        except Exception:  # a template that rejects these messages: count the text instead
+            pass
+    return len(tok.encode(prompt, add_special_tokens=True))
+
+
+class _Progress:
+    """The live bar: completed requests (of `num_prompts` when known) and failures so far."""
+
+    def __init__(self, shape: LoadShape, enabled: bool | None, desc: str) -> None:
+        if shape.num_prompts is None and shape.duration_s is not None:
+            desc = f"{desc} ({shape.duration_s:g} s)"
+        self.bar = tqdm(total=shape.num_prompts, desc=desc, unit="req", disable=None if enabled is None else
+                        not enabled, dynamic_ncols=True, leave=False, file=sys.stderr)
+        self.failed = 0
+
+    def on_done(self, record: RequestRecord) -> None:
+        if not record.success:
+            self.failed += 1
+            self.bar.set_postfix(failed=self.failed, refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def shape_dict(shape: LoadShape) -> dict[str, Any]:
+    return jsonable(dataclasses.asdict(shape))
+
+
+async def _check_server(config: BenchConfig, log: TextIO) -> str:
+    """Fail fast when nothing listens at the endpoint; returns the model name to send."""
+    listing = f"{config.api_base}/models"
+    try:
+        names = await fetch_model_names(config.api_base, config.api_key)
+    except httpx.HTTPStatusError as exc:
+        # A server without /models (or behind a proxy that hides it) can still serve.
+        names = []
+        listing = f"{listing} answered {exc.response.status_code}"
+    except httpx.HTTPError as exc:
+        raise BenchError(f"cannot reach the server at {config.api_base}: {type(exc).__name__}: {exc}") from None
+    if config.model is not None:
+        if names and config.model not in names:
+            print(f"warning: the server lists {', '.join(names)}, not {config.model!r}: requests may fail",
+                  file=log)
+        return config.model
+    if not names:
+        raise BenchError(f"no model name to send ({listing} gives none): pass --model "
+                         f"(and --api-key if the server needs one)")
+    print(f"model: {names[0]} (from {config.api_base}/models)", file=log)
+    return names[0]
+
+
+async def _warmup(config: BenchConfig, dataset: Dataset, client: StreamClient, log: TextIO) -> None:
+    shape = LoadShape(concurrency=config.warmup_concurrency(), num_prompts=config.warmup)
+    result = await run_load(shape, dataset, client, warmup=True, seed=config.dataset.seed)
+    failed = [r for r in result.records if not r.success]
+    if len(failed) == len(result.records):
+        first = failed[0]
+        raise BenchError(f"every warm-up request failed ({first.error_kind}: {first.error}); is --model right?")
+    if failed:
+        print(f"warm-up: {len(failed)} of {len(result.records)} requests failed "
+              f"(first: {failed[0].error_kind}: {failed[0].error})", file=log)
+
+
+class _Interrupt:
+    """The first SIGINT/SIGTERM ends the current run gracefully (in-flight requests cancelled and recorded,
+    the report still printed, no further sweep point); a second one acts as usual. Installed only when
+    the event loop runs in the main thread (signal handlers live there)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self._loop = asyncio.get_running_loop()
+        for sig in self.SIGNALS:
+            self._loop.add_signal_handler(sig, self._on_signal)
+
+    def _on_signal(self) -> None:
+        self.event.set()
+        self.uninstall()
+
+    def uninstall(self) -> None:
+        if self._loop is not None:
+            for sig in self.SIGNALS:
+                self._loop.remove_signal_handler(sig)
+            self._loop = None
+
+
+async def _run_shape(config: BenchConfig, shape: LoadShape, dataset: Dataset, client: StreamClient,
+                     tokenizer: LazyTokenizer, stop: asyncio.Event) -> RunResult:
+    sampler = None
+    if config.server_metrics:
+        sampler = ServerMetricsSampler(config.resolved_metrics_url, config.metrics_interval_s, config.api_key)
+    run_start = time.perf_counter()
+    if sampler is not None:
+        await sampler.start(run_start)
+    monitor = ClientHealthMonitor()
+    monitor.start()
+    progress = _Progress(shape, config.progress, shape.label())
+    try:
+        result = await run_load(shape, dataset, client, seed=config.dataset.seed, on_done=progress.on_done,
+                                run_start=run_start, drain_timeout_s=config.drain_timeout_s, stop=stop)
+    finally:
+        progress.close()
+        health = await monitor.stop()
+        samples = await sampler.stop() if sampler is not None else []
+    count_missing_tokens(result.records, dataset, tokenizer, client.settings.api)
+    records = sorted(result.records, key=lambda r: r.index)
+    summary = summarize(shape.label(), records, config.goodput_ms, health,
+                        summarize_samples(samples) if samples else None, result.stopped)
+    return RunResult(shape.label(), shape_dict(shape), summary, records, samples)
+
+
+async def _run_all(config: BenchConfig, log: TextIO) -> BenchResult:
+    model = await _check_server(config, log)
+    tokenizer = LazyTokenizer(config.tokenizer, log)
+    dataset = make_dataset(config.dataset, tokenizer)
+    settings = ClientSettings(
+        endpoint=config.endpoint, api=config.resolved_api, model=model, api_key=config.api_key,
+        request_timeout_s=config.request_timeout_s, ignore_eos=config.ignore_eos,
+        temperature=config.temperature, max_connections=config.pool_size(),
+    )
+    client = StreamClient(settings)
+    interrupt = _Interrupt()
+    interrupt.install()
+    try:
+        if config.warmup:
+            await _warmup(config, dataset, client, log)
+        runs = []
+        for shape in config.shapes:
+            run = await _run_shape(config, shape, dataset, client, tokenizer, interrupt.event)
+            runs.append(run)
+            if len(config.shapes) > 1:
+                s = run.summary
+                print(f"{s.label}: {s.completed} ok, {s.failed} failed, {s.output_throughput:.1f} out tok/s",
+                      file=log)
+            if interrupt.event.is_set():
+                break
+    finally:
+        interrupt.uninstall()
+        await client.aclose()
+    return BenchResult(config=config_dict(config, model, getattr(dataset, "nonce", None)), runs=runs)
+
+
+def config_dict(config: BenchConfig, model: str, run_nonce: str | None = None) -> dict[str, Any]:
+    """The configuration as it ran: the model actually sent, the API used, the dataset's run nonce (with
+    the seed, it regenerates the same prompts), and no API key."""
+    data = dataclasses.asdict(config)
+    data["model"] = model
+    data["api"] = config.resolved_api
+    data["api_key"] = None if config.api_key is None else "<set>"
+    data["dataset"]["run_nonce"] = run_nonce
+    return jsonable(data)
+
+
+def run_benchmark(config: BenchConfig, log: TextIO | None = None) -> BenchResult:
+    """Run every load shape of `config` and return the results (nothing printed but progress and notes,
+    to `log`, default stderr)."""
+    return asyncio.run(_run_all(config, log or sys.stderr))
+
+
+def report(result: BenchResult, config: BenchConfig, out: TextIO | None = None, log: TextIO | None = None) -> None:
+    """Print the result block (or the sweep table) to `out` (default stdout), then write the JSON and plot
+    and print the comparison; notes go to `log` (default stderr)."""
+    out = out or sys.stdout
+    log = log or sys.stderr
+    summaries = [run.summary for run in result.runs]
+    if len(summaries) == 1:
+        print(format_summary(summaries[0]), file=out)
+    else:
+        print(format_sweep(summaries), file=out)
+        for s in summaries:
+            for note in (s.stopped, s.client.warning() if s.client else None):
+                if note:
+                    print(f"{s.label}: {note}", file=out)
+    if config.json_path:
+        write_json(result, config.json_path)
+        print(f"results written to {config.json_path}", file=log)
+    if config.plot_path:
+        from kvserve.bench.plot import plot_runs
+
+        plot_runs(result.runs, config.plot_path, title=f"kvserve bench: {result.config.get('model')}")
+        print(f"plot written to {config.plot_path}", file=log)
+    if config.compare_path:
+        old = read_json(config.compare_path)
+        old_by_label = {run.label: run for run in old.runs}
+        for i, run in enumerate(result.runs):
+            match = old_by_label.get(run.label) or (old.runs[i] if i < len(old.runs) else None)
+            if match is None:
+                print(f"{config.compare_path} has no run to compare with {run.label}", file=out)
+                continue
+            print(format_compare(match.summary, run.summary, config.compare_path), file=out)
+
+
+def run_cli(config: BenchConfig, out: TextIO | None = None, log: TextIO | None = None) -> int:
+    """`kvserve bench`: run, report; exit status 0 when at least one request succeeded, else 1."""
+    if config.compare_path:
+        read_json(config.compare_path)  # fail before the run, not after it
+    result = run_benchmark(config, log)
+    report(result, config, out, log)
+    return 0 if any(run.summary.completed for run in result.runs) else 1

@@ -1,0 +1,175 @@
+"""A small OpenAI-compatible streaming server for the bench client's tests, on 127.0.0.1 in a thread.
+
+Each answer streams `max_tokens` words (one per chunk, `itl_s` apart, the first after `ttft_s`), so the
+expected token counts and texts are known exactly. `FakeBehavior` makes chosen requests fail: the k-th
+request (1-based, in arrival order) gets an HTTP error when k % fail_every == 0, a cut stream when
+k % cut_every == 0, an error object inside the stream when k % stream_error_every == 0, a chunk that is not
+JSON when k % garbage_every == 0. `/metrics` serves
+kvserve-named gauges: running = requests in flight; prefix hits = half the prompt words seen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+MODEL = "fake-model"
+WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel")
+
+
+def answer_text(num_tokens: int) -> str:
+    """The text the fake streams for `num_tokens` tokens (" alpha bravo ...")."""
+    return "".join(" " + WORDS[i % len(WORDS)] for i in range(num_tokens))
+
+
+@dataclass
+class FakeBehavior:
+    ttft_s: float = 0.005
+    itl_s: float = 0.002
+    fail_every: int = 0
+    fail_status: int = 500
+    cut_every: int = 0
+    cut_after_tokens: int = 2
+    stream_error_every: int = 0
+    garbage_every: int = 0
+    include_usage: bool = True
+    send_done: bool = True
+    # Ends every answer with finish_reason "stop" after this many tokens (an EOS before max_tokens).
+    stop_after_tokens: int | None = None
+
+
+@dataclass
+class FakeState:
+    num_requests: int = 0
+    in_flight: int = 0
+    max_in_flight: int = 0
+    prompt_words: int = 0
+    bodies: list[dict] = field(default_factory=list)
+    arrival_times: list[float] = field(default_factory=list)
+
+
+class _CutStream(Exception):
+    """Raised inside a streaming body: the server drops the connection mid-response."""
+
+
+class FakeOpenAIServer:
+    def __init__(self, behavior: FakeBehavior | None = None) -> None:
+        self.behavior = behavior or FakeBehavior()
+        self.state = FakeState()
+        app = Starlette(routes=[
+            Route("/v1/chat/completions", self._completions, methods=["POST"]),
+            Route("/v1/completions", self._completions, methods=["POST"]),
+            Route("/v1/models", self._models),
+            Route("/metrics", self._metrics),
+        ])
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self.port = self._sock.getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level="critical", lifespan="off", access_log=False)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
+
+    def start(self) -> FakeOpenAIServer:
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            if time.monotonic() > deadline:
+                raise AssertionError("fake server did not start within 10 s")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self._sock.close()
+
+    async def _models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    async def _metrics(self, request: Request) -> Response:
+        s = self.state
+        labels = f'{{model_name="{MODEL}"}}'
+        lines = [
+            "# TYPE kvserve:num_requests_running gauge", f"kvserve:num_requests_running{labels} {s.in_flight}",
+            "# TYPE kvserve:num_requests_waiting gauge", f"kvserve:num_requests_waiting{labels} 0",
+            "# TYPE kvserve:kv_cache_usage_perc gauge", f"kvserve:kv_cache_usage_perc{labels} {s.in_flight / 100}",
+            "# TYPE kvserve:prefix_cache_queries counter",
+            f"kvserve:prefix_cache_queries_total{labels} {2 * s.prompt_words}",
+            "# TYPE kvserve:prefix_cache_hits counter", f"kvserve:prefix_cache_hits_total{labels} {s.prompt_words}",
+        ]
+        return PlainTextResponse("\n".join(lines) + "\n")
+
+    async def _completions(self, request: Request) -> Response:
+        b, s = self.behavior, self.state
+        body = await request.json()
+        s.num_requests += 1
+        k = s.num_requests
+        s.bodies.append(body)
+        s.arrival_times.append(time.perf_counter())
+        chat = "messages" in body
+        text = " ".join(m["content"] for m in body["messages"]) if chat else body["prompt"]
+        num_prompt = len(text.split())
+        if b.fail_every and k % b.fail_every == 0:
+            return JSONResponse({"error": {"message": f"injected failure of request {k}", "type": "server_error",
+                                           "param": None, "code": b.fail_status}}, status_code=b.fail_status)
+        s.prompt_words += num_prompt
+        max_tokens = int(body.get("max_tokens") or 16)
+        num_tokens = min(max_tokens, b.stop_after_tokens) if b.stop_after_tokens else max_tokens
+        finish = "stop" if num_tokens < max_tokens else "length"
+        usage_wanted = b.include_usage and (body.get("stream_options") or {}).get("include_usage")
+        cut = bool(b.cut_every and k % b.cut_every == 0)
+        stream_error = bool(b.stream_error_every and k % b.stream_error_every == 0)
+        garbage = bool(b.garbage_every and k % b.garbage_every == 0)
+
+        def chunk(piece: str | None, finish_reason: str | None = None) -> str:
+            if chat:
+                delta = {"content": piece} if piece is not None else {"role": "assistant", "content": ""}
+                choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+            else:
+                choice = {"index": 0, "text": piece or "", "finish_reason": finish_reason}
+            payload = {"id": f"req-{k}", "object": "chunk", "model": MODEL, "choices": [choice]}
+            if usage_wanted:
+                payload["usage"] = None
+            return f"data: {json.dumps(payload)}\n\n"
+
+        async def events():
+            s.in_flight += 1
+            s.max_in_flight = max(s.max_in_flight, s.in_flight)
+            try:
+                if chat:
+                    yield chunk(None)
+                await asyncio.sleep(b.ttft_s)
+                for i in range(num_tokens):
+                    if i:
+                        await asyncio.sleep(b.itl_s)
+                    if cut and i == b.cut_after_tokens:
+                        raise _CutStream(f"request {k} cut after {i} tokens")
+                    if garbage and i == 1:
+                        yield "data: this is not json\n\n"
+                    if stream_error and i == 1:
+                        yield 'data: {"error": {"message": "injected in-stream error", "code": 500}}\n\n'
+                        return
+                    last = i == num_tokens - 1
+                    yield chunk(" " + WORDS[i % len(WORDS)], finish if last else None)
+                if usage_wanted:
+                    usage = {"prompt_tokens": num_prompt, "completion_tokens": num_tokens,
+                             "total_tokens": num_prompt + num_tokens,
+                             "prompt_tokens_details": {"cached_tokens": num_prompt // 2}}
+                    yield f"data: {json.dumps({'id': f'req-{k}', 'choices': [], 'usage': usage})}\n\n"
+                if b.send_done:
+                    yield "data: [DONE]\n\n"
+            finally:
+                s.in_flight -= 1
+
+        return StreamingResponse(events(), media_type="text/event-stream")

@@ -1,0 +1,131 @@
+"""`kvserve bench` flags and the command end to end (in-process, against the fake server)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from bench.conftest import parse_bench
+from kvserve.bench.config import BenchConfigError
+from kvserve.entrypoints.cli import main
+
+SEEDS_ENDPOINT = "http://localhost:8000/v1/chat/completions"
+
+
+def test_the_seeds_command_parses_as_written():
+    config = parse_bench(SEEDS_ENDPOINT, "--model", "qwen2-7b", "--concurrency", "50", "--duration", "30",
+                         "--max-tokens", "256")
+    (shape,) = config.shapes
+    assert shape.closed_loop and shape.concurrency == 50 and shape.duration_s == 30 and shape.num_prompts is None
+    assert config.model == "qwen2-7b" and config.resolved_api == "chat"
+    assert config.dataset.output_len == 256 and config.dataset.name == "random"
+    assert config.api_base == "http://localhost:8000/v1"
+    assert config.resolved_metrics_url == "http://localhost:8000/metrics"
+    # The pool holds one connection per concurrent request.
+    assert config.pool_size() == 50
+
+
+def test_open_loop_and_sweep_flags():
+    config = parse_bench("http://127.0.0.1:1/v1/completions", "--request-rate", "4", "--burstiness", "0.5",
+                         "--max-concurrency", "16", "--num-prompts", "100", "--goodput", "ttft:500", "itl:50")
+    (shape,) = config.shapes
+    assert not shape.closed_loop and shape.request_rate == 4 and shape.burstiness == 0.5
+    assert shape.max_concurrency == 16 and config.pool_size() == 16 and config.resolved_api == "completions"
+    assert config.goodput_ms == {"ttft": 500.0, "itl": 50.0}
+    sweep = parse_bench("http://127.0.0.1:1/v1/completions", "--sweep-rate", "1,2,inf", "--num-prompts", "10")
+    assert [s.request_rate for s in sweep.shapes] == [1, 2, math.inf]
+    assert sweep.pool_size() is None  # an uncapped open loop
+    sweep = parse_bench("http://127.0.0.1:1/v1/completions", "--sweep-concurrency", "1,8,32,64")
+    assert [s.concurrency for s in sweep.shapes] == [1, 8, 32, 64]
+    assert all(s.duration_s == 60 for s in sweep.shapes)  # the default bound
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--concurrency", "4", "--request-rate", "2"], "give one"),
+    (["--max-concurrency", "4"], "open loop"),
+    (["--sweep-concurrency", "1,2", "--concurrency", "3"], "replaces"),
+    (["--request-rate", "inf", "--duration", "10"], "needs --num-prompts"),
+    (["--goodput", "ttft=5"], "KEY:MS"),
+    (["--goodput", "latency:5"], "--goodput keys"),
+    (["--concurrency", "0"], "at least 1"),
+])
+def test_bad_flag_combinations(flags, message):
+    with pytest.raises(BenchConfigError, match=message):
+        parse_bench("http://127.0.0.1:1/v1/completions", *flags)
+
+
+def test_command_end_to_end(fake_server, prompts_file, tmp_path, capsys):
+    server = fake_server(itl_s=0.002)
+    first, second, plot = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "a.png"
+    common = ["bench", "--endpoint", server.base_url + "/v1/chat/completions", "--concurrency", "2",
+              "--num-prompts", "6", "--max-tokens", "4", "--dataset", "file", "--dataset-path", prompts_file,
+              "--no-progress"]
+    assert main([*common, "--json", str(first), "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    assert "Serving Benchmark Result" in out and "Mean TTFT (ms):" in out
+    assert json.loads(first.read_text())["runs"][0]["summary"]["completed"] == 6
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main([*common, "--json", str(second), "--compare", str(first)]) == 0
+    out = capsys.readouterr().out
+    assert f"vs {first}" in out and "Output token throughput (tok/s)" in out
+
+
+def test_command_sweep_prints_one_row_per_point(fake_server, prompts_file, capsys):
+    server = fake_server()
+    assert main(["bench", "--endpoint", server.base_url + "/v1/completions", "--sweep-concurrency", "1,2",
+                 "--num-prompts", "4", "--max-tokens", "2", "--dataset", "file", "--dataset-path", prompts_file,
+                 "--no-progress"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("concurrency=")]
+    assert [row.split()[0] for row in rows] == ["concurrency=1", "concurrency=2"]
+
+
+def test_command_fails_cleanly(fake_server, prompts_file, tmp_path, capsys):
+    # Nothing listens on the port: an error message and status 2, before any load.
+    server = fake_server()
+    port = server.port
+    server.stop()
+    assert main(["bench", "--endpoint", f"http://127.0.0.1:{port}/v1/completions", "--num-prompts", "2",
+                 "--dataset", "file", "--dataset-path", prompts_file, "--no-progress"]) == 2
+    assert "cannot reach the server" in capsys.readouterr().err
+    # A --compare file that is not a result: refused before the run.
+    bad = tmp_path / "bad.json"
+    bad.write_text("[]")
+    server = fake_server()
+    assert main(["bench", "--endpoint", server.base_url + "/v1/completions", "--num-prompts", "2",
+                 "--dataset", "file", "--dataset-path", prompts_file, "--compare", str(bad), "--no-progress"]) == 2
+    assert server.state.num_requests == 0
+    # Every request failing: the report still prints, and the status says nothing succeeded.
+    failing = fake_server(fail_every=1)
+    assert main(["bench", "--endpoint", failing.base_url + "/v1/completions", "--num-prompts", "3",
+                 "--dataset", "file", "--dataset-path", prompts_file, "--no-progress"]) == 1
+    assert "http_500:" in capsys.readouterr().out
+
+
+def test_ctrl_c_ends_the_run_with_a_report(fake_server, prompts_file):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    server = fake_server(itl_s=0.25)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvserve", "bench", "--endpoint", server.base_url + "/v1/completions",
+         "--concurrency", "2", "--duration", "60", "--max-tokens", "100", "--dataset", "file",
+         "--dataset-path", prompts_file, "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while server.state.num_requests < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.state.num_requests >= 2, "the bench never sent its requests"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    # Nothing completed: status 1, and the report of what happened.
+    assert proc.returncode == 1, err
+    assert "cancelled:" in out and "interrupted" in out

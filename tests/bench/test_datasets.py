@@ -1,0 +1,171 @@
+"""Workloads: exact-length real prose, length distributions, shared prefixes, JSONL files."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from kvserve.bench import corpus
+from kvserve.bench.datasets import (
+    TEMPLATE_MARGIN_TOKENS,
+    DatasetConfig,
+    DatasetError,
+    FileDataset,
+    LengthDist,
+    RandomDataset,
+    SharedPrefixDataset,
+    make_dataset,
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir("llama"))
+
+
+def _count(tokenizer, text: str) -> int:
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _body(text: str) -> str:
+    # The prose after the reference line and the task line.
+    return text.split("\n\n", 1)[1]
+
+
+@pytest.mark.parametrize("language", ["en", "zh"])
+@pytest.mark.parametrize("input_len", [24, 200, 4000])
+def test_random_prompts_have_the_requested_token_length(tokenizer, language, input_len):
+    dataset = RandomDataset(DatasetConfig(input_len=input_len, language=language, run_nonce="n0"), tokenizer)
+    for index in range(5):
+        request = dataset.get(index)
+        assert request.input_tokens == input_len
+        # Re-tokenizing decoded text can merge across the cut points; a cut inside a multi-byte character
+        # drops it: a few tokens either way.
+        assert abs(_count(tokenizer, request.prompt()) - input_len) <= 3
+
+
+def test_prompts_are_real_prose_not_token_soup(tokenizer):
+    en_words = set(re.findall(r"[A-Za-z'-]+", " ".join(corpus.ENGLISH_PARAGRAPHS)))
+    zh_chars = set("".join(corpus.CHINESE_PARAGRAPHS))
+    dataset = RandomDataset(DatasetConfig(input_len=300, language="mixed", run_nonce="n0"), tokenizer)
+    languages = set()
+    for index in range(40):
+        request = dataset.get(index)
+        languages.add(request.language)
+        body = _body(request.prompt())
+        if request.language == "en":
+            words = re.findall(r"[A-Za-z'-]+", body)
+            # Only the first and last word can be cut mid-word.
+            assert all(w in en_words for w in words[1:-1]), body
+        else:
+            assert set(body) <= zh_chars, body
+    assert languages == {"en", "zh"}
+
+
+def test_same_seed_same_requests_and_no_shared_prefix_between_requests(tokenizer):
+    config = DatasetConfig(input_len=64, input_dist="uniform", output_dist="normal", run_nonce="n0")
+    a, b = RandomDataset(config, tokenizer), RandomDataset(config, tokenizer)
+    assert [a.get(i) for i in range(10)] == [b.get(i) for i in range(10)]
+    # The index comes first: two requests differ within their first KV block (16 tokens), so they share no
+    # cached block by accident.
+    firsts = [tokenizer.encode(a.get(i).prompt(), add_special_tokens=False)[:16] for i in range(10)]
+    assert len({tuple(f) for f in firsts}) == 10
+    assert a.get(0, warmup=True) != a.get(0)
+    # Another run (another nonce) sends other text: re-runs do not hit the previous run's cache.
+    other = RandomDataset(DatasetConfig(input_len=64, run_nonce="n1"), tokenizer)
+    assert other.get(0).prompt() != a.get(0).prompt()
+
+
+def _draws(dist: LengthDist, n: int = 20000) -> np.ndarray:
+    rng = np.random.default_rng(0)
+    return np.array([dist.sample(rng) for _ in range(n)])
+
+
+def test_length_distributions():
+    assert set(_draws(LengthDist("fixed", 100), 100)) == {100}
+    uniform = _draws(LengthDist("uniform", 100, 0.5))
+    assert uniform.min() >= 50 and uniform.max() <= 150 and abs(uniform.mean() - 100) < 2
+    normal = _draws(LengthDist("normal", 1000, 0.1))
+    assert abs(normal.mean() - 1000) < 5 and abs(normal.std() - 100) < 5
+    assert _draws(LengthDist("normal", 10, 0.9)).min() >= 1
+
+
+def test_chat_preset_is_long_tailed():
+    draws = _draws(LengthDist("chat", 200))
+    median = np.median(draws)
+    assert 180 < median < 220
+    # Most prompts short, a tail of long ones: mean well above the median, P99 many medians out.
+    assert draws.mean() > 1.5 * median
+    assert np.percentile(draws, 99) > 8 * median
+    assert draws.max() <= 16 * 200
+    assert (draws <= median).mean() > 0.45
+
+
+def test_max_model_len_clips_input_plus_output(tokenizer):
+    config = DatasetConfig(input_len=400, input_dist="chat", output_len=200, output_dist="chat",
+                           max_model_len=512, run_nonce="n0")
+    dataset = RandomDataset(config, tokenizer)
+    for index in range(50):
+        request = dataset.get(index)
+        assert request.input_tokens + request.max_tokens + TEMPLATE_MARGIN_TOKENS <= 512
+
+
+def test_shared_prefix_reuse(tokenizer):
+    def systems(reuse: float, num_prefixes: int = 1) -> list[str]:
+        config = DatasetConfig(name="shared-prefix", prefix_len=64, input_len=16, prefix_reuse=reuse,
+                               num_prefixes=num_prefixes, language="en", run_nonce="n0")
+        dataset = SharedPrefixDataset(config, tokenizer)
+        requests = [dataset.get(i) for i in range(40)]
+        for r in requests:
+            assert r.messages[0]["role"] == "system" and r.messages[1]["role"] == "user"
+            assert abs(_count(tokenizer, r.messages[0]["content"]) - 64) <= 3
+        return [r.messages[0]["content"] for r in requests]
+
+    assert len(set(systems(1.0))) == 1
+    assert len(set(systems(1.0, num_prefixes=3))) == 3
+    assert len(set(systems(0.0))) == 40
+    half = systems(0.5)
+    shared = max(half.count(s) for s in half)
+    assert 10 <= shared <= 30
+
+
+def test_file_dataset(tmp_path):
+    path = tmp_path / "p.jsonl"
+    lines = [{"prompt": "one"}, {"messages": [{"role": "user", "content": "two"}], "output_len": 7}, "three"]
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    dataset = make_dataset(DatasetConfig(name="file", path=str(path), output_len=5),
+                           tokenizer=lambda: pytest.fail("the file dataset must not load a tokenizer"))
+    assert isinstance(dataset, FileDataset) and dataset.size == 3
+    got = [dataset.get(i) for i in range(4)]
+    assert [r.prompt() for r in got] == ["one", "two", "three", "one"]
+    assert [r.max_tokens for r in got] == [5, 7, 5, 5]
+
+
+@pytest.mark.parametrize("line, message", [
+    ("not json", "not JSON"),
+    ('{"text": "x"}', "'prompt'"),
+    ('{"messages": [{"role": "user"}]}', "'role' and 'content'"),
+    ('{"prompt": "x", "output_len": 0}', "positive integer"),
+])
+def test_file_dataset_rejects_bad_lines(tmp_path, line, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "fine"}\n' + line + "\n")
+    with pytest.raises(DatasetError, match=message) as info:
+        FileDataset(DatasetConfig(name="file", path=str(path)))
+    assert ":2:" in str(info.value)
+
+
+def test_config_errors():
+    with pytest.raises(DatasetError, match="--dataset-path"):
+        DatasetConfig(name="file")
+    with pytest.raises(DatasetError, match="length distribution"):
+        DatasetConfig(input_dist="zipf")
+    with pytest.raises(DatasetError, match="at least 1"):
+        DatasetConfig(input_len=0)
+    with pytest.raises(DatasetError, match="--prefix-reuse"):
+        DatasetConfig(prefix_reuse=1.5)

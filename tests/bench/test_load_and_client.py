@@ -1,0 +1,294 @@
+"""The client and load loops against an in-process fake OpenAI server (tests/bench/fake_server.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bench.fake_server import MODEL, answer_text
+from kvserve.bench.config import ABORT_AFTER_ALL_FAILED
+from kvserve.bench.load import arrival_gaps
+
+STAT_ORDER = ("min_ms", "median_ms", "p90_ms", "p95_ms", "p99_ms", "max_ms")
+
+
+def assert_consistent(summary, records):
+    """Numbers that must agree whatever the timings."""
+    assert summary.num_requests == len(records) == summary.completed + summary.failed
+    assert sum(summary.errors.values()) == summary.failed
+    for r in records:
+        if r.success:
+            assert 0 < r.ttft_s <= r.e2e_s
+            assert all(gap >= 0 for gap in r.itl_s)
+    for stats in (summary.ttft, summary.tpot, summary.itl, summary.e2e):
+        values = [getattr(stats, name) for name in STAT_ORDER]
+        if stats.count:
+            assert values == sorted(values), stats
+            assert stats.min_ms <= stats.mean_ms <= stats.max_ms
+    assert summary.e2e.median_ms >= summary.ttft.median_ms
+    assert summary.output_throughput * summary.duration_s == pytest.approx(summary.total_output_tokens)
+    assert summary.request_throughput * summary.duration_s == pytest.approx(summary.completed)
+    total = summary.total_input_tokens + summary.total_output_tokens
+    assert summary.total_token_throughput * summary.duration_s == pytest.approx(total)
+    assert summary.duration_s >= max(r.e2e_s for r in records)
+
+
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_closed_loop_measures_every_request(fake_server, bench, prompts_file, api):
+    server = fake_server(itl_s=0.003)
+    path = "/v1/chat/completions" if api == "chat" else "/v1/completions"
+    result, _ = bench(server.base_url + path, "--concurrency", "4", "--num-prompts", "20", "--max-tokens", "6",
+                      "--dataset", "file", "--dataset-path", prompts_file)
+    run = result.runs[0]
+    s, records = run.summary, run.records
+    assert_consistent(s, records)
+    assert (s.completed, s.failed) == (20, 0)
+    assert sorted(r.index for r in records) == list(range(20))
+    # Counts from the server's usage chunk; 6 tokens = 6 text chunks = 5 gaps.
+    assert all(r.output_tokens == 6 and r.token_source == "usage" for r in records)
+    assert all(len(r.itl_s) == 5 and r.finish_reason == "length" for r in records)
+    assert s.total_output_tokens == 120 and s.itl.count == 100 and s.tokens_from_usage == 20
+    # The closed loop keeps exactly `concurrency` requests in flight, never more.
+    assert server.state.max_in_flight == 4
+    body = server.state.bodies[0]
+    assert body["model"] == MODEL and body["stream"] is True
+    assert body["stream_options"] == {"include_usage": True}
+    assert ("messages" in body) == (api == "chat") and ("prompt" in body) == (api == "completions")
+    assert result.config["model"] == MODEL and result.config["api"] == api
+
+
+def test_duration_bounds_the_issue_window(fake_server, bench, prompts_file):
+    server = fake_server(itl_s=0.01)
+    result, _ = bench(server.base_url + "/v1/chat/completions", "--concurrency", "2", "--duration", "1.5",
+                      "--max-tokens", "5", "--dataset", "file", "--dataset-path", prompts_file)
+    records = result.runs[0].records
+    assert len(records) >= 4
+    # No request is sent after the deadline; those in flight at the deadline are finished and counted.
+    assert max(r.start_s for r in records) < 1.5 + 0.5
+    assert all(r.success for r in records)
+
+
+def test_arrival_gaps_have_the_requested_rate_and_burstiness():
+    for burstiness in (0.25, 1.0, 4.0):
+        gaps_iter = arrival_gaps(10.0, burstiness, np.random.default_rng(0))
+        gaps = np.array([next(gaps_iter) for _ in range(40000)])
+        assert gaps.mean() == pytest.approx(0.1, rel=0.03)
+        assert gaps.std() / gaps.mean() == pytest.approx(1 / np.sqrt(burstiness), rel=0.05)
+    zero = arrival_gaps(float("inf"), 1.0, np.random.default_rng(0))
+    assert [next(zero) for _ in range(3)] == [0.0, 0.0, 0.0]
+
+
+def test_open_loop_honours_the_request_rate(fake_server, bench, prompts_file):
+    server = fake_server(ttft_s=0.002, itl_s=0.001)
+    result, _ = bench(server.base_url + "/v1/completions", "--request-rate", "50", "--duration", "2",
+                      "--max-tokens", "3", "--dataset", "file", "--dataset-path", prompts_file)
+    records = sorted(result.runs[0].records, key=lambda r: r.index)
+    assert all(r.success for r in records)
+    # A Poisson process of rate 50/s has 100 +- 10 arrivals in 2 s: within 4 sigma.
+    assert abs(len(records) - 100) <= 40
+    scheduled = np.array([r.scheduled_s for r in records])
+    starts = np.array([r.start_s for r in records])
+    # Never sent before its arrival time; arrivals in order and inside the window.
+    assert np.all(starts >= scheduled) and np.all(np.diff(scheduled) >= 0) and scheduled[-1] < 2.0
+    # The requests went out at the schedule's rate (the client kept up with it).
+    achieved = (len(records) - 1) / (starts[-1] - starts[0])
+    assert achieved == pytest.approx((len(records) - 1) / (scheduled[-1] - scheduled[0]), rel=0.3)
+    assert server.state.num_requests == len(records)
+
+
+def test_max_concurrency_caps_an_open_loop(fake_server, bench, prompts_file):
+    server = fake_server(itl_s=0.01)
+    result, _ = bench(server.base_url + "/v1/completions", "--request-rate", "inf", "--num-prompts", "12",
+                      "--max-concurrency", "3", "--max-tokens", "4", "--dataset", "file",
+                      "--dataset-path", prompts_file)
+    run = result.runs[0]
+    assert run.summary.completed == 12
+    assert server.state.max_in_flight == 3
+    # Nine arrivals had to wait for one of the three slots; the wait is reported, not hidden in TTFT.
+    assert sum(r.queued_s > 0.005 for r in run.records) >= 9
+    assert run.summary.queued.count == 12
+
+
+def test_errors_are_counted_by_kind_not_crashed_on(fake_server, bench, prompts_file):
+    # Request k fails with 503 when k % 5 == 0, has its stream cut when k % 7 == 0, an in-stream error
+    # when k % 11 == 0 (first rule wins).
+    server = fake_server(fail_every=5, fail_status=503, cut_every=7, stream_error_every=11)
+    result, _ = bench(server.base_url + "/v1/chat/completions", "--concurrency", "3", "--num-prompts", "40",
+                      "--max-tokens", "5", "--dataset", "file", "--dataset-path", prompts_file,
+                      "--goodput", "e2e:60000")
+    s = result.runs[0].summary
+    ks = range(1, 41)
+    http = sum(k % 5 == 0 for k in ks)
+    cut = sum(k % 5 != 0 and k % 7 == 0 for k in ks)
+    in_stream = sum(k % 5 != 0 and k % 7 != 0 and k % 11 == 0 for k in ks)
+    assert s.errors == {"http_503": http, "broken_stream": cut, "stream_error": in_stream}
+    assert s.num_requests == 40 and s.completed == 40 - http - cut - in_stream
+    # Failures stay in the denominators: the success rate and goodput count them as misses.
+    assert s.success_rate == pytest.approx(s.completed / 40)
+    assert s.good_requests == s.completed
+    assert_consistent(s, result.runs[0].records)
+    failed = [r for r in result.runs[0].records if not r.success]
+    assert all(r.error for r in failed)
+    assert {r.status_code for r in failed if r.error_kind == "http_503"} == {503}
+
+
+def test_invalid_chunks_and_refused_connections_are_counted(fake_server, bench, prompts_file):
+    import asyncio
+
+    from kvserve.bench.client import ClientSettings, StreamClient
+    from kvserve.bench.datasets import BenchRequest
+
+    server = fake_server(garbage_every=2)
+    result, _ = bench(server.base_url + "/v1/completions", "--concurrency", "2", "--num-prompts", "6",
+                      "--max-tokens", "4", "--dataset", "file", "--dataset-path", prompts_file)
+    assert result.runs[0].summary.errors == {"invalid_response": 3}
+    # A server that goes away mid-run: nothing listens any more.
+    port = server.port
+    server.stop()
+
+    async def send():
+        client = StreamClient(ClientSettings(f"http://127.0.0.1:{port}/v1/completions", "completions", MODEL))
+        try:
+            return await client.send(BenchRequest(0, ({"role": "user", "content": "hi"},), 4), 0.0)
+        finally:
+            await client.aclose()
+
+    record = asyncio.run(send())
+    assert record.error_kind == "connection" and record.status_code is None and not record.success
+
+
+def test_missing_done_and_finish_reason_is_a_broken_stream(fake_server, bench, prompts_file):
+    # Cut after the last token chunk was sent but before any finish: every request is broken.
+    server = fake_server(cut_every=1, cut_after_tokens=3)
+    result, _ = bench(server.base_url + "/v1/completions", "--concurrency", "2", "--num-prompts", "4",
+                      "--max-tokens", "10", "--dataset", "file", "--dataset-path", prompts_file)
+    s = result.runs[0].summary
+    assert s.errors == {"broken_stream": 4} and s.completed == 0
+
+
+def test_timeouts_are_counted(fake_server, bench, prompts_file):
+    server = fake_server(ttft_s=5.0)
+    result, _ = bench(server.base_url + "/v1/completions", "--concurrency", "2", "--num-prompts", "2",
+                      "--max-tokens", "3", "--request-timeout", "0.3", "--dataset", "file",
+                      "--dataset-path", prompts_file)
+    records = result.runs[0].records
+    assert [r.error_kind for r in records] == ["timeout", "timeout"]
+    assert all(r.e2e_s < 5.0 for r in records)
+
+
+def test_a_server_that_fails_everything_stops_the_run_early(fake_server, bench, prompts_file):
+    server = fake_server(fail_every=1)
+    result, _ = bench(server.base_url + "/v1/completions", "--concurrency", "4", "--duration", "60",
+                      "--max-tokens", "3", "--dataset", "file", "--dataset-path", prompts_file)
+    s = result.runs[0].summary
+    assert s.completed == 0 and s.errors == {"http_500": s.num_requests}
+    assert ABORT_AFTER_ALL_FAILED <= s.num_requests < ABORT_AFTER_ALL_FAILED + 4
+    assert s.stopped and "all failed" in s.stopped
+
+
+def test_without_usage_tokens_are_counted_with_the_local_tokenizer(fake_server, bench, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer_dir = tiny_model_dir("llama")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    server = fake_server(include_usage=False, send_done=False)
+    result, _ = bench(server.base_url + "/v1/chat/completions", "--concurrency", "2", "--num-prompts", "4",
+                      "--max-tokens", "9", "--input-len", "40", "--language", "en", "--tokenizer", tokenizer_dir)
+    run = result.runs[0]
+    expected = len(tokenizer.encode(answer_text(9), add_special_tokens=False))
+    assert run.summary.completed == 4 and run.summary.tokens_from_tokenizer == 4
+    for r in run.records:
+        assert r.token_source == "tokenizer" and r.output_tokens == expected
+        # The prompt is counted through the chat template: more than the 40 tokens of text.
+        assert r.prompt_tokens > 40
+    assert run.summary.total_output_tokens == 4 * expected
+    # Generated prompts open with the request's reference line; the run nonce is recorded in the JSON config.
+    nonce = result.config["dataset"]["run_nonce"]
+    assert len(nonce) == 8
+    users = sorted(body["messages"][-1]["content"] for body in server.state.bodies)
+    assert [u.split(".")[0] for u in users] == [f"Ref {i}-{nonce}" for i in range(4)]
+
+
+def test_server_metrics_are_sampled(fake_server, bench, prompts_file):
+    server = fake_server(itl_s=0.02)
+    result, _ = bench(server.base_url + "/v1/chat/completions", "--concurrency", "3", "--num-prompts", "9",
+                      "--max-tokens", "10", "--metrics-interval", "0.05", "--dataset", "file",
+                      "--dataset-path", prompts_file)
+    run = result.runs[0]
+    assert len(run.server_samples) >= 3
+    assert 1 <= run.summary.server["max_running"] <= 3
+    # The fake reports half of the prompt tokens queried during the run as hits.
+    assert run.summary.server["prefix_hit_rate"] == pytest.approx(0.5)
+    # And the usage's cached_tokens reach the summary.
+    assert run.summary.cached_input_tokens == sum(r.cached_tokens for r in run.records)
+
+
+def test_no_server_metrics_when_the_server_has_none(fake_server, bench, prompts_file):
+    server = fake_server()
+    result, _ = bench(server.base_url + "/v1/completions", "--concurrency", "1", "--num-prompts", "2",
+                      "--max-tokens", "2", "--metrics-url", server.base_url + "/nothing-here",
+                      "--dataset", "file", "--dataset-path", prompts_file)
+    run = result.runs[0]
+    assert run.summary.completed == 2
+    assert run.server_samples == [] and run.summary.server is None
+
+
+def test_warmup_requests_are_not_counted(fake_server, bench, prompts_file):
+    server = fake_server()
+    result, _ = bench(server.base_url + "/v1/completions", "--concurrency", "2", "--num-prompts", "5",
+                      "--warmup", "3", "--max-tokens", "2", "--dataset", "file", "--dataset-path", prompts_file)
+    assert server.state.num_requests == 8
+    assert result.runs[0].summary.num_requests == 5
+
+
+def test_sweep_runs_one_point_per_value(fake_server, bench, prompts_file):
+    server = fake_server(itl_s=0.005)
+    result, _ = bench(server.base_url + "/v1/completions", "--sweep-concurrency", "1,3", "--num-prompts", "6",
+                      "--max-tokens", "4", "--dataset", "file", "--dataset-path", prompts_file)
+    assert [run.label for run in result.runs] == ["concurrency=1", "concurrency=3"]
+    assert [run.summary.completed for run in result.runs] == [6, 6]
+    assert server.state.max_in_flight == 3
+
+
+def test_drain_timeout_cancels_requests_still_running(fake_server, bench, prompts_file):
+    # Each answer would take 40 x 0.25 s = 10 s; the run issues for 0.5 s and drains for 0.5 s more.
+    server = fake_server(itl_s=0.25)
+    result, _ = bench(server.base_url + "/v1/completions", "--concurrency", "2", "--duration", "0.5",
+                      "--drain-timeout", "0.5", "--max-tokens", "40", "--dataset", "file",
+                      "--dataset-path", prompts_file)
+    s = result.runs[0].summary
+    # Both requests are recorded (not dropped) as cancelled, and the run ended at the drain deadline.
+    assert s.num_requests == 2 and s.errors == {"cancelled": 2}
+    assert all(r.e2e_s < 5.0 for r in result.runs[0].records)
+    assert "--drain-timeout" in s.stopped
+
+
+@pytest.mark.parametrize("shape", ["closed", "open"])
+def test_stop_cancels_and_records_everything_in_flight(fake_server, prompts_file, shape):
+    import asyncio
+
+    from kvserve.bench.client import ClientSettings, StreamClient
+    from kvserve.bench.config import LoadShape
+    from kvserve.bench.datasets import DatasetConfig, FileDataset
+    from kvserve.bench.load import run_load
+
+    server = fake_server(itl_s=0.25)
+    dataset = FileDataset(DatasetConfig(name="file", path=prompts_file, output_len=40))
+    load = (LoadShape(concurrency=2, num_prompts=6) if shape == "closed"
+            else LoadShape(request_rate=float("inf"), max_concurrency=2, num_prompts=6))
+
+    async def scenario():
+        client = StreamClient(ClientSettings(server.base_url + "/v1/completions", "completions", MODEL))
+        stop = asyncio.Event()
+        asyncio.get_running_loop().call_later(0.5, stop.set)
+        try:
+            return await run_load(load, dataset, client, stop=stop)
+        finally:
+            await client.aclose()
+
+    result = asyncio.run(scenario())
+    kinds = [r.error_kind for r in result.records]
+    assert kinds == ["cancelled"] * len(kinds) and result.stopped.startswith("interrupted")
+    # Closed loop: the two in flight. Open loop: all six arrived at once; two were sent, four waited.
+    assert len(kinds) == (2 if shape == "closed" else 6)
+    assert server.state.num_requests == 2
