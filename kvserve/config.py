@@ -333,4 +333,7 @@ def _resolve_dtype(dtype: str, device: str) -> str:
         return "float32"
     import torch
 
-    return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    # Compute capability 8.0+ (Ampere and newer) has bf16. Reading the capability does not create a
+    # CUDA context (is_bf16_supported may allocate a test tensor), which matters in the API process.
+    major, _ = torch.cuda.get_device_capability()
+    return "bfloat16" if major >= 8 else "float16"

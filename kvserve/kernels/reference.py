@@ -91,41 +91,33 @@ def paged_attention(
     into `out` when given.
 
     The batch is padded to [num_reqs, max_query_len] queries over [num_reqs, max_seq_len] keys gathered
-    through the block tables, and masked per request; scores and softmax run in float32, in the order
-    HF Transformers' eager attention uses (q @ k^T * scale, softmax, @ v).
+    through the block tables, masked per request, and handed to torch's SDPA in float32 (HF Transformers'
+    default attention on CPU too).
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
-    group = num_heads // num_kv_heads
     num_reqs = metadata.num_reqs
     plan = _padded_plan(metadata, block_size, query.device)
     max_q, max_s = plan.max_q, plan.max_s
 
-    # Each request's context: [num_reqs, max_s, num_kv_heads, head_dim].
+    # Each request's context, K and V in one gather: [2, num_reqs, max_s, num_kv_heads, head_dim].
     tables = metadata.block_tables[:num_reqs, : plan.num_ctx_blocks].long()
     span = plan.num_ctx_blocks * block_size
-    keys = kv_cache[0][tables].reshape(num_reqs, span, num_kv_heads, head_dim)[:, :max_s]
-    values = kv_cache[1][tables].reshape(num_reqs, span, num_kv_heads, head_dim)[:, :max_s]
+    kv = kv_cache[:, tables].reshape(2, num_reqs, span, num_kv_heads, head_dim)[:, :, :max_s]
+    keys = kv[0].float().transpose(1, 2)  # [R, Hkv, S, D]
+    values = kv[1].float().transpose(1, 2)
 
     if max_q == 1:
         padded_q = query.view(num_reqs, 1, num_heads, head_dim)
     else:
         padded_q = query.new_zeros(num_reqs, max_q, num_heads, head_dim)
         padded_q[plan.token_req, plan.token_pos] = query
-    # GQA without copying KV: the query heads of one KV head become extra query rows of that head.
-    # [R, Q, Hkv, G, D] -> [R, Hkv, G*Q, D]
-    q = padded_q.float().view(num_reqs, max_q, num_kv_heads, group, head_dim)
-    q = q.permute(0, 2, 3, 1, 4).reshape(num_reqs, num_kv_heads, group * max_q, head_dim)
-    k = keys.float().permute(0, 2, 1, 3)  # [R, Hkv, S, D]
-    v = values.float().permute(0, 2, 1, 3)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [R, Hkv, G*Q, S]
-    scores = scores.view(num_reqs, num_kv_heads, group, max_q, max_s) + plan.mask[:, :, None]
-    # Padded query rows (query_len < max_q) see no key; nan_to_num keeps them finite (they are dropped).
-    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
-    attn = torch.matmul(probs.view(num_reqs, num_kv_heads, group * max_q, max_s), v)
-    # [R, Hkv, G*Q, D] -> [R, Q, Hkv*G, D]
-    attn = attn.view(num_reqs, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
-    attn = attn.reshape(num_reqs, max_q, num_heads, head_dim)
+    # GQA: query head h reads KV head h // group (enable_gqa), without materialising repeated KV.
+    attn = F.scaled_dot_product_attention(
+        padded_q.float().transpose(1, 2), keys, values, attn_mask=plan.mask, scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )  # [R, H, Q, D]; padded query rows (no allowed key) come out NaN and are dropped below
+    attn = attn.transpose(1, 2)
     if max_q == 1:
         result = attn.reshape(num_tokens, num_heads, head_dim).to(query.dtype)
     else:
