@@ -93,6 +93,29 @@ def reshape_and_cache(
     reference.reshape_and_cache(key, value, kv_cache, slot_mapping)
 
 
+# Decode split-K: aim for this many programs per SM. Measured on the H200 (benchmarks/gpu_kernels.py,
+# Qwen2.5-7B shapes): at 1 split, 256 programs (batch 64) reached 46 % of copy bandwidth and 512 (batch
+# 128) 89 %; more splits kept helping batch 1 up to 64. So fill ~4 programs per SM.
+DECODE_PROGRAMS_PER_SM = 4
+_MAX_DECODE_SPLITS = 64
+_DECODE_TILE_N = 64  # keys per tile of the Triton decode kernel: a split with fewer keys is wasted
+
+
+def decode_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """KV splits of a decode-only batch: enough (request, KV head, split) programs for
+    DECODE_PROGRAMS_PER_SM per SM, at most one split per 64-key tile and at most 64. Host ints only, so a
+    CUDA graph captured at (batch size, max_model_len) keeps its grid at every replay."""
+    base = max(num_reqs * num_kv_heads, 1)
+    wanted = -(-DECODE_PROGRAMS_PER_SM * num_sms // base)
+    by_length = max(1, max_seq_len // _DECODE_TILE_N)
+    return max(1, min(wanted, by_length, _MAX_DECODE_SPLITS))
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def paged_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -104,8 +127,113 @@ def paged_attention(
         module = _triton_module("triton_attention")
         head_dim, block_size = query.shape[2], kv_cache.shape[2]
         if module is not None and head_dim >= 16 and _is_pow2(head_dim) and _is_pow2(block_size):
-            return module.paged_attention(query, kv_cache, metadata, scale, out)
+            num_splits = None
+            if metadata.is_decode_only:
+                num_splits = decode_num_splits(
+                    metadata.num_reqs, kv_cache.shape[3], metadata.max_seq_len, _num_sms(query.device)
+                )
+            return module.launch_paged_attention(query, kv_cache, metadata, scale, out, num_splits)
     return reference.paged_attention(query, kv_cache, metadata, scale, out)
+
+
+# Pure-prefill batches (no request has cached context) at least this long go to flash attention inside
+# torch (`varlen_attn`, or SDPA for a single request): the Triton kernel reaches ~200 TFLOP/s on long
+# causal prompts (benchmarks/gpu_kernels.py), flash attention about twice that.
+PREFILL_FAST_MIN_QUERY_LEN = 64
+_prefill_fast_enabled = True
+
+
+def set_prefill_fast_path(enabled: bool) -> None:
+    global _prefill_fast_enabled
+    _prefill_fast_enabled = enabled
+
+
+def _is_pure_prefill(metadata: AttentionMetadata) -> bool:
+    cached = metadata.backend_cache.get("pure_prefill")
+    if cached is None:
+        qsl, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+        cached = metadata.max_query_len >= PREFILL_FAST_MIN_QUERY_LEN and all(
+            seq_lens[i] == qsl[i + 1] - qsl[i] for i in range(len(seq_lens))
+        )
+        metadata.backend_cache["pure_prefill"] = cached
+    return cached
+
+
+@functools.cache
+def _varlen_attn() -> tuple[Callable[..., Any], set[str]] | None:
+    try:
+        import inspect
+
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn, set(inspect.signature(varlen_attn).parameters)
+
+
+def prefill_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor | None:
+    """Causal attention of a batch where every request is a fresh prompt (no cached context), over this
+    step's own key/value; None when that does not apply (CPU, decode or cached context, short queries):
+    the caller then uses `paged_attention` over the cache (which must already hold key/value).
+
+    query [num_tokens, num_heads, head_dim], key/value [num_tokens, num_kv_heads, head_dim], same dtype
+    (fp16/bf16). Returns [num_tokens, num_heads, head_dim].
+    """
+    global _prefill_fast_enabled
+    if not (_prefill_fast_enabled and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)):
+        return None
+    if not _is_pure_prefill(metadata):
+        return None
+    try:
+        return _flash_prefill(query, key, value, metadata, scale)
+    except Exception:  # an API this torch lacks: fall back for good, the Triton kernel is correct too
+        import logging
+
+        logging.getLogger(__name__).exception("flash prefill attention failed; using the Triton kernel")
+        _prefill_fast_enabled = False
+        return None
+
+
+def _flash_prefill(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, metadata: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    num_heads, num_kv_heads = query.shape[1], key.shape[1]
+    group = num_heads // num_kv_heads
+    varlen = _varlen_attn()
+    if metadata.num_reqs == 1 or varlen is None:
+        if metadata.num_reqs != 1:
+            raise RuntimeError("varlen_attn is not available for a multi-request prefill")
+        # [T, H, D] -> [1, H, T, D]; SDPA's flash backend needs equal head counts: repeat KV (a copy of
+        # num_tokens * num_heads * head_dim elements, small next to the attention itself).
+        q = query.transpose(0, 1).unsqueeze(0)
+        k = key.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
+        v = value.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return out.squeeze(0).transpose(0, 1)
+    fn, params = varlen
+    kwargs: dict[str, Any] = {}
+    if "enable_gqa" in params:
+        kwargs["enable_gqa"] = group > 1
+    elif group > 1:
+        key = key.repeat_interleave(group, dim=1)
+        value = value.repeat_interleave(group, dim=1)
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0)
+    else:
+        kwargs["is_causal"] = True
+    if "scale" in params:
+        kwargs["scale"] = scale
+    elif abs(scale - query.shape[2] ** -0.5) > 1e-12:
+        raise RuntimeError("this torch's varlen_attn has no scale argument")
+    qsl = metadata.query_start_loc
+    max_len = metadata.max_query_len
+    out = fn(query, key.contiguous(), value.contiguous(), qsl, qsl, max_len, max_len, **kwargs)
+    return out[0] if isinstance(out, tuple) else out
 
 
 def rms_norm(
@@ -128,7 +256,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = [
+    "DECODE_PROGRAMS_PER_SM",
     "ELEMENTWISE_BACKENDS",
+    "decode_num_splits",
+    "prefill_attention",
+    "set_prefill_fast_path",
     "get_elementwise_backend",
     "paged_attention",
     "reshape_and_cache",

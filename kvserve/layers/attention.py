@@ -38,4 +38,8 @@ class Attention(nn.Module):
         Returns [num_tokens, num_heads, head_dim] in query's dtype."""
         # NOTE: K/V go into the cache first: the kernel reads every key, including this step's, from there.
         ops.reshape_and_cache(key, value, kv_cache, attn_metadata.slot_mapping)
+        # Fresh prompts only (GPU): flash attention over this step's own K/V, no cache reads.
+        out = ops.prefill_attention(query, key, value, attn_metadata, self.scale)
+        if out is not None:
+            return out
         return ops.paged_attention(query, kv_cache, attn_metadata, self.scale)

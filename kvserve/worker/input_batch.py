@@ -13,8 +13,8 @@ Two objects live as long as the runner:
 
 Host-buffer reuse: a pinned buffer may not be rewritten while a copy out of it is still queued. The
 runner's per-step sync (the sampled ids) normally guarantees that; a step that samples nothing (only
-partial prefill chunks) does not, so `prepare` waits for the previous step's copies first (an event that is
-almost always already complete).
+partial prefill chunks) does not, so the runner calls `wait_for_copies` before touching them (an event
+recorded after the previous step's copies, almost always already complete).
 """
 
 from __future__ import annotations
@@ -184,6 +184,13 @@ class InputBuffers:
         # Recorded after each step's copies; re-recorded every step (one event, no per-step allocation).
         self._copies_done = torch.cuda.Event() if device.type == "cuda" else None
 
+    def wait_for_copies(self) -> None:
+        """Block until the previous step's host-to-device copies (inputs and block-table diffs) have run,
+        so their pinned sources may be rewritten. Call before `BlockTable.apply` and `prepare`."""
+        if self._copies_done is not None:
+            # SYNC: only waits when the previous step sampled nothing (see the module docstring).
+            self._copies_done.synchronize()
+
     def prepare(
         self, scheduler_output: SchedulerOutput, block_table: BlockTable, pad_to: int | None = None
     ) -> BatchInputs:
@@ -197,9 +204,7 @@ class InputBuffers:
         num_reqs = len(scheduled)
         if num_reqs > self.max_num_reqs:
             raise RuntimeError(f"batch of {num_reqs} requests exceeds max_num_seqs={self.max_num_reqs}")
-        if self._copies_done is not None:
-            # SYNC: only waits when the previous step sampled nothing (see the module docstring).
-            self._copies_done.synchronize()
+        self.wait_for_copies()
         h = self._np
         query_lens = np.fromiter((len(s.token_ids) for s in scheduled), dtype=np.int64, count=num_reqs)
         num_computed = np.fromiter((s.num_computed_tokens for s in scheduled), dtype=np.int64, count=num_reqs)

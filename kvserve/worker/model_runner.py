@@ -183,6 +183,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        self.inputs.wait_for_copies()  # the block-table diffs below reuse pinned staging buffers
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
         for new in scheduler_output.new_requests:

@@ -1,0 +1,207 @@
+"""Shared pieces of the GPU benchmarks: model configs written to disk, an engine-core driver, JSON results.
+
+The engine core is driven with token ids (random, so no two prompts share a prefix unless a benchmark
+makes them), with the model's weights random (`load_format="dummy"`): no weight files, no tokenizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from kvserve.config import EngineArgs  # noqa: E402
+from kvserve.engine.engine_core import EngineCore  # noqa: E402
+from kvserve.protocol.engine import EngineCoreRequest  # noqa: E402
+from kvserve.protocol.sampling_params import SamplingParams  # noqa: E402
+
+# Qwen2.5-7B-Instruct's config.json (the fields kvserve and HF read).
+QWEN25_7B = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-06,
+    "vocab_size": 152064,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "sliding_window": 131072,
+    "use_sliding_window": False,
+    "max_window_layers": 28,
+    "torch_dtype": "bfloat16",
+}
+# The same structure, small: for trying the scripts on a CPU.
+TINY = {**QWEN25_7B, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024, "max_position_embeddings": 4096}
+MODEL_CONFIGS = {"qwen2.5-7b": QWEN25_7B, "tiny": TINY}
+
+COPY_TBPS = 4.28  # measured device-to-device copy on the H200 (PERFORMANCE.md)
+
+
+def write_config_dir(name: str) -> str:
+    directory = tempfile.mkdtemp(prefix=f"kvserve-{name}-")
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(MODEL_CONFIGS[name], f)
+    return directory
+
+
+def decode_floor_ms(config: dict[str, Any], batch: int, context: int, dtype_bytes: int = 2) -> float:
+    """Bytes a decode step must read (every weight but the gathered embedding, plus the KV of every
+    sequence) over the measured copy bandwidth."""
+    h, i, layers, v = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"], config["vocab_size"]
+    head_dim = h // config["num_attention_heads"]
+    kv = config["num_key_value_heads"] * head_dim
+    per_layer = h * (h + 2 * kv) + (h + 2 * kv) + h * h + 3 * h * i + 2 * h
+    weights = layers * per_layer + h + v * h  # + final norm + lm_head
+    kv_bytes = batch * context * layers * 2 * kv * dtype_bytes
+    return (weights * dtype_bytes + kv_bytes) / (COPY_TBPS * 1e12) * 1e3
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() if out.returncode == 0 else "uncommitted working tree"
+    except Exception:
+        return "unknown"
+
+
+def device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu"
+
+
+def write_result(out_dir: Path, name: str, settings: dict[str, Any], results: Any, device: str) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "benchmark": name,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "settings": settings,
+        "results": results,
+    }
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=1, default=str))
+    return path
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def make_engine(model_dir: str, device: str, **kwargs: Any) -> tuple[EngineCore, float]:
+    """An engine core on random weights; returns it and its start-up seconds (wall, synchronized)."""
+    sync(device)
+    start = time.perf_counter()
+    args = EngineArgs(model=model_dir, load_format="dummy", device=device, **kwargs)
+    core = EngineCore(args.create_engine_config())
+    sync(device)
+    return core, time.perf_counter() - start
+
+
+@dataclass
+class RunStats:
+    elapsed_s: float
+    prompt_tokens: int
+    output_tokens: int
+    ttft_s: list[float]  # per request, from submission
+    step_s: list[float] = field(default_factory=list)  # wall time of every engine step
+    step_tokens: list[int] = field(default_factory=list)  # scheduled tokens of every step
+    # per step (schedule, execute_model, update_from_output) seconds, when run with phases=True
+    phase_s: list[tuple[float, float, float]] = field(default_factory=list)
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.elapsed_s
+
+
+class Driver:
+    """Submits token-id prompts to an EngineCore and steps it to completion, timing each step."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self._next_id = 0
+
+    def run(
+        self,
+        prompts: list[list[int]],
+        max_tokens: list[int],
+        params: SamplingParams | None = None,
+        phases: bool = False,
+    ) -> RunStats:
+        """phases: step the engine's parts one by one (what EngineCore.step does, minus its stats) and
+        time each: scheduler, model runner (ends with the step's one host sync), scheduler update."""
+        base = params or SamplingParams(temperature=0.0, ignore_eos=True)
+        submitted: dict[str, float] = {}
+        first: dict[str, float] = {}
+        start = time.perf_counter()
+        for prompt, n in zip(prompts, max_tokens, strict=True):
+            req_id = f"b{self._next_id}"
+            self._next_id += 1
+            sp = dataclasses.replace(base, max_tokens=n)
+            self.core.add_request(
+                EngineCoreRequest(req_id=req_id, prompt_token_ids=prompt, sampling_params=sp, max_tokens=n)
+            )
+            submitted[req_id] = time.perf_counter()
+        num_out = 0
+        step_s: list[float] = []
+        step_tokens: list[int] = []
+        phase_s: list[tuple[float, float, float]] = []
+        core = self.core
+        while core.has_unfinished_requests():
+            t0 = time.perf_counter()
+            if phases:
+                sched_out = core.scheduler.schedule()
+                ta = time.perf_counter()
+                runner_out = core.runner.execute_model(sched_out)
+                tb = time.perf_counter()
+                outputs = core.scheduler.update_from_output(sched_out, runner_out)
+                num_scheduled = sched_out.total_num_scheduled_tokens
+            else:
+                result = core.step()
+                outputs, num_scheduled = result.outputs, result.num_scheduled_tokens
+            t1 = time.perf_counter()
+            if phases:
+                phase_s.append((ta - t0, tb - ta, t1 - tb))
+            step_s.append(t1 - t0)
+            step_tokens.append(num_scheduled)
+            for out in outputs:
+                if out.new_token_ids and out.req_id not in first:
+                    first[out.req_id] = t1
+                num_out += len(out.new_token_ids)
+        elapsed = time.perf_counter() - start
+        return RunStats(
+            elapsed_s=elapsed,
+            prompt_tokens=sum(len(p) for p in prompts),
+            output_tokens=num_out,
+            ttft_s=[first[r] - submitted[r] for r in submitted if r in first],
+            step_s=step_s,
+            step_tokens=step_tokens,
+            phase_s=phase_s,
+        )
+
+
+def random_prompts(generator: torch.Generator, lengths: list[int], vocab: int) -> list[list[int]]:
+    return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]

@@ -1,0 +1,339 @@
+"""End-to-end engine benchmarks at the Qwen2.5-7B shape with random bf16 weights built on the GPU.
+
+Sections (--sections, default all but hf, each isolated: a failure is recorded and the next one runs):
+
+* start     engine start (model init, memory profile, KV allocation, graph capture), per phase;
+* decode    decode step latency at batch 1/8/64 x context 1k/4k: median wall time of steady-state steps
+            (scheduler + input prep + forward + sampling + the host sync), with the bandwidth floor;
+* seeds     the seeds' workload: 50 sequences, 512 in, 256 out, EOS ignored (output tok/s);
+* random256 256 sequences, input and output lengths uniform in [100, 1024];
+* ttft      time to first token of one 1024- and one 8192-token prompt (median of repeats);
+* prefix    prefix caching on vs off: 256 x 1064 unique tokens (0 % hits) and 256 x (shared 1000 + own 64),
+            128 out each; needs a second engine with caching off;
+* hf        HF Transformers static-batch `generate` on the seeds' workload (same shapes, its own random
+            init: weights differ from kvserve's, which does not matter for a throughput comparison).
+
+Run the hf section in its own process (`--sections hf`) so its memory is not shared with kvserve's KV cache.
+Prints a table last and writes JSON per section under --out.
+
+    python benchmarks/engine_benchmarks.py --out benchmarks/results/h200            # GPU
+    python benchmarks/engine_benchmarks.py --model tiny --device cpu --scale 0.02 --out /tmp/x   # try on CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from common import (  # noqa: E402
+    MODEL_CONFIGS,
+    Driver,
+    decode_floor_ms,
+    make_engine,
+    random_prompts,
+    sync,
+    write_config_dir,
+    write_result,
+)
+
+SECTIONS = ("start", "decode", "seeds", "random256", "ttft", "prefix", "hf", "profile")
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.config = MODEL_CONFIGS[args.model]
+        self.model_dir = write_config_dir(args.model)
+        self.vocab = self.config["vocab_size"]
+        self.gen = torch.Generator().manual_seed(0)
+        self.rows: list[tuple[str, str, str]] = []  # (measure, value, note) for the final table
+        self.results: dict[str, Any] = {}
+        self.core: Any = None
+        self.driver: Driver | None = None
+
+    def n(self, count: int) -> int:
+        return max(1, int(round(count * self.args.scale)))
+
+    def length(self, tokens: int) -> int:
+        return max(2, int(round(tokens * self.args.length_scale)))
+
+    def engine_kwargs(self, **overrides: Any) -> dict[str, Any]:
+        a = self.args
+        kw = dict(dtype=a.dtype, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
+                  max_num_batched_tokens=a.max_num_batched_tokens, gpu_memory_utilization=a.gpu_memory_utilization,
+                  enforce_eager=a.enforce_eager)
+        if a.device == "cpu":
+            kw["kv_cache_memory"] = "512MiB"
+        kw.update(overrides)
+        return kw
+
+    def engine(self) -> Driver:
+        if self.driver is None:
+            self.core, start_s = make_engine(self.model_dir, self.args.device, **self.engine_kwargs())
+            self.driver = Driver(self.core)
+            self.results["start"] = {"start_s": start_s, "phases_s": dict(self.core.startup_phases),
+                                     "num_blocks": self.core.capacity.num_blocks,
+                                     "capacity": self.core.capacity.describe()}
+        return self.driver
+
+    def free_engine(self) -> None:
+        self.driver = None
+        self.core = None
+        gc.collect()
+        if self.args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+    def prompts(self, lengths: list[int]) -> list[list[int]]:
+        return random_prompts(self.gen, lengths, self.vocab)
+
+    def warm_up(self) -> None:
+        """Compile the prefill/mixed kernels at a few shapes so the timed runs do not include JIT time."""
+        d = self.engine()
+        d.run(self.prompts([self.length(512)] * self.n(50)), [4] * self.n(50))
+        d.run(self.prompts([self.length(1000)] * 3), [2] * 3)
+
+    # ------------------------------------------------------------------ sections
+
+    def section_start(self) -> None:
+        self.engine()
+        r = self.results["start"]
+        phases = ", ".join(f"{k} {v:.1f}" for k, v in r["phases_s"].items())
+        self.rows.append(("engine start (s)", f"{r['start_s']:.1f}", phases))
+        self.rows.append(("KV cache", f"{r['num_blocks']} blocks", r["capacity"]))
+
+    def section_decode(self) -> None:
+        d = self.engine()
+        self.warm_up()
+        out = []
+        for context in self.args.decode_contexts:
+            for batch in self.args.decode_batches:
+                ctx = self.length(context)
+                # Early requests decode while later ones still prefill: give every request enough tokens
+                # that all of them decode together for decode_steps steps.
+                prefill_steps = -(-batch * ctx // self.args.max_num_batched_tokens) + 1
+                steps = self.args.decode_steps + prefill_steps
+                stats = d.run(self.prompts([ctx] * batch), [steps] * batch, phases=True)
+                decode = [i for i, t in enumerate(stats.step_tokens) if t == batch]
+                decode = decode[3:] or decode
+                timed = [stats.step_s[i] for i in decode]
+                ms = statistics.median(timed) * 1e3
+                sched, execute, update = (statistics.median(stats.phase_s[i][k] for i in decode) * 1e3
+                                          for k in range(3))
+                gpu_ms = self.graph_gpu_ms(batch)
+                floor = decode_floor_ms(self.config, batch, context)
+                out.append({"batch": batch, "context": context, "median_step_ms": ms, "floor_ms": floor,
+                            "fraction_of_floor": floor / ms, "num_steps_timed": len(timed),
+                            "p90_step_ms": sorted(timed)[int(0.9 * (len(timed) - 1))] * 1e3,
+                            "schedule_ms": sched, "execute_model_ms": execute, "update_ms": update,
+                            "graph_replay_gpu_ms": gpu_ms})
+                gpu = f", graph GPU {gpu_ms:.2f}" if gpu_ms else ""
+                self.rows.append((f"decode b{batch} ctx{context} (ms/step)", f"{ms:.2f}",
+                                  f"floor {floor:.2f} -> {floor / ms:.0%}; sched {sched:.2f} exec {execute:.2f} "
+                                  f"update {update:.2f}{gpu}"))
+        self.results["decode"] = out
+
+    def section_profile(self) -> None:
+        """torch.profiler over steady decode steps at batch 64, context 1k: where a step's CPU time goes."""
+        from torch.profiler import ProfilerActivity, profile
+
+        d = self.engine()
+        batch, ctx = 64, self.length(1024)
+        prefill_steps = -(-batch * ctx // self.args.max_num_batched_tokens) + 1
+        d.run(self.prompts([ctx] * batch), [prefill_steps + 2] * batch)  # warm-up at these shapes
+        core = self.core
+        params = None
+        for i, prompt in enumerate(self.prompts([ctx] * batch)):
+            from kvserve.protocol.engine import EngineCoreRequest
+            from kvserve.protocol.sampling_params import SamplingParams
+
+            params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=prefill_steps + 40)
+            core.add_request(EngineCoreRequest(req_id=f"p{i}", prompt_token_ids=prompt, sampling_params=params,
+                                               max_tokens=prefill_steps + 40))
+        for _ in range(prefill_steps + 5):
+            core.step()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.args.device.startswith("cuda") else [])
+        with profile(activities=activities) as prof:
+            for _ in range(10):
+                core.step()
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+        while core.has_unfinished_requests():
+            core.step()
+        self.results["profile"] = {"table": table}
+        print(table, flush=True)
+
+    def graph_gpu_ms(self, batch: int) -> float | None:
+        """GPU time of one replay of the decode graph serving `batch` (CUDA events, median of 20), over
+        whatever the buffers hold from the last step: the model forward alone, no logits or sampling."""
+        graphs = self.core.runner.graphs
+        size = graphs.padded_size(batch) if graphs is not None else None
+        if size is None:
+            return None
+        times = []
+        for _ in range(20):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graphs.replay(size)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    def section_seeds(self) -> None:
+        d = self.engine()
+        num, ins, outs = self.n(50), self.length(512), self.length(256)
+        d.run(self.prompts([ins] * num), [4] * num)  # warm-up at the same shapes
+        stats = d.run(self.prompts([ins] * num), [outs] * num)
+        self.results["seeds"] = {"num_seqs": num, "input_len": ins, "output_len": outs,
+                                 "elapsed_s": stats.elapsed_s, "output_tokens": stats.output_tokens,
+                                 "output_tok_s": stats.output_tok_s}
+        self.rows.append(("seeds' workload (output tok/s)", f"{stats.output_tok_s:.0f}",
+                          f"{num} x {ins} in / {outs} out in {stats.elapsed_s:.2f} s"))
+
+    def section_random256(self) -> None:
+        d = self.engine()
+        num = self.n(256)
+        lo, hi = self.length(100), self.length(1024)
+        ins = torch.randint(lo, hi + 1, (num,), generator=self.gen).tolist()
+        outs = torch.randint(lo, hi + 1, (num,), generator=self.gen).tolist()
+        stats = d.run(self.prompts(ins), outs)
+        self.results["random256"] = {"num_seqs": num, "elapsed_s": stats.elapsed_s,
+                                     "prompt_tokens": stats.prompt_tokens, "output_tokens": stats.output_tokens,
+                                     "output_tok_s": stats.output_tok_s,
+                                     "total_tok_s": (stats.prompt_tokens + stats.output_tokens) / stats.elapsed_s}
+        self.rows.append(("256 seqs U[100,1024] (output tok/s)", f"{stats.output_tok_s:.0f}",
+                          f"{stats.output_tokens} tokens in {stats.elapsed_s:.2f} s"))
+
+    def section_ttft(self) -> None:
+        d = self.engine()
+        out = {}
+        for tokens, repeats in ((1024, 5), (8192, 3)):
+            n = self.length(tokens)
+            d.run(self.prompts([n]), [1])  # warm-up at this shape
+            times = [d.run(self.prompts([n]), [1]).ttft_s[0] * 1e3 for _ in range(repeats)]
+            out[str(tokens)] = {"median_ms": statistics.median(times), "all_ms": times}
+            self.rows.append((f"TTFT {tokens} tokens (ms)", f"{statistics.median(times):.1f}",
+                              f"min {min(times):.1f}, {repeats} runs"))
+        self.results["ttft"] = out
+
+    def _prefix_runs(self, d: Driver, label: str) -> dict[str, float]:
+        num, out_len = self.n(256), self.length(128)
+        shared_len, own_len = self.length(1000), self.length(64)
+        unique = d.run(self.prompts([shared_len + own_len] * num), [out_len] * num)
+        shared = self.prompts([shared_len])[0]
+        own = self.prompts([own_len] * num)
+        with_prefix = d.run([shared + o for o in own], [out_len] * num)
+        result = {"unique_output_tok_s": unique.output_tok_s, "unique_elapsed_s": unique.elapsed_s,
+                  "shared_output_tok_s": with_prefix.output_tok_s, "shared_elapsed_s": with_prefix.elapsed_s}
+        self.rows.append((f"prefix cache {label}: 0% hits (output tok/s)", f"{unique.output_tok_s:.0f}",
+                          f"{num} x {shared_len + own_len} unique, {out_len} out"))
+        self.rows.append((f"prefix cache {label}: shared {shared_len} (output tok/s)",
+                          f"{with_prefix.output_tok_s:.0f}", f"{num} x ({shared_len} shared + {own_len}), {out_len} out"))
+        return result
+
+    def section_prefix(self) -> None:
+        on = self._prefix_runs(self.engine(), "on")
+        self.free_engine()
+        core, start_s = make_engine(self.model_dir, self.args.device,
+                                    **self.engine_kwargs(enable_prefix_caching=False))
+        d = Driver(core)
+        d.run(self.prompts([self.length(512)] * self.n(50)), [4] * self.n(50))  # warm-up
+        off = self._prefix_runs(d, "off")
+        del d, core
+        slowdown = off["unique_output_tok_s"] / on["unique_output_tok_s"] - 1
+        self.results["prefix"] = {"on": on, "off": off, "cache_off_engine_start_s": start_s,
+                                  "slowdown_on_vs_off_at_0pct": slowdown}
+        self.rows.append(("prefix caching cost at 0% hits", f"{slowdown:+.1%}", "throughput off/on - 1"))
+
+    def section_hf(self) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        device = self.args.device
+        config = AutoConfig.from_pretrained(self.model_dir)
+        t0 = time.perf_counter()
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, self.args.dtype)).eval()
+        sync(device)
+        init_s = time.perf_counter() - t0
+        num, ins, outs = self.n(50), self.length(512), self.length(256)
+        ids = torch.tensor(self.prompts([ins] * num), device=device)
+
+        def generate(max_new: int) -> float:
+            sync(device)
+            start = time.perf_counter()
+            with torch.inference_mode():
+                result = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                                        min_new_tokens=max_new, do_sample=False, pad_token_id=0)
+            sync(device)
+            assert result.shape[1] == ins + max_new
+            return time.perf_counter() - start
+
+        generate(4)  # warm-up
+        elapsed = generate(outs)
+        tok_s = num * outs / elapsed
+        self.results["hf"] = {"num_seqs": num, "input_len": ins, "output_len": outs, "elapsed_s": elapsed,
+                              "output_tok_s": tok_s, "init_s": init_s, "batch_size": num,
+                              "note": "HF random init from the same config: weights differ from kvserve's"}
+        self.rows.append(("HF generate, seeds' workload (output tok/s)", f"{tok_s:.0f}",
+                          f"static batch {num}, {elapsed:.2f} s"))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--model", default="qwen2.5-7b", choices=sorted(MODEL_CONFIGS))
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--sections", default="start,decode,seeds,random256,ttft,prefix")
+    p.add_argument("--max-model-len", type=int, default=32768)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--decode-steps", type=int, default=24)
+    p.add_argument("--scale", type=float, default=1.0, help="multiply request counts (CPU trials)")
+    p.add_argument("--length-scale", type=float, default=1.0, help="multiply token lengths (CPU trials)")
+    p.add_argument("--decode-batches", type=lambda v: [int(x) for x in v.split(",")], default=[1, 8, 64])
+    p.add_argument("--decode-contexts", type=lambda v: [int(x) for x in v.split(",")], default=[1024, 4096])
+    p.add_argument("--decode-programs-per-sm", type=int, default=None, help="override ops.DECODE_PROGRAMS_PER_SM")
+    p.add_argument("--elementwise-backend", default="triton", choices=["triton", "torch", "compile"])
+    args = p.parse_args()
+    from kvserve.kernels import ops
+
+    ops.set_elementwise_backend(args.elementwise_backend)
+    if args.decode_programs_per_sm is not None:
+        ops.DECODE_PROGRAMS_PER_SM = args.decode_programs_per_sm
+    bench = Bench(args)
+    sections = [s for s in args.sections.split(",") if s]
+    errors: dict[str, str] = {}
+    for name in sections:
+        if name not in SECTIONS:
+            raise SystemExit(f"unknown section {name!r}; choose from {SECTIONS}")
+        t0 = time.perf_counter()
+        try:
+            getattr(bench, f"section_{name}")()
+        except Exception:
+            errors[name] = traceback.format_exc()
+            print(f"section {name} failed:\n{errors[name]}", file=sys.stderr, flush=True)
+        print(f"[section {name}: {time.perf_counter() - t0:.1f} s]", flush=True)
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    for name, value in bench.results.items():
+        write_result(args.out, f"engine_{name}", settings, value, args.device)
+    if errors:
+        write_result(args.out, "engine_errors", settings, errors, args.device)
+    print(f"\n{'measure':<48} {'value':>12}  note")
+    for measure, value, note in bench.rows:
+        print(f"{measure:<48} {value:>12}  {note}")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

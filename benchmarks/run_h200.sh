@@ -1,0 +1,54 @@
+#!/bin/bash
+# One device call: GPU correctness and benchmarks on the H200, run from the repository root.
+#   bash benchmarks/run_h200.sh <step>...   steps: pytest engine engine2 eager hf kernels elementwise
+# Needs the wheels of .whl/ (msgspec, gguf: not on the GPU image). Logs and JSON go to /tmp/kvres, packed
+# into $OUT/results.tgz (the device returns at most 8 files); each step's table is printed at the end.
+set -u
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || exit 1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+R=/tmp/kvres
+mkdir -p "$R" "$OUT"
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv > "$R/nvidia_smi.txt" 2>&1
+T0=$(date +%s)
+for step in "$@"; do
+  echo "=== $step (t=$(( $(date +%s) - T0 ))s)"
+  case $step in
+    pytest) timeout 200 python3 -m pytest -q -rA -s -p no:cacheprovider tests/gpu > "$R/pytest_gpu.log" 2>&1 ;;
+    engine) timeout 240 python3 benchmarks/engine_benchmarks.py --out "$R/engine" \
+              --sections start,decode,seeds,ttft > "$R/engine.log" 2>&1 ;;
+    engine2) timeout 300 python3 benchmarks/engine_benchmarks.py --out "$R/engine2" \
+              --sections start,random256,prefix > "$R/engine2.log" 2>&1 ;;
+    eager) timeout 150 python3 benchmarks/engine_benchmarks.py --out "$R/eager" --enforce-eager \
+              --decode-steps 12 --sections start,decode,ttft > "$R/eager.log" 2>&1 ;;
+    ab) for pps in 2 4 2 4; do
+          timeout 60 python3 benchmarks/engine_benchmarks.py --out "$R/ab_pps$pps" --sections decode \
+            --decode-programs-per-sm $pps --decode-batches 8,32,64 --decode-contexts 1024 --decode-steps 30 \
+            >> "$R/ab.log" 2>&1
+        done ;;
+    prefix2) for i in 1 2; do
+          timeout 90 python3 benchmarks/engine_benchmarks.py --out "$R/prefix$i" --sections prefix >> "$R/prefix2.log" 2>&1
+        done ;;
+    profile) timeout 90 python3 benchmarks/engine_benchmarks.py --out "$R/profile" --sections profile \
+              > "$R/profile.log" 2>&1 ;;
+    hf) timeout 120 python3 benchmarks/engine_benchmarks.py --out "$R/hf" --sections hf > "$R/hf.log" 2>&1 ;;
+    kernels) timeout 120 python3 benchmarks/gpu_kernels.py --models qwen2.5-7b --dtypes bf16 fp16 \
+              --budget-s 60 --rep-ms 20 --out "$R/gpu_kernels.json" > "$R/gpu_kernels.log" 2>&1 ;;
+    elementwise) timeout 120 python3 benchmarks/elementwise_backends.py --out "$R" > "$R/elementwise.log" 2>&1 ;;
+  esac
+  echo "rc=$?"
+done
+tar czf "$OUT/results.tgz" -C "$R" .
+echo "=== total $(( $(date +%s) - T0 ))s"
+for f in "$R"/profile.log "$R"/pytest_gpu.log "$R"/engine.log "$R"/engine2.log "$R"/eager.log "$R"/ab.log "$R"/prefix2.log "$R"/hf.log "$R"/gpu_kernels.log "$R"/elementwise.log; do
+  [ -f "$f" ] || continue
+  echo "##### $(basename "$f")"
+  case $(basename "$f") in
+    pytest_gpu.log) grep -E "passed|failed|PASSED|FAILED|Error|error|kvserve bf16|skipped" "$f" | tail -25 ;;
+    gpu_kernels.log) grep -E "FAIL|False|rows," "$f" | tail -8; tail -c 2500 "$f" ;;
+    ab.log|prefix2.log) grep -E "^decode|^prefix|Error|failed" "$f" ;;
+    profile.log) tail -c 4500 "$f" ;;
+    *) tail -c 2500 "$f" ;;
+  esac
+done

@@ -1,0 +1,178 @@
+"""GPU correctness of the whole engine (skipped without CUDA). Kernel-level checks: benchmarks/gpu_kernels.py.
+
+* CUDA-graph vs eager: greedy tokens identical (float32 tiny random models, batches that fill a captured
+  size and batches that need padding).
+* kvserve bf16 vs HF Transformers bf16 on tiny random models: both teacher-forced on kvserve's tokens and
+  compared with HF float32; kvserve's top-k logprob error must be of the size of HF bf16's own error.
+* The default GGUF model (float32): greedy text on the GPU equals the CPU's (skipped when the file is not
+  installed, e.g. on a GPU machine it could not be copied to).
+
+The models here have no tokenizer: the engine core is driven with token ids directly.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from kvserve.config import EngineArgs
+from kvserve.engine.engine_core import EngineCore
+from kvserve.protocol.engine import EngineCoreRequest
+from kvserve.protocol.sampling_params import SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+VOCAB = 1024
+
+
+def _tiny_checkpoint(directory: str, model_type: str, seed: int, **overrides: Any) -> str:
+    """A small random HF checkpoint (config.json + safetensors, no tokenizer), weights of order-1 logits."""
+    from helpers.tiny_models import _randomize
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    settings = {
+        "vocab_size": VOCAB,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 1024,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        **overrides,
+    }
+    config = AutoConfig.for_model(model_type, **settings)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model, seed)
+    model.save_pretrained(directory)
+    return directory
+
+
+# (model_type, overrides): head_dim 64 with GQA 2 (Llama), head_dim 128 with GQA 4 and q/k/v bias (Qwen2).
+MODELS = {
+    "llama-hd64": ("llama", {}),
+    "qwen2-hd128": ("qwen2", {"hidden_size": 512, "num_attention_heads": 4, "num_key_value_heads": 1}),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    out = {}
+    for i, (name, (model_type, overrides)) in enumerate(MODELS.items()):
+        out[name] = _tiny_checkpoint(str(tmp_path_factory.mktemp(name)), model_type, seed=i, **overrides)
+    return out
+
+
+def _prompts(num: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(5, 200, (num,), generator=generator).tolist()
+    return [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in lengths]
+
+
+def _generate(core: EngineCore, prompts: list[list[int]], max_tokens: int, logprobs: int | None = None) -> list:
+    """Greedy, EOS ignored; returns per prompt (token ids, list of TokenLogprobs or None)."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
+    for i, prompt in enumerate(prompts):
+        core.add_request(
+            EngineCoreRequest(req_id=str(i), prompt_token_ids=prompt, sampling_params=params, max_tokens=max_tokens)
+        )
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    lps: dict[str, list[Any]] = {str(i): [] for i in range(len(prompts))}
+    while core.has_unfinished_requests():
+        for out in core.step().outputs:
+            tokens[out.req_id].extend(out.new_token_ids)
+            if out.new_logprobs:
+                lps[out.req_id].extend(out.new_logprobs)
+    return [(tokens[str(i)], lps[str(i)]) for i in range(len(prompts))]
+
+
+def _core(path: str, dtype: str, enforce_eager: bool, **kwargs: Any) -> EngineCore:
+    args = EngineArgs(
+        model=path,
+        dtype=dtype,
+        device="cuda",
+        max_model_len=1024,
+        num_kv_blocks=1024,
+        max_num_seqs=16,
+        max_num_batched_tokens=512,  # several prefill chunks per prompt batch: mixed batches too
+        enforce_eager=enforce_eager,
+        **kwargs,
+    )
+    return EngineCore(args.create_engine_config())
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("num_prompts", [8, 5])
+def test_cuda_graph_matches_eager(checkpoints: dict[str, str], model: str, num_prompts: int) -> None:
+    prompts = _prompts(num_prompts, seed=num_prompts)
+    graph_core = _core(checkpoints[model], "float32", enforce_eager=False)
+    assert graph_core.runner.graphs is not None, "CUDA graphs were not captured"
+    with_graphs = [t for t, _ in _generate(graph_core, prompts, 24)]
+    del graph_core
+    eager = [t for t, _ in _generate(_core(checkpoints[model], "float32", enforce_eager=True), prompts, 24)]
+    assert with_graphs == eager
+
+
+def _teacher_forced_logprobs(model: torch.nn.Module, prompt: list[int], generated: list[int]) -> torch.Tensor:
+    """float32 [len(generated), vocab]: log-softmax at every position that predicted a generated token."""
+    ids = torch.tensor([prompt + generated[:-1]], device="cuda")
+    with torch.inference_mode():
+        logits = model(ids).logits[0, len(prompt) - 1 :].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_bf16_logprobs_agree_with_hf(checkpoints: dict[str, str], model: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    path = checkpoints[model]
+    prompts = _prompts(6, seed=11)
+    k = 5
+    outs = _generate(_core(path, "bfloat16", enforce_eager=False), prompts, 16, logprobs=k)
+    hf32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    hf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    kv_err, hf_err, top1_agree, total = 0.0, 0.0, 0, 0
+    for prompt, (tokens, lps) in zip(prompts, outs, strict=True):
+        assert len(lps) == len(tokens) == 16
+        ref = _teacher_forced_logprobs(hf32, prompt, tokens)
+        hf = _teacher_forced_logprobs(hf16, prompt, tokens)
+        for step, token_lp in enumerate(lps):
+            ids = torch.tensor(token_lp.token_ids[1:], device="cuda")  # kvserve's top-k
+            kv_values = torch.tensor(token_lp.logprobs[1:], device="cuda")
+            kv_err = max(kv_err, float((kv_values - ref[step, ids]).abs().max()))
+            ref_top = ref[step].topk(k).indices
+            hf_err = max(hf_err, float((hf[step, ref_top] - ref[step, ref_top]).abs().max()))
+            top1_agree += int(token_lp.token_ids[1] == int(ref_top[0]))
+            total += 1
+    print(f"{model}: max |logprob - fp32| kvserve bf16 {kv_err:.4f}, HF bf16 {hf_err:.4f}; "
+          f"top-1 agreement with fp32 {top1_agree}/{total}")
+    assert kv_err <= 2 * hf_err + 0.02
+    assert top1_agree >= 0.9 * total
+
+
+def test_default_gguf_greedy_gpu_equals_cpu() -> None:
+    from kvserve.model.paths import ModelLoadError, default_model_path
+
+    path = os.environ.get("KVSERVE_TEST_GGUF")  # a copy of the default model where it is not installed
+    if not path:
+        try:
+            path = default_model_path()
+        except ModelLoadError as exc:
+            pytest.skip(str(exc))
+    prompts = [[1, 9690, 28, 957, 1462, 314], list(range(100, 400)), [1, 504, 1176, 1329, 5734, 282]]
+
+    def run(device: str) -> list[list[int]]:
+        args = EngineArgs(model=path, dtype="float32", device=device, max_model_len=1024, num_kv_blocks=512)
+        return [t for t, _ in _generate(EngineCore(args.create_engine_config()), prompts, 32)]
+
+    assert run("cuda") == run("cpu")

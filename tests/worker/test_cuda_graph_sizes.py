@@ -1,0 +1,67 @@
+"""CUDA-graph batch-size choice and padding: pure functions, no GPU needed."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve.config import DEFAULT_CUDA_GRAPH_SIZES, ConfigError, resolve_cuda_graph_sizes
+from kvserve.worker.cuda_graph import padded_batch_size, padding_rows
+
+
+@pytest.mark.parametrize(
+    ("num_reqs", "expected"),
+    [(1, 1), (2, 2), (3, 4), (5, 8), (8, 8), (9, 16), (17, 24), (33, 48), (64, 64), (65, 96), (256, 256)],
+)
+def test_padded_batch_size_is_smallest_captured_size_not_below(num_reqs: int, expected: int) -> None:
+    sizes = resolve_cuda_graph_sizes(None, 256)
+    assert padded_batch_size(num_reqs, sizes) == expected
+
+
+def test_padded_batch_size_none_past_largest_or_for_empty_batch() -> None:
+    assert padded_batch_size(9, [1, 2, 4, 8]) is None
+    assert padded_batch_size(0, [1, 2, 4, 8]) is None
+    assert padded_batch_size(3, []) is None
+
+
+def test_every_batch_up_to_max_num_seqs_has_a_graph() -> None:
+    for max_num_seqs in (1, 3, 50, 100, 256, 300):
+        sizes = resolve_cuda_graph_sizes(None, max_num_seqs)
+        assert sizes[-1] == max_num_seqs
+        assert list(sizes) == sorted(set(sizes))
+        for n in range(1, max_num_seqs + 1):
+            padded = padded_batch_size(n, sizes)
+            assert padded is not None and n <= padded <= max_num_seqs
+
+
+def test_explicit_sizes_are_sorted_deduplicated_and_capped() -> None:
+    assert resolve_cuda_graph_sizes([8, 1, 4, 4, 512], 64) == (1, 4, 8)
+    assert resolve_cuda_graph_sizes([], 64) == ()
+    with pytest.raises(ConfigError):
+        resolve_cuda_graph_sizes([0, 4], 64)
+    assert all(b > a for a, b in zip(DEFAULT_CUDA_GRAPH_SIZES, DEFAULT_CUDA_GRAPH_SIZES[1:], strict=False))
+
+
+def test_padding_rows_write_nothing_and_attend_to_nothing() -> None:
+    rows = padding_rows(5, 8)
+    assert rows["slot_mapping"] == [-1, -1, -1]
+    assert rows["seq_lens"] == [0, 0, 0]
+    assert rows["positions"] == [0, 0, 0]
+    assert rows["input_ids"] == [0, 0, 0]
+    # one query token per padding row, continuing after the 5 real rows' offsets 0..5
+    assert rows["query_start_loc"] == [6, 7, 8]
+    assert all(v == [] for v in padding_rows(8, 8).values())
+
+
+def test_decode_splits_fill_the_gpu_within_limits() -> None:
+    from kvserve.kernels.ops import DECODE_PROGRAMS_PER_SM, decode_num_splits
+
+    sms, kv_heads = 132, 4
+    for batch in (1, 2, 8, 32, 64, 128, 256, 512):
+        for max_seq_len in (1, 64, 1000, 32768):
+            splits = decode_num_splits(batch, kv_heads, max_seq_len, sms)
+            assert 1 <= splits <= 64
+            assert splits <= max(1, max_seq_len // 64)  # never a split without a full tile of keys
+            if splits < min(64, max(1, max_seq_len // 64)):  # not capped: the target is met
+                assert batch * kv_heads * splits >= DECODE_PROGRAMS_PER_SM * sms
+    assert decode_num_splits(256, kv_heads, 32768, sms) == 1
+    assert decode_num_splits(1, kv_heads, 32768, sms) == 64

@@ -1,0 +1,122 @@
+"""Persistent input buffers and the diff-updated block table, on CPU against a from-scratch oracle."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from kvserve.core.outputs import ScheduledRequest, SchedulerOutput
+from kvserve.worker.input_batch import BlockTable, InputBuffers
+
+BLOCK_SIZE = 4
+WIDTH = 8  # max_model_len 32
+
+
+def _sched(req_id: str, tokens: list[int], computed: int, new_blocks: list[int], reset: bool = False,
+           sample: bool = True) -> ScheduledRequest:
+    return ScheduledRequest(req_id, tokens, computed, new_blocks, reset, sample)
+
+
+def test_block_table_applies_diffs_on_host_and_device() -> None:
+    table = BlockTable(num_rows=2, width=WIDTH, device=torch.device("cpu"))
+    table.apply(SchedulerOutput(scheduled=[_sched("a", [1] * 5, 0, [7, 3], reset=True),
+                                           _sched("b", [1] * 2, 0, [9], reset=True)]))
+    table.apply(SchedulerOutput(scheduled=[_sched("a", [1], 5, []), _sched("b", [1] * 3, 2, [4])]))
+    assert table.blocks("a") == [7, 3] and table.blocks("b") == [9, 4]
+    # a third live request grows the row pool; a preempted-and-resumed request starts over
+    table.apply(SchedulerOutput(scheduled=[_sched("c", [1], 0, [5], reset=True),
+                                           _sched("a", [1] * 6, 0, [11, 12], reset=True)]))
+    assert table.blocks("c") == [5] and table.blocks("a") == [11, 12]
+    for req_id in ("a", "b", "c"):
+        row = table.row(req_id)
+        n = len(table.blocks(req_id))
+        assert table.device_table[row, :n].tolist() == table.blocks(req_id)
+    # finishing frees the row for the next request, which starts empty
+    row_b = table.row("b")
+    table.apply(SchedulerOutput(finished_req_ids=["b"], scheduled=[_sched("d", [1], 0, [6], reset=True)]))
+    assert table.row("d") == row_b and table.blocks("d") == [6]
+    assert table.num_live == 3
+
+
+def _oracle(scheduled: list[ScheduledRequest], tables: dict[str, list[int]]) -> dict[str, list[int]]:
+    input_ids, positions, slots, qsl, seq_lens = [], [], [], [0], []
+    for s in scheduled:
+        for i, token in enumerate(s.token_ids):
+            pos = s.num_computed_tokens + i
+            input_ids.append(token)
+            positions.append(pos)
+            slots.append(tables[s.req_id][pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
+        qsl.append(qsl[-1] + len(s.token_ids))
+        seq_lens.append(s.num_computed_tokens + len(s.token_ids))
+    return {"input_ids": input_ids, "positions": positions, "slot_mapping": slots, "query_start_loc": qsl,
+            "seq_lens": seq_lens}
+
+
+def test_prepare_matches_a_from_scratch_build_over_random_steps() -> None:
+    rng = random.Random(0)
+    device = torch.device("cpu")
+    table = BlockTable(num_rows=4, width=WIDTH, device=device)
+    buffers = InputBuffers(max_num_tokens=64, max_num_reqs=8, block_table_width=WIDTH, block_size=BLOCK_SIZE,
+                           device=device)
+    tables: dict[str, list[int]] = {}
+    lengths: dict[str, int] = {}
+    next_block = iter(rng.sample(range(100), 100))
+    for step in range(30):
+        scheduled = []
+        for r in range(rng.randint(1, 6)):
+            req_id = f"r{r}"
+            computed = lengths.get(req_id, 0)
+            if computed >= 28:
+                continue
+            n = 1 if rng.random() < 0.5 else rng.randint(1, min(9, 32 - computed))
+            need = -(-(computed + n) // BLOCK_SIZE) - len(tables.get(req_id, []))
+            new = [next(next_block) for _ in range(need)] if need > 0 else []
+            reset = req_id not in tables
+            tables[req_id] = tables.get(req_id, []) + new
+            scheduled.append(_sched(req_id, [rng.randint(0, 999) for _ in range(n)], computed, new, reset,
+                                    sample=rng.random() < 0.8))
+            lengths[req_id] = computed + n
+        if not scheduled:
+            break
+        out = SchedulerOutput(scheduled=scheduled)
+        table.apply(out)
+        batch = buffers.prepare(out, table)
+        want = _oracle(scheduled, tables)
+        assert batch.input_ids.tolist() == want["input_ids"], step
+        assert batch.positions.tolist() == want["positions"]
+        md = batch.attn_metadata
+        assert md.slot_mapping.tolist() == want["slot_mapping"]
+        assert md.query_start_loc.tolist() == want["query_start_loc"] == md.query_start_loc_cpu
+        assert md.seq_lens.tolist() == want["seq_lens"] == md.seq_lens_cpu
+        for i, s in enumerate(scheduled):
+            assert md.block_tables[i, : len(tables[s.req_id])].tolist() == tables[s.req_id]
+        sampled = [i for i, s in enumerate(scheduled) if s.sample]
+        assert batch.sampled_req_ids == [scheduled[i].req_id for i in sampled]
+        assert batch.logits_indices.tolist() == [want["query_start_loc"][i + 1] - 1 for i in sampled]
+
+
+def test_decode_batch_padded_to_graph_size() -> None:
+    device = torch.device("cpu")
+    table = BlockTable(num_rows=4, width=WIDTH, device=device)
+    buffers = InputBuffers(max_num_tokens=16, max_num_reqs=8, block_table_width=WIDTH, block_size=BLOCK_SIZE,
+                           device=device)
+    prefill = SchedulerOutput(scheduled=[_sched("a", [1] * 5, 0, [3, 8], reset=True),
+                                         _sched("b", [2] * 3, 0, [5], reset=True)])
+    table.apply(prefill)
+    buffers.prepare(prefill, table)
+    decode = SchedulerOutput(scheduled=[_sched("a", [42], 5, []), _sched("b", [43], 3, [])])
+    table.apply(decode)
+    batch = buffers.prepare(decode, table, pad_to=4)
+    md = batch.attn_metadata
+    assert batch.padded_num_reqs == 4 and batch.num_reqs == 2 and batch.all_rows_sample
+    assert batch.input_ids.tolist() == [42, 43, 0, 0]
+    assert batch.positions.tolist() == [5, 3, 0, 0]
+    assert md.slot_mapping.tolist() == [8 * 4 + 1, 5 * 4 + 3, -1, -1]
+    assert md.seq_lens.tolist() == [6, 4, 0, 0]
+    assert md.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    assert md.block_tables.shape[0] == 4
+    # a batch with a prefill chunk is never padded
+    mixed = SchedulerOutput(scheduled=[_sched("a", [7], 6, []), _sched("b", [8, 9], 4, [])])
+    table.apply(mixed)
+    assert buffers.prepare(mixed, table, pad_to=4).padded_num_reqs is None
