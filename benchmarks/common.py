@@ -52,7 +52,7 @@ QWEN25_7B = {
 }
 # The same structure, small: for trying the scripts on a CPU.
 TINY = {**QWEN25_7B, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024, "max_position_embeddings": 4096}
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 49152, "max_position_embeddings": 4096}
 MODEL_CONFIGS = {"qwen2.5-7b": QWEN25_7B, "tiny": TINY}
 
 COPY_TBPS = 4.28  # measured device-to-device copy on the H200 (PERFORMANCE.md)

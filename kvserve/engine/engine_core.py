@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from kvserve.config import ConfigError, EngineConfig
 from kvserve.core.outputs import EngineCoreOutput, SchedulerStats
 from kvserve.core.request import Request
-from kvserve.core.scheduler import Scheduler
+from kvserve.core.scheduler import RequestRejected, Scheduler
 from kvserve.protocol.engine import EngineCoreRequest
 from kvserve.worker.memory import gpu_capacity_hint
 from kvserve.worker.model_runner import ModelRunner
@@ -115,6 +115,13 @@ class EngineCore:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request. Raises RequestRejected when it can never be served."""
+        vocab_size = self.runner.arch.vocab_size
+        # A token id past the embedding table would crash the forward pass of the whole batch (and with
+        # it the engine process): refuse it here. Tokenizers can be larger than the model's vocabulary.
+        if request.prompt_token_ids and not 0 <= min(request.prompt_token_ids) <= max(request.prompt_token_ids) < vocab_size:
+            raise RequestRejected(
+                f"prompt token ids must be in [0, {vocab_size}) (the model's vocabulary size)", "prompt"
+            )
         self.scheduler.add_request(
             Request(
                 req_id=request.req_id,

@@ -29,6 +29,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default=None, help="weight quantization of the checkpoint")
     g.add_argument("--seed", type=int, default=0, help="seed of the sampler's shared random generator")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="auto: the checkpoint's weights; dummy: random weights of the model's shape (needs only "
+                   "config.json; for benchmarks)")
 
 
 def engine_args_from(ns: argparse.Namespace) -> dict[str, object]:
@@ -48,6 +51,7 @@ def engine_args_from(ns: argparse.Namespace) -> dict[str, object]:
         "quantization": ns.quantization,
         "seed": ns.seed,
         "device": ns.device,
+        "load_format": ns.load_format,
     }
 
 

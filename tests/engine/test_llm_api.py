@@ -185,3 +185,14 @@ def test_cli_reports_bad_model_path() -> None:
     )
     assert proc.returncode == 2
     assert "/nonexistent/model" in proc.stderr
+
+
+def test_token_ids_past_the_model_vocab_are_rejected(tiny_model_dir) -> None:
+    # The tokenizer (49152 entries) is larger than this model's embedding table: such ids used to crash
+    # the forward pass of the whole batch, and with it the server's engine process.
+    llm = LLM(tiny_model_dir("llama", vocab_size=1000), max_model_len=128)
+    with pytest.raises(ValueError, match=r"\[0, 1000\)"):
+        llm.generate([[5, 999, 1000]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    out = llm.generate([[5, 6, 999]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 2

