@@ -8,6 +8,8 @@ TORCH_SPEC := $(if $(HAS_GPU),torch,torch==2.13.0)
 PYTEST_ARGS ?=
 HOST ?= 127.0.0.1
 PORT ?= 8000
+# Extra `kvserve serve` flags, e.g. make serve SERVE_ARGS="--served-model-name qwen2-7b"
+SERVE_ARGS ?=
 
 .PHONY: install test lint serve clean
 
@@ -30,7 +32,7 @@ test: lint
 	$(BIN)/pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 serve: install
-	$(BIN)/kvserve serve --host $(HOST) --port $(PORT)
+	$(BIN)/kvserve serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
