@@ -45,7 +45,7 @@ from common import (  # noqa: E402
     write_result,
 )
 
-SECTIONS = ("start", "decode", "seeds", "random256", "ttft", "prefix", "hf", "profile")
+SECTIONS = ("start", "decode", "seeds", "random256", "ttft", "prefix", "prefixab", "hf", "profile")
 
 
 class Bench:
@@ -253,6 +253,28 @@ class Bench:
                                   "slowdown_on_vs_off_at_0pct": slowdown}
         self.rows.append(("prefix caching cost at 0% hits", f"{slowdown:+.1%}", "throughput off/on - 1"))
 
+    def section_prefixab(self) -> None:
+        """Prefix caching on vs off at 0 % hits, alternating engines (on, off, on, off, ...) so drift between
+        runs shows up as spread rather than as a difference; each engine is warmed up before it is timed."""
+        num, out_len, prompt_len = self.n(256), self.length(128), self.length(1064)
+        runs: dict[str, list[float]] = {"on": [], "off": []}
+        for _ in range(self.args.ab_repeats):
+            for label in ("on", "off"):
+                self.free_engine()
+                core, _ = make_engine(self.model_dir, self.args.device,
+                                      **self.engine_kwargs(enable_prefix_caching=label == "on"))
+                d = Driver(core)
+                d.run(self.prompts([self.length(512)] * self.n(50)), [4] * self.n(50))  # warm-up
+                d.run(self.prompts([prompt_len] * self.n(16)), [4] * self.n(16))
+                runs[label].append(d.run(self.prompts([prompt_len] * num), [out_len] * num).output_tok_s)
+                del d, core
+        on, off = statistics.median(runs["on"]), statistics.median(runs["off"])
+        self.results["prefixab"] = {"on_tok_s": runs["on"], "off_tok_s": runs["off"],
+                                    "median_cost_on_vs_off": off / on - 1}
+        self.rows.append(("prefix cache 0% hits, on (tok/s, each run)", " ".join(f"{x:.0f}" for x in runs["on"]), ""))
+        self.rows.append(("prefix cache 0% hits, off (tok/s, each run)", " ".join(f"{x:.0f}" for x in runs["off"]), ""))
+        self.rows.append(("prefix caching cost at 0% hits (medians)", f"{off / on - 1:+.1%}", "off/on - 1"))
+
     def section_hf(self) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -293,6 +315,7 @@ def main() -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--sections", default="start,decode,seeds,random256,ttft,prefix")
+    p.add_argument("--ab-repeats", type=int, default=3, help="on/off pairs of the prefixab section")
     p.add_argument("--max-model-len", type=int, default=32768)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
