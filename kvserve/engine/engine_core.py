@@ -74,6 +74,8 @@ class EngineCore:
             block_size=cache.block_size,
             enable_prefix_caching=cache.enable_prefix_caching,
         )
+        # Tests turn this on to run every stateful manager's invariant checks after each step.
+        self.check_invariants_every_step = False
         self.startup_s = time.perf_counter() - start
         logger.info("%s (engine ready in %.1f s)", self.capacity.describe(), self.startup_s)
 
@@ -145,6 +147,8 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.check_invariants_every_step:
+            self.scheduler.check_invariants()
         return EngineStepResult(
             outputs=outputs,
             stats=self.scheduler.make_stats(),

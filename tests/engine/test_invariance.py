@@ -26,7 +26,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
 def _tokens(llm: LLM) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    # Scheduler, KV cache manager and block pool invariants are checked after every step of these runs.
+    llm.engine.core.check_invariants_every_step = True
+    try:
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    finally:
+        llm.engine.core.check_invariants_every_step = False
 
 
 @pytest.fixture(scope="module")
