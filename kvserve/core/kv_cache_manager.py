@@ -79,11 +79,12 @@ class KVCacheManager:
 
     def _update_block_hashes(self, request: Request) -> None:
         """Extend request.block_hashes to cover every full block of its current tokens."""
-        if not self._hashes_blocks(request):
-            return
         bs = self.block_size
         hashes = request.block_hashes
         num_full = request.num_tokens // bs
+        # Called for every scheduled request every step; most steps complete no new block.
+        if len(hashes) >= num_full or not self._hashes_blocks(request):
+            return
         extra = self._extra_keys(request)
         while len(hashes) < num_full:
             i = len(hashes)
