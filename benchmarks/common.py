@@ -129,6 +129,7 @@ class RunStats:
     ttft_s: list[float]  # per request, from submission
     step_s: list[float] = field(default_factory=list)  # wall time of every engine step
     step_tokens: list[int] = field(default_factory=list)  # scheduled tokens of every step
+    step_reqs: list[int] = field(default_factory=list)  # scheduled requests of every step
     # per step (schedule, execute_model, update_from_output) seconds, when run with phases=True
     phase_s: list[tuple[float, float, float]] = field(default_factory=list)
 
@@ -152,7 +153,9 @@ class Driver:
         phases: bool = False,
     ) -> RunStats:
         """phases: step the engine's parts one by one (what EngineCore.step does, minus its stats) and
-        time each: scheduler, model runner (ends with the step's one host sync), scheduler update."""
+        time each: scheduler, model runner (ends with the step's one host sync), scheduler update. Ignored
+        with async scheduling (the parts overlap): steps are then timed whole."""
+        phases = phases and not self.core.async_scheduling
         base = params or SamplingParams(temperature=0.0, ignore_eos=True)
         submitted: dict[str, float] = {}
         first: dict[str, float] = {}
@@ -169,6 +172,7 @@ class Driver:
         step_s: list[float] = []
         step_tokens: list[int] = []
         phase_s: list[tuple[float, float, float]] = []
+        step_reqs: list[int] = []
         core = self.core
         while core.has_unfinished_requests():
             t0 = time.perf_counter()
@@ -179,9 +183,11 @@ class Driver:
                 tb = time.perf_counter()
                 outputs = core.scheduler.update_from_output(sched_out, runner_out)
                 num_scheduled = sched_out.total_num_scheduled_tokens
+                step_reqs.append(len(sched_out.scheduled))
             else:
                 result = core.step()
                 outputs, num_scheduled = result.outputs, result.num_scheduled_tokens
+                step_reqs.append(result.num_scheduled_reqs)
             t1 = time.perf_counter()
             if phases:
                 phase_s.append((ta - t0, tb - ta, t1 - tb))
@@ -200,6 +206,7 @@ class Driver:
             step_s=step_s,
             step_tokens=step_tokens,
             phase_s=phase_s,
+            step_reqs=step_reqs,
         )
 
 

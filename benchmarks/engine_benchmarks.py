@@ -45,7 +45,8 @@ from common import (  # noqa: E402
     write_result,
 )
 
-SECTIONS = ("start", "decode", "seeds", "random256", "ttft", "prefix", "prefixab", "hf", "profile")
+SECTIONS = ("start", "decode", "seeds", "random256", "ttft", "prefix", "prefixab", "hf", "profile", "trace",
+            "kprofile", "hostprof")
 
 
 class Bench:
@@ -70,7 +71,7 @@ class Bench:
         a = self.args
         kw = dict(dtype=a.dtype, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                   max_num_batched_tokens=a.max_num_batched_tokens, gpu_memory_utilization=a.gpu_memory_utilization,
-                  enforce_eager=a.enforce_eager)
+                  enforce_eager=a.enforce_eager, async_scheduling=a.async_scheduling)
         if a.device == "cpu":
             kw["kv_cache_memory"] = "512MiB"
         kw.update(overrides)
@@ -126,8 +127,11 @@ class Bench:
                 decode = decode[3:] or decode
                 timed = [stats.step_s[i] for i in decode]
                 ms = statistics.median(timed) * 1e3
-                sched, execute, update = (statistics.median(stats.phase_s[i][k] for i in decode) * 1e3
-                                          for k in range(3))
+                if stats.phase_s:
+                    sched, execute, update = (statistics.median(stats.phase_s[i][k] for i in decode) * 1e3
+                                              for k in range(3))
+                else:  # async scheduling: the parts overlap the GPU, no per-part times
+                    sched = execute = update = float("nan")
                 gpu_ms = self.graph_gpu_ms(batch)
                 floor = decode_floor_ms(self.config, batch, context)
                 out.append({"batch": batch, "context": context, "median_step_ms": ms, "floor_ms": floor,
@@ -169,6 +173,151 @@ class Bench:
             core.step()
         self.results["profile"] = {"table": table}
         print(table, flush=True)
+
+    def section_trace(self) -> None:
+        """Per-step breakdown of the seeds' and the 256-sequence workloads: steps grouped by kind (decode-only
+        or mixed) and size, with their count, total wall seconds (and mean host phases when steps run one
+        by one). With async scheduling a step's wall time mostly waits for the previous step's GPU work,
+        so the step kinds' times are shifted by one step at the boundaries between kinds."""
+        d = self.engine()
+        self.warm_up()
+        workloads = {"seeds": ([self.length(512)] * self.n(50), [self.length(256)] * self.n(50))}
+        lo, hi = self.length(100), self.length(1024)
+        num = self.n(256)
+        gen = torch.Generator().manual_seed(1)
+        workloads["random256"] = (torch.randint(lo, hi + 1, (num,), generator=gen).tolist(),
+                                  torch.randint(lo, hi + 1, (num,), generator=gen).tolist())
+        out: dict[str, Any] = {}
+        for name, (ins, outs) in workloads.items():
+            stats = d.run(self.prompts(ins), outs, phases=True)
+            groups: dict[str, list[int]] = {}
+            for i, (tokens, reqs) in enumerate(zip(stats.step_tokens, stats.step_reqs, strict=True)):
+                if tokens == reqs:
+                    kind = "decode b<=64" if reqs <= 64 else "decode b>64"
+                else:
+                    kind = next(f"mixed t<={b}" for b in (256, 1024, 4096, 1 << 30) if tokens <= b)
+                groups.setdefault(kind, []).append(i)
+            rows = {}
+            for kind, idx in sorted(groups.items()):
+                total = sum(stats.step_s[i] for i in idx)
+                rows[kind] = {"steps": len(idx), "total_s": total, "mean_ms": total / len(idx) * 1e3,
+                              "mean_tokens": sum(stats.step_tokens[i] for i in idx) / len(idx)}
+                if stats.phase_s:
+                    for k, part in enumerate(("sched", "exec", "update")):
+                        rows[kind][f"mean_{part}_ms"] = statistics.mean(stats.phase_s[i][k] for i in idx) * 1e3
+                self.rows.append((f"trace {name}: {kind}", f"{total:.3f} s",
+                                  f"{len(idx)} steps, {rows[kind]['mean_ms']:.2f} ms/step, "
+                                  f"{rows[kind]['mean_tokens']:.0f} tok/step"))
+            out[name] = {"elapsed_s": stats.elapsed_s, "output_tok_s": stats.output_tok_s, "groups": rows}
+            self.rows.append((f"trace {name} (output tok/s)", f"{stats.output_tok_s:.0f}",
+                              f"{stats.elapsed_s:.2f} s, {len(stats.step_s)} steps"))
+        self.results["trace"] = out
+
+    def section_kprofile(self) -> None:
+        """GPU kernel time by kernel over steady decode steps (batch 1 and 64, context 1k), from
+        torch.profiler: what the graph replay, the LM head and sampling spend on the GPU."""
+        from torch.profiler import ProfilerActivity, profile
+
+        from kvserve.protocol.engine import EngineCoreRequest
+        from kvserve.protocol.sampling_params import SamplingParams
+
+        d = self.engine()
+        self.warm_up()
+        core = self.core
+        out = {}
+        for batch in (1, 64):
+            ctx = self.length(1024)
+            prefill_steps = -(-batch * ctx // self.args.max_num_batched_tokens) + 1
+            for i, prompt in enumerate(self.prompts([ctx] * batch)):
+                params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=prefill_steps + 30)
+                core.add_request(EngineCoreRequest(req_id=f"k{batch}-{i}", prompt_token_ids=prompt,
+                                                   sampling_params=params, max_tokens=prefill_steps + 30))
+            for _ in range(prefill_steps + 5):
+                core.step()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    core.step()
+            sync(self.args.device)
+            table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=22, max_name_column_width=70)
+            while core.has_unfinished_requests():
+                core.step()
+            compact = []
+            events = [e for e in prof.key_averages() if _self_device_us(e) > 0]
+            events.sort(key=_self_device_us, reverse=True)
+            total_us = sum(_self_device_us(e) for e in events)
+            for e in events[:24]:
+                compact.append(f"{_self_device_us(e) / 10:9.1f} us/step {e.count / 10:6.1f}/step  {e.key[:80]}")
+            out[f"b{batch}"] = {"table": table, "compact": compact, "gpu_us_per_step": total_us / 10}
+            print(f"kernel profile batch {batch}: {total_us / 10:.1f} us GPU per step", flush=True)
+            print("\n".join(compact), flush=True)
+        del d
+        self.results["kprofile"] = out
+
+    def section_hostprof(self) -> None:
+        """Where a steady decode step's wall time goes on the host (batch 1 and 64, context 1k): the engine's
+        parts are wrapped with timers, and every CUDA event wait is timed apart, so host work = wall - waits.
+        With async scheduling a step is GPU-bound when its waits are long and host-bound when they are ~0."""
+        import collections
+
+        from kvserve.protocol.engine import EngineCoreRequest
+        from kvserve.protocol.sampling_params import SamplingParams
+
+        d = self.engine()
+        self.warm_up()
+        core = self.core
+        times: dict[str, list[float]] = collections.defaultdict(list)
+
+        def wrap(obj: Any, name: str, key: str) -> Any:
+            original = getattr(obj, name)
+
+            def timed(*a: Any, **k: Any) -> Any:
+                t = time.perf_counter()
+                try:
+                    return original(*a, **k)
+                finally:
+                    times[key].append(time.perf_counter() - t)
+
+            setattr(obj, name, timed)
+            return original
+
+        originals = [(core.scheduler, "schedule", wrap(core.scheduler, "schedule", "schedule")),
+                     (core.scheduler, "update_from_output",
+                      wrap(core.scheduler, "update_from_output", "update_from_output")),
+                     (core.runner, "execute_model_async",
+                      wrap(core.runner, "execute_model_async", "execute_model_async"))]
+        event_sync = torch.cuda.Event.synchronize
+        wrap(torch.cuda.Event, "synchronize", "event_wait")
+        out = {}
+        try:
+            for batch in (1, 64):
+                ctx = self.length(1024)
+                prefill_steps = -(-batch * ctx // self.args.max_num_batched_tokens) + 1
+                for i, prompt in enumerate(self.prompts([ctx] * batch)):
+                    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=prefill_steps + 40)
+                    core.add_request(EngineCoreRequest(req_id=f"h{batch}-{i}", prompt_token_ids=prompt,
+                                                       sampling_params=params, max_tokens=prefill_steps + 40))
+                for _ in range(prefill_steps + 5):
+                    core.step()
+                times.clear()
+                num_steps = 30
+                t0 = time.perf_counter()
+                for _ in range(num_steps):
+                    core.step()
+                wall = (time.perf_counter() - t0) / num_steps
+                while core.has_unfinished_requests():
+                    core.step()
+                per_step = {k: sum(v) / num_steps * 1e3 for k, v in times.items()}
+                per_step["wall"] = wall * 1e3
+                per_step["host_busy"] = per_step["wall"] - per_step.get("event_wait", 0.0)
+                out[f"b{batch}"] = per_step
+                self.rows.append((f"host profile b{batch} (ms/step)", f"{per_step['wall']:.2f}",
+                                  ", ".join(f"{k} {v:.2f}" for k, v in per_step.items() if k != "wall")))
+        finally:
+            torch.cuda.Event.synchronize = event_sync
+            for obj, name, original in originals:
+                setattr(obj, name, original)
+        del d
+        self.results["hostprof"] = out
 
     def graph_gpu_ms(self, batch: int) -> float | None:
         """GPU time of one replay of the decode graph serving `batch` (CUDA events, median of 20), over
@@ -308,6 +457,10 @@ class Bench:
                           f"static batch {num}, {elapsed:.2f} s"))
 
 
+def _self_device_us(event: Any) -> float:
+    return float(getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0.0)))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
@@ -321,6 +474,8 @@ def main() -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="default: the engine's (on with a GPU)")
     p.add_argument("--decode-steps", type=int, default=24)
     p.add_argument("--scale", type=float, default=1.0, help="multiply request counts (CPU trials)")
     p.add_argument("--length-scale", type=float, default=1.0, help="multiply token lengths (CPU trials)")

@@ -32,6 +32,18 @@ for step in "$@"; do
         done ;;
     profile) timeout 90 python3 benchmarks/engine_benchmarks.py --out "$R/profile" --sections profile \
               > "$R/profile.log" 2>&1 ;;
+    diag) timeout 300 python3 benchmarks/engine_benchmarks.py --out "$R/diag" --sections start,trace,kprofile \
+              > "$R/diag.log" 2>&1 ;;
+    async) for mode in no-async async; do
+          timeout 100 python3 benchmarks/engine_benchmarks.py --out "$R/decode_$mode" --sections start,decode \
+            --$mode-scheduling --decode-batches 1,8,64 --decode-contexts 1024 --decode-steps 30 >> "$R/async.log" 2>&1
+        done
+        timeout 200 python3 benchmarks/engine_benchmarks.py --out "$R/work_async" --sections seeds,trace \
+          >> "$R/async.log" 2>&1 ;;
+    diag2) timeout 300 python3 benchmarks/engine_benchmarks.py --out "$R/diag2" \
+              --sections start,decode,hostprof,kprofile,seeds,trace --decode-batches 1,8,64 --decode-contexts 1024 \
+              --decode-steps 30 > "$R/diag2.log" 2>&1 ;;
+    sweep) timeout 300 python3 benchmarks/attention_sweep.py --out "$R/attention_sweep.json" > "$R/sweep.log" 2>&1 ;;
     hf) timeout 120 python3 benchmarks/engine_benchmarks.py --out "$R/hf" --sections hf > "$R/hf.log" 2>&1 ;;
     kernels) timeout 120 python3 benchmarks/gpu_kernels.py --models qwen2.5-7b --dtypes bf16 fp16 \
               --budget-s 60 --rep-ms 20 --out "$R/gpu_kernels.json" > "$R/gpu_kernels.log" 2>&1 ;;
@@ -41,7 +53,7 @@ for step in "$@"; do
 done
 tar czf "$OUT/results.tgz" -C "$R" .
 echo "=== total $(( $(date +%s) - T0 ))s"
-for f in "$R"/profile.log "$R"/pytest_gpu.log "$R"/engine.log "$R"/engine2.log "$R"/eager.log "$R"/ab.log "$R"/prefix2.log "$R"/hf.log "$R"/gpu_kernels.log "$R"/elementwise.log; do
+for f in "$R"/diag2.log "$R"/async.log "$R"/sweep.log "$R"/diag.log "$R"/profile.log "$R"/pytest_gpu.log "$R"/engine.log "$R"/engine2.log "$R"/eager.log "$R"/ab.log "$R"/prefix2.log "$R"/hf.log "$R"/gpu_kernels.log "$R"/elementwise.log; do
   [ -f "$f" ] || continue
   echo "##### $(basename "$f")"
   case $(basename "$f") in
@@ -49,6 +61,10 @@ for f in "$R"/profile.log "$R"/pytest_gpu.log "$R"/engine.log "$R"/engine2.log "
     gpu_kernels.log) grep -E "FAIL|False|rows," "$f" | tail -8; tail -c 2500 "$f" ;;
     ab.log|prefix2.log) grep -E "^decode|^prefix|Error|failed" "$f" ;;
     profile.log) tail -c 4500 "$f" ;;
+    diag2.log) grep -E -A 16 "^kernel profile" "$f"; tail -c 2500 "$f" ;;
+    async.log) grep -E "^decode|^seeds|^trace|^engine start|Error|failed" "$f" ;;
+    sweep.log) tail -c 3500 "$f" ;;
+    diag.log) grep -E -A 24 "^kernel profile" "$f"; tail -c 2000 "$f" ;;
     *) tail -c 2500 "$f" ;;
   esac
 done

@@ -133,6 +133,8 @@ class EngineConfig:
     # Decode-only batch sizes replayed from CUDA graphs (sorted, unique, each <= max_num_seqs); () = none.
     # Resolved by EngineArgs; ignored on CPU and with enforce_eager.
     cuda_graph_sizes: tuple[int, ...] = ()
+    # Schedule and launch step n+1 before reading step n's tokens (see engine_core); resolved by EngineArgs.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         sizes = self.cuda_graph_sizes
@@ -202,6 +204,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     load_format: str = "auto"
     cuda_graph_sizes: list[int] | None = None  # None: DEFAULT_CUDA_GRAPH_SIZES up to max_num_seqs
+    async_scheduling: bool | None = None  # None: on for GPUs, off on CPU (where nothing overlaps)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def create_engine_config(self) -> EngineConfig:
@@ -278,6 +281,7 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             tensor_parallel_size=self.tensor_parallel_size,
             cuda_graph_sizes=resolve_cuda_graph_sizes(self.cuda_graph_sizes, self.max_num_seqs),
+            async_scheduling=device != "cpu" if self.async_scheduling is None else bool(self.async_scheduling),
         )
 
 

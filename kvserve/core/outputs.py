@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from kvserve.protocol.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvserve.core.request import Request
 
 
 @dataclass
@@ -36,6 +40,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)  # the runner may drop their state
     num_preempted: int = 0
+    # The scheduler's own objects of the scheduled requests (in-process only): a token sampled for a
+    # request that was aborted and whose id was reused meanwhile must not reach the new request.
+    requests: dict[str, Request] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -41,6 +41,10 @@ class Request:
     `num_computed_tokens` counts tokens whose K/V are in the cache (or scheduled to be written this step:
     the scheduler advances it when it schedules). `all_token_ids` = prompt + output; the next step must
     compute `all_token_ids[num_computed_tokens:]`.
+
+    `num_pending_tokens` counts output tokens a scheduled step will sample but whose ids are not known yet
+    (0 or 1; with async scheduling the next step is scheduled before the previous one's result is read).
+    The sequence is then `num_tokens + num_pending_tokens` long, its last token a placeholder.
     """
 
     def __init__(
@@ -66,6 +70,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        self.num_pending_tokens = 0
         # Prompt tokens found in the prefix cache when the request was first scheduled (-1: not yet).
         self.num_cached_tokens = -1
         self.num_preemptions = 0
@@ -79,6 +84,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        return len(self.all_token_ids) + self.num_pending_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

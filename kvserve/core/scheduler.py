@@ -5,6 +5,13 @@ tokens (capped by the budget), running requests first, then waiting ones. A prom
 is prefilled over several steps (chunked prefill); a decode is simply a request with one token to compute.
 When a running request cannot get a block, the newest running request is preempted: its blocks are freed
 and it goes back to the front of the waiting queue, to be recomputed later.
+
+Async scheduling (the engine core schedules step n+1 before it reads step n's sampled tokens): a request
+that samples in a step gets a pending token (`Request.num_pending_tokens`) until `update_from_output`
+delivers it. A running request with a pending token is scheduled for one more token whose id is
+`PLACEHOLDER_TOKEN_ID` (the model runner takes it from the previous step's samples on the device), unless
+the pending token surely ends it by length. A request that turns out to have stopped (EOS, stop token) at
+step n has then computed one token in step n+1 for nothing; that output is dropped.
 """
 
 from __future__ import annotations
@@ -24,6 +31,9 @@ from kvserve.core.outputs import (
     SchedulerStats,
 )
 from kvserve.core.request import Request, RequestStatus
+
+# Stands for a token sampled by a step whose result the scheduler has not read yet.
+PLACEHOLDER_TOKEN_ID = -1
 
 
 class RequestRejected(ValueError):
@@ -51,6 +61,9 @@ class Scheduler:
         self._finished_since_last_step: list[str] = []
         self._known_to_runner: set[str] = set()
         self.num_preemptions = 0
+        # Live requests whose sampling reads their earlier output (penalties, min_tokens).
+        self._num_needing_history = 0
+        self._scheduling = SchedulerOutput()  # the output schedule() is building
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -81,6 +94,8 @@ class Scheduler:
                 "max_tokens",
             )
         request.status = RequestStatus.WAITING
+        if request.sampling_params.needs_output_history:
+            self._num_needing_history += 1
         self.kv.set_group(request, group_key)
         self.requests[request.req_id] = request
         self.waiting.append(request)
@@ -102,6 +117,8 @@ class Scheduler:
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
         request.status = status
+        if request.sampling_params.needs_output_history:
+            self._num_needing_history -= 1
         self.kv.free(request)
         self.kv.forget(request)
         del self.requests[request.req_id]
@@ -115,10 +132,24 @@ class Scheduler:
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
+    def needs_sync(self) -> bool:
+        """Whether a live request samples from its own earlier output (penalties, min_tokens): the next
+        step must then wait for the previous step's tokens (no async scheduling while it lives)."""
+        return self._num_needing_history > 0
+
+    def _ends_with_pending(self, request: Request) -> bool:
+        """Whether the request's pending token surely finishes it (max_tokens or max_model_len)."""
+        pending = request.num_pending_tokens
+        return bool(pending) and (
+            request.num_output_tokens + pending >= request.max_tokens
+            or request.num_tokens_with_pending >= self.config.max_model_len
+        )
+
     # ------------------------------------------------------------------ one step
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=self._finished_since_last_step)
+        self._scheduling = out
         self._finished_since_last_step = []
         budget = self.config.max_num_batched_tokens
         preempted: list[Request] = []
@@ -127,7 +158,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._ends_with_pending(request):  # finishes when its pending token arrives
+                i += 1
+                continue
+            num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
             if num_new <= 0:  # nothing to compute (cannot happen for a live request; defensive)
                 i += 1
                 continue
@@ -149,6 +183,8 @@ class Scheduler:
         # step that had to preempt: the pool is short and admitting would only cause more preemption.
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.num_pending_tokens:  # preempted with a token in flight: resume once it is known
+                break
             hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if not self.config.enable_chunked_prefill and num_new > budget:
@@ -182,14 +218,22 @@ class Scheduler:
         self, request: Request, num_new: int, new_block_ids: list[int], reset: bool
     ) -> ScheduledRequest:
         start = request.num_computed_tokens
+        end = start + num_new
+        token_ids = request.all_token_ids[start:end]
+        if end > request.num_tokens:  # the pending token: its id is still on the device
+            token_ids.extend([PLACEHOLDER_TOKEN_ID] * (end - max(start, request.num_tokens)))
+        sample = end == request.num_tokens_with_pending
+        if sample:
+            request.num_pending_tokens += 1
         scheduled = ScheduledRequest(
             req_id=request.req_id,
-            token_ids=request.all_token_ids[start : start + num_new],
+            token_ids=token_ids,
             num_computed_tokens=start,
             new_block_ids=new_block_ids,
             reset_block_table=reset,
-            sample=start + num_new == request.num_tokens,
+            sample=sample,
         )
+        self._scheduling.requests[request.req_id] = request
         # Advanced now so the blocks a running request owns always match its computed tokens.
         request.num_computed_tokens = start + num_new
         return scheduled
@@ -210,9 +254,11 @@ class Scheduler:
         for req_id, token_id, logprobs in zip(
             runner_output.req_ids, runner_output.sampled_token_ids, runner_output.logprobs, strict=True
         ):
-            request = self.requests.get(req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
+            request = scheduler_output.requests.get(req_id)
+            if request is None or self.requests.get(req_id) is not request:
+                continue  # finished (or aborted) while the step ran: a token computed for nothing
+            request.num_pending_tokens -= 1
+            # RUNNING, or PREEMPTED by a later schedule while this step ran: the token is still valid.
             request.append_output_token_ids([token_id])
             status = self._check_stop(request, token_id)
             output = EngineCoreOutput(
@@ -272,9 +318,17 @@ class Scheduler:
             needed = cdiv(request.num_computed_tokens, self.block_size)
             held = self.kv.num_blocks_of(request.req_id)
             assert held == needed, f"{request} holds {held} blocks, its tokens need {needed}"
-            assert request.num_computed_tokens <= request.num_tokens
+            assert request.num_computed_tokens <= request.num_tokens_with_pending
+            # One pending token from the step in flight, plus one from the step just scheduled.
+            assert 0 <= request.num_pending_tokens <= 2, f"{request} has {request.num_pending_tokens} pending"
         for request in self.waiting:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), f"{request} waiting"
             assert request.num_computed_tokens == 0, f"{request} waiting with computed tokens"
+            # Only a request preempted while its last step was in flight waits with a pending token.
+            assert request.num_pending_tokens == 0 or (
+                request.status == RequestStatus.PREEMPTED and request.num_pending_tokens == 1
+            ), f"{request} waiting with {request.num_pending_tokens} pending tokens"
             assert self.kv.num_blocks_of(request.req_id) == 0, f"{request} waiting but holds blocks"
         assert set(self.kv.req_to_blocks) <= running_ids, "blocks held by a request that is not running"
+        needing = sum(r.sampling_params.needs_output_history for r in self.requests.values())
+        assert needing == self._num_needing_history, "needs-history count differs from the live requests"

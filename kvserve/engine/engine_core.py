@@ -3,6 +3,13 @@
 The same class runs in-process under the offline `LLM` (and tests) and inside the engine-core process
 behind the server. It knows token ids only: tokenization, detokenization and stop strings live with the
 caller (`OutputProcessor`).
+
+With async scheduling (`--async-scheduling`, on by default on GPUs) a step launches step n+1 before it
+reads step n's sampled tokens: the host's scheduling, input preparation and output handling then run
+while the GPU computes, instead of between GPU steps. Each `step()` returns the outputs of the step
+before the one it launched. Output is unchanged: the next input tokens are taken on the device, and a live
+request whose sampling reads its own earlier output (penalties, min_tokens) makes the core wait for each
+step's tokens before scheduling the next.
 """
 
 from __future__ import annotations
@@ -12,12 +19,12 @@ import time
 from dataclasses import dataclass
 
 from kvserve.config import ConfigError, EngineConfig
-from kvserve.core.outputs import EngineCoreOutput, SchedulerStats
+from kvserve.core.outputs import EngineCoreOutput, SchedulerOutput, SchedulerStats
 from kvserve.core.request import Request
 from kvserve.core.scheduler import RequestRejected, Scheduler
 from kvserve.protocol.engine import EngineCoreRequest
 from kvserve.worker.memory import gpu_capacity_hint
-from kvserve.worker.model_runner import ModelRunner
+from kvserve.worker.model_runner import ModelRunner, PendingOutput
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +56,7 @@ class EngineStepResult:
     outputs: list[EngineCoreOutput]
     stats: SchedulerStats
     num_scheduled_tokens: int
+    num_scheduled_reqs: int = 0
 
 
 class EngineCore:
@@ -76,6 +84,9 @@ class EngineCore:
         )
         # Tests turn this on to run every stateful manager's invariant checks after each step.
         self.check_invariants_every_step = False
+        self.async_scheduling = config.async_scheduling
+        # The launched step whose sampled tokens the scheduler has not read yet (async scheduling).
+        self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
         self.startup_s = time.perf_counter() - start
         logger.info("%s (engine ready in %.1f s)", self.capacity.describe(), self.startup_s)
 
@@ -141,16 +152,33 @@ class EngineCore:
         self.scheduler.abort_requests(req_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def step(self) -> EngineStepResult:
+        """Schedule and launch one step; return the outputs of the step whose tokens arrived (this one
+        without async scheduling, the previous one with it)."""
+        outputs: list[EngineCoreOutput] = []
+        if self._in_flight is not None and self.scheduler.needs_sync():
+            outputs.extend(self._finish_in_flight())
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute_model(scheduler_output)
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        pending = self.runner.execute_model_async(scheduler_output)
+        # The GPU now works on this step: read the previous one's tokens meanwhile.
+        if self._in_flight is not None:
+            outputs.extend(self._finish_in_flight())
+        self._in_flight = (scheduler_output, pending)
+        if not self.async_scheduling or scheduler_output.is_empty:
+            outputs.extend(self._finish_in_flight())
         if self.check_invariants_every_step:
             self.scheduler.check_invariants()
         return EngineStepResult(
             outputs=outputs,
             stats=self.scheduler.make_stats(),
             num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
+            num_scheduled_reqs=len(scheduler_output.scheduled),
         )
+
+    def _finish_in_flight(self) -> list[EngineCoreOutput]:
+        assert self._in_flight is not None
+        scheduler_output, pending = self._in_flight
+        self._in_flight = None
+        return self.scheduler.update_from_output(scheduler_output, pending.result())

@@ -25,6 +25,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse KV blocks of shared prompt prefixes")
     g.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule the next step while the GPU runs this one (default: on with a GPU)")
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per replica")
     g.add_argument("--quantization", default=None, help="weight quantization of the checkpoint")
     g.add_argument("--seed", type=int, default=0, help="seed of the sampler's shared random generator")
@@ -47,6 +49,7 @@ def engine_args_from(ns: argparse.Namespace) -> dict[str, object]:
         "gpu_memory_utilization": ns.gpu_memory_utilization,
         "enable_prefix_caching": ns.enable_prefix_caching,
         "enforce_eager": ns.enforce_eager,
+        "async_scheduling": ns.async_scheduling,
         "tensor_parallel_size": ns.tensor_parallel_size,
         "quantization": ns.quantization,
         "seed": ns.seed,

@@ -93,19 +93,23 @@ def reshape_and_cache(
     reference.reshape_and_cache(key, value, kv_cache, slot_mapping)
 
 
-# Decode split-K: aim for this many programs per SM. Measured on the H200 (benchmarks/gpu_kernels.py,
-# Qwen2.5-7B shapes): at 1 split, 256 programs (batch 64) reached 46 % of copy bandwidth and 512 (batch
-# 128) 89 %; more splits kept helping batch 1 up to 64. So fill ~4 programs per SM.
-DECODE_PROGRAMS_PER_SM = 4
+# Decode split-K: once there are at least as many (request, KV head) programs as SMs, do not split; below
+# that, split for about this many programs per SM. Measured on the H200 (benchmarks/attention_sweep.py,
+# Qwen2.5-7B shape, 28 layers in a graph): batch 64 x 1k context took 37.2 us per layer unsplit (128-key
+# tiles) against 41-50 us with 2-3 splits; batch 160 82.6 unsplit against 95+ split; batch 1 was fastest
+# with the most splits that still had a full tile each.
+DECODE_PROGRAMS_PER_SM = 2
 _MAX_DECODE_SPLITS = 64
 _DECODE_TILE_N = 64  # keys per tile of the Triton decode kernel: a split with fewer keys is wasted
 
 
 def decode_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """KV splits of a decode-only batch: enough (request, KV head, split) programs for
-    DECODE_PROGRAMS_PER_SM per SM, at most one split per 64-key tile and at most 64. Host ints only, so a
+    """KV splits of a decode-only batch: 1 when the (request, KV head) programs already cover the SMs,
+    else enough splits for DECODE_PROGRAMS_PER_SM programs per SM, at most one per 64-key tile and 64. Host ints only, so a
     CUDA graph captured at (batch size, max_model_len) keeps its grid at every replay."""
     base = max(num_reqs * num_kv_heads, 1)
+    if base >= num_sms:
+        return 1
     wanted = -(-DECODE_PROGRAMS_PER_SM * num_sms // base)
     by_length = max(1, max_seq_len // _DECODE_TILE_N)
     return max(1, min(wanted, by_length, _MAX_DECODE_SPLITS))

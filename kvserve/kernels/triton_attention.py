@@ -56,6 +56,12 @@ _TARGET_PROGRAMS_PER_SM = 2
 _DECODE_TILE_N = 64
 _MIN_KEYS_PER_SPLIT = _DECODE_TILE_N
 _MAX_SPLITS = 64
+# Launch parameters of the decode kernel, split (flash-decoding) or not. Measured on the H200 with
+# benchmarks/attention_sweep.py (Qwen2.5-7B shape, bf16, per layer): with one split, 128-key tiles read the
+# cache at 3.6-4.0 TB/s (batch 64 / 160, context 1k) against 3.2-3.3 with 64-key tiles; with splits (small
+# batches) 64-key tiles were as fast or faster.
+DECODE_LAUNCH: dict[str, int] = {"TILE_N": _DECODE_TILE_N, "num_warps": 4, "num_stages": 3}
+DECODE_LAUNCH_ONE_SPLIT: dict[str, int] = {"TILE_N": 128, "num_warps": 4, "num_stages": 3}
 # Stand-in multiprocessor count for the CPU interpreter (small, so tests reach the split path cheaply).
 _INTERPRETER_NUM_SMS = 4
 
@@ -364,10 +370,8 @@ def launch_paged_attention(
         num_splits = choose_num_splits(num_reqs, num_kv_heads, metadata.max_seq_len, _num_sms(query.device))
     assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
     block_m = max(16, triton.next_power_of_2(group))
-    tile_n = _DECODE_TILE_N
-    decode_kwargs = dict(
-        BLOCK_M=block_m, BLOCK_Q=1, TILE_N=tile_n, IS_DECODE=True, num_warps=4, num_stages=3, **common
-    )
+    launch = DECODE_LAUNCH_ONE_SPLIT if num_splits == 1 else DECODE_LAUNCH
+    decode_kwargs = dict(BLOCK_M=block_m, BLOCK_Q=1, IS_DECODE=True, **launch, **common)
     if num_splits == 1:
         _paged_attention_kernel[(num_reqs, num_kv_heads, 1)](
             query, k_cache, v_cache, out, out, out, out,

@@ -218,6 +218,10 @@ def compute_logprobs(
 # ---------------------------------------------------------------------------------------------------------
 
 
+def _is_plain_greedy(params: SamplingParams) -> bool:
+    return params.is_greedy and not params.needs_output_history and not params.logit_bias
+
+
 class Sampler:
     """Applies the steps in the module docstring to a batch; one instance per model runner."""
 
@@ -233,6 +237,9 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [num_rows={len(rows)}, vocab], got {tuple(logits.shape)}")
         asked = [row.params.logprobs for row in rows if row.params.logprobs is not None]
+        if not asked and all(_is_plain_greedy(row.params) for row in rows):
+            # Nothing changes the logits: argmax of them as they are (exact, no float32 copy of the batch).
+            return SamplerOutput(sampled_token_ids=logits.argmax(dim=1))
         raw_logprobs = torch.log_softmax(logits.float(), dim=1) if asked else None
 
         # Our own float32 copy: the caller's tensor stays untouched.

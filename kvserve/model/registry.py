@@ -45,7 +45,7 @@ class CausalLM(nn.Module, ABC):
 
     @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [n, hidden_size] -> float32 logits [n, vocab_size]."""
+        """hidden: [n, hidden_size] -> logits [n, vocab_size] in the model dtype."""
 
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -113,6 +113,17 @@ class SamplingParams:
         return self.temperature < _SAMPLING_EPS
 
     @property
+    def needs_output_history(self) -> bool:
+        """Whether sampling a token reads the tokens generated before it (penalties, min_tokens): such a
+        request cannot be scheduled before its previous token is known (see async scheduling)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+            or self.min_tokens > 0
+        )
+
+    @property
     def stop_strings(self) -> list[str]:
         return list(self.stop or [])
 

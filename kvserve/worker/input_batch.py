@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvserve.core.outputs import SchedulerOutput
+from kvserve.core.outputs import ScheduledRequest, SchedulerOutput
 from kvserve.layers.attention_metadata import AttentionMetadata
 from kvserve.worker.cuda_graph import padding_rows
 
@@ -177,6 +177,9 @@ class InputBuffers:
             "seq_lens": _host_buffer(max_num_reqs, torch.int32, pin),
             "rows": _host_buffer(max_num_reqs, torch.int64, pin),
             "logits_indices": _host_buffer(max_num_reqs, torch.int64, pin),
+            # Placeholder fix-ups: row 0 the token offsets in this batch, row 1 the rows of the previous
+            # step's sampled ids that hold them.
+            "placeholders": _host_buffer((2, max_num_reqs), torch.int64, pin),
         }
         self._np = {name: t.numpy() for name, t in self._host.items()}
         self.dev = {name: torch.zeros_like(t, device=device) for name, t in self._host.items()}
@@ -192,13 +195,20 @@ class InputBuffers:
             self._copies_done.synchronize()
 
     def prepare(
-        self, scheduler_output: SchedulerOutput, block_table: BlockTable, pad_to: int | None = None
+        self,
+        scheduler_output: SchedulerOutput,
+        block_table: BlockTable,
+        pad_to: int | None = None,
+        prev_sampled: tuple[torch.Tensor, dict[str, int]] | None = None,
     ) -> BatchInputs:
         """Fill the buffers for `scheduler_output` (block_table already updated for this step).
 
         pad_to: for a decode-only batch, the CUDA-graph batch size to fill (>= num_reqs): rows past
         num_reqs get token 0 at position 0, slot -1 (not written), seq_len 0 (attend to nothing), and one
         query token each. Ignored for batches with prefill chunks.
+        prev_sampled: the previous step's sampled ids on the device and each request's row in them; a
+        placeholder token (negative id, the last of its request's tokens) is replaced on the device by
+        its request's row. Raises RuntimeError for a placeholder with no such row.
         """
         scheduled = scheduler_output.scheduled
         num_reqs = len(scheduled)
@@ -241,6 +251,11 @@ class InputBuffers:
         num_sampled = len(sample_rows)
         h["logits_indices"][:num_sampled] = qsl[1:][sample_rows] - 1
 
+        placeholders = np.flatnonzero(h["input_ids"][:num_tokens] < 0)
+        num_placeholders = len(placeholders)
+        if num_placeholders:
+            self._fill_placeholder_rows(scheduled, qsl, placeholders, prev_sampled)
+
         padded = pad_to if (is_decode and pad_to is not None) else None
         if padded is not None:
             if padded < num_reqs or padded > self.max_num_reqs or padded > self.max_num_tokens:
@@ -263,6 +278,11 @@ class InputBuffers:
             ("logits_indices", num_sampled),
         ):
             dev[name][:length].copy_(self._host[name][:length], non_blocking=True)
+        if num_placeholders:
+            assert prev_sampled is not None
+            fix = dev["placeholders"][:, :num_placeholders]
+            fix.copy_(self._host["placeholders"][:, :num_placeholders], non_blocking=True)
+            dev["input_ids"].index_copy_(0, fix[0], prev_sampled[0].index_select(0, fix[1]))
         if self._copies_done is not None:
             self._copies_done.record()
         block_tables = self.block_tables[:n_reqs]
@@ -289,3 +309,25 @@ class InputBuffers:
             is_decode_only=is_decode,
             all_rows_sample=is_decode and num_sampled == num_reqs,
         )
+
+    def _fill_placeholder_rows(
+        self,
+        scheduled: list[ScheduledRequest],
+        qsl: np.ndarray,
+        placeholders: np.ndarray,
+        prev_sampled: tuple[torch.Tensor, dict[str, int]] | None,
+    ) -> None:
+        """Host side of the placeholder fix-up: each placeholder's offset and its previous-step row."""
+        num_reqs = len(scheduled)
+        owners = np.searchsorted(qsl[1 : num_reqs + 1], placeholders, side="right")
+        rows_of = prev_sampled[1] if prev_sampled is not None else {}
+        fix = self._np["placeholders"]
+        for j, (offset, i) in enumerate(zip(placeholders.tolist(), owners.tolist(), strict=True)):
+            req_id = scheduled[i].req_id
+            row = rows_of.get(req_id)
+            if row is None or offset != int(qsl[i + 1]) - 1:
+                raise RuntimeError(
+                    f"request {req_id} has a placeholder token the previous step did not sample"
+                )
+            fix[0, j] = offset
+            fix[1, j] = row

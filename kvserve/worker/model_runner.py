@@ -8,6 +8,11 @@ Per step: apply the scheduler's diffs to the runner's request states and block t
 input buffers, run the model (a CUDA-graph replay for decode-only batches that fit a captured size, else
 eager), sample on the device, and copy the sampled ids (and requested logprobs) to the host: the one
 host sync of the step.
+
+`execute_model_async` launches all of that and returns a `PendingOutput` without waiting; its `result()`
+is the sync. Meanwhile the engine core may schedule and launch the next step (async scheduling): tokens
+the scheduler marks as placeholders (sampled by the previous step, ids not yet on the host) are filled in
+on the device from the previous step's sampled ids, so the GPU never waits for the host in between.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch
 from kvserve.config import EngineConfig
 from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from kvserve.layers.attention_metadata import AttentionMetadata
-from kvserve.layers.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
+from kvserve.layers.sampler import Sampler, SamplingRow, make_generator
 from kvserve.model.loader import load_model
 from kvserve.protocol.sampling_params import SamplingParams
 from kvserve.worker.cuda_graph import CUDAGraphRunner
@@ -38,6 +43,62 @@ class RunnerRequestState:
     sampling_params: SamplingParams
     generator: torch.Generator | None
     output_token_ids: list[int] = field(default_factory=list)
+
+
+class PendingOutput:
+    """A launched step's sampled ids (and logprobs) on their way to the host. `result()` waits for them,
+    records the tokens in the requests' states and returns the step's ModelRunnerOutput (once)."""
+
+    def __init__(
+        self,
+        req_ids: list[str],
+        states: list[RunnerRequestState],
+        sampled_host: torch.Tensor | None,
+        logprob_host: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None,
+        done: torch.cuda.Event | None,
+    ) -> None:
+        self.req_ids = req_ids
+        self._states = states
+        self._sampled_host = sampled_host
+        self._logprob_host = logprob_host
+        self._done = done
+        self._result: ModelRunnerOutput | None = None
+
+    @classmethod
+    def empty(cls) -> PendingOutput:
+        return cls([], [], None, None, None)
+
+    def result(self) -> ModelRunnerOutput:
+        if self._result is not None:
+            return self._result
+        if self._done is not None:
+            # SYNC: the step's one wait: its sampled ids (and logprobs) have reached the host.
+            self._done.synchronize()
+        token_ids: list[int] = self._sampled_host.tolist() if self._sampled_host is not None else []
+        logprobs = _logprobs_lists(self._logprob_host, self._states)
+        for state, token_id in zip(self._states, token_ids, strict=True):
+            state.output_token_ids.append(token_id)
+        self._result = ModelRunnerOutput(req_ids=self.req_ids, sampled_token_ids=token_ids, logprobs=logprobs)
+        return self._result
+
+
+def _logprobs_lists(
+    host: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None, states: list[RunnerRequestState]
+) -> list[TokenLogprobs | None]:
+    wanted = [s.sampling_params.logprobs for s in states]
+    if host is None or all(k is None for k in wanted):
+        return [None] * len(states)
+    values_t, ids_t, ranks_t = host
+    values = values_t.tolist()
+    ids = ids_t.tolist()
+    ranks = ranks_t.tolist() if ranks_t is not None else [0] * len(states)
+    out: list[TokenLogprobs | None] = []
+    for i, k in enumerate(wanted):
+        if k is None:
+            out.append(None)
+        else:
+            out.append(TokenLogprobs(token_ids=ids[i][: 1 + k], logprobs=values[i][: 1 + k], rank=ranks[i]))
+    return out
 
 
 class ModelRunner:
@@ -66,6 +127,9 @@ class ModelRunner:
         self.graphs: CUDAGraphRunner | None = None
         self.memory_profile: MemoryProfile | None = None
         self.kv_plan: KVCachePlan | None = None
+        # The last launched step's sampled ids (device) and each sampling request's row in them: where
+        # the next step's placeholder tokens come from.
+        self._prev_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
 
     # ------------------------------------------------------------------ KV cache
 
@@ -194,20 +258,27 @@ class ModelRunner:
             )
         self.block_table.apply(scheduler_output)
 
-    @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and wait for its sampled tokens."""
+        return self.execute_model_async(scheduler_output).result()
+
+    @torch.inference_mode()
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingOutput:
+        """Launch one step (forward, logits, sampling, the device-to-host copy of the results) without
+        waiting for the GPU; the returned PendingOutput's `result()` waits."""
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
+            return PendingOutput.empty()
         num_reqs = len(scheduler_output.scheduled)
         pad_to = self.graphs.padded_size(num_reqs) if self.graphs is not None else None
-        batch = self.inputs.prepare(scheduler_output, self.block_table, pad_to)
+        batch = self.inputs.prepare(scheduler_output, self.block_table, pad_to, self._prev_sampled)
         if batch.padded_num_reqs is not None and self.graphs is not None:
             hidden = self.graphs.replay(batch.padded_num_reqs)
         else:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)
         if not batch.sampled_req_ids:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
+            self._prev_sampled = None
+            return PendingOutput.empty()
         sample_hidden = hidden[:num_reqs] if batch.all_rows_sample else hidden[batch.logits_indices]
         logits = self.model.compute_logits(sample_hidden)
         states = [self.requests[req_id] for req_id in batch.sampled_req_ids]
@@ -221,25 +292,30 @@ class ModelRunner:
             for s in states
         ]
         sampled = self.sampler(logits, rows, self.eos_token_ids)
-        # SYNC: the one device->host copy per step: sampled ids (and logprobs when asked).
-        token_ids: list[int] = sampled.sampled_token_ids.tolist()
-        logprobs = self._logprobs_lists(sampled, states)
-        for state, token_id in zip(states, token_ids, strict=True):
-            state.output_token_ids.append(token_id)
-        return ModelRunnerOutput(req_ids=batch.sampled_req_ids, sampled_token_ids=token_ids, logprobs=logprobs)
+        self._prev_sampled = (
+            sampled.sampled_token_ids,
+            {req_id: i for i, req_id in enumerate(batch.sampled_req_ids)},
+        )
+        sampled_host = self._to_host(sampled.sampled_token_ids)
+        logprob_host = None
+        if sampled.logprobs is not None and sampled.logprob_token_ids is not None:
+            ranks = sampled.sampled_ranks
+            logprob_host = (
+                self._to_host(sampled.logprobs),
+                self._to_host(sampled.logprob_token_ids),
+                self._to_host(ranks) if ranks is not None else None,
+            )
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return PendingOutput(batch.sampled_req_ids, states, sampled_host, logprob_host, done)
 
-    @staticmethod
-    def _logprobs_lists(sampled: SamplerOutput, states: list[RunnerRequestState]) -> list[TokenLogprobs | None]:
-        wanted = [s.sampling_params.logprobs for s in states]
-        if sampled.logprobs is None or sampled.logprob_token_ids is None or all(k is None for k in wanted):
-            return [None] * len(states)
-        values = sampled.logprobs.tolist()
-        ids = sampled.logprob_token_ids.tolist()
-        ranks = sampled.sampled_ranks.tolist() if sampled.sampled_ranks is not None else [0] * len(states)
-        out: list[TokenLogprobs | None] = []
-        for i, k in enumerate(wanted):
-            if k is None:
-                out.append(None)
-            else:
-                out.append(TokenLogprobs(token_ids=ids[i][: 1 + k], logprobs=values[i][: 1 + k], rank=ranks[i]))
-        return out
+    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """An asynchronous copy into pinned memory on CUDA (complete once the step's event is); a copy on
+        CPU (the sampler's tensors are scratch)."""
+        if tensor.device.type != "cuda":
+            return tensor.clone()
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        return host

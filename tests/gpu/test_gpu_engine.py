@@ -2,6 +2,8 @@
 
 * CUDA-graph vs eager: greedy tokens identical (float32 tiny random models, batches that fill a captured
   size and batches that need padding).
+* Async scheduling (pipelined steps, next inputs filled on the device) vs step by step: identical greedy
+  and seeded-sampling tokens and logprobs.
 * kvserve bf16 vs HF Transformers bf16 on tiny random models: both teacher-forced on kvserve's tokens and
   compared with HF float32; kvserve's top-k logprob error must be of the size of HF bf16's own error.
 * The default GGUF model (float32): greedy text on the GPU equals the CPU's (skipped when the file is not
@@ -79,9 +81,16 @@ def _prompts(num: int, seed: int) -> list[list[int]]:
     return [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in lengths]
 
 
-def _generate(core: EngineCore, prompts: list[list[int]], max_tokens: int, logprobs: int | None = None) -> list:
-    """Greedy, EOS ignored; returns per prompt (token ids, list of TokenLogprobs or None)."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
+def _generate(
+    core: EngineCore,
+    prompts: list[list[int]],
+    max_tokens: int,
+    logprobs: int | None = None,
+    params: SamplingParams | None = None,
+) -> list:
+    """Greedy (unless `params`), EOS ignored; returns per prompt (token ids, list of TokenLogprobs)."""
+    if params is None:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
     for i, prompt in enumerate(prompts):
         core.add_request(
             EngineCoreRequest(req_id=str(i), prompt_token_ids=prompt, sampling_params=params, max_tokens=max_tokens)
@@ -121,6 +130,21 @@ def test_cuda_graph_matches_eager(checkpoints: dict[str, str], model: str, num_p
     del graph_core
     eager = [t for t, _ in _generate(_core(checkpoints[model], "float32", enforce_eager=True), prompts, 24)]
     assert with_graphs == eager
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_async_scheduling_matches_sync(checkpoints: dict[str, str], model: str) -> None:
+    prompts = _prompts(11, seed=3)
+    sampled = SamplingParams(temperature=0.9, top_p=0.95, seed=17, max_tokens=20, ignore_eos=True, logprobs=3)
+    results = {}
+    for async_scheduling in (True, False):
+        core = _core(checkpoints[model], "float32", enforce_eager=False, async_scheduling=async_scheduling)
+        assert core.async_scheduling == async_scheduling
+        greedy = [t for t, _ in _generate(core, prompts, 24)]
+        sample = _generate(core, prompts, 20, params=sampled)
+        results[async_scheduling] = (greedy, sample)
+        del core
+    assert results[True] == results[False]
 
 
 def _teacher_forced_logprobs(model: torch.nn.Module, prompt: list[int], generated: list[int]) -> torch.Tensor:

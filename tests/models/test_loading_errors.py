@@ -200,7 +200,7 @@ def test_weights_are_cast_to_the_configured_dtype(tiny_model_dir: Callable) -> N
     model = load_model(config, torch.device("cpu"))
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     # Tied: one tensor serves as embedding and LM head.
-    assert model.compute_logits(torch.ones(1, 64, dtype=torch.bfloat16)).dtype == torch.float32
+    assert model.compute_logits(torch.ones(1, 64, dtype=torch.bfloat16)).dtype == torch.bfloat16
     embed = dict(iter_safetensors_weights(model_dir))["model.embed_tokens.weight"]
     assert torch.equal(model.lm_head.weight, embed.to(torch.bfloat16))
 

@@ -11,7 +11,9 @@ It plays the runner's side of the `SchedulerOutput` contract and checks it as it
   mismatch. (Real attention depends on the whole prefix, not just the token at the slot; reading every
   position of the prefix checks the same thing.)
 
-The sampled token comes from `sample_fn(req_id, num_output_tokens)`.
+The sampled token comes from `sample_fn(req_id, num_output_tokens)`. A placeholder token (async
+scheduling) must be the last scheduled token of a request the previous step sampled, standing for that
+sample; the runner substitutes what it sampled, as the real one does on the device.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 
 from kvserve.config import SchedulerConfig
 from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput
+from kvserve.core.scheduler import PLACEHOLDER_TOKEN_ID
 
 SampleFn = Callable[[str, int], int]
 
@@ -40,6 +43,7 @@ class FakeModelRunner:
         self.kv: dict[tuple[int, int], int] = {}  # (block_id, offset) -> token id
         self.sampled: dict[str, list[int]] = {}  # every token handed back, per request
         self.num_steps = 0
+        self._prev_sampled: set[str] = set()  # requests the previous step sampled
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.num_steps += 1
@@ -59,7 +63,13 @@ class FakeModelRunner:
             assert s.token_ids, f"{s.req_id!r} scheduled with no tokens"
             end = s.num_computed_tokens + len(s.token_ids)
             expected = state.token_ids[s.num_computed_tokens : end]
-            assert s.token_ids == expected, f"{s.req_id!r}: token_ids {s.token_ids} != {expected}"
+            token_ids = list(s.token_ids)
+            if token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+                assert s.req_id in self._prev_sampled, f"{s.req_id!r}: placeholder, not sampled last step"
+                assert end == len(state.token_ids), f"{s.req_id!r}: placeholder is not its last sample"
+                token_ids[-1] = state.token_ids[-1]
+            assert PLACEHOLDER_TOKEN_ID not in token_ids, f"{s.req_id!r}: placeholder not at the end"
+            assert token_ids == expected, f"{s.req_id!r}: token_ids {s.token_ids} != {expected}"
             assert s.sample == (end == len(state.token_ids)), f"{s.req_id!r}: wrong sample flag"
             if s.reset_block_table:
                 state.block_table = list(s.new_block_ids)
@@ -93,6 +103,7 @@ class FakeModelRunner:
             self.sampled.setdefault(s.req_id, []).append(token)
             req_ids.append(s.req_id)
             token_ids.append(token)
+        self._prev_sampled = set(req_ids)
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=token_ids, logprobs=[None] * len(req_ids))
 
     def _slot(self, state: _RunnerRequest, pos: int) -> tuple[int, int]:

@@ -562,3 +562,85 @@ def test_make_stats():
     assert (stats.num_blocks, stats.num_free_blocks) == (8, 6)
     assert stats.kv_cache_usage == pytest.approx(2 / 8)
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions) == (5, 0, 0)
+
+
+# ---------------------------------------------------------------------- async scheduling (pipelined steps)
+
+
+def test_async_decode_uses_a_placeholder_and_stops_at_max_tokens_without_a_wasted_step():
+    from kvserve.core.scheduler import PLACEHOLDER_TOKEN_ID
+
+    sched = make_scheduler()
+    runner = FakeModelRunner(BS, lambda req_id, i: 10 + i)
+    sched.add_request(make_request("a", [1, 2, 3], max_tokens=3, ignore_eos=True))
+    first = sched.schedule()
+    assert summary(first) == [("a", 0, 3, True)]
+    first_out = runner.execute(first)
+    assert sched.requests["a"].num_pending_tokens == 1
+    # Step 2 is scheduled before step 1's token is known: one placeholder token at position 3.
+    second = sched.schedule()
+    assert summary(second) == [("a", 3, 1, True)]
+    assert second.scheduled[0].token_ids == [PLACEHOLDER_TOKEN_ID]
+    second_out = runner.execute(second)
+    assert [o.new_token_ids for o in sched.update_from_output(first, first_out)] == [[10]]
+    sched.check_invariants()
+    third = sched.schedule()
+    assert summary(third) == [("a", 4, 1, True)]
+    third_out = runner.execute(third)
+    assert [o.new_token_ids for o in sched.update_from_output(second, second_out)] == [[11]]
+    # The third output is in flight and will be the last (max_tokens=3): nothing more is scheduled.
+    fourth = sched.schedule()
+    assert fourth.scheduled == []
+    (last,) = sched.update_from_output(third, third_out)
+    assert last.new_token_ids == [12] and last.finish_reason == "length"
+    assert runner.sampled["a"] == [10, 11, 12]
+    sched.check_invariants()
+
+
+def test_async_stop_token_found_late_drops_the_extra_token():
+    sched = make_scheduler()
+    runner = FakeModelRunner(BS, lambda req_id, i: 0 if i == 1 else 5)  # EOS (0) as the second token
+    sched.add_request(make_request("a", [1, 2, 3], max_tokens=8, eos_token_ids=(0,)))
+    first = sched.schedule()
+    first_out = runner.execute(first)
+    second = sched.schedule()
+    second_out = runner.execute(second)
+    assert [o.new_token_ids for o in sched.update_from_output(first, first_out)] == [[5]]
+    third = sched.schedule()  # the EOS of step 2 is not known yet: a third token is computed
+    third_out = runner.execute(third)
+    (stopped,) = sched.update_from_output(second, second_out)
+    assert stopped.new_token_ids == [0] and stopped.finish_reason == "stop"
+    assert sched.update_from_output(third, third_out) == []
+    assert runner.sampled["a"] == [5, 0, 5]
+    assert sched.schedule().finished_req_ids == ["a"]
+    assert sched.kv.pool.num_free_blocks == sched.kv.num_blocks
+
+
+def test_async_preempted_request_keeps_its_in_flight_token_and_resumes_after_it():
+    # 3 blocks of 4 tokens: a and b (4-token prompts) each need a second block for their first decode.
+    sched = make_scheduler(num_blocks=3)
+    runner = FakeModelRunner(BS, lambda req_id, i: 5)
+    sched.add_request(make_request("a", [1, 2, 3, 4], max_tokens=4, ignore_eos=True))
+    sched.add_request(make_request("b", [6, 7, 8, 9], max_tokens=4, ignore_eos=True))
+    first = sched.schedule()
+    assert summary(first) == [("a", 0, 4, True), ("b", 0, 4, True)]
+    first_out = runner.execute(first)
+    second = sched.schedule()  # a takes the last free block; b cannot grow and is preempted
+    assert summary(second) == [("a", 4, 1, True)]
+    assert second.num_preempted == 1
+    b = sched.requests["b"]
+    assert b.status == RequestStatus.PREEMPTED and b.num_pending_tokens == 1
+    sched.check_invariants()
+    second_out = runner.execute(second)
+    sched.update_from_output(first, first_out)
+    assert b.output_token_ids == [5] and b.num_pending_tokens == 0
+    sched.check_invariants()
+    sched.update_from_output(second, second_out)
+    for _ in range(20):  # the rest step by step: a finishes, then b resumes with its token and finishes
+        if not sched.has_unfinished_requests():
+            break
+        out = sched.schedule()
+        sched.update_from_output(out, runner.execute(out))
+        sched.check_invariants()
+    assert not sched.has_unfinished_requests()
+    assert runner.sampled == {"a": [5, 5, 5, 5], "b": [5, 5, 5, 5]}

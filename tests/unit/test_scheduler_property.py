@@ -1,5 +1,8 @@
 """Property test: random add / step / abort sequences under a small KV pool and small budgets.
 
+Steps run synchronously or, as the engine core does with async scheduling, pipelined: step n+1 is
+scheduled and executed before step n's output reaches the scheduler.
+
 After every operation the scheduler's invariants hold and the fake runner finds the KV cache it simulates
 consistent with every SchedulerOutput (prefix hits, preemption and chunking included). At the end the
 scheduler drains within a bound of steps (no livelock), no block leaks, the runner is told about every
@@ -15,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvserve.config import SchedulerConfig
-from kvserve.core.outputs import EngineCoreOutput, SchedulerOutput
+from kvserve.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from kvserve.core.request import Request
 from kvserve.core.scheduler import RequestRejected, Scheduler
 from kvserve.protocol.sampling_params import SamplingParams
@@ -59,6 +62,7 @@ class Setup:
     max_model_len: int
     enable_chunked_prefill: bool
     enable_prefix_caching: bool
+    async_scheduling: bool
 
 
 adds = st.builds(
@@ -104,6 +108,7 @@ def setups(draw: st.DrawFn) -> Setup:
         max_model_len=max_model_len,
         enable_chunked_prefill=chunked,
         enable_prefix_caching=draw(st.booleans()),
+        async_scheduling=draw(st.booleans()),
     )
 
 
@@ -143,6 +148,7 @@ class Driver:
         )
         self.track = Tracker()
         self.num_ids = 0
+        self.in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
 
     def add(self, op: Add) -> None:
         prompt = PREFIXES[op.prefix][: op.prefix_len] + list(op.suffix) or [1]
@@ -184,13 +190,26 @@ class Driver:
         )
 
     def step(self) -> SchedulerOutput:
+        """One engine-core step (EngineCore.step's order, with the fake runner)."""
+        if self.in_flight is not None and self.sched.needs_sync():
+            self._deliver()
         out = self.sched.schedule()
         self.sched.check_invariants()
         check_limits(out, self.config)
         runner_output = self.runner.execute(out)
+        if self.in_flight is not None:
+            self._deliver()
+        self.in_flight = (out, runner_output)
+        if not self.setup.async_scheduling or out.is_empty:
+            self._deliver()
+        return out
+
+    def _deliver(self) -> None:
+        assert self.in_flight is not None
+        out, runner_output = self.in_flight
+        self.in_flight = None
         for output in self.sched.update_from_output(out, runner_output):
             self._record(output)
-        return out
 
     def _record(self, output: EngineCoreOutput) -> None:
         request = self.track.requests[output.req_id]
@@ -218,8 +237,8 @@ class Driver:
         # in at most prompt + max_tokens steps once it is at the front.
         live = [self.track.requests[r] for r in self.track.live()]
         bound = sum(r.num_prompt_tokens + r.max_tokens for r in live) + 1
-        for _ in range(bound):
-            if not self.sched.has_unfinished_requests():
+        for _ in range(bound + 2):
+            if not self.sched.has_unfinished_requests() and self.in_flight is None:
                 break
             self.step()
         assert not self.sched.has_unfinished_requests(), (
@@ -241,7 +260,10 @@ class Driver:
             (reason,) = self.track.finishes[req_id]
             emitted = self.track.emitted[req_id]
             assert emitted == request.output_token_ids
-            assert emitted == self.runner.sampled.get(req_id, [])
+            sampled = self.runner.sampled.get(req_id, [])
+            # Pipelined steps may sample once more for a request whose stop was not known yet.
+            extra = len(sampled) - len(emitted)
+            assert sampled[: len(emitted)] == emitted and 0 <= extra <= int(s.async_scheduling)
             assert len(emitted) <= request.max_tokens
             assert request.num_prompt_tokens + len(emitted) <= s.max_model_len
             min_tokens = request.sampling_params.min_tokens

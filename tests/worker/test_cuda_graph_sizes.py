@@ -61,7 +61,11 @@ def test_decode_splits_fill_the_gpu_within_limits() -> None:
             splits = decode_num_splits(batch, kv_heads, max_seq_len, sms)
             assert 1 <= splits <= 64
             assert splits <= max(1, max_seq_len // 64)  # never a split without a full tile of keys
-            if splits < min(64, max(1, max_seq_len // 64)):  # not capped: the target is met
+            if batch * kv_heads >= sms:  # the unsplit programs already cover the SMs
+                assert splits == 1
+            elif splits < min(64, max(1, max_seq_len // 64)):  # not capped: the target is met
                 assert batch * kv_heads * splits >= DECODE_PROGRAMS_PER_SM * sms
     assert decode_num_splits(256, kv_heads, 32768, sms) == 1
+    assert decode_num_splits(64, kv_heads, 1024, sms) == 1
+    assert decode_num_splits(8, kv_heads, 32768, sms) == 9
     assert decode_num_splits(1, kv_heads, 32768, sms) == 64
