@@ -45,6 +45,13 @@ for step in "$@"; do
               --decode-steps 30 > "$R/diag2.log" 2>&1 ;;
     prefixab) timeout 280 python3 benchmarks/engine_benchmarks.py --out "$R/prefixab" --sections prefixab \
               > "$R/prefixab.log" 2>&1 ;;
+    ttftab) for mode in no-async async no-async async; do
+          timeout 60 python3 benchmarks/engine_benchmarks.py --out "$R/ttft_$mode" --sections ttft \
+            --$mode-scheduling >> "$R/ttftab.log" 2>&1
+        done ;;
+    diag3) timeout 200 python3 benchmarks/engine_benchmarks.py --out "$R/diag3" --sections start,random256,trace \
+              > "$R/diag3.log" 2>&1 ;;
+    serve) OUT="$R/serve" PYTHONPATH=/tmp/site:$PWD timeout 280 bash benchmarks/serve_bench.sh > "$R/serve.log" 2>&1 ;;
     sweep) timeout 300 python3 benchmarks/attention_sweep.py --out "$R/attention_sweep.json" > "$R/sweep.log" 2>&1 ;;
     hf) timeout 120 python3 benchmarks/engine_benchmarks.py --out "$R/hf" --sections hf > "$R/hf.log" 2>&1 ;;
     kernels) timeout 120 python3 benchmarks/gpu_kernels.py --models qwen2.5-7b --dtypes bf16 fp16 \
@@ -55,7 +62,7 @@ for step in "$@"; do
 done
 tar czf "$OUT/results.tgz" -C "$R" .
 echo "=== total $(( $(date +%s) - T0 ))s"
-for f in "$R"/prefixab.log "$R"/diag2.log "$R"/async.log "$R"/sweep.log "$R"/diag.log "$R"/profile.log "$R"/pytest_gpu.log "$R"/engine.log "$R"/engine2.log "$R"/eager.log "$R"/ab.log "$R"/prefix2.log "$R"/hf.log "$R"/gpu_kernels.log "$R"/elementwise.log; do
+for f in "$R"/serve.log "$R"/diag3.log "$R"/ttftab.log "$R"/prefixab.log "$R"/diag2.log "$R"/async.log "$R"/sweep.log "$R"/diag.log "$R"/profile.log "$R"/pytest_gpu.log "$R"/engine.log "$R"/engine2.log "$R"/eager.log "$R"/ab.log "$R"/prefix2.log "$R"/hf.log "$R"/gpu_kernels.log "$R"/elementwise.log; do
   [ -f "$f" ] || continue
   echo "##### $(basename "$f")"
   case $(basename "$f") in
@@ -63,6 +70,9 @@ for f in "$R"/prefixab.log "$R"/diag2.log "$R"/async.log "$R"/sweep.log "$R"/dia
     gpu_kernels.log) grep -E "FAIL|False|rows," "$f" | tail -8; tail -c 2500 "$f" ;;
     ab.log|prefix2.log) grep -E "^decode|^prefix|Error|failed" "$f" ;;
     profile.log) tail -c 4500 "$f" ;;
+    serve.log) tail -c 2500 "$f" ;;
+    diag3.log) tail -c 1500 "$f" ;;
+    ttftab.log) grep -E "^TTFT|Error" "$f" ;;
     prefixab.log) tail -c 800 "$f" ;;
     diag2.log) grep -E -A 16 "^kernel profile" "$f"; tail -c 2500 "$f" ;;
     async.log) grep -E "^decode|^seeds|^trace|^engine start|Error|failed" "$f" ;;

@@ -74,6 +74,9 @@ class EngineCore:
         self.config = config.with_num_blocks(num_blocks)
         self.runner.initialize_kv_cache(num_blocks)
         self._mark_phase("kv_cache_alloc", start)
+        if self.runner.device.type == "cuda":
+            self.runner.warm_up_kernels()
+            self._mark_phase("kernel_warm_up", start)
         self.runner.capture_cuda_graphs()
         self._mark_phase("cuda_graph_capture", start)
         self.scheduler = Scheduler(

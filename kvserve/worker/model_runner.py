@@ -223,6 +223,42 @@ class ModelRunner:
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(arch.num_hidden_layers)
         ]
 
+    @torch.inference_mode()
+    def warm_up_kernels(self) -> list[int]:
+        """Run one small mixed batch (a decode row plus a prefill chunk with cached context) per query
+        length that gives the mixed attention kernel a different tile shape, so the Triton JIT compiles
+        them at start-up instead of stalling the first requests that need them (seconds each on the H200).
+        Nothing is written to the cache (slot -1). Returns the chunk lengths run."""
+        if not self.kv_caches:
+            return []
+        arch = self.arch
+        group = arch.num_attention_heads // arch.num_key_value_heads
+        shapes: dict[int, int] = {}  # the mixed kernel's rows per tile -> the shortest chunk giving it
+        for query_len in range(2, 129):
+            block_m = min(128, max(16, 1 << (query_len * group - 1).bit_length()))
+            shapes.setdefault(block_m, query_len)
+        device, context = self.device, 3
+        lengths = sorted(shapes.values())
+        for query_len in lengths:
+            seq_lens = [context + 1, context + query_len]
+            metadata = AttentionMetadata(
+                query_start_loc=torch.tensor([0, 1, 1 + query_len], dtype=torch.int32, device=device),
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+                block_tables=torch.zeros((2, -(-max(seq_lens) // self.block_size)), dtype=torch.int32, device=device),
+                slot_mapping=torch.full((1 + query_len,), -1, dtype=torch.int64, device=device),
+                max_query_len=query_len,
+                max_seq_len=max(seq_lens),
+                query_start_loc_cpu=[0, 1, 1 + query_len],
+                seq_lens_cpu=seq_lens,
+            )
+            positions = [context] + list(range(context, context + query_len))
+            input_ids = torch.zeros(1 + query_len, dtype=torch.int64, device=device)
+            pos = torch.tensor(positions, dtype=torch.int64, device=device)
+            self.model(input_ids, pos, self.kv_caches, metadata)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return lengths
+
     def capture_cuda_graphs(self) -> None:
         """Capture the decode graphs (GPU, graphs enabled, KV cache allocated); a failure to capture is
         logged and leaves the runner eager rather than failing start-up."""

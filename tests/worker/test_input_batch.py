@@ -120,3 +120,29 @@ def test_decode_batch_padded_to_graph_size() -> None:
     mixed = SchedulerOutput(scheduled=[_sched("a", [7], 6, []), _sched("b", [8, 9], 4, [])])
     table.apply(mixed)
     assert buffers.prepare(mixed, table, pad_to=4).padded_num_reqs is None
+
+
+def test_placeholder_tokens_come_from_the_previous_steps_samples() -> None:
+    import pytest
+
+    device = torch.device("cpu")
+    table = BlockTable(num_rows=4, width=WIDTH, device=device)
+    buffers = InputBuffers(max_num_tokens=16, max_num_reqs=8, block_table_width=WIDTH, block_size=BLOCK_SIZE,
+                           device=device)
+    prefill = SchedulerOutput(scheduled=[_sched("a", [1] * 5, 0, [3, 8], reset=True),
+                                         _sched("b", [2] * 3, 0, [5], reset=True)])
+    table.apply(prefill)
+    buffers.prepare(prefill, table)
+    # The previous step sampled b then a (rows 0 and 1); a also gets a known prompt-like token first.
+    prev = (torch.tensor([77, 66]), {"b": 0, "a": 1})
+    mixed = SchedulerOutput(scheduled=[_sched("a", [-1], 5, []), _sched("c", [4, 5], 0, [9], reset=True),
+                                       _sched("b", [-1], 3, [])])
+    table.apply(mixed)
+    batch = buffers.prepare(mixed, table, prev_sampled=prev)
+    assert batch.input_ids.tolist() == [66, 4, 5, 77]
+    assert batch.positions.tolist() == [5, 0, 1, 3]
+    # A placeholder the previous step did not sample is an error, not a silent token id -1.
+    decode = SchedulerOutput(scheduled=[_sched("c", [-1], 2, [])])
+    table.apply(decode)
+    with pytest.raises(RuntimeError, match="did not sample"):
+        buffers.prepare(decode, table, prev_sampled=prev)

@@ -1,0 +1,26 @@
+"""Start-up kernel warm-up: one mixed batch per attention tile shape, nothing written to the cache."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kvserve.config import EngineArgs
+from kvserve.engine.engine_core import EngineCore
+
+
+def test_warm_up_runs_one_batch_per_tile_shape_and_leaves_the_cache_untouched(
+    tiny_model_dir: Callable[..., str],
+) -> None:
+    # 4 query heads over 2 KV heads: rows per tile = next power of two of 2 * chunk length, 16..128.
+    model_dir = tiny_model_dir("llama")
+    args = EngineArgs(model=model_dir, device="cpu", max_model_len=256, kv_cache_memory="8MiB")
+    core = EngineCore(args.create_engine_config())
+    arch = core.runner.arch
+    assert arch.num_attention_heads // arch.num_key_value_heads == 2
+    for cache in core.runner.kv_caches:
+        cache.normal_()
+    before = [cache.clone() for cache in core.runner.kv_caches]
+    assert core.runner.warm_up_kernels() == [2, 9, 17, 33]
+    assert all(torch.equal(a, b) for a, b in zip(before, core.runner.kv_caches, strict=True))
