@@ -49,7 +49,7 @@ for step in "$@"; do
           timeout 60 python3 benchmarks/engine_benchmarks.py --out "$R/ttft_$mode" --sections ttft \
             --$mode-scheduling >> "$R/ttftab.log" 2>&1
         done ;;
-    diag3) timeout 200 python3 benchmarks/engine_benchmarks.py --out "$R/diag3" --sections start,random256,trace \
+    diag3) timeout 200 python3 benchmarks/engine_benchmarks.py --out "$R/diag3" --sections start,random256 \
               > "$R/diag3.log" 2>&1 ;;
     serve) OUT="$R/serve" PYTHONPATH=/tmp/site:$PWD timeout 280 bash benchmarks/serve_bench.sh > "$R/serve.log" 2>&1 ;;
     sweep) timeout 300 python3 benchmarks/attention_sweep.py --out "$R/attention_sweep.json" > "$R/sweep.log" 2>&1 ;;

@@ -66,7 +66,9 @@ DECODE_LAUNCH_ONE_SPLIT: dict[str, int] = {"TILE_N": 128, "num_warps": 4, "num_s
 _INTERPRETER_NUM_SMS = 4
 
 
-@triton.jit
+# num_reqs / num_splits vary from step to step: left unspecialised, so that a batch of 16 or 32 requests
+# (Triton specialises ints equal to 1 or divisible by 16) does not compile another variant mid-serving.
+@triton.jit(do_not_specialize=["num_reqs", "num_splits"])
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -194,7 +196,7 @@ def _paged_attention_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_splits_kernel(
     partial_acc_ptr,
     partial_max_ptr,

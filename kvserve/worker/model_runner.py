@@ -24,6 +24,7 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from kvserve.kernels import ops
 from kvserve.layers.attention_metadata import AttentionMetadata
 from kvserve.layers.sampler import Sampler, SamplingRow, make_generator
 from kvserve.model.loader import load_model
@@ -227,8 +228,9 @@ class ModelRunner:
     def warm_up_kernels(self) -> list[int]:
         """Run one small mixed batch (a decode row plus a prefill chunk with cached context) per query
         length that gives the mixed attention kernel a different tile shape, so the Triton JIT compiles
-        them at start-up instead of stalling the first requests that need them (seconds each on the H200).
-        Nothing is written to the cache (slot -1). Returns the chunk lengths run."""
+        them at start-up instead of stalling the first requests that need them (seconds each on the H200),
+        then a two-prompt fresh prefill (the multi-request flash attention path, whose first use also
+        stalled). Nothing is written to the cache (slot -1). Returns the mixed chunk lengths run."""
         if not self.kv_caches:
             return []
         arch = self.arch
@@ -239,20 +241,24 @@ class ModelRunner:
             shapes.setdefault(block_m, query_len)
         device, context = self.device, 3
         lengths = sorted(shapes.values())
-        for query_len in lengths:
-            seq_lens = [context + 1, context + query_len]
+        batches = [([1, query_len], [context + 1, context + query_len]) for query_len in lengths]
+        fresh = ops.PREFILL_FAST_MIN_QUERY_LEN
+        batches.append(([fresh, fresh], [fresh, fresh]))
+        for query_lens, seq_lens in batches:
+            num_tokens = sum(query_lens)
+            starts = [0, query_lens[0], num_tokens]
             metadata = AttentionMetadata(
-                query_start_loc=torch.tensor([0, 1, 1 + query_len], dtype=torch.int32, device=device),
+                query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
                 block_tables=torch.zeros((2, -(-max(seq_lens) // self.block_size)), dtype=torch.int32, device=device),
-                slot_mapping=torch.full((1 + query_len,), -1, dtype=torch.int64, device=device),
-                max_query_len=query_len,
+                slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
+                max_query_len=max(query_lens),
                 max_seq_len=max(seq_lens),
-                query_start_loc_cpu=[0, 1, 1 + query_len],
+                query_start_loc_cpu=starts,
                 seq_lens_cpu=seq_lens,
             )
-            positions = [context] + list(range(context, context + query_len))
-            input_ids = torch.zeros(1 + query_len, dtype=torch.int64, device=device)
+            positions = [p for q, s in zip(query_lens, seq_lens, strict=True) for p in range(s - q, s)]
+            input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
             pos = torch.tensor(positions, dtype=torch.int64, device=device)
             self.model(input_ids, pos, self.kv_caches, metadata)
         if device.type == "cuda":
