@@ -7,9 +7,11 @@ caller (`OutputProcessor`).
 With async scheduling (`--async-scheduling`, on by default on GPUs) a step launches step n+1 before it
 reads step n's sampled tokens: the host's scheduling, input preparation and output handling then run
 while the GPU computes, instead of between GPU steps. Each `step()` returns the outputs of the step
-before the one it launched. Output is unchanged: the next input tokens are taken on the device, and a live
-request whose sampling reads its own earlier output (penalties, min_tokens) makes the core wait for each
-step's tokens before scheduling the next.
+before the one it launched. Greedy and seeded output is unchanged: the next input tokens are taken on
+the device, and a live request whose sampling reads its own earlier output (penalties, min_tokens) makes the
+core wait for each step's tokens before scheduling the next. (Unseeded sampling draws from a shared
+generator, so a request that stopped one step earlier than the scheduler knew can shift other unseeded
+requests' draws; those carry no reproducibility promise in either mode.)
 """
 
 from __future__ import annotations
