@@ -213,27 +213,33 @@ class Bench:
                               f"{stats.elapsed_s:.2f} s, {len(stats.step_s)} steps"))
         self.results["trace"] = out
 
+    def start_steady_decode(self, batch: int, context: int, prefix: str, steady_steps: int) -> None:
+        """Add `batch` greedy requests of `context` prompt tokens that run `steady_steps` decode steps past
+        their prefill, and step the core until all of them decode together."""
+        from kvserve.protocol.engine import EngineCoreRequest
+        from kvserve.protocol.sampling_params import SamplingParams
+
+        prefill_steps = -(-batch * context // self.args.max_num_batched_tokens) + 1
+        max_tokens = prefill_steps + steady_steps
+        params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
+        for i, prompt in enumerate(self.prompts([context] * batch)):
+            self.core.add_request(EngineCoreRequest(req_id=f"{prefix}-{i}", prompt_token_ids=prompt,
+                                                    sampling_params=params, max_tokens=max_tokens))
+        for _ in range(prefill_steps + 5):
+            self.core.step()
+
     def section_kprofile(self) -> None:
         """GPU kernel time by kernel over steady decode steps (batch 1 and 64, context 1k), from
         torch.profiler: what the graph replay, the LM head and sampling spend on the GPU."""
         from torch.profiler import ProfilerActivity, profile
 
-        from kvserve.protocol.engine import EngineCoreRequest
-        from kvserve.protocol.sampling_params import SamplingParams
 
         d = self.engine()
         self.warm_up()
         core = self.core
         out = {}
         for batch in (1, 64):
-            ctx = self.length(1024)
-            prefill_steps = -(-batch * ctx // self.args.max_num_batched_tokens) + 1
-            for i, prompt in enumerate(self.prompts([ctx] * batch)):
-                params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=prefill_steps + 30)
-                core.add_request(EngineCoreRequest(req_id=f"k{batch}-{i}", prompt_token_ids=prompt,
-                                                   sampling_params=params, max_tokens=prefill_steps + 30))
-            for _ in range(prefill_steps + 5):
-                core.step()
+            self.start_steady_decode(batch, self.length(1024), f"k{batch}", steady_steps=30)
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(10):
                     core.step()
@@ -259,8 +265,6 @@ class Bench:
         With async scheduling a step is GPU-bound when its waits are long and host-bound when they are ~0."""
         import collections
 
-        from kvserve.protocol.engine import EngineCoreRequest
-        from kvserve.protocol.sampling_params import SamplingParams
 
         d = self.engine()
         self.warm_up()
@@ -290,23 +294,17 @@ class Bench:
         out = {}
         try:
             for batch in (1, 64):
-                ctx = self.length(1024)
-                prefill_steps = -(-batch * ctx // self.args.max_num_batched_tokens) + 1
-                for i, prompt in enumerate(self.prompts([ctx] * batch)):
-                    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=prefill_steps + 40)
-                    core.add_request(EngineCoreRequest(req_id=f"h{batch}-{i}", prompt_token_ids=prompt,
-                                                       sampling_params=params, max_tokens=prefill_steps + 40))
-                for _ in range(prefill_steps + 5):
-                    core.step()
+                self.start_steady_decode(batch, self.length(1024), f"h{batch}", steady_steps=40)
                 times.clear()
                 num_steps = 30
                 t0 = time.perf_counter()
                 for _ in range(num_steps):
                     core.step()
                 wall = (time.perf_counter() - t0) / num_steps
+                # Read the timers before draining: the drain's steps must not count.
+                per_step = {k: sum(v) / num_steps * 1e3 for k, v in times.items()}
                 while core.has_unfinished_requests():
                     core.step()
-                per_step = {k: sum(v) / num_steps * 1e3 for k, v in times.items()}
                 per_step["wall"] = wall * 1e3
                 per_step["host_busy"] = per_step["wall"] - per_step.get("event_wait", 0.0)
                 out[f"b{batch}"] = per_step
