@@ -1,6 +1,8 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
-#   bash benchmarks/run_h200.sh <step>...   steps: pytest engine engine2 eager hf kernels elementwise
+#   bash benchmarks/run_h200.sh <step>...
+# steps: pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab profile diag diag2 diag3 async
+#        ttftab sweep serve (see the case below for what each runs)
 # Needs the wheels of .whl/ (msgspec, gguf: not on the GPU image). Logs and JSON go to /tmp/kvres, packed
 # into $OUT/results.tgz (the device returns at most 8 files); each step's table is printed at the end.
 set -u
