@@ -93,14 +93,15 @@ def test_cache_salt_isolates_prefix_cache(default_llm: LLM) -> None:
 
 
 def test_async_scheduling_keeps_sampled_output() -> None:
-    """Seeded sampling with logprobs, n>1, EOS and stop-token stops, penalties and min_tokens (which make
-    the core wait for each step's tokens) give the same output pipelined as step by step."""
+    """Seeded sampling with logprobs, n>1, EOS, stop-token and stop-string stops, penalties and min_tokens
+    (which make the core wait for each step's tokens) give the same output pipelined as step by step."""
     prompts = [SYSTEM + "Tell me a story about a fox.", "Hello, my name is", "今天天气很好，我们"]
     params = [
         SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=20, logprobs=2),
         SamplingParams(temperature=1.0, top_k=20, seed=3, n=2, max_tokens=16),
         SamplingParams(temperature=0.0, max_tokens=40),  # may stop at EOS
         SamplingParams(temperature=0.7, seed=5, max_tokens=12, stop_token_ids=[13, 28]),
+        SamplingParams(temperature=0.0, max_tokens=30, stop=[".", "。", ","]),  # stop strings: aborts
         SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.3, frequency_penalty=0.5),
         SamplingParams(temperature=0.9, seed=11, max_tokens=10, min_tokens=8),
     ]
