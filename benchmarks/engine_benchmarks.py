@@ -187,9 +187,17 @@ class Bench:
         gen = torch.Generator().manual_seed(1)
         workloads["random256"] = (torch.randint(lo, hi + 1, (num,), generator=gen).tolist(),
                                   torch.randint(lo, hi + 1, (num,), generator=gen).tolist())
+        # The shared-prefix workload of the prefix section: 256 x (one shared 1000-token prefix + 64 own).
+        shared = self.prompts([self.length(1000)])[0]
+        shared_prompts = [shared + own for own in self.prompts([self.length(64)] * num)]
+        workloads["shared_prefix"] = ([len(p) for p in shared_prompts], [self.length(128)] * num)
+        wanted = self.args.trace_workloads
         out: dict[str, Any] = {}
         for name, (ins, outs) in workloads.items():
-            stats = d.run(self.prompts(ins), outs, phases=True)
+            if wanted and name not in wanted:
+                continue
+            prompts = shared_prompts if name == "shared_prefix" else self.prompts(ins)
+            stats = d.run(prompts, outs, phases=True)
             groups: dict[str, list[int]] = {}
             for i, (tokens, reqs) in enumerate(zip(stats.step_tokens, stats.step_reqs, strict=True)):
                 if tokens == reqs:
@@ -213,16 +221,17 @@ class Bench:
                               f"{stats.elapsed_s:.2f} s, {len(stats.step_s)} steps"))
         self.results["trace"] = out
 
-    def start_steady_decode(self, batch: int, context: int, prefix: str, steady_steps: int) -> None:
-        """Add `batch` greedy requests of `context` prompt tokens that run `steady_steps` decode steps past
-        their prefill, and step the core until all of them decode together."""
+    def start_steady_decode(self, batch: int, context: int, prefix: str, steady_steps: int,
+                            prompts: list[list[int]] | None = None) -> None:
+        """Add `batch` greedy requests of `context` prompt tokens (or `prompts`) that run `steady_steps`
+        decode steps past their prefill, and step the core until all of them decode together."""
         from kvserve.protocol.engine import EngineCoreRequest
         from kvserve.protocol.sampling_params import SamplingParams
 
         prefill_steps = -(-batch * context // self.args.max_num_batched_tokens) + 1
         max_tokens = prefill_steps + steady_steps
         params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
-        for i, prompt in enumerate(self.prompts([context] * batch)):
+        for i, prompt in enumerate(prompts or self.prompts([context] * batch)):
             self.core.add_request(EngineCoreRequest(req_id=f"{prefix}-{i}", prompt_token_ids=prompt,
                                                     sampling_params=params, max_tokens=max_tokens))
         for _ in range(prefill_steps + 5):
@@ -233,13 +242,18 @@ class Bench:
         torch.profiler: what the graph replay, the LM head and sampling spend on the GPU."""
         from torch.profiler import ProfilerActivity, profile
 
-
         d = self.engine()
         self.warm_up()
         core = self.core
         out = {}
-        for batch in (1, 64):
-            self.start_steady_decode(batch, self.length(1024), f"k{batch}", steady_steps=30)
+        for case in self.args.kprofile_cases:
+            if case == "shared256":  # the shared-prefix workload: 256 x (shared 1000 + own 64)
+                batch, shared = self.n(256), self.prompts([self.length(1000)])[0]
+                prompts = [shared + own for own in self.prompts([self.length(64)] * batch)]
+                self.start_steady_decode(batch, len(prompts[0]), "ks", steady_steps=30, prompts=prompts)
+            else:
+                batch = int(case.removeprefix("b"))
+                self.start_steady_decode(batch, self.length(1024), f"k{batch}", steady_steps=30)
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(10):
                     core.step()
@@ -253,8 +267,8 @@ class Bench:
             total_us = sum(_self_device_us(e) for e in events)
             for e in events[:24]:
                 compact.append(f"{_self_device_us(e) / 10:9.1f} us/step {e.count / 10:6.1f}/step  {e.key[:80]}")
-            out[f"b{batch}"] = {"table": table, "compact": compact, "gpu_us_per_step": total_us / 10}
-            print(f"kernel profile batch {batch}: {total_us / 10:.1f} us GPU per step", flush=True)
+            out[case] = {"table": table, "compact": compact, "gpu_us_per_step": total_us / 10}
+            print(f"kernel profile {case}: {total_us / 10:.1f} us GPU per step", flush=True)
             print("\n".join(compact), flush=True)
         del d
         self.results["kprofile"] = out
@@ -264,7 +278,6 @@ class Bench:
         parts are wrapped with timers, and every CUDA event wait is timed apart, so host work = wall - waits.
         With async scheduling a step is GPU-bound when its waits are long and host-bound when they are ~0."""
         import collections
-
 
         d = self.engine()
         self.warm_up()
@@ -484,6 +497,10 @@ def main() -> int:
     p.add_argument("--decode-batches", type=lambda v: [int(x) for x in v.split(",")], default=[1, 8, 64])
     p.add_argument("--decode-contexts", type=lambda v: [int(x) for x in v.split(",")], default=[1024, 4096])
     p.add_argument("--decode-programs-per-sm", type=int, default=None, help="override ops.DECODE_PROGRAMS_PER_SM")
+    p.add_argument("--kprofile-cases", type=lambda v: [x for x in v.split(",") if x], default=["b1", "b64"],
+                   help="kprofile section: bN (N random 1k-token prompts) and/or shared256")
+    p.add_argument("--trace-workloads", type=lambda v: [x for x in v.split(",") if x], default=[],
+                   help="trace section: seeds,random256,shared_prefix (default all)")
     p.add_argument("--elementwise-backend", default="triton", choices=["triton", "torch", "compile"])
     args = p.parse_args()
     from kvserve.kernels import ops
