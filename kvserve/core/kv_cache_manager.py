@@ -152,6 +152,16 @@ class KVCacheManager:
             self.pool.cache_block(blocks[i], request.block_hashes[i])
         self._num_cached_blocks[request.req_id] = max(start, end)
 
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Offer the blocks that are full of known, computed (or in-flight) tokens to the hash map. With
+        async scheduling a block completed by a placeholder token is hashable only once the token arrives;
+        the scheduler calls this then, so the block is cached even if the request is never scheduled
+        again (it may finish on that very token)."""
+        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+        if num_full <= self._num_cached_blocks.get(request.req_id, 0) or request.req_id not in self.req_to_blocks:
+            return
+        self._cache_full_blocks(request, request.num_computed_tokens)
+
     def record_admission(self, request: Request, num_hit_tokens: int) -> None:
         if not self.enable_caching:
             return

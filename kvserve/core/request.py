@@ -43,7 +43,8 @@ class Request:
     compute `all_token_ids[num_computed_tokens:]`.
 
     `num_pending_tokens` counts output tokens a scheduled step will sample but whose ids are not known yet
-    (0 or 1; with async scheduling the next step is scheduled before the previous one's result is read).
+    (with async scheduling the next step is scheduled before the previous one's result is read: at most 1
+    between steps, 2 while a step is being scheduled).
     The sequence is then `num_tokens + num_pending_tokens` long, its last token a placeholder.
     """
 

@@ -260,6 +260,9 @@ class Scheduler:
             request.num_pending_tokens -= 1
             # RUNNING, or PREEMPTED by a later schedule while this step ran: the token is still valid.
             request.append_output_token_ids([token_id])
+            if request.status == RequestStatus.RUNNING:
+                # A block completed by this token (scheduled as a placeholder) can be hashed now.
+                self.kv.cache_computed_blocks(request)
             status = self._check_stop(request, token_id)
             output = EngineCoreOutput(
                 req_id=req_id,

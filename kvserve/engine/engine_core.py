@@ -7,11 +7,13 @@ caller (`OutputProcessor`).
 With async scheduling (`--async-scheduling`, on by default on GPUs) a step launches step n+1 before it
 reads step n's sampled tokens: the host's scheduling, input preparation and output handling then run
 while the GPU computes, instead of between GPU steps. Each `step()` returns the outputs of the step
-before the one it launched. Greedy and seeded output is unchanged: the next input tokens are taken on
-the device, and a live request whose sampling reads its own earlier output (penalties, min_tokens) makes the
-core wait for each step's tokens before scheduling the next. (Unseeded sampling draws from a shared
-generator, so a request that stopped one step earlier than the scheduler knew can shift other unseeded
-requests' draws; those carry no reproducibility promise in either mode.)
+before the one it launched. The next input tokens are taken on the device, and a live request whose
+sampling reads its own earlier output (penalties, min_tokens) makes the core wait for each step's tokens
+before scheduling the next, so a request's tokens are computed exactly as step by step. What can differ is
+the batches: a request that stopped on EOS or a stop string is computed for one more step (its output
+dropped), and a request that will surely finish keeps its slot until its last token arrives. Batch
+composition changes floating-point rounding (logprobs in the last digits, near-tied tokens), as other
+requests coming and going do in either mode; unseeded draws from the shared generator shift too.
 """
 
 from __future__ import annotations

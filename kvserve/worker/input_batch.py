@@ -12,9 +12,9 @@ Two objects live as long as the runner:
   the same at every step, which is what lets a CUDA graph captured over them be replayed.
 
 Host-buffer reuse: a pinned buffer may not be rewritten while a copy out of it is still queued. The
-runner's per-step sync (the sampled ids) normally guarantees that; a step that samples nothing (only
-partial prefill chunks) does not, so the runner calls `wait_for_copies` before touching them (an event
-recorded after the previous step's copies, almost always already complete).
+runner calls `wait_for_copies` before touching them: it waits for an event recorded after the previous
+step's copies. With async scheduling that step is still on the GPU, but its copies ran first, once the
+step before it (whose results the host has already read) finished, so the wait is short.
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ class InputBuffers:
         """Block until the previous step's host-to-device copies (inputs and block-table diffs) have run,
         so their pinned sources may be rewritten. Call before `BlockTable.apply` and `prepare`."""
         if self._copies_done is not None:
-            # SYNC: only waits when the previous step sampled nothing (see the module docstring).
+            # SYNC: on the previous step's input copies only (see the module docstring).
             self._copies_done.synchronize()
 
     def prepare(

@@ -644,3 +644,44 @@ def test_async_preempted_request_keeps_its_in_flight_token_and_resumes_after_it(
         sched.check_invariants()
     assert not sched.has_unfinished_requests()
     assert runner.sampled == {"a": [5, 5, 5, 5], "b": [5, 5, 5, 5]}
+
+
+def _pipelined_run(sched: Scheduler, runner: FakeModelRunner) -> dict[str, list[int]]:
+    """Step as EngineCore does with async scheduling until nothing is left; returns the tokens emitted."""
+    emitted: dict[str, list[int]] = {}
+    in_flight = None
+    while sched.has_unfinished_requests() or in_flight is not None:
+        out = sched.schedule()
+        runner_output = runner.execute(out)
+        if in_flight is not None:
+            for o in sched.update_from_output(*in_flight):
+                emitted.setdefault(o.req_id, []).extend(o.new_token_ids)
+        in_flight = (out, runner_output)
+        if out.is_empty:
+            for o in sched.update_from_output(*in_flight):
+                emitted.setdefault(o.req_id, []).extend(o.new_token_ids)
+            in_flight = None
+        sched.check_invariants()
+    return emitted
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "async"])
+def test_block_completed_by_the_last_placeholder_is_still_cached(pipelined: bool):
+    # 5 prompt tokens + 4 outputs: the 4th output is never computed, so positions 0..7 fill two blocks;
+    # block 1 is completed by the placeholder of step 4 (async) and must be hashed all the same.
+    sched = make_scheduler()
+    runner = FakeModelRunner(BS, lambda req_id, i: 10 + i)
+    sched.add_request(make_request("a", [1, 2, 3, 4, 5], max_tokens=4, ignore_eos=True))
+    if pipelined:
+        emitted = _pipelined_run(sched, runner)
+    else:
+        emitted = {}
+        while sched.has_unfinished_requests():
+            out = sched.schedule()
+            for o in sched.update_from_output(out, runner.execute(out)):
+                emitted.setdefault(o.req_id, []).extend(o.new_token_ids)
+    assert emitted == {"a": [10, 11, 12, 13]}
+    follow_up = make_request("b", [1, 2, 3, 4, 5, 10, 11, 12, 9, 9, 9], max_tokens=1, ignore_eos=True)
+    sched.add_request(follow_up)
+    sched.schedule()
+    assert follow_up.num_cached_tokens == 8
