@@ -154,16 +154,7 @@ class Bench:
         prefill_steps = -(-batch * ctx // self.args.max_num_batched_tokens) + 1
         d.run(self.prompts([ctx] * batch), [prefill_steps + 2] * batch)  # warm-up at these shapes
         core = self.core
-        params = None
-        for i, prompt in enumerate(self.prompts([ctx] * batch)):
-            from kvserve.protocol.engine import EngineCoreRequest
-            from kvserve.protocol.sampling_params import SamplingParams
-
-            params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=prefill_steps + 40)
-            core.add_request(EngineCoreRequest(req_id=f"p{i}", prompt_token_ids=prompt, sampling_params=params,
-                                               max_tokens=prefill_steps + 40))
-        for _ in range(prefill_steps + 5):
-            core.step()
+        self.start_steady_decode(batch, ctx, "p", steady_steps=40)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.args.device.startswith("cuda") else [])
         with profile(activities=activities) as prof:
             for _ in range(10):

@@ -63,7 +63,6 @@ class Scheduler:
         self.num_preemptions = 0
         # Live requests whose sampling reads their earlier output (penalties, min_tokens).
         self._num_needing_history = 0
-        self._scheduling = SchedulerOutput()  # the output schedule() is building
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -149,7 +148,6 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=self._finished_since_last_step)
-        self._scheduling = out
         self._finished_since_last_step = []
         budget = self.config.max_num_batched_tokens
         preempted: list[Request] = []
@@ -176,6 +174,7 @@ class Scheduler:
             if new_blocks is None:
                 break
             out.scheduled.append(self._scheduled(request, num_new, [b.block_id for b in new_blocks], False))
+            out.requests[request.req_id] = request
             budget -= num_new
             i += 1
 
@@ -209,6 +208,7 @@ class Scheduler:
                 )
             block_ids = self.kv.get_block_ids(request.req_id)
             out.scheduled.append(self._scheduled(request, num_new, block_ids, True))
+            out.requests[request.req_id] = request
             budget -= num_new
 
         out.num_preempted = len(preempted)
@@ -233,7 +233,6 @@ class Scheduler:
             reset_block_table=reset,
             sample=sample,
         )
-        self._scheduling.requests[request.req_id] = request
         # Advanced now so the blocks a running request owns always match its computed tokens.
         request.num_computed_tokens = start + num_new
         return scheduled

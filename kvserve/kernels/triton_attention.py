@@ -49,13 +49,7 @@ from kvserve.layers.attention_metadata import AttentionMetadata
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
 
-# Split heuristic (tunable on the GPU): aim for ~2 programs per SM, never fewer keys per split than one decode
-# tile (a split's fixed cost, loading Q and writing a partial, is then at most ~10% of its KV traffic at
-# GQA group 7), at most this many splits.
-_TARGET_PROGRAMS_PER_SM = 2
 _DECODE_TILE_N = 64
-_MIN_KEYS_PER_SPLIT = _DECODE_TILE_N
-_MAX_SPLITS = 64
 # Launch parameters of the decode kernel, split (flash-decoding) or not. Measured on the H200 with
 # benchmarks/attention_sweep.py (Qwen2.5-7B shape, bf16, per layer): with one split, 128-key tiles read the
 # cache at 3.6-4.0 TB/s (batch 64 / 160, context 1k) against 3.2-3.3 with 64-key tiles; with splits (small
@@ -241,19 +235,12 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """Number of KV splits for a decode-only batch, from host ints only.
+    """Number of KV splits for a decode-only batch, from host ints only: `ops.decode_num_splits` (the one
+    rule; see it for the measurements). Deterministic in its arguments, so a CUDA graph captured for a
+    (batch size, max_seq_len bucket) pair always replays with the grid it was captured with."""
+    from kvserve.kernels.ops import decode_num_splits
 
-    Without splitting there are num_reqs * num_kv_heads programs (4 for Qwen2.5-7B at batch 1, on 132
-    SMs); split until there are about `_TARGET_PROGRAMS_PER_SM` programs per SM, but keep at least
-    `_MIN_KEYS_PER_SPLIT` keys per split. Deterministic in its arguments, so a CUDA graph captured for a
-    (batch size, max_seq_len bucket) pair always replays with the grid it was captured with.
-    """
-    base_programs = num_reqs * num_kv_heads
-    if base_programs >= num_sms:
-        return 1
-    wanted = triton.cdiv(_TARGET_PROGRAMS_PER_SM * num_sms, base_programs)
-    by_length = max(1, max_seq_len // _MIN_KEYS_PER_SPLIT)
-    return max(1, min(wanted, by_length, _MAX_SPLITS))
+    return decode_num_splits(num_reqs, num_kv_heads, max_seq_len, num_sms)
 
 
 def _check_contract(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata) -> None:

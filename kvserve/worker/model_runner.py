@@ -48,7 +48,7 @@ class RunnerRequestState:
 
 class PendingOutput:
     """A launched step's sampled ids (and logprobs) on their way to the host. `result()` waits for them,
-    records the tokens in the requests' states and returns the step's ModelRunnerOutput (once)."""
+    records the tokens in the requests' states and returns the step's ModelRunnerOutput. Call it once."""
 
     def __init__(
         self,
@@ -63,15 +63,12 @@ class PendingOutput:
         self._sampled_host = sampled_host
         self._logprob_host = logprob_host
         self._done = done
-        self._result: ModelRunnerOutput | None = None
 
     @classmethod
     def empty(cls) -> PendingOutput:
         return cls([], [], None, None, None)
 
     def result(self) -> ModelRunnerOutput:
-        if self._result is not None:
-            return self._result
         if self._done is not None:
             # SYNC: the step's one wait: its sampled ids (and logprobs) have reached the host.
             self._done.synchronize()
@@ -79,8 +76,7 @@ class PendingOutput:
         logprobs = _logprobs_lists(self._logprob_host, self._states)
         for state, token_id in zip(self._states, token_ids, strict=True):
             state.output_token_ids.append(token_id)
-        self._result = ModelRunnerOutput(req_ids=self.req_ids, sampled_token_ids=token_ids, logprobs=logprobs)
-        return self._result
+        return ModelRunnerOutput(req_ids=self.req_ids, sampled_token_ids=token_ids, logprobs=logprobs)
 
 
 def _logprobs_lists(

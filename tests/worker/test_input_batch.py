@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from kvserve.core.outputs import ScheduledRequest, SchedulerOutput
@@ -96,7 +97,8 @@ def test_prepare_matches_a_from_scratch_build_over_random_steps() -> None:
         assert batch.logits_indices.tolist() == [want["query_start_loc"][i + 1] - 1 for i in sampled]
 
 
-def test_decode_batch_padded_to_graph_size() -> None:
+def _after_prefill_of_a_and_b() -> tuple[BlockTable, InputBuffers]:
+    """A block table and buffers after one step prefilled a (5 tokens, blocks 3, 8) and b (3, block 5)."""
     device = torch.device("cpu")
     table = BlockTable(num_rows=4, width=WIDTH, device=device)
     buffers = InputBuffers(max_num_tokens=16, max_num_reqs=8, block_table_width=WIDTH, block_size=BLOCK_SIZE,
@@ -105,6 +107,11 @@ def test_decode_batch_padded_to_graph_size() -> None:
                                          _sched("b", [2] * 3, 0, [5], reset=True)])
     table.apply(prefill)
     buffers.prepare(prefill, table)
+    return table, buffers
+
+
+def test_decode_batch_padded_to_graph_size() -> None:
+    table, buffers = _after_prefill_of_a_and_b()
     decode = SchedulerOutput(scheduled=[_sched("a", [42], 5, []), _sched("b", [43], 3, [])])
     table.apply(decode)
     batch = buffers.prepare(decode, table, pad_to=4)
@@ -123,16 +130,7 @@ def test_decode_batch_padded_to_graph_size() -> None:
 
 
 def test_placeholder_tokens_come_from_the_previous_steps_samples() -> None:
-    import pytest
-
-    device = torch.device("cpu")
-    table = BlockTable(num_rows=4, width=WIDTH, device=device)
-    buffers = InputBuffers(max_num_tokens=16, max_num_reqs=8, block_table_width=WIDTH, block_size=BLOCK_SIZE,
-                           device=device)
-    prefill = SchedulerOutput(scheduled=[_sched("a", [1] * 5, 0, [3, 8], reset=True),
-                                         _sched("b", [2] * 3, 0, [5], reset=True)])
-    table.apply(prefill)
-    buffers.prepare(prefill, table)
+    table, buffers = _after_prefill_of_a_and_b()
     # The previous step sampled b then a (rows 0 and 1); a also gets a known prompt-like token first.
     prev = (torch.tensor([77, 66]), {"b": 0, "a": 1})
     mixed = SchedulerOutput(scheduled=[_sched("a", [-1], 5, []), _sched("c", [4, 5], 0, [9], reset=True),
