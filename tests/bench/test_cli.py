@@ -8,6 +8,7 @@ import math
 import pytest
 
 from bench.conftest import parse_bench
+from kvserve.bench import client_health
 from kvserve.bench.config import BenchConfigError
 from kvserve.entrypoints.cli import main
 
@@ -72,13 +73,26 @@ def test_command_end_to_end(fake_server, prompts_file, tmp_path, capsys):
     assert f"vs {first}" in out and "Output token throughput (tok/s)" in out
 
 
-def test_command_sweep_prints_one_row_per_point(fake_server, prompts_file, capsys):
+@pytest.mark.parametrize("busy_client", [False, True])
+def test_command_sweep_prints_one_row_per_point(fake_server, prompts_file, capsys, monkeypatch, busy_client):
+    if busy_client:  # every run then reports a saturated client, as a loaded CI machine may
+        monkeypatch.setattr(client_health, "SATURATED_CPU_PERCENT", 0.0)
     server = fake_server()
     assert main(["bench", "--endpoint", server.base_url + "/v1/completions", "--sweep-concurrency", "1,2",
                  "--num-prompts", "4", "--max-tokens", "2", "--dataset", "file", "--dataset-path", prompts_file,
                  "--no-progress"]) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("concurrency=")]
+    # Table rows start with the run's label. A note after the table (the client-health warning on a busy
+    # machine, say) starts with the label and a colon: it is not a row.
+    rows: list[str] = []
+    notes: list[str] = []
+    for line in capsys.readouterr().out.splitlines():
+        if line.startswith("concurrency="):
+            (notes if line.split()[0].endswith(":") else rows).append(line)
     assert [row.split()[0] for row in rows] == ["concurrency=1", "concurrency=2"]
+    assert {note.split()[0] for note in notes} <= {"concurrency=1:", "concurrency=2:"}
+    if busy_client:
+        assert [note.split()[0] for note in notes] == ["concurrency=1:", "concurrency=2:"]
+        assert all("may be the bottleneck" in note for note in notes)
 
 
 def test_command_fails_cleanly(fake_server, prompts_file, tmp_path, capsys):
