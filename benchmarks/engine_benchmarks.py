@@ -71,7 +71,8 @@ class Bench:
         a = self.args
         kw = dict(dtype=a.dtype, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                   max_num_batched_tokens=a.max_num_batched_tokens, gpu_memory_utilization=a.gpu_memory_utilization,
-                  enforce_eager=a.enforce_eager, async_scheduling=a.async_scheduling)
+                  enforce_eager=a.enforce_eager, async_scheduling=a.async_scheduling,
+                  cascade_attn=a.cascade_attn)
         if a.device == "cpu":
             kw["kv_cache_memory"] = "512MiB"
         kw.update(overrides)
@@ -482,6 +483,8 @@ def main() -> int:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="default: the engine's (on with a GPU)")
+    p.add_argument("--cascade-attn", action=argparse.BooleanOptionalAction, default=False,
+                   help="cascade attention for decode batches sharing a prefix (the shared-prefix workload)")
     p.add_argument("--decode-steps", type=int, default=24)
     p.add_argument("--scale", type=float, default=1.0, help="multiply request counts (CPU trials)")
     p.add_argument("--length-scale", type=float, default=1.0, help="multiply token lengths (CPU trials)")

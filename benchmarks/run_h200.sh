@@ -1,8 +1,8 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab profile diag diag2 diag3 async
-#        ttftab sweep serve (see the case below for what each runs)
+# steps: pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+#        async ttftab sweep serve (see the case below for what each runs)
 # Needs the wheels of .whl/ (msgspec, gguf: not on the GPU image). Logs and JSON go to /tmp/kvres, packed
 # into $OUT/results.tgz (the device returns at most 8 files); each step's table is printed at the end.
 set -u
@@ -32,6 +32,13 @@ for step in "$@"; do
     prefix2) for i in 1 2; do
           timeout 90 python3 benchmarks/engine_benchmarks.py --out "$R/prefix$i" --sections prefix >> "$R/prefix2.log" 2>&1
         done ;;
+    cascade) for mode in no-cascade cascade; do
+          timeout 150 python3 benchmarks/engine_benchmarks.py --out "$R/prefix_$mode" --sections start,prefix \
+            --$mode-attn >> "$R/cascade.log" 2>&1
+        done
+        timeout 120 python3 -m pytest -q -rA -p no:cacheprovider tests/gpu -k cascade >> "$R/cascade.log" 2>&1
+        timeout 200 python3 benchmarks/engine_benchmarks.py --out "$R/cascade_kprofile" --sections kprofile \
+          --kprofile-cases shared256 --cascade-attn >> "$R/cascade.log" 2>&1 ;;
     profile) timeout 90 python3 benchmarks/engine_benchmarks.py --out "$R/profile" --sections profile \
               > "$R/profile.log" 2>&1 ;;
     diag) timeout 300 python3 benchmarks/engine_benchmarks.py --out "$R/diag" --sections start,trace,kprofile \

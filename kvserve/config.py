@@ -135,6 +135,8 @@ class EngineConfig:
     cuda_graph_sizes: tuple[int, ...] = ()
     # Schedule and launch step n+1 before reading step n's tokens (see engine_core); resolved by EngineArgs.
     async_scheduling: bool = False
+    # Decode batches whose requests share a long prefix attend to it once for all (Triton backend).
+    cascade_attn: bool = False
 
     def __post_init__(self) -> None:
         sizes = self.cuda_graph_sizes
@@ -205,6 +207,7 @@ class EngineArgs:
     load_format: str = "auto"
     cuda_graph_sizes: list[int] | None = None  # None: DEFAULT_CUDA_GRAPH_SIZES up to max_num_seqs
     async_scheduling: bool | None = None  # None: on for GPUs, off on CPU (where nothing overlaps)
+    cascade_attn: bool = False  # off until measured on a GPU (docs/perf_notes.md entry 12)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def create_engine_config(self) -> EngineConfig:
@@ -282,6 +285,7 @@ class EngineArgs:
             tensor_parallel_size=self.tensor_parallel_size,
             cuda_graph_sizes=resolve_cuda_graph_sizes(self.cuda_graph_sizes, self.max_num_seqs),
             async_scheduling=device != "cpu" if self.async_scheduling is None else bool(self.async_scheduling),
+            cascade_attn=bool(self.cascade_attn),
         )
 
 

@@ -27,6 +27,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule the next step while the GPU runs this one (default: on with a GPU)")
+    g.add_argument("--cascade-attn", action=argparse.BooleanOptionalAction, default=False,
+                   help="decode batches sharing a long prompt prefix attend to it once for all requests "
+                   "(GPU; experimental, default off)")
+    g.add_argument("--disable-cascade-attn", dest="cascade_attn", action="store_false",
+                   help="vLLM's spelling of --no-cascade-attn")
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per replica")
     g.add_argument("--quantization", default=None, help="weight quantization of the checkpoint")
     g.add_argument("--seed", type=int, default=0, help="seed of the sampler's shared random generator")
@@ -50,6 +55,7 @@ def engine_args_from(ns: argparse.Namespace) -> dict[str, object]:
         "enable_prefix_caching": ns.enable_prefix_caching,
         "enforce_eager": ns.enforce_eager,
         "async_scheduling": ns.async_scheduling,
+        "cascade_attn": ns.cascade_attn,
         "tensor_parallel_size": ns.tensor_parallel_size,
         "quantization": ns.quantization,
         "seed": ns.seed,

@@ -56,13 +56,37 @@ _DECODE_TILE_N = 64
 # batches) 64-key tiles were as fast or faster.
 DECODE_LAUNCH: dict[str, int] = {"TILE_N": _DECODE_TILE_N, "num_warps": 4, "num_stages": 3}
 DECODE_LAUNCH_ONE_SPLIT: dict[str, int] = {"TILE_N": 128, "num_warps": 4, "num_stages": 3}
+# Cascade decode (a prefix shared by every request of the batch; see `_shared_prefix_kernel`): tile shapes
+# of the shared part, as the mixed kernel's 128-row tiles. Not yet tuned on a GPU.
+CASCADE_PREFIX_TILE_N = 64
+CASCADE_PREFIX_MAX_BLOCK_M = 128
+CASCADE_MAX_PREFIX_SPLITS = 16
 # Stand-in multiprocessor count for the CPU interpreter (small, so tests reach the split path cheaply).
 _INTERPRETER_NUM_SMS = 4
 
 
+@triton.jit
+def _attend_tile(q, k_cache_ptr, v_cache_ptr, kv_offset, dims, k_valid, allowed, m_i, l_i, acc, scale_log2,
+                 DOT_PRECISION: tl.constexpr):
+    """One K/V tile of online softmax: keys at `kv_offset` (masked by k_valid), scores kept where `allowed`
+    ([rows, keys]); returns the updated running max, sum and unnormalised output (log2 domain)."""
+    k = tl.load(k_cache_ptr + kv_offset[None, :] + dims[:, None], mask=k_valid[None, :], other=0.0)
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N], log2 domain
+    s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # A row with no allowed key yet keeps m = -inf; shift by 0 so exp2 gives 0 instead of NaN.
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_shift[:, None])
+    alpha = tl.math.exp2(m_i - m_shift)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_cache_ptr + kv_offset[:, None] + dims[None, :], mask=k_valid[:, None], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
 # num_reqs / num_splits vary from step to step: left unspecialised, so that a batch of 16 or 32 requests
 # (Triton specialises ints equal to 1 or divisible by 16) does not compile another variant mid-serving.
-@triton.jit(do_not_specialize=["num_reqs", "num_splits"])
+@triton.jit(do_not_specialize=["num_reqs", "num_splits", "split_offset", "total_splits"])
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -74,9 +98,12 @@ def _paged_attention_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     block_tables_ptr,
+    kv_start_ptr,
     scale_log2,
     num_reqs,
     num_splits,
+    split_offset,
+    total_splits,
     stride_q_token,
     stride_q_head,
     stride_out_token,
@@ -94,6 +121,7 @@ def _paged_attention_kernel(
     TILE_N: tl.constexpr,
     IS_DECODE: tl.constexpr,
     USE_SPLITS: tl.constexpr,
+    CASCADE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -141,12 +169,19 @@ def _paged_attention_kernel(
     # Keys this tile needs: up to the position of its last valid query (causal), at most seq_len.
     kv_end = tl.minimum(seq_len, ctx_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len))
     num_tiles = tl.cdiv(kv_end, TILE_N)
+    # Cascade (decode only): keys before kv_start, the prefix every request of the batch shares, are
+    # `_shared_prefix_kernel`'s; this program takes the rest.
+    if CASCADE:
+        kv_start = tl.load(kv_start_ptr)
+    else:
+        kv_start = 0
+    first_tile = kv_start // TILE_N
     if USE_SPLITS:
-        tiles_per_split = tl.cdiv(num_tiles, num_splits)
-        tile_begin = split * tiles_per_split
+        tiles_per_split = tl.cdiv(tl.maximum(num_tiles - first_tile, 0), num_splits)
+        tile_begin = first_tile + split * tiles_per_split
         tile_end = tl.minimum(num_tiles, tile_begin + tiles_per_split)
     else:
-        tile_begin = 0
+        tile_begin = first_tile
         tile_end = num_tiles
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -158,25 +193,19 @@ def _paged_attention_kernel(
     for t in range(tile_begin, tile_end):
         k_pos = t * TILE_N + cols
         k_valid = k_pos < kv_end
+        if CASCADE:
+            k_valid = k_valid & (k_pos >= kv_start)
         block_id = tl.load(block_table_row + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
         kv_offset = block_id * stride_cache_block + (k_pos % BLOCK_SIZE) * stride_cache_offset + head_offset
-        k = tl.load(k_cache_ptr + kv_offset[None, :] + dims[:, None], mask=k_valid[None, :], other=0.0)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N], log2 domain
         allowed = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # A row with no allowed key yet keeps m = -inf; shift by 0 so exp2 gives 0 instead of NaN.
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_shift[:, None])
-        alpha = tl.math.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + kv_offset[:, None] + dims[None, :], mask=k_valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(
+            q, k_cache_ptr, v_cache_ptr, kv_offset, dims, k_valid, allowed, m_i, l_i, acc, scale_log2, DOT_PRECISION
+        )
 
     if USE_SPLITS:
-        # Partials are [num_tokens, NUM_HEADS, num_splits(, HEAD_DIM)], fp32, unnormalised.
-        part = (token * NUM_HEADS + head) * num_splits + split
+        # Partials are [num_tokens, NUM_HEADS, total_splits(, HEAD_DIM)], fp32, unnormalised; this launch
+        # owns splits split_offset .. split_offset + num_splits - 1 (a cascade's prefix part has the first).
+        part = (token * NUM_HEADS + head) * total_splits + split_offset + split
         tl.store(partial_max_ptr + part, m_i, mask=row_valid)
         tl.store(partial_sum_ptr + part, l_i, mask=row_valid)
         tl.store(partial_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_valid[:, None])
@@ -188,6 +217,80 @@ def _paged_attention_kernel(
             out.to(out_ptr.dtype.element_ty),
             mask=row_valid[:, None],
         )
+
+
+@triton.jit(do_not_specialize=["num_reqs", "num_prefix_splits", "total_splits"])
+def _shared_prefix_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    partial_acc_ptr,
+    partial_max_ptr,
+    partial_sum_ptr,
+    query_start_loc_ptr,
+    block_tables_ptr,
+    prefix_len_ptr,
+    scale_log2,
+    num_reqs,
+    num_prefix_splits,
+    total_splits,
+    stride_q_token,
+    stride_q_head,
+    stride_cache_block,
+    stride_cache_offset,
+    stride_cache_head,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Cascade, first part: every decode query of the batch against the keys 0..prefix_len - 1 that all
+    requests share (the same cache blocks; read through block-table row 0). One program per (tile of
+    BLOCK_M (request, query head) rows, KV head, split of the prefix): each K/V tile is loaded once for
+    BLOCK_M rows of many requests, instead of once per request. No causal mask: every query sits after
+    the prefix. Writes partials at splits 0..num_prefix_splits - 1 for the reduce kernel."""
+    row_tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    rows = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    req = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_valid = req < num_reqs
+    token = tl.load(query_start_loc_ptr + req, mask=row_valid, other=0).to(tl.int64)
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        q_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head + dims[None, :],
+        mask=row_valid[:, None],
+        other=0.0,
+    )
+    prefix_len = tl.load(prefix_len_ptr)
+    num_tiles = tl.cdiv(prefix_len, TILE_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_prefix_splits)
+    tile_begin = split * tiles_per_split
+    tile_end = tl.minimum(num_tiles, tile_begin + tiles_per_split)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    cols = tl.arange(0, TILE_N)
+    head_offset = kv_head.to(tl.int64) * stride_cache_head
+    for t in range(tile_begin, tile_end):
+        k_pos = t * TILE_N + cols
+        k_valid = k_pos < prefix_len
+        block_id = tl.load(block_tables_ptr + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
+        kv_offset = block_id * stride_cache_block + (k_pos % BLOCK_SIZE) * stride_cache_offset + head_offset
+        m_i, l_i, acc = _attend_tile(
+            q, k_cache_ptr, v_cache_ptr, kv_offset, dims, k_valid, k_valid[None, :], m_i, l_i, acc, scale_log2,
+            DOT_PRECISION,
+        )
+
+    part = (token * NUM_HEADS + head) * total_splits + split
+    tl.store(partial_max_ptr + part, m_i, mask=row_valid)
+    tl.store(partial_sum_ptr + part, l_i, mask=row_valid)
+    tl.store(partial_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_valid[:, None])
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -241,6 +344,22 @@ def choose_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     from kvserve.kernels.ops import decode_num_splits
 
     return decode_num_splits(num_reqs, num_kv_heads, max_seq_len, num_sms)
+
+
+def cascade_block_m(num_reqs: int, group: int) -> int:
+    """Rows ((request, query head) pairs) per program of the cascade's shared-prefix part."""
+    return min(CASCADE_PREFIX_MAX_BLOCK_M, max(16, triton.next_power_of_2(num_reqs * group)))
+
+
+def cascade_prefix_splits(num_reqs: int, group: int, num_kv_heads: int, num_sms: int) -> int:
+    """Splits of the shared prefix: enough programs for DECODE_PROGRAMS_PER_SM per SM, at most
+    CASCADE_MAX_PREFIX_SPLITS. Host ints only, and not the prefix length (a CUDA graph reads that from the
+    device): a split past the prefix's last tile writes an empty partial."""
+    from kvserve.kernels.ops import DECODE_PROGRAMS_PER_SM
+
+    programs = triton.cdiv(num_reqs * group, cascade_block_m(num_reqs, group)) * num_kv_heads
+    wanted = triton.cdiv(DECODE_PROGRAMS_PER_SM * num_sms, programs)
+    return max(1, min(wanted, CASCADE_MAX_PREFIX_SPLITS))
 
 
 def _check_contract(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata) -> None:
@@ -346,45 +465,68 @@ def launch_paged_attention(
         grid = (num_tokens // block_q + num_reqs, num_kv_heads, 1)
         _paged_attention_kernel[grid](
             query, k_cache, v_cache, out, out, out, out,
-            metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
-            log2_scale, num_reqs, 1, *strides,
+            metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, metadata.seq_lens,
+            log2_scale, num_reqs, 1, 0, 1, *strides,
             BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=64,
-            IS_DECODE=False, USE_SPLITS=False,
+            IS_DECODE=False, USE_SPLITS=False, CASCADE=False,
             num_warps=8 if block_m >= 128 else 4, num_stages=2,
             **common,
         )  # fmt: skip
         return out
 
+    num_sms = _num_sms(query.device)
     if num_splits is None:
-        num_splits = choose_num_splits(num_reqs, num_kv_heads, metadata.max_seq_len, _num_sms(query.device))
+        num_splits = choose_num_splits(num_reqs, num_kv_heads, metadata.max_seq_len, num_sms)
     assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
+    cascade = metadata.common_prefix_len > 0
     block_m = max(16, triton.next_power_of_2(group))
-    launch = DECODE_LAUNCH_ONE_SPLIT if num_splits == 1 else DECODE_LAUNCH
+    launch = DECODE_LAUNCH_ONE_SPLIT if num_splits == 1 and not cascade else DECODE_LAUNCH
     decode_kwargs = dict(BLOCK_M=block_m, BLOCK_Q=1, IS_DECODE=True, **launch, **common)
-    if num_splits == 1:
+    if num_splits == 1 and not cascade:
         _paged_attention_kernel[(num_reqs, num_kv_heads, 1)](
             query, k_cache, v_cache, out, out, out, out,
-            metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
-            log2_scale, num_reqs, 1, *strides,
-            USE_SPLITS=False, **decode_kwargs,
+            metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, metadata.seq_lens,
+            log2_scale, num_reqs, 1, 0, 1, *strides,
+            USE_SPLITS=False, CASCADE=False, **decode_kwargs,
         )  # fmt: skip
         return out
 
+    prefix_splits = 0
+    prefix_block_m = 0
+    if cascade:
+        prefix_len = metadata.common_prefix_len_tensor
+        assert prefix_len is not None and prefix_len.device == query.device and prefix_len.dtype == torch.int32, (
+            "a cascade batch needs metadata.common_prefix_len_tensor, int32 on the query's device"
+        )
+        prefix_block_m = cascade_block_m(num_reqs, group)
+        prefix_splits = cascade_prefix_splits(num_reqs, group, num_kv_heads, num_sms)
+    total_splits = prefix_splits + num_splits
     partial_acc = torch.empty(
-        num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device
+        num_tokens, num_heads, total_splits, head_dim, dtype=torch.float32, device=query.device
     )
-    partial_max = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=query.device)
-    partial_sum = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=query.device)
+    partial_max = torch.empty(num_tokens, num_heads, total_splits, dtype=torch.float32, device=query.device)
+    partial_sum = torch.empty(num_tokens, num_heads, total_splits, dtype=torch.float32, device=query.device)
+    if cascade:
+        _shared_prefix_kernel[(triton.cdiv(num_reqs * group, prefix_block_m), num_kv_heads, prefix_splits)](
+            query, k_cache, v_cache, partial_acc, partial_max, partial_sum,
+            metadata.query_start_loc, metadata.block_tables, prefix_len,
+            log2_scale, num_reqs, prefix_splits, total_splits,
+            query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            BLOCK_M=prefix_block_m, TILE_N=CASCADE_PREFIX_TILE_N,
+            num_warps=8 if prefix_block_m >= 128 else 4, num_stages=2,
+            **common,
+        )  # fmt: skip
     _paged_attention_kernel[(num_reqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, out, partial_acc, partial_max, partial_sum,
         metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
-        log2_scale, num_reqs, num_splits, *strides,
-        USE_SPLITS=True, **decode_kwargs,
+        prefix_len if cascade else metadata.seq_lens,
+        log2_scale, num_reqs, num_splits, prefix_splits, total_splits, *strides,
+        USE_SPLITS=True, CASCADE=cascade, **decode_kwargs,
     )  # fmt: skip
     _reduce_splits_kernel[(num_tokens, num_heads)](
         partial_acc, partial_max, partial_sum, out,
-        num_splits, out.stride(0), out.stride(1),
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits),
+        total_splits, out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(total_splits),
         num_warps=4,
     )  # fmt: skip
     return out

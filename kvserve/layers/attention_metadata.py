@@ -31,6 +31,11 @@ class AttentionMetadata:
     slot_mapping: int64 [num_tokens], cache slot of each new token.
     max_query_len / max_seq_len: host ints (kernel grid sizing, no device sync needed).
     query_start_loc_cpu / seq_lens_cpu: host copies for backends that loop on the host.
+    common_prefix_len: decode-only batches: how many leading tokens every request shares in the same
+        cache blocks (> 0 only when the runner chose cascade attention; then < every request's seq_len).
+        Backends may attend to those keys once for the whole batch; the result is the same attention.
+    common_prefix_len_tensor: the same number, int32 [1] on the device (what the kernels read, so that a
+        CUDA graph captured for cascade serves any prefix length); set whenever common_prefix_len > 0.
     """
 
     query_start_loc: torch.Tensor
@@ -41,6 +46,8 @@ class AttentionMetadata:
     max_seq_len: int
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    common_prefix_len: int = 0
+    common_prefix_len_tensor: torch.Tensor | None = None
     # Per-step derived data a backend builds once and reuses in every layer (keyed by backend name).
     backend_cache: dict[str, Any] = field(default_factory=dict, repr=False)
 

@@ -7,7 +7,9 @@ replay only needs those buffers refilled: `InputBuffers.prepare(..., pad_to=size
 rows that write nothing (slot -1) and attend to nothing (seq_len 0).
 
 Graphs are captured largest first into one shared memory pool (they never run concurrently, so their
-activations can share memory). Attention's split count is fixed at capture from (batch size,
+activations can share memory). With cascade attention on, sizes of at least `cascade_min_size` get a
+second graph whose attention reads the shared-prefix length from a device buffer, so it serves any
+prefix. Attention's split count is fixed at capture from (batch size,
 max_model_len); `triton_attention`'s docstring says why that stays valid for every shorter context.
 Batches with prefill chunks run eagerly: their GPU time (ms per chunk) dwarfs the launch overhead.
 """
@@ -66,21 +68,30 @@ class CUDAGraphRunner:
         block_tables: torch.Tensor,
         sizes: Sequence[int],
         max_model_len: int,
+        cascade_min_size: int | None = None,
     ) -> None:
+        """cascade_min_size: also capture cascade graphs for sizes >= it (needs buffers
+        "common_prefix_len"); None: none."""
         self.model = model
         self.kv_caches = kv_caches
         self.buffers = buffers
         self.block_tables = block_tables
         self.sizes = sorted(sizes)
         self.max_model_len = max_model_len
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.cascade_sizes = (
+            [s for s in self.sizes if s >= cascade_min_size] if cascade_min_size is not None else []
+        )
+        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool_bytes = 0
         self.capture_s = 0.0
 
     def padded_size(self, num_reqs: int) -> int | None:
         return padded_batch_size(num_reqs, self.sizes) if self._graphs else None
 
-    def _metadata(self, size: int) -> AttentionMetadata:
+    def has(self, size: int, cascade: bool) -> bool:
+        return (size, cascade) in self._graphs
+
+    def _metadata(self, size: int, cascade: bool) -> AttentionMetadata:
         b = self.buffers
         return AttentionMetadata(
             query_start_loc=b["query_start_loc"][: size + 1],
@@ -92,11 +103,15 @@ class CUDAGraphRunner:
             max_seq_len=self.max_model_len,
             query_start_loc_cpu=list(range(size + 1)),
             seq_lens_cpu=[self.max_model_len] * size,
+            # Any positive host value selects the cascade kernels; they read the length from the buffer.
+            common_prefix_len=1 if cascade else 0,
+            common_prefix_len_tensor=b["common_prefix_len"] if cascade else None,
         )
 
-    def _forward(self, size: int) -> torch.Tensor:
+    def _forward(self, size: int, cascade: bool) -> torch.Tensor:
         b = self.buffers
-        return self.model(b["input_ids"][:size], b["positions"][:size], self.kv_caches, self._metadata(size))
+        metadata = self._metadata(size, cascade)
+        return self.model(b["input_ids"][:size], b["positions"][:size], self.kv_caches, metadata)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -111,31 +126,36 @@ class CUDAGraphRunner:
         b["seq_lens"][:largest].zero_()
         b["query_start_loc"][: largest + 1].copy_(torch.arange(largest + 1, dtype=torch.int32))
         self.block_tables[:largest].zero_()
+        if self.cascade_sizes:
+            b["common_prefix_len"].zero_()
         torch.cuda.synchronize()
         before = torch.cuda.mem_get_info()[0]
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for size in reversed(self.sizes):
+            variants = [(size, True) for size in self.cascade_sizes] + [(size, False) for size in self.sizes]
+            for size, cascade in sorted(variants, reverse=True):
                 # Warm-up outside capture: compiles the Triton kernels of this shape, sets up cuBLAS.
-                self._forward(size)
+                self._forward(size, cascade)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    out = self._forward(size)
-                self._graphs[size] = (graph, out)
+                    out = self._forward(size, cascade)
+                self._graphs[(size, cascade)] = (graph, out)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         self.pool_bytes = max(before - torch.cuda.mem_get_info()[0], 0)
         self.capture_s = time.perf_counter() - start
         logger.info(
-            "captured %d decode CUDA graphs (batch sizes %s) in %.1f s, pool %.1f MiB",
-            len(self._graphs), self.sizes, self.capture_s, self.pool_bytes / (1 << 20),
+            "captured %d decode CUDA graphs (batch sizes %s%s) in %.1f s, pool %.1f MiB",
+            len(self._graphs), self.sizes,
+            f"; cascade attention at {self.cascade_sizes}" if self.cascade_sizes else "",
+            self.capture_s, self.pool_bytes / (1 << 20),
         )
 
-    def replay(self, size: int) -> torch.Tensor:
-        """Run the graph of `size` over the current buffer contents; returns its hidden states
-        [size, hidden_size] (a buffer of the pool, valid until the next replay)."""
-        graph, out = self._graphs[size]
+    def replay(self, size: int, cascade: bool = False) -> torch.Tensor:
+        """Run the graph of `size` (its cascade variant if `cascade`) over the current buffer contents;
+        returns its hidden states [size, hidden_size] (a buffer of the pool, valid until the next replay)."""
+        graph, out = self._graphs[(size, cascade)]
         graph.replay()
         return out

@@ -40,6 +40,32 @@ class BatchInputs:
     padded_num_reqs: int | None  # decode batch padded to this CUDA-graph size (>= num_reqs), or None
     is_decode_only: bool
     all_rows_sample: bool  # decode-only and every row samples: logits rows = hidden[:num_reqs]
+    cascade: bool = False  # attn_metadata.common_prefix_len > 0 (replay the cascade graph of the size)
+
+
+# Cascade attention pays only when many requests share a long prefix; below these a decode batch attends
+# as usual. Starting points, not yet measured on a GPU.
+CASCADE_MIN_REQS = 8
+CASCADE_MIN_PREFIX_TOKENS = 256
+
+
+def common_prefix_len(block_table: np.ndarray, rows: np.ndarray, seq_lens: np.ndarray, block_size: int) -> int:
+    """Leading tokens that every request of a decode batch keeps in the same cache blocks, capped below
+    each request's last token (its query, which attends as the request's own part).
+
+    block_table: the host block table [num_rows, width]; rows: the batch's rows in it; seq_lens: the
+    requests' lengths after this step. Reads only the columns that can be shared.
+    """
+    if len(seq_lens) == 0:
+        return 0
+    limit = int(seq_lens.min()) - 1
+    if limit <= 0:
+        return 0
+    cols = -(-limit // block_size)
+    table = block_table[:, :cols][rows]
+    same = (table == table[:1]).all(axis=0)
+    shared_blocks = cols if bool(same.all()) else int(same.argmin())
+    return min(shared_blocks * block_size, limit)
 
 
 def _host_buffer(size: int | tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -162,12 +188,19 @@ class InputBuffers:
     """
 
     def __init__(
-        self, max_num_tokens: int, max_num_reqs: int, block_table_width: int, block_size: int, device: torch.device
+        self,
+        max_num_tokens: int,
+        max_num_reqs: int,
+        block_table_width: int,
+        block_size: int,
+        device: torch.device,
+        cascade: bool = False,
     ) -> None:
         self.max_num_tokens = max_num_tokens
         self.max_num_reqs = max_num_reqs
         self.block_size = block_size
         self.device = device
+        self.cascade = cascade
         pin = device.type == "cuda"
         self._host = {
             "input_ids": _host_buffer(max_num_tokens, torch.int64, pin),
@@ -180,6 +213,7 @@ class InputBuffers:
             # Placeholder fix-ups: row 0 the token offsets in this batch, row 1 the rows of the previous
             # step's sampled ids that hold them.
             "placeholders": _host_buffer((2, max_num_reqs), torch.int64, pin),
+            "common_prefix_len": _host_buffer(1, torch.int32, pin),
         }
         self._np = {name: t.numpy() for name, t in self._host.items()}
         self.dev = {name: torch.zeros_like(t, device=device) for name, t in self._host.items()}
@@ -256,6 +290,13 @@ class InputBuffers:
         if num_placeholders:
             self._fill_placeholder_rows(scheduled, qsl, placeholders, prev_sampled)
 
+        prefix_len = 0
+        if self.cascade and is_decode and num_reqs >= CASCADE_MIN_REQS:
+            prefix_len = common_prefix_len(block_table.host, rows, seq_lens, self.block_size)
+            if prefix_len < CASCADE_MIN_PREFIX_TOKENS:
+                prefix_len = 0
+            h["common_prefix_len"][0] = prefix_len
+
         padded = pad_to if (is_decode and pad_to is not None) else None
         if padded is not None:
             if padded < num_reqs or padded > self.max_num_reqs or padded > self.max_num_tokens:
@@ -276,6 +317,7 @@ class InputBuffers:
             ("seq_lens", n_reqs),
             ("rows", n_reqs),
             ("logits_indices", num_sampled),
+            ("common_prefix_len", 1 if prefix_len else 0),
         ):
             dev[name][:length].copy_(self._host[name][:length], non_blocking=True)
         if num_placeholders:
@@ -297,6 +339,8 @@ class InputBuffers:
             max_seq_len=int(seq_lens.max()) if num_reqs else 0,
             query_start_loc_cpu=qsl[: n_reqs + 1].tolist(),
             seq_lens_cpu=h["seq_lens"][:n_reqs].tolist(),
+            common_prefix_len=prefix_len,
+            common_prefix_len_tensor=dev["common_prefix_len"] if prefix_len else None,
         )
         return BatchInputs(
             input_ids=dev["input_ids"][:n_tokens],
@@ -308,6 +352,7 @@ class InputBuffers:
             padded_num_reqs=padded,
             is_decode_only=is_decode,
             all_rows_sample=is_decode and num_sampled == num_reqs,
+            cascade=prefix_len > 0,
         )
 
     def _fill_placeholder_rows(

@@ -30,7 +30,7 @@ from kvserve.layers.sampler import Sampler, SamplingRow, make_generator
 from kvserve.model.loader import load_model
 from kvserve.protocol.sampling_params import SamplingParams
 from kvserve.worker.cuda_graph import CUDAGraphRunner
-from kvserve.worker.input_batch import BlockTable, InputBuffers
+from kvserve.worker.input_batch import CASCADE_MIN_REQS, BlockTable, InputBuffers
 from kvserve.worker.memory import CUDA_GRAPH_RESERVE_BYTES, KVCachePlan, MemoryProfile, plan_kv_cache
 
 logger = logging.getLogger(__name__)
@@ -119,6 +119,7 @@ class ModelRunner:
             block_table_width=width,
             block_size=self.block_size,
             device=self.device,
+            cascade=config.cascade_attn,
         )
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: CUDAGraphRunner | None = None
@@ -273,6 +274,7 @@ class ModelRunner:
             self.inputs.block_tables,
             self.config.cuda_graph_sizes,
             self.config.model_config.max_model_len,
+            cascade_min_size=CASCADE_MIN_REQS if self.config.cascade_attn else None,
         )
         try:
             graphs.capture()
@@ -310,8 +312,10 @@ class ModelRunner:
         num_reqs = len(scheduler_output.scheduled)
         pad_to = self.graphs.padded_size(num_reqs) if self.graphs is not None else None
         batch = self.inputs.prepare(scheduler_output, self.block_table, pad_to, self._prev_sampled)
-        if batch.padded_num_reqs is not None and self.graphs is not None:
-            hidden = self.graphs.replay(batch.padded_num_reqs)
+        if batch.padded_num_reqs is not None and self.graphs is not None and self.graphs.has(
+            batch.padded_num_reqs, batch.cascade
+        ):
+            hidden = self.graphs.replay(batch.padded_num_reqs, batch.cascade)
         else:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)
         if not batch.sampled_req_ids:

@@ -147,6 +147,40 @@ def test_async_scheduling_matches_sync(checkpoints: dict[str, str], model: str) 
     assert results[True] == results[False]
 
 
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_cascade_attention_matches_plain(checkpoints: dict[str, str], model: str, enforce_eager: bool) -> None:
+    """12 requests sharing a 300-token prefix (then their own 5-60 tokens): cascade decode (graphs or eager)
+    gives the plain engine's greedy tokens, and really runs."""
+    from kvserve.worker.input_batch import CASCADE_MIN_PREFIX_TOKENS, CASCADE_MIN_REQS
+
+    generator = torch.Generator().manual_seed(21)
+    shared = torch.randint(3, VOCAB, (300,), generator=generator).tolist()
+    prompts = [shared + p[:60] for p in _prompts(12, seed=22)]
+    assert len(prompts) >= CASCADE_MIN_REQS and len(shared) >= CASCADE_MIN_PREFIX_TOKENS + 16
+    results = {}
+    for cascade in (True, False):
+        core = _core(checkpoints[model], "float32", enforce_eager=enforce_eager, cascade_attn=cascade,
+                     async_scheduling=False)
+        _generate(core, prompts[:1], 2)  # the shared prefix goes into the cache first
+        seen: list[bool] = []
+        prepare = core.runner.inputs.prepare
+
+        def spy(*args: Any, _prepare: Any = prepare, _seen: list[bool] = seen, **kwargs: Any) -> Any:
+            batch = _prepare(*args, **kwargs)
+            _seen.append(batch.cascade)
+            return batch
+
+        core.runner.inputs.prepare = spy  # type: ignore[method-assign]
+        results[cascade] = [t for t, _ in _generate(core, prompts, 24)]
+        assert any(seen) == cascade
+        if cascade and not enforce_eager:
+            graphs = core.runner.graphs
+            assert graphs is not None and graphs.cascade_sizes and graphs.has(graphs.cascade_sizes[0], True)
+        del core
+    assert results[True] == results[False]
+
+
 def _teacher_forced_logprobs(model: torch.nn.Module, prompt: list[int], generated: list[int]) -> torch.Tensor:
     """float32 [len(generated), vocab]: log-softmax at every position that predicted a generated token."""
     ids = torch.tensor([prompt + generated[:-1]], device="cuda")

@@ -164,6 +164,76 @@ def test_decode_padding_rows_give_zeros(num_splits, device):
     assert torch.equal(out[1], torch.zeros_like(out[1]))
 
 
+def share_prefix(metadata: AttentionMetadata, shared_blocks: int, prefix_len: int) -> AttentionMetadata:
+    """The batch's requests share their first `shared_blocks` cache blocks (row 0's), and the metadata asks
+    for cascade attention over the first `prefix_len` keys."""
+    block_tables = metadata.block_tables.clone()
+    block_tables[:, :shared_blocks] = block_tables[0, :shared_blocks]
+    return AttentionMetadata(
+        **{
+            **vars(metadata),
+            "block_tables": block_tables,
+            "common_prefix_len": prefix_len,
+            "common_prefix_len_tensor": torch.tensor([prefix_len], dtype=torch.int32, device=block_tables.device),
+        }
+    )
+
+
+def check_cascade(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+                  num_splits: int | None = None) -> torch.Tensor:
+    """Cascade output equals the reference (which ignores the shared prefix) and the plain kernel."""
+    check_attention(query, kv_cache, metadata, num_splits=num_splits)
+    plain = AttentionMetadata(**{**vars(metadata), "common_prefix_len": 0, "common_prefix_len_tensor": None})
+    cascade_out = launch_paged_attention(query, kv_cache, metadata, 0.125, num_splits=num_splits)
+    plain_out = launch_paged_attention(query, kv_cache, plain, 0.125, num_splits=num_splits)
+    torch.testing.assert_close(cascade_out, plain_out, **TOLERANCES[query.dtype])
+    return cascade_out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("num_splits", [None, 1, 3], ids=lambda s: f"splits={s}")
+@pytest.mark.parametrize(
+    "prefix_len", [64, 50, 76], ids=["tile_boundary", "mid_block", "up_to_a_query"]
+)
+def test_cascade_decode_matches_reference(
+    dtype, shape, num_splits, prefix_len, device, skip_bf16_on_interpreter, poison_allocations
+):
+    """Decode rows sharing 5 blocks (80 tokens) of 16; the prefix attended once ends on a tile boundary,
+    inside a block, or right before the shortest request's own query token. Split scratch starts as NaN."""
+    skip_bf16_on_interpreter(dtype)
+    poison_allocations(triton_attention)
+    num_heads, num_kv_heads = SHAPES[shape]
+    seq_lens = [300, 77, 260, 150]
+    query, kv_cache, metadata = make_batch([1] * 4, seq_lens, num_heads, num_kv_heads, 64, 16, dtype, device, seed=5)
+    check_cascade(query, kv_cache, share_prefix(metadata, 5, prefix_len), num_splits)
+
+
+def test_cascade_many_rows_and_padding(device, poison_allocations):
+    """20 requests x 7 query heads per KV head: the shared part spans two 128-row tiles; padding rows
+    (seq_len 0, CUDA-graph batches) stay finite and real rows are exact."""
+    poison_allocations(triton_attention)
+    gen = torch.Generator().manual_seed(6)
+    seq_lens = [int(x) for x in torch.randint(70, 200, (20,), generator=gen)] + [0, 0]
+    query, kv_cache, metadata = make_batch([1] * 22, seq_lens, 14, 2, 64, 16, torch.float32, device, seed=6)
+    metadata = share_prefix(metadata, 4, 64)
+    scale = 0.125
+    out = launch_paged_attention(query, kv_cache, metadata, scale)
+    expected = reference.paged_attention(query, kv_cache, metadata, scale)
+    torch.testing.assert_close(out[:20], expected[:20], **TOLERANCES[torch.float32])
+    assert torch.isfinite(out).all()
+
+
+def test_cascade_prefix_splits_are_graph_stable():
+    # Host ints only, never the prefix length; enough programs for the H200's SMs, within the cap.
+    for num_reqs in (1, 8, 64, 256):
+        splits = triton_attention.cascade_prefix_splits(num_reqs, 7, 4, 132)
+        assert 1 <= splits <= triton_attention.CASCADE_MAX_PREFIX_SPLITS
+        block_m = triton_attention.cascade_block_m(num_reqs, 7)
+        programs = -(-num_reqs * 7 // block_m) * 4 * splits
+        assert programs >= 2 * 132 or splits == triton_attention.CASCADE_MAX_PREFIX_SPLITS
+
+
 def test_query_and_out_may_be_views(device):
     """query as a slice of a fused QKV projection, out as a slice of a wider buffer."""
     num_heads, num_kv_heads, head_dim = 6, 2, 64
@@ -312,9 +382,11 @@ def test_kernels_compile_for_hopper(device, hopper_compiler):
         decode = make_batch([1, 1], [900, 40], num_heads, num_kv_heads, head_dim, 16, dtype, device)
         prefill = make_batch([40, 1], [50, 9], num_heads, num_kv_heads, head_dim, 16, dtype, device)
         tiny_chunks = make_batch([2, 1], [50, 9], num_heads, num_kv_heads, head_dim, 16, dtype, device)
+        cascade = (decode[0], decode[1], share_prefix(decode[2], 2, 32))
         for batch, kernels, splits in (
             (decode, attention_kernels[:1], 1),
             (decode, attention_kernels, 4),
+            (cascade, ["_shared_prefix_kernel", *attention_kernels], 1),
             (prefill, attention_kernels[:1], None),
             (tiny_chunks, attention_kernels[:1], None),
         ):

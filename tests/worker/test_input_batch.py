@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from kvserve.core.outputs import ScheduledRequest, SchedulerOutput
-from kvserve.worker.input_batch import BlockTable, InputBuffers
+from kvserve.worker.input_batch import (
+    CASCADE_MIN_PREFIX_TOKENS,
+    CASCADE_MIN_REQS,
+    BlockTable,
+    InputBuffers,
+    common_prefix_len,
+)
 
 BLOCK_SIZE = 4
 WIDTH = 8  # max_model_len 32
@@ -144,3 +151,69 @@ def test_placeholder_tokens_come_from_the_previous_steps_samples() -> None:
     table.apply(decode)
     with pytest.raises(RuntimeError, match="did not sample"):
         buffers.prepare(decode, table, prev_sampled=prev)
+
+
+# ------------------------------------------------------------------------------- cascade attention
+
+
+def test_common_prefix_len_counts_shared_blocks_below_every_query() -> None:
+    table = np.array([[7, 3, 5, 9, 0], [7, 3, 5, 2, 0], [7, 3, 6, 1, 0], [4, 4, 4, 4, 4]], dtype=np.int32)
+    # Rows 0-2 share blocks 7, 3 (8 tokens of block size 4); row 2 differs from the third block on.
+    assert common_prefix_len(table, np.array([0, 1, 2]), np.array([15, 15, 15]), 4) == 8
+    assert common_prefix_len(table, np.array([0, 1]), np.array([15, 15]), 4) == 12
+    # A request's own query token is never part of the prefix: capped at the shortest length - 1.
+    assert common_prefix_len(table, np.array([0, 1]), np.array([15, 7]), 4) == 6
+    assert common_prefix_len(table, np.array([0, 1]), np.array([15, 1]), 4) == 0
+    assert common_prefix_len(table, np.array([0, 3]), np.array([15, 15]), 4) == 0
+    # One request shares everything with itself, up to its query.
+    assert common_prefix_len(table, np.array([0]), np.array([13]), 4) == 12
+    assert common_prefix_len(table, np.array([], dtype=np.int64), np.array([], dtype=np.int64), 4) == 0
+
+
+def _shared_prompt_steps(num_reqs: int, prompt_len: int, cascade: bool, shared: bool = True
+                         ) -> tuple[BlockTable, InputBuffers, SchedulerOutput, dict[str, list[int]]]:
+    """num_reqs requests whose prompts share all full blocks (or, not `shared`, have their own) and own
+    their last block; returns the buffers after the prefill step and the first decode step's output."""
+    block_size = 16
+    width = 64
+    device = torch.device("cpu")
+    table = BlockTable(num_rows=num_reqs, width=width, device=device)
+    buffers = InputBuffers(max_num_tokens=num_reqs * prompt_len, max_num_reqs=num_reqs + 4, block_table_width=width,
+                           block_size=block_size, device=device, cascade=cascade)
+    full = prompt_len // block_size
+    tables: dict[str, list[int]] = {}
+    prefill = []
+    for r in range(num_reqs):
+        first = 1 if shared else 1 + r * full  # shared: the prefix cache hands every request the same ids
+        tables[f"r{r}"] = list(range(first, first + full)) + [5000 + r]
+        prefill.append(_sched(f"r{r}", [r] * prompt_len, 0, tables[f"r{r}"], reset=True))
+    out = SchedulerOutput(scheduled=prefill)
+    table.apply(out)
+    buffers.prepare(out, table)
+    decode = SchedulerOutput(scheduled=[_sched(f"r{r}", [r], prompt_len, []) for r in range(num_reqs)])
+    table.apply(decode)
+    return table, buffers, decode, tables
+
+
+def test_decode_batch_sharing_a_long_prefix_gets_cascade_metadata() -> None:
+    prompt_len = CASCADE_MIN_PREFIX_TOKENS + 40  # 296 tokens: 18 full blocks shared (288 tokens)
+    table, buffers, decode, _ = _shared_prompt_steps(CASCADE_MIN_REQS, prompt_len, cascade=True)
+    batch = buffers.prepare(decode, table, pad_to=CASCADE_MIN_REQS + 4)
+    md = batch.attn_metadata
+    assert batch.cascade and md.common_prefix_len == 288
+    assert md.common_prefix_len_tensor is not None and md.common_prefix_len_tensor.tolist() == [288]
+    # Padding rows do not lower the prefix, and every real row really holds those blocks.
+    shared_cols = 288 // 16
+    rows = md.block_tables[: CASCADE_MIN_REQS, :shared_cols]
+    assert bool((rows == rows[0]).all())
+
+
+@pytest.mark.parametrize("case", ["flag_off", "too_few_requests", "prefix_too_short", "nothing_shared"])
+def test_cascade_only_when_enabled_and_worth_it(case: str) -> None:
+    num_reqs = CASCADE_MIN_REQS - 1 if case == "too_few_requests" else CASCADE_MIN_REQS
+    prompt_len = CASCADE_MIN_PREFIX_TOKENS - 10 if case == "prefix_too_short" else CASCADE_MIN_PREFIX_TOKENS + 40
+    table, buffers, decode, _ = _shared_prompt_steps(num_reqs, prompt_len, cascade=case != "flag_off",
+                                                     shared=case != "nothing_shared")
+    batch = buffers.prepare(decode, table)
+    assert not batch.cascade
+    assert batch.attn_metadata.common_prefix_len == 0 and batch.attn_metadata.common_prefix_len_tensor is None

@@ -1,0 +1,20 @@
+"""Engine flags of the CLI map onto EngineArgs under vLLM's names."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve.config import EngineArgs
+from kvserve.entrypoints.cli import build_parser, engine_args_from
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [([], False), (["--cascade-attn"], True), (["--no-cascade-attn"], False),
+     (["--cascade-attn", "--disable-cascade-attn"], False)],
+)
+def test_cascade_attn_flag(flags: list[str], expected: bool) -> None:
+    ns = build_parser().parse_args(["generate", "--prompt", "x", *flags])
+    args = engine_args_from(ns)
+    assert args["cascade_attn"] is expected
+    assert EngineArgs(**args).cascade_attn is expected  # type: ignore[arg-type]
