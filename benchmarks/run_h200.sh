@@ -33,11 +33,11 @@ for step in "$@"; do
           timeout 90 python3 benchmarks/engine_benchmarks.py --out "$R/prefix$i" --sections prefix >> "$R/prefix2.log" 2>&1
         done ;;
     cascade) for mode in no-cascade cascade; do
-          timeout 150 python3 benchmarks/engine_benchmarks.py --out "$R/prefix_$mode" --sections start,prefix \
+          timeout 130 python3 benchmarks/engine_benchmarks.py --out "$R/prefix_$mode" --sections start,prefix \
             --$mode-attn >> "$R/cascade.log" 2>&1
         done
-        timeout 120 python3 -m pytest -q -rA -p no:cacheprovider tests/gpu -k cascade >> "$R/cascade.log" 2>&1
-        timeout 200 python3 benchmarks/engine_benchmarks.py --out "$R/cascade_kprofile" --sections kprofile \
+        timeout 100 python3 -m pytest -q -rA -p no:cacheprovider tests/gpu -k cascade >> "$R/cascade.log" 2>&1
+        timeout 150 python3 benchmarks/engine_benchmarks.py --out "$R/cascade_kprofile" --sections kprofile \
           --kprofile-cases shared256 --cascade-attn >> "$R/cascade.log" 2>&1 ;;
     profile) timeout 90 python3 benchmarks/engine_benchmarks.py --out "$R/profile" --sections profile \
               > "$R/profile.log" 2>&1 ;;
@@ -71,13 +71,14 @@ for step in "$@"; do
 done
 tar czf "$OUT/results.tgz" -C "$R" .
 echo "=== total $(( $(date +%s) - T0 ))s"
-for f in "$R"/serve.log "$R"/diag3.log "$R"/ttftab.log "$R"/prefixab.log "$R"/diag2.log "$R"/async.log "$R"/sweep.log "$R"/diag.log "$R"/profile.log "$R"/pytest_gpu.log "$R"/engine.log "$R"/engine2.log "$R"/eager.log "$R"/ab.log "$R"/prefix2.log "$R"/hf.log "$R"/gpu_kernels.log "$R"/elementwise.log; do
+for f in "$R"/cascade.log "$R"/serve.log "$R"/diag3.log "$R"/ttftab.log "$R"/prefixab.log "$R"/diag2.log "$R"/async.log "$R"/sweep.log "$R"/diag.log "$R"/profile.log "$R"/pytest_gpu.log "$R"/engine.log "$R"/engine2.log "$R"/eager.log "$R"/ab.log "$R"/prefix2.log "$R"/hf.log "$R"/gpu_kernels.log "$R"/elementwise.log; do
   [ -f "$f" ] || continue
   echo "##### $(basename "$f")"
   case $(basename "$f") in
     pytest_gpu.log) grep -E "passed|failed|PASSED|FAILED|Error|error|kvserve bf16|skipped" "$f" | tail -25 ;;
     gpu_kernels.log) grep -E "FAIL|False|rows," "$f" | tail -8; tail -c 2500 "$f" ;;
     ab.log|prefix2.log) grep -E "^decode|^prefix|Error|failed" "$f" ;;
+    cascade.log) grep -E "^prefix|^engine start|passed|failed|Error|^kernel profile|^ +[0-9]" "$f" | tail -40 ;;
     profile.log) tail -c 4500 "$f" ;;
     serve.log) tail -c 2500 "$f" ;;
     diag3.log) tail -c 1500 "$f" ;;

@@ -26,9 +26,9 @@ CUDA graphs (decode): a launch reads only device tensors plus host ints, never s
 fixed-size scratch. The grid and the scratch size depend on `num_reqs`, `num_tokens`, the model's head
 counts and `num_splits`, which `choose_num_splits` derives from `num_reqs` and `max_seq_len`. So a captured
 graph is valid for replays with the same `num_reqs` (pad the batch; padding rows may have seq_len 0 and
-produce zeros) and any seq_lens <= the `max_seq_len` it was captured with (capture with the bucket's upper
+produce zeros, or, in a cascade batch, finite values from the shared prefix that nobody reads) and any seq_lens <= the `max_seq_len` it was captured with (capture with the bucket's upper
 bound). `query`, `out`, `kv_cache`, `query_start_loc`, `seq_lens` and `block_tables` must be the same
-tensors (updated in place) at every replay, block_tables at least `max_seq_len / block_size` wide. Mixed
+tensors (updated in place) at every replay (a cascade graph: `common_prefix_len_tensor` too), block_tables at least `max_seq_len / block_size` wide. Mixed
 batches have no host sync either (grid from num_tokens, num_reqs, max_query_len), but are not meant for
 capture.
 """

@@ -4,7 +4,8 @@ A decode step of a 7B model is ~28 x 12 kernel launches whose Python + launch co
 exceed the GPU time at small batches; one graph replay costs ~10 us. Each graph is captured over the
 runner's persistent device buffers (`InputBuffers.dev`, its batch block-table buffer, the KV cache), so a
 replay only needs those buffers refilled: `InputBuffers.prepare(..., pad_to=size)` does that, with padding
-rows that write nothing (slot -1) and attend to nothing (seq_len 0).
+rows that write nothing (slot -1) and attend to no key of their own (seq_len 0; in a cascade graph they
+still attend to the shared prefix, and their output is never read).
 
 Graphs are captured largest first into one shared memory pool (they never run concurrently, so their
 activations can share memory). With cascade attention on, sizes of at least `cascade_min_size` get a

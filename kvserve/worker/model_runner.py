@@ -29,8 +29,9 @@ from kvserve.layers.attention_metadata import AttentionMetadata
 from kvserve.layers.sampler import Sampler, SamplingRow, make_generator
 from kvserve.model.loader import load_model
 from kvserve.protocol.sampling_params import SamplingParams
+from kvserve.worker import input_batch
 from kvserve.worker.cuda_graph import CUDAGraphRunner
-from kvserve.worker.input_batch import CASCADE_MIN_REQS, BlockTable, InputBuffers
+from kvserve.worker.input_batch import BlockTable, InputBuffers
 from kvserve.worker.memory import CUDA_GRAPH_RESERVE_BYTES, KVCachePlan, MemoryProfile, plan_kv_cache
 
 logger = logging.getLogger(__name__)
@@ -274,7 +275,7 @@ class ModelRunner:
             self.inputs.block_tables,
             self.config.cuda_graph_sizes,
             self.config.model_config.max_model_len,
-            cascade_min_size=CASCADE_MIN_REQS if self.config.cascade_attn else None,
+            cascade_min_size=input_batch.CASCADE_MIN_REQS if self.config.cascade_attn else None,
         )
         try:
             graphs.capture()

@@ -148,10 +148,15 @@ def test_async_scheduling_matches_sync(checkpoints: dict[str, str], model: str) 
 
 
 @pytest.mark.parametrize("model", list(MODELS))
-@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
-def test_cascade_attention_matches_plain(checkpoints: dict[str, str], model: str, enforce_eager: bool) -> None:
-    """12 requests sharing a 300-token prefix (then their own 5-60 tokens): cascade decode (graphs or eager)
-    gives the plain engine's greedy tokens, and really runs."""
+@pytest.mark.parametrize(
+    "enforce_eager, async_scheduling", [(False, True), (False, False), (True, False)],
+    ids=["graphs-async", "graphs-sync", "eager-sync"],
+)
+def test_cascade_attention_matches_plain(
+    checkpoints: dict[str, str], model: str, enforce_eager: bool, async_scheduling: bool
+) -> None:
+    """12 requests sharing a 300-token prefix (then their own 5-60 tokens): cascade decode (graphs or eager,
+    pipelined steps or not) gives the plain engine's greedy tokens, and really runs."""
     from kvserve.worker.input_batch import CASCADE_MIN_PREFIX_TOKENS, CASCADE_MIN_REQS
 
     generator = torch.Generator().manual_seed(21)
@@ -161,7 +166,7 @@ def test_cascade_attention_matches_plain(checkpoints: dict[str, str], model: str
     results = {}
     for cascade in (True, False):
         core = _core(checkpoints[model], "float32", enforce_eager=enforce_eager, cascade_attn=cascade,
-                     async_scheduling=False)
+                     async_scheduling=async_scheduling)
         _generate(core, prompts[:1], 2)  # the shared prefix goes into the cache first
         seen: list[bool] = []
         prepare = core.runner.inputs.prepare

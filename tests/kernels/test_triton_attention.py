@@ -383,10 +383,17 @@ def test_kernels_compile_for_hopper(device, hopper_compiler):
         prefill = make_batch([40, 1], [50, 9], num_heads, num_kv_heads, head_dim, 16, dtype, device)
         tiny_chunks = make_batch([2, 1], [50, 9], num_heads, num_kv_heads, head_dim, 16, dtype, device)
         cascade = (decode[0], decode[1], share_prefix(decode[2], 2, 32))
+        # 12 and 40 requests: the shared-prefix kernel's 64- and 128-row tiles (at GQA group 7).
+        cascade_wide = [
+            (b[0], b[1], share_prefix(b[2], 2, 32))
+            for b in (make_batch([1] * n, [40] * n, num_heads, num_kv_heads, head_dim, 16, dtype, device)
+                      for n in (12, 40))
+        ]
         for batch, kernels, splits in (
             (decode, attention_kernels[:1], 1),
             (decode, attention_kernels, 4),
             (cascade, ["_shared_prefix_kernel", *attention_kernels], 1),
+            *((b, ["_shared_prefix_kernel"], 1) for b in cascade_wide),
             (prefill, attention_kernels[:1], None),
             (tiny_chunks, attention_kernels[:1], None),
         ):
