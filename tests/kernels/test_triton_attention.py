@@ -393,7 +393,7 @@ def test_kernels_compile_for_hopper(device, hopper_compiler):
             (decode, attention_kernels[:1], 1),
             (decode, attention_kernels, 4),
             (cascade, ["_shared_prefix_kernel", *attention_kernels], 1),
-            *((b, ["_shared_prefix_kernel"], 1) for b in cascade_wide),
+            *((b, ["_shared_prefix_kernel", *attention_kernels], 1) for b in cascade_wide),
             (prefill, attention_kernels[:1], None),
             (tiny_chunks, attention_kernels[:1], None),
         ):
