@@ -13,21 +13,8 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 PORT=${PORT:-8011}
-DIR=$($PY - "$SHAPE" <<'P'
-import os, shutil, sys
-sys.path.insert(0, "benchmarks")
-from common import write_config_dir
-from kvserve.model.tokenizer import load_tokenizer
-d = write_config_dir(sys.argv[1])
-if os.path.isdir(".carry/tok"):
-    for name in os.listdir(".carry/tok"):
-        shutil.copy(os.path.join(".carry/tok", name), d)
-else:
-    from kvserve.model.paths import default_model_path
-    load_tokenizer(default_model_path()).save_pretrained(d)
-print(d)
-P
-) || exit 1
+DIR=$($PY -c 'import sys; sys.path.insert(0, "benchmarks"); from common import write_served_model_dir as w; print(w(sys.argv[1]))' "$SHAPE") \
+  || exit 1
 MAXLEN=$([ "$SHAPE" = tiny ] && echo "--max-model-len 4096" || echo "")
 $PY -m kvserve serve "$DIR" --load-format dummy --served-model-name m --port "$PORT" --max-num-seqs 64 $MAXLEN \
     --disable-log-requests --disable-uvicorn-access-log "$@" > "$OUT/api_cost_serve.log" 2>&1 &

@@ -11,6 +11,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -62,6 +63,21 @@ def write_config_dir(name: str) -> str:
     directory = tempfile.mkdtemp(prefix=f"kvserve-{name}-")
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(MODEL_CONFIGS[name], f)
+    return directory
+
+
+def write_served_model_dir(name: str) -> str:
+    """A directory `kvserve serve --load-format dummy` can serve: the shape's config.json plus the default
+    model's tokenizer (SmolLM2's; from .carry/tok when that copy exists, as on the GPU machine)."""
+    directory = write_config_dir(name)
+    if os.path.isdir(".carry/tok"):
+        for entry in os.listdir(".carry/tok"):
+            shutil.copy(os.path.join(".carry/tok", entry), directory)
+    else:
+        from kvserve.model.paths import default_model_path
+        from kvserve.model.tokenizer import load_tokenizer
+
+        load_tokenizer(default_model_path()).save_pretrained(directory)
     return directory
 
 

@@ -3,7 +3,7 @@
 # `kvserve bench` with the seeds' command (and the same with --ignore-eos, for fixed-length outputs).
 #   bash benchmarks/serve_bench.sh [MODEL_SHAPE] [DURATION_S] [CONCURRENCY] [MAX_TOKENS] [EXTRA_SERVE_ARGS...]
 # MODEL_SHAPE is a name in benchmarks/common.py (qwen2.5-7b on the GPU, tiny for a CPU try-out). The
-# tokenizer is the default model's (SmolLM2), saved by `python -c` below into the model directory: the
+# tokenizer is the default model's (SmolLM2), put beside config.json by common.write_served_model_dir: the
 # weights are random, so the text is meaningless, but prompts and token counts are real.
 # Results: $OUT (or /tmp/out): serve.log, bench.log, bench.json, bench_ignore_eos.json.
 set -u
@@ -16,24 +16,8 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 PORT=${PORT:-8000}
-DIR=$($PY - "$SHAPE" <<'EOF'
-import sys
-sys.path.insert(0, "benchmarks")
-from common import write_config_dir
-from kvserve.model.tokenizer import load_tokenizer
-import os
-d = write_config_dir(sys.argv[1])
-tok_dir = ".carry/tok" if os.path.isdir(".carry/tok") else None
-if tok_dir is None:
-    from kvserve.model.paths import default_model_path
-    load_tokenizer(default_model_path()).save_pretrained(d)
-else:
-    import shutil
-    for name in os.listdir(tok_dir):
-        shutil.copy(os.path.join(tok_dir, name), d)
-print(d)
-EOF
-) || exit 1
+DIR=$($PY -c 'import sys; sys.path.insert(0, "benchmarks"); from common import write_served_model_dir as w; print(w(sys.argv[1]))' "$SHAPE") \
+  || exit 1
 echo "model dir: $DIR"
 $PY -m kvserve serve "$DIR" --load-format dummy --served-model-name qwen2-7b --port "$PORT" \
     --disable-log-requests --disable-uvicorn-access-log "$@" > "$OUT/serve.log" 2>&1 &

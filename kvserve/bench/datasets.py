@@ -252,7 +252,9 @@ class Dataset(Protocol):
     def get(self, index: int, warmup: bool = False) -> BenchRequest: ...
 
 
-class RandomDataset:
+class _SyntheticDataset:
+    """Generated prompts: text source, the run's nonce and the length distributions."""
+
     size: int | None = None
 
     def __init__(self, config: DatasetConfig, tokenizer: TextTokenizer) -> None:
@@ -262,6 +264,8 @@ class RandomDataset:
         self._input = config.input_dist_obj()
         self._output = config.output_dist_obj()
 
+
+class RandomDataset(_SyntheticDataset):
     def get(self, index: int, warmup: bool = False) -> BenchRequest:
         rng = _rng(self.config.seed, _STREAM_WARMUP if warmup else _STREAM_MEASURED, index)
         output_len = self._output.sample(rng)
@@ -272,15 +276,9 @@ class RandomDataset:
         return BenchRequest(index, ({"role": "user", "content": text},), output_len, input_len, language)
 
 
-class SharedPrefixDataset:
-    size: int | None = None
-
+class SharedPrefixDataset(_SyntheticDataset):
     def __init__(self, config: DatasetConfig, tokenizer: TextTokenizer) -> None:
-        self.config = config
-        self.source = TextSource(tokenizer)
-        self.nonce = config.run_nonce if config.run_nonce is not None else secrets.token_hex(4)
-        self._input = config.input_dist_obj()
-        self._output = config.output_dist_obj()
+        super().__init__(config, tokenizer)
         self._prefixes = [self._system_prompt(_rng(config.seed, _STREAM_PREFIX, k), f"p{k}")
                           for k in range(config.num_prefixes)]
 

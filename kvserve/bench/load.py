@@ -44,7 +44,6 @@ class LoadResult:
 
     records: list[RequestRecord]
     run_start: float
-    issue_end_s: float
     stopped: str | None = None
 
 
@@ -61,7 +60,6 @@ class _Run:
         self.succeeded = 0
         self.records: list[RequestRecord] = []
         self.stopped: str | None = None
-        self.issue_end = run_start
         self.tasks: set[asyncio.Task[Any]] = set()
 
     def take(self) -> int | None:
@@ -69,7 +67,6 @@ class _Run:
             return None
         index = self.next_index
         self.next_index += 1
-        self.issue_end = time.perf_counter()
         return index
 
     def finished(self, record: RequestRecord) -> None:
@@ -144,7 +141,7 @@ async def run_load(
             await watchdog
         except asyncio.CancelledError:
             pass
-    return LoadResult(run.records, run.run_start, run.issue_end - run.run_start, run.stopped)
+    return LoadResult(run.records, run.run_start, run.stopped)
 
 
 async def _watchdog(run: _Run, drain_timeout_s: float | None, stop: asyncio.Event | None) -> None:

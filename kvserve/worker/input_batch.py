@@ -295,7 +295,6 @@ class InputBuffers:
             prefix_len = common_prefix_len(block_table.host, rows, seq_lens, self.block_size)
             if prefix_len < CASCADE_MIN_PREFIX_TOKENS:
                 prefix_len = 0
-            h["common_prefix_len"][0] = prefix_len
 
         padded = pad_to if (is_decode and pad_to is not None) else None
         if padded is not None:
@@ -317,9 +316,11 @@ class InputBuffers:
             ("seq_lens", n_reqs),
             ("rows", n_reqs),
             ("logits_indices", num_sampled),
-            ("common_prefix_len", 1 if prefix_len else 0),
         ):
             dev[name][:length].copy_(self._host[name][:length], non_blocking=True)
+        if prefix_len:
+            h["common_prefix_len"][0] = prefix_len
+            dev["common_prefix_len"].copy_(self._host["common_prefix_len"], non_blocking=True)
         if num_placeholders:
             assert prev_sampled is not None
             fix = dev["placeholders"][:, :num_placeholders]
