@@ -103,6 +103,37 @@ _MAX_DECODE_SPLITS = 64
 _DECODE_TILE_N = 64  # keys per tile of the Triton decode kernel: a split with fewer keys is wasted
 
 
+# Matmuls of at most this many rows run on the Triton skinny kernel on CUDA (kernels/triton_gemm.py), where
+# it beat cuBLAS in the H200 sweep (docs/perf_notes.md, entry 14); larger ones stay with torch (cuBLAS).
+SKINNY_GEMM_MAX_ROWS = 16
+_skinny_gemm_enabled = True
+# The rotary embedding writes the KV cache in the same launch (`rotary_embedding_and_cache`).
+_fusions_enabled = True
+
+
+def set_fusions(enabled: bool) -> None:
+    """Use the fused launch (default) or always the separate kernels (for measuring what fusion gains)."""
+    global _fusions_enabled
+    _fusions_enabled = enabled
+
+
+def set_skinny_gemm(enabled: bool) -> None:
+    """Route small-row CUDA matmuls to the Triton skinny kernel (default) or always to torch."""
+    global _skinny_gemm_enabled
+    _skinny_gemm_enabled = enabled
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T (+ bias), as torch.nn.functional.linear computes it."""
+    if _skinny_gemm_enabled and x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= SKINNY_GEMM_MAX_ROWS:
+        module = _triton_module("triton_gemm")
+        if module is not None:
+            config = module.pick_config(x.shape[0], weight.shape[0], weight.shape[1], _num_sms(x.device))
+            if config is not None and module.fits(x, weight, config):
+                return module.skinny_linear(x, weight, bias, config)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 def decode_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
     """KV splits of a decode-only batch: 1 when the (request, KV head) programs already cover the SMs,
     else enough splits for DECODE_PROGRAMS_PER_SM programs per SM, at most one per 64-key tile and 64. Host ints only, so a
@@ -203,6 +234,42 @@ def prefill_attention(
         return None
 
 
+# One prompt: SDPA with the KV heads shared across their query group (no repeat). Backend by length, from
+# benchmarks/prefill_attention_backends.py on the H200 (docs/perf_notes.md, entry 15): cuDNN's kernel ran an
+# 8k-token layer in 0.84 ms against flash's 1.54; at 1k flash was ahead (0.059 against 0.066 ms).
+SDPA_CUDNN_MIN_TOKENS = 2048
+
+
+@functools.cache
+def _sdpa_backends(prefer_cudnn: bool) -> Callable[[], Any]:
+    """A context-manager factory that makes SDPA try the backends in our order (plain `sdpa_kernel` only
+    filters: its default order puts cuDNN last)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    if prefer_cudnn:
+        order.insert(0, SDPBackend.CUDNN_ATTENTION)
+    else:
+        order.insert(1, SDPBackend.CUDNN_ATTENTION)
+    try:
+        sdpa_kernel(order, set_priority=True)
+        return functools.partial(sdpa_kernel, order, set_priority=True)
+    except TypeError:  # a torch without set_priority: its own order
+        return functools.partial(sdpa_kernel, order)
+
+
+def _sdpa_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of one prompt: [T, H, D] in, [T, H, D] out."""
+    q = query.transpose(0, 1).unsqueeze(0)
+    k = key.transpose(0, 1).unsqueeze(0)
+    v = value.transpose(0, 1).unsqueeze(0)
+    with _sdpa_backends(query.shape[0] >= SDPA_CUDNN_MIN_TOKENS)():
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
+        )
+    return out.squeeze(0).transpose(0, 1)
+
+
 def _flash_prefill(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, metadata: AttentionMetadata, scale: float
 ) -> torch.Tensor:
@@ -212,13 +279,7 @@ def _flash_prefill(
     if metadata.num_reqs == 1 or varlen is None:
         if metadata.num_reqs != 1:
             raise RuntimeError("varlen_attn is not available for a multi-request prefill")
-        # [T, H, D] -> [1, H, T, D]; SDPA's flash backend needs equal head counts: repeat KV (a copy of
-        # num_tokens * num_heads * head_dim elements, small next to the attention itself).
-        q = query.transpose(0, 1).unsqueeze(0)
-        k = key.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
-        v = value.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-        return out.squeeze(0).transpose(0, 1)
+        return _sdpa_prefill(query, key, value, scale)
     fn, params = varlen
     kwargs: dict[str, Any] = {}
     if "enable_gqa" in params:
@@ -255,6 +316,35 @@ def rotary_embedding(
     return impl(positions, query, key, cos_sin_cache)
 
 
+def rotary_embedding_and_cache(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rotary_embedding`, then `reshape_and_cache` of the rotated key and the value: one Triton launch on
+    CUDA where both kernels would be Triton (one graph node per layer fewer at decode), else the two ops."""
+    impl = _elementwise_impl("rotary_embedding", query)
+    module = _triton_module("triton_elementwise")
+    head_dim = query.shape[2]
+    if (
+        _fusions_enabled
+        and module is not None
+        and impl is module.rotary_embedding
+        and _is_pow2(head_dim // 2)
+        and value.stride(2) == 1
+        and value.stride(1) == head_dim
+        and kv_cache.is_contiguous()
+    ):
+        return impl(positions, query, key, cos_sin_cache, value, kv_cache, slot_mapping)
+    query, key = rotary_embedding(positions, query, key, cos_sin_cache)
+    reshape_and_cache(key, value, kv_cache, slot_mapping)
+    return query, key
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return _elementwise_impl("silu_and_mul", x)(x)
 
@@ -262,14 +352,19 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 __all__ = [
     "DECODE_PROGRAMS_PER_SM",
     "ELEMENTWISE_BACKENDS",
+    "SKINNY_GEMM_MAX_ROWS",
     "decode_num_splits",
     "prefill_attention",
     "set_prefill_fast_path",
     "get_elementwise_backend",
+    "linear",
     "paged_attention",
     "reshape_and_cache",
     "rms_norm",
     "rotary_embedding",
+    "rotary_embedding_and_cache",
     "set_elementwise_backend",
+    "set_fusions",
+    "set_skinny_gemm",
     "silu_and_mul",
 ]

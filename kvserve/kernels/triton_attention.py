@@ -210,6 +210,23 @@ def _paged_attention_kernel(
         tl.store(partial_sum_ptr + part, l_i, mask=row_valid)
         tl.store(partial_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_valid[:, None])
     else:
+        if CASCADE:
+            # Unsplit own part of a cascade: merge the prefix partials (splits 0 .. split_offset - 1, written
+            # by `_shared_prefix_kernel` earlier on the stream) into this program's state, so no reduce
+            # launch follows.
+            base = (token * NUM_HEADS + head) * total_splits
+            for s in range(0, split_offset):
+                m_s = tl.load(partial_max_ptr + base + s, mask=row_valid, other=float("-inf"))
+                l_s = tl.load(partial_sum_ptr + base + s, mask=row_valid, other=0.0)
+                a_s = tl.load(partial_acc_ptr + (base + s)[:, None] * HEAD_DIM + dims[None, :],
+                              mask=row_valid[:, None], other=0.0)
+                m_new = tl.maximum(m_i, m_s)
+                m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.math.exp2(m_i - m_shift)
+                beta = tl.math.exp2(m_s - m_shift)
+                l_i = l_i * alpha + l_s * beta
+                acc = acc * alpha[:, None] + a_s * beta[:, None]
+                m_i = m_new
         # Rows with no key at all (seq_len 0 padding rows) give 0, as the reference's nan_to_num does.
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(
@@ -500,7 +517,10 @@ def launch_paged_attention(
         )
         prefix_block_m = cascade_block_m(num_reqs, group)
         prefix_splits = cascade_prefix_splits(num_reqs, group, num_kv_heads, num_sms)
-    total_splits = prefix_splits + num_splits
+    # A cascade whose own part is one split merges the prefix partials in that launch (no own partial, no
+    # reduce launch); otherwise every part writes partials and the reduce kernel merges them.
+    merge_in_own = cascade and num_splits == 1
+    total_splits = prefix_splits + (0 if merge_in_own else num_splits)
     partial_acc = torch.empty(
         num_tokens, num_heads, total_splits, head_dim, dtype=torch.float32, device=query.device
     )
@@ -521,8 +541,10 @@ def launch_paged_attention(
         metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
         prefix_len if cascade else metadata.seq_lens,
         log2_scale, num_reqs, num_splits, prefix_splits, total_splits, *strides,
-        USE_SPLITS=True, CASCADE=cascade, **decode_kwargs,
+        USE_SPLITS=not merge_in_own, CASCADE=cascade, **decode_kwargs,
     )  # fmt: skip
+    if merge_in_own:
+        return out
     _reduce_splits_kernel[(num_tokens, num_heads)](
         partial_acc, partial_max, partial_sum, out,
         total_splits, out.stride(0), out.stride(1),

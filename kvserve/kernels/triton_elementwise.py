@@ -133,15 +133,22 @@ def _rotary_kernel(
     cos_sin_ptr,
     q_out_ptr,
     k_out_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_mapping_ptr,
     stride_q_token,
     stride_k_token,
     stride_q_out_token,
     stride_k_out_token,
     stride_cos_sin,
+    stride_value_token,
+    stride_cache_slot,
     num_heads,
     num_kv_heads,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    WRITE_CACHE: tl.constexpr,
 ):
     # Program (token, 0) rotates the token's query heads, (token, 1) its key heads.
     token = tl.program_id(0).to(tl.int64)
@@ -170,12 +177,33 @@ def _rotary_kernel(
     o2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
     tl.store(out_ptr + offs, o1.to(dtype), mask=mask)
     tl.store(out_ptr + offs + half, o2.to(dtype), mask=mask)
+    if WRITE_CACHE:
+        # The key program also writes the rotated key and the value row into the token's cache slot (the
+        # cache holds [num_kv_heads, head_dim] per slot, the layout of `offs`); negative slots are padding.
+        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+        if (tl.program_id(1) == 1) & (slot >= 0):
+            k_slot = key_cache_ptr + slot * stride_cache_slot
+            tl.store(k_slot + offs, o1.to(dtype), mask=mask)
+            tl.store(k_slot + offs + half, o2.to(dtype), mask=mask)
+            v_row = value_ptr + token * stride_value_token
+            v_slot = value_cache_ptr + slot * stride_cache_slot
+            tl.store(v_slot + offs, tl.load(v_row + offs, mask=mask), mask=mask)
+            tl.store(v_slot + offs + half, tl.load(v_row + offs + half, mask=mask), mask=mask)
 
 
 def rotary_embedding(
-    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    value: torch.Tensor | None = None,
+    kv_cache: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style rotary embedding (contract of `reference.rotary_embedding`).
+
+    With value / kv_cache / slot_mapping (the contract of `reshape_and_cache`, value laid out like key),
+    the rotated key and the value are also written into the cache, in the same launch.
 
     positions: int64/int32 [num_tokens], contiguous, each < max_position; query: [num_tokens, num_heads,
     head_dim]; key: [num_tokens, num_kv_heads, head_dim]; both with contiguous heads (stride(2) == 1,
@@ -214,6 +242,29 @@ def rotary_embedding(
     k_out = torch.empty(key.shape, dtype=key.dtype, device=key.device)
     if num_tokens == 0:
         return q_out, k_out
+    write_cache = kv_cache is not None
+    if write_cache:
+        assert value is not None and slot_mapping is not None, "writing the cache needs value and slot_mapping"
+        assert value.shape == key.shape and value.dtype == key.dtype, (
+            f"value must match key ({tuple(key.shape)}, {key.dtype}), got {tuple(value.shape)}, {value.dtype}"
+        )
+        assert value.stride(2) == 1 and value.stride(1) == head_dim, (
+            f"value must have contiguous heads (stride(1) == head_dim, stride(2) == 1), got {value.stride()}"
+        )
+        assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2 and tuple(kv_cache.shape[3:]) == (
+            num_kv_heads, head_dim
+        ), f"kv_cache must be [2, blocks, block_size, {num_kv_heads}, {head_dim}], got {tuple(kv_cache.shape)}"
+        assert kv_cache.dtype == key.dtype and kv_cache.is_contiguous(), "kv_cache: key's dtype, contiguous"
+        assert slot_mapping.shape == (num_tokens,) and slot_mapping.is_contiguous(), (
+            f"slot_mapping must be contiguous [{num_tokens}], got {tuple(slot_mapping.shape)}"
+        )
+        assert slot_mapping.dtype in (torch.int64, torch.int32), f"slot_mapping dtype {slot_mapping.dtype}"
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        value_stride, slot_stride = value.stride(0), num_kv_heads * head_dim
+    else:
+        value = key_cache = value_cache = key  # never read or written: WRITE_CACHE is False
+        slot_mapping = positions
+        value_stride, slot_stride = 0, 0
     block_h = triton.next_power_of_2(max(num_heads, num_kv_heads))
     _rotary_kernel[(num_tokens, 2)](
         positions,
@@ -222,15 +273,22 @@ def rotary_embedding(
         cos_sin_cache,
         q_out,
         k_out,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
         query.stride(0),
         key.stride(0),
         q_out.stride(0),
         k_out.stride(0),
         cos_sin_cache.stride(0),
+        value_stride,
+        slot_stride,
         num_heads,
         num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_H=block_h,
+        WRITE_CACHE=write_cache,
         num_warps=_num_warps(block_h * head_dim),
     )
     return q_out, k_out

@@ -32,12 +32,15 @@ class Attention(nn.Module):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
+        cache_written: bool = False,
     ) -> torch.Tensor:
         """query [num_tokens, num_heads, head_dim]; key/value [num_tokens, num_kv_heads, head_dim];
         kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] in the same dtype.
+        cache_written: the caller already put key/value into the cache (e.g. with the rotary embedding).
         Returns [num_tokens, num_heads, head_dim] in query's dtype."""
         # NOTE: K/V go into the cache first: the kernel reads every key, including this step's, from there.
-        ops.reshape_and_cache(key, value, kv_cache, attn_metadata.slot_mapping)
+        if not cache_written:
+            ops.reshape_and_cache(key, value, kv_cache, attn_metadata.slot_mapping)
         # Fresh prompts only (GPU): flash attention over this step's own K/V, no cache reads.
         out = ops.prefill_attention(query, key, value, attn_metadata, self.scale)
         if out is not None:

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.kernels import ops
 from kvserve.layers.linear import default_weight_loader
 
 
@@ -43,4 +44,4 @@ class LMHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # The matmul runs in the model dtype, as in HF. Not widened here: at batch 64 a float32 copy of the
         # logits is ~60 MB of traffic per step that plain greedy sampling does not need.
-        return F.linear(hidden, self.weight)
+        return ops.linear(hidden, self.weight)

@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from kvserve.kernels import ops
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Hashable = None) -> None:
@@ -57,7 +58,7 @@ class Linear(nn.Module):
         default_weight_loader(param, loaded, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias)
 
 
 class MergedLinear(Linear):

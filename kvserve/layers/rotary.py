@@ -139,3 +139,18 @@ class RotaryEmbedding(nn.Module):
         """positions: int64 [num_tokens]; query [num_tokens, num_heads, head_dim]; key [num_tokens,
         num_kv_heads, head_dim]. Returns the rotated (query, key) in their dtype."""
         return ops.rotary_embedding(positions, query, key, self.cos_sin_cache)
+
+    def forward_and_cache(
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, and the rotated key and `value` written into `kv_cache` at `slot_mapping` (the
+        contract of `ops.reshape_and_cache`). Returns the rotated (query, key)."""
+        return ops.rotary_embedding_and_cache(
+            positions, query, key, value, self.cos_sin_cache, kv_cache, slot_mapping
+        )

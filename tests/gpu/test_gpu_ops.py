@@ -1,4 +1,5 @@
-"""ops dispatch on the GPU (skipped without CUDA): the flash prefill path against the torch reference."""
+"""ops dispatch on the GPU (skipped without CUDA): the prefill attention fast path against the torch reference,
+and the skinny matmul at the Qwen2.5-7B shapes inside a replayed CUDA graph."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from kvserve.layers.attention_metadata import AttentionMetadata
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.mark.parametrize("lens", [[2048], [300, 64, 1000]])
+@pytest.mark.parametrize("lens", [[2048], [700], [300, 64, 1000]])
 @pytest.mark.parametrize("heads", [(28, 4, 128), (9, 3, 64)])
 def test_prefill_fast_path_matches_reference(lens: list[int], heads: tuple[int, int, int]) -> None:
     num_heads, num_kv_heads, head_dim = heads
@@ -47,3 +48,33 @@ def test_prefill_fast_path_matches_reference(lens: list[int], heads: tuple[int, 
     expected = reference.paged_attention(query, kv_cache, md, scale)
     err = (out.float() - expected.float()).norm() / expected.float().norm()
     assert err < 1e-2, f"relative error {err:.2e}"
+
+
+QWEN_7B = {"qkv": (4608, 3584, True), "o_proj": (3584, 3584, False), "gate_up": (37888, 3584, False),
+           "down": (3584, 18944, False), "lm_head": (152064, 3584, False)}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("m", [1, 8, ops.SKINNY_GEMM_MAX_ROWS])
+def test_skinny_linear_in_a_cuda_graph(dtype: torch.dtype, m: int) -> None:
+    """ops.linear's small-row path at the real shapes, captured once and replayed three times with its output
+    set to NaN before each replay: every tile is written on every replay (the split counters reset)."""
+    from kvserve.kernels import triton_gemm
+
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    for name, (n, k, has_bias) in QWEN_7B.items():
+        assert triton_gemm.pick_config(m, n, k, num_sms) is not None, name
+        x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
+        w = (torch.randn(n, k, generator=gen, device="cuda") * k**-0.5).to(dtype)
+        b = torch.randn(n, generator=gen, device="cuda").to(dtype) if has_bias else None
+        expected = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float()).to(dtype)
+        ops.linear(x, w, b)  # outside the capture: compiles, allocates the split counters
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = ops.linear(x, w, b)
+        for _ in range(3):
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            torch.testing.assert_close(out.float(), expected.float(), rtol=2**-7, atol=2**-6, msg=name)

@@ -392,8 +392,10 @@ def test_kernels_compile_for_hopper(device, hopper_compiler):
         for batch, kernels, splits in (
             (decode, attention_kernels[:1], 1),
             (decode, attention_kernels, 4),
-            (cascade, ["_shared_prefix_kernel", *attention_kernels], 1),
-            *((b, ["_shared_prefix_kernel", *attention_kernels], 1) for b in cascade_wide),
+            # A one-split own part merges the prefix partials itself; with splits the reduce kernel does.
+            (cascade, ["_shared_prefix_kernel", attention_kernels[0]], 1),
+            (cascade, ["_shared_prefix_kernel", *attention_kernels], 3),
+            *((b, ["_shared_prefix_kernel", attention_kernels[0]], 1) for b in cascade_wide),
             (prefill, attention_kernels[:1], None),
             (tiny_chunks, attention_kernels[:1], None),
         ):

@@ -109,6 +109,49 @@ def test_rotary_embedding_matches_reference(
     assert torch.equal(qkv, qkv_before)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rotary_embedding_with_cache_write(dtype, device, skip_bf16_on_interpreter):
+    """The fused launch returns what `rotary_embedding` returns, and leaves the cache as `reshape_and_cache`
+    of the rotated key and the value would: written slots hold them bit for bit, a negative slot (padding)
+    writes nothing, every other slot is untouched."""
+    skip_bf16_on_interpreter(dtype)
+    num_tokens, num_heads, num_kv_heads, head_dim, block_size = 5, 6, 2, 64, 4
+    qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, device=device, seed=4)
+    q_end, k_end = num_heads * head_dim, (num_heads + num_kv_heads) * head_dim
+    query = qkv[:, :q_end].view(num_tokens, num_heads, head_dim)
+    key = qkv[:, q_end:k_end].view(num_tokens, num_kv_heads, head_dim)
+    value = qkv[:, k_end:].view(num_tokens, num_kv_heads, head_dim)
+    positions = torch.tensor([3, 0, 9, 1, 7], dtype=torch.int64, device=device)
+    slots = torch.tensor([13, 2, -1, 7, 30], dtype=torch.int64, device=device)
+    table = cos_sin_cache(16, head_dim).to(device)
+    kv_cache = randn(2, 8, block_size, num_kv_heads, head_dim, dtype=dtype, device=device, seed=5)
+    expected_cache = kv_cache.clone()
+    q_out, k_out = rotary_embedding(positions, query, key, table, value, kv_cache, slots)
+    q_plain, k_plain = rotary_embedding(positions, query, key, table)
+    assert torch.equal(q_out, q_plain) and torch.equal(k_out, k_plain)
+    reference.reshape_and_cache(k_plain, value, expected_cache, slots)
+    assert torch.equal(kv_cache, expected_cache)
+
+
+def test_ops_rotary_embedding_and_cache_on_cpu_is_the_two_ops():
+    """CPU (and any case the fused launch does not take): rotary_embedding, then reshape_and_cache."""
+    from kvserve.kernels import ops
+
+    query = randn(3, 4, 32, dtype=torch.float32, device=torch.device("cpu"))
+    key = randn(3, 2, 32, dtype=torch.float32, device=torch.device("cpu"), seed=1)
+    value = randn(3, 2, 32, dtype=torch.float32, device=torch.device("cpu"), seed=2)
+    positions = torch.tensor([0, 5, 2])
+    slots = torch.tensor([4, -1, 0])
+    table = cos_sin_cache(8, 32)
+    kv_cache = torch.zeros(2, 2, 4, 2, 32)
+    expected_cache = kv_cache.clone()
+    q_out, k_out = ops.rotary_embedding_and_cache(positions, query, key, value, table, kv_cache, slots)
+    q_ref, k_ref = reference.rotary_embedding(positions, query, key, table)
+    reference.reshape_and_cache(k_ref, value, expected_cache, slots)
+    assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
+    assert torch.equal(kv_cache, expected_cache)
+
+
 def test_rotary_embedding_position_zero_is_identity(device):
     query = randn(2, 4, 64, dtype=torch.float32, device=device)
     key = randn(2, 2, 64, dtype=torch.float32, device=device, seed=1)
@@ -158,6 +201,12 @@ def test_elementwise_kernels_compile_for_hopper(device, hopper_compiler):
         hopper_compiler.record(module, ["_rms_norm_kernel"], partial(rms_norm, x, weight, 1e-6, x))
         hopper_compiler.record(
             module, ["_rotary_kernel"], partial(rotary_embedding, positions, query, key, cache)
+        )
+        kv_cache = torch.zeros(2, 4, 16, num_kv_heads, head_dim, dtype=dtype, device=device)
+        hopper_compiler.record(
+            module,
+            ["_rotary_kernel"],
+            partial(rotary_embedding, positions, query, key, cache, key, kv_cache, positions),
         )
         hopper_compiler.record(module, ["_silu_and_mul_kernel"], partial(silu_and_mul, gate_up))
     for result in hopper_compiler.compile_all():

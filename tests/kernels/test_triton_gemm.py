@@ -1,0 +1,158 @@
+"""The Triton skinny matmul against a float32 matmul, its tiling rule, and the ops dispatch around it.
+
+The launcher's scratch (split partials) and output come from `torch.empty`, made NaN by
+`poison_allocations`: a partial left unwritten or an output tile never stored fails the comparison.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kvserve.kernels import ops, triton_gemm  # noqa: E402
+from kvserve.kernels.triton_gemm import GemmConfig, fits, pick_config, skinny_linear  # noqa: E402
+
+CONFIGS = [
+    GemmConfig(32, 32, 1, 2),
+    GemmConfig(32, 32, 4, 3),  # split-K, the last program of a tile reduces
+    GemmConfig(32, 32, 4, 3, fused_reduce=False),  # split-K, a second kernel reduces
+    GemmConfig(16, 64, 2, 2),
+    GemmConfig(64, 32, 8, 2),
+]
+
+
+@pytest.fixture(autouse=True)
+def _poison(poison_allocations):
+    poison_allocations(triton_gemm)
+
+
+def operands(m: int, n: int, k: int, bias: bool, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
+    w = (torch.randn(n, k, generator=gen) * k**-0.5).to(device=device, dtype=dtype)
+    b = torch.randn(n, generator=gen).to(device=device, dtype=dtype) if bias else None
+    return x, w, b
+
+
+def float32_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+@pytest.mark.parametrize("m", [1, 5, 16, 70])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_matches_float32_matmul(dtype, config, m, bias, device, skip_bf16_on_interpreter):
+    skip_bf16_on_interpreter(dtype)
+    x, w, b = operands(m, 128, 256, bias, dtype, device)
+    out = skinny_linear(x, w, b, config)
+    assert out.shape == (m, 128) and out.dtype == dtype
+    # float32 accumulation rounded once: within one unit in the last place of the rounded float32 result.
+    expected = float32_linear(x, w, b)
+    torch.testing.assert_close(out.float(), expected.to(dtype).float(), rtol=2**-7 if dtype == torch.bfloat16
+                               else 2**-10, atol=1e-3)
+
+
+def test_row_slices_of_a_wider_tensor(device):
+    """x may be a row-strided view (stride(0) > K), as the rows of a fused projection's output are."""
+    x_wide, w, _ = operands(3, 64, 192, False, torch.float16, device)
+    x = x_wide[:, :128]
+    w = w[:, :128].contiguous()
+    out = skinny_linear(x, w, None, GemmConfig(32, 32, 2, 2))
+    torch.testing.assert_close(out.float(), float32_linear(x, w, None).half().float(), rtol=2**-10, atol=1e-3)
+
+
+def test_split_reductions_agree_bitwise_and_counters_reset(device):
+    """Both reductions add the partials in split order: same bits. The tile counters are back at zero after
+    each launch, so the next launch (a graph replay) reduces again."""
+    x, w, b = operands(9, 96, 512, True, torch.float16, device, seed=3)
+    fused = GemmConfig(32, 64, 8, 2)
+    first = skinny_linear(x, w, b, fused)
+    second = skinny_linear(x, w, b, fused)
+    separate = skinny_linear(x, w, b, GemmConfig(32, 64, 8, 2, fused_reduce=False))
+    assert torch.equal(first, second)
+    assert torch.equal(first, separate)
+    assert int(triton_gemm._LOCKS[x.device].abs().sum()) == 0
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "config", "why"),
+    [
+        (96, 256, GemmConfig(64, 32, 1, 2), "N not a multiple of block_n"),
+        (128, 96, GemmConfig(32, 64, 1, 2), "K not a multiple of block_k"),
+        (128, 256, GemmConfig(32, 64, 3, 2), "K not a multiple of split_k * block_k"),
+    ],
+)
+def test_fits_rejects(n, k, config, why, device):
+    x, w, _ = operands(2, n, k, False, torch.float16, device)
+    assert not fits(x, w, config), why
+    with pytest.raises(AssertionError, match="do not fit"):
+        skinny_linear(x, w, None, config)
+
+
+def test_fits_rejects_float32_and_column_strided_input(device):
+    x, w, _ = operands(2, 64, 128, False, torch.float16, device)
+    config = GemmConfig(32, 32, 1, 2)
+    assert fits(x, w, config)
+    assert not fits(x.float(), w.float(), config)
+    assert not fits(x.t().contiguous().t(), w, config)  # stride(1) != 1
+
+
+# ------------------------------------------------------------------------------ the tiling rule
+
+QWEN_7B = {"qkv": (4608, 3584), "o_proj": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944),
+           "lm_head": (152064, 3584)}
+
+
+def test_pick_config_at_the_measured_shapes():
+    """The H200 sweep's best tilings at 1-8 rows (docs/perf_notes.md, entry 14)."""
+    got = {name: pick_config(1, n, k, 132) for name, (n, k) in QWEN_7B.items()}
+    assert got["gate_up"] == GemmConfig(64, 128, 1, 3, 4)
+    assert got["o_proj"] == GemmConfig(64, 128, 4, 3, 4)
+    assert got["down"] == GemmConfig(64, 128, 4, 3, 4)
+    assert got["lm_head"] == GemmConfig(128, 128, 1, 4, 8)
+    assert got["qkv"] == GemmConfig(64, 128, 4, 3, 4)
+
+
+@pytest.mark.parametrize("n", [64, 576, 1536, 49152, 152064])
+@pytest.mark.parametrize("k", [128, 576, 1536, 8960])
+@pytest.mark.parametrize("num_sms", [4, 132])
+def test_pick_config_always_fits_or_declines(n, k, num_sms):
+    config = pick_config(4, n, k, num_sms)
+    if k % 128:
+        assert config is None
+        return
+    assert config is not None
+    assert n % config.block_n == 0 and k % (config.split_k * config.block_k) == 0
+    assert 1 <= config.split_k <= 16
+
+
+# ------------------------------------------------------------------------------ ops.linear dispatch
+
+
+def test_ops_linear_on_cpu_is_torch_linear():
+    x, w, b = operands(3, 64, 128, True, torch.float32, torch.device("cpu"))
+    assert torch.equal(ops.linear(x, w, b), torch.nn.functional.linear(x, w, b))
+
+
+def test_kernels_compile_for_hopper(device, hopper_compiler):
+    """The tilings `pick_config` gives at the Qwen2.5-7B shapes (and a bf16 / fp16 mix of row counts and
+    bias) compile for sm_90 within its shared memory."""
+    names = ["_skinny_gemm_kernel", "_split_reduce_kernel"]
+    for dtype in (torch.bfloat16, torch.float16):
+        for m, config, bias in (
+            (1, GemmConfig(64, 128, 1, 3, 4), False),
+            (8, GemmConfig(64, 128, 4, 3, 4), True),
+            (16, GemmConfig(128, 128, 1, 4, 8), False),
+            (3, GemmConfig(64, 128, 4, 3, 4, fused_reduce=False), True),
+        ):
+            x = torch.empty(m, 1024, dtype=dtype, device=device)
+            w = torch.empty(256, 1024, dtype=dtype, device=device)
+            b = torch.empty(256, dtype=dtype, device=device) if bias else None
+            kernels = names if config.split_k > 1 and not config.fused_reduce else names[:1]
+            hopper_compiler.record(triton_gemm, kernels, lambda x=x, w=w, b=b, c=config: skinny_linear(x, w, b, c))
+    for result in hopper_compiler.compile_all():
+        assert result["shared_bytes"] <= 227 * 1024, result
+
