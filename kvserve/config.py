@@ -136,7 +136,7 @@ class EngineConfig:
     # Schedule and launch step n+1 before reading step n's tokens (see engine_core); resolved by EngineArgs.
     async_scheduling: bool = False
     # Decode batches whose requests share a long prefix attend to it once for all (Triton backend).
-    cascade_attn: bool = False
+    cascade_attn: bool = True
 
     def __post_init__(self) -> None:
         sizes = self.cuda_graph_sizes
@@ -207,7 +207,7 @@ class EngineArgs:
     load_format: str = "auto"
     cuda_graph_sizes: list[int] | None = None  # None: DEFAULT_CUDA_GRAPH_SIZES up to max_num_seqs
     async_scheduling: bool | None = None  # None: on for GPUs, off on CPU (where nothing overlaps)
-    cascade_attn: bool = False  # off until measured on a GPU (docs/perf_notes.md entry 12)
+    cascade_attn: bool = True  # measured on the H200: docs/perf_notes.md, entry 12
     extra: dict[str, Any] = field(default_factory=dict)
 
     def create_engine_config(self) -> EngineConfig:

@@ -27,9 +27,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule the next step while the GPU runs this one (default: on with a GPU)")
-    g.add_argument("--cascade-attn", action=argparse.BooleanOptionalAction, default=False,
+    g.add_argument("--cascade-attn", action=argparse.BooleanOptionalAction, default=True,
                    help="decode batches sharing a long prompt prefix attend to it once for all requests "
-                   "(GPU; experimental, default off)")
+                   "(GPU; default on)")
     g.add_argument("--disable-cascade-attn", dest="cascade_attn", action="store_false",
                    help="vLLM's spelling of --no-cascade-attn")
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per replica")

@@ -259,9 +259,41 @@ class ModelRunner:
             input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
             pos = torch.tensor(positions, dtype=torch.int64, device=device)
             self.model(input_ids, pos, self.kv_caches, metadata)
+        if device.type == "cuda" and self.config.cascade_attn and not self.config.use_cuda_graphs:
+            self._warm_up_cascade()  # (with graphs, the capture compiles the cascade kernels)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return lengths
+
+    def _warm_up_cascade(self) -> None:
+        """Decode batches of 8 to 64 requests sharing a prefix: every tile height of the shared-prefix kernel,
+        with the own part split (8 requests) and unsplit (64 on a large GPU), so that eager serving does
+        not compile them on its first shared-prefix batch. Reads cache block 0 only; writes nothing."""
+        device = self.device
+        prefix = input_batch.CASCADE_MIN_PREFIX_TOKENS
+        seq_len = prefix + 44
+        if seq_len > self.config.model_config.max_model_len:
+            return
+        width = -(-seq_len // self.block_size)
+        for num_reqs in (8, 16, 32, 64):
+            if num_reqs > self.max_num_reqs:
+                break
+            starts = list(range(num_reqs + 1))
+            metadata = AttentionMetadata(
+                query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+                seq_lens=torch.full((num_reqs,), seq_len, dtype=torch.int32, device=device),
+                block_tables=torch.zeros((num_reqs, width), dtype=torch.int32, device=device),
+                slot_mapping=torch.full((num_reqs,), -1, dtype=torch.int64, device=device),
+                max_query_len=1,
+                max_seq_len=seq_len,
+                query_start_loc_cpu=starts,
+                seq_lens_cpu=[seq_len] * num_reqs,
+                common_prefix_len=prefix,
+                common_prefix_len_tensor=torch.tensor([prefix], dtype=torch.int32, device=device),
+            )
+            input_ids = torch.zeros(num_reqs, dtype=torch.int64, device=device)
+            pos = torch.full((num_reqs,), seq_len - 1, dtype=torch.int64, device=device)
+            self.model(input_ids, pos, self.kv_caches, metadata)
 
     def capture_cuda_graphs(self) -> None:
         """Capture the decode graphs (GPU, graphs enabled, KV cache allocated); a failure to capture is

@@ -10,7 +10,7 @@ from kvserve.entrypoints.cli import build_parser, engine_args_from
 
 @pytest.mark.parametrize(
     "flags, expected",
-    [([], False), (["--cascade-attn"], True), (["--no-cascade-attn"], False),
+    [([], True), (["--cascade-attn"], True), (["--no-cascade-attn"], False), (["--disable-cascade-attn"], False),
      (["--cascade-attn", "--disable-cascade-attn"], False)],
 )
 def test_cascade_attn_flag(flags: list[str], expected: bool) -> None:
