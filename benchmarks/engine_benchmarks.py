@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import gc
+import gzip
+import shutil
 import statistics
 import sys
 import time
@@ -45,8 +47,8 @@ from common import (  # noqa: E402
     write_result,
 )
 
-SECTIONS = ("start", "decode", "seeds", "random256", "ttft", "prefix", "prefixab", "hf", "profile", "trace",
-            "kprofile", "hostprof")
+SECTIONS = ("start", "decode", "seeds", "random256", "ttft", "prefix", "prefixab", "shared", "hf", "profile",
+            "trace", "kprofile", "hostprof")
 
 
 class Bench:
@@ -234,11 +236,38 @@ class Bench:
         torch.profiler: what the graph replay, the LM head and sampling spend on the GPU."""
         from torch.profiler import ProfilerActivity, profile
 
+        from kvserve.protocol.engine import EngineCoreRequest
+        from kvserve.protocol.sampling_params import SamplingParams
+
         d = self.engine()
         self.warm_up()
         core = self.core
         out = {}
         for case in self.args.kprofile_cases:
+            if case.startswith("p"):  # pN: the prefill step of one fresh N-token prompt (the TTFT step)
+                prompt = self.prompts([self.length(int(case[1:]))])[0]
+                params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    core.add_request(EngineCoreRequest(req_id=f"kp{case}", prompt_token_ids=prompt,
+                                                       sampling_params=params, max_tokens=1))
+                    while core.has_unfinished_requests():
+                        core.step()
+                sync(self.args.device)
+                events = sorted((e for e in prof.key_averages() if _self_device_us(e) > 0), key=_self_device_us,
+                                reverse=True)
+                compact = [f"{_self_device_us(e):9.1f} us {e.count:6d}x  {e.key[:80]}" for e in events[:24]]
+                total_us = _kernel_us(events)
+                out[case] = {"compact": compact, "gpu_us": total_us}
+                # The timeline too (GPU idle gaps and what the host did meanwhile), gzipped next to the JSON.
+                self.args.out.mkdir(parents=True, exist_ok=True)
+                trace = self.args.out / f"trace_{case}.json"
+                prof.export_chrome_trace(str(trace))
+                with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+                trace.unlink()
+                print(f"kernel profile {case}: {total_us:.1f} us GPU for the prompt", flush=True)
+                print("\n".join(compact), flush=True)
+                continue
             if case == "shared256":  # the shared-prefix workload: 256 x (shared 1000 + own 64)
                 batch, shared = self.n(256), self.prompts([self.length(1000)])[0]
                 prompts = [shared + own for own in self.prompts([self.length(64)] * batch)]
@@ -256,7 +285,7 @@ class Bench:
             compact = []
             events = [e for e in prof.key_averages() if _self_device_us(e) > 0]
             events.sort(key=_self_device_us, reverse=True)
-            total_us = sum(_self_device_us(e) for e in events)
+            total_us = _kernel_us(events)
             for e in events[:24]:
                 compact.append(f"{_self_device_us(e) / 10:9.1f} us/step {e.count / 10:6.1f}/step  {e.key[:80]}")
             out[case] = {"table": table, "compact": compact, "gpu_us_per_step": total_us / 10}
@@ -409,6 +438,21 @@ class Bench:
                                   "slowdown_on_vs_off_at_0pct": slowdown}
         self.rows.append(("prefix caching cost at 0% hits", f"{slowdown:+.1%}", "throughput off/on - 1"))
 
+    def section_shared(self) -> None:
+        """The shared-prefix workload alone (256 x (shared 1000 + own 64), 128 out), three times on one warmed
+        engine: for A/B runs of the decode-attention settings without the prefix section's other runs."""
+        d = self.engine()
+        d.run(self.prompts([self.length(512)] * self.n(50)), [4] * self.n(50))  # warm-up
+        num, out_len = self.n(256), self.length(128)
+        runs = []
+        for _ in range(3):
+            shared = self.prompts([self.length(1000)])[0]
+            prompts = [shared + own for own in self.prompts([self.length(64)] * num)]
+            runs.append(d.run(prompts, [out_len] * num).output_tok_s)
+        self.results["shared"] = {"output_tok_s": runs}
+        self.rows.append(("shared 1000 + 64, 3 runs (output tok/s)", " ".join(f"{x:.0f}" for x in runs),
+                          f"median {statistics.median(runs):.0f}"))
+
     def section_prefixab(self) -> None:
         """Prefix caching on vs off at 0 % hits, alternating engines (on, off, on, off, ...) so drift between
         runs shows up as spread rather than as a difference; each engine is warmed up before it is timed."""
@@ -468,6 +512,12 @@ def _self_device_us(event: Any) -> float:
     return float(getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0.0)))
 
 
+def _kernel_us(events: list[Any]) -> float:
+    """Device time of the kernels and copies alone: torch.profiler also gives an aten op (aten::mm, cuDNN
+    attention, ...) the device time of the kernel it launched, which a plain sum would count twice."""
+    return sum(_self_device_us(e) for e in events if not e.key.startswith("aten::"))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
@@ -483,7 +533,7 @@ def main() -> int:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="default: the engine's (on with a GPU)")
-    p.add_argument("--cascade-attn", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--cascade-attn", action=argparse.BooleanOptionalAction, default=True,
                    help="cascade attention for decode batches sharing a prefix (the shared-prefix workload)")
     p.add_argument("--decode-steps", type=int, default=24)
     p.add_argument("--scale", type=float, default=1.0, help="multiply request counts (CPU trials)")
@@ -492,14 +542,24 @@ def main() -> int:
     p.add_argument("--decode-contexts", type=lambda v: [int(x) for x in v.split(",")], default=[1024, 4096])
     p.add_argument("--decode-programs-per-sm", type=int, default=None, help="override ops.DECODE_PROGRAMS_PER_SM")
     p.add_argument("--kprofile-cases", type=lambda v: [x for x in v.split(",") if x], default=["b1", "b64"],
-                   help="kprofile section: bN (N random 1k-token prompts) and/or shared256")
+                   help="kprofile section: bN (N random 1k-token prompts), pN (one N-token prefill), shared256")
     p.add_argument("--trace-workloads", type=lambda v: [x for x in v.split(",") if x], default=[],
                    help="trace section: seeds,random256,shared_prefix (default all)")
     p.add_argument("--elementwise-backend", default="triton", choices=["triton", "torch", "compile"])
+    p.add_argument("--skinny-gemm", action=argparse.BooleanOptionalAction, default=True,
+                   help="Triton matmul for small-row batches (off: cuBLAS for every matmul)")
+    p.add_argument("--fusions", action=argparse.BooleanOptionalAction, default=True,
+                   help="the rotary embedding writes the KV cache in its launch (off: two launches)")
+    p.add_argument("--sdpa-cudnn-min-tokens", type=int, default=None,
+                   help="override ops.SDPA_CUDNN_MIN_TOKENS (one-prompt prefills this long use cuDNN attention)")
     args = p.parse_args()
     from kvserve.kernels import ops
 
     ops.set_elementwise_backend(args.elementwise_backend)
+    ops.set_skinny_gemm(args.skinny_gemm)
+    ops.set_fusions(args.fusions)
+    if args.sdpa_cudnn_min_tokens is not None:
+        ops.SDPA_CUDNN_MIN_TOKENS = args.sdpa_cudnn_min_tokens
     if args.decode_programs_per_sm is not None:
         ops.DECODE_PROGRAMS_PER_SM = args.decode_programs_per_sm
     bench = Bench(args)

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Needs the wheels of .whl/ (msgspec, gguf: not on the GPU image). Logs and JSON go to /tmp/kvres, packed
 # into $OUT/results.tgz (the device returns at most 8 files); each step's table is printed at the end.
@@ -62,16 +62,65 @@ for step in "$@"; do
               > "$R/diag3.log" 2>&1 ;;
     serve) OUT="$R/serve" PYTHONPATH=/tmp/site:$PWD timeout 280 bash benchmarks/serve_bench.sh > "$R/serve.log" 2>&1 ;;
     sweep) timeout 300 python3 benchmarks/attention_sweep.py --out "$R/attention_sweep.json" > "$R/sweep.log" 2>&1 ;;
+    gemm) timeout 300 python3 benchmarks/gemm_sweep.py --budget-s 180 --out "$R/gemm_sweep.json" > "$R/gemm.log" 2>&1 ;;
+    gemm2) timeout 150 python3 benchmarks/gemm_sweep.py --budget-s 80 --shapes qkv,o_proj,down --rows 1,8,16,32 \
+              --block-ns 16,32,64 --block-ks 64,128,256 --out "$R/gemm_sweep2.json" > "$R/gemm.log" 2>&1
+           timeout 100 python3 benchmarks/gemm_sweep.py --budget-s 25 --shapes gate_up,lm_head --rows 16,32 \
+              --out "$R/gemm_sweep3.json" >> "$R/gemm.log" 2>&1 ;;
+    skinnyab) for mode in on off on2; do
+          flags="--skinny-gemm"; secs=start,decode,ttft,seeds
+          [ $mode = on2 ] && secs=decode,ttft,kprofile
+          [ $mode = off ] && flags="--no-skinny-gemm --sdpa-cudnn-min-tokens 1000000000" && secs=start,decode,ttft
+          timeout 150 python3 benchmarks/engine_benchmarks.py --out "$R/skinny_$mode" --sections $secs \
+            --decode-batches 1,8,16,64 --decode-contexts 1024 --decode-steps 30 $flags >> "$R/skinnyab.log" 2>&1
+        done ;;
+    sharedab) for pps in 2 1 2 1; do
+          timeout 80 python3 benchmarks/engine_benchmarks.py --out "$R/shared_pps$pps" --sections start,shared \
+            --decode-programs-per-sm $pps >> "$R/sharedab.log" 2>&1
+        done ;;
+    modload) for mode in EAGER LAZY EAGER LAZY; do
+          CUDA_MODULE_LOADING=$mode timeout 80 python3 benchmarks/engine_benchmarks.py --out "$R/modload_$mode" \
+            --sections start,shared >> "$R/modload.log" 2>&1
+          echo "CUDA_MODULE_LOADING=$mode done" >> "$R/modload.log"
+        done ;;
+    final) timeout 150 python3 benchmarks/engine_benchmarks.py --out "$R/final" \
+              --sections start,decode,seeds,ttft,kprofile --kprofile-cases b1,b64,p8192 > "$R/final.log" 2>&1
+           timeout 150 python3 benchmarks/engine_benchmarks.py --out "$R/final2" --sections start,random256 \
+              >> "$R/final.log" 2>&1 ;;
+    ggufcheck) cat .carry/gg.aa .carry/gg.ab > /tmp/smollm2.gguf && KVSERVE_TEST_GGUF=/tmp/smollm2.gguf \
+              timeout 200 python3 -m pytest -q -rA -s -p no:cacheprovider tests/gpu -k gguf > "$R/gguf.log" 2>&1 ;;
+    fuseab) for mode in on off; do
+          flags="--fusions"; secs=start,decode,ttft,seeds,kprofile
+          [ $mode = off ] && flags="--no-fusions" && secs=start,decode,kprofile
+          timeout 150 python3 benchmarks/engine_benchmarks.py --out "$R/fuse_$mode" --sections $secs \
+            --decode-batches 1,8,16,64 --decode-contexts 1024 --decode-steps 30 --kprofile-cases b1,b64,p8192 \
+            $flags >> "$R/fuseab.log" 2>&1
+        done ;;
+    cascade3) for mode in no-cascade cascade; do
+          secs=start,prefix; [ $mode = cascade ] && secs=start,prefix,kprofile
+          timeout 130 python3 benchmarks/engine_benchmarks.py --out "$R/prefix_$mode" --sections $secs \
+            --kprofile-cases shared256 --$mode-attn >> "$R/cascade.log" 2>&1
+        done ;;
+    gemmdown) timeout 120 python3 benchmarks/gemm_sweep.py --budget-s 50 --shapes down,o_proj --rows 1,8 \
+              --block-ns 32,64 --block-ks 64,128 --out "$R/gemm_sweep_down.json" > "$R/gemm.log" 2>&1 ;;
+    pattn) timeout 90 python3 benchmarks/prefill_attention_backends.py --out "$R/prefill_attn.json" \
+              > "$R/pattn.log" 2>&1 ;;
+    cascade2) for mode in no-cascade cascade; do
+          timeout 130 python3 benchmarks/engine_benchmarks.py --out "$R/prefix_$mode" --sections start,prefix \
+            --$mode-attn >> "$R/cascade.log" 2>&1
+        done
+        timeout 100 python3 -m pytest -q -rA -p no:cacheprovider tests/gpu -k cascade >> "$R/cascade.log" 2>&1 ;;
     hf) timeout 120 python3 benchmarks/engine_benchmarks.py --out "$R/hf" --sections hf > "$R/hf.log" 2>&1 ;;
     kernels) timeout 120 python3 benchmarks/gpu_kernels.py --models qwen2.5-7b --dtypes bf16 fp16 \
               --budget-s 60 --rep-ms 20 --out "$R/gpu_kernels.json" > "$R/gpu_kernels.log" 2>&1 ;;
     elementwise) timeout 120 python3 benchmarks/elementwise_backends.py --out "$R" > "$R/elementwise.log" 2>&1 ;;
   esac
   echo "rc=$?"
+  tar czf "$OUT/results.tgz" -C "$R" .  # after every step: a call cut short still returns what ran
 done
 tar czf "$OUT/results.tgz" -C "$R" .
 echo "=== total $(( $(date +%s) - T0 ))s"
-for f in "$R"/cascade.log "$R"/serve.log "$R"/diag3.log "$R"/ttftab.log "$R"/prefixab.log "$R"/diag2.log "$R"/async.log "$R"/sweep.log "$R"/diag.log "$R"/profile.log "$R"/pytest_gpu.log "$R"/engine.log "$R"/engine2.log "$R"/eager.log "$R"/ab.log "$R"/prefix2.log "$R"/hf.log "$R"/gpu_kernels.log "$R"/elementwise.log; do
+for f in "$R"/modload.log "$R"/sharedab.log "$R"/final.log "$R"/gguf.log "$R"/fuseab.log "$R"/skinnyab.log "$R"/gemm.log "$R"/pattn.log "$R"/cascade.log "$R"/serve.log "$R"/diag3.log "$R"/ttftab.log "$R"/prefixab.log "$R"/diag2.log "$R"/async.log "$R"/sweep.log "$R"/diag.log "$R"/profile.log "$R"/pytest_gpu.log "$R"/engine.log "$R"/engine2.log "$R"/eager.log "$R"/ab.log "$R"/prefix2.log "$R"/hf.log "$R"/gpu_kernels.log "$R"/elementwise.log; do
   [ -f "$f" ] || continue
   echo "##### $(basename "$f")"
   case $(basename "$f") in
@@ -80,6 +129,14 @@ for f in "$R"/cascade.log "$R"/serve.log "$R"/diag3.log "$R"/ttftab.log "$R"/pre
     ab.log|prefix2.log) grep -E "^decode|^prefix|Error|failed" "$f" ;;
     cascade.log) grep -E "^prefix|^engine start|passed|failed|Error|^kernel profile|^ +[0-9]" "$f" | tail -40 ;;
     profile.log) tail -c 4500 "$f" ;;
+    modload.log) grep -E "^shared|^engine start|^CUDA_MODULE|Error|failed" "$f" ;;
+    sharedab.log) grep -E "^shared|^engine start|Error|failed" "$f" ;;
+    final.log) grep -E "^decode|^seeds|^TTFT|^engine start|^random|Error|failed|^kernel profile" "$f" ;;
+    gguf.log) tail -c 1500 "$f" ;;
+    fuseab.log) grep -E "^decode|^seeds|^TTFT|^engine start|Error|failed|^kernel profile|^ +[0-9.]+ us" "$f" \
+                | grep -v -E " (0\.[0-9]|[1-4]\.[0-9]) us" | head -90 ;;
+    skinnyab.log) grep -E "^decode|^seeds|^TTFT|^engine start|Error|failed|^ +[0-9.]+ us/step" "$f" | head -70 ;;
+    gemm.log) grep -E "Error|Traceback" "$f" | head -5; sed -n '/^shape /,$p' "$f" ;;
     serve.log) tail -c 2500 "$f" ;;
     diag3.log) tail -c 1500 "$f" ;;
     ttftab.log) grep -E "^TTFT|Error" "$f" ;;

@@ -1,0 +1,158 @@
+"""Sweep of the Triton skinny matmul (`kvserve/kernels/triton_gemm.py`) against torch's matmul (cuBLAS) at the
+Qwen2.5-7B decode shapes, bf16: qkv (with bias), o_proj, gate_up, down, and the LM head, at M = 1..128 rows.
+
+Each case holds one weight copy per layer (28, fewer for the LM head) and times a CUDA graph that runs the
+matmul once per copy, as a decode step does: no Python launch cost and no L2 reuse between calls. Every
+Triton configuration is checked against a float32 matmul of the same operands first; one that fails to
+compile (shared memory) or to match is reported and skipped.
+
+    python benchmarks/gemm_sweep.py --out /tmp/gemm_sweep.json [--budget-s 240]
+
+Prints per case: cuBLAS, the best Triton configurations and the bandwidth each reaches (weight bytes /
+time) against the 4.28 TB/s copy rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from attention_sweep import time_graph  # noqa: E402
+
+from kvserve.kernels.triton_gemm import GemmConfig, fits, skinny_linear  # noqa: E402
+
+COPY_TBPS = 4.28
+# name, N, K, bias (Qwen2.5-7B: hidden 3584, intermediate 18944, 28 query / 4 KV heads of 128, vocab 152064)
+SHAPES = [("qkv", 4608, 3584, True), ("o_proj", 3584, 3584, False), ("gate_up", 37888, 3584, False),
+          ("down", 3584, 18944, False), ("lm_head", 152064, 3584, False)]
+ROWS = [1, 8, 64, 128]
+BLOCK_NS = [64, 128]
+BLOCK_KS = [128, 256]
+STAGES = [3, 4]
+SPLITS = [1, 2, 3, 4, 6, 7, 8, 14, 16]
+
+
+def configs(n: int, k: int, num_sms: int, block_ns: list[int], block_ks: list[int]) -> list[GemmConfig]:
+    out = []
+    for bn, bk, stages in itertools.product(block_ns, block_ks, STAGES):
+        if bn * bk * 2 * stages > 200 * 1024:  # weight tiles alone past shared memory
+            continue
+        for warps in ([4, 8] if bn == 128 else [4]):
+            for split in SPLITS:
+                programs = n // bn * split
+                if n % bn or k % (split * bk) or not num_sms <= programs <= 12 * num_sms:
+                    continue
+                out.append(GemmConfig(bn, bk, split, stages, warps))
+                if split > 1:
+                    out.append(GemmConfig(bn, bk, split, stages, warps, fused_reduce=False))
+    random.Random(n * k).shuffle(out)  # a case cut short by the budget still samples every axis
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--budget-s", type=float, default=240.0, help="stop sweeping a case past its share")
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)))
+    parser.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    parser.add_argument("--block-ns", default=",".join(map(str, BLOCK_NS)))
+    parser.add_argument("--block-ks", default=",".join(map(str, BLOCK_KS)))
+    args = parser.parse_args()
+    rows_list = [int(r) for r in args.rows.split(",")]
+    shapes = [s for s in SHAPES if s[0] in args.shapes.split(",")]
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    # A case may take twice its share (the first ones pay the compiles); the sweep stops at the budget.
+    per_case = 2 * args.budget_s / (len(rows_list) * len(shapes))
+    deadline = time.monotonic() + args.budget_s
+    dtype = torch.bfloat16
+    results, summary = [], []
+    for name, n, k, has_bias in shapes:
+        nbytes = n * k * 2
+        copies = max(2, min(28, int(6e9 // nbytes)))
+        gen = torch.Generator(device="cuda").manual_seed(n + k)
+        weights = [torch.randn(n, k, generator=gen, device="cuda", dtype=dtype) * k**-0.5 for _ in range(copies)]
+        biases = [torch.randn(n, generator=gen, device="cuda", dtype=dtype) if has_bias else None
+                  for _ in range(copies)]
+        for m in rows_list:
+            x = torch.randn(m, k, generator=gen, device="cuda", dtype=dtype)
+            expected = torch.nn.functional.linear(
+                x.float(), weights[0].float(), None if biases[0] is None else biases[0].float()
+            )
+            tol = 2e-2 * expected.abs().max().item()
+
+            def cublas(xs: torch.Tensor = x, ws: list = weights, bs: list = biases) -> None:
+                for w, b in zip(ws, bs, strict=True):
+                    torch.nn.functional.linear(xs, w, b)
+
+            base_us = time_graph(cublas) / copies * 1e3
+            case = {"shape": name, "n": n, "k": k, "m": m, "bias": has_bias, "cublas_us": base_us,
+                    "cublas_tbps": nbytes / base_us / 1e6, "configs": []}
+            start = time.monotonic()
+            block_ns = [int(v) for v in args.block_ns.split(",")]
+            block_ks = [int(v) for v in args.block_ks.split(",")]
+            for cfg in configs(n, k, num_sms, block_ns, block_ks):
+                if time.monotonic() - start > per_case or time.monotonic() > deadline:
+                    case["truncated"] = True
+                    break
+                row: dict = {"block_n": cfg.block_n, "block_k": cfg.block_k, "split_k": cfg.split_k,
+                             "num_stages": cfg.num_stages, "num_warps": cfg.num_warps,
+                             "fused_reduce": cfg.fused_reduce}
+                try:
+                    assert fits(x, weights[0], cfg)
+                    got = skinny_linear(x, weights[0], biases[0], cfg)
+                    err = (got.float() - expected).abs().max().item()
+                    if not err <= tol:
+                        row["error"] = f"max abs err {err:.3g} > {tol:.3g}"
+                    else:
+
+                        def step(c: GemmConfig = cfg, xs: torch.Tensor = x, ws: list = weights,
+                                 bs: list = biases) -> None:
+                            for w, b in zip(ws, bs, strict=True):
+                                skinny_linear(xs, w, b, c)
+
+                        us = time_graph(step) / copies * 1e3
+                        again = skinny_linear(x, weights[0], biases[0], cfg)  # after the replays
+                        if not torch.equal(again, got):
+                            row["error"] = "a launch after the graph replays gave different bits"
+                        else:
+                            row["us"] = us
+                            row["tbps"] = nbytes / us / 1e6
+                except Exception as exc:  # out of shared memory, or a launch error
+                    row["error"] = repr(exc)[:160]
+                case["configs"].append(row)
+            results.append(case)
+            timed = sorted((r for r in case["configs"] if "us" in r), key=lambda r: r["us"])
+            failed = sum(1 for r in case["configs"] if "error" in r)
+            summary.append((case, timed[:3], failed))
+            print(f"{name} m={m}: cublas {base_us:.1f} us, best triton "
+                  f"{timed[0]['us'] if timed else float('nan'):.1f} us, {len(case['configs'])} configs, "
+                  f"{failed} failed", flush=True)
+        del weights, biases
+        torch.cuda.empty_cache()
+    args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "num_sms": num_sms,
+                                    "triton": __import__("triton").__version__, "torch": torch.__version__,
+                                    "results": results}, indent=1))
+    print(f"\n{'shape':8s} {'M':>4s} {'cuBLAS us':>9s} {'TB/s':>5s} | {'triton us':>9s} {'TB/s':>5s} "
+          f"{'speedup':>7s}  config (block_n, block_k, split, stages, warps[, separate reduce])")
+    for case, best, failed in summary:
+        for i, r in enumerate(best[:2]):
+            head = (f"{case['shape']:8s} {case['m']:4d} {case['cublas_us']:9.1f} {case['cublas_tbps']:5.2f}"
+                    if i == 0 else " " * 30)
+            print(f"{head} | {r['us']:9.1f} {r['tbps']:5.2f} {case['cublas_us'] / r['us']:6.2f}x  "
+                  f"({r['block_n']}, {r['block_k']}, {r['split_k']}, {r['num_stages']}, {r['num_warps']}"
+                  + (", separate" if r["split_k"] > 1 and not r["fused_reduce"] else "") + ")"
+                  + (f"  [{failed} failed]" if failed and i == 0 else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
