@@ -436,7 +436,8 @@ class Bench:
         slowdown = off["unique_output_tok_s"] / on["unique_output_tok_s"] - 1
         self.results["prefix"] = {"on": on, "off": off, "cache_off_engine_start_s": start_s,
                                   "slowdown_on_vs_off_at_0pct": slowdown}
-        self.rows.append(("prefix caching cost at 0% hits", f"{slowdown:+.1%}", "throughput off/on - 1"))
+        self.rows.append(("prefix caching cost at 0% hits", f"{slowdown:+.1%}",
+                          "off/on - 1, one run each, cache-on engine first (prefixab alternates engines)"))
 
     def section_shared(self) -> None:
         """The shared-prefix workload alone (256 x (shared 1000 + own 64), 128 out), three times on one warmed
@@ -551,7 +552,8 @@ def main() -> int:
     p.add_argument("--fusions", action=argparse.BooleanOptionalAction, default=True,
                    help="the rotary embedding writes the KV cache in its launch (off: two launches)")
     p.add_argument("--sdpa-cudnn-min-tokens", type=int, default=None,
-                   help="override ops.SDPA_CUDNN_MIN_TOKENS (one-prompt prefills this long use cuDNN attention)")
+                   help="override ops.SDPA_CUDNN_MIN_TOKENS: one-prompt prefills this long try cuDNN attention first "
+                   "(0: never, the default)")
     args = p.parse_args()
     from kvserve.kernels import ops
 

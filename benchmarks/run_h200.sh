@@ -68,9 +68,9 @@ for step in "$@"; do
            timeout 100 python3 benchmarks/gemm_sweep.py --budget-s 25 --shapes gate_up,lm_head --rows 16,32 \
               --out "$R/gemm_sweep3.json" >> "$R/gemm.log" 2>&1 ;;
     skinnyab) for mode in on off on2; do
-          flags="--skinny-gemm"; secs=start,decode,ttft,seeds
+          flags="--skinny-gemm --sdpa-cudnn-min-tokens 2048"; secs=start,decode,ttft,seeds
           [ $mode = on2 ] && secs=decode,ttft,kprofile
-          [ $mode = off ] && flags="--no-skinny-gemm --sdpa-cudnn-min-tokens 1000000000" && secs=start,decode,ttft
+          [ $mode = off ] && flags="--no-skinny-gemm --sdpa-cudnn-min-tokens 0" && secs=start,decode,ttft
           timeout 150 python3 benchmarks/engine_benchmarks.py --out "$R/skinny_$mode" --sections $secs \
             --decode-batches 1,8,16,64 --decode-contexts 1024 --decode-steps 30 $flags >> "$R/skinnyab.log" 2>&1
         done ;;

@@ -26,3 +26,7 @@ KVSERVE_CPU_KVCACHE_SPACE_GIB: int = _int("KVSERVE_CPU_KVCACHE_SPACE", 1)
 KVSERVE_API_KEY: str | None = _str("KVSERVE_API_KEY", None)
 # Log level of the kvserve logger.
 KVSERVE_LOGGING_LEVEL: str = _str("KVSERVE_LOGGING_LEVEL", "INFO") or "INFO"
+# One-prompt prefills at least this long use cuDNN's attention kernel (0: never, the default). cuDNN builds
+# an execution graph for every new sequence length, so only set it where prompt lengths repeat; see
+# docs/perf_notes.md, entry 15.
+KVSERVE_SDPA_CUDNN_MIN_TOKENS: int = _int("KVSERVE_SDPA_CUDNN_MIN_TOKENS", 0)

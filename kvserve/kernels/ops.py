@@ -18,6 +18,7 @@ Signatures are exactly the reference's (see each function there for the contract
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from types import ModuleType
@@ -25,6 +26,7 @@ from typing import Any
 
 import torch
 
+from kvserve import envs
 from kvserve.kernels import reference
 from kvserve.layers.attention_metadata import AttentionMetadata
 
@@ -125,13 +127,31 @@ def set_skinny_gemm(enabled: bool) -> None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T (+ bias), as torch.nn.functional.linear computes it."""
+    global _skinny_gemm_enabled
     if _skinny_gemm_enabled and x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= SKINNY_GEMM_MAX_ROWS:
         module = _triton_module("triton_gemm")
         if module is not None:
-            config = module.pick_config(x.shape[0], weight.shape[0], weight.shape[1], _num_sms(x.device))
-            if config is not None and module.fits(x, weight, config):
-                return module.skinny_linear(x, weight, bias, config)
+            config = module.pick_config(
+                x.shape[0], weight.shape[0], weight.shape[1], _num_sms(x.device), _max_shared_bytes(x.device)
+            )
+            if config is not None and module.fits(x, weight, config, bias):
+                try:
+                    return module.skinny_linear(x, weight, bias, config)
+                except Exception as exc:  # e.g. a GPU whose shared memory the estimate got wrong
+                    if type(exc).__name__ != "OutOfResources":
+                        raise
+                    import logging
+
+                    logging.getLogger(__name__).warning("skinny matmul unavailable on this GPU (%s); using torch", exc)
+                    _skinny_gemm_enabled = False
     return torch.nn.functional.linear(x, weight, bias)
+
+
+@functools.cache
+def _max_shared_bytes(device: torch.device) -> int:
+    """Shared memory one block may use on this GPU (the opt-in maximum; 99 KiB when torch does not say)."""
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "shared_memory_per_block_optin", 99 * 1024))
 
 
 def decode_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
@@ -234,23 +254,21 @@ def prefill_attention(
         return None
 
 
-# One prompt: SDPA with the KV heads shared across their query group (no repeat). Backend by length, from
-# benchmarks/prefill_attention_backends.py on the H200 (docs/perf_notes.md, entry 15): cuDNN's kernel ran an
-# 8k-token layer in 0.84 ms against flash's 1.54; at 1k flash was ahead (0.059 against 0.066 ms).
-SDPA_CUDNN_MIN_TOKENS = 2048
+# One prompt: SDPA with the KV heads shared across their query group (no repeat), flash first. cuDNN's kernel
+# ran an 8k-token layer in 0.85 ms against flash's 1.54 on the H200 (benchmarks/prefill_attention_backends.py,
+# docs/perf_notes.md entry 15), but torch builds a cuDNN graph for every new sequence length (hundreds of ms
+# reported), which a server with prompts of every length would pay again and again; not measured here, so
+# cuDNN is opt-in: prompts of at least SDPA_CUDNN_MIN_TOKENS tokens (0: never) try it first.
+SDPA_CUDNN_MIN_TOKENS = envs.KVSERVE_SDPA_CUDNN_MIN_TOKENS
 
 
 @functools.cache
-def _sdpa_backends(prefer_cudnn: bool) -> Callable[[], Any]:
-    """A context-manager factory that makes SDPA try the backends in our order (plain `sdpa_kernel` only
-    filters: its default order puts cuDNN last)."""
+def _cudnn_first() -> Callable[[], Any]:
+    """A context-manager factory that makes SDPA try cuDNN first (torch's own order puts it last)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    order = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-    if prefer_cudnn:
-        order.insert(0, SDPBackend.CUDNN_ATTENTION)
-    else:
-        order.insert(1, SDPBackend.CUDNN_ATTENTION)
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+             SDPBackend.MATH]
     try:
         sdpa_kernel(order, set_priority=True)
         return functools.partial(sdpa_kernel, order, set_priority=True)
@@ -263,7 +281,8 @@ def _sdpa_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
     q = query.transpose(0, 1).unsqueeze(0)
     k = key.transpose(0, 1).unsqueeze(0)
     v = value.transpose(0, 1).unsqueeze(0)
-    with _sdpa_backends(query.shape[0] >= SDPA_CUDNN_MIN_TOKENS)():
+    cudnn_first = 0 < SDPA_CUDNN_MIN_TOKENS <= query.shape[0]
+    with _cudnn_first()() if cudnn_first else contextlib.nullcontext():
         out = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
         )

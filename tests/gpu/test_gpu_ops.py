@@ -14,7 +14,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 @pytest.mark.parametrize("lens", [[2048], [700], [300, 64, 1000]])
 @pytest.mark.parametrize("heads", [(28, 4, 128), (9, 3, 64)])
-def test_prefill_fast_path_matches_reference(lens: list[int], heads: tuple[int, int, int]) -> None:
+@pytest.mark.parametrize("cudnn_min_tokens", [0, 512], ids=["flash", "cudnn-first"])
+def test_prefill_fast_path_matches_reference(
+    lens: list[int], heads: tuple[int, int, int], cudnn_min_tokens: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ops, "SDPA_CUDNN_MIN_TOKENS", cudnn_min_tokens)
     num_heads, num_kv_heads, head_dim = heads
     block_size, dtype, device = 16, torch.bfloat16, "cuda"
     num_tokens = sum(lens)
@@ -56,10 +60,19 @@ QWEN_7B = {"qkv": (4608, 3584, True), "o_proj": (3584, 3584, False), "gate_up": 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("m", [1, 8, ops.SKINNY_GEMM_MAX_ROWS])
-def test_skinny_linear_in_a_cuda_graph(dtype: torch.dtype, m: int) -> None:
+def test_skinny_linear_in_a_cuda_graph(dtype: torch.dtype, m: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """ops.linear's small-row path at the real shapes, captured once and replayed three times with its output
     set to NaN before each replay: every tile is written on every replay (the split counters reset)."""
     from kvserve.kernels import triton_gemm
+
+    launches: list[str] = []
+    skinny = triton_gemm.skinny_linear
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        launches.append("skinny")
+        return skinny(*args, **kwargs)
+
+    monkeypatch.setattr(triton_gemm, "skinny_linear", counted)
 
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator(device="cuda").manual_seed(m)
@@ -69,7 +82,9 @@ def test_skinny_linear_in_a_cuda_graph(dtype: torch.dtype, m: int) -> None:
         w = (torch.randn(n, k, generator=gen, device="cuda") * k**-0.5).to(dtype)
         b = torch.randn(n, generator=gen, device="cuda").to(dtype) if has_bias else None
         expected = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float()).to(dtype)
+        launches.clear()
         ops.linear(x, w, b)  # outside the capture: compiles, allocates the split counters
+        assert launches == ["skinny"], f"{name}: ops.linear did not take the Triton kernel"
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = ops.linear(x, w, b)

@@ -110,7 +110,8 @@ def test_rotary_embedding_matches_reference(
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_rotary_embedding_with_cache_write(dtype, device, skip_bf16_on_interpreter):
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32], ids=str)
+def test_rotary_embedding_with_cache_write(dtype, slot_dtype, device, skip_bf16_on_interpreter):
     """The fused launch returns what `rotary_embedding` returns, and leaves the cache as `reshape_and_cache`
     of the rotated key and the value would: written slots hold them bit for bit, a negative slot (padding)
     writes nothing, every other slot is untouched."""
@@ -122,14 +123,14 @@ def test_rotary_embedding_with_cache_write(dtype, device, skip_bf16_on_interpret
     key = qkv[:, q_end:k_end].view(num_tokens, num_kv_heads, head_dim)
     value = qkv[:, k_end:].view(num_tokens, num_kv_heads, head_dim)
     positions = torch.tensor([3, 0, 9, 1, 7], dtype=torch.int64, device=device)
-    slots = torch.tensor([13, 2, -1, 7, 30], dtype=torch.int64, device=device)
+    slots = torch.tensor([13, 2, -1, 7, 30], dtype=slot_dtype, device=device)
     table = cos_sin_cache(16, head_dim).to(device)
     kv_cache = randn(2, 8, block_size, num_kv_heads, head_dim, dtype=dtype, device=device, seed=5)
     expected_cache = kv_cache.clone()
     q_out, k_out = rotary_embedding(positions, query, key, table, value, kv_cache, slots)
     q_plain, k_plain = rotary_embedding(positions, query, key, table)
     assert torch.equal(q_out, q_plain) and torch.equal(k_out, k_plain)
-    reference.reshape_and_cache(k_plain, value, expected_cache, slots)
+    reference.reshape_and_cache(k_plain, value, expected_cache, slots.long())
     assert torch.equal(kv_cache, expected_cache)
 
 

@@ -116,6 +116,17 @@ def test_pick_config_at_the_measured_shapes():
     assert got["qkv"] == GemmConfig(64, 128, 4, 3, 4)
 
 
+def test_pick_config_respects_the_shared_memory_limit():
+    """An sm_86 / sm_89 GPU allows 99 KiB per block: the LM head's 128-row, 4-stage tiling (144 KiB) must not
+    be chosen there, even with few SMs."""
+    hopper = pick_config(1, 152064, 3584, 132, max_shared=227 * 1024)
+    assert hopper is not None and hopper.block_n == 128
+    small = pick_config(1, 152064, 3584, 58, max_shared=99 * 1024)
+    assert small is not None and small.block_n == 64
+    assert triton_gemm.shared_bytes(small) <= 99 * 1024
+    assert pick_config(1, 4096, 4096, 58, max_shared=8 * 1024) is None
+
+
 @pytest.mark.parametrize("n", [64, 576, 1536, 49152, 152064])
 @pytest.mark.parametrize("k", [128, 576, 1536, 8960])
 @pytest.mark.parametrize("num_sms", [4, 132])

@@ -1,6 +1,6 @@
-"""The one-prompt prefill attention call (`ops._sdpa_prefill`): layout, GQA without repeated KV heads, and
-the backend-order wrapper, against the torch reference. On CPU SDPA runs its CPU kernels; which CUDA backend
-the order picks is checked on the GPU (tests/gpu/test_gpu_ops.py)."""
+"""The one-prompt prefill attention call (`ops._sdpa_prefill`): layout, GQA without repeated KV heads and
+the cuDNN-first order (on CPU torch skips the CUDA backends and runs its CPU kernels), against the torch
+reference. tests/gpu/test_gpu_ops.py runs the same path on the GPU."""
 
 from __future__ import annotations
 
@@ -11,10 +11,7 @@ from kvserve.kernels import ops, reference
 from kvserve.layers.attention_metadata import AttentionMetadata
 
 
-@pytest.mark.parametrize("tokens", [7, ops.SDPA_CUDNN_MIN_TOKENS + 5])
-@pytest.mark.parametrize("heads", [(4, 4), (6, 2)])
-def test_sdpa_prefill_matches_reference(tokens: int, heads: tuple[int, int]) -> None:
-    num_heads, num_kv_heads = heads
+def _case(tokens: int, num_heads: int, num_kv_heads: int):
     head_dim, block_size = 16, 16
     gen = torch.Generator().manual_seed(tokens)
     query = torch.randn(tokens, num_heads, head_dim, generator=gen)
@@ -30,7 +27,18 @@ def test_sdpa_prefill_matches_reference(tokens: int, heads: tuple[int, int]) -> 
     )
     kv_cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim)
     reference.reshape_and_cache(key, value, kv_cache, md.slot_mapping)
-    scale = 0.3
-    out = ops._sdpa_prefill(query, key, value, scale)
+    return query, key, value, reference.paged_attention(query, kv_cache, md, 0.3)
+
+
+@pytest.mark.parametrize("tokens", [7, 300])
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2)])
+@pytest.mark.parametrize("cudnn_min_tokens", [0, 200])
+def test_sdpa_prefill_matches_reference(
+    tokens: int, heads: tuple[int, int], cudnn_min_tokens: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ops, "SDPA_CUDNN_MIN_TOKENS", cudnn_min_tokens)
+    query, key, value, expected = _case(tokens, *heads)
+    out = ops._sdpa_prefill(query, key, value, 0.3)
     assert out.shape == query.shape
-    torch.testing.assert_close(out, reference.paged_attention(query, kv_cache, md, scale), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+
