@@ -549,7 +549,7 @@ def main() -> int:
     p.add_argument("--elementwise-backend", default="triton", choices=["triton", "torch", "compile"])
     p.add_argument("--skinny-gemm", action=argparse.BooleanOptionalAction, default=True,
                    help="Triton matmul for small-row batches (off: cuBLAS for every matmul)")
-    p.add_argument("--fusions", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--rotary-cache-fusion", action=argparse.BooleanOptionalAction, default=True,
                    help="the rotary embedding writes the KV cache in its launch (off: two launches)")
     p.add_argument("--sdpa-cudnn-min-tokens", type=int, default=None,
                    help="override ops.SDPA_CUDNN_MIN_TOKENS: one-prompt prefills this long try cuDNN attention first "
@@ -559,7 +559,7 @@ def main() -> int:
 
     ops.set_elementwise_backend(args.elementwise_backend)
     ops.set_skinny_gemm(args.skinny_gemm)
-    ops.set_fusions(args.fusions)
+    ops.set_rotary_cache_fusion(args.rotary_cache_fusion)
     if args.sdpa_cudnn_min_tokens is not None:
         ops.SDPA_CUDNN_MIN_TOKENS = args.sdpa_cudnn_min_tokens
     if args.decode_programs_per_sm is not None:

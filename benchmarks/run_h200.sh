@@ -89,9 +89,9 @@ for step in "$@"; do
               >> "$R/final.log" 2>&1 ;;
     ggufcheck) cat .carry/gg.aa .carry/gg.ab > /tmp/smollm2.gguf && KVSERVE_TEST_GGUF=/tmp/smollm2.gguf \
               timeout 200 python3 -m pytest -q -rA -s -p no:cacheprovider tests/gpu -k gguf > "$R/gguf.log" 2>&1 ;;
-    fuseab) for mode in on off; do
-          flags="--fusions"; secs=start,decode,ttft,seeds,kprofile
-          [ $mode = off ] && flags="--no-fusions" && secs=start,decode,kprofile
+    fuseab) for mode in on off; do  # (session 4's call 3 ran it with two more fusions, since removed)
+          flags="--rotary-cache-fusion"; secs=start,decode,ttft,seeds,kprofile
+          [ $mode = off ] && flags="--no-rotary-cache-fusion" && secs=start,decode,kprofile
           timeout 150 python3 benchmarks/engine_benchmarks.py --out "$R/fuse_$mode" --sections $secs \
             --decode-batches 1,8,16,64 --decode-contexts 1024 --decode-steps 30 --kprofile-cases b1,b64,p8192 \
             $flags >> "$R/fuseab.log" 2>&1

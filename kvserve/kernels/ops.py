@@ -110,13 +110,13 @@ _DECODE_TILE_N = 64  # keys per tile of the Triton decode kernel: a split with f
 SKINNY_GEMM_MAX_ROWS = 16
 _skinny_gemm_enabled = True
 # The rotary embedding writes the KV cache in the same launch (`rotary_embedding_and_cache`).
-_fusions_enabled = True
+_rotary_cache_fusion = True
 
 
-def set_fusions(enabled: bool) -> None:
+def set_rotary_cache_fusion(enabled: bool) -> None:
     """Use the fused launch (default) or always the separate kernels (for measuring what fusion gains)."""
-    global _fusions_enabled
-    _fusions_enabled = enabled
+    global _rotary_cache_fusion
+    _rotary_cache_fusion = enabled
 
 
 def set_skinny_gemm(enabled: bool) -> None:
@@ -137,9 +137,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             if config is not None and module.fits(x, weight, config, bias):
                 try:
                     return module.skinny_linear(x, weight, bias, config)
-                except Exception as exc:  # e.g. a GPU whose shared memory the estimate got wrong
-                    if type(exc).__name__ != "OutOfResources":
-                        raise
+                except module.OutOfResources as exc:  # a GPU whose shared memory the estimate got wrong
                     import logging
 
                     logging.getLogger(__name__).warning("skinny matmul unavailable on this GPU (%s); using torch", exc)
@@ -350,7 +348,7 @@ def rotary_embedding_and_cache(
     module = _triton_module("triton_elementwise")
     head_dim = query.shape[2]
     if (
-        _fusions_enabled
+        _rotary_cache_fusion
         and module is not None
         and impl is module.rotary_embedding
         and _is_pow2(head_dim // 2)
@@ -383,7 +381,7 @@ __all__ = [
     "rotary_embedding",
     "rotary_embedding_and_cache",
     "set_elementwise_backend",
-    "set_fusions",
+    "set_rotary_cache_fusion",
     "set_skinny_gemm",
     "silu_and_mul",
 ]

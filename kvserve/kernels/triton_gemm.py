@@ -13,7 +13,8 @@ checks need; it adds the bias and rounds once, as a float32-accumulating matmul 
 `fused_reduce=False` sums them in a second kernel instead. One split rounds in the first kernel. The
 counters are one buffer per device: launches must not overlap on two streams (kvserve computes on one).
 
-The launcher takes the tiling as arguments (`benchmarks/gemm_sweep.py` sweeps them); `pick_config` is the
+A tiling that needs more shared memory than the GPU has raises `OutOfResources` at launch. The launcher
+takes the tiling as arguments (`benchmarks/gemm_sweep.py` sweeps them); `pick_config` is the
 rule fitted to that sweep.
 """
 
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources  # noqa: F401 (re-exported: ops.linear catches it)
 
 
 @dataclass(frozen=True)

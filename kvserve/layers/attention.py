@@ -1,4 +1,4 @@
-"""Paged attention as a layer: write this step's K/V into the cache, then attend over the cache."""
+"""Paged attention as a layer over the KV cache, which already holds this step's K/V."""
 
 from __future__ import annotations
 
@@ -32,15 +32,12 @@ class Attention(nn.Module):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
-        cache_written: bool = False,
     ) -> torch.Tensor:
         """query [num_tokens, num_heads, head_dim]; key/value [num_tokens, num_kv_heads, head_dim];
-        kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] in the same dtype.
-        cache_written: the caller already put key/value into the cache (e.g. with the rotary embedding).
+        kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] in the same dtype, already holding this
+        step's key/value (the paged kernel reads every key from there; the model writes them together with
+        the rotary embedding, `ops.rotary_embedding_and_cache`).
         Returns [num_tokens, num_heads, head_dim] in query's dtype."""
-        # NOTE: K/V go into the cache first: the kernel reads every key, including this step's, from there.
-        if not cache_written:
-            ops.reshape_and_cache(key, value, kv_cache, attn_metadata.slot_mapping)
         # Fresh prompts only (GPU): flash attention over this step's own K/V, no cache reads.
         out = ops.prefill_attention(query, key, value, attn_metadata, self.scale)
         if out is not None:

@@ -73,7 +73,7 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(q)[0]
             k = self.k_norm(k)[0]
         q, k = self.rotary_emb.forward_and_cache(positions, q, k, v, kv_cache, attn_metadata.slot_mapping)
-        out = self.attn(q, k, v, kv_cache, attn_metadata, cache_written=True)
+        out = self.attn(q, k, v, kv_cache, attn_metadata)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 

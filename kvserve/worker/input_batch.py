@@ -44,7 +44,8 @@ class BatchInputs:
 
 
 # Cascade attention pays only when many requests share a long prefix; below these a decode batch attends
-# as usual. Starting points, not yet measured on a GPU.
+# as usual. Measured at 256 requests sharing 1,000 tokens (docs/perf_notes.md, entry 12); the thresholds
+# themselves are starting points, not tuned.
 CASCADE_MIN_REQS = 8
 CASCADE_MIN_PREFIX_TOKENS = 256
 

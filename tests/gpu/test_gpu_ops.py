@@ -93,3 +93,32 @@ def test_skinny_linear_in_a_cuda_graph(dtype: torch.dtype, m: int, monkeypatch: 
             graph.replay()
             torch.cuda.synchronize()
             torch.testing.assert_close(out.float(), expected.float(), rtol=2**-7, atol=2**-6, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_rotary_embedding_and_cache_at_qwen_shape(dtype: torch.dtype) -> None:
+    """The fused rotary + cache write at Qwen2.5-7B's heads (28 query / 4 KV of 128), q/k/v as views of one
+    QKV output, a padding slot: the rotated q/k equal the rotary kernel's alone, and the cache equals the
+    torch reference's write of them; the outputs start as NaN, so an unwritten element fails."""
+    from kvserve.kernels import triton_elementwise
+
+    num_tokens, heads, kv_heads, head_dim, block_size = 37, 28, 4, 128, 16
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, generator=gen, device="cuda").to(dtype)
+    q = qkv[:, : heads * head_dim].view(num_tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(num_tokens, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim :].view(num_tokens, kv_heads, head_dim)
+    positions = torch.randint(0, 32768, (num_tokens,), generator=gen, device="cuda")
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = torch.arange(32768, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    table = torch.cat([freqs.cos(), freqs.sin()], dim=-1).cuda()
+    slots = torch.randperm(64 * block_size, generator=gen, device="cuda")[:num_tokens]
+    slots[5] = -1
+    kv_cache = torch.full((2, 64, block_size, kv_heads, head_dim), float("nan"), dtype=dtype, device="cuda")
+    expected_cache = kv_cache.clone()
+    q_out, k_out = ops.rotary_embedding_and_cache(positions, q, k, v, table, kv_cache, slots)
+    q_alone, k_alone = triton_elementwise.rotary_embedding(positions, q, k, table)
+    assert torch.equal(q_out, q_alone) and torch.equal(k_out, k_alone)
+    reference.reshape_and_cache(k_alone, v, expected_cache, slots)
+    assert torch.equal(kv_cache.isnan(), expected_cache.isnan())
+    assert torch.equal(kv_cache.nan_to_num(), expected_cache.nan_to_num())
