@@ -26,7 +26,16 @@ KVSERVE_CPU_KVCACHE_SPACE_GIB: int = _int("KVSERVE_CPU_KVCACHE_SPACE", 1)
 KVSERVE_API_KEY: str | None = _str("KVSERVE_API_KEY", None)
 # Log level of the kvserve logger.
 KVSERVE_LOGGING_LEVEL: str = _str("KVSERVE_LOGGING_LEVEL", "INFO") or "INFO"
-# One-prompt prefills at least this long use cuDNN's attention kernel (0: never, the default). cuDNN builds
-# an execution graph for every new sequence length, so only set it where prompt lengths repeat; see
-# docs/perf_notes.md, entry 15.
-KVSERVE_SDPA_CUDNN_MIN_TOKENS: int = _int("KVSERVE_SDPA_CUDNN_MIN_TOKENS", 0)
+# One-prompt prefills at least this long use cuDNN's attention kernel (0: never). Unset (-1): 1024 on sm_90
+# and later, 0 elsewhere. cuDNN builds an execution graph per sequence length, so such prompts are padded to
+# a 256-token bucket whose graphs are all built at start; see docs/perf_notes.md, entry 18.
+KVSERVE_SDPA_CUDNN_MIN_TOKENS: int = _int("KVSERVE_SDPA_CUDNN_MIN_TOKENS", -1)
+# Programmatic dependent launch for the Triton kernels on sm_90+ (1: on, the default; 0: off). See
+# kvserve/kernels/triton_pdl.py and docs/perf_notes.md, entry 17.
+KVSERVE_PDL: bool = _int("KVSERVE_PDL", 1) != 0
+
+# Other libraries' variables that change what kvserve does (read here too, so this file lists them all):
+# Triton's interpreter (kernels run on the CPU): no programmatic dependent launch.
+TRITON_INTERPRET: bool = os.environ.get("TRITON_INTERPRET") == "1"
+# Set by the user: torch's choice between cuBLAS and cuBLASLt stands (kvserve otherwise prefers cuBLASLt on CUDA).
+TORCH_BLAS_PREFER_CUBLASLT_SET: bool = "TORCH_BLAS_PREFER_CUBLASLT" in os.environ

@@ -18,7 +18,6 @@ Signatures are exactly the reference's (see each function there for the contract
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable
 from types import ModuleType
@@ -125,24 +124,87 @@ def set_skinny_gemm(enabled: bool) -> None:
     _skinny_gemm_enabled = enabled
 
 
+def _skinny(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool, rope: Any = None
+) -> torch.Tensor | None:
+    """The Triton skinny matmul's result where it applies (CUDA, at most SKINNY_GEMM_MAX_ROWS rows, a tiling
+    that fits, with the asked epilogue), else None."""
+    global _skinny_gemm_enabled
+    if not (_skinny_gemm_enabled and x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= SKINNY_GEMM_MAX_ROWS):
+        return None
+    module = _triton_module("triton_gemm")
+    if module is None:
+        return None
+    config = module.pick_config(
+        x.shape[0], weight.shape[0], weight.shape[1], _num_sms(x.device), _max_shared_bytes(x.device)
+    )
+    if rope is not None:
+        rope = module.RopeCache(*rope)
+    if config is None or not module.fits(x, weight, config, bias, silu_mul, rope):
+        return None
+    try:
+        return module.skinny_linear(x, weight, bias, config, silu_mul, rope)
+    except module.OutOfResources as exc:  # a GPU whose shared memory the estimate got wrong
+        import logging
+
+        logging.getLogger(__name__).warning("skinny matmul unavailable on this GPU (%s); using torch", exc)
+        _skinny_gemm_enabled = False
+        return None
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T (+ bias), as torch.nn.functional.linear computes it."""
-    global _skinny_gemm_enabled
-    if _skinny_gemm_enabled and x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= SKINNY_GEMM_MAX_ROWS:
-        module = _triton_module("triton_gemm")
-        if module is not None:
-            config = module.pick_config(
-                x.shape[0], weight.shape[0], weight.shape[1], _num_sms(x.device), _max_shared_bytes(x.device)
-            )
-            if config is not None and module.fits(x, weight, config, bias):
-                try:
-                    return module.skinny_linear(x, weight, bias, config)
-                except module.OutOfResources as exc:  # a GPU whose shared memory the estimate got wrong
-                    import logging
+    out = _skinny(x, weight, bias, silu_mul=False)
+    return torch.nn.functional.linear(x, weight, bias) if out is None else out
 
-                    logging.getLogger(__name__).warning("skinny matmul unavailable on this GPU (%s); using torch", exc)
-                    _skinny_gemm_enabled = False
-    return torch.nn.functional.linear(x, weight, bias)
+
+# The gate/up projection of a small-row batch applies SiLU-and-mul in the matmul's epilogue (one launch, no
+# [M, 2 d] intermediate; docs/perf_notes.md entry 19); larger batches run `linear` then `silu_and_mul`.
+_silu_fusion = True
+
+
+def set_gate_up_silu_fusion(enabled: bool) -> None:
+    """Fuse SiLU-and-mul into the small-row gate/up matmul (default) or always run the two ops (A/B)."""
+    global _silu_fusion
+    _silu_fusion = enabled
+
+
+def linear_rope_cache(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> torch.Tensor | None:
+    """A fused q/k/v projection whose epilogue applies the rotary embedding and writes k / v into the cache:
+    [num_tokens, (num_heads + 2 num_kv_heads) head_dim], q and k rotated, as `linear`, `rotary_embedding`
+    and `reshape_and_cache` give (the `rotary_embedding_and_cache` contract). Small-row CUDA batches only
+    (the skinny matmul, one launch instead of two); None elsewhere, and the caller runs the separate ops."""
+    if not (_rotary_cache_fusion and _qkv_rope_fusion and _elementwise_backend == "triton"):
+        return None
+    return _skinny(x, weight, bias, silu_mul=False, rope=(positions, cos_sin_cache, kv_cache, slot_mapping,
+                                                          num_heads, num_kv_heads, head_dim))
+
+
+_qkv_rope_fusion = True
+
+
+def set_qkv_rope_fusion(enabled: bool) -> None:
+    """Let small-row q/k/v projections rotate and write the cache in their epilogue (default), or not (A/B)."""
+    global _qkv_rope_fusion
+    _qkv_rope_fusion = enabled
+
+
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """silu_and_mul(linear(x, weight, bias)) for a [gate; up] weight of 2 d rows: [num_tokens, d]."""
+    fuse = _silu_fusion and _elementwise_backend == "triton"
+    out = _skinny(x, weight, bias, silu_mul=True) if fuse else None
+    return silu_and_mul(linear(x, weight, bias)) if out is None else out
 
 
 @functools.cache
@@ -252,39 +314,116 @@ def prefill_attention(
         return None
 
 
-# One prompt: SDPA with the KV heads shared across their query group (no repeat), flash first. cuDNN's kernel
-# ran an 8k-token layer in 0.85 ms against flash's 1.54 on the H200 (benchmarks/prefill_attention_backends.py,
-# docs/perf_notes.md entry 15), but torch builds a cuDNN graph for every new sequence length (hundreds of ms
-# reported), which a server with prompts of every length would pay again and again; not measured here, so
-# cuDNN is opt-in: prompts of at least SDPA_CUDNN_MIN_TOKENS tokens (0: never) try it first.
-SDPA_CUDNN_MIN_TOKENS = envs.KVSERVE_SDPA_CUDNN_MIN_TOKENS
+# One prompt: SDPA with the KV heads shared across their query group (no repeat), on a kernel kvserve names
+# (torch 2.11's own order runs cuDNN on the H200; docs/perf_notes.md entry 18):
+# * flash, below the cuDNN threshold;
+# * cuDNN for prompts of cudnn_min_tokens(device) to SDPA_CUDNN_MAX_TOKENS tokens: faster per layer on the H200
+#   (0.85 against 1.54 ms at 8k tokens, entry 15), but it builds an execution graph for every new sequence
+#   length and layout (about 55-65 ms each there). So such a prompt's q/k/v are copied, contiguous, and
+#   padded to a multiple of SDPA_CUDNN_BUCKET tokens (exact under the causal mask: the padding rows and keys
+#   come after every real one), and `warm_up_prefill_attention` builds every bucket at start.
+# The threshold is KVSERVE_SDPA_CUDNN_MIN_TOKENS when set (0: never); by default 1024 on sm_90 and later,
+# where it was measured, and 0 elsewhere. A torch whose sdpa_kernel cannot set a priority never uses cuDNN.
+SDPA_CUDNN_MIN_TOKENS = envs.KVSERVE_SDPA_CUDNN_MIN_TOKENS  # < 0: the default just described
+SDPA_CUDNN_BUCKET = 256
+SDPA_CUDNN_MAX_TOKENS = 16384  # longer prompts use flash: bounds the graphs built at start (61 at most)
+_CUDNN_DEFAULT_MIN_TOKENS = 1024
 
 
 @functools.cache
-def _cudnn_first() -> Callable[[], Any]:
-    """A context-manager factory that makes SDPA try cuDNN first (torch's own order puts it last)."""
+def _sdpa_has_priority() -> bool:
+    import inspect
+
+    from torch.nn.attention import sdpa_kernel
+
+    return "set_priority" in inspect.signature(sdpa_kernel).parameters
+
+
+def cudnn_min_tokens(device: torch.device) -> int:
+    """The shortest one-prompt prefill that asks for cuDNN attention on `device` (0: none does). Set
+    explicitly, it applies on any device (the CPU then runs its own kernels, which tests use)."""
+    if not _sdpa_has_priority():
+        return 0
+    if SDPA_CUDNN_MIN_TOKENS >= 0:
+        return SDPA_CUDNN_MIN_TOKENS
+    if device.type != "cuda" or torch.version.hip is not None:
+        return 0
+    return _CUDNN_DEFAULT_MIN_TOKENS if torch.cuda.get_device_capability(device)[0] >= 9 else 0
+
+
+@functools.cache
+def _sdpa_order(cudnn: bool) -> Callable[[], Any]:
+    """A context-manager factory restricting SDPA to flash (then the fallbacks), with cuDNN first if asked."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-             SDPBackend.MATH]
-    try:
-        sdpa_kernel(order, set_priority=True)
+    order = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    if cudnn:
+        order.insert(0, SDPBackend.CUDNN_ATTENTION)
         return functools.partial(sdpa_kernel, order, set_priority=True)
-    except TypeError:  # a torch without set_priority: its own order
-        return functools.partial(sdpa_kernel, order)
+    return functools.partial(sdpa_kernel, order)
+
+
+def _pad_tokens(t: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """A contiguous copy of t [T, ...] with zero rows up to num_tokens (>= T)."""
+    out = t.new_empty((num_tokens, *t.shape[1:]))
+    out[: t.shape[0]].copy_(t)
+    out[t.shape[0] :].zero_()
+    return out
+
+
+def _use_cudnn(num_tokens: int, device: torch.device) -> bool:
+    min_tokens = cudnn_min_tokens(device)
+    return 0 < min_tokens <= num_tokens and _cudnn_padded(num_tokens) <= SDPA_CUDNN_MAX_TOKENS
+
+
+def _cudnn_padded(num_tokens: int) -> int:
+    bucket = max(SDPA_CUDNN_BUCKET, 1)
+    return -(-num_tokens // bucket) * bucket
 
 
 def _sdpa_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of one prompt: [T, H, D] in, [T, H, D] out."""
+    num_tokens = query.shape[0]
+    cudnn = _use_cudnn(num_tokens, query.device)
+    if cudnn:  # the layout and length the start-up warm-up built the graph for
+        padded = _cudnn_padded(num_tokens)
+        query, key, value = (_pad_tokens(t, padded) for t in (query, key, value))
     q = query.transpose(0, 1).unsqueeze(0)
     k = key.transpose(0, 1).unsqueeze(0)
     v = value.transpose(0, 1).unsqueeze(0)
-    cudnn_first = 0 < SDPA_CUDNN_MIN_TOKENS <= query.shape[0]
-    with _cudnn_first()() if cudnn_first else contextlib.nullcontext():
+    with _sdpa_order(cudnn)():
         out = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
         )
-    return out.squeeze(0).transpose(0, 1)
+    return out.squeeze(0).transpose(0, 1)[:num_tokens]
+
+
+def cudnn_prefill_lengths(max_tokens: int, device: torch.device) -> list[int]:
+    """The padded lengths a one-prompt prefill of at most `max_tokens` tokens runs cuDNN attention at on
+    `device` (none where cuDNN is not used)."""
+    min_tokens = cudnn_min_tokens(device)
+    if min_tokens <= 0 or max_tokens < min_tokens:
+        return []
+    bucket = max(SDPA_CUDNN_BUCKET, 1)
+    first = _cudnn_padded(min_tokens)
+    last = min(_cudnn_padded(max_tokens), SDPA_CUDNN_MAX_TOKENS // bucket * bucket)
+    return list(range(first, last + 1, bucket))
+
+
+def warm_up_prefill_attention(
+    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, max_tokens: int
+) -> list[int]:
+    """Build cuDNN's attention graph for every padded length of `cudnn_prefill_lengths`, with the layout
+    `_sdpa_prefill` gives it, so that no request pays for one (CUDA, fp16/bf16, fast path on). Returns the
+    lengths run."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or not _prefill_fast_enabled:
+        return []
+    lengths = cudnn_prefill_lengths(max_tokens, device)
+    for n in lengths:
+        query = torch.zeros(n, num_heads, head_dim, dtype=dtype, device=device)
+        key = torch.zeros(n, num_kv_heads, head_dim, dtype=dtype, device=device)
+        _sdpa_prefill(query, key, key, head_dim**-0.5)
+    return lengths
 
 
 def _flash_prefill(
@@ -372,15 +511,22 @@ __all__ = [
     "SKINNY_GEMM_MAX_ROWS",
     "decode_num_splits",
     "prefill_attention",
+    "cudnn_min_tokens",
+    "cudnn_prefill_lengths",
+    "warm_up_prefill_attention",
     "set_prefill_fast_path",
     "get_elementwise_backend",
     "linear",
+    "linear_rope_cache",
+    "linear_silu_mul",
     "paged_attention",
     "reshape_and_cache",
     "rms_norm",
     "rotary_embedding",
     "rotary_embedding_and_cache",
     "set_elementwise_backend",
+    "set_gate_up_silu_fusion",
+    "set_qkv_rope_fusion",
     "set_rotary_cache_fusion",
     "set_skinny_gemm",
     "silu_and_mul",

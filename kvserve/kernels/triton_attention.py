@@ -44,6 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.kernels import triton_pdl
+from kvserve.kernels.triton_pdl import pdl_wait_then_release
 from kvserve.layers.attention_metadata import AttentionMetadata
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -123,7 +125,9 @@ def _paged_attention_kernel(
     USE_SPLITS: tl.constexpr,
     CASCADE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait_then_release(PDL)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -263,12 +267,14 @@ def _shared_prefix_kernel(
     BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Cascade, first part: every decode query of the batch against the keys 0..prefix_len - 1 that all
     requests share (the same cache blocks; read through block-table row 0). One program per (tile of
     BLOCK_M (request, query head) rows, KV head, split of the prefix): each K/V tile is loaded once for
     BLOCK_M rows of many requests, instead of once per request. No causal mask: every query sits after
     the prefix. Writes partials at splits 0..num_prefix_splits - 1 for the reduce kernel."""
+    pdl_wait_then_release(PDL)
     row_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -322,7 +328,9 @@ def _reduce_splits_kernel(
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait_then_release(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
@@ -455,7 +463,10 @@ def launch_paged_attention(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     is_decode = metadata.max_query_len == 1
     dot_precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    pdl = triton_pdl.enabled(query.device)
     common = dict(
+        PDL=pdl,
+        **triton_pdl.launch_options(pdl),
         NUM_HEADS=num_heads,
         GROUP=group,
         HEAD_DIM=head_dim,
@@ -549,7 +560,7 @@ def launch_paged_attention(
         partial_acc, partial_max, partial_sum, out,
         total_splits, out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(total_splits),
-        num_warps=4,
+        PDL=pdl, num_warps=4, **triton_pdl.launch_options(pdl),
     )  # fmt: skip
     return out
 

@@ -15,6 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.kernels import triton_pdl
+from kvserve.kernels.triton_pdl import pdl_wait_then_release
+
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -30,7 +33,9 @@ def _reshape_and_cache_kernel(
     stride_cache_slot,
     ROW_SIZE: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait_then_release(PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
@@ -85,6 +90,7 @@ def reshape_and_cache(
         return
     row_size = num_kv_heads * head_dim
     block = triton.next_power_of_2(row_size)
+    pdl = triton_pdl.enabled(key.device)
     _reshape_and_cache_kernel[(num_tokens,)](
         key,
         value,
@@ -96,5 +102,7 @@ def reshape_and_cache(
         row_size,
         ROW_SIZE=row_size,
         BLOCK=block,
+        PDL=pdl,
         num_warps=4 if block <= 1024 else 8,
+        **triton_pdl.launch_options(pdl),
     )

@@ -15,6 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.kernels import triton_pdl
+from kvserve.kernels.triton_pdl import pdl_wait_then_release
+
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -47,7 +50,9 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden_size
@@ -103,6 +108,7 @@ def rms_norm(
     if num_rows == 0:
         return out, new_residual
     block = triton.next_power_of_2(hidden)
+    pdl = triton_pdl.enabled(x.device)
     _rms_norm_kernel[(num_rows,)](
         x2,
         residual2,
@@ -117,7 +123,9 @@ def rms_norm(
         eps,
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
+        PDL=pdl,
         num_warps=_num_warps(block),
+        **triton_pdl.launch_options(pdl),
     )
     return out, new_residual
 
@@ -149,7 +157,9 @@ def _rotary_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     WRITE_CACHE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait_then_release(PDL)
     # Program (token, 0) rotates the token's query heads, (token, 1) its key heads.
     token = tl.program_id(0).to(tl.int64)
     if tl.program_id(1) == 0:
@@ -266,6 +276,7 @@ def rotary_embedding(
         slot_mapping = positions
         value_stride, slot_stride = 0, 0
     block_h = triton.next_power_of_2(max(num_heads, num_kv_heads))
+    pdl = triton_pdl.enabled(query.device)
     _rotary_kernel[(num_tokens, 2)](
         positions,
         query,
@@ -289,7 +300,10 @@ def rotary_embedding(
         HEAD_DIM=head_dim,
         BLOCK_H=block_h,
         WRITE_CACHE=write_cache,
+        PDL=pdl,
         num_warps=_num_warps(block_h * head_dim),
+        enable_fp_fusion=False,  # each product is rounded before the sum, as the reference's are
+        **triton_pdl.launch_options(pdl),
     )
     return q_out, k_out
 
@@ -298,7 +312,8 @@ def rotary_embedding(
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, d, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, d, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -324,5 +339,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(1024, triton.next_power_of_2(d))
     grid = (num_tokens, triton.cdiv(d, block))
-    _silu_and_mul_kernel[grid](x, out, x.stride(0), out.stride(0), d, BLOCK=block, num_warps=4)
+    pdl = triton_pdl.enabled(x.device)
+    _silu_and_mul_kernel[grid](
+        x, out, x.stride(0), out.stride(0), d, BLOCK=block, PDL=pdl, num_warps=4, **triton_pdl.launch_options(pdl)
+    )
     return out

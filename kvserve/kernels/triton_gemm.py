@@ -30,6 +30,14 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources  # noqa: F401 (re-exported: ops.linear catches it)
 
+from kvserve.kernels import triton_pdl
+from kvserve.kernels.triton_pdl import pdl_wait_then_release
+
+# What the matmul does with a finished tile (`_store_output`).
+EPI_PLAIN = tl.constexpr(0)
+EPI_SILU_MUL = tl.constexpr(1)
+EPI_ROPE_CACHE = tl.constexpr(2)
+
 
 @dataclass(frozen=True)
 class GemmConfig:
@@ -52,27 +60,52 @@ def _skinny_gemm_kernel(
     out_ptr,
     part_ptr,
     lock_ptr,
+    pos_ptr,
+    cos_sin_ptr,
+    slot_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
     M,
     N,
     stride_xm,
     stride_wn,
     k_per_split,
+    stride_cos_sin,
+    stride_cache_slot,
+    num_heads,
+    num_kv_heads,
     HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr,
     FUSED_REDUCE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
+    EPILOGUE: tl.constexpr = 0,
+    HEAD_DIM: tl.constexpr = 0,
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_N)
+    if EPILOGUE == EPI_SILU_MUL:
+        # Tile row 2j is gate row c + j and row 2j + 1 the matching up row (N // 2 further on), so the
+        # epilogue finds each (gate, up) pair in the tile: output columns [c, c + BLOCK_N // 2).
+        offs_n = pid_n * (BLOCK_N // 2) + rows // 2 + (rows % 2) * (N // 2)
+    elif EPILOGUE == EPI_ROPE_CACHE:
+        # Tile row 2j is column p + j of one head's first half and row 2j + 1 the column HEAD_DIM // 2 further
+        # on: the pairs the rotary embedding mixes. A program covers BLOCK_N // 2 pairs of one head.
+        per_head: tl.constexpr = HEAD_DIM // BLOCK_N
+        offs_n = ((pid_n // per_head) * HEAD_DIM + (pid_n % per_head) * (BLOCK_N // 2) + rows // 2
+                  + (rows % 2) * (HEAD_DIM // 2))
+    else:
+        offs_n = pid_n * BLOCK_N + rows
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     k_start = pid_s.to(tl.int64) * k_per_split
     # N is a multiple of BLOCK_N (the launcher's contract): weight loads carry no mask.
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + k_start + offs_k[None, :]
+    pdl_wait_then_release(PDL)
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + k_start + offs_k[None, :]
     m_mask = offs_m[:, None] < M
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -82,8 +115,10 @@ def _skinny_gemm_kernel(
         acc = tl.dot(w, tl.trans(x), acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    out_mask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
-    tile = offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]  # [BLOCK_N, BLOCK_M] offsets into [M, N]
+    out_mask = offs_m[None, :] < M
+    # [BLOCK_N, BLOCK_M] offsets into an [M, N] matrix: tile row r at column pid_n * BLOCK_N + r (the partials'
+    # layout; with an epilogue that pairs rows, a column of no one weight row, which is all the partials need).
+    tile = offs_m.to(tl.int64)[None, :] * N + (pid_n * BLOCK_N + rows)[:, None]
     mn = M.to(tl.int64) * N
     if SPLIT_K > 1:
         # partials[pid_s, m, n] in float32
@@ -98,19 +133,75 @@ def _skinny_gemm_kernel(
                 acc = tl.load(part_ptr + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
                 for s in tl.static_range(1, SPLIT_K):
                     acc += tl.load(part_ptr + s * mn + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
-                if HAS_BIAS:
-                    acc += tl.load(bias_ptr + offs_n).to(tl.float32)[:, None]
-                tl.store(out_ptr + tile, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+                _store_output(acc, bias_ptr, out_ptr, offs_n, offs_m, tile, out_mask, pid_n, M, N, HAS_BIAS,
+                              pos_ptr, cos_sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_cos_sin,
+                              stride_cache_slot, num_heads, num_kv_heads, EPILOGUE, HEAD_DIM, BLOCK_N, BLOCK_M)
                 tl.atomic_xchg(lock, 0)
     else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n).to(tl.float32)[:, None]
-        tl.store(out_ptr + tile, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        _store_output(acc, bias_ptr, out_ptr, offs_n, offs_m, tile, out_mask, pid_n, M, N, HAS_BIAS,
+                      pos_ptr, cos_sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_cos_sin, stride_cache_slot,
+                      num_heads, num_kv_heads, EPILOGUE, HEAD_DIM, BLOCK_N, BLOCK_M)
+
+
+@triton.jit
+def _store_output(acc, bias_ptr, out_ptr, offs_n, offs_m, tile, out_mask, pid_n, M, N, HAS_BIAS: tl.constexpr,
+                  pos_ptr, cos_sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_cos_sin, stride_cache_slot,
+                  num_heads, num_kv_heads, EPILOGUE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_M: tl.constexpr):
+    """The finished float32 tile: add the bias and round once to the output dtype, then (EPILOGUE)
+    * EPI_PLAIN: store it;
+    * EPI_SILU_MUL: silu(gate) * up of each (gate, up) row pair into [M, N // 2], rounded where
+      `silu_and_mul` rounds;
+    * EPI_ROPE_CACHE (a fused q/k/v projection): rotate the q and k heads' pairs as `rotary_embedding` does
+      (same rounding steps), store q, k, v, and write this token's k and v into its KV cache slot (slots < 0:
+      padding, not written)."""
+    dtype = out_ptr.dtype.element_ty
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n).to(tl.float32)[:, None]
+    if EPILOGUE == EPI_PLAIN:
+        tl.store(out_ptr + tile, acc.to(dtype), mask=out_mask)
+    else:
+        pairs = tl.permute(tl.reshape(acc.to(dtype).to(tl.float32), (BLOCK_N // 2, 2, BLOCK_M)), (0, 2, 1))
+        first, second = tl.split(pairs)  # [BLOCK_N // 2, BLOCK_M] each
+        half = tl.arange(0, BLOCK_N // 2)
+        m64 = offs_m.to(tl.int64)[None, :]
+        if EPILOGUE == EPI_SILU_MUL:
+            act = (first / (1.0 + tl.exp(-first))).to(dtype).to(tl.float32)
+            cols = pid_n * (BLOCK_N // 2) + half
+            tl.store(out_ptr + m64 * (N // 2) + cols[:, None], (act * second).to(dtype), mask=out_mask)
+        else:
+            per_head: tl.constexpr = HEAD_DIM // BLOCK_N
+            head = pid_n // per_head
+            col = (pid_n % per_head) * (BLOCK_N // 2) + half  # within the head's first half
+            o1 = first
+            o2 = second
+            if head < num_heads + num_kv_heads:  # a q or k head: rotate
+                pos = tl.load(pos_ptr + offs_m, mask=offs_m < M, other=0).to(tl.int64)[None, :]
+                cos_ptrs = cos_sin_ptr + pos * stride_cos_sin + col[:, None]
+                cos = tl.load(cos_ptrs).to(dtype).to(tl.float32)
+                sin = tl.load(cos_ptrs + HEAD_DIM // 2).to(dtype).to(tl.float32)
+                o1 = (first * cos).to(dtype).to(tl.float32) + (-second * sin).to(dtype).to(tl.float32)
+                o2 = (second * cos).to(dtype).to(tl.float32) + (first * sin).to(dtype).to(tl.float32)
+            dst = out_ptr + m64 * N + (head * HEAD_DIM + col)[:, None]
+            tl.store(dst, o1.to(dtype), mask=out_mask)
+            tl.store(dst + HEAD_DIM // 2, o2.to(dtype), mask=out_mask)
+            if head >= num_heads:  # a k or v head: this token's cache slot too
+                slot = tl.load(slot_ptr + offs_m, mask=offs_m < M, other=-1).to(tl.int64)[None, :]
+                kv_head = head - num_heads
+                cache_ptr = k_cache_ptr
+                if kv_head >= num_kv_heads:
+                    kv_head -= num_kv_heads
+                    cache_ptr = v_cache_ptr
+                slot_dst = cache_ptr + slot * stride_cache_slot + (kv_head * HEAD_DIM + col)[:, None]
+                keep = out_mask & (slot >= 0)
+                tl.store(slot_dst, o1.to(dtype), mask=keep)
+                tl.store(slot_dst + HEAD_DIM // 2, o2.to(dtype), mask=keep)
 
 
 @triton.jit
 def _split_reduce_kernel(part_ptr, bias_ptr, out_ptr, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait_then_release(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
@@ -171,14 +262,57 @@ def _locks(device: torch.device, count: int) -> torch.Tensor:
     return locks
 
 
+@dataclass(frozen=True)
+class RopeCache:
+    """What the EPI_ROPE_CACHE epilogue needs (contracts of `rotary_embedding` and `reshape_and_cache`): the
+    matmul is a fused q/k/v projection of num_heads + 2 num_kv_heads heads of head_dim."""
+
+    positions: torch.Tensor  # [M] int32/int64
+    cos_sin_cache: torch.Tensor  # [max_position, head_dim] float32, cos then sin
+    kv_cache: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_dim], contiguous, x's dtype
+    slot_mapping: torch.Tensor  # [M] int32/int64, < 0: not written
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    def fits(self, x: torch.Tensor, n: int, block_n: int) -> bool:
+        m, d = x.shape[0], self.head_dim
+        cache = self.kv_cache
+        return (
+            d % block_n == 0
+            and n == (self.num_heads + 2 * self.num_kv_heads) * d
+            and self.positions.shape == (m,) and self.positions.is_contiguous()
+            and self.slot_mapping.shape == (m,) and self.slot_mapping.is_contiguous()
+            and self.positions.dtype in (torch.int32, torch.int64)
+            and self.slot_mapping.dtype in (torch.int32, torch.int64)
+            and self.cos_sin_cache.dtype == torch.float32 and self.cos_sin_cache.is_contiguous()
+            and self.cos_sin_cache.dim() == 2 and self.cos_sin_cache.shape[1] == d
+            and cache.dim() == 5 and cache.shape[0] == 2 and tuple(cache.shape[3:]) == (self.num_kv_heads, d)
+            and cache.dtype == x.dtype and cache.is_contiguous()
+            and self.positions.device == self.slot_mapping.device == cache.device == x.device
+            and self.cos_sin_cache.device == x.device
+        )
+
+
 def fits(
-    x: torch.Tensor, weight: torch.Tensor, config: GemmConfig, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    config: GemmConfig,
+    bias: torch.Tensor | None = None,
+    silu_mul: bool = False,
+    rope: RopeCache | None = None,
 ) -> bool:
     """Whether `skinny_linear` takes these operands with this tiling (else the caller uses torch)."""
     n, k = weight.shape
     if bias is not None and not (
         bias.shape == (n,) and bias.dtype == weight.dtype and bias.is_contiguous() and bias.device == x.device
     ):
+        return False
+    if (silu_mul or rope is not None) and config.split_k > 1 and not config.fused_reduce:
+        return False  # the separate reduce kernel has no epilogue
+    if silu_mul and (n % 2 or rope is not None):
+        return False
+    if rope is not None and not (x.dim() == 2 and rope.fits(x, n, config.block_n)):
         return False
     return (
         x.dim() == 2
@@ -193,18 +327,29 @@ def fits(
 
 
 def skinny_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemmConfig
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: GemmConfig,
+    silu_mul: bool = False,
+    rope: RopeCache | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T + bias[N] -> [M, N] in x's dtype (fp16/bf16), with the given tiling.
 
-    Contract (`fits`): N % block_n == 0, K % (split_k * block_k) == 0, unit stride along K.
+    silu_mul: the weight is [gate; up] (N = 2 d rows) and the result is silu(gate) * up, [M, d], bitwise what
+    `silu_and_mul` gives on the plain result (one launch, no [M, N] intermediate).
+    rope: the weight is a fused q/k/v projection; the result holds the rotated q and k heads and v, bitwise
+    what `rotary_embedding` gives, and k / v are also written into rope.kv_cache at rope.slot_mapping.
+
+    Contract (`fits`): N % block_n == 0, K % (split_k * block_k) == 0, unit stride along K; with an epilogue,
+    the last program of a split tile sums the partials (fused_reduce).
     """
-    assert fits(x, weight, config, bias), (
+    assert fits(x, weight, config, bias, silu_mul, rope), (
         f"skinny_linear: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype} do not fit {config}"
     )
     m = x.shape[0]
     n, k = weight.shape
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n // 2 if silu_mul else n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     block_m = max(16, triton.next_power_of_2(min(m, 64)))
@@ -214,6 +359,14 @@ def skinny_linear(
     fused = split and config.fused_reduce
     parts = torch.empty((config.split_k, m, n), dtype=torch.float32, device=x.device) if split else out
     locks = _locks(x.device, grid[0] * grid[2]) if fused else parts
+    pdl = triton_pdl.enabled(x.device)
+    epilogue = EPI_ROPE_CACHE if rope is not None else EPI_SILU_MUL if silu_mul else EPI_PLAIN
+    if rope is not None:
+        rope_args = (rope.positions, rope.cos_sin_cache, rope.slot_mapping, rope.kv_cache[0], rope.kv_cache[1])
+        rope_ints = (rope.cos_sin_cache.stride(0), rope.num_kv_heads * rope.head_dim, rope.num_heads,
+                     rope.num_kv_heads)
+    else:
+        rope_args, rope_ints = (x, x, x, x, x), (0, 0, 0, 0)
     _skinny_gemm_kernel[grid](
         x,
         weight,
@@ -221,24 +374,33 @@ def skinny_linear(
         out,
         parts,
         locks,
+        *rope_args,
         m,
         n,
         x.stride(0),
         weight.stride(0),
         k // config.split_k,
+        *rope_ints,
         HAS_BIAS=has_bias,
         SPLIT_K=config.split_k,
         FUSED_REDUCE=fused,
         BLOCK_M=block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
+        PDL=pdl,
+        EPILOGUE=epilogue.value,
+        HEAD_DIM=rope.head_dim if rope is not None else 0,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        # Each product of the rotation is rounded before the sum (as torch's bf16 ops round): no FMA contraction.
+        enable_fp_fusion=rope is None,
+        **triton_pdl.launch_options(pdl),
     )
     if split and not fused:
         block = 1024
         _split_reduce_kernel[(triton.cdiv(m * n, block),)](
             parts, bias if has_bias else parts, out, m * n, n,
-            SPLITS=config.split_k, HAS_BIAS=has_bias, BLOCK=block, num_warps=4,
+            SPLITS=config.split_k, HAS_BIAS=has_bias, BLOCK=block, PDL=pdl, num_warps=4,
+            **triton_pdl.launch_options(pdl),
         )
     return out

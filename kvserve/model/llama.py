@@ -16,7 +16,8 @@ from collections.abc import Hashable, Iterable
 import torch
 from torch import nn
 
-from kvserve.layers.activation import get_act_and_mul
+from kvserve.kernels import ops
+from kvserve.layers.activation import SiluAndMul, get_act_and_mul
 from kvserve.layers.attention import Attention
 from kvserve.layers.attention_metadata import AttentionMetadata
 from kvserve.layers.embedding import LMHead, VocabEmbedding
@@ -65,14 +66,22 @@ class LlamaAttention(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        qkv_proj = self.qkv_proj
+        rotated = None
+        if self.q_norm is None:  # small GPU batches: rotary and cache write in the projection's epilogue
+            rotated = ops.linear_rope_cache(
+                hidden, qkv_proj.weight, qkv_proj.bias, positions, self.rotary_emb.cos_sin_cache, kv_cache,
+                attn_metadata.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim,
+            )
+        q, k, v = qkv_proj.split(qkv_proj(hidden) if rotated is None else rotated)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)[0]
-            k = self.k_norm(k)[0]
-        q, k = self.rotary_emb.forward_and_cache(positions, q, k, v, kv_cache, attn_metadata.slot_mapping)
+        if rotated is None:
+            if self.q_norm is not None and self.k_norm is not None:
+                q = self.q_norm(q)[0]
+                k = self.k_norm(k)[0]
+            q, k = self.rotary_emb.forward_and_cache(positions, q, k, v, kv_cache, attn_metadata.slot_mapping)
         out = self.attn(q, k, v, kv_cache, attn_metadata)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
@@ -86,6 +95,9 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(size, arch.hidden_size, arch.mlp_bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.act_fn, SiluAndMul):  # one op, so small batches can fuse the two on the GPU
+            gate_up = self.gate_up_proj
+            return self.down_proj(ops.linear_silu_mul(x, gate_up.weight, gate_up.bias))
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 

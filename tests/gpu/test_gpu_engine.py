@@ -186,6 +186,44 @@ def test_cascade_attention_matches_plain(
     assert results[True] == results[False]
 
 
+def _switches() -> dict[str, Any]:
+    from kvserve.kernels import ops, triton_pdl
+
+    return {"pdl": triton_pdl.set_enabled, "silu-epilogue": ops.set_gate_up_silu_fusion,
+            "rope-epilogue": ops.set_qkv_rope_fusion}
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+@pytest.mark.parametrize("switch", ["pdl", "silu-epilogue", "rope-epilogue"])
+def test_fast_path_switches_do_not_change_output(
+    checkpoints: dict[str, str], model: str, enforce_eager: bool, switch: str
+) -> None:
+    """bf16 (so the skinny matmul runs): programmatic dependent launch, SiLU-and-mul in the gate/up matmul and
+    rotary + cache write in the q/k/v matmul each give bitwise the same greedy tokens and logprobs as without
+    them, in CUDA graphs and eagerly, with cascade decode in the mix. A kernel reading its input before the
+    previous kernel finished, or an epilogue pairing the wrong rows, would not."""
+    from kvserve.kernels import triton_pdl
+
+    device = torch.device("cuda")
+    if switch == "pdl" and (torch.cuda.get_device_capability(device)[0] < 9 or not triton_pdl.HAS_GDC):
+        pytest.skip("programmatic dependent launch needs sm_90+ and a Triton with the intrinsics")
+    generator = torch.Generator().manual_seed(5)
+    shared = torch.randint(3, VOCAB, (300,), generator=generator).tolist()
+    prompts = _prompts(9, seed=4) + [shared + p[:40] for p in _prompts(8, seed=6)]
+    results = {}
+    set_switch = _switches()[switch]
+    try:
+        for on in (True, False):
+            set_switch(on)
+            core = _core(checkpoints[model], "bfloat16", enforce_eager=enforce_eager)
+            results[on] = _generate(core, prompts, 24, logprobs=2)
+            del core
+    finally:
+        set_switch(True)
+    assert results[True] == results[False]
+
+
 def _teacher_forced_logprobs(model: torch.nn.Module, prompt: list[int], generated: list[int]) -> torch.Tensor:
     """float32 [len(generated), vocab]: log-softmax at every position that predicted a generated token."""
     ids = torch.tensor([prompt + generated[:-1]], device="cuda")

@@ -1,5 +1,6 @@
 """ops dispatch on the GPU (skipped without CUDA): the prefill attention fast path against the torch reference,
-and the skinny matmul at the Qwen2.5-7B shapes inside a replayed CUDA graph."""
+the skinny matmul at the Qwen2.5-7B shapes inside a replayed CUDA graph, and a chain of dependent kernels
+launched with programmatic dependent launch."""
 
 from __future__ import annotations
 
@@ -119,6 +120,115 @@ def test_rotary_embedding_and_cache_at_qwen_shape(dtype: torch.dtype) -> None:
     q_out, k_out = ops.rotary_embedding_and_cache(positions, q, k, v, table, kv_cache, slots)
     q_alone, k_alone = triton_elementwise.rotary_embedding(positions, q, k, table)
     assert torch.equal(q_out, q_alone) and torch.equal(k_out, k_alone)
+    # Bitwise the torch reference too: each product rounded before the sum. (With FMA contraction, the GPU
+    # kernel differed from it in about a fifth of the elements at large positions.)
+    q_ref, k_ref = reference.rotary_embedding(positions, q, k, table)
+    assert torch.equal(q_alone, q_ref) and torch.equal(k_alone, k_ref)
     reference.reshape_and_cache(k_alone, v, expected_cache, slots)
     assert torch.equal(kv_cache.isnan(), expected_cache.isnan())
     assert torch.equal(kv_cache.nan_to_num(), expected_cache.nan_to_num())
+
+
+@pytest.mark.parametrize("m", [1, 8])
+def test_pdl_chain_of_dependent_kernels(m: int) -> None:
+    """Four Qwen2.5-7B MLP blocks at decode size, each kernel reading the one before's output (norm -> gate_up
+    -> silu -> down -> norm ...), in a CUDA graph with PDL launches: bitwise the plain launches' result, on
+    every replay (outputs poisoned first). Catches a kernel that reads its input before the wait."""
+    from kvserve.kernels import triton_pdl
+
+    device = torch.device("cuda")
+    if torch.cuda.get_device_capability(device)[0] < 9 or not triton_pdl.HAS_GDC:
+        pytest.skip("programmatic dependent launch needs sm_90+ and a Triton with the intrinsics")
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    hidden, inter = 3584, 18944
+    layers = [
+        (
+            (torch.randn(2 * inter, hidden, generator=gen, device="cuda") * hidden**-0.5).bfloat16(),
+            (torch.randn(hidden, inter, generator=gen, device="cuda") * inter**-0.5).bfloat16(),
+            (1 + 0.1 * torch.randn(hidden, generator=gen, device="cuda")).bfloat16(),
+        )
+        for _ in range(4)
+    ]
+    inputs = [torch.randn(m, hidden, generator=gen, device="cuda").bfloat16() for _ in range(4)]
+    static_in = inputs[0].clone()
+
+    def chain(x: torch.Tensor) -> torch.Tensor:
+        residual = None
+        for gate_up, down, norm in layers:
+            normed, residual = ops.rms_norm(x, norm, 1e-6, residual)
+            x = ops.linear(ops.silu_and_mul(ops.linear(normed, gate_up)), down)
+        return ops.rms_norm(x, layers[0][2], 1e-6, residual)[0]
+
+    try:
+        triton_pdl.set_enabled(False)
+        expected = [chain(x) for x in inputs]
+        triton_pdl.set_enabled(True)
+        assert triton_pdl.enabled(device)
+        eager = chain(inputs[0])  # also compiles the PDL variants outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain(static_in)
+    finally:
+        triton_pdl.set_enabled(True)
+    assert torch.equal(eager, expected[0])
+    # A new input before every replay: a kernel reading an intermediate before its producer finished would see
+    # the previous replay's values (or NaN in the output) and differ.
+    for x, want in zip(inputs[1:] + inputs[:1], expected[1:] + expected[:1], strict=True):
+        static_in.copy_(x)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("m", [1, 8, ops.SKINNY_GEMM_MAX_ROWS])
+def test_matmul_epilogues_at_qwen_shape(m: int) -> None:
+    """Qwen2.5-7B's gate/up and q/k/v projections with their fused epilogues, in a CUDA graph replayed on new
+    inputs: bitwise the unfused ops (matmul then SiLU-and-mul; matmul then rotary + cache write)."""
+    from kvserve.kernels import triton_elementwise
+
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    hidden, inter, heads, kv_heads, head_dim, block_size = 3584, 18944, 28, 4, 128, 16
+    w_gu = (torch.randn(2 * inter, hidden, generator=gen, device="cuda") * hidden**-0.5).bfloat16()
+    n_qkv = (heads + 2 * kv_heads) * head_dim
+    w_qkv = (torch.randn(n_qkv, hidden, generator=gen, device="cuda") * hidden**-0.5).bfloat16()
+    b_qkv = torch.randn(n_qkv, generator=gen, device="cuda").bfloat16()
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = torch.arange(32768, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    table = torch.cat([freqs.cos(), freqs.sin()], dim=-1).cuda()
+    x = torch.zeros(m, hidden, dtype=torch.bfloat16, device="cuda")
+    positions = torch.zeros(m, dtype=torch.int64, device="cuda")
+    slots = torch.zeros(m, dtype=torch.int64, device="cuda")
+    cache = torch.zeros(2, 64, block_size, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+
+    def fused() -> tuple[torch.Tensor, torch.Tensor]:
+        act = ops.linear_silu_mul(x, w_gu)
+        qkv = ops.linear_rope_cache(x, w_qkv, b_qkv, positions, table, cache, slots, heads, kv_heads, head_dim)
+        assert qkv is not None, "the q/k/v epilogue did not apply"
+        return act, qkv
+
+    assert ops._skinny(x, w_gu, None, silu_mul=True) is not None, "the gate/up epilogue did not apply"
+    fused()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        act_out, qkv_out = fused()
+    for replay in range(3):
+        x.copy_(torch.randn(m, hidden, generator=gen, device="cuda"))
+        positions.copy_(torch.randint(0, 32768, (m,), generator=gen, device="cuda"))
+        slots.copy_(torch.randperm(64 * block_size, generator=gen, device="cuda")[:m])
+        slots[0] = -1
+        cache.fill_(float("nan"))
+        act_out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(act_out, ops.silu_and_mul(ops.linear(x, w_gu))), replay
+        plain = ops.linear(x, w_qkv, b_qkv)
+        q, k, v = plain.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        expected_cache = torch.full_like(cache, float("nan"))
+        q_rot, k_rot = triton_elementwise.rotary_embedding(
+            positions, q.view(m, heads, head_dim), k.view(m, kv_heads, head_dim), table,
+            v.view(m, kv_heads, head_dim), expected_cache, slots,
+        )
+        assert torch.equal(qkv_out, torch.cat([q_rot.view(m, -1), k_rot.view(m, -1), v], dim=-1)), replay
+        assert torch.equal(cache.isnan(), expected_cache.isnan()), replay
+        assert torch.equal(cache.nan_to_num(), expected_cache.nan_to_num()), replay

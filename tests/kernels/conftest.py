@@ -147,7 +147,7 @@ def _launch_spec(
     """What the JIT would specialise one launch on: argument types, constexprs, 16-divisibility, options."""
     params = list(inspect.signature(kernel.fn).parameters.values())
     kwargs = dict(kwargs)
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "launch_pdl", "enable_fp_fusion") if k in kwargs}
     bound = dict(zip([p.name for p in params], args, strict=False))  # constexprs come as kwargs
     bound.update(kwargs)
     signature: dict[str, str] = {}
@@ -195,7 +195,10 @@ for spec in json.load(sys.stdin):
     attrs = {(i,): [["tt.divisibility", 16]] for i in spec["divisible"]}
     source = ASTSource(kernel, spec["signature"], spec["constexprs"], attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=spec["options"])
-    results.append({"kernel": spec["kernel"], "shared_bytes": compiled.metadata.shared})
+    ptx = compiled.asm["ptx"]
+    results.append({"kernel": spec["kernel"], "shared_bytes": compiled.metadata.shared,
+                    "pdl": spec["options"].get("launch_pdl", False),
+                    "griddepcontrol": "griddepcontrol.wait" in ptx})
 print(json.dumps(results))
 """
 
@@ -205,15 +208,19 @@ class HopperCompiler:
     (no GPU needed: triton ships ptxas). Catches what the interpreter lets through: type and layout errors,
     unsupported ops, shared memory over the limit."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, pdl: bool = False) -> None:
         self._monkeypatch = monkeypatch
+        self.pdl = pdl  # record the launches as they are on an sm_90 GPU with programmatic dependent launch
         self.specs: list[dict] = []
 
     def record(self, module: ModuleType, kernel_names: list[str], call: Callable[[], object]) -> None:
+        from kvserve.kernels import triton_pdl
+
         recorders = {name: _LaunchRecorder(getattr(module, name)) for name in kernel_names}
         with self._monkeypatch.context() as patch:
             for name, recorder in recorders.items():
                 patch.setattr(module, name, recorder)
+            patch.setattr(triton_pdl, "enabled", lambda device: self.pdl)
             call()
         for name, recorder in recorders.items():
             assert recorder.launches, f"{name} was never launched"
@@ -231,12 +238,15 @@ class HopperCompiler:
             timeout=600,
         )
         assert result.returncode == 0, result.stderr[-4000:]
-        return json.loads(result.stdout.strip().splitlines()[-1])
+        compiled = json.loads(result.stdout.strip().splitlines()[-1])
+        for entry in compiled:  # a PDL launch must wait for its inputs; a plain one carries no wait
+            assert entry["pdl"] == self.pdl and entry["griddepcontrol"] == self.pdl, entry
+        return compiled
 
 
-@pytest.fixture
-def hopper_compiler(monkeypatch: pytest.MonkeyPatch) -> HopperCompiler:
+@pytest.fixture(params=[False, True], ids=["plain", "pdl"])
+def hopper_compiler(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> HopperCompiler:
     if not INTERPRET:
         pytest.skip("the kernels run compiled on this machine; the ahead-of-time check is for CPU-only runs")
     pytest.importorskip("triton.backends.nvidia", reason="triton without its NVIDIA backend")
-    return HopperCompiler(monkeypatch)
+    return HopperCompiler(monkeypatch, pdl=request.param)

@@ -77,6 +77,87 @@ def test_split_reductions_agree_bitwise_and_counters_reset(device):
     assert int(triton_gemm._LOCKS[x.device].abs().sum()) == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c.split_k == 1 or c.fused_reduce], ids=str)
+@pytest.mark.parametrize("m", [1, 6, 70])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_silu_mul_epilogue_equals_the_two_kernels(dtype, config, m, bias, device, skip_bf16_on_interpreter):
+    """The fused gate/up matmul gives bitwise what the plain matmul then the Triton SiLU-and-mul kernel give,
+    for every tiling: (gate, up) pairs meet in the right tile row and round at the same points."""
+    from kvserve.kernels.triton_elementwise import silu_and_mul
+
+    skip_bf16_on_interpreter(dtype)
+    x, w, b = operands(m, 256, 256, bias, dtype, device, seed=m)
+    fused = skinny_linear(x, w, b, config, silu_mul=True)
+    assert fused.shape == (m, 128) and fused.dtype == dtype
+    assert torch.equal(fused, silu_and_mul(skinny_linear(x, w, b, config)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c.split_k == 1 or c.fused_reduce], ids=str)
+@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_rope_cache_epilogue_equals_the_two_kernels(dtype, config, m, bias, device, skip_bf16_on_interpreter):
+    """The fused q/k/v matmul with the rotary + cache-write epilogue gives bitwise the plain matmul followed by
+    the Triton rotary kernel that writes the cache: rotated q and k, v untouched, every k/v row in its slot,
+    and nothing written for a padding slot (-1). The cache starts as NaN, so a missed write shows."""
+    from kvserve.kernels.triton_elementwise import rotary_embedding
+    from kvserve.kernels.triton_gemm import RopeCache
+
+    skip_bf16_on_interpreter(dtype)
+    heads, kv_heads, head_dim, block_size = 4, 2, 64, 4
+    n = (heads + 2 * kv_heads) * head_dim
+    x, w, b = operands(m, n, 256, bias, dtype, device, seed=10 + m)
+    gen = torch.Generator().manual_seed(m)
+    positions = torch.randint(0, 100, (m,), generator=gen).to(device)
+    slots = torch.randperm(8 * block_size, generator=gen)[:m].to(device)
+    slots[0] = -1
+    inv_freq = 1.0 / (1e4 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = torch.arange(100, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+    fused_cache = torch.full((2, 8, block_size, kv_heads, head_dim), float("nan"), dtype=dtype, device=device)
+    expected_cache = fused_cache.clone()
+
+    rope = RopeCache(positions, cos_sin, fused_cache, slots, heads, kv_heads, head_dim)
+    assert fits(x, w, config, b, rope=rope)
+    fused = skinny_linear(x, w, b, config, rope=rope)
+    plain = skinny_linear(x, w, b, config)
+    q, k, v = plain.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q_rot, k_rot = rotary_embedding(positions, q.view(m, heads, head_dim), k.view(m, kv_heads, head_dim),
+                                    cos_sin, v.view(m, kv_heads, head_dim), expected_cache, slots)
+    assert torch.equal(fused, torch.cat([q_rot.view(m, -1), k_rot.view(m, -1), v], dim=-1))
+    assert torch.equal(fused_cache.isnan(), expected_cache.isnan())
+    assert torch.equal(fused_cache.nan_to_num(), expected_cache.nan_to_num())
+
+
+def test_rope_cache_epilogue_declines_what_it_cannot_do(device):
+    from kvserve.kernels.triton_gemm import RopeCache
+
+    x, w, _ = operands(2, 512, 256, False, torch.float16, device)
+    cache = torch.zeros(2, 4, 4, 2, 64, dtype=torch.float16, device=device)
+    pos = torch.zeros(2, dtype=torch.int64, device=device)
+    table = torch.zeros(16, 64, device=device)
+    rope = RopeCache(pos, table, cache, pos, 4, 2, 64)
+    assert fits(x, w, GemmConfig(64, 32, 1, 2), rope=rope)
+    assert not fits(x, w, GemmConfig(128, 32, 1, 2), rope=rope)  # a tile wider than one head
+    assert not fits(x, w, GemmConfig(32, 32, 4, 2, fused_reduce=False), rope=rope)  # no epilogue there
+    assert not fits(x, w[:448], GemmConfig(64, 32, 1, 2), rope=rope)  # rows are not q + k + v heads
+    assert not fits(x, w, GemmConfig(64, 32, 1, 2), rope=RopeCache(pos, table, cache.float(), pos, 4, 2, 64))
+
+
+def test_silu_mul_needs_the_fused_split_reduction(device):
+    x, w, _ = operands(2, 128, 256, False, torch.float16, device)
+    assert fits(x, w, GemmConfig(32, 32, 4, 2), silu_mul=True)
+    assert not fits(x, w, GemmConfig(32, 32, 4, 2, fused_reduce=False), silu_mul=True)
+    assert fits(x, w, GemmConfig(32, 32, 4, 2, fused_reduce=False))
+    assert not fits(x, w[:127], GemmConfig(1, 32, 1, 2), silu_mul=True)  # odd row count: no gate/up halves
+
+
+def test_ops_linear_silu_mul_on_cpu_is_the_two_ops():
+    x, w, b = operands(3, 64, 128, True, torch.float32, torch.device("cpu"))
+    assert torch.equal(ops.linear_silu_mul(x, w, b), ops.silu_and_mul(torch.nn.functional.linear(x, w, b)))
+
+
 @pytest.mark.parametrize(
     ("n", "k", "config", "why"),
     [
@@ -164,6 +245,18 @@ def test_kernels_compile_for_hopper(device, hopper_compiler):
             b = torch.empty(256, dtype=dtype, device=device) if bias else None
             kernels = names if config.split_k > 1 and not config.fused_reduce else names[:1]
             hopper_compiler.record(triton_gemm, kernels, lambda x=x, w=w, b=b, c=config: skinny_linear(x, w, b, c))
+            if config.fused_reduce:  # the gate/up matmul with its SiLU-and-mul epilogue, q/k/v with rotary
+                hopper_compiler.record(
+                    triton_gemm, names[:1], lambda x=x, w=w, b=b, c=config: skinny_linear(x, w, b, c, silu_mul=True)
+                )
+                w_qkv = torch.empty(36 * 128, 1024, dtype=dtype, device=device)
+                b_qkv = torch.empty(36 * 128, dtype=dtype, device=device)
+                ints = torch.zeros(m, dtype=torch.int64, device=device)
+                cache = torch.empty(2, 4, 16, 4, 128, dtype=dtype, device=device)
+                rope = triton_gemm.RopeCache(ints, torch.empty(64, 128, device=device), cache, ints, 28, 4, 128)
+                hopper_compiler.record(
+                    triton_gemm, names[:1], lambda x=x, w=w_qkv, b=b_qkv, c=config, r=rope: skinny_linear(x, w, b, c, rope=r)
+                )
     for result in hopper_compiler.compile_all():
         assert result["shared_bytes"] <= 227 * 1024, result
 

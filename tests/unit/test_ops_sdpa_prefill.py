@@ -1,6 +1,7 @@
 """The one-prompt prefill attention call (`ops._sdpa_prefill`): layout, GQA without repeated KV heads and
-the cuDNN-first order (on CPU torch skips the CUDA backends and runs its CPU kernels), against the torch
-reference. tests/gpu/test_gpu_ops.py runs the same path on the GPU."""
+the cuDNN-first order with its padding to a bucket length (on CPU torch skips the CUDA backends and runs its
+CPU kernels), against the torch reference; the bucket lengths built at start. tests/gpu/test_gpu_ops.py runs
+the same path on the GPU."""
 
 from __future__ import annotations
 
@@ -32,13 +33,70 @@ def _case(tokens: int, num_heads: int, num_kv_heads: int):
 
 @pytest.mark.parametrize("tokens", [7, 300])
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2)])
-@pytest.mark.parametrize("cudnn_min_tokens", [0, 200])
+@pytest.mark.parametrize("cudnn_min_tokens, bucket", [(0, 256), (200, 256), (200, 1), (5, 16)])
 def test_sdpa_prefill_matches_reference(
-    tokens: int, heads: tuple[int, int], cudnn_min_tokens: int, monkeypatch: pytest.MonkeyPatch
+    tokens: int, heads: tuple[int, int], cudnn_min_tokens: int, bucket: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """(200, 256): 300 tokens padded to 512; (5, 16): 7 tokens to 16, 300 to 304; (200, 1): no padding."""
     monkeypatch.setattr(ops, "SDPA_CUDNN_MIN_TOKENS", cudnn_min_tokens)
+    monkeypatch.setattr(ops, "SDPA_CUDNN_BUCKET", bucket)
     query, key, value, expected = _case(tokens, *heads)
     out = ops._sdpa_prefill(query, key, value, 0.3)
     assert out.shape == query.shape
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
 
+
+
+def test_cudnn_prefill_lengths(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(ops, "SDPA_CUDNN_BUCKET", 256)
+    monkeypatch.setattr(ops, "SDPA_CUDNN_MIN_TOKENS", 0)
+    assert ops.cudnn_prefill_lengths(8192, cpu) == []  # cuDNN off
+    monkeypatch.setattr(ops, "SDPA_CUDNN_MIN_TOKENS", 1000)
+    # Every prompt of 1000..8192 tokens pads to one of these, and each is built once.
+    assert ops.cudnn_prefill_lengths(8192, cpu) == list(range(1024, 8193, 256))
+    assert ops.cudnn_prefill_lengths(1100, cpu) == [1024, 1280]
+    assert ops.cudnn_prefill_lengths(999, cpu) == []
+    # A long step budget does not build past SDPA_CUDNN_MAX_TOKENS; those prompts use flash.
+    assert ops.cudnn_prefill_lengths(131072, cpu)[-1] == ops.SDPA_CUDNN_MAX_TOKENS
+    assert not ops._use_cudnn(ops.SDPA_CUDNN_MAX_TOKENS + 1, cpu) and ops._use_cudnn(ops.SDPA_CUDNN_MAX_TOKENS, cpu)
+    assert ops.warm_up_prefill_attention(4, 2, 16, torch.bfloat16, cpu, 8192) == []  # CUDA only
+
+
+def test_cudnn_threshold_by_default_only_on_hopper_and_later(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ops, "SDPA_CUDNN_MIN_TOKENS", -1)  # unset
+    assert ops.cudnn_min_tokens(torch.device("cpu")) == 0
+    for major, expected in ((9, 1024), (10, 1024), (8, 0)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, m=major: (m, 0))
+        assert ops.cudnn_min_tokens(torch.device("cuda")) == expected, major
+    monkeypatch.setattr(ops, "SDPA_CUDNN_MIN_TOKENS", 0)  # set: never
+    assert ops.cudnn_min_tokens(torch.device("cuda")) == 0
+
+
+@pytest.mark.parametrize("tokens", [512, 300])
+def test_cudnn_gets_the_layout_the_warm_up_built(tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuDNN caches a graph per shape and stride: whether the prompt is a bucket multiple (512) or padded
+    (300 -> 512), and with value a strided view of a fused q/k/v output, SDPA receives contiguous tensors of
+    the bucket length, as `warm_up_prefill_attention` builds them."""
+    monkeypatch.setattr(ops, "SDPA_CUDNN_MIN_TOKENS", 256)
+    monkeypatch.setattr(ops, "SDPA_CUDNN_BUCKET", 256)
+    heads, kv_heads, head_dim = 6, 2, 16
+    seen: list[tuple] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        seen.append(tuple((t.shape, t.stride()) for t in (q, k, v)))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim)
+    query = qkv[:, : heads * head_dim].reshape(tokens, heads, head_dim).contiguous()
+    key = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].reshape(tokens, kv_heads, head_dim).contiguous()
+    value = qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)  # strided view
+    out = ops._sdpa_prefill(query, key, value, 0.25)
+    assert out.shape == (tokens, heads, head_dim)
+    built_q = torch.zeros(512, heads, head_dim).transpose(0, 1).unsqueeze(0)
+    built_kv = torch.zeros(512, kv_heads, head_dim).transpose(0, 1).unsqueeze(0)
+    expected = ((built_q.shape, built_q.stride()), (built_kv.shape, built_kv.stride()),
+                (built_kv.shape, built_kv.stride()))
+    assert seen == [expected]
