@@ -8,6 +8,8 @@ Sections (--sections, default all but hf, each isolated: a failure is recorded a
 * seeds     the seeds' workload: 50 sequences, 512 in, 256 out, EOS ignored (output tok/s);
 * random256 256 sequences, input and output lengths uniform in [100, 1024];
 * ttft      time to first token of one 1024- and one 8192-token prompt (median of repeats);
+* ttftrand  time to first token of 8 prompts of new lengths in [1024, 8192], two passes (per-length set-up
+            costs show as first pass minus second);
 * prefix    prefix caching on vs off: 256 x 1064 unique tokens (0 % hits) and 256 x (shared 1000 + own 64),
             128 out each; needs a second engine with caching off;
 * hf        HF Transformers static-batch `generate` on the seeds' workload (same shapes, its own random
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import gc
 import gzip
+import random
 import shutil
 import statistics
 import sys
@@ -47,7 +50,7 @@ from common import (  # noqa: E402
     write_result,
 )
 
-SECTIONS = ("start", "decode", "seeds", "random256", "ttft", "prefix", "prefixab", "shared", "hf", "profile",
+SECTIONS = ("start", "decode", "seeds", "random256", "ttft", "ttftrand", "prefix", "prefixab", "shared", "hf", "profile",
             "trace", "kprofile", "hostprof")
 
 
@@ -409,6 +412,22 @@ class Bench:
                               f"min {min(times):.1f}, {repeats} runs"))
         self.results["ttft"] = out
 
+    def section_ttftrand(self) -> None:
+        """TTFT over prompts of new lengths (uniform in [1024, 8192], none repeated), twice: the first pass pays
+        any per-length set-up (cuDNN attention builds a graph per sequence length), the second does not."""
+        d = self.engine()
+        rng = random.Random(1234)
+        lengths = rng.sample(range(self.length(1024), self.length(8192) + 1), 8)
+        d.run(self.prompts([self.length(2000)]), [1])  # warm-up at another length
+        passes = {}
+        for label in ("first", "second"):
+            times = [d.run(self.prompts([n]), [1]).ttft_s[0] * 1e3 for n in lengths]
+            passes[label] = times
+            self.rows.append((f"TTFT new lengths, {label} pass (mean ms)", f"{statistics.mean(times):.1f}",
+                              f"{len(lengths)} prompts of {min(lengths)}-{max(lengths)} tokens, "
+                              f"max {max(times):.1f} ms"))
+        self.results["ttftrand"] = {"lengths": lengths, **passes}
+
     def _prefix_runs(self, d: Driver, label: str) -> dict[str, float]:
         num, out_len = self.n(256), self.length(128)
         shared_len, own_len = self.length(1000), self.length(64)
@@ -551,15 +570,38 @@ def main() -> int:
                    help="Triton matmul for small-row batches (off: cuBLAS for every matmul)")
     p.add_argument("--rotary-cache-fusion", action=argparse.BooleanOptionalAction, default=True,
                    help="the rotary embedding writes the KV cache in its launch (off: two launches)")
+    p.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=True,
+                   help="programmatic dependent launch of the Triton kernels (sm_90+; off: plain launches)")
+    p.add_argument("--sdpa-cudnn-bucket", type=int, default=None, help="override ops.SDPA_CUDNN_BUCKET")
+    p.add_argument("--sdpa-torch-order", action="store_true",
+                   help="one-prompt prefill: torch's own SDPA backend order (no flash/cuDNN choice by kvserve)")
+    p.add_argument("--gate-up-silu-fusion", action=argparse.BooleanOptionalAction, default=True,
+                   help="small batches: SiLU-and-mul in the gate/up matmul's epilogue")
+    p.add_argument("--qkv-rope-fusion", action=argparse.BooleanOptionalAction, default=True,
+                   help="small batches: rotary embedding and cache write in the q/k/v matmul's epilogue")
+    p.add_argument("--skinny-max-rows", type=int, default=None, help="override ops.SKINNY_GEMM_MAX_ROWS")
     p.add_argument("--sdpa-cudnn-min-tokens", type=int, default=None,
-                   help="override ops.SDPA_CUDNN_MIN_TOKENS: one-prompt prefills this long try cuDNN attention first "
-                   "(0: never, the default)")
+                   help="override ops.SDPA_CUDNN_MIN_TOKENS: one-prompt prefills this long use cuDNN attention "
+                   "(0: never; default: 1024 on sm_90+)")
     args = p.parse_args()
     from kvserve.kernels import ops
 
     ops.set_elementwise_backend(args.elementwise_backend)
     ops.set_skinny_gemm(args.skinny_gemm)
     ops.set_rotary_cache_fusion(args.rotary_cache_fusion)
+    from kvserve.kernels import triton_pdl
+
+    triton_pdl.set_enabled(args.pdl)
+    if args.sdpa_cudnn_bucket is not None:
+        ops.SDPA_CUDNN_BUCKET = args.sdpa_cudnn_bucket
+    if args.sdpa_torch_order:
+        import contextlib
+
+        ops._sdpa_order = lambda cudnn: contextlib.nullcontext  # type: ignore[assignment]
+    ops.set_gate_up_silu_fusion(args.gate_up_silu_fusion)
+    ops.set_qkv_rope_fusion(args.qkv_rope_fusion)
+    if args.skinny_max_rows is not None:
+        ops.SKINNY_GEMM_MAX_ROWS = args.skinny_max_rows
     if args.sdpa_cudnn_min_tokens is not None:
         ops.SDPA_CUDNN_MIN_TOKENS = args.sdpa_cudnn_min_tokens
     if args.decode_programs_per_sm is not None:

@@ -66,7 +66,11 @@ def main() -> int:
     parser.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
     parser.add_argument("--block-ns", default=",".join(map(str, BLOCK_NS)))
     parser.add_argument("--block-ks", default=",".join(map(str, BLOCK_KS)))
+    parser.add_argument("--picked", action="store_true",
+                        help="time only pick_config's tiling (and two other depths) with plain and PDL launches")
     args = parser.parse_args()
+    if args.picked:
+        return picked(args)
     rows_list = [int(r) for r in args.rows.split(",")]
     shapes = [s for s in SHAPES if s[0] in args.shapes.split(",")]
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -151,6 +155,70 @@ def main() -> int:
                   f"({r['block_n']}, {r['block_k']}, {r['split_k']}, {r['num_stages']}, {r['num_warps']}"
                   + (", separate" if r["split_k"] > 1 and not r["fused_reduce"] else "") + ")"
                   + (f"  [{failed} failed]" if failed and i == 0 else ""))
+    return 0
+
+
+def picked(args: argparse.Namespace) -> int:
+    """pick_config's tiling per case: cuBLAS, plain launches, PDL launches (and PDL at two other pipeline
+    depths). The graph runs one matmul per weight copy back to back (in a decode step a norm, SiLU or
+    attention kernel sits between two matmuls, so PDL numbers here are not the engine's)."""
+    from kvserve.kernels import triton_pdl
+    from kvserve.kernels.triton_gemm import pick_config
+
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    max_shared = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
+    variants = [("plain", False, None), ("pdl", True, None), ("pdl k64 s6", True, (64, 6)),
+                ("pdl k256 s3", True, (256, 3))]
+    dtype = torch.bfloat16
+    results = []
+    for name, n, k, has_bias in [s for s in SHAPES if s[0] in args.shapes.split(",")]:
+        nbytes = n * k * 2
+        copies = max(2, min(28, int(6e9 // nbytes)))
+        gen = torch.Generator(device="cuda").manual_seed(n + k)
+        weights = [torch.randn(n, k, generator=gen, device="cuda", dtype=dtype) * k**-0.5 for _ in range(copies)]
+        biases = [torch.randn(n, generator=gen, device="cuda", dtype=dtype) if has_bias else None
+                  for _ in range(copies)]
+        for m in [int(r) for r in args.rows.split(",")]:
+            x = torch.randn(m, k, generator=gen, device="cuda", dtype=dtype)
+            cfg = pick_config(m, n, k, num_sms, max_shared)
+
+            def cublas(xs: torch.Tensor = x, ws: list = weights, bs: list = biases) -> None:
+                for w, b in zip(ws, bs, strict=True):
+                    torch.nn.functional.linear(xs, w, b)
+
+            row = {"shape": name, "m": m, "config": str(cfg), "cublas_us": time_graph(cublas) / copies * 1e3}
+            reference = None
+            for label, pdl, tiling in variants:
+                triton_pdl.set_enabled(pdl)
+                c = cfg
+                if tiling is not None:
+                    c = GemmConfig(cfg.block_n, tiling[0], cfg.split_k, tiling[1], cfg.num_warps)
+                    if k % (c.split_k * c.block_k):
+                        continue
+
+                def step(c: GemmConfig = c, xs: torch.Tensor = x, ws: list = weights, bs: list = biases) -> None:
+                    for w, b in zip(ws, bs, strict=True):
+                        skinny_linear(xs, w, b, c)
+
+                try:
+                    got = skinny_linear(x, weights[0], biases[0], c)
+                    reference = got if reference is None else reference
+                    row[label] = time_graph(step) / copies * 1e3
+                    row[label + " same bits"] = bool(torch.equal(got, reference))
+                except Exception as exc:  # a tiling this GPU or Triton cannot build
+                    row[label + " error"] = repr(exc)[:200]
+                    print(f"{name} m={m} {label}: {row[label + ' error']}", flush=True)
+            results.append(row)
+            timed = [v[0] for v in variants if v[0] in row]
+            print(f"{name:8s} {m:4d} cublas {row['cublas_us']:7.1f} | "
+                  + " ".join(f"{label} {row[label]:7.1f}" + ("" if row[label + ' same bits'] else " DIFF")
+                             for label in timed)
+                  + f"  ({nbytes / min(row[v] for v in timed) / 1e6:.2f} TB/s best) {cfg}", flush=True)
+        del weights, biases
+        torch.cuda.empty_cache()
+    triton_pdl.set_enabled(True)
+    args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "num_sms": num_sms,
+                                    "results": results}, indent=1))
     return 0
 
 

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Needs the wheels of .whl/ (msgspec, gguf: not on the GPU image). Logs and JSON go to /tmp/kvres, packed
 # into $OUT/results.tgz (the device returns at most 8 files); each step's table is printed at the end.
@@ -17,6 +17,62 @@ T0=$(date +%s)
 for step in "$@"; do
   echo "=== $step (t=$(( $(date +%s) - T0 ))s)"
   case $step in
+    pdlgemm) timeout 200 python3 benchmarks/gemm_sweep.py --picked --rows 1,8 \
+              --out "$R/gemm_pdl.json" > "$R/pdlgemm.log" 2>&1 ;;
+    pdlab) for mode in pdl no-pdl pdl64 pdl; do
+          flags="--$mode"; batches=1,8,64
+          [ $mode = pdl64 ] && flags="--pdl --skinny-max-rows 64" && batches=32,64
+          timeout 100 python3 benchmarks/engine_benchmarks.py --out "$R/decode_$mode" --sections start,decode \
+            --decode-batches $batches --decode-contexts 1024 --decode-steps 30 $flags >> "$R/pdlab.log" 2>&1
+          echo "mode $mode done" >> "$R/pdlab.log"
+        done ;;
+    pdlab2) for mode in pf512 nopdl pf0 pf2048 late512 pf512 nopdl pf0; do
+          case $mode in
+            nopdl) flags="--no-pdl" ;; late512) flags="--pdl --late-release --prefetch-keys 512" ;;
+            *) flags="--pdl --prefetch-keys ${mode#pf}" ;;
+          esac
+          timeout 90 python3 benchmarks/engine_benchmarks.py --out "$R/decode2_$mode" --sections start,decode \
+            --decode-batches 1,8,64 --decode-contexts 1024 --decode-steps 30 $flags >> "$R/pdlab2.log" 2>&1
+          echo "mode $mode done" >> "$R/pdlab2.log"
+        done ;;
+    blasab) for mode in lt default lt default; do
+          envs=""; [ $mode = lt ] && envs="TORCH_BLAS_PREFER_CUBLASLT=1"
+          env $envs timeout 80 python3 benchmarks/engine_benchmarks.py --out "$R/blas_$mode" --sections start,decode,seeds \
+            --decode-batches 32,64 --decode-contexts 1024 --decode-steps 30 >> "$R/blasab.log" 2>&1
+          echo "mode $mode done" >> "$R/blasab.log"
+        done ;;
+    confirm) for run in 1 2; do
+          secs=start,decode; [ $run = 1 ] && secs=start,decode,shared
+          timeout 110 python3 benchmarks/engine_benchmarks.py --out "$R/confirm$run" --sections $secs \
+            --decode-batches 1,8 --decode-contexts 1024 --decode-steps 40 >> "$R/confirm.log" 2>&1
+        done ;;
+    fuseab2) for mode in on off silu rope on; do
+          case $mode in
+            on) flags="" ;; off) flags="--no-gate-up-silu-fusion --no-qkv-rope-fusion" ;;
+            silu) flags="--no-qkv-rope-fusion" ;; rope) flags="--no-gate-up-silu-fusion" ;;
+          esac
+          timeout 90 python3 benchmarks/engine_benchmarks.py --out "$R/fuse2_$mode" --sections start,decode \
+            --decode-batches 1,8,16,64 --decode-contexts 1024 --decode-steps 30 $flags >> "$R/fuseab2.log" 2>&1
+          echo "mode $mode done" >> "$R/fuseab2.log"
+        done ;;
+    ttftrand2) for mode in flash torchorder cudnn256 cudnn1 flash; do
+          case $mode in
+            flash) flags="--sdpa-cudnn-min-tokens 0" ;; torchorder) flags="--sdpa-cudnn-min-tokens 0 --sdpa-torch-order" ;;
+            cudnn256) flags="--sdpa-cudnn-min-tokens 1024 --sdpa-cudnn-bucket 256" ;;
+            cudnn1) flags="--sdpa-cudnn-min-tokens 1024 --sdpa-cudnn-bucket 1" ;;
+          esac
+          timeout 120 python3 benchmarks/engine_benchmarks.py --out "$R/ttftrand2_$mode" \
+            --sections start,ttftrand,ttft,kprofile --kprofile-cases p8192 $flags >> "$R/ttftrand2.log" 2>&1
+          echo "mode $mode done" >> "$R/ttftrand2.log"
+        done ;;
+    ttftrand) for mode in flash cudnn avoid; do
+          flags="--sdpa-cudnn-min-tokens 0"; envs=""
+          [ $mode != flash ] && flags="--sdpa-cudnn-min-tokens 1024"
+          [ $mode = avoid ] && envs="TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1"
+          env $envs timeout 120 python3 benchmarks/engine_benchmarks.py --out "$R/ttftrand_$mode" \
+            --sections start,ttftrand,ttft $flags >> "$R/ttftrand.log" 2>&1
+          echo "mode $mode done" >> "$R/ttftrand.log"
+        done ;;
     pytest) timeout 200 python3 -m pytest -q -rA -s -p no:cacheprovider tests/gpu > "$R/pytest_gpu.log" 2>&1 ;;
     engine) timeout 240 python3 benchmarks/engine_benchmarks.py --out "$R/engine" \
               --sections start,decode,seeds,ttft > "$R/engine.log" 2>&1 ;;
@@ -83,8 +139,8 @@ for step in "$@"; do
             --sections start,shared >> "$R/modload.log" 2>&1
           echo "CUDA_MODULE_LOADING=$mode done" >> "$R/modload.log"
         done ;;
-    final) timeout 150 python3 benchmarks/engine_benchmarks.py --out "$R/final" \
-              --sections start,decode,seeds,ttft,kprofile --kprofile-cases b1,b64,p8192 > "$R/final.log" 2>&1
+    final) timeout 170 python3 benchmarks/engine_benchmarks.py --out "$R/final" \
+              --sections start,decode,seeds,ttft,ttftrand,kprofile --kprofile-cases b1,b64,p8192 > "$R/final.log" 2>&1
            timeout 150 python3 benchmarks/engine_benchmarks.py --out "$R/final2" --sections start,random256 \
               >> "$R/final.log" 2>&1 ;;
     ggufcheck) cat .carry/gg.aa .carry/gg.ab > /tmp/smollm2.gguf && KVSERVE_TEST_GGUF=/tmp/smollm2.gguf \
@@ -120,7 +176,7 @@ for step in "$@"; do
 done
 tar czf "$OUT/results.tgz" -C "$R" .
 echo "=== total $(( $(date +%s) - T0 ))s"
-for f in "$R"/modload.log "$R"/sharedab.log "$R"/final.log "$R"/gguf.log "$R"/fuseab.log "$R"/skinnyab.log "$R"/gemm.log "$R"/pattn.log "$R"/cascade.log "$R"/serve.log "$R"/diag3.log "$R"/ttftab.log "$R"/prefixab.log "$R"/diag2.log "$R"/async.log "$R"/sweep.log "$R"/diag.log "$R"/profile.log "$R"/pytest_gpu.log "$R"/engine.log "$R"/engine2.log "$R"/eager.log "$R"/ab.log "$R"/prefix2.log "$R"/hf.log "$R"/gpu_kernels.log "$R"/elementwise.log; do
+for f in "$R"/blasab.log "$R"/confirm.log "$R"/fuseab2.log "$R"/ttftrand2.log "$R"/pdlab2.log "$R"/pdlgemm.log "$R"/pdlab.log "$R"/ttftrand.log "$R"/modload.log "$R"/sharedab.log "$R"/final.log "$R"/gguf.log "$R"/fuseab.log "$R"/skinnyab.log "$R"/gemm.log "$R"/pattn.log "$R"/cascade.log "$R"/serve.log "$R"/diag3.log "$R"/ttftab.log "$R"/prefixab.log "$R"/diag2.log "$R"/async.log "$R"/sweep.log "$R"/diag.log "$R"/profile.log "$R"/pytest_gpu.log "$R"/engine.log "$R"/engine2.log "$R"/eager.log "$R"/ab.log "$R"/prefix2.log "$R"/hf.log "$R"/gpu_kernels.log "$R"/elementwise.log; do
   [ -f "$f" ] || continue
   echo "##### $(basename "$f")"
   case $(basename "$f") in
@@ -129,9 +185,14 @@ for f in "$R"/modload.log "$R"/sharedab.log "$R"/final.log "$R"/gguf.log "$R"/fu
     ab.log|prefix2.log) grep -E "^decode|^prefix|Error|failed" "$f" ;;
     cascade.log) grep -E "^prefix|^engine start|passed|failed|Error|^kernel profile|^ +[0-9]" "$f" | tail -40 ;;
     profile.log) tail -c 4500 "$f" ;;
+    pdlgemm.log) grep -E "Error|Traceback" "$f" | head -5; grep -E "cublas|error" "$f" ;;
+    confirm.log) grep -E "^decode|^shared|^engine start|Error|failed" "$f" ;;
+    pdlab.log|pdlab2.log|fuseab2.log|blasab.log) grep -E "^decode|^seeds|^engine start|^mode|Error|failed" "$f" ;;
+    ttftrand2.log) grep -E "^TTFT|^engine start|^mode|Error|failed|attention|flash|cudnn|^kernel profile" "$f" ;;
+    ttftrand.log) grep -E "^TTFT|^engine start|^mode|Error|failed" "$f" ;;
     modload.log) grep -E "^shared|^engine start|^CUDA_MODULE|Error|failed" "$f" ;;
     sharedab.log) grep -E "^shared|^engine start|Error|failed" "$f" ;;
-    final.log) grep -E "^decode|^seeds|^TTFT|^engine start|^random|Error|failed|^kernel profile" "$f" ;;
+    final.log) grep -E "^decode|^seeds|^TTFT|^engine start|^random|^256|Error|failed|^kernel profile" "$f" ;;
     gguf.log) tail -c 1500 "$f" ;;
     fuseab.log) grep -E "^decode|^seeds|^TTFT|^engine start|Error|failed|^kernel profile|^ +[0-9.]+ us" "$f" \
                 | grep -v -E " (0\.[0-9]|[1-4]\.[0-9]) us" | head -90 ;;
