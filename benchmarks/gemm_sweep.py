@@ -41,6 +41,17 @@ STAGES = [3, 4]
 SPLITS = [1, 2, 3, 4, 6, 7, 8, 14, 16]
 
 
+def layer_copies(n: int, k: int, has_bias: bool, dtype: torch.dtype) -> tuple[int, int, torch.Generator, list, list]:
+    """One weight (and bias) per layer, up to 28 and about 6 GB, so that timed graphs get no L2 reuse: returns
+    (weight bytes, copies, the generator for the inputs, weights, biases)."""
+    nbytes = n * k * 2
+    copies = max(2, min(28, int(6e9 // nbytes)))
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    weights = [torch.randn(n, k, generator=gen, device="cuda", dtype=dtype) * k**-0.5 for _ in range(copies)]
+    biases = [torch.randn(n, generator=gen, device="cuda", dtype=dtype) if has_bias else None for _ in range(copies)]
+    return nbytes, copies, gen, weights, biases
+
+
 def configs(n: int, k: int, num_sms: int, block_ns: list[int], block_ks: list[int]) -> list[GemmConfig]:
     out = []
     for bn, bk, stages in itertools.product(block_ns, block_ks, STAGES):
@@ -80,12 +91,7 @@ def main() -> int:
     dtype = torch.bfloat16
     results, summary = [], []
     for name, n, k, has_bias in shapes:
-        nbytes = n * k * 2
-        copies = max(2, min(28, int(6e9 // nbytes)))
-        gen = torch.Generator(device="cuda").manual_seed(n + k)
-        weights = [torch.randn(n, k, generator=gen, device="cuda", dtype=dtype) * k**-0.5 for _ in range(copies)]
-        biases = [torch.randn(n, generator=gen, device="cuda", dtype=dtype) if has_bias else None
-                  for _ in range(copies)]
+        nbytes, copies, gen, weights, biases = layer_copies(n, k, has_bias, dtype)
         for m in rows_list:
             x = torch.randn(m, k, generator=gen, device="cuda", dtype=dtype)
             expected = torch.nn.functional.linear(
@@ -172,12 +178,7 @@ def picked(args: argparse.Namespace) -> int:
     dtype = torch.bfloat16
     results = []
     for name, n, k, has_bias in [s for s in SHAPES if s[0] in args.shapes.split(",")]:
-        nbytes = n * k * 2
-        copies = max(2, min(28, int(6e9 // nbytes)))
-        gen = torch.Generator(device="cuda").manual_seed(n + k)
-        weights = [torch.randn(n, k, generator=gen, device="cuda", dtype=dtype) * k**-0.5 for _ in range(copies)]
-        biases = [torch.randn(n, generator=gen, device="cuda", dtype=dtype) if has_bias else None
-                  for _ in range(copies)]
+        nbytes, copies, gen, weights, biases = layer_copies(n, k, has_bias, dtype)
         for m in [int(r) for r in args.rows.split(",")]:
             x = torch.randn(m, k, generator=gen, device="cuda", dtype=dtype)
             cfg = pick_config(m, n, k, num_sms, max_shared)
