@@ -153,6 +153,25 @@ def test_silu_mul_needs_the_fused_split_reduction(device):
     assert not fits(x, w[:127], GemmConfig(1, 32, 1, 2), silu_mul=True)  # odd row count: no gate/up halves
 
 
+def test_ops_linear_rope_cache_declines_off_the_skinny_path(monkeypatch):
+    """The q/k/v epilogue is a GPU small-batch path: on the CPU, or with the elementwise kernels not Triton, or
+    with the fusion switched off, the caller gets None and runs the separate ops."""
+    x, w, b = operands(2, 512, 256, True, torch.float16, torch.device("cpu"))
+    cache = torch.zeros(2, 4, 4, 2, 64, dtype=torch.float16)
+    pos = torch.zeros(2, dtype=torch.int64)
+    args = (x, w, b, pos, torch.zeros(16, 64), cache, pos, 4, 2, 64)
+    assert ops.linear_rope_cache(*args) is None  # CPU
+    monkeypatch.setattr(ops, "_skinny", lambda *a, **k: pytest.fail("the skinny path was asked"))
+    monkeypatch.setattr(ops, "_elementwise_backend", "torch")
+    assert ops.linear_rope_cache(*args) is None
+    monkeypatch.setattr(ops, "_elementwise_backend", "triton")
+    ops.set_qkv_rope_fusion(False)
+    try:
+        assert ops.linear_rope_cache(*args) is None
+    finally:
+        ops.set_qkv_rope_fusion(True)
+
+
 def test_ops_linear_silu_mul_on_cpu_is_the_two_ops():
     x, w, b = operands(3, 64, 128, True, torch.float32, torch.device("cpu"))
     assert torch.equal(ops.linear_silu_mul(x, w, b), ops.silu_and_mul(torch.nn.functional.linear(x, w, b)))
