@@ -13,6 +13,12 @@ checks need; it adds the bias and rounds once, as a float32-accumulating matmul 
 `fused_reduce=False` sums them in a second kernel instead. One split rounds in the first kernel. The
 counters are one buffer per device: launches must not overlap on two streams (kvserve computes on one).
 
+Two epilogues fuse the kernel that would follow the matmul (`_store_output`): SiLU-and-mul for a [gate; up]
+weight, and the rotary embedding plus the KV-cache write for a fused q/k/v weight. For either, the program's
+BLOCK_N weight rows are chosen so the pairs the epilogue combines share a tile; the K loop is unchanged.
+Launched with programmatic dependent launch (kernels/triton_pdl.py), a program waits for the previous
+kernel before its first load of x; the counters, partials and outputs are touched only after that wait.
+
 A tiling that needs more shared memory than the GPU has raises `OutOfResources` at launch. The launcher
 takes the tiling as arguments (`benchmarks/gemm_sweep.py` sweeps them); `pick_config` is the
 rule fitted to that sweep.
