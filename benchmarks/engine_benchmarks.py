@@ -236,8 +236,16 @@ class Bench:
 
     def section_kprofile(self) -> None:
         """GPU kernel time by kernel over steady decode steps (batch 1 and 64, context 1k), from
-        torch.profiler: what the graph replay, the LM head and sampling spend on the GPU."""
+        torch.profiler: what the graph replay, the LM head and sampling spend on the GPU. With programmatic
+        dependent launch a kernel's time includes its wait for the one before, so the sums overstate the
+        step; `--no-pdl` gives per-kernel times."""
         from torch.profiler import ProfilerActivity, profile
+
+        from kvserve.kernels import triton_pdl
+
+        if triton_pdl.enabled(torch.device(self.args.device)):
+            print("kernel profile: PDL is on, so kernel times include waits and sums exceed the step "
+                  "(--no-pdl for per-kernel times)", flush=True)
 
         from kvserve.protocol.engine import EngineCoreRequest
         from kvserve.protocol.sampling_params import SamplingParams
