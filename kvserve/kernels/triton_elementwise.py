@@ -7,7 +7,7 @@ in almost every element rather than drifting by one ulp where an fp32 kernel wou
 """
 
 # Kernel parameters stay unannotated: @triton.jit reads annotations as type/constexpr specialisations.
-# ruff: noqa: ANN001
+# ruff: noqa: ANN001, ANN201
 
 from __future__ import annotations
 
@@ -30,6 +30,30 @@ def _num_warps(block: int) -> int:
     if block <= 8192:
         return 8
     return 16
+
+
+# ------------------------------------------------------- the rounding-exact math (shared with triton_gemm)
+
+
+@triton.jit
+def rotate_pair(x1, x2, cos, sin, dtype: tl.constexpr):
+    """Neox rotation of the pair (x1, x2) (float32) by cos/sin (float32 table values), rounding where the
+    reference does: cos/sin cast to the activation dtype, then x * cos, rotate_half(x) * sin and their sum
+    each rounded to it. Returns float32 (o1, o2) holding dtype values. Launch with enable_fp_fusion=False:
+    an FMA would skip the rounding of the products."""
+    cos = cos.to(dtype).to(tl.float32)
+    sin = sin.to(dtype).to(tl.float32)
+    o1 = (x1 * cos).to(dtype).to(tl.float32) + (-x2 * sin).to(dtype).to(tl.float32)
+    o2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
+    return o1, o2
+
+
+@triton.jit
+def silu_mul(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up in dtype, from float32 gate/up holding dtype values: silu(gate) is rounded to the
+    activation dtype before the multiply, as `F.silu(gate) * up` is."""
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (act * up).to(dtype)
 
 
 # --------------------------------------------------------------------------------------------- rms_norm
@@ -177,14 +201,11 @@ def _rotary_kernel(
     mask = (heads < n_heads)[:, None]
     offs = heads[:, None] * HEAD_DIM + cols[None, :]
     dtype = q_ptr.dtype.element_ty
-    # The reference casts cos/sin to the activation dtype, then rounds x * cos, rotate_half(x) * sin and
-    # their sum to it, one step at a time; each step here is an fp32 op followed by the same rounding.
-    cos = tl.load(cos_sin_ptr + pos * stride_cos_sin + cols).to(dtype).to(tl.float32)[None, :]
-    sin = tl.load(cos_sin_ptr + pos * stride_cos_sin + half + cols).to(dtype).to(tl.float32)[None, :]
+    cos = tl.load(cos_sin_ptr + pos * stride_cos_sin + cols)[None, :]
+    sin = tl.load(cos_sin_ptr + pos * stride_cos_sin + half + cols)[None, :]
     x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + offs + half, mask=mask, other=0.0).to(tl.float32)
-    o1 = (x1 * cos).to(dtype).to(tl.float32) + (-x2 * sin).to(dtype).to(tl.float32)
-    o2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
+    o1, o2 = rotate_pair(x1, x2, cos, sin, dtype)
     tl.store(out_ptr + offs, o1.to(dtype), mask=mask)
     tl.store(out_ptr + offs + half, o2.to(dtype), mask=mask)
     if WRITE_CACHE:
@@ -320,9 +341,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, d, BLOCK: tl.cons
     dtype = x_ptr.dtype.element_ty
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0).to(tl.float32)
-    # silu(gate) is rounded to the activation dtype before the multiply, as `F.silu(gate) * up` is.
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (act * up).to(dtype), mask=mask)
+    tl.store(out_ptr + row * stride_out + cols, silu_mul(gate, up, dtype), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources  # noqa: F401 (re-exported: ops.linear catches it)
 
 from kvserve.kernels import triton_pdl
+from kvserve.kernels.triton_elementwise import rotate_pair, silu_mul
 from kvserve.kernels.triton_pdl import pdl_wait_then_release
 
 # What the matmul does with a finished tile (`_store_output`).
@@ -172,9 +173,8 @@ def _store_output(acc, bias_ptr, out_ptr, offs_n, offs_m, tile, out_mask, pid_n,
         half = tl.arange(0, BLOCK_N // 2)
         m64 = offs_m.to(tl.int64)[None, :]
         if EPILOGUE == EPI_SILU_MUL:
-            act = (first / (1.0 + tl.exp(-first))).to(dtype).to(tl.float32)
             cols = pid_n * (BLOCK_N // 2) + half
-            tl.store(out_ptr + m64 * (N // 2) + cols[:, None], (act * second).to(dtype), mask=out_mask)
+            tl.store(out_ptr + m64 * (N // 2) + cols[:, None], silu_mul(first, second, dtype), mask=out_mask)
         else:
             per_head: tl.constexpr = HEAD_DIM // BLOCK_N
             head = pid_n // per_head
@@ -184,10 +184,7 @@ def _store_output(acc, bias_ptr, out_ptr, offs_n, offs_m, tile, out_mask, pid_n,
             if head < num_heads + num_kv_heads:  # a q or k head: rotate
                 pos = tl.load(pos_ptr + offs_m, mask=offs_m < M, other=0).to(tl.int64)[None, :]
                 cos_ptrs = cos_sin_ptr + pos * stride_cos_sin + col[:, None]
-                cos = tl.load(cos_ptrs).to(dtype).to(tl.float32)
-                sin = tl.load(cos_ptrs + HEAD_DIM // 2).to(dtype).to(tl.float32)
-                o1 = (first * cos).to(dtype).to(tl.float32) + (-second * sin).to(dtype).to(tl.float32)
-                o2 = (second * cos).to(dtype).to(tl.float32) + (first * sin).to(dtype).to(tl.float32)
+                o1, o2 = rotate_pair(first, second, tl.load(cos_ptrs), tl.load(cos_ptrs + HEAD_DIM // 2), dtype)
             dst = out_ptr + m64 * N + (head * HEAD_DIM + col)[:, None]
             tl.store(dst, o1.to(dtype), mask=out_mask)
             tl.store(dst + HEAD_DIM // 2, o2.to(dtype), mask=out_mask)
