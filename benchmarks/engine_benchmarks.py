@@ -10,6 +10,8 @@ Sections (--sections, default all but hf, each isolated: a failure is recorded a
 * ttft      time to first token of one 1024- and one 8192-token prompt (median of repeats);
 * ttftrand  time to first token of 8 prompts of new lengths in [1024, 8192], two passes (per-length set-up
             costs show as first pass minus second);
+* ttftdiag  where a one-prompt TTFT goes: host launch time, GPU span, readback, garbage-collector pauses,
+            with the collector as is and after `gc.freeze()`;
 * prefix    prefix caching on vs off: 256 x 1064 unique tokens (0 % hits) and 256 x (shared 1000 + own 64),
             128 out each; needs a second engine with caching off;
 * hf        HF Transformers static-batch `generate` on the seeds' workload (same shapes, its own random
@@ -50,7 +52,7 @@ from common import (  # noqa: E402
     write_result,
 )
 
-SECTIONS = ("start", "decode", "seeds", "random256", "ttft", "ttftrand", "prefix", "prefixab", "shared", "hf", "profile",
+SECTIONS = ("start", "decode", "seeds", "random256", "ttft", "ttftrand", "ttftdiag", "prefix", "prefixab", "shared", "hf", "profile",
             "trace", "kprofile", "hostprof")
 
 
@@ -435,6 +437,81 @@ class Bench:
                               f"{len(lengths)} prompts of {min(lengths)}-{max(lengths)} tokens, "
                               f"max {max(times):.1f} ms"))
         self.results["ttftrand"] = {"lengths": lengths, **passes}
+
+    def section_ttftdiag(self) -> None:
+        """One prompt of 1024 and of 8192 tokens, 4 runs each, per collector mode ('as is', then 'frozen':
+        `gc.collect(); gc.freeze()`, then both again). Per run: TTFT (submit to the step that returns the
+        token); the host time of the prefill's `execute_model_async` (input preparation and every launch);
+        the GPU span from that call's entry to its last enqueued work (CUDA events: the GPU is idle at entry,
+        so this is launch delay plus kernels); the collector's pauses during the run."""
+        d = self.engine()
+        runner = self.core.runner
+        original = runner.execute_model_async
+        spans: list[tuple[float, Any, Any]] = []
+
+        cuda = self.args.device.startswith("cuda")
+
+        def timed(*a: Any, **k: Any) -> Any:
+            start, end = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda \
+                else (None, None)
+            t = time.perf_counter()
+            if start is not None:
+                start.record()
+            try:
+                return original(*a, **k)
+            finally:
+                if end is not None:
+                    end.record()
+                spans.append((time.perf_counter() - t, start, end))
+
+        pauses: list[tuple[int, float]] = []
+        gc_started: list[float] = []
+
+        def on_gc(phase: str, info: dict[str, int]) -> None:
+            if phase == "start":
+                gc_started.append(time.perf_counter())
+            elif gc_started:
+                pauses.append((info["generation"], time.perf_counter() - gc_started.pop()))
+
+        out: dict[str, Any] = {}
+        runner.execute_model_async = timed
+        gc.callbacks.append(on_gc)
+        try:
+            for tokens in (1024, 8192):
+                n = self.length(tokens)
+                d.run(self.prompts([n]), [1])  # warm-up at this shape
+            for round_ in range(2):
+                for mode in ("as is", "frozen"):
+                    if mode == "frozen":
+                        gc.collect()
+                        gc.freeze()
+                    else:
+                        gc.unfreeze()
+                    for tokens in (1024, 8192):
+                        n = self.length(tokens)
+                        runs = []
+                        for _ in range(4):
+                            spans.clear()
+                            pauses.clear()
+                            stats = d.run(self.prompts([n]), [1])
+                            sync(self.args.device)
+                            host_s, start, end = spans[0]
+                            runs.append({"ttft_ms": stats.ttft_s[0] * 1e3, "launch_ms": host_s * 1e3,
+                                         "gpu_span_ms": start.elapsed_time(end) if cuda else float("nan"),
+                                         "gc_pause_ms": sum(p for _, p in pauses) * 1e3,
+                                         "gc_collections": [g for g, _ in pauses]})
+                        key = f"{tokens} {mode} {round_}"
+                        out[key] = runs
+                        med = {k: statistics.median(r[k] for r in runs)
+                               for k in ("ttft_ms", "launch_ms", "gpu_span_ms", "gc_pause_ms")}
+                        self.rows.append((f"TTFT {tokens}, gc {mode}, round {round_} (ms)", f"{med['ttft_ms']:.1f}",
+                                          f"launch {med['launch_ms']:.1f}, GPU span {med['gpu_span_ms']:.1f}, "
+                                          f"gc {med['gc_pause_ms']:.1f} ms; all {[round(r['ttft_ms'], 1) for r in runs]}"))
+        finally:
+            gc.unfreeze()
+            gc.callbacks.remove(on_gc)
+            runner.execute_model_async = original
+        self.results["ttftdiag"] = out
 
     def _prefix_runs(self, d: Driver, label: str) -> dict[str, float]:
         num, out_len = self.n(256), self.length(128)

@@ -52,12 +52,13 @@ def layer_copies(n: int, k: int, has_bias: bool, dtype: torch.dtype) -> tuple[in
     return nbytes, copies, gen, weights, biases
 
 
-def configs(n: int, k: int, num_sms: int, block_ns: list[int], block_ks: list[int]) -> list[GemmConfig]:
+def configs(n: int, k: int, num_sms: int, block_ns: list[int], block_ks: list[int],
+            stages_list: list[int] = STAGES, warps_list: list[int] | None = None) -> list[GemmConfig]:
     out = []
-    for bn, bk, stages in itertools.product(block_ns, block_ks, STAGES):
+    for bn, bk, stages in itertools.product(block_ns, block_ks, stages_list):
         if bn * bk * 2 * stages > 200 * 1024:  # weight tiles alone past shared memory
             continue
-        for warps in ([4, 8] if bn == 128 else [4]):
+        for warps in warps_list or ([4, 8] if bn >= 128 else [4]):
             for split in SPLITS:
                 programs = n // bn * split
                 if n % bn or k % (split * bk) or not num_sms <= programs <= 12 * num_sms:
@@ -77,6 +78,8 @@ def main() -> int:
     parser.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
     parser.add_argument("--block-ns", default=",".join(map(str, BLOCK_NS)))
     parser.add_argument("--block-ks", default=",".join(map(str, BLOCK_KS)))
+    parser.add_argument("--stages", default=",".join(map(str, STAGES)))
+    parser.add_argument("--warps", default="", help="num_warps values (default: 4, and 8 for 128+-row tiles)")
     parser.add_argument("--picked", action="store_true",
                         help="time only pick_config's tiling (and two other depths) with plain and PDL launches")
     args = parser.parse_args()
@@ -109,7 +112,9 @@ def main() -> int:
             start = time.monotonic()
             block_ns = [int(v) for v in args.block_ns.split(",")]
             block_ks = [int(v) for v in args.block_ks.split(",")]
-            for cfg in configs(n, k, num_sms, block_ns, block_ks):
+            stages_list = [int(v) for v in args.stages.split(",")]
+            warps_list = [int(v) for v in args.warps.split(",") if v]
+            for cfg in configs(n, k, num_sms, block_ns, block_ks, stages_list, warps_list):
                 if time.monotonic() - start > per_case or time.monotonic() > deadline:
                     case["truncated"] = True
                     break

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Needs the wheels of .whl/ (msgspec, gguf: not on the GPU image). Logs and JSON go to /tmp/kvres, packed
 # into $OUT/results.tgz (the device returns at most 8 files); each step's table is printed at the end.
@@ -119,6 +119,8 @@ for step in "$@"; do
     serve) OUT="$R/serve" PYTHONPATH=/tmp/site:$PWD timeout 280 bash benchmarks/serve_bench.sh > "$R/serve.log" 2>&1 ;;
     sweep) timeout 300 python3 benchmarks/attention_sweep.py --out "$R/attention_sweep.json" > "$R/sweep.log" 2>&1 ;;
     gemm) timeout 300 python3 benchmarks/gemm_sweep.py --budget-s 180 --out "$R/gemm_sweep.json" > "$R/gemm.log" 2>&1 ;;
+    gemm3) timeout 260 python3 benchmarks/gemm_sweep.py --budget-s 220 --shapes gate_up,down,qkv,o_proj --rows 32,64 \
+              --block-ns 64,128,256 --block-ks 64,128 --stages 3,4,5,6 --out "$R/gemm_sweep4.json" > "$R/gemm3.log" 2>&1 ;;
     gemm2) timeout 150 python3 benchmarks/gemm_sweep.py --budget-s 80 --shapes qkv,o_proj,down --rows 1,8,16,32 \
               --block-ns 16,32,64 --block-ks 64,128,256 --out "$R/gemm_sweep2.json" > "$R/gemm.log" 2>&1
            timeout 100 python3 benchmarks/gemm_sweep.py --budget-s 25 --shapes gate_up,lm_head --rows 16,32 \
@@ -139,8 +141,9 @@ for step in "$@"; do
             --sections start,shared >> "$R/modload.log" 2>&1
           echo "CUDA_MODULE_LOADING=$mode done" >> "$R/modload.log"
         done ;;
-    final) timeout 170 python3 benchmarks/engine_benchmarks.py --out "$R/final" \
-              --sections start,decode,seeds,ttft,ttftrand,kprofile --kprofile-cases b1,b64,p8192 > "$R/final.log" 2>&1
+    final) timeout 210 python3 benchmarks/engine_benchmarks.py --out "$R/final" \
+              --sections start,decode,seeds,ttft,ttftrand,ttftdiag,kprofile --kprofile-cases b1,b64,p8192 \
+              > "$R/final.log" 2>&1
            timeout 150 python3 benchmarks/engine_benchmarks.py --out "$R/final2" --sections start,random256 \
               >> "$R/final.log" 2>&1 ;;
     ggufcheck) cat .carry/gg.aa .carry/gg.ab > /tmp/smollm2.gguf && KVSERVE_TEST_GGUF=/tmp/smollm2.gguf \
@@ -197,7 +200,7 @@ for f in "$R"/blasab.log "$R"/confirm.log "$R"/fuseab2.log "$R"/ttftrand2.log "$
     fuseab.log) grep -E "^decode|^seeds|^TTFT|^engine start|Error|failed|^kernel profile|^ +[0-9.]+ us" "$f" \
                 | grep -v -E " (0\.[0-9]|[1-4]\.[0-9]) us" | head -90 ;;
     skinnyab.log) grep -E "^decode|^seeds|^TTFT|^engine start|Error|failed|^ +[0-9.]+ us/step" "$f" | head -70 ;;
-    gemm.log) grep -E "Error|Traceback" "$f" | head -5; sed -n '/^shape /,$p' "$f" ;;
+    gemm.log|gemm3.log) grep -E "Error|Traceback" "$f" | head -5; sed -n '/^shape /,$p' "$f" ;;
     serve.log) tail -c 2500 "$f" ;;
     diag3.log) tail -c 1500 "$f" ;;
     ttftab.log) grep -E "^TTFT|Error" "$f" ;;
