@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Needs the wheels of .whl/ (msgspec, gguf: not on the GPU image). Logs and JSON go to /tmp/kvres, packed
 # into $OUT/results.tgz (the device returns at most 8 files); each step's table is printed at the end.
@@ -119,6 +119,22 @@ for step in "$@"; do
     serve) OUT="$R/serve" PYTHONPATH=/tmp/site:$PWD timeout 280 bash benchmarks/serve_bench.sh > "$R/serve.log" 2>&1 ;;
     sweep) timeout 300 python3 benchmarks/attention_sweep.py --out "$R/attention_sweep.json" > "$R/sweep.log" 2>&1 ;;
     gemm) timeout 300 python3 benchmarks/gemm_sweep.py --budget-s 180 --out "$R/gemm_sweep.json" > "$R/gemm.log" 2>&1 ;;
+    ttftclk) nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
+              --format=csv -lms 50 > "$R/clocks.csv" 2>&1 &
+           smi=$!
+           timeout 120 python3 benchmarks/engine_benchmarks.py --out "$R/ttftclk" --sections ttftdiag \
+              --kprofile-cases p8192 > "$R/ttftclk.log" 2>&1
+           kill $smi
+           python3 - "$R/clocks.csv" >> "$R/ttftclk.log" <<'PY'
+import csv, sys
+rows = list(csv.reader(open(sys.argv[1])))[1:]
+busy = [r for r in rows if len(r) > 5 and float(r[3].split()[0]) > 300]
+if busy:
+    sm = sorted(int(r[1].split()[0]) for r in busy)
+    print(f"clocks while drawing > 300 W: {len(busy)} samples, SM MHz min {sm[0]} median {sm[len(sm)//2]} max {sm[-1]}")
+    print("event reasons seen:", sorted({r[5].strip() for r in busy}))
+PY
+           ;;
     gemm3) timeout 260 python3 benchmarks/gemm_sweep.py --budget-s 220 --shapes gate_up,down,qkv,o_proj --rows 32,64 \
               --block-ns 64,128,256 --block-ks 64,128 --stages 3,4,5,6 --out "$R/gemm_sweep4.json" > "$R/gemm3.log" 2>&1 ;;
     gemm2) timeout 150 python3 benchmarks/gemm_sweep.py --budget-s 80 --shapes qkv,o_proj,down --rows 1,8,16,32 \
@@ -203,6 +219,7 @@ for f in "$R"/blasab.log "$R"/confirm.log "$R"/fuseab2.log "$R"/ttftrand2.log "$
     gemm.log|gemm3.log) grep -E "Error|Traceback" "$f" | head -5; sed -n '/^shape /,$p' "$f" ;;
     serve.log) tail -c 2500 "$f" ;;
     diag3.log) tail -c 1500 "$f" ;;
+    ttftclk.log) grep -E "^TTFT|^clocks|^event|Error|failed" "$f" ;;
     ttftab.log) grep -E "^TTFT|Error" "$f" ;;
     prefixab.log) tail -c 800 "$f" ;;
     diag2.log) grep -E -A 16 "^kernel profile" "$f"; tail -c 2500 "$f" ;;
