@@ -10,6 +10,7 @@ Sections (--sections, default all but hf, each isolated: a failure is recorded a
 * ttft      time to first token of one 1024- and one 8192-token prompt (median of repeats);
 * ttftrand  time to first token of 8 prompts of new lengths in [1024, 8192], two passes (per-length set-up
             costs show as first pass minus second);
+* prefillprof  the host side of a one-prompt prefill step (1024 tokens): cProfile of the launch, by function;
 * ttftdiag  where a one-prompt TTFT goes: host launch time, GPU span, readback, garbage-collector pauses,
             with the collector as is and after `gc.freeze()`;
 * prefix    prefix caching on vs off: 256 x 1064 unique tokens (0 % hits) and 256 x (shared 1000 + own 64),
@@ -52,7 +53,7 @@ from common import (  # noqa: E402
     write_result,
 )
 
-SECTIONS = ("start", "decode", "seeds", "random256", "ttft", "ttftrand", "ttftdiag", "prefix", "prefixab", "shared", "hf", "profile",
+SECTIONS = ("start", "decode", "seeds", "random256", "ttft", "ttftrand", "ttftdiag", "prefillprof", "prefix", "prefixab", "shared", "hf", "profile",
             "trace", "kprofile", "hostprof")
 
 
@@ -512,6 +513,52 @@ class Bench:
             gc.callbacks.remove(on_gc)
             runner.execute_model_async = original
         self.results["ttftdiag"] = out
+
+    def section_prefillprof(self) -> None:
+        """Where the host spends a one-prompt prefill's launch (the step is host-bound at 1k tokens): the
+        prefill step's `execute_model_async` under cProfile, 5 prompts of 1024 tokens, functions by own time
+        and by cumulative time."""
+        import cProfile
+        import io
+        import pstats
+
+        d = self.engine()
+        n = self.length(1024)
+        d.run(self.prompts([n]), [1])
+        runner = self.core.runner
+        original = runner.execute_model_async
+        prof = cProfile.Profile()
+        calls: list[float] = []
+
+        def profiled(*a: Any, **k: Any) -> Any:
+            if calls:  # the prefill step only (the request's first step)
+                return original(*a, **k)
+            t = time.perf_counter()
+            prof.enable()
+            try:
+                return original(*a, **k)
+            finally:
+                prof.disable()
+                calls.append(time.perf_counter() - t)
+
+        runner.execute_model_async = profiled
+        launch_ms = []
+        try:
+            for _ in range(5):
+                calls.clear()
+                d.run(self.prompts([n]), [1])
+                launch_ms.append(calls[0] * 1e3)
+        finally:
+            runner.execute_model_async = original
+        text = {}
+        for key in ("tottime", "cumulative"):
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(35)
+            text[key] = buf.getvalue()
+            print(f"prefill host profile by {key} (5 steps):\n{text[key]}", flush=True)
+        self.rows.append(("prefill launch under cProfile (ms/step)", f"{statistics.median(launch_ms):.1f}",
+                          f"all {[round(v, 1) for v in launch_ms]}"))
+        self.results["prefillprof"] = {"launch_ms": launch_ms, **text}
 
     def _prefix_runs(self, d: Driver, label: str) -> dict[str, float]:
         num, out_len = self.n(256), self.length(128)
