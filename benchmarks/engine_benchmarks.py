@@ -7,7 +7,7 @@ Sections (--sections, default all but hf, each isolated: a failure is recorded a
             (scheduler + input prep + forward + sampling + the host sync), with the bandwidth floor;
 * seeds     the seeds' workload: 50 sequences, 512 in, 256 out, EOS ignored (output tok/s);
 * random256 256 sequences, input and output lengths uniform in [100, 1024];
-* ttft      time to first token of one 1024- and one 8192-token prompt (median of repeats);
+* ttft      time to first token of one 1024- and one 8192-token prompt (median of repeats; --ttft-lengths);
 * ttftrand  time to first token of 8 prompts of new lengths in [1024, 8192], two passes (per-length set-up
             costs show as first pass minus second);
 * prefillprof  the host side of a one-prompt prefill step (1024 tokens): cProfile of the launch, by function;
@@ -414,7 +414,8 @@ class Bench:
     def section_ttft(self) -> None:
         d = self.engine()
         out = {}
-        for tokens, repeats in ((1024, 5), (8192, 3)):
+        for tokens in self.args.ttft_lengths:
+            repeats = 5 if tokens <= 4096 else 3
             n = self.length(tokens)
             d.run(self.prompts([n]), [1])  # warm-up at this shape
             times = [d.run(self.prompts([n]), [1]).ttft_s[0] * 1e3 for _ in range(repeats)]
@@ -692,6 +693,9 @@ def main() -> int:
     p.add_argument("--length-scale", type=float, default=1.0, help="multiply token lengths (CPU trials)")
     p.add_argument("--decode-batches", type=lambda v: [int(x) for x in v.split(",")], default=[1, 8, 64])
     p.add_argument("--decode-contexts", type=lambda v: [int(x) for x in v.split(",")], default=[1024, 4096])
+    p.add_argument("--ttft-lengths", type=lambda v: [int(x) for x in v.split(",")], default=[1024, 8192])
+    p.add_argument("--prefill-graph-max-tokens", type=int, default=None,
+                   help="override the longest prompt a one-prompt prefill CUDA graph serves (0: none)")
     p.add_argument("--decode-programs-per-sm", type=int, default=None, help="override ops.DECODE_PROGRAMS_PER_SM")
     p.add_argument("--kprofile-cases", type=lambda v: [x for x in v.split(",") if x], default=["b1", "b64"],
                    help="kprofile section: bN (N random 1k-token prompts), pN (one N-token prefill), shared256")
@@ -736,6 +740,10 @@ def main() -> int:
         ops.SKINNY_GEMM_MAX_ROWS = args.skinny_max_rows
     if args.sdpa_cudnn_min_tokens is not None:
         ops.SDPA_CUDNN_MIN_TOKENS = args.sdpa_cudnn_min_tokens
+    if args.prefill_graph_max_tokens is not None:
+        from kvserve.worker import model_runner
+
+        model_runner.PREFILL_GRAPH_MAX_TOKENS = args.prefill_graph_max_tokens
     if args.decode_programs_per_sm is not None:
         ops.DECODE_PROGRAMS_PER_SM = args.decode_programs_per_sm
     bench = Bench(args)

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Needs the wheels of .whl/ (msgspec, gguf: not on the GPU image). Logs and JSON go to /tmp/kvres, packed
 # into $OUT/results.tgz (the device returns at most 8 files); each step's table is printed at the end.
@@ -135,6 +135,13 @@ if busy:
     print("event reasons seen:", sorted({r[5].strip() for r in busy}))
 PY
            ;;
+    prefillab) for mode in on off on; do
+          flags=""; [ $mode = off ] && flags="--prefill-graph-max-tokens 0"
+          timeout 110 python3 benchmarks/engine_benchmarks.py --out "$R/prefill_$mode" \
+            --sections start,ttft,ttftrand,decode --ttft-lengths 128,512,1024,2048,8192 \
+            --decode-batches 1,64 --decode-contexts 1024 --decode-steps 30 $flags >> "$R/prefillab.log" 2>&1
+          echo "mode $mode done" >> "$R/prefillab.log"
+        done ;;
     prefillprof) timeout 90 python3 benchmarks/engine_benchmarks.py --out "$R/prefillprof" \
               --sections start,ttftdiag,prefillprof > "$R/prefillprof.log" 2>&1 ;;
     gemm4) timeout 200 python3 benchmarks/gemm_sweep.py --budget-s 160 --shapes gate_up,down --rows 64,32 \
@@ -199,7 +206,7 @@ PY
 done
 tar czf "$OUT/results.tgz" -C "$R" .
 echo "=== total $(( $(date +%s) - T0 ))s"
-for f in "$R"/prefillprof.log "$R"/gemm4.log "$R"/ttftclk.log "$R"/gemm3.log "$R"/blasab.log "$R"/confirm.log "$R"/fuseab2.log "$R"/ttftrand2.log "$R"/pdlab2.log "$R"/pdlgemm.log "$R"/pdlab.log "$R"/ttftrand.log "$R"/modload.log "$R"/sharedab.log "$R"/final.log "$R"/gguf.log "$R"/fuseab.log "$R"/skinnyab.log "$R"/gemm.log "$R"/pattn.log "$R"/cascade.log "$R"/serve.log "$R"/diag3.log "$R"/ttftab.log "$R"/prefixab.log "$R"/diag2.log "$R"/async.log "$R"/sweep.log "$R"/diag.log "$R"/profile.log "$R"/pytest_gpu.log "$R"/engine.log "$R"/engine2.log "$R"/eager.log "$R"/ab.log "$R"/prefix2.log "$R"/hf.log "$R"/gpu_kernels.log "$R"/elementwise.log; do
+for f in "$R"/prefillab.log "$R"/prefillprof.log "$R"/gemm4.log "$R"/ttftclk.log "$R"/gemm3.log "$R"/blasab.log "$R"/confirm.log "$R"/fuseab2.log "$R"/ttftrand2.log "$R"/pdlab2.log "$R"/pdlgemm.log "$R"/pdlab.log "$R"/ttftrand.log "$R"/modload.log "$R"/sharedab.log "$R"/final.log "$R"/gguf.log "$R"/fuseab.log "$R"/skinnyab.log "$R"/gemm.log "$R"/pattn.log "$R"/cascade.log "$R"/serve.log "$R"/diag3.log "$R"/ttftab.log "$R"/prefixab.log "$R"/diag2.log "$R"/async.log "$R"/sweep.log "$R"/diag.log "$R"/profile.log "$R"/pytest_gpu.log "$R"/engine.log "$R"/engine2.log "$R"/eager.log "$R"/ab.log "$R"/prefix2.log "$R"/hf.log "$R"/gpu_kernels.log "$R"/elementwise.log; do
   [ -f "$f" ] || continue
   echo "##### $(basename "$f")"
   case $(basename "$f") in
@@ -224,6 +231,7 @@ for f in "$R"/prefillprof.log "$R"/gemm4.log "$R"/ttftclk.log "$R"/gemm3.log "$R
     gemm.log|gemm3.log|gemm4.log) grep -E "Error|Traceback" "$f" | head -5; sed -n '/^shape /,$p' "$f" ;;
     serve.log) tail -c 2500 "$f" ;;
     diag3.log) tail -c 1500 "$f" ;;
+    prefillab.log) grep -E "^TTFT|^decode|^engine start|^mode|Error|failed" "$f" ;;
     ttftclk.log) grep -E "^TTFT|^clocks|^event|Error|failed" "$f" ;;
     ttftab.log) grep -E "^TTFT|Error" "$f" ;;
     prefixab.log) tail -c 800 "$f" ;;

@@ -323,7 +323,8 @@ def prefill_attention(
 #   padded to a multiple of SDPA_CUDNN_BUCKET tokens (exact under the causal mask: the padding rows and keys
 #   come after every real one), and `warm_up_prefill_attention` builds every bucket at start.
 # The threshold is KVSERVE_SDPA_CUDNN_MIN_TOKENS when set (0: never); by default 1024 on sm_90 and later,
-# where it was measured, and 0 elsewhere. A torch whose sdpa_kernel cannot set a priority never uses cuDNN.
+# where it was measured, and 0 elsewhere. Prompts captured in a prefill CUDA graph use flash. A torch whose
+# sdpa_kernel cannot set a priority never uses cuDNN.
 SDPA_CUDNN_MIN_TOKENS = envs.KVSERVE_SDPA_CUDNN_MIN_TOKENS  # < 0: the default just described
 SDPA_CUDNN_BUCKET = 256
 SDPA_CUDNN_MAX_TOKENS = 16384  # longer prompts use flash: bounds the graphs built at start (61 at most)
@@ -373,7 +374,11 @@ def _pad_tokens(t: torch.Tensor, num_tokens: int) -> torch.Tensor:
 
 def _use_cudnn(num_tokens: int, device: torch.device) -> bool:
     min_tokens = cudnn_min_tokens(device)
-    return 0 < min_tokens <= num_tokens and _cudnn_padded(num_tokens) <= SDPA_CUDNN_MAX_TOKENS
+    if not (0 < min_tokens <= num_tokens and _cudnn_padded(num_tokens) <= SDPA_CUDNN_MAX_TOKENS):
+        return False
+    # Not inside a CUDA-graph capture (the one-prompt prefill graphs): flash is captured there. cuDNN's
+    # per-length graphs were measured eagerly only.
+    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
 def _cudnn_padded(num_tokens: int) -> int:

@@ -1,4 +1,5 @@
-"""CUDA graphs for decode-only batches: capture once at start, replay padded to the nearest captured size.
+"""CUDA graphs for decode-only batches and one-prompt prefills: capture once at start, replay padded to the
+nearest captured size.
 
 A decode step of a 7B model is ~28 x 12 kernel launches whose Python + launch cost (several ms) would
 exceed the GPU time at small batches; one graph replay costs ~10 us. Each graph is captured over the
@@ -12,7 +13,16 @@ activations can share memory). With cascade attention on, sizes of at least `cas
 second graph whose attention reads the shared-prefix length from a device buffer, so it serves any
 prefix. Attention's split count is fixed at capture from (batch size,
 max_model_len); `triton_attention`'s docstring says why that stays valid for every shorter context.
-Batches with prefill chunks run eagerly: their GPU time (ms per chunk) dwarfs the launch overhead.
+
+One-prompt prefill graphs: a step whose only request is a fresh prompt (nothing cached) of at most
+`max(prefill_sizes)` tokens replays the graph of the next multiple of PREFILL_GRAPH_BUCKET tokens. Eager,
+such a step costs 20-40 ms of host time on the H200's hosts (about 250 launches and their Python), more than
+the GPU needs for prompts of up to a thousand tokens or two (docs/perf_notes.md, entry 21). The padding
+tokens come after the prompt: token 0 at position 0, slot -1, so they write nothing to the cache, and
+under the causal mask no prompt token attends to them. Their rows of the output are never read. The graph's
+attention is the one-prompt fast path (`ops.prefill_attention`) over its own keys and values, flash in a
+graph (`ops` keeps cuDNN, which builds a graph per length, out of captures). Other batches with prefill
+tokens (several requests, cached context, longer prompts) run eagerly.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvserve.core.outputs import ScheduledRequest
 from kvserve.layers.attention_metadata import AttentionMetadata
 from kvserve.model.registry import CausalLM
 
@@ -37,6 +48,30 @@ def padded_batch_size(num_reqs: int, capture_sizes: Sequence[int]) -> int | None
         return None
     index = bisect.bisect_left(capture_sizes, num_reqs)
     return capture_sizes[index] if index < len(capture_sizes) else None
+
+
+# One-prompt prefill graphs are captured at multiples of this many tokens.
+PREFILL_GRAPH_BUCKET = 128
+
+
+def prefill_graph_sizes(max_tokens: int, bucket: int = PREFILL_GRAPH_BUCKET) -> list[int]:
+    """Token counts of the one-prompt prefill graphs: the multiples of `bucket` up to `max_tokens`."""
+    if bucket < 1 or max_tokens < bucket:
+        return []
+    return list(range(bucket, max_tokens // bucket * bucket + 1, bucket))
+
+
+def prefill_graph_tokens(scheduled: Sequence[ScheduledRequest], prefill_sizes: Sequence[int]) -> int | None:
+    """The prefill graph a step replays (its padded token count), or None (the step runs as it would
+    without prefill graphs): the step schedules exactly one request, whose tokens start at position 0 (a
+    fresh prompt, or one recomputed after preemption) and are at least 2 (one token is a decode batch)."""
+    if len(scheduled) != 1 or not prefill_sizes:
+        return None
+    only = scheduled[0]
+    num_tokens = len(only.token_ids)
+    if only.num_computed_tokens != 0 or num_tokens < 2:
+        return None
+    return padded_batch_size(num_tokens, prefill_sizes)
 
 
 def padding_rows(num_reqs: int, padded: int) -> dict[str, list[int]]:
@@ -54,7 +89,8 @@ def padding_rows(num_reqs: int, padded: int) -> dict[str, list[int]]:
 
 
 class CUDAGraphRunner:
-    """Owns the captured decode graphs. `capture` once (after the KV cache exists), then `replay(size)`.
+    """Owns the captured graphs. `capture` once (after the KV cache exists), then `replay(size)` (decode) or
+    `replay_prefill(num_tokens)`.
 
     input_ids/positions/slot_mapping/query_start_loc/seq_lens: the runner's persistent device buffers
     (at least max(sizes) long, query_start_loc one more); block_tables: its persistent batch block-table
@@ -70,9 +106,11 @@ class CUDAGraphRunner:
         sizes: Sequence[int],
         max_model_len: int,
         cascade_min_size: int | None = None,
+        prefill_sizes: Sequence[int] = (),
     ) -> None:
         """cascade_min_size: also capture cascade graphs for sizes >= it (needs buffers
-        "common_prefix_len"); None: none."""
+        "common_prefix_len"); None: none. prefill_sizes: token counts of one-prompt prefill graphs (the
+        token buffers must hold the largest)."""
         self.model = model
         self.kv_caches = kv_caches
         self.buffers = buffers
@@ -82,7 +120,10 @@ class CUDAGraphRunner:
         self.cascade_sizes = (
             [s for s in self.sizes if s >= cascade_min_size] if cascade_min_size is not None else []
         )
+        self.prefill_sizes = sorted(prefill_sizes)
         self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.prefill_replays = 0  # replays of prefill graphs so far (tests and benchmarks read it)
         self.pool_bytes = 0
         self.capture_s = 0.0
 
@@ -91,6 +132,9 @@ class CUDAGraphRunner:
 
     def has(self, size: int, cascade: bool) -> bool:
         return (size, cascade) in self._graphs
+
+    def has_prefill(self, num_tokens: int) -> bool:
+        return num_tokens in self._prefill_graphs
 
     def _metadata(self, size: int, cascade: bool) -> AttentionMetadata:
         b = self.buffers
@@ -114,27 +158,53 @@ class CUDAGraphRunner:
         metadata = self._metadata(size, cascade)
         return self.model(b["input_ids"][:size], b["positions"][:size], self.kv_caches, metadata)
 
+    def _prefill_forward(self, num_tokens: int, starts: torch.Tensor) -> torch.Tensor:
+        """One fresh prompt of num_tokens tokens; starts: a device int32 [0, num_tokens] of this size's own
+        (made before capture). The fast path reads this step's keys and values, not the cache: seq_lens and
+        the block table are there for the metadata's contract."""
+        b = self.buffers
+        metadata = AttentionMetadata(
+            query_start_loc=starts,
+            seq_lens=starts[1:],
+            block_tables=self.block_tables[:1],
+            slot_mapping=b["slot_mapping"][:num_tokens],
+            max_query_len=num_tokens,
+            max_seq_len=num_tokens,
+            query_start_loc_cpu=[0, num_tokens],
+            seq_lens_cpu=[num_tokens],
+        )
+        return self.model(b["input_ids"][:num_tokens], b["positions"][:num_tokens], self.kv_caches, metadata)
+
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture one graph per size, largest first, into one pool. The buffers are set to a padding-only
-        batch (writes nothing, reads nothing) for the warm-up and capture runs."""
+        """Capture one graph per size, largest first (the prefill graphs, then the decode graphs), into one
+        pool. The buffers are set to a padding-only batch (writes nothing, reads nothing) for the warm-up
+        and capture runs."""
         start = time.perf_counter()
         b = self.buffers
         largest = self.sizes[-1]
-        b["input_ids"][:largest].zero_()
-        b["positions"][:largest].zero_()
-        b["slot_mapping"][:largest].fill_(-1)
+        tokens = max(largest, self.prefill_sizes[-1] if self.prefill_sizes else 0)
+        b["input_ids"][:tokens].zero_()
+        b["positions"][:tokens].zero_()
+        b["slot_mapping"][:tokens].fill_(-1)
         b["seq_lens"][:largest].zero_()
         b["query_start_loc"][: largest + 1].copy_(torch.arange(largest + 1, dtype=torch.int32))
         self.block_tables[:largest].zero_()
         if self.cascade_sizes:
             b["common_prefix_len"].zero_()
+        starts = {n: torch.tensor([0, n], dtype=torch.int32, device=b["input_ids"].device) for n in self.prefill_sizes}
         torch.cuda.synchronize()
         before = torch.cuda.mem_get_info()[0]
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
+            for n in reversed(self.prefill_sizes):
+                self._prefill_forward(n, starts[n])  # warm-up outside capture
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    out = self._prefill_forward(n, starts[n])
+                self._prefill_graphs[n] = (graph, out)
             variants = [(size, True) for size in self.cascade_sizes] + [(size, False) for size in self.sizes]
             for size, cascade in sorted(variants, reverse=True):
                 # Warm-up outside capture: compiles the Triton kernels of this shape, sets up cuBLAS.
@@ -147,10 +217,13 @@ class CUDAGraphRunner:
         torch.cuda.synchronize()
         self.pool_bytes = max(before - torch.cuda.mem_get_info()[0], 0)
         self.capture_s = time.perf_counter() - start
+        self._prefill_starts = starts  # the graphs read them
         logger.info(
-            "captured %d decode CUDA graphs (batch sizes %s%s) in %.1f s, pool %.1f MiB",
+            "captured %d decode CUDA graphs (batch sizes %s%s)%s in %.1f s, pool %.1f MiB",
             len(self._graphs), self.sizes,
             f"; cascade attention at {self.cascade_sizes}" if self.cascade_sizes else "",
+            (f" and {len(self._prefill_graphs)} one-prompt prefill graphs ({self.prefill_sizes[0]}-"
+             f"{self.prefill_sizes[-1]} tokens)") if self._prefill_graphs else "",
             self.capture_s, self.pool_bytes / (1 << 20),
         )
 
@@ -159,4 +232,13 @@ class CUDAGraphRunner:
         returns its hidden states [size, hidden_size] (a buffer of the pool, valid until the next replay)."""
         graph, out = self._graphs[(size, cascade)]
         graph.replay()
+        return out
+
+    def replay_prefill(self, num_tokens: int) -> torch.Tensor:
+        """Run the prefill graph of `num_tokens` (a captured size) over the current buffers: a one-prompt
+        batch of num_tokens tokens (`InputBuffers.prepare(..., prefill_pad_to=num_tokens)`). Returns its
+        hidden states [num_tokens, hidden_size] (valid until the next replay)."""
+        graph, out = self._prefill_graphs[num_tokens]
+        graph.replay()
+        self.prefill_replays += 1
         return out

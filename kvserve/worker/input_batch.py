@@ -41,6 +41,9 @@ class BatchInputs:
     is_decode_only: bool
     all_rows_sample: bool  # decode-only and every row samples: logits rows = hidden[:num_reqs]
     cascade: bool = False  # attn_metadata.common_prefix_len > 0 (replay the cascade graph of the size)
+    # A one-prompt prefill padded to this many tokens for its CUDA graph (the tensors and metadata describe
+    # the padded batch; logits_indices the prompt's real last token), or None.
+    prefill_padded_tokens: int | None = None
 
 
 # Cascade attention pays only when many requests share a long prefix; below these a decode batch attends
@@ -235,6 +238,7 @@ class InputBuffers:
         block_table: BlockTable,
         pad_to: int | None = None,
         prev_sampled: tuple[torch.Tensor, dict[str, int]] | None = None,
+        prefill_pad_to: int | None = None,
     ) -> BatchInputs:
         """Fill the buffers for `scheduler_output` (block_table already updated for this step).
 
@@ -244,6 +248,10 @@ class InputBuffers:
         prev_sampled: the previous step's sampled ids on the device and each request's row in them; a
         placeholder token (negative id, the last of its request's tokens) is replaced on the device by
         its request's row. Raises RuntimeError for a placeholder with no such row.
+        prefill_pad_to: for a one-request batch whose tokens start at position 0 (what
+        `cuda_graph.prefill_graph_tokens` accepts), the prefill graph's token count to fill (>= its tokens):
+        the batch becomes one prompt of that many tokens whose extra ones are token 0 at position 0, slot -1
+        (not written); the logits index stays the real last token. Raises RuntimeError for other batches.
         """
         scheduled = scheduler_output.scheduled
         num_reqs = len(scheduled)
@@ -298,7 +306,21 @@ class InputBuffers:
                 prefix_len = 0
 
         padded = pad_to if (is_decode and pad_to is not None) else None
-        if padded is not None:
+        padded_tokens = None
+        if prefill_pad_to is not None:
+            if is_decode or num_reqs != 1 or num_computed[0] != 0 or not num_tokens <= prefill_pad_to <= self.max_num_tokens:
+                raise RuntimeError(
+                    f"cannot pad this batch to a {prefill_pad_to}-token prefill ({num_reqs} requests, {num_tokens} "
+                    f"tokens, {int(num_computed[0]) if num_reqs else 0} cached; buffers hold {self.max_num_tokens})"
+                )
+            padded_tokens = prefill_pad_to
+            h["input_ids"][num_tokens:padded_tokens] = 0
+            h["positions"][num_tokens:padded_tokens] = 0
+            h["slot_mapping"][num_tokens:padded_tokens] = -1
+            qsl[1] = padded_tokens
+            h["seq_lens"][0] = padded_tokens
+            query_lens[0] = seq_lens[0] = padded_tokens
+        elif padded is not None:
             if padded < num_reqs or padded > self.max_num_reqs or padded > self.max_num_tokens:
                 raise RuntimeError(f"cannot pad a batch to {padded} rows (buffers hold {self.max_num_reqs})")
             for name, values in padding_rows(num_reqs, padded).items():
@@ -306,7 +328,7 @@ class InputBuffers:
                 h[name][start : start + len(values)] = values
             h["rows"][num_reqs:padded] = 0  # any valid row: a seq_len of 0 reads none of it
         n_reqs = padded or num_reqs
-        n_tokens = padded or num_tokens
+        n_tokens = padded or padded_tokens or num_tokens
 
         dev = self.dev
         for name, length in (
@@ -355,6 +377,7 @@ class InputBuffers:
             is_decode_only=is_decode,
             all_rows_sample=is_decode and num_sampled == num_reqs,
             cascade=prefix_len > 0,
+            prefill_padded_tokens=padded_tokens,
         )
 
     def _fill_placeholder_rows(

@@ -8,7 +8,9 @@ sampling pass at `max_num_seqs` rows) and records a `MemoryProfile`. The KV cach
 where "memory in use" is the device-wide figure (`total - free`: weights, CUDA context, cuBLAS/Triton
 workspaces, and anything other processes hold), and the activation peak is what the profiled step
 allocated on top of that at its high point. CUDA graphs are captured after the KV cache exists (they bake
-in its address), so their pool is a fixed reserve here, checked against the real figure after capture.
+in its address), so their pool is a reserve here: a fixed amount for the decode graphs plus, with
+one-prompt prefill graphs, the activation peak scaled to their largest token count; the log after capture
+gives the real figure.
 """
 
 from __future__ import annotations
@@ -20,6 +22,15 @@ GiB = 1 << 30
 # Reserve for the shared CUDA-graph memory pool (decode activations at the largest captured batch: a few
 # tens of MB for a 7B model at batch 256; the reserve leaves head-room for bigger models).
 CUDA_GRAPH_RESERVE_BYTES = 512 << 20
+
+
+def prefill_graph_reserve_bytes(activation_peak_bytes: int, profiled_tokens: int, graph_tokens: int) -> int:
+    """What the one-prompt prefill graphs add to the graph pool: the profiled step's activation peak scaled
+    to the largest graph's token count (a forward's activations grow with its tokens; the graphs share
+    one pool, so the largest sets it). 0 without prefill graphs."""
+    if graph_tokens <= 0 or profiled_tokens <= 0:
+        return 0
+    return -(-activation_peak_bytes * graph_tokens // profiled_tokens)
 
 
 @dataclass(frozen=True)

@@ -31,11 +31,21 @@ from kvserve.layers.sampler import Sampler, SamplingRow, make_generator
 from kvserve.model.loader import load_model
 from kvserve.protocol.sampling_params import SamplingParams
 from kvserve.worker import input_batch
-from kvserve.worker.cuda_graph import CUDAGraphRunner
+from kvserve.worker.cuda_graph import CUDAGraphRunner, prefill_graph_sizes, prefill_graph_tokens
 from kvserve.worker.input_batch import BlockTable, InputBuffers
-from kvserve.worker.memory import CUDA_GRAPH_RESERVE_BYTES, KVCachePlan, MemoryProfile, plan_kv_cache
+from kvserve.worker.memory import (
+    CUDA_GRAPH_RESERVE_BYTES,
+    KVCachePlan,
+    MemoryProfile,
+    plan_kv_cache,
+    prefill_graph_reserve_bytes,
+)
 
 logger = logging.getLogger(__name__)
+
+# Longest prompt a one-prompt prefill CUDA graph serves (KVSERVE_PREFILL_GRAPH_MAX_TOKENS; 0: none). Eager, such
+# a prefill is host-bound up to about this length on the H200's hosts (docs/perf_notes.md, entry 21).
+PREFILL_GRAPH_MAX_TOKENS = envs.KVSERVE_PREFILL_GRAPH_MAX_TOKENS
 
 
 @dataclass
@@ -222,7 +232,12 @@ class ModelRunner:
             weights_bytes=self.weights_bytes(),
             in_use_bytes=total - free,
             activation_peak_bytes=peak,
-            graph_reserve_bytes=CUDA_GRAPH_RESERVE_BYTES if use_graphs else 0,
+            graph_reserve_bytes=(
+                CUDA_GRAPH_RESERVE_BYTES
+                + prefill_graph_reserve_bytes(peak, num_tokens, max(self.prefill_graph_sizes(), default=0))
+                if use_graphs
+                else 0
+            ),
         )
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -315,27 +330,49 @@ class ModelRunner:
             pos = torch.full((num_reqs,), seq_len - 1, dtype=torch.int64, device=device)
             self.model(input_ids, pos, self.kv_caches, metadata)
 
+    def prefill_graph_sizes(self) -> list[int]:
+        """Token counts of the one-prompt prefill graphs (with CUDA graphs on): multiples of
+        `cuda_graph.PREFILL_GRAPH_BUCKET` up to PREFILL_GRAPH_MAX_TOKENS, the step budget and max_model_len."""
+        if not self.config.use_cuda_graphs:
+            return []
+        limit = min(
+            PREFILL_GRAPH_MAX_TOKENS,
+            self.config.scheduler_config.max_num_batched_tokens,
+            self.config.model_config.max_model_len,
+        )
+        return prefill_graph_sizes(limit)
+
     def capture_cuda_graphs(self) -> None:
-        """Capture the decode graphs (GPU, graphs enabled, KV cache allocated); a failure to capture is
-        logged and leaves the runner eager rather than failing start-up."""
+        """Capture the decode graphs and the one-prompt prefill graphs (GPU, graphs enabled, KV cache
+        allocated). A failed capture is logged and retried without the prefill graphs; if that fails too,
+        the runner stays eager rather than failing start-up."""
         if not self.config.use_cuda_graphs or not self.kv_caches:
             return
-        graphs = CUDAGraphRunner(
-            self.model,
-            self.kv_caches,
-            self.inputs.dev,
-            self.inputs.block_tables,
-            self.config.cuda_graph_sizes,
-            self.config.model_config.max_model_len,
-            cascade_min_size=input_batch.CASCADE_MIN_REQS if self.config.cascade_attn else None,
-        )
-        try:
-            graphs.capture()
-        except Exception:
-            logger.exception("CUDA graph capture failed; decode runs eagerly")
-            torch.cuda.synchronize(self.device)
+        prefill_sizes = self.prefill_graph_sizes()
+        for attempt in ([prefill_sizes, []] if prefill_sizes else [[]]):
+            graphs = CUDAGraphRunner(
+                self.model,
+                self.kv_caches,
+                self.inputs.dev,
+                self.inputs.block_tables,
+                self.config.cuda_graph_sizes,
+                self.config.model_config.max_model_len,
+                cascade_min_size=input_batch.CASCADE_MIN_REQS if self.config.cascade_attn else None,
+                prefill_sizes=attempt,
+            )
+            try:
+                graphs.capture()
+            except Exception:
+                logger.exception(
+                    "CUDA graph capture failed; %s",
+                    "retrying without the prefill graphs" if attempt else "the runner stays eager",
+                )
+                del graphs
+                torch.cuda.synchronize(self.device)
+                torch.cuda.empty_cache()
+                continue
+            self.graphs = graphs
             return
-        self.graphs = graphs
 
     # ------------------------------------------------------------------ one step
 
@@ -363,12 +400,20 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return PendingOutput.empty()
         num_reqs = len(scheduler_output.scheduled)
-        pad_to = self.graphs.padded_size(num_reqs) if self.graphs is not None else None
-        batch = self.inputs.prepare(scheduler_output, self.block_table, pad_to, self._prev_sampled)
-        if batch.padded_num_reqs is not None and self.graphs is not None and self.graphs.has(
+        graphs = self.graphs
+        pad_to = graphs.padded_size(num_reqs) if graphs is not None else None
+        prefill_tokens = (
+            prefill_graph_tokens(scheduler_output.scheduled, graphs.prefill_sizes) if graphs is not None else None
+        )
+        batch = self.inputs.prepare(
+            scheduler_output, self.block_table, pad_to, self._prev_sampled, prefill_pad_to=prefill_tokens
+        )
+        if batch.padded_num_reqs is not None and graphs is not None and graphs.has(
             batch.padded_num_reqs, batch.cascade
         ):
-            hidden = self.graphs.replay(batch.padded_num_reqs, batch.cascade)
+            hidden = graphs.replay(batch.padded_num_reqs, batch.cascade)
+        elif batch.prefill_padded_tokens is not None and graphs is not None:
+            hidden = graphs.replay_prefill(batch.prefill_padded_tokens)
         else:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)
         if not batch.sampled_req_ids:

@@ -1,7 +1,7 @@
 """GPU correctness of the whole engine (skipped without CUDA). Kernel-level checks: benchmarks/gpu_kernels.py.
 
 * CUDA-graph vs eager: greedy tokens identical (float32 tiny random models, batches that fill a captured
-  size and batches that need padding).
+  size and batches that need padding); one-prompt prefill graphs against eager prefills.
 * Async scheduling (pipelined steps, next inputs filled on the device) vs step by step: identical greedy
   and seeded-sampling tokens and logprobs.
 * kvserve bf16 vs HF Transformers bf16 on tiny random models: both teacher-forced on kvserve's tokens and
@@ -184,6 +184,38 @@ def test_cascade_attention_matches_plain(
             assert graphs is not None and graphs.cascade_sizes and graphs.has(graphs.cascade_sizes[0], True)
         del core
     assert results[True] == results[False]
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prefill_graphs_match_eager(checkpoints: dict[str, str], model: str, dtype: str) -> None:
+    """One prompt at a time (every prefill a one-prompt step), lengths on both sides of the 128-token
+    buckets: with graphs, each prefill replays a prefill graph; the output is the eager engine's (float32:
+    greedy tokens; bfloat16, where a 512-row matmul may round differently from a 130-row one: the first
+    token and its top-5 logprobs)."""
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in (2, 5, 127, 128, 129, 300, 511)]
+    results = {}
+    for enforce_eager in (False, True):
+        core = _core(checkpoints[model], dtype, enforce_eager=enforce_eager)
+        results[enforce_eager] = [_generate(core, [p], 12, logprobs=5)[0] for p in prompts]
+        graphs = core.runner.graphs
+        if enforce_eager:
+            assert graphs is None
+        else:
+            assert graphs is not None and graphs.prefill_sizes == [128, 256, 384, 512]
+            assert graphs.prefill_replays == len(prompts)
+        del core
+    for (tokens, lps), (eager_tokens, eager_lps) in zip(results[False], results[True], strict=True):
+        if dtype == "float32":
+            assert tokens == eager_tokens
+        else:
+            assert tokens[0] == eager_tokens[0]
+            got = dict(zip(lps[0].token_ids, lps[0].logprobs, strict=True))
+            want = dict(zip(eager_lps[0].token_ids, eager_lps[0].logprobs, strict=True))
+            common = got.keys() & want.keys()  # a near-tie may swap the fifth
+            assert len(common) >= len(want) - 1
+            assert max(abs(got[t] - want[t]) for t in common) < 0.05
 
 
 def _switches() -> dict[str, Any]:

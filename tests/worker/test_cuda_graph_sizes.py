@@ -1,11 +1,18 @@
-"""CUDA-graph batch-size choice and padding: pure functions, no GPU needed."""
+"""CUDA-graph batch-size choice and padding (decode and one-prompt prefill graphs): pure functions, no GPU
+needed."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvserve.config import DEFAULT_CUDA_GRAPH_SIZES, ConfigError, resolve_cuda_graph_sizes
-from kvserve.worker.cuda_graph import padded_batch_size, padding_rows
+from kvserve.core.outputs import ScheduledRequest
+from kvserve.worker.cuda_graph import (
+    padded_batch_size,
+    padding_rows,
+    prefill_graph_sizes,
+    prefill_graph_tokens,
+)
 
 
 @pytest.mark.parametrize(
@@ -69,3 +76,27 @@ def test_decode_splits_fill_the_gpu_within_limits() -> None:
     assert decode_num_splits(64, kv_heads, 1024, sms) == 1
     assert decode_num_splits(8, kv_heads, 32768, sms) == 9
     assert decode_num_splits(1, kv_heads, 32768, sms) == 64
+
+
+def test_prefill_graph_sizes_are_bucket_multiples_up_to_the_limit() -> None:
+    assert prefill_graph_sizes(2048) == list(range(128, 2049, 128))
+    assert prefill_graph_sizes(1000) == [128, 256, 384, 512, 640, 768, 896]
+    assert prefill_graph_sizes(127) == [] and prefill_graph_sizes(0) == []
+    assert prefill_graph_sizes(100, bucket=32) == [32, 64, 96]
+
+
+def _one(num_tokens: int, computed: int) -> ScheduledRequest:
+    return ScheduledRequest("r", list(range(num_tokens)), computed, [], computed == 0, True)
+
+
+def test_prefill_graph_tokens_only_for_one_fresh_prompt_that_fits() -> None:
+    sizes = prefill_graph_sizes(1024)
+    assert prefill_graph_tokens([_one(2, 0)], sizes) == 128
+    assert prefill_graph_tokens([_one(128, 0)], sizes) == 128
+    assert prefill_graph_tokens([_one(129, 0)], sizes) == 256
+    assert prefill_graph_tokens([_one(1024, 0)], sizes) == 1024
+    assert prefill_graph_tokens([_one(1025, 0)], sizes) is None  # past the largest graph: eager
+    assert prefill_graph_tokens([_one(1, 0)], sizes) is None  # one token: a decode-shaped batch
+    assert prefill_graph_tokens([_one(100, 28)], sizes) is None  # cached context (prefix hit, later chunk)
+    assert prefill_graph_tokens([_one(100, 0), _one(20, 0)], sizes) is None  # two requests
+    assert prefill_graph_tokens([_one(100, 0)], []) is None

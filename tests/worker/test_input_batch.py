@@ -217,3 +217,57 @@ def test_cascade_only_when_enabled_and_worth_it(case: str) -> None:
     batch = buffers.prepare(decode, table)
     assert not batch.cascade
     assert batch.attn_metadata.common_prefix_len == 0 and batch.attn_metadata.common_prefix_len_tensor is None
+
+
+# ------------------------------------------------------------------------- one-prompt prefill graphs
+
+
+def test_one_prompt_prefill_padded_to_a_graph_size() -> None:
+    device = torch.device("cpu")
+    table = BlockTable(num_rows=2, width=WIDTH, device=device)
+    buffers = InputBuffers(max_num_tokens=16, max_num_reqs=4, block_table_width=WIDTH, block_size=BLOCK_SIZE,
+                           device=device)
+    step = SchedulerOutput(scheduled=[_sched("a", [5, 6, 7, 8, 9], 0, [3, 6], reset=True)])
+    table.apply(step)
+    batch = buffers.prepare(step, table, prefill_pad_to=8)
+    md = batch.attn_metadata
+    assert batch.prefill_padded_tokens == 8 and batch.num_reqs == 1 and batch.padded_num_reqs is None
+    # the prompt, then padding tokens 0 at position 0 that write nothing (slot -1)
+    assert batch.input_ids.tolist() == [5, 6, 7, 8, 9, 0, 0, 0]
+    assert batch.positions.tolist() == [0, 1, 2, 3, 4, 0, 0, 0]
+    assert md.slot_mapping.tolist() == [12, 13, 14, 15, 24, -1, -1, -1]
+    # one prompt of 8 tokens with no cached context; the logits row is the prompt's real last token
+    assert md.query_start_loc.tolist() == [0, 8] and md.query_start_loc_cpu == [0, 8]
+    assert md.seq_lens.tolist() == [8] and md.seq_lens_cpu == [8]
+    assert md.max_query_len == 8 and md.max_seq_len == 8
+    assert batch.logits_indices.tolist() == [4] and batch.sampled_req_ids == ["a"]
+    # unpadded, the same step is what it was
+    plain = buffers.prepare(step, table)
+    assert plain.prefill_padded_tokens is None and plain.input_ids.tolist() == [5, 6, 7, 8, 9]
+    assert plain.attn_metadata.slot_mapping.tolist() == [12, 13, 14, 15, 24]
+
+
+@pytest.mark.parametrize("case", ["two requests", "cached context", "decode", "too few", "past the buffers"])
+def test_prefill_padding_refuses_other_batches(case: str) -> None:
+    device = torch.device("cpu")
+    table = BlockTable(num_rows=2, width=WIDTH, device=device)
+    buffers = InputBuffers(max_num_tokens=16, max_num_reqs=4, block_table_width=WIDTH, block_size=BLOCK_SIZE,
+                           device=device)
+    table.apply(SchedulerOutput(scheduled=[_sched("a", [1, 2, 3, 4, 5], 0, [3, 6], reset=True),
+                                           _sched("b", [1, 2], 0, [7], reset=True)]))
+    pad_to = 8
+    if case == "two requests":
+        step = SchedulerOutput(scheduled=[_sched("a", [1, 2], 5, []), _sched("b", [3], 2, [])])
+    elif case == "cached context":
+        step = SchedulerOutput(scheduled=[_sched("a", [1, 2], 5, [])])
+    elif case == "decode":
+        step = SchedulerOutput(scheduled=[_sched("a", [1], 5, [])])
+    elif case == "too few":
+        step = SchedulerOutput(scheduled=[_sched("a", [1, 2, 3], 0, [], reset=True)])
+        pad_to = 2
+    else:
+        step = SchedulerOutput(scheduled=[_sched("a", [1, 2, 3], 0, [], reset=True)])
+        pad_to = 17
+    table.apply(step)
+    with pytest.raises(RuntimeError, match="cannot pad"):
+        buffers.prepare(step, table, prefill_pad_to=pad_to)

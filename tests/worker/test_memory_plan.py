@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.worker.memory import GiB, MemoryProfile, gpu_capacity_hint, plan_kv_cache
+from kvserve.worker.memory import (
+    GiB,
+    MemoryProfile,
+    gpu_capacity_hint,
+    plan_kv_cache,
+    prefill_graph_reserve_bytes,
+)
 
 MiB = 1 << 20
 
@@ -54,3 +60,9 @@ def test_capacity_hint_names_the_flags_and_the_needed_utilization() -> None:
     assert "at least 0.90" in hint
     hopeless = gpu_capacity_hint(_profile(in_use_bytes=139 * GiB), 0.9, MiB, blocks_needed=4096)
     assert "1.0" in hopeless and "--gpu-memory-utilization from" not in hopeless
+
+
+def test_prefill_graph_reserve_scales_the_activation_peak_to_the_largest_graph() -> None:
+    assert prefill_graph_reserve_bytes(3 * GiB, 8192, 2048) == 3 * GiB // 4
+    assert prefill_graph_reserve_bytes(1000, 3, 1) == 334  # rounded up
+    assert prefill_graph_reserve_bytes(3 * GiB, 8192, 0) == 0  # no prefill graphs

@@ -1,0 +1,50 @@
+"""A one-prompt prefill padded to a graph's token count (what the prefill CUDA graphs replay) computes the
+same prompt rows and writes the same KV cache as the unpadded step: run eagerly on the CPU, where the
+graph itself cannot be captured. tests/gpu covers the captured graphs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from kvserve.config import EngineArgs
+from kvserve.core.outputs import ScheduledRequest, SchedulerOutput
+from kvserve.engine.engine_core import EngineCore
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen3"])
+def test_padded_prefill_matches_unpadded(tiny_model_dir: Callable[..., str], variant: str) -> None:
+    args = EngineArgs(model=tiny_model_dir(variant), device="cpu", max_model_len=256, kv_cache_memory="8MiB",
+                      max_num_batched_tokens=256)
+    runner = EngineCore(args.create_engine_config()).runner
+    prompt = torch.randint(3, 1000, (37,), generator=torch.Generator().manual_seed(0)).tolist()
+    blocks = list(range(5, 5 + -(-len(prompt) // runner.block_size)))
+    step = SchedulerOutput(scheduled=[ScheduledRequest("p", prompt, 0, blocks, True, True)])
+    runner.block_table.apply(step)
+
+    def forward(pad_to: int | None) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+        for cache in runner.kv_caches:
+            cache.zero_()
+        batch = runner.inputs.prepare(step, runner.block_table, prefill_pad_to=pad_to)
+        with torch.inference_mode():
+            hidden = runner.model(batch.input_ids, batch.positions, runner.kv_caches, batch.attn_metadata)
+            logits = runner.model.compute_logits(hidden[batch.logits_indices])
+        return hidden[: len(prompt)].clone(), [c.clone() for c in runner.kv_caches], logits
+
+    hidden, caches, logits = forward(None)
+    padded_hidden, padded_caches, padded_logits = forward(128)
+    torch.testing.assert_close(padded_hidden, hidden, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(padded_logits, logits, rtol=1e-5, atol=1e-5)
+    assert padded_logits.argmax(-1).tolist() == logits.argmax(-1).tolist()
+    # The prompt's slots hold the same K/V (a matmul over 128 rows may round differently from one over 37);
+    # every other slot is still zero: the padding tokens wrote nothing.
+    slots = torch.tensor([b * runner.block_size + i for b in blocks for i in range(runner.block_size)][: len(prompt)])
+    for got, want in zip(padded_caches, caches, strict=True):
+        flat_got, flat_want = got.flatten(1, 2), want.flatten(1, 2)
+        torch.testing.assert_close(flat_got[:, slots], flat_want[:, slots], rtol=1e-5, atol=1e-5)
+        others = torch.ones(flat_got.shape[1], dtype=torch.bool)
+        others[slots] = False
+        assert flat_got[:, slots].abs().sum() > 0
+        assert not flat_got[:, others].any(), "padding tokens must write nothing to the cache"
