@@ -11,6 +11,7 @@ Sections (--sections, default all but hf, each isolated: a failure is recorded a
 * ttftrand  time to first token of 8 prompts of new lengths in [1024, 8192], two passes (per-length set-up
             costs show as first pass minus second);
 * prefillprof  the host side of a one-prompt prefill step (1024 tokens): cProfile of the launch, by function;
+* ttftprefix time to first token of one request whose 1000-token prefix is cached (64 and 512 new tokens);
 * ttftdiag  where a one-prompt TTFT goes: host launch time, GPU span, readback, garbage-collector pauses,
             with the collector as is and after `gc.freeze()`;
 * prefix    prefix caching on vs off: 256 x 1064 unique tokens (0 % hits) and 256 x (shared 1000 + own 64),
@@ -53,7 +54,7 @@ from common import (  # noqa: E402
     write_result,
 )
 
-SECTIONS = ("start", "decode", "seeds", "random256", "ttft", "ttftrand", "ttftdiag", "prefillprof", "prefix", "prefixab", "shared", "hf", "profile",
+SECTIONS = ("start", "decode", "seeds", "random256", "ttft", "ttftrand", "ttftprefix", "ttftdiag", "prefillprof", "prefix", "prefixab", "shared", "hf", "profile",
             "trace", "kprofile", "hostprof")
 
 
@@ -439,6 +440,22 @@ class Bench:
                               f"{len(lengths)} prompts of {min(lengths)}-{max(lengths)} tokens, "
                               f"max {max(times):.1f} ms"))
         self.results["ttftrand"] = {"lengths": lengths, **passes}
+
+    def section_ttftprefix(self) -> None:
+        """One request at a time whose first 1000 tokens are in the prefix cache (a shared system prompt at
+        low load): TTFT with 64 and with 512 new tokens, median of 5 (needs prefix caching, the default)."""
+        d = self.engine()
+        shared = self.prompts([self.length(1000)])[0]
+        d.run([shared + self.prompts([self.length(64)])[0]], [1])  # the prefix goes into the cache
+        out = {}
+        for own in (64, 512):
+            n = self.length(own)
+            d.run([shared + self.prompts([n])[0]], [1])  # warm-up at this shape
+            times = [d.run([shared + self.prompts([n])[0]], [1]).ttft_s[0] * 1e3 for _ in range(5)]
+            out[str(own)] = {"median_ms": statistics.median(times), "all_ms": times}
+            self.rows.append((f"TTFT cached 1000 + {own} new tokens (ms)", f"{statistics.median(times):.1f}",
+                              f"min {min(times):.1f}, 5 runs"))
+        self.results["ttftprefix"] = out
 
     def section_ttftdiag(self) -> None:
         """One prompt of 1024 and of 8192 tokens, 4 runs each, per collector mode ('as is', then 'frozen':

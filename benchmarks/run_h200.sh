@@ -138,7 +138,7 @@ PY
     prefillab) for mode in on off on; do
           flags=""; [ $mode = off ] && flags="--prefill-graph-max-tokens 0"
           timeout 110 python3 benchmarks/engine_benchmarks.py --out "$R/prefill_$mode" \
-            --sections start,ttft,ttftrand,decode --ttft-lengths 128,512,1024,2048,8192 \
+            --sections start,ttft,ttftprefix,ttftrand,decode --ttft-lengths 128,512,1024,2048,8192 \
             --decode-batches 1,64 --decode-contexts 1024 --decode-steps 30 $flags >> "$R/prefillab.log" 2>&1
           echo "mode $mode done" >> "$R/prefillab.log"
         done ;;

@@ -14,15 +14,18 @@ second graph whose attention reads the shared-prefix length from a device buffer
 prefix. Attention's split count is fixed at capture from (batch size,
 max_model_len); `triton_attention`'s docstring says why that stays valid for every shorter context.
 
-One-prompt prefill graphs: a step whose only request is a fresh prompt (nothing cached) of at most
-`max(prefill_sizes)` tokens replays the graph of the next multiple of PREFILL_GRAPH_BUCKET tokens. Eager,
-such a step costs 20-40 ms of host time on the H200's hosts (about 250 launches and their Python), more than
-the GPU needs for prompts of up to a thousand tokens or two (docs/perf_notes.md, entry 21). The padding
-tokens come after the prompt: token 0 at position 0, slot -1, so they write nothing to the cache, and
-under the causal mask no prompt token attends to them. Their rows of the output are never read. The graph's
-attention is the one-prompt fast path (`ops.prefill_attention`) over its own keys and values, flash in a
-graph (`ops` keeps cuDNN, which builds a graph per length, out of captures). Other batches with prefill
-tokens (several requests, cached context, longer prompts) run eagerly.
+One-prompt prefill graphs: a step whose only request brings at least 2 and at most `max(prefill_sizes)`
+tokens replays the graph of the next multiple of PREFILL_GRAPH_BUCKET tokens. Eager, such a step costs
+20-41 ms of host time on the H200's hosts (about 250 launches and their Python), more than the GPU needs
+for prompts of up to a thousand tokens or two (docs/perf_notes.md, entry 21). The padding tokens come after
+the request's real ones: token 0 at position 0, slot -1, so they write nothing to the cache, and under the
+causal mask no real token attends to them. Their rows of the output are never read. Two graphs per size:
+* a fresh prompt (nothing cached): the one-prompt fast path (`ops.prefill_attention`) over the step's own
+  keys and values, flash in a graph (`ops` keeps cuDNN, which builds a graph per length, out of captures);
+* new tokens after cached context (a prefix-cache hit, a later chunk): the Triton kernel over the cache,
+  which reads the request's lengths from the runner's buffers. The padded step must end within
+  max_model_len, as the kernel reads the block table up to its padded end.
+Other batches with prefill tokens (several requests, longer prompts) run eagerly.
 """
 
 from __future__ import annotations
@@ -61,17 +64,24 @@ def prefill_graph_sizes(max_tokens: int, bucket: int = PREFILL_GRAPH_BUCKET) -> 
     return list(range(bucket, max_tokens // bucket * bucket + 1, bucket))
 
 
-def prefill_graph_tokens(scheduled: Sequence[ScheduledRequest], prefill_sizes: Sequence[int]) -> int | None:
-    """The prefill graph a step replays (its padded token count), or None (the step runs as it would
-    without prefill graphs): the step schedules exactly one request, whose tokens start at position 0 (a
-    fresh prompt, or one recomputed after preemption) and are at least 2 (one token is a decode batch)."""
+def prefill_graph_key(
+    scheduled: Sequence[ScheduledRequest], prefill_sizes: Sequence[int], max_model_len: int
+) -> tuple[int, bool] | None:
+    """(padded token count, whether the request has cached context) of the prefill graph a step replays,
+    or None (the step runs as it would without prefill graphs): the step schedules exactly one request with
+    at least 2 tokens (one token is a decode batch), at most the largest size, and after cached context
+    only if the padded step ends within max_model_len."""
     if len(scheduled) != 1 or not prefill_sizes:
         return None
     only = scheduled[0]
     num_tokens = len(only.token_ids)
-    if only.num_computed_tokens != 0 or num_tokens < 2:
+    if num_tokens < 2:
         return None
-    return padded_batch_size(num_tokens, prefill_sizes)
+    padded = padded_batch_size(num_tokens, prefill_sizes)
+    context = only.num_computed_tokens
+    if padded is None or (context and context + padded > max_model_len):
+        return None
+    return padded, context > 0
 
 
 def padding_rows(num_reqs: int, padded: int) -> dict[str, list[int]]:
@@ -90,7 +100,7 @@ def padding_rows(num_reqs: int, padded: int) -> dict[str, list[int]]:
 
 class CUDAGraphRunner:
     """Owns the captured graphs. `capture` once (after the KV cache exists), then `replay(size)` (decode) or
-    `replay_prefill(num_tokens)`.
+    `replay_prefill(num_tokens, context)`.
 
     input_ids/positions/slot_mapping/query_start_loc/seq_lens: the runner's persistent device buffers
     (at least max(sizes) long, query_start_loc one more); block_tables: its persistent batch block-table
@@ -109,8 +119,8 @@ class CUDAGraphRunner:
         prefill_sizes: Sequence[int] = (),
     ) -> None:
         """cascade_min_size: also capture cascade graphs for sizes >= it (needs buffers
-        "common_prefix_len"); None: none. prefill_sizes: token counts of one-prompt prefill graphs (the
-        token buffers must hold the largest)."""
+        "common_prefix_len"); None: none. prefill_sizes: token counts of one-prompt prefill graphs, each
+        captured fresh and after cached context (the token buffers must hold the largest)."""
         self.model = model
         self.kv_caches = kv_caches
         self.buffers = buffers
@@ -122,8 +132,9 @@ class CUDAGraphRunner:
         )
         self.prefill_sizes = sorted(prefill_sizes)
         self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.prefill_replays = 0  # replays of prefill graphs so far (tests and benchmarks read it)
+        self._prefill_graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Replays of prefill graphs so far, fresh (False) and after cached context (True): tests read them.
+        self.prefill_replays = {False: 0, True: 0}
         self.pool_bytes = 0
         self.capture_s = 0.0
 
@@ -133,8 +144,8 @@ class CUDAGraphRunner:
     def has(self, size: int, cascade: bool) -> bool:
         return (size, cascade) in self._graphs
 
-    def has_prefill(self, num_tokens: int) -> bool:
-        return num_tokens in self._prefill_graphs
+    def has_prefill(self, num_tokens: int, context: bool) -> bool:
+        return (num_tokens, context) in self._prefill_graphs
 
     def _metadata(self, size: int, cascade: bool) -> AttentionMetadata:
         b = self.buffers
@@ -158,28 +169,31 @@ class CUDAGraphRunner:
         metadata = self._metadata(size, cascade)
         return self.model(b["input_ids"][:size], b["positions"][:size], self.kv_caches, metadata)
 
-    def _prefill_forward(self, num_tokens: int, starts: torch.Tensor) -> torch.Tensor:
-        """One fresh prompt of num_tokens tokens; starts: a device int32 [0, num_tokens] of this size's own
-        (made before capture). The fast path reads this step's keys and values, not the cache: seq_lens and
-        the block table are there for the metadata's contract."""
+    def _prefill_forward(self, num_tokens: int, context: bool, starts: torch.Tensor) -> torch.Tensor:
+        """One request of num_tokens tokens; starts: a device int32 [0, num_tokens] of this size's own (made
+        before capture).
+        * fresh: a prompt from position 0. The fast path reads this step's keys and values, not the cache
+          (a float32 model's Triton kernel reads `starts`, which hold the same lengths).
+        * context: after cached context. The host lengths only have to say "cached context" (the kernel's
+          launch depends on num_tokens alone); the kernel reads the real ones from the buffers."""
         b = self.buffers
         metadata = AttentionMetadata(
-            query_start_loc=starts,
-            seq_lens=starts[1:],
+            query_start_loc=b["query_start_loc"][:2] if context else starts,
+            seq_lens=b["seq_lens"][:1] if context else starts[1:],
             block_tables=self.block_tables[:1],
             slot_mapping=b["slot_mapping"][:num_tokens],
             max_query_len=num_tokens,
-            max_seq_len=num_tokens,
+            max_seq_len=self.max_model_len if context else num_tokens,
             query_start_loc_cpu=[0, num_tokens],
-            seq_lens_cpu=[num_tokens],
+            seq_lens_cpu=[num_tokens + 1] if context else [num_tokens],
         )
         return self.model(b["input_ids"][:num_tokens], b["positions"][:num_tokens], self.kv_caches, metadata)
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture one graph per size, largest first (the prefill graphs, then the decode graphs), into one
-        pool. The buffers are set to a padding-only batch (writes nothing, reads nothing) for the warm-up
-        and capture runs."""
+        pool. The buffers are set to a padding-only batch (writes nothing, reads only cache block 0) for the
+        warm-up and capture runs."""
         start = time.perf_counter()
         b = self.buffers
         largest = self.sizes[-1]
@@ -187,24 +201,28 @@ class CUDAGraphRunner:
         b["input_ids"][:tokens].zero_()
         b["positions"][:tokens].zero_()
         b["slot_mapping"][:tokens].fill_(-1)
-        b["seq_lens"][:largest].zero_()
-        b["query_start_loc"][: largest + 1].copy_(torch.arange(largest + 1, dtype=torch.int32))
         self.block_tables[:largest].zero_()
-        if self.cascade_sizes:
-            b["common_prefix_len"].zero_()
-        starts = {n: torch.tensor([0, n], dtype=torch.int32, device=b["input_ids"].device) for n in self.prefill_sizes}
+        device = b["input_ids"].device
+        starts = {n: torch.tensor([0, n], dtype=torch.int32, device=device) for n in self.prefill_sizes}
         torch.cuda.synchronize()
         before = torch.cuda.mem_get_info()[0]
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for n in reversed(self.prefill_sizes):
-                self._prefill_forward(n, starts[n])  # warm-up outside capture
+            for n, context in sorted(((n, c) for n in self.prefill_sizes for c in (False, True)), reverse=True):
+                if context:  # one request of n tokens and no context in the buffers
+                    b["query_start_loc"][:2].copy_(starts[n])
+                    b["seq_lens"][:1].fill_(n)
+                self._prefill_forward(n, context, starts[n])  # warm-up outside capture
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    out = self._prefill_forward(n, starts[n])
-                self._prefill_graphs[n] = (graph, out)
+                    out = self._prefill_forward(n, context, starts[n])
+                self._prefill_graphs[(n, context)] = (graph, out)
+            b["seq_lens"][:largest].zero_()
+            b["query_start_loc"][: largest + 1].copy_(torch.arange(largest + 1, dtype=torch.int32))
+            if self.cascade_sizes:
+                b["common_prefix_len"].zero_()
             variants = [(size, True) for size in self.cascade_sizes] + [(size, False) for size in self.sizes]
             for size, cascade in sorted(variants, reverse=True):
                 # Warm-up outside capture: compiles the Triton kernels of this shape, sets up cuBLAS.
@@ -222,8 +240,8 @@ class CUDAGraphRunner:
             "captured %d decode CUDA graphs (batch sizes %s%s)%s in %.1f s, pool %.1f MiB",
             len(self._graphs), self.sizes,
             f"; cascade attention at {self.cascade_sizes}" if self.cascade_sizes else "",
-            (f" and {len(self._prefill_graphs)} one-prompt prefill graphs ({self.prefill_sizes[0]}-"
-             f"{self.prefill_sizes[-1]} tokens)") if self._prefill_graphs else "",
+            (f" and {len(self._prefill_graphs)} one-request prefill graphs ({self.prefill_sizes[0]}-"
+             f"{self.prefill_sizes[-1]} tokens, fresh and after cached context)") if self._prefill_graphs else "",
             self.capture_s, self.pool_bytes / (1 << 20),
         )
 
@@ -234,11 +252,12 @@ class CUDAGraphRunner:
         graph.replay()
         return out
 
-    def replay_prefill(self, num_tokens: int) -> torch.Tensor:
-        """Run the prefill graph of `num_tokens` (a captured size) over the current buffers: a one-prompt
-        batch of num_tokens tokens (`InputBuffers.prepare(..., prefill_pad_to=num_tokens)`). Returns its
-        hidden states [num_tokens, hidden_size] (valid until the next replay)."""
-        graph, out = self._prefill_graphs[num_tokens]
+    def replay_prefill(self, num_tokens: int, context: bool) -> torch.Tensor:
+        """Run the prefill graph of `num_tokens` (a captured size; `context`: the variant after cached context)
+        over the current buffers: one request padded to num_tokens tokens (`InputBuffers.prepare(...,
+        prefill_pad_to=num_tokens)`). Returns its hidden states [num_tokens, hidden_size] (valid until the
+        next replay)."""
+        graph, out = self._prefill_graphs[(num_tokens, context)]
         graph.replay()
-        self.prefill_replays += 1
+        self.prefill_replays[context] += 1
         return out

@@ -248,10 +248,11 @@ class InputBuffers:
         prev_sampled: the previous step's sampled ids on the device and each request's row in them; a
         placeholder token (negative id, the last of its request's tokens) is replaced on the device by
         its request's row. Raises RuntimeError for a placeholder with no such row.
-        prefill_pad_to: for a one-request batch whose tokens start at position 0 (what
-        `cuda_graph.prefill_graph_tokens` accepts), the prefill graph's token count to fill (>= its tokens):
-        the batch becomes one prompt of that many tokens whose extra ones are token 0 at position 0, slot -1
-        (not written); the logits index stays the real last token. Raises RuntimeError for other batches.
+        prefill_pad_to: for a one-request batch of at least 2 tokens (what `cuda_graph.prefill_graph_key`
+        accepts), the prefill graph's token count to fill (>= its tokens): the request's step grows to that
+        many tokens (query_start_loc [0, n], seq_len its cached context + n) whose extra ones are token 0 at
+        position 0, slot -1 (not written); the logits index stays the real last token. Raises RuntimeError
+        for other batches.
         """
         scheduled = scheduler_output.scheduled
         num_reqs = len(scheduled)
@@ -308,18 +309,17 @@ class InputBuffers:
         padded = pad_to if (is_decode and pad_to is not None) else None
         padded_tokens = None
         if prefill_pad_to is not None:
-            if is_decode or num_reqs != 1 or num_computed[0] != 0 or not num_tokens <= prefill_pad_to <= self.max_num_tokens:
+            if is_decode or num_reqs != 1 or not num_tokens <= prefill_pad_to <= self.max_num_tokens:
                 raise RuntimeError(
-                    f"cannot pad this batch to a {prefill_pad_to}-token prefill ({num_reqs} requests, {num_tokens} "
-                    f"tokens, {int(num_computed[0]) if num_reqs else 0} cached; buffers hold {self.max_num_tokens})"
+                    f"cannot pad this batch to a {prefill_pad_to}-token prefill ({num_reqs} requests, "
+                    f"{num_tokens} tokens; buffers hold {self.max_num_tokens})"
                 )
             padded_tokens = prefill_pad_to
             h["input_ids"][num_tokens:padded_tokens] = 0
             h["positions"][num_tokens:padded_tokens] = 0
             h["slot_mapping"][num_tokens:padded_tokens] = -1
-            qsl[1] = padded_tokens
-            h["seq_lens"][0] = padded_tokens
-            query_lens[0] = seq_lens[0] = padded_tokens
+            qsl[1] = query_lens[0] = padded_tokens
+            h["seq_lens"][0] = seq_lens[0] = num_computed[0] + padded_tokens
         elif padded is not None:
             if padded < num_reqs or padded > self.max_num_reqs or padded > self.max_num_tokens:
                 raise RuntimeError(f"cannot pad a batch to {padded} rows (buffers hold {self.max_num_reqs})")

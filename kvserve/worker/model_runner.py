@@ -31,7 +31,7 @@ from kvserve.layers.sampler import Sampler, SamplingRow, make_generator
 from kvserve.model.loader import load_model
 from kvserve.protocol.sampling_params import SamplingParams
 from kvserve.worker import input_batch
-from kvserve.worker.cuda_graph import CUDAGraphRunner, prefill_graph_sizes, prefill_graph_tokens
+from kvserve.worker.cuda_graph import CUDAGraphRunner, prefill_graph_key, prefill_graph_sizes
 from kvserve.worker.input_batch import BlockTable, InputBuffers
 from kvserve.worker.memory import (
     CUDA_GRAPH_RESERVE_BYTES,
@@ -43,8 +43,8 @@ from kvserve.worker.memory import (
 
 logger = logging.getLogger(__name__)
 
-# Longest prompt a one-prompt prefill CUDA graph serves (KVSERVE_PREFILL_GRAPH_MAX_TOKENS; 0: none). Eager, such
-# a prefill is host-bound up to about this length on the H200's hosts (docs/perf_notes.md, entry 21).
+# Most new tokens a one-request prefill CUDA graph serves (KVSERVE_PREFILL_GRAPH_MAX_TOKENS; 0: none). Eager,
+# such a step is host-bound up to about this length on the H200's hosts (docs/perf_notes.md, entry 21).
 PREFILL_GRAPH_MAX_TOKENS = envs.KVSERVE_PREFILL_GRAPH_MAX_TOKENS
 
 
@@ -331,7 +331,7 @@ class ModelRunner:
             self.model(input_ids, pos, self.kv_caches, metadata)
 
     def prefill_graph_sizes(self) -> list[int]:
-        """Token counts of the one-prompt prefill graphs (with CUDA graphs on): multiples of
+        """Token counts of the one-request prefill graphs (with CUDA graphs on): multiples of
         `cuda_graph.PREFILL_GRAPH_BUCKET` up to PREFILL_GRAPH_MAX_TOKENS, the step budget and max_model_len."""
         if not self.config.use_cuda_graphs:
             return []
@@ -402,18 +402,24 @@ class ModelRunner:
         num_reqs = len(scheduler_output.scheduled)
         graphs = self.graphs
         pad_to = graphs.padded_size(num_reqs) if graphs is not None else None
-        prefill_tokens = (
-            prefill_graph_tokens(scheduler_output.scheduled, graphs.prefill_sizes) if graphs is not None else None
+        prefill_key = (
+            prefill_graph_key(scheduler_output.scheduled, graphs.prefill_sizes, self.config.model_config.max_model_len)
+            if graphs is not None
+            else None
         )
         batch = self.inputs.prepare(
-            scheduler_output, self.block_table, pad_to, self._prev_sampled, prefill_pad_to=prefill_tokens
+            scheduler_output,
+            self.block_table,
+            pad_to,
+            self._prev_sampled,
+            prefill_pad_to=prefill_key[0] if prefill_key is not None else None,
         )
         if batch.padded_num_reqs is not None and graphs is not None and graphs.has(
             batch.padded_num_reqs, batch.cascade
         ):
             hidden = graphs.replay(batch.padded_num_reqs, batch.cascade)
-        elif batch.prefill_padded_tokens is not None and graphs is not None:
-            hidden = graphs.replay_prefill(batch.prefill_padded_tokens)
+        elif prefill_key is not None and graphs is not None:
+            hidden = graphs.replay_prefill(*prefill_key)
         else:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)
         if not batch.sampled_req_ids:

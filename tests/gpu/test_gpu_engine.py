@@ -1,7 +1,8 @@
 """GPU correctness of the whole engine (skipped without CUDA). Kernel-level checks: benchmarks/gpu_kernels.py.
 
 * CUDA-graph vs eager: greedy tokens identical (float32 tiny random models, batches that fill a captured
-  size and batches that need padding); one-prompt prefill graphs against eager prefills.
+  size and batches that need padding); one-request prefill graphs (fresh, after a cached prefix) against
+  eager prefills.
 * Async scheduling (pipelined steps, next inputs filled on the device) vs step by step: identical greedy
   and seeded-sampling tokens and logprobs.
 * kvserve bf16 vs HF Transformers bf16 on tiny random models: both teacher-forced on kvserve's tokens and
@@ -189,12 +190,16 @@ def test_cascade_attention_matches_plain(
 @pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_prefill_graphs_match_eager(checkpoints: dict[str, str], model: str, dtype: str) -> None:
-    """One prompt at a time (every prefill a one-prompt step), lengths on both sides of the 128-token
-    buckets: with graphs, each prefill replays a prefill graph; the output is the eager engine's (float32:
+    """One request at a time (every prefill a one-request step): fresh prompts with lengths on both sides of
+    the 128-token buckets, then prompts that share a cached 300-token prefix. With graphs, each prefill
+    replays a prefill graph (fresh, or after cached context); the output is the eager engine's (float32:
     greedy tokens; bfloat16, where a 512-row matmul may round differently from a 130-row one: the first
     token and its top-5 logprobs)."""
     generator = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in (2, 5, 127, 128, 129, 300, 511)]
+    fresh = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in (2, 5, 127, 128, 129, 300, 511)]
+    shared = torch.randint(3, VOCAB, (300,), generator=generator).tolist()
+    with_prefix = [shared + torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in (4, 40, 200)]
+    prompts = fresh + with_prefix
     results = {}
     for enforce_eager in (False, True):
         core = _core(checkpoints[model], dtype, enforce_eager=enforce_eager)
@@ -204,7 +209,8 @@ def test_prefill_graphs_match_eager(checkpoints: dict[str, str], model: str, dty
             assert graphs is None
         else:
             assert graphs is not None and graphs.prefill_sizes == [128, 256, 384, 512]
-            assert graphs.prefill_replays == len(prompts)
+            # the first prompt with the prefix is fresh; the other two hit the cache
+            assert graphs.prefill_replays == {False: len(fresh) + 1, True: len(with_prefix) - 1}
         del core
     for (tokens, lps), (eager_tokens, eager_lps) in zip(results[False], results[True], strict=True):
         if dtype == "float32":

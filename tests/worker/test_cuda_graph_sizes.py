@@ -3,6 +3,8 @@ needed."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from kvserve.config import DEFAULT_CUDA_GRAPH_SIZES, ConfigError, resolve_cuda_graph_sizes
@@ -10,8 +12,8 @@ from kvserve.core.outputs import ScheduledRequest
 from kvserve.worker.cuda_graph import (
     padded_batch_size,
     padding_rows,
+    prefill_graph_key,
     prefill_graph_sizes,
-    prefill_graph_tokens,
 )
 
 
@@ -89,14 +91,20 @@ def _one(num_tokens: int, computed: int) -> ScheduledRequest:
     return ScheduledRequest("r", list(range(num_tokens)), computed, [], computed == 0, True)
 
 
-def test_prefill_graph_tokens_only_for_one_fresh_prompt_that_fits() -> None:
+def test_prefill_graph_key_only_for_one_request_that_fits() -> None:
     sizes = prefill_graph_sizes(1024)
-    assert prefill_graph_tokens([_one(2, 0)], sizes) == 128
-    assert prefill_graph_tokens([_one(128, 0)], sizes) == 128
-    assert prefill_graph_tokens([_one(129, 0)], sizes) == 256
-    assert prefill_graph_tokens([_one(1024, 0)], sizes) == 1024
-    assert prefill_graph_tokens([_one(1025, 0)], sizes) is None  # past the largest graph: eager
-    assert prefill_graph_tokens([_one(1, 0)], sizes) is None  # one token: a decode-shaped batch
-    assert prefill_graph_tokens([_one(100, 28)], sizes) is None  # cached context (prefix hit, later chunk)
-    assert prefill_graph_tokens([_one(100, 0), _one(20, 0)], sizes) is None  # two requests
-    assert prefill_graph_tokens([_one(100, 0)], []) is None
+    key = functools.partial(prefill_graph_key, prefill_sizes=sizes, max_model_len=4096)
+    assert key([_one(2, 0)]) == (128, False)
+    assert key([_one(128, 0)]) == (128, False)
+    assert key([_one(129, 0)]) == (256, False)
+    assert key([_one(1024, 0)]) == (1024, False)
+    assert key([_one(1025, 0)]) is None  # past the largest graph: eager
+    assert key([_one(1, 0)]) is None  # one token: a decode-shaped batch
+    assert key([_one(100, 0), _one(20, 0)]) is None  # two requests
+    assert prefill_graph_key([_one(100, 0)], [], 4096) is None
+    # after cached context (a prefix hit, a later chunk): the variant over the cache, if the padded step ends
+    # within max_model_len
+    assert key([_one(100, 28)]) == (128, True)
+    assert key([_one(100, 3968)]) == (128, True)
+    assert key([_one(100, 3969)]) is None
+    assert key([_one(1, 28)]) is None

@@ -247,7 +247,27 @@ def test_one_prompt_prefill_padded_to_a_graph_size() -> None:
     assert plain.attn_metadata.slot_mapping.tolist() == [12, 13, 14, 15, 24]
 
 
-@pytest.mark.parametrize("case", ["two requests", "cached context", "decode", "too few", "past the buffers"])
+def test_prefill_after_cached_context_padded_to_a_graph_size() -> None:
+    device = torch.device("cpu")
+    table = BlockTable(num_rows=2, width=WIDTH, device=device)
+    buffers = InputBuffers(max_num_tokens=16, max_num_reqs=4, block_table_width=WIDTH, block_size=BLOCK_SIZE,
+                           device=device)
+    table.apply(SchedulerOutput(scheduled=[_sched("a", [1, 2, 3, 4, 5, 6], 0, [3, 6], reset=True)]))
+    step = SchedulerOutput(scheduled=[_sched("a", [7, 8, 9], 6, [2])])
+    table.apply(step)
+    batch = buffers.prepare(step, table, prefill_pad_to=8)
+    md = batch.attn_metadata
+    assert batch.prefill_padded_tokens == 8
+    assert batch.input_ids.tolist() == [7, 8, 9, 0, 0, 0, 0, 0]
+    assert batch.positions.tolist() == [6, 7, 8, 0, 0, 0, 0, 0]
+    assert md.slot_mapping.tolist() == [26, 27, 8, -1, -1, -1, -1, -1]
+    # 8 query tokens after the 6 cached ones
+    assert md.query_start_loc.tolist() == [0, 8] and md.seq_lens.tolist() == [14] and md.seq_lens_cpu == [14]
+    assert md.max_query_len == 8 and md.max_seq_len == 14
+    assert batch.logits_indices.tolist() == [2]
+
+
+@pytest.mark.parametrize("case", ["two requests", "decode", "too few", "past the buffers"])
 def test_prefill_padding_refuses_other_batches(case: str) -> None:
     device = torch.device("cpu")
     table = BlockTable(num_rows=2, width=WIDTH, device=device)
@@ -258,8 +278,6 @@ def test_prefill_padding_refuses_other_batches(case: str) -> None:
     pad_to = 8
     if case == "two requests":
         step = SchedulerOutput(scheduled=[_sched("a", [1, 2], 5, []), _sched("b", [3], 2, [])])
-    elif case == "cached context":
-        step = SchedulerOutput(scheduled=[_sched("a", [1, 2], 5, [])])
     elif case == "decode":
         step = SchedulerOutput(scheduled=[_sched("a", [1], 5, [])])
     elif case == "too few":
