@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Needs the wheels of .whl/ (msgspec, gguf: not on the GPU image). Logs and JSON go to /tmp/kvres, packed
 # into $OUT/results.tgz (the device returns at most 8 files); each step's table is printed at the end.
@@ -135,6 +135,14 @@ if busy:
     print("event reasons seen:", sorted({r[5].strip() for r in busy}))
 PY
            ;;
+    pytestengine) timeout 200 python3 -m pytest -q -rA -s -p no:cacheprovider tests/gpu/test_gpu_engine.py \
+              > "$R/pytest_gpu.log" 2>&1 ;;
+    prefillab2) for mode in on off; do
+          flags=""; [ $mode = off ] && flags="--prefill-graph-max-tokens 0"
+          timeout 100 python3 benchmarks/engine_benchmarks.py --out "$R/prefill2_$mode" \
+            --sections start,ttft,ttftprefix --ttft-lengths 128,1024 $flags >> "$R/prefillab.log" 2>&1
+          echo "mode $mode done" >> "$R/prefillab.log"
+        done ;;
     prefillab) for mode in on off on; do
           flags=""; [ $mode = off ] && flags="--prefill-graph-max-tokens 0"
           timeout 110 python3 benchmarks/engine_benchmarks.py --out "$R/prefill_$mode" \
