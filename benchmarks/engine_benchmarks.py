@@ -11,7 +11,7 @@ Sections (--sections, default all but hf, each isolated: a failure is recorded a
 * ttftrand  time to first token of 8 prompts of new lengths in [1024, 8192], two passes (per-length set-up
             costs show as first pass minus second);
 * prefillprof  the host side of a one-prompt prefill step (1024 tokens): cProfile of the launch, by function;
-* ttftprefix time to first token of one request whose 1000-token prefix is cached (64 and 512 new tokens);
+* ttftprefix time to first token of one request whose 1000-token prefix is cached (64 and 512 new tokens, --ttftprefix-new);
 * ttftdiag  where a one-prompt TTFT goes: host launch time, GPU span, readback, garbage-collector pauses,
             with the collector as is and after `gc.freeze()`;
 * prefix    prefix caching on vs off: 256 x 1064 unique tokens (0 % hits) and 256 x (shared 1000 + own 64),
@@ -448,7 +448,7 @@ class Bench:
         shared = self.prompts([self.length(1000)])[0]
         d.run([shared + self.prompts([self.length(64)])[0]], [1])  # the prefix goes into the cache
         out = {}
-        for own in (64, 512):
+        for own in self.args.ttftprefix_new:
             n = self.length(own)
             d.run([shared + self.prompts([n])[0]], [1])  # warm-up at this shape
             times = [d.run([shared + self.prompts([n])[0]], [1]).ttft_s[0] * 1e3 for _ in range(5)]
@@ -711,6 +711,8 @@ def main() -> int:
     p.add_argument("--decode-batches", type=lambda v: [int(x) for x in v.split(",")], default=[1, 8, 64])
     p.add_argument("--decode-contexts", type=lambda v: [int(x) for x in v.split(",")], default=[1024, 4096])
     p.add_argument("--ttft-lengths", type=lambda v: [int(x) for x in v.split(",")], default=[1024, 8192])
+    p.add_argument("--ttftprefix-new", type=lambda v: [int(x) for x in v.split(",")], default=[64, 512],
+                   help="ttftprefix section: new tokens after the cached 1000")
     p.add_argument("--prefill-graph-max-tokens", type=int, default=None,
                    help="override the longest prompt a one-prompt prefill CUDA graph serves (0: none)")
     p.add_argument("--decode-programs-per-sm", type=int, default=None, help="override ops.DECODE_PROGRAMS_PER_SM")
