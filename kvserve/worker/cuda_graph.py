@@ -1,4 +1,4 @@
-"""CUDA graphs for decode-only batches and one-prompt prefills: capture once at start, replay padded to the
+"""CUDA graphs for decode-only batches and one-request prefills: capture once at start, replay padded to the
 nearest captured size.
 
 A decode step of a 7B model is ~28 x 12 kernel launches whose Python + launch cost (several ms) would
@@ -14,17 +14,20 @@ second graph whose attention reads the shared-prefix length from a device buffer
 prefix. Attention's split count is fixed at capture from (batch size,
 max_model_len); `triton_attention`'s docstring says why that stays valid for every shorter context.
 
-One-prompt prefill graphs: a step whose only request brings at least 2 and at most `max(prefill_sizes)`
-tokens replays the graph of the next multiple of PREFILL_GRAPH_BUCKET tokens. Eager, such a step costs
+One-request prefill graphs: a step whose only request brings at least 2 and at most `max(prefill_sizes)`
+new tokens replays the graph of the next multiple of PREFILL_GRAPH_BUCKET tokens. Eager, such a step costs
 20-41 ms of host time on the H200's hosts (about 250 launches and their Python), more than the GPU needs
 for prompts of up to a thousand tokens or two (docs/perf_notes.md, entry 21). The padding tokens come after
 the request's real ones: token 0 at position 0, slot -1, so they write nothing to the cache, and under the
-causal mask no real token attends to them. Their rows of the output are never read. Two graphs per size:
+causal mask no real token attends to them. Their rows of the output are never read. Two kinds:
 * a fresh prompt (nothing cached): the one-prompt fast path (`ops.prefill_attention`) over the step's own
   keys and values, flash in a graph (`ops` keeps cuDNN, which builds a graph per length, out of captures);
-* new tokens after cached context (a prefix-cache hit, a later chunk): the Triton kernel over the cache,
-  which reads the request's lengths from the runner's buffers. The padded step must end within
-  max_model_len, as the kernel reads the block table up to its padded end.
+* new tokens after cached context (a prefix-cache hit, a later chunk), up to CONTEXT_PREFILL_GRAPH_MAX_TOKENS:
+  the Triton kernel over the cache, which reads the request's lengths from the runner's buffers. The padded
+  step must end within max_model_len, as the kernel reads the block table up to its padded end. Measured
+  on the H200 behind a cached 1,000-token prefix, these graphs took about 10 % more GPU time than the eager
+  step (512 and 1,024 new tokens: 16.2 against 14.9 ms, 27.4 against 24.5), not yet explained; at up to
+  256 new tokens, where the eager step is host-bound, they win (64: 6.4 against 12.0-13.4 ms).
 Other batches with prefill tokens (several requests, longer prompts) run eagerly.
 """
 
@@ -53,32 +56,39 @@ def padded_batch_size(num_reqs: int, capture_sizes: Sequence[int]) -> int | None
     return capture_sizes[index] if index < len(capture_sizes) else None
 
 
-# One-prompt prefill graphs are captured at multiples of this many tokens.
+# One-request prefill graphs are captured at multiples of this many tokens.
 PREFILL_GRAPH_BUCKET = 128
 
 
+# After cached context, prefill graphs serve at most this many new tokens (see the module docstring).
+CONTEXT_PREFILL_GRAPH_MAX_TOKENS = 256
+
+
 def prefill_graph_sizes(max_tokens: int, bucket: int = PREFILL_GRAPH_BUCKET) -> list[int]:
-    """Token counts of the one-prompt prefill graphs: the multiples of `bucket` up to `max_tokens`."""
+    """Token counts of the one-request prefill graphs: the multiples of `bucket` up to `max_tokens`."""
     if bucket < 1 or max_tokens < bucket:
         return []
     return list(range(bucket, max_tokens // bucket * bucket + 1, bucket))
 
 
 def prefill_graph_key(
-    scheduled: Sequence[ScheduledRequest], prefill_sizes: Sequence[int], max_model_len: int
+    scheduled: Sequence[ScheduledRequest],
+    prefill_sizes: Sequence[int],
+    context_sizes: Sequence[int],
+    max_model_len: int,
 ) -> tuple[int, bool] | None:
     """(padded token count, whether the request has cached context) of the prefill graph a step replays,
     or None (the step runs as it would without prefill graphs): the step schedules exactly one request with
-    at least 2 tokens (one token is a decode batch), at most the largest size, and after cached context
-    only if the padded step ends within max_model_len."""
-    if len(scheduled) != 1 or not prefill_sizes:
+    at least 2 tokens (one token is a decode batch), at most the largest of `prefill_sizes` (fresh) or of
+    `context_sizes` (after cached context, and only if the padded step ends within max_model_len)."""
+    if len(scheduled) != 1:
         return None
     only = scheduled[0]
     num_tokens = len(only.token_ids)
+    context = only.num_computed_tokens
     if num_tokens < 2:
         return None
-    padded = padded_batch_size(num_tokens, prefill_sizes)
-    context = only.num_computed_tokens
+    padded = padded_batch_size(num_tokens, context_sizes if context else prefill_sizes)
     if padded is None or (context and context + padded > max_model_len):
         return None
     return padded, context > 0
@@ -119,8 +129,9 @@ class CUDAGraphRunner:
         prefill_sizes: Sequence[int] = (),
     ) -> None:
         """cascade_min_size: also capture cascade graphs for sizes >= it (needs buffers
-        "common_prefix_len"); None: none. prefill_sizes: token counts of one-prompt prefill graphs, each
-        captured fresh and after cached context (the token buffers must hold the largest)."""
+        "common_prefix_len"); None: none. prefill_sizes: token counts of one-request prefill graphs, each
+        captured fresh, and after cached context up to CONTEXT_PREFILL_GRAPH_MAX_TOKENS (the token buffers
+        must hold the largest)."""
         self.model = model
         self.kv_caches = kv_caches
         self.buffers = buffers
@@ -131,6 +142,7 @@ class CUDAGraphRunner:
             [s for s in self.sizes if s >= cascade_min_size] if cascade_min_size is not None else []
         )
         self.prefill_sizes = sorted(prefill_sizes)
+        self.context_prefill_sizes = [n for n in self.prefill_sizes if n <= CONTEXT_PREFILL_GRAPH_MAX_TOKENS]
         self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._prefill_graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # Replays of prefill graphs so far, fresh (False) and after cached context (True): tests read them.
@@ -210,7 +222,8 @@ class CUDAGraphRunner:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for n, context in sorted(((n, c) for n in self.prefill_sizes for c in (False, True)), reverse=True):
+            variants = [(n, False) for n in self.prefill_sizes] + [(n, True) for n in self.context_prefill_sizes]
+            for n, context in sorted(variants, reverse=True):
                 if context:  # one request of n tokens and no context in the buffers
                     b["query_start_loc"][:2].copy_(starts[n])
                     b["seq_lens"][:1].fill_(n)
@@ -241,7 +254,8 @@ class CUDAGraphRunner:
             len(self._graphs), self.sizes,
             f"; cascade attention at {self.cascade_sizes}" if self.cascade_sizes else "",
             (f" and {len(self._prefill_graphs)} one-request prefill graphs ({self.prefill_sizes[0]}-"
-             f"{self.prefill_sizes[-1]} tokens, fresh and after cached context)") if self._prefill_graphs else "",
+             f"{self.prefill_sizes[-1]} tokens fresh, {len(self.context_prefill_sizes)} after cached context)")
+            if self._prefill_graphs else "",
             self.capture_s, self.pool_bytes / (1 << 20),
         )
 

@@ -41,7 +41,7 @@ class BatchInputs:
     is_decode_only: bool
     all_rows_sample: bool  # decode-only and every row samples: logits rows = hidden[:num_reqs]
     cascade: bool = False  # attn_metadata.common_prefix_len > 0 (replay the cascade graph of the size)
-    # A one-prompt prefill padded to this many tokens for its CUDA graph (the tensors and metadata describe
+    # A one-request prefill padded to this many tokens for its CUDA graph (the tensors and metadata describe
     # the padded batch; logits_indices the prompt's real last token), or None.
     prefill_padded_tokens: int | None = None
 

@@ -9,7 +9,7 @@ where "memory in use" is the device-wide figure (`total - free`: weights, CUDA c
 workspaces, and anything other processes hold), and the activation peak is what the profiled step
 allocated on top of that at its high point. CUDA graphs are captured after the KV cache exists (they bake
 in its address), so their pool is a reserve here: a fixed amount for the decode graphs plus, with
-one-prompt prefill graphs, the activation peak scaled to their largest token count; the log after capture
+one-request prefill graphs, the activation peak scaled to their largest token count; the log after capture
 gives the real figure.
 """
 
@@ -25,7 +25,7 @@ CUDA_GRAPH_RESERVE_BYTES = 512 << 20
 
 
 def prefill_graph_reserve_bytes(activation_peak_bytes: int, profiled_tokens: int, graph_tokens: int) -> int:
-    """What the one-prompt prefill graphs add to the graph pool: the profiled step's activation peak scaled
+    """What the one-request prefill graphs add to the graph pool: the profiled step's activation peak scaled
     to the largest graph's token count (a forward's activations grow with its tokens; the graphs share
     one pool, so the largest sets it). 0 without prefill graphs."""
     if graph_tokens <= 0 or profiled_tokens <= 0:

@@ -343,7 +343,7 @@ class ModelRunner:
         return prefill_graph_sizes(limit)
 
     def capture_cuda_graphs(self) -> None:
-        """Capture the decode graphs and the one-prompt prefill graphs (GPU, graphs enabled, KV cache
+        """Capture the decode graphs and the one-request prefill graphs (GPU, graphs enabled, KV cache
         allocated). A failed capture is logged and retried without the prefill graphs; if that fails too,
         the runner stays eager rather than failing start-up."""
         if not self.config.use_cuda_graphs or not self.kv_caches:
@@ -403,7 +403,12 @@ class ModelRunner:
         graphs = self.graphs
         pad_to = graphs.padded_size(num_reqs) if graphs is not None else None
         prefill_key = (
-            prefill_graph_key(scheduler_output.scheduled, graphs.prefill_sizes, self.config.model_config.max_model_len)
+            prefill_graph_key(
+                scheduler_output.scheduled,
+                graphs.prefill_sizes,
+                graphs.context_prefill_sizes,
+                self.config.model_config.max_model_len,
+            )
             if graphs is not None
             else None
         )

@@ -198,7 +198,9 @@ def test_prefill_graphs_match_eager(checkpoints: dict[str, str], model: str, dty
     generator = torch.Generator().manual_seed(5)
     fresh = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in (2, 5, 127, 128, 129, 300, 511)]
     shared = torch.randint(3, VOCAB, (300,), generator=generator).tolist()
-    with_prefix = [shared + torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in (4, 40, 200)]
+    # new tokens after the cached 288: 16 (the first one, fresh: all 304), 52, 212, and 392 (past the
+    # largest graph after cached context: eager)
+    with_prefix = [shared + torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in (4, 40, 200, 380)]
     prompts = fresh + with_prefix
     results = {}
     for enforce_eager in (False, True):
@@ -209,8 +211,9 @@ def test_prefill_graphs_match_eager(checkpoints: dict[str, str], model: str, dty
             assert graphs is None
         else:
             assert graphs is not None and graphs.prefill_sizes == [128, 256, 384, 512]
-            # the first prompt with the prefix is fresh; the other two hit the cache
-            assert graphs.prefill_replays == {False: len(fresh) + 1, True: len(with_prefix) - 1}
+            assert graphs.context_prefill_sizes == [128, 256]
+            # the first prompt with the prefix is fresh; two of the others hit the cache and fit a graph
+            assert graphs.prefill_replays == {False: len(fresh) + 1, True: 2}
         del core
     for (tokens, lps), (eager_tokens, eager_lps) in zip(results[False], results[True], strict=True):
         if dtype == "float32":

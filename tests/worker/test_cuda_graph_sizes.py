@@ -10,6 +10,7 @@ import pytest
 from kvserve.config import DEFAULT_CUDA_GRAPH_SIZES, ConfigError, resolve_cuda_graph_sizes
 from kvserve.core.outputs import ScheduledRequest
 from kvserve.worker.cuda_graph import (
+    CONTEXT_PREFILL_GRAPH_MAX_TOKENS,
     padded_batch_size,
     padding_rows,
     prefill_graph_key,
@@ -93,7 +94,9 @@ def _one(num_tokens: int, computed: int) -> ScheduledRequest:
 
 def test_prefill_graph_key_only_for_one_request_that_fits() -> None:
     sizes = prefill_graph_sizes(1024)
-    key = functools.partial(prefill_graph_key, prefill_sizes=sizes, max_model_len=4096)
+    context_sizes = [n for n in sizes if n <= CONTEXT_PREFILL_GRAPH_MAX_TOKENS]
+    assert context_sizes == [128, 256]
+    key = functools.partial(prefill_graph_key, prefill_sizes=sizes, context_sizes=context_sizes, max_model_len=4096)
     assert key([_one(2, 0)]) == (128, False)
     assert key([_one(128, 0)]) == (128, False)
     assert key([_one(129, 0)]) == (256, False)
@@ -101,10 +104,12 @@ def test_prefill_graph_key_only_for_one_request_that_fits() -> None:
     assert key([_one(1025, 0)]) is None  # past the largest graph: eager
     assert key([_one(1, 0)]) is None  # one token: a decode-shaped batch
     assert key([_one(100, 0), _one(20, 0)]) is None  # two requests
-    assert prefill_graph_key([_one(100, 0)], [], 4096) is None
-    # after cached context (a prefix hit, a later chunk): the variant over the cache, if the padded step ends
-    # within max_model_len
+    assert prefill_graph_key([_one(100, 0)], [], [], 4096) is None
+    # after cached context (a prefix hit, a later chunk): the variant over the cache, up to its own largest
+    # size, if the padded step ends within max_model_len
     assert key([_one(100, 28)]) == (128, True)
+    assert key([_one(256, 28)]) == (256, True)
+    assert key([_one(257, 28)]) is None
     assert key([_one(100, 3968)]) == (128, True)
     assert key([_one(100, 3969)]) is None
     assert key([_one(1, 28)]) is None
