@@ -94,6 +94,10 @@ def decode_floor_ms(config: dict[str, Any], batch: int, context: int, dtype_byte
 
 
 def git_commit() -> str:
+    """The commit the benchmark ran: KVSERVE_BENCH_COMMIT when set (the device machine's copy of the tree can
+    carry stale git metadata, so run_h200.sh callers pass the local HEAD), else `git rev-parse` here."""
+    if os.environ.get("KVSERVE_BENCH_COMMIT"):
+        return os.environ["KVSERVE_BENCH_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
         return out.stdout.strip() if out.returncode == 0 else "uncommitted working tree"
