@@ -285,6 +285,12 @@ def _varlen_attn() -> tuple[Callable[..., Any], set[str]] | None:
     return varlen_attn, set(inspect.signature(varlen_attn).parameters)
 
 
+def prefill_fast_path_applies(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `prefill_attention` serves fresh prompts of this dtype on this device (the one-request prefill
+    graphs of fresh prompts rely on it)."""
+    return _prefill_fast_enabled and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+
+
 def prefill_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -307,6 +313,8 @@ def prefill_attention(
     try:
         return _flash_prefill(query, key, value, metadata, scale)
     except Exception:  # an API this torch lacks: fall back for good, the Triton kernel is correct too
+        if torch.cuda.is_current_stream_capturing():
+            raise  # a prefill graph's capture: it fails and start-up goes on without those graphs
         import logging
 
         logging.getLogger(__name__).exception("flash prefill attention failed; using the Triton kernel")
@@ -516,6 +524,7 @@ __all__ = [
     "SKINNY_GEMM_MAX_ROWS",
     "decode_num_splits",
     "prefill_attention",
+    "prefill_fast_path_applies",
     "cudnn_min_tokens",
     "cudnn_prefill_lengths",
     "warm_up_prefill_attention",

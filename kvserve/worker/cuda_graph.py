@@ -14,20 +14,25 @@ second graph whose attention reads the shared-prefix length from a device buffer
 prefix. Attention's split count is fixed at capture from (batch size,
 max_model_len); `triton_attention`'s docstring says why that stays valid for every shorter context.
 
-One-request prefill graphs: a step whose only request brings at least 2 and at most `max(prefill_sizes)`
-new tokens replays the graph of the next multiple of PREFILL_GRAPH_BUCKET tokens. Eager, such a step costs
-20-41 ms of host time on the H200's hosts (about 250 launches and their Python), more than the GPU needs
-for prompts of up to a thousand tokens or two (docs/perf_notes.md, entry 21). The padding tokens come after
-the request's real ones: token 0 at position 0, slot -1, so they write nothing to the cache, and under the
-causal mask no real token attends to them. Their rows of the output are never read. Two kinds:
-* a fresh prompt (nothing cached): the one-prompt fast path (`ops.prefill_attention`) over the step's own
-  keys and values, flash in a graph (`ops` keeps cuDNN, which builds a graph per length, out of captures);
-* new tokens after cached context (a prefix-cache hit, a later chunk), up to CONTEXT_PREFILL_GRAPH_MAX_TOKENS:
-  the Triton kernel over the cache, which reads the request's lengths from the runner's buffers. The padded
-  step must end within max_model_len, as the kernel reads the block table up to its padded end. Measured
-  on the H200 behind a cached 1,000-token prefix, these graphs took about 10 % more GPU time than the eager
-  step (512 and 1,024 new tokens: 16.2 against 14.9 ms, 27.4 against 24.5), not yet explained; at up to
-  256 new tokens, where the eager step is host-bound, they win (64: 6.4 against 12.0-13.4 ms).
+One-request prefill graphs: a step whose only request brings at least 2 new tokens replays the graph of the
+next multiple of PREFILL_GRAPH_BUCKET tokens. Eager, such a step costs 20-41 ms of host time on the H200's
+hosts (about 250 launches and their Python), more than the GPU needs for prompts of up to a thousand tokens
+or two (docs/perf_notes.md, entry 21). The padding tokens come after the request's real ones: token 0 at
+position 0, slot -1, so they write nothing to the cache, and their rows of the output are never read. Two
+kinds:
+* fresh-prompt graphs (`prefill_sizes`, up to `KVSERVE_PREFILL_GRAPH_MAX_TOKENS`): the one-prompt fast path
+  (`ops.prefill_attention`) over the step's own keys and values; the padding is more tokens of the prompt,
+  invisible to the real ones under the causal mask. Flash in a graph (`ops` keeps cuDNN, which builds a
+  graph per length, out of captures). Only where the fast path applies (CUDA, fp16/bf16).
+* cache graphs (`cache_prefill_sizes`, up to CACHE_PREFILL_GRAPH_MAX_TOKENS): new tokens after cached
+  context (a prefix-cache hit, a later chunk), and fresh prompts where there is no fast path. The Triton
+  kernel attends over the cache and reads the lengths from the runner's buffers. The padding is a second
+  request of seq_len 0, which reads nothing: as more tokens of the request, the request's last query tile
+  would load never-written cache slots, and one stale inf or NaN there would reach the real rows through a
+  zero attention weight. Measured on the H200 behind a cached 1,000-token prefix (then still padded as
+  more tokens of the request), these graphs took about 10 % more GPU time than the eager step (512 and
+  1,024 new tokens: 16.2 against 14.9 ms, 27.4 against 24.5), not yet explained; at up to 256 new tokens,
+  where the eager step is host-bound, they win (64: 6.4 against 12.0-13.4 ms).
 Other batches with prefill tokens (several requests, longer prompts) run eagerly.
 """
 
@@ -60,8 +65,8 @@ def padded_batch_size(num_reqs: int, capture_sizes: Sequence[int]) -> int | None
 PREFILL_GRAPH_BUCKET = 128
 
 
-# After cached context, prefill graphs serve at most this many new tokens (see the module docstring).
-CONTEXT_PREFILL_GRAPH_MAX_TOKENS = 256
+# Cache prefill graphs (over the cache) serve at most this many new tokens (see the module docstring).
+CACHE_PREFILL_GRAPH_MAX_TOKENS = 256
 
 
 def prefill_graph_sizes(max_tokens: int, bucket: int = PREFILL_GRAPH_BUCKET) -> list[int]:
@@ -72,26 +77,23 @@ def prefill_graph_sizes(max_tokens: int, bucket: int = PREFILL_GRAPH_BUCKET) -> 
 
 
 def prefill_graph_key(
-    scheduled: Sequence[ScheduledRequest],
-    prefill_sizes: Sequence[int],
-    context_sizes: Sequence[int],
-    max_model_len: int,
+    scheduled: Sequence[ScheduledRequest], prefill_sizes: Sequence[int], cache_sizes: Sequence[int]
 ) -> tuple[int, bool] | None:
-    """(padded token count, whether the request has cached context) of the prefill graph a step replays,
-    or None (the step runs as it would without prefill graphs): the step schedules exactly one request with
-    at least 2 tokens (one token is a decode batch), at most the largest of `prefill_sizes` (fresh) or of
-    `context_sizes` (after cached context, and only if the padded step ends within max_model_len)."""
+    """(padded token count, whether it is a cache graph) of the prefill graph a step replays, or None (the
+    step runs as it would without prefill graphs): the step schedules exactly one request with at least 2
+    tokens (one token is a decode batch); a fresh prompt takes a fresh-prompt graph when there are any
+    (`prefill_sizes`), otherwise, like new tokens after cached context, a cache graph (`cache_sizes`)."""
     if len(scheduled) != 1:
         return None
     only = scheduled[0]
     num_tokens = len(only.token_ids)
-    context = only.num_computed_tokens
     if num_tokens < 2:
         return None
-    padded = padded_batch_size(num_tokens, context_sizes if context else prefill_sizes)
-    if padded is None or (context and context + padded > max_model_len):
-        return None
-    return padded, context > 0
+    if only.num_computed_tokens == 0 and prefill_sizes:
+        padded = padded_batch_size(num_tokens, prefill_sizes)
+        return None if padded is None else (padded, False)
+    padded = padded_batch_size(num_tokens, cache_sizes)
+    return None if padded is None else (padded, True)
 
 
 def padding_rows(num_reqs: int, padded: int) -> dict[str, list[int]]:
@@ -110,7 +112,7 @@ def padding_rows(num_reqs: int, padded: int) -> dict[str, list[int]]:
 
 class CUDAGraphRunner:
     """Owns the captured graphs. `capture` once (after the KV cache exists), then `replay(size)` (decode) or
-    `replay_prefill(num_tokens, context)`.
+    `replay_prefill(num_tokens, cache)`.
 
     input_ids/positions/slot_mapping/query_start_loc/seq_lens: the runner's persistent device buffers
     (at least max(sizes) long, query_start_loc one more); block_tables: its persistent batch block-table
@@ -127,11 +129,12 @@ class CUDAGraphRunner:
         max_model_len: int,
         cascade_min_size: int | None = None,
         prefill_sizes: Sequence[int] = (),
+        cache_prefill_sizes: Sequence[int] = (),
     ) -> None:
         """cascade_min_size: also capture cascade graphs for sizes >= it (needs buffers
-        "common_prefix_len"); None: none. prefill_sizes: token counts of one-request prefill graphs, each
-        captured fresh, and after cached context up to CONTEXT_PREFILL_GRAPH_MAX_TOKENS (the token buffers
-        must hold the largest)."""
+        "common_prefix_len"); None: none. prefill_sizes / cache_prefill_sizes: token counts of the
+        fresh-prompt and of the cache prefill graphs (the token buffers must hold the largest; cache graphs
+        need request buffers of at least 2)."""
         self.model = model
         self.kv_caches = kv_caches
         self.buffers = buffers
@@ -142,10 +145,10 @@ class CUDAGraphRunner:
             [s for s in self.sizes if s >= cascade_min_size] if cascade_min_size is not None else []
         )
         self.prefill_sizes = sorted(prefill_sizes)
-        self.context_prefill_sizes = [n for n in self.prefill_sizes if n <= CONTEXT_PREFILL_GRAPH_MAX_TOKENS]
+        self.cache_prefill_sizes = sorted(cache_prefill_sizes)
         self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._prefill_graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        # Replays of prefill graphs so far, fresh (False) and after cached context (True): tests read them.
+        # Replays of prefill graphs so far, fresh-prompt (False) and cache (True) graphs: tests read them.
         self.prefill_replays = {False: 0, True: 0}
         self.pool_bytes = 0
         self.capture_s = 0.0
@@ -156,8 +159,8 @@ class CUDAGraphRunner:
     def has(self, size: int, cascade: bool) -> bool:
         return (size, cascade) in self._graphs
 
-    def has_prefill(self, num_tokens: int, context: bool) -> bool:
-        return (num_tokens, context) in self._prefill_graphs
+    def has_prefill(self, num_tokens: int, cache: bool) -> bool:
+        return (num_tokens, cache) in self._prefill_graphs
 
     def _metadata(self, size: int, cascade: bool) -> AttentionMetadata:
         b = self.buffers
@@ -181,24 +184,37 @@ class CUDAGraphRunner:
         metadata = self._metadata(size, cascade)
         return self.model(b["input_ids"][:size], b["positions"][:size], self.kv_caches, metadata)
 
-    def _prefill_forward(self, num_tokens: int, context: bool, starts: torch.Tensor) -> torch.Tensor:
-        """One request of num_tokens tokens; starts: a device int32 [0, num_tokens] of this size's own (made
-        before capture).
-        * fresh: a prompt from position 0. The fast path reads this step's keys and values, not the cache
-          (a float32 model's Triton kernel reads `starts`, which hold the same lengths).
-        * context: after cached context. The host lengths only have to say "cached context" (the kernel's
-          launch depends on num_tokens alone); the kernel reads the real ones from the buffers."""
+    def _prefill_forward(self, num_tokens: int, cache: bool, starts: torch.Tensor) -> torch.Tensor:
+        """One request padded to num_tokens tokens; starts: a device int32 [0, num_tokens] of this size's own
+        (made before capture).
+        * fresh-prompt graph: one prompt of num_tokens tokens, attended by the fast path over this step's
+          keys and values (seq_lens and the block table are there for the metadata's contract);
+        * cache graph: the request, then the padding as a request of seq_len 0, over the cache. The host
+          lengths only say "two requests, one with cached context" (the kernel's launch depends on the token
+          count, the request count and the longest query); the kernel reads the real ones from the buffers."""
         b = self.buffers
-        metadata = AttentionMetadata(
-            query_start_loc=b["query_start_loc"][:2] if context else starts,
-            seq_lens=b["seq_lens"][:1] if context else starts[1:],
-            block_tables=self.block_tables[:1],
-            slot_mapping=b["slot_mapping"][:num_tokens],
-            max_query_len=num_tokens,
-            max_seq_len=self.max_model_len if context else num_tokens,
-            query_start_loc_cpu=[0, num_tokens],
-            seq_lens_cpu=[num_tokens + 1] if context else [num_tokens],
-        )
+        if cache:
+            metadata = AttentionMetadata(
+                query_start_loc=b["query_start_loc"][:3],
+                seq_lens=b["seq_lens"][:2],
+                block_tables=self.block_tables[:2],
+                slot_mapping=b["slot_mapping"][:num_tokens],
+                max_query_len=num_tokens,
+                max_seq_len=self.max_model_len,
+                query_start_loc_cpu=[0, num_tokens, num_tokens],
+                seq_lens_cpu=[num_tokens + 1, 0],
+            )
+        else:
+            metadata = AttentionMetadata(
+                query_start_loc=starts,
+                seq_lens=starts[1:],
+                block_tables=self.block_tables[:1],
+                slot_mapping=b["slot_mapping"][:num_tokens],
+                max_query_len=num_tokens,
+                max_seq_len=num_tokens,
+                query_start_loc_cpu=[0, num_tokens],
+                seq_lens_cpu=[num_tokens],
+            )
         return self.model(b["input_ids"][:num_tokens], b["positions"][:num_tokens], self.kv_caches, metadata)
 
     @torch.inference_mode()
@@ -209,29 +225,32 @@ class CUDAGraphRunner:
         start = time.perf_counter()
         b = self.buffers
         largest = self.sizes[-1]
-        tokens = max(largest, self.prefill_sizes[-1] if self.prefill_sizes else 0)
+        tokens = max([largest, *self.prefill_sizes, *self.cache_prefill_sizes])
         b["input_ids"][:tokens].zero_()
         b["positions"][:tokens].zero_()
         b["slot_mapping"][:tokens].fill_(-1)
         self.block_tables[:largest].zero_()
         device = b["input_ids"].device
-        starts = {n: torch.tensor([0, n], dtype=torch.int32, device=device) for n in self.prefill_sizes}
+        starts = {
+            n: torch.tensor([0, n], dtype=torch.int32, device=device)
+            for n in {*self.prefill_sizes, *self.cache_prefill_sizes}
+        }
         torch.cuda.synchronize()
         before = torch.cuda.mem_get_info()[0]
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            variants = [(n, False) for n in self.prefill_sizes] + [(n, True) for n in self.context_prefill_sizes]
-            for n, context in sorted(variants, reverse=True):
-                if context:  # one request of n tokens and no context in the buffers
-                    b["query_start_loc"][:2].copy_(starts[n])
-                    b["seq_lens"][:1].fill_(n)
-                self._prefill_forward(n, context, starts[n])  # warm-up outside capture
+            variants = [(n, False) for n in self.prefill_sizes] + [(n, True) for n in self.cache_prefill_sizes]
+            for n, cache in sorted(variants, reverse=True):
+                if cache:  # a request of n tokens with no context (reading cache block 0), then an empty one
+                    b["query_start_loc"][:3].copy_(torch.tensor([0, n, n], dtype=torch.int32))
+                    b["seq_lens"][:2].copy_(torch.tensor([n, 0], dtype=torch.int32))
+                self._prefill_forward(n, cache, starts[n])  # warm-up outside capture
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    out = self._prefill_forward(n, context, starts[n])
-                self._prefill_graphs[(n, context)] = (graph, out)
+                    out = self._prefill_forward(n, cache, starts[n])
+                self._prefill_graphs[(n, cache)] = (graph, out)
             b["seq_lens"][:largest].zero_()
             b["query_start_loc"][: largest + 1].copy_(torch.arange(largest + 1, dtype=torch.int32))
             if self.cascade_sizes:
@@ -253,9 +272,9 @@ class CUDAGraphRunner:
             "captured %d decode CUDA graphs (batch sizes %s%s)%s in %.1f s, pool %.1f MiB",
             len(self._graphs), self.sizes,
             f"; cascade attention at {self.cascade_sizes}" if self.cascade_sizes else "",
-            (f" and {len(self._prefill_graphs)} one-request prefill graphs ({self.prefill_sizes[0]}-"
-             f"{self.prefill_sizes[-1]} tokens fresh, {len(self.context_prefill_sizes)} after cached context)")
-            if self._prefill_graphs else "",
+            (f" and one-request prefill graphs ({len(self.prefill_sizes)} fresh-prompt up to "
+             f"{max(self.prefill_sizes, default=0)} tokens, {len(self.cache_prefill_sizes)} over the cache up to "
+             f"{max(self.cache_prefill_sizes, default=0)})") if self._prefill_graphs else "",
             self.capture_s, self.pool_bytes / (1 << 20),
         )
 
@@ -266,12 +285,11 @@ class CUDAGraphRunner:
         graph.replay()
         return out
 
-    def replay_prefill(self, num_tokens: int, context: bool) -> torch.Tensor:
-        """Run the prefill graph of `num_tokens` (a captured size; `context`: the variant after cached context)
-        over the current buffers: one request padded to num_tokens tokens (`InputBuffers.prepare(...,
-        prefill_pad_to=num_tokens)`). Returns its hidden states [num_tokens, hidden_size] (valid until the
-        next replay)."""
-        graph, out = self._prefill_graphs[(num_tokens, context)]
+    def replay_prefill(self, num_tokens: int, cache: bool) -> torch.Tensor:
+        """Run the prefill graph of `num_tokens` (a captured size; `cache`: the cache graph) over the current
+        buffers, filled by `InputBuffers.prepare(..., prefill_pad_to=num_tokens, pad_as_request=cache)`.
+        Returns its hidden states [num_tokens, hidden_size] (valid until the next replay)."""
+        graph, out = self._prefill_graphs[(num_tokens, cache)]
         graph.replay()
-        self.prefill_replays[context] += 1
+        self.prefill_replays[cache] += 1
         return out

@@ -239,6 +239,7 @@ class InputBuffers:
         pad_to: int | None = None,
         prev_sampled: tuple[torch.Tensor, dict[str, int]] | None = None,
         prefill_pad_to: int | None = None,
+        pad_as_request: bool = False,
     ) -> BatchInputs:
         """Fill the buffers for `scheduler_output` (block_table already updated for this step).
 
@@ -249,10 +250,14 @@ class InputBuffers:
         placeholder token (negative id, the last of its request's tokens) is replaced on the device by
         its request's row. Raises RuntimeError for a placeholder with no such row.
         prefill_pad_to: for a one-request batch of at least 2 tokens (what `cuda_graph.prefill_graph_key`
-        accepts), the prefill graph's token count to fill (>= its tokens): the request's step grows to that
-        many tokens (query_start_loc [0, n], seq_len its cached context + n) whose extra ones are token 0 at
+        accepts), the prefill graph's token count to fill (>= its tokens) with padding tokens: token 0 at
         position 0, slot -1 (not written); the logits index stays the real last token. Raises RuntimeError
-        for other batches.
+        for other batches. The padding is
+        * pad_as_request=False: more tokens of the request (query_start_loc [0, n], seq_len its cached
+          context + n). For attention over the step's own keys only (the one-prompt fast path): over the
+          cache, the request's last query tile would load the never-written slots up to n.
+        * pad_as_request=True: a second request of seq_len 0 (query_start_loc [0, real, n], seq_lens
+          [context + real, 0]), which attends to nothing (needs buffers of 2 requests or more).
         """
         scheduled = scheduler_output.scheduled
         num_reqs = len(scheduled)
@@ -308,18 +313,31 @@ class InputBuffers:
 
         padded = pad_to if (is_decode and pad_to is not None) else None
         padded_tokens = None
+        max_query_len = int(query_lens.max()) if num_reqs else 0
+        max_seq_len = int(seq_lens.max()) if num_reqs else 0
         if prefill_pad_to is not None:
-            if is_decode or num_reqs != 1 or not num_tokens <= prefill_pad_to <= self.max_num_tokens:
+            if (
+                is_decode
+                or num_reqs != 1
+                or not num_tokens <= prefill_pad_to <= self.max_num_tokens
+                or (pad_as_request and self.max_num_reqs < 2)
+            ):
                 raise RuntimeError(
                     f"cannot pad this batch to a {prefill_pad_to}-token prefill ({num_reqs} requests, "
-                    f"{num_tokens} tokens; buffers hold {self.max_num_tokens})"
+                    f"{num_tokens} tokens; buffers hold {self.max_num_tokens} tokens, {self.max_num_reqs} requests)"
                 )
             padded_tokens = prefill_pad_to
             h["input_ids"][num_tokens:padded_tokens] = 0
             h["positions"][num_tokens:padded_tokens] = 0
             h["slot_mapping"][num_tokens:padded_tokens] = -1
-            qsl[1] = query_lens[0] = padded_tokens
-            h["seq_lens"][0] = seq_lens[0] = num_computed[0] + padded_tokens
+            if pad_as_request:
+                qsl[2] = padded_tokens
+                h["seq_lens"][1] = 0
+                h["rows"][1] = 0  # any valid row: a seq_len of 0 reads none of it
+                max_query_len = max(num_tokens, padded_tokens - num_tokens)
+            else:
+                qsl[1] = max_query_len = padded_tokens
+                h["seq_lens"][0] = max_seq_len = int(num_computed[0]) + padded_tokens
         elif padded is not None:
             if padded < num_reqs or padded > self.max_num_reqs or padded > self.max_num_tokens:
                 raise RuntimeError(f"cannot pad a batch to {padded} rows (buffers hold {self.max_num_reqs})")
@@ -327,7 +345,7 @@ class InputBuffers:
                 start = num_reqs + 1 if name == "query_start_loc" else num_reqs
                 h[name][start : start + len(values)] = values
             h["rows"][num_reqs:padded] = 0  # any valid row: a seq_len of 0 reads none of it
-        n_reqs = padded or num_reqs
+        n_reqs = padded or (2 if padded_tokens is not None and pad_as_request else num_reqs)
         n_tokens = padded or padded_tokens or num_tokens
 
         dev = self.dev
@@ -359,8 +377,8 @@ class InputBuffers:
             seq_lens=dev["seq_lens"][:n_reqs],
             block_tables=block_tables,
             slot_mapping=dev["slot_mapping"][:n_tokens],
-            max_query_len=int(query_lens.max()) if num_reqs else 0,
-            max_seq_len=int(seq_lens.max()) if num_reqs else 0,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
             query_start_loc_cpu=qsl[: n_reqs + 1].tolist(),
             seq_lens_cpu=h["seq_lens"][:n_reqs].tolist(),
             common_prefix_len=prefix_len,

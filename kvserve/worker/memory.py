@@ -15,6 +15,7 @@ gives the real figure.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 GiB = 1 << 30
@@ -24,13 +25,16 @@ GiB = 1 << 30
 CUDA_GRAPH_RESERVE_BYTES = 512 << 20
 
 
-def prefill_graph_reserve_bytes(activation_peak_bytes: int, profiled_tokens: int, graph_tokens: int) -> int:
+def prefill_graph_reserve_bytes(
+    activation_peak_bytes: int, profiled_tokens: int, graph_tokens: Sequence[int], row_bytes: int
+) -> int:
     """What the one-request prefill graphs add to the graph pool: the profiled step's activation peak scaled
-    to the largest graph's token count (a forward's activations grow with its tokens; the graphs share
-    one pool, so the largest sets it). 0 without prefill graphs."""
-    if graph_tokens <= 0 or profiled_tokens <= 0:
+    to the largest graph's token count (a forward's activations grow with its tokens; the graphs share one
+    pool, so the largest sets it), plus every graph's output, which stays allocated in the pool
+    (`row_bytes` per token: hidden size x element size). 0 without prefill graphs."""
+    if not graph_tokens or profiled_tokens <= 0:
         return 0
-    return -(-activation_peak_bytes * graph_tokens // profiled_tokens)
+    return -(-activation_peak_bytes * max(graph_tokens) // profiled_tokens) + sum(graph_tokens) * row_bytes
 
 
 @dataclass(frozen=True)

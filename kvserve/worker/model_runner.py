@@ -31,7 +31,12 @@ from kvserve.layers.sampler import Sampler, SamplingRow, make_generator
 from kvserve.model.loader import load_model
 from kvserve.protocol.sampling_params import SamplingParams
 from kvserve.worker import input_batch
-from kvserve.worker.cuda_graph import CUDAGraphRunner, prefill_graph_key, prefill_graph_sizes
+from kvserve.worker.cuda_graph import (
+    CACHE_PREFILL_GRAPH_MAX_TOKENS,
+    CUDAGraphRunner,
+    prefill_graph_key,
+    prefill_graph_sizes,
+)
 from kvserve.worker.input_batch import BlockTable, InputBuffers
 from kvserve.worker.memory import (
     CUDA_GRAPH_RESERVE_BYTES,
@@ -234,7 +239,10 @@ class ModelRunner:
             activation_peak_bytes=peak,
             graph_reserve_bytes=(
                 CUDA_GRAPH_RESERVE_BYTES
-                + prefill_graph_reserve_bytes(peak, num_tokens, max(self.prefill_graph_sizes(), default=0))
+                + prefill_graph_reserve_bytes(
+                    peak, num_tokens, [n for sizes in self.prefill_graph_sizes() for n in sizes],
+                    arch.hidden_size * torch.empty((), dtype=self.dtype).element_size(),
+                )
                 if use_graphs
                 else 0
             ),
@@ -330,17 +338,22 @@ class ModelRunner:
             pos = torch.full((num_reqs,), seq_len - 1, dtype=torch.int64, device=device)
             self.model(input_ids, pos, self.kv_caches, metadata)
 
-    def prefill_graph_sizes(self) -> list[int]:
-        """Token counts of the one-request prefill graphs (with CUDA graphs on): multiples of
-        `cuda_graph.PREFILL_GRAPH_BUCKET` up to PREFILL_GRAPH_MAX_TOKENS, the step budget and max_model_len."""
+    def prefill_graph_sizes(self) -> tuple[list[int], list[int]]:
+        """Token counts of the one-request prefill graphs (with CUDA graphs on), multiples of
+        `cuda_graph.PREFILL_GRAPH_BUCKET` up to PREFILL_GRAPH_MAX_TOKENS, the step budget and max_model_len:
+        (fresh-prompt graphs, where the one-prompt fast path applies; cache graphs, up to
+        `CACHE_PREFILL_GRAPH_MAX_TOKENS`, where the request buffers hold 2 requests)."""
         if not self.config.use_cuda_graphs:
-            return []
+            return [], []
         limit = min(
             PREFILL_GRAPH_MAX_TOKENS,
             self.config.scheduler_config.max_num_batched_tokens,
             self.config.model_config.max_model_len,
         )
-        return prefill_graph_sizes(limit)
+        sizes = prefill_graph_sizes(limit)
+        fresh = sizes if ops.prefill_fast_path_applies(self.dtype, self.device) else []
+        cache = [n for n in sizes if n <= CACHE_PREFILL_GRAPH_MAX_TOKENS] if self.max_num_reqs >= 2 else []
+        return fresh, cache
 
     def capture_cuda_graphs(self) -> None:
         """Capture the decode graphs and the one-request prefill graphs (GPU, graphs enabled, KV cache
@@ -348,8 +361,8 @@ class ModelRunner:
         the runner stays eager rather than failing start-up."""
         if not self.config.use_cuda_graphs or not self.kv_caches:
             return
-        prefill_sizes = self.prefill_graph_sizes()
-        for attempt in ([prefill_sizes, []] if prefill_sizes else [[]]):
+        fresh, cache = self.prefill_graph_sizes()
+        for attempt in ([(fresh, cache), ([], [])] if fresh or cache else [([], [])]):
             graphs = CUDAGraphRunner(
                 self.model,
                 self.kv_caches,
@@ -358,21 +371,25 @@ class ModelRunner:
                 self.config.cuda_graph_sizes,
                 self.config.model_config.max_model_len,
                 cascade_min_size=input_batch.CASCADE_MIN_REQS if self.config.cascade_attn else None,
-                prefill_sizes=attempt,
+                prefill_sizes=attempt[0],
+                cache_prefill_sizes=attempt[1],
             )
+            failed = False
             try:
                 graphs.capture()
             except Exception:
                 logger.exception(
                     "CUDA graph capture failed; %s",
-                    "retrying without the prefill graphs" if attempt else "the runner stays eager",
+                    "retrying without the prefill graphs" if attempt[0] or attempt[1] else "the runner stays eager",
                 )
-                del graphs
-                torch.cuda.synchronize(self.device)
-                torch.cuda.empty_cache()
-                continue
-            self.graphs = graphs
-            return
+                failed = True
+            if not failed:
+                self.graphs = graphs
+                return
+            # Out of the except block, so the traceback no longer holds the failed graphs' memory.
+            del graphs
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     # ------------------------------------------------------------------ one step
 
@@ -403,12 +420,7 @@ class ModelRunner:
         graphs = self.graphs
         pad_to = graphs.padded_size(num_reqs) if graphs is not None else None
         prefill_key = (
-            prefill_graph_key(
-                scheduler_output.scheduled,
-                graphs.prefill_sizes,
-                graphs.context_prefill_sizes,
-                self.config.model_config.max_model_len,
-            )
+            prefill_graph_key(scheduler_output.scheduled, graphs.prefill_sizes, graphs.cache_prefill_sizes)
             if graphs is not None
             else None
         )
@@ -418,6 +430,7 @@ class ModelRunner:
             pad_to,
             self._prev_sampled,
             prefill_pad_to=prefill_key[0] if prefill_key is not None else None,
+            pad_as_request=prefill_key is not None and prefill_key[1],
         )
         if batch.padded_num_reqs is not None and graphs is not None and graphs.has(
             batch.padded_num_reqs, batch.cascade

@@ -191,10 +191,10 @@ def test_cascade_attention_matches_plain(
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_prefill_graphs_match_eager(checkpoints: dict[str, str], model: str, dtype: str) -> None:
     """One request at a time (every prefill a one-request step): fresh prompts with lengths on both sides of
-    the 128-token buckets, then prompts that share a cached 300-token prefix. With graphs, each prefill
-    replays a prefill graph (fresh, or after cached context); the output is the eager engine's (float32:
-    greedy tokens; bfloat16, where a 512-row matmul may round differently from a 130-row one: the first
-    token and its top-5 logprobs)."""
+    the 128-token buckets, then prompts that share a cached 300-token prefix. With graphs, prefills that fit
+    replay a prefill graph (fresh-prompt or cache graph); the output is the eager engine's (float32: greedy
+    tokens; bfloat16, where a 512-row matmul may round differently from a 130-row one: the first token and
+    its top-5 logprobs)."""
     generator = torch.Generator().manual_seed(5)
     fresh = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in (2, 5, 127, 128, 129, 300, 511)]
     shared = torch.randint(3, VOCAB, (300,), generator=generator).tolist()
@@ -210,10 +210,14 @@ def test_prefill_graphs_match_eager(checkpoints: dict[str, str], model: str, dty
         if enforce_eager:
             assert graphs is None
         else:
-            assert graphs is not None and graphs.prefill_sizes == [128, 256, 384, 512]
-            assert graphs.context_prefill_sizes == [128, 256]
-            # the first prompt with the prefix is fresh; two of the others hit the cache and fit a graph
-            assert graphs.prefill_replays == {False: len(fresh) + 1, True: 2}
+            assert graphs is not None and graphs.cache_prefill_sizes == [128, 256]
+            if dtype == "bfloat16":  # fresh prompts: fresh-prompt graphs (the one-prompt fast path)
+                assert graphs.prefill_sizes == [128, 256, 384, 512]
+                # the first prompt with the prefix is fresh; two of the others hit the cache and fit a graph
+                assert graphs.prefill_replays == {False: len(fresh) + 1, True: 2}
+            else:  # no fast path in float32: fresh prompts of up to 256 tokens take cache graphs too
+                assert graphs.prefill_sizes == []
+                assert graphs.prefill_replays == {False: 0, True: 5 + 2}
         del core
     for (tokens, lps), (eager_tokens, eager_lps) in zip(results[False], results[True], strict=True):
         if dtype == "float32":

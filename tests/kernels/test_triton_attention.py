@@ -488,3 +488,39 @@ def test_gpu_tests_skip_cleanly_without_cuda():
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "1 skipped" in result.stdout and "needs a CUDA GPU" in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("stale", [0.0, float("inf"), float("nan")], ids=["zero", "inf", "nan"])
+def test_padding_request_of_no_length_reads_no_unwritten_slot(stale: float) -> None:
+    """The cache prefill graphs pad a step with a second request of seq_len 0: the real request's rows equal
+    the unpadded step's, whatever the never-written slots after its end hold (a stale inf or NaN would
+    reach them through a zero attention weight if its tiles loaded those slots), and the padding rows are
+    0."""
+    gen = torch.Generator().manual_seed(0)
+    block_size, heads, dim = 16, 2, 16
+    context, real, padded = 20, 5, 32
+    kv_cache = torch.randn(2, 8, block_size, heads, dim, generator=gen)
+    table = torch.tensor([[3, 5, 1, 6, 0, 0, 0, 0], [0] * 8], dtype=torch.int32)
+    flat = kv_cache.view(2, -1, heads, dim)
+    for pos in range(context + real, context + padded):  # what the request's tiles must not read
+        flat[:, int(table[0, pos // block_size]) * block_size + pos % block_size] = stale
+    query = torch.randn(padded, heads, dim, generator=gen)
+
+    def metadata(starts: list[int], seq_lens: list[int]) -> AttentionMetadata:
+        return AttentionMetadata(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=table[: len(seq_lens)],
+            slot_mapping=torch.full((starts[-1],), -1),
+            max_query_len=max(b - a for a, b in zip(starts, starts[1:], strict=False)),
+            max_seq_len=128,
+            query_start_loc_cpu=starts,
+            seq_lens_cpu=[128, 0][: len(seq_lens)],  # host lengths as a graph captures them: not the real ones
+        )
+
+    want = launch_paged_attention(query[:real].contiguous(), kv_cache, metadata([0, real], [context + real]),
+                                  dim**-0.5)
+    got = launch_paged_attention(query, kv_cache, metadata([0, real, padded], [context + real, 0]), dim**-0.5)
+    assert torch.isfinite(want).all()
+    torch.testing.assert_close(got[:real], want, **TOLERANCES[torch.float32])
+    assert torch.equal(got[real:], torch.zeros_like(got[real:]))

@@ -10,7 +10,7 @@ import pytest
 from kvserve.config import DEFAULT_CUDA_GRAPH_SIZES, ConfigError, resolve_cuda_graph_sizes
 from kvserve.core.outputs import ScheduledRequest
 from kvserve.worker.cuda_graph import (
-    CONTEXT_PREFILL_GRAPH_MAX_TOKENS,
+    CACHE_PREFILL_GRAPH_MAX_TOKENS,
     padded_batch_size,
     padding_rows,
     prefill_graph_key,
@@ -94,9 +94,9 @@ def _one(num_tokens: int, computed: int) -> ScheduledRequest:
 
 def test_prefill_graph_key_only_for_one_request_that_fits() -> None:
     sizes = prefill_graph_sizes(1024)
-    context_sizes = [n for n in sizes if n <= CONTEXT_PREFILL_GRAPH_MAX_TOKENS]
-    assert context_sizes == [128, 256]
-    key = functools.partial(prefill_graph_key, prefill_sizes=sizes, context_sizes=context_sizes, max_model_len=4096)
+    cache_sizes = [n for n in sizes if n <= CACHE_PREFILL_GRAPH_MAX_TOKENS]
+    assert cache_sizes == [128, 256]
+    key = functools.partial(prefill_graph_key, prefill_sizes=sizes, cache_sizes=cache_sizes)
     assert key([_one(2, 0)]) == (128, False)
     assert key([_one(128, 0)]) == (128, False)
     assert key([_one(129, 0)]) == (256, False)
@@ -104,12 +104,12 @@ def test_prefill_graph_key_only_for_one_request_that_fits() -> None:
     assert key([_one(1025, 0)]) is None  # past the largest graph: eager
     assert key([_one(1, 0)]) is None  # one token: a decode-shaped batch
     assert key([_one(100, 0), _one(20, 0)]) is None  # two requests
-    assert prefill_graph_key([_one(100, 0)], [], [], 4096) is None
-    # after cached context (a prefix hit, a later chunk): the variant over the cache, up to its own largest
-    # size, if the padded step ends within max_model_len
+    assert prefill_graph_key([_one(100, 0)], [], []) is None
+    # after cached context (a prefix hit, a later chunk): a cache graph, up to the largest of those
     assert key([_one(100, 28)]) == (128, True)
-    assert key([_one(256, 28)]) == (256, True)
+    assert key([_one(256, 4000)]) == (256, True)
     assert key([_one(257, 28)]) is None
-    assert key([_one(100, 3968)]) == (128, True)
-    assert key([_one(100, 3969)]) is None
     assert key([_one(1, 28)]) is None
+    # no fresh-prompt graphs (no one-prompt fast path, e.g. float32): fresh prompts take cache graphs too
+    assert prefill_graph_key([_one(100, 0)], [], cache_sizes) == (128, True)
+    assert prefill_graph_key([_one(300, 0)], [], cache_sizes) is None

@@ -247,24 +247,52 @@ def test_one_prompt_prefill_padded_to_a_graph_size() -> None:
     assert plain.attn_metadata.slot_mapping.tolist() == [12, 13, 14, 15, 24]
 
 
-def test_prefill_after_cached_context_padded_to_a_graph_size() -> None:
+@pytest.mark.parametrize("context", [6, 0], ids=["after-cached-context", "fresh"])
+def test_prefill_padded_as_a_second_request_of_no_length(context: int) -> None:
+    """The cache graphs' padding: a request of seq_len 0, so the real request's tiles read only its own
+    written slots."""
     device = torch.device("cpu")
     table = BlockTable(num_rows=2, width=WIDTH, device=device)
     buffers = InputBuffers(max_num_tokens=16, max_num_reqs=4, block_table_width=WIDTH, block_size=BLOCK_SIZE,
                            device=device)
-    table.apply(SchedulerOutput(scheduled=[_sched("a", [1, 2, 3, 4, 5, 6], 0, [3, 6], reset=True)]))
-    step = SchedulerOutput(scheduled=[_sched("a", [7, 8, 9], 6, [2])])
+    if context:
+        table.apply(SchedulerOutput(scheduled=[_sched("a", [1, 2, 3, 4, 5, 6], 0, [3, 6], reset=True)]))
+        step = SchedulerOutput(scheduled=[_sched("a", [7, 8, 9], 6, [2])])
+        slots = [26, 27, 8]
+    else:
+        step = SchedulerOutput(scheduled=[_sched("a", [7, 8, 9], 0, [3], reset=True)])
+        slots = [12, 13, 14]
     table.apply(step)
-    batch = buffers.prepare(step, table, prefill_pad_to=8)
+    batch = buffers.prepare(step, table, prefill_pad_to=8, pad_as_request=True)
     md = batch.attn_metadata
-    assert batch.prefill_padded_tokens == 8
+    assert batch.prefill_padded_tokens == 8 and batch.num_reqs == 1
     assert batch.input_ids.tolist() == [7, 8, 9, 0, 0, 0, 0, 0]
-    assert batch.positions.tolist() == [6, 7, 8, 0, 0, 0, 0, 0]
-    assert md.slot_mapping.tolist() == [26, 27, 8, -1, -1, -1, -1, -1]
-    # 8 query tokens after the 6 cached ones
-    assert md.query_start_loc.tolist() == [0, 8] and md.seq_lens.tolist() == [14] and md.seq_lens_cpu == [14]
-    assert md.max_query_len == 8 and md.max_seq_len == 14
-    assert batch.logits_indices.tolist() == [2]
+    assert batch.positions.tolist() == [context, context + 1, context + 2, 0, 0, 0, 0, 0]
+    assert md.slot_mapping.tolist() == [*slots, -1, -1, -1, -1, -1]
+    assert md.query_start_loc.tolist() == [0, 3, 8] and md.query_start_loc_cpu == [0, 3, 8]
+    assert md.seq_lens.tolist() == [context + 3, 0] and md.seq_lens_cpu == [context + 3, 0]
+    assert md.max_query_len == 5 and md.max_seq_len == context + 3
+    assert md.block_tables.shape[0] == 2 and md.block_tables[0].tolist()[: len(table.blocks("a"))] == table.blocks("a")
+    assert batch.logits_indices.tolist() == [2] and batch.sampled_req_ids == ["a"]
+
+
+def test_prefill_padding_keeps_placeholders_and_unsampled_chunks() -> None:
+    device = torch.device("cpu")
+    table = BlockTable(num_rows=2, width=WIDTH, device=device)
+    buffers = InputBuffers(max_num_tokens=16, max_num_reqs=4, block_table_width=WIDTH, block_size=BLOCK_SIZE,
+                           device=device)
+    # a resumed request recomputes its prompt and outputs; its last token was sampled by the previous step
+    step = SchedulerOutput(scheduled=[_sched("a", [5, 6, 7, -1], 0, [3], reset=True)])
+    table.apply(step)
+    batch = buffers.prepare(step, table, prev_sampled=(torch.tensor([11, 42]), {"a": 1}), prefill_pad_to=8,
+                            pad_as_request=True)
+    assert batch.input_ids.tolist() == [5, 6, 7, 42, 0, 0, 0, 0]
+    assert batch.logits_indices.tolist() == [3]
+    # a chunk that does not reach the request's last token samples nothing
+    chunk = SchedulerOutput(scheduled=[_sched("b", [1, 2, 3], 0, [4], reset=True, sample=False)])
+    table.apply(chunk)
+    batch = buffers.prepare(chunk, table, prefill_pad_to=8)
+    assert batch.sampled_req_ids == [] and batch.logits_indices.numel() == 0
 
 
 @pytest.mark.parametrize("case", ["two requests", "decode", "too few", "past the buffers"])

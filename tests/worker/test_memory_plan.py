@@ -62,7 +62,8 @@ def test_capacity_hint_names_the_flags_and_the_needed_utilization() -> None:
     assert "1.0" in hopeless and "--gpu-memory-utilization from" not in hopeless
 
 
-def test_prefill_graph_reserve_scales_the_activation_peak_to_the_largest_graph() -> None:
-    assert prefill_graph_reserve_bytes(3 * GiB, 8192, 2048) == 3 * GiB // 4
-    assert prefill_graph_reserve_bytes(1000, 3, 1) == 334  # rounded up
-    assert prefill_graph_reserve_bytes(3 * GiB, 8192, 0) == 0  # no prefill graphs
+def test_prefill_graph_reserve_scales_the_activation_peak_and_adds_the_outputs() -> None:
+    # peak scaled to the largest graph, plus every graph's output rows kept in the pool
+    assert prefill_graph_reserve_bytes(3 * GiB, 8192, [128, 2048, 256], 7168) == 3 * GiB // 4 + 2432 * 7168
+    assert prefill_graph_reserve_bytes(1000, 3, [1], 0) == 334  # rounded up
+    assert prefill_graph_reserve_bytes(3 * GiB, 8192, [], 7168) == 0  # no prefill graphs

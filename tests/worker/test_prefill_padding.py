@@ -1,7 +1,8 @@
 """A one-request prefill padded to a graph's token count (what the prefill CUDA graphs replay) computes the
-same rows and writes the same KV cache as the unpadded step, for a fresh prompt and for new tokens after
-cached context: run eagerly on the CPU, where the graphs themselves cannot be captured. tests/gpu covers the
-captured graphs."""
+same rows and writes the same KV cache as the unpadded step, in both padding forms (more tokens of the
+prompt: the fresh-prompt graphs; a second request of no length: the cache graphs), fresh and after cached
+context: run eagerly on the CPU, where the graphs themselves cannot be captured. tests/gpu covers the
+captured graphs, tests/kernels the Triton kernel on a padded step."""
 
 from __future__ import annotations
 
@@ -16,8 +17,13 @@ from kvserve.engine.engine_core import EngineCore
 
 
 @pytest.mark.parametrize("variant", ["llama", "qwen3"])
-@pytest.mark.parametrize("context", [0, 20], ids=["fresh", "after-cached-context"])
-def test_padded_prefill_matches_unpadded(tiny_model_dir: Callable[..., str], variant: str, context: int) -> None:
+@pytest.mark.parametrize(
+    ("context", "as_request"), [(0, False), (0, True), (20, True)],
+    ids=["fresh-prompt-graph", "cache-graph-fresh", "cache-graph-after-cached-context"],
+)
+def test_padded_prefill_matches_unpadded(
+    tiny_model_dir: Callable[..., str], variant: str, context: int, as_request: bool
+) -> None:
     args = EngineArgs(model=tiny_model_dir(variant), device="cpu", max_model_len=256, kv_cache_memory="8MiB",
                       max_num_batched_tokens=256)
     runner = EngineCore(args.create_engine_config()).runner
@@ -31,7 +37,8 @@ def test_padded_prefill_matches_unpadded(tiny_model_dir: Callable[..., str], var
 
     def run(batch_step: SchedulerOutput, pad_to: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         runner.block_table.apply(batch_step)
-        batch = runner.inputs.prepare(batch_step, runner.block_table, prefill_pad_to=pad_to)
+        batch = runner.inputs.prepare(batch_step, runner.block_table, prefill_pad_to=pad_to,
+                                      pad_as_request=as_request and pad_to is not None)
         with torch.inference_mode():
             hidden = runner.model(batch.input_ids, batch.positions, runner.kv_caches, batch.attn_metadata)
             logits = runner.model.compute_logits(hidden[batch.logits_indices])
