@@ -385,6 +385,14 @@ class ModelRunner:
                 failed = True
             if not failed:
                 self.graphs = graphs
+                reserve = self.memory_profile.graph_reserve_bytes if self.memory_profile is not None else None
+                if reserve is not None and graphs.pool_bytes > reserve:
+                    logger.warning(
+                        "the CUDA graphs took %.0f MiB, more than the %.0f MiB reserved for them: the KV cache may "
+                        "leave less head-room than --gpu-memory-utilization asks (KVSERVE_PREFILL_GRAPH_MAX_TOKENS "
+                        "lowers the prefill graphs' share)",
+                        graphs.pool_bytes / (1 << 20), reserve / (1 << 20),
+                    )
                 return
             # Out of the except block, so the traceback no longer holds the failed graphs' memory.
             del graphs
