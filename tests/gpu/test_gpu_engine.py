@@ -107,17 +107,14 @@ def _generate(
 
 
 def _core(path: str, dtype: str, enforce_eager: bool, **kwargs: Any) -> EngineCore:
-    args = EngineArgs(
-        model=path,
-        dtype=dtype,
-        device="cuda",
-        max_model_len=1024,
-        num_kv_blocks=1024,
-        max_num_seqs=16,
-        max_num_batched_tokens=512,  # several prefill chunks per prompt batch: mixed batches too
-        enforce_eager=enforce_eager,
+    settings: dict[str, Any] = {
+        "max_model_len": 1024,
+        "num_kv_blocks": 1024,
+        "max_num_seqs": 16,
+        "max_num_batched_tokens": 512,  # several prefill chunks per prompt batch: mixed batches too
         **kwargs,
-    )
+    }
+    args = EngineArgs(model=path, dtype=dtype, device="cuda", enforce_eager=enforce_eager, **settings)
     return EngineCore(args.create_engine_config())
 
 
@@ -229,6 +226,36 @@ def test_prefill_graphs_match_eager(checkpoints: dict[str, str], model: str, dty
             common = got.keys() & want.keys()  # a near-tie may swap the fifth
             assert len(common) >= len(want) - 1
             assert max(abs(got[t] - want[t]) for t in common) < 0.05
+
+
+def test_long_prefill_graph_uses_flash_and_matches_eager(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A fresh-prompt graph of at least the cuDNN threshold (1,024 tokens on sm_90+): captured with flash
+    (cuDNN stays out of captures), its first token and top-5 logprobs are the eager engine's, which runs
+    cuDNN at that length on sm_90+."""
+    from kvserve.kernels import ops
+
+    model_type, overrides = MODELS["qwen2-hd128"]
+    path = _tiny_checkpoint(str(tmp_path_factory.mktemp("long")), model_type, seed=7,
+                            **{**overrides, "max_position_embeddings": 2048})
+    generator = torch.Generator().manual_seed(9)
+    prompt = torch.randint(3, VOCAB, (1100,), generator=generator).tolist()
+    results = {}
+    for enforce_eager in (False, True):
+        core = _core(path, "bfloat16", enforce_eager=enforce_eager, max_num_batched_tokens=1280, max_model_len=2048)
+        results[enforce_eager] = _generate(core, [prompt], 4, logprobs=5)[0]
+        if not enforce_eager:
+            graphs = core.runner.graphs
+            assert graphs is not None and graphs.prefill_sizes[-1] == 1280
+            assert graphs.prefill_replays[False] == 1
+        del core
+    assert ops.cudnn_min_tokens(torch.device("cuda")) in (0, 1024)
+    (tokens, lps), (eager_tokens, eager_lps) = results[False], results[True]
+    assert tokens[0] == eager_tokens[0]
+    got = dict(zip(lps[0].token_ids, lps[0].logprobs, strict=True))
+    want = dict(zip(eager_lps[0].token_ids, eager_lps[0].logprobs, strict=True))
+    common = got.keys() & want.keys()
+    assert len(common) >= len(want) - 1
+    assert max(abs(got[t] - want[t]) for t in common) < 0.05
 
 
 def _switches() -> dict[str, Any]:
