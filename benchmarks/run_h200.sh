@@ -3,7 +3,8 @@
 #   bash benchmarks/run_h200.sh <step>...
 # steps: pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
-# Pass the local commit (the device copy's git metadata can be stale): KVSERVE_BENCH_COMMIT=<sha> bash ...
+# Pass the local commit, written in literally (the device copy's git metadata can be stale, so a $(git ...) in
+# the command would read it there): KVSERVE_BENCH_COMMIT=<sha> bash ...
 # Needs the wheels of .whl/ (msgspec, gguf: not on the GPU image). Logs and JSON go to /tmp/kvres, packed
 # into $OUT/results.tgz (the device returns at most 8 files); each step's table is printed at the end.
 set -u
