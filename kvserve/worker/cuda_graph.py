@@ -46,6 +46,7 @@ from collections.abc import Sequence
 import torch
 
 from kvserve.core.outputs import ScheduledRequest
+from kvserve.kernels import ops
 from kvserve.layers.attention_metadata import AttentionMetadata
 from kvserve.model.registry import CausalLM
 
@@ -229,7 +230,7 @@ class CUDAGraphRunner:
         b["input_ids"][:tokens].zero_()
         b["positions"][:tokens].zero_()
         b["slot_mapping"][:tokens].fill_(-1)
-        self.block_tables[:largest].zero_()
+        self.block_tables[: max(largest, 2)].zero_()  # (a cache graph's padding request reads row 1)
         device = b["input_ids"].device
         starts = {
             n: torch.tensor([0, n], dtype=torch.int32, device=device)
@@ -247,6 +248,10 @@ class CUDAGraphRunner:
                     b["query_start_loc"][:3].copy_(torch.tensor([0, n, n], dtype=torch.int32))
                     b["seq_lens"][:2].copy_(torch.tensor([n, 0], dtype=torch.int32))
                 self._prefill_forward(n, cache, starts[n])  # warm-up outside capture
+                if not cache and not ops.prefill_fast_path_applies(self.kv_caches[0].dtype, device):
+                    # The fast path failed and turned itself off: a fresh-prompt graph would attend over the
+                    # cache with the padding as more tokens of the prompt (see the module docstring).
+                    raise RuntimeError("the one-prompt prefill fast path turned off during the graphs' warm-up")
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     out = self._prefill_forward(n, cache, starts[n])

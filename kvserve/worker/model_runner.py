@@ -357,12 +357,13 @@ class ModelRunner:
 
     def capture_cuda_graphs(self) -> None:
         """Capture the decode graphs and the one-request prefill graphs (GPU, graphs enabled, KV cache
-        allocated). A failed capture is logged and retried without the prefill graphs; if that fails too,
-        the runner stays eager rather than failing start-up."""
+        allocated). A failed capture is logged and retried without the fresh-prompt graphs, then without any
+        prefill graph; if that fails too, the runner stays eager rather than failing start-up."""
         if not self.config.use_cuda_graphs or not self.kv_caches:
             return
         fresh, cache = self.prefill_graph_sizes()
-        for attempt in ([(fresh, cache), ([], [])] if fresh or cache else [([], [])]):
+        attempts = [(fresh, cache), ([], cache), ([], [])]
+        for attempt in [a for i, a in enumerate(attempts) if a not in attempts[:i]]:
             graphs = CUDAGraphRunner(
                 self.model,
                 self.kv_caches,
@@ -380,7 +381,7 @@ class ModelRunner:
             except Exception:
                 logger.exception(
                     "CUDA graph capture failed; %s",
-                    "retrying without the prefill graphs" if attempt[0] or attempt[1] else "the runner stays eager",
+                    "retrying with fewer prefill graphs" if attempt[0] or attempt[1] else "the runner stays eager",
                 )
                 failed = True
             if not failed:
