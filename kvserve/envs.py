@@ -30,8 +30,9 @@ KVSERVE_LOGGING_LEVEL: str = _str("KVSERVE_LOGGING_LEVEL", "INFO") or "INFO"
 # and later, 0 elsewhere. cuDNN builds an execution graph per sequence length, so such prompts are padded to
 # a 256-token bucket whose graphs are all built at start; see docs/perf_notes.md, entry 18.
 KVSERVE_SDPA_CUDNN_MIN_TOKENS: int = _int("KVSERVE_SDPA_CUDNN_MIN_TOKENS", -1)
-# Most new tokens served by a one-request prefill CUDA graph (fresh prompts and prompts after a cached
-# prefix; sizes in steps of 128; 0: no prefill graphs). See kvserve/worker/cuda_graph.py and docs/perf_notes.md, entry 21.
+# Most new tokens served by a one-request prefill CUDA graph (fresh prompts; after a cached prefix, at most
+# 256; sizes in steps of 128; 0: no prefill graphs). See kvserve/worker/cuda_graph.py and
+# docs/perf_notes.md, entry 21.
 KVSERVE_PREFILL_GRAPH_MAX_TOKENS: int = _int("KVSERVE_PREFILL_GRAPH_MAX_TOKENS", 2048)
 # Programmatic dependent launch for the Triton kernels on sm_90+ (1: on, the default; 0: off). See
 # kvserve/kernels/triton_pdl.py and docs/perf_notes.md, entry 17.

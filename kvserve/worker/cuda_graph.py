@@ -39,9 +39,10 @@ Other batches with prefill tokens (several requests, longer prompts) run eagerly
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -111,6 +112,18 @@ def padding_rows(num_reqs: int, padded: int) -> dict[str, list[int]]:
     }
 
 
+def _capture(
+    forward: Callable[[], torch.Tensor], pool: tuple[int, int], stream: torch.cuda.Stream
+) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """One graph of `forward` into `pool`, after a warm-up run outside capture (it compiles the Triton kernels
+    of this shape and sets up cuBLAS). Call on `stream`."""
+    forward()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
+        out = forward()
+    return graph, out
+
+
 class CUDAGraphRunner:
     """Owns the captured graphs. `capture` once (after the KV cache exists), then `replay(size)` (decode) or
     `replay_prefill(num_tokens, cache)`.
@@ -160,9 +173,6 @@ class CUDAGraphRunner:
     def has(self, size: int, cascade: bool) -> bool:
         return (size, cascade) in self._graphs
 
-    def has_prefill(self, num_tokens: int, cache: bool) -> bool:
-        return (num_tokens, cache) in self._prefill_graphs
-
     def _metadata(self, size: int, cascade: bool) -> AttentionMetadata:
         b = self.buffers
         return AttentionMetadata(
@@ -185,16 +195,17 @@ class CUDAGraphRunner:
         metadata = self._metadata(size, cascade)
         return self.model(b["input_ids"][:size], b["positions"][:size], self.kv_caches, metadata)
 
-    def _prefill_forward(self, num_tokens: int, cache: bool, starts: torch.Tensor) -> torch.Tensor:
-        """One request padded to num_tokens tokens; starts: a device int32 [0, num_tokens] of this size's own
-        (made before capture).
+    def _prefill_forward(self, num_tokens: int, starts: torch.Tensor | None) -> torch.Tensor:
+        """One request padded to num_tokens tokens; starts: for a fresh-prompt graph, a device int32
+        [0, num_tokens] of this size's own (made before capture); None for a cache graph.
         * fresh-prompt graph: one prompt of num_tokens tokens, attended by the fast path over this step's
           keys and values (seq_lens and the block table are there for the metadata's contract);
         * cache graph: the request, then the padding as a request of seq_len 0, over the cache. The host
-          lengths only say "two requests, one with cached context" (the kernel's launch depends on the token
-          count, the request count and the longest query); the kernel reads the real ones from the buffers."""
+          lengths only give the token count, the request count and the longest query (what the kernel's
+          launch depends on), and say "not a fresh prompt" (no fast path); the kernel reads the real lengths
+          from the buffers."""
         b = self.buffers
-        if cache:
+        if starts is None:
             metadata = AttentionMetadata(
                 query_start_loc=b["query_start_loc"][:3],
                 seq_lens=b["seq_lens"][:2],
@@ -202,8 +213,9 @@ class CUDAGraphRunner:
                 slot_mapping=b["slot_mapping"][:num_tokens],
                 max_query_len=num_tokens,
                 max_seq_len=self.max_model_len,
-                query_start_loc_cpu=[0, num_tokens, num_tokens],
-                seq_lens_cpu=[num_tokens + 1, 0],
+                # (within max_model_len, as the reference's gathers need on the CPU)
+                query_start_loc_cpu=[0, num_tokens - 1, num_tokens],
+                seq_lens_cpu=[num_tokens, 0],
             )
         else:
             metadata = AttentionMetadata(
@@ -232,10 +244,7 @@ class CUDAGraphRunner:
         b["slot_mapping"][:tokens].fill_(-1)
         self.block_tables[: max(largest, 2)].zero_()  # (a cache graph's padding request reads row 1)
         device = b["input_ids"].device
-        starts = {
-            n: torch.tensor([0, n], dtype=torch.int32, device=device)
-            for n in {*self.prefill_sizes, *self.cache_prefill_sizes}
-        }
+        starts = {n: torch.tensor([0, n], dtype=torch.int32, device=device) for n in self.prefill_sizes}
         torch.cuda.synchronize()
         before = torch.cuda.mem_get_info()[0]
         pool = torch.cuda.graph_pool_handle()
@@ -247,27 +256,20 @@ class CUDAGraphRunner:
                 if cache:  # a request of n tokens with no context (reading cache block 0), then an empty one
                     b["query_start_loc"][:3].copy_(torch.tensor([0, n, n], dtype=torch.int32))
                     b["seq_lens"][:2].copy_(torch.tensor([n, 0], dtype=torch.int32))
-                self._prefill_forward(n, cache, starts[n])  # warm-up outside capture
+                self._prefill_graphs[(n, cache)] = _capture(
+                    functools.partial(self._prefill_forward, n, None if cache else starts[n]), pool, stream
+                )
                 if not cache and not ops.prefill_fast_path_applies(self.kv_caches[0].dtype, device):
-                    # The fast path failed and turned itself off: a fresh-prompt graph would attend over the
+                    # The fast path failed and turned itself off: this fresh-prompt graph attends over the
                     # cache with the padding as more tokens of the prompt (see the module docstring).
                     raise RuntimeError("the one-prompt prefill fast path turned off during the graphs' warm-up")
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    out = self._prefill_forward(n, cache, starts[n])
-                self._prefill_graphs[(n, cache)] = (graph, out)
             b["seq_lens"][:largest].zero_()
             b["query_start_loc"][: largest + 1].copy_(torch.arange(largest + 1, dtype=torch.int32))
             if self.cascade_sizes:
                 b["common_prefix_len"].zero_()
             variants = [(size, True) for size in self.cascade_sizes] + [(size, False) for size in self.sizes]
             for size, cascade in sorted(variants, reverse=True):
-                # Warm-up outside capture: compiles the Triton kernels of this shape, sets up cuBLAS.
-                self._forward(size, cascade)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    out = self._forward(size, cascade)
-                self._graphs[(size, cascade)] = (graph, out)
+                self._graphs[(size, cascade)] = _capture(functools.partial(self._forward, size, cascade), pool, stream)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         self.pool_bytes = max(before - torch.cuda.mem_get_info()[0], 0)

@@ -9,8 +9,8 @@ where "memory in use" is the device-wide figure (`total - free`: weights, CUDA c
 workspaces, and anything other processes hold), and the activation peak is what the profiled step
 allocated on top of that at its high point. CUDA graphs are captured after the KV cache exists (they bake
 in its address), so their pool is a reserve here: a fixed amount for the decode graphs plus, with
-one-request prefill graphs, the activation peak scaled to their largest token count; the log after capture
-gives the real figure.
+one-request prefill graphs, the activation peak scaled to their largest token count and their outputs; the
+runner warns after capture when the real pool is larger.
 """
 
 from __future__ import annotations

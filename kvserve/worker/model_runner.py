@@ -375,7 +375,6 @@ class ModelRunner:
                 prefill_sizes=attempt[0],
                 cache_prefill_sizes=attempt[1],
             )
-            failed = False
             try:
                 graphs.capture()
             except Exception:
@@ -383,8 +382,7 @@ class ModelRunner:
                     "CUDA graph capture failed; %s",
                     "retrying with fewer prefill graphs" if attempt[0] or attempt[1] else "the runner stays eager",
                 )
-                failed = True
-            if not failed:
+            else:
                 self.graphs = graphs
                 reserve = self.memory_profile.graph_reserve_bytes if self.memory_profile is not None else None
                 if reserve is not None and graphs.pool_bytes > reserve:

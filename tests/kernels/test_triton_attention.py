@@ -507,15 +507,17 @@ def test_padding_request_of_no_length_reads_no_unwritten_slot(stale: float) -> N
     query = torch.randn(padded, heads, dim, generator=gen)
 
     def metadata(starts: list[int], seq_lens: list[int]) -> AttentionMetadata:
+        n = starts[-1]
         return AttentionMetadata(
             query_start_loc=torch.tensor(starts, dtype=torch.int32),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
             block_tables=table[: len(seq_lens)],
-            slot_mapping=torch.full((starts[-1],), -1),
-            max_query_len=max(b - a for a, b in zip(starts, starts[1:], strict=False)),
+            slot_mapping=torch.full((n,), -1),
+            # host lengths as a cache graph captures them (CUDAGraphRunner._prefill_forward), not the real ones
+            max_query_len=n,
             max_seq_len=128,
-            query_start_loc_cpu=starts,
-            seq_lens_cpu=[128, 0][: len(seq_lens)],  # host lengths as a graph captures them: not the real ones
+            query_start_loc_cpu=[0, n - 1, n] if len(starts) == 3 else [0, n],
+            seq_lens_cpu=[n, 0][: len(seq_lens)],
         )
 
     want = launch_paged_attention(query[:real].contiguous(), kv_cache, metadata([0, real], [context + real]),
