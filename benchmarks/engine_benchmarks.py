@@ -29,6 +29,7 @@ Prints a table last and writes JSON per section under --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import gzip
 import random
@@ -37,6 +38,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -287,13 +289,19 @@ class Bench:
                 batch, shared = self.n(256), self.prompts([self.length(1000)])[0]
                 prompts = [shared + own for own in self.prompts([self.length(64)] * batch)]
                 self.start_steady_decode(batch, len(prompts[0]), "ks", steady_steps=30, prompts=prompts)
-            else:
-                batch = int(case.removeprefix("b"))
-                self.start_steady_decode(batch, self.length(1024), f"k{batch}", steady_steps=30)
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            else:  # bN or bNxC: N random C-token prompts (C = 1024 unless given), steady decode
+                batch_s, _, context_s = case.removeprefix("b").partition("x")
+                batch = int(batch_s)
+                context = self.length(int(context_s) if context_s else 1024)
+                self.start_steady_decode(batch, context, f"k{case}", steady_steps=30)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, _labelled_phases(core):
                 for _ in range(10):
                     core.step()
             sync(self.args.device)
+            timeline = _gpu_timeline(prof, num_steps=10)
+            print(f"timeline {case}: {timeline['summary']}", flush=True)
+            for line in timeline["gaps"]:
+                print(f"  {line}", flush=True)
             table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=22, max_name_column_width=70)
             while core.has_unfinished_requests():
                 core.step()
@@ -303,14 +311,14 @@ class Bench:
             total_us = _kernel_us(events)
             for e in events[:24]:
                 compact.append(f"{_self_device_us(e) / 10:9.1f} us/step {e.count / 10:6.1f}/step  {e.key[:80]}")
-            out[case] = {"table": table, "compact": compact, "gpu_us_per_step": total_us / 10}
+            out[case] = {"table": table, "compact": compact, "gpu_us_per_step": total_us / 10, "timeline": timeline}
             print(f"kernel profile {case}: {total_us / 10:.1f} us GPU per step", flush=True)
             print("\n".join(compact), flush=True)
         del d
         self.results["kprofile"] = out
 
     def section_hostprof(self) -> None:
-        """Where a steady decode step's wall time goes on the host (batch 1 and 64, context 1k): the engine's
+        """Where a steady decode step's wall time goes on the host (batch 1 and 64 at context 1k, 64 at 4k): the engine's
         parts are wrapped with timers, and every CUDA event wait is timed apart, so host work = wall - waits.
         With async scheduling a step is GPU-bound when its waits are long and host-bound when they are ~0."""
         import collections
@@ -342,8 +350,8 @@ class Bench:
         wrap(torch.cuda.Event, "synchronize", "event_wait")
         out = {}
         try:
-            for batch in (1, 64):
-                self.start_steady_decode(batch, self.length(1024), f"h{batch}", steady_steps=40)
+            for batch, context in ((1, 1024), (64, 1024), (64, 4096)):
+                self.start_steady_decode(batch, self.length(context), f"h{batch}x{context}", steady_steps=40)
                 times.clear()
                 num_steps = 30
                 t0 = time.perf_counter()
@@ -356,8 +364,8 @@ class Bench:
                     core.step()
                 per_step["wall"] = wall * 1e3
                 per_step["host_busy"] = per_step["wall"] - per_step.get("event_wait", 0.0)
-                out[f"b{batch}"] = per_step
-                self.rows.append((f"host profile b{batch} (ms/step)", f"{per_step['wall']:.2f}",
+                out[f"b{batch}x{context}"] = per_step
+                self.rows.append((f"host profile b{batch} ctx{context} (ms/step)", f"{per_step['wall']:.2f}",
                                   ", ".join(f"{k} {v:.2f}" for k, v in per_step.items() if k != "wall")))
         finally:
             torch.cuda.Event.synchronize = event_sync
@@ -682,6 +690,74 @@ def _self_device_us(event: Any) -> float:
     return float(getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0.0)))
 
 
+@contextlib.contextmanager
+def _labelled_phases(core: Any) -> Iterator[None]:
+    """Name the engine's host phases in a profiler trace (scheduling, the step's launch, the wait for a
+    step's tokens, output bookkeeping), so a GPU idle gap can be attributed to what the host was doing."""
+    from torch.profiler import record_function
+
+    targets = [(core.scheduler, "schedule"), (core.scheduler, "update_from_output"),
+               (core.runner, "execute_model_async"), (core.runner.inputs, "prepare"),
+               (core.runner, "sampler"), (torch.cuda.Event, "synchronize")]
+    saved = []
+    for obj, name in targets:
+        original = getattr(obj, name)
+        saved.append((obj, name, vars(obj).get(name)))
+
+        def labelled(*a: Any, _f: Any = original, _n: str = name, **k: Any) -> Any:
+            with record_function(f"kv::{_n}"):
+                return _f(*a, **k)
+
+        setattr(obj, name, labelled)
+    try:
+        yield
+    finally:
+        for obj, name, own in reversed(saved):
+            if own is None:
+                delattr(obj, name)  # the method came from the class
+            else:
+                setattr(obj, name, own)
+
+
+def _gpu_timeline(prof: Any, num_steps: int) -> dict[str, Any]:
+    """From a profiler run over `num_steps` steps: the GPU's busy time (the union of kernel and copy
+    intervals, so PDL overlaps count once) against the span from the first to the last one, and the largest
+    idle gaps with the innermost host functions (Python or torch ops) that were running when each began."""
+    device_events, host_events = [], []
+    for e in prof.events():
+        start, end = e.time_range.start, e.time_range.end
+        if end <= start:
+            continue
+        if str(getattr(e, "device_type", "")).endswith("CUDA"):
+            device_events.append((start, end, e.name))
+        elif not e.name.startswith(("cuda", "Activity")):
+            host_events.append((start, end, e.name))
+    if not device_events:
+        return {"summary": "no device events", "gaps": []}
+    device_events.sort()
+    busy, gaps = 0.0, []
+    cur_start, cur_end = device_events[0][0], device_events[0][1]
+    for start, end, _ in device_events[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            gaps.append((start - cur_end, cur_end))
+            cur_start = start
+        cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    span = cur_end - device_events[0][0]
+    gaps.sort(reverse=True)
+    lines = []
+    for length, at in gaps[:12]:
+        running = [h for h in host_events if h[0] <= at < h[1]]
+        inner = sorted(running, key=lambda h: h[1] - h[0])[:3]
+        lines.append(f"gap {length:8.1f} us; host in: " + " < ".join(h[2][:60] for h in inner))
+    idle = span - busy
+    summary = (f"GPU busy {busy / num_steps:.1f} us of {span / num_steps:.1f} us per step "
+               f"(idle {idle / num_steps:.1f} us per step in {len(gaps)} gaps over {num_steps} steps)")
+    return {"summary": summary, "busy_us_per_step": busy / num_steps, "span_us_per_step": span / num_steps,
+            "gaps": lines}
+
+
 def _kernel_us(events: list[Any]) -> float:
     """Device time of the kernels and copies alone: torch.profiler also gives an aten op (aten::mm, cuDNN
     attention, ...) the device time of the kernel it launched, which a plain sum would count twice."""
@@ -717,7 +793,8 @@ def main() -> int:
                    help="override the longest prompt a one-prompt prefill CUDA graph serves (0: none)")
     p.add_argument("--decode-programs-per-sm", type=int, default=None, help="override ops.DECODE_PROGRAMS_PER_SM")
     p.add_argument("--kprofile-cases", type=lambda v: [x for x in v.split(",") if x], default=["b1", "b64"],
-                   help="kprofile section: bN (N random 1k-token prompts), pN (one N-token prefill), shared256")
+                   help="kprofile section: bN or bNxC (N random prompts of C tokens, 1k by default), pN (one N-token "
+                        "prefill), shared256")
     p.add_argument("--trace-workloads", type=lambda v: [x for x in v.split(",") if x], default=[],
                    help="trace section: seeds,random256,shared_prefix (default all)")
     p.add_argument("--elementwise-backend", default="triton", choices=["triton", "torch", "compile"])
