@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -171,10 +172,12 @@ class Driver:
         max_tokens: list[int],
         params: SamplingParams | None = None,
         phases: bool = False,
+        on_step: Callable[[int], None] | None = None,
     ) -> RunStats:
         """phases: step the engine's parts one by one (what EngineCore.step does, minus its stats) and
         time each: scheduler, model runner (ends with the step's one host sync), scheduler update. Ignored
-        with async scheduling (the parts overlap): steps are then timed whole."""
+        with async scheduling (the parts overlap): steps are then timed whole.
+        on_step: called after each step with its number of scheduled tokens, outside the step's timing."""
         phases = phases and not self.core.async_scheduling
         base = params or SamplingParams(temperature=0.0, ignore_eos=True)
         submitted: dict[str, float] = {}
@@ -217,6 +220,8 @@ class Driver:
                 if out.new_token_ids and out.req_id not in first:
                     first[out.req_id] = t1
                 num_out += len(out.new_token_ids)
+            if on_step is not None:
+                on_step(num_scheduled)
         elapsed = time.perf_counter() - start
         return RunStats(
             elapsed_s=elapsed,

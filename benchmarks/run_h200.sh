@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Pass the local commit, written in literally (the device copy's git metadata can be stale, so a $(git ...) in
 # the command would read it there): KVSERVE_BENCH_COMMIT=<sha> bash ...
@@ -141,6 +141,10 @@ PY
               --kprofile-cases b1,b64,b64x4096,b176 > "$R/gapdiag.log" 2>&1 ;;
     gemmdown64) timeout 150 python3 benchmarks/gemm_sweep.py --budget-s 110 --shapes down --rows 64 \
               --block-ns 32,64,128 --block-ks 64,128 --stages 3,4,5 --out "$R/gemm_down64.json" > "$R/gemmdown64.log" 2>&1 ;;
+    rows) timeout 200 python3 benchmarks/cublas_rows.py --skinny 64,128,4,3 --out "$R/cublas_rows.json" > "$R/rows.log" 2>&1 ;;
+    decgraph) timeout 150 python3 benchmarks/engine_benchmarks.py --out "$R/decgraph" --sections start,decode,kprofile \
+              --decode-batches 1,64 --decode-contexts 1024,4096 --decode-steps 30 --kprofile-cases b64,b64x4096 \
+              > "$R/decgraph.log" 2>&1 ;;
     pytestengine) timeout 200 python3 -m pytest -q -rA -s -p no:cacheprovider tests/gpu/test_gpu_engine.py \
               > "$R/pytest_gpu.log" 2>&1 ;;
     prefillab2) for mode in on off; do
@@ -242,6 +246,8 @@ for f in "$R"/prefillab.log "$R"/prefillprof.log "$R"/gemm4.log "$R"/ttftclk.log
                 | grep -v -E " (0\.[0-9]|[1-4]\.[0-9]) us" | head -90 ;;
     skinnyab.log) grep -E "^decode|^seeds|^TTFT|^engine start|Error|failed|^ +[0-9.]+ us/step" "$f" | head -70 ;;
     prefillprof.log) grep -E "^TTFT|^prefill|Error|failed" "$f"; sed -n '/by tottime/,/by cumulative/p' "$f" | head -45 ;;
+    rows.log) grep -E "Error|Traceback" "$f" | head -5; sed -n '/^ +M /,$p' "$f" ;;
+    decgraph.log) grep -E "^decode|^timeline|^  gap|^kernel profile|Error|failed" "$f" ;;
     gapdiag.log) grep -E "^host profile|^timeline|^  gap|^kernel profile|Error|failed" "$f";
                  grep -E -A 12 "^kernel profile b(64x4096|176)" "$f" | grep -E "^ +[0-9.]+ us" ;;
     gemm.log|gemm3.log|gemm4.log|gemmdown64.log) grep -E "Error|Traceback" "$f" | head -5; sed -n '/^shape /,$p' "$f" ;;
