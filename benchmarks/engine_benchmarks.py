@@ -84,6 +84,8 @@ class Bench:
                   max_num_batched_tokens=a.max_num_batched_tokens, gpu_memory_utilization=a.gpu_memory_utilization,
                   enforce_eager=a.enforce_eager, async_scheduling=a.async_scheduling,
                   cascade_attn=a.cascade_attn)
+        if a.cuda_graph_sizes:
+            kw["cuda_graph_sizes"] = [int(v) for v in a.cuda_graph_sizes.split(",")]
         if a.device == "cpu":
             kw["kv_cache_memory"] = "512MiB"
         kw.update(overrides)
@@ -93,9 +95,14 @@ class Bench:
         if self.driver is None:
             self.core, start_s = make_engine(self.model_dir, self.args.device, **self.engine_kwargs())
             self.driver = Driver(self.core)
+            graphs = self.core.runner.graphs
             self.results["start"] = {"start_s": start_s, "phases_s": dict(self.core.startup_phases),
                                      "num_blocks": self.core.capacity.num_blocks,
-                                     "capacity": self.core.capacity.describe()}
+                                     "capacity": self.core.capacity.describe(),
+                                     "graph_sizes": list(graphs.sizes) if graphs is not None else [],
+                                     "graph_size_ms": dict(graphs.size_ms) if graphs is not None else {},
+                                     "graph_padding": {s: graphs.padded_size(s) for s in graphs.sizes}
+                                     if graphs is not None else {}}
         return self.driver
 
     def free_engine(self) -> None:
@@ -122,6 +129,11 @@ class Bench:
         phases = ", ".join(f"{k} {v:.1f}" for k, v in r["phases_s"].items())
         self.rows.append(("engine start (s)", f"{r['start_s']:.1f}", phases))
         self.rows.append(("KV cache", f"{r['num_blocks']} blocks", r["capacity"]))
+        if r["graph_size_ms"]:
+            moved = {s: t for s, t in r["graph_padding"].items() if t != s}
+            self.rows.append(("decode graphs timed at start (ms)", f"{len(r['graph_size_ms'])} sizes",
+                              " ".join(f"{s}:{t:.2f}" for s, t in r["graph_size_ms"].items())
+                              + f"; padded further: {moved or 'none'}"))
 
     def section_decode(self) -> None:
         d = self.engine()
@@ -786,6 +798,7 @@ def main() -> int:
     p.add_argument("--ab-repeats", type=int, default=3, help="on/off pairs of the prefixab section")
     p.add_argument("--max-model-len", type=int, default=32768)
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--cuda-graph-sizes", default="", help="decode graph sizes, comma-separated (default: the engine's)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true")

@@ -34,6 +34,10 @@ KVSERVE_SDPA_CUDNN_MIN_TOKENS: int = _int("KVSERVE_SDPA_CUDNN_MIN_TOKENS", -1)
 # 256; sizes in steps of 128; 0: no prefill graphs). See kvserve/worker/cuda_graph.py and
 # docs/perf_notes.md, entry 21.
 KVSERVE_PREFILL_GRAPH_MAX_TOKENS: int = _int("KVSERVE_PREFILL_GRAPH_MAX_TOKENS", 2048)
+# A decode batch replays the captured graph of the smallest size that holds it, unless a larger size's graph
+# ran at least this many percent faster when timed at start (0 or less: always the smallest). See
+# kvserve/worker/cuda_graph.py and docs/perf_notes.md, entry 24.
+KVSERVE_GRAPH_PAD_MIN_GAIN_PCT: int = _int("KVSERVE_GRAPH_PAD_MIN_GAIN_PCT", 5)
 # Programmatic dependent launch for the Triton kernels on sm_90+ (1: on, the default; 0: off). See
 # kvserve/kernels/triton_pdl.py and docs/perf_notes.md, entry 17.
 KVSERVE_PDL: bool = _int("KVSERVE_PDL", 1) != 0

@@ -63,6 +63,21 @@ def padded_batch_size(num_reqs: int, capture_sizes: Sequence[int]) -> int | None
     return capture_sizes[index] if index < len(capture_sizes) else None
 
 
+def choose_padding(times_ms: dict[int, float], min_gain: float) -> dict[int, int]:
+    """For each captured decode size s, the size whose graph serves the batches that s is the smallest fit
+    for: s itself, or the larger size with the least measured time when that time is below t(s) / (1 +
+    min_gain) (the graphs' matmuls can be faster at more rows: cuBLAS picks its kernel by the row count).
+    times_ms: each size's measured replay time, on a padding-only batch (attention reads nothing, so the
+    time is what the size itself costs). min_gain <= 0 keeps every size."""
+    sizes = sorted(times_ms)
+    choice = {}
+    for i, size in enumerate(sizes):
+        best = min(sizes[i:], key=lambda s: (times_ms[s], s))
+        faster = min_gain > 0 and times_ms[best] * (1 + min_gain) <= times_ms[size]
+        choice[size] = best if faster else size
+    return choice
+
+
 # One-request prefill graphs are captured at multiples of this many tokens.
 PREFILL_GRAPH_BUCKET = 128
 
@@ -144,11 +159,14 @@ class CUDAGraphRunner:
         cascade_min_size: int | None = None,
         prefill_sizes: Sequence[int] = (),
         cache_prefill_sizes: Sequence[int] = (),
+        pad_min_gain: float = 0.0,
     ) -> None:
         """cascade_min_size: also capture cascade graphs for sizes >= it (needs buffers
         "common_prefix_len"); None: none. prefill_sizes / cache_prefill_sizes: token counts of the
         fresh-prompt and of the cache prefill graphs (the token buffers must hold the largest; cache graphs
-        need request buffers of at least 2)."""
+        need request buffers of at least 2). pad_min_gain > 0: time the decode graphs after capture, and let
+        a batch replay a larger size's graph when that one is faster by this fraction (`choose_padding`)."""
+        self.pad_min_gain = pad_min_gain
         self.model = model
         self.kv_caches = kv_caches
         self.buffers = buffers
@@ -166,9 +184,17 @@ class CUDAGraphRunner:
         self.prefill_replays = {False: 0, True: 0}
         self.pool_bytes = 0
         self.capture_s = 0.0
+        # Decode graphs timed at capture (ms per replay of a padding-only batch), and the size whose graph
+        # serves the batches each size is the smallest fit for (`choose_padding`).
+        self.size_ms: dict[int, float] = {}
+        self._pad_to: dict[int, int] = {}
 
     def padded_size(self, num_reqs: int) -> int | None:
-        return padded_batch_size(num_reqs, self.sizes) if self._graphs else None
+        """The decode graph size a batch of num_reqs requests replays (None: no graph holds it)."""
+        if not self._graphs:
+            return None
+        size = padded_batch_size(num_reqs, self.sizes)
+        return self._pad_to.get(size, size) if size is not None else None
 
     def has(self, size: int, cascade: bool) -> bool:
         return (size, cascade) in self._graphs
@@ -272,6 +298,8 @@ class CUDAGraphRunner:
                 self._graphs[(size, cascade)] = _capture(functools.partial(self._forward, size, cascade), pool, stream)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
+        if self.pad_min_gain > 0 and len(self.sizes) > 1:
+            self._time_decode_graphs()
         self.pool_bytes = max(before - torch.cuda.mem_get_info()[0], 0)
         self.capture_s = time.perf_counter() - start
         self._prefill_starts = starts  # the graphs read them
@@ -284,6 +312,39 @@ class CUDAGraphRunner:
              f"{max(self.cache_prefill_sizes, default=0)})") if self._prefill_graphs else "",
             self.capture_s, self.pool_bytes / (1 << 20),
         )
+
+    def _time_decode_graphs(self, warm_up: int = 2, repeats: int = 5) -> None:
+        """Time every decode graph on the padding-only batch the capture left in the buffers (no cache
+        reads or writes: what a size costs by itself) and choose each size's padding from that. The
+        fastest of `repeats` replays counts: what a size can do, not the noise of one replay."""
+        for size in self.sizes:
+            graph = self._graphs[(size, False)][0]
+            for _ in range(warm_up):
+                graph.replay()
+            best = float("inf")
+            for _ in range(repeats):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                best = min(best, start.elapsed_time(end))
+            self.size_ms[size] = best
+        self.set_size_times(self.size_ms)
+
+    def set_size_times(self, times_ms: dict[int, float]) -> None:
+        """Take each decode size's time (ms per replay of a padding-only batch; every captured size) and
+        choose the padding from it (`choose_padding` with this runner's pad_min_gain)."""
+        if sorted(times_ms) != self.sizes:
+            raise ValueError(f"times for sizes {sorted(times_ms)}, captured sizes {self.sizes}")
+        self.size_ms = dict(times_ms)
+        self._pad_to = choose_padding(self.size_ms, self.pad_min_gain)
+        moved = {s: t for s, t in self._pad_to.items() if t != s}
+        if moved:
+            logger.info(
+                "decode graphs timed at capture: batches that fit size s first replay a larger, faster graph: %s",
+                ", ".join(f"{s} -> {t} ({self.size_ms[t]:.2f} vs {self.size_ms[s]:.2f} ms)" for s, t in moved.items()),
+            )
 
     def replay(self, size: int, cascade: bool = False) -> torch.Tensor:
         """Run the graph of `size` (its cascade variant if `cascade`) over the current buffer contents;

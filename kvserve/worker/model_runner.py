@@ -51,6 +51,9 @@ logger = logging.getLogger(__name__)
 # Most new tokens a one-request prefill CUDA graph serves (KVSERVE_PREFILL_GRAPH_MAX_TOKENS; 0: none). Eager,
 # such a step is host-bound up to about this length on the H200's hosts (docs/perf_notes.md, entry 21).
 PREFILL_GRAPH_MAX_TOKENS = envs.KVSERVE_PREFILL_GRAPH_MAX_TOKENS
+# A decode batch replays a larger captured size's graph when that one timed at least this much faster at
+# start (KVSERVE_GRAPH_PAD_MIN_GAIN_PCT; 0: always the smallest size that holds the batch).
+GRAPH_PAD_MIN_GAIN = envs.KVSERVE_GRAPH_PAD_MIN_GAIN_PCT / 100
 
 
 @dataclass
@@ -374,6 +377,7 @@ class ModelRunner:
                 cascade_min_size=input_batch.CASCADE_MIN_REQS if self.config.cascade_attn else None,
                 prefill_sizes=attempt[0],
                 cache_prefill_sizes=attempt[1],
+                pad_min_gain=GRAPH_PAD_MIN_GAIN,
             )
             try:
                 graphs.capture()

@@ -131,6 +131,32 @@ def test_cuda_graph_matches_eager(checkpoints: dict[str, str], model: str, num_p
 
 
 @pytest.mark.parametrize("model", list(MODELS))
+def test_padding_to_a_larger_graph_matches_eager(checkpoints: dict[str, str], model: str) -> None:
+    """The capture timed every decode size; a batch sent to a larger graph than the smallest that holds it
+    (what the measured padding does where a larger size is faster) gives the eager engine's greedy tokens."""
+    prompts = _prompts(5, seed=31)
+    core = _core(checkpoints[model], "float32", enforce_eager=False)
+    graphs = core.runner.graphs
+    assert graphs is not None, "CUDA graphs were not captured"
+    assert sorted(graphs.size_ms) == graphs.sizes and all(t > 0 for t in graphs.size_ms.values())
+    largest = graphs.sizes[-1]
+    graphs.set_size_times({s: 1.0 if s == largest else 10.0 for s in graphs.sizes})
+    replayed: list[int] = []
+    replay = graphs.replay
+
+    def recording(size: int, cascade: bool = False) -> torch.Tensor:
+        replayed.append(size)
+        return replay(size, cascade)
+
+    graphs.replay = recording  # type: ignore[method-assign]
+    padded = [t for t, _ in _generate(core, prompts, 24)]
+    del core
+    eager = [t for t, _ in _generate(_core(checkpoints[model], "float32", enforce_eager=True), prompts, 24)]
+    assert padded == eager
+    assert replayed and set(replayed) == {largest}
+
+
+@pytest.mark.parametrize("model", list(MODELS))
 def test_async_scheduling_matches_sync(checkpoints: dict[str, str], model: str) -> None:
     prompts = _prompts(11, seed=3)
     sampled = SamplingParams(temperature=0.9, top_p=0.95, seed=17, max_tokens=20, ignore_eos=True, logprobs=3)

@@ -11,6 +11,8 @@ from kvserve.config import DEFAULT_CUDA_GRAPH_SIZES, ConfigError, resolve_cuda_g
 from kvserve.core.outputs import ScheduledRequest
 from kvserve.worker.cuda_graph import (
     CACHE_PREFILL_GRAPH_MAX_TOKENS,
+    CUDAGraphRunner,
+    choose_padding,
     padded_batch_size,
     padding_rows,
     prefill_graph_key,
@@ -20,7 +22,8 @@ from kvserve.worker.cuda_graph import (
 
 @pytest.mark.parametrize(
     ("num_reqs", "expected"),
-    [(1, 1), (2, 2), (3, 4), (5, 8), (8, 8), (9, 16), (17, 24), (33, 48), (64, 64), (65, 96), (256, 256)],
+    [(1, 1), (2, 2), (3, 4), (5, 8), (8, 8), (9, 16), (17, 24), (33, 48), (64, 64), (65, 80), (100, 112),
+     (177, 192), (256, 256)],
 )
 def test_padded_batch_size_is_smallest_captured_size_not_below(num_reqs: int, expected: int) -> None:
     sizes = resolve_cuda_graph_sizes(None, 256)
@@ -49,6 +52,42 @@ def test_explicit_sizes_are_sorted_deduplicated_and_capped() -> None:
     with pytest.raises(ConfigError):
         resolve_cuda_graph_sizes([0, 4], 64)
     assert all(b > a for a, b in zip(DEFAULT_CUDA_GRAPH_SIZES, DEFAULT_CUDA_GRAPH_SIZES[1:], strict=False))
+
+
+# Matmul-bound graph times shaped like the H200's (ms): 192 and 224 rows are slow sizes for cuBLAS.
+H200_LIKE_MS = {144: 4.41, 160: 5.06, 176: 4.97, 192: 6.46, 208: 5.40, 224: 6.28, 240: 6.32, 256: 6.42}
+
+
+def test_choose_padding_moves_a_size_only_to_a_clearly_faster_larger_one() -> None:
+    choice = choose_padding(H200_LIKE_MS, min_gain=0.05)
+    assert choice[192] == 208  # 16 % faster
+    assert choice[160] == 160  # 176 is faster, by 2 %: not enough
+    assert choice[224] == 224  # nothing larger is faster
+    assert all(choice[s] == s for s in (144, 176, 208, 240, 256))
+    # A larger gain threshold keeps 192 as well; 0 keeps every size.
+    assert choose_padding(H200_LIKE_MS, min_gain=0.2)[192] == 192
+    assert choose_padding(H200_LIKE_MS, min_gain=0.0) == {s: s for s in H200_LIKE_MS}
+    assert choose_padding(H200_LIKE_MS, min_gain=-1.0) == {s: s for s in H200_LIKE_MS}
+
+
+def test_choose_padding_takes_the_fastest_larger_size_and_never_a_smaller_one() -> None:
+    times = {8: 3.0, 16: 2.0, 24: 1.5, 32: 1.5, 48: 4.0}
+    choice = choose_padding(times, min_gain=0.05)
+    assert choice == {8: 24, 16: 24, 24: 24, 32: 32, 48: 48}  # ties go to the smaller size
+    for size, target in choice.items():
+        assert target >= size and times[target] <= times[size]
+
+
+def test_runner_pads_each_batch_by_the_measured_choice() -> None:
+    sizes = sorted(H200_LIKE_MS)
+    runner = CUDAGraphRunner(None, [], {}, None, sizes, 4096, pad_min_gain=0.05)  # type: ignore[arg-type]
+    runner._graphs = {(s, False): None for s in sizes}  # type: ignore[misc]  # as if captured
+    assert runner.padded_size(180) == 192  # before any times: the smallest size that holds the batch
+    runner.set_size_times(H200_LIKE_MS)
+    assert [runner.padded_size(n) for n in (144, 150, 176, 177, 192, 193, 256)] == [144, 160, 176, 208, 208, 208, 256]
+    assert runner.padded_size(257) is None
+    with pytest.raises(ValueError, match="captured sizes"):
+        runner.set_size_times({144: 1.0})
 
 
 def test_padding_rows_write_nothing_and_attend_to_nothing() -> None:
