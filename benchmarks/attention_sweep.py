@@ -59,25 +59,45 @@ def time_graph(fn: object, reps: int = 20) -> float:
     return start.elapsed_time(end) / reps
 
 
+def _case(text: str) -> tuple[int, int, list[int]]:
+    """batch:context:splits, e.g. 64:1024:1/2 (context r: lengths uniform in [100, 2048])."""
+    batch, ctx, splits = text.split(":")
+    return int(batch), -1 if ctx == "r" else int(ctx), [int(v) for v in splits.split("/")]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--cases", type=lambda v: [_case(c) for c in v.split(",")], default=CASES,
+                        help="batch:context:splits,... (context r: uniform in [100, 2048]); default: "
+                        + ",".join(f"{b}:{c}:{'/'.join(map(str, s))}" for b, c, s in CASES))
+    parser.add_argument("--tiles", default=",".join(map(str, TILES)))
+    parser.add_argument("--warps", default=",".join(map(str, WARPS)))
+    parser.add_argument("--stages", default=",".join(map(str, STAGES)))
     args = parser.parse_args()
+    tiles, warps_list, stages_list = ([int(v) for v in a.split(",")] for a in (args.tiles, args.warps, args.stages))
     shape = MODELS["qwen2.5-7b"]
     scale = shape.head_dim**-0.5
+    # One split launches with its own parameters (DECODE_LAUNCH_ONE_SPLIT), several with DECODE_LAUNCH.
     default = dict(triton_attention.DECODE_LAUNCH)
+    default_one = dict(triton_attention.DECODE_LAUNCH_ONE_SPLIT)
     results = []
     summary = []
-    for batch, ctx, split_options in CASES:
+    for batch, ctx, split_options in args.cases:
         gen = torch.Generator(device="cuda").manual_seed(batch)
-        layers = [make_batch(shape, torch.bfloat16, [(1, ctx)] * batch, gen) for _ in range(LAYERS)]
+        if ctx < 0:
+            lengths = torch.randint(100, 2049, (batch,), generator=torch.Generator().manual_seed(batch)).tolist()
+        else:
+            lengths = [ctx] * batch
+        layers = [make_batch(shape, torch.bfloat16, [(1, n) for n in lengths], gen) for _ in range(LAYERS)]
         query, kv0, metadata = layers[0]
         expected = reference.paged_attention(query, kv0, metadata, scale)
         bytes_per_layer = attention_bytes(query, kv0, metadata)
         outs = [torch.empty_like(q) for q, _, _ in layers]
         case_rows = []
-        for tile, warps, stages in itertools.product(TILES, WARPS, STAGES):
-            triton_attention.DECODE_LAUNCH.update(TILE_N=tile, num_warps=warps, num_stages=stages)
+        for tile, warps, stages in itertools.product(tiles, warps_list, stages_list):
+            for launch in (triton_attention.DECODE_LAUNCH, triton_attention.DECODE_LAUNCH_ONE_SPLIT):
+                launch.update(TILE_N=tile, num_warps=warps, num_stages=stages)
             for splits in split_options:
                 row = {"batch": batch, "context": ctx, "tile_n": tile, "num_warps": warps, "num_stages": stages,
                        "num_splits": splits}
@@ -98,20 +118,28 @@ def main() -> int:
                 except Exception as exc:  # compile failure (shared memory) or launch error
                     row["error"] = repr(exc)[:160]
                 case_rows.append(row)
-        triton_attention.DECODE_LAUNCH.clear()
-        triton_attention.DECODE_LAUNCH.update(default)
+        for launch, saved in ((triton_attention.DECODE_LAUNCH, default),
+                              (triton_attention.DECODE_LAUNCH_ONE_SPLIT, default_one)):
+            launch.clear()
+            launch.update(saved)
         timed = sorted((r for r in case_rows if "us_per_layer" in r), key=lambda r: r["us_per_layer"])
         results.extend(case_rows)
-        is_default = [r for r in timed if r["tile_n"] == default["TILE_N"] and r["num_warps"] == default["num_warps"]
-                      and r["num_stages"] == default["num_stages"]]
+
+        def is_default_row(r: dict) -> bool:
+            d = default_one if r["num_splits"] == 1 else default
+            return (r["tile_n"], r["num_warps"], r["num_stages"]) == (d["TILE_N"], d["num_warps"], d["num_stages"])
+
+        is_default = [r for r in timed if is_default_row(r)]
         summary.append((batch, ctx, bytes_per_layer, is_default, timed[:5],
                         sum(1 for r in case_rows if "error" in r)))
         del layers, outs, expected
         torch.cuda.empty_cache()
     args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "default": default,
+                                    "default_one_split": default_one,
                                     "results": results}, indent=1))
     for batch, ctx, nbytes, is_default, best, failures in summary:
-        print(f"\nbatch {batch} ctx {ctx}: {nbytes / 1e6:.1f} MB per layer, {failures} configs failed")
+        print(f"\nbatch {batch} ctx {ctx if ctx > 0 else 'U[100,2048]'}: {nbytes / 1e6:.1f} MB per layer, "
+              f"{failures} configs failed")
         for label, rows in (("default", is_default), ("best", best)):
             for r in rows:
                 print(f"  {label:8s} tile {r['tile_n']:4d} warps {r['num_warps']} stages {r['num_stages']} "
