@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Pass the local commit, written in literally (the device copy's git metadata can be stale, so a $(git ...) in
 # the command would read it there): KVSERVE_BENCH_COMMIT=<sha> bash ...
@@ -147,6 +147,10 @@ PY
     decgraph) timeout 150 python3 benchmarks/engine_benchmarks.py --out "$R/decgraph" --sections start,decode,kprofile \
               --decode-batches 1,64 --decode-contexts 1024,4096 --decode-steps 30 --kprofile-cases b64,b64x4096 \
               > "$R/decgraph.log" 2>&1 ;;
+    padcheck) timeout 130 python3 -m pytest -q -rA -p no:cacheprovider tests/gpu/test_gpu_engine.py \
+              -k "larger or cuda_graph_matches" > "$R/pytest_gpu.log" 2>&1
+         timeout 150 python3 benchmarks/engine_benchmarks.py --out "$R/padcheck" --sections start,decode,random256 \
+           --decode-batches 1,8,32,64 --decode-contexts 1024,4096 --decode-steps 20 > "$R/padcheck.log" 2>&1 ;;
     padab) timeout 130 python3 -m pytest -q -rA -p no:cacheprovider tests/gpu/test_gpu_engine.py \
               -k "larger or cuda_graph_matches" > "$R/pytest_gpu.log" 2>&1
          for mode in new old new; do
@@ -259,7 +263,7 @@ for f in "$R"/prefillab.log "$R"/prefillprof.log "$R"/gemm4.log "$R"/ttftclk.log
                 | grep -v -E " (0\.[0-9]|[1-4]\.[0-9]) us" | head -90 ;;
     skinnyab.log) grep -E "^decode|^seeds|^TTFT|^engine start|Error|failed|^ +[0-9.]+ us/step" "$f" | head -70 ;;
     prefillprof.log) grep -E "^TTFT|^prefill|Error|failed" "$f"; sed -n '/by tottime/,/by cumulative/p' "$f" | head -45 ;;
-    padab.log) grep -E "^decode|^256|^engine start|^mode|Error|failed" "$f" ;;
+    padab.log|padcheck.log) grep -E "^decode|^256|^engine start|^mode|Error|failed" "$f" ;;
     rows.log) grep -E "Error|Traceback" "$f" | head -5; sed -n '/^ +M /,$p' "$f" ;;
     decgraph.log) grep -E "^decode|^timeline|^  gap|^kernel profile|Error|failed" "$f" ;;
     gapdiag.log) grep -E "^host profile|^timeline|^  gap|^kernel profile|Error|failed" "$f";

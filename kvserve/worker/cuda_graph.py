@@ -42,7 +42,7 @@ import bisect
 import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
@@ -63,16 +63,23 @@ def padded_batch_size(num_reqs: int, capture_sizes: Sequence[int]) -> int | None
     return capture_sizes[index] if index < len(capture_sizes) else None
 
 
-def choose_padding(times_ms: dict[int, float], min_gain: float) -> dict[int, int]:
+def choose_padding(
+    times_ms: dict[int, float], min_gain: float, attention_launch: dict[int, Hashable] | None = None
+) -> dict[int, int]:
     """For each captured decode size s, the size whose graph serves the batches that s is the smallest fit
     for: s itself, or the larger size with the least measured time when that time is below t(s) / (1 +
     min_gain) (the graphs' matmuls can be faster at more rows: cuBLAS picks its kernel by the row count).
     times_ms: each size's measured replay time, on a padding-only batch (attention reads nothing, so the
-    time is what the size itself costs). min_gain <= 0 keeps every size."""
+    time is what the size's matmuls and other row-wise kernels cost). attention_launch: what the decode
+    attention launch of each size depends on (its KV split count); a batch moves only to a size with the
+    same, since the padding-only timing cannot see its real rows' attention: a small batch sent to a size
+    whose attention is unsplit would read each long context with a single program. min_gain <= 0 keeps
+    every size."""
     sizes = sorted(times_ms)
     choice = {}
     for i, size in enumerate(sizes):
-        best = min(sizes[i:], key=lambda s: (times_ms[s], s))
+        same = [s for s in sizes[i:] if attention_launch is None or attention_launch[s] == attention_launch[size]]
+        best = min(same, key=lambda s: (times_ms[s], s))
         faster = min_gain > 0 and times_ms[best] * (1 + min_gain) <= times_ms[size]
         choice[size] = best if faster else size
     return choice
@@ -167,6 +174,10 @@ class CUDAGraphRunner:
         need request buffers of at least 2). pad_min_gain > 0: time the decode graphs after capture, and let
         a batch replay a larger size's graph when that one is faster by this fraction (`choose_padding`)."""
         self.pad_min_gain = pad_min_gain
+        # Each decode size's attention launch (its KV split count, from host ints): padding keeps it.
+        self.attention_launch = {
+            size: ops.decode_attention_launch(size, kv_caches[0], max_model_len) for size in sizes
+        } if kv_caches else None
         self.model = model
         self.kv_caches = kv_caches
         self.buffers = buffers
@@ -338,7 +349,7 @@ class CUDAGraphRunner:
         if sorted(times_ms) != self.sizes:
             raise ValueError(f"times for sizes {sorted(times_ms)}, captured sizes {self.sizes}")
         self.size_ms = dict(times_ms)
-        self._pad_to = choose_padding(self.size_ms, self.pad_min_gain)
+        self._pad_to = choose_padding(self.size_ms, self.pad_min_gain, self.attention_launch)
         moved = {s: t for s, t in self._pad_to.items() if t != s}
         if moved:
             logger.info(

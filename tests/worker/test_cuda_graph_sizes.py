@@ -78,6 +78,18 @@ def test_choose_padding_takes_the_fastest_larger_size_and_never_a_smaller_one() 
         assert target >= size and times[target] <= times[size]
 
 
+def test_choose_padding_keeps_a_batch_within_its_attention_launch() -> None:
+    # Sizes up to 32 split the KV (4 KV heads on 132 SMs), larger ones do not: the padding-only timing
+    # cannot see what a small batch's real rows would lose in an unsplit attention over long contexts.
+    times = {8: 4.2, 16: 4.3, 32: 4.3, 48: 4.0, 64: 4.0}
+    splits = {8: 9, 16: 5, 32: 3, 48: 1, 64: 1}
+    assert choose_padding(times, 0.05) == {8: 48, 16: 48, 32: 48, 48: 48, 64: 64}
+    assert choose_padding(times, 0.05, splits) == {s: s for s in times}
+    same = {8: 16, 16: 16, 32: 16, 48: 1, 64: 1}
+    assert choose_padding({8: 4.3, 16: 4.3, 32: 4.0, 48: 4.0, 64: 4.0}, 0.05, same) == {
+        8: 32, 16: 32, 32: 32, 48: 48, 64: 64}
+
+
 def test_runner_pads_each_batch_by_the_measured_choice() -> None:
     sizes = sorted(H200_LIKE_MS)
     runner = CUDAGraphRunner(None, [], {}, None, sizes, 4096, pad_min_gain=0.05)  # type: ignore[arg-type]
