@@ -31,12 +31,11 @@ _DTYPE_ALIASES = {
 
 LOAD_FORMATS = ("auto", "dummy")
 
-# Decode batch sizes captured as CUDA graphs when --cuda-graph-sizes is not given (capped at max_num_seqs):
-# dense where small batches are common, then every 32 (padding wastes at most 31 rows of a cheap step).
-# Every 16 from 16 to 256: the matmuls' time is not monotonic in the row count (cuBLAS picks its kernel by it:
-# on the H200, 176 rows took 5.0 ms of a step's matmuls and 192 rows 6.5), so finer sizes pad less and give
-# the measured padding (worker/cuda_graph.py, `choose_padding`) sizes to choose from. docs/perf_notes.md,
-# entry 24.
+# Decode batch sizes captured as CUDA graphs when EngineArgs.cuda_graph_sizes is not given (capped at
+# max_num_seqs): dense where small batches are common, every 16 up to 256, then every 64. The matmuls' time is
+# not monotonic in the row count (cuBLAS picks its kernel by it: on the H200, 176 rows took 5.0 ms of a step's
+# matmuls and 192 rows 6.5), so finer sizes pad less and give the measured padding (worker/cuda_graph.py,
+# `choose_padding`) sizes to choose from. docs/perf_notes.md, entry 24.
 DEFAULT_CUDA_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240,
                             256, 320, 384, 448, 512)
 

@@ -1,5 +1,5 @@
-"""CUDA graphs for decode-only batches and one-request prefills: capture once at start, replay padded to the
-nearest captured size.
+"""CUDA graphs for decode-only batches and one-request prefills: capture once at start, replay padded to a
+captured size.
 
 A decode step of a 7B model is ~28 x 12 kernel launches whose Python + launch cost (several ms) would
 exceed the GPU time at small batches; one graph replay costs ~10 us. Each graph is captured over the
@@ -13,6 +13,14 @@ activations can share memory). With cascade attention on, sizes of at least `cas
 second graph whose attention reads the shared-prefix length from a device buffer, so it serves any
 prefix. Attention's split count is fixed at capture from (batch size,
 max_model_len); `triton_attention`'s docstring says why that stays valid for every shorter context.
+
+Which decode graph a batch replays: the smallest captured size that holds it, unless a larger size with the
+same attention split count ran at least `pad_min_gain` faster when every graph was timed right after the
+capture, on the padding-only batch the capture leaves in the buffers (`choose_padding`). The matmuls set
+those times, and cuBLAS's are not monotonic in the row count (on the H200 a 192-row step's matmuls took
+6.5 ms and a 208-row step's 5.4: docs/perf_notes.md, entry 24). Only sizes with the same split count
+compete, because the padding-only timing cannot see the real rows' attention: a small batch moved to an
+unsplit size would read each long context with one program per KV head.
 
 One-request prefill graphs: a step whose only request brings at least 2 new tokens replays the graph of the
 next multiple of PREFILL_GRAPH_BUCKET tokens. Eager, such a step costs 20-41 ms of host time on the H200's
@@ -42,7 +50,7 @@ import bisect
 import functools
 import logging
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
 import torch
 
@@ -64,7 +72,7 @@ def padded_batch_size(num_reqs: int, capture_sizes: Sequence[int]) -> int | None
 
 
 def choose_padding(
-    times_ms: dict[int, float], min_gain: float, attention_launch: dict[int, Hashable] | None = None
+    times_ms: Mapping[int, float], min_gain: float, attention_launch: Mapping[int, Hashable] | None = None
 ) -> dict[int, int]:
     """For each captured decode size s, the size whose graph serves the batches that s is the smallest fit
     for: s itself, or the larger size with the least measured time when that time is below t(s) / (1 +
