@@ -16,7 +16,8 @@ max_model_len); `triton_attention`'s docstring says why that stays valid for eve
 
 Which decode graph a batch replays: the smallest captured size that holds it, unless a larger size with the
 same attention split count ran at least `pad_min_gain` faster when every graph was timed right after the
-capture, on the padding-only batch the capture leaves in the buffers (`choose_padding`). The matmuls set
+capture, on the padding-only batch the capture leaves in the buffers (`choose_padding`); cascade batches
+always take the smallest size (their graphs were not timed). The matmuls set
 those times, and cuBLAS's are not monotonic in the row count (on the H200 a 192-row step's matmuls took
 6.5 ms and a 208-row step's 5.4: docs/perf_notes.md, entry 24). Only sizes with the same split count
 compete, because the padding-only timing cannot see the real rows' attention: a small batch moved to an
@@ -208,12 +209,16 @@ class CUDAGraphRunner:
         self.size_ms: dict[int, float] = {}
         self._pad_to: dict[int, int] = {}
 
-    def padded_size(self, num_reqs: int) -> int | None:
-        """The decode graph size a batch of num_reqs requests replays (None: no graph holds it)."""
+    def padded_size(self, num_reqs: int, cascade: bool = False) -> int | None:
+        """The decode graph size a batch of num_reqs requests replays (None: no graph holds it). A cascade
+        batch takes the smallest size that holds it: only the plain graphs were timed, and a cascade
+        graph's shared-prefix kernel also works for the padding rows and splits the prefix by the size."""
         if not self._graphs:
             return None
         size = padded_batch_size(num_reqs, self.sizes)
-        return self._pad_to.get(size, size) if size is not None else None
+        if size is None or cascade:
+            return size
+        return self._pad_to.get(size, size)
 
     def has(self, size: int, cascade: bool) -> bool:
         return (size, cascade) in self._graphs

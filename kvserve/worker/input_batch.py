@@ -240,12 +240,15 @@ class InputBuffers:
         prev_sampled: tuple[torch.Tensor, dict[str, int]] | None = None,
         prefill_pad_to: int | None = None,
         pad_as_request: bool = False,
+        cascade_pad_to: int | None = None,
     ) -> BatchInputs:
         """Fill the buffers for `scheduler_output` (block_table already updated for this step).
 
         pad_to: for a decode-only batch, the CUDA-graph batch size to fill (>= num_reqs): rows past
         num_reqs get token 0 at position 0, slot -1 (not written), seq_len 0 (attend to nothing), and one
         query token each. Ignored for batches with prefill chunks.
+        cascade_pad_to: the size to fill instead when the batch turns out to be a cascade batch (shared
+        prefix), given with pad_to: `CUDAGraphRunner.padded_size(n, cascade=True)`.
         prev_sampled: the previous step's sampled ids on the device and each request's row in them; a
         placeholder token (negative id, the last of its request's tokens) is replaced on the device by
         its request's row. Raises RuntimeError for a placeholder with no such row.
@@ -311,6 +314,8 @@ class InputBuffers:
             if prefix_len < CASCADE_MIN_PREFIX_TOKENS:
                 prefix_len = 0
 
+        if prefix_len and cascade_pad_to is not None:
+            pad_to = cascade_pad_to
         padded = pad_to if (is_decode and pad_to is not None) else None
         padded_tokens = None
         max_query_len = int(query_lens.max()) if num_reqs else 0

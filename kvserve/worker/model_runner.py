@@ -430,6 +430,7 @@ class ModelRunner:
         num_reqs = len(scheduler_output.scheduled)
         graphs = self.graphs
         pad_to = graphs.padded_size(num_reqs) if graphs is not None else None
+        cascade_pad_to = graphs.padded_size(num_reqs, cascade=True) if graphs is not None else None
         prefill_key = (
             prefill_graph_key(scheduler_output.scheduled, graphs.prefill_sizes, graphs.cache_prefill_sizes)
             if graphs is not None
@@ -442,6 +443,7 @@ class ModelRunner:
             self._prev_sampled,
             prefill_pad_to=prefill_key[0] if prefill_key is not None else None,
             pad_as_request=prefill_key is not None and prefill_key[1],
+            cascade_pad_to=cascade_pad_to,
         )
         if batch.padded_num_reqs is not None and graphs is not None and graphs.has(
             batch.padded_num_reqs, batch.cascade

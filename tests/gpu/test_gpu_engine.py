@@ -139,12 +139,14 @@ def test_padding_to_a_larger_graph_matches_eager(checkpoints: dict[str, str], mo
     core = _core(checkpoints[model], "float32", enforce_eager=False)
     graphs = core.runner.graphs
     assert graphs is not None, "CUDA graphs were not captured"
-    assert sorted(graphs.size_ms) == graphs.sizes and all(t > 0 for t in graphs.size_ms.values())
+    if graphs.pad_min_gain > 0:  # (KVSERVE_GRAPH_PAD_MIN_GAIN_PCT=0 skips the timing)
+        assert sorted(graphs.size_ms) == graphs.sizes and all(t > 0 for t in graphs.size_ms.values())
     launch = graphs.attention_launch
     assert launch is not None
     # The tiny engines' sizes 1-8 (or 1-16) all split the KV 16 ways (1024 // 64 keys): one launch group.
     largest = max(s for s in graphs.sizes if launch[s] == launch[graphs.sizes[0]])
     assert largest >= 8
+    graphs.pad_min_gain = 0.05
     graphs.set_size_times({s: 1.0 if s == largest else 10.0 for s in graphs.sizes})
     replayed: list[int] = []
     replay = graphs.replay

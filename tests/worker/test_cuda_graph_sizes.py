@@ -85,9 +85,11 @@ def test_choose_padding_keeps_a_batch_within_its_attention_launch() -> None:
     splits = {8: 9, 16: 5, 32: 3, 48: 1, 64: 1}
     assert choose_padding(times, 0.05) == {8: 48, 16: 48, 32: 48, 48: 48, 64: 64}
     assert choose_padding(times, 0.05, splits) == {s: s for s in times}
+    # Within a group the fastest member is taken, even when a size of another group is faster still.
     same = {8: 16, 16: 16, 32: 16, 48: 1, 64: 1}
-    assert choose_padding({8: 4.3, 16: 4.3, 32: 4.0, 48: 4.0, 64: 4.0}, 0.05, same) == {
-        8: 32, 16: 32, 32: 32, 48: 48, 64: 64}
+    times = {8: 4.3, 16: 4.3, 32: 4.0, 48: 3.5, 64: 4.0}
+    assert choose_padding(times, 0.05) == {8: 48, 16: 48, 32: 48, 48: 48, 64: 64}
+    assert choose_padding(times, 0.05, same) == {8: 32, 16: 32, 32: 32, 48: 48, 64: 64}
 
 
 def test_runner_pads_each_batch_by_the_measured_choice() -> None:
@@ -100,6 +102,29 @@ def test_runner_pads_each_batch_by_the_measured_choice() -> None:
     assert runner.padded_size(257) is None
     with pytest.raises(ValueError, match="captured sizes"):
         runner.set_size_times({144: 1.0})
+
+
+def test_runner_keeps_batches_within_their_attention_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvserve.kernels import ops
+
+    # As on the H200 for 4 KV heads: sizes up to 32 split the KV, larger ones do not.
+    monkeypatch.setattr(ops, "decode_attention_launch", lambda size, cache, max_len: 3 if size <= 32 else 1)
+    sizes = [8, 16, 32, 48, 64]
+    runner = CUDAGraphRunner(None, [object()], {}, None, sizes, 4096, pad_min_gain=0.05)  # type: ignore[arg-type,list-item]
+    assert runner.attention_launch == {8: 3, 16: 3, 32: 3, 48: 1, 64: 1}
+    runner._graphs = {(s, False): None for s in sizes}  # type: ignore[misc]  # as if captured
+    runner.set_size_times({8: 4.2, 16: 4.3, 32: 4.3, 48: 3.0, 64: 4.0})
+    assert [runner.padded_size(n) for n in (5, 12, 30, 40, 60)] == [8, 16, 32, 48, 64]
+
+
+def test_cascade_batches_take_the_smallest_size() -> None:
+    sizes = sorted(H200_LIKE_MS)
+    runner = CUDAGraphRunner(None, [], {}, None, sizes, 4096, pad_min_gain=0.05)  # type: ignore[arg-type]
+    runner._graphs = {(s, False): None for s in sizes}  # type: ignore[misc]  # as if captured
+    runner.set_size_times(H200_LIKE_MS)
+    assert runner.padded_size(180) == 208
+    assert runner.padded_size(180, cascade=True) == 192
+    assert runner.padded_size(257, cascade=True) is None
 
 
 def test_padding_rows_write_nothing_and_attend_to_nothing() -> None:

@@ -208,6 +208,19 @@ def test_decode_batch_sharing_a_long_prefix_gets_cascade_metadata() -> None:
     assert bool((rows == rows[0]).all())
 
 
+@pytest.mark.parametrize("shared", [True, False], ids=["cascade", "plain"])
+def test_a_cascade_batch_fills_its_own_graph_size(shared: bool) -> None:
+    """pad_to is the measured choice for plain graphs; a cascade batch fills cascade_pad_to instead."""
+    prompt_len = CASCADE_MIN_PREFIX_TOKENS + 40
+    table, buffers, decode, _ = _shared_prompt_steps(CASCADE_MIN_REQS, prompt_len, cascade=True, shared=shared)
+    batch = buffers.prepare(decode, table, pad_to=CASCADE_MIN_REQS + 4, cascade_pad_to=CASCADE_MIN_REQS + 2)
+    assert batch.cascade == shared
+    expected = CASCADE_MIN_REQS + 2 if shared else CASCADE_MIN_REQS + 4
+    assert batch.padded_num_reqs == expected
+    md = batch.attn_metadata
+    assert md.seq_lens.shape[0] == expected and md.seq_lens[CASCADE_MIN_REQS:].tolist() == [0] * (expected - CASCADE_MIN_REQS)
+
+
 @pytest.mark.parametrize("case", ["flag_off", "too_few_requests", "prefix_too_short", "nothing_shared"])
 def test_cascade_only_when_enabled_and_worth_it(case: str) -> None:
     num_reqs = CASCADE_MIN_REQS - 1 if case == "too_few_requests" else CASCADE_MIN_REQS
