@@ -17,7 +17,15 @@ Sections (--sections, default all but hf, each isolated: a failure is recorded a
 * prefix    prefix caching on vs off: 256 x 1064 unique tokens (0 % hits) and 256 x (shared 1000 + own 64),
             128 out each; needs a second engine with caching off;
 * hf        HF Transformers static-batch `generate` on the seeds' workload (same shapes, its own random
-            init: weights differ from kvserve's, which does not matter for a throughput comparison).
+            init: weights differ from kvserve's, which does not matter for a throughput comparison);
+* kprofile  GPU time by kernel over 10 steady steps (--kprofile-cases: bN / bNxC decode, pN one prefill,
+            shared256), with a GPU timeline: busy time, idle gaps and the host phase during each gap;
+* hostprof  host time per steady decode step by engine phase (batch 1 and 64 at 1k, 64 at 4k);
+* trace     per-step breakdown of the seeds', 256-sequence and shared-prefix workloads by step kind;
+* prefixab, shared, profile: see their methods.
+
+The start section also reports the decode graphs' times measured at capture and which sizes replay a
+larger graph.
 
 Run the hf section in its own process (`--sections hf`) so its memory is not shared with kvserve's KV cache.
 Prints a table last and writes JSON per section under --out.
