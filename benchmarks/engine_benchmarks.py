@@ -46,7 +46,7 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -154,15 +154,7 @@ class Bench:
                 # that all of them decode together for decode_steps steps.
                 prefill_steps = -(-batch * ctx // self.args.max_num_batched_tokens) + 1
                 steps = self.args.decode_steps + prefill_steps
-                decode_steps_seen, graph_ms = [0], [None]
-
-                def measure_graph(num_scheduled: int, batch: int = batch, decode_steps_seen: list[int] = decode_steps_seen,
-                                  graph_ms: list[float | None] = graph_ms) -> None:
-                    # While the requests still decode: the graph's buffers then hold a live step's inputs.
-                    decode_steps_seen[0] += num_scheduled == batch
-                    if decode_steps_seen[0] == 8 and graph_ms[0] is None:
-                        graph_ms[0] = self.graph_gpu_ms(batch)
-
+                measure_graph, graph_ms = self.graph_probe(batch)
                 stats = d.run(self.prompts([ctx] * batch), [steps] * batch, phases=True, on_step=measure_graph)
                 decode = [i for i, t in enumerate(stats.step_tokens) if t == batch]
                 decode = decode[3:] or decode
@@ -173,7 +165,7 @@ class Bench:
                                               for k in range(3))
                 else:  # async scheduling: the parts overlap the GPU, no per-part times
                     sched = execute = update = float("nan")
-                gpu_ms = graph_ms[0]
+                gpu_ms = graph_ms.get("ms")
                 floor = decode_floor_ms(self.config, batch, context)
                 out.append({"batch": batch, "context": context, "median_step_ms": ms, "floor_ms": floor,
                             "fraction_of_floor": floor / ms, "num_steps_timed": len(timed),
@@ -357,28 +349,17 @@ class Bench:
         core = self.core
         times: dict[str, list[float]] = collections.defaultdict(list)
 
-        def wrap(obj: Any, name: str, key: str) -> Any:
-            original = getattr(obj, name)
+        def timed(name: str, call: Callable[[], Any]) -> Any:
+            t = time.perf_counter()
+            try:
+                return call()
+            finally:
+                times["event_wait" if name == "synchronize" else name].append(time.perf_counter() - t)
 
-            def timed(*a: Any, **k: Any) -> Any:
-                t = time.perf_counter()
-                try:
-                    return original(*a, **k)
-                finally:
-                    times[key].append(time.perf_counter() - t)
-
-            setattr(obj, name, timed)
-            return original
-
-        originals = [(core.scheduler, "schedule", wrap(core.scheduler, "schedule", "schedule")),
-                     (core.scheduler, "update_from_output",
-                      wrap(core.scheduler, "update_from_output", "update_from_output")),
-                     (core.runner, "execute_model_async",
-                      wrap(core.runner, "execute_model_async", "execute_model_async"))]
-        event_sync = torch.cuda.Event.synchronize
-        wrap(torch.cuda.Event, "synchronize", "event_wait")
+        targets = [(core.scheduler, "schedule"), (core.scheduler, "update_from_output"),
+                   (core.runner, "execute_model_async"), (torch.cuda.Event, "synchronize")]
         out = {}
-        try:
+        with _around_methods(targets, timed):
             for batch, context in ((1, 1024), (64, 1024), (64, 4096)):
                 self.start_steady_decode(batch, self.length(context), f"h{batch}x{context}", steady_steps=40)
                 times.clear()
@@ -396,12 +377,22 @@ class Bench:
                 out[f"b{batch}x{context}"] = per_step
                 self.rows.append((f"host profile b{batch} ctx{context} (ms/step)", f"{per_step['wall']:.2f}",
                                   ", ".join(f"{k} {v:.2f}" for k, v in per_step.items() if k != "wall")))
-        finally:
-            torch.cuda.Event.synchronize = event_sync
-            for obj, name, original in originals:
-                setattr(obj, name, original)
         del d
         self.results["hostprof"] = out
+
+    def graph_probe(self, batch: int) -> tuple[Callable[[int], None], dict[str, float | None]]:
+        """A Driver.run `on_step` callback that times the decode graph of `batch` once, at the 8th step of
+        `batch` decode tokens (the requests still live), and the dict that receives it under "ms"."""
+        seen = 0
+        result: dict[str, float | None] = {}
+
+        def on_step(num_scheduled: int) -> None:
+            nonlocal seen
+            seen += num_scheduled == batch
+            if seen == 8 and "ms" not in result:
+                result["ms"] = self.graph_gpu_ms(batch)
+
+        return on_step, result
 
     def graph_gpu_ms(self, batch: int) -> float | None:
         """GPU time of one replay of the decode graph serving `batch` (CUDA events, median of 20), over
@@ -722,24 +713,18 @@ def _self_device_us(event: Any) -> float:
 
 
 @contextlib.contextmanager
-def _labelled_phases(core: Any) -> Iterator[None]:
-    """Name the engine's host phases in a profiler trace (scheduling, the step's launch, the wait for a
-    step's tokens, output bookkeeping), so a GPU idle gap can be attributed to what the host was doing."""
-    from torch.profiler import record_function
-
-    targets = [(core.scheduler, "schedule"), (core.scheduler, "update_from_output"),
-               (core.runner, "execute_model_async"), (core.runner.inputs, "prepare"),
-               (core.runner, "sampler"), (torch.cuda.Event, "synchronize")]
+def _around_methods(targets: list[tuple[Any, str]], around: Callable[[str, Callable[[], Any]], Any]) -> Iterator[None]:
+    """Route every call of each (object, method name) in targets through around(name, call) while the
+    context lasts, then put the objects back as they were (an instance attribute only where one was)."""
     saved = []
     for obj, name in targets:
         original = getattr(obj, name)
         saved.append((obj, name, vars(obj).get(name)))
 
-        def labelled(*a: Any, _f: Any = original, _n: str = name, **k: Any) -> Any:
-            with record_function(f"kv::{_n}"):
-                return _f(*a, **k)
+        def routed(*a: Any, _f: Any = original, _n: str = name, **k: Any) -> Any:
+            return around(_n, lambda: _f(*a, **k))
 
-        setattr(obj, name, labelled)
+        setattr(obj, name, routed)
     try:
         yield
     finally:
@@ -748,6 +733,21 @@ def _labelled_phases(core: Any) -> Iterator[None]:
                 delattr(obj, name)  # the method came from the class
             else:
                 setattr(obj, name, own)
+
+
+def _labelled_phases(core: Any) -> contextlib.AbstractContextManager[None]:
+    """Name the engine's host phases in a profiler trace (scheduling, the step's launch, the wait for a
+    step's tokens, output bookkeeping), so a GPU idle gap can be attributed to what the host was doing."""
+    from torch.profiler import record_function
+
+    def labelled(name: str, call: Callable[[], Any]) -> Any:
+        with record_function(f"kv::{name}"):
+            return call()
+
+    targets = [(core.scheduler, "schedule"), (core.scheduler, "update_from_output"),
+               (core.runner, "execute_model_async"), (core.runner.inputs, "prepare"),
+               (core.runner, "sampler"), (torch.cuda.Event, "synchronize")]
+    return _around_methods(targets, labelled)
 
 
 def _gpu_timeline(prof: Any, num_steps: int) -> dict[str, Any]:
