@@ -53,18 +53,19 @@ def layer_copies(n: int, k: int, has_bias: bool, dtype: torch.dtype) -> tuple[in
 
 
 def configs(n: int, k: int, num_sms: int, block_ns: list[int], block_ks: list[int],
-            stages_list: list[int] = STAGES, warps_list: list[int] | None = None) -> list[GemmConfig]:
+            stages_list: list[int] = STAGES, warps_list: list[int] | None = None,
+            splits: list[int] = SPLITS, fused_only: bool = False) -> list[GemmConfig]:
     out = []
     for bn, bk, stages in itertools.product(block_ns, block_ks, stages_list):
         if bn * bk * 2 * stages > 200 * 1024:  # weight tiles alone past shared memory
             continue
         for warps in warps_list or ([4, 8] if bn >= 128 else [4]):
-            for split in SPLITS:
+            for split in splits:
                 programs = n // bn * split
-                if n % bn or k % (split * bk) or not num_sms <= programs <= 12 * num_sms:
+                if n % bn or k % bk or split > k // bk or not num_sms <= programs <= 12 * num_sms:
                     continue
                 out.append(GemmConfig(bn, bk, split, stages, warps))
-                if split > 1:
+                if split > 1 and not fused_only:
                     out.append(GemmConfig(bn, bk, split, stages, warps, fused_reduce=False))
     random.Random(n * k).shuffle(out)  # a case cut short by the budget still samples every axis
     return out
@@ -80,6 +81,9 @@ def main() -> int:
     parser.add_argument("--block-ks", default=",".join(map(str, BLOCK_KS)))
     parser.add_argument("--stages", default=",".join(map(str, STAGES)))
     parser.add_argument("--warps", default="", help="num_warps values (default: 4, and 8 for 128+-row tiles)")
+    parser.add_argument("--splits", default=",".join(map(str, SPLITS)),
+                        help="split-K counts (need not divide K's chunks)")
+    parser.add_argument("--fused-only", action="store_true", help="skip the separate-reduce variants")
     parser.add_argument("--picked", action="store_true",
                         help="time only pick_config's tiling (and two other depths) with plain and PDL launches")
     args = parser.parse_args()
@@ -114,7 +118,9 @@ def main() -> int:
             block_ks = [int(v) for v in args.block_ks.split(",")]
             stages_list = [int(v) for v in args.stages.split(",")]
             warps_list = [int(v) for v in args.warps.split(",") if v]
-            for cfg in configs(n, k, num_sms, block_ns, block_ks, stages_list, warps_list):
+            splits = [int(v) for v in args.splits.split(",")]
+            for cfg in configs(n, k, num_sms, block_ns, block_ks, stages_list, warps_list, splits,
+                               args.fused_only):
                 if time.monotonic() - start > per_case or time.monotonic() > deadline:
                     case["truncated"] = True
                     break
@@ -166,6 +172,15 @@ def main() -> int:
                   f"({r['block_n']}, {r['block_k']}, {r['split_k']}, {r['num_stages']}, {r['num_warps']}"
                   + (", separate" if r["split_k"] > 1 and not r["fused_reduce"] else "") + ")"
                   + (f"  [{failed} failed]" if failed and i == 0 else ""))
+    # The best time at each split count (any tiling): what a split rule is fitted to.
+    print(f"\n{'shape':8s} {'M':>4s}  best us by split count (block_n / programs)")
+    for case, _, _ in summary:
+        by_split: dict[int, dict] = {}
+        for r in case["configs"]:
+            if "us" in r and (r["split_k"] not in by_split or r["us"] < by_split[r["split_k"]]["us"]):
+                by_split[r["split_k"]] = r
+        print(f"{case['shape']:8s} {case['m']:4d}  " + "  ".join(
+            f"{s}: {r['us']:.1f} ({r['block_n']}/{case['n'] // r['block_n'] * s})" for s, r in sorted(by_split.items())))
     return 0
 
 
@@ -199,7 +214,7 @@ def picked(args: argparse.Namespace) -> int:
                 c = cfg
                 if tiling is not None:
                     c = GemmConfig(cfg.block_n, tiling[0], cfg.split_k, tiling[1], cfg.num_warps)
-                    if k % (c.split_k * c.block_k):
+                    if k % c.block_k or c.split_k > k // c.block_k:
                         continue
 
                 def step(c: GemmConfig = c, xs: torch.Tensor = x, ws: list = weights, bs: list = biases) -> None:

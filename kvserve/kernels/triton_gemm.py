@@ -76,7 +76,7 @@ def _skinny_gemm_kernel(
     N,
     stride_xm,
     stride_wn,
-    k_per_split,
+    num_chunks,
     stride_cos_sin,
     stride_cache_slot,
     num_heads,
@@ -109,14 +109,18 @@ def _skinny_gemm_kernel(
         offs_n = pid_n * BLOCK_N + rows
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
-    k_start = pid_s.to(tl.int64) * k_per_split
+    # Split s owns K chunks [s * C // SPLIT_K, (s + 1) * C // SPLIT_K) of C = K // BLOCK_K: splits differ by one
+    # chunk at most when SPLIT_K does not divide C (the split count then follows the SM count, not K).
+    chunk_begin = pid_s * num_chunks // SPLIT_K
+    chunk_end = (pid_s + 1) * num_chunks // SPLIT_K
+    k_start = chunk_begin.to(tl.int64) * BLOCK_K
     # N is a multiple of BLOCK_N (the launcher's contract): weight loads carry no mask.
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + k_start + offs_k[None, :]
     pdl_wait_then_release(PDL)
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + k_start + offs_k[None, :]
     m_mask = offs_m[:, None] < M
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for _ in range(0, k_per_split, BLOCK_K):
+    for _ in range(chunk_begin, chunk_end):
         w = tl.load(w_ptrs)
         x = tl.load(x_ptrs, mask=m_mask, other=0.0)
         acc = tl.dot(w, tl.trans(x), acc)
@@ -325,7 +329,8 @@ def fits(
         and x.stride(1) == 1
         and weight.stride(1) == 1
         and n % config.block_n == 0
-        and k % (config.split_k * config.block_k) == 0
+        and k % config.block_k == 0
+        and 1 <= config.split_k <= k // config.block_k
     )
 
 
@@ -344,7 +349,8 @@ def skinny_linear(
     rope: the weight is a fused q/k/v projection; the result holds the rotated q and k heads and v, bitwise
     what `rotary_embedding` gives, and k / v are also written into rope.kv_cache at rope.slot_mapping.
 
-    Contract (`fits`): N % block_n == 0, K % (split_k * block_k) == 0, unit stride along K; with an epilogue,
+    Contract (`fits`): N % block_n == 0, K % block_k == 0, split_k <= K // block_k (the splits' chunk counts
+    differ by one at most), unit stride along K; with an epilogue,
     the last program of a split tile sums the partials (fused_reduce).
     """
     assert fits(x, weight, config, bias, silu_mul, rope), (
@@ -382,7 +388,7 @@ def skinny_linear(
         n,
         x.stride(0),
         weight.stride(0),
-        k // config.split_k,
+        k // config.block_k,
         *rope_ints,
         HAS_BIAS=has_bias,
         SPLIT_K=config.split_k,

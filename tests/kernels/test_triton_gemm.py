@@ -20,6 +20,7 @@ CONFIGS = [
     GemmConfig(32, 32, 4, 3, fused_reduce=False),  # split-K, a second kernel reduces
     GemmConfig(16, 64, 2, 2),
     GemmConfig(64, 32, 8, 2),
+    GemmConfig(32, 32, 3, 2),  # 8 chunks in 3 splits: 2, 3 and 3 chunks
 ]
 
 
@@ -177,12 +178,30 @@ def test_ops_linear_silu_mul_on_cpu_is_the_two_ops():
     assert torch.equal(ops.linear_silu_mul(x, w, b), ops.silu_and_mul(torch.nn.functional.linear(x, w, b)))
 
 
+@pytest.mark.parametrize("splits", [3, 5, 7])
+def test_uneven_splits_cover_every_chunk_once(splits, device):
+    """A split count that does not divide K's chunks: every chunk is summed exactly once. Row r of x is ones
+    over chunk r and zeros elsewhere, so output row r is the sum of that chunk's weight slice: a chunk dropped
+    or summed twice changes it. The fused and the separate reduction give the same bits."""
+    chunks, block_k = 9, 32
+    x = torch.zeros(chunks, chunks * block_k, device=device, dtype=torch.float16)
+    for chunk in range(chunks):
+        x[chunk, chunk * block_k:(chunk + 1) * block_k] = 1.0
+    gen = torch.Generator().manual_seed(splits)
+    w = torch.randint(-2, 3, (64, chunks * block_k), generator=gen).to(device=device, dtype=torch.float16)
+    expected = w.float().reshape(64, chunks, block_k).sum(-1).t()  # [chunk, n], small integers: exact
+    fused = skinny_linear(x, w, None, GemmConfig(32, block_k, splits, 2))
+    separate = skinny_linear(x, w, None, GemmConfig(32, block_k, splits, 2, fused_reduce=False))
+    assert torch.equal(fused.float(), expected)
+    assert torch.equal(fused, separate)
+
+
 @pytest.mark.parametrize(
     ("n", "k", "config", "why"),
     [
         (96, 256, GemmConfig(64, 32, 1, 2), "N not a multiple of block_n"),
         (128, 96, GemmConfig(32, 64, 1, 2), "K not a multiple of block_k"),
-        (128, 256, GemmConfig(32, 64, 3, 2), "K not a multiple of split_k * block_k"),
+        (128, 256, GemmConfig(32, 64, 5, 2), "more splits than K has chunks"),
     ],
 )
 def test_fits_rejects(n, k, config, why, device):
@@ -236,8 +255,8 @@ def test_pick_config_always_fits_or_declines(n, k, num_sms):
         assert config is None
         return
     assert config is not None
-    assert n % config.block_n == 0 and k % (config.split_k * config.block_k) == 0
-    assert 1 <= config.split_k <= 16
+    assert n % config.block_n == 0 and k % config.block_k == 0
+    assert 1 <= config.split_k <= min(16, k // config.block_k)
 
 
 # ------------------------------------------------------------------------------ ops.linear dispatch
