@@ -74,7 +74,11 @@ def main() -> int:
     parser.add_argument("--tiles", default=",".join(map(str, TILES)))
     parser.add_argument("--warps", default=",".join(map(str, WARPS)))
     parser.add_argument("--stages", default=",".join(map(str, STAGES)))
+    parser.add_argument("--merge", default="fused",
+                        help="split launches, comma-separated: fused (the last split program merges), kernel (a "
+                        "reduce launch)")
     args = parser.parse_args()
+    merges = [m == "fused" for m in args.merge.split(",")]
     tiles, warps_list, stages_list = ([int(v) for v in a.split(",")] for a in (args.tiles, args.warps, args.stages))
     shape = MODELS["qwen2.5-7b"]
     scale = shape.head_dim**-0.5
@@ -98,9 +102,12 @@ def main() -> int:
         for tile, warps, stages in itertools.product(tiles, warps_list, stages_list):
             for launch in (triton_attention.DECODE_LAUNCH, triton_attention.DECODE_LAUNCH_ONE_SPLIT):
                 launch.update(TILE_N=tile, num_warps=warps, num_stages=stages)
-            for splits in split_options:
+            for splits, fused in itertools.product(split_options, merges):
+                if splits == 1 and fused != merges[0]:
+                    continue  # one split has no merge
+                triton_attention.DECODE_FUSED_MERGE = fused
                 row = {"batch": batch, "context": ctx, "tile_n": tile, "num_warps": warps, "num_stages": stages,
-                       "num_splits": splits}
+                       "num_splits": splits, "merge": "fused" if fused else "kernel"}
                 try:
                     out = triton_attention.launch_paged_attention(query, kv0, metadata, scale, None, splits)
                     err = (out.float() - expected.float()).abs().max().item()
@@ -118,6 +125,7 @@ def main() -> int:
                 except Exception as exc:  # compile failure (shared memory) or launch error
                     row["error"] = repr(exc)[:160]
                 case_rows.append(row)
+        triton_attention.DECODE_FUSED_MERGE = True
         for launch, saved in ((triton_attention.DECODE_LAUNCH, default),
                               (triton_attention.DECODE_LAUNCH_ONE_SPLIT, default_one)):
             launch.clear()
@@ -127,7 +135,8 @@ def main() -> int:
 
         def is_default_row(r: dict) -> bool:
             d = default_one if r["num_splits"] == 1 else default
-            return (r["tile_n"], r["num_warps"], r["num_stages"]) == (d["TILE_N"], d["num_warps"], d["num_stages"])
+            return ((r["tile_n"], r["num_warps"], r["num_stages"]) == (d["TILE_N"], d["num_warps"], d["num_stages"])
+                    and (r["num_splits"] == 1 or r["merge"] == "fused"))
 
         is_default = [r for r in timed if is_default_row(r)]
         summary.append((batch, ctx, bytes_per_layer, is_default, timed[:5],
@@ -143,7 +152,7 @@ def main() -> int:
         for label, rows in (("default", is_default), ("best", best)):
             for r in rows:
                 print(f"  {label:8s} tile {r['tile_n']:4d} warps {r['num_warps']} stages {r['num_stages']} "
-                      f"splits {r['num_splits']:3d}: {r['us_per_layer']:7.1f} us/layer "
+                      f"splits {r['num_splits']:3d} {r['merge']:6s}: {r['us_per_layer']:7.1f} us/layer "
                       f"{r['tbps']:.2f} TB/s ({r['tbps'] / COPY_TBPS:.0%} of copy)")
     return 0
 

@@ -796,6 +796,27 @@ def _kernel_us(events: list[Any]) -> float:
     return sum(_self_device_us(e) for e in events if not e.key.startswith("aten::"))
 
 
+def _use_divisor_split_rule() -> None:
+    """The skinny matmul's split-K rule before the eighth session, for A/B runs: the fewest splits that
+    divide K's chunks and give 1.5 programs per SM (4 for qkv, o_proj and down on the H200)."""
+    import dataclasses
+
+    from kvserve.kernels import triton_gemm
+
+    resident_rule = triton_gemm.pick_config
+
+    def divisor_rule(m: int, n: int, k: int, num_sms: int, max_shared: int = 227 * 1024) -> object:
+        config = resident_rule(m, n, k, num_sms, max_shared)
+        if config is None:
+            return None
+        tiles, chunks = n // config.block_n, k // config.block_k
+        divisors = [s for s in range(1, 17) if chunks % s == 0]
+        split = next((s for s in divisors if tiles * s * 2 >= 3 * num_sms), divisors[-1])
+        return dataclasses.replace(config, split_k=split)
+
+    triton_gemm.pick_config = divisor_rule
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
@@ -845,6 +866,11 @@ def main() -> int:
     p.add_argument("--qkv-rope-fusion", action=argparse.BooleanOptionalAction, default=True,
                    help="small batches: rotary embedding and cache write in the q/k/v matmul's epilogue")
     p.add_argument("--skinny-max-rows", type=int, default=None, help="override ops.SKINNY_GEMM_MAX_ROWS")
+    p.add_argument("--skinny-split-rule", default="resident", choices=["resident", "divisor"],
+                   help="split-K of the Triton matmul: as many splits as stay resident at once (default), or the "
+                   "earlier rule (the fewest splits dividing K for 1.5 programs per SM)")
+    p.add_argument("--decode-fused-merge", action=argparse.BooleanOptionalAction, default=True,
+                   help="split decode attention: the last split program merges (off: a reduce launch)")
     p.add_argument("--sdpa-cudnn-min-tokens", type=int, default=None,
                    help="override ops.SDPA_CUDNN_MIN_TOKENS: one-prompt prefills this long use cuDNN attention "
                    "(0: never; default: 1024 on sm_90+)")
@@ -867,6 +893,11 @@ def main() -> int:
     ops.set_qkv_rope_fusion(args.qkv_rope_fusion)
     if args.skinny_max_rows is not None:
         ops.SKINNY_GEMM_MAX_ROWS = args.skinny_max_rows
+    if args.skinny_split_rule == "divisor":
+        _use_divisor_split_rule()
+    from kvserve.kernels import triton_attention
+
+    triton_attention.DECODE_FUSED_MERGE = args.decode_fused_merge
     if args.sdpa_cudnn_min_tokens is not None:
         ops.SDPA_CUDNN_MIN_TOKENS = args.sdpa_cudnn_min_tokens
     if args.prefill_graph_max_tokens is not None:

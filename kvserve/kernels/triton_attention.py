@@ -14,7 +14,9 @@ from host ints only (never a device read):
   query heads of a KV head form the rows of one tile (padded to 16 for `tl.dot`), and the request's context
   is cut into `num_splits` contiguous ranges of KV tiles (flash-decoding). With one split the program
   writes the output; with more, each writes an unnormalised fp32 partial (acc, running max, running sum)
-  and `_reduce_splits_kernel` (one program per (token, query head)) merges them.
+  and the last program of each (request, KV head) to finish merges them in split order (a per-(request, KV
+  head) counter; `DECODE_FUSED_MERGE = False`: a third launch, `_reduce_splits_kernel`, one program per
+  (token, query head), merges them instead).
 
 Keys are read `TILE_N` at a time whatever the cache block size: key j of request r lives at block
 `block_tables[r, j // block_size]`, offset `j % block_size`, so one tile may span several (non-contiguous)
@@ -63,6 +65,9 @@ DECODE_LAUNCH_ONE_SPLIT: dict[str, int] = {"TILE_N": 128, "num_warps": 4, "num_s
 CASCADE_PREFIX_TILE_N = 64
 CASCADE_PREFIX_MAX_BLOCK_M = 128
 CASCADE_MAX_PREFIX_SPLITS = 16
+# Split decode launches: the last program of each (request, KV head) merges the splits (one launch fewer per
+# layer) instead of `_reduce_splits_kernel`.
+DECODE_FUSED_MERGE = True
 # Stand-in multiprocessor count for the CPU interpreter (small, so tests reach the split path cheaply).
 _INTERPRETER_NUM_SMS = 4
 
@@ -101,6 +106,7 @@ def _paged_attention_kernel(
     seq_lens_ptr,
     block_tables_ptr,
     kv_start_ptr,
+    merge_count_ptr,
     scale_log2,
     num_reqs,
     num_splits,
@@ -126,6 +132,7 @@ def _paged_attention_kernel(
     CASCADE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr = False,
+    FUSED_MERGE: tl.constexpr = False,
 ):
     pdl_wait_then_release(PDL)
     tile = tl.program_id(0)
@@ -206,6 +213,7 @@ def _paged_attention_kernel(
             q, k_cache_ptr, v_cache_ptr, kv_offset, dims, k_valid, allowed, m_i, l_i, acc, scale_log2, DOT_PRECISION
         )
 
+    out_ptrs = out_ptr + token[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :]
     if USE_SPLITS:
         # Partials are [num_tokens, NUM_HEADS, total_splits(, HEAD_DIM)], fp32, unnormalised; this launch
         # owns splits split_offset .. split_offset + num_splits - 1 (a cascade's prefix part has the first).
@@ -213,6 +221,17 @@ def _paged_attention_kernel(
         tl.store(partial_max_ptr + part, m_i, mask=row_valid)
         tl.store(partial_sum_ptr + part, l_i, mask=row_valid)
         tl.store(partial_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_valid[:, None])
+        if FUSED_MERGE:
+            # Count this (request, KV head)'s finished splits; the last one to finish merges all partials
+            # (the same result whichever program comes last) and resets the counter for the next launch.
+            tl.debug_barrier()
+            counter = merge_count_ptr + req * tl.num_programs(1) + kv_head
+            done = tl.atomic_add(counter, 1, sem="acq_rel")
+            if done == num_splits - 1:
+                base = (token * NUM_HEADS + head) * total_splits
+                _merge_partials(partial_acc_ptr, partial_max_ptr, partial_sum_ptr, out_ptrs, base, total_splits,
+                                dims, row_valid, BLOCK_M, HEAD_DIM)
+                tl.atomic_xchg(counter, 0)
     else:
         if CASCADE:
             # Unsplit own part of a cascade: merge the prefix partials (splits 0 .. split_offset - 1, written
@@ -233,11 +252,33 @@ def _paged_attention_kernel(
                 m_i = m_new
         # Rows with no key at all (seq_len 0 padding rows) give 0, as the reference's nan_to_num does.
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(
-            out_ptr + token[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=row_valid[:, None],
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+
+
+@triton.jit
+def _merge_partials(partial_acc_ptr, partial_max_ptr, partial_sum_ptr, out_ptrs, base, total_splits, dims,
+                    row_valid, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Merge the split partials of BLOCK_M rows (row r's splits at base[r] .. base[r] + total_splits - 1) into
+    the output: weights exp2(m_s - max m), in split order, as `_reduce_splits_kernel` computes them. Reads
+    bypass L1: other programs wrote the partials."""
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for s in range(0, total_splits):
+        m_s = tl.load(partial_max_ptr + base + s, mask=row_valid, other=float("-inf"), cache_modifier=".cg")
+        m = tl.maximum(m, m_s)
+    # Empty splits carry m = -inf and weigh 0; a row with no keys at all (m = -inf everywhere) gives 0.
+    m_shift = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for s in range(0, total_splits):
+        w = tl.math.exp2(
+            tl.load(partial_max_ptr + base + s, mask=row_valid, other=float("-inf"), cache_modifier=".cg") - m_shift
         )
+        total += w * tl.load(partial_sum_ptr + base + s, mask=row_valid, other=0.0, cache_modifier=".cg")
+        a_s = tl.load(partial_acc_ptr + (base + s)[:, None] * HEAD_DIM + dims[None, :], mask=row_valid[:, None],
+                      other=0.0, cache_modifier=".cg")
+        acc += w[:, None] * a_s
+    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+    tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=row_valid[:, None])
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_prefix_splits", "total_splits"])
@@ -352,6 +393,25 @@ def _reduce_splits_kernel(
     tl.store(
         out_ptr + token * stride_out_token + head * stride_out_head + dims, out.to(out_ptr.dtype.element_ty)
     )
+
+
+_MERGE_COUNTERS: dict[torch.device, torch.Tensor] = {}
+# Counter buffers replaced by a larger one stay alive: a CUDA graph captured earlier may still point at them.
+_RETIRED_MERGE_COUNTERS: list[torch.Tensor] = []
+
+
+def _merge_counters(device: torch.device, count: int) -> torch.Tensor:
+    """Per-(request, KV head) counters of finished splits, zero between launches (each launch's merging
+    programs reset theirs). Launches that use them must not overlap (kvserve computes on one stream)."""
+    counters = _MERGE_COUNTERS.get(device)
+    if counters is None or counters.numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the split counters must be allocated before CUDA graph capture (run eagerly first)")
+        if counters is not None:
+            _RETIRED_MERGE_COUNTERS.append(counters)
+        counters = torch.zeros(max(count, 1 << 16), dtype=torch.int32, device=device)
+        _MERGE_COUNTERS[device] = counters
+    return counters
 
 
 @functools.lru_cache(maxsize=8)
@@ -493,7 +553,7 @@ def launch_paged_attention(
         grid = (num_tokens // block_q + num_reqs, num_kv_heads, 1)
         _paged_attention_kernel[grid](
             query, k_cache, v_cache, out, out, out, out,
-            metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, metadata.seq_lens,
+            metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, metadata.seq_lens, metadata.seq_lens,
             log2_scale, num_reqs, 1, 0, 1, *strides,
             BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=64,
             IS_DECODE=False, USE_SPLITS=False, CASCADE=False,
@@ -513,7 +573,7 @@ def launch_paged_attention(
     if num_splits == 1 and not cascade:
         _paged_attention_kernel[(num_reqs, num_kv_heads, 1)](
             query, k_cache, v_cache, out, out, out, out,
-            metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, metadata.seq_lens,
+            metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, metadata.seq_lens, metadata.seq_lens,
             log2_scale, num_reqs, 1, 0, 1, *strides,
             USE_SPLITS=False, CASCADE=False, **decode_kwargs,
         )  # fmt: skip
@@ -532,6 +592,10 @@ def launch_paged_attention(
     # reduce launch); otherwise every part writes partials and the reduce kernel merges them.
     merge_in_own = cascade and num_splits == 1
     total_splits = prefix_splits + (0 if merge_in_own else num_splits)
+    # Otherwise the last split program of each (request, KV head) merges (DECODE_FUSED_MERGE), or a third
+    # launch does.
+    fused_merge = DECODE_FUSED_MERGE and not merge_in_own
+    counters = _merge_counters(query.device, num_reqs * num_kv_heads) if fused_merge else metadata.seq_lens
     partial_acc = torch.empty(
         num_tokens, num_heads, total_splits, head_dim, dtype=torch.float32, device=query.device
     )
@@ -550,11 +614,11 @@ def launch_paged_attention(
     _paged_attention_kernel[(num_reqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, out, partial_acc, partial_max, partial_sum,
         metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
-        prefix_len if cascade else metadata.seq_lens,
+        prefix_len if cascade else metadata.seq_lens, counters,
         log2_scale, num_reqs, num_splits, prefix_splits, total_splits, *strides,
-        USE_SPLITS=not merge_in_own, CASCADE=cascade, **decode_kwargs,
+        USE_SPLITS=not merge_in_own, CASCADE=cascade, FUSED_MERGE=fused_merge, **decode_kwargs,
     )  # fmt: skip
-    if merge_in_own:
+    if merge_in_own or fused_merge:
         return out
     _reduce_splits_kernel[(num_tokens, num_heads)](
         partial_acc, partial_max, partial_sum, out,

@@ -228,11 +228,12 @@ def shared_bytes(config: GemmConfig, block_m: int = 16, elem_bytes: int = 2) -> 
 def pick_config(m: int, n: int, k: int, num_sms: int, max_shared: int = 227 * 1024) -> GemmConfig | None:
     """The tiling for an [m, k] x [n, k]^T matmul, or None when no tiling of this kernel fits (torch then).
 
-    Fitted to the H200 sweep (docs/perf_notes.md, entry 14): 64-row weight tiles of 128 keys, 3 stages, 4
-    warps; 128-row tiles with 8 warps and 4 stages when 64-row tiles would give 16 or more programs per SM
-    (the LM head) and the device has the shared memory for them (`max_shared` bytes per block: 227 KiB on
-    Hopper, 99 KiB on sm_86 / sm_89); split-K only as far as needed for 1.5 programs per SM (o_proj and
-    down on the H200: 4 splits of a 56-tile matrix).
+    Fitted to the H200 sweeps (docs/perf_notes.md, entries 14 and 26): 64-row weight tiles of 128 keys, 3
+    stages, 4 warps; 128-row tiles with 8 warps and 4 stages when 64-row tiles would give 16 or more programs
+    per SM (the LM head) and the device has the shared memory for them (`max_shared` bytes per block: 227 KiB
+    on Hopper, 99 KiB on sm_86 / sm_89). Split-K: the most splits (at most 16, one K chunk each at least)
+    whose programs are all resident at once (`resident_programs`), so that every program streams from the
+    start and none waits for a second round: on the H200 qkv takes 5 splits, o_proj and down 7.
     """
     block_k = 128
     if m < 1 or k % block_k:
@@ -244,11 +245,15 @@ def pick_config(m: int, n: int, k: int, num_sms: int, max_shared: int = 227 * 10
     if n % base.block_n or shared_bytes(base) > max_shared:
         return None
     tiles = n // base.block_n
-    chunks = k // block_k
-    split = next((s for s in range(1, 17) if chunks % s == 0 and tiles * s * 2 >= 3 * num_sms), None)
-    if split is None:
-        split = max(s for s in range(1, 17) if chunks % s == 0)
+    resident = resident_programs(base, num_sms, max_shared)
+    split = max(1, min(16, k // block_k, resident // tiles))
     return GemmConfig(base.block_n, block_k, split, base.num_stages, base.num_warps)
+
+
+def resident_programs(config: GemmConfig, num_sms: int, max_shared: int) -> int:
+    """Programs of this tiling the GPU holds at once, as its shared memory allows (`max_shared` per block,
+    taken as the SM's capacity too; registers and warps do not bind for these tilings)."""
+    return num_sms * max(1, max_shared // shared_bytes(config))
 
 
 _LOCKS: dict[torch.device, torch.Tensor] = {}

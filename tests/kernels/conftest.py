@@ -154,7 +154,8 @@ def _launch_spec(
     constexprs: dict[str, object] = {}
     divisible: list[int] = []
     for i, param in enumerate(params):
-        value = bound[param.name]
+        # A constexpr left at its default is compiled with that default.
+        value = bound[param.name] if param.default is inspect.Parameter.empty else bound.get(param.name, param.default)
         if param.annotation in ("tl.constexpr", "constexpr") or "constexpr" in str(param.annotation):
             signature[param.name] = "constexpr"
             constexprs[param.name] = value
@@ -197,7 +198,7 @@ for spec in json.load(sys.stdin):
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=spec["options"])
     ptx = compiled.asm["ptx"]
     results.append({"kernel": spec["kernel"], "shared_bytes": compiled.metadata.shared,
-                    "pdl": spec["options"].get("launch_pdl", False),
+                    "pdl": spec["options"].get("launch_pdl", False), "num_warps": spec["options"].get("num_warps"),
                     "griddepcontrol": "griddepcontrol.wait" in ptx})
 print(json.dumps(results))
 """

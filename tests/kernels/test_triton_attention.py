@@ -164,6 +164,32 @@ def test_decode_padding_rows_give_zeros(num_splits, device):
     assert torch.equal(out[1], torch.zeros_like(out[1]))
 
 
+@pytest.mark.parametrize("case", ["splits", "cascade_splits", "padding_rows"])
+def test_fused_merge_matches_the_reduce_kernel(case, device, poison_allocations, monkeypatch):
+    """The last split program's merge against the separate reduce launch: both match the reference, agree
+    to float32 rounding, give the same bits launch after launch, and leave every counter at zero (so the
+    next launch, a graph replay, merges again)."""
+    poison_allocations(triton_attention)
+    seq_lens = [300, 77, 260, 0] if case == "padding_rows" else [300, 77, 260, 150]
+    query, kv_cache, metadata = make_batch([1] * 4, seq_lens, 14, 2, 64, 16, torch.float32, device, seed=8)
+    if case == "cascade_splits":
+        metadata = share_prefix(metadata, 4, 64)
+    scale = 0.125
+    expected = reference.paged_attention(query, kv_cache, metadata, scale)
+    outs = {}
+    for fused in (True, False):
+        monkeypatch.setattr(triton_attention, "DECODE_FUSED_MERGE", fused)
+        first = launch_paged_attention(query, kv_cache, metadata, scale, num_splits=3)
+        second = launch_paged_attention(query, kv_cache, metadata, scale, num_splits=3)
+        assert torch.equal(first, second)
+        torch.testing.assert_close(first, expected, **TOLERANCES[torch.float32])
+        outs[fused] = first
+    torch.testing.assert_close(outs[True], outs[False], rtol=1e-6, atol=1e-6)
+    assert int(triton_attention._MERGE_COUNTERS[query.device].abs().sum()) == 0
+    if case == "padding_rows":
+        assert torch.equal(outs[True][3], torch.zeros_like(outs[True][3]))
+
+
 def share_prefix(metadata: AttentionMetadata, shared_blocks: int, prefix_len: int) -> AttentionMetadata:
     """The batch's requests share their first `shared_blocks` cache blocks (row 0's), and the metadata asks
     for cascade attention over the first `prefix_len` keys."""
@@ -391,19 +417,27 @@ def test_kernels_compile_for_hopper(device, hopper_compiler):
         ]
         for batch, kernels, splits in (
             (decode, attention_kernels[:1], 1),
-            (decode, attention_kernels, 4),
-            # A one-split own part merges the prefix partials itself; with splits the reduce kernel does.
+            (decode, attention_kernels, -4),  # separate reduce launch (DECODE_FUSED_MERGE off)
+            (decode, attention_kernels[:1], 4),
+            # A one-split own part merges the prefix partials itself; with splits the last split program does,
+            # or the reduce kernel (a negative count here: DECODE_FUSED_MERGE off).
             (cascade, ["_shared_prefix_kernel", attention_kernels[0]], 1),
-            (cascade, ["_shared_prefix_kernel", *attention_kernels], 3),
+            (cascade, ["_shared_prefix_kernel", *attention_kernels], -3),
+            (cascade, ["_shared_prefix_kernel", attention_kernels[0]], 3),
             *((b, ["_shared_prefix_kernel", attention_kernels[0]], 1) for b in cascade_wide),
             (prefill, attention_kernels[:1], None),
             (tiny_chunks, attention_kernels[:1], None),
         ):
-            hopper_compiler.record(
-                triton_attention,
-                kernels,
-                lambda b=batch, s=splits: launch_paged_attention(*b, 0.1, num_splits=s),
-            )
+            fused_merge = splits is None or splits > 0
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(triton_attention, "DECODE_FUSED_MERGE", fused_merge)
+                hopper_compiler.record(
+                    triton_attention,
+                    kernels,
+                    lambda b=batch, s=None if splits is None else abs(splits): launch_paged_attention(
+                        *b, 0.1, num_splits=s
+                    ),
+                )
         key = decode[0][:, :num_kv_heads]
         slot_mapping = torch.zeros(2, dtype=torch.int64, device=device)
         hopper_compiler.record(
