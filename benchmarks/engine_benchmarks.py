@@ -871,6 +871,8 @@ def main() -> int:
                    "earlier rule (the fewest splits dividing K for 1.5 programs per SM)")
     p.add_argument("--decode-fused-merge", action=argparse.BooleanOptionalAction, default=True,
                    help="split decode attention: the last split program merges (off: a reduce launch)")
+    p.add_argument("--decode-fused-merge-max-splits", type=int, default=None,
+                   help="override triton_attention.DECODE_FUSED_MERGE_MAX_SPLITS")
     p.add_argument("--sdpa-cudnn-min-tokens", type=int, default=None,
                    help="override ops.SDPA_CUDNN_MIN_TOKENS: one-prompt prefills this long use cuDNN attention "
                    "(0: never; default: 1024 on sm_90+)")
@@ -898,6 +900,8 @@ def main() -> int:
     from kvserve.kernels import triton_attention
 
     triton_attention.DECODE_FUSED_MERGE = args.decode_fused_merge
+    if args.decode_fused_merge_max_splits is not None:
+        triton_attention.DECODE_FUSED_MERGE_MAX_SPLITS = args.decode_fused_merge_max_splits
     if args.sdpa_cudnn_min_tokens is not None:
         ops.SDPA_CUDNN_MIN_TOKENS = args.sdpa_cudnn_min_tokens
     if args.prefill_graph_max_tokens is not None:

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Pass the local commit, written in literally (the device copy's git metadata can be stale, so a $(git ...) in
 # the command would read it there): KVSERVE_BENCH_COMMIT=<sha> bash ...
@@ -152,6 +152,12 @@ PY
             --decode-batches 1,8,16,32 --decode-contexts 1024,4096 --decode-steps 30 $flags >> "$R/splitab.log" 2>&1
           echo "mode $mode done" >> "$R/splitab.log"
         done ;;
+    mergeab) for mode in thr12 thr0 thr12; do
+          timeout 110 python3 benchmarks/engine_benchmarks.py --out "$R/mergeab_$mode" --sections start,decode \
+            --decode-batches 1,8,16,32 --decode-contexts 1024,4096 --decode-steps 30 \
+            --decode-fused-merge-max-splits ${mode#thr} >> "$R/mergeab.log" 2>&1
+          echo "mode $mode done" >> "$R/mergeab.log"
+        done ;;
     gemmsplit) timeout 330 python3 benchmarks/gemm_sweep.py --budget-s 290 --shapes qkv,o_proj,down,gate_up \
               --rows 1,8,16 --block-ns 64 --block-ks 128 --stages 3,4 --splits 1,2,3,4,5,6,7,8,9,10,11,12,14,16 \
               --fused-only --out "$R/gemm_split.json" > "$R/gemmsplit.log" 2>&1 ;;
@@ -294,7 +300,7 @@ for f in "$R"/prefillab.log "$R"/prefillprof.log "$R"/gemm4.log "$R"/ttftclk.log
     sweep.log) tail -c 3500 "$f" ;;
     gemmsplit.log) grep -A 40 "best us by split" "$f" ;;
     mergesweep.log) tail -c 3000 "$f" ;;
-    splitab.log) grep -E "^decode|^engine start|mode .* done|Error|error" "$f" | tail -60 ;;
+    mergeab.log|splitab.log) grep -E "^decode|^engine start|mode .* done|Error|error" "$f" | tail -60 ;;
     diag.log) grep -E -A 24 "^kernel profile" "$f"; tail -c 2000 "$f" ;;
     *) tail -c 2500 "$f" ;;
   esac

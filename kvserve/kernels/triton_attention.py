@@ -15,8 +15,8 @@ from host ints only (never a device read):
   is cut into `num_splits` contiguous ranges of KV tiles (flash-decoding). With one split the program
   writes the output; with more, each writes an unnormalised fp32 partial (acc, running max, running sum)
   and the last program of each (request, KV head) to finish merges them in split order (a per-(request, KV
-  head) counter; `DECODE_FUSED_MERGE = False`: a third launch, `_reduce_splits_kernel`, one program per
-  (token, query head), merges them instead).
+  head) counter), or, past DECODE_FUSED_MERGE_MAX_SPLITS splits, a third launch, `_reduce_splits_kernel`,
+  one program per (token, query head), merges them.
 
 Keys are read `TILE_N` at a time whatever the cache block size: key j of request r lives at block
 `block_tables[r, j // block_size]`, offset `j % block_size`, so one tile may span several (non-contiguous)
@@ -65,9 +65,14 @@ DECODE_LAUNCH_ONE_SPLIT: dict[str, int] = {"TILE_N": 128, "num_warps": 4, "num_s
 CASCADE_PREFIX_TILE_N = 64
 CASCADE_PREFIX_MAX_BLOCK_M = 128
 CASCADE_MAX_PREFIX_SPLITS = 16
-# Split decode launches: the last program of each (request, KV head) merges the splits (one launch fewer per
-# layer) instead of `_reduce_splits_kernel`.
+# Split decode launches of at most DECODE_FUSED_MERGE_MAX_SPLITS splits: the last program of each (request,
+# KV head) merges the splits (one launch fewer per layer) instead of `_reduce_splits_kernel`. That program
+# reads the splits one after another, a cost that grows with their number, while the reduce kernel reads
+# them in parallel. On the H200 (Qwen2.5-7B shape, decode graphs, docs/perf_notes.md entry 26) the merge in
+# the last program saved 0.14-0.26 ms a step at 5 splits (batch 32) and 0.06-0.14 at 9 (batch 16), cost
+# 0-0.03 at 16 (batch 8) and 0.5 at 64 (batch 1).
 DECODE_FUSED_MERGE = True
+DECODE_FUSED_MERGE_MAX_SPLITS = 12
 # Stand-in multiprocessor count for the CPU interpreter (small, so tests reach the split path cheaply).
 _INTERPRETER_NUM_SMS = 4
 
@@ -594,7 +599,7 @@ def launch_paged_attention(
     total_splits = prefix_splits + (0 if merge_in_own else num_splits)
     # Otherwise the last split program of each (request, KV head) merges (DECODE_FUSED_MERGE), or a third
     # launch does.
-    fused_merge = DECODE_FUSED_MERGE and not merge_in_own
+    fused_merge = DECODE_FUSED_MERGE and not merge_in_own and total_splits <= DECODE_FUSED_MERGE_MAX_SPLITS
     counters = _merge_counters(query.device, num_reqs * num_kv_heads) if fused_merge else metadata.seq_lens
     partial_acc = torch.empty(
         num_tokens, num_heads, total_splits, head_dim, dtype=torch.float32, device=query.device

@@ -177,6 +177,7 @@ def test_fused_merge_matches_the_reduce_kernel(case, device, poison_allocations,
     scale = 0.125
     expected = reference.paged_attention(query, kv_cache, metadata, scale)
     outs = {}
+    monkeypatch.setattr(triton_attention, "DECODE_FUSED_MERGE_MAX_SPLITS", 64)  # a cascade's prefix splits too
     for fused in (True, False):
         monkeypatch.setattr(triton_attention, "DECODE_FUSED_MERGE", fused)
         first = launch_paged_attention(query, kv_cache, metadata, scale, num_splits=3)
@@ -188,6 +189,24 @@ def test_fused_merge_matches_the_reduce_kernel(case, device, poison_allocations,
     assert int(triton_attention._MERGE_COUNTERS[query.device].abs().sum()) == 0
     if case == "padding_rows":
         assert torch.equal(outs[True][3], torch.zeros_like(outs[True][3]))
+
+
+@pytest.mark.parametrize(("max_splits", "reduce_launches"), [(3, 0), (2, 1)])
+def test_fused_merge_only_up_to_its_split_count(max_splits, reduce_launches, device, monkeypatch):
+    """Past DECODE_FUSED_MERGE_MAX_SPLITS splits the reduce kernel merges (its reads run in parallel)."""
+    query, kv_cache, metadata = make_batch([1, 1], [300, 77], 6, 2, 64, 16, torch.float32, device, seed=9)
+    monkeypatch.setattr(triton_attention, "DECODE_FUSED_MERGE_MAX_SPLITS", max_splits)
+    launches = []
+    reduce_kernel = triton_attention._reduce_splits_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return reduce_kernel[grid]
+
+    monkeypatch.setattr(triton_attention, "_reduce_splits_kernel", Spy())
+    check_attention(query, kv_cache, metadata, num_splits=3)
+    assert len(launches) == reduce_launches
 
 
 def share_prefix(metadata: AttentionMetadata, shared_blocks: int, prefix_len: int) -> AttentionMetadata:
@@ -431,6 +450,7 @@ def test_kernels_compile_for_hopper(device, hopper_compiler):
             fused_merge = splits is None or splits > 0
             with pytest.MonkeyPatch.context() as patch:
                 patch.setattr(triton_attention, "DECODE_FUSED_MERGE", fused_merge)
+                patch.setattr(triton_attention, "DECODE_FUSED_MERGE_MAX_SPLITS", 64)
                 hopper_compiler.record(
                     triton_attention,
                     kernels,
