@@ -82,9 +82,7 @@ def main() -> int:
     tiles, warps_list, stages_list = ([int(v) for v in a.split(",")] for a in (args.tiles, args.warps, args.stages))
     shape = MODELS["qwen2.5-7b"]
     scale = shape.head_dim**-0.5
-    # One split launches with its own parameters (DECODE_LAUNCH_ONE_SPLIT), several with DECODE_LAUNCH; the
-    # engine's warp window for one split is off, so that each row runs the warps it names.
-    triton_attention.DECODE_ONE_SPLIT_8_WARPS = None
+    # One split launches with its own parameters (DECODE_LAUNCH_ONE_SPLIT), several with DECODE_LAUNCH.
     default = dict(triton_attention.DECODE_LAUNCH)
     default_one = dict(triton_attention.DECODE_LAUNCH_ONE_SPLIT)
     results = []

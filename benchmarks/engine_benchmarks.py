@@ -871,8 +871,6 @@ def main() -> int:
                    "earlier rule (the fewest splits dividing K for 1.5 programs per SM)")
     p.add_argument("--decode-fused-merge", action=argparse.BooleanOptionalAction, default=True,
                    help="split decode attention: the last split program merges (off: a reduce launch)")
-    p.add_argument("--one-split-8-warps", action=argparse.BooleanOptionalAction, default=True,
-                   help="unsplit decode attention at 1.5-2 programs per SM runs 8 warps (off: always 4)")
     p.add_argument("--decode-fused-merge-max-splits", type=int, default=None,
                    help="override triton_attention.DECODE_FUSED_MERGE_MAX_SPLITS")
     p.add_argument("--sdpa-cudnn-min-tokens", type=int, default=None,
@@ -902,8 +900,6 @@ def main() -> int:
     from kvserve.kernels import triton_attention
 
     triton_attention.DECODE_FUSED_MERGE = args.decode_fused_merge
-    if not args.one_split_8_warps:
-        triton_attention.DECODE_ONE_SPLIT_8_WARPS = None
     if args.decode_fused_merge_max_splits is not None:
         triton_attention.DECODE_FUSED_MERGE_MAX_SPLITS = args.decode_fused_merge_max_splits
     if args.sdpa_cudnn_min_tokens is not None:

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: warpab mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Pass the local commit, written in literally (the device copy's git metadata can be stale, so a $(git ...) in
 # the command would read it there): KVSERVE_BENCH_COMMIT=<sha> bash ...
@@ -152,17 +152,6 @@ PY
             --decode-batches 1,8,16,32 --decode-contexts 1024,4096 --decode-steps 30 $flags >> "$R/splitab.log" 2>&1
           echo "mode $mode done" >> "$R/splitab.log"
         done ;;
-    warpab) timeout 100 python3 benchmarks/attention_sweep.py --out "$R/b1_sweep.json" --tiles 64 --warps 4 \
-              --stages 3 --merge fused,kernel --cases 1:1024:4/8/12/16/32/64,1:4096:8/12/16/32/64,4:1024:4/8/12/33,4:4096:8/12/33 \
-              > "$R/b1sweep.log" 2>&1
-        timeout 60 python3 benchmarks/attention_sweep.py --out "$R/warp_sweep.json" --tiles 128 --warps 4,8 \
-              --stages 3 --cases 48:1024:1,56:1024:1,64:1024:1,64:4096:1 >> "$R/b1sweep.log" 2>&1
-        for mode in on off on off; do
-          timeout 120 python3 benchmarks/engine_benchmarks.py --out "$R/warpab_$mode" --sections start,decode,seeds \
-            --decode-batches 48,56,64 --decode-contexts 1024,4096 --decode-steps 30 --$( [ $mode = off ] && echo no- )one-split-8-warps \
-            >> "$R/warpab.log" 2>&1
-          echo "mode $mode done" >> "$R/warpab.log"
-        done ;;
     mergeab) for mode in thr12 thr0 thr12; do
           timeout 110 python3 benchmarks/engine_benchmarks.py --out "$R/mergeab_$mode" --sections start,decode \
             --decode-batches 1,8,16,32 --decode-contexts 1024,4096 --decode-steps 30 \
@@ -311,8 +300,7 @@ for f in "$R"/prefillab.log "$R"/prefillprof.log "$R"/gemm4.log "$R"/ttftclk.log
     sweep.log) tail -c 3500 "$f" ;;
     gemmsplit.log) grep -A 40 "best us by split" "$f" ;;
     mergesweep.log) tail -c 3000 "$f" ;;
-    b1sweep.log) tail -c 4000 "$f" ;;
-    warpab.log|mergeab.log|splitab.log) grep -E "^decode|^seeds|^engine start|mode .* done|Error|error" "$f" | tail -60 ;;
+    mergeab.log|splitab.log) grep -E "^decode|^engine start|mode .* done|Error|error" "$f" | tail -60 ;;
     diag.log) grep -E -A 24 "^kernel profile" "$f"; tail -c 2000 "$f" ;;
     *) tail -c 2500 "$f" ;;
   esac

@@ -226,20 +226,13 @@ def decode_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     return max(1, min(wanted, by_length, _MAX_DECODE_SPLITS))
 
 
-def decode_attention_launch(num_reqs: int, kv_cache: torch.Tensor, max_seq_len: int) -> tuple[int, int]:
-    """The KV split count and warps per program a decode-only batch of num_reqs requests launches
-    `paged_attention` with on this cache's device ((1, 0) off CUDA, where the reference runs): what a CUDA
-    graph captured at (num_reqs, max_seq_len) fixes of the attention launch."""
+def decode_attention_launch(num_reqs: int, kv_cache: torch.Tensor, max_seq_len: int) -> int:
+    """The KV split count a decode-only batch of num_reqs requests launches `paged_attention` with on this
+    cache's device (1 off CUDA, where the reference runs): what a CUDA graph captured at (num_reqs,
+    max_seq_len) fixes of the attention launch."""
     if not kv_cache.is_cuda:
-        return (1, 0)
-    num_sms = _num_sms(kv_cache.device)
-    splits = decode_num_splits(num_reqs, kv_cache.shape[3], max_seq_len, num_sms)
-    warps = 0
-    module = _triton_module("triton_attention")
-    if module is not None:
-        launch = module.one_split_launch(num_reqs * kv_cache.shape[3], num_sms) if splits == 1 else module.DECODE_LAUNCH
-        warps = launch["num_warps"]
-    return (splits, warps)
+        return 1
+    return decode_num_splits(num_reqs, kv_cache.shape[3], max_seq_len, _num_sms(kv_cache.device))
 
 
 @functools.cache

@@ -60,10 +60,6 @@ _DECODE_TILE_N = 64
 # batches) 64-key tiles were as fast or faster.
 DECODE_LAUNCH: dict[str, int] = {"TILE_N": _DECODE_TILE_N, "num_warps": 4, "num_stages": 3}
 DECODE_LAUNCH_ONE_SPLIT: dict[str, int] = {"TILE_N": 128, "num_warps": 4, "num_stages": 3}
-# One-split launches of more than lo and at most hi programs per SM run 8 warps (None: never). Measured on
-# the H200 (docs/perf_notes.md, entries 25 and 26; 4 warps fit 3 programs per SM, 8 warps 2): 8 warps were
-# 15-20 % faster at batch 56-64 (224-256 programs on 132 SMs) and slower at 40-48 (160-192) and 80+.
-DECODE_ONE_SPLIT_8_WARPS: tuple[float, float] | None = (1.5, 2.0)
 # Cascade decode (a prefix shared by every request of the batch; see `_shared_prefix_kernel`): tile shapes
 # of the shared part, as the mixed kernel's 128-row tiles. Not yet tuned on a GPU.
 CASCADE_PREFIX_TILE_N = 64
@@ -440,17 +436,6 @@ def choose_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     return decode_num_splits(num_reqs, num_kv_heads, max_seq_len, num_sms)
 
 
-def one_split_launch(programs: int, num_sms: int) -> dict[str, int]:
-    """Launch parameters of an unsplit decode launch of `programs` (request, KV head) programs: 8 warps
-    within DECODE_ONE_SPLIT_8_WARPS programs per SM, else DECODE_LAUNCH_ONE_SPLIT's. Host ints only."""
-    launch = dict(DECODE_LAUNCH_ONE_SPLIT)
-    if DECODE_ONE_SPLIT_8_WARPS is not None:
-        lo, hi = DECODE_ONE_SPLIT_8_WARPS
-        if lo * num_sms < programs <= hi * num_sms:
-            launch["num_warps"] = 8
-    return launch
-
-
 def cascade_block_m(num_reqs: int, group: int) -> int:
     """Rows ((request, query head) pairs) per program of the cascade's shared-prefix part."""
     return min(CASCADE_PREFIX_MAX_BLOCK_M, max(16, triton.next_power_of_2(num_reqs * group)))
@@ -588,7 +573,7 @@ def launch_paged_attention(
     assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
     cascade = metadata.common_prefix_len > 0
     block_m = max(16, triton.next_power_of_2(group))
-    launch = one_split_launch(num_reqs * num_kv_heads, num_sms) if num_splits == 1 and not cascade else DECODE_LAUNCH
+    launch = DECODE_LAUNCH_ONE_SPLIT if num_splits == 1 and not cascade else DECODE_LAUNCH
     decode_kwargs = dict(BLOCK_M=block_m, BLOCK_Q=1, IS_DECODE=True, **launch, **common)
     if num_splits == 1 and not cascade:
         _paged_attention_kernel[(num_reqs, num_kv_heads, 1)](

@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kvserve.kernels import ops, reference, triton_attention, triton_cache  # noqa: E402
+from kvserve.kernels import reference, triton_attention, triton_cache  # noqa: E402
 from kvserve.kernels.triton_attention import choose_num_splits, launch_paged_attention, paged_attention  # noqa: E402
 from kvserve.layers.attention_metadata import AttentionMetadata  # noqa: E402
 
@@ -207,20 +207,6 @@ def test_fused_merge_only_up_to_its_split_count(max_splits, reduce_launches, dev
     monkeypatch.setattr(triton_attention, "_reduce_splits_kernel", Spy())
     check_attention(query, kv_cache, metadata, num_splits=3)
     assert len(launches) == reduce_launches
-
-
-def test_one_split_launch_takes_8_warps_only_in_its_window(monkeypatch):
-    """8 warps for more than 1.5 and at most 2 programs per SM (H200: batch 50-66 at 4 KV heads)."""
-    warps = {b: triton_attention.one_split_launch(b * 4, 132)["num_warps"] for b in (48, 49, 50, 56, 64, 66, 67, 80)}
-    assert warps == {48: 4, 49: 4, 50: 8, 56: 8, 64: 8, 66: 8, 67: 4, 80: 4}
-    assert triton_attention.one_split_launch(256, 132)["TILE_N"] == triton_attention.DECODE_LAUNCH_ONE_SPLIT["TILE_N"]
-    monkeypatch.setattr(triton_attention, "DECODE_ONE_SPLIT_8_WARPS", None)
-    assert triton_attention.one_split_launch(256, 132)["num_warps"] == 4
-
-
-def test_decode_attention_launch_off_cuda_is_the_reference():
-    kv_cache = torch.zeros(2, 4, 16, 2, 64)
-    assert ops.decode_attention_launch(64, kv_cache, 4096) == (1, 0)
 
 
 def share_prefix(metadata: AttentionMetadata, shared_blocks: int, prefix_len: int) -> AttentionMetadata:
@@ -479,12 +465,6 @@ def test_kernels_compile_for_hopper(device, hopper_compiler):
             ["_reshape_and_cache_kernel"],
             lambda k=key, kv=decode[1], s=slot_mapping: triton_cache.reshape_and_cache(k, k, kv, s),
         )
-        for window in (None, (0.0, 1e9)):  # the one-split launch at 4 and at 8 warps
-            with pytest.MonkeyPatch.context() as patch:
-                patch.setattr(triton_attention, "DECODE_ONE_SPLIT_8_WARPS", window)
-                hopper_compiler.record(
-                    triton_attention, attention_kernels[:1], lambda b=decode: launch_paged_attention(*b, 0.1, num_splits=1)
-                )
     for result in hopper_compiler.compile_all():
         assert result["shared_bytes"] <= 227 * 1024, result  # Hopper's per-block shared memory limit
 
