@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from kvserve.kernels import triton_pdl
+from kvserve.kernels.split_counters import SplitCounters
 from kvserve.kernels.triton_pdl import pdl_wait_then_release
 from kvserve.layers.attention_metadata import AttentionMetadata
 
@@ -400,23 +401,9 @@ def _reduce_splits_kernel(
     )
 
 
-_MERGE_COUNTERS: dict[torch.device, torch.Tensor] = {}
-# Counter buffers replaced by a larger one stay alive: a CUDA graph captured earlier may still point at them.
-_RETIRED_MERGE_COUNTERS: list[torch.Tensor] = []
-
-
-def _merge_counters(device: torch.device, count: int) -> torch.Tensor:
-    """Per-(request, KV head) counters of finished splits, zero between launches (each launch's merging
-    programs reset theirs). Launches that use them must not overlap (kvserve computes on one stream)."""
-    counters = _MERGE_COUNTERS.get(device)
-    if counters is None or counters.numel() < count:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the split counters must be allocated before CUDA graph capture (run eagerly first)")
-        if counters is not None:
-            _RETIRED_MERGE_COUNTERS.append(counters)
-        counters = torch.zeros(max(count, 1 << 16), dtype=torch.int32, device=device)
-        _MERGE_COUNTERS[device] = counters
-    return counters
+# Per-(request, KV head) counters of finished splits (zero between launches; each group's merging program
+# resets its own).
+_MERGE_COUNTERS = SplitCounters("the decode attention's split counters")
 
 
 @functools.lru_cache(maxsize=8)
@@ -600,7 +587,7 @@ def launch_paged_attention(
     # Otherwise the last split program of each (request, KV head) merges (DECODE_FUSED_MERGE), or a third
     # launch does.
     fused_merge = DECODE_FUSED_MERGE and not merge_in_own and total_splits <= DECODE_FUSED_MERGE_MAX_SPLITS
-    counters = _merge_counters(query.device, num_reqs * num_kv_heads) if fused_merge else metadata.seq_lens
+    counters = _MERGE_COUNTERS.get(query.device, num_reqs * num_kv_heads) if fused_merge else metadata.seq_lens
     partial_acc = torch.empty(
         num_tokens, num_heads, total_splits, head_dim, dtype=torch.float32, device=query.device
     )

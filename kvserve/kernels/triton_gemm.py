@@ -37,6 +37,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources  # noqa: F401 (re-exported: ops.linear catches it)
 
 from kvserve.kernels import triton_pdl
+from kvserve.kernels.split_counters import SplitCounters
 from kvserve.kernels.triton_elementwise import rotate_pair, silu_mul
 from kvserve.kernels.triton_pdl import pdl_wait_then_release
 
@@ -256,22 +257,8 @@ def resident_programs(config: GemmConfig, num_sms: int, max_shared: int) -> int:
     return num_sms * max(1, max_shared // shared_bytes(config))
 
 
-_LOCKS: dict[torch.device, torch.Tensor] = {}
-# Counter buffers replaced by a larger one stay alive: a CUDA graph captured earlier may still point at them.
-_RETIRED_LOCKS: list[torch.Tensor] = []
-
-
-def _locks(device: torch.device, count: int) -> torch.Tensor:
-    """Per-tile split counters, zero between launches (each launch's last programs reset theirs)."""
-    locks = _LOCKS.get(device)
-    if locks is None or locks.numel() < count:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the split counters must be allocated before CUDA graph capture (run eagerly first)")
-        if locks is not None:
-            _RETIRED_LOCKS.append(locks)
-        locks = torch.zeros(max(count, 1 << 16), dtype=torch.int32, device=device)
-        _LOCKS[device] = locks
-    return locks
+# Per-tile split-K counters (zero between launches; each tile's last program resets its own).
+_LOCKS = SplitCounters("the matmul's split counters")
 
 
 @dataclass(frozen=True)
@@ -372,7 +359,7 @@ def skinny_linear(
     split = config.split_k > 1
     fused = split and config.fused_reduce
     parts = torch.empty((config.split_k, m, n), dtype=torch.float32, device=x.device) if split else out
-    locks = _locks(x.device, grid[0] * grid[2]) if fused else parts
+    locks = _LOCKS.get(x.device, grid[0] * grid[2]) if fused else parts
     pdl = triton_pdl.enabled(x.device)
     epilogue = EPI_ROPE_CACHE if rope is not None else EPI_SILU_MUL if silu_mul else EPI_PLAIN
     if rope is not None:
