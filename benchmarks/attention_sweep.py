@@ -106,8 +106,12 @@ def main() -> int:
                 if splits == 1 and fused != merges[0]:
                     continue  # one split has no merge
                 triton_attention.DECODE_FUSED_MERGE = fused
+                # The merge a split launch takes (past DECODE_FUSED_MERGE_MAX_SPLITS the reduce kernel's).
+                merged_in_kernel = fused and splits <= triton_attention.DECODE_FUSED_MERGE_MAX_SPLITS
+                if fused != merged_in_kernel and len(merges) > 1:
+                    continue  # the same launch as the "kernel" row
                 row = {"batch": batch, "context": ctx, "tile_n": tile, "num_warps": warps, "num_stages": stages,
-                       "num_splits": splits, "merge": "fused" if fused else "kernel"}
+                       "num_splits": splits, "merge": "fused" if merged_in_kernel else "kernel"}
                 try:
                     out = triton_attention.launch_paged_attention(query, kv0, metadata, scale, None, splits)
                     err = (out.float() - expected.float()).abs().max().item()
@@ -136,7 +140,8 @@ def main() -> int:
         def is_default_row(r: dict) -> bool:
             d = default_one if r["num_splits"] == 1 else default
             return ((r["tile_n"], r["num_warps"], r["num_stages"]) == (d["TILE_N"], d["num_warps"], d["num_stages"])
-                    and (r["num_splits"] == 1 or r["merge"] == "fused"))
+                    and (r["num_splits"] == 1 or r["merge"] == (
+                        "fused" if r["num_splits"] <= triton_attention.DECODE_FUSED_MERGE_MAX_SPLITS else "kernel")))
 
         is_default = [r for r in timed if is_default_row(r)]
         summary.append((batch, ctx, bytes_per_layer, is_default, timed[:5],

@@ -320,7 +320,8 @@ def _shared_prefix_kernel(
     requests share (the same cache blocks; read through block-table row 0). One program per (tile of
     BLOCK_M (request, query head) rows, KV head, split of the prefix): each K/V tile is loaded once for
     BLOCK_M rows of many requests, instead of once per request. No causal mask: every query sits after
-    the prefix. Writes partials at splits 0..num_prefix_splits - 1 for the reduce kernel."""
+    the prefix. Writes partials at splits 0..num_prefix_splits - 1, which the own part's programs (or the
+    reduce kernel) merge."""
     pdl_wait_then_release(PDL)
     row_tile = tl.program_id(0)
     kv_head = tl.program_id(1)

@@ -237,7 +237,7 @@ def pick_config(m: int, n: int, k: int, num_sms: int, max_shared: int = 227 * 10
     start and none waits for a second round: on the H200 qkv takes 5 splits, o_proj and down 7.
     """
     block_k = 128
-    if m < 1 or k % block_k:
+    if m < 1 or k < block_k or k % block_k:
         return None
     wide = GemmConfig(128, block_k, 1, num_stages=4, num_warps=8)
     narrow = GemmConfig(64, block_k, 1, num_stages=3, num_warps=4)
@@ -246,15 +246,21 @@ def pick_config(m: int, n: int, k: int, num_sms: int, max_shared: int = 227 * 10
     if n % base.block_n or shared_bytes(base) > max_shared:
         return None
     tiles = n // base.block_n
-    resident = resident_programs(base, num_sms, max_shared)
+    resident = resident_programs(base, num_sms, max_shared, launch_block_m(m))
     split = max(1, min(16, k // block_k, resident // tiles))
     return GemmConfig(base.block_n, block_k, split, base.num_stages, base.num_warps)
 
 
-def resident_programs(config: GemmConfig, num_sms: int, max_shared: int) -> int:
-    """Programs of this tiling the GPU holds at once, as its shared memory allows (`max_shared` per block,
-    taken as the SM's capacity too; registers and warps do not bind for these tilings)."""
-    return num_sms * max(1, max_shared // shared_bytes(config))
+def resident_programs(config: GemmConfig, num_sms: int, max_shared: int, block_m: int = 16) -> int:
+    """Programs of this tiling (with `block_m`-row activation tiles) the GPU holds at once, as its shared
+    memory allows (`max_shared` per block, taken as the SM's capacity too; registers and warps do not bind
+    for these tilings)."""
+    return num_sms * max(1, max_shared // shared_bytes(config, block_m))
+
+
+def launch_block_m(m: int) -> int:
+    """Activation rows per program that `skinny_linear` launches an m-row matmul with."""
+    return max(16, triton.next_power_of_2(min(m, 64)))
 
 
 # Per-tile split-K counters (zero between launches; each tile's last program resets its own).
@@ -353,7 +359,7 @@ def skinny_linear(
     out = torch.empty((m, n // 2 if silu_mul else n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    block_m = max(16, triton.next_power_of_2(min(m, 64)))
+    block_m = launch_block_m(m)
     grid = (n // config.block_n, config.split_k, triton.cdiv(m, block_m))
     has_bias = bias is not None
     split = config.split_k > 1

@@ -178,10 +178,13 @@ def test_fused_merge_matches_the_reduce_kernel(case, device, poison_allocations,
     expected = reference.paged_attention(query, kv_cache, metadata, scale)
     outs = {}
     monkeypatch.setattr(triton_attention, "DECODE_FUSED_MERGE_MAX_SPLITS", 64)  # a cascade's prefix splits too
+    reduce_launches = spy_on_reduce_launches(monkeypatch)
     for fused in (True, False):
         monkeypatch.setattr(triton_attention, "DECODE_FUSED_MERGE", fused)
+        reduce_launches.clear()
         first = launch_paged_attention(query, kv_cache, metadata, scale, num_splits=3)
         second = launch_paged_attention(query, kv_cache, metadata, scale, num_splits=3)
+        assert len(reduce_launches) == (0 if fused else 2)  # the path under test ran
         assert torch.equal(first, second)
         torch.testing.assert_close(first, expected, **TOLERANCES[torch.float32])
         outs[fused] = first
@@ -196,7 +199,14 @@ def test_fused_merge_only_up_to_its_split_count(max_splits, reduce_launches, dev
     """Past DECODE_FUSED_MERGE_MAX_SPLITS splits the reduce kernel merges (its reads run in parallel)."""
     query, kv_cache, metadata = make_batch([1, 1], [300, 77], 6, 2, 64, 16, torch.float32, device, seed=9)
     monkeypatch.setattr(triton_attention, "DECODE_FUSED_MERGE_MAX_SPLITS", max_splits)
-    launches = []
+    launches = spy_on_reduce_launches(monkeypatch)
+    check_attention(query, kv_cache, metadata, num_splits=3)
+    assert len(launches) == reduce_launches
+
+
+def spy_on_reduce_launches(monkeypatch) -> list:
+    """The grids `_reduce_splits_kernel` is launched with from now on (the launches still run)."""
+    launches: list = []
     reduce_kernel = triton_attention._reduce_splits_kernel
 
     class Spy:
@@ -205,8 +215,7 @@ def test_fused_merge_only_up_to_its_split_count(max_splits, reduce_launches, dev
             return reduce_kernel[grid]
 
     monkeypatch.setattr(triton_attention, "_reduce_splits_kernel", Spy())
-    check_attention(query, kv_cache, metadata, num_splits=3)
-    assert len(launches) == reduce_launches
+    return launches
 
 
 def share_prefix(metadata: AttentionMetadata, shared_blocks: int, prefix_len: int) -> AttentionMetadata:
@@ -465,6 +474,9 @@ def test_kernels_compile_for_hopper(device, hopper_compiler):
             ["_reshape_and_cache_kernel"],
             lambda k=key, kv=decode[1], s=slot_mapping: triton_cache.reshape_and_cache(k, k, kv, s),
         )
+    merges = {spec["constexprs"].get("FUSED_MERGE") for spec in hopper_compiler.specs
+              if spec["kernel"] == "_paged_attention_kernel" and spec["constexprs"].get("USE_SPLITS")}
+    assert merges == {True, False}  # split launches merged in the kernel and by the reduce launch
     for result in hopper_compiler.compile_all():
         assert result["shared_bytes"] <= 227 * 1024, result  # Hopper's per-block shared memory limit
 

@@ -178,7 +178,7 @@ def test_ops_linear_silu_mul_on_cpu_is_the_two_ops():
     assert torch.equal(ops.linear_silu_mul(x, w, b), ops.silu_and_mul(torch.nn.functional.linear(x, w, b)))
 
 
-@pytest.mark.parametrize("splits", [3, 5, 7])
+@pytest.mark.parametrize("splits", [2, 4, 5, 7])  # 9 chunks: 4 + 5, 2-3, 1-2, 1-2 per split
 def test_uneven_splits_cover_every_chunk_once(splits, device):
     """A split count that does not divide K's chunks: every chunk is summed exactly once. Row r of x is ones
     over chunk r and zeros elsewhere, so output row r is the sum of that chunk's weight slice: a chunk dropped
@@ -237,13 +237,22 @@ def test_pick_config_at_the_measured_shapes():
     assert triton_gemm.resident_programs(got["qkv"], 132, 227 * 1024) == 396
 
 
+def test_pick_config_counts_wider_activation_tiles():
+    """At 64 rows the activation tile is 64 rows: 2 programs of the 3-stage tiling per SM, not 3, so fewer
+    splits (o_proj: 56 tiles x 4 = 224 <= 264)."""
+    assert pick_config(64, 3584, 3584, 132).split_k == 4
+    assert pick_config(16, 3584, 3584, 132).split_k == 7
+    assert pick_config(1, 64, 64, 132) is None  # K shorter than one chunk
+
+
 def test_pick_config_split_never_exceeds_the_resident_programs_or_the_chunks():
     for n, k, num_sms in ((4608, 3584, 132), (3584, 18944, 78), (512, 256, 132), (64, 1024, 4)):
         config = pick_config(1, n, k, num_sms)
         assert config is not None
         programs = n // config.block_n * config.split_k
         assert config.split_k <= k // config.block_k
-        assert config.split_k == 1 or programs <= triton_gemm.resident_programs(config, num_sms, 227 * 1024)
+        resident = triton_gemm.resident_programs(config, num_sms, 227 * 1024, triton_gemm.launch_block_m(1))
+        assert config.split_k == 1 or programs <= resident
 
 
 def test_pick_config_respects_the_shared_memory_limit():
@@ -309,7 +318,7 @@ def test_kernels_compile_for_hopper(device, hopper_compiler):
     for result in hopper_compiler.compile_all():
         assert result["shared_bytes"] <= 227 * 1024, result
         if result.get("kernel") == "_skinny_gemm_kernel" and result.get("num_warps") == 4:
-            # resident_programs counts 3 programs of the 3-stage 64-row tiling per SM: its real footprint
-            # must allow that.
-            assert 3 * result["shared_bytes"] <= 228 * 1024, result
+            # resident_programs counts 3 programs of the 3-stage 64-row tiling per SM (16-row activation
+            # tiles): its real footprint must allow that.
+            assert 3 * (result["shared_bytes"] + 1024) <= 228 * 1024, result  # 1 KiB reserved per block
 
