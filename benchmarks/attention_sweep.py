@@ -79,6 +79,7 @@ def main() -> int:
                         "reduce launch)")
     args = parser.parse_args()
     merges = [m == "fused" for m in args.merge.split(",")]
+    fused_max_splits = triton_attention.DECODE_FUSED_MERGE_MAX_SPLITS
     tiles, warps_list, stages_list = ([int(v) for v in a.split(",")] for a in (args.tiles, args.warps, args.stages))
     shape = MODELS["qwen2.5-7b"]
     scale = shape.head_dim**-0.5
@@ -105,9 +106,9 @@ def main() -> int:
             for splits, fused in itertools.product(split_options, merges):
                 if splits == 1 and fused != merges[0]:
                     continue  # one split has no merge
-                triton_attention.DECODE_FUSED_MERGE = fused
+                triton_attention.DECODE_FUSED_MERGE_MAX_SPLITS = fused_max_splits if fused else 0
                 # The merge a split launch takes (past DECODE_FUSED_MERGE_MAX_SPLITS the reduce kernel's).
-                merged_in_kernel = fused and splits <= triton_attention.DECODE_FUSED_MERGE_MAX_SPLITS
+                merged_in_kernel = fused and splits <= fused_max_splits
                 if fused != merged_in_kernel and len(merges) > 1:
                     continue  # the same launch as the "kernel" row
                 row = {"batch": batch, "context": ctx, "tile_n": tile, "num_warps": warps, "num_stages": stages,
@@ -129,7 +130,7 @@ def main() -> int:
                 except Exception as exc:  # compile failure (shared memory) or launch error
                     row["error"] = repr(exc)[:160]
                 case_rows.append(row)
-        triton_attention.DECODE_FUSED_MERGE = True
+        triton_attention.DECODE_FUSED_MERGE_MAX_SPLITS = fused_max_splits
         for launch, saved in ((triton_attention.DECODE_LAUNCH, default),
                               (triton_attention.DECODE_LAUNCH_ONE_SPLIT, default_one)):
             launch.clear()
@@ -141,7 +142,7 @@ def main() -> int:
             d = default_one if r["num_splits"] == 1 else default
             return ((r["tile_n"], r["num_warps"], r["num_stages"]) == (d["TILE_N"], d["num_warps"], d["num_stages"])
                     and (r["num_splits"] == 1 or r["merge"] == (
-                        "fused" if r["num_splits"] <= triton_attention.DECODE_FUSED_MERGE_MAX_SPLITS else "kernel")))
+                        "fused" if r["num_splits"] <= fused_max_splits else "kernel")))
 
         is_default = [r for r in timed if is_default_row(r)]
         summary.append((batch, ctx, bytes_per_layer, is_default, timed[:5],

@@ -869,10 +869,9 @@ def main() -> int:
     p.add_argument("--skinny-split-rule", default="resident", choices=["resident", "divisor"],
                    help="split-K of the Triton matmul: as many splits as stay resident at once (default), or the "
                    "earlier rule (the fewest splits dividing K for 1.5 programs per SM)")
-    p.add_argument("--decode-fused-merge", action=argparse.BooleanOptionalAction, default=True,
-                   help="split decode attention: the last split program merges (off: a reduce launch)")
     p.add_argument("--decode-fused-merge-max-splits", type=int, default=None,
-                   help="override triton_attention.DECODE_FUSED_MERGE_MAX_SPLITS")
+                   help="override triton_attention.DECODE_FUSED_MERGE_MAX_SPLITS: split decode attention up to this "
+                   "many splits merges in its last program (0: always a reduce launch)")
     p.add_argument("--sdpa-cudnn-min-tokens", type=int, default=None,
                    help="override ops.SDPA_CUDNN_MIN_TOKENS: one-prompt prefills this long use cuDNN attention "
                    "(0: never; default: 1024 on sm_90+)")
@@ -899,7 +898,6 @@ def main() -> int:
         _use_divisor_split_rule()
     from kvserve.kernels import triton_attention
 
-    triton_attention.DECODE_FUSED_MERGE = args.decode_fused_merge
     if args.decode_fused_merge_max_splits is not None:
         triton_attention.DECODE_FUSED_MERGE_MAX_SPLITS = args.decode_fused_merge_max_splits
     if args.sdpa_cudnn_min_tokens is not None:

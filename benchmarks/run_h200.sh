@@ -146,7 +146,7 @@ PY
               > "$R/mergesweep.log" 2>&1
         for mode in new divisor kernelmerge new; do
           case $mode in
-            new) flags="" ;; divisor) flags="--skinny-split-rule divisor" ;; kernelmerge) flags="--no-decode-fused-merge" ;;
+            new) flags="" ;; divisor) flags="--skinny-split-rule divisor" ;; kernelmerge) flags="--decode-fused-merge-max-splits 0" ;;
           esac
           timeout 110 python3 benchmarks/engine_benchmarks.py --out "$R/splitab_$mode" --sections start,decode \
             --decode-batches 1,8,16,32 --decode-contexts 1024,4096 --decode-steps 30 $flags >> "$R/splitab.log" 2>&1

@@ -71,8 +71,7 @@ CASCADE_MAX_PREFIX_SPLITS = 16
 # reads the splits one after another, a cost that grows with their number, while the reduce kernel reads
 # them in parallel. On the H200 (Qwen2.5-7B shape, decode graphs, docs/perf_notes.md entry 26) the merge in
 # the last program saved 0.14-0.26 ms a step at 5 splits (batch 32) and 0.06-0.14 at 9 (batch 16), cost
-# 0-0.03 at 16 (batch 8) and 0.5 at 64 (batch 1).
-DECODE_FUSED_MERGE = True
+# 0-0.03 at 16 (batch 8) and 0.5 at 64 (batch 1). 0: always the reduce launch.
 DECODE_FUSED_MERGE_MAX_SPLITS = 12
 # Stand-in multiprocessor count for the CPU interpreter (small, so tests reach the split path cheaply).
 _INTERPRETER_NUM_SMS = 4
@@ -585,9 +584,9 @@ def launch_paged_attention(
     # reduce launch); otherwise every part writes partials and the reduce kernel merges them.
     merge_in_own = cascade and num_splits == 1
     total_splits = prefix_splits + (0 if merge_in_own else num_splits)
-    # Otherwise the last split program of each (request, KV head) merges (DECODE_FUSED_MERGE), or a third
-    # launch does.
-    fused_merge = DECODE_FUSED_MERGE and not merge_in_own and total_splits <= DECODE_FUSED_MERGE_MAX_SPLITS
+    # Otherwise the last split program of each (request, KV head) merges (up to DECODE_FUSED_MERGE_MAX_SPLITS
+    # splits), or a third launch does.
+    fused_merge = not merge_in_own and total_splits <= DECODE_FUSED_MERGE_MAX_SPLITS
     counters = _MERGE_COUNTERS.get(query.device, num_reqs * num_kv_heads) if fused_merge else metadata.seq_lens
     partial_acc = torch.empty(
         num_tokens, num_heads, total_splits, head_dim, dtype=torch.float32, device=query.device

@@ -177,10 +177,10 @@ def test_fused_merge_matches_the_reduce_kernel(case, device, poison_allocations,
     scale = 0.125
     expected = reference.paged_attention(query, kv_cache, metadata, scale)
     outs = {}
-    monkeypatch.setattr(triton_attention, "DECODE_FUSED_MERGE_MAX_SPLITS", 64)  # a cascade's prefix splits too
     reduce_launches = spy_on_reduce_launches(monkeypatch)
     for fused in (True, False):
-        monkeypatch.setattr(triton_attention, "DECODE_FUSED_MERGE", fused)
+        # 64: every split count here, a cascade's prefix splits too; 0: the reduce launch always.
+        monkeypatch.setattr(triton_attention, "DECODE_FUSED_MERGE_MAX_SPLITS", 64 if fused else 0)
         reduce_launches.clear()
         first = launch_paged_attention(query, kv_cache, metadata, scale, num_splits=3)
         second = launch_paged_attention(query, kv_cache, metadata, scale, num_splits=3)
@@ -445,10 +445,10 @@ def test_kernels_compile_for_hopper(device, hopper_compiler):
         ]
         for batch, kernels, splits in (
             (decode, attention_kernels[:1], 1),
-            (decode, attention_kernels, -4),  # separate reduce launch (DECODE_FUSED_MERGE off)
+            (decode, attention_kernels, -4),  # separate reduce launch (DECODE_FUSED_MERGE_MAX_SPLITS 0)
             (decode, attention_kernels[:1], 4),
             # A one-split own part merges the prefix partials itself; with splits the last split program does,
-            # or the reduce kernel (a negative count here: DECODE_FUSED_MERGE off).
+            # or the reduce kernel (a negative count here: DECODE_FUSED_MERGE_MAX_SPLITS 0).
             (cascade, ["_shared_prefix_kernel", attention_kernels[0]], 1),
             (cascade, ["_shared_prefix_kernel", *attention_kernels], -3),
             (cascade, ["_shared_prefix_kernel", attention_kernels[0]], 3),
@@ -458,8 +458,7 @@ def test_kernels_compile_for_hopper(device, hopper_compiler):
         ):
             fused_merge = splits is None or splits > 0
             with pytest.MonkeyPatch.context() as patch:
-                patch.setattr(triton_attention, "DECODE_FUSED_MERGE", fused_merge)
-                patch.setattr(triton_attention, "DECODE_FUSED_MERGE_MAX_SPLITS", 64)
+                patch.setattr(triton_attention, "DECODE_FUSED_MERGE_MAX_SPLITS", 64 if fused_merge else 0)
                 hopper_compiler.record(
                     triton_attention,
                     kernels,
