@@ -869,9 +869,6 @@ def main() -> int:
     p.add_argument("--skinny-split-rule", default="resident", choices=["resident", "divisor"],
                    help="split-K of the Triton matmul: as many splits as stay resident at once (default), or the "
                    "earlier rule (the fewest splits dividing K for 1.5 programs per SM)")
-    p.add_argument("--skinny-stream-k", action=argparse.BooleanOptionalAction, default=None,
-                   help="override triton_gemm.STREAM_K: the Triton matmul splits K by stream-K over the resident "
-                   "programs instead of split-K")
     p.add_argument("--decode-fused-merge-max-splits", type=int, default=None,
                    help="override triton_attention.DECODE_FUSED_MERGE_MAX_SPLITS: split decode attention up to this "
                    "many splits merges in its last program (0: always a reduce launch)")
@@ -899,10 +896,6 @@ def main() -> int:
         ops.SKINNY_GEMM_MAX_ROWS = args.skinny_max_rows
     if args.skinny_split_rule == "divisor":
         _use_divisor_split_rule()
-    if args.skinny_stream_k is not None:
-        from kvserve.kernels import triton_gemm
-
-        triton_gemm.STREAM_K = args.skinny_stream_k
     from kvserve.kernels import triton_attention
 
     if args.decode_fused_merge_max_splits is not None:

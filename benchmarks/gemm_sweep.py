@@ -28,13 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from attention_sweep import time_graph  # noqa: E402
 
-from kvserve.kernels.triton_gemm import (  # noqa: E402
-    GemmConfig,
-    fits,
-    launch_block_m,
-    resident_programs,
-    skinny_linear,
-)
+from kvserve.kernels.triton_gemm import GemmConfig, fits, skinny_linear  # noqa: E402
 
 COPY_TBPS = 4.28
 # name, N, K, bias (Qwen2.5-7B: hidden 3584, intermediate 18944, 28 query / 4 KV heads of 128, vocab 152064)
@@ -60,19 +54,12 @@ def layer_copies(n: int, k: int, has_bias: bool, dtype: torch.dtype) -> tuple[in
 
 def configs(n: int, k: int, num_sms: int, block_ns: list[int], block_ks: list[int],
             stages_list: list[int] = STAGES, warps_list: list[int] | None = None,
-            splits: list[int] = SPLITS, fused_only: bool = False, stream_rows: int = 0,
-            max_shared: int = 227 * 1024) -> list[GemmConfig]:
-    """The tilings to time; with stream_rows (the activation rows), also each tiling's stream-K launch over
-    its resident programs (at that many rows per program) and over twice as many."""
+            splits: list[int] = SPLITS, fused_only: bool = False) -> list[GemmConfig]:
     out = []
     for bn, bk, stages in itertools.product(block_ns, block_ks, stages_list):
         if bn * bk * 2 * stages > 200 * 1024:  # weight tiles alone past shared memory
             continue
         for warps in warps_list or ([4, 8] if bn >= 128 else [4]):
-            if stream_rows and not (n % bn or k % bk):
-                base = GemmConfig(bn, bk, 1, stages, warps)
-                resident = resident_programs(base, num_sms, max_shared, launch_block_m(stream_rows))
-                out += [GemmConfig(bn, bk, 1, stages, warps, stream_programs=resident * f) for f in (1, 2)]
             for split in splits:
                 programs = n // bn * split
                 if n % bn or k % bk or split > k // bk or not num_sms <= programs <= 12 * num_sms:
@@ -97,8 +84,6 @@ def main() -> int:
     parser.add_argument("--splits", default=",".join(map(str, SPLITS)),
                         help="split-K counts (need not divide K's chunks)")
     parser.add_argument("--fused-only", action="store_true", help="skip the separate-reduce variants")
-    parser.add_argument("--stream", action="store_true",
-                        help="also each one-split tiling as a stream-K launch over its resident programs (and 2x)")
     parser.add_argument("--picked", action="store_true",
                         help="time only pick_config's tiling (and two other depths) with plain and PDL launches")
     args = parser.parse_args()
@@ -134,15 +119,14 @@ def main() -> int:
             stages_list = [int(v) for v in args.stages.split(",")]
             warps_list = [int(v) for v in args.warps.split(",") if v]
             splits = [int(v) for v in args.splits.split(",")]
-            max_shared = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
             for cfg in configs(n, k, num_sms, block_ns, block_ks, stages_list, warps_list, splits,
-                               args.fused_only, m if args.stream else 0, max_shared):
+                               args.fused_only):
                 if time.monotonic() - start > per_case or time.monotonic() > deadline:
                     case["truncated"] = True
                     break
                 row: dict = {"block_n": cfg.block_n, "block_k": cfg.block_k, "split_k": cfg.split_k,
                              "num_stages": cfg.num_stages, "num_warps": cfg.num_warps,
-                             "fused_reduce": cfg.fused_reduce, "stream_programs": cfg.stream_programs}
+                             "fused_reduce": cfg.fused_reduce}
                 try:
                     assert fits(x, weights[0], cfg)
                     got = skinny_linear(x, weights[0], biases[0], cfg)
@@ -186,20 +170,17 @@ def main() -> int:
                     if i == 0 else " " * 30)
             print(f"{head} | {r['us']:9.1f} {r['tbps']:5.2f} {case['cublas_us'] / r['us']:6.2f}x  "
                   f"({r['block_n']}, {r['block_k']}, {r['split_k']}, {r['num_stages']}, {r['num_warps']}"
-                  + (", separate" if r["split_k"] > 1 and not r["fused_reduce"] else "")
-                  + (f", stream-K {r['stream_programs']}" if r.get("stream_programs") else "") + ")"
+                  + (", separate" if r["split_k"] > 1 and not r["fused_reduce"] else "") + ")"
                   + (f"  [{failed} failed]" if failed and i == 0 else ""))
     # The best time at each split count (any tiling): what a split rule is fitted to.
     print(f"\n{'shape':8s} {'M':>4s}  best us by split count (block_n / programs)")
     for case, _, _ in summary:
-        by_split: dict[str, dict] = {}
+        by_split: dict[int, dict] = {}
         for r in case["configs"]:
-            key = f"stream{r['stream_programs']}" if r.get("stream_programs") else str(r["split_k"])
-            if "us" in r and (key not in by_split or r["us"] < by_split[key]["us"]):
-                by_split[key] = r
+            if "us" in r and (r["split_k"] not in by_split or r["us"] < by_split[r["split_k"]]["us"]):
+                by_split[r["split_k"]] = r
         print(f"{case['shape']:8s} {case['m']:4d}  " + "  ".join(
-            f"{s}: {r['us']:.1f} ({r['block_n']}/{r.get('stream_programs') or case['n'] // r['block_n'] * r['split_k']})"
-            for s, r in sorted(by_split.items())))
+            f"{s}: {r['us']:.1f} ({r['block_n']}/{case['n'] // r['block_n'] * s})" for s, r in sorted(by_split.items())))
     return 0
 
 

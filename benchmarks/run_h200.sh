@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: streamk mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Pass the local commit, written in literally (the device copy's git metadata can be stale, so a $(git ...) in
 # the command would read it there): KVSERVE_BENCH_COMMIT=<sha> bash ...
@@ -19,20 +19,6 @@ T0=$(date +%s)
 for step in "$@"; do
   echo "=== $step (t=$(( $(date +%s) - T0 ))s)"
   case $step in
-    streamk) timeout 150 python3 -m pytest -q -rA -p no:cacheprovider tests/gpu -k "stream or skinny or epilogues" \
-          > "$R/pytest_stream.log" 2>&1
-        for mode in base sk64 sk16 split64 base; do
-          case $mode in
-            base) flags="" ;; sk16) flags="--skinny-stream-k" ;;
-            sk64) flags="--skinny-stream-k --skinny-max-rows 64" ;; split64) flags="--skinny-max-rows 64" ;;
-          esac
-          timeout 110 python3 benchmarks/engine_benchmarks.py --out "$R/streamk_$mode" --sections start,decode,seeds \
-            --decode-batches 1,16,32,48,64 --decode-contexts 1024 --decode-steps 30 $flags >> "$R/streamk.log" 2>&1
-          echo "mode $mode done" >> "$R/streamk.log"
-        done
-        timeout 150 python3 benchmarks/gemm_sweep.py --rows 64 --shapes qkv,o_proj,gate_up,down --block-ns 64,128 \
-          --block-ks 64,128 --stages 3,4 --splits 1,2,4 --fused-only --stream --budget-s 130 \
-          --out "$R/gemm_stream64.json" > "$R/gemm_stream64.log" 2>&1 ;;
     pdlgemm) timeout 200 python3 benchmarks/gemm_sweep.py --picked --rows 1,8 \
               --out "$R/gemm_pdl.json" > "$R/pdlgemm.log" 2>&1 ;;
     pdlab) for mode in pdl no-pdl pdl64 pdl; do
@@ -275,13 +261,10 @@ PY
 done
 tar czf "$OUT/results.tgz" -C "$R" .
 echo "=== total $(( $(date +%s) - T0 ))s"
-for f in "$R"/pytest_stream.log "$R"/streamk.log "$R"/gemm_stream64.log "$R"/prefillab.log "$R"/prefillprof.log "$R"/gemm4.log "$R"/ttftclk.log "$R"/gemm3.log "$R"/blasab.log "$R"/confirm.log "$R"/fuseab2.log "$R"/ttftrand2.log "$R"/pdlab2.log "$R"/pdlgemm.log "$R"/pdlab.log "$R"/ttftrand.log "$R"/modload.log "$R"/sharedab.log "$R"/final.log "$R"/gguf.log "$R"/fuseab.log "$R"/skinnyab.log "$R"/gemm.log "$R"/pattn.log "$R"/cascade.log "$R"/serve.log "$R"/diag3.log "$R"/ttftab.log "$R"/prefixab.log "$R"/diag2.log "$R"/async.log "$R"/sweep.log "$R"/diag.log "$R"/profile.log "$R"/pytest_gpu.log "$R"/engine.log "$R"/engine2.log "$R"/eager.log "$R"/ab.log "$R"/prefix2.log "$R"/hf.log "$R"/gpu_kernels.log "$R"/elementwise.log; do
+for f in "$R"/prefillab.log "$R"/prefillprof.log "$R"/gemm4.log "$R"/ttftclk.log "$R"/gemm3.log "$R"/blasab.log "$R"/confirm.log "$R"/fuseab2.log "$R"/ttftrand2.log "$R"/pdlab2.log "$R"/pdlgemm.log "$R"/pdlab.log "$R"/ttftrand.log "$R"/modload.log "$R"/sharedab.log "$R"/final.log "$R"/gguf.log "$R"/fuseab.log "$R"/skinnyab.log "$R"/gemm.log "$R"/pattn.log "$R"/cascade.log "$R"/serve.log "$R"/diag3.log "$R"/ttftab.log "$R"/prefixab.log "$R"/diag2.log "$R"/async.log "$R"/sweep.log "$R"/diag.log "$R"/profile.log "$R"/pytest_gpu.log "$R"/engine.log "$R"/engine2.log "$R"/eager.log "$R"/ab.log "$R"/prefix2.log "$R"/hf.log "$R"/gpu_kernels.log "$R"/elementwise.log; do
   [ -f "$f" ] || continue
   echo "##### $(basename "$f")"
   case $(basename "$f") in
-    pytest_stream.log) grep -E "passed|failed|FAILED|Error" "$f" | tail -12 ;;
-    streamk.log) grep -E "^decode|^seeds|^engine start|^decode graphs|mode .* done|Error|error" "$f" ;;
-    gemm_stream64.log) grep -E "Error|Traceback" "$f" | head -5; sed -n '/^shape /,$p' "$f" ;;
     pytest_gpu.log) grep -E "passed|failed|PASSED|FAILED|Error|error|kvserve bf16|skipped" "$f" | tail -25 ;;
     gpu_kernels.log) grep -E "FAIL|False|rows," "$f" | tail -8; tail -c 2500 "$f" ;;
     ab.log|prefix2.log) grep -E "^decode|^prefix|Error|failed" "$f" ;;

@@ -56,9 +56,6 @@ class GemmConfig:
     num_warps: int = 4
     # Split-K only: the last program of each output tile sums the partials (True), or a second kernel does.
     fused_reduce: bool = True
-    # Stream-K (split_k 1): this many programs share the (tile, K chunk) units equally, a tile cut between
-    # programs summed by the last of them (capped at the units; 0: one program per tile and split).
-    stream_programs: int = 0
 
 
 # M varies with the batch: left unspecialised (Triton specialises ints equal to 1 or divisible by 16), so the
@@ -94,27 +91,42 @@ def _skinny_gemm_kernel(
     PDL: tl.constexpr = False,
     EPILOGUE: tl.constexpr = 0,
     HEAD_DIM: tl.constexpr = 0,
-    STREAM_K: tl.constexpr = False,
 ):
-    if STREAM_K:
-        _stream_k_program(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, pos_ptr, cos_sin_ptr, slot_ptr,
-                          k_cache_ptr, v_cache_ptr, M, N, stride_xm, stride_wn, num_chunks, stride_cos_sin,
-                          stride_cache_slot, num_heads, num_kv_heads, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, PDL,
-                          EPILOGUE, HEAD_DIM)
-        return
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
     rows = tl.arange(0, BLOCK_N)
-    offs_n = _tile_columns(pid_n, N, BLOCK_N, EPILOGUE, HEAD_DIM)
+    if EPILOGUE == EPI_SILU_MUL:
+        # Tile row 2j is gate row c + j and row 2j + 1 the matching up row (N // 2 further on), so the
+        # epilogue finds each (gate, up) pair in the tile: output columns [c, c + BLOCK_N // 2).
+        offs_n = pid_n * (BLOCK_N // 2) + rows // 2 + (rows % 2) * (N // 2)
+    elif EPILOGUE == EPI_ROPE_CACHE:
+        # Tile row 2j is column p + j of one head's first half and row 2j + 1 the column HEAD_DIM // 2 further
+        # on: the pairs the rotary embedding mixes. A program covers BLOCK_N // 2 pairs of one head.
+        per_head: tl.constexpr = HEAD_DIM // BLOCK_N
+        offs_n = ((pid_n // per_head) * HEAD_DIM + (pid_n % per_head) * (BLOCK_N // 2) + rows // 2
+                  + (rows % 2) * (HEAD_DIM // 2))
+    else:
+        offs_n = pid_n * BLOCK_N + rows
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
     # Split s owns K chunks [s * C // SPLIT_K, (s + 1) * C // SPLIT_K) of C = K // BLOCK_K: splits differ by one
     # chunk at most when SPLIT_K does not divide C (the split count then follows the SM count, not K).
     chunk_begin = pid_s * num_chunks // SPLIT_K
     chunk_end = (pid_s + 1) * num_chunks // SPLIT_K
+    k_start = chunk_begin.to(tl.int64) * BLOCK_K
+    # N is a multiple of BLOCK_N (the launcher's contract): weight loads carry no mask.
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + k_start + offs_k[None, :]
     pdl_wait_then_release(PDL)
-    acc = _dot_chunks(x_ptr, w_ptr, offs_n, offs_m, M, stride_xm, stride_wn, chunk_begin, chunk_end, BLOCK_M,
-                      BLOCK_N, BLOCK_K)
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + k_start + offs_k[None, :]
+    m_mask = offs_m[:, None] < M
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for _ in range(chunk_begin, chunk_end):
+        w = tl.load(w_ptrs)
+        x = tl.load(x_ptrs, mask=m_mask, other=0.0)
+        acc = tl.dot(w, tl.trans(x), acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
     out_mask = offs_m[None, :] < M
     # [BLOCK_N, BLOCK_M] offsets into an [M, N] matrix: tile row r at column pid_n * BLOCK_N + r (the partials'
     # layout; with an epilogue that pairs rows, a column of no one weight row, which is all the partials need).
@@ -141,105 +153,6 @@ def _skinny_gemm_kernel(
         _store_output(acc, bias_ptr, out_ptr, offs_n, offs_m, tile, out_mask, pid_n, M, N, HAS_BIAS,
                       pos_ptr, cos_sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_cos_sin, stride_cache_slot,
                       num_heads, num_kv_heads, EPILOGUE, HEAD_DIM, BLOCK_N, BLOCK_M)
-
-
-@triton.jit
-def _tile_columns(pid_n, N, BLOCK_N: tl.constexpr, EPILOGUE: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """The weight rows of output tile `pid_n`, in the order its epilogue pairs them."""
-    rows = tl.arange(0, BLOCK_N)
-    if EPILOGUE == EPI_SILU_MUL:
-        # Tile row 2j is gate row c + j and row 2j + 1 the matching up row (N // 2 further on), so the
-        # epilogue finds each (gate, up) pair in the tile: output columns [c, c + BLOCK_N // 2).
-        offs_n = pid_n * (BLOCK_N // 2) + rows // 2 + (rows % 2) * (N // 2)
-    elif EPILOGUE == EPI_ROPE_CACHE:
-        # Tile row 2j is column p + j of one head's first half and row 2j + 1 the column HEAD_DIM // 2 further
-        # on: the pairs the rotary embedding mixes. A program covers BLOCK_N // 2 pairs of one head.
-        per_head: tl.constexpr = HEAD_DIM // BLOCK_N
-        offs_n = ((pid_n // per_head) * HEAD_DIM + (pid_n % per_head) * (BLOCK_N // 2) + rows // 2
-                  + (rows % 2) * (HEAD_DIM // 2))
-    else:
-        offs_n = pid_n * BLOCK_N + rows
-    return offs_n
-
-
-@triton.jit
-def _dot_chunks(x_ptr, w_ptr, offs_n, offs_m, M, stride_xm, stride_wn, chunk_begin, chunk_end,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """float32 [BLOCK_N, BLOCK_M] = weight rows offs_n x activation rows offs_m over K chunks [begin, end)."""
-    offs_k = tl.arange(0, BLOCK_K)
-    k_start = chunk_begin.to(tl.int64) * BLOCK_K
-    # N is a multiple of BLOCK_N (the launcher's contract): weight loads carry no mask.
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + k_start + offs_k[None, :]
-    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + k_start + offs_k[None, :]
-    m_mask = offs_m[:, None] < M
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for _ in range(chunk_begin, chunk_end):
-        w = tl.load(w_ptrs)
-        x = tl.load(x_ptrs, mask=m_mask, other=0.0)
-        acc = tl.dot(w, tl.trans(x), acc)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-    return acc
-
-
-@triton.jit
-def _stream_k_program(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, pos_ptr, cos_sin_ptr, slot_ptr,
-                      k_cache_ptr, v_cache_ptr, M, N, stride_xm, stride_wn, num_chunks, stride_cos_sin,
-                      stride_cache_slot, num_heads, num_kv_heads, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, EPILOGUE: tl.constexpr,
-                      HEAD_DIM: tl.constexpr):
-    """Stream-K: the (tile, K chunk) units of the whole matmul, tile-major, are cut into P equal runs, one per
-    program (P <= units, so every run is non-empty). A program accumulates each tile its run touches; a tile
-    whose K chunks all lie in the run is stored at once. A tile shared by several runs: each writes its part to
-    its own slot (2 per program: the run's first tile, and its last), and the last to count in sums the parts in
-    program order, so the result is the same whichever program finishes last, then resets the tile's counter."""
-    pid = tl.program_id(0).to(tl.int64)
-    programs = tl.num_programs(0).to(tl.int64)
-    n_tiles = N // BLOCK_N
-    units = (n_tiles * tl.cdiv(M, BLOCK_M)).to(tl.int64) * num_chunks
-    run_begin = pid * units // programs
-    run_end = (pid + 1) * units // programs
-    first_tile = (run_begin // num_chunks).to(tl.int32)
-    last_tile = ((run_end - 1) // num_chunks).to(tl.int32)
-    rows = tl.arange(0, BLOCK_N)
-    local = rows[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]  # a part's [BLOCK_N, BLOCK_M] layout
-    pdl_wait_then_release(PDL)
-    for t in range(first_tile, last_tile + 1):
-        pid_n = t % n_tiles
-        pid_m = t // n_tiles
-        tile_begin = tl.cast(t, tl.int64) * num_chunks
-        chunk_begin = (tl.maximum(run_begin, tile_begin) - tile_begin).to(tl.int32)
-        chunk_end = (tl.minimum(run_end, tile_begin + num_chunks) - tile_begin).to(tl.int32)
-        offs_n = _tile_columns(pid_n, N, BLOCK_N, EPILOGUE, HEAD_DIM)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        acc = _dot_chunks(x_ptr, w_ptr, offs_n, offs_m, M, stride_xm, stride_wn, chunk_begin, chunk_end,
-                          BLOCK_M, BLOCK_N, BLOCK_K)
-        out_mask = offs_m[None, :] < M
-        tile = offs_m.to(tl.int64)[None, :] * N + (pid_n * BLOCK_N + rows)[:, None]
-        if (chunk_begin == 0) & (chunk_end == num_chunks):
-            _store_output(acc, bias_ptr, out_ptr, offs_n, offs_m, tile, out_mask, pid_n, M, N, HAS_BIAS,
-                          pos_ptr, cos_sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_cos_sin,
-                          stride_cache_slot, num_heads, num_kv_heads, EPILOGUE, HEAD_DIM, BLOCK_N, BLOCK_M)
-        else:
-            slot = 2 * pid + (t != first_tile).to(tl.int64)
-            tl.store(part_ptr + slot * (BLOCK_N * BLOCK_M) + local, acc)
-            tl.debug_barrier()
-            # The runs that touch tile t: from the last one starting at or before its first unit to the last
-            # one starting at or before its last unit (run p starts at floor(p * units / programs)).
-            p_first = ((tile_begin + 1) * programs - 1) // units
-            p_last = ((tile_begin + num_chunks) * programs - 1) // units
-            lock = lock_ptr + t
-            done = tl.atomic_add(lock, 1, sem="acq_rel")
-            if done == p_last - p_first:
-                acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-                for p in range(p_first, p_last + 1):
-                    # Run p's part of tile t is in its first slot when t is the run's first tile.
-                    p_slot = 2 * p + (p * units // programs < tile_begin).to(tl.int64)
-                    acc += tl.load(part_ptr + p_slot * (BLOCK_N * BLOCK_M) + local, cache_modifier=".cg")
-                _store_output(acc, bias_ptr, out_ptr, offs_n, offs_m, tile, out_mask, pid_n, M, N, HAS_BIAS,
-                              pos_ptr, cos_sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_cos_sin,
-                              stride_cache_slot, num_heads, num_kv_heads, EPILOGUE, HEAD_DIM, BLOCK_N, BLOCK_M)
-                tl.atomic_xchg(lock, 0)
 
 
 @triton.jit
@@ -313,10 +226,6 @@ def shared_bytes(config: GemmConfig, block_m: int = 16, elem_bytes: int = 2) -> 
     return config.num_stages * (config.block_n + block_m) * config.block_k * elem_bytes
 
 
-# pick_config's split of K: stream-K over the resident programs (True) or split-K (False).
-STREAM_K = False
-
-
 def pick_config(m: int, n: int, k: int, num_sms: int, max_shared: int = 227 * 1024) -> GemmConfig | None:
     """The tiling for an [m, k] x [n, k]^T matmul, or None when no tiling of this kernel fits (torch then).
 
@@ -338,8 +247,6 @@ def pick_config(m: int, n: int, k: int, num_sms: int, max_shared: int = 227 * 10
         return None
     tiles = n // base.block_n
     resident = resident_programs(base, num_sms, max_shared, launch_block_m(m))
-    if STREAM_K:
-        return GemmConfig(base.block_n, block_k, 1, base.num_stages, base.num_warps, stream_programs=resident)
     split = max(1, min(16, k // block_k, resident // tiles))
     return GemmConfig(base.block_n, block_k, split, base.num_stages, base.num_warps)
 
@@ -406,8 +313,6 @@ def fits(
         bias.shape == (n,) and bias.dtype == weight.dtype and bias.is_contiguous() and bias.device == x.device
     ):
         return False
-    if config.stream_programs < 0 or (config.stream_programs and config.split_k != 1):
-        return False
     if (silu_mul or rope is not None) and config.split_k > 1 and not config.fused_reduce:
         return False  # the separate reduce kernel has no epilogue
     if silu_mul and (n % 2 or rope is not None):
@@ -457,18 +362,10 @@ def skinny_linear(
     block_m = launch_block_m(m)
     grid = (n // config.block_n, config.split_k, triton.cdiv(m, block_m))
     has_bias = bias is not None
-    stream = config.stream_programs > 0
     split = config.split_k > 1
     fused = split and config.fused_reduce
-    if stream:
-        tiles = grid[0] * grid[2]
-        programs = min(config.stream_programs, tiles * (k // config.block_k))
-        grid = (programs, 1, 1)
-        parts = torch.empty((2 * programs, config.block_n * block_m), dtype=torch.float32, device=x.device)
-        locks = _LOCKS.get(x.device, tiles)
-    else:
-        parts = torch.empty((config.split_k, m, n), dtype=torch.float32, device=x.device) if split else out
-        locks = _LOCKS.get(x.device, grid[0] * grid[2]) if fused else parts
+    parts = torch.empty((config.split_k, m, n), dtype=torch.float32, device=x.device) if split else out
+    locks = _LOCKS.get(x.device, grid[0] * grid[2]) if fused else parts
     pdl = triton_pdl.enabled(x.device)
     epilogue = EPI_ROPE_CACHE if rope is not None else EPI_SILU_MUL if silu_mul else EPI_PLAIN
     if rope is not None:
@@ -500,7 +397,6 @@ def skinny_linear(
         PDL=pdl,
         EPILOGUE=epilogue.value,
         HEAD_DIM=rope.head_dim if rope is not None else 0,
-        STREAM_K=stream,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         # Each product of the rotation is rounded before the sum (as torch's bf16 ops round): no FMA contraction.

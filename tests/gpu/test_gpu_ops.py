@@ -103,43 +103,6 @@ def test_skinny_linear_in_a_cuda_graph(dtype: torch.dtype, m: int, monkeypatch: 
             torch.testing.assert_close(out.float(), expected.float(), rtol=2**-7, atol=2**-6, msg=name)
 
 
-@pytest.mark.parametrize("m", [1, 16, 48, 64])
-def test_stream_k_linear_at_qwen_shapes(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The skinny matmul's stream-K launch (triton_gemm.STREAM_K) at the real shapes and up to 64 rows, with the
-    gate/up and q/k/v epilogues: against float32, and in a CUDA graph replayed three times over a NaN-filled
-    output, bitwise the eager launch (parts summed in program order; the tile counters reset)."""
-    from kvserve.kernels import triton_gemm
-
-    monkeypatch.setattr(triton_gemm, "STREAM_K", True)
-    monkeypatch.setattr(ops, "SKINNY_GEMM_MAX_ROWS", 64)
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    gen = torch.Generator(device="cuda").manual_seed(100 + m)
-    for name, (n, k, has_bias) in QWEN_7B.items():
-        config = triton_gemm.pick_config(m, n, k, num_sms)
-        assert config is not None and config.stream_programs > 0, name
-        x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
-        w = (torch.randn(n, k, generator=gen, device="cuda") * k**-0.5).bfloat16()
-        b = torch.randn(n, generator=gen, device="cuda").bfloat16() if has_bias else None
-        expected = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
-        silu = name == "gate_up"
-
-        def run(x: torch.Tensor = x, w: torch.Tensor = w, b: torch.Tensor | None = b, silu: bool = silu) -> torch.Tensor:
-            return ops.linear_silu_mul(x, w) if silu else ops.linear(x, w, b)
-
-        assert ops._skinny(x, w, b, silu_mul=silu) is not None, f"{name}: not on the Triton kernel"
-        eager = run()
-        want = ops.silu_and_mul(expected.bfloat16()) if silu else expected.bfloat16()
-        torch.testing.assert_close(eager.float(), want.float(), rtol=2**-6, atol=2**-6, msg=name)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = run()
-        for _ in range(3):
-            out.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, eager), name
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_rotary_embedding_and_cache_at_qwen_shape(dtype: torch.dtype) -> None:
     """The fused rotary + cache write at Qwen2.5-7B's heads (28 query / 4 KV of 128), q/k/v as views of one

@@ -21,11 +21,6 @@ CONFIGS = [
     GemmConfig(16, 64, 2, 2),
     GemmConfig(64, 32, 8, 2),
     GemmConfig(32, 32, 3, 2),  # 8 chunks in 3 splits: 2, 3 and 3 chunks
-    # Stream-K over 4 tiles x 8 chunks (8 tiles at 70 rows): runs of 10-11 units cross tiles; runs of 6-7
-    # share tiles with two or three others; 100 programs are capped at one unit each (8 parts per tile).
-    GemmConfig(32, 32, 1, 2, stream_programs=3),
-    GemmConfig(32, 32, 1, 2, stream_programs=5),
-    GemmConfig(32, 32, 1, 2, stream_programs=100),
 ]
 
 
@@ -83,17 +78,6 @@ def test_split_reductions_agree_bitwise_and_counters_reset(device):
     assert int(triton_gemm._LOCKS.buffers[x.device].abs().sum()) == 0
 
 
-def assert_same_or_close(got: torch.Tensor, expected: torch.Tensor, config: GemmConfig) -> None:
-    """Bitwise for one program per tile and split. Stream-K cuts each tile's K range where the runs fall, and
-    a fused epilogue orders the weight rows into tiles differently from the plain matmul, so a row's partial
-    sums differ between the two launches: within one rounding of the output dtype then."""
-    if not config.stream_programs:
-        assert torch.equal(got, expected)
-        return
-    ulp = 2**-7 if got.dtype == torch.bfloat16 else 2**-10
-    torch.testing.assert_close(got.float(), expected.float(), rtol=ulp, atol=ulp)
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("config", [c for c in CONFIGS if c.split_k == 1 or c.fused_reduce], ids=str)
 @pytest.mark.parametrize("m", [1, 6, 70])
@@ -107,7 +91,7 @@ def test_silu_mul_epilogue_equals_the_two_kernels(dtype, config, m, bias, device
     x, w, b = operands(m, 256, 256, bias, dtype, device, seed=m)
     fused = skinny_linear(x, w, b, config, silu_mul=True)
     assert fused.shape == (m, 128) and fused.dtype == dtype
-    assert_same_or_close(fused, silu_and_mul(skinny_linear(x, w, b, config)), config)
+    assert torch.equal(fused, silu_and_mul(skinny_linear(x, w, b, config)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -142,9 +126,9 @@ def test_rope_cache_epilogue_equals_the_two_kernels(dtype, config, m, bias, devi
     q, k, v = plain.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q_rot, k_rot = rotary_embedding(positions, q.view(m, heads, head_dim), k.view(m, kv_heads, head_dim),
                                     cos_sin, v.view(m, kv_heads, head_dim), expected_cache, slots)
-    assert_same_or_close(fused, torch.cat([q_rot.view(m, -1), k_rot.view(m, -1), v], dim=-1), config)
+    assert torch.equal(fused, torch.cat([q_rot.view(m, -1), k_rot.view(m, -1), v], dim=-1))
     assert torch.equal(fused_cache.isnan(), expected_cache.isnan())
-    assert_same_or_close(fused_cache.nan_to_num(), expected_cache.nan_to_num(), config)
+    assert torch.equal(fused_cache.nan_to_num(), expected_cache.nan_to_num())
 
 
 def test_rope_cache_epilogue_declines_what_it_cannot_do(device):
@@ -212,46 +196,12 @@ def test_uneven_splits_cover_every_chunk_once(splits, device):
     assert torch.equal(fused, separate)
 
 
-@pytest.mark.parametrize("programs", [2, 3, 4, 7, 11, 36])
-@pytest.mark.parametrize("m", [3, 70])
-def test_stream_k_covers_every_unit_once(programs, m, device):
-    """Stream-K cuts the (tile, chunk) units into equal runs whatever their count against the tiles and
-    chunks (4 tiles x 9 chunks here; twice the tiles at 70 rows): every chunk of every tile is summed once.
-    Row r of x is ones over chunk r % 9, so its output row is that chunk's weight slice summed (small
-    integers: exact); the same bits as one program per tile, and the tile counters back at zero."""
-    chunks, block_k = 9, 32
-    x = torch.zeros(m, chunks * block_k, device=device, dtype=torch.float16)
-    for row in range(m):
-        chunk = row % chunks
-        x[row, chunk * block_k:(chunk + 1) * block_k] = 1.0
-    gen = torch.Generator().manual_seed(programs)
-    w = torch.randint(-2, 3, (128, chunks * block_k), generator=gen).to(device=device, dtype=torch.float16)
-    per_chunk = w.float().reshape(128, chunks, block_k).sum(-1).t()  # [chunk, n]
-    expected = per_chunk[torch.arange(m) % chunks]
-    streamed = skinny_linear(x, w, None, GemmConfig(32, block_k, 1, 2, stream_programs=programs))
-    assert torch.equal(streamed.float(), expected)
-    assert torch.equal(streamed, skinny_linear(x, w, None, GemmConfig(32, block_k, 1, 2)))
-    assert int(triton_gemm._LOCKS.buffers[x.device].abs().sum()) == 0
-
-
-def test_stream_k_is_deterministic_and_resets_its_counters(device):
-    """Parts of a shared tile are summed in program order: two launches give the same bits (a CUDA graph
-    replay against the eager run), and each launch leaves the counters at zero for the next."""
-    x, w, b = operands(9, 96, 512, True, torch.float16, device, seed=4)
-    config = GemmConfig(32, 64, 1, 2, stream_programs=5)  # 3 tiles x 8 chunks in runs of 4-5
-    first = skinny_linear(x, w, b, config)
-    assert int(triton_gemm._LOCKS.buffers[x.device].abs().sum()) == 0
-    assert torch.equal(first, skinny_linear(x, w, b, config))
-    torch.testing.assert_close(first.float(), float32_linear(x, w, b).half().float(), rtol=2**-10, atol=1e-3)
-
-
 @pytest.mark.parametrize(
     ("n", "k", "config", "why"),
     [
         (96, 256, GemmConfig(64, 32, 1, 2), "N not a multiple of block_n"),
         (128, 96, GemmConfig(32, 64, 1, 2), "K not a multiple of block_k"),
         (128, 256, GemmConfig(32, 64, 5, 2), "more splits than K has chunks"),
-        (128, 256, GemmConfig(32, 64, 2, 2, stream_programs=4), "stream-K with split-K"),
     ],
 )
 def test_fits_rejects(n, k, config, why, device):
@@ -347,8 +297,6 @@ def test_kernels_compile_for_hopper(device, hopper_compiler):
             (8, GemmConfig(64, 128, 5, 3, 4), True),  # 8 chunks in 5 splits
             (16, GemmConfig(128, 128, 1, 4, 8), False),
             (3, GemmConfig(64, 128, 7, 3, 4, fused_reduce=False), True),
-            (5, GemmConfig(64, 128, 1, 3, 4, stream_programs=396), True),  # stream-K
-            (64, GemmConfig(64, 128, 1, 3, 4, stream_programs=264), False),  # stream-K, 64-row tiles
         ):
             x = torch.empty(m, 1024, dtype=dtype, device=device)
             w = torch.empty(256, 1024, dtype=dtype, device=device)
@@ -369,10 +317,8 @@ def test_kernels_compile_for_hopper(device, hopper_compiler):
                 )
     for result in hopper_compiler.compile_all():
         assert result["shared_bytes"] <= 227 * 1024, result
-        if result["kernel"] == "_skinny_gemm_kernel" and result["num_warps"] == 4 and result["block_m"] == 16:
+        if result.get("kernel") == "_skinny_gemm_kernel" and result.get("num_warps") == 4:
             # resident_programs counts 3 programs of the 3-stage 64-row tiling per SM (16-row activation
             # tiles): its real footprint must allow that.
             assert 3 * (result["shared_bytes"] + 1024) <= 228 * 1024, result  # 1 KiB reserved per block
-        if result["kernel"] == "_skinny_gemm_kernel" and result["num_warps"] == 4 and result["block_m"] == 64:
-            assert 2 * (result["shared_bytes"] + 1024) <= 228 * 1024, result  # 2 per SM with 64-row tiles
 
