@@ -64,7 +64,7 @@ from common import (  # noqa: E402
     write_result,
 )
 
-SECTIONS = ("start", "decode", "seeds", "random256", "ttft", "ttftrand", "ttftprefix", "ttftdiag", "prefillprof", "prefix", "prefixab", "shared", "hf", "profile",
+SECTIONS = ("start", "decode", "seeds", "random256", "ttft", "ttftrest", "ttftrand", "ttftprefix", "ttftdiag", "prefillprof", "prefix", "prefixab", "shared", "hf", "profile",
             "trace", "kprofile", "hostprof")
 
 
@@ -454,6 +454,29 @@ class Bench:
             self.rows.append((f"TTFT {tokens} tokens (ms)", f"{statistics.median(times):.1f}",
                               f"min {min(times):.1f}, {repeats} runs"))
         self.results["ttft"] = out
+
+    def section_ttftrest(self) -> None:
+        """TTFT of one prompt against how long the GPU idled before it (0, 0.3 and 1 s, twice in turn): the
+        ttft section sends its prompts back to back, right after the sections before it, while a request reaching
+        an idle server finds the GPU rested. Under its power cap the GPU's clock depends on the recent load
+        (docs/perf_notes.md, entry 22), so the two can differ; this measures by how much."""
+        d = self.engine()
+        for tokens in self.args.ttft_lengths:
+            d.run(self.prompts([self.length(tokens)]), [1])  # warm-up at this shape
+        out: dict[str, list[float]] = {}
+        for round_ in range(2):
+            for rest in (0.0, 0.3, 1.0):
+                for tokens in self.args.ttft_lengths:
+                    n = self.length(tokens)
+                    times = []
+                    for _ in range(5 if tokens <= 4096 else 3):
+                        time.sleep(rest)
+                        times.append(d.run(self.prompts([n]), [1]).ttft_s[0] * 1e3)
+                    out[f"{tokens} {rest} {round_}"] = times
+                    self.rows.append((f"TTFT {tokens}, {rest:.1f} s idle before, round {round_} (ms)",
+                                      f"{statistics.median(times):.1f}",
+                                      f"min {min(times):.1f}; all {[round(t, 1) for t in times]}"))
+        self.results["ttftrest"] = out
 
     def section_ttftrand(self) -> None:
         """TTFT over prompts of new lengths (uniform in [1024, 8192], none repeated), twice: the first pass pays

@@ -105,8 +105,9 @@ _DECODE_TILE_N = 64  # keys per tile of the Triton decode kernel: a split with f
 
 
 # Matmuls of at most this many rows run on the Triton skinny kernel on CUDA (kernels/triton_gemm.py), where
-# it beat cuBLAS in the H200 sweep (docs/perf_notes.md, entry 14); larger ones stay with torch (cuBLAS).
-SKINNY_GEMM_MAX_ROWS = 16
+# it beat cuBLAS on the H200 (docs/perf_notes.md, entries 14 and 27: a decode step at batch 24-32 is 0.16 ms
+# faster with it; at 48-64 rows cuBLAS is faster); larger ones stay with torch (cuBLAS).
+SKINNY_GEMM_MAX_ROWS = 32
 _skinny_gemm_enabled = True
 # The rotary embedding writes the KV cache in the same launch (`rotary_embedding_and_cache`).
 _rotary_cache_fusion = True

@@ -199,7 +199,8 @@ for spec in json.load(sys.stdin):
     ptx = compiled.asm["ptx"]
     results.append({"kernel": spec["kernel"], "shared_bytes": compiled.metadata.shared,
                     "pdl": spec["options"].get("launch_pdl", False), "num_warps": spec["options"].get("num_warps"),
-                    "griddepcontrol": "griddepcontrol.wait" in ptx})
+                    "griddepcontrol": "griddepcontrol.wait" in ptx,
+                    "block_m": spec["constexprs"].get("BLOCK_M")})
 print(json.dumps(results))
 """
 
