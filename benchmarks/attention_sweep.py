@@ -74,11 +74,16 @@ def main() -> int:
     parser.add_argument("--tiles", default=",".join(map(str, TILES)))
     parser.add_argument("--warps", default=",".join(map(str, WARPS)))
     parser.add_argument("--stages", default=",".join(map(str, STAGES)))
+    parser.add_argument("--prefetch-ids", default="on",
+                        help="on,off: decode launches with the block ids loaded one tile ahead (DECODE_PREFETCH_IDS) "
+                        "and/or in the tile's iteration")
     parser.add_argument("--merge", default="fused",
                         help="split launches, comma-separated: fused (the last split program merges), kernel (a "
                         "reduce launch)")
     args = parser.parse_args()
     merges = [m == "fused" for m in args.merge.split(",")]
+    prefetches = [v == "on" for v in args.prefetch_ids.split(",")]
+    default_prefetch = triton_attention.DECODE_PREFETCH_IDS
     fused_max_splits = triton_attention.DECODE_FUSED_MERGE_MAX_SPLITS
     tiles, warps_list, stages_list = ([int(v) for v in a.split(",")] for a in (args.tiles, args.warps, args.stages))
     shape = MODELS["qwen2.5-7b"]
@@ -100,9 +105,10 @@ def main() -> int:
         bytes_per_layer = attention_bytes(query, kv0, metadata)
         outs = [torch.empty_like(q) for q, _, _ in layers]
         case_rows = []
-        for tile, warps, stages in itertools.product(tiles, warps_list, stages_list):
+        for tile, warps, stages, prefetch in itertools.product(tiles, warps_list, stages_list, prefetches):
             for launch in (triton_attention.DECODE_LAUNCH, triton_attention.DECODE_LAUNCH_ONE_SPLIT):
                 launch.update(TILE_N=tile, num_warps=warps, num_stages=stages)
+            triton_attention.DECODE_PREFETCH_IDS = prefetch
             for splits, fused in itertools.product(split_options, merges):
                 if splits == 1 and fused != merges[0]:
                     continue  # one split has no merge
@@ -112,7 +118,8 @@ def main() -> int:
                 if fused != merged_in_kernel and len(merges) > 1:
                     continue  # the same launch as the "kernel" row
                 row = {"batch": batch, "context": ctx, "tile_n": tile, "num_warps": warps, "num_stages": stages,
-                       "num_splits": splits, "merge": "fused" if merged_in_kernel else "kernel"}
+                       "num_splits": splits, "merge": "fused" if merged_in_kernel else "kernel",
+                       "prefetch_ids": prefetch}
                 try:
                     out = triton_attention.launch_paged_attention(query, kv0, metadata, scale, None, splits)
                     err = (out.float() - expected.float()).abs().max().item()
@@ -131,6 +138,7 @@ def main() -> int:
                     row["error"] = repr(exc)[:160]
                 case_rows.append(row)
         triton_attention.DECODE_FUSED_MERGE_MAX_SPLITS = fused_max_splits
+        triton_attention.DECODE_PREFETCH_IDS = default_prefetch
         for launch, saved in ((triton_attention.DECODE_LAUNCH, default),
                               (triton_attention.DECODE_LAUNCH_ONE_SPLIT, default_one)):
             launch.clear()
@@ -141,6 +149,7 @@ def main() -> int:
         def is_default_row(r: dict) -> bool:
             d = default_one if r["num_splits"] == 1 else default
             return ((r["tile_n"], r["num_warps"], r["num_stages"]) == (d["TILE_N"], d["num_warps"], d["num_stages"])
+                    and r["prefetch_ids"] == default_prefetch
                     and (r["num_splits"] == 1 or r["merge"] == (
                         "fused" if r["num_splits"] <= fused_max_splits else "kernel")))
 
@@ -157,7 +166,8 @@ def main() -> int:
               f"{failures} configs failed")
         for label, rows in (("default", is_default), ("best", best)):
             for r in rows:
-                print(f"  {label:8s} tile {r['tile_n']:4d} warps {r['num_warps']} stages {r['num_stages']} "
+                print(f"  {label:8s} ids {'ahead' if r['prefetch_ids'] else 'inline'} tile {r['tile_n']:4d} "
+                      f"warps {r['num_warps']} stages {r['num_stages']} "
                       f"splits {r['num_splits']:3d} {r['merge']:6s}: {r['us_per_layer']:7.1f} us/layer "
                       f"{r['tbps']:.2f} TB/s ({r['tbps'] / COPY_TBPS:.0%} of copy)")
     return 0

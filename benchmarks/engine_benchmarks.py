@@ -892,6 +892,10 @@ def main() -> int:
     p.add_argument("--skinny-split-rule", default="resident", choices=["resident", "divisor"],
                    help="split-K of the Triton matmul: as many splits as stay resident at once (default), or the "
                    "earlier rule (the fewest splits dividing K for 1.5 programs per SM)")
+    p.add_argument("--decode-prefetch-ids", action=argparse.BooleanOptionalAction, default=None,
+                   help="override triton_attention.DECODE_PREFETCH_IDS (decode attention loads block ids a tile ahead)")
+    p.add_argument("--decode-launch", default="", help="TILE_N,warps,stages of split decode attention launches")
+    p.add_argument("--decode-launch-one-split", default="", help="TILE_N,warps,stages of one-split decode launches")
     p.add_argument("--decode-fused-merge-max-splits", type=int, default=None,
                    help="override triton_attention.DECODE_FUSED_MERGE_MAX_SPLITS: split decode attention up to this "
                    "many splits merges in its last program (0: always a reduce launch)")
@@ -921,6 +925,13 @@ def main() -> int:
         _use_divisor_split_rule()
     from kvserve.kernels import triton_attention
 
+    if args.decode_prefetch_ids is not None:
+        triton_attention.DECODE_PREFETCH_IDS = args.decode_prefetch_ids
+    for text, launch in ((args.decode_launch, triton_attention.DECODE_LAUNCH),
+                         (args.decode_launch_one_split, triton_attention.DECODE_LAUNCH_ONE_SPLIT)):
+        if text:
+            tile, warps, stages = (int(v) for v in text.split(","))
+            launch.update(TILE_N=tile, num_warps=warps, num_stages=stages)
     if args.decode_fused_merge_max_splits is not None:
         triton_attention.DECODE_FUSED_MERGE_MAX_SPLITS = args.decode_fused_merge_max_splits
     if args.sdpa_cudnn_min_tokens is not None:

@@ -73,6 +73,11 @@ CASCADE_MAX_PREFIX_SPLITS = 16
 # the last program saved 0.14-0.26 ms a step at 5 splits (batch 32) and 0.06-0.14 at 9 (batch 16), cost
 # 0-0.03 at 16 (batch 8) and 0.5 at 64 (batch 1). 0: always the reduce launch.
 DECODE_FUSED_MERGE_MAX_SPLITS = 12
+# Decode launches load each K/V tile's block ids one iteration ahead (`_paged_attention_kernel`'s PREFETCH_IDS),
+# which lets num_stages - 1 K/V tiles be in flight; a launch whose buffers would pass DECODE_MAX_KV_BUFFER_BYTES
+# of shared memory runs fewer stages.
+DECODE_PREFETCH_IDS = True
+DECODE_MAX_KV_BUFFER_BYTES = 160 * 1024
 # Stand-in multiprocessor count for the CPU interpreter (small, so tests reach the split path cheaply).
 _INTERPRETER_NUM_SMS = 4
 
@@ -138,6 +143,7 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr = False,
     FUSED_MERGE: tl.constexpr = False,
+    PREFETCH_IDS: tl.constexpr = True,
 ):
     pdl_wait_then_release(PDL)
     tile = tl.program_id(0)
@@ -206,12 +212,23 @@ def _paged_attention_kernel(
     cols = tl.arange(0, TILE_N)
     block_table_row = block_tables_ptr + req.to(tl.int64) * stride_block_table
     head_offset = kv_head.to(tl.int64) * stride_cache_head
+    # PREFETCH_IDS: the block ids of a tile are loaded one iteration ahead, so the K/V addresses come from the
+    # loop's carried state rather than from a load of the same iteration; the pipeliner then gives the K/V
+    # tiles num_stages - 1 buffers (with the ids loaded in the iteration it kept one at 3 and 4 stages).
+    first_pos = tile_begin * TILE_N + cols
+    next_ids = tl.load(block_table_row + first_pos // BLOCK_SIZE, mask=(first_pos < kv_end) & PREFETCH_IDS,
+                       other=0)
     for t in range(tile_begin, tile_end):
         k_pos = t * TILE_N + cols
         k_valid = k_pos < kv_end
         if CASCADE:
             k_valid = k_valid & (k_pos >= kv_start)
-        block_id = tl.load(block_table_row + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
+        if PREFETCH_IDS:
+            block_id = next_ids.to(tl.int64)
+            after = k_pos + TILE_N
+            next_ids = tl.load(block_table_row + after // BLOCK_SIZE, mask=after < kv_end, other=0)
+        else:
+            block_id = tl.load(block_table_row + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
         kv_offset = block_id * stride_cache_block + (k_pos % BLOCK_SIZE) * stride_cache_offset + head_offset
         allowed = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
         m_i, l_i, acc = _attend_tile(
@@ -560,8 +577,11 @@ def launch_paged_attention(
     assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
     cascade = metadata.common_prefix_len > 0
     block_m = max(16, triton.next_power_of_2(group))
-    launch = DECODE_LAUNCH_ONE_SPLIT if num_splits == 1 and not cascade else DECODE_LAUNCH
-    decode_kwargs = dict(BLOCK_M=block_m, BLOCK_Q=1, IS_DECODE=True, **launch, **common)
+    launch = dict(DECODE_LAUNCH_ONE_SPLIT if num_splits == 1 and not cascade else DECODE_LAUNCH)
+    if DECODE_PREFETCH_IDS:
+        launch["num_stages"] = decode_stages(launch["num_stages"], launch["TILE_N"], head_dim, k_cache.element_size())
+    decode_kwargs = dict(BLOCK_M=block_m, BLOCK_Q=1, IS_DECODE=True, PREFETCH_IDS=DECODE_PREFETCH_IDS, **launch,
+                         **common)
     if num_splits == 1 and not cascade:
         _paged_attention_kernel[(num_reqs, num_kv_heads, 1)](
             query, k_cache, v_cache, out, out, out, out,
@@ -619,6 +639,16 @@ def launch_paged_attention(
         PDL=pdl, num_warps=4, **triton_pdl.launch_options(pdl),
     )  # fmt: skip
     return out
+
+
+def decode_stages(num_stages: int, tile_n: int, head_dim: int, elem_bytes: int) -> int:
+    """Pipeline stages of a decode launch whose block ids are prefetched: num_stages - 1 buffers of a K and a V
+    tile each, fewer stages (at least 2) while those pass DECODE_MAX_KV_BUFFER_BYTES (an fp32 cache at 128-key
+    tiles would not fit in shared memory otherwise)."""
+    tile_pair = 2 * tile_n * head_dim * elem_bytes
+    while num_stages > 2 and (num_stages - 1) * tile_pair > DECODE_MAX_KV_BUFFER_BYTES:
+        num_stages -= 1
+    return num_stages
 
 
 def paged_attention(

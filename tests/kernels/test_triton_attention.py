@@ -155,6 +155,32 @@ def test_decode_heuristic_splits_a_small_batch(device, poison_allocations):
     torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_block_ids_loaded_ahead_give_the_same_bits(num_splits, device, poison_allocations, monkeypatch):
+    """Decode with each tile's block ids loaded one tile ahead (DECODE_PREFETCH_IDS) against loaded in the tile's
+    iteration: same keys, same order, so the same bits; both match the reference. Contexts of 1, 64, 65 and
+    300 keys put the last tile's ids at and just past a tile boundary and past the block table's used part."""
+    poison_allocations(triton_attention)
+    query, kv_cache, metadata = make_batch([1] * 4, [1, 64, 65, 300], 6, 2, 64, 16, torch.float32, device, seed=5)
+    outs = []
+    for ahead in (True, False):
+        monkeypatch.setattr(triton_attention, "DECODE_PREFETCH_IDS", ahead)
+        outs.append(launch_paged_attention(query, kv_cache, metadata, 0.125, num_splits=num_splits))
+    assert torch.equal(outs[0], outs[1])
+    expected = reference.paged_attention(query, kv_cache, metadata, 0.125)
+    torch.testing.assert_close(outs[0], expected, **TOLERANCES[torch.float32])
+
+
+def test_decode_stages_keep_the_kv_buffers_in_shared_memory():
+    """num_stages - 1 buffers of a K and a V tile: bf16 128-key tiles of 128 dims keep 3 stages (128 KiB);
+    fp32 drops to 2 (one buffer), as do stages that would pass the limit; never below 2."""
+    assert triton_attention.decode_stages(3, 128, 128, 2) == 3
+    assert triton_attention.decode_stages(4, 128, 128, 2) == 3
+    assert triton_attention.decode_stages(3, 128, 128, 4) == 2
+    assert triton_attention.decode_stages(4, 64, 128, 2) == 4
+    assert triton_attention.decode_stages(2, 256, 256, 4) == 2
+
+
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_decode_padding_rows_give_zeros(num_splits, device):
     """CUDA-graph batch padding: rows with seq_len 0 produce zeros and leave real rows untouched."""
