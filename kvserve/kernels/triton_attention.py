@@ -59,8 +59,12 @@ _DECODE_TILE_N = 64
 # benchmarks/attention_sweep.py (Qwen2.5-7B shape, bf16, per layer): with one split, 128-key tiles read the
 # cache at 3.6-4.0 TB/s (batch 64 / 160, context 1k) against 3.2-3.3 with 64-key tiles; with splits (small
 # batches) 64-key tiles were as fast or faster.
+# Ninth session (block ids loaded a tile ahead, docs/perf_notes.md entry 27): one split at 64-key tiles and 4
+# stages (3 K/V buffers, 2 programs per SM) made the engine's batch-48 step 5.10 against 5.21-5.22 ms, batch
+# 64 5.33 against 5.37-5.39 and the seeds' workload 7,072 against 6,986-6,991 tok/s, where 128-key tiles with
+# 2 buffers (one program per SM) lost (5.42, 5.55).
 DECODE_LAUNCH: dict[str, int] = {"TILE_N": _DECODE_TILE_N, "num_warps": 4, "num_stages": 3}
-DECODE_LAUNCH_ONE_SPLIT: dict[str, int] = {"TILE_N": 128, "num_warps": 4, "num_stages": 3}
+DECODE_LAUNCH_ONE_SPLIT: dict[str, int] = {"TILE_N": 64, "num_warps": 4, "num_stages": 4}
 # Cascade decode (a prefix shared by every request of the batch; see `_shared_prefix_kernel`): tile shapes
 # of the shared part, as the mixed kernel's 128-row tiles. Not yet tuned on a GPU.
 CASCADE_PREFIX_TILE_N = 64
