@@ -904,6 +904,8 @@ def main() -> int:
                    "earlier rule (the fewest splits dividing K for 1.5 programs per SM)")
     p.add_argument("--decode-prefetch-ids", action=argparse.BooleanOptionalAction, default=None,
                    help="override triton_attention.DECODE_PREFETCH_IDS (decode attention loads block ids a tile ahead)")
+    p.add_argument("--decode-busy-programs-per-sm", type=int, default=None,
+                   help="override triton_attention.DECODE_BUSY_PROGRAMS_PER_SM (a large value: never the busy tiling)")
     p.add_argument("--decode-launch", default="", help="TILE_N,warps,stages of split decode attention launches")
     p.add_argument("--decode-launch-one-split", default="", help="TILE_N,warps,stages of one-split decode launches")
     p.add_argument("--decode-fused-merge-max-splits", type=int, default=None,
@@ -935,6 +937,8 @@ def main() -> int:
         _use_divisor_split_rule()
     from kvserve.kernels import triton_attention
 
+    if args.decode_busy_programs_per_sm is not None:
+        triton_attention.DECODE_BUSY_PROGRAMS_PER_SM = args.decode_busy_programs_per_sm
     if args.decode_prefetch_ids is not None:
         triton_attention.DECODE_PREFETCH_IDS = args.decode_prefetch_ids
     for text, launch in ((args.decode_launch, triton_attention.DECODE_LAUNCH),

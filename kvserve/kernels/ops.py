@@ -227,13 +227,17 @@ def decode_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     return max(1, min(wanted, by_length, _MAX_DECODE_SPLITS))
 
 
-def decode_attention_launch(num_reqs: int, kv_cache: torch.Tensor, max_seq_len: int) -> int:
-    """The KV split count a decode-only batch of num_reqs requests launches `paged_attention` with on this
-    cache's device (1 off CUDA, where the reference runs): what a CUDA graph captured at (num_reqs,
-    max_seq_len) fixes of the attention launch."""
+def decode_attention_launch(num_reqs: int, kv_cache: torch.Tensor, max_seq_len: int) -> tuple[int, bool]:
+    """(KV split count, busy one-split tiling) a decode-only batch of num_reqs requests launches
+    `paged_attention` with on this cache's device ((1, False) off CUDA, where the reference runs): what a CUDA
+    graph captured at (num_reqs, max_seq_len) fixes of the attention launch."""
     if not kv_cache.is_cuda:
-        return 1
-    return decode_num_splits(num_reqs, kv_cache.shape[3], max_seq_len, _num_sms(kv_cache.device))
+        return 1, False
+    num_kv_heads, num_sms = kv_cache.shape[3], _num_sms(kv_cache.device)
+    splits = decode_num_splits(num_reqs, num_kv_heads, max_seq_len, num_sms)
+    module = _triton_module("triton_attention")
+    busy = splits == 1 and module is not None and module.decode_launch_is_busy(num_reqs, num_kv_heads, num_sms)
+    return splits, busy
 
 
 @functools.cache

@@ -62,9 +62,14 @@ _DECODE_TILE_N = 64
 # Ninth session (block ids loaded a tile ahead, docs/perf_notes.md entry 27): one split at 64-key tiles and 4
 # stages (3 K/V buffers, 2 programs per SM) made the engine's batch-48 step 5.10 against 5.21-5.22 ms, batch
 # 64 5.33 against 5.37-5.39 and the seeds' workload 7,072 against 6,986-6,991 tok/s, where 128-key tiles with
-# 2 buffers (one program per SM) lost (5.42, 5.55).
+# 2 buffers (one program per SM) lost (5.42, 5.55). With more than DECODE_BUSY_PROGRAMS_PER_SM (request, KV
+# head) programs per SM (batch > 66 at 4 KV heads on the H200) the 256-sequence workload was 3 % slower with
+# it (12,524 / 12,551 against 12,996 / 12,878 tok/s), so busy launches keep 128-key tiles with the block ids
+# loaded in the tile's iteration (DECODE_LAUNCH_ONE_SPLIT_BUSY: one K/V buffer, 3 programs per SM).
 DECODE_LAUNCH: dict[str, int] = {"TILE_N": _DECODE_TILE_N, "num_warps": 4, "num_stages": 3}
 DECODE_LAUNCH_ONE_SPLIT: dict[str, int] = {"TILE_N": 64, "num_warps": 4, "num_stages": 4}
+DECODE_LAUNCH_ONE_SPLIT_BUSY: dict[str, int] = {"TILE_N": 128, "num_warps": 4, "num_stages": 3}
+DECODE_BUSY_PROGRAMS_PER_SM = 2
 # Cascade decode (a prefix shared by every request of the batch; see `_shared_prefix_kernel`): tile shapes
 # of the shared part, as the mixed kernel's 128-row tiles. Not yet tuned on a GPU.
 CASCADE_PREFIX_TILE_N = 64
@@ -581,11 +586,15 @@ def launch_paged_attention(
     assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
     cascade = metadata.common_prefix_len > 0
     block_m = max(16, triton.next_power_of_2(group))
-    launch = dict(DECODE_LAUNCH_ONE_SPLIT if num_splits == 1 and not cascade else DECODE_LAUNCH)
-    if DECODE_PREFETCH_IDS:
+    busy = num_splits == 1 and not cascade and decode_launch_is_busy(num_reqs, num_kv_heads, num_sms)
+    if num_splits == 1 and not cascade:
+        launch = dict(DECODE_LAUNCH_ONE_SPLIT_BUSY if busy else DECODE_LAUNCH_ONE_SPLIT)
+    else:
+        launch = dict(DECODE_LAUNCH)
+    prefetch = DECODE_PREFETCH_IDS and not busy
+    if prefetch:
         launch["num_stages"] = decode_stages(launch["num_stages"], launch["TILE_N"], head_dim, k_cache.element_size())
-    decode_kwargs = dict(BLOCK_M=block_m, BLOCK_Q=1, IS_DECODE=True, PREFETCH_IDS=DECODE_PREFETCH_IDS, **launch,
-                         **common)
+    decode_kwargs = dict(BLOCK_M=block_m, BLOCK_Q=1, IS_DECODE=True, PREFETCH_IDS=prefetch, **launch, **common)
     if num_splits == 1 and not cascade:
         _paged_attention_kernel[(num_reqs, num_kv_heads, 1)](
             query, k_cache, v_cache, out, out, out, out,
@@ -643,6 +652,12 @@ def launch_paged_attention(
         PDL=pdl, num_warps=4, **triton_pdl.launch_options(pdl),
     )  # fmt: skip
     return out
+
+
+def decode_launch_is_busy(num_reqs: int, num_kv_heads: int, num_sms: int) -> bool:
+    """Whether a one-split decode launch of num_reqs requests runs DECODE_LAUNCH_ONE_SPLIT_BUSY (more than
+    DECODE_BUSY_PROGRAMS_PER_SM (request, KV head) programs per SM). Host ints only: fixed per CUDA graph."""
+    return num_reqs * num_kv_heads > DECODE_BUSY_PROGRAMS_PER_SM * num_sms
 
 
 def decode_stages(num_stages: int, tile_n: int, head_dim: int, elem_bytes: int) -> int:

@@ -171,6 +171,36 @@ def test_block_ids_loaded_ahead_give_the_same_bits(num_splits, device, poison_al
     torch.testing.assert_close(outs[0], expected, **TOLERANCES[torch.float32])
 
 
+def test_busy_one_split_launch_takes_its_own_tiling(device, monkeypatch):
+    """Past DECODE_BUSY_PROGRAMS_PER_SM (request, KV head) programs per SM a one-split decode runs
+    DECODE_LAUNCH_ONE_SPLIT_BUSY with the block ids loaded in the tile's iteration; both tilings match the
+    reference. ops.decode_attention_launch reports the choice (CUDA graphs pad only within one launch)."""
+    num_sms = triton_attention._num_sms(device)
+    kv_heads = 2
+    few = num_sms * triton_attention.DECODE_BUSY_PROGRAMS_PER_SM // kv_heads
+    assert not triton_attention.decode_launch_is_busy(few, kv_heads, num_sms)
+    assert triton_attention.decode_launch_is_busy(few + 1, kv_heads, num_sms)
+    seen: list[tuple[int, bool]] = []
+    kernel = triton_attention._paged_attention_kernel
+
+    class Spy:
+        def __getitem__(self, grid: object) -> object:
+            def launch(*args: object, **kwargs: object) -> object:
+                seen.append((kwargs["TILE_N"], kwargs["PREFETCH_IDS"]))
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(triton_attention, "_paged_attention_kernel", Spy())
+    for num_reqs in (few, few + 1):
+        query, kv_cache, metadata = make_batch([1] * num_reqs, [70 + 9 * r for r in range(num_reqs)], 6, kv_heads, 64,
+                                               16, torch.float32, device, seed=num_reqs)
+        check_attention(query, kv_cache, metadata, num_splits=1)
+    busy = triton_attention.DECODE_LAUNCH_ONE_SPLIT_BUSY["TILE_N"]
+    assert seen[0] == (triton_attention.DECODE_LAUNCH_ONE_SPLIT["TILE_N"], triton_attention.DECODE_PREFETCH_IDS)
+    assert seen[-1] == (busy, False)
+
+
 def test_decode_stages_keep_the_kv_buffers_in_shared_memory():
     """num_stages - 1 buffers of a K and a V tile: bf16 128-key tiles of 128 dims keep 3 stages (128 KiB);
     fp32 drops to 2 (one buffer), as do stages that would pass the limit; never below 2."""
