@@ -84,6 +84,10 @@ def main() -> int:
     merges = [m == "fused" for m in args.merge.split(",")]
     prefetches = [v == "on" for v in args.prefetch_ids.split(",")]
     default_prefetch = triton_attention.DECODE_PREFETCH_IDS
+    # Every one-split row runs the swept tiling: past DECODE_BUSY_PROGRAMS_PER_SM the launcher would take its
+    # busy tiling whatever the sweep sets.
+    default_busy = triton_attention.DECODE_BUSY_PROGRAMS_PER_SM
+    triton_attention.DECODE_BUSY_PROGRAMS_PER_SM = 1 << 30
     fused_max_splits = triton_attention.DECODE_FUSED_MERGE_MAX_SPLITS
     tiles, warps_list, stages_list = ([int(v) for v in a.split(",")] for a in (args.tiles, args.warps, args.stages))
     shape = MODELS["qwen2.5-7b"]
@@ -91,6 +95,8 @@ def main() -> int:
     # One split launches with its own parameters (DECODE_LAUNCH_ONE_SPLIT), several with DECODE_LAUNCH.
     default = dict(triton_attention.DECODE_LAUNCH)
     default_one = dict(triton_attention.DECODE_LAUNCH_ONE_SPLIT)
+    default_busy_one = dict(triton_attention.DECODE_LAUNCH_ONE_SPLIT_BUSY)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     results = []
     summary = []
     for batch, ctx, split_options in args.cases:
@@ -119,7 +125,10 @@ def main() -> int:
                     continue  # the same launch as the "kernel" row
                 row = {"batch": batch, "context": ctx, "tile_n": tile, "num_warps": warps, "num_stages": stages,
                        "num_splits": splits, "merge": "fused" if merged_in_kernel else "kernel",
-                       "prefetch_ids": prefetch}
+                       "prefetch_ids": prefetch,
+                       # the stages the launch runs (the launcher trims them for buffers past its limit)
+                       "stages_run": triton_attention.decode_stages(stages, tile, shape.head_dim, 2) if prefetch
+                       else stages}
                 try:
                     out = triton_attention.launch_paged_attention(query, kv0, metadata, scale, None, splits)
                     err = (out.float() - expected.float()).abs().max().item()
@@ -146,10 +155,12 @@ def main() -> int:
         timed = sorted((r for r in case_rows if "us_per_layer" in r), key=lambda r: r["us_per_layer"])
         results.extend(case_rows)
 
-        def is_default_row(r: dict) -> bool:
-            d = default_one if r["num_splits"] == 1 else default
+        def is_default_row(r: dict, batch: int = batch) -> bool:
+            # What the engine launches for this case: the split tiling, the one-split one, or the busy one.
+            busy = r["num_splits"] == 1 and batch * shape.num_kv_heads > default_busy * num_sms
+            d = default_busy_one if busy else default_one if r["num_splits"] == 1 else default
             return ((r["tile_n"], r["num_warps"], r["num_stages"]) == (d["TILE_N"], d["num_warps"], d["num_stages"])
-                    and r["prefetch_ids"] == default_prefetch
+                    and r["prefetch_ids"] == (default_prefetch and not busy)
                     and (r["num_splits"] == 1 or r["merge"] == (
                         "fused" if r["num_splits"] <= fused_max_splits else "kernel")))
 
@@ -158,6 +169,7 @@ def main() -> int:
                         sum(1 for r in case_rows if "error" in r)))
         del layers, outs, expected
         torch.cuda.empty_cache()
+    triton_attention.DECODE_BUSY_PROGRAMS_PER_SM = default_busy
     args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "default": default,
                                     "default_one_split": default_one,
                                     "results": results}, indent=1))
@@ -167,7 +179,7 @@ def main() -> int:
         for label, rows in (("default", is_default), ("best", best)):
             for r in rows:
                 print(f"  {label:8s} ids {'ahead' if r['prefetch_ids'] else 'inline'} tile {r['tile_n']:4d} "
-                      f"warps {r['num_warps']} stages {r['num_stages']} "
+                      f"warps {r['num_warps']} stages {r['stages_run']} "
                       f"splits {r['num_splits']:3d} {r['merge']:6s}: {r['us_per_layer']:7.1f} us/layer "
                       f"{r['tbps']:.2f} TB/s ({r['tbps'] / COPY_TBPS:.0%} of copy)")
     return 0

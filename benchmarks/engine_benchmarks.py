@@ -911,7 +911,8 @@ def main() -> int:
     p.add_argument("--decode-busy-programs-per-sm", type=int, default=None,
                    help="override triton_attention.DECODE_BUSY_PROGRAMS_PER_SM (a large value: never the busy tiling)")
     p.add_argument("--decode-launch", default="", help="TILE_N,warps,stages of split decode attention launches")
-    p.add_argument("--decode-launch-one-split", default="", help="TILE_N,warps,stages of one-split decode launches")
+    p.add_argument("--decode-launch-one-split", default="",
+                   help="TILE_N,warps,stages of non-busy one-split decode launches (busy ones: DECODE_LAUNCH_ONE_SPLIT_BUSY)")
     p.add_argument("--decode-fused-merge-max-splits", type=int, default=None,
                    help="override triton_attention.DECODE_FUSED_MERGE_MAX_SPLITS: split decode attention up to this "
                    "many splits merges in its last program (0: always a reduce launch)")

@@ -96,9 +96,9 @@ def reshape_and_cache(
 
 # Decode split-K: once there are at least as many (request, KV head) programs as SMs, do not split; below
 # that, split for about this many programs per SM. Measured on the H200 (benchmarks/attention_sweep.py,
-# Qwen2.5-7B shape, 28 layers in a graph): batch 64 x 1k context took 37.2 us per layer unsplit (128-key
-# tiles) against 41-50 us with 2-3 splits; batch 160 82.6 unsplit against 95+ split; batch 1 was fastest
-# with the most splits that still had a full tile each.
+# Qwen2.5-7B shape, 28 layers in a graph; the second session, with the tilings of then): batch 64 x 1k
+# context took 37.2 us per layer unsplit (128-key tiles) against 41-50 us with 2-3 splits; batch 160 82.6
+# unsplit against 95+ split; batch 1 was fastest with the most splits that still had a full tile each.
 DECODE_PROGRAMS_PER_SM = 2
 _MAX_DECODE_SPLITS = 64
 _DECODE_TILE_N = 64  # keys per tile of the Triton decode kernel: a split with fewer keys is wasted

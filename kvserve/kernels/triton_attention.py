@@ -56,9 +56,9 @@ _LOG2E = 1.4426950408889634
 
 _DECODE_TILE_N = 64
 # Launch parameters of the decode kernel, split (flash-decoding) or not. Measured on the H200 with
-# benchmarks/attention_sweep.py (Qwen2.5-7B shape, bf16, per layer): with one split, 128-key tiles read the
-# cache at 3.6-4.0 TB/s (batch 64 / 160, context 1k) against 3.2-3.3 with 64-key tiles; with splits (small
-# batches) 64-key tiles were as fast or faster.
+# benchmarks/attention_sweep.py (Qwen2.5-7B shape, bf16, per layer). Second session, block ids loaded in the
+# tile's iteration: with one split, 128-key tiles read the cache at 3.6-4.0 TB/s (batch 64 / 160, context
+# 1k) against 3.2-3.3 with 64-key tiles; with splits (small batches) 64-key tiles were as fast or faster.
 # Ninth session (block ids loaded a tile ahead, docs/perf_notes.md entry 27): one split at 64-key tiles and 4
 # stages (3 K/V buffers, 2 programs per SM) made the engine's batch-48 step 5.10 against 5.21-5.22 ms, batch
 # 64 5.33 against 5.37-5.39 and the seeds' workload 7,072 against 6,986-6,991 tok/s, where 128-key tiles with
@@ -82,9 +82,10 @@ CASCADE_MAX_PREFIX_SPLITS = 16
 # the last program saved 0.14-0.26 ms a step at 5 splits (batch 32) and 0.06-0.14 at 9 (batch 16), cost
 # 0-0.03 at 16 (batch 8) and 0.5 at 64 (batch 1). 0: always the reduce launch.
 DECODE_FUSED_MERGE_MAX_SPLITS = 12
-# Decode launches load each K/V tile's block ids one iteration ahead (`_paged_attention_kernel`'s PREFETCH_IDS),
-# which lets num_stages - 1 K/V tiles be in flight; a launch whose buffers would pass DECODE_MAX_KV_BUFFER_BYTES
-# of shared memory runs fewer stages.
+# Launches load each K/V tile's block ids one iteration ahead (`_paged_attention_kernel`'s PREFETCH_IDS), which
+# lets num_stages - 1 K/V tiles be in flight: split and non-busy one-split decode launches (a decode launch
+# whose buffers would pass DECODE_MAX_KV_BUFFER_BYTES of shared memory runs fewer stages), and the mixed /
+# prefill launch, whose 2 stages keep one buffer either way. False: every launch loads them in the iteration.
 DECODE_PREFETCH_IDS = True
 DECODE_MAX_KV_BUFFER_BYTES = 160 * 1024
 # Stand-in multiprocessor count for the CPU interpreter (small, so tests reach the split path cheaply).
@@ -574,7 +575,7 @@ def launch_paged_attention(
             metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, metadata.seq_lens, metadata.seq_lens,
             log2_scale, num_reqs, 1, 0, 1, *strides,
             BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=64,
-            IS_DECODE=False, USE_SPLITS=False, CASCADE=False,
+            IS_DECODE=False, USE_SPLITS=False, CASCADE=False, PREFETCH_IDS=DECODE_PREFETCH_IDS,
             num_warps=8 if block_m >= 128 else 4, num_stages=2,
             **common,
         )  # fmt: skip
@@ -662,8 +663,8 @@ def decode_launch_is_busy(num_reqs: int, num_kv_heads: int, num_sms: int) -> boo
 
 def decode_stages(num_stages: int, tile_n: int, head_dim: int, elem_bytes: int) -> int:
     """Pipeline stages of a decode launch whose block ids are prefetched: num_stages - 1 buffers of a K and a V
-    tile each, fewer stages (at least 2) while those pass DECODE_MAX_KV_BUFFER_BYTES (an fp32 cache at 128-key
-    tiles would not fit in shared memory otherwise)."""
+    tile each, fewer stages (at least 2) while those pass DECODE_MAX_KV_BUFFER_BYTES (an fp32 cache at 64-key
+    tiles of 128 dims and 4 stages would take 192 KiB: it runs 3)."""
     tile_pair = 2 * tile_n * head_dim * elem_bytes
     while num_stages > 2 and (num_stages - 1) * tile_pair > DECODE_MAX_KV_BUFFER_BYTES:
         num_stages -= 1

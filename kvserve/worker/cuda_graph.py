@@ -80,7 +80,8 @@ def choose_padding(
     min_gain) (the graphs' matmuls can be faster at more rows: cuBLAS picks its kernel by the row count).
     times_ms: each size's measured replay time, on a padding-only batch (attention reads nothing, so the
     time is what the size's matmuls and other row-wise kernels cost). attention_launch: what the decode
-    attention launch of each size depends on (its KV split count); a batch moves only to a size with the
+    attention launch of each size depends on (its KV split count and tiling: `ops.decode_attention_launch`);
+    a batch moves only to a size with the
     same, since the padding-only timing cannot see its real rows' attention: a small batch sent to a size
     whose attention is unsplit would read each long context with a single program. min_gain <= 0 keeps
     every size."""
@@ -183,7 +184,7 @@ class CUDAGraphRunner:
         need request buffers of at least 2). pad_min_gain > 0: time the decode graphs after capture, and let
         a batch replay a larger size's graph when that one is faster by this fraction (`choose_padding`)."""
         self.pad_min_gain = pad_min_gain
-        # Each decode size's attention launch (its KV split count, from host ints): padding keeps it.
+        # Each decode size's attention launch ((KV split count, busy tiling), from host ints): padding keeps it.
         self.attention_launch = {
             size: ops.decode_attention_launch(size, kv_caches[0], max_model_len) for size in sizes
         } if kv_caches else None

@@ -159,7 +159,8 @@ def test_decode_heuristic_splits_a_small_batch(device, poison_allocations):
 def test_block_ids_loaded_ahead_give_the_same_bits(num_splits, device, poison_allocations, monkeypatch):
     """Decode with each tile's block ids loaded one tile ahead (DECODE_PREFETCH_IDS) against loaded in the tile's
     iteration: same keys, same order, so the same bits; both match the reference. Contexts of 1, 64, 65 and
-    300 keys put the last tile's ids at and just past a tile boundary and past the block table's used part."""
+    300 keys end the last tile at and just past a tile boundary. (The look-ahead load past the last tile is
+    masked; an unmasked one would read ids that no valid key uses, which no output shows.)"""
     poison_allocations(triton_attention)
     query, kv_cache, metadata = make_batch([1] * 4, [1, 64, 65, 300], 6, 2, 64, 16, torch.float32, device, seed=5)
     outs = []
@@ -174,7 +175,7 @@ def test_block_ids_loaded_ahead_give_the_same_bits(num_splits, device, poison_al
 def test_busy_one_split_launch_takes_its_own_tiling(device, monkeypatch):
     """Past DECODE_BUSY_PROGRAMS_PER_SM (request, KV head) programs per SM a one-split decode runs
     DECODE_LAUNCH_ONE_SPLIT_BUSY with the block ids loaded in the tile's iteration; both tilings match the
-    reference. ops.decode_attention_launch reports the choice (CUDA graphs pad only within one launch)."""
+    reference."""
     num_sms = triton_attention._num_sms(device)
     kv_heads = 2
     few = num_sms * triton_attention.DECODE_BUSY_PROGRAMS_PER_SM // kv_heads
@@ -186,7 +187,7 @@ def test_busy_one_split_launch_takes_its_own_tiling(device, monkeypatch):
     class Spy:
         def __getitem__(self, grid: object) -> object:
             def launch(*args: object, **kwargs: object) -> object:
-                seen.append((kwargs["TILE_N"], kwargs["PREFETCH_IDS"]))
+                seen.append((kwargs["TILE_N"], kwargs["PREFETCH_IDS"], kwargs["num_stages"]))
                 return kernel[grid](*args, **kwargs)
 
             return launch
@@ -196,9 +197,28 @@ def test_busy_one_split_launch_takes_its_own_tiling(device, monkeypatch):
         query, kv_cache, metadata = make_batch([1] * num_reqs, [70 + 9 * r for r in range(num_reqs)], 6, kv_heads, 64,
                                                16, torch.float32, device, seed=num_reqs)
         check_attention(query, kv_cache, metadata, num_splits=1)
-    busy = triton_attention.DECODE_LAUNCH_ONE_SPLIT_BUSY["TILE_N"]
-    assert seen[0] == (triton_attention.DECODE_LAUNCH_ONE_SPLIT["TILE_N"], triton_attention.DECODE_PREFETCH_IDS)
-    assert seen[-1] == (busy, False)
+    one, busy = triton_attention.DECODE_LAUNCH_ONE_SPLIT, triton_attention.DECODE_LAUNCH_ONE_SPLIT_BUSY
+    assert seen[0] == (one["TILE_N"], True, one["num_stages"])  # fp32 64-key tiles of 64 dims: 4 stages fit
+    assert seen[-1] == (busy["TILE_N"], False, busy["num_stages"])
+
+
+def test_ops_reports_the_launch_the_kernel_takes(monkeypatch):
+    """ops.decode_attention_launch (what CUDA-graph padding must keep) gives the launcher's split count and
+    busy choice on both sides of the busy limit, for a CUDA cache (stood in for by its shape and flag)."""
+    from types import SimpleNamespace
+
+    from kvserve.kernels import ops
+
+    num_sms, kv_heads, max_len = 132, 4, 32768
+    monkeypatch.setattr(ops, "_num_sms", lambda device: num_sms)
+    cache = SimpleNamespace(is_cuda=True, shape=(2, 8, 16, kv_heads, 128), device=torch.device("cpu"))
+    limit = triton_attention.DECODE_BUSY_PROGRAMS_PER_SM * num_sms // kv_heads
+    for num_reqs in (1, 8, 32, 33, limit, limit + 1, 256):
+        expected = (choose_num_splits(num_reqs, kv_heads, max_len, num_sms),
+                    triton_attention.decode_launch_is_busy(num_reqs, kv_heads, num_sms))
+        assert ops.decode_attention_launch(num_reqs, cache, max_len) == expected, num_reqs  # type: ignore[arg-type]
+    assert ops.decode_attention_launch(limit, cache, max_len) == (1, False)  # type: ignore[arg-type]
+    assert ops.decode_attention_launch(limit + 1, cache, max_len) == (1, True)  # type: ignore[arg-type]
 
 
 def test_decode_stages_keep_the_kv_buffers_in_shared_memory():
@@ -511,10 +531,15 @@ def test_kernels_compile_for_hopper(device, hopper_compiler):
             *((b, ["_shared_prefix_kernel", attention_kernels[0]], 1) for b in cascade_wide),
             (prefill, attention_kernels[:1], None),
             (tiny_chunks, attention_kernels[:1], None),
+            (decode, attention_kernels[:1], "busy"),  # one split past DECODE_BUSY_PROGRAMS_PER_SM
         ):
+            busy = splits == "busy"
+            splits = 1 if busy else splits
             fused_merge = splits is None or splits > 0
             with pytest.MonkeyPatch.context() as patch:
                 patch.setattr(triton_attention, "DECODE_FUSED_MERGE_MAX_SPLITS", 64 if fused_merge else 0)
+                if busy:
+                    patch.setattr(triton_attention, "DECODE_BUSY_PROGRAMS_PER_SM", 0)
                 hopper_compiler.record(
                     triton_attention,
                     kernels,
@@ -532,8 +557,18 @@ def test_kernels_compile_for_hopper(device, hopper_compiler):
     merges = {spec["constexprs"].get("FUSED_MERGE") for spec in hopper_compiler.specs
               if spec["kernel"] == "_paged_attention_kernel" and spec["constexprs"].get("USE_SPLITS")}
     assert merges == {True, False}  # split launches merged in the kernel and by the reduce launch
-    for result in hopper_compiler.compile_all():
+    resident = set()
+    for spec, result in zip(hopper_compiler.specs, hopper_compiler.compile_all(), strict=True):
         assert result["shared_bytes"] <= 227 * 1024, result  # Hopper's per-block shared memory limit
+        c = spec["constexprs"]
+        if (spec["kernel"] == "_paged_attention_kernel" and c["IS_DECODE"] and not c["USE_SPLITS"]
+                and not c["CASCADE"] and spec["signature"]["q_ptr"] == "*bf16"):
+            # The one-split tilings' footprints as the busy rule counts them (1 KiB reserved per block): 2
+            # programs per SM with block ids ahead (64-key tiles, 3 buffers), 3 for the busy tiling.
+            per_sm = 2 if c["PREFETCH_IDS"] else 3
+            assert per_sm * (result["shared_bytes"] + 1024) <= 228 * 1024, (c, result)
+            resident.add((c["TILE_N"], c["PREFETCH_IDS"]))
+    assert resident == {(64, True), (128, False)}  # both one-split tilings were compiled
 
 
 # ------------------------------------------------------------------------------------ GPU only

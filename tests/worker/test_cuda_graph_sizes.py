@@ -107,14 +107,20 @@ def test_runner_pads_each_batch_by_the_measured_choice() -> None:
 def test_runner_keeps_batches_within_their_attention_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvserve.kernels import ops
 
-    # As on the H200 for 4 KV heads: sizes up to 32 split the KV, larger ones do not.
-    monkeypatch.setattr(ops, "decode_attention_launch", lambda size, cache, max_len: 3 if size <= 32 else 1)
-    sizes = [8, 16, 32, 48, 64]
+    # As on the H200 for 4 KV heads: sizes up to 32 split the KV, larger ones do not, and past 66 requests the
+    # one-split launch takes its busy tiling.
+    def launch(size: int, cache: object, max_len: int) -> tuple[int, bool]:
+        return (3 if size <= 32 else 1), size > 66
+
+    monkeypatch.setattr(ops, "decode_attention_launch", launch)
+    sizes = [8, 16, 32, 48, 64, 80]
     runner = CUDAGraphRunner(None, [object()], {}, None, sizes, 4096, pad_min_gain=0.05)  # type: ignore[arg-type,list-item]
-    assert runner.attention_launch == {8: 3, 16: 3, 32: 3, 48: 1, 64: 1}
+    assert runner.attention_launch == {8: (3, False), 16: (3, False), 32: (3, False), 48: (1, False),
+                                       64: (1, False), 80: (1, True)}
     runner._graphs = {(s, False): None for s in sizes}  # type: ignore[misc]  # as if captured
-    runner.set_size_times({8: 4.2, 16: 4.3, 32: 4.3, 48: 3.0, 64: 4.0})
-    assert [runner.padded_size(n) for n in (5, 12, 30, 40, 60)] == [8, 16, 32, 48, 64]
+    runner.set_size_times({8: 4.2, 16: 4.3, 32: 4.3, 48: 3.0, 64: 4.0, 80: 2.0})
+    # 80 is the fastest graph, but its attention launch differs from every smaller size's.
+    assert [runner.padded_size(n) for n in (5, 12, 30, 40, 60, 70)] == [8, 16, 32, 48, 64, 80]
 
 
 def test_cascade_batches_take_the_smallest_size() -> None:
