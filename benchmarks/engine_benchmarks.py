@@ -448,6 +448,14 @@ class Bench:
                               f"slowest step {max(stats.step_s) * 1e3:.0f} ms"))
         self.results["random256"] = {"num_seqs": num, "runs": runs}
 
+    def _ttft_runs(self, d: Any, n: int, repeats: int, rest: float) -> list[float]:
+        """TTFT (ms) of `repeats` fresh n-token prompts, one at a time, each after `rest` s without work."""
+        times = []
+        for _ in range(repeats):
+            time.sleep(rest)
+            times.append(d.run(self.prompts([n]), [1]).ttft_s[0] * 1e3)
+        return times
+
     def section_ttft(self) -> None:
         """TTFT of one prompt on an idle engine, two ways: on an idle GPU (1 s without work before each prompt,
         as a request reaching an idle server finds it) and back to back (each prompt right after the last, the
@@ -460,10 +468,7 @@ class Bench:
             n = self.length(tokens)
             d.run(self.prompts([n]), [1])  # warm-up at this shape
             for label, rest in (("idle GPU", TTFT_IDLE_S), ("back to back", 0.0)):
-                times = []
-                for _ in range(repeats):
-                    time.sleep(rest)
-                    times.append(d.run(self.prompts([n]), [1]).ttft_s[0] * 1e3)
+                times = self._ttft_runs(d, n, repeats, rest)
                 out[f"{tokens} {label}"] = {"median_ms": statistics.median(times), "all_ms": times, "idle_s": rest}
                 self.rows.append((f"TTFT {tokens} tokens, {label} (ms)", f"{statistics.median(times):.1f}",
                                   f"min {min(times):.1f}, {repeats} runs"))
@@ -481,11 +486,7 @@ class Bench:
         for round_ in range(2):
             for rest in (0.0, 0.3, 1.0):
                 for tokens in self.args.ttft_lengths:
-                    n = self.length(tokens)
-                    times = []
-                    for _ in range(5 if tokens <= 4096 else 3):
-                        time.sleep(rest)
-                        times.append(d.run(self.prompts([n]), [1]).ttft_s[0] * 1e3)
+                    times = self._ttft_runs(d, self.length(tokens), 5 if tokens <= 4096 else 3, rest)
                     out[f"{tokens} {rest} {round_}"] = times
                     self.rows.append((f"TTFT {tokens}, {rest:.1f} s idle before, round {round_} (ms)",
                                       f"{statistics.median(times):.1f}",

@@ -225,9 +225,9 @@ def _paged_attention_kernel(
     # PREFETCH_IDS: the block ids of a tile are loaded one iteration ahead, so the K/V addresses come from the
     # loop's carried state rather than from a load of the same iteration; the pipeliner then gives the K/V
     # tiles num_stages - 1 buffers (with the ids loaded in the iteration it kept one at 3 and 4 stages).
-    first_pos = tile_begin * TILE_N + cols
-    next_ids = tl.load(block_table_row + first_pos // BLOCK_SIZE, mask=(first_pos < kv_end) & PREFETCH_IDS,
-                       other=0)
+    if PREFETCH_IDS:
+        first_pos = tile_begin * TILE_N + cols
+        next_ids = tl.load(block_table_row + first_pos // BLOCK_SIZE, mask=first_pos < kv_end, other=0)
     for t in range(tile_begin, tile_end):
         k_pos = t * TILE_N + cols
         k_valid = k_pos < kv_end
@@ -587,16 +587,14 @@ def launch_paged_attention(
     assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
     cascade = metadata.common_prefix_len > 0
     block_m = max(16, triton.next_power_of_2(group))
-    busy = num_splits == 1 and not cascade and decode_launch_is_busy(num_reqs, num_kv_heads, num_sms)
-    if num_splits == 1 and not cascade:
-        launch = dict(DECODE_LAUNCH_ONE_SPLIT_BUSY if busy else DECODE_LAUNCH_ONE_SPLIT)
-    else:
-        launch = dict(DECODE_LAUNCH)
+    one_split = num_splits == 1 and not cascade
+    busy = one_split and decode_launch_is_busy(num_reqs, num_kv_heads, num_sms)
+    launch = dict(DECODE_LAUNCH if not one_split else DECODE_LAUNCH_ONE_SPLIT_BUSY if busy else DECODE_LAUNCH_ONE_SPLIT)
     prefetch = DECODE_PREFETCH_IDS and not busy
     if prefetch:
         launch["num_stages"] = decode_stages(launch["num_stages"], launch["TILE_N"], head_dim, k_cache.element_size())
     decode_kwargs = dict(BLOCK_M=block_m, BLOCK_Q=1, IS_DECODE=True, PREFETCH_IDS=prefetch, **launch, **common)
-    if num_splits == 1 and not cascade:
+    if one_split:
         _paged_attention_kernel[(num_reqs, num_kv_heads, 1)](
             query, k_cache, v_cache, out, out, out, out,
             metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, metadata.seq_lens, metadata.seq_lens,

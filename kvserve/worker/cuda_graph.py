@@ -15,11 +15,11 @@ prefix. Attention's split count is fixed at capture from (batch size,
 max_model_len); `triton_attention`'s docstring says why that stays valid for every shorter context.
 
 Which decode graph a batch replays: the smallest captured size that holds it, unless a larger size with the
-same attention split count ran at least `pad_min_gain` faster when every graph was timed right after the
+same attention launch (split count and tiling) ran at least `pad_min_gain` faster when every graph was timed right after the
 capture, on the padding-only batch the capture leaves in the buffers (`choose_padding`); cascade batches
 always take the smallest size (their graphs were not timed). The matmuls set
 those times, and cuBLAS's are not monotonic in the row count (on the H200 a 192-row step's matmuls took
-6.5 ms and a 208-row step's 5.4: docs/perf_notes.md, entry 24). Only sizes with the same split count
+6.5 ms and a 208-row step's 5.4: docs/perf_notes.md, entry 24). Only sizes with the same attention launch
 compete, because the padding-only timing cannot see the real rows' attention: a small batch moved to an
 unsplit size would read each long context with one program per KV head.
 
