@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Pass the local commit, written in literally (the device copy's git metadata can be stale, so a $(git ...) in
 # the command would read it there): KVSERVE_BENCH_COMMIT=<sha> bash ...
@@ -108,6 +108,8 @@ for step in "$@"; do
             --sections start,ttftrand,ttft $flags >> "$R/ttftrand.log" 2>&1
           echo "mode $mode done" >> "$R/ttftrand.log"
         done ;;
+    ltalgos) timeout 420 python3 benchmarks/cublaslt_algos.py --out "$R/lt_algos.json" \
+              --rows "${LT_ROWS:-48,64,96,128,176,192,256,8192}" > "$R/ltalgos.log" 2>&1 ;;
     pytest) timeout 200 python3 -m pytest -q -rA -s -p no:cacheprovider tests/gpu > "$R/pytest_gpu.log" 2>&1 ;;
     engine) timeout 240 python3 benchmarks/engine_benchmarks.py --out "$R/engine" \
               --sections start,decode,seeds,ttft > "$R/engine.log" 2>&1 ;;
@@ -323,6 +325,7 @@ for f in "$R"/attnab3.log "$R"/attnab2.log "$R"/attnpf.log "$R"/attnsweep.log "$
     skinnyab.log) grep -E "^decode|^seeds|^TTFT|^engine start|Error|failed|^ +[0-9.]+ us/step" "$f" | head -70 ;;
     prefillprof.log) grep -E "^TTFT|^prefill|Error|failed" "$f"; sed -n '/by tottime/,/by cumulative/p' "$f" | head -45 ;;
     padab.log|padcheck.log) grep -E "^decode|^256|^engine start|^mode|Error|failed" "$f" ;;
+    ltalgos.log) grep -E "Error|Traceback" "$f" | head -5; grep -E "^[a-z_]+ +M=" "$f" | cut -c1-150; sed -n '/^    M /,$p' "$f" ;;
     rows.log) grep -E "Error|Traceback" "$f" | head -5; sed -n '/^ +M /,$p' "$f" ;;
     decgraph.log) grep -E "^decode|^timeline|^  gap|^kernel profile|Error|failed" "$f" ;;
     gapdiag.log) grep -E "^host profile|^timeline|^  gap|^kernel profile|Error|failed" "$f";

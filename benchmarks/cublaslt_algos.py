@@ -1,0 +1,116 @@
+"""cuBLASLt's heuristic candidates against torch's pick, at the Qwen2.5-7B matmul shapes, bf16.
+
+torch's `linear` runs the first algorithm cuBLASLt's heuristic returns. This times every candidate the
+heuristic offers (up to `kvserve.kernels.cublaslt.MAX_CANDIDATES`) for each shape and row count, each in a
+CUDA graph over one weight copy per layer (`gemm_sweep.layer_copies`, no L2 reuse between calls), checks each
+candidate's result against torch's, and prints torch's time, the heuristic's first candidate, and the fastest.
+
+    python benchmarks/cublaslt_algos.py --out /tmp/lt_algos.json [--rows 64,128,192] [--shapes qkv,down]
+
+Ends with a table per row count: one decode step's matmuls (28 layers and the LM head) in ms with torch's
+pick and with the fastest candidate of each shape, and the floors at 4.28 TB/s and at --peak-tflops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from attention_sweep import time_graph  # noqa: E402
+from gemm_sweep import COPY_TBPS, SHAPES, layer_copies  # noqa: E402
+
+from kvserve.kernels.cublaslt import LtMatmul  # noqa: E402
+
+ROWS = [48, 64, 96, 128, 160, 176, 192, 208, 224, 256, 1024, 8192]
+NUM_LAYERS = 28
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)))
+    parser.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    parser.add_argument("--peak-tflops", type=float, default=791.0, help="the bf16 matmul peak measured here")
+    args = parser.parse_args()
+    torch.backends.cuda.preferred_blas_library("cublaslt")  # what the engine runs
+    rows = [int(r) for r in args.rows.split(",")]
+    shapes = [s for s in SHAPES if s[0] in args.shapes.split(",")]
+    dtype = torch.bfloat16
+    results: dict[str, dict[int, dict]] = {}
+    for name, n, k, has_bias in shapes:
+        nbytes, copies, gen, weights, biases = layer_copies(n, k, has_bias, dtype)
+        results[name] = {}
+        for m in rows:
+            reps = 20 if m <= 256 else 3
+            x = torch.randn(m, k, generator=gen, device="cuda", dtype=dtype)
+            out = torch.empty(m, n, device="cuda", dtype=dtype)
+            reference = torch.nn.functional.linear(x, weights[0], biases[0]).float()
+            scale = reference.abs().max().item()
+
+            def run_torch(xs: torch.Tensor = x, ws: list = weights, bs: list = biases) -> None:
+                for w, b in zip(ws, bs, strict=True):
+                    torch.nn.functional.linear(xs, w, b)
+
+            torch_us = time_graph(run_torch, reps) / copies * 1e3
+            plan = LtMatmul(m, n, k, dtype, has_bias, torch.cuda.current_device())
+            assert plan.check_operands(x, weights[0], biases[0], out)
+            cands = []
+            for i in range(len(plan.candidates)):
+                out.fill_(float("nan"))
+                plan.run(x, weights[0], biases[0], out, candidate=i)
+                err = (out.float() - reference).abs().max().item()
+                if not err <= 2e-2 * scale:
+                    cands.append({"index": i, "error": err, **plan.config(i)})
+                    continue
+
+                def run_lt(xs: torch.Tensor = x, ws: list = weights, bs: list = biases, i: int = i,
+                           o: torch.Tensor = out, p: LtMatmul = plan) -> None:
+                    for w, b in zip(ws, bs, strict=True):
+                        p.run(xs, w, b, o, candidate=i)
+
+                us = time_graph(run_lt, reps) / copies * 1e3
+                cands.append({"index": i, "us": us, "workspace": plan.workspace_sizes[i], **plan.config(i)})
+            timed = [c for c in cands if "us" in c]
+            best = min(timed, key=lambda c: c["us"]) if timed else None
+            first = cands[0] if cands and "us" in cands[0] else None
+            row = {"torch_us": torch_us, "first_us": first["us"] if first else None,
+                   "best_us": best["us"] if best else None, "best": best, "num_candidates": len(cands),
+                   "num_wrong": len(cands) - len(timed), "candidates": cands,
+                   "floor_bytes_us": nbytes / COPY_TBPS / 1e6,
+                   "floor_flops_us": 2 * m * n * k / args.peak_tflops / 1e6}
+            results[name][m] = row
+            print(f"{name:8s} M={m:5d} torch {torch_us:8.1f}  first {row['first_us'] or float('nan'):8.1f}  "
+                  f"best {row['best_us'] or float('nan'):8.1f} (#{best['index'] if best else -1} of "
+                  f"{len(cands)}, {len(cands) - len(timed)} wrong)  "
+                  f"{ {key: v for key, v in (best or {}).items() if key not in ('us', 'index')} }", flush=True)
+        del weights, biases
+        torch.cuda.empty_cache()
+    args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                    "results": results}, indent=1))
+    layer_shapes = [s[0] for s in SHAPES if s[0] != "lm_head"]
+    if all(name in results for name in layer_shapes):
+        print(f"\n{'M':>5s} {'torch ms':>9s} {'best ms':>9s} {'gain %':>7s} {'floor ms':>9s}   per shape torch/best us: "
+              + " ".join(layer_shapes))
+        for m in rows:
+            def step_ms(key: str, m: int = m) -> float:
+                total = NUM_LAYERS * sum(results[name][m][key] for name in layer_shapes)
+                if "lm_head" in results:
+                    total += results["lm_head"][m][key]
+                return total / 1e3
+
+            t, b = step_ms("torch_us"), step_ms("best_us")
+            floor = max(step_ms("floor_bytes_us"), step_ms("floor_flops_us"))
+            print(f"{m:5d} {t:9.3f} {b:9.3f} {100 * (t - b) / t:7.1f} {floor:9.3f}   "
+                  + " ".join(f"{results[name][m]['torch_us']:.1f}/{results[name][m]['best_us']:.1f}"
+                             for name in layer_shapes))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
