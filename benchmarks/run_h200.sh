@@ -109,7 +109,7 @@ for step in "$@"; do
           echo "mode $mode done" >> "$R/ttftrand.log"
         done ;;
     ltalgos) timeout 420 python3 benchmarks/cublaslt_algos.py --out "$R/lt_algos.json" \
-              --rows "${LT_ROWS:-48,64,96,128,176,192,256,8192}" > "$R/ltalgos.log" 2>&1 ;;
+              --rows "${LT_ROWS:-48,64,80,96,112,128,144,160,176,192,208,224,240,256,1024,2048,8192}" > "$R/ltalgos.log" 2>&1 ;;
     pytest) timeout 200 python3 -m pytest -q -rA -s -p no:cacheprovider tests/gpu > "$R/pytest_gpu.log" 2>&1 ;;
     engine) timeout 240 python3 benchmarks/engine_benchmarks.py --out "$R/engine" \
               --sections start,decode,seeds,ttft > "$R/engine.log" 2>&1 ;;

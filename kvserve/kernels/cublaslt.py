@@ -43,6 +43,10 @@ _ALGO_CONFIG_FIELDS = (("algo_id", 0, 4), ("tile_id", 1, 4), ("splitk", 2, 4), (
                        ("cluster_shape", 8, 2))
 
 WORKSPACE_BYTES = 32 * 1024 * 1024
+# The heuristic is asked once per limit and the candidates pooled: with more workspace it offers split-K
+# kernels and drops others that can be faster (torch's own pick, under its smaller workspace, was faster than
+# all eight candidates of the 32 MiB query for several decode shapes on the H200).
+WORKSPACE_LIMITS = (0, 1024 * 1024, 4 * 1024 * 1024, WORKSPACE_BYTES)
 MAX_CANDIDATES = 32
 
 
@@ -101,6 +105,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "cublasLtMatrixLayoutCreate": [ctypes.POINTER(vp), i32, u64, u64, i64],
         "cublasLtMatmulPreferenceCreate": [ctypes.POINTER(vp)],
         "cublasLtMatmulPreferenceSetAttribute": [vp, i32, vp, sz],
+        "cublasLtMatmulPreferenceDestroy": [vp],
         "cublasLtMatmulAlgoGetHeuristic": [vp, vp, vp, vp, vp, vp, vp, i32, ctypes.POINTER(_HeuristicResult),
                                            ctypes.POINTER(i32)],
         "cublasLtMatmulAlgoConfigGetAttribute": [ctypes.POINTER(_Algo), i32, vp, sz, ctypes.POINTER(sz)],
@@ -179,26 +184,43 @@ class LtMatmul:
                "layout B")
         _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self._d), cuda_type, self.n, self.rows, self.n),
                "layout D")
-        pref = ctypes.c_void_p()
-        _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
-        ws = ctypes.c_uint64(WORKSPACE_BYTES)
-        _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(ws), 8),
-               "preference workspace")
-        results = (_HeuristicResult * MAX_CANDIDATES)()
-        count = ctypes.c_int(0)
-        _check(lib.cublasLtMatmulAlgoGetHeuristic(self._handle, self._desc, self._a, self._b, self._d, self._d,
-                                                  pref, MAX_CANDIDATES, results, ctypes.byref(count)),
-               "cublasLtMatmulAlgoGetHeuristic")
-        for i in range(count.value):
-            if results[i].state == 0 and results[i].workspace_size <= WORKSPACE_BYTES:
-                algo = _Algo()
-                ctypes.memmove(ctypes.byref(algo), ctypes.byref(results[i].algo), ctypes.sizeof(_Algo))
-                self.candidates.append(algo)
-                self.workspace_sizes.append(int(results[i].workspace_size))
+        seen: set[tuple[int, ...]] = set()
+        for limit in WORKSPACE_LIMITS:
+            for algo, workspace_bytes in self._heuristic(limit):
+                key = tuple(algo.data)
+                if key not in seen:
+                    seen.add(key)
+                    self.candidates.append(algo)
+                    self.workspace_sizes.append(workspace_bytes)
         if not self.candidates:
             raise LtUnavailable(f"no cuBLASLt algorithm for rows={self.rows} n={self.n} k={self.k}")
         self._alpha = ctypes.c_float(1.0)
         self._beta = ctypes.c_float(0.0)
+
+    def _heuristic(self, workspace_limit: int) -> list[tuple[_Algo, int]]:
+        """The heuristic's candidates (its ranking) when at most workspace_limit bytes of workspace may be
+        used: the limit changes which kernels it offers (split-K ones need workspace)."""
+        lib = self._lib
+        pref = ctypes.c_void_p()
+        _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
+        try:
+            ws = ctypes.c_uint64(workspace_limit)
+            _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(ws), 8),
+                   "preference workspace")
+            results = (_HeuristicResult * MAX_CANDIDATES)()
+            count = ctypes.c_int(0)
+            _check(lib.cublasLtMatmulAlgoGetHeuristic(self._handle, self._desc, self._a, self._b, self._d,
+                                                      self._d, pref, MAX_CANDIDATES, results, ctypes.byref(count)),
+                   "cublasLtMatmulAlgoGetHeuristic")
+        finally:
+            lib.cublasLtMatmulPreferenceDestroy(pref)
+        out = []
+        for i in range(count.value):
+            if results[i].state == 0 and results[i].workspace_size <= workspace_limit:
+                algo = _Algo()
+                ctypes.memmove(ctypes.byref(algo), ctypes.byref(results[i].algo), ctypes.sizeof(_Algo))
+                out.append((algo, int(results[i].workspace_size)))
+        return out
 
     def _set_desc(self, attr: int, value: ctypes._SimpleCData) -> None:
         _check(self._lib.cublasLtMatmulDescSetAttribute(self._desc, attr, ctypes.byref(value),
