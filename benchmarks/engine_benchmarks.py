@@ -917,6 +917,8 @@ def main() -> int:
     p.add_argument("--decode-fused-merge-max-splits", type=int, default=None,
                    help="override triton_attention.DECODE_FUSED_MERGE_MAX_SPLITS: split decode attention up to this "
                    "many splits merges in its last program (0: always a reduce launch)")
+    p.add_argument("--gemm-tuning", action=argparse.BooleanOptionalAction, default=None,
+                   help="override KVSERVE_GEMM_TUNING: time cuBLASLt's candidates for the model's matmuls at start")
     p.add_argument("--sdpa-cudnn-min-tokens", type=int, default=None,
                    help="override ops.SDPA_CUDNN_MIN_TOKENS: one-prompt prefills this long use cuDNN attention "
                    "(0: never; default: 1024 on sm_90+)")
@@ -956,6 +958,10 @@ def main() -> int:
         triton_attention.DECODE_FUSED_MERGE_MAX_SPLITS = args.decode_fused_merge_max_splits
     if args.sdpa_cudnn_min_tokens is not None:
         ops.SDPA_CUDNN_MIN_TOKENS = args.sdpa_cudnn_min_tokens
+    if args.gemm_tuning is not None:
+        from kvserve import envs
+
+        envs.KVSERVE_GEMM_TUNING = args.gemm_tuning
     if args.prefill_graph_max_tokens is not None:
         from kvserve.worker import model_runner
 

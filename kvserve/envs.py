@@ -41,6 +41,14 @@ KVSERVE_GRAPH_PAD_MIN_GAIN_PCT: int = _int("KVSERVE_GRAPH_PAD_MIN_GAIN_PCT", 5)
 # Programmatic dependent launch for the Triton kernels on sm_90+ (1: on, the default; 0: off). See
 # kvserve/kernels/triton_pdl.py and docs/perf_notes.md, entry 17.
 KVSERVE_PDL: bool = _int("KVSERVE_PDL", 1) != 0
+# Time cuBLASLt's candidate algorithms for the model's matmuls at start (at the decode and prefill graph sizes
+# and the step's token budget) and run the fastest where it beats torch's own pick (1: on, the default; 0:
+# torch's pick everywhere). See kvserve/kernels/cublaslt.py and docs/perf_notes.md, entry 28.
+KVSERVE_GEMM_TUNING: bool = _int("KVSERVE_GEMM_TUNING", 1) != 0
+# Where results that outlive a run are kept (the matmul tuning's choices): $XDG_CACHE_HOME/kvserve, else
+# ~/.cache/kvserve.
+KVSERVE_CACHE_DIR: str = _str("KVSERVE_CACHE_DIR", None) or os.path.join(
+    _str("XDG_CACHE_HOME", None) or os.path.join(os.path.expanduser("~"), ".cache"), "kvserve")
 
 # Other libraries' variables that change what kvserve does (read here too, so this file lists them all):
 # Triton's interpreter (kernels run on the CPU): no programmatic dependent launch.

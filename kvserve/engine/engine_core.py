@@ -81,6 +81,8 @@ class EngineCore:
         if self.runner.device.type == "cuda":
             self.runner.warm_up_kernels()
             self._mark_phase("kernel_warm_up", start)
+            self.runner.tune_gemms()
+            self._mark_phase("gemm_tuning", start)
         self.runner.capture_cuda_graphs()
         self._mark_phase("cuda_graph_capture", start)
         self.scheduler = Scheduler(

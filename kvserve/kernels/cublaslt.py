@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import json
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -115,6 +117,13 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn = getattr(lib, name)
         fn.argtypes = argtypes
         fn.restype = ctypes.c_int
+    lib.cublasLtGetVersion.argtypes = []
+    lib.cublasLtGetVersion.restype = ctypes.c_size_t
+
+
+def library_version() -> int:
+    """cuBLASLt's version number (e.g. 130100): tuning results are kept per version."""
+    return int(_library().cublasLtGetVersion())
 
 
 def _check(status: int, what: str) -> None:
@@ -133,7 +142,13 @@ def _handle(device_index: int) -> ctypes.c_void_p:
 
 @functools.cache
 def _workspace(device_index: int) -> torch.Tensor:
+    _library()
     return torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=f"cuda:{device_index}")
+
+
+def workspace(device: torch.device) -> torch.Tensor:
+    """The workspace every tuned matmul on this device uses (allocated once, kept for the process)."""
+    return _workspace(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def algo_config(algo: _Algo) -> dict[str, int]:
@@ -226,24 +241,22 @@ class LtMatmul:
         _check(self._lib.cublasLtMatmulDescSetAttribute(self._desc, attr, ctypes.byref(value),
                                                         ctypes.sizeof(value)), f"matmul desc attribute {attr}")
 
-    def check_operands(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                       out: torch.Tensor) -> bool:
-        """Whether run() computes linear(x, weight, bias) into out for these tensors (shapes, dtypes, dense
-        rows, the device this plan was made for)."""
-        tensors = [x, weight, out] + ([bias] if bias is not None else [])
+    def check_inputs(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether run() computes linear(x, weight, bias) for these tensors (shapes, dtypes, dense rows, the
+        device this plan was made for), into a dense [rows, N] output of the same dtype and device."""
+        tensors = [x, weight] + ([bias] if bias is not None else [])
         return (
             (bias is not None) == self.has_bias
             and all(t.dtype == self.dtype and t.is_cuda and t.device.index == self.device_index for t in tensors)
             and tuple(x.shape) == (self.rows, self.k) and x.is_contiguous()
             and tuple(weight.shape) == (self.n, self.k) and weight.is_contiguous()
-            and tuple(out.shape) == (self.rows, self.n) and out.is_contiguous()
             and (bias is None or (tuple(bias.shape) == (self.n,) and bias.is_contiguous()))
         )
 
     def run(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
             candidate: int | None = None) -> torch.Tensor:
         """out[rows, N] = x[rows, K] @ weight[N, K]^T (+ bias[N]) with candidate `candidate` (default: chosen),
-        on the current stream. The caller has checked the operands (`check_operands`)."""
+        on the current stream. The caller has checked the inputs (`check_inputs`); out is dense [rows, N]."""
         index = self.chosen if candidate is None else candidate
         if self.has_bias:
             assert bias is not None
@@ -259,3 +272,190 @@ class LtMatmul:
 
     def config(self, candidate: int | None = None) -> dict[str, int]:
         return algo_config(self.candidates[self.chosen if candidate is None else candidate])
+
+
+# ---------------------------------------------------------------------------------------------- tuning
+
+# (device index, rows, N, K, dtype, bias) -> the plan to run; absent: torch's linear runs.
+_tuned: dict[tuple[int, int, int, int, torch.dtype, bool], LtMatmul] = {}
+# Every choice made in this process, kept: a second engine in the process (or a second tuning pass) runs what
+# the first chose instead of re-timing, whose noise could flip a choice and change the numbers mid-process.
+_decided: dict[tuple[int, int, int, int, torch.dtype, bool], TuneResult] = {}
+TORCH_CHOICE = -1  # a tuning result meaning torch's own pick was the fastest
+
+
+def _key(device_index: int, rows: int, n: int, k: int, dtype: torch.dtype, has_bias: bool
+         ) -> tuple[int, int, int, int, torch.dtype, bool]:
+    return (device_index, rows, n, k, dtype, has_bias)
+
+
+def tuned_plan(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> LtMatmul | None:
+    """The tuned plan for linear(x, weight, bias) when one was registered for exactly these rows and shapes
+    and the operands fit it (dense, same dtype and device), else None (torch's linear)."""
+    if not _tuned or x.dim() != 2 or weight.dim() != 2:
+        return None
+    plan = _tuned.get(_key(x.device.index if x.device.index is not None else -1, x.shape[0], weight.shape[0],
+                           weight.shape[1], x.dtype, bias is not None))
+    if plan is None:
+        return None
+    return plan if plan.check_inputs(x, weight, bias) else None
+
+
+def clear_tuning() -> None:
+    _tuned.clear()
+    _decided.clear()
+
+
+def num_tuned() -> int:
+    return len(_tuned)
+
+
+def pick(times_us: dict[int, float]) -> int:
+    """The fastest choice of timed candidates {index: µs} (TORCH_CHOICE for torch's linear); ties go to torch
+    and then to the heuristic's earlier rank. Non-finite times (failed runs) never win."""
+    finite = {i: t for i, t in times_us.items() if t == t and t != float("inf")}
+    if not finite:
+        return TORCH_CHOICE
+    return min(finite, key=lambda i: (finite[i], i != TORCH_CHOICE, i))
+
+
+def _time_graph_us(fn: object, reps: int) -> float:
+    """µs per run of fn, from a CUDA graph of one run replayed reps times after one untimed replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            fn()  # type: ignore[operator]
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps
+
+
+@dataclass
+class TuneResult:
+    rows: int
+    n: int
+    k: int
+    has_bias: bool
+    torch_us: float  # per call; NaN when the choice came from the cache
+    chosen_us: float
+    choice: int  # TORCH_CHOICE or the candidate index
+    num_candidates: int
+    num_wrong: int
+    cached: bool = False
+
+
+def cache_key(device_name: str, rows: int, n: int, k: int, dtype: torch.dtype, has_bias: bool) -> str:
+    """A tuning result's key: the GPU, the cuBLASLt and torch versions (both change what runs) and the shape."""
+    return (f"{device_name}|cublasLt {library_version()}|torch {torch.__version__}|{str(dtype).removeprefix('torch.')}"
+            f"|{rows}x{n}x{k}|bias {int(has_bias)}")
+
+
+def load_cache(path: Path) -> dict[str, dict]:
+    """Tuning results saved by `save_cache` ({} when the file is missing or unreadable)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def save_cache(path: Path, cache: dict[str, dict]) -> None:
+    """Write the results atomically (a concurrent reader sees the old file or the new one). Raises OSError."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(cache, indent=0, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def _register(plan: LtMatmul, result: TuneResult) -> TuneResult:
+    key = _key(plan.device_index, plan.rows, plan.n, plan.k, plan.dtype, plan.has_bias)
+    if result.choice == TORCH_CHOICE:
+        _tuned.pop(key, None)
+    else:
+        plan.chosen = result.choice
+        _tuned[key] = plan
+    _decided[key] = result
+    return result
+
+
+def _error(plan: LtMatmul, index: int, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+           out: torch.Tensor, reference: torch.Tensor) -> float:
+    """Largest absolute difference between candidate `index`'s result and reference (inf when it fails)."""
+    try:
+        out.fill_(float("nan"))
+        plan.run(x, w, b, out, candidate=index)
+        return float((out.float() - reference).abs().max().item())
+    except LtUnavailable:
+        return float("inf")
+
+
+def tune(rows: int, weights: list[torch.Tensor], biases: list[torch.Tensor | None], reps: int = 3,
+         max_relative_error: float = 2e-2, cache: dict[str, dict] | None = None,
+         torch_candidate: bool = True) -> TuneResult:
+    """Time torch's linear and every cuBLASLt candidate at `rows` rows over `weights` (one call per weight per
+    run: distinct weights keep a call from reading the previous one's from L2), and register the fastest for
+    `tuned_plan`. A candidate whose result differs from torch's by more than max_relative_error of its
+    largest value is skipped. A shape already decided in this process keeps its choice. With `cache`, a
+    stored choice that is still among the candidates (and still correct) is taken without timing, and new
+    results are stored in it. `torch_candidate=False` leaves torch's pick out (tests: the cuBLASLt path
+    always runs). Raises LtUnavailable when cuBLASLt cannot be used here."""
+    w0, b0 = weights[0], biases[0]
+    n, k = w0.shape
+    device_index = w0.device.index if w0.device.index is not None else torch.cuda.current_device()
+    decided = _decided.get(_key(device_index, rows, n, k, w0.dtype, b0 is not None))
+    if decided is not None:
+        return decided
+    plan = LtMatmul(rows, n, k, w0.dtype, b0 is not None, device_index)
+    gen = torch.Generator(device=w0.device).manual_seed(rows * 7919 + n)
+    x = torch.randn(rows, k, generator=gen, device=w0.device, dtype=torch.float32).to(w0.dtype)
+    out = torch.empty(rows, n, device=w0.device, dtype=w0.dtype)
+    reference = torch.nn.functional.linear(x, w0, b0).float()
+    tolerance = max_relative_error * reference.abs().max().item()
+    key = cache_key(torch.cuda.get_device_name(w0.device), rows, n, k, w0.dtype, b0 is not None)
+    if not torch_candidate:
+        key += "|cuBLASLt only"
+    entry = cache.get(key) if cache is not None else None
+    if entry is not None:
+        choice = entry.get("choice")
+        stored = tuple(entry.get("algo") or ())
+        found = [i for i, c in enumerate(plan.candidates) if tuple(c.data) == stored]
+        if choice == TORCH_CHOICE or (found and _error(plan, found[0], x, w0, b0, out, reference) <= tolerance):
+            return _register(plan, TuneResult(
+                rows, n, k, b0 is not None, float("nan"), float(entry.get("chosen_us", "nan")),
+                TORCH_CHOICE if choice == TORCH_CHOICE else found[0], len(plan.candidates), 0, cached=True))
+
+    def run_torch() -> None:
+        for w, b in zip(weights, biases, strict=True):
+            torch.nn.functional.linear(x, w, b)
+
+    torch_us = _time_graph_us(run_torch, reps)
+    times = {TORCH_CHOICE: torch_us} if torch_candidate else {}
+    num_wrong = 0
+    for i in range(len(plan.candidates)):
+        if not _error(plan, i, x, w0, b0, out, reference) <= tolerance:
+            num_wrong += 1
+            continue
+
+        def run_candidate(i: int = i) -> None:
+            for w, b in zip(weights, biases, strict=True):
+                plan.run(x, w, b, out, candidate=i)
+
+        times[i] = _time_graph_us(run_candidate, reps)
+    choice = pick(times)
+    if choice == TORCH_CHOICE and not torch_candidate:
+        raise LtUnavailable(f"no cuBLASLt candidate ran correctly for rows={rows} n={n} k={k}")
+    chosen_us = times.get(choice, torch_us)
+    result = TuneResult(rows, n, k, b0 is not None, torch_us / len(weights), chosen_us / len(weights), choice,
+                        len(plan.candidates), num_wrong)
+    if cache is not None:
+        cache[key] = {"choice": choice, "algo": None if choice == TORCH_CHOICE else list(plan.candidates[choice].data),
+                      "torch_us": result.torch_us, "chosen_us": result.chosen_us}
+    return _register(plan, result)

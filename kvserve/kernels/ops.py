@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from kvserve import envs
-from kvserve.kernels import reference
+from kvserve.kernels import cublaslt, reference
 from kvserve.layers.attention_metadata import AttentionMetadata
 
 ELEMENTWISE_BACKENDS = ("triton", "torch", "compile")
@@ -154,9 +154,18 @@ def _skinny(
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ weight[N, K]^T (+ bias), as torch.nn.functional.linear computes it."""
+    """x [..., K] @ weight[N, K]^T (+ bias), as torch.nn.functional.linear computes it. CUDA: the Triton
+    skinny matmul for small row counts, the tuned cuBLASLt algorithm where start-up tuning registered one
+    for these rows and shapes (`cublaslt.tune`), else torch."""
     out = _skinny(x, weight, bias, silu_mul=False)
-    return torch.nn.functional.linear(x, weight, bias) if out is None else out
+    if out is not None:
+        return out
+    if x.is_cuda:
+        plan = cublaslt.tuned_plan(x, weight, bias)
+        if plan is not None:
+            return plan.run(x, weight, bias, torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype,
+                                                         device=x.device))
+    return torch.nn.functional.linear(x, weight, bias)
 
 
 # The gate/up projection of a small-row batch applies SiLU-and-mul in the matmul's epilogue (one launch, no

@@ -18,15 +18,18 @@ on the device from the previous step's sampled ids, so the GPU never waits for t
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from kvserve import envs
 from kvserve.config import EngineConfig
 from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
-from kvserve.kernels import ops
+from kvserve.kernels import cublaslt, ops
 from kvserve.layers.attention_metadata import AttentionMetadata
+from kvserve.layers.linear import Linear
 from kvserve.layers.sampler import Sampler, SamplingRow, make_generator
 from kvserve.model.loader import load_model
 from kvserve.protocol.sampling_params import SamplingParams
@@ -54,6 +57,13 @@ PREFILL_GRAPH_MAX_TOKENS = envs.KVSERVE_PREFILL_GRAPH_MAX_TOKENS
 # A decode batch replays a larger captured size's graph when that one timed at least this much faster at
 # start (KVSERVE_GRAPH_PAD_MIN_GAIN_PCT; 0: always the smallest size that holds the batch).
 GRAPH_PAD_MIN_GAIN = envs.KVSERVE_GRAPH_PAD_MIN_GAIN_PCT / 100
+# Matmul tuning runs each candidate over this many bytes of distinct weights (of the model's layers) at
+# decode sizes, so that no call reads its weights from the previous one's L2 lines (50 MB on the H200).
+GEMM_TUNING_WEIGHT_BYTES = 200 * 1024 * 1024
+# Weight dtypes whose matmuls are tuned, and whether torch's own pick competes (tests force the cuBLASLt path
+# with float32 models, whose greedy tokens must then equal torch's).
+GEMM_TUNING_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
+GEMM_TUNING_TORCH_CANDIDATE = True
 
 
 @dataclass
@@ -191,6 +201,11 @@ class ModelRunner:
         a top-k/top-p sampling pass with logprobs over max_num_seqs rows) and measure its peak memory."""
         sched = self.config.scheduler_config
         device = self.device
+        if self.gemm_tuning_enabled():
+            try:  # the tuned matmuls' workspace, resident from now on: counted in the memory in use
+                cublaslt.workspace(device)
+            except cublaslt.LtUnavailable:
+                pass
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -340,6 +355,70 @@ class ModelRunner:
             input_ids = torch.zeros(num_reqs, dtype=torch.int64, device=device)
             pos = torch.full((num_reqs,), seq_len - 1, dtype=torch.int64, device=device)
             self.model(input_ids, pos, self.kv_caches, metadata)
+
+    def gemm_tuning_enabled(self) -> bool:
+        return self.device.type == "cuda" and envs.KVSERVE_GEMM_TUNING
+
+    def gemm_tuning_rows(self) -> list[int]:
+        """Row counts whose matmuls are tuned at start: the decode graph sizes past the Triton skinny matmul's
+        range, the one-request prefill graph sizes, and the step's token budget (a full chunked-prefill
+        step). Graph sizes only with CUDA graphs on: eager batches come in every size."""
+        rows = {self.config.scheduler_config.max_num_batched_tokens}
+        if self.config.use_cuda_graphs:
+            rows.update(n for n in self.config.cuda_graph_sizes if n > ops.SKINNY_GEMM_MAX_ROWS)
+            fresh, cache = self.prefill_graph_sizes()
+            rows.update(fresh)
+            rows.update(cache)
+        return sorted(rows)
+
+    @torch.inference_mode()
+    def tune_gemms(self) -> list[cublaslt.TuneResult]:
+        """Time cuBLASLt's candidate algorithms against torch's pick for every distinct linear shape of the
+        model at each of `gemm_tuning_rows()` and register the fastest (`ops.linear` runs it), before the
+        graphs are captured. Choices are kept in KVSERVE_CACHE_DIR, so a later start with the same GPU,
+        libraries and shapes only checks them. Does nothing when tuning is off (KVSERVE_GEMM_TUNING=0) or
+        cuBLASLt cannot be called; torch's pick then runs everywhere."""
+        if not self.gemm_tuning_enabled():
+            return []
+        start = time.perf_counter()
+        groups: dict[tuple[int, int, bool], tuple[list[torch.Tensor], list[torch.Tensor | None]]] = {}
+        for module in self.model.modules():
+            if isinstance(module, Linear) and module.weight.dtype in GEMM_TUNING_DTYPES:
+                n, k = module.weight.shape
+                weights, biases = groups.setdefault((n, k, module.bias is not None), ([], []))
+                weights.append(module.weight)
+                biases.append(module.bias)
+        path = Path(envs.KVSERVE_CACHE_DIR) / "gemm_tuning.json"
+        cache = cublaslt.load_cache(path)
+        results: list[cublaslt.TuneResult] = []
+        try:
+            for rows in self.gemm_tuning_rows():
+                for weights, biases in groups.values():
+                    # Enough distinct weights that a call never finds the previous one's in L2 (about 200 MB);
+                    # past the decode sizes the matmul is compute-bound and two suffice.
+                    nbytes = weights[0].numel() * weights[0].element_size()
+                    count = max(2, -(-GEMM_TUNING_WEIGHT_BYTES // nbytes)) if rows <= 256 else 2
+                    count = min(count, len(weights))
+                    results.append(cublaslt.tune(rows, weights[:count], biases[:count], cache=cache,
+                                                 torch_candidate=GEMM_TUNING_TORCH_CANDIDATE))
+        except cublaslt.LtUnavailable as exc:
+            logger.info("matmul tuning skipped (%s): torch's own algorithm choice runs", exc)
+            cublaslt.clear_tuning()
+            return []
+        if any(not r.cached for r in results):
+            try:
+                cublaslt.save_cache(path, cache)
+            except OSError as exc:
+                logger.warning("could not save the matmul tuning to %s (%s)", path, exc)
+        timed = [r for r in results if not r.cached]
+        gain = sum(r.torch_us - r.chosen_us for r in timed)
+        logger.info(
+            "matmul tuning: %d shapes at %d row counts in %.1f s (%d from %s); cuBLASLt's other candidates "
+            "beat torch's pick in %d; newly timed: %.0f of %.0f us saved over one call of each",
+            len(groups), len(self.gemm_tuning_rows()), time.perf_counter() - start, len(results) - len(timed),
+            path, cublaslt.num_tuned(), gain, sum(r.torch_us for r in timed),
+        )
+        return results
 
     def prefill_graph_sizes(self) -> tuple[list[int], list[int]]:
         """Token counts of the one-request prefill graphs (with CUDA graphs on), multiples of

@@ -382,3 +382,49 @@ def test_default_gguf_greedy_gpu_equals_cpu() -> None:
         return [t for t, _ in _generate(EngineCore(args.create_engine_config()), prompts, 32)]
 
     assert run("cuda") == run("cpu")
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_tuned_cublaslt_matmuls_match_torch(
+    checkpoints: dict[str, str], model: str, enforce_eager: bool, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """float32 models with every tuned matmul forced onto a cuBLASLt candidate (torch's pick left out of the
+    tuning): greedy tokens equal those of an engine without tuning, with decode batches of 40 (a 48-row graph
+    past the skinny matmul), mixed chunked-prefill steps and one-request prefill graphs. The cuBLASLt path
+    must have run (plans registered, calls counted)."""
+    from kvserve import envs
+    from kvserve.kernels import cublaslt
+    from kvserve.worker import model_runner
+
+    monkeypatch.setattr(envs, "KVSERVE_CACHE_DIR", str(tmp_path))
+    prompts = _prompts(40, seed=11)
+    results = {}
+    runs: list[int] = []
+    run = cublaslt.LtMatmul.run
+
+    def counted(self: cublaslt.LtMatmul, *args: Any, **kwargs: Any) -> torch.Tensor:
+        runs.append(self.rows)
+        return run(self, *args, **kwargs)
+
+    cublaslt.clear_tuning()
+    try:
+        for tuned in (False, True):
+            monkeypatch.setattr(envs, "KVSERVE_GEMM_TUNING", tuned)
+            monkeypatch.setattr(model_runner, "GEMM_TUNING_DTYPES", (torch.float32,))
+            monkeypatch.setattr(model_runner, "GEMM_TUNING_TORCH_CANDIDATE", False)
+            monkeypatch.setattr(cublaslt.LtMatmul, "run", counted)
+            core = _core(checkpoints[model], "float32", enforce_eager=enforce_eager, max_num_seqs=48)
+            if tuned:
+                assert cublaslt.num_tuned() > 0
+                assert (tmp_path / "gemm_tuning.json").exists()
+                runs.clear()
+            results[tuned] = _generate(core, prompts, 12)
+            del core
+    finally:
+        cublaslt.clear_tuning()
+    assert runs, "no matmul took the tuned cuBLASLt path"
+    if not enforce_eager:
+        assert 48 in runs  # decode graphs of 48 rows captured the tuned path
+    assert 512 in runs  # full chunked-prefill steps
+    assert results[True] == results[False]

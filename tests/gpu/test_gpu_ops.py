@@ -239,3 +239,81 @@ def test_matmul_epilogues_at_qwen_shape(m: int) -> None:
         assert torch.equal(qkv_out, torch.cat([q_rot.view(m, -1), k_rot.view(m, -1), v], dim=-1)), replay
         assert torch.equal(cache.isnan(), expected_cache.isnan()), replay
         assert torch.equal(cache.nan_to_num(), expected_cache.nan_to_num()), replay
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [48, 200, 1024])
+def test_every_cublaslt_candidate_computes_linear(dtype: torch.dtype, m: int) -> None:
+    """Each algorithm cuBLASLt's heuristic offers (pooled over the workspace limits) computes
+    torch.nn.functional.linear at the Qwen2.5-7B shapes, bias included, with its output poisoned first."""
+    from kvserve.kernels import cublaslt
+
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    for name, (n, k, has_bias) in QWEN_7B.items():
+        x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
+        w = (torch.randn(n, k, generator=gen, device="cuda") * k**-0.5).to(dtype)
+        b = torch.randn(n, generator=gen, device="cuda").to(dtype) if has_bias else None
+        expected = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+        plan = cublaslt.LtMatmul(m, n, k, dtype, has_bias, torch.cuda.current_device())
+        assert plan.check_inputs(x, w, b)
+        assert not plan.check_inputs(x[:, :-1], w, b) and not plan.check_inputs(x.float(), w, b)
+        assert len(plan.candidates) >= 2, name
+        out = torch.empty(m, n, device="cuda", dtype=dtype)
+        for i in range(len(plan.candidates)):
+            out.fill_(float("nan"))
+            plan.run(x, w, b, out, candidate=i)
+            err = (out.float() - expected).abs().max().item()
+            assert err <= 2e-2 * expected.abs().max().item(), (name, i, plan.config(i), err)
+
+
+def test_tuned_linear_runs_in_a_cuda_graph_and_keeps_its_choice(tmp_path: object) -> None:
+    """tune() registers a cuBLASLt plan (torch left out, so one is registered) that ops.linear then runs,
+    eagerly and captured in a graph replayed over a poisoned output; the choice is stored in the results
+    dict and, after the registry is cleared, taken from it without timing."""
+    from kvserve.kernels import cublaslt
+
+    cublaslt.clear_tuning()
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    n, k, m = 4608, 3584, 64
+    weights = [(torch.randn(n, k, generator=gen, device="cuda") * k**-0.5).bfloat16() for _ in range(3)]
+    biases = [torch.randn(n, generator=gen, device="cuda").bfloat16() for _ in range(3)]
+    cache: dict[str, dict] = {}
+    try:
+        result = cublaslt.tune(m, weights, biases, cache=cache, torch_candidate=False)
+        assert result.choice != cublaslt.TORCH_CHOICE and not result.cached and result.chosen_us > 0
+        assert cublaslt.num_tuned() == 1 and len(cache) == 1
+        x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
+        plan = cublaslt.tuned_plan(x, weights[1], biases[1])
+        assert plan is not None and plan.chosen == result.choice
+        assert cublaslt.tuned_plan(x, weights[1], None) is None  # no plan for the shape without bias
+        assert cublaslt.tuned_plan(x[:32], weights[1], biases[1]) is None  # nor for other row counts
+        expected = torch.nn.functional.linear(x.float(), weights[1].float(), biases[1].float())
+        tolerance = 2e-2 * expected.abs().max().item()
+        runs: list[int] = []
+        run = cublaslt.LtMatmul.run
+
+        def counted(self: cublaslt.LtMatmul, *args: object, **kwargs: object) -> torch.Tensor:
+            runs.append(self.chosen)
+            return run(self, *args, **kwargs)  # type: ignore[arg-type]
+
+        cublaslt.LtMatmul.run = counted  # type: ignore[method-assign]
+        try:
+            eager = ops.linear(x, weights[1], biases[1])
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = ops.linear(x, weights[1], biases[1])
+        finally:
+            cublaslt.LtMatmul.run = run  # type: ignore[method-assign]
+        assert runs == [result.choice, result.choice]
+        assert (eager.float() - expected).abs().max().item() <= tolerance
+        for _ in range(2):
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, eager)
+        stored = dict(cache)
+        cublaslt.clear_tuning()
+        again = cublaslt.tune(m, weights, biases, cache=cache, torch_candidate=False)
+        assert again.cached and again.choice == result.choice and cache == stored
+    finally:
+        cublaslt.clear_tuning()
