@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import gzip
 import random
@@ -112,7 +113,17 @@ class Bench:
                                      "graph_sizes": list(graphs.sizes) if graphs is not None else [],
                                      "graph_size_ms": dict(graphs.size_ms) if graphs is not None else {},
                                      "graph_padding": {s: graphs.padded_size(s) for s in graphs.sizes}
-                                     if graphs is not None else {}}
+                                     if graphs is not None else {},
+                                     "gemm_tuning": [dataclasses.asdict(r) for r in self.core.runner.gemm_tuning]}
+            if self.core.runner.gemm_tuning:
+                by_rows: dict[int, list[str]] = {}
+                for r in self.core.runner.gemm_tuning:
+                    by_rows.setdefault(r.rows, []).append(
+                        f"{r.n}x{r.k}:{'torch' if r.choice < 0 else r.choice}"
+                        + ("" if r.cached else f"({r.torch_us:.1f}->{r.chosen_us:.1f})"))
+                print("matmul tuning (rows: N x K: choice (torch us -> chosen us, when timed))", flush=True)
+                for rows, items in by_rows.items():
+                    print(f"  {rows:5d}: " + " ".join(items), flush=True)
         return self.driver
 
     def free_engine(self) -> None:

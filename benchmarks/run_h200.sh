@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: pytestlt tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Pass the local commit, written in literally (the device copy's git metadata can be stale, so a $(git ...) in
 # the command would read it there): KVSERVE_BENCH_COMMIT=<sha> bash ...
@@ -116,6 +116,14 @@ for step in "$@"; do
             --sections start,decode,seeds,random256,ttft --decode-batches 1,48,64,128,192 --decode-contexts 1024 \
             --decode-steps 20 >> "$R/tuneab.log" 2>&1
           echo "mode $mode done" >> "$R/tuneab.log"
+        done ;;
+    tuneab2) for mode in on on off; do
+          flags="--gemm-tuning"; [ $mode = off ] && flags="--no-gemm-tuning"
+          timeout 100 python3 benchmarks/engine_benchmarks.py --out "$R/tuneab2_$mode" $flags \
+            --sections start,decode,ttft --decode-batches 48,64,192 --decode-contexts 1024 \
+            --decode-steps 20 >> "$R/tuneab2.log" 2>&1
+          echo "mode $mode done" >> "$R/tuneab2.log"
+          cp "${KVSERVE_CACHE_DIR:-$HOME/.cache/kvserve}/gemm_tuning.json" "$R/gemm_tuning_after_$mode.json" 2>/dev/null
         done ;;
     ltalgos) timeout 420 python3 benchmarks/cublaslt_algos.py --out "$R/lt_algos.json" \
               --rows "${LT_ROWS:-48,64,80,96,112,128,144,160,176,192,208,224,240,256,1024,2048,8192}" > "$R/ltalgos.log" 2>&1 ;;
@@ -305,11 +313,12 @@ PY
 done
 tar czf "$OUT/results.tgz" -C "$R" .
 echo "=== total $(( $(date +%s) - T0 ))s"
-for f in "$R"/pytest_lt.log "$R"/tuneab.log "$R"/ltalgos.log "$R"/attnab3.log "$R"/attnab2.log "$R"/attnpf.log "$R"/attnsweep.log "$R"/rows32.log "$R"/ttftrest.log "$R"/prefillab.log "$R"/prefillprof.log "$R"/gemm4.log "$R"/ttftclk.log "$R"/gemm3.log "$R"/blasab.log "$R"/confirm.log "$R"/fuseab2.log "$R"/ttftrand2.log "$R"/pdlab2.log "$R"/pdlgemm.log "$R"/pdlab.log "$R"/ttftrand.log "$R"/modload.log "$R"/sharedab.log "$R"/final.log "$R"/gguf.log "$R"/fuseab.log "$R"/skinnyab.log "$R"/gemm.log "$R"/pattn.log "$R"/cascade.log "$R"/serve.log "$R"/diag3.log "$R"/ttftab.log "$R"/prefixab.log "$R"/diag2.log "$R"/async.log "$R"/sweep.log "$R"/diag.log "$R"/profile.log "$R"/pytest_gpu.log "$R"/engine.log "$R"/engine2.log "$R"/eager.log "$R"/ab.log "$R"/prefix2.log "$R"/hf.log "$R"/gpu_kernels.log "$R"/elementwise.log; do
+for f in "$R"/pytest_lt.log "$R"/tuneab2.log "$R"/tuneab.log "$R"/ltalgos.log "$R"/attnab3.log "$R"/attnab2.log "$R"/attnpf.log "$R"/attnsweep.log "$R"/rows32.log "$R"/ttftrest.log "$R"/prefillab.log "$R"/prefillprof.log "$R"/gemm4.log "$R"/ttftclk.log "$R"/gemm3.log "$R"/blasab.log "$R"/confirm.log "$R"/fuseab2.log "$R"/ttftrand2.log "$R"/pdlab2.log "$R"/pdlgemm.log "$R"/pdlab.log "$R"/ttftrand.log "$R"/modload.log "$R"/sharedab.log "$R"/final.log "$R"/gguf.log "$R"/fuseab.log "$R"/skinnyab.log "$R"/gemm.log "$R"/pattn.log "$R"/cascade.log "$R"/serve.log "$R"/diag3.log "$R"/ttftab.log "$R"/prefixab.log "$R"/diag2.log "$R"/async.log "$R"/sweep.log "$R"/diag.log "$R"/profile.log "$R"/pytest_gpu.log "$R"/engine.log "$R"/engine2.log "$R"/eager.log "$R"/ab.log "$R"/prefix2.log "$R"/hf.log "$R"/gpu_kernels.log "$R"/elementwise.log; do
   [ -f "$f" ] || continue
   echo "##### $(basename "$f")"
   case $(basename "$f") in
     pytest_lt.log) grep -E "passed|failed|FAILED|Error" "$f" | tail -12 ;;
+    tuneab2.log) grep -E "^decode b|^TTFT|^engine start|mode .* done|Error|error" "$f" | cut -c1-110 ;;
     tuneab.log) grep -E "^decode|^seeds|^256|^TTFT|^engine start|mode .* done|matmul tuning|Error|error" "$f" ;;
     attnab3.log) grep -E "^seeds|^256|^engine start|mode .* done|Error|error" "$f" ;;
     attnab2.log) grep -E "^decode b|^256|^engine start|mode .* done|Error|error" "$f" ;;

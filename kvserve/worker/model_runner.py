@@ -165,6 +165,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: CUDAGraphRunner | None = None
         self.memory_profile: MemoryProfile | None = None
+        self.gemm_tuning: list[cublaslt.TuneResult] = []  # what tune_gemms() chose (and timed)
         self.kv_plan: KVCachePlan | None = None
         # The last launched step's sampled ids (device) and each sampling request's row in them: where
         # the next step's placeholder tokens come from.
@@ -418,6 +419,7 @@ class ModelRunner:
             len(groups), len(self.gemm_tuning_rows()), time.perf_counter() - start, len(results) - len(timed),
             path, cublaslt.num_tuned(), gain, sum(r.torch_us for r in timed),
         )
+        self.gemm_tuning = results
         return results
 
     def prefill_graph_sizes(self) -> tuple[list[int], list[int]]:
