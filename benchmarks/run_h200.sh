@@ -113,9 +113,10 @@ for step in "$@"; do
     tuneab) for mode in on off on off; do
           flags="--gemm-tuning"; [ $mode = off ] && flags="--no-gemm-tuning"
           timeout 130 python3 benchmarks/engine_benchmarks.py --out "$R/tuneab_$mode" $flags \
-            --sections start,decode,seeds,random256,ttft --decode-batches 1,48,64,128,192 --decode-contexts 1024 \
-            --decode-steps 20 >> "$R/tuneab.log" 2>&1
+            --sections start,decode,seeds,random256,ttft --decode-batches 48,64,192,48,64,192 \
+            --decode-contexts 1024 --decode-steps 20 >> "$R/tuneab.log" 2>&1
           echo "mode $mode done" >> "$R/tuneab.log"
+          cp "${KVSERVE_CACHE_DIR:-$HOME/.cache/kvserve}/gemm_tuning.json" "$R/gemm_tuning_after_$mode.json" 2>/dev/null
         done ;;
     tuneab2) for mode in on on off; do
           flags="--gemm-tuning"; [ $mode = off ] && flags="--no-gemm-tuning"

@@ -41,9 +41,9 @@ KVSERVE_GRAPH_PAD_MIN_GAIN_PCT: int = _int("KVSERVE_GRAPH_PAD_MIN_GAIN_PCT", 5)
 # Programmatic dependent launch for the Triton kernels on sm_90+ (1: on, the default; 0: off). See
 # kvserve/kernels/triton_pdl.py and docs/perf_notes.md, entry 17.
 KVSERVE_PDL: bool = _int("KVSERVE_PDL", 1) != 0
-# Time cuBLASLt's candidate algorithms for the model's matmuls at start (at the decode and prefill graph sizes
-# and the step's token budget) and run the fastest where it beats torch's own pick (1: on, the default; 0:
-# torch's pick everywhere). See kvserve/kernels/cublaslt.py and docs/perf_notes.md, entry 28.
+# Time cuBLASLt's candidate algorithms for the model's matmuls at start (at the decode graph sizes past the
+# Triton skinny matmul) and run the fastest where it beats torch's own pick (1: on, the default; 0: torch's
+# pick everywhere). See kvserve/kernels/cublaslt.py and docs/perf_notes.md, entry 28.
 KVSERVE_GEMM_TUNING: bool = _int("KVSERVE_GEMM_TUNING", 1) != 0
 # Where results that outlive a run are kept (the matmul tuning's choices): $XDG_CACHE_HOME/kvserve, else
 # ~/.cache/kvserve.

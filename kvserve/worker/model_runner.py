@@ -17,6 +17,7 @@ on the device from the previous step's sampled ids, so the GPU never waits for t
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -362,24 +363,21 @@ class ModelRunner:
 
     def gemm_tuning_rows(self) -> list[int]:
         """Row counts whose matmuls are tuned at start: the decode graph sizes past the Triton skinny matmul's
-        range, the one-request prefill graph sizes, and the step's token budget (a full chunked-prefill
-        step). Graph sizes only with CUDA graphs on: eager batches come in every size."""
-        rows = {self.config.scheduler_config.max_num_batched_tokens}
-        if self.config.use_cuda_graphs:
-            rows.update(n for n in self.config.cuda_graph_sizes if n > ops.SKINNY_GEMM_MAX_ROWS)
-            fresh, cache = self.prefill_graph_sizes()
-            rows.update(fresh)
-            rows.update(cache)
-        return sorted(rows)
+        range (with CUDA graphs on; eager batches come in every size). Prefill-sized matmuls are left to
+        torch's pick: tuned alone, candidates looked up to 5 % faster there, but a whole 8192-token prefill
+        ran 5-7 ms slower with them on the H200 (docs/perf_notes.md, entry 28)."""
+        if not self.config.use_cuda_graphs:
+            return []
+        return sorted({n for n in self.config.cuda_graph_sizes if n > ops.SKINNY_GEMM_MAX_ROWS})
 
     @torch.inference_mode()
     def tune_gemms(self) -> list[cublaslt.TuneResult]:
         """Time cuBLASLt's candidate algorithms against torch's pick for every distinct linear shape of the
         model at each of `gemm_tuning_rows()` and register the fastest (`ops.linear` runs it), before the
-        graphs are captured. Choices are kept in KVSERVE_CACHE_DIR, so a later start with the same GPU,
+        decode graphs are captured. Choices are kept in KVSERVE_CACHE_DIR, so a later start with the same GPU,
         libraries and shapes only checks them. Does nothing when tuning is off (KVSERVE_GEMM_TUNING=0) or
         cuBLASLt cannot be called; torch's pick then runs everywhere."""
-        if not self.gemm_tuning_enabled():
+        if not self.gemm_tuning_enabled() or not self.gemm_tuning_rows():
             return []
         start = time.perf_counter()
         groups: dict[tuple[int, int, bool], tuple[list[torch.Tensor], list[torch.Tensor | None]]] = {}
@@ -395,11 +393,9 @@ class ModelRunner:
         try:
             for rows in self.gemm_tuning_rows():
                 for weights, biases in groups.values():
-                    # Enough distinct weights that a call never finds the previous one's in L2 (about 200 MB);
-                    # past the decode sizes the matmul is compute-bound and two suffice.
+                    # Enough distinct weights that a call never finds the previous one's in L2 (about 200 MB).
                     nbytes = weights[0].numel() * weights[0].element_size()
-                    count = max(2, -(-GEMM_TUNING_WEIGHT_BYTES // nbytes)) if rows <= 256 else 2
-                    count = min(count, len(weights))
+                    count = min(max(2, -(-GEMM_TUNING_WEIGHT_BYTES // nbytes)), len(weights))
                     results.append(cublaslt.tune(rows, weights[:count], biases[:count], cache=cache,
                                                  torch_candidate=GEMM_TUNING_TORCH_CANDIDATE))
         except cublaslt.LtUnavailable as exc:
@@ -407,10 +403,19 @@ class ModelRunner:
             cublaslt.clear_tuning()
             return []
         if any(not r.cached for r in results):
+            # Fresh plans from the stored choices, as a start that finds them in the cache makes: the timed
+            # plans go, with the timing graphs and their buffers.
+            cublaslt.clear_tuning()
+            for r in results:
+                weights, biases = groups[(r.n, r.k, r.has_bias)]
+                cublaslt.tune(r.rows, weights[:1], biases[:1], cache=cache, torch_candidate=GEMM_TUNING_TORCH_CANDIDATE)
             try:
                 cublaslt.save_cache(path, cache)
             except OSError as exc:
                 logger.warning("could not save the matmul tuning to %s (%s)", path, exc)
+        gc.collect()
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
         timed = [r for r in results if not r.cached]
         gain = sum(r.torch_us - r.chosen_us for r in timed)
         logger.info(

@@ -77,15 +77,15 @@ def _runner_stub(use_cuda_graphs: bool, graph_sizes: list[int], budget: int,
     return SimpleNamespace(config=config, prefill_graph_sizes=lambda: prefill)
 
 
-def test_tuned_rows_are_graph_sizes_past_the_skinny_matmul_and_the_step_budget() -> None:
+def test_tuned_rows_are_the_decode_graph_sizes_past_the_skinny_matmul() -> None:
     sizes = [1, 2, 4, 8, 16, 32, 48, 64, 256]
     stub = _runner_stub(True, sizes, 8192, ([128, 256, 384], [128, 256]))
     rows = ModelRunner.gemm_tuning_rows(stub)  # type: ignore[arg-type]
-    assert rows == sorted({n for n in sizes if n > ops.SKINNY_GEMM_MAX_ROWS} | {128, 256, 384, 8192})
+    assert rows == [48, 64, 256]
     assert all(n > ops.SKINNY_GEMM_MAX_ROWS for n in rows)
-    # Eager: batches come in every size, so only the full chunked-prefill step is tuned.
+    # Eager: batches come in every size, nothing is tuned.
     eager = _runner_stub(False, sizes, 2048, ([], []))
-    assert ModelRunner.gemm_tuning_rows(eager) == [2048]  # type: ignore[arg-type]
+    assert ModelRunner.gemm_tuning_rows(eager) == []  # type: ignore[arg-type]
 
 
 def test_cpu_engine_tunes_nothing(tiny_model_dir: Callable[..., str], tmp_path: Path,
