@@ -375,8 +375,8 @@ class ModelRunner:
         """Time cuBLASLt's candidate algorithms against torch's pick for every distinct linear shape of the
         model at each of `gemm_tuning_rows()` and register the fastest (`ops.linear` runs it), before the
         decode graphs are captured. Choices are kept in KVSERVE_CACHE_DIR, so a later start with the same GPU,
-        libraries and shapes only checks them. Does nothing when tuning is off (KVSERVE_GEMM_TUNING=0) or
-        cuBLASLt cannot be called; torch's pick then runs everywhere."""
+        libraries and shapes only checks them. Does nothing when tuning is off (KVSERVE_GEMM_TUNING, off by
+        default) or cuBLASLt cannot be called; torch's pick then runs everywhere."""
         if not self.gemm_tuning_enabled() or not self.gemm_tuning_rows():
             return []
         start = time.perf_counter()
