@@ -42,10 +42,10 @@ KVSERVE_GRAPH_PAD_MIN_GAIN_PCT: int = _int("KVSERVE_GRAPH_PAD_MIN_GAIN_PCT", 5)
 # kvserve/kernels/triton_pdl.py and docs/perf_notes.md, entry 17.
 KVSERVE_PDL: bool = _int("KVSERVE_PDL", 1) != 0
 # Time cuBLASLt's candidate algorithms for the model's matmuls at start (at the decode graph sizes past the
-# Triton skinny matmul) and run the fastest where it beats torch's own pick (1: on; 0: off, the default). The
-# choices are kept in KVSERVE_CACHE_DIR, so only the first start with a GPU and library versions pays the
-# timing (about 3 s for a 7B model on the H200). Off by default: on the H200 it made decode 0-2 % faster in
-# starts that read the stored choices, not at all in the start that timed them, and the timing adds to the
+# Triton skinny matmul) and run the fastest where it beats torch's own pick by 1 % (1: on; 0: off, the
+# default). The choices are kept in KVSERVE_CACHE_DIR, so only the first start with a GPU and library
+# versions pays the timing (about 3 s for a 7B model on the H200). Off by default: on the H200 it made decode
+# 0-2 % faster, the start that timed the choices did not gain at 48-64 rows, and the timing adds to the
 # first start. See kvserve/kernels/cublaslt.py and docs/perf_notes.md, entry 28.
 KVSERVE_GEMM_TUNING: bool = _int("KVSERVE_GEMM_TUNING", 0) != 0
 # Where results that outlive a run are kept (the matmul tuning's choices): $XDG_CACHE_HOME/kvserve, else

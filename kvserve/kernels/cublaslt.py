@@ -2,7 +2,8 @@
 library's first heuristic pick.
 
 torch's `linear` on CUDA asks cuBLASLt's heuristic for one algorithm and runs it. For the decode batch sizes
-the heuristic's first pick is not always its fastest candidate (docs/perf_notes.md, entry 28). This module
+the heuristic's first pick is not always its fastest candidate (docs/perf_notes.md, entry 28). Used only
+when `KVSERVE_GEMM_TUNING` is on. This module
 holds a `LtMatmul` per (rows, N, K, dtype, bias): its matrix layouts, the heuristic's candidates, and the one
 to run. `LtMatmul.run(x, weight, bias, out)` computes `torch.nn.functional.linear(x, weight, bias)` into
 `out` on the current stream (CUDA-graph capturable: no host sync, a fixed workspace).
@@ -21,6 +22,8 @@ import ctypes
 import functools
 import json
 import os
+import threading
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +42,8 @@ _EPILOGUE_BIAS = 4
 _OP_N = 0
 _OP_T = 1
 _PREF_MAX_WORKSPACE_BYTES = 1
+_PREF_REDUCTION_SCHEME_MASK = 3
+_REDUCTION_SCHEMES_WITHOUT_OUTPUT_TYPE = 0x3  # in place and compute type; not the output type (0x4)
 # cublasLtMatmulAlgoConfigAttributes_t: (name, value, size in bytes)
 _ALGO_CONFIG_FIELDS = (("algo_id", 0, 4), ("tile_id", 1, 4), ("splitk", 2, 4), ("reduction", 3, 4),
                        ("swizzle", 4, 4), ("custom", 5, 4), ("stages_id", 6, 4), ("inner_shape", 7, 2),
@@ -108,6 +113,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "cublasLtMatmulPreferenceCreate": [ctypes.POINTER(vp)],
         "cublasLtMatmulPreferenceSetAttribute": [vp, i32, vp, sz],
         "cublasLtMatmulPreferenceDestroy": [vp],
+        "cublasLtMatmulDescDestroy": [vp],
+        "cublasLtMatrixLayoutDestroy": [vp],
         "cublasLtMatmulAlgoGetHeuristic": [vp, vp, vp, vp, vp, vp, vp, i32, ctypes.POINTER(_HeuristicResult),
                                            ctypes.POINTER(i32)],
         "cublasLtMatmulAlgoConfigGetAttribute": [ctypes.POINTER(_Algo), i32, vp, sz, ctypes.POINTER(sz)],
@@ -164,10 +171,25 @@ def algo_config(algo: _Algo) -> dict[str, int]:
     return out
 
 
+def _destroy(lib: ctypes.CDLL, desc: ctypes.c_void_p, layouts: list[ctypes.c_void_p]) -> None:
+    for layout in layouts:
+        if layout.value:
+            lib.cublasLtMatrixLayoutDestroy(layout)
+    if desc.value:
+        lib.cublasLtMatmulDescDestroy(desc)
+
+
+# The heuristic is asked with its default alignment assumption (256 bytes), so a plan runs only on operands
+# whose addresses are that aligned (torch's allocations are; views into a buffer may not be).
+ALIGNMENT_BYTES = 256
+
+
 @dataclass
 class LtMatmul:
     """`linear` at one (rows, N, K, dtype, bias) as a cuBLASLt matmul: the descriptors, the heuristic's
-    candidate algorithms (best first, as the heuristic ranks them) and `chosen`, the index `run` uses."""
+    candidate algorithms (its ranking under each workspace limit in turn, duplicates dropped) and `chosen`,
+    the index `run` uses. One plan sets its bias pointer on each call, and all plans of a device share one
+    workspace: calls must come from one stream at a time (as kvserve's forward passes do)."""
 
     rows: int
     n: int
@@ -194,6 +216,8 @@ class LtMatmul:
         self._set_desc(_DESC_TRANSB, ctypes.c_int32(_OP_N))
         self._set_desc(_DESC_EPILOGUE, ctypes.c_uint32(_EPILOGUE_BIAS if self.has_bias else _EPILOGUE_DEFAULT))
         self._a, self._b, self._d = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        # Descriptors are host objects: a captured graph keeps the kernel's parameters, not them.
+        weakref.finalize(self, _destroy, lib, self._desc, [self._a, self._b, self._d])
         _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self._a), cuda_type, self.k, self.n, self.k), "layout A")
         _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self._b), cuda_type, self.k, self.rows, self.k),
                "layout B")
@@ -222,6 +246,10 @@ class LtMatmul:
             ws = ctypes.c_uint64(workspace_limit)
             _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(ws), 8),
                    "preference workspace")
+            if not _reduced_precision_allowed(self.dtype):  # as torch asks the heuristic under that setting
+                mask = ctypes.c_uint32(_REDUCTION_SCHEMES_WITHOUT_OUTPUT_TYPE)
+                _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_REDUCTION_SCHEME_MASK,
+                                                                ctypes.byref(mask), 4), "preference reduction")
             results = (_HeuristicResult * MAX_CANDIDATES)()
             count = ctypes.c_int(0)
             _check(lib.cublasLtMatmulAlgoGetHeuristic(self._handle, self._desc, self._a, self._b, self._d,
@@ -243,11 +271,13 @@ class LtMatmul:
 
     def check_inputs(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether run() computes linear(x, weight, bias) for these tensors (shapes, dtypes, dense rows, the
-        device this plan was made for), into a dense [rows, N] output of the same dtype and device."""
+        device this plan was made for, 256-byte aligned addresses), into a dense [rows, N] output of the same
+        dtype and device (a fresh torch allocation)."""
         tensors = [x, weight] + ([bias] if bias is not None else [])
         return (
             (bias is not None) == self.has_bias
-            and all(t.dtype == self.dtype and t.is_cuda and t.device.index == self.device_index for t in tensors)
+            and all(t.dtype == self.dtype and t.is_cuda and t.device.index == self.device_index
+                    and t.data_ptr() % ALIGNMENT_BYTES == 0 for t in tensors)
             and tuple(x.shape) == (self.rows, self.k) and x.is_contiguous()
             and tuple(weight.shape) == (self.n, self.k) and weight.is_contiguous()
             and (bias is None or (tuple(bias.shape) == (self.n,) and bias.is_contiguous()))
@@ -276,26 +306,37 @@ class LtMatmul:
 
 # ---------------------------------------------------------------------------------------------- tuning
 
-# (device index, rows, N, K, dtype, bias) -> the plan to run; absent: torch's linear runs.
-_tuned: dict[tuple[int, int, int, int, torch.dtype, bool], LtMatmul] = {}
-# Every choice made in this process, kept: a second engine in the process (or a second tuning pass) runs what
-# the first chose instead of re-timing, whose noise could flip a choice and change the numbers mid-process.
-_decided: dict[tuple[int, int, int, int, torch.dtype, bool], TuneResult] = {}
-TORCH_CHOICE = -1  # a tuning result meaning torch's own pick was the fastest
+Key = tuple[int, int, int, int, torch.dtype, bool]  # (device index, rows, N, K, dtype, bias)
+# Shapes with a registered plan; absent: torch's linear runs.
+_tuned: dict[Key, LtMatmul] = {}
+# Every choice made in this process, per (shape, whether torch's pick competed), kept: a second engine in the
+# process runs what the first chose instead of re-timing, whose noise could flip a choice and change the
+# numbers mid-process.
+_decided: dict[tuple[Key, bool], TuneResult] = {}
+TORCH_CHOICE = -1  # a tuning result meaning torch's own pick runs
+# Part of every stored result's key: bump when what is timed or which candidates are pooled changes.
+TUNING_VERSION = 1
+# A candidate replaces torch's pick only when it timed at least this much faster (timing noise is about 1 %).
+MIN_GAIN = 0.01
+# Each timing replays its graph for at least this long (µs).
+TIMING_MIN_US = 2000.0
 
 
-def _key(device_index: int, rows: int, n: int, k: int, dtype: torch.dtype, has_bias: bool
-         ) -> tuple[int, int, int, int, torch.dtype, bool]:
+def _device_index(t: torch.Tensor) -> int:
+    return t.device.index if t.device.index is not None else 0
+
+
+def key_of(device_index: int, rows: int, n: int, k: int, dtype: torch.dtype, has_bias: bool) -> Key:
     return (device_index, rows, n, k, dtype, has_bias)
 
 
 def tuned_plan(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> LtMatmul | None:
     """The tuned plan for linear(x, weight, bias) when one was registered for exactly these rows and shapes
-    and the operands fit it (dense, same dtype and device), else None (torch's linear)."""
+    and the operands fit it (dense, aligned, same dtype and device), else None (torch's linear)."""
     if not _tuned or x.dim() != 2 or weight.dim() != 2:
         return None
-    plan = _tuned.get(_key(x.device.index if x.device.index is not None else -1, x.shape[0], weight.shape[0],
-                           weight.shape[1], x.dtype, bias is not None))
+    plan = _tuned.get(key_of(_device_index(x), x.shape[0], weight.shape[0], weight.shape[1], x.dtype,
+                             bias is not None))
     if plan is None:
         return None
     return plan if plan.check_inputs(x, weight, bias) else None
@@ -306,30 +347,55 @@ def clear_tuning() -> None:
     _decided.clear()
 
 
+def decided_keys() -> set[Key]:
+    return {key for key, _ in _decided}
+
+
+def forget(keys: set[Key]) -> None:
+    """Drop these shapes' plans and choices (others stay)."""
+    for key in keys:
+        _tuned.pop(key, None)
+    for decided in [d for d in _decided if d[0] in keys]:
+        del _decided[decided]
+
+
 def num_tuned() -> int:
     return len(_tuned)
 
 
-def pick(times_us: dict[int, float]) -> int:
-    """The fastest choice of timed candidates {index: µs} (TORCH_CHOICE for torch's linear); ties go to torch
-    and then to the heuristic's earlier rank. Non-finite times (failed runs) never win."""
+def pick(times_us: dict[int, float], min_gain: float = 0.0) -> int:
+    """The fastest choice of timed candidates {index: µs} (TORCH_CHOICE for torch's linear). A candidate
+    must beat torch's time by min_gain (a fraction) to be taken; ties go to torch, then to the lower
+    index. Non-finite times (failed runs) never win."""
     finite = {i: t for i, t in times_us.items() if t == t and t != float("inf")}
     if not finite:
         return TORCH_CHOICE
-    return min(finite, key=lambda i: (finite[i], i != TORCH_CHOICE, i))
+    best = min(finite, key=lambda i: (finite[i], i != TORCH_CHOICE, i))
+    torch_us = finite.get(TORCH_CHOICE)
+    if best != TORCH_CHOICE and torch_us is not None and finite[best] > torch_us * (1 - min_gain):
+        return TORCH_CHOICE
+    return best
 
 
-def _time_graph_us(fn: object, reps: int) -> float:
-    """µs per run of fn, from a CUDA graph of one run replayed reps times after one untimed replay."""
+def _time_graph_us(fn: object, min_us: float = TIMING_MIN_US, max_reps: int = 50) -> float:
+    """µs per run of fn: run once eagerly (lazy initialisation stays out of the capture), captured in a CUDA
+    graph, replayed once untimed, then timed over enough replays to last min_us (3 to max_reps)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
+        fn()  # type: ignore[operator]
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             fn()  # type: ignore[operator]
     torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    once_us = max(start.elapsed_time(end) * 1e3, 1.0)
+    reps = min(max_reps, max(3, int(min_us / once_us) + 1))
     start.record()
     for _ in range(reps):
         graph.replay()
@@ -344,7 +410,7 @@ class TuneResult:
     n: int
     k: int
     has_bias: bool
-    torch_us: float  # per call; NaN when the choice came from the cache
+    torch_us: float  # per call; NaN when the choice came from the stored results
     chosen_us: float
     choice: int  # TORCH_CHOICE or the candidate index
     num_candidates: int
@@ -352,10 +418,28 @@ class TuneResult:
     cached: bool = False
 
 
-def cache_key(device_name: str, rows: int, n: int, k: int, dtype: torch.dtype, has_bias: bool) -> str:
-    """A tuning result's key: the GPU, the cuBLASLt and torch versions (both change what runs) and the shape."""
-    return (f"{device_name}|cublasLt {library_version()}|torch {torch.__version__}|{str(dtype).removeprefix('torch.')}"
-            f"|{rows}x{n}x{k}|bias {int(has_bias)}")
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device)
+
+
+def _reduced_precision_allowed(dtype: torch.dtype) -> bool:
+    """Whether torch lets this dtype's split-K reduce in the output type (torch's own setting, honoured)."""
+    matmul = torch.backends.cuda.matmul
+    if dtype == torch.float16:
+        return bool(matmul.allow_fp16_reduced_precision_reduction)
+    if dtype == torch.bfloat16:
+        return bool(matmul.allow_bf16_reduced_precision_reduction)
+    return True
+
+
+def cache_key(device: torch.device, rows: int, n: int, k: int, dtype: torch.dtype, has_bias: bool,
+              torch_candidate: bool = True) -> str:
+    """A stored result's key: the GPU, the cuBLASLt and torch versions and torch's BLAS settings (all change
+    what runs), the tuning's version and the shape."""
+    return (f"v{TUNING_VERSION}|{_device_name(device)}|cublasLt {library_version()}|torch {torch.__version__}"
+            f"|{torch.backends.cuda.preferred_blas_library()}|reduced {int(_reduced_precision_allowed(dtype))}"
+            f"|{str(dtype).removeprefix('torch.')}|{rows}x{n}x{k}|bias {int(has_bias)}"
+            + ("" if torch_candidate else "|cuBLASLt only"))
 
 
 def load_cache(path: Path) -> dict[str, dict]:
@@ -368,21 +452,36 @@ def load_cache(path: Path) -> dict[str, dict]:
 
 
 def save_cache(path: Path, cache: dict[str, dict]) -> None:
-    """Write the results atomically (a concurrent reader sees the old file or the new one). Raises OSError."""
+    """Merge the results into the file (entries another process wrote meanwhile stay) and write it atomically:
+    a concurrent reader sees the old file or the new one. Raises OSError."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(cache, indent=0, sort_keys=True))
-    os.replace(tmp, path)
+    merged = load_cache(path)
+    merged.update(cache)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        tmp.write_text(json.dumps(merged, indent=0, sort_keys=True))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
-def _register(plan: LtMatmul, result: TuneResult) -> TuneResult:
-    key = _key(plan.device_index, plan.rows, plan.n, plan.k, plan.dtype, plan.has_bias)
+def _valid_entry(entry: object) -> bool:
+    if not isinstance(entry, dict) or not isinstance(entry.get("choice"), int):
+        return False
+    algo = entry.get("algo")
+    if entry["choice"] == TORCH_CHOICE:
+        return algo is None
+    return (entry["choice"] >= 0 and isinstance(algo, list) and len(algo) == 8
+            and all(isinstance(v, int) and 0 <= v < 2**64 for v in algo))
+
+
+def _register(key: Key, torch_candidate: bool, plan: LtMatmul, result: TuneResult) -> TuneResult:
     if result.choice == TORCH_CHOICE:
         _tuned.pop(key, None)
     else:
         plan.chosen = result.choice
         _tuned[key] = plan
-    _decided[key] = result
+    _decided[(key, torch_candidate)] = result
     return result
 
 
@@ -397,20 +496,24 @@ def _error(plan: LtMatmul, index: int, x: torch.Tensor, w: torch.Tensor, b: torc
         return float("inf")
 
 
-def tune(rows: int, weights: list[torch.Tensor], biases: list[torch.Tensor | None], reps: int = 3,
-         max_relative_error: float = 2e-2, cache: dict[str, dict] | None = None,
-         torch_candidate: bool = True) -> TuneResult:
+def tune(rows: int, weights: list[torch.Tensor], biases: list[torch.Tensor | None], *,
+         cache: dict[str, dict] | None = None, torch_candidate: bool = True, stored_only: bool = False,
+         max_relative_error: float = 2e-2, min_gain: float = MIN_GAIN) -> TuneResult:
     """Time torch's linear and every cuBLASLt candidate at `rows` rows over `weights` (one call per weight per
     run: distinct weights keep a call from reading the previous one's from L2), and register the fastest for
-    `tuned_plan`. A candidate whose result differs from torch's by more than max_relative_error of its
-    largest value is skipped. A shape already decided in this process keeps its choice. With `cache`, a
-    stored choice that is still among the candidates (and still correct) is taken without timing, and new
-    results are stored in it. `torch_candidate=False` leaves torch's pick out (tests: the cuBLASLt path
-    always runs). Raises LtUnavailable when cuBLASLt cannot be used here."""
+    `tuned_plan` (a candidate must beat torch by min_gain). A candidate whose result differs from torch's by
+    more than max_relative_error of its largest value is skipped.
+
+    A shape decided before in this process keeps its choice. With `cache`, a stored choice is taken without
+    timing when it is torch's pick, or a candidate still offered that still computes within the tolerance;
+    new results are stored in it. `stored_only` raises instead of timing when there is no usable stored
+    choice. `torch_candidate=False` leaves torch's pick out (tests: the cuBLASLt path always runs). Raises
+    LtUnavailable when cuBLASLt cannot be used for this shape."""
     w0, b0 = weights[0], biases[0]
     n, k = w0.shape
-    device_index = w0.device.index if w0.device.index is not None else torch.cuda.current_device()
-    decided = _decided.get(_key(device_index, rows, n, k, w0.dtype, b0 is not None))
+    device_index = _device_index(w0)
+    key = key_of(device_index, rows, n, k, w0.dtype, b0 is not None)
+    decided = _decided.get((key, torch_candidate))
     if decided is not None:
         return decided
     plan = LtMatmul(rows, n, k, w0.dtype, b0 is not None, device_index)
@@ -419,24 +522,27 @@ def tune(rows: int, weights: list[torch.Tensor], biases: list[torch.Tensor | Non
     out = torch.empty(rows, n, device=w0.device, dtype=w0.dtype)
     reference = torch.nn.functional.linear(x, w0, b0).float()
     tolerance = max_relative_error * reference.abs().max().item()
-    key = cache_key(torch.cuda.get_device_name(w0.device), rows, n, k, w0.dtype, b0 is not None)
-    if not torch_candidate:
-        key += "|cuBLASLt only"
-    entry = cache.get(key) if cache is not None else None
-    if entry is not None:
-        choice = entry.get("choice")
-        stored = tuple(entry.get("algo") or ())
-        found = [i for i, c in enumerate(plan.candidates) if tuple(c.data) == stored]
-        if choice == TORCH_CHOICE or (found and _error(plan, found[0], x, w0, b0, out, reference) <= tolerance):
-            return _register(plan, TuneResult(
-                rows, n, k, b0 is not None, float("nan"), float(entry.get("chosen_us", "nan")),
-                TORCH_CHOICE if choice == TORCH_CHOICE else found[0], len(plan.candidates), 0, cached=True))
+    ckey = cache_key(w0.device, rows, n, k, w0.dtype, b0 is not None, torch_candidate)
+    entry = cache.get(ckey) if cache is not None else None
+    if _valid_entry(entry):
+        assert isinstance(entry, dict)
+        stored_us = entry.get("chosen_us")
+        stored_us = float(stored_us) if isinstance(stored_us, (int, float)) else float("nan")
+        if entry["choice"] == TORCH_CHOICE and torch_candidate:
+            return _register(key, torch_candidate, plan, TuneResult(
+                rows, n, k, b0 is not None, float("nan"), stored_us, TORCH_CHOICE, len(plan.candidates), 0, True))
+        found = [i for i, c in enumerate(plan.candidates) if list(c.data) == entry["algo"]]
+        if found and _error(plan, found[0], x, w0, b0, out, reference) <= tolerance:
+            return _register(key, torch_candidate, plan, TuneResult(
+                rows, n, k, b0 is not None, float("nan"), stored_us, found[0], len(plan.candidates), 0, True))
+    if stored_only:
+        raise LtUnavailable(f"no usable stored choice for rows={rows} n={n} k={k}")
 
     def run_torch() -> None:
         for w, b in zip(weights, biases, strict=True):
             torch.nn.functional.linear(x, w, b)
 
-    torch_us = _time_graph_us(run_torch, reps)
+    torch_us = _time_graph_us(run_torch)
     times = {TORCH_CHOICE: torch_us} if torch_candidate else {}
     num_wrong = 0
     for i in range(len(plan.candidates)):
@@ -448,14 +554,14 @@ def tune(rows: int, weights: list[torch.Tensor], biases: list[torch.Tensor | Non
             for w, b in zip(weights, biases, strict=True):
                 plan.run(x, w, b, out, candidate=i)
 
-        times[i] = _time_graph_us(run_candidate, reps)
-    choice = pick(times)
+        times[i] = _time_graph_us(run_candidate)
+    choice = pick(times, min_gain)
     if choice == TORCH_CHOICE and not torch_candidate:
         raise LtUnavailable(f"no cuBLASLt candidate ran correctly for rows={rows} n={n} k={k}")
     chosen_us = times.get(choice, torch_us)
     result = TuneResult(rows, n, k, b0 is not None, torch_us / len(weights), chosen_us / len(weights), choice,
                         len(plan.candidates), num_wrong)
     if cache is not None:
-        cache[key] = {"choice": choice, "algo": None if choice == TORCH_CHOICE else list(plan.candidates[choice].data),
-                      "torch_us": result.torch_us, "chosen_us": result.chosen_us}
-    return _register(plan, result)
+        cache[ckey] = {"choice": choice, "algo": None if choice == TORCH_CHOICE else list(plan.candidates[choice].data),
+                       "torch_us": result.torch_us, "chosen_us": result.chosen_us}
+    return _register(key, torch_candidate, plan, result)

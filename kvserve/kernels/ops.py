@@ -163,8 +163,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.is_cuda:
         plan = cublaslt.tuned_plan(x, weight, bias)
         if plan is not None:
-            return plan.run(x, weight, bias, torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype,
-                                                         device=x.device))
+            try:
+                return plan.run(x, weight, bias, torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype,
+                                                             device=x.device))
+            except cublaslt.LtUnavailable:
+                pass  # a failed call: torch's linear computes the same
     return torch.nn.functional.linear(x, weight, bias)
 
 

@@ -203,7 +203,7 @@ class ModelRunner:
         a top-k/top-p sampling pass with logprobs over max_num_seqs rows) and measure its peak memory."""
         sched = self.config.scheduler_config
         device = self.device
-        if self.gemm_tuning_enabled():
+        if self.gemm_tuning_enabled() and self.gemm_tuning_rows():
             try:  # the tuned matmuls' workspace, resident from now on: counted in the memory in use
                 cublaslt.workspace(device)
             except cublaslt.LtUnavailable:
@@ -363,66 +363,81 @@ class ModelRunner:
 
     def gemm_tuning_rows(self) -> list[int]:
         """Row counts whose matmuls are tuned at start: the decode graph sizes past the Triton skinny matmul's
-        range (with CUDA graphs on; eager batches come in every size). Prefill-sized matmuls are left to
-        torch's pick: tuned alone, candidates looked up to 5 % faster there, but a whole 8192-token prefill
-        ran 5-7 ms slower with them on the H200 (docs/perf_notes.md, entry 28)."""
+        range (with CUDA graphs on; eager batches come in every size). Other steps of exactly such a token
+        count (a prefill graph of 128 or 256 tokens, say) run the tuned plans too. Larger prefill sizes are
+        left to torch's pick: tuned alone, candidates looked up to 5 % faster there, but a whole 8192-token
+        prefill ran 2-7 ms slower with them on the H200 (docs/perf_notes.md, entry 28)."""
         if not self.config.use_cuda_graphs:
             return []
         return sorted({n for n in self.config.cuda_graph_sizes if n > ops.SKINNY_GEMM_MAX_ROWS})
 
     @torch.inference_mode()
     def tune_gemms(self) -> list[cublaslt.TuneResult]:
-        """Time cuBLASLt's candidate algorithms against torch's pick for every distinct linear shape of the
-        model at each of `gemm_tuning_rows()` and register the fastest (`ops.linear` runs it), before the
-        decode graphs are captured. Choices are kept in KVSERVE_CACHE_DIR, so a later start with the same GPU,
-        libraries and shapes only checks them. Does nothing when tuning is off (KVSERVE_GEMM_TUNING, off by
-        default) or cuBLASLt cannot be called; torch's pick then runs everywhere."""
+        """Time cuBLASLt's candidate algorithms against torch's pick for every distinct fp16/bf16 `Linear` shape
+        of the model (not the LM head) at each of `gemm_tuning_rows()` and register the fastest (`ops.linear`
+        runs it), before the decode graphs are captured. Choices are kept in KVSERVE_CACHE_DIR, so a later
+        start with the same GPU, libraries and shapes only checks them. Does nothing when tuning is off
+        (KVSERVE_GEMM_TUNING, off by default); a shape cuBLASLt cannot run, or any failure of the tuning,
+        leaves torch's pick for it (start-up never fails for this optional step)."""
         if not self.gemm_tuning_enabled() or not self.gemm_tuning_rows():
             return []
         start = time.perf_counter()
-        groups: dict[tuple[int, int, bool], tuple[list[torch.Tensor], list[torch.Tensor | None]]] = {}
+        groups: dict[tuple[int, int, bool, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor | None]]] = {}
         for module in self.model.modules():
             if isinstance(module, Linear) and module.weight.dtype in GEMM_TUNING_DTYPES:
                 n, k = module.weight.shape
-                weights, biases = groups.setdefault((n, k, module.bias is not None), ([], []))
+                weights, biases = groups.setdefault((n, k, module.bias is not None, module.weight.dtype), ([], []))
                 weights.append(module.weight)
                 biases.append(module.bias)
         path = Path(envs.KVSERVE_CACHE_DIR) / "gemm_tuning.json"
         cache = cublaslt.load_cache(path)
+        decided_before = cublaslt.decided_keys()
         results: list[cublaslt.TuneResult] = []
+        result_groups: list[tuple[int, int, bool, torch.dtype]] = []
+        unavailable: list[str] = []
         try:
             for rows in self.gemm_tuning_rows():
-                for weights, biases in groups.values():
+                for group, (weights, biases) in groups.items():
                     # Enough distinct weights that a call never finds the previous one's in L2 (about 200 MB).
                     nbytes = weights[0].numel() * weights[0].element_size()
                     count = min(max(2, -(-GEMM_TUNING_WEIGHT_BYTES // nbytes)), len(weights))
-                    results.append(cublaslt.tune(rows, weights[:count], biases[:count], cache=cache,
-                                                 torch_candidate=GEMM_TUNING_TORCH_CANDIDATE))
-        except cublaslt.LtUnavailable as exc:
-            logger.info("matmul tuning skipped (%s): torch's own algorithm choice runs", exc)
-            cublaslt.clear_tuning()
+                    try:
+                        results.append(cublaslt.tune(rows, weights[:count], biases[:count], cache=cache,
+                                                     torch_candidate=GEMM_TUNING_TORCH_CANDIDATE))
+                        result_groups.append(group)
+                    except cublaslt.LtUnavailable as exc:
+                        unavailable.append(str(exc))
+            timed = [r for r in results if not r.cached]
+            if timed:
+                # Fresh plans from the stored choices, as a start that finds them stored makes: the timed plans
+                # go, with the timing graphs and their buffers.
+                new_keys = cublaslt.decided_keys() - decided_before
+                cublaslt.forget(new_keys)
+                for r, group in zip(results, result_groups, strict=True):
+                    weights, biases = groups[group]
+                    cublaslt.tune(r.rows, weights[:1], biases[:1], cache=cache, stored_only=True,
+                                  torch_candidate=GEMM_TUNING_TORCH_CANDIDATE)
+                try:
+                    cublaslt.save_cache(path, cache)
+                except OSError as exc:
+                    logger.warning("could not save the matmul tuning to %s (%s)", path, exc)
+        except Exception as exc:  # noqa: BLE001 - an optional speed-up must not fail the start
+            logger.warning("matmul tuning failed (%s: %s): torch's own algorithm choice runs", type(exc).__name__, exc)
+            cublaslt.forget(cublaslt.decided_keys() - decided_before)
             return []
-        if any(not r.cached for r in results):
-            # Fresh plans from the stored choices, as a start that finds them in the cache makes: the timed
-            # plans go, with the timing graphs and their buffers.
-            cublaslt.clear_tuning()
-            for r in results:
-                weights, biases = groups[(r.n, r.k, r.has_bias)]
-                cublaslt.tune(r.rows, weights[:1], biases[:1], cache=cache, torch_candidate=GEMM_TUNING_TORCH_CANDIDATE)
-            try:
-                cublaslt.save_cache(path, cache)
-            except OSError as exc:
-                logger.warning("could not save the matmul tuning to %s (%s)", path, exc)
-        gc.collect()
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
+        finally:
+            gc.collect()
+            if self.device.type == "cuda" and torch.cuda.is_available():
+                torch.cuda.synchronize(self.device)
+                torch.cuda.empty_cache()
+        if unavailable:
+            logger.info("matmul tuning: %d shapes left to torch (%s)", len(unavailable), unavailable[0])
         timed = [r for r in results if not r.cached]
-        gain = sum(r.torch_us - r.chosen_us for r in timed)
         logger.info(
             "matmul tuning: %d shapes at %d row counts in %.1f s (%d from %s); cuBLASLt's other candidates "
-            "beat torch's pick in %d; newly timed: %.0f of %.0f us saved over one call of each",
+            "run in %d; newly timed: %.0f of %.0f us saved over one call of each",
             len(groups), len(self.gemm_tuning_rows()), time.perf_counter() - start, len(results) - len(timed),
-            path, cublaslt.num_tuned(), gain, sum(r.torch_us for r in timed),
+            path, cublaslt.num_tuned(), sum(r.torch_us - r.chosen_us for r in timed), sum(r.torch_us for r in timed),
         )
         self.gemm_tuning = results
         return results

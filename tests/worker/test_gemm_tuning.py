@@ -15,6 +15,7 @@ import torch
 from kvserve.config import EngineArgs
 from kvserve.engine.engine_core import EngineCore
 from kvserve.kernels import cublaslt, ops
+from kvserve.layers.linear import Linear
 from kvserve.worker.model_runner import ModelRunner
 
 
@@ -60,35 +61,22 @@ def test_cublaslt_is_unavailable_without_cuda() -> None:
         cublaslt.LtMatmul(64, 128, 256, torch.bfloat16, False, 0)
 
 
-def test_untuned_shapes_run_torch() -> None:
-    cublaslt.clear_tuning()
-    x, w, b = torch.randn(4, 8), torch.randn(6, 8), torch.randn(6)
-    assert cublaslt.tuned_plan(x, w, b) is None
-    assert torch.equal(ops.linear(x, w, b), torch.nn.functional.linear(x, w, b))
-
-
-def _runner_stub(use_cuda_graphs: bool, graph_sizes: list[int], budget: int,
-                 prefill: tuple[list[int], list[int]]) -> SimpleNamespace:
-    config = SimpleNamespace(
-        use_cuda_graphs=use_cuda_graphs,
-        cuda_graph_sizes=graph_sizes,
-        scheduler_config=SimpleNamespace(max_num_batched_tokens=budget),
-    )
-    return SimpleNamespace(config=config, prefill_graph_sizes=lambda: prefill)
+def _runner_stub(use_cuda_graphs: bool, graph_sizes: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(config=SimpleNamespace(use_cuda_graphs=use_cuda_graphs, cuda_graph_sizes=graph_sizes))
 
 
 def test_tuned_rows_are_the_decode_graph_sizes_past_the_skinny_matmul() -> None:
     sizes = [1, 2, 4, 8, 16, 32, 48, 64, 256]
-    stub = _runner_stub(True, sizes, 8192, ([128, 256, 384], [128, 256]))
+    stub = _runner_stub(True, sizes)
     rows = ModelRunner.gemm_tuning_rows(stub)  # type: ignore[arg-type]
     assert rows == [48, 64, 256]
     assert all(n > ops.SKINNY_GEMM_MAX_ROWS for n in rows)
     # Eager: batches come in every size, nothing is tuned.
-    eager = _runner_stub(False, sizes, 2048, ([], []))
+    eager = _runner_stub(False, sizes)
     assert ModelRunner.gemm_tuning_rows(eager) == []  # type: ignore[arg-type]
 
 
-def test_cpu_engine_tunes_nothing(tiny_model_dir: Callable[..., str], tmp_path: Path,
+def test_cpu_engine_tunes_nothing_even_when_asked(tiny_model_dir: Callable[..., str], tmp_path: Path,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
     from kvserve import envs
 
@@ -100,3 +88,215 @@ def test_cpu_engine_tunes_nothing(tiny_model_dir: Callable[..., str], tmp_path: 
     assert core.runner.tune_gemms() == []
     assert cublaslt.num_tuned() == 0
     assert not list(tmp_path.iterdir())  # no results file written
+
+
+# ------------------------------------------------------------------ tune() with a fake cuBLASLt (CPU)
+
+
+class _FakePlan:
+    """Stands in for LtMatmul: candidate i computes linear plus OFFSETS[i] (0: correct), and records the
+    candidate each run used, so the fake timer knows what it times."""
+
+    OFFSETS: list[float] = [0.0, 0.0, 0.0]
+    made: list[_FakePlan] = []
+
+    def __init__(self, rows: int, n: int, k: int, dtype: torch.dtype, has_bias: bool, device_index: int) -> None:
+        self.rows, self.n, self.k, self.dtype, self.has_bias, self.device_index = rows, n, k, dtype, has_bias, device_index
+        self.candidates = []
+        for i in range(len(self.OFFSETS)):
+            algo = cublaslt._Algo()
+            algo.data[0] = 1000 + i
+            self.candidates.append(algo)
+        self.workspace_sizes = [0] * len(self.OFFSETS)
+        self.chosen = 0
+        self.last: int | None = None
+        _FakePlan.made.append(self)
+
+    def check_inputs(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        return tuple(x.shape) == (self.rows, self.k) and (bias is not None) == self.has_bias
+
+    def run(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+            candidate: int | None = None) -> torch.Tensor:
+        index = self.chosen if candidate is None else candidate
+        self.last = index
+        out.copy_(torch.nn.functional.linear(x, weight, bias) + self.OFFSETS[index])
+        return out
+
+
+@pytest.fixture
+def fake_lt(monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
+    """tune() on the CPU: a fake plan, a fake timer answering from `times` ({candidate or TORCH_CHOICE: µs}),
+    and the list of what was timed."""
+    state: dict[str, object] = {"times": {}, "timed": []}
+    _FakePlan.OFFSETS = [0.0, 0.0, 0.0]
+    _FakePlan.made = []
+
+    def fake_timer(fn: Callable[[], None], *args: object, **kwargs: object) -> float:
+        plan = _FakePlan.made[-1]
+        plan.last = None
+        fn()
+        what = cublaslt.TORCH_CHOICE if plan.last is None else plan.last
+        state["timed"].append(what)  # type: ignore[union-attr]
+        return state["times"][what]  # type: ignore[index]
+
+    monkeypatch.setattr(cublaslt, "LtMatmul", _FakePlan)
+    monkeypatch.setattr(cublaslt, "_time_graph_us", fake_timer)
+    monkeypatch.setattr(cublaslt, "_device_name", lambda device: "fake GPU")
+    monkeypatch.setattr(cublaslt, "library_version", lambda: 1)
+    cublaslt.clear_tuning()
+    yield state
+    cublaslt.clear_tuning()
+
+
+def _weights(n: int = 6, k: int = 8, bias: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    gen = torch.Generator().manual_seed(n * k)
+    weights = [torch.randn(n, k, generator=gen) for _ in range(2)]
+    return weights, [torch.randn(n, generator=gen) if bias else None for _ in range(2)]
+
+
+def test_tune_registers_the_fastest_correct_candidate(fake_lt: dict) -> None:
+    _FakePlan.OFFSETS = [0.0, 5.0, 0.0]  # candidate 1 computes the wrong thing
+    fake_lt["times"].update({cublaslt.TORCH_CHOICE: 100.0, 0: 99.5, 1: 50.0, 2: 90.0})
+    weights, biases = _weights()
+    cache: dict[str, dict] = {}
+    result = cublaslt.tune(4, weights, biases, cache=cache)
+    assert result.choice == 2 and result.num_wrong == 1 and not result.cached
+    assert sorted(fake_lt["timed"]) == [cublaslt.TORCH_CHOICE, 0, 2]  # the wrong one is never timed
+    assert result.torch_us == 50.0 and result.chosen_us == 45.0  # per call: two weights per run
+    x = torch.randn(4, 8)
+    plan = cublaslt.tuned_plan(x, weights[1], biases[1])
+    assert plan is not None and plan.chosen == 2
+    assert cublaslt.tuned_plan(torch.randn(5, 8), weights[1], biases[1]) is None  # other rows
+    assert cublaslt.tuned_plan(x, weights[1], None) is None  # the shape without bias
+    (entry,) = cache.values()
+    assert entry["choice"] == 2 and entry["algo"] == [1002, 0, 0, 0, 0, 0, 0, 0]
+
+
+def test_a_candidate_must_beat_torch_by_the_margin(fake_lt: dict) -> None:
+    fake_lt["times"].update({cublaslt.TORCH_CHOICE: 100.0, 0: 99.5, 1: 99.2, 2: 101.0})  # within 1 %
+    result = cublaslt.tune(4, *_weights())
+    assert result.choice == cublaslt.TORCH_CHOICE and cublaslt.num_tuned() == 0
+
+
+def test_a_decided_shape_keeps_its_choice_in_the_process(fake_lt: dict) -> None:
+    fake_lt["times"].update({cublaslt.TORCH_CHOICE: 100.0, 0: 80.0, 1: 90.0, 2: 95.0})
+    weights, biases = _weights()
+    first = cublaslt.tune(4, weights, biases)
+    fake_lt["timed"].clear()
+    fake_lt["times"].update({0: 99.0, 1: 10.0})  # new timings would now choose another candidate
+    assert cublaslt.tune(4, weights, biases) is first and not fake_lt["timed"]
+    # torch's pick left out is another decision for the same shape.
+    forced = cublaslt.tune(4, weights, biases, torch_candidate=False)
+    assert forced.choice == 1 and cublaslt.TORCH_CHOICE not in fake_lt["timed"][1:]
+    cublaslt.forget({cublaslt.key_of(0, 4, 6, 8, torch.float32, True)})
+    assert cublaslt.num_tuned() == 0 and not cublaslt.decided_keys()
+
+
+def test_forget_drops_only_the_given_shapes(fake_lt: dict) -> None:
+    fake_lt["times"].update({cublaslt.TORCH_CHOICE: 100.0, 0: 80.0, 1: 90.0, 2: 95.0})
+    cublaslt.tune(4, *_weights())
+    cublaslt.tune(8, *_weights())
+    assert cublaslt.num_tuned() == 2
+    cublaslt.forget({cublaslt.key_of(0, 4, 6, 8, torch.float32, True)})
+    assert cublaslt.decided_keys() == {cublaslt.key_of(0, 8, 6, 8, torch.float32, True)}
+    assert cublaslt.tuned_plan(torch.randn(8, 8), *[t[0] for t in _weights()]) is not None
+
+
+def test_stored_choices_are_taken_without_timing_when_still_offered_and_correct(fake_lt: dict) -> None:
+    fake_lt["times"].update({cublaslt.TORCH_CHOICE: 100.0, 0: 80.0, 1: 70.0, 2: 95.0})
+    weights, biases = _weights()
+    cache: dict[str, dict] = {}
+    timed = cublaslt.tune(4, weights, biases, cache=cache)
+    assert timed.choice == 1
+    cublaslt.clear_tuning()
+    fake_lt["timed"].clear()
+    again = cublaslt.tune(4, weights, biases, cache=cache, stored_only=True)
+    assert again.cached and again.choice == 1 and not fake_lt["timed"]
+    # The stored algorithm computes wrongly now: timed again (and stored_only refuses).
+    cublaslt.clear_tuning()
+    _FakePlan.OFFSETS = [0.0, 5.0, 0.0]
+    with pytest.raises(cublaslt.LtUnavailable):
+        cublaslt.tune(4, weights, biases, cache=cache, stored_only=True)
+    retimed = cublaslt.tune(4, weights, biases, cache=cache)
+    assert not retimed.cached and retimed.choice == 0 and fake_lt["timed"]
+    # A stored algorithm no longer offered, or a malformed entry: timed again.
+    for bad in ({"choice": 0, "algo": [999, 0, 0, 0, 0, 0, 0, 0]}, {"choice": "x"}, {"choice": 0, "algo": None}, []):
+        cublaslt.clear_tuning()
+        fake_lt["timed"].clear()
+        cache = {key: bad for key in cache}  # type: ignore[misc]
+        assert not cublaslt.tune(4, weights, biases, cache=cache).cached and fake_lt["timed"]
+
+
+def test_a_stored_torch_choice_is_taken(fake_lt: dict) -> None:
+    fake_lt["times"].update({cublaslt.TORCH_CHOICE: 10.0, 0: 80.0, 1: 70.0, 2: 95.0})
+    weights, biases = _weights()
+    cache: dict[str, dict] = {}
+    assert cublaslt.tune(4, weights, biases, cache=cache).choice == cublaslt.TORCH_CHOICE
+    cublaslt.clear_tuning()
+    fake_lt["timed"].clear()
+    result = cublaslt.tune(4, weights, biases, cache=cache, stored_only=True)
+    assert result.cached and result.choice == cublaslt.TORCH_CHOICE and not fake_lt["timed"]
+
+
+def test_without_torch_every_candidate_wrong_is_an_error(fake_lt: dict) -> None:
+    _FakePlan.OFFSETS = [5.0, 5.0, 5.0]
+    fake_lt["times"].update({cublaslt.TORCH_CHOICE: 100.0})
+    with pytest.raises(cublaslt.LtUnavailable):
+        cublaslt.tune(4, *_weights(), torch_candidate=False)
+    assert cublaslt.tune(4, *_weights()).choice == cublaslt.TORCH_CHOICE  # with torch competing: torch
+
+
+def _tuning_runner(tiny_model_dir: Callable[..., str]) -> ModelRunner:
+    """A CPU runner made to look like a CUDA one with decode graphs of 48 and 64 rows (tune_gemms only reads
+    the device type, the graph sizes and the model's Linear modules)."""
+    args = EngineArgs(model=tiny_model_dir("llama"), device="cpu", max_model_len=256, kv_cache_memory="8MiB",
+                      dtype="bfloat16")
+    runner = EngineCore(args.create_engine_config()).runner
+    runner.device = torch.device("cuda")  # only read as a device type below; nothing runs on it
+    runner.config = SimpleNamespace(use_cuda_graphs=True, cuda_graph_sizes=[8, 48, 64])  # type: ignore[assignment]
+    return runner
+
+
+@pytest.mark.parametrize("fail_late", [False, True], ids=["ok", "failure"])
+def test_tune_gemms_times_each_shape_once_and_keeps_other_engines_choices(
+    tiny_model_dir: Callable[..., str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail_late: bool
+) -> None:
+    """Each (rows, shape) is timed once, then registered again from the stored choice (stored_only); a
+    failure anywhere drops this call's choices (torch's pick runs) but not another engine's, and start-up
+    goes on."""
+    from kvserve import envs
+
+    monkeypatch.setattr(envs, "KVSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(envs, "KVSERVE_GEMM_TUNING", True)
+    cublaslt.clear_tuning()
+    earlier = cublaslt.key_of(0, 48, 1, 1, torch.bfloat16, False)  # another engine's decision
+    cublaslt._decided[(earlier, True)] = cublaslt.TuneResult(48, 1, 1, False, 1.0, 1.0, -1, 0, 0)
+    calls: list[tuple[int, int, int, bool]] = []
+
+    def fake_tune(rows: int, weights: list, biases: list, **kwargs: object) -> cublaslt.TuneResult:
+        calls.append((rows, weights[0].shape[0], weights[0].shape[1], bool(kwargs.get("stored_only"))))
+        if kwargs.get("stored_only") and fail_late:
+            raise RuntimeError("a failure late in the tuning")
+        key = cublaslt.key_of(0, rows, weights[0].shape[0], weights[0].shape[1], weights[0].dtype,
+                              biases[0] is not None)
+        result = cublaslt.TuneResult(rows, weights[0].shape[0], weights[0].shape[1], biases[0] is not None,
+                                     10.0, 9.0, 0, 3, 0, cached=bool(kwargs.get("stored_only")))
+        cublaslt._decided[(key, True)] = result
+        return result
+
+    monkeypatch.setattr(cublaslt, "tune", fake_tune)
+    runner = _tuning_runner(tiny_model_dir)
+    shapes = {(m.weight.shape[0], m.weight.shape[1]) for m in runner.model.modules()
+              if isinstance(m, Linear)}
+    results = runner.tune_gemms()
+    timed = [c for c in calls if not c[3]]
+    assert sorted(timed) == sorted((rows, n, k, False) for rows in (48, 64) for n, k in shapes)
+    if fail_late:
+        assert results == []  # the failure is logged, start-up goes on with torch's pick
+        assert cublaslt.decided_keys() == {earlier}  # this call's choices dropped, the earlier engine's kept
+    else:
+        assert len(results) == len(timed) and not any(r.cached for r in results)
+        assert sorted(c[:3] for c in calls if c[3]) == sorted(c[:3] for c in timed)  # each registered again
+        assert earlier in cublaslt.decided_keys() and len(cublaslt.decided_keys()) == len(timed) + 1
+        assert (tmp_path / "gemm_tuning.json").exists()
+    cublaslt.clear_tuning()
