@@ -475,10 +475,11 @@ def _valid_entry(entry: object) -> bool:
             and all(isinstance(v, int) and 0 <= v < 2**64 for v in algo))
 
 
-def _register(key: Key, torch_candidate: bool, plan: LtMatmul, result: TuneResult) -> TuneResult:
+def _register(key: Key, torch_candidate: bool, plan: LtMatmul | None, result: TuneResult) -> TuneResult:
     if result.choice == TORCH_CHOICE:
         _tuned.pop(key, None)
     else:
+        assert plan is not None
         plan.chosen = result.choice
         _tuned[key] = plan
     _decided[(key, torch_candidate)] = result
@@ -497,8 +498,8 @@ def _error(plan: LtMatmul, index: int, x: torch.Tensor, w: torch.Tensor, b: torc
 
 
 def tune(rows: int, weights: list[torch.Tensor], biases: list[torch.Tensor | None], *,
-         cache: dict[str, dict] | None = None, torch_candidate: bool = True, stored_only: bool = False,
-         max_relative_error: float = 2e-2, min_gain: float = MIN_GAIN) -> TuneResult:
+         cache: dict[str, dict] | None = None, torch_candidate: bool = True, max_relative_error: float = 2e-2,
+         min_gain: float = MIN_GAIN) -> TuneResult:
     """Time torch's linear and every cuBLASLt candidate at `rows` rows over `weights` (one call per weight per
     run: distinct weights keep a call from reading the previous one's from L2), and register the fastest for
     `tuned_plan` (a candidate must beat torch by min_gain). A candidate whose result differs from torch's by
@@ -506,9 +507,8 @@ def tune(rows: int, weights: list[torch.Tensor], biases: list[torch.Tensor | Non
 
     A shape decided before in this process keeps its choice. With `cache`, a stored choice is taken without
     timing when it is torch's pick, or a candidate still offered that still computes within the tolerance;
-    new results are stored in it. `stored_only` raises instead of timing when there is no usable stored
-    choice. `torch_candidate=False` leaves torch's pick out (tests: the cuBLASLt path always runs). Raises
-    LtUnavailable when cuBLASLt cannot be used for this shape."""
+    new results are stored in it. `torch_candidate=False` leaves torch's pick out (tests: the cuBLASLt path
+    always runs). Raises LtUnavailable when cuBLASLt cannot be used for this shape."""
     w0, b0 = weights[0], biases[0]
     n, k = w0.shape
     device_index = _device_index(w0)
@@ -516,27 +516,26 @@ def tune(rows: int, weights: list[torch.Tensor], biases: list[torch.Tensor | Non
     decided = _decided.get((key, torch_candidate))
     if decided is not None:
         return decided
+    ckey = cache_key(w0.device, rows, n, k, w0.dtype, b0 is not None, torch_candidate)
+    entry = cache.get(ckey) if cache is not None else None
+    entry = entry if _valid_entry(entry) else None
+    stored_us = float("nan")
+    if entry is not None and isinstance(entry.get("chosen_us"), (int, float)):
+        stored_us = float(entry["chosen_us"])
+    if entry is not None and entry["choice"] == TORCH_CHOICE and torch_candidate:
+        return _register(key, torch_candidate, None, TuneResult(
+            rows, n, k, b0 is not None, float("nan"), stored_us, TORCH_CHOICE, 0, 0, True))
     plan = LtMatmul(rows, n, k, w0.dtype, b0 is not None, device_index)
     gen = torch.Generator(device=w0.device).manual_seed(rows * 7919 + n)
     x = torch.randn(rows, k, generator=gen, device=w0.device, dtype=torch.float32).to(w0.dtype)
     out = torch.empty(rows, n, device=w0.device, dtype=w0.dtype)
     reference = torch.nn.functional.linear(x, w0, b0).float()
     tolerance = max_relative_error * reference.abs().max().item()
-    ckey = cache_key(w0.device, rows, n, k, w0.dtype, b0 is not None, torch_candidate)
-    entry = cache.get(ckey) if cache is not None else None
-    if _valid_entry(entry):
-        assert isinstance(entry, dict)
-        stored_us = entry.get("chosen_us")
-        stored_us = float(stored_us) if isinstance(stored_us, (int, float)) else float("nan")
-        if entry["choice"] == TORCH_CHOICE and torch_candidate:
-            return _register(key, torch_candidate, plan, TuneResult(
-                rows, n, k, b0 is not None, float("nan"), stored_us, TORCH_CHOICE, len(plan.candidates), 0, True))
+    if entry is not None:
         found = [i for i, c in enumerate(plan.candidates) if list(c.data) == entry["algo"]]
         if found and _error(plan, found[0], x, w0, b0, out, reference) <= tolerance:
             return _register(key, torch_candidate, plan, TuneResult(
                 rows, n, k, b0 is not None, float("nan"), stored_us, found[0], len(plan.candidates), 0, True))
-    if stored_only:
-        raise LtUnavailable(f"no usable stored choice for rows={rows} n={n} k={k}")
 
     def run_torch() -> None:
         for w, b in zip(weights, biases, strict=True):

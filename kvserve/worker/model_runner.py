@@ -393,30 +393,19 @@ class ModelRunner:
         cache = cublaslt.load_cache(path)
         decided_before = cublaslt.decided_keys()
         results: list[cublaslt.TuneResult] = []
-        result_groups: list[tuple[int, int, bool, torch.dtype]] = []
         unavailable: list[str] = []
         try:
             for rows in self.gemm_tuning_rows():
-                for group, (weights, biases) in groups.items():
+                for weights, biases in groups.values():
                     # Enough distinct weights that a call never finds the previous one's in L2 (about 200 MB).
                     nbytes = weights[0].numel() * weights[0].element_size()
                     count = min(max(2, -(-GEMM_TUNING_WEIGHT_BYTES // nbytes)), len(weights))
                     try:
                         results.append(cublaslt.tune(rows, weights[:count], biases[:count], cache=cache,
                                                      torch_candidate=GEMM_TUNING_TORCH_CANDIDATE))
-                        result_groups.append(group)
                     except cublaslt.LtUnavailable as exc:
                         unavailable.append(str(exc))
-            timed = [r for r in results if not r.cached]
-            if timed:
-                # Fresh plans from the stored choices, as a start that finds them stored makes: the timed plans
-                # go, with the timing graphs and their buffers.
-                new_keys = cublaslt.decided_keys() - decided_before
-                cublaslt.forget(new_keys)
-                for r, group in zip(results, result_groups, strict=True):
-                    weights, biases = groups[group]
-                    cublaslt.tune(r.rows, weights[:1], biases[:1], cache=cache, stored_only=True,
-                                  torch_candidate=GEMM_TUNING_TORCH_CANDIDATE)
+            if any(not r.cached for r in results):
                 try:
                     cublaslt.save_cache(path, cache)
                 except OSError as exc:
@@ -425,7 +414,7 @@ class ModelRunner:
             logger.warning("matmul tuning failed (%s: %s): torch's own algorithm choice runs", type(exc).__name__, exc)
             cublaslt.forget(cublaslt.decided_keys() - decided_before)
             return []
-        finally:
+        finally:  # the timing graphs and their buffers go before the engine's graphs are captured
             gc.collect()
             if self.device.type == "cuda" and torch.cuda.is_available():
                 torch.cuda.synchronize(self.device)

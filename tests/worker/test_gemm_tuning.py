@@ -210,13 +210,11 @@ def test_stored_choices_are_taken_without_timing_when_still_offered_and_correct(
     assert timed.choice == 1
     cublaslt.clear_tuning()
     fake_lt["timed"].clear()
-    again = cublaslt.tune(4, weights, biases, cache=cache, stored_only=True)
+    again = cublaslt.tune(4, weights, biases, cache=cache)
     assert again.cached and again.choice == 1 and not fake_lt["timed"]
-    # The stored algorithm computes wrongly now: timed again (and stored_only refuses).
+    # The stored algorithm computes wrongly now: timed again.
     cublaslt.clear_tuning()
     _FakePlan.OFFSETS = [0.0, 5.0, 0.0]
-    with pytest.raises(cublaslt.LtUnavailable):
-        cublaslt.tune(4, weights, biases, cache=cache, stored_only=True)
     retimed = cublaslt.tune(4, weights, biases, cache=cache)
     assert not retimed.cached and retimed.choice == 0 and fake_lt["timed"]
     # A stored algorithm no longer offered, or a malformed entry: timed again.
@@ -234,8 +232,10 @@ def test_a_stored_torch_choice_is_taken(fake_lt: dict) -> None:
     assert cublaslt.tune(4, weights, biases, cache=cache).choice == cublaslt.TORCH_CHOICE
     cublaslt.clear_tuning()
     fake_lt["timed"].clear()
-    result = cublaslt.tune(4, weights, biases, cache=cache, stored_only=True)
+    made = len(_FakePlan.made)
+    result = cublaslt.tune(4, weights, biases, cache=cache)
     assert result.cached and result.choice == cublaslt.TORCH_CHOICE and not fake_lt["timed"]
+    assert len(_FakePlan.made) == made  # no plan (no heuristic query) for a stored torch choice
 
 
 def test_without_torch_every_candidate_wrong_is_an_error(fake_lt: dict) -> None:
@@ -261,9 +261,8 @@ def _tuning_runner(tiny_model_dir: Callable[..., str]) -> ModelRunner:
 def test_tune_gemms_times_each_shape_once_and_keeps_other_engines_choices(
     tiny_model_dir: Callable[..., str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail_late: bool
 ) -> None:
-    """Each (rows, shape) is timed once, then registered again from the stored choice (stored_only); a
-    failure anywhere drops this call's choices (torch's pick runs) but not another engine's, and start-up
-    goes on."""
+    """Each (rows, shape) is tuned once and the results saved; a failure anywhere (here: saving them) drops
+    this call's choices (torch's pick runs) but not another engine's, and start-up goes on."""
     from kvserve import envs
 
     monkeypatch.setattr(envs, "KVSERVE_CACHE_DIR", str(tmp_path))
@@ -274,29 +273,30 @@ def test_tune_gemms_times_each_shape_once_and_keeps_other_engines_choices(
     calls: list[tuple[int, int, int, bool]] = []
 
     def fake_tune(rows: int, weights: list, biases: list, **kwargs: object) -> cublaslt.TuneResult:
-        calls.append((rows, weights[0].shape[0], weights[0].shape[1], bool(kwargs.get("stored_only"))))
-        if kwargs.get("stored_only") and fail_late:
-            raise RuntimeError("a failure late in the tuning")
+        calls.append((rows, weights[0].shape[0], weights[0].shape[1]))
         key = cublaslt.key_of(0, rows, weights[0].shape[0], weights[0].shape[1], weights[0].dtype,
                               biases[0] is not None)
         result = cublaslt.TuneResult(rows, weights[0].shape[0], weights[0].shape[1], biases[0] is not None,
-                                     10.0, 9.0, 0, 3, 0, cached=bool(kwargs.get("stored_only")))
+                                     10.0, 9.0, 0, 3, 0)
         cublaslt._decided[(key, True)] = result
         return result
 
+    def failing_save(path: Path, cache: dict) -> None:
+        raise RuntimeError("a failure late in the tuning")
+
     monkeypatch.setattr(cublaslt, "tune", fake_tune)
+    if fail_late:
+        monkeypatch.setattr(cublaslt, "save_cache", failing_save)
     runner = _tuning_runner(tiny_model_dir)
     shapes = {(m.weight.shape[0], m.weight.shape[1]) for m in runner.model.modules()
               if isinstance(m, Linear)}
     results = runner.tune_gemms()
-    timed = [c for c in calls if not c[3]]
-    assert sorted(timed) == sorted((rows, n, k, False) for rows in (48, 64) for n, k in shapes)
+    assert sorted(calls) == sorted((rows, n, k) for rows in (48, 64) for n, k in shapes)
     if fail_late:
         assert results == []  # the failure is logged, start-up goes on with torch's pick
         assert cublaslt.decided_keys() == {earlier}  # this call's choices dropped, the earlier engine's kept
     else:
-        assert len(results) == len(timed) and not any(r.cached for r in results)
-        assert sorted(c[:3] for c in calls if c[3]) == sorted(c[:3] for c in timed)  # each registered again
-        assert earlier in cublaslt.decided_keys() and len(cublaslt.decided_keys()) == len(timed) + 1
+        assert len(results) == len(calls) and not any(r.cached for r in results)
+        assert earlier in cublaslt.decided_keys() and len(cublaslt.decided_keys()) == len(calls) + 1
         assert (tmp_path / "gemm_tuning.json").exists()
     cublaslt.clear_tuning()
