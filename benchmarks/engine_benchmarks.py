@@ -114,7 +114,8 @@ class Bench:
                                      "graph_size_ms": dict(graphs.size_ms) if graphs is not None else {},
                                      "graph_padding": {s: graphs.padded_size(s) for s in graphs.sizes}
                                      if graphs is not None else {},
-                                     "gemm_tuning": [dataclasses.asdict(r) for r in self.core.runner.gemm_tuning]}
+                                     "gemm_tuning": [dataclasses.asdict(r) for r in self.core.runner.gemm_tuning],
+                                     "startup_late_variants": list(self.core.startup_late_variants)}
             if self.core.runner.gemm_tuning:
                 by_rows: dict[int, list[str]] = {}
                 for r in self.core.runner.gemm_tuning:
@@ -145,11 +146,25 @@ class Bench:
     # ------------------------------------------------------------------ sections
 
     def section_start(self) -> None:
-        self.engine()
+        d = self.engine()
         r = self.results["start"]
+        # The first requests after start against the same again: a kernel variant the warm-up missed stalls
+        # the first (a compile: 0.2-1 s).
+        firsts = []
+        for _ in range(2):
+            batch = d.run(self.prompts([self.length(1000)] * 3), [8] * 3)
+            one = d.run(self.prompts([self.length(1000)]), [8])
+            firsts.append((batch.elapsed_s * 1e3, one.elapsed_s * 1e3))
+        r["first_requests_ms"] = firsts
+        self.rows.append(("first requests after start (ms)", f"{firsts[0][0]:.1f}",
+                          f"3 x 1000 in / 8 out, then 1: {firsts[0][0]:.1f}, {firsts[0][1]:.1f}; again: "
+                          f"{firsts[1][0]:.1f}, {firsts[1][1]:.1f}"))
         phases = ", ".join(f"{k} {v:.1f}" for k, v in r["phases_s"].items())
         self.rows.append(("engine start (s)", f"{r['start_s']:.1f}", phases))
         self.rows.append(("KV cache", f"{r['num_blocks']} blocks", r["capacity"]))
+        late = r["startup_late_variants"]
+        self.rows.append(("Triton variants the precompile missed", f"{len(late)}",
+                          ", ".join(sorted(set(late))) or "(compiled at warm-up or capture)"))
         if r["graph_size_ms"]:
             moved = {s: t for s, t in r["graph_padding"].items() if t != s}
             self.rows.append(("decode graphs timed at start (ms)", f"{len(r['graph_size_ms'])} sizes",
@@ -992,6 +1007,11 @@ def main() -> int:
             errors[name] = traceback.format_exc()
             print(f"section {name} failed:\n{errors[name]}", file=sys.stderr, flush=True)
         print(f"[section {name}: {time.perf_counter() - t0:.1f} s]", flush=True)
+    if bench.core is not None and "start" in bench.results:
+        late = bench.core.late_kernel_variants
+        bench.results["start"]["serving_late_variants"] = list(late)
+        bench.rows.append(("Triton variants loaded by steps", f"{len(late)}", ", ".join(sorted(set(late)))
+                           or "none since start"))
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     for name, value in bench.results.items():
         write_result(args.out, f"engine_{name}", settings, value, args.device)

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: probe coldab pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Pass the local commit, written in literally (the device copy's git metadata can be stale, so a $(git ...) in
 # the command would read it there): KVSERVE_BENCH_COMMIT=<sha> bash ...
@@ -110,6 +110,22 @@ for step in "$@"; do
         done ;;
     pytestlt) timeout 200 python3 -m pytest -q -rA -s -p no:cacheprovider tests/gpu -k "cublaslt or tuned" \
               > "$R/pytest_lt.log" 2>&1 ;;
+    probe) python3 - > "$R/probe.log" 2>&1 <<'PY'
+import torch, triton
+from kvserve.kernels import triton_precompile
+from triton.runtime.jit import JITFunction
+from triton import knobs
+print("torch", torch.__version__, "triton", triton.__version__, "available", triton_precompile.available())
+print("hooks", knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook, hasattr(JITFunction, "preload"))
+PY
+        ;;
+    coldab) for mode in on off on off; do
+          dir=$(mktemp -d); flag=1; [ $mode = off ] && flag=0
+          TRITON_CACHE_DIR=$dir KVSERVE_TRITON_PRECOMPILE=$flag timeout 150 python3 benchmarks/engine_benchmarks.py \
+            --out "$R/coldab_$mode" --sections start,decode,ttft --decode-batches 1,3,64 --decode-contexts 1024 \
+            --decode-steps 20 >> "$R/coldab.log" 2>&1
+          echo "mode $mode done ($(find $dir -name '*.cubin' | wc -l) cubins)" >> "$R/coldab.log"
+        done ;;
     tuneab) for mode in on off on off; do
           flags="--gemm-tuning"; [ $mode = off ] && flags="--no-gemm-tuning"
           timeout 130 python3 benchmarks/engine_benchmarks.py --out "$R/tuneab_$mode" $flags \

@@ -41,6 +41,10 @@ KVSERVE_GRAPH_PAD_MIN_GAIN_PCT: int = _int("KVSERVE_GRAPH_PAD_MIN_GAIN_PCT", 5)
 # Programmatic dependent launch for the Triton kernels on sm_90+ (1: on, the default; 0: off). See
 # kvserve/kernels/triton_pdl.py and docs/perf_notes.md, entry 17.
 KVSERVE_PDL: bool = _int("KVSERVE_PDL", 1) != 0
+# Compile the Triton kernel variants that start-up needs on a thread pool before the warm-up runs them (1: on,
+# the default; 0: off, the warm-up compiles them one at a time). See kvserve/kernels/triton_precompile.py and
+# docs/perf_notes.md, entry 29.
+KVSERVE_TRITON_PRECOMPILE: bool = _int("KVSERVE_TRITON_PRECOMPILE", 1) != 0
 # Time cuBLASLt's candidate algorithms for the model's matmuls at start (at the decode graph sizes past the
 # Triton skinny matmul) and run the fastest where it beats torch's own pick by 1 % (1: on; 0: off, the
 # default). The choices are kept in KVSERVE_CACHE_DIR, so only the first start with a GPU and library

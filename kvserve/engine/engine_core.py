@@ -26,6 +26,7 @@ from kvserve.config import ConfigError, EngineConfig
 from kvserve.core.outputs import EngineCoreOutput, SchedulerOutput, SchedulerStats
 from kvserve.core.request import Request
 from kvserve.core.scheduler import RequestRejected, Scheduler
+from kvserve.kernels import triton_precompile
 from kvserve.protocol.engine import EngineCoreRequest
 from kvserve.worker.memory import gpu_capacity_hint
 from kvserve.worker.model_runner import ModelRunner, PendingOutput
@@ -78,13 +79,26 @@ class EngineCore:
         self.config = config.with_num_blocks(num_blocks)
         self.runner.initialize_kv_cache(num_blocks)
         self._mark_phase("kv_cache_alloc", start)
+        # Triton kernel variants loaded so far in this process (None: not counted, off CUDA).
+        self._variants_seen: int | None = None
         if self.runner.device.type == "cuda":
+            triton_precompile.watch()
+            self.runner.precompile_kernels()
+            self._mark_phase("triton_precompile", start)
+            precompiled = triton_precompile.loaded_count()
             self.runner.warm_up_kernels()
             self._mark_phase("kernel_warm_up", start)
             self.runner.tune_gemms()
             self._mark_phase("gemm_tuning", start)
         self.runner.capture_cuda_graphs()
         self._mark_phase("cuda_graph_capture", start)
+        # Variants the warm-up and capture loaded themselves (the precompile missed them), and those that
+        # steps load later (the warm-up missed them: each stalls the step that first needs it).
+        self.startup_late_variants: list[str] = []
+        self.late_kernel_variants: list[str] = []
+        if self.runner.device.type == "cuda":
+            self.startup_late_variants = triton_precompile.loaded_since(precompiled)
+            self._variants_seen = triton_precompile.loaded_count()
         self.scheduler = Scheduler(
             self.config.scheduler_config,
             num_blocks=num_blocks,
@@ -179,12 +193,22 @@ class EngineCore:
             outputs.extend(self._finish_in_flight())
         if self.check_invariants_every_step:
             self.scheduler.check_invariants()
+        if self._variants_seen is not None and triton_precompile.loaded_count() != self._variants_seen:
+            self._note_late_variants()
         return EngineStepResult(
             outputs=outputs,
             stats=self.scheduler.make_stats(),
             num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
             num_scheduled_reqs=len(scheduler_output.scheduled),
         )
+
+    def _note_late_variants(self) -> None:
+        assert self._variants_seen is not None
+        late = triton_precompile.loaded_since(self._variants_seen)
+        self._variants_seen += len(late)
+        self.late_kernel_variants.extend(late)
+        logger.warning("a step loaded %d Triton kernel variant(s) that start-up did not warm up (%s); the step "
+                       "waited for their compile", len(late), ", ".join(late))
 
     def _finish_in_flight(self) -> list[EngineCoreOutput]:
         assert self._in_flight is not None

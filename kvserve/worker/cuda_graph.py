@@ -281,12 +281,10 @@ class CUDAGraphRunner:
             )
         return self.model(b["input_ids"][:num_tokens], b["positions"][:num_tokens], self.kv_caches, metadata)
 
-    @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture one graph per size, largest first (the prefill graphs, then the decode graphs), into one
-        pool. The buffers are set to a padding-only batch (writes nothing, reads only cache block 0) for the
-        warm-up and capture runs."""
-        start = time.perf_counter()
+    def _for_each_variant(self, run: Callable[[tuple[int, bool], bool, Callable[[], torch.Tensor]], None]) -> None:
+        """Set the buffers to a padding-only batch (writes nothing, reads only cache block 0) and call
+        run(key, is_prefill, forward) for every graph, largest first: the prefill graphs (key (tokens,
+        cache)), then the decode graphs (key (size, cascade)). Call on the capture stream."""
         b = self.buffers
         largest = self.sizes[-1]
         tokens = max([largest, *self.prefill_sizes, *self.cache_prefill_sizes])
@@ -296,38 +294,58 @@ class CUDAGraphRunner:
         self.block_tables[: max(largest, 2)].zero_()  # (a cache graph's padding request reads row 1)
         device = b["input_ids"].device
         starts = {n: torch.tensor([0, n], dtype=torch.int32, device=device) for n in self.prefill_sizes}
+        self._prefill_starts = starts  # the graphs read them
+        variants = [(n, False) for n in self.prefill_sizes] + [(n, True) for n in self.cache_prefill_sizes]
+        for n, cache in sorted(variants, reverse=True):
+            if cache:  # a request of n tokens with no context (reading cache block 0), then an empty one
+                b["query_start_loc"][:3].copy_(torch.tensor([0, n, n], dtype=torch.int32))
+                b["seq_lens"][:2].copy_(torch.tensor([n, 0], dtype=torch.int32))
+            run((n, cache), True, functools.partial(self._prefill_forward, n, None if cache else starts[n]))
+        b["seq_lens"][:largest].zero_()
+        b["query_start_loc"][: largest + 1].copy_(torch.arange(largest + 1, dtype=torch.int32))
+        if self.cascade_sizes:
+            b["common_prefix_len"].zero_()
+        variants = [(size, True) for size in self.cascade_sizes] + [(size, False) for size in self.sizes]
+        for size, cascade in sorted(variants, reverse=True):
+            run((size, cascade), False, functools.partial(self._forward, size, cascade))
+
+    @torch.inference_mode()
+    def run_eagerly(self) -> None:
+        """Run each graph's forward once, eagerly, on the inputs `capture` uses (what it launches; captures
+        nothing): how start-up lists the Triton variants the capture will need."""
+        self._for_each_variant(lambda key, is_prefill, forward: forward())
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture one graph per size, largest first (the prefill graphs, then the decode graphs), into one
+        pool. The buffers are set to a padding-only batch (writes nothing, reads only cache block 0) for the
+        warm-up and capture runs."""
+        start = time.perf_counter()
+        device = self.buffers["input_ids"].device
         torch.cuda.synchronize()
         before = torch.cuda.mem_get_info()[0]
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
+
+        def capture_one(key: tuple[int, bool], is_prefill: bool, forward: Callable[[], torch.Tensor]) -> None:
+            if not is_prefill:
+                self._graphs[key] = _capture(forward, pool, stream)
+                return
+            self._prefill_graphs[key] = _capture(forward, pool, stream)
+            if not key[1] and not ops.prefill_fast_path_applies(self.kv_caches[0].dtype, device):
+                # The fast path failed and turned itself off: this fresh-prompt graph attends over the
+                # cache with the padding as more tokens of the prompt (see the module docstring).
+                raise RuntimeError("the one-prompt prefill fast path turned off during the graphs' warm-up")
+
         with torch.cuda.stream(stream):
-            variants = [(n, False) for n in self.prefill_sizes] + [(n, True) for n in self.cache_prefill_sizes]
-            for n, cache in sorted(variants, reverse=True):
-                if cache:  # a request of n tokens with no context (reading cache block 0), then an empty one
-                    b["query_start_loc"][:3].copy_(torch.tensor([0, n, n], dtype=torch.int32))
-                    b["seq_lens"][:2].copy_(torch.tensor([n, 0], dtype=torch.int32))
-                self._prefill_graphs[(n, cache)] = _capture(
-                    functools.partial(self._prefill_forward, n, None if cache else starts[n]), pool, stream
-                )
-                if not cache and not ops.prefill_fast_path_applies(self.kv_caches[0].dtype, device):
-                    # The fast path failed and turned itself off: this fresh-prompt graph attends over the
-                    # cache with the padding as more tokens of the prompt (see the module docstring).
-                    raise RuntimeError("the one-prompt prefill fast path turned off during the graphs' warm-up")
-            b["seq_lens"][:largest].zero_()
-            b["query_start_loc"][: largest + 1].copy_(torch.arange(largest + 1, dtype=torch.int32))
-            if self.cascade_sizes:
-                b["common_prefix_len"].zero_()
-            variants = [(size, True) for size in self.cascade_sizes] + [(size, False) for size in self.sizes]
-            for size, cascade in sorted(variants, reverse=True):
-                self._graphs[(size, cascade)] = _capture(functools.partial(self._forward, size, cascade), pool, stream)
+            self._for_each_variant(capture_one)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         if self.pad_min_gain > 0 and len(self.sizes) > 1:
             self._time_decode_graphs()
         self.pool_bytes = max(before - torch.cuda.mem_get_info()[0], 0)
         self.capture_s = time.perf_counter() - start
-        self._prefill_starts = starts  # the graphs read them
         logger.info(
             "captured %d decode CUDA graphs (batch sizes %s%s)%s in %.1f s, pool %.1f MiB",
             len(self._graphs), self.sizes,

@@ -28,7 +28,7 @@ import torch
 from kvserve import envs
 from kvserve.config import EngineConfig
 from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
-from kvserve.kernels import cublaslt, ops
+from kvserve.kernels import cublaslt, ops, triton_precompile
 from kvserve.layers.attention_metadata import AttentionMetadata
 from kvserve.layers.linear import Linear
 from kvserve.layers.sampler import Sampler, SamplingRow, make_generator
@@ -279,13 +279,33 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up_kernels(self) -> list[int]:
-        """Run one small mixed batch (a decode row plus a prefill chunk with cached context) per query
-        length that gives the mixed attention kernel a different tile shape, so the Triton JIT compiles
-        them at start-up instead of stalling the first requests that need them (seconds each on the H200),
-        then a two-prompt fresh prefill (the multi-request flash attention path, whose first use also
-        stalled). Nothing is written to the cache (slot -1). Returns the mixed chunk lengths run."""
+        """Run the kernels' start-up shapes (`_warm_up_batches`), so that the first requests that need them
+        find them compiled (seconds each on the H200), then build cuDNN's prefill attention graphs. Nothing
+        is written to the cache (slot -1). Returns the mixed chunk lengths run."""
         if not self.kv_caches:
             return []
+        lengths = self._warm_up_batches()
+        device, arch = self.device, self.arch
+        # cuDNN prefill attention builds a graph per padded prompt length: all of them now (logged).
+        longest = min(self.config.scheduler_config.max_num_batched_tokens, self.config.model_config.max_model_len)
+        start = time.perf_counter()
+        built = ops.warm_up_prefill_attention(
+            arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, self.dtype, device, longest
+        )
+        if built:
+            torch.cuda.synchronize(device)
+            logger.info("cuDNN prefill attention: built %d graphs for prompts of %d-%d tokens in %.1f s",
+                        len(built), ops.cudnn_min_tokens(device), built[-1], time.perf_counter() - start)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return lengths
+
+    def _warm_up_batches(self) -> list[int]:
+        """One small mixed batch (a decode row plus a prefill chunk with cached context) per query length that
+        gives the mixed attention kernel a different tile shape; a two-prompt fresh prefill (the
+        multi-request flash attention path, whose first use also stalled); eagerly served shared-prefix
+        batches (no graphs); and the LM head at every row count the skinny matmul serves (it runs outside
+        the graphs). Returns the mixed chunk lengths run."""
         arch = self.arch
         group = arch.num_attention_heads // arch.num_key_value_heads
         shapes: dict[int, int] = {}  # the mixed kernel's rows per tile -> the shortest chunk giving it
@@ -316,16 +336,11 @@ class ModelRunner:
             self.model(input_ids, pos, self.kv_caches, metadata)
         if device.type == "cuda" and self.config.cascade_attn and not self.config.use_cuda_graphs:
             self._warm_up_cascade()  # (with graphs, the capture compiles the cascade kernels)
-        # cuDNN prefill attention builds a graph per padded prompt length: all of them now (logged).
-        longest = min(self.config.scheduler_config.max_num_batched_tokens, self.config.model_config.max_model_len)
-        built = ops.warm_up_prefill_attention(
-            arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, self.dtype, device, longest
-        )
-        if built:
-            logger.info("cuDNN prefill attention: built %d graphs for prompts of %d-%d tokens",
-                        len(built), ops.cudnn_min_tokens(device), built[-1])
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        # Steps sample from 1 to max_num_seqs rows; the skinny matmul's variants depend on the row count.
+        hidden = torch.zeros(min(self.max_num_reqs, ops.SKINNY_GEMM_MAX_ROWS + 1), arch.hidden_size,
+                             dtype=self.dtype, device=device)
+        for rows in range(1, hidden.shape[0] + 1):
+            self.model.compute_logits(hidden[:rows])
         return lengths
 
     def _warm_up_cascade(self) -> None:
@@ -448,6 +463,47 @@ class ModelRunner:
         cache = [n for n in sizes if n <= CACHE_PREFILL_GRAPH_MAX_TOKENS] if self.max_num_reqs >= 2 else []
         return fresh, cache
 
+    def _graph_runner(self, prefill_sizes: list[int], cache_prefill_sizes: list[int]) -> CUDAGraphRunner:
+        return CUDAGraphRunner(
+            self.model,
+            self.kv_caches,
+            self.inputs.dev,
+            self.inputs.block_tables,
+            self.config.cuda_graph_sizes,
+            self.config.model_config.max_model_len,
+            cascade_min_size=input_batch.CASCADE_MIN_REQS if self.config.cascade_attn else None,
+            prefill_sizes=prefill_sizes,
+            cache_prefill_sizes=cache_prefill_sizes,
+            pad_min_gain=GRAPH_PAD_MIN_GAIN,
+        )
+
+    def precompile_kernels(self) -> tuple[int, float] | None:
+        """Compile every Triton kernel variant the warm-up and the graph capture will launch, in parallel
+        (`triton_precompile`), before they run: the warm-up batches and each graph's forward run once
+        eagerly with the launches of variants not yet loaded recorded and skipped, then the recorded ones
+        compile on a thread pool. Returns (variants compiled, seconds), or None where it does not apply
+        (not CUDA, no KV cache, KVSERVE_TRITON_PRECOMPILE=0, or a Triton without the hooks). A failure
+        is logged and leaves the compiles to the warm-up."""
+        if not (self.device.type == "cuda" and self.kv_caches and envs.KVSERVE_TRITON_PRECOMPILE
+                and triton_precompile.available()):
+            return None
+        start = time.perf_counter()
+        try:
+            with torch.inference_mode(), triton_precompile.discover() as found:
+                self._warm_up_batches()
+                if self.config.use_cuda_graphs:
+                    self._graph_runner(*self.prefill_graph_sizes()).run_eagerly()
+                torch.cuda.synchronize(self.device)
+            found_s = time.perf_counter() - start
+            compiled = triton_precompile.compile_all(found)
+        except Exception:
+            logger.exception("compiling the Triton kernels ahead of the warm-up failed; the warm-up compiles them")
+            return None
+        elapsed = time.perf_counter() - start
+        logger.info("compiled %d of %d Triton kernel variants on %d threads in %.1f s (%.1f s to find them)",
+                    compiled, len(found), triton_precompile.default_workers(), elapsed, found_s)
+        return compiled, elapsed
+
     def capture_cuda_graphs(self) -> None:
         """Capture the decode graphs and the one-request prefill graphs (GPU, graphs enabled, KV cache
         allocated). A failed capture is logged and retried without the fresh-prompt graphs, then without any
@@ -457,18 +513,7 @@ class ModelRunner:
         fresh, cache = self.prefill_graph_sizes()
         attempts = [(fresh, cache), ([], cache), ([], [])]
         for attempt in [a for i, a in enumerate(attempts) if a not in attempts[:i]]:
-            graphs = CUDAGraphRunner(
-                self.model,
-                self.kv_caches,
-                self.inputs.dev,
-                self.inputs.block_tables,
-                self.config.cuda_graph_sizes,
-                self.config.model_config.max_model_len,
-                cascade_min_size=input_batch.CASCADE_MIN_REQS if self.config.cascade_attn else None,
-                prefill_sizes=attempt[0],
-                cache_prefill_sizes=attempt[1],
-                pad_min_gain=GRAPH_PAD_MIN_GAIN,
-            )
+            graphs = self._graph_runner(*attempt)
             try:
                 graphs.capture()
             except Exception:

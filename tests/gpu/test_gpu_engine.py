@@ -35,30 +35,9 @@ VOCAB = 1024
 
 
 def _tiny_checkpoint(directory: str, model_type: str, seed: int, **overrides: Any) -> str:
-    """A small random HF checkpoint (config.json + safetensors, no tokenizer), weights of order-1 logits."""
-    from helpers.tiny_models import _randomize
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from helpers.tiny_models import make_bare_checkpoint
 
-    settings = {
-        "vocab_size": VOCAB,
-        "hidden_size": 256,
-        "intermediate_size": 512,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 1024,
-        "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": False,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        **overrides,
-    }
-    config = AutoConfig.for_model(model_type, **settings)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _randomize(model, seed)
-    model.save_pretrained(directory)
-    return directory
+    return make_bare_checkpoint(directory, model_type, seed, vocab_size=VOCAB, **overrides)
 
 
 # (model_type, overrides): head_dim 64 with GQA 2 (Llama), head_dim 128 with GQA 4 and q/k/v bias (Qwen2).

@@ -103,6 +103,33 @@ def make_tiny_checkpoint(directory: str, arch: str = "llama", seed: int = 0, **c
     return directory
 
 
+def make_bare_checkpoint(directory: str, model_type: str, seed: int, **overrides: Any) -> str:
+    """A small random HF checkpoint of `model_type` (config.json + safetensors, no tokenizer: engines driven with
+    token ids), 3 layers of hidden 256 unless overridden, weights of order-1 logits; returns `directory`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    settings = {
+        "vocab_size": 1024,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 1024,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        **overrides,
+    }
+    config = AutoConfig.for_model(model_type, **settings)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model, seed)
+    model.save_pretrained(directory)
+    return directory
+
+
 def _randomize(model: torch.nn.Module, seed: int) -> None:
     """Scale-aware random weights: logits of order 1, and no parameter left at a neutral value (HF inits
     biases to 0 and norms to 1, which would hide a bias or norm weight that is not loaded)."""

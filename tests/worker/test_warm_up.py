@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 import torch
 
 from kvserve.config import EngineArgs
@@ -24,3 +25,24 @@ def test_warm_up_runs_one_batch_per_tile_shape_and_leaves_the_cache_untouched(
     before = [cache.clone() for cache in core.runner.kv_caches]
     assert core.runner.warm_up_kernels() == [2, 9, 17, 33]
     assert all(torch.equal(a, b) for a, b in zip(before, core.runner.kv_caches, strict=True))
+
+
+def test_warm_up_runs_the_lm_head_at_every_row_count_of_the_skinny_matmul(
+    tiny_model_dir: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The LM head runs outside the decode graphs, on 1..max_num_seqs rows; the skinny matmul's variants
+    # differ by row count, so each count it serves (and the first past it) runs at start.
+    from kvserve.kernels import ops
+
+    model_dir = tiny_model_dir("llama")
+    args = EngineArgs(model=model_dir, device="cpu", max_model_len=256, kv_cache_memory="8MiB", max_num_seqs=64)
+    core = EngineCore(args.create_engine_config())
+    rows: list[int] = []
+    original = core.runner.model.compute_logits
+    monkeypatch.setattr(core.runner.model, "compute_logits", lambda h: rows.append(h.shape[0]) or original(h))
+    core.runner.warm_up_kernels()
+    assert rows == list(range(1, ops.SKINNY_GEMM_MAX_ROWS + 2))
+    rows.clear()
+    core.runner.max_num_reqs = 5
+    core.runner.warm_up_kernels()
+    assert rows == [1, 2, 3, 4, 5]
