@@ -162,6 +162,14 @@ class Bench:
         phases = ", ".join(f"{k} {v:.1f}" for k, v in r["phases_s"].items())
         self.rows.append(("engine start (s)", f"{r['start_s']:.1f}", phases))
         self.rows.append(("KV cache", f"{r['num_blocks']} blocks", r["capacity"]))
+        pre = self.core.runner.precompile_stats
+        r["precompile"] = pre
+        if pre:
+            times = pre["compile_s"]
+            self.rows.append(("Triton precompile (s)", f"{pre['total_s']:.1f}",
+                              f"{pre['compiled']}/{pre['variants']} variants on {pre['workers']} threads; found in "
+                              f"{pre['find_s']:.1f} s; compiles {sum(times):.1f} s in all, longest "
+                              + " ".join(f"{t:.1f}" for t in times[:6])))
         late = r["startup_late_variants"]
         self.rows.append(("Triton variants the precompile missed", f"{len(late)}",
                           ", ".join(sorted(set(late))) or "(compiled at warm-up or capture)"))

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: probe coldab pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: probe coldab coldw pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Pass the local commit, written in literally (the device copy's git metadata can be stale, so a $(git ...) in
 # the command would read it there): KVSERVE_BENCH_COMMIT=<sha> bash ...
@@ -126,6 +126,12 @@ PY
             --decode-steps 20 >> "$R/coldab.log" 2>&1
           echo "mode $mode done ($(find $dir -name '*.cubin' | wc -l) cubins)" >> "$R/coldab.log"
         done ;;
+    coldw) for workers in ${COLD_WORKERS:-16 1 4}; do
+          dir=$(mktemp -d)
+          TRITON_CACHE_DIR=$dir KVSERVE_TRITON_PRECOMPILE_WORKERS=$workers timeout 100 python3 \
+            benchmarks/engine_benchmarks.py --out "$R/coldw_$workers" --sections start >> "$R/coldw.log" 2>&1
+          echo "workers $workers done" >> "$R/coldw.log"
+        done ;;
     tuneab) for mode in on off on off; do
           flags="--gemm-tuning"; [ $mode = off ] && flags="--no-gemm-tuning"
           timeout 130 python3 benchmarks/engine_benchmarks.py --out "$R/tuneab_$mode" $flags \
@@ -144,7 +150,7 @@ PY
         done ;;
     ltalgos) timeout 420 python3 benchmarks/cublaslt_algos.py --out "$R/lt_algos.json" \
               --rows "${LT_ROWS:-48,64,80,96,112,128,144,160,176,192,208,224,240,256,1024,2048,8192}" > "$R/ltalgos.log" 2>&1 ;;
-    pytest) timeout 200 python3 -m pytest -q -rA -s -p no:cacheprovider tests/gpu > "$R/pytest_gpu.log" 2>&1 ;;
+    pytest) timeout 330 python3 -m pytest -q -rA -s -p no:cacheprovider tests/gpu > "$R/pytest_gpu.log" 2>&1 ;;
     engine) timeout 240 python3 benchmarks/engine_benchmarks.py --out "$R/engine" \
               --sections start,decode,seeds,ttft > "$R/engine.log" 2>&1 ;;
     engine2) timeout 300 python3 benchmarks/engine_benchmarks.py --out "$R/engine2" \

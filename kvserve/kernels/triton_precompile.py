@@ -28,6 +28,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -85,21 +86,43 @@ def discover() -> Iterator[Variants]:
 
 
 def default_workers() -> int:
-    """Compile threads: the host's cores, at most 16 (each compile is mostly single-threaded)."""
+    """Compile threads: KVSERVE_TRITON_PRECOMPILE_WORKERS, else the host's cores, at most 16 (each compile is
+    mostly single-threaded)."""
+    if envs.KVSERVE_TRITON_PRECOMPILE_WORKERS > 0:
+        return envs.KVSERVE_TRITON_PRECOMPILE_WORKERS
     return max(1, min(16, os.cpu_count() or 1))
 
 
-def compile_all(variants: Variants, workers: int | None = None) -> int:
+class _TimedPool(ThreadPoolExecutor):
+    """A thread pool that records how long each submitted call ran (seconds, in `durations`)."""
+
+    def __init__(self, workers: int) -> None:
+        super().__init__(max_workers=workers, thread_name_prefix="triton-compile")
+        self.durations: list[float] = []
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+        def timed() -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                with _lock:
+                    self.durations.append(time.perf_counter() - start)
+
+        return super().submit(timed)
+
+
+def compile_all(variants: Variants, workers: int | None = None, durations: list[float] | None = None) -> int:
     """Compile `variants` on `workers` threads (default: `default_workers`) and load each into its kernel's
     cache. Returns how many were loaded; one that fails is left out (its first launch compiles it again
-    and reports the error there)."""
+    and reports the error there). `durations`, if given, receives each compile's own seconds."""
     if not variants:
         return 0
     from triton.runtime._async_compile import AsyncCompileMode
 
     watch()
     before = loaded_count()
-    with ThreadPoolExecutor(max_workers=workers or default_workers(), thread_name_prefix="triton-compile") as pool:
+    with _TimedPool(workers or default_workers()) as pool:
         with AsyncCompileMode(pool, ignore_errors=True):
             for spec, kernel in variants.items():
                 try:
@@ -107,6 +130,8 @@ def compile_all(variants: Variants, workers: int | None = None) -> int:
                 except Exception:  # a specialisation this Triton cannot read back: compiled at its launch
                     logger.debug("could not queue a Triton variant of %s", getattr(kernel, "__name__", kernel),
                                  exc_info=True)
+    if durations is not None:
+        durations.extend(pool.durations)
     return loaded_count() - before
 
 

@@ -22,6 +22,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -167,6 +168,7 @@ class ModelRunner:
         self.graphs: CUDAGraphRunner | None = None
         self.memory_profile: MemoryProfile | None = None
         self.gemm_tuning: list[cublaslt.TuneResult] = []  # what tune_gemms() chose (and timed)
+        self.precompile_stats: dict[str, Any] = {}  # what precompile_kernels() found and compiled
         self.kv_plan: KVCachePlan | None = None
         # The last launched step's sampled ids (device) and each sampling request's row in them: where
         # the next step's placeholder tokens come from.
@@ -495,13 +497,18 @@ class ModelRunner:
                     self._graph_runner(*self.prefill_graph_sizes()).run_eagerly()
                 torch.cuda.synchronize(self.device)
             found_s = time.perf_counter() - start
-            compiled = triton_precompile.compile_all(found)
+            durations: list[float] = []
+            compiled = triton_precompile.compile_all(found, durations=durations)
         except Exception:
             logger.exception("compiling the Triton kernels ahead of the warm-up failed; the warm-up compiles them")
             return None
         elapsed = time.perf_counter() - start
-        logger.info("compiled %d of %d Triton kernel variants on %d threads in %.1f s (%.1f s to find them)",
-                    compiled, len(found), triton_precompile.default_workers(), elapsed, found_s)
+        self.precompile_stats = {"variants": len(found), "compiled": compiled, "find_s": found_s,
+                                 "total_s": elapsed, "workers": triton_precompile.default_workers(),
+                                 "compile_s": sorted(durations, reverse=True)}
+        logger.info("compiled %d of %d Triton kernel variants on %d threads in %.1f s (%.1f s to find them; "
+                    "%.1f s of compiles, the longest %.1f s)", compiled, len(found), triton_precompile.default_workers(),
+                    elapsed, found_s, sum(durations), max(durations, default=0.0))
         return compiled, elapsed
 
     def capture_cuda_graphs(self) -> None:
