@@ -167,7 +167,8 @@ class Bench:
         if pre:
             times = pre["compile_s"]
             self.rows.append(("Triton precompile (s)", f"{pre['total_s']:.1f}",
-                              f"{pre['compiled']}/{pre['variants']} variants on {pre['workers']} threads; found in "
+                              f"{pre['variants']} variants ({len(pre['failed'])} failed) on {pre['workers']} threads; "
+                              f"warm-up batches done at {pre['batches_s']:.1f} s, graph forwards at "
                               f"{pre['find_s']:.1f} s; compiles {sum(times):.1f} s in all, longest "
                               + " ".join(f"{t:.1f}" for t in times[:6])))
         late = r["startup_late_variants"]

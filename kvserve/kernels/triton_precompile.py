@@ -1,44 +1,41 @@
-"""Triton kernel variants at start-up: found in one pass, compiled in parallel; late ones counted.
+"""Triton kernel variants at start-up: compiled on a thread pool as the start-up forwards find them; late ones
+counted.
 
 A Triton kernel compiles one variant per specialisation (constexpr values, dtypes, integer and pointer
 specialisations, launch options) at its first launch with it, on the launching thread. On the H200's hosts
-that is 0.2-1 s a variant, and the engine's warm-up and CUDA graph capture need several dozen of them, one
-after another (docs/perf_notes.md, entry 29). So the engine starts in two passes:
+that is 0.5-1 s a variant, and the engine's warm-up and CUDA graph capture need a few dozen of them, one after
+another (docs/perf_notes.md, entry 29). So the engine runs its start-up forwards once under `Precompiler`
+first:
 
-* `discover()`: while it is active, a launch that needs a variant this process has not loaded records the
-  variant and returns without compiling or launching (Triton's cache hook; launches of loaded variants run
-  as usual). The torch ops around a skipped kernel run over whatever its output buffer held, so the pass
-  must only feed such values to kernels and matmuls, never to host decisions. Running the start-up
-  forwards under it lists the variants they need.
-* `compile_all()`: compiles that list in a thread pool under Triton's asynchronous compile mode (Triton's
-  compiler passes release the GIL and ptxas runs as a subprocess) and puts each result in its kernel's
-  cache, as a first launch would have. The warm-up and capture that follow then find every variant loaded.
+* A launch that needs a variant this process has not loaded returns without compiling or launching (Triton's
+  cache hook, asked only on a cache miss), and the variant's compile starts at once on the pool: a worker
+  calls the kernel's `preload` with Triton's serialized specialisation, which compiles it as the launch would
+  have and puts it in the kernel's cache. Launches of loaded variants (earlier ones, or ones a worker has
+  finished) run as usual.
+* The torch ops around a skipped kernel run over whatever its output buffer held: the pass may feed such
+  values to kernels and matmuls, never to host decisions or indices.
+* Leaving the block waits for the compiles. The warm-up and capture that follow find every variant loaded.
+
+Triton's compiler releases the GIL in its MLIR passes and runs ptxas as a subprocess, so a few threads
+overlap most of the work (their Python code generation still takes turns).
 
 `watch()` installs a post-compile hook for the life of the process that counts every variant loaded
 (compiled, or read from Triton's disk cache): the engine reports the ones loaded after its start (a variant
 the warm-up missed stalls the step that first needs it), and the GPU tests assert there are none.
-
-`available()` says whether this Triton has what the two passes need (its cache hooks, `preload` and the
-asynchronous compile mode); without it the warm-up compiles one variant at a time, as before.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from kvserve import envs
 
 logger = logging.getLogger(__name__)
-
-# Variant specialisation (Triton's serialized form) -> the JIT function it belongs to.
-Variants = dict[str, Any]
 
 
 def _knobs() -> Any:
@@ -48,91 +45,94 @@ def _knobs() -> Any:
 
 
 def available() -> bool:
-    """True when Triton can record variants and compile them ahead of their launch (not the interpreter)."""
+    """True when Triton can skip a launch and compile its variant elsewhere (its cache hooks and `preload`;
+    not the interpreter)."""
     if envs.TRITON_INTERPRET:
         return False
     try:
-        from triton.runtime import _async_compile
         from triton.runtime.jit import JITFunction
 
         runtime = _knobs()
     except ImportError:
         return False
-    return (
-        hasattr(runtime, "jit_cache_hook")
-        and hasattr(runtime, "jit_post_compile_hook")
-        and hasattr(JITFunction, "preload")
-        and hasattr(_async_compile, "AsyncCompileMode")
+    return hasattr(runtime, "jit_cache_hook") and hasattr(runtime, "jit_post_compile_hook") and hasattr(
+        JITFunction, "preload"
     )
 
 
-@contextlib.contextmanager
-def discover() -> Iterator[Variants]:
-    """Record, and skip, every launch of a variant this process has not loaded; yields the record (filled
-    as the block runs). Any previous cache hook is set aside for the block and restored after it."""
-    runtime = _knobs()
-    previous = runtime.jit_cache_hook
-    found: Variants = {}
-
-    def hook(**kwargs: Any) -> bool:
-        found.setdefault(kwargs["compile"]["specialization_data"], kwargs["fn"].jit_function)
-        return True  # Triton then neither compiles nor launches
-
-    runtime.jit_cache_hook = hook
-    try:
-        yield found
-    finally:
-        runtime.jit_cache_hook = previous
-
-
 def default_workers() -> int:
-    """Compile threads: KVSERVE_TRITON_PRECOMPILE_WORKERS, else the host's cores, at most 16 (each compile is
-    mostly single-threaded)."""
+    """Compile threads: KVSERVE_TRITON_PRECOMPILE_WORKERS, else the host's cores, at most 8 (more threads
+    gained nothing on the H200's hosts: their Python code generation takes turns on the GIL)."""
     if envs.KVSERVE_TRITON_PRECOMPILE_WORKERS > 0:
         return envs.KVSERVE_TRITON_PRECOMPILE_WORKERS
-    return max(1, min(16, os.cpu_count() or 1))
+    return max(1, min(8, os.cpu_count() or 1))
 
 
-class _TimedPool(ThreadPoolExecutor):
-    """A thread pool that records how long each submitted call ran (seconds, in `durations`)."""
+_worker = threading.local()  # .compiling: this thread is a Precompiler worker inside `preload`
 
-    def __init__(self, workers: int) -> None:
-        super().__init__(max_workers=workers, thread_name_prefix="triton-compile")
+
+class Precompiler:
+    """While active (a context manager), launches of variants not loaded are skipped and compiled on
+    `workers` threads; the exit waits for the compiles. Afterwards: `variants` (kernel names found, in
+    order), `durations` (each compile's seconds), `failed` (names whose compile raised: their launch will
+    compile them again and report the error there)."""
+
+    def __init__(self, workers: int | None = None, device_index: int | None = None) -> None:
+        self.workers = workers or default_workers()
+        self.device_index = device_index
+        self.variants: list[str] = []
         self.durations: list[float] = []
+        self.failed: list[str] = []
+        self._seen: set[str] = set()
+        self._futures: list[Future[None]] = []
+        self._pool: ThreadPoolExecutor | None = None
+        self._previous: Any = None
 
-    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
-        def timed() -> Any:
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                with _lock:
-                    self.durations.append(time.perf_counter() - start)
+    def __enter__(self) -> Precompiler:
+        watch()
+        runtime = _knobs()
+        self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="triton-compile")
+        self._previous = runtime.jit_cache_hook
+        runtime.jit_cache_hook = self._hook
+        return self
 
-        return super().submit(timed)
+    def __exit__(self, *exc: object) -> None:
+        try:
+            wait(self._futures)
+        finally:
+            _knobs().jit_cache_hook = self._previous
+            assert self._pool is not None
+            self._pool.shutdown(wait=True)
 
+    def _hook(self, **kwargs: Any) -> bool:
+        if getattr(_worker, "compiling", False):
+            return False  # a worker's preload: compile
+        spec = kwargs["compile"]["specialization_data"]
+        if spec not in self._seen:
+            self._seen.add(spec)
+            info = kwargs["fn"]
+            self.variants.append(info.name)
+            assert self._pool is not None
+            self._futures.append(self._pool.submit(self._compile, info.jit_function, info.name, spec))
+        return True  # skip the launch (Triton neither compiles nor launches)
 
-def compile_all(variants: Variants, workers: int | None = None, durations: list[float] | None = None) -> int:
-    """Compile `variants` on `workers` threads (default: `default_workers`) and load each into its kernel's
-    cache. Returns how many were loaded; one that fails is left out (its first launch compiles it again
-    and reports the error there). `durations`, if given, receives each compile's own seconds."""
-    if not variants:
-        return 0
-    from triton.runtime._async_compile import AsyncCompileMode
+    def _compile(self, kernel: Any, name: str, spec: str) -> None:
+        start = time.perf_counter()
+        _worker.compiling = True
+        try:
+            if self.device_index is not None:
+                import torch
 
-    watch()
-    before = loaded_count()
-    with _TimedPool(workers or default_workers()) as pool:
-        with AsyncCompileMode(pool, ignore_errors=True):
-            for spec, kernel in variants.items():
-                try:
-                    kernel.preload(spec)
-                except Exception:  # a specialisation this Triton cannot read back: compiled at its launch
-                    logger.debug("could not queue a Triton variant of %s", getattr(kernel, "__name__", kernel),
-                                 exc_info=True)
-    if durations is not None:
-        durations.extend(pool.durations)
-    return loaded_count() - before
+                torch.cuda.set_device(self.device_index)  # (the current device is per thread)
+            kernel.preload(spec)
+        except Exception:
+            logger.debug("precompiling a Triton variant of %s failed", name, exc_info=True)
+            with _lock:
+                self.failed.append(name)
+        finally:
+            _worker.compiling = False
+            with _lock:
+                self.durations.append(time.perf_counter() - start)
 
 
 _lock = threading.Lock()

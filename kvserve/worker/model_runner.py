@@ -479,37 +479,41 @@ class ModelRunner:
             pad_min_gain=GRAPH_PAD_MIN_GAIN,
         )
 
-    def precompile_kernels(self) -> tuple[int, float] | None:
-        """Compile every Triton kernel variant the warm-up and the graph capture will launch, in parallel
-        (`triton_precompile`), before they run: the warm-up batches and each graph's forward run once
-        eagerly with the launches of variants not yet loaded recorded and skipped, then the recorded ones
-        compile on a thread pool. Returns (variants compiled, seconds), or None where it does not apply
-        (not CUDA, no KV cache, KVSERVE_TRITON_PRECOMPILE=0, or a Triton without the hooks). A failure
-        is logged and leaves the compiles to the warm-up."""
+    def precompile_kernels(self) -> dict[str, Any] | None:
+        """Compile every Triton kernel variant the warm-up and the graph capture will launch, on a thread pool,
+        before they run (`triton_precompile`): the warm-up batches and each graph's forward run once eagerly,
+        and each launch of a variant not yet loaded is skipped while the variant compiles on the pool. Returns
+        what was compiled (also kept in `precompile_stats`), or None where it does not apply (not CUDA, no KV
+        cache, KVSERVE_TRITON_PRECOMPILE=0, a Triton without the hooks). A failure is logged and leaves the
+        compiles to the warm-up."""
         if not (self.device.type == "cuda" and self.kv_caches and envs.KVSERVE_TRITON_PRECOMPILE
                 and triton_precompile.available()):
             return None
         start = time.perf_counter()
+        precompiler = triton_precompile.Precompiler(device_index=self.device.index or torch.cuda.current_device())
         try:
-            with torch.inference_mode(), triton_precompile.discover() as found:
+            with precompiler, torch.inference_mode():
                 self._warm_up_batches()
+                torch.cuda.synchronize(self.device)
+                batches_s = time.perf_counter() - start
                 if self.config.use_cuda_graphs:
                     self._graph_runner(*self.prefill_graph_sizes()).run_eagerly()
                 torch.cuda.synchronize(self.device)
-            found_s = time.perf_counter() - start
-            durations: list[float] = []
-            compiled = triton_precompile.compile_all(found, durations=durations)
+                found_s = time.perf_counter() - start
         except Exception:
             logger.exception("compiling the Triton kernels ahead of the warm-up failed; the warm-up compiles them")
             return None
         elapsed = time.perf_counter() - start
-        self.precompile_stats = {"variants": len(found), "compiled": compiled, "find_s": found_s,
-                                 "total_s": elapsed, "workers": triton_precompile.default_workers(),
-                                 "compile_s": sorted(durations, reverse=True)}
-        logger.info("compiled %d of %d Triton kernel variants on %d threads in %.1f s (%.1f s to find them; "
-                    "%.1f s of compiles, the longest %.1f s)", compiled, len(found), triton_precompile.default_workers(),
-                    elapsed, found_s, sum(durations), max(durations, default=0.0))
-        return compiled, elapsed
+        durations = sorted(precompiler.durations, reverse=True)
+        self.precompile_stats = {"variants": len(precompiler.variants), "failed": list(precompiler.failed),
+                                 "batches_s": batches_s, "find_s": found_s, "total_s": elapsed, "workers": precompiler.workers,
+                                 "compile_s": durations}
+        logger.info("compiled %d Triton kernel variants on %d threads while finding them, in %.1f s (%.1f s of "
+                    "compiles, the longest %.1f s)%s", len(precompiler.variants), precompiler.workers, elapsed,
+                    sum(durations), max(durations, default=0.0),
+                    f"; {len(precompiler.failed)} failed: {', '.join(precompiler.failed)}" if precompiler.failed
+                    else "")
+        return self.precompile_stats
 
     def capture_cuda_graphs(self) -> None:
         """Capture the decode graphs and the one-request prefill graphs (GPU, graphs enabled, KV cache

@@ -32,22 +32,22 @@ def _scale_kernel(x_ptr, out_ptr, n, FACTOR: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) * FACTOR, mask=mask)
 
 
-def test_discovered_variant_is_skipped_then_compiled_ahead_of_its_launch() -> None:
+def test_a_new_variant_is_skipped_then_compiled_ahead_of_its_launch() -> None:
     if not triton_precompile.available():
-        pytest.skip("this Triton lacks the cache hooks, preload or the asynchronous compile mode")
+        pytest.skip("this Triton lacks the cache hooks or preload")
     factor = random.Random().randint(2, 1 << 20)  # a variant no earlier test loaded
     x = torch.randn(1000, device="cuda")
     out = torch.full_like(x, float("nan"))
-    assert triton_precompile.watch()
-    with triton_precompile.discover() as found:
+    with triton_precompile.Precompiler(workers=2, device_index=x.device.index) as pre:
+        loaded = triton_precompile.loaded_count()
         _scale_kernel[(8,)](x, out, x.numel(), FACTOR=factor, BLOCK=128)
-    torch.cuda.synchronize()
-    assert len(found) == 1 and torch.isnan(out).all(), "a recorded launch must not run"
-    assert triton_precompile.compile_all(found) == 1
-    loaded = triton_precompile.loaded_count()
+        torch.cuda.synchronize()
+        assert torch.isnan(out).all(), "a launch of a variant being compiled must not run"
+    assert pre.variants == ["_scale_kernel"] and pre.failed == []
+    assert triton_precompile.loaded_count() == loaded + 1
     _scale_kernel[(8,)](x, out, x.numel(), FACTOR=factor, BLOCK=128)
     torch.cuda.synchronize()
-    assert triton_precompile.loaded_count() == loaded, "the launch compiled its variant again"
+    assert triton_precompile.loaded_count() == loaded + 1, "the launch compiled its variant again"
     torch.testing.assert_close(out, x * factor)
 
 
@@ -95,7 +95,7 @@ def test_engine_loads_every_triton_variant_at_start(tmp_path: Path, dtype: str) 
     capture nothing to compile, and serving chunked, fresh, mixed, prefix-hit, shared-prefix and sampled
     batches of 1 to 48 requests loads no variant."""
     if not triton_precompile.available():
-        pytest.skip("this Triton lacks the cache hooks, preload or the asynchronous compile mode")
+        pytest.skip("this Triton lacks the cache hooks or preload")
     from helpers.tiny_models import make_bare_checkpoint
 
     model = make_bare_checkpoint(str(tmp_path / "model"), "qwen2", seed=3, max_position_embeddings=4096)

@@ -1,7 +1,7 @@
-"""Start-up's Triton precompile, without a GPU: the discovery hook, the parallel compile's bookkeeping (with a
-fake Triton runtime and fake kernels that queue work as Triton's `preload` does under its asynchronous compile
-mode), the count of variants loaded late, and the graph forwards the discovery runs. The real compile and the
-engine's start are tested on the GPU (tests/gpu/test_gpu_precompile.py)."""
+"""Start-up's Triton precompile, without a GPU: skipped launches and their compiles on worker threads (a fake
+Triton runtime and fake kernels that consult the cache hook as Triton's launch and `preload` do), the count of
+variants loaded late, and the graph forwards the precompile runs. The real compile and the engine's start are
+tested on the GPU (tests/gpu/test_gpu_precompile.py)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,6 @@ from kvserve.kernels import triton_precompile
 from kvserve.layers.attention_metadata import AttentionMetadata
 from kvserve.worker.cuda_graph import CUDAGraphRunner
 
-pytest.importorskip("triton.runtime._async_compile", reason="a Triton without the asynchronous compile mode")
-
 
 @pytest.fixture
 def runtime(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
@@ -31,90 +29,96 @@ def runtime(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
     return fake
 
 
-def _cache_hook_call(runtime: SimpleNamespace, kernel: object, spec: str) -> Any:
-    """What Triton's launch does for a variant it has not loaded: ask the cache hook (True: skip it)."""
-    info = SimpleNamespace(module="m", name=getattr(kernel, "name", "k"), jit_function=kernel)
-    return runtime.jit_cache_hook(key=spec, repr=spec, fn=info, compile={"specialization_data": spec},
-                                  is_manual_warmup=False, already_compiled=False)
+class FakeKernel:
+    """What the precompile relies on in a Triton JIT function: a launch of a variant not in the cache asks the
+    cache hook (True: skip), else compiles and caches it; `preload(spec)` goes the same way; a compile ends
+    with the post-compile hook."""
+
+    def __init__(self, runtime: SimpleNamespace, name: str, fail: set[str] | None = None,
+                 gate: threading.Event | None = None) -> None:
+        self.runtime, self.name, self.fail, self.gate = runtime, name, fail or set(), gate
+        self.cache: dict[str, str] = {}
+        self.compiled_on: dict[str, str] = {}
+        self.ran: list[str] = []
+
+    def _info(self) -> SimpleNamespace:
+        return SimpleNamespace(module="m", name=self.name, jit_function=self)
+
+    def _do_compile(self, spec: str) -> str | None:
+        hook = self.runtime.jit_cache_hook
+        if hook is not None and hook(key=spec, repr=spec, fn=self._info(), compile={"specialization_data": spec},
+                                     is_manual_warmup=False, already_compiled=False):
+            return None
+        if self.gate is not None:
+            assert self.gate.wait(10)
+        if spec in self.fail:
+            raise RuntimeError(f"cannot compile {spec}")
+        self.compiled_on[spec] = threading.current_thread().name
+        self.cache[spec] = f"binary of {spec}"
+        post = self.runtime.jit_post_compile_hook
+        if post is not None:
+            post(key=spec, repr=spec, fn=self._info(), compile={}, is_manual_warmup=False, already_compiled=False)
+        return self.cache[spec]
+
+    def launch(self, spec: str) -> None:
+        if spec in self.cache or self._do_compile(spec) is not None:
+            self.ran.append(spec)
+
+    def preload(self, spec: str) -> str | None:
+        return self._do_compile(spec)
 
 
-def test_discover_records_each_variant_once_skips_it_and_restores_the_hook(runtime: SimpleNamespace) -> None:
+def test_precompiler_skips_new_variants_compiles_each_once_on_workers_and_restores_the_hook(
+    runtime: SimpleNamespace,
+) -> None:
     def previous(**kwargs: Any) -> bool:
         return False
 
     runtime.jit_cache_hook = previous
-    a, b = object(), object()
-    with triton_precompile.discover() as found:
-        assert _cache_hook_call(runtime, a, "a1") is True  # Triton neither compiles nor launches it
-        assert _cache_hook_call(runtime, a, "a1") is True
-        assert _cache_hook_call(runtime, b, "b1") is True
-        assert _cache_hook_call(runtime, a, "a2") is True
-    assert found == {"a1": a, "b1": b, "a2": a}
+    gate = threading.Event()  # compiles wait until every launch below is made
+    attn, gemm = FakeKernel(runtime, "attn", gate=gate), FakeKernel(runtime, "gemm", gate=gate)
+    with triton_precompile.Precompiler(workers=3) as pre:
+        for spec in ("a1", "a1", "a2", "a1"):
+            attn.launch(spec)
+        gemm.launch("g1")
+        assert attn.ran == [] and gemm.ran == []  # skipped while compiling
+        gate.set()
     assert runtime.jit_cache_hook is previous
+    assert pre.variants == ["attn", "attn", "gemm"] and pre.failed == [] and len(pre.durations) == 3
+    assert attn.cache == {"a1": "binary of a1", "a2": "binary of a2"} and gemm.cache == {"g1": "binary of g1"}
+    threads = set(attn.compiled_on.values()) | set(gemm.compiled_on.values())
+    assert all(t.startswith("triton-compile") for t in threads), threads
+    assert sorted(triton_precompile.loaded_since(0)) == ["attn", "attn", "gemm"]
+    attn.launch("a1")  # now loaded: launches without a compile
+    assert attn.ran == ["a1"] and triton_precompile.loaded_count() == 3
 
 
-def test_discover_restores_the_hook_when_the_block_fails(runtime: SimpleNamespace) -> None:
-    with pytest.raises(RuntimeError, match="boom"), triton_precompile.discover():
-        raise RuntimeError("boom")
+def test_a_variant_compiled_during_the_block_launches_for_real(runtime: SimpleNamespace) -> None:
+    kernel = FakeKernel(runtime, "norm")
+    with triton_precompile.Precompiler(workers=2) as pre:
+        kernel.launch("n1")
+        assert pre._futures[0].result(timeout=10) is None
+        kernel.launch("n1")
+    assert kernel.ran == ["n1"] and pre.variants == ["norm"]
+
+
+def test_a_failed_compile_is_reported_and_the_others_load(runtime: SimpleNamespace) -> None:
+    kernel = FakeKernel(runtime, "attn", fail={"bad"})
+    with triton_precompile.Precompiler(workers=2) as pre:
+        for spec in ("ok", "bad", "ok2"):
+            kernel.launch(spec)
+    assert pre.failed == ["attn"]
+    assert set(kernel.cache) == {"ok", "ok2"}
     assert runtime.jit_cache_hook is None
 
 
-class FakeKernel:
-    """Queues its compile as Triton's preload does under AsyncCompileMode; the finalize (main thread, at the
-    mode's exit) calls the post-compile hook, as Triton's does."""
-
-    def __init__(self, runtime: SimpleNamespace, name: str, fail: set[str] | None = None) -> None:
-        self.runtime, self.name, self.fail = runtime, name, fail or set()
-        self.compiled_on: dict[str, str] = {}
-        self.cache: dict[str, str] = {}
-
-    def preload(self, spec: str) -> None:
-        from triton.runtime import _async_compile
-
-        mode = _async_compile.active_mode.get()
-        assert mode is not None, "compile_all must preload inside the asynchronous compile mode"
-
-        def compile_fn() -> str:
-            if spec in self.fail:
-                raise RuntimeError(f"cannot compile {spec}")
-            self.compiled_on[spec] = threading.current_thread().name
-            return f"binary of {spec}"
-
-        def finalize(binary: str) -> None:
-            self.cache[spec] = binary
-            hook = self.runtime.jit_post_compile_hook
-            hook(key=spec, repr=spec, fn=SimpleNamespace(module="m", name=self.name, jit_function=self),
-                 compile={}, is_manual_warmup=True, already_compiled=False)
-
-        def cleanup(future_kernel: object) -> None:
-            self.cache.pop(spec, None)
-
-        self.cache[spec] = "pending"
-        mode.submit(spec, compile_fn, finalize, cleanup)
-
-
-def test_compile_all_compiles_on_worker_threads_and_counts_what_loaded(runtime: SimpleNamespace) -> None:
-    kernel = FakeKernel(runtime, "attn", fail={"bad"})
-    other = FakeKernel(runtime, "gemm")
-    variants = {"v1": kernel, "v2": kernel, "bad": kernel, "g1": other}
-    assert triton_precompile.compile_all(variants, workers=3) == 3  # the failing one is left out
-    assert kernel.cache == {"v1": "binary of v1", "v2": "binary of v2"}
-    assert other.cache == {"g1": "binary of g1"}
-    threads = set(kernel.compiled_on.values()) | set(other.compiled_on.values())
-    assert all(t.startswith("triton-compile") for t in threads), threads
-    assert sorted(triton_precompile.loaded_since(0)) == ["attn", "attn", "gemm"]
-
-
-def test_compile_all_goes_on_past_a_variant_that_cannot_be_queued(runtime: SimpleNamespace) -> None:
-    class Unreadable:
-        name = "old"
-
-        def preload(self, spec: str) -> None:
-            raise RuntimeError("specialization data for another target")
-
-    good = FakeKernel(runtime, "good")
-    assert triton_precompile.compile_all({"x": Unreadable(), "y": good}, workers=2) == 1
-    assert good.cache == {"y": "binary of y"}
+def test_the_hook_is_restored_when_the_block_fails(runtime: SimpleNamespace) -> None:
+    kernel = FakeKernel(runtime, "attn")
+    with pytest.raises(RuntimeError, match="boom"), triton_precompile.Precompiler(workers=1):
+        kernel.launch("x")
+        raise RuntimeError("boom")
+    assert runtime.jit_cache_hook is None
+    assert "x" in kernel.cache  # the queued compile still finished
 
 
 def test_watch_counts_loads_once_installed_and_chains_the_previous_hook(runtime: SimpleNamespace) -> None:
