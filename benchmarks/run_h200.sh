@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: probe coldab coldw pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Pass the local commit, written in literally (the device copy's git metadata can be stale, so a $(git ...) in
 # the command would read it there): KVSERVE_BENCH_COMMIT=<sha> bash ...
@@ -132,6 +132,10 @@ PY
             benchmarks/engine_benchmarks.py --out "$R/coldw_$workers" --sections start >> "$R/coldw.log" 2>&1
           echo "workers $workers done" >> "$R/coldw.log"
         done ;;
+    coldprof) TRITON_CACHE_DIR=$(mktemp -d) timeout 100 python3 -m cProfile -o "$R/start.prof" \
+            benchmarks/engine_benchmarks.py --out "$R/coldprof" --sections start > "$R/coldprof.log" 2>&1
+        python3 -c "import pstats; s = pstats.Stats('$R/start.prof'); s.sort_stats('tottime').print_stats(25); s.sort_stats('cumulative').print_stats(45)" \
+          > "$R/coldprof_stats.txt" 2>&1 ;;
     tuneab) for mode in on off on off; do
           flags="--gemm-tuning"; [ $mode = off ] && flags="--no-gemm-tuning"
           timeout 130 python3 benchmarks/engine_benchmarks.py --out "$R/tuneab_$mode" $flags \

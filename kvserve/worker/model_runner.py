@@ -17,9 +17,11 @@ on the device from the previous step's sampled ids, so the GPU never waits for t
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,6 +68,8 @@ GEMM_TUNING_WEIGHT_BYTES = 200 * 1024 * 1024
 # with float32 models, whose greedy tokens must then equal torch's).
 GEMM_TUNING_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
 GEMM_TUNING_TORCH_CANDIDATE = True
+# Decoder layers the precompile's forwards run (the first layer's variants differ, the others repeat).
+PRECOMPILE_LAYERS = 2
 
 
 @dataclass
@@ -479,6 +483,25 @@ class ModelRunner:
             pad_min_gain=GRAPH_PAD_MIN_GAIN,
         )
 
+    @contextlib.contextmanager
+    def _first_layers(self, n: int) -> Iterator[None]:
+        """Run the model with its first n decoder layers only (and their caches) inside the block: every layer
+        launches the same kernel variants except the first (no residual yet), so two cover them all. A model
+        without a `model.layers` list runs whole."""
+        inner = getattr(self.model, "model", None)
+        layers = getattr(inner, "layers", None)
+        if not isinstance(layers, torch.nn.ModuleList) or len(layers) <= n or len(self.kv_caches) != len(layers):
+            yield
+            return
+        kv_caches = self.kv_caches
+        inner.layers = torch.nn.ModuleList(list(layers)[:n])  # type: ignore[union-attr]
+        self.kv_caches = kv_caches[:n]
+        try:
+            yield
+        finally:
+            inner.layers = layers  # type: ignore[union-attr]
+            self.kv_caches = kv_caches
+
     def precompile_kernels(self) -> dict[str, Any] | None:
         """Compile every Triton kernel variant the warm-up and the graph capture will launch, on a thread pool,
         before they run (`triton_precompile`): the warm-up batches and each graph's forward run once eagerly,
@@ -492,7 +515,7 @@ class ModelRunner:
         start = time.perf_counter()
         precompiler = triton_precompile.Precompiler(device_index=self.device.index or torch.cuda.current_device())
         try:
-            with precompiler, torch.inference_mode():
+            with precompiler, torch.inference_mode(), self._first_layers(PRECOMPILE_LAYERS):
                 self._warm_up_batches()
                 torch.cuda.synchronize(self.device)
                 batches_s = time.perf_counter() - start

@@ -46,3 +46,18 @@ def test_warm_up_runs_the_lm_head_at_every_row_count_of_the_skinny_matmul(
     core.runner.max_num_reqs = 5
     core.runner.warm_up_kernels()
     assert rows == [1, 2, 3, 4, 5]
+
+
+def test_first_layers_runs_two_layers_and_restores_the_model(tiny_model_dir: Callable[..., str]) -> None:
+    model_dir = tiny_model_dir("llama", num_hidden_layers=4)
+    args = EngineArgs(model=model_dir, device="cpu", max_model_len=256, kv_cache_memory="8MiB")
+    runner = EngineCore(args.create_engine_config()).runner
+    layers, caches = list(runner.model.model.layers), list(runner.kv_caches)
+    assert len(layers) == 4
+    with pytest.raises(RuntimeError, match="inside"), runner._first_layers(2):
+        assert list(runner.model.model.layers) == layers[:2]
+        assert runner.kv_caches == caches[:2]
+        assert runner.warm_up_kernels() == [2, 9, 17, 33]  # the forwards run on two layers
+        raise RuntimeError("inside")
+    assert list(runner.model.model.layers) == layers
+    assert all(a is b for a, b in zip(runner.kv_caches, caches, strict=True)) and len(runner.kv_caches) == 4
