@@ -957,8 +957,17 @@ def main() -> int:
     p.add_argument("--sdpa-cudnn-min-tokens", type=int, default=None,
                    help="override ops.SDPA_CUDNN_MIN_TOKENS: one-prompt prefills this long use cuDNN attention "
                    "(0: never; default: 1024 on sm_90+)")
+    p.add_argument("--precompile-overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="override triton_precompile.OVERLAP: compile while the start-up forwards run, or after")
+    p.add_argument("--precompile-switch-interval", type=float, default=None,
+                   help="override triton_precompile.SWITCH_INTERVAL_S (the GIL switch interval while precompiling)")
     args = p.parse_args()
-    from kvserve.kernels import ops
+    from kvserve.kernels import ops, triton_precompile
+
+    if args.precompile_overlap is not None:
+        triton_precompile.OVERLAP = args.precompile_overlap
+    if args.precompile_switch_interval is not None:
+        triton_precompile.SWITCH_INTERVAL_S = args.precompile_switch_interval
 
     ops.set_elementwise_backend(args.elementwise_backend)
     ops.set_skinny_gemm(args.skinny_gemm)

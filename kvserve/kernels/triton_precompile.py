@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -68,6 +69,10 @@ def default_workers() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
+# Benchmarks' A/B switches (see `Precompiler`).
+OVERLAP = True
+SWITCH_INTERVAL_S = 0.0
+
 _worker = threading.local()  # .compiling: this thread is a Precompiler worker inside `preload`
 
 
@@ -77,8 +82,15 @@ class Precompiler:
     order), `durations` (each compile's seconds), `failed` (names whose compile raised: their launch will
     compile them again and report the error there)."""
 
-    def __init__(self, workers: int | None = None, device_index: int | None = None) -> None:
+    def __init__(self, workers: int | None = None, device_index: int | None = None, overlap: bool | None = None,
+                 switch_interval_s: float | None = None) -> None:
         self.workers = workers or default_workers()
+        # Compile while the block still runs (True), or queue the variants and compile them at exit.
+        self.overlap = OVERLAP if overlap is None else overlap
+        # The interpreter's GIL switch interval inside the block (None: as it is).
+        self.switch_interval_s = SWITCH_INTERVAL_S if switch_interval_s is None else switch_interval_s
+        self._queued: list[tuple[Any, str, str]] = []
+        self._saved_interval: float | None = None
         self.device_index = device_index
         self.variants: list[str] = []
         self.durations: list[float] = []
@@ -94,13 +106,21 @@ class Precompiler:
         self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="triton-compile")
         self._previous = runtime.jit_cache_hook
         runtime.jit_cache_hook = self._hook
+        if self.switch_interval_s:
+            self._saved_interval = sys.getswitchinterval()
+            sys.setswitchinterval(self.switch_interval_s)
         return self
 
     def __exit__(self, *exc: object) -> None:
         try:
+            assert self._pool is not None
+            for job in self._queued:
+                self._futures.append(self._pool.submit(self._compile, *job))
             wait(self._futures)
         finally:
             _knobs().jit_cache_hook = self._previous
+            if self._saved_interval is not None:
+                sys.setswitchinterval(self._saved_interval)
             assert self._pool is not None
             self._pool.shutdown(wait=True)
 
@@ -113,7 +133,10 @@ class Precompiler:
             info = kwargs["fn"]
             self.variants.append(info.name)
             assert self._pool is not None
-            self._futures.append(self._pool.submit(self._compile, info.jit_function, info.name, spec))
+            if self.overlap:
+                self._futures.append(self._pool.submit(self._compile, info.jit_function, info.name, spec))
+            else:
+                self._queued.append((info.jit_function, info.name, spec))
         return True  # skip the launch (Triton neither compiles nor launches)
 
     def _compile(self, kernel: Any, name: str, spec: str) -> None:
