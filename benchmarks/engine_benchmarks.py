@@ -171,6 +171,8 @@ class Bench:
                               f"warm-up batches done at {pre['batches_s']:.1f} s, graph forwards at "
                               f"{pre['find_s']:.1f} s; compiles {sum(times):.1f} s in all, longest "
                               + " ".join(f"{t:.1f}" for t in times[:6])))
+            self.rows.append(("  its warm-up batches (s)", f"{pre['batches_s']:.1f}",
+                              ", ".join(f"{k} {v:.2f}" for k, v in pre["batch_times_s"].items())))
         late = r["startup_late_variants"]
         self.rows.append(("Triton variants the precompile missed", f"{len(late)}",
                           ", ".join(sorted(set(late))) or "(compiled at warm-up or capture)"))
@@ -957,17 +959,8 @@ def main() -> int:
     p.add_argument("--sdpa-cudnn-min-tokens", type=int, default=None,
                    help="override ops.SDPA_CUDNN_MIN_TOKENS: one-prompt prefills this long use cuDNN attention "
                    "(0: never; default: 1024 on sm_90+)")
-    p.add_argument("--precompile-overlap", action=argparse.BooleanOptionalAction, default=None,
-                   help="override triton_precompile.OVERLAP: compile while the start-up forwards run, or after")
-    p.add_argument("--precompile-switch-interval", type=float, default=None,
-                   help="override triton_precompile.SWITCH_INTERVAL_S (the GIL switch interval while precompiling)")
     args = p.parse_args()
-    from kvserve.kernels import ops, triton_precompile
-
-    if args.precompile_overlap is not None:
-        triton_precompile.OVERLAP = args.precompile_overlap
-    if args.precompile_switch_interval is not None:
-        triton_precompile.SWITCH_INTERVAL_S = args.precompile_switch_interval
+    from kvserve.kernels import ops
 
     ops.set_elementwise_backend(args.elementwise_backend)
     ops.set_skinny_gemm(args.skinny_gemm)

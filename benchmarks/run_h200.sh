@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: probe coldab coldw coldmode coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Pass the local commit, written in literally (the device copy's git metadata can be stale, so a $(git ...) in
 # the command would read it there): KVSERVE_BENCH_COMMIT=<sha> bash ...
@@ -131,14 +131,6 @@ PY
           TRITON_CACHE_DIR=$dir KVSERVE_TRITON_PRECOMPILE_WORKERS=$workers timeout 100 python3 \
             benchmarks/engine_benchmarks.py --out "$R/coldw_$workers" --sections start >> "$R/coldw.log" 2>&1
           echo "workers $workers done" >> "$R/coldw.log"
-        done ;;
-    coldmode) for mode in ${COLD_MODES:-overlap defer switch defer overlap switch}; do
-          case $mode in
-            overlap) flags="" ;; defer) flags="--no-precompile-overlap" ;; switch) flags="--precompile-switch-interval 0.0002" ;;
-          esac
-          TRITON_CACHE_DIR=$(mktemp -d) timeout 100 python3 benchmarks/engine_benchmarks.py --out "$R/coldmode_$mode" \
-            --sections start $flags >> "$R/coldmode.log" 2>&1
-          echo "mode $mode done" >> "$R/coldmode.log"
         done ;;
     coldprof) TRITON_CACHE_DIR=$(mktemp -d) timeout 100 python3 -m cProfile -o "$R/start.prof" \
             benchmarks/engine_benchmarks.py --out "$R/coldprof" --sections start > "$R/coldprof.log" 2>&1
@@ -310,6 +302,15 @@ PY
             --sections start,shared >> "$R/modload.log" 2>&1
           echo "CUDA_MODULE_LOADING=$mode done" >> "$R/modload.log"
         done ;;
+    final11) dir=$(mktemp -d)
+        TRITON_CACHE_DIR=$dir timeout 220 python3 benchmarks/engine_benchmarks.py --out "$R/final11" \
+          --sections start,decode,seeds,random256,ttft > "$R/final11.log" 2>&1
+        echo "=== precompile off, empty Triton cache" >> "$R/final11.log"
+        TRITON_CACHE_DIR=$(mktemp -d) KVSERVE_TRITON_PRECOMPILE=0 timeout 80 python3 benchmarks/engine_benchmarks.py \
+          --out "$R/final11_off" --sections start >> "$R/final11.log" 2>&1
+        echo "=== warm Triton cache" >> "$R/final11.log"
+        TRITON_CACHE_DIR=$dir timeout 80 python3 benchmarks/engine_benchmarks.py --out "$R/final11_warm" \
+          --sections start >> "$R/final11.log" 2>&1 ;;
     final) timeout 210 python3 benchmarks/engine_benchmarks.py --out "$R/final" \
               --sections start,decode,seeds,ttft,ttftrand,ttftdiag,kprofile --kprofile-cases b1,b64,p8192 \
               > "$R/final.log" 2>&1

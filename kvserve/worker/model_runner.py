@@ -306,12 +306,22 @@ class ModelRunner:
             torch.cuda.synchronize(device)
         return lengths
 
-    def _warm_up_batches(self) -> list[int]:
+    def _warm_up_batches(self, times: dict[str, float] | None = None) -> list[int]:
         """One small mixed batch (a decode row plus a prefill chunk with cached context) per query length that
         gives the mixed attention kernel a different tile shape; a two-prompt fresh prefill (the
         multi-request flash attention path, whose first use also stalled); eagerly served shared-prefix
         batches (no graphs); and the LM head at every row count the skinny matmul serves (it runs outside
-        the graphs). Returns the mixed chunk lengths run."""
+        the graphs). Returns the mixed chunk lengths run; `times`, if given, gets each batch's seconds
+        (GPU included)."""
+
+        def mark(name: str, start: float) -> float:
+            if times is None:
+                return start
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            now = time.perf_counter()
+            times[name] = now - start
+            return now
         arch = self.arch
         group = arch.num_attention_heads // arch.num_key_value_heads
         shapes: dict[int, int] = {}  # the mixed kernel's rows per tile -> the shortest chunk giving it
@@ -323,6 +333,7 @@ class ModelRunner:
         batches = [([1, query_len], [context + 1, context + query_len]) for query_len in lengths]
         fresh = ops.PREFILL_FAST_MIN_QUERY_LEN
         batches.append(([fresh, fresh], [fresh, fresh]))
+        tick = time.perf_counter()
         for query_lens, seq_lens in batches:
             num_tokens = sum(query_lens)
             starts = [0, query_lens[0], num_tokens]
@@ -340,13 +351,16 @@ class ModelRunner:
             input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
             pos = torch.tensor(positions, dtype=torch.int64, device=device)
             self.model(input_ids, pos, self.kv_caches, metadata)
+            tick = mark(f"{'fresh' if query_lens[0] > 1 else 'mixed'} {query_lens[-1]}", tick)
         if device.type == "cuda" and self.config.cascade_attn and not self.config.use_cuda_graphs:
             self._warm_up_cascade()  # (with graphs, the capture compiles the cascade kernels)
+        tick = mark("cascade", tick)
         # Steps sample from 1 to max_num_seqs rows; the skinny matmul's variants depend on the row count.
         hidden = torch.zeros(min(self.max_num_reqs, ops.SKINNY_GEMM_MAX_ROWS + 1), arch.hidden_size,
                              dtype=self.dtype, device=device)
         for rows in range(1, hidden.shape[0] + 1):
             self.model.compute_logits(hidden[:rows])
+        mark("logits", tick)
         return lengths
 
     def _warm_up_cascade(self) -> None:
@@ -515,8 +529,9 @@ class ModelRunner:
         start = time.perf_counter()
         precompiler = triton_precompile.Precompiler(device_index=self.device.index or torch.cuda.current_device())
         try:
+            batch_times: dict[str, float] = {}
             with precompiler, torch.inference_mode(), self._first_layers(PRECOMPILE_LAYERS):
-                self._warm_up_batches()
+                self._warm_up_batches(batch_times)
                 torch.cuda.synchronize(self.device)
                 batches_s = time.perf_counter() - start
                 if self.config.use_cuda_graphs:
@@ -529,7 +544,7 @@ class ModelRunner:
         elapsed = time.perf_counter() - start
         durations = sorted(precompiler.durations, reverse=True)
         self.precompile_stats = {"variants": len(precompiler.variants), "failed": list(precompiler.failed),
-                                 "batches_s": batches_s, "find_s": found_s, "total_s": elapsed, "workers": precompiler.workers,
+                                 "batches_s": batches_s, "batch_times_s": batch_times, "find_s": found_s, "total_s": elapsed, "workers": precompiler.workers,
                                  "compile_s": durations}
         logger.info("compiled %d Triton kernel variants on %d threads while finding them, in %.1f s (%.1f s of "
                     "compiles, the longest %.1f s)%s", len(precompiler.variants), precompiler.workers, elapsed,
