@@ -301,14 +301,12 @@ def _is_pure_prefill(metadata: AttentionMetadata) -> bool:
 
 
 @functools.cache
-def _varlen_attn() -> tuple[Callable[..., Any], set[str]] | None:
-    try:
-        import inspect
-
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    return varlen_attn, set(inspect.signature(varlen_attn).parameters)
+def _varlen_attn() -> Callable[..., Any] | None:
+    """torch's flash attention over concatenated variable-length sequences (`aten._flash_attention_forward`,
+    GQA without repeated KV heads), or None where this torch lacks it. Called directly:
+    `torch.nn.attention.varlen.varlen_attn` wraps the same op, but importing that module imports torch._dynamo,
+    which took 4.2-4.5 s of every start on the H200's image (docs/perf_notes.md, entry 29)."""
+    return getattr(torch.ops.aten, "_flash_attention_forward", None)
 
 
 def prefill_fast_path_applies(dtype: torch.dtype, device: torch.device) -> bool:
@@ -468,32 +466,17 @@ def warm_up_prefill_attention(
 def _flash_prefill(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, metadata: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    num_heads, num_kv_heads = query.shape[1], key.shape[1]
-    group = num_heads // num_kv_heads
-    varlen = _varlen_attn()
-    if metadata.num_reqs == 1 or varlen is None:
-        if metadata.num_reqs != 1:
-            raise RuntimeError("varlen_attn is not available for a multi-request prefill")
+    if metadata.num_reqs == 1:
         return _sdpa_prefill(query, key, value, scale)
-    fn, params = varlen
-    kwargs: dict[str, Any] = {}
-    if "enable_gqa" in params:
-        kwargs["enable_gqa"] = group > 1
-    elif group > 1:
-        key = key.repeat_interleave(group, dim=1)
-        value = value.repeat_interleave(group, dim=1)
-    if "window_size" in params:
-        kwargs["window_size"] = (-1, 0)
-    else:
-        kwargs["is_causal"] = True
-    if "scale" in params:
-        kwargs["scale"] = scale
-    elif abs(scale - query.shape[2] ** -0.5) > 1e-12:
-        raise RuntimeError("this torch's varlen_attn has no scale argument")
+    varlen = _varlen_attn()
+    if varlen is None:
+        raise RuntimeError("this torch has no variable-length flash attention for a multi-request prefill")
     qsl = metadata.query_start_loc
     max_len = metadata.max_query_len
-    out = fn(query, key.contiguous(), value.contiguous(), qsl, qsl, max_len, max_len, **kwargs)
-    return out[0] if isinstance(out, tuple) else out
+    # (query, key, value, cu_seqlens_q, cu_seqlens_k, max_q, max_k, dropout_p, is_causal, return_debug_mask)
+    out = varlen(query, key.contiguous(), value.contiguous(), qsl, qsl, max_len, max_len, 0.0, True, False,
+                 scale=scale)
+    return out[0]
 
 
 def rms_norm(
