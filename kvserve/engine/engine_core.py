@@ -33,6 +33,9 @@ from kvserve.worker.model_runner import ModelRunner, PendingOutput
 
 logger = logging.getLogger(__name__)
 
+# Where kvserve's Triton kernels live: variants loaded late are counted for these only.
+KERNEL_MODULES = "kvserve."
+
 
 @dataclass
 class KVCapacity:
@@ -97,7 +100,7 @@ class EngineCore:
         self.startup_late_variants: list[str] = []
         self.late_kernel_variants: list[str] = []
         if self.runner.device.type == "cuda":
-            self.startup_late_variants = triton_precompile.loaded_since(precompiled)
+            self.startup_late_variants = triton_precompile.loaded_since(precompiled, KERNEL_MODULES)
             self._variants_seen = triton_precompile.loaded_count()
         self.scheduler = Scheduler(
             self.config.scheduler_config,
@@ -204,8 +207,11 @@ class EngineCore:
 
     def _note_late_variants(self) -> None:
         assert self._variants_seen is not None
-        late = triton_precompile.loaded_since(self._variants_seen)
-        self._variants_seen += len(late)
+        count = triton_precompile.loaded_count()
+        late = triton_precompile.loaded_since(self._variants_seen, KERNEL_MODULES)
+        self._variants_seen = count
+        if not late:
+            return  # another Triton user in this process
         self.late_kernel_variants.extend(late)
         logger.warning("a step loaded %d Triton kernel variant(s) that start-up did not warm up (%s); the step "
                        "waited for their compile", len(late), ", ".join(late))

@@ -132,7 +132,7 @@ class Precompiler:
 
 
 _lock = threading.Lock()
-_loaded: list[str] = []  # kernel names, in the order this process loaded their variants (after `watch`)
+_loaded: list[tuple[str, str]] = []  # (module, kernel name) of each variant this process loaded after `watch`
 _watching = False
 
 
@@ -155,8 +155,9 @@ def watch() -> bool:
 
         def hook(**kwargs: Any) -> Any:
             fn = kwargs.get("fn")
+            name = getattr(fn, "name", None) or str(kwargs.get("repr", "?"))
             with _lock:
-                _loaded.append(getattr(fn, "name", None) or str(kwargs.get("repr", "?")))
+                _loaded.append((str(getattr(fn, "module", "")), name))
             return previous(**kwargs) if previous is not None else None
 
         runtime.jit_post_compile_hook = hook
@@ -170,7 +171,8 @@ def loaded_count() -> int:
         return len(_loaded)
 
 
-def loaded_since(count: int) -> list[str]:
-    """Kernel names of the variants loaded after the `count`-th."""
+def loaded_since(count: int, module_prefix: str = "") -> list[str]:
+    """Kernel names of the variants loaded after the `count`-th (of kernels in modules named with
+    `module_prefix`: the engine counts its own, not those of other Triton users in the process)."""
     with _lock:
-        return list(_loaded[count:])
+        return [name for module, name in _loaded[count:] if module.startswith(module_prefix)]

@@ -124,11 +124,13 @@ def test_watch_counts_loads_once_installed_and_chains_the_previous_hook(runtime:
     assert triton_precompile.watch() is True
     hook = runtime.jit_post_compile_hook
     assert triton_precompile.watch() is True and runtime.jit_post_compile_hook is hook  # idempotent
-    for key, name in (("k1", "rms_norm"), ("k2", "decode"), ("k3", "decode")):
-        hook(key=key, fn=SimpleNamespace(name=name))
+    for key, module, name in (("k1", "kvserve.kernels.a", "rms_norm"), ("k2", "kvserve.kernels.b", "decode"),
+                              ("k3", "user_code", "decode")):
+        hook(key=key, fn=SimpleNamespace(module=module, name=name))
     assert seen == ["k1", "k2", "k3"]
     assert triton_precompile.loaded_count() == 3
     assert triton_precompile.loaded_since(1) == ["decode", "decode"]
+    assert triton_precompile.loaded_since(0, "kvserve.") == ["rms_norm", "decode"]
 
 
 def test_nothing_applies_under_the_interpreter(runtime: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -175,3 +177,25 @@ def test_run_eagerly_runs_every_graph_forward_that_capture_captures() -> None:
     assert model.calls[1][1:] == (128, 0, [0, 127, 128], [128, 0])  # the cache graph: a request, then padding
     assert [c[2] for c in model.calls[3:]] == [1, 0, 1, 0, 0, 0, 0]  # cascade variants select the cascade kernels
     assert all(c[1] == 1 and c[4] == [1024] * c[0] for c in model.calls[3:])  # decode at max_model_len
+
+
+def test_engine_reports_its_own_late_variants_only(
+    tiny_model_dir: Callable[..., str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from kvserve.config import EngineArgs
+    from kvserve.engine.engine_core import EngineCore
+
+    args = EngineArgs(model=tiny_model_dir("llama"), device="cpu", max_model_len=256, kv_cache_memory="8MiB")
+    core = EngineCore(args.create_engine_config())
+    assert core._variants_seen is None  # nothing counted off CUDA
+    loaded = [("kvserve.kernels.triton_attention", "_paged_attention_kernel")]
+    monkeypatch.setattr(triton_precompile, "_loaded", loaded)
+    core._variants_seen = 1
+    loaded.append(("user_code", "their_kernel"))
+    core.step()  # an idle step: only another Triton user loaded a variant
+    assert core.late_kernel_variants == [] and core._variants_seen == 2
+    loaded.append(("kvserve.kernels.triton_gemm", "_skinny_gemm_kernel"))
+    with caplog.at_level("WARNING"):
+        core.step()
+    assert core.late_kernel_variants == ["_skinny_gemm_kernel"] and core._variants_seen == 3
+    assert "_skinny_gemm_kernel" in caplog.text
