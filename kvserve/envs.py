@@ -45,7 +45,7 @@ KVSERVE_PDL: bool = _int("KVSERVE_PDL", 1) != 0
 # the default; 0: off, the warm-up compiles them one at a time). See kvserve/kernels/triton_precompile.py and
 # docs/perf_notes.md, entry 29.
 KVSERVE_TRITON_PRECOMPILE: bool = _int("KVSERVE_TRITON_PRECOMPILE", 1) != 0
-# Threads for that compile (0: the host's cores, at most 16).
+# Threads for that compile (0: the cores this process may use, at most 8).
 KVSERVE_TRITON_PRECOMPILE_WORKERS: int = _int("KVSERVE_TRITON_PRECOMPILE_WORKERS", 0)
 # Time cuBLASLt's candidate algorithms for the model's matmuls at start (at the decode graph sizes past the
 # Triton skinny matmul) and run the fastest where it beats torch's own pick by 1 % (1: on; 0: off, the

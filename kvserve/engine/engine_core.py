@@ -84,6 +84,7 @@ class EngineCore:
         self._mark_phase("kv_cache_alloc", start)
         # Triton kernel variants loaded so far in this process (None: not counted, off CUDA).
         self._variants_seen: int | None = None
+        precompiled = 0
         if self.runner.device.type == "cuda":
             triton_precompile.watch()
             self.runner.precompile_kernels()
@@ -96,7 +97,8 @@ class EngineCore:
         self.runner.capture_cuda_graphs()
         self._mark_phase("cuda_graph_capture", start)
         # Variants the warm-up and capture loaded themselves (the precompile missed them), and those that
-        # steps load later (the warm-up missed them: each stalls the step that first needs it).
+        # steps load later (the warm-up missed them: each stalls the step that first needs it). The count is
+        # the process's: another engine starting in this process meanwhile adds its own loads to both.
         self.startup_late_variants: list[str] = []
         self.late_kernel_variants: list[str] = []
         if self.runner.device.type == "cuda":

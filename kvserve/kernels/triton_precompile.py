@@ -44,17 +44,25 @@ def _knobs() -> Any:
     return knobs.runtime
 
 
+def _compiled_runtime() -> Any | None:
+    """Triton's runtime knobs where kernels compile (a Triton with its NVIDIA/AMD compiler, not the
+    interpreter), else None."""
+    if envs.TRITON_INTERPRET:
+        return None
+    try:
+        return _knobs()
+    except ImportError:
+        return None
+
+
 def available() -> bool:
     """True when Triton can skip a launch and compile its variant elsewhere (its cache hooks and `preload`;
     not the interpreter)."""
-    if envs.TRITON_INTERPRET:
+    runtime = _compiled_runtime()
+    if runtime is None:
         return False
-    try:
-        from triton.runtime.jit import JITFunction
+    from triton.runtime.jit import JITFunction
 
-        runtime = _knobs()
-    except ImportError:
-        return False
     return hasattr(runtime, "jit_cache_hook") and hasattr(runtime, "jit_post_compile_hook") and hasattr(
         JITFunction, "preload"
     )
@@ -65,61 +73,80 @@ def default_workers() -> int:
     gained nothing on the H200's hosts: their Python code generation takes turns on the GIL)."""
     if envs.KVSERVE_TRITON_PRECOMPILE_WORKERS > 0:
         return envs.KVSERVE_TRITON_PRECOMPILE_WORKERS
-    return max(1, min(8, os.cpu_count() or 1))
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # (not on every platform)
+        cores = os.cpu_count() or 1
+    return max(1, min(8, cores))
 
 
 _worker = threading.local()  # .compiling: this thread is a Precompiler worker inside `preload`
+_active = threading.Lock()  # one Precompiler at a time in a process (the cache hook is process-wide)
 
 
 class Precompiler:
-    """While active (a context manager), launches of variants not loaded are skipped and recorded; the exit
-    compiles the recorded variants on `workers` threads and waits for them. Afterwards: `variants` (kernel
-    names found, in order), `durations` (each compile's seconds), `failed` (names whose compile raised:
-    their launch will compile them again and report the error there)."""
+    """While active (a context manager), launches from the entering thread of variants not loaded are
+    skipped and recorded; the exit compiles the recorded variants on `workers` threads and waits for them
+    (not when the block raised). Other threads' launches go on as usual (to a cache hook set before, if
+    any), and a second Precompiler waits for the first to finish. Afterwards: `variants` (kernel names
+    found, in order), `durations` (each compile's seconds), `failed` (names whose compile raised: their
+    launch will compile them again and report the error there)."""
 
-    def __init__(self, workers: int | None = None, device_index: int | None = None) -> None:
+    def __init__(self, workers: int | None = None) -> None:
         self.workers = workers or default_workers()
-        self._queued: list[tuple[Any, str, str]] = []
-        self.device_index = device_index
         self.variants: list[str] = []
         self.durations: list[float] = []
         self.failed: list[str] = []
+        self._queued: list[tuple[Any, str, str, Any]] = []  # (kernel, name, specialisation, device)
         self._seen: set[str] = set()
         self._previous: Any = None
+        self._owner: int | None = None
 
     def __enter__(self) -> Precompiler:
         watch()
-        runtime = _knobs()
-        self._previous = runtime.jit_cache_hook
-        runtime.jit_cache_hook = self._hook
+        _active.acquire()
+        try:
+            runtime = _knobs()
+            self._previous = runtime.jit_cache_hook
+            self._owner = threading.get_ident()
+            runtime.jit_cache_hook = self._hook
+        except BaseException:
+            _active.release()
+            raise
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         try:
-            with ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="triton-compile") as pool:
-                wait([pool.submit(self._compile, *job) for job in self._queued])
+            if exc_type is None and self._queued:
+                with ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="triton-compile") as pool:
+                    wait([pool.submit(self._compile, *job) for job in self._queued])
         finally:
             _knobs().jit_cache_hook = self._previous
+            _active.release()
 
     def _hook(self, **kwargs: Any) -> bool:
         if getattr(_worker, "compiling", False):
             return False  # a worker's preload: compile
+        if threading.get_ident() != self._owner:  # someone else's launch: as without us
+            return bool(self._previous(**kwargs)) if self._previous is not None else False
         spec = kwargs["compile"]["specialization_data"]
         if spec not in self._seen:
             self._seen.add(spec)
             info = kwargs["fn"]
             self.variants.append(info.name)
-            self._queued.append((info.jit_function, info.name, spec))
+            self._queued.append((info.jit_function, info.name, spec, kwargs["compile"].get("device")))
         return True  # skip the launch (Triton neither compiles nor launches)
 
-    def _compile(self, kernel: Any, name: str, spec: str) -> None:
+    def _compile(self, kernel: Any, name: str, spec: str, device: Any) -> None:
         start = time.perf_counter()
         _worker.compiling = True
         try:
-            if self.device_index is not None:
+            if isinstance(device, int):
                 import torch
 
-                torch.cuda.set_device(self.device_index)  # (the current device is per thread)
+                # The current device is per thread: preload files the variant under the worker's, which must
+                # be the one the launch looked it up under.
+                torch.cuda.set_device(device)
             kernel.preload(spec)
         except Exception:
             logger.debug("precompiling a Triton variant of %s failed", name, exc_info=True)
@@ -143,13 +170,8 @@ def watch() -> bool:
     with _lock:
         if _watching:
             return True
-        if envs.TRITON_INTERPRET:
-            return False
-        try:
-            runtime = _knobs()
-        except ImportError:
-            return False
-        if not hasattr(runtime, "jit_post_compile_hook"):
+        runtime = _compiled_runtime()
+        if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
             return False
         previous = runtime.jit_post_compile_hook
 

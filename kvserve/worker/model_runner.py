@@ -499,9 +499,11 @@ class ModelRunner:
 
     @contextlib.contextmanager
     def _first_layers(self, n: int) -> Iterator[None]:
-        """Run the model with its first n decoder layers only (and their caches) inside the block: every layer
-        launches the same kernel variants except the first (no residual yet), so two cover them all. A model
-        without a `model.layers` list runs whole."""
+        """Run the model with its first n decoder layers only (and their caches) inside the block: in the
+        Llama/Qwen2/Qwen3 decoders every layer launches the same kernel variants except the first (no
+        residual yet), so two cover them all. A model whose layers differ (sliding-window layers, per-layer
+        quantization) would need them all; the engine's count of late variants would show what was missed.
+        A model without a `model.layers` list runs whole."""
         inner = getattr(self.model, "model", None)
         layers = getattr(inner, "layers", None)
         if not isinstance(layers, torch.nn.ModuleList) or len(layers) <= n or len(self.kv_caches) != len(layers):
@@ -527,7 +529,7 @@ class ModelRunner:
                 and triton_precompile.available()):
             return None
         start = time.perf_counter()
-        precompiler = triton_precompile.Precompiler(device_index=self.device.index or torch.cuda.current_device())
+        precompiler = triton_precompile.Precompiler()
         try:
             batch_times: dict[str, float] = {}
             with precompiler, torch.inference_mode(), self._first_layers(PRECOMPILE_LAYERS):

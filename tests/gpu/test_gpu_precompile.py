@@ -38,7 +38,7 @@ def test_a_new_variant_is_skipped_then_compiled_ahead_of_its_launch() -> None:
     factor = random.Random().randint(2, 1 << 20)  # a variant no earlier test loaded
     x = torch.randn(1000, device="cuda")
     out = torch.full_like(x, float("nan"))
-    with triton_precompile.Precompiler(workers=2, device_index=x.device.index) as pre:
+    with triton_precompile.Precompiler(workers=2) as pre:
         loaded = triton_precompile.loaded_count()
         _scale_kernel[(8,)](x, out, x.numel(), FACTOR=factor, BLOCK=128)
         torch.cuda.synchronize()

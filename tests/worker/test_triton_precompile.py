@@ -114,7 +114,50 @@ def test_the_hook_is_restored_when_the_block_fails(runtime: SimpleNamespace) -> 
         kernel.launch("x")
         raise RuntimeError("boom")
     assert runtime.jit_cache_hook is None
-    assert "x" in kernel.cache  # the recorded variant still compiled
+    assert kernel.cache == {}  # a failed pass compiles nothing (the warm-up will)
+
+
+def test_other_threads_launch_as_usual_during_the_block(runtime: SimpleNamespace) -> None:
+    asked: list[str] = []
+
+    def previous(**kwargs: Any) -> bool:
+        asked.append(kwargs["key"])
+        return False
+
+    runtime.jit_cache_hook = previous
+    kernel = FakeKernel(runtime, "attn")
+    with triton_precompile.Precompiler(workers=1) as pre:
+        other = threading.Thread(target=kernel.launch, args=("theirs",))
+        other.start()
+        other.join()
+        kernel.launch("ours")
+        assert kernel.ran == ["theirs"] and asked == ["theirs"]  # compiled and run, through the hook set before
+    assert pre.variants == ["attn"] and set(kernel.cache) == {"theirs", "ours"}
+
+
+def test_a_second_precompiler_waits_for_the_first(runtime: SimpleNamespace) -> None:
+    kernel = FakeKernel(runtime, "attn")
+    entered = threading.Event()
+    order: list[str] = []
+
+    def second() -> None:
+        entered.set()
+        with triton_precompile.Precompiler(workers=1):
+            order.append("second in")
+            kernel.launch("b")
+
+    with triton_precompile.Precompiler(workers=1) as first:
+        thread = threading.Thread(target=second)
+        thread.start()
+        assert entered.wait(10)
+        thread.join(0.2)
+        assert thread.is_alive() and order == []  # blocked until the first exits
+        kernel.launch("a")
+        order.append("first out")
+    thread.join(10)
+    assert order == ["first out", "second in"]
+    assert first.variants == ["attn"] and set(kernel.cache) == {"a", "b"}
+    assert runtime.jit_cache_hook is None  # each restored what it found
 
 
 def test_watch_counts_loads_once_installed_and_chains_the_previous_hook(runtime: SimpleNamespace) -> None:
