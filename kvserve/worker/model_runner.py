@@ -298,12 +298,11 @@ class ModelRunner:
         built = ops.warm_up_prefill_attention(
             arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, self.dtype, device, longest
         )
-        if built:
-            torch.cuda.synchronize(device)
-            logger.info("cuDNN prefill attention: built %d graphs for prompts of %d-%d tokens in %.1f s",
-                        len(built), ops.cudnn_min_tokens(device), built[-1], time.perf_counter() - start)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        if built:
+            logger.info("cuDNN prefill attention: built %d graphs for prompts of %d-%d tokens in %.1f s",
+                        len(built), ops.cudnn_min_tokens(device), built[-1], time.perf_counter() - start)
         return lengths
 
     def _warm_up_batches(self, times: dict[str, float] | None = None) -> list[int]:
@@ -520,8 +519,9 @@ class ModelRunner:
 
     def precompile_kernels(self) -> dict[str, Any] | None:
         """Compile every Triton kernel variant the warm-up and the graph capture will launch, on a thread pool,
-        before they run (`triton_precompile`): the warm-up batches and each graph's forward run once eagerly,
-        and each launch of a variant not yet loaded is skipped while the variant compiles on the pool. Returns
+        before they run (`triton_precompile`): the warm-up batches and each graph's forward run once eagerly
+        with each launch of a variant not yet loaded skipped and recorded, then the recorded variants compile
+        on the pool. Returns
         what was compiled (also kept in `precompile_stats`), or None where it does not apply (not CUDA, no KV
         cache, KVSERVE_TRITON_PRECOMPILE=0, a Triton without the hooks). A failure is logged and leaves the
         compiles to the warm-up."""
@@ -546,11 +546,11 @@ class ModelRunner:
         elapsed = time.perf_counter() - start
         durations = sorted(precompiler.durations, reverse=True)
         self.precompile_stats = {"variants": len(precompiler.variants), "failed": list(precompiler.failed),
-                                 "batches_s": batches_s, "batch_times_s": batch_times, "find_s": found_s, "total_s": elapsed, "workers": precompiler.workers,
-                                 "compile_s": durations}
-        logger.info("compiled %d Triton kernel variants on %d threads while finding them, in %.1f s (%.1f s of "
+                                 "batches_s": batches_s, "batch_times_s": batch_times, "find_s": found_s,
+                                 "total_s": elapsed, "workers": precompiler.workers, "compile_s": durations}
+        logger.info("compiled %d Triton kernel variants on %d threads in %.1f s (%.1f s to find them; %.1f s of "
                     "compiles, the longest %.1f s)%s", len(precompiler.variants), precompiler.workers, elapsed,
-                    sum(durations), max(durations, default=0.0),
+                    found_s, sum(durations), max(durations, default=0.0),
                     f"; {len(precompiler.failed)} failed: {', '.join(precompiler.failed)}" if precompiler.failed
                     else "")
         return self.precompile_stats
