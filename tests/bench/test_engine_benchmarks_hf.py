@@ -1,0 +1,31 @@
+"""benchmarks/engine_benchmarks.py's seeds + hf sections on the CPU, tiny shapes: HF generate runs on the seeds
+section's own prompts in the same process, and the ratio the issue asks for is reported."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(300)
+def test_seeds_then_hf_same_prompts_and_ratio(tmp_path: Path) -> None:
+    out = tmp_path / "res"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "engine_benchmarks.py"), "--out", str(out), "--device", "cpu",
+         "--dtype", "float32", "--model", "tiny", "--scale", "0.1", "--length-scale", "0.05",
+         "--max-model-len", "1024", "--sections", "seeds,hf"],
+        cwd=REPO, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seeds = json.loads((out / "engine_seeds.json").read_text())["results"]
+    hf = json.loads((out / "engine_hf.json").read_text())["results"]
+    assert hf["same_prompts_as_seeds"] is True
+    assert (hf["num_seqs"], hf["input_len"], hf["output_len"]) == (
+        seeds["num_seqs"], seeds["input_len"], seeds["output_len"])
+    assert hf["kvserve_over_hf"] == pytest.approx(seeds["output_tok_s"] / hf["output_tok_s"])
+    assert "seeds' workload, kvserve / HF" in proc.stdout
