@@ -1,0 +1,98 @@
+"""HF Transformers `generate` at the seeds' shape (static batch 50, 512 in, 256 out), random weights at the
+Qwen2.5-7B shape, with the process set up one of several ways, so that the HF baseline of
+`engine_benchmarks.py --sections seeds,hf` can be checked against HF run alone.
+
+    python benchmarks/hf_probe.py --out DIR [--blas default|cublaslt] [--after-kvserve] [--profile-steps 8]
+
+--after-kvserve starts a kvserve engine and runs the seeds' workload first, then frees it (what the hf
+section does when it follows the seeds section). --profile-steps N profiles one generate of N new tokens and
+prints the kernels taking the most GPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from pathlib import Path
+
+import torch
+from common import MODEL_CONFIGS, Driver, make_engine, random_prompts, sync, write_config_dir, write_result
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--model", default="qwen2.5-7b", choices=sorted(MODEL_CONFIGS))
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--blas", default="default", choices=["default", "cublaslt", "cublas"])
+    p.add_argument("--after-kvserve", action="store_true")
+    p.add_argument("--num", type=int, default=50)
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--profile-steps", type=int, default=0)
+    args = p.parse_args()
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    device = args.device
+    model_dir = write_config_dir(args.model)
+    vocab = MODEL_CONFIGS[args.model]["vocab_size"]
+    gen = torch.Generator().manual_seed(0)
+    blas_before = torch.backends.cuda.preferred_blas_library() if device.startswith("cuda") else None
+    if args.blas != "default":
+        torch.backends.cuda.preferred_blas_library(args.blas)
+    kvserve_tok_s = None
+    if args.after_kvserve:
+        core, _ = make_engine(model_dir, device, dtype="bfloat16", max_model_len=32768, max_num_seqs=256,
+                              max_num_batched_tokens=8192, gpu_memory_utilization=0.9)
+        d = Driver(core)
+        d.run(random_prompts(gen, [args.input_len] * args.num, vocab), [4] * args.num)
+        kvserve_tok_s = d.run(random_prompts(gen, [args.input_len] * args.num, vocab),
+                              [args.output_len] * args.num).output_tok_s
+        del d, core
+        gc.collect()
+        torch.cuda.empty_cache()
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    ids = torch.tensor(random_prompts(gen, [args.input_len] * args.num, vocab), device=device)
+
+    def generate(new: int) -> float:
+        sync(device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                 min_new_tokens=new, do_sample=False, pad_token_id=0)
+        sync(device)
+        assert out.shape[1] == args.input_len + new
+        return time.perf_counter() - start
+
+    generate(4)
+    t_prefill = generate(1)
+    elapsed = generate(args.output_len)
+    tok_s = args.num * args.output_len / elapsed
+    step_ms = (elapsed - t_prefill) / max(1, args.output_len - 1) * 1e3
+    result = {"blas_at_start": blas_before, "blas": torch.backends.cuda.preferred_blas_library().name
+              if device.startswith("cuda") else None, "after_kvserve": args.after_kvserve,
+              "kvserve_tok_s": kvserve_tok_s, "elapsed_s": elapsed, "output_tok_s": tok_s,
+              "prefill_s": t_prefill, "decode_step_ms": step_ms,
+              "attn_implementation": getattr(model.config, "_attn_implementation", None)}
+    print(f"HF generate: {tok_s:.0f} output tok/s ({elapsed:.2f} s; prefill + 1 token {t_prefill * 1e3:.0f} ms, "
+          f"decode step {step_ms:.1f} ms); blas {result['blas']} (at start {blas_before}); attention "
+          f"{result['attn_implementation']}; after kvserve: {args.after_kvserve} (kvserve {kvserve_tok_s})",
+          flush=True)
+    if args.profile_steps:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            generate(args.profile_steps)
+        table = prof.key_averages().table(sort_by="self_cuda_time_total" if hasattr(
+            prof.key_averages()[0], "self_cuda_time_total") else "self_device_time_total", row_limit=15)
+        print(table, flush=True)
+        result["profile_table"] = table
+    write_result(args.out, "hf_probe", vars(args) | {"out": str(args.out)}, result, device)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
