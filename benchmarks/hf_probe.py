@@ -31,6 +31,10 @@ def main() -> int:
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--profile-steps", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1, help="timed generate runs of --output-len tokens")
+    p.add_argument("--reserve-gb", type=float, default=0.0,
+                   help="allocate and free this much GPU memory first (kept in torch's cache, not returned)")
+    p.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after the model is built")
     args = p.parse_args()
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -52,6 +56,9 @@ def main() -> int:
         del d, core
         gc.collect()
         torch.cuda.empty_cache()
+    if args.reserve_gb:
+        block = torch.empty(int(args.reserve_gb * 2**30), dtype=torch.uint8, device=device)
+        del block
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
@@ -67,19 +74,25 @@ def main() -> int:
         assert out.shape[1] == args.input_len + new
         return time.perf_counter() - start
 
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()
     generate(4)
     t_prefill = generate(1)
-    elapsed = generate(args.output_len)
+    runs = [generate(args.output_len) for _ in range(args.repeats)]
+    elapsed = runs[-1]
     tok_s = args.num * args.output_len / elapsed
     step_ms = (elapsed - t_prefill) / max(1, args.output_len - 1) * 1e3
     result = {"blas_at_start": blas_before, "blas": torch.backends.cuda.preferred_blas_library().name
               if device.startswith("cuda") else None, "after_kvserve": args.after_kvserve,
               "kvserve_tok_s": kvserve_tok_s, "elapsed_s": elapsed, "output_tok_s": tok_s,
-              "prefill_s": t_prefill, "decode_step_ms": step_ms,
+              "prefill_s": t_prefill, "decode_step_ms": step_ms, "runs_s": runs,
+              "reserved_gb_after": torch.cuda.memory_reserved() / 2**30 if device.startswith("cuda") else None,
               "attn_implementation": getattr(model.config, "_attn_implementation", None)}
     print(f"HF generate: {tok_s:.0f} output tok/s ({elapsed:.2f} s; prefill + 1 token {t_prefill * 1e3:.0f} ms, "
           f"decode step {step_ms:.1f} ms); blas {result['blas']} (at start {blas_before}); attention "
-          f"{result['attn_implementation']}; after kvserve: {args.after_kvserve} (kvserve {kvserve_tok_s})",
+          f"{result['attn_implementation']}; after kvserve: {args.after_kvserve} (kvserve {kvserve_tok_s}); runs (s) "
+          f"{' '.join(f'{r:.2f}' for r in runs)}; reserve {args.reserve_gb} GB, gc freeze {args.gc_freeze}",
           flush=True)
     if args.profile_steps:
         from torch.profiler import ProfilerActivity, profile
