@@ -19,6 +19,8 @@ Signatures are exactly the reference's (see each function there for the contract
 from __future__ import annotations
 
 import functools
+import logging
+import warnings
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -28,6 +30,8 @@ import torch
 from kvserve import envs
 from kvserve.kernels import cublaslt, reference
 from kvserve.layers.attention_metadata import AttentionMetadata
+
+logger = logging.getLogger(__name__)
 
 ELEMENTWISE_BACKENDS = ("triton", "torch", "compile")
 _elementwise_backend = "triton"
@@ -386,14 +390,21 @@ def cudnn_min_tokens(device: torch.device) -> int:
 
 @functools.cache
 def _sdpa_order(cudnn: bool) -> Callable[[], Any]:
-    """A context-manager factory restricting SDPA to flash (then the fallbacks), with cuDNN first if asked."""
+    """A context-manager factory restricting SDPA to cuDNN alone (cudnn) or to flash, then the fallbacks.
+
+    Only the backends' enabled flags change, and sdpa_kernel restores them on exit. It never sets a
+    priority: on torch 2.11 with an sm_90 GPU, a `set_priority=True` block left the process's SDPA order
+    at flash first where torch's own default has cuDNN first, so every later SDPA call in the process (the
+    user's own, HF's in the same process) ran another backend than it would have without kvserve."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    order = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
     if cudnn:
-        order.insert(0, SDPBackend.CUDNN_ATTENTION)
-        return functools.partial(sdpa_kernel, order, set_priority=True)
-    return functools.partial(sdpa_kernel, order)
+        return functools.partial(sdpa_kernel, [SDPBackend.CUDNN_ATTENTION])
+    return functools.partial(sdpa_kernel, [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+# (dtype, heads, KV heads, head dim, device type) for which cuDNN attention refused a prompt: flash from then on.
+_cudnn_refused: set[tuple[Any, ...]] = set()
 
 
 def _pad_tokens(t: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -428,10 +439,21 @@ def _sdpa_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
     q = query.transpose(0, 1).unsqueeze(0)
     k = key.transpose(0, 1).unsqueeze(0)
     v = value.transpose(0, 1).unsqueeze(0)
-    with _sdpa_order(cudnn)():
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
-        )
+    gqa = query.shape[1] != key.shape[1]
+    refusal_key = (query.dtype, query.shape[1], key.shape[1], query.shape[2], query.device.type)
+    if cudnn and refusal_key not in _cudnn_refused:
+        try:
+            with _sdpa_order(True)(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # SDPA's reasons for refusing, when it does: handled below
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+            return out.squeeze(0).transpose(0, 1)[:num_tokens]
+        except RuntimeError as err:  # no cuDNN kernel for this shape or build: flash, and remember
+            logger.info("cuDNN attention refused a %d-token prompt (%s); flash from now on for %s",
+                        num_tokens, str(err).splitlines()[0], refusal_key)
+            _cudnn_refused.add(refusal_key)
+    with _sdpa_order(False)():
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     return out.squeeze(0).transpose(0, 1)[:num_tokens]
 
 

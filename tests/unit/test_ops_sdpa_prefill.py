@@ -1,6 +1,6 @@
 """The one-prompt prefill attention call (`ops._sdpa_prefill`): layout, GQA without repeated KV heads and
-the cuDNN-first order with its padding to a bucket length (on CPU torch skips the CUDA backends and runs its
-CPU kernels), against the torch reference; the bucket lengths built at start. tests/gpu/test_gpu_ops.py runs
+the cuDNN route with its padding to a bucket length (on CPU, SDPA refuses cuDNN and the prompt runs the flash
+route's CPU kernels), against the torch reference; SDPA's process-wide settings left as they were; the bucket lengths built at start. tests/gpu/test_gpu_ops.py runs
 the same path on the GPU."""
 
 from __future__ import annotations
@@ -45,6 +45,30 @@ def test_sdpa_prefill_matches_reference(
     assert out.shape == query.shape
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
 
+
+def _sdpa_settings() -> tuple[list[int], list[object]]:
+    from torch.nn.attention import _cur_sdpa_kernel_backends
+
+    return list(torch._C._get_sdp_priority_order()), list(_cur_sdpa_kernel_backends())
+
+
+@pytest.mark.parametrize("cudnn_min_tokens", [0, 5])
+def test_sdpa_prefill_leaves_the_process_sdpa_settings_alone(
+    cudnn_min_tokens: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Neither route changes SDPA's priority order or enabled backends for the rest of the process (a
+    priority set by kvserve once made HF's attention in the same process run flash instead of cuDNN on the
+    H200). A refused cuDNN call falls back to flash with the right result and is remembered."""
+    monkeypatch.setattr(ops, "SDPA_CUDNN_MIN_TOKENS", cudnn_min_tokens)
+    monkeypatch.setattr(ops, "SDPA_CUDNN_BUCKET", 16)
+    monkeypatch.setattr(ops, "_cudnn_refused", set())
+    before = _sdpa_settings()
+    query, key, value, expected = _case(20, 6, 2)
+    out = ops._sdpa_prefill(query, key, value, 0.3)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+    assert _sdpa_settings() == before
+    # CPU SDPA has no cuDNN kernel: the refusal is recorded once, for this dtype and head layout.
+    assert ops._cudnn_refused == ({(torch.float32, 6, 2, 16, "cpu")} if cudnn_min_tokens else set())
 
 
 def test_cudnn_prefill_lengths(monkeypatch: pytest.MonkeyPatch) -> None:
