@@ -132,6 +132,23 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def hf_generate_timer(model: Any, ids: torch.Tensor, device: str) -> Callable[[int], float]:
+    """A function timing HF `generate` of exactly `n` new greedy tokens for the static batch `ids` (seconds,
+    synchronized; EOS cannot stop it early)."""
+
+    def generate(new: int) -> float:
+        sync(device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                 min_new_tokens=new, do_sample=False, pad_token_id=0)
+        sync(device)
+        assert out.shape[1] == ids.shape[1] + new
+        return time.perf_counter() - start
+
+    return generate
+
+
 def make_engine(model_dir: str, device: str, **kwargs: Any) -> tuple[EngineCore, float]:
     """An engine core on random weights; returns it and its start-up seconds (wall, synchronized)."""
     sync(device)

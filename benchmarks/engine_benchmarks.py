@@ -58,6 +58,7 @@ from common import (  # noqa: E402
     MODEL_CONFIGS,
     Driver,
     decode_floor_ms,
+    hf_generate_timer,
     make_engine,
     random_prompts,
     sync,
@@ -772,16 +773,7 @@ class Bench:
         same_prompts = self.seeds_prompts is not None
         ids = torch.tensor(self.seeds_prompts if same_prompts else self.prompts([ins] * num), device=device)
 
-        def generate(max_new: int) -> float:
-            sync(device)
-            start = time.perf_counter()
-            with torch.inference_mode():
-                result = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                                        min_new_tokens=max_new, do_sample=False, pad_token_id=0)
-            sync(device)
-            assert result.shape[1] == ins + max_new
-            return time.perf_counter() - start
-
+        generate = hf_generate_timer(model, ids, device)
         generate(4)  # warm-up
         # HF's first run through the output lengths is slower (on the H200, SDPA runs cuDNN attention, which
         # builds a graph for each new key length: 14.2 s against 5.0-5.1 s for the runs after it, hf_probe.py):

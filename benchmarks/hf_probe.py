@@ -13,11 +13,18 @@ from __future__ import annotations
 
 import argparse
 import gc
-import time
 from pathlib import Path
 
 import torch
-from common import MODEL_CONFIGS, Driver, make_engine, random_prompts, sync, write_config_dir, write_result
+from common import (
+    MODEL_CONFIGS,
+    Driver,
+    hf_generate_timer,
+    make_engine,
+    random_prompts,
+    write_config_dir,
+    write_result,
+)
 
 
 def main() -> int:
@@ -64,15 +71,7 @@ def main() -> int:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     ids = torch.tensor(random_prompts(gen, [args.input_len] * args.num, vocab), device=device)
 
-    def generate(new: int) -> float:
-        sync(device)
-        start = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                                 min_new_tokens=new, do_sample=False, pad_token_id=0)
-        sync(device)
-        assert out.shape[1] == args.input_len + new
-        return time.perf_counter() - start
+    generate = hf_generate_timer(model, ids, device)
 
     if args.gc_freeze:
         gc.collect()

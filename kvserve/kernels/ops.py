@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import warnings
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -443,8 +442,7 @@ def _sdpa_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
     refusal_key = (query.dtype, query.shape[1], key.shape[1], query.shape[2], query.device.type)
     if cudnn and refusal_key not in _cudnn_refused:
         try:
-            with _sdpa_order(True)(), warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # SDPA's reasons for refusing, when it does: handled below
+            with _sdpa_order(True)():  # a refusal warns once per head layout: it is remembered below
                 out = torch.nn.functional.scaled_dot_product_attention(
                     q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
             return out.squeeze(0).transpose(0, 1)[:num_tokens]
