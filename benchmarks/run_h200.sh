@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Pass the local commit, written in literally (the device copy's git metadata can be stale, so a $(git ...) in
 # the command would read it there): KVSERVE_BENCH_COMMIT=<sha> bash ...
@@ -302,6 +302,9 @@ PY
             --sections start,shared >> "$R/modload.log" 2>&1
           echo "CUDA_MODULE_LOADING=$mode done" >> "$R/modload.log"
         done ;;
+    l2probe) timeout 150 python3 benchmarks/l2_prefetch_probe.py --out "$R/l2probe" > "$R/l2probe.log" 2>&1
+        timeout 240 python3 benchmarks/engine_benchmarks.py --out "$R/diag13" --sections start,seeds,trace,kprofile \
+          --kprofile-cases b64 --no-pdl > "$R/diag13.log" 2>&1 ;;
     hfdiag3) for mode in "--repeats 3" "--blas cublaslt --repeats 3" "--after-kvserve --repeats 3"; do
           echo "=== hf_probe $mode" >> "$R/hfdiag3.log"
           timeout 120 python3 benchmarks/hf_probe.py --out "$R/hfdiag3" $mode >> "$R/hfdiag3.log" 2>&1
@@ -440,6 +443,8 @@ for f in "$R"/hfdiag3.log "$R"/sdpafix.log "$R"/hfdiag2.log "$R"/hfdiag.log "$R"
     mergesweep.log) tail -c 3000 "$f" ;;
     mergeab.log|splitab.log) grep -E "^decode|^engine start|mode .* done|Error|error" "$f" | tail -60 ;;
     diag.log) grep -E -A 24 "^kernel profile" "$f"; tail -c 2000 "$f" ;;
+    diag13.log) grep -E -A 22 "^kernel profile" "$f"; grep -E "^timeline|^trace|^seeds|Error|failed" "$f" ;;
+    l2probe.log) grep -E "Error|Traceback" "$f" | head -5; sed -n '/^case /,$p' "$f" ;;
     *) tail -c 2500 "$f" ;;
   esac
 done
