@@ -952,8 +952,6 @@ def main() -> int:
                    help="small batches: SiLU-and-mul in the gate/up matmul's epilogue")
     p.add_argument("--qkv-rope-fusion", action=argparse.BooleanOptionalAction, default=True,
                    help="small batches: rotary embedding and cache write in the q/k/v matmul's epilogue")
-    p.add_argument("--attention-rope-fusion", action=argparse.BooleanOptionalAction, default=True,
-                   help="one-split decode batches: rotary embedding and cache write in the attention launch")
     p.add_argument("--skinny-max-rows", type=int, default=None, help="override ops.SKINNY_GEMM_MAX_ROWS")
     p.add_argument("--skinny-split-rule", default="resident", choices=["resident", "divisor"],
                    help="split-K of the Triton matmul: as many splits as stay resident at once (default), or the "
@@ -990,7 +988,6 @@ def main() -> int:
         ops._sdpa_order = lambda cudnn: contextlib.nullcontext  # type: ignore[assignment]
     ops.set_gate_up_silu_fusion(args.gate_up_silu_fusion)
     ops.set_qkv_rope_fusion(args.qkv_rope_fusion)
-    ops.set_attention_rope_fusion(args.attention_rope_fusion)
     if args.skinny_max_rows is not None:
         ops.SKINNY_GEMM_MAX_ROWS = args.skinny_max_rows
     if args.skinny_split_rule == "divisor":

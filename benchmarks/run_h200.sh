@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: ropeab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Pass the local commit, written in literally (the device copy's git metadata can be stale, so a $(git ...) in
 # the command would read it there): KVSERVE_BENCH_COMMIT=<sha> bash ...
@@ -302,14 +302,6 @@ PY
             --sections start,shared >> "$R/modload.log" 2>&1
           echo "CUDA_MODULE_LOADING=$mode done" >> "$R/modload.log"
         done ;;
-    ropeab) timeout 330 python3 -m pytest -q -rA -p no:cacheprovider tests/gpu/test_gpu_engine.py \
-          tests/kernels/test_triton_attention.py -k "rope or fast_path" > "$R/ropeab_pytest.log" 2>&1
-        for mode in on off on off; do
-          flags=""; [ $mode = off ] && flags="--no-attention-rope-fusion"
-          timeout 110 python3 benchmarks/engine_benchmarks.py --out "$R/ropeab_$mode" --sections start,decode,seeds,random256 \
-            --decode-batches 48,64,128 --decode-contexts 1024 --decode-steps 30 $flags >> "$R/ropeab.log" 2>&1
-          echo "mode $mode done" >> "$R/ropeab.log"
-        done ;;
     l2probe) timeout 150 python3 benchmarks/l2_prefetch_probe.py --out "$R/l2probe" > "$R/l2probe.log" 2>&1
         timeout 240 python3 benchmarks/engine_benchmarks.py --out "$R/diag13" --sections start,seeds,trace,kprofile \
           --kprofile-cases b64 --no-pdl > "$R/diag13.log" 2>&1 ;;
@@ -395,7 +387,7 @@ print('alone', t._backend_after('alone')); print('kvserve-first', t._backend_aft
 done
 tar czf "$OUT/results.tgz" -C "$R" .
 echo "=== total $(( $(date +%s) - T0 ))s"
-for f in "$R"/ropeab_pytest.log "$R"/ropeab.log "$R"/l2probe.log "$R"/diag13.log "$R"/hfdiag3.log "$R"/sdpafix.log "$R"/hfdiag2.log "$R"/hfdiag.log "$R"/final12.log "$R"/pytest_lt.log "$R"/tuneab2.log "$R"/tuneab.log "$R"/ltalgos.log "$R"/attnab3.log "$R"/attnab2.log "$R"/attnpf.log "$R"/attnsweep.log "$R"/rows32.log "$R"/ttftrest.log "$R"/prefillab.log "$R"/prefillprof.log "$R"/gemm4.log "$R"/ttftclk.log "$R"/gemm3.log "$R"/blasab.log "$R"/confirm.log "$R"/fuseab2.log "$R"/ttftrand2.log "$R"/pdlab2.log "$R"/pdlgemm.log "$R"/pdlab.log "$R"/ttftrand.log "$R"/modload.log "$R"/sharedab.log "$R"/final.log "$R"/gguf.log "$R"/fuseab.log "$R"/skinnyab.log "$R"/gemm.log "$R"/pattn.log "$R"/cascade.log "$R"/serve.log "$R"/diag3.log "$R"/ttftab.log "$R"/prefixab.log "$R"/diag2.log "$R"/async.log "$R"/sweep.log "$R"/diag.log "$R"/profile.log "$R"/pytest_gpu.log "$R"/engine.log "$R"/engine2.log "$R"/eager.log "$R"/ab.log "$R"/prefix2.log "$R"/hf.log "$R"/gpu_kernels.log "$R"/elementwise.log; do
+for f in "$R"/hfdiag3.log "$R"/sdpafix.log "$R"/hfdiag2.log "$R"/hfdiag.log "$R"/final12.log "$R"/pytest_lt.log "$R"/tuneab2.log "$R"/tuneab.log "$R"/ltalgos.log "$R"/attnab3.log "$R"/attnab2.log "$R"/attnpf.log "$R"/attnsweep.log "$R"/rows32.log "$R"/ttftrest.log "$R"/prefillab.log "$R"/prefillprof.log "$R"/gemm4.log "$R"/ttftclk.log "$R"/gemm3.log "$R"/blasab.log "$R"/confirm.log "$R"/fuseab2.log "$R"/ttftrand2.log "$R"/pdlab2.log "$R"/pdlgemm.log "$R"/pdlab.log "$R"/ttftrand.log "$R"/modload.log "$R"/sharedab.log "$R"/final.log "$R"/gguf.log "$R"/fuseab.log "$R"/skinnyab.log "$R"/gemm.log "$R"/pattn.log "$R"/cascade.log "$R"/serve.log "$R"/diag3.log "$R"/ttftab.log "$R"/prefixab.log "$R"/diag2.log "$R"/async.log "$R"/sweep.log "$R"/diag.log "$R"/profile.log "$R"/pytest_gpu.log "$R"/engine.log "$R"/engine2.log "$R"/eager.log "$R"/ab.log "$R"/prefix2.log "$R"/hf.log "$R"/gpu_kernels.log "$R"/elementwise.log; do
   [ -f "$f" ] || continue
   echo "##### $(basename "$f")"
   case $(basename "$f") in
@@ -452,8 +444,6 @@ for f in "$R"/ropeab_pytest.log "$R"/ropeab.log "$R"/l2probe.log "$R"/diag13.log
     mergeab.log|splitab.log) grep -E "^decode|^engine start|mode .* done|Error|error" "$f" | tail -60 ;;
     diag.log) grep -E -A 24 "^kernel profile" "$f"; tail -c 2000 "$f" ;;
     diag13.log) grep -E -A 22 "^kernel profile" "$f"; grep -E "^timeline|^trace|^seeds|Error|failed" "$f" ;;
-    ropeab.log) grep -E "^decode b|^seeds|^256|^engine start|mode .* done|Error|failed" "$f" ;;
-    ropeab_pytest.log) grep -E "passed|failed|Error" "$f" | tail -15 ;;
     l2probe.log) grep -E "Error|Traceback" "$f" | head -5; sed -n '/^case /,$p' "$f" ;;
     *) tail -c 2500 "$f" ;;
   esac

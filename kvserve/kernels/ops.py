@@ -280,48 +280,6 @@ def paged_attention(
     return reference.paged_attention(query, kv_cache, metadata, scale, out)
 
 
-_attention_rope_fusion = True
-
-
-def set_attention_rope_fusion(enabled: bool) -> None:
-    """Let unsplit decode attention launches rotate q / k and write the cache themselves (default), or run
-    `rotary_embedding_and_cache` before them (A/B)."""
-    global _attention_rope_fusion
-    _attention_rope_fusion = enabled
-
-
-def decode_attention_rope_cache(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    kv_cache: torch.Tensor,
-    metadata: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor | None:
-    """`rotary_embedding_and_cache` then `paged_attention`, in one launch: the unsplit decode attention
-    kernel rotates the query rows and the new key it owns and writes the key / value into their cache slot
-    before reading the cache. For CUDA decode-only batches of one KV split (batches whose (request, KV head)
-    programs fill the GPU, where the q/k/v matmul is cuBLAS's and cannot do it in its epilogue) in bf16 /
-    fp16; None elsewhere, and the caller runs the two ops. Decided from host ints only, so a CUDA graph
-    keeps the choice it was captured with."""
-    if not (_attention_rope_fusion and _rotary_cache_fusion and _elementwise_backend == "triton"
-            and query.is_cuda and metadata.is_decode_only):
-        return None
-    module = _triton_module("triton_attention")
-    head_dim, block_size = query.shape[2], kv_cache.shape[2]
-    if module is None or head_dim < 16 or not _is_pow2(head_dim) or not _is_pow2(block_size):
-        return None
-    splits = decode_num_splits(metadata.num_reqs, kv_cache.shape[3], metadata.max_seq_len, _num_sms(query.device))
-    if not module.rope_cache_applies(query, kv_cache, metadata, splits):
-        return None
-    if any(t.stride(2) != 1 or t.stride(1) != head_dim for t in (key, value)):
-        return None
-    rope = module.RopeCache(key, value, positions, cos_sin_cache, metadata.slot_mapping)
-    return module.launch_paged_attention(query, kv_cache, metadata, scale, None, splits, rope=rope)
-
-
 # Pure-prefill batches (no request has cached context) at least this long go to flash attention inside
 # torch (`varlen_attn`, or SDPA for a single request): the Triton kernel reaches ~200 TFLOP/s on long
 # causal prompts (benchmarks/gpu_kernels.py), flash attention about twice that.

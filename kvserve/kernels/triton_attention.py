@@ -41,7 +41,6 @@ capture.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -112,44 +111,6 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, kv_offset, dims, k_valid, allowed,
     return m_new, l_i, acc
 
 
-@triton.jit
-def _rope_rows_and_cache(q, q_row_ptrs, row_valid, token, kv_head, dims, key_ptr, value_ptr, positions_ptr,
-                         cos_sin_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, stride_key_token,
-                         stride_value_token, stride_cos_sin, stride_cache_block, stride_cache_offset,
-                         stride_cache_head, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """Rotary embedding of a decode program's query rows `q` ([rows, HEAD_DIM], unrotated, loaded from
-    `q_row_ptrs`) and of `token`'s key for `kv_head`, whose rotated key and value it writes into the token's
-    cache slot (a negative slot is padding: nothing written). Returns the rotated rows.
-
-    The same values as `_rotary_kernel` (the neox pairs (d, d + HEAD_DIM / 2), `rotate_pair`'s roundings):
-    element d pairs with its partner (d + HEAD_DIM / 2) % HEAD_DIM, and the first half takes -sin. 16-bit
-    dtypes only: the casts between products and sum keep the compiler from forming FMAs (in float32 they
-    are no-ops, and `_rotary_kernel` runs without FP fusion for that reason)."""
-    half: tl.constexpr = HEAD_DIM // 2
-    dtype = q.dtype
-    partner = (dims + half) % HEAD_DIM
-    pos = tl.load(positions_ptr + token).to(tl.int64)
-    cos = tl.load(cos_sin_ptr + pos * stride_cos_sin + dims % half).to(dtype).to(tl.float32)
-    sin = tl.load(cos_sin_ptr + pos * stride_cos_sin + half + dims % half).to(dtype).to(tl.float32)
-    sin = tl.where(dims < half, -sin, sin)
-    q_partner = tl.load(q_row_ptrs + partner[None, :], mask=row_valid[:, None], other=0.0).to(tl.float32)
-    q = ((q.to(tl.float32) * cos[None, :]).to(dtype).to(tl.float32)
-         + (q_partner * sin[None, :]).to(dtype).to(tl.float32)).to(dtype)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    if slot >= 0:
-        key_row = key_ptr + token * stride_key_token + kv_head * HEAD_DIM
-        k = tl.load(key_row + dims).to(tl.float32)
-        k_partner = tl.load(key_row + partner).to(tl.float32)
-        k = ((k * cos).to(dtype).to(tl.float32) + (k_partner * sin).to(dtype).to(tl.float32)).to(dtype)
-        cache_offset = ((slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_offset
-                        + kv_head.to(tl.int64) * stride_cache_head + dims)
-        tl.store(k_cache_ptr + cache_offset, k)
-        tl.store(v_cache_ptr + cache_offset, tl.load(value_ptr + token * stride_value_token + kv_head * HEAD_DIM + dims))
-    # The cache reads below include this slot: the barrier orders the CTA's writes before them.
-    tl.debug_barrier()
-    return q
-
-
 # num_reqs / num_splits vary from step to step: left unspecialised, so that a batch of 16 or 32 requests
 # (Triton specialises ints equal to 1 or divisible by 16) does not compile another variant mid-serving.
 @triton.jit(do_not_specialize=["num_reqs", "num_splits", "split_offset", "total_splits"])
@@ -179,14 +140,6 @@ def _paged_attention_kernel(
     stride_cache_offset,
     stride_cache_head,
     stride_block_table,
-    rope_key_ptr,
-    rope_value_ptr,
-    positions_ptr,
-    cos_sin_ptr,
-    slot_mapping_ptr,
-    stride_rope_key_token,
-    stride_rope_value_token,
-    stride_cos_sin,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -201,7 +154,6 @@ def _paged_attention_kernel(
     PDL: tl.constexpr = False,
     FUSED_MERGE: tl.constexpr = False,
     PREFETCH_IDS: tl.constexpr = True,
-    ROPE_CACHE: tl.constexpr = False,
 ):
     pdl_wait_then_release(PDL)
     tile = tl.program_id(0)
@@ -245,14 +197,6 @@ def _paged_attention_kernel(
         mask=row_valid[:, None],
         other=0.0,
     )
-    if ROPE_CACHE:
-        # Unsplit decode (one program per request and KV head): the query and the new key arrive unrotated;
-        # rotate both here and write the key and value into the token's cache slot, then read the cache.
-        q = _rope_rows_and_cache(q, q_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head,
-                                 row_valid, q_start.to(tl.int64), kv_head, dims, rope_key_ptr, rope_value_ptr,
-                                 positions_ptr, cos_sin_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr,
-                                 stride_rope_key_token, stride_rope_value_token, stride_cos_sin, stride_cache_block,
-                                 stride_cache_offset, stride_cache_head, HEAD_DIM, BLOCK_SIZE)
 
     # Keys this tile needs: up to the position of its last valid query (causal), at most seq_len.
     kv_end = tl.minimum(seq_len, ctx_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len))
@@ -522,50 +466,6 @@ def cascade_prefix_splits(num_reqs: int, group: int, num_kv_heads: int, num_sms:
     return max(1, min(wanted, CASCADE_MAX_PREFIX_SPLITS))
 
 
-_ROPE_DTYPES = (torch.float16, torch.bfloat16)
-
-
-@dataclass(frozen=True)
-class RopeCache:
-    """What a decode launch needs to rotate the query and write this step's key / value itself (the
-    `ops.rotary_embedding_and_cache` contract): key / value [num_tokens, num_kv_heads, head_dim] (head_dim
-    contiguous, heads adjacent), int64 positions and slot_mapping [num_tokens] (negative slot: padding), and the
-    float32 cos/sin table [max_position, head_dim] (cos in the first half)."""
-
-    key: torch.Tensor
-    value: torch.Tensor
-    positions: torch.Tensor
-    cos_sin_cache: torch.Tensor
-    slot_mapping: torch.Tensor
-
-
-def rope_cache_applies(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-                       num_splits: int) -> bool:
-    """Whether a launch can take `rope`: a decode-only, non-cascade batch of one split (one program per
-    request and KV head writes that head's cache slot before reading the cache), in a 16-bit dtype."""
-    return (metadata.is_decode_only and metadata.common_prefix_len == 0 and num_splits == 1
-            and query.dtype in _ROPE_DTYPES and query.dtype == kv_cache.dtype and kv_cache.is_contiguous())
-
-
-def _rope_args(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-               rope: RopeCache | None) -> tuple[object, ...]:
-    """The kernel's rope arguments: `rope`'s tensors and strides, or stand-ins the kernel never reads."""
-    if rope is None:
-        return (query, query, metadata.seq_lens, query, metadata.seq_lens, 0, 0, 0)
-    num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = kv_cache.shape[3]
-    for name, t in (("key", rope.key), ("value", rope.value)):
-        assert t.shape == (num_tokens, num_kv_heads, head_dim) and t.dtype == query.dtype, (
-            f"rope {name} must be {(num_tokens, num_kv_heads, head_dim)} {query.dtype}, got {tuple(t.shape)} {t.dtype}"
-        )
-        assert t.stride(2) == 1 and t.stride(1) == head_dim, f"rope {name}: heads must be adjacent rows, got {t.stride()}"
-    assert rope.positions.shape == (num_tokens,) and rope.slot_mapping.shape == (num_tokens,)
-    assert rope.cos_sin_cache.dtype == torch.float32 and rope.cos_sin_cache.shape[1] == head_dim
-    assert rope.cos_sin_cache.stride(1) == 1
-    return (rope.key, rope.value, rope.positions, rope.cos_sin_cache, rope.slot_mapping, rope.key.stride(0),
-            rope.value.stride(0), rope.cos_sin_cache.stride(0))
-
-
 def _check_contract(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata) -> None:
     assert query.dim() == 3, f"query must be [num_tokens, num_heads, head_dim], got {tuple(query.shape)}"
     assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, (
@@ -619,14 +519,10 @@ def launch_paged_attention(
     scale: float,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
-    rope: RopeCache | None = None,
 ) -> torch.Tensor:
     """`paged_attention` with the decode split count exposed (None: `choose_num_splits`).
 
     num_splits only applies to decode-only batches (metadata.max_query_len == 1); must be >= 1.
-    rope: the query is unrotated and this step's key / value are not in the cache yet; the launch rotates
-    both and writes the cache (`RopeCache`). Unsplit, non-cascade decode launches of 16-bit dtypes only
-    (`rope_cache_applies`).
     """
     _check_contract(query, kv_cache, metadata)
     num_tokens, num_heads, head_dim = query.shape
@@ -667,7 +563,6 @@ def launch_paged_attention(
         metadata.block_tables.stride(0),
     )
     log2_scale = scale * _LOG2E
-    rope_args = _rope_args(query, kv_cache, metadata, rope)
 
     if not is_decode:
         # Rows per tile: enough for the longest query (times the group), at most 128 (register budget).
@@ -678,7 +573,7 @@ def launch_paged_attention(
         _paged_attention_kernel[grid](
             query, k_cache, v_cache, out, out, out, out,
             metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, metadata.seq_lens, metadata.seq_lens,
-            log2_scale, num_reqs, 1, 0, 1, *strides, *rope_args,
+            log2_scale, num_reqs, 1, 0, 1, *strides,
             BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=64,
             IS_DECODE=False, USE_SPLITS=False, CASCADE=False, PREFETCH_IDS=DECODE_PREFETCH_IDS,
             num_warps=8 if block_m >= 128 else 4, num_stages=2,
@@ -699,16 +594,12 @@ def launch_paged_attention(
     if prefetch:
         launch["num_stages"] = decode_stages(launch["num_stages"], launch["TILE_N"], head_dim, k_cache.element_size())
     decode_kwargs = dict(BLOCK_M=block_m, BLOCK_Q=1, IS_DECODE=True, PREFETCH_IDS=prefetch, **launch, **common)
-    if rope is not None:
-        assert one_split and query.dtype in _ROPE_DTYPES, (
-            "rope: unsplit, non-cascade decode launches of 16-bit dtypes only (see rope_cache_applies)"
-        )
     if one_split:
         _paged_attention_kernel[(num_reqs, num_kv_heads, 1)](
             query, k_cache, v_cache, out, out, out, out,
             metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, metadata.seq_lens, metadata.seq_lens,
-            log2_scale, num_reqs, 1, 0, 1, *strides, *rope_args,
-            USE_SPLITS=False, CASCADE=False, ROPE_CACHE=rope is not None, **decode_kwargs,
+            log2_scale, num_reqs, 1, 0, 1, *strides,
+            USE_SPLITS=False, CASCADE=False, **decode_kwargs,
         )  # fmt: skip
         return out
 
@@ -748,7 +639,7 @@ def launch_paged_attention(
         query, k_cache, v_cache, out, partial_acc, partial_max, partial_sum,
         metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
         prefix_len if cascade else metadata.seq_lens, counters,
-        log2_scale, num_reqs, num_splits, prefix_splits, total_splits, *strides, *rope_args,
+        log2_scale, num_reqs, num_splits, prefix_splits, total_splits, *strides,
         USE_SPLITS=not merge_in_own, CASCADE=cascade, FUSED_MERGE=fused_merge, **decode_kwargs,
     )  # fmt: skip
     if merge_in_own or fused_merge:

@@ -77,12 +77,6 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if rotated is None and self.q_norm is None:  # large GPU decode batches: rotary and cache write in attention
-            out = ops.decode_attention_rope_cache(
-                q, k, v, positions, self.rotary_emb.cos_sin_cache, kv_cache, attn_metadata, self.attn.scale
-            )
-            if out is not None:
-                return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
         if rotated is None:
             if self.q_norm is not None and self.k_norm is not None:
                 q = self.q_norm(q)[0]

@@ -308,42 +308,6 @@ def test_fast_path_switches_do_not_change_output(
     assert results[True] == results[False]
 
 
-@pytest.mark.parametrize("model", list(MODELS))
-@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
-def test_rope_in_decode_attention_does_not_change_output(
-    checkpoints: dict[str, str], model: str, enforce_eager: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """bf16 decode batches large enough for one KV split (150 requests): the attention launch that rotates q / k
-    and writes the cache itself gives bitwise the greedy tokens and logprobs of the rotary kernel followed by
-    attention, in CUDA graphs and eagerly; and it did run (in the graphs' capture or in the eager steps)."""
-    from kvserve.kernels import ops, triton_attention
-
-    launches = {"rope": 0}
-    launch = triton_attention.launch_paged_attention
-
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        launches["rope"] += kwargs.get("rope") is not None
-        return launch(*args, **kwargs)
-
-    monkeypatch.setattr(triton_attention, "launch_paged_attention", counting)
-    generator = torch.Generator().manual_seed(12)
-    prompts = [torch.randint(3, VOCAB, (int(n),), generator=generator).tolist()
-               for n in torch.randint(5, 60, (150,), generator=generator)]
-    results = {}
-    try:
-        for on in (True, False):
-            ops.set_attention_rope_fusion(on)
-            launches["rope"] = 0
-            core = _core(checkpoints[model], "bfloat16", enforce_eager=enforce_eager, max_num_seqs=160,
-                         max_num_batched_tokens=2048)
-            results[on] = _generate(core, prompts, 12, logprobs=2)
-            assert (launches["rope"] > 0) == on, launches
-            del core
-    finally:
-        ops.set_attention_rope_fusion(True)
-    assert results[True] == results[False]
-
-
 def _teacher_forced_logprobs(model: torch.nn.Module, prompt: list[int], generated: list[int]) -> torch.Tensor:
     """float32 [len(generated), vocab]: log-softmax at every position that predicted a generated token."""
     ids = torch.tensor([prompt + generated[:-1]], device="cuda")

@@ -547,16 +547,6 @@ def test_kernels_compile_for_hopper(device, hopper_compiler):
                         *b, 0.1, num_splits=s
                     ),
                 )
-        if dtype != torch.float32:  # the launch that rotates q / k and writes the cache, both one-split tilings
-            q, kv, md, rope = rope_decode_case(3, num_heads, num_kv_heads, head_dim, dtype, device)
-            for busy in (False, True):
-                with pytest.MonkeyPatch.context() as patch:
-                    patch.setattr(triton_attention, "DECODE_BUSY_PROGRAMS_PER_SM", 0 if busy else 64)
-                    hopper_compiler.record(
-                        triton_attention, attention_kernels[:1],
-                        lambda q=q, kv=kv, md=md, rope=rope: launch_paged_attention(q, kv, md, 0.1, num_splits=1,
-                                                                                    rope=rope),
-                    )
         key = decode[0][:, :num_kv_heads]
         slot_mapping = torch.zeros(2, dtype=torch.int64, device=device)
         hopper_compiler.record(
@@ -579,9 +569,6 @@ def test_kernels_compile_for_hopper(device, hopper_compiler):
             assert per_sm * (result["shared_bytes"] + 1024) <= 228 * 1024, (c, result)
             resident.add((c["TILE_N"], c["PREFETCH_IDS"]))
     assert resident == {(64, True), (128, False)}  # both one-split tilings were compiled
-    ropes = {(s["constexprs"]["TILE_N"], s["signature"]["q_ptr"]) for s in hopper_compiler.specs
-             if s["kernel"] == "_paged_attention_kernel" and s["constexprs"].get("ROPE_CACHE")}
-    assert ropes == {(64, "*bf16"), (128, "*bf16"), (64, "*fp16"), (128, "*fp16")}
 
 
 # ------------------------------------------------------------------------------------ GPU only
@@ -695,116 +682,3 @@ def test_padding_request_of_no_length_reads_no_unwritten_slot(stale: float) -> N
     assert torch.isfinite(want).all()
     torch.testing.assert_close(got[:real], want, **TOLERANCES[torch.float32])
     assert torch.equal(got[real:], torch.zeros_like(got[real:]))
-
-
-# ------------------------------------------------------------- rotary + cache write inside decode attention
-
-
-def rope_decode_case(
-    num_reqs: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-    padding_rows: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, triton_attention.RopeCache]:
-    """A decode batch whose new key / value are not in the cache yet: unrotated query, key and value as a
-    fused q/k/v output's views, positions seq_len - 1, and the last `padding_rows` requests graph padding
-    (seq_len 0, slot -1)."""
-    from kvserve.layers.rotary import compute_cos_sin_cache, compute_inv_freq
-
-    seq_lens = [37 + 29 * i for i in range(num_reqs)]
-    query, kv_cache, metadata = make_batch([1] * num_reqs, seq_lens, num_heads, num_kv_heads, head_dim, 16, dtype,
-                                           device, seed=num_reqs)
-    gen = torch.Generator().manual_seed(7)
-    qkv = torch.randn(num_reqs, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(device=device,
-                                                                                           dtype=dtype)
-    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    q = q.view(num_reqs, num_heads, head_dim)
-    k = k.view(num_reqs, num_kv_heads, head_dim)
-    v = v.view(num_reqs, num_kv_heads, head_dim)
-    cos_sin = compute_cos_sin_cache(compute_inv_freq(head_dim, 10000.0), 4096).to(device)
-    seq_lens_t = metadata.seq_lens.clone()
-    slots = metadata.slot_mapping.clone()
-    for r in range(num_reqs - padding_rows, num_reqs):
-        seq_lens_t[r] = 0
-        slots[r] = -1
-        metadata.seq_lens_cpu[r] = 0
-    metadata.seq_lens = seq_lens_t
-    metadata.slot_mapping = slots
-    positions = (seq_lens_t.to(torch.int64) - 1).clamp(min=0)
-    return q, kv_cache, metadata, triton_attention.RopeCache(k, v, positions, cos_sin, slots)
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(7, 1, 128), (6, 2, 64)])
-@pytest.mark.parametrize("busy", [False, True], ids=["tiles64", "busy"])
-def test_decode_rope_cache_launch_equals_the_separate_kernels(dtype, num_heads, num_kv_heads, head_dim, busy,
-                                                              device, skip_bf16_on_interpreter, monkeypatch):
-    """One launch that rotates q / k and writes the cache gives the bits of the rotary kernel (with its cache
-    write) followed by the decode launch: the same output and the same cache, padding rows included (their
-    slot -1 writes nothing, their output is 0)."""
-    from kvserve.kernels import triton_elementwise
-
-    skip_bf16_on_interpreter(dtype)
-    if busy:
-        monkeypatch.setattr(triton_attention, "DECODE_BUSY_PROGRAMS_PER_SM", 0)
-    q, kv_cache, metadata, rope = rope_decode_case(5, num_heads, num_kv_heads, head_dim, dtype, device,
-                                                   padding_rows=1)
-    scale = head_dim**-0.5
-    separate_cache = kv_cache.clone()
-    q_rot, _ = triton_elementwise.rotary_embedding(rope.positions, q, rope.key, rope.cos_sin_cache, rope.value,
-                                                   separate_cache, rope.slot_mapping)
-    expected = launch_paged_attention(q_rot, separate_cache, metadata, scale, num_splits=1)
-    fused_cache = kv_cache.clone()
-    out = torch.full_like(q, float("nan"))
-    returned = launch_paged_attention(q, fused_cache, metadata, scale, out, num_splits=1, rope=rope)
-    assert returned is out
-    assert torch.equal(fused_cache, separate_cache)
-    assert not torch.equal(fused_cache, kv_cache)  # the step's key / value were written
-    assert torch.equal(out, expected)
-    assert torch.count_nonzero(out[-1]) == 0  # the padding row
-    # And against the torch reference of the unfused ops.
-    ref_q, ref_k = reference.rotary_embedding(rope.positions, q, rope.key, rope.cos_sin_cache)
-    ref_cache = kv_cache.clone()
-    valid = rope.slot_mapping >= 0
-    reference.reshape_and_cache(ref_k[valid], rope.value[valid], ref_cache, rope.slot_mapping[valid])
-    torch.testing.assert_close(out, reference.paged_attention(ref_q, ref_cache, metadata, scale),
-                               **TOLERANCES[dtype])
-
-
-def test_rope_cache_launch_refuses_what_it_cannot_do(device):
-    """Splits (several programs would share the cache write), cascade batches and float32 (no rounding
-    between the products and their sum to keep the compiler from fusing them) are not for this launch."""
-    q, kv_cache, metadata, rope = rope_decode_case(3, 7, 1, 128, torch.float16, device)
-    assert triton_attention.rope_cache_applies(q, kv_cache, metadata, 1)
-    assert not triton_attention.rope_cache_applies(q, kv_cache, metadata, 2)
-    assert not triton_attention.rope_cache_applies(q.float(), kv_cache.float(), metadata, 1)
-    assert not triton_attention.rope_cache_applies(q, kv_cache, share_prefix(metadata, 1, 16), 1)
-    with pytest.raises(AssertionError, match="unsplit"):
-        launch_paged_attention(q, kv_cache, metadata, 0.1, num_splits=2, rope=rope)
-
-
-def test_ops_takes_the_fused_launch_only_where_it_applies(monkeypatch):
-    """`ops.decode_attention_rope_cache` answers None (the caller runs the separate ops) off CUDA, for
-    prefill / mixed batches and when turned off; the decision reads host ints only."""
-    from kvserve.kernels import ops
-
-    q, kv_cache, metadata, rope = rope_decode_case(3, 7, 1, 128, torch.float16, torch.device("cpu"))
-    args = (q, rope.key, rope.value, rope.positions, rope.cos_sin_cache, kv_cache, metadata, 0.1)
-    assert ops.decode_attention_rope_cache(*args) is None  # CPU tensors: the reference path
-    calls: list[dict] = []
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    monkeypatch.setattr(ops, "_num_sms", lambda device: 2)
-    monkeypatch.setattr(triton_attention, "launch_paged_attention",
-                        lambda *a, **k: calls.append(k) or "launched")
-    assert ops.decode_attention_rope_cache(*args) == "launched"  # 3 requests x 1 KV head >= 2 SMs: one split
-    assert calls[-1]["rope"].key is rope.key and calls[-1]["rope"].slot_mapping is metadata.slot_mapping
-    monkeypatch.setattr(ops, "_num_sms", lambda device: 64)  # small batch on a big GPU: splits, not fused
-    metadata.max_seq_len = 4096  # (a graph captured at max_model_len; short contexts would take one split)
-    assert ops.decode_attention_rope_cache(*args) is None
-    monkeypatch.setattr(ops, "_num_sms", lambda device: 2)
-    ops.set_attention_rope_fusion(False)
-    try:
-        assert ops.decode_attention_rope_cache(*args) is None
-    finally:
-        ops.set_attention_rope_fusion(True)
-    metadata.max_query_len = 2
-    assert ops.decode_attention_rope_cache(*args) is None
-    assert len(calls) == 1
