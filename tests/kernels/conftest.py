@@ -54,6 +54,40 @@ def _redecorate_triton_library() -> None:
 
 if INTERPRET and "triton.language" in sys.modules:
     _redecorate_triton_library()
+
+
+def _shape_invariant_interpreter_dot() -> None:
+    """Make the interpreter's `tl.dot` give each output element the same bits whatever the operands' shapes.
+
+    The interpreter computes a dot as `np.matmul(a, b, dtype=float32)`, i.e. BLAS sgemm, whose rounding can
+    depend on the matrix shape: with numpy 2.4.6 (OpenBLAS 0.3.31) a [70, 256] x [256, 32] product differs
+    in the last bits from the first 32 columns of [70, 256] x [256, 256], from 16 rows up. Tests that
+    compare two tilings or a fused epilogue with the separate kernels bitwise then fail for the emulation,
+    not for the kernels (a GPU's MMA accumulates each tile the same way whatever the grid). Summing the
+    16-bit products in float64 and rounding once to the accumulator's float32 gives the same bits for every
+    shape (short of a double-rounding tie, which these small sums do not meet). 8-bit operands keep Triton's
+    own emulation."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    handle = getattr(interpreter, "TensorHandle", None)
+    original = getattr(builder, "create_dot", None)
+    if builder is None or handle is None or original is None or getattr(original, "_kvserve_float64", False):
+        return
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # noqa: ANN001, ANN202
+        if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8 or d.data.dtype != np.float32:
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        product = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64)).astype(np.float32)
+        return handle(product + d.data, d.dtype.scalar)
+
+    create_dot._kvserve_float64 = True  # type: ignore[attr-defined]
+    builder.create_dot = create_dot
+
+
+if INTERPRET:
+    _shape_invariant_interpreter_dot()
 # Kernel modules imported before this point were decorated for compilation: decorate them again.
 for _name in [m for m in sys.modules if m.startswith("kvserve.kernels.triton_")]:
     importlib.reload(sys.modules[_name])
