@@ -48,16 +48,21 @@ def _prefetch_lines(base_ptr, first_line, num_lines, BLOCK: tl.constexpr, EVICT_
 
 
 @triton.jit
+def _prefetch_share(pf_ptr, pf_lines, PF_BLOCK: tl.constexpr, EVICT_LAST: tl.constexpr):
+    """This program's equal share of the `pf_lines` lines at `pf_ptr`, prefetched."""
+    per = tl.cdiv(pf_lines, tl.num_programs(0))
+    first = tl.program_id(0) * per
+    count = tl.minimum(per, pf_lines - first)
+    if count > 0:
+        _prefetch_lines(pf_ptr, first, count, PF_BLOCK, EVICT_LAST)
+
+
+@triton.jit
 def _stream_kernel(src_ptr, n_per_prog, out_ptr, pf_ptr, pf_lines, BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
                    EVICT_FIRST: tl.constexpr, EVICT_LAST: tl.constexpr, PF_BLOCK: tl.constexpr):
     pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
     if PREFETCH:
-        per = tl.cdiv(pf_lines, nprog)
-        first = pid * per
-        count = tl.minimum(per, pf_lines - first)
-        if count > 0:
-            _prefetch_lines(pf_ptr, first, count, PF_BLOCK, EVICT_LAST)
+        _prefetch_share(pf_ptr, pf_lines, PF_BLOCK, EVICT_LAST)
     base = src_ptr + pid.to(tl.int64) * n_per_prog
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, n_per_prog, BLOCK):
@@ -74,13 +79,8 @@ def _stream_kernel(src_ptr, n_per_prog, out_ptr, pf_ptr, pf_lines, BLOCK: tl.con
 def _tiny_kernel(x_ptr, n, pf_ptr, pf_lines, BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
                  EVICT_LAST: tl.constexpr, PF_BLOCK: tl.constexpr):
     pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
     if PREFETCH:
-        per = tl.cdiv(pf_lines, nprog)
-        first = pid * per
-        count = tl.minimum(per, pf_lines - first)
-        if count > 0:
-            _prefetch_lines(pf_ptr, first, count, PF_BLOCK, EVICT_LAST)
+        _prefetch_share(pf_ptr, pf_lines, PF_BLOCK, EVICT_LAST)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
     tl.store(x_ptr + offs, x * 1.0001, mask=offs < n)
