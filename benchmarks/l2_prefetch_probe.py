@@ -14,7 +14,9 @@ replay before), timed by graph replay:
 * down+tiny+qkv: a 64-row matmul with an 18944 x 3584 weight, a tiny kernel, then one with 4608 x 3584;
               the tiny kernel optionally prefetches the second weight.
 
-Prints a table (ms per 28 layers, and the gain against no prefetch) and writes JSON to --out.
+Prints a table (ms per 28 layers and µs per layer, each the better of two rounds) and writes JSON to --out.
+Timed with `attention_sweep.time_graph` (mean of back-to-back replays); the session-13 results
+(`benchmarks/results/h200-2026-12-01/session13/call1`) were taken at 74ee0a0 with the median of single replays.
 Run on the GPU only: `python benchmarks/l2_prefetch_probe.py --out /tmp/l2probe`.
 """
 
@@ -23,12 +25,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attention_sweep import time_graph  # noqa: E402
 
 LINE = 128  # bytes per L2 line
 
@@ -84,32 +89,6 @@ def _tiny_kernel(x_ptr, n, pf_ptr, pf_lines, BLOCK: tl.constexpr, PREFETCH: tl.c
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
     tl.store(x_ptr + offs, x * 1.0001, mask=offs < n)
-
-
-def time_graph(fn, reps: int = 30) -> float:
-    """Median ms of one replay of `fn` captured in a CUDA graph."""
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -180,7 +159,7 @@ def main() -> None:
             outs[name] = min(outs[name], ms)
             print(f"{name:48s} {ms:8.3f} ms", flush=True)
     print()
-    print(f"{'case':48s} {'ms / 28 layers':>14s} {'us / layer':>10s}")
+    print(f"{'case':48s} {f'ms / {layers} layers':>14s} {'us / layer':>10s}")
     for name, ms in outs.items():
         print(f"{name:48s} {ms:14.3f} {ms * 1000 / layers:10.1f}")
     args.out.mkdir(parents=True, exist_ok=True)
