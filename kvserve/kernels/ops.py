@@ -216,10 +216,62 @@ def set_qkv_rope_fusion(enabled: bool) -> None:
     _qkv_rope_fusion = enabled
 
 
+# Prefill-sized batches (PREFILL_GATE_UP_MIN_ROWS rows and more) on sm_90+ run the gate/up matmul as a Triton
+# TMA matmul with SiLU-and-mul in its epilogue (kernels/triton_gate_up.py): at 8192 rows of the Qwen2.5-7B
+# shape it took 2.98-3.01 ms against 3.11-3.20 for cuBLAS then silu_and_mul (docs/perf_notes.md entry 32).
+# Its own switch: unlike the small-row epilogue it does not give the unfused ops' bits (cuBLAS sums in
+# another order).
+PREFILL_GATE_UP_MIN_ROWS = 1024
+_prefill_silu_fusion = True
+
+
+def set_prefill_gate_up_fusion(enabled: bool) -> None:
+    """Run prefill-sized gate/up projections as one Triton matmul with SiLU-and-mul (default on sm_90+), or as
+    cuBLAS then `silu_and_mul` (A/B)."""
+    global _prefill_silu_fusion
+    _prefill_silu_fusion = enabled
+
+
+def prefill_gate_up_config(num_rows: int, capability: tuple[int, int]) -> Any:
+    """The tiling of the fused prefill gate/up matmul for num_rows rows on a GPU of this compute capability,
+    or None where the two ops run (fewer rows, no TMA before sm_90, fusion switched off)."""
+    if not _prefill_silu_fusion or num_rows < PREFILL_GATE_UP_MIN_ROWS or capability[0] < 9:
+        return None
+    module = _triton_module("triton_gate_up")
+    return None if module is None else module.PREFILL_CONFIG
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def _prefill_gate_up(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    global _prefill_silu_fusion
+    if not (x.is_cuda and x.dim() == 2):
+        return None
+    config = prefill_gate_up_config(x.shape[0], _capability(x.device))
+    module = _triton_module("triton_gate_up")
+    if config is None or module is None or not module.fits(x, weight, bias, config):
+        return None
+    try:
+        return module.gate_up_silu(x, weight, config)
+    except module.OutOfResources as exc:  # a GPU with less shared memory than the tiling needs
+        logger.warning("fused prefill gate/up matmul unavailable on this GPU (%s); using torch", exc)
+        _prefill_silu_fusion = False
+        return None
+
+
 def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """silu_and_mul(linear(x, weight, bias)) for a [gate; up] weight of 2 d rows: [num_tokens, d]."""
-    fuse = _silu_fusion and _elementwise_backend == "triton"
-    out = _skinny(x, weight, bias, silu_mul=True) if fuse else None
+    """silu_and_mul(linear(x, weight, bias)) for a [gate; up] weight of 2 d rows: [num_tokens, d]. On CUDA
+    with the Triton elementwise backend: one fused launch for small-row batches (`_skinny`) and for
+    prefill-sized ones (`_prefill_gate_up`)."""
+    out = None
+    if _elementwise_backend == "triton":
+        if _silu_fusion:
+            out = _skinny(x, weight, bias, silu_mul=True)
+        if out is None:
+            out = _prefill_gate_up(x, weight, bias)
     return silu_and_mul(linear(x, weight, bias)) if out is None else out
 
 
@@ -569,6 +621,9 @@ __all__ = [
     "rotary_embedding_and_cache",
     "set_elementwise_backend",
     "set_gate_up_silu_fusion",
+    "set_prefill_gate_up_fusion",
+    "prefill_gate_up_config",
+    "PREFILL_GATE_UP_MIN_ROWS",
     "set_qkv_rope_fusion",
     "set_rotary_cache_fusion",
     "set_skinny_gemm",

@@ -317,13 +317,31 @@ def _teacher_forced_logprobs(model: torch.nn.Module, prompt: list[int], generate
 
 
 @pytest.mark.parametrize("model", list(MODELS))
-def test_bf16_logprobs_agree_with_hf(checkpoints: dict[str, str], model: str) -> None:
+@pytest.mark.parametrize("prefill", ["chunks", "long"])
+def test_bf16_logprobs_agree_with_hf(
+    checkpoints: dict[str, str], model: str, prefill: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """"chunks": short prompts in 512-token steps; "long": three prompts of 700-1000 tokens prefilled in
+    one step of more than ops.PREFILL_GATE_UP_MIN_ROWS rows, where sm_90+ runs the fused gate/up matmul."""
     from transformers import AutoModelForCausalLM
 
+    from kvserve.kernels import ops, triton_gate_up
+
     path = checkpoints[model]
-    prompts = _prompts(6, seed=11)
     k = 5
-    outs = _generate(_core(path, "bfloat16", enforce_eager=False), prompts, 16, logprobs=k)
+    if prefill == "chunks":
+        prompts, core = _prompts(6, seed=11), _core(path, "bfloat16", enforce_eager=False)
+    else:
+        generator = torch.Generator().manual_seed(12)
+        prompts = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in (700, 1000, 850)]
+        core = _core(path, "bfloat16", enforce_eager=False, max_model_len=2048, max_num_batched_tokens=4096)
+    fused_calls = []
+    launch = triton_gate_up.gate_up_silu
+    monkeypatch.setattr(triton_gate_up, "gate_up_silu", lambda *a, **kw: fused_calls.append(1) or launch(*a, **kw))
+    outs = _generate(core, prompts, 16, logprobs=k)
+    fused_expected = prefill == "long" and ops.prefill_gate_up_config(
+        ops.PREFILL_GATE_UP_MIN_ROWS, torch.cuda.get_device_capability()) is not None
+    assert bool(fused_calls) == fused_expected
     hf32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
     hf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
     kv_err, hf_err, top1_agree, total = 0.0, 0.0, 0, 0

@@ -242,6 +242,46 @@ def test_matmul_epilogues_at_qwen_shape(m: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [ops.PREFILL_GATE_UP_MIN_ROWS, 4100])
+def test_prefill_gate_up_at_qwen_shape(dtype: torch.dtype, m: int) -> None:
+    """The fused prefill gate/up matmul at the Qwen2.5-7B MLP shape, captured in a CUDA graph and replayed on
+    new inputs with its output poisoned: as close to a float32 matmul + SiLU-and-mul as cuBLAS then
+    `silu_and_mul` are (they are not bitwise equal: the two matmuls sum in different orders)."""
+    if ops.prefill_gate_up_config(m, torch.cuda.get_device_capability()) is None:
+        pytest.skip("the fused prefill gate/up matmul needs sm_90+ (TMA)")
+    from kvserve.kernels import triton_gate_up
+
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    hidden, inter = 3584, 18944
+    w = (torch.randn(2 * inter, hidden, generator=gen, device="cuda") * hidden**-0.5).to(dtype)
+    x = torch.zeros(m, hidden, dtype=dtype, device="cuda")
+    calls = []
+    launch = triton_gate_up.gate_up_silu
+    triton_gate_up.gate_up_silu = lambda *a, **kw: calls.append(1) or launch(*a, **kw)
+    try:
+        ops.linear_silu_mul(x, w)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = ops.linear_silu_mul(x, w)
+    finally:
+        triton_gate_up.gate_up_silu = launch
+    assert calls, "the fused prefill path did not run"
+    for replay in range(2):
+        x.copy_(torch.randn(m, hidden, generator=gen, device="cuda"))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        gate, up = torch.nn.functional.linear(x.float(), w.float()).split(inter, dim=-1)
+        exact = torch.nn.functional.silu(gate) * up
+        unfused = ops.silu_and_mul(torch.nn.functional.linear(x, w))
+        fused_err = (out.float() - exact).abs()
+        unfused_err = (unfused.float() - exact).abs()
+        assert not out.isnan().any(), replay
+        assert fused_err.max() <= 1.5 * unfused_err.max(), (replay, fused_err.max(), unfused_err.max())
+        assert fused_err.mean() <= 1.1 * unfused_err.mean(), (replay, fused_err.mean(), unfused_err.mean())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [48, 200, 1024])
 def test_every_cublaslt_candidate_computes_linear(dtype: torch.dtype, m: int) -> None:
     """Each algorithm cuBLASLt's heuristic offers (pooled over the workspace limits) computes

@@ -197,6 +197,8 @@ def _launch_spec(
             signature[param.name] = "*" + _TRITON_TYPES[value.dtype]
             if value.data_ptr() % 16 == 0:
                 divisible.append(i)
+        elif type(value).__name__ == "TensorDescriptor":  # triton.tools.tensor_descriptor (TMA, host-built)
+            signature[param.name] = f"tensordesc<{_TRITON_TYPES[value.base.dtype]}{list(value.block_shape)}>"
         elif isinstance(value, float):
             signature[param.name] = "fp32"
         elif isinstance(value, int):

@@ -1,0 +1,126 @@
+"""The prefill gate/up matmul with SiLU-and-mul in its epilogue (kvserve/kernels/triton_gate_up.py) against a
+float32 matmul followed by the separate `silu_and_mul`, its contract, and the ops rule that picks it.
+
+The output comes from `torch.empty`, made NaN by `poison_allocations`: a tile never stored fails.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kvserve.kernels import ops, reference, triton_gate_up  # noqa: E402
+from kvserve.kernels.triton_gate_up import GateUpConfig, fits, gate_up_silu  # noqa: E402
+
+SMALL = dict(block_m=32, block_n=32, block_k=32, num_stages=2, num_warps=4, group_m=2)
+CONFIGS = {
+    "pointers": GateUpConfig(**SMALL),
+    "tma": GateUpConfig(**SMALL, use_tma=True),
+    "tma-persistent": GateUpConfig(**SMALL, use_tma=True, persistent=True),
+    "pointers-group1": GateUpConfig(**(SMALL | {"group_m": 1})),
+}
+
+
+@pytest.fixture(autouse=True)
+def _poison(poison_allocations):
+    poison_allocations(triton_gate_up)
+
+
+def operands(m: int, d: int, k: int, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
+    w = (torch.randn(2 * d, k, generator=gen) * k**-0.5).to(device=device, dtype=dtype)
+    return x, w
+
+
+def two_ops(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The unfused result with a float32 matmul rounded once: what the kernel's epilogue promises."""
+    return reference.silu_and_mul(torch.nn.functional.linear(x.float(), w.float()).to(x.dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(CONFIGS))
+# Partial tiles on every axis: rows (70 = 2 x 32 + 6), gate/up columns (80 = 2 x 32 + 16), K (96 + 16); and
+# more row tiles than a group, so the grouped walk wraps.
+@pytest.mark.parametrize("m,d,k", [(64, 64, 64), (70, 80, 112), (150, 48, 64)])
+def test_matches_float32_matmul_then_silu_and_mul(dtype, name, m, d, k, device, skip_bf16_on_interpreter):
+    skip_bf16_on_interpreter(dtype)
+    x, w = operands(m, d, k, dtype, device)
+    out = gate_up_silu(x, w, CONFIGS[name])
+    assert out.shape == (m, d) and out.dtype == dtype
+    tol = 2**-7 if dtype == torch.bfloat16 else 2**-10
+    torch.testing.assert_close(out.float(), two_ops(x, w).float(), rtol=tol, atol=1e-3)
+
+
+def test_writes_into_a_given_output_and_reads_row_strided_x(device):
+    """x may be a row slice of a wider tensor (stride(0) > K); `out` is filled in place."""
+    x_wide, w = operands(40, 32, 128, torch.float16, device)
+    x = x_wide[:, :64]
+    w = w[:, :64].contiguous()
+    out = torch.full((40, 32), float("nan"), dtype=torch.float16, device=device)
+    for config in (CONFIGS["pointers"], CONFIGS["tma"]):
+        out.fill_(float("nan"))
+        assert gate_up_silu(x, w, config, out=out) is out
+        torch.testing.assert_close(out.float(), two_ops(x, w).float(), rtol=2**-10, atol=1e-3)
+
+
+def test_fits():
+    x, w = operands(8, 32, 64, torch.float16, torch.device("cpu"))
+    tma, ptr = CONFIGS["tma"], CONFIGS["pointers"]
+    assert fits(x, w, None, tma) and fits(x, w, None, ptr)
+    assert not fits(x, w, torch.zeros(64, dtype=torch.float16), ptr)  # bias: not in the epilogue
+    assert not fits(x, w[:63], None, ptr)  # odd row count: no gate/up halves
+    assert not fits(x.float(), w.float(), None, ptr)  # 16-bit operands only
+    assert not fits(x, w.to(torch.bfloat16), None, ptr)
+    assert not fits(x, w[:, :32], None, ptr)  # K differs
+    assert not fits(x.t(), w, None, ptr)  # inner stride must be 1
+    # A tensor descriptor needs 16-byte aligned starts and row strides; plain pointers do not.
+    x_wide = torch.zeros(8, 65, dtype=torch.float16)[:, 1:]
+    assert fits(x_wide, w, None, ptr) and not fits(x_wide, w, None, tma)
+    x_odd_stride = torch.zeros(8, 68, dtype=torch.float16)[:, :64]  # 136-byte rows
+    assert not fits(x_odd_stride, w, None, tma)
+
+
+def test_prefill_rule(monkeypatch):
+    """The fused prefill matmul is for PREFILL_GATE_UP_MIN_ROWS rows and more, on sm_90+, unless switched
+    off."""
+    rows = ops.PREFILL_GATE_UP_MIN_ROWS
+    assert ops.prefill_gate_up_config(rows, (9, 0)) == triton_gate_up.PREFILL_CONFIG
+    assert ops.prefill_gate_up_config(8 * rows, (10, 0)) == triton_gate_up.PREFILL_CONFIG
+    assert ops.prefill_gate_up_config(rows - 1, (9, 0)) is None
+    assert ops.prefill_gate_up_config(rows, (8, 9)) is None  # no TMA
+    assert triton_gate_up.PREFILL_CONFIG.use_tma
+    ops.set_prefill_gate_up_fusion(False)
+    try:
+        assert ops.prefill_gate_up_config(rows, (9, 0)) is None
+    finally:
+        ops.set_prefill_gate_up_fusion(True)
+
+
+def test_ops_linear_silu_mul_large_cpu_batch_is_the_two_ops():
+    """CPU tensors never reach the Triton kernel, however many rows."""
+    x, w = operands(ops.PREFILL_GATE_UP_MIN_ROWS, 16, 32, torch.float32, torch.device("cpu"))
+    assert torch.equal(ops.linear_silu_mul(x, w), ops.silu_and_mul(torch.nn.functional.linear(x, w)))
+
+
+def test_compiles_for_hopper_at_the_engine_tiling(device, hopper_compiler):
+    """The engine's tiling at the Qwen2.5-7B MLP shape, with TMA descriptors and with pointers, compiles for
+    sm_90 within its shared memory (the interpreter does not check layouts or shared memory)."""
+    if hopper_compiler.pdl:
+        pytest.skip("the prefill matmul launches without programmatic dependent launch")
+    hidden, intermediate = 3584, 18944
+    for dtype in (torch.bfloat16, torch.float16):
+        x = torch.zeros(1000, hidden, dtype=dtype, device=device)
+        w = torch.zeros(2 * intermediate, hidden, dtype=dtype, device=device)
+        config = triton_gate_up.PREFILL_CONFIG
+        hopper_compiler.record(triton_gate_up, ["_gate_up_silu_tma_kernel"], partial(gate_up_silu, x, w, config))
+        pointers = GateUpConfig(**(vars(config) | {"use_tma": False}))
+        hopper_compiler.record(triton_gate_up, ["_gate_up_silu_kernel"], partial(gate_up_silu, x, w, pointers))
+    results = hopper_compiler.compile_all()
+    assert len(results) == 4
+    for result in results:
+        assert result["shared_bytes"] <= 227 * 1024, result
