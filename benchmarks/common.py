@@ -254,3 +254,38 @@ class Driver:
 
 def random_prompts(generator: torch.Generator, lengths: list[int], vocab: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+class GpuEnergy:
+    """The GPU's energy counter through NVML (`nvmlDeviceGetTotalEnergyConsumption`, millijoules since the
+    driver loaded), read with ctypes from the driver's libnvidia-ml: no Python package needed. `available`
+    is False where the library or the counter is missing (then `read_mj` returns None)."""
+
+    def __init__(self, index: int = 0) -> None:
+        import ctypes
+
+        self._ctypes = ctypes
+        self._handle = ctypes.c_void_p()
+        self.available = False
+        try:
+            self._lib = ctypes.CDLL("libnvidia-ml.so.1")
+            if self._lib.nvmlInit_v2() != 0:
+                return
+            if self._lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(self._handle)) != 0:
+                return
+            self.available = self.read_mj() is not None
+        except OSError:
+            return
+
+    def read_mj(self) -> int | None:
+        value = self._ctypes.c_ulonglong()
+        if self._lib.nvmlDeviceGetTotalEnergyConsumption(self._handle, self._ctypes.byref(value)) != 0:
+            return None
+        return int(value.value)
+
+    def sm_clock_mhz(self) -> int | None:
+        value = self._ctypes.c_uint()
+        # NVML_CLOCK_SM = 1
+        if self._lib.nvmlDeviceGetClockInfo(self._handle, 1, self._ctypes.byref(value)) != 0:
+            return None
+        return int(value.value)

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from attention_sweep import time_graph  # noqa: E402
-from common import write_result  # noqa: E402
+from common import GpuEnergy, write_result  # noqa: E402
 
 from kvserve.kernels import ops  # noqa: E402
 from kvserve.kernels.triton_gate_up import GateUpConfig, gate_up_silu  # noqa: E402
@@ -33,6 +33,28 @@ ROWS = [512, 1024, 2048, 4096, 8192]
 # (block_m, block_n, block_k, stages, warps)
 TILINGS = [(128, 128, 64, 3, 8), (128, 128, 64, 4, 8), (128, 64, 64, 4, 4), (128, 64, 64, 5, 4),
            (64, 128, 64, 4, 4), (128, 128, 128, 2, 8), (256, 64, 64, 3, 8), (128, 64, 128, 3, 4)]
+
+
+def sustained(fn: object, seconds: float, energy: GpuEnergy) -> tuple[float, float | None, int | None]:
+    """(ms per call, J per call or None, SM MHz at the end) over `seconds` of back-to-back graph replays,
+    after as long again of the same work to reach the power cap's steady clock."""
+    one = time_graph(fn, 3)
+    reps = max(3, int(seconds * 1e3 / one))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()  # type: ignore[operator]
+    for _ in range(reps):
+        graph.replay()
+    torch.cuda.synchronize()
+    start_mj = energy.read_mj() if energy.available else None
+    begin = time.perf_counter()
+    for _ in range(reps):
+        graph.replay()
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - begin) * 1e3 / reps
+    end_mj = energy.read_mj() if energy.available else None
+    joules = None if start_mj is None or end_mj is None else (end_mj - start_mj) / 1e3 / reps
+    return ms, joules, energy.sm_clock_mhz() if energy.available else None
 
 
 def main() -> int:
@@ -45,12 +67,16 @@ def main() -> int:
                         help="block_m,block_n,block_k,stages,warps;...")
     parser.add_argument("--group-ms", default="8")
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--sustained-s", type=float, default=0.0,
+                        help="also time each case replayed back to back for this long (the GPU then runs at its "
+                        "power cap's clock), with the energy per call from NVML")
     args = parser.parse_args()
     torch.manual_seed(0)
     dtype = torch.bfloat16
     weight = torch.randn(2 * INTERMEDIATE, HIDDEN, device="cuda", dtype=dtype) * HIDDEN**-0.5
     tilings = [tuple(int(v) for v in t.split(",")) for t in args.tilings.split(";")]
     results = []
+    all_configs: list[tuple[str, GateUpConfig]] = []
     for m in [int(v) for v in args.rows.split(",")]:
         x = torch.randn(m, HIDDEN, device="cuda", dtype=dtype)
         flops = 2.0 * m * HIDDEN * 2 * INTERMEDIATE
@@ -79,12 +105,26 @@ def main() -> int:
                         continue
                     ms = time_graph(lambda x=x, c=config: gate_up_silu(x, weight, c), args.reps)
                     rows.append((name, ms, err))
+                    all_configs.append((name, config))
                     print(f"  {m} {name}: {ms:.3f} ms (compile {compile_s:.1f} s, max err {err:.3g})", flush=True)
         rows.sort(key=lambda r: r[1])
         print(f"\nrows {m}: what            ms     TFLOP/s")
         for name, ms, err in rows:
             print(f"  {name:32s} {ms:8.3f} {flops / ms / 1e9:8.1f}")
             results.append({"rows": m, "what": name, "ms": ms, "tflops": flops / ms / 1e9, "max_err": err})
+        if args.sustained_s > 0:
+            energy = GpuEnergy()
+            best = next(name for name, _, _ in rows if name.startswith(("ptr", "tma")))
+            config = next(c for c in all_configs if c[0] == best)[1]
+            cases = {"cublas+silu_and_mul": lambda x=x: ops.silu_and_mul(torch.nn.functional.linear(x, weight)),
+                     best: lambda x=x, c=config: gate_up_silu(x, weight, c)}
+            print(f"rows {m} sustained {args.sustained_s:.1f} s: what      ms/call   J/call   SM MHz at end")
+            for _ in range(2):  # twice in turn
+                for name, fn in cases.items():
+                    ms, joules, mhz = sustained(fn, args.sustained_s, energy)
+                    jtext = "n/a" if joules is None else f"{joules:.3f}"
+                    print(f"  {name:32s} {ms:8.3f} {jtext:>8} {mhz}", flush=True)
+                    results.append({"rows": m, "what": name, "sustained_ms": ms, "joules": joules, "sm_mhz": mhz})
     write_result(args.out, "gate_up_sweep", vars(args) | {"out": str(args.out)}, results, "cuda")
     return 0
 

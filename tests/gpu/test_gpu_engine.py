@@ -334,7 +334,7 @@ def test_bf16_logprobs_agree_with_hf(
     else:
         generator = torch.Generator().manual_seed(12)
         prompts = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in (700, 1000, 850)]
-        core = _core(path, "bfloat16", enforce_eager=False, max_model_len=2048, max_num_batched_tokens=4096)
+        core = _core(path, "bfloat16", enforce_eager=False, max_num_batched_tokens=4096)
     fused_calls = []
     launch = triton_gate_up.gate_up_silu
     monkeypatch.setattr(triton_gate_up, "gate_up_silu", lambda *a, **kw: fused_calls.append(1) or launch(*a, **kw))
