@@ -961,7 +961,7 @@ def main() -> int:
                    help="one-prompt prefill: torch's own SDPA backend order (no flash/cuDNN choice by kvserve)")
     p.add_argument("--gate-up-silu-fusion", action=argparse.BooleanOptionalAction, default=True,
                    help="small batches: SiLU-and-mul in the gate/up matmul's epilogue")
-    p.add_argument("--prefill-gate-up-fusion", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--prefill-gate-up-fusion", action=argparse.BooleanOptionalAction, default=False,
                    help="prefill-sized batches (sm_90+): the gate/up matmul as one Triton launch with SiLU-and-mul")
     p.add_argument("--qkv-rope-fusion", action=argparse.BooleanOptionalAction, default=True,
                    help="small batches: rotary embedding and cache write in the q/k/v matmul's epilogue")

@@ -216,18 +216,19 @@ def set_qkv_rope_fusion(enabled: bool) -> None:
     _qkv_rope_fusion = enabled
 
 
-# Prefill-sized batches (PREFILL_GATE_UP_MIN_ROWS rows and more) on sm_90+ run the gate/up matmul as a Triton
-# TMA matmul with SiLU-and-mul in its epilogue (kernels/triton_gate_up.py): at 8192 rows of the Qwen2.5-7B
-# shape it took 2.98-3.01 ms against 3.11-3.20 for cuBLAS then silu_and_mul (docs/perf_notes.md entry 32).
-# Its own switch: unlike the small-row epilogue it does not give the unfused ops' bits (cuBLAS sums in
-# another order).
+# Opt-in: prefill-sized batches (PREFILL_GATE_UP_MIN_ROWS rows and more) on sm_90+ run the gate/up matmul as a
+# Triton TMA matmul with SiLU-and-mul in its epilogue (kernels/triton_gate_up.py). Alone, at 8192 rows of the
+# Qwen2.5-7B shape, it took 2.88-3.29 ms against 3.01-3.45 for cuBLAS then silu_and_mul; replayed back to
+# back for 1.5 s (the GPU at its power cap) both took 3.53-3.56 ms, the fused kernel with 7 % more energy
+# per call, and the engine's prefill-bound measures did not move (docs/perf_notes.md entry 32). Its own
+# switch: unlike the small-row epilogue it does not give the unfused ops' bits (cuBLAS sums in another order).
 PREFILL_GATE_UP_MIN_ROWS = 1024
-_prefill_silu_fusion = True
+_prefill_silu_fusion = False
 
 
 def set_prefill_gate_up_fusion(enabled: bool) -> None:
-    """Run prefill-sized gate/up projections as one Triton matmul with SiLU-and-mul (default on sm_90+), or as
-    cuBLAS then `silu_and_mul` (A/B)."""
+    """Run prefill-sized gate/up projections as one Triton matmul with SiLU-and-mul (opt-in, sm_90+), or as
+    cuBLAS then `silu_and_mul` (default)."""
     global _prefill_silu_fusion
     _prefill_silu_fusion = enabled
 

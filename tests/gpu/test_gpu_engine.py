@@ -322,13 +322,15 @@ def test_bf16_logprobs_agree_with_hf(
     checkpoints: dict[str, str], model: str, prefill: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """"chunks": short prompts in 512-token steps; "long": three prompts of 700-1000 tokens prefilled in
-    one step of more than ops.PREFILL_GATE_UP_MIN_ROWS rows, where sm_90+ runs the fused gate/up matmul."""
+    one step of more than ops.PREFILL_GATE_UP_MIN_ROWS rows, with the opt-in fused prefill gate/up matmul
+    switched on (it runs on sm_90+)."""
     from transformers import AutoModelForCausalLM
 
     from kvserve.kernels import ops, triton_gate_up
 
     path = checkpoints[model]
     k = 5
+    monkeypatch.setattr(ops, "_prefill_silu_fusion", prefill == "long")  # before the engine's warm-up
     if prefill == "chunks":
         prompts, core = _prompts(6, seed=11), _core(path, "bfloat16", enforce_eager=False)
     else:

@@ -85,26 +85,31 @@ def test_fits():
     assert not fits(x_odd_stride, w, None, tma)
 
 
-def test_prefill_rule(monkeypatch):
-    """The fused prefill matmul is for PREFILL_GATE_UP_MIN_ROWS rows and more, on sm_90+, unless switched
-    off."""
+def test_prefill_rule():
+    """The fused prefill matmul is opt-in; switched on, it is for PREFILL_GATE_UP_MIN_ROWS rows and more, on
+    sm_90+."""
     rows = ops.PREFILL_GATE_UP_MIN_ROWS
-    assert ops.prefill_gate_up_config(rows, (9, 0)) == triton_gate_up.PREFILL_CONFIG
-    assert ops.prefill_gate_up_config(8 * rows, (10, 0)) == triton_gate_up.PREFILL_CONFIG
-    assert ops.prefill_gate_up_config(rows - 1, (9, 0)) is None
-    assert ops.prefill_gate_up_config(rows, (8, 9)) is None  # no TMA
-    assert triton_gate_up.PREFILL_CONFIG.use_tma
-    ops.set_prefill_gate_up_fusion(False)
+    assert ops.prefill_gate_up_config(rows, (9, 0)) is None  # off by default
+    ops.set_prefill_gate_up_fusion(True)
     try:
-        assert ops.prefill_gate_up_config(rows, (9, 0)) is None
+        assert ops.prefill_gate_up_config(rows, (9, 0)) == triton_gate_up.PREFILL_CONFIG
+        assert ops.prefill_gate_up_config(8 * rows, (10, 0)) == triton_gate_up.PREFILL_CONFIG
+        assert ops.prefill_gate_up_config(rows - 1, (9, 0)) is None
+        assert ops.prefill_gate_up_config(rows, (8, 9)) is None  # no TMA
+        assert triton_gate_up.PREFILL_CONFIG.use_tma
     finally:
-        ops.set_prefill_gate_up_fusion(True)
+        ops.set_prefill_gate_up_fusion(False)
 
 
 def test_ops_linear_silu_mul_large_cpu_batch_is_the_two_ops():
-    """CPU tensors never reach the Triton kernel, however many rows."""
+    """CPU tensors never reach the Triton kernel, however many rows, the fusion switched on or not."""
     x, w = operands(ops.PREFILL_GATE_UP_MIN_ROWS, 16, 32, torch.float32, torch.device("cpu"))
-    assert torch.equal(ops.linear_silu_mul(x, w), ops.silu_and_mul(torch.nn.functional.linear(x, w)))
+    for enabled in (False, True):
+        ops.set_prefill_gate_up_fusion(enabled)
+        try:
+            assert torch.equal(ops.linear_silu_mul(x, w), ops.silu_and_mul(torch.nn.functional.linear(x, w)))
+        finally:
+            ops.set_prefill_gate_up_fusion(False)
 
 
 def test_compiles_for_hopper_at_the_engine_tiling(device, hopper_compiler):
