@@ -961,6 +961,8 @@ def main() -> int:
                    help="one-prompt prefill: torch's own SDPA backend order (no flash/cuDNN choice by kvserve)")
     p.add_argument("--gate-up-silu-fusion", action=argparse.BooleanOptionalAction, default=True,
                    help="small batches: SiLU-and-mul in the gate/up matmul's epilogue")
+    p.add_argument("--decode-gate-up-tma", action=argparse.BooleanOptionalAction, default=True,
+                   help="33-64 rows (sm_90+): the gate/up matmul as one Triton TMA launch with SiLU-and-mul")
     p.add_argument("--prefill-gate-up-fusion", action=argparse.BooleanOptionalAction, default=False,
                    help="prefill-sized batches (sm_90+): the gate/up matmul as one Triton launch with SiLU-and-mul")
     p.add_argument("--qkv-rope-fusion", action=argparse.BooleanOptionalAction, default=True,
@@ -1001,6 +1003,7 @@ def main() -> int:
         ops._sdpa_order = lambda cudnn: contextlib.nullcontext  # type: ignore[assignment]
     ops.set_gate_up_silu_fusion(args.gate_up_silu_fusion)
     ops.set_prefill_gate_up_fusion(args.prefill_gate_up_fusion)
+    ops.set_decode_gate_up_tma(args.decode_gate_up_tma)
     ops.set_qkv_rope_fusion(args.qkv_rope_fusion)
     if args.skinny_max_rows is not None:
         ops.SKINNY_GEMM_MAX_ROWS = args.skinny_max_rows

@@ -216,30 +216,48 @@ def set_qkv_rope_fusion(enabled: bool) -> None:
     _qkv_rope_fusion = enabled
 
 
-# Opt-in: prefill-sized batches (PREFILL_GATE_UP_MIN_ROWS rows and more) on sm_90+ run the gate/up matmul as a
-# Triton TMA matmul with SiLU-and-mul in its epilogue (kernels/triton_gate_up.py). Alone, at 8192 rows of the
-# Qwen2.5-7B shape, it took 2.88-3.29 ms against 3.01-3.45 for cuBLAS then silu_and_mul; replayed back to
-# back for 1.5 s (the GPU at its power cap) both took 3.53-3.56 ms, the fused kernel with 7 % more energy
-# per call, and the engine's prefill-bound measures did not move (docs/perf_notes.md entry 32). Its own
-# switch: unlike the small-row epilogue it does not give the unfused ops' bits (cuBLAS sums in another order).
+# The gate/up matmul with SiLU-and-mul in its epilogue as a Triton TMA matmul (kernels/triton_gate_up.py,
+# sm_90+), for two row ranges (docs/perf_notes.md entry 32):
+# * decode-sized batches past the skinny matmul (SKINNY_GEMM_MAX_ROWS < rows <= TMA_GATE_UP_MAX_DECODE_ROWS),
+#   on by default: at 64 rows of the Qwen2.5-7B shape it took 74 us against 78 for cuBLAS then silu_and_mul;
+# * prefill-sized batches (PREFILL_GATE_UP_MIN_ROWS rows and more), opt-in: alone, at 8192 rows, it took
+#   2.88-3.29 ms against 3.01-3.45 for the two ops, but replayed back to back for 1.5 s (the GPU at its power
+#   cap) both took 3.53-3.56 ms, the fused kernel with 7 % more energy per call, and the engine's
+#   prefill-bound measures did not move.
+# Switches of their own: unlike the skinny matmul's epilogue these do not give the unfused ops' bits (cuBLAS
+# sums in another order).
+TMA_GATE_UP_MAX_DECODE_ROWS = 64
 PREFILL_GATE_UP_MIN_ROWS = 1024
+_decode_tma_gate_up = True
 _prefill_silu_fusion = False
 
 
+def set_decode_gate_up_tma(enabled: bool) -> None:
+    """Run gate/up projections of SKINNY_GEMM_MAX_ROWS + 1 to TMA_GATE_UP_MAX_DECODE_ROWS rows as the fused
+    Triton TMA matmul (default, sm_90+), or as cuBLAS then `silu_and_mul` (A/B)."""
+    global _decode_tma_gate_up
+    _decode_tma_gate_up = enabled
+
+
 def set_prefill_gate_up_fusion(enabled: bool) -> None:
-    """Run prefill-sized gate/up projections as one Triton matmul with SiLU-and-mul (opt-in, sm_90+), or as
-    cuBLAS then `silu_and_mul` (default)."""
+    """Run prefill-sized gate/up projections as the fused Triton TMA matmul (opt-in, sm_90+), or as cuBLAS
+    then `silu_and_mul` (default)."""
     global _prefill_silu_fusion
     _prefill_silu_fusion = enabled
 
 
-def prefill_gate_up_config(num_rows: int, capability: tuple[int, int]) -> Any:
-    """The tiling of the fused prefill gate/up matmul for num_rows rows on a GPU of this compute capability,
-    or None where the two ops run (fewer rows, no TMA before sm_90, fusion switched off)."""
-    if not _prefill_silu_fusion or num_rows < PREFILL_GATE_UP_MIN_ROWS or capability[0] < 9:
-        return None
+def gate_up_tma_config(num_rows: int, capability: tuple[int, int]) -> Any:
+    """The tiling of the fused TMA gate/up matmul for num_rows rows on a GPU of this compute capability, or
+    None where another path runs (the skinny matmul's rows, rows between the two ranges, no TMA before sm_90,
+    the range switched off)."""
     module = _triton_module("triton_gate_up")
-    return None if module is None else module.PREFILL_CONFIG
+    if module is None or capability[0] < 9:
+        return None
+    if _decode_tma_gate_up and SKINNY_GEMM_MAX_ROWS < num_rows <= TMA_GATE_UP_MAX_DECODE_ROWS:
+        return module.DECODE_CONFIG
+    if _prefill_silu_fusion and num_rows >= PREFILL_GATE_UP_MIN_ROWS:
+        return module.PREFILL_CONFIG
+    return None
 
 
 @functools.cache
@@ -247,32 +265,32 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-def _prefill_gate_up(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    global _prefill_silu_fusion
+def _tma_gate_up(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    global _decode_tma_gate_up, _prefill_silu_fusion
     if not (x.is_cuda and x.dim() == 2):
         return None
-    config = prefill_gate_up_config(x.shape[0], _capability(x.device))
+    config = gate_up_tma_config(x.shape[0], _capability(x.device))
     module = _triton_module("triton_gate_up")
     if config is None or module is None or not module.fits(x, weight, bias, config):
         return None
     try:
         return module.gate_up_silu(x, weight, config)
     except module.OutOfResources as exc:  # a GPU with less shared memory than the tiling needs
-        logger.warning("fused prefill gate/up matmul unavailable on this GPU (%s); using torch", exc)
-        _prefill_silu_fusion = False
+        logger.warning("fused TMA gate/up matmul unavailable on this GPU (%s); using torch", exc)
+        _decode_tma_gate_up = _prefill_silu_fusion = False
         return None
 
 
 def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """silu_and_mul(linear(x, weight, bias)) for a [gate; up] weight of 2 d rows: [num_tokens, d]. On CUDA
-    with the Triton elementwise backend: one fused launch for small-row batches (`_skinny`) and for
-    prefill-sized ones (`_prefill_gate_up`)."""
+    with the Triton elementwise backend: one fused launch for small-row batches (`_skinny`) and the row ranges
+    of `gate_up_tma_config` (`_tma_gate_up`)."""
     out = None
     if _elementwise_backend == "triton":
         if _silu_fusion:
             out = _skinny(x, weight, bias, silu_mul=True)
         if out is None:
-            out = _prefill_gate_up(x, weight, bias)
+            out = _tma_gate_up(x, weight, bias)
     return silu_and_mul(linear(x, weight, bias)) if out is None else out
 
 
@@ -623,8 +641,10 @@ __all__ = [
     "set_elementwise_backend",
     "set_gate_up_silu_fusion",
     "set_prefill_gate_up_fusion",
-    "prefill_gate_up_config",
+    "set_decode_gate_up_tma",
+    "gate_up_tma_config",
     "PREFILL_GATE_UP_MIN_ROWS",
+    "TMA_GATE_UP_MAX_DECODE_ROWS",
     "set_qkv_rope_fusion",
     "set_rotary_cache_fusion",
     "set_skinny_gemm",

@@ -1,9 +1,10 @@
-"""Gate/up matmul with SiLU-and-mul in its epilogue, for prefill-sized batches: out[M, D] = silu(x @ Wg^T) *
-(x @ Wu^T), where weight[2 D, K] holds [gate; up].
+"""Gate/up matmul with SiLU-and-mul in its epilogue, for batches past the skinny matmul's rows: out[M, D] =
+silu(x @ Wg^T) * (x @ Wu^T), where weight[2 D, K] holds [gate; up].
 
-At thousands of rows the gate/up matmul is compute-bound and the separate `silu_and_mul` is a pass over
-memory that reads the [M, 2 D] intermediate and writes [M, D]: at 8,192 rows of the Qwen2.5-7B shape that is
-0.93 GB a layer, about 0.22 ms. Here each program computes a BLOCK_M x BLOCK_N tile of gate and the matching
+The separate `silu_and_mul` is a pass over memory that reads the [M, 2 D] intermediate and writes [M, D]: at
+8,192 rows of the Qwen2.5-7B shape that is 0.93 GB a layer, about 0.22 ms; at decode sizes it is one more
+launch a layer. The x rows are the tensor-core M side (unlike the skinny matmul, which puts the weight
+there), and TMA loads both operands. Here each program computes a BLOCK_M x BLOCK_N tile of gate and the matching
 tile of up (two accumulators over the same x tile), rounds both to the activation dtype, as the matmul's
 output would be, and writes silu(gate) * up only (`silu_mul`, the rounding of the separate kernel).
 
@@ -147,9 +148,12 @@ def _gate_up_silu_tma_persistent_kernel(
         _store_silu_mul(acc_g, acc_u, out_ptr, stride_om, pid_m, pid_n, M, D, BLOCK_M, BLOCK_N)
 
 
-# The engine's tiling (`ops.prefill_gate_up_config`), the best of benchmarks/gate_up_sweep.py on the H200.
+# The engine's tilings (`ops.gate_up_tma_config`), the best of benchmarks/gate_up_sweep.py on the H200 at 8192
+# rows and at 64 rows.
 PREFILL_CONFIG = GateUpConfig(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=8, group_m=16,
                               use_tma=True)
+DECODE_CONFIG = GateUpConfig(block_m=64, block_n=64, block_k=128, num_stages=4, num_warps=4, group_m=8,
+                             use_tma=True)
 
 
 def _num_sms(device: torch.device) -> int:

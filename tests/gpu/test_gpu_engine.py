@@ -317,33 +317,40 @@ def _teacher_forced_logprobs(model: torch.nn.Module, prompt: list[int], generate
 
 
 @pytest.mark.parametrize("model", list(MODELS))
-@pytest.mark.parametrize("prefill", ["chunks", "long"])
+@pytest.mark.parametrize("batches", ["chunks", "long", "batch40"])
 def test_bf16_logprobs_agree_with_hf(
-    checkpoints: dict[str, str], model: str, prefill: str, monkeypatch: pytest.MonkeyPatch
+    checkpoints: dict[str, str], model: str, batches: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """"chunks": short prompts in 512-token steps; "long": three prompts of 700-1000 tokens prefilled in
-    one step of more than ops.PREFILL_GATE_UP_MIN_ROWS rows, with the opt-in fused prefill gate/up matmul
-    switched on (it runs on sm_90+)."""
+    """"chunks": 6 short prompts in 512-token steps (decode batches of 6: the skinny matmul); "long": three
+    prompts of 700-1000 tokens prefilled in one step of more than ops.PREFILL_GATE_UP_MIN_ROWS rows, with the
+    opt-in fused prefill gate/up matmul switched on; "batch40": 40 prompts decoding together (a 48-row
+    graph), where the fused TMA gate/up matmul runs by default. Both TMA paths need sm_90+."""
     from transformers import AutoModelForCausalLM
 
     from kvserve.kernels import ops, triton_gate_up
 
     path = checkpoints[model]
     k = 5
-    monkeypatch.setattr(ops, "_prefill_silu_fusion", prefill == "long")  # before the engine's warm-up
-    if prefill == "chunks":
+    monkeypatch.setattr(ops, "_prefill_silu_fusion", batches == "long")  # before the engine's warm-up
+    fused_rows = []  # row counts of the fused TMA gate/up launches (graph captures included, replays not)
+    launch = triton_gate_up.gate_up_silu
+    monkeypatch.setattr(triton_gate_up, "gate_up_silu",
+                        lambda x, *a, **kw: fused_rows.append(x.shape[0]) or launch(x, *a, **kw))
+    if batches == "chunks":
         prompts, core = _prompts(6, seed=11), _core(path, "bfloat16", enforce_eager=False)
+    elif batches == "batch40":
+        prompts, core = _prompts(40, seed=13), _core(path, "bfloat16", enforce_eager=False, max_num_seqs=48)
     else:
         generator = torch.Generator().manual_seed(12)
         prompts = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in (700, 1000, 850)]
         core = _core(path, "bfloat16", enforce_eager=False, max_num_batched_tokens=4096)
-    fused_calls = []
-    launch = triton_gate_up.gate_up_silu
-    monkeypatch.setattr(triton_gate_up, "gate_up_silu", lambda *a, **kw: fused_calls.append(1) or launch(*a, **kw))
     outs = _generate(core, prompts, 16, logprobs=k)
-    fused_expected = prefill == "long" and ops.prefill_gate_up_config(
-        ops.PREFILL_GATE_UP_MIN_ROWS, torch.cuda.get_device_capability()) is not None
-    assert bool(fused_calls) == fused_expected
+    if torch.cuda.get_device_capability()[0] >= 9:
+        if batches == "batch40":  # decode batches of 40 (and their padded graph) past the skinny matmul
+            low, high = ops.SKINNY_GEMM_MAX_ROWS, ops.TMA_GATE_UP_MAX_DECODE_ROWS
+            assert any(low < rows <= high for rows in fused_rows), sorted(set(fused_rows))
+        if batches == "long":
+            assert max(fused_rows) >= ops.PREFILL_GATE_UP_MIN_ROWS, sorted(set(fused_rows))
     hf32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
     hf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
     kv_err, hf_err, top1_agree, total = 0.0, 0.0, 0, 0

@@ -242,15 +242,16 @@ def test_matmul_epilogues_at_qwen_shape(m: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [ops.PREFILL_GATE_UP_MIN_ROWS, 4100])
-def test_prefill_gate_up_at_qwen_shape(dtype: torch.dtype, m: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The fused prefill gate/up matmul at the Qwen2.5-7B MLP shape, captured in a CUDA graph and replayed on
-    new inputs with its output poisoned: as close to a float32 matmul + SiLU-and-mul as cuBLAS then
-    `silu_and_mul` are (they are not bitwise equal: the two matmuls sum in different orders)."""
+@pytest.mark.parametrize("m", [33, 48, ops.TMA_GATE_UP_MAX_DECODE_ROWS, ops.PREFILL_GATE_UP_MIN_ROWS, 4100])
+def test_tma_gate_up_at_qwen_shape(dtype: torch.dtype, m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused TMA gate/up matmul (decode tiling, and the opt-in prefill one) at the Qwen2.5-7B MLP shape,
+    captured in a CUDA graph and replayed on new inputs with its output poisoned: as close to a float32 matmul
+    + SiLU-and-mul as cuBLAS then `silu_and_mul` are (they are not bitwise equal: the two matmuls sum in
+    different orders)."""
     from kvserve.kernels import triton_gate_up
 
     if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("the fused prefill gate/up matmul needs sm_90+ (TMA)")
+        pytest.skip("the fused TMA gate/up matmul needs sm_90+")
     monkeypatch.setattr(ops, "_prefill_silu_fusion", True)  # opt-in
 
     gen = torch.Generator(device="cuda").manual_seed(m)
@@ -267,7 +268,7 @@ def test_prefill_gate_up_at_qwen_shape(dtype: torch.dtype, m: int, monkeypatch: 
             out = ops.linear_silu_mul(x, w)
     finally:
         triton_gate_up.gate_up_silu = launch
-    assert calls, "the fused prefill path did not run"
+    assert calls, "the fused TMA path did not run"
     for replay in range(2):
         x.copy_(torch.randn(m, hidden, generator=gen, device="cuda"))
         out.fill_(float("nan"))

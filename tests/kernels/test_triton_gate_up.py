@@ -85,36 +85,48 @@ def test_fits():
     assert not fits(x_odd_stride, w, None, tma)
 
 
-def test_prefill_rule():
-    """The fused prefill matmul is opt-in; switched on, it is for PREFILL_GATE_UP_MIN_ROWS rows and more, on
-    sm_90+."""
-    rows = ops.PREFILL_GATE_UP_MIN_ROWS
-    assert ops.prefill_gate_up_config(rows, (9, 0)) is None  # off by default
+def test_tma_gate_up_rule():
+    """The fused TMA matmul serves the rows past the skinny matmul up to TMA_GATE_UP_MAX_DECODE_ROWS (default
+    on) and, opt-in, PREFILL_GATE_UP_MIN_ROWS rows and more; only on sm_90+; each range has its switch."""
+    low, high, prefill = ops.SKINNY_GEMM_MAX_ROWS, ops.TMA_GATE_UP_MAX_DECODE_ROWS, ops.PREFILL_GATE_UP_MIN_ROWS
+    decode_config, prefill_config = triton_gate_up.DECODE_CONFIG, triton_gate_up.PREFILL_CONFIG
+    assert decode_config.use_tma and prefill_config.use_tma
+    assert ops.gate_up_tma_config(low, (9, 0)) is None  # the skinny matmul's rows
+    assert ops.gate_up_tma_config(low + 1, (9, 0)) == decode_config
+    assert ops.gate_up_tma_config(high, (9, 0)) == decode_config
+    assert ops.gate_up_tma_config(high + 1, (9, 0)) is None
+    assert ops.gate_up_tma_config(high, (8, 0)) is None  # no TMA
+    assert ops.gate_up_tma_config(prefill, (9, 0)) is None  # prefill: off by default
     ops.set_prefill_gate_up_fusion(True)
+    ops.set_decode_gate_up_tma(False)
     try:
-        assert ops.prefill_gate_up_config(rows, (9, 0)) == triton_gate_up.PREFILL_CONFIG
-        assert ops.prefill_gate_up_config(8 * rows, (10, 0)) == triton_gate_up.PREFILL_CONFIG
-        assert ops.prefill_gate_up_config(rows - 1, (9, 0)) is None
-        assert ops.prefill_gate_up_config(rows, (8, 9)) is None  # no TMA
-        assert triton_gate_up.PREFILL_CONFIG.use_tma
+        assert ops.gate_up_tma_config(prefill, (9, 0)) == prefill_config
+        assert ops.gate_up_tma_config(8 * prefill, (10, 0)) == prefill_config
+        assert ops.gate_up_tma_config(prefill - 1, (9, 0)) is None
+        assert ops.gate_up_tma_config(prefill, (8, 9)) is None
+        assert ops.gate_up_tma_config(high, (9, 0)) is None  # decode range switched off
     finally:
         ops.set_prefill_gate_up_fusion(False)
+        ops.set_decode_gate_up_tma(True)
 
 
 def test_ops_linear_silu_mul_large_cpu_batch_is_the_two_ops():
-    """CPU tensors never reach the Triton kernel, however many rows, the fusion switched on or not."""
-    x, w = operands(ops.PREFILL_GATE_UP_MIN_ROWS, 16, 32, torch.float32, torch.device("cpu"))
-    for enabled in (False, True):
-        ops.set_prefill_gate_up_fusion(enabled)
-        try:
-            assert torch.equal(ops.linear_silu_mul(x, w), ops.silu_and_mul(torch.nn.functional.linear(x, w)))
-        finally:
-            ops.set_prefill_gate_up_fusion(False)
+    """CPU tensors never reach the Triton kernel, however many rows, the prefill fusion switched on or not."""
+    for rows in (ops.TMA_GATE_UP_MAX_DECODE_ROWS, ops.PREFILL_GATE_UP_MIN_ROWS):
+        x, w = operands(rows, 16, 32, torch.float16, torch.device("cpu"))
+        for enabled in (False, True):
+            ops.set_prefill_gate_up_fusion(enabled)
+            try:
+                want = ops.silu_and_mul(torch.nn.functional.linear(x, w))
+                assert torch.equal(ops.linear_silu_mul(x, w), want)
+            finally:
+                ops.set_prefill_gate_up_fusion(False)
 
 
 def test_compiles_for_hopper_at_the_engine_tiling(device, hopper_compiler):
-    """The engine's tiling at the Qwen2.5-7B MLP shape, with TMA descriptors and with pointers, compiles for
-    sm_90 within its shared memory (the interpreter does not check layouts or shared memory)."""
+    """The engine's tilings at the Qwen2.5-7B MLP shape, with TMA descriptors (and the prefill tiling with
+    pointers), compile for sm_90 within its shared memory (the interpreter does not check layouts or shared
+    memory)."""
     if hopper_compiler.pdl:
         pytest.skip("the prefill matmul launches without programmatic dependent launch")
     hidden, intermediate = 3584, 18944
@@ -125,7 +137,9 @@ def test_compiles_for_hopper_at_the_engine_tiling(device, hopper_compiler):
         hopper_compiler.record(triton_gate_up, ["_gate_up_silu_tma_kernel"], partial(gate_up_silu, x, w, config))
         pointers = GateUpConfig(**(vars(config) | {"use_tma": False}))
         hopper_compiler.record(triton_gate_up, ["_gate_up_silu_kernel"], partial(gate_up_silu, x, w, pointers))
+        hopper_compiler.record(triton_gate_up, ["_gate_up_silu_tma_kernel"],
+                               partial(gate_up_silu, x[:50], w, triton_gate_up.DECODE_CONFIG))
     results = hopper_compiler.compile_all()
-    assert len(results) == 4
+    assert len(results) == 6
     for result in results:
         assert result["shared_bytes"] <= 227 * 1024, result
