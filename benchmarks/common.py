@@ -258,32 +258,44 @@ def random_prompts(generator: torch.Generator, lengths: list[int], vocab: int) -
 
 class GpuEnergy:
     """The GPU's energy counter through NVML (`nvmlDeviceGetTotalEnergyConsumption`, millijoules since the
-    driver loaded), read with ctypes from the driver's libnvidia-ml: no Python package needed. `available`
-    is False where the library or the counter is missing (then `read_mj` returns None)."""
+    driver loaded), read with ctypes from the driver's libnvidia-ml: no Python package needed. The GPU is
+    found by the PCI address of torch's CUDA `device` (NVML does not follow CUDA_VISIBLE_DEVICES). The
+    counter updates coarsely (tens of ms): read it over spans of a second or more, or over many requests.
+    `available` is False where the library, the device or the counter is missing; then the reads return
+    None."""
 
-    def __init__(self, index: int = 0) -> None:
+    def __init__(self, device: str | int | None = None) -> None:
         import ctypes
 
         self._ctypes = ctypes
         self._handle = ctypes.c_void_p()
+        self._lib: Any = None
         self.available = False
         try:
-            self._lib = ctypes.CDLL("libnvidia-ml.so.1")
-            if self._lib.nvmlInit_v2() != 0:
+            lib = ctypes.CDLL("libnvidia-ml.so.1")
+            if lib.nvmlInit_v2() != 0:
                 return
-            if self._lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(self._handle)) != 0:
+            props = torch.cuda.get_device_properties(torch.device("cuda", torch.cuda.current_device())
+                                                     if device is None else torch.device(device))
+            bus_id = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0".encode()
+            if lib.nvmlDeviceGetHandleByPciBusId_v2(bus_id, ctypes.byref(self._handle)) != 0:
                 return
+            self._lib = lib
             self.available = self.read_mj() is not None
-        except OSError:
-            return
+        except (OSError, AttributeError, RuntimeError, AssertionError):  # no library, symbol or CUDA device
+            self._lib = None
 
     def read_mj(self) -> int | None:
+        if self._lib is None:
+            return None
         value = self._ctypes.c_ulonglong()
         if self._lib.nvmlDeviceGetTotalEnergyConsumption(self._handle, self._ctypes.byref(value)) != 0:
             return None
         return int(value.value)
 
     def sm_clock_mhz(self) -> int | None:
+        if self._lib is None:
+            return None
         value = self._ctypes.c_uint()
         # NVML_CLOCK_SM = 1
         if self._lib.nvmlDeviceGetClockInfo(self._handle, 1, self._ctypes.byref(value)) != 0:

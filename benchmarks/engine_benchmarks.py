@@ -86,7 +86,7 @@ class Bench:
         self.driver: Driver | None = None
         self.seeds_prompts: list[list[int]] | None = None  # the seeds section's timed prompts, for the hf section
         self.late_variants: list[str] = []  # Triton variants loaded by steps of the engines freed so far
-        self.energy = GpuEnergy() if args.device.startswith("cuda") else None
+        self.energy = GpuEnergy(args.device) if args.device.startswith("cuda") else None
         self.last_ttft_joules: list[float] = []
 
     def n(self, count: int) -> int:
@@ -500,9 +500,9 @@ class Bench:
         times, self.last_ttft_joules = [], []
         for _ in range(repeats):
             time.sleep(rest)
-            before = self.energy.read_mj() if self.energy is not None and self.energy.available else None
+            before = self.energy.read_mj() if self.energy is not None else None
             times.append(d.run(self.prompts([n]), [1]).ttft_s[0] * 1e3)
-            after = self.energy.read_mj() if self.energy is not None and self.energy.available else None
+            after = self.energy.read_mj() if self.energy is not None else None
             if before is not None and after is not None:
                 self.last_ttft_joules.append((after - before) / 1e3)
         return times

@@ -46,23 +46,22 @@ def sustained(fn: object, seconds: float, energy: GpuEnergy) -> tuple[float, flo
     for _ in range(reps):
         graph.replay()
     torch.cuda.synchronize()
-    start_mj = energy.read_mj() if energy.available else None
+    start_mj = energy.read_mj()
     begin = time.perf_counter()
     for _ in range(reps):
         graph.replay()
     torch.cuda.synchronize()
     ms = (time.perf_counter() - begin) * 1e3 / reps
-    end_mj = energy.read_mj() if energy.available else None
+    end_mj = energy.read_mj()
     joules = None if start_mj is None or end_mj is None else (end_mj - start_mj) / 1e3 / reps
-    return ms, joules, energy.sm_clock_mhz() if energy.available else None
+    return ms, joules, energy.sm_clock_mhz()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--rows", default=",".join(map(str, ROWS)))
-    parser.add_argument("--loaders", default="ptr,tma,tmap",
-                        help="ptr (pointers), tma (descriptors), tmap (descriptors, persistent)")
+    parser.add_argument("--loaders", default="ptr,tma", help="ptr (pointers), tma (TMA descriptors)")
     parser.add_argument("--tilings", default=";".join(",".join(map(str, t)) for t in TILINGS),
                         help="block_m,block_n,block_k,stages,warps;...")
     parser.add_argument("--group-ms", default="8")
@@ -75,6 +74,9 @@ def main() -> int:
     dtype = torch.bfloat16
     weight = torch.randn(2 * INTERMEDIATE, HIDDEN, device="cuda", dtype=dtype) * HIDDEN**-0.5
     tilings = [tuple(int(v) for v in t.split(",")) for t in args.tilings.split(";")]
+    unknown = set(args.loaders.split(",")) - {"ptr", "tma"}
+    if unknown:
+        parser.error(f"unknown loaders {sorted(unknown)}: use ptr and/or tma")
     results = []
     all_configs: list[tuple[str, GateUpConfig]] = []
     for m in [int(v) for v in args.rows.split(",")]:
@@ -87,8 +89,7 @@ def main() -> int:
         for loader in args.loaders.split(","):
             for group_m in [int(v) for v in args.group_ms.split(",")]:
                 for bm, bn, bk, stages, warps in tilings:
-                    config = GateUpConfig(bm, bn, bk, stages, warps, group_m, use_tma=loader != "ptr",
-                                          persistent=loader == "tmap")
+                    config = GateUpConfig(bm, bn, bk, stages, warps, group_m, use_tma=loader == "tma")
                     name = f"{loader} {bm}x{bn}x{bk} s{stages} w{warps} g{group_m}"
                     try:
                         started = time.perf_counter()
@@ -112,9 +113,12 @@ def main() -> int:
         for name, ms, err in rows:
             print(f"  {name:32s} {ms:8.3f} {flops / ms / 1e9:8.1f}")
             results.append({"rows": m, "what": name, "ms": ms, "tflops": flops / ms / 1e9, "max_err": err})
-        if args.sustained_s > 0:
+        triton_rows = [name for name, _, _ in rows if name.startswith(("ptr", "tma"))]
+        if args.sustained_s > 0 and not triton_rows:
+            print(f"rows {m}: no Triton tiling compiled and matched; no sustained runs")
+        elif args.sustained_s > 0:
             energy = GpuEnergy()
-            best = next(name for name, _, _ in rows if name.startswith(("ptr", "tma")))
+            best = triton_rows[0]
             config = next(c for c in all_configs if c[0] == best)[1]
             cases = {"cublas+silu_and_mul": lambda x=x: ops.silu_and_mul(torch.nn.functional.linear(x, weight)),
                      best: lambda x=x, c=config: gate_up_silu(x, weight, c)}

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Pass the local commit, written in literally (the device copy's git metadata can be stale, so a $(git ...) in
 # the command would read it there): KVSERVE_BENCH_COMMIT=<sha> bash ...
@@ -344,6 +344,10 @@ print('alone', t._backend_after('alone')); print('kvserve-first', t._backend_aft
         timeout 200 python3 -m pytest -q -rA -s -p no:cacheprovider tests/gpu/test_gpu_ops.py \
           tests/gpu/test_gpu_engine.py tests/gpu/test_gpu_precompile.py -k "prefill_gate_up or bf16_logprobs or switches or every_triton_variant" \
           > "$R/pytest_gateup.log" 2>&1 ;;
+    review14) timeout 150 python3 -m pytest -q -rA -s -p no:cacheprovider tests/gpu/test_gpu_ops.py \
+          tests/gpu/test_gpu_engine.py -k "tma_gate_up or bf16_logprobs" > "$R/pytest_review14.log" 2>&1
+        timeout 60 python3 benchmarks/gate_up_sweep.py --out "$R/review14_sweep" --rows 2048 --loaders tma \
+          --tilings "128,128,64,4,8" --sustained-s 0.5 > "$R/review14.log" 2>&1 ;;
     gatesmall2) timeout 150 python3 benchmarks/gate_up_sweep.py --out "$R/gatesmall2_sweep" --rows 48,64,80,96,112 \
               --loaders tma --group-ms 8 \
               --tilings "64,64,128,4,4;64,64,128,5,4;64,64,128,3,4;64,32,128,6,4;64,128,128,3,8;128,64,128,3,8;128,64,64,4,8;128,32,128,4,4" \
@@ -358,7 +362,7 @@ print('alone', t._backend_after('alone')); print('kvserve-first', t._backend_aft
           echo "mode $mode done" >> "$R/tmaab.log"
         done ;;
     gatesmall) timeout 240 python3 benchmarks/gate_up_sweep.py --out "$R/gatesmall_sweep" --rows 32,64,128,256 \
-              --loaders tma,tmap --group-ms 8 \
+              --loaders tma --group-ms 8 \
               --tilings "64,64,128,4,4;64,64,64,6,4;64,32,128,5,4;64,32,256,3,4;64,128,64,4,4;64,64,256,3,4;128,64,64,4,8" \
               > "$R/gatesmall.log" 2>&1 ;;
     gateup2) timeout 200 python3 benchmarks/gate_up_sweep.py --out "$R/gateup2_sweep" --rows 8192,2048 \
@@ -427,7 +431,7 @@ print('alone', t._backend_after('alone')); print('kvserve-first', t._backend_aft
 done
 tar czf "$OUT/results.tgz" -C "$R" .
 echo "=== total $(( $(date +%s) - T0 ))s"
-for f in "$R"/gatesmall2.log "$R"/pytest_tma.log "$R"/tmaab.log "$R"/gatesmall.log "$R"/gateup2.log "$R"/pytest_gateup2.log "$R"/gateab2.log "$R"/gateup.log "$R"/pytest_gateup.log "$R"/gateab.log "$R"/l2probe.log "$R"/diag13.log "$R"/hfdiag3.log "$R"/sdpafix.log "$R"/hfdiag2.log "$R"/hfdiag.log "$R"/final12.log "$R"/pytest_lt.log "$R"/tuneab2.log "$R"/tuneab.log "$R"/ltalgos.log "$R"/attnab3.log "$R"/attnab2.log "$R"/attnpf.log "$R"/attnsweep.log "$R"/rows32.log "$R"/ttftrest.log "$R"/prefillab.log "$R"/prefillprof.log "$R"/gemm4.log "$R"/ttftclk.log "$R"/gemm3.log "$R"/blasab.log "$R"/confirm.log "$R"/fuseab2.log "$R"/ttftrand2.log "$R"/pdlab2.log "$R"/pdlgemm.log "$R"/pdlab.log "$R"/ttftrand.log "$R"/modload.log "$R"/sharedab.log "$R"/final.log "$R"/gguf.log "$R"/fuseab.log "$R"/skinnyab.log "$R"/gemm.log "$R"/pattn.log "$R"/cascade.log "$R"/serve.log "$R"/diag3.log "$R"/ttftab.log "$R"/prefixab.log "$R"/diag2.log "$R"/async.log "$R"/sweep.log "$R"/diag.log "$R"/profile.log "$R"/pytest_gpu.log "$R"/engine.log "$R"/engine2.log "$R"/eager.log "$R"/ab.log "$R"/prefix2.log "$R"/hf.log "$R"/gpu_kernels.log "$R"/elementwise.log; do
+for f in "$R"/pytest_review14.log "$R"/review14.log "$R"/gatesmall2.log "$R"/pytest_tma.log "$R"/tmaab.log "$R"/gatesmall.log "$R"/gateup2.log "$R"/pytest_gateup2.log "$R"/gateab2.log "$R"/gateup.log "$R"/pytest_gateup.log "$R"/gateab.log "$R"/l2probe.log "$R"/diag13.log "$R"/hfdiag3.log "$R"/sdpafix.log "$R"/hfdiag2.log "$R"/hfdiag.log "$R"/final12.log "$R"/pytest_lt.log "$R"/tuneab2.log "$R"/tuneab.log "$R"/ltalgos.log "$R"/attnab3.log "$R"/attnab2.log "$R"/attnpf.log "$R"/attnsweep.log "$R"/rows32.log "$R"/ttftrest.log "$R"/prefillab.log "$R"/prefillprof.log "$R"/gemm4.log "$R"/ttftclk.log "$R"/gemm3.log "$R"/blasab.log "$R"/confirm.log "$R"/fuseab2.log "$R"/ttftrand2.log "$R"/pdlab2.log "$R"/pdlgemm.log "$R"/pdlab.log "$R"/ttftrand.log "$R"/modload.log "$R"/sharedab.log "$R"/final.log "$R"/gguf.log "$R"/fuseab.log "$R"/skinnyab.log "$R"/gemm.log "$R"/pattn.log "$R"/cascade.log "$R"/serve.log "$R"/diag3.log "$R"/ttftab.log "$R"/prefixab.log "$R"/diag2.log "$R"/async.log "$R"/sweep.log "$R"/diag.log "$R"/profile.log "$R"/pytest_gpu.log "$R"/engine.log "$R"/engine2.log "$R"/eager.log "$R"/ab.log "$R"/prefix2.log "$R"/hf.log "$R"/gpu_kernels.log "$R"/elementwise.log; do
   [ -f "$f" ] || continue
   echo "##### $(basename "$f")"
   case $(basename "$f") in
@@ -486,6 +490,8 @@ for f in "$R"/gatesmall2.log "$R"/pytest_tma.log "$R"/tmaab.log "$R"/gatesmall.l
     diag13.log) grep -E -A 22 "^kernel profile" "$f"; grep -E "^timeline|^trace|^seeds|Error|failed" "$f" ;;
     pytest_tma.log) grep -E "passed|failed|FAILED|Error|kvserve bf16|^E " "$f" | tail -25 ;;
     tmaab.log) grep -E "^decode|^seeds|^256|^engine start|^mode|Error|failed" "$f" ;;
+    pytest_review14.log) grep -E "passed|failed|FAILED|Error|kvserve bf16|^E " "$f" | tail -25 ;;
+    review14.log) grep -E "Error|Traceback" "$f" | head -5; grep -E "^rows|^  [a-z]" "$f" ;;
     gatesmall2.log) grep -E "Error|Traceback" "$f" | head -5; grep -E "^rows" -A 5 "$f" ;;
     gatesmall.log) grep -E "Error|Traceback" "$f" | head -5; grep -E "^rows" -A 6 "$f" ;;
     gateup2.log) grep -E "Error|Traceback" "$f" | head -5; grep -E "^rows|^  [a-z]" "$f" ;;

@@ -246,7 +246,7 @@ def set_prefill_gate_up_fusion(enabled: bool) -> None:
     _prefill_silu_fusion = enabled
 
 
-def gate_up_tma_config(num_rows: int, capability: tuple[int, int]) -> Any:
+def gate_up_tma_config(num_rows: int, capability: tuple[int, int]) -> Any:  # GateUpConfig | None
     """The tiling of the fused TMA gate/up matmul for num_rows rows on a GPU of this compute capability, or
     None where another path runs (the skinny matmul's rows, rows between the two ranges, no TMA before sm_90,
     the range switched off)."""
@@ -276,8 +276,12 @@ def _tma_gate_up(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     try:
         return module.gate_up_silu(x, weight, config)
     except module.OutOfResources as exc:  # a GPU with less shared memory than the tiling needs
-        logger.warning("fused TMA gate/up matmul unavailable on this GPU (%s); using torch", exc)
-        _decode_tma_gate_up = _prefill_silu_fusion = False
+        logger.warning("fused TMA gate/up matmul unavailable at %d rows on this GPU (%s); using torch",
+                       x.shape[0], exc)
+        if config == module.DECODE_CONFIG:  # switch off only the range whose tiling failed
+            _decode_tma_gate_up = False
+        else:
+            _prefill_silu_fusion = False
         return None
 
 

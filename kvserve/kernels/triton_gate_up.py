@@ -9,7 +9,9 @@ tile of up (two accumulators over the same x tile), rounds both to the activatio
 output would be, and writes silu(gate) * up only (`silu_mul`, the rounding of the separate kernel).
 
 Tiles are walked in groups of GROUP_M row tiles so a group's x rows stay in L2 while it sweeps the weight.
-Two loaders: plain pointers, and TMA tensor descriptors (Hopper and later; `use_tma`).
+Two loaders: plain pointers, and TMA tensor descriptors (Hopper and later; `use_tma`). A persistent variant
+(one program per SM walking the tiles) was measured slower at 8,192 rows and dropped (docs/perf_notes.md,
+entry 32).
 """
 
 # Kernel parameters stay unannotated: @triton.jit reads annotations as type/constexpr specialisations.
@@ -36,14 +38,11 @@ class GateUpConfig:
     num_warps: int = 8
     group_m: int = 8
     use_tma: bool = False
-    # TMA only: one program per SM walks the tiles (the next tile's loads overlap this tile's epilogue).
-    persistent: bool = False
 
 
 @triton.jit
-def _tile_ids(M, D, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, pid=None):
-    if pid is None:
-        pid = tl.program_id(0)
+def _tile_ids(M, D, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(D, BLOCK_N)
     per_group = GROUP_M * num_n
@@ -124,30 +123,6 @@ def _gate_up_silu_tma_kernel(
     _store_silu_mul(acc_g, acc_u, out_ptr, stride_om, pid_m, pid_n, M, D, BLOCK_M, BLOCK_N)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _gate_up_silu_tma_persistent_kernel(
-    x_desc, w_desc, out_ptr, M, K, D, stride_om, NUM_PROGRAMS,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr,
-):
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(D, BLOCK_N)
-    for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=True):
-        pid_m, pid_n = _tile_ids(M, D, BLOCK_M, BLOCK_N, GROUP_M, tile)
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(k_tiles):
-            off_k = k * BLOCK_K
-            a = x_desc.load([off_m, off_k])
-            bg = w_desc.load([off_n, off_k])
-            bu = w_desc.load([D + off_n, off_k])
-            acc_g = tl.dot(a, bg.T, acc_g)
-            acc_u = tl.dot(a, bu.T, acc_u)
-        _store_silu_mul(acc_g, acc_u, out_ptr, stride_om, pid_m, pid_n, M, D, BLOCK_M, BLOCK_N)
-
-
 # The engine's tilings (`ops.gate_up_tma_config`), the best of benchmarks/gate_up_sweep.py on the H200 at 8192
 # rows and at 64 rows.
 PREFILL_CONFIG = GateUpConfig(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=8, group_m=16,
@@ -156,21 +131,16 @@ DECODE_CONFIG = GateUpConfig(block_m=64, block_n=64, block_k=128, num_stages=4, 
                              use_tma=True)
 
 
-def _num_sms(device: torch.device) -> int:
-    """Programs of the persistent kernel: one per SM (3 under the CPU interpreter, to walk several tiles)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 3
-
-
 def fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GateUpConfig) -> bool:
     """The kernel's contract: 2-D x [M, K] and weight [2 D, K] of one 16-bit dtype, unit inner strides,
     no bias; with TMA also 16-byte aligned starts and row strides (a tensor descriptor's rule)."""
+    if x.dim() != 2 or weight.dim() != 2:
+        return False
     if config.use_tma and not all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
                                   for t in (x, weight)):
         return False
     return (
         bias is None
-        and x.dim() == 2
-        and weight.dim() == 2
         and x.dtype == weight.dtype
         and x.dtype in (torch.float16, torch.bfloat16)
         and x.shape[1] == weight.shape[1]
@@ -193,15 +163,6 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: GateUpConfig,
 
         x_desc = TensorDescriptor.from_tensor(x, [config.block_m, config.block_k])
         w_desc = TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k])
-        if config.persistent:
-            programs = min(grid[0], _num_sms(x.device))
-            _gate_up_silu_tma_persistent_kernel[(programs,)](
-                x_desc, w_desc, out, m, k, d, out.stride(0), programs,
-                BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                GROUP_M=config.group_m, NUM_STAGES=config.num_stages, num_warps=config.num_warps,
-                num_stages=config.num_stages,
-            )
-            return out
         _gate_up_silu_tma_kernel[grid](
             x_desc, w_desc, out, m, k, d, out.stride(0),
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,

@@ -284,6 +284,28 @@ def test_tma_gate_up_at_qwen_shape(dtype: torch.dtype, m: int, monkeypatch: pyte
         assert fused_err.mean() <= 1.1 * unfused_err.mean(), (replay, fused_err.mean(), unfused_err.mean())
 
 
+@pytest.mark.parametrize("config_name", ["DECODE_CONFIG", "PREFILL_CONFIG"])
+@pytest.mark.parametrize("m,d,k", [(40, 80, 112), (1100, 200, 72)])
+def test_tma_gate_up_partial_tiles(config_name: str, m: int, d: int, k: int) -> None:
+    """The engine's TMA tilings on shapes with partial tiles on every axis (the gate tile of the last column
+    block then reaches into the up rows; K is shorter than, or not a multiple of, BLOCK_K), output poisoned:
+    within bf16 rounding of a float32 matmul followed by SiLU-and-mul."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs sm_90+")
+    from kvserve.kernels import triton_gate_up
+
+    config = getattr(triton_gate_up, config_name)
+    gen = torch.Generator(device="cuda").manual_seed(m + d)
+    x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
+    w = (torch.randn(2 * d, k, generator=gen, device="cuda") * k**-0.5).bfloat16()
+    assert triton_gate_up.fits(x, w, None, config)
+    out = torch.full((m, d), float("nan"), dtype=torch.bfloat16, device="cuda")
+    triton_gate_up.gate_up_silu(x, w, config, out=out)
+    torch.cuda.synchronize()
+    want = reference.silu_and_mul(torch.nn.functional.linear(x.float(), w.float()).bfloat16())
+    torch.testing.assert_close(out.float(), want.float(), rtol=2**-7, atol=1e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [48, 200, 1024])
 def test_every_cublaslt_candidate_computes_linear(dtype: torch.dtype, m: int) -> None:

@@ -20,7 +20,6 @@ SMALL = dict(block_m=32, block_n=32, block_k=32, num_stages=2, num_warps=4, grou
 CONFIGS = {
     "pointers": GateUpConfig(**SMALL),
     "tma": GateUpConfig(**SMALL, use_tma=True),
-    "tma-persistent": GateUpConfig(**SMALL, use_tma=True, persistent=True),
     "pointers-group1": GateUpConfig(**(SMALL | {"group_m": 1})),
 }
 
@@ -77,7 +76,11 @@ def test_fits():
     assert not fits(x.float(), w.float(), None, ptr)  # 16-bit operands only
     assert not fits(x, w.to(torch.bfloat16), None, ptr)
     assert not fits(x, w[:, :32], None, ptr)  # K differs
-    assert not fits(x.t(), w, None, ptr)  # inner stride must be 1
+    x_cols = torch.zeros(64, 8, dtype=torch.float16).t()  # [8, 64] with inner stride 8
+    w_cols = torch.zeros(64, 64, dtype=torch.float16).t()  # [64, 64] with inner stride 64
+    assert x_cols.shape == x.shape and w_cols.shape == w.shape
+    assert not fits(x_cols, w, None, ptr) and not fits(x, w_cols, None, ptr)  # inner strides must be 1
+    assert not fits(x[0], w, None, ptr) and not fits(x[0], w, None, tma)  # 2-D only
     # A tensor descriptor needs 16-byte aligned starts and row strides; plain pointers do not.
     x_wide = torch.zeros(8, 65, dtype=torch.float16)[:, 1:]
     assert fits(x_wide, w, None, ptr) and not fits(x_wide, w, None, tma)
@@ -85,42 +88,47 @@ def test_fits():
     assert not fits(x_odd_stride, w, None, tma)
 
 
-def test_tma_gate_up_rule():
+def test_tma_gate_up_rule(monkeypatch):
     """The fused TMA matmul serves the rows past the skinny matmul up to TMA_GATE_UP_MAX_DECODE_ROWS (default
     on) and, opt-in, PREFILL_GATE_UP_MIN_ROWS rows and more; only on sm_90+; each range has its switch."""
     low, high, prefill = ops.SKINNY_GEMM_MAX_ROWS, ops.TMA_GATE_UP_MAX_DECODE_ROWS, ops.PREFILL_GATE_UP_MIN_ROWS
     decode_config, prefill_config = triton_gate_up.DECODE_CONFIG, triton_gate_up.PREFILL_CONFIG
     assert decode_config.use_tma and prefill_config.use_tma
+    monkeypatch.setattr(ops, "_decode_tma_gate_up", True)
+    monkeypatch.setattr(ops, "_prefill_silu_fusion", False)
     assert ops.gate_up_tma_config(low, (9, 0)) is None  # the skinny matmul's rows
     assert ops.gate_up_tma_config(low + 1, (9, 0)) == decode_config
     assert ops.gate_up_tma_config(high, (9, 0)) == decode_config
     assert ops.gate_up_tma_config(high + 1, (9, 0)) is None
     assert ops.gate_up_tma_config(high, (8, 0)) is None  # no TMA
-    assert ops.gate_up_tma_config(prefill, (9, 0)) is None  # prefill: off by default
+    assert ops.gate_up_tma_config(prefill, (9, 0)) is None  # prefill range off
     ops.set_prefill_gate_up_fusion(True)
     ops.set_decode_gate_up_tma(False)
-    try:
-        assert ops.gate_up_tma_config(prefill, (9, 0)) == prefill_config
-        assert ops.gate_up_tma_config(8 * prefill, (10, 0)) == prefill_config
-        assert ops.gate_up_tma_config(prefill - 1, (9, 0)) is None
-        assert ops.gate_up_tma_config(prefill, (8, 9)) is None
-        assert ops.gate_up_tma_config(high, (9, 0)) is None  # decode range switched off
-    finally:
-        ops.set_prefill_gate_up_fusion(False)
-        ops.set_decode_gate_up_tma(True)
+    assert ops.gate_up_tma_config(prefill, (9, 0)) == prefill_config
+    assert ops.gate_up_tma_config(8 * prefill, (10, 0)) == prefill_config
+    assert ops.gate_up_tma_config(prefill - 1, (9, 0)) is None
+    assert ops.gate_up_tma_config(prefill, (8, 9)) is None
+    assert ops.gate_up_tma_config(high, (9, 0)) is None  # decode range switched off
 
 
-def test_ops_linear_silu_mul_large_cpu_batch_is_the_two_ops():
+def test_switch_defaults():
+    """Out of the box: the decode range on, the prefill range off (docs/perf_notes.md entry 32)."""
+    import subprocess
+    import sys
+
+    code = "from kvserve.kernels import ops; print(ops._decode_tma_gate_up, ops._prefill_silu_fusion)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["True", "False"]
+
+
+def test_ops_linear_silu_mul_large_cpu_batch_is_the_two_ops(monkeypatch):
     """CPU tensors never reach the Triton kernel, however many rows, the prefill fusion switched on or not."""
     for rows in (ops.TMA_GATE_UP_MAX_DECODE_ROWS, ops.PREFILL_GATE_UP_MIN_ROWS):
         x, w = operands(rows, 16, 32, torch.float16, torch.device("cpu"))
         for enabled in (False, True):
-            ops.set_prefill_gate_up_fusion(enabled)
-            try:
-                want = ops.silu_and_mul(torch.nn.functional.linear(x, w))
-                assert torch.equal(ops.linear_silu_mul(x, w), want)
-            finally:
-                ops.set_prefill_gate_up_fusion(False)
+            monkeypatch.setattr(ops, "_prefill_silu_fusion", enabled)
+            want = ops.silu_and_mul(torch.nn.functional.linear(x, w))
+            assert torch.equal(ops.linear_silu_mul(x, w), want)
 
 
 def test_compiles_for_hopper_at_the_engine_tiling(device, hopper_compiler):
