@@ -57,7 +57,6 @@ import torch  # noqa: E402
 from common import (  # noqa: E402
     MODEL_CONFIGS,
     Driver,
-    GpuEnergy,
     decode_floor_ms,
     hf_generate_timer,
     make_engine,
@@ -86,8 +85,6 @@ class Bench:
         self.driver: Driver | None = None
         self.seeds_prompts: list[list[int]] | None = None  # the seeds section's timed prompts, for the hf section
         self.late_variants: list[str] = []  # Triton variants loaded by steps of the engines freed so far
-        self.energy = GpuEnergy(args.device) if args.device.startswith("cuda") else None
-        self.last_ttft_joules: list[float] = []
 
     def n(self, count: int) -> int:
         return max(1, int(round(count * self.args.scale)))
@@ -495,16 +492,11 @@ class Bench:
         self.results["random256"] = {"num_seqs": num, "runs": runs}
 
     def _ttft_runs(self, d: Any, n: int, repeats: int, rest: float) -> list[float]:
-        """TTFT (ms) of `repeats` fresh n-token prompts, one at a time, each after `rest` s without work. The
-        GPU energy of each request (NVML, J) goes to `self.last_ttft_joules` (empty without the counter)."""
-        times, self.last_ttft_joules = [], []
+        """TTFT (ms) of `repeats` fresh n-token prompts, one at a time, each after `rest` s without work."""
+        times = []
         for _ in range(repeats):
             time.sleep(rest)
-            before = self.energy.read_mj() if self.energy is not None else None
             times.append(d.run(self.prompts([n]), [1]).ttft_s[0] * 1e3)
-            after = self.energy.read_mj() if self.energy is not None else None
-            if before is not None and after is not None:
-                self.last_ttft_joules.append((after - before) / 1e3)
         return times
 
     def section_ttft(self) -> None:
@@ -520,12 +512,9 @@ class Bench:
             d.run(self.prompts([n]), [1])  # warm-up at this shape
             for label, rest in (("idle GPU", TTFT_IDLE_S), ("back to back", 0.0)):
                 times = self._ttft_runs(d, n, repeats, rest)
-                joules = self.last_ttft_joules
-                out[f"{tokens} {label}"] = {"median_ms": statistics.median(times), "all_ms": times, "idle_s": rest,
-                                            "gpu_joules": joules}
-                energy = f", GPU energy {statistics.median(joules):.1f} J per request" if joules else ""
+                out[f"{tokens} {label}"] = {"median_ms": statistics.median(times), "all_ms": times, "idle_s": rest}
                 self.rows.append((f"TTFT {tokens} tokens, {label} (ms)", f"{statistics.median(times):.1f}",
-                                  f"min {min(times):.1f}, {repeats} runs{energy}"))
+                                  f"min {min(times):.1f}, {repeats} runs"))
         self.results["ttft"] = out
 
     def section_ttftrest(self) -> None:

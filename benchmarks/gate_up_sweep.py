@@ -1,6 +1,6 @@
-"""Sweep of the prefill gate/up matmul with SiLU-and-mul in its epilogue (`kvserve/kernels/triton_gate_up.py`)
-against what the engine runs without it: torch's matmul (cuBLAS) then kvserve's `silu_and_mul`, at the
-Qwen2.5-7B MLP shape (K = 3584, D = 18944), bf16, at prefill-sized row counts.
+"""Sweep of the gate/up matmul with SiLU-and-mul in its epilogue (`kvserve/kernels/triton_gate_up.py`) against
+what the engine runs without it: torch's matmul (cuBLAS) then kvserve's `silu_and_mul`, at the Qwen2.5-7B MLP
+shape (K = 3584, D = 18944), bf16, at the row counts asked (decode or prefill sizes).
 
 Each timing is a CUDA graph of one call (`attention_sweep.time_graph`). Every Triton tiling is first checked
 against the two-op result; one that fails to compile or to match is reported and skipped.

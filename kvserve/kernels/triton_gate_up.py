@@ -3,10 +3,10 @@ silu(x @ Wg^T) * (x @ Wu^T), where weight[2 D, K] holds [gate; up].
 
 The separate `silu_and_mul` is a pass over memory that reads the [M, 2 D] intermediate and writes [M, D]: at
 8,192 rows of the Qwen2.5-7B shape that is 0.93 GB a layer, about 0.22 ms; at decode sizes it is one more
-launch a layer. The x rows are the tensor-core M side (unlike the skinny matmul, which puts the weight
-there), and TMA loads both operands. Here each program computes a BLOCK_M x BLOCK_N tile of gate and the matching
-tile of up (two accumulators over the same x tile), rounds both to the activation dtype, as the matmul's
-output would be, and writes silu(gate) * up only (`silu_mul`, the rounding of the separate kernel).
+launch a layer. Here each program computes a BLOCK_M x BLOCK_N tile of gate and the matching tile of up (two
+accumulators over the same x tile), rounds both to the activation dtype, as the matmul's output would be, and
+writes silu(gate) * up only (`silu_mul`, the rounding of the separate kernel). The x rows are the tensor-core
+M side (the skinny matmul puts the weight there).
 
 Tiles are walked in groups of GROUP_M row tiles so a group's x rows stay in L2 while it sweeps the weight.
 Two loaders: plain pointers, and TMA tensor descriptors (Hopper and later; `use_tma`). A persistent variant
