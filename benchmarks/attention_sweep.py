@@ -77,6 +77,10 @@ def main() -> int:
     parser.add_argument("--prefetch-ids", default="on",
                         help="on,off: decode launches with the block ids loaded one tile ahead (DECODE_PREFETCH_IDS) "
                         "and/or in the tile's iteration")
+    parser.add_argument("--layouts", default="nhd",
+                        help="nhd,hnd: KV cache memory layout (hnd: a block's heads apart, see make_batch)")
+    parser.add_argument("--block-orders", default="scattered",
+                        help="scattered,inorder: each request's blocks scattered by a permutation and/or in order")
     parser.add_argument("--merge", default="fused",
                         help="split launches, comma-separated: fused (the last split program merges), kernel (a "
                         "reduce launch)")
@@ -99,13 +103,15 @@ def main() -> int:
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     results = []
     summary = []
-    for batch, ctx, split_options in args.cases:
+    variants = list(itertools.product(args.layouts.split(","), args.block_orders.split(",")))
+    for (batch, ctx, split_options), (layout, order) in itertools.product(args.cases, variants):
         gen = torch.Generator(device="cuda").manual_seed(batch)
         if ctx < 0:
             lengths = torch.randint(100, 2049, (batch,), generator=torch.Generator().manual_seed(batch)).tolist()
         else:
             lengths = [ctx] * batch
-        layers = [make_batch(shape, torch.bfloat16, [(1, n) for n in lengths], gen) for _ in range(LAYERS)]
+        layers = [make_batch(shape, torch.bfloat16, [(1, n) for n in lengths], gen, layout=layout,
+                             scattered=order == "scattered") for _ in range(LAYERS)]
         query, kv0, metadata = layers[0]
         expected = reference.paged_attention(query, kv0, metadata, scale)
         bytes_per_layer = attention_bytes(query, kv0, metadata)
@@ -123,7 +129,7 @@ def main() -> int:
                 merged_in_kernel = fused and splits <= fused_max_splits
                 if fused != merged_in_kernel and len(merges) > 1:
                     continue  # the same launch as the "kernel" row
-                row = {"batch": batch, "context": ctx, "tile_n": tile, "num_warps": warps, "num_stages": stages,
+                row = {"batch": batch, "context": ctx, "layout": layout, "block_order": order, "tile_n": tile, "num_warps": warps, "num_stages": stages,
                        "num_splits": splits, "merge": "fused" if merged_in_kernel else "kernel",
                        "prefetch_ids": prefetch,
                        # the stages the launch runs (the launcher trims them for buffers past its limit)
@@ -165,7 +171,7 @@ def main() -> int:
                         "fused" if r["num_splits"] <= fused_max_splits else "kernel")))
 
         is_default = [r for r in timed if is_default_row(r)]
-        summary.append((batch, ctx, bytes_per_layer, is_default, timed[:5],
+        summary.append((batch, ctx, f"{layout}/{order}", bytes_per_layer, is_default, timed[:5],
                         sum(1 for r in case_rows if "error" in r)))
         del layers, outs, expected
         torch.cuda.empty_cache()
@@ -173,10 +179,10 @@ def main() -> int:
     args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "default": default,
                                     "default_one_split": default_one,
                                     "results": results}, indent=1))
-    for batch, ctx, nbytes, is_default, best, failures in summary:
-        print(f"\nbatch {batch} ctx {ctx if ctx > 0 else 'U[100,2048]'}: {nbytes / 1e6:.1f} MB per layer, "
+    for batch, ctx, variant, nbytes, is_default, best, failures in summary:
+        print(f"\nbatch {batch} ctx {ctx if ctx > 0 else 'U[100,2048]'} {variant}: {nbytes / 1e6:.1f} MB per layer, "
               f"{failures} configs failed")
-        for label, rows in (("default", is_default), ("best", best)):
+        for label, rows in (("default", is_default), ("best", best[:3])):
             for r in rows:
                 print(f"  {label:8s} ids {'ahead' if r['prefetch_ids'] else 'inline'} tile {r['tile_n']:4d} "
                       f"warps {r['num_warps']} stages {r['stages_run']} "

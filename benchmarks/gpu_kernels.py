@@ -182,28 +182,29 @@ class Runner:
 
 
 def make_batch(
-    shape: ModelShape, dtype: torch.dtype, lens: list[tuple[int, int]], gen: torch.Generator
+    shape: ModelShape, dtype: torch.dtype, lens: list[tuple[int, int]], gen: torch.Generator,
+    layout: str = "nhd", scattered: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """Query + KV cache + metadata for (query_len, seq_len) requests; blocks scattered by a permutation."""
+    """Query + KV cache + metadata for (query_len, seq_len) requests; blocks scattered by a permutation
+    (scattered) or each request's in order, as a fresh engine allocates them. layout "hnd" stores each
+    block's heads apart ([2, blocks, kv heads, block_size, head_dim] in memory) behind the logical
+    [2, blocks, block_size, kv heads, head_dim] view every kernel takes."""
     device = torch.device("cuda")
     blocks_per_req = [triton.cdiv(s, BLOCK_SIZE) for _, s in lens]
     num_blocks = sum(blocks_per_req) + 8
-    perm = torch.randperm(num_blocks, device=device, generator=gen).to(torch.int32)
+    perm = (torch.randperm(num_blocks, device=device, generator=gen) if scattered
+            else torch.arange(num_blocks, device=device)).to(torch.int32)
     block_tables = torch.zeros(len(lens), max(blocks_per_req) + 1, dtype=torch.int32, device=device)
     used = 0
     for r, n in enumerate(blocks_per_req):
         block_tables[r, :n] = perm[used : used + n]
         used += n
-    kv_cache = torch.randn(
-        2,
-        num_blocks,
-        BLOCK_SIZE,
-        shape.num_kv_heads,
-        shape.head_dim,
-        device=device,
-        dtype=dtype,
-        generator=gen,
-    )
+    if layout == "hnd":
+        kv_cache = torch.randn(2, num_blocks, shape.num_kv_heads, BLOCK_SIZE, shape.head_dim, device=device,
+                               dtype=dtype, generator=gen).transpose(2, 3)
+    else:
+        kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, shape.num_kv_heads, shape.head_dim, device=device,
+                               dtype=dtype, generator=gen)
     num_tokens = sum(q for q, _ in lens)
     query = torch.randn(
         num_tokens, shape.num_heads, shape.head_dim, device=device, dtype=dtype, generator=gen
