@@ -950,10 +950,6 @@ def main() -> int:
                    help="one-prompt prefill: torch's own SDPA backend order (no flash/cuDNN choice by kvserve)")
     p.add_argument("--gate-up-silu-fusion", action=argparse.BooleanOptionalAction, default=True,
                    help="small batches: SiLU-and-mul in the gate/up matmul's epilogue")
-    p.add_argument("--decode-gemm", action=argparse.BooleanOptionalAction, default=True,
-                   help="33-64-row matmuls on the decode-rows TMA matmul (ops.set_decode_gemm; off: cuBLAS)")
-    p.add_argument("--decode-gemm-x", default="tma", choices=["tma", "pointers"],
-                   help="how the decode-rows TMA matmul loads x (triton_decode_gemm.X_TMA)")
     p.add_argument("--decode-gate-up-tma", action=argparse.BooleanOptionalAction, default=True,
                    help="33-64 rows (sm_90+): the gate/up matmul as one Triton TMA launch with SiLU-and-mul")
     p.add_argument("--prefill-gate-up-fusion", action=argparse.BooleanOptionalAction, default=False,
@@ -997,10 +993,6 @@ def main() -> int:
     ops.set_gate_up_silu_fusion(args.gate_up_silu_fusion)
     ops.set_prefill_gate_up_fusion(args.prefill_gate_up_fusion)
     ops.set_decode_gate_up_tma(args.decode_gate_up_tma)
-    ops.set_decode_gemm(args.decode_gemm)
-    from kvserve.kernels import triton_decode_gemm
-
-    triton_decode_gemm.X_TMA = args.decode_gemm_x == "tma"
     ops.set_qkv_rope_fusion(args.qkv_rope_fusion)
     if args.skinny_max_rows is not None:
         ops.SKINNY_GEMM_MAX_ROWS = args.skinny_max_rows

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: dgemm2 dgemm1 layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Pass the local commit, written in literally (the device copy's git metadata can be stale, so a $(git ...) in
 # the command would read it there): KVSERVE_BENCH_COMMIT=<sha> bash ...
@@ -344,28 +344,6 @@ print('alone', t._backend_after('alone')); print('kvserve-first', t._backend_aft
         timeout 200 python3 -m pytest -q -rA -s -p no:cacheprovider tests/gpu/test_gpu_ops.py \
           tests/gpu/test_gpu_engine.py tests/gpu/test_gpu_precompile.py -k "prefill_gate_up or bf16_logprobs or switches or every_triton_variant" \
           > "$R/pytest_gateup.log" 2>&1 ;;
-    dgemm2) for mode in tma ptr off tma off; do
-          case $mode in tma) flags="" ;; ptr) flags="--decode-gemm-x pointers" ;; off) flags="--no-decode-gemm" ;; esac
-          timeout 70 python3 benchmarks/engine_benchmarks.py --out "$R/dgemm2_$mode" --sections start,decode,seeds \
-            --decode-batches 40,48,64 --decode-contexts 1024 --decode-steps 30 $flags >> "$R/dgemmab2.log" 2>&1
-          echo "mode $mode done" >> "$R/dgemmab2.log"
-        done
-        timeout 150 python3 -m pytest -q -rA -s -p no:cacheprovider tests/gpu/test_gpu_ops.py \
-          tests/gpu/test_gpu_engine.py -k "decode_gemm or batch40" > "$R/pytest_dgemm2.log" 2>&1
-        timeout 110 python3 benchmarks/decode_gemm_sweep.py --out "$R/dgemm2_sweep.json" --rows 48,64 \
-          --splits 1 --shapes down,o_proj,gate_up --tilings "64,32,128,6,4,t;64,32,128,6,4,p;64,64,128,4,4,t;64,64,128,4,4,p" \
-          > "$R/dgemm2.log" 2>&1 ;;
-    dgemm1) timeout 200 python3 benchmarks/decode_gemm_sweep.py --out "$R/dgemm_sweep.json" --rows 48,64 \
-          > "$R/dgemm1.log" 2>&1
-        timeout 200 python3 -m pytest -q -rA -s -p no:cacheprovider tests/gpu/test_gpu_ops.py \
-          tests/gpu/test_gpu_engine.py tests/gpu/test_gpu_precompile.py \
-          -k "decode_gemm or batch40 or graph_matches_eager or every_triton_variant" > "$R/pytest_dgemm.log" 2>&1
-        for mode in on off on off; do
-          flags=""; [ $mode = off ] && flags="--no-decode-gemm"
-          timeout 100 python3 benchmarks/engine_benchmarks.py --out "$R/dgemm_$mode" --sections start,decode,seeds \
-            --decode-batches 40,48,64 --decode-contexts 1024 --decode-steps 30 $flags >> "$R/dgemmab.log" 2>&1
-          echo "mode $mode done" >> "$R/dgemmab.log"
-        done ;;
     layout1) timeout 300 python3 benchmarks/attention_sweep.py --out "$R/layout_sweep.json" --tiles 64,128 --warps 4,8 \
           --stages 3,4 --layouts nhd,hnd --block-orders scattered,inorder \
           --cases 64:1024:1,48:1024:1,128:1024:1,176:r:1,64:4096:1,16:1024:9,1:1024:16/64 > "$R/layout1.log" 2>&1
@@ -458,7 +436,7 @@ print('alone', t._backend_after('alone')); print('kvserve-first', t._backend_aft
 done
 tar czf "$OUT/results.tgz" -C "$R" .
 echo "=== total $(( $(date +%s) - T0 ))s"
-for f in "$R"/dgemm2.log "$R"/pytest_dgemm2.log "$R"/dgemmab2.log "$R"/dgemm1.log "$R"/pytest_dgemm.log "$R"/dgemmab.log "$R"/layout1.log "$R"/kprof15.log "$R"/pytest_review14.log "$R"/review14.log "$R"/gatesmall2.log "$R"/pytest_tma.log "$R"/tmaab.log "$R"/gatesmall.log "$R"/gateup2.log "$R"/pytest_gateup2.log "$R"/gateab2.log "$R"/gateup.log "$R"/pytest_gateup.log "$R"/gateab.log "$R"/l2probe.log "$R"/diag13.log "$R"/hfdiag3.log "$R"/sdpafix.log "$R"/hfdiag2.log "$R"/hfdiag.log "$R"/final12.log "$R"/pytest_lt.log "$R"/tuneab2.log "$R"/tuneab.log "$R"/ltalgos.log "$R"/attnab3.log "$R"/attnab2.log "$R"/attnpf.log "$R"/attnsweep.log "$R"/rows32.log "$R"/ttftrest.log "$R"/prefillab.log "$R"/prefillprof.log "$R"/gemm4.log "$R"/ttftclk.log "$R"/gemm3.log "$R"/blasab.log "$R"/confirm.log "$R"/fuseab2.log "$R"/ttftrand2.log "$R"/pdlab2.log "$R"/pdlgemm.log "$R"/pdlab.log "$R"/ttftrand.log "$R"/modload.log "$R"/sharedab.log "$R"/final.log "$R"/gguf.log "$R"/fuseab.log "$R"/skinnyab.log "$R"/gemm.log "$R"/pattn.log "$R"/cascade.log "$R"/serve.log "$R"/diag3.log "$R"/ttftab.log "$R"/prefixab.log "$R"/diag2.log "$R"/async.log "$R"/sweep.log "$R"/diag.log "$R"/profile.log "$R"/pytest_gpu.log "$R"/engine.log "$R"/engine2.log "$R"/eager.log "$R"/ab.log "$R"/prefix2.log "$R"/hf.log "$R"/gpu_kernels.log "$R"/elementwise.log; do
+for f in "$R"/layout1.log "$R"/kprof15.log "$R"/pytest_review14.log "$R"/review14.log "$R"/gatesmall2.log "$R"/pytest_tma.log "$R"/tmaab.log "$R"/gatesmall.log "$R"/gateup2.log "$R"/pytest_gateup2.log "$R"/gateab2.log "$R"/gateup.log "$R"/pytest_gateup.log "$R"/gateab.log "$R"/l2probe.log "$R"/diag13.log "$R"/hfdiag3.log "$R"/sdpafix.log "$R"/hfdiag2.log "$R"/hfdiag.log "$R"/final12.log "$R"/pytest_lt.log "$R"/tuneab2.log "$R"/tuneab.log "$R"/ltalgos.log "$R"/attnab3.log "$R"/attnab2.log "$R"/attnpf.log "$R"/attnsweep.log "$R"/rows32.log "$R"/ttftrest.log "$R"/prefillab.log "$R"/prefillprof.log "$R"/gemm4.log "$R"/ttftclk.log "$R"/gemm3.log "$R"/blasab.log "$R"/confirm.log "$R"/fuseab2.log "$R"/ttftrand2.log "$R"/pdlab2.log "$R"/pdlgemm.log "$R"/pdlab.log "$R"/ttftrand.log "$R"/modload.log "$R"/sharedab.log "$R"/final.log "$R"/gguf.log "$R"/fuseab.log "$R"/skinnyab.log "$R"/gemm.log "$R"/pattn.log "$R"/cascade.log "$R"/serve.log "$R"/diag3.log "$R"/ttftab.log "$R"/prefixab.log "$R"/diag2.log "$R"/async.log "$R"/sweep.log "$R"/diag.log "$R"/profile.log "$R"/pytest_gpu.log "$R"/engine.log "$R"/engine2.log "$R"/eager.log "$R"/ab.log "$R"/prefix2.log "$R"/hf.log "$R"/gpu_kernels.log "$R"/elementwise.log; do
   [ -f "$f" ] || continue
   echo "##### $(basename "$f")"
   case $(basename "$f") in
@@ -518,12 +496,6 @@ for f in "$R"/dgemm2.log "$R"/pytest_dgemm2.log "$R"/dgemmab2.log "$R"/dgemm1.lo
     pytest_tma.log) grep -E "passed|failed|FAILED|Error|kvserve bf16|^E " "$f" | tail -25 ;;
     tmaab.log) grep -E "^decode|^seeds|^256|^engine start|^mode|Error|failed" "$f" ;;
     pytest_review14.log) grep -E "passed|failed|FAILED|Error|kvserve bf16|^E " "$f" | tail -25 ;;
-    dgemm2.log) grep -E "Error|Traceback" "$f" | head -5; grep -E "rows|^  " "$f" | cut -c1-110 | awk '/rows/{n=0} {n++; if (n<=7) print}' ;;
-    pytest_dgemm2.log) grep -E "passed|failed|FAILED|Error|kvserve bf16|^E " "$f" | tail -25 ;;
-    dgemmab2.log) grep -E "^decode b|^seeds|^decode graphs|^mode|Error|failed" "$f" | cut -c1-200 ;;
-    dgemm1.log) grep -E "Error|Traceback" "$f" | head -5; grep -E "rows|^  " "$f" | cut -c1-120 | head -120 ;;
-    pytest_dgemm.log) grep -E "passed|failed|FAILED|Error|kvserve bf16|^E " "$f" | tail -25 ;;
-    dgemmab.log) grep -E "^decode b|^seeds|^engine start|^decode graphs|^mode|Error|failed" "$f" | cut -c1-220 ;;
     layout1.log) grep -E "Error|Traceback" "$f" | head -5; sed -n '/^batch /,$p' "$f" | grep -v "^$" ;;
     kprof15.log) grep -E -A 22 "^kernel profile" "$f" | cut -c1-160; grep -E "Error|failed" "$f" | tail -3 ;;
     review14.log) grep -E "Error|Traceback" "$f" | head -5; grep -E "^rows|^  [a-z]" "$f" ;;

@@ -156,56 +156,11 @@ def _skinny(
         return None
 
 
-# Matmuls of SKINNY_GEMM_MAX_ROWS + 1 to DECODE_GEMM_MAX_ROWS rows (decode batches past the skinny matmul) run
-# on the decode-rows TMA matmul on sm_90+ (kernels/triton_decode_gemm.py: whole waves of output tiles, the
-# last wave's tiles split over K so that every SM streams to the end), gate/up with SiLU-and-mul in its
-# epilogue. Its own switch (A/B); its sums are not cuBLAS's bits.
-DECODE_GEMM_MAX_ROWS = 64
-_decode_gemm_enabled = True
-
-
-def set_decode_gemm(enabled: bool) -> None:
-    """Route SKINNY_GEMM_MAX_ROWS + 1 to DECODE_GEMM_MAX_ROWS-row CUDA matmuls to the decode-rows TMA matmul
-    (default on sm_90+), or not (cuBLAS, and the gate/up range of `gate_up_tma_config`)."""
-    global _decode_gemm_enabled
-    _decode_gemm_enabled = enabled
-
-
-def decode_gemm_applies(num_rows: int, device: torch.device) -> bool:
-    """Whether an num_rows-row matmul on `device` would run on the decode-rows TMA matmul."""
-    return (_decode_gemm_enabled and device.type == "cuda" and SKINNY_GEMM_MAX_ROWS < num_rows <= DECODE_GEMM_MAX_ROWS
-            and _capability(device)[0] >= 9 and _triton_module("triton_decode_gemm") is not None)
-
-
-def _decode_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gate_up: bool) -> torch.Tensor | None:
-    """The decode-rows TMA matmul's result where it applies (`decode_gemm_applies`, a contract that fits),
-    else None."""
-    global _decode_gemm_enabled
-    if not (x.is_cuda and x.dim() == 2 and decode_gemm_applies(x.shape[0], x.device)):
-        return None
-    module = _triton_module("triton_decode_gemm")
-    assert module is not None
-    n = weight.shape[0] // 2 if gate_up else weight.shape[0]
-    picked = module.pick(x.shape[0], n, x.shape[1], gate_up, _num_sms(x.device), _max_shared_bytes(x.device))
-    if picked is None or not module.fits(x, weight, bias, gate_up, picked[0]):
-        return None
-    config, schedule = picked
-    try:
-        return module.decode_linear(x, weight, bias, config, schedule, gate_up=gate_up)
-    except module.OutOfResources as exc:  # a GPU whose shared memory the estimate got wrong
-        logger.warning("decode-rows TMA matmul unavailable on this GPU (%s); using torch", exc)
-        _decode_gemm_enabled = False
-        return None
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T (+ bias), as torch.nn.functional.linear computes it. CUDA: the Triton
-    skinny matmul for small row counts, the decode-rows TMA matmul past them (`decode_gemm_applies`), the
-    tuned cuBLASLt algorithm where start-up tuning registered one for these rows and shapes
-    (`cublaslt.tune`), else torch."""
+    skinny matmul for small row counts, the tuned cuBLASLt algorithm where start-up tuning registered one
+    for these rows and shapes (`cublaslt.tune`), else torch."""
     out = _skinny(x, weight, bias, silu_mul=False)
-    if out is None:
-        out = _decode_gemm(x, weight, bias, gate_up=False)
     if out is not None:
         return out
     if x.is_cuda:
@@ -338,8 +293,6 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if _elementwise_backend == "triton":
         if _silu_fusion:
             out = _skinny(x, weight, bias, silu_mul=True)
-            if out is None:
-                out = _decode_gemm(x, weight, bias, gate_up=True)
         if out is None:
             out = _tma_gate_up(x, weight, bias)
     return silu_and_mul(linear(x, weight, bias)) if out is None else out
@@ -693,9 +646,6 @@ __all__ = [
     "set_gate_up_silu_fusion",
     "set_prefill_gate_up_fusion",
     "set_decode_gate_up_tma",
-    "set_decode_gemm",
-    "decode_gemm_applies",
-    "DECODE_GEMM_MAX_ROWS",
     "gate_up_tma_config",
     "PREFILL_GATE_UP_MIN_ROWS",
     "TMA_GATE_UP_MAX_DECODE_ROWS",

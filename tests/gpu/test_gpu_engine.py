@@ -324,11 +324,10 @@ def test_bf16_logprobs_agree_with_hf(
     """"chunks": 6 short prompts in 512-token steps (decode batches of 6: the skinny matmul); "long": three
     prompts of 700-1000 tokens prefilled in one step of more than ops.PREFILL_GATE_UP_MIN_ROWS rows, with the
     opt-in fused prefill gate/up matmul switched on; "batch40": 40 prompts decoding together (a 48-row
-    graph), where the decode-rows TMA matmul runs every projection by default (gate/up with SiLU-and-mul). The TMA
-paths need sm_90+."""
+    graph), where the fused TMA gate/up matmul runs by default. Both TMA paths need sm_90+."""
     from transformers import AutoModelForCausalLM
 
-    from kvserve.kernels import ops, triton_decode_gemm, triton_gate_up
+    from kvserve.kernels import ops, triton_gate_up
 
     path = checkpoints[model]
     k = 5
@@ -337,13 +336,6 @@ paths need sm_90+."""
     launch = triton_gate_up.gate_up_silu
     monkeypatch.setattr(triton_gate_up, "gate_up_silu",
                         lambda x, *a, **kw: fused_rows.append(x.shape[0]) or launch(x, *a, **kw))
-    # The tiny models' plain matmuls fill a fraction of a wave: let `pick` take them too, so that the engine
-    # run covers the plain path (q/k/v bias included) as well as gate/up.
-    monkeypatch.setattr(triton_decode_gemm, "MIN_WAVE_FILL", 0.0)
-    decode_rows = []  # (rows, gate/up) of the decode-rows TMA matmul's launches
-    decode_launch = triton_decode_gemm.decode_linear
-    monkeypatch.setattr(triton_decode_gemm, "decode_linear", lambda x, *a, **kw: decode_rows.append(
-        (x.shape[0], kw.get("gate_up", False))) or decode_launch(x, *a, **kw))
     if batches == "chunks":
         prompts, core = _prompts(6, seed=11), _core(path, "bfloat16", enforce_eager=False)
     elif batches == "batch40":
@@ -352,17 +344,16 @@ paths need sm_90+."""
         generator = torch.Generator().manual_seed(12)
         prompts = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in (700, 1000, 850)]
         core = _core(path, "bfloat16", enforce_eager=False, max_num_batched_tokens=4096)
-    fused_rows.clear()  # start-up (memory profile, warm-up, graph capture): only the prompts' own steps count below
-    decode_at_start = set(decode_rows)
+    at_start, fused_rows[:] = list(fused_rows), []  # start-up: memory profile, warm-up, graph capture
     outs = _generate(core, prompts, 16, logprobs=k)
     if torch.cuda.get_device_capability()[0] >= 9:
-        if batches == "batch40":  # the decode graph that 40 requests replay captured the decode-rows matmuls
+        if batches == "batch40":  # the decode graph that 40 requests replay captured the TMA launch
             from kvserve.worker.cuda_graph import padded_batch_size
 
             assert core.runner.graphs is not None
             size = padded_batch_size(40, core.runner.graphs.sizes)
-            assert size is not None and ops.SKINNY_GEMM_MAX_ROWS < size <= ops.DECODE_GEMM_MAX_ROWS, size
-            assert {(size, True), (size, False)} <= decode_at_start, sorted(decode_at_start)
+            assert size is not None and ops.SKINNY_GEMM_MAX_ROWS < size <= ops.TMA_GATE_UP_MAX_DECODE_ROWS, size
+            assert size in at_start, sorted(set(at_start))
         if batches == "long":  # the prompts' own prefill step (eager), not only the start-up memory profile
             assert fused_rows and max(fused_rows) >= ops.PREFILL_GATE_UP_MIN_ROWS, sorted(set(fused_rows))
     hf32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()

@@ -4,8 +4,6 @@ launched with programmatic dependent launch."""
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
@@ -284,60 +282,6 @@ def test_tma_gate_up_at_qwen_shape(dtype: torch.dtype, m: int, monkeypatch: pyte
         assert not out.isnan().any(), replay
         assert fused_err.max() <= 1.5 * unfused_err.max(), (replay, fused_err.max(), unfused_err.max())
         assert fused_err.mean() <= 1.1 * unfused_err.mean(), (replay, fused_err.mean(), unfused_err.mean())
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("m", [ops.SKINNY_GEMM_MAX_ROWS + 1, 48, ops.DECODE_GEMM_MAX_ROWS])
-def test_decode_gemm_at_qwen_shapes(dtype: torch.dtype, m: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """ops.linear / ops.linear_silu_mul at 33-64 rows (the decode-rows TMA matmul on sm_90+ where `pick`
-    takes the shape, cuBLAS elsewhere) at the Qwen2.5-7B shapes, in x loaded both ways, captured in a CUDA graph and replayed on new inputs with the output poisoned (every
-    tile written on every replay: the split counters reset): as close to a float32 matmul (+ SiLU-and-mul)
-    as cuBLAS (then `silu_and_mul`) is. Not bitwise: the two sum in different orders."""
-    from kvserve.kernels import triton_decode_gemm
-
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("the decode-rows TMA matmul needs sm_90+")
-    calls: list[tuple[int, bool]] = []
-    launch = triton_decode_gemm.decode_linear
-    monkeypatch.setattr(triton_decode_gemm, "decode_linear",
-                        lambda x, *a, **kw: calls.append((x.shape[0], kw.get("gate_up", False))) or launch(x, *a, **kw))
-    gen = torch.Generator(device="cuda").manual_seed(m)
-    for (name, (n, k, has_bias)), x_tma in itertools.product(QWEN_7B.items(), (True, False)):
-        monkeypatch.setattr(triton_decode_gemm, "X_TMA", x_tma)
-        gate_up = name == "gate_up"
-        w = (torch.randn(n, k, generator=gen, device="cuda") * k**-0.5).to(dtype)
-        b = torch.randn(n, generator=gen, device="cuda").to(dtype) if has_bias else None
-        x = torch.zeros(m, k, dtype=dtype, device="cuda")
-
-        def run(x: torch.Tensor = x, w: torch.Tensor = w, b: torch.Tensor | None = b, g: bool = gate_up) -> torch.Tensor:
-            return ops.linear_silu_mul(x, w, b) if g else ops.linear(x, w, b)
-
-        calls.clear()
-        run()  # compile outside the capture
-        picked = triton_decode_gemm.pick(m, n // 2 if gate_up else n, k, gate_up, ops._num_sms(x.device),
-                                         ops._max_shared_bytes(x.device))
-        assert calls == ([(m, gate_up)] if picked is not None else []), (name, calls)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = run()
-        for replay in range(2):
-            x.copy_(torch.randn(m, k, generator=gen, device="cuda"))
-            out.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            exact = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
-            cublas = torch.nn.functional.linear(x, w, b)
-            if gate_up:
-                gate, up = exact.split(n // 2, dim=-1)
-                exact = torch.nn.functional.silu(gate) * up
-                cublas = ops.silu_and_mul(cublas)
-            err = (out.float() - exact).abs()
-            cublas_err = (cublas.float() - exact).abs()
-            assert not out.isnan().any(), (name, replay)
-            assert err.max() <= 1.5 * cublas_err.max(), (name, replay, err.max(), cublas_err.max())
-            assert err.mean() <= 1.1 * cublas_err.mean(), (name, replay, err.mean(), cublas_err.mean())
-        eager = run()
-        assert torch.equal(eager, out), name  # the graph's replay and an eager call: the same bits
 
 
 @pytest.mark.parametrize("config_name", ["DECODE_CONFIG", "PREFILL_CONFIG"])
