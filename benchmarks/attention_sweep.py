@@ -104,6 +104,9 @@ def main() -> int:
     results = []
     summary = []
     variants = list(itertools.product(args.layouts.split(","), args.block_orders.split(",")))
+    for layout, order in variants:
+        if layout not in ("nhd", "hnd") or order not in ("scattered", "inorder"):
+            parser.error(f"unknown layout {layout!r} or block order {order!r}")
     for (batch, ctx, split_options), (layout, order) in itertools.product(args.cases, variants):
         gen = torch.Generator(device="cuda").manual_seed(batch)
         if ctx < 0:
@@ -129,7 +132,8 @@ def main() -> int:
                 merged_in_kernel = fused and splits <= fused_max_splits
                 if fused != merged_in_kernel and len(merges) > 1:
                     continue  # the same launch as the "kernel" row
-                row = {"batch": batch, "context": ctx, "layout": layout, "block_order": order, "tile_n": tile, "num_warps": warps, "num_stages": stages,
+                row = {"batch": batch, "context": ctx, "layout": layout, "block_order": order, "tile_n": tile,
+                       "num_warps": warps, "num_stages": stages,
                        "num_splits": splits, "merge": "fused" if merged_in_kernel else "kernel",
                        "prefetch_ids": prefetch,
                        # the stages the launch runs (the launcher trims them for buffers past its limit)
