@@ -1,7 +1,8 @@
 """Sweep of the Triton decode-attention launch parameters on the GPU (tile of keys, warps, pipeline stages,
 KV splits) at the Qwen2.5-7B shape, bf16.
 
-Each case builds 28 separate KV caches (one per layer, blocks scattered by a permutation) and times a CUDA
+Each case builds 28 separate KV caches (one per layer; blocks scattered by a permutation unless
+--block-orders says inorder, stored token-major unless --layouts says hnd) and times a CUDA
 graph of 28 launches, one per cache, as a decode step runs them: the per-layer time that graph gives is the
 number a decode step pays, with no Python launch cost and no L2 reuse between layers. Every configuration
 is first checked against the torch reference on one layer; a configuration that fails to compile (e.g. out

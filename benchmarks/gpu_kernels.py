@@ -189,6 +189,8 @@ def make_batch(
     (scattered) or each request's in order, as a fresh engine allocates them. layout "hnd" stores each
     block's heads apart ([2, blocks, kv heads, block_size, head_dim] in memory) behind the logical
     [2, blocks, block_size, kv heads, head_dim] view every kernel takes."""
+    if layout not in ("nhd", "hnd"):
+        raise ValueError(f"unknown KV cache layout {layout!r} (nhd or hnd)")
     device = torch.device("cuda")
     blocks_per_req = [triton.cdiv(s, BLOCK_SIZE) for _, s in lens]
     num_blocks = sum(blocks_per_req) + 8
