@@ -954,6 +954,11 @@ def main() -> int:
                    help="33-64 rows (sm_90+): the gate/up matmul as one Triton TMA launch with SiLU-and-mul")
     p.add_argument("--prefill-gate-up-fusion", action=argparse.BooleanOptionalAction, default=False,
                    help="prefill-sized batches (sm_90+): the gate/up matmul as one Triton launch with SiLU-and-mul")
+    p.add_argument("--prefill-qkv-padding", action=argparse.BooleanOptionalAction, default=True,
+                   help="one-prompt cuDNN prefill: the rotary launch writes q/k/v padded (off: copied after it)")
+    p.add_argument("--prefill-copy-always", action="store_true",
+                   help="with --no-prefill-qkv-padding: copy q/k/v for cuDNN even when already in its layout "
+                   "(the code before the padded launch, for A/B)")
     p.add_argument("--qkv-rope-fusion", action=argparse.BooleanOptionalAction, default=True,
                    help="small batches: rotary embedding and cache write in the q/k/v matmul's epilogue")
     p.add_argument("--skinny-max-rows", type=int, default=None, help="override ops.SKINNY_GEMM_MAX_ROWS")
@@ -967,6 +972,8 @@ def main() -> int:
     p.add_argument("--decode-launch", default="", help="TILE_N,warps,stages of split decode attention launches")
     p.add_argument("--decode-launch-one-split", default="",
                    help="TILE_N,warps,stages of non-busy one-split decode launches (busy ones: DECODE_LAUNCH_ONE_SPLIT_BUSY)")
+    p.add_argument("--decode-skip-empty-splits", action=argparse.BooleanOptionalAction, default=True,
+                   help="split decode attention: splits past a request's last key tile exit, the merge skips them")
     p.add_argument("--decode-fused-merge-max-splits", type=int, default=None,
                    help="override triton_attention.DECODE_FUSED_MERGE_MAX_SPLITS: split decode attention up to this "
                    "many splits merges in its last program (0: always a reduce launch)")
@@ -992,6 +999,18 @@ def main() -> int:
         ops._sdpa_order = lambda cudnn: contextlib.nullcontext  # type: ignore[assignment]
     ops.set_gate_up_silu_fusion(args.gate_up_silu_fusion)
     ops.set_prefill_gate_up_fusion(args.prefill_gate_up_fusion)
+    ops.set_prefill_qkv_padding(args.prefill_qkv_padding)
+    from kvserve.kernels import triton_attention
+
+    triton_attention.DECODE_SKIP_EMPTY_SPLITS = args.decode_skip_empty_splits
+    if args.prefill_copy_always:
+        def _copy_always(t: Any, num_tokens: int) -> Any:
+            out = t.new_empty((num_tokens, *t.shape[1:]))
+            out[: t.shape[0]].copy_(t)
+            out[t.shape[0] :].zero_()
+            return out
+
+        ops._pad_tokens = _copy_always
     ops.set_decode_gate_up_tma(args.decode_gate_up_tma)
     ops.set_qkv_rope_fusion(args.qkv_rope_fusion)
     if args.skinny_max_rows is not None:

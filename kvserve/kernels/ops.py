@@ -405,7 +405,8 @@ def prefill_attention(
     the caller then uses `paged_attention` over the cache (which must already hold key/value).
 
     query [num_tokens, num_heads, head_dim], key/value [num_tokens, num_kv_heads, head_dim], same dtype
-    (fp16/bf16). Returns [num_tokens, num_heads, head_dim].
+    (fp16/bf16); or all three padded to `prefill_attention_padding(...)` rows, zeros past num_tokens.
+    Returns [num_tokens, num_heads, head_dim].
     """
     global _prefill_fast_enabled
     if not (_prefill_fast_enabled and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)):
@@ -482,7 +483,10 @@ _cudnn_refused: set[tuple[Any, ...]] = set()
 
 
 def _pad_tokens(t: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """A contiguous copy of t [T, ...] with zero rows up to num_tokens (>= T)."""
+    """A contiguous copy of t [T, ...] with zero rows up to num_tokens (>= T); t itself when it is already
+    contiguous and num_tokens long (a bucket-length prompt, or inputs `prefill_attention_padding` padded)."""
+    if t.shape[0] == num_tokens and t.is_contiguous():
+        return t
     out = t.new_empty((num_tokens, *t.shape[1:]))
     out[: t.shape[0]].copy_(t)
     out[t.shape[0] :].zero_()
@@ -503,12 +507,48 @@ def _cudnn_padded(num_tokens: int) -> int:
     return -(-num_tokens // bucket) * bucket
 
 
-def _sdpa_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of one prompt: [T, H, D] in, [T, H, D] out."""
-    num_tokens = query.shape[0]
+# A one-prompt prefill on cuDNN reads q, k and v contiguous and padded to its bucket length: the rotary
+# launch writes them there (`rotary_embedding_and_cache_padded`) instead of `_pad_tokens` copying them (at
+# 8,192 tokens 2.4 ms of copies per prompt on the H200, docs/perf_notes.md entry 33).
+_prefill_qkv_padding = True
+
+
+def set_prefill_qkv_padding(enabled: bool) -> None:
+    """Let the rotary launch write a one-prompt cuDNN prefill's q/k/v padded (default), or copy them after
+    it (for measuring what the padded launch saves)."""
+    global _prefill_qkv_padding
+    _prefill_qkv_padding = enabled
+
+
+def prefill_attention_padding(metadata: AttentionMetadata, query: torch.Tensor, key: torch.Tensor) -> int:
+    """The rows `prefill_attention` wants this batch's q/k/v padded to (zeros past num_tokens), or 0 where
+    it takes them as they are: a one-prompt fresh prefill that runs cuDNN attention pads to its bucket."""
+    if not (_prefill_qkv_padding and prefill_fast_path_applies(query.dtype, query.device)):
+        return 0
+    if metadata.num_reqs != 1 or not _is_pure_prefill(metadata):
+        return 0
+    num_tokens = metadata.num_tokens
+    refusal_key = (query.dtype, query.shape[1], key.shape[1], query.shape[2], query.device.type)
+    if not _use_cudnn(num_tokens, query.device) or refusal_key in _cudnn_refused:
+        return 0
+    return _cudnn_padded(num_tokens)
+
+
+def _sdpa_prefill(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, num_tokens: int | None = None
+) -> torch.Tensor:
+    """Causal attention of one prompt of num_tokens tokens: [T, H, D] in, [num_tokens, H, D] out. Inputs
+    longer than num_tokens (T > num_tokens, default T) are padded: their rows past num_tokens are zeros
+    (causal, they are seen by no real row)."""
+    num_tokens = query.shape[0] if num_tokens is None else num_tokens
+    assert query.shape[0] >= num_tokens and key.shape[0] == value.shape[0] == query.shape[0], (
+        f"query / key / value rows ({query.shape[0]}, {key.shape[0]}, {value.shape[0]}) for {num_tokens} tokens"
+    )
     cudnn = _use_cudnn(num_tokens, query.device)
     if cudnn:  # the layout and length the start-up warm-up built the graph for
         padded = _cudnn_padded(num_tokens)
+        if query.shape[0] > padded:  # padded further than this bucket: the extra rows are zeros too
+            query, key, value = query[:padded], key[:padded], value[:padded]
         query, key, value = (_pad_tokens(t, padded) for t in (query, key, value))
     q = query.transpose(0, 1).unsqueeze(0)
     k = key.transpose(0, 1).unsqueeze(0)
@@ -562,7 +602,8 @@ def _flash_prefill(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, metadata: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     if metadata.num_reqs == 1:
-        return _sdpa_prefill(query, key, value, scale)
+        return _sdpa_prefill(query, key, value, scale, metadata.num_tokens)
+    assert query.shape[0] == metadata.num_tokens, "only a one-prompt prefill takes padded inputs"
     varlen = _varlen_attn()
     if varlen is None:
         raise RuntimeError("this torch has no variable-length flash attention for a multi-request prefill")
@@ -618,6 +659,38 @@ def rotary_embedding_and_cache(
     return query, key
 
 
+def rotary_embedding_and_cache_padded(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    pad_to: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`rotary_embedding_and_cache`, returning (query, key, value) contiguous and padded with zero rows to
+    pad_to (>= num_tokens) rows: the rotated query and key and value itself, in the layout
+    `prefill_attention_padding` asked for. One Triton launch where the fused one applies, else the ops and
+    copies."""
+    impl = _elementwise_impl("rotary_embedding", query)
+    module = _triton_module("triton_elementwise")
+    if (
+        _rotary_cache_fusion
+        and module is not None
+        and impl is module.rotary_embedding
+        and _is_pow2(query.shape[2] // 2)
+        and value.stride(2) == 1
+        and value.stride(1) == query.shape[2]
+        and kv_cache.is_contiguous()
+    ):
+        return module.rotary_embedding_padded(
+            positions, query, key, cos_sin_cache, value, kv_cache, slot_mapping, pad_to
+        )
+    query, key = rotary_embedding_and_cache(positions, query, key, value, cos_sin_cache, kv_cache, slot_mapping)
+    return _pad_tokens(query, pad_to), _pad_tokens(key, pad_to), _pad_tokens(value, pad_to)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return _elementwise_impl("silu_and_mul", x)(x)
 
@@ -642,6 +715,9 @@ __all__ = [
     "rms_norm",
     "rotary_embedding",
     "rotary_embedding_and_cache",
+    "rotary_embedding_and_cache_padded",
+    "prefill_attention_padding",
+    "set_prefill_qkv_padding",
     "set_elementwise_backend",
     "set_gate_up_silu_fusion",
     "set_prefill_gate_up_fusion",

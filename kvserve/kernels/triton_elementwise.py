@@ -157,7 +157,9 @@ def rms_norm(
 # ------------------------------------------------------------------------------------------- rotary
 
 
-@triton.jit
+# num_tokens and write_v_out vary with the batch (and the padded path): unspecialised, so that the padded
+# launch of a one-prompt prefill runs the variant every other launch compiled (no compile mid-serving).
+@triton.jit(do_not_specialize=["num_tokens", "write_v_out", "stride_v_out_token"])
 def _rotary_kernel(
     positions_ptr,
     q_ptr,
@@ -178,6 +180,10 @@ def _rotary_kernel(
     stride_cache_slot,
     num_heads,
     num_kv_heads,
+    num_tokens,
+    v_out_ptr,
+    stride_v_out_token,
+    write_v_out,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     WRITE_CACHE: tl.constexpr,
@@ -194,13 +200,24 @@ def _rotary_kernel(
         x_ptr = k_ptr + token * stride_k_token
         out_ptr = k_out_ptr + token * stride_k_out_token
         n_heads = num_kv_heads
-    pos = tl.load(positions_ptr + token).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
     cols = tl.arange(0, half)
     heads = tl.arange(0, BLOCK_H)
     mask = (heads < n_heads)[:, None]
     offs = heads[:, None] * HEAD_DIM + cols[None, :]
     dtype = q_ptr.dtype.element_ty
+    if token >= num_tokens:
+        # Padding rows of a padded launch (the grid covers the padded length): zeros in the outputs, no
+        # cache write.
+        zero = tl.zeros([BLOCK_H, half], dtype=dtype)
+        tl.store(out_ptr + offs, zero, mask=mask)
+        tl.store(out_ptr + offs + half, zero, mask=mask)
+        if (tl.program_id(1) == 1) & (write_v_out != 0):
+            v_out = v_out_ptr + token * stride_v_out_token
+            tl.store(v_out + offs, zero, mask=mask)
+            tl.store(v_out + offs + half, zero, mask=mask)
+        return
+    pos = tl.load(positions_ptr + token).to(tl.int64)
     cos = tl.load(cos_sin_ptr + pos * stride_cos_sin + cols)[None, :]
     sin = tl.load(cos_sin_ptr + pos * stride_cos_sin + half + cols)[None, :]
     x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -211,15 +228,23 @@ def _rotary_kernel(
     if WRITE_CACHE:
         # The key program also writes the rotated key and the value row into the token's cache slot (the
         # cache holds [num_kv_heads, head_dim] per slot, the layout of `offs`); negative slots are padding.
+        # A padded launch also copies the value row into v_out (the layout of q_out and k_out).
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-        if (tl.program_id(1) == 1) & (slot >= 0):
-            k_slot = key_cache_ptr + slot * stride_cache_slot
-            tl.store(k_slot + offs, o1.to(dtype), mask=mask)
-            tl.store(k_slot + offs + half, o2.to(dtype), mask=mask)
+        if tl.program_id(1) == 1:
             v_row = value_ptr + token * stride_value_token
-            v_slot = value_cache_ptr + slot * stride_cache_slot
-            tl.store(v_slot + offs, tl.load(v_row + offs, mask=mask), mask=mask)
-            tl.store(v_slot + offs + half, tl.load(v_row + offs + half, mask=mask), mask=mask)
+            v1 = tl.load(v_row + offs, mask=mask)
+            v2 = tl.load(v_row + offs + half, mask=mask)
+            if slot >= 0:
+                k_slot = key_cache_ptr + slot * stride_cache_slot
+                tl.store(k_slot + offs, o1.to(dtype), mask=mask)
+                tl.store(k_slot + offs + half, o2.to(dtype), mask=mask)
+                v_slot = value_cache_ptr + slot * stride_cache_slot
+                tl.store(v_slot + offs, v1, mask=mask)
+                tl.store(v_slot + offs + half, v2, mask=mask)
+            if write_v_out != 0:
+                v_out = v_out_ptr + token * stride_v_out_token
+                tl.store(v_out + offs, v1, mask=mask)
+                tl.store(v_out + offs + half, v2, mask=mask)
 
 
 def rotary_embedding(
@@ -243,6 +268,40 @@ def rotary_embedding(
     [max_position, head_dim], cos in the first head_dim/2 columns, sin in the rest. Returns new contiguous
     (query, key); the inputs are not modified.
     """
+    q_out, k_out, _ = _rotary(positions, query, key, cos_sin_cache, value, kv_cache, slot_mapping, 0)
+    return q_out, k_out
+
+
+def rotary_embedding_padded(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    pad_to: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`rotary_embedding` with the cache written, whose outputs are padded: (query, key, value) as new
+    contiguous [pad_to, heads, head_dim] tensors, the first num_tokens rows the rotated query and key and a
+    copy of value, the rest zeros (pad_to >= num_tokens). One launch: the layout a padded one-prompt
+    prefill attention reads (`ops.prefill_attention`) without copying q, k and v into it."""
+    q_out, k_out, v_out = _rotary(positions, query, key, cos_sin_cache, value, kv_cache, slot_mapping, pad_to)
+    assert v_out is not None
+    return q_out, k_out, v_out
+
+
+def _rotary(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    value: torch.Tensor | None,
+    kv_cache: torch.Tensor | None,
+    slot_mapping: torch.Tensor | None,
+    pad_to: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`rotary_embedding` (pad_to 0: value out None) and `rotary_embedding_padded` (pad_to > 0)."""
     assert query.dim() == 3 and key.dim() == 3, "query/key must be [num_tokens, heads, head_dim]"
     num_tokens, num_heads, head_dim = query.shape
     assert key.shape[0] == num_tokens and key.shape[2] == head_dim, (
@@ -269,10 +328,15 @@ def rotary_embedding(
         f"positions must be int64/int32 [{num_tokens}], got {positions.dtype} {tuple(positions.shape)}"
     )
     assert positions.is_contiguous(), "positions must be contiguous"
-    q_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    k_out = torch.empty(key.shape, dtype=key.dtype, device=key.device)
-    if num_tokens == 0:
-        return q_out, k_out
+    assert pad_to == 0 or (pad_to >= num_tokens and kv_cache is not None), (
+        f"pad_to must be 0 or at least num_tokens ({num_tokens}) with the cache written, got {pad_to}"
+    )
+    rows = pad_to or num_tokens
+    q_out = torch.empty((rows, *query.shape[1:]), dtype=query.dtype, device=query.device)
+    k_out = torch.empty((rows, *key.shape[1:]), dtype=key.dtype, device=key.device)
+    v_out = torch.empty((rows, *key.shape[1:]), dtype=key.dtype, device=key.device) if pad_to else None
+    if rows == 0:
+        return q_out, k_out, v_out
     write_cache = kv_cache is not None
     if write_cache:
         assert value is not None and slot_mapping is not None, "writing the cache needs value and slot_mapping"
@@ -298,7 +362,7 @@ def rotary_embedding(
         value_stride, slot_stride = 0, 0
     block_h = triton.next_power_of_2(max(num_heads, num_kv_heads))
     pdl = triton_pdl.enabled(query.device)
-    _rotary_kernel[(num_tokens, 2)](
+    _rotary_kernel[(rows, 2)](
         positions,
         query,
         key,
@@ -318,6 +382,10 @@ def rotary_embedding(
         slot_stride,
         num_heads,
         num_kv_heads,
+        num_tokens,
+        q_out if v_out is None else v_out,
+        0 if v_out is None else v_out.stride(0),
+        int(v_out is not None),
         HEAD_DIM=head_dim,
         BLOCK_H=block_h,
         WRITE_CACHE=write_cache,
@@ -326,7 +394,7 @@ def rotary_embedding(
         enable_fp_fusion=False,  # each product is rounded before the sum, as the reference's are
         **triton_pdl.launch_options(pdl),
     )
-    return q_out, k_out
+    return q_out, k_out, v_out
 
 
 # ------------------------------------------------------------------------------------- silu_and_mul

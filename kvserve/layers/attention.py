@@ -33,7 +33,8 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        """query [num_tokens, num_heads, head_dim]; key/value [num_tokens, num_kv_heads, head_dim];
+        """query [num_tokens, num_heads, head_dim]; key/value [num_tokens, num_kv_heads, head_dim] (or all
+        three padded with zero rows as `ops.prefill_attention_padding` asks);
         kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] in the same dtype, already holding this
         step's key/value (the paged kernel reads every key from there; the model writes them together with
         the rotary embedding, `ops.rotary_embedding_and_cache`).
@@ -42,4 +43,4 @@ class Attention(nn.Module):
         out = ops.prefill_attention(query, key, value, attn_metadata, self.scale)
         if out is not None:
             return out
-        return ops.paged_attention(query, kv_cache, attn_metadata, self.scale)
+        return ops.paged_attention(query[: attn_metadata.num_tokens], kv_cache, attn_metadata, self.scale)

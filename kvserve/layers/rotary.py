@@ -154,3 +154,19 @@ class RotaryEmbedding(nn.Module):
         return ops.rotary_embedding_and_cache(
             positions, query, key, value, self.cos_sin_cache, kv_cache, slot_mapping
         )
+
+    def forward_and_cache_padded(
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        pad_to: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`forward_and_cache`, returning (query, key, value) padded with zero rows to pad_to rows, contiguous
+        (`ops.rotary_embedding_and_cache_padded`)."""
+        return ops.rotary_embedding_and_cache_padded(
+            positions, query, key, value, self.cos_sin_cache, kv_cache, slot_mapping, pad_to
+        )

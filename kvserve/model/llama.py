@@ -81,7 +81,14 @@ class LlamaAttention(nn.Module):
             if self.q_norm is not None and self.k_norm is not None:
                 q = self.q_norm(q)[0]
                 k = self.k_norm(k)[0]
-            q, k = self.rotary_emb.forward_and_cache(positions, q, k, v, kv_cache, attn_metadata.slot_mapping)
+            # A one-prompt prefill on cuDNN: q/k/v come out of the rotary launch in the padded layout it reads.
+            pad_to = ops.prefill_attention_padding(attn_metadata, q, k)
+            if pad_to:
+                q, k, v = self.rotary_emb.forward_and_cache_padded(
+                    positions, q, k, v, kv_cache, attn_metadata.slot_mapping, pad_to
+                )
+            else:
+                q, k = self.rotary_emb.forward_and_cache(positions, q, k, v, kv_cache, attn_metadata.slot_mapping)
         out = self.attn(q, k, v, kv_cache, attn_metadata)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 

@@ -270,6 +270,47 @@ def test_long_prefill_graph_uses_flash_and_matches_eager(tmp_path_factory: pytes
     assert max(abs(got[t] - want[t]) for t in common) < 0.05
 
 
+@pytest.mark.parametrize("model", list(MODELS))
+def test_padded_cudnn_prefill_matches_copied(
+    tmp_path_factory: pytest.TempPathFactory, model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One-prompt prefills on cuDNN (1,100 tokens, padded to 1,280; 1,024, a bucket length), eager, bf16:
+    with q/k/v written padded by the rotary launch, the greedy tokens and logprobs are bitwise those of the
+    path that copies them into that layout, and the padded launch ran in every layer."""
+    from kvserve.kernels import ops
+
+    if ops.cudnn_min_tokens(torch.device("cuda")) != 1024:
+        pytest.skip("cuDNN prefill attention is on by default on sm_90+ only")
+    model_type, overrides = MODELS[model]
+    path = _tiny_checkpoint(str(tmp_path_factory.mktemp("padded")), model_type, seed=8,
+                            **{**overrides, "max_position_embeddings": 2048})
+    generator = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in (1100, 1024)]
+    calls: list[int] = []
+    padded = ops.rotary_embedding_and_cache_padded
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args[-1])
+        return padded(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "rotary_embedding_and_cache_padded", counted)
+    results, counts = {}, {}
+    try:
+        for on in (True, False):
+            ops.set_prefill_qkv_padding(on)
+            calls.clear()
+            core = _core(path, "bfloat16", enforce_eager=True, max_model_len=2048, max_num_batched_tokens=2048)
+            results[on] = [_generate(core, [p], 6, logprobs=3)[0] for p in prompts]
+            counts[on] = sorted(set(calls)), len(calls)
+            del core
+    finally:
+        ops.set_prefill_qkv_padding(True)
+    num_layers = 2 * len(prompts)
+    assert counts[True][0] == [1024, 1280] and counts[True][1] >= num_layers, counts
+    assert counts[False] == ([], 0)
+    assert results[True] == results[False]
+
+
 def _switches() -> dict[str, Any]:
     from kvserve.kernels import ops, triton_pdl
 

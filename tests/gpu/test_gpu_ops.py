@@ -136,6 +136,42 @@ def test_rotary_embedding_and_cache_at_qwen_shape(dtype: torch.dtype) -> None:
     assert torch.equal(kv_cache.nan_to_num(), expected_cache.nan_to_num())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("num_tokens, pad_to", [(1100, 1280), (1024, 1024)])
+def test_rotary_padded_at_qwen_shape(
+    dtype: torch.dtype, num_tokens: int, pad_to: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The padded rotary launch of a one-prompt cuDNN prefill at Qwen2.5-7B's heads, outputs allocated as
+    NaN: rows up to the prompt are the unpadded launch's q/k and v itself, the rest zeros, and the cache is
+    written as by the unpadded launch."""
+    from kvserve.kernels import triton_elementwise
+
+    heads, kv_heads, head_dim, block_size = 28, 4, 128, 16
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, generator=gen, device="cuda").to(dtype)
+    q = qkv[:, : heads * head_dim].view(num_tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(num_tokens, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim :].view(num_tokens, kv_heads, head_dim)
+    positions = torch.arange(num_tokens, device="cuda")
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = torch.arange(4096, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    table = torch.cat([freqs.cos(), freqs.sin()], dim=-1).cuda()
+    slots = torch.randperm(128 * block_size, generator=gen, device="cuda")[:num_tokens]
+    kv_cache = torch.full((2, 128, block_size, kv_heads, head_dim), float("nan"), dtype=dtype, device="cuda")
+    expected_cache = kv_cache.clone()
+    q_plain, k_plain = triton_elementwise.rotary_embedding(positions, q, k, table, v, expected_cache, slots)
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
+    q_pad, k_pad, v_pad = ops.rotary_embedding_and_cache_padded(positions, q, k, v, table, kv_cache, slots, pad_to)
+    monkeypatch.setattr(torch, "empty", empty)
+    for out, plain in ((q_pad, q_plain), (k_pad, k_plain), (v_pad, v)):
+        assert out.shape == (pad_to, *plain.shape[1:]) and out.is_contiguous()
+        assert torch.equal(out[:num_tokens], plain)
+        assert not out[num_tokens:].isnan().any() and not out[num_tokens:].any()
+    assert torch.equal(kv_cache.isnan(), expected_cache.isnan())
+    assert torch.equal(kv_cache.nan_to_num(), expected_cache.nan_to_num())
+
+
 @pytest.mark.parametrize("m", [1, 8])
 def test_pdl_chain_of_dependent_kernels(m: int) -> None:
     """Four Qwen2.5-7B MLP blocks at decode size, each kernel reading the one before's output (norm -> gate_up

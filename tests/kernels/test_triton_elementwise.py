@@ -134,6 +134,59 @@ def test_rotary_embedding_with_cache_write(dtype, slot_dtype, device, skip_bf16_
     assert torch.equal(kv_cache, expected_cache)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("pad_to", [5, 8, 16])
+def test_rotary_embedding_padded(dtype, pad_to, device, skip_bf16_on_interpreter):
+    """The padded launch (a one-prompt cuDNN prefill's layout): its first rows are what the unpadded fused
+    launch returns (and a copy of value), the rows past num_tokens zeros, contiguous; the cache is written
+    exactly as by the unpadded launch, and padding rows write no slot."""
+    skip_bf16_on_interpreter(dtype)
+    num_tokens, num_heads, num_kv_heads, head_dim, block_size = 5, 6, 2, 64, 4
+    qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, device=device, seed=6)
+    q_end, k_end = num_heads * head_dim, (num_heads + num_kv_heads) * head_dim
+    query = qkv[:, :q_end].view(num_tokens, num_heads, head_dim)
+    key = qkv[:, q_end:k_end].view(num_tokens, num_kv_heads, head_dim)
+    value = qkv[:, k_end:].view(num_tokens, num_kv_heads, head_dim)
+    positions = torch.tensor([0, 1, 2, 3, 4], dtype=torch.int64, device=device)
+    slots = torch.tensor([0, 1, 2, -1, 4], dtype=torch.int64, device=device)
+    table = cos_sin_cache(16, head_dim).to(device)
+    kv_cache = randn(2, 8, block_size, num_kv_heads, head_dim, dtype=dtype, device=device, seed=7)
+    expected_cache = kv_cache.clone()
+    q_pad, k_pad, v_pad = triton_elementwise.rotary_embedding_padded(
+        positions, query, key, table, value, kv_cache, slots, pad_to
+    )
+    q_plain, k_plain = rotary_embedding(positions, query, key, table, value, expected_cache, slots)
+    for out, plain in ((q_pad, q_plain), (k_pad, k_plain), (v_pad, value)):
+        assert out.shape == (pad_to, *plain.shape[1:]) and out.is_contiguous()
+        assert torch.equal(out[:num_tokens], plain)
+        assert torch.equal(out[num_tokens:], torch.zeros_like(out[num_tokens:]))
+    assert torch.equal(kv_cache, expected_cache)
+    with pytest.raises(AssertionError, match="pad_to must be"):
+        triton_elementwise.rotary_embedding_padded(positions, query, key, table, value, kv_cache, slots, 4)
+
+
+def test_ops_rotary_embedding_and_cache_padded_off_the_fused_launch():
+    """Where the fused launch does not apply (the CPU here): the two ops, then the outputs padded."""
+    from kvserve.kernels import ops
+
+    query = randn(3, 4, 32, dtype=torch.float32, device=torch.device("cpu"))
+    key = randn(3, 2, 32, dtype=torch.float32, device=torch.device("cpu"), seed=1)
+    value = randn(3, 2, 32, dtype=torch.float32, device=torch.device("cpu"), seed=2)
+    positions = torch.tensor([0, 1, 2])
+    slots = torch.tensor([4, 5, 6])
+    table = cos_sin_cache(8, 32)
+    kv_cache = torch.zeros(2, 2, 4, 2, 32)
+    expected_cache = kv_cache.clone()
+    q_pad, k_pad, v_pad = ops.rotary_embedding_and_cache_padded(
+        positions, query, key, value, table, kv_cache, slots, 8
+    )
+    q_ref, k_ref = reference.rotary_embedding(positions, query, key, table)
+    reference.reshape_and_cache(k_ref, value, expected_cache, slots)
+    for out, ref in ((q_pad, q_ref), (k_pad, k_ref), (v_pad, value)):
+        assert out.shape[0] == 8 and torch.equal(out[:3], ref) and not out[3:].any()
+    assert torch.equal(kv_cache, expected_cache)
+
+
 def test_ops_rotary_embedding_and_cache_on_cpu_is_the_two_ops():
     """CPU (and any case the fused launch does not take): rotary_embedding, then reshape_and_cache."""
     from kvserve.kernels import ops

@@ -124,3 +124,58 @@ def test_cudnn_gets_the_layout_the_warm_up_built(tokens: int, monkeypatch: pytes
     expected = ((built_q.shape, built_q.stride()), (built_kv.shape, built_kv.stride()),
                 (built_kv.shape, built_kv.stride()))
     assert seen == [expected]
+
+
+@pytest.mark.parametrize("tokens", [300, 512])
+def test_padded_inputs_reach_cudnn_without_copies(tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """q/k/v already padded to the bucket (what the padded rotary launch writes, zero rows past the prompt):
+    SDPA gets those very tensors in the warm-up's layout, and the output is the unpadded prompt's."""
+    monkeypatch.setattr(ops, "SDPA_CUDNN_MIN_TOKENS", 256)
+    monkeypatch.setattr(ops, "SDPA_CUDNN_BUCKET", 256)
+    query, key, value, expected = _case(tokens, 6, 2)
+    padded = [ops._pad_tokens(t, 512) for t in (query, key, value)]
+    seen: list[tuple[int, ...]] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        seen.append(tuple(t.data_ptr() for t in (q, k, v)))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    out = ops._sdpa_prefill(*padded, 0.3, tokens)
+    assert out.shape == (tokens, 6, 16)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+    assert seen == [tuple(t.data_ptr() for t in padded)]  # no copy in between
+
+
+def test_prefill_attention_padding_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A one-prompt fresh prefill long enough for cuDNN pads to its bucket; several prompts, a prompt with
+    cached context, a short prompt, a refused head layout or the switch off do not."""
+    monkeypatch.setattr(ops, "SDPA_CUDNN_MIN_TOKENS", 256)
+    monkeypatch.setattr(ops, "SDPA_CUDNN_BUCKET", 256)
+    monkeypatch.setattr(ops, "prefill_fast_path_applies", lambda dtype, device: True)
+    monkeypatch.setattr(ops, "_cudnn_refused", set())
+    query, key = torch.zeros(300, 6, 16), torch.zeros(300, 2, 16)
+
+    def md(qsl: list[int], seq_lens: list[int]) -> AttentionMetadata:
+        return AttentionMetadata(
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=torch.zeros(len(seq_lens), 64, dtype=torch.int32),
+            slot_mapping=torch.arange(qsl[-1], dtype=torch.int64),
+            max_query_len=max(b - a for a, b in zip(qsl[:-1], qsl[1:], strict=True)),
+            max_seq_len=max(seq_lens), query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
+        )
+
+    assert ops.prefill_attention_padding(md([0, 300], [300]), query, key) == 512
+    assert ops.prefill_attention_padding(md([0, 512], [512]), query, key) == 512
+    assert ops.prefill_attention_padding(md([0, 100, 300], [100, 200]), query, key) == 0  # two prompts
+    assert ops.prefill_attention_padding(md([0, 300], [340]), query, key) == 0  # cached context
+    assert ops.prefill_attention_padding(md([0, 200], [200]), query, key) == 0  # below cuDNN's threshold
+    ops._cudnn_refused.add((query.dtype, 6, 2, 16, "cpu"))
+    assert ops.prefill_attention_padding(md([0, 300], [300]), query, key) == 0
+    ops._cudnn_refused.clear()
+    ops.set_prefill_qkv_padding(False)
+    try:
+        assert ops.prefill_attention_padding(md([0, 300], [300]), query, key) == 0
+    finally:
+        ops.set_prefill_qkv_padding(True)
