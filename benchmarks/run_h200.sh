@@ -387,8 +387,8 @@ print('alone', t._backend_after('alone')); print('kvserve-first', t._backend_aft
             $flags >> "$R/gateab.log" 2>&1
           echo "mode $mode done" >> "$R/gateab.log"
         done ;;
-    abpad16) for mode in new old new old; do
-          flags=""; [ $mode = old ] && flags="--no-prefill-qkv-padding --prefill-copy-always --no-decode-skip-empty-splits"
+    abpad16) for mode in new old new old; do  # at f96283e old also had --no-decode-skip-empty-splits (since removed)
+          flags=""; [ $mode = old ] && flags="--no-prefill-qkv-padding --prefill-copy-always"
           timeout 120 python3 benchmarks/engine_benchmarks.py --out "$R/abpad16_$mode" --sections start,decode,ttft \
             --decode-batches 1,4,8 --decode-contexts 1024,4096 --decode-steps 30 $flags >> "$R/abpad16.log" 2>&1
           echo "mode $mode done" >> "$R/abpad16.log"

@@ -88,11 +88,6 @@ DECODE_FUSED_MERGE_MAX_SPLITS = 12
 # prefill launch, whose 2 stages keep one buffer either way. False: every launch loads them in the iteration.
 DECODE_PREFETCH_IDS = True
 DECODE_MAX_KV_BUFFER_BYTES = 160 * 1024
-# Split decode launches (no cascade): the splits past a request's last key tile exit at once, and the merge
-# reads only the splits that held tiles. A graph captured at max_model_len launches its longest context's
-# splits (batch 1: 64), so at a 1k context 48 of them are empty (docs/perf_notes.md entry 26: 1.7 us a layer).
-# False: every split writes its (empty) partial and the merge reads them all.
-DECODE_SKIP_EMPTY_SPLITS = True
 # Stand-in multiprocessor count for the CPU interpreter (small, so tests reach the split path cheaply).
 _INTERPRETER_NUM_SMS = 4
 
@@ -116,17 +111,9 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, kv_offset, dims, k_valid, allowed,
     return m_new, l_i, acc
 
 
-@triton.jit
-def _used_splits(num_tiles, num_splits):
-    """Splits of a decode launch (no cascade) that hold tiles of a context of num_tiles key tiles, at least
-    one: `cdiv(num_tiles, num_splits)` tiles each, the splits from 0 on."""
-    per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), 1)
-    return tl.maximum(tl.cdiv(num_tiles, per_split), 1)
-
-
 # num_reqs / num_splits vary from step to step: left unspecialised, so that a batch of 16 or 32 requests
 # (Triton specialises ints equal to 1 or divisible by 16) does not compile another variant mid-serving.
-@triton.jit(do_not_specialize=["num_reqs", "num_splits", "split_offset", "total_splits", "skip_empty"])
+@triton.jit(do_not_specialize=["num_reqs", "num_splits", "split_offset", "total_splits"])
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -145,7 +132,6 @@ def _paged_attention_kernel(
     num_splits,
     split_offset,
     total_splits,
-    skip_empty,
     stride_q_token,
     stride_q_head,
     stride_out_token,
@@ -206,6 +192,11 @@ def _paged_attention_kernel(
     q_pos = ctx_len + q_idx
     dims = tl.arange(0, HEAD_DIM)
     token = (q_start + q_idx).to(tl.int64)
+    q = tl.load(
+        q_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head + dims[None, :],
+        mask=row_valid[:, None],
+        other=0.0,
+    )
 
     # Keys this tile needs: up to the position of its last valid query (causal), at most seq_len.
     kv_end = tl.minimum(seq_len, ctx_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len))
@@ -221,21 +212,10 @@ def _paged_attention_kernel(
         tiles_per_split = tl.cdiv(tl.maximum(num_tiles - first_tile, 0), num_splits)
         tile_begin = first_tile + split * tiles_per_split
         tile_end = tl.minimum(num_tiles, tile_begin + tiles_per_split)
-        if not CASCADE:
-            # Splits past the context's last tile (a graph captured at max_model_len launches the splits of
-            # the longest context) exit at once: the merge and `_reduce_splits_kernel` read only the first
-            # `_used_splits` (at least one, so a padding row of no keys still gets its zero output).
-            if (skip_empty != 0) & (split >= _used_splits(num_tiles, num_splits)):
-                return
     else:
         tile_begin = first_tile
         tile_end = num_tiles
 
-    q = tl.load(
-        q_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head + dims[None, :],
-        mask=row_valid[:, None],
-        other=0.0,
-    )
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -279,15 +259,9 @@ def _paged_attention_kernel(
             tl.debug_barrier()
             counter = merge_count_ptr + req * tl.num_programs(1) + kv_head
             done = tl.atomic_add(counter, 1, sem="acq_rel")
-            if CASCADE or skip_empty == 0:
-                merged = total_splits
-                programs = num_splits
-            else:
-                merged = _used_splits(num_tiles, num_splits)
-                programs = merged
-            if done == programs - 1:
+            if done == num_splits - 1:
                 base = (token * NUM_HEADS + head) * total_splits
-                _merge_partials(partial_acc_ptr, partial_max_ptr, partial_sum_ptr, out_ptrs, base, merged,
+                _merge_partials(partial_acc_ptr, partial_max_ptr, partial_sum_ptr, out_ptrs, base, total_splits,
                                 dims, row_valid, BLOCK_M, HEAD_DIM)
                 tl.atomic_xchg(counter, 0)
     else:
@@ -416,15 +390,13 @@ def _shared_prefix_kernel(
     tl.store(partial_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_valid[:, None])
 
 
-@triton.jit(do_not_specialize=["num_splits", "trim_tile_n"])
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_splits_kernel(
     partial_acc_ptr,
     partial_max_ptr,
     partial_sum_ptr,
     out_ptr,
-    seq_lens_ptr,
     num_splits,
-    trim_tile_n,
     stride_out_token,
     stride_out_head,
     NUM_HEADS: tl.constexpr,
@@ -436,12 +408,7 @@ def _reduce_splits_kernel(
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
-    # trim_tile_n > 0 (a decode launch without cascade, token = request): only the splits that held tiles
-    # wrote partials (`_used_splits` of the request's context in tiles of trim_tile_n keys).
-    used = num_splits
-    if trim_tile_n > 0:
-        used = _used_splits(tl.cdiv(tl.load(seq_lens_ptr + token), trim_tile_n), num_splits)
-    split_valid = splits < used
+    split_valid = splits < num_splits
     base = (token * NUM_HEADS + head) * num_splits
     m_s = tl.load(partial_max_ptr + base + splits, mask=split_valid, other=float("-inf"))
     l_s = tl.load(partial_sum_ptr + base + splits, mask=split_valid, other=0.0)
@@ -606,7 +573,7 @@ def launch_paged_attention(
         _paged_attention_kernel[grid](
             query, k_cache, v_cache, out, out, out, out,
             metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, metadata.seq_lens, metadata.seq_lens,
-            log2_scale, num_reqs, 1, 0, 1, 0, *strides,
+            log2_scale, num_reqs, 1, 0, 1, *strides,
             BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=64,
             IS_DECODE=False, USE_SPLITS=False, CASCADE=False, PREFETCH_IDS=DECODE_PREFETCH_IDS,
             num_warps=8 if block_m >= 128 else 4, num_stages=2,
@@ -631,7 +598,7 @@ def launch_paged_attention(
         _paged_attention_kernel[(num_reqs, num_kv_heads, 1)](
             query, k_cache, v_cache, out, out, out, out,
             metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, metadata.seq_lens, metadata.seq_lens,
-            log2_scale, num_reqs, 1, 0, 1, 0, *strides,
+            log2_scale, num_reqs, 1, 0, 1, *strides,
             USE_SPLITS=False, CASCADE=False, **decode_kwargs,
         )  # fmt: skip
         return out
@@ -672,14 +639,14 @@ def launch_paged_attention(
         query, k_cache, v_cache, out, partial_acc, partial_max, partial_sum,
         metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
         prefix_len if cascade else metadata.seq_lens, counters,
-        log2_scale, num_reqs, num_splits, prefix_splits, total_splits, int(DECODE_SKIP_EMPTY_SPLITS), *strides,
+        log2_scale, num_reqs, num_splits, prefix_splits, total_splits, *strides,
         USE_SPLITS=not merge_in_own, CASCADE=cascade, FUSED_MERGE=fused_merge, **decode_kwargs,
     )  # fmt: skip
     if merge_in_own or fused_merge:
         return out
     _reduce_splits_kernel[(num_tokens, num_heads)](
-        partial_acc, partial_max, partial_sum, out, metadata.seq_lens,
-        total_splits, launch["TILE_N"] if DECODE_SKIP_EMPTY_SPLITS and not cascade else 0, out.stride(0), out.stride(1),
+        partial_acc, partial_max, partial_sum, out,
+        total_splits, out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(total_splits),
         PDL=pdl, num_warps=4, **triton_pdl.launch_options(pdl),
     )  # fmt: skip
