@@ -972,8 +972,6 @@ def main() -> int:
     p.add_argument("--decode-launch", default="", help="TILE_N,warps,stages of split decode attention launches")
     p.add_argument("--decode-launch-one-split", default="",
                    help="TILE_N,warps,stages of non-busy one-split decode launches (busy ones: DECODE_LAUNCH_ONE_SPLIT_BUSY)")
-    p.add_argument("--decode-longest-first", action=argparse.BooleanOptionalAction, default=True,
-                   help="decode attention: the longest contexts' programs first (off: in batch order)")
     p.add_argument("--decode-fused-merge-max-splits", type=int, default=None,
                    help="override triton_attention.DECODE_FUSED_MERGE_MAX_SPLITS: split decode attention up to this "
                    "many splits merges in its last program (0: always a reduce launch)")
@@ -1000,9 +998,6 @@ def main() -> int:
     ops.set_gate_up_silu_fusion(args.gate_up_silu_fusion)
     ops.set_prefill_gate_up_fusion(args.prefill_gate_up_fusion)
     ops.set_prefill_qkv_padding(args.prefill_qkv_padding)
-    from kvserve.kernels import triton_attention
-
-    triton_attention.DECODE_LONGEST_FIRST = args.decode_longest_first
     if args.prefill_copy_always:
         def _copy_always(t: Any, num_tokens: int) -> Any:
             out = t.new_empty((num_tokens, *t.shape[1:]))

@@ -387,7 +387,8 @@ print('alone', t._backend_after('alone')); print('kvserve-first', t._backend_aft
             $flags >> "$R/gateab.log" 2>&1
           echo "mode $mode done" >> "$R/gateab.log"
         done ;;
-    lpt16) timeout 200 python3 -m pytest -q -rA -s -p no:cacheprovider tests/gpu -k "longest" > "$R/pytest_lpt.log" 2>&1
+    lpt16) # ran at 7510218 (--no-decode-longest-first is gone since its revert)
+        timeout 200 python3 -m pytest -q -rA -s -p no:cacheprovider tests/gpu -k "longest" > "$R/pytest_lpt.log" 2>&1
         for mode in new old new old; do
           flags=""; [ $mode = old ] && flags="--no-decode-longest-first"
           timeout 120 python3 benchmarks/engine_benchmarks.py --out "$R/lpt16_$mode" --sections start,seeds,random256 \

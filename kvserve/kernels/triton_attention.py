@@ -88,10 +88,6 @@ DECODE_FUSED_MERGE_MAX_SPLITS = 12
 # prefill launch, whose 2 stages keep one buffer either way. False: every launch loads them in the iteration.
 DECODE_PREFETCH_IDS = True
 DECODE_MAX_KV_BUFFER_BYTES = 160 * 1024
-# Decode launches hand the requests to their programs longest context first when the metadata gives the
-# order (`AttentionMetadata.decode_order`): programs start in id order, so with mixed lengths the long ones
-# would otherwise often start last and form the tail. False: in batch order.
-DECODE_LONGEST_FIRST = True
 # Stand-in multiprocessor count for the CPU interpreter (small, so tests reach the split path cheaply).
 _INTERPRETER_NUM_SMS = 4
 
@@ -117,7 +113,7 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, kv_offset, dims, k_valid, allowed,
 
 # num_reqs / num_splits vary from step to step: left unspecialised, so that a batch of 16 or 32 requests
 # (Triton specialises ints equal to 1 or divisible by 16) does not compile another variant mid-serving.
-@triton.jit(do_not_specialize=["num_reqs", "num_splits", "split_offset", "total_splits", "ordered"])
+@triton.jit(do_not_specialize=["num_reqs", "num_splits", "split_offset", "total_splits"])
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -131,13 +127,11 @@ def _paged_attention_kernel(
     block_tables_ptr,
     kv_start_ptr,
     merge_count_ptr,
-    decode_order_ptr,
     scale_log2,
     num_reqs,
     num_splits,
     split_offset,
     total_splits,
-    ordered,
     stride_q_token,
     stride_q_head,
     stride_out_token,
@@ -166,12 +160,7 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if IS_DECODE:
-        # ordered: program tile takes the batch's tile-th longest request (metadata.decode_order), so the
-        # longest contexts start first and do not form the launch's tail.
-        if ordered != 0:
-            req = tl.load(decode_order_ptr + tile)
-        else:
-            req = tile
+        req = tile
         local_tile = 0
     else:
         # Binary search: the largest r with query_start_loc[r] // BLOCK_Q + r <= tile (r's first tile).
@@ -584,7 +573,7 @@ def launch_paged_attention(
         _paged_attention_kernel[grid](
             query, k_cache, v_cache, out, out, out, out,
             metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, metadata.seq_lens, metadata.seq_lens,
-            metadata.seq_lens, log2_scale, num_reqs, 1, 0, 1, 0, *strides,
+            log2_scale, num_reqs, 1, 0, 1, *strides,
             BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=64,
             IS_DECODE=False, USE_SPLITS=False, CASCADE=False, PREFETCH_IDS=DECODE_PREFETCH_IDS,
             num_warps=8 if block_m >= 128 else 4, num_stages=2,
@@ -605,18 +594,11 @@ def launch_paged_attention(
     if prefetch:
         launch["num_stages"] = decode_stages(launch["num_stages"], launch["TILE_N"], head_dim, k_cache.element_size())
     decode_kwargs = dict(BLOCK_M=block_m, BLOCK_Q=1, IS_DECODE=True, PREFETCH_IDS=prefetch, **launch, **common)
-    order = metadata.decode_order if DECODE_LONGEST_FIRST else None
-    if order is not None:
-        assert order.shape == (num_reqs,) and order.dtype == torch.int32 and order.device == query.device, (
-            f"metadata.decode_order must be int32 [{num_reqs}] on the query's device"
-        )
-    ordered = int(order is not None)
-    order = metadata.seq_lens if order is None else order
     if one_split:
         _paged_attention_kernel[(num_reqs, num_kv_heads, 1)](
             query, k_cache, v_cache, out, out, out, out,
             metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, metadata.seq_lens, metadata.seq_lens,
-            order, log2_scale, num_reqs, 1, 0, 1, ordered, *strides,
+            log2_scale, num_reqs, 1, 0, 1, *strides,
             USE_SPLITS=False, CASCADE=False, **decode_kwargs,
         )  # fmt: skip
         return out
@@ -657,7 +639,7 @@ def launch_paged_attention(
         query, k_cache, v_cache, out, partial_acc, partial_max, partial_sum,
         metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
         prefix_len if cascade else metadata.seq_lens, counters,
-        order, log2_scale, num_reqs, num_splits, prefix_splits, total_splits, ordered, *strides,
+        log2_scale, num_reqs, num_splits, prefix_splits, total_splits, *strides,
         USE_SPLITS=not merge_in_own, CASCADE=cascade, FUSED_MERGE=fused_merge, **decode_kwargs,
     )  # fmt: skip
     if merge_in_own or fused_merge:

@@ -36,9 +36,6 @@ class AttentionMetadata:
         Backends may attend to those keys once for the whole batch; the result is the same attention.
     common_prefix_len_tensor: the same number, int32 [1] on the device (what the kernels read, so that a
         CUDA graph captured for cascade serves any prefix length); set whenever common_prefix_len > 0.
-    decode_order: decode-only batches, optional: int32 [num_reqs] on the device, the requests' indices by
-        seq_len, longest first (ties in batch order). A backend may start the longest contexts first; the
-        result is the same attention.
     """
 
     query_start_loc: torch.Tensor
@@ -51,7 +48,6 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     common_prefix_len: int = 0
     common_prefix_len_tensor: torch.Tensor | None = None
-    decode_order: torch.Tensor | None = None
     # Per-step derived data a backend builds once and reuses in every layer (keyed by backend name).
     backend_cache: dict[str, Any] = field(default_factory=dict, repr=False)
 

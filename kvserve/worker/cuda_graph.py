@@ -239,8 +239,6 @@ class CUDAGraphRunner:
             # Any positive host value selects the cascade kernels; they read the length from the buffer.
             common_prefix_len=1 if cascade else 0,
             common_prefix_len_tensor=b["common_prefix_len"] if cascade else None,
-            # Read at every replay from the buffer `InputBuffers.prepare` fills (an identity at capture).
-            decode_order=b["decode_order"][:size] if "decode_order" in b else None,
         )
 
     def _forward(self, size: int, cascade: bool) -> torch.Tensor:
@@ -293,8 +291,6 @@ class CUDAGraphRunner:
         b["input_ids"][:tokens].zero_()
         b["positions"][:tokens].zero_()
         b["slot_mapping"][:tokens].fill_(-1)
-        if "decode_order" in b:
-            b["decode_order"][:largest].copy_(torch.arange(largest, dtype=torch.int32))
         self.block_tables[: max(largest, 2)].zero_()  # (a cache graph's padding request reads row 1)
         device = b["input_ids"].device
         starts = {n: torch.tensor([0, n], dtype=torch.int32, device=device) for n in self.prefill_sizes}

@@ -218,8 +218,6 @@ class InputBuffers:
             # step's sampled ids that hold them.
             "placeholders": _host_buffer((2, max_num_reqs), torch.int64, pin),
             "common_prefix_len": _host_buffer(1, torch.int32, pin),
-            # Decode-only batches: the rows by seq_len, longest first (AttentionMetadata.decode_order).
-            "decode_order": _host_buffer(max_num_reqs, torch.int32, pin),
         }
         self._np = {name: t.numpy() for name, t in self._host.items()}
         self.dev = {name: torch.zeros_like(t, device=device) for name, t in self._host.items()}
@@ -369,12 +367,6 @@ class InputBuffers:
         if prefix_len:
             h["common_prefix_len"][0] = prefix_len
             dev["common_prefix_len"].copy_(self._host["common_prefix_len"], non_blocking=True)
-        decode_order = None
-        if is_decode:
-            # (padding rows have seq_len 0: last)
-            h["decode_order"][:n_reqs] = np.argsort(-h["seq_lens"][:n_reqs], kind="stable")
-            decode_order = dev["decode_order"][:n_reqs]
-            decode_order.copy_(self._host["decode_order"][:n_reqs], non_blocking=True)
         if num_placeholders:
             assert prev_sampled is not None
             fix = dev["placeholders"][:, :num_placeholders]
@@ -396,7 +388,6 @@ class InputBuffers:
             seq_lens_cpu=h["seq_lens"][:n_reqs].tolist(),
             common_prefix_len=prefix_len,
             common_prefix_len_tensor=dev["common_prefix_len"] if prefix_len else None,
-            decode_order=decode_order,
         )
         return BatchInputs(
             input_ids=dev["input_ids"][:n_tokens],

@@ -312,26 +312,22 @@ def test_padded_cudnn_prefill_matches_copied(
 
 
 def _switches() -> dict[str, Any]:
-    from kvserve.kernels import ops, triton_attention, triton_pdl
-
-    def longest_first(on: bool) -> None:
-        triton_attention.DECODE_LONGEST_FIRST = on
+    from kvserve.kernels import ops, triton_pdl
 
     return {"pdl": triton_pdl.set_enabled, "silu-epilogue": ops.set_gate_up_silu_fusion,
-            "rope-epilogue": ops.set_qkv_rope_fusion, "longest-first": longest_first}
+            "rope-epilogue": ops.set_qkv_rope_fusion}
 
 
 @pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
-@pytest.mark.parametrize("switch", ["pdl", "silu-epilogue", "rope-epilogue", "longest-first"])
+@pytest.mark.parametrize("switch", ["pdl", "silu-epilogue", "rope-epilogue"])
 def test_fast_path_switches_do_not_change_output(
     checkpoints: dict[str, str], model: str, enforce_eager: bool, switch: str
 ) -> None:
-    """bf16 (so the skinny matmul runs): programmatic dependent launch, SiLU-and-mul in the gate/up matmul,
-    rotary + cache write in the q/k/v matmul and decode attention's longest-first program order each give
-    bitwise the same greedy tokens and logprobs as without them, in CUDA graphs and eagerly, with cascade
-    decode in the mix. A kernel reading its input before the previous kernel finished, an epilogue pairing
-    the wrong rows, or a program attending for the wrong request would not."""
+    """bf16 (so the skinny matmul runs): programmatic dependent launch, SiLU-and-mul in the gate/up matmul and
+    rotary + cache write in the q/k/v matmul each give bitwise the same greedy tokens and logprobs as without
+    them, in CUDA graphs and eagerly, with cascade decode in the mix. A kernel reading its input before the
+    previous kernel finished, or an epilogue pairing the wrong rows, would not."""
     from kvserve.kernels import triton_pdl
 
     device = torch.device("cuda")

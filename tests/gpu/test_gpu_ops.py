@@ -4,8 +4,6 @@ launched with programmatic dependent launch."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -62,45 +60,6 @@ def test_prefill_fast_path_matches_reference(
     expected = reference.paged_attention(query, kv_cache, md, scale)
     err = (out.float() - expected.float()).norm() / expected.float().norm()
     assert err < 1e-2, f"relative error {err:.2e}"
-
-
-@pytest.mark.parametrize("num_reqs", [176, 48, 2], ids=lambda n: f"batch{n}")
-def test_decode_longest_first_at_qwen_shape(num_reqs: int) -> None:
-    """Decode attention at Qwen2.5-7B's heads (28 / 4 of 128, bf16) over contexts of 1 to 3,000 tokens in
-    shuffled blocks (the busy one-split tiling at 176 requests, the other at 48, splits at 2): with the
-    programs taking the longest contexts first the output is bitwise the batch-order launch's, and matches
-    the torch reference; the outputs start as NaN."""
-    from kvserve.kernels import triton_attention
-
-    heads, kv_heads, head_dim, block_size, dtype = 28, 4, 128, 16, torch.bfloat16
-    gen = torch.Generator().manual_seed(num_reqs)
-    lens = torch.randint(1, 3000, (num_reqs,), generator=gen).tolist()
-    blocks = [-(-n // block_size) for n in lens]
-    perm = torch.randperm(sum(blocks), generator=gen).tolist()
-    width = max(blocks)
-    tables, start = [], 0
-    for nb in blocks:
-        tables.append(perm[start : start + nb] + [0] * (width - nb))
-        start += nb
-    md = AttentionMetadata(
-        query_start_loc=torch.arange(num_reqs + 1, dtype=torch.int32, device="cuda"),
-        seq_lens=torch.tensor(lens, dtype=torch.int32, device="cuda"),
-        block_tables=torch.tensor(tables, dtype=torch.int32, device="cuda"),
-        slot_mapping=torch.zeros(num_reqs, dtype=torch.int64, device="cuda"),
-        max_query_len=1, max_seq_len=max(lens), query_start_loc_cpu=list(range(num_reqs + 1)), seq_lens_cpu=lens,
-    )
-    kv_cache = torch.randn(2, len(perm), block_size, kv_heads, head_dim, generator=gen).to("cuda", dtype)
-    query = torch.randn(num_reqs, heads, head_dim, generator=gen).to("cuda", dtype)
-    order = sorted(range(num_reqs), key=lambda i: -lens[i])
-    ordered = dataclasses.replace(md, decode_order=torch.tensor(order, dtype=torch.int32, device="cuda"))
-    outs = []
-    for metadata in (md, ordered):
-        out = torch.full_like(query, float("nan"))
-        triton_attention.paged_attention(query, kv_cache, metadata, head_dim**-0.5, out=out)
-        outs.append(out)
-    assert torch.equal(outs[0], outs[1])
-    expected = reference.paged_attention(query, kv_cache, md, head_dim**-0.5)
-    torch.testing.assert_close(outs[1].float(), expected.float(), rtol=2e-2, atol=2e-2)
 
 
 QWEN_7B = {"qkv": (4608, 3584, True), "o_proj": (3584, 3584, False), "gate_up": (37888, 3584, False),

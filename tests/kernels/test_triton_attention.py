@@ -6,7 +6,6 @@ blocks; outputs start as NaN so an element the kernel skips fails the comparison
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -141,30 +140,6 @@ def test_decode_split_k_matches_reference(
     seq_lens = [300, 77, 260]
     query, kv_cache, metadata = make_batch([1, 1, 1], seq_lens, 6, 2, 64, 16, dtype, device, seed=2)
     check_attention(query, kv_cache, metadata, num_splits=num_splits)
-
-
-@pytest.mark.parametrize("num_splits", [1, 3, 16], ids=lambda s: f"splits={s}")
-@pytest.mark.parametrize("order", ["longest-first", "shuffled"])
-@pytest.mark.parametrize("busy", [False, True], ids=["", "busy"])
-def test_decode_order_changes_no_result(num_splits, order, busy, device, poison_allocations, monkeypatch):
-    """metadata.decode_order only says which program takes which request: with the longest contexts first,
-    or any other permutation, every row is written (outputs and scratch start as NaN) with the attention of
-    its own request, bitwise the batch-order launch's; also for the busy one-split tiling and the splits'
-    in-kernel merge, whose counters stay at zero."""
-    poison_allocations(triton_attention)
-    if busy and num_splits != 1:
-        pytest.skip("the busy tiling is a one-split launch")
-    if busy:
-        monkeypatch.setattr(triton_attention, "DECODE_BUSY_PROGRAMS_PER_SM", 0)
-    seq_lens = [30, 300, 0, 77, 260, 5]
-    query, kv_cache, metadata = make_batch([1] * 6, seq_lens, 6, 2, 64, 16, torch.float32, device, seed=4)
-    plain = launch_paged_attention(query, kv_cache, metadata, 0.125, num_splits=num_splits)
-    permutation = sorted(range(6), key=lambda i: -seq_lens[i]) if order == "longest-first" else [3, 0, 5, 1, 2, 4]
-    ordered = dataclasses.replace(metadata, decode_order=torch.tensor(permutation, dtype=torch.int32, device=device))
-    check_attention(query, kv_cache, ordered, num_splits=num_splits)
-    assert torch.equal(launch_paged_attention(query, kv_cache, ordered, 0.125, num_splits=num_splits), plain)
-    if num_splits > 1:
-        assert int(triton_attention._MERGE_COUNTERS.buffers[query.device].abs().sum()) == 0
 
 
 def test_decode_heuristic_splits_a_small_batch(device, poison_allocations):

@@ -130,31 +130,10 @@ def test_decode_batch_padded_to_graph_size() -> None:
     assert md.seq_lens.tolist() == [6, 4, 0, 0]
     assert md.query_start_loc.tolist() == [0, 1, 2, 3, 4]
     assert md.block_tables.shape[0] == 4
-    assert md.decode_order is not None and md.decode_order.tolist() == [0, 1, 2, 3]  # longest first
-    # a batch with a prefill chunk is never padded, and has no decode order
+    # a batch with a prefill chunk is never padded
     mixed = SchedulerOutput(scheduled=[_sched("a", [7], 6, []), _sched("b", [8, 9], 4, [])])
     table.apply(mixed)
-    mixed_batch = buffers.prepare(mixed, table, pad_to=4)
-    assert mixed_batch.padded_num_reqs is None and mixed_batch.attn_metadata.decode_order is None
-
-
-def test_decode_order_is_longest_first_with_padding_last() -> None:
-    """AttentionMetadata.decode_order: the rows by seq_len, longest first, ties in batch order, the padding
-    rows of a graph size (seq_len 0) last; a permutation of every row the graph launches."""
-    table, buffers = _after_prefill_of_a_and_b()  # a has 5 tokens, b 3
-    prefill_c = SchedulerOutput(scheduled=[_sched("c", [3] * 9, 0, [1, 2, 4], reset=True)])
-    table.apply(prefill_c)
-    buffers.prepare(prefill_c, table)
-    decode = SchedulerOutput(scheduled=[_sched("b", [43], 3, []), _sched("a", [42], 5, []),
-                                        _sched("c", [44], 9, [])])
-    table.apply(decode)
-    md = buffers.prepare(decode, table, pad_to=6).attn_metadata
-    assert md.seq_lens.tolist() == [4, 6, 10, 0, 0, 0]
-    assert md.decode_order is not None and md.decode_order.dtype == torch.int32
-    assert md.decode_order.tolist() == [2, 1, 0, 3, 4, 5]
-    again = SchedulerOutput(scheduled=[_sched("b", [45], 4, []), _sched("a", [46], 4, [])])  # a tie: 5 and 5
-    table.apply(again)
-    assert buffers.prepare(again, table).attn_metadata.decode_order.tolist() == [0, 1]
+    assert buffers.prepare(mixed, table, pad_to=4).padded_num_reqs is None
 
 
 def test_placeholder_tokens_come_from_the_previous_steps_samples() -> None:
