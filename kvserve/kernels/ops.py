@@ -630,6 +630,23 @@ def rotary_embedding(
     return impl(positions, query, key, cos_sin_cache)
 
 
+def _fused_rotary_module(query: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor) -> Any | None:
+    """triton_elementwise where its rotary launch also writes the cache for these tensors, else None."""
+    module = _triton_module("triton_elementwise")
+    head_dim = query.shape[2]
+    if (
+        _rotary_cache_fusion
+        and module is not None
+        and _elementwise_impl("rotary_embedding", query) is module.rotary_embedding
+        and _is_pow2(head_dim // 2)
+        and value.stride(2) == 1
+        and value.stride(1) == head_dim
+        and kv_cache.is_contiguous()
+    ):
+        return module
+    return None
+
+
 def rotary_embedding_and_cache(
     positions: torch.Tensor,
     query: torch.Tensor,
@@ -641,19 +658,9 @@ def rotary_embedding_and_cache(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`rotary_embedding`, then `reshape_and_cache` of the rotated key and the value: one Triton launch on
     CUDA where both kernels would be Triton (one graph node per layer fewer at decode), else the two ops."""
-    impl = _elementwise_impl("rotary_embedding", query)
-    module = _triton_module("triton_elementwise")
-    head_dim = query.shape[2]
-    if (
-        _rotary_cache_fusion
-        and module is not None
-        and impl is module.rotary_embedding
-        and _is_pow2(head_dim // 2)
-        and value.stride(2) == 1
-        and value.stride(1) == head_dim
-        and kv_cache.is_contiguous()
-    ):
-        return impl(positions, query, key, cos_sin_cache, value, kv_cache, slot_mapping)
+    module = _fused_rotary_module(query, value, kv_cache)
+    if module is not None:
+        return module.rotary_embedding(positions, query, key, cos_sin_cache, value, kv_cache, slot_mapping)
     query, key = rotary_embedding(positions, query, key, cos_sin_cache)
     reshape_and_cache(key, value, kv_cache, slot_mapping)
     return query, key
@@ -673,17 +680,8 @@ def rotary_embedding_and_cache_padded(
     pad_to (>= num_tokens) rows: the rotated query and key and value itself, in the layout
     `prefill_attention_padding` asked for. One Triton launch where the fused one applies, else the ops and
     copies."""
-    impl = _elementwise_impl("rotary_embedding", query)
-    module = _triton_module("triton_elementwise")
-    if (
-        _rotary_cache_fusion
-        and module is not None
-        and impl is module.rotary_embedding
-        and _is_pow2(query.shape[2] // 2)
-        and value.stride(2) == 1
-        and value.stride(1) == query.shape[2]
-        and kv_cache.is_contiguous()
-    ):
+    module = _fused_rotary_module(query, value, kv_cache)
+    if module is not None:
         return module.rotary_embedding_padded(
             positions, query, key, cos_sin_cache, value, kv_cache, slot_mapping, pad_to
         )
