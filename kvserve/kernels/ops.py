@@ -525,13 +525,16 @@ def prefill_attention_padding(metadata: AttentionMetadata, query: torch.Tensor, 
     it takes them as they are: a one-prompt fresh prefill that runs cuDNN attention pads to its bucket."""
     if not (_prefill_qkv_padding and prefill_fast_path_applies(query.dtype, query.device)):
         return 0
-    if metadata.num_reqs != 1 or not _is_pure_prefill(metadata):
-        return 0
-    num_tokens = metadata.num_tokens
-    refusal_key = (query.dtype, query.shape[1], key.shape[1], query.shape[2], query.device.type)
-    if not _use_cudnn(num_tokens, query.device) or refusal_key in _cudnn_refused:
-        return 0
-    return _cudnn_padded(num_tokens)
+    cached = metadata.backend_cache.get("qkv_padding")  # the same for every layer of the step
+    if cached is None:
+        cached = 0
+        if metadata.num_reqs == 1 and _is_pure_prefill(metadata):
+            num_tokens = metadata.num_tokens
+            refusal_key = (query.dtype, query.shape[1], key.shape[1], query.shape[2], query.device.type)
+            if _use_cudnn(num_tokens, query.device) and refusal_key not in _cudnn_refused:
+                cached = _cudnn_padded(num_tokens)
+        metadata.backend_cache["qkv_padding"] = cached
+    return cached
 
 
 def _sdpa_prefill(
@@ -547,8 +550,6 @@ def _sdpa_prefill(
     cudnn = _use_cudnn(num_tokens, query.device)
     if cudnn:  # the layout and length the start-up warm-up built the graph for
         padded = _cudnn_padded(num_tokens)
-        if query.shape[0] > padded:  # padded further than this bucket: the extra rows are zeros too
-            query, key, value = query[:padded], key[:padded], value[:padded]
         query, key, value = (_pad_tokens(t, padded) for t in (query, key, value))
     q = query.transpose(0, 1).unsqueeze(0)
     k = key.transpose(0, 1).unsqueeze(0)

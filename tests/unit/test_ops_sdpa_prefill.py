@@ -179,3 +179,22 @@ def test_prefill_attention_padding_rule(monkeypatch: pytest.MonkeyPatch) -> None
         assert ops.prefill_attention_padding(md([0, 300], [300]), query, key) == 0
     finally:
         ops.set_prefill_qkv_padding(True)
+
+
+def test_prefill_attention_padding_is_decided_once_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every layer asks; the step's metadata keeps the first answer (the rule's checks run once)."""
+    monkeypatch.setattr(ops, "SDPA_CUDNN_MIN_TOKENS", 256)
+    monkeypatch.setattr(ops, "SDPA_CUDNN_BUCKET", 256)
+    monkeypatch.setattr(ops, "prefill_fast_path_applies", lambda dtype, device: True)
+    monkeypatch.setattr(ops, "_cudnn_refused", set())  # (earlier CPU runs of cuDNN's route were refused)
+    checks: list[int] = []
+    use_cudnn = ops._use_cudnn
+    monkeypatch.setattr(ops, "_use_cudnn", lambda n, device: checks.append(n) or use_cudnn(n, device))
+    query, key, value, _ = _case(300, 6, 2)
+    md = AttentionMetadata(
+        query_start_loc=torch.tensor([0, 300], dtype=torch.int32), seq_lens=torch.tensor([300], dtype=torch.int32),
+        block_tables=torch.zeros(1, 32, dtype=torch.int32), slot_mapping=torch.arange(300, dtype=torch.int64),
+        max_query_len=300, max_seq_len=300, query_start_loc_cpu=[0, 300], seq_lens_cpu=[300],
+    )
+    assert [ops.prefill_attention_padding(md, query, key) for _ in range(3)] == [512, 512, 512]
+    assert checks == [300]
