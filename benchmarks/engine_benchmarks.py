@@ -20,8 +20,11 @@ Sections (--sections, default all but hf, each isolated: a failure is recorded a
             init: weights differ from kvserve's, which does not matter for a throughput comparison);
 * kprofile  GPU time by kernel over 10 steady steps (--kprofile-cases: bN / bNxC decode, pN one prefill,
             shared256), with a GPU timeline: busy time, idle gaps and the host phase during each gap;
-* hostprof  host time per steady decode step by engine phase (batch 1 and 64 at 1k, 64 at 4k);
+* hostprof  host time per steady decode step by engine phase (--hostprof-cases, default batch 1 and 64 at
+            1k, 64 at 4k);
 * trace     per-step breakdown of the seeds', 256-sequence and shared-prefix workloads by step kind;
+* tprofile  the 256-sequence workload with windows of steps profiled (GPU only, --tprofile-windows): each
+            window's batch sizes, GPU busy time against the wall time, and GPU time by kernel;
 * prefixab, shared, profile: see their methods.
 
 The start section also reports the decode graphs' times measured at capture and which sizes replay a
@@ -69,7 +72,7 @@ from common import (  # noqa: E402
 # Seconds without GPU work before each prompt of the ttft section's idle-GPU runs.
 TTFT_IDLE_S = 1.0
 SECTIONS = ("start", "decode", "seeds", "random256", "ttft", "ttftrest", "ttftrand", "ttftprefix", "ttftdiag", "prefillprof", "prefix", "prefixab", "shared", "hf", "profile",
-            "trace", "kprofile", "hostprof")
+            "trace", "tprofile", "kprofile", "hostprof")
 
 
 class Bench:
@@ -305,6 +308,77 @@ class Bench:
         for _ in range(prefill_steps + 5):
             self.core.step()
 
+    def section_tprofile(self) -> None:
+        """The 256-sequence workload (the random256 section's lengths) with a few windows of steps under
+        torch.profiler, CUDA activity only (no host op recording, so the host runs as unprofiled): per window
+        the steps' batch sizes, the GPU's busy time against the window's wall time, and the kernels' GPU
+        time. Tells whether the workload's steps wait on the GPU or on the host, and where the GPU's time
+        goes at the batch sizes and contexts the workload really has."""
+        from torch.profiler import ProfilerActivity, profile
+
+        d = self.engine()
+        self.warm_up()
+        lo, hi = self.length(100), self.length(1024)
+        num = self.n(256)
+        gen = torch.Generator().manual_seed(1)
+        ins = torch.randint(lo, hi + 1, (num,), generator=gen).tolist()
+        outs = torch.randint(lo, hi + 1, (num,), generator=gen).tolist()
+        prompts = self.prompts(ins)
+        windows = sorted(self.args.tprofile_windows)
+        length = self.args.tprofile_steps
+        state: dict[str, Any] = {"step": 0, "prof": None, "t0": 0.0, "batches": []}
+        done: list[dict[str, Any]] = []
+
+        def on_step(num_scheduled: int) -> None:
+            state["step"] += 1
+            step = state["step"]
+            if state["prof"] is not None:
+                state["batches"].append(num_scheduled)
+                if len(state["batches"]) == length:
+                    sync(self.args.device)
+                    wall_us = (time.perf_counter() - state["t0"]) * 1e6
+                    prof = state["prof"]
+                    prof.stop()
+                    state["prof"] = None
+                    done.append({"first_step": step - length + 1, "prof": prof, "wall_us": wall_us,
+                                 "batches": list(state["batches"])})
+            elif step in windows:
+                sync(self.args.device)
+                state["batches"] = []
+                # CPU activity only where there is no GPU (a dry run of the section on CPU).
+                cuda = str(self.args.device).startswith("cuda")
+                prof = profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
+                prof.start()
+                state["prof"], state["t0"] = prof, time.perf_counter()
+
+        stats = d.run(prompts, outs, on_step=on_step)
+        if state["prof"] is not None:
+            state["prof"].stop()
+        out = []
+        for w in done:
+            prof, n = w["prof"], len(w["batches"])
+            timeline = _gpu_timeline(prof, num_steps=n)
+            events = sorted((e for e in prof.key_averages() if _self_device_us(e) > 0), key=_self_device_us,
+                            reverse=True)
+            compact = [f"{_self_device_us(e) / n:9.1f} us/step {e.count / n:6.1f}/step  {e.key[:80]}"
+                       for e in events[:16]]
+            batches = w["batches"]
+            label = f"steps {w['first_step']}-{w['first_step'] + n - 1}"
+            summary = (f"{label}: scheduled tokens {min(batches)}-{max(batches)} (mean "
+                       f"{statistics.mean(batches):.0f}); wall {w['wall_us'] / n:.1f} us per step; "
+                       f"{timeline['summary']}")
+            print(f"tprofile {summary}", flush=True)
+            print("\n".join(compact), flush=True)
+            out.append({"first_step": w["first_step"], "batches": batches, "wall_us_per_step": w["wall_us"] / n,
+                        "timeline": timeline, "compact": compact,
+                        "gpu_us_per_step": _kernel_us(events) / n})
+            self.rows.append((f"tprofile {label} (us/step)", f"{w['wall_us'] / n:.0f}",
+                              f"tokens {statistics.mean(batches):.0f}; GPU busy "
+                              f"{timeline.get('busy_us_per_step', 0.0):.0f} us/step"))
+        self.rows.append(("tprofile 256 sequences (output tok/s)", f"{stats.output_tok_s:.0f}",
+                          f"{stats.elapsed_s:.2f} s with the profiled windows"))
+        self.results["tprofile"] = {"windows": out, "output_tok_s": stats.output_tok_s}
+
     def section_kprofile(self) -> None:
         """GPU kernel time by kernel over steady decode steps (batch 1 and 64, context 1k), from
         torch.profiler: what the graph replay, the LM head and sampling spend on the GPU. With programmatic
@@ -404,7 +478,7 @@ class Bench:
                    (core.runner, "execute_model_async"), (torch.cuda.Event, "synchronize")]
         out = {}
         with _around_methods(targets, timed):
-            for batch, context in ((1, 1024), (64, 1024), (64, 4096)):
+            for batch, context in self.args.hostprof_cases:
                 self.start_steady_decode(batch, self.length(context), f"h{batch}x{context}", steady_steps=40)
                 times.clear()
                 num_steps = 30
@@ -936,6 +1010,12 @@ def main() -> int:
     p.add_argument("--kprofile-cases", type=lambda v: [x for x in v.split(",") if x], default=["b1", "b64"],
                    help="kprofile section: bN or bNxC (N random prompts of C tokens, 1k by default), pN (one N-token "
                         "prefill), shared256")
+    p.add_argument("--tprofile-windows", type=lambda v: [int(x) for x in v.split(",") if x],
+                   default=[100, 400, 800], help="tprofile section: the steps where profiled windows start")
+    p.add_argument("--tprofile-steps", type=int, default=20, help="tprofile section: steps per window")
+    p.add_argument("--hostprof-cases", type=lambda v: [tuple(int(y) for y in x.split("x")) for x in v.split(",") if x],
+                   default=[(1, 1024), (64, 1024), (64, 4096)],
+                   help="hostprof section: BATCHxCONTEXT cases (default 1x1024,64x1024,64x4096)")
     p.add_argument("--trace-workloads", type=lambda v: [x for x in v.split(",") if x], default=[],
                    help="trace section: seeds,random256,shared_prefix (default all)")
     p.add_argument("--elementwise-backend", default="triton", choices=["triton", "torch", "compile"])
