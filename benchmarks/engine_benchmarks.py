@@ -1047,9 +1047,6 @@ def main() -> int:
                    "earlier rule (the fewest splits dividing K for 1.5 programs per SM)")
     p.add_argument("--decode-prefetch-ids", action=argparse.BooleanOptionalAction, default=None,
                    help="override triton_attention.DECODE_PREFETCH_IDS (decode attention loads block ids a tile ahead)")
-    p.add_argument("--decode-early-tile", action=argparse.BooleanOptionalAction, default=None,
-                   help="override triton_attention.DECODE_EARLY_TILE (decode attention reads its first cached K/V "
-                   "tile before the PDL wait)")
     p.add_argument("--decode-busy-programs-per-sm", type=int, default=None,
                    help="override triton_attention.DECODE_BUSY_PROGRAMS_PER_SM (a large value: never the busy tiling)")
     p.add_argument("--decode-launch", default="", help="TILE_N,warps,stages of split decode attention launches")
@@ -1101,8 +1098,6 @@ def main() -> int:
         triton_attention.DECODE_BUSY_PROGRAMS_PER_SM = args.decode_busy_programs_per_sm
     if args.decode_prefetch_ids is not None:
         triton_attention.DECODE_PREFETCH_IDS = args.decode_prefetch_ids
-    if args.decode_early_tile is not None:
-        triton_attention.DECODE_EARLY_TILE = args.decode_early_tile
     for text, launch in ((args.decode_launch, triton_attention.DECODE_LAUNCH),
                          (args.decode_launch_one_split, triton_attention.DECODE_LAUNCH_ONE_SPLIT)):
         if text:

@@ -387,7 +387,8 @@ print('alone', t._backend_after('alone')); print('kvserve-first', t._backend_aft
             $flags >> "$R/gateab.log" 2>&1
           echo "mode $mode done" >> "$R/gateab.log"
         done ;;
-    early17) timeout 200 python3 -m pytest -q -rA -s -p no:cacheprovider tests/gpu -k "attention or graph" \
+    early17) # ran at c7828f3 (--no-decode-early-tile is gone since its revert)
+        timeout 200 python3 -m pytest -q -rA -s -p no:cacheprovider tests/gpu -k "attention or graph" \
           > "$R/pytest_early.log" 2>&1
         for mode in new old new old; do
           flags=""; [ $mode = old ] && flags="--no-decode-early-tile"

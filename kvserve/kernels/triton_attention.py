@@ -87,28 +87,9 @@ DECODE_FUSED_MERGE_MAX_SPLITS = 12
 # whose buffers would pass DECODE_MAX_KV_BUFFER_BYTES of shared memory runs fewer stages), and the mixed /
 # prefill launch, whose 2 stages keep one buffer either way. False: every launch loads them in the iteration.
 DECODE_PREFETCH_IDS = True
-# Decode launches without a cascade prefix read their first K/V tile of cached context before the PDL wait
-# (`_paged_attention_kernel`'s EARLY_TILE), overlapping that load with the kernel before them. False: every
-# load after the wait, as before.
-DECODE_EARLY_TILE = True
 DECODE_MAX_KV_BUFFER_BYTES = 160 * 1024
 # Stand-in multiprocessor count for the CPU interpreter (small, so tests reach the split path cheaply).
 _INTERPRETER_NUM_SMS = 4
-
-
-@triton.jit
-def _softmax_step(q, k, allowed, m_i, l_i, scale_log2, DOT_PRECISION: tl.constexpr):
-    """The scores of one K tile ([HEAD_DIM, keys]) kept where `allowed`, folded into the running max and sum
-    (log2 domain); returns the new max and sum, the tile's probabilities and the rescale of the old state."""
-    s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N], log2 domain
-    s = tl.where(allowed, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    # A row with no allowed key yet keeps m = -inf; shift by 0 so exp2 gives 0 instead of NaN.
-    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_shift[:, None])
-    alpha = tl.math.exp2(m_i - m_shift)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    return m_new, l_i, p, alpha
 
 
 @triton.jit
@@ -117,7 +98,14 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, kv_offset, dims, k_valid, allowed,
     """One K/V tile of online softmax: keys at `kv_offset` (masked by k_valid), scores kept where `allowed`
     ([rows, keys]); returns the updated running max, sum and unnormalised output (log2 domain)."""
     k = tl.load(k_cache_ptr + kv_offset[None, :] + dims[:, None], mask=k_valid[None, :], other=0.0)
-    m_new, l_i, p, alpha = _softmax_step(q, k, allowed, m_i, l_i, scale_log2, DOT_PRECISION)
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N], log2 domain
+    s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # A row with no allowed key yet keeps m = -inf; shift by 0 so exp2 gives 0 instead of NaN.
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_shift[:, None])
+    alpha = tl.math.exp2(m_i - m_shift)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
     v = tl.load(v_cache_ptr + kv_offset[:, None] + dims[None, :], mask=k_valid[:, None], other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
@@ -166,13 +154,8 @@ def _paged_attention_kernel(
     PDL: tl.constexpr = False,
     FUSED_MERGE: tl.constexpr = False,
     PREFETCH_IDS: tl.constexpr = True,
-    EARLY_TILE: tl.constexpr = False,
 ):
-    # EARLY_TILE (decode launches without a cascade prefix): the program reads its lengths, block ids and first
-    # K/V tile of the cached context before the PDL wait, while the kernel before it (the rotary + cache write,
-    # which writes q and this step's key and value) still runs; q and the new token's slot come after it.
-    if not EARLY_TILE:
-        pdl_wait_then_release(PDL)
+    pdl_wait_then_release(PDL)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -209,9 +192,11 @@ def _paged_attention_kernel(
     q_pos = ctx_len + q_idx
     dims = tl.arange(0, HEAD_DIM)
     token = (q_start + q_idx).to(tl.int64)
-    q_ptrs = q_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head + dims[None, :]
-    if not EARLY_TILE:
-        q = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0)
+    q = tl.load(
+        q_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head + dims[None, :],
+        mask=row_valid[:, None],
+        other=0.0,
+    )
 
     # Keys this tile needs: up to the position of its last valid query (causal), at most seq_len.
     kv_end = tl.minimum(seq_len, ctx_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len))
@@ -237,35 +222,13 @@ def _paged_attention_kernel(
     cols = tl.arange(0, TILE_N)
     block_table_row = block_tables_ptr + req.to(tl.int64) * stride_block_table
     head_offset = kv_head.to(tl.int64) * stride_cache_head
-    loop_begin = tile_begin
-    if EARLY_TILE:
-        # The first tile, peeled: keys before ctx_len were written by earlier steps and are read before the
-        # wait; the new token's (ctx_len and past) only after it. An empty split or padding row masks all.
-        k_pos = tile_begin * TILE_N + cols
-        k_valid = (k_pos < kv_end) & (k_pos < tile_end * TILE_N)  # all False when tile_begin >= tile_end
-        block_id = tl.load(block_table_row + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
-        kv_offset = block_id * stride_cache_block + (k_pos % BLOCK_SIZE) * stride_cache_offset + head_offset
-        cached = k_valid & (k_pos < ctx_len)
-        k = tl.load(k_cache_ptr + kv_offset[None, :] + dims[:, None], mask=cached[None, :], other=0.0)
-        v = tl.load(v_cache_ptr + kv_offset[:, None] + dims[None, :], mask=cached[:, None], other=0.0)
-        pdl_wait_then_release(PDL)
-        q = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0)
-        new = k_valid & (k_pos >= ctx_len)
-        k = tl.where(new[None, :], tl.load(k_cache_ptr + kv_offset[None, :] + dims[:, None], mask=new[None, :],
-                                           other=0.0), k)
-        v = tl.where(new[:, None], tl.load(v_cache_ptr + kv_offset[:, None] + dims[None, :], mask=new[:, None],
-                                           other=0.0), v)
-        allowed = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
-        m_i, l_i, p, alpha = _softmax_step(q, k, allowed, m_i, l_i, scale_log2, DOT_PRECISION)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        loop_begin = tile_begin + 1
     # PREFETCH_IDS: the block ids of a tile are loaded one iteration ahead, so the K/V addresses come from the
     # loop's carried state rather than from a load of the same iteration; the pipeliner then gives the K/V
     # tiles num_stages - 1 buffers (with the ids loaded in the iteration it kept one at 3 and 4 stages).
     if PREFETCH_IDS:
-        first_pos = loop_begin * TILE_N + cols
+        first_pos = tile_begin * TILE_N + cols
         next_ids = tl.load(block_table_row + first_pos // BLOCK_SIZE, mask=first_pos < kv_end, other=0)
-    for t in range(loop_begin, tile_end):
+    for t in range(tile_begin, tile_end):
         k_pos = t * TILE_N + cols
         k_valid = k_pos < kv_end
         if CASCADE:
@@ -630,8 +593,7 @@ def launch_paged_attention(
     prefetch = DECODE_PREFETCH_IDS and not busy
     if prefetch:
         launch["num_stages"] = decode_stages(launch["num_stages"], launch["TILE_N"], head_dim, k_cache.element_size())
-    decode_kwargs = dict(BLOCK_M=block_m, BLOCK_Q=1, IS_DECODE=True, PREFETCH_IDS=prefetch,
-                         EARLY_TILE=DECODE_EARLY_TILE and not cascade, **launch, **common)
+    decode_kwargs = dict(BLOCK_M=block_m, BLOCK_Q=1, IS_DECODE=True, PREFETCH_IDS=prefetch, **launch, **common)
     if one_split:
         _paged_attention_kernel[(num_reqs, num_kv_heads, 1)](
             query, k_cache, v_cache, out, out, out, out,

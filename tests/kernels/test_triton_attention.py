@@ -172,39 +172,6 @@ def test_block_ids_loaded_ahead_give_the_same_bits(num_splits, device, poison_al
     torch.testing.assert_close(outs[0], expected, **TOLERANCES[torch.float32])
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_first_tile_read_before_the_wait_gives_the_same_bits(num_splits, device, poison_allocations, monkeypatch):
-    """Decode launches that read their first K/V tile of cached context before the PDL wait (DECODE_EARLY_TILE)
-    against every load after it: the same keys in the same order, so the same bits, and the reference's
-    result. The first tile's keys are read in two masked parts, the cached ones before the wait and the new
-    token's (written by the kernel before attention) after it; contexts of 1 and 64 keys put the new token in
-    the first tile, so a part left out changes the output. 65 and 300 put it past the first tile; 3 splits of
-    a short context leave splits with no tile. (The interpreter has no PDL, so the ordering itself shows only
-    on the GPU: tests/gpu compare graph replays with PDL against eager runs and the reference.)"""
-    poison_allocations(triton_attention)
-    query, kv_cache, metadata = make_batch([1] * 5, [1, 64, 65, 300, 7], 6, 2, 64, 16, torch.float32, device, seed=9)
-    launches: list[bool] = []
-    kernel = triton_attention._paged_attention_kernel
-
-    class Spy:
-        def __getitem__(self, grid: object) -> object:
-            def launch(*args: object, **kwargs: object) -> object:
-                launches.append(bool(kwargs["EARLY_TILE"]))
-                return kernel[grid](*args, **kwargs)
-
-            return launch
-
-    monkeypatch.setattr(triton_attention, "_paged_attention_kernel", Spy())
-    outs = []
-    for early in (True, False):
-        monkeypatch.setattr(triton_attention, "DECODE_EARLY_TILE", early)
-        outs.append(launch_paged_attention(query, kv_cache, metadata, 0.125, num_splits=num_splits))
-    assert launches == [True, False]
-    assert torch.equal(outs[0], outs[1])
-    expected = reference.paged_attention(query, kv_cache, metadata, 0.125)
-    torch.testing.assert_close(outs[0], expected, **TOLERANCES[torch.float32])
-
-
 def test_busy_one_split_launch_takes_its_own_tiling(device, monkeypatch):
     """Past DECODE_BUSY_PROGRAMS_PER_SM (request, KV head) programs per SM a one-split decode runs
     DECODE_LAUNCH_ONE_SPLIT_BUSY with the block ids loaded in the tile's iteration; both tilings match the
