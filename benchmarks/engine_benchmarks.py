@@ -253,11 +253,8 @@ class Bench:
         d = self.engine()
         self.warm_up()
         workloads = {"seeds": ([self.length(512)] * self.n(50), [self.length(256)] * self.n(50))}
-        lo, hi = self.length(100), self.length(1024)
-        num = self.n(256)
-        gen = torch.Generator().manual_seed(1)
-        workloads["random256"] = (torch.randint(lo, hi + 1, (num,), generator=gen).tolist(),
-                                  torch.randint(lo, hi + 1, (num,), generator=gen).tolist())
+        workloads["random256"] = self.random256_lengths(seed=1)
+        num = len(workloads["random256"][0])
         # The shared-prefix workload of the prefix section: 256 x (one shared 1000-token prefix + 64 own).
         shared = self.prompts([self.length(1000)])[0]
         shared_prompts = [shared + own for own in self.prompts([self.length(64)] * num)]
@@ -309,7 +306,8 @@ class Bench:
             self.core.step()
 
     def section_tprofile(self) -> None:
-        """The 256-sequence workload (the random256 section's lengths) with a few windows of steps under
+        """The 256-sequence workload (the trace section's lengths: seed 1, where random256 runs seed 0) with a few
+        windows of steps under
         torch.profiler, CUDA activity only (no host op recording, so the host runs as unprofiled): per window
         the steps' batch sizes, the GPU's busy time against the window's wall time, and the kernels' GPU
         time. Tells whether the workload's steps wait on the GPU or on the host, and where the GPU's time
@@ -318,11 +316,7 @@ class Bench:
 
         d = self.engine()
         self.warm_up()
-        lo, hi = self.length(100), self.length(1024)
-        num = self.n(256)
-        gen = torch.Generator().manual_seed(1)
-        ins = torch.randint(lo, hi + 1, (num,), generator=gen).tolist()
-        outs = torch.randint(lo, hi + 1, (num,), generator=gen).tolist()
+        ins, outs = self.random256_lengths(seed=1)  # the trace section's draw, to compare with its steps
         prompts = self.prompts(ins)
         windows = sorted(self.args.tprofile_windows)
         length = self.args.tprofile_steps
@@ -543,16 +537,22 @@ class Bench:
         self.rows.append(("seeds' workload (output tok/s)", f"{stats.output_tok_s:.0f}",
                           f"{num} x {ins} in / {outs} out in {stats.elapsed_s:.2f} s"))
 
+    def random256_lengths(self, seed: int) -> tuple[list[int], list[int]]:
+        """The 256-sequence workload's input and output lengths, uniform in [100, 1024] (scaled), from a
+        generator of their own seeded with `seed`."""
+        lo, hi = self.length(100), self.length(1024)
+        num = self.n(256)
+        gen = torch.Generator().manual_seed(seed)
+        return (torch.randint(lo, hi + 1, (num,), generator=gen).tolist(),
+                torch.randint(lo, hi + 1, (num,), generator=gen).tolist())
+
     def section_random256(self) -> None:
         d = self.engine()
-        num = self.n(256)
-        lo, hi = self.length(100), self.length(1024)
         # The lengths from a generator of their own: the same workload whichever sections ran before (drawn
         # from the shared generator they changed with the sections before it; the lengths now are those that
         # `--sections start,random256` drew, 141,343 output tokens at full scale).
-        lengths = torch.Generator().manual_seed(0)
-        ins = torch.randint(lo, hi + 1, (num,), generator=lengths).tolist()
-        outs = torch.randint(lo, hi + 1, (num,), generator=lengths).tolist()
+        ins, outs = self.random256_lengths(seed=0)
+        num = len(ins)
         runs = []
         for label in ("first", "second"):  # the same lengths twice (fresh prompts): first-use costs show
             stats = d.run(self.prompts(ins), outs)
