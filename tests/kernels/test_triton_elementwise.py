@@ -109,6 +109,18 @@ def test_rotary_embedding_matches_reference(
     assert torch.equal(qkv, qkv_before)
 
 
+def qkv_views(
+    num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """query, key and value as views into one random fused q/k/v matmul output (strided rows, as the model
+    passes them)."""
+    qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, device=device, seed=seed)
+    q_end, k_end = num_heads * head_dim, (num_heads + num_kv_heads) * head_dim
+    return (qkv[:, :q_end].view(num_tokens, num_heads, head_dim),
+            qkv[:, q_end:k_end].view(num_tokens, num_kv_heads, head_dim),
+            qkv[:, k_end:].view(num_tokens, num_kv_heads, head_dim))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32], ids=str)
 def test_rotary_embedding_with_cache_write(dtype, slot_dtype, device, skip_bf16_on_interpreter):
@@ -117,11 +129,7 @@ def test_rotary_embedding_with_cache_write(dtype, slot_dtype, device, skip_bf16_
     writes nothing, every other slot is untouched."""
     skip_bf16_on_interpreter(dtype)
     num_tokens, num_heads, num_kv_heads, head_dim, block_size = 5, 6, 2, 64, 4
-    qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, device=device, seed=4)
-    q_end, k_end = num_heads * head_dim, (num_heads + num_kv_heads) * head_dim
-    query = qkv[:, :q_end].view(num_tokens, num_heads, head_dim)
-    key = qkv[:, q_end:k_end].view(num_tokens, num_kv_heads, head_dim)
-    value = qkv[:, k_end:].view(num_tokens, num_kv_heads, head_dim)
+    query, key, value = qkv_views(num_tokens, num_heads, num_kv_heads, head_dim, dtype, device, seed=4)
     positions = torch.tensor([3, 0, 9, 1, 7], dtype=torch.int64, device=device)
     slots = torch.tensor([13, 2, -1, 7, 30], dtype=slot_dtype, device=device)
     table = cos_sin_cache(16, head_dim).to(device)
@@ -142,11 +150,7 @@ def test_rotary_embedding_padded(dtype, pad_to, device, skip_bf16_on_interpreter
     exactly as by the unpadded launch, and padding rows write no slot."""
     skip_bf16_on_interpreter(dtype)
     num_tokens, num_heads, num_kv_heads, head_dim, block_size = 5, 6, 2, 64, 4
-    qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, device=device, seed=6)
-    q_end, k_end = num_heads * head_dim, (num_heads + num_kv_heads) * head_dim
-    query = qkv[:, :q_end].view(num_tokens, num_heads, head_dim)
-    key = qkv[:, q_end:k_end].view(num_tokens, num_kv_heads, head_dim)
-    value = qkv[:, k_end:].view(num_tokens, num_kv_heads, head_dim)
+    query, key, value = qkv_views(num_tokens, num_heads, num_kv_heads, head_dim, dtype, device, seed=6)
     positions = torch.tensor([0, 1, 2, 3, 4], dtype=torch.int64, device=device)
     slots = torch.tensor([0, 1, 2, -1, 4], dtype=torch.int64, device=device)
     table = cos_sin_cache(16, head_dim).to(device)
