@@ -7,7 +7,10 @@ residual add + RMSNorm, then the MLP; a layer's MLP output is the next layer's R
 model. Timed by graph replay (`attention_sweep.time_graph`, the mean of back-to-back replays), each case
 twice in turn. Before timing, each fused configuration's output is checked against the engine's path.
 
-    python benchmarks/fused_mlp_probe.py --out /tmp/fused_mlp [--rows 48,64] [--splits 2,3,4]
+    python benchmarks/fused_mlp_probe.py --out /tmp/fused_mlp [--rows 48,64] [--configs "4,4,4,1;8,2,3,2"]
+
+A configuration is split2,stages1,stages2,programs per SM[,block_n2] (two programs per SM need tilings that
+fit twice in shared memory).
 
 Prints ms per 28 layers and µs per layer (the better of the rounds) with the MLP's weight bytes per µs,
 and writes JSON to --out.
@@ -38,8 +41,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--rows", default="48,64")
-    parser.add_argument("--splits", default="2,3,4")
-    parser.add_argument("--stages", default="4", help="gate/up,down stages pairs: '4' or '4/3;3/4'")
+    parser.add_argument("--configs", default="4,4,4,1;8,4,4,1;4,4,6,1;8,4,6,1;8,2,3,2",
+                        help="split2,stages1,stages2,programs per SM[,block_n2];...")
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -48,9 +51,14 @@ def main() -> int:
     w_down = [torch.randn(HIDDEN, INTERMEDIATE, device=dev, dtype=dtype) * INTERMEDIATE**-0.5
               for _ in range(LAYERS)]
     norm_w = [1 + 0.1 * torch.randn(HIDDEN, device=dev, dtype=dtype) for _ in range(LAYERS)]
-    stage_pairs = [tuple(int(v) for v in (p.split("/") * 2)[:2]) for p in args.stages.split(";")]
-    configs = {f"fused split {s} stages {a}/{b}": FusedMlpConfig(split2=s, stages1=a, stages2=b)
-               for s in (int(v) for v in args.splits.split(",")) for a, b in stage_pairs}
+    num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    configs: dict[str, tuple[FusedMlpConfig, int]] = {}
+    for spec in args.configs.split(";"):
+        split2, stages1, stages2, per_sm, *rest = (int(v) for v in spec.split(","))
+        block_n2 = rest[0] if rest else 64
+        name = f"fused s{split2} st{stages1}/{stages2} x{per_sm} n2={block_n2}"
+        configs[name] = (FusedMlpConfig(split2=split2, stages1=stages1, stages2=stages2, block_n2=block_n2),
+                         num_sms * per_sm)
     results: dict[str, Any] = {}
     rows_out = []
     for m in (int(v) for v in args.rows.split(",")):
@@ -64,27 +72,27 @@ def main() -> int:
                 h = ops.linear(ops.linear_silu_mul(normed, w_gate_up[layer]), w_down[layer])
             return h
 
-        def fused_layers(config: FusedMlpConfig, x0: torch.Tensor = x0, residual: torch.Tensor = residual,
-                         m: int = m) -> torch.Tensor:
+        def fused_layers(config: FusedMlpConfig, programs: int, x0: torch.Tensor = x0,
+                         residual: torch.Tensor = residual, m: int = m) -> torch.Tensor:
             scratch = (torch.empty((m, INTERMEDIATE), device=dev, dtype=dtype),
                        torch.empty((config.split2, m, HIDDEN), device=dev, dtype=torch.float32))
             h, res = x0, residual.clone()
             for layer in range(LAYERS):
                 normed, res = ops.rms_norm(h, norm_w[layer], 1e-6, res)
-                h = fused_mlp(normed, w_gate_up[layer], w_down[layer], config, scratch=scratch)
+                h = fused_mlp(normed, w_gate_up[layer], w_down[layer], config, programs, scratch)
             return h
 
         # One layer's MLP against the engine's path on the same input.
         normed, _ = ops.rms_norm(x0, norm_w[0], 1e-6, residual.clone())
         want = ops.linear(ops.linear_silu_mul(normed, w_gate_up[0]), w_down[0]).float()
         cases: dict[str, Any] = {"engine (TMA gate/up + cuBLAS down)": engine_layers}
-        for name, config in configs.items():
+        for name, (config, programs) in configs.items():
             if not fits(normed, w_gate_up[0], w_down[0], config):
                 print(f"rows {m}: {name} does not fit", flush=True)
                 continue
             try:
-                got = fused_mlp(normed, w_gate_up[0], w_down[0], config).float()
-                again = fused_mlp(normed, w_gate_up[0], w_down[0], config).float()
+                got = fused_mlp(normed, w_gate_up[0], w_down[0], config, programs).float()
+                again = fused_mlp(normed, w_gate_up[0], w_down[0], config, programs).float()
             except Exception as exc:  # noqa: BLE001 (a tiling past shared memory: report, go on)
                 print(f"rows {m}: {name} failed: {type(exc).__name__}: {exc}", flush=True)
                 continue
@@ -95,7 +103,7 @@ def main() -> int:
             if err > 2e-2 or not same:
                 print(f"rows {m}: {name} skipped (wrong result)", flush=True)
                 continue
-            cases[name] = lambda config=config: fused_layers(config)
+            cases[name] = lambda config=config, programs=programs: fused_layers(config, programs)
         times: dict[str, list[float]] = {name: [] for name in cases}
         for _ in range(args.rounds):
             for name, fn in cases.items():
