@@ -52,6 +52,7 @@ class FusedMlpConfig:
     stages2: int = 4
     split2: int = 3  # ranges of the intermediate per down tile
     num_warps: int = 4
+    flat: bool = False  # one pipelined K loop over all of a program's units of a kind (_fused_mlp_flat_kernel)
 
 
 BLOCK_M = 64
@@ -71,6 +72,61 @@ def _split_of_chunk(c, num_chunks, SPLIT: tl.constexpr):
     return s
 
 
+@triton.jit
+def _store_act(acc_g, acc_u, off_n, act_ptr, range_ctr, rows64, row_ok, INTER, num_chunks2,
+               BN1: tl.constexpr, BK2: tl.constexpr, SPLIT2: tl.constexpr):
+    """A finished gate/up tile: silu(gate) * up into the intermediate, then one more tile of its range done."""
+    dtype = act_ptr.dtype.element_ty
+    # Round gate and up to the activation dtype first, as the separate matmul would store them.
+    act = silu_mul(acc_g.to(dtype).to(tl.float32), acc_u.to(dtype).to(tl.float32), dtype)
+    cols = off_n + tl.arange(0, BN1)
+    tl.store(act_ptr + rows64[:, None] * INTER + cols[None, :], act, mask=row_ok[:, None])
+    tl.debug_barrier()
+    tl.atomic_add(range_ctr + _split_of_chunk(off_n // BK2, num_chunks2, SPLIT2), 1, sem="release")
+
+
+@triton.jit
+def _wait_range(range_ctr, s, num_chunks2, BN1: tl.constexpr, BK2: tl.constexpr, SPLIT2: tl.constexpr):
+    """Spin until every gate/up tile of range s is stored."""
+    need = (_split_begin(s + 1, num_chunks2, SPLIT2) - _split_begin(s, num_chunks2, SPLIT2)) * BK2 // BN1
+    seen = tl.atomic_add(range_ctr + s, 0, sem="acquire")
+    while seen < need:
+        seen = tl.atomic_add(range_ctr + s, 0, sem="acquire")
+
+
+@triton.jit
+def _store_down(acc, s, n_tile, out_ptr, part_ptr, tile_ctr, rows64, row_ok, H, mn,
+                BN2: tl.constexpr, SPLIT2: tl.constexpr):
+    """A finished down partial (range s of output tile n_tile): stored, or, by the tile's last range to finish,
+    summed with the others in range order and rounded into the output."""
+    dtype = out_ptr.dtype.element_ty
+    cols = n_tile * BN2 + tl.arange(0, BN2)
+    tile = rows64[:, None] * H + cols[None, :]
+    if SPLIT2 == 1:
+        tl.store(out_ptr + tile, acc.to(dtype), mask=row_ok[:, None])
+    else:
+        tl.store(part_ptr + s.to(tl.int64) * mn + tile, acc, mask=row_ok[:, None])
+        tl.debug_barrier()
+        finished = tl.atomic_add(tile_ctr + n_tile, 1, sem="acq_rel")
+        if finished == SPLIT2 - 1:
+            total = tl.load(part_ptr + tile, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+            for j in tl.static_range(1, SPLIT2):
+                total += tl.load(part_ptr + j * mn + tile, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + tile, total.to(dtype), mask=row_ok[:, None])
+            tl.atomic_xchg(tile_ctr + n_tile, 0)
+
+
+@triton.jit
+def _finish(sync_ptr, done_ctr, SPLIT2: tl.constexpr):
+    """The last program out resets the range counters (every program has passed its waits by then)."""
+    tl.debug_barrier()
+    left = tl.atomic_add(done_ctr, 1, sem="acq_rel")
+    if left == tl.num_programs(0) - 1:
+        for j in tl.static_range(0, SPLIT2):
+            tl.atomic_xchg(sync_ptr + j, 0)
+        tl.atomic_xchg(done_ctr, 0)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _fused_mlp_kernel(
     x_desc, wgu_desc, wd_desc, act_ptr, part_ptr, out_ptr, sync_ptr,
@@ -79,9 +135,9 @@ def _fused_mlp_kernel(
     BN2: tl.constexpr, BK2: tl.constexpr, STAGES2: tl.constexpr, SPLIT2: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """One unit at a time: each unit's K loop is pipelined on its own."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
-    dtype = act_ptr.dtype.element_ty
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < M
     rows64 = rows.to(tl.int64)
@@ -89,11 +145,10 @@ def _fused_mlp_kernel(
     num_tiles2 = H // BN2
     num_chunks2 = INTER // BK2
     num_units = num_tiles1 + num_tiles2 * SPLIT2
-    # sync_ptr: [SPLIT2] finished gate/up tiles per range, [num_tiles2] finished splits per down tile, one
+    # sync_ptr: [SPLIT2] finished gate/up tiles per range, [num_tiles2] finished ranges per down tile, one
     # count of programs done.
     range_ctr = sync_ptr
     tile_ctr = sync_ptr + SPLIT2
-    done_ctr = sync_ptr + SPLIT2 + num_tiles2
     mn = M.to(tl.int64) * H
     pdl_wait_then_release(PDL)
     for unit in range(pid, num_units, num_programs):
@@ -107,53 +162,87 @@ def _fused_mlp_kernel(
                 bu = wgu_desc.load([INTER + off_n, k * BK1])
                 acc_g = tl.dot(a, bg.T, acc_g)
                 acc_u = tl.dot(a, bu.T, acc_u)
-            # Round gate and up to the activation dtype first, as the separate matmul would store them.
-            act = silu_mul(acc_g.to(dtype).to(tl.float32), acc_u.to(dtype).to(tl.float32), dtype)
-            cols = off_n + tl.arange(0, BN1)
-            tl.store(act_ptr + rows64[:, None] * INTER + cols[None, :], act, mask=row_ok[:, None])
-            tl.debug_barrier()
-            tl.atomic_add(range_ctr + _split_of_chunk(off_n // BK2, num_chunks2, SPLIT2), 1, sem="release")
+            _store_act(acc_g, acc_u, off_n, act_ptr, range_ctr, rows64, row_ok, INTER, num_chunks2, BN1, BK2, SPLIT2)
         else:
             down = unit - num_tiles1
             s = down // num_tiles2
             n_tile = down % num_tiles2
             c0 = _split_begin(s, num_chunks2, SPLIT2)
             c1 = _split_begin(s + 1, num_chunks2, SPLIT2)
-            need = (c1 - c0) * BK2 // BN1
-            seen = tl.atomic_add(range_ctr + s, 0, sem="acquire")
-            while seen < need:
-                seen = tl.atomic_add(range_ctr + s, 0, sem="acquire")
-            off_n = n_tile * BN2
+            _wait_range(range_ctr, s, num_chunks2, BN1, BK2, SPLIT2)
             acc = tl.zeros((BLOCK_M, BN2), dtype=tl.float32)
             offs_k = tl.arange(0, BK2)
             a_ptrs = act_ptr + rows64[:, None] * INTER + c0 * BK2 + offs_k[None, :]
             for c in tl.range(c0, c1, num_stages=STAGES2):
                 a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-                w = wd_desc.load([off_n, c * BK2])
+                w = wd_desc.load([n_tile * BN2, c * BK2])
                 acc = tl.dot(a, w.T, acc)
                 a_ptrs += BK2
-            cols = off_n + tl.arange(0, BN2)
-            tile = rows64[:, None] * H + cols[None, :]
-            if SPLIT2 == 1:
-                tl.store(out_ptr + tile, acc.to(dtype), mask=row_ok[:, None])
-            else:
-                tl.store(part_ptr + s.to(tl.int64) * mn + tile, acc, mask=row_ok[:, None])
-                tl.debug_barrier()
-                finished = tl.atomic_add(tile_ctr + n_tile, 1, sem="acq_rel")
-                if finished == SPLIT2 - 1:
-                    total = tl.load(part_ptr + tile, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-                    for j in tl.static_range(1, SPLIT2):
-                        total += tl.load(part_ptr + j * mn + tile, mask=row_ok[:, None], other=0.0,
-                                         cache_modifier=".cg")
-                    tl.store(out_ptr + tile, total.to(dtype), mask=row_ok[:, None])
-                    tl.atomic_xchg(tile_ctr + n_tile, 0)
-    # The last program out resets the range counters (every program has passed its waits by now).
-    tl.debug_barrier()
-    left = tl.atomic_add(done_ctr, 1, sem="acq_rel")
-    if left == num_programs - 1:
-        for j in tl.static_range(0, SPLIT2):
-            tl.atomic_xchg(range_ctr + j, 0)
-        tl.atomic_xchg(done_ctr, 0)
+            _store_down(acc, s, n_tile, out_ptr, part_ptr, tile_ctr, rows64, row_ok, H, mn, BN2, SPLIT2)
+    _finish(sync_ptr, sync_ptr + SPLIT2 + num_tiles2, SPLIT2)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fused_mlp_flat_kernel(
+    x_desc, wgu_desc, wd_desc, act_ptr, part_ptr, out_ptr, sync_ptr,
+    M, H, INTER,
+    BLOCK_M: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, STAGES1: tl.constexpr,
+    BN2: tl.constexpr, BK2: tl.constexpr, STAGES2: tl.constexpr, SPLIT2: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """The same units, with the K loops of all of a program's gate/up units flattened into one pipelined loop
+    and those of its down units into another (the loads of a unit's first K steps are issued while the unit
+    before it finishes). A program waits once, before its down loop, for every range its down units read.
+    Needs the ranges to hold the same number of chunks (SPLIT2 divides I // BK2)."""
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    rows64 = rows.to(tl.int64)
+    num_tiles1 = INTER // BN1
+    num_tiles2 = H // BN2
+    num_chunks2 = INTER // BK2
+    num_units = num_tiles1 + num_tiles2 * SPLIT2
+    range_ctr = sync_ptr
+    tile_ctr = sync_ptr + SPLIT2
+    mn = M.to(tl.int64) * H
+    k_steps1 = H // BK1
+    k_steps2 = num_chunks2 // SPLIT2
+    mine1 = tl.cdiv(tl.maximum(num_tiles1 - pid, 0), num_programs)  # this program's gate/up units
+    mine = tl.cdiv(tl.maximum(num_units - pid, 0), num_programs)  # all its units
+    pdl_wait_then_release(PDL)
+    acc_g = tl.zeros((BLOCK_M, BN1), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BN1), dtype=tl.float32)
+    for step in tl.range(0, mine1 * k_steps1, num_stages=STAGES1):
+        j = step // k_steps1
+        k = step % k_steps1
+        off_n = (pid + j * num_programs) * BN1
+        a = x_desc.load([0, k * BK1])
+        bg = wgu_desc.load([off_n, k * BK1])
+        bu = wgu_desc.load([INTER + off_n, k * BK1])
+        acc_g = tl.dot(a, bg.T, acc_g)
+        acc_u = tl.dot(a, bu.T, acc_u)
+        if k == k_steps1 - 1:
+            _store_act(acc_g, acc_u, off_n, act_ptr, range_ctr, rows64, row_ok, INTER, num_chunks2, BN1, BK2, SPLIT2)
+            acc_g = tl.zeros((BLOCK_M, BN1), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_M, BN1), dtype=tl.float32)
+    for j in range(mine1, mine):
+        _wait_range(range_ctr, (pid + j * num_programs - num_tiles1) // num_tiles2, num_chunks2, BN1, BK2, SPLIT2)
+    acc = tl.zeros((BLOCK_M, BN2), dtype=tl.float32)
+    offs_k = tl.arange(0, BK2)
+    for step in tl.range(0, (mine - mine1) * k_steps2, num_stages=STAGES2):
+        down = pid + (mine1 + step // k_steps2) * num_programs - num_tiles1
+        s = down // num_tiles2
+        n_tile = down % num_tiles2
+        c = s * k_steps2 + step % k_steps2
+        a = tl.load(act_ptr + rows64[:, None] * INTER + c * BK2 + offs_k[None, :], mask=row_ok[:, None], other=0.0,
+                    cache_modifier=".cg")
+        w = wd_desc.load([n_tile * BN2, c * BK2])
+        acc = tl.dot(a, w.T, acc)
+        if step % k_steps2 == k_steps2 - 1:
+            _store_down(acc, s, n_tile, out_ptr, part_ptr, tile_ctr, rows64, row_ok, H, mn, BN2, SPLIT2)
+            acc = tl.zeros((BLOCK_M, BN2), dtype=tl.float32)
+    _finish(sync_ptr, sync_ptr + SPLIT2 + num_tiles2, SPLIT2)
 
 
 def fits(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, config: FusedMlpConfig) -> bool:
@@ -173,6 +262,7 @@ def fits(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, config:
         and h % config.block_k1 == 0 and h % config.block_n2 == 0
         and i % config.block_n1 == 0 and i % config.block_k2 == 0 and config.block_k2 % config.block_n1 == 0
         and i // config.block_k2 >= config.split2
+        and (not config.flat or i // config.block_k2 % config.split2 == 0)
     )
 
 
@@ -199,7 +289,8 @@ def fused_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, co
     sync = _counters.get(x.device, config.split2 + num_tiles2 + 1)
     grid = (programs or num_programs(x.device),)
     use_pdl = triton_pdl.enabled(x.device)
-    _fused_mlp_kernel[grid](
+    kernel = _fused_mlp_flat_kernel if config.flat else _fused_mlp_kernel
+    kernel[grid](
         TensorDescriptor.from_tensor(x, [BLOCK_M, config.block_k1]),
         TensorDescriptor.from_tensor(w_gate_up, [config.block_n1, config.block_k1]),
         TensorDescriptor.from_tensor(w_down, [config.block_n2, config.block_k2]),

@@ -17,6 +17,8 @@ from kvserve.kernels import reference, triton_fused_mlp  # noqa: E402
 from kvserve.kernels.triton_fused_mlp import FusedMlpConfig, fits, fused_mlp  # noqa: E402
 
 SMALL = FusedMlpConfig(block_n1=32, block_k1=64, stages1=2, block_n2=32, block_k2=64, stages2=2, split2=3)
+# The flattened loops need ranges of equal length: I = 512 is 8 chunks of 64, in 4 ranges of 2.
+SMALL_FLAT = FusedMlpConfig(**(vars(SMALL) | {"split2": 4, "flat": True}))
 
 
 @pytest.fixture(autouse=True)
@@ -42,26 +44,28 @@ def programs(device: torch.device) -> int:
     return triton_fused_mlp.num_programs(device)
 
 
+@pytest.mark.parametrize("config", [SMALL, SMALL_FLAT], ids=["per-unit", "flat"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-# 1, 5 and 64 rows (a partial row tile and a full one); I = 512 is 8 chunks of 64, so the 3 ranges hold 2, 3
-# and 3 chunks; H = 192 is 6 down tiles.
+# 1, 5 and 64 rows (a partial row tile and a full one); I = 512 is 8 chunks of 64, so SMALL's 3 ranges hold
+# 2, 3 and 3 chunks; H = 192 is 6 down tiles.
 @pytest.mark.parametrize("m", [1, 5, 64])
-def test_matches_the_unfused_ops(dtype, m, device, skip_bf16_on_interpreter):
+def test_matches_the_unfused_ops(config, dtype, m, device, skip_bf16_on_interpreter):
     skip_bf16_on_interpreter(dtype)
     x, w_gate_up, w_down = operands(m, 192, 512, dtype, device)
-    assert fits(x, w_gate_up, w_down, SMALL)
-    out = fused_mlp(x, w_gate_up, w_down, SMALL, programs=programs(device))
+    assert fits(x, w_gate_up, w_down, config)
+    out = fused_mlp(x, w_gate_up, w_down, config, programs=programs(device))
     assert out.shape == (m, 192) and out.dtype == dtype
     tol = 2**-7 if dtype == torch.bfloat16 else 2**-10
     torch.testing.assert_close(out.float(), unfused(x, w_gate_up, w_down).float(), rtol=tol, atol=2e-3)
 
 
+@pytest.mark.parametrize("flat", [False, True], ids=["per-unit", "flat"])
 @pytest.mark.parametrize("split2", [1, 2, 8])
-def test_any_split_count_gives_the_same_result_within_rounding_and_is_repeatable(split2, device):
+def test_any_split_count_gives_the_same_result_within_rounding_and_is_repeatable(split2, flat, device):
     """One range (no partials), two, and one chunk per range; a second launch gives the same bits (the
     partials are summed in split order whichever program comes last) and the counters are zero afterwards."""
     x, w_gate_up, w_down = operands(7, 128, 512, torch.float16, device, seed=1)
-    config = FusedMlpConfig(**(vars(SMALL) | {"split2": split2}))
+    config = FusedMlpConfig(**(vars(SMALL) | {"split2": split2, "flat": flat}))
     first = fused_mlp(x, w_gate_up, w_down, config, programs=programs(device))
     second = fused_mlp(x, w_gate_up, w_down, config, programs=programs(device))
     assert torch.equal(first, second)
@@ -80,6 +84,8 @@ def test_contract(device):
     assert not fits(*narrow, SMALL)  # H = 96: not a multiple of block_k1
     assert not fits(x, w_gate_up, w_down, FusedMlpConfig(**(vars(SMALL) | {"split2": 5})))  # 4 chunks < 5
     assert not fits(x.t().contiguous().t(), w_gate_up, w_down, SMALL)  # x not contiguous
+    assert fits(x, w_gate_up, w_down, SMALL_FLAT)
+    assert not fits(x, w_gate_up, w_down, FusedMlpConfig(**(vars(SMALL_FLAT) | {"split2": 3})))  # 4 chunks in 3
 
 
 def test_compiles_for_hopper_at_the_qwen_shape(device, hopper_compiler):
@@ -90,12 +96,13 @@ def test_compiles_for_hopper_at_the_qwen_shape(device, hopper_compiler):
     x = torch.zeros(64, hidden, dtype=torch.bfloat16, device=device)
     w_gate_up = torch.zeros(2 * intermediate, hidden, dtype=torch.bfloat16, device=device)
     w_down = torch.zeros(hidden, intermediate, dtype=torch.bfloat16, device=device)
-    for split2 in (2, 3, 4):
-        config = FusedMlpConfig(split2=split2)
+    for split2, flat in ((2, False), (3, False), (4, False), (4, True)):
+        config = FusedMlpConfig(split2=split2, flat=flat)
         assert fits(x, w_gate_up, w_down, config)
-        hopper_compiler.record(triton_fused_mlp, ["_fused_mlp_kernel"],
+        kernel = "_fused_mlp_flat_kernel" if flat else "_fused_mlp_kernel"
+        hopper_compiler.record(triton_fused_mlp, [kernel],
                                lambda config=config: fused_mlp(x, w_gate_up, w_down, config, programs=132))
     results = hopper_compiler.compile_all()
-    assert len(results) == 3
+    assert len(results) == 4
     for result in results:
         assert result["shared_bytes"] <= 227 * 1024, result
