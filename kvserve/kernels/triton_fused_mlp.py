@@ -30,6 +30,7 @@ again between launches (one buffer per device, launches do not overlap: kvserve 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -73,15 +74,28 @@ def _split_of_chunk(c, num_chunks, SPLIT: tl.constexpr):
 
 
 @triton.jit
+def _block_barrier(ASM: tl.constexpr):
+    """bar.sync for the whole program. `tl.debug_barrier()` emits the same, but Triton's software pipeliner
+    does not pipeline a loop that holds one (the flat kernel's loops then ran unpipelined, 3x slower on the
+    H200), so compiled kernels issue it as inline assembly (a scalar operand: every thread runs it once). The
+    interpreter, which has no inline assembly and runs programs one after another, takes debug_barrier."""
+    if ASM:
+        tl.inline_asm_elementwise("bar.sync 0;\n\tmov.u32 $0, 0;", "=r,r", [tl.program_id(0)], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+    else:
+        tl.debug_barrier()
+
+
+@triton.jit
 def _store_act(acc_g, acc_u, off_n, act_ptr, range_ctr, rows64, row_ok, INTER, num_chunks2,
-               BN1: tl.constexpr, BK2: tl.constexpr, SPLIT2: tl.constexpr):
+               BN1: tl.constexpr, BK2: tl.constexpr, SPLIT2: tl.constexpr, ASM: tl.constexpr):
     """A finished gate/up tile: silu(gate) * up into the intermediate, then one more tile of its range done."""
     dtype = act_ptr.dtype.element_ty
     # Round gate and up to the activation dtype first, as the separate matmul would store them.
     act = silu_mul(acc_g.to(dtype).to(tl.float32), acc_u.to(dtype).to(tl.float32), dtype)
     cols = off_n + tl.arange(0, BN1)
     tl.store(act_ptr + rows64[:, None] * INTER + cols[None, :], act, mask=row_ok[:, None])
-    tl.debug_barrier()
+    _block_barrier(ASM)
     tl.atomic_add(range_ctr + _split_of_chunk(off_n // BK2, num_chunks2, SPLIT2), 1, sem="release")
 
 
@@ -96,7 +110,7 @@ def _wait_range(range_ctr, s, num_chunks2, BN1: tl.constexpr, BK2: tl.constexpr,
 
 @triton.jit
 def _store_down(acc, s, n_tile, out_ptr, part_ptr, tile_ctr, rows64, row_ok, H, mn,
-                BN2: tl.constexpr, SPLIT2: tl.constexpr):
+                BN2: tl.constexpr, SPLIT2: tl.constexpr, ASM: tl.constexpr):
     """A finished down partial (range s of output tile n_tile): stored, or, by the tile's last range to finish,
     summed with the others in range order and rounded into the output."""
     dtype = out_ptr.dtype.element_ty
@@ -106,7 +120,7 @@ def _store_down(acc, s, n_tile, out_ptr, part_ptr, tile_ctr, rows64, row_ok, H, 
         tl.store(out_ptr + tile, acc.to(dtype), mask=row_ok[:, None])
     else:
         tl.store(part_ptr + s.to(tl.int64) * mn + tile, acc, mask=row_ok[:, None])
-        tl.debug_barrier()
+        _block_barrier(ASM)
         finished = tl.atomic_add(tile_ctr + n_tile, 1, sem="acq_rel")
         if finished == SPLIT2 - 1:
             total = tl.load(part_ptr + tile, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
@@ -133,7 +147,7 @@ def _fused_mlp_kernel(
     M, H, INTER,
     BLOCK_M: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, STAGES1: tl.constexpr,
     BN2: tl.constexpr, BK2: tl.constexpr, STAGES2: tl.constexpr, SPLIT2: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, ASM: tl.constexpr,
 ):
     """One unit at a time: each unit's K loop is pipelined on its own."""
     pid = tl.program_id(0)
@@ -162,7 +176,8 @@ def _fused_mlp_kernel(
                 bu = wgu_desc.load([INTER + off_n, k * BK1])
                 acc_g = tl.dot(a, bg.T, acc_g)
                 acc_u = tl.dot(a, bu.T, acc_u)
-            _store_act(acc_g, acc_u, off_n, act_ptr, range_ctr, rows64, row_ok, INTER, num_chunks2, BN1, BK2, SPLIT2)
+            _store_act(acc_g, acc_u, off_n, act_ptr, range_ctr, rows64, row_ok, INTER, num_chunks2, BN1, BK2, SPLIT2,
+                       ASM)
         else:
             down = unit - num_tiles1
             s = down // num_tiles2
@@ -178,7 +193,7 @@ def _fused_mlp_kernel(
                 w = wd_desc.load([n_tile * BN2, c * BK2])
                 acc = tl.dot(a, w.T, acc)
                 a_ptrs += BK2
-            _store_down(acc, s, n_tile, out_ptr, part_ptr, tile_ctr, rows64, row_ok, H, mn, BN2, SPLIT2)
+            _store_down(acc, s, n_tile, out_ptr, part_ptr, tile_ctr, rows64, row_ok, H, mn, BN2, SPLIT2, ASM)
     _finish(sync_ptr, sync_ptr + SPLIT2 + num_tiles2, SPLIT2)
 
 
@@ -188,7 +203,7 @@ def _fused_mlp_flat_kernel(
     M, H, INTER,
     BLOCK_M: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, STAGES1: tl.constexpr,
     BN2: tl.constexpr, BK2: tl.constexpr, STAGES2: tl.constexpr, SPLIT2: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, ASM: tl.constexpr,
 ):
     """The same units, with the K loops of all of a program's gate/up units flattened into one pipelined loop
     and those of its down units into another (the loads of a unit's first K steps are issued while the unit
@@ -223,7 +238,8 @@ def _fused_mlp_flat_kernel(
         acc_g = tl.dot(a, bg.T, acc_g)
         acc_u = tl.dot(a, bu.T, acc_u)
         if k == k_steps1 - 1:
-            _store_act(acc_g, acc_u, off_n, act_ptr, range_ctr, rows64, row_ok, INTER, num_chunks2, BN1, BK2, SPLIT2)
+            _store_act(acc_g, acc_u, off_n, act_ptr, range_ctr, rows64, row_ok, INTER, num_chunks2, BN1, BK2, SPLIT2,
+                       ASM)
             acc_g = tl.zeros((BLOCK_M, BN1), dtype=tl.float32)
             acc_u = tl.zeros((BLOCK_M, BN1), dtype=tl.float32)
     for j in range(mine1, mine):
@@ -240,7 +256,7 @@ def _fused_mlp_flat_kernel(
         w = wd_desc.load([n_tile * BN2, c * BK2])
         acc = tl.dot(a, w.T, acc)
         if step % k_steps2 == k_steps2 - 1:
-            _store_down(acc, s, n_tile, out_ptr, part_ptr, tile_ctr, rows64, row_ok, H, mn, BN2, SPLIT2)
+            _store_down(acc, s, n_tile, out_ptr, part_ptr, tile_ctr, rows64, row_ok, H, mn, BN2, SPLIT2, ASM)
             acc = tl.zeros((BLOCK_M, BN2), dtype=tl.float32)
     _finish(sync_ptr, sync_ptr + SPLIT2 + num_tiles2, SPLIT2)
 
@@ -271,6 +287,12 @@ def num_programs(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
+def compiled_for(device: torch.device) -> bool:
+    """Whether launches on `device` run compiled (else under the interpreter, which runs on the CPU and has no
+    inline assembly)."""
+    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
 def fused_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, config: FusedMlpConfig,
               programs: int | None = None, scratch: tuple[torch.Tensor, torch.Tensor] | None = None
               ) -> torch.Tensor:
@@ -297,6 +319,7 @@ def fused_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, co
         act, partials, out, sync, m, h, i,
         BLOCK_M=BLOCK_M, BN1=config.block_n1, BK1=config.block_k1, STAGES1=config.stages1,
         BN2=config.block_n2, BK2=config.block_k2, STAGES2=config.stages2, SPLIT2=config.split2,
-        PDL=use_pdl, num_warps=config.num_warps, **triton_pdl.launch_options(use_pdl),
+        PDL=use_pdl, ASM=compiled_for(x.device), num_warps=config.num_warps,
+        **triton_pdl.launch_options(use_pdl),
     )
     return out

@@ -88,10 +88,13 @@ def test_contract(device):
     assert not fits(x, w_gate_up, w_down, FusedMlpConfig(**(vars(SMALL_FLAT) | {"split2": 3})))  # 4 chunks in 3
 
 
-def test_compiles_for_hopper_at_the_qwen_shape(device, hopper_compiler):
+def test_compiles_for_hopper_at_the_qwen_shape(device, hopper_compiler, monkeypatch):
     """The default tiling and the probe's split counts at the Qwen2.5-7B MLP shape compile for sm_90 within its
-    shared memory (the two pipelined loops' buffers share it), with and without programmatic dependent launch
-    (the interpreter checks neither layouts nor shared memory)."""
+    shared memory, with and without programmatic dependent launch (the interpreter checks neither layouts nor
+    shared memory), as compiled on a GPU (the block barrier as inline assembly). The gate/up loop's 4 stages of
+    x, gate and up tiles (48 KiB each) are in the shared memory of both kernels: their loops are pipelined (a
+    `tl.debug_barrier` inside the flat kernel's loops kept them to single buffers, 49,160 bytes)."""
+    monkeypatch.setattr(triton_fused_mlp, "compiled_for", lambda device: True)
     hidden, intermediate = 3584, 18944
     x = torch.zeros(64, hidden, dtype=torch.bfloat16, device=device)
     w_gate_up = torch.zeros(2 * intermediate, hidden, dtype=torch.bfloat16, device=device)
@@ -105,4 +108,4 @@ def test_compiles_for_hopper_at_the_qwen_shape(device, hopper_compiler):
     results = hopper_compiler.compile_all()
     assert len(results) == 4
     for result in results:
-        assert result["shared_bytes"] <= 227 * 1024, result
+        assert 4 * 48 * 1024 <= result["shared_bytes"] <= 227 * 1024, result
