@@ -10,7 +10,8 @@ twice in turn. Before timing, each fused configuration's output is checked again
     python benchmarks/fused_mlp_probe.py --out /tmp/fused_mlp [--rows 48,64] [--configs "4,4,4,1;8,2,3,2"]
 
 A configuration is split2,stages1,stages2,programs per SM[,block_n2[,flat]] (two programs per SM need
-tilings that fit twice in shared memory; flat 1: the kernel with one pipelined loop per kind of unit).
+tilings that fit twice in shared memory; flat 1: the kernel with one pipelined loop per kind of unit, 2: a
+flat gate/up loop and down units one at a time).
 
 Prints ms per 28 layers and µs per layer (the better of the rounds) with the MLP's weight bytes per µs,
 and writes JSON to --out.
@@ -56,9 +57,9 @@ def main() -> int:
     for spec in args.configs.split(";"):
         split2, stages1, stages2, per_sm, *rest = (int(v) for v in spec.split(","))
         block_n2, flat = (rest + [64, 0][len(rest):])[:2]
-        name = f"fused{' flat' if flat else ''} s{split2} st{stages1}/{stages2} x{per_sm} n2={block_n2}"
+        name = f"fused{['', ' flat', ' hybrid'][flat]} s{split2} st{stages1}/{stages2} x{per_sm} n2={block_n2}"
         configs[name] = (FusedMlpConfig(split2=split2, stages1=stages1, stages2=stages2, block_n2=block_n2,
-                                        flat=bool(flat)), num_sms * per_sm)
+                                        flat=flat > 0, flat_down=flat == 1), num_sms * per_sm)
     results: dict[str, Any] = {}
     rows_out = []
     for m in (int(v) for v in args.rows.split(",")):

@@ -390,7 +390,7 @@ print('alone', t._backend_after('alone')); print('kvserve-first', t._backend_aft
     fmlp18) timeout 240 python3 -m pytest -q -rA -s -p no:cacheprovider tests/kernels/test_triton_fused_mlp.py \
           > "$R/pytest_fmlp.log" 2>&1
         timeout 300 python3 benchmarks/fused_mlp_probe.py --out "$R/fmlp18" --rows 48,64 \
-          --configs "4,4,4,1;4,4,4,1,64,1;4,4,6,1,64,1;4,3,3,1,64,1;2,4,4,1,64,1;4,4,4,1,32,1;4,2,3,2,64,1;4,2,2,2,64,1" > "$R/fmlp18.log" 2>&1 ;;
+          --configs "4,4,4,1;4,4,4,1,64,2;3,4,4,1,64,2;2,4,4,1,64,2;4,4,6,1,64,2;5,4,4,1,64,2" > "$R/fmlp18.log" 2>&1 ;;
     early17) # ran at c7828f3 (--no-decode-early-tile is gone since its revert)
         timeout 200 python3 -m pytest -q -rA -s -p no:cacheprovider tests/gpu -k "attention or graph" \
           > "$R/pytest_early.log" 2>&1

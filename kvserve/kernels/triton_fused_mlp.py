@@ -53,7 +53,8 @@ class FusedMlpConfig:
     stages2: int = 4
     split2: int = 3  # ranges of the intermediate per down tile
     num_warps: int = 4
-    flat: bool = False  # one pipelined K loop over all of a program's units of a kind (_fused_mlp_flat_kernel)
+    flat: bool = False  # one pipelined K loop over all of a program's gate/up units (_fused_mlp_flat_kernel)
+    flat_down: bool = True  # with flat: one for its down units too (else one down unit at a time)
 
 
 BLOCK_M = 64
@@ -131,6 +132,27 @@ def _store_down(acc, s, n_tile, out_ptr, part_ptr, tile_ctr, rows64, row_ok, H, 
 
 
 @triton.jit
+def _down_unit(down, act_ptr, wd_desc, part_ptr, out_ptr, range_ctr, tile_ctr, rows64, row_ok, H, INTER, mn,
+               num_tiles2, num_chunks2, BLOCK_M: tl.constexpr, BN1: tl.constexpr, BN2: tl.constexpr,
+               BK2: tl.constexpr, STAGES2: tl.constexpr, SPLIT2: tl.constexpr, ASM: tl.constexpr):
+    """Down unit `down` (range-major): wait for its range, then its own pipelined K loop and epilogue."""
+    s = down // num_tiles2
+    n_tile = down % num_tiles2
+    c0 = _split_begin(s, num_chunks2, SPLIT2)
+    c1 = _split_begin(s + 1, num_chunks2, SPLIT2)
+    _wait_range(range_ctr, s, num_chunks2, BN1, BK2, SPLIT2)
+    acc = tl.zeros((BLOCK_M, BN2), dtype=tl.float32)
+    offs_k = tl.arange(0, BK2)
+    a_ptrs = act_ptr + rows64[:, None] * INTER + c0 * BK2 + offs_k[None, :]
+    for c in tl.range(c0, c1, num_stages=STAGES2):
+        a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+        w = wd_desc.load([n_tile * BN2, c * BK2])
+        acc = tl.dot(a, w.T, acc)
+        a_ptrs += BK2
+    _store_down(acc, s, n_tile, out_ptr, part_ptr, tile_ctr, rows64, row_ok, H, mn, BN2, SPLIT2, ASM)
+
+
+@triton.jit
 def _finish(sync_ptr, done_ctr, SPLIT2: tl.constexpr):
     """The last program out resets the range counters (every program has passed its waits by then)."""
     tl.debug_barrier()
@@ -179,21 +201,8 @@ def _fused_mlp_kernel(
             _store_act(acc_g, acc_u, off_n, act_ptr, range_ctr, rows64, row_ok, INTER, num_chunks2, BN1, BK2, SPLIT2,
                        ASM)
         else:
-            down = unit - num_tiles1
-            s = down // num_tiles2
-            n_tile = down % num_tiles2
-            c0 = _split_begin(s, num_chunks2, SPLIT2)
-            c1 = _split_begin(s + 1, num_chunks2, SPLIT2)
-            _wait_range(range_ctr, s, num_chunks2, BN1, BK2, SPLIT2)
-            acc = tl.zeros((BLOCK_M, BN2), dtype=tl.float32)
-            offs_k = tl.arange(0, BK2)
-            a_ptrs = act_ptr + rows64[:, None] * INTER + c0 * BK2 + offs_k[None, :]
-            for c in tl.range(c0, c1, num_stages=STAGES2):
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-                w = wd_desc.load([n_tile * BN2, c * BK2])
-                acc = tl.dot(a, w.T, acc)
-                a_ptrs += BK2
-            _store_down(acc, s, n_tile, out_ptr, part_ptr, tile_ctr, rows64, row_ok, H, mn, BN2, SPLIT2, ASM)
+            _down_unit(unit - num_tiles1, act_ptr, wd_desc, part_ptr, out_ptr, range_ctr, tile_ctr, rows64, row_ok,
+                       H, INTER, mn, num_tiles2, num_chunks2, BLOCK_M, BN1, BN2, BK2, STAGES2, SPLIT2, ASM)
     _finish(sync_ptr, sync_ptr + SPLIT2 + num_tiles2, SPLIT2)
 
 
@@ -203,12 +212,13 @@ def _fused_mlp_flat_kernel(
     M, H, INTER,
     BLOCK_M: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, STAGES1: tl.constexpr,
     BN2: tl.constexpr, BK2: tl.constexpr, STAGES2: tl.constexpr, SPLIT2: tl.constexpr,
-    PDL: tl.constexpr, ASM: tl.constexpr,
+    PDL: tl.constexpr, ASM: tl.constexpr, FLAT2: tl.constexpr,
 ):
     """The same units, with the K loops of all of a program's gate/up units flattened into one pipelined loop
-    and those of its down units into another (the loads of a unit's first K steps are issued while the unit
-    before it finishes). A program waits once, before its down loop, for every range its down units read.
-    Needs the ranges to hold the same number of chunks (SPLIT2 divides I // BK2)."""
+    (the loads of a unit's first K steps are issued while the unit before it finishes), and with FLAT2 those of
+    its down units into another, before which the program waits once for every range its down units read
+    (FLAT2 needs ranges of equal length: SPLIT2 divides I // BK2). Without FLAT2 the down units run one at a
+    time as in `_fused_mlp_kernel`, each waiting for its own range."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     rows = tl.arange(0, BLOCK_M)
@@ -242,22 +252,29 @@ def _fused_mlp_flat_kernel(
                        ASM)
             acc_g = tl.zeros((BLOCK_M, BN1), dtype=tl.float32)
             acc_u = tl.zeros((BLOCK_M, BN1), dtype=tl.float32)
-    for j in range(mine1, mine):
-        _wait_range(range_ctr, (pid + j * num_programs - num_tiles1) // num_tiles2, num_chunks2, BN1, BK2, SPLIT2)
-    acc = tl.zeros((BLOCK_M, BN2), dtype=tl.float32)
-    offs_k = tl.arange(0, BK2)
-    for step in tl.range(0, (mine - mine1) * k_steps2, num_stages=STAGES2):
-        down = pid + (mine1 + step // k_steps2) * num_programs - num_tiles1
-        s = down // num_tiles2
-        n_tile = down % num_tiles2
-        c = s * k_steps2 + step % k_steps2
-        a = tl.load(act_ptr + rows64[:, None] * INTER + c * BK2 + offs_k[None, :], mask=row_ok[:, None], other=0.0,
-                    cache_modifier=".cg")
-        w = wd_desc.load([n_tile * BN2, c * BK2])
-        acc = tl.dot(a, w.T, acc)
-        if step % k_steps2 == k_steps2 - 1:
-            _store_down(acc, s, n_tile, out_ptr, part_ptr, tile_ctr, rows64, row_ok, H, mn, BN2, SPLIT2, ASM)
-            acc = tl.zeros((BLOCK_M, BN2), dtype=tl.float32)
+    if FLAT2:
+        for j in range(mine1, mine):
+            _wait_range(range_ctr, (pid + j * num_programs - num_tiles1) // num_tiles2, num_chunks2, BN1, BK2,
+                        SPLIT2)
+        acc = tl.zeros((BLOCK_M, BN2), dtype=tl.float32)
+        offs_k = tl.arange(0, BK2)
+        for step in tl.range(0, (mine - mine1) * k_steps2, num_stages=STAGES2):
+            down = pid + (mine1 + step // k_steps2) * num_programs - num_tiles1
+            s = down // num_tiles2
+            n_tile = down % num_tiles2
+            c = s * k_steps2 + step % k_steps2
+            a = tl.load(act_ptr + rows64[:, None] * INTER + c * BK2 + offs_k[None, :], mask=row_ok[:, None],
+                        other=0.0, cache_modifier=".cg")
+            w = wd_desc.load([n_tile * BN2, c * BK2])
+            acc = tl.dot(a, w.T, acc)
+            if step % k_steps2 == k_steps2 - 1:
+                _store_down(acc, s, n_tile, out_ptr, part_ptr, tile_ctr, rows64, row_ok, H, mn, BN2, SPLIT2, ASM)
+                acc = tl.zeros((BLOCK_M, BN2), dtype=tl.float32)
+    else:
+        for j in range(mine1, mine):
+            _down_unit(pid + j * num_programs - num_tiles1, act_ptr, wd_desc, part_ptr, out_ptr, range_ctr, tile_ctr,
+                       rows64, row_ok, H, INTER, mn, num_tiles2, num_chunks2, BLOCK_M, BN1, BN2, BK2, STAGES2, SPLIT2,
+                       ASM)
     _finish(sync_ptr, sync_ptr + SPLIT2 + num_tiles2, SPLIT2)
 
 
@@ -278,7 +295,7 @@ def fits(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, config:
         and h % config.block_k1 == 0 and h % config.block_n2 == 0
         and i % config.block_n1 == 0 and i % config.block_k2 == 0 and config.block_k2 % config.block_n1 == 0
         and i // config.block_k2 >= config.split2
-        and (not config.flat or i // config.block_k2 % config.split2 == 0)
+        and (not (config.flat and config.flat_down) or i // config.block_k2 % config.split2 == 0)
     )
 
 
@@ -311,7 +328,7 @@ def fused_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, co
     sync = _counters.get(x.device, config.split2 + num_tiles2 + 1)
     grid = (programs or num_programs(x.device),)
     use_pdl = triton_pdl.enabled(x.device)
-    kernel = _fused_mlp_flat_kernel if config.flat else _fused_mlp_kernel
+    kernel, extra = (_fused_mlp_flat_kernel, {"FLAT2": config.flat_down}) if config.flat else (_fused_mlp_kernel, {})
     kernel[grid](
         TensorDescriptor.from_tensor(x, [BLOCK_M, config.block_k1]),
         TensorDescriptor.from_tensor(w_gate_up, [config.block_n1, config.block_k1]),
@@ -319,7 +336,7 @@ def fused_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, co
         act, partials, out, sync, m, h, i,
         BLOCK_M=BLOCK_M, BN1=config.block_n1, BK1=config.block_k1, STAGES1=config.stages1,
         BN2=config.block_n2, BK2=config.block_k2, STAGES2=config.stages2, SPLIT2=config.split2,
-        PDL=use_pdl, ASM=compiled_for(x.device), num_warps=config.num_warps,
+        PDL=use_pdl, ASM=compiled_for(x.device), num_warps=config.num_warps, **extra,
         **triton_pdl.launch_options(use_pdl),
     )
     return out

@@ -19,6 +19,8 @@ from kvserve.kernels.triton_fused_mlp import FusedMlpConfig, fits, fused_mlp  # 
 SMALL = FusedMlpConfig(block_n1=32, block_k1=64, stages1=2, block_n2=32, block_k2=64, stages2=2, split2=3)
 # The flattened loops need ranges of equal length: I = 512 is 8 chunks of 64, in 4 ranges of 2.
 SMALL_FLAT = FusedMlpConfig(**(vars(SMALL) | {"split2": 4, "flat": True}))
+# Flat gate/up loop, down units one at a time: any ranges.
+SMALL_HYBRID = FusedMlpConfig(**(vars(SMALL) | {"flat": True, "flat_down": False}))
 
 
 @pytest.fixture(autouse=True)
@@ -44,7 +46,7 @@ def programs(device: torch.device) -> int:
     return triton_fused_mlp.num_programs(device)
 
 
-@pytest.mark.parametrize("config", [SMALL, SMALL_FLAT], ids=["per-unit", "flat"])
+@pytest.mark.parametrize("config", [SMALL, SMALL_FLAT, SMALL_HYBRID], ids=["per-unit", "flat", "hybrid"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 # 1, 5 and 64 rows (a partial row tile and a full one); I = 512 is 8 chunks of 64, so SMALL's 3 ranges hold
 # 2, 3 and 3 chunks; H = 192 is 6 down tiles.
@@ -59,13 +61,14 @@ def test_matches_the_unfused_ops(config, dtype, m, device, skip_bf16_on_interpre
     torch.testing.assert_close(out.float(), unfused(x, w_gate_up, w_down).float(), rtol=tol, atol=2e-3)
 
 
-@pytest.mark.parametrize("flat", [False, True], ids=["per-unit", "flat"])
+@pytest.mark.parametrize("flat,flat_down", [(False, True), (True, True), (True, False)],
+                         ids=["per-unit", "flat", "hybrid"])
 @pytest.mark.parametrize("split2", [1, 2, 8])
-def test_any_split_count_gives_the_same_result_within_rounding_and_is_repeatable(split2, flat, device):
+def test_any_split_count_gives_the_same_result_within_rounding_and_is_repeatable(split2, flat, flat_down, device):
     """One range (no partials), two, and one chunk per range; a second launch gives the same bits (the
     partials are summed in split order whichever program comes last) and the counters are zero afterwards."""
     x, w_gate_up, w_down = operands(7, 128, 512, torch.float16, device, seed=1)
-    config = FusedMlpConfig(**(vars(SMALL) | {"split2": split2, "flat": flat}))
+    config = FusedMlpConfig(**(vars(SMALL) | {"split2": split2, "flat": flat, "flat_down": flat_down}))
     first = fused_mlp(x, w_gate_up, w_down, config, programs=programs(device))
     second = fused_mlp(x, w_gate_up, w_down, config, programs=programs(device))
     assert torch.equal(first, second)
@@ -86,6 +89,7 @@ def test_contract(device):
     assert not fits(x.t().contiguous().t(), w_gate_up, w_down, SMALL)  # x not contiguous
     assert fits(x, w_gate_up, w_down, SMALL_FLAT)
     assert not fits(x, w_gate_up, w_down, FusedMlpConfig(**(vars(SMALL_FLAT) | {"split2": 3})))  # 4 chunks in 3
+    assert fits(x, w_gate_up, w_down, FusedMlpConfig(**(vars(SMALL_HYBRID) | {"split2": 3})))
 
 
 def test_compiles_for_hopper_at_the_qwen_shape(device, hopper_compiler, monkeypatch):
@@ -99,13 +103,14 @@ def test_compiles_for_hopper_at_the_qwen_shape(device, hopper_compiler, monkeypa
     x = torch.zeros(64, hidden, dtype=torch.bfloat16, device=device)
     w_gate_up = torch.zeros(2 * intermediate, hidden, dtype=torch.bfloat16, device=device)
     w_down = torch.zeros(hidden, intermediate, dtype=torch.bfloat16, device=device)
-    for split2, flat in ((2, False), (3, False), (4, False), (4, True)):
-        config = FusedMlpConfig(split2=split2, flat=flat)
+    for split2, flat, flat_down in ((2, False, True), (3, False, True), (4, False, True), (4, True, True),
+                                    (3, True, False)):
+        config = FusedMlpConfig(split2=split2, flat=flat, flat_down=flat_down)
         assert fits(x, w_gate_up, w_down, config)
         kernel = "_fused_mlp_flat_kernel" if flat else "_fused_mlp_kernel"
         hopper_compiler.record(triton_fused_mlp, [kernel],
                                lambda config=config: fused_mlp(x, w_gate_up, w_down, config, programs=132))
     results = hopper_compiler.compile_all()
-    assert len(results) == 4
+    assert len(results) == 5
     for result in results:
         assert 4 * 48 * 1024 <= result["shared_bytes"] <= 227 * 1024, result
