@@ -387,7 +387,8 @@ print('alone', t._backend_after('alone')); print('kvserve-first', t._backend_aft
             $flags >> "$R/gateab.log" 2>&1
           echo "mode $mode done" >> "$R/gateab.log"
         done ;;
-    fmlp18) # ran at d9fb0bb, e5422f1, 3d152b5, b87f5e0, 036fd4c with --configs of its session-18 calls 1-5 (removed since)
+    fmlp18) # ran at d9fb0bb (session 18 call 1, as --splits 2,3,4 --stages "4/4;4/3"), then e5422f1, 3d152b5, b87f5e0
+        # and 036fd4c (calls 2-5, each with its own --configs: see the logs); the probe and kernel are removed since
         timeout 240 python3 -m pytest -q -rA -s -p no:cacheprovider tests/kernels/test_triton_fused_mlp.py \
           > "$R/pytest_fmlp.log" 2>&1
         timeout 300 python3 benchmarks/fused_mlp_probe.py --out "$R/fmlp18" --rows 48,64 \
