@@ -1039,6 +1039,9 @@ def main() -> int:
     p.add_argument("--prefill-copy-always", action="store_true",
                    help="with --no-prefill-qkv-padding: copy q/k/v for cuDNN even when already in its layout "
                    "(the code before the padded launch, for A/B)")
+    p.add_argument("--last-layer-pruning", action=argparse.BooleanOptionalAction, default=True,
+                   help="steps that sample some rows only: the last layer past its cache write on those rows alone "
+                   "(off: every row, then select)")
     p.add_argument("--qkv-rope-fusion", action=argparse.BooleanOptionalAction, default=True,
                    help="small batches: rotary embedding and cache write in the q/k/v matmul's epilogue")
     p.add_argument("--skinny-max-rows", type=int, default=None, help="override ops.SKINNY_GEMM_MAX_ROWS")
@@ -1087,6 +1090,9 @@ def main() -> int:
 
         ops._pad_tokens = _copy_always
     ops.set_decode_gate_up_tma(args.decode_gate_up_tma)
+    from kvserve.model import llama
+
+    llama.set_last_layer_pruning(args.last_layer_pruning)
     ops.set_qkv_rope_fusion(args.qkv_rope_fusion)
     if args.skinny_max_rows is not None:
         ops.SKINNY_GEMM_MAX_ROWS = args.skinny_max_rows

@@ -41,6 +41,17 @@ _STACKED_PARAMS: tuple[tuple[str, str, Hashable], ...] = (
 # Checkpoint entries that are not parameters (old HF checkpoints saved the RoPE buffer).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
+# A step that needs the final states of some rows only (the tokens that sample: a prefill's last token)
+# runs the last layer past its cache write on those rows alone (docs/perf_notes.md entry 37).
+_prune_last_layer = True
+
+
+def set_last_layer_pruning(enabled: bool) -> None:
+    """Compute only the asked rows past the last layer's cache write (default), or every row and then
+    select them (for measuring what the pruning gains; the same contract either way)."""
+    global _prune_last_layer
+    _prune_last_layer = enabled
+
 
 class LlamaAttention(nn.Module):
     def __init__(self, arch: ArchConfig, rotary_emb: RotaryEmbedding, dtype: torch.dtype) -> None:
@@ -64,7 +75,11 @@ class LlamaAttention(nn.Module):
         hidden: torch.Tensor,
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
+        output_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """Writes this step's K/V into kv_cache and returns the attention block's output [num_tokens,
+        hidden]; with output_rows (int64 indices), only those rows' output (the o_proj runs on them alone),
+        and None for no rows (the cache write is all that is left to do)."""
         num_tokens = hidden.shape[0]
         qkv_proj = self.qkv_proj
         rotated = None
@@ -89,8 +104,12 @@ class LlamaAttention(nn.Module):
                 )
             else:
                 q, k = self.rotary_emb.forward_and_cache(positions, q, k, v, kv_cache, attn_metadata.slot_mapping)
-        out = self.attn(q, k, v, kv_cache, attn_metadata)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        if output_rows is not None and output_rows.shape[0] == 0:
+            return None
+        out = self.attn(q, k, v, kv_cache, attn_metadata).reshape(num_tokens, self.num_heads * self.head_dim)
+        if output_rows is not None:
+            out = out.index_select(0, output_rows)
+        return self.o_proj(out)
 
 
 class LlamaMLP(nn.Module):
@@ -123,14 +142,22 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        output_rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Returns (this layer's MLP output, residual stream before it); their sum is the layer output.
 
         Deferring the residual add into the next norm is exact: HF adds `residual + hidden` in the model
         dtype too, and the fused norm does the same add before normalising.
+        output_rows (int64 indices; the last layer of a step that needs only some rows' final states):
+        every row's K/V still go into the cache, but everything past attention runs on those rows alone,
+        and both results hold only them; None for no rows.
         """
         normed, residual = self.input_layernorm(hidden, residual)
-        attn_out = self.self_attn(positions, normed, kv_cache, attn_metadata)
+        attn_out = self.self_attn(positions, normed, kv_cache, attn_metadata, output_rows)
+        if attn_out is None:
+            return None
+        if output_rows is not None:
+            residual = residual.index_select(0, output_rows)
         normed, residual = self.post_attention_layernorm(attn_out, residual)
         return self.mlp(normed), residual
 
@@ -157,11 +184,18 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if output_rows is not None and not _prune_last_layer:
+            return self.forward(input_ids, positions, kv_caches, attn_metadata).index_select(0, output_rows)
         hidden = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            out = layer(positions, hidden, residual, kv_cache, attn_metadata, output_rows if i == last else None)
+            if out is None:  # no rows asked for: the last layer's cache write was the rest of the step
+                return hidden.new_empty((0, hidden.shape[1]))
+            hidden, residual = out
         return self.norm(hidden, residual)[0]
 
 
@@ -183,8 +217,9 @@ class LlamaForCausalLM(CausalLM):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+        return self.model(input_ids, positions, kv_caches, attn_metadata, output_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -35,12 +35,16 @@ class CausalLM(nn.Module, ABC):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One step over a flat batch.
 
         input_ids, positions: int64 [num_tokens]; kv_caches: one tensor per layer shaped
         [2, num_blocks, block_size, num_kv_heads, head_dim] in the model dtype (this step's K/V are written
-        into it); returns the final hidden states [num_tokens, hidden_size] in the model dtype.
+        into it); returns the final hidden states [num_tokens, hidden_size] in the model dtype. With
+        output_rows (int64 [n] token indices on the model's device), only those rows' states [n,
+        hidden_size], in that order: the model may then skip the work no other row needs (the last layer
+        past its cache write); the cache is written for every token either way.
         """
 
     @abstractmethod

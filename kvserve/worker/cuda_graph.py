@@ -279,7 +279,9 @@ class CUDAGraphRunner:
                 query_start_loc_cpu=[0, num_tokens],
                 seq_lens_cpu=[num_tokens],
             )
-        return self.model(b["input_ids"][:num_tokens], b["positions"][:num_tokens], self.kv_caches, metadata)
+        # Returns the row of `logits_indices[0]` alone (the request's last real token, as `prepare` sets it).
+        return self.model(b["input_ids"][:num_tokens], b["positions"][:num_tokens], self.kv_caches, metadata,
+                          b["logits_indices"][:1])
 
     def _for_each_variant(self, run: Callable[[tuple[int, bool], bool, Callable[[], torch.Tensor]], None]) -> None:
         """Set the buffers to a padding-only batch (writes nothing, reads only cache block 0) and call
@@ -291,6 +293,7 @@ class CUDAGraphRunner:
         b["input_ids"][:tokens].zero_()
         b["positions"][:tokens].zero_()
         b["slot_mapping"][:tokens].fill_(-1)
+        b["logits_indices"][:1].zero_()  # the prefill graphs' output row
         self.block_tables[: max(largest, 2)].zero_()  # (a cache graph's padding request reads row 1)
         device = b["input_ids"].device
         starts = {n: torch.tensor([0, n], dtype=torch.int32, device=device) for n in self.prefill_sizes}
@@ -399,7 +402,8 @@ class CUDAGraphRunner:
     def replay_prefill(self, num_tokens: int, cache: bool) -> torch.Tensor:
         """Run the prefill graph of `num_tokens` (a captured size; `cache`: the cache graph) over the current
         buffers, filled by `InputBuffers.prepare(..., prefill_pad_to=num_tokens, pad_as_request=cache)`.
-        Returns its hidden states [num_tokens, hidden_size] (valid until the next replay)."""
+        Returns the final hidden state of the request's last real token [1, hidden_size] (the row
+        `logits_indices[0]` names; valid until the next replay)."""
         graph, out = self._prefill_graphs[(num_tokens, cache)]
         graph.replay()
         self.prefill_replays[cache] += 1

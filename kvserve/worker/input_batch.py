@@ -332,6 +332,9 @@ class InputBuffers:
                     f"{num_tokens} tokens; buffers hold {self.max_num_tokens} tokens, {self.max_num_reqs} requests)"
                 )
             padded_tokens = prefill_pad_to
+            # The graph computes the row of logits_indices[0] whether or not the step samples: the real
+            # last token (a stale index from another step could lie past this one's tokens).
+            h["logits_indices"][0] = num_tokens - 1
             h["input_ids"][num_tokens:padded_tokens] = 0
             h["positions"][num_tokens:padded_tokens] = 0
             h["slot_mapping"][num_tokens:padded_tokens] = -1
@@ -361,7 +364,7 @@ class InputBuffers:
             ("query_start_loc", n_reqs + 1),
             ("seq_lens", n_reqs),
             ("rows", n_reqs),
-            ("logits_indices", num_sampled),
+            ("logits_indices", max(num_sampled, 1) if padded_tokens is not None else num_sampled),
         ):
             dev[name][:length].copy_(self._host[name][:length], non_blocking=True)
         if prefix_len:

@@ -631,18 +631,22 @@ class ModelRunner:
             pad_as_request=prefill_key is not None and prefill_key[1],
             cascade_pad_to=cascade_pad_to,
         )
+        # Rows whose final states the step needs, when not every row: the model computes only those past the
+        # last layer's cache write (a prefill's other tokens need their K/V, nothing more).
         if batch.padded_num_reqs is not None and graphs is not None and graphs.has(
             batch.padded_num_reqs, batch.cascade
         ):
             hidden = graphs.replay(batch.padded_num_reqs, batch.cascade)
+            sample_hidden = hidden[:num_reqs] if batch.all_rows_sample else hidden[batch.logits_indices]
         elif prefill_key is not None and graphs is not None:
-            hidden = graphs.replay_prefill(*prefill_key)
+            sample_hidden = graphs.replay_prefill(*prefill_key)  # the last token's row only
         else:
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)
+            rows = None if batch.all_rows_sample else batch.logits_indices
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata, rows)
+            sample_hidden = hidden[:num_reqs] if rows is None else hidden
         if not batch.sampled_req_ids:
             self._prev_sampled = None
             return PendingOutput.empty()
-        sample_hidden = hidden[:num_reqs] if batch.all_rows_sample else hidden[batch.logits_indices]
         logits = self.model.compute_logits(sample_hidden)
         states = [self.requests[req_id] for req_id in batch.sampled_req_ids]
         rows = [

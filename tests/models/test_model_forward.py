@@ -14,10 +14,11 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import RequestSlice, make_kv_caches, run_model
+from helpers import RequestSlice, make_attn_metadata, make_kv_caches, run_model
 from helpers.tiny_models import write_gguf
 
 from kvserve.config import ModelConfig
+from kvserve.model import llama
 from kvserve.model.arch import load_arch_config
 from kvserve.model.loader import load_model
 from kvserve.model.registry import CausalLM
@@ -143,6 +144,48 @@ def test_decode_mixed_with_prefill_matches_hf(
     )
     torch.testing.assert_close(decode[0], _hf_logits(hf, prompt_ids)[-1], atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(prefill, _hf_logits(hf, other_ids), atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3"])
+def test_output_rows_compute_only_those_rows(
+    variant: str, tiny_pair: Callable, prompt_ids: list[int], other_ids: list[int]
+) -> None:
+    """A step that asks for some rows' final states (the tokens that sample) returns those rows, in the
+    order asked, equal to the full forward's and to HF's, and writes the same KV cache bit for bit (the last
+    layer prunes only after its cache write); no rows: an empty result and the same cache."""
+    ours, hf = tiny_pair(variant)
+    requests = [RequestSlice((6, 1), 0, len(prompt_ids)), RequestSlice((10,), 0, len(other_ids))]
+    input_ids = torch.tensor(prompt_ids + other_ids)
+    positions = torch.tensor([*range(len(prompt_ids)), *range(len(other_ids))])
+    metadata = make_attn_metadata(requests, BLOCK_SIZE)
+
+    def forward(rows: list[int] | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        caches = make_kv_caches(ours.arch, NUM_BLOCKS, BLOCK_SIZE)
+        index = None if rows is None else torch.tensor(rows, dtype=torch.int64)
+        with torch.inference_mode():
+            return ours(input_ids, positions, caches, metadata, index), caches
+
+    full, full_caches = forward(None)
+    rows = [len(input_ids) - 1, len(prompt_ids) - 1, 3]  # the two requests' last tokens (out of order), one more
+    some, some_caches = forward(rows)
+    assert some.shape == (len(rows), full.shape[1])
+    torch.testing.assert_close(some, full[rows], atol=ATOL, rtol=RTOL)
+    logits = ours.compute_logits(some)
+    torch.testing.assert_close(logits[1], _hf_logits(hf, prompt_ids)[-1], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(logits[0], _hf_logits(hf, other_ids)[-1], atol=ATOL, rtol=RTOL)
+    none, none_caches = forward([])
+    assert none.shape == (0, full.shape[1])
+    for caches in (some_caches, none_caches):
+        for got, want in zip(caches, full_caches, strict=True):
+            assert torch.equal(got, want)
+    assert full_caches[-1].abs().sum() > 0  # the last layer's K/V were written
+    llama.set_last_layer_pruning(False)  # the A/B switch: every row computed, then the asked ones selected
+    try:
+        unpruned, unpruned_caches = forward(rows)
+    finally:
+        llama.set_last_layer_pruning(True)
+    assert torch.equal(unpruned, full[rows])
+    assert all(torch.equal(got, want) for got, want in zip(unpruned_caches, full_caches, strict=True))
 
 
 # ------------------------------------------------------------------------------------------------ GGUF

@@ -304,8 +304,11 @@ def test_prefill_padding_keeps_placeholders_and_unsampled_chunks() -> None:
     # a chunk that does not reach the request's last token samples nothing
     chunk = SchedulerOutput(scheduled=[_sched("b", [1, 2, 3], 0, [4], reset=True, sample=False)])
     table.apply(chunk)
+    buffers.dev["logits_indices"].fill_(15)  # a stale index past this step's tokens
     batch = buffers.prepare(chunk, table, prefill_pad_to=8)
     assert batch.sampled_req_ids == [] and batch.logits_indices.numel() == 0
+    # the prefill graph still computes the row logits_indices[0] names: the chunk's last token, not a stale one
+    assert buffers.dev["logits_indices"][0].item() == 2
 
 
 @pytest.mark.parametrize("case", ["two requests", "decode", "too few", "past the buffers"])

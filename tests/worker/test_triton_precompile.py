@@ -186,14 +186,16 @@ def test_nothing_applies_under_the_interpreter(runtime: SimpleNamespace, monkeyp
 class RecordingModel:
     def __init__(self) -> None:
         self.calls: list[tuple[int, int, int, list[int], list[int]]] = []
+        self.output_rows: list[list[int] | None] = []
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                 metadata: AttentionMetadata) -> torch.Tensor:
+                 metadata: AttentionMetadata, output_rows: torch.Tensor | None = None) -> torch.Tensor:
         slots = metadata.slot_mapping
         assert bool((slots == -1).all()), "a graph's forward must write nothing to the cache"
         self.calls.append((input_ids.shape[0], metadata.max_query_len, metadata.common_prefix_len,
                            list(metadata.query_start_loc_cpu), list(metadata.seq_lens_cpu)))
-        return torch.zeros(input_ids.shape[0], 4)
+        self.output_rows.append(None if output_rows is None else output_rows.tolist())
+        return torch.zeros(input_ids.shape[0] if output_rows is None else output_rows.shape[0], 4)
 
 
 def _runner(model: Callable[..., torch.Tensor], sizes: list[int], prefill: list[int], cache: list[int],
@@ -201,7 +203,8 @@ def _runner(model: Callable[..., torch.Tensor], sizes: list[int], prefill: list[
     n = 512
     buffers = {name: torch.zeros(n, dtype=torch.int64) for name in ("input_ids", "positions", "slot_mapping")}
     buffers |= {"query_start_loc": torch.zeros(n + 1, dtype=torch.int32), "seq_lens": torch.zeros(n, dtype=torch.int32),
-                "common_prefix_len": torch.zeros(1, dtype=torch.int32)}
+                "common_prefix_len": torch.zeros(1, dtype=torch.int32),
+                "logits_indices": torch.full((n,), 7, dtype=torch.int64)}
     return CUDAGraphRunner(model, [], buffers, torch.zeros(n, 8, dtype=torch.int32), sizes, 1024,  # type: ignore[arg-type]
                            cascade_min_size=cascade_min, prefill_sizes=prefill, cache_prefill_sizes=cache)
 
@@ -220,6 +223,8 @@ def test_run_eagerly_runs_every_graph_forward_that_capture_captures() -> None:
     assert model.calls[1][1:] == (128, 0, [0, 127, 128], [128, 0])  # the cache graph: a request, then padding
     assert [c[2] for c in model.calls[3:]] == [1, 0, 1, 0, 0, 0, 0]  # cascade variants select the cascade kernels
     assert all(c[1] == 1 and c[4] == [1024] * c[0] for c in model.calls[3:])  # decode at max_model_len
+    # The prefill graphs return one row (the one logits_indices[0] names: 0 while capturing); decode, every row.
+    assert model.output_rows == [[0]] * 3 + [None] * 7
 
 
 def test_engine_reports_its_own_late_variants_only(
