@@ -641,9 +641,9 @@ class ModelRunner:
         elif prefill_key is not None and graphs is not None:
             sample_hidden = graphs.replay_prefill(*prefill_key)  # the last token's row only
         else:
-            rows = None if batch.all_rows_sample else batch.logits_indices
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata, rows)
-            sample_hidden = hidden[:num_reqs] if rows is None else hidden
+            output_rows = None if batch.all_rows_sample else batch.logits_indices
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata, output_rows)
+            sample_hidden = hidden[:num_reqs] if output_rows is None else hidden
         if not batch.sampled_req_ids:
             self._prev_sampled = None
             return PendingOutput.empty()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from kvserve import LLM, SamplingParams
+from kvserve.model import llama
 
 SYSTEM = (
     "You are a careful assistant. Answer briefly and precisely, and say when you are unsure. "
@@ -70,6 +71,30 @@ def test_greedy_output_unchanged_under_preemption(
     stats = llm.engine.last_stats
     assert stats is not None and stats.num_preemptions > 0, "the pool was meant to force preemption"
     assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_last_layer_pruning_keeps_greedy_output(
+    reference_tokens: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps with prefill tokens hand the model the rows they sample (it computes only those past the last
+    layer's cache write); decode steps, where every row samples, hand it none. Computing every row and
+    selecting afterwards gives the same greedy tokens."""
+    llm = LLM(max_model_len=512, enable_prefix_caching=False)
+    model = llm.engine.core.runner.model
+    forward = model.forward
+    asked: list[tuple[int, int | None]] = []  # (tokens in the step, rows asked for or None)
+
+    def recording(input_ids, positions, kv_caches, attn_metadata, output_rows=None):  # noqa: ANN001, ANN202
+        asked.append((input_ids.shape[0], None if output_rows is None else output_rows.shape[0]))
+        return forward(input_ids, positions, kv_caches, attn_metadata, output_rows)
+
+    monkeypatch.setattr(model, "forward", recording)
+    assert _tokens(llm) == reference_tokens
+    prefill_steps = [(n, rows) for n, rows in asked if rows is not None]
+    assert prefill_steps and all(rows < n for n, rows in prefill_steps)
+    assert any(rows is None for _, rows in asked)  # the decode steps
+    monkeypatch.setattr(llama, "_prune_last_layer", False)
+    assert _tokens(llm) == reference_tokens
 
 
 def test_prefix_cache_hits_reported(default_llm: LLM) -> None:
