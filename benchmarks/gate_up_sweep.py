@@ -14,6 +14,7 @@ FLOPs / time), best first.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -65,6 +66,7 @@ def main() -> int:
     parser.add_argument("--tilings", default=";".join(",".join(map(str, t)) for t in TILINGS),
                         help="block_m,block_n,block_k,stages,warps;...")
     parser.add_argument("--group-ms", default="8")
+    parser.add_argument("--warp-specialize", default="off", help="off and/or on: the TMA loader's warp-specialised K loop")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--sustained-s", type=float, default=0.0,
                         help="also time each case replayed back to back for this long (the GPU then runs at its "
@@ -88,9 +90,12 @@ def main() -> int:
                  time_graph(lambda x=x: ops.silu_and_mul(torch.nn.functional.linear(x, weight)), args.reps), 0.0)]
         for loader in args.loaders.split(","):
             for group_m in [int(v) for v in args.group_ms.split(",")]:
-                for bm, bn, bk, stages, warps in tilings:
-                    config = GateUpConfig(bm, bn, bk, stages, warps, group_m, use_tma=loader == "tma")
-                    name = f"{loader} {bm}x{bn}x{bk} s{stages} w{warps} g{group_m}"
+                for (bm, bn, bk, stages, warps), ws in itertools.product(tilings, args.warp_specialize.split(",")):
+                    if ws == "on" and loader != "tma":
+                        continue
+                    config = GateUpConfig(bm, bn, bk, stages, warps, group_m, use_tma=loader == "tma",
+                                          warp_specialize=ws == "on")
+                    name = f"{loader} {bm}x{bn}x{bk} s{stages} w{warps} g{group_m}" + (" ws" if ws == "on" else "")
                     try:
                         started = time.perf_counter()
                         got = gate_up_silu(x, weight, config)
