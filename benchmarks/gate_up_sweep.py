@@ -14,7 +14,6 @@ FLOPs / time), best first.
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 import time
 from pathlib import Path
@@ -34,6 +33,14 @@ ROWS = [512, 1024, 2048, 4096, 8192]
 # (block_m, block_n, block_k, stages, warps)
 TILINGS = [(128, 128, 64, 3, 8), (128, 128, 64, 4, 8), (128, 64, 64, 4, 4), (128, 64, 64, 5, 4),
            (64, 128, 64, 4, 4), (128, 128, 128, 2, 8), (256, 64, 64, 3, 8), (128, 64, 128, 3, 4)]
+
+
+def matches(got: torch.Tensor, want: torch.Tensor, rel: float = 0.02) -> tuple[bool, float, float]:
+    """(whether got is within rel of want's largest magnitude everywhere, the largest |got - want|, the
+    largest |want|), in float32. A NaN in got fails: the error is then NaN, and no comparison holds for it."""
+    err = (got.float() - want.float()).abs().max().item()
+    scale = want.float().abs().max().item()
+    return err <= rel * scale, err, scale
 
 
 def sustained(fn: object, seconds: float, energy: GpuEnergy) -> tuple[float, float | None, int | None]:
@@ -66,7 +73,6 @@ def main() -> int:
     parser.add_argument("--tilings", default=";".join(",".join(map(str, t)) for t in TILINGS),
                         help="block_m,block_n,block_k,stages,warps;...")
     parser.add_argument("--group-ms", default="8")
-    parser.add_argument("--warp-specialize", default="off", help="off and/or on: the TMA loader's warp-specialised K loop")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--sustained-s", type=float, default=0.0,
                         help="also time each case replayed back to back for this long (the GPU then runs at its "
@@ -90,12 +96,9 @@ def main() -> int:
                  time_graph(lambda x=x: ops.silu_and_mul(torch.nn.functional.linear(x, weight)), args.reps), 0.0)]
         for loader in args.loaders.split(","):
             for group_m in [int(v) for v in args.group_ms.split(",")]:
-                for (bm, bn, bk, stages, warps), ws in itertools.product(tilings, args.warp_specialize.split(",")):
-                    if ws == "on" and loader != "tma":
-                        continue
-                    config = GateUpConfig(bm, bn, bk, stages, warps, group_m, use_tma=loader == "tma",
-                                          warp_specialize=ws == "on")
-                    name = f"{loader} {bm}x{bn}x{bk} s{stages} w{warps} g{group_m}" + (" ws" if ws == "on" else "")
+                for bm, bn, bk, stages, warps in tilings:
+                    config = GateUpConfig(bm, bn, bk, stages, warps, group_m, use_tma=loader == "tma")
+                    name = f"{loader} {bm}x{bn}x{bk} s{stages} w{warps} g{group_m}"
                     try:
                         started = time.perf_counter()
                         got = gate_up_silu(x, weight, config)
@@ -104,9 +107,8 @@ def main() -> int:
                     except Exception as exc:  # noqa: BLE001 (a tiling past the GPU's resources)
                         print(f"  {m} {name}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
                         continue
-                    err = (got.float() - want.float()).abs().max().item()
-                    scale = want.float().abs().max().item()
-                    if err > 0.02 * scale:
+                    ok, err, scale = matches(got, want)
+                    if not ok:
                         print(f"  {m} {name}: mismatch {err:.3g} (scale {scale:.3g})", flush=True)
                         continue
                     ms = time_graph(lambda x=x, c=config: gate_up_silu(x, weight, c), args.reps)

@@ -405,7 +405,8 @@ print('alone', t._backend_after('alone')); print('kvserve-first', t._backend_aft
             --decode-batches 1,8,64 --decode-contexts 1024 --decode-steps 30 $flags >> "$R/dec19.log" 2>&1
           echo "mode $mode done" >> "$R/dec19.log"
         done ;;
-    ws19) timeout 300 python3 benchmarks/gate_up_sweep.py --out "$R/ws19" --rows 48,64,128 --loaders tma \
+    ws19) # ran at 6ade294 (session 19 call 9); GateUpConfig.warp_specialize and --warp-specialize were removed after it
+        timeout 300 python3 benchmarks/gate_up_sweep.py --out "$R/ws19" --rows 48,64,128 --loaders tma \
           --tilings "64,64,128,4,4;64,64,128,3,4;64,128,64,4,4;128,64,64,4,4" --warp-specialize off,on \
           > "$R/ws19.log" 2>&1 ;;
     fmlp18) # ran at d9fb0bb (session 18 call 1, as --splits 2,3,4 --stages "4/4;4/3"), then e5422f1, 3d152b5, b87f5e0

@@ -38,9 +38,6 @@ class GateUpConfig:
     num_warps: int = 8
     group_m: int = 8
     use_tma: bool = False
-    # TMA loader only: Triton's warp-specialised K loop (producer warps issue the loads; on sm_90 with Triton
-    # 3.6+). Off in the engine's tilings; benchmarks/gate_up_sweep.py measures it.
-    warp_specialize: bool = False
 
 
 @triton.jit
@@ -109,14 +106,14 @@ def _gate_up_silu_kernel(
 def _gate_up_silu_tma_kernel(
     x_desc, w_desc, out_ptr, M, K, D, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False,
+    GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     pid_m, pid_n = _tile_ids(M, D, BLOCK_M, BLOCK_N, GROUP_M)
     off_m = pid_m * BLOCK_M
     off_n = pid_n * BLOCK_N
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=NUM_STAGES, warp_specialize=WARP_SPECIALIZE):
+    for k in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=NUM_STAGES):
         off_k = k * BLOCK_K
         a = x_desc.load([off_m, off_k])
         bg = w_desc.load([off_n, off_k])
@@ -169,8 +166,8 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: GateUpConfig,
         _gate_up_silu_tma_kernel[grid](
             x_desc, w_desc, out, m, k, d, out.stride(0),
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            GROUP_M=config.group_m, NUM_STAGES=config.num_stages, WARP_SPECIALIZE=config.warp_specialize,
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            GROUP_M=config.group_m, NUM_STAGES=config.num_stages, num_warps=config.num_warps,
+            num_stages=config.num_stages,
         )
     else:
         _gate_up_silu_kernel[grid](

@@ -34,18 +34,3 @@ def test_tprofile_windows_and_hostprof_cases(tmp_path: Path) -> None:
     assert sorted(hostprof) == ["b2x64", "b3x40"]
     assert all(case["wall"] > 0 and "schedule" in case for case in hostprof.values())
 
-
-def test_kernel_time_counts_each_kernel_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kprofile total sums kernels and copies only: the profiler also gives aten ops and the driver's launch
-    calls device time of the kernels under them."""
-    from types import SimpleNamespace
-
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
-    import engine_benchmarks
-
-    def event(key: str, us: float) -> SimpleNamespace:
-        return SimpleNamespace(key=key, self_device_time_total=us)
-
-    events = [event("aten::mm", 900.0), event("nvjet_sm90_tst_320x128", 900.0), event("cuLaunchKernelEx", 40.0),
-              event("cudaLaunchKernel", 5.0), event("_rms_norm_kernel", 30.0), event("Memset (Device)", 2.0)]
-    assert engine_benchmarks._kernel_us(events) == 932.0

@@ -20,7 +20,6 @@ SMALL = dict(block_m=32, block_n=32, block_k=32, num_stages=2, num_warps=4, grou
 CONFIGS = {
     "pointers": GateUpConfig(**SMALL),
     "tma": GateUpConfig(**SMALL, use_tma=True),
-    "tma-warp-specialized": GateUpConfig(**SMALL, use_tma=True, warp_specialize=True),
     "pointers-group1": GateUpConfig(**(SMALL | {"group_m": 1})),
 }
 

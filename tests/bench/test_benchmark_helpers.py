@@ -1,0 +1,42 @@
+"""Helpers of the GPU benchmark scripts that decide what a run reports, checked on the CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_kernel_time_counts_each_kernel_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kprofile total sums kernels and copies only: the profiler also gives aten ops and the driver's launch
+    calls device time of the kernels under them."""
+    from types import SimpleNamespace
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import engine_benchmarks
+
+    def event(key: str, us: float) -> SimpleNamespace:
+        return SimpleNamespace(key=key, self_device_time_total=us)
+
+    events = [event("aten::mm", 900.0), event("nvjet_sm90_tst_320x128", 900.0), event("cuLaunchKernelEx", 40.0),
+              event("cudaLaunchKernel", 5.0), event("_rms_norm_kernel", 30.0), event("Memset (Device)", 2.0)]
+    assert engine_benchmarks._kernel_us(events) == 932.0
+
+
+def test_gate_up_sweep_rejects_a_nan_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiling whose output holds a NaN is a mismatch, not a timed candidate (session 19: the warp-specialised
+    loop gave NaN and `err > tol` let it through)."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import gate_up_sweep
+
+    want = torch.tensor([[1.0, -2.0], [0.5, 4.0]])
+    assert gate_up_sweep.matches(want + 0.01, want)[0]
+    assert not gate_up_sweep.matches(want + 0.5, want)[0]
+    got = want.clone()
+    got[1, 0] = float("nan")
+    ok, err, _ = gate_up_sweep.matches(got, want)
+    assert not ok and err != err
