@@ -951,15 +951,16 @@ def _gpu_timeline(prof: Any, num_steps: int) -> dict[str, Any]:
             "gaps": lines}
 
 
+# Profiler rows that carry the device time of kernels listed on their own as well.
+_LAUNCH_ROWS = ("aten::", "cuLaunchKernel", "cudaLaunchKernel")
+
+
 def _kernel_us(events: list[Any]) -> float:
     """Device time of the kernels and copies alone: torch.profiler also gives an aten op (aten::mm, cuDNN
     attention, ...) the device time of the kernel it launched, which a plain sum would count twice, and at
     times a launch call of the driver API (cuLaunchKernelEx, which every kernel of an 8k prefill went
     through in session 19's profiles) part of its kernels' time too."""
     return sum(_self_device_us(e) for e in events if not e.key.startswith(_LAUNCH_ROWS))
-
-
-_LAUNCH_ROWS = ("aten::", "cuLaunchKernel", "cudaLaunchKernel")
 
 
 def _use_divisor_split_rule() -> None:
