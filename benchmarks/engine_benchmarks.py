@@ -112,6 +112,8 @@ class Bench:
         if self.driver is None:
             self.core, start_s = make_engine(self.model_dir, self.args.device, **self.engine_kwargs())
             self.driver = Driver(self.core)
+            if self.args.sync_debug and self.args.device.startswith("cuda"):
+                _watch_syncs()  # after start-up, whose syncs are deliberate
             graphs = self.core.runner.graphs
             self.results["start"] = {"start_s": start_s, "phases_s": dict(self.core.startup_phases),
                                      "num_blocks": self.core.capacity.num_blocks,
@@ -963,6 +965,38 @@ def _kernel_us(events: list[Any]) -> float:
     return sum(_self_device_us(e) for e in events if not e.key.startswith(_LAUNCH_ROWS))
 
 
+# Host syncs torch reported while --sync-debug was on: (the innermost kvserve frame, torch's message) -> count.
+_SYNCS: dict[tuple[str, str], int] = {}
+
+
+def _watch_syncs() -> None:
+    """Count every synchronizing torch call from now on (torch.cuda.set_sync_debug_mode("warn")) by the
+    innermost kvserve or benchmark frame that made it. Diagnostic only: the warnings slow the host. Event
+    waits (the step's one planned wait) are not reported by torch's mode, so what is listed are the others."""
+    import traceback
+    import warnings
+
+    if torch.cuda.get_sync_debug_mode() != 0:
+        return
+    here = str(Path(__file__).resolve().parents[1])
+    shown = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        text = str(message)
+        if "synchroniz" not in text:
+            shown(message, category, filename, lineno, file, line)
+            return
+        frames = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(here)
+                  and not f.filename.endswith("engine_benchmarks.py")]
+        where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno} {frames[-1].name}" if frames else "?"
+        key = (where, text.split(".")[0][:60])
+        _SYNCS[key] = _SYNCS.get(key, 0) + 1
+
+    warnings.showwarning = record
+    warnings.simplefilter("always", UserWarning)
+    torch.cuda.set_sync_debug_mode("warn")
+
+
 def _use_divisor_split_rule() -> None:
     """The skinny matmul's split-K rule before the eighth session, for A/B runs: the fewest splits that
     divide K's chunks and give 1.5 programs per SM (4 for qkv, o_proj and down on the H200)."""
@@ -1066,6 +1100,9 @@ def main() -> int:
                    "many splits merges in its last program (0: always a reduce launch)")
     p.add_argument("--gemm-tuning", action=argparse.BooleanOptionalAction, default=None,
                    help="override KVSERVE_GEMM_TUNING: time cuBLASLt's candidates for the model's matmuls at start")
+    p.add_argument("--sync-debug", action="store_true",
+                   help="count the synchronizing torch calls after start-up by call site (slows the host: "
+                   "diagnostic runs only)")
     p.add_argument("--sdpa-cudnn-min-tokens", type=int, default=None,
                    help="override ops.SDPA_CUDNN_MIN_TOKENS: one-prompt prefills this long use cuDNN attention "
                    "(0: never; default: 1024 on sm_90+)")
@@ -1147,6 +1184,13 @@ def main() -> int:
         bench.results["start"]["serving_late_variants"] = list(late)
         bench.rows.append(("Triton variants loaded by steps", f"{len(late)}", ", ".join(sorted(set(late)))
                            or "none since start"))
+    if args.sync_debug:
+        bench.results["syncs"] = [{"where": w, "what": m, "count": c} for (w, m), c in
+                                  sorted(_SYNCS.items(), key=lambda kv: -kv[1])]
+        for (where, what), count in sorted(_SYNCS.items(), key=lambda kv: -kv[1]):
+            bench.rows.append(("host sync (count)", f"{count}", f"{where}: {what}"))
+        if not _SYNCS:
+            bench.rows.append(("host sync (count)", "0", "torch reported none after start-up"))
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     for name, value in bench.results.items():
         write_result(args.out, f"engine_{name}", settings, value, args.device)
