@@ -341,15 +341,25 @@ class Bench:
             elif step in windows:
                 sync(self.args.device)
                 state["batches"] = []
-                # CPU activity only where there is no GPU (a dry run of the section on CPU).
+                # CPU activity only where there is no GPU (a dry run of the section on CPU), or asked for
+                # (--tprofile-host: the gaps then name the host functions running when each began).
                 cuda = str(self.args.device).startswith("cuda")
-                prof = profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
+                activities = [ProfilerActivity.CUDA] if cuda else []
+                if not cuda or self.args.tprofile_host:
+                    activities.append(ProfilerActivity.CPU)
+                prof = profile(activities=activities)
                 prof.start()
                 state["prof"], state["t0"] = prof, time.perf_counter()
 
+        memory_before = _allocator_counts(self.args.device)
         stats = d.run(prompts, outs, on_step=on_step)
+        memory_after = _allocator_counts(self.args.device)
         if state["prof"] is not None:
             state["prof"].stop()
+        if memory_before:
+            changes = {k: memory_after[k] - v for k, v in memory_before.items()}
+            self.rows.append(("tprofile allocator events during the run", f"{sum(changes.values())}",
+                              ", ".join(f"{k} {v}" for k, v in changes.items())))
         out = []
         for w in done:
             prof, n = w["prof"], len(w["batches"])
@@ -913,6 +923,16 @@ def _labelled_phases(core: Any) -> contextlib.AbstractContextManager[None]:
     return _around_methods(targets, labelled)
 
 
+def _allocator_counts(device: str) -> dict[str, int]:
+    """The CUDA caching allocator's counters whose change marks a host stall: retries after a failed
+    allocation (each frees the cache, synchronizing the device), and device allocations and frees."""
+    if not device.startswith("cuda"):
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {k: int(stats.get(k, 0)) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free",
+                                             "num_sync_all_streams")}
+
+
 def _gpu_timeline(prof: Any, num_steps: int) -> dict[str, Any]:
     """From a profiler run over `num_steps` steps: the GPU's busy time (the union of kernel and copy
     intervals, so PDL overlaps count once) against the span from the first to the last one, and the largest
@@ -1053,6 +1073,8 @@ def main() -> int:
     p.add_argument("--tprofile-windows", type=lambda v: [int(x) for x in v.split(",") if x],
                    default=[100, 400, 800], help="tprofile section: the steps where profiled windows start")
     p.add_argument("--tprofile-steps", type=int, default=20, help="tprofile section: steps per window")
+    p.add_argument("--tprofile-host", action="store_true",
+                   help="tprofile section: record host activity too (slower host; names the host work at each GPU gap)")
     p.add_argument("--hostprof-cases", type=lambda v: [tuple(int(y) for y in x.split("x")) for x in v.split(",") if x],
                    default=[(1, 1024), (64, 1024), (64, 4096)],
                    help="hostprof section: BATCHxCONTEXT cases (default 1x1024,64x1024,64x4096)")
@@ -1082,6 +1104,9 @@ def main() -> int:
     p.add_argument("--last-layer-pruning", action=argparse.BooleanOptionalAction, default=True,
                    help="steps that sample some rows only: the last layer past its cache write on those rows alone "
                    "(off: every row, then select)")
+    p.add_argument("--split-attention", action=argparse.BooleanOptionalAction, default=True,
+                   help="large mixed steps: attention as one launch per run of decode rows, fresh prompts and other "
+                   "chunks (off: one mixed launch)")
     p.add_argument("--qkv-rope-fusion", action=argparse.BooleanOptionalAction, default=True,
                    help="small batches: rotary embedding and cache write in the q/k/v matmul's epilogue")
     p.add_argument("--skinny-max-rows", type=int, default=None, help="override ops.SKINNY_GEMM_MAX_ROWS")
@@ -1137,6 +1162,7 @@ def main() -> int:
 
     llama.set_last_layer_pruning(args.last_layer_pruning)
     ops.set_qkv_rope_fusion(args.qkv_rope_fusion)
+    ops.set_split_attention(args.split_attention)
     if args.skinny_max_rows is not None:
         ops.SKINNY_GEMM_MAX_ROWS = args.skinny_max_rows
     if args.skinny_split_rule == "divisor":
