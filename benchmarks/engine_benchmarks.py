@@ -1104,9 +1104,6 @@ def main() -> int:
     p.add_argument("--last-layer-pruning", action=argparse.BooleanOptionalAction, default=True,
                    help="steps that sample some rows only: the last layer past its cache write on those rows alone "
                    "(off: every row, then select)")
-    p.add_argument("--split-attention", action=argparse.BooleanOptionalAction, default=True,
-                   help="large mixed steps: attention as one launch per run of decode rows, fresh prompts and other "
-                   "chunks (off: one mixed launch)")
     p.add_argument("--qkv-rope-fusion", action=argparse.BooleanOptionalAction, default=True,
                    help="small batches: rotary embedding and cache write in the q/k/v matmul's epilogue")
     p.add_argument("--skinny-max-rows", type=int, default=None, help="override ops.SKINNY_GEMM_MAX_ROWS")
@@ -1162,7 +1159,6 @@ def main() -> int:
 
     llama.set_last_layer_pruning(args.last_layer_pruning)
     ops.set_qkv_rope_fusion(args.qkv_rope_fusion)
-    ops.set_split_attention(args.split_attention)
     if args.skinny_max_rows is not None:
         ops.SKINNY_GEMM_MAX_ROWS = args.skinny_max_rows
     if args.skinny_split_rule == "divisor":

@@ -387,7 +387,8 @@ print('alone', t._backend_after('alone')); print('kvserve-first', t._backend_aft
             $flags >> "$R/gateab.log" 2>&1
           echo "mode $mode done" >> "$R/gateab.log"
         done ;;
-    split20) for mode in new old new old; do
+    split20) # ran at 642b9ec (session 20 call 2); ops.split_attention and --split-attention were removed after it
+        for mode in new old new old; do
           flags=""; [ $mode = old ] && flags="--no-split-attention"
           timeout 100 python3 benchmarks/engine_benchmarks.py --out "$R/split20_$mode" --sections start,seeds,random256 \
             $flags >> "$R/split20.log" 2>&1
@@ -395,7 +396,7 @@ print('alone', t._backend_after('alone')); print('kvserve-first', t._backend_aft
         done
         timeout 150 python3 benchmarks/engine_benchmarks.py --out "$R/tprofh20" --sections tprofile --tprofile-windows 1 \
           --tprofile-steps 20 --tprofile-host > "$R/tprofh20.log" 2>&1 ;;
-    pytest20) timeout 400 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "split or logprobs or graph or switches" \
+    pytest20) timeout 400 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "logprobs or graph or switches" \
           > "$R/pytest20.log" 2>&1 ;;
     diag20) timeout 150 python3 benchmarks/engine_benchmarks.py --out "$R/sync20" --sections start,seeds,random256 \
           --sync-debug > "$R/sync20.log" 2>&1

@@ -18,7 +18,6 @@ Signatures are exactly the reference's (see each function there for the contract
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 from collections.abc import Callable
@@ -617,145 +616,6 @@ def _flash_prefill(
     return out[0]
 
 
-# A mixed step (several requests, some with prefill tokens) of at least this many tokens runs its attention
-# as one launch per run of alike requests instead of one launch for all (`split_attention`). Below it the step
-# is host-bound on the H200 and each extra launch adds host time.
-SPLIT_ATTENTION_MIN_TOKENS = 512
-# At most this many runs (launches a layer); a batch whose kinds alternate more runs as one launch.
-SPLIT_ATTENTION_MAX_RUNS = 4
-_split_attention_enabled = True
-
-
-def set_split_attention(enabled: bool) -> None:
-    global _split_attention_enabled
-    _split_attention_enabled = enabled
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionRun:
-    """Requests [req_start, req_end) of a step, tokens [token_start, token_end), all of one kind:
-    "decode" (one query token each: the decode launch, split over the context as a decode batch is),
-    "fresh" (whole prompts with no cached context, together long enough for flash attention over the
-    step's own key/value) or "paged" (the rest: the mixed kernel over the cache). `metadata` describes the
-    run alone, its query offsets starting at 0."""
-
-    kind: str
-    req_start: int
-    req_end: int
-    token_start: int
-    token_end: int
-    metadata: AttentionMetadata
-
-
-def attention_run_kinds(query_start_loc: list[int], seq_lens: list[int], fresh_ok: bool) -> list[tuple[str, int, int]]:
-    """(kind, first request, end request) of each maximal run of consecutive requests that one launch
-    serves (see AttentionRun). A run of fresh prompts none of which reaches PREFILL_FAST_MIN_QUERY_LEN
-    tokens, or any fresh run when not `fresh_ok`, is "paged"; neighbouring runs of a kind merge."""
-    kinds: list[str] = []
-    for i, seq_len in enumerate(seq_lens):
-        query_len = query_start_loc[i + 1] - query_start_loc[i]
-        kinds.append("decode" if query_len == 1 else "fresh" if query_len == seq_len else "paged")
-    runs: list[list[Any]] = []
-    for i, kind in enumerate(kinds):
-        if runs and runs[-1][0] == kind:
-            runs[-1][2] = i + 1
-        else:
-            runs.append([kind, i, i + 1])
-    for run in runs:
-        longest = max(query_start_loc[i + 1] - query_start_loc[i] for i in range(run[1], run[2]))
-        if run[0] == "fresh" and not (fresh_ok and longest >= PREFILL_FAST_MIN_QUERY_LEN):
-            run[0] = "paged"
-    merged: list[tuple[str, int, int]] = []
-    for kind, start, end in runs:
-        if merged and merged[-1][0] == kind:
-            merged[-1] = (kind, merged[-1][1], end)
-        else:
-            merged.append((kind, start, end))
-    return merged
-
-
-def _run_metadata(metadata: AttentionMetadata, start: int, end: int) -> AttentionMetadata:
-    """The metadata of requests [start, end) alone (device views, and one small kernel to rebase the
-    query offsets when the run does not start at token 0)."""
-    qsl_cpu = metadata.query_start_loc_cpu
-    first = qsl_cpu[start]
-    qsl = metadata.query_start_loc[start : end + 1]
-    seq_lens_cpu = metadata.seq_lens_cpu[start:end]
-    return AttentionMetadata(
-        query_start_loc=qsl - first if first else qsl,
-        seq_lens=metadata.seq_lens[start:end],
-        block_tables=metadata.block_tables[start:end],
-        slot_mapping=metadata.slot_mapping[first : qsl_cpu[end]],
-        max_query_len=max(qsl_cpu[i + 1] - qsl_cpu[i] for i in range(start, end)),
-        max_seq_len=max(seq_lens_cpu),
-        query_start_loc_cpu=[q - first for q in qsl_cpu[start : end + 1]],
-        seq_lens_cpu=list(seq_lens_cpu),
-    )
-
-
-def attention_runs(metadata: AttentionMetadata, fresh_ok: bool) -> list[AttentionRun] | None:
-    """The runs `split_attention` launches for this step, or None when one launch serves it (decode-only
-    or cascade batches, fewer than SPLIT_ATTENTION_MIN_TOKENS tokens, one kind only, or more than
-    SPLIT_ATTENTION_MAX_RUNS runs). Host lists only; built once a step (the first layer) and kept in the
-    metadata."""
-    cached = metadata.backend_cache.get("runs", False)
-    if cached is not False:
-        return cached
-    runs: list[AttentionRun] | None = None
-    if (
-        not metadata.is_decode_only
-        and metadata.common_prefix_len == 0
-        and metadata.num_tokens >= SPLIT_ATTENTION_MIN_TOKENS
-    ):
-        kinds = attention_run_kinds(metadata.query_start_loc_cpu, metadata.seq_lens_cpu, fresh_ok)
-        if 1 < len(kinds) <= SPLIT_ATTENTION_MAX_RUNS:
-            qsl = metadata.query_start_loc_cpu
-            runs = [AttentionRun(kind, a, b, qsl[a], qsl[b], _run_metadata(metadata, a, b)) for kind, a, b in kinds]
-    metadata.backend_cache["runs"] = runs
-    return runs
-
-
-def split_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    kv_cache: torch.Tensor,
-    metadata: AttentionMetadata,
-    scale: float,
-    paged: Callable[..., torch.Tensor] | None = None,
-    fresh: Callable[..., torch.Tensor] | None = None,
-) -> torch.Tensor | None:
-    """The attention of a mixed step as one launch per run of alike requests (`attention_runs`): decode
-    rows through the decode launch, fresh prompts through flash attention over the step's own key/value
-    (`prefill_attention`'s path), other prefill chunks through the mixed kernel. One mixed launch gives
-    every request the tile height of the longest query, so decode rows computed 128-row tiles for one
-    token, and it reached a fraction of flash attention's rate on prompts (docs/perf_notes.md, entry 38).
-    None when one launch serves the step (the caller runs `paged_attention`) or on CPU.
-
-    query [num_tokens, num_heads, head_dim] (not padded); key/value this step's [num_tokens, num_kv_heads,
-    head_dim]; the cache already holds them. `paged` / `fresh` replace the two launchers (tests):
-    paged(query, kv_cache, metadata, scale, out) and fresh(query, key, value, metadata, scale)."""
-    if paged is None:
-        if not (_split_attention_enabled and query.is_cuda) or torch.cuda.is_current_stream_capturing():
-            return None
-        paged = paged_attention
-    fresh_ok = fresh is not None or (
-        _prefill_fast_enabled and query.dtype in (torch.float16, torch.bfloat16) and _varlen_attn() is not None
-    )
-    runs = attention_runs(metadata, fresh_ok)
-    if runs is None:
-        return None
-    fresh = fresh or _flash_prefill
-    out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    for run in runs:
-        rows = slice(run.token_start, run.token_end)
-        if run.kind == "fresh":
-            out[rows].copy_(fresh(query[rows], key[rows], value[rows], run.metadata, scale))
-        else:
-            paged(query[rows], kv_cache, run.metadata, scale, out[rows])
-    return out
-
-
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -835,13 +695,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = [
-    "AttentionRun",
-    "SPLIT_ATTENTION_MAX_RUNS",
-    "SPLIT_ATTENTION_MIN_TOKENS",
-    "attention_run_kinds",
-    "attention_runs",
-    "set_split_attention",
-    "split_attention",
     "DECODE_PROGRAMS_PER_SM",
     "ELEMENTWISE_BACKENDS",
     "SKINNY_GEMM_MAX_ROWS",

@@ -43,10 +43,4 @@ class Attention(nn.Module):
         out = ops.prefill_attention(query, key, value, attn_metadata, self.scale)
         if out is not None:
             return out
-        num_tokens = attn_metadata.num_tokens
-        query = query[:num_tokens]
-        # A large mixed step (GPU): one launch per run of decode rows, fresh prompts or other chunks.
-        out = ops.split_attention(query, key[:num_tokens], value[:num_tokens], kv_cache, attn_metadata, self.scale)
-        if out is not None:
-            return out
-        return ops.paged_attention(query, kv_cache, attn_metadata, self.scale)
+        return ops.paged_attention(query[: attn_metadata.num_tokens], kv_cache, attn_metadata, self.scale)
