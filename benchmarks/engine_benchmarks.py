@@ -347,12 +347,14 @@ class Bench:
                 activities = [ProfilerActivity.CUDA] if cuda else []
                 if not cuda or self.args.tprofile_host:
                     activities.append(ProfilerActivity.CPU)
-                prof = profile(activities=activities)
+                # With the host recorded, each op keeps its Python stack: a gap names the line that waited.
+                prof = profile(activities=activities, with_stack=self.args.tprofile_host)
                 prof.start()
                 state["prof"], state["t0"] = prof, time.perf_counter()
 
         memory_before = _allocator_counts(self.args.device)
-        stats = d.run(prompts, outs, on_step=on_step)
+        with _labelled_phases(self.core) if self.args.tprofile_host else contextlib.nullcontext():
+            stats = d.run(prompts, outs, on_step=on_step)
         memory_after = _allocator_counts(self.args.device)
         if state["prof"] is not None:
             state["prof"].stop()
@@ -946,7 +948,7 @@ def _gpu_timeline(prof: Any, num_steps: int) -> dict[str, Any]:
             if not e.name.startswith(("kv::", "ProfilerStep")):  # record_function ranges shown on the GPU
                 device_events.append((start, end, e.name))
         elif not e.name.startswith(("cuda", "Activity")):
-            host_events.append((start, end, e.name))
+            host_events.append((start, end, e.name, getattr(e, "stack", None) or []))
     if not device_events:
         return {"summary": "no device events", "gaps": []}
     device_events.sort()
@@ -965,7 +967,10 @@ def _gpu_timeline(prof: Any, num_steps: int) -> dict[str, Any]:
     for length, at in gaps[:12]:
         running = [h for h in host_events if h[0] <= at < h[1]]
         inner = sorted(running, key=lambda h: h[1] - h[0])[:3]
-        lines.append(f"gap {length:8.1f} us; host in: " + " < ".join(h[2][:60] for h in inner))
+        # The innermost op's own frames in kvserve (recorded with with_stack=True): where the host waited.
+        frames = [f for f in (inner[0][3] if inner else []) if "kvserve/" in f or "benchmarks/" in f][:3]
+        lines.append(f"gap {length:8.1f} us; host in: " + " < ".join(h[2][:60] for h in inner)
+                     + (f" at {' < '.join(frames)}" if frames else ""))
     idle = span - busy
     summary = (f"GPU busy {busy / num_steps:.1f} us of {span / num_steps:.1f} us per step "
                f"(idle {idle / num_steps:.1f} us per step in {len(gaps)} gaps over {num_steps} steps)")
