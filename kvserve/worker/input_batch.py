@@ -214,9 +214,10 @@ class InputBuffers:
             "seq_lens": _host_buffer(max_num_reqs, torch.int32, pin),
             "rows": _host_buffer(max_num_reqs, torch.int64, pin),
             "logits_indices": _host_buffer(max_num_reqs, torch.int64, pin),
-            # Placeholder fix-ups: row 0 the token offsets in this batch, row 1 the rows of the previous
-            # step's sampled ids that hold them.
-            "placeholders": _host_buffer((2, max_num_reqs), torch.int64, pin),
+            # Placeholder fix-ups of n placeholders: [0, n) the token offsets in this batch, [n, 2n) the rows
+            # of the previous step's sampled ids that hold them. One contiguous prefix, copied as it is: a
+            # strided slice would be staged through a pageable temporary, whose copy can wait for the GPU.
+            "placeholders": _host_buffer(2 * max_num_reqs, torch.int64, pin),
             "common_prefix_len": _host_buffer(1, torch.int32, pin),
         }
         self._np = {name: t.numpy() for name, t in self._host.items()}
@@ -372,9 +373,10 @@ class InputBuffers:
             dev["common_prefix_len"].copy_(self._host["common_prefix_len"], non_blocking=True)
         if num_placeholders:
             assert prev_sampled is not None
-            fix = dev["placeholders"][:, :num_placeholders]
-            fix.copy_(self._host["placeholders"][:, :num_placeholders], non_blocking=True)
-            dev["input_ids"].index_copy_(0, fix[0], prev_sampled[0].index_select(0, fix[1]))
+            fix = dev["placeholders"][: 2 * num_placeholders]
+            fix.copy_(self._host["placeholders"][: 2 * num_placeholders], non_blocking=True)
+            offsets, sampled_rows = fix[:num_placeholders], fix[num_placeholders:]
+            dev["input_ids"].index_copy_(0, offsets, prev_sampled[0].index_select(0, sampled_rows))
         if self._copies_done is not None:
             self._copies_done.record()
         block_tables = self.block_tables[:n_reqs]
@@ -418,6 +420,7 @@ class InputBuffers:
         owners = np.searchsorted(qsl[1 : num_reqs + 1], placeholders, side="right")
         rows_of = prev_sampled[1] if prev_sampled is not None else {}
         fix = self._np["placeholders"]
+        n = len(placeholders)
         for j, (offset, i) in enumerate(zip(placeholders.tolist(), owners.tolist(), strict=True)):
             req_id = scheduled[i].req_id
             row = rows_of.get(req_id)
@@ -425,5 +428,5 @@ class InputBuffers:
                 raise RuntimeError(
                     f"request {req_id} has a placeholder token the previous step did not sample"
                 )
-            fix[0, j] = offset
-            fix[1, j] = row
+            fix[j] = offset
+            fix[n + j] = row

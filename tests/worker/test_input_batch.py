@@ -153,6 +153,32 @@ def test_placeholder_tokens_come_from_the_previous_steps_samples() -> None:
         buffers.prepare(decode, table, prev_sampled=prev)
 
 
+def test_every_copy_out_of_the_host_buffers_is_contiguous(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host buffers are pinned on a GPU so their copies queue behind the step; a strided slice of one would
+    be staged through a pageable temporary, whose copy may wait for the GPU (session 20 found the placeholder
+    fix-ups copied that way: a wait for the whole step in flight). Every copy `prepare` and the block table
+    make out of a host buffer must take a contiguous slice into a contiguous one, placeholders included."""
+    table, buffers = _after_prefill_of_a_and_b()
+    host_storages = {t.untyped_storage().data_ptr() for t in buffers._host.values()}
+    host_storages |= {table._index_host.untyped_storage().data_ptr(), table._value_host.untyped_storage().data_ptr()}
+    copies: list[tuple[bool, bool]] = []
+    real_copy = torch.Tensor.copy_
+
+    def recording_copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        if src.untyped_storage().data_ptr() in host_storages:
+            copies.append((dst.is_contiguous(), src.is_contiguous()))
+        return real_copy(dst, src, non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", recording_copy)
+    prev = (torch.tensor([77, 66]), {"b": 0, "a": 1})
+    step = SchedulerOutput(scheduled=[_sched("a", [-1], 5, [10]), _sched("b", [-1], 3, [])])
+    table.apply(step)
+    batch = buffers.prepare(step, table, prev_sampled=prev, pad_to=4)
+    assert batch.input_ids.tolist() == [66, 77, 0, 0]
+    assert len(copies) >= 8  # the block-table diff, the inputs and the placeholder fix-ups
+    assert all(dst and src for dst, src in copies), copies
+
+
 # ------------------------------------------------------------------------------- cascade attention
 
 
