@@ -347,8 +347,7 @@ class Bench:
                 activities = [ProfilerActivity.CUDA] if cuda else []
                 if not cuda or self.args.tprofile_host:
                     activities.append(ProfilerActivity.CPU)
-                # With the host recorded, each op keeps its Python stack: a gap names the line that waited.
-                prof = profile(activities=activities, with_stack=self.args.tprofile_host)
+                prof = profile(activities=activities)
                 prof.start()
                 state["prof"], state["t0"] = prof, time.perf_counter()
 
@@ -921,7 +920,9 @@ def _labelled_phases(core: Any) -> contextlib.AbstractContextManager[None]:
 
     targets = [(core.scheduler, "schedule"), (core.scheduler, "update_from_output"),
                (core.runner, "execute_model_async"), (core.runner.inputs, "prepare"),
-               (core.runner, "sampler"), (torch.cuda.Event, "synchronize")]
+               (core.runner, "sampler"), (torch.cuda.Event, "synchronize"),
+               (core.runner, "_update_states"), (core.runner.block_table, "apply"), (core.runner, "_to_host"),
+               (core.runner.model, "forward"), (core.runner.model, "compute_logits")]
     return _around_methods(targets, labelled)
 
 
@@ -948,7 +949,7 @@ def _gpu_timeline(prof: Any, num_steps: int) -> dict[str, Any]:
             if not e.name.startswith(("kv::", "ProfilerStep")):  # record_function ranges shown on the GPU
                 device_events.append((start, end, e.name))
         elif not e.name.startswith(("cuda", "Activity")):
-            host_events.append((start, end, e.name, getattr(e, "stack", None) or []))
+            host_events.append((start, end, e.name))
     if not device_events:
         return {"summary": "no device events", "gaps": []}
     device_events.sort()
@@ -967,10 +968,7 @@ def _gpu_timeline(prof: Any, num_steps: int) -> dict[str, Any]:
     for length, at in gaps[:12]:
         running = [h for h in host_events if h[0] <= at < h[1]]
         inner = sorted(running, key=lambda h: h[1] - h[0])[:3]
-        # The innermost op's own frames in kvserve (recorded with with_stack=True): where the host waited.
-        frames = [f for f in (inner[0][3] if inner else []) if "kvserve/" in f or "benchmarks/" in f][:3]
-        lines.append(f"gap {length:8.1f} us; host in: " + " < ".join(h[2][:60] for h in inner)
-                     + (f" at {' < '.join(frames)}" if frames else ""))
+        lines.append(f"gap {length:8.1f} us; host in: " + " < ".join(h[2][:60] for h in inner))
     idle = span - busy
     summary = (f"GPU busy {busy / num_steps:.1f} us of {span / num_steps:.1f} us per step "
                f"(idle {idle / num_steps:.1f} us per step in {len(gaps)} gaps over {num_steps} steps)")
@@ -1079,7 +1077,8 @@ def main() -> int:
                    default=[100, 400, 800], help="tprofile section: the steps where profiled windows start")
     p.add_argument("--tprofile-steps", type=int, default=20, help="tprofile section: steps per window")
     p.add_argument("--tprofile-host", action="store_true",
-                   help="tprofile section: record host activity too (slower host; names the host work at each GPU gap)")
+                   help="tprofile section: record host activity too, with the engine's phases labelled (slower host; "
+                   "names the host work at each GPU gap)")
     p.add_argument("--hostprof-cases", type=lambda v: [tuple(int(y) for y in x.split("x")) for x in v.split(",") if x],
                    default=[(1, 1024), (64, 1024), (64, 4096)],
                    help="hostprof section: BATCHxCONTEXT cases (default 1x1024,64x1024,64x4096)")
