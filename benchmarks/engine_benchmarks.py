@@ -1108,8 +1108,6 @@ def main() -> int:
     p.add_argument("--last-layer-pruning", action=argparse.BooleanOptionalAction, default=True,
                    help="steps that sample some rows only: the last layer past its cache write on those rows alone "
                    "(off: every row, then select)")
-    p.add_argument("--sampled-host-buffers", type=int, default=None,
-                   help="override model_runner.SAMPLED_HOST_BUFFERS (0: a fresh pinned tensor for each step's sampled ids)")
     p.add_argument("--qkv-rope-fusion", action=argparse.BooleanOptionalAction, default=True,
                    help="small batches: rotary embedding and cache write in the q/k/v matmul's epilogue")
     p.add_argument("--skinny-max-rows", type=int, default=None, help="override ops.SKINNY_GEMM_MAX_ROWS")
@@ -1188,10 +1186,6 @@ def main() -> int:
         from kvserve import envs
 
         envs.KVSERVE_GEMM_TUNING = args.gemm_tuning
-    if args.sampled_host_buffers is not None:
-        from kvserve.worker import model_runner
-
-        model_runner.SAMPLED_HOST_BUFFERS = args.sampled_host_buffers
     if args.prefill_graph_max_tokens is not None:
         from kvserve.worker import model_runner
 

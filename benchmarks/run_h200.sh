@@ -405,7 +405,8 @@ print('alone', t._backend_after('alone')); print('kvserve-first', t._backend_aft
             --sections start,decode,seeds,random256 --decode-batches 1,64 --decode-contexts 1024) >> "$R/ph20.log" 2>&1
           echo "mode $mode done" >> "$R/ph20.log"
         done ;;
-    host20) timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_engine.py \
+    host20) # ran at 401b797 (session 20 call 6); SAMPLED_HOST_BUFFERS and --sampled-host-buffers were removed after it
+        timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_engine.py \
           -k "async or cuda_graph_matches or chunks or batch40" > "$R/host20.log" 2>&1
         for mode in ring fresh; do
           flags=""; [ $mode = fresh ] && flags="--sampled-host-buffers 0"

@@ -70,10 +70,6 @@ GEMM_TUNING_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
 GEMM_TUNING_TORCH_CANDIDATE = True
 # Decoder layers the precompile's forwards run (the first layer's variants differ, the others repeat).
 PRECOMPILE_LAYERS = 2
-# Pinned host buffers the sampled ids of successive steps are copied into, in turn (CUDA): a step's buffer is
-# read once the step after it has been launched, so three leave one to spare. Off: a fresh pinned tensor
-# each step (benchmarks compare the two).
-SAMPLED_HOST_BUFFERS = 3
 
 
 @dataclass
@@ -97,15 +93,12 @@ class PendingOutput:
         sampled_host: torch.Tensor | None,
         logprob_host: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None,
         done: torch.cuda.Event | None,
-        buffer_owner: tuple[list[int], int, int] | None = None,
     ) -> None:
         self.req_ids = req_ids
         self._states = states
         self._sampled_host = sampled_host
         self._logprob_host = logprob_host
         self._done = done
-        # (owners, index, step): sampled_host is persistent buffer `index`, which `step` wrote.
-        self._buffer_owner = buffer_owner
 
     @classmethod
     def empty(cls) -> PendingOutput:
@@ -115,13 +108,6 @@ class PendingOutput:
         if self._done is not None:
             # SYNC: the step's one wait: its sampled ids (and logprobs) have reached the host.
             self._done.synchronize()
-        if self._buffer_owner is not None:
-            owners, index, step = self._buffer_owner
-            if owners[index] != step:
-                raise RuntimeError(
-                    f"the sampled ids of step {step} were overwritten by step {owners[index]} before they were "
-                    "read: more steps in flight than SAMPLED_HOST_BUFFERS allows"
-                )
         token_ids: list[int] = self._sampled_host.tolist() if self._sampled_host is not None else []
         logprobs = _logprobs_lists(self._logprob_host, self._states)
         for state, token_id in zip(self._states, token_ids, strict=True):
@@ -191,14 +177,6 @@ class ModelRunner:
         # The last launched step's sampled ids (device) and each sampling request's row in them: where
         # the next step's placeholder tokens come from.
         self._prev_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
-        # Persistent pinned buffers for the sampled ids, used in turn (SAMPLED_HOST_BUFFERS), and the step
-        # that last wrote each (PendingOutput checks its buffer was not reused before it was read).
-        self._sampled_host_buffers = [
-            torch.zeros(self.max_num_reqs, dtype=torch.int64, pin_memory=True)
-            for _ in range(SAMPLED_HOST_BUFFERS if self.device.type == "cuda" else 0)
-        ]
-        self._sampled_host_owner = [0] * len(self._sampled_host_buffers)
-        self._num_launched = 0
 
     # ------------------------------------------------------------------ KV cache
 
@@ -685,7 +663,7 @@ class ModelRunner:
             sampled.sampled_token_ids,
             {req_id: i for i, req_id in enumerate(batch.sampled_req_ids)},
         )
-        sampled_host, owner = self._sampled_ids_to_host(sampled.sampled_token_ids)
+        sampled_host = self._to_host(sampled.sampled_token_ids)
         logprob_host = None
         if sampled.logprobs is not None and sampled.logprob_token_ids is not None:
             ranks = sampled.sampled_ranks
@@ -698,22 +676,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return PendingOutput(batch.sampled_req_ids, states, sampled_host, logprob_host, done, owner)
-
-    def _sampled_ids_to_host(
-        self, ids: torch.Tensor
-    ) -> tuple[torch.Tensor, tuple[list[int], int, int] | None]:
-        """The step's sampled ids on their way into the next persistent pinned buffer (CUDA), with the
-        (owners list, buffer index, step number) its reader checks; elsewhere `_to_host`'s copy."""
-        buffers = self._sampled_host_buffers
-        if not buffers or ids.dim() != 1 or ids.dtype != torch.int64 or ids.shape[0] > buffers[0].shape[0]:
-            return self._to_host(ids), None
-        self._num_launched += 1
-        index = self._num_launched % len(buffers)
-        host = buffers[index][: ids.shape[0]]
-        host.copy_(ids, non_blocking=True)
-        self._sampled_host_owner[index] = self._num_launched
-        return host, (self._sampled_host_owner, index, self._num_launched)
+        return PendingOutput(batch.sampled_req_ids, states, sampled_host, logprob_host, done)
 
     def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """An asynchronous copy into pinned memory on CUDA (complete once the step's event is); a copy on

@@ -359,34 +359,3 @@ def test_prefill_padding_refuses_other_batches(case: str) -> None:
     table.apply(step)
     with pytest.raises(RuntimeError, match="cannot pad"):
         buffers.prepare(step, table, prefill_pad_to=pad_to)
-
-
-# ------------------------------------------------------------------------------- sampled ids to the host
-
-
-def test_sampled_ids_take_the_pinned_buffers_in_turn_and_a_reused_one_is_caught() -> None:
-    """The runner copies each step's sampled ids into persistent buffers in turn (pinned on a GPU; CPU tensors
-    stand in here); a step's output reads its own ids, and one read after its buffer was taken again raises
-    instead of returning another step's tokens."""
-    from types import SimpleNamespace
-
-    from kvserve.protocol.sampling_params import SamplingParams
-    from kvserve.worker.model_runner import ModelRunner, PendingOutput, RunnerRequestState
-
-    runner = SimpleNamespace(_sampled_host_buffers=[torch.zeros(4, dtype=torch.int64) for _ in range(3)],
-                             _sampled_host_owner=[0, 0, 0], _num_launched=0, _to_host=lambda t: t.clone())
-    pending = []
-    for step in range(4):
-        ids = torch.tensor([10 * step, 10 * step + 1])
-        host, owner = ModelRunner._sampled_ids_to_host(runner, ids)  # type: ignore[arg-type]
-        assert owner is not None and host.data_ptr() == runner._sampled_host_buffers[owner[1]].data_ptr()
-        states = [RunnerRequestState([1], SamplingParams(), None) for _ in range(2)]
-        pending.append(PendingOutput(["a", "b"], states, host, None, None, owner))
-    assert [p._buffer_owner[1] for p in pending] == [1, 2, 0, 1]
-    assert pending[3].result().sampled_token_ids == [30, 31]
-    assert pending[2].result().sampled_token_ids == [20, 21]
-    with pytest.raises(RuntimeError, match="overwritten"):
-        pending[0].result()  # its buffer went to step 4
-    # more rows than a buffer holds (or another dtype): a copy of its own
-    host, owner = ModelRunner._sampled_ids_to_host(runner, torch.arange(5))  # type: ignore[arg-type]
-    assert owner is None and host.tolist() == [0, 1, 2, 3, 4]
