@@ -154,10 +154,11 @@ def test_placeholder_tokens_come_from_the_previous_steps_samples() -> None:
 
 
 def test_every_copy_out_of_the_host_buffers_is_contiguous(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The host buffers are pinned on a GPU so their copies queue behind the step; a strided slice of one would
-    be staged through a pageable temporary, whose copy may wait for the GPU (session 20 found the placeholder
-    fix-ups copied that way: a wait for the whole step in flight). Every copy `prepare` and the block table
-    make out of a host buffer must take a contiguous slice into a contiguous one, placeholders included."""
+    """The host buffers are pinned on a GPU so their copies queue behind the step without the host waiting; a
+    strided slice of one is staged by torch through a pageable temporary, a copy CUDA may make wait for the
+    stream (the placeholder fix-ups were copied that way until session 20). Every copy `prepare` and the block
+    table make out of a host buffer must take a contiguous slice into a contiguous one, placeholders
+    included."""
     table, buffers = _after_prefill_of_a_and_b()
     host_storages = {t.untyped_storage().data_ptr() for t in buffers._host.values()}
     host_storages |= {table._index_host.untyped_storage().data_ptr(), table._value_host.untyped_storage().data_ptr()}
