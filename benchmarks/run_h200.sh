@@ -396,7 +396,7 @@ print('alone', t._backend_after('alone')); print('kvserve-first', t._backend_aft
         done
         timeout 150 python3 benchmarks/engine_benchmarks.py --out "$R/tprofh20" --sections tprofile --tprofile-windows 1 \
           --tprofile-steps 20 --tprofile-host > "$R/tprofh20.log" 2>&1 ;;
-    ph20) # new: this tree; old: a copy with .carry/ph20.patch (the placeholder-copy fix, c2fa886) reversed
+    ph20) # new: this tree; old: a copy with .carry/ph20.patch reversed (made here, carried: git diff c2fa886~1 c2fa886 -- kvserve/worker/input_batch.py)
         rm -rf /tmp/oldtree && mkdir -p /tmp/oldtree && cp -r kvserve benchmarks /tmp/oldtree/ \
           && (cd /tmp/oldtree && patch -R -p1 < "$OLDPWD/.carry/ph20.patch") > "$R/ph20.log" 2>&1 || exit 1
         for mode in new old new old; do
