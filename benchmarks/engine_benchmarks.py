@@ -72,7 +72,7 @@ from common import (  # noqa: E402
 # Seconds without GPU work before each prompt of the ttft section's idle-GPU runs.
 TTFT_IDLE_S = 1.0
 SECTIONS = ("start", "decode", "seeds", "random256", "ttft", "ttftrest", "ttftrand", "ttftprefix", "ttftdiag", "prefillprof", "prefix", "prefixab", "shared", "hf", "profile",
-            "trace", "tprofile", "kprofile", "hostprof")
+            "trace", "tprofile", "kprofile", "hostprof", "mixed")
 
 
 class Bench:
@@ -504,6 +504,61 @@ class Bench:
                                   ", ".join(f"{k} {v:.2f}" for k, v in per_step.items() if k != "wall")))
         del d
         self.results["hostprof"] = out
+
+    def section_mixed(self) -> None:
+        """Prompts arriving while requests decode: `batch` requests decode at `context` tokens while a prompt
+        of `prompt` tokens (max_tokens 1: it leaves after its prefill) arrives every 4th step. Windows of
+        `--mixed-cycles` arrivals alternate the piecewise graphs on and off in the same engine (the runner's
+        `piecewise` set aside), two of each. Per window: the mean step (each decoding request gets one token a
+        step, so this is their mean inter-token latency) and the median over arrivals of the longest step
+        around it (the latency spike an arrival causes)."""
+        self.engine()
+        self.warm_up()
+        core = self.core
+        runner = core.runner
+        pieces = runner.piecewise
+        from kvserve.protocol.engine import EngineCoreRequest
+        from kvserve.protocol.sampling_params import SamplingParams
+
+        every, cycles, rounds = 4, self.args.mixed_cycles, 4
+        out = []
+        for batch, context, prompt in self.args.mixed_cases:
+            ctx, plen = self.length(context), self.length(prompt)
+            self.start_steady_decode(batch, ctx, f"mx{batch}x{prompt}", steady_steps=rounds * cycles * every + 30)
+            params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)
+            windows: dict[str, list[dict[str, float]]] = {}
+            for rnd in range(rounds):
+                mode = "piecewise" if rnd % 2 == 0 and pieces is not None else "eager"
+                runner.piecewise = pieces if mode == "piecewise" else None
+                steps_ms: list[float] = []
+                spikes: list[float] = []
+                replays = pieces.replays if pieces is not None else 0
+                for c, new_prompt in enumerate(self.prompts([plen] * cycles)):
+                    core.add_request(EngineCoreRequest(req_id=f"mx{batch}x{prompt}-{rnd}-{c}",
+                                                       prompt_token_ids=new_prompt, sampling_params=params,
+                                                       max_tokens=1))
+                    cycle = []
+                    for _ in range(every):
+                        t0 = time.perf_counter()
+                        core.step()
+                        cycle.append((time.perf_counter() - t0) * 1e3)
+                    steps_ms.extend(cycle)
+                    spikes.append(max(cycle))
+                served = (pieces.replays - replays) if pieces is not None else 0
+                windows.setdefault(mode, []).append({"mean_step_ms": statistics.mean(steps_ms),
+                                                     "median_spike_ms": statistics.median(spikes),
+                                                     "piecewise_steps": served})
+            runner.piecewise = pieces
+            while core.has_unfinished_requests():
+                core.step()
+            case = {"batch": batch, "context": context, "prompt": prompt, "windows": windows}
+            out.append(case)
+            for mode, ws in windows.items():
+                self.rows.append((f"mixed b{batch} ctx{context} +{prompt} {mode} (ms/step)",
+                                  " / ".join(f"{w['mean_step_ms']:.2f}" for w in ws),
+                                  "arrival spike " + " / ".join(f"{w['median_spike_ms']:.1f}" for w in ws)
+                                  + f" ms; piecewise steps {[w['piecewise_steps'] for w in ws]}"))
+        self.results["mixed"] = out
 
     def graph_probe(self, batch: int) -> tuple[Callable[[int], None], dict[str, float | None]]:
         """A Driver.run `on_step` callback that times the decode graph of `batch` once, at the 8th step of
@@ -1082,6 +1137,12 @@ def main() -> int:
     p.add_argument("--hostprof-cases", type=lambda v: [tuple(int(y) for y in x.split("x")) for x in v.split(",") if x],
                    default=[(1, 1024), (64, 1024), (64, 4096)],
                    help="hostprof section: BATCHxCONTEXT cases (default 1x1024,64x1024,64x4096)")
+    p.add_argument("--mixed-cases", type=lambda v: [tuple(int(y) for y in x.split("x")) for x in v.split(",") if x],
+                   default=[(16, 1024, 128), (32, 1024, 256), (64, 1024, 512)],
+                   help="mixed section: BATCHxCONTEXTxPROMPT, comma-separated")
+    p.add_argument("--mixed-cycles", type=int, default=12, help="mixed section: arrivals per window")
+    p.add_argument("--piecewise-max-tokens", type=int, default=None,
+                   help="override model_runner.PIECEWISE_GRAPH_MAX_TOKENS (0: no piecewise graphs)")
     p.add_argument("--trace-workloads", type=lambda v: [x for x in v.split(",") if x], default=[],
                    help="trace section: seeds,random256,shared_prefix (default all)")
     p.add_argument("--elementwise-backend", default="triton", choices=["triton", "torch", "compile"])
@@ -1190,6 +1251,10 @@ def main() -> int:
         from kvserve.worker import model_runner
 
         model_runner.PREFILL_GRAPH_MAX_TOKENS = args.prefill_graph_max_tokens
+    if args.piecewise_max_tokens is not None:
+        from kvserve.worker import model_runner
+
+        model_runner.PIECEWISE_GRAPH_MAX_TOKENS = args.piecewise_max_tokens
     if args.decode_programs_per_sm is not None:
         ops.DECODE_PROGRAMS_PER_SM = args.decode_programs_per_sm
     bench = Bench(args)

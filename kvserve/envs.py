@@ -34,6 +34,10 @@ KVSERVE_SDPA_CUDNN_MIN_TOKENS: int = _int("KVSERVE_SDPA_CUDNN_MIN_TOKENS", -1)
 # 256; sizes in steps of 128; 0: no prefill graphs). See kvserve/worker/cuda_graph.py and
 # docs/perf_notes.md, entry 21.
 KVSERVE_PREFILL_GRAPH_MAX_TOKENS: int = _int("KVSERVE_PREFILL_GRAPH_MAX_TOKENS", 2048)
+# Most tokens of a step served by piecewise CUDA graphs (one graph per stretch between two layers' attention,
+# attention eager between them): steps that no whole-forward graph serves, such as several requests with
+# prefill tokens (0: none; such steps launch eagerly). See kvserve/worker/piecewise.py.
+KVSERVE_PIECEWISE_GRAPH_MAX_TOKENS: int = _int("KVSERVE_PIECEWISE_GRAPH_MAX_TOKENS", 2048)
 # A decode batch replays the captured graph of the smallest size that holds it, unless a larger size's graph
 # ran at least this many percent faster when timed at start (0 or less: always the smallest). See
 # kvserve/worker/cuda_graph.py and docs/perf_notes.md, entry 24.

@@ -32,15 +32,17 @@ class Attention(nn.Module):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """query [num_tokens, num_heads, head_dim]; key/value [num_tokens, num_kv_heads, head_dim] (or all
         three padded with zero rows as `ops.prefill_attention_padding` asks);
         kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] in the same dtype, already holding this
         step's key/value (the paged kernel reads every key from there; the model writes them together with
         the rotary embedding, `ops.rotary_embedding_and_cache`).
-        Returns [num_tokens, num_heads, head_dim] in query's dtype."""
+        Returns [num_tokens, num_heads, head_dim] in query's dtype, written into `out` (that shape, contiguous)
+        when given."""
         # Fresh prompts only (GPU): flash attention over this step's own K/V, no cache reads.
-        out = ops.prefill_attention(query, key, value, attn_metadata, self.scale)
-        if out is not None:
-            return out
-        return ops.paged_attention(query[: attn_metadata.num_tokens], kv_cache, attn_metadata, self.scale)
+        result = ops.prefill_attention(query, key, value, attn_metadata, self.scale)
+        if result is not None:
+            return result if out is None else out.copy_(result)
+        return ops.paged_attention(query[: attn_metadata.num_tokens], kv_cache, attn_metadata, self.scale, out)

@@ -80,6 +80,21 @@ class LlamaAttention(nn.Module):
         """Writes this step's K/V into kv_cache and returns the attention block's output [num_tokens,
         hidden]; with output_rows (int64 indices), only those rows' output (the o_proj runs on them alone),
         and None for no rows (the cache write is all that is left to do)."""
+        q, k, v = self.project(positions, hidden, kv_cache, attn_metadata)
+        if output_rows is not None and output_rows.shape[0] == 0:
+            return None
+        out = self.attend(q, k, v, kv_cache, attn_metadata)
+        if output_rows is not None:
+            out = out.index_select(0, output_rows)
+        return self.o_proj(out)
+
+    def project(
+        self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The q/k/v projection, q/k norms, rotary embedding and the cache write of k/v at
+        `attn_metadata.slot_mapping` (the only part of the metadata read here, besides the one-prompt
+        padding choice): (q [T, heads, head_dim], k, v [T, kv_heads, head_dim]), T = hidden's rows (or the
+        padded layout `ops.prefill_attention_padding` asks for)."""
         num_tokens = hidden.shape[0]
         qkv_proj = self.qkv_proj
         rotated = None
@@ -104,12 +119,25 @@ class LlamaAttention(nn.Module):
                 )
             else:
                 q, k = self.rotary_emb.forward_and_cache(positions, q, k, v, kv_cache, attn_metadata.slot_mapping)
-        if output_rows is not None and output_rows.shape[0] == 0:
-            return None
-        out = self.attn(q, k, v, kv_cache, attn_metadata).reshape(num_tokens, self.num_heads * self.head_dim)
-        if output_rows is not None:
-            out = out.index_select(0, output_rows)
-        return self.o_proj(out)
+        return q, k, v
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of the metadata's num_tokens tokens (q/k/v may hold more rows: padding past them):
+        [num_tokens, heads * head_dim], written into `out` ([num_tokens, heads * head_dim]) when given."""
+        num_tokens = attn_metadata.num_tokens
+        if q.shape[0] != num_tokens and not ops.prefill_attention_padding(attn_metadata, q, k):
+            q, k, v = q[:num_tokens], k[:num_tokens], v[:num_tokens]
+        attn_out = None if out is None else out.view(num_tokens, self.num_heads, self.head_dim)
+        result = self.attn(q, k, v, kv_cache, attn_metadata, attn_out)
+        return result.reshape(num_tokens, self.num_heads * self.head_dim)
 
 
 class LlamaMLP(nn.Module):
@@ -161,6 +189,28 @@ class LlamaDecoderLayer(nn.Module):
         normed, residual = self.post_attention_layernorm(attn_out, residual)
         return self.mlp(normed), residual
 
+    # The parts of `forward` around attention, for piecewise CUDA graphs (`worker.piecewise`): the same ops in
+    # the same order, so that pre_attention, attend, post_attention compose to forward without output_rows.
+
+    def pre_attention(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Input norm (with the deferred residual add), q/k/v, rotary and cache write: (q, k, v, residual)."""
+        normed, residual = self.input_layernorm(hidden, residual)
+        q, k, v = self.self_attn.project(positions, normed, kv_cache, attn_metadata)
+        return q, k, v, residual
+
+    def post_attention(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """o_proj, post-attention norm and MLP of attention's output [n, heads * head_dim] and the residual
+        stream's matching rows: (MLP output, residual), as `forward` returns them."""
+        normed, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn_out), residual)
+        return self.mlp(normed), residual
+
 
 class LlamaModel(nn.Module):
     def __init__(self, arch: ArchConfig, dtype: torch.dtype) -> None:
@@ -198,6 +248,36 @@ class LlamaModel(nn.Module):
             hidden, residual = out
         return self.norm(hidden, residual)[0]
 
+    # Piecewise forward (`worker.piecewise`): piece(0), attend(0), piece(1), ..., attend(L - 1), finish.
+
+    def piece(
+        self,
+        index: int,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+        attn_out: torch.Tensor,
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Everything between two layers' attention: piece 0 is the embedding and layer 0 up to its
+        attention; piece i > 0 is layer i - 1 past its attention (attn_out [T, heads * head_dim], the residual
+        stream piece i - 1 returned) and layer i up to its attention. Returns layer i's (q, k, v, residual)."""
+        if index == 0:
+            hidden = self.embed_tokens(input_ids)
+        else:
+            assert residual is not None
+            hidden, residual = self.layers[index - 1].post_attention(attn_out, residual)
+        return self.layers[index].pre_attention(positions, hidden, residual, kv_caches[index], attn_metadata)
+
+    def finish(self, attn_out: torch.Tensor, residual: torch.Tensor, output_rows: torch.Tensor) -> torch.Tensor:
+        """The last layer past its attention and the final norm, on output_rows only (as `forward` with
+        output_rows): [len(output_rows), hidden]."""
+        hidden, residual = self.layers[-1].post_attention(
+            attn_out.index_select(0, output_rows), residual.index_select(0, output_rows)
+        )
+        return self.norm(hidden, residual)[0]
+
 
 class LlamaForCausalLM(CausalLM):
     """Llama-family causal LM; see the module docstring. Construct as ``cls(arch, dtype)``."""
@@ -223,6 +303,11 @@ class LlamaForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    @property
+    def piecewise_model(self) -> LlamaModel:
+        """The decoder, whose `piece` / `finish` and layers' `self_attn.attend` make up a piecewise forward."""
+        return self.model
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         # named_parameters() lists a tied lm_head once, under model.embed_tokens.

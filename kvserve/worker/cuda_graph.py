@@ -42,7 +42,8 @@ kinds:
   after a cached prefix: 6.4 against 12.0-13.4 ms on the H200); past that, the padding (up to 127 tokens)
   costs more GPU time than the launch saves on a fast host (520 tokens in a 640-token graph: 16.2 against
   14.9 ms).
-Other batches with prefill tokens (several requests, longer prompts) run eagerly.
+Other batches with prefill tokens (several requests, longer prompts) replay piecewise graphs (graphs between
+the layers' attention launches, `worker.piecewise`) up to their size limit, and run eagerly past it.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -205,6 +207,9 @@ class CUDAGraphRunner:
         self.prefill_replays = {False: 0, True: 0}
         self.pool_bytes = 0
         self.capture_s = 0.0
+        # The graphs' memory pool and capture stream once captured (the piecewise graphs share them).
+        self.pool: Any = None
+        self.stream: torch.cuda.Stream | None = None
         # Decode graphs timed at capture (ms per replay of a padding-only batch), and the size whose graph
         # serves the batches each size is the smallest fit for (`choose_padding`).
         self.size_ms: dict[int, float] = {}
@@ -327,8 +332,8 @@ class CUDAGraphRunner:
         device = self.buffers["input_ids"].device
         torch.cuda.synchronize()
         before = torch.cuda.mem_get_info()[0]
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
+        pool = self.pool = torch.cuda.graph_pool_handle()
+        stream = self.stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
 
         def capture_one(key: tuple[int, bool], is_prefill: bool, forward: Callable[[], torch.Tensor]) -> None:

@@ -44,6 +44,9 @@ class BatchInputs:
     # A one-request prefill padded to this many tokens for its CUDA graph (the tensors and metadata describe
     # the padded batch; logits_indices the prompt's real last token), or None.
     prefill_padded_tokens: int | None = None
+    # The token buffers padded to this many tokens for the piecewise graphs of that size (input_ids and
+    # positions are the padded length; the metadata describes the real tokens only), or None.
+    piecewise_tokens: int | None = None
 
 
 # Cascade attention pays only when many requests share a long prefix; below these a decode batch attends
@@ -242,6 +245,7 @@ class InputBuffers:
         prefill_pad_to: int | None = None,
         pad_as_request: bool = False,
         cascade_pad_to: int | None = None,
+        token_pad_to: int | None = None,
     ) -> BatchInputs:
         """Fill the buffers for `scheduler_output` (block_table already updated for this step).
 
@@ -262,6 +266,9 @@ class InputBuffers:
           cache, the request's last query tile would load the never-written slots up to n.
         * pad_as_request=True: a second request of seq_len 0 (query_start_loc [0, real, n], seq_lens
           [context + real, 0]), which attends to nothing (needs buffers of 2 requests or more).
+        token_pad_to: for a batch that neither pad_to nor prefill_pad_to pads, the piecewise graph size to
+        fill (>= its tokens): tokens past the batch's get token 0 at position 0, slot -1 (not written).
+        Only the token buffers are padded; the metadata and the requests stay the batch's own.
         """
         scheduled = scheduler_output.scheduled
         num_reqs = len(scheduled)
@@ -347,6 +354,14 @@ class InputBuffers:
             else:
                 qsl[1] = max_query_len = padded_tokens
                 h["seq_lens"][0] = max_seq_len = int(num_computed[0]) + padded_tokens
+        elif padded is None and token_pad_to is not None:
+            if not num_tokens <= token_pad_to <= self.max_num_tokens:
+                raise RuntimeError(
+                    f"cannot pad a batch of {num_tokens} tokens to {token_pad_to} (buffers hold {self.max_num_tokens})"
+                )
+            h["input_ids"][num_tokens:token_pad_to] = 0
+            h["positions"][num_tokens:token_pad_to] = 0
+            h["slot_mapping"][num_tokens:token_pad_to] = -1
         elif padded is not None:
             if padded < num_reqs or padded > self.max_num_reqs or padded > self.max_num_tokens:
                 raise RuntimeError(f"cannot pad a batch to {padded} rows (buffers hold {self.max_num_reqs})")
@@ -356,12 +371,14 @@ class InputBuffers:
             h["rows"][num_reqs:padded] = 0  # any valid row: a seq_len of 0 reads none of it
         n_reqs = padded or (2 if padded_tokens is not None and pad_as_request else num_reqs)
         n_tokens = padded or padded_tokens or num_tokens
+        piecewise_tokens = token_pad_to if padded is None and padded_tokens is None else None
+        buffer_tokens = piecewise_tokens or n_tokens
 
         dev = self.dev
         for name, length in (
-            ("input_ids", n_tokens),
-            ("positions", n_tokens),
-            ("slot_mapping", n_tokens),
+            ("input_ids", buffer_tokens),
+            ("positions", buffer_tokens),
+            ("slot_mapping", buffer_tokens),
             ("query_start_loc", n_reqs + 1),
             ("seq_lens", n_reqs),
             ("rows", n_reqs),
@@ -395,8 +412,8 @@ class InputBuffers:
             common_prefix_len_tensor=dev["common_prefix_len"] if prefix_len else None,
         )
         return BatchInputs(
-            input_ids=dev["input_ids"][:n_tokens],
-            positions=dev["positions"][:n_tokens],
+            input_ids=dev["input_ids"][:buffer_tokens],
+            positions=dev["positions"][:buffer_tokens],
             attn_metadata=metadata,
             logits_indices=dev["logits_indices"][:num_sampled],
             sampled_req_ids=[scheduled[i].req_id for i in sample_rows],
@@ -406,6 +423,7 @@ class InputBuffers:
             all_rows_sample=is_decode and num_sampled == num_reqs,
             cascade=prefix_len > 0,
             prefill_padded_tokens=padded_tokens,
+            piecewise_tokens=piecewise_tokens,
         )
 
     def _fill_placeholder_rows(

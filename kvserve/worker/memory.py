@@ -26,15 +26,27 @@ CUDA_GRAPH_RESERVE_BYTES = 512 << 20
 
 
 def prefill_graph_reserve_bytes(
-    activation_peak_bytes: int, profiled_tokens: int, graph_tokens: Sequence[int], row_bytes: int
+    activation_peak_bytes: int,
+    profiled_tokens: int,
+    graph_tokens: Sequence[int],
+    row_bytes: int,
+    piecewise_tokens: Sequence[int] = (),
+    piecewise_row_bytes: int = 0,
 ) -> int:
-    """What the one-request prefill graphs add to the graph pool: the profiled step's activation peak scaled
-    to the largest graph's token count (a forward's activations grow with its tokens; the graphs share one
-    pool, so the largest sets it), plus every graph's output, which stays allocated in the pool
-    (`row_bytes` per token: hidden size x element size). 0 without prefill graphs."""
-    if not graph_tokens or profiled_tokens <= 0:
+    """What the one-request prefill graphs and the piecewise graphs add to the graph pool: the profiled
+    step's activation peak scaled to the largest token count of either (a forward's activations grow with
+    its tokens, a piece's are at most a forward's; the graphs share one pool, so the largest sets it), plus
+    every prefill graph's output, which stays allocated in the pool (`row_bytes` per token: hidden size x
+    element size), plus the piecewise graphs' attention output buffer (`piecewise_row_bytes` per token of
+    the largest: query heads x head dim x element size). 0 without either kind."""
+    largest = max([*graph_tokens, *piecewise_tokens], default=0)
+    if not largest or profiled_tokens <= 0:
         return 0
-    return -(-activation_peak_bytes * max(graph_tokens) // profiled_tokens) + sum(graph_tokens) * row_bytes
+    return (
+        -(-activation_peak_bytes * largest // profiled_tokens)
+        + sum(graph_tokens) * row_bytes
+        + max(piecewise_tokens, default=0) * piecewise_row_bytes
+    )
 
 
 @dataclass(frozen=True)

@@ -52,12 +52,16 @@ from kvserve.worker.memory import (
     plan_kv_cache,
     prefill_graph_reserve_bytes,
 )
+from kvserve.worker.piecewise import CudaGraphBackend, PiecewiseGraphs, piecewise_graph_sizes
 
 logger = logging.getLogger(__name__)
 
 # Most new tokens a one-request prefill CUDA graph serves (KVSERVE_PREFILL_GRAPH_MAX_TOKENS; 0: none). Eager,
 # such a step is host-bound up to about this length on the H200's hosts (docs/perf_notes.md, entry 21).
 PREFILL_GRAPH_MAX_TOKENS = envs.KVSERVE_PREFILL_GRAPH_MAX_TOKENS
+# Most tokens of a step served by the piecewise CUDA graphs (KVSERVE_PIECEWISE_GRAPH_MAX_TOKENS; 0: none):
+# steps that no whole-forward graph serves (worker/piecewise.py).
+PIECEWISE_GRAPH_MAX_TOKENS = envs.KVSERVE_PIECEWISE_GRAPH_MAX_TOKENS
 # A decode batch replays a larger captured size's graph when that one timed at least this much faster at
 # start (KVSERVE_GRAPH_PAD_MIN_GAIN_PCT; 0: always the smallest size that holds the batch).
 GRAPH_PAD_MIN_GAIN = envs.KVSERVE_GRAPH_PAD_MIN_GAIN_PCT / 100
@@ -170,6 +174,7 @@ class ModelRunner:
         )
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: CUDAGraphRunner | None = None
+        self.piecewise: PiecewiseGraphs | None = None
         self.memory_profile: MemoryProfile | None = None
         self.gemm_tuning: list[cublaslt.TuneResult] = []  # what tune_gemms() chose (and timed)
         self.precompile_stats: dict[str, Any] = {}  # what precompile_kernels() found and compiled
@@ -268,6 +273,8 @@ class ModelRunner:
                 + prefill_graph_reserve_bytes(
                     peak, num_tokens, [n for sizes in self.prefill_graph_sizes() for n in sizes],
                     arch.hidden_size * torch.empty((), dtype=self.dtype).element_size(),
+                    piecewise_tokens=self.piecewise_graph_sizes(),
+                    piecewise_row_bytes=arch.q_size * torch.empty((), dtype=self.dtype).element_size(),
                 )
                 if use_graphs
                 else 0
@@ -482,6 +489,21 @@ class ModelRunner:
         cache = [n for n in sizes if n <= CACHE_PREFILL_GRAPH_MAX_TOKENS] if self.max_num_reqs >= 2 else []
         return fresh, cache
 
+    def piecewise_graph_sizes(self) -> list[int]:
+        """Token counts of the piecewise graphs (with CUDA graphs on, for a model that has pieces, and request
+        buffers of 2 or more): `piecewise.piecewise_graph_sizes` up to PIECEWISE_GRAPH_MAX_TOKENS and the
+        step budget."""
+        if not self.config.use_cuda_graphs or self.max_num_reqs < 2 or not hasattr(self.model, "piecewise_model"):
+            return []
+        limit = min(PIECEWISE_GRAPH_MAX_TOKENS, self.config.scheduler_config.max_num_batched_tokens)
+        return piecewise_graph_sizes(limit)
+
+    def _piecewise_graphs(self) -> PiecewiseGraphs:
+        return PiecewiseGraphs(
+            self.model, self.kv_caches, self.inputs.dev, self.inputs.block_tables, self.piecewise_graph_sizes(),
+            self.config.model_config.max_model_len,
+        )
+
     def _graph_runner(self, prefill_sizes: list[int], cache_prefill_sizes: list[int]) -> CUDAGraphRunner:
         return CUDAGraphRunner(
             self.model,
@@ -538,6 +560,7 @@ class ModelRunner:
                 batches_s = time.perf_counter() - start
                 if self.config.use_cuda_graphs:
                     self._graph_runner(*self.prefill_graph_sizes()).run_eagerly()
+                    self._piecewise_graphs().run_eagerly()
                 torch.cuda.synchronize(self.device)
                 found_s = time.perf_counter() - start
         except Exception:
@@ -574,6 +597,7 @@ class ModelRunner:
                 )
             else:
                 self.graphs = graphs
+                self._capture_piecewise(graphs)
                 reserve = self.memory_profile.graph_reserve_bytes if self.memory_profile is not None else None
                 if reserve is not None and graphs.pool_bytes > reserve:
                     logger.warning(
@@ -587,6 +611,29 @@ class ModelRunner:
             del graphs
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
+
+    def _capture_piecewise(self, graphs: CUDAGraphRunner) -> None:
+        """Capture the piecewise graphs into the decode graphs' pool, after them (their pool growth is added
+        to `graphs.pool_bytes`). A failure is logged and leaves those steps eager."""
+        if not self.piecewise_graph_sizes() or graphs.pool is None or graphs.stream is None:
+            return
+        piecewise = self._piecewise_graphs()
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.mem_get_info(self.device)[0]
+        try:
+            with torch.inference_mode(), torch.cuda.stream(graphs.stream):
+                piecewise.capture(CudaGraphBackend(graphs.pool, graphs.stream))
+            torch.cuda.current_stream().wait_stream(graphs.stream)
+            torch.cuda.synchronize(self.device)
+        except Exception:
+            logger.exception("piecewise CUDA graph capture failed; steps that no other graph serves stay eager")
+            del piecewise
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            return
+        self.piecewise = piecewise
+        graphs.pool_bytes += max(before - torch.cuda.mem_get_info(self.device)[0], 0)
+        graphs.capture_s += piecewise.capture_s
 
     # ------------------------------------------------------------------ one step
 
@@ -622,6 +669,7 @@ class ModelRunner:
             if graphs is not None
             else None
         )
+        token_pad_to = self._piecewise_size(scheduler_output, pad_to, prefill_key)
         batch = self.inputs.prepare(
             scheduler_output,
             self.block_table,
@@ -630,6 +678,7 @@ class ModelRunner:
             prefill_pad_to=prefill_key[0] if prefill_key is not None else None,
             pad_as_request=prefill_key is not None and prefill_key[1],
             cascade_pad_to=cascade_pad_to,
+            token_pad_to=token_pad_to,
         )
         # Rows whose final states the step needs, when not every row: the model computes only those past the
         # last layer's cache write (a prefill's other tokens need their K/V, nothing more).
@@ -640,6 +689,8 @@ class ModelRunner:
             sample_hidden = hidden[:num_reqs] if batch.all_rows_sample else hidden[batch.logits_indices]
         elif prefill_key is not None and graphs is not None:
             sample_hidden = graphs.replay_prefill(*prefill_key)  # the last token's row only
+        elif batch.piecewise_tokens is not None and self.piecewise is not None:
+            sample_hidden = self.piecewise.replay(batch.piecewise_tokens, batch.attn_metadata, batch.logits_indices)
         else:
             output_rows = None if batch.all_rows_sample else batch.logits_indices
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata, output_rows)
@@ -677,6 +728,22 @@ class ModelRunner:
             done = torch.cuda.Event()
             done.record()
         return PendingOutput(batch.sampled_req_ids, states, sampled_host, logprob_host, done)
+
+    def _piecewise_size(
+        self, scheduler_output: SchedulerOutput, pad_to: int | None, prefill_key: tuple[int, bool] | None
+    ) -> int | None:
+        """The piecewise graph size of a step that neither a decode graph nor a prefill graph serves, or None."""
+        piecewise = self.piecewise
+        if piecewise is None or prefill_key is not None:
+            return None
+        scheduled = scheduler_output.scheduled
+        num_reqs = len(scheduled)
+        num_tokens = sum(len(s.token_ids) for s in scheduled)
+        graphs = self.graphs
+        if num_tokens == num_reqs and pad_to is not None and graphs is not None and graphs.has(pad_to, False):
+            return None  # a decode graph's batch (its cascade variant too, where captured)
+        one_fresh_prompt = num_reqs == 1 and scheduled[0].num_computed_tokens == 0
+        return piecewise.padded_size(num_reqs, num_tokens, one_fresh_prompt)
 
     def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """An asynchronous copy into pinned memory on CUDA (complete once the step's event is); a copy on
