@@ -172,6 +172,13 @@ class Bench:
         phases = ", ".join(f"{k} {v:.1f}" for k, v in r["phases_s"].items())
         self.rows.append(("engine start (s)", f"{r['start_s']:.1f}", phases))
         self.rows.append(("KV cache", f"{r['num_blocks']} blocks", r["capacity"]))
+        graphs, pieces = self.core.runner.graphs, self.core.runner.piecewise
+        if graphs is not None:
+            r["graph_pool_mib"] = graphs.pool_bytes / (1 << 20)
+            r["piecewise_capture_s"] = pieces.capture_s if pieces is not None else None
+            self.rows.append(("CUDA graph pool (MiB)", f"{r['graph_pool_mib']:.0f}",
+                              f"capture {graphs.capture_s:.1f} s, of which piecewise "
+                              + (f"{pieces.capture_s:.1f} s ({len(pieces.sizes)} sizes)" if pieces else "none")))
         pre = self.core.runner.precompile_stats
         r["precompile"] = pre
         if pre:

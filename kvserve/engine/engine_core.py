@@ -209,14 +209,15 @@ class EngineCore:
 
     def _note_late_variants(self) -> None:
         assert self._variants_seen is not None
-        count = triton_precompile.loaded_count()
-        late = triton_precompile.loaded_since(self._variants_seen, KERNEL_MODULES)
+        before, count = self._variants_seen, triton_precompile.loaded_count()
+        late = triton_precompile.loaded_since(before, KERNEL_MODULES)
         self._variants_seen = count
         if not late:
             return  # another Triton user in this process
         self.late_kernel_variants.extend(late)
+        keys = "; ".join(key[:600] for key in triton_precompile.keys_since(before))
         logger.warning("a step loaded %d Triton kernel variant(s) that start-up did not warm up (%s); the step "
-                       "waited for their compile", len(late), ", ".join(late))
+                       "waited for their compile%s", len(late), ", ".join(late), f" (keys: {keys})" if keys else "")
 
     def _finish_in_flight(self) -> list[EngineCoreOutput]:
         assert self._in_flight is not None

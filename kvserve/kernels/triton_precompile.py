@@ -160,6 +160,7 @@ class Precompiler:
 
 _lock = threading.Lock()
 _loaded: list[tuple[str, str]] = []  # (module, kernel name) of each variant this process loaded after `watch`
+_keys: list[tuple[int, str]] = []  # (its index in _loaded, Triton's cache key: the specialisation) where given
 _watching = False
 
 
@@ -179,6 +180,8 @@ def watch() -> bool:
             fn = kwargs.get("fn")
             name = getattr(fn, "name", None) or str(kwargs.get("repr", "?"))
             with _lock:
+                if kwargs.get("key") is not None:
+                    _keys.append((len(_loaded), str(kwargs["key"])))
                 _loaded.append((str(getattr(fn, "module", "")), name))
             return previous(**kwargs) if previous is not None else None
 
@@ -191,6 +194,13 @@ def loaded_count() -> int:
     """Variants loaded since `watch()` (0 before it)."""
     with _lock:
         return len(_loaded)
+
+
+def keys_since(count: int) -> list[str]:
+    """Triton's cache keys (kernel signature and specialisation) of the variants loaded after the `count`-th:
+    what tells two variants of one kernel apart when a late one is reported."""
+    with _lock:
+        return [key for index, key in _keys if index >= count]
 
 
 def loaded_since(count: int, module_prefix: str = "") -> list[str]:

@@ -24,6 +24,7 @@ def runtime(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
     fake = SimpleNamespace(jit_cache_hook=None, jit_post_compile_hook=None)
     monkeypatch.setattr(triton_precompile, "_knobs", lambda: fake)
     monkeypatch.setattr(triton_precompile, "_loaded", [])
+    monkeypatch.setattr(triton_precompile, "_keys", [])
     monkeypatch.setattr(triton_precompile, "_watching", False)
     monkeypatch.setattr(triton_precompile.envs, "TRITON_INTERPRET", False)
     return fake
@@ -174,6 +175,7 @@ def test_watch_counts_loads_once_installed_and_chains_the_previous_hook(runtime:
     assert triton_precompile.loaded_count() == 3
     assert triton_precompile.loaded_since(1) == ["decode", "decode"]
     assert triton_precompile.loaded_since(0, "kvserve.") == ["rms_norm", "decode"]
+    assert triton_precompile.keys_since(1) == ["k2", "k3"]  # what tells a late variant's specialisation
 
 
 def test_nothing_applies_under_the_interpreter(runtime: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
