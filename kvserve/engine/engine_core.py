@@ -215,7 +215,7 @@ class EngineCore:
         if not late:
             return  # another Triton user in this process
         self.late_kernel_variants.extend(late)
-        keys = "; ".join(key[:600] for key in triton_precompile.keys_since(before))
+        keys = "; ".join(triton_precompile.keys_since(before))
         logger.warning("a step loaded %d Triton kernel variant(s) that start-up did not warm up (%s); the step "
                        "waited for their compile%s", len(late), ", ".join(late), f" (keys: {keys})" if keys else "")
 
