@@ -346,7 +346,7 @@ class ModelRunner:
             metadata = AttentionMetadata(
                 query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-                block_tables=torch.zeros((2, -(-max(seq_lens) // self.block_size)), dtype=torch.int32, device=device),
+                block_tables=self._warm_up_block_table(2, max(seq_lens)),
                 slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
                 max_query_len=max(query_lens),
                 max_seq_len=max(seq_lens),
@@ -369,6 +369,18 @@ class ModelRunner:
         mark("logits", tick)
         return lengths
 
+    def _warm_up_block_table(self, num_reqs: int, seq_len: int) -> torch.Tensor:
+        """Block-table rows for a warm-up batch that reads cache block 0 only: zeroed rows of the runner's
+        persistent batch table where they hold seq_len (a step's table is a slice of it, and Triton
+        specialises a kernel on whether that row stride divides by 16: a table of another width compiled
+        variants the steps never use, and left theirs to compile at the first such step), else a new one."""
+        table = self.inputs.block_tables
+        if num_reqs <= table.shape[0] and seq_len <= table.shape[1] * self.block_size:
+            rows = table[:num_reqs]
+            rows.zero_()
+            return rows
+        return torch.zeros((num_reqs, -(-seq_len // self.block_size)), dtype=torch.int32, device=self.device)
+
     def _warm_up_cascade(self) -> None:
         """Decode batches of 8 to 64 requests sharing a prefix: every tile height of the shared-prefix kernel,
         with the own part split (8 requests) and unsplit (64 on a large GPU), so that eager serving does
@@ -378,7 +390,6 @@ class ModelRunner:
         seq_len = prefix + 44
         if seq_len > self.config.model_config.max_model_len:
             return
-        width = -(-seq_len // self.block_size)
         for num_reqs in (8, 16, 32, 64):
             if num_reqs > self.max_num_reqs:
                 break
@@ -386,7 +397,7 @@ class ModelRunner:
             metadata = AttentionMetadata(
                 query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
                 seq_lens=torch.full((num_reqs,), seq_len, dtype=torch.int32, device=device),
-                block_tables=torch.zeros((num_reqs, width), dtype=torch.int32, device=device),
+                block_tables=self._warm_up_block_table(num_reqs, seq_len),
                 slot_mapping=torch.full((num_reqs,), -1, dtype=torch.int64, device=device),
                 max_query_len=1,
                 max_seq_len=seq_len,

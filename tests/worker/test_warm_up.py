@@ -27,6 +27,33 @@ def test_warm_up_runs_one_batch_per_tile_shape_and_leaves_the_cache_untouched(
     assert all(torch.equal(a, b) for a, b in zip(before, core.runner.kv_caches, strict=True))
 
 
+def test_warm_up_batches_use_the_steps_block_table_stride(
+    tiny_model_dir: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Triton specialises the attention kernel on whether the block table's row stride divides by 16. A step's
+    table is a slice of the runner's persistent one; a warm-up table of its own width (9 blocks here) compiled
+    variants no step uses, and the first mixed step with a 5-9-token chunk compiled its own on the H200
+    (docs/perf_notes.md, entry 39). Every warm-up batch (the cascade ones too) now reads rows of that table."""
+    model_dir = tiny_model_dir("llama", max_position_embeddings=512)
+    args = EngineArgs(model=model_dir, device="cpu", max_model_len=512, kv_cache_memory="8MiB", max_num_seqs=64)
+    core = EngineCore(args.create_engine_config())
+    runner = core.runner
+    strides: list[int] = []
+    forward = runner.model.forward
+
+    def recording(input_ids, positions, kv_caches, attn_metadata, output_rows=None):  # noqa: ANN001, ANN202
+        strides.append(attn_metadata.block_tables.stride(0))
+        return forward(input_ids, positions, kv_caches, attn_metadata, output_rows)
+
+    monkeypatch.setattr(runner.model, "forward", recording)
+    runner.warm_up_kernels()
+    runner._warm_up_cascade()
+    width = runner.inputs.block_tables.stride(0)
+    assert width == 512 // runner.block_size
+    assert len(strides) == 4 + 1 + 4  # tile shapes, the two-prompt batch, four cascade batch sizes
+    assert set(strides) == {width}
+
+
 def test_warm_up_runs_the_lm_head_at_every_row_count_of_the_skinny_matmul(
     tiny_model_dir: Callable[..., str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
