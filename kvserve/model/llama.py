@@ -69,25 +69,6 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-        output_rows: torch.Tensor | None = None,
-    ) -> torch.Tensor | None:
-        """Writes this step's K/V into kv_cache and returns the attention block's output [num_tokens,
-        hidden]; with output_rows (int64 indices), only those rows' output (the o_proj runs on them alone),
-        and None for no rows (the cache write is all that is left to do)."""
-        q, k, v = self.project(positions, hidden, kv_cache, attn_metadata)
-        if output_rows is not None and output_rows.shape[0] == 0:
-            return None
-        out = self.attend(q, k, v, kv_cache, attn_metadata)
-        if output_rows is not None:
-            out = out.index_select(0, output_rows)
-        return self.o_proj(out)
-
     def project(
         self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -180,17 +161,17 @@ class LlamaDecoderLayer(nn.Module):
         every row's K/V still go into the cache, but everything past attention runs on those rows alone,
         and both results hold only them; None for no rows.
         """
-        normed, residual = self.input_layernorm(hidden, residual)
-        attn_out = self.self_attn(positions, normed, kv_cache, attn_metadata, output_rows)
-        if attn_out is None:
+        q, k, v, residual = self.pre_attention(positions, hidden, residual, kv_cache, attn_metadata)
+        if output_rows is not None and output_rows.shape[0] == 0:
             return None
+        attn_out = self.self_attn.attend(q, k, v, kv_cache, attn_metadata)
         if output_rows is not None:
+            attn_out = attn_out.index_select(0, output_rows)
             residual = residual.index_select(0, output_rows)
-        normed, residual = self.post_attention_layernorm(attn_out, residual)
-        return self.mlp(normed), residual
+        return self.post_attention(attn_out, residual)
 
-    # The parts of `forward` around attention, for piecewise CUDA graphs (`worker.piecewise`): the same ops in
-    # the same order, so that pre_attention, attend, post_attention compose to forward without output_rows.
+    # The parts of `forward` around attention, which piecewise CUDA graphs (`worker.piecewise`) also run
+    # apart: pre_attention, self_attn.attend, post_attention.
 
     def pre_attention(
         self,

@@ -5,8 +5,9 @@ Start-up order (driven by EngineCore): construct (load weights, allocate persist
 -> `initialize_kv_cache` -> `capture_cuda_graphs` (GPU, unless enforce_eager).
 
 Per step: apply the scheduler's diffs to the runner's request states and block table, fill the persistent
-input buffers, run the model (a CUDA-graph replay for decode-only batches that fit a captured size, else
-eager), sample on the device, and copy the sampled ids (and requested logprobs) to the host: the one
+input buffers, run the model (a CUDA-graph replay for decode-only batches that fit a captured size and for
+one-request prefills up to the prefill graphs' size, piecewise graphs with eager attention between them for
+other steps up to their size, else eager), sample on the device, and copy the sampled ids (and requested logprobs) to the host: the one
 host sync of the step.
 
 `execute_model_async` launches all of that and returns a `PendingOutput` without waiting; its `result()`
