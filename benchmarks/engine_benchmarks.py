@@ -539,6 +539,7 @@ class Bench:
                 runner.piecewise = pieces if mode == "piecewise" else None
                 steps_ms: list[float] = []
                 spikes: list[float] = []
+                mixed_steps = 0  # steps with prefill tokens beside other requests (an arrival's prompt and the decodes)
                 replays = pieces.replays if pieces is not None else 0
                 for c, new_prompt in enumerate(self.prompts([plen] * cycles)):
                     core.add_request(EngineCoreRequest(req_id=f"mx{batch}x{prompt}-{rnd}-{c}",
@@ -547,14 +548,15 @@ class Bench:
                     cycle = []
                     for _ in range(every):
                         t0 = time.perf_counter()
-                        core.step()
+                        result = core.step()
                         cycle.append((time.perf_counter() - t0) * 1e3)
+                        mixed_steps += result.num_scheduled_tokens > result.num_scheduled_reqs > 1
                     steps_ms.extend(cycle)
                     spikes.append(max(cycle))
                 served = (pieces.replays - replays) if pieces is not None else 0
                 windows.setdefault(mode, []).append({"mean_step_ms": statistics.mean(steps_ms),
                                                      "median_spike_ms": statistics.median(spikes),
-                                                     "piecewise_steps": served})
+                                                     "piecewise_steps": served, "mixed_steps": mixed_steps})
             runner.piecewise = pieces
             while core.has_unfinished_requests():
                 core.step()

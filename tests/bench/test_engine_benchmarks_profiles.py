@@ -1,5 +1,6 @@
-"""benchmarks/engine_benchmarks.py's tprofile and hostprof sections on the CPU, tiny shapes: the profiled windows
-of the 256-sequence run start where asked and hold the steps asked for, and hostprof runs the cases given."""
+"""benchmarks/engine_benchmarks.py's tprofile, hostprof and mixed sections on the CPU, tiny shapes: the profiled
+windows of the 256-sequence run start where asked and hold the steps asked for, hostprof runs the cases given,
+and the mixed section's arrivals each share a step with the decoding requests."""
 
 from __future__ import annotations
 
@@ -34,3 +35,22 @@ def test_tprofile_windows_and_hostprof_cases(tmp_path: Path) -> None:
     assert sorted(hostprof) == ["b2x64", "b3x40"]
     assert all(case["wall"] > 0 and "schedule" in case for case in hostprof.values())
 
+
+
+@pytest.mark.timeout(300)
+def test_mixed_section_arrivals_share_steps_with_decodes(tmp_path: Path) -> None:
+    out = tmp_path / "res"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "engine_benchmarks.py"), "--out", str(out), "--device", "cpu",
+         "--dtype", "float32", "--model", "tiny", "--scale", "0.02", "--max-model-len", "2048",
+         "--max-num-seqs", "16", "--sections", "mixed", "--mixed-cases", "3x64x20,2x32x40", "--mixed-cycles", "3"],
+        cwd=REPO, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cases = json.loads((out / "engine_mixed.json").read_text())["results"]
+    assert [(c["batch"], c["context"], c["prompt"]) for c in cases] == [(3, 64, 20), (2, 32, 40)]
+    for case in cases:
+        # No CUDA graphs on the CPU: every window is eager; each of its 3 arrivals is one step with prefill tokens.
+        assert list(case["windows"]) == ["eager"] and len(case["windows"]["eager"]) == 4
+        for window in case["windows"]["eager"]:
+            assert window["mixed_steps"] == 3 and window["piecewise_steps"] == 0
+            assert window["median_spike_ms"] > 0 and window["mean_step_ms"] > 0
