@@ -632,13 +632,17 @@ class ModelRunner:
         piecewise = self._piecewise_graphs()
         torch.cuda.synchronize(self.device)
         before = torch.cuda.mem_get_info(self.device)[0]
+        captured = False
         try:
             with torch.inference_mode(), torch.cuda.stream(graphs.stream):
                 piecewise.capture(CudaGraphBackend(graphs.pool, graphs.stream))
             torch.cuda.current_stream().wait_stream(graphs.stream)
             torch.cuda.synchronize(self.device)
+            captured = True
         except Exception:
             logger.exception("piecewise CUDA graph capture failed; steps that no other graph serves stay eager")
+        if not captured:
+            # Out of the except block, so the traceback no longer holds the partial graphs' memory.
             del piecewise
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()

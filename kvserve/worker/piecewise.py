@@ -20,9 +20,11 @@ row-wise op of the pieces, attention computes only the real n rows, and no real 
 
 Memory: the pieces of all sizes share the decode graphs' pool and are captured after them. The attention
 output buffer is allocated outside the pool. A piece's q/k/v and residual outputs are held only as weak
-views (`weak_view`): the piece after next may reuse their memory, which is safe because a step replays the
-pieces in capture order and nothing else runs between them but attention, which reads q/k/v before the next
-piece and allocates from the ordinary allocator.
+views (`weak_view`), so later captures reuse their memory: the next piece may take q/k/v's (attention has
+read them by then), the piece after it the residual's (the next piece read it). That is safe because a step
+replays the pieces in capture order, on one stream, with nothing between them but the eager attention and
+`finish`, which allocate from the ordinary allocator. Moving attention (or anything reading a piece's
+outputs) to another stream would break it.
 """
 
 from __future__ import annotations
