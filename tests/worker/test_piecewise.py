@@ -138,6 +138,41 @@ def test_pieces_match_the_forward_on_a_mixed_step(tiny_model_dir: Callable[..., 
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_pieces_match_the_forward_on_a_decode_batch(tiny_model_dir: Callable[..., str]) -> None:
+    """A decode-only batch (what the pieces serve past the largest decode graph): every row samples."""
+    runner = _runner(tiny_model_dir("qwen2"))
+    size = runner.block_size
+    gen = torch.Generator().manual_seed(2)
+    cached = [30, 47, 20, 9, 16]
+    prompts = [torch.randint(3, 1000, (n + 1,), generator=gen).tolist() for n in cached]
+    blocks, next_block = [], 1
+    for n in cached:
+        count = -(-(n + 1) // size)
+        blocks.append(list(range(next_block, next_block + count)))
+        next_block += count
+    context = SchedulerOutput(scheduled=[ScheduledRequest(f"r{i}", p[:-1], 0, b, True, False)
+                                         for i, (p, b) in enumerate(zip(prompts, blocks, strict=True))])
+    decode = SchedulerOutput(scheduled=[ScheduledRequest(f"r{i}", p[-1:], n, [], False, True)
+                                        for i, (p, n) in enumerate(zip(prompts, cached, strict=True))])
+    pieces = PiecewiseGraphs(runner.model, runner.kv_caches, runner.inputs.dev, runner.inputs.block_tables, [64], 256)
+    pieces.capture(EagerBackend())
+    runner.block_table.apply(context)
+    warm = runner.inputs.prepare(context, runner.block_table)
+    runner.block_table.apply(decode)
+    results = []
+    with torch.inference_mode():
+        runner.model(warm.input_ids, warm.positions, runner.kv_caches, warm.attn_metadata)
+        for piecewise in (False, True):
+            batch = runner.inputs.prepare(decode, runner.block_table, token_pad_to=64 if piecewise else None)
+            assert batch.is_decode_only and len(batch.logits_indices) == len(cached)
+            if piecewise:
+                results.append(pieces.replay(64, batch.attn_metadata, batch.logits_indices).clone())
+            else:
+                results.append(runner.model(batch.input_ids, batch.positions, runner.kv_caches,
+                                            batch.attn_metadata).clone())
+    torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-5)
+
+
 def test_token_padding_refuses_a_batch_past_the_buffers(tiny_model_dir: Callable[..., str]) -> None:
     runner = _runner(tiny_model_dir("llama"))
     step = SchedulerOutput(scheduled=[ScheduledRequest("a", list(range(3, 13)), 0, [1], True, True),
