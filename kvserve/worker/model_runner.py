@@ -512,8 +512,7 @@ class ModelRunner:
 
     def _piecewise_graphs(self) -> PiecewiseGraphs:
         return PiecewiseGraphs(
-            self.model, self.kv_caches, self.inputs.dev, self.inputs.block_tables, self.piecewise_graph_sizes(),
-            self.config.model_config.max_model_len,
+            self.model, self.kv_caches, self.inputs.dev, self.inputs.block_tables, self.piecewise_graph_sizes()
         )
 
     def _graph_runner(self, prefill_sizes: list[int], cache_prefill_sizes: list[int]) -> CUDAGraphRunner:
@@ -754,7 +753,7 @@ class ModelRunner:
             return None
         scheduled = scheduler_output.scheduled
         num_reqs = len(scheduled)
-        num_tokens = sum(len(s.token_ids) for s in scheduled)
+        num_tokens = scheduler_output.total_num_scheduled_tokens
         graphs = self.graphs
         if num_tokens == num_reqs and pad_to is not None and graphs is not None and graphs.has(pad_to, False):
             return None  # a decode graph's batch (its cascade variant too, where captured)

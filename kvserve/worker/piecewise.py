@@ -158,23 +158,17 @@ class PiecewiseGraphs:
         buffers: dict[str, torch.Tensor],
         block_tables: torch.Tensor,
         sizes: Sequence[int],
-        max_model_len: int,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.buffers = buffers
         self.block_tables = block_tables
         self.sizes = sorted(sizes)
-        self.max_model_len = max_model_len
         self.attn_out: torch.Tensor | None = None
         # size -> one (replay, (q, k, v, residual) as kept) per layer
         self._pieces: dict[int, list[tuple[Callable[[], None], PieceOutputs]]] = {}
         self.replays = 0  # steps served so far (tests read it)
         self.capture_s = 0.0
-
-    @property
-    def captured(self) -> bool:
-        return bool(self._pieces)
 
     def padded_size(self, num_reqs: int, num_tokens: int, one_fresh_prompt: bool) -> int | None:
         if not self._pieces:

@@ -88,8 +88,7 @@ def test_pieces_match_the_forward_on_a_mixed_step(tiny_model_dir: Callable[..., 
         for (rid, cached, _), sample in zip(shapes, [True, True, False, True], strict=True)
     ])
     num_tokens = step.total_num_scheduled_tokens
-    pieces = PiecewiseGraphs(runner.model, runner.kv_caches, runner.inputs.dev, runner.inputs.block_tables,
-                             [64, 128], 256)
+    pieces = PiecewiseGraphs(runner.model, runner.kv_caches, runner.inputs.dev, runner.inputs.block_tables, [64, 128])
     pieces.capture(EagerBackend())
 
     def run(piecewise: bool, batch_step: SchedulerOutput) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -149,7 +148,7 @@ def test_pieces_match_the_forward_on_a_decode_batch(tiny_model_dir: Callable[...
                                          for i, (p, b) in enumerate(zip(prompts, blocks, strict=True))])
     decode = SchedulerOutput(scheduled=[ScheduledRequest(f"r{i}", p[-1:], n, [], False, True)
                                         for i, (p, n) in enumerate(zip(prompts, cached, strict=True))])
-    pieces = PiecewiseGraphs(runner.model, runner.kv_caches, runner.inputs.dev, runner.inputs.block_tables, [64], 256)
+    pieces = PiecewiseGraphs(runner.model, runner.kv_caches, runner.inputs.dev, runner.inputs.block_tables, [64])
     pieces.capture(EagerBackend())
     runner.block_table.apply(context)
     warm = runner.inputs.prepare(context, runner.block_table)
@@ -210,8 +209,7 @@ def test_engine_greedy_output_unchanged_with_piecewise_steps(default_gguf_path: 
     want = tokens(eager)
     llm = LLM(max_model_len=256, enable_prefix_caching=False, **settings)
     runner = llm.engine.core.runner
-    pieces = PiecewiseGraphs(runner.model, runner.kv_caches, runner.inputs.dev, runner.inputs.block_tables,
-                             [64, 128], 256)
+    pieces = PiecewiseGraphs(runner.model, runner.kv_caches, runner.inputs.dev, runner.inputs.block_tables, [64, 128])
     pieces.capture(EagerBackend())
     runner.piecewise = pieces
     assert tokens(llm) == want
