@@ -47,12 +47,22 @@ MODELS = {
 }
 
 
+# Qwen3 (q/k RMSNorm per head, no bias; head_dim 128 with hidden 256): run where the change is about what a
+# layer computes between its attention launches (the piecewise graphs), not in every test.
+QWEN3 = ("qwen3", {"head_dim": 128})
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     out = {}
     for i, (name, (model_type, overrides)) in enumerate(MODELS.items()):
         out[name] = _tiny_checkpoint(str(tmp_path_factory.mktemp(name)), model_type, seed=i, **overrides)
     return out
+
+
+@pytest.fixture(scope="module")
+def qwen3_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return _tiny_checkpoint(str(tmp_path_factory.mktemp("qwen3")), QWEN3[0], seed=7, **QWEN3[1])
 
 
 def _prompts(num: int, seed: int) -> list[list[int]]:
@@ -126,16 +136,23 @@ def _generate_staggered(core: EngineCore, prompts: list[list[int]], max_tokens: 
     return [tokens[str(i)] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("model", [*MODELS, "qwen3-qk-norm"])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_piecewise_graphs_match_eager(
-    checkpoints: dict[str, str], model: str, async_scheduling: bool, monkeypatch: pytest.MonkeyPatch
+    checkpoints: dict[str, str],
+    qwen3_checkpoint: str,
+    model: str,
+    async_scheduling: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Prompts arriving while others decode, and prompts longer than a step (chunks): with the piecewise
     graphs (captured CUDA graphs between the layers' attention launches) the float32 greedy tokens equal
-    those of the same engine without them, and the mixed steps did replay pieces of several sizes."""
+    those of the same engine without them, and the mixed steps did replay pieces of several sizes. Qwen3's
+    per-head q/k norms run inside the pieces."""
     from kvserve.worker import model_runner
     from kvserve.worker.piecewise import piecewise_graph_sizes
+
+    path = qwen3_checkpoint if model == "qwen3-qk-norm" else checkpoints[model]
 
     generator = torch.Generator().manual_seed(21)
     lengths = [7, 150, 40, 700, 90, 3, 260, 33, 512, 64, 129, 18]
@@ -148,7 +165,7 @@ def test_piecewise_graphs_match_eager(
     results = []
     for piecewise in (True, False):
         monkeypatch.setattr(model_runner, "PIECEWISE_GRAPH_MAX_TOKENS", 2048 if piecewise else 0)
-        core = _core(checkpoints[model], "float32", enforce_eager=False, async_scheduling=async_scheduling)
+        core = _core(path, "float32", enforce_eager=False, async_scheduling=async_scheduling)
         pieces = core.runner.piecewise
         if piecewise:
             assert pieces is not None and pieces.sizes == piecewise_graph_sizes(512)
@@ -159,6 +176,53 @@ def test_piecewise_graphs_match_eager(
         del core
     assert len(set(sizes_used)) >= 3, sorted(set(sizes_used))
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("shared_prefix", [False, True], ids=["plain", "cascade"])
+def test_piecewise_decode_past_the_largest_decode_graph(
+    checkpoints: dict[str, str], model: str, shared_prefix: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode graphs only up to 8 requests, 12 decoding together: their decode-only steps replay the pieces
+    (64 tokens, 52 of them padding), with cascade attention over a shared 300-token prefix in the "cascade"
+    case. float32 greedy tokens equal those of the same engine without the pieces (those steps eager)."""
+    from kvserve.worker import model_runner
+    from kvserve.worker.input_batch import CASCADE_MIN_PREFIX_TOKENS
+
+    path = checkpoints[model]
+    if shared_prefix:
+        generator = torch.Generator().manual_seed(23)
+        shared = torch.randint(3, VOCAB, (300,), generator=generator).tolist()
+        assert len(shared) >= CASCADE_MIN_PREFIX_TOKENS + 16
+        prompts = [shared + p[:60] for p in _prompts(12, seed=24)]
+    else:
+        prompts = _prompts(12, seed=25)
+    decode_steps: list[tuple[int, int, int]] = []  # (size, requests, common prefix) of decode-only replays
+    results = []
+    for piecewise in (True, False):
+        monkeypatch.setattr(model_runner, "PIECEWISE_GRAPH_MAX_TOKENS", 2048 if piecewise else 0)
+        core = _core(path, "float32", enforce_eager=False, cuda_graph_sizes=[1, 2, 4, 8], cascade_attn=shared_prefix)
+        assert core.runner.graphs is not None and core.runner.graphs.sizes == [1, 2, 4, 8]
+        if shared_prefix:
+            _generate(core, prompts[:1], 2)  # the shared prefix goes into the cache first
+        pieces = core.runner.piecewise
+        if piecewise:
+            assert pieces is not None
+            replay = pieces.replay
+
+            def recording(size: int, metadata: Any, rows: torch.Tensor, _replay: Any = replay) -> torch.Tensor:
+                num_reqs = len(metadata.seq_lens_cpu)
+                if metadata.num_tokens == num_reqs:
+                    decode_steps.append((size, num_reqs, metadata.common_prefix_len))
+                return _replay(size, metadata, rows)
+
+            monkeypatch.setattr(pieces, "replay", recording)
+        results.append([t for t, _ in _generate(core, prompts, 24)])
+        del core
+    assert results[0] == results[1]
+    assert decode_steps and {size for size, _, _ in decode_steps} == {64}
+    assert max(n for _, n, _ in decode_steps) == 12
+    assert any(prefix > 0 for _, _, prefix in decode_steps) == shared_prefix, decode_steps[:5]
 
 
 @pytest.mark.parametrize("model", list(MODELS))
@@ -438,7 +502,12 @@ def test_bf16_logprobs_agree_with_hf(
         prompts = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in (700, 1000, 850)]
         core = _core(path, "bfloat16", enforce_eager=False, max_num_batched_tokens=4096)
     at_start, fused_rows[:] = list(fused_rows), []  # start-up: memory profile, warm-up, graph capture
+    pieces = core.runner.piecewise
+    assert pieces is not None
     outs = _generate(core, prompts, 16, logprobs=k)
+    # The batched prompts' steps (several requests with prefill tokens) replay the piecewise graphs, in
+    # bfloat16; "long"'s one step of 2,550 tokens is past them and runs eagerly.
+    assert (pieces.replays > 0) == (batches != "long"), pieces.replays
     if torch.cuda.get_device_capability()[0] >= 9:
         if batches == "batch40":  # the decode graph that 40 requests replay captured the TMA launch
             from kvserve.worker.cuda_graph import padded_batch_size
