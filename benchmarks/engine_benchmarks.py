@@ -1150,6 +1150,12 @@ def main() -> int:
                    default=[(16, 1024, 128), (32, 1024, 256), (64, 1024, 512)],
                    help="mixed section: BATCHxCONTEXTxPROMPT, comma-separated")
     p.add_argument("--mixed-cycles", type=int, default=12, help="mixed section: arrivals per window")
+    p.add_argument("--graph-capture", choices=["lean", "torch"], default=None,
+                   help="capture graphs with capture_begin/capture_end (lean, the default) or through "
+                        "torch.cuda.graph, which syncs and empties the caches before each capture (A/B)")
+    p.add_argument("--host-copy", choices=["side", "inline"], default=None,
+                   help="copy each step's sampled ids to the host from a second stream (side, the default) or "
+                        "on the compute stream (inline; A/B)")
     p.add_argument("--piecewise-max-tokens", type=int, default=None,
                    help="override model_runner.PIECEWISE_GRAPH_MAX_TOKENS (0: no piecewise graphs)")
     p.add_argument("--trace-workloads", type=lambda v: [x for x in v.split(",") if x], default=[],
@@ -1260,6 +1266,14 @@ def main() -> int:
         from kvserve.worker import model_runner
 
         model_runner.PREFILL_GRAPH_MAX_TOKENS = args.prefill_graph_max_tokens
+    if args.graph_capture is not None:
+        from kvserve.worker import cuda_graph
+
+        cuda_graph.LEAN_CAPTURE = args.graph_capture == "lean"
+    if args.host_copy is not None:
+        from kvserve.worker import model_runner
+
+        model_runner.HOST_COPY_STREAM = args.host_copy == "side"
     if args.piecewise_max_tokens is not None:
         from kvserve.worker import model_runner
 

@@ -53,7 +53,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -146,16 +146,46 @@ def padding_rows(num_reqs: int, padded: int) -> dict[str, list[int]]:
     }
 
 
+# Capture with `CUDAGraph.capture_begin` / `capture_end` directly (`capture_graph`) rather than through the
+# `torch.cuda.graph` context manager, which before each capture synchronizes the device, empties the caching
+# allocator and the pinned-host cache (and runs a garbage-collector pass in some torch versions). Start-up
+# captures hundreds of graphs one after another on one stream, where none of that is needed. False: the
+# context manager (kept for the start-up A/B, benchmarks/engine_benchmarks.py --graph-capture).
+LEAN_CAPTURE = True
+
+T = TypeVar("T")
+
+
+def capture_graph(fn: Callable[[], T], pool: Any, stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Capture what `fn` launches on `stream` into a new graph that allocates from `pool`; returns the graph
+    and fn's result (its tensors live in the pool). The caller runs fn once outside capture first where
+    anything is set up lazily (cuBLAS workspaces, kernel compiles)."""
+    graph = torch.cuda.CUDAGraph()
+    if not LEAN_CAPTURE:
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            out = fn()
+        return graph, out
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool)
+        try:
+            out = fn()
+        except BaseException:
+            try:  # end the capture so the stream is usable again; the first error is the one to report
+                graph.capture_end()
+            except Exception:  # noqa: BLE001 (an invalidated capture also fails to end)
+                pass
+            raise
+        graph.capture_end()
+    return graph, out
+
+
 def _capture(
     forward: Callable[[], torch.Tensor], pool: tuple[int, int], stream: torch.cuda.Stream
 ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """One graph of `forward` into `pool`, after a warm-up run outside capture (it compiles the Triton kernels
     of this shape and sets up cuBLAS). Call on `stream`."""
     forward()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, stream=stream):
-        out = forward()
-    return graph, out
+    return capture_graph(forward, pool, stream)
 
 
 class CUDAGraphRunner:
@@ -350,6 +380,7 @@ class CUDAGraphRunner:
             self._for_each_variant(capture_one)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the warm-up runs' blocks, so that the pool's size below is the pool's
         if self.pad_min_gain > 0 and len(self.sizes) > 1:
             self._time_decode_graphs()
         self.pool_bytes = max(before - torch.cuda.mem_get_info()[0], 0)

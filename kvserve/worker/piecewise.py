@@ -38,6 +38,7 @@ from typing import Any, Protocol
 import torch
 
 from kvserve.layers.attention_metadata import AttentionMetadata
+from kvserve.worker.cuda_graph import capture_graph
 
 logger = logging.getLogger(__name__)
 
@@ -110,9 +111,7 @@ class CudaGraphBackend:
 
     def capture(self, fn: Callable[[], PieceOutputs]) -> tuple[Callable[[], None], PieceOutputs]:
         fn()  # warm-up outside capture (cuBLAS set-up; Triton variants are compiled by then)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-            out = fn()
+        graph, out = capture_graph(fn, self.pool, self.stream)
         return graph.replay, out
 
     def keep(self, tensor: torch.Tensor) -> torch.Tensor:
