@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import gc
 import logging
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -149,8 +150,9 @@ def padding_rows(num_reqs: int, padded: int) -> dict[str, list[int]]:
 # Capture with `CUDAGraph.capture_begin` / `capture_end` directly (`capture_graph`) rather than through the
 # `torch.cuda.graph` context manager, which before each capture synchronizes the device, empties the caching
 # allocator and the pinned-host cache (and runs a garbage-collector pass in some torch versions). Start-up
-# captures hundreds of graphs one after another on one stream, where none of that is needed. False: the
-# context manager (kept for the start-up A/B, benchmarks/engine_benchmarks.py --graph-capture).
+# captures hundreds of graphs one after another on one stream, where none of that is needed (on the H200 the
+# capture took 3.5 s against 4.0-5.5: docs/perf_notes.md, entry 40). False: the context manager (kept for
+# the start-up A/B, benchmarks/engine_benchmarks.py --graph-capture).
 LEAN_CAPTURE = True
 
 T = TypeVar("T")
@@ -159,24 +161,34 @@ T = TypeVar("T")
 def capture_graph(fn: Callable[[], T], pool: Any, stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, T]:
     """Capture what `fn` launches on `stream` into a new graph that allocates from `pool`; returns the graph
     and fn's result (its tensors live in the pool). The caller runs fn once outside capture first where
-    anything is set up lazily (cuBLAS workspaces, kernel compiles)."""
+    anything is set up lazily (cuBLAS workspaces, kernel compiles).
+
+    The garbage collector is paused during the capture: a collection there may free another, unreachable
+    CUDAGraph (an engine dropped earlier in the process), and destroying a graph while a stream captures is
+    an error that invalidates the capture. Such garbage is collected after it."""
     graph = torch.cuda.CUDAGraph()
-    if not LEAN_CAPTURE:
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
-            out = fn()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        if not LEAN_CAPTURE:
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                out = fn()
+            return graph, out
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=pool)
+            try:
+                out = fn()
+            except BaseException:
+                try:  # end the capture so the stream is usable again; the first error is the one to report
+                    graph.capture_end()
+                except Exception:  # noqa: BLE001 (an invalidated capture also fails to end)
+                    pass
+                raise
+            graph.capture_end()
         return graph, out
-    with torch.cuda.stream(stream):
-        graph.capture_begin(pool=pool)
-        try:
-            out = fn()
-        except BaseException:
-            try:  # end the capture so the stream is usable again; the first error is the one to report
-                graph.capture_end()
-            except Exception:  # noqa: BLE001 (an invalidated capture also fails to end)
-                pass
-            raise
-        graph.capture_end()
-    return graph, out
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def _capture(

@@ -1,12 +1,20 @@
-"""`weak_view`, which the piecewise graphs hold their pieces' outputs with (skipped without CUDA): the view is
-the tensor's memory with its dtype, shape and strides; it does not keep that memory allocated; and a later
-capture into the same graph pool reuses what a weak view points at, which a strong reference prevents."""
+"""Graph capture helpers of the piecewise graphs (skipped without CUDA).
+
+* `weak_view`, which the pieces' outputs are held with: the view is the tensor's memory with its dtype,
+  shape and strides; it does not keep that memory allocated; and a later capture into the same graph pool
+  reuses what a weak view points at, which a strong reference prevents.
+* `capture_graph`: a garbage collection that would free an unreachable CUDA graph waits until the capture
+  has ended (destroying a graph while a stream captures invalidates the capture).
+"""
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 import torch
 
+from kvserve.worker.cuda_graph import capture_graph
 from kvserve.worker.piecewise import weak_view
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -66,3 +74,48 @@ def test_a_later_capture_reuses_a_weakly_held_output(hold: str) -> None:
         assert torch.equal(kept1, x + 1)
     else:
         assert torch.equal(kept1, x * 2)
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "torch"])
+def test_no_graph_is_collected_during_a_capture(lean: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvserve.worker import cuda_graph
+
+    monkeypatch.setattr(cuda_graph, "LEAN_CAPTURE", lean)
+    finalized_while_capturing: list[bool] = []
+
+    class Sentinel:
+        def __del__(self) -> None:
+            finalized_while_capturing.append(torch.cuda.is_current_stream_capturing())
+
+    thresholds = gc.get_threshold()
+    gc.collect()
+    gc.set_threshold(1_000_000)  # no collection before the capture
+    try:
+        x = torch.randn(4096, device="cuda")
+        dead = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(dead):
+            y = x * 3
+        cycle: list[object] = [dead, y, Sentinel()]
+        cycle.append(cycle)
+        del dead, y, cycle  # unreachable: only a collection frees the graph
+
+        def fn() -> torch.Tensor:
+            gc.set_threshold(1)  # a collection at the next container allocations, here inside the capture
+            try:
+                _ = [[i] for i in range(1000)]
+            finally:
+                gc.set_threshold(1_000_000)
+            return x + 1
+
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        graph, out = capture_graph(fn, pool, stream)
+        torch.cuda.current_stream().wait_stream(stream)
+    finally:
+        gc.set_threshold(*thresholds)
+    gc.collect()
+    assert finalized_while_capturing == [False]
+    x.fill_(2.0)
+    graph.replay()
+    assert torch.equal(out, torch.full_like(x, 3.0))
