@@ -88,6 +88,7 @@ class Bench:
         self.driver: Driver | None = None
         self.seeds_prompts: list[list[int]] | None = None  # the seeds section's timed prompts, for the hf section
         self.late_variants: list[str] = []  # Triton variants loaded by steps of the engines freed so far
+        self.host_copy_times: list[tuple[int, float, float]] = []  # --time-host-copies
 
     def n(self, count: int) -> int:
         return max(1, int(round(count * self.args.scale)))
@@ -114,6 +115,8 @@ class Bench:
             self.driver = Driver(self.core)
             if self.args.sync_debug and self.args.device.startswith("cuda"):
                 _watch_syncs()  # after start-up, whose syncs are deliberate
+            if self.args.time_host_copies:
+                _time_host_copies(self.core.runner, self.host_copy_times)
             graphs = self.core.runner.graphs
             self.results["start"] = {"start_s": start_s, "phases_s": dict(self.core.startup_phases),
                                      "num_blocks": self.core.capacity.num_blocks,
@@ -1056,6 +1059,45 @@ def _kernel_us(events: list[Any]) -> float:
 _SYNCS: dict[tuple[str, str], int] = {}
 
 
+def _time_host_copies(runner: Any, out: list[tuple[int, float, float]]) -> None:
+    """Record, for every step the runner launches, (scheduled tokens, host seconds in the copy of its
+    sampled ids to the host, host seconds in the whole launch), without a profiler: a copy that returns
+    only once the GPU has drained shows as a long call."""
+    launch, to_host = runner.execute_model_async, runner._to_host
+    current: dict[str, float] = {}
+
+    def timed_copy(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return to_host(*args, **kwargs)
+        finally:
+            current.setdefault("copy", time.perf_counter() - start)  # the sampled ids' copy: the first
+
+    def timed_launch(scheduler_output: Any) -> Any:
+        current.clear()
+        start = time.perf_counter()
+        pending = launch(scheduler_output)
+        if "copy" in current:
+            out.append((scheduler_output.total_num_scheduled_tokens, current["copy"], time.perf_counter() - start))
+        return pending
+
+    runner._to_host, runner.execute_model_async = timed_copy, timed_launch
+
+
+def _host_copy_rows(times: list[tuple[int, float, float]]) -> list[tuple[str, str, str]]:
+    """Table rows of `_time_host_copies`' records, by kind of step (tokens past 2,048: eager; else not)."""
+    rows = []
+    for label, keep in (("steps of > 2048 tokens", lambda n: n > 2048), ("steps of <= 2048 tokens", lambda n: n <= 2048)):
+        picked = [(c * 1e3, t * 1e3) for n, c, t in times if keep(n)]
+        if not picked:
+            continue
+        copies, launches = sorted(c for c, _ in picked), sorted(t for _, t in picked)
+        rows.append((f"host copy of sampled ids, {label} (ms)", f"{statistics.median(copies):.3f}",
+                     f"{len(picked)} steps; copy max {copies[-1]:.2f}, top 5 " + " ".join(f"{c:.2f}" for c in copies[-5:])
+                     + f"; whole launch median {statistics.median(launches):.2f}, max {launches[-1]:.2f}"))
+    return rows
+
+
 def _watch_syncs() -> None:
     """Count every synchronizing torch call from now on (torch.cuda.set_sync_debug_mode("warn")) by the
     innermost kvserve or benchmark frame that made it. Diagnostic only: the warnings slow the host. Event
@@ -1153,9 +1195,8 @@ def main() -> int:
     p.add_argument("--graph-capture", choices=["lean", "torch"], default=None,
                    help="capture graphs with capture_begin/capture_end (lean, the default) or through "
                         "torch.cuda.graph, which syncs and empties the caches before each capture (A/B)")
-    p.add_argument("--host-copy", choices=["side", "inline"], default=None,
-                   help="copy each step's sampled ids to the host from a second stream (side, the default) or "
-                        "on the compute stream (inline; A/B)")
+    p.add_argument("--time-host-copies", action="store_true",
+                   help="time each step's copy of its sampled ids to the host and its whole launch (host clock)")
     p.add_argument("--piecewise-max-tokens", type=int, default=None,
                    help="override model_runner.PIECEWISE_GRAPH_MAX_TOKENS (0: no piecewise graphs)")
     p.add_argument("--trace-workloads", type=lambda v: [x for x in v.split(",") if x], default=[],
@@ -1270,10 +1311,6 @@ def main() -> int:
         from kvserve.worker import cuda_graph
 
         cuda_graph.LEAN_CAPTURE = args.graph_capture == "lean"
-    if args.host_copy is not None:
-        from kvserve.worker import model_runner
-
-        model_runner.HOST_COPY_STREAM = args.host_copy == "side"
     if args.piecewise_max_tokens is not None:
         from kvserve.worker import model_runner
 
@@ -1298,6 +1335,9 @@ def main() -> int:
         bench.results["start"]["serving_late_variants"] = list(late)
         bench.rows.append(("Triton variants loaded by steps", f"{len(late)}", ", ".join(sorted(set(late)))
                            or "none since start"))
+    if args.time_host_copies:
+        bench.results["host_copies"] = [{"tokens": n, "copy_s": c, "launch_s": t} for n, c, t in bench.host_copy_times]
+        bench.rows.extend(_host_copy_rows(bench.host_copy_times))
     if args.sync_debug:
         bench.results["syncs"] = [{"where": w, "what": m, "count": c} for (w, m), c in
                                   sorted(_SYNCS.items(), key=lambda kv: -kv[1])]

@@ -75,9 +75,6 @@ GEMM_TUNING_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
 GEMM_TUNING_TORCH_CANDIDATE = True
 # Decoder layers the precompile's forwards run (the first layer's variants differ, the others repeat).
 PRECOMPILE_LAYERS = 2
-# Copy a step's sampled ids (and logprobs) to the host from a second stream that waits for the sampling,
-# rather than on the compute stream (the A/B of docs/perf_notes.md, entry 40).
-HOST_COPY_STREAM = True
 
 
 @dataclass
@@ -186,7 +183,6 @@ class ModelRunner:
         # The last launched step's sampled ids (device) and each sampling request's row in them: where
         # the next step's placeholder tokens come from.
         self._prev_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
-        self._copy_stream: torch.cuda.Stream | None = None  # created on first use (HOST_COPY_STREAM)
 
     # ------------------------------------------------------------------ KV cache
 
@@ -734,33 +730,20 @@ class ModelRunner:
             sampled.sampled_token_ids,
             {req_id: i for i, req_id in enumerate(batch.sampled_req_ids)},
         )
-        stream = self._host_copy_stream()
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            sampled_host = self._to_host(sampled.sampled_token_ids, stream)
-            logprob_host = None
-            if sampled.logprobs is not None and sampled.logprob_token_ids is not None:
-                ranks = sampled.sampled_ranks
-                logprob_host = (
-                    self._to_host(sampled.logprobs, stream),
-                    self._to_host(sampled.logprob_token_ids, stream),
-                    self._to_host(ranks, stream) if ranks is not None else None,
-                )
-            done = None
-            if self.device.type == "cuda":
-                done = torch.cuda.Event()
-                done.record()
+        sampled_host = self._to_host(sampled.sampled_token_ids)
+        logprob_host = None
+        if sampled.logprobs is not None and sampled.logprob_token_ids is not None:
+            ranks = sampled.sampled_ranks
+            logprob_host = (
+                self._to_host(sampled.logprobs),
+                self._to_host(sampled.logprob_token_ids),
+                self._to_host(ranks) if ranks is not None else None,
+            )
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
         return PendingOutput(batch.sampled_req_ids, states, sampled_host, logprob_host, done)
-
-    def _host_copy_stream(self) -> torch.cuda.Stream | None:
-        """With HOST_COPY_STREAM on CUDA: the stream the step's results are copied to the host on, made to
-        wait for the work launched so far on the current stream (the sampling). None: copy on the current
-        stream."""
-        if self.device.type != "cuda" or not HOST_COPY_STREAM:
-            return None
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(self.device)
-        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        return self._copy_stream
 
     def _piecewise_size(
         self, scheduler_output: SchedulerOutput, pad_to: int | None, prefill_key: tuple[int, bool] | None
@@ -778,15 +761,11 @@ class ModelRunner:
         one_fresh_prompt = num_reqs == 1 and scheduled[0].num_computed_tokens == 0
         return piecewise.padded_size(num_reqs, num_tokens, one_fresh_prompt)
 
-    def _to_host(self, tensor: torch.Tensor, stream: torch.cuda.Stream | None = None) -> torch.Tensor:
-        """An asynchronous copy into pinned memory on CUDA (complete once the step's event is), issued on the
-        current stream; `stream`: that stream, when it is not the one `tensor` was made on (the allocator
-        then keeps the tensor's memory until the copy has run). A copy on CPU (the sampler's tensors are
-        scratch)."""
+    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """An asynchronous copy into pinned memory on CUDA (complete once the step's event is); a copy on
+        CPU (the sampler's tensors are scratch)."""
         if tensor.device.type != "cuda":
             return tensor.clone()
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         host.copy_(tensor, non_blocking=True)
-        if stream is not None:
-            tensor.record_stream(stream)
         return host

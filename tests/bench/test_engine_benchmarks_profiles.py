@@ -1,6 +1,7 @@
 """benchmarks/engine_benchmarks.py's tprofile, hostprof and mixed sections on the CPU, tiny shapes: the profiled
 windows of the 256-sequence run start where asked and hold the steps asked for, hostprof runs the cases given,
-and the mixed section's arrivals each share a step with the decoding requests."""
+and the mixed section's arrivals each share a step with the decoding requests (with each step's host copy of
+its sampled ids timed)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ def test_mixed_section_arrivals_share_steps_with_decodes(tmp_path: Path) -> None
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "engine_benchmarks.py"), "--out", str(out), "--device", "cpu",
          "--dtype", "float32", "--model", "tiny", "--scale", "0.02", "--max-model-len", "2048",
-         "--max-num-seqs", "16", "--sections", "mixed", "--mixed-cases", "3x64x20,2x32x40", "--mixed-cycles", "3"],
+         "--max-num-seqs", "16", "--sections", "mixed", "--mixed-cases", "3x64x20,2x32x40", "--mixed-cycles", "3",
+         "--time-host-copies"],
         cwd=REPO, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     cases = json.loads((out / "engine_mixed.json").read_text())["results"]
@@ -54,3 +56,8 @@ def test_mixed_section_arrivals_share_steps_with_decodes(tmp_path: Path) -> None
         for window in case["windows"]["eager"]:
             assert window["mixed_steps"] == 3 and window["piecewise_steps"] == 0
             assert window["median_spike_ms"] > 0 and window["mean_step_ms"] > 0
+    # --time-host-copies: every sampling step's copy, inside its launch; arrivals (prefill tokens) among them.
+    copies = json.loads((out / "engine_host_copies.json").read_text())["results"]
+    assert len(copies) > 20 and all(0 < c["copy_s"] <= c["launch_s"] for c in copies)
+    assert {c["tokens"] for c in copies} >= {3, 23, 2, 42}
+    assert "host copy of sampled ids, steps of <= 2048 tokens" in proc.stdout
