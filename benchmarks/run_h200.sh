@@ -420,7 +420,8 @@ print('alone', t._backend_after('alone')); print('kvserve-first', t._backend_aft
             --graph-capture $mode >> "$R/start22.log" 2>&1
           echo "mode $mode done" >> "$R/start22.log"
         done ;;
-    copy22) for mode in side inline side inline; do
+    copy22) # ran at 0a66cc4 (session 22 call 2); model_runner.HOST_COPY_STREAM and --host-copy were removed after it
+        for mode in side inline side inline; do
           timeout 75 python3 benchmarks/engine_benchmarks.py --out "$R/copy22_$mode" --sections start,seeds,random256 \
             --host-copy $mode >> "$R/copy22.log" 2>&1
           echo "mode $mode done" >> "$R/copy22.log"
