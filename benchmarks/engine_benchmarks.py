@@ -25,6 +25,9 @@ Sections (--sections, default all but hf, each isolated: a failure is recorded a
 * trace     per-step breakdown of the seeds', 256-sequence and shared-prefix workloads by step kind;
 * tprofile  the 256-sequence workload with windows of steps profiled (GPU only, --tprofile-windows): each
             window's batch sizes, GPU busy time against the wall time, and GPU time by kernel;
+* mixed     prompts arriving every 4th step while requests decode, piecewise graphs on and off;
+* poisson   requests arriving at Poisson times (the server benchmark's load without HTTP): TTFT, TPOT and
+            the arrival steps, piecewise graphs on and off in one engine;
 * prefixab, shared, profile: see their methods.
 
 The start section also reports the decode graphs' times measured at capture and which sizes replay a
@@ -72,7 +75,7 @@ from common import (  # noqa: E402
 # Seconds without GPU work before each prompt of the ttft section's idle-GPU runs.
 TTFT_IDLE_S = 1.0
 SECTIONS = ("start", "decode", "seeds", "random256", "ttft", "ttftrest", "ttftrand", "ttftprefix", "ttftdiag", "prefillprof", "prefix", "prefixab", "shared", "hf", "profile",
-            "trace", "tprofile", "kprofile", "hostprof", "mixed")
+            "trace", "tprofile", "kprofile", "hostprof", "mixed", "poisson")
 
 
 class Bench:
@@ -571,6 +574,98 @@ class Bench:
                                   "arrival spike " + " / ".join(f"{w['median_spike_ms']:.1f}" for w in ws)
                                   + f" ms; piecewise steps {[w['piecewise_steps'] for w in ws]}"))
         self.results["mixed"] = out
+
+    def section_poisson(self) -> None:
+        """Requests arriving at Poisson times (--poisson-rate a second for --poisson-duration s, --poisson-in
+        prompt tokens, --poisson-out output tokens, EOS ignored), added as their times pass and stepped as a
+        server's engine loop steps them: the server benchmark's load on the engine alone. Rounds with the
+        piecewise graphs on and off alternate in one engine (the runner's `piecewise` set aside), each with
+        the same arrival times and fresh prompts. Per round: TTFT (from the arrival time) and TPOT, and the
+        wall time of the steps with prefill tokens beside other requests (arrivals) and of the others."""
+        self.engine()
+        self.warm_up()
+        core = self.core
+        runner = core.runner
+        pieces = runner.piecewise
+        from kvserve.protocol.engine import EngineCoreRequest
+        from kvserve.protocol.sampling_params import SamplingParams
+
+        a = self.args
+        plen, olen = self.length(a.poisson_in), self.length(a.poisson_out)
+        draw = random.Random(a.poisson_seed)
+        arrivals: list[float] = []
+        t = draw.expovariate(a.poisson_rate)
+        while t < a.poisson_duration:
+            arrivals.append(t)
+            t += draw.expovariate(a.poisson_rate)
+        params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=olen)
+
+        def pct(values: list[float], q: float) -> float:
+            ordered = sorted(values)
+            return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+        out: list[dict[str, Any]] = []
+        for rnd in range(2 * a.poisson_rounds):
+            mode = "piecewise" if rnd % 2 == 0 and pieces is not None else "eager"
+            runner.piecewise = pieces if mode == "piecewise" else None
+            replays = pieces.replays if pieces is not None else 0
+            prompts = self.prompts([plen] * len(arrivals))
+            arrived: dict[str, float] = {}
+            first: dict[str, float] = {}
+            last: dict[str, float] = {}
+            count: dict[str, int] = {}
+            arrival_ms: list[float] = []
+            other_ms: list[float] = []
+            i = 0
+            start = time.perf_counter()
+            while i < len(arrivals) or core.has_unfinished_requests():
+                now = time.perf_counter() - start
+                while i < len(arrivals) and arrivals[i] <= now:
+                    req_id = f"po{rnd}-{i}"
+                    core.add_request(EngineCoreRequest(req_id=req_id, prompt_token_ids=prompts[i],
+                                                       sampling_params=params, max_tokens=olen))
+                    arrived[req_id] = start + arrivals[i]
+                    i += 1
+                if not core.has_unfinished_requests():
+                    time.sleep(max(0.0, arrivals[i] - (time.perf_counter() - start)))
+                    continue
+                t0 = time.perf_counter()
+                result = core.step()
+                t1 = time.perf_counter()
+                mixed = result.num_scheduled_tokens > result.num_scheduled_reqs > 1
+                (arrival_ms if mixed else other_ms).append((t1 - t0) * 1e3)
+                for o in result.outputs:
+                    if o.new_token_ids:
+                        first.setdefault(o.req_id, t1)
+                        last[o.req_id] = t1
+                        count[o.req_id] = count.get(o.req_id, 0) + len(o.new_token_ids)
+            ttft = [(first[r] - arrived[r]) * 1e3 for r in arrived if r in first]
+            tpot = [(last[r] - first[r]) * 1e3 / (count[r] - 1) for r in arrived if count.get(r, 0) > 1]
+            record = {
+                "mode": mode, "requests": len(arrived), "completed": len(tpot),
+                "ttft_ms": {"mean": statistics.mean(ttft), "median": statistics.median(ttft), "p99": pct(ttft, 0.99)},
+                "tpot_ms": {"mean": statistics.mean(tpot), "median": statistics.median(tpot), "p99": pct(tpot, 0.99)},
+                "arrival_steps": len(arrival_ms),
+                "arrival_step_ms": {"median": statistics.median(arrival_ms) if arrival_ms else float("nan"),
+                                    "p90": pct(arrival_ms, 0.9)},
+                "other_step_ms": {"median": statistics.median(other_ms) if other_ms else float("nan"),
+                                  "p90": pct(other_ms, 0.9)},
+                "piecewise_steps": (pieces.replays - replays) if pieces is not None else 0,
+                "elapsed_s": time.perf_counter() - start,
+            }
+            out.append(record)
+            self.rows.append((
+                f"poisson {a.poisson_rate:g}/s {plen} in {olen} out, {mode} (TPOT ms)",
+                f"{record['tpot_ms']['mean']:.2f}",
+                f"median {record['tpot_ms']['median']:.2f}, P99 {record['tpot_ms']['p99']:.2f}; TTFT mean "
+                f"{record['ttft_ms']['mean']:.1f}, median {record['ttft_ms']['median']:.1f}, P99 "
+                f"{record['ttft_ms']['p99']:.1f}; {record['arrival_steps']} arrival steps, median "
+                f"{record['arrival_step_ms']['median']:.1f} ms (P90 {record['arrival_step_ms']['p90']:.1f}), other "
+                f"steps {record['other_step_ms']['median']:.2f}; {record['requests']} requests; piecewise steps "
+                f"{record['piecewise_steps']}"))
+        runner.piecewise = pieces
+        self.results["poisson"] = {"arrivals": len(arrivals), "rate": a.poisson_rate, "input_len": plen,
+                                   "output_len": olen, "rounds": out}
 
     def graph_probe(self, batch: int) -> tuple[Callable[[int], None], dict[str, float | None]]:
         """A Driver.run `on_step` callback that times the decode graph of `batch` once, at the 8th step of
@@ -1192,6 +1287,12 @@ def main() -> int:
                    default=[(16, 1024, 128), (32, 1024, 256), (64, 1024, 512)],
                    help="mixed section: BATCHxCONTEXTxPROMPT, comma-separated")
     p.add_argument("--mixed-cycles", type=int, default=12, help="mixed section: arrivals per window")
+    p.add_argument("--poisson-rate", type=float, default=16.0, help="poisson section: arrivals a second")
+    p.add_argument("--poisson-duration", type=float, default=20.0, help="poisson section: seconds of arrivals")
+    p.add_argument("--poisson-in", type=int, default=512, help="poisson section: prompt tokens (scaled)")
+    p.add_argument("--poisson-out", type=int, default=256, help="poisson section: output tokens (scaled)")
+    p.add_argument("--poisson-rounds", type=int, default=2, help="poisson section: rounds of each mode")
+    p.add_argument("--poisson-seed", type=int, default=16, help="poisson section: the arrival times' seed")
     p.add_argument("--graph-capture", choices=["lean", "torch"], default=None,
                    help="capture graphs with capture_begin/capture_end (lean, the default) or through "
                         "torch.cuda.graph, which syncs and empties the caches before each capture (A/B)")

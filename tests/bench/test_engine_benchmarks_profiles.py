@@ -1,7 +1,7 @@
-"""benchmarks/engine_benchmarks.py's tprofile, hostprof and mixed sections on the CPU, tiny shapes: the profiled
-windows of the 256-sequence run start where asked and hold the steps asked for, hostprof runs the cases given,
-and the mixed section's arrivals each share a step with the decoding requests (with each step's host copy of
-its sampled ids timed)."""
+"""benchmarks/engine_benchmarks.py's tprofile, hostprof, mixed and poisson sections on the CPU, tiny shapes: the
+profiled windows of the 256-sequence run start where asked and hold the steps asked for, hostprof runs the
+cases given, the mixed section's arrivals each share a step with the decoding requests (with each step's host
+copy of its sampled ids timed), and the poisson section serves every arrival in each round."""
 
 from __future__ import annotations
 
@@ -61,3 +61,24 @@ def test_mixed_section_arrivals_share_steps_with_decodes(tmp_path: Path) -> None
     assert len(copies) > 20 and all(0 < c["copy_s"] <= c["launch_s"] for c in copies)
     assert {c["tokens"] for c in copies} >= {3, 23, 2, 42}
     assert "host copy of sampled ids, steps of <= 2048 tokens" in proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_poisson_section_serves_every_arrival(tmp_path: Path) -> None:
+    out = tmp_path / "res"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "engine_benchmarks.py"), "--out", str(out), "--device", "cpu",
+         "--dtype", "float32", "--model", "tiny", "--scale", "0.02", "--max-model-len", "2048",
+         "--max-num-seqs", "16", "--sections", "poisson", "--poisson-rate", "100", "--poisson-duration", "0.3",
+         "--poisson-in", "10", "--poisson-out", "5", "--poisson-rounds", "1"],
+        cwd=REPO, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((out / "engine_poisson.json").read_text())["results"]
+    assert result["input_len"] == 10 and result["output_len"] == 5 and result["arrivals"] > 10
+    rounds = result["rounds"]
+    # No CUDA graphs on the CPU: both rounds are eager, and every arrival is served to its last token.
+    assert [r["mode"] for r in rounds] == ["eager", "eager"]
+    for r in rounds:
+        assert r["requests"] == r["completed"] == result["arrivals"]
+        assert r["ttft_ms"]["mean"] > 0 and r["tpot_ms"]["mean"] > 0 and r["other_step_ms"]["median"] > 0
+        assert r["piecewise_steps"] == 0
