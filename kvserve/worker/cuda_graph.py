@@ -160,8 +160,8 @@ T = TypeVar("T")
 
 def capture_graph(fn: Callable[[], T], pool: Any, stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, T]:
     """Capture what `fn` launches on `stream` into a new graph that allocates from `pool`; returns the graph
-    and fn's result (its tensors live in the pool). The caller runs fn once outside capture first where
-    anything is set up lazily (cuBLAS workspaces, kernel compiles).
+    and fn's result (its tensors live in the pool). Call with `stream` current; the caller runs fn once on it
+    outside capture first where anything is set up lazily (cuBLAS workspaces, kernel compiles).
 
     The garbage collector is paused during the capture: a collection there may free another, unreachable
     CUDAGraph (an engine dropped earlier in the process), and destroying a graph while a stream captures is
@@ -373,6 +373,7 @@ class CUDAGraphRunner:
         start = time.perf_counter()
         device = self.buffers["input_ids"].device
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # as after the capture: the difference is then the pool's alone
         before = torch.cuda.mem_get_info()[0]
         pool = self.pool = torch.cuda.graph_pool_handle()
         stream = self.stream = torch.cuda.Stream()

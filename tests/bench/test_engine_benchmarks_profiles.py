@@ -6,6 +6,7 @@ copy of its sampled ids timed), and the poisson section serves every arrival in 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -15,16 +16,22 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.timeout(300)
-def test_tprofile_windows_and_hostprof_cases(tmp_path: Path) -> None:
-    out = tmp_path / "res"
+def _run_tiny(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """engine_benchmarks.py on the CPU's tiny model (float32, counts scaled by 0.02), results under `out`."""
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "engine_benchmarks.py"), "--out", str(out), "--device", "cpu",
          "--dtype", "float32", "--model", "tiny", "--scale", "0.02", "--max-model-len", "2048",
-         "--max-num-seqs", "16", "--sections", "tprofile,hostprof", "--tprofile-windows", "2,5",
-         "--tprofile-steps", "2", "--hostprof-cases", "2x64,3x40"],
+         "--max-num-seqs", "16", *args],
         cwd=REPO, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.timeout(300)
+def test_tprofile_windows_and_hostprof_cases(tmp_path: Path) -> None:
+    out = tmp_path / "res"
+    _run_tiny(out, "--sections", "tprofile,hostprof", "--tprofile-windows", "2,5",
+              "--tprofile-steps", "2", "--hostprof-cases", "2x64,3x40")
     tprofile = json.loads((out / "engine_tprofile.json").read_text())["results"]
     windows = tprofile["windows"]
     # A window opens after the step it is named by and holds the next `--tprofile-steps` steps.
@@ -36,18 +43,11 @@ def test_tprofile_windows_and_hostprof_cases(tmp_path: Path) -> None:
     assert sorted(hostprof) == ["b2x64", "b3x40"]
     assert all(case["wall"] > 0 and "schedule" in case for case in hostprof.values())
 
-
-
 @pytest.mark.timeout(300)
 def test_mixed_section_arrivals_share_steps_with_decodes(tmp_path: Path) -> None:
     out = tmp_path / "res"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "engine_benchmarks.py"), "--out", str(out), "--device", "cpu",
-         "--dtype", "float32", "--model", "tiny", "--scale", "0.02", "--max-model-len", "2048",
-         "--max-num-seqs", "16", "--sections", "mixed", "--mixed-cases", "3x64x20,2x32x40", "--mixed-cycles", "3",
-         "--time-host-copies"],
-        cwd=REPO, capture_output=True, text=True, timeout=280)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _run_tiny(out, "--sections", "mixed", "--mixed-cases", "3x64x20,2x32x40", "--mixed-cycles", "3",
+                     "--time-host-copies")
     cases = json.loads((out / "engine_mixed.json").read_text())["results"]
     assert [(c["batch"], c["context"], c["prompt"]) for c in cases] == [(3, 64, 20), (2, 32, 40)]
     for case in cases:
@@ -66,13 +66,8 @@ def test_mixed_section_arrivals_share_steps_with_decodes(tmp_path: Path) -> None
 @pytest.mark.timeout(300)
 def test_poisson_section_serves_every_arrival(tmp_path: Path) -> None:
     out = tmp_path / "res"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "engine_benchmarks.py"), "--out", str(out), "--device", "cpu",
-         "--dtype", "float32", "--model", "tiny", "--scale", "0.02", "--max-model-len", "2048",
-         "--max-num-seqs", "16", "--sections", "poisson", "--poisson-rate", "100", "--poisson-duration", "0.3",
-         "--poisson-in", "10", "--poisson-out", "5", "--poisson-rounds", "1"],
-        cwd=REPO, capture_output=True, text=True, timeout=280)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _run_tiny(out, "--sections", "poisson", "--poisson-rate", "100", "--poisson-duration", "0.3",
+              "--poisson-in", "10", "--poisson-out", "5", "--poisson-rounds", "1")
     result = json.loads((out / "engine_poisson.json").read_text())["results"]
     assert result["input_len"] == 10 and result["output_len"] == 5 and result["arrivals"] > 10
     rounds = result["rounds"]
@@ -82,3 +77,15 @@ def test_poisson_section_serves_every_arrival(tmp_path: Path) -> None:
         assert r["requests"] == r["completed"] == result["arrivals"]
         assert r["ttft_ms"]["mean"] > 0 and r["tpot_ms"]["mean"] > 0 and r["other_step_ms"]["median"] > 0
         assert r["piecewise_steps"] == 0
+
+
+@pytest.mark.timeout(300)
+def test_poisson_section_without_arrivals_reports_nan(tmp_path: Path) -> None:
+    out = tmp_path / "res"
+    _run_tiny(out, "--sections", "poisson", "--poisson-rate", "1", "--poisson-duration", "0.001",
+              "--poisson-in", "10", "--poisson-out", "5", "--poisson-rounds", "1")
+    result = json.loads((out / "engine_poisson.json").read_text())["results"]
+    assert result["arrivals"] == 0
+    for r in result["rounds"]:
+        assert r["requests"] == r["completed"] == 0
+        assert math.isnan(r["ttft_ms"]["mean"]) and math.isnan(r["tpot_ms"]["p99"])
