@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Pass the local commit, written in literally (the device copy's git metadata can be stale, so a $(git ...) in
 # the command would read it there): KVSERVE_BENCH_COMMIT=<sha> bash ...
@@ -399,6 +399,21 @@ print('alone', t._backend_after('alone')); print('kvserve-first', t._backend_aft
     pytest22) python3 -c "import inspect, torch; print(torch.__version__); print(inspect.getsource(torch.cuda.graph.__enter__))" \
           > "$R/pytest22.log" 2>&1
         timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "not gguf" >> "$R/pytest22.log" 2>&1 ;;
+    apipath) # prepared in session 22, not yet run: the same Poisson load (16/s, 512 in / 256 out) on the engine
+        # alone (poisson section) and through `kvserve serve` + `kvserve bench`, one host: what the HTTP/API path adds
+        # to TTFT and TPOT. Needs .carry/tok.
+        timeout 120 python3 benchmarks/engine_benchmarks.py --out "$R/apipath_engine" --sections poisson \
+          --poisson-rate 16 --poisson-duration 30 --poisson-rounds 1 > "$R/apipath.log" 2>&1
+        dir=$(python3 -c 'import sys; sys.path.insert(0, "benchmarks"); from common import write_served_model_dir as w; print(w("qwen2.5-7b"))')
+        PYTHONPATH=/tmp/site:$PWD python3 -m kvserve serve "$dir" --load-format dummy --served-model-name qwen2-7b \
+          --port 8000 --disable-log-requests --disable-uvicorn-access-log > "$R/apipath_server.log" 2>&1 &
+        server=$!
+        for _ in $(seq 1 120); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 1; done
+        PYTHONPATH=/tmp/site:$PWD timeout 120 python3 -m kvserve bench --endpoint http://localhost:8000/v1/completions \
+          --model qwen2-7b --request-rate 16 --duration 30 --warmup 16 --input-len 512 --max-tokens 256 --ignore-eos \
+          --tokenizer "$dir" --no-progress --json "$R/apipath_server.json" >> "$R/apipath.log" 2>&1
+        echo "=== server bench rc=$?" >> "$R/apipath.log"
+        kill -TERM $server; wait $server ;;
     poisson22) timeout 200 python3 benchmarks/engine_benchmarks.py --out "$R/poisson22" --sections poisson \
           --poisson-rate 16 --poisson-duration 20 --poisson-rounds 2 > "$R/poisson22.log" 2>&1 ;;
     mixed22) timeout 150 python3 benchmarks/engine_benchmarks.py --out "$R/mixed22" --sections mixed \
@@ -610,7 +625,7 @@ print('alone', t._backend_after('alone')); print('kvserve-first', t._backend_aft
 done
 tar czf "$OUT/results.tgz" -C "$R" .
 echo "=== total $(( $(date +%s) - T0 ))s"
-for f in "$R"/poisson22.log "$R"/mixed22.log "$R"/shared22.log "$R"/pytest22c.log "$R"/hostcopy22.log "$R"/pytest22.log "$R"/pytest22b.log "$R"/start22.log "$R"/copy22.log "$R"/pytest21.log "$R"/pw21d.log "$R"/pw21c.log "$R"/serve21.log "$R"/pw21b.log "$R"/pw21.log "$R"/host20.log "$R"/ph20.log "$R"/gaps20.log "$R"/pytest20.log "$R"/split20.log "$R"/tprofh20.log "$R"/sync20.log "$R"/tprof20.log "$R"/ws19.log "$R"/prune19.log "$R"/dec19.log "$R"/kprof19.log "$R"/pytest_fmlp.log "$R"/fmlp18.log "$R"/pytest_early.log "$R"/early17.log "$R"/tprof17.log "$R"/kprof17.log "$R"/pytest_lpt.log "$R"/lpt16.log "$R"/abpad16.log "$R"/kprof16.log "$R"/ggufa.log "$R"/layout1.log "$R"/kprof15.log "$R"/pytest_review14.log "$R"/review14.log "$R"/gatesmall2.log "$R"/pytest_tma.log "$R"/tmaab.log "$R"/gatesmall.log "$R"/gateup2.log "$R"/pytest_gateup2.log "$R"/gateab2.log "$R"/gateup.log "$R"/pytest_gateup.log "$R"/gateab.log "$R"/l2probe.log "$R"/diag13.log "$R"/hfdiag3.log "$R"/sdpafix.log "$R"/hfdiag2.log "$R"/hfdiag.log "$R"/final12.log "$R"/pytest_lt.log "$R"/tuneab2.log "$R"/tuneab.log "$R"/ltalgos.log "$R"/attnab3.log "$R"/attnab2.log "$R"/attnpf.log "$R"/attnsweep.log "$R"/rows32.log "$R"/ttftrest.log "$R"/prefillab.log "$R"/prefillprof.log "$R"/gemm4.log "$R"/ttftclk.log "$R"/gemm3.log "$R"/blasab.log "$R"/confirm.log "$R"/fuseab2.log "$R"/ttftrand2.log "$R"/pdlab2.log "$R"/pdlgemm.log "$R"/pdlab.log "$R"/ttftrand.log "$R"/modload.log "$R"/sharedab.log "$R"/final.log "$R"/gguf.log "$R"/fuseab.log "$R"/skinnyab.log "$R"/gemm.log "$R"/pattn.log "$R"/cascade.log "$R"/serve.log "$R"/diag3.log "$R"/ttftab.log "$R"/prefixab.log "$R"/diag2.log "$R"/async.log "$R"/sweep.log "$R"/diag.log "$R"/profile.log "$R"/pytest_gpu.log "$R"/engine.log "$R"/engine2.log "$R"/eager.log "$R"/ab.log "$R"/prefix2.log "$R"/hf.log "$R"/gpu_kernels.log "$R"/elementwise.log; do
+for f in "$R"/apipath.log "$R"/poisson22.log "$R"/mixed22.log "$R"/shared22.log "$R"/pytest22c.log "$R"/hostcopy22.log "$R"/pytest22.log "$R"/pytest22b.log "$R"/start22.log "$R"/copy22.log "$R"/pytest21.log "$R"/pw21d.log "$R"/pw21c.log "$R"/serve21.log "$R"/pw21b.log "$R"/pw21.log "$R"/host20.log "$R"/ph20.log "$R"/gaps20.log "$R"/pytest20.log "$R"/split20.log "$R"/tprofh20.log "$R"/sync20.log "$R"/tprof20.log "$R"/ws19.log "$R"/prune19.log "$R"/dec19.log "$R"/kprof19.log "$R"/pytest_fmlp.log "$R"/fmlp18.log "$R"/pytest_early.log "$R"/early17.log "$R"/tprof17.log "$R"/kprof17.log "$R"/pytest_lpt.log "$R"/lpt16.log "$R"/abpad16.log "$R"/kprof16.log "$R"/ggufa.log "$R"/layout1.log "$R"/kprof15.log "$R"/pytest_review14.log "$R"/review14.log "$R"/gatesmall2.log "$R"/pytest_tma.log "$R"/tmaab.log "$R"/gatesmall.log "$R"/gateup2.log "$R"/pytest_gateup2.log "$R"/gateab2.log "$R"/gateup.log "$R"/pytest_gateup.log "$R"/gateab.log "$R"/l2probe.log "$R"/diag13.log "$R"/hfdiag3.log "$R"/sdpafix.log "$R"/hfdiag2.log "$R"/hfdiag.log "$R"/final12.log "$R"/pytest_lt.log "$R"/tuneab2.log "$R"/tuneab.log "$R"/ltalgos.log "$R"/attnab3.log "$R"/attnab2.log "$R"/attnpf.log "$R"/attnsweep.log "$R"/rows32.log "$R"/ttftrest.log "$R"/prefillab.log "$R"/prefillprof.log "$R"/gemm4.log "$R"/ttftclk.log "$R"/gemm3.log "$R"/blasab.log "$R"/confirm.log "$R"/fuseab2.log "$R"/ttftrand2.log "$R"/pdlab2.log "$R"/pdlgemm.log "$R"/pdlab.log "$R"/ttftrand.log "$R"/modload.log "$R"/sharedab.log "$R"/final.log "$R"/gguf.log "$R"/fuseab.log "$R"/skinnyab.log "$R"/gemm.log "$R"/pattn.log "$R"/cascade.log "$R"/serve.log "$R"/diag3.log "$R"/ttftab.log "$R"/prefixab.log "$R"/diag2.log "$R"/async.log "$R"/sweep.log "$R"/diag.log "$R"/profile.log "$R"/pytest_gpu.log "$R"/engine.log "$R"/engine2.log "$R"/eager.log "$R"/ab.log "$R"/prefix2.log "$R"/hf.log "$R"/gpu_kernels.log "$R"/elementwise.log; do
   [ -f "$f" ] || continue
   echo "##### $(basename "$f")"
   case $(basename "$f") in
@@ -671,6 +686,7 @@ for f in "$R"/poisson22.log "$R"/mixed22.log "$R"/shared22.log "$R"/pytest22c.lo
     tmaab.log) grep -E "^decode|^seeds|^256|^engine start|^mode|Error|failed" "$f" ;;
     pytest_review14.log) grep -E "passed|failed|FAILED|Error|kvserve bf16|^E " "$f" | tail -25 ;;
     pytest22.log) grep -E "^[0-9]|gc.collect|force_cudagraph|passed|failed|FAILED|Error|^E " "$f" | tail -20 ;;
+    apipath.log) grep -E "^poisson|===|tok/s|TTFT|TPOT|ITL|requests|Error|Traceback" "$f" | cut -c1-300 ;;
     poisson22.log) grep -E "^poisson|^engine start|Error|Traceback" "$f" | cut -c1-400 ;;
     mixed22.log) grep -E "^mixed|Error|Traceback" "$f" | cut -c1-220 ;;
     shared22.log) grep -E "^shared|^engine start|mode .* done|Error|Traceback" "$f" | cut -c1-200 ;;
