@@ -191,13 +191,11 @@ def capture_graph(fn: Callable[[], T], pool: Any, stream: torch.cuda.Stream) -> 
             gc.enable()
 
 
-def _capture(
-    forward: Callable[[], torch.Tensor], pool: tuple[int, int], stream: torch.cuda.Stream
-) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """One graph of `forward` into `pool`, after a warm-up run outside capture (it compiles the Triton kernels
-    of this shape and sets up cuBLAS). Call on `stream`."""
-    forward()
-    return capture_graph(forward, pool, stream)
+def warm_up_and_capture(fn: Callable[[], T], pool: Any, stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, T]:
+    """One graph of `fn` into `pool`, after a warm-up run outside capture (it compiles the Triton kernels of
+    this shape and sets up cuBLAS). Call on `stream`."""
+    fn()
+    return capture_graph(fn, pool, stream)
 
 
 class CUDAGraphRunner:
@@ -381,9 +379,9 @@ class CUDAGraphRunner:
 
         def capture_one(key: tuple[int, bool], is_prefill: bool, forward: Callable[[], torch.Tensor]) -> None:
             if not is_prefill:
-                self._graphs[key] = _capture(forward, pool, stream)
+                self._graphs[key] = warm_up_and_capture(forward, pool, stream)
                 return
-            self._prefill_graphs[key] = _capture(forward, pool, stream)
+            self._prefill_graphs[key] = warm_up_and_capture(forward, pool, stream)
             if not key[1] and not ops.prefill_fast_path_applies(self.kv_caches[0].dtype, device):
                 # The fast path failed and turned itself off: this fresh-prompt graph attends over the
                 # cache with the padding as more tokens of the prompt (see the module docstring).

@@ -38,7 +38,7 @@ from typing import Any, Protocol
 import torch
 
 from kvserve.layers.attention_metadata import AttentionMetadata
-from kvserve.worker.cuda_graph import capture_graph
+from kvserve.worker.cuda_graph import warm_up_and_capture
 
 logger = logging.getLogger(__name__)
 
@@ -110,8 +110,7 @@ class CudaGraphBackend:
         self.stream = stream
 
     def capture(self, fn: Callable[[], PieceOutputs]) -> tuple[Callable[[], None], PieceOutputs]:
-        fn()  # warm-up outside capture (cuBLAS set-up; Triton variants are compiled by then)
-        graph, out = capture_graph(fn, self.pool, self.stream)
+        graph, out = warm_up_and_capture(fn, self.pool, self.stream)
         return graph.replay, out
 
     def keep(self, tensor: torch.Tensor) -> torch.Tensor:
