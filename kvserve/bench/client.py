@@ -220,7 +220,7 @@ class _StreamState:
     def __init__(self, record: RequestRecord, started: float) -> None:
         self.record = record
         self.started = started
-        self.last_text_at: float | None = None
+        self.last_token_at: float | None = None
         self.pieces: list[str] = []
 
     def on_payload(self, obj: dict[str, Any], api: str) -> bool:
@@ -234,12 +234,12 @@ class _StreamState:
             return False
         for choice in obj.get("choices") or ():
             text = _choice_text(choice, api)
-            if text:
-                if self.last_text_at is None:
+            if text or _carries_token(choice, api):
+                if self.last_token_at is None:
                     record.ttft_s = now - self.started
                 else:
-                    record.itl_s.append(now - self.last_text_at)
-                self.last_text_at = now
+                    record.itl_s.append(now - self.last_token_at)
+                self.last_token_at = now
                 self.pieces.append(text)
             if choice.get("finish_reason"):
                 record.finish_reason = choice["finish_reason"]
@@ -261,9 +261,23 @@ class _StreamState:
             record.fail(ERROR_BROKEN_STREAM, "the stream ended before a finish_reason or [DONE]",
                         record.status_code)
         if record.error_kind is None and record.ttft_s is None:
-            # An answer with no text at all (e.g. max_tokens hit by special tokens): the first token time
-            # is unknown, the end is the best bound.
+            # A stream with no token chunk at all (a server that streams text only, and an answer of special
+            # tokens): the first token time is unknown, the end is the best bound.
             record.ttft_s = record.e2e_s
+
+
+def _carries_token(choice: dict[str, Any], api: str) -> bool:
+    """Whether a streamed choice with no text still carries a generated token: a chunk whose text is empty
+    because the token has none yet (a partial character, text held back for a possible stop string, a
+    special token). Servers that stream every token (vLLM, kvserve) send those; TTFT is the first token's
+    arrival, as vLLM's benchmark measures it. Not tokens: a chat role chunk (kvserve sends it before the
+    prompt runs) and a finish chunk with nothing in it."""
+    if choice.get("finish_reason") is not None:
+        return False
+    if api == "chat":
+        delta = choice.get("delta") or {}
+        return "role" not in delta and isinstance(delta.get("content"), str)
+    return isinstance(choice.get("text"), str)
 
 
 def _choice_text(choice: dict[str, Any], api: str) -> str:

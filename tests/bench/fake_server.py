@@ -46,6 +46,8 @@ class FakeBehavior:
     send_done: bool = True
     # Ends every answer with finish_reason "stop" after this many tokens (an EOS before max_tokens).
     stop_after_tokens: int | None = None
+    # The first this many tokens stream with empty text (as a partial character or a special token does).
+    empty_text_tokens: int = 0
 
 
 @dataclass
@@ -161,7 +163,8 @@ class FakeOpenAIServer:
                         yield 'data: {"error": {"message": "injected in-stream error", "code": 500}}\n\n'
                         return
                     last = i == num_tokens - 1
-                    yield chunk(" " + WORDS[i % len(WORDS)], finish if last else None)
+                    piece = "" if i < b.empty_text_tokens else " " + WORDS[i % len(WORDS)]
+                    yield chunk(piece, finish if last else None)
                 if usage_wanted:
                     usage = {"prompt_tokens": num_prompt, "completion_tokens": num_tokens,
                              "total_tokens": num_prompt + num_tokens,

@@ -57,6 +57,21 @@ def test_closed_loop_measures_every_request(fake_server, bench, prompts_file, ap
     assert result.config["model"] == MODEL and result.config["api"] == api
 
 
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_ttft_and_itl_count_tokens_whose_text_is_still_empty(fake_server, bench, prompts_file, api):
+    # Three tokens with no text yet, 0.3 s apart, then three with text: TTFT is the first token's arrival,
+    # not the first text's (0.6 s later), and every token after it is one gap. The chat role chunk, sent
+    # before any token, is not a token.
+    server = fake_server(ttft_s=0.01, itl_s=0.3, empty_text_tokens=3)
+    path = "/v1/chat/completions" if api == "chat" else "/v1/completions"
+    result, _ = bench(server.base_url + path, "--concurrency", "1", "--num-prompts", "1", "--max-tokens", "6",
+                      "--dataset", "file", "--dataset-path", prompts_file)
+    (record,) = result.runs[0].records
+    assert record.success and record.output_tokens == 6
+    assert record.ttft_s < 0.3 <= record.e2e_s - record.ttft_s
+    assert len(record.itl_s) == 5 and min(record.itl_s) >= 0.25
+
+
 def test_duration_bounds_the_issue_window(fake_server, bench, prompts_file):
     server = fake_server(itl_s=0.01)
     result, _ = bench(server.base_url + "/v1/chat/completions", "--concurrency", "2", "--duration", "1.5",

@@ -74,6 +74,34 @@ def test_completion_stream_equals_non_stream(client, tiny_tokenizer, prompt):
         assert full.usage.completion_tokens == 10
 
 
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_stream_sends_a_chunk_for_every_token_also_without_text(tiny_server, tiny_tokenizer, api):
+    """A token whose text is empty (here a special token, left out of the text) still gets its chunk, with
+    empty text, as vLLM streams: a client sees the first token when it is generated and can count every
+    token."""
+    special = tiny_tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert special in tiny_tokenizer.all_special_ids
+    body: dict = {"model": TINY_NAME, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": True,
+                  "logit_bias": {str(special): 100}, "stream_options": {"include_usage": True}}
+    if api == "chat":
+        body["messages"] = MESSAGES_EN
+    else:
+        body["prompt"] = "Hello"
+    with httpx.stream("POST", f"{tiny_server.base_url}/v1/{'chat/completions' if api == 'chat' else 'completions'}",
+                      json=body, timeout=120) as response:
+        events = read_sse(response)
+    assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 4
+    choices = [c for e in events[:-2] for c in e["choices"]]
+    if api == "chat":
+        assert choices[0]["delta"] == {"role": "assistant", "content": ""}  # sent before the prompt runs
+        choices = choices[1:]
+        texts = [c["delta"].get("content") for c in choices]
+    else:
+        texts = [c["text"] for c in choices]
+    assert texts == ["", "", "", ""]  # one chunk per step, one token each
+    assert [c["finish_reason"] for c in choices] == [None, None, None, "length"]
+
+
 def test_n2_seeded_samples_stream_equals_non_stream(client):
     kwargs = dict(messages=MESSAGES_EN, temperature=1.0, max_tokens=8, n=2, seed=1234)
     full = client.chat.completions.create(model=TINY_NAME, **kwargs)

@@ -192,7 +192,8 @@ def _choice_deltas(ctx: ServingContext, chat: PreparedChat, update: RequestOutpu
             continue
         counts["completion"] += len(completion.token_ids_delta)
         want_logprobs = chat.num_top_logprobs is not None and completion.logprobs is not None
-        if not (completion.text_delta or completion.finished or (want_logprobs and completion.token_ids_delta)):
+        # A chunk for every new token, also one with no text yet (as completion_stream).
+        if not (completion.text_delta or completion.token_ids_delta or completion.finished):
             continue
         logprobs = None
         if want_logprobs:
@@ -200,7 +201,7 @@ def _choice_deltas(ctx: ServingContext, chat: PreparedChat, update: RequestOutpu
                                      chat.num_top_logprobs or 0)
         choice: dict[str, Any] = {
             "index": completion.index,
-            "delta": {"content": completion.text_delta} if completion.text_delta else {},
+            "delta": {"content": completion.text_delta} if completion.text_delta or completion.token_ids_delta else {},
             "logprobs": logprobs,
             "finish_reason": completion.finish_reason if completion.finished else None,
         }

@@ -181,7 +181,10 @@ async def completion_stream(ctx: ServingContext, cmpl: PreparedCompletion, inclu
                     text = _echo_text(ctx, cmpl.prompts[p_index]) + text
                 offset = offsets.setdefault(index, 0)
                 want_logprobs = num_top is not None and completion.logprobs is not None
-                if not (text or completion.finished or (want_logprobs and completion.token_ids_delta)):
+                # A chunk for every new token, also one whose text is still empty (held back as a partial
+                # character or a possible stop string, or a special token), as vLLM streams: the client sees
+                # the first token when it is generated.
+                if not (text or completion.token_ids_delta or completion.finished):
                     continue
                 logprobs = None
                 if want_logprobs:
