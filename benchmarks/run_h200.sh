@@ -399,7 +399,27 @@ print('alone', t._backend_after('alone')); print('kvserve-first', t._backend_aft
     pytest22) python3 -c "import inspect, torch; print(torch.__version__); print(inspect.getsource(torch.cuda.graph.__enter__))" \
           > "$R/pytest22.log" 2>&1
         timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "not gguf" >> "$R/pytest22.log" 2>&1 ;;
-    apipath) # prepared in session 22, not yet run: the same Poisson load (16/s, 512 in / 256 out) on the engine
+    apipath23) # the apipath comparison at 16 and at 2 requests/s (2/s: per-request cost without queueing), after
+        # the server streams every token and the bench times token chunks (8daceff). Needs .carry/tok.
+        for rate in 16 2; do
+          dur=30; [ $rate = 2 ] && dur=20
+          timeout 150 python3 benchmarks/engine_benchmarks.py --out "$R/apipath23_engine_$rate" --sections poisson \
+            --poisson-rate $rate --poisson-duration $dur --poisson-rounds 1 >> "$R/apipath23.log" 2>&1
+        done
+        dir=$(python3 -c 'import sys; sys.path.insert(0, "benchmarks"); from common import write_served_model_dir as w; print(w("qwen2.5-7b"))')
+        PYTHONPATH=/tmp/site:$PWD python3 -m kvserve serve "$dir" --load-format dummy --served-model-name qwen2-7b \
+          --port 8000 --disable-log-requests --disable-uvicorn-access-log > "$R/apipath23_server.log" 2>&1 &
+        server=$!
+        for _ in $(seq 1 120); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 1; done
+        for rate in 16 2; do
+          dur=30; [ $rate = 2 ] && dur=20
+          PYTHONPATH=/tmp/site:$PWD timeout 120 python3 -m kvserve bench --endpoint http://localhost:8000/v1/completions \
+            --model qwen2-7b --request-rate $rate --duration $dur --warmup 8 --input-len 512 --max-tokens 256 \
+            --ignore-eos --tokenizer "$dir" --no-progress --json "$R/apipath23_server_$rate.json" >> "$R/apipath23.log" 2>&1
+          echo "=== server bench $rate/s rc=$?" >> "$R/apipath23.log"
+        done
+        kill -TERM $server; wait $server ;;
+    apipath) # ran in session 23 (call 1, 5aadfc9): the same Poisson load (16/s, 512 in / 256 out) on the engine
         # alone (poisson section) and through `kvserve serve` + `kvserve bench`, one host: what the HTTP/API path adds
         # to TTFT and TPOT. Needs .carry/tok.
         timeout 120 python3 benchmarks/engine_benchmarks.py --out "$R/apipath_engine" --sections poisson \
