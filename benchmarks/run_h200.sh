@@ -399,7 +399,51 @@ print('alone', t._backend_after('alone')); print('kvserve-first', t._backend_aft
     pytest22) python3 -c "import inspect, torch; print(torch.__version__); print(inspect.getsource(torch.cuda.graph.__enter__))" \
           > "$R/pytest22.log" 2>&1
         timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "not gguf" >> "$R/pytest22.log" 2>&1 ;;
-    apipath23) # the apipath comparison at 16 and at 2 requests/s (2/s: per-request cost without queueing), after
+    apipath23b) # the server's Nagle fix (TCP_NODELAY on accepted connections) A/B on one host: the server as
+        # committed, then with its listening socket made the old way (proto 0: asyncio leaves Nagle on), each
+        # at 16 and 2 requests/s; and the engine alone at 16/s. Needs .carry/tok.
+        timeout 150 python3 benchmarks/engine_benchmarks.py --out "$R/apipath23b_engine_16" --sections poisson \
+          --poisson-rate 16 --poisson-duration 30 --poisson-rounds 1 >> "$R/apipath23b.log" 2>&1
+        dir=$(python3 -c 'import sys; sys.path.insert(0, "benchmarks"); from common import write_served_model_dir as w; print(w("qwen2.5-7b"))')
+        cat > /tmp/serve_nagle.py <<'PY'
+# kvserve serve with its listening socket made as before 8daceff's fix (proto 0: asyncio leaves Nagle on).
+import socket
+import sys
+
+import kvserve.entrypoints.openai.api_server as api
+from kvserve.entrypoints.cli import main
+
+
+class _Socket:
+    def __getattr__(self, name):
+        return getattr(socket, name)
+
+    @staticmethod
+    def socket(family, kind, proto=0):
+        return socket.socket(family, kind)
+
+
+if __name__ == "__main__":
+    api.socket = _Socket()
+    sys.exit(main())
+PY
+        for mode in nodelay nagle; do
+          entry="-m kvserve"; [ $mode = nagle ] && entry=/tmp/serve_nagle.py
+          PYTHONPATH=/tmp/site:$PWD python3 $entry serve "$dir" --load-format dummy --served-model-name qwen2-7b \
+            --port 8000 --disable-log-requests --disable-uvicorn-access-log > "$R/apipath23b_server_$mode.log" 2>&1 &
+          server=$!
+          for _ in $(seq 1 120); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 1; done
+          for rate in 16 2; do
+            dur=30; [ $rate = 2 ] && dur=20
+            echo "=== server ($mode) bench $rate/s" >> "$R/apipath23b.log"
+            PYTHONPATH=/tmp/site:$PWD timeout 120 python3 -m kvserve bench --endpoint http://localhost:8000/v1/completions \
+              --model qwen2-7b --request-rate $rate --duration $dur --warmup 8 --input-len 512 --max-tokens 256 \
+              --ignore-eos --tokenizer "$dir" --no-progress --json "$R/apipath23b_server_${mode}_$rate.json" \
+              >> "$R/apipath23b.log" 2>&1
+          done
+          kill -TERM $server; wait $server
+        done ;;
+    apipath23) # ran in session 23 (call 2, ca22383): the apipath comparison at 16 and at 2 requests/s (2/s: per-request cost without queueing), after
         # the server streams every token and the bench times token chunks (8daceff). Needs .carry/tok.
         for rate in 16 2; do
           dur=30; [ $rate = 2 ] && dur=20
