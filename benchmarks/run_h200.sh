@@ -441,6 +441,11 @@ PY
               --ignore-eos --tokenizer "$dir" --no-progress --json "$R/apipath23b_server_${mode}_$rate.json" \
               >> "$R/apipath23b.log" 2>&1
           done
+          echo "=== server ($mode) bench one client, requests one after another" >> "$R/apipath23b.log"
+          PYTHONPATH=/tmp/site:$PWD timeout 60 python3 -m kvserve bench --endpoint http://localhost:8000/v1/completions \
+            --model qwen2-7b --concurrency 1 --num-prompts 20 --warmup 2 --input-len 1024 --max-tokens 64 \
+            --ignore-eos --tokenizer "$dir" --no-progress --json "$R/apipath23b_server_${mode}_seq.json" \
+            >> "$R/apipath23b.log" 2>&1
           kill -TERM $server; wait $server
         done ;;
     apipath23) # ran in session 23 (call 2, ca22383): the apipath comparison at 16 and at 2 requests/s (2/s: per-request cost without queueing), after
