@@ -399,6 +399,9 @@ print('alone', t._backend_after('alone')); print('kvserve-first', t._backend_aft
     pytest22) python3 -c "import inspect, torch; print(torch.__version__); print(inspect.getsource(torch.cuda.graph.__enter__))" \
           > "$R/pytest22.log" 2>&1
         timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "not gguf" >> "$R/pytest22.log" 2>&1 ;;
+    layers23) # what each layer (engine core in process, AsyncLLM, HTTP with ids, HTTP with text) adds to TTFT at 1k
+        PYTHONPATH=/tmp/site:$PWD timeout 400 python3 benchmarks/api_layers.py --model qwen2.5-7b --prompt-len 1024 \
+          --out "$R/layers23" > "$R/layers23.log" 2>&1 ;;
     apipath23b) # the server's Nagle fix (TCP_NODELAY on accepted connections) A/B on one host: the server as
         # committed, then with its listening socket made the old way (proto 0: asyncio leaves Nagle on), each
         # at 16 and 2 requests/s; and the engine alone at 16/s. Needs .carry/tok.
