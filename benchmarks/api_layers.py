@@ -32,10 +32,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result, write_served_model_dir  # noqa: E402
 
 
-def _prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
+def _prompts(args: argparse.Namespace, tokenizer: Any) -> list[tuple[list[int], str]]:
+    """(ids, text) pairs of exactly --prompt-len tokens each, where the server's tokenization of the text gives
+    the ids: every layer then runs the same token counts (random ids do not survive a decode and encode).
+    Twice the prompts a layer sends: the HTTP text run takes the second half, so that it finds none of its
+    prompts in the prefix cache after the ids run."""
     rng = random.Random(args.seed)
-    # Ids below the tokenizer's size, so the text layer's prompts decode to text and back.
-    return [[rng.randrange(100, vocab) for _ in range(args.prompt_len)] for _ in range(args.warmup + args.requests)]
+    n = args.prompt_len
+    out: list[tuple[list[int], str]] = []
+    while len(out) < 2 * (args.warmup + args.requests):
+        ids = [rng.randrange(100, len(tokenizer)) for _ in range(n)]
+        for _ in range(10):
+            text = tokenizer.decode(ids)
+            ids = list(tokenizer(text)["input_ids"])[:n]
+            if len(ids) == n and list(tokenizer(tokenizer.decode(ids))["input_ids"]) == ids:
+                out.append((ids, tokenizer.decode(ids)))
+                break
+    return out
 
 
 def _engine_args(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
@@ -45,7 +58,7 @@ def _engine_args(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
     return extra
 
 
-def layer_core(args: argparse.Namespace, model_dir: str, prompts: list[list[int]]) -> list[float]:
+def layer_core(args: argparse.Namespace, model_dir: str, prompts: list[tuple[list[int], str]]) -> list[float]:
     from kvserve.config import EngineArgs
     from kvserve.engine.engine_core import EngineCore
     from kvserve.protocol.engine import EngineCoreRequest
@@ -54,7 +67,7 @@ def layer_core(args: argparse.Namespace, model_dir: str, prompts: list[list[int]
     core = EngineCore(EngineArgs(model=model_dir, **_engine_args(args, model_dir)).create_engine_config())
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.max_tokens)
     times = []
-    for i, ids in enumerate(prompts):
+    for i, (ids, _) in enumerate(prompts[: len(prompts) // 2]):
         start = time.perf_counter()
         core.add_request(EngineCoreRequest(req_id=f"c{i}", prompt_token_ids=ids, sampling_params=params,
                                            max_tokens=args.max_tokens))
@@ -68,7 +81,7 @@ def layer_core(args: argparse.Namespace, model_dir: str, prompts: list[list[int]
     return times[args.warmup:]
 
 
-def layer_async(args: argparse.Namespace, model_dir: str, prompts: list[list[int]]) -> list[float]:
+def layer_async(args: argparse.Namespace, model_dir: str, prompts: list[tuple[list[int], str]]) -> list[float]:
     from kvserve.config import EngineArgs
     from kvserve.engine.async_llm import AsyncLLM
     from kvserve.protocol.sampling_params import SamplingParams
@@ -78,7 +91,7 @@ def layer_async(args: argparse.Namespace, model_dir: str, prompts: list[list[int
         await engine.start()
         times = []
         try:
-            for i, ids in enumerate(prompts):
+            for i, (ids, _) in enumerate(prompts[: len(prompts) // 2]):
                 params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.max_tokens)
                 start = time.perf_counter()
                 first = None
@@ -115,10 +128,7 @@ def _http_ttft(port: int, body: bytes) -> float:
         return (first - start) * 1e3
 
 
-def layer_http(args: argparse.Namespace, model_dir: str, prompts: list[list[int]]) -> dict[str, list[float]]:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+def layer_http(args: argparse.Namespace, model_dir: str, prompts: list[tuple[list[int], str]]) -> dict[str, list[float]]:
     port = args.port
     cmd = [sys.executable, "-m", "kvserve", "serve", model_dir, "--load-format", "dummy", "--served-model-name", "m",
            "--port", str(port), "--disable-log-requests", "--disable-uvicorn-access-log"]
@@ -143,8 +153,9 @@ def layer_http(args: argparse.Namespace, model_dir: str, prompts: list[list[int]
         out: dict[str, list[float]] = {}
         for kind in ("ids", "text"):
             times = []
-            for ids in prompts:
-                prompt: Any = ids if kind == "ids" else tokenizer.decode(ids)
+            half = len(prompts) // 2
+            for ids, text in (prompts[:half] if kind == "ids" else prompts[half:]):
+                prompt: Any = ids if kind == "ids" else text
                 body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": args.max_tokens, "stream": True,
                                    "ignore_eos": True, "temperature": 0}).encode()
                 times.append(_http_ttft(port, body))
@@ -173,7 +184,7 @@ def main() -> int:
     if args.layer:  # a child process: one engine, its times as JSON on stdout
         from transformers import AutoTokenizer
 
-        prompts = _prompts(args, len(AutoTokenizer.from_pretrained(args.model_dir)))
+        prompts = _prompts(args, AutoTokenizer.from_pretrained(args.model_dir))
         fn = layer_core if args.layer == "core" else layer_async
         print(json.dumps(fn(args, args.model_dir, prompts)))
         return 0
@@ -181,7 +192,7 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     model_dir = write_served_model_dir(args.model)
-    prompts = _prompts(args, len(AutoTokenizer.from_pretrained(model_dir)))
+    prompts = _prompts(args, AutoTokenizer.from_pretrained(model_dir))
     results: dict[str, list[float]] = {}
     for layer in ("core", "async"):
         child = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--layer", layer, "--model-dir", model_dir],
