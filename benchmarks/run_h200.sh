@@ -399,6 +399,30 @@ print('alone', t._backend_after('alone')); print('kvserve-first', t._backend_aft
     pytest22) python3 -c "import inspect, torch; print(torch.__version__); print(inspect.getsource(torch.cuda.graph.__enter__))" \
           > "$R/pytest22.log" 2>&1
         timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "not gguf" >> "$R/pytest22.log" 2>&1 ;;
+    apipath24) # prepared in session 23, not yet run: where the server's extra TTFT at load goes. The engine alone at
+        # 16 req/s; the server at 16 req/s with its /metrics scraped before and after (the server's own TTFT, queue
+        # and prefill means: benchmarks/metrics_delta.py); then api_layers (one request at a time, ids and text).
+        # Needs .carry/tok.
+        timeout 150 python3 benchmarks/engine_benchmarks.py --out "$R/apipath24_engine_16" --sections poisson \
+          --poisson-rate 16 --poisson-duration 30 --poisson-rounds 1 >> "$R/apipath24.log" 2>&1
+        dir=$(python3 -c 'import sys; sys.path.insert(0, "benchmarks"); from common import write_served_model_dir as w; print(w("qwen2.5-7b"))')
+        PYTHONPATH=/tmp/site:$PWD python3 -m kvserve serve "$dir" --load-format dummy --served-model-name qwen2-7b \
+          --port 8000 --disable-log-requests --disable-uvicorn-access-log > "$R/apipath24_server.log" 2>&1 &
+        server=$!
+        for _ in $(seq 1 120); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 1; done
+        PYTHONPATH=/tmp/site:$PWD timeout 60 python3 -m kvserve bench --endpoint http://localhost:8000/v1/completions \
+          --model qwen2-7b --request-rate 16 --duration 5 --input-len 512 --max-tokens 256 --ignore-eos \
+          --tokenizer "$dir" --no-progress > /dev/null 2>&1  # warm-up
+        curl -s http://127.0.0.1:8000/metrics > "$R/apipath24_metrics_0.txt"
+        PYTHONPATH=/tmp/site:$PWD timeout 120 python3 -m kvserve bench --endpoint http://localhost:8000/v1/completions \
+          --model qwen2-7b --request-rate 16 --duration 30 --input-len 512 --max-tokens 256 --ignore-eos \
+          --tokenizer "$dir" --no-progress --json "$R/apipath24_server_16.json" >> "$R/apipath24.log" 2>&1
+        curl -s http://127.0.0.1:8000/metrics > "$R/apipath24_metrics_1.txt"
+        echo "=== the server's own histograms over the 16 req/s run" >> "$R/apipath24.log"
+        python3 benchmarks/metrics_delta.py "$R/apipath24_metrics_0.txt" "$R/apipath24_metrics_1.txt" >> "$R/apipath24.log" 2>&1
+        kill -TERM $server; wait $server
+        PYTHONPATH=/tmp/site:$PWD timeout 300 python3 benchmarks/api_layers.py --model qwen2.5-7b --prompt-len 1024 \
+          --out "$R/apipath24_layers" >> "$R/apipath24.log" 2>&1 ;;
     layers23) # what each layer (engine core in process, AsyncLLM, HTTP with ids, HTTP with text) adds to TTFT at 1k
         PYTHONPATH=/tmp/site:$PWD timeout 400 python3 benchmarks/api_layers.py --model qwen2.5-7b --prompt-len 1024 \
           --out "$R/layers23" > "$R/layers23.log" 2>&1 ;;
