@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Pass the local commit, written in literally (the device copy's git metadata can be stale, so a $(git ...) in
 # the command would read it there): KVSERVE_BENCH_COMMIT=<sha> bash ...
@@ -433,7 +433,7 @@ print('alone', t._backend_after('alone')); print('kvserve-first', t._backend_aft
           --poisson-rate 16 --poisson-duration 30 --poisson-rounds 1 >> "$R/apipath23b.log" 2>&1
         dir=$(python3 -c 'import sys; sys.path.insert(0, "benchmarks"); from common import write_served_model_dir as w; print(w("qwen2.5-7b"))')
         cat > /tmp/serve_nagle.py <<'PY'
-# kvserve serve with its listening socket made as before 8daceff's fix (proto 0: asyncio leaves Nagle on).
+# kvserve serve with its listening socket made as before 92c7241's fix (proto 0: asyncio leaves Nagle on).
 import socket
 import sys
 

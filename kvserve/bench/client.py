@@ -267,13 +267,11 @@ class _StreamState:
 
 
 def _carries_token(choice: dict[str, Any], api: str) -> bool:
-    """Whether a streamed choice with no text still carries a generated token: a chunk whose text is empty
-    because the token has none yet (a partial character, text held back for a possible stop string, a
-    special token). Servers that stream every token (vLLM, kvserve) send those; TTFT is the first token's
-    arrival, as vLLM's benchmark measures it. Not tokens: a chat role chunk (kvserve sends it before the
-    prompt runs) and a finish chunk with nothing in it."""
-    if choice.get("finish_reason") is not None:
-        return False
+    """Whether a streamed choice with no text still carries a generated token: its text is empty because the
+    token has none yet (part of a character, a special token such as the EOS that ends an answer, text held
+    back for a possible stop string). Servers that stream every token (vLLM, kvserve) send those, and
+    vLLM's benchmark times them as tokens too. Not tokens here: a chat role chunk (a server may send it
+    before the prompt runs) and a chat chunk with an empty delta (a finish on its own)."""
     if api == "chat":
         delta = choice.get("delta") or {}
         return "role" not in delta and isinstance(delta.get("content"), str)

@@ -49,12 +49,32 @@ class MetricSample:
         return cls(**data)
 
 
-def parse_metrics(text: str, t_s: float) -> MetricSample:
-    """The fields of METRIC_NAMES found in a Prometheus text exposition."""
+def _sample_totals(text: str) -> dict[str, float]:
+    """{sample name: value summed over its label sets} of a Prometheus text exposition."""
     totals: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             totals[sample.name] = totals.get(sample.name, 0.0) + float(sample.value)
+    return totals
+
+
+def histogram_means(before: str, after: str) -> dict[str, tuple[float, int]]:
+    """{histogram name: (mean value, observations)} of what every histogram observed between two scrapes
+    (each histogram's series summed over their labels), for histograms that observed anything."""
+    a, b = _sample_totals(before), _sample_totals(after)
+    out = {}
+    for name, count in b.items():
+        if not name.endswith("_count") or (base := name[: -len("_count")]) + "_sum" not in b:
+            continue
+        new = count - a.get(name, 0.0)
+        if new > 0:
+            out[base] = ((b[base + "_sum"] - a.get(base + "_sum", 0.0)) / new, int(new))
+    return out
+
+
+def parse_metrics(text: str, t_s: float) -> MetricSample:
+    """The fields of METRIC_NAMES found in a Prometheus text exposition."""
+    totals = _sample_totals(text)
     values: dict[str, float | None] = {}
     for field_name, names in METRIC_NAMES.items():
         values[field_name] = next((totals[n] for n in names if n in totals), None)

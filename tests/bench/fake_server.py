@@ -48,6 +48,10 @@ class FakeBehavior:
     stop_after_tokens: int | None = None
     # The first this many tokens stream with empty text (as a partial character or a special token does).
     empty_text_tokens: int = 0
+    # The last token streams with empty text (an EOS left out of the text), its chunk carrying the finish.
+    empty_text_last: bool = False
+    # Chat: the finish comes in a chunk of its own after the last token, with an empty delta.
+    finish_only_chunk: bool = False
 
 
 @dataclass
@@ -134,9 +138,11 @@ class FakeOpenAIServer:
         stream_error = bool(b.stream_error_every and k % b.stream_error_every == 0)
         garbage = bool(b.garbage_every and k % b.garbage_every == 0)
 
-        def chunk(piece: str | None, finish_reason: str | None = None) -> str:
+        def chunk(piece: str | None, finish_reason: str | None = None, empty_delta: bool = False) -> str:
             if chat:
                 delta = {"content": piece} if piece is not None else {"role": "assistant", "content": ""}
+                if empty_delta:
+                    delta = {}
                 choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
             else:
                 choice = {"index": 0, "text": piece or "", "finish_reason": finish_reason}
@@ -163,8 +169,12 @@ class FakeOpenAIServer:
                         yield 'data: {"error": {"message": "injected in-stream error", "code": 500}}\n\n'
                         return
                     last = i == num_tokens - 1
-                    piece = "" if i < b.empty_text_tokens else " " + WORDS[i % len(WORDS)]
-                    yield chunk(piece, finish if last else None)
+                    empty = i < b.empty_text_tokens or (last and b.empty_text_last)
+                    piece = "" if empty else " " + WORDS[i % len(WORDS)]
+                    separate_finish = chat and b.finish_only_chunk
+                    yield chunk(piece, finish if last and not separate_finish else None)
+                    if last and separate_finish:
+                        yield chunk(None, finish, empty_delta=True)
                 if usage_wanted:
                     usage = {"prompt_tokens": num_prompt, "completion_tokens": num_tokens,
                              "total_tokens": num_prompt + num_tokens,

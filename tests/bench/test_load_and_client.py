@@ -72,6 +72,25 @@ def test_ttft_and_itl_count_tokens_whose_text_is_still_empty(fake_server, bench,
     assert len(record.itl_s) == 5 and min(record.itl_s) >= 0.25
 
 
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_a_last_token_without_text_is_a_token(fake_server, bench, prompts_file, api):
+    # The EOS that ends an answer is left out of the text; its chunk carries the finish and one more gap.
+    server = fake_server(itl_s=0.01, empty_text_last=True)
+    path = "/v1/chat/completions" if api == "chat" else "/v1/completions"
+    result, _ = bench(server.base_url + path, "--concurrency", "1", "--num-prompts", "2", "--max-tokens", "6",
+                      "--dataset", "file", "--dataset-path", prompts_file)
+    assert [len(r.itl_s) for r in result.runs[0].records] == [5, 5]
+
+
+def test_a_chat_finish_on_its_own_is_not_a_token(fake_server, bench, prompts_file):
+    server = fake_server(itl_s=0.01, finish_only_chunk=True)
+    result, _ = bench(server.base_url + "/v1/chat/completions", "--concurrency", "1", "--num-prompts", "2",
+                      "--max-tokens", "6", "--dataset", "file", "--dataset-path", prompts_file)
+    records = result.runs[0].records
+    assert [len(r.itl_s) for r in records] == [5, 5]
+    assert all(r.finish_reason == "length" for r in records)
+
+
 def test_duration_bounds_the_issue_window(fake_server, bench, prompts_file):
     server = fake_server(itl_s=0.01)
     result, _ = bench(server.base_url + "/v1/chat/completions", "--concurrency", "2", "--duration", "1.5",

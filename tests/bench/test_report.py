@@ -14,7 +14,7 @@ from kvserve.bench.client_health import ClientHealthReport
 from kvserve.bench.plot import plot_runs, throughput_series
 from kvserve.bench.report import compare_summaries, format_compare, format_summary, format_sweep
 from kvserve.bench.results import BenchResult, RunResult, read_json, write_json
-from kvserve.bench.server_metrics import MetricSample, parse_metrics, summarize_samples
+from kvserve.bench.server_metrics import MetricSample, histogram_means, parse_metrics, summarize_samples
 from kvserve.bench.summary import summarize
 
 
@@ -201,3 +201,47 @@ kvserve:prefix_cache_queries_total{model_name="a"} 40.0
     summary = summarize_samples(SAMPLES)
     assert summary["max_running"] == 2 and summary["max_kv_usage"] == 0.25
     assert summary["prefix_hit_rate"] == pytest.approx(120 / 200)
+
+
+HISTOGRAMS_BEFORE = """# HELP kvserve:time_to_first_token_seconds Arrival to first output token.
+# TYPE kvserve:time_to_first_token_seconds histogram
+kvserve:time_to_first_token_seconds_bucket{le="0.01",model_name="m"} 1.0
+kvserve:time_to_first_token_seconds_bucket{le="+Inf",model_name="m"} 10.0
+kvserve:time_to_first_token_seconds_count{model_name="m"} 10.0
+kvserve:time_to_first_token_seconds_sum{model_name="m"} 0.5
+# TYPE kvserve:request_queue_time_seconds histogram
+kvserve:request_queue_time_seconds_bucket{le="+Inf",model_name="m"} 10.0
+kvserve:request_queue_time_seconds_count{model_name="m"} 10.0
+kvserve:request_queue_time_seconds_sum{model_name="m"} 0.1
+# TYPE kvserve:num_requests_running gauge
+kvserve:num_requests_running{model_name="m"} 3.0
+"""
+
+HISTOGRAMS_AFTER = """# TYPE kvserve:time_to_first_token_seconds histogram
+kvserve:time_to_first_token_seconds_bucket{le="+Inf",model_name="m"} 20.0
+kvserve:time_to_first_token_seconds_count{model_name="m"} 20.0
+kvserve:time_to_first_token_seconds_sum{model_name="m"} 0.8
+# TYPE kvserve:request_queue_time_seconds histogram
+kvserve:request_queue_time_seconds_bucket{le="+Inf",model_name="m"} 10.0
+kvserve:request_queue_time_seconds_count{model_name="m"} 10.0
+kvserve:request_queue_time_seconds_sum{model_name="m"} 0.1
+# TYPE kvserve:e2e_request_latency_seconds histogram
+kvserve:e2e_request_latency_seconds_bucket{le="+Inf",model_name="a"} 1.0
+kvserve:e2e_request_latency_seconds_count{model_name="a"} 1.0
+kvserve:e2e_request_latency_seconds_sum{model_name="a"} 2.0
+kvserve:e2e_request_latency_seconds_bucket{le="+Inf",model_name="b"} 1.0
+kvserve:e2e_request_latency_seconds_count{model_name="b"} 1.0
+kvserve:e2e_request_latency_seconds_sum{model_name="b"} 4.0
+# TYPE kvserve:num_requests_running gauge
+kvserve:num_requests_running{model_name="m"} 5.0
+"""
+
+
+def test_histogram_means_between_two_scrapes():
+    means = histogram_means(HISTOGRAMS_BEFORE, HISTOGRAMS_AFTER)
+    # 10 new TTFT observations summing to 0.3 s; none new for the queue; a histogram first seen in the
+    # second scrape counts from zero, its two label sets summed; gauges are not histograms.
+    assert set(means) == {"kvserve:time_to_first_token_seconds", "kvserve:e2e_request_latency_seconds"}
+    mean, count = means["kvserve:time_to_first_token_seconds"]
+    assert count == 10 and mean == pytest.approx(0.03)
+    assert means["kvserve:e2e_request_latency_seconds"] == (3.0, 2)

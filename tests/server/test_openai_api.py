@@ -93,7 +93,7 @@ def test_stream_sends_a_chunk_for_every_token_also_without_text(tiny_server, tin
     assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 4
     choices = [c for e in events[:-2] for c in e["choices"]]
     if api == "chat":
-        assert choices[0]["delta"] == {"role": "assistant", "content": ""}  # sent before the prompt runs
+        assert choices[0]["delta"] == {"role": "assistant", "content": ""}  # first, with the first token
         choices = choices[1:]
         texts = [c["delta"].get("content") for c in choices]
     else:

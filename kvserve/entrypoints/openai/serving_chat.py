@@ -163,14 +163,17 @@ async def chat_stream(ctx: ServingContext, chat: PreparedChat, include_usage: bo
     def usage() -> dict[str, Any]:
         return usage_dict(num_prompt_tokens, counts["completion"], counts["cached"])
 
-    for index in range(chat.params.n):
-        yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None}])
     finished_sent: set[int] = set()
+    role_sent = False
     try:
         async with aclosing(ctx.engine.generate(chat.request_id, chat.prompt_token_ids, chat.params,
                                                 chat.prompt)) as updates:
             async for update in updates:
+                if not role_sent:  # with the first token, as vLLM: its arrival is the time to first token
+                    role_sent = True
+                    for index in range(chat.params.n):
+                        yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}])
                 counts["cached"] = update.num_cached_tokens
                 for choice in _choice_deltas(ctx, chat, update, finished_sent, counts):
                     yield chunk([choice], usage() if continuous_usage else None)
