@@ -52,6 +52,8 @@ class FakeBehavior:
     empty_text_last: bool = False
     # Chat: the finish comes in a chunk of its own after the last token, with an empty delta.
     finish_only_chunk: bool = False
+    # Every event goes out in two writes split inside its JSON, with CRLF line ends.
+    ragged: bool = False
 
 
 @dataclass
@@ -185,4 +187,12 @@ class FakeOpenAIServer:
             finally:
                 s.in_flight -= 1
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        async def ragged(source):
+            async for event in source:
+                event = event.replace("\n", "\r\n")
+                half = len(event) // 2
+                yield event[:half]
+                await asyncio.sleep(0.002)  # a separate read for the client
+                yield event[half:]
+
+        return StreamingResponse(ragged(events()) if b.ragged else events(), media_type="text/event-stream")

@@ -91,6 +91,17 @@ def test_a_chat_finish_on_its_own_is_not_a_token(fake_server, bench, prompts_fil
     assert all(r.finish_reason == "length" for r in records)
 
 
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_events_split_across_reads_and_crlf_lines(fake_server, bench, prompts_file, api):
+    server = fake_server(itl_s=0.003, ragged=True)
+    path = "/v1/chat/completions" if api == "chat" else "/v1/completions"
+    result, _ = bench(server.base_url + path, "--concurrency", "2", "--num-prompts", "4", "--max-tokens", "5",
+                      "--dataset", "file", "--dataset-path", prompts_file)
+    records = result.runs[0].records
+    assert [r.error_kind for r in records] == [None] * 4
+    assert all(r.output_tokens == 5 and len(r.itl_s) == 4 and r.finish_reason == "length" for r in records)
+
+
 def test_duration_bounds_the_issue_window(fake_server, bench, prompts_file):
     server = fake_server(itl_s=0.01)
     result, _ = bench(server.base_url + "/v1/chat/completions", "--concurrency", "2", "--duration", "1.5",
