@@ -51,7 +51,7 @@ def _prompts(args: argparse.Namespace, tokenizer: Any) -> list[tuple[list[int], 
     return out
 
 
-def _engine_args(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
+def _engine_args(args: argparse.Namespace) -> dict[str, Any]:
     extra: dict[str, Any] = {"load_format": "dummy"}
     if args.device == "cpu":
         extra.update(device="cpu", dtype="float32", max_model_len=args.prompt_len + 64, kv_cache_memory="256MiB")
@@ -64,7 +64,7 @@ def layer_core(args: argparse.Namespace, model_dir: str, prompts: list[tuple[lis
     from kvserve.protocol.engine import EngineCoreRequest
     from kvserve.protocol.sampling_params import SamplingParams
 
-    core = EngineCore(EngineArgs(model=model_dir, **_engine_args(args, model_dir)).create_engine_config())
+    core = EngineCore(EngineArgs(model=model_dir, **_engine_args(args)).create_engine_config())
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.max_tokens)
     times = []
     for i, (ids, _) in enumerate(prompts[: len(prompts) // 2]):
@@ -87,7 +87,7 @@ def layer_async(args: argparse.Namespace, model_dir: str, prompts: list[tuple[li
     from kvserve.protocol.sampling_params import SamplingParams
 
     async def run() -> list[float]:
-        engine = AsyncLLM(EngineArgs(model=model_dir, **_engine_args(args, model_dir)).create_engine_config())
+        engine = AsyncLLM(EngineArgs(model=model_dir, **_engine_args(args)).create_engine_config())
         await engine.start()
         times = []
         try:

@@ -215,13 +215,13 @@ class StreamClient:
         obj = self._decode(payload, record)
         return obj is None or not state.on_payload(obj, self.settings.api)
 
-    def _decode(self, payload: str | bytes, record: RequestRecord) -> dict[str, Any] | None:
+    def _decode(self, payload: bytes, record: RequestRecord) -> dict[str, Any] | None:
         try:
             obj = self._decoder.decode(payload)
         except msgspec.DecodeError:
             obj = None
         if not isinstance(obj, dict):
-            shown = payload[:100].decode("utf-8", "replace") if isinstance(payload, bytes) else payload[:100]
+            shown = payload[:100].decode("utf-8", "replace")
             record.fail(ERROR_INVALID_RESPONSE, f"chunk is not a JSON object: {shown!r}", record.status_code)
             return None
         return obj
