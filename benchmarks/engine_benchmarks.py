@@ -1334,6 +1334,9 @@ def main() -> int:
     p.add_argument("--last-layer-pruning", action=argparse.BooleanOptionalAction, default=True,
                    help="steps that sample some rows only: the last layer past its cache write on those rows alone "
                    "(off: every row, then select)")
+    p.add_argument("--sampled-row-attention", action=argparse.BooleanOptionalAction, default=True,
+                   help="with pruning: the last layer's attention for the sampled rows alone, as decode queries "
+                   "over the cache (off: every row attends, then select)")
     p.add_argument("--qkv-rope-fusion", action=argparse.BooleanOptionalAction, default=True,
                    help="small batches: rotary embedding and cache write in the q/k/v matmul's epilogue")
     p.add_argument("--skinny-max-rows", type=int, default=None, help="override ops.SKINNY_GEMM_MAX_ROWS")
@@ -1388,6 +1391,7 @@ def main() -> int:
     from kvserve.model import llama
 
     llama.set_last_layer_pruning(args.last_layer_pruning)
+    llama.set_sampled_row_attention(args.sampled_row_attention)
     ops.set_qkv_rope_fusion(args.qkv_rope_fusion)
     if args.skinny_max_rows is not None:
         ops.SKINNY_GEMM_MAX_ROWS = args.skinny_max_rows

@@ -36,6 +36,11 @@ class AttentionMetadata:
         Backends may attend to those keys once for the whole batch; the result is the same attention.
     common_prefix_len_tensor: the same number, int32 [1] on the device (what the kernels read, so that a
         CUDA graph captured for cascade serves any prefix length); set whenever common_prefix_len > 0.
+    sampled: for a step where not every token samples, the same step seen from its sampling tokens alone
+        (each request's last new token, in the order of `logits_indices`) as a decode batch: one query per
+        such request over its whole context, `last_token_metadata(self, those requests)`. The model's last
+        layer attends only for them once every token's K/V is in the cache. None: not built (attend for
+        every token and select).
     """
 
     query_start_loc: torch.Tensor
@@ -48,6 +53,7 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     common_prefix_len: int = 0
     common_prefix_len_tensor: torch.Tensor | None = None
+    sampled: AttentionMetadata | None = None
     # Per-step derived data a backend builds once and reuses in every layer (keyed by backend name).
     backend_cache: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -62,3 +68,25 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
+
+
+def last_token_metadata(metadata: AttentionMetadata, req_indices: list[int]) -> AttentionMetadata:
+    """Decode-style metadata for the last new token of each of `metadata`'s requests named in req_indices
+    (in that order): one query each, over the request's seq_len tokens and its block-table row. The
+    last token of a request attends to every key of its context, so its attention under this metadata
+    equals its row of the whole step's attention once the step's K/V are in the cache. Allocates new
+    tensors (the runner fills the same from persistent buffers, `InputBuffers.prepare`)."""
+    device = metadata.seq_lens.device
+    index = torch.tensor(req_indices, dtype=torch.int64, device=device)
+    seq_lens = [metadata.seq_lens_cpu[i] for i in req_indices]
+    starts = list(range(len(req_indices) + 1))
+    return AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=metadata.seq_lens.index_select(0, index),
+        block_tables=metadata.block_tables.index_select(0, index),
+        slot_mapping=metadata.slot_mapping.new_empty(0),  # the step's writes are done: none here
+        max_query_len=1,
+        max_seq_len=max(seq_lens, default=0),
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=seq_lens,
+    )

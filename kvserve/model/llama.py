@@ -42,8 +42,10 @@ _STACKED_PARAMS: tuple[tuple[str, str, Hashable], ...] = (
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 # A step that needs the final states of some rows only (the tokens that sample: a prefill's last token)
-# runs the last layer past its cache write on those rows alone (docs/perf_notes.md entry 37).
+# runs the last layer past its cache write on those rows alone (docs/perf_notes.md entry 37), and, where the
+# step's metadata describes those rows (`AttentionMetadata.sampled`), its attention too (entry 42).
 _prune_last_layer = True
+_sampled_row_attention = True
 
 
 def set_last_layer_pruning(enabled: bool) -> None:
@@ -51,6 +53,13 @@ def set_last_layer_pruning(enabled: bool) -> None:
     select them (for measuring what the pruning gains; the same contract either way)."""
     global _prune_last_layer
     _prune_last_layer = enabled
+
+
+def set_sampled_row_attention(enabled: bool) -> None:
+    """With pruning: the last layer's attention for the sampled rows alone, as decode queries over the
+    cache (default, where the metadata has `sampled`), or for every row and then select (for measuring)."""
+    global _sampled_row_attention
+    _sampled_row_attention = enabled
 
 
 class LlamaAttention(nn.Module):
@@ -120,6 +129,12 @@ class LlamaAttention(nn.Module):
         result = self.attn(q, k, v, kv_cache, attn_metadata, attn_out)
         return result.reshape(num_tokens, self.num_heads * self.head_dim)
 
+    def attend_last_tokens(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """Attention of q [n, heads, head_dim], one query per request of a decode-style `metadata` (each its
+        request's last token, whose K/V and its context's are in the cache): [n, heads * head_dim]."""
+        result = self.attn.forward_cached(q, kv_cache, metadata)
+        return result.reshape(q.shape[0], self.num_heads * self.head_dim)
+
 
 class LlamaMLP(nn.Module):
     def __init__(self, arch: ArchConfig, dtype: torch.dtype) -> None:
@@ -162,13 +177,36 @@ class LlamaDecoderLayer(nn.Module):
         and both results hold only them; None for no rows.
         """
         q, k, v, residual = self.pre_attention(positions, hidden, residual, kv_cache, attn_metadata)
-        if output_rows is not None and output_rows.shape[0] == 0:
+        if output_rows is None:
+            return self.post_attention(self.self_attn.attend(q, k, v, kv_cache, attn_metadata), residual)
+        if output_rows.shape[0] == 0:
             return None
-        attn_out = self.self_attn.attend(q, k, v, kv_cache, attn_metadata)
-        if output_rows is not None:
-            attn_out = attn_out.index_select(0, output_rows)
-            residual = residual.index_select(0, output_rows)
-        return self.post_attention(attn_out, residual)
+        attn_out = self.attend_output_rows(q, k, v, kv_cache, attn_metadata, output_rows)
+        return self.post_attention(attn_out, residual.index_select(0, output_rows))
+
+    def attend_output_rows(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        output_rows: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention's output [len(output_rows), heads * head_dim] for output_rows alone, after the step's
+        cache write. Where `attn_metadata.sampled` describes them (output_rows must then be the step's
+        sampling rows, in its order), as decode queries over the cache: a prompt's last token reads its keys
+        once instead of the whole prompt attending. Otherwise every token attends (into `out`, [num_tokens,
+        heads * head_dim], when given) and the rows are selected."""
+        sampled = attn_metadata.sampled
+        if sampled is not None and _sampled_row_attention:
+            if sampled.num_reqs != output_rows.shape[0]:
+                raise ValueError(
+                    f"{output_rows.shape[0]} output rows, but the metadata describes {sampled.num_reqs} sampled rows"
+                )
+            return self.self_attn.attend_last_tokens(q.index_select(0, output_rows), kv_cache, sampled)
+        return self.self_attn.attend(q, k, v, kv_cache, attn_metadata, out).index_select(0, output_rows)
 
     # The parts of `forward` around attention, which piecewise CUDA graphs (`worker.piecewise`) also run
     # apart: pre_attention, self_attn.attend, post_attention.
@@ -251,12 +289,11 @@ class LlamaModel(nn.Module):
             hidden, residual = self.layers[index - 1].post_attention(attn_out, residual)
         return self.layers[index].pre_attention(positions, hidden, residual, kv_caches[index], attn_metadata)
 
-    def finish(self, attn_out: torch.Tensor, residual: torch.Tensor, output_rows: torch.Tensor) -> torch.Tensor:
+    def finish(self, attn_rows: torch.Tensor, residual: torch.Tensor, output_rows: torch.Tensor) -> torch.Tensor:
         """The last layer past its attention and the final norm, on output_rows only (as `forward` with
-        output_rows): [len(output_rows), hidden]."""
-        hidden, residual = self.layers[-1].post_attention(
-            attn_out.index_select(0, output_rows), residual.index_select(0, output_rows)
-        )
+        output_rows): attn_rows is the last layer's attention output of those rows alone
+        (`LlamaDecoderLayer.attend_output_rows`), residual the whole step's stream. [len(output_rows), hidden]."""
+        hidden, residual = self.layers[-1].post_attention(attn_rows, residual.index_select(0, output_rows))
         return self.norm(hidden, residual)[0]
 
 

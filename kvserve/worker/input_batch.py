@@ -222,10 +222,15 @@ class InputBuffers:
             # strided slice would be staged through a pageable temporary, whose copy can wait for the GPU.
             "placeholders": _host_buffer(2 * max_num_reqs, torch.int64, pin),
             "common_prefix_len": _host_buffer(1, torch.int32, pin),
+            # The sampling requests of a step where not every token samples (`AttentionMetadata.sampled`):
+            # their seq_lens, then their block-table rows (as int32; one buffer, one copy).
+            "sampled": _host_buffer(2 * max_num_reqs, torch.int32, pin),
         }
         self._np = {name: t.numpy() for name, t in self._host.items()}
         self.dev = {name: torch.zeros_like(t, device=device) for name, t in self._host.items()}
         self.block_tables = torch.zeros((max_num_reqs, block_table_width), dtype=torch.int32, device=device)
+        self.sampled_block_tables = torch.zeros_like(self.block_tables)
+        self.sampled_starts = torch.arange(max_num_reqs + 1, dtype=torch.int32, device=device)
         # Recorded after each step's copies; re-recorded every step (one event, no per-step allocation).
         self._copies_done = torch.cuda.Event() if device.type == "cuda" else None
 
@@ -394,10 +399,33 @@ class InputBuffers:
             fix.copy_(self._host["placeholders"][: 2 * num_placeholders], non_blocking=True)
             offsets, sampled_rows = fix[:num_placeholders], fix[num_placeholders:]
             dev["input_ids"].index_copy_(0, offsets, prev_sampled[0].index_select(0, sampled_rows))
+        # The sampling tokens as a decode batch, for steps that run the model with output rows: neither the
+        # decode graphs (every row samples) nor a prefill graph (its metadata is captured).
+        sampled_rows = None
+        if num_sampled and padded is None and padded_tokens is None and not (is_decode and num_sampled == num_reqs):
+            sampled_seq_lens = seq_lens[sample_rows]
+            h["sampled"][:num_sampled] = sampled_seq_lens
+            h["sampled"][num_sampled : 2 * num_sampled] = rows[sample_rows]
+            sampled_rows = dev["sampled"][: 2 * num_sampled]
+            sampled_rows.copy_(self._host["sampled"][: 2 * num_sampled], non_blocking=True)
         if self._copies_done is not None:
             self._copies_done.record()
         block_tables = self.block_tables[:n_reqs]
         torch.index_select(block_table.device_table, 0, dev["rows"][:n_reqs], out=block_tables)
+        sampled = None
+        if sampled_rows is not None:
+            sampled_tables = self.sampled_block_tables[:num_sampled]
+            torch.index_select(block_table.device_table, 0, sampled_rows[num_sampled:], out=sampled_tables)
+            sampled = AttentionMetadata(
+                query_start_loc=self.sampled_starts[: num_sampled + 1],
+                seq_lens=sampled_rows[:num_sampled],
+                block_tables=sampled_tables,
+                slot_mapping=dev["slot_mapping"][:0],
+                max_query_len=1,
+                max_seq_len=int(sampled_seq_lens.max()),
+                query_start_loc_cpu=list(range(num_sampled + 1)),
+                seq_lens_cpu=sampled_seq_lens.tolist(),
+            )
 
         metadata = AttentionMetadata(
             query_start_loc=dev["query_start_loc"][: n_reqs + 1],
@@ -410,6 +438,7 @@ class InputBuffers:
             seq_lens_cpu=h["seq_lens"][:n_reqs].tolist(),
             common_prefix_len=prefix_len,
             common_prefix_len_tensor=dev["common_prefix_len"] if prefix_len else None,
+            sampled=sampled,
         )
         return BatchInputs(
             input_ids=dev["input_ids"][:buffer_tokens],

@@ -12,7 +12,8 @@ Everything else in a layer reads only per-token inputs, so for a token count T i
     attention 0  eager, over the step's real metadata, into a fixed output buffer
     piece i      layer i - 1 past its attention (o_proj, norm, MLP), layer i up to its attention
     ...
-    finish       eager: the last layer past its attention and the final norm, on the rows that sample
+    finish       eager: the last layer's attention and the rest of it, and the final norm, on the rows that
+                 sample (their attention as decode queries where the metadata describes them)
 
 A step of n tokens replays the pieces of the smallest captured T >= n. Its tokens n..T-1 are padding
 (token 0 at position 0, slot -1: nothing is written to the cache); they are rows of their own in every
@@ -271,7 +272,12 @@ class PiecewiseGraphs:
         self.replays += 1
         for index, (replay, (q, k, v, residual)) in enumerate(pieces):
             replay()
-            if index == last and output_rows.shape[0] == 0:
-                return attn_out.new_empty((0, residual.shape[1]))
+            if index == last:
+                if output_rows.shape[0] == 0:
+                    return attn_out.new_empty((0, residual.shape[1]))
+                attn_rows = decoder.layers[index].attend_output_rows(
+                    q, k, v, self.kv_caches[index], metadata, output_rows, out=out_rows
+                )
+                return decoder.finish(attn_rows, residual, output_rows)
             decoder.layers[index].self_attn.attend(q, k, v, self.kv_caches[index], metadata, out=out_rows)
-        return decoder.finish(out_rows, pieces[last][1][3], output_rows)
+        raise AssertionError("a piecewise forward has at least one layer")

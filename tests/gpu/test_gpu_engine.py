@@ -465,6 +465,43 @@ def test_fast_path_switches_do_not_change_output(
     assert results[True] == results[False]
 
 
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sampled_row_attention_matches_every_row(checkpoints: dict[str, str], model: str, dtype: str) -> None:
+    """The last layer's attention for the sampled rows alone (decode queries over the cache: split-K at the
+    long prompts) against every token attending and the rows then selected: a 3,000-token prompt alone (an
+    eager one-prompt step), then six prompts of 7-2,100 tokens together (mixed steps with decode rows). float32: the same greedy tokens, logprobs within 1e-4. bf16 (cuDNN or flash against the Triton
+    decode kernel): every prompt's first token the same, its logprob within 0.02, since later tokens may part
+    at near-ties."""
+    from kvserve.model import llama
+
+    generator = torch.Generator().manual_seed(13)
+    lengths = [3000, 7, 700, 150, 2100, 40, 1300]
+    prompts = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in lengths]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    results = {}
+    try:
+        for on in (True, False):
+            llama.set_sampled_row_attention(on)
+            core = _core(checkpoints[model], dtype, enforce_eager=False, max_model_len=4096,
+                         max_num_batched_tokens=4096)
+            # One long prompt alone (an eager one-prompt step), then the rest together (chunks, mixed steps).
+            results[on] = _generate(core, prompts[:1], 12, params=params) + _generate(core, prompts[1:], 12,
+                                                                                          params=params)
+            del core
+    finally:
+        llama.set_sampled_row_attention(True)
+    for (tokens, lps), (want_tokens, want_lps) in zip(results[True], results[False], strict=True):
+        if dtype == "float32":
+            assert tokens == want_tokens
+            got = [lp.logprobs[0] for lp in lps]
+            want = [lp.logprobs[0] for lp in want_lps]
+            assert got == pytest.approx(want, abs=1e-4)
+        else:
+            assert tokens[0] == want_tokens[0]
+            assert lps[0].logprobs[0] == pytest.approx(want_lps[0].logprobs[0], abs=0.02)
+
+
 def _teacher_forced_logprobs(model: torch.nn.Module, prompt: list[int], generated: list[int]) -> torch.Tensor:
     """float32 [len(generated), vocab]: log-softmax at every position that predicted a generated token."""
     ids = torch.tensor([prompt + generated[:-1]], device="cuda")

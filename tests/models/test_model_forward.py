@@ -18,6 +18,7 @@ from helpers import RequestSlice, make_attn_metadata, make_kv_caches, run_model
 from helpers.tiny_models import write_gguf
 
 from kvserve.config import ModelConfig
+from kvserve.layers.attention_metadata import last_token_metadata
 from kvserve.model import llama
 from kvserve.model.arch import load_arch_config
 from kvserve.model.loader import load_model
@@ -186,6 +187,70 @@ def test_output_rows_compute_only_those_rows(
         llama.set_last_layer_pruning(True)
     assert torch.equal(unpruned, full[rows])
     assert all(torch.equal(got, want) for got, want in zip(unpruned_caches, full_caches, strict=True))
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3"])
+def test_sampled_rows_attend_as_decode_queries(
+    variant: str, tiny_pair: Callable, prompt_ids: list[int], other_ids: list[int]
+) -> None:
+    """With `metadata.sampled`, the last layer attends only for the sampling rows, each as one query over its
+    request's cache: the rows equal the full forward's (and HF's), the cache is written the same, in a step
+    that mixes a later chunk after cached context, a fresh prompt, a decode row and a non-final chunk that
+    samples nothing."""
+    ours, hf = tiny_pair(variant)
+    n, split = len(prompt_ids), 12
+    first = RequestSlice((8, 2), 0, split)
+    setup_ids = prompt_ids[:split] + other_ids[:-1]
+    setup_positions = [*range(split), *range(len(other_ids) - 1)]
+    setup = make_attn_metadata([first, RequestSlice((5,), 0, len(other_ids) - 1)], BLOCK_SIZE)
+    # The step under test: prompt_ids' second chunk (samples), other_ids' last token (a decode row, samples),
+    # a fresh prompt (samples), and a non-final first chunk of another prompt (does not sample).
+    requests = [
+        RequestSlice((8, 2), split, n - split),
+        RequestSlice((5,), len(other_ids) - 1, 1),
+        RequestSlice((11, 0), 0, n),
+        RequestSlice((3,), 0, 7),
+    ]
+    input_ids = torch.tensor(prompt_ids[split:] + other_ids[-1:] + prompt_ids + other_ids[:7])
+    positions = torch.tensor([*range(split, n), len(other_ids) - 1, *range(n), *range(7)])
+    metadata = make_attn_metadata(requests, BLOCK_SIZE)
+    starts = metadata.query_start_loc_cpu
+    sampling = [2, 0, 1]  # the order of logits_indices need not be the batch's
+    rows = torch.tensor([starts[i + 1] - 1 for i in sampling], dtype=torch.int64)
+
+    def step(sampled: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        caches = make_kv_caches(ours.arch, NUM_BLOCKS, BLOCK_SIZE)
+        with torch.inference_mode():
+            ours(torch.tensor(setup_ids), torch.tensor(setup_positions), caches, setup)
+            md = replace(metadata, sampled=last_token_metadata(metadata, sampling) if sampled else None,
+                         backend_cache={})
+            full = ours(input_ids, positions, [c.clone() for c in caches], md)
+            return full, ours(input_ids, positions, caches, md, rows), caches
+
+    full, got, caches = step(sampled=True)
+    _, unsampled, unsampled_caches = step(sampled=False)
+    torch.testing.assert_close(got, full[rows], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(unsampled, full[rows], atol=ATOL, rtol=RTOL)
+    assert all(torch.equal(a, b) for a, b in zip(caches, unsampled_caches, strict=True))
+    logits = ours.compute_logits(got)
+    torch.testing.assert_close(logits[0], _hf_logits(hf, prompt_ids)[-1], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(logits[1], _hf_logits(hf, prompt_ids)[-1], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(logits[2], _hf_logits(hf, other_ids)[-1], atol=ATOL, rtol=RTOL)
+    # The metadata's sampled rows must be the output rows: another count is an error, not a wrong answer.
+    md = replace(metadata, sampled=last_token_metadata(metadata, sampling), backend_cache={})
+    with torch.inference_mode(), pytest.raises(ValueError, match="sampled rows"):
+        ours(input_ids, positions, make_kv_caches(ours.arch, NUM_BLOCKS, BLOCK_SIZE), md, rows[:2])
+
+
+def test_last_token_metadata_describes_one_query_per_request() -> None:
+    requests = [RequestSlice((4, 1), 10, 9), RequestSlice((2,), 5, 1), RequestSlice((7, 3, 6), 0, 40)]
+    metadata = make_attn_metadata(requests, BLOCK_SIZE)
+    sampled = last_token_metadata(metadata, [2, 0])
+    assert sampled.query_start_loc.tolist() == sampled.query_start_loc_cpu == [0, 1, 2]
+    assert sampled.seq_lens.tolist() == sampled.seq_lens_cpu == [40, 19]
+    assert sampled.block_tables.tolist() == [[7, 3, 6], [4, 1, 0]]
+    assert (sampled.max_query_len, sampled.max_seq_len, sampled.num_tokens) == (1, 40, 2)
+    assert sampled.is_decode_only and sampled.slot_mapping.numel() == 0
 
 
 # ------------------------------------------------------------------------------------------------ GGUF

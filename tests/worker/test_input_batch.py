@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvserve.core.outputs import ScheduledRequest, SchedulerOutput
+from kvserve.layers.attention_metadata import last_token_metadata
 from kvserve.worker.input_batch import (
     CASCADE_MIN_PREFIX_TOKENS,
     CASCADE_MIN_REQS,
@@ -70,6 +71,7 @@ def test_prepare_matches_a_from_scratch_build_over_random_steps() -> None:
     tables: dict[str, list[int]] = {}
     lengths: dict[str, int] = {}
     next_block = iter(rng.sample(range(100), 100))
+    checked_sampled = 0
     for step in range(30):
         scheduled = []
         for r in range(rng.randint(1, 6)):
@@ -102,6 +104,19 @@ def test_prepare_matches_a_from_scratch_build_over_random_steps() -> None:
         sampled = [i for i, s in enumerate(scheduled) if s.sample]
         assert batch.sampled_req_ids == [scheduled[i].req_id for i in sampled]
         assert batch.logits_indices.tolist() == [want["query_start_loc"][i + 1] - 1 for i in sampled]
+        # The sampling tokens as a decode batch, built from persistent buffers, where not every row samples.
+        if not sampled or batch.all_rows_sample:
+            assert md.sampled is None
+        else:
+            ref, got = last_token_metadata(md, sampled), md.sampled
+            assert got is not None and got.query_start_loc_cpu == ref.query_start_loc_cpu
+            assert got.seq_lens_cpu == ref.seq_lens_cpu == got.seq_lens.tolist()
+            assert got.query_start_loc.tolist() == ref.query_start_loc_cpu
+            assert (got.max_query_len, got.max_seq_len) == (1, ref.max_seq_len)
+            for j, i in enumerate(sampled):
+                assert got.block_tables[j, : len(tables[scheduled[i].req_id])].tolist() == tables[scheduled[i].req_id]
+        checked_sampled += md.sampled is not None
+    assert checked_sampled > 5
 
 
 def _after_prefill_of_a_and_b() -> tuple[BlockTable, InputBuffers]:
@@ -130,6 +145,7 @@ def test_decode_batch_padded_to_graph_size() -> None:
     assert md.seq_lens.tolist() == [6, 4, 0, 0]
     assert md.query_start_loc.tolist() == [0, 1, 2, 3, 4]
     assert md.block_tables.shape[0] == 4
+    assert md.sampled is None  # every row samples: the graph's output rows are the batch's
     # a batch with a prefill chunk is never padded
     mixed = SchedulerOutput(scheduled=[_sched("a", [7], 6, []), _sched("b", [8, 9], 4, [])])
     table.apply(mixed)
@@ -281,10 +297,14 @@ def test_one_prompt_prefill_padded_to_a_graph_size() -> None:
     assert md.seq_lens.tolist() == [8] and md.seq_lens_cpu == [8]
     assert md.max_query_len == 8 and md.max_seq_len == 8
     assert batch.logits_indices.tolist() == [4] and batch.sampled_req_ids == ["a"]
-    # unpadded, the same step is what it was
+    assert md.sampled is None  # the graph's captured metadata attends; no per-step sampled rows
+    # unpadded, the same step is what it was, and its sampling token is a decode query over the prompt
     plain = buffers.prepare(step, table)
     assert plain.prefill_padded_tokens is None and plain.input_ids.tolist() == [5, 6, 7, 8, 9]
     assert plain.attn_metadata.slot_mapping.tolist() == [12, 13, 14, 15, 24]
+    sampled = plain.attn_metadata.sampled
+    assert sampled is not None and sampled.seq_lens.tolist() == sampled.seq_lens_cpu == [5]
+    assert sampled.block_tables[0, :2].tolist() == [3, 6] and sampled.query_start_loc_cpu == [0, 1]
 
 
 @pytest.mark.parametrize("context", [6, 0], ids=["after-cached-context", "fresh"])

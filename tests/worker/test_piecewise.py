@@ -15,6 +15,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.config import EngineArgs
 from kvserve.core.outputs import ScheduledRequest, SchedulerOutput
 from kvserve.engine.engine_core import EngineCore
+from kvserve.model import llama
 from kvserve.worker.memory import prefill_graph_reserve_bytes
 from kvserve.worker.piecewise import EagerBackend, PiecewiseGraphs, piecewise_graph_sizes, piecewise_size
 
@@ -101,6 +102,8 @@ def test_pieces_match_the_forward_on_a_mixed_step(tiny_model_dir: Callable[..., 
             runner.model(warm.input_ids, warm.positions, runner.kv_caches, warm.attn_metadata)
             runner.block_table.apply(batch_step)
             batch = runner.inputs.prepare(batch_step, runner.block_table, token_pad_to=128 if piecewise else None)
+            # the sampling rows as a decode batch, where any row samples
+            assert (batch.attn_metadata.sampled is not None) == any(s.sample for s in batch_step.scheduled)
             if piecewise:
                 assert batch.piecewise_tokens == 128 and batch.input_ids.shape[0] == 128
                 assert batch.attn_metadata.num_tokens == num_tokens
@@ -120,6 +123,16 @@ def test_pieces_match_the_forward_on_a_mixed_step(tiny_model_dir: Callable[..., 
     used = torch.tensor([b * size + i for rid, cached, new in shapes for b in blocks[rid] for i in range(size)
                          if (b - blocks[rid][0]) * size + i < cached + new])
     assert_only_slots_written(got_caches, want_caches, used)
+    # The last layer attends for the sampled rows alone (decode queries over the cache); every token
+    # attending, then selecting, gives the same rows, eagerly and in pieces.
+    llama.set_sampled_row_attention(False)
+    try:
+        full_hidden, _ = run(False, step)
+        full_pieces, _ = run(True, step)
+    finally:
+        llama.set_sampled_row_attention(True)
+    torch.testing.assert_close(want_hidden, full_hidden, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(full_pieces, full_hidden, rtol=1e-5, atol=1e-5)
 
     # No request samples (every chunk is a middle one): the pieces write the cache, nothing is returned.
     silent = SchedulerOutput(scheduled=[
