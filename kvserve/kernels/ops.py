@@ -330,9 +330,32 @@ def decode_attention_launch(num_reqs: int, kv_cache: torch.Tensor, max_seq_len: 
     return splits, busy
 
 
+def decode_launch_shapes(max_num_reqs: int, max_seq_len: int, num_kv_heads: int, num_sms: int) -> list[tuple[int, int]]:
+    """One (num_reqs, seq_len) per distinct decode attention launch (kernel variants and merge, without a
+    shared prefix) that decode-only batches of 1 to max_num_reqs requests with contexts of up to max_seq_len
+    can take, for a warm-up to compile them all: eager decode batches, and the rows a step samples
+    (`AttentionMetadata.sampled`). [] where the Triton kernel is not available."""
+    module = _triton_module("triton_attention")
+    if module is None:
+        return []
+    # The split count depends on the context only below _MAX_DECODE_SPLITS tiles.
+    lengths = sorted({min(max_seq_len, _DECODE_TILE_N * t) for t in range(1, _MAX_DECODE_SPLITS + 1)} | {max_seq_len})
+    shapes: dict[tuple[object, ...], tuple[int, int]] = {}
+    for num_reqs in range(1, max_num_reqs + 1):
+        for seq_len in lengths:
+            splits = decode_num_splits(num_reqs, num_kv_heads, seq_len, num_sms)
+            shapes.setdefault(module.decode_launch_variant(num_reqs, num_kv_heads, splits, num_sms), (num_reqs, seq_len))
+    return sorted(shapes.values())
+
+
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """The CUDA device's multiprocessor count (what the kernels' launch rules read)."""
+    return _num_sms(device)
 
 
 def paged_attention(

@@ -653,6 +653,17 @@ def launch_paged_attention(
     return out
 
 
+def decode_launch_variant(num_reqs: int, num_kv_heads: int, num_splits: int, num_sms: int) -> tuple[object, ...]:
+    """What selects the kernel variants of a decode launch without a shared prefix (host ints only): with one
+    split, whether it is busy; with a few, the merge in the kernel; else the reduce kernel's padded split
+    count (a constexpr of its own)."""
+    if num_splits == 1:
+        return ("one split", decode_launch_is_busy(num_reqs, num_kv_heads, num_sms))
+    if num_splits <= DECODE_FUSED_MERGE_MAX_SPLITS:
+        return ("fused merge",)
+    return ("reduce", triton.next_power_of_2(num_splits))
+
+
 def decode_launch_is_busy(num_reqs: int, num_kv_heads: int, num_sms: int) -> bool:
     """Whether a one-split decode launch of num_reqs requests runs DECODE_LAUNCH_ONE_SPLIT_BUSY (more than
     DECODE_BUSY_PROGRAMS_PER_SM (request, KV head) programs per SM). Host ints only: fixed per CUDA graph."""

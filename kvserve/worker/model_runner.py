@@ -362,6 +362,9 @@ class ModelRunner:
         if device.type == "cuda" and self.config.cascade_attn and not self.config.use_cuda_graphs:
             self._warm_up_cascade()  # (with graphs, the capture compiles the cascade kernels)
         tick = mark("cascade", tick)
+        if device.type == "cuda":
+            self._warm_up_decode_launches()
+        tick = mark("decode", tick)
         # Steps sample from 1 to max_num_seqs rows; the skinny matmul's variants depend on the row count.
         hidden = torch.zeros(min(self.max_num_reqs, ops.SKINNY_GEMM_MAX_ROWS + 1), arch.hidden_size,
                              dtype=self.dtype, device=device)
@@ -381,6 +384,31 @@ class ModelRunner:
             rows.zero_()
             return rows
         return torch.zeros((num_reqs, -(-seq_len // self.block_size)), dtype=torch.int32, device=self.device)
+
+    def _warm_up_decode_launches(self) -> None:
+        """One decode attention launch per kernel variant and merge that eager decode-style launches can take
+        (`ops.decode_launch_shapes`): the rows a step with prefill tokens samples attend as a decode batch of
+        any size at any context, which the decode graphs, captured at max_model_len, do not all cover (a
+        5-row batch's 14 splits need the reduce kernel's 16-split variant). Reads cache block 0 only."""
+        arch, device = self.arch, self.device
+        kv_cache = self.kv_caches[0]
+        shapes = ops.decode_launch_shapes(
+            self.max_num_reqs, self.config.model_config.max_model_len, arch.num_key_value_heads, ops.num_sms(device)
+        )
+        for num_reqs, seq_len in shapes:
+            starts = list(range(num_reqs + 1))
+            metadata = AttentionMetadata(
+                query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+                seq_lens=torch.full((num_reqs,), seq_len, dtype=torch.int32, device=device),
+                block_tables=self._warm_up_block_table(num_reqs, seq_len),
+                slot_mapping=torch.empty(0, dtype=torch.int64, device=device),
+                max_query_len=1,
+                max_seq_len=seq_len,
+                query_start_loc_cpu=starts,
+                seq_lens_cpu=[seq_len] * num_reqs,
+            )
+            query = torch.zeros(num_reqs, arch.num_attention_heads, arch.head_dim, dtype=self.dtype, device=device)
+            ops.paged_attention(query, kv_cache, metadata, arch.head_dim**-0.5)
 
     def _warm_up_cascade(self) -> None:
         """Decode batches of 8 to 64 requests sharing a prefix: every tile height of the shared-prefix kernel,

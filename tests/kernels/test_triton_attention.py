@@ -221,6 +221,31 @@ def test_ops_reports_the_launch_the_kernel_takes(monkeypatch):
     assert ops.decode_attention_launch(limit + 1, cache, max_len) == (1, True)  # type: ignore[arg-type]
 
 
+def test_decode_launch_shapes_cover_every_decode_variant():
+    """The warm-up's decode shapes (one per kernel variant and merge) cover every launch a decode batch of 1 to
+    256 requests at any context up to 32k takes on an H200-sized GPU (132 SMs, 4 KV heads), each exactly once:
+    one split busy and not, the merge in the kernel, and the reduce kernel at 16, 32 and 64 padded splits (a
+    5-request batch's 14 splits: the 16 the decode graphs at 32k never launch)."""
+    from kvserve.kernels import ops
+
+    num_sms, kv_heads, max_len = 132, 4, 32768
+    shapes = ops.decode_launch_shapes(256, max_len, kv_heads, num_sms)
+
+    def variant(num_reqs: int, seq_len: int) -> tuple[object, ...]:
+        splits = choose_num_splits(num_reqs, kv_heads, seq_len, num_sms)
+        return triton_attention.decode_launch_variant(num_reqs, kv_heads, splits, num_sms)
+
+    covered = [variant(n, length) for n, length in shapes]
+    assert len(set(covered)) == len(covered)
+    everything = {variant(n, length) for n in range(1, 257) for length in (1, 63, 64, 700, 1000, 4096, 9000, max_len)}
+    assert set(covered) == everything
+    assert {v for v in everything if v[0] == "reduce"} == {("reduce", 16), ("reduce", 32), ("reduce", 64)}
+    assert ("one split", True) in everything and ("one split", False) in everything
+    assert variant(5, max_len) == ("reduce", 16)
+    assert all(1 <= n <= 256 and 1 <= length <= max_len for n, length in shapes)
+    assert all(length <= 100 for _, length in ops.decode_launch_shapes(4, 100, kv_heads, num_sms))
+
+
 def test_decode_stages_keep_the_kv_buffers_in_shared_memory():
     """num_stages - 1 buffers of a K and a V tile: bf16 128-key tiles of 128 dims keep 3 stages (128 KiB);
     fp32 drops to 2 (one buffer), as do stages that would pass the limit; never below 2."""
