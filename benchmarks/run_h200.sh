@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Pass the local commit, written in literally (the device copy's git metadata can be stale, so a $(git ...) in
 # the command would read it there): KVSERVE_BENCH_COMMIT=<sha> bash ...
@@ -399,6 +399,42 @@ print('alone', t._backend_after('alone')); print('kvserve-first', t._backend_aft
     pytest22) python3 -c "import inspect, torch; print(torch.__version__); print(inspect.getsource(torch.cuda.graph.__enter__))" \
           > "$R/pytest22.log" 2>&1
         timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "not gguf" >> "$R/pytest22.log" 2>&1 ;;
+    offloop24) # tokenization off the API's event loop (ServingContext.off_loop) against inline, new / inline / new /
+        # inline on one host: the server at 16 req/s (512 in / 256 out) for 20 s, its /metrics scraped around each
+        # run (the server's own TTFT histogram). Needs .carry/tok.
+        dir=$(python3 -c 'import sys; sys.path.insert(0, "benchmarks"); from common import write_served_model_dir as w; print(w("qwen2.5-7b"))')
+        cat > /tmp/serve_inline.py <<'PY'
+# kvserve serve with the prompt preparation (tokenization) run inline on the event loop, as before off_loop.
+import sys
+
+from kvserve.entrypoints.cli import main
+from kvserve.entrypoints.openai.serving_common import ServingContext
+
+
+async def _inline(self, fn, *args):
+    return fn(*args)
+
+
+if __name__ == "__main__":
+    ServingContext.off_loop = _inline
+    sys.exit(main())
+PY
+        for mode in new inline new inline; do
+          entry="-m kvserve"; [ $mode = inline ] && entry=/tmp/serve_inline.py
+          PYTHONPATH=/tmp/site:$PWD python3 $entry serve "$dir" --load-format dummy --served-model-name qwen2-7b \
+            --port 8000 --disable-log-requests --disable-uvicorn-access-log > "$R/offloop24_server_$mode.log" 2>&1 &
+          server=$!
+          for _ in $(seq 1 120); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 1; done
+          curl -s http://127.0.0.1:8000/metrics > /tmp/m0.txt
+          echo "=== server ($mode) bench 16/s" >> "$R/offloop24.log"
+          PYTHONPATH=/tmp/site:$PWD timeout 60 python3 -m kvserve bench --endpoint http://localhost:8000/v1/completions \
+            --model qwen2-7b --request-rate 16 --duration 20 --warmup 8 --input-len 512 --max-tokens 256 \
+            --ignore-eos --tokenizer "$dir" --no-progress --json "$R/offloop24_${mode}.json" >> "$R/offloop24.log" 2>&1
+          curl -s http://127.0.0.1:8000/metrics > /tmp/m1.txt
+          python3 benchmarks/metrics_delta.py /tmp/m0.txt /tmp/m1.txt | grep -E "time_to_first|queue_time|prefill_time" \
+            >> "$R/offloop24.log" 2>&1
+          kill -TERM $server; wait $server
+        done ;;
     pytest24) timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "not gguf" > "$R/pytest24.log" 2>&1 ;;
     rowattn24) # the last layer's attention for the sampled rows alone (AttentionMetadata.sampled): tests/gpu (the
         # GGUF test aside), then new / old / new / old on one host (old: --no-sampled-row-attention)
@@ -796,6 +832,7 @@ for f in "$R"/apipath.log "$R"/poisson22.log "$R"/mixed22.log "$R"/shared22.log 
     poisson22.log) grep -E "^poisson|^engine start|Error|Traceback" "$f" | cut -c1-400 ;;
     mixed22.log) grep -E "^mixed|Error|Traceback" "$f" | cut -c1-220 ;;
     shared22.log) grep -E "^shared|^engine start|mode .* done|Error|Traceback" "$f" | cut -c1-200 ;;
+    offloop24.log) grep -E "^===|TTFT|TPOT|ITL \(|Client CPU|lag|time_to_first|queue_time|Successful|Error|Traceback" "$f" ;;
     pytest24.log) grep -E "passed|failed|FAILED|Error|^E " "$f" | tail -25 ;;
     rowattn24_pytest.log) grep -E "passed|failed|FAILED|Error|^E " "$f" | tail -15 ;;
     rowattn24.log) grep -E "^TTFT|^seeds|^256|^engine start|^Triton variants|mode .* done|Error|Traceback" "$f" | cut -c1-160 ;;

@@ -154,7 +154,7 @@ def build_app(ctx: ServingContext, state: ServerState, metrics: PrometheusStatLo
 
     @app.post("/v1/chat/completions", responses={200: {"model": ChatCompletionResponse}, **_ERROR_RESPONSES})
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
-        chat = prepare_chat(ctx, body)
+        chat = await ctx.off_loop(prepare_chat, ctx, body)
         if body.stream:
             options = body.stream_options
             return SSEResponse(chat_stream(ctx, chat, bool(options and options.include_usage),
@@ -163,7 +163,7 @@ def build_app(ctx: ServingContext, state: ServerState, metrics: PrometheusStatLo
 
     @app.post("/v1/completions", responses={200: {"model": CompletionResponse}, **_ERROR_RESPONSES})
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
-        cmpl = prepare_completion(ctx, body)
+        cmpl = await ctx.off_loop(prepare_completion, ctx, body)
         if body.stream:
             options = body.stream_options
             return SSEResponse(completion_stream(ctx, cmpl, bool(options and options.include_usage),
@@ -172,6 +172,9 @@ def build_app(ctx: ServingContext, state: ServerState, metrics: PrometheusStatLo
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERROR_RESPONSES)
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        return await ctx.off_loop(tokenize_request, body)
+
+    def tokenize_request(body: TokenizeRequest) -> dict[str, Any]:
         ctx.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise BadRequestError("give exactly one of prompt and messages", "prompt")

@@ -8,8 +8,9 @@ import json
 import logging
 import math
 import uuid
-from collections.abc import Awaitable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from starlette.requests import Request
@@ -41,6 +42,12 @@ class ServingContext:
     model_path: str
     log_requests: bool = True
     created: int = 0
+    # Tokenization (and a chat template's rendering) runs here, off the event loop: a 1,024-token prompt took
+    # 3-6 ms, during which every other stream's chunks would wait. One thread, so calls into the tokenizer
+    # never overlap each other (the event loop's incremental detokenization only reads it).
+    prepare_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-tokenize")
+    )
 
     @property
     def model_name(self) -> str:
@@ -53,6 +60,10 @@ class ServingContext:
         if model not in self.served_model_names:
             raise NotFoundError(f"The model `{model}` does not exist.", "model")
         return model
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) on the preparation thread (tokenization, chat templates); its exceptions propagate."""
+        return await asyncio.get_running_loop().run_in_executor(self.prepare_pool, fn, *args)
 
     def check_engine(self) -> None:
         if self.engine.dead_error is not None or not self.engine.is_alive:
