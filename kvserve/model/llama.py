@@ -56,8 +56,9 @@ def set_last_layer_pruning(enabled: bool) -> None:
 
 
 def set_sampled_row_attention(enabled: bool) -> None:
-    """With pruning: the last layer's attention for the sampled rows alone, as decode queries over the
-    cache (default, where the metadata has `sampled`), or for every row and then select (for measuring)."""
+    """Where the last layer runs on output rows (pruning on, and always in the piecewise graphs' last step):
+    its attention for the sampled rows alone, as decode queries over the cache (default, where the metadata
+    has `sampled`), or for every row and then select (for measuring)."""
     global _sampled_row_attention
     _sampled_row_attention = enabled
 

@@ -399,8 +399,9 @@ class InputBuffers:
             fix.copy_(self._host["placeholders"][: 2 * num_placeholders], non_blocking=True)
             offsets, sampled_rows = fix[:num_placeholders], fix[num_placeholders:]
             dev["input_ids"].index_copy_(0, offsets, prev_sampled[0].index_select(0, sampled_rows))
-        # The sampling tokens as a decode batch, for steps that run the model with output rows: neither the
-        # decode graphs (every row samples) nor a prefill graph (its metadata is captured).
+        # The sampling tokens as a decode batch, for steps that run the model with output rows: not a decode
+        # batch where every row samples, not one padded for a decode graph (the graph computes every row,
+        # then the rows are selected), not a prefill graph (its metadata is captured).
         sampled_rows = None
         if num_sampled and padded is None and padded_tokens is None and not (is_decode and num_sampled == num_reqs):
             sampled_seq_lens = seq_lens[sample_rows]

@@ -482,8 +482,8 @@ def test_sampled_row_attention_matches_every_row(tmp_path: Any, model: str, dtyp
     """The last layer's attention for the sampled rows alone (decode queries over the cache: split-K at the
     long prompts) against every token attending and the rows then selected: a 3,000-token prompt alone (an
     eager one-prompt step), then six prompts of 7-2,100 tokens together (mixed steps with decode rows). float32: the same greedy tokens, logprobs within 1e-4. bf16 (cuDNN or flash against the Triton
-    decode kernel): every prompt's first token the same, its logprob within 0.02, since later tokens may part
-    at near-ties."""
+    decode kernel): every prompt's first token the same or a near-tie, its top-5 logprobs within 0.05, since
+    later tokens may part at near-ties."""
     from kvserve.model import llama
 
     model_type, overrides = MODELS[model]

@@ -18,6 +18,7 @@ from helpers import RequestSlice, make_attn_metadata, make_kv_caches, run_model
 from helpers.tiny_models import write_gguf
 
 from kvserve.config import ModelConfig
+from kvserve.layers.attention import Attention
 from kvserve.layers.attention_metadata import last_token_metadata
 from kvserve.model import llama
 from kvserve.model.arch import load_arch_config
@@ -191,7 +192,7 @@ def test_output_rows_compute_only_those_rows(
 
 @pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3"])
 def test_sampled_rows_attend_as_decode_queries(
-    variant: str, tiny_pair: Callable, prompt_ids: list[int], other_ids: list[int]
+    variant: str, tiny_pair: Callable, prompt_ids: list[int], other_ids: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With `metadata.sampled`, the last layer attends only for the sampling rows, each as one query over its
     request's cache: the rows equal the full forward's (and HF's), the cache is written the same, in a step
@@ -227,8 +228,19 @@ def test_sampled_rows_attend_as_decode_queries(
             full = ours(input_ids, positions, [c.clone() for c in caches], md)
             return full, ours(input_ids, positions, caches, md, rows), caches
 
+    # The decode-query path ran: once per forward with rows and `sampled` (the last layer), for the 3 rows.
+    cached_calls: list[int] = []
+    forward_cached = Attention.forward_cached
+
+    def counting(self: Attention, query: torch.Tensor, *args: Any) -> torch.Tensor:
+        cached_calls.append(query.shape[0])
+        return forward_cached(self, query, *args)
+
+    monkeypatch.setattr(Attention, "forward_cached", counting)
     full, got, caches = step(sampled=True)
+    assert cached_calls == [len(sampling)]
     _, unsampled, unsampled_caches = step(sampled=False)
+    assert cached_calls == [len(sampling)]
     torch.testing.assert_close(got, full[rows], atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(unsampled, full[rows], atol=ATOL, rtol=RTOL)
     assert all(torch.equal(a, b) for a, b in zip(caches, unsampled_caches, strict=True))

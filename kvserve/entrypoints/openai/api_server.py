@@ -314,6 +314,7 @@ async def serve(ns: argparse.Namespace, config: EngineConfig) -> int:
         logger.error("%s", e)
         sock.close()
         return 2
+    ctx: ServingContext | None = None
     try:
         logger.info("%s (engine ready in %.1f s)", ready.capacity_description, ready.startup_s)
         served_names = list(ns.served_model_name or [config.model_config.served_model_name])
@@ -354,6 +355,8 @@ async def serve(ns: argparse.Namespace, config: EngineConfig) -> int:
             server.exit_code = 1
         return server.exit_code
     finally:
+        if ctx is not None:
+            ctx.prepare_pool.shutdown(wait=False, cancel_futures=True)
         await engine.shutdown()
         sock.close()
 

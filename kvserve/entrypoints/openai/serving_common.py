@@ -43,8 +43,9 @@ class ServingContext:
     log_requests: bool = True
     created: int = 0
     # Tokenization (and a chat template's rendering) runs here, off the event loop: a 1,024-token prompt took
-    # 3-6 ms, during which every other stream's chunks would wait. One thread, so calls into the tokenizer
-    # never overlap each other (the event loop's incremental detokenization only reads it).
+    # 3-6 ms, during which every other stream's chunks would wait. One thread, so two encodes never run at
+    # once. The event loop's detokenization may run beside an encode: both only read the tokenizer, and
+    # decoding holds the GIL.
     prepare_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-tokenize")
     )
