@@ -402,24 +402,24 @@ class InputBuffers:
         # The sampling tokens as a decode batch, for steps that run the model with output rows: not a decode
         # batch where every row samples, not one padded for a decode graph (the graph computes every row,
         # then the rows are selected), not a prefill graph (its metadata is captured).
-        sampled_rows = None
+        sampled_dev = None
         if num_sampled and padded is None and padded_tokens is None and not (is_decode and num_sampled == num_reqs):
             sampled_seq_lens = seq_lens[sample_rows]
             h["sampled"][:num_sampled] = sampled_seq_lens
             h["sampled"][num_sampled : 2 * num_sampled] = rows[sample_rows]
-            sampled_rows = dev["sampled"][: 2 * num_sampled]
-            sampled_rows.copy_(self._host["sampled"][: 2 * num_sampled], non_blocking=True)
+            sampled_dev = dev["sampled"][: 2 * num_sampled]
+            sampled_dev.copy_(self._host["sampled"][: 2 * num_sampled], non_blocking=True)
         if self._copies_done is not None:
             self._copies_done.record()
         block_tables = self.block_tables[:n_reqs]
         torch.index_select(block_table.device_table, 0, dev["rows"][:n_reqs], out=block_tables)
         sampled = None
-        if sampled_rows is not None:
+        if sampled_dev is not None:
             sampled_tables = self.sampled_block_tables[:num_sampled]
-            torch.index_select(block_table.device_table, 0, sampled_rows[num_sampled:], out=sampled_tables)
+            torch.index_select(block_table.device_table, 0, sampled_dev[num_sampled:], out=sampled_tables)
             sampled = AttentionMetadata(
                 query_start_loc=self.sampled_starts[: num_sampled + 1],
-                seq_lens=sampled_rows[:num_sampled],
+                seq_lens=sampled_dev[:num_sampled],
                 block_tables=sampled_tables,
                 slot_mapping=dev["slot_mapping"][:0],
                 max_query_len=1,

@@ -396,19 +396,26 @@ class ModelRunner:
             self.max_num_reqs, self.config.model_config.max_model_len, arch.num_key_value_heads, ops.num_sms(device)
         )
         for num_reqs, seq_len in shapes:
-            starts = list(range(num_reqs + 1))
-            metadata = AttentionMetadata(
-                query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-                seq_lens=torch.full((num_reqs,), seq_len, dtype=torch.int32, device=device),
-                block_tables=self._warm_up_block_table(num_reqs, seq_len),
-                slot_mapping=torch.empty(0, dtype=torch.int64, device=device),
-                max_query_len=1,
-                max_seq_len=seq_len,
-                query_start_loc_cpu=starts,
-                seq_lens_cpu=[seq_len] * num_reqs,
-            )
             query = torch.zeros(num_reqs, arch.num_attention_heads, arch.head_dim, dtype=self.dtype, device=device)
-            ops.paged_attention(query, kv_cache, metadata, arch.head_dim**-0.5)
+            ops.paged_attention(query, kv_cache, self._warm_up_decode_metadata(num_reqs, seq_len), arch.head_dim**-0.5)
+
+    def _warm_up_decode_metadata(self, num_reqs: int, seq_len: int, prefix: int = 0) -> AttentionMetadata:
+        """A decode batch of num_reqs requests of seq_len tokens that reads cache block 0 only and writes
+        nothing (slot -1); prefix > 0: its requests share that many leading tokens (cascade)."""
+        device = self.device
+        starts = list(range(num_reqs + 1))
+        return AttentionMetadata(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.full((num_reqs,), seq_len, dtype=torch.int32, device=device),
+            block_tables=self._warm_up_block_table(num_reqs, seq_len),
+            slot_mapping=torch.full((num_reqs,), -1, dtype=torch.int64, device=device),
+            max_query_len=1,
+            max_seq_len=seq_len,
+            query_start_loc_cpu=starts,
+            seq_lens_cpu=[seq_len] * num_reqs,
+            common_prefix_len=prefix,
+            common_prefix_len_tensor=torch.tensor([prefix], dtype=torch.int32, device=device) if prefix else None,
+        )
 
     def _warm_up_cascade(self) -> None:
         """Decode batches of 8 to 64 requests sharing a prefix: every tile height of the shared-prefix kernel,
@@ -422,19 +429,7 @@ class ModelRunner:
         for num_reqs in (8, 16, 32, 64):
             if num_reqs > self.max_num_reqs:
                 break
-            starts = list(range(num_reqs + 1))
-            metadata = AttentionMetadata(
-                query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-                seq_lens=torch.full((num_reqs,), seq_len, dtype=torch.int32, device=device),
-                block_tables=self._warm_up_block_table(num_reqs, seq_len),
-                slot_mapping=torch.full((num_reqs,), -1, dtype=torch.int64, device=device),
-                max_query_len=1,
-                max_seq_len=seq_len,
-                query_start_loc_cpu=starts,
-                seq_lens_cpu=[seq_len] * num_reqs,
-                common_prefix_len=prefix,
-                common_prefix_len_tensor=torch.tensor([prefix], dtype=torch.int32, device=device),
-            )
+            metadata = self._warm_up_decode_metadata(num_reqs, seq_len, prefix)
             input_ids = torch.zeros(num_reqs, dtype=torch.int64, device=device)
             pos = torch.full((num_reqs,), seq_len - 1, dtype=torch.int64, device=device)
             self.model(input_ids, pos, self.kv_caches, metadata)

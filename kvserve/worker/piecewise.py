@@ -145,9 +145,9 @@ class PiecewiseGraphs:
     token_pad_to=size)` filled.
 
     model: a CausalLM with `piecewise_model` (the decoder's `piece` / `finish`, its layers'
-    `self_attn.attend` and `attend_output_rows`); buffers: the runner's persistent device buffers (input_ids, positions, slot_mapping,
-    query_start_loc, seq_lens; at least max(sizes) tokens and 2 requests); block_tables: its batch
-    block-table buffer (2 rows or more).
+    `self_attn.attend` and `attend_output_rows`); buffers: the runner's persistent device buffers (input_ids,
+    positions, slot_mapping, query_start_loc, seq_lens; at least max(sizes) tokens and 2 requests);
+    block_tables: its batch block-table buffer (2 rows or more).
     """
 
     def __init__(
