@@ -165,14 +165,24 @@ def capture_graph(fn: Callable[[], T], pool: Any, stream: torch.cuda.Stream) -> 
 
     The garbage collector is paused during the capture: a collection there may free another, unreachable
     CUDAGraph (an engine dropped earlier in the process), and destroying a graph while a stream captures is
-    an error that invalidates the capture. Such garbage is collected after it."""
+    an error that invalidates the capture. Such garbage is collected after it.
+
+    A capture that fails (fn raises, or CUDA invalidated it) raises, and leaves the caching allocator as it
+    was before the capture began (`_release_failed_capture`), so that the caller can free memory and retry."""
     graph = torch.cuda.CUDAGraph()
     collecting = gc.isenabled()
     gc.disable()
     try:
         if not LEAN_CAPTURE:
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                out = fn()
+            # The outer stream context restores the caller's stream: the graph context leaves its own
+            # stream current when its capture_end raises.
+            with torch.cuda.stream(stream):
+                try:
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        out = fn()
+                except BaseException:
+                    _release_failed_capture(graph, pool)
+                    raise
             return graph, out
         with torch.cuda.stream(stream):
             graph.capture_begin(pool=pool)
@@ -183,12 +193,40 @@ def capture_graph(fn: Callable[[], T], pool: Any, stream: torch.cuda.Stream) -> 
                     graph.capture_end()
                 except Exception:  # noqa: BLE001 (an invalidated capture also fails to end)
                     pass
+                _release_failed_capture(graph, pool)
                 raise
-            graph.capture_end()
+            try:
+                graph.capture_end()
+            except BaseException:
+                _release_failed_capture(graph, pool)
+                raise
         return graph, out
     finally:
         if collecting:
             gc.enable()
+
+
+def _release_failed_capture(graph: torch.cuda.CUDAGraph, pool: Any) -> None:
+    """After a capture that did not end: stop routing allocations to `pool` and give back the capture's
+    reference to it, which torch does only for a capture that ended. `capture_begin` starts the routing and
+    takes the reference; `capture_end` ends the routing only after CUDA has ended the capture, and the graph
+    releases the reference only if its capture ended. Left as they were, the allocator counts a capture as
+    under way for the rest of the process: `torch.cuda.empty_cache()` then fails an internal assertion, a
+    later capture into the same pool is refused, and the pool's memory is never freed."""
+    try:
+        graph.pool()  # raises unless the capture ended
+    except RuntimeError:
+        pass
+    else:
+        return  # it ended: the graph gives its reference back when it is destroyed
+    if pool is None:
+        return  # a pool of the graph's own: its id is not exposed (kvserve always passes one)
+    device = torch.cuda.current_device()
+    try:
+        torch._C._cuda_endAllocateToPool(device, pool)
+    except RuntimeError:
+        pass  # capture_end ended the routing before it failed
+    torch._C._cuda_releasePool(device, pool)
 
 
 def warm_up_and_capture(fn: Callable[[], T], pool: Any, stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, T]:

@@ -225,6 +225,52 @@ def test_piecewise_decode_past_the_largest_decode_graph(
     assert any(prefix > 0 for _, _, prefix in decode_steps) == shared_prefix, decode_steps[:5]
 
 
+@pytest.mark.parametrize("stage", ["graphs", "pieces"])
+def test_a_failed_capture_falls_back_and_matches_eager(
+    checkpoints: dict[str, str], stage: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One capture at start fails, as one whose kernels read a device value on the host would (CUDA
+    invalidates the capture): the first decode or prefill graph ("graphs"), after which start-up retries
+    with fewer graphs, or the first piecewise graph ("pieces"), after which those steps stay eager. The
+    engine starts (before, the allocator still counted the failed capture as under way, and start-up's next
+    empty_cache failed an internal assertion) and its float32 greedy tokens equal the eager engine's."""
+    from kvserve.worker import cuda_graph, model_runner, piecewise
+
+    failed: list[bool] = []
+
+    def failing_once(capture: Any) -> Any:
+        def wrapped(fn: Any, pool: Any, stream: Any) -> Any:
+            if failed:
+                return capture(fn, pool, stream)
+            failed.append(True)
+
+            def invalid() -> Any:
+                out = fn()
+                torch.zeros(1, device="cuda").item()  # not permitted while capturing
+                return out
+
+            return capture(invalid, pool, stream)
+
+        return wrapped
+
+    if stage == "graphs":
+        monkeypatch.setattr(cuda_graph, "capture_graph", failing_once(cuda_graph.capture_graph))
+    else:
+        monkeypatch.setattr(model_runner, "PIECEWISE_GRAPH_MAX_TOKENS", 2048)
+        monkeypatch.setattr(piecewise, "warm_up_and_capture", failing_once(piecewise.warm_up_and_capture))
+    path = checkpoints["llama-hd64"]
+    prompts = _prompts(6, seed=31)
+    core = _core(path, "float32", enforce_eager=False)
+    assert failed == [True]
+    assert core.runner.graphs is not None
+    if stage == "pieces":
+        assert core.runner.piecewise is None
+    with_graphs = _generate_staggered(core, prompts, 20, every=3)
+    del core
+    monkeypatch.undo()
+    assert with_graphs == _generate_staggered(_core(path, "float32", enforce_eager=True), prompts, 20, every=3)
+
+
 @pytest.mark.parametrize("model", list(MODELS))
 def test_padding_to_a_larger_graph_matches_eager(checkpoints: dict[str, str], model: str) -> None:
     """The capture timed every decode size; a batch sent to a larger graph than the smallest that holds it

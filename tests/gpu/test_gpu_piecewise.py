@@ -4,7 +4,9 @@
   shape and strides; it does not keep that memory allocated; and a later capture into the same graph pool
   reuses what a weak view points at, which a strong reference prevents.
 * `capture_graph`: a garbage collection that would free an unreachable CUDA graph waits until the capture
-  has ended (destroying a graph while a stream captures invalidates the capture).
+  has ended (destroying a graph while a stream captures invalidates the capture); a capture that fails
+  leaves the caching allocator as before it began (its cache can be emptied, its pool freed and captured
+  into again).
 """
 
 from __future__ import annotations
@@ -120,3 +122,41 @@ def test_no_graph_is_collected_during_a_capture(lean: bool, monkeypatch: pytest.
     x.fill_(2.0)
     graph.replay()
     assert torch.equal(out, torch.full_like(x, 3.0))
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "torch"])
+def test_a_failed_capture_leaves_the_allocator_as_before(lean: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host read of a device value inside the capture (not permitted while a stream captures) invalidates
+    it, after the capture took 64 MiB from the pool. Afterwards the cache can be emptied (torch's own
+    capture_end leaves a capture counted as under way, and empty_cache then fails an internal assertion),
+    the pool's memory goes back, and a capture into the same pool works and replays."""
+    from kvserve.worker import cuda_graph
+
+    monkeypatch.setattr(cuda_graph, "LEAN_CAPTURE", lean)
+    x = torch.randn(1 << 20, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    reserved = torch.cuda.memory_reserved()
+    pool = torch.cuda.graph_pool_handle()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+
+    def invalid() -> float:
+        scratch = torch.ones(64 << 20, dtype=torch.uint8, device="cuda")
+        return float((x * scratch[: x.numel()]).sum().item())
+
+    caller = torch.cuda.current_stream()
+    with pytest.raises(RuntimeError):
+        capture_graph(invalid, pool, stream)
+    assert torch.cuda.current_stream() == caller
+    with torch.cuda.stream(stream):
+        assert not torch.cuda.is_current_stream_capturing()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() == reserved
+    with torch.cuda.stream(stream):
+        graph, out = capture_graph(lambda: x * 3, pool, stream)
+    torch.cuda.current_stream().wait_stream(stream)
+    x.fill_(2.0)
+    graph.replay()
+    assert torch.equal(out, torch.full_like(x, 6.0))
