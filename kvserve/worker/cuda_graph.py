@@ -167,8 +167,9 @@ def capture_graph(fn: Callable[[], T], pool: Any, stream: torch.cuda.Stream) -> 
     CUDAGraph (an engine dropped earlier in the process), and destroying a graph while a stream captures is
     an error that invalidates the capture. Such garbage is collected after it.
 
-    A capture that fails (fn raises, or CUDA invalidated it) raises, and leaves the caching allocator as it
-    was before the capture began (`_release_failed_capture`), so that the caller can free memory and retry."""
+    A capture that fails (fn raises, or CUDA invalidated it) raises after `_release_failed_capture` has
+    undone what torch leaves behind (the pool's routing and reference, the default generator's capture
+    mode), so that the caller can free the memory and retry into a new pool."""
     graph = torch.cuda.CUDAGraph()
     collecting = gc.isenabled()
     gc.disable()
@@ -207,26 +208,35 @@ def capture_graph(fn: Callable[[], T], pool: Any, stream: torch.cuda.Stream) -> 
 
 
 def _release_failed_capture(graph: torch.cuda.CUDAGraph, pool: Any) -> None:
-    """After a capture that did not end: stop routing allocations to `pool` and give back the capture's
-    reference to it, which torch does only for a capture that ended. `capture_begin` starts the routing and
-    takes the reference; `capture_end` ends the routing only after CUDA has ended the capture, and the graph
-    releases the reference only if its capture ended. Left as they were, the allocator counts a capture as
-    under way for the rest of the process: `torch.cuda.empty_cache()` then fails an internal assertion, a
-    later capture into the same pool is refused, and the pool's memory is never freed."""
+    """Undo what a capture that did not end leaves behind in torch (2.11 on the H200 host, measured with
+    benchmarks/capture_failure_probe.py; docs/perf_notes.md, entry 43):
+    * the caching allocator keeps routing to `pool` and holds the capture's reference to it: `capture_begin`
+      starts both, `capture_end` ends the routing only after CUDA ended the capture, and the graph gives its
+      reference back only if it did. The pool's memory then stays reserved for the life of the process.
+    * the default CUDA generator stays in capture mode: every random op on it outside a capture then fails
+      ("Offset increment outside graph capture"). Its state is replaced by a copy (same seed and offset)
+      that is not capturing.
+    The pinned-host allocator's record of the capture cannot be ended from Python, so a later capture into
+    the same pool id is refused; kvserve's retries capture into a new pool."""
     try:
         graph.pool()  # raises unless the capture ended
     except RuntimeError:
         pass
     else:
         return  # it ended: the graph gives its reference back when it is destroyed
-    if pool is None:
-        return  # a pool of the graph's own: its id is not exposed (kvserve always passes one)
     device = torch.cuda.current_device()
+    if pool is not None:  # (a pool of the graph's own has no id to name here; kvserve always passes one)
+        try:
+            torch._C._cuda_endAllocateToPool(device, pool)
+        except RuntimeError:
+            pass  # capture_end ended the routing before it failed
+        torch._C._cuda_releasePool(device, pool)
+    graph.reset()
+    generator = torch.cuda.default_generators[device]
     try:
-        torch._C._cuda_endAllocateToPool(device, pool)
+        torch.empty(1, device=torch.device("cuda", device)).uniform_()  # a random op fails while it is stuck
     except RuntimeError:
-        pass  # capture_end ended the routing before it failed
-    torch._C._cuda_releasePool(device, pool)
+        generator.graphsafe_set_state(generator.clone_state())
 
 
 def warm_up_and_capture(fn: Callable[[], T], pool: Any, stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, T]:

@@ -127,9 +127,10 @@ def test_no_graph_is_collected_during_a_capture(lean: bool, monkeypatch: pytest.
 @pytest.mark.parametrize("lean", [True, False], ids=["lean", "torch"])
 def test_a_failed_capture_leaves_the_allocator_as_before(lean: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A host read of a device value inside the capture (not permitted while a stream captures) invalidates
-    it, after the capture took 64 MiB from the pool. Afterwards the cache can be emptied (torch's own
-    capture_end leaves a capture counted as under way, and empty_cache then fails an internal assertion),
-    the pool's memory goes back, and a capture into the same pool works and replays."""
+    it, after the capture took 64 MiB from the pool. Afterwards the caller's stream is current again, the
+    default generator works outside a capture, the pool's memory goes back at empty_cache, and a capture
+    into a new pool works and replays. Without the clean-up, torch left the pool's memory reserved and the
+    generator in capture mode."""
     from kvserve.worker import cuda_graph
 
     monkeypatch.setattr(cuda_graph, "LEAN_CAPTURE", lean)
@@ -137,7 +138,6 @@ def test_a_failed_capture_leaves_the_allocator_as_before(lean: bool, monkeypatch
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     reserved = torch.cuda.memory_reserved()
-    pool = torch.cuda.graph_pool_handle()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
 
@@ -147,15 +147,18 @@ def test_a_failed_capture_leaves_the_allocator_as_before(lean: bool, monkeypatch
 
     caller = torch.cuda.current_stream()
     with pytest.raises(RuntimeError):
-        capture_graph(invalid, pool, stream)
+        capture_graph(invalid, torch.cuda.graph_pool_handle(), stream)
     assert torch.cuda.current_stream() == caller
     with torch.cuda.stream(stream):
         assert not torch.cuda.is_current_stream_capturing()
+    noise = torch.randn(1000, device="cuda")
+    assert noise.std().item() > 0.5
     torch.cuda.synchronize()
+    del noise
     torch.cuda.empty_cache()
     assert torch.cuda.memory_reserved() == reserved
     with torch.cuda.stream(stream):
-        graph, out = capture_graph(lambda: x * 3, pool, stream)
+        graph, out = capture_graph(lambda: x * 3, torch.cuda.graph_pool_handle(), stream)
     torch.cuda.current_stream().wait_stream(stream)
     x.fill_(2.0)
     graph.replay()
