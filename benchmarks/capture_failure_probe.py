@@ -1,6 +1,8 @@
 """What torch leaves behind after a CUDA-graph capture that fails (a host read inside it), step by step: the
 graph's pool() call, ending the allocator's routing to the pool, the default generator, the pool's memory
 and a later capture into the same pool. One process per case (a failed capture changes process state).
+The probe keeps its 64 MiB scratch tensor alive after the failure, so its pool's memory is not freed in any
+case; tests/gpu/test_gpu_piecewise.py checks the memory with the tensor gone.
 
     python benchmarks/capture_failure_probe.py            # runs every case in a subprocess
     python benchmarks/capture_failure_probe.py CASE       # one case in this process
