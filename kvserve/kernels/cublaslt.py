@@ -380,13 +380,14 @@ def pick(times_us: dict[int, float], min_gain: float = 0.0) -> int:
 def _time_graph_us(fn: object, min_us: float = TIMING_MIN_US, max_reps: int = 50) -> float:
     """µs per run of fn: run once eagerly (lazy initialisation stays out of the capture), captured in a CUDA
     graph, replayed once untimed, then timed over enough replays to last min_us (3 to max_reps)."""
+    from kvserve.worker.cuda_graph import capture_graph  # (at call time: the worker imports the kernels)
+
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         fn()  # type: ignore[operator]
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            fn()  # type: ignore[operator]
+        # capture_graph cleans up after a failed capture; the error reaches tune_gemms, which starts untuned.
+        graph, _ = capture_graph(fn, torch.cuda.graph_pool_handle(), stream)  # type: ignore[arg-type]
     torch.cuda.current_stream().wait_stream(stream)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     graph.replay()

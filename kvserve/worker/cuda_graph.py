@@ -186,7 +186,11 @@ def capture_graph(fn: Callable[[], T], pool: Any, stream: torch.cuda.Stream) -> 
                     raise
             return graph, out
         with torch.cuda.stream(stream):
-            graph.capture_begin(pool=pool)
+            try:
+                graph.capture_begin(pool=pool)
+            except BaseException:
+                _release_failed_capture(graph, pool)
+                raise
             try:
                 out = fn()
             except BaseException:
@@ -207,36 +211,52 @@ def capture_graph(fn: Callable[[], T], pool: Any, stream: torch.cuda.Stream) -> 
             gc.enable()
 
 
+# Graphs whose capture failed, kept alive: torch's pinned-host allocator still holds their capture's
+# record, whose filter points at the graph object (reset, they hold no GPU resources).
+_FAILED_GRAPHS: list[torch.cuda.CUDAGraph] = []
+
+
 def _release_failed_capture(graph: torch.cuda.CUDAGraph, pool: Any) -> None:
     """Undo what a capture that did not end leaves behind in torch (2.11 on the H200 host, measured with
     benchmarks/capture_failure_probe.py; docs/perf_notes.md, entry 43):
     * the caching allocator keeps routing to `pool` and holds the capture's reference to it: `capture_begin`
       starts both, `capture_end` ends the routing only after CUDA ended the capture, and the graph gives its
       reference back only if it did. The pool's memory then stays reserved for the life of the process.
+      The reference is given back only where this call ended the routing (so never for a capture that did
+      not get as far as taking it).
     * the default CUDA generator stays in capture mode: every random op on it outside a capture then fails
-      ("Offset increment outside graph capture"). Its state is replaced by a copy (same seed and offset)
-      that is not capturing.
+      ("Offset increment outside graph capture"). Where a random op shows that, its state is replaced by a
+      copy (same seed and offset) that is not capturing; otherwise the op's offset is given back.
     The pinned-host allocator's record of the capture cannot be ended from Python, so a later capture into
-    the same pool id is refused; kvserve's retries capture into a new pool."""
+    the same pool id is refused; kvserve's retries capture into a new pool. A failure here is logged: the
+    capture's own error is the one the caller gets."""
     try:
         graph.pool()  # raises unless the capture ended
     except RuntimeError:
         pass
     else:
         return  # it ended: the graph gives its reference back when it is destroyed
-    device = torch.cuda.current_device()
-    if pool is not None:  # (a pool of the graph's own has no id to name here; kvserve always passes one)
-        try:
-            torch._C._cuda_endAllocateToPool(device, pool)
-        except RuntimeError:
-            pass  # capture_end ended the routing before it failed
-        torch._C._cuda_releasePool(device, pool)
-    graph.reset()
-    generator = torch.cuda.default_generators[device]
     try:
-        torch.empty(1, device=torch.device("cuda", device)).uniform_()  # a random op fails while it is stuck
-    except RuntimeError:
-        generator.graphsafe_set_state(generator.clone_state())
+        _FAILED_GRAPHS.append(graph)
+        device = torch.cuda.current_device()
+        if pool is not None:  # (a pool of the graph's own has no id to name here; kvserve always passes one)
+            try:
+                torch._C._cuda_endAllocateToPool(device, pool)
+            except RuntimeError:
+                pass  # not routing to it: the capture never took its reference, or torch ended the routing
+            else:
+                torch._C._cuda_releasePool(device, pool)
+        graph.reset()
+        generator = torch.cuda.default_generators[device]
+        try:
+            offset = generator.get_offset()
+            torch.empty(1, device=torch.device("cuda", device)).uniform_()
+        except RuntimeError:
+            generator.graphsafe_set_state(generator.clone_state())
+        else:
+            generator.set_offset(offset)
+    except Exception:  # noqa: BLE001 (the capture's error is the one to raise)
+        logger.warning("cleaning up after a failed CUDA graph capture failed", exc_info=True)
 
 
 def warm_up_and_capture(fn: Callable[[], T], pool: Any, stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, T]:

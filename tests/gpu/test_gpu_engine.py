@@ -225,6 +225,7 @@ def test_piecewise_decode_past_the_largest_decode_graph(
     assert any(prefix > 0 for _, _, prefix in decode_steps) == shared_prefix, decode_steps[:5]
 
 
+@pytest.mark.usefixtures("restores_cuda_defaults")
 @pytest.mark.parametrize("stage", ["graphs", "pieces"])
 def test_a_failed_capture_falls_back_and_matches_eager(
     checkpoints: dict[str, str], stage: str, monkeypatch: pytest.MonkeyPatch

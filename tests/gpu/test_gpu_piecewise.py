@@ -4,9 +4,9 @@
   shape and strides; it does not keep that memory allocated; and a later capture into the same graph pool
   reuses what a weak view points at, which a strong reference prevents.
 * `capture_graph`: a garbage collection that would free an unreachable CUDA graph waits until the capture
-  has ended (destroying a graph while a stream captures invalidates the capture); a capture that fails
-  leaves the caching allocator as before it began (its cache can be emptied, its pool freed and captured
-  into again).
+  has ended (destroying a graph while a stream captures invalidates the capture); after a capture that
+  fails, the caller's stream is current, the default generator works, the pool's memory goes back and a
+  capture into a new pool works.
 """
 
 from __future__ import annotations
@@ -124,13 +124,18 @@ def test_no_graph_is_collected_during_a_capture(lean: bool, monkeypatch: pytest.
     assert torch.equal(out, torch.full_like(x, 3.0))
 
 
+@pytest.mark.usefixtures("restores_cuda_defaults")
+@pytest.mark.parametrize("failing", ["fn", "capture_end"])
 @pytest.mark.parametrize("lean", [True, False], ids=["lean", "torch"])
-def test_a_failed_capture_leaves_the_allocator_as_before(lean: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_capture_leaves_the_allocator_as_before(
+    lean: bool, failing: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A host read of a device value inside the capture (not permitted while a stream captures) invalidates
-    it, after the capture took 64 MiB from the pool. Afterwards the caller's stream is current again, the
-    default generator works outside a capture, the pool's memory goes back at empty_cache, and a capture
-    into a new pool works and replays. Without the clean-up, torch left the pool's memory reserved and the
-    generator in capture mode."""
+    it, after the capture took 64 MiB from the pool; "fn": the read's error leaves fn, "capture_end": fn
+    swallows it and the capture's end fails. Afterwards the caller's stream is current, the default
+    generator works outside a capture, the pool's memory goes back at empty_cache, and a capture into a new
+    pool works and replays. Without the clean-up, torch left the pool's memory reserved and the generator in
+    capture mode."""
     from kvserve.worker import cuda_graph
 
     monkeypatch.setattr(cuda_graph, "LEAN_CAPTURE", lean)
@@ -140,14 +145,23 @@ def test_a_failed_capture_leaves_the_allocator_as_before(lean: bool, monkeypatch
     reserved = torch.cuda.memory_reserved()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
+    host_read_failed: list[bool] = []
 
-    def invalid() -> float:
+    def invalid() -> torch.Tensor:
         scratch = torch.ones(64 << 20, dtype=torch.uint8, device="cuda")
-        return float((x * scratch[: x.numel()]).sum().item())
+        product = x * scratch[: x.numel()]
+        try:
+            product.sum().item()
+        except RuntimeError:
+            host_read_failed.append(True)
+            if failing == "fn":
+                raise
+        return product
 
     caller = torch.cuda.current_stream()
     with pytest.raises(RuntimeError):
         capture_graph(invalid, torch.cuda.graph_pool_handle(), stream)
+    assert host_read_failed == [True]
     assert torch.cuda.current_stream() == caller
     with torch.cuda.stream(stream):
         assert not torch.cuda.is_current_stream_capturing()
