@@ -16,6 +16,19 @@ R=/tmp/kvres
 mkdir -p "$R" "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv > "$R/nvidia_smi.txt" 2>&1
 T0=$(date +%s)
+# without_capture_cleanup LOG TEST...: each pytest node id in a process of its own (a failed capture leaves
+# the process's state broken) with cuda_graph._release_failed_capture made a no-op, as before its fix.
+without_capture_cleanup() {
+  local log=$1 t; shift
+  for t in "$@"; do
+    echo "=== before the fix: $t" >> "$log"
+    timeout 100 python3 -c 'import sys, pytest
+from kvserve.worker import cuda_graph
+cuda_graph._release_failed_capture = lambda graph, pool: None
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", sys.argv[1]]))' "$t" >> "$log" 2>&1
+    echo "exit $?" >> "$log"
+  done
+}
 for step in "$@"; do
   echo "=== $step (t=$(( $(date +%s) - T0 ))s)"
   case $step in
@@ -437,9 +450,8 @@ PY
         done ;;
     capfail25b) # the failed-capture tests after review (capture_end failing too; clean-up guarded, capture_begin
         # covered, the timing graphs of the matmul tuning through capture_graph): each test in a process of its
-        # own with cuda_graph._release_failed_capture made a no-op (the clean-up before the fix; the engine's
-        # "graphs" case passes either way, and the torch path's outer stream context stays), then tests/gpu (the
-        # GGUF test aside)
+        # own with the clean-up disabled (the engine's "graphs" case passes either way, and the torch path's outer
+        # stream context stays), then tests/gpu (the GGUF test aside)
         tests=()
         for t in lean-fn lean-capture_end torch-fn torch-capture_end; do
           tests+=("tests/gpu/test_gpu_piecewise.py::test_a_failed_capture_leaves_the_allocator_as_before[$t]")
@@ -447,29 +459,15 @@ PY
         for t in graphs pieces; do
           tests+=("tests/gpu/test_gpu_engine.py::test_a_failed_capture_falls_back_and_matches_eager[$t]")
         done
-        for t in "${tests[@]}"; do
-          echo "=== before the fix: $t" >> "$R/capfail25b_before.log"
-          timeout 100 python3 -c 'import sys, pytest
-from kvserve.worker import cuda_graph
-cuda_graph._release_failed_capture = lambda graph, pool: None
-sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", sys.argv[1]]))' "$t" >> "$R/capfail25b_before.log" 2>&1
-          echo "exit $?" >> "$R/capfail25b_before.log"
-        done
+        without_capture_cleanup "$R/capfail25b_before.log" "${tests[@]}"
         timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "not gguf" > "$R/pytest25b.log" 2>&1 ;;
     capfail25) # (ran at 55c8380 and cf02e31, whose test ids these are) a failed CUDA-graph capture: the new tests
-        # with cuda_graph._release_failed_capture made a no-op (the clean-up before the fix), one process per test
-        # since a failure leaves the process's state broken; then tests/gpu (the GGUF test aside) as committed
-        for t in "tests/gpu/test_gpu_piecewise.py::test_a_failed_capture_leaves_the_allocator_as_before[lean]" \
-                 "tests/gpu/test_gpu_piecewise.py::test_a_failed_capture_leaves_the_allocator_as_before[torch]" \
-                 "tests/gpu/test_gpu_engine.py::test_a_failed_capture_falls_back_and_matches_eager[graphs]" \
-                 "tests/gpu/test_gpu_engine.py::test_a_failed_capture_falls_back_and_matches_eager[pieces]"; do
-          echo "=== before the fix: $t" >> "$R/capfail25_before.log"
-          timeout 100 python3 -c 'import sys, pytest
-from kvserve.worker import cuda_graph
-cuda_graph._release_failed_capture = lambda graph, pool: None
-sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", sys.argv[1]]))' "$t" >> "$R/capfail25_before.log" 2>&1
-          echo "exit $?" >> "$R/capfail25_before.log"
-        done
+        # with the clean-up disabled, then tests/gpu (the GGUF test aside) as committed
+        without_capture_cleanup "$R/capfail25_before.log" \
+          "tests/gpu/test_gpu_piecewise.py::test_a_failed_capture_leaves_the_allocator_as_before[lean]" \
+          "tests/gpu/test_gpu_piecewise.py::test_a_failed_capture_leaves_the_allocator_as_before[torch]" \
+          "tests/gpu/test_gpu_engine.py::test_a_failed_capture_falls_back_and_matches_eager[graphs]" \
+          "tests/gpu/test_gpu_engine.py::test_a_failed_capture_falls_back_and_matches_eager[pieces]"
         timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "not gguf" > "$R/pytest25.log" 2>&1 ;;
     pytest24) timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "not gguf" > "$R/pytest24.log" 2>&1 ;;
     rowattn24) # the last layer's attention for the sampled rows alone (AttentionMetadata.sampled): tests/gpu (the
