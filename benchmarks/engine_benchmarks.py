@@ -1337,6 +1337,9 @@ def main() -> int:
     p.add_argument("--sampled-row-attention", action=argparse.BooleanOptionalAction, default=True,
                    help="with pruning: the last layer's attention for the sampled rows alone, as decode queries "
                    "over the cache (off: every row attends, then select)")
+    p.add_argument("--deferred-block-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="hash a step's new prompt blocks for the prefix cache once the step is launched (off: "
+                   "inside schedule(), before the launch)")
     p.add_argument("--qkv-rope-fusion", action=argparse.BooleanOptionalAction, default=True,
                    help="small batches: rotary embedding and cache write in the q/k/v matmul's epilogue")
     p.add_argument("--skinny-max-rows", type=int, default=None, help="override ops.SKINNY_GEMM_MAX_ROWS")
@@ -1392,6 +1395,9 @@ def main() -> int:
 
     llama.set_last_layer_pruning(args.last_layer_pruning)
     llama.set_sampled_row_attention(args.sampled_row_attention)
+    from kvserve.core import kv_cache_manager
+
+    kv_cache_manager.DEFERRED_BLOCK_CACHING = args.deferred_block_caching
     ops.set_qkv_rope_fusion(args.qkv_rope_fusion)
     if args.skinny_max_rows is not None:
         ops.SKINNY_GEMM_MAX_ROWS = args.skinny_max_rows

@@ -146,6 +146,12 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
 
+    def cache_scheduled_blocks(self) -> None:
+        """Hash the blocks the last `schedule()` gave out and offer them to the prefix cache (deferred so
+        that the hashing runs while the GPU computes the step: `kv_cache_manager.DEFERRED_BLOCK_CACHING`).
+        Call after the step is launched; anything that reads the cache flushes first anyway."""
+        self.kv.flush()
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=self._finished_since_last_step)
         self._finished_since_last_step = []

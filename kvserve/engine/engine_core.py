@@ -190,6 +190,7 @@ class EngineCore:
             outputs.extend(self._finish_in_flight())
         scheduler_output = self.scheduler.schedule()
         pending = self.runner.execute_model_async(scheduler_output)
+        self.scheduler.cache_scheduled_blocks()  # the prompt blocks' hashing, off the launch's path
         # The GPU now works on this step: read the previous one's tokens meanwhile.
         if self._in_flight is not None:
             outputs.extend(self._finish_in_flight())

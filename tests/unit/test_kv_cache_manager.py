@@ -1,10 +1,12 @@
-"""KVCacheManager: prefix hits, the last-token rule, salts, all-or-nothing allocation, stats, n>1 groups."""
+"""KVCacheManager: prefix hits, the last-token rule, salts, all-or-nothing allocation, stats, n>1 groups, the
+batched block hashing, and block caching deferred to `flush`."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvserve.core.kv_cache_manager import KVCacheManager, hash_block
+from kvserve.core import kv_cache_manager
+from kvserve.core.kv_cache_manager import KVCacheManager, hash_block, hash_blocks
 from kvserve.core.request import Request
 from kvserve.protocol.sampling_params import SamplingParams
 
@@ -238,3 +240,72 @@ def test_check_invariants_catches_a_request_holding_a_block_twice():
     block.ref_cnt += 1
     with pytest.raises(AssertionError):
         kv.check_invariants()
+
+
+@pytest.mark.parametrize("extra", [(), ("salt:s",), ("salt:s", "group:g")])
+@pytest.mark.parametrize("parent", [None, b"p" * 16])
+def test_hash_blocks_equals_chained_hash_block(parent: bytes | None, extra: tuple[str, ...]) -> None:
+    tokens = [7, 0, 151_000, 3, 2**40, 5, 6, 1]
+    expected, last = [], parent
+    for i in range(0, len(tokens), 2):
+        last = hash_block(last, tokens[i : i + 2], extra)
+        expected.append(last)
+    assert hash_blocks(parent, tokens, 2, extra) == expected
+    assert hash_blocks(parent, [], 2, extra) == []
+
+
+def test_scheduled_blocks_are_hashed_and_cached_at_flush() -> None:
+    """A fresh prompt's lookup hashes its first block only (the first miss); its allocation defers the rest
+    of the hashing and the caching to `flush`, after which every full block is cached as before."""
+    assert kv_cache_manager.DEFERRED_BLOCK_CACHING
+    kv = KVCacheManager(num_blocks=10, block_size=BS)
+    prompt = list(range(100, 110))  # two full blocks and a partial one
+    a = make_request("a", prompt)
+    hits, _ = kv.get_computed_blocks(a)
+    assert hits == [] and len(a.block_hashes) == 1
+    assert kv.allocate_slots(a, len(prompt)) is not None
+    a.num_computed_tokens = len(prompt)
+    kv.check_invariants()
+    assert len(a.block_hashes) == 1 and kv.pool.cached == {}
+    kv.flush()
+    kv.check_invariants()
+    assert a.block_hashes == [hash_block(None, prompt[:4]), hash_block(a.block_hashes[0], prompt[4:8])]
+    assert {h: b.block_id for h, b in kv.pool.cached.items()} == {a.block_hashes[0]: 0, a.block_hashes[1]: 1}
+
+
+def test_a_lookup_or_a_free_flushes_deferred_blocks_first() -> None:
+    """A request admitted after another in the same step still hits the other's scheduled blocks (the
+    lookup flushes), and a request freed before any flush leaves its blocks cached."""
+    kv = KVCacheManager(num_blocks=10, block_size=BS)
+    prompt = list(range(100, 110))
+    admit(kv, make_request("a", prompt))
+    assert kv.pool.cached == {}
+    b_blocks, b_hits = admit(kv, make_request("b", prompt))
+    assert b_hits == 8 and b_blocks[:2] == [0, 1]
+    c = make_request("c", list(range(200, 209)))
+    admit(kv, c)
+    kv.free(c)
+    assert kv.get_computed_blocks(make_request("d", list(range(200, 209))))[1] == 8
+
+
+@pytest.mark.parametrize("deferred", [True, False])
+def test_an_allocation_that_evicts_sees_the_deferred_blocks_cached(deferred: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A running request's new block completes a hash that a free cached block already holds; a later
+    allocation in the same step evicts that free block. The new block must stay uncached, as when it is
+    cached at once (the first holder keeps the hash, and the eviction then drops it); flushing only after
+    the eviction would cache it instead, and the two settings would go on to schedule differently."""
+    monkeypatch.setattr(kv_cache_manager, "DEFERRED_BLOCK_CACHING", deferred)
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    x = make_request("x", [5, 6, 7, 8])
+    admit(kv, x)
+    kv.free(x)  # blocks 0 (hash of 5 6) and 1 (5 6 7 8) cached and free, behind the never used 2 and 3
+    r = make_request("r", [5, 6])
+    assert kv.allocate_slots(r, 2) is not None  # block 2, full with 5 6: the hash block 0 holds
+    r.num_computed_tokens = 2
+    z = make_request("z", [1] * 6)
+    assert kv.allocate_slots(z, 6) is not None  # blocks 3, 1 and 0: both cached hashes evicted
+    kv.flush()
+    kv.check_invariants()
+    z_hashes = hash_blocks(None, [1] * 6, 2)
+    assert {h: b.block_id for h, b in kv.pool.cached.items()} == dict(zip(z_hashes, [3, 1, 0], strict=True))
+    assert kv.get_computed_blocks(make_request("y", [5, 6, 9]))[1] == 0

@@ -197,6 +197,7 @@ class Driver:
         self.sched.check_invariants()
         check_limits(out, self.config)
         runner_output = self.runner.execute(out)
+        self.sched.cache_scheduled_blocks()
         if self.in_flight is not None:
             self._deliver()
         self.in_flight = (out, runner_output)
@@ -294,3 +295,44 @@ def test_random_add_step_abort_sequences(setup: Setup, operations: list, seed: i
         driver.sched.check_invariants()
     driver.drain()
     driver.check_final()
+
+
+def _run(setup: Setup, operations: list, seed: int) -> tuple[list[SchedulerOutput], Driver]:
+    driver = Driver(setup, seed)
+    outputs = []
+    for op in operations:
+        if isinstance(op, Add):
+            driver.add(op)
+        elif isinstance(op, Step):
+            outputs.append(driver.step())
+        else:
+            driver.abort(op)
+        driver.sched.check_invariants()
+    for _ in range(10_000):
+        if not driver.sched.has_unfinished_requests() and driver.in_flight is None:
+            break
+        outputs.append(driver.step())
+    return outputs, driver
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(setup=setups(), operations=ops, seed=st.integers(0, 2**32 - 1))
+def test_deferred_block_caching_schedules_as_caching_in_schedule(setup: Setup, operations: list, seed: int) -> None:
+    """Hashing the scheduled blocks after the launch (`DEFERRED_BLOCK_CACHING`) changes no step: the same
+    workload gives equal SchedulerOutputs (prefix hits, block ids, preemptions), tokens and hit counts with
+    the hashing inside schedule()."""
+    from kvserve.core import kv_cache_manager
+
+    runs = []
+    try:
+        for deferred in (True, False):
+            kv_cache_manager.DEFERRED_BLOCK_CACHING = deferred
+            runs.append(_run(setup, operations, seed))
+    finally:
+        kv_cache_manager.DEFERRED_BLOCK_CACHING = True
+    (outs_a, a), (outs_b, b) = runs
+    assert outs_a == outs_b
+    assert a.track.emitted == b.track.emitted
+    assert (a.sched.kv.stats.num_queries, a.sched.kv.stats.num_hits) == (b.sched.kv.stats.num_queries,
+                                                                          b.sched.kv.stats.num_hits)
+    assert a.sched.kv.pool.num_evictions == b.sched.kv.pool.num_evictions
