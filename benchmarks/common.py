@@ -221,6 +221,7 @@ class Driver:
                 ta = time.perf_counter()
                 runner_out = core.runner.execute_model(sched_out)
                 tb = time.perf_counter()
+                core.scheduler.cache_scheduled_blocks()  # (after the wait here: counted in the update phase)
                 outputs = core.scheduler.update_from_output(sched_out, runner_out)
                 num_scheduled = sched_out.total_num_scheduled_tokens
                 step_reqs.append(len(sched_out.scheduled))

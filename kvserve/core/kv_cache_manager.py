@@ -4,12 +4,14 @@ A full block's hash chains its parent's hash, its token ids and extra keys (the 
 and for n>1 samples with prefix caching off, the sample group), so equal hashes mean equal prefixes.
 
 Hashing a long prompt's blocks takes milliseconds of host time (512 blocks of an 8,192-token prompt: about
-2 ms on the CI machine's CPU). With `DEFERRED_BLOCK_CACHING`, blocks scheduled in a step are hashed and
-offered to the hash map by `flush`, which the engine core calls once the step is on the GPU, instead of
-inside `schedule()`, where the hashing delays the step's launch (a one-prompt TTFT pays it in full). Every
-lookup, free and block allocation flushes first, so the hash map is what it would be without the deferral
-whenever anything reads or evicts from it: only the step's last allocation waits. A lookup hashes the
-request's blocks only up to its first miss.
+2 ms on the CI machine's CPU). With `DEFERRED_BLOCK_CACHING`, `allocate_slots` records the blocks to cache
+and `flush` hashes them and offers them to the hash map. The engine core flushes right after it launches
+a step (`Scheduler.cache_scheduled_blocks`), so the hashing of the step's last allocations runs while the
+GPU computes, instead of delaying the launch (a one-prompt TTFT used to pay it in full). A lookup, a free,
+`cache_computed_blocks` and an allocation that takes free blocks (it may evict) flush before they act, and
+a deferred request is cached only up to the tokens it had when it was scheduled. So the map each of them
+meets is the one caching at allocation would have left, and the engine's scheduling is unchanged (a
+property test compares both). A lookup hashes a request's blocks only up to its first miss.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ DEFERRED_BLOCK_CACHING = True
 def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], extra_keys: tuple[str, ...] = ()) -> bytes:
     """128-bit digest of (parent hash, block token ids, extra keys). Collisions would silently reuse the
     wrong K/V, so a cryptographic-strength hash is used rather than Python's `hash`."""
-    return hash_blocks(parent_hash, token_ids, len(token_ids), extra_keys)[0]
+    data = (parent_hash or _NO_PARENT) + array("q", token_ids).tobytes() + _key_bytes(extra_keys)
+    return hashlib.blake2b(data, digest_size=16).digest()
 
 
 def hash_blocks(
@@ -39,8 +42,10 @@ def hash_blocks(
 ) -> list[bytes]:
     """`hash_block` of each consecutive block of `block_size` tokens of token_ids (a whole number of blocks),
     each chained to the one before: one conversion of the ids and one digest call per block."""
+    if block_size <= 0 or len(token_ids) % block_size:
+        raise ValueError(f"{len(token_ids)} tokens are not whole blocks of {block_size}")
     data = array("q", token_ids).tobytes()
-    suffix = b"".join(b"\xff" + key.encode("utf-8") for key in extra_keys)
+    suffix = _key_bytes(extra_keys)
     step = block_size * 8  # bytes per block ("q" is 8 bytes)
     parent = parent_hash or _NO_PARENT
     out: list[bytes] = []
@@ -48,6 +53,10 @@ def hash_blocks(
         parent = hashlib.blake2b(parent + data[start : start + step] + suffix, digest_size=16).digest()
         out.append(parent)
     return out
+
+
+def _key_bytes(extra_keys: tuple[str, ...]) -> bytes:
+    return b"".join(b"\xff" + key.encode("utf-8") for key in extra_keys)
 
 
 @dataclass
@@ -77,6 +86,7 @@ class KVCacheManager:
         # Requests with blocks scheduled but not yet offered to the hash map: req_id -> (request, the token
         # count its full blocks are to be cached up to). Emptied by `flush`.
         self._deferred: dict[str, tuple[Request, int]] = {}
+        self.defers_caching = DEFERRED_BLOCK_CACHING
         self.stats = PrefixCacheStats()
 
     @property
@@ -165,7 +175,7 @@ class KVCacheManager:
             blocks.extend(new_computed_blocks)
         if self._deferred and num_needed > 0:
             # Taking free blocks may evict cached hashes; deferred blocks enter the map first, as they would
-            # have without the deferral (so only a step's last allocation waits for `flush`).
+            # have without the deferral.
             self.flush()
         new_blocks = self.pool.get_new_blocks(max(num_needed, 0))
         blocks.extend(new_blocks)
@@ -174,14 +184,17 @@ class KVCacheManager:
         return new_blocks
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
-        """Offer the request's blocks that will be full after `num_tokens` tokens to the hash map (at the
-        next `flush` with DEFERRED_BLOCK_CACHING, at the latest before the next lookup).
+        """Offer the request's blocks that will be full after `num_tokens` tokens to the hash map, now or
+        (deferring) at the next `flush`.
 
-        Blocks enter the map when scheduled, before this step's forward writes them: a request admitted
+        Blocks enter the map once scheduled, before this step's forward writes them: a request admitted
         later in the same step may hit them, which is safe because every layer writes this step's K/V
-        before any attention reads the cache.
+        before any attention reads the cache. Only blocks of tokens known now are cached: a block that a
+        placeholder (a token still being sampled) completes waits for `cache_computed_blocks`, even if the
+        token has arrived by the flush, as it would without the deferral.
         """
-        if DEFERRED_BLOCK_CACHING:
+        if self.defers_caching:
+            num_tokens = min(num_tokens, request.num_tokens)
             earlier = self._deferred.get(request.req_id)
             self._deferred[request.req_id] = (request, num_tokens if earlier is None else max(earlier[1], num_tokens))
             return
@@ -196,7 +209,7 @@ class KVCacheManager:
                     self._offer_full_blocks(request, num_tokens)
 
     def _offer_full_blocks(self, request: Request, num_tokens: int) -> None:
-        self._update_block_hashes(request)
+        self._update_block_hashes(request, num_tokens // self.block_size)
         blocks = self.req_to_blocks[request.req_id]
         start = self._num_cached_blocks.get(request.req_id, 0)
         end = min(num_tokens // self.block_size, len(request.block_hashes))

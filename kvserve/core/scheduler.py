@@ -149,7 +149,9 @@ class Scheduler:
     def cache_scheduled_blocks(self) -> None:
         """Hash the blocks the last `schedule()` gave out and offer them to the prefix cache (deferred so
         that the hashing runs while the GPU computes the step: `kv_cache_manager.DEFERRED_BLOCK_CACHING`).
-        Call after the step is launched; anything that reads the cache flushes first anyway."""
+        Call right after the step is launched. Skipping it changes no scheduling decision (lookups, frees
+        and evicting allocations flush first), but then the hashing runs in one of them, often inside the
+        next `schedule()`."""
         self.kv.flush()
 
     def schedule(self) -> SchedulerOutput:

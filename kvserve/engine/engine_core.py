@@ -190,7 +190,9 @@ class EngineCore:
             outputs.extend(self._finish_in_flight())
         scheduler_output = self.scheduler.schedule()
         pending = self.runner.execute_model_async(scheduler_output)
-        self.scheduler.cache_scheduled_blocks()  # the prompt blocks' hashing, off the launch's path
+        # The step's new blocks are hashed for the prefix cache here, while the GPU computes, instead of
+        # before the launch. Before the wait below, so the hashing overlaps the GPU.
+        self.scheduler.cache_scheduled_blocks()
         # The GPU now works on this step: read the previous one's tokens meanwhile.
         if self._in_flight is not None:
             outputs.extend(self._finish_in_flight())

@@ -245,13 +245,16 @@ def test_check_invariants_catches_a_request_holding_a_block_twice():
 @pytest.mark.parametrize("extra", [(), ("salt:s",), ("salt:s", "group:g")])
 @pytest.mark.parametrize("parent", [None, b"p" * 16])
 def test_hash_blocks_equals_chained_hash_block(parent: bytes | None, extra: tuple[str, ...]) -> None:
-    tokens = [7, 0, 151_000, 3, 2**40, 5, 6, 1]
+    tokens = [7, 0, 151_000, -3, 2**40, 5, 6, -(2**63)]
     expected, last = [], parent
     for i in range(0, len(tokens), 2):
         last = hash_block(last, tokens[i : i + 2], extra)
         expected.append(last)
     assert hash_blocks(parent, tokens, 2, extra) == expected
     assert hash_blocks(parent, [], 2, extra) == []
+    assert len(hash_block(parent, [], extra)) == 16
+    with pytest.raises(ValueError, match="whole blocks"):
+        hash_blocks(parent, tokens[:3], 2, extra)
 
 
 def test_scheduled_blocks_are_hashed_and_cached_at_flush() -> None:

@@ -685,3 +685,46 @@ def test_block_completed_by_the_last_placeholder_is_still_cached(pipelined: bool
     sched.add_request(follow_up)
     sched.schedule()
     assert follow_up.num_cached_tokens == 8
+
+
+def _placeholder_block_run(deferred: bool) -> tuple[dict[bytes, int], list[int]]:
+    """Pipelined steps whose caller never calls `cache_scheduled_blocks`: r1 ([1, 2, 3]) is scheduled with a
+    placeholder that completes its second block while r2 ([1, 2, 3, 7]) holds a block of the same tokens;
+    r1's token (7) arrives before anything flushes. Returns the prefix cache ({hash: block id}) and the
+    block table a later request [1, 2, 3, 7, 5] gets."""
+    from kvserve.core import kv_cache_manager
+    from kvserve.core.outputs import ModelRunnerOutput
+
+    def sampled(out: SchedulerOutput, token: int) -> ModelRunnerOutput:
+        ids = [s.req_id for s in out.scheduled if s.sample]
+        return ModelRunnerOutput(ids, [token] * len(ids), [None] * len(ids))
+
+    kv_cache_manager_flag = kv_cache_manager.DEFERRED_BLOCK_CACHING
+    kv_cache_manager.DEFERRED_BLOCK_CACHING = deferred
+    try:
+        config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=4, max_model_len=32, enable_chunked_prefill=True)
+        sched = Scheduler(config, num_blocks=10, block_size=2)
+    finally:
+        kv_cache_manager.DEFERRED_BLOCK_CACHING = kv_cache_manager_flag
+    params = SamplingParams(ignore_eos=True)
+    sched.add_request(Request("r0", [9], params, max_tokens=1))
+    out0 = sched.schedule()
+    sched.add_request(Request("r1", [1, 2, 3], params, max_tokens=4))
+    sched.add_request(Request("r2", [1, 2, 3, 7], params, max_tokens=4))
+    out1 = sched.schedule()
+    sched.update_from_output(out0, sampled(out0, 8))
+    out2 = sched.schedule()
+    sched.update_from_output(out1, sampled(out1, 7))
+    sched.update_from_output(out2, sampled(out2, 9))
+    sched.kv.check_invariants()
+    cached = {h: b.block_id for h, b in sched.kv.pool.cached.items()}
+    sched.add_request(Request("r3", [1, 2, 3, 7, 5], params, max_tokens=2))
+    sched.schedule()
+    return cached, sched.kv.get_block_ids("r3")
+
+
+def test_a_placeholder_completed_block_is_cached_as_without_the_deferral() -> None:
+    """Deferred caching caches a request's blocks only up to the tokens it had when scheduled: a block its
+    placeholder completed stays uncached until `cache_computed_blocks`, even when the token arrived before
+    the flush, so r2's block keeps the hash and r3 gets the same blocks either way."""
+    assert _placeholder_block_run(True) == _placeholder_block_run(False)

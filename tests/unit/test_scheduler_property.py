@@ -130,8 +130,9 @@ def _is_stop(request: Request, token_id: int) -> bool:
 
 
 class Driver:
-    def __init__(self, setup: Setup, seed: int) -> None:
+    def __init__(self, setup: Setup, seed: int, flushes: bool = True) -> None:
         self.setup = setup
+        self.flushes = flushes  # call cache_scheduled_blocks after each launch, as the engine core does
         self.config = SchedulerConfig(
             max_num_seqs=setup.max_num_seqs,
             max_num_batched_tokens=setup.max_num_batched_tokens,
@@ -197,7 +198,8 @@ class Driver:
         self.sched.check_invariants()
         check_limits(out, self.config)
         runner_output = self.runner.execute(out)
-        self.sched.cache_scheduled_blocks()
+        if self.flushes:
+            self.sched.cache_scheduled_blocks()
         if self.in_flight is not None:
             self._deliver()
         self.in_flight = (out, runner_output)
@@ -297,41 +299,54 @@ def test_random_add_step_abort_sequences(setup: Setup, operations: list, seed: i
     driver.check_final()
 
 
-def _run(setup: Setup, operations: list, seed: int) -> tuple[list[SchedulerOutput], Driver]:
-    driver = Driver(setup, seed)
-    outputs = []
+def _run(setup: Setup, operations: list, seed: int, flushes: bool) -> tuple[list[object], Driver]:
+    """The workload's SchedulerOutputs, each followed by the prefix cache ({hash: block id}) and the free
+    list's order as the step left them (after every other operation too)."""
+    driver = Driver(setup, seed, flushes)
+    kv = driver.sched.kv
+    record: list[object] = []
+
+    def snapshot() -> None:
+        kv.flush()  # (what any reader of the map would do first)
+        record.append(({h: b.block_id for h, b in kv.pool.cached.items()}, [b.block_id for b in kv.pool.free_queue]))
+
     for op in operations:
         if isinstance(op, Add):
             driver.add(op)
         elif isinstance(op, Step):
-            outputs.append(driver.step())
+            record.append(driver.step())
         else:
             driver.abort(op)
         driver.sched.check_invariants()
+        snapshot()
     for _ in range(10_000):
         if not driver.sched.has_unfinished_requests() and driver.in_flight is None:
             break
-        outputs.append(driver.step())
-    return outputs, driver
+        record.append(driver.step())
+        snapshot()
+    return record, driver
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(setup=setups(), operations=ops, seed=st.integers(0, 2**32 - 1))
-def test_deferred_block_caching_schedules_as_caching_in_schedule(setup: Setup, operations: list, seed: int) -> None:
+@given(setup=setups(), operations=ops, seed=st.integers(0, 2**32 - 1), flushes=st.booleans())
+def test_deferred_block_caching_schedules_as_caching_in_schedule(
+    setup: Setup, operations: list, seed: int, flushes: bool
+) -> None:
     """Hashing the scheduled blocks after the launch (`DEFERRED_BLOCK_CACHING`) changes no step: the same
-    workload gives equal SchedulerOutputs (prefix hits, block ids, preemptions), tokens and hit counts with
-    the hashing inside schedule()."""
+    workload gives equal SchedulerOutputs (prefix hits, block ids, preemptions), prefix caches, free-list
+    orders, tokens and hit counts with the hashing inside schedule(), whether or not the caller flushes
+    after each launch."""
     from kvserve.core import kv_cache_manager
 
     runs = []
     try:
         for deferred in (True, False):
             kv_cache_manager.DEFERRED_BLOCK_CACHING = deferred
-            runs.append(_run(setup, operations, seed))
+            runs.append(_run(setup, operations, seed, flushes))
     finally:
         kv_cache_manager.DEFERRED_BLOCK_CACHING = True
-    (outs_a, a), (outs_b, b) = runs
-    assert outs_a == outs_b
+    (record_a, a), (record_b, b) = runs
+    assert record_a == record_b
     assert a.track.emitted == b.track.emitted
     assert (a.sched.kv.stats.num_queries, a.sched.kv.stats.num_hits) == (b.sched.kv.stats.num_queries,
                                                                           b.sched.kv.stats.num_hits)
