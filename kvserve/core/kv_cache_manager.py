@@ -26,7 +26,8 @@ from kvserve.core.request import Request
 
 _NO_PARENT = b"\x00" * 16
 
-# False: hash and cache scheduled blocks inside schedule() (for measuring; see the module docstring).
+# False: hash and cache scheduled blocks inside schedule() (for measuring; see the module docstring). Read
+# when a KVCacheManager is made.
 DEFERRED_BLOCK_CACHING = True
 
 
