@@ -64,6 +64,7 @@ from common import (  # noqa: E402
     MODEL_CONFIGS,
     Driver,
     decode_floor_ms,
+    describe_gc_pauses,
     hf_generate_timer,
     make_engine,
     random_prompts,
@@ -116,6 +117,9 @@ class Bench:
         if self.driver is None:
             self.core, start_s = make_engine(self.model_dir, self.args.device, **self.engine_kwargs())
             self.driver = Driver(self.core)
+            if self.args.gc_freeze:
+                gc.collect()
+                gc.freeze()
             if self.args.sync_debug and self.args.device.startswith("cuda"):
                 _watch_syncs()  # after start-up, whose syncs are deliberate
             if self.args.time_host_copies:
@@ -716,9 +720,10 @@ class Bench:
         stats = d.run(self.seeds_prompts, [outs] * num)
         self.results["seeds"] = {"num_seqs": num, "input_len": ins, "output_len": outs,
                                  "elapsed_s": stats.elapsed_s, "output_tokens": stats.output_tokens,
-                                 "output_tok_s": stats.output_tok_s}
+                                 "output_tok_s": stats.output_tok_s, "gc_pauses": stats.gc_pauses}
         self.rows.append(("seeds' workload (output tok/s)", f"{stats.output_tok_s:.0f}",
-                          f"{num} x {ins} in / {outs} out in {stats.elapsed_s:.2f} s"))
+                          f"{num} x {ins} in / {outs} out in {stats.elapsed_s:.2f} s; "
+                          f"{describe_gc_pauses(stats.gc_pauses)}"))
 
     def random256_lengths(self, seed: int) -> tuple[list[int], list[int]]:
         """The 256-sequence workload's input and output lengths, uniform in [100, 1024] (scaled), from a
@@ -742,10 +747,10 @@ class Bench:
             runs.append({"run": label, "elapsed_s": stats.elapsed_s, "prompt_tokens": stats.prompt_tokens,
                          "output_tokens": stats.output_tokens, "output_tok_s": stats.output_tok_s,
                          "num_steps": len(stats.step_s),
-                         "slowest_steps_s": sorted(stats.step_s, reverse=True)[:10]})
+                         "slowest_steps_s": sorted(stats.step_s, reverse=True)[:10], "gc_pauses": stats.gc_pauses})
             self.rows.append((f"256 seqs U[100,1024], {label} run (output tok/s)", f"{stats.output_tok_s:.0f}",
                               f"{stats.output_tokens} tokens in {stats.elapsed_s:.2f} s, {len(stats.step_s)} steps, "
-                              f"slowest step {max(stats.step_s) * 1e3:.0f} ms"))
+                              f"slowest step {max(stats.step_s) * 1e3:.0f} ms; {describe_gc_pauses(stats.gc_pauses)}"))
         self.results["random256"] = {"num_seqs": num, "runs": runs}
 
     def _ttft_runs(self, d: Any, n: int, repeats: int, rest: float) -> list[float]:
@@ -982,12 +987,24 @@ class Bench:
         d = self.engine()
         d.run(self.prompts([self.length(512)] * self.n(50)), [4] * self.n(50))  # warm-up
         num, out_len = self.n(256), self.length(128)
-        runs = []
-        for _ in range(3):
+        runs, pauses, slowest = [], [], []
+        for i in range(3):
             shared = self.prompts([self.length(1000)])[0]
             prompts = [shared + own for own in self.prompts([self.length(64)] * num)]
-            runs.append(d.run(prompts, [out_len] * num).output_tok_s)
-        self.results["shared"] = {"output_tok_s": runs}
+            stats = d.run(prompts, [out_len] * num)
+            runs.append(stats.output_tok_s)
+            pauses.append(stats.gc_pauses)
+            slowest.append(sorted(stats.step_s, reverse=True)[:4])
+            self.rows.append((f"shared run {i + 1}: garbage collections", describe_gc_pauses(stats.gc_pauses),
+                              "slowest steps (ms) " + " ".join(f"{x * 1e3:.1f}" for x in slowest[-1])))
+        tracked = len(gc.get_objects())
+        t0 = time.perf_counter()
+        gc.collect()
+        full_ms = (time.perf_counter() - t0) * 1e3
+        self.rows.append(("shared: a full collection after the runs (ms)", f"{full_ms:.1f}",
+                          f"{tracked} objects tracked, {len(gc.get_objects())} after; frozen {gc.get_freeze_count()}"))
+        self.results["shared"] = {"output_tok_s": runs, "gc_pauses": pauses, "slowest_steps_s": slowest,
+                                  "full_collection_ms": full_ms, "tracked_objects": tracked}
         self.rows.append(("shared 1000 + 64, 3 runs (output tok/s)", " ".join(f"{x:.0f}" for x in runs),
                           f"median {statistics.median(runs):.0f}"))
 
@@ -1308,6 +1325,9 @@ def main() -> int:
                    help="time each step's copy of its sampled ids to the host and its whole launch (host clock)")
     p.add_argument("--piecewise-max-tokens", type=int, default=None,
                    help="override model_runner.PIECEWISE_GRAPH_MAX_TOKENS (0: no piecewise graphs)")
+    p.add_argument("--gc-freeze", action="store_true",
+                   help="move every object alive after the engine's start out of the garbage collector's reach "
+                        "(gc.freeze) before the sections run")
     p.add_argument("--trace-workloads", type=lambda v: [x for x in v.split(",") if x], default=[],
                    help="trace section: seeds,random256,shared_prefix (default all)")
     p.add_argument("--elementwise-backend", default="triton", choices=["triton", "torch", "compile"])
