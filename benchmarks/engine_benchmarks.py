@@ -117,9 +117,6 @@ class Bench:
         if self.driver is None:
             self.core, start_s = make_engine(self.model_dir, self.args.device, **self.engine_kwargs())
             self.driver = Driver(self.core)
-            if self.args.gc_freeze:
-                gc.collect()
-                gc.freeze()
             if self.args.sync_debug and self.args.device.startswith("cuda"):
                 _watch_syncs()  # after start-up, whose syncs are deliberate
             if self.args.time_host_copies:
@@ -150,6 +147,7 @@ class Bench:
             self.late_variants.extend(self.core.late_kernel_variants)
         self.driver = None
         self.core = None
+        gc.unfreeze()  # (make_engine froze the engine's start-up heap; frozen cycles are never collected)
         gc.collect()
         if self.args.device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -1325,9 +1323,6 @@ def main() -> int:
                    help="time each step's copy of its sampled ids to the host and its whole launch (host clock)")
     p.add_argument("--piecewise-max-tokens", type=int, default=None,
                    help="override model_runner.PIECEWISE_GRAPH_MAX_TOKENS (0: no piecewise graphs)")
-    p.add_argument("--gc-freeze", action="store_true",
-                   help="move every object alive after the engine's start out of the garbage collector's reach "
-                        "(gc.freeze) before the sections run")
     p.add_argument("--trace-workloads", type=lambda v: [x for x in v.split(",") if x], default=[],
                    help="trace section: seeds,random256,shared_prefix (default all)")
     p.add_argument("--elementwise-backend", default="triton", choices=["triton", "torch", "compile"])

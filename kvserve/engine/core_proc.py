@@ -31,6 +31,7 @@ import zmq
 
 from kvserve.config import EngineConfig
 from kvserve.core.outputs import SchedulerStats
+from kvserve.engine.heap import freeze_startup_heap
 from kvserve.protocol.core_messages import (
     AbortRequests,
     AddRequests,
@@ -98,6 +99,7 @@ def _start_core(config: EngineConfig, outbox: queue.Queue[EngineMessage | None])
         logger.debug("engine start-up failed:\n%s", traceback.format_exc())
         outbox.put(EngineDead(f"{type(e).__name__}: {e}"))
         return None
+    freeze_startup_heap("engine core")
     cap = core.capacity
     outbox.put(
         EngineReady(

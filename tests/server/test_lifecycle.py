@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import threading
@@ -81,6 +82,10 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(launch_server: Callable[.
                                                        tiny_llama_dir: str):
     server = launch_server([tiny_llama_dir, *FLAGS, "--disable-log-requests"])
     engine_pid = server.engine_pid
+    # Both serving processes froze their start-up heaps once ready (kvserve/engine/heap.py).
+    for process in ("engine core", "API server"):
+        frozen = re.search(process + r": (\d+) start-up objects left out of the garbage collector", server.log())
+        assert frozen is not None and int(frozen.group(1)) > 0, server.log()
     stream = StreamReader(server.base_url, max_tokens=60)
     stream.start()
     assert stream.first_chunk.wait(60) and stream.error is None

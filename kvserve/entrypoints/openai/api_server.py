@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import socket
 import sys
@@ -36,6 +37,7 @@ from kvserve import __version__, envs
 from kvserve.config import EngineArgs, EngineConfig
 from kvserve.engine.async_llm import AsyncLLM
 from kvserve.engine.core_client import EngineDeadError
+from kvserve.engine.heap import freeze_startup_heap
 from kvserve.entrypoints.openai.cli_args import make_arg_parser, server_engine_args
 from kvserve.entrypoints.openai.errors import BadRequestError, OpenAIError, error_response
 from kvserve.entrypoints.openai.middleware import GuardMiddleware, ServerState
@@ -349,6 +351,7 @@ async def serve(ns: argparse.Namespace, config: EngineConfig) -> int:
         server = _Server(uv_config, state, ns.shutdown_timeout)
         engine.add_dead_callback(server.on_engine_dead)
         host, port = sock.getsockname()[:2]
+        freeze_startup_heap("API server")
         logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", served_names[0], host, port)
         await server.serve(sockets=[sock])
         if engine.dead_error is not None:
@@ -359,6 +362,7 @@ async def serve(ns: argparse.Namespace, config: EngineConfig) -> int:
             ctx.prepare_pool.shutdown(wait=False, cancel_futures=True)
         await engine.shutdown()
         sock.close()
+        gc.unfreeze()  # the process's exit collects its start-up objects as usual
 
 
 def run_server(ns: argparse.Namespace) -> int:

@@ -1,0 +1,58 @@
+"""freeze_startup_heap: what is alive at the call leaves the garbage collector's full collections."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Iterator
+
+import pytest
+
+from kvserve import envs
+from kvserve.engine import heap
+
+
+@pytest.fixture
+def unfrozen() -> Iterator[None]:
+    gc.unfreeze()
+    yield
+    gc.unfreeze()  # the rest of the suite runs with a collector that sees everything
+
+
+class Node:
+    def __init__(self) -> None:
+        self.me = self  # a reference cycle: only the collector frees it
+
+
+def tracked(obj: object) -> bool:
+    return any(o is obj for o in gc.get_objects())
+
+
+def test_objects_alive_at_the_call_are_frozen_and_later_ones_are_not(unfrozen: None) -> None:
+    before = Node()
+    assert tracked(before)
+    frozen = heap.freeze_startup_heap("test")
+    assert frozen > 0 and gc.get_freeze_count() == frozen
+    assert not tracked(before)  # a full collection no longer walks it
+    after = Node()
+    assert tracked(after)
+
+
+def test_garbage_is_collected_before_the_freeze(unfrozen: None) -> None:
+    gc.disable()  # no automatic collection between the drop and the call
+    try:
+        garbage = Node()
+        ref = weakref.ref(garbage)
+        del garbage
+        assert ref() is not None  # only a collection frees a cycle
+        heap.freeze_startup_heap("test")
+        assert ref() is None  # freed, not frozen (a frozen cycle would never be freed)
+    finally:
+        gc.enable()
+
+
+def test_switched_off_it_freezes_nothing(unfrozen: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(envs, "KVSERVE_GC_FREEZE", False)
+    obj = Node()
+    assert heap.freeze_startup_heap("test") == 0
+    assert gc.get_freeze_count() == 0 and tracked(obj)
