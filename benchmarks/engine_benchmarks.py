@@ -864,6 +864,7 @@ class Bench:
                 pauses.append((info["generation"], time.perf_counter() - gc_started.pop()))
 
         out: dict[str, Any] = {}
+        was_frozen = gc.get_freeze_count() > 0  # (make_engine freezes, as the served engine process does)
         runner.execute_model_async = timed
         gc.callbacks.append(on_gc)
         try:
@@ -899,6 +900,9 @@ class Bench:
                                           f"gc {med['gc_pause_ms']:.1f} ms; all {[round(r['ttft_ms'], 1) for r in runs]}"))
         finally:
             gc.unfreeze()
+            if was_frozen:  # the later sections run on the engine as it was
+                gc.collect()
+                gc.freeze()
             gc.callbacks.remove(on_gc)
             runner.execute_model_async = original
         self.results["ttftdiag"] = out
@@ -1349,6 +1353,9 @@ def main() -> int:
     p.add_argument("--last-layer-pruning", action=argparse.BooleanOptionalAction, default=True,
                    help="steps that sample some rows only: the last layer past its cache write on those rows alone "
                    "(off: every row, then select)")
+    p.add_argument("--last-layer-row-q", action=argparse.BooleanOptionalAction, default=True,
+                   help="steps of 512 tokens or more project the last layer's q for their sampled rows alone "
+                        "(llama.set_last_layer_row_q_min_tokens; --no-last-layer-row-q: every row, for the A/B)")
     p.add_argument("--sampled-row-attention", action=argparse.BooleanOptionalAction, default=True,
                    help="with pruning: the last layer's attention for the sampled rows alone, as decode queries "
                    "over the cache (off: every row attends, then select)")
@@ -1410,6 +1417,8 @@ def main() -> int:
 
     llama.set_last_layer_pruning(args.last_layer_pruning)
     llama.set_sampled_row_attention(args.sampled_row_attention)
+    if not args.last_layer_row_q:
+        llama.set_last_layer_row_q_min_tokens(None)
     from kvserve.core import kv_cache_manager
 
     kv_cache_manager.DEFERRED_BLOCK_CACHING = args.deferred_block_caching

@@ -61,6 +61,7 @@ def main() -> int:
         kvserve_tok_s = d.run(random_prompts(gen, [args.input_len] * args.num, vocab),
                               [args.output_len] * args.num).output_tok_s
         del d, core
+        gc.unfreeze()  # make_engine froze the engine's start-up heap; frozen cycles are never collected
         gc.collect()
         torch.cuda.empty_cache()
     if args.reserve_gb:

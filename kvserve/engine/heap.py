@@ -8,10 +8,11 @@ steps of 5-10 ms (docs/perf_notes.md, entry 45). Every running request's next to
 
 `freeze_startup_heap` moves what is alive once start-up is done into the collector's permanent generation
 (`gc.freeze`), so later full collections walk only what serving itself made (9-15 ms there). Reference
-counting still frees frozen objects as usual; only reference cycles among them are never collected, which
-costs nothing for the start-up state of a process that keeps it until it exits. The two serving
-processes call it (the engine core once the engine is built, the API server once it is ready to serve);
-the offline `LLM` API does not, since it runs in the caller's own process, where engines may be made and
+counting still frees frozen objects as usual, but a reference cycle that passes through a frozen object is
+never collected (even one that later objects join). That costs nothing while the start-up state lives as
+long as the process, as it does in the two serving processes that call this: the engine core once the
+engine is built (also under `AsyncLLM` outside the server), the API server once it is ready to serve. The
+offline `LLM` API does not, since it runs in the caller's own process, where engines may be made and
 dropped many times.
 """
 

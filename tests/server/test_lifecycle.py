@@ -80,7 +80,7 @@ def test_engine_death_turns_health_503_and_server_exits_nonzero(launch_server: C
 
 def test_sigterm_drains_in_flight_requests_and_exits_0(launch_server: Callable[..., ServerProcess],
                                                        tiny_llama_dir: str):
-    server = launch_server([tiny_llama_dir, *FLAGS, "--disable-log-requests"])
+    server = launch_server([tiny_llama_dir, *FLAGS, "--disable-log-requests"], env={"KVSERVE_GC_FREEZE": "1"})
     engine_pid = server.engine_pid
     # Both serving processes froze their start-up heaps once ready (kvserve/engine/heap.py).
     for process in ("engine core", "API server"):

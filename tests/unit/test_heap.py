@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 import weakref
 from collections.abc import Iterator
 
@@ -39,6 +42,7 @@ def test_objects_alive_at_the_call_are_frozen_and_later_ones_are_not(unfrozen: N
 
 
 def test_garbage_is_collected_before_the_freeze(unfrozen: None) -> None:
+    enabled = gc.isenabled()
     gc.disable()  # no automatic collection between the drop and the call
     try:
         garbage = Node()
@@ -48,7 +52,8 @@ def test_garbage_is_collected_before_the_freeze(unfrozen: None) -> None:
         heap.freeze_startup_heap("test")
         assert ref() is None  # freed, not frozen (a frozen cycle would never be freed)
     finally:
-        gc.enable()
+        if enabled:
+            gc.enable()
 
 
 def test_switched_off_it_freezes_nothing(unfrozen: None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -56,3 +61,11 @@ def test_switched_off_it_freezes_nothing(unfrozen: None, monkeypatch: pytest.Mon
     obj = Node()
     assert heap.freeze_startup_heap("test") == 0
     assert gc.get_freeze_count() == 0 and tracked(obj)
+
+
+@pytest.mark.parametrize(("value", "expected"), [("0", False), ("1", True), ("", True)])
+def test_the_switch_is_read_from_the_environment(value: str, expected: bool) -> None:
+    code = "from kvserve import envs; print(envs.KVSERVE_GC_FREEZE)"
+    env = {**os.environ, "KVSERVE_GC_FREEZE": value}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(expected)
