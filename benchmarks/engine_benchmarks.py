@@ -1353,9 +1353,6 @@ def main() -> int:
     p.add_argument("--last-layer-pruning", action=argparse.BooleanOptionalAction, default=True,
                    help="steps that sample some rows only: the last layer past its cache write on those rows alone "
                    "(off: every row, then select)")
-    p.add_argument("--last-layer-row-q", action=argparse.BooleanOptionalAction, default=True,
-                   help="steps of 512 tokens or more project the last layer's q for their sampled rows alone "
-                        "(llama.set_last_layer_row_q_min_tokens; --no-last-layer-row-q: every row, for the A/B)")
     p.add_argument("--sampled-row-attention", action=argparse.BooleanOptionalAction, default=True,
                    help="with pruning: the last layer's attention for the sampled rows alone, as decode queries "
                    "over the cache (off: every row attends, then select)")
@@ -1417,8 +1414,6 @@ def main() -> int:
 
     llama.set_last_layer_pruning(args.last_layer_pruning)
     llama.set_sampled_row_attention(args.sampled_row_attention)
-    if not args.last_layer_row_q:
-        llama.set_last_layer_row_q_min_tokens(None)
     from kvserve.core import kv_cache_manager
 
     kv_cache_manager.DEFERRED_BLOCK_CACHING = args.deferred_block_caching

@@ -603,8 +603,9 @@ PY
           --poisson-rate 16 --poisson-duration 20 --poisson-rounds 2 > "$R/poisson22.log" 2>&1 ;;
     mixed22) timeout 150 python3 benchmarks/engine_benchmarks.py --out "$R/mixed22" --sections mixed \
           --mixed-cases 20x1024x512,24x512x512 --mixed-cycles 8 > "$R/mixed22.log" 2>&1 ;;
-    rowq26) # the last layer's q projected for the sampled rows alone (steps of 512+ tokens): tests/gpu (the GGUF test
-        # aside), then start, TTFT and ttftdiag with it on / off (--no-last-layer-row-q), new / old / new / old
+    rowq26) # the last layer's q projected for the sampled rows alone (steps of 512+ tokens; at 810770d, removed after
+        # this step): tests/gpu (the GGUF test aside), then start, TTFT and ttftdiag with it on / off
+        # (--no-last-layer-row-q, gone with it), new / old / new / old
         timeout 330 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "not gguf" > "$R/pytest26.log" 2>&1
         for mode in new old new old; do
           flags=""; [ $mode = old ] && flags="--no-last-layer-row-q"

@@ -55,20 +55,6 @@ def set_last_layer_pruning(enabled: bool) -> None:
     _prune_last_layer = enabled
 
 
-# The last layer of a step with at least this many tokens and `sampled` metadata projects q for the sampled
-# rows alone (k and v for every row, for the cache): at 8,192 tokens of a 7B model that is about 210 GFLOP,
-# some 0.3 ms of the prefill, fewer. Smaller steps keep the one q/k/v matmul, whose split would save too
-# little to pay for its extra launches. None: never (for measuring).
-_row_q_min_tokens: int | None = 512
-
-
-def set_last_layer_row_q_min_tokens(tokens: int | None) -> None:
-    """Steps of at least `tokens` tokens project the last layer's q for the sampled rows alone (default
-    512; None: never, for measuring)."""
-    global _row_q_min_tokens
-    _row_q_min_tokens = tokens
-
-
 def set_sampled_row_attention(enabled: bool) -> None:
     """Where the last layer runs on output rows (pruning on, and always in the piecewise graphs' last step):
     its attention for the sampled rows alone, as decode queries over the cache (default, where the metadata
@@ -125,37 +111,6 @@ class LlamaAttention(nn.Module):
             else:
                 q, k = self.rotary_emb.forward_and_cache(positions, q, k, v, kv_cache, attn_metadata.slot_mapping)
         return q, k, v
-
-    def project_rows(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-        rows: torch.Tensor,
-    ) -> torch.Tensor:
-        """`project` for a step that needs q at `rows` only (int64 token indices): k and v of every row,
-        normed, rotated and written into the cache as `project` writes them; returns the rotated q of those
-        rows [len(rows), heads, head_dim]. The q/k/v weight is split into its q and k/v rows, so the q
-        matmul runs on len(rows) rows instead of every row."""
-        qkv_proj = self.qkv_proj
-        q_size, kv_size = qkv_proj.q_size, qkv_proj.kv_size
-        weight, bias = qkv_proj.weight, qkv_proj.bias
-        num_tokens, num_rows = hidden.shape[0], rows.shape[0]
-        kv = torch.nn.functional.linear(hidden, weight[q_size:], None if bias is None else bias[q_size:])
-        q = torch.nn.functional.linear(
-            hidden.index_select(0, rows), weight[:q_size], None if bias is None else bias[:q_size]
-        ).view(num_rows, self.num_heads, self.head_dim)
-        k, v = kv.split([kv_size, kv_size], dim=-1)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)[0]
-            k = self.k_norm(k)[0]
-        # The rotary launches take a query and a key of the same tokens and return new tensors (the inputs
-        # are read only): k stands in as the query of its own launch, and q's key is a slice of q.
-        self.rotary_emb.forward_and_cache(positions, k, k, v, kv_cache, attn_metadata.slot_mapping)
-        return self.rotary_emb.forward(positions.index_select(0, rows), q, q[:, : self.num_kv_heads])[0]
 
     def attend(
         self,
@@ -222,23 +177,6 @@ class LlamaDecoderLayer(nn.Module):
         every row's K/V still go into the cache, but everything past attention runs on those rows alone,
         and both results hold only them; None for no rows.
         """
-        sampled = attn_metadata.sampled
-        if (
-            output_rows is not None
-            and output_rows.shape[0] > 0
-            and sampled is not None
-            and _sampled_row_attention
-            and _row_q_min_tokens is not None
-            and hidden.shape[0] >= _row_q_min_tokens
-        ):
-            if sampled.num_reqs != output_rows.shape[0]:
-                raise ValueError(
-                    f"{output_rows.shape[0]} output rows, but the metadata describes {sampled.num_reqs} sampled rows"
-                )
-            normed, residual = self.input_layernorm(hidden, residual)
-            q_rows = self.self_attn.project_rows(positions, normed, kv_cache, attn_metadata, output_rows)
-            attn_out = self.self_attn.attend_last_tokens(q_rows, kv_cache, sampled)
-            return self.post_attention(attn_out, residual.index_select(0, output_rows))
         q, k, v, residual = self.pre_attention(positions, hidden, residual, kv_cache, attn_metadata)
         if output_rows is None:
             return self.post_attention(self.self_attn.attend(q, k, v, kv_cache, attn_metadata), residual)

@@ -359,15 +359,6 @@ class ModelRunner:
             pos = torch.tensor(positions, dtype=torch.int64, device=device)
             self.model(input_ids, pos, self.kv_caches, metadata)
             tick = mark(f"{'fresh' if query_lens[0] > 1 else 'mixed'} {query_lens[-1]}", tick)
-        # The last layer's q for the sampled rows alone (`LlamaAttention.project_rows`, large eager steps): its
-        # two rotary launches (k with the cache write, the rows' q without) are variants no other batch runs.
-        # On the fresh batch's tokens, sampling each prompt's last one.
-        layers = getattr(getattr(self.model, "model", None), "layers", None)
-        if layers is not None and hasattr(layers[-1].self_attn, "project_rows"):
-            hidden_rows = torch.zeros(num_tokens, arch.hidden_size, dtype=self.dtype, device=device)
-            rows = torch.tensor([starts[1] - 1, starts[2] - 1], dtype=torch.int64, device=device)
-            layers[-1].self_attn.project_rows(pos, hidden_rows, self.kv_caches[-1], metadata, rows)
-            tick = mark("last-layer rows", tick)
         if device.type == "cuda" and self.config.cascade_attn and not self.config.use_cuda_graphs:
             self._warm_up_cascade()  # (with graphs, the capture compiles the cascade kernels)
         tick = mark("cascade", tick)

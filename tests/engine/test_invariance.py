@@ -97,25 +97,6 @@ def test_last_layer_pruning_keeps_greedy_output(
     assert _tokens(llm) == reference_tokens
 
 
-def test_last_layer_q_for_sampled_rows_keeps_greedy_output(
-    reference_tokens: list[list[int]], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Steps of at least `_row_q_min_tokens` tokens project the last layer's q for their sampled rows alone
-    (512 by default; 0 here, so that every step with prefill tokens does): the same greedy tokens."""
-    monkeypatch.setattr(llama, "_row_q_min_tokens", 0)
-    calls: list[int] = []
-    project_rows = llama.LlamaAttention.project_rows
-
-    def counting(self, positions, hidden, kv_cache, attn_metadata, rows):  # noqa: ANN001, ANN202
-        calls.append(rows.shape[0])
-        return project_rows(self, positions, hidden, kv_cache, attn_metadata, rows)
-
-    monkeypatch.setattr(llama.LlamaAttention, "project_rows", counting)
-    llm = LLM(max_model_len=512, enable_prefix_caching=False)
-    assert _tokens(llm) == reference_tokens
-    assert calls and all(n > 0 for n in calls)
-
-
 def test_prefix_cache_hits_reported(default_llm: LLM) -> None:
     outs = default_llm.generate([SYSTEM + "Say hi.", SYSTEM + "Say bye."], GREEDY, use_tqdm=False)
     # Both share the SYSTEM prefix with earlier prompts run on this engine.

@@ -22,7 +22,6 @@ from kvserve.layers.attention import Attention
 from kvserve.layers.attention_metadata import last_token_metadata
 from kvserve.model import llama
 from kvserve.model.arch import load_arch_config
-from kvserve.model.llama import LlamaAttention
 from kvserve.model.loader import load_model
 from kvserve.model.registry import CausalLM
 
@@ -191,18 +190,14 @@ def test_output_rows_compute_only_those_rows(
     assert all(torch.equal(got, want) for got, want in zip(unpruned_caches, full_caches, strict=True))
 
 
-@pytest.mark.parametrize("row_q", [False, True], ids=["q-every-row", "q-sampled-rows"])
 @pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3"])
 def test_sampled_rows_attend_as_decode_queries(
-    variant: str, row_q: bool, tiny_pair: Callable, prompt_ids: list[int], other_ids: list[int],
-    monkeypatch: pytest.MonkeyPatch,
+    variant: str, tiny_pair: Callable, prompt_ids: list[int], other_ids: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With `metadata.sampled`, the last layer attends only for the sampling rows, each as one query over its
     request's cache: the rows equal the full forward's (and HF's), the cache is written the same, in a step
     that mixes a later chunk after cached context, a fresh prompt, a decode row and a non-final chunk that
-    samples nothing. row_q: the last layer also projects q for those rows alone (`project_rows`, which steps
-    of at least 512 tokens take; here the threshold is 0), with k and v split off the same weight."""
-    monkeypatch.setattr(llama, "_row_q_min_tokens", 0 if row_q else None)
+    samples nothing."""
     ours, hf = tiny_pair(variant)
     n, split = len(prompt_ids), 12
     first = RequestSlice((8, 2), 0, split)
@@ -242,32 +237,13 @@ def test_sampled_rows_attend_as_decode_queries(
         return forward_cached(self, query, *args)
 
     monkeypatch.setattr(Attention, "forward_cached", counting)
-    # The whole q/k/v projection: once per layer, but for the last layer with rows when row_q.
-    projections: list[int] = []
-    project = LlamaAttention.project
-
-    def counting_project(self: LlamaAttention, positions: torch.Tensor, *args: Any) -> Any:
-        projections.append(positions.shape[0])
-        return project(self, positions, *args)
-
-    monkeypatch.setattr(LlamaAttention, "project", counting_project)
     full, got, caches = step(sampled=True)
     assert cached_calls == [len(sampling)]
-    num_layers = len(ours.model.layers)
-    # setup, full, with rows: all layers, all layers, and the last layer's only without row_q
-    assert len(projections) == 3 * num_layers - (1 if row_q else 0)
     _, unsampled, unsampled_caches = step(sampled=False)
     assert cached_calls == [len(sampling)]
     torch.testing.assert_close(got, full[rows], atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(unsampled, full[rows], atol=ATOL, rtol=RTOL)
-    # Every layer's cache is written as without the rows; the last one's K/V come from a k/v-only matmul
-    # with row_q, whose float32 sums may round differently from the fused one's.
-    assert all(torch.equal(a, b) for a, b in zip(caches[:-1], unsampled_caches[:-1], strict=True))
-    if row_q:
-        torch.testing.assert_close(caches[-1], unsampled_caches[-1], atol=1e-6, rtol=1e-5)
-        assert caches[-1].abs().sum() > 0
-    else:
-        assert torch.equal(caches[-1], unsampled_caches[-1])
+    assert all(torch.equal(a, b) for a, b in zip(caches, unsampled_caches, strict=True))
     logits = ours.compute_logits(got)
     torch.testing.assert_close(logits[0], _hf_logits(hf, prompt_ids)[-1], atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(logits[1], _hf_logits(hf, prompt_ids)[-1], atol=ATOL, rtol=RTOL)
