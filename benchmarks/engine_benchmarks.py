@@ -854,19 +854,9 @@ class Bench:
                     end.record()
                 spans.append((time.perf_counter() - t, start, end))
 
-        pauses: list[tuple[int, float]] = []
-        gc_started: list[float] = []
-
-        def on_gc(phase: str, info: dict[str, int]) -> None:
-            if phase == "start":
-                gc_started.append(time.perf_counter())
-            elif gc_started:
-                pauses.append((info["generation"], time.perf_counter() - gc_started.pop()))
-
         out: dict[str, Any] = {}
         was_frozen = gc.get_freeze_count() > 0  # (make_engine freezes, as the served engine process does)
         runner.execute_model_async = timed
-        gc.callbacks.append(on_gc)
         try:
             for tokens in (1024, 8192):
                 n = self.length(tokens)
@@ -883,14 +873,13 @@ class Bench:
                         runs = []
                         for _ in range(4):
                             spans.clear()
-                            pauses.clear()
                             stats = d.run(self.prompts([n]), [1])
                             sync(self.args.device)
                             host_s, start, end = spans[0]
                             runs.append({"ttft_ms": stats.ttft_s[0] * 1e3, "launch_ms": host_s * 1e3,
                                          "gpu_span_ms": start.elapsed_time(end) if cuda else float("nan"),
-                                         "gc_pause_ms": sum(p for _, p in pauses) * 1e3,
-                                         "gc_collections": [g for g, _ in pauses]})
+                                         "gc_pause_ms": sum(p for _, p in stats.gc_pauses) * 1e3,
+                                         "gc_collections": [g for g, _ in stats.gc_pauses]})
                         key = f"{tokens} {mode} {round_}"
                         out[key] = runs
                         med = {k: statistics.median(r[k] for r in runs)
@@ -903,7 +892,6 @@ class Bench:
             if was_frozen:  # the later sections run on the engine as it was
                 gc.collect()
                 gc.freeze()
-            gc.callbacks.remove(on_gc)
             runner.execute_model_async = original
         self.results["ttftdiag"] = out
 
