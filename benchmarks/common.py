@@ -208,13 +208,21 @@ def gc_pauses() -> Iterator[list[tuple[int, float]]]:
         gc.callbacks.remove(on_gc)
 
 
-def describe_gc_pauses(pauses: list[tuple[int, float]]) -> str:
-    """Per generation: how many collections, their total and the longest, e.g. 'gen0 12 (4.8 ms in all, max
-    0.6); gen2 1 (85.0 ms in all, max 85.0)'."""
-    parts = []
+def summarize_gc_pauses(pauses: list[tuple[int, float]]) -> dict[str, dict[str, float]]:
+    """Per generation ('gen0', ...): how many collections, their total and the longest, in ms (what the
+    results JSON keeps: a long run has hundreds of young collections)."""
+    out: dict[str, dict[str, float]] = {}
     for gen in sorted({g for g, _ in pauses}):
-        times = [s for g, s in pauses if g == gen]
-        parts.append(f"gen{gen} {len(times)} ({sum(times) * 1e3:.1f} ms in all, max {max(times) * 1e3:.1f})")
+        times = [s * 1e3 for g, s in pauses if g == gen]
+        out[f"gen{gen}"] = {"count": len(times), "total_ms": sum(times), "max_ms": max(times)}
+    return out
+
+
+def describe_gc_pauses(pauses: list[tuple[int, float]]) -> str:
+    """`summarize_gc_pauses` as text, e.g. 'gen0 12 (4.8 ms in all, max 0.6); gen2 1 (85.0 ms in all, max
+    85.0)'."""
+    parts = [f"{gen} {v['count']:.0f} ({v['total_ms']:.1f} ms in all, max {v['max_ms']:.1f})"
+             for gen, v in summarize_gc_pauses(pauses).items()]
     return "; ".join(parts) or "no collection"
 
 

@@ -68,6 +68,7 @@ from common import (  # noqa: E402
     hf_generate_timer,
     make_engine,
     random_prompts,
+    summarize_gc_pauses,
     sync,
     write_config_dir,
     write_result,
@@ -718,7 +719,8 @@ class Bench:
         stats = d.run(self.seeds_prompts, [outs] * num)
         self.results["seeds"] = {"num_seqs": num, "input_len": ins, "output_len": outs,
                                  "elapsed_s": stats.elapsed_s, "output_tokens": stats.output_tokens,
-                                 "output_tok_s": stats.output_tok_s, "gc_pauses": stats.gc_pauses}
+                                 "output_tok_s": stats.output_tok_s,
+                                 "gc_pauses": summarize_gc_pauses(stats.gc_pauses)}
         self.rows.append(("seeds' workload (output tok/s)", f"{stats.output_tok_s:.0f}",
                           f"{num} x {ins} in / {outs} out in {stats.elapsed_s:.2f} s; "
                           f"{describe_gc_pauses(stats.gc_pauses)}"))
@@ -745,7 +747,8 @@ class Bench:
             runs.append({"run": label, "elapsed_s": stats.elapsed_s, "prompt_tokens": stats.prompt_tokens,
                          "output_tokens": stats.output_tokens, "output_tok_s": stats.output_tok_s,
                          "num_steps": len(stats.step_s),
-                         "slowest_steps_s": sorted(stats.step_s, reverse=True)[:10], "gc_pauses": stats.gc_pauses})
+                         "slowest_steps_s": sorted(stats.step_s, reverse=True)[:10],
+                         "gc_pauses": summarize_gc_pauses(stats.gc_pauses)})
             self.rows.append((f"256 seqs U[100,1024], {label} run (output tok/s)", f"{stats.output_tok_s:.0f}",
                               f"{stats.output_tokens} tokens in {stats.elapsed_s:.2f} s, {len(stats.step_s)} steps, "
                               f"slowest step {max(stats.step_s) * 1e3:.0f} ms; {describe_gc_pauses(stats.gc_pauses)}"))
@@ -983,7 +986,7 @@ class Bench:
             prompts = [shared + own for own in self.prompts([self.length(64)] * num)]
             stats = d.run(prompts, [out_len] * num)
             runs.append(stats.output_tok_s)
-            pauses.append(stats.gc_pauses)
+            pauses.append(summarize_gc_pauses(stats.gc_pauses))
             slowest.append(sorted(stats.step_s, reverse=True)[:4])
             self.rows.append((f"shared run {i + 1}: garbage collections", describe_gc_pauses(stats.gc_pauses),
                               "slowest steps (ms) " + " ".join(f"{x * 1e3:.1f}" for x in slowest[-1])))
