@@ -1,0 +1,100 @@
+"""Where a `kvserve bench` run's long inter-token gaps came from.
+
+Reads the JSON that `kvserve bench --json FILE` writes (gzip too), rebuilds the time each streamed token
+reached the client, and groups the gaps longer than `--min-gap-ms` that end together (one slow server step
+delays every running request at once). For each group it prints when it ended, how many requests waited,
+how long, and how many other requests got their first token at that moment: a group that ends with first
+tokens is a step that prefilled new prompts while the waiting requests decoded.
+
+    python benchmarks/itl_stalls.py run.json [more.json ...] [--min-gap-ms 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Stall:
+    end_s: float  # when the waiting requests' next token arrived (run clock)
+    waiting: int  # requests whose gap ended there
+    longest_ms: float
+    first_tokens: int  # other requests whose first token arrived with it
+
+
+def token_times(record: dict[str, Any]) -> list[float]:
+    """Arrival times of a request's streamed tokens on the run clock: start + TTFT, then each ITL gap."""
+    if record.get("ttft_s") is None:
+        return []
+    times = [record["start_s"] + record["ttft_s"]]
+    for gap in record.get("itl_s") or []:
+        times.append(times[-1] + gap)
+    return times
+
+
+def find_stalls(records: list[dict[str, Any]], min_gap_s: float, window_s: float = 0.005) -> list[Stall]:
+    """Gaps of at least `min_gap_s`, grouped when their ends fall within `window_s` of the group's first end."""
+    ends: list[tuple[float, float]] = []  # (end, gap)
+    firsts: list[float] = []
+    for record in records:
+        times = token_times(record)
+        if times:
+            firsts.append(times[0])
+        for before, after in zip(times, times[1:], strict=False):
+            if after - before >= min_gap_s:
+                ends.append((after, after - before))
+    ends.sort()
+    firsts.sort()
+    stalls: list[Stall] = []
+    group: list[tuple[float, float]] = []
+
+    def close() -> None:
+        start, stop = group[0][0], group[-1][0]
+        first = sum(1 for t in firsts if start - window_s <= t <= stop + window_s)
+        stalls.append(Stall(end_s=start, waiting=len(group), longest_ms=max(g for _, g in group) * 1e3,
+                            first_tokens=first))
+
+    for end, gap in ends:
+        if group and end - group[0][0] > window_s:
+            close()
+            group = []
+        group.append((end, gap))
+    if group:
+        close()
+    return stalls
+
+
+def load_runs(path: str) -> list[dict[str, Any]]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    return data["runs"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("paths", nargs="+", help="kvserve bench JSON files (.json or .json.gz)")
+    parser.add_argument("--min-gap-ms", type=float, default=50.0, help="shortest gap reported (default 50)")
+    args = parser.parse_args(argv)
+    for path in args.paths:
+        for run in load_runs(path):
+            records = run["records"]
+            stalls = find_stalls(records, args.min_gap_ms / 1e3)
+            itl = run["summary"]["itl"]
+            print(f"== {path} [{run['label']}]: {len(records)} requests, ITL P99 {itl['p99_ms']:.1f} ms, "
+                  f"max {itl['max_ms']:.1f} ms; {len(stalls)} stalls of {args.min_gap_ms:g} ms or more")
+            print(f"{'ends at s':>9} {'waiting':>7} {'longest ms':>10} {'first tokens':>12}")
+            for s in stalls:
+                print(f"{s.end_s:9.3f} {s.waiting:7d} {s.longest_ms:10.1f} {s.first_tokens:12d}")
+            with_prefill = sum(1 for s in stalls if s.first_tokens)
+            print(f"stalls that ended with other requests' first tokens: {with_prefill} of {len(stalls)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
