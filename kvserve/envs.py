@@ -69,5 +69,6 @@ TRITON_INTERPRET: bool = os.environ.get("TRITON_INTERPRET") == "1"
 # Set by the user: torch's choice between cuBLAS and cuBLASLt stands (kvserve otherwise prefers cuBLASLt on CUDA).
 TORCH_BLAS_PREFER_CUBLASLT_SET: bool = "TORCH_BLAS_PREFER_CUBLASLT" in os.environ
 # Freeze each serving process's start-up heap out of the garbage collector's reach once it is ready to
-# serve (1: on, the default; 0: off). See kvserve/engine/heap.py and docs/perf_notes.md, entry 45.
+# serve, and the bench client's while a run measures (1: on, the default; 0: off). See
+# kvserve/engine/heap.py and docs/perf_notes.md, entries 45 and 46.
 KVSERVE_GC_FREEZE: bool = _int("KVSERVE_GC_FREEZE", 1) != 0

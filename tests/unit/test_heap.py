@@ -69,3 +69,34 @@ def test_the_switch_is_read_from_the_environment(value: str, expected: bool) -> 
     env = {**os.environ, "KVSERVE_GC_FREEZE": value}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == str(expected)
+
+
+def test_frozen_heap_freezes_for_the_block_and_thaws_after(unfrozen: None) -> None:
+    before = Node()
+    with heap.frozen_heap() as frozen:
+        assert frozen > 0 and gc.get_freeze_count() > 0
+        assert not tracked(before)
+        inside = Node()
+        assert tracked(inside)
+    assert gc.get_freeze_count() == 0
+    assert tracked(before) and tracked(inside)
+
+
+def test_frozen_heap_thaws_when_the_block_raises(unfrozen: None) -> None:
+    with pytest.raises(RuntimeError), heap.frozen_heap():
+        raise RuntimeError("boom")
+    assert gc.get_freeze_count() == 0
+
+
+def test_frozen_heap_leaves_a_process_that_froze_on_its_own_alone(unfrozen: None) -> None:
+    heap.freeze_startup_heap("test")
+    count = gc.get_freeze_count()
+    with heap.frozen_heap() as frozen:
+        assert frozen == 0 and gc.get_freeze_count() == count
+    assert gc.get_freeze_count() == count  # its own freeze is still there
+
+
+def test_frozen_heap_switched_off_freezes_nothing(unfrozen: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(envs, "KVSERVE_GC_FREEZE", False)
+    with heap.frozen_heap() as frozen:
+        assert frozen == 0 and gc.get_freeze_count() == 0
