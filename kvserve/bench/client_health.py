@@ -3,12 +3,14 @@
 The client is one asyncio event loop: when it is busy (parsing thousands of SSE chunks a second), chunks
 wait in socket buffers and every latency it reports grows although the server did nothing slower. Two
 signals catch that: the process's CPU time over the run as a share of one core, and the lag of a timer that
-should fire every `interval_s` (how long a ready chunk can wait for the loop).
+should fire every `interval_s` (how long a ready chunk can wait for the loop). The monitor also times the
+garbage collector's collections in this process during the run (each one stops the loop).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -26,6 +28,8 @@ class ClientHealthReport:
     loop_lag_p50_ms: float
     loop_lag_p99_ms: float
     loop_lag_max_ms: float
+    gc_collections: int = 0  # during the run, every generation
+    gc_pause_max_ms: float = 0.0
 
     @property
     def saturated(self) -> bool:
@@ -43,7 +47,9 @@ class ClientHealthReport:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ClientHealthReport:
-        return cls(**{k: data[k] for k in ("cpu_percent", "loop_lag_p50_ms", "loop_lag_p99_ms", "loop_lag_max_ms")})
+        fields = ("cpu_percent", "loop_lag_p50_ms", "loop_lag_p99_ms", "loop_lag_max_ms", "gc_collections",
+                  "gc_pause_max_ms")
+        return cls(**{k: data[k] for k in fields if k in data})  # (files of earlier versions lack the gc_)
 
 
 class ClientHealthMonitor:
@@ -54,10 +60,19 @@ class ClientHealthMonitor:
         self._lags_s: list[float] = []
         self._task: asyncio.Task[None] | None = None
         self._cpu0 = self._wall0 = 0.0
+        self._gc_start = 0.0
+        self._gc_pauses_s: list[float] = []
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self._gc_pauses_s.append(time.perf_counter() - self._gc_start)
 
     def start(self) -> None:
         self._cpu0 = time.process_time()
         self._wall0 = time.perf_counter()
+        gc.callbacks.append(self._on_gc)
         self._task = asyncio.get_running_loop().create_task(self._tick())
 
     async def _tick(self) -> None:
@@ -68,6 +83,8 @@ class ClientHealthMonitor:
 
     async def stop(self) -> ClientHealthReport:
         assert self._task is not None, "stop() before start()"
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
         self._task.cancel()
         try:
             await self._task
@@ -81,4 +98,6 @@ class ClientHealthMonitor:
             loop_lag_p50_ms=float(np.percentile(lags_ms, 50)),
             loop_lag_p99_ms=float(np.percentile(lags_ms, 99)),
             loop_lag_max_ms=float(lags_ms.max()),
+            gc_collections=len(self._gc_pauses_s),
+            gc_pause_max_ms=1e3 * max(self._gc_pauses_s, default=0.0),
         )

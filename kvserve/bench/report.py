@@ -85,6 +85,8 @@ def format_summary(summary: Summary) -> str:
         lines.append(_rule("Client"))
         lines.append(_line("Client CPU (% of one core)", s.client.cpu_percent, 1))
         lines.append(_line("Event-loop lag P99 (ms)", s.client.loop_lag_p99_ms))
+        lines.append(_line("Event-loop lag max (ms)", s.client.loop_lag_max_ms))
+        lines.append(_line("Longest client GC pause (ms)", s.client.gc_pause_max_ms))
     lines.append("=" * WIDTH)
     if s.stopped:
         lines.append(s.stopped)

@@ -16,13 +16,13 @@ import httpx
 from tqdm import tqdm
 
 from kvserve.bench.client import ClientSettings, RequestRecord, StreamClient, fetch_model_names
-from kvserve.bench.client_health import ClientHealthMonitor
+from kvserve.bench.client_health import ClientHealthMonitor, ClientHealthReport
 from kvserve.bench.config import BenchConfig, LoadShape
 from kvserve.bench.datasets import Dataset, TextTokenizer, make_dataset
-from kvserve.bench.load import run_load
+from kvserve.bench.load import LoadResult, run_load
 from kvserve.bench.report import format_compare, format_summary, format_sweep
 from kvserve.bench.results import BenchResult, RunResult, jsonable, read_json, write_json
-from kvserve.bench.server_metrics import ServerMetricsSampler, summarize_samples
+from kvserve.bench.server_metrics import MetricSample, ServerMetricsSampler, summarize_samples
 from kvserve.bench.summary import summarize
 from kvserve.engine.heap import frozen_heap
 
@@ -176,6 +176,20 @@ class _Interrupt:
 
 async def _run_shape(config: BenchConfig, shape: LoadShape, dataset: Dataset, client: StreamClient,
                      tokenizer: LazyTokenizer, stop: asyncio.Event) -> RunResult:
+    # The client's own objects (tokenizer, torch, the prompts) out of the collector's full collections while
+    # it measures: one of those stopped the event loop for 170-310 ms (heap.frozen_heap). The freeze's own
+    # collection comes before the run's clock, monitors and sampler start.
+    with frozen_heap():
+        result, health, samples = await _measure(config, shape, dataset, client, stop)
+    count_missing_tokens(result.records, dataset, tokenizer, client.settings.api)
+    records = sorted(result.records, key=lambda r: r.index)
+    summary = summarize(shape.label(), records, config.goodput_ms, health,
+                        summarize_samples(samples) if samples else None, result.stopped)
+    return RunResult(shape.label(), shape_dict(shape), summary, records, samples)
+
+
+async def _measure(config: BenchConfig, shape: LoadShape, dataset: Dataset, client: StreamClient,
+                   stop: asyncio.Event) -> tuple[LoadResult, ClientHealthReport, list[MetricSample]]:
     sampler = None
     if config.server_metrics:
         sampler = ServerMetricsSampler(config.resolved_metrics_url, config.metrics_interval_s, config.api_key)
@@ -186,20 +200,13 @@ async def _run_shape(config: BenchConfig, shape: LoadShape, dataset: Dataset, cl
     monitor.start()
     progress = _Progress(shape, config.progress, shape.label())
     try:
-        # The client's own objects (tokenizer, torch, the prompts) out of the collector's full collections
-        # while it measures: one of those stopped the event loop for 170-310 ms (heap.frozen_heap).
-        with frozen_heap():
-            result = await run_load(shape, dataset, client, seed=config.dataset.seed, on_done=progress.on_done,
-                                    run_start=run_start, drain_timeout_s=config.drain_timeout_s, stop=stop)
+        result = await run_load(shape, dataset, client, seed=config.dataset.seed, on_done=progress.on_done,
+                                run_start=run_start, drain_timeout_s=config.drain_timeout_s, stop=stop)
     finally:
         progress.close()
         health = await monitor.stop()
         samples = await sampler.stop() if sampler is not None else []
-    count_missing_tokens(result.records, dataset, tokenizer, client.settings.api)
-    records = sorted(result.records, key=lambda r: r.index)
-    summary = summarize(shape.label(), records, config.goodput_ms, health,
-                        summarize_samples(samples) if samples else None, result.stopped)
-    return RunResult(shape.label(), shape_dict(shape), summary, records, samples)
+    return result, health, samples
 
 
 async def _run_all(config: BenchConfig, log: TextIO) -> BenchResult:

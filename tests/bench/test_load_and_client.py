@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 
 from bench.fake_server import MODEL, answer_text
 from kvserve.bench import runner
+from kvserve.bench.client_health import ClientHealthMonitor, ClientHealthReport
 from kvserve.bench.config import ABORT_AFTER_ALL_FAILED
 from kvserve.bench.load import arrival_gaps
 
@@ -361,3 +363,28 @@ def test_each_run_measures_with_the_client_heap_frozen(fake_server, bench, promp
     assert seen[0] == 0  # the warm-up is not measured
     assert len(seen) == 3 and all(count > 0 for count in seen[1:])
     assert gc.get_freeze_count() == 0  # thawed after each run
+
+
+def test_the_client_health_monitor_times_collections_during_the_run_only():
+    class Cycle:
+        def __init__(self) -> None:
+            self.me = self
+
+    async def run() -> tuple[ClientHealthReport, int]:
+        monitor = ClientHealthMonitor()
+        monitor.start()
+        junk = [Cycle() for _ in range(20_000)]
+        del junk
+        gc.collect()
+        report = await monitor.stop()
+        gc.collect()  # after stop(): not counted
+        return report, len(gc.callbacks)
+
+    callbacks = len(gc.callbacks)
+    report, after = asyncio.run(run())
+    assert report.gc_collections >= 1 and report.gc_pause_max_ms > 0.0
+    assert after == callbacks  # its callback is gone
+    # A JSON written before the collector fields were added still reads.
+    old = {"cpu_percent": 1.0, "loop_lag_p50_ms": 0.1, "loop_lag_p99_ms": 0.2, "loop_lag_max_ms": 0.3}
+    assert ClientHealthReport.from_dict(old).gc_collections == 0
+    assert ClientHealthReport.from_dict(report.to_dict()) == report

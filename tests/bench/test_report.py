@@ -82,7 +82,8 @@ def test_text_block_names_every_metric(records):
                  "Benchmark duration (s):", "Request throughput (req/s):", "Output token throughput (tok/s):",
                  "Total token throughput (tok/s):", "Goodput (req/s)", "Mean TTFT (ms):", "P99 TTFT (ms):",
                  "Median TPOT (ms):", "P95 ITL (ms):", "P90 E2E Latency (ms):", "Max running requests:",
-                 "Prefix cache hit rate (%):", "Client CPU (% of one core):",
+                 "Prefix cache hit rate (%):", "Client CPU (% of one core):", "Event-loop lag max (ms):",
+                 "Longest client GC pause (ms):",
                  "Median TTFT incl. 1 unfinished (ms):"):
         assert line in text, line
     assert "25.0" in text.split("Prefix cache hit rate (%):")[1].splitlines()[0]
