@@ -623,7 +623,7 @@ PY
         for _ in $(seq 1 120); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 1; done
         cat /sys/fs/cgroup/cpu.max /sys/fs/cgroup/cpu/cpu.cfs_quota_us 2>/dev/null > "$R/gcprobe27.log"; nproc >> "$R/gcprobe27.log"
         run=0
-        for freeze in 1 0 1; do
+        for freeze in ${GCPROBE_MODES:-1 0 1}; do
           run=$((run + 1))
           json="$R/gcprobe27_${run}_freeze$freeze.json"
           echo "=== run $run, client freeze $freeze" >> "$R/gcprobe27.log"

@@ -51,15 +51,18 @@ def freeze_startup_heap(process: str) -> int:
 
 @contextlib.contextmanager
 def frozen_heap() -> Iterator[int]:
-    """Collect and freeze every object alive now for the block, then unfreeze them all. Yields how many
-    were frozen: 0, doing nothing, when KVSERVE_GC_FREEZE is off or the process already froze objects of
-    its own (one unfreeze would thaw those too)."""
-    if not envs.KVSERVE_GC_FREEZE or gc.get_freeze_count():
+    """Collect and freeze every object alive now for the block. Yields how many objects the freeze added (0,
+    doing nothing, when KVSERVE_GC_FREEZE is off). Afterwards it thaws them all, unless the process had
+    frozen objects of its own before (some interpreter set-ups freeze a few hundred at start): `gc` thaws
+    all or nothing, so theirs stay frozen and so do the block's."""
+    if not envs.KVSERVE_GC_FREEZE:
         yield 0
         return
+    before = gc.get_freeze_count()
     gc.collect()
     gc.freeze()
     try:
-        yield gc.get_freeze_count()
+        yield gc.get_freeze_count() - before
     finally:
-        gc.unfreeze()
+        if not before:
+            gc.unfreeze()

@@ -88,12 +88,15 @@ def test_frozen_heap_thaws_when_the_block_raises(unfrozen: None) -> None:
     assert gc.get_freeze_count() == 0
 
 
-def test_frozen_heap_leaves_a_process_that_froze_on_its_own_alone(unfrozen: None) -> None:
-    heap.freeze_startup_heap("test")
+def test_frozen_heap_in_a_process_that_froze_on_its_own_freezes_more_and_thaws_nothing(unfrozen: None) -> None:
+    # The device's Python had frozen 375 objects before kvserve ran: skipping the freeze then left the
+    # bench client's full collections at 80-250 ms there.
+    gc.freeze()
     count = gc.get_freeze_count()
+    before = Node()
     with heap.frozen_heap() as frozen:
-        assert frozen == 0 and gc.get_freeze_count() == count
-    assert gc.get_freeze_count() == count  # its own freeze is still there
+        assert frozen > 0 and not tracked(before)
+    assert gc.get_freeze_count() >= count and not tracked(before)  # nothing thawed: theirs are still frozen
 
 
 def test_frozen_heap_switched_off_freezes_nothing(unfrozen: None, monkeypatch: pytest.MonkeyPatch) -> None:
