@@ -177,7 +177,7 @@ class _Interrupt:
 async def _run_shape(config: BenchConfig, shape: LoadShape, dataset: Dataset, client: StreamClient,
                      tokenizer: LazyTokenizer, stop: asyncio.Event) -> RunResult:
     # The client's own objects (tokenizer, torch, the prompts) out of the collector's full collections while
-    # it measures: one of those stopped the event loop for 170-310 ms (heap.frozen_heap). The freeze's own
+    # it measures: one of those stopped the event loop for 190-260 ms (heap.frozen_heap). The freeze's own
     # collection comes before the run's clock, monitors and sampler start.
     with frozen_heap():
         result, health, samples = await _measure(config, shape, dataset, client, stop)

@@ -15,9 +15,9 @@ engine is built (also under `AsyncLLM` outside the server), the API server once 
 offline `LLM` API does not, since it runs in the caller's own process, where engines may be made and
 dropped many times.
 
-`frozen_heap` does the same for a block of code and thaws afterwards: `kvserve bench` runs each measured
+`frozen_heap` does the same for a block of code and thaws afterwards (where it can, see there): `kvserve bench` runs each measured
 load inside it, since its client process holds the tokenizer's and torch's objects too, and a full
-collection there stopped the client's event loop for 170-310 ms on the H200 host, which the run then
+collection there stopped the client's event loop for 190-260 ms on the H200 host, which the run then
 reported as inter-token gaps of the server (entry 46).
 """
 

@@ -346,7 +346,7 @@ def test_stop_cancels_and_records_everything_in_flight(fake_server, prompts_file
 
 def test_each_run_measures_with_the_client_heap_frozen(fake_server, bench, prompts_file, monkeypatch):
     # A full collection walking the client's start-up objects (tokenizer, torch) stopped its event loop for
-    # 170-310 ms on the H200 host, which the run reported as the server's inter-token gaps.
+    # 190-260 ms on the H200 host, which the run reported as the server's inter-token gaps.
     gc.unfreeze()
     seen: list[int] = []
     real_run_load = runner.run_load

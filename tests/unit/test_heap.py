@@ -90,7 +90,7 @@ def test_frozen_heap_thaws_when_the_block_raises(unfrozen: None) -> None:
 
 def test_frozen_heap_in_a_process_that_froze_on_its_own_freezes_more_and_thaws_nothing(unfrozen: None) -> None:
     # The device's Python had frozen 375 objects before kvserve ran: skipping the freeze then left the
-    # bench client's full collections at 80-250 ms there.
+    # bench client's full collections at 190-260 ms during its runs there.
     gc.freeze()
     count = gc.get_freeze_count()
     before = Node()
