@@ -1,10 +1,13 @@
 """Where a `kvserve bench` run's long inter-token gaps came from.
 
 Reads the JSON that `kvserve bench --json FILE` writes (gzip too), rebuilds the time each streamed token
-reached the client, and groups the gaps longer than `--min-gap-ms` that end together (one slow server step
-delays every running request at once). For each group it prints when it ended, how many requests waited,
-how long, and how many other requests got their first token at that moment: a group that ends with first
-tokens is a step that prefilled new prompts while the waiting requests decoded.
+reached the client, and groups the gaps of `--min-gap-ms` or more that end together (one slow server step
+delays every running request at once; so does a stall of the client itself). For each group it prints when
+it ended, how many requests waited, how long, and how many other requests got their first token within 2 ms
+of those ends. A group that ends with first tokens is most likely a step that prefilled new prompts while
+the waiting requests decoded. Not surely: a stalled client reads everything that arrived meanwhile at once,
+first tokens included, so compare with the run's client lag and collections (`Event-loop lag max`,
+`Longest client GC pause`).
 
     python benchmarks/itl_stalls.py run.json [more.json ...] [--min-gap-ms 50]
 """
@@ -28,8 +31,9 @@ class Stall:
 
 
 def token_times(record: dict[str, Any]) -> list[float]:
-    """Arrival times of a request's streamed tokens on the run clock: start + TTFT, then each ITL gap."""
-    if record.get("ttft_s") is None:
+    """Arrival times of a completed request's streamed tokens on the run clock: start + TTFT, then each ITL
+    gap. Empty for a failed request (its TTFT may be a stand-in) and one that got no token."""
+    if record.get("error_kind") is not None or record.get("ttft_s") is None:
         return []
     times = [record["start_s"] + record["ttft_s"]]
     for gap in record.get("itl_s") or []:
@@ -37,8 +41,10 @@ def token_times(record: dict[str, Any]) -> list[float]:
     return times
 
 
-def find_stalls(records: list[dict[str, Any]], min_gap_s: float, window_s: float = 0.005) -> list[Stall]:
-    """Gaps of at least `min_gap_s`, grouped when their ends fall within `window_s` of the group's first end."""
+def find_stalls(records: list[dict[str, Any]], min_gap_s: float, window_s: float = 0.005,
+                first_window_s: float = 0.002) -> list[Stall]:
+    """Gaps of at least `min_gap_s`, grouped while each end falls within `window_s` of the previous one;
+    first tokens are counted within `first_window_s` of the group's ends."""
     ends: list[tuple[float, float]] = []  # (end, gap)
     firsts: list[float] = []
     for record in records:
@@ -50,22 +56,18 @@ def find_stalls(records: list[dict[str, Any]], min_gap_s: float, window_s: float
                 ends.append((after, after - before))
     ends.sort()
     firsts.sort()
-    stalls: list[Stall] = []
-    group: list[tuple[float, float]] = []
-
-    def close() -> None:
+    groups: list[list[tuple[float, float]]] = []
+    for end, gap in ends:
+        if groups and end - groups[-1][-1][0] <= window_s:
+            groups[-1].append((end, gap))
+        else:
+            groups.append([(end, gap)])
+    stalls = []
+    for group in groups:
         start, stop = group[0][0], group[-1][0]
-        first = sum(1 for t in firsts if start - window_s <= t <= stop + window_s)
+        first = sum(1 for t in firsts if start - first_window_s <= t <= stop + first_window_s)
         stalls.append(Stall(end_s=start, waiting=len(group), longest_ms=max(g for _, g in group) * 1e3,
                             first_tokens=first))
-
-    for end, gap in ends:
-        if group and end - group[0][0] > window_s:
-            close()
-            group = []
-        group.append((end, gap))
-    if group:
-        close()
     return stalls
 
 
@@ -86,8 +88,10 @@ def main(argv: list[str] | None = None) -> int:
             records = run["records"]
             stalls = find_stalls(records, args.min_gap_ms / 1e3)
             itl = run["summary"]["itl"]
-            print(f"== {path} [{run['label']}]: {len(records)} requests, ITL P99 {itl['p99_ms']:.1f} ms, "
-                  f"max {itl['max_ms']:.1f} ms; {len(stalls)} stalls of {args.min_gap_ms:g} ms or more")
+            tail = (f"ITL P99 {itl['p99_ms']:.1f} ms, max {itl['max_ms']:.1f} ms" if itl.get("count")
+                    else "no inter-token gaps")
+            print(f"== {path} [{run['label']}]: {len(records)} requests, {tail}; "
+                  f"{len(stalls)} stalls of {args.min_gap_ms:g} ms or more")
             print(f"{'ends at s':>9} {'waiting':>7} {'longest ms':>10} {'first tokens':>12}")
             for s in stalls:
                 print(f"{s.end_s:9.3f} {s.waiting:7d} {s.longest_ms:10.1f} {s.first_tokens:12d}")

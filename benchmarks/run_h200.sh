@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: gcprobe27 client27 mnbt27 rowq26 gcserve26 gc26 bisect26 hash25 capfail25b capfail25 offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: abclient27 gcprobe27 client27 mnbt27 rowq26 gcserve26 gc26 bisect26 hash25 capfail25b capfail25 offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Pass the local commit, written in literally (the device copy's git metadata can be stale, so a $(git ...) in
 # the command would read it there): KVSERVE_BENCH_COMMIT=<sha> bash ...
@@ -613,6 +613,35 @@ PY
             $flags >> "$R/rowq26.log" 2>&1
           echo "mode $mode done" >> "$R/rowq26.log"
         done ;;
+    abclient27) # kvserve bench's client heap frozen or not, no probe: one server (default flags); a bench process with
+        # KVSERVE_GC_FREEZE=1 then one with 0, each two runs of 50 concurrent requests, 512 in / 256 out, 10 s
+        # (--sweep-concurrency 50,50). Each process's summaries are copied to $OUT at once. Needs .carry/tok.
+        dir=$(python3 -c 'import sys; sys.path.insert(0, "benchmarks"); from common import write_served_model_dir as w; print(w("qwen2.5-7b"))')
+        PYTHONPATH=/tmp/site:$PWD python3 -m kvserve serve "$dir" --load-format dummy \
+          --served-model-name qwen2-7b --port 8000 --disable-log-requests --disable-uvicorn-access-log \
+          > "$R/abclient27_server.log" 2>&1 &
+        server=$!
+        for _ in $(seq 1 120); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 1; done
+        for freeze in 1 0; do
+          json="$R/abclient27_freeze$freeze.json"
+          KVSERVE_GC_FREEZE=$freeze PYTHONPATH=/tmp/site:$PWD timeout 60 python3 -m kvserve bench \
+            --endpoint http://localhost:8000/v1/completions --model qwen2-7b --sweep-concurrency 50,50 --duration 10 \
+            --warmup 8 --input-len 512 --max-tokens 256 --ignore-eos --tokenizer "$dir" --no-progress --json "$json" \
+            > "$R/abclient27_bench_$freeze.log" 2>&1
+          python3 - "$json" "$freeze" >> "$R/abclient27.log" 2>&1 <<'PY'
+import json, sys
+for i, run in enumerate(json.load(open(sys.argv[1]))["runs"]):
+    s = run["summary"]; itl, c = s["itl"], s["client"]
+    print(f"abclient freeze {sys.argv[2]} run {i + 1}: output {s['output_throughput']:.0f} tok/s, completed "
+          f"{s['completed']}, ITL P99 {itl['p99_ms']:.1f} max {itl['max_ms']:.1f} ms; client lag P99 "
+          f"{c['loop_lag_p99_ms']:.1f} max {c['loop_lag_max_ms']:.1f} ms, {c['gc_collections']} collections, "
+          f"longest {c['gc_pause_max_ms']:.1f} ms")
+PY
+          python3 benchmarks/itl_stalls.py "$json" >> "$R/abclient27_stalls.log" 2>&1
+          gzip "$json"
+          cp "$R/abclient27.log" "$R/abclient27_stalls.log" "$OUT/" 2>/dev/null
+        done
+        kill -TERM $server; wait $server ;;
     gcprobe27) # kvserve bench's client under benchmarks/bench_gc_probe.py (each collection's generation, wall and
         # thread-CPU time; the cgroup's throttling counters): one server (default flags), client freeze on / off / on.
         dir=$(python3 -c 'import sys; sys.path.insert(0, "benchmarks"); from common import write_served_model_dir as w; print(w("qwen2.5-7b"))')
@@ -951,7 +980,7 @@ PY
 done
 tar czf "$OUT/results.tgz" -C "$R" .
 echo "=== total $(( $(date +%s) - T0 ))s"
-for f in "$R"/gcprobe27.log "$R"/client27.log "$R"/mnbt27.log "$R"/pytest26.log "$R"/rowq26.log "$R"/gcserve26.log "$R"/gc26.log "$R"/bisect26.log "$R"/hash25.log "$R"/capfail25b_before.log "$R"/pytest25b.log "$R"/capfail25_before.log "$R"/pytest25.log "$R"/pytest24.log "$R"/apipath.log "$R"/poisson22.log "$R"/mixed22.log "$R"/shared22.log "$R"/pytest22c.log "$R"/hostcopy22.log "$R"/pytest22.log "$R"/pytest22b.log "$R"/start22.log "$R"/copy22.log "$R"/pytest21.log "$R"/pw21d.log "$R"/pw21c.log "$R"/serve21.log "$R"/pw21b.log "$R"/pw21.log "$R"/host20.log "$R"/ph20.log "$R"/gaps20.log "$R"/pytest20.log "$R"/split20.log "$R"/tprofh20.log "$R"/sync20.log "$R"/tprof20.log "$R"/ws19.log "$R"/prune19.log "$R"/dec19.log "$R"/kprof19.log "$R"/pytest_fmlp.log "$R"/fmlp18.log "$R"/pytest_early.log "$R"/early17.log "$R"/tprof17.log "$R"/kprof17.log "$R"/pytest_lpt.log "$R"/lpt16.log "$R"/abpad16.log "$R"/kprof16.log "$R"/ggufa.log "$R"/layout1.log "$R"/kprof15.log "$R"/pytest_review14.log "$R"/review14.log "$R"/gatesmall2.log "$R"/pytest_tma.log "$R"/tmaab.log "$R"/gatesmall.log "$R"/gateup2.log "$R"/pytest_gateup2.log "$R"/gateab2.log "$R"/gateup.log "$R"/pytest_gateup.log "$R"/gateab.log "$R"/l2probe.log "$R"/diag13.log "$R"/hfdiag3.log "$R"/sdpafix.log "$R"/hfdiag2.log "$R"/hfdiag.log "$R"/final12.log "$R"/pytest_lt.log "$R"/tuneab2.log "$R"/tuneab.log "$R"/ltalgos.log "$R"/attnab3.log "$R"/attnab2.log "$R"/attnpf.log "$R"/attnsweep.log "$R"/rows32.log "$R"/ttftrest.log "$R"/prefillab.log "$R"/prefillprof.log "$R"/gemm4.log "$R"/ttftclk.log "$R"/gemm3.log "$R"/blasab.log "$R"/confirm.log "$R"/fuseab2.log "$R"/ttftrand2.log "$R"/pdlab2.log "$R"/pdlgemm.log "$R"/pdlab.log "$R"/ttftrand.log "$R"/modload.log "$R"/sharedab.log "$R"/final.log "$R"/gguf.log "$R"/fuseab.log "$R"/skinnyab.log "$R"/gemm.log "$R"/pattn.log "$R"/cascade.log "$R"/serve.log "$R"/diag3.log "$R"/ttftab.log "$R"/prefixab.log "$R"/diag2.log "$R"/async.log "$R"/sweep.log "$R"/diag.log "$R"/profile.log "$R"/pytest_gpu.log "$R"/engine.log "$R"/engine2.log "$R"/eager.log "$R"/ab.log "$R"/prefix2.log "$R"/hf.log "$R"/gpu_kernels.log "$R"/elementwise.log; do
+for f in "$R"/abclient27.log "$R"/gcprobe27.log "$R"/client27.log "$R"/mnbt27.log "$R"/pytest26.log "$R"/rowq26.log "$R"/gcserve26.log "$R"/gc26.log "$R"/bisect26.log "$R"/hash25.log "$R"/capfail25b_before.log "$R"/pytest25b.log "$R"/capfail25_before.log "$R"/pytest25.log "$R"/pytest24.log "$R"/apipath.log "$R"/poisson22.log "$R"/mixed22.log "$R"/shared22.log "$R"/pytest22c.log "$R"/hostcopy22.log "$R"/pytest22.log "$R"/pytest22b.log "$R"/start22.log "$R"/copy22.log "$R"/pytest21.log "$R"/pw21d.log "$R"/pw21c.log "$R"/serve21.log "$R"/pw21b.log "$R"/pw21.log "$R"/host20.log "$R"/ph20.log "$R"/gaps20.log "$R"/pytest20.log "$R"/split20.log "$R"/tprofh20.log "$R"/sync20.log "$R"/tprof20.log "$R"/ws19.log "$R"/prune19.log "$R"/dec19.log "$R"/kprof19.log "$R"/pytest_fmlp.log "$R"/fmlp18.log "$R"/pytest_early.log "$R"/early17.log "$R"/tprof17.log "$R"/kprof17.log "$R"/pytest_lpt.log "$R"/lpt16.log "$R"/abpad16.log "$R"/kprof16.log "$R"/ggufa.log "$R"/layout1.log "$R"/kprof15.log "$R"/pytest_review14.log "$R"/review14.log "$R"/gatesmall2.log "$R"/pytest_tma.log "$R"/tmaab.log "$R"/gatesmall.log "$R"/gateup2.log "$R"/pytest_gateup2.log "$R"/gateab2.log "$R"/gateup.log "$R"/pytest_gateup.log "$R"/gateab.log "$R"/l2probe.log "$R"/diag13.log "$R"/hfdiag3.log "$R"/sdpafix.log "$R"/hfdiag2.log "$R"/hfdiag.log "$R"/final12.log "$R"/pytest_lt.log "$R"/tuneab2.log "$R"/tuneab.log "$R"/ltalgos.log "$R"/attnab3.log "$R"/attnab2.log "$R"/attnpf.log "$R"/attnsweep.log "$R"/rows32.log "$R"/ttftrest.log "$R"/prefillab.log "$R"/prefillprof.log "$R"/gemm4.log "$R"/ttftclk.log "$R"/gemm3.log "$R"/blasab.log "$R"/confirm.log "$R"/fuseab2.log "$R"/ttftrand2.log "$R"/pdlab2.log "$R"/pdlgemm.log "$R"/pdlab.log "$R"/ttftrand.log "$R"/modload.log "$R"/sharedab.log "$R"/final.log "$R"/gguf.log "$R"/fuseab.log "$R"/skinnyab.log "$R"/gemm.log "$R"/pattn.log "$R"/cascade.log "$R"/serve.log "$R"/diag3.log "$R"/ttftab.log "$R"/prefixab.log "$R"/diag2.log "$R"/async.log "$R"/sweep.log "$R"/diag.log "$R"/profile.log "$R"/pytest_gpu.log "$R"/engine.log "$R"/engine2.log "$R"/eager.log "$R"/ab.log "$R"/prefix2.log "$R"/hf.log "$R"/gpu_kernels.log "$R"/elementwise.log; do
   [ -f "$f" ] || continue
   echo "##### $(basename "$f")"
   case $(basename "$f") in
@@ -1019,6 +1048,7 @@ for f in "$R"/gcprobe27.log "$R"/client27.log "$R"/mnbt27.log "$R"/pytest26.log 
     offloop24.log) grep -E "^===|TTFT|TPOT|ITL \(|Client CPU|lag|time_to_first|queue_time|Successful|Error|Traceback" "$f" ;;
     pytest26.log) grep -E "passed|failed|FAILED|Error|^E " "$f" | tail -25 ;;
     rowq26.log) grep -E "^TTFT|^engine start|mode .* done|Error|Traceback" "$f" | cut -c1-220 ;;
+    abclient27.log) cut -c1-400 "$f" ;;
     gcprobe27.log) cut -c1-1500 "$f" ;;
     client27.log) cut -c1-400 "$f" ;;
     mnbt27.log) cut -c1-300 "$f" ;;

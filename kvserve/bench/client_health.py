@@ -60,14 +60,15 @@ class ClientHealthMonitor:
         self._lags_s: list[float] = []
         self._task: asyncio.Task[None] | None = None
         self._cpu0 = self._wall0 = 0.0
-        self._gc_start = 0.0
+        self._gc_start: float | None = None
         self._gc_pauses_s: list[float] = []
 
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             self._gc_start = time.perf_counter()
-        else:
+        elif self._gc_start is not None:  # (a collection already under way at start() is not timed)
             self._gc_pauses_s.append(time.perf_counter() - self._gc_start)
+            self._gc_start = None
 
     def start(self) -> None:
         self._cpu0 = time.process_time()

@@ -177,7 +177,7 @@ class _Interrupt:
 async def _run_shape(config: BenchConfig, shape: LoadShape, dataset: Dataset, client: StreamClient,
                      tokenizer: LazyTokenizer, stop: asyncio.Event) -> RunResult:
     # The client's own objects (tokenizer, torch, the prompts) out of the collector's full collections while
-    # it measures: one of those stopped the event loop for 190-260 ms (heap.frozen_heap). The freeze's own
+    # it measures: one of those stopped the event loop for 190-265 ms (heap.frozen_heap). The freeze's own
     # collection comes before the run's clock, monitors and sampler start.
     with frozen_heap():
         result, health, samples = await _measure(config, shape, dataset, client, stop)
@@ -196,15 +196,15 @@ async def _measure(config: BenchConfig, shape: LoadShape, dataset: Dataset, clie
     run_start = time.perf_counter()
     if sampler is not None:
         await sampler.start(run_start)
+    progress = _Progress(shape, config.progress, shape.label())
     monitor = ClientHealthMonitor()
     monitor.start()
-    progress = _Progress(shape, config.progress, shape.label())
     try:
         result = await run_load(shape, dataset, client, seed=config.dataset.seed, on_done=progress.on_done,
                                 run_start=run_start, drain_timeout_s=config.drain_timeout_s, stop=stop)
     finally:
+        health = await monitor.stop()  # (first: it takes its gc callback out)
         progress.close()
-        health = await monitor.stop()
         samples = await sampler.stop() if sampler is not None else []
     return result, health, samples
 

@@ -17,7 +17,7 @@ dropped many times.
 
 `frozen_heap` does the same for a block of code and thaws afterwards (where it can, see there): `kvserve bench` runs each measured
 load inside it, since its client process holds the tokenizer's and torch's objects too, and a full
-collection there stopped the client's event loop for 190-260 ms on the H200 host, which the run then
+collection there stopped the client's event loop for 190-265 ms on the H200 host, which the run then
 reported as inter-token gaps of the server (entry 46).
 """
 

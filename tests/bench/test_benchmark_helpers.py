@@ -40,3 +40,25 @@ def test_gate_up_sweep_rejects_a_nan_result(monkeypatch: pytest.MonkeyPatch) -> 
     got[1, 0] = float("nan")
     ok, err, _ = gate_up_sweep.matches(got, want)
     assert not ok and err != err
+
+
+def test_itl_stalls_groups_gaps_that_end_together(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two requests held up by one slow step form one stall, with the first token another request got then;
+    a gap elsewhere is its own stall; a failed request's stand-in TTFT counts as no token."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import itl_stalls
+
+    def record(start: float, ttft: float, gaps: list[float], error: str | None = None) -> dict:
+        return {"start_s": start, "ttft_s": ttft, "itl_s": gaps, "error_kind": error}
+
+    records = [
+        record(0.0, 0.010, [0.005, 0.200, 0.005]),  # tokens at 0.010, 0.015, 0.215, 0.220
+        record(0.0, 0.012, [0.005, 0.199, 0.005]),  # 0.012, 0.017, 0.216, 0.221
+        record(0.1, 0.1155, [0.005]),  # first token at 0.2155, with the stall's end
+        record(0.0, 0.500, [0.090]),  # a gap of its own, ending at 0.590
+        record(0.0, 0.216, [], error="timeout"),  # ignored
+    ]
+    stalls = itl_stalls.find_stalls(records, min_gap_s=0.05)
+    assert [(round(s.end_s, 3), s.waiting, round(s.longest_ms), s.first_tokens) for s in stalls] == [
+        (0.215, 2, 200, 1), (0.59, 1, 90, 0)]
+    assert itl_stalls.find_stalls(records, min_gap_s=0.3) == []

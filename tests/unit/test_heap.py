@@ -90,13 +90,13 @@ def test_frozen_heap_thaws_when_the_block_raises(unfrozen: None) -> None:
 
 def test_frozen_heap_in_a_process_that_froze_on_its_own_freezes_more_and_thaws_nothing(unfrozen: None) -> None:
     # The device's Python had frozen 375 objects before kvserve ran: skipping the freeze then left the
-    # bench client's full collections at 190-260 ms during its runs there.
+    # bench client's full collections at 190-265 ms during its runs there.
     gc.freeze()
     count = gc.get_freeze_count()
     before = Node()
     with heap.frozen_heap() as frozen:
         assert frozen > 0 and not tracked(before)
-    assert gc.get_freeze_count() >= count and not tracked(before)  # nothing thawed: theirs are still frozen
+    assert gc.get_freeze_count() > count and not tracked(before)  # nothing thawed: theirs are still frozen
 
 
 def test_frozen_heap_switched_off_freezes_nothing(unfrozen: None, monkeypatch: pytest.MonkeyPatch) -> None:
