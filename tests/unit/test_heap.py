@@ -35,7 +35,8 @@ def test_objects_alive_at_the_call_are_frozen_and_later_ones_are_not(unfrozen: N
     before = Node()
     assert tracked(before)
     frozen = heap.freeze_startup_heap("test")
-    assert frozen > 0 and gc.get_freeze_count() == frozen
+    # (frozen objects may die right after, e.g. released by another thread of the suite: never more)
+    assert frozen > 0 and 0 < gc.get_freeze_count() <= frozen
     assert not tracked(before)  # a full collection no longer walks it
     after = Node()
     assert tracked(after)
