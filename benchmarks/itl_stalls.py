@@ -4,10 +4,10 @@ Reads the JSON that `kvserve bench --json FILE` writes (gzip too), rebuilds the 
 reached the client, and groups the gaps of `--min-gap-ms` or more that end together (one slow server step
 delays every running request at once; so does a stall of the client itself). For each group it prints when
 it ended, how many requests waited, how long, and how many other requests got their first token within 2 ms
-of those ends. A group that ends with first tokens is most likely a step that prefilled new prompts while
-the waiting requests decoded. Not surely: a stalled client reads everything that arrived meanwhile at once,
-first tokens included, so compare with the run's client lag and collections (`Event-loop lag max`,
-`Longest client GC pause`).
+of those ends, and the longest stall of the client itself that overlaps the group's gaps (a collection of
+its garbage collector, `gc`, or an event-loop lag, `lag`; in JSONs that list them). A group that ends with
+first tokens and no client stall is most likely a step that prefilled new prompts while the waiting
+requests decoded: a stalled client reads everything that arrived meanwhile at once, first tokens included.
 
     python benchmarks/itl_stalls.py run.json [more.json ...] [--min-gap-ms 50]
 """
@@ -24,7 +24,8 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Stall:
-    end_s: float  # when the waiting requests' next token arrived (run clock)
+    start_s: float  # when the earliest of the group's gaps began (run clock)
+    end_s: float  # when the waiting requests' next token arrived
     waiting: int  # requests whose gap ended there
     longest_ms: float
     first_tokens: int  # other requests whose first token arrived with it
@@ -66,9 +67,19 @@ def find_stalls(records: list[dict[str, Any]], min_gap_s: float, window_s: float
     for group in groups:
         start, stop = group[0][0], group[-1][0]
         first = sum(1 for t in firsts if start - first_window_s <= t <= stop + first_window_s)
-        stalls.append(Stall(end_s=start, waiting=len(group), longest_ms=max(g for _, g in group) * 1e3,
-                            first_tokens=first))
+        stalls.append(Stall(start_s=min(e - g for e, g in group), end_s=start, waiting=len(group),
+                            longest_ms=max(g for _, g in group) * 1e3, first_tokens=first))
     return stalls
+
+
+def client_stall(stall: Stall, client: dict[str, Any] | None) -> str:
+    """The longest client collection or loop lag overlapping the stall's gaps ("gc 245", "lag 230"), or "-"."""
+    best = ("-", 0.0)
+    for key, name in (("long_gc_pauses", "gc"), ("long_loop_lags", "lag")):
+        for start, ms in (client or {}).get(key, ()):
+            if start < stall.end_s and start + ms / 1e3 > stall.start_s and ms > best[1]:
+                best = (f"{name} {ms:.0f}", ms)
+    return best[0]
 
 
 def load_runs(path: str) -> list[dict[str, Any]]:
@@ -92,11 +103,15 @@ def main(argv: list[str] | None = None) -> int:
                     else "no inter-token gaps")
             print(f"== {path} [{run['label']}]: {len(records)} requests, {tail}; "
                   f"{len(stalls)} stalls of {args.min_gap_ms:g} ms or more")
-            print(f"{'ends at s':>9} {'waiting':>7} {'longest ms':>10} {'first tokens':>12}")
-            for s in stalls:
-                print(f"{s.end_s:9.3f} {s.waiting:7d} {s.longest_ms:10.1f} {s.first_tokens:12d}")
+            client = run["summary"].get("client")
+            print(f"{'ends at s':>9} {'waiting':>7} {'longest ms':>10} {'first tokens':>12} {'client stall':>12}")
+            marks = [client_stall(s, client) for s in stalls]
+            for s, mark in zip(stalls, marks, strict=True):
+                print(f"{s.end_s:9.3f} {s.waiting:7d} {s.longest_ms:10.1f} {s.first_tokens:12d} {mark:>12}")
             with_prefill = sum(1 for s in stalls if s.first_tokens)
             print(f"stalls that ended with other requests' first tokens: {with_prefill} of {len(stalls)}")
+            if client is not None and "long_gc_pauses" in client:
+                print(f"stalls overlapping a client stall: {sum(m != '-' for m in marks)} of {len(stalls)}")
     return 0
 
 

@@ -4,7 +4,9 @@ The client is one asyncio event loop: when it is busy (parsing thousands of SSE 
 wait in socket buffers and every latency it reports grows although the server did nothing slower. Two
 signals catch that: the process's CPU time over the run as a share of one core, and the lag of a timer that
 should fire every `interval_s` (how long a ready chunk can wait for the loop). The monitor also times the
-garbage collector's collections in this process during the run (each one stops the loop).
+garbage collector's collections in this process during the run (each one stops the loop), and keeps when
+the long collections and lags happened, on the run's clock, so that a latency tail can be checked against
+the client's own stalls (benchmarks/itl_stalls.py does).
 """
 
 from __future__ import annotations
@@ -20,6 +22,11 @@ import numpy as np
 # Past these the client's own delays are large enough to distort what it measures.
 SATURATED_CPU_PERCENT = 90.0
 SATURATED_LAG_P99_MS = 50.0
+# Collections and lags at least this long are listed with their times (run clock).
+LONG_GC_PAUSE_S = 0.010
+LONG_LOOP_LAG_S = 0.050
+
+Events = tuple[tuple[float, float], ...]  # (start on the run clock in s, duration in ms)
 
 
 @dataclass(frozen=True)
@@ -30,6 +37,8 @@ class ClientHealthReport:
     loop_lag_max_ms: float
     gc_collections: int = 0  # during the run, every generation
     gc_pause_max_ms: float = 0.0
+    long_gc_pauses: Events = ()
+    long_loop_lags: Events = ()
 
     @property
     def saturated(self) -> bool:
@@ -49,7 +58,10 @@ class ClientHealthReport:
     def from_dict(cls, data: dict[str, Any]) -> ClientHealthReport:
         fields = ("cpu_percent", "loop_lag_p50_ms", "loop_lag_p99_ms", "loop_lag_max_ms", "gc_collections",
                   "gc_pause_max_ms")
-        return cls(**{k: data[k] for k in fields if k in data})  # (files of earlier versions lack the gc_)
+        values = {k: data[k] for k in fields if k in data}  # (files of earlier versions lack the later ones)
+        for key in ("long_gc_pauses", "long_loop_lags"):
+            values[key] = tuple((float(t), float(ms)) for t, ms in data.get(key, ()))
+        return cls(**values)
 
 
 class ClientHealthMonitor:
@@ -59,20 +71,27 @@ class ClientHealthMonitor:
         self.interval_s = interval_s
         self._lags_s: list[float] = []
         self._task: asyncio.Task[None] | None = None
-        self._cpu0 = self._wall0 = 0.0
+        self._cpu0 = self._wall0 = self._t0 = 0.0
         self._gc_start: float | None = None
         self._gc_pauses_s: list[float] = []
+        self._long_gc: list[tuple[float, float]] = []
+        self._long_lags: list[tuple[float, float]] = []
 
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             self._gc_start = time.perf_counter()
         elif self._gc_start is not None:  # (a collection already under way at start() is not timed)
-            self._gc_pauses_s.append(time.perf_counter() - self._gc_start)
+            pause = time.perf_counter() - self._gc_start
+            self._gc_pauses_s.append(pause)
+            if pause >= LONG_GC_PAUSE_S:
+                self._long_gc.append((self._gc_start - self._t0, pause * 1e3))
             self._gc_start = None
 
-    def start(self) -> None:
+    def start(self, run_start: float | None = None) -> None:
+        """`run_start`: the run's clock origin (`time.perf_counter()`) for the events' times; default now."""
         self._cpu0 = time.process_time()
         self._wall0 = time.perf_counter()
+        self._t0 = self._wall0 if run_start is None else run_start
         gc.callbacks.append(self._on_gc)
         self._task = asyncio.get_running_loop().create_task(self._tick())
 
@@ -80,7 +99,10 @@ class ClientHealthMonitor:
         while True:
             before = time.perf_counter()
             await asyncio.sleep(self.interval_s)
-            self._lags_s.append(max(0.0, time.perf_counter() - before - self.interval_s))
+            lag = max(0.0, time.perf_counter() - before - self.interval_s)
+            self._lags_s.append(lag)
+            if lag >= LONG_LOOP_LAG_S:
+                self._long_lags.append((before + self.interval_s - self._t0, lag * 1e3))
 
     async def stop(self) -> ClientHealthReport:
         assert self._task is not None, "stop() before start()"
@@ -101,4 +123,6 @@ class ClientHealthMonitor:
             loop_lag_max_ms=float(lags_ms.max()),
             gc_collections=len(self._gc_pauses_s),
             gc_pause_max_ms=1e3 * max(self._gc_pauses_s, default=0.0),
+            long_gc_pauses=tuple(self._long_gc),
+            long_loop_lags=tuple(self._long_lags),
         )

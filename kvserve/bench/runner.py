@@ -198,7 +198,7 @@ async def _measure(config: BenchConfig, shape: LoadShape, dataset: Dataset, clie
         await sampler.start(run_start)
     progress = _Progress(shape, config.progress, shape.label())
     monitor = ClientHealthMonitor()
-    monitor.start()
+    monitor.start(run_start)
     try:
         result = await run_load(shape, dataset, client, seed=config.dataset.seed, on_done=progress.on_done,
                                 run_start=run_start, drain_timeout_s=config.drain_timeout_s, stop=stop)

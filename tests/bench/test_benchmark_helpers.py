@@ -62,3 +62,7 @@ def test_itl_stalls_groups_gaps_that_end_together(monkeypatch: pytest.MonkeyPatc
     assert [(round(s.end_s, 3), s.waiting, round(s.longest_ms), s.first_tokens) for s in stalls] == [
         (0.215, 2, 200, 1), (0.59, 1, 90, 0)]
     assert itl_stalls.find_stalls(records, min_gap_s=0.3) == []
+    # A client collection inside the first stall's gaps marks it; one after both does not.
+    client = {"long_gc_pauses": [[0.100, 150.0]], "long_loop_lags": [[0.300, 60.0]]}
+    assert [itl_stalls.client_stall(s, client) for s in stalls] == ["gc 150", "-"]
+    assert itl_stalls.client_stall(stalls[0], None) == "-"

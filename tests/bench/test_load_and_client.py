@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
+import time
 
 import numpy as np
 import pytest
@@ -391,3 +393,23 @@ def test_the_client_health_monitor_times_collections_during_the_run_only():
     old = {"cpu_percent": 1.0, "loop_lag_p50_ms": 0.1, "loop_lag_p99_ms": 0.2, "loop_lag_max_ms": 0.3}
     assert ClientHealthReport.from_dict(old).gc_collections == 0
     assert ClientHealthReport.from_dict(report.to_dict()) == report
+
+
+def test_the_client_health_monitor_lists_long_stalls_on_the_run_clock():
+    async def run() -> ClientHealthReport:
+        run_start = time.perf_counter() - 1.0  # the run began a second ago
+        monitor = ClientHealthMonitor()
+        monitor.start(run_start)
+        await asyncio.sleep(0.06)  # let the lag timer tick once
+        monitor._on_gc("start", {"generation": 2})
+        time.sleep(0.02)  # a 20-ms collection
+        monitor._on_gc("stop", {"generation": 2, "collected": 0})
+        time.sleep(0.15)  # the loop blocked: the timer fires at least 0.1 s late
+        await asyncio.sleep(0.06)
+        return await monitor.stop()
+
+    report = asyncio.run(run())
+    (gc_start, gc_ms), = report.long_gc_pauses
+    assert 1.0 < gc_start < 1.5 and gc_ms >= 20.0
+    assert any(lag_ms >= 100.0 and 1.0 < start < 1.6 for start, lag_ms in report.long_loop_lags)
+    assert ClientHealthReport.from_dict(json.loads(json.dumps(report.to_dict()))) == report
