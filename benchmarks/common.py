@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 from kvserve.config import EngineArgs  # noqa: E402
 from kvserve.engine.engine_core import EngineCore  # noqa: E402
-from kvserve.engine.heap import freeze_startup_heap  # noqa: E402
+from kvserve.engine.heap import CollectionTimer, freeze_startup_heap  # noqa: E402
 from kvserve.protocol.engine import EngineCoreRequest  # noqa: E402
 from kvserve.protocol.sampling_params import SamplingParams  # noqa: E402
 
@@ -191,21 +191,12 @@ class RunStats:
 
 @contextlib.contextmanager
 def gc_pauses() -> Iterator[list[tuple[int, float]]]:
-    """Record each garbage collection inside the block as (generation, seconds) in the yielded list."""
+    """Record each garbage collection inside the block as (generation, seconds) in the yielded list (filled
+    when the block ends)."""
     pauses: list[tuple[int, float]] = []
-    started: list[float] = []
-
-    def on_gc(phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            started.append(time.perf_counter())
-        elif started:
-            pauses.append((info["generation"], time.perf_counter() - started.pop()))
-
-    gc.callbacks.append(on_gc)
-    try:
+    with CollectionTimer() as timer:
         yield pauses
-    finally:
-        gc.callbacks.remove(on_gc)
+    pauses.extend((gen, seconds) for _, gen, seconds in timer.collections)
 
 
 def summarize_gc_pauses(pauses: list[tuple[int, float]]) -> dict[str, dict[str, float]]:

@@ -29,6 +29,17 @@ sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", sys.argv[1]]))' "$t" >> "$
     echo "exit $?" >> "$log"
   done
 }
+# serve_7b LOG [FLAGS...]: kvserve serve on the Qwen2.5-7B shape (dummy weights) on port 8000 in the
+# background, served as qwen2-7b, with FLAGS; returns once /health answers (at most 120 s). Sets $server (its
+# pid) and $dir (the model directory, kvserve bench's --tokenizer). Needs .carry/tok.
+serve_7b() {
+  local log=$1; shift
+  dir=$(python3 -c 'import sys; sys.path.insert(0, "benchmarks"); from common import write_served_model_dir as w; print(w("qwen2.5-7b"))')
+  PYTHONPATH=/tmp/site:$PWD python3 -m kvserve serve "$dir" --load-format dummy "$@" --served-model-name qwen2-7b \
+    --port 8000 --disable-log-requests --disable-uvicorn-access-log > "$log" 2>&1 &
+  server=$!
+  for _ in $(seq 1 120); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 1; done
+}
 for step in "$@"; do
   echo "=== $step (t=$(( $(date +%s) - T0 ))s)"
   case $step in
@@ -616,12 +627,7 @@ PY
     abclient27) # kvserve bench's client heap frozen or not, no probe: one server (default flags); a bench process with
         # KVSERVE_GC_FREEZE=1 then one with 0, each two runs of 50 concurrent requests, 512 in / 256 out, 10 s
         # (--sweep-concurrency 50,50). Each process's summaries are copied to $OUT at once. Needs .carry/tok.
-        dir=$(python3 -c 'import sys; sys.path.insert(0, "benchmarks"); from common import write_served_model_dir as w; print(w("qwen2.5-7b"))')
-        PYTHONPATH=/tmp/site:$PWD python3 -m kvserve serve "$dir" --load-format dummy \
-          --served-model-name qwen2-7b --port 8000 --disable-log-requests --disable-uvicorn-access-log \
-          > "$R/abclient27_server.log" 2>&1 &
-        server=$!
-        for _ in $(seq 1 120); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 1; done
+        serve_7b "$R/abclient27_server.log"
         for freeze in 1 0; do
           json="$R/abclient27_freeze$freeze.json"
           KVSERVE_GC_FREEZE=$freeze PYTHONPATH=/tmp/site:$PWD timeout 60 python3 -m kvserve bench \
@@ -644,12 +650,7 @@ PY
         kill -TERM $server; wait $server ;;
     gcprobe27) # kvserve bench's client under benchmarks/bench_gc_probe.py (each collection's generation, wall and
         # thread-CPU time; the cgroup's throttling counters): one server (default flags), client freeze on / off / on.
-        dir=$(python3 -c 'import sys; sys.path.insert(0, "benchmarks"); from common import write_served_model_dir as w; print(w("qwen2.5-7b"))')
-        PYTHONPATH=/tmp/site:$PWD python3 -m kvserve serve "$dir" --load-format dummy \
-          --served-model-name qwen2-7b --port 8000 --disable-log-requests --disable-uvicorn-access-log \
-          > "$R/gcprobe27_server.log" 2>&1 &
-        server=$!
-        for _ in $(seq 1 120); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 1; done
+        serve_7b "$R/gcprobe27_server.log"
         cat /sys/fs/cgroup/cpu.max /sys/fs/cgroup/cpu/cpu.cfs_quota_us 2>/dev/null > "$R/gcprobe27.log"; nproc >> "$R/gcprobe27.log"
         run=0
         for freeze in ${GCPROBE_MODES:-1 0 1}; do
@@ -667,14 +668,9 @@ PY
     client27) # kvserve bench's client heap frozen during each run (KVSERVE_GC_FREEZE for the client only) or not:
         # one server at the default --max-num-batched-tokens 8192, client on / off / on / off; then servers at 2048
         # and 4096, client on, two runs each. 50 concurrent requests, 512 in / 256 out, 20 s. Needs .carry/tok.
-        dir=$(python3 -c 'import sys; sys.path.insert(0, "benchmarks"); from common import write_served_model_dir as w; print(w("qwen2.5-7b"))')
         for plan in "8192:1 0 1 0" "2048:1 1" "4096:1 1"; do
           mnbt=${plan%%:*}
-          PYTHONPATH=/tmp/site:$PWD python3 -m kvserve serve "$dir" --load-format dummy --max-num-batched-tokens $mnbt \
-            --served-model-name qwen2-7b --port 8000 --disable-log-requests --disable-uvicorn-access-log \
-            > "$R/client27_server_$mnbt.log" 2>&1 &
-          server=$!
-          for _ in $(seq 1 120); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 1; done
+          serve_7b "$R/client27_server_$mnbt.log" --max-num-batched-tokens $mnbt
           run=0
           for freeze in ${plan#*:}; do
             run=$((run + 1))
@@ -703,13 +699,8 @@ PY
     mnbt27) # kvserve serve at --max-num-batched-tokens 8192 / 2048 / 4096 / 8192 / 2048, each server fresh: two
         # bench runs of 50 concurrent requests, 512 in / 256 out (ignore EOS), 20 s each; throughput, TTFT, ITL P99
         # and maximum, and benchmarks/itl_stalls.py's stall groups. Needs .carry/tok.
-        dir=$(python3 -c 'import sys; sys.path.insert(0, "benchmarks"); from common import write_served_model_dir as w; print(w("qwen2.5-7b"))')
         for mnbt in 8192 2048 4096 8192 2048; do
-          PYTHONPATH=/tmp/site:$PWD python3 -m kvserve serve "$dir" --load-format dummy --max-num-batched-tokens $mnbt \
-            --served-model-name qwen2-7b --port 8000 --disable-log-requests --disable-uvicorn-access-log \
-            > "$R/mnbt27_server_$mnbt.log" 2>&1 &
-          server=$!
-          for _ in $(seq 1 120); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 1; done
+          serve_7b "$R/mnbt27_server_$mnbt.log" --max-num-batched-tokens $mnbt
           for run in 1 2; do
             json="$R/mnbt27_${mnbt}_$(date +%s)_$run.json"
             PYTHONPATH=/tmp/site:$PWD timeout 90 python3 -m kvserve bench --endpoint http://localhost:8000/v1/completions \

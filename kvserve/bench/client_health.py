@@ -12,12 +12,13 @@ the client's own stalls (benchmarks/itl_stalls.py does).
 from __future__ import annotations
 
 import asyncio
-import gc
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+
+from kvserve.engine.heap import CollectionTimer
 
 # Past these the client's own delays are large enough to distort what it measures.
 SATURATED_CPU_PERCENT = 90.0
@@ -72,27 +73,15 @@ class ClientHealthMonitor:
         self._lags_s: list[float] = []
         self._task: asyncio.Task[None] | None = None
         self._cpu0 = self._wall0 = self._t0 = 0.0
-        self._gc_start: float | None = None
-        self._gc_pauses_s: list[float] = []
-        self._long_gc: list[tuple[float, float]] = []
+        self.collections = CollectionTimer()
         self._long_lags: list[tuple[float, float]] = []
-
-    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            self._gc_start = time.perf_counter()
-        elif self._gc_start is not None:  # (a collection already under way at start() is not timed)
-            pause = time.perf_counter() - self._gc_start
-            self._gc_pauses_s.append(pause)
-            if pause >= LONG_GC_PAUSE_S:
-                self._long_gc.append((self._gc_start - self._t0, pause * 1e3))
-            self._gc_start = None
 
     def start(self, run_start: float | None = None) -> None:
         """`run_start`: the run's clock origin (`time.perf_counter()`) for the events' times; default now."""
         self._cpu0 = time.process_time()
         self._wall0 = time.perf_counter()
         self._t0 = self._wall0 if run_start is None else run_start
-        gc.callbacks.append(self._on_gc)
+        self.collections.start()
         self._task = asyncio.get_running_loop().create_task(self._tick())
 
     async def _tick(self) -> None:
@@ -106,8 +95,7 @@ class ClientHealthMonitor:
 
     async def stop(self) -> ClientHealthReport:
         assert self._task is not None, "stop() before start()"
-        if self._on_gc in gc.callbacks:
-            gc.callbacks.remove(self._on_gc)
+        self.collections.stop()
         self._task.cancel()
         try:
             await self._task
@@ -116,13 +104,14 @@ class ClientHealthMonitor:
         wall = max(time.perf_counter() - self._wall0, 1e-9)
         cpu_percent = 100.0 * (time.process_time() - self._cpu0) / wall
         lags_ms = np.array(self._lags_s or [0.0]) * 1e3
+        pauses = self.collections.collections
         return ClientHealthReport(
             cpu_percent=float(cpu_percent),
             loop_lag_p50_ms=float(np.percentile(lags_ms, 50)),
             loop_lag_p99_ms=float(np.percentile(lags_ms, 99)),
             loop_lag_max_ms=float(lags_ms.max()),
-            gc_collections=len(self._gc_pauses_s),
-            gc_pause_max_ms=1e3 * max(self._gc_pauses_s, default=0.0),
-            long_gc_pauses=tuple(self._long_gc),
+            gc_collections=len(pauses),
+            gc_pause_max_ms=1e3 * max((s for _, _, s in pauses), default=0.0),
+            long_gc_pauses=tuple((t - self._t0, s * 1e3) for t, _, s in pauses if s >= LONG_GC_PAUSE_S),
             long_loop_lags=tuple(self._long_lags),
         )

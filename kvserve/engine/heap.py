@@ -15,10 +15,11 @@ engine is built (also under `AsyncLLM` outside the server), the API server once 
 offline `LLM` API does not, since it runs in the caller's own process, where engines may be made and
 dropped many times.
 
-`frozen_heap` does the same for a block of code and thaws afterwards (where it can, see there): `kvserve bench` runs each measured
-load inside it, since its client process holds the tokenizer's and torch's objects too, and a full
-collection there stopped the client's event loop for 190-265 ms on the H200 host, which the run then
-reported as inter-token gaps of the server (entry 46).
+`frozen_heap` does the same for a block of code and thaws afterwards (where it can, see there): `kvserve
+bench` runs each measured load inside it, since its client process holds the tokenizer's and torch's
+objects too, and a full collection there stopped the client's event loop for 190-265 ms on the H200 host,
+which the run then reported as inter-token gaps of the server (entry 46). `CollectionTimer` times the
+collections themselves (the bench client's health report and the engine benchmarks use it).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import gc
 import logging
 import time
 from collections.abc import Iterator
+from typing import Any
 
 from kvserve import envs
 
@@ -66,3 +68,34 @@ def frozen_heap() -> Iterator[int]:
     finally:
         if not before:
             gc.unfreeze()
+
+
+class CollectionTimer:
+    """Times each garbage collection of this process between `start()` and `stop()` (or inside `with`):
+    `collections` gets (its start on `time.perf_counter()`, its generation, its seconds). A collection
+    already under way at `start()` is not timed."""
+
+    def __init__(self) -> None:
+        self.collections: list[tuple[float, int, float]] = []
+        self._began: float | None = None
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        elif self._began is not None:
+            self.collections.append((self._began, info["generation"], time.perf_counter() - self._began))
+            self._began = None
+
+    def start(self) -> None:
+        gc.callbacks.append(self._on_gc)
+
+    def stop(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+
+    def __enter__(self) -> CollectionTimer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -377,7 +377,7 @@ def test_the_client_health_monitor_times_collections_during_the_run_only():
     async def run() -> tuple[ClientHealthMonitor, ClientHealthReport]:
         monitor = ClientHealthMonitor()
         monitor.start()
-        monitor._on_gc("stop", {"generation": 0, "collected": 0})  # the end of one under way at start()
+        monitor.collections._on_gc("stop", {"generation": 0, "collected": 0})  # the end of one under way at start()
         junk = [Cycle() for _ in range(20_000)]
         del junk
         gc.collect()
@@ -385,10 +385,10 @@ def test_the_client_health_monitor_times_collections_during_the_run_only():
 
     callbacks = len(gc.callbacks)
     monitor, report = asyncio.run(run())
-    timed = len(monitor._gc_pauses_s)
+    timed = len(monitor.collections.collections)
     assert report.gc_collections == timed >= 1 and 0.0 < report.gc_pause_max_ms < 60_000
     gc.collect()  # after stop(): not timed
-    assert len(monitor._gc_pauses_s) == timed and len(gc.callbacks) == callbacks
+    assert len(monitor.collections.collections) == timed and len(gc.callbacks) == callbacks
     # A JSON written before the collector fields were added still reads.
     old = {"cpu_percent": 1.0, "loop_lag_p50_ms": 0.1, "loop_lag_p99_ms": 0.2, "loop_lag_max_ms": 0.3}
     assert ClientHealthReport.from_dict(old).gc_collections == 0
@@ -401,9 +401,9 @@ def test_the_client_health_monitor_lists_long_stalls_on_the_run_clock():
         monitor = ClientHealthMonitor()
         monitor.start(run_start)
         await asyncio.sleep(0.06)  # let the lag timer tick once
-        monitor._on_gc("start", {"generation": 2})
+        monitor.collections._on_gc("start", {"generation": 2})
         time.sleep(0.02)  # a 20-ms collection
-        monitor._on_gc("stop", {"generation": 2, "collected": 0})
+        monitor.collections._on_gc("stop", {"generation": 2, "collected": 0})
         time.sleep(0.15)  # the loop blocked: the timer fires at least 0.1 s late
         await asyncio.sleep(0.06)
         return await monitor.stop()

@@ -104,3 +104,15 @@ def test_frozen_heap_switched_off_freezes_nothing(unfrozen: None, monkeypatch: p
     monkeypatch.setattr(envs, "KVSERVE_GC_FREEZE", False)
     with heap.frozen_heap() as frozen:
         assert frozen == 0 and gc.get_freeze_count() == 0
+
+
+def test_collection_timer_times_collections_inside_the_block_only() -> None:
+    callbacks = len(gc.callbacks)
+    with heap.CollectionTimer() as timer:
+        timer._on_gc("stop", {"generation": 0, "collected": 0})  # the end of one under way at start: ignored
+        gc.collect()
+    gc.collect()  # after the block: not timed
+    assert [gen for _, gen, _ in timer.collections] == [2]
+    (began, _, seconds), = timer.collections
+    assert began > 0.0 and seconds >= 0.0
+    assert len(gc.callbacks) == callbacks
