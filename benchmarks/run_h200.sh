@@ -624,21 +624,23 @@ PY
             $flags >> "$R/rowq26.log" 2>&1
           echo "mode $mode done" >> "$R/rowq26.log"
         done ;;
-    abclient27) # kvserve bench's client heap frozen or not, no probe: one server (default flags); a bench process with
-        # KVSERVE_GC_FREEZE=1 then one with 0, each two runs of 50 concurrent requests, 512 in / 256 out, 10 s
-        # (--sweep-concurrency 50,50). Each process's summaries are copied to $OUT at once. Needs .carry/tok.
+    abclient27) # kvserve bench's client heap frozen or not, no probe: one server (default flags); bench processes with
+        # KVSERVE_GC_FREEZE=1, 0, 0, 1 (ABCLIENT_MODES), each two runs of 50 concurrent requests, 512 in / 256 out,
+        # 10 s (--sweep-concurrency 50,50). Summaries are copied to $OUT after each process. Needs .carry/tok.
         serve_7b "$R/abclient27_server.log"
-        for freeze in 1 0; do
-          json="$R/abclient27_freeze$freeze.json"
+        n=0
+        for freeze in ${ABCLIENT_MODES:-1 0 0 1}; do
+          n=$((n + 1))
+          json="$R/abclient27_${n}_freeze$freeze.json"
           KVSERVE_GC_FREEZE=$freeze PYTHONPATH=/tmp/site:$PWD timeout 60 python3 -m kvserve bench \
             --endpoint http://localhost:8000/v1/completions --model qwen2-7b --sweep-concurrency 50,50 --duration 10 \
             --warmup 8 --input-len 512 --max-tokens 256 --ignore-eos --tokenizer "$dir" --no-progress --json "$json" \
-            > "$R/abclient27_bench_$freeze.log" 2>&1
-          python3 - "$json" "$freeze" >> "$R/abclient27.log" 2>&1 <<'PY'
+            > "$R/abclient27_bench_$n.log" 2>&1
+          python3 - "$json" "$freeze" "$n" >> "$R/abclient27.log" 2>&1 <<'PY'
 import json, sys
 for i, run in enumerate(json.load(open(sys.argv[1]))["runs"]):
     s = run["summary"]; itl, c = s["itl"], s["client"]
-    print(f"abclient freeze {sys.argv[2]} run {i + 1}: output {s['output_throughput']:.0f} tok/s, completed "
+    print(f"abclient process {sys.argv[3]} freeze {sys.argv[2]} run {i + 1}: output {s['output_throughput']:.0f} tok/s, completed "
           f"{s['completed']}, ITL P99 {itl['p99_ms']:.1f} max {itl['max_ms']:.1f} ms; client lag P99 "
           f"{c['loop_lag_p99_ms']:.1f} max {c['loop_lag_max_ms']:.1f} ms, {c['gc_collections']} collections, "
           f"longest {c['gc_pause_max_ms']:.1f} ms")
