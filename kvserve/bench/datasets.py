@@ -9,11 +9,15 @@ Three datasets, chosen by name (`DATASETS`):
 * `file` — a JSONL file, one request per line: `{"prompt": str}` or `{"messages": [...]}`, optionally
   with `"output_len"` (or `"max_tokens"`).
 
-A dataset is a pure function of (seed, index): `get(i)` returns the same request whatever the load shape
-or the order requests are issued in, so two runs with the same seed send the same text. The exception is
-the run nonce: every generated prompt starts with a reference line holding a per-run random nonce and the
-request index, so neither requests of one run nor a re-run against the same server hit the prefix cache by
-accident (shared prefixes put it inside the shared part: shared within the run, cold across runs).
+A dataset is a pure function of (seed, run, index): `get(i, run=k)` returns the same request whatever the
+load shape or the order requests are issued in, so two benchmarks with the same seed send the same text.
+The exception is the nonce: every generated prompt starts with a reference line holding a random nonce
+drawn once per benchmark process, the measured run's number (a sweep's point) and the request index. So
+neither requests of one run, nor a sweep's later points, nor a re-run against the same server hit the
+prefix cache by accident (shared prefixes put the line inside the shared part: shared within a run, cold
+at the start of each; the warm-up has prefixes of its own). Lengths and prose depend on (seed, index) only, so a sweep's points get the same lengths.
+The `file` dataset sends its lines as written: its later points and re-runs can hit the server's prefix
+cache, which the report's "Cached input tokens" shows.
 """
 
 from __future__ import annotations
@@ -244,34 +248,59 @@ def _reference(language: str, nonce: str, tag: str) -> str:
 
 
 class Dataset(Protocol):
-    """`get(index)` -> the request of that index; the same (config, index) always gives the same request.
-    `size` is the number of distinct requests (None: unbounded); requests past it repeat."""
+    """`get(index, run=k)` -> the request of that index in measured run k (0-based; warm-up requests are
+    run 0's); the same (config, run, index) always gives the same request. `size` is the number of
+    distinct requests of one run (None: unbounded); requests past it repeat."""
+
+    size: int | None
+
+    def get(self, index: int, warmup: bool = False, run: int = 0) -> BenchRequest: ...
+
+
+class Requests(Protocol):
+    """What the load loop draws its requests from: a `Dataset`, or one run's `RunRequests`."""
 
     size: int | None
 
     def get(self, index: int, warmup: bool = False) -> BenchRequest: ...
 
 
+class RunRequests:
+    """The requests of measured run `run` of `dataset`, as `Requests`."""
+
+    def __init__(self, dataset: Dataset, run: int) -> None:
+        self.dataset = dataset
+        self.run = run
+        self.size = dataset.size
+
+    def get(self, index: int, warmup: bool = False) -> BenchRequest:
+        return self.dataset.get(index, warmup, self.run)
+
+
+def _tag(tag: str, run: int) -> str:
+    """A reference line's tag in measured run `run`: run 0 keeps it as it is."""
+    return tag if run == 0 else f"{run}:{tag}"
+
+
 class _SyntheticDataset:
     """Generated prompts: text source, the run's nonce and the length distributions."""
-
-    size: int | None = None
 
     def __init__(self, config: DatasetConfig, tokenizer: TextTokenizer) -> None:
         self.config = config
         self.source = TextSource(tokenizer)
         self.nonce = config.run_nonce if config.run_nonce is not None else secrets.token_hex(4)
+        self.size: int | None = None
         self._input = config.input_dist_obj()
         self._output = config.output_dist_obj()
 
 
 class RandomDataset(_SyntheticDataset):
-    def get(self, index: int, warmup: bool = False) -> BenchRequest:
+    def get(self, index: int, warmup: bool = False, run: int = 0) -> BenchRequest:
         rng = _rng(self.config.seed, _STREAM_WARMUP if warmup else _STREAM_MEASURED, index)
         output_len = self._output.sample(rng)
         input_len = self.config.fit_input(self._input.sample(rng), output_len)
         language = _pick_language(self.config, rng)
-        tag = f"w{index}" if warmup else str(index)
+        tag = f"w{index}" if warmup else _tag(str(index), run)
         text = _task_prompt(self.source, language, _reference(language, self.nonce, tag), input_len, rng)
         return BenchRequest(index, ({"role": "user", "content": text},), output_len, input_len, language)
 
@@ -279,20 +308,31 @@ class RandomDataset(_SyntheticDataset):
 class SharedPrefixDataset(_SyntheticDataset):
     def __init__(self, config: DatasetConfig, tokenizer: TextTokenizer) -> None:
         super().__init__(config, tokenizer)
-        self._prefixes = [self._system_prompt(_rng(config.seed, _STREAM_PREFIX, k), f"p{k}")
-                          for k in range(config.num_prefixes)]
+        self._prefixes_by_run: dict[str, list[tuple[str, str]]] = {}
+
+    def _prefixes(self, warmup: bool, run: int) -> list[tuple[str, str]]:
+        """The shared system prompts of measured run `run`, or the warm-up's own (so that every measured
+        run starts with its prefixes cold); built on first use."""
+        key = "w" if warmup else str(run)
+        if key not in self._prefixes_by_run:
+            self._prefixes_by_run[key] = [
+                self._system_prompt(_rng(self.config.seed, _STREAM_PREFIX, k),
+                                    f"w:p{k}" if warmup else _tag(f"p{k}", run))
+                for k in range(self.config.num_prefixes)]
+        return self._prefixes_by_run[key]
 
     def _system_prompt(self, rng: np.random.Generator, tag: str) -> tuple[str, str]:
         language = _pick_language(self.config, rng)
         return _task_prompt(self.source, language, _reference(language, self.nonce, tag),
                             self.config.prefix_len, rng), language
 
-    def get(self, index: int, warmup: bool = False) -> BenchRequest:
+    def get(self, index: int, warmup: bool = False, run: int = 0) -> BenchRequest:
         rng = _rng(self.config.seed, _STREAM_WARMUP if warmup else _STREAM_MEASURED, index)
-        tag = f"w{index}" if warmup else str(index)
+        tag = f"w{index}" if warmup else _tag(str(index), run)
         shared = rng.random() < self.config.prefix_reuse
         if shared:
-            system, language = self._prefixes[int(rng.integers(len(self._prefixes)))]
+            prefixes = self._prefixes(warmup, run)
+            system, language = prefixes[int(rng.integers(len(prefixes)))]
         else:
             system, language = self._system_prompt(rng, f"u{tag}")
         output_len = self._output.sample(rng)
@@ -312,7 +352,8 @@ class FileDataset:
         self._entries = _read_jsonl(config.path)
         self.size: int | None = len(self._entries)
 
-    def get(self, index: int, warmup: bool = False) -> BenchRequest:
+    def get(self, index: int, warmup: bool = False, run: int = 0) -> BenchRequest:
+        # The lines as written, in every run.
         messages, output_len = self._entries[index % len(self._entries)]
         if output_len is None:
             output_len = self._output.sample(_rng(self.config.seed, _STREAM_WARMUP if warmup else

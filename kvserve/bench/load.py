@@ -21,7 +21,7 @@ import numpy as np
 
 from kvserve.bench.client import RequestRecord, StreamClient
 from kvserve.bench.config import ABORT_AFTER_ALL_FAILED, LoadShape
-from kvserve.bench.datasets import BenchRequest, Dataset
+from kvserve.bench.datasets import BenchRequest, Requests
 
 
 def arrival_gaps(rate: float, burstiness: float, rng: np.random.Generator, batch: int = 1024
@@ -105,7 +105,7 @@ async def _send(run: _Run, client: StreamClient, request: BenchRequest, record: 
 
 async def run_load(
     shape: LoadShape,
-    dataset: Dataset,
+    dataset: Requests,
     client: StreamClient,
     *,
     warmup: bool = False,
@@ -160,7 +160,7 @@ async def _watchdog(run: _Run, drain_timeout_s: float | None, stop: asyncio.Even
     run.stop("interrupted: requests in flight were cancelled")
 
 
-async def _worker(run: _Run, dataset: Dataset, client: StreamClient, warmup: bool) -> None:
+async def _worker(run: _Run, dataset: Requests, client: StreamClient, warmup: bool) -> None:
     while (index := run.take()) is not None:
         request = dataset.get(index, warmup)
         record = RequestRecord(index, request.max_tokens, request.input_tokens)
@@ -168,7 +168,7 @@ async def _worker(run: _Run, dataset: Dataset, client: StreamClient, warmup: boo
             return
 
 
-async def _arrivals(run: _Run, shape: LoadShape, gaps: Iterator[float], dataset: Dataset, client: StreamClient,
+async def _arrivals(run: _Run, shape: LoadShape, gaps: Iterator[float], dataset: Requests, client: StreamClient,
                     warmup: bool) -> None:
     slots = asyncio.Semaphore(shape.max_concurrency) if shape.max_concurrency is not None else None
 

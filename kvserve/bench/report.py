@@ -111,6 +111,10 @@ _SWEEP_COLUMNS: tuple[tuple[str, Callable[[Summary], object]], ...] = (
     ("E2E p50", lambda s: s.e2e.median_ms),
     ("E2E p99", lambda s: s.e2e.p99_ms),
     ("goodput", lambda s: s.goodput),
+    # Prompt tokens the server answered from its prefix cache: a point that shows hits it was not meant to
+    # have (a `file` dataset re-sent by each point) measured a lighter load.
+    ("cached %", lambda s: None if s.cached_input_tokens is None or not s.total_input_tokens
+     else 100.0 * s.cached_input_tokens / s.total_input_tokens),
 )
 
 

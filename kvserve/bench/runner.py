@@ -18,7 +18,7 @@ from tqdm import tqdm
 from kvserve.bench.client import ClientSettings, RequestRecord, StreamClient, fetch_model_names
 from kvserve.bench.client_health import ClientHealthMonitor, ClientHealthReport
 from kvserve.bench.config import BenchConfig, LoadShape
-from kvserve.bench.datasets import Dataset, TextTokenizer, make_dataset
+from kvserve.bench.datasets import Dataset, Requests, RunRequests, TextTokenizer, make_dataset
 from kvserve.bench.load import LoadResult, run_load
 from kvserve.bench.report import format_compare, format_summary, format_sweep
 from kvserve.bench.results import BenchResult, RunResult, jsonable, read_json, write_json
@@ -59,7 +59,7 @@ class LazyTokenizer:
         return self._tokenizer
 
 
-def count_missing_tokens(records: list[RequestRecord], dataset: Dataset, tokenizer: LazyTokenizer, api: str,
+def count_missing_tokens(records: list[RequestRecord], dataset: Requests, tokenizer: LazyTokenizer, api: str,
                          warmup: bool = False) -> None:
     """Token counts of successful requests whose server sent no `usage`, with the local tokenizer. The chat
     prompt is counted through the tokenizer's chat template when it has one (the server's template may
@@ -174,7 +174,7 @@ class _Interrupt:
             self._loop = None
 
 
-async def _run_shape(config: BenchConfig, shape: LoadShape, dataset: Dataset, client: StreamClient,
+async def _run_shape(config: BenchConfig, shape: LoadShape, dataset: Requests, client: StreamClient,
                      tokenizer: LazyTokenizer, stop: asyncio.Event) -> RunResult:
     # The client's own objects (tokenizer, torch, the prompts) out of the collector's full collections while
     # it measures: one of those stopped the event loop for 190-265 ms (heap.frozen_heap). The freeze's own
@@ -188,7 +188,7 @@ async def _run_shape(config: BenchConfig, shape: LoadShape, dataset: Dataset, cl
     return RunResult(shape.label(), shape_dict(shape), summary, records, samples)
 
 
-async def _measure(config: BenchConfig, shape: LoadShape, dataset: Dataset, client: StreamClient,
+async def _measure(config: BenchConfig, shape: LoadShape, dataset: Requests, client: StreamClient,
                    stop: asyncio.Event) -> tuple[LoadResult, ClientHealthReport, list[MetricSample]]:
     sampler = None
     if config.server_metrics:
@@ -225,8 +225,10 @@ async def _run_all(config: BenchConfig, log: TextIO) -> BenchResult:
         if config.warmup:
             await _warmup(config, dataset, client, log)
         runs = []
-        for shape in config.shapes:
-            run = await _run_shape(config, shape, dataset, client, tokenizer, interrupt.event)
+        for k, shape in enumerate(config.shapes):
+            # Each run its own prompts: a sweep's later points must not hit the prefix cache that the
+            # earlier ones filled (RunRequests).
+            run = await _run_shape(config, shape, RunRequests(dataset, k), client, tokenizer, interrupt.event)
             runs.append(run)
             if len(config.shapes) > 1:
                 s = run.summary

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 import zlib
@@ -153,6 +154,11 @@ def test_sweep_table_has_one_row_per_point(records):
     lines = format_sweep(summaries).splitlines()
     assert len(lines) == 2 + 3
     assert [line.split()[0] for line in lines[2:]] == ["concurrency=1", "concurrency=8", "concurrency=32"]
+    # The share of prompt tokens served from the prefix cache, last: "-" when the server sent no counts.
+    assert lines[0].split()[-2:] == ["cached", "%"]
+    cached = dataclasses.replace(summaries[1], cached_input_tokens=summaries[1].total_input_tokens // 4)
+    rows = format_sweep([summaries[0], cached]).splitlines()[2:]
+    assert rows[0].split()[-1] == "-" and rows[1].split()[-1] == "25.0"
 
 
 def _png_size(data: bytes) -> tuple[int, int]:
