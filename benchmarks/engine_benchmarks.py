@@ -77,7 +77,7 @@ from common import (  # noqa: E402
 # Seconds without GPU work before each prompt of the ttft section's idle-GPU runs.
 TTFT_IDLE_S = 1.0
 SECTIONS = ("start", "decode", "seeds", "random256", "ttft", "ttftrest", "ttftrand", "ttftprefix", "ttftdiag", "prefillprof", "prefix", "prefixab", "shared", "hf", "profile",
-            "trace", "tprofile", "kprofile", "hostprof", "mixed", "poisson")
+            "trace", "tprofile", "kprofile", "hostprof", "mixed", "poisson", "firstpass")
 
 
 class Bench:
@@ -711,6 +711,41 @@ class Bench:
             times.append(start.elapsed_time(end))
         return statistics.median(times)
 
+    def section_firstpass(self) -> None:
+        """The first burst of prompts on a fresh engine against the next ones: the seeds' 50 x 512-token prompts
+        (4 tokens out) `--firstpass-passes` times, each pass's step times, cudaMalloc calls and Triton variants
+        loaded; with `--firstpass-profile`, every pass under torch.profiler, its top host-side ops printed. Run
+        it as the first section: a server's first burst after start held its requests ~100 ms longer."""
+        d = self.engine()
+        num, ins = self.n(50), self.length(512)
+        cuda = self.args.device.startswith("cuda")
+        passes = []
+        for k in range(self.args.firstpass_passes):
+            prompts = self.prompts([ins] * num)
+            before = torch.cuda.memory_stats() if cuda else {}
+            late_before = len(self.core.late_kernel_variants)
+            if self.args.firstpass_profile:
+                from torch.profiler import ProfilerActivity, profile
+
+                activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+                with profile(activities=activities) as prof:
+                    stats = d.run(prompts, [4] * num)
+                table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=25)
+                print(f"--- firstpass pass {k + 1}: top ops by CPU time\n{table}", flush=True)
+            else:
+                stats = d.run(prompts, [4] * num)
+            after = torch.cuda.memory_stats() if cuda else {}
+            steps = [(round(t * 1e3, 1), n) for t, n in zip(stats.step_s, stats.step_tokens, strict=True)]
+            allocs = after.get("num_device_alloc", 0) - before.get("num_device_alloc", 0)
+            late = self.core.late_kernel_variants[late_before:]
+            passes.append({"elapsed_s": stats.elapsed_s, "steps_ms_tokens": steps, "cuda_mallocs": allocs,
+                           "late_variants": late})
+            self.rows.append((f"firstpass pass {k + 1} (ms)", f"{stats.elapsed_s * 1e3:.0f}",
+                              f"steps (ms/tokens): {' '.join(f'{t}/{n}' for t, n in steps[:6])}; cudaMalloc "
+                              f"{allocs}; late Triton variants {len(late)}"))
+        self.results["firstpass"] = {"num_seqs": num, "input_len": ins, "profiled": self.args.firstpass_profile,
+                                     "passes": passes}
+
     def section_seeds(self) -> None:
         d = self.engine()
         num, ins, outs = self.n(50), self.length(512), self.length(256)
@@ -1279,6 +1314,8 @@ def main() -> int:
     p.add_argument("--cascade-attn", action=argparse.BooleanOptionalAction, default=True,
                    help="cascade attention for decode batches sharing a prefix (the shared-prefix workload)")
     p.add_argument("--decode-steps", type=int, default=24)
+    p.add_argument("--firstpass-passes", type=int, default=3, help="firstpass section: bursts of prompts")
+    p.add_argument("--firstpass-profile", action="store_true", help="firstpass section: each pass under torch.profiler")
     p.add_argument("--scale", type=float, default=1.0, help="multiply request counts (CPU trials)")
     p.add_argument("--length-scale", type=float, default=1.0, help="multiply token lengths (CPU trials)")
     p.add_argument("--decode-batches", type=lambda v: [int(x) for x in v.split(",")], default=[1, 8, 64])
