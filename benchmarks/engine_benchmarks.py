@@ -728,10 +728,18 @@ class Bench:
                 from torch.profiler import ProfilerActivity, profile
 
                 activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-                with profile(activities=activities) as prof:
+                with profile(activities=activities, record_shapes=True) as prof:
                     stats = d.run(prompts, [4] * num)
                 table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=25)
                 print(f"--- firstpass pass {k + 1}: top ops by CPU time\n{table}", flush=True)
+                # The single calls that held the host longest, in order, with their input shapes.
+                events = [e for e in prof.events() if e.name.startswith(("aten::", "cuda", "cu"))
+                          and e.name not in ("aten::linear", "aten::matmul")]
+                slow = sorted(sorted(events, key=lambda e: -e.cpu_time_total)[:12], key=lambda e: e.time_range.start)
+                for e in slow:
+                    print(f"firstpass slow call pass {k + 1}: {e.name} {e.cpu_time_total / 1e3:.1f} ms at "
+                          f"{(e.time_range.start - slow[0].time_range.start) / 1e3:.1f} ms shapes {e.input_shapes}",
+                          flush=True)
             else:
                 stats = d.run(prompts, [4] * num)
             after = torch.cuda.memory_stats() if cuda else {}
