@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: firstpass28s firstpass28e firstpass28 sweep28 abclient27 gcprobe27 client27 mnbt27 rowq26 gcserve26 gc26 bisect26 hash25 capfail25b capfail25 offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: firstburst28 firstpass28w firstpass28s firstpass28e firstpass28 sweep28 abclient27 gcprobe27 client27 mnbt27 rowq26 gcserve26 gc26 bisect26 hash25 capfail25b capfail25 offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Pass the local commit, written in literally (the device copy's git metadata can be stale, so a $(git ...) in
 # the command would read it there): KVSERVE_BENCH_COMMIT=<sha> bash ...
@@ -644,6 +644,30 @@ PY
         done
         grep -E "firstpass pass|firstpass28e" "$R/firstpass28e_full.log" >> "$R/firstpass28e.log"
         cp "$R/firstpass28e.log" "$OUT/" ;;
+    firstburst28) # a fresh server's first load (default flags): one bench process, 50 concurrent requests, 512 in /
+        # 256 out, 10 s after 8 warm-up requests; itl_stalls' groups (session 28's call1: a 275-ms gap at 0.66 s,
+        # with no client stall, against 150-200 ms later). Needs .carry/tok.
+        serve_7b "$R/firstburst28_server.log"
+        json="$R/firstburst28.json"
+        PYTHONPATH=/tmp/site:$PWD timeout 60 python3 -m kvserve bench --endpoint http://localhost:8000/v1/completions \
+          --model qwen2-7b --concurrency 50 --duration 10 --warmup 8 --input-len 512 --max-tokens 256 \
+          --ignore-eos --tokenizer "$dir" --no-progress --json "$json" > "$R/firstburst28_bench.log" 2>&1
+        python3 benchmarks/itl_stalls.py "$json" > "$R/firstburst28.log" 2>&1
+        grep -E "ITL|lag|GC pause" "$R/firstburst28_bench.log" >> "$R/firstburst28.log"
+        gzip "$json"
+        kill -TERM $server; wait $server
+        grep -E "engine ready|warm" "$R/firstburst28_server.log" | cut -c1-200 >> "$R/firstburst28.log" ;;
+    firstpass28w) # firstpass28's plain run with the LM head warmed at every row count last at start (the engine's
+        # default), before the graph capture, and not at all; a fresh engine each.
+        for where in last before-capture none; do
+          timeout 150 python3 benchmarks/engine_benchmarks.py --out "$R/firstpass28w_$where" --sections firstpass \
+            --logits-warmup $where >> "$R/firstpass28w_full.log" 2>&1
+          echo "firstpass28w $where rc=$?" >> "$R/firstpass28w_full.log"
+          python3 -c "import json, sys; d = json.load(open(sys.argv[1]))['results']; print(sys.argv[2], 'start_s', round(d['start_s'], 1), {k: round(v, 2) for k, v in d['phases_s'].items()})" \
+            "$R/firstpass28w_$where/engine_start.json" $where >> "$R/firstpass28w.log" 2>&1
+        done
+        grep -E "firstpass pass|firstpass28w" "$R/firstpass28w_full.log" >> "$R/firstpass28w.log"
+        cp "$R/firstpass28w.log" "$OUT/" ;;
     firstpass28s) # firstpass28 with every pass under torch.profiler (shapes recorded): the 12 single calls that held
         # the host longest in each pass, with their shapes (pass 1's aten::mm held it 333 ms, later passes 5-7).
         timeout 150 python3 benchmarks/engine_benchmarks.py --out "$R/firstpass28s" --sections firstpass \
@@ -1011,7 +1035,7 @@ PY
 done
 tar czf "$OUT/results.tgz" -C "$R" .
 echo "=== total $(( $(date +%s) - T0 ))s"
-for f in "$R"/firstpass28s.log "$R"/firstpass28e.log "$R"/firstpass28.log "$R"/sweep28.log "$R"/abclient27.log "$R"/gcprobe27.log "$R"/client27.log "$R"/mnbt27.log "$R"/pytest26.log "$R"/rowq26.log "$R"/gcserve26.log "$R"/gc26.log "$R"/bisect26.log "$R"/hash25.log "$R"/capfail25b_before.log "$R"/pytest25b.log "$R"/capfail25_before.log "$R"/pytest25.log "$R"/pytest24.log "$R"/apipath.log "$R"/poisson22.log "$R"/mixed22.log "$R"/shared22.log "$R"/pytest22c.log "$R"/hostcopy22.log "$R"/pytest22.log "$R"/pytest22b.log "$R"/start22.log "$R"/copy22.log "$R"/pytest21.log "$R"/pw21d.log "$R"/pw21c.log "$R"/serve21.log "$R"/pw21b.log "$R"/pw21.log "$R"/host20.log "$R"/ph20.log "$R"/gaps20.log "$R"/pytest20.log "$R"/split20.log "$R"/tprofh20.log "$R"/sync20.log "$R"/tprof20.log "$R"/ws19.log "$R"/prune19.log "$R"/dec19.log "$R"/kprof19.log "$R"/pytest_fmlp.log "$R"/fmlp18.log "$R"/pytest_early.log "$R"/early17.log "$R"/tprof17.log "$R"/kprof17.log "$R"/pytest_lpt.log "$R"/lpt16.log "$R"/abpad16.log "$R"/kprof16.log "$R"/ggufa.log "$R"/layout1.log "$R"/kprof15.log "$R"/pytest_review14.log "$R"/review14.log "$R"/gatesmall2.log "$R"/pytest_tma.log "$R"/tmaab.log "$R"/gatesmall.log "$R"/gateup2.log "$R"/pytest_gateup2.log "$R"/gateab2.log "$R"/gateup.log "$R"/pytest_gateup.log "$R"/gateab.log "$R"/l2probe.log "$R"/diag13.log "$R"/hfdiag3.log "$R"/sdpafix.log "$R"/hfdiag2.log "$R"/hfdiag.log "$R"/final12.log "$R"/pytest_lt.log "$R"/tuneab2.log "$R"/tuneab.log "$R"/ltalgos.log "$R"/attnab3.log "$R"/attnab2.log "$R"/attnpf.log "$R"/attnsweep.log "$R"/rows32.log "$R"/ttftrest.log "$R"/prefillab.log "$R"/prefillprof.log "$R"/gemm4.log "$R"/ttftclk.log "$R"/gemm3.log "$R"/blasab.log "$R"/confirm.log "$R"/fuseab2.log "$R"/ttftrand2.log "$R"/pdlab2.log "$R"/pdlgemm.log "$R"/pdlab.log "$R"/ttftrand.log "$R"/modload.log "$R"/sharedab.log "$R"/final.log "$R"/gguf.log "$R"/fuseab.log "$R"/skinnyab.log "$R"/gemm.log "$R"/pattn.log "$R"/cascade.log "$R"/serve.log "$R"/diag3.log "$R"/ttftab.log "$R"/prefixab.log "$R"/diag2.log "$R"/async.log "$R"/sweep.log "$R"/diag.log "$R"/profile.log "$R"/pytest_gpu.log "$R"/engine.log "$R"/engine2.log "$R"/eager.log "$R"/ab.log "$R"/prefix2.log "$R"/hf.log "$R"/gpu_kernels.log "$R"/elementwise.log; do
+for f in "$R"/firstburst28.log "$R"/firstpass28w.log "$R"/firstpass28s.log "$R"/firstpass28e.log "$R"/firstpass28.log "$R"/sweep28.log "$R"/abclient27.log "$R"/gcprobe27.log "$R"/client27.log "$R"/mnbt27.log "$R"/pytest26.log "$R"/rowq26.log "$R"/gcserve26.log "$R"/gc26.log "$R"/bisect26.log "$R"/hash25.log "$R"/capfail25b_before.log "$R"/pytest25b.log "$R"/capfail25_before.log "$R"/pytest25.log "$R"/pytest24.log "$R"/apipath.log "$R"/poisson22.log "$R"/mixed22.log "$R"/shared22.log "$R"/pytest22c.log "$R"/hostcopy22.log "$R"/pytest22.log "$R"/pytest22b.log "$R"/start22.log "$R"/copy22.log "$R"/pytest21.log "$R"/pw21d.log "$R"/pw21c.log "$R"/serve21.log "$R"/pw21b.log "$R"/pw21.log "$R"/host20.log "$R"/ph20.log "$R"/gaps20.log "$R"/pytest20.log "$R"/split20.log "$R"/tprofh20.log "$R"/sync20.log "$R"/tprof20.log "$R"/ws19.log "$R"/prune19.log "$R"/dec19.log "$R"/kprof19.log "$R"/pytest_fmlp.log "$R"/fmlp18.log "$R"/pytest_early.log "$R"/early17.log "$R"/tprof17.log "$R"/kprof17.log "$R"/pytest_lpt.log "$R"/lpt16.log "$R"/abpad16.log "$R"/kprof16.log "$R"/ggufa.log "$R"/layout1.log "$R"/kprof15.log "$R"/pytest_review14.log "$R"/review14.log "$R"/gatesmall2.log "$R"/pytest_tma.log "$R"/tmaab.log "$R"/gatesmall.log "$R"/gateup2.log "$R"/pytest_gateup2.log "$R"/gateab2.log "$R"/gateup.log "$R"/pytest_gateup.log "$R"/gateab.log "$R"/l2probe.log "$R"/diag13.log "$R"/hfdiag3.log "$R"/sdpafix.log "$R"/hfdiag2.log "$R"/hfdiag.log "$R"/final12.log "$R"/pytest_lt.log "$R"/tuneab2.log "$R"/tuneab.log "$R"/ltalgos.log "$R"/attnab3.log "$R"/attnab2.log "$R"/attnpf.log "$R"/attnsweep.log "$R"/rows32.log "$R"/ttftrest.log "$R"/prefillab.log "$R"/prefillprof.log "$R"/gemm4.log "$R"/ttftclk.log "$R"/gemm3.log "$R"/blasab.log "$R"/confirm.log "$R"/fuseab2.log "$R"/ttftrand2.log "$R"/pdlab2.log "$R"/pdlgemm.log "$R"/pdlab.log "$R"/ttftrand.log "$R"/modload.log "$R"/sharedab.log "$R"/final.log "$R"/gguf.log "$R"/fuseab.log "$R"/skinnyab.log "$R"/gemm.log "$R"/pattn.log "$R"/cascade.log "$R"/serve.log "$R"/diag3.log "$R"/ttftab.log "$R"/prefixab.log "$R"/diag2.log "$R"/async.log "$R"/sweep.log "$R"/diag.log "$R"/profile.log "$R"/pytest_gpu.log "$R"/engine.log "$R"/engine2.log "$R"/eager.log "$R"/ab.log "$R"/prefix2.log "$R"/hf.log "$R"/gpu_kernels.log "$R"/elementwise.log; do
   [ -f "$f" ] || continue
   echo "##### $(basename "$f")"
   case $(basename "$f") in
@@ -1081,6 +1105,8 @@ for f in "$R"/firstpass28s.log "$R"/firstpass28e.log "$R"/firstpass28.log "$R"/s
     rowq26.log) grep -E "^TTFT|^engine start|mode .* done|Error|Traceback" "$f" | cut -c1-220 ;;
     firstpass28e.log) cut -c1-400 "$f" ;;
     firstpass28s.log) cut -c1-300 "$f" ;;
+    firstpass28w.log) cut -c1-400 "$f" ;;
+    firstburst28.log) cut -c1-200 "$f" | head -30 ;;
     firstpass28.log) grep -E "firstpass pass|firstpass28|Self CPU time total" "$f" | cut -c1-400 ;;
     sweep28.log) cut -c1-260 "$f" | tail -12 ;;
     abclient27.log) cut -c1-400 "$f" ;;

@@ -373,6 +373,22 @@ class ModelRunner:
         mark("logits", tick)
         return lengths
 
+    @torch.inference_mode()
+    def warm_up_logits(self) -> None:
+        """The LM head at every row count above the skinny matmul's, up to max_num_seqs (the warm-up batches
+        ran those below). On the H200 the first LM head at a new row count there held the host until the GPU
+        was idle (283.7 ms at 47 rows in a fresh engine's first burst), so the step's output came a step late.
+        Called last at start on the GPU, after the graph capture's `empty_cache`, so that the largest output's
+        memory stays with the allocator."""
+        if not self.kv_caches:
+            return
+        first = min(self.max_num_reqs, ops.SKINNY_GEMM_MAX_ROWS + 1) + 1
+        hidden = torch.zeros(self.max_num_reqs, self.arch.hidden_size, dtype=self.dtype, device=self.device)
+        for rows in range(first, self.max_num_reqs + 1):
+            self.model.compute_logits(hidden[:rows])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def _warm_up_block_table(self, num_reqs: int, seq_len: int) -> torch.Tensor:
         """Block-table rows for a warm-up batch that reads cache block 0 only: zeroed rows of the runner's
         persistent batch table where they hold seq_len (a step's table is a slice of it, and Triton

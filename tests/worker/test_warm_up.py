@@ -75,6 +75,27 @@ def test_warm_up_runs_the_lm_head_at_every_row_count_of_the_skinny_matmul(
     assert rows == [1, 2, 3, 4, 5]
 
 
+def test_start_up_runs_the_lm_head_at_every_row_count_a_step_can_sample(
+    tiny_model_dir: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On the H200 the first LM head at a row count that start-up had not run (47 rows, in a fresh engine's
+    # first burst of prompts) held the host 283.7 ms, until the GPU was idle: that step's tokens came out a
+    # step late. The kernel warm-up covers the skinny matmul's counts, warm_up_logits the rest.
+    model_dir = tiny_model_dir("llama")
+    args = EngineArgs(model=model_dir, device="cpu", max_model_len=256, kv_cache_memory="8MiB", max_num_seqs=64)
+    core = EngineCore(args.create_engine_config())
+    rows: list[int] = []
+    original = core.runner.model.compute_logits
+    monkeypatch.setattr(core.runner.model, "compute_logits", lambda h: rows.append(h.shape[0]) or original(h))
+    core.runner.warm_up_kernels()
+    core.runner.warm_up_logits()
+    assert sorted(rows) == list(range(1, 65))
+    rows.clear()
+    core.runner.max_num_reqs = 5
+    core.runner.warm_up_logits()
+    assert rows == []  # all five are the kernel warm-up's
+
+
 def test_first_layers_runs_two_layers_and_restores_the_model(tiny_model_dir: Callable[..., str]) -> None:
     model_dir = tiny_model_dir("llama", num_hidden_layers=4)
     args = EngineArgs(model=model_dir, device="cpu", max_model_len=256, kv_cache_memory="8MiB")
