@@ -1282,17 +1282,18 @@ def _watch_syncs() -> None:
     torch.cuda.set_sync_debug_mode("warn")
 
 
-def _move_logits_warm_up(where: str) -> None:
-    """--logits-warmup: the LM head warm-up of every row count left out ("none") or run at the end of the kernel
-    warm-up, before the graph capture and its `empty_cache` ("before-capture"), instead of last."""
+def _move_sampled_rows_warm_up(where: str) -> None:
+    """--sampled-rows-warmup: the warm-up of the sampled rows' part of a step at every row count left out
+    ("none") or run at the end of the kernel warm-up, before the graph capture ("before-capture"), instead of
+    last."""
     from kvserve.worker.model_runner import ModelRunner
 
-    warm_up_logits, warm_up_kernels = ModelRunner.warm_up_logits, ModelRunner.warm_up_kernels
-    ModelRunner.warm_up_logits = lambda self: None  # type: ignore[method-assign]
+    warm_up_rows, warm_up_kernels = ModelRunner.warm_up_sampled_rows, ModelRunner.warm_up_kernels
+    ModelRunner.warm_up_sampled_rows = lambda self: None  # type: ignore[method-assign]
     if where == "before-capture":
         def kernels_then_logits(self: ModelRunner) -> list[int]:
             lengths = warm_up_kernels(self)
-            warm_up_logits(self)
+            warm_up_rows(self)
             return lengths
 
         ModelRunner.warm_up_kernels = kernels_then_logits  # type: ignore[method-assign]
@@ -1339,9 +1340,9 @@ def main() -> int:
                    help="cascade attention for decode batches sharing a prefix (the shared-prefix workload)")
     p.add_argument("--decode-steps", type=int, default=24)
     p.add_argument("--firstpass-passes", type=int, default=3, help="firstpass section: bursts of prompts")
-    p.add_argument("--logits-warmup", choices=["last", "before-capture", "none"], default="last",
-                   help="the LM head warm-up at every row count: last at start (the engine's), before the graph "
-                        "capture, or none")
+    p.add_argument("--sampled-rows-warmup", choices=["last", "before-capture", "none"], default="last",
+                   help="ModelRunner.warm_up_sampled_rows: last at start (the engine's), before the graph "
+                        "capture, or not at all")
     p.add_argument("--firstpass-profile", action="store_true", help="firstpass section: each pass under torch.profiler")
     p.add_argument("--scale", type=float, default=1.0, help="multiply request counts (CPU trials)")
     p.add_argument("--length-scale", type=float, default=1.0, help="multiply token lengths (CPU trials)")
@@ -1510,8 +1511,8 @@ def main() -> int:
         model_runner.PIECEWISE_GRAPH_MAX_TOKENS = args.piecewise_max_tokens
     if args.decode_programs_per_sm is not None:
         ops.DECODE_PROGRAMS_PER_SM = args.decode_programs_per_sm
-    if args.logits_warmup != "last":
-        _move_logits_warm_up(args.logits_warmup)
+    if args.sampled_rows_warmup != "last":
+        _move_sampled_rows_warm_up(args.sampled_rows_warmup)
     bench = Bench(args)
     sections = [s for s in args.sections.split(",") if s]
     errors: dict[str, str] = {}

@@ -652,13 +652,13 @@ PY
         echo "cublas28 rc=$?" >> "$R/cublas28.log"
         cp "$R/cublas28.log" "$OUT/" ;;
     firstburst28) # a fresh server's first load (default flags): one bench process, 50 concurrent requests, 512 in /
-        # 256 out, 10 s after 8 warm-up requests; itl_stalls' groups (session 28's call1: a 275-ms gap at 0.66 s,
+        # 256 out, 10 s (FIRSTBURST_DURATION) after 8 warm-up requests; itl_stalls' groups (session 28's call1: a 275-ms gap at 0.66 s,
         # with no client stall, against 150-200 ms later). Needs .carry/tok.
         serve_7b "$R/firstburst28_server.log"
         json="$R/firstburst28.json"
         PYTHONPATH=/tmp/site:$PWD timeout 60 python3 -m kvserve bench --endpoint http://localhost:8000/v1/completions \
-          --model qwen2-7b --concurrency 50 --duration 10 --warmup 8 --input-len 512 --max-tokens 256 \
-          --ignore-eos --tokenizer "$dir" --no-progress --json "$json" > "$R/firstburst28_bench.log" 2>&1
+          --model qwen2-7b --concurrency 50 --duration ${FIRSTBURST_DURATION:-10} --warmup 8 --input-len 512 \
+          --max-tokens 256 --ignore-eos --tokenizer "$dir" --no-progress --json "$json" > "$R/firstburst28_bench.log" 2>&1
         python3 benchmarks/itl_stalls.py "$json" > "$R/firstburst28.log" 2>&1
         grep -E "ITL|lag|GC pause" "$R/firstburst28_bench.log" >> "$R/firstburst28.log"
         gzip "$json"
@@ -668,7 +668,7 @@ PY
         # default), before the graph capture, and not at all; a fresh engine each.
         for where in last before-capture none; do
           timeout 150 python3 benchmarks/engine_benchmarks.py --out "$R/firstpass28w_$where" --sections firstpass \
-            --logits-warmup $where >> "$R/firstpass28w_full.log" 2>&1
+            --sampled-rows-warmup $where >> "$R/firstpass28w_full.log" 2>&1
           echo "firstpass28w $where rc=$?" >> "$R/firstpass28w_full.log"
           python3 -c "import json, sys; d = json.load(open(sys.argv[1]))['results']; print(sys.argv[2], 'start_s', round(d['start_s'], 1), {k: round(v, 2) for k, v in d['phases_s'].items()})" \
             "$R/firstpass28w_$where/engine_start.json" $where >> "$R/firstpass28w.log" 2>&1

@@ -97,8 +97,8 @@ class EngineCore:
         self.runner.capture_cuda_graphs()
         self._mark_phase("cuda_graph_capture", start)
         if self.runner.device.type == "cuda":
-            self.runner.warm_up_logits()
-            self._mark_phase("logits_warm_up", start)
+            self.runner.warm_up_sampled_rows()
+            self._mark_phase("sampled_rows_warm_up", start)
         # Variants the warm-up and capture loaded themselves (the precompile missed them), and those that
         # steps load later (the warm-up missed them: each stalls the step that first needs it). The count is
         # the process's: another engine starting in this process meanwhile adds its own loads to both.

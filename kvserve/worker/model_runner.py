@@ -374,18 +374,24 @@ class ModelRunner:
         return lengths
 
     @torch.inference_mode()
-    def warm_up_logits(self) -> None:
-        """The LM head at every row count above the skinny matmul's, up to max_num_seqs (the warm-up batches
-        ran those below). On the H200 the first LM head at a new row count there held the host until the GPU
-        was idle (283.7 ms at 47 rows in a fresh engine's first burst), so the step's output came a step late.
-        Called last at start on the GPU, after the graph capture's `empty_cache`, so that the largest output's
-        memory stays with the allocator."""
+    def warm_up_sampled_rows(self) -> None:
+        """The part of a step that runs on its sampled rows alone, outside the graphs (the last layer past its
+        attention, the final norm and the LM head: `finish`, `compute_logits`), at every row count from the
+        skinny matmul's last + 1 to max_num_seqs (the warm-up batches ran the LM head below). cuBLAS loads
+        a kernel the first time a shape needs it, and that holds the host until the GPU is idle: at the end
+        of a forward, the step's output then came a step late (a fresh engine's first LM head at 47 rows
+        held the host 283.7 ms on the H200). Called last at start on the GPU, after the graph capture."""
         if not self.kv_caches:
             return
-        first = min(self.max_num_reqs, ops.SKINNY_GEMM_MAX_ROWS + 1) + 1
-        hidden = torch.zeros(self.max_num_reqs, self.arch.hidden_size, dtype=self.dtype, device=self.device)
-        for rows in range(first, self.max_num_reqs + 1):
-            self.model.compute_logits(hidden[:rows])
+        first = min(self.max_num_reqs, ops.SKINNY_GEMM_MAX_ROWS + 1)
+        n, arch = self.max_num_reqs, self.arch
+        decoder = getattr(self.model, "piecewise_model", None)  # (a model without it: the LM head alone)
+        attn_rows = torch.zeros(n, arch.num_attention_heads * arch.head_dim, dtype=self.dtype, device=self.device)
+        residual = torch.zeros(n, arch.hidden_size, dtype=self.dtype, device=self.device)
+        rows = torch.arange(n, device=self.device)
+        for m in range(first, n + 1):
+            hidden = decoder.finish(attn_rows[:m], residual, rows[:m]) if decoder is not None else residual[:m]
+            self.model.compute_logits(hidden)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

@@ -75,25 +75,32 @@ def test_warm_up_runs_the_lm_head_at_every_row_count_of_the_skinny_matmul(
     assert rows == [1, 2, 3, 4, 5]
 
 
-def test_start_up_runs_the_lm_head_at_every_row_count_a_step_can_sample(
+def test_start_up_runs_the_sampled_rows_part_at_every_row_count_a_step_can_sample(
     tiny_model_dir: Callable[..., str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # On the H200 the first LM head at a row count that start-up had not run (47 rows, in a fresh engine's
-    # first burst of prompts) held the host 283.7 ms, until the GPU was idle: that step's tokens came out a
-    # step late. The kernel warm-up covers the skinny matmul's counts, warm_up_logits the rest.
+    # cuBLAS loads a kernel the first time a shape needs it, and that holds the host until the GPU is idle. On
+    # the H200 a fresh engine's first LM head at 47 rows held it 283.7 ms, at the end of the forward, so the
+    # step's tokens came out a step late. The kernel warm-up runs the LM head at the skinny matmul's row
+    # counts; warm_up_sampled_rows runs the last layer past attention and the LM head at every count above.
     model_dir = tiny_model_dir("llama")
     args = EngineArgs(model=model_dir, device="cpu", max_model_len=256, kv_cache_memory="8MiB", max_num_seqs=64)
     core = EngineCore(args.create_engine_config())
-    rows: list[int] = []
-    original = core.runner.model.compute_logits
-    monkeypatch.setattr(core.runner.model, "compute_logits", lambda h: rows.append(h.shape[0]) or original(h))
-    core.runner.warm_up_kernels()
-    core.runner.warm_up_logits()
-    assert sorted(rows) == list(range(1, 65))
-    rows.clear()
-    core.runner.max_num_reqs = 5
-    core.runner.warm_up_logits()
-    assert rows == []  # all five are the kernel warm-up's
+    runner = core.runner
+    logits_rows: list[int] = []
+    finish_rows: list[int] = []
+    compute_logits, finish = runner.model.compute_logits, runner.model.piecewise_model.finish
+    monkeypatch.setattr(runner.model, "compute_logits", lambda h: logits_rows.append(h.shape[0]) or compute_logits(h))
+    monkeypatch.setattr(runner.model.piecewise_model, "finish",
+                        lambda a, r, rows: finish_rows.append(rows.shape[0]) or finish(a, r, rows))
+    runner.warm_up_kernels()
+    runner.warm_up_sampled_rows()
+    assert set(logits_rows) == set(range(1, 65))
+    assert finish_rows == list(range(33, 65))  # 33: the first count past the skinny matmul
+    logits_rows.clear()
+    finish_rows.clear()
+    runner.max_num_reqs = 5
+    runner.warm_up_sampled_rows()
+    assert logits_rows == finish_rows == [5]
 
 
 def test_first_layers_runs_two_layers_and_restores_the_model(tiny_model_dir: Callable[..., str]) -> None:
