@@ -20,8 +20,11 @@ SHAPES = {"qkv": (3584, 4608), "gate_up": (3584, 37888), "lm_head": (3584, 15206
 
 
 def sleep_cycles(ms: float) -> int:
-    """Clock cycles of `torch.cuda._sleep` that take about `ms` on this GPU (measured once)."""
+    """Clock cycles of `torch.cuda._sleep` that take about `ms` on this GPU (measured once, after a first
+    launch: timing the first launch, which loads the kernel, gave about 15 ms of sleep for 50 asked)."""
     cycles = 10_000_000
+    torch.cuda._sleep(cycles)
+    torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     torch.cuda._sleep(cycles)
@@ -40,6 +43,12 @@ def main() -> int:
     rows = [int(r) for r in args.rows.split(",")]
     device = torch.device("cuda")
     cycles = sleep_cycles(args.busy_ms)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    args.busy_ms = start.elapsed_time(end)  # what the GPU's busy time came to
     x = torch.randn(max(rows), 3584, device=device, dtype=torch.bfloat16)
     print(f"GPU busy about {args.busy_ms:.0f} ms before each call; host ms of the matmul call (round 1, round 2)")
     for name in args.shapes.split(","):

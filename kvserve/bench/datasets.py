@@ -248,8 +248,8 @@ def _reference(language: str, nonce: str, tag: str) -> str:
 
 
 class Dataset(Protocol):
-    """`get(index, run=k)` -> the request of that index in measured run k (0-based; warm-up requests are
-    run 0's); the same (config, run, index) always gives the same request. `size` is the number of
+    """`get(index, run=k)` -> the request of that index in measured run k (0-based; warm-up requests,
+    `warmup=True`, are the same whatever `run`); the same (config, run, index) always gives the same request. `size` is the number of
     distinct requests of one run (None: unbounded); requests past it repeat."""
 
     size: int | None

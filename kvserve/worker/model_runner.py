@@ -377,14 +377,16 @@ class ModelRunner:
     def warm_up_sampled_rows(self) -> None:
         """The part of a step that runs on its sampled rows alone, outside the graphs (the last layer past its
         attention, the final norm and the LM head: `finish`, `compute_logits`), at every row count from the
-        skinny matmul's last + 1 to max_num_seqs (the warm-up batches ran the LM head below). cuBLAS loads
-        a kernel the first time a shape needs it, and that holds the host until the GPU is idle: at the end
-        of a forward, the step's output then came a step late (a fresh engine's first LM head at 47 rows
-        held the host 283.7 ms on the H200). Called last at start on the GPU, after the graph capture."""
+        skinny matmul's last + 1 to max_num_seqs (below that the skinny matmul's Triton variants serve, and
+        the warm-up batches ran the LM head there). cuBLAS loads a kernel the first time a shape needs it,
+        and that holds the host until the GPU is idle: at the end of a forward, the step's output then came
+        a step late (a fresh engine's first LM head at 47 rows held the host 283.7 ms on the H200). Called
+        last at start on the GPU, after the graph capture."""
         if not self.kv_caches:
             return
-        first = min(self.max_num_reqs, ops.SKINNY_GEMM_MAX_ROWS + 1)
-        n, arch = self.max_num_reqs, self.arch
+        first, n, arch = ops.SKINNY_GEMM_MAX_ROWS + 1, self.max_num_reqs, self.arch
+        if n < first:
+            return
         decoder = getattr(self.model, "piecewise_model", None)  # (a model without it: the LM head alone)
         attn_rows = torch.zeros(n, arch.num_attention_heads * arch.head_dim, dtype=self.dtype, device=self.device)
         residual = torch.zeros(n, arch.hidden_size, dtype=self.dtype, device=self.device)

@@ -106,6 +106,7 @@ def test_engine_loads_every_triton_variant_at_start(tmp_path: Path, dtype: str) 
     line = next(v for v in result.stdout.splitlines() if v.startswith("RESULT "))
     out = json.loads(line.removeprefix("RESULT "))
     assert "triton_precompile" in out["phases"]
+    assert "sampled_rows_warm_up" in out["phases"]  # the last phase: the sampled rows' part at 33-48 rows
     assert out["startup_late"] == [], f"compiled during the warm-up or capture: {out['startup_late']}"
     assert out["serving_late"] == [], f"compiled while serving: {out['serving_late']}"
     assert out["loaded"] > 10

@@ -100,7 +100,7 @@ def test_start_up_runs_the_sampled_rows_part_at_every_row_count_a_step_can_sampl
     finish_rows.clear()
     runner.max_num_reqs = 5
     runner.warm_up_sampled_rows()
-    assert logits_rows == finish_rows == [5]
+    assert logits_rows == finish_rows == []  # all within the skinny matmul's counts
 
 
 def test_first_layers_runs_two_layers_and_restores_the_model(tiny_model_dir: Callable[..., str]) -> None:
