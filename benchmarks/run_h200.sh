@@ -644,7 +644,7 @@ PY
         done
         grep -E "firstpass pass|firstpass28e" "$R/firstpass28e_full.log" >> "$R/firstpass28e.log"
         cp "$R/firstpass28e.log" "$OUT/" ;;
-    pytest28) timeout 330 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "not gguf" > "$R/pytest28.log" 2>&1
+    pytest28) timeout ${PYTEST_TIMEOUT:-330} python3 -m pytest -q -p no:cacheprovider tests/gpu -k "not gguf" > "$R/pytest28.log" 2>&1
         cp "$R/pytest28.log" "$OUT/" ;;
     cublas28) # benchmarks/cublas_first_use.py: the host time of a matmul at row counts not seen before, the GPU busy.
         timeout 120 python3 benchmarks/cublas_first_use.py \
