@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -54,6 +55,23 @@ def test_warm_up_batches_use_the_steps_block_table_stride(
     assert set(strides) == {width}
 
 
+def _runner_recording_rows(
+    tiny_model_dir: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> tuple[Any, list[int], list[int]]:
+    """A CPU engine's runner (max_num_seqs 64) and the row counts its LM head (`compute_logits`) and its last
+    layer past attention (`finish`) are called with, as they are called."""
+    model_dir = tiny_model_dir("llama")
+    args = EngineArgs(model=model_dir, device="cpu", max_model_len=256, kv_cache_memory="8MiB", max_num_seqs=64)
+    runner = EngineCore(args.create_engine_config()).runner
+    logits_rows: list[int] = []
+    finish_rows: list[int] = []
+    compute_logits, finish = runner.model.compute_logits, runner.model.piecewise_model.finish
+    monkeypatch.setattr(runner.model, "compute_logits", lambda h: logits_rows.append(h.shape[0]) or compute_logits(h))
+    monkeypatch.setattr(runner.model.piecewise_model, "finish",
+                        lambda a, r, rows: finish_rows.append(rows.shape[0]) or finish(a, r, rows))
+    return runner, logits_rows, finish_rows
+
+
 def test_warm_up_runs_the_lm_head_at_every_row_count_of_the_skinny_matmul(
     tiny_model_dir: Callable[..., str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -61,17 +79,12 @@ def test_warm_up_runs_the_lm_head_at_every_row_count_of_the_skinny_matmul(
     # differ by row count, so each count it serves (and the first past it) runs at start.
     from kvserve.kernels import ops
 
-    model_dir = tiny_model_dir("llama")
-    args = EngineArgs(model=model_dir, device="cpu", max_model_len=256, kv_cache_memory="8MiB", max_num_seqs=64)
-    core = EngineCore(args.create_engine_config())
-    rows: list[int] = []
-    original = core.runner.model.compute_logits
-    monkeypatch.setattr(core.runner.model, "compute_logits", lambda h: rows.append(h.shape[0]) or original(h))
-    core.runner.warm_up_kernels()
+    runner, rows, _ = _runner_recording_rows(tiny_model_dir, monkeypatch)
+    runner.warm_up_kernels()
     assert rows == list(range(1, ops.SKINNY_GEMM_MAX_ROWS + 2))
     rows.clear()
-    core.runner.max_num_reqs = 5
-    core.runner.warm_up_kernels()
+    runner.max_num_reqs = 5
+    runner.warm_up_kernels()
     assert rows == [1, 2, 3, 4, 5]
 
 
@@ -82,16 +95,7 @@ def test_start_up_runs_the_sampled_rows_part_at_every_row_count_a_step_can_sampl
     # the H200 a fresh engine's first LM head at 47 rows held it 283.7 ms, at the end of the forward, so the
     # step's tokens came out a step late. The kernel warm-up runs the LM head at the skinny matmul's row
     # counts; warm_up_sampled_rows runs the last layer past attention and the LM head at every count above.
-    model_dir = tiny_model_dir("llama")
-    args = EngineArgs(model=model_dir, device="cpu", max_model_len=256, kv_cache_memory="8MiB", max_num_seqs=64)
-    core = EngineCore(args.create_engine_config())
-    runner = core.runner
-    logits_rows: list[int] = []
-    finish_rows: list[int] = []
-    compute_logits, finish = runner.model.compute_logits, runner.model.piecewise_model.finish
-    monkeypatch.setattr(runner.model, "compute_logits", lambda h: logits_rows.append(h.shape[0]) or compute_logits(h))
-    monkeypatch.setattr(runner.model.piecewise_model, "finish",
-                        lambda a, r, rows: finish_rows.append(rows.shape[0]) or finish(a, r, rows))
+    runner, logits_rows, finish_rows = _runner_recording_rows(tiny_model_dir, monkeypatch)
     runner.warm_up_kernels()
     runner.warm_up_sampled_rows()
     assert set(logits_rows) == set(range(1, 65))
