@@ -19,18 +19,22 @@ import torch
 SHAPES = {"qkv": (3584, 4608), "gate_up": (3584, 37888), "lm_head": (3584, 152064)}
 
 
-def sleep_cycles(ms: float) -> int:
-    """Clock cycles of `torch.cuda._sleep` that take about `ms` on this GPU (measured once, after a first
-    launch: timing the first launch, which loads the kernel, gave about 15 ms of sleep for 50 asked)."""
-    cycles = 10_000_000
-    torch.cuda._sleep(cycles)
-    torch.cuda.synchronize()
+def sleep_ms(cycles: int) -> float:
+    """How long `torch.cuda._sleep(cycles)` keeps the GPU busy (ms)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     torch.cuda._sleep(cycles)
     end.record()
     end.synchronize()
-    return int(cycles * ms / max(start.elapsed_time(end), 1e-3))
+    return start.elapsed_time(end)
+
+
+def sleep_cycles(ms: float) -> int:
+    """Clock cycles of `torch.cuda._sleep` that take about `ms` on this GPU, timed after a first launch
+    (timing the first launch, which loads the kernel, gave about 15 ms of sleep for 50 asked)."""
+    cycles = 10_000_000
+    sleep_ms(cycles)
+    return int(cycles * ms / max(sleep_ms(cycles), 1e-3))
 
 
 def main() -> int:
@@ -43,14 +47,9 @@ def main() -> int:
     rows = [int(r) for r in args.rows.split(",")]
     device = torch.device("cuda")
     cycles = sleep_cycles(args.busy_ms)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(cycles)
-    end.record()
-    end.synchronize()
-    args.busy_ms = start.elapsed_time(end)  # what the GPU's busy time came to
+    busy_ms = sleep_ms(cycles)  # what the GPU's busy time came to
     x = torch.randn(max(rows), 3584, device=device, dtype=torch.bfloat16)
-    print(f"GPU busy about {args.busy_ms:.0f} ms before each call; host ms of the matmul call (round 1, round 2)")
+    print(f"GPU busy about {busy_ms:.0f} ms before each call; host ms of the matmul call (round 1, round 2)")
     for name in args.shapes.split(","):
         k, n = SHAPES[name]
         w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02

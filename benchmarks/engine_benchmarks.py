@@ -1291,12 +1291,12 @@ def _move_sampled_rows_warm_up(where: str) -> None:
     warm_up_rows, warm_up_kernels = ModelRunner.warm_up_sampled_rows, ModelRunner.warm_up_kernels
     ModelRunner.warm_up_sampled_rows = lambda self: None  # type: ignore[method-assign]
     if where == "before-capture":
-        def kernels_then_logits(self: ModelRunner) -> list[int]:
+        def kernels_then_rows(self: ModelRunner) -> list[int]:
             lengths = warm_up_kernels(self)
             warm_up_rows(self)
             return lengths
 
-        ModelRunner.warm_up_kernels = kernels_then_logits  # type: ignore[method-assign]
+        ModelRunner.warm_up_kernels = kernels_then_rows  # type: ignore[method-assign]
 
 
 def _use_divisor_split_rule() -> None:

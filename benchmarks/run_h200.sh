@@ -40,6 +40,17 @@ serve_7b() {
   server=$!
   for _ in $(seq 1 120); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 1; done
 }
+# firstpass_engine STEP LABEL ENV [FLAGS...]: engine_benchmarks.py's firstpass section in a fresh engine, under
+# ENV (VAR=VALUE, or "") with FLAGS, into $R/STEP_LABEL; its output and rc go to $R/STEP_full.log, its start
+# time and phases to $R/STEP.log.
+firstpass_engine() {
+  local step=$1 label=$2 envs=$3; shift 3
+  env $envs timeout 150 python3 benchmarks/engine_benchmarks.py --out "$R/${step}_$label" --sections firstpass "$@" \
+    >> "$R/${step}_full.log" 2>&1
+  echo "$step $label rc=$?" >> "$R/${step}_full.log"
+  python3 -c "import json, sys; d = json.load(open(sys.argv[1]))['results']; print(sys.argv[2], 'start_s', round(d['start_s'], 1), {k: round(v, 2) for k, v in d['phases_s'].items()})" \
+    "$R/${step}_$label/engine_start.json" "$label" >> "$R/$step.log" 2>&1
+}
 for step in "$@"; do
   echo "=== $step (t=$(( $(date +%s) - T0 ))s)"
   case $step in
@@ -635,13 +646,7 @@ PY
     firstpass28e) # firstpass28's plain run under CUDA_MODULE_LOADING=EAGER and then lazy (the default), each a fresh
         # engine: does pass 1's host wait inside aten::mm (333 ms against 5-7 in later passes) go with eager module
         # loading? Also each engine's start time (engine_start.json).
-        for mode in EAGER LAZY; do
-          CUDA_MODULE_LOADING=$mode timeout 150 python3 benchmarks/engine_benchmarks.py --out "$R/firstpass28e_$mode" \
-            --sections firstpass >> "$R/firstpass28e_full.log" 2>&1
-          echo "firstpass28e $mode rc=$?" >> "$R/firstpass28e_full.log"
-          python3 -c "import json, sys; d = json.load(open(sys.argv[1]))['results']; print(sys.argv[2], 'start_s', round(d['start_s'], 1), d['phases_s'])" \
-            "$R/firstpass28e_$mode/engine_start.json" $mode >> "$R/firstpass28e.log" 2>&1
-        done
+        for mode in EAGER LAZY; do firstpass_engine firstpass28e $mode CUDA_MODULE_LOADING=$mode; done
         grep -E "firstpass pass|firstpass28e" "$R/firstpass28e_full.log" >> "$R/firstpass28e.log"
         cp "$R/firstpass28e.log" "$OUT/" ;;
     pytest28) timeout ${PYTEST_TIMEOUT:-330} python3 -m pytest -q -p no:cacheprovider tests/gpu -k "not gguf" > "$R/pytest28.log" 2>&1
@@ -667,11 +672,7 @@ PY
     firstpass28w) # firstpass28's plain run with the LM head warmed at every row count last at start (the engine's
         # default), before the graph capture, and not at all; a fresh engine each.
         for where in last before-capture none; do
-          timeout 150 python3 benchmarks/engine_benchmarks.py --out "$R/firstpass28w_$where" --sections firstpass \
-            --sampled-rows-warmup $where >> "$R/firstpass28w_full.log" 2>&1
-          echo "firstpass28w $where rc=$?" >> "$R/firstpass28w_full.log"
-          python3 -c "import json, sys; d = json.load(open(sys.argv[1]))['results']; print(sys.argv[2], 'start_s', round(d['start_s'], 1), {k: round(v, 2) for k, v in d['phases_s'].items()})" \
-            "$R/firstpass28w_$where/engine_start.json" $where >> "$R/firstpass28w.log" 2>&1
+          firstpass_engine firstpass28w $where "" --sampled-rows-warmup $where
         done
         grep -E "firstpass pass|firstpass28w" "$R/firstpass28w_full.log" >> "$R/firstpass28w.log"
         cp "$R/firstpass28w.log" "$OUT/" ;;

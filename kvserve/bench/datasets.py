@@ -15,9 +15,9 @@ The exception is the nonce: every generated prompt starts with a reference line 
 drawn once per benchmark process, the measured run's number (a sweep's point) and the request index. So
 neither requests of one run, nor a sweep's later points, nor a re-run against the same server hit the
 prefix cache by accident (shared prefixes put the line inside the shared part: shared within a run, cold
-at the start of each; the warm-up has prefixes of its own). Lengths and prose depend on (seed, index) only, so a sweep's points get the same lengths.
-The `file` dataset sends its lines as written: its later points and re-runs can hit the server's prefix
-cache, which the report's "Cached input tokens" shows.
+at the start of each; the warm-up has prefixes of its own). Lengths and prose depend on (seed, index)
+only, so a sweep's points get the same lengths. The `file` dataset sends its lines as written: its later
+points and re-runs can hit the server's prefix cache, which the report's "Cached input tokens" shows.
 """
 
 from __future__ import annotations
@@ -249,8 +249,9 @@ def _reference(language: str, nonce: str, tag: str) -> str:
 
 class Dataset(Protocol):
     """`get(index, run=k)` -> the request of that index in measured run k (0-based; warm-up requests,
-    `warmup=True`, are the same whatever `run`); the same (config, run, index) always gives the same request. `size` is the number of
-    distinct requests of one run (None: unbounded); requests past it repeat."""
+    `warmup=True`, are the same whatever `run`); the same (config, run, index) always gives the same
+    request. `size` is the number of distinct requests of one run (None: unbounded); requests past it
+    repeat."""
 
     size: int | None
 
