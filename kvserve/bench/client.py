@@ -16,6 +16,11 @@ response), `broken_stream` (the stream stopped before a finish_reason or `[DONE]
 server sent an error object inside the stream), `invalid_response` (a chunk that is not JSON) or
 `cancelled` (still running when the run was ended by its drain timeout or an interrupt; `send` records it
 and re-raises the cancellation).
+
+The streams go through aiohttp: its C-accelerated HTTP parser costs about a fifth of httpx's per streamed
+chunk (20 against 100-106 µs of client CPU on the CI machine, 50 streams at about 8,700 chunks/s:
+`docs/perf_notes.md` entry 48), and a client short of CPU reads chunks late, which shows in the TTFT and ITL
+it reports. Listing the models (`fetch_model_names`) is one request and stays on httpx.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import httpx
 import msgspec
 
@@ -116,19 +122,32 @@ class ClientSettings:
 
 class StreamClient:
     """Pooled async HTTP client for streaming completions. The pool holds `max_connections` connections
-    (the run's concurrency), so no request waits for a connection the load shape meant it to have."""
+    (the run's concurrency; None: no limit), so no request waits for a connection the load shape meant it to
+    have. The session is opened on first use, inside the running event loop (aiohttp binds it there)."""
 
     def __init__(self, settings: ClientSettings) -> None:
         self.settings = settings
-        limits = httpx.Limits(max_connections=settings.max_connections,
-                              max_keepalive_connections=settings.max_connections)
-        headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
-        timeout = httpx.Timeout(settings.request_timeout_s, connect=min(settings.request_timeout_s, 30.0))
-        self._http = httpx.AsyncClient(limits=limits, headers=headers, timeout=timeout)
+        self._headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
+        self._headers["Content-Type"] = "application/json"
+        self._session: aiohttp.ClientSession | None = None
         self._decoder = msgspec.json.Decoder()
+        self._encoder = msgspec.json.Encoder()
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            s = self.settings
+            connector = aiohttp.TCPConnector(limit=s.max_connections or 0, limit_per_host=0)
+            # No total or read limit here: `send` bounds the whole request by the request timeout.
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=min(s.request_timeout_s, 30.0))
+            # trust_env: proxy variables (HTTP_PROXY, NO_PROXY, ...) apply, as they do for httpx.
+            self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, headers=self._headers,
+                                                  trust_env=True)
+        return self._session
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
     def body(self, request: BenchRequest) -> dict[str, Any]:
         s = self.settings
@@ -161,15 +180,15 @@ class StreamClient:
                         record.status_code)
             record.e2e_s = time.perf_counter() - started
             raise
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+            # Before asyncio.TimeoutError: aiohttp's connect timeout is one too.
+            record.fail(ERROR_CONNECTION, f"{type(exc).__name__}: {exc}")
         except asyncio.TimeoutError:
             record.fail(ERROR_TIMEOUT, f"no complete answer within {self.settings.request_timeout_s:g} s",
                         record.status_code)
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            record.fail(ERROR_CONNECTION, f"{type(exc).__name__}: {exc}")
-        except httpx.TimeoutException as exc:
-            record.fail(ERROR_TIMEOUT, f"{type(exc).__name__}: {exc}", record.status_code)
-        except httpx.HTTPError as exc:
-            # Headers received: the stream broke; none: the connection failed before any answer.
+        except (aiohttp.ClientError, ValueError) as exc:
+            # Headers received: the stream broke; none: the connection failed before any answer (ValueError:
+            # a URL aiohttp cannot use).
             kind = ERROR_BROKEN_STREAM if record.status_code is not None else ERROR_CONNECTION
             record.fail(kind, f"{type(exc).__name__}: {exc}", record.status_code)
         if record.e2e_s is None:
@@ -177,29 +196,29 @@ class StreamClient:
         return record
 
     async def _stream(self, body: dict[str, Any], record: RequestRecord, started: float) -> None:
-        async with self._http.stream("POST", self.settings.endpoint, json=body) as response:
-            record.status_code = response.status_code
-            if response.status_code >= 400:
-                text = (await response.aread()).decode("utf-8", "replace")
-                record.fail(f"http_{response.status_code}", text.strip(), response.status_code)
+        async with self._http().post(self.settings.endpoint, data=self._encoder.encode(body)) as response:
+            record.status_code = response.status
+            if response.status >= 400:
+                text = (await response.read()).decode("utf-8", "replace")
+                record.fail(f"http_{response.status}", text.strip(), response.status)
                 return
-            if "text/event-stream" not in response.headers.get("content-type", ""):
+            if "text/event-stream" not in response.headers.get("Content-Type", ""):
                 # A server that ignores `stream`: the whole answer is one chunk.
-                obj = self._decode(await response.aread(), record)
+                obj = self._decode(await response.read(), record)
                 state = _StreamState(record, started)
                 if obj is not None and state.on_payload(obj, self.settings.api):
                     state.finish(done=True)
                 return
             state = _StreamState(record, started)
-            # Lines split from the raw bytes here: httpx's `aiter_lines` decodes and splits in Python layers
-            # that cost the client about a quarter of its CPU per chunk, and a client short of CPU reads
-            # chunks late, which shows in the TTFT and ITL it reports. SSE lines end in LF or CRLF.
+            # Lines are split from the bytes as they arrive (SSE lines end in LF or CRLF).
             pending = b""
-            async for data in response.aiter_bytes():
+            async for data in response.content.iter_any():
                 lines = (pending + data).split(b"\n")
                 pending = lines.pop()
                 for line in lines:
                     if self._on_line(line, state, record):
+                        if record.error_kind is None:
+                            await _drain(response)
                         return
             if not (pending and self._on_line(pending, state, record)):  # a last line without a newline
                 state.finish(done=False)
@@ -225,6 +244,22 @@ class StreamClient:
             record.fail(ERROR_INVALID_RESPONSE, f"chunk is not a JSON object: {shown!r}", record.status_code)
             return None
         return obj
+
+
+# How long a finished answer's remaining bytes (the end of the chunked body after `[DONE]`) may take to
+# arrive before its connection is dropped instead of going back to the pool.
+_DRAIN_S = 0.2
+
+
+async def _drain(response: aiohttp.ClientResponse) -> None:
+    """Read the rest of a body whose answer is complete (its times are already recorded), so that its
+    connection goes back to the pool: a body left unread closes the connection, and the next request
+    would pay a new TCP (and TLS) handshake inside its TTFT. A server that keeps the body open past
+    `_DRAIN_S` loses the connection instead."""
+    try:
+        await asyncio.wait_for(response.content.read(), _DRAIN_S)
+    except (asyncio.TimeoutError, aiohttp.ClientError):
+        response.close()
 
 
 class _StreamState:

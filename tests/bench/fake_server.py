@@ -54,6 +54,8 @@ class FakeBehavior:
     finish_only_chunk: bool = False
     # Every event goes out in two writes split inside its JSON, with CRLF line ends.
     ragged: bool = False
+    # The body stays open this long after `[DONE]` before it ends.
+    hold_after_done_s: float = 0.0
 
 
 @dataclass
@@ -64,6 +66,10 @@ class FakeState:
     prompt_words: int = 0
     bodies: list[dict] = field(default_factory=list)
     arrival_times: list[float] = field(default_factory=list)
+    # The client ends (host, port) requests came from: one per TCP connection.
+    connections: set[tuple[str, int]] = field(default_factory=set)
+    # The Authorization header of each request (None: none sent).
+    authorizations: list[str | None] = field(default_factory=list)
 
 
 class _CutStream(Exception):
@@ -125,6 +131,9 @@ class FakeOpenAIServer:
         k = s.num_requests
         s.bodies.append(body)
         s.arrival_times.append(time.perf_counter())
+        if request.client is not None:
+            s.connections.add((request.client.host, request.client.port))
+        s.authorizations.append(request.headers.get("authorization"))
         chat = "messages" in body
         text = " ".join(m["content"] for m in body["messages"]) if chat else body["prompt"]
         num_prompt = len(text.split())
@@ -184,6 +193,8 @@ class FakeOpenAIServer:
                     yield f"data: {json.dumps({'id': f'req-{k}', 'choices': [], 'usage': usage})}\n\n"
                 if b.send_done:
                     yield "data: [DONE]\n\n"
+                if b.hold_after_done_s:
+                    await asyncio.sleep(b.hold_after_done_s)
             finally:
                 s.in_flight -= 1
 

@@ -210,6 +210,52 @@ def test_invalid_chunks_and_refused_connections_are_counted(fake_server, bench, 
     assert record.error_kind == "connection" and record.status_code is None and not record.success
 
 
+def test_the_pool_reuses_at_most_max_connections_and_sends_the_key(fake_server):
+    from kvserve.bench.client import ClientSettings, StreamClient
+    from kvserve.bench.datasets import BenchRequest
+
+    server = fake_server(itl_s=0.001)
+
+    async def scenario():
+        client = StreamClient(ClientSettings(server.base_url + "/v1/completions", "completions", MODEL,
+                                             api_key="sk-test", max_connections=3))
+        try:
+            requests = [BenchRequest(i, ({"role": "user", "content": "hi"},), 4) for i in range(12)]
+            first = [await client.send(r, 0.0) for r in requests[:4]]  # one after another: one connection
+            rest = await asyncio.gather(*(client.send(r, 0.0) for r in requests[4:]))
+            return first + list(rest)
+        finally:
+            await client.aclose()
+
+    records = asyncio.run(scenario())
+    assert all(r.success and r.output_tokens == 4 for r in records)
+    # Eight at once through a pool of three: the streams share three keep-alive connections.
+    assert 1 <= len(server.state.connections) <= 3
+    assert server.state.max_in_flight <= 3
+    assert server.state.authorizations == ["Bearer sk-test"] * 12
+
+
+def test_a_body_held_open_after_done_does_not_hold_the_request(fake_server):
+    from kvserve.bench.client import ClientSettings, StreamClient
+    from kvserve.bench.datasets import BenchRequest
+
+    server = fake_server(hold_after_done_s=5.0)
+
+    async def scenario():
+        client = StreamClient(ClientSettings(server.base_url + "/v1/completions", "completions", MODEL))
+        try:
+            started = time.perf_counter()
+            record = await client.send(BenchRequest(0, ({"role": "user", "content": "hi"},), 4), 0.0)
+            return record, time.perf_counter() - started
+        finally:
+            await client.aclose()
+
+    record, waited = asyncio.run(scenario())
+    # Complete at [DONE]; the client drops the connection rather than wait for the body's end.
+    assert record.success and record.output_tokens == 4 and record.e2e_s < 2.0
+    assert waited < 2.0
+
+
 def test_missing_done_and_finish_reason_is_a_broken_stream(fake_server, bench, prompts_file):
     # Cut after the last token chunk was sent but before any finish: every request is broken.
     server = fake_server(cut_every=1, cut_after_tokens=3)
