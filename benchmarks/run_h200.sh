@@ -650,7 +650,8 @@ PY
         for mode in EAGER LAZY; do firstpass_engine firstpass28e $mode CUDA_MODULE_LOADING=$mode; done
         grep -E "firstpass pass|firstpass28e" "$R/firstpass28e_full.log" >> "$R/firstpass28e.log"
         cp "$R/firstpass28e.log" "$OUT/" ;;
-    api29) # The API process on uvloop + httptools (this tree's default) against asyncio's loop + h11 (KVSERVE_UVLOOP=0
+    api29) # Ran at 84918b8 (uvloop + httptools, removed after this measurement: docs/perf_notes.md entry 48).
+        # The API process on uvloop + httptools (that tree's default) against asyncio's loop + h11 (KVSERVE_UVLOOP=0
         # and a wheel directory without httptools or uvloop): servers new, base, new, base, each one 256-request
         # burst (lengths uniform in about [100, 1024]) and one seeds' run (50 in flight, 512 / 256, 200 prompts),
         # 8 warm-up requests, the API process's CPU (/proc) over each run. The bench client is this tree's in

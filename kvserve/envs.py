@@ -24,9 +24,6 @@ def _str(name: str, default: str | None) -> str | None:
 KVSERVE_CPU_KVCACHE_SPACE_GIB: int = _int("KVSERVE_CPU_KVCACHE_SPACE", 1)
 # API key for the OpenAI-compatible server when --api-key is not given.
 KVSERVE_API_KEY: str | None = _str("KVSERVE_API_KEY", None)
-# 0: the API server and `kvserve bench` run on asyncio's own event loop even when uvloop is installed
-# (kvserve/event_loop.py).
-KVSERVE_UVLOOP: bool = _int("KVSERVE_UVLOOP", 1) != 0
 # Log level of the kvserve logger.
 KVSERVE_LOGGING_LEVEL: str = _str("KVSERVE_LOGGING_LEVEL", "INFO") or "INFO"
 # One-prompt prefills at least this long use cuDNN's attention kernel (0: never). Unset (-1): 1024 on sm_90

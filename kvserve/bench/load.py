@@ -199,9 +199,8 @@ async def _arrivals(run: _Run, shape: LoadShape, gaps: Iterator[float], dataset:
             scheduled += gap
             if scheduled >= run.deadline:
                 return
-            # Sleep again while the arrival is still ahead: uvloop's timers have millisecond resolution and
-            # can fire up to a millisecond early, which would send the request before its arrival time.
-            while (delay := scheduled - time.perf_counter()) > 0:
+            delay = scheduled - time.perf_counter()
+            if delay > 0:
                 await asyncio.sleep(delay)
             index = run.take()
             if index is None:

@@ -15,7 +15,6 @@ from typing import Any, TextIO
 import httpx
 from tqdm import tqdm
 
-from kvserve import event_loop
 from kvserve.bench.client import ClientSettings, RequestRecord, StreamClient, fetch_model_names
 from kvserve.bench.client_health import ClientHealthMonitor, ClientHealthReport
 from kvserve.bench.config import BenchConfig, LoadShape
@@ -257,7 +256,7 @@ def config_dict(config: BenchConfig, model: str, run_nonce: str | None = None) -
 def run_benchmark(config: BenchConfig, log: TextIO | None = None) -> BenchResult:
     """Run every load shape of `config` and return the results (nothing printed but progress and notes,
     to `log`, default stderr)."""
-    return event_loop.run(_run_all(config, log or sys.stderr))
+    return asyncio.run(_run_all(config, log or sys.stderr))
 
 
 def report(result: BenchResult, config: BenchConfig, out: TextIO | None = None, log: TextIO | None = None) -> None:

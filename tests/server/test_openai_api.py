@@ -3,8 +3,6 @@ and not, usage, n=2, logprobs (checked against HF Transformers), stop strings, a
 
 from __future__ import annotations
 
-import re
-
 import httpx
 import openai
 import pytest
@@ -74,11 +72,6 @@ def test_completion_stream_equals_non_stream(client, tiny_tokenizer, prompt):
     assert full.usage.completion_tokens <= 10
     if full.choices[0].finish_reason == "length":
         assert full.usage.completion_tokens == 10
-
-
-def test_the_server_runs_on_uvloop(tiny_server):
-    pytest.importorskip("uvloop")
-    assert re.search(r"serving .* \(OpenAI API under /v1; event loop uvloop\)", tiny_server.log())
 
 
 @pytest.mark.parametrize("api", ["completions", "chat"])

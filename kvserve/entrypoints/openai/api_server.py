@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvserve import __version__, envs, event_loop
+from kvserve import __version__, envs
 from kvserve.config import EngineArgs, EngineConfig
 from kvserve.engine.async_llm import AsyncLLM
 from kvserve.engine.core_client import EngineDeadError
@@ -352,8 +352,7 @@ async def serve(ns: argparse.Namespace, config: EngineConfig) -> int:
         engine.add_dead_callback(server.on_engine_dead)
         host, port = sock.getsockname()[:2]
         freeze_startup_heap("API server")
-        logger.info("serving %s on http://%s:%d (OpenAI API under /v1; event loop %s)", served_names[0], host, port,
-                    event_loop.running_loop_name())
+        logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", served_names[0], host, port)
         await server.serve(sockets=[sock])
         if engine.dead_error is not None:
             server.exit_code = 1
@@ -375,7 +374,7 @@ def run_server(ns: argparse.Namespace) -> int:
     except ValueError as e:  # ConfigError, ModelLoadError, conflicting flags
         print(f"kvserve serve: error: {e}", file=sys.stderr)
         return 2
-    return event_loop.run(serve(ns, config))
+    return asyncio.run(serve(ns, config))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
