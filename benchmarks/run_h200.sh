@@ -694,7 +694,7 @@ PY
           kill -TERM $server; wait $server
         done ;;
     client29) # kvserve bench's streaming client: aiohttp (this tree) against httpx (913b519's client, carried as
-        # .carry/oldkv/kvserve; needs .carry/oldkv and .carry/tok). First the client alone against a paced stand-in
+        # .carry/oldkv/kvserve: git archive 913b519 kvserve | tar -x -C .carry/oldkv; needs .carry/oldkv and .carry/tok). First the client alone against a paced stand-in
         # server (bench_client_cpu.py), then through one 7B-shape server (default flags): bench processes new, old,
         # new, old, each a seeds' run (50 in flight, 512 in / 256 out, 200 prompts) and a 256-request burst with
         # lengths uniform in about [100, 1024] (--request-rate inf).
