@@ -70,7 +70,6 @@ def _serve(port: int, period_s: float, tokens: int, ready: Any, counts: Any) -> 
                     if line.lower().startswith(b"content-length:"):
                         length = int(line.split(b":", 1)[1])
                 await reader.readexactly(length)
-                counts[1] += 1
                 writer.write(head)
                 done = asyncio.get_running_loop().create_future()
                 streams[id(done)] = [0, writer, done]
@@ -148,7 +147,7 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = multiprocessing.get_context("spawn")
-    ready, counts = ctx.Event(), ctx.Array("l", 2)
+    ready, counts = ctx.Event(), ctx.Array("l", 1)
     server = ctx.Process(target=_serve, args=(port, args.period_ms / 1e3, args.tokens, ready, counts), daemon=True)
     server.start()
     try:

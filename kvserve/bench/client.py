@@ -17,10 +17,11 @@ server sent an error object inside the stream), `invalid_response` (a chunk that
 `cancelled` (still running when the run was ended by its drain timeout or an interrupt; `send` records it
 and re-raises the cancellation).
 
-The streams go through aiohttp: its C-accelerated HTTP parser costs about a fifth of httpx's per streamed
-chunk (20 against 100-106 µs of client CPU on the CI machine, 50 streams at about 8,700 chunks/s:
-`docs/perf_notes.md` entry 48), and a client short of CPU reads chunks late, which shows in the TTFT and ITL
-it reports. Listing the models (`fetch_model_names`) is one request and stays on httpx.
+The streams go through aiohttp, which costs about a quarter of httpx's client CPU per streamed chunk (23-27
+against 90-92 µs on the H200 host, 27-30 against 108-115 on the CI machine; `docs/perf_notes.md` entry 48):
+a client short of CPU reads chunks late, which shows in the TTFT and ITL it reports. Listing the models
+(`fetch_model_names`) is one request and stays on httpx. Redirects are not followed (the httpx client
+followed none either), and proxy variables such as HTTP_PROXY do not apply (the httpx client read them).
 """
 
 from __future__ import annotations
@@ -136,12 +137,17 @@ class StreamClient:
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
             s = self.settings
-            connector = aiohttp.TCPConnector(limit=s.max_connections or 0, limit_per_host=0)
+            # Idle connections are dropped after 4 s, before the usual server-side keep-alive of 5 s
+            # (uvicorn's default, so kvserve's and vLLM's): a request sent on a connection the server is just
+            # closing would fail, and aiohttp does not retry a POST.
+            connector = aiohttp.TCPConnector(limit=s.max_connections or 0, limit_per_host=0,
+                                             keepalive_timeout=_KEEPALIVE_S)
             # No total or read limit here: `send` bounds the whole request by the request timeout.
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=min(s.request_timeout_s, 30.0))
-            # trust_env: proxy variables (HTTP_PROXY, NO_PROXY, ...) apply, as they do for httpx.
+            # trust_env off: with it, aiohttp reads ~/.netrc and looks up proxies in a thread for every
+            # request, inside the timed window. Proxy variables therefore do not apply.
             self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, headers=self._headers,
-                                                  trust_env=True)
+                                                  trust_env=False)
         return self._session
 
     async def aclose(self) -> None:
@@ -176,19 +182,21 @@ class StreamClient:
         try:
             await asyncio.wait_for(self._stream(body, record, started), self.settings.request_timeout_s)
         except asyncio.CancelledError:
-            record.fail(ERROR_CANCELLED, "still running when the run ended (drain timeout or interrupt)",
-                        record.status_code)
-            record.e2e_s = time.perf_counter() - started
+            # An answer already complete (cancelled while its body's end was read) keeps its record.
+            if record.e2e_s is None:
+                record.fail(ERROR_CANCELLED, "still running when the run ended (drain timeout or interrupt)",
+                            record.status_code)
+                record.e2e_s = time.perf_counter() - started
             raise
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
             # Before asyncio.TimeoutError: aiohttp's connect timeout is one too.
             record.fail(ERROR_CONNECTION, f"{type(exc).__name__}: {exc}")
         except asyncio.TimeoutError:
-            record.fail(ERROR_TIMEOUT, f"no complete answer within {self.settings.request_timeout_s:g} s",
-                        record.status_code)
-        except (aiohttp.ClientError, ValueError) as exc:
-            # Headers received: the stream broke; none: the connection failed before any answer (ValueError:
-            # a URL aiohttp cannot use).
+            if record.e2e_s is None:  # else complete, and timed out while its body's end was read
+                record.fail(ERROR_TIMEOUT, f"no complete answer within {self.settings.request_timeout_s:g} s",
+                            record.status_code)
+        except aiohttp.ClientError as exc:
+            # Headers received: the stream broke; none: the connection failed before any answer.
             kind = ERROR_BROKEN_STREAM if record.status_code is not None else ERROR_CONNECTION
             record.fail(kind, f"{type(exc).__name__}: {exc}", record.status_code)
         if record.e2e_s is None:
@@ -196,7 +204,8 @@ class StreamClient:
         return record
 
     async def _stream(self, body: dict[str, Any], record: RequestRecord, started: float) -> None:
-        async with self._http().post(self.settings.endpoint, data=self._encoder.encode(body)) as response:
+        async with self._http().post(self.settings.endpoint, data=self._encoder.encode(body),
+                                     allow_redirects=False) as response:
             record.status_code = response.status
             if response.status >= 400:
                 text = (await response.read()).decode("utf-8", "replace")
@@ -246,6 +255,8 @@ class StreamClient:
         return obj
 
 
+# Seconds an idle pooled connection is kept (see StreamClient._http).
+_KEEPALIVE_S = 4.0
 # How long a finished answer's remaining bytes (the end of the chunked body after `[DONE]`) may take to
 # arrive before its connection is dropped instead of going back to the pool.
 _DRAIN_S = 0.2

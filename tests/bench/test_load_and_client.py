@@ -221,16 +221,19 @@ def test_the_pool_reuses_at_most_max_connections_and_sends_the_key(fake_server):
                                              api_key="sk-test", max_connections=3))
         try:
             requests = [BenchRequest(i, ({"role": "user", "content": "hi"},), 4) for i in range(12)]
-            first = [await client.send(r, 0.0) for r in requests[:4]]  # one after another: one connection
+            first = [await client.send(r, 0.0) for r in requests[:4]]
+            sequential_connections = len(server.state.connections)
             rest = await asyncio.gather(*(client.send(r, 0.0) for r in requests[4:]))
-            return first + list(rest)
+            return first + list(rest), sequential_connections
         finally:
             await client.aclose()
 
-    records = asyncio.run(scenario())
+    records, sequential_connections = asyncio.run(scenario())
     assert all(r.success and r.output_tokens == 4 for r in records)
-    # Eight at once through a pool of three: the streams share three keep-alive connections.
-    assert 1 <= len(server.state.connections) <= 3
+    # One after another, the four requests reuse one connection; then eight at once through a pool of three
+    # share three.
+    assert sequential_connections == 1
+    assert len(server.state.connections) <= 3
     assert server.state.max_in_flight <= 3
     assert server.state.authorizations == ["Bearer sk-test"] * 12
 
@@ -246,14 +249,39 @@ def test_a_body_held_open_after_done_does_not_hold_the_request(fake_server):
         try:
             started = time.perf_counter()
             record = await client.send(BenchRequest(0, ({"role": "user", "content": "hi"},), 4), 0.0)
-            return record, time.perf_counter() - started
+            waited = time.perf_counter() - started
+            second = await client.send(BenchRequest(1, ({"role": "user", "content": "hi"},), 4), 0.0)
+            return record, waited, second
         finally:
             await client.aclose()
 
-    record, waited = asyncio.run(scenario())
-    # Complete at [DONE]; the client drops the connection rather than wait for the body's end.
+    record, waited, second = asyncio.run(scenario())
+    # Complete at [DONE]; the client drops the connection rather than wait for the body's end, so the next
+    # request opens a new one.
     assert record.success and record.output_tokens == 4 and record.e2e_s < 2.0
     assert waited < 2.0
+    assert second.success and len(server.state.connections) == 2
+
+
+def test_a_timeout_while_reading_a_finished_bodys_end_keeps_the_answer(fake_server):
+    from kvserve.bench.client import ClientSettings, StreamClient
+    from kvserve.bench.datasets import BenchRequest
+
+    # The answer is complete after about 15 ms; the request timeout fires while the client reads the end of
+    # a body the server holds open.
+    server = fake_server(hold_after_done_s=5.0)
+
+    async def scenario():
+        client = StreamClient(ClientSettings(server.base_url + "/v1/completions", "completions", MODEL,
+                                             request_timeout_s=0.15))
+        try:
+            return await client.send(BenchRequest(0, ({"role": "user", "content": "hi"},), 4), 0.0)
+        finally:
+            await client.aclose()
+
+    record = asyncio.run(scenario())
+    assert record.success and record.output_tokens == 4 and record.finish_reason == "length"
+    assert record.e2e_s < 0.15
 
 
 def test_missing_done_and_finish_reason_is_a_broken_stream(fake_server, bench, prompts_file):
