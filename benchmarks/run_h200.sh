@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: api29 client29 pytest28 cublas28 firstburst28 firstpass28w firstpass28s firstpass28e firstpass28 sweep28 abclient27 gcprobe27 client27 mnbt27 rowq26 gcserve26 gc26 bisect26 hash25 capfail25b capfail25 offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: client29b api29 client29 pytest28 cublas28 firstburst28 firstpass28w firstpass28s firstpass28e firstpass28 sweep28 abclient27 gcprobe27 client27 mnbt27 rowq26 gcserve26 gc26 bisect26 hash25 capfail25b capfail25 offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Pass the local commit, written in literally (the device copy's git metadata can be stale, so a $(git ...) in
 # the command would read it there): KVSERVE_BENCH_COMMIT=<sha> bash ...
@@ -650,6 +650,41 @@ PY
         for mode in EAGER LAZY; do firstpass_engine firstpass28e $mode CUDA_MODULE_LOADING=$mode; done
         grep -E "firstpass pass|firstpass28e" "$R/firstpass28e_full.log" >> "$R/firstpass28e.log"
         cp "$R/firstpass28e.log" "$OUT/" ;;
+    client29b) # The final client code alone: bench_client_cpu.py at the two shapes of client29, then one 7B-shape server
+        # and two bench processes, each a seeds' run and a 256-request burst as in client29. Needs .carry/tok.
+        for shape in "--concurrency 50 --requests 200 --tokens 256 --period-ms 5" \
+                     "--concurrency 256 --requests 512 --tokens 128 --period-ms 20"; do
+          PYTHONPATH=/tmp/site:$PWD timeout 120 python3 benchmarks/bench_client_cpu.py $shape --label aiohttp \
+            >> "$R/client29b.log" 2>&1
+        done
+        serve_7b "$R/client29b_server.log"
+        for n in 1 2; do
+          for load in seeds burst256; do
+            json="$R/client29b_${n}_$load.json"
+            if [ $load = seeds ]; then
+              args="--concurrency 50 --num-prompts 200 --input-len 512 --max-tokens 256"
+            else
+              args="--request-rate inf --num-prompts 256 --input-len 562 --input-dist uniform --max-tokens 562 --output-dist uniform --range-ratio 0.82"
+            fi
+            PYTHONPATH=/tmp/site:$PWD timeout 90 python3 -m kvserve bench --endpoint http://localhost:8000/v1/completions \
+              --model qwen2-7b $args --warmup 8 --ignore-eos --tokenizer "$dir" --no-progress --json "$json" \
+              > "$R/client29b_bench_${n}_$load.log" 2>&1
+            python3 - "$json" "$n" "$load" >> "$R/client29b.log" 2>&1 <<'PY'
+import json, sys
+run = json.load(open(sys.argv[1]))["runs"][-1]
+s, recs = run["summary"], run["records"]
+gaps = [g for r in recs for g in r["itl_s"]]
+near0 = 100.0 * sum(g < 0.001 for g in gaps) / max(len(gaps), 1)
+wait = 1e3 * sum(r.get("queued_s") or 0.0 for r in recs) / len(recs)
+print(f"process {sys.argv[2]} {sys.argv[3]:8s}: output {s['output_throughput']:.0f} tok/s, completed {s['completed']}/"
+      f"{s['num_requests']}; TTFT p50 {s['ttft']['median_ms']:.1f} ms; ITL p50 {s['itl']['median_ms']:.2f} P99 "
+      f"{s['itl']['p99_ms']:.1f} ms, {near0:.1f} % of gaps < 1 ms; mean wait {wait:.1f} ms; client CPU "
+      f"{s['client']['cpu_percent']:.0f}%, lag P99 {s['client']['loop_lag_p99_ms']:.1f} ms")
+PY
+            gzip -f "$json"
+          done
+        done
+        kill -TERM $server; wait $server ;;
     api29) # Ran at 84918b8 (uvloop + httptools, removed after this measurement: docs/perf_notes.md entry 48).
         # The API process on uvloop + httptools (that tree's default) against asyncio's loop + h11 (KVSERVE_UVLOOP=0
         # and a wheel directory without httptools or uvloop): servers new, base, new, base, each one 256-request
@@ -1127,7 +1162,7 @@ PY
 done
 tar czf "$OUT/results.tgz" -C "$R" .
 echo "=== total $(( $(date +%s) - T0 ))s"
-for f in "$R"/api29.log "$R"/client29.log "$R"/pytest28.log "$R"/cublas28.log "$R"/firstburst28.log "$R"/firstpass28w.log "$R"/firstpass28s.log "$R"/firstpass28e.log "$R"/firstpass28.log "$R"/sweep28.log "$R"/abclient27.log "$R"/gcprobe27.log "$R"/client27.log "$R"/mnbt27.log "$R"/pytest26.log "$R"/rowq26.log "$R"/gcserve26.log "$R"/gc26.log "$R"/bisect26.log "$R"/hash25.log "$R"/capfail25b_before.log "$R"/pytest25b.log "$R"/capfail25_before.log "$R"/pytest25.log "$R"/pytest24.log "$R"/apipath.log "$R"/poisson22.log "$R"/mixed22.log "$R"/shared22.log "$R"/pytest22c.log "$R"/hostcopy22.log "$R"/pytest22.log "$R"/pytest22b.log "$R"/start22.log "$R"/copy22.log "$R"/pytest21.log "$R"/pw21d.log "$R"/pw21c.log "$R"/serve21.log "$R"/pw21b.log "$R"/pw21.log "$R"/host20.log "$R"/ph20.log "$R"/gaps20.log "$R"/pytest20.log "$R"/split20.log "$R"/tprofh20.log "$R"/sync20.log "$R"/tprof20.log "$R"/ws19.log "$R"/prune19.log "$R"/dec19.log "$R"/kprof19.log "$R"/pytest_fmlp.log "$R"/fmlp18.log "$R"/pytest_early.log "$R"/early17.log "$R"/tprof17.log "$R"/kprof17.log "$R"/pytest_lpt.log "$R"/lpt16.log "$R"/abpad16.log "$R"/kprof16.log "$R"/ggufa.log "$R"/layout1.log "$R"/kprof15.log "$R"/pytest_review14.log "$R"/review14.log "$R"/gatesmall2.log "$R"/pytest_tma.log "$R"/tmaab.log "$R"/gatesmall.log "$R"/gateup2.log "$R"/pytest_gateup2.log "$R"/gateab2.log "$R"/gateup.log "$R"/pytest_gateup.log "$R"/gateab.log "$R"/l2probe.log "$R"/diag13.log "$R"/hfdiag3.log "$R"/sdpafix.log "$R"/hfdiag2.log "$R"/hfdiag.log "$R"/final12.log "$R"/pytest_lt.log "$R"/tuneab2.log "$R"/tuneab.log "$R"/ltalgos.log "$R"/attnab3.log "$R"/attnab2.log "$R"/attnpf.log "$R"/attnsweep.log "$R"/rows32.log "$R"/ttftrest.log "$R"/prefillab.log "$R"/prefillprof.log "$R"/gemm4.log "$R"/ttftclk.log "$R"/gemm3.log "$R"/blasab.log "$R"/confirm.log "$R"/fuseab2.log "$R"/ttftrand2.log "$R"/pdlab2.log "$R"/pdlgemm.log "$R"/pdlab.log "$R"/ttftrand.log "$R"/modload.log "$R"/sharedab.log "$R"/final.log "$R"/gguf.log "$R"/fuseab.log "$R"/skinnyab.log "$R"/gemm.log "$R"/pattn.log "$R"/cascade.log "$R"/serve.log "$R"/diag3.log "$R"/ttftab.log "$R"/prefixab.log "$R"/diag2.log "$R"/async.log "$R"/sweep.log "$R"/diag.log "$R"/profile.log "$R"/pytest_gpu.log "$R"/engine.log "$R"/engine2.log "$R"/eager.log "$R"/ab.log "$R"/prefix2.log "$R"/hf.log "$R"/gpu_kernels.log "$R"/elementwise.log; do
+for f in "$R"/client29b.log "$R"/api29.log "$R"/client29.log "$R"/pytest28.log "$R"/cublas28.log "$R"/firstburst28.log "$R"/firstpass28w.log "$R"/firstpass28s.log "$R"/firstpass28e.log "$R"/firstpass28.log "$R"/sweep28.log "$R"/abclient27.log "$R"/gcprobe27.log "$R"/client27.log "$R"/mnbt27.log "$R"/pytest26.log "$R"/rowq26.log "$R"/gcserve26.log "$R"/gc26.log "$R"/bisect26.log "$R"/hash25.log "$R"/capfail25b_before.log "$R"/pytest25b.log "$R"/capfail25_before.log "$R"/pytest25.log "$R"/pytest24.log "$R"/apipath.log "$R"/poisson22.log "$R"/mixed22.log "$R"/shared22.log "$R"/pytest22c.log "$R"/hostcopy22.log "$R"/pytest22.log "$R"/pytest22b.log "$R"/start22.log "$R"/copy22.log "$R"/pytest21.log "$R"/pw21d.log "$R"/pw21c.log "$R"/serve21.log "$R"/pw21b.log "$R"/pw21.log "$R"/host20.log "$R"/ph20.log "$R"/gaps20.log "$R"/pytest20.log "$R"/split20.log "$R"/tprofh20.log "$R"/sync20.log "$R"/tprof20.log "$R"/ws19.log "$R"/prune19.log "$R"/dec19.log "$R"/kprof19.log "$R"/pytest_fmlp.log "$R"/fmlp18.log "$R"/pytest_early.log "$R"/early17.log "$R"/tprof17.log "$R"/kprof17.log "$R"/pytest_lpt.log "$R"/lpt16.log "$R"/abpad16.log "$R"/kprof16.log "$R"/ggufa.log "$R"/layout1.log "$R"/kprof15.log "$R"/pytest_review14.log "$R"/review14.log "$R"/gatesmall2.log "$R"/pytest_tma.log "$R"/tmaab.log "$R"/gatesmall.log "$R"/gateup2.log "$R"/pytest_gateup2.log "$R"/gateab2.log "$R"/gateup.log "$R"/pytest_gateup.log "$R"/gateab.log "$R"/l2probe.log "$R"/diag13.log "$R"/hfdiag3.log "$R"/sdpafix.log "$R"/hfdiag2.log "$R"/hfdiag.log "$R"/final12.log "$R"/pytest_lt.log "$R"/tuneab2.log "$R"/tuneab.log "$R"/ltalgos.log "$R"/attnab3.log "$R"/attnab2.log "$R"/attnpf.log "$R"/attnsweep.log "$R"/rows32.log "$R"/ttftrest.log "$R"/prefillab.log "$R"/prefillprof.log "$R"/gemm4.log "$R"/ttftclk.log "$R"/gemm3.log "$R"/blasab.log "$R"/confirm.log "$R"/fuseab2.log "$R"/ttftrand2.log "$R"/pdlab2.log "$R"/pdlgemm.log "$R"/pdlab.log "$R"/ttftrand.log "$R"/modload.log "$R"/sharedab.log "$R"/final.log "$R"/gguf.log "$R"/fuseab.log "$R"/skinnyab.log "$R"/gemm.log "$R"/pattn.log "$R"/cascade.log "$R"/serve.log "$R"/diag3.log "$R"/ttftab.log "$R"/prefixab.log "$R"/diag2.log "$R"/async.log "$R"/sweep.log "$R"/diag.log "$R"/profile.log "$R"/pytest_gpu.log "$R"/engine.log "$R"/engine2.log "$R"/eager.log "$R"/ab.log "$R"/prefix2.log "$R"/hf.log "$R"/gpu_kernels.log "$R"/elementwise.log; do
   [ -f "$f" ] || continue
   echo "##### $(basename "$f")"
   case $(basename "$f") in
@@ -1207,6 +1242,7 @@ for f in "$R"/api29.log "$R"/client29.log "$R"/pytest28.log "$R"/cublas28.log "$
     gcprobe27.log) cut -c1-1500 "$f" ;;
     client27.log) cut -c1-400 "$f" ;;
     mnbt27.log) cut -c1-300 "$f" ;;
+    client29b.log) grep -E "^client:|^ +[0-9] |^process|Error|Traceback" "$f" | cut -c1-260 ;;
     api29.log) grep -E "^server|^process|Error|Traceback" "$f" | cut -c1-300 ;;
     client29.log) grep -E "^client:|^ +[0-9] |^process|Error|Traceback" "$f" | cut -c1-260 ;;
     gcserve26.log) cat "$f" | cut -c1-300 ;;
