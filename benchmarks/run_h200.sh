@@ -29,6 +29,15 @@ sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", sys.argv[1]]))' "$t" >> "$
     echo "exit $?" >> "$log"
   done
 }
+# bench_load_args LOAD: kvserve bench's load flags for LOAD: seeds (50 in flight, 512 in / 256 out, 200
+# prompts) or burst256 (256 requests at once, lengths uniform in about [100, 1024]).
+bench_load_args() {
+  if [ "$1" = seeds ]; then
+    echo "--concurrency 50 --num-prompts 200 --input-len 512 --max-tokens 256"
+  else
+    echo "--request-rate inf --num-prompts 256 --input-len 562 --input-dist uniform --max-tokens 562 --output-dist uniform --range-ratio 0.82"
+  fi
+}
 # serve_7b LOG [FLAGS...]: kvserve serve on the Qwen2.5-7B shape (dummy weights) on port 8000 in the
 # background, served as qwen2-7b, with FLAGS; returns once /health answers (at most 120 s). Sets $server (its
 # pid) and $dir (the model directory, kvserve bench's --tokenizer). Needs .carry/tok. SERVE_SITE: the
@@ -661,11 +670,7 @@ PY
         for n in 1 2; do
           for load in seeds burst256; do
             json="$R/client29b_${n}_$load.json"
-            if [ $load = seeds ]; then
-              args="--concurrency 50 --num-prompts 200 --input-len 512 --max-tokens 256"
-            else
-              args="--request-rate inf --num-prompts 256 --input-len 562 --input-dist uniform --max-tokens 562 --output-dist uniform --range-ratio 0.82"
-            fi
+            args=$(bench_load_args $load)
             PYTHONPATH=/tmp/site:$PWD timeout 90 python3 -m kvserve bench --endpoint http://localhost:8000/v1/completions \
               --model qwen2-7b $args --warmup 8 --ignore-eos --tokenizer "$dir" --no-progress --json "$json" \
               > "$R/client29b_bench_${n}_$load.log" 2>&1
@@ -700,11 +705,7 @@ PY
           grep -o "event loop [a-z]*" "$R/api29_server_$n.log" | head -1 | sed "s/^/server $n $mode: /" >> "$R/api29.log"
           for load in burst256 seeds; do
             json="$R/api29_${n}_${mode}_$load.json"
-            if [ $load = seeds ]; then
-              args="--concurrency 50 --num-prompts 200 --input-len 512 --max-tokens 256"
-            else
-              args="--request-rate inf --num-prompts 256 --input-len 562 --input-dist uniform --max-tokens 562 --output-dist uniform --range-ratio 0.82"
-            fi
+            args=$(bench_load_args $load)
             t0=$(awk '{print $14 + $15}' /proc/$server/stat)
             PYTHONPATH=/tmp/site:$PWD timeout 90 python3 -m kvserve bench --endpoint http://localhost:8000/v1/completions \
               --model qwen2-7b $args --warmup 8 --ignore-eos --tokenizer "$dir" --no-progress --json "$json" \
@@ -746,11 +747,7 @@ PY
           n=$((n + 1))
           for load in seeds burst256; do
             json="$R/client29_${n}_${mode}_$load.json"
-            if [ $load = seeds ]; then
-              args="--concurrency 50 --num-prompts 200 --input-len 512 --max-tokens 256"
-            else
-              args="--request-rate inf --num-prompts 256 --input-len 562 --input-dist uniform --max-tokens 562 --output-dist uniform --range-ratio 0.82"
-            fi
+            args=$(bench_load_args $load)
             where=$PWD; [ $mode = old ] && where=$PWD/.carry/oldkv
             (cd "$where" && PYTHONPATH=/tmp/site:$where timeout 90 python3 -m kvserve bench \
               --endpoint http://localhost:8000/v1/completions --model qwen2-7b $args --warmup 8 --ignore-eos \
