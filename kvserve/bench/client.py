@@ -47,6 +47,11 @@ ERROR_INVALID_RESPONSE = "invalid_response"
 ERROR_CANCELLED = "cancelled"
 # Error messages kept per record (the first bytes of an error body are enough to tell what went wrong).
 _MAX_ERROR_CHARS = 300
+# Seconds an idle pooled connection is kept (see StreamClient._http).
+_KEEPALIVE_S = 4.0
+# How long a finished answer's remaining bytes (the end of the chunked body after `[DONE]`) may take to
+# arrive before its connection is dropped instead of going back to the pool.
+_DRAIN_S = 0.2
 
 
 @dataclass
@@ -253,13 +258,6 @@ class StreamClient:
             record.fail(ERROR_INVALID_RESPONSE, f"chunk is not a JSON object: {shown!r}", record.status_code)
             return None
         return obj
-
-
-# Seconds an idle pooled connection is kept (see StreamClient._http).
-_KEEPALIVE_S = 4.0
-# How long a finished answer's remaining bytes (the end of the chunked body after `[DONE]`) may take to
-# arrive before its connection is dropped instead of going back to the pool.
-_DRAIN_S = 0.2
 
 
 async def _drain(response: aiohttp.ClientResponse) -> None:

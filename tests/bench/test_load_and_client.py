@@ -210,25 +210,36 @@ def test_invalid_chunks_and_refused_connections_are_counted(fake_server, bench, 
     assert record.error_kind == "connection" and record.status_code is None and not record.success
 
 
-def test_the_pool_reuses_at_most_max_connections_and_sends_the_key(fake_server):
+def _with_client(server, scenario, **settings):
+    """Run `scenario(client, request)` with a StreamClient on `server`'s completions endpoint; `request(i)`
+    makes the i-th four-token request."""
     from kvserve.bench.client import ClientSettings, StreamClient
     from kvserve.bench.datasets import BenchRequest
 
-    server = fake_server(itl_s=0.001)
+    def request(i):
+        return BenchRequest(i, ({"role": "user", "content": "hi"},), 4)
 
-    async def scenario():
+    async def run():
         client = StreamClient(ClientSettings(server.base_url + "/v1/completions", "completions", MODEL,
-                                             api_key="sk-test", max_connections=3))
+                                             **settings))
         try:
-            requests = [BenchRequest(i, ({"role": "user", "content": "hi"},), 4) for i in range(12)]
-            first = [await client.send(r, 0.0) for r in requests[:4]]
-            sequential_connections = len(server.state.connections)
-            rest = await asyncio.gather(*(client.send(r, 0.0) for r in requests[4:]))
-            return first + list(rest), sequential_connections
+            return await scenario(client, request)
         finally:
             await client.aclose()
 
-    records, sequential_connections = asyncio.run(scenario())
+    return asyncio.run(run())
+
+
+def test_the_pool_reuses_at_most_max_connections_and_sends_the_key(fake_server):
+    server = fake_server(itl_s=0.001)
+
+    async def scenario(client, request):
+        first = [await client.send(request(i), 0.0) for i in range(4)]
+        sequential_connections = len(server.state.connections)
+        rest = await asyncio.gather(*(client.send(request(i), 0.0) for i in range(4, 12)))
+        return first + list(rest), sequential_connections
+
+    records, sequential_connections = _with_client(server, scenario, api_key="sk-test", max_connections=3)
     assert all(r.success and r.output_tokens == 4 for r in records)
     # One after another, the four requests reuse one connection; then eight at once through a pool of three
     # share three.
@@ -239,23 +250,15 @@ def test_the_pool_reuses_at_most_max_connections_and_sends_the_key(fake_server):
 
 
 def test_a_body_held_open_after_done_does_not_hold_the_request(fake_server):
-    from kvserve.bench.client import ClientSettings, StreamClient
-    from kvserve.bench.datasets import BenchRequest
-
     server = fake_server(hold_after_done_s=5.0)
 
-    async def scenario():
-        client = StreamClient(ClientSettings(server.base_url + "/v1/completions", "completions", MODEL))
-        try:
-            started = time.perf_counter()
-            record = await client.send(BenchRequest(0, ({"role": "user", "content": "hi"},), 4), 0.0)
-            waited = time.perf_counter() - started
-            second = await client.send(BenchRequest(1, ({"role": "user", "content": "hi"},), 4), 0.0)
-            return record, waited, second
-        finally:
-            await client.aclose()
+    async def scenario(client, request):
+        started = time.perf_counter()
+        record = await client.send(request(0), 0.0)
+        waited = time.perf_counter() - started
+        return record, waited, await client.send(request(1), 0.0)
 
-    record, waited, second = asyncio.run(scenario())
+    record, waited, second = _with_client(server, scenario)
     # Complete at [DONE]; the client drops the connection rather than wait for the body's end, so the next
     # request opens a new one.
     assert record.success and record.output_tokens == 4 and record.e2e_s < 2.0
@@ -264,22 +267,14 @@ def test_a_body_held_open_after_done_does_not_hold_the_request(fake_server):
 
 
 def test_a_timeout_while_reading_a_finished_bodys_end_keeps_the_answer(fake_server):
-    from kvserve.bench.client import ClientSettings, StreamClient
-    from kvserve.bench.datasets import BenchRequest
-
     # The answer is complete after about 15 ms; the request timeout fires while the client reads the end of
     # a body the server holds open.
     server = fake_server(hold_after_done_s=5.0)
 
-    async def scenario():
-        client = StreamClient(ClientSettings(server.base_url + "/v1/completions", "completions", MODEL,
-                                             request_timeout_s=0.15))
-        try:
-            return await client.send(BenchRequest(0, ({"role": "user", "content": "hi"},), 4), 0.0)
-        finally:
-            await client.aclose()
+    async def scenario(client, request):
+        return await client.send(request(0), 0.0)
 
-    record = asyncio.run(scenario())
+    record = _with_client(server, scenario, request_timeout_s=0.15)
     assert record.success and record.output_tokens == 4 and record.finish_reason == "length"
     assert record.e2e_s < 0.15
 
