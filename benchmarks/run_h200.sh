@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: client29b api29 client29 pytest28 cublas28 firstburst28 firstpass28w firstpass28s firstpass28e firstpass28 sweep28 abclient27 gcprobe27 client27 mnbt27 rowq26 gcserve26 gc26 bisect26 hash25 capfail25b capfail25 offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: api30 client29b api29 client29 pytest28 cublas28 firstburst28 firstpass28w firstpass28s firstpass28e firstpass28 sweep28 abclient27 gcprobe27 client27 mnbt27 rowq26 gcserve26 gc26 bisect26 hash25 capfail25b capfail25 offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Pass the local commit, written in literally (the device copy's git metadata can be stale, so a $(git ...) in
 # the command would read it there): KVSERVE_BENCH_COMMIT=<sha> bash ...
@@ -41,12 +41,15 @@ bench_load_args() {
 # serve_7b LOG [FLAGS...]: kvserve serve on the Qwen2.5-7B shape (dummy weights) on port 8000 in the
 # background, served as qwen2-7b, with FLAGS; returns once /health answers (at most 120 s). Sets $server (its
 # pid) and $dir (the model directory, kvserve bench's --tokenizer). Needs .carry/tok. SERVE_SITE: the
-# server's wheel directory (default /tmp/site).
-serve_7b() {
-  local log=$1; shift
-  dir=$(python3 -c 'import sys; sys.path.insert(0, "benchmarks"); from common import write_served_model_dir as w; print(w("qwen2.5-7b"))')
-  PYTHONPATH=${SERVE_SITE:-/tmp/site}:$PWD python3 -m kvserve serve "$dir" --load-format dummy "$@" --served-model-name qwen2-7b \
-    --port 8000 --disable-log-requests --disable-uvicorn-access-log > "$log" 2>&1 &
+# server's wheel directory (default /tmp/site); SERVE_TREE: the kvserve tree it runs (default this one).
+serve_7b() { serve_shape qwen2.5-7b "$@"; }
+# serve_shape SHAPE LOG [FLAGS...]: serve_7b for a shape of benchmarks/common.py (still served as qwen2-7b).
+serve_shape() {
+  local shape=$1 log=$2; shift 2
+  dir=$(python3 -c 'import sys; sys.path.insert(0, "benchmarks"); from common import write_served_model_dir as w; print(w(sys.argv[1]))' "$shape")
+  local tree=${SERVE_TREE:-$PWD}  # python -m puts the working directory first on the path: run from the tree
+  (cd "$tree" && PYTHONPATH=${SERVE_SITE:-/tmp/site}:$tree exec python3 -m kvserve serve "$dir" --load-format dummy \
+    "$@" --served-model-name qwen2-7b --port 8000 --disable-log-requests --disable-uvicorn-access-log) > "$log" 2>&1 &
   server=$!
   for _ in $(seq 1 120); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 1; done
 }
@@ -659,6 +662,47 @@ PY
         for mode in EAGER LAZY; do firstpass_engine firstpass28e $mode CUDA_MODULE_LOADING=$mode; done
         grep -E "firstpass pass|firstpass28e" "$R/firstpass28e_full.log" >> "$R/firstpass28e.log"
         cp "$R/firstpass28e.log" "$OUT/" ;;
+    api30) # Queued stream updates merged into one chunk (this tree) against one chunk per update (the tree before,
+        # carried as .carry/oldkv: git archive 241149c kvserve | tar -x -C .carry/oldkv). Servers old, new, old,
+        # new of the Qwen2.5-0.5B shape (an engine that streams faster than the 7B's): 256 streams in flight, 1,024
+        # requests of 256 in / 256 out; then servers old, new, old, new of the 7B shape, each a 256-request burst
+        # and a seeds' run. The API process's CPU (/proc) over each bench process. Needs .carry/tok.
+        n=0
+        for shape in qwen2.5-0.5b qwen2.5-7b; do
+          for mode in old new old new; do
+            n=$((n + 1))
+            tree=$PWD; [ $mode = old ] && tree=$PWD/.carry/oldkv
+            SERVE_TREE=$tree serve_shape $shape "$R/api30_server_$n.log"
+            loads="closed256"; [ $shape = qwen2.5-7b ] && loads="burst256 seeds"
+            for load in $loads; do
+              if [ $load = closed256 ]; then args="--concurrency 256 --num-prompts 1024 --input-len 256 --max-tokens 256"
+              else args=$(bench_load_args $load); fi
+              json="$R/api30_${n}_${mode}_$load.json"
+              t0=$(awk '{print $14 + $15}' /proc/$server/stat)
+              PYTHONPATH=/tmp/site:$PWD timeout 100 python3 -m kvserve bench --endpoint http://localhost:8000/v1/completions \
+                --model qwen2-7b $args --warmup 8 --ignore-eos --tokenizer "$dir" --no-progress --json "$json" \
+                > "$R/api30_bench_${n}_$load.log" 2>&1
+              t1=$(awk '{print $14 + $15}' /proc/$server/stat)
+              python3 - "$json" "$mode" "$n" "$shape $load" "$t0" "$t1" "$(getconf CLK_TCK)" >> "$R/api30.log" 2>&1 <<'PY'
+import json, sys
+run = json.load(open(sys.argv[1]))["runs"][-1]
+s, recs = run["summary"], run["records"]
+gaps = [g for r in recs for g in r["itl_s"]]
+near0 = 100.0 * sum(g < 0.001 for g in gaps) / max(len(gaps), 1)
+tokens = sum(r.get("output_tokens") or 0 for r in recs)
+chunks = sum(len(r["itl_s"]) + 1 for r in recs if r.get("ttft_s") is not None)
+api_s = (int(sys.argv[6]) - int(sys.argv[5])) / int(sys.argv[7])
+print(f"server {sys.argv[3]} {sys.argv[2]:3s} {sys.argv[4]:22s}: output {s['output_throughput']:.0f} tok/s, completed "
+      f"{s['completed']}/{s['num_requests']}; TTFT p50 {s['ttft']['median_ms']:.1f} P99 {s['ttft']['p99_ms']:.1f} ms; "
+      f"ITL p50 {s['itl']['median_ms']:.2f} P99 {s['itl']['p99_ms']:.1f} ms, {near0:.1f} % of gaps < 1 ms; TPOT p50 "
+      f"{s['tpot']['median_ms']:.2f} ms; {chunks / max(tokens, 1):.2f} chunks a token; API {api_s:.2f} CPU-s "
+      f"(warm-up too), {1e6 * api_s / max(tokens, 1):.0f} us a token; client CPU {s['client']['cpu_percent']:.0f}%")
+PY
+              gzip -f "$json"
+            done
+            kill -TERM $server; wait $server
+          done
+        done ;;
     client29b) # The final client code alone: bench_client_cpu.py at the two shapes of client29, then one 7B-shape server
         # and two bench processes, each a seeds' run and a 256-request burst as in client29. Needs .carry/tok.
         for shape in "--concurrency 50 --requests 200 --tokens 256 --period-ms 5" \
@@ -1159,10 +1203,11 @@ PY
 done
 tar czf "$OUT/results.tgz" -C "$R" .
 echo "=== total $(( $(date +%s) - T0 ))s"
-for f in "$R"/client29b.log "$R"/api29.log "$R"/client29.log "$R"/pytest28.log "$R"/cublas28.log "$R"/firstburst28.log "$R"/firstpass28w.log "$R"/firstpass28s.log "$R"/firstpass28e.log "$R"/firstpass28.log "$R"/sweep28.log "$R"/abclient27.log "$R"/gcprobe27.log "$R"/client27.log "$R"/mnbt27.log "$R"/pytest26.log "$R"/rowq26.log "$R"/gcserve26.log "$R"/gc26.log "$R"/bisect26.log "$R"/hash25.log "$R"/capfail25b_before.log "$R"/pytest25b.log "$R"/capfail25_before.log "$R"/pytest25.log "$R"/pytest24.log "$R"/apipath.log "$R"/poisson22.log "$R"/mixed22.log "$R"/shared22.log "$R"/pytest22c.log "$R"/hostcopy22.log "$R"/pytest22.log "$R"/pytest22b.log "$R"/start22.log "$R"/copy22.log "$R"/pytest21.log "$R"/pw21d.log "$R"/pw21c.log "$R"/serve21.log "$R"/pw21b.log "$R"/pw21.log "$R"/host20.log "$R"/ph20.log "$R"/gaps20.log "$R"/pytest20.log "$R"/split20.log "$R"/tprofh20.log "$R"/sync20.log "$R"/tprof20.log "$R"/ws19.log "$R"/prune19.log "$R"/dec19.log "$R"/kprof19.log "$R"/pytest_fmlp.log "$R"/fmlp18.log "$R"/pytest_early.log "$R"/early17.log "$R"/tprof17.log "$R"/kprof17.log "$R"/pytest_lpt.log "$R"/lpt16.log "$R"/abpad16.log "$R"/kprof16.log "$R"/ggufa.log "$R"/layout1.log "$R"/kprof15.log "$R"/pytest_review14.log "$R"/review14.log "$R"/gatesmall2.log "$R"/pytest_tma.log "$R"/tmaab.log "$R"/gatesmall.log "$R"/gateup2.log "$R"/pytest_gateup2.log "$R"/gateab2.log "$R"/gateup.log "$R"/pytest_gateup.log "$R"/gateab.log "$R"/l2probe.log "$R"/diag13.log "$R"/hfdiag3.log "$R"/sdpafix.log "$R"/hfdiag2.log "$R"/hfdiag.log "$R"/final12.log "$R"/pytest_lt.log "$R"/tuneab2.log "$R"/tuneab.log "$R"/ltalgos.log "$R"/attnab3.log "$R"/attnab2.log "$R"/attnpf.log "$R"/attnsweep.log "$R"/rows32.log "$R"/ttftrest.log "$R"/prefillab.log "$R"/prefillprof.log "$R"/gemm4.log "$R"/ttftclk.log "$R"/gemm3.log "$R"/blasab.log "$R"/confirm.log "$R"/fuseab2.log "$R"/ttftrand2.log "$R"/pdlab2.log "$R"/pdlgemm.log "$R"/pdlab.log "$R"/ttftrand.log "$R"/modload.log "$R"/sharedab.log "$R"/final.log "$R"/gguf.log "$R"/fuseab.log "$R"/skinnyab.log "$R"/gemm.log "$R"/pattn.log "$R"/cascade.log "$R"/serve.log "$R"/diag3.log "$R"/ttftab.log "$R"/prefixab.log "$R"/diag2.log "$R"/async.log "$R"/sweep.log "$R"/diag.log "$R"/profile.log "$R"/pytest_gpu.log "$R"/engine.log "$R"/engine2.log "$R"/eager.log "$R"/ab.log "$R"/prefix2.log "$R"/hf.log "$R"/gpu_kernels.log "$R"/elementwise.log; do
+for f in "$R"/api30.log "$R"/client29b.log "$R"/api29.log "$R"/client29.log "$R"/pytest28.log "$R"/cublas28.log "$R"/firstburst28.log "$R"/firstpass28w.log "$R"/firstpass28s.log "$R"/firstpass28e.log "$R"/firstpass28.log "$R"/sweep28.log "$R"/abclient27.log "$R"/gcprobe27.log "$R"/client27.log "$R"/mnbt27.log "$R"/pytest26.log "$R"/rowq26.log "$R"/gcserve26.log "$R"/gc26.log "$R"/bisect26.log "$R"/hash25.log "$R"/capfail25b_before.log "$R"/pytest25b.log "$R"/capfail25_before.log "$R"/pytest25.log "$R"/pytest24.log "$R"/apipath.log "$R"/poisson22.log "$R"/mixed22.log "$R"/shared22.log "$R"/pytest22c.log "$R"/hostcopy22.log "$R"/pytest22.log "$R"/pytest22b.log "$R"/start22.log "$R"/copy22.log "$R"/pytest21.log "$R"/pw21d.log "$R"/pw21c.log "$R"/serve21.log "$R"/pw21b.log "$R"/pw21.log "$R"/host20.log "$R"/ph20.log "$R"/gaps20.log "$R"/pytest20.log "$R"/split20.log "$R"/tprofh20.log "$R"/sync20.log "$R"/tprof20.log "$R"/ws19.log "$R"/prune19.log "$R"/dec19.log "$R"/kprof19.log "$R"/pytest_fmlp.log "$R"/fmlp18.log "$R"/pytest_early.log "$R"/early17.log "$R"/tprof17.log "$R"/kprof17.log "$R"/pytest_lpt.log "$R"/lpt16.log "$R"/abpad16.log "$R"/kprof16.log "$R"/ggufa.log "$R"/layout1.log "$R"/kprof15.log "$R"/pytest_review14.log "$R"/review14.log "$R"/gatesmall2.log "$R"/pytest_tma.log "$R"/tmaab.log "$R"/gatesmall.log "$R"/gateup2.log "$R"/pytest_gateup2.log "$R"/gateab2.log "$R"/gateup.log "$R"/pytest_gateup.log "$R"/gateab.log "$R"/l2probe.log "$R"/diag13.log "$R"/hfdiag3.log "$R"/sdpafix.log "$R"/hfdiag2.log "$R"/hfdiag.log "$R"/final12.log "$R"/pytest_lt.log "$R"/tuneab2.log "$R"/tuneab.log "$R"/ltalgos.log "$R"/attnab3.log "$R"/attnab2.log "$R"/attnpf.log "$R"/attnsweep.log "$R"/rows32.log "$R"/ttftrest.log "$R"/prefillab.log "$R"/prefillprof.log "$R"/gemm4.log "$R"/ttftclk.log "$R"/gemm3.log "$R"/blasab.log "$R"/confirm.log "$R"/fuseab2.log "$R"/ttftrand2.log "$R"/pdlab2.log "$R"/pdlgemm.log "$R"/pdlab.log "$R"/ttftrand.log "$R"/modload.log "$R"/sharedab.log "$R"/final.log "$R"/gguf.log "$R"/fuseab.log "$R"/skinnyab.log "$R"/gemm.log "$R"/pattn.log "$R"/cascade.log "$R"/serve.log "$R"/diag3.log "$R"/ttftab.log "$R"/prefixab.log "$R"/diag2.log "$R"/async.log "$R"/sweep.log "$R"/diag.log "$R"/profile.log "$R"/pytest_gpu.log "$R"/engine.log "$R"/engine2.log "$R"/eager.log "$R"/ab.log "$R"/prefix2.log "$R"/hf.log "$R"/gpu_kernels.log "$R"/elementwise.log; do
   [ -f "$f" ] || continue
   echo "##### $(basename "$f")"
   case $(basename "$f") in
+    api30.log) cat "$f" ;;
     pytest_lt.log) grep -E "passed|failed|FAILED|Error" "$f" | tail -12 ;;
     tuneab2.log) grep -E "^decode b|^TTFT|^engine start|mode .* done|Error|error" "$f" | cut -c1-110 ;;
     tuneab.log) grep -E "^decode|^seeds|^256|^TTFT|^engine start|mode .* done|matmul tuning|Error|error" "$f" ;;

@@ -48,6 +48,18 @@ class _RequestState:
     finished_children: set[str]
 
 
+def merge_updates(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One update for two consecutive updates of a request: `later` with `earlier`'s deltas in front of its
+    own. Everything else in an update is cumulative, so `later`'s is already right."""
+    deltas = {c.index: c for c in earlier.outputs}
+    for completion in later.outputs:
+        before = deltas.get(completion.index)
+        if before is not None:
+            completion.text_delta = before.text_delta + completion.text_delta
+            completion.token_ids_delta = before.token_ids_delta + completion.token_ids_delta
+    return later
+
+
 class AsyncLLM:
     """Use from one event loop: `await start()`, then `generate()` from any number of tasks."""
 
@@ -146,7 +158,8 @@ class AsyncLLM:
 
         Each update's CompletionOutputs carry that update's `text_delta` / `token_ids_delta`; their
         `logprobs` list is cumulative and consistent with the update (the last `len(token_ids_delta)`
-        entries belong to the delta). Raises EngineDeadError when the engine is gone and
+        entries belong to the delta). An update covers one engine step, or every step that arrived
+        since the caller last asked, when it falls behind. Raises EngineDeadError when the engine is gone and
         RequestFailedError when the core refuses the request.
         """
         if self.dead_error is not None:
@@ -167,12 +180,22 @@ class AsyncLLM:
             self._child_to_parent[request.req_id] = request_id
             self._tracker.add(request.req_id, now, len(prompt_token_ids), request.max_tokens)
         finished = False
+        failure: Exception | None = None
         try:
             await self.client.add_requests(requests)
             while True:
-                item = await state.queue.get()
+                item = failure or await state.queue.get()
                 if isinstance(item, Exception):
                     raise item
+                # Updates of several engine steps queue up when this consumer falls behind (the reader
+                # handles every step that arrived before the consumers run): they go out as one update,
+                # so a lagging server writes fewer, larger chunks instead of falling further behind.
+                while not item.finished and not state.queue.empty():
+                    later = state.queue.get_nowait()
+                    if isinstance(later, Exception):
+                        failure = later  # raised after what came before it
+                        break
+                    item = merge_updates(item, later)
                 finished = item.finished
                 yield item
                 if finished:

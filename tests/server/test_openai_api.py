@@ -77,16 +77,17 @@ def test_completion_stream_equals_non_stream(client, tiny_tokenizer, prompt):
 @pytest.mark.parametrize("api", ["completions", "chat"])
 def test_stream_sends_a_chunk_for_every_token_also_without_text(tiny_server, tiny_tokenizer, api):
     """A token whose text is empty (here a special token, left out of the text) still gets its chunk, with
-    empty text, as vLLM streams: a client sees the first token when it is generated and can count every
-    token."""
+    empty text, as vLLM streams: a client sees the first token when it is generated. A chunk carries one
+    step's token, or the tokens of every step that queued while the server was behind: the logprobs count
+    them."""
     special = tiny_tokenizer.convert_tokens_to_ids("<|im_start|>")
     assert special in tiny_tokenizer.all_special_ids
     body: dict = {"model": TINY_NAME, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": True,
                   "logit_bias": {str(special): 100}, "stream_options": {"include_usage": True}}
     if api == "chat":
-        body["messages"] = MESSAGES_EN
+        body.update(messages=MESSAGES_EN, logprobs=True)
     else:
-        body["prompt"] = "Hello"
+        body.update(prompt="Hello", logprobs=0)
     with httpx.stream("POST", f"{tiny_server.base_url}/v1/{'chat/completions' if api == 'chat' else 'completions'}",
                       json=body, timeout=120) as response:
         events = read_sse(response)
@@ -96,10 +97,13 @@ def test_stream_sends_a_chunk_for_every_token_also_without_text(tiny_server, tin
         assert choices[0]["delta"] == {"role": "assistant", "content": ""}  # first, with the first token
         choices = choices[1:]
         texts = [c["delta"].get("content") for c in choices]
+        tokens = [len(c["logprobs"]["content"]) for c in choices]
     else:
         texts = [c["text"] for c in choices]
-    assert texts == ["", "", "", ""]  # one chunk per step, one token each
-    assert [c["finish_reason"] for c in choices] == [None, None, None, "length"]
+        tokens = [len(c["logprobs"]["tokens"]) for c in choices]
+    assert texts == [""] * len(choices)
+    assert sum(tokens) == 4 and min(tokens) >= 1  # every token in a chunk, no chunk without one
+    assert [c["finish_reason"] for c in choices] == [None] * (len(choices) - 1) + ["length"]
 
 
 def test_n2_seeded_samples_stream_equals_non_stream(client):

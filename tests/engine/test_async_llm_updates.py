@@ -1,0 +1,170 @@
+"""AsyncLLM.generate's updates, driven with hand-made engine messages (no engine process): one update per step
+while the consumer keeps up; when it falls behind, the queued steps come as one update whose deltas are theirs
+joined, and an error that arrives after them is raised only after they are delivered."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any, cast
+
+import pytest
+
+from kvserve.config import EngineConfig
+from kvserve.core.outputs import EngineCoreOutput, SchedulerStats, TokenLogprobs
+from kvserve.engine import async_llm
+from kvserve.engine.async_llm import AsyncLLM, RequestFailedError
+from kvserve.engine.output_processor import child_request_id
+from kvserve.protocol.core_messages import EngineOutputs, EngineReady, RequestFailed
+from kvserve.protocol.outputs import RequestOutput
+from kvserve.protocol.sampling_params import SamplingParams
+
+
+class _FakeClient:
+    """What AsyncLLM needs of EngineCoreClient, with no process behind it."""
+
+    def __init__(self, config: Any, handler: Any, log_level: str = "INFO") -> None:
+        self.dead_error = None
+        self.added: list[str] = []
+        self.aborted: list[str] = []
+
+    async def start(self) -> EngineReady:
+        return EngineReady(pid=0, num_blocks=64, block_size=16, max_model_len=256, eos_token_ids=[],
+                           startup_s=0.0, capacity_description="")
+
+    async def add_requests(self, requests: list[Any]) -> None:
+        self.added += [r.req_id for r in requests]
+
+    def abort_requests(self, req_ids: list[str]) -> None:
+        self.aborted += req_ids
+
+    async def shutdown(self) -> None:
+        pass
+
+
+def _step(*outputs: EngineCoreOutput) -> EngineOutputs:
+    return EngineOutputs(outputs=list(outputs), stats=SchedulerStats(), timestamp=0.0)
+
+
+async def _engine(monkeypatch: pytest.MonkeyPatch, tokenizer: Any) -> AsyncLLM:
+    monkeypatch.setattr(async_llm, "EngineCoreClient", _FakeClient)
+    llm = AsyncLLM(cast(EngineConfig, None), tokenizer)
+    await llm.start()
+    return llm
+
+
+async def _started(updates: AsyncIterator[RequestOutput], into: list[RequestOutput | Exception]) -> asyncio.Task:
+    """Consume `updates` into `into` in a task; returns once the request is queued in the (fake) core."""
+
+    async def consume() -> None:
+        try:
+            async for update in updates:
+                into.append(update)
+        except Exception as e:
+            into.append(e)
+
+    task = asyncio.ensure_future(consume())
+    for _ in range(3):
+        await asyncio.sleep(0)
+    return task
+
+
+def _ids(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def test_one_update_per_step_while_the_consumer_keeps_up(monkeypatch, smollm_tokenizer) -> None:
+    ids = _ids(smollm_tokenizer, " one two three")
+
+    async def run() -> list[RequestOutput | Exception]:
+        llm = await _engine(monkeypatch, smollm_tokenizer)
+        got: list[RequestOutput | Exception] = []
+        task = await _started(llm.generate("r", [1, 2], SamplingParams(max_tokens=3)), got)
+        for i, token in enumerate(ids):
+            llm.on_engine_outputs(_step(EngineCoreOutput("r", [token], finish_reason="length" if i == 2 else None)))
+            await asyncio.sleep(0)  # the consumer runs before the next step
+        await asyncio.wait_for(task, 5)
+        return got
+
+    got = asyncio.run(run())
+    assert len(ids) == 3
+    assert [u.outputs[0].token_ids_delta for u in got] == [[t] for t in ids]  # type: ignore[union-attr]
+    assert "".join(u.outputs[0].text_delta for u in got) == " one two three"  # type: ignore[union-attr]
+
+
+def test_steps_queued_behind_a_slow_consumer_come_as_one_update(monkeypatch, smollm_tokenizer) -> None:
+    ids = _ids(smollm_tokenizer, " one two three four five")
+    assert len(ids) == 5
+    top = [TokenLogprobs(token_ids=[t, t + 1], logprobs=[-0.5 - i, -2.0], rank=1) for i, t in enumerate(ids)]
+
+    async def run() -> list[RequestOutput | Exception]:
+        llm = await _engine(monkeypatch, smollm_tokenizer)
+        got: list[RequestOutput | Exception] = []
+        task = await _started(llm.generate("r", [1, 2], SamplingParams(max_tokens=5, logprobs=1)), got)
+        # Three steps arrive before the consumer runs (the reader handles every message that is there).
+        for i in range(3):
+            llm.on_engine_outputs(_step(EngineCoreOutput("r", [ids[i]], new_logprobs=[top[i]])))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        llm.on_engine_outputs(_step(EngineCoreOutput("r", [ids[3]], new_logprobs=[top[3]])))
+        await asyncio.sleep(0)
+        llm.on_engine_outputs(_step(EngineCoreOutput("r", [ids[4]], new_logprobs=[top[4]], finish_reason="length")))
+        await asyncio.wait_for(task, 5)
+        return got
+
+    got = asyncio.run(run())
+    updates = cast(list[RequestOutput], got)
+    assert [u.outputs[0].token_ids_delta for u in updates] == [ids[:3], [ids[3]], [ids[4]]]
+    assert [u.outputs[0].text_delta for u in updates] == [" one two three", " four", " five"]
+    assert [u.finished for u in updates] == [False, False, True]
+    merged = updates[0].outputs[0]
+    assert merged.text == " one two three"  # (token_ids is the live list: it grows with later steps)
+    # The cumulative logprobs agree with the update: its last len(delta) entries are the delta's tokens'.
+    assert merged.logprobs is not None and len(merged.logprobs) == 3
+    assert [next(iter(entry)) for entry in merged.logprobs[-3:]] == ids[:3]
+    assert merged.cumulative_logprob == pytest.approx(-0.5 - 1.5 - 2.5)
+
+
+def test_an_error_after_queued_steps_is_raised_after_them(monkeypatch, smollm_tokenizer) -> None:
+    ids = _ids(smollm_tokenizer, " one two")
+
+    async def run() -> list[RequestOutput | Exception]:
+        llm = await _engine(monkeypatch, smollm_tokenizer)
+        got: list[RequestOutput | Exception] = []
+        task = await _started(llm.generate("r", [1, 2], SamplingParams(max_tokens=8)), got)
+        for token in ids:
+            llm.on_engine_outputs(_step(EngineCoreOutput("r", [token])))
+        llm.on_request_failed(RequestFailed(req_id="r", message="refused", param="max_tokens"))
+        await asyncio.wait_for(task, 5)
+        return got
+
+    got = asyncio.run(run())
+    assert len(got) == 2
+    first, error = got
+    assert isinstance(first, RequestOutput) and first.outputs[0].token_ids_delta == ids
+    assert isinstance(error, RequestFailedError) and error.param == "max_tokens"
+
+
+def test_merged_samples_keep_their_own_deltas_and_an_early_finish(monkeypatch, smollm_tokenizer) -> None:
+    a = _ids(smollm_tokenizer, " red green blue")
+    b = _ids(smollm_tokenizer, " cat dog")
+    c0, c1 = child_request_id("r", 0, 2), child_request_id("r", 1, 2)
+
+    async def run() -> list[RequestOutput | Exception]:
+        llm = await _engine(monkeypatch, smollm_tokenizer)
+        got: list[RequestOutput | Exception] = []
+        task = await _started(llm.generate("r", [1, 2], SamplingParams(n=2, max_tokens=3, seed=1)), got)
+        llm.on_engine_outputs(_step(EngineCoreOutput(c0, [a[0]]), EngineCoreOutput(c1, [b[0]])))
+        llm.on_engine_outputs(_step(EngineCoreOutput(c0, [a[1]]), EngineCoreOutput(c1, [b[1]], finish_reason="stop",
+                                                                                   stop_token_id=7)))
+        llm.on_engine_outputs(_step(EngineCoreOutput(c0, [a[2]], finish_reason="length")))
+        await asyncio.wait_for(task, 5)
+        return got
+
+    got = asyncio.run(run())
+    assert len(got) == 1  # all three steps queued before the consumer ran, the last one finishing the request
+    update = cast(RequestOutput, got[0])
+    assert update.finished
+    s0, s1 = update.outputs
+    assert (s0.token_ids_delta, s0.text_delta, s0.finish_reason) == (a, " red green blue", "length")
+    assert (s1.token_ids_delta, s1.text_delta, s1.finish_reason) == (b, " cat dog", "stop")
