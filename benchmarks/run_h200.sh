@@ -701,6 +701,7 @@ PY
               gzip -f "$json"
             done
             kill -TERM $server; wait $server
+            tar czf "$OUT/results.tgz" -C "$R" .  # a call cut short still returns the servers that ran
           done
         done ;;
     client29b) # The final client code alone: bench_client_cpu.py at the two shapes of client29, then one 7B-shape server
