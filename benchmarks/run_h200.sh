@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: api30 client29b api29 client29 pytest28 cublas28 firstburst28 firstpass28w firstpass28s firstpass28e firstpass28 sweep28 abclient27 gcprobe27 client27 mnbt27 rowq26 gcserve26 gc26 bisect26 hash25 capfail25b capfail25 offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: api30b api30 client29b api29 client29 pytest28 cublas28 firstburst28 firstpass28w firstpass28s firstpass28e firstpass28 sweep28 abclient27 gcprobe27 client27 mnbt27 rowq26 gcserve26 gc26 bisect26 hash25 capfail25b capfail25 offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Pass the local commit, written in literally (the device copy's git metadata can be stale, so a $(git ...) in
 # the command would read it there): KVSERVE_BENCH_COMMIT=<sha> bash ...
@@ -662,14 +662,18 @@ PY
         for mode in EAGER LAZY; do firstpass_engine firstpass28e $mode CUDA_MODULE_LOADING=$mode; done
         grep -E "firstpass pass|firstpass28e" "$R/firstpass28e_full.log" >> "$R/firstpass28e.log"
         cp "$R/firstpass28e.log" "$OUT/" ;;
-    api30) # Queued stream updates merged into one chunk (this tree) against one chunk per update (the tree before,
+    api30|api30b) # Queued stream updates merged into one chunk (this tree) against one chunk per update (the tree before,
         # carried as .carry/oldkv: git archive 241149c kvserve | tar -x -C .carry/oldkv). Servers old, new, old,
         # new of the Qwen2.5-0.5B shape (an engine that streams faster than the 7B's): 256 streams in flight, 1,024
         # requests of 256 in / 256 out; then servers old, new, old, new of the 7B shape, each a 256-request burst
         # and a seeds' run. The API process's CPU (/proc) over each bench process. Needs .carry/tok.
+        # api30b: the same for the plan below (the reader's slice and its cheaper per-token work added).
+        plan="qwen2.5-0.5b:old qwen2.5-0.5b:new qwen2.5-0.5b:old qwen2.5-0.5b:new"
+        plan="$plan qwen2.5-7b:old qwen2.5-7b:new qwen2.5-7b:old qwen2.5-7b:new"
+        [ $step = api30b ] && plan="${plan% qwen2.5-7b:old qwen2.5-7b:new qwen2.5-7b:old qwen2.5-7b:new} qwen2.5-7b:new qwen2.5-7b:old"
         n=0
-        for shape in qwen2.5-0.5b qwen2.5-7b; do
-          for mode in old new old new; do
+        for entry in $plan; do
+            shape=${entry%:*} mode=${entry#*:}
             n=$((n + 1))
             tree=$PWD; [ $mode = old ] && tree=$PWD/.carry/oldkv
             SERVE_TREE=$tree serve_shape $shape "$R/api30_server_$n.log"
@@ -702,7 +706,6 @@ PY
             done
             kill -TERM $server; wait $server
             tar czf "$OUT/results.tgz" -C "$R" .  # a call cut short still returns the servers that ran
-          done
         done ;;
     client29b) # The final client code alone: bench_client_cpu.py at the two shapes of client29, then one 7B-shape server
         # and two bench processes, each a seeds' run and a 256-request burst as in client29. Needs .carry/tok.

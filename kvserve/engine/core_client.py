@@ -42,6 +42,11 @@ logger = logging.getLogger(__name__)
 
 # After the process exits, how long to keep reading for the EngineDead message that says why.
 _DEATH_MESSAGE_GRACE_S = 0.5
+# The longest the reader handles engine messages that are already waiting before it lets the streams run.
+# A message that is waiting is received without a pause, so a reader behind the engine would otherwise hold
+# the event loop until it caught up (seconds at 256 streams of a small model), and the streams' tokens
+# would go out in rare large bursts; the streams send what queued in the meantime as one chunk.
+READ_SLICE_S = 0.02
 
 
 class EngineDeadError(RuntimeError):
@@ -74,6 +79,7 @@ class EngineCoreClient:
         self._pending_sends: set[asyncio.Task[None]] = set()
         self._ready_future: asyncio.Future[EngineReady] | None = None
         self._shutting_down = False
+        self.read_slice_s = READ_SLICE_S
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -167,10 +173,19 @@ class EngineCoreClient:
     # ------------------------------------------------------------------ engine -> API
 
     async def _read_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        busy_since: float | None = None  # when the reader last resumed after a pause
         try:
             while True:
                 frame = await self._output.recv(copy=False)
+                if busy_since is None:
+                    busy_since = loop.time()
                 self._dispatch(self._decoder.decode(frame.buffer))
+                if not self._output.get(zmq.EVENTS) & zmq.POLLIN:
+                    busy_since = None  # nothing waiting: the next receive pauses, and the streams run
+                elif loop.time() - busy_since >= self.read_slice_s:
+                    await asyncio.sleep(0)
+                    busy_since = None
         except asyncio.CancelledError:
             raise
         except zmq.ZMQError:

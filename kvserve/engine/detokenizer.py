@@ -26,13 +26,18 @@ text). With an empty prompt there is no context and ``output_text == decode(outp
 Tokenization-space cleanup is never applied: it rewrites across token boundaries (``" ." -> "."``) and
 could change text that was already streamed. ``spaces_between_special_tokens`` is passed to the tokenizer,
 which honours it only on the slow (Python) tokenizer path; transformers' tokenizers backend ignores it.
+
+A fast tokenizer whose ``decode`` is transformers' own is decoded by its Rust tokenizer directly, which is
+what transformers calls when cleanup is off, without its four Python layers around it (most of a decode's
+time for the few tokens here; the API process decodes twice for every streamed token).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from transformers import PreTrainedTokenizerBase
+import tokenizers
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 # How many prompt tokens to decode as context for the first output token. A few are enough to give a
 # SentencePiece word-initial space something to follow; the window grows (up to the maximum) while it
@@ -56,6 +61,7 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._spaces_between_special_tokens = spaces_between_special_tokens
+        self._backend_decode = backend_decode(tokenizer)
         # Only the tail of the prompt is ever decoded again; keep just that.
         context = self._initial_context(prompt_token_ids)
         self._token_ids: list[int] = context
@@ -107,6 +113,8 @@ class IncrementalDetokenizer:
     def _decode(self, token_ids: list[int]) -> str:
         if not token_ids:
             return ""
+        if self._backend_decode is not None:
+            return self._backend_decode(token_ids, skip_special_tokens=self._skip_special_tokens)
         return self._tokenizer.decode(
             token_ids,
             skip_special_tokens=self._skip_special_tokens,
@@ -120,3 +128,18 @@ class IncrementalDetokenizer:
             del self._token_ids[: self._prefix_offset]
             self._read_offset -= self._prefix_offset
             self._prefix_offset = 0
+
+
+def backend_decode(tokenizer: PreTrainedTokenizerBase) -> Callable[..., str] | None:
+    """The Rust tokenizer's `decode(ids, skip_special_tokens=...)` when it is what `tokenizer.decode` runs
+    with cleanup off (a fast tokenizer whose class overrides neither `decode` nor `_decode`), else None."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    cls = type(tokenizer)
+    if (
+        isinstance(tokenizer, PreTrainedTokenizerFast)
+        and isinstance(backend, tokenizers.Tokenizer)
+        and cls.decode is PreTrainedTokenizerBase.decode
+        and cls._decode is PreTrainedTokenizerFast._decode
+    ):
+        return backend.decode
+    return None

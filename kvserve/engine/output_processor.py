@@ -7,7 +7,7 @@ the caller must abort it in the engine core: `process_outputs` returns those ids
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
@@ -52,7 +52,7 @@ class _ParentState:
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=[replace(s.output) for s in self.samples],
+            outputs=[s.output.copy() for s in self.samples],
             finished=self.finished,
             num_cached_tokens=self.num_cached_tokens,
         )

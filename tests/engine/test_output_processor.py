@@ -55,3 +55,20 @@ def test_stop_string_ends_request_and_asks_for_abort(smollm_tokenizer) -> None:
     assert aborted == ["s"]
     assert streamed == " one two"
     assert not proc.has_unfinished()
+
+
+def test_completion_output_copy_carries_every_field() -> None:
+    """`copy()` lists the fields by hand (for speed): a field added later must be added there too."""
+    import dataclasses
+
+    from kvserve.protocol.outputs import CompletionOutput, Logprob
+
+    values = {"index": 3, "text": "abc", "token_ids": [1, 2], "cumulative_logprob": -1.5,
+              "logprobs": [{1: Logprob(-0.5, 1)}], "finish_reason": "stop", "stop_reason": "END",
+              "text_delta": "c", "token_ids_delta": [2]}
+    assert {f.name for f in dataclasses.fields(CompletionOutput)} == set(values)
+    original = CompletionOutput(**values)
+    copied = original.copy()
+    assert copied is not original and copied == original == dataclasses.replace(original)
+    copied.text_delta = ""
+    assert original.text_delta == "c"

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
 
-from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.detokenizer import IncrementalDetokenizer, backend_decode
 
 TEXTS = [
     "Hello world! How are you today?",
@@ -200,3 +201,31 @@ def test_work_per_call_does_not_grow_with_the_output(tokenizer):
     # A window of a few characters' tokens (a 4-byte character spelled byte by byte is 4 tokens).
     assert max(counting.decoded_lengths) <= 12
     assert detok.output_text == in_context(tokenizer, prompt_ids, output_ids)
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_backend_decode_is_the_tokenizers_decode(tokenizer, skip_special_tokens):
+    """The detokenizer calls a fast tokenizer's Rust decode directly: it must give what `decode` gives, on any
+    ids (special tokens and split characters included)."""
+    fast = backend_decode(tokenizer)
+    if fast is None:
+        pytest.skip(f"{type(tokenizer).__name__} decodes through its own Python code")
+    rng = random.Random(7)
+    special = list(tokenizer.all_special_ids)
+    for _ in range(200):
+        ids = [rng.choice(special) if rng.random() < 0.1 else rng.randrange(len(tokenizer))
+               for _ in range(rng.randrange(1, 12))]
+        assert fast(ids, skip_special_tokens=skip_special_tokens) == full_decode(tokenizer, ids, skip_special_tokens)
+
+
+def test_a_tokenizer_that_overrides_decoding_is_decoded_through_it(smollm_tokenizer):
+    class Shouting(type(smollm_tokenizer)):  # type: ignore[misc]
+        def _decode(self, token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=None, **kwargs):
+            return super()._decode(token_ids, skip_special_tokens, clean_up_tokenization_spaces, **kwargs).upper()
+
+    tok = copy.copy(smollm_tokenizer)
+    tok.__class__ = Shouting
+    assert backend_decode(smollm_tokenizer) is not None and backend_decode(tok) is None
+    detok = IncrementalDetokenizer(tok, tok.encode(PROMPT, add_special_tokens=False))
+    stream(detok, tok.encode(" quiet words", add_special_tokens=False))
+    assert detok.output_text == " QUIET WORDS"
