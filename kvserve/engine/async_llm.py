@@ -51,12 +51,11 @@ class _RequestState:
 def merge_updates(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
     """One update for two consecutive updates of a request: `later` with `earlier`'s deltas in front of its
     own. Everything else in an update is cumulative, so `later`'s is already right."""
-    deltas = {c.index: c for c in earlier.outputs}
-    for completion in later.outputs:
-        before = deltas.get(completion.index)
-        if before is not None:
-            completion.text_delta = before.text_delta + completion.text_delta
-            completion.token_ids_delta = before.token_ids_delta + completion.token_ids_delta
+    later_outputs = {c.index: c for c in later.outputs}
+    for before in earlier.outputs:
+        completion = later_outputs[before.index]  # every update carries all of its request's samples
+        completion.text_delta = before.text_delta + completion.text_delta
+        completion.token_ids_delta = before.token_ids_delta + completion.token_ids_delta
     return later
 
 
@@ -184,12 +183,12 @@ class AsyncLLM:
         try:
             await self.client.add_requests(requests)
             while True:
-                item = failure or await state.queue.get()
+                item = failure if failure is not None else await state.queue.get()
                 if isinstance(item, Exception):
                     raise item
                 # Updates of several engine steps queue up when this consumer falls behind (the reader
-                # handles every step that arrived before the consumers run): they go out as one update,
-                # so a lagging server writes fewer, larger chunks instead of falling further behind.
+                # handles the waiting steps for up to a slice before the consumers run): they go out as one
+                # update, so a lagging server writes fewer, larger chunks instead of falling further behind.
                 while not item.finished and not state.queue.empty():
                     later = state.queue.get_nowait()
                     if isinstance(later, Exception):

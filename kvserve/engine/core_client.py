@@ -47,6 +47,8 @@ _DEATH_MESSAGE_GRACE_S = 0.5
 # the event loop until it caught up (seconds at 256 streams of a small model), and the streams' tokens
 # would go out in rare large bursts; the streams send what queued in the meantime as one chunk.
 READ_SLICE_S = 0.02
+# How long the reader may take after the process exited to work through what the engine sent before.
+_DEATH_BACKLOG_MAX_S = 10.0
 
 
 class EngineDeadError(RuntimeError):
@@ -216,8 +218,16 @@ class EngineCoreClient:
         loop.create_task(self._after_exit())
 
     async def _after_exit(self) -> None:
-        # An engine that failed sends EngineDead before exiting; give the reader a moment to get it.
+        # An engine that failed sends EngineDead before exiting; give the reader a moment to get it. A reader
+        # behind the engine is still working through messages sent before it (the last tokens of requests
+        # that finished, then EngineDead): wait until it has read them all, within a bound.
+        loop = asyncio.get_running_loop()
         await asyncio.sleep(_DEATH_MESSAGE_GRACE_S)
+        deadline = loop.time() + _DEATH_BACKLOG_MAX_S
+        while (not self._shutting_down and self.dead_error is None and loop.time() < deadline
+               and self._output.get(zmq.EVENTS) & zmq.POLLIN):
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)  # the last message received is handled in the reader's next turn
         assert self._process is not None
         self._process.join(timeout=0)
         self._declare_dead(f"the engine core process exited unexpectedly (exit code {self._process.exitcode})")

@@ -132,7 +132,8 @@ class IncrementalDetokenizer:
 
 def backend_decode(tokenizer: PreTrainedTokenizerBase) -> Callable[..., str] | None:
     """The Rust tokenizer's `decode(ids, skip_special_tokens=...)` when it is what `tokenizer.decode` runs
-    with cleanup off (a fast tokenizer whose class overrides neither `decode` nor `_decode`), else None."""
+    with cleanup off (a fast tokenizer whose class overrides neither `decode` nor `_decode`), else None.
+    Always pass `skip_special_tokens`: its default there is True, transformers' is False."""
     backend = getattr(tokenizer, "_tokenizer", None)
     cls = type(tokenizer)
     if (

@@ -5,6 +5,7 @@ joined, and an error that arrives after them is raised only after they are deliv
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from typing import Any, cast
 
@@ -16,7 +17,7 @@ from kvserve.engine import async_llm
 from kvserve.engine.async_llm import AsyncLLM, RequestFailedError
 from kvserve.engine.output_processor import child_request_id
 from kvserve.protocol.core_messages import EngineOutputs, EngineReady, RequestFailed
-from kvserve.protocol.outputs import RequestOutput
+from kvserve.protocol.outputs import Logprob, RequestOutput
 from kvserve.protocol.sampling_params import SamplingParams
 
 
@@ -53,7 +54,8 @@ async def _engine(monkeypatch: pytest.MonkeyPatch, tokenizer: Any) -> AsyncLLM:
     return llm
 
 
-async def _started(updates: AsyncIterator[RequestOutput], into: list[RequestOutput | Exception]) -> asyncio.Task:
+async def _started(updates: AsyncIterator[RequestOutput], into: list[RequestOutput | Exception]
+                   ) -> asyncio.Task[None]:
     """Consume `updates` into `into` in a task; returns once the request is queued in the (fake) core."""
 
     async def consume() -> None:
@@ -168,3 +170,51 @@ def test_merged_samples_keep_their_own_deltas_and_an_early_finish(monkeypatch, s
     s0, s1 = update.outputs
     assert (s0.token_ids_delta, s0.text_delta, s0.finish_reason) == (a, " red green blue", "length")
     assert (s1.token_ids_delta, s1.text_delta, s1.finish_reason) == (b, " cat dog", "stop")
+
+
+@pytest.mark.parametrize("merged", [False, True])
+def test_streamed_text_offsets_are_the_full_answers_whatever_the_chunking(monkeypatch, smollm_tokenizer, merged):
+    """A completions stream's logprobs `text_offset`s count the tokens' texts, as the non-streamed answer does:
+    the same with one chunk a step and with steps merged, also while text is held back (a possible stop
+    string)."""
+    from kvserve.entrypoints.openai.serving_common import ServingContext, completion_logprobs
+    from kvserve.entrypoints.openai.serving_completion import (
+        PreparedCompletion,
+        PreparedPrompt,
+        completion_stream,
+    )
+
+    ids = _ids(smollm_tokenizer, " cat dog STRAY bird STOP fish")
+    top = [TokenLogprobs(token_ids=[t], logprobs=[-1.0], rank=1) for t in ids]
+
+    async def run() -> list[int]:
+        llm = await _engine(monkeypatch, smollm_tokenizer)
+        params = SamplingParams(max_tokens=len(ids), stop=["STOP"], logprobs=0)
+        prepared = PreparedCompletion("cmpl-1", "m", [PreparedPrompt("cmpl-1", [1, 2], "p")], params, False)
+        events: list[str] = []
+
+        async def consume() -> None:
+            async for event in completion_stream(ServingContext(llm, ["m"], "m"), prepared, False, False):
+                events.append(event)
+
+        task = asyncio.ensure_future(consume())
+        for _ in range(5):
+            await asyncio.sleep(0)
+        for i, token in enumerate(ids):
+            llm.on_engine_outputs(_step(EngineCoreOutput("cmpl-1", [token], new_logprobs=[top[i]])))
+            if not merged or i in (2, 4):  # merged: the steps go out in three chunks
+                for _ in range(5):
+                    await asyncio.sleep(0)
+        await asyncio.wait_for(task, 5)
+        offsets: list[int] = []
+        assert events[-1] == "data: [DONE]\n\n"
+        for event in events[:-1]:
+            for choice in json.loads(event.removeprefix("data: "))["choices"]:
+                offsets += choice["logprobs"]["text_offset"] if choice["logprobs"] else []
+        return offsets
+
+    offsets = asyncio.run(run())
+    stopped_at = next(i for i in range(len(ids)) if "STOP" in smollm_tokenizer.decode(ids[: i + 1]))
+    full = completion_logprobs(smollm_tokenizer, ids[: stopped_at + 1], [{t: Logprob(-1.0, 1)} for t in
+                                                                          ids[: stopped_at + 1]], 0, 0)
+    assert offsets == full["text_offset"]

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from kvserve.core.outputs import EngineCoreOutput
 from kvserve.engine.output_processor import OutputProcessor, child_request_id
+from kvserve.protocol.outputs import CompletionOutput, Logprob
 from kvserve.protocol.sampling_params import SamplingParams
 
 
@@ -59,10 +62,6 @@ def test_stop_string_ends_request_and_asks_for_abort(smollm_tokenizer) -> None:
 
 def test_completion_output_copy_carries_every_field() -> None:
     """`copy()` lists the fields by hand (for speed): a field added later must be added there too."""
-    import dataclasses
-
-    from kvserve.protocol.outputs import CompletionOutput, Logprob
-
     values = {"index": 3, "text": "abc", "token_ids": [1, 2], "cumulative_logprob": -1.5,
               "logprobs": [{1: Logprob(-0.5, 1)}], "finish_reason": "stop", "stop_reason": "END",
               "text_delta": "c", "token_ids_delta": [2]}

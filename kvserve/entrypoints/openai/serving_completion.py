@@ -187,10 +187,14 @@ async def completion_stream(ctx: ServingContext, cmpl: PreparedCompletion, inclu
                 if not (text or completion.token_ids_delta or completion.finished):
                     continue
                 logprobs = None
+                offsets[index] = offset + len(text)
                 if want_logprobs:
                     logprobs = completion_logprobs(ctx.engine.tokenizer, completion.token_ids_delta,
                                                    delta_logprobs(completion), num_top or 0, offset)
-                offsets[index] = offset + len(text)
+                    if logprobs["tokens"]:
+                        # Offsets count the tokens' texts, as the non-streamed answer does, not the text sent
+                        # so far (which lags while text is held back): the same whichever steps share a chunk.
+                        offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
                 choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs,
                                           "finish_reason": completion.finish_reason if completion.finished else None}
                 if completion.finished:
