@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: api30b api30 client29b api29 client29 pytest28 cublas28 firstburst28 firstpass28w firstpass28s firstpass28e firstpass28 sweep28 abclient27 gcprobe27 client27 mnbt27 rowq26 gcserve26 gc26 bisect26 hash25 capfail25b capfail25 offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: api30c api30b api30 client29b api29 client29 pytest28 cublas28 firstburst28 firstpass28w firstpass28s firstpass28e firstpass28 sweep28 abclient27 gcprobe27 client27 mnbt27 rowq26 gcserve26 gc26 bisect26 hash25 capfail25b capfail25 offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Pass the local commit, written in literally (the device copy's git metadata can be stale, so a $(git ...) in
 # the command would read it there): KVSERVE_BENCH_COMMIT=<sha> bash ...
@@ -52,6 +52,25 @@ serve_shape() {
     "$@" --served-model-name qwen2-7b --port 8000 --disable-log-requests --disable-uvicorn-access-log) > "$log" 2>&1 &
   server=$!
   for _ in $(seq 1 120); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 1; done
+}
+# api30_line JSON MODE N LABEL T0 T1: one summary line of a kvserve bench JSON, with the API process's CPU ticks
+# T0 and T1 read around the run (/proc/PID/stat).
+api30_line() {
+  python3 - "$1" "$2" "$3" "$4" "$5" "$6" "$(getconf CLK_TCK)" <<'PY'
+import json, sys
+run = json.load(open(sys.argv[1]))["runs"][-1]
+s, recs = run["summary"], run["records"]
+gaps = [g for r in recs for g in r["itl_s"]]
+near0 = 100.0 * sum(g < 0.001 for g in gaps) / max(len(gaps), 1)
+tokens = sum(r.get("output_tokens") or 0 for r in recs)
+chunks = sum(len(r["itl_s"]) + 1 for r in recs if r.get("ttft_s") is not None)
+api_s = (int(sys.argv[6]) - int(sys.argv[5])) / int(sys.argv[7])
+print(f"server {sys.argv[3]} {sys.argv[2]:3s} {sys.argv[4]:22s}: output {s['output_throughput']:.0f} tok/s, completed "
+      f"{s['completed']}/{s['num_requests']}; TTFT p50 {s['ttft']['median_ms']:.1f} P99 {s['ttft']['p99_ms']:.1f} ms; "
+      f"ITL p50 {s['itl']['median_ms']:.2f} P99 {s['itl']['p99_ms']:.1f} ms, {near0:.1f} % of gaps < 1 ms; TPOT p50 "
+      f"{s['tpot']['median_ms']:.2f} ms; {chunks / max(tokens, 1):.2f} chunks a token; API {api_s:.2f} CPU-s "
+      f"(warm-up too), {1e6 * api_s / max(tokens, 1):.0f} us a token; client CPU {s['client']['cpu_percent']:.0f}%")
+PY
 }
 # firstpass_engine STEP LABEL ENV [FLAGS...]: engine_benchmarks.py's firstpass section in a fresh engine, under
 # ENV (VAR=VALUE, or "") with FLAGS, into $R/STEP_LABEL; its output and rc go to $R/STEP_full.log, its start
@@ -662,6 +681,29 @@ PY
         for mode in EAGER LAZY; do firstpass_engine firstpass28e $mode CUDA_MODULE_LOADING=$mode; done
         grep -E "firstpass pass|firstpass28e" "$R/firstpass28e_full.log" >> "$R/firstpass28e.log"
         cp "$R/firstpass28e.log" "$OUT/" ;;
+    api30c) # The final code at the 0.5B shape: the engine alone (engine_benchmarks.py's seeds section at --scale 5.12:
+        # 256 sequences of 512 in / 256 out at once), then one server (this tree) with the same load through HTTP
+        # twice (256 requests at once, 512 in / 256 out) and one closed256 run as in api30. Needs .carry/tok.
+        timeout 150 python3 benchmarks/engine_benchmarks.py --model qwen2.5-0.5b --sections start,seeds --scale 5.12 \
+          --out "$R/api30c_engine" > "$R/api30c_engine.log" 2>&1
+        grep -E "^seeds|^engine start" "$R/api30c_engine.log" >> "$R/api30.log"
+        serve_shape qwen2.5-0.5b "$R/api30c_server.log"
+        n=0
+        for load in burst512 burst512 closed256; do
+          n=$((n + 1))
+          if [ $load = closed256 ]; then args="--concurrency 256 --num-prompts 1024 --input-len 256 --max-tokens 256"
+          else args="--request-rate inf --num-prompts 256 --input-len 512 --max-tokens 256"; fi
+          json="$R/api30c_${n}_$load.json"
+          t0=$(awk '{print $14 + $15}' /proc/$server/stat)
+          PYTHONPATH=/tmp/site:$PWD timeout 100 python3 -m kvserve bench --endpoint http://localhost:8000/v1/completions \
+            --model qwen2-7b $args --warmup 8 --ignore-eos --tokenizer "$dir" --no-progress --json "$json" \
+            > "$R/api30c_bench_${n}_$load.log" 2>&1
+          t1=$(awk '{print $14 + $15}' /proc/$server/stat)
+          api30_line "$json" new "$n" "qwen2.5-0.5b $load" "$t0" "$t1" >> "$R/api30.log" 2>&1
+          gzip -f "$json"
+          tar czf "$OUT/results.tgz" -C "$R" .
+        done
+        kill -TERM $server; wait $server ;;
     api30|api30b) # Queued stream updates merged into one chunk (this tree) against one chunk per update (the tree before,
         # carried as .carry/oldkv: git archive 241149c kvserve | tar -x -C .carry/oldkv). Servers old, new, old,
         # new of the Qwen2.5-0.5B shape (an engine that streams faster than the 7B's): 256 streams in flight, 1,024
@@ -687,21 +729,7 @@ PY
                 --model qwen2-7b $args --warmup 8 --ignore-eos --tokenizer "$dir" --no-progress --json "$json" \
                 > "$R/api30_bench_${n}_$load.log" 2>&1
               t1=$(awk '{print $14 + $15}' /proc/$server/stat)
-              python3 - "$json" "$mode" "$n" "$shape $load" "$t0" "$t1" "$(getconf CLK_TCK)" >> "$R/api30.log" 2>&1 <<'PY'
-import json, sys
-run = json.load(open(sys.argv[1]))["runs"][-1]
-s, recs = run["summary"], run["records"]
-gaps = [g for r in recs for g in r["itl_s"]]
-near0 = 100.0 * sum(g < 0.001 for g in gaps) / max(len(gaps), 1)
-tokens = sum(r.get("output_tokens") or 0 for r in recs)
-chunks = sum(len(r["itl_s"]) + 1 for r in recs if r.get("ttft_s") is not None)
-api_s = (int(sys.argv[6]) - int(sys.argv[5])) / int(sys.argv[7])
-print(f"server {sys.argv[3]} {sys.argv[2]:3s} {sys.argv[4]:22s}: output {s['output_throughput']:.0f} tok/s, completed "
-      f"{s['completed']}/{s['num_requests']}; TTFT p50 {s['ttft']['median_ms']:.1f} P99 {s['ttft']['p99_ms']:.1f} ms; "
-      f"ITL p50 {s['itl']['median_ms']:.2f} P99 {s['itl']['p99_ms']:.1f} ms, {near0:.1f} % of gaps < 1 ms; TPOT p50 "
-      f"{s['tpot']['median_ms']:.2f} ms; {chunks / max(tokens, 1):.2f} chunks a token; API {api_s:.2f} CPU-s "
-      f"(warm-up too), {1e6 * api_s / max(tokens, 1):.0f} us a token; client CPU {s['client']['cpu_percent']:.0f}%")
-PY
+              api30_line "$json" "$mode" "$n" "$shape $load" "$t0" "$t1" >> "$R/api30.log" 2>&1
               gzip -f "$json"
             done
             kill -TERM $server; wait $server
