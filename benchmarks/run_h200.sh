@@ -72,6 +72,17 @@ print(f"server {sys.argv[3]} {sys.argv[2]:3s} {sys.argv[4]:22s}: output {s['outp
       f"(warm-up too), {1e6 * api_s / max(tokens, 1):.0f} us a token; client CPU {s['client']['cpu_percent']:.0f}%")
 PY
 }
+# api30_bench JSON LOG MODE N LABEL BENCH_ARGS...: one kvserve bench process against the server on port 8000
+# ($server, $dir from serve_shape), its summary line (api30_line) appended to $R/api30.log, its JSON gzipped.
+api30_bench() {
+  local json=$1 log=$2 mode=$3 n=$4 label=$5 t0 t1; shift 5
+  t0=$(awk '{print $14 + $15}' /proc/$server/stat)
+  PYTHONPATH=/tmp/site:$PWD timeout 100 python3 -m kvserve bench --endpoint http://localhost:8000/v1/completions \
+    --model qwen2-7b "$@" --warmup 8 --ignore-eos --tokenizer "$dir" --no-progress --json "$json" > "$log" 2>&1
+  t1=$(awk '{print $14 + $15}' /proc/$server/stat)
+  api30_line "$json" "$mode" "$n" "$label" "$t0" "$t1" >> "$R/api30.log" 2>&1
+  gzip -f "$json"
+}
 # firstpass_engine STEP LABEL ENV [FLAGS...]: engine_benchmarks.py's firstpass section in a fresh engine, under
 # ENV (VAR=VALUE, or "") with FLAGS, into $R/STEP_LABEL; its output and rc go to $R/STEP_full.log, its start
 # time and phases to $R/STEP.log.
@@ -693,14 +704,7 @@ PY
           n=$((n + 1))
           if [ $load = closed256 ]; then args="--concurrency 256 --num-prompts 1024 --input-len 256 --max-tokens 256"
           else args="--request-rate inf --num-prompts 256 --input-len 512 --max-tokens 256"; fi
-          json="$R/api30c_${n}_$load.json"
-          t0=$(awk '{print $14 + $15}' /proc/$server/stat)
-          PYTHONPATH=/tmp/site:$PWD timeout 100 python3 -m kvserve bench --endpoint http://localhost:8000/v1/completions \
-            --model qwen2-7b $args --warmup 8 --ignore-eos --tokenizer "$dir" --no-progress --json "$json" \
-            > "$R/api30c_bench_${n}_$load.log" 2>&1
-          t1=$(awk '{print $14 + $15}' /proc/$server/stat)
-          api30_line "$json" new "$n" "qwen2.5-0.5b $load" "$t0" "$t1" >> "$R/api30.log" 2>&1
-          gzip -f "$json"
+          api30_bench "$R/api30c_${n}_$load.json" "$R/api30c_bench_${n}_$load.log" new "$n" "qwen2.5-0.5b $load" $args
           tar czf "$OUT/results.tgz" -C "$R" .
         done
         kill -TERM $server; wait $server ;;
@@ -723,14 +727,7 @@ PY
             for load in $loads; do
               if [ $load = closed256 ]; then args="--concurrency 256 --num-prompts 1024 --input-len 256 --max-tokens 256"
               else args=$(bench_load_args $load); fi
-              json="$R/api30_${n}_${mode}_$load.json"
-              t0=$(awk '{print $14 + $15}' /proc/$server/stat)
-              PYTHONPATH=/tmp/site:$PWD timeout 100 python3 -m kvserve bench --endpoint http://localhost:8000/v1/completions \
-                --model qwen2-7b $args --warmup 8 --ignore-eos --tokenizer "$dir" --no-progress --json "$json" \
-                > "$R/api30_bench_${n}_$load.log" 2>&1
-              t1=$(awk '{print $14 + $15}' /proc/$server/stat)
-              api30_line "$json" "$mode" "$n" "$shape $load" "$t0" "$t1" >> "$R/api30.log" 2>&1
-              gzip -f "$json"
+              api30_bench "$R/api30_${n}_${mode}_$load.json" "$R/api30_bench_${n}_$load.log" "$mode" "$n" "$shape $load" $args
             done
             kill -TERM $server; wait $server
             tar czf "$OUT/results.tgz" -C "$R" .  # a call cut short still returns the servers that ran
