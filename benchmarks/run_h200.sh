@@ -694,13 +694,14 @@ PY
         cp "$R/firstpass28e.log" "$OUT/" ;;
     api30c) # The final code at the 0.5B shape: the engine alone (engine_benchmarks.py's seeds section at --scale 5.12:
         # 256 sequences of 512 in / 256 out at once), then one server (this tree) with the same load through HTTP
-        # twice (256 requests at once, 512 in / 256 out) and one closed256 run as in api30. Needs .carry/tok.
+        # twice (256 requests at once, 512 in / 256 out) and one closed256 run as in api30 (API30C_LOADS: another
+        # list of burst512 / closed256). Needs .carry/tok.
         timeout 150 python3 benchmarks/engine_benchmarks.py --model qwen2.5-0.5b --sections start,seeds --scale 5.12 \
           --out "$R/api30c_engine" > "$R/api30c_engine.log" 2>&1
         grep -E "^seeds|^engine start" "$R/api30c_engine.log" >> "$R/api30.log"
         serve_shape qwen2.5-0.5b "$R/api30c_server.log"
         n=0
-        for load in burst512 burst512 closed256; do
+        for load in ${API30C_LOADS:-burst512 burst512 closed256}; do
           n=$((n + 1))
           if [ $load = closed256 ]; then args="--concurrency 256 --num-prompts 1024 --input-len 256 --max-tokens 256"
           else args="--request-rate inf --num-prompts 256 --input-len 512 --max-tokens 256"; fi
