@@ -716,8 +716,8 @@ PY
         # and a seeds' run. The API process's CPU (/proc) over each bench process. Needs .carry/tok.
         # api30b: the same for the plan below (the reader's slice and its cheaper per-token work added).
         plan="qwen2.5-0.5b:old qwen2.5-0.5b:new qwen2.5-0.5b:old qwen2.5-0.5b:new"
-        plan="$plan qwen2.5-7b:old qwen2.5-7b:new qwen2.5-7b:old qwen2.5-7b:new"
-        [ $step = api30b ] && plan="${plan% qwen2.5-7b:old qwen2.5-7b:new qwen2.5-7b:old qwen2.5-7b:new} qwen2.5-7b:new qwen2.5-7b:old"
+        if [ $step = api30 ]; then plan="$plan qwen2.5-7b:old qwen2.5-7b:new qwen2.5-7b:old qwen2.5-7b:new"
+        else plan="$plan qwen2.5-7b:new qwen2.5-7b:old"; fi
         n=0
         for entry in $plan; do
             shape=${entry%:*} mode=${entry#*:}

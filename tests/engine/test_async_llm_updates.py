@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import pytest
 
@@ -19,6 +19,8 @@ from kvserve.engine.output_processor import child_request_id
 from kvserve.protocol.core_messages import EngineOutputs, EngineReady, RequestFailed
 from kvserve.protocol.outputs import Logprob, RequestOutput
 from kvserve.protocol.sampling_params import SamplingParams
+
+T = TypeVar("T")
 
 
 class _FakeClient:
@@ -54,19 +56,19 @@ async def _engine(monkeypatch: pytest.MonkeyPatch, tokenizer: Any) -> AsyncLLM:
     return llm
 
 
-async def _started(updates: AsyncIterator[RequestOutput], into: list[RequestOutput | Exception]
-                   ) -> asyncio.Task[None]:
-    """Consume `updates` into `into` in a task; returns once the request is queued in the (fake) core."""
+async def _started(items: AsyncIterator[T], into: list[T | Exception]) -> asyncio.Task[None]:
+    """Consume `items` (a request's updates, or a stream's events) into `into` in a task; returns once the
+    request is queued in the (fake) core."""
 
     async def consume() -> None:
         try:
-            async for update in updates:
-                into.append(update)
+            async for item in items:
+                into.append(item)
         except Exception as e:
             into.append(e)
 
     task = asyncio.ensure_future(consume())
-    for _ in range(3):
+    for _ in range(5):
         await asyncio.sleep(0)
     return task
 
@@ -191,15 +193,8 @@ def test_streamed_text_offsets_are_the_full_answers_whatever_the_chunking(monkey
         llm = await _engine(monkeypatch, smollm_tokenizer)
         params = SamplingParams(max_tokens=len(ids), stop=["STOP"], logprobs=0)
         prepared = PreparedCompletion("cmpl-1", "m", [PreparedPrompt("cmpl-1", [1, 2], "p")], params, False)
-        events: list[str] = []
-
-        async def consume() -> None:
-            async for event in completion_stream(ServingContext(llm, ["m"], "m"), prepared, False, False):
-                events.append(event)
-
-        task = asyncio.ensure_future(consume())
-        for _ in range(5):
-            await asyncio.sleep(0)
+        events: list[str | Exception] = []
+        task = await _started(completion_stream(ServingContext(llm, ["m"], "m"), prepared, False, False), events)
         for i, token in enumerate(ids):
             llm.on_engine_outputs(_step(EngineCoreOutput("cmpl-1", [token], new_logprobs=[top[i]])))
             if not merged or i in (2, 4):  # merged: the steps go out in three chunks
@@ -209,6 +204,7 @@ def test_streamed_text_offsets_are_the_full_answers_whatever_the_chunking(monkey
         offsets: list[int] = []
         assert events[-1] == "data: [DONE]\n\n"
         for event in events[:-1]:
+            assert isinstance(event, str)
             for choice in json.loads(event.removeprefix("data: "))["choices"]:
                 offsets += choice["logprobs"]["text_offset"] if choice["logprobs"] else []
         return offsets
