@@ -63,7 +63,14 @@ QWEN25_05B = {**QWEN25_7B, "hidden_size": 896, "intermediate_size": 4864, "num_h
 # The same structure, small: for trying the scripts on a CPU.
 TINY = {**QWEN25_7B, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 49152, "max_position_embeddings": 4096}
-MODEL_CONFIGS = {"qwen2.5-7b": QWEN25_7B, "qwen2.5-0.5b": QWEN25_05B, "tiny": TINY}
+# SmolLM2-135M-Instruct's shape, the default model's (Llama, head dim 64, tied embeddings), at bf16.
+SMOLLM2_135M = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
+    "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "max_position_embeddings": 8192,
+    "rope_theta": 100000.0, "rms_norm_eps": 1e-05, "vocab_size": 49152, "tie_word_embeddings": True,
+    "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+}
+MODEL_CONFIGS = {"qwen2.5-7b": QWEN25_7B, "qwen2.5-0.5b": QWEN25_05B, "smollm2-135m": SMOLLM2_135M, "tiny": TINY}
 
 COPY_TBPS = 4.28  # measured device-to-device copy on the H200 (PERFORMANCE.md)
 

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: api30c api30b api30 client29b api29 client29 pytest28 cublas28 firstburst28 firstpass28w firstpass28s firstpass28e firstpass28 sweep28 abclient27 gcprobe27 client27 mnbt27 rowq26 gcserve26 gc26 bisect26 hash25 capfail25b capfail25 offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: asc31 api30c api30b api30 client29b api29 client29 pytest28 cublas28 firstburst28 firstpass28w firstpass28s firstpass28e firstpass28 sweep28 abclient27 gcprobe27 client27 mnbt27 rowq26 gcserve26 gc26 bisect26 hash25 capfail25b capfail25 offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Pass the local commit, written in literally (the device copy's git metadata can be stale, so a $(git ...) in
 # the command would read it there): KVSERVE_BENCH_COMMIT=<sha> bash ...
@@ -52,6 +52,13 @@ serve_shape() {
     "$@" --served-model-name qwen2-7b --port 8000 --disable-log-requests --disable-uvicorn-access-log) > "$log" 2>&1 &
   server=$!
   for _ in $(seq 1 120); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 1; done
+  api_pids=$(sed -n 's/.*started [0-9]* more API server processes (pids \([0-9, ]*\)).*/\1/p' "$log" | tr -d ,)
+}
+# api_ticks: CPU ticks of the server's API processes so far ($server and $api_pids from serve_shape).
+api_ticks() {
+  local pid total=0
+  for pid in $server $api_pids; do total=$((total + $(awk '{print $14 + $15}' /proc/$pid/stat))); done
+  echo $total
 }
 # api30_line JSON MODE N LABEL T0 T1: one summary line of a kvserve bench JSON, with the API process's CPU ticks
 # T0 and T1 read around the run (/proc/PID/stat).
@@ -76,10 +83,10 @@ PY
 # ($server, $dir from serve_shape), its summary line (api30_line) appended to $R/api30.log, its JSON gzipped.
 api30_bench() {
   local json=$1 log=$2 mode=$3 n=$4 label=$5 t0 t1; shift 5
-  t0=$(awk '{print $14 + $15}' /proc/$server/stat)
+  t0=$(api_ticks)
   PYTHONPATH=/tmp/site:$PWD timeout 100 python3 -m kvserve bench --endpoint http://localhost:8000/v1/completions \
     --model qwen2-7b "$@" --warmup 8 --ignore-eos --tokenizer "$dir" --no-progress --json "$json" > "$log" 2>&1
-  t1=$(awk '{print $14 + $15}' /proc/$server/stat)
+  t1=$(api_ticks)
   api30_line "$json" "$mode" "$n" "$label" "$t0" "$t1" >> "$R/api30.log" 2>&1
   gzip -f "$json"
 }
@@ -692,6 +699,33 @@ PY
         for mode in EAGER LAZY; do firstpass_engine firstpass28e $mode CUDA_MODULE_LOADING=$mode; done
         grep -E "firstpass pass|firstpass28e" "$R/firstpass28e_full.log" >> "$R/firstpass28e.log"
         cp "$R/firstpass28e.log" "$OUT/" ;;
+    asc31) # --api-server-count: servers of the plan ASC31_PLAN (SHAPE:COUNT ...), each with the loads that fit the
+        # shape: closed256 (256 streams, 1,024 requests of 256 in / 256 out) and burst512 (256 requests of 512 in /
+        # 256 out at once) for the small shapes, a 256-request burst and a seeds' run for the 7B. First, when
+        # ASC31_ENGINE=1, the 0.5B shape's engine alone on burst512's load (as api30c). The API processes' CPU
+        # (all of them) over each bench process. Lines in $R/api30.log ("server N COUNT ..."). Needs .carry/tok.
+        if [ "${ASC31_ENGINE:-0}" = 1 ]; then
+          timeout 150 python3 benchmarks/engine_benchmarks.py --model qwen2.5-0.5b --sections start,seeds --scale 5.12 \
+            --out "$R/asc31_engine" > "$R/asc31_engine.log" 2>&1
+          grep -E "^seeds|^engine start" "$R/asc31_engine.log" >> "$R/api30.log"
+        fi
+        n=0
+        for entry in ${ASC31_PLAN:-qwen2.5-0.5b:1 qwen2.5-0.5b:2 qwen2.5-0.5b:4}; do
+          shape=${entry%:*} count=${entry#*:}
+          n=$((n + 1))
+          serve_shape $shape "$R/asc31_server_$n.log" --api-server-count $count
+          loads="closed256 burst512"; [ $shape = qwen2.5-7b ] && loads="burst256 seeds"
+          for load in $loads; do
+            case $load in
+              closed256) args="--concurrency 256 --num-prompts 1024 --input-len 256 --max-tokens 256" ;;
+              burst512) args="--request-rate inf --num-prompts 256 --input-len 512 --max-tokens 256" ;;
+              *) args=$(bench_load_args $load) ;;
+            esac
+            api30_bench "$R/asc31_${n}_$load.json" "$R/asc31_bench_${n}_$load.log" "x$count" "$n" "$shape $load" $args
+          done
+          kill -TERM $server; wait $server
+          tar czf "$OUT/results.tgz" -C "$R" .  # a call cut short still returns the servers that ran
+        done ;;
     api30c) # The final code at the 0.5B shape: the engine alone (engine_benchmarks.py's seeds section at --scale 5.12:
         # 256 sequences of 512 in / 256 out at once), then one server (this tree) with the same load through HTTP
         # twice (256 requests at once, 512 in / 256 out) and one closed256 run as in api30 (API30C_LOADS: another

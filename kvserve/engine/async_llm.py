@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerBase
 
 from kvserve.config import EngineConfig
 from kvserve.core.outputs import SchedulerStats
-from kvserve.engine.core_client import EngineCoreClient, EngineDeadError
+from kvserve.engine.core_client import EngineAttachment, EngineCoreClient, EngineDeadError
 from kvserve.engine.input_processor import InputProcessor
 from kvserve.engine.output_processor import OutputProcessor, child_request_id
 from kvserve.metrics.stats import IterationStats, RequestStatsTracker, StatLogger
@@ -68,12 +68,15 @@ class AsyncLLM:
         tokenizer: PreTrainedTokenizerBase | None = None,
         stat_loggers: list[StatLogger] | None = None,
         log_level: str = "INFO",
+        api_server_count: int = 1,
+        attach: EngineAttachment | None = None,
     ) -> None:
-        """`tokenizer` None: `start()` loads the model's (while the engine process loads the model)."""
+        """`tokenizer` None: `start()` loads the model's (while the engine process loads the model).
+        `api_server_count` and `attach`: see `EngineCoreClient`."""
         self.config = config
         self._tokenizer = tokenizer
         self.stat_loggers = list(stat_loggers or [])
-        self.client = EngineCoreClient(config, self, log_level)
+        self.client = EngineCoreClient(config, self, log_level, api_server_count, attach)
         self._output_processor: OutputProcessor | None = None
         self._input_processor: InputProcessor | None = None
         self.ready: EngineReady | None = None

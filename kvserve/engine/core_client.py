@@ -6,6 +6,12 @@ message becomes the error). After that a reader task decodes every engine messag
 `EngineMessageHandler` (the `AsyncLLM`); the process's sentinel is watched by the event loop, so an engine
 that dies without a word (SIGKILL, OOM killer) is noticed at once.
 
+With `--api-server-count N` the first API process's client starts the engine with an input and an output
+address for each of the N processes; every other process's client attaches to the running engine
+(`EngineAttachment`): it binds its own pair, waits for `EngineReady` as the first one does, and watches the
+engine process through a pidfd instead of the sentinel of a child. Only the first client shuts the engine
+down.
+
 All methods must be called from the event loop thread that ran `start()`.
 """
 
@@ -17,6 +23,7 @@ import multiprocessing
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from typing import Protocol
 
 import msgspec
@@ -63,15 +70,37 @@ class EngineMessageHandler(Protocol):
     def on_engine_dead(self, error: EngineDeadError) -> None: ...
 
 
+@dataclass(frozen=True)
+class EngineAttachment:
+    """What another API process needs to attach to a running engine (picklable: sent at spawn)."""
+
+    index: int
+    input_address: str
+    output_address: str
+    engine_pid: int
+
+
+def _addresses(ipc_dir: str, index: int) -> tuple[str, str]:
+    return (f"ipc://{os.path.join(ipc_dir, f'input-{index}')}", f"ipc://{os.path.join(ipc_dir, f'output-{index}')}")
+
+
 class EngineCoreClient:
-    def __init__(self, config: EngineConfig, handler: EngineMessageHandler, log_level: str = "INFO") -> None:
+    def __init__(self, config: EngineConfig, handler: EngineMessageHandler, log_level: str = "INFO",
+                 api_server_count: int = 1, attach: EngineAttachment | None = None) -> None:
+        """`api_server_count`: how many API processes the engine serves (this one starts it). `attach`: this
+        process is one of the others, and attaches to the engine another one started."""
         self.config = config
         self.handler = handler
         self.log_level = log_level
         self.ready: EngineReady | None = None
         self.dead_error: EngineDeadError | None = None
+        self.api_server_count = api_server_count
+        self.attach = attach
+        self.index = attach.index if attach is not None else 0
         self._process: multiprocessing.process.BaseProcess | None = None
-        self._ipc_dir = tempfile.mkdtemp(prefix="kvserve-ipc-")
+        self._pidfd: int | None = None  # attached: the engine process, readable once it exits
+        self._engine_exited = False
+        self._ipc_dir = tempfile.mkdtemp(prefix="kvserve-ipc-") if attach is None else ""
         self._ctx = zmq.asyncio.Context()
         self._input = self._ctx.socket(zmq.PUSH)
         self._output = self._ctx.socket(zmq.PULL)
@@ -87,27 +116,42 @@ class EngineCoreClient:
 
     @property
     def pid(self) -> int | None:
+        if self.attach is not None:
+            return self.attach.engine_pid
         return self._process.pid if self._process is not None else None
 
     @property
     def is_alive(self) -> bool:
-        return self.dead_error is None and self._process is not None and self._process.is_alive()
+        if self.dead_error is not None:
+            return False
+        if self.attach is not None:
+            return not self._engine_exited
+        return self._process is not None and self._process.is_alive()
+
+    def attachment(self, index: int) -> EngineAttachment:
+        """What API process `index` (1 .. api_server_count - 1) attaches with; after `start()`."""
+        assert self.attach is None and self._process is not None and self._process.pid is not None
+        assert 0 < index < self.api_server_count, index
+        return EngineAttachment(index, *_addresses(self._ipc_dir, index), engine_pid=self._process.pid)
 
     async def start(self) -> EngineReady:
-        """Spawn the engine core and wait until it is ready. Raises EngineDeadError when it fails to start."""
+        """Spawn the engine core (or attach to it) and wait until it is ready. Raises EngineDeadError when it
+        fails to start."""
         loop = asyncio.get_running_loop()
-        input_address = f"ipc://{os.path.join(self._ipc_dir, 'input')}"
-        output_address = f"ipc://{os.path.join(self._ipc_dir, 'output')}"
         self._input.setsockopt(zmq.LINGER, 0)
+        self._ready_future = loop.create_future()
+        if self.attach is not None:
+            return await self._attach_to_engine(self.attach)
+        input_address, output_address = _addresses(self._ipc_dir, 0)
         self._input.bind(input_address)
         self._output.bind(output_address)
-        self._ready_future = loop.create_future()
+        every = [_addresses(self._ipc_dir, i) for i in range(self.api_server_count)]
         # NOTE: spawn, never fork: the engine initializes CUDA, and a forked child of a process with
         # threads (asyncio, tokenizers) can inherit held locks.
         mp = multiprocessing.get_context("spawn")
         self._process = mp.Process(
             target=run_engine_core,
-            args=(self.config, input_address, output_address, self.log_level),
+            args=(self.config, [a[0] for a in every], [a[1] for a in every], self.log_level),
             name="kvserve-engine-core",
             daemon=False,
         )
@@ -118,11 +162,30 @@ class EngineCoreClient:
         self.ready = await self._ready_future
         return self.ready
 
+    async def _attach_to_engine(self, attach: EngineAttachment) -> EngineReady:
+        loop = asyncio.get_running_loop()
+        self._input.bind(attach.input_address)
+        self._output.bind(attach.output_address)
+        self._reader = loop.create_task(self._read_loop())
+        try:
+            self._pidfd = os.pidfd_open(attach.engine_pid)
+        except ProcessLookupError:
+            self._engine_exited = True
+            self._declare_dead(f"the engine core process (pid {attach.engine_pid}) is gone")
+        else:
+            loop.add_reader(self._pidfd, self._on_process_exit)
+        self.ready = await self._ready_future
+        return self.ready
+
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         """Ask the engine to exit; terminate it if it does not within `timeout_s`. Idempotent."""
         if self._shutting_down:
             return
         self._shutting_down = True
+        if self._pidfd is not None:  # attached: the first API process stops the engine
+            asyncio.get_running_loop().remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
         process = self._process
         if process is not None:
             asyncio.get_running_loop().remove_reader(process.sentinel)
@@ -145,13 +208,14 @@ class EngineCoreClient:
         self._input.close(linger=0)
         self._output.close(linger=0)
         self._ctx.term()
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        if self._ipc_dir:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     # ------------------------------------------------------------------ requests
 
     async def add_requests(self, requests: list[EngineCoreRequest]) -> None:
         self._check_alive()
-        await self._send(AddRequests(requests))
+        await self._send(AddRequests(requests, self.index))
 
     def abort_requests(self, req_ids: list[str]) -> None:
         """Fire-and-forget (callable from `finally` blocks and callbacks); a dead engine needs no abort."""
@@ -209,10 +273,14 @@ class EngineCoreClient:
             self._declare_dead(message.message)
 
     def _on_process_exit(self) -> None:
-        """The process's sentinel became readable: it exited. Read what it said last, then declare."""
+        """The process's sentinel (or pidfd) became readable: it exited. Read what it said last, then declare."""
         loop = asyncio.get_running_loop()
-        assert self._process is not None
-        loop.remove_reader(self._process.sentinel)
+        if self._pidfd is not None:
+            loop.remove_reader(self._pidfd)
+            self._engine_exited = True
+        else:
+            assert self._process is not None
+            loop.remove_reader(self._process.sentinel)
         if self._shutting_down:
             return
         loop.create_task(self._after_exit())
@@ -228,7 +296,9 @@ class EngineCoreClient:
                and self._output.get(zmq.EVENTS) & zmq.POLLIN):
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.01)  # the last message received is handled in the reader's next turn
-        assert self._process is not None
+        if self._process is None:  # attached: not our child, so no exit code
+            self._declare_dead("the engine core process exited unexpectedly")
+            return
         self._process.join(timeout=0)
         self._declare_dead(f"the engine core process exited unexpectedly (exit code {self._process.exitcode})")
 

@@ -6,7 +6,11 @@ CUDA state, locks or sockets). Three threads:
 * the **main thread** runs ``schedule -> execute -> update`` (`EngineCore.step`) while any request is
   unfinished, and blocks on the input queue when idle;
 * an **input thread** owns the PULL socket: it decodes `EngineInput` messages and queues them;
-* an **output thread** owns the PUSH socket: it encodes and sends `EngineMessage`s.
+* an **output thread** owns the PUSH sockets: it encodes and sends `EngineMessage`s.
+
+With several API processes (`--api-server-count`) the PULL socket connects to each one's input address
+and there is a PUSH socket per API process: a request's outputs and failure go to the process that added
+it (`AddRequests.client_index`), everything else (ready, stats, death) to all of them.
 
 ZMQ sockets are not thread-safe, so each belongs to exactly one thread; msgpack encoding and decoding
 happen in the IO threads and overlap with the model's forward (which releases the GIL).
@@ -30,7 +34,7 @@ import msgspec
 import zmq
 
 from kvserve.config import EngineConfig
-from kvserve.core.outputs import SchedulerStats
+from kvserve.core.outputs import EngineCoreOutput, SchedulerStats
 from kvserve.engine.heap import freeze_startup_heap
 from kvserve.protocol.core_messages import (
     AbortRequests,
@@ -53,32 +57,37 @@ _PARENT_CHECK_INTERVAL_S = 1.0
 _SEND_LINGER_MS = 5000
 # Pause after a step that scheduled nothing (cannot happen with a sane scheduler; guards the loop anyway).
 _IDLE_STEP_SLEEP_S = 0.001
+# The target of an outgoing message: every API process.
+ALL_CLIENTS = -1
+Outgoing = tuple[int, EngineMessage]
 
 
-def run_engine_core(config: EngineConfig, input_address: str, output_address: str, log_level: str) -> None:
-    """Process entry point (must be importable: spawn pickles it by name). Never returns normally."""
+def run_engine_core(config: EngineConfig, input_addresses: list[str], output_addresses: list[str],
+                    log_level: str) -> None:
+    """Process entry point (must be importable: spawn pickles it by name). Never returns normally.
+    `output_addresses[i]` is API process i's; messages for it are queued as `(i, message)`."""
     # Ctrl-C reaches the whole process group; the API process decides when the engine stops (it drains
     # first), so the engine ignores SIGINT and waits for `Shutdown`.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     parent_pid = os.getppid()
-    outbox: queue.Queue[EngineMessage | None] = queue.Queue()
+    outbox: queue.Queue[Outgoing | None] = queue.Queue()
     inbox: queue.Queue[EngineInput] = queue.Queue()
     # The sender has a context of its own: terminating it at exit flushes the last messages (EngineDead)
     # without waiting for the input socket, whose thread may be blocked in recv().
-    sender = threading.Thread(target=_send_loop, args=(zmq.Context(), output_address, outbox), daemon=True,
+    sender = threading.Thread(target=_send_loop, args=(zmq.Context(), output_addresses, outbox), daemon=True,
                               name="engine-output")
     sender.start()
     exit_code = 1
     try:
         core = _start_core(config, outbox)
         if core is not None:
-            threading.Thread(target=_receive_loop, args=(zmq.Context(), input_address, inbox), daemon=True,
+            threading.Thread(target=_receive_loop, args=(zmq.Context(), input_addresses, inbox), daemon=True,
                              name="engine-input").start()
-            exit_code = EngineCoreProc(core, inbox, outbox, parent_pid).run()
+            exit_code = EngineCoreProc(core, inbox, outbox, parent_pid, len(output_addresses)).run()
     except BaseException as e:  # noqa: BLE001 - any failure must reach the API process as a message
         logger.error("engine core failed:\n%s", traceback.format_exc())
-        outbox.put(EngineDead(f"engine core failed: {type(e).__name__}: {e}"))
+        outbox.put((ALL_CLIENTS, EngineDead(f"engine core failed: {type(e).__name__}: {e}")))
     finally:
         outbox.put(None)
         sender.join(timeout=_SEND_LINGER_MS / 1000 + 1)
@@ -87,7 +96,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     os._exit(exit_code)
 
 
-def _start_core(config: EngineConfig, outbox: queue.Queue[EngineMessage | None]) -> Any:
+def _start_core(config: EngineConfig, outbox: queue.Queue[Outgoing | None]) -> Any:
     """Build the EngineCore (loads the model, allocates the KV cache); send `EngineReady` or `EngineDead`."""
     # Imported here: the API process imports this module for the entry point's name only, and must not
     # import the model code.
@@ -97,12 +106,11 @@ def _start_core(config: EngineConfig, outbox: queue.Queue[EngineMessage | None])
         core = EngineCore(config)
     except Exception as e:  # noqa: BLE001 - reported to the API process, which exits with it
         logger.debug("engine start-up failed:\n%s", traceback.format_exc())
-        outbox.put(EngineDead(f"{type(e).__name__}: {e}"))
+        outbox.put((ALL_CLIENTS, EngineDead(f"{type(e).__name__}: {e}")))
         return None
     freeze_startup_heap("engine core")
     cap = core.capacity
-    outbox.put(
-        EngineReady(
+    outbox.put((ALL_CLIENTS, EngineReady(
             pid=os.getpid(),
             num_blocks=cap.num_blocks,
             block_size=cap.block_size,
@@ -110,8 +118,7 @@ def _start_core(config: EngineConfig, outbox: queue.Queue[EngineMessage | None])
             eos_token_ids=list(core.eos_token_ids),
             startup_s=core.startup_s,
             capacity_description=cap.describe(),
-        )
-    )
+        )))
     return core
 
 
@@ -122,13 +129,17 @@ class EngineCoreProc:
         self,
         core: Any,
         inbox: queue.Queue[EngineInput],
-        outbox: queue.Queue[EngineMessage | None],
+        outbox: queue.Queue[Outgoing | None],
         parent_pid: int,
+        num_clients: int = 1,
     ) -> None:
         self.core = core  # kvserve.engine.engine_core.EngineCore (not imported at module level)
         self.inbox = inbox
         self.outbox = outbox
         self.parent_pid = parent_pid
+        self.num_clients = num_clients
+        # The API process each unfinished request came from (the keys are the core's unfinished requests).
+        self._owner: dict[str, int] = {}
         self._changed = False  # an add/abort changed the scheduler's state since the last report
         self._last_stats: SchedulerStats | None = None  # the stats last sent
         self._last_parent_check = time.monotonic()
@@ -154,7 +165,7 @@ class EngineCoreProc:
             if self.core.has_unfinished_requests():
                 result = self.core.step()
                 if result.outputs or self._changed or result.stats != self._last_stats:
-                    self.outbox.put(EngineOutputs(result.outputs, result.stats, time.time()))
+                    self._send_outputs(result.outputs, result.stats)
                     self._last_stats = result.stats
                 elif result.num_scheduled_tokens == 0:
                     # Unfinished requests but nothing could be scheduled: don't spin a core flat out.
@@ -164,8 +175,10 @@ class EngineCoreProc:
                 # Nothing left to run (e.g. the last request was aborted): report the freed blocks now,
                 # there will be no step to carry the stats.
                 self._last_stats = self.core.scheduler.make_stats()
-                self.outbox.put(EngineOutputs([], self._last_stats, time.time()))
+                self._send_outputs([], self._last_stats)
                 self._changed = False
+            if getattr(self.core, "check_invariants_every_step", False):
+                self.check_invariants()
             now = time.monotonic()
             if now - self._last_parent_check > _PARENT_CHECK_INTERVAL_S:
                 self._last_parent_check = now
@@ -178,6 +191,8 @@ class EngineCoreProc:
             self._add(message)
         elif isinstance(message, AbortRequests):
             self.core.abort_requests(message.req_ids)
+            for req_id in message.req_ids:
+                self._owner.pop(req_id, None)
         elif isinstance(message, Shutdown):
             return True
         self._changed = True
@@ -191,10 +206,35 @@ class EngineCoreProc:
             except ValueError as e:  # RequestRejected (has .param) or a malformed request
                 # The samples of one n>1 request stand or fall together.
                 self.core.abort_requests(added)
+                for req_id in added:
+                    del self._owner[req_id]
                 for other in message.requests:
-                    self.outbox.put(RequestFailed(other.req_id, str(e), getattr(e, "param", None)))
+                    self.outbox.put((message.client_index,
+                                     RequestFailed(other.req_id, str(e), getattr(e, "param", None))))
                 return
             added.append(request.req_id)
+            self._owner[request.req_id] = message.client_index
+
+    def _send_outputs(self, outputs: list[EngineCoreOutput], stats: SchedulerStats) -> None:
+        """One `EngineOutputs` for each API process: its own requests' outputs, and the stats for all."""
+        now = time.time()
+        if self.num_clients == 1:
+            for output in outputs:
+                if output.finish_reason is not None:
+                    self._owner.pop(output.req_id, None)
+            self.outbox.put((0, EngineOutputs(outputs, stats, now)))
+            return
+        by_client: list[list[EngineCoreOutput]] = [[] for _ in range(self.num_clients)]
+        for output in outputs:
+            owner = self._owner.pop(output.req_id, 0) if output.finished else self._owner.get(output.req_id, 0)
+            by_client[owner].append(output)
+        for client, own in enumerate(by_client):
+            self.outbox.put((client, EngineOutputs(own, stats, now)))
+
+    def check_invariants(self) -> None:
+        """Every unfinished request of the core has an owner, and only those."""
+        assert set(self._owner) == set(self.core.scheduler.requests), "request owners differ from the core's requests"
+        assert all(0 <= c < self.num_clients for c in self._owner.values()), "an owner index out of range"
 
     def _parent_alive(self) -> bool:
         # Reparented (to init or a subreaper) means the API process is gone: nobody will read our output.
@@ -204,9 +244,10 @@ class EngineCoreProc:
         return alive
 
 
-def _receive_loop(ctx: zmq.Context, address: str, inbox: queue.Queue[EngineInput]) -> None:
+def _receive_loop(ctx: zmq.Context, addresses: list[str], inbox: queue.Queue[EngineInput]) -> None:
     socket = ctx.socket(zmq.PULL)
-    socket.connect(address)
+    for address in addresses:  # fair-queued across the API processes
+        socket.connect(address)
     decoder = make_input_decoder()
     while True:
         frame = socket.recv(copy=False)
@@ -217,15 +258,25 @@ def _receive_loop(ctx: zmq.Context, address: str, inbox: queue.Queue[EngineInput
             logger.exception("dropping an undecodable engine input message")
 
 
-def _send_loop(ctx: zmq.Context, address: str, outbox: queue.Queue[EngineMessage | None]) -> None:
-    socket = ctx.socket(zmq.PUSH)
-    socket.setsockopt(zmq.LINGER, _SEND_LINGER_MS)
-    socket.connect(address)
+def _send_loop(ctx: zmq.Context, addresses: list[str], outbox: queue.Queue[Outgoing | None]) -> None:
+    sockets = []
+    for address in addresses:
+        socket = ctx.socket(zmq.PUSH)
+        socket.setsockopt(zmq.LINGER, _SEND_LINGER_MS)
+        # No high-water mark: a send never blocks, so an API process that lags (or has not bound its socket
+        # yet) cannot hold back the others' outputs; what it has not read waits in its queue.
+        socket.setsockopt(zmq.SNDHWM, 0)
+        socket.connect(address)
+        sockets.append(socket)
     encoder = msgspec.msgpack.Encoder()
     while True:
-        message = outbox.get()
-        if message is None:
+        item = outbox.get()
+        if item is None:
             break
-        socket.send(encoder.encode(message), copy=False)
-    socket.close()
+        client, message = item
+        frame = encoder.encode(message)
+        for socket in sockets if client == ALL_CLIENTS else [sockets[client]]:
+            socket.send(frame, copy=False)
+    for socket in sockets:
+        socket.close()
     ctx.term()  # returns once queued messages are delivered (or LINGER has passed)

@@ -14,8 +14,10 @@ logger = logging.getLogger("kvserve.stats")
 class LoggingStatLogger:
     """Logs at most every `interval_s`, and only while there is work (an idle server stays quiet)."""
 
-    def __init__(self, interval_s: float = 10.0) -> None:
+    def __init__(self, interval_s: float = 10.0, label: str = "") -> None:
+        """`label` starts each line (which API process's requests the throughput counts, when several)."""
         self.interval_s = interval_s
+        self.label = label
         self._last_log = time.monotonic()
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
@@ -43,8 +45,9 @@ class LoggingStatLogger:
             hit_rate = hits / queries if queries > 0 else 0.0
             self._last_queries, self._last_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
         logger.info(
-            "prompt throughput: %.1f tokens/s, generation throughput: %.1f tokens/s, running: %d reqs, "
+            "%sprompt throughput: %.1f tokens/s, generation throughput: %.1f tokens/s, running: %d reqs, "
             "waiting: %d reqs, KV cache usage: %.1f%%, prefix cache hit rate: %.1f%%",
+            self.label,
             self._num_prompt_tokens / elapsed,
             self._num_generation_tokens / elapsed,
             stats.num_running_reqs if stats else 0,

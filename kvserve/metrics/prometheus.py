@@ -6,12 +6,20 @@ Every series is labelled `model_name` and named as vLLM names it under our prefi
 existing vLLM dashboards and alerts work unchanged.
 
 Only this module imports `prometheus_client`; the engine core sends plain stats objects.
+
+With several API processes (`--api-server-count`) every process keeps its series in prometheus_client's
+multiprocess files in one directory (`enable_multiprocess`), and /metrics, whichever process answers it,
+merges them: counters and histograms are summed over the processes. The engine's gauges and cumulative
+counters reach every process alike, so only the first records them (`record_scheduler`), and the gauges
+merge by their maximum (the others' files hold 0).
 """
 
 from __future__ import annotations
 
+import os
+
 import prometheus_client
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess, values
 
 from kvserve.core.outputs import SchedulerStats
 from kvserve.metrics.stats import IterationStats
@@ -33,6 +41,17 @@ REQUEST_LATENCY_BUCKETS_S = [
     40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 ]
 FINISH_REASONS = ("stop", "length", "abort")
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def enable_multiprocess(directory: str) -> None:
+    """Keep every metric created from now on in `directory`'s files, shared with the other API processes.
+
+    prometheus_client picks its value class when it is first imported, from $PROMETHEUS_MULTIPROC_DIR: the
+    variable is set for the processes spawned from now on, and this process switches the class the same way.
+    """
+    os.environ[MULTIPROC_ENV] = directory
+    values.ValueClass = values.MultiProcessValue()
 
 
 def token_buckets(max_value: int) -> list[float]:
@@ -56,7 +75,8 @@ class _Series:
         labels = ["model_name"]
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(prefix + name, doc, labels, registry=registry).labels(model_name)
+            # multiprocess_mode applies to multiprocess files only: see the module's docstring.
+            return Gauge(prefix + name, doc, labels, registry=registry, multiprocess_mode="max").labels(model_name)
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(prefix + name, doc, labels, registry=registry).labels(model_name)
@@ -117,7 +137,11 @@ class PrometheusStatLogger:
         metrics_compat: str | None = None,
         registry: CollectorRegistry | None = None,
         cache_info: dict[str, str] | None = None,
+        multiprocess_dir: str | None = None,
+        record_scheduler: bool = True,
     ) -> None:
+        """`multiprocess_dir`: /metrics merges every API process's files there (`enable_multiprocess` must
+        have run first). `record_scheduler`: whether this process records the engine's stats."""
         if metrics_compat not in (None, "vllm"):
             raise ValueError(f"metrics_compat must be None or 'vllm', got {metrics_compat!r}")
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -128,16 +152,22 @@ class PrometheusStatLogger:
             prefixes = ["kvserve:"] + (["vllm:"] if metrics_compat == "vllm" else [])
             for prefix in prefixes:
                 info = Gauge(prefix + "cache_config_info", "KV cache configuration (value 1).",
-                             sorted(cache_info), registry=self.registry)
+                             sorted(cache_info), registry=self.registry, multiprocess_mode="max")
                 info.labels(**cache_info).set(1)
         # The engine's counters are cumulative; Prometheus counters take increments.
         self._last_queries = self._last_hits = self._last_preemptions = 0
+        self.multiprocess_dir = multiprocess_dir
+        self.record_scheduler = record_scheduler
 
     def generate_latest(self) -> bytes:
-        return prometheus_client.generate_latest(self.registry)
+        if self.multiprocess_dir is None:
+            return prometheus_client.generate_latest(self.registry)
+        merged = CollectorRegistry()
+        multiprocess.MultiProcessCollector(merged, path=self.multiprocess_dir)
+        return prometheus_client.generate_latest(merged)
 
     def record(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats) -> None:
-        if scheduler_stats is not None:
+        if scheduler_stats is not None and self.record_scheduler:
             self._record_scheduler(scheduler_stats)
         for s in self._series:
             if iteration.num_prompt_tokens:

@@ -20,9 +20,11 @@ from kvserve.protocol.engine import EngineCoreRequest
 
 
 class AddRequests(msgspec.Struct, tag="add"):
-    """Queue requests; the samples of one n>1 request travel together."""
+    """Queue requests; the samples of one n>1 request travel together. `client_index`: which API process
+    sent them (its outputs go back to that process only; 0 when there is one)."""
 
     requests: list[EngineCoreRequest]
+    client_index: int = 0
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):

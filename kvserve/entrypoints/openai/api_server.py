@@ -17,10 +17,17 @@ import argparse
 import asyncio
 import gc
 import logging
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.process
+import os
+import shutil
+import signal
 import socket
 import sys
+import tempfile
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from types import FrameType
 from typing import Any
 
@@ -36,7 +43,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kvserve import __version__, envs
 from kvserve.config import EngineArgs, EngineConfig
 from kvserve.engine.async_llm import AsyncLLM
-from kvserve.engine.core_client import EngineDeadError
+from kvserve.engine.core_client import EngineAttachment, EngineDeadError
 from kvserve.engine.heap import freeze_startup_heap
 from kvserve.entrypoints.openai.cli_args import make_arg_parser, server_engine_args
 from kvserve.entrypoints.openai.errors import BadRequestError, OpenAIError, error_response
@@ -67,7 +74,8 @@ from kvserve.entrypoints.openai.serving_completion import (
     prepare_completion,
 )
 from kvserve.metrics.log_stats import LoggingStatLogger
-from kvserve.metrics.prometheus import PrometheusStatLogger
+from kvserve.metrics.prometheus import PrometheusStatLogger, enable_multiprocess
+from kvserve.protocol.core_messages import EngineReady
 
 logger = logging.getLogger("kvserve.server")
 
@@ -245,12 +253,21 @@ def _describe_validation_error(exc: RequestValidationError) -> tuple[str, str | 
 
 
 class _Server(uvicorn.Server):
-    """uvicorn with a draining shutdown and an exit when the engine dies."""
+    """uvicorn with a draining shutdown and an exit when the engine dies.
 
-    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout_s: float) -> None:
+    With several API processes the first one watches the others (`others`): it passes its signals on to
+    them (the first one drains them too, a second one stops them), finishes its drain only once they have
+    exited, and drains and exits 1 when one of them exits by itself. The others (`controlled`) take orders
+    from the first process only, as SIGUSR1, and ignore SIGINT and SIGTERM: a terminal's Ctrl-C or a
+    service manager's SIGTERM reaches every process of the group at once, and would otherwise count twice."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout_s: float,
+                 others: ApiProcesses | None = None, controlled: bool = False) -> None:
         super().__init__(config)
         self.state = state
         self.shutdown_timeout_s = shutdown_timeout_s
+        self.others = others if others is not None else ApiProcesses([])
+        self.controlled = controlled
         self.exit_code = 0
         self._drain_deadline: float | None = None
         self._exit_at: float | None = None
@@ -258,11 +275,18 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # NOTE: the signal is not recorded in _captured_signals as uvicorn does: uvicorn re-raises recorded
         # signals after shutting down, and the process would then die of SIGTERM instead of exiting 0.
+        if self.controlled and sig != CONTROL_SIGNAL:
+            return
         if self.state.draining:  # second signal: stop now
+            self.others.stop_now()
             self.force_exit = True
             self.should_exit = True
             return
         logger.info("signal %d: draining (new requests get 503; %d in flight)", sig, self.state.num_inflight)
+        self._start_drain()
+
+    def _start_drain(self) -> None:
+        self.others.drain()
         self.state.draining = True
         self._drain_deadline = time.monotonic() + self.shutdown_timeout_s
 
@@ -275,8 +299,15 @@ class _Server(uvicorn.Server):
         if self._exit_at is not None and now >= self._exit_at:
             logger.error("exiting because the engine core is dead")
             self.should_exit = True
+        if not self.state.draining and self.others.any_exited():
+            for process in self.others.processes:
+                if process.exitcode is not None:
+                    logger.error("API server process %s (pid %s) exited with code %s; shutting down", process.name,
+                                 process.pid, process.exitcode)
+            self.exit_code = 1
+            self._start_drain()
         if self._drain_deadline is not None:
-            if self.state.num_inflight == 0:
+            if self.state.num_inflight == 0 and not self.others.any_alive():
                 logger.info("drained; shutting down")
                 self.should_exit = True
             elif now >= self._drain_deadline:
@@ -298,46 +329,39 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def serve(ns: argparse.Namespace, config: EngineConfig) -> int:
-    """Run the server until drained or the engine dies; returns the process exit code."""
+def _make_metrics(ns: argparse.Namespace, config: EngineConfig, ready: EngineReady, served_names: list[str],
+                  multiprocess_dir: str | None, first: bool) -> PrometheusStatLogger:
+    return PrometheusStatLogger(
+        served_names[0],
+        ready.max_model_len,
+        ns.metrics_compat,
+        cache_info={
+            "block_size": str(ready.block_size),
+            "num_gpu_blocks": str(ready.num_blocks),
+            "enable_prefix_caching": str(config.cache_config.enable_prefix_caching),
+        },
+        multiprocess_dir=multiprocess_dir,
+        record_scheduler=first,
+    )
+
+
+async def _serve_app(ns: argparse.Namespace, config: EngineConfig, engine: AsyncLLM, ready: EngineReady,
+                     sock: socket.socket, created: int, multiprocess_dir: str | None, index: int,
+                     others: ApiProcesses | None = None, on_ready: Callable[[], None] | None = None) -> int:
+    """Serve on `sock` until drained or the engine dies (API process `index`); returns the exit code."""
+    served_names = list(ns.served_model_name or [config.model_config.served_model_name])
+    metrics = _make_metrics(ns, config, ready, served_names, multiprocess_dir, first=index == 0)
+    count = ns.api_server_count
+    label = f"API server {index}: " if count > 1 else ""
+    engine.stat_loggers += [metrics, LoggingStatLogger(label=label)]
+    ctx = ServingContext(
+        engine=engine,
+        served_model_names=served_names,
+        model_path=config.model_config.model,
+        log_requests=not ns.disable_log_requests,
+        created=created,
+    )
     try:
-        sock = _bind(ns.host, ns.port)
-    except OSError as e:
-        logger.error("cannot listen on %s:%d: %s", ns.host, ns.port, e)
-        return 1
-    engine = AsyncLLM(config, log_level=envs.KVSERVE_LOGGING_LEVEL)
-    try:
-        ready = await engine.start()
-    except EngineDeadError as e:
-        logger.error("the engine failed to start: %s", e)
-        sock.close()
-        return 1
-    except ValueError as e:  # ModelLoadError: the tokenizer
-        logger.error("%s", e)
-        sock.close()
-        return 2
-    ctx: ServingContext | None = None
-    try:
-        logger.info("%s (engine ready in %.1f s)", ready.capacity_description, ready.startup_s)
-        served_names = list(ns.served_model_name or [config.model_config.served_model_name])
-        metrics = PrometheusStatLogger(
-            served_names[0],
-            ready.max_model_len,
-            ns.metrics_compat,
-            cache_info={
-                "block_size": str(ready.block_size),
-                "num_gpu_blocks": str(ready.num_blocks),
-                "enable_prefix_caching": str(config.cache_config.enable_prefix_caching),
-            },
-        )
-        engine.stat_loggers += [metrics, LoggingStatLogger()]
-        ctx = ServingContext(
-            engine=engine,
-            served_model_names=served_names,
-            model_path=config.model_config.model,
-            log_requests=not ns.disable_log_requests,
-            created=int(time.time()),
-        )
         state = ServerState()
         api_key = ns.api_key or envs.KVSERVE_API_KEY or None  # empty = no key, as vLLM
         app = build_app(ctx, state, metrics, api_key, ns.max_request_body_bytes)
@@ -348,21 +372,207 @@ async def serve(ns: argparse.Namespace, config: EngineConfig) -> int:
             timeout_keep_alive=ns.timeout_keep_alive,
             lifespan="off",
         )
-        server = _Server(uv_config, state, ns.shutdown_timeout)
+        server = _Server(uv_config, state, ns.shutdown_timeout, others, controlled=index > 0)
+        if index > 0:
+            signal.signal(CONTROL_SIGNAL, server.handle_exit)
         engine.add_dead_callback(server.on_engine_dead)
         host, port = sock.getsockname()[:2]
         freeze_startup_heap("API server")
-        logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", served_names[0], host, port)
+        if on_ready is not None:
+            on_ready()
+        if index == 0:
+            processes = f" ({count} API server processes)" if count > 1 else ""
+            logger.info("serving %s on http://%s:%d (OpenAI API under /v1)%s", served_names[0], host, port,
+                        processes)
         await server.serve(sockets=[sock])
         if engine.dead_error is not None:
             server.exit_code = 1
         return server.exit_code
     finally:
-        if ctx is not None:
-            ctx.prepare_pool.shutdown(wait=False, cancel_futures=True)
+        ctx.prepare_pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def serve(ns: argparse.Namespace, config: EngineConfig) -> int:
+    """Run the server until drained or the engine dies; returns the process exit code."""
+    try:
+        sock = _bind(ns.host, ns.port)
+    except OSError as e:
+        logger.error("cannot listen on %s:%d: %s", ns.host, ns.port, e)
+        return 1
+    count = ns.api_server_count
+    multiprocess_dir = tempfile.mkdtemp(prefix="kvserve-metrics-") if count > 1 else None
+    if multiprocess_dir is not None:
+        enable_multiprocess(multiprocess_dir)
+    engine = AsyncLLM(config, log_level=envs.KVSERVE_LOGGING_LEVEL, api_server_count=count)
+    others = ApiProcesses([])
+    try:
+        try:
+            ready = await engine.start()
+        except EngineDeadError as e:
+            logger.error("the engine failed to start: %s", e)
+            return 1
+        except ValueError as e:  # ModelLoadError: the tokenizer
+            logger.error("%s", e)
+            return 2
+        logger.info("%s (engine ready in %.1f s)", ready.capacity_description, ready.startup_s)
+        created = int(time.time())
+        if count > 1:
+            assert multiprocess_dir is not None
+            others = _start_api_processes(ns, config, engine, sock, created, multiprocess_dir)
+            if not await others.wait_serving():
+                return 1
+        code = await _serve_app(ns, config, engine, ready, sock, created, multiprocess_dir, 0, others)
+        return 1 if any(p.exitcode not in (0, None) for p in others.processes) else code
+    finally:
+        await others.stop(ns.shutdown_timeout)
         await engine.shutdown()
         sock.close()
+        if multiprocess_dir is not None:
+            shutil.rmtree(multiprocess_dir, ignore_errors=True)
         gc.unfreeze()  # the process's exit collects its start-up objects as usual
+
+
+# ------------------------------------------------------------------------- more than one API process
+
+
+# How the first API process tells the others to drain (the first time) and to stop now (the second).
+CONTROL_SIGNAL = signal.SIGUSR1
+
+
+class ApiProcesses:
+    """API processes 1 .. N-1, seen from the first one."""
+
+    def __init__(self, processes: list[multiprocessing.process.BaseProcess]) -> None:
+        self.processes = processes
+        self._ready_pipes: dict[int, multiprocessing.connection.Connection] = {}
+        self._signals_sent = 0
+
+    def add(self, process: multiprocessing.process.BaseProcess, ready_pipe: multiprocessing.connection.Connection) -> None:
+        self.processes.append(process)
+        self._ready_pipes[id(process)] = ready_pipe
+
+    def any_alive(self) -> bool:
+        return any(p.is_alive() for p in self.processes)
+
+    def any_exited(self) -> bool:
+        return any(p.exitcode is not None for p in self.processes)
+
+    def drain(self) -> None:
+        """The first order: stop taking requests, finish those in flight, exit (idempotent)."""
+        if self._signals_sent == 0:
+            self._signal()
+
+    def stop_now(self) -> None:
+        """The second order: exit now."""
+        if self._signals_sent == 0:
+            self._signal()
+        if self._signals_sent == 1:
+            self._signal()
+
+    def _signal(self) -> None:
+        self._signals_sent += 1
+        for process in self.processes:
+            if process.pid is not None and process.is_alive():
+                os.kill(process.pid, CONTROL_SIGNAL)
+
+    async def wait_serving(self) -> bool:
+        """Until every process serves (True) or one exited first (False)."""
+        waiting = list(self.processes)
+        while waiting:
+            objects: list[Any] = [self._ready_pipes[id(p)] for p in waiting] + [p.sentinel for p in waiting]
+            done = await asyncio.to_thread(multiprocessing.connection.wait, objects, 1.0)
+            for process in list(waiting):
+                pipe = self._ready_pipes[id(process)]
+                if pipe in done:
+                    try:
+                        pipe.recv()
+                    except EOFError:  # it exited before it served
+                        pass
+                    else:
+                        waiting.remove(process)
+                        continue
+                if pipe in done or process.sentinel in done:
+                    process.join(timeout=5)
+                    logger.error("API server process %s exited during start-up (exit code %s)", process.name,
+                                 process.exitcode)
+                    return False
+        return True
+
+    async def stop(self, shutdown_timeout_s: float) -> None:
+        """Drain the processes (if not ordered yet) and wait for their exit; stop, then kill, those that hang."""
+        if not self.processes:
+            return
+        self.drain()
+        for wait_s, last_resort in ((shutdown_timeout_s + 5.0, self.stop_now), (5.0, self._kill)):
+            deadline = time.monotonic() + wait_s
+            while self.any_alive() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if not self.any_alive():
+                break
+            last_resort()
+        for process in self.processes:
+            process.join(timeout=5)
+
+    def _kill(self) -> None:
+        for process in self.processes:
+            if process.is_alive():
+                logger.warning("API server process %s did not exit; killing it", process.name)
+                process.kill()
+
+
+def _start_api_processes(ns: argparse.Namespace, config: EngineConfig, engine: AsyncLLM, sock: socket.socket,
+                         created: int, multiprocess_dir: str) -> ApiProcesses:
+    """Spawn API processes 1 .. N-1 on the same listening socket; each reports on its pipe once it serves."""
+    mp = multiprocessing.get_context("spawn")
+    others = ApiProcesses([])
+    for index in range(1, ns.api_server_count):
+        receive, send = mp.Pipe(duplex=False)
+        process = mp.Process(
+            target=run_api_process,
+            args=(ns, config, engine.client.attachment(index), sock, created, multiprocess_dir, send),
+            name=f"kvserve-api-{index}",
+            daemon=False,
+        )
+        process.start()
+        send.close()
+        others.add(process, receive)
+    logger.info("started %d more API server processes (pids %s)", len(others.processes),
+                ", ".join(str(p.pid) for p in others.processes))
+    return others
+
+
+def run_api_process(ns: argparse.Namespace, config: EngineConfig, attach: EngineAttachment, sock: socket.socket,
+                    created: int, multiprocess_dir: str, ready_pipe: multiprocessing.connection.Connection) -> None:
+    """Entry point of API processes 1 .. N-1 (spawned: importable by name). Exits with the server's code."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the first process decides (see `_Server`)
+    logging.basicConfig(level=envs.KVSERVE_LOGGING_LEVEL.upper(),
+                        format="%(levelname)s %(asctime)s %(name)s: %(message)s", force=True)
+    sys.exit(asyncio.run(_serve_attached(ns, config, attach, sock, created, multiprocess_dir, ready_pipe)))
+
+
+async def _serve_attached(ns: argparse.Namespace, config: EngineConfig, attach: EngineAttachment,
+                          sock: socket.socket, created: int, multiprocess_dir: str,
+                          ready_pipe: multiprocessing.connection.Connection) -> int:
+    engine = AsyncLLM(config, log_level=envs.KVSERVE_LOGGING_LEVEL, attach=attach)
+    try:
+        try:
+            ready = await engine.start()
+        except EngineDeadError as e:
+            logger.error("API server %d cannot attach to the engine: %s", attach.index, e)
+            return 1
+        except ValueError as e:  # ModelLoadError: the tokenizer
+            logger.error("%s", e)
+            return 2
+
+        def report_ready() -> None:
+            ready_pipe.send(True)
+            ready_pipe.close()
+
+        return await _serve_app(ns, config, engine, ready, sock, created, multiprocess_dir, attach.index,
+                                on_ready=report_ready)
+    finally:
+        await engine.shutdown()
+        sock.close()
 
 
 def run_server(ns: argparse.Namespace) -> int:

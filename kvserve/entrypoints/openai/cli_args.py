@@ -42,6 +42,20 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout-keep-alive", type=int, default=5, help="seconds an idle HTTP connection is kept open (default 5)")
     g.add_argument("--shutdown-timeout", type=float, default=60.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before exiting anyway (default 60)")
+    g.add_argument("--api-server-count", "-asc", type=_positive_int, default=1, metavar="N",
+                   help="HTTP API processes sharing the port and the engine (default 1). One process handles "
+                        "HTTP, tokenization and detokenization on one core; a small model's engine at hundreds "
+                        "of streams can outrun it")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def server_engine_args(ns: argparse.Namespace) -> dict[str, object]:

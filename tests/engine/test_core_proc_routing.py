@@ -1,0 +1,158 @@
+"""The engine-core loop with several API processes: each request's outputs and failure go to the process that
+added it, the stats to every process, and the owner table follows the core's unfinished requests (a fake core:
+no model, the loop's message handling only)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from kvserve.core.outputs import EngineCoreOutput, SchedulerStats
+from kvserve.engine.core_proc import ALL_CLIENTS, EngineCoreProc, Outgoing, _send_loop
+from kvserve.protocol.core_messages import (
+    AbortRequests,
+    AddRequests,
+    EngineDead,
+    EngineOutputs,
+    RequestFailed,
+    make_message_decoder,
+)
+from kvserve.protocol.engine import EngineCoreRequest
+from kvserve.protocol.sampling_params import SamplingParams
+
+
+class _Scheduler:
+    def __init__(self) -> None:
+        self.requests: dict[str, EngineCoreRequest] = {}
+
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(num_running_reqs=len(self.requests))
+
+
+class _FakeCore:
+    """Accepts requests, rejects those whose prompt is empty, finishes the ones a test names."""
+
+    check_invariants_every_step = True
+
+    def __init__(self) -> None:
+        self.scheduler = _Scheduler()
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        if not request.prompt_token_ids:
+            raise ValueError("empty prompt")
+        self.scheduler.requests[request.req_id] = request
+
+    def abort_requests(self, req_ids: list[str]) -> None:
+        for req_id in req_ids:
+            self.scheduler.requests.pop(req_id, None)
+
+    def finish(self, req_id: str) -> EngineCoreOutput:
+        del self.scheduler.requests[req_id]
+        return EngineCoreOutput(req_id, [7], finish_reason="length")
+
+
+def _request(req_id: str, prompt: list[int] | None = None) -> EngineCoreRequest:
+    return EngineCoreRequest(req_id, [1, 2] if prompt is None else prompt, SamplingParams(), max_tokens=4)
+
+
+def _drain(outbox: queue.Queue[Outgoing | None]) -> list[tuple[int, Any]]:
+    items = []
+    while not outbox.empty():
+        item = outbox.get_nowait()
+        assert item is not None
+        items.append(item)
+    return items
+
+
+def _proc(num_clients: int) -> tuple[EngineCoreProc, _FakeCore, queue.Queue[Outgoing | None]]:
+    core = _FakeCore()
+    outbox: queue.Queue[Outgoing | None] = queue.Queue()
+    return EngineCoreProc(core, queue.Queue(), outbox, parent_pid=0, num_clients=num_clients), core, outbox
+
+
+def test_outputs_go_to_the_process_that_added_the_request_and_stats_to_all() -> None:
+    proc, core, outbox = _proc(3)
+    proc._handle(AddRequests([_request("a0"), _request("a1")], client_index=0))
+    proc._handle(AddRequests([_request("c2")], client_index=2))
+    proc.check_invariants()
+    running = [EngineCoreOutput("a0", [5]), EngineCoreOutput("c2", [6]), EngineCoreOutput("a1", [7])]
+    proc._send_outputs(running, core.scheduler.make_stats())
+    sent = _drain(outbox)
+    assert [client for client, _ in sent] == [0, 1, 2]  # every process hears the stats
+    by_client = {client: message for client, message in sent}
+    assert all(isinstance(m, EngineOutputs) and m.stats.num_running_reqs == 3 for m in by_client.values())
+    assert [o.req_id for o in by_client[0].outputs] == ["a0", "a1"]
+    assert by_client[1].outputs == []
+    assert [o.req_id for o in by_client[2].outputs] == ["c2"]
+    # A finished request is forgotten with its last output, which still reaches its process.
+    proc._send_outputs([core.finish("c2")], core.scheduler.make_stats())
+    sent = dict(_drain(outbox))
+    assert [o.req_id for o in sent[2].outputs] == ["c2"] and sent[0].outputs == []
+    proc.check_invariants()
+    # An abort forgets the request too.
+    proc._handle(AbortRequests(["a1"]))
+    proc.check_invariants()
+    assert set(proc._owner) == {"a0"}
+
+
+def test_a_rejected_request_fails_at_the_process_that_sent_it() -> None:
+    proc, core, outbox = _proc(2)
+    # The samples of one n>1 request stand or fall together: the first was added, the second is rejected.
+    proc._handle(AddRequests([_request("s0"), _request("s1", prompt=[])], client_index=1))
+    sent = _drain(outbox)
+    assert [(client, type(m), m.req_id) for client, m in sent] == [
+        (1, RequestFailed, "s0"), (1, RequestFailed, "s1")]
+    assert core.scheduler.requests == {}
+    proc.check_invariants()
+
+
+def test_one_process_gets_everything_and_the_owner_table_stays_exact() -> None:
+    proc, core, outbox = _proc(1)
+    proc._handle(AddRequests([_request("x"), _request("y")]))
+    proc._send_outputs([EngineCoreOutput("x", [1]), core.finish("y")], core.scheduler.make_stats())
+    ((client, message),) = _drain(outbox)
+    assert client == 0 and [o.req_id for o in message.outputs] == ["x", "y"]
+    proc.check_invariants()
+
+
+def test_the_invariant_check_catches_a_stale_owner() -> None:
+    proc, core, _ = _proc(2)
+    proc._handle(AddRequests([_request("z")], client_index=1))
+    core.abort_requests(["z"])  # behind the loop's back: the table still names it
+    with pytest.raises(AssertionError, match="owners"):
+        proc.check_invariants()
+
+
+def test_the_send_loop_sends_to_one_process_or_to_all(tmp_path: Path) -> None:
+    ctx = zmq.Context()
+    addresses = [f"ipc://{tmp_path / f'out-{i}'}" for i in range(2)]
+    receivers = []
+    for address in addresses:
+        socket = ctx.socket(zmq.PULL)
+        socket.bind(address)
+        receivers.append(socket)
+    outbox: queue.Queue[Outgoing | None] = queue.Queue()
+    sender = threading.Thread(target=_send_loop, args=(zmq.Context(), addresses, outbox), daemon=True)
+    sender.start()
+    outbox.put((ALL_CLIENTS, EngineDead("everyone")))
+    outbox.put((1, RequestFailed("r", "only the second")))
+    outbox.put(None)
+    sender.join(timeout=10)
+    decoder = make_message_decoder()
+
+    def received(socket: zmq.Socket) -> list[object]:
+        messages = []
+        while socket.poll(timeout=500):
+            messages.append(decoder.decode(socket.recv()))
+        return messages
+
+    assert received(receivers[0]) == [EngineDead("everyone")]
+    assert received(receivers[1]) == [EngineDead("everyone"), RequestFailed("r", "only the second")]
+    for socket in receivers:
+        socket.close(linger=0)
+    ctx.term()
