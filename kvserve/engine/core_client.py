@@ -35,6 +35,7 @@ from kvserve.engine.core_proc import run_engine_core
 from kvserve.protocol.core_messages import (
     AbortRequests,
     AddRequests,
+    ClientGone,
     EngineDead,
     EngineInput,
     EngineOutputs,
@@ -56,6 +57,8 @@ _DEATH_MESSAGE_GRACE_S = 0.5
 READ_SLICE_S = 0.02
 # How long the reader may take after the process exited to work through what the engine sent before.
 _DEATH_BACKLOG_MAX_S = 10.0
+# An attached client without pidfds checks that the engine's pid exists this often.
+_PID_POLL_S = 0.25
 
 
 class EngineDeadError(RuntimeError):
@@ -99,6 +102,7 @@ class EngineCoreClient:
         self.index = attach.index if attach is not None else 0
         self._process: multiprocessing.process.BaseProcess | None = None
         self._pidfd: int | None = None  # attached: the engine process, readable once it exits
+        self._poller: asyncio.Task[None] | None = None  # attached, where pidfds are not available
         self._engine_exited = False
         self._ipc_dir = tempfile.mkdtemp(prefix="kvserve-ipc-") if attach is None else ""
         self._ctx = zmq.asyncio.Context()
@@ -172,10 +176,22 @@ class EngineCoreClient:
         except ProcessLookupError:
             self._engine_exited = True
             self._declare_dead(f"the engine core process (pid {attach.engine_pid}) is gone")
+        except OSError as e:  # no pidfd here (an old kernel, a seccomp filter): look at the pid instead
+            logger.debug("pidfd_open failed (%s); polling the engine's pid", e)
+            self._poller = loop.create_task(self._poll_engine(attach.engine_pid))
         else:
             loop.add_reader(self._pidfd, self._on_process_exit)
         self.ready = await self._ready_future
         return self.ready
+
+    async def _poll_engine(self, pid: int) -> None:
+        while not self._shutting_down:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                self._on_process_exit()
+                return
+            await asyncio.sleep(_PID_POLL_S)
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         """Ask the engine to exit; terminate it if it does not within `timeout_s`. Idempotent."""
@@ -186,10 +202,14 @@ class EngineCoreClient:
             asyncio.get_running_loop().remove_reader(self._pidfd)
             os.close(self._pidfd)
             self._pidfd = None
+        if self._poller is not None:
+            self._poller.cancel()
         process = self._process
         if process is not None:
             asyncio.get_running_loop().remove_reader(process.sentinel)
             if process.is_alive():
+                if self._pending_sends:  # (aborts, ClientGone) before the engine stops reading
+                    await asyncio.wait(set(self._pending_sends), timeout=1.0)
                 try:
                     await asyncio.wait_for(self._input.send(self._encoder.encode(Shutdown())), 1.0)
                 except (asyncio.TimeoutError, zmq.ZMQError):
@@ -221,7 +241,16 @@ class EngineCoreClient:
         """Fire-and-forget (callable from `finally` blocks and callbacks); a dead engine needs no abort."""
         if not req_ids or self.dead_error is not None or self._shutting_down:
             return
-        task = asyncio.get_running_loop().create_task(self._send(AbortRequests(list(req_ids))))
+        self._send_soon(AbortRequests(list(req_ids), self.index))
+
+    def client_gone(self, index: int) -> None:
+        """Tell the engine that API process `index` exited (the first process does): its requests are
+        aborted and it is sent nothing more."""
+        if self.dead_error is None and not self._shutting_down:
+            self._send_soon(ClientGone(index))
+
+    def _send_soon(self, message: EngineInput) -> None:
+        task = asyncio.get_running_loop().create_task(self._send(message))
         self._pending_sends.add(task)
         task.add_done_callback(self._pending_sends.discard)
 
@@ -275,8 +304,9 @@ class EngineCoreClient:
     def _on_process_exit(self) -> None:
         """The process's sentinel (or pidfd) became readable: it exited. Read what it said last, then declare."""
         loop = asyncio.get_running_loop()
-        if self._pidfd is not None:
-            loop.remove_reader(self._pidfd)
+        if self.attach is not None:
+            if self._pidfd is not None:
+                loop.remove_reader(self._pidfd)
             self._engine_exited = True
         else:
             assert self._process is not None

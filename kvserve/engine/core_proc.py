@@ -39,6 +39,7 @@ from kvserve.engine.heap import freeze_startup_heap
 from kvserve.protocol.core_messages import (
     AbortRequests,
     AddRequests,
+    ClientGone,
     EngineDead,
     EngineInput,
     EngineMessage,
@@ -59,16 +60,25 @@ _SEND_LINGER_MS = 5000
 _IDLE_STEP_SLEEP_S = 0.001
 # The target of an outgoing message: every API process.
 ALL_CLIENTS = -1
-Outgoing = tuple[int, EngineMessage]
+
+
+class _Close:
+    """Queued for an API process that exited: the output thread closes its socket (without lingering)."""
+
+
+CLOSE = _Close()
+Outgoing = tuple[int, EngineMessage | _Close]
 
 
 def run_engine_core(config: EngineConfig, input_addresses: list[str], output_addresses: list[str],
                     log_level: str) -> None:
     """Process entry point (must be importable: spawn pickles it by name). Never returns normally.
     `output_addresses[i]` is API process i's; messages for it are queued as `(i, message)`."""
-    # Ctrl-C reaches the whole process group; the API process decides when the engine stops (it drains
-    # first), so the engine ignores SIGINT and waits for `Shutdown`.
+    # Ctrl-C reaches the whole process group, and a service manager's SIGTERM often does too; the API process
+    # decides when the engine stops (it drains first), so the engine ignores both and waits for `Shutdown`
+    # (it also exits by itself within a second of losing the API process; SIGKILL still stops it).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     parent_pid = os.getppid()
     outbox: queue.Queue[Outgoing | None] = queue.Queue()
@@ -140,6 +150,7 @@ class EngineCoreProc:
         self.num_clients = num_clients
         # The API process each unfinished request came from (the keys are the core's unfinished requests).
         self._owner: dict[str, int] = {}
+        self._gone: set[int] = set()  # API processes that exited (`ClientGone`)
         self._changed = False  # an add/abort changed the scheduler's state since the last report
         self._last_stats: SchedulerStats | None = None  # the stats last sent
         self._last_parent_check = time.monotonic()
@@ -190,9 +201,14 @@ class EngineCoreProc:
         if isinstance(message, AddRequests):
             self._add(message)
         elif isinstance(message, AbortRequests):
-            self.core.abort_requests(message.req_ids)
-            for req_id in message.req_ids:
-                self._owner.pop(req_id, None)
+            # Request ids are unique within an API process only (a client may choose its own): a process
+            # aborts its own requests.
+            own = [r for r in message.req_ids if self._owner.get(r) == message.client_index]
+            self.core.abort_requests(own)
+            for req_id in own:
+                del self._owner[req_id]
+        elif isinstance(message, ClientGone):
+            self._client_gone(message.client_index)
         elif isinstance(message, Shutdown):
             return True
         self._changed = True
@@ -215,6 +231,19 @@ class EngineCoreProc:
             added.append(request.req_id)
             self._owner[request.req_id] = message.client_index
 
+    def _client_gone(self, client: int) -> None:
+        """An API process exited: nobody reads its requests' outputs any more."""
+        if client in self._gone or not 0 < client < self.num_clients:
+            return
+        self._gone.add(client)
+        orphans = [r for r, owner in self._owner.items() if owner == client]
+        self.core.abort_requests(orphans)
+        for req_id in orphans:
+            del self._owner[req_id]
+        if orphans:
+            logger.warning("API process %d exited; aborted its %d unfinished requests", client, len(orphans))
+        self.outbox.put((client, CLOSE))
+
     def _send_outputs(self, outputs: list[EngineCoreOutput], stats: SchedulerStats) -> None:
         """One `EngineOutputs` for each API process: its own requests' outputs, and the stats for all."""
         now = time.time()
@@ -229,12 +258,14 @@ class EngineCoreProc:
             owner = self._owner.pop(output.req_id, 0) if output.finished else self._owner.get(output.req_id, 0)
             by_client[owner].append(output)
         for client, own in enumerate(by_client):
-            self.outbox.put((client, EngineOutputs(own, stats, now)))
+            if client not in self._gone:
+                self.outbox.put((client, EngineOutputs(own, stats, now)))
 
     def check_invariants(self) -> None:
         """Every unfinished request of the core has an owner, and only those."""
         assert set(self._owner) == set(self.core.scheduler.requests), "request owners differ from the core's requests"
-        assert all(0 <= c < self.num_clients for c in self._owner.values()), "an owner index out of range"
+        assert all(0 <= c < self.num_clients and c not in self._gone for c in self._owner.values()), \
+            "a request owned by no live API process"
 
     def _parent_alive(self) -> bool:
         # Reparented (to init or a subreaper) means the API process is gone: nobody will read our output.
@@ -259,7 +290,7 @@ def _receive_loop(ctx: zmq.Context, addresses: list[str], inbox: queue.Queue[Eng
 
 
 def _send_loop(ctx: zmq.Context, addresses: list[str], outbox: queue.Queue[Outgoing | None]) -> None:
-    sockets = []
+    sockets: list[zmq.Socket | None] = []
     for address in addresses:
         socket = ctx.socket(zmq.PUSH)
         socket.setsockopt(zmq.LINGER, _SEND_LINGER_MS)
@@ -274,9 +305,17 @@ def _send_loop(ctx: zmq.Context, addresses: list[str], outbox: queue.Queue[Outgo
         if item is None:
             break
         client, message = item
+        if isinstance(message, _Close):
+            closing = sockets[client]
+            if closing is not None:
+                closing.close(linger=0)  # what it has not read would otherwise hold the exit for LINGER
+                sockets[client] = None
+            continue
         frame = encoder.encode(message)
         for socket in sockets if client == ALL_CLIENTS else [sockets[client]]:
-            socket.send(frame, copy=False)
+            if socket is not None:
+                socket.send(frame, copy=False)
     for socket in sockets:
-        socket.close()
+        if socket is not None:
+            socket.close()
     ctx.term()  # returns once queued messages are delivered (or LINGER has passed)

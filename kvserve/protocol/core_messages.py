@@ -2,7 +2,7 @@
 
 Two one-way channels, one message per ZMQ frame:
 
-* API -> engine (``EngineInput``): `AddRequests`, `AbortRequests`, `Shutdown`.
+* API -> engine (``EngineInput``): `AddRequests`, `AbortRequests`, `ClientGone`, `Shutdown`.
 * engine -> API (``EngineMessage``): `EngineReady` once after start-up (model loaded, KV cache
   allocated), then `EngineOutputs` after every step (and after an add/abort that did not lead to a step,
   so gauges such as KV usage stay current), `RequestFailed` when the core rejects a request, and
@@ -28,16 +28,24 @@ class AddRequests(msgspec.Struct, tag="add"):
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
-    """Abort requests in any state (frees their KV blocks); unknown or finished ids are ignored."""
+    """Abort requests in any state (frees their KV blocks); unknown or finished ids, and those another API
+    process added, are ignored."""
 
     req_ids: list[str]
+    client_index: int = 0
+
+
+class ClientGone(msgspec.Struct, tag="client_gone"):
+    """API process `client_index` has exited (sent by the first one): abort its requests, send it nothing more."""
+
+    client_index: int
 
 
 class Shutdown(msgspec.Struct, tag="shutdown"):
     """Leave the busy loop and exit 0 (unfinished requests are dropped)."""
 
 
-EngineInput = AddRequests | AbortRequests | Shutdown
+EngineInput = AddRequests | AbortRequests | ClientGone | Shutdown
 
 
 class EngineReady(msgspec.Struct, tag="ready"):

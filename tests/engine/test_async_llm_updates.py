@@ -26,7 +26,7 @@ T = TypeVar("T")
 class _FakeClient:
     """What AsyncLLM needs of EngineCoreClient, with no process behind it."""
 
-    def __init__(self, config: Any, handler: Any, log_level: str = "INFO") -> None:
+    def __init__(self, config: Any, handler: Any, *args: Any) -> None:
         self.dead_error = None
         self.added: list[str] = []
         self.aborted: list[str] = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +14,11 @@ import pytest
 import zmq
 
 from kvserve.core.outputs import EngineCoreOutput, SchedulerStats
-from kvserve.engine.core_proc import ALL_CLIENTS, EngineCoreProc, Outgoing, _send_loop
+from kvserve.engine.core_proc import ALL_CLIENTS, CLOSE, EngineCoreProc, Outgoing, _send_loop
 from kvserve.protocol.core_messages import (
     AbortRequests,
     AddRequests,
+    ClientGone,
     EngineDead,
     EngineOutputs,
     RequestFailed,
@@ -120,6 +122,31 @@ def test_one_process_gets_everything_and_the_owner_table_stays_exact() -> None:
     proc.check_invariants()
 
 
+def test_a_process_aborts_only_its_own_requests() -> None:
+    # Ids are unique within one API process only (a client may pick its own request_id).
+    proc, core, _ = _proc(2)
+    proc._handle(AddRequests([_request("mine")], client_index=0))
+    proc._handle(AbortRequests(["mine"], client_index=1))
+    assert "mine" in core.scheduler.requests and proc._owner == {"mine": 0}
+    proc._handle(AbortRequests(["mine"], client_index=0))
+    assert core.scheduler.requests == {} and proc._owner == {}
+    proc.check_invariants()
+
+
+def test_a_process_that_exited_loses_its_requests_and_its_messages() -> None:
+    proc, core, outbox = _proc(3)
+    proc._handle(AddRequests([_request("a")], client_index=0))
+    proc._handle(AddRequests([_request("b1"), _request("b2")], client_index=1))
+    proc._handle(ClientGone(1))
+    assert set(core.scheduler.requests) == {"a"} and proc._owner == {"a": 0}
+    assert _drain(outbox) == [(1, CLOSE)]  # its socket is closed, what it did not read dropped
+    proc.check_invariants()
+    proc._send_outputs([EngineCoreOutput("a", [3])], core.scheduler.make_stats())
+    assert [client for client, _ in _drain(outbox)] == [0, 2]
+    proc._handle(ClientGone(1))  # told twice: nothing more happens
+    assert _drain(outbox) == []
+
+
 def test_the_invariant_check_catches_a_stale_owner() -> None:
     proc, core, _ = _proc(2)
     proc._handle(AddRequests([_request("z")], client_index=1))
@@ -130,19 +157,26 @@ def test_the_invariant_check_catches_a_stale_owner() -> None:
 
 def test_the_send_loop_sends_to_one_process_or_to_all(tmp_path: Path) -> None:
     ctx = zmq.Context()
-    addresses = [f"ipc://{tmp_path / f'out-{i}'}" for i in range(2)]
-    receivers = []
-    for address in addresses:
+    addresses = [f"ipc://{tmp_path / f'out-{i}'}" for i in range(3)]
+
+    def receiver(address: str) -> zmq.Socket:
         socket = ctx.socket(zmq.PULL)
         socket.bind(address)
-        receivers.append(socket)
+        return socket
+
+    receivers = [receiver(addresses[0])]
     outbox: queue.Queue[Outgoing | None] = queue.Queue()
     sender = threading.Thread(target=_send_loop, args=(zmq.Context(), addresses, outbox), daemon=True)
     sender.start()
     outbox.put((ALL_CLIENTS, EngineDead("everyone")))
     outbox.put((1, RequestFailed("r", "only the second")))
+    outbox.put((2, CLOSE))  # the third exited: a broadcast no longer reaches it, and the exit does not wait
+    outbox.put((ALL_CLIENTS, EngineDead("the rest")))
+    time.sleep(0.2)
+    receivers.append(receiver(addresses[1]))  # bound after the sends, as an API process that starts late
     outbox.put(None)
-    sender.join(timeout=10)
+    sender.join(timeout=3)
+    assert not sender.is_alive()
     decoder = make_message_decoder()
 
     def received(socket: zmq.Socket) -> list[object]:
@@ -151,8 +185,9 @@ def test_the_send_loop_sends_to_one_process_or_to_all(tmp_path: Path) -> None:
             messages.append(decoder.decode(socket.recv()))
         return messages
 
-    assert received(receivers[0]) == [EngineDead("everyone")]
-    assert received(receivers[1]) == [EngineDead("everyone"), RequestFailed("r", "only the second")]
+    assert received(receivers[0]) == [EngineDead("everyone"), EngineDead("the rest")]
+    assert received(receivers[1]) == [EngineDead("everyone"), RequestFailed("r", "only the second"),
+                                      EngineDead("the rest")]
     for socket in receivers:
         socket.close(linger=0)
     ctx.term()

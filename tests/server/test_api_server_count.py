@@ -1,12 +1,15 @@
 """`--api-server-count 2`: two API processes share the port and the engine. Both take connections; /metrics,
-from either, counts every process's requests; SIGTERM drains the streams of both; the engine's death or the
-other process's stops the server with exit code 1; a count below 1 is refused."""
+from either, counts every process's requests (and the engine's counters once); a SIGTERM to the whole process
+group drains the streams of both; the engine's death stops both (each sees it); the other process's death
+stops the server with exit code 1 and aborts its requests in the engine; a count below 1 is refused."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,7 +17,6 @@ import httpx
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from .conftest import ServerProcess, metric, pid_alive, scrape, wait_for
-from .test_lifecycle import StreamReader
 
 FLAGS = ["--max-model-len", "256", "--kv-cache-memory", "64MiB", "--served-model-name", "tiny",
          "--api-server-count", "2", "--timeout-keep-alive", "120", "--disable-uvicorn-access-log"]
@@ -55,19 +57,42 @@ def _completion(client: httpx.Client, base_url: str) -> dict:
     return response.json()
 
 
-def test_two_api_processes_share_the_port_the_engine_and_the_metrics_and_drain_together(
-        launch_server: Callable[..., ServerProcess], tiny_llama_dir: str):
-    server = launch_server([tiny_llama_dir, *FLAGS])
-    (other,) = _other_pids(server)
-    main = server.proc.pid
-    assert pid_alive(other)
-    directory = _metrics_dir(other)
-    before = scrape(server.base_url)
+class _Stream(threading.Thread):
+    """One streaming completion on a given (kept-alive) client, read in the background."""
 
-    # Fresh connections until each process has answered one; each kept-alive client stays with its process.
+    def __init__(self, client: httpx.Client, base_url: str, max_tokens: int) -> None:
+        super().__init__(daemon=True)
+        self.client, self.url = client, base_url + "/v1/completions"
+        self.body = {"prompt": "Tell me everything:", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        self.first_chunk = threading.Event()
+        self.events: list[dict | str] = []
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with self.client.stream("POST", self.url, json=self.body, timeout=120) as response:
+                assert response.status_code == 200
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        payload = line[6:]
+                        self.events.append(payload if payload == "[DONE]" else json.loads(payload))
+                        self.first_chunk.set()
+        except BaseException as e:  # noqa: BLE001 - inspected by the test
+            self.error = e
+        finally:
+            self.first_chunk.set()
+
+    @property
+    def finished(self) -> bool:
+        return "[DONE]" in self.events
+
+
+def _connections_to_each_process(server: ServerProcess, directory: Path) -> tuple[dict[int, httpx.Client], list[httpx.Client]]:
+    """Fresh kept-alive connections until each API process has answered one: {pid: a client connected to it},
+    and every client opened (each answered one greedy 3-token request)."""
     owners: dict[int, httpx.Client] = {}
+    clients: list[httpx.Client] = []
     texts = set()
-    clients = []
     for _ in range(60):
         client = httpx.Client()
         clients.append(client)
@@ -78,8 +103,22 @@ def test_two_api_processes_share_the_port_the_engine_and_the_metrics_and_drain_t
         owners.setdefault(pid, client)
         if len(owners) == 2:
             break
+    assert len(texts) == 1  # the same greedy answer from either process
+    return owners, clients
+
+
+def test_two_api_processes_share_the_port_the_engine_and_the_metrics_and_drain_together(
+        launch_server: Callable[..., ServerProcess], tiny_llama_dir: str):
+    # Its own process group: the stop signal goes to every process of it, as a service manager sends it.
+    server = launch_server([tiny_llama_dir, *FLAGS], new_session=True)
+    (other,) = _other_pids(server)
+    main = server.proc.pid
+    assert server.log().count("engine core process started") == 1  # one engine for both
+    directory = _metrics_dir(other)
+    before = scrape(server.base_url)
+
+    owners, clients = _connections_to_each_process(server, directory)
     assert set(owners) == {main, other}, f"connections reached only {set(owners)}"
-    assert len(texts) == 1  # one engine: the same greedy answer from either process
     requests = len(clients)
 
     # /metrics from either process counts both processes' requests, once each.
@@ -97,24 +136,24 @@ def test_two_api_processes_share_the_port_the_engine_and_the_metrics_and_drain_t
     assert prompt > 0 and queries == prompt
     assert metric(samples, "kvserve:num_requests_running") == 0
 
-    # Streams in flight; SIGTERM to the first process drains both processes.
+    # A stream in flight on each process; SIGTERM to the whole group drains both processes and the engine
+    # keeps serving them.
+    streams = {pid: _Stream(client, server.base_url, max_tokens=240) for pid, client in owners.items()}
+    for stream in streams.values():
+        stream.start()
+    for stream in streams.values():
+        assert stream.first_chunk.wait(60) and stream.error is None
+    assert not any(stream.finished for stream in streams.values()), "a stream ended before the signal"
+    server.terminate()
+    for pid, stream in streams.items():
+        stream.join(120)
+        assert stream.error is None, (pid, stream.error)
+        chunks = [e for e in stream.events if isinstance(e, dict)]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length" and stream.finished, pid
+        assert sum(len(c["choices"][0]["text"]) > 0 for c in chunks) > 0
+    assert server.wait_exit(60) == 0
     for client in clients:
         client.close()
-    streams = [StreamReader(server.base_url, max_tokens=80) for _ in range(6)]
-    for stream in streams:
-        stream.start()
-    for stream in streams:
-        assert stream.first_chunk.wait(60) and stream.error is None
-    in_flight = _finished_by_process(directory)
-    server.proc.send_signal(signal.SIGTERM)
-    for stream in streams:
-        stream.join(120)
-        assert stream.error is None and stream.status == 200
-        chunks = [e for e in stream.events if isinstance(e, dict)]
-        assert chunks[-1]["choices"][0]["finish_reason"] == "length" and stream.events[-1] == "[DONE]"
-    drained = {pid: _finished_by_process(directory)[pid] - in_flight.get(pid, 0.0) for pid in (main, other)}
-    assert sum(drained.values()) == len(streams)
-    assert server.wait_exit(60) == 0
     assert not pid_alive(other)
     assert server.engine_pid is not None
     wait_for(lambda: not pid_alive(server.engine_pid), 10, "the engine process to exit")
@@ -128,17 +167,32 @@ def test_a_dead_engine_stops_every_api_process(launch_server: Callable[..., Serv
     os.kill(server.engine_pid, signal.SIGKILL)
     assert server.wait_exit(30) == 1
     wait_for(lambda: not pid_alive(other), 15, "the other API process to exit")
-    assert "engine core is dead" in server.log()
+    log = server.log()
+    # Each process saw the death itself: the first with the exit code of its child, the other (not its
+    # parent) through the engine's pidfd, without one.
+    assert "engine core is dead: the engine core process exited unexpectedly (exit code -9)" in log
+    assert re.search(r"engine core is dead: the engine core process exited unexpectedly$", log, re.MULTILINE), log
 
 
-def test_a_dead_api_process_stops_the_server(launch_server: Callable[..., ServerProcess], tiny_llama_dir: str):
+def test_a_dead_api_process_stops_the_server_and_its_requests(launch_server: Callable[..., ServerProcess],
+                                                              tiny_llama_dir: str):
     server = launch_server([tiny_llama_dir, *FLAGS])
     (other,) = _other_pids(server)
+    owners, clients = _connections_to_each_process(server, _metrics_dir(other))
+    assert other in owners
+    # A request in flight on the process that dies: the engine aborts it instead of running it for nobody.
+    stream = _Stream(owners[other], server.base_url, max_tokens=240)
+    stream.start()
+    assert stream.first_chunk.wait(60) and stream.error is None
     os.kill(other, signal.SIGKILL)
     assert server.wait_exit(60) == 1
-    assert re.search(r"API server process kvserve-api-1 \(pid \d+\) exited with code -9", server.log())
+    log = server.log()
+    assert re.search(r"API server process kvserve-api-1 \(pid \d+\) exited with code -9", log)
+    assert "API process 1 exited; aborted its 1 unfinished requests" in log
     assert server.engine_pid is not None
     wait_for(lambda: not pid_alive(server.engine_pid), 15, "the engine process to exit")
+    for client in clients:
+        client.close()
 
 
 def test_api_server_count_below_one_is_refused(launch_server: Callable[..., ServerProcess], tiny_llama_dir: str):

@@ -43,7 +43,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kvserve import __version__, envs
 from kvserve.config import EngineArgs, EngineConfig
 from kvserve.engine.async_llm import AsyncLLM
-from kvserve.engine.core_client import EngineAttachment, EngineDeadError
+from kvserve.engine.core_client import EngineAttachment, EngineCoreClient, EngineDeadError
 from kvserve.engine.heap import freeze_startup_heap
 from kvserve.entrypoints.openai.cli_args import make_arg_parser, server_engine_args
 from kvserve.entrypoints.openai.errors import BadRequestError, OpenAIError, error_response
@@ -258,8 +258,9 @@ class _Server(uvicorn.Server):
     With several API processes the first one watches the others (`others`): it passes its signals on to
     them (the first one drains them too, a second one stops them), finishes its drain only once they have
     exited, and drains and exits 1 when one of them exits by itself. The others (`controlled`) take orders
-    from the first process only, as SIGUSR1, and ignore SIGINT and SIGTERM: a terminal's Ctrl-C or a
-    service manager's SIGTERM reaches every process of the group at once, and would otherwise count twice."""
+    from the first process only (`DRAIN_SIGNAL`, `STOP_SIGNAL`) and ignore SIGINT and SIGTERM: a terminal's
+    Ctrl-C or a service manager's SIGTERM reaches every process of the group at once, and would otherwise
+    count twice."""
 
     def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout_s: float,
                  others: ApiProcesses | None = None, controlled: bool = False) -> None:
@@ -275,9 +276,14 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # NOTE: the signal is not recorded in _captured_signals as uvicorn does: uvicorn re-raises recorded
         # signals after shutting down, and the process would then die of SIGTERM instead of exiting 0.
-        if self.controlled and sig != CONTROL_SIGNAL:
+        if self.controlled:
+            if sig == STOP_SIGNAL or (sig == DRAIN_SIGNAL and not self.state.draining):
+                self._act_on_signal(sig)
             return
-        if self.state.draining:  # second signal: stop now
+        self._act_on_signal(sig)
+
+    def _act_on_signal(self, sig: int) -> None:
+        if self.state.draining or sig == STOP_SIGNAL:  # second signal: stop now
             self.others.stop_now()
             self.force_exit = True
             self.should_exit = True
@@ -299,6 +305,7 @@ class _Server(uvicorn.Server):
         if self._exit_at is not None and now >= self._exit_at:
             logger.error("exiting because the engine core is dead")
             self.should_exit = True
+        self.others.report_exits()
         if not self.state.draining and self.others.any_exited():
             for process in self.others.processes:
                 if process.exitcode is not None:
@@ -374,7 +381,8 @@ async def _serve_app(ns: argparse.Namespace, config: EngineConfig, engine: Async
         )
         server = _Server(uv_config, state, ns.shutdown_timeout, others, controlled=index > 0)
         if index > 0:
-            signal.signal(CONTROL_SIGNAL, server.handle_exit)
+            for sig in (DRAIN_SIGNAL, STOP_SIGNAL):
+                signal.signal(sig, server.handle_exit)
         engine.add_dead_callback(server.on_engine_dead)
         host, port = sock.getsockname()[:2]
         freeze_startup_heap("API server")
@@ -422,7 +430,8 @@ async def serve(ns: argparse.Namespace, config: EngineConfig) -> int:
             if not await others.wait_serving():
                 return 1
         code = await _serve_app(ns, config, engine, ready, sock, created, multiprocess_dir, 0, others)
-        return 1 if any(p.exitcode not in (0, None) for p in others.processes) else code
+        await others.stop(ns.shutdown_timeout)
+        return 1 if any(p.exitcode != 0 for p in others.processes) else code
     finally:
         await others.stop(ns.shutdown_timeout)
         await engine.shutdown()
@@ -435,21 +444,37 @@ async def serve(ns: argparse.Namespace, config: EngineConfig) -> int:
 # ------------------------------------------------------------------------- more than one API process
 
 
-# How the first API process tells the others to drain (the first time) and to stop now (the second).
-CONTROL_SIGNAL = signal.SIGUSR1
+# How the first API process tells the others to drain and to stop now (two signals: two of one kind sent
+# close together may arrive as one).
+DRAIN_SIGNAL = signal.SIGUSR1
+STOP_SIGNAL = signal.SIGUSR2
 
 
 class ApiProcesses:
-    """API processes 1 .. N-1, seen from the first one."""
+    """API processes 1 .. N-1, seen from the first one (which tells the engine when one has exited)."""
 
-    def __init__(self, processes: list[multiprocessing.process.BaseProcess]) -> None:
+    def __init__(self, processes: list[multiprocessing.process.BaseProcess],
+                 engine_client: EngineCoreClient | None = None) -> None:
         self.processes = processes
+        self.engine_client = engine_client
         self._ready_pipes: dict[int, multiprocessing.connection.Connection] = {}
-        self._signals_sent = 0
+        self._indices: dict[int, int] = {}
+        self._reported: set[int] = set()
+        self._drained = self._stopped = False
 
-    def add(self, process: multiprocessing.process.BaseProcess, ready_pipe: multiprocessing.connection.Connection) -> None:
+    def add(self, index: int, process: multiprocessing.process.BaseProcess,
+            ready_pipe: multiprocessing.connection.Connection) -> None:
         self.processes.append(process)
         self._ready_pipes[id(process)] = ready_pipe
+        self._indices[id(process)] = index
+
+    def report_exits(self) -> None:
+        """Tell the engine about each process that has exited since the last call."""
+        for process in self.processes:
+            index = self._indices[id(process)]
+            if process.exitcode is not None and index not in self._reported and self.engine_client is not None:
+                self._reported.add(index)
+                self.engine_client.client_gone(index)
 
     def any_alive(self) -> bool:
         return any(p.is_alive() for p in self.processes)
@@ -458,22 +483,21 @@ class ApiProcesses:
         return any(p.exitcode is not None for p in self.processes)
 
     def drain(self) -> None:
-        """The first order: stop taking requests, finish those in flight, exit (idempotent)."""
-        if self._signals_sent == 0:
-            self._signal()
+        """Stop taking requests, finish those in flight, exit (idempotent)."""
+        if not self._drained:
+            self._drained = True
+            self._signal(DRAIN_SIGNAL)
 
     def stop_now(self) -> None:
-        """The second order: exit now."""
-        if self._signals_sent == 0:
-            self._signal()
-        if self._signals_sent == 1:
-            self._signal()
+        """Exit now (idempotent)."""
+        if not self._stopped:
+            self._stopped = True
+            self._signal(STOP_SIGNAL)
 
-    def _signal(self) -> None:
-        self._signals_sent += 1
+    def _signal(self, sig: int) -> None:
         for process in self.processes:
             if process.pid is not None and process.is_alive():
-                os.kill(process.pid, CONTROL_SIGNAL)
+                os.kill(process.pid, sig)
 
     async def wait_serving(self) -> bool:
         """Until every process serves (True) or one exited first (False)."""
@@ -503,7 +527,8 @@ class ApiProcesses:
         if not self.processes:
             return
         self.drain()
-        for wait_s, last_resort in ((shutdown_timeout_s + 5.0, self.stop_now), (5.0, self._kill)):
+        steps = [(shutdown_timeout_s + 5.0, self.stop_now), (5.0, self._kill)]
+        for wait_s, last_resort in steps[1:] if self._stopped else steps:
             deadline = time.monotonic() + wait_s
             while self.any_alive() and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
@@ -512,6 +537,7 @@ class ApiProcesses:
             last_resort()
         for process in self.processes:
             process.join(timeout=5)
+        self.report_exits()
 
     def _kill(self) -> None:
         for process in self.processes:
@@ -524,7 +550,7 @@ def _start_api_processes(ns: argparse.Namespace, config: EngineConfig, engine: A
                          created: int, multiprocess_dir: str) -> ApiProcesses:
     """Spawn API processes 1 .. N-1 on the same listening socket; each reports on its pipe once it serves."""
     mp = multiprocessing.get_context("spawn")
-    others = ApiProcesses([])
+    others = ApiProcesses([], engine.client)
     for index in range(1, ns.api_server_count):
         receive, send = mp.Pipe(duplex=False)
         process = mp.Process(
@@ -535,7 +561,7 @@ def _start_api_processes(ns: argparse.Namespace, config: EngineConfig, engine: A
         )
         process.start()
         send.close()
-        others.add(process, receive)
+        others.add(index, process, receive)
     logger.info("started %d more API server processes (pids %s)", len(others.processes),
                 ", ".join(str(p.pid) for p in others.processes))
     return others
