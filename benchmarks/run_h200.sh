@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: asc31 api30c api30b api30 client29b api29 client29 pytest28 cublas28 firstburst28 firstpass28w firstpass28s firstpass28e firstpass28 sweep28 abclient27 gcprobe27 client27 mnbt27 rowq26 gcserve26 gc26 bisect26 hash25 capfail25b capfail25 offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: asc31b asc31 api30c api30b api30 client29b api29 client29 pytest28 cublas28 firstburst28 firstpass28w firstpass28s firstpass28e firstpass28 sweep28 abclient27 gcprobe27 client27 mnbt27 rowq26 gcserve26 gc26 bisect26 hash25 capfail25b capfail25 offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Pass the local commit, written in literally (the device copy's git metadata can be stale, so a $(git ...) in
 # the command would read it there): KVSERVE_BENCH_COMMIT=<sha> bash ...
@@ -699,6 +699,51 @@ PY
         for mode in EAGER LAZY; do firstpass_engine firstpass28e $mode CUDA_MODULE_LOADING=$mode; done
         grep -E "firstpass pass|firstpass28e" "$R/firstpass28e_full.log" >> "$R/firstpass28e.log"
         cp "$R/firstpass28e.log" "$OUT/" ;;
+    asc31b) # The engine's host time per decode step at the SmolLM2-135M shape (hostprof at 64 x 1k and 256 x 900), then
+        # 0.5B-shape servers x1, x4, x1, x4 (--api-server-count), each loaded by two kvserve bench processes at once
+        # (128 streams each: 512 requests of 256 in / 256 out; then 128 requests each of 512 in / 256 out at once),
+        # so one client process's CPU is not the limit. Summary lines in $R/api30.log. Needs .carry/tok.
+        timeout 150 python3 benchmarks/engine_benchmarks.py --model smollm2-135m --sections hostprof \
+          --hostprof-cases 64x1024,256x900 --out "$R/asc31b_hostprof" > "$R/asc31b_hostprof.log" 2>&1
+        grep -E "^host profile|^engine start" "$R/asc31b_hostprof.log" >> "$R/api30.log"
+        n=0
+        for count in 1 4 1 4; do
+          n=$((n + 1))
+          serve_shape qwen2.5-0.5b "$R/asc31b_server_$n.log" --api-server-count $count
+          for load in closed256 burst512; do
+            if [ $load = closed256 ]; then args="--concurrency 128 --num-prompts 512 --input-len 256 --max-tokens 256"
+            else args="--request-rate inf --num-prompts 128 --input-len 512 --max-tokens 256"; fi
+            t0=$(api_ticks)
+            pids=""
+            for c in 1 2; do
+              PYTHONPATH=/tmp/site:$PWD timeout 100 python3 -m kvserve bench --endpoint http://localhost:8000/v1/completions \
+                --model qwen2-7b $args --warmup 4 --ignore-eos --tokenizer "$dir" --no-progress \
+                --json "$R/asc31b_${n}_${load}_$c.json" > "$R/asc31b_bench_${n}_${load}_$c.log" 2>&1 &
+              pids="$pids $!"
+            done
+            wait $pids
+            t1=$(api_ticks)
+            python3 - "$R/asc31b_${n}_${load}_1.json" "$R/asc31b_${n}_${load}_2.json" "$count" "$n" "$load" "$t0" "$t1" \
+              "$(getconf CLK_TCK)" >> "$R/api30.log" 2>&1 <<'PY'
+import json, sys
+runs = [json.load(open(p))["runs"][-1] for p in sys.argv[1:3]]
+count, n, load, t0, t1, hz = sys.argv[3], sys.argv[4], sys.argv[5], *map(int, sys.argv[6:9])
+tokens = sum(r["summary"]["total_output_tokens"] for r in runs)
+span = max(r["summary"]["duration_s"] for r in runs)
+each = " + ".join(f"{r['summary']['output_throughput']:.0f}" for r in runs)
+cpu = " / ".join(f"{r['summary']['client']['cpu_percent']:.0f}%" for r in runs)
+ttft = " / ".join(f"{r['summary']['ttft']['median_ms']:.0f}" for r in runs)
+itl = " / ".join(f"{r['summary']['itl']['median_ms']:.1f}" for r in runs)
+done = sum(r["summary"]["completed"] for r in runs)
+print(f"server {n} x{count} qwen2.5-0.5b {load} two clients: {tokens / span:.0f} tok/s ({tokens} tokens over the longer "
+      f"run's {span:.2f} s; each {each}), completed {done}; TTFT p50 {ttft} ms; ITL p50 {itl} ms; client CPU {cpu}; "
+      f"API {(t1 - t0) / hz:.2f} CPU-s, {1e6 * (t1 - t0) / hz / max(tokens, 1):.0f} us a token")
+PY
+            gzip -f "$R"/asc31b_${n}_${load}_*.json
+          done
+          kill -TERM $server; wait $server
+          tar czf "$OUT/results.tgz" -C "$R" .
+        done ;;
     asc31) # --api-server-count: servers of the plan ASC31_PLAN (SHAPE:COUNT ...), each with the loads that fit the
         # shape: closed256 (256 streams, 1,024 requests of 256 in / 256 out) and burst512 (256 requests of 512 in /
         # 256 out at once) for the small shapes, a 256-request burst and a seeds' run for the 7B. First, when
