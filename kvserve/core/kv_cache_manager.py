@@ -164,23 +164,34 @@ class KVCacheManager:
         `new_computed_blocks`, prefix hits being adopted now). Returns the newly allocated blocks, or None
         (and changes nothing) when the pool cannot supply them."""
         bs = self.block_size
-        blocks = self.req_to_blocks.get(request.req_id, [])
+        req_id = request.req_id
+        blocks = self.req_to_blocks.get(req_id)
+        if blocks is None:
+            blocks = self.req_to_blocks[req_id] = []
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * bs
-        num_needed = cdiv(num_computed + num_new_tokens, bs) - len(blocks) - len(new_computed_blocks)
-        # Hits sitting in the free list stop being allocatable once we take them.
-        num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_needed > self.pool.num_free_blocks - num_free_hits:
-            return None
+        num_needed = -(-(num_computed + num_new_tokens) // bs) - len(blocks) - len(new_computed_blocks)
         if new_computed_blocks:
+            # Hits sitting in the free list stop being allocatable once we take them.
+            num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+            if num_needed > self.pool.num_free_blocks - num_free_hits:
+                if not blocks:
+                    del self.req_to_blocks[req_id]
+                return None
             self.pool.touch(new_computed_blocks)
             blocks.extend(new_computed_blocks)
-        if self._deferred and num_needed > 0:
-            # Taking free blocks may evict cached hashes; deferred blocks enter the map first, as they would
-            # have without the deferral.
-            self.flush()
-        new_blocks = self.pool.get_new_blocks(max(num_needed, 0))
-        blocks.extend(new_blocks)
-        self.req_to_blocks[request.req_id] = blocks
+        elif num_needed > self.pool.num_free_blocks:
+            if not blocks:
+                del self.req_to_blocks[req_id]
+            return None
+        if num_needed > 0:
+            if self._deferred:
+                # Taking free blocks may evict cached hashes; deferred blocks enter the map first, as they
+                # would have without the deferral.
+                self.flush()
+            new_blocks = self.pool.get_new_blocks(num_needed)
+            blocks.extend(new_blocks)
+        else:  # a decode step inside the last block: the common case
+            new_blocks = []
         self._cache_full_blocks(request, num_computed + num_new_tokens)
         return new_blocks
 
@@ -194,8 +205,12 @@ class KVCacheManager:
         placeholder (a token still being sampled) completes waits for `cache_computed_blocks`, even if the
         token has arrived by the flush, as it would without the deferral.
         """
+        if not self._hashes_blocks(request):
+            return  # its blocks are never offered (no hashes): nothing to defer
         if self.defers_caching:
-            num_tokens = min(num_tokens, request.num_tokens)
+            num_tokens = min(num_tokens, len(request.all_token_ids))
+            if num_tokens // self.block_size <= self._num_cached_blocks.get(request.req_id, 0):
+                return  # no block past those already offered: offering would change nothing
             earlier = self._deferred.get(request.req_id)
             self._deferred[request.req_id] = (request, num_tokens if earlier is None else max(earlier[1], num_tokens))
             return
@@ -223,8 +238,10 @@ class KVCacheManager:
         async scheduling a block completed by a placeholder token is hashable only once the token arrives;
         the scheduler calls this then, so the block is cached even if the request is never scheduled
         again (it may finish on that very token)."""
+        num_full = min(request.num_computed_tokens, len(request.all_token_ids)) // self.block_size
+        if num_full <= self._num_cached_blocks.get(request.req_id, 0):
+            return  # (a flush offers only the blocks scheduled before: none past the deferred counts)
         self.flush()
-        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
         if num_full <= self._num_cached_blocks.get(request.req_id, 0) or request.req_id not in self.req_to_blocks:
             return
         self._offer_full_blocks(request, request.num_computed_tokens)

@@ -136,14 +136,6 @@ class Scheduler:
         step must then wait for the previous step's tokens (no async scheduling while it lives)."""
         return self._num_needing_history > 0
 
-    def _ends_with_pending(self, request: Request) -> bool:
-        """Whether the request's pending token surely finishes it (max_tokens or max_model_len)."""
-        pending = request.num_pending_tokens
-        return bool(pending) and (
-            request.num_output_tokens + pending >= request.max_tokens
-            or request.num_tokens_with_pending >= self.config.max_model_len
-        )
-
     # ------------------------------------------------------------------ one step
 
     def cache_scheduled_blocks(self) -> None:
@@ -161,28 +153,36 @@ class Scheduler:
         preempted: list[Request] = []
 
         # Running requests first, oldest first; the newest ones are preempted when blocks run out.
+        # (Hundreds of requests a step, every step: the loop reads the lengths directly.)
+        running = self.running
+        allocate_slots = self.kv.allocate_slots
+        max_model_len = self.config.max_model_len
+        scheduled, scheduled_requests = out.scheduled, out.requests
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            if self._ends_with_pending(request):  # finishes when its pending token arrives
-                i += 1
+        while i < len(running) and budget > 0:
+            request = running[i]
+            pending = request.num_pending_tokens
+            num_tokens = len(request.all_token_ids)
+            if pending and (len(request.output_token_ids) + pending >= request.max_tokens
+                            or num_tokens + pending >= max_model_len):
+                i += 1  # its pending token surely finishes it (max_tokens or max_model_len)
                 continue
-            num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
+            num_new = min(num_tokens + pending - request.num_computed_tokens, budget)
             if num_new <= 0:  # nothing to compute (cannot happen for a live request; defensive)
                 i += 1
                 continue
-            new_blocks = self.kv.allocate_slots(request, num_new)
+            new_blocks = allocate_slots(request, num_new)
             while new_blocks is None:
-                victim = self.running.pop()
+                victim = running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
                     break
-                new_blocks = self.kv.allocate_slots(request, num_new)
+                new_blocks = allocate_slots(request, num_new)
             if new_blocks is None:
                 break
-            out.scheduled.append(self._scheduled(request, num_new, [b.block_id for b in new_blocks], False))
-            out.requests[request.req_id] = request
+            scheduled.append(self._scheduled(request, num_new, [b.block_id for b in new_blocks], False))
+            scheduled_requests[request.req_id] = request
             budget -= num_new
             i += 1
 
@@ -227,20 +227,14 @@ class Scheduler:
     ) -> ScheduledRequest:
         start = request.num_computed_tokens
         end = start + num_new
+        num_tokens = len(request.all_token_ids)
         token_ids = request.all_token_ids[start:end]
-        if end > request.num_tokens:  # the pending token: its id is still on the device
-            token_ids.extend([PLACEHOLDER_TOKEN_ID] * (end - max(start, request.num_tokens)))
-        sample = end == request.num_tokens_with_pending
+        if end > num_tokens:  # the pending token: its id is still on the device
+            token_ids.extend([PLACEHOLDER_TOKEN_ID] * (end - max(start, num_tokens)))
+        sample = end == num_tokens + request.num_pending_tokens
         if sample:
             request.num_pending_tokens += 1
-        scheduled = ScheduledRequest(
-            req_id=request.req_id,
-            token_ids=token_ids,
-            num_computed_tokens=start,
-            new_block_ids=new_block_ids,
-            reset_block_table=reset,
-            sample=sample,
-        )
+        scheduled = ScheduledRequest(request.req_id, token_ids, start, new_block_ids, reset, sample)
         # Advanced now so the blocks a running request owns always match its computed tokens.
         request.num_computed_tokens = start + num_new
         return scheduled
@@ -258,26 +252,25 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop rules, free finished requests' blocks."""
         outputs: list[EngineCoreOutput] = []
+        scheduled_requests, live = scheduler_output.requests, self.requests
+        cache_computed_blocks, running = self.kv.cache_computed_blocks, RequestStatus.RUNNING
         for req_id, token_id, logprobs in zip(
             runner_output.req_ids, runner_output.sampled_token_ids, runner_output.logprobs, strict=True
         ):
-            request = scheduler_output.requests.get(req_id)
-            if request is None or self.requests.get(req_id) is not request:
+            request = scheduled_requests.get(req_id)
+            if request is None or live.get(req_id) is not request:
                 continue  # finished (or aborted) while the step ran: a token computed for nothing
             request.num_pending_tokens -= 1
             # RUNNING, or PREEMPTED by a later schedule while this step ran: the token is still valid.
-            request.append_output_token_ids([token_id])
-            if request.status == RequestStatus.RUNNING:
+            request.output_token_ids.append(token_id)
+            request.all_token_ids.append(token_id)
+            if request.status == running:
                 # A block completed by this token (scheduled as a placeholder) can be hashed now.
-                self.kv.cache_computed_blocks(request)
+                cache_computed_blocks(request)
             status = self._check_stop(request, token_id)
-            output = EngineCoreOutput(
-                req_id=req_id,
-                new_token_ids=[token_id],
-                new_logprobs=[logprobs] if logprobs is not None else None,
-                num_cached_tokens=max(request.num_cached_tokens, 0),
-            )
-            if request.num_output_tokens == 1:
+            output = EngineCoreOutput(req_id, [token_id], None if logprobs is None else [logprobs],
+                                      num_cached_tokens=max(request.num_cached_tokens, 0))
+            if len(request.output_token_ids) == 1:
                 output.first_scheduled_time = request.first_scheduled_time or 0.0
             if status is not None:
                 output.finish_reason = status.finish_reason
@@ -288,15 +281,16 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
+        num_output = len(request.output_token_ids)
+        if num_output >= params.min_tokens:
             if (not params.ignore_eos and token_id in request.eos_token_ids) or (
-                token_id in (params.stop_token_ids or ())
+                params.stop_token_ids and token_id in params.stop_token_ids
             ):
                 request.stop_token_id = token_id
                 return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens:
+        if num_output >= request.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.config.max_model_len:
+        if len(request.all_token_ids) >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

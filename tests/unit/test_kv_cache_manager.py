@@ -126,6 +126,7 @@ def test_free_cached_hits_do_not_count_as_allocatable():
     hits, num_hit_tokens = kv.get_computed_blocks(b)
     assert [blk.block_id for blk in hits] == [0, 1] and num_hit_tokens == 8
     assert kv.allocate_slots(b, 5, hits) is None
+    assert "b" not in kv.req_to_blocks
     assert [blk.block_id for blk in kv.pool.free_queue] == [2, 1, 0]
     assert set(kv.pool.cached) == set(a.block_hashes)
     assert [blk.ref_cnt for blk in kv.pool.blocks] == [0, 0, 0]
