@@ -238,10 +238,10 @@ class KVCacheManager:
         async scheduling a block completed by a placeholder token is hashable only once the token arrives;
         the scheduler calls this then, so the block is cached even if the request is never scheduled
         again (it may finish on that very token)."""
-        num_full = min(request.num_computed_tokens, len(request.all_token_ids)) // self.block_size
-        if num_full <= self._num_cached_blocks.get(request.req_id, 0):
-            return  # (a flush offers only the blocks scheduled before: none past the deferred counts)
+        # Flush first even when this request offers nothing: the deferred blocks must enter the map before any
+        # later allocation's, whether or not the caller flushed after scheduling.
         self.flush()
+        num_full = min(request.num_computed_tokens, len(request.all_token_ids)) // self.block_size
         if num_full <= self._num_cached_blocks.get(request.req_id, 0) or request.req_id not in self.req_to_blocks:
             return
         self._offer_full_blocks(request, request.num_computed_tokens)

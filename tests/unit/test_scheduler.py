@@ -728,3 +728,44 @@ def test_a_placeholder_completed_block_is_cached_as_without_the_deferral() -> No
     placeholder completed stays uncached until `cache_computed_blocks`, even when the token arrived before
     the flush, so r2's block keeps the hash and r3 gets the same blocks either way."""
     assert _placeholder_block_run(True) == _placeholder_block_run(False)
+
+
+def _pipelined_schedule(flush_after_schedule: bool) -> list[list[tuple[str, int, int, list[int]]]]:
+    """An n=3 request beside another one on a tight pool, stepped as the engine core steps under async
+    scheduling (each step's tokens read after the next is scheduled), every sampled token 7."""
+    from kvserve.core.outputs import ModelRunnerOutput
+
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=4, max_model_len=34), 6, 4)
+    prefix = [100, 101, 102, 103]
+    scheduler.add_request(Request("r0", prefix + [7] * 7, SamplingParams(), eos_token_ids=(0,), max_tokens=3))
+    for i in (1, 2, 3):  # siblings of one n=3 request share prompt blocks through their group key
+        scheduler.add_request(Request(f"r{i}", prefix + [7] * 10, SamplingParams(min_tokens=1, ignore_eos=True),
+                                      eos_token_ids=(0,), max_tokens=4), group_key="g1")
+    steps = []
+    in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
+    for _ in range(40):
+        if not scheduler.has_unfinished_requests() and in_flight is None:
+            break
+        if in_flight is not None and scheduler.needs_sync():
+            scheduler.update_from_output(*in_flight)
+            in_flight = None
+        out = scheduler.schedule()
+        if flush_after_schedule:
+            scheduler.cache_scheduled_blocks()
+        steps.append([(s.req_id, s.num_computed_tokens, len(s.token_ids), s.new_block_ids) for s in out.scheduled])
+        sampled = [s.req_id for s in out.scheduled if s.sample]
+        if in_flight is not None:
+            scheduler.update_from_output(*in_flight)
+        in_flight = (out, ModelRunnerOutput(sampled, [7] * len(sampled), [None] * len(sampled)))
+        if out.is_empty:
+            scheduler.update_from_output(*in_flight)
+            in_flight = None
+        scheduler.check_invariants()
+    return steps
+
+
+def test_skipping_the_flush_after_scheduling_changes_no_decision():
+    # The deferred blocks must enter the hash map before a later allocation's whoever flushes them: reading a
+    # token flushes even when that token completes no block of its own request (a review found the order, and
+    # so later block ids and admissions, differing when it did not).
+    assert _pipelined_schedule(flush_after_schedule=False) == _pipelined_schedule(flush_after_schedule=True)
