@@ -5,11 +5,9 @@ stops the server with exit code 1 and aborts its requests in the engine; a count
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,6 +15,7 @@ import httpx
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from .conftest import ServerProcess, metric, pid_alive, scrape, wait_for
+from .test_lifecycle import StreamReader
 
 FLAGS = ["--max-model-len", "256", "--kv-cache-memory", "64MiB", "--served-model-name", "tiny",
          "--api-server-count", "2", "--timeout-keep-alive", "120", "--disable-uvicorn-access-log"]
@@ -55,36 +54,6 @@ def _completion(client: httpx.Client, base_url: str) -> dict:
                            json={"prompt": "Hello", "max_tokens": 3, "ignore_eos": True, "temperature": 0})
     assert response.status_code == 200, response.text
     return response.json()
-
-
-class _Stream(threading.Thread):
-    """One streaming completion on a given (kept-alive) client, read in the background."""
-
-    def __init__(self, client: httpx.Client, base_url: str, max_tokens: int) -> None:
-        super().__init__(daemon=True)
-        self.client, self.url = client, base_url + "/v1/completions"
-        self.body = {"prompt": "Tell me everything:", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
-        self.first_chunk = threading.Event()
-        self.events: list[dict | str] = []
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            with self.client.stream("POST", self.url, json=self.body, timeout=120) as response:
-                assert response.status_code == 200
-                for line in response.iter_lines():
-                    if line.startswith("data: "):
-                        payload = line[6:]
-                        self.events.append(payload if payload == "[DONE]" else json.loads(payload))
-                        self.first_chunk.set()
-        except BaseException as e:  # noqa: BLE001 - inspected by the test
-            self.error = e
-        finally:
-            self.first_chunk.set()
-
-    @property
-    def finished(self) -> bool:
-        return "[DONE]" in self.events
 
 
 def _connections_to_each_process(server: ServerProcess, directory: Path) -> tuple[dict[int, httpx.Client], list[httpx.Client]]:
@@ -138,7 +107,7 @@ def test_two_api_processes_share_the_port_the_engine_and_the_metrics_and_drain_t
 
     # A stream in flight on each process; SIGTERM to the whole group drains both processes and the engine
     # keeps serving them.
-    streams = {pid: _Stream(client, server.base_url, max_tokens=240) for pid, client in owners.items()}
+    streams = {pid: StreamReader(server.base_url, max_tokens=240, client=client) for pid, client in owners.items()}
     for stream in streams.values():
         stream.start()
     for stream in streams.values():
@@ -147,7 +116,7 @@ def test_two_api_processes_share_the_port_the_engine_and_the_metrics_and_drain_t
     server.terminate()
     for pid, stream in streams.items():
         stream.join(120)
-        assert stream.error is None, (pid, stream.error)
+        assert stream.error is None and stream.status == 200, (pid, stream.error, stream.status)
         chunks = [e for e in stream.events if isinstance(e, dict)]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length" and stream.finished, pid
         assert sum(len(c["choices"][0]["text"]) > 0 for c in chunks) > 0
@@ -181,7 +150,7 @@ def test_a_dead_api_process_stops_the_server_and_its_requests(launch_server: Cal
     owners, clients = _connections_to_each_process(server, _metrics_dir(other))
     assert other in owners
     # A request in flight on the process that dies: the engine aborts it instead of running it for nobody.
-    stream = _Stream(owners[other], server.base_url, max_tokens=240)
+    stream = StreamReader(server.base_url, max_tokens=240, client=owners[other])
     stream.start()
     assert stream.first_chunk.wait(60) and stream.error is None
     os.kill(other, signal.SIGKILL)

@@ -19,11 +19,13 @@ FLAGS = ["--max-model-len", "256", "--kv-cache-memory", "64MiB", "--served-model
 
 
 class StreamReader(threading.Thread):
-    """Reads one streaming completion in the background; `first_chunk` is set when text starts flowing."""
+    """Reads one streaming completion in the background; `first_chunk` is set when text starts flowing.
+    `client`: a kept-alive connection to use (by default a new one)."""
 
-    def __init__(self, base_url: str, max_tokens: int) -> None:
+    def __init__(self, base_url: str, max_tokens: int, client: httpx.Client | None = None) -> None:
         super().__init__(daemon=True)
         self.base_url = base_url
+        self.client = client
         self.body = {"prompt": "Tell me everything:", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
         self.first_chunk = threading.Event()
         self.events: list[dict | str] = []
@@ -32,7 +34,8 @@ class StreamReader(threading.Thread):
 
     def run(self) -> None:
         try:
-            with httpx.stream("POST", self.base_url + "/v1/completions", json=self.body, timeout=120) as response:
+            stream = self.client.stream if self.client is not None else httpx.stream
+            with stream("POST", self.base_url + "/v1/completions", json=self.body, timeout=120) as response:
                 self.status = response.status_code
                 for line in response.iter_lines():
                     if line.startswith("data: "):
@@ -43,6 +46,10 @@ class StreamReader(threading.Thread):
             self.error = e
         finally:
             self.first_chunk.set()
+
+    @property
+    def finished(self) -> bool:
+        return "[DONE]" in self.events
 
 
 def test_engine_death_turns_health_503_and_server_exits_nonzero(launch_server: Callable[..., ServerProcess],

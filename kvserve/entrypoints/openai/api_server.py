@@ -9,6 +9,8 @@ Lifecycle:
   the engine core is shut down and the process exits 0. A second signal exits at once.
 * If the engine-core process dies, /health turns 503, in-flight requests fail, and the server exits 1
   shortly after (so an orchestrator restarts it).
+* `--api-server-count N`: this process starts the engine, then N - 1 more API processes on the same socket
+  (`run_api_process`), and serves as well; see `_Server` for how signals and deaths are shared.
 """
 
 from __future__ import annotations
