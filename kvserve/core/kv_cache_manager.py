@@ -164,25 +164,19 @@ class KVCacheManager:
         `new_computed_blocks`, prefix hits being adopted now). Returns the newly allocated blocks, or None
         (and changes nothing) when the pool cannot supply them."""
         bs = self.block_size
-        req_id = request.req_id
-        blocks = self.req_to_blocks.get(req_id)
-        if blocks is None:
-            blocks = self.req_to_blocks[req_id] = []
+        blocks = self.req_to_blocks.get(request.req_id)
+        num_held = len(blocks) if blocks is not None else 0
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * bs
-        num_needed = -(-(num_computed + num_new_tokens) // bs) - len(blocks) - len(new_computed_blocks)
+        num_needed = cdiv(num_computed + num_new_tokens, bs) - num_held - len(new_computed_blocks)
+        # Hits sitting in the free list stop being allocatable once we take them.
+        num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0) if new_computed_blocks else 0
+        if num_needed > self.pool.num_free_blocks - num_free_hits:
+            return None
+        if blocks is None:
+            blocks = self.req_to_blocks[request.req_id] = []
         if new_computed_blocks:
-            # Hits sitting in the free list stop being allocatable once we take them.
-            num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-            if num_needed > self.pool.num_free_blocks - num_free_hits:
-                if not blocks:
-                    del self.req_to_blocks[req_id]
-                return None
             self.pool.touch(new_computed_blocks)
             blocks.extend(new_computed_blocks)
-        elif num_needed > self.pool.num_free_blocks:
-            if not blocks:
-                del self.req_to_blocks[req_id]
-            return None
         if num_needed > 0:
             if self._deferred:
                 # Taking free blocks may evict cached hashes; deferred blocks enter the map first, as they

@@ -188,7 +188,7 @@ class EngineCoreProc:
                 self._last_stats = self.core.scheduler.make_stats()
                 self._send_outputs([], self._last_stats)
                 self._changed = False
-            if getattr(self.core, "check_invariants_every_step", False):
+            if self.core.check_invariants_every_step:
                 self.check_invariants()
             now = time.monotonic()
             if now - self._last_parent_check > _PARENT_CHECK_INTERVAL_S:
@@ -255,7 +255,10 @@ class EngineCoreProc:
             return
         by_client: list[list[EngineCoreOutput]] = [[] for _ in range(self.num_clients)]
         for output in outputs:
-            owner = self._owner.pop(output.req_id, 0) if output.finished else self._owner.get(output.req_id, 0)
+            if output.finish_reason is not None:
+                owner = self._owner.pop(output.req_id, 0)
+            else:
+                owner = self._owner.get(output.req_id, 0)
             by_client[owner].append(output)
         for client, own in enumerate(by_client):
             if client not in self._gone:

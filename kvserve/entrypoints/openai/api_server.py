@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
@@ -269,7 +270,7 @@ class _Server(uvicorn.Server):
         super().__init__(config)
         self.state = state
         self.shutdown_timeout_s = shutdown_timeout_s
-        self.others = others if others is not None else ApiProcesses([])
+        self.others = others if others is not None else ApiProcesses()
         self.controlled = controlled
         self.exit_code = 0
         self._drain_deadline: float | None = None
@@ -414,7 +415,7 @@ async def serve(ns: argparse.Namespace, config: EngineConfig) -> int:
     if multiprocess_dir is not None:
         enable_multiprocess(multiprocess_dir)
     engine = AsyncLLM(config, log_level=envs.KVSERVE_LOGGING_LEVEL, api_server_count=count)
-    others = ApiProcesses([])
+    others = ApiProcesses()
     try:
         try:
             ready = await engine.start()
@@ -432,8 +433,6 @@ async def serve(ns: argparse.Namespace, config: EngineConfig) -> int:
             if not await others.wait_serving():
                 return 1
         code = await _serve_app(ns, config, engine, ready, sock, created, multiprocess_dir, 0, others)
-        await others.stop(ns.shutdown_timeout)
-        return 1 if any(p.exitcode != 0 for p in others.processes) else code
     finally:
         await others.stop(ns.shutdown_timeout)
         await engine.shutdown()
@@ -441,6 +440,7 @@ async def serve(ns: argparse.Namespace, config: EngineConfig) -> int:
         if multiprocess_dir is not None:
             shutil.rmtree(multiprocess_dir, ignore_errors=True)
         gc.unfreeze()  # the process's exit collects its start-up objects as usual
+    return 1 if any(p.exitcode != 0 for p in others.processes) else code
 
 
 # ------------------------------------------------------------------------- more than one API process
@@ -452,31 +452,36 @@ DRAIN_SIGNAL = signal.SIGUSR1
 STOP_SIGNAL = signal.SIGUSR2
 
 
+@dataclass
+class _ApiProcess:
+    index: int
+    process: multiprocessing.process.BaseProcess
+    ready_pipe: multiprocessing.connection.Connection  # one message once it serves; EOF if it exits first
+
+
 class ApiProcesses:
     """API processes 1 .. N-1, seen from the first one (which tells the engine when one has exited)."""
 
-    def __init__(self, processes: list[multiprocessing.process.BaseProcess],
-                 engine_client: EngineCoreClient | None = None) -> None:
-        self.processes = processes
+    def __init__(self, engine_client: EngineCoreClient | None = None) -> None:
         self.engine_client = engine_client
-        self._ready_pipes: dict[int, multiprocessing.connection.Connection] = {}
-        self._indices: dict[int, int] = {}
+        self._members: list[_ApiProcess] = []
         self._reported: set[int] = set()
         self._drained = self._stopped = False
 
+    @property
+    def processes(self) -> list[multiprocessing.process.BaseProcess]:
+        return [m.process for m in self._members]
+
     def add(self, index: int, process: multiprocessing.process.BaseProcess,
             ready_pipe: multiprocessing.connection.Connection) -> None:
-        self.processes.append(process)
-        self._ready_pipes[id(process)] = ready_pipe
-        self._indices[id(process)] = index
+        self._members.append(_ApiProcess(index, process, ready_pipe))
 
     def report_exits(self) -> None:
         """Tell the engine about each process that has exited since the last call."""
-        for process in self.processes:
-            index = self._indices[id(process)]
-            if process.exitcode is not None and index not in self._reported and self.engine_client is not None:
-                self._reported.add(index)
-                self.engine_client.client_gone(index)
+        for m in self._members:
+            if m.process.exitcode is not None and m.index not in self._reported and self.engine_client is not None:
+                self._reported.add(m.index)
+                self.engine_client.client_gone(m.index)
 
     def any_alive(self) -> bool:
         return any(p.is_alive() for p in self.processes)
@@ -503,30 +508,29 @@ class ApiProcesses:
 
     async def wait_serving(self) -> bool:
         """Until every process serves (True) or one exited first (False)."""
-        waiting = list(self.processes)
+        waiting = list(self._members)
         while waiting:
-            objects: list[Any] = [self._ready_pipes[id(p)] for p in waiting] + [p.sentinel for p in waiting]
+            objects: list[Any] = [m.ready_pipe for m in waiting] + [m.process.sentinel for m in waiting]
             done = await asyncio.to_thread(multiprocessing.connection.wait, objects, 1.0)
-            for process in list(waiting):
-                pipe = self._ready_pipes[id(process)]
-                if pipe in done:
+            for m in list(waiting):
+                if m.ready_pipe in done:
                     try:
-                        pipe.recv()
+                        m.ready_pipe.recv()
                     except EOFError:  # it exited before it served
                         pass
                     else:
-                        waiting.remove(process)
+                        waiting.remove(m)
                         continue
-                if pipe in done or process.sentinel in done:
-                    process.join(timeout=5)
-                    logger.error("API server process %s exited during start-up (exit code %s)", process.name,
-                                 process.exitcode)
+                if m.ready_pipe in done or m.process.sentinel in done:
+                    m.process.join(timeout=5)
+                    logger.error("API server process %s exited during start-up (exit code %s)", m.process.name,
+                                 m.process.exitcode)
                     return False
         return True
 
     async def stop(self, shutdown_timeout_s: float) -> None:
         """Drain the processes (if not ordered yet) and wait for their exit; stop, then kill, those that hang."""
-        if not self.processes:
+        if not self._members:
             return
         self.drain()
         steps = [(shutdown_timeout_s + 5.0, self.stop_now), (5.0, self._kill)]
@@ -552,7 +556,7 @@ def _start_api_processes(ns: argparse.Namespace, config: EngineConfig, engine: A
                          created: int, multiprocess_dir: str) -> ApiProcesses:
     """Spawn API processes 1 .. N-1 on the same listening socket; each reports on its pipe once it serves."""
     mp = multiprocessing.get_context("spawn")
-    others = ApiProcesses([], engine.client)
+    others = ApiProcesses(engine.client)
     for index in range(1, ns.api_server_count):
         receive, send = mp.Pipe(duplex=False)
         process = mp.Process(
