@@ -106,7 +106,7 @@ class Bench:
         kw = dict(dtype=a.dtype, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                   max_num_batched_tokens=a.max_num_batched_tokens, gpu_memory_utilization=a.gpu_memory_utilization,
                   enforce_eager=a.enforce_eager, async_scheduling=a.async_scheduling,
-                  cascade_attn=a.cascade_attn)
+                  cascade_attn=a.cascade_attn, tensor_parallel_size=a.tensor_parallel_size)
         if a.cuda_graph_sizes:
             kw["cuda_graph_sizes"] = [int(v) for v in a.cuda_graph_sizes.split(",")]
         if a.device == "cpu":
@@ -1334,6 +1334,7 @@ def main() -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the engine's model splits over")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="default: the engine's (on with a GPU)")
     p.add_argument("--cascade-attn", action=argparse.BooleanOptionalAction, default=True,

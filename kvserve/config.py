@@ -231,6 +231,7 @@ class EngineArgs:
                 f"quantization {self.quantization!r} is not supported yet (supported: gguf files)"
             )
         device = self.device or _default_device()
+        _check_device(device)
         dtype = _resolve_dtype(self.dtype, device)
 
         model_limit = arch.max_position_embeddings
@@ -278,8 +279,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
         )
-        if self.tensor_parallel_size != 1:
-            raise ConfigError("tensor_parallel_size > 1 is not supported yet")
+        _check_tensor_parallel(arch, int(self.tensor_parallel_size), device)
         return EngineConfig(
             model_config=model_config,
             cache_config=cache_config,
@@ -291,6 +291,27 @@ class EngineArgs:
             async_scheduling=device != "cpu" if self.async_scheduling is None else bool(self.async_scheduling),
             cascade_attn=bool(self.cascade_attn),
         )
+
+
+def _check_tensor_parallel(arch: Any, size: int, device: str) -> None:
+    """ConfigError unless `size` ranks can run the model on this machine."""
+    from kvserve.distributed import check_tensor_parallel
+
+    try:
+        check_tensor_parallel(arch, size)
+    except ValueError as exc:
+        raise ConfigError(f"{exc}; pass a --tensor-parallel-size that divides them") from None
+    if size == 1:
+        return
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"with --tensor-parallel-size {size} the device must be 'cuda' or 'cpu' (rank r takes "
+                          f"the r-th visible GPU), got {device!r}")
+    if device == "cuda":
+        import torch
+
+        count = torch.cuda.device_count()
+        if count < size:
+            raise ConfigError(f"--tensor-parallel-size {size} needs {size} GPUs, and {count} are visible")
 
 
 def resolve_cuda_graph_sizes(
@@ -332,6 +353,16 @@ def _default_device() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _check_device(device: str) -> None:
+    DeviceConfig(device=device)  # the spelling
+    if device != "cpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {device!r} asked for, but this machine has no usable CUDA GPU "
+                              "(or torch was built without CUDA); pass --device cpu")
 
 
 def _resolve_dtype(dtype: str, device: str) -> str:

@@ -21,11 +21,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from kvserve.config import ConfigError, EngineConfig
 from kvserve.core.outputs import EngineCoreOutput, SchedulerOutput, SchedulerStats
 from kvserve.core.request import Request
 from kvserve.core.scheduler import RequestRejected, Scheduler
+from kvserve.executor.multiproc import TPWorkers
 from kvserve.kernels import triton_precompile
 from kvserve.protocol.engine import EngineCoreRequest
 from kvserve.worker.memory import gpu_capacity_hint
@@ -72,32 +74,45 @@ class EngineCore:
         start = time.perf_counter()
         # Seconds spent in each start-up phase (benchmarks report them).
         self.startup_phases: dict[str, float] = {}
+        # Tensor parallelism: the other ranks, which mirror every runner call below (executor.multiproc).
+        self.workers: TPWorkers | None = None
+        if config.tensor_parallel_size > 1:
+            self.workers = TPWorkers(config)
+        try:
+            self._start(config, start)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start(self, config: EngineConfig, start: float) -> None:
         self.runner = ModelRunner(config)
+        if self.workers is not None:
+            self.workers.gather()  # every rank has built its model
         self._mark_phase("model_init", start)
         cache = config.cache_config
-        num_blocks = cache.num_blocks or self.runner.determine_num_blocks()
+        num_blocks = cache.num_blocks or min(self._on_all_ranks("determine_num_blocks"))
         self._mark_phase("memory_profile", start)
         self.capacity = KVCapacity(num_blocks, cache.block_size, config.model_config.max_model_len)
         self._check_capacity(config)
         self.config = config.with_num_blocks(num_blocks)
-        self.runner.initialize_kv_cache(num_blocks)
+        self._on_all_ranks("initialize_kv_cache", num_blocks)
         self._mark_phase("kv_cache_alloc", start)
         # Triton kernel variants loaded so far in this process (None: not counted, off CUDA).
         self._variants_seen: int | None = None
         precompiled = 0
         if self.runner.device.type == "cuda":
             triton_precompile.watch()
-            self.runner.precompile_kernels()
+            self._on_all_ranks("precompile_kernels")
             self._mark_phase("triton_precompile", start)
             precompiled = triton_precompile.loaded_count()
-            self.runner.warm_up_kernels()
+            self._on_all_ranks("warm_up_kernels")
             self._mark_phase("kernel_warm_up", start)
-            self.runner.tune_gemms()
+            self._on_all_ranks("tune_gemms")
             self._mark_phase("gemm_tuning", start)
-        self.runner.capture_cuda_graphs()
+        self._on_all_ranks("capture_cuda_graphs")
         self._mark_phase("cuda_graph_capture", start)
         if self.runner.device.type == "cuda":
-            self.runner.warm_up_sampled_rows()
+            self._on_all_ranks("warm_up_sampled_rows")
             self._mark_phase("sampled_rows_warm_up", start)
         # Variants the warm-up and capture loaded themselves (the precompile missed them), and those that
         # steps load later (the warm-up missed them: each stalls the step that first needs it). The count is
@@ -120,6 +135,20 @@ class EngineCore:
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
         self.startup_s = time.perf_counter() - start
         logger.info("%s (engine ready in %.1f s)", self.capacity.describe(), self.startup_s)
+
+    def _on_all_ranks(self, method: str, *args: Any) -> list[Any]:
+        """Run a runner method on every rank at once (their forwards meet in the all-reduces): the results
+        in rank order."""
+        if self.workers is not None:
+            self.workers.call(method, *args)
+        result = getattr(self.runner, method)(*args)
+        return [result, *(self.workers.gather() if self.workers is not None else [])]
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do with one). The core takes no steps after."""
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
 
     def _mark_phase(self, name: str, start: float) -> None:
         if self.runner.device.type == "cuda":
@@ -192,6 +221,8 @@ class EngineCore:
         if self._in_flight is not None and self.scheduler.needs_sync():
             outputs.extend(self._finish_in_flight())
         scheduler_output = self.scheduler.schedule()
+        if self.workers is not None:
+            self.workers.step(scheduler_output, finish_previous_first=self._in_flight is None)
         pending = self.runner.execute_model_async(scheduler_output)
         # The step's new blocks are hashed for the prefix cache here, while the GPU computes, instead of
         # before the launch. Before the wait below, so the hashing overlaps the GPU.

@@ -40,6 +40,11 @@ class LLM:
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Stop the engine's other tensor-parallel processes (with `tensor_parallel_size` > 1; they also
+        stop when this process exits). The object generates nothing after."""
+        self.engine.core.shutdown()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

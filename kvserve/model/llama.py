@@ -16,6 +16,7 @@ from collections.abc import Hashable, Iterable
 import torch
 from torch import nn
 
+from kvserve import distributed
 from kvserve.kernels import ops
 from kvserve.layers.activation import SiluAndMul, get_act_and_mul
 from kvserve.layers.attention import Attention
@@ -72,7 +73,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVLinear(
             arch.hidden_size, arch.head_dim, self.num_heads, self.num_kv_heads, arch.attention_bias, dtype
         )
-        self.o_proj = Linear(arch.q_size, arch.hidden_size, arch.o_proj_bias, dtype)
+        self.o_proj = Linear(arch.q_size, arch.hidden_size, arch.o_proj_bias, dtype, row_parallel=True)
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
         # Shared by every layer (one table per model); nn.Module registers it under each layer harmlessly.
@@ -143,7 +144,7 @@ class LlamaMLP(nn.Module):
         size = arch.intermediate_size
         self.gate_up_proj = MergedLinear(arch.hidden_size, [size, size], arch.mlp_bias, dtype)
         self.act_fn = get_act_and_mul(arch.hidden_act)
-        self.down_proj = Linear(size, arch.hidden_size, arch.mlp_bias, dtype)
+        self.down_proj = Linear(size, arch.hidden_size, arch.mlp_bias, dtype, row_parallel=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.act_fn, SiluAndMul):  # one op, so small batches can fuse the two on the GPU
@@ -299,13 +300,16 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
-    """Llama-family causal LM; see the module docstring. Construct as ``cls(arch, dtype)``."""
+    """Llama-family causal LM; see the module docstring. Construct as ``cls(arch, dtype)``; with tensor
+    parallelism, in a process that has joined its group (`kvserve.distributed`): the decoder's layers then
+    have this rank's shapes (`layer_arch`), `arch` stays the checkpoint's."""
 
     def __init__(self, arch: ArchConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.arch = arch
+        self.layer_arch = distributed.local_arch(arch)
         self.dtype = dtype
-        self.model = LlamaModel(arch, dtype)
+        self.model = LlamaModel(self.layer_arch, dtype)
         self.lm_head = LMHead(arch.vocab_size, arch.hidden_size, dtype)
         if arch.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)

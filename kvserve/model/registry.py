@@ -27,6 +27,8 @@ class CausalLM(nn.Module, ABC):
     """
 
     arch: ArchConfig
+    # The shapes of this rank's layers (heads, MLP width): `arch` itself without tensor parallelism.
+    layer_arch: ArchConfig
 
     @abstractmethod
     def forward(

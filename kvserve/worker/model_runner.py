@@ -157,7 +157,9 @@ class ModelRunner:
         self.dtype: torch.dtype = getattr(torch, config.model_config.dtype)
         self.block_size = config.cache_config.block_size
         self.model = load_model(config.model_config, self.device)
-        self.arch = self.model.arch
+        # This rank's shapes (its heads and KV heads with tensor parallelism): what the caches, buffers and
+        # warm-up batches are built from. The vocabulary, hidden size and layer count are the checkpoint's.
+        self.arch = self.model.layer_arch
         self.eos_token_ids = list(self.arch.eos_token_ids)
         self.sampler = Sampler(seed=config.model_config.seed)
         self.requests: dict[str, RunnerRequestState] = {}
@@ -573,7 +575,8 @@ class ModelRunner:
             cascade_min_size=input_batch.CASCADE_MIN_REQS if self.config.cascade_attn else None,
             prefill_sizes=prefill_sizes,
             cache_prefill_sizes=cache_prefill_sizes,
-            pad_min_gain=GRAPH_PAD_MIN_GAIN,
+            # The timed choice could differ between ranks, and every rank must replay the same size.
+            pad_min_gain=GRAPH_PAD_MIN_GAIN if self.config.tensor_parallel_size == 1 else 0.0,
         )
 
     @contextlib.contextmanager

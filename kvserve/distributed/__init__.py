@@ -1,0 +1,126 @@
+"""Tensor parallelism: this process's rank in the group, how a model's heads split over the ranks, and the
+one collective the layers call.
+
+Each rank is one process holding one device (`executor.multiproc` starts them). Rank 0 lives in the engine
+core process; the others run the same steps in lockstep. The layers shard their weights when built, by
+the group set here: column-parallel projections (q/k/v, gate/up) keep their rank's output rows,
+row-parallel ones (o_proj, down) their input columns, and add the ranks' partial outputs with
+`all_reduce`. The embedding and the LM head are whole on every rank, so every rank computes the same
+logits and samples the same tokens (NCCL's and gloo's all-reduce give every rank the same bits).
+
+With one rank nothing here touches `torch.distributed`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from kvserve.model.arch import ArchConfig
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    rank: int
+    size: int
+    group: Any = None  # the torch.distributed process group (None for one rank)
+
+
+_group = TPGroup(0, 1)
+
+
+def tp_group() -> TPGroup:
+    return _group
+
+
+def tp_rank() -> int:
+    return _group.rank
+
+
+def tp_size() -> int:
+    return _group.size
+
+
+def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.device) -> None:
+    """Join the group of `size` ranks (blocks until all have joined): NCCL on CUDA, gloo on CPU."""
+    global _group
+    if size == 1:
+        _group = TPGroup(0, 1)
+        return
+    import torch.distributed as dist
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=size)
+    _group = TPGroup(rank, size, dist.group.WORLD)
+
+
+def destroy_tensor_parallel() -> None:
+    global _group
+    if _group.size > 1:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    _group = TPGroup(0, 1)
+
+
+def set_group_for_building(group: TPGroup) -> TPGroup:
+    """Set the group layers read when built, returning the previous one (tests build one rank's shards in
+    one process without joining a group)."""
+    global _group
+    previous, _group = _group, group
+    return previous
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum `x` over the ranks, in place; `x` itself with one rank."""
+    if _group.size == 1:
+        return x
+    import torch.distributed as dist
+
+    dist.all_reduce(x, group=_group.group)
+    return x
+
+
+def check_tensor_parallel(arch: ArchConfig, size: int) -> None:
+    """ValueError unless `arch` splits over `size` ranks: query heads and the MLP's width divide by it, and
+    the KV heads either divide by it or divide it (each KV head is then held by size / kv_heads ranks)."""
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size must be at least 1, got {size}")
+    problems = []
+    if arch.num_attention_heads % size:
+        problems.append(f"num_attention_heads ({arch.num_attention_heads})")
+    if arch.intermediate_size % size:
+        problems.append(f"intermediate_size ({arch.intermediate_size})")
+    kv = arch.num_key_value_heads
+    if kv % size and size % kv:
+        problems.append(f"num_key_value_heads ({kv}, which must divide by it or divide it)")
+    if problems:
+        raise ValueError(
+            f"tensor_parallel_size={size} does not split the model: {', '.join(problems)} "
+            f"{'is' if len(problems) == 1 else 'are'} not divisible by it"
+        )
+
+
+def kv_head_range(num_kv_heads: int, rank: int, size: int) -> tuple[int, int]:
+    """(first KV head, count) held by `rank`: a share of them, or one replicated head when there are fewer
+    KV heads than ranks."""
+    return rank * num_kv_heads // size, max(num_kv_heads // size, 1)
+
+
+def local_arch(arch: ArchConfig, size: int | None = None) -> ArchConfig:
+    """The shapes one rank's layers have: its query heads, KV heads and MLP width (the rest unchanged)."""
+    size = tp_size() if size is None else size
+    if size == 1:
+        return arch
+    check_tensor_parallel(arch, size)
+    return dataclasses.replace(
+        arch,
+        num_attention_heads=arch.num_attention_heads // size,
+        num_key_value_heads=max(arch.num_key_value_heads // size, 1),
+        intermediate_size=arch.intermediate_size // size,
+    )

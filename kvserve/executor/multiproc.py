@@ -1,0 +1,256 @@
+"""Tensor-parallel ranks 1..N-1: one process each, running rank 0's `ModelRunner` calls in lockstep.
+
+Rank 0 is the engine core's own runner. `TPWorkers` starts the other ranks (spawned, one device each:
+CUDA_VISIBLE_DEVICES names the rank's GPU), joins the process group with them, and then mirrors every call
+the engine makes on its runner:
+
+* start-up calls (`call` then `gather`): each rank runs the same method with the same arguments while
+  rank 0 runs its own, since their forwards meet in the all-reduces; `gather` returns the ranks' results
+  (the KV cache gets the smallest block count any rank can hold);
+* steps (`step`): the scheduler's output goes to every rank, which launches the same forward and samples
+  the same tokens as rank 0 (the ranks' logits are identical). Only rank 0's tokens reach the scheduler;
+  each rank feeds its own sampled ids to its next step's placeholder inputs (async scheduling). Each rank
+  records its sampled tokens in its request states at the point rank 0 does (before the next launch when
+  the engine waited for them, after it otherwise), so that penalties, which read those records, see the
+  same tokens on every rank.
+
+A rank that fails or exits ends the engine: the rank logs its error and exits, and rank 0's monitor thread
+logs which rank it was and exits the engine process (the server then reports the engine's death). A rank
+whose parent is gone exits by itself, so nothing is left holding a GPU. The ranks ignore SIGINT and
+SIGTERM, as the engine does: they stop when the engine does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import threading
+import time
+import traceback
+from collections import deque
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from kvserve import distributed
+from kvserve.config import EngineConfig
+from kvserve.core.outputs import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+# How often a rank checks that its parent (the engine core) is still there.
+_PARENT_POLL_S = 1.0
+# How long `close` waits for the ranks to exit before killing them.
+_CLOSE_TIMEOUT_S = 10.0
+
+
+class WorkerError(RuntimeError):
+    """A tensor-parallel rank failed a start-up call (the message holds its traceback)."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def rank_visible_device(rank: int) -> str:
+    """CUDA_VISIBLE_DEVICES for `rank`: its entry of the engine's own list, or its index."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        entries = [e.strip() for e in visible.split(",") if e.strip()]
+        if rank >= len(entries):
+            raise ValueError(f"tensor-parallel rank {rank} has no GPU: CUDA_VISIBLE_DEVICES={visible!r}")
+        return entries[rank]
+    return str(rank)
+
+
+def set_cpu_threads(tp_size: int) -> None:
+    """On CPU, share the cores between the ranks instead of each using them all."""
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp_size))
+
+
+class TPWorkers:
+    """Ranks 1..tensor_parallel_size - 1 of `config`'s engine. Constructing it also makes this process rank
+    0 of the group (it returns once every rank has joined); each rank then builds its model, and `gather`
+    returns once they have (rank 0 builds its own meanwhile)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        import torch
+
+        self.size = config.tensor_parallel_size
+        self._closing = False
+        self._conns: list[Connection] = []
+        self._processes: list[Any] = []
+        device = torch.device(config.device_config.device)
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        context = multiprocessing.get_context("spawn")
+        for rank in range(1, self.size):
+            parent_end, child_end = context.Pipe()
+            visible = rank_visible_device(rank) if device.type == "cuda" else None
+            process = context.Process(
+                target=_worker_main,
+                args=(config, rank, init_method, child_end, visible, os.getpid()),
+                name=f"kvserve-tp-rank{rank}",
+                daemon=True,
+            )
+            process.start()
+            child_end.close()
+            self._conns.append(parent_end)
+            self._processes.append(process)
+        self._monitor = threading.Thread(target=self._watch, name="kvserve-tp-monitor", daemon=True)
+        self._monitor.start()
+        if device.type == "cpu":
+            set_cpu_threads(self.size)
+        distributed.init_tensor_parallel(0, self.size, init_method, device)
+
+    # ------------------------------------------------------------------ calls
+
+    def call(self, method: str, *args: Any) -> None:
+        """Start `method(*args)` on every other rank; `gather` collects the results."""
+        for conn in self._conns:
+            conn.send(("call", method, args))
+
+    def gather(self) -> list[Any]:
+        """Each other rank's reply to the last `call` (or to its start-up), in rank order."""
+        results = []
+        for rank, conn in enumerate(self._conns, start=1):
+            try:
+                status, value = conn.recv()
+            except EOFError:
+                raise WorkerError(f"tensor-parallel rank {rank} exited") from None
+            if status != "ok":
+                raise WorkerError(f"tensor-parallel rank {rank} failed:\n{value}")
+            results.append(value)
+        return results
+
+    def step(self, scheduler_output: SchedulerOutput, finish_previous_first: bool) -> None:
+        """Send one step to every other rank (no reply). finish_previous_first: rank 0 read the previous
+        step's tokens before launching this one."""
+        # The scheduler's own request objects stay here (the runner never reads them).
+        message = ("step", dataclasses.replace(scheduler_output, requests={}), finish_previous_first)
+        for conn in self._conns:
+            conn.send(message)
+
+    # ------------------------------------------------------------------ life
+
+    def _watch(self) -> None:
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self._processes, start=1)}
+        ready = wait(list(sentinels))
+        if self._closing:
+            return
+        rank = sentinels[ready[0]]  # type: ignore[index]
+        code = self._processes[rank - 1].exitcode
+        logger.critical("tensor-parallel rank %d exited (code %s); the engine cannot continue without it and "
+                        "exits", rank, code)
+        logging.shutdown()
+        os._exit(1)
+
+    def close(self) -> None:
+        """Stop the other ranks and leave the group."""
+        if self._closing:
+            return
+        self._closing = True
+        for conn in self._conns:
+            try:
+                conn.send(("stop",))
+            except (BrokenPipeError, OSError):
+                pass
+        deadline = time.monotonic() + _CLOSE_TIMEOUT_S
+        for process in self._processes:
+            process.join(timeout=max(deadline - time.monotonic(), 0.1))
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=1.0)
+        for conn in self._conns:
+            conn.close()
+        distributed.destroy_tensor_parallel()
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while True:
+        time.sleep(_PARENT_POLL_S)
+        if os.getppid() != parent_pid:
+            os._exit(0)
+
+
+def _worker_main(
+    config: EngineConfig, rank: int, init_method: str, conn: Connection, visible: str | None, parent_pid: int
+) -> None:
+    if visible is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible  # before CUDA starts in this process
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s tp-rank{rank} %(levelname)s %(name)s: %(message)s")
+
+    import torch
+
+    from kvserve.worker.model_runner import ModelRunner, PendingOutput
+
+    try:
+        device = torch.device(config.device_config.device)
+        if device.type == "cpu":
+            set_cpu_threads(config.tensor_parallel_size)
+        distributed.init_tensor_parallel(rank, config.tensor_parallel_size, init_method, device)
+        runner = ModelRunner(config)
+    except BaseException:
+        _reply_error(conn)
+        return
+    conn.send(("ok", None))
+    pending: deque[PendingOutput] = deque()
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            break
+        kind = message[0]
+        if kind == "stop":
+            break
+        if kind == "call":
+            _, method, args = message
+            try:
+                result = getattr(runner, method)(*args)
+            except BaseException:
+                _reply_error(conn)
+                return
+            conn.send(("ok", result if _picklable(result) else None))
+            continue
+        _, scheduler_output, finish_previous_first = message
+        try:
+            if finish_previous_first:
+                while pending:
+                    pending.popleft().result()
+            launched = runner.execute_model_async(scheduler_output)
+            while pending:
+                pending.popleft().result()
+            pending.append(launched)
+        except BaseException:
+            logger.critical("tensor-parallel rank %d failed a step:\n%s", rank, traceback.format_exc())
+            logging.shutdown()
+            os._exit(1)
+    distributed.destroy_tensor_parallel()
+
+
+def _picklable(value: Any) -> bool:
+    import pickle
+
+    try:
+        pickle.dumps(value)
+    except Exception:  # noqa: BLE001 - any value that cannot travel is dropped, not the call
+        return False
+    return True
+
+
+def _reply_error(conn: Connection) -> None:
+    text = traceback.format_exc()
+    logger.error("%s", text)
+    try:
+        conn.send(("error", text))
+    except (BrokenPipeError, OSError):
+        pass

@@ -1,0 +1,161 @@
+"""Tensor parallelism on the CPU (gloo): kvserve split over ranks against kvserve on one.
+
+The ranks' partial sums are added in a different order than one rank's matmul adds them, so outputs agree to
+float32 rounding: greedy tokens equal, logprobs within 1e-4. The ranks are real processes (spawned, as on
+GPUs); the sharding of each fused weight is also checked directly, rank by rank, in this process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams, distributed
+from kvserve.config import ConfigError, EngineArgs
+from kvserve.layers.linear import Linear, MergedLinear, QKVLinear
+
+PROMPTS = [
+    "Hello, my name is",
+    "The three most important inventions of the twentieth century were",
+    "a b c d e f g h i j k l m n o p q r s t u v w x y z " * 3,
+    "今天天气很好，我们一起去",
+]
+
+
+def _run(path: str, tp: int, params: SamplingParams, **kwargs: object) -> list:
+    llm = LLM(path, dtype="float32", tensor_parallel_size=tp, max_model_len=256, kv_cache_memory="16MiB",
+              **kwargs)
+    try:
+        llm.engine.core.check_invariants_every_step = True
+        return llm.generate(PROMPTS, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
+def _assert_same(one: list, split: list) -> None:
+    for a, b in zip(one, split, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, a.prompt
+        for la, lb in zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or [], strict=True):
+            assert la.keys() == lb.keys()
+            for token_id in la:
+                assert abs(la[token_id].logprob - lb[token_id].logprob) < 1e-4
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=20, logprobs=3)
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama-tied", "qwen2", "qwen3"])
+def test_two_ranks_match_one(tiny_model_dir: Callable[..., str], arch: str) -> None:
+    # A small step budget: prompts are prefilled in chunks, mixed with other requests' decodes.
+    path = tiny_model_dir(arch)
+    _assert_same(_run(path, 1, GREEDY, max_num_batched_tokens=32), _run(path, 2, GREEDY, max_num_batched_tokens=32))
+
+
+def test_more_ranks_than_kv_heads(tiny_model_dir: Callable[..., str]) -> None:
+    # 4 query heads, 2 KV heads, 4 ranks: each KV head is held by two ranks.
+    path = tiny_model_dir("llama")
+    _assert_same(_run(path, 1, GREEDY), _run(path, 4, GREEDY))
+
+
+def test_async_scheduling_with_penalties_matches_one_rank(tiny_model_dir: Callable[..., str]) -> None:
+    """Penalties read each request's earlier tokens, which every rank records: at the engine's pace, since
+    with async scheduling it reads a step's tokens before or after launching the next depending on whether a
+    live request needs them. Requests with and without penalties, so both happen."""
+    path = tiny_model_dir("qwen2")
+    plain = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24)
+    penalised = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12, repetition_penalty=1.8,
+                               frequency_penalty=0.5)
+    seeded = SamplingParams(temperature=1.0, top_k=20, seed=7, max_tokens=24, min_tokens=24)
+
+    def run(tp: int) -> list[list[int]]:
+        llm = LLM(path, dtype="float32", tensor_parallel_size=tp, max_model_len=256, kv_cache_memory="16MiB",
+                  async_scheduling=True)
+        try:
+            outs = llm.generate(PROMPTS * 2, [plain, penalised, seeded, plain] * 2, use_tqdm=False)
+        finally:
+            llm.shutdown()
+        return [o.outputs[0].token_ids for o in outs]
+
+    assert run(2) == run(1)
+
+
+def test_a_model_that_does_not_split_is_refused(tiny_model_dir: Callable[..., str]) -> None:
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=3 does not split the model: "
+                                          r"num_attention_heads \(4\), intermediate_size \(128\).*tensor-parallel-size"):
+        EngineArgs(model=tiny_model_dir("llama"), device="cpu", tensor_parallel_size=3).create_engine_config()
+
+
+def test_more_ranks_than_gpus_is_refused(tiny_model_dir: Callable[..., str]) -> None:
+    if not torch.cuda.is_available() or torch.cuda.device_count() >= 8:
+        pytest.skip("needs a machine with 1-7 GPUs")
+    with pytest.raises(ConfigError, match=r"--tensor-parallel-size 8 needs 8 GPUs, and \d are visible"):
+        path = tiny_model_dir("llama", num_attention_heads=8, num_key_value_heads=2)
+        EngineArgs(model=path, device="cuda", tensor_parallel_size=8).create_engine_config()
+
+
+def _build_rank(make: Callable[[], torch.nn.Module], rank: int, size: int) -> torch.nn.Module:
+    previous = distributed.set_group_for_building(distributed.TPGroup(rank, size))
+    try:
+        return make()
+    finally:
+        distributed.set_group_for_building(previous)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "size"), [(4, 2, 2), (8, 2, 4), (4, 1, 2), (4, 4, 4)])
+def test_qkv_shards_hold_each_ranks_heads(heads: int, kv_heads: int, size: int) -> None:
+    hidden, head_dim = 16, 8
+    q = torch.randn(heads * head_dim, hidden)
+    k = torch.randn(kv_heads * head_dim, hidden)
+    v = torch.randn(kv_heads * head_dim, hidden)
+    local_kv = max(kv_heads // size, 1)
+    for rank in range(size):
+        layer = _build_rank(lambda: QKVLinear(hidden, head_dim, heads // size, local_kv, False, torch.float32),
+                            rank, size)
+        assert isinstance(layer, QKVLinear)
+        for shard, tensor in (("q", q), ("k", k), ("v", v)):
+            layer.weight.weight_loader(layer.weight, tensor, shard)  # type: ignore[attr-defined]
+        got_q, got_k, got_v = layer.split(layer.weight.T)
+        q_heads = heads // size
+        assert torch.equal(got_q.T, q[rank * q_heads * head_dim:(rank + 1) * q_heads * head_dim])
+        # Query head h reads KV head h // (heads // kv_heads): the rank's KV heads serve its query heads.
+        first_kv = rank * q_heads // (heads // kv_heads)
+        want = slice(first_kv * head_dim, (first_kv + local_kv) * head_dim)
+        assert torch.equal(got_k.T, k[want]) and torch.equal(got_v.T, v[want])
+
+
+def test_row_and_merged_shards_recombine(monkeypatch: pytest.MonkeyPatch) -> None:
+    size, hidden, inner = 2, 6, 8
+    gate, up, down = torch.randn(inner, hidden), torch.randn(inner, hidden), torch.randn(hidden, inner)
+    bias = torch.randn(hidden)
+    x = torch.randn(3, inner)
+    partial = []
+    for rank in range(size):
+        merged = _build_rank(lambda: MergedLinear(hidden, [inner // size] * 2, False, torch.float32), rank, size)
+        merged.weight.weight_loader(merged.weight, gate, 0)  # type: ignore[attr-defined]
+        merged.weight.weight_loader(merged.weight, up, 1)  # type: ignore[attr-defined]
+        rows = slice(rank * inner // size, (rank + 1) * inner // size)
+        assert torch.equal(merged.weight, torch.cat([gate[rows], up[rows]]))
+        row = _build_rank(lambda: Linear(inner // size, hidden, True, torch.float32, row_parallel=True), rank, size)
+        assert isinstance(row, Linear) and row.row_parallel
+        row.weight.weight_loader(row.weight, down, None)  # type: ignore[attr-defined]
+        assert row.bias is not None
+        row.bias.weight_loader(row.bias, bias, None)  # type: ignore[attr-defined]
+        # What each rank contributes to the all-reduce (here the identity): the bias must come in once.
+        monkeypatch.setattr(distributed, "all_reduce", lambda t: t)
+        partial.append(row(x[:, rows]))
+    torch.testing.assert_close(sum(partial), x @ down.T + bias)
+
+
+def test_a_wrong_checkpoint_shape_is_refused_on_every_rank() -> None:
+    layer = _build_rank(lambda: MergedLinear(6, [4, 4], False, torch.float32), 1, 2)
+    with pytest.raises(ValueError, match=r"does not split into this rank's rows"):
+        layer.weight.weight_loader(layer.weight, torch.randn(6, 6), 0)  # type: ignore[attr-defined]
+
+
+def test_cuda_without_a_gpu_is_a_config_error(tiny_model_dir: Callable[..., str]) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ConfigError, match=r"device 'cuda' asked for, but this machine has no usable CUDA GPU"):
+        EngineArgs(model=tiny_model_dir("llama"), device="cuda").create_engine_config()
