@@ -5,8 +5,9 @@ Each rank is one process holding one device (`executor.multiproc` starts them). 
 core process; the others run the same steps in lockstep. The layers shard their weights when built, by
 the group set here: column-parallel projections (q/k/v, gate/up) keep their rank's output rows,
 row-parallel ones (o_proj, down) their input columns, and add the ranks' partial outputs with
-`all_reduce`. The embedding and the LM head are whole on every rank, so every rank computes the same
-logits and samples the same tokens (NCCL's and gloo's all-reduce give every rank the same bits).
+`all_reduce`. The embedding is whole on every rank; an untied LM head is split by vocabulary and its
+logits gathered (`all_gather`), so every rank holds the same whole logits and samples the same tokens
+(NCCL's and gloo's collectives give every rank the same bits).
 
 With one rank nothing here touches `torch.distributed`.
 """
@@ -84,6 +85,19 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 
     dist.all_reduce(x, group=_group.group)
     return x
+
+
+def all_gather(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's `x`, stacked: [ranks, *x.shape] (x[None] with one rank)."""
+    if _group.size == 1:
+        return x.unsqueeze(0)
+    import torch.distributed as dist
+
+    out = torch.empty((_group.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    # all_gather_single is all_gather_into_tensor's newer name (torch 2.13; older torch has the old one only).
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, x.contiguous(), group=_group.group)
+    return out.view(_group.size, *x.shape)
 
 
 def check_tensor_parallel(arch: ArchConfig, size: int) -> None:

@@ -145,7 +145,9 @@ class TPWorkers:
         if self._closing:
             return
         rank = sentinels[ready[0]]  # type: ignore[index]
-        code = self._processes[rank - 1].exitcode
+        process = self._processes[rank - 1]
+        process.join(timeout=1.0)  # reaped, so that its exit code is known
+        code = process.exitcode
         logger.critical("tensor-parallel rank %d exited (code %s); the engine cannot continue without it and "
                         "exits", rank, code)
         logging.shutdown()

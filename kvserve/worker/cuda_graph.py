@@ -58,6 +58,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from kvserve import distributed
 from kvserve.core.outputs import ScheduledRequest
 from kvserve.kernels import ops
 from kvserve.layers.attention_metadata import AttentionMetadata
@@ -171,6 +172,9 @@ def capture_graph(fn: Callable[[], T], pool: Any, stream: torch.cuda.Stream) -> 
     undone what torch leaves behind (the pool's routing and reference, the default generator's capture
     mode), so that the caller can free the memory and retry into a new pool."""
     graph = torch.cuda.CUDAGraph()
+    # With tensor parallelism the capture holds NCCL collectives, and torch's NCCL watchdog thread queries
+    # CUDA events meanwhile: in the global mode another thread's unsafe call invalidates the capture.
+    mode = "thread_local" if distributed.tp_size() > 1 else "global"
     collecting = gc.isenabled()
     gc.disable()
     try:
@@ -179,7 +183,7 @@ def capture_graph(fn: Callable[[], T], pool: Any, stream: torch.cuda.Stream) -> 
             # stream current when its capture_end raises.
             with torch.cuda.stream(stream):
                 try:
-                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=mode):
                         out = fn()
                 except BaseException:
                     _release_failed_capture(graph, pool)
@@ -187,7 +191,7 @@ def capture_graph(fn: Callable[[], T], pool: Any, stream: torch.cuda.Stream) -> 
             return graph, out
         with torch.cuda.stream(stream):
             try:
-                graph.capture_begin(pool=pool)
+                graph.capture_begin(pool=pool, capture_error_mode=mode)
             except BaseException:
                 _release_failed_capture(graph, pool)
                 raise

@@ -159,3 +159,25 @@ def test_cuda_without_a_gpu_is_a_config_error(tiny_model_dir: Callable[..., str]
         pytest.skip("this machine has a GPU")
     with pytest.raises(ConfigError, match=r"device 'cuda' asked for, but this machine has no usable CUDA GPU"):
         EngineArgs(model=tiny_model_dir("llama"), device="cuda").create_engine_config()
+
+
+@pytest.mark.parametrize(("vocab", "size"), [(12, 2), (10, 4)])
+def test_lm_head_split_by_vocabulary_gathers_the_whole_logits(monkeypatch: pytest.MonkeyPatch, vocab: int,
+                                                             size: int) -> None:
+    from kvserve.layers.embedding import LMHead
+
+    hidden = 5
+    full = torch.randn(vocab, hidden)
+    x = torch.randn(3, hidden)
+    heads = []
+    for rank in range(size):
+        head = _build_rank(lambda: LMHead(vocab, hidden, torch.float32), rank, size)
+        assert isinstance(head, LMHead) and head.split
+        head.weight.weight_loader(head.weight, full, None)  # type: ignore[attr-defined]
+        heads.append(head)
+    # Each rank's rows, the last one's past the vocabulary zero.
+    padded = torch.cat([full, torch.zeros(size * heads[0].rows - vocab, hidden)])
+    assert torch.equal(torch.cat([h.weight for h in heads]), padded)
+    locals_ = [x @ h.weight.T for h in heads]
+    monkeypatch.setattr(distributed, "all_gather", lambda t: torch.stack(locals_))
+    torch.testing.assert_close(heads[1](x), x @ full.T)
