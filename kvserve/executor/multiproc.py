@@ -108,6 +108,10 @@ class TPWorkers:
         if device.type == "cpu":
             set_cpu_threads(self.size)
         distributed.init_tensor_parallel(0, self.size, init_method, device)
+        where = (f"GPUs {', '.join(rank_visible_device(r) for r in range(self.size))}" if device.type == "cuda"
+                 else "CPU processes")
+        logger.info("tensor parallelism: %d ranks (%s; ranks 1-%d are pids %s)", self.size, where, self.size - 1,
+                    ", ".join(str(p.pid) for p in self._processes))
 
     # ------------------------------------------------------------------ calls
 

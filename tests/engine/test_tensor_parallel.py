@@ -53,6 +53,15 @@ def test_two_ranks_match_one(tiny_model_dir: Callable[..., str], arch: str) -> N
     _assert_same(_run(path, 1, GREEDY, max_num_batched_tokens=32), _run(path, 2, GREEDY, max_num_batched_tokens=32))
 
 
+def test_a_gguf_file_splits_as_its_safetensors_twin(tiny_model_dir: Callable[..., str],
+                                                     tiny_gguf_path: Callable[..., str]) -> None:
+    # GGUF's q/k rows come permuted (llama.cpp's layout) and are un-permuted over all heads before a rank
+    # takes its share.
+    path = tiny_gguf_path("llama")
+    one = _run(tiny_model_dir("llama"), 1, GREEDY)
+    _assert_same(one, _run(path, 2, GREEDY, tokenizer=tiny_model_dir("llama")))
+
+
 def test_more_ranks_than_kv_heads(tiny_model_dir: Callable[..., str]) -> None:
     # 4 query heads, 2 KV heads, 4 ranks: each KV head is held by two ranks.
     path = tiny_model_dir("llama")
