@@ -26,7 +26,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 lint: install
-	$(BIN)/ruff check kvserve tests benchmarks
+	$(BIN)/ruff check kvserve tests benchmarks deploy
 
 test: lint
 	$(BIN)/pytest -q -p no:cacheprovider $(PYTEST_ARGS)
