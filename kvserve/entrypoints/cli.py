@@ -100,6 +100,15 @@ def _cmd_bench(ns: argparse.Namespace) -> int:
     return run_cli(config_from_args(ns))
 
 
+def _cmd_route(ns: argparse.Namespace) -> int:
+    from kvserve.router.app import parse_backends, run_router
+
+    backends = parse_backends(ns.backend)
+    if ns.health_check_interval <= 0:
+        raise ValueError(f"--health-check-interval must be positive, got {ns.health_check_interval}")
+    return run_router(backends, ns.policy, ns.host, ns.port, ns.health_check_interval)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description="kvserve: LLM inference serving")
     parser.add_argument("--version", action="version", version=f"kvserve {__version__}")
@@ -138,6 +147,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_bench_args(bench)
     bench.set_defaults(func=_cmd_bench)
+
+    from kvserve.router.policies import POLICIES
+
+    route = sub.add_parser(
+        "route",
+        help="load-balance OpenAI-compatible servers (kvserve replicas) behind one address",
+        description="Forward /v1/* to healthy backends, streaming their answers back; skip backends that are "
+        "down or draining. /health, /metrics and /router/backends report the router's state.",
+    )
+    route.add_argument("--backend", action="append", required=True, metavar="URL",
+                       help="a backend's base URL, e.g. http://10.0.0.5:8000 (repeat it, or give a comma-separated "
+                       "list)")
+    route.add_argument("--policy", choices=POLICIES, default="prefix",
+                       help="prefix: requests whose prompts start alike share a backend (its prefix cache), with no "
+                       "backend above 1.25x the average load; least-requests: the least busy backend; round-robin "
+                       "(default: prefix)")
+    route.add_argument("--host", default="127.0.0.1", help="listening address (0.0.0.0 for all interfaces)")
+    route.add_argument("--port", type=int, default=8080, help="listening port")
+    route.add_argument("--health-check-interval", type=float, default=5.0, metavar="SECONDS",
+                       help="how often each backend's /health is polled")
+    route.set_defaults(func=_cmd_route)
     return parser
 
 

@@ -1,0 +1,116 @@
+"""How `kvserve route` picks a replica for a request: the backends' state and the routing policies.
+
+Pure Python, no I/O: the proxy (`router.app`) keeps each backend's health and in-flight count here and asks
+a policy for the order in which to try the healthy ones (the first that answers serves the request).
+
+* `round-robin`: each request to the next healthy backend in turn.
+* `least-requests`: the healthy backend with the fewest requests in flight (ties: the one that served
+  fewer so far).
+* `prefix` (the default): requests whose prompts start alike go to the same backend, so its prefix cache
+  holds their shared start (system prompt, earlier turns of a conversation). The key is the prompt's first
+  `PREFIX_KEY_CHARS` characters; each key ranks the backends by a hash of (key, backend) (rendezvous
+  hashing: adding or removing a backend moves only that backend's keys). A backend is skipped while it
+  holds more than `LOAD_FACTOR` times the average in-flight count, so one hot prefix cannot pile onto one
+  replica (consistent hashing with bounded loads).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+POLICIES = ("prefix", "least-requests", "round-robin")
+# Characters of a prompt that decide its backend under the prefix policy: about 250 tokens, enough to tell
+# system prompts apart, short enough that a conversation keeps its backend as it grows.
+PREFIX_KEY_CHARS = 1024
+# Under the prefix policy a backend takes no more than this times the average load (+1).
+LOAD_FACTOR = 1.25
+
+
+@dataclass
+class Backend:
+    url: str  # base URL, e.g. http://10.0.0.5:8000 (no trailing slash)
+    healthy: bool = True
+    in_flight: int = 0
+    served: int = 0  # requests sent to it
+    failures: int = 0  # requests it could not take (connection errors, 503s)
+    last_error: str = ""
+
+    def check_invariants(self) -> None:
+        assert self.in_flight >= 0, f"{self.url}: negative in-flight count {self.in_flight}"
+        assert self.served >= 0 and self.failures >= 0
+
+
+def _rank(key: str, url: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{url}\0{key}".encode(), digest_size=8).digest(), "big")
+
+
+class Router:
+    """Backends and a policy. `order(key)` lists the healthy backends in the order to try them."""
+
+    def __init__(self, urls: Sequence[str], policy: str = "prefix") -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown routing policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        if not urls:
+            raise ValueError("kvserve route needs at least one backend")
+        clean = [u.rstrip("/") for u in urls]
+        if len(set(clean)) != len(clean):
+            raise ValueError(f"backends listed twice: {sorted({u for u in clean if clean.count(u) > 1})}")
+        self.backends = [Backend(u) for u in clean]
+        self.policy = policy
+        self._turn = itertools.count()
+
+    def healthy(self) -> list[Backend]:
+        return [b for b in self.backends if b.healthy]
+
+    def order(self, key: str | None = None) -> list[Backend]:
+        """The healthy backends, first choice first (empty when none is healthy)."""
+        live = self.healthy()
+        if not live:
+            return []
+        if self.policy == "round-robin":
+            start = next(self._turn) % len(live)
+            return live[start:] + live[:start]
+        if self.policy == "least-requests" or key is None:
+            return sorted(live, key=lambda b: (b.in_flight, b.served))
+        ranked = sorted(live, key=lambda b: _rank(key, b.url), reverse=True)
+        total = sum(b.in_flight for b in live)
+        cap = math.ceil((total + 1) / len(live) * LOAD_FACTOR)
+        within = [b for b in ranked if b.in_flight < cap]
+        return within + [b for b in ranked if b.in_flight >= cap]
+
+    def check_invariants(self) -> None:
+        for backend in self.backends:
+            backend.check_invariants()
+
+
+def prefix_key(body: object) -> str | None:
+    """The start of a completion or chat request's prompt (None when the body has none)."""
+    if not isinstance(body, dict):
+        return None
+    prompt = body.get("prompt")
+    if prompt is not None:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of prompts (texts or token-id lists): the first one decides
+        text = prompt if isinstance(prompt, str) else ",".join(map(str, prompt)) if isinstance(prompt, list) else ""
+        return text[:PREFIX_KEY_CHARS]
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        parts = []
+        size = 0
+        for message in messages:
+            if not isinstance(message, dict):
+                continue
+            content = message.get("content")
+            if isinstance(content, list):  # content parts: their text
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            part = f"{message.get('role', '')}:{content if isinstance(content, str) else ''}\n"
+            parts.append(part)
+            size += len(part)
+            if size >= PREFIX_KEY_CHARS:
+                break
+        return "".join(parts)[:PREFIX_KEY_CHARS]
+    return None

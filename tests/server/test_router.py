@@ -1,0 +1,281 @@
+"""`kvserve route`: the policies (pure), the proxy against in-process fake backends (streaming, failover,
+health, disconnects), and the command in front of a real tiny kvserve server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+import httpx
+import pytest
+from aiohttp import web
+
+from kvserve.router.app import RouterApp, parse_backends
+from kvserve.router.policies import LOAD_FACTOR, PREFIX_KEY_CHARS, Router, prefix_key
+
+from .conftest import REPO_ROOT, ServerProcess, free_port, wait_for
+
+# ------------------------------------------------------------------------------------------ policies
+
+
+def test_round_robin_takes_turns_over_healthy_backends() -> None:
+    router = Router(["http://a", "http://b", "http://c"], "round-robin")
+    assert [router.order()[0].url for _ in range(4)] == ["http://a", "http://b", "http://c", "http://a"]
+    router.backends[1].healthy = False
+    assert {router.order()[0].url for _ in range(4)} == {"http://a", "http://c"}
+
+
+def test_least_requests_picks_the_least_busy() -> None:
+    router = Router(["http://a", "http://b"], "least-requests")
+    router.backends[0].in_flight = 3
+    assert router.order()[0].url == "http://b"
+    router.backends[1].in_flight = 5
+    assert [b.url for b in router.order()] == ["http://a", "http://b"]
+
+
+def test_prefix_policy_keeps_a_prefix_on_one_backend_and_moves_few_keys() -> None:
+    urls = [f"http://h{i}" for i in range(4)]
+    router = Router(urls, "prefix")
+    keys = [f"system prompt {i}" for i in range(400)]
+    first = {k: router.order(k)[0].url for k in keys}
+    assert first == {k: router.order(k)[0].url for k in keys}  # stable
+    counts = {u: sum(v == u for v in first.values()) for u in urls}
+    assert min(counts.values()) > 50, counts  # spread over all backends
+    router.backends[2].healthy = False  # only h2's keys move
+    moved = [k for k in keys if router.order(k)[0].url != first[k]]
+    assert moved and all(first[k] == "http://h2" for k in moved)
+
+
+def test_prefix_policy_bounds_a_hot_prefix() -> None:
+    router = Router(["http://a", "http://b", "http://c"], "prefix")
+    for _ in range(60):  # 60 requests with one prompt start, none finishing
+        chosen = router.order("the same long system prompt")[0]
+        chosen.in_flight += 1
+        total = sum(b.in_flight for b in router.backends)
+        assert max(b.in_flight for b in router.backends) <= total / 3 * LOAD_FACTOR + 1
+    router.check_invariants()
+
+
+def test_prefix_key_reads_completions_and_chats() -> None:
+    long = "x" * (PREFIX_KEY_CHARS + 50)
+    assert prefix_key({"prompt": long}) == long[:PREFIX_KEY_CHARS]
+    assert prefix_key({"prompt": ["first", "second"]}) == "first"
+    assert prefix_key({"prompt": [1, 2, 3]}) == "1,2,3"
+    chat = {"messages": [{"role": "system", "content": "be brief"},
+                         {"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    assert prefix_key(chat) == "system:be brief\nuser:hi\n"
+    # A later turn of the conversation starts the same way, so it keeps the backend's cached prefix.
+    later = {"messages": chat["messages"] + [{"role": "assistant", "content": "hello"}]}
+    assert prefix_key(later).startswith(prefix_key(chat))  # type: ignore[union-attr]
+    assert prefix_key({"model": "m"}) is None and prefix_key([1]) is None
+
+
+def test_bad_router_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="unknown routing policy 'random'"):
+        Router(["http://a"], "random")
+    with pytest.raises(ValueError, match="at least one backend"):
+        Router([], "prefix")
+    with pytest.raises(ValueError, match="listed twice"):
+        Router(["http://a/", "http://a"], "prefix")
+    assert parse_backends(["10.0.0.1:8000,http://b:9000/", " https://c "]) == [
+        "http://10.0.0.1:8000", "http://b:9000", "https://c"]
+    with pytest.raises(ValueError, match="not an http"):
+        parse_backends(["ftp://x"])
+
+
+# ------------------------------------------------------------------------------------------ proxy
+
+
+class FakeBackend:
+    """An OpenAI-ish server: /health, and /v1/completions streaming `chunks` SSE events (or answering
+    `status`); records each request's headers and whether its client went away mid-stream."""
+
+    def __init__(self, name: str, chunks: int = 5, delay_s: float = 0.01) -> None:
+        self.name, self.chunks, self.delay_s = name, chunks, delay_s
+        self.status = 200
+        self.healthy = True
+        self.seen: list[dict[str, Any]] = []
+        self.disconnected = asyncio.Event()
+        self.port = free_port()
+        self.runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/health", self.health)
+        app.router.add_post("/v1/completions", self.completions)
+        self.runner = web.AppRunner(app, handler_cancellation=True)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+
+    async def health(self, _: web.Request) -> web.Response:
+        return web.Response(status=200 if self.healthy else 503)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.seen.append({"headers": dict(request.headers), "body": body})
+        if self.status != 200:
+            return web.json_response({"error": {"message": "draining", "code": self.status}}, status=self.status)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Backend": self.name})
+        await response.prepare(request)
+        try:
+            for i in range(self.chunks):
+                await response.write(f"data: {json.dumps({'backend': self.name, 'i': i})}\n\n".encode())
+                await asyncio.sleep(self.delay_s)
+            await response.write(b"data: [DONE]\n\n")
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.disconnected.set()
+            raise
+        return response
+
+
+@asynccontextmanager
+async def routed(backends: list[FakeBackend], policy: str = "least-requests",
+                 interval_s: float = 0.2) -> AsyncIterator[tuple[RouterApp, str]]:
+    for b in backends:
+        if b.healthy is not None:
+            await b.start()
+    app = RouterApp(Router([b.url for b in backends], policy), interval_s)
+    runner = web.AppRunner(app.make_app(), handler_cancellation=True)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield app, f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+        for b in backends:
+            await b.stop()
+
+
+def _run(coro: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(coro())  # type: ignore[arg-type]
+
+
+async def _post(session: aiohttp.ClientSession, base: str, **headers: str) -> tuple[int, dict[str, str], bytes]:
+    async with session.post(base + "/v1/completions", json={"model": "m", "prompt": "hello", "stream": True},
+                            headers=headers) as response:
+        return response.status, dict(response.headers), await response.read()
+
+
+def test_streams_pass_through_unchanged_with_the_callers_key() -> None:
+    async def body() -> None:
+        backend = FakeBackend("a", chunks=4)
+        async with routed([backend]) as (_, base), aiohttp.ClientSession() as session:
+            status, headers, data = await _post(session, base, Authorization="Bearer k1")
+            direct = await _post(session, backend.url)
+        assert status == 200 and headers["Content-Type"] == "text/event-stream" and headers["X-Backend"] == "a"
+        assert data == direct[2] and data.endswith(b"data: [DONE]\n\n") and data.count(b"data: ") == 5
+        assert backend.seen[0]["headers"]["Authorization"] == "Bearer k1"
+        assert backend.seen[0]["body"]["prompt"] == "hello"
+    _run(body)
+
+
+def test_a_dead_or_draining_backend_is_skipped_and_marked() -> None:
+    async def body() -> None:
+        dead, draining, live = FakeBackend("dead"), FakeBackend("draining"), FakeBackend("live")
+        draining.status = 503
+        async with routed([dead, draining, live], "round-robin", interval_s=60) as (app, base):
+            await dead.stop()  # refuses connections from now on; the router still thinks it healthy
+            async with aiohttp.ClientSession() as session:
+                results = [await _post(session, base) for _ in range(3)]
+                state = await (await session.get(base + "/router/backends")).json()
+                metrics = await (await session.get(base + "/metrics")).text()
+        assert all(status == 200 and headers["X-Backend"] == "live" for status, headers, _ in results)
+        healthy = {b["url"]: b["healthy"] for b in state["backends"]}
+        assert healthy == {dead.url: False, draining.url: False, live.url: True}
+        assert draining.seen, "the draining backend was tried"
+        assert "kvserve_router:retries_total 2.0" in metrics
+        assert f'kvserve_router:requests_total{{backend="{live.url}",code="200"}} 3.0' in metrics
+        app.router.check_invariants()
+    _run(body)
+
+
+def test_no_healthy_backend_is_a_503_and_health_comes_back() -> None:
+    async def body() -> None:
+        backend = FakeBackend("a")
+        backend.healthy = False
+        async with routed([backend], interval_s=0.1) as (app, base), aiohttp.ClientSession() as session:
+            assert not app.router.backends[0].healthy  # the first check ran before serving
+            response = await session.post(base + "/v1/completions", json={"prompt": "x"})
+            error = await response.json()
+            assert response.status == 503 and error["error"]["code"] == 503
+            assert "no healthy backend" in error["error"]["message"]
+            assert (await session.get(base + "/health")).status == 503
+            backend.healthy = True
+            for _ in range(50):
+                if (await session.get(base + "/health")).status == 200:
+                    break
+                await asyncio.sleep(0.05)
+            assert (await _post(session, base))[0] == 200
+            missing = await session.get(base + "/admin")
+            assert missing.status == 404 and "forwards /v1/*" in (await missing.json())["error"]["message"]
+    _run(body)
+
+
+def test_a_client_that_leaves_mid_stream_ends_the_backend_request() -> None:
+    async def body() -> None:
+        backend = FakeBackend("a", chunks=500, delay_s=0.02)
+        async with routed([backend]) as (app, base):
+            async with aiohttp.ClientSession() as session:
+                async with session.post(base + "/v1/completions", json={"prompt": "x", "stream": True}) as response:
+                    await response.content.readline()  # the first event arrived; now hang up
+            await asyncio.wait_for(backend.disconnected.wait(), 5)
+            for _ in range(50):
+                if app.router.backends[0].in_flight == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert app.router.backends[0].in_flight == 0
+    _run(body)
+
+
+# ------------------------------------------------------------------------------------------ the command
+
+
+def test_route_command_in_front_of_a_real_server(tiny_server: ServerProcess) -> None:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvserve", "route", "--backend", tiny_server.base_url,
+                             "--port", str(port), "--health-check-interval", "0.5"], cwd=REPO_ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        def up() -> bool:
+            try:
+                return httpx.get(base + "/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(up, 30, "the router to answer /health")
+        from openai import OpenAI
+
+        request = {"model": "tiny", "prompt": "Hello, my name is", "max_tokens": 12, "temperature": 0}
+        via = OpenAI(base_url=base + "/v1", api_key="x")
+        direct = OpenAI(base_url=tiny_server.base_url + "/v1", api_key="x")
+        streamed = "".join(c.choices[0].text for c in via.completions.create(**request, stream=True))
+        assert streamed == direct.completions.create(**request).choices[0].text
+        models = via.models.list()
+        assert [m.id for m in models.data] == ["tiny"]
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0 and time.monotonic() - start < 30
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        output = proc.stdout.read().decode() if proc.stdout else ""
+    assert "routing http://127.0.0.1:" in output and "to 1 backends (prefix)" in output
