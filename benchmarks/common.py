@@ -248,7 +248,8 @@ class Driver:
         time each: scheduler, model runner (ends with the step's one host sync), scheduler update. Ignored
         with async scheduling (the parts overlap): steps are then timed whole.
         on_step: called after each step with its number of scheduled tokens, outside the step's timing."""
-        phases = phases and not self.core.async_scheduling
+        # (With tensor parallelism too: the other ranks follow core.step(), not the runner called directly.)
+        phases = phases and not self.core.async_scheduling and self.core.workers is None
         base = params or SamplingParams(temperature=0.0, ignore_eos=True)
         submitted: dict[str, float] = {}
         first: dict[str, float] = {}

@@ -699,7 +699,7 @@ class Bench:
         same values), while after they finish their blocks may be reused or the rows stale."""
         graphs = self.core.runner.graphs
         size = graphs.padded_size(batch) if graphs is not None else None
-        if size is None:
+        if size is None or self.core.workers is not None:  # a replay on rank 0 alone would wait for the others
             return None
         times = []
         for _ in range(20):
@@ -1516,6 +1516,9 @@ def main() -> int:
         _move_sampled_rows_warm_up(args.sampled_rows_warmup)
     bench = Bench(args)
     sections = [s for s in args.sections.split(",") if s]
+    if args.tensor_parallel_size > 1 and set(sections) - TP_SECTIONS:
+        # The others call rank 0's runner directly, or start several engines in this process.
+        raise SystemExit(f"with --tensor-parallel-size > 1 only these sections run: {sorted(TP_SECTIONS)}")
     errors: dict[str, str] = {}
     for name in sections:
         if name not in SECTIONS:
@@ -1552,6 +1555,9 @@ def main() -> int:
         print(f"{measure:<48} {value:>12}  {note}")
     return 1 if errors else 0
 
+
+# Sections that drive the engine through EngineCore.step() alone, on one engine (tensor parallelism).
+TP_SECTIONS = {"start", "decode", "seeds", "random256", "ttft"}
 
 if __name__ == "__main__":
     sys.exit(main())

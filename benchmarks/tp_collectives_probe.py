@@ -7,6 +7,10 @@ captured in the decode graphs, the piecewise graphs and the prefill graphs, and 
 logprobs must equal the plain engine's (a one-rank all-reduce leaves its input as it is). Also checks the
 gather the split LM head uses (`distributed.all_gather`) on NCCL.
 
+What it shows is that NCCL calls capture and replay in the engine's graphs on this torch: with one rank
+the all-reduce changes no value, so the numerics of two ranks (and any disagreement between them) are
+tests/gpu/test_gpu_tensor_parallel.py's, which needs two GPUs.
+
     python benchmarks/tp_collectives_probe.py
 """
 

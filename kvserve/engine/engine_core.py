@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from kvserve import distributed
 from kvserve.config import ConfigError, EngineConfig
 from kvserve.core.outputs import EngineCoreOutput, SchedulerOutput, SchedulerStats
 from kvserve.core.request import Request
@@ -78,11 +79,17 @@ class EngineCore:
         self.workers: TPWorkers | None = None
         if config.tensor_parallel_size > 1:
             self.workers = TPWorkers(config)
+        elif distributed.tp_size() > 1:
+            # Layers read the process's group when built: this engine would be built as one rank of it.
+            raise RuntimeError("a tensor-parallel engine is still running in this process: call its shutdown() "
+                               "(LLM.shutdown) before starting another engine")
         try:
             self._start(config, start)
         except BaseException:
             self.shutdown()
             raise
+        if self.workers is not None:
+            self.workers.mark_started()
 
     def _start(self, config: EngineConfig, start: float) -> None:
         self.runner = ModelRunner(config)

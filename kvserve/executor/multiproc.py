@@ -22,6 +22,7 @@ SIGTERM, as the engine does: they stop when the engine does.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import multiprocessing
@@ -31,6 +32,7 @@ import socket
 import threading
 import time
 import traceback
+import weakref
 from collections import deque
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -68,50 +70,80 @@ def rank_visible_device(rank: int) -> str:
     return str(rank)
 
 
-def set_cpu_threads(tp_size: int) -> None:
-    """On CPU, share the cores between the ranks instead of each using them all."""
+def set_cpu_threads(tp_size: int) -> int:
+    """On CPU, share the cores between the ranks instead of each using them all; returns the previous
+    thread count."""
     import torch
 
+    previous = torch.get_num_threads()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp_size))
+    return previous
+
+
+# A failed rank's exit during start-up is reported by `gather` (its error reply, or the closed pipe); the
+# monitor ends the process only if rank 0 has not seen it within this long (it may be blocked in a
+# collective that the dead rank will never join).
+_STARTUP_FAILURE_GRACE_S = 10.0
 
 
 class TPWorkers:
     """Ranks 1..tensor_parallel_size - 1 of `config`'s engine. Constructing it also makes this process rank
     0 of the group (it returns once every rank has joined); each rank then builds its model, and `gather`
-    returns once they have (rank 0 builds its own meanwhile)."""
+    returns once they have (rank 0 builds its own meanwhile). `close()` stops them; so does this process's
+    exit, or the object's collection."""
 
     def __init__(self, config: EngineConfig) -> None:
         import torch
 
+        if distributed.tp_size() > 1:
+            raise RuntimeError("another tensor-parallel engine is still running in this process: call its "
+                               "shutdown() (LLM.shutdown) before starting a new one")
         self.size = config.tensor_parallel_size
         self._closing = False
+        self._started = False
+        self._failure_seen = threading.Event()
         self._conns: list[Connection] = []
         self._processes: list[Any] = []
+        self._previous_threads: int | None = None
+        # Stops the ranks at interpreter exit (before multiprocessing's own exit handler, which would wait
+        # for them: they ignore its SIGTERM) or when this object is collected without close().
+        # Set once the ranks are being stopped on purpose (their exits are then no failure).
+        self._stopping = threading.Event()
+        self._finalizer = weakref.finalize(self, _stop_ranks, self._conns, self._processes, self._stopping)
+        atexit.register(self._finalizer)  # registered after multiprocessing's handler, so it runs first
         device = torch.device(config.device_config.device)
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
-        context = multiprocessing.get_context("spawn")
-        for rank in range(1, self.size):
-            parent_end, child_end = context.Pipe()
-            visible = rank_visible_device(rank) if device.type == "cuda" else None
-            process = context.Process(
-                target=_worker_main,
-                args=(config, rank, init_method, child_end, visible, os.getpid()),
-                name=f"kvserve-tp-rank{rank}",
-                daemon=True,
-            )
-            process.start()
-            child_end.close()
-            self._conns.append(parent_end)
-            self._processes.append(process)
-        self._monitor = threading.Thread(target=self._watch, name="kvserve-tp-monitor", daemon=True)
-        self._monitor.start()
-        if device.type == "cpu":
-            set_cpu_threads(self.size)
-        distributed.init_tensor_parallel(0, self.size, init_method, device)
+        try:
+            init_method = f"tcp://127.0.0.1:{_free_port()}"
+            context = multiprocessing.get_context("spawn")
+            for rank in range(1, self.size):
+                parent_end, child_end = context.Pipe()
+                visible = rank_visible_device(rank) if device.type == "cuda" else None
+                process = context.Process(
+                    target=_worker_main,
+                    args=(config, rank, init_method, child_end, visible, os.getpid()),
+                    name=f"kvserve-tp-rank{rank}",
+                    daemon=True,
+                )
+                process.start()
+                child_end.close()
+                self._conns.append(parent_end)
+                self._processes.append(process)
+            self._monitor = threading.Thread(target=self._watch, name="kvserve-tp-monitor", daemon=True)
+            self._monitor.start()
+            if device.type == "cpu":
+                self._previous_threads = set_cpu_threads(self.size)
+            distributed.init_tensor_parallel(0, self.size, init_method, device)
+        except BaseException:
+            self.close()
+            raise
         where = (f"GPUs {', '.join(rank_visible_device(r) for r in range(self.size))}" if device.type == "cuda"
                  else "CPU processes")
         logger.info("tensor parallelism: %d ranks (%s; ranks 1-%d are pids %s)", self.size, where, self.size - 1,
                     ", ".join(str(p.pid) for p in self._processes))
+
+    def mark_started(self) -> None:
+        """Start-up is over: from now on a rank's exit ends this process (the engine cannot go on)."""
+        self._started = True
 
     # ------------------------------------------------------------------ calls
 
@@ -127,8 +159,10 @@ class TPWorkers:
             try:
                 status, value = conn.recv()
             except EOFError:
+                self._failure_seen.set()
                 raise WorkerError(f"tensor-parallel rank {rank} exited") from None
             if status != "ok":
+                self._failure_seen.set()
                 raise WorkerError(f"tensor-parallel rank {rank} failed:\n{value}")
             results.append(value)
         return results
@@ -146,12 +180,16 @@ class TPWorkers:
     def _watch(self) -> None:
         sentinels = {p.sentinel: rank for rank, p in enumerate(self._processes, start=1)}
         ready = wait(list(sentinels))
-        if self._closing:
+        if self._stopping.is_set():
             return
         rank = sentinels[ready[0]]  # type: ignore[index]
         process = self._processes[rank - 1]
         process.join(timeout=1.0)  # reaped, so that its exit code is known
         code = process.exitcode
+        if not self._started and self._failure_seen.wait(_STARTUP_FAILURE_GRACE_S):
+            return  # start-up raises WorkerError with the rank's reason
+        if self._stopping.is_set():
+            return
         logger.critical("tensor-parallel rank %d exited (code %s); the engine cannot continue without it and "
                         "exits", rank, code)
         logging.shutdown()
@@ -162,20 +200,29 @@ class TPWorkers:
         if self._closing:
             return
         self._closing = True
-        for conn in self._conns:
-            try:
-                conn.send(("stop",))
-            except (BrokenPipeError, OSError):
-                pass
-        deadline = time.monotonic() + _CLOSE_TIMEOUT_S
-        for process in self._processes:
-            process.join(timeout=max(deadline - time.monotonic(), 0.1))
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=1.0)
-        for conn in self._conns:
-            conn.close()
+        self._finalizer()
         distributed.destroy_tensor_parallel()
+        if self._previous_threads is not None:
+            import torch
+
+            torch.set_num_threads(self._previous_threads)
+
+
+def _stop_ranks(conns: list[Connection], processes: list[Any], stopping: threading.Event) -> None:
+    stopping.set()
+    for conn in conns:
+        try:
+            conn.send(("stop",))
+        except (BrokenPipeError, OSError):
+            pass
+    deadline = time.monotonic() + _CLOSE_TIMEOUT_S
+    for process in processes:
+        process.join(timeout=max(deadline - time.monotonic(), 0.1))
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=1.0)
+    for conn in conns:
+        conn.close()
 
 
 def _watch_parent(parent_pid: int) -> None:

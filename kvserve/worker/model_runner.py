@@ -625,6 +625,8 @@ class ModelRunner:
                 torch.cuda.synchronize(self.device)
                 found_s = time.perf_counter() - start
         except Exception:
+            if self.config.tensor_parallel_size > 1:
+                raise  # the other ranks went on with the forwards' collectives: no rank may fall back alone
             logger.exception("compiling the Triton kernels ahead of the warm-up failed; the warm-up compiles them")
             return None
         elapsed = time.perf_counter() - start
@@ -651,7 +653,12 @@ class ModelRunner:
             graphs = self._graph_runner(*attempt)
             try:
                 graphs.capture()
-            except Exception:
+            except Exception as exc:
+                if self.config.tensor_parallel_size > 1:
+                    # Every rank must hold the same graphs (each replay's collectives meet the other ranks'),
+                    # and a retry here would be this rank's alone.
+                    raise RuntimeError("CUDA graph capture failed on this rank; with tensor parallelism the "
+                                       "engine cannot fall back alone: pass --enforce-eager") from exc
                 logger.exception(
                     "CUDA graph capture failed; %s",
                     "retrying with fewer prefill graphs" if attempt[0] or attempt[1] else "the runner stays eager",
@@ -689,7 +696,10 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()  # the warm-up runs' blocks, so that the pool's growth below is the pool's
             captured = True
-        except Exception:
+        except Exception as exc:
+            if self.config.tensor_parallel_size > 1:
+                raise RuntimeError("piecewise CUDA graph capture failed on this rank; with tensor parallelism "
+                                   "the engine cannot fall back alone: pass --enforce-eager") from exc
             logger.exception("piecewise CUDA graph capture failed; steps that no other graph serves stay eager")
         if not captured:
             # Out of the except block, so the traceback no longer holds the partial graphs' memory.

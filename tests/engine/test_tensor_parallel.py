@@ -68,15 +68,26 @@ def test_more_ranks_than_kv_heads(tiny_model_dir: Callable[..., str]) -> None:
     _assert_same(_run(path, 1, GREEDY), _run(path, 4, GREEDY))
 
 
-def test_async_scheduling_with_penalties_matches_one_rank(tiny_model_dir: Callable[..., str]) -> None:
+def test_async_scheduling_with_penalties_matches_one_rank(tiny_model_dir: Callable[..., str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Penalties read each request's earlier tokens, which every rank records: at the engine's pace, since
-    with async scheduling it reads a step's tokens before or after launching the next depending on whether a
-    live request needs them. Requests with and without penalties, so both happen."""
+    with async scheduling it reads a step's tokens before launching the next while a live request needs
+    them, and after otherwise. Requests with penalties end early, so both happen."""
+    from kvserve.executor.multiproc import TPWorkers
+
     path = tiny_model_dir("qwen2")
-    plain = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24)
-    penalised = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12, repetition_penalty=1.8,
+    plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    penalised = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, repetition_penalty=1.8,
                                frequency_penalty=0.5)
-    seeded = SamplingParams(temperature=1.0, top_k=20, seed=7, max_tokens=24, min_tokens=24)
+    seeded = SamplingParams(temperature=1.0, top_k=20, seed=7, max_tokens=24, ignore_eos=True)
+    flags: list[bool] = []
+    step = TPWorkers.step
+
+    def recording_step(self: TPWorkers, scheduler_output: object, finish_previous_first: bool) -> None:
+        flags.append(finish_previous_first)
+        step(self, scheduler_output, finish_previous_first)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(TPWorkers, "step", recording_step)
 
     def run(tp: int) -> list[list[int]]:
         llm = LLM(path, dtype="float32", tensor_parallel_size=tp, max_model_len=256, kv_cache_memory="16MiB",
@@ -88,6 +99,7 @@ def test_async_scheduling_with_penalties_matches_one_rank(tiny_model_dir: Callab
         return [o.outputs[0].token_ids for o in outs]
 
     assert run(2) == run(1)
+    assert True in flags and False in flags, flags
 
 
 def test_a_model_that_does_not_split_is_refused(tiny_model_dir: Callable[..., str]) -> None:
@@ -190,3 +202,59 @@ def test_lm_head_split_by_vocabulary_gathers_the_whole_logits(monkeypatch: pytes
     locals_ = [x @ h.weight.T for h in heads]
     monkeypatch.setattr(distributed, "all_gather", lambda t: torch.stack(locals_))
     torch.testing.assert_close(heads[1](x), x @ full.T)
+
+
+def test_an_engine_beside_a_live_tensor_parallel_one_is_refused(tiny_model_dir: Callable[..., str]) -> None:
+    path = tiny_model_dir("llama")
+    llm = LLM(path, dtype="float32", tensor_parallel_size=2, max_model_len=256, kv_cache_memory="16MiB")
+    try:
+        with pytest.raises(RuntimeError, match="still running in this process"):
+            LLM(path, dtype="float32", max_model_len=256, kv_cache_memory="16MiB")
+    finally:
+        llm.shutdown()
+    # After the shutdown the process is free again, and the layers are whole.
+    one = LLM(path, dtype="float32", max_model_len=256, kv_cache_memory="16MiB")
+    assert one.engine.core.runner.arch.num_attention_heads == 4
+
+
+_SCRIPT_WITHOUT_SHUTDOWN = """
+from kvserve import LLM, SamplingParams
+if __name__ == "__main__":
+    llm = LLM({path!r}, dtype="float32", tensor_parallel_size=2, max_model_len=256, kv_cache_memory="16MiB")
+    out = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    print("tokens", out[0].outputs[0].token_ids, flush=True)
+"""
+
+_FAILING_RANK = """
+import kvserve.worker.model_runner as m
+def refuse(self, config):
+    raise MemoryError("rank 1 ran out of memory (injected)")
+m.ModelRunner.__init__ = refuse
+"""
+
+
+def test_a_script_that_never_calls_shutdown_still_exits(tiny_model_dir: Callable[..., str], tmp_path) -> None:
+    import subprocess
+    import sys
+
+    script = tmp_path / "run.py"
+    script.write_text(_SCRIPT_WITHOUT_SHUTDOWN.format(path=tiny_model_dir("llama")))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "tokens [" in done.stdout
+
+
+def test_a_rank_that_fails_at_start_up_is_an_error_here(tiny_model_dir: Callable[..., str], tmp_path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 (a fresh interpreter: it imports `sitecustomize` from PYTHONPATH, this process did not) fails to
+    build its model; the engine raises with rank 1's reason instead of ending this process."""
+    import multiprocessing
+    import os
+
+    (tmp_path / "sitecustomize.py").write_text(_FAILING_RANK)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    with pytest.raises(RuntimeError, match=r"(?s)tensor-parallel rank 1 failed.*rank 1 ran out of memory"):
+        LLM(tiny_model_dir("llama"), dtype="float32", tensor_parallel_size=2, max_model_len=256,
+            kv_cache_memory="16MiB")
+    assert distributed.tp_size() == 1
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("kvserve-tp-rank")]

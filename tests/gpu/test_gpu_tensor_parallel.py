@@ -2,8 +2,9 @@
 
 Float32 tiny random models: greedy tokens equal and logprobs within 1e-3, with CUDA graphs (the all-reduces
 captured in them, the decode graphs and the piecewise graphs of steps where prompts arrive while others
-decode) and eagerly. Bfloat16: the first token's top-5 logprobs within 0.05 (the ranks add their partial
-sums in another order than one matmul does). The models are the ones of test_gpu_engine.py: Llama (GQA 2,
+decode) and eagerly; the KV cache sized by the profiled forward on both ranks. Bfloat16: each step's top-5
+logprobs within 0.05 while the greedy tokens agree (the ranks add their partial sums in another order than
+one matmul does). The models are the ones of test_gpu_engine.py: Llama (GQA 2,
 head_dim 64; its 2 KV heads split) and Qwen2 (1 KV head, held by both ranks).
 """
 
@@ -33,8 +34,9 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 def _core(path: str, dtype: str, tp: int, enforce_eager: bool) -> EngineCore:
+    # The KV cache sized by profiling (a forward with the collectives on every rank), not given.
     args = EngineArgs(model=path, dtype=dtype, device="cuda", enforce_eager=enforce_eager, tensor_parallel_size=tp,
-                      max_model_len=1024, num_kv_blocks=1024, max_num_seqs=16, max_num_batched_tokens=512)
+                      max_model_len=1024, gpu_memory_utilization=0.3, max_num_seqs=16, max_num_batched_tokens=512)
     return EngineCore(args.create_engine_config())
 
 
@@ -64,6 +66,7 @@ def test_two_gpus_match_one_in_float32(checkpoints: dict[str, str], model: str, 
     prompts = _prompts(6, seed=11)
     split_core = _core(checkpoints[model], "float32", 2, enforce_eager)
     assert (split_core.runner.graphs is not None) != enforce_eager, "CUDA graphs were not captured"
+    assert (split_core.runner.piecewise is not None) != enforce_eager, "piecewise graphs were not captured"
     split = _run_staggered(split_core, prompts, 24)
     del split_core
     one = _run_staggered(_core(checkpoints[model], "float32", 1, enforce_eager), prompts, 24)
@@ -76,13 +79,20 @@ def test_two_gpus_match_one_in_float32(checkpoints: dict[str, str], model: str, 
 
 @pytest.mark.parametrize("model", list(MODELS))
 def test_two_gpus_agree_with_one_in_bfloat16(checkpoints: dict[str, str], model: str) -> None:
+    """Each step's top-5 logprobs within 0.05, compared while the two runs' greedy tokens agree (a near tie
+    may pick another token in bf16, after which the contexts differ)."""
     prompts = _prompts(8, seed=5)
-    one = _run_staggered(_core(checkpoints[model], "bfloat16", 1, False), prompts, 1)
-    split = _run_staggered(_core(checkpoints[model], "bfloat16", 2, False), prompts, 1)
-    for req_id, (_, (first,)) in one.items():
-        (other,) = split[req_id][1]
-        a = dict(zip(first.token_ids, first.logprobs, strict=True))
-        b = dict(zip(other.token_ids, other.logprobs, strict=True))
-        shared = a.keys() & b.keys()
-        assert len(shared) >= 4, (first, other)
-        assert max(abs(a[t] - b[t]) for t in shared) < 0.05
+    one = _run_staggered(_core(checkpoints[model], "bfloat16", 1, False), prompts, 8)
+    split = _run_staggered(_core(checkpoints[model], "bfloat16", 2, False), prompts, 8)
+    compared = 0
+    for req_id, (tokens, logprobs) in one.items():
+        for k, (first, other) in enumerate(zip(logprobs, split[req_id][1], strict=True)):
+            a = dict(zip(first.token_ids, first.logprobs, strict=True))
+            b = dict(zip(other.token_ids, other.logprobs, strict=True))
+            shared = a.keys() & b.keys()
+            assert len(shared) >= 4, (req_id, k, first, other)
+            assert max(abs(a[t] - b[t]) for t in shared) < 0.05, (req_id, k)
+            compared += 1
+            if tokens[k] != split[req_id][0][k]:
+                break
+    assert compared >= 8 * 4  # most steps compared: decode graphs included
