@@ -61,8 +61,9 @@ class LMHead(nn.Module):
             raise ValueError(f"checkpoint shape {tuple(loaded.shape)} does not match the head's "
                              f"{(self.vocab_size, param.shape[1])}")
         start = self.tp_rank * self.rows
-        count = min(self.rows, self.vocab_size - start)
-        default_weight_loader(param.narrow(0, 0, count), loaded.narrow(0, start, count))  # type: ignore[arg-type]
+        count = max(min(self.rows, self.vocab_size - start), 0)  # 0: a last rank wholly past the vocabulary
+        if count:
+            default_weight_loader(param.narrow(0, 0, count), loaded.narrow(0, start, count))  # type: ignore[arg-type]
 
     def tie_to(self, embedding: VocabEmbedding) -> None:
         self.weight = embedding.weight

@@ -182,7 +182,7 @@ def test_cuda_without_a_gpu_is_a_config_error(tiny_model_dir: Callable[..., str]
         EngineArgs(model=tiny_model_dir("llama"), device="cuda").create_engine_config()
 
 
-@pytest.mark.parametrize(("vocab", "size"), [(12, 2), (10, 4)])
+@pytest.mark.parametrize(("vocab", "size"), [(12, 2), (10, 4), (5, 4)])
 def test_lm_head_split_by_vocabulary_gathers_the_whole_logits(monkeypatch: pytest.MonkeyPatch, vocab: int,
                                                              size: int) -> None:
     from kvserve.layers.embedding import LMHead
