@@ -100,6 +100,25 @@ def _cmd_bench(ns: argparse.Namespace) -> int:
     return run_cli(config_from_args(ns))
 
 
+def _cmd_triton_repo(ns: argparse.Namespace) -> int:
+    import os
+
+    from kvserve.config import EngineArgs
+    from kvserve.integrations.triton.repo import write_repository
+
+    args = engine_args_from(ns)
+    for key in ("model", "tokenizer"):  # Triton loads the model from its own working directory
+        if args[key] is not None and os.path.exists(str(args[key])):
+            args[key] = os.path.abspath(str(args[key]))
+    EngineArgs(**args).create_engine_config()  # refuse now what the engine would refuse in Triton
+    gpus = [int(g) for g in ns.gpus.split(",")] if ns.gpus else None
+    model_dir = write_repository(ns.out, ns.name, args, max_batch_size=ns.max_batch_size, decoupled=ns.decoupled,
+                                 instances=ns.instances, gpus=gpus, device=ns.device or "cuda")
+    print(f"wrote {model_dir} (config.pbtxt, 1/model.py, 1/kvserve.json); serve it with: "
+          f"tritonserver --model-repository {os.path.abspath(ns.out)}")
+    return 0
+
+
 def _cmd_route(ns: argparse.Namespace) -> int:
     from kvserve.router.app import parse_backends, run_router
 
@@ -147,6 +166,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_bench_args(bench)
     bench.set_defaults(func=_cmd_bench)
+
+    repo = sub.add_parser(
+        "triton-repo",
+        help="write a Triton Inference Server model repository that serves a model with kvserve",
+        description="Write <out>/<name>/{config.pbtxt, 1/model.py, 1/kvserve.json}: a Python-backend model whose "
+        "engine is kvserve, with the engine flags given here. Inputs text_input, stream, sampling_parameters "
+        "(JSON), exclude_input_in_output; output text_output.",
+    )
+    repo.add_argument("--name", required=True, help="the model's name in Triton")
+    repo.add_argument("--out", default="models", help="the model repository directory (default: models)")
+    repo.add_argument("--max-batch-size", type=int, default=0,
+                      help="Triton's max_batch_size (0: no Triton batching; kvserve batches continuously anyway)")
+    repo.add_argument("--decoupled", action=argparse.BooleanOptionalAction, default=True,
+                      help="decoupled transaction policy: streamed responses (default on)")
+    repo.add_argument("--instances", type=int, default=1, help="model instances (each starts its own engine)")
+    repo.add_argument("--gpus", default=None, help="GPU ids for the instance group, e.g. 0 or 0,1")
+    add_engine_args(repo)
+    repo.set_defaults(func=_cmd_triton_repo)
 
     from kvserve.router.policies import POLICIES
 

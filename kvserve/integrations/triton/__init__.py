@@ -1,0 +1,1 @@
+"""Triton Inference Server: the Python-backend model (model.py) and its repository writer (repo.py)."""

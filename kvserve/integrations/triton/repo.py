@@ -1,0 +1,73 @@
+"""`kvserve triton-repo`: write a Triton Inference Server model repository that serves a model with kvserve.
+
+    models/<name>/config.pbtxt         backend "python", inputs/outputs, batching, instance group
+    models/<name>/1/model.py           loads kvserve.integrations.triton.model.TritonPythonModel
+    models/<name>/1/kvserve.json       the engine arguments (the same names as `kvserve serve`'s flags)
+
+Then `tritonserver --model-repository models` (kvserve installed in the Python that Triton's Python backend
+uses). Decoupled by default, so `stream=true` requests get their text piece by piece (over gRPC streaming or
+the generate_stream endpoint); `--no-decoupled` gives one response per request, with Triton's dynamic
+batching grouping requests that arrive together.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+_MODEL_PY = '''"""Triton Python-backend entry point written by `kvserve triton-repo`: the model is kvserve's."""
+
+from kvserve.integrations.triton.model import TritonPythonModel  # noqa: F401
+'''
+
+
+def config_pbtxt(name: str, max_batch_size: int, decoupled: bool, instances: int, kind: str,
+                 gpus: list[int] | None) -> str:
+    """The model's config.pbtxt."""
+    group = f"    count: {instances}\n    kind: {kind}\n"
+    if kind == "KIND_GPU" and gpus:
+        group += f"    gpus: [ {', '.join(map(str, gpus))} ]\n"
+    batching = ("dynamic_batching {\n  max_queue_delay_microseconds: 1000\n}\n" if max_batch_size > 0 else "")
+    return (
+        f'name: "{name}"\n'
+        'backend: "python"\n'
+        f"max_batch_size: {max_batch_size}\n"
+        f"model_transaction_policy {{\n  decoupled: {'true' if decoupled else 'false'}\n}}\n"
+        f"{batching}"
+        "input [\n"
+        '  { name: "text_input", data_type: TYPE_STRING, dims: [ 1 ] },\n'
+        '  { name: "stream", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },\n'
+        '  { name: "sampling_parameters", data_type: TYPE_STRING, dims: [ 1 ], optional: true },\n'
+        '  { name: "exclude_input_in_output", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }\n'
+        "]\n"
+        "output [\n"
+        '  { name: "text_output", data_type: TYPE_STRING, dims: [ -1 ] }\n'
+        "]\n"
+        f"instance_group [\n  {{\n{group}  }}\n]\n"
+    )
+
+
+def write_repository(out_dir: str, name: str, engine_args: dict[str, Any], max_batch_size: int = 0,
+                     decoupled: bool = True, instances: int = 1, gpus: list[int] | None = None,
+                     device: str = "cuda") -> str:
+    """Write the repository's model directory; returns it. ValueError on a bad name or an existing model."""
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+        raise ValueError(f"model name {name!r} may hold letters, digits, '_', '.', '-' only")
+    if max_batch_size < 0 or instances < 1:
+        raise ValueError("max_batch_size must be >= 0 and instances >= 1")
+    model_dir = os.path.join(out_dir, name)
+    if os.path.exists(os.path.join(model_dir, "config.pbtxt")):
+        raise ValueError(f"{model_dir} already holds a model (config.pbtxt); remove it or pick another --name")
+    os.makedirs(os.path.join(model_dir, "1"), exist_ok=True)
+    kind = "KIND_CPU" if device == "cpu" else "KIND_GPU"
+    with open(os.path.join(model_dir, "config.pbtxt"), "w") as f:
+        f.write(config_pbtxt(name, max_batch_size, decoupled, instances, kind, gpus))
+    with open(os.path.join(model_dir, "1", "model.py"), "w") as f:
+        f.write(_MODEL_PY)
+    args = {k: v for k, v in engine_args.items() if v is not None}
+    with open(os.path.join(model_dir, "1", "kvserve.json"), "w") as f:
+        json.dump(args, f, indent=2)
+        f.write("\n")
+    return model_dir

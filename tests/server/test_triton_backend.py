@@ -1,0 +1,207 @@
+"""The Triton Inference Server Python-backend model and `kvserve triton-repo`.
+
+Triton itself is not installable here (it ships as a container), so the model runs under a stand-in for
+`triton_python_backend_utils` with the calls the Python backend provides (tensors, responses, errors,
+response senders, the decoupled-policy check). The engine behind it is real: a tiny model on the CPU, whose
+text is compared with the offline `LLM`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import types
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.integrations.triton.repo import config_pbtxt, write_repository
+
+from .conftest import REPO_ROOT
+
+FINAL = 1
+
+
+class Tensor:
+    def __init__(self, name: str, value: np.ndarray) -> None:
+        self._name, self._value = name, value
+
+    def name(self) -> str:
+        return self._name
+
+    def as_numpy(self) -> np.ndarray:
+        return self._value
+
+
+class TritonError:
+    def __init__(self, message: str) -> None:
+        self._message = message
+
+    def message(self) -> str:
+        return self._message
+
+
+class InferenceResponse:
+    def __init__(self, output_tensors: list[Tensor], error: TritonError | None = None) -> None:
+        self._outputs, self._error = output_tensors, error
+
+    def output_tensors(self) -> list[Tensor]:
+        return self._outputs
+
+    def has_error(self) -> bool:
+        return self._error is not None
+
+    def error(self) -> TritonError | None:
+        return self._error
+
+    def text(self) -> str:
+        (tensor,) = self._outputs
+        assert tensor.name() == "text_output"
+        return b"".join(tensor.as_numpy().tolist()).decode()
+
+
+class Sender:
+    def __init__(self) -> None:
+        self.sent: list[tuple[InferenceResponse | None, int]] = []
+        self.done = threading.Event()
+
+    def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
+        assert not self.done.is_set(), "a response after the final flag"
+        self.sent.append((response, flags))
+        if flags & FINAL:
+            self.done.set()
+
+
+class Request:
+    def __init__(self, **inputs: Any) -> None:
+        # With max_batch_size > 0 each input has a batch dimension: [1, 1].
+        self._inputs = {k: Tensor(k, np.array([[v.encode() if isinstance(v, str) else v]],
+                                              dtype=np.object_ if isinstance(v, str) else np.bool_))
+                        for k, v in inputs.items()}
+        self.sender = Sender()
+        self.cancelled = False
+
+    def inputs(self) -> list[Tensor]:
+        return list(self._inputs.values())
+
+    def get_response_sender(self) -> Sender:
+        return self.sender
+
+    def is_cancelled(self) -> bool:
+        return self.cancelled
+
+
+def _stand_in() -> types.ModuleType:
+    pb = types.ModuleType("triton_python_backend_utils")
+    pb.Tensor = Tensor  # type: ignore[attr-defined]
+    pb.TritonError = TritonError  # type: ignore[attr-defined]
+    pb.InferenceResponse = InferenceResponse  # type: ignore[attr-defined]
+    pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL = FINAL  # type: ignore[attr-defined]
+    pb.get_input_tensor_by_name = lambda request, name: request._inputs.get(name)  # type: ignore[attr-defined]
+    pb.using_decoupled_model_transaction_policy = (  # type: ignore[attr-defined]
+        lambda config: bool(config.get("model_transaction_policy", {}).get("decoupled", False)))
+    return pb
+
+
+@pytest.fixture
+def triton_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                 tiny_model_dir: Callable[..., str]) -> Iterator[Callable[[bool], Any]]:
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", _stand_in())
+    from kvserve.integrations.triton.model import TritonPythonModel
+
+    started: list[Any] = []
+
+    def start(decoupled: bool) -> Any:
+        out = tmp_path / ("dec" if decoupled else "plain")
+        args = {"model": tiny_model_dir("llama"), "device": "cpu", "max_model_len": 256, "kv_cache_memory": "64MiB"}
+        model_dir = write_repository(str(out), "tiny", args, max_batch_size=8, decoupled=decoupled, device="cpu")
+        model = TritonPythonModel()
+        config = {"name": "tiny", "max_batch_size": 8, "model_transaction_policy": {"decoupled": decoupled}}
+        model.initialize({"model_config": json.dumps(config), "model_repository": model_dir,
+                          "model_version": "1", "model_instance_kind": "CPU"})
+        started.append(model)
+        return model
+
+    yield start
+    for model in started:
+        model.finalize()
+
+
+def _reference(path: str, prompt: str, max_tokens: int) -> str:
+    llm = LLM(path, max_model_len=256, kv_cache_memory="64MiB")
+    return llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)[0].outputs[0].text
+
+
+def test_decoupled_streams_the_engines_text(triton_model: Callable[[bool], Any],
+                                            tiny_model_dir: Callable[..., str]) -> None:
+    model = triton_model(True)
+    params = json.dumps({"temperature": 0, "max_tokens": 12})
+    streamed = Request(text_input="Hello, my name is", stream=True, sampling_parameters=params)
+    whole = Request(text_input="Hello, my name is", sampling_parameters=params)
+    assert model.execute([streamed, whole]) is None  # decoupled: responses go through the senders
+    assert streamed.sender.done.wait(60) and whole.sender.done.wait(60)
+    expected = _reference(tiny_model_dir("llama"), "Hello, my name is", 12)
+    pieces = [r.text() for r, _ in streamed.sender.sent if r is not None]
+    assert len(pieces) > 1 and "".join(pieces) == expected
+    assert [flags for _, flags in streamed.sender.sent] == [0] * len(pieces) + [FINAL]
+    ((response, flags),) = whole.sender.sent
+    assert flags == FINAL and response is not None and response.text() == "Hello, my name is" + expected
+
+
+def test_one_response_per_request_and_errors_stay_with_their_request(triton_model: Callable[[bool], Any],
+                                                                     tiny_model_dir: Callable[..., str]) -> None:
+    model = triton_model(False)
+    good = Request(text_input="The capital of France",
+                   sampling_parameters=json.dumps({"temperature": 0, "max_tokens": 8}), exclude_input_in_output=True)
+    requests = [
+        good,
+        Request(text_input="x", stream=True),
+        Request(text_input="x", sampling_parameters="{not json"),
+        Request(text_input="x", sampling_parameters=json.dumps({"temperature": -1})),
+        Request(sampling_parameters="{}"),
+        Request(text_input="word " * 400),  # longer than max_model_len
+    ]
+    responses = model.execute(requests)
+    assert len(responses) == len(requests)
+    assert not responses[0].has_error()
+    assert responses[0].text() == _reference(tiny_model_dir("llama"), "The capital of France", 8)
+    errors = [r.error().message() for r in responses[1:]]
+    assert "decoupled" in errors[0]
+    assert "not JSON" in errors[1]
+    assert "temperature" in errors[2]
+    assert "text_input is required" in errors[3]
+    assert "max_model_len" in errors[4] or "too long" in errors[4], errors[4]
+
+
+def test_repository_layout_and_command(tmp_path: Path, tiny_model_dir: Callable[..., str]) -> None:
+    text = config_pbtxt("qwen2_7b", 32, True, 1, "KIND_GPU", [0])
+    for line in ('name: "qwen2_7b"', 'backend: "python"', "max_batch_size: 32", "decoupled: true",
+                 'name: "text_input", data_type: TYPE_STRING', 'name: "text_output"', "kind: KIND_GPU",
+                 "gpus: [ 0 ]", "dynamic_batching"):
+        assert line in text
+    assert text.count("{") == text.count("}") and text.count("[") == text.count("]")
+    assert "dynamic_batching" not in config_pbtxt("m", 0, True, 1, "KIND_CPU", None)
+
+    model = Path(tiny_model_dir("llama"))
+    done = subprocess.run([sys.executable, "-m", "kvserve", "triton-repo", "--name", "tiny", "--out", str(tmp_path),
+                           "--model", str(model), "--device", "cpu", "--max-model-len", "128"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    engine_args = json.loads((tmp_path / "tiny" / "1" / "kvserve.json").read_text())
+    assert engine_args["model"] == str(model.resolve()) and engine_args["max_model_len"] == 128
+    assert "TritonPythonModel" in (tmp_path / "tiny" / "1" / "model.py").read_text()
+    assert "kind: KIND_CPU" in (tmp_path / "tiny" / "config.pbtxt").read_text()
+    again = subprocess.run([sys.executable, "-m", "kvserve", "triton-repo", "--name", "tiny", "--out", str(tmp_path),
+                            "--model", str(model), "--device", "cpu"], cwd=REPO_ROOT, capture_output=True, text=True,
+                           timeout=120)
+    assert again.returncode == 2 and "already holds a model" in again.stderr
+    bad = subprocess.run([sys.executable, "-m", "kvserve", "triton-repo", "--name", "tiny2", "--out", str(tmp_path),
+                          "--model", str(model), "--device", "cpu", "--max-model-len", "999999"], cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "max_model_len" in bad.stderr and not (tmp_path / "tiny2").exists()
