@@ -33,7 +33,8 @@ ROWS: list[tuple[str, list[tuple[str, str, str, list[dict[str, str]]]]]] = [
     ("Traffic", [
         ("Output tokens / s", "short", "Tokens generated a second (all requests).",
          [{"expr": f"sum(rate(kvserve:generation_tokens_total{SEL}[{RATE}]))", "legend": "output"}]),
-        ("Prompt tokens / s", "short", "Prompt tokens prefilled a second (prefix-cache hits are not prefilled).",
+        ("Prompt tokens / s", "short", "Prompt tokens a second, counted when a prompt's prefill completes (whole "
+         "prompts: tokens found in the prefix cache count too).",
          [{"expr": f"sum(rate(kvserve:prompt_tokens_total{SEL}[{RATE}]))", "legend": "prompt"}]),
         ("Finished requests / s", "reqps", "Requests finished a second, by finish reason (per sample: n=2 "
          "counts twice).",

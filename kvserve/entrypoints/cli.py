@@ -125,7 +125,9 @@ def _cmd_route(ns: argparse.Namespace) -> int:
     backends = parse_backends(ns.backend)
     if ns.health_check_interval <= 0:
         raise ValueError(f"--health-check-interval must be positive, got {ns.health_check_interval}")
-    return run_router(backends, ns.policy, ns.host, ns.port, ns.health_check_interval)
+    if ns.request_timeout <= 0:
+        raise ValueError(f"--request-timeout must be positive, got {ns.request_timeout}")
+    return run_router(backends, ns.policy, ns.host, ns.port, ns.health_check_interval, ns.request_timeout)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -204,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     route.add_argument("--port", type=int, default=8080, help="listening port")
     route.add_argument("--health-check-interval", type=float, default=5.0, metavar="SECONDS",
                        help="how often each backend's /health is polled")
+    route.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
+                       help="the most a backend may stay silent, before its answer or between two chunks of it "
+                       "(default 600: a long non-streamed completion sends nothing until done)")
     route.set_defaults(func=_cmd_route)
     return parser
 

@@ -5,11 +5,15 @@ the policy (`router.policies`), and its answer comes back as the backend sends i
 body, streamed chunk by chunk (server-sent events pass through unchanged). The client's Authorization
 header is forwarded, so backends started with --api-key check it themselves.
 
+* A request naming a `model` goes only to backends whose /v1/models lists it (404 when none does);
+  `GET /v1/models` merges the healthy backends' lists.
 * A backend that refuses the connection, or answers 503 (draining, or its engine is gone), before any of
   the answer was sent, is skipped and the request goes to the next one: nothing was generated yet. It is
-  marked unhealthy until its /health answers 200 again. Once an answer has started, an error is the
-  client's to see (it is passed on, or the stream ends).
-* Each backend's /health is polled every `--health-check-interval` seconds.
+  marked unhealthy until its /health answers 200 again; when every backend is marked, each is still tried.
+  Once an answer has started, an error is the client's to see (it is passed on, or the stream ends). A
+  backend silent for `--request-timeout` seconds (before its answer or between two chunks) ends the
+  request: 504 before the answer, a cut stream after.
+* Each backend's /health (and, while healthy, /v1/models) is polled every `--health-check-interval` s.
 * A client that disconnects ends its request: the router closes the backend connection, which the
   backend takes as an abort.
 * `GET /health`: 200 while at least one backend is healthy, else 503 (OpenAI's error body).
@@ -27,6 +31,7 @@ from collections.abc import Sequence
 
 import aiohttp
 from aiohttp import web
+from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from kvserve.router.policies import Backend, Router, prefix_key
@@ -40,6 +45,10 @@ _DROP_REQUEST = {"host", "content-length", "connection", "keep-alive", "transfer
 _DROP_RESPONSE = {"content-length", "transfer-encoding", "connection", "keep-alive", "date", "server"}
 HEALTH_TIMEOUT_S = 2.0
 CONNECT_TIMEOUT_S = 5.0
+# The most time a backend may stay silent (before its answer, or between two chunks of it): a long
+# non-streamed completion sends nothing until it is done.
+DEFAULT_REQUEST_TIMEOUT_S = 600.0
+MAX_BODY_BYTES = 32 * 1024 * 1024  # as the kvserve server's own limit
 SHUTDOWN_TIMEOUT_S = 60.0
 PROXIED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/version")
 
@@ -51,11 +60,14 @@ def _error(status: int, message: str) -> web.Response:
 
 
 class RouterApp:
-    def __init__(self, router: Router, health_check_interval_s: float = 5.0) -> None:
+    def __init__(self, router: Router, health_check_interval_s: float = 5.0,
+                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> None:
         self.router = router
         self.health_check_interval_s = health_check_interval_s
+        self.request_timeout_s = request_timeout_s
         self.registry = CollectorRegistry()
-        self.requests = Counter("kvserve_router:requests", "Requests answered, by backend and HTTP status.",
+        self.requests = Counter("kvserve_router:requests", "Requests, by backend and outcome: the HTTP status "
+                                "sent, client_closed, or stream_error (backend \"none\": the router's own answers).",
                                 ["backend", "code"], registry=self.registry)
         self.retries = Counter("kvserve_router:retries", "Requests sent on to another backend after one failed.",
                                registry=self.registry)
@@ -72,10 +84,11 @@ class RouterApp:
     # ------------------------------------------------------------------ app
 
     def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/router/backends", self.backends)
+        app.router.add_get("/v1/models", self.models)
         app.router.add_route("*", "/{tail:.*}", self.proxy)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
@@ -83,7 +96,8 @@ class RouterApp:
 
     async def _start(self, _: web.Application) -> None:
         self.session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S,
+                                          sock_read=self.request_timeout_s),
             auto_decompress=False,
         )
         await self.check_health()
@@ -102,13 +116,20 @@ class RouterApp:
 
     async def _check(self, backend: Backend) -> None:
         assert self.session is not None
+        timeout = aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
         try:
-            async with self.session.get(backend.url + "/health",
-                                        timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as response:
+            async with self.session.get(backend.url + "/health", timeout=timeout) as response:
                 ok, why = response.status == 200, f"/health answered {response.status}"
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             ok, why = False, f"/health failed: {type(exc).__name__}: {exc}"
         self._set_health(backend, ok, why)
+        if ok:
+            try:  # which models it serves (a backend with --api-key refuses: its models stay unknown)
+                async with self.session.get(backend.url + "/v1/models", timeout=timeout) as response:
+                    if response.status == 200:
+                        backend.models = {m["id"] for m in (await response.json())["data"]}
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError):
+                pass
 
     def _set_health(self, backend: Backend, ok: bool, why: str) -> None:
         if ok and not backend.healthy:
@@ -140,46 +161,84 @@ class RouterApp:
 
     # ------------------------------------------------------------------ proxy
 
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        """The healthy backends' model lists, merged (the first backend's entry for a model id)."""
+        assert self.session is not None
+        headers = _forward_headers(request)
+        merged: dict[str, object] = {}
+        errors = []
+        for backend in self.router.healthy() or self.router.backends:
+            try:
+                async with self.session.get(backend.url + "/v1/models", headers=headers) as response:
+                    if response.status != 200:
+                        if response.status in (401, 403):  # the client's key: the backend's answer is the answer
+                            return web.Response(status=response.status, body=await response.read(),
+                                                content_type=response.content_type)
+                        errors.append(f"{backend.url}: {response.status}")
+                        continue
+                    for entry in (await response.json())["data"]:
+                        merged.setdefault(entry["id"], entry)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as exc:
+                errors.append(f"{backend.url}: {type(exc).__name__}")
+        if not merged and errors:
+            return self._own(_error(503, "no backend listed its models: " + "; ".join(errors)))
+        return web.json_response({"object": "list", "data": list(merged.values())})
+
+    def _own(self, response: web.Response) -> web.Response:
+        self.requests.labels("none", str(response.status)).inc()
+        return response
+
     async def proxy(self, request: web.Request) -> web.StreamResponse:
         if not request.path.startswith(PROXIED_PREFIXES):
-            return _error(404, f"not found: {request.path} (the router forwards /v1/*, /tokenize, /detokenize, "
-                          "/version)")
+            return self._own(_error(404, f"not found: {request.path} (the router forwards /v1/*, /tokenize, "
+                                    "/detokenize, /version)"))
         body = await request.read()
-        key = None
-        if self.router.policy == "prefix" and body:
+        key = model = None
+        if body:
             try:
-                key = prefix_key(json.loads(body))
-            except ValueError:
-                key = None  # not JSON: the backend will say so
-        candidates = self.router.order(key)
+                parsed = json.loads(body)
+            except (ValueError, RecursionError):
+                parsed = None  # not JSON (or absurdly nested): the backend will say so
+            if isinstance(parsed, dict):
+                model = parsed.get("model") if isinstance(parsed.get("model"), str) else None
+                if self.router.policy == "prefix":
+                    key = prefix_key(parsed)
+        candidates = self.router.order(key, model)
         if not candidates:
-            return _error(503, f"no healthy backend (of {len(self.router.backends)}); see /router/backends")
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST}
+            served = sorted({m for b in self.router.backends for m in (b.models or ())})
+            return self._own(_error(404, f"the model {model!r} is not served by any backend (served: "
+                                    f"{', '.join(served) or 'none known'})"))
+        headers = _forward_headers(request)
         errors: list[str] = []
         for i, backend in enumerate(candidates):
-            last = i == len(candidates) - 1
-            response = await self._forward(request, backend, body, headers, errors, last)
+            if i:
+                self.retries.inc()
+            response = await self._forward(request, backend, body, headers, errors, last=i == len(candidates) - 1)
             if response is not None:
                 return response
-            self.retries.inc()
-        return _error(503, "every backend failed: " + "; ".join(errors))
+        return self._own(_error(503, "every backend failed: " + "; ".join(errors)))
 
-    async def _forward(self, request: web.Request, backend: Backend, body: bytes, headers: dict[str, str],
+    async def _forward(self, request: web.Request, backend: Backend, body: bytes, headers: CIMultiDict[str],
                        errors: list[str], last: bool) -> web.StreamResponse | None:
         """The backend's answer streamed to the client, or None when it could not take the request (try
         the next)."""
         assert self.session is not None
         backend.in_flight += 1
         backend.served += 1
+        outcome = "client_closed"  # unless the answer completes (or fails) first
         try:
             try:
                 upstream = await self.session.request(request.method, backend.url + request.path_qs, data=body,
                                                       headers=headers)
-            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            except asyncio.TimeoutError:
+                outcome = "504"
+                return _error(504, f"{backend.url} sent nothing for {self.request_timeout_s:g} s (--request-timeout)")
+            except aiohttp.ClientConnectionError as exc:
                 why = f"{backend.url}: {type(exc).__name__}: {exc}"
                 backend.failures += 1
                 self._set_health(backend, False, why)
                 errors.append(why)
+                outcome = "retried"
                 return None
             try:
                 if upstream.status == 503 and not last:
@@ -188,16 +247,21 @@ class RouterApp:
                     backend.failures += 1
                     self._set_health(backend, False, why)
                     errors.append(why)
+                    outcome = "retried"
                     return None
                 response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
                 for name, value in upstream.headers.items():
                     if name.lower() not in _DROP_RESPONSE:
                         response.headers.add(name, value)
                 await response.prepare(request)
-                async for chunk in upstream.content.iter_any():
-                    await response.write(chunk)
+                try:
+                    async for chunk in upstream.content.iter_any():
+                        await response.write(chunk)
+                except (aiohttp.ClientPayloadError, asyncio.TimeoutError, aiohttp.ClientConnectionError):
+                    outcome = "stream_error"  # the backend failed or went silent mid-answer: cut the stream
+                    raise
                 await response.write_eof()
-                self.requests.labels(backend.url, str(upstream.status)).inc()
+                outcome = str(upstream.status)
                 return response
             finally:
                 # Closing (not releasing) the connection: if the client left mid-answer, the backend sees the
@@ -205,10 +269,25 @@ class RouterApp:
                 upstream.close()
         finally:
             backend.in_flight -= 1
+            if outcome != "retried":
+                self.requests.labels(backend.url, outcome).inc()
 
 
-def run_router(backends: Sequence[str], policy: str, host: str, port: int, health_check_interval_s: float) -> int:
-    router = RouterApp(Router(backends, policy), health_check_interval_s)
+def _forward_headers(request: web.Request) -> CIMultiDict[str]:
+    headers = CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST)
+    peer = request.remote
+    if peer:
+        previous = request.headers.get("X-Forwarded-For")
+        headers["X-Forwarded-For"] = f"{previous}, {peer}" if previous else peer
+    return headers
+
+
+def run_router(backends: Sequence[str], policy: str, host: str, port: int, health_check_interval_s: float,
+               request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> int:
+    import prometheus_client
+
+    prometheus_client.disable_created_metrics()  # no *_created series (as the server)
+    router = RouterApp(Router(backends, policy), health_check_interval_s, request_timeout_s)
     logging.getLogger("kvserve").setLevel(logging.INFO)
     logger.info("routing http://%s:%d to %d backends (%s): %s", host, port, len(backends), policy,
                 ", ".join(b.url for b in router.router.backends))

@@ -7,8 +7,9 @@ a policy for the order in which to try the healthy ones (the first that answers 
 * `least-requests`: the healthy backend with the fewest requests in flight (ties: the one that served
   fewer so far).
 * `prefix` (the default): requests whose prompts start alike go to the same backend, so its prefix cache
-  holds their shared start (system prompt, earlier turns of a conversation). The key is the prompt's first
-  `PREFIX_KEY_CHARS` characters; each key ranks the backends by a hash of (key, backend) (rendezvous
+  holds their shared start (system prompt, earlier turns of a conversation). The key (`prefix_key`) is a
+  chat's system prompt and first user message, or a completion prompt's first `PREFIX_KEY_CHARS`
+  characters; each key ranks the backends by a hash of (key, backend) (rendezvous
   hashing: adding or removing a backend moves only that backend's keys). A backend is skipped while it
   holds more than `LOAD_FACTOR` times the average in-flight count, so one hot prefix cannot pile onto one
   replica (consistent hashing with bounded loads).
@@ -38,6 +39,7 @@ class Backend:
     served: int = 0  # requests sent to it
     failures: int = 0  # requests it could not take (connection errors, 503s)
     last_error: str = ""
+    models: set[str] | None = None  # what its /v1/models lists (None: not known yet)
 
     def check_invariants(self) -> None:
         assert self.in_flight >= 0, f"{self.url}: negative in-flight count {self.in_flight}"
@@ -66,9 +68,21 @@ class Router:
     def healthy(self) -> list[Backend]:
         return [b for b in self.backends if b.healthy]
 
-    def order(self, key: str | None = None) -> list[Backend]:
-        """The healthy backends, first choice first (empty when none is healthy)."""
-        live = self.healthy()
+    def serving(self, model: str | None) -> list[Backend]:
+        """Backends that serve `model` (all of them for None; a backend whose models are not known yet
+        counts as serving every model)."""
+        if model is None:
+            return list(self.backends)
+        return [b for b in self.backends if b.models is None or model in b.models]
+
+    def order(self, key: str | None = None, model: str | None = None) -> list[Backend]:
+        """The backends serving `model`, first choice first: the healthy ones by the policy, then (as a last
+        resort, in case they recovered since their last check) the others, fewest failures first."""
+        candidates = self.serving(model)
+        down = sorted((b for b in candidates if not b.healthy), key=lambda b: b.failures)
+        return self._by_policy([b for b in candidates if b.healthy], key) + down
+
+    def _by_policy(self, live: list[Backend], key: str | None) -> list[Backend]:
         if not live:
             return []
         if self.policy == "round-robin":
@@ -88,7 +102,11 @@ class Router:
 
 
 def prefix_key(body: object) -> str | None:
-    """The start of a completion or chat request's prompt (None when the body has none)."""
+    """What decides a request's backend under the prefix policy (None when the body has no prompt).
+
+    Chat: the messages up to and including the first user message (system prompt and first question),
+    which every later turn of the conversation repeats, so the conversation keeps its backend. Completion:
+    the prompt's first `PREFIX_KEY_CHARS` characters. Both cut at `PREFIX_KEY_CHARS`."""
     if not isinstance(body, dict):
         return None
     prompt = body.get("prompt")
@@ -100,17 +118,14 @@ def prefix_key(body: object) -> str | None:
     messages = body.get("messages")
     if isinstance(messages, list):
         parts = []
-        size = 0
         for message in messages:
             if not isinstance(message, dict):
                 continue
             content = message.get("content")
             if isinstance(content, list):  # content parts: their text
                 content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-            part = f"{message.get('role', '')}:{content if isinstance(content, str) else ''}\n"
-            parts.append(part)
-            size += len(part)
-            if size >= PREFIX_KEY_CHARS:
+            parts.append(f"{message.get('role', '')}:{content if isinstance(content, str) else ''}\n")
+            if message.get("role") == "user":
                 break
         return "".join(parts)[:PREFIX_KEY_CHARS]
     return None

@@ -72,10 +72,22 @@ def test_prefix_key_reads_completions_and_chats() -> None:
     chat = {"messages": [{"role": "system", "content": "be brief"},
                          {"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
     assert prefix_key(chat) == "system:be brief\nuser:hi\n"
-    # A later turn of the conversation starts the same way, so it keeps the backend's cached prefix.
-    later = {"messages": chat["messages"] + [{"role": "assistant", "content": "hello"}]}
-    assert prefix_key(later).startswith(prefix_key(chat))  # type: ignore[union-attr]
+    # Later turns of the conversation have the same key, so they keep the backend's cached prefix.
+    later = {"messages": chat["messages"] + [{"role": "assistant", "content": "hello"},
+                                             {"role": "user", "content": "and then?"}]}
+    assert prefix_key(later) == prefix_key(chat)
     assert prefix_key({"model": "m"}) is None and prefix_key([1]) is None
+
+
+def test_a_conversation_keeps_its_backend_turn_after_turn() -> None:
+    router = Router([f"http://h{i}" for i in range(4)], "prefix")
+    for n in range(200):
+        messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"question {n}"}]
+        first = router.order(prefix_key({"messages": messages}))[0]
+        for turn in range(3):
+            messages += [{"role": "assistant", "content": f"answer {turn}"},
+                         {"role": "user", "content": f"follow-up {turn}"}]
+            assert router.order(prefix_key({"messages": messages}))[0] is first
 
 
 def test_bad_router_settings_are_refused() -> None:
@@ -98,8 +110,10 @@ class FakeBackend:
     """An OpenAI-ish server: /health, and /v1/completions streaming `chunks` SSE events (or answering
     `status`); records each request's headers and whether its client went away mid-stream."""
 
-    def __init__(self, name: str, chunks: int = 5, delay_s: float = 0.01) -> None:
+    def __init__(self, name: str, chunks: int = 5, delay_s: float = 0.01, models: list[str] | None = None) -> None:
         self.name, self.chunks, self.delay_s = name, chunks, delay_s
+        self.models = models or ["m"]
+        self.stall_s = 0.0
         self.status = 200
         self.healthy = True
         self.seen: list[dict[str, Any]] = []
@@ -114,6 +128,7 @@ class FakeBackend:
     async def start(self) -> None:
         app = web.Application()
         app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.list_models)
         app.router.add_post("/v1/completions", self.completions)
         self.runner = web.AppRunner(app, handler_cancellation=True)
         await self.runner.setup()
@@ -127,8 +142,12 @@ class FakeBackend:
     async def health(self, _: web.Request) -> web.Response:
         return web.Response(status=200 if self.healthy else 503)
 
+    async def list_models(self, _: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": m, "object": "model"} for m in self.models]})
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        await asyncio.sleep(self.stall_s)
         self.seen.append({"headers": dict(request.headers), "body": body})
         if self.status != 200:
             return web.json_response({"error": {"message": "draining", "code": self.status}}, status=self.status)
@@ -146,12 +165,11 @@ class FakeBackend:
 
 
 @asynccontextmanager
-async def routed(backends: list[FakeBackend], policy: str = "least-requests",
-                 interval_s: float = 0.2) -> AsyncIterator[tuple[RouterApp, str]]:
+async def routed(backends: list[FakeBackend], policy: str = "least-requests", interval_s: float = 0.2,
+                 timeout_s: float = 60.0) -> AsyncIterator[tuple[RouterApp, str]]:
     for b in backends:
-        if b.healthy is not None:
-            await b.start()
-    app = RouterApp(Router([b.url for b in backends], policy), interval_s)
+        await b.start()
+    app = RouterApp(Router([b.url for b in backends], policy), interval_s, timeout_s)
     runner = web.AppRunner(app.make_app(), handler_cancellation=True)
     await runner.setup()
     port = free_port()
@@ -207,25 +225,61 @@ def test_a_dead_or_draining_backend_is_skipped_and_marked() -> None:
     _run(body)
 
 
-def test_no_healthy_backend_is_a_503_and_health_comes_back() -> None:
+def test_unreachable_backends_are_a_503_and_health_comes_back() -> None:
     async def body() -> None:
         backend = FakeBackend("a")
         backend.healthy = False
         async with routed([backend], interval_s=0.1) as (app, base), aiohttp.ClientSession() as session:
             assert not app.router.backends[0].healthy  # the first check ran before serving
+            assert (await session.get(base + "/health")).status == 503
+            # Marked unhealthy but reachable: tried anyway as the last resort (it may have recovered).
+            assert (await _post(session, base))[0] == 200
+            port = backend.port
+            await backend.stop()
             response = await session.post(base + "/v1/completions", json={"prompt": "x"})
             error = await response.json()
             assert response.status == 503 and error["error"]["code"] == 503
-            assert "no healthy backend" in error["error"]["message"]
-            assert (await session.get(base + "/health")).status == 503
-            backend.healthy = True
+            assert "every backend failed" in error["error"]["message"]
+            backend.port, backend.healthy = port, True
+            await backend.start()
             for _ in range(50):
                 if (await session.get(base + "/health")).status == 200:
                     break
                 await asyncio.sleep(0.05)
-            assert (await _post(session, base))[0] == 200
+            assert app.router.backends[0].healthy
             missing = await session.get(base + "/admin")
             assert missing.status == 404 and "forwards /v1/*" in (await missing.json())["error"]["message"]
+            metrics = await (await session.get(base + "/metrics")).text()
+        assert 'kvserve_router:requests_total{backend="none",code="503"} 1.0' in metrics
+        assert "kvserve_router:retries_total 0.0" in metrics  # one backend: nothing to retry on
+    _run(body)
+
+
+def test_requests_go_to_the_backends_serving_their_model() -> None:
+    async def body() -> None:
+        a, b = FakeBackend("a", models=["m1"]), FakeBackend("b", models=["m2"])
+        async with routed([a, b], "round-robin") as (_, base), aiohttp.ClientSession() as session:
+            for model, name in [("m1", "a"), ("m2", "b"), ("m1", "a"), ("m2", "b")]:
+                async with session.post(base + "/v1/completions", json={"model": model, "prompt": "x"}) as r:
+                    assert r.status == 200 and r.headers["X-Backend"] == name
+            unknown = await session.post(base + "/v1/completions", json={"model": "m3", "prompt": "x"})
+            message = (await unknown.json())["error"]["message"]
+            assert unknown.status == 404 and "'m3' is not served" in message and "m1, m2" in message
+            listed = await (await session.get(base + "/v1/models")).json()
+        assert sorted(m["id"] for m in listed["data"]) == ["m1", "m2"]
+    _run(body)
+
+
+def test_a_silent_backend_times_out() -> None:
+    async def body() -> None:
+        backend = FakeBackend("slow", chunks=3, delay_s=0.0)
+        backend.stall_s = 5.0
+        async with routed([backend], timeout_s=0.5) as (_, base), aiohttp.ClientSession() as session:
+            started = time.monotonic()
+            response = await session.post(base + "/v1/completions", json={"prompt": "x"})
+            error = await response.json()
+            assert time.monotonic() - started < 4
+        assert response.status == 504 and "--request-timeout" in error["error"]["message"]
     _run(body)
 
 
