@@ -218,6 +218,13 @@ class RouterApp:
                 return response
         return self._own(_error(503, "every backend failed: " + "; ".join(errors)))
 
+    def _refused(self, backend: Backend, why: str, errors: list[str]) -> str:
+        """Record that `backend` could not take a request (the next one gets it): the "retried" outcome."""
+        backend.failures += 1
+        self._set_health(backend, False, why)
+        errors.append(f"{backend.url}: {why}")
+        return "retried"
+
     async def _forward(self, request: web.Request, backend: Backend, body: bytes, headers: CIMultiDict[str],
                        errors: list[str], last: bool) -> web.StreamResponse | None:
         """The backend's answer streamed to the client, or None when it could not take the request (try
@@ -230,24 +237,19 @@ class RouterApp:
             try:
                 upstream = await self.session.request(request.method, backend.url + request.path_qs, data=body,
                                                       headers=headers)
+            except aiohttp.ConnectionTimeoutError as exc:  # (a TimeoutError too) no connection: the next one
+                outcome = self._refused(backend, f"{type(exc).__name__}: {exc}", errors)
+                return None
             except asyncio.TimeoutError:
                 outcome = "504"
                 return _error(504, f"{backend.url} sent nothing for {self.request_timeout_s:g} s (--request-timeout)")
             except aiohttp.ClientConnectionError as exc:
-                why = f"{backend.url}: {type(exc).__name__}: {exc}"
-                backend.failures += 1
-                self._set_health(backend, False, why)
-                errors.append(why)
-                outcome = "retried"
+                outcome = self._refused(backend, f"{type(exc).__name__}: {exc}", errors)
                 return None
             try:
                 if upstream.status == 503 and not last:
                     text = (await upstream.read())[:300].decode(errors="replace")
-                    why = f"{backend.url}: 503 {text}"
-                    backend.failures += 1
-                    self._set_health(backend, False, why)
-                    errors.append(why)
-                    outcome = "retried"
+                    outcome = self._refused(backend, f"503 {text}", errors)
                     return None
                 response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
                 for name, value in upstream.headers.items():

@@ -270,6 +270,27 @@ def test_requests_go_to_the_backends_serving_their_model() -> None:
     _run(body)
 
 
+def test_a_connect_timeout_goes_to_the_next_backend() -> None:
+    """A backend that cannot be reached in time (aiohttp's ConnectionTimeoutError, a TimeoutError too) is
+    refused like a refused connection, not answered with the 504 of a silent backend."""
+    async def body() -> None:
+        unreachable, live = FakeBackend("unreachable"), FakeBackend("live")
+        async with routed([unreachable, live], "round-robin") as (app, base), aiohttp.ClientSession() as session:
+            assert app.session is not None
+            request = app.session.request
+
+            def connect(method: str, url: str, **kwargs: Any) -> Any:
+                if url.startswith(unreachable.url):
+                    raise aiohttp.ConnectionTimeoutError(f"connect to {url} timed out")
+                return request(method, url, **kwargs)
+
+            app.session.request = connect  # type: ignore[method-assign]
+            results = [await _post(session, base) for _ in range(2)]
+        assert [(status, headers["X-Backend"]) for status, headers, _ in results] == [(200, "live")] * 2
+        assert not app.router.backends[0].healthy and "ConnectionTimeoutError" in app.router.backends[0].last_error
+    _run(body)
+
+
 def test_a_silent_backend_times_out() -> None:
     async def body() -> None:
         backend = FakeBackend("slow", chunks=3, delay_s=0.0)
