@@ -105,12 +105,12 @@ class TPWorkers:
         self._conns: list[Connection] = []
         self._processes: list[Any] = []
         self._previous_threads: int | None = None
-        # Stops the ranks at interpreter exit (before multiprocessing's own exit handler, which would wait
-        # for them: they ignore its SIGTERM) or when this object is collected without close().
         # Set once the ranks are being stopped on purpose (their exits are then no failure).
         self._stopping = threading.Event()
+        # Stops the ranks at interpreter exit without close(): registered after multiprocessing's own exit
+        # handler, so it runs first (that handler would wait for them forever: they ignore its SIGTERM).
         self._finalizer = weakref.finalize(self, _stop_ranks, self._conns, self._processes, self._stopping)
-        atexit.register(self._finalizer)  # registered after multiprocessing's handler, so it runs first
+        atexit.register(self._finalizer)
         device = torch.device(config.device_config.device)
         try:
             init_method = f"tcp://127.0.0.1:{_free_port()}"
@@ -201,6 +201,7 @@ class TPWorkers:
             return
         self._closing = True
         self._finalizer()
+        atexit.unregister(self._finalizer)
         distributed.destroy_tensor_parallel()
         if self._previous_threads is not None:
             import torch
