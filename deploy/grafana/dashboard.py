@@ -2,9 +2,10 @@
 `python deploy/grafana/dashboard.py`; tests/deploy checks that the committed file is what this writes).
 
 Rows: traffic (requests and tokens a second), latency (TTFT, inter-token latency, end-to-end, queue time
-quantiles), engine (running / waiting requests, KV cache use, prefix cache hit rate, preemptions) and
-requests (finish reasons, prompt and output lengths). Every query is filtered by the `instance` and
-`model_name` variables, so one dashboard shows one server, a replica set behind a balancer, or all.
+quantiles), engine (running / waiting requests, KV cache use, prefix cache hit rate, preemptions),
+requests (prompt and output lengths) and the router (`kvserve route`: requests and in-flight by backend,
+healthy backends, retries). Server queries are filtered by the `instance` and `model_name` variables, so one
+dashboard shows one server, a replica set behind a router, or all; router queries by `router`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 OUT = Path(__file__).with_name("kvserve-dashboard.json")
 SEL = '{instance=~"$instance", model_name=~"$model_name"}'
+ROUTER = '{instance=~"$router"}'  # kvserve route's own series (no model_name label)
 RATE = "$__rate_interval"
 DS = {"type": "prometheus", "uid": "${datasource}"}
 
@@ -72,6 +74,20 @@ ROWS: list[tuple[str, list[tuple[str, str, str, list[dict[str, str]]]]]] = [
         ("Output tokens per request", "short", "Quantiles of generated lengths (finished requests).",
          _quantiles("request_generation_tokens", "output")),
     ]),
+    ("Router (kvserve route)", [
+        ("Requests / s by backend", "reqps", "Requests the router finished a second, by backend and outcome (the "
+         "status sent, client_closed, stream_error; backend none: the router's own answers).",
+         [{"expr": f"sum by (backend, code) (rate(kvserve_router:requests_total{ROUTER}[{RATE}]))",
+           "legend": "{{backend}} {{code}}"}]),
+        ("Requests in flight by backend", "short", "Requests the router has sent to each backend and not "
+         "finished: the load each replica sees through the router.",
+         [{"expr": f"sum by (backend) (kvserve_router:requests_in_flight{ROUTER})", "legend": "{{backend}}"}]),
+        ("Healthy backends", "short", "Backends whose /health answered 200 at the last check.",
+         [{"expr": f"sum(kvserve_router:backend_healthy{ROUTER})", "legend": "healthy"},
+          {"expr": f"count(kvserve_router:backend_healthy{ROUTER})", "legend": "all"}]),
+        ("Retries / s", "short", "Requests sent on to another backend after one refused them (down or draining).",
+         [{"expr": f"sum(rate(kvserve_router:retries_total{ROUTER}[{RATE}]))", "legend": "retries"}]),
+    ]),
 ]
 
 
@@ -124,6 +140,7 @@ def build() -> dict[str, Any]:
             variable("instance", "Server", "label_values(kvserve:num_requests_running, instance)"),
             variable("model_name", "Model", 'label_values(kvserve:num_requests_running{instance=~"$instance"}, '
                      "model_name)"),
+            variable("router", "Router", "label_values(kvserve_router:backend_healthy, instance)"),
         ]},
         "panels": panels,
     }

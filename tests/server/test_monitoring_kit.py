@@ -24,6 +24,7 @@ DASHBOARD = DEPLOY / "grafana" / "kvserve-dashboard.json"
 ALERTS = DEPLOY / "prometheus" / "alerts.yml"
 PROMETHEUS = DEPLOY / "prometheus" / "prometheus.yml"
 SERIES = re.compile(r"\bkvserve:[a-z0-9_]+")
+ROUTER_SERIES = re.compile(r"\bkvserve_router:[a-z0-9_]+")
 # Labels Prometheus adds at scrape time (the server does not export them) and the histogram bucket label.
 SCRAPE_LABELS = {"instance", "job", "le"}
 
@@ -63,7 +64,8 @@ def test_every_series_and_label_is_exported(tiny_server: ServerProcess) -> None:
     samples = scrape(tiny_server.base_url)
     exported = {name for name, _ in samples}
     labels = {key for _, pairs in samples for key, _ in pairs}
-    queries = _dashboard_exprs() + [r["expr"] for r in _rules()]
+    # The server's queries (the router row's are checked against the router: below).
+    queries = [q for q in _dashboard_exprs() + [r["expr"] for r in _rules()] if "kvserve_router:" not in q]
     named = {m for q in queries for m in SERIES.findall(q)}
     assert len(named) >= 10
     missing = sorted(named - exported)
@@ -103,6 +105,29 @@ def test_dashboard_panels_fit_the_grid_and_use_the_variables() -> None:
         assert not area & cells, f"{panel['title']} overlaps another panel"
         cells |= area
         for target in panel.get("targets", []):
-            assert '$instance' in target["expr"] and '$model_name' in target["expr"], panel["title"]
+            if "kvserve_router:" in target["expr"]:
+                assert "$router" in target["expr"], panel["title"]
+            else:
+                assert '$instance' in target["expr"] and '$model_name' in target["expr"], panel["title"]
             assert target["datasource"]["uid"] == "${datasource}"
-    assert {v["name"] for v in board["templating"]["list"]} == {"datasource", "instance", "model_name"}
+    assert {v["name"] for v in board["templating"]["list"]} == {"datasource", "instance", "model_name", "router"}
+
+
+def test_the_router_row_queries_what_the_router_exports() -> None:
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvserve.router.app import RouterApp
+    from kvserve.router.policies import Router
+
+    app = RouterApp(Router(["http://a:1", "http://b:2"], "prefix"))
+    app.requests.labels("http://a:1", "200").inc()
+    samples = [s for family in text_string_to_metric_families(generate_latest(app.registry).decode())
+               for s in family.samples]
+    exported = {s.name for s in samples}
+    labels = {key for s in samples for key in s.labels}
+    exprs = [e for e in _dashboard_exprs() if "kvserve_router:" in e]
+    named = {m for e in exprs for m in ROUTER_SERIES.findall(e)}
+    assert len(named) == 4 and not named - exported, sorted(named - exported)
+    used = {label for e in exprs for group in re.findall(r"\bby \(([^)]*)\)", e) for label in re.split(r",\s*", group)}
+    assert used and not used - labels - SCRAPE_LABELS
