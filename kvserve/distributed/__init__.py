@@ -1,5 +1,5 @@
 """Tensor parallelism: this process's rank in the group, how a model's heads split over the ranks, and the
-one collective the layers call.
+two collectives the layers call.
 
 Each rank is one process holding one device (`executor.multiproc` starts them). Rank 0 lives in the engine
 core process; the others run the same steps in lockstep. The layers shard their weights when built, by
@@ -36,10 +36,6 @@ _group = TPGroup(0, 1)
 
 def tp_group() -> TPGroup:
     return _group
-
-
-def tp_rank() -> int:
-    return _group.rank
 
 
 def tp_size() -> int:
@@ -120,15 +116,15 @@ def check_tensor_parallel(arch: ArchConfig, size: int) -> None:
         )
 
 
-def kv_head_range(num_kv_heads: int, rank: int, size: int) -> tuple[int, int]:
-    """(first KV head, count) held by `rank`: a share of them, or one replicated head when there are fewer
-    KV heads than ranks."""
-    return rank * num_kv_heads // size, max(num_kv_heads // size, 1)
+def first_kv_head(num_kv_heads: int, rank: int, size: int) -> int:
+    """The first of the KV heads `rank` holds (`local_arch` says how many): its share's first, or the one
+    it holds with other ranks when there are fewer KV heads than ranks."""
+    return rank * num_kv_heads // size
 
 
-def local_arch(arch: ArchConfig, size: int | None = None) -> ArchConfig:
-    """The shapes one rank's layers have: its query heads, KV heads and MLP width (the rest unchanged)."""
-    size = tp_size() if size is None else size
+def local_arch(arch: ArchConfig) -> ArchConfig:
+    """The shapes this rank's layers have: its query heads, KV heads and MLP width (the rest unchanged)."""
+    size = tp_size()
     if size == 1:
         return arch
     check_tensor_parallel(arch, size)

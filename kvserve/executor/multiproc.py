@@ -27,13 +27,13 @@ import dataclasses
 import logging
 import multiprocessing
 import os
+import pickle
 import signal
 import socket
 import threading
 import time
 import traceback
 import weakref
-from collections import deque
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -99,7 +99,6 @@ class TPWorkers:
             raise RuntimeError("another tensor-parallel engine is still running in this process: call its "
                                "shutdown() (LLM.shutdown) before starting a new one")
         self.size = config.tensor_parallel_size
-        self._closing = False
         self._started = False
         self._failure_seen = threading.Event()
         self._conns: list[Connection] = []
@@ -147,10 +146,15 @@ class TPWorkers:
 
     # ------------------------------------------------------------------ calls
 
+    def _send(self, message: tuple[Any, ...]) -> None:
+        """Send `message` to every other rank, pickled once."""
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        for conn in self._conns:
+            conn.send_bytes(data)
+
     def call(self, method: str, *args: Any) -> None:
         """Start `method(*args)` on every other rank; `gather` collects the results."""
-        for conn in self._conns:
-            conn.send(("call", method, args))
+        self._send(("call", method, args))
 
     def gather(self) -> list[Any]:
         """Each other rank's reply to the last `call` (or to its start-up), in rank order."""
@@ -171,9 +175,7 @@ class TPWorkers:
         """Send one step to every other rank (no reply). finish_previous_first: rank 0 read the previous
         step's tokens before launching this one."""
         # The scheduler's own request objects stay here (the runner never reads them).
-        message = ("step", dataclasses.replace(scheduler_output, requests={}), finish_previous_first)
-        for conn in self._conns:
-            conn.send(message)
+        self._send(("step", dataclasses.replace(scheduler_output, requests={}), finish_previous_first))
 
     # ------------------------------------------------------------------ life
 
@@ -197,9 +199,8 @@ class TPWorkers:
 
     def close(self) -> None:
         """Stop the other ranks and leave the group."""
-        if self._closing:
+        if self._stopping.is_set():
             return
-        self._closing = True
         self._finalizer()
         atexit.unregister(self._finalizer)
         distributed.destroy_tensor_parallel()
@@ -211,9 +212,10 @@ class TPWorkers:
 
 def _stop_ranks(conns: list[Connection], processes: list[Any], stopping: threading.Event) -> None:
     stopping.set()
+    stop = pickle.dumps(("stop",))
     for conn in conns:
         try:
-            conn.send(("stop",))
+            conn.send_bytes(stop)
         except (BrokenPipeError, OSError):
             pass
     deadline = time.monotonic() + _CLOSE_TIMEOUT_S
@@ -257,10 +259,10 @@ def _worker_main(
         _reply_error(conn)
         return
     conn.send(("ok", None))
-    pending: deque[PendingOutput] = deque()
+    previous: PendingOutput | None = None  # the last launched step, its tokens not recorded yet
     while True:
         try:
-            message = conn.recv()
+            message = pickle.loads(conn.recv_bytes())
         except EOFError:
             break
         kind = message[0]
@@ -273,32 +275,25 @@ def _worker_main(
             except BaseException:
                 _reply_error(conn)
                 return
-            conn.send(("ok", result if _picklable(result) else None))
+            try:
+                conn.send(("ok", result))
+            except (pickle.PicklingError, TypeError, AttributeError):  # a result that cannot travel: dropped
+                conn.send(("ok", None))
             continue
         _, scheduler_output, finish_previous_first = message
         try:
-            if finish_previous_first:
-                while pending:
-                    pending.popleft().result()
+            if finish_previous_first and previous is not None:
+                previous.result()
+                previous = None
             launched = runner.execute_model_async(scheduler_output)
-            while pending:
-                pending.popleft().result()
-            pending.append(launched)
+            if previous is not None:
+                previous.result()
+            previous = launched
         except BaseException:
             logger.critical("tensor-parallel rank %d failed a step:\n%s", rank, traceback.format_exc())
             logging.shutdown()
             os._exit(1)
     distributed.destroy_tensor_parallel()
-
-
-def _picklable(value: Any) -> bool:
-    import pickle
-
-    try:
-        pickle.dumps(value)
-    except Exception:  # noqa: BLE001 - any value that cannot travel is dropped, not the call
-        return False
-    return True
 
 
 def _reply_error(conn: Connection) -> None:

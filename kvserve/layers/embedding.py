@@ -43,15 +43,12 @@ class LMHead(nn.Module):
         self.tp_rank, self.tp_size = group.rank, group.size
         self.vocab_size = vocab_size
         self.rows = -(-vocab_size // self.tp_size)  # this rank's share of the vocabulary
+        self.split = self.tp_size > 1  # (a tied head stays whole: tie_to)
         # Zeroed when split: the last rank's rows past the vocabulary are never loaded.
         alloc = torch.zeros if self.tp_size > 1 else torch.empty
         self.weight = nn.Parameter(alloc(self.rows, hidden_size, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self._load  # type: ignore[attr-defined]
         self.weight.shard_ids = (None,)  # type: ignore[attr-defined]
-
-    @property
-    def split(self) -> bool:
-        return self.tp_size > 1 and self.weight.shape[0] == self.rows < self.vocab_size
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         if not self.split:
@@ -67,6 +64,7 @@ class LMHead(nn.Module):
 
     def tie_to(self, embedding: VocabEmbedding) -> None:
         self.weight = embedding.weight
+        self.split = False
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # The matmul runs in the model dtype, as in HF. Not widened here: at batch 64 a float32 copy of the

@@ -105,7 +105,7 @@ class QKVLinear(Linear):
     """The q, k and v projections of attention as one matmul; output [q | k | v] with
     q: num_heads * head_dim columns, k and v: num_kv_heads * head_dim each (this rank's heads: with more
     than one rank, rank r holds query heads [r * num_heads, (r + 1) * num_heads) and the KV heads
-    `distributed.kv_head_range` names)."""
+    `distributed.first_kv_head` starts)."""
 
     def __init__(
         self,
@@ -133,7 +133,7 @@ class QKVLinear(Linear):
         if shard_id == "q":
             start, total = self.tp_rank * size, size * self.tp_size
         else:  # this rank's KV heads, out of the checkpoint's (replicated when fewer than the ranks)
-            first, _ = distributed.kv_head_range(loaded.shape[0] // self.head_dim, self.tp_rank, self.tp_size)
+            first = distributed.first_kv_head(loaded.shape[0] // self.head_dim, self.tp_rank, self.tp_size)
             start, total = first * self.head_dim, loaded.shape[0]
         _load_rows(param, _rank_rows(loaded, start, size, self.tp_size, total), offset, size)
 

@@ -121,18 +121,10 @@ class TritonPythonModel:
         ids = self.engine.input_processor.tokenize(prompt).prompt_token_ids
         return ids, prompt, params, stream, exclude
 
-    async def _generate(self, request: Any, sender: Any | None) -> Any:
-        """Run one request: with `sender` (decoupled) send its responses and the final flag; else return
-        its one response."""
-        final = _pb().TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        try:
-            ids, prompt, params, stream, exclude = self._parse(request)
-        except ValueError as exc:
-            response = _output([], error=str(exc))
-            if sender is None:
-                return response
-            sender.send(response, flags=final)
-            return None
+    async def _generate(self, request: Any, parsed: tuple[list[int], str, Any, bool, bool], sender: Any | None
+                        ) -> Any:
+        """Run one parsed request: its final response (None after streaming its pieces through `sender`)."""
+        ids, prompt, params, stream, exclude = parsed
         request_id = f"triton-{next(self._ids)}"
         text = ""
         try:
@@ -145,27 +137,33 @@ class TritonPythonModel:
                 if stream and sender is not None and out.text_delta:
                     sender.send(_output([out.text_delta]))
         except ValueError as exc:  # refused by the engine (e.g. too long for max_model_len)
-            response = _output([], error=str(exc))
-            if sender is None:
-                return response
-            sender.send(response, flags=final)
-            return None
-        if stream and sender is not None:
-            sender.send(flags=final)
-            return None
-        response = _output([text if exclude else prompt + text])
+            return _output([], error=str(exc))
+        return None if stream else _output([text if exclude else prompt + text])
+
+    async def _respond(self, request: Any, parsed: tuple[list[int], str, Any, bool, bool], sender: Any | None
+                       ) -> Any:
+        response = await self._generate(request, parsed, sender)
         if sender is None:
             return response
-        sender.send(response, flags=final)
+        sender.send(response, flags=_pb().TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None
 
     def execute(self, requests: list[Any]) -> list[Any] | None:
+        # Each request is parsed and tokenized here, on Triton's thread, not on the engine's event loop.
+        outcomes: list[Any] = []  # per request: its response, or the future of it
+        for request in requests:
+            sender = request.get_response_sender() if self.decoupled else None
+            try:
+                parsed = self._parse(request)
+            except ValueError as exc:
+                outcomes.append(_output([], error=str(exc)))
+                if sender is not None:
+                    sender.send(outcomes[-1], flags=_pb().TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                continue
+            outcomes.append(self._run(self._respond(request, parsed, sender)))
         if self.decoupled:
-            for request in requests:
-                self._run(self._generate(request, request.get_response_sender()))
             return None
-        futures = [self._run(self._generate(request, None)) for request in requests]
-        return [f.result() for f in futures]
+        return [o.result() if isinstance(o, Future) else o for o in outcomes]
 
     def finalize(self) -> None:
         self._run(self.engine.shutdown()).result(timeout=60)
