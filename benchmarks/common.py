@@ -75,10 +75,22 @@ MODEL_CONFIGS = {"qwen2.5-7b": QWEN25_7B, "qwen2.5-0.5b": QWEN25_05B, "smollm2-1
 COPY_TBPS = 4.28  # measured device-to-device copy on the H200 (PERFORMANCE.md)
 
 
-def write_config_dir(name: str) -> str:
+# `quantization_config` entries of 4-bit checkpoints as their exporters write them (group size 128, the usual).
+QUANT_CONFIGS: dict[str, dict[str, Any]] = {
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True},
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True,
+             "checkpoint_format": "gptq"},
+}
+
+
+def write_config_dir(name: str, quantization: str | None = None) -> str:
+    """A directory holding the shape's config.json (with QUANT_CONFIGS[quantization] when given)."""
     directory = tempfile.mkdtemp(prefix=f"kvserve-{name}-")
+    config = dict(MODEL_CONFIGS[name])
+    if quantization:
+        config["quantization_config"] = QUANT_CONFIGS[quantization]
     with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(MODEL_CONFIGS[name], f)
+        json.dump(config, f)
     return directory
 
 
@@ -97,16 +109,23 @@ def write_served_model_dir(name: str) -> str:
     return directory
 
 
-def decode_floor_ms(config: dict[str, Any], batch: int, context: int, dtype_bytes: int = 2) -> float:
+def decode_floor_ms(config: dict[str, Any], batch: int, context: int, dtype_bytes: int = 2,
+                    quantization: dict[str, Any] | None = None) -> float:
     """Bytes a decode step must read (every weight but the gathered embedding, plus the KV of every
-    sequence) over the measured copy bandwidth."""
+    sequence) over the measured copy bandwidth. With a `quantization_config` (QUANT_CONFIGS), the decoder's
+    projections count bits / 8 bytes a weight plus a 2-byte scale and a 1-byte zero point per group and
+    column, as kvserve stores them."""
     h, i, layers, v = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"], config["vocab_size"]
     head_dim = h // config["num_attention_heads"]
     kv = config["num_key_value_heads"] * head_dim
-    per_layer = h * (h + 2 * kv) + (h + 2 * kv) + h * h + 3 * h * i + 2 * h
-    weights = layers * per_layer + h + v * h  # + final norm + lm_head
+    projections = h * (h + 2 * kv) + h * h + 3 * h * i
+    projection_bytes = projections * dtype_bytes
+    if quantization:
+        projection_bytes = projections * (quantization["bits"] / 8 + 3 / quantization["group_size"])
+    per_layer = projection_bytes + ((h + 2 * kv) + 2 * h) * dtype_bytes  # + q/k/v bias and the two norms
+    weights = layers * per_layer + (h + v * h) * dtype_bytes  # + final norm + lm_head
     kv_bytes = batch * context * layers * 2 * kv * dtype_bytes
-    return (weights * dtype_bytes + kv_bytes) / (COPY_TBPS * 1e12) * 1e3
+    return (weights + kv_bytes) / (COPY_TBPS * 1e12) * 1e3
 
 
 def git_commit() -> str:

@@ -62,6 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from common import (  # noqa: E402
     MODEL_CONFIGS,
+    QUANT_CONFIGS,
     Driver,
     decode_floor_ms,
     describe_gc_pauses,
@@ -84,7 +85,8 @@ class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.config = MODEL_CONFIGS[args.model]
-        self.model_dir = write_config_dir(args.model)
+        self.model_dir = write_config_dir(args.model, args.quantization)
+        self.quant_config = QUANT_CONFIGS[args.quantization] if args.quantization else None
         self.vocab = self.config["vocab_size"]
         self.gen = torch.Generator().manual_seed(0)
         self.rows: list[tuple[str, str, str]] = []  # (measure, value, note) for the final table
@@ -231,7 +233,7 @@ class Bench:
                 else:  # async scheduling: the parts overlap the GPU, no per-part times
                     sched = execute = update = float("nan")
                 gpu_ms = graph_ms.get("ms")
-                floor = decode_floor_ms(self.config, batch, context)
+                floor = decode_floor_ms(self.config, batch, context, quantization=self.quant_config)
                 out.append({"batch": batch, "context": context, "median_step_ms": ms, "floor_ms": floor,
                             "fraction_of_floor": floor / ms, "num_steps_timed": len(timed),
                             "p90_step_ms": sorted(timed)[int(0.9 * (len(timed) - 1))] * 1e3,
@@ -1335,6 +1337,8 @@ def main() -> int:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the engine's model splits over")
+    p.add_argument("--quantization", choices=sorted(QUANT_CONFIGS), default=None,
+                   help="random 4-bit weights in this format (group size 128) instead of bf16 ones")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="default: the engine's (on with a GPU)")
     p.add_argument("--cascade-attn", action=argparse.BooleanOptionalAction, default=True,

@@ -224,12 +224,7 @@ class EngineArgs:
         else:
             model_path = resolve_model_path(self.model)
         arch = load_arch_config(model_path)
-        if self.quantization not in (None, "gguf") and not (
-            self.quantization == "gguf" and model_path.endswith(".gguf")
-        ):
-            raise ConfigError(
-                f"quantization {self.quantization!r} is not supported yet (supported: gguf files)"
-            )
+        _check_quantization(self.quantization, model_path, arch)
         device = self.device or _default_device()
         _check_device(device)
         dtype = _resolve_dtype(self.dtype, device)
@@ -363,6 +358,25 @@ def _check_device(device: str) -> None:
         if not torch.cuda.is_available():
             raise ConfigError(f"device {device!r} asked for, but this machine has no usable CUDA GPU "
                               "(or torch was built without CUDA); pass --device cpu")
+
+
+def _check_quantization(asked: str | None, model_path: str, arch: Any) -> None:
+    """`--quantization` must name what the checkpoint holds (it is read from the checkpoint either way):
+    gguf for a .gguf file, awq / gptq (or vLLM's awq_marlin / gptq_marlin) for a checkpoint whose config
+    says so. ConfigError otherwise."""
+    from kvserve.layers.quantization import normalize_method
+
+    if asked is None:
+        return
+    held = "gguf" if model_path.endswith(".gguf") else (arch.quantization.method if arch.quantization else None)
+    method = "gguf" if asked.lower() == "gguf" else normalize_method(asked)
+    if method is None:
+        raise ConfigError(f"quantization {asked!r} is not supported; supported: awq, gptq, gguf "
+                          "(read from the checkpoint: the flag can be left out)")
+    if method != held:
+        found = f"a {held} checkpoint" if held else "a checkpoint without quantized weights"
+        raise ConfigError(f"--quantization {asked} asked for, but {model_path} is {found}; "
+                          f"drop the flag{f' or pass --quantization {held}' if held else ''}")
 
 
 def _resolve_dtype(dtype: str, device: str) -> str:

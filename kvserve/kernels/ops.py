@@ -29,6 +29,7 @@ import torch
 from kvserve import envs
 from kvserve.kernels import cublaslt, reference
 from kvserve.layers.attention_metadata import AttentionMetadata
+from kvserve.layers.quantization import PackedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +173,31 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             except cublaslt.LtUnavailable:
                 pass  # a failed call: torch's linear computes the same
     return torch.nn.functional.linear(x, weight, bias)
+
+
+# A quantized layer at this many rows or more dequantizes its weight and runs the dense matmul (cuBLAS):
+# past it the fused kernel's dequantization per row block costs more than one pass writing the weight.
+QUANT_DENSE_MIN_ROWS = 256
+
+
+def quantized_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias) of a quantized layer (`reference.quantized_linear`). CUDA: the Triton
+    quantized matmul below QUANT_DENSE_MIN_ROWS rows, the dense weight from the Triton dequantizer and torch's
+    matmul from there; the reference where the weight's groups fit no kernel tile."""
+    module = _triton_module("triton_quant") if x.is_cuda else None
+    if module is not None:
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] >= QUANT_DENSE_MIN_ROWS:
+            dense = module.dequantize(weight, x.dtype)
+            if dense is not None:
+                if weight.perm is not None:
+                    rows = rows.index_select(1, weight.perm)
+                return torch.nn.functional.linear(rows, dense, bias).view(*x.shape[:-1], weight.output_size)
+        config = module.pick_config(rows.shape[0], weight, _num_sms(x.device))
+        if config is not None:
+            out = module.quant_matmul(rows.contiguous(), weight, bias, config)
+            return out.view(*x.shape[:-1], weight.output_size)
+    return reference.quantized_linear(x, weight, bias)
 
 
 # The gate/up projection of a small-row batch applies SiLU-and-mul in the matmul's epilogue (one launch, no

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.layers.attention_metadata import AttentionMetadata
+from kvserve.layers.quantization import PackedWeight
 
 
 def reshape_and_cache(
@@ -169,3 +170,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [num_tokens, 2 * d] holding gate then up; returns silu(gate) * up, [num_tokens, d]."""
     d = x.shape[-1] // 2
     return F.silu(x[..., :d]) * x[..., d:]
+
+
+def quantized_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias) for a quantized layer's packed weight (`layers.quantization.PackedWeight`):
+    its dense weight, dequantized in float32 and rounded to x's dtype, times x as `F.linear` computes it."""
+    return F.linear(x, weight.dense(x.dtype), bias)

@@ -9,6 +9,11 @@ Tensor parallelism (`kvserve.distributed`): layers are built with one rank's siz
 that rank's part of each full checkpoint tensor. `QKVLinear` and `MergedLinear` are column-parallel (each
 rank holds its heads' / its share's rows of every shard); a `Linear` built with `row_parallel=True` holds
 its share of the input columns and sums the ranks' outputs (its bias added once, by rank 0).
+
+Quantized checkpoints (`layers.quantization`, AWQ / GPTQ): a layer built with a `QuantConfig` has the
+checkpoint's parameters (qweight, qzeros, scales, g_idx) instead of `weight`, loaded by the same shard
+placement; `finish_loading` then packs them for the GPU's quantized matmul, or, on other devices, replaces
+them with the dense `weight` they stand for.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from torch import nn
 
 from kvserve import distributed
 from kvserve.kernels import ops
+from kvserve.layers.quantization import PackedWeight, QuantConfig, QuantizedWeights
+from kvserve.model.paths import ModelLoadError
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Hashable = None) -> None:
@@ -48,8 +55,16 @@ class Linear(nn.Module):
     row_parallel (with more than one rank): input_size is this rank's share of the input columns; the
     checkpoint's weight holds all of them, and the output is summed over the ranks."""
 
+    weight: nn.Parameter | None
+
     def __init__(
-        self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype, row_parallel: bool = False
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        dtype: torch.dtype,
+        row_parallel: bool = False,
+        quant: QuantConfig | None = None,
     ) -> None:
         super().__init__()
         group = distributed.tp_group()
@@ -57,7 +72,19 @@ class Linear(nn.Module):
         self.row_parallel = row_parallel and self.tp_size > 1
         self.input_size = input_size
         self.output_size = output_size
-        self.weight = self._make_param((output_size, input_size), dtype)
+        self.dtype = dtype
+        self.quantized: QuantizedWeights | None = None
+        self.packed: PackedWeight | None = None  # the GPU layout of a quantized layer, after loading
+        if quant is None:
+            self.weight = self._make_param((output_size, input_size), dtype)
+        else:
+            self.weight = None
+            row_share = (self.tp_rank, self.tp_size) if self.row_parallel else None
+            try:
+                self.quantized = QuantizedWeights(quant, self, input_size, output_size, self.shard_ids(),
+                                                  self.place, row_share)
+            except ValueError as exc:
+                raise ModelLoadError(str(exc)) from None
         self.bias = self._make_param((output_size,), dtype) if bias else None
 
     def _make_param(self, shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
@@ -68,37 +95,67 @@ class Linear(nn.Module):
     def shard_ids(self) -> tuple[Hashable, ...]:
         return (None,)
 
+    def place(self, loaded: torch.Tensor, shard_id: Hashable, loaded_rows: int) -> tuple[int, int, int, int]:
+        """Where shard `shard_id` of the checkpoint (`loaded_rows` output rows) goes: (start, size, total,
+        offset): this rank's rows [start, start + size) of the checkpoint's `total` fill the layer's rows
+        [offset, offset + size). ValueError for a shard id the layer does not have."""
+        if shard_id is not None:
+            raise ValueError(f"parameter has no shards, got shard {shard_id!r}")
+        return 0, self.output_size, self.output_size, 0
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Hashable = None) -> None:
         if self.row_parallel and loaded.dim() == 2:
             width = param.shape[1]
             _check_shape(tuple(loaded.shape), (param.shape[0], width * self.tp_size))
             loaded = loaded.narrow(1, self.tp_rank * width, width)
-        default_weight_loader(param, loaded, shard_id)
+        start, size, total, offset = self.place(loaded, shard_id, loaded.shape[0])
+        if self.shard_ids() == (None,):
+            default_weight_loader(param, loaded)
+            return
+        _load_rows(param, _rank_rows(loaded, start, size, self.tp_size, total), offset, size)
+
+    def finish_loading(self) -> None:
+        """After every checkpoint tensor is in: a quantized layer packs its tensors for the GPU's quantized
+        matmul (CUDA) or becomes a dense layer of the weight they stand for (other devices)."""
+        if self.quantized is None:
+            return
+        try:
+            packed = self.quantized.finish()
+        except ValueError as exc:
+            raise ModelLoadError(str(exc)) from None
+        self.quantized = None
+        if packed.qweight.is_cuda:
+            self.packed = packed
+        else:
+            self.weight = nn.Parameter(packed.dense(self.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.row_parallel:
-            return distributed.all_reduce(ops.linear(x, self.weight, self.bias if self.tp_rank == 0 else None))
-        return ops.linear(x, self.weight, self.bias)
+        bias = self.bias if self.tp_rank == 0 or not self.row_parallel else None
+        if self.packed is not None:
+            out = ops.quantized_linear(x, self.packed, bias)
+        else:
+            assert self.weight is not None, "a quantized layer is used before finish_loading"
+            out = ops.linear(x, self.weight, bias)
+        return distributed.all_reduce(out) if self.row_parallel else out
 
 
 class MergedLinear(Linear):
     """Projections of one input stacked along the output dim: rows [sum(sizes[:i]), sum(sizes[:i+1]))
     hold shard i (e.g. gate_proj = 0, up_proj = 1)."""
 
-    def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool, dtype: torch.dtype) -> None:
+    def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool, dtype: torch.dtype,
+                 quant: QuantConfig | None = None) -> None:
         self.output_sizes = list(output_sizes)
-        super().__init__(input_size, sum(self.output_sizes), bias, dtype)
+        super().__init__(input_size, sum(self.output_sizes), bias, dtype, quant=quant)
 
     def shard_ids(self) -> tuple[Hashable, ...]:
         return tuple(range(len(self.output_sizes)))
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Hashable = None) -> None:
+    def place(self, loaded: torch.Tensor, shard_id: Hashable, loaded_rows: int) -> tuple[int, int, int, int]:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"shard id must be an index below {len(self.output_sizes)}, got {shard_id!r}")
-        offset = sum(self.output_sizes[:shard_id])
         size = self.output_sizes[shard_id]
-        _load_rows(param, _rank_rows(loaded, self.tp_rank * size, size, self.tp_size, size * self.tp_size),
-                   offset, size)
+        return self.tp_rank * size, size, size * self.tp_size, sum(self.output_sizes[:shard_id])
 
 
 class QKVLinear(Linear):
@@ -115,27 +172,27 @@ class QKVLinear(Linear):
         num_kv_heads: int,
         bias: bool,
         dtype: torch.dtype,
+        quant: QuantConfig | None = None,
     ) -> None:
         self.head_dim = head_dim
         self.q_size = num_heads * head_dim
         self.kv_size = num_kv_heads * head_dim
-        super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias, dtype)
+        super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias, dtype, quant=quant)
 
     def shard_ids(self) -> tuple[Hashable, ...]:
         return ("q", "k", "v")
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Hashable = None) -> None:
+    def place(self, loaded: torch.Tensor, shard_id: Hashable, loaded_rows: int) -> tuple[int, int, int, int]:
         offsets = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
                    "v": (self.q_size + self.kv_size, self.kv_size)}
         if shard_id not in offsets:
             raise ValueError(f"shard id must be 'q', 'k' or 'v', got {shard_id!r}")
         offset, size = offsets[shard_id]
         if shard_id == "q":
-            start, total = self.tp_rank * size, size * self.tp_size
-        else:  # this rank's KV heads, out of the checkpoint's (replicated when fewer than the ranks)
-            first = distributed.first_kv_head(loaded.shape[0] // self.head_dim, self.tp_rank, self.tp_size)
-            start, total = first * self.head_dim, loaded.shape[0]
-        _load_rows(param, _rank_rows(loaded, start, size, self.tp_size, total), offset, size)
+            return self.tp_rank * size, size, size * self.tp_size, offset
+        # this rank's KV heads, out of the checkpoint's (replicated when fewer than the ranks)
+        first = distributed.first_kv_head(loaded_rows // self.head_dim, self.tp_rank, self.tp_size)
+        return first * self.head_dim, size, loaded_rows, offset
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[num_tokens, q_size + 2 * kv_size] -> views (q, k, v)."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.layers.activation import supported_activations
+from kvserve.layers.quantization import QuantConfig, parse_quant_config
 from kvserve.layers.rotary import check_rope_scaling
 from kvserve.model.gguf import check_tensor_types, read_gguf_info
 from kvserve.model.paths import ModelLoadError
@@ -28,6 +29,7 @@ class ArchConfig:
     attention_bias / o_proj_bias / mlp_bias: bias on the q/k/v, o and MLP projections respectively.
     qk_norm: RMSNorm over head_dim on every q and k head before RoPE (Qwen3).
     eos_token_ids: every id that ends generation (config.json and generation_config.json merged).
+    quantization: how the checkpoint's linear layers are quantized (AWQ / GPTQ), None for dense weights.
     """
 
     architecture: str
@@ -51,6 +53,7 @@ class ArchConfig:
     o_proj_bias: bool = False
     mlp_bias: bool = False
     rope_freq_factors: tuple[float, ...] | None = None
+    quantization: QuantConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -170,6 +173,11 @@ def _from_hf_dir(path: str) -> ArchConfig:
     attention_bias = bool(cfg.get("attention_bias", False))
 
     generation = _read_json(os.path.join(path, "generation_config.json")) or {}
+    # Older GPTQ exports keep their settings in quantize_config.json instead of config.json.
+    raw_quant = cfg.get("quantization_config") or _read_json(os.path.join(path, "quantize_config.json"))
+    if raw_quant is not None and "quant_method" not in raw_quant and "desc_act" in raw_quant:
+        raw_quant = {**raw_quant, "quant_method": "gptq"}
+    quantization = parse_quant_config(raw_quant, f"{path}/config.json") if raw_quant else None
     eos_ids = _merge_ids(generation.get("eos_token_id"), cfg.get("eos_token_id", family.eos_token_id))
     return ArchConfig(
         architecture=architecture,
@@ -192,6 +200,7 @@ def _from_hf_dir(path: str) -> ArchConfig:
         bos_token_id=cfg.get("bos_token_id", family.bos_token_id),
         eos_token_ids=eos_ids,
         hidden_act=cfg.get("hidden_act", "silu"),
+        quantization=quantization,
     )
 
 

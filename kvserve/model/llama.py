@@ -24,6 +24,7 @@ from kvserve.layers.attention_metadata import AttentionMetadata
 from kvserve.layers.embedding import LMHead, VocabEmbedding
 from kvserve.layers.linear import Linear, MergedLinear, QKVLinear
 from kvserve.layers.norm import RMSNorm
+from kvserve.layers.quantization import QuantConfig
 from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.model.arch import ArchConfig
 from kvserve.model.paths import ModelLoadError
@@ -64,16 +65,30 @@ def set_sampled_row_attention(enabled: bool) -> None:
     _sampled_row_attention = enabled
 
 
+def _quant_for(arch: ArchConfig, prefix: str, parts: tuple[str, ...]) -> QuantConfig | None:
+    """The quantization of the fused layer that holds checkpoint layers `prefix`.<part> (None: dense);
+    ModelLoadError when the checkpoint quantizes some of them and not the others."""
+    quant = arch.quantization
+    if quant is None:
+        return None
+    applies = {quant.applies_to(f"{prefix}.{part}") for part in parts}
+    if len(applies) > 1:
+        raise ModelLoadError(f"{prefix}: {', '.join(parts)} are fused, but the checkpoint quantizes only some")
+    return quant if applies.pop() else None
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ArchConfig, rotary_emb: RotaryEmbedding, dtype: torch.dtype) -> None:
+    def __init__(self, arch: ArchConfig, rotary_emb: RotaryEmbedding, dtype: torch.dtype, prefix: str = "") -> None:
         super().__init__()
         self.num_heads = arch.num_attention_heads
         self.num_kv_heads = arch.num_key_value_heads
         self.head_dim = arch.head_dim
         self.qkv_proj = QKVLinear(
-            arch.hidden_size, arch.head_dim, self.num_heads, self.num_kv_heads, arch.attention_bias, dtype
+            arch.hidden_size, arch.head_dim, self.num_heads, self.num_kv_heads, arch.attention_bias, dtype,
+            quant=_quant_for(arch, prefix, ("q_proj", "k_proj", "v_proj")),
         )
-        self.o_proj = Linear(arch.q_size, arch.hidden_size, arch.o_proj_bias, dtype, row_parallel=True)
+        self.o_proj = Linear(arch.q_size, arch.hidden_size, arch.o_proj_bias, dtype, row_parallel=True,
+                             quant=_quant_for(arch, prefix, ("o_proj",)))
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
         # Shared by every layer (one table per model); nn.Module registers it under each layer harmlessly.
@@ -90,7 +105,8 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv_proj = self.qkv_proj
         rotated = None
-        if self.q_norm is None:  # small GPU batches: rotary and cache write in the projection's epilogue
+        if self.q_norm is None and qkv_proj.weight is not None:
+            # small GPU batches: rotary and cache write in the projection's epilogue
             rotated = ops.linear_rope_cache(
                 hidden, qkv_proj.weight, qkv_proj.bias, positions, self.rotary_emb.cos_sin_cache, kv_cache,
                 attn_metadata.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim,
@@ -139,27 +155,30 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: ArchConfig, dtype: torch.dtype) -> None:
+    def __init__(self, arch: ArchConfig, dtype: torch.dtype, prefix: str = "") -> None:
         super().__init__()
         size = arch.intermediate_size
-        self.gate_up_proj = MergedLinear(arch.hidden_size, [size, size], arch.mlp_bias, dtype)
+        self.gate_up_proj = MergedLinear(arch.hidden_size, [size, size], arch.mlp_bias, dtype,
+                                         quant=_quant_for(arch, prefix, ("gate_proj", "up_proj")))
         self.act_fn = get_act_and_mul(arch.hidden_act)
-        self.down_proj = Linear(size, arch.hidden_size, arch.mlp_bias, dtype, row_parallel=True)
+        self.down_proj = Linear(size, arch.hidden_size, arch.mlp_bias, dtype, row_parallel=True,
+                                quant=_quant_for(arch, prefix, ("down_proj",)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.act_fn, SiluAndMul):  # one op, so small batches can fuse the two on the GPU
-            gate_up = self.gate_up_proj
+        gate_up = self.gate_up_proj
+        if isinstance(self.act_fn, SiluAndMul) and gate_up.weight is not None:
+            # one op, so small batches can fuse the two on the GPU
             return self.down_proj(ops.linear_silu_mul(x, gate_up.weight, gate_up.bias))
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig, rotary_emb: RotaryEmbedding, dtype: torch.dtype) -> None:
+    def __init__(self, arch: ArchConfig, rotary_emb: RotaryEmbedding, dtype: torch.dtype, prefix: str = "") -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(arch, rotary_emb, dtype)
+        self.self_attn = LlamaAttention(arch, rotary_emb, dtype, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(arch, dtype)
+        self.mlp = LlamaMLP(arch, dtype, f"{prefix}.mlp")
 
     def forward(
         self,
@@ -245,7 +264,7 @@ class LlamaModel(nn.Module):
             arch.rope_freq_factors,
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, rotary_emb, dtype) for _ in range(arch.num_hidden_layers)
+            LlamaDecoderLayer(arch, rotary_emb, dtype, f"model.layers.{i}") for i in range(arch.num_hidden_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
 
@@ -362,6 +381,13 @@ class LlamaForCausalLM(CausalLM):
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise ModelLoadError(f"checkpoint lacks weights for {shown}")
+        self.finish_loading()
+
+    def finish_loading(self) -> None:
+        """Quantized layers pack (GPU) or dequantize (other devices) what they loaded (`Linear.finish_loading`)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.finish_loading()
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

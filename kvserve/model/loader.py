@@ -36,6 +36,7 @@ def load_model(model_config: ModelConfig, device: torch.device) -> CausalLM:
     with torch.no_grad():
         if model_config.load_format == "dummy":
             init_dummy_weights(model, model_config.seed)
+            model.finish_loading()
         else:
             model.load_weights(iter_weights(model_config.model, arch))
     return model.eval()
@@ -57,6 +58,10 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
             generator.manual_seed(seed)
             generators[param.device] = generator
         # normal_ has no kernel for every dtype/device pair in old torch; draw in fp32 chunks then cast.
+        dummy_fill = getattr(param, "dummy_fill", None)
+        if dummy_fill is not None:  # quantized layers' integers and scales (layers.quantization)
+            dummy_fill(param, generator)
+            continue
         flat = param.data.view(-1)
         chunk = 1 << 26
         for start in range(0, flat.numel(), chunk):

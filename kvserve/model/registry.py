@@ -57,8 +57,13 @@ class CausalLM(nn.Module, ABC):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors named as in HF Transformers into the parameters (casting dtype/device).
 
-        Raises `ModelLoadError` on an unknown name, a shape mismatch, or a parameter left unloaded.
+        Raises `ModelLoadError` on an unknown name, a shape mismatch, or a parameter left unloaded. Ends with
+        `finish_loading`.
         """
+
+    def finish_loading(self) -> None:  # noqa: B027 - optional hook, nothing to do for dense models
+        """Called once every parameter holds its values (after `load_weights`, or the dummy fill): layers
+        that convert what they loaded (quantized weights) do it here."""
 
 
 # HF `architectures[0]` -> (module, class). Qwen2/Qwen3 differ from Llama only in flags carried by

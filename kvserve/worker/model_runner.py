@@ -486,7 +486,7 @@ class ModelRunner:
         start = time.perf_counter()
         groups: dict[tuple[int, int, bool, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor | None]]] = {}
         for module in self.model.modules():
-            if isinstance(module, Linear) and module.weight.dtype in GEMM_TUNING_DTYPES:
+            if isinstance(module, Linear) and module.weight is not None and module.weight.dtype in GEMM_TUNING_DTYPES:
                 n, k = module.weight.shape
                 weights, biases = groups.setdefault((n, k, module.bias is not None, module.weight.dtype), ([], []))
                 weights.append(module.weight)

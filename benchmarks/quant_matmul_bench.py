@@ -1,0 +1,124 @@
+"""The 4-bit quantized matmul (kernels/triton_quant.py) against the bf16 matmul, at the Qwen2.5-7B shapes.
+
+For each projection shape and row count: torch's bf16 `F.linear` (cuBLAS), the fused Triton kernel, and the
+Triton dequantizer followed by torch's matmul on the dense weight; each timed with CUDA events over a cycle
+of distinct weights (about 200 MB, so no call finds its weight in L2), median of the repeats. Also checks
+each path's output against the reference dequantization (max abs error printed). Prints a table and writes
+JSON (GPU name, commit, date, settings).
+
+    python benchmarks/quant_matmul_bench.py --out benchmarks/results/<dir>
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import COPY_TBPS, write_result  # noqa: E402
+
+from kvserve.kernels import ops, reference, triton_quant  # noqa: E402
+from kvserve.layers.quantization import PackedWeight, pack_rows  # noqa: E402
+
+# (name, K, N) of Qwen2.5-7B's projections.
+SHAPES = [("qkv", 3584, 4608), ("o", 3584, 3584), ("gate_up", 3584, 37888), ("down", 18944, 3584)]
+
+
+def random_packed(k: int, n: int, bits: int, group: int, gen: torch.Generator) -> PackedWeight:
+    top = 1 << bits
+    q = torch.randint(0, top, (k, n), generator=gen, device="cuda")
+    zeros = torch.full((k // group, n), top // 2, dtype=torch.uint8, device="cuda")
+    scales = (torch.rand((k // group, n), generator=gen, device="cuda") * 0.004 + 0.002).to(torch.float16)
+    return PackedWeight(pack_rows(q, bits), zeros, scales, bits, group, None)
+
+
+def time_us(fn: Any, calls: int, repeats: int) -> float:
+    """Median over `repeats` of the mean time of `calls` back-to-back calls (fn(i) for the i-th)."""
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(calls):
+            fn(i)
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(samples)
+
+
+def measure(name: str, k: int, n: int, m: int, dense: list[torch.Tensor], packed: list[PackedWeight],
+            args: argparse.Namespace, gen: torch.Generator, num_sms: int) -> dict[str, Any]:
+    """One shape at `m` rows: every path timed over the weight cycle, and checked against the reference."""
+    count = len(dense)
+    x = torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16)
+    config = triton_quant.pick_config(m, packed[0], num_sms)
+    expected = reference.quantized_linear(x.float(), packed[0]).float()
+    scale = expected.abs().max().item()
+
+    def rel_err(out: torch.Tensor | None) -> float:
+        return float("nan") if out is None else (out.float() - expected).abs().max().item() / scale
+
+    deq = triton_quant.dequantize(packed[0], torch.bfloat16)
+    err_fused = rel_err(triton_quant.quant_matmul(x, packed[0], None, config) if config else None)
+    err_deq = rel_err(torch.nn.functional.linear(x, deq) if deq is not None else None)
+    calls = 4 * count
+    bf16_us = time_us(lambda i: torch.nn.functional.linear(x, dense[i % count]), calls, args.repeats)
+    fused_us = float("nan")
+    if config is not None:
+        fused_us = time_us(lambda i: triton_quant.quant_matmul(x, packed[i % count], None, config), calls,
+                           args.repeats)
+    deq_us = time_us(lambda i: torch.nn.functional.linear(x, triton_quant.dequantize(packed[i % count],
+                                                                                      torch.bfloat16)),
+                     calls, args.repeats)
+    ops_us = time_us(lambda i: ops.quantized_linear(x, packed[i % count]), calls, args.repeats)
+    quant_bytes = k * n * args.bits / 8 + (k // args.group_size) * n * 3
+    return {"shape": name, "k": k, "n": n, "rows": m, "bf16_us": bf16_us, "fused_us": fused_us,
+            "dequant_dense_us": deq_us, "ops_us": ops_us,
+            "quant_floor_us": quant_bytes / (COPY_TBPS * 1e12) * 1e6,
+            "fused_config": None if config is None else vars(config), "rel_err_fused": err_fused,
+            "rel_err_dequant_dense": err_deq}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--rows", type=lambda v: [int(x) for x in v.split(",")],
+                   default=[1, 8, 16, 32, 64, 128, 256, 512, 2048, 8192])
+    p.add_argument("--bits", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=7)
+    args = p.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    results: list[dict[str, Any]] = []
+    rows_out: list[str] = []
+    for name, k, n in SHAPES:
+        count = max(2, -(-200 * 2**20 // (k * n * 2)))
+        dense = [torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(count)]
+        packed = [random_packed(k, n, args.bits, args.group_size, gen) for _ in range(count)]
+        for m in args.rows:
+            e = measure(name, k, n, m, dense, packed, args, gen, num_sms)
+            results.append(e)
+            split = e["fused_config"]["split_k"] if e["fused_config"] else "-"
+            rows_out.append(f"{name:<8} {m:>5} {e['bf16_us']:>9.1f} {e['fused_us']:>9.1f} "
+                            f"{e['dequant_dense_us']:>9.1f} {e['ops_us']:>9.1f} {e['quant_floor_us']:>7.1f} "
+                            f"{e['bf16_us'] / e['ops_us']:>6.2f}x  split {split}  err "
+                            f"{e['rel_err_fused']:.1e}/{e['rel_err_dequant_dense']:.1e}")
+            print(rows_out[-1], flush=True)
+        dense.clear()
+        packed.clear()
+        torch.cuda.empty_cache()
+    write_result(args.out, "quant_matmul", vars(args) | {"out": str(args.out)}, results, "cuda")
+    print(f"\n{'shape':<8} {'rows':>5} {'bf16 us':>9} {'fused us':>9} {'deq+mm':>9} {'ops us':>9} {'floor':>7} "
+          f"{'bf16/ops':>7}")
+    print("\n".join(rows_out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

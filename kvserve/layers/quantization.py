@@ -1,0 +1,366 @@
+"""Weight-only quantized checkpoints: AWQ (4-bit) and GPTQ (2, 4 and 8 bits, with or without act-order).
+
+Both formats store, per linear layer, integer weights `q` packed into int32 words, and per group of
+`group_size` input rows a scale `s` and a zero point `z` for every output column; the weight is
+
+    W[n, k] = (q[k, n] - z[g(k), n]) * s[g(k), n]
+
+with g(k) = k // group_size, or GPTQ's stored `g_idx[k]` (act-order checkpoints). The layouts differ
+(`QuantConfig` reads which from config.json's `quantization_config`):
+
+* AWQ ("gemm" version): qweight int32 [K, N / 8], eight 4-bit values of consecutive output columns per
+  word in the interleaved order `AWQ_ORDER` (value of column 8c + AWQ_ORDER[i] at bits 4i); qzeros int32
+  [K / G, N / 8] packed the same way; scales [K / G, N].
+* GPTQ: qweight int32 [K / p, N] (p = 32 / bits), value of row p r + i at bits `bits * i` of word r;
+  qzeros int32 [groups, N / p] packed along the columns in plain order, holding z - 1 in the original
+  ("gptq") checkpoint format and z in "gptq_v2"; scales [groups, N]; g_idx int32 [K].
+
+After loading, `QuantizedWeights.finish` turns a layer's tensors into one layout for both formats: q packed
+along K as GPTQ packs it (act-order rows sorted by group, with the permutation kept for the activations),
+zero points as uint8 [groups, N], scales in the checkpoint's dtype. The GPU multiplies with that
+(`kernels/triton_quant.py`); other devices dequantize once to a dense weight and run the plain matmul.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvserve.model.paths import ModelLoadError
+
+# Nibble i of an AWQ word holds column AWQ_ORDER[i] of its eight; column j sits at nibble AWQ_UNORDER[j].
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+AWQ_UNORDER = tuple(AWQ_ORDER.index(j) for j in range(8))
+
+SUPPORTED_METHODS = ("awq", "gptq")
+# vLLM's names of other kernels for the same checkpoints: accepted as the same formats.
+_METHOD_ALIASES = {"awq": "awq", "awq_marlin": "awq", "gptq": "gptq", "gptq_marlin": "gptq"}
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How a checkpoint's linear layers are quantized.
+
+    method: "awq" | "gptq". group_size: input rows per scale (-1: one group spanning the input).
+    zero_offset: added to stored zero points (1 for GPTQ's original format, which stores z - 1).
+    skip_modules: name parts of layers left unquantized (AWQ's `modules_to_not_convert`).
+    """
+
+    method: str
+    bits: int
+    group_size: int
+    zero_offset: int = 0
+    desc_act: bool = False
+    skip_modules: tuple[str, ...] = ()
+
+    @property
+    def pack(self) -> int:
+        """Values per int32 word."""
+        return 32 // self.bits
+
+    def applies_to(self, prefix: str) -> bool:
+        """Whether the layer at checkpoint name `prefix` (e.g. model.layers.0.mlp.down_proj) is quantized."""
+        return not any(part and part in prefix for part in self.skip_modules)
+
+    def groups(self, input_size: int) -> int:
+        return 1 if self.group_size == -1 else math.ceil(input_size / self.group_size)
+
+    def group_rows(self, input_size: int) -> int:
+        return input_size if self.group_size == -1 else self.group_size
+
+
+def normalize_method(name: str) -> str | None:
+    """`--quantization`'s value as a method of this module, None for a name it does not know."""
+    return _METHOD_ALIASES.get(name.lower())
+
+
+def parse_quant_config(raw: dict[str, Any], where: str) -> QuantConfig:
+    """config.json's `quantization_config` (or a GPTQ `quantize_config.json`) -> QuantConfig.
+
+    ModelLoadError, naming `where`, for methods and settings this module cannot run."""
+    method = str(raw.get("quant_method", "")).lower()
+    if method not in SUPPORTED_METHODS:
+        raise ModelLoadError(
+            f"{where}: quantization method {method or '(none given)'!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_METHODS)} (and GGUF files)"
+        )
+    bits = raw.get("bits", raw.get("w_bit"))
+    group_size = raw.get("group_size", raw.get("q_group_size"))
+    if not isinstance(bits, int) or not isinstance(group_size, int):
+        raise ModelLoadError(f"{where}: quantization_config needs integer 'bits' and 'group_size', got "
+                             f"{bits!r} and {group_size!r}")
+    if group_size != -1 and (group_size < 8 or group_size % 8):
+        raise ModelLoadError(f"{where}: group_size {group_size} is not supported (a multiple of 8, or -1)")
+    if method == "awq":
+        version = str(raw.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise ModelLoadError(f"{where}: AWQ version {version!r} is not supported (only 'gemm' packing)")
+        if bits != 4:
+            raise ModelLoadError(f"{where}: AWQ with {bits} bits is not supported (only 4)")
+        if not raw.get("zero_point", True):
+            raise ModelLoadError(f"{where}: AWQ without zero points is not supported")
+        skip = raw.get("modules_to_not_convert") or []
+        return QuantConfig("awq", 4, group_size, skip_modules=tuple(str(s) for s in skip))
+    if bits not in (2, 4, 8):
+        raise ModelLoadError(f"{where}: GPTQ with {bits} bits is not supported (2, 4 or 8)")
+    if raw.get("lm_head"):
+        raise ModelLoadError(f"{where}: a GPTQ-quantized lm_head is not supported")
+    if raw.get("dynamic"):
+        raise ModelLoadError(f"{where}: GPTQ 'dynamic' per-module settings are not supported")
+    fmt = str(raw.get("checkpoint_format", "gptq")).lower()
+    if fmt not in ("gptq", "gptq_v2"):
+        raise ModelLoadError(f"{where}: GPTQ checkpoint_format {fmt!r} is not supported (gptq, gptq_v2)")
+    return QuantConfig("gptq", bits, group_size, zero_offset=1 if fmt == "gptq" else 0,
+                       desc_act=bool(raw.get("desc_act", False)))
+
+
+# ---------------------------------------------------------------------------------- packing arithmetic
+
+
+def unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [R, C] packed along rows (value p r + i at bits `bits * i` of word r) -> int32 [p R, C]."""
+    pack = 32 // bits
+    shifts = torch.arange(pack, device=packed.device, dtype=torch.int32) * bits
+    values = (packed.unsqueeze(1) >> shifts.view(1, pack, 1)) & ((1 << bits) - 1)
+    return values.reshape(packed.shape[0] * pack, packed.shape[1])
+
+
+def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of `unpack_rows`: int [p R, C] with values below 2 ** bits -> int32 [R, C]."""
+    pack = 32 // bits
+    rows, cols = values.shape
+    if rows % pack:
+        raise ValueError(f"{rows} rows do not pack into words of {pack}")
+    grouped = values.to(torch.int64).view(rows // pack, pack, cols)
+    shifts = torch.arange(pack, device=values.device, dtype=torch.int64) * bits
+    words = (grouped << shifts.view(1, pack, 1)).sum(dim=1)
+    # Two's complement: a word with its top bit set is negative as int32.
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def unpack_columns(packed: torch.Tensor, bits: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """int32 [R, C] packed along columns -> int32 [R, p C]. `order` (AWQ): column j of a word's p sits at
+    position order[j] (None: position j)."""
+    pack = 32 // bits
+    positions = torch.tensor(order if order is not None else range(pack), device=packed.device, dtype=torch.int32)
+    values = (packed.unsqueeze(2) >> (positions * bits).view(1, 1, pack)) & ((1 << bits) - 1)
+    return values.reshape(packed.shape[0], packed.shape[1] * pack)
+
+
+def dequantize(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
+               dtype: torch.dtype) -> torch.Tensor:
+    """The dense weight [N, K] of q [K, N] (integers), zeros / scales [groups, N] and g_idx [K]:
+    ((q - z) * s) computed in float32, then cast. The reference every quantized path is checked against."""
+    index = g_idx.long()
+    z = zeros.float().index_select(0, index)
+    s = scales.float().index_select(0, index)
+    return ((q.float() - z) * s).to(dtype).t().contiguous()
+
+
+# ----------------------------------------------------------------------------------- a layer's tensors
+
+
+@dataclass
+class PackedWeight:
+    """A quantized layer's weight as the GPU multiplies it: qweight int32 [K / pack, N] (row p r + i at bits
+    `bits * i` of word r), zeros uint8 [groups, N], scales [groups, N], group_rows input rows a group
+    (rows sorted by group), perm: int64 [K] input columns in the order of qweight's rows, or None."""
+
+    qweight: torch.Tensor
+    zeros: torch.Tensor
+    scales: torch.Tensor
+    bits: int
+    group_rows: int
+    perm: torch.Tensor | None
+
+    @property
+    def input_size(self) -> int:
+        return self.qweight.shape[0] * (32 // self.bits)
+
+    @property
+    def output_size(self) -> int:
+        return self.qweight.shape[1]
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """The dense weight [N, K] in the original input order."""
+        q = unpack_rows(self.qweight, self.bits)
+        g_idx = torch.arange(q.shape[0], device=q.device) // self.group_rows
+        weight = dequantize(q, self.zeros, self.scales, g_idx, dtype)
+        if self.perm is None:
+            return weight
+        out = torch.empty_like(weight)
+        out[:, self.perm] = weight
+        return out
+
+
+class QuantizedWeights:
+    """The checkpoint tensors of one quantized linear layer (this rank's part), registered on `module` as
+    parameters named as the checkpoint names them (qweight, qzeros, scales and, for GPTQ, g_idx), each
+    with `weight_loader(param, loaded, shard_id)`.
+
+    `place(loaded, shard_id) -> (start, size, total, offset)` maps a shard to output columns: this rank's
+    columns [start, start + size) of the checkpoint tensor's `total` go to columns [offset, offset + size)
+    of the layer. `row_share` = (rank, ranks) for a layer whose input rows are split over ranks, else None.
+    """
+
+    def __init__(
+        self,
+        config: QuantConfig,
+        module: nn.Module,
+        input_size: int,
+        output_size: int,
+        shard_ids: tuple[Hashable, ...],
+        place: Callable[[torch.Tensor, Hashable, int], tuple[int, int, int, int]],
+        row_share: tuple[int, int] | None,
+    ) -> None:
+        self.config = config
+        self.input_size = input_size
+        self.output_size = output_size
+        self.place = place
+        self.row_share = row_share
+        bits, pack = config.bits, config.pack
+        full_input = input_size * (row_share[1] if row_share else 1)
+        if row_share and config.group_size == -1:
+            groups = 1  # the one group spans every rank's rows: each rank keeps all of its scales
+        else:
+            groups = config.groups(input_size)
+            if row_share and input_size % config.group_rows(full_input):
+                raise ModelLoadError(
+                    f"input size {input_size} of a rank is not a multiple of group_size {config.group_size}: "
+                    f"the checkpoint does not split into {row_share[1]} ranks")
+        if output_size % pack or input_size % pack:
+            raise ModelLoadError(f"a {input_size} x {output_size} layer does not pack {bits}-bit values "
+                                 f"{pack} to a word")
+        self.groups = groups
+        # (shape, packed columns' unit, rows per input row's share) of each checkpoint tensor.
+        if config.method == "awq":
+            specs = {"qweight": ((input_size, output_size // pack), pack, 1),
+                     "qzeros": ((groups, output_size // pack), pack, 0),
+                     "scales": ((groups, output_size), 1, 0)}
+        else:
+            specs = {"qweight": ((input_size // pack, output_size), 1, 1),
+                     "qzeros": ((groups, output_size // pack), pack, 0),
+                     "scales": ((groups, output_size), 1, 0),
+                     "g_idx": ((input_size,), 0, 1)}
+        self.specs = specs
+        self.scales_dtype: torch.dtype | None = None
+        self.loaded_g_idx: dict[Hashable, torch.Tensor] = {}
+        for name, (shape, _, _) in specs.items():
+            dtype = torch.float32 if name == "scales" else torch.int32
+            param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+            param.shard_ids = shard_ids  # type: ignore[attr-defined]
+            param.weight_loader = self._loader(name)  # type: ignore[attr-defined]
+            param.dummy_fill = self._dummy_fill(name)  # type: ignore[attr-defined]
+            module.register_parameter(name, param)
+        self.module = module
+
+    def _rank_rows(self, name: str, loaded: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a row-split layer's tensor (all of them otherwise)."""
+        if self.row_share is None:
+            return loaded
+        rank, ranks = self.row_share
+        shape, _, per_row = self.specs[name]
+        if not per_row and self.config.group_size == -1:
+            return loaded
+        rows = shape[0]
+        if loaded.shape[0] != rows * ranks:
+            raise ValueError(f"{name}: checkpoint shape {tuple(loaded.shape)} does not split into {ranks} ranks "
+                             f"of {rows} rows")
+        return loaded.narrow(0, rank * rows, rows)
+
+    def _loader(self, name: str) -> Callable[[nn.Parameter, torch.Tensor, Hashable], None]:
+        def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: Hashable = None) -> None:
+            shape, unit, _ = self.specs[name]
+            loaded = self._rank_rows(name, loaded)
+            if name == "g_idx":
+                if tuple(loaded.shape) != shape:
+                    raise ValueError(f"g_idx: checkpoint shape {tuple(loaded.shape)} does not match {shape}")
+                self.loaded_g_idx[shard_id] = loaded.to(torch.int32)
+                param.data.copy_(loaded)
+                return
+            if name == "scales":
+                self.scales_dtype = loaded.dtype
+            if loaded.dim() != 2 or loaded.shape[0] != shape[0]:
+                raise ValueError(f"{name}: checkpoint shape {tuple(loaded.shape)} does not match {shape[0]} rows")
+            start, size, total, offset = self.place(loaded, shard_id, loaded.shape[1] * unit)
+            if start % unit or size % unit or offset % unit:
+                raise ValueError(f"{name}: output columns [{start}, {start + size}) do not fall on "
+                                 f"{unit}-column words")
+            if loaded.shape[1] * unit != total:
+                raise ValueError(f"{name}: checkpoint shape {tuple(loaded.shape)} holds {loaded.shape[1] * unit} "
+                                 f"columns, expected {total}")
+            part = loaded.narrow(1, start // unit, size // unit)
+            target = param.data.narrow(1, offset // unit, size // unit)
+            if tuple(part.shape) != tuple(target.shape):
+                raise ValueError(f"{name}: checkpoint part {tuple(part.shape)} does not match {tuple(target.shape)}")
+            target.copy_(part)
+
+        return load
+
+    def _dummy_fill(self, name: str) -> Callable[[nn.Parameter, torch.Generator], None]:
+        """Random values of realistic size for benchmarks without files (`load_format="dummy"`)."""
+        def fill(param: nn.Parameter, generator: torch.Generator) -> None:
+            if name == "qweight":
+                param.data.copy_(torch.randint(-(1 << 31), (1 << 31) - 1, param.shape, generator=generator,
+                                               device=param.device, dtype=torch.int64).to(torch.int32))
+            elif name == "qzeros":  # the middle of the range, as symmetric quantization stores it
+                bits = self.config.bits
+                value = (1 << (bits - 1)) - self.config.zero_offset
+                word = sum(value << (bits * i) for i in range(self.config.pack))
+                param.data.fill_(word - (1 << 32) if word >= 1 << 31 else word)
+            elif name == "scales":  # (q - z) spans about +-2 ** bits; weights of std ~0.02, as dense dummies
+                param.data.uniform_(0.5, 1.5, generator=generator).mul_(0.04 / (1 << self.config.bits))
+                self.scales_dtype = torch.float16
+            else:
+                param.data.copy_(torch.arange(param.shape[0], device=param.device)
+                                 // self.config.group_rows(self.input_size))
+        return fill
+
+    def finish(self) -> PackedWeight:
+        """The loaded tensors in the GPU layout (see module docstring); removes the checkpoint parameters."""
+        config = self.config
+        module = self.module
+        qweight = module.qweight.data
+        qzeros = module.qzeros.data
+        scales = module.scales.data.to(self.scales_dtype or torch.float16)
+        if config.method == "awq":
+            q = unpack_columns(qweight, 4, AWQ_UNORDER)
+            zeros = unpack_columns(qzeros, 4, AWQ_UNORDER)
+        else:
+            q = unpack_rows(qweight, config.bits)
+            zeros = unpack_columns(qzeros, config.bits)
+        zeros = zeros + config.zero_offset
+        if int(zeros.max()) >= 1 << config.bits or int(zeros.min()) < 0:
+            raise ModelLoadError(f"zero points outside [0, {(1 << config.bits) - 1}] after adding "
+                                 f"{config.zero_offset}: is the GPTQ checkpoint_format right?")
+        rows = config.group_rows(self.input_size)
+        plain = torch.arange(self.input_size, device=q.device, dtype=torch.int32) // rows
+        if self.row_share is not None and config.group_size == -1:
+            plain = torch.zeros_like(plain)
+        g_idx = plain
+        if config.method == "gptq" and self.loaded_g_idx:
+            values = list(self.loaded_g_idx.values())
+            if any(not torch.equal(v.to(q.device), values[0].to(q.device)) for v in values[1:]):
+                raise ModelLoadError("the fused projections' g_idx differ")
+            g_idx = values[0].to(q.device)
+            if self.row_share is not None and config.group_size != -1:
+                g_idx = g_idx - self.row_share[0] * (self.input_size // config.group_size)
+        perm = None
+        if not torch.equal(g_idx, plain):
+            if self.row_share is not None:
+                raise ModelLoadError("GPTQ act-order (desc_act) checkpoints are not supported with tensor "
+                                     "parallelism yet; run them with --tensor-parallel-size 1")
+            order = torch.argsort(g_idx, stable=True)
+            if not torch.equal(g_idx[order], plain):
+                raise ModelLoadError("g_idx does not assign group_size input rows to every group")
+            q = q.index_select(0, order)
+            perm = order.long()
+        for name in list(self.specs):
+            delattr(module, name)
+        return PackedWeight(pack_rows(q, config.bits), zeros.to(torch.uint8).contiguous(), scales.contiguous(),
+                            config.bits, rows, perm)

@@ -1,0 +1,113 @@
+"""Quantized (AWQ / GPTQ) checkpoints on the GPU (skipped without CUDA).
+
+The GPU keeps the packed weights and multiplies with the Triton quantized matmul (and, for large steps, the
+dequantized weight with cuBLAS); the CPU dequantizes at load. Both must compute the same model:
+
+* float32: greedy tokens on the GPU (CUDA graphs, prompts long enough that prefill chunks take the dense
+  path and decode the fused kernel) equal the CPU's, and the logprobs agree;
+* bfloat16: CUDA graphs equal eager;
+* float32, every step through the fused kernel (the dense path's threshold out of reach) equals the default
+  split.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from kvserve.config import EngineArgs
+from kvserve.engine.engine_core import EngineCore
+from kvserve.kernels import ops
+from kvserve.protocol.engine import EngineCoreRequest
+from kvserve.protocol.sampling_params import SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+VOCAB = 1024
+CASES = {
+    "awq4-qwen2": ("qwen2", {"method": "awq", "bits": 4, "group_size": 128}),
+    "gptq4-llama-actorder": ("llama", {"method": "gptq", "bits": 4, "group_size": 64, "act_order": True}),
+    "gptq8-qwen3": ("qwen3", {"method": "gptq", "bits": 8, "group_size": 128}),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    from helpers.quantized import quantize_checkpoint
+    from helpers.tiny_models import make_bare_checkpoint
+
+    out = {}
+    for i, (name, (model_type, kwargs)) in enumerate(CASES.items()):
+        root = tmp_path_factory.mktemp(name)
+        overrides: dict[str, Any] = {"head_dim": 128} if model_type == "qwen3" else {}
+        dense = make_bare_checkpoint(str(root / "dense"), model_type, seed=i, vocab_size=VOCAB, **overrides)
+        quantize_checkpoint(dense, str(root / "quantized"), str(root / "dequantized"), **kwargs)
+        out[name] = str(root / "quantized")
+    return out
+
+
+def _prompts(num: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(5, 400, (num,), generator=generator).tolist()
+    return [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in lengths]
+
+
+def _generate(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], list[Any]]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+    for i, prompt in enumerate(prompts):
+        core.add_request(EngineCoreRequest(req_id=str(i), prompt_token_ids=prompt, sampling_params=params,
+                                           max_tokens=max_tokens))
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    lps: dict[str, list[Any]] = {str(i): [] for i in range(len(prompts))}
+    while core.has_unfinished_requests():
+        for out in core.step().outputs:
+            tokens[out.req_id].extend(out.new_token_ids)
+            lps[out.req_id].extend(out.new_logprobs or [])
+    return [(tokens[str(i)], lps[str(i)]) for i in range(len(prompts))]
+
+
+def _core(path: str, device: str, dtype: str, enforce_eager: bool = False) -> EngineCore:
+    args = EngineArgs(model=path, dtype=dtype, device=device, enforce_eager=enforce_eager, max_model_len=1024,
+                      num_kv_blocks=512, max_num_seqs=16, max_num_batched_tokens=512)
+    return EngineCore(args.create_engine_config())
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_float32_gpu_matches_cpu(checkpoints: dict[str, str], case: str) -> None:
+    prompts = _prompts(6, seed=3)
+    gpu_core = _core(checkpoints[case], "cuda", "float32")
+    layer = gpu_core.runner.model.model.layers[0]
+    assert layer.mlp.gate_up_proj.packed is not None and layer.mlp.gate_up_proj.weight is None
+    gpu = _generate(gpu_core, prompts, 16)
+    del gpu_core
+    cpu = _generate(_core(checkpoints[case], "cpu", "float32"), prompts, 16)
+    for (gt, gl), (ct, cl) in zip(gpu, cpu, strict=True):
+        assert gt == ct
+        for a, b in zip(gl, cl, strict=True):
+            assert a.keys() == b.keys()
+            assert all(abs(a[t].logprob - b[t].logprob) < 2e-3 for t in a)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bf16_graphs_match_eager(checkpoints: dict[str, str], case: str) -> None:
+    prompts = _prompts(8, seed=5)
+    with_graphs = [t for t, _ in _generate(_core(checkpoints[case], "cuda", "bfloat16"), prompts, 20)]
+    eager = [t for t, _ in _generate(_core(checkpoints[case], "cuda", "bfloat16", enforce_eager=True), prompts, 20)]
+    assert with_graphs == eager
+
+
+def test_fused_path_alone_matches_the_default_split(checkpoints: dict[str, str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every step through the fused kernel (the dense path's threshold out of reach) against the default
+    split, in float32: the same greedy tokens."""
+    prompts = _prompts(8, seed=7)
+    path = checkpoints["awq4-qwen2"]
+    default = [t for t, _ in _generate(_core(path, "cuda", "float32", enforce_eager=True), prompts, 20)]
+    monkeypatch.setattr(ops, "QUANT_DENSE_MIN_ROWS", 1 << 30)
+    fused_only = [t for t, _ in _generate(_core(path, "cuda", "float32", enforce_eager=True), prompts, 20)]
+    assert fused_only == default

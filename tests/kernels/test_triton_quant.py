@@ -1,0 +1,125 @@
+"""The quantized matmul and dequantizer (kernels/triton_quant.py) against the reference dequantization.
+
+Weights are random integers, zero points and scales packed with `layers.quantization`'s GPU layout; the
+reference is `reference.quantized_linear` (dense weight from `PackedWeight.dense`, float32 arithmetic).
+Outputs and split partials come from `torch.empty`, made NaN by `poison_allocations`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kvserve.kernels import reference, triton_quant  # noqa: E402
+from kvserve.kernels.triton_quant import QuantMatmulConfig, dequantize, pick_config, quant_matmul  # noqa: E402
+from kvserve.layers.quantization import PackedWeight, pack_rows  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _poison(poison_allocations):
+    poison_allocations(triton_quant)
+
+
+def packed_weight(k: int, n: int, bits: int, group_rows: int, permuted: bool, device: torch.device,
+                  seed: int = 0) -> PackedWeight:
+    gen = torch.Generator().manual_seed(seed)
+    top = (1 << bits) - 1
+    q = torch.randint(0, top + 1, (k, n), generator=gen)
+    groups = k // group_rows
+    zeros = torch.randint(0, top + 1, (groups, n), generator=gen).to(torch.uint8)
+    scales = (torch.rand(groups, n, generator=gen) * 0.02 + 0.001).to(torch.float16)
+    perm = torch.randperm(k, generator=gen) if permuted else None
+    return PackedWeight(pack_rows(q, bits).to(device), zeros.to(device), scales.to(device), bits, group_rows,
+                        None if perm is None else perm.to(device))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("bits", "group_rows", "permuted"), [(4, 32, False), (4, 64, True), (8, 32, False),
+                                                             (2, 128, True)])
+@pytest.mark.parametrize("m", [1, 7, 40])
+@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_matches_reference(dtype, bits, group_rows, permuted, m, split_k, bias, device, skip_bf16_on_interpreter):
+    skip_bf16_on_interpreter(dtype)
+    k, n = 128, 96  # n not a multiple of the 64-column tile: a partial last tile
+    weight = packed_weight(k, n, bits, group_rows, permuted, device)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
+    b = torch.randn(n, generator=gen).to(device=device, dtype=dtype) if bias else None
+    config = QuantMatmulConfig(block_m=16 if m <= 16 else 64, block_n=64, block_k=32, split_k=split_k)
+    out = quant_matmul(x, weight, b, config)
+    assert out.shape == (m, n) and out.dtype == dtype
+    # The reference rounds the dense weight to x's dtype, then multiplies; float32 accumulation in both.
+    dense = weight.dense(dtype).float()
+    expected = torch.nn.functional.linear(x.float(), dense, None if b is None else b.float())
+    tol = {torch.float32: 1e-5, torch.float16: 2**-10, torch.bfloat16: 2**-7}[dtype]
+    torch.testing.assert_close(out.float(), expected.to(dtype).float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(out.float(), reference.quantized_linear(x, weight, b).float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_dequantize_matches_dense(bits, device):
+    """The dequantizer writes the dense weight in qweight's (sorted) row order: PackedWeight.dense without
+    the permutation's un-sorting."""
+    weight = packed_weight(256, 80, bits, 64, True, device, seed=bits)
+    out = dequantize(weight, torch.float32)
+    assert out is not None and out.shape == (80, 256)
+    unsorted = PackedWeight(weight.qweight, weight.zeros, weight.scales, bits, 64, None)
+    assert torch.equal(out, unsorted.dense(torch.float32))
+
+
+def test_a_group_no_tile_divides_has_no_config():
+    weight = packed_weight(48, 64, 4, 48, False, torch.device("cpu"))  # 48: a multiple of 16 only
+    assert pick_config(1, weight, 132) is None and dequantize(weight, torch.float32) is None
+
+
+def test_pick_config_splits_k_to_cover_the_sms():
+    # Qwen2.5-7B's down projection at 4 bits, groups of 128: 56 column tiles at batch 1.
+    weight = PackedWeight(torch.empty((18944 // 8, 3584), dtype=torch.int32), torch.empty(0), torch.empty(0), 4,
+                          128, None)
+    config = pick_config(1, weight, 132)
+    assert config is not None and config.block_k == 128
+    assert config.split_k == 4  # 148 K tiles: 4 divides them, 8 does not; 224 programs >= 132 SMs
+    assert pick_config(64, weight, 132).block_m == 64
+    wide = PackedWeight(torch.empty((3584 // 8, 37888), dtype=torch.int32), torch.empty(0), torch.empty(0), 4,
+                        128, None)
+    assert pick_config(1, wide, 132).split_k == 1  # 592 column tiles already cover the SMs
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("k", "n"), [(3584, 4608), (18944, 3584), (3584, 37888)], ids=["qkv", "down", "gate_up"])
+@pytest.mark.parametrize("m", [1, 8, 64, 100, 300, 1024])
+def test_real_shapes_through_ops(dtype, k, n, m, device):
+    """Qwen2.5-7B's projections at 4 bits (groups of 128), through `ops.quantized_linear`'s choice of the
+    fused kernel (split-K where it splits) or the dequantizer and cuBLAS, with a bias; GPU only."""
+    from kvserve.kernels import ops
+
+    if device.type != "cuda":
+        pytest.skip("real shapes run on a GPU only (the interpreter is too slow for them)")
+    weight = packed_weight(k, n, 4, 128, False, device, seed=m)
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
+    b = torch.randn(n, generator=gen).to(device=device, dtype=dtype)
+    out = ops.quantized_linear(x, weight, b)
+    expected = torch.nn.functional.linear(x.float(), weight.dense(dtype).float(), b.float())
+    assert out.dtype == dtype and not out.isnan().any()
+    scale = expected.abs().max().item()
+    tol = 2**-7 if dtype == torch.bfloat16 else 2**-10
+    torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol * scale)
+
+
+def test_act_order_permutation_on_a_gpu(device):
+    """8 bits, a permuted K at a real width, both paths."""
+    from kvserve.kernels import ops
+
+    if device.type != "cuda":
+        pytest.skip("GPU only")
+    weight = packed_weight(3584, 512, 8, 128, True, device, seed=3)
+    x = torch.randn(300, 3584, generator=torch.Generator().manual_seed(3)).to(device=device, dtype=torch.bfloat16)
+    expected = torch.nn.functional.linear(x.float(), weight.dense(torch.bfloat16).float())
+    scale = expected.abs().max().item()
+    for rows in (x[:7], x):
+        out = ops.quantized_linear(rows, weight)
+        torch.testing.assert_close(out.float(), expected[: rows.shape[0]], rtol=2**-7, atol=2**-7 * scale)

@@ -1,0 +1,213 @@
+"""AWQ and GPTQ checkpoints (layers/quantization.py) against HF Transformers on the dequantized weights.
+
+Each case quantizes a tiny random checkpoint (tests/helpers/quantized.py, packed independently of kvserve)
+and writes the dequantized weights as a dense checkpoint; kvserve on the quantized one must give HF's greedy
+tokens on the dense one in float32, with close logprobs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from helpers.quantized import quantize_checkpoint
+from transformers import AutoModelForCausalLM
+
+from kvserve import LLM, SamplingParams
+from kvserve.config import ConfigError, EngineArgs
+from kvserve.layers import quantization as quant
+from kvserve.model.paths import ModelLoadError
+
+PROMPTS = ["Hello, my name is", "The capital of France is", "一二三四五六七八九十"]
+NUM_NEW = 12
+
+# (id, arch, quantize_checkpoint keyword arguments)
+CASES: list[tuple[str, str, dict[str, Any]]] = [
+    ("awq4-llama", "llama", {"method": "awq", "bits": 4, "group_size": 32}),
+    ("awq4-qwen2-skip-down", "qwen2", {"method": "awq", "bits": 4, "group_size": 32, "skip": ("down_proj",)}),
+    ("gptq4-qwen3-actorder", "qwen3", {"method": "gptq", "bits": 4, "group_size": 32, "act_order": True}),
+    ("gptq8-llama-onegroup-v2", "llama", {"method": "gptq", "bits": 8, "group_size": -1,
+                                          "checkpoint_format": "gptq_v2"}),
+    ("gptq2-llama-tied", "llama-tied", {"method": "gptq", "bits": 2, "group_size": 16}),
+    ("gptq4-qwen2", "qwen2", {"method": "gptq", "bits": 4, "group_size": 32}),
+]
+
+
+@pytest.fixture(scope="module")
+def quantized_pair(tiny_model_dir: Callable[..., str], tmp_path_factory: pytest.TempPathFactory
+                   ) -> Callable[[str], tuple[str, str]]:
+    """case id -> (quantized checkpoint dir, dequantized dense dir), written once per module."""
+    cache: dict[str, tuple[str, str]] = {}
+
+    def make(case_id: str) -> tuple[str, str]:
+        if case_id not in cache:
+            _, arch, kwargs = next(c for c in CASES if c[0] == case_id)
+            root = tmp_path_factory.mktemp(f"quant-{case_id}")
+            out, deq = str(root / "quantized"), str(root / "dequantized")
+            quantize_checkpoint(tiny_model_dir(arch), out, deq, **kwargs)
+            cache[case_id] = (out, deq)
+        return cache[case_id]
+
+    return make
+
+
+def _hf_greedy(model_dir: str, prompt_ids: list[int]) -> tuple[list[int], list[float]]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NUM_NEW,
+                             min_new_tokens=NUM_NEW, do_sample=False, pad_token_id=0, output_scores=True,
+                             return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    logprobs = [float(torch.log_softmax(score[0].float(), -1)[t]) for score, t in zip(out.scores, tokens, strict=True)]
+    return tokens, logprobs
+
+
+@pytest.mark.parametrize("case_id", [c[0] for c in CASES])
+def test_quantized_checkpoint_matches_hf_on_dequantized_weights(case_id: str, quantized_pair: Callable) -> None:
+    quantized_dir, dense_dir = quantized_pair(case_id)
+    llm = LLM(model=quantized_dir, device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=64)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, min_tokens=NUM_NEW, logprobs=0)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    for out in outs:
+        tokens, logprobs = _hf_greedy(dense_dir, out.prompt_token_ids)
+        got = out.outputs[0]
+        assert got.token_ids == tokens, f"prompt {out.prompt!r}"
+        ours = [entry[t].logprob for entry, t in zip(got.logprobs, got.token_ids, strict=True)]
+        assert ours == pytest.approx(logprobs, abs=1e-3)
+
+
+def test_quantized_layers_hold_no_dense_weight_before_finish(quantized_pair: Callable) -> None:
+    """The quantized layers load the packed tensors (not a dense weight) and, on CPU, become dense layers
+    equal to the dequantized checkpoint."""
+    from safetensors.torch import load_file
+
+    from kvserve.model.arch import load_arch_config
+    from kvserve.model.loader import iter_safetensors_weights
+    from kvserve.model.registry import get_model_class
+
+    quantized_dir, dense_dir = quantized_pair("gptq4-qwen3-actorder")
+    arch = load_arch_config(quantized_dir)
+    assert arch.quantization is not None and arch.quantization.method == "gptq"
+    model = get_model_class(arch.architecture)(arch, torch.float32)
+    layer = model.model.layers[0]
+    names = {n for n, _ in layer.self_attn.qkv_proj.named_parameters()}
+    assert {"qweight", "qzeros", "scales", "g_idx", "bias"} - {"bias"} <= names and "weight" not in names
+    model.load_weights(iter_safetensors_weights(quantized_dir))
+    dense = load_file(os.path.join(dense_dir, "model.safetensors"))
+    expected = torch.cat([dense[f"model.layers.0.mlp.{p}.weight"] for p in ("gate_proj", "up_proj")])
+    assert torch.equal(layer.mlp.gate_up_proj.weight, expected)
+    assert torch.equal(layer.self_attn.o_proj.weight, dense["model.layers.0.self_attn.o_proj.weight"])
+    assert not any(n.endswith(("qweight", "qzeros", "scales", "g_idx")) for n, _ in model.named_parameters())
+
+
+def test_pack_rows_round_trip_and_sign() -> None:
+    for bits in (2, 4, 8):
+        values = torch.randint(0, 1 << bits, (64, 5), generator=torch.Generator().manual_seed(bits))
+        values[-(32 // bits):, 0] = (1 << bits) - 1  # a word whose top bit is set: negative as int32
+        packed = quant.pack_rows(values, bits)
+        assert packed.dtype == torch.int32 and packed.shape == (64 * bits // 32, 5)
+        assert int(packed[-1, 0]) < 0
+        assert torch.equal(quant.unpack_rows(packed, bits), values.to(torch.int32))
+
+
+def _write_config(directory: str, quantization_config: dict[str, Any] | None, source: str) -> str:
+    import shutil
+
+    shutil.copytree(source, directory)
+    path = os.path.join(directory, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    if quantization_config is None:
+        config.pop("quantization_config", None)
+    else:
+        config["quantization_config"] = quantization_config
+    with open(path, "w") as f:
+        json.dump(config, f)
+    return directory
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({"quant_method": "fp8"}, "quantization method 'fp8' is not supported; supported: awq, gptq"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}, "AWQ version 'gemv'"),
+    ({"quant_method": "awq", "bits": 8, "group_size": 32}, "AWQ with 8 bits"),
+    ({"quant_method": "gptq", "bits": 3, "group_size": 32}, "GPTQ with 3 bits"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 20}, "group_size 20"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 32, "lm_head": True}, "quantized lm_head"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 32, "checkpoint_format": "marlin"}, "checkpoint_format"),
+])
+def test_unsupported_quantization_configs_fail_clearly(config: dict[str, Any], message: str, tmp_path: Any,
+                                                       quantized_pair: Callable) -> None:
+    directory = _write_config(str(tmp_path / "m"), config, quantized_pair("awq4-llama")[0])
+    with pytest.raises(ModelLoadError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        EngineArgs(model=directory, device="cpu").create_engine_config()
+
+
+def test_quantization_flag_must_match_the_checkpoint(quantized_pair: Callable) -> None:
+    quantized_dir, dense_dir = quantized_pair("awq4-llama")
+    for name in ("awq", "awq_marlin", "AWQ"):
+        config = EngineArgs(model=quantized_dir, device="cpu", quantization=name).create_engine_config()
+        assert config.model_config.quantization == name
+    with pytest.raises(ConfigError, match="is a awq checkpoint; drop the flag or pass --quantization awq"):
+        EngineArgs(model=quantized_dir, device="cpu", quantization="gptq").create_engine_config()
+    with pytest.raises(ConfigError, match="without quantized weights"):
+        EngineArgs(model=dense_dir, device="cpu", quantization="awq").create_engine_config()
+    with pytest.raises(ConfigError, match="'bitsandbytes' is not supported"):
+        EngineArgs(model=dense_dir, device="cpu", quantization="bitsandbytes").create_engine_config()
+
+
+def test_mismatched_checkpoint_tensors_fail_clearly(quantized_pair: Callable, tmp_path: Any) -> None:
+    """A qweight of the wrong width names the tensor and the shapes instead of loading garbage."""
+    from safetensors.torch import load_file, save_file
+
+    directory = _write_config(str(tmp_path / "m"), None, quantized_pair("awq4-llama")[0])
+    with open(os.path.join(quantized_pair("awq4-llama")[0], "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f)
+    path = os.path.join(directory, "model.safetensors")
+    tensors = load_file(path)
+    name = "model.layers.1.mlp.up_proj.qweight"
+    tensors[name] = tensors[name][:, :-1].contiguous()
+    save_file(tensors, path)
+    with pytest.raises(ModelLoadError, match=r"up_proj\.qweight"):
+        LLM(model=directory, device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=16)
+
+
+def test_dummy_weights_with_a_quantization_config(quantized_pair: Callable) -> None:
+    """--load-format dummy on a quantized config (the GPU benchmarks' path) builds and runs the model."""
+    llm = LLM(model=quantized_pair("gptq4-qwen3-actorder")[0], device="cpu", dtype="float32", max_model_len=64,
+              num_kv_blocks=16, load_format="dummy")
+    out = llm.generate(["hello"], SamplingParams(temperature=0.0, max_tokens=4, min_tokens=4), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("case_id", ["awq4-qwen2-skip-down", "gptq4-qwen2", "gptq8-llama-onegroup-v2"])
+def test_two_ranks_match_one(case_id: str, quantized_pair: Callable) -> None:
+    """Each rank loads its share of the packed tensors: columns of q/k/v and gate/up (AWQ's packed eight at a
+    time), rows (and their groups' scales) of o_proj and down; one group spanning all rows stays whole."""
+    path = quantized_pair(case_id)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, min_tokens=NUM_NEW, logprobs=2)
+    outs = []
+    for tp in (1, 2):
+        llm = LLM(path, dtype="float32", device="cpu", tensor_parallel_size=tp, max_model_len=128,
+                  kv_cache_memory="16MiB")
+        try:
+            outs.append(llm.generate(PROMPTS, params, use_tqdm=False))
+        finally:
+            llm.shutdown()
+    for a, b in zip(*outs, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, a.prompt
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert la.keys() == lb.keys()
+            assert all(abs(la[t].logprob - lb[t].logprob) < 1e-4 for t in la)
+
+
+def test_act_order_with_tensor_parallelism_is_refused(quantized_pair: Callable) -> None:
+    with pytest.raises(Exception, match="act-order"):
+        LLM(quantized_pair("gptq4-qwen3-actorder")[0], dtype="float32", device="cpu", tensor_parallel_size=2,
+            max_model_len=64, kv_cache_memory="16MiB")
