@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import COPY_TBPS, write_result  # noqa: E402
@@ -49,6 +50,98 @@ def time_us(fn: Any, calls: int, repeats: int) -> float:
         end.synchronize()
         samples.append(start.elapsed_time(end) * 1e3 / calls)
     return statistics.median(samples)
+
+
+def graph_time_us(fn: Any, calls: int, repeats: int) -> float:
+    """GPU time of fn(i) for i < calls, captured once as a CUDA graph (no host launch cost), replayed
+    `repeats` times: median per call."""
+    for i in range(min(calls, 2)):
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / calls)
+    del graph
+    return statistics.median(samples)
+
+
+def sweep(args: argparse.Namespace, gen: torch.Generator, num_sms: int) -> list[str]:
+    """Tilings of the fused kernel and the dequantizer at the 7B shapes, GPU-timed in CUDA graphs."""
+    from dataclasses import replace
+
+    lines: list[str] = []
+    results: list[dict[str, Any]] = []
+    for name, k, n in SHAPES:
+        count = max(2, -(-200 * 2**20 // (k * n * 2)))
+        dense = [torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(count)]
+        packed = [random_packed(k, n, args.bits, args.group_size, gen) for _ in range(count)]
+        quant_bytes = k * n * args.bits / 8 + (k // args.group_size) * n * 3
+        for m in args.sweep_rows:
+            x = torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16)
+            base = triton_quant.pick_config(m, packed[0], num_sms)
+            assert base is not None
+            bf16 = graph_time_us(lambda i, x=x: torch.nn.functional.linear(x, dense[i % count]), 2 * count, 5)  # noqa: B023 - called within the iteration
+            timed: list[tuple[float, Any]] = []
+
+            def run(config: Any, x: torch.Tensor = x) -> float:
+                try:
+                    return graph_time_us(lambda i: triton_quant.quant_matmul(x, packed[i % count], None, config),  # noqa: B023 - called within the iteration
+                                         2 * count, 5)  # noqa: B023 - called within the iteration
+                except Exception as exc:  # noqa: BLE001 - a tiling that does not fit: reported, skipped
+                    print(f"  {config}: {type(exc).__name__}", flush=True)
+                    return float("inf")
+
+            for gather in (True, False):
+                config = replace(base, gather=gather)
+                timed.append((run(config), config))
+            gather = min(timed, key=lambda t: t[0])[1].gather
+            for block_n in (32, 64, 128):
+                for block_k in (64, 128):
+                    for warps, stages in ((4, 2), (4, 4), (8, 3)):
+                        config = replace(base, block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages,
+                                         gather=gather)
+                        tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, block_n)
+                        chunks = k // block_k
+                        split = 1
+                        while tiles * split < num_sms and split < 16 and chunks % (split * 2) == 0:
+                            split *= 2
+                        for s in sorted({max(1, split // 2), split, split * 2 if chunks % (split * 2) == 0 else split}):
+                            timed.append((run(replace(config, split_k=s)), replace(config, split_k=s)))
+            best_us, best = min(timed, key=lambda t: t[0])
+            base_us = timed[0][0] if timed[0][1].gather else timed[1][0]
+            floor = quant_bytes / (COPY_TBPS * 1e12) * 1e6
+            line = (f"{name:<8} {m:>4} bf16 {bf16:7.1f}  pick {base_us:7.1f}  best {best_us:7.1f} "
+                    f"({best.block_n}x{best.block_k} w{best.num_warps} s{best.num_stages} split {best.split_k} "
+                    f"gather {int(best.gather)})  floor {floor:5.1f}")
+            print(line, flush=True)
+            lines.append(line)
+            results.append({"shape": name, "rows": m, "bf16_us": bf16, "pick_us": base_us, "best_us": best_us,
+                            "best": vars(best), "all": [(t, vars(c)) for t, c in timed]})
+        for block_n in (32, 64, 128):
+            for gather in (True, False):
+                for warps in (4, 8):
+                    us = graph_time_us(lambda i, b=block_n, g=gather, w=warps: triton_quant.dequantize(
+                        packed[i % count], torch.bfloat16, b, g, w), 2 * count, 5)  # noqa: B023 - called within the iteration
+                    line = f"{name:<8} dequant {block_n}x gather {int(gather)} w{warps}: {us:7.1f} us"
+                    print(line, flush=True)
+                    lines.append(line)
+                    results.append({"shape": name, "dequant": {"block_n": block_n, "gather": gather, "warps": warps},
+                                    "us": us})
+        dense.clear()
+        packed.clear()
+        torch.cuda.empty_cache()
+    write_result(args.out, "quant_sweep", vars(args) | {"out": str(args.out)}, results, "cuda")
+    return lines
 
 
 def measure(name: str, k: int, n: int, m: int, dense: list[torch.Tensor], packed: list[PackedWeight],
@@ -92,9 +185,15 @@ def main() -> int:
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--sweep", action="store_true", help="time tilings of both kernels instead")
+    p.add_argument("--sweep-rows", type=lambda v: [int(x) for x in v.split(",")], default=[1, 16, 64])
     args = p.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if args.sweep:
+        lines = sweep(args, gen, num_sms)
+        print("\n" + "\n".join(lines))
+        return 0
     results: list[dict[str, Any]] = []
     rows_out: list[str] = []
     for name, k, n in SHAPES:

@@ -38,6 +38,7 @@ class QuantMatmulConfig:
     split_k: int
     num_warps: int = 4
     num_stages: int = 3
+    gather: bool = True  # how a tile's words are unpacked (`_unpack_tile`)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -62,6 +63,7 @@ def _quant_matmul_kernel(
     HAS_PERM: tl.constexpr,
     PARTIALS: tl.constexpr,
     IEEE: tl.constexpr,
+    GATHER: tl.constexpr,
 ):
     PACK: tl.constexpr = 32 // BITS
     pid_n = tl.program_id(0)
@@ -82,11 +84,8 @@ def _quant_matmul_kernel(
         else:
             cols = offs_k
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=mask_m[:, None], other=0.0)
-        words = tl.load(qweight_ptr + (k0 // PACK + word_rows)[:, None] * N + offs_n[None, :],
-                        mask=mask_n[None, :], other=0)
-        # Word row r's value i is K row PACK r + i: [rows, PACK, BLOCK_N] flattens to K order.
-        q = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
-        q = tl.reshape(q, (BLOCK_K, BLOCK_N))
+        q = _unpack_tile(qweight_ptr, k0, offs_k, offs_n, mask_n, N, word_rows, shifts, BITS, BLOCK_K, BLOCK_N,
+                         GATHER)
         group = k0 // group_rows
         z = tl.load(zeros_ptr + group * N + offs_n, mask=mask_n, other=0).to(tl.float32)
         s = tl.load(scales_ptr + group * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -106,6 +105,26 @@ def _quant_matmul_kernel(
 
 
 @triton.jit
+def _unpack_tile(qweight_ptr, k0, offs_k, offs_n, mask_n, N, word_rows, shifts, BITS: tl.constexpr,
+                 BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, GATHER: tl.constexpr):
+    """The integer values [BLOCK_K, BLOCK_N] of K rows k0.. and columns offs_n. GATHER: each row loads its
+    word (a word is read PACK times, from L1) and shifts by its position; otherwise the tile's words are
+    loaded once and expanded [rows, PACK, BLOCK_N] -> [BLOCK_K, BLOCK_N] (word row r's value i is K row
+    PACK r + i)."""
+    PACK: tl.constexpr = 32 // BITS
+    if GATHER:
+        words = tl.load(qweight_ptr + (offs_k // PACK)[:, None] * N + offs_n[None, :], mask=mask_n[None, :],
+                        other=0)
+        q = (words >> ((offs_k % PACK) * BITS)[:, None]) & ((1 << BITS) - 1)
+    else:
+        words = tl.load(qweight_ptr + (k0 // PACK + word_rows)[:, None] * N + offs_n[None, :],
+                        mask=mask_n[None, :], other=0)
+        q = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
+        q = tl.reshape(q, (BLOCK_K, BLOCK_N))
+    return q
+
+
+@triton.jit
 def _dequantize_kernel(
     qweight_ptr,
     zeros_ptr,
@@ -117,8 +136,10 @@ def _dequantize_kernel(
     BITS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GATHER: tl.constexpr,
 ):
-    """out [N, K] (row-major) of the packed weight, tile [BLOCK_K, BLOCK_N] per program."""
+    """out [N, K] (row-major) of the packed weight, tile [BLOCK_K, BLOCK_N] per program, stored transposed
+    so that consecutive threads write consecutive K."""
     PACK: tl.constexpr = 32 // BITS
     pid_k = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -126,15 +147,13 @@ def _dequantize_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
-    words = tl.load(qweight_ptr + (k0 // PACK + tl.arange(0, BLOCK_K // PACK))[:, None] * N + offs_n[None, :],
-                    mask=mask_n[None, :], other=0)
-    q = (words[:, None, :] >> (tl.arange(0, PACK) * BITS)[None, :, None]) & ((1 << BITS) - 1)
-    q = tl.reshape(q, (BLOCK_K, BLOCK_N))
+    q = _unpack_tile(qweight_ptr, k0, offs_k, offs_n, mask_n, N, tl.arange(0, BLOCK_K // PACK),
+                     tl.arange(0, PACK) * BITS, BITS, BLOCK_K, BLOCK_N, GATHER)
     group = k0 // group_rows
     z = tl.load(zeros_ptr + group * N + offs_n, mask=mask_n, other=0).to(tl.float32)
     s = tl.load(scales_ptr + group * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    w = ((q.to(tl.float32) - z[None, :]) * s[None, :]).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + offs_n[None, :] * K + offs_k[:, None], w, mask=mask_n[None, :])
+    w = tl.trans(((q.to(tl.float32) - z[None, :]) * s[None, :]).to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + offs_n[:, None] * K + offs_k[None, :], w, mask=mask_n[:, None])
 
 
 def block_k_for(weight: PackedWeight) -> int | None:
@@ -185,7 +204,8 @@ def quant_matmul(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | Non
         m, n, x.stride(0), k // config.split_k, weight.group_rows,
         BITS=weight.bits, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         HAS_BIAS=bias is not None and not partials, HAS_PERM=weight.perm is not None, PARTIALS=partials,
-        IEEE=x.dtype == torch.float32, num_warps=config.num_warps, num_stages=config.num_stages,
+        IEEE=x.dtype == torch.float32, GATHER=config.gather, num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     if not partials:
         return out
@@ -195,16 +215,16 @@ def quant_matmul(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | Non
     return total.to(x.dtype)
 
 
-def dequantize(weight: PackedWeight, dtype: torch.dtype) -> torch.Tensor | None:
+def dequantize(weight: PackedWeight, dtype: torch.dtype, block_n: int = 64, gather: bool = True,
+               num_warps: int = 4) -> torch.Tensor | None:
     """The dense weight [N, K] in `dtype`, K in qweight's (sorted) order; None when no K tile fits."""
     block_k = block_k_for(weight)
     if block_k is None:
         return None
     n, k = weight.output_size, weight.input_size
     out = torch.empty((n, k), dtype=dtype, device=weight.qweight.device)
-    block_n = 64
     _dequantize_kernel[(k // block_k, triton.cdiv(n, block_n))](
         weight.qweight, weight.zeros, weight.scales, out, n, k, weight.group_rows,
-        BITS=weight.bits, BLOCK_N=block_n, BLOCK_K=block_k,
+        BITS=weight.bits, BLOCK_N=block_n, BLOCK_K=block_k, GATHER=gather, num_warps=num_warps,
     )
     return out

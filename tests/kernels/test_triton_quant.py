@@ -41,14 +41,17 @@ def packed_weight(k: int, n: int, bits: int, group_rows: int, permuted: bool, de
 @pytest.mark.parametrize("m", [1, 7, 40])
 @pytest.mark.parametrize("split_k", [1, 2])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-def test_matches_reference(dtype, bits, group_rows, permuted, m, split_k, bias, device, skip_bf16_on_interpreter):
+@pytest.mark.parametrize("gather", [True, False], ids=["gather", "expand"])
+def test_matches_reference(dtype, bits, group_rows, permuted, m, split_k, bias, gather, device,
+                           skip_bf16_on_interpreter):
     skip_bf16_on_interpreter(dtype)
     k, n = 128, 96  # n not a multiple of the 64-column tile: a partial last tile
     weight = packed_weight(k, n, bits, group_rows, permuted, device)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
     b = torch.randn(n, generator=gen).to(device=device, dtype=dtype) if bias else None
-    config = QuantMatmulConfig(block_m=16 if m <= 16 else 64, block_n=64, block_k=32, split_k=split_k)
+    config = QuantMatmulConfig(block_m=16 if m <= 16 else 64, block_n=64, block_k=32, split_k=split_k,
+                               gather=gather)
     out = quant_matmul(x, weight, b, config)
     assert out.shape == (m, n) and out.dtype == dtype
     # The reference rounds the dense weight to x's dtype, then multiplies; float32 accumulation in both.
@@ -60,11 +63,12 @@ def test_matches_reference(dtype, bits, group_rows, permuted, m, split_k, bias, 
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
-def test_dequantize_matches_dense(bits, device):
+@pytest.mark.parametrize("gather", [True, False], ids=["gather", "expand"])
+def test_dequantize_matches_dense(bits, gather, device):
     """The dequantizer writes the dense weight in qweight's (sorted) row order: PackedWeight.dense without
     the permutation's un-sorting."""
     weight = packed_weight(256, 80, bits, 64, True, device, seed=bits)
-    out = dequantize(weight, torch.float32)
+    out = dequantize(weight, torch.float32, block_n=32, gather=gather)
     assert out is not None and out.shape == (80, 256)
     unsorted = PackedWeight(weight.qweight, weight.zeros, weight.scales, bits, 64, None)
     assert torch.equal(out, unsorted.dense(torch.float32))
