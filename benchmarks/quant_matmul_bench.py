@@ -105,9 +105,9 @@ def sweep(args: argparse.Namespace, gen: torch.Generator, num_sms: int) -> list[
                 config = replace(base, gather=gather)
                 timed.append((run(config), config))
             gather = min(timed, key=lambda t: t[0])[1].gather
-            for block_n in (32, 64, 128):
-                for block_k in (64, 128):
-                    for warps, stages in ((4, 2), (4, 4), (8, 3)):
+            for block_n in (64, 128, 256):
+                for block_k in (32, 64):
+                    for warps, stages in ((4, 4), (8, 4), (4, 3)):
                         config = replace(base, block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages,
                                          gather=gather)
                         tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, block_n)
@@ -127,8 +127,8 @@ def sweep(args: argparse.Namespace, gen: torch.Generator, num_sms: int) -> list[
             lines.append(line)
             results.append({"shape": name, "rows": m, "bf16_us": bf16, "pick_us": base_us, "best_us": best_us,
                             "best": vars(best), "all": [(t, vars(c)) for t, c in timed]})
-        for block_n in (32, 64, 128):
-            for gather in (True, False):
+        for block_n in (32, 64):
+            for gather in (False,):
                 for warps in (4, 8):
                     us = graph_time_us(lambda i, b=block_n, g=gather, w=warps: triton_quant.dequantize(
                         packed[i % count], torch.bfloat16, b, g, w), 2 * count, 5)  # noqa: B023 - called within the iteration

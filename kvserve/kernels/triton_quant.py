@@ -6,7 +6,10 @@ scales [groups, N]. Act-order checkpoints have their K rows sorted by group; the
 columns through the permutation (`perm`).
 
 `quant_matmul`: one kernel that unpacks a [BLOCK_K, BLOCK_N] tile of q in registers, dequantizes it in
-float32 (the reference's arithmetic) and rounds it to x's dtype for the tensor-core dot. Each K tile lies in
+float32 (the reference's arithmetic) and rounds it to x's dtype for the tensor-core dot. Dequantizing is
+ALU work on every weight, as much as the memory stream at small M: the integers become floats by bit
+tricks instead of the conversion instruction, which runs at a quarter of the ALU's rate (docs/perf_notes.md
+entry 52). Each K tile lies in
 one group (BLOCK_K divides the group), so a tile loads one row of scales and zero points. Small M is a
 stream over the packed weight (a quarter of a bf16 weight's bytes at 4 bits): with few output tiles the K
 range is split over programs, whose float32 partials [splits, M, N] are summed in split order afterwards
@@ -87,9 +90,9 @@ def _quant_matmul_kernel(
         q = _unpack_tile(qweight_ptr, k0, offs_k, offs_n, mask_n, N, word_rows, shifts, BITS, BLOCK_K, BLOCK_N,
                          GATHER)
         group = k0 // group_rows
-        z = tl.load(zeros_ptr + group * N + offs_n, mask=mask_n, other=0).to(tl.float32)
+        z = tl.load(zeros_ptr + group * N + offs_n, mask=mask_n, other=0).to(tl.float32) + _MAGIC_FLOAT
         s = tl.load(scales_ptr + group * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        w = ((q.to(tl.float32) - z[None, :]) * s[None, :]).to(x.dtype)
+        w = ((_as_magic_float(q) - z[None, :]) * s[None, :]).to(x.dtype)
         if IEEE:
             acc = tl.dot(x, w, acc, input_precision="ieee")
         else:
@@ -102,6 +105,17 @@ def _quant_matmul_kernel(
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         out = out_ptr + offs_m[:, None] * N + offs_n[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+# Integer -> float without the (slow) conversion instruction: the bits 0x4B000000 | q read as a float32 are
+# 2 ** 23 + q exactly (q < 2 ** 23), so (that - (2 ** 23 + z)) is q - z exactly.
+_MAGIC_BITS = tl.constexpr(0x4B000000)
+_MAGIC_FLOAT = tl.constexpr(8388608.0)
+
+
+@triton.jit
+def _as_magic_float(q):
+    return (q | _MAGIC_BITS).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -150,9 +164,9 @@ def _dequantize_kernel(
     q = _unpack_tile(qweight_ptr, k0, offs_k, offs_n, mask_n, N, tl.arange(0, BLOCK_K // PACK),
                      tl.arange(0, PACK) * BITS, BITS, BLOCK_K, BLOCK_N, GATHER)
     group = k0 // group_rows
-    z = tl.load(zeros_ptr + group * N + offs_n, mask=mask_n, other=0).to(tl.float32)
+    z = tl.load(zeros_ptr + group * N + offs_n, mask=mask_n, other=0).to(tl.float32) + _MAGIC_FLOAT
     s = tl.load(scales_ptr + group * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    w = tl.trans(((q.to(tl.float32) - z[None, :]) * s[None, :]).to(out_ptr.dtype.element_ty))
+    w = tl.trans(((_as_magic_float(q) - z[None, :]) * s[None, :]).to(out_ptr.dtype.element_ty))
     tl.store(out_ptr + offs_n[:, None] * K + offs_k[None, :], w, mask=mask_n[:, None])
 
 
