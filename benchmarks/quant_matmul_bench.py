@@ -1,8 +1,10 @@
 """The 4-bit quantized matmul (kernels/triton_quant.py) against the bf16 matmul, at the Qwen2.5-7B shapes.
 
-For each projection shape and row count: torch's bf16 `F.linear` (cuBLAS), the fused Triton kernel, and the
-Triton dequantizer followed by torch's matmul on the dense weight; each timed with CUDA events over a cycle
-of distinct weights (about 200 MB, so no call finds its weight in L2), median of the repeats. Also checks
+For each projection shape and row count: torch's bf16 `F.linear` (cuBLAS), the fused Triton kernel, the
+Triton dequantizer followed by torch's matmul on the dense weight, and `ops.quantized_linear`'s choice; each
+a cycle of calls over distinct weights (about 200 MB, so no call finds its weight in L2) captured in a CUDA
+graph, as the engine runs its decode steps, so the times are the GPU's (no launch cost); median of the
+replays. `--sweep` times tilings of the fused kernel and the dequantizer instead. Also checks
 each path's output against the reference dequantization (max abs error printed). Prints a table and writes
 JSON (GPU name, commit, date, settings).
 
@@ -159,16 +161,16 @@ def measure(name: str, k: int, n: int, m: int, dense: list[torch.Tensor], packed
     deq = triton_quant.dequantize(packed[0], torch.bfloat16)
     err_fused = rel_err(triton_quant.quant_matmul(x, packed[0], None, config) if config else None)
     err_deq = rel_err(torch.nn.functional.linear(x, deq) if deq is not None else None)
-    calls = 4 * count
-    bf16_us = time_us(lambda i: torch.nn.functional.linear(x, dense[i % count]), calls, args.repeats)
+    calls = 2 * count
+    bf16_us = graph_time_us(lambda i: torch.nn.functional.linear(x, dense[i % count]), calls, args.repeats)
     fused_us = float("nan")
     if config is not None:
-        fused_us = time_us(lambda i: triton_quant.quant_matmul(x, packed[i % count], None, config), calls,
-                           args.repeats)
-    deq_us = time_us(lambda i: torch.nn.functional.linear(x, triton_quant.dequantize(packed[i % count],
-                                                                                      torch.bfloat16)),
-                     calls, args.repeats)
-    ops_us = time_us(lambda i: ops.quantized_linear(x, packed[i % count]), calls, args.repeats)
+        fused_us = graph_time_us(lambda i: triton_quant.quant_matmul(x, packed[i % count], None, config), calls,
+                                 args.repeats)
+    deq_us = graph_time_us(lambda i: torch.nn.functional.linear(x, triton_quant.dequantize(packed[i % count],
+                                                                                            torch.bfloat16)),
+                           calls, args.repeats)
+    ops_us = graph_time_us(lambda i: ops.quantized_linear(x, packed[i % count]), calls, args.repeats)
     quant_bytes = k * n * args.bits / 8 + (k // args.group_size) * n * 3
     return {"shape": name, "k": k, "n": n, "rows": m, "bf16_us": bf16_us, "fused_us": fused_us,
             "dequant_dense_us": deq_us, "ops_us": ops_us,
