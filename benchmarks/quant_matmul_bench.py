@@ -188,7 +188,7 @@ def main() -> int:
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--sweep", action="store_true", help="time tilings of both kernels instead")
-    p.add_argument("--sweep-rows", type=lambda v: [int(x) for x in v.split(",")], default=[1, 16, 64])
+    p.add_argument("--sweep-rows", type=lambda v: [int(x) for x in v.split(",")], default=[1, 16, 64, 128, 256])
     args = p.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count

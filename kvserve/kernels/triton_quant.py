@@ -191,7 +191,7 @@ def pick_config(num_rows: int, weight: PackedWeight, num_sms: int) -> QuantMatmu
     elif num_rows <= 64:
         block_m, block_n, warps = 64, 64, 4
     else:
-        block_m, block_n, warps = 64, 128, 4
+        block_m, block_n, warps = 128, 64, 8
     tiles = triton.cdiv(num_rows, block_m) * triton.cdiv(n, block_n)
     chunks = k // block_k
     split = 1
