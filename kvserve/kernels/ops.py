@@ -176,8 +176,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 # A quantized layer at this many rows or more dequantizes its weight and runs the dense matmul (cuBLAS):
-# past it the fused kernel's dequantization per row block costs more than one pass writing the weight.
-QUANT_DENSE_MIN_ROWS = 256
+# past it the fused kernel's dequantization per row block costs more than one pass writing the weight
+# (on the H200 at the 7B shapes the dense path wins every projection from 256 rows, and two of four at 128:
+# docs/perf_notes.md entry 52).
+QUANT_DENSE_MIN_ROWS = 129
 
 
 def quantized_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
