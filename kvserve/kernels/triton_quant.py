@@ -15,10 +15,6 @@ stream over the packed weight (a quarter of a bf16 weight's bytes at 4 bits): wi
 range is split over programs, whose float32 partials [splits, M, N] are summed in split order afterwards
 (deterministic, as the CUDA-graph vs eager checks need).
 
-`quant_matmul` with one row (a batch-1 decode step) runs `_quant_gemv_kernel` instead: products on the CUDA
-cores into a 2-D accumulator reduced once at the end, so the dequantized tile is never moved into a
-tensor-core operand layout (which, by the sweep, bounded the matmul kernel near 0.9 TB/s at one row).
-
 `dequantize`: the dense weight [N, K] in x's dtype (sorted K order), for large M where cuBLAS on the dense
 weight beats dequantizing every tile once per row block.
 """
@@ -46,7 +42,6 @@ class QuantMatmulConfig:
     num_warps: int = 4
     num_stages: int = 3
     gather: bool = False  # how a tile's words are unpacked (`_unpack_tile`)
-    gemv: bool = False  # one row on the CUDA cores (`_quant_gemv_kernel`; block_m unused)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -110,58 +105,6 @@ def _quant_matmul_kernel(
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         out = out_ptr + offs_m[:, None] * N + offs_n[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
-
-
-@triton.jit
-def _quant_gemv_kernel(
-    x_ptr,
-    qweight_ptr,
-    zeros_ptr,
-    scales_ptr,
-    bias_ptr,
-    perm_ptr,
-    out_ptr,
-    N,
-    k_per_split,
-    group_rows,
-    BITS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    HAS_PERM: tl.constexpr,
-    PARTIALS: tl.constexpr,
-):
-    """One row of x: products summed on the CUDA cores into a [BLOCK_K, BLOCK_N] float32 accumulator, reduced
-    over K once at the end (no tensor-core operand layout for the dequantized tile to be moved into)."""
-    PACK: tl.constexpr = 32 // BITS
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-    k_begin = pid_k * k_per_split
-    for k0 in range(k_begin, k_begin + k_per_split, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        if HAS_PERM:
-            cols = tl.load(perm_ptr + offs_k)
-        else:
-            cols = offs_k
-        x = tl.load(x_ptr + cols).to(tl.float32)
-        words = tl.load(qweight_ptr + (offs_k // PACK)[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0)
-        q = (words >> ((offs_k % PACK) * BITS)[:, None]) & ((1 << BITS) - 1)
-        group = k0 // group_rows
-        z = tl.load(zeros_ptr + group * N + offs_n, mask=mask_n, other=0).to(tl.float32) + _MAGIC_FLOAT
-        s = tl.load(scales_ptr + group * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        # Rounded to x's dtype as the matmul path and the reference round the dense weight.
-        w = ((_as_magic_float(q) - z[None, :]) * s[None, :]).to(x_ptr.dtype.element_ty).to(tl.float32)
-        acc += w * x[:, None]
-    total = tl.sum(acc, axis=0)
-    if PARTIALS:
-        tl.store(out_ptr + pid_k * N + offs_n, total, mask=mask_n)
-    else:
-        if HAS_BIAS:
-            total += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
 # Integer -> float without the (slow) conversion instruction: the bits 0x4B000000 | q read as a float32 are
@@ -243,23 +186,21 @@ def pick_config(num_rows: int, weight: PackedWeight, num_sms: int) -> QuantMatmu
         return None
     block_k = min(block_k, 64)
     n, k = weight.output_size, weight.input_size
-    if num_rows == 1:
-        block_m, block_n, gemv = 1, 128, True
-    elif num_rows <= 16:
-        block_m, block_n, gemv = 16, 128, False
+    if num_rows <= 16:
+        block_m, block_n = 16, 128
     elif num_rows <= 32:
-        block_m, block_n, gemv = 32, 128, False
+        block_m, block_n = 32, 128
     elif num_rows <= 64:
-        block_m, block_n, gemv = 64, 128, False
+        block_m, block_n = 64, 128
     else:
-        block_m, block_n, gemv = 128, 64, False
+        block_m, block_n = 128, 64
     tiles = triton.cdiv(num_rows, block_m) * triton.cdiv(n, block_n)
     chunks = k // block_k
     split = 1
     # Split K until the programs cover the SMs twice, each split a whole number of K tiles.
     while tiles * split < 2 * num_sms and split < 16 and chunks % (split * 2) == 0:
         split *= 2
-    return QuantMatmulConfig(block_m, block_n, block_k, split, 4, 3, gemv=gemv)
+    return QuantMatmulConfig(block_m, block_n, block_k, split, 4, 3)
 
 
 def quant_matmul(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None,
@@ -272,17 +213,6 @@ def quant_matmul(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | Non
         return out
     partials = config.split_k > 1
     target = torch.empty((config.split_k, m, n), dtype=torch.float32, device=x.device) if partials else out
-    if config.gemv:
-        if m != 1:
-            raise ValueError(f"the one-row kernel got {m} rows")
-        _quant_gemv_kernel[(triton.cdiv(n, config.block_n), config.split_k)](
-            x, weight.qweight, weight.zeros, weight.scales, bias if bias is not None else x,
-            weight.perm if weight.perm is not None else weight.qweight, target, n, k // config.split_k,
-            weight.group_rows, BITS=weight.bits, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            HAS_BIAS=bias is not None and not partials, HAS_PERM=weight.perm is not None, PARTIALS=partials,
-            num_warps=config.num_warps, num_stages=config.num_stages,
-        )
-        return _finish_partials(target, bias, x.dtype) if partials else out
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), config.split_k)
     _quant_matmul_kernel[grid](
         x, weight.qweight, weight.zeros, weight.scales, bias if bias is not None else x,

@@ -62,29 +62,6 @@ def test_matches_reference(dtype, bits, group_rows, permuted, m, split_k, bias, 
     torch.testing.assert_close(out.float(), reference.quantized_linear(x, weight, b).float(), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize(("bits", "group_rows", "permuted"), [(4, 32, False), (4, 64, True), (8, 32, False),
-                                                             (2, 128, True)])
-@pytest.mark.parametrize("split_k", [1, 4])
-@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-def test_one_row_kernel_matches_reference(dtype, bits, group_rows, permuted, split_k, bias, device,
-                                          skip_bf16_on_interpreter):
-    skip_bf16_on_interpreter(dtype)
-    k, n = 128, 96
-    weight = packed_weight(k, n, bits, group_rows, permuted, device, seed=bits)
-    gen = torch.Generator().manual_seed(2)
-    x = torch.randn(1, k, generator=gen).to(device=device, dtype=dtype)
-    b = torch.randn(n, generator=gen).to(device=device, dtype=dtype) if bias else None
-    config = QuantMatmulConfig(block_m=1, block_n=64, block_k=32, split_k=split_k, gemv=True)
-    out = quant_matmul(x, weight, b, config)
-    assert out.shape == (1, n) and out.dtype == dtype
-    expected = torch.nn.functional.linear(x.float(), weight.dense(dtype).float(), None if b is None else b.float())
-    tol = {torch.float32: 1e-5, torch.float16: 2**-10, torch.bfloat16: 2**-7}[dtype]
-    torch.testing.assert_close(out.float(), expected.to(dtype).float(), rtol=tol, atol=tol)
-    with pytest.raises(ValueError, match="one-row kernel got 2 rows"):
-        quant_matmul(torch.cat([x, x]), weight, b, config)
-
-
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("gather", [True, False], ids=["gather", "expand"])
 def test_dequantize_matches_dense(bits, gather, device):
@@ -107,10 +84,10 @@ def test_pick_config_splits_k_to_cover_the_sms():
     weight = PackedWeight(torch.empty((18944 // 8, 3584), dtype=torch.int32), torch.empty(0), torch.empty(0), 4,
                           128, None)
     config = pick_config(1, weight, 132)
-    assert config is not None and config.gemv and config.block_k == 64 and config.block_n == 128
+    assert config is not None and config.block_m == 16 and config.block_k == 64 and config.block_n == 128
     # 28 column tiles; 296 K tiles: 8 divides them, 16 does not; 224 programs, short of 2 x 132 SMs
     assert config.split_k == 8
-    assert not pick_config(2, weight, 132).gemv and pick_config(64, weight, 132).block_m == 64
+    assert pick_config(64, weight, 132).block_m == 64
     assert pick_config(100, weight, 132).block_m == 128
     wide = PackedWeight(torch.empty((3584 // 8, 37888), dtype=torch.int32), torch.empty(0), torch.empty(0), 4,
                         128, None)
