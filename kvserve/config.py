@@ -374,8 +374,8 @@ def _check_quantization(asked: str | None, model_path: str, arch: Any) -> None:
         raise ConfigError(f"quantization {asked!r} is not supported; supported: awq, gptq, gguf "
                           "(read from the checkpoint: the flag can be left out)")
     if method != held:
-        found = f"a {held} checkpoint" if held else "a checkpoint without quantized weights"
-        raise ConfigError(f"--quantization {asked} asked for, but {model_path} is {found}; "
+        found = f"holds {held} weights" if held else "has no quantized weights"
+        raise ConfigError(f"--quantization {asked} asked for, but {model_path} {found}; "
                           f"drop the flag{f' or pass --quantization {held}' if held else ''}")
 
 

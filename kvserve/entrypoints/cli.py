@@ -35,7 +35,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="GPUs per replica: the model's heads and MLP split over this many ranks, one process and "
                    "one GPU each (ranks take the first N visible GPUs); on CPU, processes sharing the cores")
-    g.add_argument("--quantization", default=None, help="weight quantization of the checkpoint")
+    g.add_argument("--quantization", "-q", default=None,
+                   help="awq, gptq or gguf: read from the checkpoint, so optional; a value the checkpoint does not "
+                   "hold is refused")
     g.add_argument("--seed", type=int, default=0, help="seed of the sampler's shared random generator")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],

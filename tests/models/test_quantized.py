@@ -152,9 +152,9 @@ def test_quantization_flag_must_match_the_checkpoint(quantized_pair: Callable) -
     for name in ("awq", "awq_marlin", "AWQ"):
         config = EngineArgs(model=quantized_dir, device="cpu", quantization=name).create_engine_config()
         assert config.model_config.quantization == name
-    with pytest.raises(ConfigError, match="is a awq checkpoint; drop the flag or pass --quantization awq"):
+    with pytest.raises(ConfigError, match="holds awq weights; drop the flag or pass --quantization awq"):
         EngineArgs(model=quantized_dir, device="cpu", quantization="gptq").create_engine_config()
-    with pytest.raises(ConfigError, match="without quantized weights"):
+    with pytest.raises(ConfigError, match="has no quantized weights; drop the flag"):
         EngineArgs(model=dense_dir, device="cpu", quantization="awq").create_engine_config()
     with pytest.raises(ConfigError, match="'bitsandbytes' is not supported"):
         EngineArgs(model=dense_dir, device="cpu", quantization="bitsandbytes").create_engine_config()

@@ -18,3 +18,9 @@ def test_cascade_attn_flag(flags: list[str], expected: bool) -> None:
     args = engine_args_from(ns)
     assert args["cascade_attn"] is expected
     assert EngineArgs(**args).cascade_attn is expected  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("flags", [["--quantization", "awq"], ["-q", "awq"]])
+def test_quantization_flag_and_its_short_form(flags: list[str]) -> None:
+    ns = build_parser().parse_args(["serve", "/models/m", *flags])
+    assert engine_args_from(ns)["quantization"] == "awq"
