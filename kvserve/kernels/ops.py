@@ -182,6 +182,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 QUANT_DENSE_MIN_ROWS = 129
 
 
+def quantized_kernel_fits(weight: PackedWeight) -> bool:
+    """Whether the GPU's quantized matmul can run this weight (Triton present, its groups fit a K tile)."""
+    module = _triton_module("triton_quant")
+    return module is not None and module.block_k_for(weight) is not None
+
+
 def quantized_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) of a quantized layer (`reference.quantized_linear`). CUDA: the Triton
     quantized matmul below QUANT_DENSE_MIN_ROWS rows, the dense weight from the Triton dequantizer and torch's

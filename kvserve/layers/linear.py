@@ -18,6 +18,7 @@ them with the dense `weight` they stand for.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Hashable, Sequence
 
 import torch
@@ -27,6 +28,8 @@ from kvserve import distributed
 from kvserve.kernels import ops
 from kvserve.layers.quantization import PackedWeight, QuantConfig, QuantizedWeights
 from kvserve.model.paths import ModelLoadError
+
+logger = logging.getLogger(__name__)
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Hashable = None) -> None:
@@ -124,10 +127,14 @@ class Linear(nn.Module):
         except ValueError as exc:
             raise ModelLoadError(str(exc)) from None
         self.quantized = None
-        if packed.qweight.is_cuda:
+        if packed.qweight.is_cuda and ops.quantized_kernel_fits(packed):
             self.packed = packed
-        else:
-            self.weight = nn.Parameter(packed.dense(self.dtype), requires_grad=False)
+            return
+        if packed.qweight.is_cuda:
+            logger.warning("a %d x %d quantized layer's groups of %d rows fit no tile of the quantized matmul: "
+                           "its weight is dequantized once and kept dense", packed.input_size, packed.output_size,
+                           packed.group_rows)
+        self.weight = nn.Parameter(packed.dense(self.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 or not self.row_parallel else None

@@ -131,16 +131,19 @@ def unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of `unpack_rows`: int [p R, C] with values below 2 ** bits -> int32 [R, C]."""
+    """Inverse of `unpack_rows`: int [p R, C] with values below 2 ** bits -> int32 [R, C]. Works one value
+    position at a time, so its temporaries are a few [R, C] tensors, not [p R, C] ones."""
     pack = 32 // bits
     rows, cols = values.shape
     if rows % pack:
         raise ValueError(f"{rows} rows do not pack into words of {pack}")
-    grouped = values.to(torch.int64).view(rows // pack, pack, cols)
-    shifts = torch.arange(pack, device=values.device, dtype=torch.int64) * bits
-    words = (grouped << shifts.view(1, pack, 1)).sum(dim=1)
+    grouped = values.view(rows // pack, pack, cols)
+    words = torch.zeros((rows // pack, cols), dtype=torch.int64, device=values.device)
+    for i in range(pack):
+        words |= grouped[:, i].to(torch.int64) << (bits * i)
     # Two's complement: a word with its top bit set is negative as int32.
-    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+    words -= (words >= 1 << 31).to(torch.int64) << 32
+    return words.to(torch.int32)
 
 
 def unpack_columns(packed: torch.Tensor, bits: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
@@ -334,10 +337,9 @@ class QuantizedWeights:
         else:
             q = unpack_rows(qweight, config.bits)
             zeros = unpack_columns(qzeros, config.bits)
-        zeros = zeros + config.zero_offset
-        if int(zeros.max()) >= 1 << config.bits or int(zeros.min()) < 0:
-            raise ModelLoadError(f"zero points outside [0, {(1 << config.bits) - 1}] after adding "
-                                 f"{config.zero_offset}: is the GPTQ checkpoint_format right?")
+        # GPTQ's original format stores z - 1 in `bits` bits, so a zero point of 0 reads 2 ** bits - 1: the
+        # sum wraps, as the format's own dequantization computes it.
+        zeros = (zeros + config.zero_offset) & ((1 << config.bits) - 1)
         rows = config.group_rows(self.input_size)
         plain = torch.arange(self.input_size, device=q.device, dtype=torch.int32) // rows
         if self.row_share is not None and config.group_size == -1:

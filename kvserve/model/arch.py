@@ -174,10 +174,12 @@ def _from_hf_dir(path: str) -> ArchConfig:
 
     generation = _read_json(os.path.join(path, "generation_config.json")) or {}
     # Older GPTQ exports keep their settings in quantize_config.json instead of config.json.
-    raw_quant = cfg.get("quantization_config") or _read_json(os.path.join(path, "quantize_config.json"))
-    if raw_quant is not None and "quant_method" not in raw_quant and "desc_act" in raw_quant:
-        raw_quant = {**raw_quant, "quant_method": "gptq"}
-    quantization = parse_quant_config(raw_quant, f"{path}/config.json") if raw_quant else None
+    raw_quant, quant_file = cfg.get("quantization_config"), "config.json"
+    if not raw_quant:
+        raw_quant, quant_file = _read_json(os.path.join(path, "quantize_config.json")), "quantize_config.json"
+        if raw_quant is not None and "quant_method" not in raw_quant:
+            raw_quant = {**raw_quant, "quant_method": "gptq"}  # the file AutoGPTQ writes, without the key
+    quantization = parse_quant_config(raw_quant, f"{path}/{quant_file}") if raw_quant else None
     eos_ids = _merge_ids(generation.get("eos_token_id"), cfg.get("eos_token_id", family.eos_token_id))
     return ArchConfig(
         architecture=architecture,

@@ -363,6 +363,9 @@ class LlamaForCausalLM(CausalLM):
                 continue
             param_name, shard_id = _param_name(ckpt_name)
             param = params.get(param_name)
+            if param is None and self.arch.quantization is not None and ckpt_name.endswith(".bias"):
+                # Older GPTQ exporters save a (zero) bias for every projection, also where the model has none.
+                continue
             if param is None:
                 raise ModelLoadError(
                     f"checkpoint tensor {ckpt_name!r} matches no parameter of {type(self).__name__}"

@@ -112,3 +112,23 @@ def test_fused_path_alone_matches_the_default_split(checkpoints: dict[str, str],
     monkeypatch.setattr(ops, "QUANT_DENSE_MIN_ROWS", 1 << 30)
     fused_only = [t for t, _ in _generate(_core(path, "cuda", "float32", enforce_eager=True), prompts, 20)]
     assert fused_only == default
+
+
+def test_groups_no_kernel_tile_fits_are_kept_dense(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Groups of 16 rows fit no tile of the quantized matmul: the layers dequantize once at load (not at every
+    step) and compute what the CPU computes."""
+    from helpers.quantized import quantize_checkpoint
+    from helpers.tiny_models import make_bare_checkpoint
+
+    root = tmp_path_factory.mktemp("gptq4-g16")
+    dense = make_bare_checkpoint(str(root / "dense"), "llama", seed=11, vocab_size=VOCAB)
+    quantize_checkpoint(dense, str(root / "quantized"), str(root / "dequantized"), method="gptq", bits=4,
+                        group_size=16)
+    path = str(root / "quantized")
+    prompts = _prompts(4, seed=11)
+    gpu_core = _core(path, "cuda", "float32")
+    proj = gpu_core.runner.model.model.layers[0].mlp.gate_up_proj
+    assert proj.packed is None and proj.weight is not None and proj.weight.is_cuda
+    gpu = [t for t, _ in _generate(gpu_core, prompts, 12)]
+    del gpu_core
+    assert gpu == [t for t, _ in _generate(_core(path, "cpu", "float32"), prompts, 12)]

@@ -64,10 +64,9 @@ def _pack_along_columns(values: np.ndarray, bits: int, nibble_column: tuple[int,
     return out
 
 
-def quantize_weight(weight: torch.Tensor, bits: int, g_idx: np.ndarray, min_zero: int = 0) -> dict[str, np.ndarray]:
+def quantize_weight(weight: torch.Tensor, bits: int, g_idx: np.ndarray) -> dict[str, np.ndarray]:
     """weight [N, K] -> q [K, N], zeros / scales [groups, N] (scales float16), and the dequantized float32
-    weight [N, K], rows of K assigned to groups by g_idx [K]; zero points at least min_zero (GPTQ's original
-    format stores z - 1 unsigned)."""
+    weight [N, K], rows of K assigned to groups by g_idx [K]."""
     w = weight.detach().float().numpy().T  # [K, N]
     k, n = w.shape
     groups = int(g_idx.max()) + 1
@@ -82,7 +81,7 @@ def quantize_weight(weight: torch.Tensor, bits: int, g_idx: np.ndarray, min_zero
         scale = np.maximum(hi - lo, 1e-6) / top
         scales[g] = scale.astype(np.float16)
         s = scales[g].astype(np.float32)
-        zero = np.clip(np.round(-lo / s), min_zero, top)
+        zero = np.clip(np.round(-lo / s), 0, top)
         zeros[g] = zero
         q[rows] = np.clip(np.round(w[rows] / s + zero), 0, top)
     deq = (q.astype(np.float32) - zeros[g_idx].astype(np.float32)) * scales[g_idx].astype(np.float32)
@@ -100,13 +99,15 @@ def quantize_checkpoint(
     checkpoint_format: str = "gptq",
     skip: tuple[str, ...] = (),
     seed: int = 0,
+    extra_bias: bool = False,
 ) -> dict[str, Any]:
     """Write `out_dir` (the quantized checkpoint) and `dequantized_dir` (dense, the dequantized weights) from
     the checkpoint in `dense_dir` (tokenizer files copied to both); returns the quantization_config written.
 
     act_order (GPTQ): input rows go to groups in a random order (g_idx a shuffled arange // group_size), as
     GPTQ's desc_act orders them by activation size. skip: projection names left dense (AWQ's
-    modules_to_not_convert)."""
+    modules_to_not_convert). extra_bias: a zero `.bias` for every quantized projection that has none, as older
+    GPTQ exporters write."""
     rng = np.random.default_rng(seed)
     orders: dict[tuple[str, str], np.ndarray] = {}
     tensors = load_file(os.path.join(dense_dir, "model.safetensors"))
@@ -127,18 +128,20 @@ def quantize_checkpoint(
             if key not in orders:
                 orders[key] = rng.permutation(k)
             g_idx = g_idx[orders[key]]
-        result = quantize_weight(tensor, bits, g_idx, 1 if method == "gptq" and checkpoint_format == "gptq" else 0)
+        result = quantize_weight(tensor, bits, g_idx)
         dense[name] = torch.from_numpy(result["dequantized"])
         if method == "awq":
             quantized[f"{base}.qweight"] = torch.from_numpy(_pack_along_columns(result["q"], bits, AWQ_NIBBLE_COLUMN))
             quantized[f"{base}.qzeros"] = torch.from_numpy(_pack_along_columns(result["zeros"], bits, AWQ_NIBBLE_COLUMN))
         else:
-            stored_zeros = result["zeros"] - (1 if checkpoint_format == "gptq" else 0)
-            assert stored_zeros.min() >= 0, "a zero point of 0 cannot be stored in the original GPTQ format"
+            # The original format stores z - 1 in `bits` bits: a zero point of 0 becomes 2 ** bits - 1.
+            stored_zeros = (result["zeros"] - (1 if checkpoint_format == "gptq" else 0)) % (1 << bits)
             quantized[f"{base}.qweight"] = torch.from_numpy(_pack_along_rows(result["q"], bits))
             quantized[f"{base}.qzeros"] = torch.from_numpy(_pack_along_columns(stored_zeros, bits, None))
             quantized[f"{base}.g_idx"] = torch.from_numpy(g_idx.astype(np.int32))
         quantized[f"{base}.scales"] = torch.from_numpy(result["scales"])
+        if extra_bias and f"{base}.bias" not in tensors:
+            quantized[f"{base}.bias"] = torch.zeros(tensor.shape[0], dtype=torch.float16)
     with open(os.path.join(dense_dir, "config.json")) as f:
         config = json.load(f)
     if method == "awq":

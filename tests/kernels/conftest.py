@@ -16,6 +16,7 @@ debugging guide says to cast bf16 to fp32 first), so bf16 cases run only on a GP
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib
 import inspect
 import json
@@ -241,10 +242,19 @@ print(json.dumps(results))
 """
 
 
+def _compile_workers(num_specs: int) -> int:
+    """Subprocesses to compile in: one per usable CPU core (a compile is single-threaded), at most 8."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(num_specs, cores, 8))
+
+
 class HopperCompiler:
-    """Records kernel launches made by launcher calls, then compiles them all for sm_90 in one subprocess
-    (no GPU needed: triton ships ptxas). Catches what the interpreter lets through: type and layout errors,
-    unsupported ops, shared memory over the limit."""
+    """Records kernel launches made by launcher calls, then compiles them all for sm_90 in subprocesses
+    (no GPU needed: triton ships ptxas), each distinct launch once, spread over the CPU cores. Catches what
+    the interpreter lets through: type and layout errors, unsupported ops, shared memory over the limit."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, pdl: bool = False) -> None:
         self._monkeypatch = monkeypatch
@@ -265,18 +275,36 @@ class HopperCompiler:
             self.specs += [_launch_spec(module, name, recorder.kernel, a, k) for a, k in recorder.launches]
 
     def compile_all(self) -> list[dict]:
+        """The compile result of every recorded launch, in recording order. A launch recorded twice with the
+        same specialisation is compiled once; the distinct ones are dealt round-robin to one subprocess per
+        core, which run at the same time (each compile is single-threaded: minutes on a 2-core CPU in one)."""
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences triton 3.9's default-change warning
-        result = subprocess.run(
-            [sys.executable, "-c", _COMPILE_SCRIPT],
-            input=json.dumps(self.specs),
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=600,
-        )
-        assert result.returncode == 0, result.stderr[-4000:]
-        compiled = json.loads(result.stdout.strip().splitlines()[-1])
+        keys = [json.dumps(spec, sort_keys=True) for spec in self.specs]
+        distinct = list(dict(zip(keys, self.specs, strict=True)).items())  # one per key, in order
+        workers = _compile_workers(len(distinct))
+        shares = [[key for key, _ in distinct[i::workers]] for i in range(workers)]
+        spec_of = dict(distinct)
+
+        def compile_share(share: list[str]) -> list[dict]:
+            result = subprocess.run(
+                [sys.executable, "-c", _COMPILE_SCRIPT],
+                input=json.dumps([spec_of[key] for key in share]),
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=600,
+            )
+            assert result.returncode == 0, result.stderr[-4000:]
+            compiled = json.loads(result.stdout.strip().splitlines()[-1])
+            assert len(compiled) == len(share), (len(compiled), len(share))
+            return compiled
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+            results = list(pool.map(compile_share, shares))
+        by_key = {key: entry for share, compiled in zip(shares, results, strict=True)
+                  for key, entry in zip(share, compiled, strict=True)}
+        compiled = [by_key[key] for key in keys]
         for entry in compiled:  # a PDL launch must wait for its inputs; a plain one carries no wait
             assert entry["pdl"] == self.pdl and entry["griddepcontrol"] == self.pdl, entry
         return compiled

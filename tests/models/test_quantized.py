@@ -33,7 +33,8 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
     ("gptq8-llama-onegroup-v2", "llama", {"method": "gptq", "bits": 8, "group_size": -1,
                                           "checkpoint_format": "gptq_v2"}),
     ("gptq2-llama-tied", "llama-tied", {"method": "gptq", "bits": 2, "group_size": 16}),
-    ("gptq4-qwen2", "qwen2", {"method": "gptq", "bits": 4, "group_size": 32}),
+    # zero-filled biases on the projections that have none, as older GPTQ exporters save them
+    ("gptq4-qwen2", "qwen2", {"method": "gptq", "bits": 4, "group_size": 32, "extra_bias": True}),
 ]
 
 
@@ -211,3 +212,34 @@ def test_act_order_with_tensor_parallelism_is_refused(quantized_pair: Callable) 
     with pytest.raises(Exception, match="act-order"):
         LLM(quantized_pair("gptq4-qwen3-actorder")[0], dtype="float32", device="cpu", tensor_parallel_size=2,
             max_model_len=64, kv_cache_memory="16MiB")
+
+
+def test_zero_points_of_zero_wrap_in_the_original_gptq_format(quantized_pair: Callable) -> None:
+    """GPTQ's original format stores z - 1 in `bits` bits: z = 0 reads 2 ** bits - 1 and must come back as 0
+    (the 2-bit case has such zero points; its HF comparison above covers the values)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(os.path.join(quantized_pair("gptq2-llama-tied")[0], "model.safetensors"))
+    stored = [quant.unpack_columns(t, 2) for name, t in tensors.items() if name.endswith("qzeros")]
+    assert any(bool((z == 3).any()) for z in stored)
+
+
+def test_quantize_config_json_without_quant_method(quantized_pair: Callable, tmp_path: Any) -> None:
+    """AutoGPTQ's own quantize_config.json (no quant_method key) instead of config.json's entry: the same
+    model, the same tokens."""
+    source = quantized_pair("gptq4-qwen2")[0]
+    directory = _write_config(str(tmp_path / "m"), None, source)
+    with open(os.path.join(source, "config.json")) as f:
+        settings = json.load(f)["quantization_config"]
+    settings.pop("quant_method")
+    with open(os.path.join(directory, "quantize_config.json"), "w") as f:
+        json.dump(settings, f)
+    params = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6)
+    outs = [LLM(model=path, device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=16)
+            .generate(PROMPTS, params, use_tqdm=False) for path in (source, directory)]
+    assert [o.outputs[0].token_ids for o in outs[0]] == [o.outputs[0].token_ids for o in outs[1]]
+    settings["bits"] = 3
+    with open(os.path.join(directory, "quantize_config.json"), "w") as f:
+        json.dump(settings, f)
+    with pytest.raises(ModelLoadError, match=r"quantize_config\.json: GPTQ with 3 bits"):
+        EngineArgs(model=directory, device="cpu").create_engine_config()
