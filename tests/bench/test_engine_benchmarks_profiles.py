@@ -30,8 +30,10 @@ def _run_tiny(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.timeout(300)
 def test_tprofile_windows_and_hostprof_cases(tmp_path: Path) -> None:
     out = tmp_path / "res"
+    # Lengths scaled by 0.1 (prompts and outputs of 10-102 tokens, not 100-1024): the run's ~100 steps still
+    # hold both windows, without the ~1000 decode steps of full-length outputs.
     _run_tiny(out, "--sections", "tprofile,hostprof", "--tprofile-windows", "2,5",
-              "--tprofile-steps", "2", "--hostprof-cases", "2x64,3x40")
+              "--tprofile-steps", "2", "--hostprof-cases", "2x64,3x40", "--length-scale", "0.1")
     tprofile = json.loads((out / "engine_tprofile.json").read_text())["results"]
     windows = tprofile["windows"]
     # A window opens after the step it is named by and holds the next `--tprofile-steps` steps.

@@ -17,13 +17,17 @@ debugging guide says to cast bf16 to fp32 first), so bf16 cases run only on a GP
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import importlib
 import inspect
 import json
 import os
+import queue
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -219,36 +223,125 @@ def _launch_spec(
 
 
 # Runs in a fresh interpreter without TRITON_INTERPRET: once the interpreter is on, triton's own jit helpers
-# (tl.cdiv, tl.sigmoid, ...) are interpreted functions that the compiler cannot inline.
+# (tl.cdiv, tl.sigmoid, ...) are interpreted functions that the compiler cannot inline. A worker compiles one
+# launch per line of its stdin and answers each with one line (a compile that fails answers its traceback).
 _COMPILE_SCRIPT = """
-import json, sys
+import json, sys, traceback
 import importlib
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-results = []
-for spec in json.load(sys.stdin):
-    kernel = getattr(importlib.import_module(spec["module"]), spec["kernel"])
-    attrs = {(i,): [["tt.divisibility", 16]] for i in spec["divisible"]}
-    source = ASTSource(kernel, spec["signature"], spec["constexprs"], attrs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=spec["options"])
-    ptx = compiled.asm["ptx"]
-    results.append({"kernel": spec["kernel"], "shared_bytes": compiled.metadata.shared,
-                    "pdl": spec["options"].get("launch_pdl", False), "num_warps": spec["options"].get("num_warps"),
-                    "griddepcontrol": "griddepcontrol.wait" in ptx,
-                    "block_m": spec["constexprs"].get("BLOCK_M")})
-print(json.dumps(results))
+for line in sys.stdin:
+    spec = json.loads(line)
+    try:
+        kernel = getattr(importlib.import_module(spec["module"]), spec["kernel"])
+        attrs = {(i,): [["tt.divisibility", 16]] for i in spec["divisible"]}
+        source = ASTSource(kernel, spec["signature"], spec["constexprs"], attrs)
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=spec["options"])
+        ptx = compiled.asm["ptx"]
+        result = {"kernel": spec["kernel"], "shared_bytes": compiled.metadata.shared,
+                  "pdl": spec["options"].get("launch_pdl", False), "num_warps": spec["options"].get("num_warps"),
+                  "griddepcontrol": "griddepcontrol.wait" in ptx,
+                  "block_m": spec["constexprs"].get("BLOCK_M")}
+    except Exception:
+        result = {"error": traceback.format_exc()}
+    print("COMPILED " + json.dumps(result), flush=True)
 """
 
 
-def _compile_workers(num_specs: int) -> int:
-    """Subprocesses to compile in: one per usable CPU core (a compile is single-threaded), at most 8."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(num_specs, cores, 8))
+class _CompileWorker:
+    """One `_COMPILE_SCRIPT` process (stderr to a file: a pipe nobody reads could fill and stall it)."""
+
+    def __init__(self) -> None:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences triton 3.9's default-change warning
+        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen([sys.executable, "-c", _COMPILE_SCRIPT], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env)
+
+    def compile(self, spec: dict) -> dict:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(spec) + "\n")
+        self.proc.stdin.flush()
+        for line in self.proc.stdout:
+            if line.startswith("COMPILED "):
+                result = json.loads(line[len("COMPILED "):])
+                assert "error" not in result, f"{spec['kernel']} did not compile:\n{result['error'][-4000:]}"
+                return result
+        self._stderr.seek(0)
+        raise AssertionError(f"the compile worker exited ({self.proc.wait()}):\n"
+                             f"{self._stderr.read().decode(errors='replace')[-4000:]}")
+
+    def finish(self) -> None:
+        """Let it exit: its loop ends at the end of its stdin."""
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            with contextlib.suppress(BrokenPipeError):  # it died already
+                self.proc.stdin.close()
+
+    def close(self) -> None:
+        self.finish()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._stderr.close()
+
+
+class _CompilePool:
+    """Compile workers, one per usable CPU core (a compile is single-threaded), at most 8, started at the first
+    compile and kept for the next (each start imports triton and torch: seconds) until this directory's tests
+    are done. A batch of launches is spread over them as they free up."""
+
+    def __init__(self) -> None:
+        self._workers: list[_CompileWorker] = []
+
+    def compile(self, specs: list[dict]) -> list[dict]:
+        if not specs:
+            return []
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # not on Linux
+            cores = os.cpu_count() or 1
+        for worker in [w for w in self._workers if w.proc.poll() is not None]:  # one that died in an earlier test
+            worker.close()
+            self._workers.remove(worker)
+        while len(self._workers) < min(len(specs), cores, 8):
+            self._workers.append(_CompileWorker())
+        todo: queue.SimpleQueue[tuple[int, dict]] = queue.SimpleQueue()
+        for index, spec in enumerate(specs):
+            todo.put((index, spec))
+        results: list[dict] = [{} for _ in specs]
+
+        def drain(worker: _CompileWorker) -> None:
+            while True:
+                try:
+                    index, spec = todo.get_nowait()
+                except queue.Empty:
+                    return
+                results[index] = worker.compile(spec)
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(self._workers)) as threads:
+            for done in [threads.submit(drain, worker) for worker in self._workers]:
+                done.result()
+        return results
+
+    def close(self) -> None:
+        for worker in self._workers:  # all exiting at once
+            worker.finish()
+        for worker in self._workers:
+            worker.close()
+        self._workers.clear()
+
+
+_COMPILE_POOL = _CompilePool()
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """The compile workers stop when the tests of this directory are done."""
+    if nextitem is None or Path(str(nextitem.path)).parent != Path(__file__).parent:
+        _COMPILE_POOL.close()
 
 
 class HopperCompiler:
@@ -276,34 +369,11 @@ class HopperCompiler:
 
     def compile_all(self) -> list[dict]:
         """The compile result of every recorded launch, in recording order. A launch recorded twice with the
-        same specialisation is compiled once; the distinct ones are dealt round-robin to one subprocess per
-        core, which run at the same time (each compile is single-threaded: minutes on a 2-core CPU in one)."""
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences triton 3.9's default-change warning
+        same specialisation is compiled once; the distinct ones are spread over the compile workers (one per
+        core: a compile is single-threaded, and there are dozens of seconds of them per test on a 2-core CPU)."""
         keys = [json.dumps(spec, sort_keys=True) for spec in self.specs]
-        distinct = list(dict(zip(keys, self.specs, strict=True)).items())  # one per key, in order
-        workers = _compile_workers(len(distinct))
-        shares = [[key for key, _ in distinct[i::workers]] for i in range(workers)]
-        spec_of = dict(distinct)
-
-        def compile_share(share: list[str]) -> list[dict]:
-            result = subprocess.run(
-                [sys.executable, "-c", _COMPILE_SCRIPT],
-                input=json.dumps([spec_of[key] for key in share]),
-                capture_output=True,
-                text=True,
-                env=env,
-                timeout=600,
-            )
-            assert result.returncode == 0, result.stderr[-4000:]
-            compiled = json.loads(result.stdout.strip().splitlines()[-1])
-            assert len(compiled) == len(share), (len(compiled), len(share))
-            return compiled
-
-        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-            results = list(pool.map(compile_share, shares))
-        by_key = {key: entry for share, compiled in zip(shares, results, strict=True)
-                  for key, entry in zip(share, compiled, strict=True)}
+        distinct = dict(zip(keys, self.specs, strict=True))  # one spec per key, in recording order
+        by_key = dict(zip(distinct, _COMPILE_POOL.compile(list(distinct.values())), strict=True))
         compiled = [by_key[key] for key in keys]
         for entry in compiled:  # a PDL launch must wait for its inputs; a plain one carries no wait
             assert entry["pdl"] == self.pdl and entry["griddepcontrol"] == self.pdl, entry

@@ -7,6 +7,8 @@ free port, in its own process (plus the engine-core process it spawns). Every wa
 * `strict_server` (session): API key, small limits, `--chat-template`; started as
   `python -m kvserve.entrypoints.openai.api_server --model ...` (the others use `kvserve serve MODEL`).
   Shared by the API, load and metrics tests: tests that read metrics measure differences.
+* `module_servers` / `own_server`: a server per test for tests that stop theirs, the module's all launched
+  together (a module lists them in a `server_launches` fixture).
 """
 
 from __future__ import annotations
@@ -144,6 +146,27 @@ def launch_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable
         server.terminate()
     for server in started:
         server.finish()
+
+
+@pytest.fixture(scope="module")
+def module_servers(request: pytest.FixtureRequest, launch_server: Callable[..., ServerProcess],
+                   server_launches: dict[str, tuple[list[str], dict[str, object]]]) -> dict[str, ServerProcess]:
+    """For a module whose tests each stop a server of their own (kill its engine, SIGTERM it, ...): the servers
+    of the module's `server_launches` fixture ({test name: (argv, launch_server keyword arguments)}) whose
+    tests this session runs, all launched (not waited for) when the first is asked for, so that their
+    start-ups (torch imported in two processes or more each) overlap instead of adding up. `own_server` gives
+    a test its own."""
+    selected = {getattr(item, "originalname", item.name) for item in request.session.items
+                if getattr(item, "module", None) is request.module}
+    return {name: launch_server(argv, wait=False, **kwargs)
+            for name, (argv, kwargs) in server_launches.items() if name in selected}
+
+
+@pytest.fixture
+def own_server(request: pytest.FixtureRequest, module_servers: dict[str, ServerProcess]) -> ServerProcess:
+    """The running test's server from `module_servers`: launched, maybe not ready yet (`wait_ready()` or
+    `wait_exit()` it)."""
+    return module_servers[request.node.originalname]  # type: ignore[attr-defined]
 
 
 @pytest.fixture(scope="session")

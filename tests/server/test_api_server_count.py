@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import pytest
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from .conftest import ServerProcess, metric, pid_alive, scrape, wait_for
@@ -19,6 +20,18 @@ from .test_lifecycle import StreamReader
 
 FLAGS = ["--max-model-len", "256", "--kv-cache-memory", "64MiB", "--served-model-name", "tiny",
          "--api-server-count", "2", "--timeout-keep-alive", "120", "--disable-uvicorn-access-log"]
+
+
+@pytest.fixture(scope="module")
+def server_launches(tiny_llama_dir: str) -> dict[str, tuple[list[str], dict[str, object]]]:
+    """Each test's server (see `module_servers`): three processes each, started together."""
+    return {
+        # Its own process group: the stop signal goes to every process of it, as a service manager sends it.
+        "test_two_api_processes_share_the_port_the_engine_and_the_metrics_and_drain_together":
+            ([tiny_llama_dir, *FLAGS], {"new_session": True}),
+        "test_a_dead_engine_stops_every_api_process": ([tiny_llama_dir, *FLAGS], {}),
+        "test_a_dead_api_process_stops_the_server_and_its_requests": ([tiny_llama_dir, *FLAGS], {}),
+    }
 
 
 def _other_pids(server: ServerProcess) -> list[int]:
@@ -76,10 +89,8 @@ def _connections_to_each_process(server: ServerProcess, directory: Path) -> tupl
     return owners, clients
 
 
-def test_two_api_processes_share_the_port_the_engine_and_the_metrics_and_drain_together(
-        launch_server: Callable[..., ServerProcess], tiny_llama_dir: str):
-    # Its own process group: the stop signal goes to every process of it, as a service manager sends it.
-    server = launch_server([tiny_llama_dir, *FLAGS], new_session=True)
+def test_two_api_processes_share_the_port_the_engine_and_the_metrics_and_drain_together(own_server: ServerProcess):
+    server = own_server.wait_ready()  # in its own process group (server_launches)
     (other,) = _other_pids(server)
     main = server.proc.pid
     assert server.log().count("engine core process started") == 1  # one engine for both
@@ -129,8 +140,8 @@ def test_two_api_processes_share_the_port_the_engine_and_the_metrics_and_drain_t
     assert not directory.exists()  # the first process removes the metrics directory
 
 
-def test_a_dead_engine_stops_every_api_process(launch_server: Callable[..., ServerProcess], tiny_llama_dir: str):
-    server = launch_server([tiny_llama_dir, *FLAGS])
+def test_a_dead_engine_stops_every_api_process(own_server: ServerProcess):
+    server = own_server.wait_ready()
     (other,) = _other_pids(server)
     assert server.engine_pid is not None
     os.kill(server.engine_pid, signal.SIGKILL)
@@ -143,9 +154,8 @@ def test_a_dead_engine_stops_every_api_process(launch_server: Callable[..., Serv
     assert re.search(r"engine core is dead: the engine core process exited unexpectedly$", log, re.MULTILINE), log
 
 
-def test_a_dead_api_process_stops_the_server_and_its_requests(launch_server: Callable[..., ServerProcess],
-                                                              tiny_llama_dir: str):
-    server = launch_server([tiny_llama_dir, *FLAGS])
+def test_a_dead_api_process_stops_the_server_and_its_requests(own_server: ServerProcess):
+    server = own_server.wait_ready()
     (other,) = _other_pids(server)
     owners, clients = _connections_to_each_process(server, _metrics_dir(other))
     assert other in owners

@@ -9,13 +9,29 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
 
 import httpx
+import pytest
 
 from .conftest import ServerProcess, assert_openai_error, pid_alive, scrape, wait_for
 
 FLAGS = ["--max-model-len", "256", "--kv-cache-memory", "64MiB", "--served-model-name", "tiny"]
+
+
+@pytest.fixture(scope="module")
+def server_launches(tiny_llama_dir: str) -> dict[str, tuple[list[str], dict[str, object]]]:
+    """Each test's server (see `module_servers`), started together; the busy-port test starts its own."""
+    return {
+        "test_engine_death_turns_health_503_and_server_exits_nonzero": ([tiny_llama_dir, *FLAGS], {}),
+        "test_sigterm_drains_in_flight_requests_and_exits_0": (
+            [tiny_llama_dir, *FLAGS, "--disable-log-requests"], {"env": {"KVSERVE_GC_FREEZE": "1"}}),
+        "test_engine_exits_when_the_api_process_is_killed": (
+            [tiny_llama_dir, *FLAGS], {"env": {"KVSERVE_API_KEY": "from-env"}}),
+        # Start-up failures: these exit by themselves.
+        "test_engine_start_failure_exits_nonzero_with_its_error": (
+            [tiny_llama_dir, "--max-model-len", "256", "--kv-cache-memory", "1KiB"], {}),
+        "test_config_error_exits_2_before_starting_the_engine": ([tiny_llama_dir, "--max-model-len", "100000"], {}),
+    }
 
 
 class StreamReader(threading.Thread):
@@ -52,9 +68,8 @@ class StreamReader(threading.Thread):
         return "[DONE]" in self.events
 
 
-def test_engine_death_turns_health_503_and_server_exits_nonzero(launch_server: Callable[..., ServerProcess],
-                                                                tiny_llama_dir: str):
-    server = launch_server([tiny_llama_dir, *FLAGS])
+def test_engine_death_turns_health_503_and_server_exits_nonzero(own_server: ServerProcess):
+    server = own_server.wait_ready()
     assert server.engine_pid is not None and pid_alive(server.engine_pid)
     # Without --metrics-compat there are no vllm: series.
     assert not [name for name, _ in scrape(server.base_url) if name.startswith("vllm:")]
@@ -85,9 +100,8 @@ def test_engine_death_turns_health_503_and_server_exits_nonzero(launch_server: C
     assert "engine core is dead" in server.log()
 
 
-def test_sigterm_drains_in_flight_requests_and_exits_0(launch_server: Callable[..., ServerProcess],
-                                                       tiny_llama_dir: str):
-    server = launch_server([tiny_llama_dir, *FLAGS, "--disable-log-requests"], env={"KVSERVE_GC_FREEZE": "1"})
+def test_sigterm_drains_in_flight_requests_and_exits_0(own_server: ServerProcess):
+    server = own_server.wait_ready()  # --disable-log-requests, KVSERVE_GC_FREEZE=1 (server_launches)
     engine_pid = server.engine_pid
     # Both serving processes froze their start-up heaps once ready (kvserve/engine/heap.py).
     for process in ("engine core", "API server"):
@@ -121,9 +135,8 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(launch_server: Callable[.
     wait_for(lambda: not pid_alive(engine_pid), 10, "the engine process to exit")
 
 
-def test_engine_exits_when_the_api_process_is_killed(launch_server: Callable[..., ServerProcess],
-                                                     tiny_llama_dir: str):
-    server = launch_server([tiny_llama_dir, *FLAGS], env={"KVSERVE_API_KEY": "from-env"})
+def test_engine_exits_when_the_api_process_is_killed(own_server: ServerProcess):
+    server = own_server.wait_ready()  # KVSERVE_API_KEY=from-env (server_launches)
     # (While it is up: the API key can come from the environment.)
     assert_openai_error(httpx.get(server.base_url + "/v1/models", timeout=10), 401)
     ok = httpx.get(server.base_url + "/v1/models", headers={"Authorization": "Bearer from-env"}, timeout=10)
@@ -134,16 +147,15 @@ def test_engine_exits_when_the_api_process_is_killed(launch_server: Callable[...
     wait_for(lambda: not pid_alive(server.engine_pid), 15, "the orphaned engine process to exit")
 
 
-def test_engine_start_failure_exits_nonzero_with_its_error(launch_server: Callable[..., ServerProcess],
-                                                           tiny_llama_dir: str):
-    server = launch_server([tiny_llama_dir, "--max-model-len", "256", "--kv-cache-memory", "1KiB"], wait=False)
+def test_engine_start_failure_exits_nonzero_with_its_error(own_server: ServerProcess):
+    server = own_server  # --kv-cache-memory 1KiB (server_launches)
     assert server.wait_exit(180) == 1
     log = server.log()
     assert "engine failed to start" in log and "KV cache holds 0 tokens" in log
 
 
-def test_config_error_exits_2_before_starting_the_engine(launch_server, tiny_llama_dir):
-    server = launch_server([tiny_llama_dir, "--max-model-len", "100000"], wait=False)
+def test_config_error_exits_2_before_starting_the_engine(own_server: ServerProcess):
+    server = own_server  # --max-model-len 100000 (server_launches)
     assert server.wait_exit(60) == 2
     assert "max_model_len=100000" in server.log() and "engine core process started" not in server.log()
 

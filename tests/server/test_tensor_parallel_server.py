@@ -5,12 +5,23 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import pytest
 
 from .conftest import TINY_SERVER_FLAGS, ServerProcess, pid_alive, wait_for
+
+SPLIT_FLAGS = [*TINY_SERVER_FLAGS, "--tensor-parallel-size", "2", "--dtype", "float32"]
+
+
+@pytest.fixture(scope="module")
+def server_launches(tiny_llama_dir: str) -> dict[str, tuple[list[str], dict[str, object]]]:
+    """Each test's two-rank server (see `module_servers`), started together."""
+    return {
+        "test_two_ranks_answer_as_one_and_stop_together": ([tiny_llama_dir, *SPLIT_FLAGS], {}),
+        "test_a_dead_rank_stops_the_server": ([tiny_llama_dir, *SPLIT_FLAGS], {}),
+    }
 
 
 def _children(pid: int) -> list[int]:
@@ -37,16 +48,15 @@ def _complete(server: ServerProcess, prompt: str) -> dict:
     return response.json()["choices"][0]
 
 
-def _split_server(launch_server: Callable[..., ServerProcess], path: str) -> tuple[ServerProcess, int]:
-    server = launch_server([path, *TINY_SERVER_FLAGS, "--tensor-parallel-size", "2", "--dtype", "float32"])
+def _split_server(launched: ServerProcess) -> tuple[ServerProcess, int]:
+    server = launched.wait_ready()
     assert server.engine_pid is not None
     (rank1,) = _children(server.engine_pid)  # the engine's one child: rank 1
     return server, rank1
 
 
-def test_two_ranks_answer_as_one_and_stop_together(launch_server: Callable[..., ServerProcess],
-                                                   tiny_server: ServerProcess, tiny_llama_dir: str) -> None:
-    server, rank1 = _split_server(launch_server, tiny_llama_dir)
+def test_two_ranks_answer_as_one_and_stop_together(own_server: ServerProcess, tiny_server: ServerProcess) -> None:
+    server, rank1 = _split_server(own_server)
     for prompt in ["Hello, my name is", "The capital of France is"]:
         split, one = _complete(server, prompt), _complete(tiny_server, prompt)
         assert split["text"] == one["text"]
@@ -58,8 +68,8 @@ def test_two_ranks_answer_as_one_and_stop_together(launch_server: Callable[..., 
     wait_for(lambda: not pid_alive(rank1), 15, "rank 1 to exit")
 
 
-def test_a_dead_rank_stops_the_server(launch_server: Callable[..., ServerProcess], tiny_llama_dir: str) -> None:
-    server, rank1 = _split_server(launch_server, tiny_llama_dir)
+def test_a_dead_rank_stops_the_server(own_server: ServerProcess) -> None:
+    server, rank1 = _split_server(own_server)
     os.kill(rank1, signal.SIGKILL)
     assert server.wait_exit(60) == 1
     assert server.engine_pid is not None

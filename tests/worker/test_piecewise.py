@@ -218,10 +218,12 @@ def test_engine_greedy_output_unchanged_with_piecewise_steps(default_gguf_path: 
         # Requests arrive one after another, so that prompts share steps with other requests' decodes.
         return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
-    eager = LLM(max_model_len=256, enable_prefix_caching=False, **settings)
-    want = tokens(eager)
+    # One engine, eager first, then with the piecewise steps installed (no prefix caching: the second run
+    # computes every prompt again).
     llm = LLM(max_model_len=256, enable_prefix_caching=False, **settings)
+    want = tokens(llm)
     runner = llm.engine.core.runner
+    assert runner.piecewise is None  # the first run was eager
     pieces = PiecewiseGraphs(runner.model, runner.kv_caches, runner.inputs.dev, runner.inputs.block_tables, [64, 128])
     pieces.capture(EagerBackend())
     runner.piecewise = pieces
