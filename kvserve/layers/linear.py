@@ -111,10 +111,10 @@ class Linear(nn.Module):
             width = param.shape[1]
             _check_shape(tuple(loaded.shape), (param.shape[0], width * self.tp_size))
             loaded = loaded.narrow(1, self.tp_rank * width, width)
-        start, size, total, offset = self.place(loaded, shard_id, loaded.shape[0])
         if self.shard_ids() == (None,):
-            default_weight_loader(param, loaded)
+            default_weight_loader(param, loaded, shard_id)
             return
+        start, size, total, offset = self.place(loaded, shard_id, loaded.shape[0])
         _load_rows(param, _rank_rows(loaded, start, size, self.tp_size, total), offset, size)
 
     def finish_loading(self) -> None:

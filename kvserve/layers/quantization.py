@@ -55,7 +55,6 @@ class QuantConfig:
     bits: int
     group_size: int
     zero_offset: int = 0
-    desc_act: bool = False
     skip_modules: tuple[str, ...] = ()
 
     @property
@@ -115,8 +114,8 @@ def parse_quant_config(raw: dict[str, Any], where: str) -> QuantConfig:
     fmt = str(raw.get("checkpoint_format", "gptq")).lower()
     if fmt not in ("gptq", "gptq_v2"):
         raise ModelLoadError(f"{where}: GPTQ checkpoint_format {fmt!r} is not supported (gptq, gptq_v2)")
-    return QuantConfig("gptq", bits, group_size, zero_offset=1 if fmt == "gptq" else 0,
-                       desc_act=bool(raw.get("desc_act", False)))
+    # desc_act is not read: act-order is what the stored g_idx says (`QuantizedWeights.finish`).
+    return QuantConfig("gptq", bits, group_size, zero_offset=1 if fmt == "gptq" else 0)
 
 
 # ---------------------------------------------------------------------------------- packing arithmetic
@@ -342,8 +341,6 @@ class QuantizedWeights:
         zeros = (zeros + config.zero_offset) & ((1 << config.bits) - 1)
         rows = config.group_rows(self.input_size)
         plain = torch.arange(self.input_size, device=q.device, dtype=torch.int32) // rows
-        if self.row_share is not None and config.group_size == -1:
-            plain = torch.zeros_like(plain)
         g_idx = plain
         if config.method == "gptq" and self.loaded_g_idx:
             values = list(self.loaded_g_idx.values())
