@@ -188,10 +188,20 @@ def quantized_kernel_fits(weight: PackedWeight) -> bool:
     return module is not None and module.block_k_for(weight) is not None
 
 
+def prepare_quantized(weight: PackedWeight, dtype: torch.dtype) -> PackedWeight:
+    """A CUDA layer's packed weight (scales in the model's `dtype`) in the layout its matmul reads: the
+    paired-dequantizing kernel's for 4-bit weights in 128-row groups in a half-precision model, else as is."""
+    module = _triton_module("triton_quant")
+    if module is not None and module.pairs_fit(weight, dtype):
+        return module.prepare_pairs(weight)
+    return weight
+
+
 def quantized_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ W^T (+ bias) of a quantized layer (`reference.quantized_linear`). CUDA: the Triton
-    quantized matmul below QUANT_DENSE_MIN_ROWS rows, the dense weight from the Triton dequantizer and torch's
-    matmul from there; the reference where the weight's groups fit no kernel tile."""
+    """x [..., K] @ W^T (+ bias) of a quantized layer (`reference.quantized_linear`). CUDA: below
+    QUANT_DENSE_MIN_ROWS rows a Triton quantized matmul (the paired-dequantizing one for weights
+    `prepare_quantized` laid out for it), the dense weight from the Triton dequantizer and torch's matmul from
+    there; the reference where the weight's groups fit no kernel tile."""
     module = _triton_module("triton_quant") if x.is_cuda else None
     if module is not None:
         rows = x.reshape(-1, x.shape[-1])
@@ -201,6 +211,11 @@ def quantized_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor |
                 if weight.perm is not None:
                     rows = rows.index_select(1, weight.perm)
                 return torch.nn.functional.linear(rows, dense, bias).view(*x.shape[:-1], weight.output_size)
+        if weight.zero_scale is not None:
+            # x's columns in the weight's sorted order: the kernel reads them contiguously.
+            rows = rows.index_select(1, weight.perm) if weight.perm is not None else rows.contiguous()
+            config = module.pick_pairs_config(rows.shape[0], weight, _num_sms(x.device))
+            return module.quant_matmul_pairs(rows, weight, bias, config).view(*x.shape[:-1], weight.output_size)
         config = module.pick_config(rows.shape[0], weight, _num_sms(x.device))
         if config is not None:
             out = module.quant_matmul(rows.contiguous(), weight, bias, config)

@@ -15,6 +15,16 @@ stream over the packed weight (a quarter of a bf16 weight's bytes at 4 bits): wi
 range is split over programs, whose float32 partials [splits, M, N] are summed in split order afterwards
 (deterministic, as the CUDA-graph vs eager checks need).
 
+`quant_matmul_pairs`: 4-bit weights with 128-row groups in a half-precision model, prepared by
+`prepare_pairs` (tile-interleaved words, each column's zero point and scale in one int32). A few lines of
+PTX turn one word into its 8 values two per instruction (`lop3` places two 4-bit values in the mantissas of
+two 16-bit floats, then a paired subtract of the zero point and a paired multiply by the scale): 15
+instructions for 8 weights against about 6 per weight above. The interleaving makes value j of a tile's
+words R consecutive K rows, so the tile is 8 dots of depth R over contiguous columns of x. Zero point and
+scale in one 4-byte word are a load the pipeliner copies ahead (1- and 2-byte loads stay synchronous in the
+loop). The values equal the float32 reference's rounded once (the subtraction is exact and the product is
+rounded once), given scales already in x's dtype (`prepare_pairs` rounds them; docs/perf_notes.md entry 53).
+
 `dequantize`: the dense weight [N, K] in x's dtype (sorted K order), for large M where cuBLAS on the dense
 weight beats dequantizing every tile once per row block.
 """
@@ -24,13 +34,14 @@ weight beats dequantizing every tile once per row block.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
-from kvserve.layers.quantization import PackedWeight
+from kvserve.layers.quantization import PackedWeight, interleave_tiles
 
 
 @dataclass(frozen=True)
@@ -151,9 +162,11 @@ def _dequantize_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GATHER: tl.constexpr,
+    TILED: tl.constexpr,
 ):
     """out [N, K] (row-major) of the packed weight, tile [BLOCK_K, BLOCK_N] per program, stored transposed
-    so that consecutive threads write consecutive K."""
+    so that consecutive threads write consecutive K. TILED: words interleaved in BLOCK_K-row tiles
+    (`PackedWeight.tile_rows` = BLOCK_K)."""
     PACK: tl.constexpr = 32 // BITS
     pid_k = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -161,6 +174,22 @@ def _dequantize_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
+    if TILED:
+        # Value j of the tile's word r is row k0 + j R + r: [R, PACK, BLOCK_N], stored as [BLOCK_N, PACK, R].
+        R: tl.constexpr = BLOCK_K // PACK
+        r = tl.arange(0, R)
+        j = tl.arange(0, PACK)
+        words = tl.load(qweight_ptr + (k0 // PACK + r)[:, None] * N + offs_n[None, :], mask=mask_n[None, :],
+                        other=0)
+        q3 = (words[:, None, :] >> (j * BITS)[None, :, None]) & ((1 << BITS) - 1)
+        group = k0 // group_rows
+        z = tl.load(zeros_ptr + group * N + offs_n, mask=mask_n, other=0).to(tl.float32) + _MAGIC_FLOAT
+        s = tl.load(scales_ptr + group * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        w3 = ((_as_magic_float(q3) - z[None, None, :]) * s[None, None, :]).to(out_ptr.dtype.element_ty)
+        rows = k0 + j[:, None] * R + r[None, :]
+        tl.store(out_ptr + offs_n[:, None, None] * K + rows[None, :, :], tl.permute(w3, (2, 1, 0)),
+                 mask=mask_n[:, None, None])
+        return
     q = _unpack_tile(qweight_ptr, k0, offs_k, offs_n, mask_n, N, tl.arange(0, BLOCK_K // PACK),
                      tl.arange(0, PACK) * BITS, BITS, BLOCK_K, BLOCK_N, GATHER)
     group = k0 // group_rows
@@ -171,7 +200,10 @@ def _dequantize_kernel(
 
 
 def block_k_for(weight: PackedWeight) -> int | None:
-    """The K tile: the largest of 128 / 64 / 32 that divides the group (and so K); None when none does."""
+    """The K tile: the largest of 128 / 64 / 32 that divides the group (and so K); None when none does. A
+    tile-interleaved weight: its tile."""
+    if weight.tile_rows:
+        return weight.tile_rows
     for block_k in (128, 64, 32):
         if weight.group_rows % block_k == 0 and weight.input_size % block_k == 0 and block_k % (32 // weight.bits) == 0:
             return block_k
@@ -182,7 +214,7 @@ def pick_config(num_rows: int, weight: PackedWeight, num_sms: int) -> QuantMatmu
     """Tiling for `num_rows` rows of x (fitted to `benchmarks/quant_matmul_bench.py --sweep` on the H200 at
     the 7B shapes, docs/perf_notes.md entry 52); None when the weight's groups fit no K tile."""
     block_k = block_k_for(weight)
-    if block_k is None:
+    if block_k is None or weight.tile_rows:
         return None
     block_k = min(block_k, 64)
     n, k = weight.output_size, weight.input_size
@@ -245,6 +277,189 @@ def dequantize(weight: PackedWeight, dtype: torch.dtype, block_n: int = 64, gath
     out = torch.empty((n, k), dtype=dtype, device=weight.qweight.device)
     _dequantize_kernel[(k // block_k, triton.cdiv(n, block_n))](
         weight.qweight, weight.zeros, weight.scales, out, n, k, weight.group_rows,
-        BITS=weight.bits, BLOCK_N=block_n, BLOCK_K=block_k, GATHER=gather, num_warps=num_warps,
+        BITS=weight.bits, BLOCK_N=block_n, BLOCK_K=block_k, GATHER=gather, TILED=weight.tile_rows > 0,
+        num_warps=num_warps,
     )
     return out
+
+
+# ---------------------------------------------------------------------------- the paired-dequantizing kernel
+
+PAIRS_TILE_ROWS = 128  # K rows of a tile: 8 dots of depth 16
+
+
+def pairs_fit(weight: PackedWeight, dtype: torch.dtype) -> bool:
+    """Whether `quant_matmul_pairs` can run this (plain, not yet prepared) weight for activations of `dtype`."""
+    return (dtype in (torch.float16, torch.bfloat16) and weight.bits == 4 and not weight.tile_rows
+            and weight.group_rows % PAIRS_TILE_ROWS == 0 and weight.input_size % PAIRS_TILE_ROWS == 0
+            and weight.scales.dtype == dtype)
+
+
+def prepare_pairs(weight: PackedWeight) -> PackedWeight:
+    """The weight in `quant_matmul_pairs`'s layout (`pairs_fit` must hold; scales already in the model's
+    dtype): words interleaved in 128-row tiles, zero_scale = zero point << 16 | the scale's bits."""
+    scale_bits = weight.scales.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+    zero_scale = (weight.zeros.to(torch.int32) << 16) | scale_bits
+    return replace(weight, qweight=interleave_tiles(weight.qweight, weight.bits, PAIRS_TILE_ROWS),
+                   tile_rows=PAIRS_TILE_ROWS, zero_scale=zero_scale.contiguous())
+
+
+# One int32 word of eight 4-bit values (value i at bits 4 i) -> the 8 values (q - z) * s as 16-bit floats, two
+# per instruction: lop3 (word & 0x000f000f) | magic puts values i and i + 4 in the low mantissa bits of two
+# floats of magic + q (128 + q in bf16, 1024 + q in fp16, exact); subtracting magic + z (both halves) is exact;
+# the multiply rounds once. $8: the word; $9: magic + z; $10: s (16-bit); $0..$7: the values.
+_PAIRS_ASM_TEMPLATE = """{
+.reg .b32 t, p, zz, ss;
+mov.b32 zz, {$9, $9};
+mov.b32 ss, {$10, $10};
+lop3.b32 p, $8, 0x000f000f, MAGIC, 0xea;
+sub.rn.TYPE p, p, zz;
+mul.rn.TYPE p, p, ss;
+mov.b32 {$0, $4}, p;
+shr.u32 t, $8, 4;
+lop3.b32 p, t, 0x000f000f, MAGIC, 0xea;
+sub.rn.TYPE p, p, zz;
+mul.rn.TYPE p, p, ss;
+mov.b32 {$1, $5}, p;
+shr.u32 t, $8, 8;
+lop3.b32 p, t, 0x000f000f, MAGIC, 0xea;
+sub.rn.TYPE p, p, zz;
+mul.rn.TYPE p, p, ss;
+mov.b32 {$2, $6}, p;
+shr.u32 t, $8, 12;
+lop3.b32 p, t, 0x000f000f, MAGIC, 0xea;
+sub.rn.TYPE p, p, zz;
+mul.rn.TYPE p, p, ss;
+mov.b32 {$3, $7}, p;
+}"""
+_PAIRS_ASM_BF16 = tl.constexpr(_PAIRS_ASM_TEMPLATE.replace("MAGIC", "0x43004300").replace("TYPE", "bf16x2"))
+_PAIRS_ASM_FP16 = tl.constexpr(_PAIRS_ASM_TEMPLATE.replace("MAGIC", "0x64006400").replace("TYPE", "f16x2"))
+_PAIRS_CONSTRAINTS = tl.constexpr("=h,=h,=h,=h,=h,=h,=h,=h,r,h,h")
+
+
+@triton.jit
+def _pair_value(words, j: tl.constexpr, z, s, dtype: tl.constexpr):
+    """Value j of each word as (q - z) * s in float32, rounded once to `dtype`: what the PTX computes."""
+    return ((((words >> (4 * j)) & 15).to(tl.float32) - z) * s).to(dtype)
+
+
+@triton.jit
+def _word_values(words, zero_scale, dtype: tl.constexpr, ASM: tl.constexpr):
+    """The 8 values of each word [R, BLOCK_N] (zero_scale [BLOCK_N]) as a tuple of [R, BLOCK_N] in `dtype`.
+    ASM: the PTX above (a GPU); otherwise Triton arithmetic with the same results (TRITON_INTERPRET)."""
+    z = ((zero_scale >> 16) & 0xFF).to(tl.float32)
+    scale_bits = (zero_scale & 0xFFFF).to(tl.int16)
+    if ASM:
+        sb = tl.broadcast_to(scale_bits[None, :], words.shape)
+        if dtype == tl.float16:
+            zb = tl.broadcast_to((z + 1024.0).to(dtype).to(tl.int16, bitcast=True)[None, :], words.shape)
+            o = tl.inline_asm_elementwise(_PAIRS_ASM_FP16, _PAIRS_CONSTRAINTS, [words, zb, sb],
+                                          dtype=(tl.int16,) * 8, is_pure=True, pack=1)
+        else:
+            zb = tl.broadcast_to((z + 128.0).to(dtype).to(tl.int16, bitcast=True)[None, :], words.shape)
+            o = tl.inline_asm_elementwise(_PAIRS_ASM_BF16, _PAIRS_CONSTRAINTS, [words, zb, sb],
+                                          dtype=(tl.int16,) * 8, is_pure=True, pack=1)
+        values = (o[0].to(dtype, bitcast=True), o[1].to(dtype, bitcast=True), o[2].to(dtype, bitcast=True),
+                  o[3].to(dtype, bitcast=True), o[4].to(dtype, bitcast=True), o[5].to(dtype, bitcast=True),
+                  o[6].to(dtype, bitcast=True), o[7].to(dtype, bitcast=True))
+    else:
+        zf = z[None, :]
+        sf = scale_bits.to(dtype, bitcast=True).to(tl.float32)[None, :]
+        values = (_pair_value(words, 0, zf, sf, dtype), _pair_value(words, 1, zf, sf, dtype),
+                  _pair_value(words, 2, zf, sf, dtype), _pair_value(words, 3, zf, sf, dtype),
+                  _pair_value(words, 4, zf, sf, dtype), _pair_value(words, 5, zf, sf, dtype),
+                  _pair_value(words, 6, zf, sf, dtype), _pair_value(words, 7, zf, sf, dtype))
+    return values
+
+
+@triton.jit(do_not_specialize=["M"])
+def _quant_matmul_pairs_kernel(
+    x_ptr,
+    qweight_ptr,
+    zero_scale_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    stride_xm,
+    k_per_split,
+    group_rows,
+    m_tiles,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PARTIALS: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """out[M, N] (or split-K partials) for a `prepare_pairs` weight; programs (m tile fastest, so the row
+    tiles of one column tile run together and share its weight in L2) x K splits."""
+    BLOCK_K: tl.constexpr = 128
+    R: tl.constexpr = BLOCK_K // 8
+    pid = tl.program_id(0)
+    pid_m = pid % m_tiles
+    pid_n = pid // m_tiles
+    pid_k = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    r = tl.arange(0, R)
+    dtype: tl.constexpr = x_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_begin = pid_k * k_per_split
+    for k0 in range(k_begin, k_begin + k_per_split, BLOCK_K):
+        words = tl.load(qweight_ptr + (k0 // 8 + r)[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0)
+        zero_scale = tl.load(zero_scale_ptr + (k0 // group_rows) * N + offs_n, mask=mask_n, other=0)
+        values = _word_values(words, zero_scale, dtype, ASM)
+        x_tile = x_ptr + offs_m[:, None] * stride_xm + k0 + r[None, :]
+        for j in tl.static_range(8):
+            # Value j of the tile's words: rows k0 + j R .. k0 + j R + R - 1.
+            x = tl.load(x_tile + j * R, mask=mask_m[:, None], other=0.0)
+            acc = tl.dot(x, values[j], acc)
+    if PARTIALS:
+        part = out_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(part, acc, mask=mask_m[:, None] & mask_n[None, :])
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        out = out_ptr + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def pick_pairs_config(num_rows: int, weight: PackedWeight, num_sms: int) -> QuantMatmulConfig:
+    """Tiling of `quant_matmul_pairs` for `num_rows` rows (block_k is the fixed 128-row tile)."""
+    block_m, block_n = 16, 128
+    n, k = weight.output_size, weight.input_size
+    tiles = triton.cdiv(num_rows, block_m) * triton.cdiv(n, block_n)
+    chunks = k // PAIRS_TILE_ROWS
+    split = 1
+    while tiles * split < 2 * num_sms and split < 16 and chunks % (split * 2) == 0:
+        split *= 2
+    return QuantMatmulConfig(block_m, block_n, PAIRS_TILE_ROWS, split, 4, 3)
+
+
+def quant_matmul_pairs(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None,
+                       config: QuantMatmulConfig) -> torch.Tensor:
+    """x [M, K] (contiguous rows, K in qweight's sorted order) @ W^T (+ bias) -> [M, N] in x's dtype, for a
+    `prepare_pairs` weight."""
+    assert weight.zero_scale is not None and weight.tile_rows == PAIRS_TILE_ROWS
+    m = x.shape[0]
+    n, k = weight.output_size, weight.input_size
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    partials = config.split_k > 1
+    target = torch.empty((config.split_k, m, n), dtype=torch.float32, device=x.device) if partials else out
+    m_tiles = triton.cdiv(m, config.block_m)
+    grid = (m_tiles * triton.cdiv(n, config.block_n), config.split_k)
+    _quant_matmul_pairs_kernel[grid](
+        x, weight.qweight, weight.zero_scale, bias if bias is not None else x, target,
+        m, n, x.stride(0), k // config.split_k, weight.group_rows, m_tiles,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, HAS_BIAS=bias is not None and not partials,
+        PARTIALS=partials, ASM=_PAIRS_ASM, num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return _finish_partials(target, bias, x.dtype) if partials else out
+
+
+# The interpreter runs no PTX: the same arithmetic in Triton operations there.
+_PAIRS_ASM = os.environ.get("TRITON_INTERPRET", "0") != "1"

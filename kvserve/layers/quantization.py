@@ -17,7 +17,7 @@ with g(k) = k // group_size, or GPTQ's stored `g_idx[k]` (act-order checkpoints)
 
 After loading, `QuantizedWeights.finish` turns a layer's tensors into one layout for both formats: q packed
 along K as GPTQ packs it (act-order rows sorted by group, with the permutation kept for the activations),
-zero points as uint8 [groups, N], scales in the checkpoint's dtype. The GPU multiplies with that
+zero points as uint8 [groups, N], scales in the checkpoint's dtype (the layer casts them to the model's). The GPU multiplies with that
 (`kernels/triton_quant.py`); other devices dequantize once to a dense weight and run the plain matmul.
 """
 
@@ -164,6 +164,53 @@ def dequantize(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx
     return ((q.float() - z) * s).to(dtype).t().contiguous()
 
 
+def _tile_positions(bits: int, tile_rows: int) -> tuple[int, int]:
+    pack = 32 // bits
+    words = tile_rows // pack  # words a column has in one tile
+    if tile_rows % pack or words % pack:
+        raise ValueError(f"a tile of {tile_rows} rows does not interleave {bits}-bit values")
+    return pack, words
+
+
+def interleave_tiles(qweight: torch.Tensor, bits: int, tile_rows: int) -> torch.Tensor:
+    """Packed rows (`unpack_rows`'s layout) -> the tile-interleaved layout: in each tile of `tile_rows` rows
+    (R = tile_rows / p words a column), value j of word r is the tile's row j R + r, so a kernel that
+    unpacks value j of a tile's R words gets R consecutive rows. Word-level arithmetic: its temporaries are
+    a few qweight-sized tensors."""
+    pack, words = _tile_positions(bits, tile_rows)
+    k_words, cols = qweight.shape
+    if k_words % words:
+        raise ValueError(f"{k_words * pack} rows are not whole tiles of {tile_rows}")
+    old = qweight.view(k_words // words, words, cols)
+    r = torch.arange(words, device=qweight.device)
+    mask = (1 << bits) - 1
+    out = torch.zeros_like(old)
+    for j in range(pack):
+        # Tile row j R + r sits in the tile's word (j R + r) // p at position (j R + r) % p = r % p.
+        source = old.index_select(1, (j * words + r) // pack)
+        shifts = ((r % pack) * bits).to(torch.int32).view(1, words, 1)
+        out |= ((source >> shifts) & mask) << (bits * j)
+    return out.view(k_words, cols)
+
+
+def deinterleave_tiles(qweight: torch.Tensor, bits: int, tile_rows: int) -> torch.Tensor:
+    """Inverse of `interleave_tiles`."""
+    pack, words = _tile_positions(bits, tile_rows)
+    k_words, cols = qweight.shape
+    tiled = qweight.view(k_words // words, words, cols)
+    mask = (1 << bits) - 1
+    out = torch.zeros_like(tiled)
+    for i in range(pack):
+        # Position i of the tile's plain word w is tile row p w + i = j R + r: word r = (p w + i) % R, value
+        # j = (p w + i) // R.
+        w = torch.arange(words, device=qweight.device)
+        rows = pack * w + i
+        source = tiled.index_select(1, rows % words)
+        shifts = ((rows // words) * bits).to(torch.int32).view(1, words, 1)
+        out |= ((source >> shifts) & mask) << (bits * i)
+    return out.view(k_words, cols)
+
+
 # ----------------------------------------------------------------------------------- a layer's tensors
 
 
@@ -171,7 +218,12 @@ def dequantize(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx
 class PackedWeight:
     """A quantized layer's weight as the GPU multiplies it: qweight int32 [K / pack, N] (row p r + i at bits
     `bits * i` of word r), zeros uint8 [groups, N], scales [groups, N], group_rows input rows a group
-    (rows sorted by group), perm: int64 [K] input columns in the order of qweight's rows, or None."""
+    (rows sorted by group), perm: int64 [K] input columns in the order of qweight's rows, or None.
+
+    tile_rows T > 0: qweight is interleaved within each T-row tile instead (`interleave_tiles`: word r of a
+    tile holds the tile's rows j T / p + r at position j), and zero_scale int32 [groups, N] holds each
+    column's zero point << 16 | its scale's 16 bits, as the paired-dequantizing kernel reads them
+    (`kernels/triton_quant.py`, `prepare_pairs`)."""
 
     qweight: torch.Tensor
     zeros: torch.Tensor
@@ -179,6 +231,8 @@ class PackedWeight:
     bits: int
     group_rows: int
     perm: torch.Tensor | None
+    tile_rows: int = 0
+    zero_scale: torch.Tensor | None = None
 
     @property
     def input_size(self) -> int:
@@ -190,7 +244,8 @@ class PackedWeight:
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         """The dense weight [N, K] in the original input order."""
-        q = unpack_rows(self.qweight, self.bits)
+        words = self.qweight if not self.tile_rows else deinterleave_tiles(self.qweight, self.bits, self.tile_rows)
+        q = unpack_rows(words, self.bits)
         g_idx = torch.arange(q.shape[0], device=q.device) // self.group_rows
         weight = dequantize(q, self.zeros, self.scales, g_idx, dtype)
         if self.perm is None:

@@ -7,7 +7,10 @@ dequantized weight with cuBLAS); the CPU dequantizes at load. Both must compute 
   path and decode the fused kernel) equal the CPU's, and the logprobs agree;
 * bfloat16: CUDA graphs equal eager;
 * float32, every step through the fused kernel (the dense path's threshold out of reach) equals the default
-  split.
+  split;
+* bfloat16 with 4-bit weights in 128-row groups (the paired-dequantizing kernel, kernels/triton_quant.py):
+  top-k logprobs against HF Transformers float32 on the dequantized weights, within twice HF bfloat16's own
+  error (as the dense models' test in test_gpu_engine.py).
 """
 
 from __future__ import annotations
@@ -51,14 +54,20 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return out
 
 
+def _dequantized(path: str) -> str:
+    """The checkpoint of the dense weights a quantized test checkpoint stands for (helpers.quantized)."""
+    return path.removesuffix("quantized") + "dequantized"
+
+
 def _prompts(num: int, seed: int) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     lengths = torch.randint(5, 400, (num,), generator=generator).tolist()
     return [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in lengths]
 
 
-def _generate(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], list[Any]]]:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+def _generate(core: EngineCore, prompts: list[list[int]], max_tokens: int,
+              logprobs: int = 2) -> list[tuple[list[int], list[Any]]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
     for i, prompt in enumerate(prompts):
         core.add_request(EngineCoreRequest(req_id=str(i), prompt_token_ids=prompt, sampling_params=params,
                                            max_tokens=max_tokens))
@@ -132,3 +141,46 @@ def test_groups_no_kernel_tile_fits_are_kept_dense(tmp_path_factory: pytest.Temp
     gpu = [t for t, _ in _generate(gpu_core, prompts, 12)]
     del gpu_core
     assert gpu == [t for t, _ in _generate(_core(path, "cpu", "float32"), prompts, 12)]
+
+
+def test_bf16_paired_kernel_logprobs_agree_with_hf(checkpoints: dict[str, str],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """AWQ 4-bit, groups of 128, bfloat16 with CUDA graphs: decode runs the paired-dequantizing kernel
+    (asserted), prefill chunks the dense path. Teacher-forced against HF float32 on the dequantized weights:
+    kvserve's top-k logprobs within 2 x HF bfloat16's error + 0.02, top-1 agreement >= 90 %."""
+    from transformers import AutoModelForCausalLM
+
+    from kvserve.kernels import triton_quant
+
+    rows = []
+    launch = triton_quant.quant_matmul_pairs
+    monkeypatch.setattr(triton_quant, "quant_matmul_pairs", lambda x, *a, **kw: rows.append(x.shape[0]) or
+                        launch(x, *a, **kw))
+    path = checkpoints["awq4-qwen2"]
+    core = _core(path, "cuda", "bfloat16")
+    packed = core.runner.model.model.layers[0].mlp.gate_up_proj.packed
+    assert packed is not None and packed.zero_scale is not None and packed.tile_rows == 128
+    assert rows, "the decode graphs captured no paired-kernel launch"
+    k = 5
+    prompts = _prompts(6, seed=13)
+    outs = _generate(core, prompts, 16, logprobs=k)
+    dequantized = _dequantized(path)
+    hf32 = AutoModelForCausalLM.from_pretrained(dequantized, dtype=torch.float32).cuda().eval()
+    hf16 = AutoModelForCausalLM.from_pretrained(dequantized, dtype=torch.bfloat16).cuda().eval()
+    kv_err, hf_err, top1_agree, total = 0.0, 0.0, 0, 0
+    for prompt, (tokens, lps) in zip(prompts, outs, strict=True):
+        assert len(lps) == len(tokens) == 16
+        ids = torch.tensor([prompt + tokens[:-1]], device="cuda")
+        with torch.inference_mode():
+            ref = torch.log_softmax(hf32(ids).logits[0, len(prompt) - 1:].float(), dim=-1)
+            hf = torch.log_softmax(hf16(ids).logits[0, len(prompt) - 1:].float(), dim=-1)
+        for step, token_lp in enumerate(lps):
+            top = torch.tensor(token_lp.token_ids[1:], device="cuda")
+            kv_err = max(kv_err, float((torch.tensor(token_lp.logprobs[1:], device="cuda") - ref[step, top]).abs().max()))
+            ref_top = ref[step].topk(k).indices
+            hf_err = max(hf_err, float((hf[step, ref_top] - ref[step, ref_top]).abs().max()))
+            top1_agree += int(token_lp.token_ids[1] == int(ref_top[0]))
+            total += 1
+    print(f"AWQ bf16: max |logprob - fp32| kvserve {kv_err:.4f}, HF bf16 {hf_err:.4f}; top-1 {top1_agree}/{total}")
+    assert kv_err <= 2 * hf_err + 0.02
+    assert top1_agree >= 0.9 * total

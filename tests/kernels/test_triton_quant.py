@@ -13,8 +13,23 @@ import torch
 pytest.importorskip("triton")
 
 from kvserve.kernels import reference, triton_quant  # noqa: E402
-from kvserve.kernels.triton_quant import QuantMatmulConfig, dequantize, pick_config, quant_matmul  # noqa: E402
-from kvserve.layers.quantization import PackedWeight, pack_rows  # noqa: E402
+from kvserve.kernels.triton_quant import (  # noqa: E402
+    QuantMatmulConfig,
+    dequantize,
+    pairs_fit,
+    pick_config,
+    pick_pairs_config,
+    prepare_pairs,
+    quant_matmul,
+    quant_matmul_pairs,
+)
+from kvserve.layers.quantization import (  # noqa: E402
+    PackedWeight,
+    deinterleave_tiles,
+    interleave_tiles,
+    pack_rows,
+    unpack_rows,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -23,13 +38,13 @@ def _poison(poison_allocations):
 
 
 def packed_weight(k: int, n: int, bits: int, group_rows: int, permuted: bool, device: torch.device,
-                  seed: int = 0) -> PackedWeight:
+                  seed: int = 0, scales_dtype: torch.dtype = torch.float16) -> PackedWeight:
     gen = torch.Generator().manual_seed(seed)
     top = (1 << bits) - 1
     q = torch.randint(0, top + 1, (k, n), generator=gen)
     groups = k // group_rows
     zeros = torch.randint(0, top + 1, (groups, n), generator=gen).to(torch.uint8)
-    scales = (torch.rand(groups, n, generator=gen) * 0.02 + 0.001).to(torch.float16)
+    scales = (torch.rand(groups, n, generator=gen) * 0.02 + 0.001).to(scales_dtype)
     perm = torch.randperm(k, generator=gen) if permuted else None
     return PackedWeight(pack_rows(q, bits).to(device), zeros.to(device), scales.to(device), bits, group_rows,
                         None if perm is None else perm.to(device))
@@ -94,17 +109,103 @@ def test_pick_config_splits_k_to_cover_the_sms():
     assert pick_config(1, wide, 132).split_k == 1  # 296 column tiles already cover the SMs twice
 
 
+def test_interleaved_tiles_put_value_j_of_word_r_at_row_j_r():
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (384, 24), generator=gen)
+    words = pack_rows(q, 4)
+    tiled = interleave_tiles(words, 4, 128)
+    assert torch.equal(deinterleave_tiles(tiled, 4, 128), words)
+    values = unpack_rows(tiled, 4)  # value j of word w at row 8 w + j
+    for tile in range(3):
+        for r in range(16):
+            for j in range(8):
+                assert torch.equal(values[tile * 128 + 8 * r + j], q[tile * 128 + 16 * j + r])
+    with pytest.raises(ValueError, match="whole tiles"):
+        interleave_tiles(pack_rows(q[:192], 4), 4, 128)
+
+
+def test_prepared_weight_is_the_same_weight(device):
+    """`prepare_pairs` changes the layout, not the weight: PackedWeight.dense and the (tiled) dequantizer
+    give the plain weight's values exactly."""
+    weight = packed_weight(256, 80, 4, 128, True, device, seed=2)
+    assert not pairs_fit(weight, torch.float32) and not pairs_fit(weight, torch.bfloat16)  # scales are fp16
+    assert pairs_fit(weight, torch.float16)
+    prepared = prepare_pairs(weight)
+    assert prepared.tile_rows == 128 and prepared.zero_scale is not None
+    assert torch.equal(prepared.dense(torch.float16), weight.dense(torch.float16))
+    unsorted = PackedWeight(weight.qweight, weight.zeros, weight.scales, 4, 128, None)
+    assert torch.equal(dequantize(prepared, torch.float16), unsorted.dense(torch.float16))
+    # zero point << 16 | the scale's bits
+    assert torch.equal((prepared.zero_scale >> 16).to(torch.uint8), weight.zeros)
+    assert torch.equal((prepared.zero_scale & 0xFFFF).to(torch.int16).view(torch.float16), weight.scales)
+    for bad in (packed_weight(256, 80, 8, 128, False, device), packed_weight(256, 80, 4, 64, False, device),
+                packed_weight(192, 80, 4, 192, False, device)):
+        assert not pairs_fit(bad, torch.float16)  # 8 bits; 64-row groups; K not whole 128-row tiles
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("group_rows", [128, 256])
+@pytest.mark.parametrize("m", [1, 7, 40])
+@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_pairs_matches_reference(dtype, group_rows, m, split_k, bias, device, skip_bf16_on_interpreter):
+    skip_bf16_on_interpreter(dtype)
+    k, n = 256, 96  # n not a multiple of the 64-column tile; 40 rows: three 16-row tiles, the last partial
+    weight = prepare_pairs(packed_weight(k, n, 4, group_rows, False, device, seed=m, scales_dtype=dtype))
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
+    b = torch.randn(n, generator=gen).to(device=device, dtype=dtype) if bias else None
+    out = quant_matmul_pairs(x, weight, b, QuantMatmulConfig(16, 64, 128, split_k))
+    assert out.shape == (m, n) and out.dtype == dtype
+    expected = torch.nn.functional.linear(x.float(), weight.dense(dtype).float(), None if b is None else b.float())
+    tol = {torch.float16: 2**-10, torch.bfloat16: 2**-7}[dtype]
+    torch.testing.assert_close(out.float(), expected.to(dtype).float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_pairs_dequantizes_exactly(dtype, device, skip_bf16_on_interpreter):
+    """One-hot rows of x pick single weights: out[i, n] = W[n, k_i] with one product, so the kernel's
+    dequantized values (the PTX on a GPU) must equal the float32 reference rounded once, bit for bit, at
+    every value position j of a word and in every tile."""
+    skip_bf16_on_interpreter(dtype)
+    k, n = 512, 128
+    plain = packed_weight(k, n, 4, 128, False, device, seed=5, scales_dtype=dtype)
+    plain.scales.mul_(torch.where(torch.arange(n, device=device) % 3 == 0, -1.0, 1.0).to(dtype))  # both signs
+    weight = prepare_pairs(plain)
+    columns = torch.arange(0, k, 3, device=device)  # every position j = column % 8 of every tile
+    x = torch.zeros(len(columns), k, dtype=dtype, device=device)
+    x[torch.arange(len(columns)), columns] = 1
+    out = quant_matmul_pairs(x, weight, None, QuantMatmulConfig(16, 64, 128, 1))
+    assert torch.equal(out, weight.dense(dtype)[:, columns].t())
+
+
+def test_pick_pairs_config_splits_k_to_cover_the_sms():
+    down = PackedWeight(torch.empty((18944 // 8, 3584), dtype=torch.int32), torch.empty(0), torch.empty(0), 4,
+                        128, None, tile_rows=128)
+    config = pick_pairs_config(1, down, 132)
+    # 28 column tiles, 148 K tiles (4 divides them, 8 does not): 112 programs
+    assert (config.block_m, config.block_n, config.block_k, config.split_k) == (16, 128, 128, 4)
+    gate_up = PackedWeight(torch.empty((3584 // 8, 37888), dtype=torch.int32), torch.empty(0), torch.empty(0), 4,
+                           128, None, tile_rows=128)
+    assert pick_pairs_config(1, gate_up, 132).split_k == 1  # 296 column tiles
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(("k", "n"), [(3584, 4608), (18944, 3584), (3584, 37888)], ids=["qkv", "down", "gate_up"])
 @pytest.mark.parametrize("m", [1, 8, 64, 100, 300, 1024])
-def test_real_shapes_through_ops(dtype, k, n, m, device):
-    """Qwen2.5-7B's projections at 4 bits (groups of 128), through `ops.quantized_linear`'s choice of the
-    fused kernel (split-K where it splits) or the dequantizer and cuBLAS, with a bias; GPU only."""
+@pytest.mark.parametrize("layout", ["plain", "prepared"])
+def test_real_shapes_through_ops(dtype, k, n, m, layout, device):
+    """Qwen2.5-7B's projections at 4 bits (groups of 128), through `ops.quantized_linear`'s choice of a
+    fused kernel (split-K where it splits; the paired-dequantizing one for the layout `prepare_quantized`
+    gives) or the dequantizer and cuBLAS, with a bias; GPU only."""
     from kvserve.kernels import ops
 
     if device.type != "cuda":
         pytest.skip("real shapes run on a GPU only (the interpreter is too slow for them)")
-    weight = packed_weight(k, n, 4, 128, False, device, seed=m)
+    weight = packed_weight(k, n, 4, 128, False, device, seed=m, scales_dtype=dtype)
+    if layout == "prepared":
+        weight = ops.prepare_quantized(weight, dtype)
+        assert weight.zero_scale is not None
     gen = torch.Generator().manual_seed(m)
     x = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
     b = torch.randn(n, generator=gen).to(device=device, dtype=dtype)
@@ -116,13 +217,16 @@ def test_real_shapes_through_ops(dtype, k, n, m, device):
     torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol * scale)
 
 
-def test_act_order_permutation_on_a_gpu(device):
-    """8 bits, a permuted K at a real width, both paths."""
+@pytest.mark.parametrize("bits", [8, 4])
+def test_act_order_permutation_on_a_gpu(bits, device):
+    """A permuted K at a real width, both paths (4 bits: the paired kernel's layout)."""
     from kvserve.kernels import ops
 
     if device.type != "cuda":
         pytest.skip("GPU only")
-    weight = packed_weight(3584, 512, 8, 128, True, device, seed=3)
+    weight = packed_weight(3584, 512, bits, 128, True, device, seed=3, scales_dtype=torch.bfloat16)
+    weight = ops.prepare_quantized(weight, torch.bfloat16)
+    assert (weight.zero_scale is not None) == (bits == 4)
     x = torch.randn(300, 3584, generator=torch.Generator().manual_seed(3)).to(device=device, dtype=torch.bfloat16)
     expected = torch.nn.functional.linear(x.float(), weight.dense(torch.bfloat16).float())
     scale = expected.abs().max().item()
