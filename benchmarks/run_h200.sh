@@ -702,24 +702,29 @@ PY
     pairs34) # The paired-dequantizing 4-bit matmul in the engine: its kernel and engine GPU tests, the matmul table
         # against bf16, the AWQ engine (start, decode 1 / 8 / 64 x 1k, seeds), a tiling sweep, the bf16 engine's
         # decode on the same host.
-        timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_triton_quant.py \
+        # Each log goes to $OUT as soon as its part ends (a run cut at the call's limit keeps what finished).
+        timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_triton_quant.py \
           tests/gpu/test_gpu_quantized.py -k "pairs or real_shapes or act_order or prepared or gpu_quantized" -s \
           > "$R/pytest_pairs34.log" 2>&1
         echo "pytest rc=$?" >> "$R/pytest_pairs34.log"
+        cp "$R/pytest_pairs34.log" "$OUT/"
         grep -a "AWQ bf16:" "$R/pytest_pairs34.log"; tail -3 "$R/pytest_pairs34.log"
-        timeout 150 python3 benchmarks/quant_matmul_bench.py --out "$R/pairs34" --rows 1,8,16,32,64,128 \
+        timeout 120 python3 benchmarks/quant_matmul_bench.py --out "$R/pairs34" --rows 1,8,16,32,64,128 \
           --repeats 5 > "$R/pairs34_matmul.log" 2>&1
+        cp "$R/pairs34_matmul.log" "$OUT/"
         tail -26 "$R/pairs34_matmul.log"
-        timeout 240 python3 benchmarks/engine_benchmarks.py --out "$R/pairs34" --quantization awq \
+        timeout 180 python3 benchmarks/engine_benchmarks.py --out "$R/pairs34" --quantization awq \
           --sections start,decode,seeds --decode-contexts 1024 > "$R/pairs34_awq.log" 2>&1
+        cp "$R/pairs34_awq.log" "$OUT/"
         tail -12 "$R/pairs34_awq.log"
-        timeout 150 python3 benchmarks/quant_matmul_bench.py --out "$R/pairs34" --pairs-sweep \
+        timeout 100 python3 benchmarks/quant_matmul_bench.py --out "$R/pairs34" --pairs-sweep \
           --sweep-rows 16,32,64,128 > "$R/pairs34_sweep.log" 2>&1
+        cp "$R/pairs34_sweep.log" "$OUT/"
         tail -17 "$R/pairs34_sweep.log"
-        timeout 150 python3 benchmarks/engine_benchmarks.py --out "$R/pairs34/bf16" --sections decode \
+        timeout 100 python3 benchmarks/engine_benchmarks.py --out "$R/pairs34/bf16" --sections decode \
           --decode-contexts 1024 > "$R/pairs34_bf16.log" 2>&1
-        tail -4 "$R/pairs34_bf16.log"
-        cp "$R"/pytest_pairs34.log "$R"/pairs34_*.log "$OUT/" ;;
+        cp "$R/pairs34_bf16.log" "$OUT/"
+        tail -4 "$R/pairs34_bf16.log" ;;
     lop34) # The 4-bit matmul dequantizing two values per instruction (benchmarks/quant_lop3_probe.py) against the
         # engine's kernel and cuBLAS bf16 at the 7B shapes, 16 and 64 rows.
         timeout 560 python3 benchmarks/quant_lop3_probe.py --out "$R/lop34" > "$R/lop34.log" 2>&1
