@@ -210,28 +210,29 @@ def block_k_for(weight: PackedWeight) -> int | None:
     return None
 
 
+def _column_split(column_tiles: int, chunks: int, programs: int) -> int:
+    """The K split (a power of 2 up to 16 dividing the `chunks` K tiles) that first gives the column tiles
+    `programs` programs or more. It depends on the weight only, never on the rows: a row's value must not
+    change when a CUDA graph pads its batch to more rows."""
+    split = 1
+    while column_tiles * split < programs and split < 16 and chunks % (split * 2) == 0:
+        split *= 2
+    return split
+
+
 def pick_config(num_rows: int, weight: PackedWeight, num_sms: int) -> QuantMatmulConfig | None:
-    """Tiling for `num_rows` rows of x (fitted to `benchmarks/quant_matmul_bench.py --sweep` on the H200 at
-    the 7B shapes, docs/perf_notes.md entry 52); None when the weight's groups fit no K tile."""
+    """Tiling for `num_rows` rows of x (up to `ops.QUANT_DENSE_MIN_ROWS`; fitted to
+    `benchmarks/quant_matmul_bench.py --sweep` on the H200 at the 7B shapes, docs/perf_notes.md entry 52);
+    None when the weight's groups fit no K tile. 16-row tiles up to 16 rows, 32-row tiles above (16-row MMA
+    instructions either way), a split for 2 programs per SM at one row tile: each row's value is the same at
+    any row count (entry 53)."""
     block_k = block_k_for(weight)
     if block_k is None or weight.tile_rows:
         return None
     block_k = min(block_k, 64)
-    n, k = weight.output_size, weight.input_size
-    if num_rows <= 16:
-        block_m, block_n = 16, 128
-    elif num_rows <= 32:
-        block_m, block_n = 32, 128
-    elif num_rows <= 64:
-        block_m, block_n = 64, 128
-    else:
-        block_m, block_n = 128, 64
-    tiles = triton.cdiv(num_rows, block_m) * triton.cdiv(n, block_n)
-    chunks = k // block_k
-    split = 1
-    # Split K until the programs cover the SMs twice, each split a whole number of K tiles.
-    while tiles * split < 2 * num_sms and split < 16 and chunks % (split * 2) == 0:
-        split *= 2
+    block_m = 16 if num_rows <= 16 else 32
+    block_n = 128
+    split = _column_split(triton.cdiv(weight.output_size, block_n), weight.input_size // block_k, 2 * num_sms)
     return QuantMatmulConfig(block_m, block_n, block_k, split, 4, 3)
 
 
@@ -427,14 +428,15 @@ def _quant_matmul_pairs_kernel(
 
 
 def pick_pairs_config(num_rows: int, weight: PackedWeight, num_sms: int) -> QuantMatmulConfig:
-    """Tiling of `quant_matmul_pairs` for `num_rows` rows (block_k is the fixed 128-row tile)."""
-    block_m, block_n = 16, 128
-    n, k = weight.output_size, weight.input_size
-    tiles = triton.cdiv(num_rows, block_m) * triton.cdiv(n, block_n)
-    chunks = k // PAIRS_TILE_ROWS
-    split = 1
-    while tiles * split < 2 * num_sms and split < 16 and chunks % (split * 2) == 0:
-        split *= 2
+    """Tiling of `quant_matmul_pairs` for `num_rows` rows (block_k is the fixed 128-row tile), from session
+    35's sweep at the 7B shapes (docs/perf_notes.md entry 53): 16-row tiles up to 16 rows, 32-row tiles
+    above, and a split for 3/4 of the SMs. As in `pick_config`, each row's value is the same at any row
+    count (the same 16-row MMA instructions over the same K order, a split that depends on the weight only),
+    so a CUDA graph replaying a batch padded to more rows computes what the eager step does."""
+    block_m = 16 if num_rows <= 16 else 32
+    block_n = 128
+    split = _column_split(triton.cdiv(weight.output_size, block_n), weight.input_size // PAIRS_TILE_ROWS,
+                          triton.cdiv(3 * num_sms, 4))
     return QuantMatmulConfig(block_m, block_n, PAIRS_TILE_ROWS, split, 4, 3)
 
 

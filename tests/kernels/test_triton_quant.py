@@ -95,18 +95,31 @@ def test_a_group_no_tile_divides_has_no_config():
 
 
 def test_pick_config_splits_k_to_cover_the_sms():
-    # Qwen2.5-7B's down projection at 4 bits, groups of 128: 56 column tiles at batch 1.
+    # Qwen2.5-7B's down projection at 4 bits, groups of 128: 28 column tiles.
     weight = PackedWeight(torch.empty((18944 // 8, 3584), dtype=torch.int32), torch.empty(0), torch.empty(0), 4,
                           128, None)
     config = pick_config(1, weight, 132)
     assert config is not None and config.block_m == 16 and config.block_k == 64 and config.block_n == 128
-    # 28 column tiles; 296 K tiles: 8 divides them, 16 does not; 224 programs, short of 2 x 132 SMs
+    # 296 K tiles: 8 divides them, 16 does not; 224 programs, short of 2 x 132 SMs
     assert config.split_k == 8
-    assert pick_config(64, weight, 132).block_m == 64
-    assert pick_config(100, weight, 132).block_m == 128
+    assert pick_config(17, weight, 132) == QuantMatmulConfig(32, 128, 64, 8, 4, 3)
     wide = PackedWeight(torch.empty((3584 // 8, 37888), dtype=torch.int32), torch.empty(0), torch.empty(0), 4,
                         128, None)
     assert pick_config(1, wide, 132).split_k == 1  # 296 column tiles already cover the SMs twice
+
+
+@pytest.mark.parametrize(("k", "n", "bits", "group"), [(18944, 3584, 4, 128), (3584, 4608, 8, 128),
+                                                      (3584, 37888, 4, 64), (256, 96, 4, 32)])
+def test_pick_config_rows_change_no_rows_values(k, n, bits, group):
+    """As for the paired kernel: one K split and 16-row MMA tiles (16 or 32 rows) at every row count up to
+    the dense path's threshold, so a CUDA graph's padding does not change a row's value."""
+    weight = PackedWeight(torch.empty((k * bits // 32, n), dtype=torch.int32), torch.empty(0), torch.empty(0),
+                          bits, group, None)
+    configs = {pick_config(m, weight, 132) for m in range(1, 129)}
+    assert None not in configs
+    assert len({c.split_k for c in configs}) == 1
+    assert {c.block_m for c in configs} <= {16, 32}
+    assert len({(c.block_n, c.block_k, c.num_warps, c.num_stages) for c in configs}) == 1
 
 
 def test_interleaved_tiles_put_value_j_of_word_r_at_row_j_r():
@@ -179,15 +192,28 @@ def test_pairs_dequantizes_exactly(dtype, device, skip_bf16_on_interpreter):
     assert torch.equal(out, weight.dense(dtype)[:, columns].t())
 
 
+def _tiled(k: int, n: int) -> PackedWeight:
+    return PackedWeight(torch.empty((k // 8, n), dtype=torch.int32), torch.empty(0), torch.empty(0), 4, 128, None,
+                        tile_rows=128)
+
+
 def test_pick_pairs_config_splits_k_to_cover_the_sms():
-    down = PackedWeight(torch.empty((18944 // 8, 3584), dtype=torch.int32), torch.empty(0), torch.empty(0), 4,
-                        128, None, tile_rows=128)
-    config = pick_pairs_config(1, down, 132)
-    # 28 column tiles, 148 K tiles (4 divides them, 8 does not): 112 programs
-    assert (config.block_m, config.block_n, config.block_k, config.split_k) == (16, 128, 128, 4)
-    gate_up = PackedWeight(torch.empty((3584 // 8, 37888), dtype=torch.int32), torch.empty(0), torch.empty(0), 4,
-                           128, None, tile_rows=128)
-    assert pick_pairs_config(1, gate_up, 132).split_k == 1  # 296 column tiles
+    # down: 28 column tiles, 148 K tiles (4 divides them, 8 does not): 112 programs per row tile
+    assert pick_pairs_config(1, _tiled(18944, 3584), 132) == QuantMatmulConfig(16, 128, 128, 4, 4, 3)
+    assert pick_pairs_config(1, _tiled(3584, 4608), 132).split_k == 4  # qkv: 36 column tiles, 144 programs
+    assert pick_pairs_config(1, _tiled(3584, 37888), 132).split_k == 1  # gate_up: 296 column tiles
+    assert pick_pairs_config(1, _tiled(256, 64), 132).split_k == 2  # only 2 K tiles to split
+    assert pick_pairs_config(17, _tiled(18944, 3584), 132) == QuantMatmulConfig(32, 128, 128, 4, 4, 3)
+
+
+@pytest.mark.parametrize(("k", "n"), [(18944, 3584), (3584, 4608), (3584, 37888), (3584, 512), (128, 64)])
+def test_pick_pairs_config_rows_change_no_rows_values(k, n):
+    """A row's value must not depend on how many rows its batch has (a CUDA graph pads the batch): the K
+    split and the MMA tile's row count (16-row instructions either way: 16 or 32) are the same at any count."""
+    configs = {pick_pairs_config(m, _tiled(k, n), 132) for m in range(1, 129)}
+    assert len({c.split_k for c in configs}) == 1
+    assert {c.block_m for c in configs} <= {16, 32}
+    assert {(c.block_n, c.block_k, c.num_warps, c.num_stages) for c in configs} == {(128, 128, 4, 3)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -215,6 +241,28 @@ def test_real_shapes_through_ops(dtype, k, n, m, layout, device):
     scale = expected.abs().max().item()
     tol = 2**-7 if dtype == torch.bfloat16 else 2**-10
     torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol * scale)
+
+
+@pytest.mark.parametrize(("k", "n"), [(3584, 4608), (18944, 3584)], ids=["qkv", "down"])
+@pytest.mark.parametrize(("bits", "group"), [(4, 128), (4, 64), (8, 128)], ids=["paired", "g64", "8bit"])
+def test_rows_do_not_depend_on_the_batch_rows(k, n, bits, group, device):
+    """What a CUDA graph padding a batch relies on: each row of the quantized matmul's output (the paired
+    kernel for 4 bits in groups of 128, the other one else) is bitwise the same whether its batch has r rows
+    or is padded to 64 or 128; GPU only."""
+    from kvserve.kernels import ops
+
+    if device.type != "cuda":
+        pytest.skip("GPU only (the MMA instructions are what is checked)")
+    weight = ops.prepare_quantized(
+        packed_weight(k, n, bits, group, False, device, seed=7, scales_dtype=torch.bfloat16), torch.bfloat16)
+    assert (weight.zero_scale is not None) == (bits == 4 and group == 128)
+    x = torch.randn(128, k, generator=torch.Generator().manual_seed(7)).to(device=device, dtype=torch.bfloat16)
+    padded = {p: ops.quantized_linear(x[:p], weight) for p in (64, 128)}
+    for r in (1, 5, 16, 17, 40, 64, 100):
+        out = ops.quantized_linear(x[:r], weight)
+        for p, whole in padded.items():
+            if p >= r:
+                assert torch.equal(out, whole[:r]), (r, p)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
