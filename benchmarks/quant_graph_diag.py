@@ -7,6 +7,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
 
@@ -14,14 +15,19 @@ import test_gpu_quantized as t  # noqa: E402
 from helpers.quantized import quantize_checkpoint  # noqa: E402
 from helpers.tiny_models import make_bare_checkpoint  # noqa: E402
 
+from kvserve.config import EngineArgs  # noqa: E402
+from kvserve.engine.engine_core import EngineCore  # noqa: E402
 from kvserve.protocol.engine import EngineCoreRequest  # noqa: E402
 from kvserve.protocol.sampling_params import SamplingParams  # noqa: E402
 
 DEVICE = "cuda" if len(sys.argv) < 2 else sys.argv[1]
 
 
-def run(path: str, eager: bool, prompts: list[list[int]]) -> list[tuple[int, list]]:
-    core = t._core(path, DEVICE, "bfloat16" if DEVICE == "cuda" else "float32", enforce_eager=eager)
+def run(path: str, eager: bool, prompts: list[list[int]], step_tokens: int) -> tuple[list[int], list[tuple]]:
+    args = EngineArgs(model=path, dtype="bfloat16" if DEVICE == "cuda" else "float32", device=DEVICE,
+                      enforce_eager=eager, max_model_len=1024, num_kv_blocks=512, max_num_seqs=16,
+                      max_num_batched_tokens=step_tokens)
+    core = EngineCore(args.create_engine_config())
     runner = core.runner
     sizes: list[int] = []
     launch = runner.execute_model_async
@@ -51,15 +57,14 @@ def main() -> None:
         dense = make_bare_checkpoint(str(root / name / "dense"), model_type, seed=i, vocab_size=t.VOCAB)
         quantize_checkpoint(dense, str(root / name / "q"), str(root / name / "d"), **kwargs)
         prompts = t._prompts(8, seed=5)
-        gs, g = run(str(root / name / "q"), False, prompts)
-        es, e = run(str(root / name / "q"), True, prompts)
-        print(name, "step tokens graph", gs, "eager", es)
-        first = next((a, b) for a, b in zip(sorted(g, key=lambda s: (int(s[1]), s[0])),
-                                            sorted(e, key=lambda s: (int(s[1]), s[0])), strict=False) if a != b) \
-            if g != e else None
-        diffs = [(a, b) for a, b in zip(g, e, strict=False) if a[3] != b[3]]
-        print(name, "identical" if not diffs else f"first differing output (graph, eager): {diffs[0]}", first)
-
+        for step_tokens in (512, 128):
+            gs, g = run(str(root / name / "q"), False, prompts, step_tokens)
+            es, e = run(str(root / name / "q"), True, prompts, step_tokens)
+            diffs = [(a, b) for a, b in zip(g, e, strict=True) if a != b]
+            print(name, step_tokens, "step tokens", gs if gs == es else (gs, es))
+            print(name, step_tokens, "identical" if not diffs else
+                  f"{len(diffs)} of {len(g)} outputs differ; first (step, request, top ids, logprobs) graph "
+                  f"{diffs[0][0]} eager {diffs[0][1]}")
 
 if __name__ == "__main__":
     main()
