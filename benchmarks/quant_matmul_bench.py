@@ -255,7 +255,10 @@ def main() -> int:
     p.add_argument("--sweep", action="store_true", help="time tilings of both kernels instead")
     p.add_argument("--pairs-sweep", action="store_true", help="time tilings of the paired-dequantizing kernel")
     p.add_argument("--sweep-rows", type=lambda v: [int(x) for x in v.split(",")], default=[1, 16, 64, 128, 256])
+    p.add_argument("--pairs-32-row-tiles", action="store_true",
+                   help="the paired kernel in 32-row tiles past 32 rows (A/B of its 64-row tiles of two dots)")
     args = p.parse_args()
+    triton_quant.PAIRS_TWO_DOTS = not args.pairs_32_row_tiles
     gen = torch.Generator(device="cuda").manual_seed(0)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     if args.sweep or args.pairs_sweep:

@@ -210,29 +210,28 @@ def block_k_for(weight: PackedWeight) -> int | None:
     return None
 
 
-def _column_split(column_tiles: int, chunks: int, programs: int) -> int:
-    """The K split (a power of 2 up to 16 dividing the `chunks` K tiles) that first gives the column tiles
-    `programs` programs or more. It depends on the weight only, never on the rows: a row's value must not
-    change when a CUDA graph pads its batch to more rows."""
-    split = 1
-    while column_tiles * split < programs and split < 16 and chunks % (split * 2) == 0:
-        split *= 2
-    return split
-
-
 def pick_config(num_rows: int, weight: PackedWeight, num_sms: int) -> QuantMatmulConfig | None:
-    """Tiling for `num_rows` rows of x (up to `ops.QUANT_DENSE_MIN_ROWS`; fitted to
-    `benchmarks/quant_matmul_bench.py --sweep` on the H200 at the 7B shapes, docs/perf_notes.md entry 52);
-    None when the weight's groups fit no K tile. 16-row tiles up to 16 rows, 32-row tiles above (16-row MMA
-    instructions either way), a split for 2 programs per SM at one row tile: each row's value is the same at
-    any row count (entry 53)."""
+    """Tiling for `num_rows` rows of x (fitted to `benchmarks/quant_matmul_bench.py --sweep` on the H200 at
+    the 7B shapes, docs/perf_notes.md entry 52); None when the weight's groups fit no K tile."""
     block_k = block_k_for(weight)
     if block_k is None or weight.tile_rows:
         return None
     block_k = min(block_k, 64)
-    block_m = 16 if num_rows <= 16 else 32
-    block_n = 128
-    split = _column_split(triton.cdiv(weight.output_size, block_n), weight.input_size // block_k, 2 * num_sms)
+    n, k = weight.output_size, weight.input_size
+    if num_rows <= 16:
+        block_m, block_n = 16, 128
+    elif num_rows <= 32:
+        block_m, block_n = 32, 128
+    elif num_rows <= 64:
+        block_m, block_n = 64, 128
+    else:
+        block_m, block_n = 128, 64
+    tiles = triton.cdiv(num_rows, block_m) * triton.cdiv(n, block_n)
+    chunks = k // block_k
+    split = 1
+    # Split K until the programs cover the SMs twice, each split a whole number of K tiles.
+    while tiles * split < 2 * num_sms and split < 16 and chunks % (split * 2) == 0:
+        split *= 2
     return QuantMatmulConfig(block_m, block_n, block_k, split, 4, 3)
 
 
@@ -287,6 +286,8 @@ def dequantize(weight: PackedWeight, dtype: torch.dtype, block_n: int = 64, gath
 # ---------------------------------------------------------------------------- the paired-dequantizing kernel
 
 PAIRS_TILE_ROWS = 128  # K rows of a tile: 8 dots of depth 16
+# Rows past 32 in 64-row tiles of two 32-row dots (else 32-row tiles); an A/B switch for the benchmarks.
+PAIRS_TWO_DOTS = True
 
 
 def pairs_fit(weight: PackedWeight, dtype: torch.dtype) -> bool:
@@ -393,20 +394,27 @@ def _quant_matmul_pairs_kernel(
     ASM: tl.constexpr,
 ):
     """out[M, N] (or split-K partials) for a `prepare_pairs` weight; programs (m tile fastest, so the row
-    tiles of one column tile run together and share its weight in L2) x K splits."""
+    tiles of one column tile run together and share its weight in L2) x K splits. A 64-row tile runs two
+    32-row dots per dequantized tile (one dequantization for both; the 16-row MMA instructions stay what
+    a 16- or 32-row tile runs, where one 64-row dot would be Hopper's warpgroup MMA)."""
     BLOCK_K: tl.constexpr = 128
     R: tl.constexpr = BLOCK_K // 8
+    SUB_M: tl.constexpr = BLOCK_M if BLOCK_M <= 32 else 32
+    TWO: tl.constexpr = BLOCK_M == 2 * SUB_M
     pid = tl.program_id(0)
     pid_m = pid % m_tiles
     pid_n = pid // m_tiles
     pid_k = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, SUB_M)
+    offs_m2 = offs_m + SUB_M
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
+    mask_m2 = offs_m2 < M
     mask_n = offs_n < N
     r = tl.arange(0, R)
     dtype: tl.constexpr = x_ptr.dtype.element_ty
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((SUB_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((SUB_M, BLOCK_N), dtype=tl.float32)
     k_begin = pid_k * k_per_split
     for k0 in range(k_begin, k_begin + k_per_split, BLOCK_K):
         words = tl.load(qweight_ptr + (k0 // 8 + r)[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0)
@@ -417,26 +425,41 @@ def _quant_matmul_pairs_kernel(
             # Value j of the tile's words: rows k0 + j R .. k0 + j R + R - 1.
             x = tl.load(x_tile + j * R, mask=mask_m[:, None], other=0.0)
             acc = tl.dot(x, values[j], acc)
+            if TWO:
+                x2 = tl.load(x_tile + SUB_M * stride_xm + j * R, mask=mask_m2[:, None], other=0.0)
+                acc2 = tl.dot(x2, values[j], acc2)
+    _store_pairs_tile(acc, offs_m, mask_m, offs_n, mask_n, bias_ptr, out_ptr, M, N, pid_k, HAS_BIAS, PARTIALS)
+    if TWO:
+        _store_pairs_tile(acc2, offs_m2, mask_m2, offs_n, mask_n, bias_ptr, out_ptr, M, N, pid_k, HAS_BIAS,
+                          PARTIALS)
+
+
+@triton.jit
+def _store_pairs_tile(acc, offs_m, mask_m, offs_n, mask_n, bias_ptr, out_ptr, M, N, pid_k,
+                      HAS_BIAS: tl.constexpr, PARTIALS: tl.constexpr):
+    """A tile's float32 sums as split pid_k's partials, or (+ bias) rounded into out."""
+    mask = mask_m[:, None] & mask_n[None, :]
     if PARTIALS:
-        part = out_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :]
-        tl.store(part, acc, mask=mask_m[:, None] & mask_n[None, :])
+        tl.store(out_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=mask)
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        out = out_ptr + offs_m[:, None] * N + offs_n[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def pick_pairs_config(num_rows: int, weight: PackedWeight, num_sms: int) -> QuantMatmulConfig:
     """Tiling of `quant_matmul_pairs` for `num_rows` rows (block_k is the fixed 128-row tile), from session
-    35's sweep at the 7B shapes (docs/perf_notes.md entry 53): 16-row tiles up to 16 rows, 32-row tiles
-    above, and a split for 3/4 of the SMs. As in `pick_config`, each row's value is the same at any row
-    count (the same 16-row MMA instructions over the same K order, a split that depends on the weight only),
-    so a CUDA graph replaying a batch padded to more rows computes what the eager step does."""
-    block_m = 16 if num_rows <= 16 else 32
+    35's sweep at the 7B shapes (docs/perf_notes.md entry 53): 16-row tiles up to 16 rows, 32 up to 32, 64
+    (two 32-row dots) above; K split until the column tiles give 3/4 of the SMs a program. Each row's value
+    is the same at any row count (the same 16-row MMA instructions over the same K order, a split that
+    depends on the weight only), so a CUDA graph padding a step's rows does not change the matmul's rows."""
+    block_m = 16 if num_rows <= 16 else 32 if num_rows <= 32 or not PAIRS_TWO_DOTS else 64
     block_n = 128
-    split = _column_split(triton.cdiv(weight.output_size, block_n), weight.input_size // PAIRS_TILE_ROWS,
-                          triton.cdiv(3 * num_sms, 4))
+    column_tiles = triton.cdiv(weight.output_size, block_n)
+    chunks = weight.input_size // PAIRS_TILE_ROWS
+    split = 1
+    while 4 * column_tiles * split < 3 * num_sms and split < 16 and chunks % (split * 2) == 0:
+        split *= 2
     return QuantMatmulConfig(block_m, block_n, PAIRS_TILE_ROWS, split, 4, 3)
 
 

@@ -5,7 +5,7 @@ dequantized weight with cuBLAS); the CPU dequantizes at load. Both must compute 
 
 * float32: greedy tokens on the GPU (CUDA graphs, prompts long enough that prefill chunks take the dense
   path and decode the fused kernel) equal the CPU's, and the logprobs agree;
-* bfloat16: CUDA graphs equal eager;
+* bfloat16: CUDA graphs agree with eager (logprobs close, greedy tokens parting only at near ties);
 * float32, every step through the fused kernel (the dense path's threshold out of reach) equals the default
   split;
 * bfloat16 with 4-bit weights in 128-row groups (the paired-dequantizing kernel, kernels/triton_quant.py):
@@ -103,12 +103,32 @@ def test_float32_gpu_matches_cpu(checkpoints: dict[str, str], case: str) -> None
             assert a.logprobs == pytest.approx(b.logprobs, abs=2e-3)
 
 
+# bf16 logprobs of CUDA graphs and eager steps agree within this, and their greedy tokens part only where the
+# top two are closer than it.
+GRAPH_LOGPROB_TOL = 0.02
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_bf16_graphs_match_eager(checkpoints: dict[str, str], case: str) -> None:
+    """CUDA graphs (decode graphs, piecewise graphs padding steps to 64 / 128 / ... tokens) against eager steps
+    in bfloat16. Not bitwise: a decode graph's attention splits long contexts by its context-length bucket,
+    an eager step by the batch's own longest context, and cuBLAS may round a 310-row step and its 320-row
+    padding differently (session 35 measured logprobs 2e-4 to 2e-3 apart and a near tie at the 13th
+    generated token). So: every logprob within GRAPH_LOGPROB_TOL while the tokens agree, a request's tokens
+    parting only at a near tie (the eager top two within GRAPH_LOGPROB_TOL), and most tokens compared."""
     prompts = _prompts(8, seed=5)
-    with_graphs = [t for t, _ in _generate(_core(checkpoints[case], "cuda", "bfloat16"), prompts, 20)]
-    eager = [t for t, _ in _generate(_core(checkpoints[case], "cuda", "bfloat16", enforce_eager=True), prompts, 20)]
-    assert with_graphs == eager
+    graphs = _generate(_core(checkpoints[case], "cuda", "bfloat16"), prompts, 20)
+    eager = _generate(_core(checkpoints[case], "cuda", "bfloat16", enforce_eager=True), prompts, 20)
+    compared = 0
+    for (g_tokens, g_lps), (e_tokens, e_lps) in zip(graphs, eager, strict=True):
+        assert len(g_tokens) == len(e_tokens) == 20
+        for g_token, e_token, g, e in zip(g_tokens, e_tokens, g_lps, e_lps, strict=True):
+            if g_token != e_token:  # eager's runner-up, a near tie
+                assert g_token == e.token_ids[2] and e.logprobs[1] - e.logprobs[2] <= GRAPH_LOGPROB_TOL, (e, g)
+                break
+            compared += 1
+            assert g.logprobs == pytest.approx(e.logprobs, abs=GRAPH_LOGPROB_TOL)
+    assert compared >= 120, compared  # of 160
 
 
 def test_fused_path_alone_matches_the_default_split(checkpoints: dict[str, str],

@@ -95,31 +95,18 @@ def test_a_group_no_tile_divides_has_no_config():
 
 
 def test_pick_config_splits_k_to_cover_the_sms():
-    # Qwen2.5-7B's down projection at 4 bits, groups of 128: 28 column tiles.
+    # Qwen2.5-7B's down projection at 4 bits, groups of 128, one row.
     weight = PackedWeight(torch.empty((18944 // 8, 3584), dtype=torch.int32), torch.empty(0), torch.empty(0), 4,
                           128, None)
     config = pick_config(1, weight, 132)
     assert config is not None and config.block_m == 16 and config.block_k == 64 and config.block_n == 128
-    # 296 K tiles: 8 divides them, 16 does not; 224 programs, short of 2 x 132 SMs
+    # 28 column tiles; 296 K tiles: 8 divides them, 16 does not; 224 programs, short of 2 x 132 SMs
     assert config.split_k == 8
-    assert pick_config(17, weight, 132) == QuantMatmulConfig(32, 128, 64, 8, 4, 3)
+    assert pick_config(64, weight, 132).block_m == 64
+    assert pick_config(100, weight, 132).block_m == 128
     wide = PackedWeight(torch.empty((3584 // 8, 37888), dtype=torch.int32), torch.empty(0), torch.empty(0), 4,
                         128, None)
     assert pick_config(1, wide, 132).split_k == 1  # 296 column tiles already cover the SMs twice
-
-
-@pytest.mark.parametrize(("k", "n", "bits", "group"), [(18944, 3584, 4, 128), (3584, 4608, 8, 128),
-                                                      (3584, 37888, 4, 64), (256, 96, 4, 32)])
-def test_pick_config_rows_change_no_rows_values(k, n, bits, group):
-    """As for the paired kernel: one K split and 16-row MMA tiles (16 or 32 rows) at every row count up to
-    the dense path's threshold, so a CUDA graph's padding does not change a row's value."""
-    weight = PackedWeight(torch.empty((k * bits // 32, n), dtype=torch.int32), torch.empty(0), torch.empty(0),
-                          bits, group, None)
-    configs = {pick_config(m, weight, 132) for m in range(1, 129)}
-    assert None not in configs
-    assert len({c.split_k for c in configs}) == 1
-    assert {c.block_m for c in configs} <= {16, 32}
-    assert len({(c.block_n, c.block_k, c.num_warps, c.num_stages) for c in configs}) == 1
 
 
 def test_interleaved_tiles_put_value_j_of_word_r_at_row_j_r():
@@ -158,17 +145,19 @@ def test_prepared_weight_is_the_same_weight(device):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("group_rows", [128, 256])
-@pytest.mark.parametrize("m", [1, 7, 40])
+@pytest.mark.parametrize(("m", "block_m"), [(1, 16), (7, 16), (40, 16), (7, 64), (40, 64), (100, 64)])
 @pytest.mark.parametrize("split_k", [1, 2])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-def test_pairs_matches_reference(dtype, group_rows, m, split_k, bias, device, skip_bf16_on_interpreter):
+def test_pairs_matches_reference(dtype, group_rows, m, block_m, split_k, bias, device, skip_bf16_on_interpreter):
+    """n not a multiple of the 64-column tile; 40 rows: three 16-row tiles, the last partial; 64-row tiles
+    (two 32-row dots): the second dot's rows empty (7), partial (40), a second tile (100)."""
     skip_bf16_on_interpreter(dtype)
-    k, n = 256, 96  # n not a multiple of the 64-column tile; 40 rows: three 16-row tiles, the last partial
+    k, n = 256, 96
     weight = prepare_pairs(packed_weight(k, n, 4, group_rows, False, device, seed=m, scales_dtype=dtype))
     gen = torch.Generator().manual_seed(m)
     x = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
     b = torch.randn(n, generator=gen).to(device=device, dtype=dtype) if bias else None
-    out = quant_matmul_pairs(x, weight, b, QuantMatmulConfig(16, 64, 128, split_k))
+    out = quant_matmul_pairs(x, weight, b, QuantMatmulConfig(block_m, 64, 128, split_k))
     assert out.shape == (m, n) and out.dtype == dtype
     expected = torch.nn.functional.linear(x.float(), weight.dense(dtype).float(), None if b is None else b.float())
     tol = {torch.float16: 2**-10, torch.bfloat16: 2**-7}[dtype]
@@ -204,15 +193,16 @@ def test_pick_pairs_config_splits_k_to_cover_the_sms():
     assert pick_pairs_config(1, _tiled(3584, 37888), 132).split_k == 1  # gate_up: 296 column tiles
     assert pick_pairs_config(1, _tiled(256, 64), 132).split_k == 2  # only 2 K tiles to split
     assert pick_pairs_config(17, _tiled(18944, 3584), 132) == QuantMatmulConfig(32, 128, 128, 4, 4, 3)
+    assert pick_pairs_config(33, _tiled(18944, 3584), 132) == QuantMatmulConfig(64, 128, 128, 4, 4, 3)
 
 
 @pytest.mark.parametrize(("k", "n"), [(18944, 3584), (3584, 4608), (3584, 37888), (3584, 512), (128, 64)])
 def test_pick_pairs_config_rows_change_no_rows_values(k, n):
     """A row's value must not depend on how many rows its batch has (a CUDA graph pads the batch): the K
-    split and the MMA tile's row count (16-row instructions either way: 16 or 32) are the same at any count."""
+    split is the same at any count, and the tiles 16, 32 or 64 rows (16-row MMA instructions in each)."""
     configs = {pick_pairs_config(m, _tiled(k, n), 132) for m in range(1, 129)}
     assert len({c.split_k for c in configs}) == 1
-    assert {c.block_m for c in configs} <= {16, 32}
+    assert {c.block_m for c in configs} == {16, 32, 64}
     assert {(c.block_n, c.block_k, c.num_warps, c.num_stages) for c in configs} == {(128, 128, 4, 3)}
 
 
@@ -244,18 +234,16 @@ def test_real_shapes_through_ops(dtype, k, n, m, layout, device):
 
 
 @pytest.mark.parametrize(("k", "n"), [(3584, 4608), (18944, 3584)], ids=["qkv", "down"])
-@pytest.mark.parametrize(("bits", "group"), [(4, 128), (4, 64), (8, 128)], ids=["paired", "g64", "8bit"])
-def test_rows_do_not_depend_on_the_batch_rows(k, n, bits, group, device):
-    """What a CUDA graph padding a batch relies on: each row of the quantized matmul's output (the paired
-    kernel for 4 bits in groups of 128, the other one else) is bitwise the same whether its batch has r rows
-    or is padded to 64 or 128; GPU only."""
+def test_paired_rows_do_not_depend_on_the_batch_rows(k, n, device):
+    """Each row of the paired kernel's output is bitwise the same whether its batch has r rows or is padded
+    to 64 or 128 (as a piecewise CUDA graph pads a step); GPU only."""
     from kvserve.kernels import ops
 
     if device.type != "cuda":
         pytest.skip("GPU only (the MMA instructions are what is checked)")
     weight = ops.prepare_quantized(
-        packed_weight(k, n, bits, group, False, device, seed=7, scales_dtype=torch.bfloat16), torch.bfloat16)
-    assert (weight.zero_scale is not None) == (bits == 4 and group == 128)
+        packed_weight(k, n, 4, 128, False, device, seed=7, scales_dtype=torch.bfloat16), torch.bfloat16)
+    assert weight.zero_scale is not None
     x = torch.randn(128, k, generator=torch.Generator().manual_seed(7)).to(device=device, dtype=torch.bfloat16)
     padded = {p: ops.quantized_linear(x[:p], weight) for p in (64, 128)}
     for r in (1, 5, 16, 17, 40, 64, 100):
