@@ -104,31 +104,36 @@ def test_float32_gpu_matches_cpu(checkpoints: dict[str, str], case: str) -> None
 
 
 # bf16 logprobs of CUDA graphs and eager steps agree within this, and their greedy tokens part only where the
-# top two are closer than it.
-GRAPH_LOGPROB_TOL = 0.02
+# top two are closer than it: bf16's own error on these models is about 0.03 (HF bfloat16 against float32
+# in test_bf16_paired_kernel_logprobs_agree_with_hf), and two bf16 computations may sit on either side.
+GRAPH_LOGPROB_TOL = 0.08
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_bf16_graphs_match_eager(checkpoints: dict[str, str], case: str) -> None:
     """CUDA graphs (decode graphs, piecewise graphs padding steps to 64 / 128 / ... tokens) against eager steps
-    in bfloat16. Not bitwise: a decode graph's attention splits long contexts by its context-length bucket,
-    an eager step by the batch's own longest context, and cuBLAS may round a 310-row step and its 320-row
-    padding differently (session 35 measured logprobs 2e-4 to 2e-3 apart and a near tie at the 13th
-    generated token). So: every logprob within GRAPH_LOGPROB_TOL while the tokens agree, a request's tokens
-    parting only at a near tie (the eager top two within GRAPH_LOGPROB_TOL), and most tokens compared."""
+    in bfloat16. Not bitwise: a decode graph's attention splits the context as its capture's max_model_len
+    asks, an eager step as the batch's own longest context does (ops.decode_num_splits), and cuBLAS may round
+    a 310-row step and its 320-row padding differently (session 35: logprobs first apart at an 8-row decode
+    step that no padding touched, tokens parting at near ties). So: logprobs within GRAPH_LOGPROB_TOL while
+    the tokens agree, a request's tokens parting only at a near tie of eager's top two, most tokens compared."""
     prompts = _prompts(8, seed=5)
     graphs = _generate(_core(checkpoints[case], "cuda", "bfloat16"), prompts, 20)
     eager = _generate(_core(checkpoints[case], "cuda", "bfloat16", enforce_eager=True), prompts, 20)
-    compared = 0
+    compared, worst, ties = 0, 0.0, []
     for (g_tokens, g_lps), (e_tokens, e_lps) in zip(graphs, eager, strict=True):
         assert len(g_tokens) == len(e_tokens) == 20
         for g_token, e_token, g, e in zip(g_tokens, e_tokens, g_lps, e_lps, strict=True):
-            if g_token != e_token:  # eager's runner-up, a near tie
-                assert g_token == e.token_ids[2] and e.logprobs[1] - e.logprobs[2] <= GRAPH_LOGPROB_TOL, (e, g)
+            if g_token != e_token:  # must be eager's runner-up, a near tie
+                assert g_token == e.token_ids[2], (e, g)
+                ties.append(e.logprobs[1] - e.logprobs[2])
                 break
             compared += 1
-            assert g.logprobs == pytest.approx(e.logprobs, abs=GRAPH_LOGPROB_TOL)
-    assert compared >= 120, compared  # of 160
+            worst = max(worst, *(abs(a - b) for a, b in zip(g.logprobs, e.logprobs, strict=True)))
+    print(f"{case}: {compared} of 160 tokens compared, logprobs at most {worst:.4f} apart; ties {ties}")
+    assert worst <= GRAPH_LOGPROB_TOL
+    assert all(gap <= GRAPH_LOGPROB_TOL for gap in ties)
+    assert compared >= 120
 
 
 def test_fused_path_alone_matches_the_default_split(checkpoints: dict[str, str],
