@@ -18,7 +18,7 @@ range is split over programs, whose float32 partials [splits, M, N] are summed i
 `quant_matmul_pairs`: 4-bit weights with 128-row groups in a half-precision model, prepared by
 `prepare_pairs` (tile-interleaved words, each column's zero point and scale in one int32). A few lines of
 PTX turn one word into its 8 values two per instruction (`lop3` places two 4-bit values in the mantissas of
-two 16-bit floats, then a paired subtract of the zero point and a paired multiply by the scale): 15
+two 16-bit floats, then paired fused multiply-adds subtract the zero point and multiply by the scale): 15
 instructions for 8 weights against about 6 per weight above. The interleaving makes value j of a tile's
 words R consecutive K rows, so the tile is 8 dots of depth R over contiguous columns of x. Zero point and
 scale in one 4-byte word are a load the pipeliner copies ahead (1- and 2-byte loads stay synchronous in the
@@ -308,34 +308,39 @@ def prepare_pairs(weight: PackedWeight) -> PackedWeight:
 
 # One int32 word of eight 4-bit values (value i at bits 4 i) -> the 8 values (q - z) * s as 16-bit floats, two
 # per instruction: lop3 (word & 0x000f000f) | magic puts values i and i + 4 in the low mantissa bits of two
-# floats of magic + q (128 + q in bf16, 1024 + q in fp16, exact); subtracting magic + z (both halves) is exact;
-# the multiply rounds once. $8: the word; $9: magic + z; $10: s (16-bit); $0..$7: the values.
+# floats of magic + q (128 + q in bf16, 1024 + q in fp16, exact); p * 1 - (magic + z) (both halves) is exact;
+# p * s - 0 rounds once. Paired fma, not sub / mul: sm_80 has bf16x2 fma only (sub and mul need sm_90).
+# $8: the word; $9: -(magic + z); $10: s (16-bit); $0..$7: the values.
 _PAIRS_ASM_TEMPLATE = """{
-.reg .b32 t, p, zz, ss;
-mov.b32 zz, {$9, $9};
+.reg .b32 t, p, nz, ss, one, nzero;
+mov.b32 nz, {$9, $9};
 mov.b32 ss, {$10, $10};
+mov.b32 one, ONE;
+mov.b32 nzero, 0x80008000;
 lop3.b32 p, $8, 0x000f000f, MAGIC, 0xea;
-sub.rn.TYPE p, p, zz;
-mul.rn.TYPE p, p, ss;
+fma.rn.TYPE p, p, one, nz;
+fma.rn.TYPE p, p, ss, nzero;
 mov.b32 {$0, $4}, p;
 shr.u32 t, $8, 4;
 lop3.b32 p, t, 0x000f000f, MAGIC, 0xea;
-sub.rn.TYPE p, p, zz;
-mul.rn.TYPE p, p, ss;
+fma.rn.TYPE p, p, one, nz;
+fma.rn.TYPE p, p, ss, nzero;
 mov.b32 {$1, $5}, p;
 shr.u32 t, $8, 8;
 lop3.b32 p, t, 0x000f000f, MAGIC, 0xea;
-sub.rn.TYPE p, p, zz;
-mul.rn.TYPE p, p, ss;
+fma.rn.TYPE p, p, one, nz;
+fma.rn.TYPE p, p, ss, nzero;
 mov.b32 {$2, $6}, p;
 shr.u32 t, $8, 12;
 lop3.b32 p, t, 0x000f000f, MAGIC, 0xea;
-sub.rn.TYPE p, p, zz;
-mul.rn.TYPE p, p, ss;
+fma.rn.TYPE p, p, one, nz;
+fma.rn.TYPE p, p, ss, nzero;
 mov.b32 {$3, $7}, p;
 }"""
-_PAIRS_ASM_BF16 = tl.constexpr(_PAIRS_ASM_TEMPLATE.replace("MAGIC", "0x43004300").replace("TYPE", "bf16x2"))
-_PAIRS_ASM_FP16 = tl.constexpr(_PAIRS_ASM_TEMPLATE.replace("MAGIC", "0x64006400").replace("TYPE", "f16x2"))
+_PAIRS_ASM_BF16 = tl.constexpr(_PAIRS_ASM_TEMPLATE.replace("MAGIC", "0x43004300").replace("ONE", "0x3f803f80")
+                               .replace("TYPE", "bf16x2"))
+_PAIRS_ASM_FP16 = tl.constexpr(_PAIRS_ASM_TEMPLATE.replace("MAGIC", "0x64006400").replace("ONE", "0x3c003c00")
+                               .replace("TYPE", "f16x2"))
 _PAIRS_CONSTRAINTS = tl.constexpr("=h,=h,=h,=h,=h,=h,=h,=h,r,h,h")
 
 
@@ -354,11 +359,11 @@ def _word_values(words, zero_scale, dtype: tl.constexpr, ASM: tl.constexpr):
     if ASM:
         sb = tl.broadcast_to(scale_bits[None, :], words.shape)
         if dtype == tl.float16:
-            zb = tl.broadcast_to((z + 1024.0).to(dtype).to(tl.int16, bitcast=True)[None, :], words.shape)
+            zb = tl.broadcast_to((-(z + 1024.0)).to(dtype).to(tl.int16, bitcast=True)[None, :], words.shape)
             o = tl.inline_asm_elementwise(_PAIRS_ASM_FP16, _PAIRS_CONSTRAINTS, [words, zb, sb],
                                           dtype=(tl.int16,) * 8, is_pure=True, pack=1)
         else:
-            zb = tl.broadcast_to((z + 128.0).to(dtype).to(tl.int16, bitcast=True)[None, :], words.shape)
+            zb = tl.broadcast_to((-(z + 128.0)).to(dtype).to(tl.int16, bitcast=True)[None, :], words.shape)
             o = tl.inline_asm_elementwise(_PAIRS_ASM_BF16, _PAIRS_CONSTRAINTS, [words, zb, sb],
                                           dtype=(tl.int16,) * 8, is_pure=True, pack=1)
         values = (o[0].to(dtype, bitcast=True), o[1].to(dtype, bitcast=True), o[2].to(dtype, bitcast=True),

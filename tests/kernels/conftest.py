@@ -163,6 +163,7 @@ _TRITON_TYPES = {
     torch.bfloat16: "bf16",
     torch.int32: "i32",
     torch.int64: "i64",
+    torch.uint8: "u8",
 }
 
 
@@ -238,7 +239,7 @@ for line in sys.stdin:
         kernel = getattr(importlib.import_module(spec["module"]), spec["kernel"])
         attrs = {(i,): [["tt.divisibility", 16]] for i in spec["divisible"]}
         source = ASTSource(kernel, spec["signature"], spec["constexprs"], attrs)
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=spec["options"])
+        compiled = triton.compile(source, target=GPUTarget("cuda", spec.get("arch", 90), 32), options=spec["options"])
         ptx = compiled.asm["ptx"]
         result = {"kernel": spec["kernel"], "shared_bytes": compiled.metadata.shared,
                   "pdl": spec["options"].get("launch_pdl", False), "num_warps": spec["options"].get("num_warps"),
@@ -349,9 +350,10 @@ class HopperCompiler:
     (no GPU needed: triton ships ptxas), each distinct launch once, spread over the CPU cores. Catches what
     the interpreter lets through: type and layout errors, unsupported ops, shared memory over the limit."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, pdl: bool = False) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, pdl: bool = False, arch: int = 90) -> None:
         self._monkeypatch = monkeypatch
         self.pdl = pdl  # record the launches as they are on an sm_90 GPU with programmatic dependent launch
+        self.arch = arch  # the compute capability compiled for (90: Hopper; 80: Ampere, for kernels meant to run there)
         self.specs: list[dict] = []
 
     def record(self, module: ModuleType, kernel_names: list[str], call: Callable[[], object]) -> None:
@@ -365,7 +367,8 @@ class HopperCompiler:
             call()
         for name, recorder in recorders.items():
             assert recorder.launches, f"{name} was never launched"
-            self.specs += [_launch_spec(module, name, recorder.kernel, a, k) for a, k in recorder.launches]
+            self.specs += [_launch_spec(module, name, recorder.kernel, a, k) | {"arch": self.arch}
+                           for a, k in recorder.launches]
 
     def compile_all(self) -> list[dict]:
         """The compile result of every recorded launch, in recording order. A launch recorded twice with the
@@ -386,3 +389,12 @@ def hopper_compiler(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequ
         pytest.skip("the kernels run compiled on this machine; the ahead-of-time check is for CPU-only runs")
     pytest.importorskip("triton.backends.nvidia", reason="triton without its NVIDIA backend")
     return HopperCompiler(monkeypatch, pdl=request.param)
+
+
+@pytest.fixture
+def compiler_for(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], HopperCompiler]:
+    """Call with a compute capability (90, 80): a HopperCompiler of plain launches that compiles for it."""
+    if not INTERPRET:
+        pytest.skip("the kernels run compiled on this machine; the ahead-of-time check is for CPU-only runs")
+    pytest.importorskip("triton.backends.nvidia", reason="triton without its NVIDIA backend")
+    return lambda arch: HopperCompiler(monkeypatch, arch=arch)

@@ -7,6 +7,8 @@ Outputs and split partials come from `torch.empty`, made NaN by `poison_allocati
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -269,3 +271,30 @@ def test_act_order_permutation_on_a_gpu(bits, device):
     for rows in (x[:7], x):
         out = ops.quantized_linear(rows, weight)
         torch.testing.assert_close(out.float(), expected[: rows.shape[0]], rtol=2**-7, atol=2**-7 * scale)
+
+
+@pytest.mark.parametrize("arch", [90, 80], ids=["sm90", "sm80"])
+def test_quant_kernels_compile_for_hopper_and_ampere(arch, device, monkeypatch, compiler_for):
+    """The quantized kernels as the engine launches them at a real shape, compiled ahead of time (no GPU
+    needed) with the paired kernel's PTX, which the interpreter never runs: for Hopper and for Ampere (whose
+    PTX has no bf16x2 subtract or multiply, the first version's failure there)."""
+    monkeypatch.setattr(triton_quant, "_PAIRS_ASM", True)
+    compiler = compiler_for(arch)
+    k, n = 3584, 4608
+    for dtype in (torch.bfloat16, torch.float16):
+        plain = packed_weight(k, n, 4, 128, False, device, scales_dtype=dtype)
+        prepared = prepare_pairs(plain)
+        x = torch.zeros(64, k, dtype=dtype, device=device)
+        bias = torch.zeros(n, dtype=dtype, device=device)
+        for rows, split in ((1, 1), (16, 2), (64, 1)):
+            config = pick_pairs_config(rows, prepared, 132)
+            compiler.record(triton_quant, ["_quant_matmul_pairs_kernel"],
+                            lambda c=replace(config, split_k=split), m=rows, p=prepared, b=bias, xx=x:
+                            quant_matmul_pairs(xx[:m], p, b, c))
+        compiler.record(triton_quant, ["_quant_matmul_kernel"],
+                        lambda p=plain, xx=x: quant_matmul(xx[:8], p, None, pick_config(8, p, 132)))
+        compiler.record(triton_quant, ["_dequantize_kernel"], lambda p=prepared: dequantize(p, dtype))
+        compiler.record(triton_quant, ["_dequantize_kernel"], lambda p=plain: dequantize(p, dtype))
+    results = compiler.compile_all()
+    assert len(results) == 12
+    assert {r["block_m"] for r in results if r["kernel"] == "_quant_matmul_pairs_kernel"} == {16, 64}
