@@ -8,6 +8,7 @@ Outputs and split partials come from `torch.empty`, made NaN by `poison_allocati
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 import pytest
 import torch
@@ -287,14 +288,13 @@ def test_quant_kernels_compile_for_hopper_and_ampere(arch, device, monkeypatch, 
         x = torch.zeros(64, k, dtype=dtype, device=device)
         bias = torch.zeros(n, dtype=dtype, device=device)
         for rows, split in ((1, 1), (16, 2), (64, 1)):
-            config = pick_pairs_config(rows, prepared, 132)
+            config = replace(pick_pairs_config(rows, prepared, 132), split_k=split)
             compiler.record(triton_quant, ["_quant_matmul_pairs_kernel"],
-                            lambda c=replace(config, split_k=split), m=rows, p=prepared, b=bias, xx=x:
-                            quant_matmul_pairs(xx[:m], p, b, c))
+                            partial(quant_matmul_pairs, x[:rows], prepared, bias, config))
         compiler.record(triton_quant, ["_quant_matmul_kernel"],
-                        lambda p=plain, xx=x: quant_matmul(xx[:8], p, None, pick_config(8, p, 132)))
-        compiler.record(triton_quant, ["_dequantize_kernel"], lambda p=prepared: dequantize(p, dtype))
-        compiler.record(triton_quant, ["_dequantize_kernel"], lambda p=plain: dequantize(p, dtype))
+                        partial(quant_matmul, x[:8], plain, None, pick_config(8, plain, 132)))
+        compiler.record(triton_quant, ["_dequantize_kernel"], partial(dequantize, prepared, dtype))
+        compiler.record(triton_quant, ["_dequantize_kernel"], partial(dequantize, plain, dtype))
     results = compiler.compile_all()
     assert len(results) == 12
     assert {r["block_m"] for r in results if r["kernel"] == "_quant_matmul_pairs_kernel"} == {16, 64}
