@@ -65,7 +65,7 @@ KVSERVE_CACHE_DIR: str = _str("KVSERVE_CACHE_DIR", None) or os.path.join(
 
 # Other libraries' variables that change what kvserve does (read here too, so this file lists them all):
 # Triton's interpreter (kernels run on the CPU): no programmatic dependent launch.
-TRITON_INTERPRET: bool = os.environ.get("TRITON_INTERPRET") == "1"
+TRITON_INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y")
 # Set by the user: torch's choice between cuBLAS and cuBLASLt stands (kvserve otherwise prefers cuBLASLt on CUDA).
 TORCH_BLAS_PREFER_CUBLASLT_SET: bool = "TORCH_BLAS_PREFER_CUBLASLT" in os.environ
 # Freeze each serving process's start-up heap out of the garbage collector's reach once it is ready to

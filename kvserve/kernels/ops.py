@@ -189,11 +189,12 @@ def quantized_kernel_fits(weight: PackedWeight) -> bool:
 
 
 def prepare_quantized(weight: PackedWeight, dtype: torch.dtype) -> PackedWeight:
-    """A CUDA layer's packed weight (scales in the model's `dtype`) in the layout its matmul reads: the
-    paired-dequantizing kernel's for 4-bit weights in 128-row groups in a half-precision model, else as is."""
+    """A CUDA layer's packed weight in the layout its matmul reads: the paired-dequantizing kernel's for 4-bit
+    weights in 128-row groups in a half-precision model (scales rounded to `dtype`), else as loaded."""
     module = _triton_module("triton_quant")
-    if module is not None and module.pairs_fit(weight, dtype):
-        return module.prepare_pairs(weight)
+    capability = torch.cuda.get_device_capability(weight.qweight.device) if weight.qweight.is_cuda else None
+    if module is not None and module.pairs_fit(weight, dtype, capability):
+        return module.prepare_pairs(weight, dtype)
     return weight
 
 

@@ -23,7 +23,7 @@ instructions for 8 weights against about 6 per weight above. The interleaving ma
 words R consecutive K rows, so the tile is 8 dots of depth R over contiguous columns of x. Zero point and
 scale in one 4-byte word are a load the pipeliner copies ahead (1- and 2-byte loads stay synchronous in the
 loop). The values equal the float32 reference's rounded once (the subtraction is exact and the product is
-rounded once), given scales already in x's dtype (`prepare_pairs` rounds them; docs/perf_notes.md entry 53).
+rounded once), given the scales rounded to x's dtype (`prepare_pairs` does it; docs/perf_notes.md entry 53).
 
 `dequantize`: the dense weight [N, K] in x's dtype (sorted K order), for large M where cuBLAS on the dense
 weight beats dequantizing every tile once per row block.
@@ -34,13 +34,13 @@ weight beats dequantizing every tile once per row block.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
+from kvserve import envs
 from kvserve.layers.quantization import PackedWeight, interleave_tiles
 
 
@@ -290,19 +290,23 @@ PAIRS_TILE_ROWS = 128  # K rows of a tile: 8 dots of depth 16
 PAIRS_TWO_DOTS = True
 
 
-def pairs_fit(weight: PackedWeight, dtype: torch.dtype) -> bool:
-    """Whether `quant_matmul_pairs` can run this (plain, not yet prepared) weight for activations of `dtype`."""
+def pairs_fit(weight: PackedWeight, dtype: torch.dtype, capability: tuple[int, int] | None = None) -> bool:
+    """Whether `quant_matmul_pairs` can run this (plain, not yet prepared) weight for activations of `dtype`
+    on a GPU of compute `capability` (None: not checked): 4 bits, 128-row groups, half precision (bf16 pairs
+    need sm_80)."""
     return (dtype in (torch.float16, torch.bfloat16) and weight.bits == 4 and not weight.tile_rows
             and weight.group_rows % PAIRS_TILE_ROWS == 0 and weight.input_size % PAIRS_TILE_ROWS == 0
-            and weight.scales.dtype == dtype)
+            and (capability is None or dtype == torch.float16 or capability >= (8, 0)))
 
 
-def prepare_pairs(weight: PackedWeight) -> PackedWeight:
-    """The weight in `quant_matmul_pairs`'s layout (`pairs_fit` must hold; scales already in the model's
-    dtype): words interleaved in 128-row tiles, zero_scale = zero point << 16 | the scale's bits."""
-    scale_bits = weight.scales.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+def prepare_pairs(weight: PackedWeight, dtype: torch.dtype) -> PackedWeight:
+    """The weight in `quant_matmul_pairs`'s layout for activations of `dtype` (`pairs_fit` must hold): words
+    interleaved in 128-row tiles, scales rounded to `dtype` (the kernel multiplies in it) and packed with the
+    zero points as zero_scale = zero point << 16 | the scale's bits."""
+    scales = weight.scales.to(dtype).contiguous()
+    scale_bits = scales.view(torch.int16).to(torch.int32) & 0xFFFF
     zero_scale = (weight.zeros.to(torch.int32) << 16) | scale_bits
-    return replace(weight, qweight=interleave_tiles(weight.qweight, weight.bits, PAIRS_TILE_ROWS),
+    return replace(weight, qweight=interleave_tiles(weight.qweight, weight.bits, PAIRS_TILE_ROWS), scales=scales,
                    tile_rows=PAIRS_TILE_ROWS, zero_scale=zero_scale.contiguous())
 
 
@@ -473,6 +477,7 @@ def quant_matmul_pairs(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor
     """x [M, K] (contiguous rows, K in qweight's sorted order) @ W^T (+ bias) -> [M, N] in x's dtype, for a
     `prepare_pairs` weight."""
     assert weight.zero_scale is not None and weight.tile_rows == PAIRS_TILE_ROWS
+    assert x.dtype == weight.scales.dtype, "the kernel reads the scales' bits in x's dtype"
     m = x.shape[0]
     n, k = weight.output_size, weight.input_size
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -492,4 +497,4 @@ def quant_matmul_pairs(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor
 
 
 # The interpreter runs no PTX: the same arithmetic in Triton operations there.
-_PAIRS_ASM = os.environ.get("TRITON_INTERPRET", "0") != "1"
+_PAIRS_ASM = not envs.TRITON_INTERPRET

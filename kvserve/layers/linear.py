@@ -18,7 +18,6 @@ them with the dense `weight` they stand for.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Hashable, Sequence
 
@@ -128,8 +127,6 @@ class Linear(nn.Module):
         except ValueError as exc:
             raise ModelLoadError(str(exc)) from None
         self.quantized = None
-        # Scales in the model's dtype on every device and path (the paired kernel multiplies in that dtype).
-        packed = dataclasses.replace(packed, scales=packed.scales.to(self.dtype))
         if packed.qweight.is_cuda and ops.quantized_kernel_fits(packed):
             self.packed = ops.prepare_quantized(packed, self.dtype)
             return

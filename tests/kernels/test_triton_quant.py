@@ -131,9 +131,11 @@ def test_prepared_weight_is_the_same_weight(device):
     """`prepare_pairs` changes the layout, not the weight: PackedWeight.dense and the (tiled) dequantizer
     give the plain weight's values exactly."""
     weight = packed_weight(256, 80, 4, 128, True, device, seed=2)
-    assert not pairs_fit(weight, torch.float32) and not pairs_fit(weight, torch.bfloat16)  # scales are fp16
-    assert pairs_fit(weight, torch.float16)
-    prepared = prepare_pairs(weight)
+    assert not pairs_fit(weight, torch.float32)
+    assert pairs_fit(weight, torch.float16) and pairs_fit(weight, torch.bfloat16)
+    assert pairs_fit(weight, torch.bfloat16, (8, 0)) and pairs_fit(weight, torch.float16, (7, 5))
+    assert not pairs_fit(weight, torch.bfloat16, (7, 5))  # no bf16x2 arithmetic before sm_80
+    prepared = prepare_pairs(weight, torch.float16)
     assert prepared.tile_rows == 128 and prepared.zero_scale is not None
     assert torch.equal(prepared.dense(torch.float16), weight.dense(torch.float16))
     unsorted = PackedWeight(weight.qweight, weight.zeros, weight.scales, 4, 128, None)
@@ -146,17 +148,31 @@ def test_prepared_weight_is_the_same_weight(device):
         assert not pairs_fit(bad, torch.float16)  # 8 bits; 64-row groups; K not whole 128-row tiles
 
 
+def test_prepared_scales_are_rounded_to_the_activations_dtype(device):
+    """float16 checkpoint scales for a bfloat16 model: the prepared weight carries them rounded to bfloat16
+    (what the kernel multiplies by), and its dense form and dequantizer agree with that."""
+    weight = packed_weight(256, 80, 4, 128, False, device, seed=4)
+    assert weight.scales.dtype == torch.float16
+    prepared = prepare_pairs(weight, torch.bfloat16)
+    rounded = PackedWeight(weight.qweight, weight.zeros, weight.scales.to(torch.bfloat16), 4, 128, None)
+    assert prepared.scales.dtype == torch.bfloat16
+    assert torch.equal((prepared.zero_scale & 0xFFFF).to(torch.int16).view(torch.bfloat16), rounded.scales)
+    assert torch.equal(prepared.dense(torch.float32), rounded.dense(torch.float32))
+    assert torch.equal(dequantize(prepared, torch.float32), rounded.dense(torch.float32))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("group_rows", [128, 256])
-@pytest.mark.parametrize(("m", "block_m"), [(1, 16), (7, 16), (40, 16), (7, 64), (40, 64), (100, 64)])
+@pytest.mark.parametrize(("m", "block_m"), [(1, 16), (7, 16), (40, 16), (20, 32), (7, 64), (40, 64), (100, 64)])
 @pytest.mark.parametrize("split_k", [1, 2])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 def test_pairs_matches_reference(dtype, group_rows, m, block_m, split_k, bias, device, skip_bf16_on_interpreter):
-    """n not a multiple of the 64-column tile; 40 rows: three 16-row tiles, the last partial; 64-row tiles
-    (two 32-row dots): the second dot's rows empty (7), partial (40), a second tile (100)."""
+    """n not a multiple of the 64-column tile; 40 rows: three 16-row tiles, the last partial; one partial
+    32-row tile; 64-row tiles (two 32-row dots): the second dot's rows empty (7), partial (40), a second
+    tile (100)."""
     skip_bf16_on_interpreter(dtype)
     k, n = 256, 96
-    weight = prepare_pairs(packed_weight(k, n, 4, group_rows, False, device, seed=m, scales_dtype=dtype))
+    weight = prepare_pairs(packed_weight(k, n, 4, group_rows, False, device, seed=m, scales_dtype=dtype), dtype)
     gen = torch.Generator().manual_seed(m)
     x = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
     b = torch.randn(n, generator=gen).to(device=device, dtype=dtype) if bias else None
@@ -176,7 +192,7 @@ def test_pairs_dequantizes_exactly(dtype, device, skip_bf16_on_interpreter):
     k, n = 512, 128
     plain = packed_weight(k, n, 4, 128, False, device, seed=5, scales_dtype=dtype)
     plain.scales.mul_(torch.where(torch.arange(n, device=device) % 3 == 0, -1.0, 1.0).to(dtype))  # both signs
-    weight = prepare_pairs(plain)
+    weight = prepare_pairs(plain, dtype)
     columns = torch.arange(0, k, 3, device=device)  # every position j = column % 8 of every tile
     x = torch.zeros(len(columns), k, dtype=dtype, device=device)
     x[torch.arange(len(columns)), columns] = 1
@@ -284,7 +300,7 @@ def test_quant_kernels_compile_for_hopper_and_ampere(arch, device, monkeypatch, 
     k, n = 3584, 4608
     for dtype in (torch.bfloat16, torch.float16):
         plain = packed_weight(k, n, 4, 128, False, device, scales_dtype=dtype)
-        prepared = prepare_pairs(plain)
+        prepared = prepare_pairs(plain, dtype)
         x = torch.zeros(64, k, dtype=dtype, device=device)
         bias = torch.zeros(n, dtype=dtype, device=device)
         for rows, split in ((1, 1), (16, 2), (64, 1)):
