@@ -63,9 +63,16 @@ KVSERVE_GEMM_TUNING: bool = _int("KVSERVE_GEMM_TUNING", 0) != 0
 KVSERVE_CACHE_DIR: str = _str("KVSERVE_CACHE_DIR", None) or os.path.join(
     _str("XDG_CACHE_HOME", None) or os.path.join(os.path.expanduser("~"), ".cache"), "kvserve")
 
+
+def triton_interpreting() -> bool:
+    """Whether TRITON_INTERPRET asks for Triton's interpreter now, read as Triton reads it (1, true, on, ...).
+    For a module imported after a test sets it, unlike TRITON_INTERPRET below (read when this file is)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y")
+
+
 # Other libraries' variables that change what kvserve does (read here too, so this file lists them all):
 # Triton's interpreter (kernels run on the CPU): no programmatic dependent launch.
-TRITON_INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y")
+TRITON_INTERPRET: bool = triton_interpreting()
 # Set by the user: torch's choice between cuBLAS and cuBLASLt stands (kvserve otherwise prefers cuBLASLt on CUDA).
 TORCH_BLAS_PREFER_CUBLASLT_SET: bool = "TORCH_BLAS_PREFER_CUBLASLT" in os.environ
 # Freeze each serving process's start-up heap out of the garbage collector's reach once it is ready to

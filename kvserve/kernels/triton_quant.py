@@ -496,5 +496,6 @@ def quant_matmul_pairs(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor
     return _finish_partials(target, bias, x.dtype) if partials else out
 
 
-# The interpreter runs no PTX: the same arithmetic in Triton operations there.
-_PAIRS_ASM = not envs.TRITON_INTERPRET
+# The interpreter runs no PTX: the same arithmetic in Triton operations there. Read when this module is
+# imported (the kernels are imported lazily, after a test session has set TRITON_INTERPRET).
+_PAIRS_ASM = not envs.triton_interpreting()
