@@ -16,6 +16,7 @@ JSON (GPU name, commit, date, settings).
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 from pathlib import Path
@@ -170,27 +171,28 @@ def pairs_sweep(args: argparse.Namespace, gen: torch.Generator, num_sms: int) ->
             for block_m in sorted({16, 32, 64, min(64, max(16, triton.next_power_of_2(m)))}):
                 if block_m > max(16, triton.next_power_of_2(m)):
                     continue
-                for block_n in (64, 128):
-                    for warps in (4, 8):
-                        tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-                        chunks = k // 128
-                        split = 1
-                        while tiles * split < 2 * num_sms and split < 16 and chunks % (split * 2) == 0:
-                            split *= 2
-                        for s in sorted({max(1, split // 2), split}):
-                            config = replace(base, block_m=block_m, block_n=block_n, num_warps=warps, split_k=s)
-                            try:
-                                us = graph_time_us(lambda i, x=x, c=config, p=prepared, cnt=count:
-                                                   triton_quant.quant_matmul_pairs(x, p[i % cnt], None, c),
-                                                   2 * count, 5)
-                            except Exception as exc:  # noqa: BLE001 - a tiling that does not fit: reported, skipped
-                                print(f"  {config}: {type(exc).__name__}", flush=True)
-                                continue
-                            timed.append((us, config))
+                for block_n, warps, stages in itertools.product(args.pairs_block_n, args.pairs_warps,
+                                                                args.pairs_stages):
+                    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+                    chunks = k // 128
+                    split = 1
+                    while tiles * split < 2 * num_sms and split < 16 and chunks % (split * 2) == 0:
+                        split *= 2
+                    for s in sorted({max(1, split // 2), split}):
+                        config = replace(base, block_m=block_m, block_n=block_n, num_warps=warps, split_k=s,
+                                         num_stages=stages)
+                        try:
+                            us = graph_time_us(lambda i, x=x, c=config, p=prepared, cnt=count:
+                                               triton_quant.quant_matmul_pairs(x, p[i % cnt], None, c),
+                                               2 * count, 5)
+                        except Exception as exc:  # noqa: BLE001 - a tiling that does not fit: reported, skipped
+                            print(f"  {config}: {type(exc).__name__}", flush=True)
+                            continue
+                        timed.append((us, config))
             pick_us = next((t for t, c in timed if c == base), float("nan"))
             best_us, best = min(timed, key=lambda t: t[0])
             line = (f"{name:<8} {m:>4} bf16 {bf16:7.1f}  pick {pick_us:7.1f}  best {best_us:7.1f} "
-                    f"(m{best.block_m} n{best.block_n} w{best.num_warps} split {best.split_k})")
+                    f"(m{best.block_m} n{best.block_n} w{best.num_warps} s{best.num_stages} split {best.split_k})")
             print(line, flush=True)
             lines.append(line)
             results.append({"shape": name, "rows": m, "bf16_us": bf16, "pick_us": pick_us, "best_us": best_us,
@@ -255,6 +257,10 @@ def main() -> int:
     p.add_argument("--sweep", action="store_true", help="time tilings of both kernels instead")
     p.add_argument("--pairs-sweep", action="store_true", help="time tilings of the paired-dequantizing kernel")
     p.add_argument("--sweep-rows", type=lambda v: [int(x) for x in v.split(",")], default=[1, 16, 64, 128, 256])
+    ints = lambda v: [int(x) for x in v.split(",")]  # noqa: E731
+    p.add_argument("--pairs-block-n", type=ints, default=[64, 128], help="--pairs-sweep's column tiles")
+    p.add_argument("--pairs-warps", type=ints, default=[4, 8], help="--pairs-sweep's warp counts")
+    p.add_argument("--pairs-stages", type=ints, default=[3], help="--pairs-sweep's pipeline stages")
     p.add_argument("--pairs-32-row-tiles", action="store_true",
                    help="the paired kernel in 32-row tiles past 32 rows (A/B of its 64-row tiles of two dots)")
     args = p.parse_args()

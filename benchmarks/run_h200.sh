@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: fix35 graphs35 final35 diag35 pairs35 pairs34 lop34 swap34 quant33 tp32a tp32b tp32c asc31b asc31 api30c api30b api30 client29b api29 client29 pytest28 cublas28 firstburst28 firstpass28w firstpass28s firstpass28e firstpass28 sweep28 abclient27 gcprobe27 client27 mnbt27 rowq26 gcserve26 gc26 bisect26 hash25 capfail25b capfail25 offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: ncu36 fix35 graphs35 final35 diag35 pairs35 pairs34 lop34 swap34 quant33 tp32a tp32b tp32c asc31b asc31 api30c api30b api30 client29b api29 client29 pytest28 cublas28 firstburst28 firstpass28w firstpass28s firstpass28e firstpass28 sweep28 abclient27 gcprobe27 client27 mnbt27 rowq26 gcserve26 gc26 bisect26 hash25 capfail25b capfail25 offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Pass the local commit, written in literally (the device copy's git metadata can be stale, so a $(git ...) in
 # the command would read it there): KVSERVE_BENCH_COMMIT=<sha> bash ...
@@ -699,6 +699,31 @@ PY
         for mode in EAGER LAZY; do firstpass_engine firstpass28e $mode CUDA_MODULE_LOADING=$mode; done
         grep -E "firstpass pass|firstpass28e" "$R/firstpass28e_full.log" >> "$R/firstpass28e.log"
         cp "$R/firstpass28e.log" "$OUT/" ;;
+    ncu36) # Nsight Compute on the paired 4-bit matmul at 16 / 64 rows (and 32-row tiles, cuBLAS bf16 beside it),
+        # then a tiling sweep at 64 rows with pipeline stages, then the quantized engine's HF comparison test.
+        NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+        timeout 240 "$NCU" --clock-control none --profile-from-start off --target-processes all \
+          --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+          --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+          --section InstructionStats --section SourceCounters \
+          --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+          python3 benchmarks/quant_ncu_probe.py \
+          --cases gate_up:64,gate_up:16,tiles32:gate_up:64,down:64,qkv:64,cublas:gate_up:64,cublas:down:64 \
+          > "$R/ncu36.log" 2>&1
+        echo "ncu rc=$?" >> "$R/ncu36.log"
+        cp "$R/ncu36.log" "$OUT/"
+        grep -a -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|ncu rc|rror" \
+          "$R/ncu36.log" | head -80
+        timeout 200 python3 benchmarks/quant_matmul_bench.py --out "$R/sweep36" --pairs-sweep --sweep-rows 64 \
+          --pairs-block-n 128 --pairs-warps 4,8 --pairs-stages 2,3,4 > "$R/sweep36.log" 2>&1
+        echo "sweep rc=$?" >> "$R/sweep36.log"
+        cp "$R/sweep36.log" "$OUT/"
+        tail -6 "$R/sweep36.log"
+        timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_gpu_quantized.py -k hf -s \
+          > "$R/pytest_hf36.log" 2>&1
+        echo "pytest rc=$?" >> "$R/pytest_hf36.log"
+        cp "$R/pytest_hf36.log" "$OUT/"
+        grep -a "AWQ bf16:\|^FAILED\|^E   " "$R/pytest_hf36.log" | head; tail -2 "$R/pytest_hf36.log" ;;
     fix35) # The review fixes (paired fma PTX, scales rounded only for the paired layout, bf16 pairs from sm_80):
         # kernel and engine GPU tests, the matmul table, the AWQ engine's start and decode.
         timeout 220 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_triton_quant.py \
