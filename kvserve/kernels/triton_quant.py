@@ -41,6 +41,9 @@ import triton
 import triton.language as tl
 
 from kvserve import envs
+from kvserve.kernels import triton_pdl
+from kvserve.kernels.split_counters import SplitCounters
+from kvserve.kernels.triton_pdl import pdl_wait_then_release
 from kvserve.layers.quantization import PackedWeight, interleave_tiles
 
 
@@ -396,16 +399,22 @@ def _quant_matmul_pairs_kernel(
     k_per_split,
     group_rows,
     m_tiles,
+    part_ptr,
+    lock_ptr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    PARTIALS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     ASM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """out[M, N] (or split-K partials) for a `prepare_pairs` weight; programs (m tile fastest, so the row
-    tiles of one column tile run together and share its weight in L2) x K splits. A 64-row tile runs two
-    32-row dots per dequantized tile (one dequantization for both; the 16-row MMA instructions stay what
-    a 16- or 32-row tile runs, where one 64-row dot would be Hopper's warpgroup MMA)."""
+    """out[M, N] for a `prepare_pairs` weight; programs (m tile fastest, so the row tiles of one column tile
+    run together and share its weight in L2) x K splits. A 64-row tile runs two 32-row dots per dequantized
+    tile (one dequantization for both; the 16-row MMA instructions stay what a 16- or 32-row tile runs,
+    where one 64-row dot would be Hopper's warpgroup MMA). Split K: each split writes its float32 partial
+    sums [SPLIT_K, M, N]; the last split of a tile to finish (a per-tile counter, reset by that program)
+    adds them in split order, so the result does not depend on which program comes last."""
+    pdl_wait_then_release(PDL)
     BLOCK_K: tl.constexpr = 128
     R: tl.constexpr = BLOCK_K // 8
     SUB_M: tl.constexpr = BLOCK_M if BLOCK_M <= 32 else 32
@@ -437,23 +446,42 @@ def _quant_matmul_pairs_kernel(
             if TWO:
                 x2 = tl.load(x_tile + SUB_M * stride_xm + j * R, mask=mask_m2[:, None], other=0.0)
                 acc2 = tl.dot(x2, values[j], acc2)
-    _store_pairs_tile(acc, offs_m, mask_m, offs_n, mask_n, bias_ptr, out_ptr, M, N, pid_k, HAS_BIAS, PARTIALS)
-    if TWO:
-        _store_pairs_tile(acc2, offs_m2, mask_m2, offs_n, mask_n, bias_ptr, out_ptr, M, N, pid_k, HAS_BIAS,
-                          PARTIALS)
+    if SPLIT_K == 1:
+        _store_pairs_tile(acc, offs_m, mask_m, offs_n, mask_n, bias_ptr, out_ptr, N, HAS_BIAS)
+        if TWO:
+            _store_pairs_tile(acc2, offs_m2, mask_m2, offs_n, mask_n, bias_ptr, out_ptr, N, HAS_BIAS)
+    else:
+        mn = M.to(tl.int64) * N
+        tile = offs_m[:, None] * N + offs_n[None, :]
+        mask = mask_m[:, None] & mask_n[None, :]
+        tl.store(part_ptr + pid_k * mn + tile, acc, mask=mask)
+        if TWO:
+            tile2 = offs_m2[:, None] * N + offs_n[None, :]
+            mask2 = mask_m2[:, None] & mask_n[None, :]
+            tl.store(part_ptr + pid_k * mn + tile2, acc2, mask=mask2)
+        tl.debug_barrier()  # every thread's partials written before the count says so
+        lock = lock_ptr + pid
+        done = tl.atomic_add(lock, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:
+            acc = tl.load(part_ptr + tile, mask=mask, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT_K):
+                acc += tl.load(part_ptr + s * mn + tile, mask=mask, other=0.0, cache_modifier=".cg")
+            _store_pairs_tile(acc, offs_m, mask_m, offs_n, mask_n, bias_ptr, out_ptr, N, HAS_BIAS)
+            if TWO:
+                acc2 = tl.load(part_ptr + tile2, mask=mask2, other=0.0, cache_modifier=".cg")
+                for s in tl.static_range(1, SPLIT_K):
+                    acc2 += tl.load(part_ptr + s * mn + tile2, mask=mask2, other=0.0, cache_modifier=".cg")
+                _store_pairs_tile(acc2, offs_m2, mask_m2, offs_n, mask_n, bias_ptr, out_ptr, N, HAS_BIAS)
+            tl.atomic_xchg(lock, 0)
 
 
 @triton.jit
-def _store_pairs_tile(acc, offs_m, mask_m, offs_n, mask_n, bias_ptr, out_ptr, M, N, pid_k,
-                      HAS_BIAS: tl.constexpr, PARTIALS: tl.constexpr):
-    """A tile's float32 sums as split pid_k's partials, or (+ bias) rounded into out."""
+def _store_pairs_tile(acc, offs_m, mask_m, offs_n, mask_n, bias_ptr, out_ptr, N, HAS_BIAS: tl.constexpr):
+    """A tile's float32 sums (+ bias) rounded into out."""
     mask = mask_m[:, None] & mask_n[None, :]
-    if PARTIALS:
-        tl.store(out_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=mask)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def pick_pairs_config(num_rows: int, weight: PackedWeight, num_sms: int) -> QuantMatmulConfig:
@@ -483,17 +511,26 @@ def quant_matmul_pairs(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    partials = config.split_k > 1
-    target = torch.empty((config.split_k, m, n), dtype=torch.float32, device=x.device) if partials else out
     m_tiles = triton.cdiv(m, config.block_m)
     grid = (m_tiles * triton.cdiv(n, config.block_n), config.split_k)
+    if config.split_k > 1:
+        parts = torch.empty((config.split_k, m, n), dtype=torch.float32, device=x.device)
+        locks = _PAIRS_LOCKS.get(x.device, grid[0])
+    else:
+        parts = locks = out
+    pdl = triton_pdl.enabled(x.device)
     _quant_matmul_pairs_kernel[grid](
-        x, weight.qweight, weight.zero_scale, bias if bias is not None else x, target,
-        m, n, x.stride(0), k // config.split_k, weight.group_rows, m_tiles,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, HAS_BIAS=bias is not None and not partials,
-        PARTIALS=partials, ASM=_PAIRS_ASM, num_warps=config.num_warps, num_stages=config.num_stages,
+        x, weight.qweight, weight.zero_scale, bias if bias is not None else x, out,
+        m, n, x.stride(0), k // config.split_k, weight.group_rows, m_tiles, parts, locks,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, HAS_BIAS=bias is not None, SPLIT_K=config.split_k,
+        ASM=_PAIRS_ASM, PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages,
+        **triton_pdl.launch_options(pdl),
     )
-    return _finish_partials(target, bias, x.dtype) if partials else out
+    return out
+
+
+# Per-tile split-K counters of the paired kernel (zero between launches; each tile's last program resets its own).
+_PAIRS_LOCKS = SplitCounters("the quantized matmul's split counters")
 
 
 # The interpreter runs no PTX: the same arithmetic in Triton operations there. Read when this module is
