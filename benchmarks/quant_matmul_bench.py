@@ -263,8 +263,16 @@ def main() -> int:
     p.add_argument("--pairs-stages", type=ints, default=[3], help="--pairs-sweep's pipeline stages")
     p.add_argument("--pairs-32-row-tiles", action="store_true",
                    help="the paired kernel in 32-row tiles past 32 rows (A/B of its 64-row tiles of two dots)")
+    p.add_argument("--pairs-pdl", action=argparse.BooleanOptionalAction, default=True,
+                   help="the paired kernel launched with programmatic dependent launch (sm_90+)")
+    p.add_argument("--pairs-fused-reduce-max-rows", type=int, default=None,
+                   help="override triton_quant.PAIRS_FUSED_REDUCE_MAX_ROWS (split K summed in the kernel up to "
+                   "this many rows)")
     args = p.parse_args()
     triton_quant.PAIRS_TWO_DOTS = not args.pairs_32_row_tiles
+    triton_quant.PAIRS_PDL = args.pairs_pdl
+    if args.pairs_fused_reduce_max_rows is not None:
+        triton_quant.PAIRS_FUSED_REDUCE_MAX_ROWS = args.pairs_fused_reduce_max_rows
     gen = torch.Generator(device="cuda").manual_seed(0)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     if args.sweep or args.pairs_sweep:

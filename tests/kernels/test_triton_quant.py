@@ -188,8 +188,9 @@ def test_pairs_matches_reference(dtype, group_rows, m, block_m, split_k, bias, d
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_pairs_split_sum_is_fixed_and_resets_its_counters(block_m, device):
     """Four K splits of a tile summed by whichever program finishes last: the same bits on every launch
-    (the sum runs in split order), within rounding of the unsplit kernel, counters zero afterwards, and a
-    launch with one split more or less than the last leaves no count behind either."""
+    (the sum runs in split order) and as the separate sum launch gives, within rounding of the unsplit
+    kernel, counters zero afterwards, and a launch with fewer splits than the last leaves no count behind
+    either."""
     k, n, m = 512, 96, 40
     dtype = torch.float16
     weight = prepare_pairs(packed_weight(k, n, 4, 128, False, device, seed=11, scales_dtype=dtype), dtype)
@@ -199,6 +200,8 @@ def test_pairs_split_sum_is_fixed_and_resets_its_counters(block_m, device):
     runs = [quant_matmul_pairs(x, weight, b, QuantMatmulConfig(block_m, 64, 128, split)) for split in (4, 4, 2, 4)]
     assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[3])
     assert int(triton_quant._PAIRS_LOCKS.buffers[x.device].abs().sum()) == 0
+    separate = quant_matmul_pairs(x, weight, b, QuantMatmulConfig(block_m, 64, 128, 4, fused_reduce=False))
+    assert torch.equal(separate, runs[0])
     whole = quant_matmul_pairs(x, weight, b, QuantMatmulConfig(block_m, 64, 128, 1))
     torch.testing.assert_close(runs[0].float(), whole.float(), rtol=2**-9, atol=2**-9 * whole.abs().max().item())
     torch.testing.assert_close(runs[2].float(), whole.float(), rtol=2**-9, atol=2**-9 * whole.abs().max().item())
@@ -232,8 +235,11 @@ def test_pick_pairs_config_splits_k_to_cover_the_sms():
     assert pick_pairs_config(1, _tiled(3584, 4608), 132).split_k == 4  # qkv: 36 column tiles, 144 programs
     assert pick_pairs_config(1, _tiled(3584, 37888), 132).split_k == 1  # gate_up: 296 column tiles
     assert pick_pairs_config(1, _tiled(256, 64), 132).split_k == 2  # only 2 K tiles to split
-    assert pick_pairs_config(17, _tiled(18944, 3584), 132) == QuantMatmulConfig(32, 128, 128, 4, 4, 3)
-    assert pick_pairs_config(33, _tiled(18944, 3584), 132) == QuantMatmulConfig(64, 128, 128, 4, 4, 3)
+    assert pick_pairs_config(16, _tiled(18944, 3584), 132).fused_reduce  # the last program sums the splits
+    assert pick_pairs_config(17, _tiled(18944, 3584), 132) == QuantMatmulConfig(32, 128, 128, 4, 4, 3,
+                                                                                 fused_reduce=False)
+    assert pick_pairs_config(33, _tiled(18944, 3584), 132) == QuantMatmulConfig(64, 128, 128, 4, 4, 3,
+                                                                                 fused_reduce=False)
 
 
 @pytest.mark.parametrize(("k", "n"), [(18944, 3584), (3584, 4608), (3584, 37888), (3584, 512), (128, 64)])
@@ -325,10 +331,10 @@ def test_quant_kernels_compile_for_hopper_and_ampere(arch, pdl, device, monkeypa
         prepared = prepare_pairs(plain, dtype)
         x = torch.zeros(64, k, dtype=dtype, device=device)
         bias = torch.zeros(n, dtype=dtype, device=device)
-        for rows, split in ((1, 1), (16, 2), (64, 1), (64, 4)):
+        for rows, split in ((1, 1), (16, 2), (64, 1), (64, 4)):  # 64 rows, 4 splits: the separate sum
             config = replace(pick_pairs_config(rows, prepared, 132), split_k=split)
-            compiler.record(triton_quant, ["_quant_matmul_pairs_kernel"],
-                            partial(quant_matmul_pairs, x[:rows], prepared, bias, config))
+            kernels = ["_quant_matmul_pairs_kernel"] + (["_split_reduce_kernel"] if split > 1 and rows > 16 else [])
+            compiler.record(triton_quant, kernels, partial(quant_matmul_pairs, x[:rows], prepared, bias, config))
         if pdl:  # the other kernels launch without it
             continue
         compiler.record(triton_quant, ["_quant_matmul_kernel"],
@@ -336,5 +342,5 @@ def test_quant_kernels_compile_for_hopper_and_ampere(arch, pdl, device, monkeypa
         compiler.record(triton_quant, ["_dequantize_kernel"], partial(dequantize, prepared, dtype))
         compiler.record(triton_quant, ["_dequantize_kernel"], partial(dequantize, plain, dtype))
     results = compiler.compile_all()
-    assert len(results) == (8 if pdl else 14)
+    assert len(results) == (10 if pdl else 16)
     assert {r["block_m"] for r in results if r["kernel"] == "_quant_matmul_pairs_kernel"} == {16, 64}
