@@ -263,7 +263,7 @@ def main() -> int:
     p.add_argument("--pairs-stages", type=ints, default=[3], help="--pairs-sweep's pipeline stages")
     p.add_argument("--pairs-32-row-tiles", action="store_true",
                    help="the paired kernel in 32-row tiles past 32 rows (A/B of its 64-row tiles of two dots)")
-    p.add_argument("--pairs-pdl", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--pairs-pdl", action=argparse.BooleanOptionalAction, default=False,
                    help="the paired kernel launched with programmatic dependent launch (sm_90+)")
     p.add_argument("--pairs-fused-reduce-max-rows", type=int, default=None,
                    help="override triton_quant.PAIRS_FUSED_REDUCE_MAX_ROWS (split K summed in the kernel up to "

@@ -294,10 +294,12 @@ def dequantize(weight: PackedWeight, dtype: torch.dtype, block_n: int = 64, gath
 PAIRS_TILE_ROWS = 128  # K rows of a tile: 8 dots of depth 16
 # Rows past 32 in 64-row tiles of two 32-row dots (else 32-row tiles); an A/B switch for the benchmarks.
 PAIRS_TWO_DOTS = True
-# Split K up to this many rows: each tile's last program sums the partials (more rows: a second launch);
-# and programmatic dependent launch on sm_90+ (`triton_pdl`). Both measured in docs/perf_notes.md entry 54.
+# Split K up to this many rows: each tile's last program sums the partials (more rows: a second launch,
+# which was faster at 64 rows). PAIRS_PDL: launch with programmatic dependent launch on sm_90+ (`triton_pdl`):
+# off, as it made AWQ decode slower at batch 8 and 64 and hardly faster at batch 1. An A/B switch for the
+# benchmarks; both measured in docs/perf_notes.md entry 54.
 PAIRS_FUSED_REDUCE_MAX_ROWS = 16
-PAIRS_PDL = True
+PAIRS_PDL = False
 
 
 def pairs_fit(weight: PackedWeight, dtype: torch.dtype, capability: tuple[int, int] | None = None) -> bool:

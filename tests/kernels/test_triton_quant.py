@@ -321,9 +321,10 @@ def test_act_order_permutation_on_a_gpu(bits, device):
 def test_quant_kernels_compile_for_hopper_and_ampere(arch, pdl, device, monkeypatch, compiler_for):
     """The quantized kernels as the engine launches them at a real shape, compiled ahead of time (no GPU
     needed) with the paired kernel's PTX, which the interpreter never runs: for Hopper (with and without
-    programmatic dependent launch, which the paired kernel uses there) and for Ampere (whose PTX has no
+    programmatic dependent launch, the paired kernel's A/B switch) and for Ampere (whose PTX has no
     bf16x2 subtract or multiply, the first version's failure there)."""
     monkeypatch.setattr(triton_quant, "_PAIRS_ASM", True)
+    monkeypatch.setattr(triton_quant, "PAIRS_PDL", pdl)  # (off by default: an A/B switch)
     compiler = compiler_for(arch, pdl=pdl)
     k, n = 3584, 4608
     for dtype in (torch.bfloat16, torch.float16):
