@@ -1444,20 +1444,12 @@ def main() -> int:
     p.add_argument("--sdpa-cudnn-min-tokens", type=int, default=None,
                    help="override ops.SDPA_CUDNN_MIN_TOKENS: one-prompt prefills this long use cuDNN attention "
                    "(0: never; default: 1024 on sm_90+)")
-    p.add_argument("--pairs-pdl", action=argparse.BooleanOptionalAction, default=False,
-                   help="4-bit paired matmul launched with programmatic dependent launch (sm_90+)")
-    p.add_argument("--pairs-fused-reduce-max-rows", type=int, default=None,
-                   help="override triton_quant.PAIRS_FUSED_REDUCE_MAX_ROWS (4-bit split K summed in the kernel "
-                   "up to this many rows)")
     p.add_argument("--pairs-32-row-tiles", action="store_true",
                    help="4-bit paired matmul in 32-row tiles past 32 rows (A/B of its 64-row tiles of two dots)")
     args = p.parse_args()
     from kvserve.kernels import ops, triton_quant
 
-    triton_quant.PAIRS_PDL = args.pairs_pdl
     triton_quant.PAIRS_TWO_DOTS = not args.pairs_32_row_tiles
-    if args.pairs_fused_reduce_max_rows is not None:
-        triton_quant.PAIRS_FUSED_REDUCE_MAX_ROWS = args.pairs_fused_reduce_max_rows
 
     ops.set_elementwise_backend(args.elementwise_backend)
     ops.set_skinny_gemm(args.skinny_gemm)

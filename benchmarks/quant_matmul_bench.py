@@ -246,6 +246,10 @@ def measure(name: str, k: int, n: int, m: int, dense: list[torch.Tensor], packed
             "rel_err_dequant_dense": err_deq}
 
 
+def int_list(value: str) -> list[int]:
+    return [int(x) for x in value.split(",")]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
@@ -257,22 +261,13 @@ def main() -> int:
     p.add_argument("--sweep", action="store_true", help="time tilings of both kernels instead")
     p.add_argument("--pairs-sweep", action="store_true", help="time tilings of the paired-dequantizing kernel")
     p.add_argument("--sweep-rows", type=lambda v: [int(x) for x in v.split(",")], default=[1, 16, 64, 128, 256])
-    ints = lambda v: [int(x) for x in v.split(",")]  # noqa: E731
-    p.add_argument("--pairs-block-n", type=ints, default=[64, 128], help="--pairs-sweep's column tiles")
-    p.add_argument("--pairs-warps", type=ints, default=[4, 8], help="--pairs-sweep's warp counts")
-    p.add_argument("--pairs-stages", type=ints, default=[3], help="--pairs-sweep's pipeline stages")
+    p.add_argument("--pairs-block-n", type=int_list, default=[64, 128], help="--pairs-sweep's column tiles")
+    p.add_argument("--pairs-warps", type=int_list, default=[4, 8], help="--pairs-sweep's warp counts")
+    p.add_argument("--pairs-stages", type=int_list, default=[3], help="--pairs-sweep's pipeline stages")
     p.add_argument("--pairs-32-row-tiles", action="store_true",
                    help="the paired kernel in 32-row tiles past 32 rows (A/B of its 64-row tiles of two dots)")
-    p.add_argument("--pairs-pdl", action=argparse.BooleanOptionalAction, default=False,
-                   help="the paired kernel launched with programmatic dependent launch (sm_90+)")
-    p.add_argument("--pairs-fused-reduce-max-rows", type=int, default=None,
-                   help="override triton_quant.PAIRS_FUSED_REDUCE_MAX_ROWS (split K summed in the kernel up to "
-                   "this many rows)")
     args = p.parse_args()
     triton_quant.PAIRS_TWO_DOTS = not args.pairs_32_row_tiles
-    triton_quant.PAIRS_PDL = args.pairs_pdl
-    if args.pairs_fused_reduce_max_rows is not None:
-        triton_quant.PAIRS_FUSED_REDUCE_MAX_ROWS = args.pairs_fused_reduce_max_rows
     gen = torch.Generator(device="cuda").manual_seed(0)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     if args.sweep or args.pairs_sweep:

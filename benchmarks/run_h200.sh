@@ -699,8 +699,8 @@ PY
         for mode in EAGER LAZY; do firstpass_engine firstpass28e $mode CUDA_MODULE_LOADING=$mode; done
         grep -E "firstpass pass|firstpass28e" "$R/firstpass28e_full.log" >> "$R/firstpass28e.log"
         cp "$R/firstpass28e.log" "$OUT/" ;;
-    final36) # The paired kernel as kept (no PDL; split partials summed in the kernel up to 16 rows, by one Triton
-        # launch above): kernel and quantized-engine GPU tests; AWQ decode default / never summed in the kernel /
+    final36) # ran at 011736d (session 36 call 4; --pairs-fused-reduce-max-rows was removed after it). The paired
+        # kernel without PDL, split partials summed in the kernel up to 16 rows and by one Triton launch above: kernel and quantized-engine GPU tests; AWQ decode default / never summed in the kernel /
         # 32-row tiles / default; then the AWQ engine's start, TTFT and seeds' workload. Logs to $OUT as each ends.
         timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_triton_quant.py \
           tests/gpu/test_gpu_quantized.py -s > "$R/pytest_final36.log" 2>&1
@@ -721,7 +721,8 @@ PY
           --sections start,ttft,seeds > "$R/final36_awq.log" 2>&1
         cp "$R/final36_awq.log" "$OUT/"
         tail -8 "$R/final36_awq.log" ;;
-    ab36) # The paired kernel's launch options, one host: matmul table with and without its PDL; AWQ engine decode
+    ab36) # ran at bad17fa (session 36 call 3; --pairs-pdl and --pairs-fused-reduce-max-rows were removed after it).
+        # The paired kernel's launch options, one host: matmul table with and without its PDL; AWQ engine decode
         # with the defaults (PDL, partials summed in the kernel up to 16 rows), without PDL, never summed in the
         # kernel, always summed in the kernel.
         for mode in pdl nopdl; do
@@ -742,7 +743,7 @@ PY
           cp "$R/ab36_awq.log" "$OUT/"
         done
         grep -a -E "decode b|mode .* done|Error" "$R/ab36_awq.log" | cut -c1-60 | tail -30 ;;
-    fuse36) # The paired kernel's split-K summed by each tile's last program and launched with PDL (new) against
+    fuse36) # ran at c851746 (session 36 call 2; the in-kernel sum and PDL were removed after call 4). The paired kernel's split-K summed by each tile's last program and launched with PDL (new) against
         # 3c0304c's kernel (old: .carry/triton_quant_old.py in a copy of the tree): a tiling sweep at 64 / 128
         # rows, the matmul table and the AWQ engine's decode, new and old in turn on this host.
         rm -rf /tmp/oldtree && mkdir -p /tmp/oldtree && cp -r kvserve benchmarks /tmp/oldtree/ \

@@ -41,10 +41,7 @@ import triton
 import triton.language as tl
 
 from kvserve import envs
-from kvserve.kernels import triton_pdl
-from kvserve.kernels.split_counters import SplitCounters
 from kvserve.kernels.triton_gemm import _split_reduce_kernel
-from kvserve.kernels.triton_pdl import pdl_wait_then_release
 from kvserve.layers.quantization import PackedWeight, interleave_tiles
 
 
@@ -57,8 +54,6 @@ class QuantMatmulConfig:
     num_warps: int = 4
     num_stages: int = 3
     gather: bool = False  # how a tile's words are unpacked (`_unpack_tile`)
-    # Paired kernel, split K: each tile's last program sums the partials (True), or a second launch does.
-    fused_reduce: bool = True
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -261,15 +256,19 @@ def quant_matmul(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | Non
         IEEE=x.dtype == torch.float32, GATHER=config.gather, num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    return _finish_partials(target, bias, x.dtype) if partials else out
+    return _finish_partials(target, bias, out) if partials else out
 
 
-def _finish_partials(partials: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """The split-K partials [splits, M, N] summed in split order (+ bias), rounded once to `dtype`."""
-    total = partials.sum(dim=0)
-    if bias is not None:
-        total += bias.float()
-    return total.to(dtype)
+def _finish_partials(partials: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """out = the split-K partials [splits, M, N] summed in split order (+ bias), rounded once to out's dtype,
+    in one launch (torch's sum and cast took two, slower: docs/perf_notes.md entry 54)."""
+    splits, m, n = partials.shape
+    block = 1024
+    _split_reduce_kernel[(triton.cdiv(m * n, block),)](
+        partials, bias if bias is not None else partials, out, m * n, n, SPLITS=splits, HAS_BIAS=bias is not None,
+        BLOCK=block, num_warps=4,
+    )
+    return out
 
 
 def dequantize(weight: PackedWeight, dtype: torch.dtype, block_n: int = 64, gather: bool = False,
@@ -294,12 +293,6 @@ def dequantize(weight: PackedWeight, dtype: torch.dtype, block_n: int = 64, gath
 PAIRS_TILE_ROWS = 128  # K rows of a tile: 8 dots of depth 16
 # Rows past 32 in 64-row tiles of two 32-row dots (else 32-row tiles); an A/B switch for the benchmarks.
 PAIRS_TWO_DOTS = True
-# Split K up to this many rows: each tile's last program sums the partials (more rows: a second launch,
-# which was faster at 64 rows). PAIRS_PDL: launch with programmatic dependent launch on sm_90+ (`triton_pdl`):
-# off, as it made AWQ decode slower at batch 8 and 64 and hardly faster at batch 1. An A/B switch for the
-# benchmarks; both measured in docs/perf_notes.md entry 54.
-PAIRS_FUSED_REDUCE_MAX_ROWS = 16
-PAIRS_PDL = False
 
 
 def pairs_fit(weight: PackedWeight, dtype: torch.dtype, capability: tuple[int, int] | None = None) -> bool:
@@ -408,24 +401,16 @@ def _quant_matmul_pairs_kernel(
     k_per_split,
     group_rows,
     m_tiles,
-    part_ptr,
-    lock_ptr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    FUSED_REDUCE: tl.constexpr,
+    PARTIALS: tl.constexpr,
     ASM: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    """out[M, N] for a `prepare_pairs` weight; programs (m tile fastest, so the row tiles of one column tile
-    run together and share its weight in L2) x K splits. A 64-row tile runs two 32-row dots per dequantized
-    tile (one dequantization for both; the 16-row MMA instructions stay what a 16- or 32-row tile runs,
-    where one 64-row dot would be Hopper's warpgroup MMA). Split K: each split writes its float32 partial
-    sums [SPLIT_K, M, N]; with FUSED_REDUCE the last split of a tile to finish (a per-tile counter, reset by
-    that program) adds them in split order, so the result does not depend on which program comes last
-    (otherwise a second launch adds them, in the same order)."""
-    pdl_wait_then_release(PDL)
+    """out[M, N] (or split-K partials) for a `prepare_pairs` weight; programs (m tile fastest, so the row
+    tiles of one column tile run together and share its weight in L2) x K splits. A 64-row tile runs two
+    32-row dots per dequantized tile (one dequantization for both; the 16-row MMA instructions stay what
+    a 16- or 32-row tile runs, where one 64-row dot would be Hopper's warpgroup MMA)."""
     BLOCK_K: tl.constexpr = 128
     R: tl.constexpr = BLOCK_K // 8
     SUB_M: tl.constexpr = BLOCK_M if BLOCK_M <= 32 else 32
@@ -457,59 +442,31 @@ def _quant_matmul_pairs_kernel(
             if TWO:
                 x2 = tl.load(x_tile + SUB_M * stride_xm + j * R, mask=mask_m2[:, None], other=0.0)
                 acc2 = tl.dot(x2, values[j], acc2)
-    if SPLIT_K == 1:
-        _store_pairs_tile(acc, offs_m, mask_m, offs_n, mask_n, bias_ptr, out_ptr, N, HAS_BIAS)
-        if TWO:
-            _store_pairs_tile(acc2, offs_m2, mask_m2, offs_n, mask_n, bias_ptr, out_ptr, N, HAS_BIAS)
-    else:
-        mn = M.to(tl.int64) * N
-        tile = offs_m[:, None] * N + offs_n[None, :]
-        mask = mask_m[:, None] & mask_n[None, :]
-        tl.store(part_ptr + pid_k * mn + tile, acc, mask=mask)
-        if TWO:
-            tile2 = offs_m2[:, None] * N + offs_n[None, :]
-            mask2 = mask_m2[:, None] & mask_n[None, :]
-            tl.store(part_ptr + pid_k * mn + tile2, acc2, mask=mask2)
-        if FUSED_REDUCE:
-            tl.debug_barrier()  # every thread's partials written before the count says so
-            lock = lock_ptr + pid
-            done = tl.atomic_add(lock, 1, sem="acq_rel")
-            if done == SPLIT_K - 1:
-                _sum_pairs_partials(part_ptr, bias_ptr, out_ptr, mn, tile, mask, offs_m, mask_m, offs_n, mask_n,
-                                    N, HAS_BIAS, SPLIT_K)
-                if TWO:
-                    _sum_pairs_partials(part_ptr, bias_ptr, out_ptr, mn, tile2, mask2, offs_m2, mask_m2, offs_n,
-                                        mask_n, N, HAS_BIAS, SPLIT_K)
-                tl.atomic_xchg(lock, 0)
+    _store_pairs_tile(acc, offs_m, mask_m, offs_n, mask_n, bias_ptr, out_ptr, M, N, pid_k, HAS_BIAS, PARTIALS)
+    if TWO:
+        _store_pairs_tile(acc2, offs_m2, mask_m2, offs_n, mask_n, bias_ptr, out_ptr, M, N, pid_k, HAS_BIAS,
+                          PARTIALS)
 
 
 @triton.jit
-def _sum_pairs_partials(part_ptr, bias_ptr, out_ptr, mn, tile, mask, offs_m, mask_m, offs_n, mask_n, N,
-                        HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
-    """A tile's split partials added in split order (+ bias), rounded into out."""
-    acc = tl.load(part_ptr + tile, mask=mask, other=0.0, cache_modifier=".cg")
-    for s in tl.static_range(1, SPLIT_K):
-        acc += tl.load(part_ptr + s * mn + tile, mask=mask, other=0.0, cache_modifier=".cg")
-    _store_pairs_tile(acc, offs_m, mask_m, offs_n, mask_n, bias_ptr, out_ptr, N, HAS_BIAS)
-
-
-@triton.jit
-def _store_pairs_tile(acc, offs_m, mask_m, offs_n, mask_n, bias_ptr, out_ptr, N, HAS_BIAS: tl.constexpr):
-    """A tile's float32 sums (+ bias) rounded into out."""
+def _store_pairs_tile(acc, offs_m, mask_m, offs_n, mask_n, bias_ptr, out_ptr, M, N, pid_k,
+                      HAS_BIAS: tl.constexpr, PARTIALS: tl.constexpr):
+    """A tile's float32 sums as split pid_k's partials, or (+ bias) rounded into out."""
     mask = mask_m[:, None] & mask_n[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if PARTIALS:
+        tl.store(out_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def pick_pairs_config(num_rows: int, weight: PackedWeight, num_sms: int) -> QuantMatmulConfig:
     """Tiling of `quant_matmul_pairs` for `num_rows` rows (block_k is the fixed 128-row tile), from session
     35's sweep at the 7B shapes (docs/perf_notes.md entry 53): 16-row tiles up to 16 rows, 32 up to 32, 64
-    (two 32-row dots) above; K split until the column tiles give 3/4 of the SMs a program, the partials
-    summed in the kernel up to PAIRS_FUSED_REDUCE_MAX_ROWS rows. Each row's value is the same at any row
-    count (the same 16-row MMA instructions over the same K order, a split that depends on the weight only,
-    partials summed in split order either way), so a CUDA graph padding a step's rows does not change the
-    matmul's rows."""
+    (two 32-row dots) above; K split until the column tiles give 3/4 of the SMs a program. Each row's value
+    is the same at any row count (the same 16-row MMA instructions over the same K order, a split that
+    depends on the weight only), so a CUDA graph padding a step's rows does not change the matmul's rows."""
     block_m = 16 if num_rows <= 16 else 32 if num_rows <= 32 or not PAIRS_TWO_DOTS else 64
     block_n = 128
     column_tiles = triton.cdiv(weight.output_size, block_n)
@@ -517,8 +474,7 @@ def pick_pairs_config(num_rows: int, weight: PackedWeight, num_sms: int) -> Quan
     split = 1
     while 4 * column_tiles * split < 3 * num_sms and split < 16 and chunks % (split * 2) == 0:
         split *= 2
-    return QuantMatmulConfig(block_m, block_n, PAIRS_TILE_ROWS, split, 4, 3,
-                             fused_reduce=num_rows <= PAIRS_FUSED_REDUCE_MAX_ROWS)
+    return QuantMatmulConfig(block_m, block_n, PAIRS_TILE_ROWS, split, 4, 3)
 
 
 def quant_matmul_pairs(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None,
@@ -532,32 +488,17 @@ def quant_matmul_pairs(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
+    partials = config.split_k > 1
+    target = torch.empty((config.split_k, m, n), dtype=torch.float32, device=x.device) if partials else out
     m_tiles = triton.cdiv(m, config.block_m)
     grid = (m_tiles * triton.cdiv(n, config.block_n), config.split_k)
-    split = config.split_k > 1
-    fused = split and config.fused_reduce
-    parts = torch.empty((config.split_k, m, n), dtype=torch.float32, device=x.device) if split else out
-    locks = _PAIRS_LOCKS.get(x.device, grid[0]) if fused else parts
-    pdl = PAIRS_PDL and triton_pdl.enabled(x.device)
-    has_bias = bias is not None
     _quant_matmul_pairs_kernel[grid](
-        x, weight.qweight, weight.zero_scale, bias if has_bias else x, out,
-        m, n, x.stride(0), k // config.split_k, weight.group_rows, m_tiles, parts, locks,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, HAS_BIAS=has_bias, SPLIT_K=config.split_k,
-        FUSED_REDUCE=fused, ASM=_PAIRS_ASM, PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages,
-        **triton_pdl.launch_options(pdl),
+        x, weight.qweight, weight.zero_scale, bias if bias is not None else x, target,
+        m, n, x.stride(0), k // config.split_k, weight.group_rows, m_tiles,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, HAS_BIAS=bias is not None and not partials,
+        PARTIALS=partials, ASM=_PAIRS_ASM, num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    if split and not fused:
-        block = 1024
-        _split_reduce_kernel[(triton.cdiv(m * n, block),)](
-            parts, bias if has_bias else parts, out, m * n, n, SPLITS=config.split_k, HAS_BIAS=has_bias,
-            BLOCK=block, PDL=pdl, num_warps=4, **triton_pdl.launch_options(pdl),
-        )
-    return out
-
-
-# Per-tile split-K counters of the paired kernel (zero between launches; each tile's last program resets its own).
-_PAIRS_LOCKS = SplitCounters("the quantized matmul's split counters")
+    return _finish_partials(target, bias, out) if partials else out
 
 
 # The interpreter runs no PTX: the same arithmetic in Triton operations there. Read when this module is

@@ -392,10 +392,9 @@ def hopper_compiler(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequ
 
 
 @pytest.fixture
-def compiler_for(monkeypatch: pytest.MonkeyPatch) -> Callable[..., HopperCompiler]:
-    """Call with a compute capability (90, 80) and optionally pdl=True: a HopperCompiler that compiles for
-    it (plain launches unless pdl)."""
+def compiler_for(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], HopperCompiler]:
+    """Call with a compute capability (90, 80): a HopperCompiler of plain launches that compiles for it."""
     if not INTERPRET:
         pytest.skip("the kernels run compiled on this machine; the ahead-of-time check is for CPU-only runs")
     pytest.importorskip("triton.backends.nvidia", reason="triton without its NVIDIA backend")
-    return lambda arch, pdl=False: HopperCompiler(monkeypatch, pdl=pdl, arch=arch)
+    return lambda arch: HopperCompiler(monkeypatch, arch=arch)

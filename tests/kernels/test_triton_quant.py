@@ -181,30 +181,39 @@ def test_pairs_matches_reference(dtype, group_rows, m, block_m, split_k, bias, d
     expected = torch.nn.functional.linear(x.float(), weight.dense(dtype).float(), None if b is None else b.float())
     tol = {torch.float16: 2**-10, torch.bfloat16: 2**-7}[dtype]
     torch.testing.assert_close(out.float(), expected.to(dtype).float(), rtol=tol, atol=tol)
-    if split_k > 1:  # each tile's last split reset its counter
-        assert int(triton_quant._PAIRS_LOCKS.buffers[x.device].abs().sum()) == 0
 
 
 @pytest.mark.parametrize("block_m", [16, 64])
-def test_pairs_split_sum_is_fixed_and_resets_its_counters(block_m, device):
-    """Four K splits of a tile summed by whichever program finishes last: the same bits on every launch
-    (the sum runs in split order) and as the separate sum launch gives, within rounding of the unsplit
-    kernel, counters zero afterwards, and a launch with fewer splits than the last leaves no count behind
-    either."""
+def test_pairs_split_partials_are_summed_in_order_and_rounded_once(block_m, device, monkeypatch):
+    """Four K splits: the output is the splits' float32 partials added in split order, plus the bias, rounded
+    once (one launch after the matmul's), the same bits on every launch, and within rounding of the unsplit
+    kernel."""
     k, n, m = 512, 96, 40
     dtype = torch.float16
     weight = prepare_pairs(packed_weight(k, n, 4, 128, False, device, seed=11, scales_dtype=dtype), dtype)
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
     b = torch.randn(n, generator=gen).to(device=device, dtype=dtype)
-    runs = [quant_matmul_pairs(x, weight, b, QuantMatmulConfig(block_m, 64, 128, split)) for split in (4, 4, 2, 4)]
-    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[3])
-    assert int(triton_quant._PAIRS_LOCKS.buffers[x.device].abs().sum()) == 0
-    separate = quant_matmul_pairs(x, weight, b, QuantMatmulConfig(block_m, 64, 128, 4, fused_reduce=False))
-    assert torch.equal(separate, runs[0])
+    seen: list[torch.Tensor] = []
+    reduce_kernel = triton_quant._split_reduce_kernel
+
+    class Spy:
+        def __getitem__(self, grid):  # noqa: ANN001, ANN204
+            def launch(partials, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+                seen.append(partials.clone())
+                return reduce_kernel[grid](partials, *args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(triton_quant, "_split_reduce_kernel", Spy())
+    out = quant_matmul_pairs(x, weight, b, QuantMatmulConfig(block_m, 64, 128, 4))
+    assert len(seen) == 1 and seen[0].shape == (4, m, n)
+    total = seen[0][0]
+    for s in range(1, 4):
+        total = total + seen[0][s]
+    assert torch.equal(out, (total + b.float()).to(dtype))
+    assert torch.equal(quant_matmul_pairs(x, weight, b, QuantMatmulConfig(block_m, 64, 128, 4)), out)
     whole = quant_matmul_pairs(x, weight, b, QuantMatmulConfig(block_m, 64, 128, 1))
-    torch.testing.assert_close(runs[0].float(), whole.float(), rtol=2**-9, atol=2**-9 * whole.abs().max().item())
-    torch.testing.assert_close(runs[2].float(), whole.float(), rtol=2**-9, atol=2**-9 * whole.abs().max().item())
+    torch.testing.assert_close(out.float(), whole.float(), rtol=2**-9, atol=2**-9 * whole.abs().max().item())
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -235,11 +244,8 @@ def test_pick_pairs_config_splits_k_to_cover_the_sms():
     assert pick_pairs_config(1, _tiled(3584, 4608), 132).split_k == 4  # qkv: 36 column tiles, 144 programs
     assert pick_pairs_config(1, _tiled(3584, 37888), 132).split_k == 1  # gate_up: 296 column tiles
     assert pick_pairs_config(1, _tiled(256, 64), 132).split_k == 2  # only 2 K tiles to split
-    assert pick_pairs_config(16, _tiled(18944, 3584), 132).fused_reduce  # the last program sums the splits
-    assert pick_pairs_config(17, _tiled(18944, 3584), 132) == QuantMatmulConfig(32, 128, 128, 4, 4, 3,
-                                                                                 fused_reduce=False)
-    assert pick_pairs_config(33, _tiled(18944, 3584), 132) == QuantMatmulConfig(64, 128, 128, 4, 4, 3,
-                                                                                 fused_reduce=False)
+    assert pick_pairs_config(17, _tiled(18944, 3584), 132) == QuantMatmulConfig(32, 128, 128, 4, 4, 3)
+    assert pick_pairs_config(33, _tiled(18944, 3584), 132) == QuantMatmulConfig(64, 128, 128, 4, 4, 3)
 
 
 @pytest.mark.parametrize(("k", "n"), [(18944, 3584), (3584, 4608), (3584, 37888), (3584, 512), (128, 64)])
@@ -317,31 +323,27 @@ def test_act_order_permutation_on_a_gpu(bits, device):
         torch.testing.assert_close(out.float(), expected[: rows.shape[0]], rtol=2**-7, atol=2**-7 * scale)
 
 
-@pytest.mark.parametrize(("arch", "pdl"), [(90, False), (90, True), (80, False)], ids=["sm90", "sm90-pdl", "sm80"])
-def test_quant_kernels_compile_for_hopper_and_ampere(arch, pdl, device, monkeypatch, compiler_for):
+@pytest.mark.parametrize("arch", [90, 80], ids=["sm90", "sm80"])
+def test_quant_kernels_compile_for_hopper_and_ampere(arch, device, monkeypatch, compiler_for):
     """The quantized kernels as the engine launches them at a real shape, compiled ahead of time (no GPU
-    needed) with the paired kernel's PTX, which the interpreter never runs: for Hopper (with and without
-    programmatic dependent launch, the paired kernel's A/B switch) and for Ampere (whose PTX has no
-    bf16x2 subtract or multiply, the first version's failure there)."""
+    needed) with the paired kernel's PTX, which the interpreter never runs: for Hopper and for Ampere (whose
+    PTX has no bf16x2 subtract or multiply, the first version's failure there)."""
     monkeypatch.setattr(triton_quant, "_PAIRS_ASM", True)
-    monkeypatch.setattr(triton_quant, "PAIRS_PDL", pdl)  # (off by default: an A/B switch)
-    compiler = compiler_for(arch, pdl=pdl)
+    compiler = compiler_for(arch)
     k, n = 3584, 4608
     for dtype in (torch.bfloat16, torch.float16):
         plain = packed_weight(k, n, 4, 128, False, device, scales_dtype=dtype)
         prepared = prepare_pairs(plain, dtype)
         x = torch.zeros(64, k, dtype=dtype, device=device)
         bias = torch.zeros(n, dtype=dtype, device=device)
-        for rows, split in ((1, 1), (16, 2), (64, 1), (64, 4)):  # 64 rows, 4 splits: the separate sum
+        for rows, split in ((1, 1), (16, 2), (64, 1), (64, 4)):
             config = replace(pick_pairs_config(rows, prepared, 132), split_k=split)
-            kernels = ["_quant_matmul_pairs_kernel"] + (["_split_reduce_kernel"] if split > 1 and rows > 16 else [])
+            kernels = ["_quant_matmul_pairs_kernel"] + (["_split_reduce_kernel"] if split > 1 else [])
             compiler.record(triton_quant, kernels, partial(quant_matmul_pairs, x[:rows], prepared, bias, config))
-        if pdl:  # the other kernels launch without it
-            continue
         compiler.record(triton_quant, ["_quant_matmul_kernel"],
                         partial(quant_matmul, x[:8], plain, None, pick_config(8, plain, 132)))
         compiler.record(triton_quant, ["_dequantize_kernel"], partial(dequantize, prepared, dtype))
         compiler.record(triton_quant, ["_dequantize_kernel"], partial(dequantize, plain, dtype))
     results = compiler.compile_all()
-    assert len(results) == (10 if pdl else 16)
+    assert len(results) == 18
     assert {r["block_m"] for r in results if r["kernel"] == "_quant_matmul_pairs_kernel"} == {16, 64}
