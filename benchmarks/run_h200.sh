@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: final36 ab36 fuse36 ncu36 fix35 graphs35 final35 diag35 pairs35 pairs34 lop34 swap34 quant33 tp32a tp32b tp32c asc31b asc31 api30c api30b api30 client29b api29 client29 pytest28 cublas28 firstburst28 firstpass28w firstpass28s firstpass28e firstpass28 sweep28 abclient27 gcprobe27 client27 mnbt27 rowq26 gcserve26 gc26 bisect26 hash25 capfail25b capfail25 offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: pw36 final36 ab36 fuse36 ncu36 fix35 graphs35 final35 diag35 pairs35 pairs34 lop34 swap34 quant33 tp32a tp32b tp32c asc31b asc31 api30c api30b api30 client29b api29 client29 pytest28 cublas28 firstburst28 firstpass28w firstpass28s firstpass28e firstpass28 sweep28 abclient27 gcprobe27 client27 mnbt27 rowq26 gcserve26 gc26 bisect26 hash25 capfail25b capfail25 offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Pass the local commit, written in literally (the device copy's git metadata can be stale, so a $(git ...) in
 # the command would read it there): KVSERVE_BENCH_COMMIT=<sha> bash ...
@@ -699,6 +699,29 @@ PY
         for mode in EAGER LAZY; do firstpass_engine firstpass28e $mode CUDA_MODULE_LOADING=$mode; done
         grep -E "firstpass pass|firstpass28e" "$R/firstpass28e_full.log" >> "$R/firstpass28e.log"
         cp "$R/firstpass28e.log" "$OUT/" ;;
+    pw36) # The paired kernel's values made a pair at a time (--pairs-pairwise) and a register cap of 168 on its
+        # 64-row tiles (3 programs an SM instead of 2), against the default, one host: matmul table, AWQ decode.
+        for mode in default pairwise cap both; do
+          case $mode in
+            default) flags="" ;; pairwise) flags="--pairs-pairwise" ;; cap) flags="--pairs-maxnreg-64 168" ;;
+            both) flags="--pairs-pairwise --pairs-maxnreg-64 168" ;;
+          esac
+          timeout 60 python3 benchmarks/quant_matmul_bench.py --out "$R/pw36_$mode" --rows 1,16,64 --repeats 5 \
+            $flags > "$R/pw36_matmul_$mode.log" 2>&1
+          cp "$R/pw36_matmul_$mode.log" "$OUT/"
+          echo "== matmul $mode"; tail -12 "$R/pw36_matmul_$mode.log" | cut -c1-80
+        done
+        for mode in default pairwise both cap default; do
+          case $mode in
+            default) flags="" ;; pairwise) flags="--pairs-pairwise" ;; cap) flags="--pairs-maxnreg-64 168" ;;
+            both) flags="--pairs-pairwise --pairs-maxnreg-64 168" ;;
+          esac
+          timeout 100 python3 benchmarks/engine_benchmarks.py --out "$R/pw36_awq_$mode" --quantization awq \
+            --sections decode --decode-contexts 1024 $flags >> "$R/pw36_awq.log" 2>&1
+          echo "mode $mode done" >> "$R/pw36_awq.log"
+          cp "$R/pw36_awq.log" "$OUT/"
+        done
+        grep -a -E "decode b|mode .* done|Error" "$R/pw36_awq.log" | cut -c1-60 ;;
     final36) # ran at 011736d (session 36 call 4; --pairs-fused-reduce-max-rows was removed after it). The paired
         # kernel without PDL, split partials summed in the kernel up to 16 rows and by one Triton launch above: kernel and quantized-engine GPU tests; AWQ decode default / never summed in the kernel /
         # 32-row tiles / default; then the AWQ engine's start, TTFT and seeds' workload. Logs to $OUT as each ends.
