@@ -1446,16 +1446,10 @@ def main() -> int:
                    "(0: never; default: 1024 on sm_90+)")
     p.add_argument("--pairs-32-row-tiles", action="store_true",
                    help="4-bit paired matmul in 32-row tiles past 32 rows (A/B of its 64-row tiles of two dots)")
-    p.add_argument("--pairs-pairwise", action="store_true",
-                   help="4-bit paired matmul: each word's values made a pair at a time (A/B of all 8 first)")
-    p.add_argument("--pairs-maxnreg-64", type=int, default=None,
-                   help="4-bit paired matmul: register cap of its 64-row tiles (A/B)")
     args = p.parse_args()
     from kvserve.kernels import ops, triton_quant
 
     triton_quant.PAIRS_TWO_DOTS = not args.pairs_32_row_tiles
-    triton_quant.PAIRS_PAIRWISE = args.pairs_pairwise
-    triton_quant.PAIRS_MAXNREG_64 = args.pairs_maxnreg_64
 
     ops.set_elementwise_backend(args.elementwise_backend)
     ops.set_skinny_gemm(args.skinny_gemm)

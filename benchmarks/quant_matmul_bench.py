@@ -266,14 +266,8 @@ def main() -> int:
     p.add_argument("--pairs-stages", type=int_list, default=[3], help="--pairs-sweep's pipeline stages")
     p.add_argument("--pairs-32-row-tiles", action="store_true",
                    help="the paired kernel in 32-row tiles past 32 rows (A/B of its 64-row tiles of two dots)")
-    p.add_argument("--pairs-pairwise", action="store_true",
-                   help="paired matmul: each word's values made a pair at a time (A/B of all 8 first)")
-    p.add_argument("--pairs-maxnreg-64", type=int, default=None,
-                   help="paired matmul: register cap of its 64-row tiles (A/B)")
     args = p.parse_args()
     triton_quant.PAIRS_TWO_DOTS = not args.pairs_32_row_tiles
-    triton_quant.PAIRS_PAIRWISE = args.pairs_pairwise
-    triton_quant.PAIRS_MAXNREG_64 = args.pairs_maxnreg_64
     gen = torch.Generator(device="cuda").manual_seed(0)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     if args.sweep or args.pairs_sweep:

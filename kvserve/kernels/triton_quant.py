@@ -54,7 +54,6 @@ class QuantMatmulConfig:
     num_warps: int = 4
     num_stages: int = 3
     gather: bool = False  # how a tile's words are unpacked (`_unpack_tile`)
-    maxnreg: int | None = None  # the paired kernel's register cap (None: the compiler's choice)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -294,12 +293,6 @@ def dequantize(weight: PackedWeight, dtype: torch.dtype, block_n: int = 64, gath
 PAIRS_TILE_ROWS = 128  # K rows of a tile: 8 dots of depth 16
 # Rows past 32 in 64-row tiles of two 32-row dots (else 32-row tiles); an A/B switch for the benchmarks.
 PAIRS_TWO_DOTS = True
-# Each word's values made a pair at a time, each pair's two dots run before the next pair is made (fewer
-# live registers), instead of all 8 values first; an A/B switch for the benchmarks.
-PAIRS_PAIRWISE = False
-# Register cap of the 64-row tiles (None: the compiler's choice, about 208 at the 7B shapes: two programs per
-# SM); an A/B switch for the benchmarks.
-PAIRS_MAXNREG_64: int | None = None
 
 
 def pairs_fit(weight: PackedWeight, dtype: torch.dtype, capability: tuple[int, int] | None = None) -> bool:
@@ -358,30 +351,6 @@ _PAIRS_ASM_BF16 = tl.constexpr(_PAIRS_ASM_TEMPLATE.replace("MAGIC", "0x43004300"
 _PAIRS_ASM_FP16 = tl.constexpr(_PAIRS_ASM_TEMPLATE.replace("MAGIC", "0x64006400").replace("ONE", "0x3c003c00")
                                .replace("TYPE", "f16x2"))
 _PAIRS_CONSTRAINTS = tl.constexpr("=h,=h,=h,=h,=h,=h,=h,=h,r,h,h")
-# The same for one pair (values i and i + 4 of the word, SHIFT = 4 i): $2: the word; $3: -(magic + z); $4: s.
-_PAIR_ASM_TEMPLATE = """{
-.reg .b32 t, p, nz, ss, one, nzero;
-mov.b32 nz, {$3, $3};
-mov.b32 ss, {$4, $4};
-mov.b32 one, ONE;
-mov.b32 nzero, 0x80008000;
-shr.u32 t, $2, SHIFT;
-lop3.b32 p, t, 0x000f000f, MAGIC, 0xea;
-fma.rn.TYPE p, p, one, nz;
-fma.rn.TYPE p, p, ss, nzero;
-mov.b32 {$0, $1}, p;
-}"""
-
-
-def _pair_asm(dtype: str, shift: int) -> tl.constexpr:
-    magic, one = {"bf16x2": ("0x43004300", "0x3f803f80"), "f16x2": ("0x64006400", "0x3c003c00")}[dtype]
-    return tl.constexpr(_PAIR_ASM_TEMPLATE.replace("MAGIC", magic).replace("ONE", one).replace("TYPE", dtype)
-                        .replace("SHIFT", str(shift)))
-
-
-_PAIR_ASM_BF16_0, _PAIR_ASM_BF16_1, _PAIR_ASM_BF16_2, _PAIR_ASM_BF16_3 = (_pair_asm("bf16x2", 4 * i) for i in range(4))
-_PAIR_ASM_FP16_0, _PAIR_ASM_FP16_1, _PAIR_ASM_FP16_2, _PAIR_ASM_FP16_3 = (_pair_asm("f16x2", 4 * i) for i in range(4))
-_PAIR_CONSTRAINTS = tl.constexpr("=h,=h,r,h,h")
 
 
 @triton.jit
@@ -419,44 +388,6 @@ def _word_values(words, zero_scale, dtype: tl.constexpr, ASM: tl.constexpr):
     return values
 
 
-@triton.jit
-def _word_pair(words, zero_scale, i: tl.constexpr, dtype: tl.constexpr, ASM: tl.constexpr):
-    """Values i and i + 4 of each word [R, BLOCK_N] as two [R, BLOCK_N] in `dtype` (`_word_values`'s, one
-    pair at a time, so that a pair's dots can run before the next pair is made)."""
-    z = ((zero_scale >> 16) & 0xFF).to(tl.float32)
-    scale_bits = (zero_scale & 0xFFFF).to(tl.int16)
-    if ASM:
-        sb = tl.broadcast_to(scale_bits[None, :], words.shape)
-        if dtype == tl.float16:
-            zb = tl.broadcast_to((-(z + 1024.0)).to(dtype).to(tl.int16, bitcast=True)[None, :], words.shape)
-            if i == 0:
-                asm: tl.constexpr = _PAIR_ASM_FP16_0
-            elif i == 1:
-                asm: tl.constexpr = _PAIR_ASM_FP16_1
-            elif i == 2:
-                asm: tl.constexpr = _PAIR_ASM_FP16_2
-            else:
-                asm: tl.constexpr = _PAIR_ASM_FP16_3
-        else:
-            zb = tl.broadcast_to((-(z + 128.0)).to(dtype).to(tl.int16, bitcast=True)[None, :], words.shape)
-            if i == 0:
-                asm: tl.constexpr = _PAIR_ASM_BF16_0
-            elif i == 1:
-                asm: tl.constexpr = _PAIR_ASM_BF16_1
-            elif i == 2:
-                asm: tl.constexpr = _PAIR_ASM_BF16_2
-            else:
-                asm: tl.constexpr = _PAIR_ASM_BF16_3
-        o = tl.inline_asm_elementwise(asm, _PAIR_CONSTRAINTS, [words, zb, sb], dtype=(tl.int16, tl.int16),
-                                      is_pure=True, pack=1)
-        low, high = o[0].to(dtype, bitcast=True), o[1].to(dtype, bitcast=True)
-    else:
-        zf = z[None, :]
-        sf = scale_bits.to(dtype, bitcast=True).to(tl.float32)[None, :]
-        low, high = _pair_value(words, i, zf, sf, dtype), _pair_value(words, i + 4, zf, sf, dtype)
-    return low, high
-
-
 @triton.jit(do_not_specialize=["M"])
 def _quant_matmul_pairs_kernel(
     x_ptr,
@@ -475,7 +406,6 @@ def _quant_matmul_pairs_kernel(
     HAS_BIAS: tl.constexpr,
     PARTIALS: tl.constexpr,
     ASM: tl.constexpr,
-    PAIRWISE: tl.constexpr,
 ):
     """out[M, N] (or split-K partials) for a `prepare_pairs` weight; programs (m tile fastest, so the row
     tiles of one column tile run together and share its weight in L2) x K splits. A 64-row tile runs two
@@ -503,33 +433,19 @@ def _quant_matmul_pairs_kernel(
     for k0 in range(k_begin, k_begin + k_per_split, BLOCK_K):
         words = tl.load(qweight_ptr + (k0 // 8 + r)[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0)
         zero_scale = tl.load(zero_scale_ptr + (k0 // group_rows) * N + offs_n, mask=mask_n, other=0)
+        values = _word_values(words, zero_scale, dtype, ASM)
         x_tile = x_ptr + offs_m[:, None] * stride_xm + k0 + r[None, :]
-        if PAIRWISE:
-            for i in tl.static_range(4):
-                low, high = _word_pair(words, zero_scale, i, dtype, ASM)
-                acc, acc2 = _pairs_dot(x_tile, i * R, low, acc, acc2, mask_m, mask_m2, stride_xm, SUB_M, TWO)
-                acc, acc2 = _pairs_dot(x_tile, (i + 4) * R, high, acc, acc2, mask_m, mask_m2, stride_xm, SUB_M, TWO)
-        else:
-            values = _word_values(words, zero_scale, dtype, ASM)
-            for j in tl.static_range(8):
-                # Value j of the tile's words: rows k0 + j R .. k0 + j R + R - 1.
-                acc, acc2 = _pairs_dot(x_tile, j * R, values[j], acc, acc2, mask_m, mask_m2, stride_xm, SUB_M, TWO)
+        for j in tl.static_range(8):
+            # Value j of the tile's words: rows k0 + j R .. k0 + j R + R - 1.
+            x = tl.load(x_tile + j * R, mask=mask_m[:, None], other=0.0)
+            acc = tl.dot(x, values[j], acc)
+            if TWO:
+                x2 = tl.load(x_tile + SUB_M * stride_xm + j * R, mask=mask_m2[:, None], other=0.0)
+                acc2 = tl.dot(x2, values[j], acc2)
     _store_pairs_tile(acc, offs_m, mask_m, offs_n, mask_n, bias_ptr, out_ptr, M, N, pid_k, HAS_BIAS, PARTIALS)
     if TWO:
         _store_pairs_tile(acc2, offs_m2, mask_m2, offs_n, mask_n, bias_ptr, out_ptr, M, N, pid_k, HAS_BIAS,
                           PARTIALS)
-
-
-@triton.jit
-def _pairs_dot(x_tile, column, values, acc, acc2, mask_m, mask_m2, stride_xm, SUB_M: tl.constexpr,
-               TWO: tl.constexpr):
-    """acc (and acc2, the second 32 rows of a 64-row tile) += x's columns column .. column + R - 1 @ values."""
-    x = tl.load(x_tile + column, mask=mask_m[:, None], other=0.0)
-    acc = tl.dot(x, values, acc)
-    if TWO:
-        x2 = tl.load(x_tile + SUB_M * stride_xm + column, mask=mask_m2[:, None], other=0.0)
-        acc2 = tl.dot(x2, values, acc2)
-    return acc, acc2
 
 
 @triton.jit
@@ -558,8 +474,7 @@ def pick_pairs_config(num_rows: int, weight: PackedWeight, num_sms: int) -> Quan
     split = 1
     while 4 * column_tiles * split < 3 * num_sms and split < 16 and chunks % (split * 2) == 0:
         split *= 2
-    return QuantMatmulConfig(block_m, block_n, PAIRS_TILE_ROWS, split, 4, 3,
-                             maxnreg=PAIRS_MAXNREG_64 if block_m == 64 else None)
+    return QuantMatmulConfig(block_m, block_n, PAIRS_TILE_ROWS, split, 4, 3)
 
 
 def quant_matmul_pairs(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None,
@@ -581,8 +496,7 @@ def quant_matmul_pairs(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor
         x, weight.qweight, weight.zero_scale, bias if bias is not None else x, target,
         m, n, x.stride(0), k // config.split_k, weight.group_rows, m_tiles,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, HAS_BIAS=bias is not None and not partials,
-        PARTIALS=partials, ASM=_PAIRS_ASM, PAIRWISE=PAIRS_PAIRWISE, num_warps=config.num_warps,
-        num_stages=config.num_stages, **({"maxnreg": config.maxnreg} if config.maxnreg else {}),
+        PARTIALS=partials, ASM=_PAIRS_ASM, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return _finish_partials(target, bias, out) if partials else out
 
