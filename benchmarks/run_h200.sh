@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: last36 pw36 final36 ab36 fuse36 ncu36 fix35 graphs35 final35 diag35 pairs35 pairs34 lop34 swap34 quant33 tp32a tp32b tp32c asc31b asc31 api30c api30b api30 client29b api29 client29 pytest28 cublas28 firstburst28 firstpass28w firstpass28s firstpass28e firstpass28 sweep28 abclient27 gcprobe27 client27 mnbt27 rowq26 gcserve26 gc26 bisect26 hash25 capfail25b capfail25 offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: pair36 last36 pw36 final36 ab36 fuse36 ncu36 fix35 graphs35 final35 diag35 pairs35 pairs34 lop34 swap34 quant33 tp32a tp32b tp32c asc31b asc31 api30c api30b api30 client29b api29 client29 pytest28 cublas28 firstburst28 firstpass28w firstpass28s firstpass28e firstpass28 sweep28 abclient27 gcprobe27 client27 mnbt27 rowq26 gcserve26 gc26 bisect26 hash25 capfail25b capfail25 offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Pass the local commit, written in literally (the device copy's git metadata can be stale, so a $(git ...) in
 # the command would read it there): KVSERVE_BENCH_COMMIT=<sha> bash ...
@@ -699,6 +699,14 @@ PY
         for mode in EAGER LAZY; do firstpass_engine firstpass28e $mode CUDA_MODULE_LOADING=$mode; done
         grep -E "firstpass pass|firstpass28e" "$R/firstpass28e_full.log" >> "$R/firstpass28e.log"
         cp "$R/firstpass28e.log" "$OUT/" ;;
+    pair36) # bf16 and AWQ on one host at the final code: decode 1 / 8 / 64 x 1k and the seeds' workload, each.
+        for q in bf16 awq; do
+          flags=""; [ $q = awq ] && flags="--quantization awq"
+          timeout 130 python3 benchmarks/engine_benchmarks.py --out "$R/pair36_$q" $flags --sections decode,seeds \
+            --decode-contexts 1024 > "$R/pair36_$q.log" 2>&1
+          cp "$R/pair36_$q.log" "$OUT/"
+          echo "== $q"; grep -a -E "decode b|seeds" "$R/pair36_$q.log" | cut -c1-100
+        done ;;
     last36) # The final code: kernel and quantized-engine GPU tests, then the AWQ engine's start, decode, TTFT and
         # seeds' workload. Logs to $OUT as each part ends.
         timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_triton_quant.py \
