@@ -25,7 +25,7 @@ rule fitted to that sweep.
 """
 
 # Kernel parameters stay unannotated: @triton.jit reads annotations as type/constexpr specialisations.
-# ruff: noqa: ANN001
+# ruff: noqa: ANN001, ANN201
 
 from __future__ import annotations
 
@@ -207,8 +207,10 @@ def _store_output(acc, bias_ptr, out_ptr, offs_n, offs_m, tile, out_mask, pid_n,
 
 
 @triton.jit
-def _split_reduce_kernel(part_ptr, bias_ptr, out_ptr, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def split_reduce_kernel(part_ptr, bias_ptr, out_ptr, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """out (M x N = MN elements) = split-K float32 partials [SPLITS, M, N] added in split order (+ bias [N]),
+    rounded once to out's dtype; BLOCK elements a program (also the quantized matmuls' sum, triton_quant)."""
     pdl_wait_then_release(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
@@ -405,7 +407,7 @@ def skinny_linear(
     )
     if split and not fused:
         block = 1024
-        _split_reduce_kernel[(triton.cdiv(m * n, block),)](
+        split_reduce_kernel[(triton.cdiv(m * n, block),)](
             parts, bias if has_bias else parts, out, m * n, n,
             SPLITS=config.split_k, HAS_BIAS=has_bias, BLOCK=block, PDL=pdl, num_warps=4,
             **triton_pdl.launch_options(pdl),

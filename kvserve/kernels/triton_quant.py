@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from kvserve import envs
-from kvserve.kernels.triton_gemm import _split_reduce_kernel
+from kvserve.kernels.triton_gemm import split_reduce_kernel
 from kvserve.layers.quantization import PackedWeight, interleave_tiles
 
 
@@ -264,7 +264,7 @@ def _finish_partials(partials: torch.Tensor, bias: torch.Tensor | None, out: tor
     in one launch (torch's sum and cast took two, slower: docs/perf_notes.md entry 54)."""
     splits, m, n = partials.shape
     block = 1024
-    _split_reduce_kernel[(triton.cdiv(m * n, block),)](
+    split_reduce_kernel[(triton.cdiv(m * n, block),)](
         partials, bias if bias is not None else partials, out, m * n, n, SPLITS=splits, HAS_BIAS=bias is not None,
         BLOCK=block, num_warps=4,
     )

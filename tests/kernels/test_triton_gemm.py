@@ -291,7 +291,7 @@ def test_ops_linear_on_cpu_is_torch_linear():
 def test_kernels_compile_for_hopper(device, hopper_compiler):
     """The tilings `pick_config` gives at the Qwen2.5-7B shapes (and a bf16 / fp16 mix of row counts and
     bias) compile for sm_90 within its shared memory."""
-    names = ["_skinny_gemm_kernel", "_split_reduce_kernel"]
+    names = ["_skinny_gemm_kernel", "split_reduce_kernel"]
     for dtype in (torch.bfloat16, torch.float16):
         for m, config, bias in (
             (1, GemmConfig(64, 128, 1, 3, 4), False),

@@ -7,6 +7,7 @@ Outputs and split partials come from `torch.empty`, made NaN by `poison_allocati
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 
@@ -195,16 +196,19 @@ def test_pairs_split_partials_are_summed_in_order_and_rounded_once(block_m, devi
     x = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
     b = torch.randn(n, generator=gen).to(device=device, dtype=dtype)
     seen: list[torch.Tensor] = []
-    reduce_kernel = triton_quant._split_reduce_kernel
+    reduce_kernel = triton_quant.split_reduce_kernel
 
     class Spy:
-        def __getitem__(self, grid):  # noqa: ANN001, ANN204
-            def launch(partials, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        """Records the partials each launch of the sum kernel reads, then launches it."""
+
+        def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
+            def launch(partials: torch.Tensor, *args: object, **kwargs: object) -> None:
                 seen.append(partials.clone())
-                return reduce_kernel[grid](partials, *args, **kwargs)
+                reduce_kernel[grid](partials, *args, **kwargs)
+
             return launch
 
-    monkeypatch.setattr(triton_quant, "_split_reduce_kernel", Spy())
+    monkeypatch.setattr(triton_quant, "split_reduce_kernel", Spy())
     out = quant_matmul_pairs(x, weight, b, QuantMatmulConfig(block_m, 64, 128, 4))
     assert len(seen) == 1 and seen[0].shape == (4, m, n)
     total = seen[0][0]
@@ -338,7 +342,7 @@ def test_quant_kernels_compile_for_hopper_and_ampere(arch, device, monkeypatch, 
         bias = torch.zeros(n, dtype=dtype, device=device)
         for rows, split in ((1, 1), (16, 2), (64, 1), (64, 4)):
             config = replace(pick_pairs_config(rows, prepared, 132), split_k=split)
-            kernels = ["_quant_matmul_pairs_kernel"] + (["_split_reduce_kernel"] if split > 1 else [])
+            kernels = ["_quant_matmul_pairs_kernel"] + (["split_reduce_kernel"] if split > 1 else [])
             compiler.record(triton_quant, kernels, partial(quant_matmul_pairs, x[:rows], prepared, bias, config))
         compiler.record(triton_quant, ["_quant_matmul_kernel"],
                         partial(quant_matmul, x[:8], plain, None, pick_config(8, plain, 132)))
