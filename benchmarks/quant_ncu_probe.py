@@ -1,8 +1,8 @@
 """One launch of each 4-bit matmul case inside a CUDA profiler range, for Nsight Compute (`ncu
 --profile-from-start off`): the paired-dequantizing kernel (kernels/triton_quant.py) at the Qwen2.5-7B shapes
 and the row counts given, and torch's bf16 matmul (cuBLAS) on the same shapes for comparison. Each case runs
-three times first (compile, warm), so the profiled launch is the steady one. Without ncu it prints each
-case's configuration and exits; the profile is ncu's report.
+three times first (compile, warm), so the profiled launch is the steady one. It prints each paired case's
+tiling; the profile is ncu's report (without ncu the cases just run).
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight ... \
         python benchmarks/quant_ncu_probe.py --cases gate_up:64,gate_up:16,cublas:gate_up:64

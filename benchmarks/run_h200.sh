@@ -13,6 +13,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 R=/tmp/kvres
+rm -rf "$R"  # a machine still warm from the last call keeps its files: pack this call's only
 mkdir -p "$R" "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv > "$R/nvidia_smi.txt" 2>&1
 T0=$(date +%s)

@@ -261,7 +261,7 @@ def quant_matmul(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | Non
 
 def _finish_partials(partials: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
     """out = the split-K partials [splits, M, N] summed in split order (+ bias), rounded once to out's dtype,
-    in one launch (torch's sum and cast took two, slower: docs/perf_notes.md entry 54)."""
+    in one launch (torch's sum, bias add and cast took two or three, slower: docs/perf_notes.md entry 54)."""
     splits, m, n = partials.shape
     block = 1024
     split_reduce_kernel[(triton.cdiv(m * n, block),)](

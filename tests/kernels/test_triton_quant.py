@@ -220,6 +220,19 @@ def test_pairs_split_partials_are_summed_in_order_and_rounded_once(block_m, devi
     torch.testing.assert_close(out.float(), whole.float(), rtol=2**-9, atol=2**-9 * whole.abs().max().item())
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_split_partials_sum_order(bias, device):
+    """The split sum's order is observable in float32: partials 2^24, 1, 1, -2^24 give 0 added in split order
+    (2^24 + 1 rounds to 2^24), 1 pairwise and 2 in reverse; a bias of 1 added after the splits gives 1,
+    added first 0."""
+    big = float(2**24)
+    partials = torch.tensor([big, 1.0, 1.0, -big], device=device).view(4, 1, 1).expand(4, 3, 5).contiguous()
+    out = torch.empty(3, 5, device=device)
+    b = torch.ones(5, device=device) if bias else None
+    triton_quant._finish_partials(partials, b, out)
+    assert torch.equal(out, torch.full((3, 5), 1.0 if bias else 0.0, device=device))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_pairs_dequantizes_exactly(dtype, device, skip_bf16_on_interpreter):
     """One-hot rows of x pick single weights: out[i, n] = W[n, k_i] with one product, so the kernel's
@@ -344,10 +357,12 @@ def test_quant_kernels_compile_for_hopper_and_ampere(arch, device, monkeypatch, 
             config = replace(pick_pairs_config(rows, prepared, 132), split_k=split)
             kernels = ["_quant_matmul_pairs_kernel"] + (["split_reduce_kernel"] if split > 1 else [])
             compiler.record(triton_quant, kernels, partial(quant_matmul_pairs, x[:rows], prepared, bias, config))
-        compiler.record(triton_quant, ["_quant_matmul_kernel"],
-                        partial(quant_matmul, x[:8], plain, None, pick_config(8, plain, 132)))
+        config = pick_config(8, plain, 132)
+        assert config is not None and config.split_k > 1  # its sum, without a bias
+        compiler.record(triton_quant, ["_quant_matmul_kernel", "split_reduce_kernel"],
+                        partial(quant_matmul, x[:8], plain, None, config))
         compiler.record(triton_quant, ["_dequantize_kernel"], partial(dequantize, prepared, dtype))
         compiler.record(triton_quant, ["_dequantize_kernel"], partial(dequantize, plain, dtype))
     results = compiler.compile_all()
-    assert len(results) == 18
+    assert len(results) == 20
     assert {r["block_m"] for r in results if r["kernel"] == "_quant_matmul_pairs_kernel"} == {16, 64}
