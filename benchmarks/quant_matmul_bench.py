@@ -253,14 +253,14 @@ def int_list(value: str) -> list[int]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--rows", type=lambda v: [int(x) for x in v.split(",")],
+    p.add_argument("--rows", type=int_list,
                    default=[1, 8, 16, 32, 64, 128, 256, 512, 2048, 8192])
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--sweep", action="store_true", help="time tilings of both kernels instead")
     p.add_argument("--pairs-sweep", action="store_true", help="time tilings of the paired-dequantizing kernel")
-    p.add_argument("--sweep-rows", type=lambda v: [int(x) for x in v.split(",")], default=[1, 16, 64, 128, 256])
+    p.add_argument("--sweep-rows", type=int_list, default=[1, 16, 64, 128, 256])
     p.add_argument("--pairs-block-n", type=int_list, default=[64, 128], help="--pairs-sweep's column tiles")
     p.add_argument("--pairs-warps", type=int_list, default=[4, 8], help="--pairs-sweep's warp counts")
     p.add_argument("--pairs-stages", type=int_list, default=[3], help="--pairs-sweep's pipeline stages")

@@ -102,6 +102,32 @@ firstpass_engine() {
   python3 -c "import json, sys; d = json.load(open(sys.argv[1]))['results']; print(sys.argv[2], 'start_s', round(d['start_s'], 1), {k: round(v, 2) for k, v in d['phases_s'].items()})" \
     "$R/${step}_$label/engine_start.json" "$label" >> "$R/$step.log" 2>&1
 }
+# awq_decode_modes LOG LABEL:FLAGS...: the AWQ engine's decode (batch 1 / 8 / 64 x 1k) in a fresh engine per
+# LABEL, in turn, with its FLAGS (space-separated; none after a bare "LABEL:"), appended to $R/LOG with a
+# "mode LABEL done" line and copied to $OUT after each; prints the decode lines at the end.
+awq_decode_modes() {
+  local log=$1 spec label flags; shift
+  for spec in "$@"; do
+    label=${spec%%:*}; flags=${spec#*:}
+    timeout 100 python3 benchmarks/engine_benchmarks.py --out "$R/${log%.log}_$label" --quantization awq \
+      --sections decode --decode-contexts 1024 $flags >> "$R/$log" 2>&1
+    echo "mode $label done" >> "$R/$log"
+    cp "$R/$log" "$OUT/"
+  done
+  grep -a -E "decode b|mode .* done|Error" "$R/$log" | cut -c1-60
+}
+# quant_matmul_modes STEP ROWS LABEL:FLAGS...: quant_matmul_bench.py's table at ROWS per LABEL with its FLAGS,
+# into $R/STEP_matmul_LABEL.log (copied to $OUT); prints each table's rows.
+quant_matmul_modes() {
+  local step=$1 rows=$2 spec label flags; shift 2
+  for spec in "$@"; do
+    label=${spec%%:*}; flags=${spec#*:}
+    timeout 70 python3 benchmarks/quant_matmul_bench.py --out "$R/${step}_$label" --rows "$rows" --repeats 5 \
+      $flags > "$R/${step}_matmul_$label.log" 2>&1
+    cp "$R/${step}_matmul_$label.log" "$OUT/"
+    echo "== matmul $label"; tail -$((4 * $(tr -cd , <<< "$rows" | wc -c) + 4)) "$R/${step}_matmul_$label.log" | cut -c1-80
+  done
+}
 for step in "$@"; do
   echo "=== $step (t=$(( $(date +%s) - T0 ))s)"
   case $step in
@@ -732,75 +758,40 @@ PY
           --sections start,decode,ttft,seeds --decode-contexts 1024 > "$R/last36_awq.log" 2>&1
         cp "$R/last36_awq.log" "$OUT/"
         grep -a -E "engine start|decode b|TTFT|seeds" "$R/last36_awq.log" | cut -c1-120 ;;
-    pw36) # ran at db90af7 (session 36 call 5; --pairs-pairwise and --pairs-maxnreg-64 were removed after it, both slower).
+    pw36) # ran at db90af7 (session 36 call 5; --pairs-pairwise and --pairs-maxnreg-64 were removed after it, both
+        # slower; its loops are written with the two helpers since).
         # The paired kernel's values made a pair at a time (--pairs-pairwise) and a register cap of 168 on its
         # 64-row tiles (3 programs an SM instead of 2), against the default, one host: matmul table, AWQ decode.
-        for mode in default pairwise cap both; do
-          case $mode in
-            default) flags="" ;; pairwise) flags="--pairs-pairwise" ;; cap) flags="--pairs-maxnreg-64 168" ;;
-            both) flags="--pairs-pairwise --pairs-maxnreg-64 168" ;;
-          esac
-          timeout 60 python3 benchmarks/quant_matmul_bench.py --out "$R/pw36_$mode" --rows 1,16,64 --repeats 5 \
-            $flags > "$R/pw36_matmul_$mode.log" 2>&1
-          cp "$R/pw36_matmul_$mode.log" "$OUT/"
-          echo "== matmul $mode"; tail -12 "$R/pw36_matmul_$mode.log" | cut -c1-80
-        done
-        for mode in default pairwise both cap default; do
-          case $mode in
-            default) flags="" ;; pairwise) flags="--pairs-pairwise" ;; cap) flags="--pairs-maxnreg-64 168" ;;
-            both) flags="--pairs-pairwise --pairs-maxnreg-64 168" ;;
-          esac
-          timeout 100 python3 benchmarks/engine_benchmarks.py --out "$R/pw36_awq_$mode" --quantization awq \
-            --sections decode --decode-contexts 1024 $flags >> "$R/pw36_awq.log" 2>&1
-          echo "mode $mode done" >> "$R/pw36_awq.log"
-          cp "$R/pw36_awq.log" "$OUT/"
-        done
-        grep -a -E "decode b|mode .* done|Error" "$R/pw36_awq.log" | cut -c1-60 ;;
-    final36) # ran at 011736d (session 36 call 4; --pairs-fused-reduce-max-rows was removed after it). The paired
-        # kernel without PDL, split partials summed in the kernel up to 16 rows and by one Triton launch above: kernel and quantized-engine GPU tests; AWQ decode default / never summed in the kernel /
-        # 32-row tiles / default; then the AWQ engine's start, TTFT and seeds' workload. Logs to $OUT as each ends.
+        quant_matmul_modes pw36 1,16,64 default: pairwise:--pairs-pairwise "cap:--pairs-maxnreg-64 168" \
+          "both:--pairs-pairwise --pairs-maxnreg-64 168"
+        awq_decode_modes pw36_awq.log default: pairwise:--pairs-pairwise "both:--pairs-pairwise --pairs-maxnreg-64 168" \
+          "cap:--pairs-maxnreg-64 168" default: ;;
+    final36) # ran at 011736d (session 36 call 4; --pairs-fused-reduce-max-rows was removed after it; its loop is
+        # written with awq_decode_modes since). The paired kernel without PDL, split partials summed in the
+        # kernel up to 16 rows and by one Triton launch above: kernel and quantized-engine GPU tests; AWQ decode
+        # default / never summed in the kernel / 32-row tiles / default; then the AWQ engine's start, TTFT and
+        # seeds' workload. Logs to $OUT as each ends.
         timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_triton_quant.py \
           tests/gpu/test_gpu_quantized.py -s > "$R/pytest_final36.log" 2>&1
         echo "pytest rc=$?" >> "$R/pytest_final36.log"
         cp "$R/pytest_final36.log" "$OUT/"
         grep -a "AWQ bf16:\|tokens compared\|^FAILED\|^E   " "$R/pytest_final36.log" | head -20; tail -2 "$R/pytest_final36.log"
-        for mode in default never tiles32 default; do
-          case $mode in
-            default) flags="" ;; never) flags="--pairs-fused-reduce-max-rows 0" ;; tiles32) flags="--pairs-32-row-tiles" ;;
-          esac
-          timeout 100 python3 benchmarks/engine_benchmarks.py --out "$R/final36_awq_$mode" --quantization awq \
-            --sections decode --decode-contexts 1024 $flags >> "$R/final36_ab.log" 2>&1
-          echo "mode $mode done" >> "$R/final36_ab.log"
-          cp "$R/final36_ab.log" "$OUT/"
-        done
-        grep -a -E "decode b|mode .* done|Error" "$R/final36_ab.log" | cut -c1-60
+        awq_decode_modes final36_ab.log default: "never:--pairs-fused-reduce-max-rows 0" tiles32:--pairs-32-row-tiles \
+          default:
         timeout 150 python3 benchmarks/engine_benchmarks.py --out "$R/final36_awq" --quantization awq \
           --sections start,ttft,seeds > "$R/final36_awq.log" 2>&1
         cp "$R/final36_awq.log" "$OUT/"
         tail -8 "$R/final36_awq.log" ;;
-    ab36) # ran at bad17fa (session 36 call 3; --pairs-pdl and --pairs-fused-reduce-max-rows were removed after it).
+    ab36) # ran at bad17fa (session 36 call 3; --pairs-pdl and --pairs-fused-reduce-max-rows were removed after it;
+        # its loops are written with the two helpers since).
         # The paired kernel's launch options, one host: matmul table with and without its PDL; AWQ engine decode
         # with the defaults (PDL, partials summed in the kernel up to 16 rows), without PDL, never summed in the
         # kernel, always summed in the kernel.
-        for mode in pdl nopdl; do
-          flags=""; [ $mode = nopdl ] && flags="--no-pairs-pdl"
-          timeout 70 python3 benchmarks/quant_matmul_bench.py --out "$R/ab36_$mode" --rows 1,16,32,64 --repeats 5 \
-            $flags > "$R/ab36_matmul_$mode.log" 2>&1
-          cp "$R/ab36_matmul_$mode.log" "$OUT/"
-          echo "== matmul $mode"; tail -16 "$R/ab36_matmul_$mode.log" | cut -c1-80
-        done
-        for mode in default nopdl never always default; do
-          case $mode in
-            default) flags="" ;; nopdl) flags="--no-pairs-pdl" ;;
-            never) flags="--pairs-fused-reduce-max-rows 0" ;; always) flags="--pairs-fused-reduce-max-rows 128" ;;
-          esac
-          timeout 100 python3 benchmarks/engine_benchmarks.py --out "$R/ab36_awq_$mode" --quantization awq \
-            --sections decode --decode-contexts 1024 $flags >> "$R/ab36_awq.log" 2>&1
-          echo "mode $mode done" >> "$R/ab36_awq.log"
-          cp "$R/ab36_awq.log" "$OUT/"
-        done
-        grep -a -E "decode b|mode .* done|Error" "$R/ab36_awq.log" | cut -c1-60 | tail -30 ;;
-    fuse36) # ran at c851746 (session 36 call 2; the in-kernel sum and PDL were removed after call 4). The paired kernel's split-K summed by each tile's last program and launched with PDL (new) against
+        quant_matmul_modes ab36 1,16,32,64 pdl: nopdl:--no-pairs-pdl
+        awq_decode_modes ab36_awq.log default: nopdl:--no-pairs-pdl "never:--pairs-fused-reduce-max-rows 0" \
+          "always:--pairs-fused-reduce-max-rows 128" default: ;;
+    fuse36) # ran at c851746 (session 36 call 2; the in-kernel sum and PDL were removed after call 4). The paired
+        # kernel's split-K summed by each tile's last program and launched with PDL (new) against
         # 3c0304c's kernel (old: .carry/triton_quant_old.py in a copy of the tree): a tiling sweep at 64 / 128
         # rows, the matmul table and the AWQ engine's decode, new and old in turn on this host.
         rm -rf /tmp/oldtree && mkdir -p /tmp/oldtree && cp -r kvserve benchmarks /tmp/oldtree/ \
