@@ -60,8 +60,8 @@ def frozen_heap() -> Iterator[int]:
     if not envs.KVSERVE_GC_FREEZE:
         yield 0
         return
-    before = gc.get_freeze_count()
     gc.collect()
+    before = gc.get_freeze_count()  # after the collection, which may free frozen objects through finalizers
     gc.freeze()
     try:
         yield gc.get_freeze_count() - before
