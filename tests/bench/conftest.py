@@ -15,7 +15,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers.ports import free_port
 
 from bench.fake_server import FakeBehavior, FakeOpenAIServer
 from kvserve.bench.cli_args import config_from_args
@@ -83,12 +83,6 @@ def bench() -> Callable[..., tuple[BenchResult, BenchConfig]]:
 # ------------------------------------------------------------------------------------------ real server
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _pid_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -105,7 +99,7 @@ def kvserve_model_dir(tiny_model_dir: Callable[..., str]) -> str:
 
 @pytest.fixture(scope="module")
 def kvserve_server(kvserve_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path_factory.mktemp("bench-server") / "server.log"
     log = open(log_path, "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(

@@ -77,7 +77,7 @@ def test_ttft_and_itl_count_tokens_whose_text_is_still_empty(fake_server, bench,
     (record,) = result.runs[0].records
     assert record.success and record.output_tokens == 6
     assert record.ttft_s < 0.3 <= record.e2e_s - record.ttft_s
-    assert len(record.itl_s) == 5 and min(record.itl_s) >= 0.25
+    assert len(record.itl_s) == 5 and min(record.itl_s) >= 0.15  # 0.3 s apart, less a client-side stall
 
 
 @pytest.mark.parametrize("api", ["chat", "completions"])
@@ -267,16 +267,16 @@ def test_a_body_held_open_after_done_does_not_hold_the_request(fake_server):
 
 
 def test_a_timeout_while_reading_a_finished_bodys_end_keeps_the_answer(fake_server):
-    # The answer is complete after about 15 ms; the request timeout fires while the client reads the end of
-    # a body the server holds open.
+    # The answer is complete after about 15 ms; the request timeout (1 s: room for a stalled CI machine) fires
+    # while the client reads the end of a body the server holds open for 5 s.
     server = fake_server(hold_after_done_s=5.0)
 
     async def scenario(client, request):
         return await client.send(request(0), 0.0)
 
-    record = _with_client(server, scenario, request_timeout_s=0.15)
+    record = _with_client(server, scenario, request_timeout_s=1.0)
     assert record.success and record.output_tokens == 4 and record.finish_reason == "length"
-    assert record.e2e_s < 0.15
+    assert record.e2e_s < 1.0
 
 
 def test_missing_done_and_finish_reason_is_a_broken_stream(fake_server, bench, prompts_file):
@@ -492,7 +492,13 @@ def test_the_client_health_monitor_lists_long_stalls_on_the_run_clock():
         await asyncio.sleep(0.06)
         return await monitor.stop()
 
-    report = asyncio.run(run())
+    enabled = gc.isenabled()
+    gc.disable()  # an automatic full collection of the suite's heap would be a second long pause
+    try:
+        report = asyncio.run(run())
+    finally:
+        if enabled:
+            gc.enable()
     (gc_start, gc_ms), = report.long_gc_pauses
     assert 1.0 < gc_start < 1.5 and gc_ms >= 20.0
     assert any(lag_ms >= 100.0 and 1.0 < start < 1.6 for start, lag_ms in report.long_loop_lags)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers.ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -32,12 +32,6 @@ TINY_NAME = "tiny"
 # Start-up includes importing torch/transformers twice (API and engine processes) on a 2-core machine that
 # may be busy with other work; generous, but bounded.
 STARTUP_TIMEOUT_S = 180.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:

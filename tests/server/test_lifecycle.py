@@ -107,7 +107,9 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(own_server: ServerProcess
     for process in ("engine core", "API server"):
         frozen = re.search(process + r": (\d+) start-up objects left out of the garbage collector", server.log())
         assert frozen is not None and int(frozen.group(1)) > 0, server.log()
-    stream = StreamReader(server.base_url, max_tokens=60)
+    # 240 tokens: the drain must outlast the checks below (60 tokens drained in 0.37-0.45 s here, which a
+    # stalled 2-core CI machine could miss; the server then closes its port).
+    stream = StreamReader(server.base_url, max_tokens=240)
     stream.start()
     assert stream.first_chunk.wait(60) and stream.error is None
 
@@ -115,7 +117,11 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(own_server: ServerProcess
     refused = None
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and stream.is_alive():
-        response = httpx.post(server.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=30)
+        try:
+            response = httpx.post(server.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1},
+                                  timeout=30)
+        except httpx.TransportError as e:
+            raise AssertionError(f"the server stopped listening before the stream drained: {e!r}") from e
         if response.status_code == 503:
             refused = response
             break

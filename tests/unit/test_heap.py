@@ -114,10 +114,16 @@ def test_frozen_heap_switched_off_freezes_nothing(unfrozen: None, monkeypatch: p
 
 def test_collection_timer_times_collections_inside_the_block_only() -> None:
     callbacks = len(gc.callbacks)
-    with heap.CollectionTimer() as timer:
-        timer._on_gc("stop", {"generation": 0, "collected": 0})  # the end of one under way at start: ignored
-        gc.collect()
-    gc.collect()  # after the block: not timed
+    enabled = gc.isenabled()
+    gc.disable()  # no automatic collection in the block: only the explicit one
+    try:
+        with heap.CollectionTimer() as timer:
+            timer._on_gc("stop", {"generation": 0, "collected": 0})  # one under way at start ends: ignored
+            gc.collect()
+        gc.collect()  # after the block: not timed
+    finally:
+        if enabled:
+            gc.enable()
     assert [gen for _, gen, _ in timer.collections] == [2]
     (began, _, seconds), = timer.collections
     assert began > 0.0 and seconds >= 0.0

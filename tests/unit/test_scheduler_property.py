@@ -283,7 +283,7 @@ class Driver:
                 assert not at_length and not any(stops), f"{req_id} should have finished before the abort"
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(setup=setups(), operations=ops, seed=st.integers(0, 2**32 - 1))
 def test_random_add_step_abort_sequences(setup: Setup, operations: list, seed: int) -> None:
     driver = Driver(setup, seed)
@@ -327,7 +327,7 @@ def _run(setup: Setup, operations: list, seed: int, flushes: bool) -> tuple[list
     return record, driver
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(setup=setups(), operations=ops, seed=st.integers(0, 2**32 - 1), flushes=st.booleans())
 def test_deferred_block_caching_schedules_as_caching_in_schedule(
     setup: Setup, operations: list, seed: int, flushes: bool

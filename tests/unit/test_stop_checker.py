@@ -95,7 +95,7 @@ def test_safe_emit_len_holds_back_stop_prefixes():
     assert StopChecker([]).safe_emit_len("STO") == 3
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, derandomize=True)
 @given(
     text=st.text(alphabet="abc<>/ 世", max_size=40),
     stops=st.lists(st.text(alphabet="abc<>/世", min_size=1, max_size=4), min_size=1, max_size=3),
