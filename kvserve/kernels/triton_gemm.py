@@ -406,10 +406,21 @@ def skinny_linear(
         **triton_pdl.launch_options(pdl),
     )
     if split and not fused:
-        block = 1024
-        split_reduce_kernel[(triton.cdiv(m * n, block),)](
-            parts, bias if has_bias else parts, out, m * n, n,
-            SPLITS=config.split_k, HAS_BIAS=has_bias, BLOCK=block, PDL=pdl, num_warps=4,
-            **triton_pdl.launch_options(pdl),
-        )
+        sum_split_partials(parts, bias, out, pdl)
+    return out
+
+
+def sum_split_partials(parts: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                       pdl: bool = False) -> torch.Tensor:
+    """out [M, N] = split-K float32 partials [splits, M, N] added in split order (+ bias), rounded once to
+    out's dtype, in one launch of `split_reduce_kernel` (pdl: launched with programmatic dependent launch).
+    The quantized matmuls sum theirs here too: torch's sum, bias add and cast took two or three launches, and
+    were slower (docs/perf_notes.md entry 54)."""
+    splits, m, n = parts.shape
+    block = 1024
+    split_reduce_kernel[(triton.cdiv(m * n, block),)](
+        parts, bias if bias is not None else parts, out, m * n, n,
+        SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=block, PDL=pdl, num_warps=4,
+        **triton_pdl.launch_options(pdl),
+    )
     return out

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from kvserve import envs
-from kvserve.kernels.triton_gemm import split_reduce_kernel
+from kvserve.kernels.triton_gemm import sum_split_partials
 from kvserve.layers.quantization import PackedWeight, interleave_tiles
 
 
@@ -256,19 +256,7 @@ def quant_matmul(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | Non
         IEEE=x.dtype == torch.float32, GATHER=config.gather, num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    return _finish_partials(target, bias, out) if partials else out
-
-
-def _finish_partials(partials: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-    """out = the split-K partials [splits, M, N] summed in split order (+ bias), rounded once to out's dtype,
-    in one launch (torch's sum, bias add and cast took two or three, slower: docs/perf_notes.md entry 54)."""
-    splits, m, n = partials.shape
-    block = 1024
-    split_reduce_kernel[(triton.cdiv(m * n, block),)](
-        partials, bias if bias is not None else partials, out, m * n, n, SPLITS=splits, HAS_BIAS=bias is not None,
-        BLOCK=block, num_warps=4,
-    )
-    return out
+    return sum_split_partials(target, bias, out) if partials else out
 
 
 def dequantize(weight: PackedWeight, dtype: torch.dtype, block_n: int = 64, gather: bool = False,
@@ -498,7 +486,7 @@ def quant_matmul_pairs(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, HAS_BIAS=bias is not None and not partials,
         PARTIALS=partials, ASM=_PAIRS_ASM, num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    return _finish_partials(target, bias, out) if partials else out
+    return sum_split_partials(target, bias, out) if partials else out
 
 
 # The interpreter runs no PTX: the same arithmetic in Triton operations there. Read when this module is

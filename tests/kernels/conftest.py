@@ -356,18 +356,22 @@ class HopperCompiler:
         self.arch = arch  # the compute capability compiled for (90: Hopper; 80: Ampere, for kernels meant to run there)
         self.specs: list[dict] = []
 
-    def record(self, module: ModuleType, kernel_names: list[str], call: Callable[[], object]) -> None:
+    def record(self, module: ModuleType, kernel_names: list[str | tuple[ModuleType, str]],
+               call: Callable[[], object]) -> None:
+        """Record the launches `call` makes of the named kernels: names in `module`, or (module, name) for a
+        kernel that `call` launches through a helper of another module."""
         from kvserve.kernels import triton_pdl
 
-        recorders = {name: _LaunchRecorder(getattr(module, name)) for name in kernel_names}
+        kernels = [k if isinstance(k, tuple) else (module, k) for k in kernel_names]
+        recorders = [(mod, name, _LaunchRecorder(getattr(mod, name))) for mod, name in kernels]
         with self._monkeypatch.context() as patch:
-            for name, recorder in recorders.items():
-                patch.setattr(module, name, recorder)
+            for mod, name, recorder in recorders:
+                patch.setattr(mod, name, recorder)
             patch.setattr(triton_pdl, "enabled", lambda device: self.pdl)
             call()
-        for name, recorder in recorders.items():
+        for mod, name, recorder in recorders:
             assert recorder.launches, f"{name} was never launched"
-            self.specs += [_launch_spec(module, name, recorder.kernel, a, k) | {"arch": self.arch}
+            self.specs += [_launch_spec(mod, name, recorder.kernel, a, k) | {"arch": self.arch}
                            for a, k in recorder.launches]
 
     def compile_all(self) -> list[dict]:

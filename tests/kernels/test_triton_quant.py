@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kvserve.kernels import reference, triton_quant  # noqa: E402
+from kvserve.kernels import reference, triton_gemm, triton_quant  # noqa: E402
 from kvserve.kernels.triton_quant import (  # noqa: E402
     QuantMatmulConfig,
     dequantize,
@@ -196,7 +196,7 @@ def test_pairs_split_partials_are_summed_in_order_and_rounded_once(block_m, devi
     x = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
     b = torch.randn(n, generator=gen).to(device=device, dtype=dtype)
     seen: list[torch.Tensor] = []
-    reduce_kernel = triton_quant.split_reduce_kernel
+    reduce_kernel = triton_gemm.split_reduce_kernel
 
     class Spy:
         """Records the partials each launch of the sum kernel reads, then launches it."""
@@ -208,7 +208,7 @@ def test_pairs_split_partials_are_summed_in_order_and_rounded_once(block_m, devi
 
             return launch
 
-    monkeypatch.setattr(triton_quant, "split_reduce_kernel", Spy())
+    monkeypatch.setattr(triton_gemm, "split_reduce_kernel", Spy())
     out = quant_matmul_pairs(x, weight, b, QuantMatmulConfig(block_m, 64, 128, 4))
     assert len(seen) == 1 and seen[0].shape == (4, m, n)
     total = seen[0][0]
@@ -229,7 +229,7 @@ def test_split_partials_sum_order(bias, device):
     partials = torch.tensor([big, 1.0, 1.0, -big], device=device).view(4, 1, 1).expand(4, 3, 5).contiguous()
     out = torch.empty(3, 5, device=device)
     b = torch.ones(5, device=device) if bias else None
-    triton_quant._finish_partials(partials, b, out)
+    triton_gemm.sum_split_partials(partials, b, out)
     assert torch.equal(out, torch.full((3, 5), 1.0 if bias else 0.0, device=device))
 
 
@@ -355,11 +355,11 @@ def test_quant_kernels_compile_for_hopper_and_ampere(arch, device, monkeypatch, 
         bias = torch.zeros(n, dtype=dtype, device=device)
         for rows, split in ((1, 1), (16, 2), (64, 1), (64, 4)):
             config = replace(pick_pairs_config(rows, prepared, 132), split_k=split)
-            kernels = ["_quant_matmul_pairs_kernel"] + (["split_reduce_kernel"] if split > 1 else [])
+            kernels = ["_quant_matmul_pairs_kernel"] + ([(triton_gemm, "split_reduce_kernel")] if split > 1 else [])
             compiler.record(triton_quant, kernels, partial(quant_matmul_pairs, x[:rows], prepared, bias, config))
         config = pick_config(8, plain, 132)
         assert config is not None and config.split_k > 1  # its sum, without a bias
-        compiler.record(triton_quant, ["_quant_matmul_kernel", "split_reduce_kernel"],
+        compiler.record(triton_quant, ["_quant_matmul_kernel", (triton_gemm, "split_reduce_kernel")],
                         partial(quant_matmul, x[:8], plain, None, config))
         compiler.record(triton_quant, ["_dequantize_kernel"], partial(dequantize, prepared, dtype))
         compiler.record(triton_quant, ["_dequantize_kernel"], partial(dequantize, plain, dtype))
