@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: ncuattn36 pair36 last36 pw36 final36 ab36 fuse36 ncu36 fix35 graphs35 final35 diag35 pairs35 pairs34 lop34 swap34 quant33 tp32a tp32b tp32c asc31b asc31 api30c api30b api30 client29b api29 client29 pytest28 cublas28 firstburst28 firstpass28w firstpass28s firstpass28e firstpass28 sweep28 abclient27 gcprobe27 client27 mnbt27 rowq26 gcserve26 gc26 bisect26 hash25 capfail25b capfail25 offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: tma38 ncuattn36 pair36 last36 pw36 final36 ab36 fuse36 ncu36 fix35 graphs35 final35 diag35 pairs35 pairs34 lop34 swap34 quant33 tp32a tp32b tp32c asc31b asc31 api30c api30b api30 client29b api29 client29 pytest28 cublas28 firstburst28 firstpass28w firstpass28s firstpass28e firstpass28 sweep28 abclient27 gcprobe27 client27 mnbt27 rowq26 gcserve26 gc26 bisect26 hash25 capfail25b capfail25 offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Pass the local commit, written in literally (the device copy's git metadata can be stale, so a $(git ...) in
 # the command would read it there): KVSERVE_BENCH_COMMIT=<sha> bash ...
@@ -739,6 +739,37 @@ PY
         cp "$R/ncuattn36.log" "$OUT/"
         grep -a -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Waves Per|SM Active|Elapsed Cyc|Issue Slots|ncu rc|rror" \
           "$R/ncuattn36.log" | head -40 ;;
+    tma38) # Decode attention reading K/V by TMA (DECODE_TMA): the attention kernel tests on the GPU, the sweep of
+        # the TMA kernel's launch against the pointer kernel, then the engine's decode (batch 48 / 64 / 128 x 1k /
+        # 4k) and seeds' workload with the sweep's best TMA launch at 64 x 1k: off / on / off / on, one host.
+        timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py -k "tma or decode" \
+          > "$R/pytest_tma38.log" 2>&1
+        echo "pytest rc=$?" >> "$R/pytest_tma38.log"
+        cp "$R/pytest_tma38.log" "$OUT/"
+        grep -a "^FAILED\|^E   " "$R/pytest_tma38.log" | head -8; tail -2 "$R/pytest_tma38.log"
+        timeout 220 python3 benchmarks/attention_sweep.py --out "$R/sweep_tma38.json" \
+          --cases 32:1024:1/3,48:1024:1,64:1024:1,64:4096:1,128:1024:1,176:r:1 --tiles 64,128 --warps 4 --stages 3,4 \
+          --prefetch-ids on,off --tma 1:6:0,1:4:1,1:6:1,1:8:1,1:10:1,1:12:1,2:6:1,2:8:1,4:8:1 > "$R/sweep_tma38.log" 2>&1
+        echo "sweep rc=$?" >> "$R/sweep_tma38.log"
+        cp "$R/sweep_tma38.log" "$OUT/"
+        grep -a -v "^ *best" "$R/sweep_tma38.log" | tail -75 | cut -c1-120
+        best=$(python3 - "$R/sweep_tma38.json" <<'PY'
+import json, sys
+rows = [r for r in json.load(open(sys.argv[1]))["results"]
+        if r.get("kernel") == "tma" and r["batch"] == 64 and r["context"] == 1024 and "us_per_layer" in r]
+r = min(rows, key=lambda r: r["us_per_layer"]) if rows else {"num_warps": 1, "num_stages": 6, "prefetch_ids": False}
+print(f"{r['num_warps']},{r['num_stages']},{int(r['prefetch_ids'])}")
+PY
+)
+        echo "engine A/B with the TMA launch $best (warps,stages,ids)"
+        for mode in off on off on; do
+          flags="--no-decode-tma"; [ $mode = on ] && flags="--decode-tma --decode-tma-busy --decode-launch-tma $best"
+          timeout 100 python3 benchmarks/engine_benchmarks.py --out "$R/tma38_$mode" --sections decode,seeds \
+            --decode-batches 48,64,128 --decode-contexts 1024,4096 $flags >> "$R/tma38_engine.log" 2>&1
+          echo "mode $mode rc=$? done" >> "$R/tma38_engine.log"
+          cp "$R/tma38_engine.log" "$OUT/"
+        done
+        grep -a -E "decode b|seeds|mode .* done|Error|late" "$R/tma38_engine.log" | cut -c1-110 ;;
     pair36) # bf16 and AWQ on one host at the final code: decode 1 / 8 / 64 x 1k and the seeds' workload, each.
         for q in bf16 awq; do
           flags=""; [ $q = awq ] && flags="--quantization awq"
