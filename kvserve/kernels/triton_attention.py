@@ -91,10 +91,12 @@ DECODE_MAX_KV_BUFFER_BYTES = 160 * 1024
 # One-split decode launches without a shared prefix can read K and V by TMA (`_decode_tma_kernel`, Hopper and
 # later, fp16 / bf16 caches whose rows are contiguous; any float dtype under the CPU interpreter): one cache
 # block of one KV head per copy, so a program streams whole blocks with no per-key address math and its
-# copies in flight cost no registers. DECODE_TMA_BUSY: also past DECODE_BUSY_PROGRAMS_PER_SM programs per SM.
+# copies in flight cost no registers. DECODE_TMA: launches of at most DECODE_BUSY_PROGRAMS_PER_SM programs per SM;
+# DECODE_TMA_BUSY: the busy ones past it.
 DECODE_TMA = False
 DECODE_TMA_BUSY = False
 DECODE_LAUNCH_TMA: dict[str, int] = {"num_warps": 1, "num_stages": 8, "IDS_AHEAD": 1}
+DECODE_LAUNCH_TMA_BUSY: dict[str, int] = {"num_warps": 1, "num_stages": 6, "IDS_AHEAD": 0}
 # Stand-in multiprocessor count for the CPU interpreter (small, so tests reach the split path cheaply).
 _INTERPRETER_NUM_SMS = 4
 
@@ -677,7 +679,7 @@ def launch_paged_attention(
     if prefetch:
         launch["num_stages"] = decode_stages(launch["num_stages"], launch["TILE_N"], head_dim, k_cache.element_size())
     if one_split and decode_uses_tma(query, kv_cache, busy):
-        _launch_decode_tma(query, kv_cache, metadata, out, log2_scale, block_m, common)
+        _launch_decode_tma(query, kv_cache, metadata, out, log2_scale, block_m, busy, common)
         return out
     decode_kwargs = dict(BLOCK_M=block_m, BLOCK_Q=1, IS_DECODE=True, PREFETCH_IDS=prefetch, **launch, **common)
     if one_split:
@@ -741,11 +743,11 @@ def launch_paged_attention(
 
 def decode_uses_tma(query: torch.Tensor, kv_cache: torch.Tensor, busy: bool) -> bool:
     """Whether a one-split decode launch without a shared prefix reads K/V by TMA (`_decode_tma_kernel`):
-    DECODE_TMA (DECODE_TMA_BUSY too for a busy launch), a block of 16 to 256 keys (a power of two: the
+    DECODE_TMA (DECODE_TMA_BUSY for a busy launch), a block of 16 to 256 keys (a power of two: the
     dot's key side and a TMA box's row limit), each cache's [block_size, num_kv_heads, head_dim] rows
     contiguous (the 2-D view the descriptors take), and on CUDA an fp16 / bf16 cache on compute capability
     9.0 or later. Host facts only: fixed per CUDA graph."""
-    if not DECODE_TMA or (busy and not DECODE_TMA_BUSY):
+    if not (DECODE_TMA_BUSY if busy else DECODE_TMA):
         return False
     block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
     if not 16 <= block_size <= 256 or block_size & (block_size - 1):
@@ -761,7 +763,7 @@ def decode_uses_tma(query: torch.Tensor, kv_cache: torch.Tensor, busy: bool) -> 
 
 
 def _launch_decode_tma(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, out: torch.Tensor,
-                       log2_scale: float, block_m: int, common: dict[str, object]) -> None:
+                       log2_scale: float, block_m: int, busy: bool, common: dict[str, object]) -> None:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
@@ -769,7 +771,7 @@ def _launch_decode_tma(query: torch.Tensor, kv_cache: torch.Tensor, metadata: At
         TensorDescriptor.from_tensor(cache.view(num_blocks * block_size, num_kv_heads * head_dim), [block_size, head_dim])
         for cache in (kv_cache[0], kv_cache[1])
     )
-    launch = dict(DECODE_LAUNCH_TMA)
+    launch = dict(DECODE_LAUNCH_TMA_BUSY if busy else DECODE_LAUNCH_TMA)
     launch["IDS_AHEAD"] = bool(launch["IDS_AHEAD"])
     kwargs = {k: v for k, v in common.items() if k not in ("NUM_HEADS", "BLOCK_SIZE")}
     _decode_tma_kernel[(metadata.num_reqs, num_kv_heads)](

@@ -6,6 +6,7 @@ blocks; outputs start as NaN so an element the kernel skips fails the comparison
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -243,17 +244,16 @@ def test_decode_by_tma_matches_reference(dtype, ids_ahead, shape, head_dim, bloc
     assert torch.equal(out[[0, 2, 3]], first[[0, 2, 3]])
 
 def test_decode_by_tma_only_where_it_applies(device, monkeypatch):
-    """DECODE_TMA off, a busy launch without DECODE_TMA_BUSY, a block of 8 keys (too few for the dot) and a
-    cache whose rows are not contiguous (head-major) keep the pointer kernel."""
+    """DECODE_TMA picks the kernel for launches that are not busy, DECODE_TMA_BUSY for busy ones; a block of 8
+    keys (too few for the dot) and a cache whose rows are not contiguous (head-major) keep the pointer
+    kernel."""
     query, kv_cache, _ = make_batch([1], [20], 6, 2, 64, 16, torch.float32, device)
-    monkeypatch.setattr(triton_attention, "DECODE_TMA", False)
-    assert not triton_attention.decode_uses_tma(query, kv_cache, busy=False)
+    for plain, busy in itertools.product((False, True), repeat=2):
+        monkeypatch.setattr(triton_attention, "DECODE_TMA", plain)
+        monkeypatch.setattr(triton_attention, "DECODE_TMA_BUSY", busy)
+        assert triton_attention.decode_uses_tma(query, kv_cache, busy=False) == plain
+        assert triton_attention.decode_uses_tma(query, kv_cache, busy=True) == busy
     monkeypatch.setattr(triton_attention, "DECODE_TMA", True)
-    assert triton_attention.decode_uses_tma(query, kv_cache, busy=False)
-    monkeypatch.setattr(triton_attention, "DECODE_TMA_BUSY", False)
-    assert not triton_attention.decode_uses_tma(query, kv_cache, busy=True)
-    monkeypatch.setattr(triton_attention, "DECODE_TMA_BUSY", True)
-    assert triton_attention.decode_uses_tma(query, kv_cache, busy=True)
     _, small_blocks, _ = make_batch([1], [20], 6, 2, 64, 8, torch.float32, device)
     assert not triton_attention.decode_uses_tma(query, small_blocks, busy=False)
     head_major = kv_cache.transpose(2, 3).contiguous().transpose(2, 3)
