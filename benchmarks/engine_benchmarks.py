@@ -1437,6 +1437,8 @@ def main() -> int:
                    help="override triton_attention.DECODE_TMA (one-split decode attention reads K/V by TMA)")
     p.add_argument("--decode-tma-busy", action=argparse.BooleanOptionalAction, default=None,
                    help="override triton_attention.DECODE_TMA_BUSY (busy one-split launches read K/V by TMA)")
+    p.add_argument("--decode-pdl", action=argparse.BooleanOptionalAction, default=None,
+                   help="override triton_attention.DECODE_PDL (decode attention launched with PDL)")
     p.add_argument("--decode-launch-tma", default="", help="warps,stages,ids_ahead of the TMA decode kernel")
     p.add_argument("--decode-launch-tma-busy", default="", help="warps,stages,ids_ahead of busy TMA decode launches")
     p.add_argument("--decode-fused-merge-max-splits", type=int, default=None,
@@ -1504,6 +1506,8 @@ def main() -> int:
         if text:
             tile, warps, stages = (int(v) for v in text.split(","))
             launch.update(TILE_N=tile, num_warps=warps, num_stages=stages)
+    if args.decode_pdl is not None:
+        triton_attention.DECODE_PDL = args.decode_pdl
     if args.decode_tma is not None:
         triton_attention.DECODE_TMA = args.decode_tma
     if args.decode_tma_busy is not None:

@@ -97,6 +97,9 @@ DECODE_TMA = False
 DECODE_TMA_BUSY = False
 DECODE_LAUNCH_TMA: dict[str, int] = {"num_warps": 1, "num_stages": 8, "IDS_AHEAD": 1}
 DECODE_LAUNCH_TMA_BUSY: dict[str, int] = {"num_warps": 1, "num_stages": 6, "IDS_AHEAD": 0}
+# Decode-only launches with programmatic dependent launch (where triton_pdl enables it); False: plain launches,
+# which start once the previous kernel has ended (an A/B switch).
+DECODE_PDL = True
 # Stand-in multiprocessor count for the CPU interpreter (small, so tests reach the split path cheaply).
 _INTERPRETER_NUM_SMS = 4
 
@@ -627,7 +630,7 @@ def launch_paged_attention(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     is_decode = metadata.max_query_len == 1
     dot_precision = "ieee" if query.dtype == torch.float32 else "tf32"
-    pdl = triton_pdl.enabled(query.device)
+    pdl = triton_pdl.enabled(query.device) and (DECODE_PDL or not is_decode)
     common = dict(
         PDL=pdl,
         **triton_pdl.launch_options(pdl),
