@@ -60,25 +60,6 @@ def time_graph(fn: object, reps: int = 20) -> float:
     return start.elapsed_time(end) / reps
 
 
-def _time_row(row: dict, query: torch.Tensor, kv0: torch.Tensor, metadata: object, expected: torch.Tensor,
-              scale: float, layers: list, outs: list, bytes_per_layer: float, splits: int = 1) -> None:
-    """Check the current launch on one layer against the reference, then time it over all layers into row
-    (us_per_layer, tbps), or put the mismatch in row["error"]."""
-    out = triton_attention.launch_paged_attention(query, kv0, metadata, scale, None, splits)
-    err = (out.float() - expected.float()).abs().max().item()
-    if not err < 2e-2:
-        row["error"] = f"max abs err {err:.3g}"
-        return
-
-    def step() -> None:
-        for (q, kv, md), o in zip(layers, outs, strict=True):
-            triton_attention.launch_paged_attention(q, kv, md, scale, o, splits)
-
-    ms = time_graph(step) / LAYERS
-    row["us_per_layer"] = ms * 1e3
-    row["tbps"] = bytes_per_layer / (ms * 1e-3) / 1e12
-
-
 def _case(text: str) -> tuple[int, int, list[int]]:
     """batch:context:splits, e.g. 64:1024:1/2 (context r: lengths uniform in [100, 2048])."""
     batch, ctx, splits = text.split(":")
@@ -101,15 +82,11 @@ def main() -> int:
                         help="nhd,hnd: KV cache memory layout (hnd: a block's heads apart, see make_batch)")
     parser.add_argument("--block-orders", default="scattered",
                         help="scattered,inorder: each request's blocks scattered by a permutation and/or in order")
-    parser.add_argument("--tma", default="",
-                        help="one-split rows of the TMA decode kernel (DECODE_TMA), comma-separated warps:stages:ids "
-                        "(ids 1: block ids read one block ahead), e.g. 1:6:0,2:8:1; the pointer rows run as well")
     parser.add_argument("--merge", default="fused",
                         help="split launches, comma-separated: fused (the last split program merges), kernel (a "
                         "reduce launch)")
     args = parser.parse_args()
     merges = [m == "fused" for m in args.merge.split(",")]
-    tma_launches = [tuple(int(v) for v in spec.split(":")) for spec in args.tma.split(",") if spec]
     prefetches = [v == "on" for v in args.prefetch_ids.split(",")]
     default_prefetch = triton_attention.DECODE_PREFETCH_IDS
     # Every one-split row runs the swept tiling: past DECODE_BUSY_PROGRAMS_PER_SM the launcher would take its
@@ -164,29 +141,24 @@ def main() -> int:
                        "stages_run": triton_attention.decode_stages(stages, tile, shape.head_dim, 2) if prefetch
                        else stages}
                 try:
-                    _time_row(row, query, kv0, metadata, expected, scale, layers, outs, bytes_per_layer, splits)
+                    out = triton_attention.launch_paged_attention(query, kv0, metadata, scale, None, splits)
+                    err = (out.float() - expected.float()).abs().max().item()
+                    if not err < 2e-2:
+                        row["error"] = f"max abs err {err:.3g}"
+                    else:
+
+                        def step(s: int = splits, batches: list = layers, outputs: list = outs) -> None:
+                            for (q, kv, md), o in zip(batches, outputs, strict=True):
+                                triton_attention.launch_paged_attention(q, kv, md, scale, o, s)
+
+                        ms = time_graph(step) / LAYERS
+                        row["us_per_layer"] = ms * 1e3
+                        row["tbps"] = bytes_per_layer / (ms * 1e-3) / 1e12
                 except Exception as exc:  # compile failure (shared memory) or launch error
                     row["error"] = repr(exc)[:160]
                 case_rows.append(row)
         triton_attention.DECODE_FUSED_MERGE_MAX_SPLITS = fused_max_splits
         triton_attention.DECODE_PREFETCH_IDS = default_prefetch
-        default_tma = dict(triton_attention.DECODE_LAUNCH_TMA)
-        for warps, stages, ids in tma_launches if 1 in split_options else []:
-            triton_attention.DECODE_TMA = triton_attention.DECODE_TMA_BUSY = True
-            triton_attention.DECODE_LAUNCH_TMA.update(num_warps=warps, num_stages=stages, IDS_AHEAD=ids)
-            row = {"batch": batch, "context": ctx, "layout": layout, "block_order": order, "kernel": "tma",
-                   "tile_n": kv0.shape[2], "num_warps": warps, "num_stages": stages, "stages_run": stages,
-                   "num_splits": 1, "merge": "fused", "prefetch_ids": bool(ids)}
-            try:
-                if not triton_attention.decode_uses_tma(query, kv0, busy=False):
-                    raise RuntimeError("the launcher would not take the TMA kernel for this cache")
-                _time_row(row, query, kv0, metadata, expected, scale, layers, outs, bytes_per_layer)
-            except Exception as exc:
-                row["error"] = repr(exc)[:160]
-            case_rows.append(row)
-        triton_attention.DECODE_TMA, triton_attention.DECODE_TMA_BUSY = False, False
-        triton_attention.DECODE_LAUNCH_TMA.clear()
-        triton_attention.DECODE_LAUNCH_TMA.update(default_tma)
         for launch, saved in ((triton_attention.DECODE_LAUNCH, default),
                               (triton_attention.DECODE_LAUNCH_ONE_SPLIT, default_one)):
             launch.clear()
@@ -198,15 +170,13 @@ def main() -> int:
             # What the engine launches for this case: the split tiling, the one-split one, or the busy one.
             busy = r["num_splits"] == 1 and batch * shape.num_kv_heads > default_busy * num_sms
             d = default_busy_one if busy else default_one if r["num_splits"] == 1 else default
-            return (r.get("kernel") != "tma"
-                    and (r["tile_n"], r["num_warps"], r["num_stages"]) == (d["TILE_N"], d["num_warps"], d["num_stages"])
+            return ((r["tile_n"], r["num_warps"], r["num_stages"]) == (d["TILE_N"], d["num_warps"], d["num_stages"])
                     and r["prefetch_ids"] == (default_prefetch and not busy)
                     and (r["num_splits"] == 1 or r["merge"] == (
                         "fused" if r["num_splits"] <= fused_max_splits else "kernel")))
 
         is_default = [r for r in timed if is_default_row(r)]
-        tma_rows = [r for r in timed if r.get("kernel") == "tma"]
-        summary.append((batch, ctx, f"{layout}/{order}", bytes_per_layer, is_default, timed[:5], tma_rows,
+        summary.append((batch, ctx, f"{layout}/{order}", bytes_per_layer, is_default, timed[:5],
                         sum(1 for r in case_rows if "error" in r)))
         del layers, outs, expected
         torch.cuda.empty_cache()
@@ -214,18 +184,15 @@ def main() -> int:
     args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "default": default,
                                     "default_one_split": default_one,
                                     "results": results}, indent=1))
-    for batch, ctx, variant, nbytes, is_default, best, tma_rows, failures in summary:
+    for batch, ctx, variant, nbytes, is_default, best, failures in summary:
         print(f"\nbatch {batch} ctx {ctx if ctx > 0 else 'U[100,2048]'} {variant}: {nbytes / 1e6:.1f} MB per layer, "
               f"{failures} configs failed")
-        for label, rows in (("default", is_default), ("best", best[:3]), ("tma", tma_rows)):
+        for label, rows in (("default", is_default), ("best", best[:3])):
             for r in rows:
-                print(f"  {label:8s} {r.get('kernel', 'ptr'):3s} ids {'ahead' if r['prefetch_ids'] else 'inline'} tile {r['tile_n']:4d} "
+                print(f"  {label:8s} ids {'ahead' if r['prefetch_ids'] else 'inline'} tile {r['tile_n']:4d} "
                       f"warps {r['num_warps']} stages {r['stages_run']} "
                       f"splits {r['num_splits']:3d} {r['merge']:6s}: {r['us_per_layer']:7.1f} us/layer "
                       f"{r['tbps']:.2f} TB/s ({r['tbps'] / COPY_TBPS:.0%} of copy)")
-    errors = sorted({(r.get("kernel", "ptr"), r["error"]) for r in results if "error" in r})
-    for kernel, error in errors[:8]:
-        print(f"error ({kernel}): {error}")
     return 0
 
 

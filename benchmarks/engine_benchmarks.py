@@ -1433,14 +1433,6 @@ def main() -> int:
     p.add_argument("--decode-launch", default="", help="TILE_N,warps,stages of split decode attention launches")
     p.add_argument("--decode-launch-one-split", default="",
                    help="TILE_N,warps,stages of non-busy one-split decode launches (busy ones: DECODE_LAUNCH_ONE_SPLIT_BUSY)")
-    p.add_argument("--decode-tma", action=argparse.BooleanOptionalAction, default=None,
-                   help="override triton_attention.DECODE_TMA (one-split decode attention reads K/V by TMA)")
-    p.add_argument("--decode-tma-busy", action=argparse.BooleanOptionalAction, default=None,
-                   help="override triton_attention.DECODE_TMA_BUSY (busy one-split launches read K/V by TMA)")
-    p.add_argument("--decode-pdl", action=argparse.BooleanOptionalAction, default=None,
-                   help="override triton_attention.DECODE_PDL (decode attention launched with PDL)")
-    p.add_argument("--decode-launch-tma", default="", help="warps,stages,ids_ahead of the TMA decode kernel")
-    p.add_argument("--decode-launch-tma-busy", default="", help="warps,stages,ids_ahead of busy TMA decode launches")
     p.add_argument("--decode-fused-merge-max-splits", type=int, default=None,
                    help="override triton_attention.DECODE_FUSED_MERGE_MAX_SPLITS: split decode attention up to this "
                    "many splits merges in its last program (0: always a reduce launch)")
@@ -1506,17 +1498,6 @@ def main() -> int:
         if text:
             tile, warps, stages = (int(v) for v in text.split(","))
             launch.update(TILE_N=tile, num_warps=warps, num_stages=stages)
-    if args.decode_pdl is not None:
-        triton_attention.DECODE_PDL = args.decode_pdl
-    if args.decode_tma is not None:
-        triton_attention.DECODE_TMA = args.decode_tma
-    if args.decode_tma_busy is not None:
-        triton_attention.DECODE_TMA_BUSY = args.decode_tma_busy
-    for text, launch in ((args.decode_launch_tma, triton_attention.DECODE_LAUNCH_TMA),
-                         (args.decode_launch_tma_busy, triton_attention.DECODE_LAUNCH_TMA_BUSY)):
-        if text:
-            warps, stages, ids = (int(v) for v in text.split(","))
-            launch.update(num_warps=warps, num_stages=stages, IDS_AHEAD=ids)
     if args.decode_fused_merge_max_splits is not None:
         triton_attention.DECODE_FUSED_MERGE_MAX_SPLITS = args.decode_fused_merge_max_splits
     if args.sdpa_cudnn_min_tokens is not None:

@@ -739,7 +739,8 @@ PY
         cp "$R/ncuattn36.log" "$OUT/"
         grep -a -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Waves Per|SM Active|Elapsed Cyc|Issue Slots|ncu rc|rror" \
           "$R/ncuattn36.log" | head -40 ;;
-    dpdl38) # Decode attention launched without PDL while the other kernels keep it (call 3: the TMA kernel's loss
+    dpdl38) # ran at 78a8681 (session 38 call 4; the TMA kernel, DECODE_PDL and their flags were removed after it).
+        # Decode attention launched without PDL while the other kernels keep it (call 3: the TMA kernel's loss
         # in the engine came with PDL only): the engine's decode at batch 32 / 48 / 64 x 1k / 4k and the seeds'
         # workload, pointer kernel with PDL (default) / without / the TMA kernel (1 warp, 4 stages, ids ahead)
         # without, twice, one host.
@@ -755,7 +756,8 @@ PY
           cp "$R/dpdl38_engine.log" "$OUT/"
         done
         grep -a -E "^decode b|^seeds|mode .* done|Error" "$R/dpdl38_engine.log" | cut -c1-66 ;;
-    gap38) # Where the TMA decode kernel loses in the engine (call 1: batch 64 x 4k 9.36 against 7.72 ms a step,
+    gap38) # ran at cdc62fa (session 38 call 3; the TMA kernel, the sweep's --tma and the engine's TMA flags were
+        # removed after call 4). Where the TMA decode kernel loses in the engine (call 1: batch 64 x 4k 9.36 against 7.72 ms a step,
         # while the sweep had 136 against 128 us a layer): the sweep at 64 x 1k / 4k, blocks scattered and in order,
         # with and without PDL; the engine's decode at 64 x 1k / 4k and its kernel profile at 64 x 4k, without PDL
         # (per-kernel times), TMA off / on.
@@ -774,7 +776,8 @@ PY
           cp "$R/gap38_$mode.log" "$OUT/"
           echo "== engine, TMA $mode"; grep -a -E "^decode b|kernel profile|us/step" "$R/gap38_$mode.log" | head -14 | cut -c1-130
         done ;;
-    busy38) # The TMA decode kernel for busy one-split launches only (DECODE_TMA_BUSY, 1 warp, 6 stages, ids in the
+    busy38) # ran at c4ef01c (session 38 call 2; the TMA kernel and its flags were removed after call 4).
+        # The TMA decode kernel for busy one-split launches only (DECODE_TMA_BUSY, 1 warp, 6 stages, ids in the
         # iteration: the sweep's best at 128 x 1k in call 1): its GPU tests with their failures shown, then the
         # engine's decode at batch 128 / 176 / 256 x 1k and the 256-sequence workload, off / on / off / on.
         timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py -k tma --tb=short \
@@ -790,7 +793,8 @@ PY
           cp "$R/busy38_engine.log" "$OUT/"
         done
         grep -a -E "decode b|256 seq|random|mode .* done|Error" "$R/busy38_engine.log" | cut -c1-110 ;;
-    tma38) # Decode attention reading K/V by TMA (DECODE_TMA): the attention kernel tests on the GPU, the sweep of
+    tma38) # ran at c859bc8 (session 38 call 1; the TMA kernel, the sweep's --tma and the engine's TMA flags were
+        # removed after call 4). Decode attention reading K/V by TMA (DECODE_TMA): the attention kernel tests on the GPU, the sweep of
         # the TMA kernel's launch against the pointer kernel, then the engine's decode (batch 48 / 64 / 128 x 1k /
         # 4k) and seeds' workload with the sweep's best TMA launch at 64 x 1k: off / on / off / on, one host.
         timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py -k "tma or decode" \

@@ -88,18 +88,6 @@ DECODE_FUSED_MERGE_MAX_SPLITS = 12
 # prefill launch, whose 2 stages keep one buffer either way. False: every launch loads them in the iteration.
 DECODE_PREFETCH_IDS = True
 DECODE_MAX_KV_BUFFER_BYTES = 160 * 1024
-# One-split decode launches without a shared prefix can read K and V by TMA (`_decode_tma_kernel`, Hopper and
-# later, fp16 / bf16 caches whose rows are contiguous; any float dtype under the CPU interpreter): one cache
-# block of one KV head per copy, so a program streams whole blocks with no per-key address math and its
-# copies in flight cost no registers. DECODE_TMA: launches of at most DECODE_BUSY_PROGRAMS_PER_SM programs per SM;
-# DECODE_TMA_BUSY: the busy ones past it.
-DECODE_TMA = False
-DECODE_TMA_BUSY = False
-DECODE_LAUNCH_TMA: dict[str, int] = {"num_warps": 1, "num_stages": 8, "IDS_AHEAD": 1}
-DECODE_LAUNCH_TMA_BUSY: dict[str, int] = {"num_warps": 1, "num_stages": 6, "IDS_AHEAD": 0}
-# Decode-only launches with programmatic dependent launch (where triton_pdl enables it); False: plain launches,
-# which start once the previous kernel has ended (an A/B switch).
-DECODE_PDL = True
 # Stand-in multiprocessor count for the CPU interpreter (small, so tests reach the split path cheaply).
 _INTERPRETER_NUM_SMS = 4
 
@@ -297,82 +285,6 @@ def _paged_attention_kernel(
         # Rows with no key at all (seq_len 0 padding rows) give 0, as the reference's nan_to_num does.
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
-
-
-@triton.jit
-def _decode_tma_kernel(
-    q_ptr,
-    k_desc,
-    v_desc,
-    out_ptr,
-    query_start_loc_ptr,
-    seq_lens_ptr,
-    block_tables_ptr,
-    scale_log2,
-    stride_q_token,
-    stride_q_head,
-    stride_out_token,
-    stride_out_head,
-    stride_block_table,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    IDS_AHEAD: tl.constexpr = False,
-    PDL: tl.constexpr = False,
-):
-    """Decode, one split, no shared prefix: one program per (request, KV head) streams the request's cache
-    blocks one at a time, each block's K and V rows of this KV head ([BLOCK_SIZE, HEAD_DIM]) copied by TMA
-    through `k_desc` / `v_desc`, 2-D views [num_blocks * BLOCK_SIZE, num_kv_heads * HEAD_DIM] of the caches.
-    The GROUP query heads of the KV head are the tile's rows (padded to BLOCK_M). Online softmax as
-    `_attend_tile`. IDS_AHEAD: each block id is read one iteration ahead of its copy (a loop-carried value), so
-    the copy's coordinates do not wait on a load of the same iteration."""
-    pdl_wait_then_release(PDL)
-    req = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    q_start = tl.load(query_start_loc_ptr + req)
-    if tl.load(query_start_loc_ptr + req + 1) == q_start:
-        return
-    seq_len = tl.load(seq_lens_ptr + req)
-    rows = tl.arange(0, BLOCK_M)
-    head = kv_head * GROUP + rows % GROUP
-    row_valid = rows < GROUP
-    dims = tl.arange(0, HEAD_DIM)
-    token = q_start.to(tl.int64)
-    q = tl.load(q_ptr + token * stride_q_token + head[:, None] * stride_q_head + dims[None, :],
-                mask=row_valid[:, None], other=0.0)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    keys = tl.arange(0, BLOCK_SIZE)
-    block_table_row = block_tables_ptr + req.to(tl.int64) * stride_block_table
-    num_blocks = tl.cdiv(seq_len, BLOCK_SIZE)
-    column = kv_head * HEAD_DIM
-    if IDS_AHEAD:
-        next_id = tl.load(block_table_row, mask=num_blocks > 0, other=0)
-    for b in range(0, num_blocks):
-        if IDS_AHEAD:
-            block_id = next_id
-            next_id = tl.load(block_table_row + b + 1, mask=b + 1 < num_blocks, other=0)
-        else:
-            block_id = tl.load(block_table_row + b)
-        row = block_id * BLOCK_SIZE
-        k = k_desc.load([row, column])
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_SIZE]
-        s = tl.where((b * BLOCK_SIZE + keys)[None, :] < seq_len, s, float("-inf"))
-        # Every block holds at least one valid key, so m_new is finite from the first block on.
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = v_desc.load([row, column])
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
-    # A request with no key (seq_len 0 padding rows) gives 0, as the reference's nan_to_num does.
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + token * stride_out_token + head[:, None] * stride_out_head + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
 
 
 @triton.jit
@@ -630,7 +542,7 @@ def launch_paged_attention(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     is_decode = metadata.max_query_len == 1
     dot_precision = "ieee" if query.dtype == torch.float32 else "tf32"
-    pdl = triton_pdl.enabled(query.device) and (DECODE_PDL or not is_decode)
+    pdl = triton_pdl.enabled(query.device)
     common = dict(
         PDL=pdl,
         **triton_pdl.launch_options(pdl),
@@ -681,9 +593,6 @@ def launch_paged_attention(
     prefetch = DECODE_PREFETCH_IDS and not busy
     if prefetch:
         launch["num_stages"] = decode_stages(launch["num_stages"], launch["TILE_N"], head_dim, k_cache.element_size())
-    if one_split and decode_uses_tma(query, kv_cache, busy):
-        _launch_decode_tma(query, kv_cache, metadata, out, log2_scale, block_m, busy, common)
-        return out
     decode_kwargs = dict(BLOCK_M=block_m, BLOCK_Q=1, IS_DECODE=True, PREFETCH_IDS=prefetch, **launch, **common)
     if one_split:
         _paged_attention_kernel[(num_reqs, num_kv_heads, 1)](
@@ -742,47 +651,6 @@ def launch_paged_attention(
         PDL=pdl, num_warps=4, **triton_pdl.launch_options(pdl),
     )  # fmt: skip
     return out
-
-
-def decode_uses_tma(query: torch.Tensor, kv_cache: torch.Tensor, busy: bool) -> bool:
-    """Whether a one-split decode launch without a shared prefix reads K/V by TMA (`_decode_tma_kernel`):
-    DECODE_TMA (DECODE_TMA_BUSY for a busy launch), a block of 16 to 256 keys (a power of two: the
-    dot's key side and a TMA box's row limit), each cache's [block_size, num_kv_heads, head_dim] rows
-    contiguous (the 2-D view the descriptors take), and on CUDA an fp16 / bf16 cache on compute capability
-    9.0 or later. Host facts only: fixed per CUDA graph."""
-    if not (DECODE_TMA_BUSY if busy else DECODE_TMA):
-        return False
-    block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
-    if not 16 <= block_size <= 256 or block_size & (block_size - 1):
-        return False
-    k_cache = kv_cache[0]
-    row = num_kv_heads * head_dim
-    if k_cache.stride() != (block_size * row, row, head_dim, 1):
-        return False
-    if query.device.type != "cuda":
-        return True  # the interpreter
-    return (kv_cache.dtype in (torch.float16, torch.bfloat16) and kv_cache.data_ptr() % 16 == 0
-            and kv_cache[1].data_ptr() % 16 == 0 and torch.cuda.get_device_capability(query.device)[0] >= 9)
-
-
-def _launch_decode_tma(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, out: torch.Tensor,
-                       log2_scale: float, block_m: int, busy: bool, common: dict[str, object]) -> None:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
-    k_desc, v_desc = (
-        TensorDescriptor.from_tensor(cache.view(num_blocks * block_size, num_kv_heads * head_dim), [block_size, head_dim])
-        for cache in (kv_cache[0], kv_cache[1])
-    )
-    launch = dict(DECODE_LAUNCH_TMA_BUSY if busy else DECODE_LAUNCH_TMA)
-    launch["IDS_AHEAD"] = bool(launch["IDS_AHEAD"])
-    kwargs = {k: v for k, v in common.items() if k not in ("NUM_HEADS", "BLOCK_SIZE")}
-    _decode_tma_kernel[(metadata.num_reqs, num_kv_heads)](
-        query, k_desc, v_desc, out,
-        metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
-        log2_scale, query.stride(0), query.stride(1), out.stride(0), out.stride(1), metadata.block_tables.stride(0),
-        BLOCK_SIZE=block_size, BLOCK_M=block_m, **launch, **kwargs,
-    )  # fmt: skip
 
 
 def decode_launch_variant(num_reqs: int, num_kv_heads: int, num_splits: int, num_sms: int) -> tuple[object, ...]:

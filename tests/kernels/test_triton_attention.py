@@ -6,7 +6,6 @@ blocks; outputs start as NaN so an element the kernel skips fails the comparison
 
 from __future__ import annotations
 
-import itertools
 import os
 import subprocess
 import sys
@@ -203,61 +202,6 @@ def test_busy_one_split_launch_takes_its_own_tiling(device, monkeypatch):
     one, busy = triton_attention.DECODE_LAUNCH_ONE_SPLIT, triton_attention.DECODE_LAUNCH_ONE_SPLIT_BUSY
     assert seen[0] == (one["TILE_N"], True, one["num_stages"])  # fp32 64-key tiles of 64 dims: 4 stages fit
     assert seen[-1] == (busy["TILE_N"], False, busy["num_stages"])
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("ids_ahead", [False, True], ids=["ids_inline", "ids_ahead"])
-@pytest.mark.parametrize("shape,head_dim,block_size", [("group7", 128, 16), ("group3", 64, 32), ("mha", 64, 16)])
-def test_decode_by_tma_matches_reference(dtype, ids_ahead, shape, head_dim, block_size, device, monkeypatch,
-                                         skip_bf16_on_interpreter):
-    """One-split decode reading K/V by TMA (DECODE_TMA) into a NaN-filled output: scattered blocks, contexts of
-    1 key, one block exactly, one key past a block and several blocks, and a row of no keys. The launch must
-    take the TMA kernel (a spy records it)."""
-    skip_bf16_on_interpreter(dtype)
-    monkeypatch.setattr(triton_attention, "DECODE_TMA", True)
-    monkeypatch.setattr(triton_attention, "DECODE_LAUNCH_TMA", {**triton_attention.DECODE_LAUNCH_TMA,
-                                                                "IDS_AHEAD": int(ids_ahead)})
-    launches = []
-    kernel = triton_attention._decode_tma_kernel
-
-    class Spy:
-        def __getitem__(self, grid: object) -> object:
-            def launch(*args: object, **kwargs: object) -> object:
-                launches.append(kwargs["IDS_AHEAD"])
-                return kernel[grid](*args, **kwargs)
-
-            return launch
-
-    monkeypatch.setattr(triton_attention, "_decode_tma_kernel", Spy())
-    num_heads, num_kv_heads = SHAPES[shape]
-    seq_lens = [1, block_size, block_size + 1, 3 * block_size + 5]
-    query, kv_cache, metadata = make_batch([1] * 4, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
-                                           device, seed=11)
-    assert triton_attention.decode_uses_tma(query, kv_cache, busy=False)
-    first = check_attention(query, kv_cache, metadata, num_splits=1)
-    assert launches == [ids_ahead]
-    # A padding row of a CUDA graph (its token, seq_len 0 on the device) writes 0; the others are unchanged.
-    metadata.seq_lens[1] = 0
-    out = torch.full_like(query, float("nan"))
-    launch_paged_attention(query, kv_cache, metadata, head_dim**-0.5, out, num_splits=1)
-    assert torch.equal(out[1], torch.zeros_like(out[1]))
-    assert torch.equal(out[[0, 2, 3]], first[[0, 2, 3]])
-
-def test_decode_by_tma_only_where_it_applies(device, monkeypatch):
-    """DECODE_TMA picks the kernel for launches that are not busy, DECODE_TMA_BUSY for busy ones; a block of 8
-    keys (too few for the dot) and a cache whose rows are not contiguous (head-major) keep the pointer
-    kernel."""
-    query, kv_cache, _ = make_batch([1], [20], 6, 2, 64, 16, torch.float32, device)
-    for plain, busy in itertools.product((False, True), repeat=2):
-        monkeypatch.setattr(triton_attention, "DECODE_TMA", plain)
-        monkeypatch.setattr(triton_attention, "DECODE_TMA_BUSY", busy)
-        assert triton_attention.decode_uses_tma(query, kv_cache, busy=False) == plain
-        assert triton_attention.decode_uses_tma(query, kv_cache, busy=True) == busy
-    monkeypatch.setattr(triton_attention, "DECODE_TMA", True)
-    _, small_blocks, _ = make_batch([1], [20], 6, 2, 64, 8, torch.float32, device)
-    assert not triton_attention.decode_uses_tma(query, small_blocks, busy=False)
-    head_major = kv_cache.transpose(2, 3).contiguous().transpose(2, 3)
-    assert not triton_attention.decode_uses_tma(query, head_major, busy=False)
 
 
 def test_ops_reports_the_launch_the_kernel_takes(monkeypatch):
@@ -616,18 +560,11 @@ def test_kernels_compile_for_hopper(device, hopper_compiler):
             (prefill, attention_kernels[:1], None),
             (tiny_chunks, attention_kernels[:1], None),
             (decode, attention_kernels[:1], "busy"),  # one split past DECODE_BUSY_PROGRAMS_PER_SM
-            # one split by TMA (DECODE_TMA: fp16 / bf16 caches on the GPU), block ids in the iteration and ahead
-            *((decode, ["_decode_tma_kernel"], f"tma{ids}") for ids in ((0, 1) if dtype != torch.float32 else ())),
         ):
             busy = splits == "busy"
-            tma = isinstance(splits, str) and splits.startswith("tma")
-            ids_ahead = tma and splits.endswith("1")
-            splits = 1 if busy or tma else splits
+            splits = 1 if busy else splits
             fused_merge = splits is None or splits > 0
             with pytest.MonkeyPatch.context() as patch:
-                patch.setattr(triton_attention, "DECODE_TMA", tma)
-                patch.setattr(triton_attention, "DECODE_LAUNCH_TMA",
-                              {**triton_attention.DECODE_LAUNCH_TMA, "IDS_AHEAD": int(ids_ahead)})
                 patch.setattr(triton_attention, "DECODE_FUSED_MERGE_MAX_SPLITS", 64 if fused_merge else 0)
                 if busy:
                     patch.setattr(triton_attention, "DECODE_BUSY_PROGRAMS_PER_SM", 0)
@@ -660,8 +597,6 @@ def test_kernels_compile_for_hopper(device, hopper_compiler):
             assert per_sm * (result["shared_bytes"] + 1024) <= 228 * 1024, (c, result)
             resident.add((c["TILE_N"], c["PREFETCH_IDS"]))
     assert resident == {(64, True), (128, False)}  # both one-split tilings were compiled
-    tma = [spec["constexprs"]["IDS_AHEAD"] for spec in hopper_compiler.specs if spec["kernel"] == "_decode_tma_kernel"]
-    assert sorted(tma) == [False, False, True, True]  # bf16 and fp16, ids in the iteration and ahead
 
 
 # ------------------------------------------------------------------------------------ GPU only
