@@ -92,9 +92,12 @@ class EngineCore:
             self.workers.mark_started()
 
     def _start(self, config: EngineConfig, start: float) -> None:
-        self.runner = ModelRunner(config)
         if self.workers is not None:
+            with self.workers.local_phase():  # building a model meets no other rank
+                self.runner = ModelRunner(config)
             self.workers.gather()  # every rank has built its model
+        else:
+            self.runner = ModelRunner(config)
         self._mark_phase("model_init", start)
         cache = config.cache_config
         num_blocks = cache.num_blocks or min(self._on_all_ranks("determine_num_blocks"))

@@ -15,7 +15,9 @@ the engine makes on its runner:
   same tokens on every rank.
 
 A rank that fails or exits ends the engine: the rank logs its error and exits, and rank 0's monitor thread
-logs which rank it was and exits the engine process (the server then reports the engine's death). A rank
+logs which rank it was and exits the engine process (the server then reports the engine's death). During
+start-up the engine raises instead (`WorkerError`, with the rank's reason) when rank 0 reaches its next
+`gather` within the monitor's grace, or at any time while it builds its model (`local_phase`). A rank
 whose parent is gone exits by itself, so nothing is left holding a GPU. The ranks ignore SIGINT and
 SIGTERM, as the engine does: they stop when the engine does.
 """
@@ -23,6 +25,7 @@ SIGTERM, as the engine does: they stop when the engine does.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import logging
 import multiprocessing
@@ -34,6 +37,7 @@ import threading
 import time
 import traceback
 import weakref
+from collections.abc import Iterator
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -82,8 +86,10 @@ def set_cpu_threads(tp_size: int) -> int:
 
 # A failed rank's exit during start-up is reported by `gather` (its error reply, or the closed pipe); the
 # monitor ends the process only if rank 0 has not seen it within this long (it may be blocked in a
-# collective that the dead rank will never join).
+# collective that the dead rank will never join). While rank 0 is in a `local_phase` (work that meets no
+# other rank: building its model, however long a large model takes) the grace starts only when it ends.
 _STARTUP_FAILURE_GRACE_S = 10.0
+_LOCAL_PHASE_POLL_S = 0.2
 
 
 class TPWorkers:
@@ -101,6 +107,8 @@ class TPWorkers:
         self.size = config.tensor_parallel_size
         self._started = False
         self._failure_seen = threading.Event()
+        # Set while rank 0 does start-up work that meets no other rank (`local_phase`).
+        self._local = threading.Event()
         self._conns: list[Connection] = []
         self._processes: list[Any] = []
         self._previous_threads: int | None = None
@@ -139,6 +147,18 @@ class TPWorkers:
                  else "CPU processes")
         logger.info("tensor parallelism: %d ranks (%s; ranks 1-%d are pids %s)", self.size, where, self.size - 1,
                     ", ".join(str(p.pid) for p in self._processes))
+
+    @contextlib.contextmanager
+    def local_phase(self) -> Iterator[None]:
+        """Rank 0 does start-up work that meets no other rank (no collective), such as building its model: a
+        rank that exits meanwhile is reported by the `gather` that follows, however long the work takes,
+        instead of ending this process after the monitor's grace. Only around code without collectives: one
+        that waits for a dead rank would then hang."""
+        self._local.set()
+        try:
+            yield
+        finally:
+            self._local.clear()
 
     def mark_started(self) -> None:
         """Start-up is over: from now on a rank's exit ends this process (the engine cannot go on)."""
@@ -188,8 +208,11 @@ class TPWorkers:
         process = self._processes[rank - 1]
         process.join(timeout=1.0)  # reaped, so that its exit code is known
         code = process.exitcode
-        if not self._started and self._failure_seen.wait(_STARTUP_FAILURE_GRACE_S):
-            return  # start-up raises WorkerError with the rank's reason
+        if not self._started:
+            while self._local.is_set() and not self._failure_seen.is_set() and not self._stopping.is_set():
+                self._failure_seen.wait(_LOCAL_PHASE_POLL_S)
+            if self._failure_seen.wait(_STARTUP_FAILURE_GRACE_S):
+                return  # start-up raises WorkerError with the rank's reason
         if self._stopping.is_set():
             return
         logger.critical("tensor-parallel rank %d exited (code %s); the engine cannot continue without it and "

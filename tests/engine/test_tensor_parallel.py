@@ -233,6 +233,37 @@ m.ModelRunner.__init__ = refuse
 """
 
 
+# Rank 1 fails to build its model at once, while this script's own build (rank 0) takes longer than the
+# monitor's grace (shortened to 0.5 s): the engine must still raise with rank 1's reason, not end the process.
+_SLOW_RANK0_SCRIPT = """
+if __name__ == "__main__":  # rank 1 imports this module too (spawn): it must not slow down or shorten anything
+    import time
+    import kvserve.executor.multiproc as mp
+    import kvserve.worker.model_runner as m
+    from kvserve import LLM
+    mp._STARTUP_FAILURE_GRACE_S = 0.5
+    original = m.ModelRunner.__init__
+    def slow(self, config):
+        time.sleep(3.0)
+        original(self, config)
+    m.ModelRunner.__init__ = slow
+    try:
+        LLM({path!r}, dtype="float32", tensor_parallel_size=2, max_model_len=256, kv_cache_memory="16MiB")
+    except RuntimeError as exc:
+        print("raised:", exc, flush=True)
+"""
+
+# Only processes whose parent is not the test process (rank 1, spawned by the script) fail their build.
+_FAILING_CHILD_RANK = """
+import os
+if os.getppid() != int(os.environ["KVSERVE_TEST_PID"]):
+    import kvserve.worker.model_runner as m
+    def refuse(self, config):
+        raise MemoryError("rank 1 ran out of memory (injected)")
+    m.ModelRunner.__init__ = refuse
+"""
+
+
 def test_a_script_that_never_calls_shutdown_still_exits(tiny_model_dir: Callable[..., str], tmp_path) -> None:
     import subprocess
     import sys
@@ -258,3 +289,24 @@ def test_a_rank_that_fails_at_start_up_is_an_error_here(tiny_model_dir: Callable
             kv_cache_memory="16MiB")
     assert distributed.tp_size() == 1
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("kvserve-tp-rank")]
+
+
+def test_a_rank_that_fails_while_rank_0_still_builds_is_an_error_here(tiny_model_dir: Callable[..., str],
+                                                                     tmp_path) -> None:
+    """Rank 1 exits at once; rank 0 (the script) spends 3 s building its model, six times the grace the
+    monitor gives a rank 0 that may be stuck in a collective. Building a model meets no other rank, so the
+    monitor waits for the build and the gather after it, which raises with rank 1's reason: the script goes
+    on (a large model's load must not end the user's process)."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "sitecustomize.py").write_text(_FAILING_CHILD_RANK)
+    script = tmp_path / "run.py"
+    script.write_text(_SLOW_RANK0_SCRIPT.format(path=tiny_model_dir("llama")))
+    env = dict(os.environ, KVSERVE_TEST_PID=str(os.getpid()),
+               PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert "raised: tensor-parallel rank 1 failed" in done.stdout, (done.stdout, done.stderr[-2000:])
+    assert "rank 1 ran out of memory (injected)" in done.stdout
