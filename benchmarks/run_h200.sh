@@ -116,6 +116,19 @@ awq_decode_modes() {
   done
   grep -a -E "decode b|mode .* done|Error" "$R/$log" | cut -c1-60
 }
+# engine_modes STEP SECONDS "ARGS" LABEL:FLAGS...: engine_benchmarks.py with ARGS (word-split) and each LABEL's
+# FLAGS in turn, a fresh process each (at most SECONDS), into $R/STEP_LABEL and the shared log $R/STEP_engine.log
+# ("mode LABEL rc=N done" after each), copied to $OUT after each; prints nothing (grep the log after).
+engine_modes() {
+  local step=$1 limit=$2 common=$3 spec label flags; shift 3
+  for spec in "$@"; do
+    label=${spec%%:*}; flags=${spec#*:}
+    timeout "$limit" python3 benchmarks/engine_benchmarks.py --out "$R/${step}_$label" $common $flags \
+      >> "$R/${step}_engine.log" 2>&1
+    echo "mode $label rc=$? done" >> "$R/${step}_engine.log"
+    cp "$R/${step}_engine.log" "$OUT/"
+  done
+}
 # quant_matmul_modes STEP ROWS LABEL:FLAGS...: quant_matmul_bench.py's table at ROWS per LABEL with its FLAGS,
 # into $R/STEP_matmul_LABEL.log (copied to $OUT); prints each table's rows.
 quant_matmul_modes() {
@@ -745,22 +758,16 @@ PY
         echo "probe rc=$?" >> "$R/place38.log"
         cp "$R/place38.log" "$OUT/"
         cat "$R/place38.log" | cut -c1-120 ;;
-    dpdl38) # ran at 78a8681 (session 38 call 4; the TMA kernel, DECODE_PDL and their flags were removed after it).
+    dpdl38) # ran at 78a8681 (session 38 call 4; the TMA kernel, DECODE_PDL and their flags were removed after it;
+        # its loop is written with engine_modes since).
         # Decode attention launched without PDL while the other kernels keep it (call 3: the TMA kernel's loss
         # in the engine came with PDL only): the engine's decode at batch 32 / 48 / 64 x 1k / 4k and the seeds'
         # workload, pointer kernel with PDL (default) / without / the TMA kernel (1 warp, 4 stages, ids ahead)
         # without, twice, one host.
-        for mode in ptr_pdl ptr_plain tma_plain ptr_pdl ptr_plain tma_plain; do
-          case $mode in
-            ptr_pdl) flags="--no-decode-tma --decode-pdl" ;;
-            ptr_plain) flags="--no-decode-tma --no-decode-pdl" ;;
-            tma_plain) flags="--decode-tma --decode-launch-tma 1,4,1 --no-decode-pdl" ;;
-          esac
-          timeout 90 python3 benchmarks/engine_benchmarks.py --out "$R/dpdl38_$mode" --sections decode,seeds \
-            --decode-batches 32,48,64 --decode-contexts 1024,4096 $flags >> "$R/dpdl38_engine.log" 2>&1
-          echo "mode $mode rc=$? done" >> "$R/dpdl38_engine.log"
-          cp "$R/dpdl38_engine.log" "$OUT/"
-        done
+        pdl="ptr_pdl:--no-decode-tma --decode-pdl" plain="ptr_plain:--no-decode-tma --no-decode-pdl"
+        tma="tma_plain:--decode-tma --decode-launch-tma 1,4,1 --no-decode-pdl"
+        engine_modes dpdl38 90 "--sections decode,seeds --decode-batches 32,48,64 --decode-contexts 1024,4096" \
+          "$pdl" "$plain" "$tma" "$pdl" "$plain" "$tma"
         grep -a -E "^decode b|^seeds|mode .* done|Error" "$R/dpdl38_engine.log" | cut -c1-66 ;;
     gap38) # ran at cdc62fa (session 38 call 3; the TMA kernel, the sweep's --tma and the engine's TMA flags were
         # removed after call 4). Where the TMA decode kernel loses in the engine (call 1: batch 64 x 4k 9.36 against 7.72 ms a step,
@@ -782,7 +789,8 @@ PY
           cp "$R/gap38_$mode.log" "$OUT/"
           echo "== engine, TMA $mode"; grep -a -E "^decode b|kernel profile|us/step" "$R/gap38_$mode.log" | head -14 | cut -c1-130
         done ;;
-    busy38) # ran at c4ef01c (session 38 call 2; the TMA kernel and its flags were removed after call 4).
+    busy38) # ran at c4ef01c (session 38 call 2; the TMA kernel and its flags were removed after call 4; its loop
+        # is written with engine_modes since).
         # The TMA decode kernel for busy one-split launches only (DECODE_TMA_BUSY, 1 warp, 6 stages, ids in the
         # iteration: the sweep's best at 128 x 1k in call 1): its GPU tests with their failures shown, then the
         # engine's decode at batch 128 / 176 / 256 x 1k and the 256-sequence workload, off / on / off / on.
@@ -791,16 +799,12 @@ PY
         echo "pytest rc=$?" >> "$R/pytest_busy38.log"
         cp "$R/pytest_busy38.log" "$OUT/"
         grep -a "^FAILED\|^E  " "$R/pytest_busy38.log" | head -12 | cut -c1-200; tail -2 "$R/pytest_busy38.log"
-        for mode in off on off on; do
-          flags="--no-decode-tma --no-decode-tma-busy"; [ $mode = on ] && flags="--no-decode-tma --decode-tma-busy"
-          timeout 110 python3 benchmarks/engine_benchmarks.py --out "$R/busy38_$mode" --sections decode,random256 \
-            --decode-batches 128,176,256 --decode-contexts 1024 $flags >> "$R/busy38_engine.log" 2>&1
-          echo "mode $mode rc=$? done" >> "$R/busy38_engine.log"
-          cp "$R/busy38_engine.log" "$OUT/"
-        done
+        off="off:--no-decode-tma --no-decode-tma-busy" on="on:--no-decode-tma --decode-tma-busy"
+        engine_modes busy38 110 "--sections decode,random256 --decode-batches 128,176,256 --decode-contexts 1024" \
+          "$off" "$on" "$off" "$on"
         grep -a -E "decode b|256 seq|random|mode .* done|Error" "$R/busy38_engine.log" | cut -c1-110 ;;
     tma38) # ran at c859bc8 (session 38 call 1; the TMA kernel, the sweep's --tma and the engine's TMA flags were
-        # removed after call 4). Decode attention reading K/V by TMA (DECODE_TMA): the attention kernel tests on the GPU, the sweep of
+        # removed after call 4; its loop is written with engine_modes since). Decode attention reading K/V by TMA (DECODE_TMA): the attention kernel tests on the GPU, the sweep of
         # the TMA kernel's launch against the pointer kernel, then the engine's decode (batch 48 / 64 / 128 x 1k /
         # 4k) and seeds' workload with the sweep's best TMA launch at 64 x 1k: off / on / off / on, one host.
         timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py -k "tma or decode" \
@@ -823,13 +827,9 @@ print(f"{r['num_warps']},{r['num_stages']},{int(r['prefetch_ids'])}")
 PY
 )
         echo "engine A/B with the TMA launch $best (warps,stages,ids)"
-        for mode in off on off on; do
-          flags="--no-decode-tma"; [ $mode = on ] && flags="--decode-tma --decode-tma-busy --decode-launch-tma $best"
-          timeout 100 python3 benchmarks/engine_benchmarks.py --out "$R/tma38_$mode" --sections decode,seeds \
-            --decode-batches 48,64,128 --decode-contexts 1024,4096 $flags >> "$R/tma38_engine.log" 2>&1
-          echo "mode $mode rc=$? done" >> "$R/tma38_engine.log"
-          cp "$R/tma38_engine.log" "$OUT/"
-        done
+        off="off:--no-decode-tma" on="on:--decode-tma --decode-tma-busy --decode-launch-tma $best"
+        engine_modes tma38 100 "--sections decode,seeds --decode-batches 48,64,128 --decode-contexts 1024,4096" \
+          "$off" "$on" "$off" "$on"
         grep -a -E "decode b|seeds|mode .* done|Error|late" "$R/tma38_engine.log" | cut -c1-110 ;;
     pair36) # bf16 and AWQ on one host at the final code: decode 1 / 8 / 64 x 1k and the seeds' workload, each.
         for q in bf16 awq; do
