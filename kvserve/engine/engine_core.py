@@ -18,6 +18,7 @@ requests coming and going do in either mode; unseeded draws from the shared gene
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -92,12 +93,12 @@ class EngineCore:
             self.workers.mark_started()
 
     def _start(self, config: EngineConfig, start: float) -> None:
-        if self.workers is not None:
-            with self.workers.local_phase():  # building a model meets no other rank
-                self.runner = ModelRunner(config)
-            self.workers.gather()  # every rank has built its model
-        else:
+        # Building the models meets no other rank (no collective): a rank that fails meanwhile is an error here,
+        # however long the builds take.
+        with self.workers.local_phase() if self.workers is not None else contextlib.nullcontext():
             self.runner = ModelRunner(config)
+            if self.workers is not None:
+                self.workers.gather()  # every rank has built its model
         self._mark_phase("model_init", start)
         cache = config.cache_config
         num_blocks = cache.num_blocks or min(self._on_all_ranks("determine_num_blocks"))

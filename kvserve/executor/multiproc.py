@@ -17,7 +17,8 @@ the engine makes on its runner:
 A rank that fails or exits ends the engine: the rank logs its error and exits, and rank 0's monitor thread
 logs which rank it was and exits the engine process (the server then reports the engine's death). During
 start-up the engine raises instead (`WorkerError`, with the rank's reason) when rank 0 reaches its next
-`gather` within the monitor's grace, or at any time while it builds its model (`local_phase`). A rank
+`gather` within the monitor's grace; the grace does not run while rank 0 builds its model and waits for
+the others' builds (`local_phase`: no collective there), however long that takes. A rank
 whose parent is gone exits by itself, so nothing is left holding a GPU. The ranks ignore SIGINT and
 SIGTERM, as the engine does: they stop when the engine does.
 """
@@ -33,6 +34,7 @@ import os
 import pickle
 import signal
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -87,8 +89,9 @@ def set_cpu_threads(tp_size: int) -> int:
 # A failed rank's exit during start-up is reported by `gather` (its error reply, or the closed pipe); the
 # monitor ends the process only if rank 0 has not seen it within this long (it may be blocked in a
 # collective that the dead rank will never join). While rank 0 is in a `local_phase` (work that meets no
-# other rank: building its model, however long a large model takes) the grace starts only when it ends.
+# other rank: building its model, however long a large model takes) the grace is paused.
 _STARTUP_FAILURE_GRACE_S = 10.0
+# How often the monitor looks at whether rank 0 is in a local phase while a dead rank waits to be reported.
 _LOCAL_PHASE_POLL_S = 0.2
 
 
@@ -108,7 +111,7 @@ class TPWorkers:
         self._started = False
         self._failure_seen = threading.Event()
         # Set while rank 0 does start-up work that meets no other rank (`local_phase`).
-        self._local = threading.Event()
+        self._in_local_phase = threading.Event()
         self._conns: list[Connection] = []
         self._processes: list[Any] = []
         self._previous_threads: int | None = None
@@ -153,12 +156,12 @@ class TPWorkers:
         """Rank 0 does start-up work that meets no other rank (no collective), such as building its model: a
         rank that exits meanwhile is reported by the `gather` that follows, however long the work takes,
         instead of ending this process after the monitor's grace. Only around code without collectives: one
-        that waits for a dead rank would then hang."""
-        self._local.set()
+        that waits for a dead rank would then hang. Not nested."""
+        self._in_local_phase.set()
         try:
             yield
         finally:
-            self._local.clear()
+            self._in_local_phase.clear()
 
     def mark_started(self) -> None:
         """Start-up is over: from now on a rank's exit ends this process (the engine cannot go on)."""
@@ -177,19 +180,24 @@ class TPWorkers:
         self._send(("call", method, args))
 
     def gather(self) -> list[Any]:
-        """Each other rank's reply to the last `call` (or to its start-up), in rank order."""
-        results = []
-        for rank, conn in enumerate(self._conns, start=1):
-            try:
-                status, value = conn.recv()
-            except EOFError:
-                self._failure_seen.set()
-                raise WorkerError(f"tensor-parallel rank {rank} exited") from None
-            if status != "ok":
-                self._failure_seen.set()
-                raise WorkerError(f"tensor-parallel rank {rank} failed:\n{value}")
-            results.append(value)
-        return results
+        """Each other rank's reply to the last `call` (or to its start-up), in rank order. Replies are read as
+        they come, so a rank that failed or exited is reported at once, whichever rank it is (a live rank
+        still working does not hold up the report)."""
+        ranks = {conn: rank for rank, conn in enumerate(self._conns, start=1)}
+        results: dict[int, Any] = {}
+        while len(results) < len(ranks):
+            for conn in wait([c for c, r in ranks.items() if r not in results]):
+                rank = ranks[conn]  # type: ignore[index]
+                try:
+                    status, value = conn.recv()  # type: ignore[union-attr]
+                except EOFError:
+                    self._failure_seen.set()
+                    raise WorkerError(f"tensor-parallel rank {rank} exited") from None
+                if status != "ok":
+                    self._failure_seen.set()
+                    raise WorkerError(f"tensor-parallel rank {rank} failed:\n{value}")
+                results[rank] = value
+        return [results[rank] for rank in sorted(results)]
 
     def step(self, scheduler_output: SchedulerOutput, finish_previous_first: bool) -> None:
         """Send one step to every other rank (no reply). finish_previous_first: rank 0 read the previous
@@ -209,10 +217,19 @@ class TPWorkers:
         process.join(timeout=1.0)  # reaped, so that its exit code is known
         code = process.exitcode
         if not self._started:
-            while self._local.is_set() and not self._failure_seen.is_set() and not self._stopping.is_set():
+            # Start-up raises WorkerError with the rank's reason once rank 0 reaches a gather; give it the grace
+            # to get there, counted only while it is outside a local phase.
+            deadline: float | None = None
+            while not (self._failure_seen.is_set() or self._stopping.is_set()):
+                if self._in_local_phase.is_set():
+                    deadline = None
+                elif deadline is None:
+                    deadline = time.monotonic() + _STARTUP_FAILURE_GRACE_S
+                elif time.monotonic() >= deadline:
+                    break
                 self._failure_seen.wait(_LOCAL_PHASE_POLL_S)
-            if self._failure_seen.wait(_STARTUP_FAILURE_GRACE_S):
-                return  # start-up raises WorkerError with the rank's reason
+            if self._failure_seen.is_set():
+                return
         if self._stopping.is_set():
             return
         logger.critical("tensor-parallel rank %d exited (code %s); the engine cannot continue without it and "
@@ -280,7 +297,7 @@ def _worker_main(
         runner = ModelRunner(config)
     except BaseException:
         _reply_error(conn)
-        return
+        sys.exit(1)
     conn.send(("ok", None))
     previous: PendingOutput | None = None  # the last launched step, its tokens not recorded yet
     while True:
@@ -297,7 +314,7 @@ def _worker_main(
                 result = getattr(runner, method)(*args)
             except BaseException:
                 _reply_error(conn)
-                return
+                sys.exit(1)
             try:
                 conn.send(("ok", result))
             except (pickle.PicklingError, TypeError, AttributeError):  # a result that cannot travel: dropped
