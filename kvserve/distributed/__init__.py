@@ -14,7 +14,9 @@ With one rank nothing here touches `torch.distributed`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -73,10 +75,34 @@ def set_group_for_building(group: TPGroup) -> TPGroup:
     return previous
 
 
+# Depth of `no_collectives` blocks: start-up work that rank 0 declares free of collectives (TPWorkers'
+# local phase), during which a dead rank is waited for rather than given a grace.
+_no_collectives = 0
+
+
+@contextlib.contextmanager
+def no_collectives() -> Iterator[None]:
+    """A block that must meet no other rank: a collective inside it raises RuntimeError at once instead of
+    waiting, perhaps forever, for a rank that may be dead."""
+    global _no_collectives
+    _no_collectives += 1
+    try:
+        yield
+    finally:
+        _no_collectives -= 1
+
+
+def _check_collective_allowed(name: str) -> None:
+    if _no_collectives:
+        raise RuntimeError(f"{name} inside a block declared free of collectives (distributed.no_collectives): "
+                           "a rank that died meanwhile would leave it waiting forever")
+
+
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum `x` over the ranks, in place; `x` itself with one rank."""
     if _group.size == 1:
         return x
+    _check_collective_allowed("all_reduce")
     import torch.distributed as dist
 
     dist.all_reduce(x, group=_group.group)
@@ -87,6 +113,7 @@ def all_gather(x: torch.Tensor) -> torch.Tensor:
     """Every rank's `x`, stacked: [ranks, *x.shape] (x[None] with one rank)."""
     if _group.size == 1:
         return x.unsqueeze(0)
+    _check_collective_allowed("all_gather")
     import torch.distributed as dist
 
     out = torch.empty((_group.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)

@@ -155,11 +155,13 @@ class TPWorkers:
     def local_phase(self) -> Iterator[None]:
         """Rank 0 does start-up work that meets no other rank (no collective), such as building its model: a
         rank that exits meanwhile is reported by the `gather` that follows, however long the work takes,
-        instead of ending this process after the monitor's grace. Only around code without collectives: one
-        that waits for a dead rank would then hang. Not nested."""
+        instead of ending this process after the monitor's grace. Only around code without collectives (one
+        that waited for a dead rank would hang): `distributed.all_reduce` / `all_gather` raise inside it. Not
+        nested."""
         self._in_local_phase.set()
         try:
-            yield
+            with distributed.no_collectives():
+                yield
         finally:
             self._in_local_phase.clear()
 

@@ -350,3 +350,20 @@ def test_gather_reports_a_dead_rank_while_an_earlier_one_still_works() -> None:
     assert workers.gather() == ["one", "two"]
     for conn in (working, working_child, dead, replies, replies_child):
         conn.close()
+
+
+def test_collectives_raise_inside_a_block_declared_free_of_them() -> None:
+    """TPWorkers' local phase (rank 0's model build) relies on meeting no other rank; a collective added there
+    later must fail at once, not hang on a dead rank. Outside the block (and with one rank) nothing changes."""
+    x = torch.ones(3)
+    previous = distributed.set_group_for_building(distributed.TPGroup(0, 2))
+    try:
+        with distributed.no_collectives():
+            with pytest.raises(RuntimeError, match="all_reduce inside a block declared free of collectives"):
+                distributed.all_reduce(x)
+            with pytest.raises(RuntimeError, match="all_gather inside a block declared free of collectives"):
+                distributed.all_gather(x)
+    finally:
+        distributed.set_group_for_building(previous)
+    with distributed.no_collectives():
+        assert distributed.all_reduce(x) is x  # one rank: no collective at all
