@@ -56,19 +56,20 @@ def _spin_kernel(out_ptr, spin_ns, stagger_ns, period, PDL: tl.constexpr):
 
 
 PREDECESSORS = {
-    # name: (programs, warps, spin ns, stagger ns)
-    "narrow": (64, 4, 5_000, 0),
-    "wide": (4 * 132, 4, 20_000, 150),
+    # name: (programs per SM, warps, spin ns, stagger ns between the SMs' programs); narrow: 64 programs in all
+    "narrow": (None, 4, 5_000, 0),
+    "wide": (4, 4, 20_000, 150),
 }
 
 
-def run_case(pred: str, grid: int, warps: int, pdl: bool, spin_ns: int, reps: int) -> dict:
-    n_pred, w_pred, spin_pred, stagger = PREDECESSORS[pred]
+def run_case(pred: str, grid: int, warps: int, pdl: bool, spin_ns: int, reps: int, num_sms: int) -> dict:
+    per_sm, w_pred, spin_pred, stagger = PREDECESSORS[pred]
+    n_pred = 64 if per_sm is None else per_sm * num_sms
     pred_out = torch.empty(n_pred * 3, dtype=torch.int64, device="cuda")
     out = torch.empty(grid * 3, dtype=torch.int64, device="cuda")
     per_sm_max, sms_used, spans = [], [], []
     for _ in range(reps):
-        _spin_kernel[(n_pred,)](pred_out, spin_pred, stagger, 132, PDL=True, num_warps=w_pred)
+        _spin_kernel[(n_pred,)](pred_out, spin_pred, stagger, num_sms, PDL=True, num_warps=w_pred)
         _spin_kernel[(grid,)](out, spin_ns, 0, 1, PDL=pdl, num_warps=warps, launch_pdl=pdl)
         torch.cuda.synchronize()
         rows = out.view(grid, 3).cpu()
@@ -93,7 +94,7 @@ def main() -> int:
     cases = itertools.product(PREDECESSORS, [int(g) for g in args.grids.split(",")],
                               [int(w) for w in args.warps.split(",")], (False, True))
     for pred, grid, warps, pdl in cases:
-        results.append(run_case(pred, grid, warps, pdl, int(args.spin_us * 1e3), args.reps))
+        results.append(run_case(pred, grid, warps, pdl, int(args.spin_us * 1e3), args.reps, num_sms))
     args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "num_sms": num_sms,
                                     "results": results}, indent=1))
     print(f"{num_sms} SMs; probe programs spin {args.spin_us:.0f} us each; {args.reps} launches per row")

@@ -92,6 +92,11 @@ def no_collectives() -> Iterator[None]:
         _no_collectives -= 1
 
 
+def collectives_forbidden() -> bool:
+    """Whether this process is inside a `no_collectives` block (any thread may ask)."""
+    return _no_collectives > 0
+
+
 def _check_collective_allowed(name: str) -> None:
     if _no_collectives:
         raise RuntimeError(f"{name} inside a block declared free of collectives (distributed.no_collectives): "

@@ -110,8 +110,6 @@ class TPWorkers:
         self.size = config.tensor_parallel_size
         self._started = False
         self._failure_seen = threading.Event()
-        # Set while rank 0 does start-up work that meets no other rank (`local_phase`).
-        self._in_local_phase = threading.Event()
         self._conns: list[Connection] = []
         self._processes: list[Any] = []
         self._previous_threads: int | None = None
@@ -158,12 +156,8 @@ class TPWorkers:
         instead of ending this process after the monitor's grace. Only around code without collectives (one
         that waited for a dead rank would hang): `distributed.all_reduce` / `all_gather` raise inside it. Not
         nested."""
-        self._in_local_phase.set()
-        try:
-            with distributed.no_collectives():
-                yield
-        finally:
-            self._in_local_phase.clear()
+        with distributed.no_collectives():
+            yield
 
     def mark_started(self) -> None:
         """Start-up is over: from now on a rank's exit ends this process (the engine cannot go on)."""
@@ -223,7 +217,7 @@ class TPWorkers:
             # to get there, counted only while it is outside a local phase.
             deadline: float | None = None
             while not (self._failure_seen.is_set() or self._stopping.is_set()):
-                if self._in_local_phase.is_set():
+                if distributed.collectives_forbidden():  # rank 0 is in a local phase
                     deadline = None
                 elif deadline is None:
                     deadline = time.monotonic() + _STARTUP_FAILURE_GRACE_S
