@@ -161,6 +161,37 @@ def write_result(out_dir: Path, name: str, settings: dict[str, Any], results: An
     return path
 
 
+def sustained(fn: Callable[[], object], seconds: float, energy: GpuEnergy) -> tuple[float, float | None, int | None]:
+    """(ms per call of fn, J per call or None, SM MHz at the end) over `seconds` of back-to-back replays of a
+    CUDA graph of one call, after as long again of the same work, so that the GPU runs at the clock its power
+    cap allows for this work: what a long prefill meets, unlike a short timing on a cool GPU."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm-up outside the capture (first-use set-up)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    begin = time.perf_counter()
+    graph.replay()
+    torch.cuda.synchronize()
+    reps = max(3, int(seconds / max(time.perf_counter() - begin, 1e-6)))
+    for _ in range(reps):
+        graph.replay()
+    torch.cuda.synchronize()
+    start_mj = energy.read_mj()
+    begin = time.perf_counter()
+    for _ in range(reps):
+        graph.replay()
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - begin) * 1e3 / reps
+    end_mj = energy.read_mj()
+    joules = None if start_mj is None or end_mj is None else (end_mj - start_mj) / 1e3 / reps
+    return ms, joules, energy.sm_clock_mhz()
+
+
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()

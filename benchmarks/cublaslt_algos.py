@@ -9,12 +9,19 @@ candidate's result against torch's, and prints torch's time, the heuristic's fir
 
 Ends with a table per row count: one decode step's matmuls (28 layers and the LM head) in ms with torch's
 pick and with the faster of torch's pick and the fastest candidate, per shape, and the floors at 4.28 TB/s and at --peak-tflops.
+
+`--sustained-s S` also times torch's pick (before and after) and every correct candidate over S seconds of
+back-to-back work after S seconds of warm-up (`common.sustained`: the clock the power cap allows, and the
+energy per call), as a long prefill runs; `--tuning-out FILE` then writes the engine's stored tuning
+(`kvserve.kernels.cublaslt` cache entries) with each shape's choice by the sustained times, for
+KVSERVE_CACHE_DIR/gemm_tuning.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -23,12 +30,49 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from attention_sweep import time_graph  # noqa: E402
+from common import GpuEnergy, sustained  # noqa: E402
 from gemm_sweep import COPY_TBPS, SHAPES, layer_copies  # noqa: E402
 
+from kvserve.kernels import cublaslt  # noqa: E402
 from kvserve.kernels.cublaslt import LtMatmul  # noqa: E402
 
 ROWS = [48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256, 1024, 2048, 8192]
 NUM_LAYERS = 28
+
+
+def sustained_runs(args: argparse.Namespace, energy: GpuEnergy, run_torch: object, plan: LtMatmul,
+                   x: torch.Tensor, weights: list, biases: list, out: torch.Tensor, timed: list[dict], m: int, n: int,
+                   k: int, has_bias: bool, tuning: dict[str, dict]) -> None:
+    """Sustained times of torch's pick (first and last, to see drift) and each timed candidate (into its
+    dict: sustained_us, sustained_j per call, sm_mhz at the end); prints one line per run; adds this shape's
+    choice by the sustained times to `tuning` (the engine's cache entry format)."""
+    copies = len(weights)
+
+    def run(label: str, fn: object) -> tuple[float, float | None, int | None]:
+        ms, joules, mhz = sustained(fn, args.sustained_s, energy)  # type: ignore[arg-type]
+        us, j = ms * 1e3 / copies, None if joules is None else joules / copies
+        jtext = "n/a" if j is None else f"{j * 1e3:8.1f}"
+        print(f"  sustained M={m:5d} n={n:6d} {label:12s} {us:9.1f} us/call {jtext} mJ/call  SM {mhz} MHz", flush=True)
+        return us, j, mhz
+
+    torch_runs = [run("torch", run_torch)]
+    for c in timed:
+        i = c["index"]
+
+        def run_lt(xs: torch.Tensor = x, i: int = i) -> None:
+            for w, b in zip(weights, biases, strict=True):
+                plan.run(xs, w, b, out, candidate=i)
+
+        c["sustained_us"], c["sustained_j"], c["sm_mhz"] = run(f"#{i}", run_lt)
+    torch_runs.append(run("torch again", run_torch))
+    times = {cublaslt.TORCH_CHOICE: statistics.mean(r[0] for r in torch_runs)}
+    times.update({c["index"]: c["sustained_us"] for c in timed})
+    choice = cublaslt.pick(times, args.min_gain)
+    key = cublaslt.cache_key(x.device, m, n, k, x.dtype, has_bias)
+    tuning[key] = {"choice": choice, "algo": None if choice == cublaslt.TORCH_CHOICE else list(plan.candidates[choice].data),
+                   "torch_us": times[cublaslt.TORCH_CHOICE], "chosen_us": times[choice], "by": "sustained"}
+    print(f"  sustained M={m:5d} n={n:6d} choice {'torch' if choice == cublaslt.TORCH_CHOICE else '#' + str(choice)}: "
+          f"{times[choice]:.1f} against torch's {times[cublaslt.TORCH_CHOICE]:.1f} us/call", flush=True)
 
 
 def main() -> int:
@@ -37,7 +81,17 @@ def main() -> int:
     parser.add_argument("--rows", default=",".join(map(str, ROWS)))
     parser.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
     parser.add_argument("--peak-tflops", type=float, default=791.0, help="the bf16 matmul peak measured here")
+    parser.add_argument("--sustained-s", type=float, default=0.0,
+                        help="also time torch's pick and each candidate over this many seconds of back-to-back work")
+    parser.add_argument("--tuning-out", type=Path, default=None,
+                        help="with --sustained-s: write the engine's tuning file, choices by the sustained times")
+    parser.add_argument("--min-gain", type=float, default=cublaslt.MIN_GAIN,
+                        help="a candidate's sustained time must beat torch's by this fraction to be chosen")
     args = parser.parse_args()
+    if args.tuning_out is not None and args.sustained_s <= 0:
+        parser.error("--tuning-out needs --sustained-s")
+    energy = GpuEnergy() if args.sustained_s > 0 else None
+    tuning: dict[str, dict] = {}
     torch.backends.cuda.preferred_blas_library("cublaslt")  # what the engine runs
     rows = [int(r) for r in args.rows.split(",")]
     shapes = [s for s in SHAPES if s[0] in args.shapes.split(",")]
@@ -77,6 +131,9 @@ def main() -> int:
                 us = time_graph(run_lt, reps) / copies * 1e3
                 cands.append({"index": i, "us": us, "workspace": plan.workspace_sizes[i], **plan.config(i)})
             timed = [c for c in cands if "us" in c]
+            if energy is not None:
+                sustained_runs(args, energy, run_torch, plan, x, weights, biases, out, timed, m, n, k, has_bias,
+                               tuning)
             best = min(timed, key=lambda c: c["us"]) if timed else None
             first = cands[0] if cands and "us" in cands[0] else None
             tuned = min(torch_us, best["us"]) if best else torch_us
@@ -94,6 +151,9 @@ def main() -> int:
         torch.cuda.empty_cache()
     args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                     "results": results}, indent=1))
+    if args.tuning_out is not None:
+        cublaslt.save_cache(args.tuning_out, tuning)
+        print(f"tuning: {len(tuning)} entries written to {args.tuning_out}")
     layer_shapes = [s[0] for s in SHAPES if s[0] != "lm_head"]
     if all(name in results for name in layer_shapes):
         print(f"\n{'M':>5s} {'torch ms':>9s} {'tuned ms':>9s} {'gain %':>7s} {'floor ms':>9s}   per shape torch/tuned us: "

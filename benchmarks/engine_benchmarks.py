@@ -1438,6 +1438,10 @@ def main() -> int:
                    "many splits merges in its last program (0: always a reduce launch)")
     p.add_argument("--gemm-tuning", action=argparse.BooleanOptionalAction, default=None,
                    help="override KVSERVE_GEMM_TUNING: time cuBLASLt's candidates for the model's matmuls at start")
+    p.add_argument("--gemm-tuning-rows", type=lambda v: [int(x) for x in v.split(",")], default=None,
+                   help="with --gemm-tuning: tune (or take the stored choices in KVSERVE_CACHE_DIR for) exactly these "
+                   "row counts instead of the decode graph sizes, e.g. 8192 with a file from cublaslt_algos.py "
+                   "--sustained-s --tuning-out")
     p.add_argument("--sync-debug", action="store_true",
                    help="count the synchronizing torch calls after start-up by call site (slows the host: "
                    "diagnostic runs only)")
@@ -1506,6 +1510,11 @@ def main() -> int:
         from kvserve import envs
 
         envs.KVSERVE_GEMM_TUNING = args.gemm_tuning
+    if args.gemm_tuning_rows is not None:
+        from kvserve.worker.model_runner import ModelRunner
+
+        rows = sorted(set(args.gemm_tuning_rows))
+        ModelRunner.gemm_tuning_rows = lambda self: rows  # type: ignore[method-assign]
     if args.prefill_graph_max_tokens is not None:
         from kvserve.worker import model_runner
 

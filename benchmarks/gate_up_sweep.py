@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from attention_sweep import time_graph  # noqa: E402
-from common import GpuEnergy, write_result  # noqa: E402
+from common import GpuEnergy, sustained, write_result  # noqa: E402
 
 from kvserve.kernels import ops  # noqa: E402
 from kvserve.kernels.triton_gate_up import GateUpConfig, gate_up_silu  # noqa: E402
@@ -41,28 +41,6 @@ def matches(got: torch.Tensor, want: torch.Tensor, rel: float = 0.02) -> tuple[b
     err = (got.float() - want.float()).abs().max().item()
     scale = want.float().abs().max().item()
     return err <= rel * scale, err, scale
-
-
-def sustained(fn: object, seconds: float, energy: GpuEnergy) -> tuple[float, float | None, int | None]:
-    """(ms per call, J per call or None, SM MHz at the end) over `seconds` of back-to-back graph replays,
-    after as long again of the same work to reach the power cap's steady clock."""
-    one = time_graph(fn, 3)
-    reps = max(3, int(seconds * 1e3 / one))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()  # type: ignore[operator]
-    for _ in range(reps):
-        graph.replay()
-    torch.cuda.synchronize()
-    start_mj = energy.read_mj()
-    begin = time.perf_counter()
-    for _ in range(reps):
-        graph.replay()
-    torch.cuda.synchronize()
-    ms = (time.perf_counter() - begin) * 1e3 / reps
-    end_mj = energy.read_mj()
-    joules = None if start_mj is None or end_mj is None else (end_mj - start_mj) / 1e3 / reps
-    return ms, joules, energy.sm_clock_mhz()
 
 
 def main() -> int:

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: place38 dpdl38 gap38 busy38 tma38 ncuattn36 pair36 last36 pw36 final36 ab36 fuse36 ncu36 fix35 graphs35 final35 diag35 pairs35 pairs34 lop34 swap34 quant33 tp32a tp32b tp32c asc31b asc31 api30c api30b api30 client29b api29 client29 pytest28 cublas28 firstburst28 firstpass28w firstpass28s firstpass28e firstpass28 sweep28 abclient27 gcprobe27 client27 mnbt27 rowq26 gcserve26 gc26 bisect26 hash25 capfail25b capfail25 offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: sus39 place38 dpdl38 gap38 busy38 tma38 ncuattn36 pair36 last36 pw36 final36 ab36 fuse36 ncu36 fix35 graphs35 final35 diag35 pairs35 pairs34 lop34 swap34 quant33 tp32a tp32b tp32c asc31b asc31 api30c api30b api30 client29b api29 client29 pytest28 cublas28 firstburst28 firstpass28w firstpass28s firstpass28e firstpass28 sweep28 abclient27 gcprobe27 client27 mnbt27 rowq26 gcserve26 gc26 bisect26 hash25 capfail25b capfail25 offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Pass the local commit, written in literally (the device copy's git metadata can be stale, so a $(git ...) in
 # the command would read it there): KVSERVE_BENCH_COMMIT=<sha> bash ...
@@ -752,6 +752,26 @@ PY
         cp "$R/ncuattn36.log" "$OUT/"
         grep -a -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Waves Per|SM Active|Elapsed Cyc|Issue Slots|ncu rc|rror" \
           "$R/ncuattn36.log" | head -40 ;;
+    sus39) # cuBLASLt's candidates at 8,192 rows timed sustained (0.5 s of back-to-back calls after 0.5 s of
+        # warm-up: the power cap's clock, as a long prefill meets it) against torch's pick, written as the engine's
+        # stored tuning; then, when any shape chose a candidate, the engine with those choices at 8,192 rows only
+        # against torch's pick: TTFT 8k, the seeds' and the 256-sequence workloads, off / on / off / on, one host.
+        rm -rf /tmp/lt_sus39 && mkdir -p /tmp/lt_sus39
+        timeout 300 python3 benchmarks/cublaslt_algos.py --out "$R/lt_sus39.json" --rows 8192 \
+          --shapes qkv,o_proj,gate_up,down --sustained-s 0.5 --tuning-out /tmp/lt_sus39/gemm_tuning.json \
+          > "$R/lt_sus39.log" 2>&1
+        echo "cublaslt_algos rc=$?" >> "$R/lt_sus39.log"
+        cp "$R/lt_sus39.log" "$OUT/"; cp /tmp/lt_sus39/gemm_tuning.json "$OUT/lt_sus39_tuning.json" 2>/dev/null
+        grep -a -E "choice|^(qkv|o_proj|gate_up|down) |rc=" "$R/lt_sus39.log" | cut -c1-150
+        if python3 -c 'import json, sys; sys.exit(0 if any(e["choice"] >= 0 for e in json.load(open(sys.argv[1])).values()) else 1)' \
+            /tmp/lt_sus39/gemm_tuning.json; then
+          off="off:--no-gemm-tuning" on="on:--gemm-tuning --gemm-tuning-rows 8192"
+          KVSERVE_CACHE_DIR=/tmp/lt_sus39 engine_modes sus39 150 "--sections ttft,seeds,random256 --ttft-lengths 8192" \
+            "${off/off:/off1:}" "${on/on:/on1:}" "${off/off:/off2:}" "${on/on:/on2:}"
+          grep -a -E "^TTFT|^seeds|^256 seqs|matmul tuning|mode .* done|Error" "$R/sus39_engine.log" | cut -c1-110
+        else
+          echo "every shape kept torch's pick: no engine A/B"
+        fi ;;
     place38) # Where a one-wave grid's programs land (benchmarks/placement_probe.py): grids of 192 / 256 programs
         # of 1 / 4 / 8 warps after a narrow or a wide, staggered predecessor, launched plainly or with PDL.
         timeout 120 python3 benchmarks/placement_probe.py --out "$R/place38.json" > "$R/place38.log" 2>&1
