@@ -1438,6 +1438,9 @@ def main() -> int:
                    "many splits merges in its last program (0: always a reduce launch)")
     p.add_argument("--gemm-tuning", action=argparse.BooleanOptionalAction, default=None,
                    help="override KVSERVE_GEMM_TUNING: time cuBLASLt's candidates for the model's matmuls at start")
+    p.add_argument("--prefill-gemm-tuning", action=argparse.BooleanOptionalAction, default=None,
+                   help="override KVSERVE_PREFILL_GEMM_TUNING: time cuBLASLt's candidates sustained at the step "
+                   "budget's rows at start (choices stored in KVSERVE_CACHE_DIR)")
     p.add_argument("--gemm-tuning-rows", type=lambda v: [int(x) for x in v.split(",")], default=None,
                    help="with --gemm-tuning: tune (or take the stored choices in KVSERVE_CACHE_DIR for) exactly these "
                    "row counts instead of the decode graph sizes, e.g. 8192 with a file from cublaslt_algos.py "
@@ -1510,6 +1513,10 @@ def main() -> int:
         from kvserve import envs
 
         envs.KVSERVE_GEMM_TUNING = args.gemm_tuning
+    if args.prefill_gemm_tuning is not None:
+        from kvserve import envs
+
+        envs.KVSERVE_PREFILL_GEMM_TUNING = args.prefill_gemm_tuning
     if args.gemm_tuning_rows is not None:
         from kvserve.worker.model_runner import ModelRunner
 

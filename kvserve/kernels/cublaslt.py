@@ -24,6 +24,7 @@ import json
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -320,6 +321,14 @@ TUNING_VERSION = 1
 MIN_GAIN = 0.01
 # Each timing replays its graph for at least this long (µs).
 TIMING_MIN_US = 2000.0
+# Sustained timing (`tune(..., sustained=True)`, the large prefill steps): the GPU is first kept busy this long
+# (µs) so that it runs at the clock its power cap allows, then every choice is replayed for at least
+# SUSTAINED_MIN_US in turn, SUSTAINED_ROUNDS times (the order rotated each round), and its time is the mean.
+# A matmul of 8,192 rows runs there in a real prefill; on the H200 a short timing on a cool GPU ranked the
+# candidates otherwise, and its choices made TTFT 8k slower (docs/perf_notes.md, entries 28 and 56).
+SUSTAINED_WARM_US = 300_000.0
+SUSTAINED_MIN_US = 40_000.0
+SUSTAINED_ROUNDS = 2
 
 
 def _device_index(t: torch.Tensor) -> int:
@@ -377,32 +386,58 @@ def pick(times_us: dict[int, float], min_gain: float = 0.0) -> int:
     return best
 
 
-def _time_graph_us(fn: object, min_us: float = TIMING_MIN_US, max_reps: int = 50) -> float:
-    """µs per run of fn: run once eagerly (lazy initialisation stays out of the capture), captured in a CUDA
-    graph, replayed once untimed, then timed over enough replays to last min_us (3 to max_reps)."""
+def _capture(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    """fn run once eagerly (lazy initialisation stays out of the capture), then captured in a CUDA graph."""
     from kvserve.worker.cuda_graph import capture_graph  # (at call time: the worker imports the kernels)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fn()  # type: ignore[operator]
+        fn()
         # capture_graph cleans up after a failed capture; the error reaches tune_gemms, which starts untuned.
-        graph, _ = capture_graph(fn, torch.cuda.graph_pool_handle(), stream)  # type: ignore[arg-type]
+        graph, _ = capture_graph(fn, torch.cuda.graph_pool_handle(), stream)
     torch.cuda.current_stream().wait_stream(stream)
+    return graph
+
+
+def _replay_us(graph: torch.cuda.CUDAGraph, reps: int) -> float:
+    """µs per replay over reps back-to-back replays (CUDA events; waits for the last)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    start.record()
-    graph.replay()
-    end.record()
-    end.synchronize()
-    once_us = max(start.elapsed_time(end) * 1e3, 1.0)
-    reps = min(max_reps, max(3, int(min_us / once_us) + 1))
     start.record()
     for _ in range(reps):
         graph.replay()
     end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1e3 / reps
+
+
+def _time_graph_us(fn: Callable[[], None], min_us: float = TIMING_MIN_US, max_reps: int = 50) -> float:
+    """µs per run of fn: captured (`_capture`), replayed once untimed, then timed over enough replays to last
+    min_us (3 to max_reps)."""
+    graph = _capture(fn)
+    graph.replay()
+    once_us = max(_replay_us(graph, 1), 1.0)
+    return _replay_us(graph, min(max_reps, max(3, int(min_us / once_us) + 1)))
+
+
+def _time_sustained_us(fns: dict[int, Callable[[], None]], warm_us: float | None = None,
+                       min_us: float | None = None, rounds: int | None = None) -> dict[int, float]:
+    """µs per run of each fn on a GPU kept busy: all captured; the first one replayed for warm_us; then
+    `rounds` rounds replaying each for at least min_us in turn (order rotated each round); the mean per fn.
+    Unset: SUSTAINED_WARM_US, SUSTAINED_MIN_US, SUSTAINED_ROUNDS as they are at the call."""
+    warm_us = SUSTAINED_WARM_US if warm_us is None else warm_us
+    min_us = SUSTAINED_MIN_US if min_us is None else min_us
+    rounds = SUSTAINED_ROUNDS if rounds is None else rounds
+    graphs = {i: _capture(fn) for i, fn in fns.items()}
+    once = {i: max(_replay_us(graph, 1), 1.0) for i, graph in graphs.items()}
+    order = list(graphs)
+    _replay_us(graphs[order[0]], max(1, int(warm_us / once[order[0]])))
+    totals = dict.fromkeys(order, 0.0)
+    for r in range(rounds):
+        shift = r % len(order)
+        for i in order[shift:] + order[:shift]:
+            totals[i] += _replay_us(graphs[i], max(3, int(min_us / once[i]) + 1))
+    return {i: total / rounds for i, total in totals.items()}
 
 
 @dataclass
@@ -434,13 +469,13 @@ def _reduced_precision_allowed(dtype: torch.dtype) -> bool:
 
 
 def cache_key(device: torch.device, rows: int, n: int, k: int, dtype: torch.dtype, has_bias: bool,
-              torch_candidate: bool = True) -> str:
+              torch_candidate: bool = True, sustained: bool = False) -> str:
     """A stored result's key: the GPU, the cuBLASLt and torch versions and torch's BLAS settings (all change
-    what runs), the tuning's version and the shape."""
+    what runs), the tuning's version, the shape and how it was timed."""
     return (f"v{TUNING_VERSION}|{_device_name(device)}|cublasLt {library_version()}|torch {torch.__version__}"
             f"|{torch.backends.cuda.preferred_blas_library()}|reduced {int(_reduced_precision_allowed(dtype))}"
             f"|{str(dtype).removeprefix('torch.')}|{rows}x{n}x{k}|bias {int(has_bias)}"
-            + ("" if torch_candidate else "|cuBLASLt only"))
+            + ("" if torch_candidate else "|cuBLASLt only") + ("|sustained" if sustained else ""))
 
 
 def load_cache(path: Path) -> dict[str, dict]:
@@ -487,29 +522,44 @@ def _register(key: Key, torch_candidate: bool, plan: LtMatmul | None, result: Tu
     return result
 
 
+# Results are compared with the reference this many rows at a time (the float32 copies of a whole 8,192-row
+# gate/up output would take 2.5 GB).
+_ERROR_CHUNK_ROWS = 1024
+
+
 def _error(plan: LtMatmul, index: int, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
            out: torch.Tensor, reference: torch.Tensor) -> float:
-    """Largest absolute difference between candidate `index`'s result and reference (inf when it fails)."""
+    """Largest absolute difference between candidate `index`'s result and reference (inf when it fails; NaN
+    when the result holds one)."""
     try:
         out.fill_(float("nan"))
         plan.run(x, w, b, out, candidate=index)
-        return float((out.float() - reference).abs().max().item())
     except LtUnavailable:
         return float("inf")
+    worst = 0.0
+    for start in range(0, out.shape[0], _ERROR_CHUNK_ROWS):
+        part = (out[start:start + _ERROR_CHUNK_ROWS].float() - reference[start:start + _ERROR_CHUNK_ROWS].float())
+        err = float(part.abs().max().item())
+        if err != err:
+            return err
+        worst = max(worst, err)
+    return worst
 
 
 def tune(rows: int, weights: list[torch.Tensor], biases: list[torch.Tensor | None], *,
          cache: dict[str, dict] | None = None, torch_candidate: bool = True, max_relative_error: float = 2e-2,
-         min_gain: float = MIN_GAIN) -> TuneResult:
+         min_gain: float = MIN_GAIN, sustained: bool = False) -> TuneResult:
     """Time torch's linear and every cuBLASLt candidate at `rows` rows over `weights` (one call per weight per
     run: distinct weights keep a call from reading the previous one's from L2), and register the fastest for
     `tuned_plan` (a candidate must beat torch by min_gain). A candidate whose result differs from torch's by
-    more than max_relative_error of its largest value is skipped.
+    more than max_relative_error of its largest value is skipped. `sustained`: timed on a GPU kept busy
+    (`_time_sustained_us`), as the large prefill steps run, instead of one short timing each.
 
-    A shape decided before in this process keeps its choice. With `cache`, a stored choice is taken without
-    timing when it is torch's pick, or a candidate still offered that still computes within the tolerance;
-    new results are stored in it. `torch_candidate=False` leaves torch's pick out (tests: the cuBLASLt path
-    always runs). Raises LtUnavailable when cuBLASLt cannot be used for this shape."""
+    A shape decided before in this process keeps its choice. With `cache`, a stored choice (of the same
+    timing mode) is taken without timing when it is torch's pick, or a candidate still offered that still
+    computes within the tolerance; new results are stored in it. `torch_candidate=False` leaves torch's pick
+    out (tests: the cuBLASLt path always runs). Raises LtUnavailable when cuBLASLt cannot be used for this
+    shape."""
     w0, b0 = weights[0], biases[0]
     n, k = w0.shape
     device_index = _device_index(w0)
@@ -517,7 +567,7 @@ def tune(rows: int, weights: list[torch.Tensor], biases: list[torch.Tensor | Non
     decided = _decided.get((key, torch_candidate))
     if decided is not None:
         return decided
-    ckey = cache_key(w0.device, rows, n, k, w0.dtype, b0 is not None, torch_candidate)
+    ckey = cache_key(w0.device, rows, n, k, w0.dtype, b0 is not None, torch_candidate, sustained)
     entry = cache.get(ckey) if cache is not None else None
     entry = entry if _valid_entry(entry) else None
     stored_us = float("nan")
@@ -530,8 +580,8 @@ def tune(rows: int, weights: list[torch.Tensor], biases: list[torch.Tensor | Non
     gen = torch.Generator(device=w0.device).manual_seed(rows * 7919 + n)
     x = torch.randn(rows, k, generator=gen, device=w0.device, dtype=torch.float32).to(w0.dtype)
     out = torch.empty(rows, n, device=w0.device, dtype=w0.dtype)
-    reference = torch.nn.functional.linear(x, w0, b0).float()
-    tolerance = max_relative_error * reference.abs().max().item()
+    reference = torch.nn.functional.linear(x, w0, b0)
+    tolerance = max_relative_error * reference.abs().max().float().item()
     if entry is not None:
         found = [i for i, c in enumerate(plan.candidates) if list(c.data) == entry["algo"]]
         if found and _error(plan, found[0], x, w0, b0, out, reference) <= tolerance:
@@ -542,8 +592,7 @@ def tune(rows: int, weights: list[torch.Tensor], biases: list[torch.Tensor | Non
         for w, b in zip(weights, biases, strict=True):
             torch.nn.functional.linear(x, w, b)
 
-    torch_us = _time_graph_us(run_torch)
-    times = {TORCH_CHOICE: torch_us} if torch_candidate else {}
+    runs: dict[int, Callable[[], None]] = {TORCH_CHOICE: run_torch}  # timed in any case: the report's baseline
     num_wrong = 0
     for i in range(len(plan.candidates)):
         if not _error(plan, i, x, w0, b0, out, reference) <= tolerance:
@@ -554,8 +603,11 @@ def tune(rows: int, weights: list[torch.Tensor], biases: list[torch.Tensor | Non
             for w, b in zip(weights, biases, strict=True):
                 plan.run(x, w, b, out, candidate=i)
 
-        times[i] = _time_graph_us(run_candidate)
-    choice = pick(times, min_gain)
+        runs[i] = run_candidate
+    del reference
+    times = _time_sustained_us(runs) if sustained else {i: _time_graph_us(fn) for i, fn in runs.items()}
+    torch_us = times[TORCH_CHOICE]
+    choice = pick(times if torch_candidate else {i: t for i, t in times.items() if i != TORCH_CHOICE}, min_gain)
     if choice == TORCH_CHOICE and not torch_candidate:
         raise LtUnavailable(f"no cuBLASLt candidate ran correctly for rows={rows} n={n} k={k}")
     chosen_us = times.get(choice, torch_us)

@@ -217,7 +217,7 @@ class ModelRunner:
         a top-k/top-p sampling pass with logprobs over max_num_seqs rows) and measure its peak memory."""
         sched = self.config.scheduler_config
         device = self.device
-        if self.gemm_tuning_enabled() and self.gemm_tuning_rows():
+        if self.gemm_tuning_enabled():
             try:  # the tuned matmuls' workspace, resident from now on: counted in the memory in use
                 cublaslt.workspace(device)
             except cublaslt.LtUnavailable:
@@ -461,27 +461,48 @@ class ModelRunner:
             self.model(input_ids, pos, self.kv_caches, metadata)
 
     def gemm_tuning_enabled(self) -> bool:
-        return self.device.type == "cuda" and envs.KVSERVE_GEMM_TUNING
+        return bool(self.gemm_tuning_plan())
+
+    def gemm_tuning_plan(self) -> list[tuple[int, bool]]:
+        """(rows, sustained) the start-up matmul tuning covers on CUDA: the decode graph sizes, timed briefly
+        each, with KVSERVE_GEMM_TUNING; the large prefill step's rows, timed sustained, with
+        KVSERVE_PREFILL_GEMM_TUNING."""
+        if self.device.type != "cuda":
+            return []
+        plan = [(rows, False) for rows in self.gemm_tuning_rows()] if envs.KVSERVE_GEMM_TUNING else []
+        plan += [(rows, True) for rows in self.prefill_gemm_tuning_rows() if rows not in {r for r, _ in plan}]
+        return plan
 
     def gemm_tuning_rows(self) -> list[int]:
         """Row counts whose matmuls are tuned at start: the decode graph sizes past the Triton skinny matmul's
         range (with CUDA graphs on; eager batches come in every size). Other steps of exactly such a token
         count (a prefill graph of 128 or 256 tokens, say) run the tuned plans too. Larger prefill sizes are
-        left to torch's pick: tuned alone, candidates looked up to 5 % faster there, but a whole 8192-token
-        prefill ran 2-7 ms slower with them on the H200 (docs/perf_notes.md, entry 28)."""
+        `prefill_gemm_tuning_rows`' (timed sustained: short timings' choices at 8,192 rows made TTFT 8k 2-7 ms
+        slower on the H200, docs/perf_notes.md, entry 28)."""
         if not self.config.use_cuda_graphs:
             return []
         return sorted({n for n in self.config.cuda_graph_sizes if n > ops.SKINNY_GEMM_MAX_ROWS})
 
+    def prefill_gemm_tuning_rows(self) -> list[int]:
+        """The step budget (`max_num_batched_tokens`) when it is past the prefill and piecewise CUDA graphs'
+        sizes: the token count of a busy engine's prefill steps (a long prompt's chunks, a burst of prompts),
+        which run eagerly and long enough to run at the clock the GPU's power cap allows. [] when
+        KVSERVE_PREFILL_GEMM_TUNING is off."""
+        if not envs.KVSERVE_PREFILL_GEMM_TUNING:
+            return []
+        budget = self.config.scheduler_config.max_num_batched_tokens
+        return [budget] if budget > max(PREFILL_GRAPH_MAX_TOKENS, PIECEWISE_GRAPH_MAX_TOKENS) else []
+
     @torch.inference_mode()
     def tune_gemms(self) -> list[cublaslt.TuneResult]:
         """Time cuBLASLt's candidate algorithms against torch's pick for every distinct fp16/bf16 `Linear` shape
-        of the model (not the LM head) at each of `gemm_tuning_rows()` and register the fastest (`ops.linear`
-        runs it), before the decode graphs are captured. Choices are kept in KVSERVE_CACHE_DIR, so a later
-        start with the same GPU, libraries and shapes only checks them. Does nothing when tuning is off
-        (KVSERVE_GEMM_TUNING, off by default); a shape cuBLASLt cannot run, or any failure of the tuning,
-        leaves torch's pick for it (start-up never fails for this optional step)."""
-        if not self.gemm_tuning_enabled() or not self.gemm_tuning_rows():
+        of the model (not the LM head) at each row count of `gemm_tuning_plan()` and register the fastest
+        (`ops.linear` runs it), before the CUDA graphs are captured. Choices are kept in KVSERVE_CACHE_DIR, so a
+        later start with the same GPU, libraries and shapes only checks them. Does nothing when both tunings
+        are off; a shape cuBLASLt cannot run, or any failure of the tuning, leaves torch's pick for it
+        (start-up never fails for this optional step)."""
+        plan = self.gemm_tuning_plan()
+        if not plan:
             return []
         start = time.perf_counter()
         groups: dict[tuple[int, int, bool, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor | None]]] = {}
@@ -497,14 +518,15 @@ class ModelRunner:
         results: list[cublaslt.TuneResult] = []
         unavailable: list[str] = []
         try:
-            for rows in self.gemm_tuning_rows():
+            for rows, sustained in plan:
                 for weights, biases in groups.values():
                     # Enough distinct weights that a call never finds the previous one's in L2 (about 200 MB).
                     nbytes = weights[0].numel() * weights[0].element_size()
                     count = min(max(2, -(-GEMM_TUNING_WEIGHT_BYTES // nbytes)), len(weights))
                     try:
                         results.append(cublaslt.tune(rows, weights[:count], biases[:count], cache=cache,
-                                                     torch_candidate=GEMM_TUNING_TORCH_CANDIDATE))
+                                                     torch_candidate=GEMM_TUNING_TORCH_CANDIDATE,
+                                                     sustained=sustained))
                     except cublaslt.LtUnavailable as exc:
                         unavailable.append(str(exc))
             if any(not r.cached for r in results):
@@ -527,7 +549,7 @@ class ModelRunner:
         logger.info(
             "matmul tuning: %d shapes at %d row counts in %.1f s (%d from %s); cuBLASLt's other candidates "
             "run in %d; newly timed: %.0f of %.0f us saved over one call of each",
-            len(groups), len(self.gemm_tuning_rows()), time.perf_counter() - start, len(results) - len(timed),
+            len(groups), len(plan), time.perf_counter() - start, len(results) - len(timed),
             path, cublaslt.num_tuned(), sum(r.torch_us - r.chosen_us for r in timed), sum(r.torch_us for r in timed),
         )
         self.gemm_tuning = results

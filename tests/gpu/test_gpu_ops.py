@@ -418,3 +418,33 @@ def test_tuned_linear_runs_in_a_cuda_graph_and_keeps_its_choice(tmp_path: object
         assert again.cached and again.choice == result.choice and cache == stored
     finally:
         cublaslt.clear_tuning()
+
+
+def test_sustained_tuning_chooses_a_correct_plan_and_stores_it_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tune(..., sustained=True) at a prefill-sized row count on the GPU (the warm-up and rounds shortened):
+    every correct candidate is timed, the registered plan computes linear, and the choice is stored under the
+    sustained key and found again from it without timing."""
+    from kvserve.kernels import cublaslt
+
+    monkeypatch.setattr(cublaslt, "SUSTAINED_WARM_US", 20_000.0)
+    monkeypatch.setattr(cublaslt, "SUSTAINED_MIN_US", 2_000.0)
+    cublaslt.clear_tuning()
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    n, k, m = 1024, 512, 4096
+    weights = [(torch.randn(n, k, generator=gen, device="cuda") * k**-0.5).bfloat16() for _ in range(2)]
+    biases: list[torch.Tensor | None] = [None, None]
+    cache: dict[str, dict] = {}
+    try:
+        result = cublaslt.tune(m, weights, biases, cache=cache, torch_candidate=False, sustained=True)
+        assert result.choice != cublaslt.TORCH_CHOICE and result.chosen_us > 0 and result.torch_us > 0
+        (key,) = cache
+        assert key.endswith("|sustained") and cache[key]["choice"] == result.choice
+        x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
+        out = ops.linear(x, weights[1], None)
+        expected = torch.nn.functional.linear(x.float(), weights[1].float())
+        assert (out.float() - expected).abs().max().item() <= 2e-2 * expected.abs().max().item()
+        cublaslt.clear_tuning()
+        again = cublaslt.tune(m, weights, biases, cache=cache, torch_candidate=False, sustained=True)
+        assert again.cached and again.choice == result.choice
+    finally:
+        cublaslt.clear_tuning()

@@ -139,8 +139,14 @@ def fake_lt(monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
         state["timed"].append(what)  # type: ignore[union-attr]
         return state["times"][what]  # type: ignore[index]
 
+    def fake_sustained(fns: dict[int, Callable[[], None]], *args: object, **kwargs: object) -> dict[int, float]:
+        state["sustained_calls"].append(sorted(fns))  # type: ignore[union-attr]
+        return {i: fake_timer(fn) for i, fn in fns.items()}
+
+    state["sustained_calls"] = []
     monkeypatch.setattr(cublaslt, "LtMatmul", _FakePlan)
     monkeypatch.setattr(cublaslt, "_time_graph_us", fake_timer)
+    monkeypatch.setattr(cublaslt, "_time_sustained_us", fake_sustained)
     monkeypatch.setattr(cublaslt, "_device_name", lambda device: "fake GPU")
     monkeypatch.setattr(cublaslt, "library_version", lambda: 1)
     cublaslt.clear_tuning()
@@ -246,6 +252,87 @@ def test_without_torch_every_candidate_wrong_is_an_error(fake_lt: dict) -> None:
     assert cublaslt.tune(4, *_weights()).choice == cublaslt.TORCH_CHOICE  # with torch competing: torch
 
 
+def test_sustained_tuning_times_all_choices_together_and_is_stored_apart(fake_lt: dict) -> None:
+    """sustained=True hands torch's pick and every correct candidate to the sustained timer in one call; its
+    choice is stored under its own key, so a short timing's stored choice for the same shape is not taken
+    for it (and the other way round)."""
+    _FakePlan.OFFSETS = [0.0, 5.0, 0.0]
+    fake_lt["times"].update({cublaslt.TORCH_CHOICE: 100.0, 0: 90.0, 1: 10.0, 2: 95.0})
+    weights, biases = _weights()
+    cache: dict[str, dict] = {}
+    short = cublaslt.tune(4, weights, biases, cache=cache)
+    assert short.choice == 0 and not fake_lt["sustained_calls"]
+    cublaslt.clear_tuning()
+    fake_lt["times"].update({0: 99.5, 2: 80.0})  # under the power cap another candidate wins
+    result = cublaslt.tune(4, weights, biases, cache=cache, sustained=True)
+    assert fake_lt["sustained_calls"] == [[cublaslt.TORCH_CHOICE, 0, 2]]  # the wrong candidate left out
+    assert result.choice == 2 and not result.cached
+    assert len(cache) == 2 and sum(key.endswith("|sustained") for key in cache) == 1
+    for sustained, choice in ((False, 0), (True, 2)):  # each stored choice found again by its own mode
+        cublaslt.clear_tuning()
+        fake_lt["timed"].clear()
+        again = cublaslt.tune(4, weights, biases, cache=cache, sustained=sustained)
+        assert again.cached and again.choice == choice and not fake_lt["timed"]
+
+
+def test_sustained_timer_warms_up_then_rotates_and_averages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """_time_sustained_us: the first choice's graph keeps the GPU busy for warm_us first; then each round
+    replays every graph for at least min_us, starting one later each round; a choice's time is its mean."""
+    replays: list[tuple[str, int]] = []
+    per_replay = {"a": [10.0, 5.0, 7.0], "b": [20.0, 30.0, 50.0], "c": [4.0, 8.0, 6.0]}  # once, round 1, 2
+    answered = dict.fromkeys(per_replay, 0)
+
+    def fake_replay_us(graph: str, reps: int) -> float:
+        replays.append((graph, reps))
+        if len(replays) == 4:  # the warm-up, whose time is not used
+            return 0.0
+        answered[graph] += 1
+        return per_replay[graph][answered[graph] - 1]
+
+    monkeypatch.setattr(cublaslt, "_capture", lambda fn: fn())  # the "graph" is the fn's name
+    monkeypatch.setattr(cublaslt, "_replay_us", fake_replay_us)
+    times = cublaslt._time_sustained_us({-1: lambda: "a", 0: lambda: "b", 1: lambda: "c"}, warm_us=1000.0,
+                                        min_us=100.0, rounds=2)
+    assert replays[:3] == [("a", 1), ("b", 1), ("c", 1)]  # one replay each: the replay counts' base
+    assert replays[3] == ("a", 100)  # warm-up: 1000 us of a's 10-us replays
+    # Round 1 in order a, b, c; round 2 from b: at least min_us each (3 replays at the least).
+    assert replays[4:] == [("a", 11), ("b", 6), ("c", 26), ("b", 6), ("c", 26), ("a", 11)]
+    assert times == {-1: 6.0, 0: 40.0, 1: 7.0}
+
+
+def _tuning_stub(device: str, use_cuda_graphs: bool, graph_sizes: list[int], budget: int) -> SimpleNamespace:
+    stub = SimpleNamespace(device=torch.device(device), config=SimpleNamespace(
+        use_cuda_graphs=use_cuda_graphs, cuda_graph_sizes=graph_sizes,
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=budget)))
+    stub.gemm_tuning_rows = lambda: ModelRunner.gemm_tuning_rows(stub)  # type: ignore[arg-type]
+    stub.prefill_gemm_tuning_rows = lambda: ModelRunner.prefill_gemm_tuning_rows(stub)  # type: ignore[arg-type]
+    return stub
+
+
+@pytest.mark.parametrize("decode_tuning", [False, True])
+def test_the_tuning_plan_adds_the_step_budget_timed_sustained(monkeypatch: pytest.MonkeyPatch,
+                                                               decode_tuning: bool) -> None:
+    """The step budget's rows are tuned sustained when they are past the CUDA graphs' prefill sizes (steps
+    that run eagerly); never on the CPU, nor with KVSERVE_PREFILL_GEMM_TUNING off; a row count the decode
+    tuning already covers is not tuned twice."""
+    from kvserve import envs
+    from kvserve.worker import model_runner
+
+    monkeypatch.setattr(envs, "KVSERVE_GEMM_TUNING", decode_tuning)
+    monkeypatch.setattr(envs, "KVSERVE_PREFILL_GEMM_TUNING", True)
+    decode = [(48, False), (64, False)] if decode_tuning else []
+    plan = ModelRunner.gemm_tuning_plan  # type: ignore[arg-type]
+    assert plan(_tuning_stub("cuda", True, [8, 48, 64], 8192)) == decode + [(8192, True)]
+    assert plan(_tuning_stub("cuda", False, [8, 48, 64], 8192)) == [(8192, True)]  # eager: prefill rows only
+    assert plan(_tuning_stub("cpu", True, [8, 48, 64], 8192)) == []
+    graphs_limit = max(model_runner.PREFILL_GRAPH_MAX_TOKENS, model_runner.PIECEWISE_GRAPH_MAX_TOKENS)
+    assert plan(_tuning_stub("cuda", True, [8, 48, 64], graphs_limit)) == decode  # such steps replay graphs
+    both = plan(_tuning_stub("cuda", True, [8, 48, 64, 4096], 4096))
+    assert both == ([(48, False), (64, False), (4096, False)] if decode_tuning else [(4096, True)])
+    monkeypatch.setattr(envs, "KVSERVE_PREFILL_GEMM_TUNING", False)
+    assert plan(_tuning_stub("cuda", True, [8, 48, 64], 8192)) == decode
+
+
 def _tuning_runner(tiny_model_dir: Callable[..., str]) -> ModelRunner:
     """A CPU runner made to look like a CUDA one with decode graphs of 48 and 64 rows (tune_gemms only reads
     the device type, the graph sizes and the model's Linear modules)."""
@@ -253,7 +340,8 @@ def _tuning_runner(tiny_model_dir: Callable[..., str]) -> ModelRunner:
                       dtype="bfloat16")
     runner = EngineCore(args.create_engine_config()).runner
     runner.device = torch.device("cuda")  # only read as a device type below; nothing runs on it
-    runner.config = SimpleNamespace(use_cuda_graphs=True, cuda_graph_sizes=[8, 48, 64])  # type: ignore[assignment]
+    runner.config = SimpleNamespace(use_cuda_graphs=True, cuda_graph_sizes=[8, 48, 64],  # type: ignore[assignment]
+                                    scheduler_config=SimpleNamespace(max_num_batched_tokens=4096))
     return runner
 
 
@@ -267,13 +355,14 @@ def test_tune_gemms_times_each_shape_once_and_keeps_other_engines_choices(
 
     monkeypatch.setattr(envs, "KVSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(envs, "KVSERVE_GEMM_TUNING", True)
+    monkeypatch.setattr(envs, "KVSERVE_PREFILL_GEMM_TUNING", True)
     cublaslt.clear_tuning()
     earlier = cublaslt.key_of(0, 48, 1, 1, torch.bfloat16, False)  # another engine's decision
     cublaslt._decided[(earlier, True)] = cublaslt.TuneResult(48, 1, 1, False, 1.0, 1.0, -1, 0, 0)
-    calls: list[tuple[int, int, int, bool]] = []
+    calls: list[tuple[int, int, int, object]] = []
 
     def fake_tune(rows: int, weights: list, biases: list, **kwargs: object) -> cublaslt.TuneResult:
-        calls.append((rows, weights[0].shape[0], weights[0].shape[1]))
+        calls.append((rows, weights[0].shape[0], weights[0].shape[1], kwargs["sustained"]))
         key = cublaslt.key_of(0, rows, weights[0].shape[0], weights[0].shape[1], weights[0].dtype,
                               biases[0] is not None)
         result = cublaslt.TuneResult(rows, weights[0].shape[0], weights[0].shape[1], biases[0] is not None,
@@ -291,7 +380,8 @@ def test_tune_gemms_times_each_shape_once_and_keeps_other_engines_choices(
     shapes = {(m.weight.shape[0], m.weight.shape[1]) for m in runner.model.modules()
               if isinstance(m, Linear)}
     results = runner.tune_gemms()
-    assert sorted(calls) == sorted((rows, n, k) for rows in (48, 64) for n, k in shapes)
+    # The decode graph sizes timed briefly, the step budget (past the prefill graphs) sustained.
+    assert sorted(calls) == sorted((rows, n, k, rows == 4096) for rows in (48, 64, 4096) for n, k in shapes)
     if fail_late:
         assert results == []  # the failure is logged, start-up goes on with torch's pick
         assert cublaslt.decided_keys() == {earlier}  # this call's choices dropped, the earlier engine's kept
