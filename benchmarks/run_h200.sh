@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: pgt39 sus39 place38 dpdl38 gap38 busy38 tma38 ncuattn36 pair36 last36 pw36 final36 ab36 fuse36 ncu36 fix35 graphs35 final35 diag35 pairs35 pairs34 lop34 swap34 quant33 tp32a tp32b tp32c asc31b asc31 api30c api30b api30 client29b api29 client29 pytest28 cublas28 firstburst28 firstpass28w firstpass28s firstpass28e firstpass28 sweep28 abclient27 gcprobe27 client27 mnbt27 rowq26 gcserve26 gc26 bisect26 hash25 capfail25b capfail25 offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: c1ab39 pgt39 sus39 place38 dpdl38 gap38 busy38 tma38 ncuattn36 pair36 last36 pw36 final36 ab36 fuse36 ncu36 fix35 graphs35 final35 diag35 pairs35 pairs34 lop34 swap34 quant33 tp32a tp32b tp32c asc31b asc31 api30c api30b api30 client29b api29 client29 pytest28 cublas28 firstburst28 firstpass28w firstpass28s firstpass28e firstpass28 sweep28 abclient27 gcprobe27 client27 mnbt27 rowq26 gcserve26 gc26 bisect26 hash25 capfail25b capfail25 offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Pass the local commit, written in literally (the device copy's git metadata can be stale, so a $(git ...) in
 # the command would read it there): KVSERVE_BENCH_COMMIT=<sha> bash ...
@@ -752,6 +752,22 @@ PY
         cp "$R/ncuattn36.log" "$OUT/"
         grep -a -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Waves Per|SM Active|Elapsed Cyc|Issue Slots|ncu rc|rror" \
           "$R/ncuattn36.log" | head -40 ;;
+    c1ab39) # Call 1's sustained choices (qkv #1, gate/up #6; stored as the engine's sustained entries) and gate/up's
+        # alone, read by the engine from a prepared choice file, against torch's picks, on call 2's host (whose own
+        # start-up timing chose others and gained nothing): TTFT 8k, the seeds' and the 256-sequence workloads.
+        d=benchmarks/results/h200-2026-12-04/session39
+        for mode in c1 g6; do
+          mkdir -p /tmp/c1ab39_$mode
+          f=$d/call1_choices_as_sustained.json; [ $mode = g6 ] && f=$d/call1_gate_up_only_as_sustained.json
+          cp "$f" /tmp/c1ab39_$mode/gemm_tuning.json
+        done
+        for spec in off1:off c1a:c1 g6a:g6 off2:off c1b:c1 g6b:g6; do
+          label=${spec%%:*}; mode=${spec#*:}
+          flags="--prefill-gemm-tuning"; [ $mode = off ] && flags="--no-prefill-gemm-tuning"
+          KVSERVE_CACHE_DIR=/tmp/c1ab39_$mode engine_modes c1ab39 150 \
+            "--sections ttft,seeds,random256 --ttft-lengths 8192 $flags" "$label:"
+        done
+        grep -a -E "^TTFT|^seeds|^256 seqs|^ +[0-9]+: |mode .* done|Error" "$R/c1ab39_engine.log" | cut -c1-110 ;;
     pgt39) # The engine's own sustained tuning at the step budget's rows (KVSERVE_PREFILL_GEMM_TUNING, on by default):
         # its GPU tests, then the engine with a fresh choice file (the timing at start shows in the start section),
         # without the tuning, and with the stored choices, off / on twice, one host: start, TTFT 8k, the seeds' and
