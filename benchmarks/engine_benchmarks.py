@@ -1441,6 +1441,9 @@ def main() -> int:
     p.add_argument("--prefill-gemm-tuning", action=argparse.BooleanOptionalAction, default=None,
                    help="override KVSERVE_PREFILL_GEMM_TUNING: time cuBLASLt's candidates sustained at the step "
                    "budget's rows at start (choices stored in KVSERVE_CACHE_DIR)")
+    p.add_argument("--no-shipped-gemm-choices", action="store_true",
+                   help="the prefill matmul tuning ignores kvserve's shipped choices (times the candidates instead "
+                   "where KVSERVE_CACHE_DIR holds none)")
     p.add_argument("--gemm-tuning-rows", type=lambda v: [int(x) for x in v.split(",")], default=None,
                    help="with --gemm-tuning: tune (or take the stored choices in KVSERVE_CACHE_DIR for) exactly these "
                    "row counts instead of the decode graph sizes, e.g. 8192 with a file from cublaslt_algos.py "
@@ -1517,6 +1520,10 @@ def main() -> int:
         from kvserve import envs
 
         envs.KVSERVE_PREFILL_GEMM_TUNING = args.prefill_gemm_tuning
+    if args.no_shipped_gemm_choices:
+        from kvserve.kernels import cublaslt
+
+        cublaslt.SHIPPED_CHOICES_PATH = None
     if args.gemm_tuning_rows is not None:
         from kvserve.worker.model_runner import ModelRunner
 

@@ -321,14 +321,19 @@ TUNING_VERSION = 1
 MIN_GAIN = 0.01
 # Each timing replays its graph for at least this long (µs).
 TIMING_MIN_US = 2000.0
-# Sustained timing (`tune(..., sustained=True)`, the large prefill steps): the GPU is first kept busy this long
-# (µs) so that it runs at the clock its power cap allows, then every choice is replayed for at least
-# SUSTAINED_MIN_US in turn, SUSTAINED_ROUNDS times (the order rotated each round), and its time is the mean.
-# A matmul of 8,192 rows runs there in a real prefill; on the H200 a short timing on a cool GPU ranked the
-# candidates otherwise, and its choices made TTFT 8k slower (docs/perf_notes.md, entries 28 and 56).
-SUSTAINED_WARM_US = 300_000.0
-SUSTAINED_MIN_US = 40_000.0
-SUSTAINED_ROUNDS = 2
+# Sustained timing (`tune(..., sustained=True)`, the large prefill steps): each choice is replayed this long (µs)
+# first, so that the GPU settles at the clock its power cap allows for that work, then timed over at least
+# SUSTAINED_MIN_US; SUSTAINED_ROUNDS passes (the order rotated each pass), its time the mean. A matmul of
+# 8,192 rows runs there in a real prefill. On the H200 a short timing on a cool GPU ranked the candidates
+# otherwise and its choices made TTFT 8k slower, and 40-ms windows taken one after another without a warm-up
+# of each chose candidates that did not pay either (docs/perf_notes.md, entries 28 and 56).
+SUSTAINED_WARM_US = 150_000.0
+SUSTAINED_MIN_US = 150_000.0
+SUSTAINED_ROUNDS = 1
+# Sustained choices measured for a GPU and library stack (`benchmarks/cublaslt_algos.py --sustained-s 0.5
+# --tuning-out`, entries keyed like the stored results: used only where GPU, cuBLASLt, torch and shape all
+# match), taken before timing anything: a start on such a stack pays no timing. None: not consulted.
+SHIPPED_CHOICES_PATH: Path | None = Path(__file__).with_name("gemm_sustained_choices.json")
 
 
 def _device_index(t: torch.Tensor) -> int:
@@ -422,22 +427,27 @@ def _time_graph_us(fn: Callable[[], None], min_us: float = TIMING_MIN_US, max_re
 
 def _time_sustained_us(fns: dict[int, Callable[[], None]], warm_us: float | None = None,
                        min_us: float | None = None, rounds: int | None = None) -> dict[int, float]:
-    """µs per run of each fn on a GPU kept busy: all captured; the first one replayed for warm_us; then
-    `rounds` rounds replaying each for at least min_us in turn (order rotated each round); the mean per fn.
-    Unset: SUSTAINED_WARM_US, SUSTAINED_MIN_US, SUSTAINED_ROUNDS as they are at the call."""
+    """µs per run of each fn on a GPU kept busy: all captured; in each of `rounds` passes (order rotated), each
+    replayed for warm_us untimed, then timed over at least min_us; the mean per fn. Unset: SUSTAINED_WARM_US,
+    SUSTAINED_MIN_US, SUSTAINED_ROUNDS as they are at the call."""
     warm_us = SUSTAINED_WARM_US if warm_us is None else warm_us
     min_us = SUSTAINED_MIN_US if min_us is None else min_us
     rounds = SUSTAINED_ROUNDS if rounds is None else rounds
     graphs = {i: _capture(fn) for i, fn in fns.items()}
     once = {i: max(_replay_us(graph, 1), 1.0) for i, graph in graphs.items()}
     order = list(graphs)
-    _replay_us(graphs[order[0]], max(1, int(warm_us / once[order[0]])))
     totals = dict.fromkeys(order, 0.0)
     for r in range(rounds):
         shift = r % len(order)
         for i in order[shift:] + order[:shift]:
+            _replay_us(graphs[i], max(1, int(warm_us / once[i])))
             totals[i] += _replay_us(graphs[i], max(3, int(min_us / once[i]) + 1))
     return {i: total / rounds for i, total in totals.items()}
+
+
+def shipped_choices() -> dict[str, dict]:
+    """The sustained choices shipped with kvserve (SHIPPED_CHOICES_PATH; {} when unset or unreadable)."""
+    return load_cache(SHIPPED_CHOICES_PATH) if SHIPPED_CHOICES_PATH is not None else {}
 
 
 @dataclass
@@ -548,7 +558,7 @@ def _error(plan: LtMatmul, index: int, x: torch.Tensor, w: torch.Tensor, b: torc
 
 def tune(rows: int, weights: list[torch.Tensor], biases: list[torch.Tensor | None], *,
          cache: dict[str, dict] | None = None, torch_candidate: bool = True, max_relative_error: float = 2e-2,
-         min_gain: float = MIN_GAIN, sustained: bool = False) -> TuneResult:
+         min_gain: float = MIN_GAIN, sustained: bool = False, defaults: dict[str, dict] | None = None) -> TuneResult:
     """Time torch's linear and every cuBLASLt candidate at `rows` rows over `weights` (one call per weight per
     run: distinct weights keep a call from reading the previous one's from L2), and register the fastest for
     `tuned_plan` (a candidate must beat torch by min_gain). A candidate whose result differs from torch's by
@@ -558,8 +568,8 @@ def tune(rows: int, weights: list[torch.Tensor], biases: list[torch.Tensor | Non
     A shape decided before in this process keeps its choice. With `cache`, a stored choice (of the same
     timing mode) is taken without timing when it is torch's pick, or a candidate still offered that still
     computes within the tolerance; new results are stored in it. `torch_candidate=False` leaves torch's pick
-    out (tests: the cuBLASLt path always runs). Raises LtUnavailable when cuBLASLt cannot be used for this
-    shape."""
+    out (tests: the cuBLASLt path always runs). `defaults` (`shipped_choices()`) is read like `cache` where
+    `cache` has no entry for the shape. Raises LtUnavailable when cuBLASLt cannot be used for this shape."""
     w0, b0 = weights[0], biases[0]
     n, k = w0.shape
     device_index = _device_index(w0)
@@ -569,6 +579,8 @@ def tune(rows: int, weights: list[torch.Tensor], biases: list[torch.Tensor | Non
         return decided
     ckey = cache_key(w0.device, rows, n, k, w0.dtype, b0 is not None, torch_candidate, sustained)
     entry = cache.get(ckey) if cache is not None else None
+    if entry is None and defaults is not None:
+        entry = defaults.get(ckey)
     entry = entry if _valid_entry(entry) else None
     stored_us = float("nan")
     if entry is not None and isinstance(entry.get("chosen_us"), (int, float)):

@@ -514,6 +514,7 @@ class ModelRunner:
                 biases.append(module.bias)
         path = Path(envs.KVSERVE_CACHE_DIR) / "gemm_tuning.json"
         cache = cublaslt.load_cache(path)
+        shipped = cublaslt.shipped_choices()
         decided_before = cublaslt.decided_keys()
         results: list[cublaslt.TuneResult] = []
         unavailable: list[str] = []
@@ -526,7 +527,7 @@ class ModelRunner:
                     try:
                         results.append(cublaslt.tune(rows, weights[:count], biases[:count], cache=cache,
                                                      torch_candidate=GEMM_TUNING_TORCH_CANDIDATE,
-                                                     sustained=sustained))
+                                                     sustained=sustained, defaults=shipped if sustained else None))
                     except cublaslt.LtUnavailable as exc:
                         unavailable.append(str(exc))
             if any(not r.cached for r in results):

@@ -275,29 +275,60 @@ def test_sustained_tuning_times_all_choices_together_and_is_stored_apart(fake_lt
         assert again.cached and again.choice == choice and not fake_lt["timed"]
 
 
-def test_sustained_timer_warms_up_then_rotates_and_averages(monkeypatch: pytest.MonkeyPatch) -> None:
-    """_time_sustained_us: the first choice's graph keeps the GPU busy for warm_us first; then each round
-    replays every graph for at least min_us, starting one later each round; a choice's time is its mean."""
+def test_sustained_timer_warms_each_choice_up_then_times_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """_time_sustained_us: each graph is replayed for warm_us untimed, then timed for at least min_us; each
+    pass starts one choice later; a choice's time is its mean over the passes."""
     replays: list[tuple[str, int]] = []
-    per_replay = {"a": [10.0, 5.0, 7.0], "b": [20.0, 30.0, 50.0], "c": [4.0, 8.0, 6.0]}  # once, round 1, 2
-    answered = dict.fromkeys(per_replay, 0)
+    timed = {"a": [10.0, 5.0, 7.0], "b": [20.0, 30.0, 50.0], "c": [4.0, 8.0, 6.0]}  # once, pass 1, pass 2
+    answered = dict.fromkeys(timed, 0)
 
     def fake_replay_us(graph: str, reps: int) -> float:
         replays.append((graph, reps))
-        if len(replays) == 4:  # the warm-up, whose time is not used
+        if len(replays) > 3 and len(replays) % 2 == 0:  # a warm-up, whose time is not used
             return 0.0
         answered[graph] += 1
-        return per_replay[graph][answered[graph] - 1]
+        return timed[graph][answered[graph] - 1]
 
     monkeypatch.setattr(cublaslt, "_capture", lambda fn: fn())  # the "graph" is the fn's name
     monkeypatch.setattr(cublaslt, "_replay_us", fake_replay_us)
     times = cublaslt._time_sustained_us({-1: lambda: "a", 0: lambda: "b", 1: lambda: "c"}, warm_us=1000.0,
                                         min_us=100.0, rounds=2)
     assert replays[:3] == [("a", 1), ("b", 1), ("c", 1)]  # one replay each: the replay counts' base
-    assert replays[3] == ("a", 100)  # warm-up: 1000 us of a's 10-us replays
-    # Round 1 in order a, b, c; round 2 from b: at least min_us each (3 replays at the least).
-    assert replays[4:] == [("a", 11), ("b", 6), ("c", 26), ("b", 6), ("c", 26), ("a", 11)]
+    # Pass 1 in order a, b, c; pass 2 from b; each: warm_us of replays, then at least min_us (3 at the least).
+    assert replays[3:] == [("a", 100), ("a", 11), ("b", 50), ("b", 6), ("c", 250), ("c", 26),
+                           ("b", 50), ("b", 6), ("c", 250), ("c", 26), ("a", 100), ("a", 11)]
     assert times == {-1: 6.0, 0: 40.0, 1: 7.0}
+
+
+def test_shipped_choices_are_taken_where_nothing_is_stored(fake_lt: dict, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """`defaults` (the shipped sustained choices) answers a shape the stored results do not hold, without
+    timing; a stored result for the shape comes first; shipped_choices() reads SHIPPED_CHOICES_PATH."""
+    fake_lt["times"].update({cublaslt.TORCH_CHOICE: 100.0, 0: 90.0, 1: 80.0, 2: 95.0})
+    weights, biases = _weights()
+    key = cublaslt.cache_key(weights[0].device, 4, 6, 8, weights[0].dtype, True, True, True)
+    shipped = {key: {"choice": 2, "algo": [1002, 0, 0, 0, 0, 0, 0, 0]}}
+    path = tmp_path / "shipped.json"
+    cublaslt.save_cache(path, shipped)
+    monkeypatch.setattr(cublaslt, "SHIPPED_CHOICES_PATH", path)
+    assert cublaslt.shipped_choices() == shipped
+    result = cublaslt.tune(4, weights, biases, cache={}, sustained=True, defaults=cublaslt.shipped_choices())
+    assert result.cached and result.choice == 2 and not fake_lt["timed"]
+    cublaslt.clear_tuning()
+    stored = {key: {"choice": cublaslt.TORCH_CHOICE, "algo": None}}
+    assert cublaslt.tune(4, weights, biases, cache=stored, sustained=True, defaults=shipped).choice == cublaslt.TORCH_CHOICE
+    cublaslt.clear_tuning()
+    timed = cublaslt.tune(4, weights, biases, cache={}, sustained=False, defaults=shipped)  # another key: timed
+    assert not timed.cached and timed.choice == 1
+    monkeypatch.setattr(cublaslt, "SHIPPED_CHOICES_PATH", None)
+    assert cublaslt.shipped_choices() == {}
+
+
+def test_the_shipped_choices_file_is_well_formed() -> None:
+    """Every shipped entry is a sustained result in the stored results' format."""
+    shipped = cublaslt.shipped_choices()
+    assert shipped and all(key.endswith("|sustained") for key in shipped)
+    assert all(cublaslt._valid_entry(entry) for entry in shipped.values())
 
 
 def _tuning_stub(device: str, use_cuda_graphs: bool, graph_sizes: list[int], budget: int) -> SimpleNamespace:
