@@ -12,9 +12,9 @@ pick and with the faster of torch's pick and the fastest candidate, per shape, a
 
 `--sustained-s S` also times torch's pick (before and after) and every correct candidate over S seconds of
 back-to-back work after S seconds of warm-up (`common.sustained`: the clock the power cap allows, and the
-energy per call), as a long prefill runs; `--tuning-out FILE` then writes the engine's stored tuning
-(`kvserve.kernels.cublaslt` cache entries) with each shape's choice by the sustained times, for
-KVSERVE_CACHE_DIR/gemm_tuning.json.
+energy per call), as a long prefill runs; `--tuning-out FILE` then writes each shape's choice by the
+sustained times as the engine's stored sustained choices (`kvserve.kernels.cublaslt` cache entries): read
+from KVSERVE_CACHE_DIR/gemm_tuning.json, or shipped as kvserve/kernels/gemm_sustained_choices.json.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def sustained_runs(args: argparse.Namespace, energy: GpuEnergy, run_torch: objec
     times = {cublaslt.TORCH_CHOICE: statistics.mean(r[0] for r in torch_runs)}
     times.update({c["index"]: c["sustained_us"] for c in timed})
     choice = cublaslt.pick(times, args.min_gain)
-    key = cublaslt.cache_key(x.device, m, n, k, x.dtype, has_bias)
+    key = cublaslt.cache_key(x.device, m, n, k, x.dtype, has_bias, sustained=True)
     tuning[key] = {"choice": choice, "algo": None if choice == cublaslt.TORCH_CHOICE else list(plan.candidates[choice].data),
                    "torch_us": times[cublaslt.TORCH_CHOICE], "chosen_us": times[choice], "by": "sustained"}
     print(f"  sustained M={m:5d} n={n:6d} choice {'torch' if choice == cublaslt.TORCH_CHOICE else '#' + str(choice)}: "

@@ -1438,9 +1438,9 @@ def main() -> int:
                    "many splits merges in its last program (0: always a reduce launch)")
     p.add_argument("--gemm-tuning", action=argparse.BooleanOptionalAction, default=None,
                    help="override KVSERVE_GEMM_TUNING: time cuBLASLt's candidates for the model's matmuls at start")
-    p.add_argument("--prefill-gemm-tuning", action=argparse.BooleanOptionalAction, default=None,
-                   help="override KVSERVE_PREFILL_GEMM_TUNING: time cuBLASLt's candidates sustained at the step "
-                   "budget's rows at start (choices stored in KVSERVE_CACHE_DIR)")
+    p.add_argument("--prefill-gemm-tuning", type=int, choices=(0, 1, 2), default=None,
+                   help="override KVSERVE_PREFILL_GEMM_TUNING: the sustained matmul choices at the step budget's rows "
+                   "(0 off, 1 stored or shipped, 2 also timed at start where none is)")
     p.add_argument("--no-shipped-gemm-choices", action="store_true",
                    help="the prefill matmul tuning ignores kvserve's shipped choices (times the candidates instead "
                    "where KVSERVE_CACHE_DIR holds none)")

@@ -752,7 +752,7 @@ PY
         cp "$R/ncuattn36.log" "$OUT/"
         grep -a -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Waves Per|SM Active|Elapsed Cyc|Issue Slots|ncu rc|rror" \
           "$R/ncuattn36.log" | head -40 ;;
-    pgt39b) # The engine's sustained tuning with each candidate warmed up on its own (150 ms, then 150 ms timed) and
+    pgt39b) # Ran at 24fbef1 (session 39 call 4). The engine's sustained tuning with each candidate warmed up on its own (150 ms, then 150 ms timed) and
         # the shipped choices (call 1's): GPU tests; then, one host: timed at start on a fresh choice file (shipped
         # choices ignored), the shipped choices on another fresh file, torch's picks, and again (the timed choices
         # now read from their file): start, TTFT 8k, the seeds' and the 256-sequence workloads.
@@ -765,15 +765,15 @@ PY
         for spec in timed1:timed shipped1:shipped off1:off timed2:timed shipped2:shipped off2:off; do
           label=${spec%%:*}; mode=${spec#*:}
           case $mode in
-            timed) flags="--prefill-gemm-tuning --no-shipped-gemm-choices" ;; shipped) flags="--prefill-gemm-tuning" ;;
-            off) flags="--no-prefill-gemm-tuning" ;;
+            timed) flags="--prefill-gemm-tuning 2 --no-shipped-gemm-choices" ;; shipped) flags="--prefill-gemm-tuning 1" ;;
+            off) flags="--prefill-gemm-tuning 0" ;;
           esac
           KVSERVE_CACHE_DIR=/tmp/pgt39b_$mode engine_modes pgt39b 150 \
             "--sections start,ttft,seeds,random256 --ttft-lengths 8192 $flags" "$label:"
         done
         cp /tmp/pgt39b_timed/gemm_tuning.json "$OUT/pgt39b_timed_tuning.json" 2>/dev/null
         grep -a -E "^TTFT|^seeds|^256 seqs|^engine start|^ +[0-9]+: |mode .* done|Error" "$R/pgt39b_engine.log" | cut -c1-150 ;;
-    c1ab39) # Call 1's sustained choices (qkv #1, gate/up #6; stored as the engine's sustained entries) and gate/up's
+    c1ab39) # Ran at 208686d (session 39 call 3). Call 1's sustained choices (qkv #1, gate/up #6; stored as the engine's sustained entries) and gate/up's
         # alone, read by the engine from a prepared choice file, against torch's picks, on call 2's host (whose own
         # start-up timing chose others and gained nothing): TTFT 8k, the seeds' and the 256-sequence workloads.
         d=benchmarks/results/h200-2026-12-04/session39
@@ -784,12 +784,14 @@ PY
         done
         for spec in off1:off c1a:c1 g6a:g6 off2:off c1b:c1 g6b:g6; do
           label=${spec%%:*}; mode=${spec#*:}
-          flags="--prefill-gemm-tuning"; [ $mode = off ] && flags="--no-prefill-gemm-tuning"
+          flags="--prefill-gemm-tuning 1"; [ $mode = off ] && flags="--prefill-gemm-tuning 0"
           KVSERVE_CACHE_DIR=/tmp/c1ab39_$mode engine_modes c1ab39 150 \
             "--sections ttft,seeds,random256 --ttft-lengths 8192 $flags" "$label:"
         done
         grep -a -E "^TTFT|^seeds|^256 seqs|^ +[0-9]+: |mode .* done|Error" "$R/c1ab39_engine.log" | cut -c1-110 ;;
-    pgt39) # The engine's own sustained tuning at the step budget's rows (KVSERVE_PREFILL_GEMM_TUNING, on by default):
+    pgt39) # Ran at 9dba72a (session 39 call 2), whose start-up timing took 40-ms windows one after another after one
+        # 0.3-s warm-up (each candidate warmed up on its own since), with on/off flags (written with today's since).
+        # The engine's own sustained tuning at the step budget's rows (KVSERVE_PREFILL_GEMM_TUNING, on by default):
         # its GPU tests, then the engine with a fresh choice file (the timing at start shows in the start section),
         # without the tuning, and with the stored choices, off / on twice, one host: start, TTFT 8k, the seeds' and
         # the 256-sequence workloads.
@@ -800,11 +802,14 @@ PY
         grep -a "^FAILED\|^E  " "$R/pytest_pgt39.log" | head -8 | cut -c1-200; tail -2 "$R/pytest_pgt39.log"
         rm -rf /tmp/pgt39_cache
         KVSERVE_CACHE_DIR=/tmp/pgt39_cache engine_modes pgt39 150 "--sections start,ttft,seeds,random256 --ttft-lengths 8192" \
-          "fresh:--prefill-gemm-tuning" "off1:--no-prefill-gemm-tuning" "on1:--prefill-gemm-tuning" \
-          "off2:--no-prefill-gemm-tuning" "on2:--prefill-gemm-tuning"
+          "fresh:--prefill-gemm-tuning 2 --no-shipped-gemm-choices" "off1:--prefill-gemm-tuning 0" \
+          "on1:--prefill-gemm-tuning 2" "off2:--prefill-gemm-tuning 0" "on2:--prefill-gemm-tuning 2"
         cp /tmp/pgt39_cache/gemm_tuning.json "$OUT/pgt39_tuning.json" 2>/dev/null
         grep -a -E "^TTFT|^seeds|^256 seqs|^engine start|^ +[0-9]+: |mode .* done|Error" "$R/pgt39_engine.log" | cut -c1-150 ;;
-    sus39) # cuBLASLt's candidates at 8,192 rows timed sustained (0.5 s of back-to-back calls after 0.5 s of
+    sus39) # Ran at 131ac16 (session 39 call 1) as "--gemm-tuning --gemm-tuning-rows 8192" against "--no-gemm-tuning",
+        # when the choice file's keys were the short timings'; they are the sustained choices' since (read by
+        # --prefill-gemm-tuning 1).
+        # cuBLASLt's candidates at 8,192 rows timed sustained (0.5 s of back-to-back calls after 0.5 s of
         # warm-up: the power cap's clock, as a long prefill meets it) against torch's pick, written as the engine's
         # stored tuning; then, when any shape chose a candidate, the engine with those choices at 8,192 rows only
         # against torch's pick: TTFT 8k, the seeds' and the 256-sequence workloads, off / on / off / on, one host.
@@ -817,7 +822,7 @@ PY
         grep -a -E "choice|^(qkv|o_proj|gate_up|down) |rc=" "$R/lt_sus39.log" | cut -c1-150
         if python3 -c 'import json, sys; sys.exit(0 if any(e["choice"] >= 0 for e in json.load(open(sys.argv[1])).values()) else 1)' \
             /tmp/lt_sus39/gemm_tuning.json; then
-          off="off:--no-gemm-tuning" on="on:--gemm-tuning --gemm-tuning-rows 8192"
+          off="off:--prefill-gemm-tuning 0" on="on:--prefill-gemm-tuning 1"
           KVSERVE_CACHE_DIR=/tmp/lt_sus39 engine_modes sus39 150 "--sections ttft,seeds,random256 --ttft-lengths 8192" \
             "${off/off:/off1:}" "${on/on:/on1:}" "${off/off:/off2:}" "${on/on:/on2:}"
           grep -a -E "^TTFT|^seeds|^256 seqs|matmul tuning|mode .* done|Error" "$R/sus39_engine.log" | cut -c1-110

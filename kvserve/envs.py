@@ -58,12 +58,14 @@ KVSERVE_TRITON_PRECOMPILE_WORKERS: int = _int("KVSERVE_TRITON_PRECOMPILE_WORKERS
 # 0-2 % faster, the start that timed the choices did not gain at 48-64 rows, and the timing adds to the
 # first start. See kvserve/kernels/cublaslt.py and docs/perf_notes.md, entry 28.
 KVSERVE_GEMM_TUNING: bool = _int("KVSERVE_GEMM_TUNING", 0) != 0
-# Time cuBLASLt's candidates for the model's matmuls at the step budget's token count (max_num_batched_tokens,
-# when past the prefill CUDA graphs) on a GPU kept busy, as a long prefill runs at the clock the power cap
-# allows, and run the fastest where it beats torch's pick by 1 % (1: on, the default; 0: off). Kept in
-# KVSERVE_CACHE_DIR like the above: the first start with a GPU and library versions pays the timing (about
-# 4 s for a 7B model on the H200). See docs/perf_notes.md, entry 56.
-KVSERVE_PREFILL_GEMM_TUNING: bool = _int("KVSERVE_PREFILL_GEMM_TUNING", 1) != 0
+# cuBLASLt algorithms for the model's matmuls at the step budget's token count (max_num_batched_tokens, when
+# past the prefill CUDA graphs), chosen by timing on a GPU kept busy, as a long prefill runs at the clock the
+# power cap allows. 0: off (torch's picks). 1 (the default): the choices stored in KVSERVE_CACHE_DIR or shipped
+# with kvserve for this GPU and library stack (kvserve/kernels/gemm_sustained_choices.json: the H200 with
+# torch 2.11 / CUDA 13.0), no timing; torch's picks elsewhere. 2: also time the candidates at start where
+# neither holds a choice (12 s of the first start for a 7B model on the H200), stored for later starts. See
+# docs/perf_notes.md, entry 56.
+KVSERVE_PREFILL_GEMM_TUNING: int = _int("KVSERVE_PREFILL_GEMM_TUNING", 1)
 # Where results that outlive a run are kept (the matmul tuning's choices): $XDG_CACHE_HOME/kvserve, else
 # ~/.cache/kvserve.
 KVSERVE_CACHE_DIR: str = _str("KVSERVE_CACHE_DIR", None) or os.path.join(

@@ -558,7 +558,8 @@ def _error(plan: LtMatmul, index: int, x: torch.Tensor, w: torch.Tensor, b: torc
 
 def tune(rows: int, weights: list[torch.Tensor], biases: list[torch.Tensor | None], *,
          cache: dict[str, dict] | None = None, torch_candidate: bool = True, max_relative_error: float = 2e-2,
-         min_gain: float = MIN_GAIN, sustained: bool = False, defaults: dict[str, dict] | None = None) -> TuneResult:
+         min_gain: float = MIN_GAIN, sustained: bool = False, defaults: dict[str, dict] | None = None,
+         time_missing: bool = True) -> TuneResult:
     """Time torch's linear and every cuBLASLt candidate at `rows` rows over `weights` (one call per weight per
     run: distinct weights keep a call from reading the previous one's from L2), and register the fastest for
     `tuned_plan` (a candidate must beat torch by min_gain). A candidate whose result differs from torch's by
@@ -569,7 +570,8 @@ def tune(rows: int, weights: list[torch.Tensor], biases: list[torch.Tensor | Non
     timing mode) is taken without timing when it is torch's pick, or a candidate still offered that still
     computes within the tolerance; new results are stored in it. `torch_candidate=False` leaves torch's pick
     out (tests: the cuBLASLt path always runs). `defaults` (`shipped_choices()`) is read like `cache` where
-    `cache` has no entry for the shape. Raises LtUnavailable when cuBLASLt cannot be used for this shape."""
+    `cache` has no entry for the shape. `time_missing=False`: where neither holds a usable choice, torch's pick
+    (not stored) instead of timing. Raises LtUnavailable when cuBLASLt cannot be used for this shape."""
     w0, b0 = weights[0], biases[0]
     n, k = w0.shape
     device_index = _device_index(w0)
@@ -588,6 +590,9 @@ def tune(rows: int, weights: list[torch.Tensor], biases: list[torch.Tensor | Non
     if entry is not None and entry["choice"] == TORCH_CHOICE and torch_candidate:
         return _register(key, torch_candidate, None, TuneResult(
             rows, n, k, b0 is not None, float("nan"), stored_us, TORCH_CHOICE, 0, 0, True))
+    untimed = TuneResult(rows, n, k, b0 is not None, float("nan"), float("nan"), TORCH_CHOICE, 0, 0)
+    if entry is None and not time_missing and torch_candidate:
+        return _register(key, torch_candidate, None, untimed)
     plan = LtMatmul(rows, n, k, w0.dtype, b0 is not None, device_index)
     gen = torch.Generator(device=w0.device).manual_seed(rows * 7919 + n)
     x = torch.randn(rows, k, generator=gen, device=w0.device, dtype=torch.float32).to(w0.dtype)
@@ -599,6 +604,8 @@ def tune(rows: int, weights: list[torch.Tensor], biases: list[torch.Tensor | Non
         if found and _error(plan, found[0], x, w0, b0, out, reference) <= tolerance:
             return _register(key, torch_candidate, plan, TuneResult(
                 rows, n, k, b0 is not None, float("nan"), stored_us, found[0], len(plan.candidates), 0, True))
+    if not time_missing and torch_candidate:  # the stored algorithm is gone or computes wrongly now
+        return _register(key, torch_candidate, None, untimed)
 
     def run_torch() -> None:
         for w, b in zip(weights, biases, strict=True):

@@ -465,8 +465,8 @@ class ModelRunner:
 
     def gemm_tuning_plan(self) -> list[tuple[int, bool]]:
         """(rows, sustained) the start-up matmul tuning covers on CUDA: the decode graph sizes, timed briefly
-        each, with KVSERVE_GEMM_TUNING; the large prefill step's rows, timed sustained, with
-        KVSERVE_PREFILL_GEMM_TUNING."""
+        each, with KVSERVE_GEMM_TUNING; the large prefill step's rows, chosen by sustained timings (stored,
+        shipped, or timed at start with KVSERVE_PREFILL_GEMM_TUNING=2), unless KVSERVE_PREFILL_GEMM_TUNING=0."""
         if self.device.type != "cuda":
             return []
         plan = [(rows, False) for rows in self.gemm_tuning_rows()] if envs.KVSERVE_GEMM_TUNING else []
@@ -487,7 +487,7 @@ class ModelRunner:
         """The step budget (`max_num_batched_tokens`) when it is past the prefill and piecewise CUDA graphs'
         sizes: the token count of a busy engine's prefill steps (a long prompt's chunks, a burst of prompts),
         which run eagerly and long enough to run at the clock the GPU's power cap allows. [] when
-        KVSERVE_PREFILL_GEMM_TUNING is off."""
+        KVSERVE_PREFILL_GEMM_TUNING is 0."""
         if not envs.KVSERVE_PREFILL_GEMM_TUNING:
             return []
         budget = self.config.scheduler_config.max_num_batched_tokens
@@ -527,7 +527,8 @@ class ModelRunner:
                     try:
                         results.append(cublaslt.tune(rows, weights[:count], biases[:count], cache=cache,
                                                      torch_candidate=GEMM_TUNING_TORCH_CANDIDATE,
-                                                     sustained=sustained, defaults=shipped if sustained else None))
+                                                     sustained=sustained, defaults=shipped if sustained else None,
+                                                     time_missing=not sustained or envs.KVSERVE_PREFILL_GEMM_TUNING >= 2))
                     except cublaslt.LtUnavailable as exc:
                         unavailable.append(str(exc))
             if any(not r.cached for r in results):

@@ -324,6 +324,24 @@ def test_shipped_choices_are_taken_where_nothing_is_stored(fake_lt: dict, tmp_pa
     assert cublaslt.shipped_choices() == {}
 
 
+def test_without_timing_a_shape_with_no_usable_choice_runs_torchs_pick(fake_lt: dict) -> None:
+    """time_missing=False (KVSERVE_PREFILL_GEMM_TUNING=1): a stored or shipped choice is taken as before, but
+    where none is usable (none stored, or its algorithm no longer offered) torch's pick runs, untimed and not
+    stored, so that a later start allowed to time still does."""
+    fake_lt["times"].update({cublaslt.TORCH_CHOICE: 100.0, 0: 90.0, 1: 80.0, 2: 95.0})
+    weights, biases = _weights()
+    cache: dict[str, dict] = {}
+    result = cublaslt.tune(4, weights, biases, cache=cache, sustained=True, time_missing=False)
+    assert result.choice == cublaslt.TORCH_CHOICE and not result.cached and not fake_lt["timed"]
+    assert cache == {} and cublaslt.num_tuned() == 0
+    key = cublaslt.cache_key(weights[0].device, 4, 6, 8, weights[0].dtype, True, True, True)
+    for algo, choice in (([1001, 0, 0, 0, 0, 0, 0, 0], 1), ([999, 0, 0, 0, 0, 0, 0, 0], cublaslt.TORCH_CHOICE)):
+        cublaslt.clear_tuning()
+        shipped = {key: {"choice": 0, "algo": algo}}
+        got = cublaslt.tune(4, weights, biases, cache=cache, sustained=True, defaults=shipped, time_missing=False)
+        assert got.choice == choice and not fake_lt["timed"] and cache == {}
+
+
 def test_the_shipped_choices_file_is_well_formed() -> None:
     """Every shipped entry is a sustained result in the stored results' format."""
     shipped = cublaslt.shipped_choices()
@@ -350,7 +368,7 @@ def test_the_tuning_plan_adds_the_step_budget_timed_sustained(monkeypatch: pytes
     from kvserve.worker import model_runner
 
     monkeypatch.setattr(envs, "KVSERVE_GEMM_TUNING", decode_tuning)
-    monkeypatch.setattr(envs, "KVSERVE_PREFILL_GEMM_TUNING", True)
+    monkeypatch.setattr(envs, "KVSERVE_PREFILL_GEMM_TUNING", 1)
     decode = [(48, False), (64, False)] if decode_tuning else []
     plan = ModelRunner.gemm_tuning_plan  # type: ignore[arg-type]
     assert plan(_tuning_stub("cuda", True, [8, 48, 64], 8192)) == decode + [(8192, True)]
@@ -360,7 +378,7 @@ def test_the_tuning_plan_adds_the_step_budget_timed_sustained(monkeypatch: pytes
     assert plan(_tuning_stub("cuda", True, [8, 48, 64], graphs_limit)) == decode  # such steps replay graphs
     both = plan(_tuning_stub("cuda", True, [8, 48, 64, 4096], 4096))
     assert both == ([(48, False), (64, False), (4096, False)] if decode_tuning else [(4096, True)])
-    monkeypatch.setattr(envs, "KVSERVE_PREFILL_GEMM_TUNING", False)
+    monkeypatch.setattr(envs, "KVSERVE_PREFILL_GEMM_TUNING", 0)
     assert plan(_tuning_stub("cuda", True, [8, 48, 64], 8192)) == decode
 
 
@@ -376,9 +394,11 @@ def _tuning_runner(tiny_model_dir: Callable[..., str]) -> ModelRunner:
     return runner
 
 
-@pytest.mark.parametrize("fail_late", [False, True], ids=["ok", "failure"])
+@pytest.mark.parametrize(("fail_late", "timing_mode"), [(False, 1), (False, 2), (True, 1)],
+                         ids=["ok", "ok-timing-prefill", "failure"])
 def test_tune_gemms_times_each_shape_once_and_keeps_other_engines_choices(
-    tiny_model_dir: Callable[..., str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail_late: bool
+    tiny_model_dir: Callable[..., str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail_late: bool,
+    timing_mode: int,
 ) -> None:
     """Each (rows, shape) is tuned once and the results saved; a failure anywhere (here: saving them) drops
     this call's choices (torch's pick runs) but not another engine's, and start-up goes on."""
@@ -386,7 +406,7 @@ def test_tune_gemms_times_each_shape_once_and_keeps_other_engines_choices(
 
     monkeypatch.setattr(envs, "KVSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(envs, "KVSERVE_GEMM_TUNING", True)
-    monkeypatch.setattr(envs, "KVSERVE_PREFILL_GEMM_TUNING", True)
+    monkeypatch.setattr(envs, "KVSERVE_PREFILL_GEMM_TUNING", timing_mode)
     cublaslt.clear_tuning()
     earlier = cublaslt.key_of(0, 48, 1, 1, torch.bfloat16, False)  # another engine's decision
     cublaslt._decided[(earlier, True)] = cublaslt.TuneResult(48, 1, 1, False, 1.0, 1.0, -1, 0, 0)
@@ -394,6 +414,8 @@ def test_tune_gemms_times_each_shape_once_and_keeps_other_engines_choices(
 
     def fake_tune(rows: int, weights: list, biases: list, **kwargs: object) -> cublaslt.TuneResult:
         calls.append((rows, weights[0].shape[0], weights[0].shape[1], kwargs["sustained"]))
+        assert kwargs["time_missing"] == (not kwargs["sustained"] or timing_mode == 2)
+        assert (kwargs["defaults"] is not None) == kwargs["sustained"]  # the shipped choices: prefill rows only
         key = cublaslt.key_of(0, rows, weights[0].shape[0], weights[0].shape[1], weights[0].dtype,
                               biases[0] is not None)
         result = cublaslt.TuneResult(rows, weights[0].shape[0], weights[0].shape[1], biases[0] is not None,
