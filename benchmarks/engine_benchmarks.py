@@ -139,7 +139,7 @@ class Bench:
                 for r in self.core.runner.gemm_tuning:
                     by_rows.setdefault(r.rows, []).append(
                         f"{r.n}x{r.k}:{'torch' if r.choice < 0 else r.choice}"
-                        + ("" if r.cached else f"({r.torch_us:.1f}->{r.chosen_us:.1f})"))
+                        + ("" if r.cached or r.untimed else f"({r.torch_us:.1f}->{r.chosen_us:.1f})"))
                 print("matmul tuning (rows: N x K: choice (torch us -> chosen us, when timed))", flush=True)
                 for rows, items in by_rows.items():
                     print(f"  {rows:5d}: " + " ".join(items), flush=True)
@@ -1440,14 +1440,15 @@ def main() -> int:
                    help="override KVSERVE_GEMM_TUNING: time cuBLASLt's candidates for the model's matmuls at start")
     p.add_argument("--prefill-gemm-tuning", type=int, choices=(0, 1, 2), default=None,
                    help="override KVSERVE_PREFILL_GEMM_TUNING: the sustained matmul choices at the step budget's rows "
-                   "(0 off, 1 stored or shipped, 2 also timed at start where none is)")
+                   "(0 off, 1 stored or shipped, 2 also timed at start where none is); this process only: "
+                   "tensor-parallel workers read KVSERVE_PREFILL_GEMM_TUNING")
     p.add_argument("--no-shipped-gemm-choices", action="store_true",
                    help="the prefill matmul tuning ignores kvserve's shipped choices (times the candidates instead "
-                   "where KVSERVE_CACHE_DIR holds none)")
+                   "where KVSERVE_CACHE_DIR holds none, with --prefill-gemm-tuning 2); this process only")
     p.add_argument("--gemm-tuning-rows", type=lambda v: [int(x) for x in v.split(",")], default=None,
-                   help="with --gemm-tuning: tune (or take the stored choices in KVSERVE_CACHE_DIR for) exactly these "
-                   "row counts instead of the decode graph sizes, e.g. 8192 with a file from cublaslt_algos.py "
-                   "--sustained-s --tuning-out")
+                   help="with --gemm-tuning: time briefly (or take the stored short-timing choices in KVSERVE_CACHE_DIR "
+                   "for) exactly these row counts instead of the decode graph sizes (the step budget's rows stay "
+                   "with the sustained choices unless --prefill-gemm-tuning 0); this process only")
     p.add_argument("--sync-debug", action="store_true",
                    help="count the synchronizing torch calls after start-up by call site (slows the host: "
                    "diagnostic runs only)")

@@ -61,8 +61,8 @@ KVSERVE_GEMM_TUNING: bool = _int("KVSERVE_GEMM_TUNING", 0) != 0
 # cuBLASLt algorithms for the model's matmuls at the step budget's token count (max_num_batched_tokens, when
 # past the prefill CUDA graphs), chosen by timing on a GPU kept busy, as a long prefill runs at the clock the
 # power cap allows. 0: off (torch's picks). 1 (the default): the choices stored in KVSERVE_CACHE_DIR or shipped
-# with kvserve for this GPU and library stack (kvserve/kernels/gemm_sustained_choices.json: the H200 with
-# torch 2.11 / CUDA 13.0), no timing; torch's picks elsewhere. 2: also time the candidates at start where
+# with kvserve (kvserve/kernels/gemm_sustained_choices.json: "NVIDIA H200", cuBLASLt 130100, torch
+# 2.11.0+cu130, the Qwen2.5-7B shapes at 8,192 rows; an exact match only), no timing; torch's picks elsewhere. 2: also time the candidates at start where
 # neither holds a choice (12 s of the first start for a 7B model on the H200), stored for later starts. See
 # docs/perf_notes.md, entry 56.
 KVSERVE_PREFILL_GEMM_TUNING: int = _int("KVSERVE_PREFILL_GEMM_TUNING", 1)

@@ -434,7 +434,10 @@ def _time_sustained_us(fns: dict[int, Callable[[], None]], warm_us: float | None
     min_us = SUSTAINED_MIN_US if min_us is None else min_us
     rounds = SUSTAINED_ROUNDS if rounds is None else rounds
     graphs = {i: _capture(fn) for i, fn in fns.items()}
-    once = {i: max(_replay_us(graph, 1), 1.0) for i, graph in graphs.items()}
+    once: dict[int, float] = {}
+    for i, graph in graphs.items():
+        _replay_us(graph, 1)  # a graph's first replay uploads it: not a timing
+        once[i] = max(_replay_us(graph, 1), 1.0)
     order = list(graphs)
     totals = dict.fromkeys(order, 0.0)
     for r in range(rounds):
@@ -456,12 +459,13 @@ class TuneResult:
     n: int
     k: int
     has_bias: bool
-    torch_us: float  # per call; NaN when the choice came from the stored results
+    torch_us: float  # per call; NaN when nothing was timed
     chosen_us: float
     choice: int  # TORCH_CHOICE or the candidate index
     num_candidates: int
     num_wrong: int
-    cached: bool = False
+    cached: bool = False  # taken from the stored (or shipped) results
+    untimed: bool = False  # torch's pick, nothing stored or shipped and timing not allowed (time_missing=False)
 
 
 def _device_name(device: torch.device) -> str:
@@ -566,12 +570,14 @@ def tune(rows: int, weights: list[torch.Tensor], biases: list[torch.Tensor | Non
     more than max_relative_error of its largest value is skipped. `sustained`: timed on a GPU kept busy
     (`_time_sustained_us`), as the large prefill steps run, instead of one short timing each.
 
-    A shape decided before in this process keeps its choice. With `cache`, a stored choice (of the same
+    A shape decided before in this process keeps its choice, however it was decided (one plan per shape and
+    row count: the first decision wins, sustained or not). With `cache`, a stored choice (of the same
     timing mode) is taken without timing when it is torch's pick, or a candidate still offered that still
     computes within the tolerance; new results are stored in it. `torch_candidate=False` leaves torch's pick
     out (tests: the cuBLASLt path always runs). `defaults` (`shipped_choices()`) is read like `cache` where
     `cache` has no entry for the shape. `time_missing=False`: where neither holds a usable choice, torch's pick
-    (not stored) instead of timing. Raises LtUnavailable when cuBLASLt cannot be used for this shape."""
+    (not stored) instead of timing; with torch's pick left out (torch_candidate=False) the candidates are
+    timed anyway. Raises LtUnavailable when cuBLASLt cannot be used for this shape."""
     w0, b0 = weights[0], biases[0]
     n, k = w0.shape
     device_index = _device_index(w0)
@@ -590,7 +596,7 @@ def tune(rows: int, weights: list[torch.Tensor], biases: list[torch.Tensor | Non
     if entry is not None and entry["choice"] == TORCH_CHOICE and torch_candidate:
         return _register(key, torch_candidate, None, TuneResult(
             rows, n, k, b0 is not None, float("nan"), stored_us, TORCH_CHOICE, 0, 0, True))
-    untimed = TuneResult(rows, n, k, b0 is not None, float("nan"), float("nan"), TORCH_CHOICE, 0, 0)
+    untimed = TuneResult(rows, n, k, b0 is not None, float("nan"), float("nan"), TORCH_CHOICE, 0, 0, untimed=True)
     if entry is None and not time_missing and torch_candidate:
         return _register(key, torch_candidate, None, untimed)
     plan = LtMatmul(rows, n, k, w0.dtype, b0 is not None, device_index)

@@ -469,25 +469,25 @@ class ModelRunner:
         shipped, or timed at start with KVSERVE_PREFILL_GEMM_TUNING=2), unless KVSERVE_PREFILL_GEMM_TUNING=0."""
         if self.device.type != "cuda":
             return []
-        plan = [(rows, False) for rows in self.gemm_tuning_rows()] if envs.KVSERVE_GEMM_TUNING else []
-        plan += [(rows, True) for rows in self.prefill_gemm_tuning_rows() if rows not in {r for r, _ in plan}]
-        return plan
+        sustained = self.prefill_gemm_tuning_rows()
+        short = [rows for rows in self.gemm_tuning_rows() if rows not in sustained] if envs.KVSERVE_GEMM_TUNING else []
+        return [(rows, False) for rows in short] + [(rows, True) for rows in sustained]
 
     def gemm_tuning_rows(self) -> list[int]:
         """Row counts whose matmuls are tuned at start: the decode graph sizes past the Triton skinny matmul's
         range (with CUDA graphs on; eager batches come in every size). Other steps of exactly such a token
-        count (a prefill graph of 128 or 256 tokens, say) run the tuned plans too. Larger prefill sizes are
-        `prefill_gemm_tuning_rows`' (timed sustained: short timings' choices at 8,192 rows made TTFT 8k 2-7 ms
+        count (a prefill graph of 128 or 256 tokens, say) run the tuned plans too. The step budget's rows are
+        `prefill_gemm_tuning_rows`' (sustained timings: short timings' choices at 8,192 rows made TTFT 8k 2-7 ms
         slower on the H200, docs/perf_notes.md, entry 28)."""
         if not self.config.use_cuda_graphs:
             return []
         return sorted({n for n in self.config.cuda_graph_sizes if n > ops.SKINNY_GEMM_MAX_ROWS})
 
     def prefill_gemm_tuning_rows(self) -> list[int]:
-        """The step budget (`max_num_batched_tokens`) when it is past the prefill and piecewise CUDA graphs'
-        sizes: the token count of a busy engine's prefill steps (a long prompt's chunks, a burst of prompts),
-        which run eagerly and long enough to run at the clock the GPU's power cap allows. [] when
-        KVSERVE_PREFILL_GEMM_TUNING is 0."""
+        """The step budget (`max_num_batched_tokens`) when it is larger than the prefill and piecewise CUDA
+        graphs' size limits (PREFILL_GRAPH_MAX_TOKENS, PIECEWISE_GRAPH_MAX_TOKENS): the token count of a busy
+        engine's prefill steps (a long prompt's chunks, a burst of prompts), which run eagerly and long enough
+        to run at the clock the GPU's power cap allows. [] when KVSERVE_PREFILL_GEMM_TUNING is 0."""
         if not envs.KVSERVE_PREFILL_GEMM_TUNING:
             return []
         budget = self.config.scheduler_config.max_num_batched_tokens
@@ -495,9 +495,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def tune_gemms(self) -> list[cublaslt.TuneResult]:
-        """Time cuBLASLt's candidate algorithms against torch's pick for every distinct fp16/bf16 `Linear` shape
-        of the model (not the LM head) at each row count of `gemm_tuning_plan()` and register the fastest
-        (`ops.linear` runs it), before the CUDA graphs are captured. Choices are kept in KVSERVE_CACHE_DIR, so a
+        """Choose between torch's pick and cuBLASLt's candidate algorithms for every distinct fp16/bf16 `Linear`
+        shape of the model (not the LM head) at each row count of `gemm_tuning_plan()` (by timing, or from the
+        stored or shipped choices) and register the choice (`ops.linear` runs it), before the CUDA graphs are
+        captured. Choices are kept in KVSERVE_CACHE_DIR, so a
         later start with the same GPU, libraries and shapes only checks them. Does nothing when both tunings
         are off; a shape cuBLASLt cannot run, or any failure of the tuning, leaves torch's pick for it
         (start-up never fails for this optional step)."""
@@ -531,7 +532,7 @@ class ModelRunner:
                                                      time_missing=not sustained or envs.KVSERVE_PREFILL_GEMM_TUNING >= 2))
                     except cublaslt.LtUnavailable as exc:
                         unavailable.append(str(exc))
-            if any(not r.cached for r in results):
+            if any(not r.cached and not r.untimed for r in results):
                 try:
                     cublaslt.save_cache(path, cache)
                 except OSError as exc:
@@ -547,12 +548,14 @@ class ModelRunner:
                 torch.cuda.empty_cache()
         if unavailable:
             logger.info("matmul tuning: %d shapes left to torch (%s)", len(unavailable), unavailable[0])
-        timed = [r for r in results if not r.cached]
+        timed = [r for r in results if not r.cached and not r.untimed]
         logger.info(
-            "matmul tuning: %d shapes at %d row counts in %.1f s (%d from %s); cuBLASLt's other candidates "
-            "run in %d; newly timed: %.0f of %.0f us saved over one call of each",
-            len(groups), len(plan), time.perf_counter() - start, len(results) - len(timed),
-            path, cublaslt.num_tuned(), sum(r.torch_us - r.chosen_us for r in timed), sum(r.torch_us for r in timed),
+            "matmul tuning: %d shapes at %d row counts in %.1f s (%d from %s or the shipped choices, %d left to "
+            "torch untimed); cuBLASLt's other candidates run in %d; newly timed: %.0f of %.0f us saved over one "
+            "call of each",
+            len(groups), len(plan), time.perf_counter() - start, sum(r.cached for r in results), path,
+            sum(r.untimed for r in results), cublaslt.num_tuned(), sum(r.torch_us - r.chosen_us for r in timed),
+            sum(r.torch_us for r in timed),
         )
         self.gemm_tuning = results
         return results

@@ -440,6 +440,8 @@ def test_sustained_tuning_chooses_a_correct_plan_and_stores_it_apart(monkeypatch
         (key,) = cache
         assert key.endswith("|sustained") and cache[key]["choice"] == result.choice
         x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
+        plan = cublaslt.tuned_plan(x, weights[1], None)
+        assert plan is not None and plan.chosen == result.choice  # what ops.linear runs
         out = ops.linear(x, weights[1], None)
         expected = torch.nn.functional.linear(x.float(), weights[1].float())
         assert (out.float() - expected).abs().max().item() <= 2e-2 * expected.abs().max().item()

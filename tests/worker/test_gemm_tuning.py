@@ -276,28 +276,37 @@ def test_sustained_tuning_times_all_choices_together_and_is_stored_apart(fake_lt
 
 
 def test_sustained_timer_warms_each_choice_up_then_times_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """_time_sustained_us: each graph is replayed for warm_us untimed, then timed for at least min_us; each
-    pass starts one choice later; a choice's time is its mean over the passes."""
+    """_time_sustained_us: each graph replayed once to upload it, once to size its replay counts; then in each
+    pass (starting one choice later each time) replayed for warm_us untimed and timed for at least min_us; a
+    choice's time is its mean over the passes."""
     replays: list[tuple[str, int]] = []
-    timed = {"a": [10.0, 5.0, 7.0], "b": [20.0, 30.0, 50.0], "c": [4.0, 8.0, 6.0]}  # once, pass 1, pass 2
-    answered = dict.fromkeys(timed, 0)
+    # What each graph's replays answer, in order: upload, sizing, then (warm-up, timing) per pass.
+    answers = {"a": [99.0, 10.0, 0.0, 5.0, 0.0, 7.0], "b": [99.0, 20.0, 0.0, 30.0, 0.0, 50.0],
+               "c": [99.0, 4.0, 0.0, 8.0, 0.0, 6.0]}
 
     def fake_replay_us(graph: str, reps: int) -> float:
         replays.append((graph, reps))
-        if len(replays) > 3 and len(replays) % 2 == 0:  # a warm-up, whose time is not used
-            return 0.0
-        answered[graph] += 1
-        return timed[graph][answered[graph] - 1]
+        return answers[graph][sum(g == graph for g, _ in replays) - 1]
 
     monkeypatch.setattr(cublaslt, "_capture", lambda fn: fn())  # the "graph" is the fn's name
     monkeypatch.setattr(cublaslt, "_replay_us", fake_replay_us)
     times = cublaslt._time_sustained_us({-1: lambda: "a", 0: lambda: "b", 1: lambda: "c"}, warm_us=1000.0,
                                         min_us=100.0, rounds=2)
-    assert replays[:3] == [("a", 1), ("b", 1), ("c", 1)]  # one replay each: the replay counts' base
+    assert replays[:6] == [("a", 1), ("a", 1), ("b", 1), ("b", 1), ("c", 1), ("c", 1)]
     # Pass 1 in order a, b, c; pass 2 from b; each: warm_us of replays, then at least min_us (3 at the least).
-    assert replays[3:] == [("a", 100), ("a", 11), ("b", 50), ("b", 6), ("c", 250), ("c", 26),
+    assert replays[6:] == [("a", 100), ("a", 11), ("b", 50), ("b", 6), ("c", 250), ("c", 26),
                            ("b", 50), ("b", 6), ("c", 250), ("c", 26), ("a", 100), ("a", 11)]
     assert times == {-1: 6.0, 0: 40.0, 1: 7.0}
+
+
+def test_results_are_compared_in_row_chunks_and_nan_is_wrong(fake_lt: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A candidate's result is checked chunk by chunk (here 2 rows of 4): an offset or a NaN anywhere makes
+    it wrong, and only the correct one is timed."""
+    monkeypatch.setattr(cublaslt, "_ERROR_CHUNK_ROWS", 2)
+    _FakePlan.OFFSETS = [5.0, float("nan"), 0.0]
+    fake_lt["times"].update({cublaslt.TORCH_CHOICE: 100.0, 0: 10.0, 1: 10.0, 2: 90.0})
+    result = cublaslt.tune(4, *_weights())
+    assert result.num_wrong == 2 and result.choice == 2 and sorted(fake_lt["timed"]) == [cublaslt.TORCH_CHOICE, 2]
 
 
 def test_shipped_choices_are_taken_where_nothing_is_stored(fake_lt: dict, tmp_path: Path,
@@ -362,8 +371,8 @@ def _tuning_stub(device: str, use_cuda_graphs: bool, graph_sizes: list[int], bud
 def test_the_tuning_plan_adds_the_step_budget_timed_sustained(monkeypatch: pytest.MonkeyPatch,
                                                                decode_tuning: bool) -> None:
     """The step budget's rows are tuned sustained when they are past the CUDA graphs' prefill sizes (steps
-    that run eagerly); never on the CPU, nor with KVSERVE_PREFILL_GEMM_TUNING off; a row count the decode
-    tuning already covers is not tuned twice."""
+    that run eagerly); never on the CPU, nor with KVSERVE_PREFILL_GEMM_TUNING off; a decode graph size equal
+    to the budget is tuned once, sustained."""
     from kvserve import envs
     from kvserve.worker import model_runner
 
@@ -376,8 +385,8 @@ def test_the_tuning_plan_adds_the_step_budget_timed_sustained(monkeypatch: pytes
     assert plan(_tuning_stub("cpu", True, [8, 48, 64], 8192)) == []
     graphs_limit = max(model_runner.PREFILL_GRAPH_MAX_TOKENS, model_runner.PIECEWISE_GRAPH_MAX_TOKENS)
     assert plan(_tuning_stub("cuda", True, [8, 48, 64], graphs_limit)) == decode  # such steps replay graphs
-    both = plan(_tuning_stub("cuda", True, [8, 48, 64, 4096], 4096))
-    assert both == ([(48, False), (64, False), (4096, False)] if decode_tuning else [(4096, True)])
+    both = plan(_tuning_stub("cuda", True, [8, 48, 64, 4096], 4096))  # the budget's rows: sustained either way
+    assert both == decode + [(4096, True)]
     monkeypatch.setattr(envs, "KVSERVE_PREFILL_GEMM_TUNING", 0)
     assert plan(_tuning_stub("cuda", True, [8, 48, 64], 8192)) == decode
 
@@ -442,4 +451,31 @@ def test_tune_gemms_times_each_shape_once_and_keeps_other_engines_choices(
         assert len(results) == len(calls) and not any(r.cached for r in results)
         assert earlier in cublaslt.decided_keys() and len(cublaslt.decided_keys()) == len(calls) + 1
         assert (tmp_path / "gemm_tuning.json").exists()
+    cublaslt.clear_tuning()
+
+
+@pytest.mark.parametrize("timing_mode", [1, 2])
+def test_default_start_times_nothing_and_writes_nothing_without_a_stored_choice(
+    tiny_model_dir: Callable[..., str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_lt: dict,
+    timing_mode: int,
+) -> None:
+    """tune_gemms with the real tune(): KVSERVE_PREFILL_GEMM_TUNING=1 and no stored or shipped choice for the
+    shapes leaves torch's picks, untimed, and writes no file; 2 times them sustained and stores the choices."""
+    from kvserve import envs
+
+    monkeypatch.setattr(envs, "KVSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(envs, "KVSERVE_GEMM_TUNING", False)
+    monkeypatch.setattr(envs, "KVSERVE_PREFILL_GEMM_TUNING", timing_mode)
+    fake_lt["times"].update({cublaslt.TORCH_CHOICE: 100.0, 0: 90.0, 1: 80.0, 2: 95.0})
+    runner = _tuning_runner(tiny_model_dir)
+    results = runner.tune_gemms()
+    assert results and all(r.rows == 4096 for r in results)
+    if timing_mode == 1:
+        assert all(r.untimed and r.choice == cublaslt.TORCH_CHOICE for r in results)
+        assert not fake_lt["timed"] and not list(tmp_path.iterdir()) and cublaslt.num_tuned() == 0
+    else:
+        assert all(not r.untimed and r.choice == 1 for r in results)
+        assert len(fake_lt["sustained_calls"]) == len(results)
+        stored = cublaslt.load_cache(tmp_path / "gemm_tuning.json")
+        assert len(stored) == len(results) and all(key.endswith("|sustained") for key in stored)
     cublaslt.clear_tuning()
