@@ -62,9 +62,9 @@ KVSERVE_GEMM_TUNING: bool = _int("KVSERVE_GEMM_TUNING", 0) != 0
 # past the prefill CUDA graphs), chosen by timing on a GPU kept busy, as a long prefill runs at the clock the
 # power cap allows. 0: off (torch's picks). 1 (the default): the choices stored in KVSERVE_CACHE_DIR or shipped
 # with kvserve (kvserve/kernels/gemm_sustained_choices.json: "NVIDIA H200", cuBLASLt 130100, torch
-# 2.11.0+cu130, the Qwen2.5-7B shapes at 8,192 rows; an exact match only), no timing; torch's picks elsewhere. 2: also time the candidates at start where
-# neither holds a choice (12 s of the first start for a 7B model on the H200), stored for later starts. See
-# docs/perf_notes.md, entry 56.
+# 2.11.0+cu130, the Qwen2.5-7B shapes at 8,192 rows; an exact match only), no timing; torch's picks
+# elsewhere. 2: also time the candidates at start where neither holds a choice (12 s of the first start for a
+# 7B model on the H200), stored for later starts. See docs/perf_notes.md, entry 56.
 KVSERVE_PREFILL_GEMM_TUNING: int = _int("KVSERVE_PREFILL_GEMM_TUNING", 1)
 # Where results that outlive a run are kept (the matmul tuning's choices): $XDG_CACHE_HOME/kvserve, else
 # ~/.cache/kvserve.

@@ -498,10 +498,9 @@ class ModelRunner:
         """Choose between torch's pick and cuBLASLt's candidate algorithms for every distinct fp16/bf16 `Linear`
         shape of the model (not the LM head) at each row count of `gemm_tuning_plan()` (by timing, or from the
         stored or shipped choices) and register the choice (`ops.linear` runs it), before the CUDA graphs are
-        captured. Choices are kept in KVSERVE_CACHE_DIR, so a
-        later start with the same GPU, libraries and shapes only checks them. Does nothing when both tunings
-        are off; a shape cuBLASLt cannot run, or any failure of the tuning, leaves torch's pick for it
-        (start-up never fails for this optional step)."""
+        captured. Timed choices are kept in KVSERVE_CACHE_DIR, so a later start with the same GPU, libraries
+        and shapes only checks them. Does nothing when both tunings are off; a shape cuBLASLt cannot run, or any
+        failure of the tuning, leaves torch's pick for it (start-up never fails for this optional step)."""
         plan = self.gemm_tuning_plan()
         if not plan:
             return []
