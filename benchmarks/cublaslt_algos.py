@@ -69,8 +69,7 @@ def sustained_runs(args: argparse.Namespace, energy: GpuEnergy, run_torch: objec
     times.update({c["index"]: c["sustained_us"] for c in timed})
     choice = cublaslt.pick(times, args.min_gain)
     key = cublaslt.cache_key(x.device, m, n, k, x.dtype, has_bias, sustained=True)
-    tuning[key] = {"choice": choice, "algo": None if choice == cublaslt.TORCH_CHOICE else list(plan.candidates[choice].data),
-                   "torch_us": times[cublaslt.TORCH_CHOICE], "chosen_us": times[choice], "by": "sustained"}
+    tuning[key] = cublaslt.stored_entry(plan, choice, times[cublaslt.TORCH_CHOICE], times[choice])
     print(f"  sustained M={m:5d} n={n:6d} choice {'torch' if choice == cublaslt.TORCH_CHOICE else '#' + str(choice)}: "
           f"{times[choice]:.1f} against torch's {times[cublaslt.TORCH_CHOICE]:.1f} us/call", flush=True)
 

@@ -515,6 +515,13 @@ def save_cache(path: Path, cache: dict[str, dict]) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def stored_entry(plan: LtMatmul, choice: int, torch_us: float, chosen_us: float) -> dict:
+    """A stored result (`save_cache`'s entries, the shipped choices): the choice, its algorithm's data (how a
+    later process finds it among the heuristic's candidates; None for torch's pick) and the times."""
+    return {"choice": choice, "algo": None if choice == TORCH_CHOICE else list(plan.candidates[choice].data),
+            "torch_us": torch_us, "chosen_us": chosen_us}
+
+
 def _valid_entry(entry: object) -> bool:
     if not isinstance(entry, dict) or not isinstance(entry.get("choice"), int):
         return False
@@ -639,6 +646,5 @@ def tune(rows: int, weights: list[torch.Tensor], biases: list[torch.Tensor | Non
     result = TuneResult(rows, n, k, b0 is not None, torch_us / len(weights), chosen_us / len(weights), choice,
                         len(plan.candidates), num_wrong)
     if cache is not None:
-        cache[ckey] = {"choice": choice, "algo": None if choice == TORCH_CHOICE else list(plan.candidates[choice].data),
-                       "torch_us": result.torch_us, "chosen_us": result.chosen_us}
+        cache[ckey] = stored_entry(plan, choice, result.torch_us, result.chosen_us)
     return _register(key, torch_candidate, plan, result)
