@@ -10,7 +10,8 @@ candidate's result against torch's, and prints torch's time, the heuristic's fir
 Ends with a table per row count: one decode step's matmuls (28 layers and the LM head) in ms with torch's
 pick and with the faster of torch's pick and the fastest candidate, per shape, and the floors at 4.28 TB/s and at --peak-tflops.
 
-`--sustained-s S` also times torch's pick (before and after) and every correct candidate over S seconds of
+`--sustained-s S` also times torch's pick (before and after) and every correct candidate (or the
+`--sustained-top K` fastest by the short timing) over S seconds of
 back-to-back work after S seconds of warm-up (`common.sustained`: the clock the power cap allows, and the
 energy per call), as a long prefill runs; `--tuning-out FILE` then writes each shape's choice by the
 sustained times as the engine's stored sustained choices (`kvserve.kernels.cublaslt` cache entries): read
@@ -56,6 +57,8 @@ def sustained_runs(args: argparse.Namespace, energy: GpuEnergy, run_torch: objec
         return us, j, mhz
 
     torch_runs = [run("torch", run_torch)]
+    if args.sustained_top > 0:  # the fastest by the short timing only (the rest keep no sustained time)
+        timed = sorted(timed, key=lambda c: c["us"])[:args.sustained_top]
     for c in timed:
         i = c["index"]
 
@@ -82,6 +85,9 @@ def main() -> int:
     parser.add_argument("--peak-tflops", type=float, default=791.0, help="the bf16 matmul peak measured here")
     parser.add_argument("--sustained-s", type=float, default=0.0,
                         help="also time torch's pick and each candidate over this many seconds of back-to-back work")
+    parser.add_argument("--sustained-top", type=int, default=0,
+                        help="with --sustained-s: time only this many candidates sustained, the fastest by the short "
+                        "timing (0: all)")
     parser.add_argument("--tuning-out", type=Path, default=None,
                         help="with --sustained-s: write the engine's tuning file, choices by the sustained times")
     parser.add_argument("--min-gain", type=float, default=cublaslt.MIN_GAIN,

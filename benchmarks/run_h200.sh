@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: dec39 check39 final39 pgt39b c1ab39 pgt39 sus39 place38 dpdl38 gap38 busy38 tma38 ncuattn36 pair36 last36 pw36 final36 ab36 fuse36 ncu36 fix35 graphs35 final35 diag35 pairs35 pairs34 lop34 swap34 quant33 tp32a tp32b tp32c asc31b asc31 api30c api30b api30 client29b api29 client29 pytest28 cublas28 firstburst28 firstpass28w firstpass28s firstpass28e firstpass28 sweep28 abclient27 gcprobe27 client27 mnbt27 rowq26 gcserve26 gc26 bisect26 hash25 capfail25b capfail25 offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: dab40 dsw40 dec39 check39 final39 pgt39b c1ab39 pgt39 sus39 place38 dpdl38 gap38 busy38 tma38 ncuattn36 pair36 last36 pw36 final36 ab36 fuse36 ncu36 fix35 graphs35 final35 diag35 pairs35 pairs34 lop34 swap34 quant33 tp32a tp32b tp32c asc31b asc31 api30c api30b api30 client29b api29 client29 pytest28 cublas28 firstburst28 firstpass28w firstpass28s firstpass28e firstpass28 sweep28 abclient27 gcprobe27 client27 mnbt27 rowq26 gcserve26 gc26 bisect26 hash25 capfail25b capfail25 offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Pass the local commit, written in literally (the device copy's git metadata can be stale, so a $(git ...) in
 # the command would read it there): KVSERVE_BENCH_COMMIT=<sha> bash ...
@@ -17,6 +17,8 @@ rm -rf "$R"  # a machine still warm from the last call keeps its files: pack thi
 mkdir -p "$R" "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv > "$R/nvidia_smi.txt" 2>&1
 T0=$(date +%s)
+# The decode graph sizes past the skinny matmul's 32 rows (config.DEFAULT_CUDA_GRAPH_SIZES up to 256).
+DEC_ROWS=${DEC_ROWS:-48,64,80,96,112,128,144,160,176,192,208,224,240,256}
 # without_capture_cleanup LOG TEST...: each pytest node id in a process of its own (a failed capture leaves
 # the process's state broken) with cuda_graph._release_failed_capture made a no-op, as before its fix.
 without_capture_cleanup() {
@@ -752,6 +754,31 @@ PY
         cp "$R/ncuattn36.log" "$OUT/"
         grep -a -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Waves Per|SM Active|Elapsed Cyc|Issue Slots|ncu rc|rror" \
           "$R/ncuattn36.log" | head -40 ;;
+    dsw40) # cuBLASLt's candidates at every decode graph size past the skinny matmul's 32 rows, timed sustained
+        # (0.25 s warm, 0.25 s timed; the 5 fastest by a short timing, and torch's pick before and after), written
+        # as stored sustained choices; then the engine with them at those row counts (--sustained-gemm-rows)
+        # against without (both keep the shipped 8,192-row choices): decode batch 64 x 1k, the seeds' and the
+        # 256-sequence workloads, off / on, one host.
+        rm -rf /tmp/dsw40 && mkdir -p /tmp/dsw40
+        timeout 330 python3 benchmarks/cublaslt_algos.py --out "$R/lt_dsw40.json" --rows "$DEC_ROWS" \
+          --shapes qkv,o_proj,gate_up,down --sustained-s 0.25 --sustained-top 5 \
+          --tuning-out /tmp/dsw40/gemm_tuning.json > "$R/lt_dsw40.log" 2>&1
+        echo "cublaslt_algos rc=$?" >> "$R/lt_dsw40.log"
+        cp "$R/lt_dsw40.log" "$OUT/"; cp /tmp/dsw40/gemm_tuning.json "$OUT/dsw40_tuning.json" 2>/dev/null
+        grep -a -E "choice|rc=" "$R/lt_dsw40.log" | cut -c1-100
+        if [ -s /tmp/dsw40/gemm_tuning.json ]; then
+          KVSERVE_CACHE_DIR=/tmp/dsw40 engine_modes dsw40 120 \
+            "--sections decode,seeds,random256 --decode-batches 64 --decode-contexts 1024" \
+            "off:" "on:--sustained-gemm-rows $DEC_ROWS"
+          grep -a -E "^decode b|^seeds|^256 seqs|matmul tuning|mode .* done|Error" "$R/dsw40_engine.log" | cut -c1-110
+        fi ;;
+    dab40) # The decode-size sustained choices of a stored file (DSW_FILE, from dsw40) in the engine against
+        # without, off / on / off / on, one host: decode batch 64 x 1k, seeds' and 256-sequence workloads.
+        rm -rf /tmp/dab40 && mkdir -p /tmp/dab40 && cp "$DSW_FILE" /tmp/dab40/gemm_tuning.json
+        KVSERVE_CACHE_DIR=/tmp/dab40 engine_modes dab40 120 \
+          "--sections decode,seeds,random256 --decode-batches 64 --decode-contexts 1024" \
+          "off1:" "on1:--sustained-gemm-rows $DEC_ROWS" "off2:" "on2:--sustained-gemm-rows $DEC_ROWS"
+        grep -a -E "^decode b|^seeds|^256 seqs|matmul tuning|mode .* done|Error" "$R/dab40_engine.log" | cut -c1-110 ;;
     dec39) # Data for later: cuBLASLt's candidates at decode sizes (64 rows: the batch-64 target; 256: the 256-sequence
         # workload's largest batches) timed sustained (0.4 s warm, 0.4 s timed) against torch's pick. No engine run.
         timeout 200 python3 benchmarks/cublaslt_algos.py --out "$R/lt_dec39.json" --rows 64,256 \
