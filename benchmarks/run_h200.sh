@@ -773,11 +773,15 @@ PY
           grep -a -E "^decode b|^seeds|^256 seqs|matmul tuning|mode .* done|Error" "$R/dsw40_engine.log" | cut -c1-110
         fi ;;
     dab40) # The decode-size sustained choices of a stored file (DSW_FILE, from dsw40) in the engine against
-        # without, off / on / off / on, one host: decode batch 64 x 1k, seeds' and 256-sequence workloads.
+        # without, and with them and gate/up at 33-64 rows by cuBLASLt + silu_and_mul instead of the fused TMA
+        # kernel (tma_off), off / on / tma_off twice, one host: decode batch 48 / 64 x 1k, seeds' and 256-sequence
+        # workloads.
         rm -rf /tmp/dab40 && mkdir -p /tmp/dab40 && cp "$DSW_FILE" /tmp/dab40/gemm_tuning.json
+        on="--sustained-gemm-rows $DEC_ROWS"
         KVSERVE_CACHE_DIR=/tmp/dab40 engine_modes dab40 120 \
-          "--sections decode,seeds,random256 --decode-batches 64 --decode-contexts 1024" \
-          "off1:" "on1:--sustained-gemm-rows $DEC_ROWS" "off2:" "on2:--sustained-gemm-rows $DEC_ROWS"
+          "--sections decode,seeds,random256 --decode-batches 48,64 --decode-contexts 1024" \
+          "off1:" "on1:$on" "tma_off1:$on --no-decode-gate-up-tma" \
+          "off2:" "on2:$on" "tma_off2:$on --no-decode-gate-up-tma"
         grep -a -E "^decode b|^seeds|^256 seqs|matmul tuning|mode .* done|Error" "$R/dab40_engine.log" | cut -c1-110 ;;
     dec39) # Data for later: cuBLASLt's candidates at decode sizes (64 rows: the batch-64 target; 256: the 256-sequence
         # workload's largest batches) timed sustained (0.4 s warm, 0.4 s timed) against torch's pick. No engine run.
