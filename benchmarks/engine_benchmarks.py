@@ -1446,12 +1446,12 @@ def main() -> int:
                    help="the prefill matmul tuning ignores kvserve's shipped choices (times the candidates instead "
                    "where KVSERVE_CACHE_DIR holds none, with --prefill-gemm-tuning 2); this process only")
     p.add_argument("--gemm-tuning-rows", type=lambda v: [int(x) for x in v.split(",")], default=None,
-                   help="with --gemm-tuning: time briefly (or take the stored short-timing choices in KVSERVE_CACHE_DIR "
-                   "for) exactly these row counts instead of the decode graph sizes (the step budget's rows stay "
-                   "with the sustained choices unless --prefill-gemm-tuning 0); this process only")
-    p.add_argument("--sustained-gemm-rows", type=lambda v: [int(x) for x in v.split(",")], default=None,
-                   help="also look up the stored or shipped sustained matmul choices (never timed) at these row counts "
-                   "(decode graph sizes, say), besides the step budget's; this process only")
+                   help="the decode rows of the matmul tuning: exactly these row counts instead of the decode graph "
+                   "sizes (timed briefly with --gemm-tuning, else the stored or shipped sustained choices; the step "
+                   "budget's rows stay with theirs unless --prefill-gemm-tuning 0); this process only")
+    p.add_argument("--decode-gemm-choices", action=argparse.BooleanOptionalAction, default=None,
+                   help="override KVSERVE_DECODE_GEMM_CHOICES: the stored or shipped sustained matmul choices at the "
+                   "decode graph sizes; this process only")
     p.add_argument("--sync-debug", action="store_true",
                    help="count the synchronizing torch calls after start-up by call site (slows the host: "
                    "diagnostic runs only)")
@@ -1533,14 +1533,10 @@ def main() -> int:
 
         rows = sorted(set(args.gemm_tuning_rows))
         ModelRunner.gemm_tuning_rows = lambda self: rows  # type: ignore[method-assign]
-    if args.sustained_gemm_rows is not None:
-        from kvserve.worker.model_runner import ModelRunner
+    if args.decode_gemm_choices is not None:
+        from kvserve import envs
 
-        budget_rows = ModelRunner.prefill_gemm_tuning_rows
-        extra = sorted(set(args.sustained_gemm_rows))
-        ModelRunner.prefill_gemm_tuning_rows = (  # type: ignore[method-assign]
-            lambda self: sorted(set(budget_rows(self)) | set(extra)) if budget_rows(self) else []
-        )
+        envs.KVSERVE_DECODE_GEMM_CHOICES = args.decode_gemm_choices
     if args.prefill_graph_max_tokens is not None:
         from kvserve.worker import model_runner
 

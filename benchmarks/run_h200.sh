@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: dab40 dsw40 dec39 check39 final39 pgt39b c1ab39 pgt39 sus39 place38 dpdl38 gap38 busy38 tma38 ncuattn36 pair36 last36 pw36 final36 ab36 fuse36 ncu36 fix35 graphs35 final35 diag35 pairs35 pairs34 lop34 swap34 quant33 tp32a tp32b tp32c asc31b asc31 api30c api30b api30 client29b api29 client29 pytest28 cublas28 firstburst28 firstpass28w firstpass28s firstpass28e firstpass28 sweep28 abclient27 gcprobe27 client27 mnbt27 rowq26 gcserve26 gc26 bisect26 hash25 capfail25b capfail25 offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: final40 dab40 dsw40 dec39 check39 final39 pgt39b c1ab39 pgt39 sus39 place38 dpdl38 gap38 busy38 tma38 ncuattn36 pair36 last36 pw36 final36 ab36 fuse36 ncu36 fix35 graphs35 final35 diag35 pairs35 pairs34 lop34 swap34 quant33 tp32a tp32b tp32c asc31b asc31 api30c api30b api30 client29b api29 client29 pytest28 cublas28 firstburst28 firstpass28w firstpass28s firstpass28e firstpass28 sweep28 abclient27 gcprobe27 client27 mnbt27 rowq26 gcserve26 gc26 bisect26 hash25 capfail25b capfail25 offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Pass the local commit, written in literally (the device copy's git metadata can be stale, so a $(git ...) in
 # the command would read it there): KVSERVE_BENCH_COMMIT=<sha> bash ...
@@ -754,10 +754,30 @@ PY
         cp "$R/ncuattn36.log" "$OUT/"
         grep -a -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Waves Per|SM Active|Elapsed Cyc|Issue Slots|ncu rc|rror" \
           "$R/ncuattn36.log" | head -40 ;;
-    dsw40) # cuBLASLt's candidates at every decode graph size past the skinny matmul's 32 rows, timed sustained
+    final40) # The final code with its defaults (the shipped matmul choices at 8,192 rows and, new, at the decode
+        # graph sizes), empty Triton and choice caches: the GPU tests of the matmul tuning; start, decode, the seeds'
+        # and 256-sequence workloads, TTFT, prefix caching, HF; then the decode-size choices off / on twice on
+        # this host (decode batch 48 / 64 x 1k, seeds' and 256-sequence workloads).
+        timeout 90 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_ops.py \
+          -k "cublaslt or tuned or sustained or shipped" > "$R/pytest_final40.log" 2>&1
+        echo "pytest rc=$?" >> "$R/pytest_final40.log"
+        cp "$R/pytest_final40.log" "$OUT/"; grep -a "^FAILED\|^E  " "$R/pytest_final40.log" | head -8 | cut -c1-200
+        tail -2 "$R/pytest_final40.log"
+        TRITON_CACHE_DIR=$(mktemp -d) KVSERVE_CACHE_DIR=$(mktemp -d) timeout 300 python3 benchmarks/engine_benchmarks.py \
+          --out "$R/final40" --sections start,decode,seeds,random256,ttft,prefix,hf > "$R/final40.log" 2>&1
+        echo "engine_benchmarks rc=$?" >> "$R/final40.log"
+        cp "$R/final40.log" "$OUT/"
+        grep -a -E "^ +[0-9]+: |^engine start|^decode b|^seeds|^256 seqs|^TTFT|^prefix|^HF|kvserve / HF|rc=" "$R/final40.log" | cut -c1-130
+        off="--no-decode-gemm-choices"
+        engine_modes final40ab 120 "--sections decode,seeds,random256 --decode-batches 48,64 --decode-contexts 1024" \
+          "off1:$off" "on1:" "off2:$off" "on2:"
+        grep -a -E "^decode b|^seeds|^256 seqs|mode .* done|Error" "$R/final40ab_engine.log" | cut -c1-100 ;;
+    dsw40) # Ran at ac2fb17 (session 40 call 1), "on" as --sustained-gemm-rows $DEC_ROWS (the engine's
+        # KVSERVE_DECODE_GEMM_CHOICES since, on by default); written with --no-decode-gemm-choices for "off" since.
+        # cuBLASLt's candidates at every decode graph size past the skinny matmul's 32 rows, timed sustained
         # (0.25 s warm, 0.25 s timed; the 5 fastest by a short timing, and torch's pick before and after), written
-        # as stored sustained choices; then the engine with them at those row counts (--sustained-gemm-rows)
-        # against without (both keep the shipped 8,192-row choices): decode batch 64 x 1k, the seeds' and the
+        # as stored sustained choices; then the engine with them at those row counts against without (both keep
+        # the shipped 8,192-row choices): decode batch 64 x 1k, the seeds' and the
         # 256-sequence workloads, off / on, one host.
         rm -rf /tmp/dsw40 && mkdir -p /tmp/dsw40
         timeout 330 python3 benchmarks/cublaslt_algos.py --out "$R/lt_dsw40.json" --rows "$DEC_ROWS" \
@@ -769,19 +789,20 @@ PY
         if [ -s /tmp/dsw40/gemm_tuning.json ]; then
           KVSERVE_CACHE_DIR=/tmp/dsw40 engine_modes dsw40 120 \
             "--sections decode,seeds,random256 --decode-batches 64 --decode-contexts 1024" \
-            "off:" "on:--sustained-gemm-rows $DEC_ROWS"
+            "off:--no-decode-gemm-choices" "on:"
           grep -a -E "^decode b|^seeds|^256 seqs|matmul tuning|mode .* done|Error" "$R/dsw40_engine.log" | cut -c1-110
         fi ;;
-    dab40) # The decode-size sustained choices of a stored file (DSW_FILE, from dsw40) in the engine against
+    dab40) # Ran at c7fb69d (session 40 call 2) as dsw40 did; written for the engine's flags since.
+        # The decode-size sustained choices of a stored file (DSW_FILE, from dsw40) in the engine against
         # without, and with them and gate/up at 33-64 rows by cuBLASLt + silu_and_mul instead of the fused TMA
         # kernel (tma_off), off / on / tma_off twice, one host: decode batch 48 / 64 x 1k, seeds' and 256-sequence
         # workloads.
         rm -rf /tmp/dab40 && mkdir -p /tmp/dab40 && cp "$DSW_FILE" /tmp/dab40/gemm_tuning.json
-        on="--sustained-gemm-rows $DEC_ROWS"
+        off="--no-decode-gemm-choices"
         KVSERVE_CACHE_DIR=/tmp/dab40 engine_modes dab40 120 \
           "--sections decode,seeds,random256 --decode-batches 48,64 --decode-contexts 1024" \
-          "off1:" "on1:$on" "tma_off1:$on --no-decode-gate-up-tma" \
-          "off2:" "on2:$on" "tma_off2:$on --no-decode-gate-up-tma"
+          "off1:$off" "on1:" "tma_off1:--no-decode-gate-up-tma" \
+          "off2:$off" "on2:" "tma_off2:--no-decode-gate-up-tma"
         grep -a -E "^decode b|^seeds|^256 seqs|matmul tuning|mode .* done|Error" "$R/dab40_engine.log" | cut -c1-110 ;;
     dec39) # Data for later: cuBLASLt's candidates at decode sizes (64 rows: the batch-64 target; 256: the 256-sequence
         # workload's largest batches) timed sustained (0.4 s warm, 0.4 s timed) against torch's pick. No engine run.

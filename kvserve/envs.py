@@ -52,20 +52,28 @@ KVSERVE_TRITON_PRECOMPILE: bool = _int("KVSERVE_TRITON_PRECOMPILE", 1) != 0
 # Threads for that compile (0: the cores this process may use, at most 8).
 KVSERVE_TRITON_PRECOMPILE_WORKERS: int = _int("KVSERVE_TRITON_PRECOMPILE_WORKERS", 0)
 # Time cuBLASLt's candidate algorithms for the model's matmuls at start (at the decode graph sizes past the
-# Triton skinny matmul) and run the fastest where it beats torch's own pick by 1 % (1: on; 0: off, the
-# default). The choices are kept in KVSERVE_CACHE_DIR, so only the first start with a GPU and library
-# versions pays the timing (about 3 s for a 7B model on the H200). Off by default: on the H200 it made decode
-# 0-2 % faster, the start that timed the choices did not gain at 48-64 rows, and the timing adds to the
-# first start. See kvserve/kernels/cublaslt.py and docs/perf_notes.md, entry 28.
+# Triton skinny matmul, instead of KVSERVE_DECODE_GEMM_CHOICES' stored ones) and run the fastest where it beats
+# torch's own pick by 1 % (1: on; 0: off, the default). The choices are kept in KVSERVE_CACHE_DIR, so only
+# the first start with a GPU and library versions pays the timing (about 3 s for a 7B model on the H200). Off
+# by default: on the H200 it made decode 0-2 % faster, the start that timed the choices did not gain at 48-64
+# rows, and the timing adds to the first start. See kvserve/kernels/cublaslt.py and docs/perf_notes.md,
+# entry 28.
 KVSERVE_GEMM_TUNING: bool = _int("KVSERVE_GEMM_TUNING", 0) != 0
 # cuBLASLt algorithms for the model's matmuls at the step budget's token count (max_num_batched_tokens, when
 # past the prefill CUDA graphs), chosen by timing on a GPU kept busy, as a long prefill runs at the clock the
 # power cap allows. 0: off (torch's picks). 1 (the default): the choices stored in KVSERVE_CACHE_DIR or shipped
 # with kvserve (kvserve/kernels/gemm_sustained_choices.json: "NVIDIA H200", cuBLASLt 130100, torch
-# 2.11.0+cu130, the Qwen2.5-7B shapes at 8,192 rows; an exact match only), no timing; torch's picks
-# elsewhere. 2: also time the candidates at start where neither holds a choice (12 s of the first start for a
-# 7B model on the H200), stored for later starts. See docs/perf_notes.md, entry 56.
+# 2.11.0+cu130, the Qwen2.5-7B shapes at 8,192 rows and at the decode graph sizes; an exact match only), no
+# timing; torch's picks elsewhere. 2: also time the candidates at start where neither holds a choice (12 s of
+# the first start for a 7B model on the H200), stored for later starts. See docs/perf_notes.md, entry 56.
 KVSERVE_PREFILL_GEMM_TUNING: int = _int("KVSERVE_PREFILL_GEMM_TUNING", 1)
+# cuBLASLt algorithms for the model's matmuls at the decode graph sizes past the Triton skinny matmul, chosen
+# by timing each candidate on a GPU kept busy (benchmarks/cublaslt_algos.py --sustained-s: a throughput
+# workload's decode steps run at the clock the power cap allows). 1 (the default): the choices stored in
+# KVSERVE_CACHE_DIR or shipped with kvserve (the file and exact-match rule above: the Qwen2.5-7B shapes at
+# 48-256 rows on the H200), never timed at start; torch's picks elsewhere. 0: off. KVSERVE_GEMM_TUNING=1 times
+# these sizes briefly instead. See docs/perf_notes.md, entry 57.
+KVSERVE_DECODE_GEMM_CHOICES: bool = _int("KVSERVE_DECODE_GEMM_CHOICES", 1) != 0
 # Where results that outlive a run are kept (the matmul tuning's choices): $XDG_CACHE_HOME/kvserve, else
 # ~/.cache/kvserve.
 KVSERVE_CACHE_DIR: str = _str("KVSERVE_CACHE_DIR", None) or os.path.join(

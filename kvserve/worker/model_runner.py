@@ -463,15 +463,25 @@ class ModelRunner:
     def gemm_tuning_enabled(self) -> bool:
         return bool(self.gemm_tuning_plan())
 
-    def gemm_tuning_plan(self) -> list[tuple[int, bool]]:
-        """(rows, sustained) the start-up matmul tuning covers on CUDA: the decode graph sizes, timed briefly
-        each, with KVSERVE_GEMM_TUNING; the large prefill step's rows, chosen by sustained timings (stored,
-        shipped, or timed at start with KVSERVE_PREFILL_GEMM_TUNING=2), unless KVSERVE_PREFILL_GEMM_TUNING=0."""
+    def gemm_tuning_plan(self) -> list[tuple[int, bool, bool]]:
+        """(rows, sustained, time_missing) the start-up matmul tuning covers on CUDA:
+        * the decode graph sizes: timed briefly each with KVSERVE_GEMM_TUNING; else, with
+          KVSERVE_DECODE_GEMM_CHOICES, the stored or shipped sustained choices, never timed at start (cuBLASLt's
+          candidates at these sizes are timed sustained by benchmarks/cublaslt_algos.py);
+        * the large prefill step's rows: sustained choices, stored, shipped, or timed at start with
+          KVSERVE_PREFILL_GEMM_TUNING=2; none with KVSERVE_PREFILL_GEMM_TUNING=0.
+        A decode graph size equal to the step budget is the budget's."""
         if self.device.type != "cuda":
             return []
-        sustained = self.prefill_gemm_tuning_rows()
-        short = [rows for rows in self.gemm_tuning_rows() if rows not in sustained] if envs.KVSERVE_GEMM_TUNING else []
-        return [(rows, False) for rows in short] + [(rows, True) for rows in sustained]
+        budget = self.prefill_gemm_tuning_rows()
+        decode = [rows for rows in self.gemm_tuning_rows() if rows not in budget]
+        if envs.KVSERVE_GEMM_TUNING:
+            plan = [(rows, False, True) for rows in decode]
+        elif envs.KVSERVE_DECODE_GEMM_CHOICES:
+            plan = [(rows, True, False) for rows in decode]
+        else:
+            plan = []
+        return plan + [(rows, True, envs.KVSERVE_PREFILL_GEMM_TUNING >= 2) for rows in budget]
 
     def gemm_tuning_rows(self) -> list[int]:
         """Row counts whose matmuls are tuned at start: the decode graph sizes past the Triton skinny matmul's
@@ -519,7 +529,7 @@ class ModelRunner:
         results: list[cublaslt.TuneResult] = []
         unavailable: list[str] = []
         try:
-            for rows, sustained in plan:
+            for rows, sustained, time_missing in plan:
                 for weights, biases in groups.values():
                     # Enough distinct weights that a call never finds the previous one's in L2 (about 200 MB).
                     nbytes = weights[0].numel() * weights[0].element_size()
@@ -528,7 +538,7 @@ class ModelRunner:
                         results.append(cublaslt.tune(rows, weights[:count], biases[:count], cache=cache,
                                                      torch_candidate=GEMM_TUNING_TORCH_CANDIDATE,
                                                      sustained=sustained, defaults=shipped if sustained else None,
-                                                     time_missing=not sustained or envs.KVSERVE_PREFILL_GEMM_TUNING >= 2))
+                                                     time_missing=time_missing))
                     except cublaslt.LtUnavailable as exc:
                         unavailable.append(str(exc))
             if any(not r.cached and not r.untimed for r in results):

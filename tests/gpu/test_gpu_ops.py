@@ -420,6 +420,42 @@ def test_tuned_linear_runs_in_a_cuda_graph_and_keeps_its_choice(tmp_path: object
         cublaslt.clear_tuning()
 
 
+def test_a_shipped_decode_size_choice_applies_on_its_stack() -> None:
+    """On the stack the shipped choices were measured on (GPU, cuBLASLt and torch builds), the shipped choice
+    for the Qwen2.5-7B down projection at 192 rows (a cuBLASLt candidate) is found untimed, registered, and
+    computes linear inside a CUDA graph as eagerly; on another stack nothing is shipped for it (skip)."""
+    from kvserve.kernels import cublaslt
+
+    n, k, m = 3584, 18944, 192
+    shipped = cublaslt.shipped_choices()
+    key = cublaslt.cache_key(torch.device("cuda"), m, n, k, torch.bfloat16, False, sustained=True)
+    if key not in shipped:
+        pytest.skip("the shipped matmul choices are for another GPU or library stack")
+    assert shipped[key]["choice"] != cublaslt.TORCH_CHOICE
+    cublaslt.clear_tuning()
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    weights = [(torch.randn(n, k, generator=gen, device="cuda") * k**-0.5).bfloat16() for _ in range(2)]
+    try:
+        result = cublaslt.tune(m, weights, [None, None], cache={}, sustained=True, defaults=shipped,
+                               time_missing=False)
+        assert result.cached and not result.untimed and result.choice != cublaslt.TORCH_CHOICE
+        x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
+        plan = cublaslt.tuned_plan(x, weights[0], None)
+        assert plan is not None and plan.chosen == result.choice
+        eager = ops.linear(x, weights[0], None)
+        expected = torch.nn.functional.linear(x.float(), weights[0].float())
+        assert (eager.float() - expected).abs().max().item() <= 2e-2 * expected.abs().max().item()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = ops.linear(x, weights[0], None)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+    finally:
+        cublaslt.clear_tuning()
+
+
 def test_sustained_tuning_chooses_a_correct_plan_and_stores_it_apart(monkeypatch: pytest.MonkeyPatch) -> None:
     """tune(..., sustained=True) at a prefill-sized row count on the GPU (the warm-up and rounds shortened):
     every correct candidate is timed, the registered plan computes linear, and the choice is stored under the

@@ -356,6 +356,15 @@ def test_the_shipped_choices_file_is_well_formed() -> None:
     shipped = cublaslt.shipped_choices()
     assert shipped and all(key.endswith("|sustained") for key in shipped)
     assert all(cublaslt._valid_entry(entry) for entry in shipped.values())
+    # They cover the default decode graph sizes past the skinny matmul up to 256 (the default max_num_seqs)
+    # and the default step budget, for each of the four layer shapes (n x k) of the measured model.
+    from kvserve.config import DEFAULT_CUDA_GRAPH_SIZES
+
+    rows_shapes = {key.split("|")[7] for key in shipped}
+    shapes = {shape.split("x", 1)[1] for shape in rows_shapes}
+    assert len(shapes) == 4
+    decode = [n for n in DEFAULT_CUDA_GRAPH_SIZES if ops.SKINNY_GEMM_MAX_ROWS < n <= 256]
+    assert {f"{rows}x{shape}" for rows in [*decode, 8192] for shape in shapes} == rows_shapes
 
 
 def _tuning_stub(device: str, use_cuda_graphs: bool, graph_sizes: list[int], budget: int) -> SimpleNamespace:
@@ -367,26 +376,32 @@ def _tuning_stub(device: str, use_cuda_graphs: bool, graph_sizes: list[int], bud
     return stub
 
 
-@pytest.mark.parametrize("decode_tuning", [False, True])
-def test_the_tuning_plan_adds_the_step_budget_timed_sustained(monkeypatch: pytest.MonkeyPatch,
-                                                               decode_tuning: bool) -> None:
+@pytest.mark.parametrize("decode_mode", ["short", "stored", "off"])
+@pytest.mark.parametrize("prefill_mode", [1, 2])
+def test_the_tuning_plan_adds_the_step_budget_timed_sustained(monkeypatch: pytest.MonkeyPatch, decode_mode: str,
+                                                               prefill_mode: int) -> None:
     """The step budget's rows are tuned sustained when they are past the CUDA graphs' prefill sizes (steps
-    that run eagerly); never on the CPU, nor with KVSERVE_PREFILL_GEMM_TUNING off; a decode graph size equal
-    to the budget is tuned once, sustained."""
+    that run eagerly), timed at start only with KVSERVE_PREFILL_GEMM_TUNING=2; never on the CPU, nor with
+    KVSERVE_PREFILL_GEMM_TUNING off. The decode graph sizes are timed briefly with KVSERVE_GEMM_TUNING, else
+    take the stored or shipped sustained choices untimed (KVSERVE_DECODE_GEMM_CHOICES, the default); a decode
+    graph size equal to the budget is tuned once, as the budget."""
     from kvserve import envs
     from kvserve.worker import model_runner
 
-    monkeypatch.setattr(envs, "KVSERVE_GEMM_TUNING", decode_tuning)
-    monkeypatch.setattr(envs, "KVSERVE_PREFILL_GEMM_TUNING", 1)
-    decode = [(48, False), (64, False)] if decode_tuning else []
+    monkeypatch.setattr(envs, "KVSERVE_GEMM_TUNING", decode_mode == "short")
+    monkeypatch.setattr(envs, "KVSERVE_DECODE_GEMM_CHOICES", decode_mode == "stored")
+    monkeypatch.setattr(envs, "KVSERVE_PREFILL_GEMM_TUNING", prefill_mode)
+    decode = {"short": [(48, False, True), (64, False, True)], "stored": [(48, True, False), (64, True, False)],
+              "off": []}[decode_mode]
+    budget = (8192, True, prefill_mode == 2)
     plan = ModelRunner.gemm_tuning_plan  # type: ignore[arg-type]
-    assert plan(_tuning_stub("cuda", True, [8, 48, 64], 8192)) == decode + [(8192, True)]
-    assert plan(_tuning_stub("cuda", False, [8, 48, 64], 8192)) == [(8192, True)]  # eager: prefill rows only
+    assert plan(_tuning_stub("cuda", True, [8, 48, 64], 8192)) == decode + [budget]
+    assert plan(_tuning_stub("cuda", False, [8, 48, 64], 8192)) == [budget]  # eager: prefill rows only
     assert plan(_tuning_stub("cpu", True, [8, 48, 64], 8192)) == []
     graphs_limit = max(model_runner.PREFILL_GRAPH_MAX_TOKENS, model_runner.PIECEWISE_GRAPH_MAX_TOKENS)
     assert plan(_tuning_stub("cuda", True, [8, 48, 64], graphs_limit)) == decode  # such steps replay graphs
     both = plan(_tuning_stub("cuda", True, [8, 48, 64, 4096], 4096))  # the budget's rows: sustained either way
-    assert both == decode + [(4096, True)]
+    assert both == decode + [(4096, True, prefill_mode == 2)]
     monkeypatch.setattr(envs, "KVSERVE_PREFILL_GEMM_TUNING", 0)
     assert plan(_tuning_stub("cuda", True, [8, 48, 64], 8192)) == decode
 
@@ -460,22 +475,27 @@ def test_default_start_times_nothing_and_writes_nothing_without_a_stored_choice(
     timing_mode: int,
 ) -> None:
     """tune_gemms with the real tune(): KVSERVE_PREFILL_GEMM_TUNING=1 and no stored or shipped choice for the
-    shapes leaves torch's picks, untimed, and writes no file; 2 times them sustained and stores the choices."""
+    shapes leaves torch's picks, untimed, and writes no file; 2 times the step budget's rows sustained and
+    stores the choices. The decode graph sizes (48, 64) are looked up and never timed, in both."""
     from kvserve import envs
 
     monkeypatch.setattr(envs, "KVSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(envs, "KVSERVE_GEMM_TUNING", False)
+    monkeypatch.setattr(envs, "KVSERVE_DECODE_GEMM_CHOICES", True)
     monkeypatch.setattr(envs, "KVSERVE_PREFILL_GEMM_TUNING", timing_mode)
     fake_lt["times"].update({cublaslt.TORCH_CHOICE: 100.0, 0: 90.0, 1: 80.0, 2: 95.0})
     runner = _tuning_runner(tiny_model_dir)
     results = runner.tune_gemms()
-    assert results and all(r.rows == 4096 for r in results)
+    assert {r.rows for r in results} == {48, 64, 4096}
+    decode = [r for r in results if r.rows != 4096]
+    budget = [r for r in results if r.rows == 4096]
+    assert decode and all(r.untimed and r.choice == cublaslt.TORCH_CHOICE for r in decode)
     if timing_mode == 1:
-        assert all(r.untimed and r.choice == cublaslt.TORCH_CHOICE for r in results)
+        assert all(r.untimed and r.choice == cublaslt.TORCH_CHOICE for r in budget)
         assert not fake_lt["timed"] and not list(tmp_path.iterdir()) and cublaslt.num_tuned() == 0
     else:
-        assert all(not r.untimed and r.choice == 1 for r in results)
-        assert len(fake_lt["sustained_calls"]) == len(results)
+        assert budget and all(not r.untimed and r.choice == 1 for r in budget)
+        assert len(fake_lt["sustained_calls"]) == len(budget)
         stored = cublaslt.load_cache(tmp_path / "gemm_tuning.json")
-        assert len(stored) == len(results) and all(key.endswith("|sustained") for key in stored)
+        assert len(stored) == len(budget) and all(key.endswith("|sustained") and "|4096x" in key for key in stored)
     cublaslt.clear_tuning()
