@@ -427,15 +427,17 @@ def test_a_shipped_decode_size_choice_applies_on_its_stack() -> None:
     from kvserve.kernels import cublaslt
 
     n, k, m = 3584, 18944, 192
-    shipped = cublaslt.shipped_choices()
-    key = cublaslt.cache_key(torch.device("cuda"), m, n, k, torch.bfloat16, False, sustained=True)
-    if key not in shipped:
-        pytest.skip("the shipped matmul choices are for another GPU or library stack")
-    assert shipped[key]["choice"] != cublaslt.TORCH_CHOICE
-    cublaslt.clear_tuning()
-    gen = torch.Generator(device="cuda").manual_seed(11)
-    weights = [(torch.randn(n, k, generator=gen, device="cuda") * k**-0.5).bfloat16() for _ in range(2)]
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")  # the engine's setting (part of the key)
     try:
+        shipped = cublaslt.shipped_choices()
+        key = cublaslt.cache_key(torch.device("cuda"), m, n, k, torch.bfloat16, False, sustained=True)
+        if key not in shipped:
+            pytest.skip(f"the shipped matmul choices are for another GPU or library stack (not {key})")
+        assert shipped[key]["choice"] != cublaslt.TORCH_CHOICE
+        cublaslt.clear_tuning()
+        gen = torch.Generator(device="cuda").manual_seed(11)
+        weights = [(torch.randn(n, k, generator=gen, device="cuda") * k**-0.5).bfloat16() for _ in range(2)]
         result = cublaslt.tune(m, weights, [None, None], cache={}, sustained=True, defaults=shipped,
                                time_missing=False)
         assert result.cached and not result.untimed and result.choice != cublaslt.TORCH_CHOICE
@@ -454,6 +456,7 @@ def test_a_shipped_decode_size_choice_applies_on_its_stack() -> None:
         assert torch.equal(out, eager)
     finally:
         cublaslt.clear_tuning()
+        torch.backends.cuda.preferred_blas_library(before)
 
 
 def test_sustained_tuning_chooses_a_correct_plan_and_stores_it_apart(monkeypatch: pytest.MonkeyPatch) -> None:
