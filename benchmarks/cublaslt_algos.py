@@ -11,9 +11,9 @@ Ends with a table per row count: one decode step's matmuls (28 layers and the LM
 pick and with the faster of torch's pick and the fastest candidate, per shape, and the floors at 4.28 TB/s and at --peak-tflops.
 
 `--sustained-s S` also times torch's pick (before and after) and every correct candidate (or the
-`--sustained-top K` fastest by the short timing) over S seconds of
-back-to-back work after S seconds of warm-up (`common.sustained`: the clock the power cap allows, and the
-energy per call), as a long prefill runs; `--tuning-out FILE` then writes each shape's choice by the
+`--sustained-top K` fastest by the short timing) over S seconds of back-to-back work after S seconds of
+warm-up (`common.sustained`: the clock the power cap allows, and the energy per call), as a long prefill
+or a busy engine's decode steps run; `--tuning-out FILE` then writes each shape's choice by the
 sustained times as the engine's stored sustained choices (`kvserve.kernels.cublaslt` cache entries): read
 from KVSERVE_CACHE_DIR/gemm_tuning.json, or shipped as kvserve/kernels/gemm_sustained_choices.json.
 """
@@ -95,6 +95,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.tuning_out is not None and args.sustained_s <= 0:
         parser.error("--tuning-out needs --sustained-s")
+    if args.sustained_top < 0:
+        parser.error("--sustained-top must be 0 (all) or more")
     energy = GpuEnergy() if args.sustained_s > 0 else None
     tuning: dict[str, dict] = {}
     torch.backends.cuda.preferred_blas_library("cublaslt")  # what the engine runs

@@ -1437,21 +1437,23 @@ def main() -> int:
                    help="override triton_attention.DECODE_FUSED_MERGE_MAX_SPLITS: split decode attention up to this "
                    "many splits merges in its last program (0: always a reduce launch)")
     p.add_argument("--gemm-tuning", action=argparse.BooleanOptionalAction, default=None,
-                   help="override KVSERVE_GEMM_TUNING: time cuBLASLt's candidates for the model's matmuls at start")
+                   help="override KVSERVE_GEMM_TUNING: time cuBLASLt's candidates for the model's matmuls at start "
+                   "at the decode graph sizes (instead of the stored or shipped decode-size choices)")
     p.add_argument("--prefill-gemm-tuning", type=int, choices=(0, 1, 2), default=None,
                    help="override KVSERVE_PREFILL_GEMM_TUNING: the sustained matmul choices at the step budget's rows "
                    "(0 off, 1 stored or shipped, 2 also timed at start where none is); this process only: "
                    "tensor-parallel workers read KVSERVE_PREFILL_GEMM_TUNING")
     p.add_argument("--no-shipped-gemm-choices", action="store_true",
-                   help="the prefill matmul tuning ignores kvserve's shipped choices (times the candidates instead "
-                   "where KVSERVE_CACHE_DIR holds none, with --prefill-gemm-tuning 2); this process only")
+                   help="the matmul tuning ignores kvserve's shipped choices, at the step budget's rows (times the "
+                   "candidates instead where KVSERVE_CACHE_DIR holds none, with --prefill-gemm-tuning 2) and at the "
+                   "decode sizes (torch's picks where KVSERVE_CACHE_DIR holds none); this process only")
     p.add_argument("--gemm-tuning-rows", type=lambda v: [int(x) for x in v.split(",")], default=None,
                    help="the decode rows of the matmul tuning: exactly these row counts instead of the decode graph "
                    "sizes (timed briefly with --gemm-tuning, else the stored or shipped sustained choices; the step "
                    "budget's rows stay with theirs unless --prefill-gemm-tuning 0); this process only")
     p.add_argument("--decode-gemm-choices", action=argparse.BooleanOptionalAction, default=None,
                    help="override KVSERVE_DECODE_GEMM_CHOICES: the stored or shipped sustained matmul choices at the "
-                   "decode graph sizes; this process only")
+                   "decode graph sizes; this process only: tensor-parallel workers read KVSERVE_DECODE_GEMM_CHOICES")
     p.add_argument("--sync-debug", action="store_true",
                    help="count the synchronizing torch calls after start-up by call site (slows the host: "
                    "diagnostic runs only)")

@@ -1,11 +1,12 @@
 """cuBLASLt called directly (ctypes), so that a matmul can run an algorithm chosen by timing instead of the
 library's first heuristic pick.
 
-torch's `linear` on CUDA asks cuBLASLt's heuristic for one algorithm and runs it. For the decode batch sizes
-the heuristic's first pick is not always its fastest candidate (docs/perf_notes.md, entry 28). Used only
-when `KVSERVE_GEMM_TUNING` is on. This module
-holds a `LtMatmul` per (rows, N, K, dtype, bias): its matrix layouts, the heuristic's candidates, and the one
-to run. `LtMatmul.run(x, weight, bias, out)` computes `torch.nn.functional.linear(x, weight, bias)` into
+torch's `linear` on CUDA asks cuBLASLt's heuristic for one algorithm and runs it. That first pick is not
+always the fastest candidate: at some decode batch sizes (docs/perf_notes.md, entry 28), and more often over
+a long, busy run at the clock the power cap allows (entries 56, 57). Used where start-up registers a choice:
+stored or shipped ones by default (`KVSERVE_PREFILL_GEMM_TUNING`, `KVSERVE_DECODE_GEMM_CHOICES`), timed ones
+with `KVSERVE_GEMM_TUNING=1` or `KVSERVE_PREFILL_GEMM_TUNING=2`. This module holds a `LtMatmul` per (rows,
+N, K, dtype, bias): its matrix layouts, the heuristic's candidates, and the one to run. `LtMatmul.run(x, weight, bias, out)` computes `torch.nn.functional.linear(x, weight, bias)` into
 `out` on the current stream (CUDA-graph capturable: no host sync, a fixed workspace).
 
 The library is the one torch already loaded (found in the process's mapped files), so there is no second
@@ -578,13 +579,14 @@ def tune(rows: int, weights: list[torch.Tensor], biases: list[torch.Tensor | Non
     (`_time_sustained_us`), as the large prefill steps run, instead of one short timing each.
 
     A shape decided before in this process keeps its choice, however it was decided (one plan per shape and
-    row count: the first decision wins, sustained or not). With `cache`, a stored choice (of the same
-    timing mode) is taken without timing when it is torch's pick, or a candidate still offered that still
-    computes within the tolerance; new results are stored in it. `torch_candidate=False` leaves torch's pick
-    out (tests: the cuBLASLt path always runs). `defaults` (`shipped_choices()`) is read like `cache` where
-    `cache` has no entry for the shape. `time_missing=False`: where neither holds a usable choice, torch's pick
-    (not stored) instead of timing; with torch's pick left out (torch_candidate=False) the candidates are
-    timed anyway. Raises LtUnavailable when cuBLASLt cannot be used for this shape."""
+    row count: the first decision wins, sustained or not). With `cache`, a stored choice (of the same timing
+    mode) is taken without timing when it is torch's pick, or a candidate still offered that still computes
+    within the tolerance; new results are stored in it. `torch_candidate=False` leaves torch's pick out
+    (tests: the cuBLASLt path always runs). `defaults` (`shipped_choices()`) is read like `cache` where `cache`
+    has no entry for the shape. `time_missing=False`: where neither holds a usable choice, torch's pick (not
+    stored, and not a decision: a later call may time the shape) instead of timing; with torch's pick left out
+    (torch_candidate=False) the candidates are timed anyway. Raises LtUnavailable when cuBLASLt cannot be used
+    for this shape."""
     w0, b0 = weights[0], biases[0]
     n, k = w0.shape
     device_index = _device_index(w0)
@@ -605,7 +607,7 @@ def tune(rows: int, weights: list[torch.Tensor], biases: list[torch.Tensor | Non
             rows, n, k, b0 is not None, float("nan"), stored_us, TORCH_CHOICE, 0, 0, True))
     untimed = TuneResult(rows, n, k, b0 is not None, float("nan"), float("nan"), TORCH_CHOICE, 0, 0, untimed=True)
     if entry is None and not time_missing and torch_candidate:
-        return _register(key, torch_candidate, None, untimed)
+        return untimed  # not registered: not a decision
     plan = LtMatmul(rows, n, k, w0.dtype, b0 is not None, device_index)
     gen = torch.Generator(device=w0.device).manual_seed(rows * 7919 + n)
     x = torch.randn(rows, k, generator=gen, device=w0.device, dtype=torch.float32).to(w0.dtype)
@@ -618,7 +620,7 @@ def tune(rows: int, weights: list[torch.Tensor], biases: list[torch.Tensor | Non
             return _register(key, torch_candidate, plan, TuneResult(
                 rows, n, k, b0 is not None, float("nan"), stored_us, found[0], len(plan.candidates), 0, True))
     if not time_missing and torch_candidate:  # the stored algorithm is gone or computes wrongly now
-        return _register(key, torch_candidate, None, untimed)
+        return untimed  # not registered: not a decision
 
     def run_torch() -> None:
         for w, b in zip(weights, biases, strict=True):

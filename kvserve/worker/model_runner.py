@@ -509,8 +509,9 @@ class ModelRunner:
         shape of the model (not the LM head) at each row count of `gemm_tuning_plan()` (by timing, or from the
         stored or shipped choices) and register the choice (`ops.linear` runs it), before the CUDA graphs are
         captured. Timed choices are kept in KVSERVE_CACHE_DIR, so a later start with the same GPU, libraries
-        and shapes only checks them. Does nothing when both tunings are off; a shape cuBLASLt cannot run, or any
-        failure of the tuning, leaves torch's pick for it (start-up never fails for this optional step)."""
+        and shapes only checks them. Does nothing when the plan is empty (all three switches off, or eager on
+        a small step budget); a shape cuBLASLt cannot run, or any failure of the tuning, leaves torch's pick for
+        it (start-up never fails for this optional step)."""
         plan = self.gemm_tuning_plan()
         if not plan:
             return []

@@ -667,6 +667,10 @@ def test_tuned_cublaslt_matmuls_match_torch(
     from kvserve.worker import model_runner
 
     monkeypatch.setattr(envs, "KVSERVE_CACHE_DIR", str(tmp_path))
+    # The untuned engine must run torch's picks: no stored decode-size choices looked up (with torch's pick
+    # left out below, a lookup that finds nothing times the candidates).
+    monkeypatch.setattr(envs, "KVSERVE_DECODE_GEMM_CHOICES", False)
+    monkeypatch.setattr(envs, "KVSERVE_PREFILL_GEMM_TUNING", 0)
     prompts = _prompts(40, seed=11)
     results = {}
     runs: list[int] = []
@@ -684,8 +688,11 @@ def test_tuned_cublaslt_matmuls_match_torch(
             monkeypatch.setattr(model_runner, "GEMM_TUNING_DTYPES", (torch.float32,))
             monkeypatch.setattr(model_runner, "GEMM_TUNING_TORCH_CANDIDATE", False)
             monkeypatch.setattr(cublaslt.LtMatmul, "run", counted)
+            runs.clear()
             core = _core(checkpoints[model], "float32", enforce_eager=enforce_eager, max_num_seqs=48)
             at_start = list(runs)  # the tuning runs after the warm-up: these calls are the graph captures'
+            if not tuned:
+                assert cublaslt.num_tuned() == 0  # torch's picks only
             if tuned and not enforce_eager:
                 assert 48 in at_start  # the 48-row decode graph captured the cuBLASLt path
                 assert cublaslt.num_tuned() > 0
@@ -693,11 +700,13 @@ def test_tuned_cublaslt_matmuls_match_torch(
             if enforce_eager:
                 assert cublaslt.num_tuned() == 0
             results[tuned] = _generate(core, prompts, 12)
+            if not tuned:
+                assert not runs  # neither at start nor serving
             del core
     finally:
         cublaslt.clear_tuning()
     if not enforce_eager:
-        assert set(runs) <= {48}  # nothing else is tuned
+        assert set(runs) <= {48}  # nothing else is tuned (the tuned engine's calls)
     else:
         assert not runs
     assert results[True] == results[False]

@@ -367,6 +367,36 @@ def test_every_cublaslt_candidate_computes_linear(dtype: torch.dtype, m: int) ->
             assert err <= 2e-2 * expected.abs().max().item(), (name, i, plan.config(i), err)
 
 
+def _tuned_linear_eager_and_graphed(x: torch.Tensor, weight: torch.Tensor,
+                                    bias: torch.Tensor | None) -> tuple[torch.Tensor, list[int]]:
+    """ops.linear(x, weight, bias) eagerly, and captured in a CUDA graph replayed twice over a poisoned output
+    (asserted bitwise equal to the eager result): (the eager result, the cuBLASLt candidate each ops.linear
+    call ran, [] for torch's linear)."""
+    from kvserve.kernels import cublaslt
+
+    runs: list[int] = []
+    run = cublaslt.LtMatmul.run
+
+    def counted(self: cublaslt.LtMatmul, *args: object, **kwargs: object) -> torch.Tensor:
+        runs.append(self.chosen)
+        return run(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    cublaslt.LtMatmul.run = counted  # type: ignore[method-assign]
+    try:
+        eager = ops.linear(x, weight, bias)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = ops.linear(x, weight, bias)
+    finally:
+        cublaslt.LtMatmul.run = run  # type: ignore[method-assign]
+    for _ in range(2):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+    return eager, runs
+
+
 def test_tuned_linear_runs_in_a_cuda_graph_and_keeps_its_choice(tmp_path: object) -> None:
     """tune() registers a cuBLASLt plan (torch left out, so one is registered) that ops.linear then runs,
     eagerly and captured in a graph replayed over a poisoned output; the choice is stored in the results
@@ -389,29 +419,9 @@ def test_tuned_linear_runs_in_a_cuda_graph_and_keeps_its_choice(tmp_path: object
         assert cublaslt.tuned_plan(x, weights[1], None) is None  # no plan for the shape without bias
         assert cublaslt.tuned_plan(x[:32], weights[1], biases[1]) is None  # nor for other row counts
         expected = torch.nn.functional.linear(x.float(), weights[1].float(), biases[1].float())
-        tolerance = 2e-2 * expected.abs().max().item()
-        runs: list[int] = []
-        run = cublaslt.LtMatmul.run
-
-        def counted(self: cublaslt.LtMatmul, *args: object, **kwargs: object) -> torch.Tensor:
-            runs.append(self.chosen)
-            return run(self, *args, **kwargs)  # type: ignore[arg-type]
-
-        cublaslt.LtMatmul.run = counted  # type: ignore[method-assign]
-        try:
-            eager = ops.linear(x, weights[1], biases[1])
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = ops.linear(x, weights[1], biases[1])
-        finally:
-            cublaslt.LtMatmul.run = run  # type: ignore[method-assign]
+        eager, runs = _tuned_linear_eager_and_graphed(x, weights[1], biases[1])
         assert runs == [result.choice, result.choice]
-        assert (eager.float() - expected).abs().max().item() <= tolerance
-        for _ in range(2):
-            out.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, eager)
+        assert (eager.float() - expected).abs().max().item() <= 2e-2 * expected.abs().max().item()
         stored = dict(cache)
         cublaslt.clear_tuning()
         again = cublaslt.tune(m, weights, biases, cache=cache, torch_candidate=False)
@@ -444,16 +454,10 @@ def test_a_shipped_decode_size_choice_applies_on_its_stack() -> None:
         x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
         plan = cublaslt.tuned_plan(x, weights[0], None)
         assert plan is not None and plan.chosen == result.choice
-        eager = ops.linear(x, weights[0], None)
+        eager, runs = _tuned_linear_eager_and_graphed(x, weights[0], None)
+        assert runs == [result.choice, result.choice]
         expected = torch.nn.functional.linear(x.float(), weights[0].float())
         assert (eager.float() - expected).abs().max().item() <= 2e-2 * expected.abs().max().item()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = ops.linear(x, weights[0], None)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager)
     finally:
         cublaslt.clear_tuning()
         torch.backends.cuda.preferred_blas_library(before)
