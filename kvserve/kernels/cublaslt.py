@@ -6,8 +6,9 @@ always the fastest candidate: at some decode batch sizes (docs/perf_notes.md, en
 a long, busy run at the clock the power cap allows (entries 56, 57). Used where start-up registers a choice:
 stored or shipped ones by default (`KVSERVE_PREFILL_GEMM_TUNING`, `KVSERVE_DECODE_GEMM_CHOICES`), timed ones
 with `KVSERVE_GEMM_TUNING=1` or `KVSERVE_PREFILL_GEMM_TUNING=2`. This module holds a `LtMatmul` per (rows,
-N, K, dtype, bias): its matrix layouts, the heuristic's candidates, and the one to run. `LtMatmul.run(x, weight, bias, out)` computes `torch.nn.functional.linear(x, weight, bias)` into
-`out` on the current stream (CUDA-graph capturable: no host sync, a fixed workspace).
+N, K, dtype, bias): its matrix layouts, the heuristic's candidates, and the one to run. `LtMatmul.run(x,
+weight, bias, out)` computes `torch.nn.functional.linear(x, weight, bias)` into `out` on the current stream
+(CUDA-graph capturable: no host sync, a fixed workspace).
 
 The library is the one torch already loaded (found in the process's mapped files), so there is no second
 copy and no build step. Anything unavailable (no CUDA, no cuBLASLt found, a call that fails) raises

@@ -136,8 +136,13 @@ class Linear(nn.Module):
                            packed.group_rows)
         self.weight = nn.Parameter(packed.dense(self.dtype), requires_grad=False)
 
+    def applied_bias(self) -> torch.Tensor | None:
+        """The bias this rank's matmul adds: none on a row-parallel layer's ranks past 0 (rank 0 adds it once
+        to the sum)."""
+        return self.bias if self.tp_rank == 0 or not self.row_parallel else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.bias if self.tp_rank == 0 or not self.row_parallel else None
+        bias = self.applied_bias()
         if self.packed is not None:
             out = ops.quantized_linear(x, self.packed, bias)
         else:

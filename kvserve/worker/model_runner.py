@@ -520,9 +520,10 @@ class ModelRunner:
         for module in self.model.modules():
             if isinstance(module, Linear) and module.weight is not None and module.weight.dtype in GEMM_TUNING_DTYPES:
                 n, k = module.weight.shape
-                weights, biases = groups.setdefault((n, k, module.bias is not None, module.weight.dtype), ([], []))
+                bias = module.applied_bias()  # the shape as this rank runs it
+                weights, biases = groups.setdefault((n, k, bias is not None, module.weight.dtype), ([], []))
                 weights.append(module.weight)
-                biases.append(module.bias)
+                biases.append(bias)
         path = Path(envs.KVSERVE_CACHE_DIR) / "gemm_tuning.json"
         cache = cublaslt.load_cache(path)
         shipped = cublaslt.shipped_choices()

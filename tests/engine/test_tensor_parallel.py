@@ -163,6 +163,8 @@ def test_row_and_merged_shards_recombine(monkeypatch: pytest.MonkeyPatch) -> Non
         row.weight.weight_loader(row.weight, down, None)  # type: ignore[attr-defined]
         assert row.bias is not None
         row.bias.weight_loader(row.bias, bias, None)  # type: ignore[attr-defined]
+        # The bias as this rank's matmul adds it (what the start-up matmul tuning groups shapes by).
+        assert (row.applied_bias() is row.bias) == (rank == 0)
         # What each rank contributes to the all-reduce (here the identity): the bias must come in once.
         monkeypatch.setattr(distributed, "all_reduce", lambda t: t)
         partial.append(row(x[:, rows]))

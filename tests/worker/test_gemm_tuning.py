@@ -483,6 +483,38 @@ def test_tune_gemms_times_each_shape_once_and_keeps_other_engines_choices(
     cublaslt.clear_tuning()
 
 
+def test_tune_gemms_tunes_a_row_parallel_layer_as_this_rank_runs_it(
+    tiny_model_dir: Callable[..., str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under tensor parallelism a row-parallel layer's bias is added by rank 0 only: on another rank the layer
+    runs (and so is tuned) as the shape without a bias, else its tuned plan would never apply there."""
+    from kvserve import envs
+
+    monkeypatch.setattr(envs, "KVSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(envs, "KVSERVE_GEMM_TUNING", True)
+    args = EngineArgs(model=tiny_model_dir("qwen2"), device="cpu", max_model_len=256, kv_cache_memory="8MiB",
+                      dtype="bfloat16")
+    runner = EngineCore(args.create_engine_config()).runner
+    runner.device = torch.device("cuda")  # only read as a device type; nothing runs on it
+    runner.config = SimpleNamespace(use_cuda_graphs=True, cuda_graph_sizes=[48],  # type: ignore[assignment]
+                                    scheduler_config=SimpleNamespace(max_num_batched_tokens=2048))
+    with_bias = [m for m in runner.model.modules() if isinstance(m, Linear) and m.bias is not None]
+    assert with_bias  # Qwen2's q/k/v projections
+    for module in with_bias:  # as if row-parallel on rank 1 of 2
+        module.row_parallel, module.tp_rank = True, 1
+    calls: list[tuple[int, int, bool]] = []
+
+    def fake_tune(rows: int, weights: list, biases: list, **kwargs: object) -> cublaslt.TuneResult:
+        calls.append((weights[0].shape[0], weights[0].shape[1], biases[0] is not None))
+        return cublaslt.TuneResult(rows, weights[0].shape[0], weights[0].shape[1], biases[0] is not None,
+                                   10.0, 10.0, cublaslt.TORCH_CHOICE, 0, 0)
+
+    monkeypatch.setattr(cublaslt, "tune", fake_tune)
+    runner.tune_gemms()
+    n, k = with_bias[0].weight.shape
+    assert calls and (n, k, False) in calls and not any(has_bias for *_, has_bias in calls)
+
+
 @pytest.mark.parametrize("timing_mode", [1, 2])
 def test_default_start_times_nothing_and_writes_nothing_without_a_stored_choice(
     tiny_model_dir: Callable[..., str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_lt: dict,
