@@ -7,6 +7,9 @@ candidate's result against torch's, and prints torch's time, the heuristic's fir
 
     python benchmarks/cublaslt_algos.py --out /tmp/lt_algos.json [--rows 64,128,192] [--shapes qkv,down]
 
+`--model DIR [--tp N] [--dtype float16]` takes the shapes of another model (an HF directory; config.json is
+enough) as the engine's start-up tuning groups them, instead of the Qwen2.5-7B ones.
+
 Ends with a table per row count: one decode step's matmuls (28 layers and the LM head) in ms with torch's
 pick and with the faster of torch's pick and the fastest candidate, per shape, and the floors at 4.28 TB/s and at --peak-tflops.
 
@@ -39,6 +42,32 @@ from kvserve.kernels.cublaslt import LtMatmul  # noqa: E402
 
 ROWS = [48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256, 1024, 2048, 8192]
 NUM_LAYERS = 28
+
+
+def model_shapes(path: str, tp: int, dtype: torch.dtype) -> tuple[list[tuple[str, int, int, bool]], int]:
+    """The matmul shapes the engine's start-up tuning chooses for (`model_runner.gemm_tuning_groups`) of the
+    model in `path` (an HF directory; built on the meta device, nothing loaded) with `tp` tensor-parallel ranks:
+    rank 0's and, with tp > 1, rank 1's (a row-parallel layer's bias is rank 0's only), as (name, N, K, bias)
+    named by their first layer's last name part; and the model's layer count."""
+    from kvserve import distributed
+    from kvserve.model.arch import load_arch_config
+    from kvserve.model.registry import get_model_class
+    from kvserve.worker.model_runner import gemm_tuning_groups
+
+    arch = load_arch_config(path)
+    model_cls = get_model_class(arch.architecture)
+    shapes: dict[tuple[int, int, bool], str] = {}
+    for rank in range(min(tp, 2)):
+        previous = distributed.set_group_for_building(distributed.TPGroup(rank, tp))
+        try:
+            with torch.device("meta"):
+                model = model_cls(arch, dtype)
+        finally:
+            distributed.set_group_for_building(previous)
+        for (n, k, has_bias, _), group in gemm_tuning_groups(model).items():
+            name = group.names[0].rsplit(".", 1)[-1] + ("" if has_bias or rank == 0 else "_nobias")
+            shapes.setdefault((n, k, has_bias), name)
+    return [(name, n, k, has_bias) for (n, k, has_bias), name in shapes.items()], arch.num_hidden_layers
 
 
 def sustained_runs(args: argparse.Namespace, energy: GpuEnergy, run_torch: object, plan: LtMatmul,
@@ -81,7 +110,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--rows", default=",".join(map(str, ROWS)))
-    parser.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    parser.add_argument("--shapes", default=None,
+                        help="comma-separated shape names (default: all; the Qwen2.5-7B ones: "
+                        + ",".join(s[0] for s in SHAPES) + ")")
+    parser.add_argument("--model", default=None,
+                        help="an HF model directory (config.json is enough): its layers' shapes, as the engine tunes "
+                        "them, instead of the Qwen2.5-7B ones (no LM head)")
+    parser.add_argument("--tp", type=int, default=1, help="with --model: tensor-parallel ranks (shards the shapes)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     parser.add_argument("--peak-tflops", type=float, default=791.0, help="the bf16 matmul peak measured here")
     parser.add_argument("--sustained-s", type=float, default=0.0,
                         help="also time torch's pick and each candidate over this many seconds of back-to-back work")
@@ -97,12 +133,18 @@ def main() -> int:
         parser.error("--tuning-out needs --sustained-s")
     if args.sustained_top < 0:
         parser.error("--sustained-top must be 0 (all) or more")
+    if args.tp < 1:
+        parser.error("--tp must be 1 or more")
     energy = GpuEnergy() if args.sustained_s > 0 else None
     tuning: dict[str, dict] = {}
     torch.backends.cuda.preferred_blas_library("cublaslt")  # what the engine runs
     rows = [int(r) for r in args.rows.split(",")]
-    shapes = [s for s in SHAPES if s[0] in args.shapes.split(",")]
-    dtype = torch.bfloat16
+    dtype = getattr(torch, args.dtype)
+    all_shapes, num_layers = model_shapes(args.model, args.tp, dtype) if args.model else (SHAPES, NUM_LAYERS)
+    shapes = [s for s in all_shapes if args.shapes is None or s[0] in args.shapes.split(",")]
+    if not shapes:
+        parser.error(f"no shape named {args.shapes}; this model has {', '.join(s[0] for s in all_shapes)}")
+    print("shapes (name, N, K, bias):", shapes, flush=True)
     results: dict[str, dict[int, dict]] = {}
     for name, n, k, has_bias in shapes:
         nbytes, copies, gen, weights, biases = layer_copies(n, k, has_bias, dtype)
@@ -161,13 +203,13 @@ def main() -> int:
     if args.tuning_out is not None:
         cublaslt.save_cache(args.tuning_out, tuning)
         print(f"tuning: {len(tuning)} entries written to {args.tuning_out}")
-    layer_shapes = [s[0] for s in SHAPES if s[0] != "lm_head"]
+    layer_shapes = [s[0] for s in all_shapes if s[0] != "lm_head"]
     if all(name in results for name in layer_shapes):
         print(f"\n{'M':>5s} {'torch ms':>9s} {'tuned ms':>9s} {'gain %':>7s} {'floor ms':>9s}   per shape torch/tuned us: "
               + " ".join(layer_shapes))
         for m in rows:
             def step_ms(key: str, m: int = m) -> float:
-                total = NUM_LAYERS * sum(results[name][m][key] for name in layer_shapes)
+                total = num_layers * sum(results[name][m][key] for name in layer_shapes)
                 if "lm_head" in results:
                     total += results["lm_head"][m][key]
                 return total / 1e3

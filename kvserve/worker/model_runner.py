@@ -73,6 +73,30 @@ GEMM_TUNING_WEIGHT_BYTES = 200 * 1024 * 1024
 # with float32 models, whose greedy tokens must then equal torch's).
 GEMM_TUNING_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
 GEMM_TUNING_TORCH_CANDIDATE = True
+
+
+@dataclass
+class GemmGroup:
+    """The model's dense `Linear` layers of one matmul shape, as this rank runs them."""
+
+    names: list[str] = field(default_factory=list)
+    weights: list[torch.Tensor] = field(default_factory=list)
+    biases: list[torch.Tensor | None] = field(default_factory=list)
+
+
+def gemm_tuning_groups(model: torch.nn.Module) -> dict[tuple[int, int, bool, torch.dtype], GemmGroup]:
+    """The model's fp16/bf16 dense `Linear` layers (not the LM head) by (N, K, bias added, dtype): the shapes the
+    start-up matmul tuning chooses for. A row-parallel layer's bias counts only on the rank that adds it."""
+    groups: dict[tuple[int, int, bool, torch.dtype], GemmGroup] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and module.weight is not None and module.weight.dtype in GEMM_TUNING_DTYPES:
+            n, k = module.weight.shape
+            bias = module.applied_bias()
+            group = groups.setdefault((n, k, bias is not None, module.weight.dtype), GemmGroup())
+            group.names.append(name)
+            group.weights.append(module.weight)
+            group.biases.append(bias)
+    return groups
 # Decoder layers the precompile's forwards run (the first layer's variants differ, the others repeat).
 PRECOMPILE_LAYERS = 2
 
@@ -516,14 +540,7 @@ class ModelRunner:
         if not plan:
             return []
         start = time.perf_counter()
-        groups: dict[tuple[int, int, bool, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor | None]]] = {}
-        for module in self.model.modules():
-            if isinstance(module, Linear) and module.weight is not None and module.weight.dtype in GEMM_TUNING_DTYPES:
-                n, k = module.weight.shape
-                bias = module.applied_bias()  # the shape as this rank runs it
-                weights, biases = groups.setdefault((n, k, bias is not None, module.weight.dtype), ([], []))
-                weights.append(module.weight)
-                biases.append(bias)
+        groups = gemm_tuning_groups(self.model)
         path = Path(envs.KVSERVE_CACHE_DIR) / "gemm_tuning.json"
         cache = cublaslt.load_cache(path)
         shipped = cublaslt.shipped_choices()
@@ -532,7 +549,8 @@ class ModelRunner:
         unavailable: list[str] = []
         try:
             for rows, sustained, time_missing in plan:
-                for weights, biases in groups.values():
+                for group in groups.values():
+                    weights, biases = group.weights, group.biases
                     # Enough distinct weights that a call never finds the previous one's in L2 (about 200 MB).
                     nbytes = weights[0].numel() * weights[0].element_size()
                     count = min(max(2, -(-GEMM_TUNING_WEIGHT_BYTES // nbytes)), len(weights))

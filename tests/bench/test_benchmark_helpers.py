@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -66,3 +68,29 @@ def test_itl_stalls_groups_gaps_that_end_together(monkeypatch: pytest.MonkeyPatc
     client = {"long_gc_pauses": [[0.100, 150.0]], "long_loop_lags": [[0.300, 60.0]]}
     assert [itl_stalls.client_stall(s, client) for s in stalls] == ["gc 150", "-"]
     assert itl_stalls.client_stall(stalls[0], None) == "-"
+
+
+def test_cublaslt_algos_derives_the_engines_matmul_shapes_from_a_model(
+    monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Callable[..., str],
+) -> None:
+    """`cublaslt_algos.py --model DIR --tp N` times the shapes the engine's start-up tuning looks up: the
+    model's dense layers per rank, sharded, a row-parallel layer's bias on rank 0 only (rank 1 runs it, and
+    looks it up, without), no LM head; and the model's layer count for its per-step table."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import cublaslt_algos
+
+    path = tiny_model_dir("llama", attention_bias=True)  # q/k/v and o_proj with a bias
+    config = json.loads((Path(path) / "config.json").read_text())
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = hidden // config["num_attention_heads"]
+    qkv = (config["num_attention_heads"] + 2 * config["num_key_value_heads"]) * head_dim
+    shapes, layers = cublaslt_algos.model_shapes(path, 1, torch.bfloat16)
+    assert layers == config["num_hidden_layers"]
+    assert sorted(shapes) == sorted([("qkv_proj", qkv, hidden, True), ("o_proj", hidden, hidden, True),
+                                     ("gate_up_proj", 2 * inter, hidden, False), ("down_proj", hidden, inter, False)])
+    sharded, _ = cublaslt_algos.model_shapes(path, 2, torch.bfloat16)
+    assert sorted(sharded) == sorted([("qkv_proj", qkv // 2, hidden, True), ("o_proj", hidden, hidden // 2, True),
+                                      ("o_proj_nobias", hidden, hidden // 2, False),
+                                      ("gate_up_proj", inter, hidden, False), ("down_proj", hidden, inter // 2, False)])
