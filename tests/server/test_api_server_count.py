@@ -117,13 +117,21 @@ def test_two_api_processes_share_the_port_the_engine_and_the_metrics_and_drain_t
     assert metric(samples, "kvserve:num_requests_running") == 0
 
     # A stream in flight on each process; SIGTERM to the whole group drains both processes and the engine
-    # keeps serving them.
-    streams = {pid: StreamReader(server.base_url, max_tokens=240, client=client) for pid, client in owners.items()}
-    for stream in streams.values():
-        stream.start()
-    for stream in streams.values():
-        assert stream.first_chunk.wait(60) and stream.error is None
-    assert not any(stream.finished for stream in streams.values()), "a stream ended before the signal"
+    # keeps serving them. A busy machine can let a stream (240 tokens at most under max_model_len 256) end
+    # before the other has started: then both are read to the end and the pair started again.
+    for _ in range(3):
+        streams = {pid: StreamReader(server.base_url, max_tokens=240, client=client)
+                   for pid, client in owners.items()}
+        for stream in streams.values():
+            stream.start()
+        for stream in streams.values():
+            assert stream.first_chunk.wait(60) and stream.error is None
+        if not any(stream.finished for stream in streams.values()):
+            break
+        for stream in streams.values():
+            stream.join(120)
+    else:
+        pytest.fail("in 3 tries a stream ended before the signal")
     server.terminate()
     for pid, stream in streams.items():
         stream.join(120)
