@@ -73,6 +73,8 @@ GEMM_TUNING_WEIGHT_BYTES = 200 * 1024 * 1024
 # with float32 models, whose greedy tokens must then equal torch's).
 GEMM_TUNING_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
 GEMM_TUNING_TORCH_CANDIDATE = True
+# Decoder layers the precompile's forwards run (the first layer's variants differ, the others repeat).
+PRECOMPILE_LAYERS = 2
 
 
 @dataclass
@@ -97,8 +99,6 @@ def gemm_tuning_groups(model: torch.nn.Module) -> dict[tuple[int, int, bool, tor
             group.weights.append(module.weight)
             group.biases.append(bias)
     return groups
-# Decoder layers the precompile's forwards run (the first layer's variants differ, the others repeat).
-PRECOMPILE_LAYERS = 2
 
 
 @dataclass
