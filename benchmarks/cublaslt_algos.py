@@ -203,7 +203,8 @@ def main() -> int:
     if args.tuning_out is not None:
         cublaslt.save_cache(args.tuning_out, tuning)
         print(f"tuning: {len(tuning)} entries written to {args.tuning_out}")
-    layer_shapes = [s[0] for s in all_shapes if s[0] != "lm_head"]
+    # One rank's layers (rank 0's: the bias-free copies of row-parallel layers are other ranks').
+    layer_shapes = [s[0] for s in all_shapes if s[0] != "lm_head" and not s[0].endswith("_nobias")]
     if all(name in results for name in layer_shapes):
         print(f"\n{'M':>5s} {'torch ms':>9s} {'tuned ms':>9s} {'gain %':>7s} {'floor ms':>9s}   per shape torch/tuned us: "
               + " ".join(layer_shapes))
