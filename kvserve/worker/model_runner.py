@@ -86,6 +86,11 @@ class GemmGroup:
     biases: list[torch.Tensor | None] = field(default_factory=list)
 
 
+def gemm_tuning_path() -> Path:
+    """The stored matmul choices (KVSERVE_CACHE_DIR/gemm_tuning.json)."""
+    return Path(envs.KVSERVE_CACHE_DIR) / "gemm_tuning.json"
+
+
 def gemm_tuning_groups(model: torch.nn.Module) -> dict[tuple[int, int, bool, torch.dtype], GemmGroup]:
     """The model's fp16/bf16 dense `Linear` layers (not the LM head) by (N, K, bias added, dtype): the shapes the
     start-up matmul tuning chooses for. A row-parallel layer's bias counts only on the rank that adds it."""
@@ -485,7 +490,22 @@ class ModelRunner:
             self.model(input_ids, pos, self.kv_caches, metadata)
 
     def gemm_tuning_enabled(self) -> bool:
-        return bool(self.gemm_tuning_plan())
+        """Whether the start-up matmul tuning can register a cuBLASLt choice: a row count of its plan may be
+        timed, or a stored or shipped choice exists for one of its (rows, shape)s on this GPU and library stack.
+        Where neither holds (another GPU, stack or model with the default lookups only), neither the lookups
+        nor the cuBLASLt workspace are needed."""
+        plan = self.gemm_tuning_plan()
+        if any(time_missing for *_, time_missing in plan):
+            return True
+        if not plan:
+            return False
+        try:
+            stored = {**cublaslt.shipped_choices(), **cublaslt.load_cache(gemm_tuning_path())}
+            return any(
+                cublaslt.cache_key(self.device, rows, n, k, dtype, has_bias, GEMM_TUNING_TORCH_CANDIDATE, sustained)
+                in stored for rows, sustained, _ in plan for n, k, has_bias, dtype in gemm_tuning_groups(self.model))
+        except Exception:  # noqa: BLE001 - cuBLASLt unavailable, say: nothing can be registered
+            return False
 
     def gemm_tuning_plan(self) -> list[tuple[int, bool, bool]]:
         """(rows, sustained, time_missing) the start-up matmul tuning covers on CUDA:
@@ -533,15 +553,16 @@ class ModelRunner:
         shape of the model (not the LM head) at each row count of `gemm_tuning_plan()` (by timing, or from the
         stored or shipped choices) and register the choice (`ops.linear` runs it), before the CUDA graphs are
         captured. Timed choices are kept in KVSERVE_CACHE_DIR, so a later start with the same GPU, libraries
-        and shapes only checks them. Does nothing when the plan is empty (all three switches off, or eager on
-        a small step budget); a shape cuBLASLt cannot run, or any failure of the tuning, leaves torch's pick for
+        and shapes only checks them. Does nothing when `gemm_tuning_enabled()` is false (an empty plan: all three
+        switches off, or eager on a small step budget; or lookups only, with nothing stored or shipped for this
+        stack and model); a shape cuBLASLt cannot run, or any failure of the tuning, leaves torch's pick for
         it (start-up never fails for this optional step)."""
-        plan = self.gemm_tuning_plan()
-        if not plan:
+        if not self.gemm_tuning_enabled():
             return []
+        plan = self.gemm_tuning_plan()
         start = time.perf_counter()
         groups = gemm_tuning_groups(self.model)
-        path = Path(envs.KVSERVE_CACHE_DIR) / "gemm_tuning.json"
+        path = gemm_tuning_path()
         cache = cublaslt.load_cache(path)
         shipped = cublaslt.shipped_choices()
         decided_before = cublaslt.decided_keys()

@@ -16,6 +16,7 @@ from kvserve.config import EngineArgs
 from kvserve.engine.engine_core import EngineCore
 from kvserve.kernels import cublaslt, ops
 from kvserve.layers.linear import Linear
+from kvserve.worker import model_runner
 from kvserve.worker.model_runner import ModelRunner
 
 
@@ -400,7 +401,6 @@ def test_the_tuning_plan_adds_the_step_budget_timed_sustained(monkeypatch: pytes
     take the stored or shipped sustained choices untimed (KVSERVE_DECODE_GEMM_CHOICES, the default); a decode
     graph size equal to the budget is tuned once, as the budget."""
     from kvserve import envs
-    from kvserve.worker import model_runner
 
     monkeypatch.setattr(envs, "KVSERVE_GEMM_TUNING", decode_mode == "short")
     monkeypatch.setattr(envs, "KVSERVE_DECODE_GEMM_CHOICES", decode_mode != "off")  # "short" wins over it
@@ -483,6 +483,34 @@ def test_tune_gemms_times_each_shape_once_and_keeps_other_engines_choices(
     cublaslt.clear_tuning()
 
 
+def test_a_stored_choice_for_this_stack_turns_the_lookups_on(
+    tiny_model_dir: Callable[..., str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_lt: dict,
+) -> None:
+    """With the default lookups only, one stored choice for one of the plan's (rows, shape)s on this stack
+    enables the tuning (and its workspace): that shape takes it from the file, untimed, the others run torch's
+    picks; a choice stored for another GPU does not."""
+    from kvserve import envs
+
+    monkeypatch.setattr(envs, "KVSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(envs, "KVSERVE_GEMM_TUNING", False)
+    monkeypatch.setattr(envs, "KVSERVE_DECODE_GEMM_CHOICES", True)
+    monkeypatch.setattr(envs, "KVSERVE_PREFILL_GEMM_TUNING", 1)
+    monkeypatch.setattr(cublaslt, "SHIPPED_CHOICES_PATH", None)
+    runner = _tuning_runner(tiny_model_dir)
+    n, k, has_bias, dtype = next(iter(model_runner.gemm_tuning_groups(runner.model)))
+    key = cublaslt.cache_key(torch.device("cuda"), 64, n, k, dtype, has_bias, sustained=True)
+    entry = {"choice": cublaslt.TORCH_CHOICE, "algo": None, "torch_us": 10.0, "chosen_us": 10.0}
+    cublaslt.save_cache(tmp_path / "gemm_tuning.json", {key.replace("fake GPU", "another GPU"): entry})
+    assert not runner.gemm_tuning_enabled() and runner.tune_gemms() == []
+    cublaslt.save_cache(tmp_path / "gemm_tuning.json", {key: entry})
+    assert runner.gemm_tuning_enabled()
+    results = runner.tune_gemms()
+    cached = [r for r in results if r.cached]
+    assert [(r.rows, r.n, r.k) for r in cached] == [(64, n, k)] and not fake_lt["timed"]
+    assert all(r.untimed for r in results if not r.cached)
+    cublaslt.clear_tuning()
+
+
 def test_tune_gemms_tunes_a_row_parallel_layer_as_this_rank_runs_it(
     tiny_model_dir: Callable[..., str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -521,8 +549,9 @@ def test_default_start_times_nothing_and_writes_nothing_without_a_stored_choice(
     timing_mode: int,
 ) -> None:
     """tune_gemms with the real tune(): KVSERVE_PREFILL_GEMM_TUNING=1 and no stored or shipped choice for the
-    shapes leaves torch's picks, untimed, and writes no file; 2 times the step budget's rows sustained and
-    stores the choices. The decode graph sizes (48, 64) are looked up and never timed, in both."""
+    stack and shapes does nothing (no lookups, no cuBLASLt workspace: `gemm_tuning_enabled` is false) and
+    writes no file; 2 times the step budget's rows sustained and stores the choices, and looks the decode graph
+    sizes (48, 64) up without timing them."""
     from kvserve import envs
 
     monkeypatch.setattr(envs, "KVSERVE_CACHE_DIR", str(tmp_path))
@@ -531,15 +560,15 @@ def test_default_start_times_nothing_and_writes_nothing_without_a_stored_choice(
     monkeypatch.setattr(envs, "KVSERVE_PREFILL_GEMM_TUNING", timing_mode)
     fake_lt["times"].update({cublaslt.TORCH_CHOICE: 100.0, 0: 90.0, 1: 80.0, 2: 95.0})
     runner = _tuning_runner(tiny_model_dir)
+    assert runner.gemm_tuning_enabled() == (timing_mode == 2)
     results = runner.tune_gemms()
-    assert {r.rows for r in results} == {48, 64, 4096}
-    decode = [r for r in results if r.rows != 4096]
-    budget = [r for r in results if r.rows == 4096]
-    assert decode and all(r.untimed and r.choice == cublaslt.TORCH_CHOICE for r in decode)
     if timing_mode == 1:
-        assert all(r.untimed and r.choice == cublaslt.TORCH_CHOICE for r in budget)
-        assert not fake_lt["timed"] and not list(tmp_path.iterdir()) and cublaslt.num_tuned() == 0
+        assert results == [] and not fake_lt["timed"] and not list(tmp_path.iterdir()) and cublaslt.num_tuned() == 0
     else:
+        assert {r.rows for r in results} == {48, 64, 4096}
+        decode = [r for r in results if r.rows != 4096]
+        budget = [r for r in results if r.rows == 4096]
+        assert decode and all(r.untimed and r.choice == cublaslt.TORCH_CHOICE for r in decode)
         assert budget and all(not r.untimed and r.choice == 1 for r in budget)
         assert len(fake_lt["sustained_calls"]) == len(budget)
         stored = cublaslt.load_cache(tmp_path / "gemm_tuning.json")
