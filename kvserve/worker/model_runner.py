@@ -504,7 +504,8 @@ class ModelRunner:
             return any(
                 cublaslt.cache_key(self.device, rows, n, k, dtype, has_bias, GEMM_TUNING_TORCH_CANDIDATE, sustained)
                 in stored for rows, sustained, _ in plan for n, k, has_bias, dtype in gemm_tuning_groups(self.model))
-        except Exception:  # noqa: BLE001 - cuBLASLt unavailable, say: nothing can be registered
+        except Exception as exc:  # noqa: BLE001 - cuBLASLt unavailable, say: nothing can be registered
+            logger.info("matmul tuning off: its stored choices could not be read (%s: %s)", type(exc).__name__, exc)
             return False
 
     def gemm_tuning_plan(self) -> list[tuple[int, bool, bool]]:
