@@ -323,7 +323,7 @@ TUNING_VERSION = 1
 MIN_GAIN = 0.01
 # Each timing replays its graph for at least this long (µs).
 TIMING_MIN_US = 2000.0
-# Sustained timing (`tune(..., sustained=True)`, the large prefill steps): each choice is replayed this long (µs)
+# Sustained timing (`tune(..., sustained=True)` at start, the large prefill steps): each choice is replayed this long (µs)
 # first, so that the GPU settles at the clock its power cap allows for that work, then timed over at least
 # SUSTAINED_MIN_US; SUSTAINED_ROUNDS passes (the order rotated each pass), its time the mean. A matmul of
 # 8,192 rows runs there in a real prefill. On the H200 a short timing on a cool GPU ranked the candidates
@@ -332,7 +332,7 @@ TIMING_MIN_US = 2000.0
 SUSTAINED_WARM_US = 150_000.0
 SUSTAINED_MIN_US = 150_000.0
 SUSTAINED_ROUNDS = 1
-# Sustained choices measured for a GPU and library stack (`benchmarks/cublaslt_algos.py --sustained-s 0.5
+# Sustained choices measured for a GPU and library stack (`benchmarks/cublaslt_algos.py --sustained-s S
 # --tuning-out`, entries keyed like the stored results: used only where GPU, cuBLASLt, torch and shape all
 # match), taken before timing anything: a start on such a stack pays no timing. None: not consulted.
 SHIPPED_CHOICES_PATH: Path | None = Path(__file__).with_name("gemm_sustained_choices.json")

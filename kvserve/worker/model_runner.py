@@ -490,20 +490,28 @@ class ModelRunner:
             self.model(input_ids, pos, self.kv_caches, metadata)
 
     def gemm_tuning_enabled(self) -> bool:
-        """Whether the start-up matmul tuning can register a cuBLASLt choice: a row count of its plan may be
-        timed, or a stored or shipped choice exists for one of its (rows, shape)s on this GPU and library stack.
-        Where neither holds (another GPU, stack or model with the default lookups only), neither the lookups
-        nor the cuBLASLt workspace are needed."""
+        """Whether the start-up matmul tuning can register a cuBLASLt choice (`_gemm_tuning_can_register`);
+        where it cannot (another GPU, stack or model with the default lookups only), neither the lookups nor the
+        cuBLASLt workspace are needed."""
         plan = self.gemm_tuning_plan()
-        if any(time_missing for *_, time_missing in plan):
-            return True
         if not plan:
             return False
+        if any(time_missing for *_, time_missing in plan):  # no stored choice needed: nothing to read
+            return True
+        stored = {**cublaslt.shipped_choices(), **cublaslt.load_cache(gemm_tuning_path())}
+        return self._gemm_tuning_can_register(plan, gemm_tuning_groups(self.model), stored)
+
+    def _gemm_tuning_can_register(self, plan: list[tuple[int, bool, bool]],
+                                  groups: dict[tuple[int, int, bool, torch.dtype], GemmGroup],
+                                  stored: dict[str, dict]) -> bool:
+        """A row count of the plan may be timed, or `stored` (the stored and shipped choices) holds a choice for
+        one of its (rows, shape)s on this GPU and library stack (the keys `cublaslt.tune` reads)."""
+        if any(time_missing for *_, time_missing in plan):
+            return True
         try:
-            stored = {**cublaslt.shipped_choices(), **cublaslt.load_cache(gemm_tuning_path())}
             return any(
                 cublaslt.cache_key(self.device, rows, n, k, dtype, has_bias, GEMM_TUNING_TORCH_CANDIDATE, sustained)
-                in stored for rows, sustained, _ in plan for n, k, has_bias, dtype in gemm_tuning_groups(self.model))
+                in stored for rows, sustained, _ in plan for n, k, has_bias, dtype in groups)
         except Exception as exc:  # noqa: BLE001 - cuBLASLt unavailable, say: nothing can be registered
             logger.info("matmul tuning off: its stored choices could not be read (%s: %s)", type(exc).__name__, exc)
             return False
@@ -558,14 +566,16 @@ class ModelRunner:
         switches off, or eager on a small step budget; or lookups only, with nothing stored or shipped for this
         stack and model); a shape cuBLASLt cannot run, or any failure of the tuning, leaves torch's pick for
         it (start-up never fails for this optional step)."""
-        if not self.gemm_tuning_enabled():
-            return []
         plan = self.gemm_tuning_plan()
+        if not plan:
+            return []
         start = time.perf_counter()
         groups = gemm_tuning_groups(self.model)
         path = gemm_tuning_path()
         cache = cublaslt.load_cache(path)
         shipped = cublaslt.shipped_choices()
+        if not self._gemm_tuning_can_register(plan, groups, {**shipped, **cache}):
+            return []
         decided_before = cublaslt.decided_keys()
         results: list[cublaslt.TuneResult] = []
         unavailable: list[str] = []

@@ -420,10 +420,10 @@ def test_the_tuning_plan_adds_the_step_budget_timed_sustained(monkeypatch: pytes
     assert plan(_tuning_stub("cuda", True, [8, 48, 64], 8192)) == decode
 
 
-def _tuning_runner(tiny_model_dir: Callable[..., str]) -> ModelRunner:
+def _tuning_runner(tiny_model_dir: Callable[..., str], arch: str = "llama") -> ModelRunner:
     """A CPU runner made to look like a CUDA one with decode graphs of 48 and 64 rows (tune_gemms only reads
     the device type, the graph sizes and the model's Linear modules)."""
-    args = EngineArgs(model=tiny_model_dir("llama"), device="cpu", max_model_len=256, kv_cache_memory="8MiB",
+    args = EngineArgs(model=tiny_model_dir(arch), device="cpu", max_model_len=256, kv_cache_memory="8MiB",
                       dtype="bfloat16")
     runner = EngineCore(args.create_engine_config()).runner
     runner.device = torch.device("cuda")  # only read as a device type below; nothing runs on it
@@ -520,12 +520,7 @@ def test_tune_gemms_tunes_a_row_parallel_layer_as_this_rank_runs_it(
 
     monkeypatch.setattr(envs, "KVSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(envs, "KVSERVE_GEMM_TUNING", True)
-    args = EngineArgs(model=tiny_model_dir("qwen2"), device="cpu", max_model_len=256, kv_cache_memory="8MiB",
-                      dtype="bfloat16")
-    runner = EngineCore(args.create_engine_config()).runner
-    runner.device = torch.device("cuda")  # only read as a device type; nothing runs on it
-    runner.config = SimpleNamespace(use_cuda_graphs=True, cuda_graph_sizes=[48],  # type: ignore[assignment]
-                                    scheduler_config=SimpleNamespace(max_num_batched_tokens=2048))
+    runner = _tuning_runner(tiny_model_dir, "qwen2")
     with_bias = [m for m in runner.model.modules() if isinstance(m, Linear) and m.bias is not None]
     assert with_bias  # Qwen2's q/k/v projections
     for module in with_bias:  # as if row-parallel on rank 1 of 2
