@@ -569,3 +569,61 @@ def test_default_start_times_nothing_and_writes_nothing_without_a_stored_choice(
         stored = cublaslt.load_cache(tmp_path / "gemm_tuning.json")
         assert len(stored) == len(budget) and all(key.endswith("|sustained") and "|4096x" in key for key in stored)
     cublaslt.clear_tuning()
+
+
+def test_a_default_engine_on_the_measured_stack_finds_a_shipped_choice_for_every_planned_shape(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the stack the shipped choices were measured on (the H200's name and library versions, stood in for
+    on the CPU), a default engine of the Qwen2.5-7B shape with nothing stored counts its start-up tuning as
+    enabled, and every (rows, shape) of its plan has a shipped choice: the keys its enabled check and its
+    lookups build (`cublaslt.cache_key`) are the shipped file's, for the default graph sizes and step budget."""
+    import json
+
+    from kvserve import envs
+    from kvserve.model.arch import load_arch_config
+    from kvserve.model.registry import get_model_class
+
+    config = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
+              "intermediate_size": 18944, "num_hidden_layers": 2, "num_attention_heads": 28,
+              "num_key_value_heads": 4, "max_position_embeddings": 32768, "rope_theta": 1e6,
+              "rms_norm_eps": 1e-6, "vocab_size": 152064, "tie_word_embeddings": False, "hidden_act": "silu"}
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(envs, "KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(envs, "KVSERVE_GEMM_TUNING", False)
+    monkeypatch.setattr(envs, "KVSERVE_DECODE_GEMM_CHOICES", True)
+    monkeypatch.setattr(envs, "KVSERVE_PREFILL_GEMM_TUNING", 1)
+    monkeypatch.setattr(cublaslt, "_device_name", lambda device: "NVIDIA H200")
+    monkeypatch.setattr(cublaslt, "library_version", lambda: 130100)
+    monkeypatch.setattr(cublaslt, "_reduced_precision_allowed", lambda dtype: True)
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", lambda *args: "_BlasBackend.Cublaslt")
+
+    engine_config = EngineArgs(model=str(tmp_path / "model"), load_format="dummy", device="cpu",
+                               dtype="bfloat16").create_engine_config()
+    stub = _tuning_stub("cuda", True, list(engine_config.cuda_graph_sizes),
+                        engine_config.scheduler_config.max_num_batched_tokens)
+    arch = load_arch_config(str(tmp_path / "model"))
+    with torch.device("meta"):
+        model = get_model_class(arch.architecture)(arch, torch.bfloat16)
+    stub.model = model
+    stub.gemm_tuning_plan = lambda: ModelRunner.gemm_tuning_plan(stub)  # type: ignore[arg-type]
+    stub._gemm_tuning_can_register = (  # type: ignore[attr-defined]
+        lambda plan, groups, stored: ModelRunner._gemm_tuning_can_register(stub, plan, groups, stored))  # type: ignore[arg-type]
+
+    plan = stub.gemm_tuning_plan()
+    groups = model_runner.gemm_tuning_groups(model)
+    assert [rows for rows, *_ in plan] == [48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256, 8192]
+    assert all(sustained and not time_missing for _, sustained, time_missing in plan)
+    assert sorted((n, k, bias) for n, k, bias, _ in groups) == [
+        (3584, 3584, False), (3584, 18944, False), (4608, 3584, True), (37888, 3584, False)]
+    assert ModelRunner.gemm_tuning_enabled(stub)  # type: ignore[arg-type]
+    shipped = cublaslt.shipped_choices()
+    missing = [(rows, n, k) for rows, sustained, _ in plan for n, k, bias, dtype in groups
+               if cublaslt.cache_key(torch.device("cuda"), rows, n, k, dtype, bias,
+                                     model_runner.GEMM_TUNING_TORCH_CANDIDATE, sustained) not in shipped]
+    assert missing == []
+    # Another GPU of the same stack finds none of them: the engine there reserves and looks up nothing.
+    monkeypatch.setattr(cublaslt, "_device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    assert not ModelRunner.gemm_tuning_enabled(stub)  # type: ignore[arg-type]
