@@ -6,7 +6,9 @@ Order of operations, per row (vLLM/OpenAI meanings; see `SamplingParams`):
    ``log_softmax`` in float32, before anything below.
 2. **Penalties** on the model's logits: ``repetition_penalty`` for every token seen in the prompt or the
    output (positive logits divided, negative multiplied), then ``frequency_penalty * count`` and
-   ``presence_penalty * [count > 0]`` subtracted, counting output tokens only.
+   ``presence_penalty * [count > 0]`` subtracted, counting output tokens only. Rows that carry their
+   request's id keep these counts on the device across steps (`PenaltyCounts`): the prompt is marked once
+   and only the output tokens new since the last step are uploaded and counted.
 3. **logit_bias** added. Token ids outside the vocabulary are ignored here: the input processor rejects
    them; a bad id must not crash a whole batch.
 4. **min_tokens**: while ``len(output) < min_tokens`` the request's ``stop_token_ids`` and, unless
@@ -46,6 +48,9 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # generated so far, before this step
     generator: torch.Generator | None  # the request's own generator when params.seed is set, else None
+    # The request's id: its penalty counts are kept across steps under it (`PenaltyCounts`), and the caller
+    # releases them (`Sampler.release`) when the request ends. None: counted from the lists at every call.
+    req_id: str | None = None
 
 
 @dataclass
@@ -136,6 +141,113 @@ def apply_penalties(
     out = out - frequency_penalties.unsqueeze(1) * output_counts
     out = out - presence_penalties.unsqueeze(1) * (output_counts > 0).to(out.dtype)
     return out
+
+
+class PenaltyCounts:
+    """The penalties' token counts of live requests, on one device, kept from step to step.
+
+    Each request holds a slot: a row of ``seen`` (its prompt's tokens, marked once, when its repetition
+    penalty is on) and of ``counts`` (how often each token occurs in its output), of two ``[capacity,
+    vocab]`` buffers that grow by doubling. A step uploads only the output tokens a request produced since
+    its last step (usually one), so its host work does not grow with the prompt or output length. Output
+    token lists are append-only while a request lives; one shorter than what was counted (not expected)
+    is counted again from the start. `release` frees the slots of requests that ended.
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.seen = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
+        self.counts = torch.zeros(0, vocab_size, dtype=torch.float32, device=device)
+        self._slot: dict[str, int] = {}
+        self._counted: dict[str, int] = {}  # output tokens counted, per request
+        self._prompt_marked: set[str] = set()
+        self._free: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self._slot)
+
+    def gather(self, rows: Sequence[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(prompt counts, output counts) ``[len(rows), vocab]`` float32 for these rows (each with a req_id),
+        after counting what is new; a row whose repetition penalty is off gets no prompt marks."""
+        cleared: list[int] = []
+        slots: list[int] = []
+        marks: tuple[list[int], list[int]] = ([], [])
+        adds: tuple[list[int], list[int]] = ([], [])
+        for row in rows:
+            req_id = row.req_id
+            assert req_id is not None, "PenaltyCounts needs the rows' request ids"
+            output = row.output_token_ids
+            slot = self._slot.get(req_id)
+            if slot is None or len(output) < self._counted[req_id]:
+                if slot is None:
+                    slot = self._take_slot()
+                    self._slot[req_id] = slot
+                cleared.append(slot)
+                self._counted[req_id] = 0
+                self._prompt_marked.discard(req_id)
+            if row.params.repetition_penalty != 1.0 and req_id not in self._prompt_marked:
+                ids = [t for t in row.prompt_token_ids if 0 <= t < self.vocab_size]
+                marks[0].extend([slot] * len(ids))
+                marks[1].extend(ids)
+                self._prompt_marked.add(req_id)
+            new = [t for t in output[self._counted[req_id]:] if 0 <= t < self.vocab_size]
+            adds[0].extend([slot] * len(new))
+            adds[1].extend(new)
+            self._counted[req_id] = len(output)
+            slots.append(slot)
+        # Fills and values made on the device: a Python scalar as an index_put_ value would be a synchronous copy.
+        if cleared:
+            index = to_device(cleared, torch.int64, self.device)
+            self.seen.index_fill_(0, index, False)
+            self.counts.index_fill_(0, index, 0.0)
+        if marks[1]:
+            self.seen.index_put_(
+                (to_device(marks[0], torch.int64, self.device), to_device(marks[1], torch.int64, self.device)),
+                torch.ones(len(marks[1]), dtype=torch.bool, device=self.device),
+            )
+        if adds[1]:
+            self.counts.index_put_(
+                (to_device(adds[0], torch.int64, self.device), to_device(adds[1], torch.int64, self.device)),
+                torch.ones(len(adds[1]), dtype=torch.float32, device=self.device),
+                accumulate=True,
+            )
+        index = to_device(slots, torch.int64, self.device)
+        return self.seen[index].to(torch.float32), self.counts[index]
+
+    def release(self, req_ids: Sequence[str]) -> None:
+        """Free the slots of these requests (unknown ids are ignored)."""
+        for req_id in req_ids:
+            slot = self._slot.pop(req_id, None)
+            if slot is not None:
+                self._free.append(slot)
+                del self._counted[req_id]
+                self._prompt_marked.discard(req_id)
+
+    def check_invariants(self, live_req_ids: set[str] | None = None) -> None:
+        """Each slot belongs to one request or is free, never both; the buffers cover every slot; with
+        `live_req_ids`, only live requests hold slots."""
+        held = list(self._slot.values())
+        assert len(set(held)) == len(held), "two requests share a penalty slot"
+        assert not set(held) & set(self._free), "a held penalty slot is also free"
+        assert len(set(self._free)) == len(self._free), "a penalty slot is free twice"
+        assert sorted(held + self._free) == list(range(self.counts.shape[0])), "penalty slots lost or unknown"
+        assert self.seen.shape == self.counts.shape, "penalty buffers differ in shape"
+        assert set(self._counted) == set(self._slot) and self._prompt_marked <= set(self._slot)
+        if live_req_ids is not None:
+            assert set(self._slot) <= live_req_ids, "a finished request still holds a penalty slot"
+
+    def _take_slot(self) -> int:
+        if not self._free:
+            old = self.counts.shape[0]
+            new = max(8, 2 * old)
+            seen = torch.zeros(new, self.vocab_size, dtype=torch.bool, device=self.device)
+            counts = torch.zeros(new, self.vocab_size, dtype=torch.float32, device=self.device)
+            seen[:old] = self.seen
+            counts[:old] = self.counts
+            self.seen, self.counts = seen, counts
+            self._free.extend(range(new - 1, old - 1, -1))
+        return self._free.pop()
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -229,6 +341,16 @@ class Sampler:
         self._seed = seed
         # One shared generator per device, made on first use (the device is only known at call time).
         self._shared_generators: dict[torch.device, torch.Generator] = {}
+        self.penalty_counts: PenaltyCounts | None = None  # made on the first penalised row with a req_id
+
+    def release(self, req_ids: Sequence[str]) -> None:
+        """Forget the kept state (penalty counts) of requests that ended."""
+        if self.penalty_counts is not None:
+            self.penalty_counts.release(req_ids)
+
+    def check_invariants(self, live_req_ids: set[str] | None = None) -> None:
+        if self.penalty_counts is not None:
+            self.penalty_counts.check_invariants(live_req_ids)
 
     def __call__(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow], eos_token_ids: Sequence[int]
@@ -256,8 +378,7 @@ class Sampler:
 
     # -- steps --------------------------------------------------------------------------------------------
 
-    @staticmethod
-    def _apply_penalties(work: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    def _apply_penalties(self, work: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         index = [
             i
             for i, row in enumerate(rows)
@@ -268,12 +389,18 @@ class Sampler:
         if not index:
             return work
         device, vocab_size = work.device, work.shape[1]
-        # Prompt tokens only matter for the repetition penalty: skip counting them when it is off.
-        prompts = [
-            rows[i].prompt_token_ids if rows[i].params.repetition_penalty != 1.0 else () for i in index
-        ]
-        prompt_counts = token_counts(prompts, vocab_size, device)
-        output_counts = token_counts([rows[i].output_token_ids for i in index], vocab_size, device)
+        if all(rows[i].req_id is not None for i in index):
+            kept = self.penalty_counts
+            if kept is None or kept.device != device or kept.vocab_size != vocab_size:
+                kept = self.penalty_counts = PenaltyCounts(vocab_size, device)
+            prompt_counts, output_counts = kept.gather([rows[i] for i in index])
+        else:
+            # Prompt tokens only matter for the repetition penalty: skip counting them when it is off.
+            prompts = [
+                rows[i].prompt_token_ids if rows[i].params.repetition_penalty != 1.0 else () for i in index
+            ]
+            prompt_counts = token_counts(prompts, vocab_size, device)
+            output_counts = token_counts([rows[i].output_token_ids for i in index], vocab_size, device)
         params = [rows[i].params for i in index]
         rows_t = to_device(index, torch.int64, device)
         work[rows_t] = apply_penalties(

@@ -805,6 +805,7 @@ class ModelRunner:
         self.inputs.wait_for_copies()  # the block-table diffs below reuse pinned staging buffers
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
+        self.sampler.release(scheduler_output.finished_req_ids)
         for new in scheduler_output.new_requests:
             params = new.sampling_params
             generator = make_generator(params.seed, self.device) if params.seed is not None else None
@@ -870,8 +871,9 @@ class ModelRunner:
                 prompt_token_ids=s.prompt_token_ids,
                 output_token_ids=s.output_token_ids,
                 generator=s.generator,
+                req_id=req_id,
             )
-            for s in states
+            for req_id, s in zip(batch.sampled_req_ids, states, strict=True)
         ]
         sampled = self.sampler(logits, rows, self.eos_token_ids)
         self._prev_sampled = (

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvserve.layers.sampler import (
+    PenaltyCounts,
     Sampler,
     SamplerOutput,
     SamplingRow,
@@ -36,9 +37,10 @@ def device(request) -> torch.device:
     return torch.device(request.param)
 
 
-def row(params: SamplingParams, prompt=(), output=(), generator=None) -> SamplingRow:
+def row(params: SamplingParams, prompt=(), output=(), generator=None, req_id=None) -> SamplingRow:
     return SamplingRow(
-        params=params, prompt_token_ids=list(prompt), output_token_ids=list(output), generator=generator
+        params=params, prompt_token_ids=list(prompt), output_token_ids=list(output), generator=generator,
+        req_id=req_id,
     )
 
 
@@ -290,6 +292,79 @@ def test_repetition_penalty_uses_prompt_tokens(device):
     assert sample(logits, [row(params, prompt=[0])], device).sampled_token_ids.tolist() == [0]
 
 
+def test_kept_penalty_counts_match_counting_the_lists_at_every_step(device):
+    """Requests come and go over 30 steps, their outputs growing by 0-3 tokens a step (ids out of range
+    included, which are not counted); the counts kept across steps equal `token_counts` of the whole lists at
+    every step, for the prompt (only where the repetition penalty is on) and the output; released slots are
+    reused, cleared; the buffers grow past their first 8 slots."""
+    gen = torch.Generator().manual_seed(0)
+    kept = PenaltyCounts(VOCAB, device)
+    live: dict[str, SamplingRow] = {}
+    for step in range(30):
+        for _ in range(int(torch.randint(0, 4, (1,), generator=gen))):  # arrivals
+            req_id = f"r{step}-{len(live)}"
+            prompt = torch.randint(-2, VOCAB + 2, (int(torch.randint(0, 12, (1,), generator=gen)),), generator=gen)
+            params = SamplingParams(repetition_penalty=1.0 if len(live) % 3 == 0 else 1.2, frequency_penalty=0.5)
+            live[req_id] = row(params, prompt.tolist(), req_id=req_id)
+        for req_id in [r for r in live if torch.rand(1, generator=gen).item() < 0.1]:  # departures
+            del live[req_id]
+            kept.release([req_id])
+        for r in live.values():
+            new = torch.randint(-1, VOCAB + 1, (int(torch.randint(0, 4, (1,), generator=gen)),), generator=gen)
+            r.output_token_ids.extend(new.tolist())
+        rows = list(live.values())
+        if not rows:
+            continue
+        prompt_counts, output_counts = kept.gather(rows)
+        prompts = [r.prompt_token_ids if r.params.repetition_penalty != 1.0 else [] for r in rows]
+        assert torch.equal((prompt_counts > 0).cpu(), (token_counts(prompts, VOCAB, CPU) > 0))
+        assert torch.equal(output_counts.cpu(), token_counts([r.output_token_ids for r in rows], VOCAB, CPU))
+        kept.check_invariants(set(live))
+    assert kept.counts.shape[0] > 8 and len(kept) == len(live)
+
+
+def test_kept_penalty_counts_recount_a_shorter_history_and_release_forgets(device):
+    kept = PenaltyCounts(VOCAB, device)
+    r = row(SamplingParams(frequency_penalty=1.0), output=[1, 1, 2], req_id="a")
+    assert kept.gather([r])[1][0, :3].tolist() == [0, 2, 1]
+    r.output_token_ids[:] = [2]  # not expected in the engine: counted again from the start
+    assert kept.gather([r])[1][0, :3].tolist() == [0, 0, 1]
+    kept.release(["a", "unknown"])
+    kept.check_invariants(set())
+    assert len(kept) == 0
+    kept.gather([r])  # a request the caller has ended but not released is caught by the invariant check
+    with pytest.raises(AssertionError, match="still holds"):
+        kept.check_invariants(set())
+
+
+def test_sampler_with_request_ids_keeps_counts_and_samples_as_without(device):
+    """Penalised rows with request ids (counts kept across calls) sample the same tokens, over several
+    calls with growing outputs, as the same rows without ids (counted from the lists each call); the
+    sampler releases a finished request's counts."""
+    gen = torch.Generator().manual_seed(1)
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.7, presence_penalty=0.3),
+              SamplingParams(temperature=0.0, frequency_penalty=2.0),
+              SamplingParams(temperature=0.0)]
+    with_ids = [row(p, prompt=[i, i + 1], req_id=f"q{i}") for i, p in enumerate(params)]
+    without = [row(p, prompt=[i, i + 1]) for i, p in enumerate(params)]
+    sampler = Sampler()
+    for _ in range(12):
+        logits = torch.randn(len(params), VOCAB, generator=gen)
+        a = sample_with(sampler, logits, with_ids, device)
+        b = sample_with(Sampler(), logits, without, device)
+        assert a == b
+        for r, s, token in zip(with_ids, without, a, strict=True):
+            r.output_token_ids.append(token)
+            s.output_token_ids.append(token)
+    assert sampler.penalty_counts is not None and len(sampler.penalty_counts) == 2  # the unpenalised row: none
+    sampler.release(["q0", "q1"])
+    sampler.check_invariants(set())
+
+
+def sample_with(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow], device: torch.device) -> list[int]:
+    return sampler(logits.to(device), rows, []).sampled_token_ids.cpu().tolist()
+
+
 def test_logit_bias(device):
     logits = torch.tensor([[1.0, 0.0, 0.5], [1.0, 0.0, 0.5]])
     rows = [
@@ -394,3 +469,21 @@ def test_no_host_sync_on_cuda():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert out.sampled_token_ids.shape == (4,)
+    # The same rows with request ids: penalty counts kept on the device, a slot per request, new output
+    # tokens counted each call; and a request that replaces a released one reuses its slot (cleared).
+    for i, r in enumerate(rows):
+        r.req_id = f"r{i}"
+    sampler(logits, rows, [2])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        rows[0].output_token_ids.append(3)
+        rows[3].output_token_ids.extend([1, 1])
+        sampler(logits, rows, [2])
+        sampler.release(["r3"])
+        rows[3].req_id = "r4"
+        out = sampler(logits, rows, [2])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.sampled_token_ids.shape == (4,)
+    sampler.check_invariants({"r0", "r1", "r2", "r4"})
