@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from kvserve.worker.memory import (
@@ -67,3 +69,44 @@ def test_prefill_graph_reserve_scales_the_activation_peak_and_adds_the_outputs()
     assert prefill_graph_reserve_bytes(3 * GiB, 8192, [128, 2048, 256], 7168) == 3 * GiB // 4 + 2432 * 7168
     assert prefill_graph_reserve_bytes(1000, 3, [1], 0) == 334  # rounded up
     assert prefill_graph_reserve_bytes(3 * GiB, 8192, [], 7168) == 0  # no prefill graphs
+
+
+def test_the_engines_gpu_sizing_path_on_a_fake_profile(tiny_model_dir: Callable[..., str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runner's GPU branch of `determine_num_blocks` and the engine's capacity check, with the profiled
+    forward replaced by a fake profile: the blocks are what the budget leaves, and when one max_model_len
+    request does not fit the error says how many tokens there are and which flags to change, with numbers."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from kvserve.config import ConfigError, EngineArgs
+    from kvserve.engine.engine_core import EngineCore, KVCapacity
+
+    args = EngineArgs(model=tiny_model_dir("llama"), device="cpu", max_model_len=256, kv_cache_memory="8MiB")
+    core = EngineCore(args.create_engine_config())
+    runner = core.runner
+    runner.device = torch.device("cuda")  # only its type is read on this path
+    per_block = runner.kv_cache_bytes_per_block()
+    gpu_config = SimpleNamespace(device_config=SimpleNamespace(device="cuda"),
+                                 cache_config=SimpleNamespace(gpu_memory_utilization=0.9))
+
+    def size(in_use_blocks: int) -> int:
+        profile = MemoryProfile(total_bytes=1000 * per_block, weights_bytes=500 * per_block,
+                                in_use_bytes=in_use_blocks * per_block, activation_peak_bytes=80 * per_block,
+                                graph_reserve_bytes=10 * per_block)
+        monkeypatch.setattr(runner, "profile_memory", lambda: profile)
+        blocks = runner.determine_num_blocks()
+        assert runner.memory_profile is profile
+        core.capacity = KVCapacity(blocks, 16, 256)
+        core._check_capacity(gpu_config)  # type: ignore[arg-type]
+        return blocks
+
+    assert size(700) == 900 - 700 - 80 - 10  # 0.9 x total - in use - activations - graph reserve
+    with pytest.raises(ConfigError) as info:
+        size(800)  # 10 blocks = 160 tokens; one request of 256 tokens needs 16
+    message = str(info.value)
+    assert "holds 160 tokens (10 blocks)" in message and "max_model_len=256" in message
+    assert "raise --gpu-memory-utilization from 0.90 to at least 0.91" in message
+    assert "--max-num-batched-tokens" in message and "--enforce-eager" in message
+    assert message.endswith("or lower --max-model-len")
