@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import json
 import platform
 import sys
@@ -37,11 +38,13 @@ from functools import partial
 from pathlib import Path
 from types import ModuleType
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
+from common import git_commit  # noqa: E402
 
 from kvserve.kernels import reference, triton_attention, triton_cache, triton_elementwise  # noqa: E402
 from kvserve.layers.attention_metadata import AttentionMetadata  # noqa: E402
@@ -496,6 +499,10 @@ def main() -> int:
 
     failed = [r for r in runner.rows if r.ok is False]
     summary = {
+        "benchmark": "gpu_kernels",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "settings": {key: str(value) for key, value in vars(args).items()},
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
