@@ -322,6 +322,33 @@ def test_async_scheduling_matches_sync(checkpoints: dict[str, str], model: str) 
 
 
 @pytest.mark.parametrize("model", list(MODELS))
+def test_every_sampling_option_on_the_gpu(checkpoints: dict[str, str], model: str) -> None:
+    """Top-k, top-p, min-p, logit_bias, min_tokens and the three penalties together, seeded, with logprobs:
+    the same tokens and logprobs with async scheduling as step by step (CUDA graphs in both). Penalised greedy
+    decoding (the penalty counts kept on the GPU across steps) gives the CPU engine's tokens in fp32."""
+    prompts = _prompts(6, seed=31)
+    everything = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.02, seed=5, max_tokens=20,
+                                ignore_eos=True, logprobs=2, logit_bias={7: 2.0}, min_tokens=4,
+                                repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.2)
+    penalised = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, repetition_penalty=1.3,
+                               frequency_penalty=0.5, presence_penalty=0.2)
+    sampled = {}
+    for async_scheduling in (True, False):
+        core = _core(checkpoints[model], "float32", enforce_eager=False, async_scheduling=async_scheduling)
+        sampled[async_scheduling] = _generate(core, prompts, 20, params=everything)
+        if async_scheduling:
+            gpu_greedy = [t for t, _ in _generate(core, prompts, 20, params=penalised)]
+            assert core.runner.sampler.penalty_counts is not None
+        del core
+    assert sampled[True] == sampled[False]
+    assert all(len(t) == 20 for t, _ in sampled[True])
+    args = EngineArgs(model=checkpoints[model], dtype="float32", device="cpu", max_model_len=1024,
+                      kv_cache_memory="64MiB", max_num_seqs=16, max_num_batched_tokens=512)
+    cpu_greedy = [t for t, _ in _generate(EngineCore(args.create_engine_config()), prompts, 20, params=penalised)]
+    assert gpu_greedy == cpu_greedy
+
+
+@pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize(
     "enforce_eager, async_scheduling", [(False, True), (False, False), (True, False)],
     ids=["graphs-async", "graphs-sync", "eager-sync"],
