@@ -33,8 +33,10 @@ Sections (--sections, default all but hf, each isolated: a failure is recorded a
 The start section also reports the decode graphs' times measured at capture and which sizes replay a
 larger graph.
 
-Run the hf section in its own process (`--sections hf`) so its memory is not shared with kvserve's KV cache.
-Prints a table last and writes JSON per section under --out.
+The hf section (in the defaults, last) frees the engine first and then runs HF Transformers on the seeds
+section's prompts in the same process, for the issue's "same prompts in the same run" and the ratio; alone
+(`--sections hf`) it draws fresh prompts and reports no ratio. Prints a table last and writes JSON per
+section under --out.
 
     python benchmarks/engine_benchmarks.py --out benchmarks/results/h200            # GPU
     python benchmarks/engine_benchmarks.py --model tiny --device cpu --scale 0.02 --out /tmp/x   # try on CPU
@@ -1328,7 +1330,7 @@ def main() -> int:
     p.add_argument("--model", default="qwen2.5-7b", choices=sorted(MODEL_CONFIGS))
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--sections", default="start,decode,seeds,random256,ttft,prefix")
+    p.add_argument("--sections", default="start,decode,seeds,random256,ttft,prefix,hf")
     p.add_argument("--ab-repeats", type=int, default=3, help="on/off pairs of the prefixab section")
     p.add_argument("--max-model-len", type=int, default=32768)
     p.add_argument("--max-num-seqs", type=int, default=256)
