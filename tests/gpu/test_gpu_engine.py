@@ -321,6 +321,36 @@ def test_async_scheduling_matches_sync(checkpoints: dict[str, str], model: str) 
     assert results[True] == results[False]
 
 
+def test_kv_cache_sized_by_gpu_memory_utilization(checkpoints: dict[str, str]) -> None:
+    """Without num_kv_blocks the engine profiles a forward at max_num_batched_tokens and gives the KV cache what
+    gpu_memory_utilization leaves (the plan's blocks, within the budget); a utilization that leaves less than
+    one max_model_len request fails at start with the flags to change."""
+    from kvserve.config import ConfigError
+    from kvserve.worker.memory import plan_kv_cache
+
+    path = checkpoints["llama-hd64"]
+    free, total = torch.cuda.mem_get_info()
+    utilization = round((total - free) / total + 0.05, 2)  # about 5 % of the GPU for this engine
+    args = EngineArgs(model=path, dtype="float32", device="cuda", max_model_len=1024, max_num_seqs=16,
+                      gpu_memory_utilization=utilization)
+    core = EngineCore(args.create_engine_config())
+    runner = core.runner
+    profile, plan = runner.memory_profile, runner.kv_plan
+    assert profile is not None and plan is not None and profile.activation_peak_bytes > 0
+    per_block = runner.kv_cache_bytes_per_block()
+    assert plan == plan_kv_cache(profile, utilization, per_block)
+    assert core.capacity.num_blocks == plan.num_blocks > 0
+    tokens = [t for t, _ in _generate(core, _prompts(4, seed=41), 8)]
+    assert all(len(t) == 8 for t in tokens)
+    del core, runner
+    torch.cuda.empty_cache()
+    used = (total - torch.cuda.mem_get_info()[0]) / total
+    tight = EngineArgs(model=path, dtype="float32", device="cuda", max_model_len=1024, max_num_seqs=16,
+                       gpu_memory_utilization=round(used + 0.001, 3))
+    with pytest.raises(ConfigError, match="--gpu-memory-utilization"):
+        EngineCore(tight.create_engine_config())
+
+
 @pytest.mark.parametrize("model", list(MODELS))
 def test_every_sampling_option_on_the_gpu(checkpoints: dict[str, str], model: str) -> None:
     """Top-k, top-p, min-p, logit_bias, min_tokens and the three penalties together, seeded, with logprobs:
