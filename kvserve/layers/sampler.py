@@ -174,6 +174,9 @@ class PenaltyCounts:
         slots: list[int] = []
         marks: tuple[list[int], list[int]] = ([], [])
         adds: tuple[list[int], list[int]] = ([], [])
+        arriving = sum(row.req_id not in self._slot for row in rows)
+        if arriving > len(self._free):  # grown once for the whole batch (at least doubled)
+            self._grow(max(len(self._slot) + arriving, 2 * self.counts.shape[0], 8))
         for row in rows:
             req_id = row.req_id
             assert req_id is not None, "PenaltyCounts needs the rows' request ids"
@@ -239,15 +242,19 @@ class PenaltyCounts:
 
     def _take_slot(self) -> int:
         if not self._free:
-            old = self.counts.shape[0]
-            new = max(8, 2 * old)
-            seen = torch.zeros(new, self.vocab_size, dtype=torch.bool, device=self.device)
-            counts = torch.zeros(new, self.vocab_size, dtype=torch.float32, device=self.device)
-            seen[:old] = self.seen
-            counts[:old] = self.counts
-            self.seen, self.counts = seen, counts
-            self._free.extend(range(new - 1, old - 1, -1))
+            self._grow(max(8, 2 * self.counts.shape[0]))
         return self._free.pop()
+
+    def _grow(self, capacity: int) -> None:
+        old = self.counts.shape[0]
+        if capacity <= old:
+            return
+        seen = torch.zeros(capacity, self.vocab_size, dtype=torch.bool, device=self.device)
+        counts = torch.zeros(capacity, self.vocab_size, dtype=torch.float32, device=self.device)
+        seen[:old] = self.seen
+        counts[:old] = self.counts
+        self.seen, self.counts = seen, counts
+        self._free.extend(range(capacity - 1, old - 1, -1))
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

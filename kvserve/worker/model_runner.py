@@ -286,9 +286,13 @@ class ModelRunner:
         num_rows = self.max_num_reqs
         rows_index = torch.arange(num_rows, device=device) % num_tokens
         logits = self.model.compute_logits(hidden[rows_index])
-        params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.01, logprobs=20)
-        rows = [SamplingRow(params, [], [], None) for _ in range(num_rows)]
+        # Every sampling step at once, penalties included: their per-request counts (`PenaltyCounts`, kept on
+        # the device for as many rows) stay allocated and count as memory in use, their temporaries in the peak.
+        params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.01, logprobs=20,
+                                repetition_penalty=1.1, frequency_penalty=0.1, presence_penalty=0.1)
+        rows = [SamplingRow(params, [0], [0], None, req_id=f"memory profile {i}") for i in range(num_rows)]
         self.sampler(logits, rows, self.eos_token_ids)
+        self.sampler.release([row.req_id for row in rows if row.req_id is not None])
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - base_allocated
         del hidden, logits, kv_caches, metadata, input_ids, positions

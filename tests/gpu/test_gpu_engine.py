@@ -340,6 +340,8 @@ def test_kv_cache_sized_by_gpu_memory_utilization(checkpoints: dict[str, str]) -
     per_block = runner.kv_cache_bytes_per_block()
     assert plan == plan_kv_cache(profile, utilization, per_block)
     assert core.capacity.num_blocks == plan.num_blocks > 0
+    kept = runner.sampler.penalty_counts  # the profile's sampling pass left them sized for every row
+    assert kept is not None and kept.counts.shape[0] >= runner.max_num_reqs and len(kept) == 0
     tokens = [t for t, _ in _generate(core, _prompts(4, seed=41), 8)]
     assert all(len(t) == 8 for t in tokens)
     del core, runner

@@ -337,6 +337,18 @@ def test_kept_penalty_counts_recount_a_shorter_history_and_release_forgets(devic
         kept.check_invariants(set())
 
 
+def test_kept_penalty_counts_grow_once_for_a_batch_of_arrivals(device):
+    """A batch of new requests grows the buffers once, to what it needs (the engine's memory profile sizes
+    them so for max_num_seqs rows); past that they double."""
+    kept = PenaltyCounts(VOCAB, device)
+    params = SamplingParams(presence_penalty=1.0)
+    kept.gather([row(params, output=[i % VOCAB], req_id=str(i)) for i in range(20)])
+    assert kept.counts.shape[0] == 20 and len(kept) == 20
+    prompt_counts, output_counts = kept.gather([row(params, output=[3, 3], req_id="new")])
+    assert kept.counts.shape[0] == 40 and output_counts[0, 3].item() == 2.0 and prompt_counts.sum().item() == 0
+    kept.check_invariants()
+
+
 def test_sampler_with_request_ids_keeps_counts_and_samples_as_without(device):
     """Penalised rows with request ids (counts kept across calls) sample the same tokens, over several
     calls with growing outputs, as the same rows without ids (counted from the lists each call); the
