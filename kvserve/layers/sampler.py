@@ -167,6 +167,11 @@ class PenaltyCounts:
     def __len__(self) -> int:
         return len(self._slot)
 
+    @property
+    def nbytes(self) -> int:
+        """Device memory the two buffers hold."""
+        return self.seen.numel() * self.seen.element_size() + self.counts.numel() * self.counts.element_size()
+
     def gather(self, rows: Sequence[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
         """(prompt counts, output counts) ``[len(rows), vocab]`` float32 for these rows (each with a req_id),
         after counting what is new; a row whose repetition penalty is off gets no prompt marks."""
@@ -354,6 +359,10 @@ class Sampler:
         """Forget the kept state (penalty counts) of requests that ended."""
         if self.penalty_counts is not None:
             self.penalty_counts.release(req_ids)
+
+    def kept_bytes(self) -> int:
+        """Device memory of the state kept across steps (the penalty counts' buffers)."""
+        return self.penalty_counts.nbytes if self.penalty_counts is not None else 0
 
     def check_invariants(self, live_req_ids: set[str] | None = None) -> None:
         if self.penalty_counts is not None:

@@ -291,10 +291,12 @@ class ModelRunner:
         params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.01, logprobs=20,
                                 repetition_penalty=1.1, frequency_penalty=0.1, presence_penalty=0.1)
         rows = [SamplingRow(params, [0], [0], None, req_id=f"memory profile {i}") for i in range(num_rows)]
+        kept_before = self.sampler.kept_bytes()
         self.sampler(logits, rows, self.eos_token_ids)
         self.sampler.release([row.req_id for row in rows if row.req_id is not None])
         torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - base_allocated
+        # The kept counts stay allocated: memory in use below, not a temporary of the peak.
+        peak = torch.cuda.max_memory_allocated(device) - base_allocated - (self.sampler.kept_bytes() - kept_before)
         del hidden, logits, kv_caches, metadata, input_ids, positions
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)

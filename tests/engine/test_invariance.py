@@ -96,8 +96,7 @@ def test_penalised_greedy_output_same_with_kept_counts_lists_and_preemption(
     kept = tokens(default_llm)
     unpenalised = _tokens(default_llm)
     assert kept != unpenalised  # the penalties change the output
-    counts = default_llm.engine.core.runner.sampler.penalty_counts
-    assert counts is not None and len(counts) <= len(PROMPTS)
+    assert default_llm.engine.core.runner.sampler.penalty_counts is not None  # the kept counts were used
     preempting = LLM(max_model_len=192, num_kv_blocks=12, block_size=16)
     assert tokens(preempting) == kept
     stats = preempting.engine.last_stats

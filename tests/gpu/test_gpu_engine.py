@@ -323,10 +323,10 @@ def test_async_scheduling_matches_sync(checkpoints: dict[str, str], model: str) 
 
 def test_kv_cache_sized_by_gpu_memory_utilization(checkpoints: dict[str, str]) -> None:
     """Without num_kv_blocks the engine profiles a forward at max_num_batched_tokens and gives the KV cache what
-    gpu_memory_utilization leaves (the plan's blocks, within the budget); a utilization that leaves less than
-    one max_model_len request fails at start with the flags to change."""
+    gpu_memory_utilization leaves: utilization x total - memory in use (weights and kept state) - the
+    activation peak - the graph reserve; a utilization that leaves less than one max_model_len request fails
+    at start with the flag to change."""
     from kvserve.config import ConfigError
-    from kvserve.worker.memory import plan_kv_cache
 
     path = checkpoints["llama-hd64"]
     free, total = torch.cuda.mem_get_info()
@@ -338,8 +338,10 @@ def test_kv_cache_sized_by_gpu_memory_utilization(checkpoints: dict[str, str]) -
     profile, plan = runner.memory_profile, runner.kv_plan
     assert profile is not None and plan is not None and profile.activation_peak_bytes > 0
     per_block = runner.kv_cache_bytes_per_block()
-    assert plan == plan_kv_cache(profile, utilization, per_block)
-    assert core.capacity.num_blocks == plan.num_blocks > 0
+    assert profile.in_use_bytes >= profile.weights_bytes > 0 and profile.graph_reserve_bytes > 0
+    budget = (int(profile.total_bytes * utilization) - profile.in_use_bytes - profile.activation_peak_bytes
+              - profile.graph_reserve_bytes)
+    assert core.capacity.num_blocks == plan.num_blocks == budget // per_block > 0
     kept = runner.sampler.penalty_counts  # the profile's sampling pass left them sized for every row
     assert kept is not None and kept.counts.shape[0] >= runner.max_num_reqs and len(kept) == 0
     tokens = [t for t, _ in _generate(core, _prompts(4, seed=41), 8)]
@@ -347,6 +349,7 @@ def test_kv_cache_sized_by_gpu_memory_utilization(checkpoints: dict[str, str]) -
     del core, runner
     torch.cuda.empty_cache()
     used = (total - torch.cuda.mem_get_info()[0]) / total
+    # 0.1 % past what is in use: less than the graph reserve alone, so no block fits.
     tight = EngineArgs(model=path, dtype="float32", device="cuda", max_model_len=1024, max_num_seqs=16,
                        gpu_memory_utilization=round(used + 0.001, 3))
     with pytest.raises(ConfigError, match="--gpu-memory-utilization"):
@@ -355,10 +358,13 @@ def test_kv_cache_sized_by_gpu_memory_utilization(checkpoints: dict[str, str]) -
 
 @pytest.mark.parametrize("model", list(MODELS))
 def test_every_sampling_option_on_the_gpu(checkpoints: dict[str, str], model: str) -> None:
-    """Top-k, top-p, min-p, logit_bias, min_tokens and the three penalties together, seeded, with logprobs:
-    the same tokens and logprobs with async scheduling as step by step (CUDA graphs in both). Penalised greedy
-    decoding (the penalty counts kept on the GPU across steps) gives the CPU engine's tokens in fp32."""
+    """Seeded top-k, top-p, min-p and logit_bias with logprobs: the same tokens and logprobs with async
+    scheduling (pipelined steps) as step by step, CUDA graphs in both. The same with min_tokens and the three
+    penalties added (these make even the async engine wait for each step's tokens). Penalised greedy decoding
+    (the penalty counts kept on the GPU across steps) gives the CPU engine's tokens in fp32."""
     prompts = _prompts(6, seed=31)
+    pipelined = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.02, seed=5, max_tokens=20,
+                               ignore_eos=True, logprobs=2, logit_bias={7: 2.0})
     everything = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.02, seed=5, max_tokens=20,
                                 ignore_eos=True, logprobs=2, logit_bias={7: 2.0}, min_tokens=4,
                                 repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.2)
@@ -367,13 +373,14 @@ def test_every_sampling_option_on_the_gpu(checkpoints: dict[str, str], model: st
     sampled = {}
     for async_scheduling in (True, False):
         core = _core(checkpoints[model], "float32", enforce_eager=False, async_scheduling=async_scheduling)
-        sampled[async_scheduling] = _generate(core, prompts, 20, params=everything)
+        sampled[async_scheduling] = (_generate(core, prompts, 20, params=pipelined),
+                                     _generate(core, prompts, 20, params=everything))
         if async_scheduling:
             gpu_greedy = [t for t, _ in _generate(core, prompts, 20, params=penalised)]
             assert core.runner.sampler.penalty_counts is not None
         del core
     assert sampled[True] == sampled[False]
-    assert all(len(t) == 20 for t, _ in sampled[True])
+    assert all(len(t) == 20 for part in sampled[True] for t, _ in part)
     args = EngineArgs(model=checkpoints[model], dtype="float32", device="cpu", max_model_len=1024,
                       kv_cache_memory="64MiB", max_num_seqs=16, max_num_batched_tokens=512)
     cpu_greedy = [t for t, _ in _generate(EngineCore(args.create_engine_config()), prompts, 20, params=penalised)]
