@@ -148,7 +148,8 @@ class PenaltyCounts:
 
     Each request holds a slot: a row of ``seen`` (its prompt's tokens, marked once, when its repetition
     penalty is on) and of ``counts`` (how often each token occurs in its output), of two ``[capacity,
-    vocab]`` buffers that grow by doubling. A step uploads only the output tokens a request produced since
+    vocab]`` buffers that grow, at least doubling, when arrivals need more slots (the engine's memory profile
+    sizes them for max_num_seqs rows at start; they are not shrunk). A step uploads only the output tokens a request produced since
     its last step (usually one), so its host work does not grow with the prompt or output length. Output
     token lists are append-only while a request lives; one shorter than what was counted (not expected)
     is counted again from the start. `release` frees the slots of requests that ended.
