@@ -27,11 +27,11 @@ PROMPTS = [
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
-def _tokens(llm: LLM) -> list[list[int]]:
-    # Scheduler, KV cache manager and block pool invariants are checked after every step of these runs.
+def _tokens(llm: LLM, params: SamplingParams = GREEDY) -> list[list[int]]:
+    # The scheduler's, KV cache manager's, block pool's and sampler's invariants are checked after every step.
     llm.engine.core.check_invariants_every_step = True
     try:
-        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     finally:
         llm.engine.core.check_invariants_every_step = False
 
@@ -74,7 +74,7 @@ def test_greedy_output_unchanged_under_preemption(
 
 
 def test_penalised_greedy_output_same_with_kept_counts_lists_and_preemption(
-    default_llm: LLM, monkeypatch: pytest.MonkeyPatch
+    default_llm: LLM, reference_tokens: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Repetition, frequency and presence penalties: the counts the sampler keeps per request across steps
     give the same greedy tokens as counting the whole token lists every step, also when requests are
@@ -85,24 +85,15 @@ def test_penalised_greedy_output_same_with_kept_counts_lists_and_preemption(
 
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3,
                             frequency_penalty=0.5, presence_penalty=0.2)
-
-    def tokens(llm: LLM) -> list[list[int]]:
-        llm.engine.core.check_invariants_every_step = True
-        try:
-            return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-        finally:
-            llm.engine.core.check_invariants_every_step = False
-
-    kept = tokens(default_llm)
-    unpenalised = _tokens(default_llm)
-    assert kept != unpenalised  # the penalties change the output
+    kept = _tokens(default_llm, params)
+    assert kept != reference_tokens  # the penalties change the output
     assert default_llm.engine.core.runner.sampler.penalty_counts is not None  # the kept counts were used
     preempting = LLM(max_model_len=192, num_kv_blocks=12, block_size=16)
-    assert tokens(preempting) == kept
+    assert _tokens(preempting, params) == kept
     stats = preempting.engine.last_stats
     assert stats is not None and stats.num_preemptions > 0, "the pool was meant to force preemption"
     monkeypatch.setattr(model_runner, "SamplingRow", lambda **kw: SamplingRow(**{**kw, "req_id": None}))
-    assert tokens(default_llm) == kept
+    assert _tokens(default_llm, params) == kept
 
 
 def test_last_layer_pruning_keeps_greedy_output(
