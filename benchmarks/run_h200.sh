@@ -772,8 +772,8 @@ PY
         done
         cp "$R/sampler41.log" "$OUT/"; cat "$R/sampler41.log" ;;
     final41) # Written in session 41 (no GPU lent then; a call of its own, about 560 s): the first GPU run since the
-        # tuning counts as enabled only where it can register a choice (f1983b9). The matmul tuning's GPU tests and tests/gpu/test_gpu_engine.py; then the
-        # defaults with empty Triton and choice caches (the start's "matmul tuning" lines must list the shipped
+        # tuning counts as enabled only where it can register a choice (f1983b9). The matmul tuning's GPU tests
+        # and tests/gpu/test_gpu_engine.py; then the defaults with empty Triton and choice caches (the start's "matmul tuning" lines must list the shipped
         # choices at 48-256 and 8,192 rows): start, decode, seeds, 256 sequences, TTFT, prefix caching, HF.
         timeout 40 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_gpu_ops.py \
           -k "cublaslt or tuned or sustained or shipped" > "$R/pytest_final41_ops.log" 2>&1
