@@ -321,6 +321,21 @@ def test_async_scheduling_matches_sync(checkpoints: dict[str, str], model: str) 
     assert results[True] == results[False]
 
 
+def test_llama3_rope_scaling_greedy_gpu_equals_cpu(tmp_path: Any) -> None:
+    """A tiny Llama with Llama-3.1 rope scaling, a short pre-training length so that all three frequency bands
+    occur at head dim 64: the GPU engine (fp32, CUDA graphs) gives the CPU engine's greedy tokens. The CPU
+    engine's scaling is checked against HF in tests/models/test_generate_vs_hf.py."""
+    scaling = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    path = _tiny_checkpoint(str(tmp_path), "llama", seed=5, rope_parameters=scaling)
+    prompts = _prompts(4, seed=51)
+    gpu = [t for t, _ in _generate(_core(path, "float32", enforce_eager=False), prompts, 16)]
+    args = EngineArgs(model=path, dtype="float32", device="cpu", max_model_len=1024, kv_cache_memory="64MiB",
+                      max_num_seqs=16, max_num_batched_tokens=512)
+    cpu = [t for t, _ in _generate(EngineCore(args.create_engine_config()), prompts, 16)]
+    assert gpu == cpu
+
+
 def test_kv_cache_sized_by_gpu_memory_utilization(checkpoints: dict[str, str]) -> None:
     """Without num_kv_blocks the engine profiles a forward at max_num_batched_tokens and gives the KV cache what
     gpu_memory_utilization leaves: utilization x total - memory in use (weights and kept state) - the
