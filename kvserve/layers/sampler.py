@@ -190,8 +190,7 @@ class PenaltyCounts:
             slot = self._slot.get(req_id)
             if slot is None or len(output) < self._counted[req_id]:
                 if slot is None:
-                    slot = self._take_slot()
-                    self._slot[req_id] = slot
+                    slot = self._slot[req_id] = self._free.pop()  # there are enough: grown above
                 cleared.append(slot)
                 self._counted[req_id] = 0
                 self._prompt_marked.discard(req_id)
@@ -245,11 +244,6 @@ class PenaltyCounts:
         assert set(self._counted) == set(self._slot) and self._prompt_marked <= set(self._slot)
         if live_req_ids is not None:
             assert set(self._slot) <= live_req_ids, "a finished request still holds a penalty slot"
-
-    def _take_slot(self) -> int:
-        if not self._free:
-            self._grow(max(8, 2 * self.counts.shape[0]))
-        return self._free.pop()
 
     def _grow(self, capacity: int) -> None:
         old = self.counts.shape[0]

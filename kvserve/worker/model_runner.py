@@ -290,10 +290,11 @@ class ModelRunner:
         # the device for as many rows) stay allocated and count as memory in use, their temporaries in the peak.
         params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.01, logprobs=20,
                                 repetition_penalty=1.1, frequency_penalty=0.1, presence_penalty=0.1)
-        rows = [SamplingRow(params, [0], [0], None, req_id=f"memory profile {i}") for i in range(num_rows)]
+        req_ids = [f"memory profile {i}" for i in range(num_rows)]
+        rows = [SamplingRow(params, [0], [0], None, req_id=req_id) for req_id in req_ids]
         kept_before = self.sampler.kept_bytes()
         self.sampler(logits, rows, self.eos_token_ids)
-        self.sampler.release([row.req_id for row in rows if row.req_id is not None])
+        self.sampler.release(req_ids)
         torch.cuda.synchronize(device)
         # The kept counts stay allocated: memory in use below, not a temporary of the peak.
         peak = torch.cuda.max_memory_allocated(device) - base_allocated - (self.sampler.kept_bytes() - kept_before)
