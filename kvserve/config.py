@@ -59,6 +59,9 @@ class ModelConfig:
     # "auto": read the weights from the checkpoint; "dummy": small random values drawn on the device
     # (benchmarks at real shapes with no weight files: only the config is read).
     load_format: str = "auto"
+    # SamplingParams field -> value for what a request leaves out, from the model's generation_config.json
+    # (--generation-config, --override-generation-config; kvserve.model.generation_defaults).
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -209,6 +212,10 @@ class EngineArgs:
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
     load_format: str = "auto"
+    # "auto": the model's generation_config.json sets the defaults of what a request leaves out; "vllm":
+    # none; or a directory holding a generation_config.json. Overrides: a JSON object (or dict) on top.
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] | str | None = None
     cuda_graph_sizes: list[int] | None = None  # None: DEFAULT_CUDA_GRAPH_SIZES up to max_num_seqs
     async_scheduling: bool | None = None  # None: on for GPUs, off on CPU (where nothing overlaps)
     cascade_attn: bool = True  # measured on the H200: docs/perf_notes.md, entry 12
@@ -245,6 +252,13 @@ class EngineArgs:
         else:
             max_batched = 8192 if self.enable_chunked_prefill else max(8192, max_model_len)
 
+        from kvserve.model.generation_defaults import GenerationConfigError, sampling_defaults
+
+        try:
+            defaults = sampling_defaults(model_path, self.generation_config, self.override_generation_config)
+        except GenerationConfigError as exc:
+            raise ConfigError(str(exc)) from None
+
         if self.kv_cache_memory is not None:
             kv_bytes = parse_memory_size(self.kv_cache_memory)
         else:
@@ -260,6 +274,7 @@ class EngineArgs:
             chat_template=self.chat_template,
             quantization=self.quantization,
             load_format=self.load_format,
+            sampling_defaults=defaults,
         )
         cache_config = CacheConfig(
             block_size=self.block_size,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -13,11 +14,14 @@ from transformers import PreTrainedTokenizerBase
 from kvserve.config import EngineArgs
 from kvserve.engine.input_processor import PromptType
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.model.generation_defaults import describe
 from kvserve.model.tokenizer import load_tokenizer
 from kvserve.protocol.outputs import RequestOutput
 from kvserve.protocol.sampling_params import SamplingParams
 
 Conversation = list[dict[str, Any]]
+
+logger = logging.getLogger(__name__)
 
 
 class LLM:
@@ -36,9 +40,16 @@ class LLM:
         self.engine = LLMEngine(config, tokenizer)
         self.config = self.engine.config
         self._ids = itertools.count()
+        if self.config.model_config.sampling_defaults:
+            logger.info("%s", describe(self.config.model_config.sampling_defaults))
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use when given no SamplingParams: the model's generation config
+        (`generation_config`, `override_generation_config`) over SamplingParams' own defaults."""
+        return SamplingParams(**self.config.model_config.sampling_defaults)
 
     def shutdown(self) -> None:
         """Stop the engine's other tensor-parallel processes (with `tensor_parallel_size` > 1; they also
@@ -58,6 +69,8 @@ class LLM:
         `sampling_params` is one SamplingParams for all prompts or one per prompt.
         """
         prompt_list = self._as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params_list = self._as_params_list(sampling_params, len(prompt_list))
         request_ids = []
         try:
@@ -109,11 +122,7 @@ class LLM:
         return items
 
     @staticmethod
-    def _as_params_list(
-        params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
-    ) -> list[SamplingParams]:
-        if params is None:
-            return [SamplingParams() for _ in range(num_prompts)]
+    def _as_params_list(params: SamplingParams | Sequence[SamplingParams], num_prompts: int) -> list[SamplingParams]:
         if isinstance(params, SamplingParams):
             return [params] * num_prompts
         params = list(params)

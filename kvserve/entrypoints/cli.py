@@ -43,6 +43,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="auto: the checkpoint's weights; dummy: random weights of the model's shape (needs only "
                    "config.json; for benchmarks)")
+    g.add_argument("--generation-config", default="auto", metavar="{auto,vllm,DIR}",
+                   help="defaults for the sampling settings a request leaves out (temperature, top_p, top_k, min_p, "
+                   "repetition_penalty, max_tokens): auto, the model's generation_config.json; vllm, none; or a "
+                   "directory holding a generation_config.json (serve, the LLM API and Triton; `generate` has "
+                   "its own flags)")
+    g.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help="a JSON object applied over those defaults, e.g. '{\"temperature\": 0.5}'")
 
 
 def engine_args_from(ns: argparse.Namespace) -> dict[str, object]:
@@ -65,6 +72,8 @@ def engine_args_from(ns: argparse.Namespace) -> dict[str, object]:
         "seed": ns.seed,
         "device": ns.device,
         "load_format": ns.load_format,
+        "generation_config": ns.generation_config,
+        "override_generation_config": ns.override_generation_config,
     }
 
 
@@ -109,7 +118,9 @@ def _cmd_triton_repo(ns: argparse.Namespace) -> int:
     from kvserve.integrations.triton.repo import write_repository
 
     args = engine_args_from(ns)
-    for key in ("model", "tokenizer"):  # Triton loads the model from its own working directory
+    for key in ("model", "tokenizer", "generation_config"):  # Triton runs from its own working directory
+        if key == "generation_config" and args[key] in ("auto", "vllm"):  # its modes, not directories
+            continue
         if args[key] is not None and os.path.exists(str(args[key])):
             args[key] = os.path.abspath(str(args[key]))
     EngineArgs(**args).create_engine_config()  # refuse now what the engine would refuse in Triton

@@ -196,3 +196,31 @@ def test_token_ids_past_the_model_vocab_are_rejected(tiny_model_dir) -> None:
     assert not llm.engine.has_unfinished_requests()
     out = llm.generate([[5, 6, 999]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 2
+
+
+def test_default_sampling_params_come_from_the_models_generation_config(tiny_model_dir, tmp_path) -> None:
+    """A model whose generation_config.json sets top_k 1 (so sampling is greedy whatever the temperature) and
+    max_new_tokens 6: `generate` without SamplingParams gives the greedy 6 tokens; with generation_config
+    "vllm" the engine's own defaults (temperature 1, top_k off, 16 tokens) apply instead."""
+    from helpers.tiny_models import with_generation_config
+
+    model = with_generation_config(tiny_model_dir("llama"), str(tmp_path),
+                                   {"top_k": 1, "temperature": 0.9, "max_new_tokens": 6})
+    prompts = ["Hello, my name is", "The capital of France is"]
+    llm = LLM(model, max_model_len=128)
+    assert llm.get_default_sampling_params() == SamplingParams(top_k=1, temperature=0.9, max_tokens=6)
+    greedy = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
+    defaulted = llm.generate(prompts, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in defaulted] == [o.outputs[0].token_ids for o in greedy]
+    assert all(len(o.outputs[0].token_ids) <= 6 for o in defaulted)
+    chat = llm.chat([{"role": "user", "content": "Hi"}], use_tqdm=False)[0]
+    chat_greedy = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(temperature=0.0, max_tokens=6),
+                           use_tqdm=False)[0]
+    assert chat.outputs[0].token_ids == chat_greedy.outputs[0].token_ids
+
+    plain = LLM(model, max_model_len=128, generation_config="vllm")
+    assert plain.get_default_sampling_params() == SamplingParams()
+    overridden = LLM(model, max_model_len=128, override_generation_config={"max_new_tokens": 3})
+    assert overridden.get_default_sampling_params() == SamplingParams(top_k=1, temperature=0.9, max_tokens=3)
+    assert [o.outputs[0].token_ids for o in overridden.generate(prompts, use_tqdm=False)] == [
+        o.outputs[0].token_ids[:3] for o in greedy]

@@ -103,6 +103,19 @@ def make_tiny_checkpoint(directory: str, arch: str = "llama", seed: int = 0, **c
     return directory
 
 
+def with_generation_config(checkpoint_dir: str, directory: str, settings: dict[str, Any]) -> str:
+    """A copy of `checkpoint_dir` in `directory` whose generation_config.json also holds `settings`
+    (sampling defaults, as model makers ship them)."""
+    out = os.path.join(directory, "model")
+    shutil.copytree(checkpoint_dir, out)
+    path = os.path.join(out, "generation_config.json")
+    with open(path) as f:
+        config = json.load(f)
+    with open(path, "w") as f:
+        json.dump({**config, **settings}, f, indent=2)
+    return out
+
+
 def make_bare_checkpoint(directory: str, model_type: str, seed: int, **overrides: Any) -> str:
     """A small random HF checkpoint of `model_type` (config.json + safetensors, no tokenizer: engines driven with
     token ids), 3 layers of hidden 256 unless overridden, weights of order-1 logits; returns `directory`."""

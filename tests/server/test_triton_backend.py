@@ -111,15 +111,16 @@ def _stand_in() -> types.ModuleType:
 
 @pytest.fixture
 def triton_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                 tiny_model_dir: Callable[..., str]) -> Iterator[Callable[[bool], Any]]:
+                 tiny_model_dir: Callable[..., str]) -> Iterator[Callable[..., Any]]:
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", _stand_in())
     from kvserve.integrations.triton.model import TritonPythonModel
 
     started: list[Any] = []
 
-    def start(decoupled: bool) -> Any:
+    def start(decoupled: bool, **engine_args: Any) -> Any:
         out = tmp_path / ("dec" if decoupled else "plain")
-        args = {"model": tiny_model_dir("llama"), "device": "cpu", "max_model_len": 256, "kv_cache_memory": "64MiB"}
+        args = {"model": tiny_model_dir("llama"), "device": "cpu", "max_model_len": 256, "kv_cache_memory": "64MiB",
+                **engine_args}
         model_dir = write_repository(str(out), "tiny", args, max_batch_size=8, decoupled=decoupled, device="cpu")
         model = TritonPythonModel()
         config = {"name": "tiny", "max_batch_size": 8, "model_transaction_policy": {"decoupled": decoupled}}
@@ -177,6 +178,24 @@ def test_one_response_per_request_and_errors_stay_with_their_request(triton_mode
     assert "temperature" in errors[2]
     assert "text_input is required" in errors[3]
     assert "max_model_len" in errors[4] or "too long" in errors[4], errors[4]
+
+
+def test_requests_take_the_models_generation_config(triton_model: Callable[..., Any],
+                                                   tiny_model_dir: Callable[..., str], tmp_path: Path) -> None:
+    """What a request's sampling_parameters leave out comes from the model's generation config (here top_k 1,
+    greedy whatever the temperature, and 5 tokens); what they give wins."""
+    settings = tmp_path / "generation"
+    settings.mkdir()
+    (settings / "generation_config.json").write_text(json.dumps({"top_k": 1, "temperature": 1.3,
+                                                                "max_new_tokens": 5}))
+    model = triton_model(False, generation_config=str(settings))
+    prompt = "The capital of France"
+    left_out, given = Request(text_input=prompt, exclude_input_in_output=True), Request(
+        text_input=prompt, exclude_input_in_output=True, sampling_parameters=json.dumps({"max_tokens": 9}))
+    responses = model.execute([left_out, given])
+    expected = [_reference(tiny_model_dir("llama"), prompt, n) for n in (5, 9)]
+    assert expected[0] != expected[1]  # no end of sequence within 9 tokens: the lengths show
+    assert [r.text() for r in responses] == expected
 
 
 def test_repository_layout_and_command(tmp_path: Path, tiny_model_dir: Callable[..., str]) -> None:

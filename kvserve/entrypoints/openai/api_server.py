@@ -78,6 +78,7 @@ from kvserve.entrypoints.openai.serving_completion import (
 )
 from kvserve.metrics.log_stats import LoggingStatLogger
 from kvserve.metrics.prometheus import PrometheusStatLogger, enable_multiprocess
+from kvserve.model.generation_defaults import describe as describe_sampling_defaults
 from kvserve.protocol.core_messages import EngineReady
 
 logger = logging.getLogger("kvserve.server")
@@ -370,6 +371,7 @@ async def _serve_app(ns: argparse.Namespace, config: EngineConfig, engine: Async
         model_path=config.model_config.model,
         log_requests=not ns.disable_log_requests,
         created=created,
+        sampling_defaults=dict(config.model_config.sampling_defaults),
     )
     try:
         state = ServerState()
@@ -395,6 +397,8 @@ async def _serve_app(ns: argparse.Namespace, config: EngineConfig, engine: Async
             processes = f" ({count} API server processes)" if count > 1 else ""
             logger.info("serving %s on http://%s:%d (OpenAI API under /v1)%s", served_names[0], host, port,
                         processes)
+            if ctx.sampling_defaults:
+                logger.info("%s", describe_sampling_defaults(ctx.sampling_defaults))
         await server.serve(sockets=[sock])
         if engine.dead_error is not None:
             server.exit_code = 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -71,7 +72,7 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> PreparedCha
     max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     num_top = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params_from(req, max_tokens, num_top,
-                                  {"max_tokens": max_tokens_param, "logprobs": "top_logprobs"})
+                                  {"max_tokens": max_tokens_param, "logprobs": "top_logprobs"}, ctx.sampling_defaults)
 
     engine = ctx.engine
     assert engine.input_processor is not None
@@ -86,6 +87,12 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> PreparedCha
         raise BadRequestError(f"cannot apply the chat template to these messages: {e}", "messages") from None
     assert processed.prompt is not None
     check_lengths(engine, len(processed.prompt_token_ids), params.max_tokens, "messages", max_tokens_param)
+    default_max = ctx.sampling_defaults.get("max_tokens")
+    if max_tokens is None and default_max is not None:
+        # The model's generation config sets how long a reply runs when the request does not say; it is
+        # capped at what the context leaves, so that a default never refuses a prompt that fits.
+        room = engine.max_model_len - len(processed.prompt_token_ids)
+        params = dataclasses.replace(params, max_tokens=min(default_max, room))
     request_id = new_request_id(engine, "chatcmpl", req.request_id)
     log_request(ctx, request_id, len(processed.prompt_token_ids), params, processed.prompt)
     return PreparedChat(request_id, model, processed.prompt, processed.prompt_token_ids, params, num_top)

@@ -42,6 +42,9 @@ class ServingContext:
     model_path: str
     log_requests: bool = True
     created: int = 0
+    # SamplingParams field -> value for what a request leaves out: the model's generation config
+    # (ModelConfig.sampling_defaults).
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
     # Tokenization (and a chat template's rendering) runs here, off the event loop: a 1,024-token prompt took
     # 3-6 ms, during which every other stream's chunks would wait. One thread, so two encodes never run at
     # once. The event loop's detokenization may run beside an encode: both only read the tokenizer, and
@@ -85,26 +88,35 @@ def sampling_params_from(
     max_tokens: int | None,
     logprobs: int | None,
     param_names: dict[str, str] | None = None,
+    defaults: dict[str, Any] | None = None,
 ) -> SamplingParams:
-    """SamplingParams of an API request; out-of-range values become 400s naming the API's field."""
+    """SamplingParams of an API request; out-of-range values become 400s naming the API's field. `defaults`
+    (the model's generation config) fill temperature, top_p, top_k, min_p and repetition_penalty where the
+    request leaves them out; then the engine's neutral values. `max_tokens` is resolved by the caller."""
     names = param_names or {}
+    given = defaults or {}
     logit_bias: dict[int, float] | None = None
     if req.logit_bias:
         try:
             logit_bias = {int(k): float(v) for k, v in req.logit_bias.items()}
         except ValueError:
             raise BadRequestError("logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
+
+    def pick(name: str, neutral: float) -> Any:
+        value = getattr(req, name)
+        return value if value is not None else given.get(name, neutral)
+
     try:
         return SamplingParams(
             n=req.n,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=0 if req.top_k is None else req.top_k,
-            min_p=0.0 if req.min_p is None else req.min_p,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0),
             seed=req.seed,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            repetition_penalty=pick("repetition_penalty", 1.0),
             logit_bias=logit_bias,
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,

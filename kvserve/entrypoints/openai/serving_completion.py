@@ -63,7 +63,11 @@ def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> PreparedC
         raise BadRequestError("stream_options can only be given when stream is true", "stream_options")
     if req.echo and req.logprobs is not None:
         raise BadRequestError("echo together with logprobs is not supported (prompt logprobs)", "echo")
-    params = sampling_params_from(req, req.max_tokens, req.logprobs)
+    max_tokens = req.max_tokens
+    if "max_tokens" not in req.model_fields_set and "max_tokens" in ctx.sampling_defaults:
+        # Left out: the API's 16, or the model's generation config's length when that is shorter.
+        max_tokens = min(max_tokens or 16, ctx.sampling_defaults["max_tokens"])
+    params = sampling_params_from(req, max_tokens, req.logprobs, None, ctx.sampling_defaults)
 
     engine = ctx.engine
     raw = req.prompt

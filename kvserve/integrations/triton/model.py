@@ -81,6 +81,7 @@ class TritonPythonModel:
             # The engine process (spawned below) takes the GPU Triton gave this instance.
             os.environ["CUDA_VISIBLE_DEVICES"] = str(args.get("model_instance_device_id", "0"))
         config = EngineArgs(**engine_args).create_engine_config()
+        self.sampling_defaults = dict(config.model_config.sampling_defaults)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="kvserve-triton-loop", daemon=True)
         self._thread.start()
@@ -111,7 +112,8 @@ class TritonPythonModel:
             if not isinstance(fields, dict):
                 raise ValueError("sampling_parameters must be a JSON object")
         try:
-            params = SamplingParams(**fields)
+            # What the request leaves out: the model's generation config, then SamplingParams' defaults.
+            params = SamplingParams(**{**self.sampling_defaults, **fields})
         except TypeError as exc:
             raise ValueError(f"sampling_parameters: {exc}") from None
         stream = bool(_input(request, "stream") or False)

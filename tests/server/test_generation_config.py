@@ -1,0 +1,95 @@
+"""A served model's generation_config.json sets what requests leave out, as with vLLM's default
+`--generation-config auto`: its checkpoint here sets top_k 1 (greedy whatever the temperature) and 50 new
+tokens, and `--override-generation-config` takes the tokens down to 4. The session's `tiny_server` serves the
+same weights with no such file, for the greedy reference."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import httpx
+import pytest
+from helpers.tiny_models import with_generation_config
+
+from .conftest import TINY_NAME, ServerProcess
+
+MAX_MODEL_LEN = 64
+MESSAGES = [{"role": "user", "content": "Tell me about owls."}]
+
+
+@pytest.fixture(scope="module")
+def defaults_server(launch_server: Callable[..., ServerProcess], tiny_llama_dir: str,
+                    tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
+    model = with_generation_config(tiny_llama_dir, str(tmp_path_factory.mktemp("generation")),
+                                   {"top_k": 1, "temperature": 1.3, "max_new_tokens": 50})
+    return launch_server([model, "--served-model-name", TINY_NAME, "--max-model-len", str(MAX_MODEL_LEN),
+                          "--kv-cache-memory", "64MiB", "--override-generation-config", '{"max_new_tokens": 4}'])
+
+
+def _chat(server: ServerProcess, **fields: object) -> dict:
+    response = httpx.post(server.base_url + "/v1/chat/completions", timeout=60,
+                          json={"model": TINY_NAME, "messages": MESSAGES, **fields})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _tokens(body: dict) -> list[str]:
+    """The generated text as the tokenizer splits it (token strings of the reply)."""
+    return [t["token"] for t in body["choices"][0]["logprobs"]["content"]]
+
+
+def test_what_a_request_leaves_out_comes_from_the_generation_config(defaults_server: ServerProcess,
+                                                                   tiny_server: ServerProcess) -> None:
+    assert "default sampling settings from the model's generation config: max_tokens=4, temperature=1.3, " \
+           "top_k=1" in defaults_server.log()
+    greedy = _chat(tiny_server, temperature=0, max_tokens=4, ignore_eos=True, logprobs=True)
+    defaulted = _chat(defaults_server, ignore_eos=True, logprobs=True)
+    assert _tokens(defaulted) == _tokens(greedy)
+    assert defaulted["usage"]["completion_tokens"] == 4
+    assert defaulted["choices"][0]["finish_reason"] == "length"
+
+    # A request's own values win: a longer reply, and top_k off samples at the file's temperature.
+    longer = _chat(defaults_server, max_tokens=7, ignore_eos=True)
+    assert longer["usage"]["completion_tokens"] == 7
+    sampled = _chat(defaults_server, top_k=-1, seed=3, max_tokens=4, ignore_eos=True, logprobs=True)
+    assert _tokens(sampled) != _tokens(greedy)
+
+    # The legacy completions API's 16 tokens, or the generation config's when fewer.
+    completion = httpx.post(defaults_server.base_url + "/v1/completions", timeout=60,
+                            json={"model": TINY_NAME, "prompt": "Owls are", "ignore_eos": True}).json()
+    assert completion["usage"]["completion_tokens"] == 4
+    reference = httpx.post(tiny_server.base_url + "/v1/completions", timeout=60,
+                           json={"model": TINY_NAME, "prompt": "Owls are", "ignore_eos": True,
+                                 "temperature": 0, "max_tokens": 4}).json()
+    assert completion["choices"][0]["text"] == reference["choices"][0]["text"]
+
+
+def test_the_default_length_never_refuses_a_prompt_that_fits(defaults_server: ServerProcess) -> None:
+    """A chat prompt two tokens short of --max-model-len: the default 4 tokens is cut to the 2 that fit
+    (an explicit max_tokens of 4 is refused, as before)."""
+    words = []
+    while True:
+        words.append("owl")
+        messages = [{"role": "user", "content": " ".join(words)}]
+        count = httpx.post(defaults_server.base_url + "/tokenize", timeout=30,
+                           json={"model": TINY_NAME, "messages": messages}).json()["count"]
+        if count >= MAX_MODEL_LEN - 2:
+            break
+    assert count == MAX_MODEL_LEN - 2, "one more word took two tokens; pick another word"
+    body = {"model": TINY_NAME, "messages": messages, "ignore_eos": True}
+    fitted = httpx.post(defaults_server.base_url + "/v1/chat/completions", json=body, timeout=60)
+    assert fitted.status_code == 200, fitted.text
+    assert fitted.json()["usage"]["completion_tokens"] == 2
+    assert fitted.json()["choices"][0]["finish_reason"] == "length"
+    refused = httpx.post(defaults_server.base_url + "/v1/chat/completions", json={**body, "max_tokens": 4},
+                         timeout=60)
+    assert refused.status_code == 400 and "max_tokens" in json.dumps(refused.json())
+
+
+def test_a_bad_override_stops_the_server_at_start(launch_server: Callable[..., ServerProcess],
+                                                  tiny_llama_dir: str) -> None:
+    server = launch_server([tiny_llama_dir, "--max-model-len", "64", "--kv-cache-memory", "64MiB",
+                            "--override-generation-config", '{"temprature": 0.5}'], wait=False)
+    assert server.wait_exit(120) != 0
+    assert "unknown setting(s) temprature" in server.log()
