@@ -252,6 +252,8 @@ class EngineArgs:
         else:
             max_batched = 8192 if self.enable_chunked_prefill else max(8192, max_model_len)
 
+        if self.num_kv_blocks is not None and int(self.num_kv_blocks) < 1:
+            raise ConfigError(f"num_kv_blocks (--num-gpu-blocks-override) must be >= 1, got {self.num_kv_blocks}")
         from kvserve.model.generation_defaults import GenerationConfigError, sampling_defaults
 
         try:

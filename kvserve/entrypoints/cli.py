@@ -25,6 +25,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse KV blocks of shared prompt prefixes")
     g.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="split long prompts over several steps' token budgets (on by default); with "
+                   "--no-enable-chunked-prefill a prompt is prefilled in one step, so --max-num-batched-tokens "
+                   "defaults to at least --max-model-len")
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None, metavar="N",
+                   help="KV cache blocks to allocate, instead of what the memory budget gives (tests of preemption "
+                   "and capacity)")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM command lines; kvserve never runs code from a checkpoint (it runs the "
+                   "architectures it implements), so this changes nothing")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule the next step while the GPU runs this one (default: on with a GPU)")
     g.add_argument("--cascade-attn", action=argparse.BooleanOptionalAction, default=True,
@@ -65,6 +75,8 @@ def engine_args_from(ns: argparse.Namespace) -> dict[str, object]:
         "gpu_memory_utilization": ns.gpu_memory_utilization,
         "enable_prefix_caching": ns.enable_prefix_caching,
         "enforce_eager": ns.enforce_eager,
+        "enable_chunked_prefill": ns.enable_chunked_prefill,
+        "num_kv_blocks": ns.num_gpu_blocks_override,
         "async_scheduling": ns.async_scheduling,
         "cascade_attn": ns.cascade_attn,
         "tensor_parallel_size": ns.tensor_parallel_size,

@@ -224,3 +224,16 @@ def test_default_sampling_params_come_from_the_models_generation_config(tiny_mod
     assert overridden.get_default_sampling_params() == SamplingParams(top_k=1, temperature=0.9, max_tokens=3)
     assert [o.outputs[0].token_ids for o in overridden.generate(prompts, use_tqdm=False)] == [
         o.outputs[0].token_ids[:3] for o in greedy]
+
+
+def test_without_chunked_prefill_the_output_is_the_same(tiny_model_dir) -> None:
+    """Prompts longer than a 32-token step budget are prefilled over several steps; without chunked prefill
+    each is prefilled in one step. The greedy tokens are the same."""
+    prompts = [" ".join(["owl"] * n) + " and" for n in (40, 75, 12)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    chunked = LLM(tiny_model_dir("llama"), max_model_len=256, max_num_batched_tokens=32)
+    whole = LLM(tiny_model_dir("llama"), max_model_len=256, enable_chunked_prefill=False)
+    assert whole.config.scheduler_config.max_num_batched_tokens >= 256
+    assert all(len(o.prompt_token_ids) > 32 for o in chunked.generate(prompts[:2], params, use_tqdm=False))
+    assert [o.outputs[0].token_ids for o in whole.generate(prompts, params, use_tqdm=False)] == [
+        o.outputs[0].token_ids for o in chunked.generate(prompts, params, use_tqdm=False)]

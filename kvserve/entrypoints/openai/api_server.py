@@ -356,6 +356,11 @@ def _make_metrics(ns: argparse.Namespace, config: EngineConfig, ready: EngineRea
     )
 
 
+def stat_loggers(ns: argparse.Namespace, metrics: PrometheusStatLogger, label: str) -> list[Any]:
+    """/metrics' logger, and the periodic log lines unless --disable-log-stats."""
+    return [metrics] if ns.disable_log_stats else [metrics, LoggingStatLogger(label=label)]
+
+
 async def _serve_app(ns: argparse.Namespace, config: EngineConfig, engine: AsyncLLM, ready: EngineReady,
                      sock: socket.socket, created: int, multiprocess_dir: str | None, index: int,
                      others: ApiProcesses | None = None, on_ready: Callable[[], None] | None = None) -> int:
@@ -364,7 +369,7 @@ async def _serve_app(ns: argparse.Namespace, config: EngineConfig, engine: Async
     metrics = _make_metrics(ns, config, ready, served_names, multiprocess_dir, first=index == 0)
     count = ns.api_server_count
     label = f"API server {index}: " if count > 1 else ""
-    engine.stat_loggers += [metrics, LoggingStatLogger(label=label)]
+    engine.stat_loggers += stat_loggers(ns, metrics, label)
     ctx = ServingContext(
         engine=engine,
         served_model_names=served_names,

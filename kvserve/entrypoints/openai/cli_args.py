@@ -31,6 +31,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="chat template replacing the tokenizer's: a file path or the Jinja template text")
     g.add_argument("--disable-log-requests", action="store_true",
                    help="do not log each request's id and parameters (prompts are logged only at DEBUG level)")
+    g.add_argument("--enable-log-requests", dest="disable_log_requests", action="store_false",
+                   help="log each request's id and parameters (the default here; vLLM's spelling of it)")
+    g.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic throughput and cache log lines (/metrics is unaffected)")
     g.add_argument("--disable-uvicorn-access-log", action="store_true", help="do not log each HTTP request line")
     g.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS,
                    help="log level of uvicorn, the HTTP server (default info)")
