@@ -61,7 +61,7 @@ class ModelConfig:
     load_format: str = "auto"
     # SamplingParams field -> value for what a request leaves out, from the model's generation_config.json
     # (--generation-config, --override-generation-config; kvserve.model.generation_defaults).
-    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:

@@ -53,13 +53,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="auto: the checkpoint's weights; dummy: random weights of the model's shape (needs only "
                    "config.json; for benchmarks)")
+
+
+def add_generation_config_args(parser: argparse.ArgumentParser) -> None:
+    """Where the defaults of what a request leaves out come from (serve and triton-repo: `generate` has its
+    own sampling flags)."""
+    g = parser.add_argument_group("sampling defaults")
     g.add_argument("--generation-config", default="auto", metavar="{auto,vllm,DIR}",
                    help="defaults for the sampling settings a request leaves out (temperature, top_p, top_k, min_p, "
                    "repetition_penalty, max_tokens): auto, the model's generation_config.json; vllm, none; or a "
-                   "directory holding a generation_config.json (serve, the LLM API and Triton; `generate` has "
-                   "its own flags)")
+                   "directory holding a generation_config.json")
     g.add_argument("--override-generation-config", default=None, metavar="JSON",
-                   help="a JSON object applied over those defaults, e.g. '{\"temperature\": 0.5}'")
+                   help="a JSON object applied over those defaults, e.g. '{\"temperature\": 0.5}' (null removes "
+                   "a setting)")
 
 
 def engine_args_from(ns: argparse.Namespace) -> dict[str, object]:
@@ -84,8 +90,8 @@ def engine_args_from(ns: argparse.Namespace) -> dict[str, object]:
         "seed": ns.seed,
         "device": ns.device,
         "load_format": ns.load_format,
-        "generation_config": ns.generation_config,
-        "override_generation_config": ns.override_generation_config,
+        "generation_config": getattr(ns, "generation_config", "auto"),
+        "override_generation_config": getattr(ns, "override_generation_config", None),
     }
 
 
@@ -210,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     repo.add_argument("--instances", type=int, default=1, help="model instances (each starts its own engine)")
     repo.add_argument("--gpus", default=None, help="GPU ids for the instance group, e.g. 0 or 0,1")
     add_engine_args(repo)
+    add_generation_config_args(repo)
     repo.set_defaults(func=_cmd_triton_repo)
 
     from kvserve.router.policies import POLICIES

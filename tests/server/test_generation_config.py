@@ -55,13 +55,23 @@ def test_what_a_request_leaves_out_comes_from_the_generation_config(defaults_ser
     sampled = _chat(defaults_server, top_k=-1, seed=3, max_tokens=4, ignore_eos=True, logprobs=True)
     assert _tokens(sampled) != _tokens(greedy)
 
-    # The legacy completions API's 16 tokens, or the generation config's when fewer.
-    completion = httpx.post(defaults_server.base_url + "/v1/completions", timeout=60,
-                            json={"model": TINY_NAME, "prompt": "Owls are", "ignore_eos": True}).json()
+    # An explicit null is left out too; a min_tokens the default length cannot hold is a 400, not a 500.
+    assert _chat(defaults_server, max_tokens=None, ignore_eos=True)["usage"]["completion_tokens"] == 4
+    too_few = httpx.post(defaults_server.base_url + "/v1/chat/completions", timeout=60,
+                         json={"model": TINY_NAME, "messages": MESSAGES, "min_tokens": 10})
+    assert too_few.status_code == 400 and too_few.json()["error"]["param"] == "min_tokens", too_few.text
+
+    # Completions: max_tokens left out is the API's 16 (as in vLLM); null takes the generation config's.
+    def complete(server: ServerProcess, **fields: object) -> dict:
+        response = httpx.post(server.base_url + "/v1/completions", timeout=60,
+                              json={"model": TINY_NAME, "prompt": "Owls are", "ignore_eos": True, **fields})
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    assert complete(defaults_server)["usage"]["completion_tokens"] == 16
+    completion = complete(defaults_server, max_tokens=None)
     assert completion["usage"]["completion_tokens"] == 4
-    reference = httpx.post(tiny_server.base_url + "/v1/completions", timeout=60,
-                           json={"model": TINY_NAME, "prompt": "Owls are", "ignore_eos": True,
-                                 "temperature": 0, "max_tokens": 4}).json()
+    reference = complete(tiny_server, temperature=0, max_tokens=4)
     assert completion["choices"][0]["text"] == reference["choices"][0]["text"]
 
 

@@ -192,10 +192,12 @@ def test_requests_take_the_models_generation_config(triton_model: Callable[..., 
     prompt = "The capital of France"
     left_out, given = Request(text_input=prompt, exclude_input_in_output=True), Request(
         text_input=prompt, exclude_input_in_output=True, sampling_parameters=json.dumps({"max_tokens": 9}))
-    responses = model.execute([left_out, given])
+    null = Request(text_input=prompt, exclude_input_in_output=True,  # null is left out, as on the server
+                   sampling_parameters=json.dumps({"max_tokens": None, "temperature": None, "top_k": None}))
+    responses = model.execute([left_out, given, null])
     expected = [_reference(tiny_model_dir("llama"), prompt, n) for n in (5, 9)]
     assert expected[0] != expected[1]  # no end of sequence within 9 tokens: the lengths show
-    assert [r.text() for r in responses] == expected
+    assert [r.text() for r in responses] == [*expected, expected[0]]
 
 
 def test_repository_layout_and_command(tmp_path: Path, tiny_model_dir: Callable[..., str]) -> None:

@@ -116,6 +116,8 @@ def test_engine_config_and_flags(tiny_model_dir: Callable[..., str], tmp_path: P
         return args.create_engine_config().model_config.sampling_defaults
 
     assert defaults() == {"temperature": 0.6, "top_p": 0.9}
+    config = EngineArgs(model=model, device="cpu", max_model_len=128).create_engine_config()
+    assert hash(config) == hash(config.with_num_blocks(0))  # the defaults (a dict) are left out of the hash
     assert defaults(generation_config="vllm") == {}
     assert defaults(override_generation_config='{"top_p": 0.5}') == {"temperature": 0.6, "top_p": 0.5}
     with pytest.raises(ConfigError, match="unknown setting"):
@@ -130,3 +132,12 @@ def test_engine_config_and_flags(tiny_model_dir: Callable[..., str], tmp_path: P
     ns = make_arg_parser().parse_args([model])
     assert server_engine_args(ns)["generation_config"] == "auto"
     assert server_engine_args(ns)["override_generation_config"] is None
+
+    from kvserve.entrypoints.cli import build_parser, engine_args_from
+
+    # `generate` has its own sampling flags and no generation-config ones (they would do nothing there).
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--prompt", "x", "--generation-config", "vllm"])
+    assert engine_args_from(build_parser().parse_args(["generate", "--prompt", "x"]))["generation_config"] == "auto"
+    ns = build_parser().parse_args(["triton-repo", "--name", "m", "--generation-config", "vllm"])
+    assert engine_args_from(ns)["generation_config"] == "vllm"

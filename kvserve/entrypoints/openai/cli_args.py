@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvserve.entrypoints.cli import add_engine_args, engine_args_from
+from kvserve.entrypoints.cli import add_engine_args, add_generation_config_args, engine_args_from
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -19,6 +19,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         help="HF model directory or .gguf file (same as --model; default: SmolLM2-135M-Instruct "
                              "GGUF)")
     add_engine_args(parser)
+    add_generation_config_args(parser)
     g = parser.add_argument_group("server")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model name(s) clients use in the `model` field; the first is reported in responses and "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -25,6 +24,7 @@ from kvserve.entrypoints.openai.serving_common import (
     sse,
     stop_reason,
     usage_dict,
+    with_default_length,
 )
 from kvserve.protocol.outputs import RequestOutput
 from kvserve.protocol.sampling_params import SamplingParams
@@ -88,11 +88,9 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> PreparedCha
     assert processed.prompt is not None
     check_lengths(engine, len(processed.prompt_token_ids), params.max_tokens, "messages", max_tokens_param)
     default_max = ctx.sampling_defaults.get("max_tokens")
-    if max_tokens is None and default_max is not None:
-        # The model's generation config sets how long a reply runs when the request does not say; it is
-        # capped at what the context leaves, so that a default never refuses a prompt that fits.
+    if max_tokens is None and default_max is not None:  # the model's reply length, when the request sets none
         room = engine.max_model_len - len(processed.prompt_token_ids)
-        params = dataclasses.replace(params, max_tokens=min(default_max, room))
+        params = with_default_length(params, default_max, room, {"max_tokens": max_tokens_param})
     request_id = new_request_id(engine, "chatcmpl", req.request_id)
     log_request(ctx, request_id, len(processed.prompt_token_ids), params, processed.prompt)
     return PreparedChat(request_id, model, processed.prompt, processed.prompt_token_ids, params, num_top)

@@ -4,6 +4,7 @@ logprob formatting and cancellation on client disconnect."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -130,6 +131,19 @@ def sampling_params_from(
         )
     except SamplingParamsError as e:
         raise BadRequestError(str(e), names.get(e.param, e.param)) from None
+
+
+def with_default_length(params: SamplingParams, default_max: int, room: int,
+                        param_names: dict[str, str] | None = None) -> SamplingParams:
+    """`params` with the generation config's reply length for a request that gives none: capped at `room`
+    (what the context leaves), so that a default never refuses a prompt that fits. A 400 when the request's
+    own settings do not fit it (min_tokens above it)."""
+    try:
+        return dataclasses.replace(params, max_tokens=min(default_max, room))
+    except SamplingParamsError as e:
+        names = param_names or {}
+        raise BadRequestError(f"{e} (max_tokens is the model's default reply length, or what the context "
+                              f"leaves)", names.get(e.param, e.param)) from None
 
 
 def check_lengths(

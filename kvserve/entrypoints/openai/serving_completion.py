@@ -28,6 +28,7 @@ from kvserve.entrypoints.openai.serving_common import (
     sse,
     stop_reason,
     usage_dict,
+    with_default_length,
 )
 from kvserve.protocol.outputs import RequestOutput
 from kvserve.protocol.sampling_params import SamplingParams
@@ -63,11 +64,7 @@ def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> PreparedC
         raise BadRequestError("stream_options can only be given when stream is true", "stream_options")
     if req.echo and req.logprobs is not None:
         raise BadRequestError("echo together with logprobs is not supported (prompt logprobs)", "echo")
-    max_tokens = req.max_tokens
-    if "max_tokens" not in req.model_fields_set and "max_tokens" in ctx.sampling_defaults:
-        # Left out: the API's 16, or the model's generation config's length when that is shorter.
-        max_tokens = min(max_tokens or 16, ctx.sampling_defaults["max_tokens"])
-    params = sampling_params_from(req, max_tokens, req.logprobs, None, ctx.sampling_defaults)
+    params = sampling_params_from(req, req.max_tokens, req.logprobs, None, ctx.sampling_defaults)
 
     engine = ctx.engine
     raw = req.prompt
@@ -90,6 +87,12 @@ def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> PreparedC
         check_lengths(engine, len(ids), params.max_tokens, "prompt", "max_tokens")
         sub_id = request_id if len(items) == 1 else f"{request_id}-{i}"
         prompts.append(PreparedPrompt(sub_id, ids, text))
+    default_max = ctx.sampling_defaults.get("max_tokens")
+    if req.max_tokens is None and default_max is not None:
+        # max_tokens null (left out, it is the API's 16): the model's reply length, capped at what the
+        # context leaves the longest prompt.
+        room = engine.max_model_len - max(len(p.prompt_token_ids) for p in prompts)
+        params = with_default_length(params, default_max, room)
     for p in prompts:
         log_request(ctx, p.request_id, len(p.prompt_token_ids), params, p.text)
     return PreparedCompletion(request_id, model, prompts, params, req.echo)

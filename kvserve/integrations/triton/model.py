@@ -113,7 +113,8 @@ class TritonPythonModel:
                 raise ValueError("sampling_parameters must be a JSON object")
         try:
             # What the request leaves out: the model's generation config, then SamplingParams' defaults.
-            params = SamplingParams(**{**self.sampling_defaults, **fields})
+            given = {key: value for key, value in fields.items() if value is not None}  # null: left out
+            params = SamplingParams(**{**self.sampling_defaults, **given})
         except TypeError as exc:
             raise ValueError(f"sampling_parameters: {exc}") from None
         stream = bool(_input(request, "stream") or False)
