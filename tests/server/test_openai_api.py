@@ -293,3 +293,33 @@ def test_async_scheduling_server_gives_the_same_completions(launch_server, tiny_
         results = list(pool.map(lambda body: complete(pipelined.base_url, body), bodies * 2))
     assert all(text for result in results for text, _, _ in result)
     assert "Traceback" not in pipelined.log()
+
+
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_cache_salt_separates_prefix_cache_hits(tiny_server, api):
+    """vLLM's cache_salt reaches the engine: the same prompt again hits the prefix cache with its salt, and
+    misses with another salt or none; an empty salt is refused."""
+    prompt = f"The cache salt test of the {api} endpoint: " + " ".join(f"owl{i}" for i in range(40))
+
+    def cached(**fields: object) -> int:
+        if api == "chat":
+            body = {"model": TINY_NAME, "messages": [{"role": "user", "content": prompt}], "max_tokens": 1}
+            url = "/v1/chat/completions"
+        else:
+            body = {"model": TINY_NAME, "prompt": prompt, "max_tokens": 1}
+            url = "/v1/completions"
+        response = httpx.post(tiny_server.base_url + url, json={**body, **fields}, timeout=60)
+        assert response.status_code == 200, response.text
+        usage = response.json()["usage"]
+        assert usage["prompt_tokens"] > 48
+        return (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+    assert cached(cache_salt="tenant-a") == 0
+    assert cached(cache_salt="tenant-a") >= 48
+    assert cached(cache_salt="tenant-b") == 0
+    assert cached() == 0
+    assert cached() >= 48
+    url = "/v1/chat/completions" if api == "chat" else "/v1/completions"
+    empty = httpx.post(tiny_server.base_url + url, timeout=60, json={
+        "model": TINY_NAME, "prompt": "x", "messages": [{"role": "user", "content": "x"}], "cache_salt": ""})
+    assert empty.status_code == 400 and "cache_salt" in empty.text

@@ -59,7 +59,7 @@ class SamplingFields(OpenAIBaseModel):
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
     spaces_between_special_tokens: StrictBool = True
-    cache_salt: str | None = None
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
     request_id: str | None = Field(default=None, max_length=256)
 
 

@@ -38,8 +38,9 @@ class PreparedChat:
     """A validated chat request, ready to generate."""
 
     def __init__(self, request_id: str, model: str, prompt: str, prompt_token_ids: list[int],
-                 params: SamplingParams, num_top_logprobs: int | None) -> None:
+                 params: SamplingParams, num_top_logprobs: int | None, cache_salt: str | None = None) -> None:
         self.request_id = request_id
+        self.cache_salt = cache_salt  # the prefix cache's namespace (vLLM's extra field)
         self.model = model
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -93,7 +94,8 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> PreparedCha
         params = with_default_length(params, default_max, room, {"max_tokens": max_tokens_param})
     request_id = new_request_id(engine, "chatcmpl", req.request_id)
     log_request(ctx, request_id, len(processed.prompt_token_ids), params, processed.prompt)
-    return PreparedChat(request_id, model, processed.prompt, processed.prompt_token_ids, params, num_top)
+    return PreparedChat(request_id, model, processed.prompt, processed.prompt_token_ids, params, num_top,
+                        req.cache_salt)
 
 
 def message_dict(message: ChatMessage) -> dict[str, Any]:
@@ -121,7 +123,7 @@ async def chat_full(ctx: ServingContext, chat: PreparedChat) -> dict[str, Any]:
     final: RequestOutput | None = None
     try:
         async with aclosing(ctx.engine.generate(chat.request_id, chat.prompt_token_ids, chat.params,
-                                                chat.prompt)) as updates:
+                                                chat.prompt, chat.cache_salt)) as updates:
             async for update in updates:
                 final = update
     except Exception as e:
@@ -172,7 +174,7 @@ async def chat_stream(ctx: ServingContext, chat: PreparedChat, include_usage: bo
     role_sent = False
     try:
         async with aclosing(ctx.engine.generate(chat.request_id, chat.prompt_token_ids, chat.params,
-                                                chat.prompt)) as updates:
+                                                chat.prompt, chat.cache_salt)) as updates:
             async for update in updates:
                 if not role_sent:  # with the first token, as vLLM: its arrival is the time to first token
                     role_sent = True

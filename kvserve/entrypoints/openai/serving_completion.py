@@ -43,8 +43,9 @@ class PreparedPrompt:
 
 class PreparedCompletion:
     def __init__(self, request_id: str, model: str, prompts: list[PreparedPrompt], params: SamplingParams,
-                 echo: bool) -> None:
+                 echo: bool, cache_salt: str | None = None) -> None:
         self.request_id = request_id
+        self.cache_salt = cache_salt  # the prefix cache's namespace (vLLM's extra field)
         self.model = model
         self.prompts = prompts
         self.params = params
@@ -95,7 +96,7 @@ def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> PreparedC
         params = with_default_length(params, default_max, room)
     for p in prompts:
         log_request(ctx, p.request_id, len(p.prompt_token_ids), params, p.text)
-    return PreparedCompletion(request_id, model, prompts, params, req.echo)
+    return PreparedCompletion(request_id, model, prompts, params, req.echo, req.cache_salt)
 
 
 def _echo_text(ctx: ServingContext, prompt: PreparedPrompt) -> str:
@@ -104,10 +105,11 @@ def _echo_text(ctx: ServingContext, prompt: PreparedPrompt) -> str:
     return ctx.engine.tokenizer.decode(prompt.prompt_token_ids)
 
 
-async def _run_one(ctx: ServingContext, prompt: PreparedPrompt, params: SamplingParams) -> RequestOutput:
+async def _run_one(ctx: ServingContext, prompt: PreparedPrompt, params: SamplingParams,
+                   cache_salt: str | None) -> RequestOutput:
     final: RequestOutput | None = None
     async with aclosing(ctx.engine.generate(prompt.request_id, prompt.prompt_token_ids, params,
-                                            prompt.text)) as updates:
+                                            prompt.text, cache_salt)) as updates:
         async for update in updates:
             final = update
     assert final is not None and final.finished
@@ -116,7 +118,7 @@ async def _run_one(ctx: ServingContext, prompt: PreparedPrompt, params: Sampling
 
 async def completion_full(ctx: ServingContext, cmpl: PreparedCompletion) -> dict[str, Any]:
     """Run every prompt to completion and build the `text_completion` object."""
-    tasks = [asyncio.ensure_future(_run_one(ctx, p, cmpl.params)) for p in cmpl.prompts]
+    tasks = [asyncio.ensure_future(_run_one(ctx, p, cmpl.params, cmpl.cache_salt)) for p in cmpl.prompts]
     try:
         finals = await asyncio.gather(*tasks)
     except Exception as e:
@@ -223,7 +225,8 @@ async def _merge(ctx: ServingContext, cmpl: PreparedCompletion) -> AsyncIterator
     """Updates of all prompts, interleaved as they arrive, tagged with the prompt's position."""
     if len(cmpl.prompts) == 1:
         p = cmpl.prompts[0]
-        async with aclosing(ctx.engine.generate(p.request_id, p.prompt_token_ids, cmpl.params, p.text)) as updates:
+        async with aclosing(ctx.engine.generate(p.request_id, p.prompt_token_ids, cmpl.params, p.text,
+                                                cmpl.cache_salt)) as updates:
             async for update in updates:
                 yield 0, update
         return
@@ -232,7 +235,7 @@ async def _merge(ctx: ServingContext, cmpl: PreparedCompletion) -> AsyncIterator
     async def pump(index: int, prompt: PreparedPrompt) -> None:
         try:
             async with aclosing(ctx.engine.generate(prompt.request_id, prompt.prompt_token_ids, cmpl.params,
-                                                    prompt.text)) as updates:
+                                                    prompt.text, cmpl.cache_salt)) as updates:
                 async for update in updates:
                     queue.put_nowait((index, update))
         except Exception as e:
