@@ -61,8 +61,6 @@ class Scheduler:
         self._finished_since_last_step: list[str] = []
         self._known_to_runner: set[str] = set()
         self.num_preemptions = 0
-        # Live requests whose sampling reads their earlier output (penalties, min_tokens).
-        self._num_needing_history = 0
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -93,8 +91,6 @@ class Scheduler:
                 "max_tokens",
             )
         request.status = RequestStatus.WAITING
-        if request.sampling_params.needs_output_history:
-            self._num_needing_history += 1
         self.kv.set_group(request, group_key)
         self.requests[request.req_id] = request
         self.waiting.append(request)
@@ -116,8 +112,6 @@ class Scheduler:
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
         request.status = status
-        if request.sampling_params.needs_output_history:
-            self._num_needing_history -= 1
         self.kv.free(request)
         self.kv.forget(request)
         del self.requests[request.req_id]
@@ -130,11 +124,6 @@ class Scheduler:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
-
-    def needs_sync(self) -> bool:
-        """Whether a live request samples from its own earlier output (penalties, min_tokens): the next
-        step must then wait for the previous step's tokens (no async scheduling while it lives)."""
-        return self._num_needing_history > 0
 
     # ------------------------------------------------------------------ one step
 
@@ -334,5 +323,3 @@ class Scheduler:
             ), f"{request} waiting with {request.num_pending_tokens} pending tokens"
             assert self.kv.num_blocks_of(request.req_id) == 0, f"{request} waiting but holds blocks"
         assert set(self.kv.req_to_blocks) <= running_ids, "blocks held by a request that is not running"
-        needing = sum(r.sampling_params.needs_output_history for r in self.requests.values())
-        assert needing == self._num_needing_history, "needs-history count differs from the live requests"

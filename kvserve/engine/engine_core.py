@@ -7,9 +7,9 @@ caller (`OutputProcessor`).
 With async scheduling (`--async-scheduling`, on by default on GPUs) a step launches step n+1 before it
 reads step n's sampled tokens: the host's scheduling, input preparation and output handling then run
 while the GPU computes, instead of between GPU steps. Each `step()` returns the outputs of the step
-before the one it launched. The next input tokens are taken on the device, and a live request whose
-sampling reads its own earlier output (penalties, min_tokens) makes the core wait for each step's tokens
-before scheduling the next, so a request's tokens are computed exactly as step by step. What can differ is
+before the one it launched. The next input tokens are taken on the device, and so is the newest token of a
+request whose sampling reads its own earlier output (penalties, min_tokens: the sampler counts it from the
+previous step's sampled ids), so a request's tokens are computed exactly as step by step. What can differ is
 the batches: a request that stopped on EOS or a stop string is computed for one more step (its output
 dropped), and a request that will surely finish keeps its slot until its last token arrives. Batch
 composition changes floating-point rounding (logprobs in the last digits, near-tied tokens), as other
@@ -229,8 +229,6 @@ class EngineCore:
         """Schedule and launch one step; return the outputs of the step whose tokens arrived (this one
         without async scheduling, the previous one with it)."""
         outputs: list[EngineCoreOutput] = []
-        if self._in_flight is not None and self.scheduler.needs_sync():
-            outputs.extend(self._finish_in_flight())
         scheduler_output = self.scheduler.schedule()
         if self.workers is not None:
             self.workers.step(scheduler_output, finish_previous_first=self._in_flight is None)

@@ -8,7 +8,9 @@ Order of operations, per row (vLLM/OpenAI meanings; see `SamplingParams`):
    output (positive logits divided, negative multiplied), then ``frequency_penalty * count`` and
    ``presence_penalty * [count > 0]`` subtracted, counting output tokens only. Rows that carry their
    request's id keep these counts on the device across steps (`PenaltyCounts`): the prompt is marked once
-   and only the output tokens new since the last step are uploaded and counted.
+   and only the output tokens new since the last step are uploaded and counted. Under async scheduling a
+   row's newest token may not have reached the host yet (``SamplingRow.pending_row``): it is counted from
+   the previous step's sampled ids on the device, here and in min_tokens' count.
 3. **logit_bias** added. Token ids outside the vocabulary are ignored here: the input processor rejects
    them; a bad id must not crash a whole batch.
 4. **min_tokens**: while ``len(output) < min_tokens`` the request's ``stop_token_ids`` and, unless
@@ -51,6 +53,11 @@ class SamplingRow:
     # The request's id: its penalty counts are kept across steps under it (`PenaltyCounts`), and the caller
     # releases them (`Sampler.release`) when the request ends. None: counted from the lists at every call.
     req_id: str | None = None
+    # Async scheduling: the request's newest token, sampled by the previous step, is not in
+    # output_token_ids yet; it is row `pending_row` of the previous step's sampled ids on the device (the
+    # `pending_ids` the sampler is called with). Penalties count it and min_tokens counts it from there, so
+    # such requests need not wait for the host to read each step's tokens.
+    pending_row: int | None = None
 
 
 @dataclass
@@ -143,6 +150,22 @@ def apply_penalties(
     return out
 
 
+def add_pending_tokens(
+    counts: torch.Tensor, count_rows: list[int], pending_rows: list[int], pending_ids: torch.Tensor | None
+) -> None:
+    """counts[count_rows[j], pending_ids[pending_rows[j]]] += 1 for each j, on the device (the tokens are
+    never read on the host)."""
+    if pending_ids is None:
+        raise ValueError("rows have a pending_row but no pending_ids were given")
+    device = counts.device
+    tokens = pending_ids.index_select(0, to_device(pending_rows, torch.int64, pending_ids.device)).to(device)
+    counts.index_put_(
+        (to_device(count_rows, torch.int64, device), tokens),
+        torch.ones(len(count_rows), dtype=counts.dtype, device=device),
+        accumulate=True,
+    )
+
+
 class PenaltyCounts:
     """The penalties' token counts of live requests, on one device, kept from step to step.
 
@@ -173,13 +196,19 @@ class PenaltyCounts:
         """Device memory the two buffers hold."""
         return self.seen.numel() * self.seen.element_size() + self.counts.numel() * self.counts.element_size()
 
-    def gather(self, rows: Sequence[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(
+        self, rows: Sequence[SamplingRow], pending_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(prompt counts, output counts) ``[len(rows), vocab]`` float32 for these rows (each with a req_id),
-        after counting what is new; a row whose repetition penalty is off gets no prompt marks."""
+        after counting what is new: the tokens of `output_token_ids` not counted yet, and a row's
+        `pending_row` token, read from `pending_ids` on the device (it is counted as the list's next token,
+        which it becomes once the host reads it). A row whose repetition penalty is off gets no prompt
+        marks."""
         cleared: list[int] = []
         slots: list[int] = []
         marks: tuple[list[int], list[int]] = ([], [])
         adds: tuple[list[int], list[int]] = ([], [])
+        pending: tuple[list[int], list[int]] = ([], [])  # (slot, row of pending_ids)
         arriving = sum(row.req_id not in self._slot for row in rows)
         if arriving > len(self._free):  # grown once for the whole batch (at least doubled)
             self._grow(max(len(self._slot) + arriving, 2 * self.counts.shape[0], 8))
@@ -203,6 +232,10 @@ class PenaltyCounts:
             adds[0].extend([slot] * len(new))
             adds[1].extend(new)
             self._counted[req_id] = len(output)
+            if row.pending_row is not None:
+                pending[0].append(slot)
+                pending[1].append(row.pending_row)
+                self._counted[req_id] += 1
             slots.append(slot)
         # Fills and values made on the device: a Python scalar as an index_put_ value would be a synchronous copy.
         if cleared:
@@ -220,6 +253,8 @@ class PenaltyCounts:
                 torch.ones(len(adds[1]), dtype=torch.float32, device=self.device),
                 accumulate=True,
             )
+        if pending[0]:
+            add_pending_tokens(self.counts, pending[0], pending[1], pending_ids)
         index = to_device(slots, torch.int64, self.device)
         return self.seen[index].to(torch.float32), self.counts[index]
 
@@ -364,9 +399,15 @@ class Sampler:
             self.penalty_counts.check_invariants(live_req_ids)
 
     def __call__(
-        self, logits: torch.Tensor, rows: Sequence[SamplingRow], eos_token_ids: Sequence[int]
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        eos_token_ids: Sequence[int],
+        pending_ids: torch.Tensor | None = None,
     ) -> SamplerOutput:
-        """`logits`: float ``[len(rows), vocab]`` (not modified). Returns tensors on the logits' device."""
+        """`logits`: float ``[len(rows), vocab]`` (not modified). `pending_ids`: the previous step's sampled
+        ids on the logits' device, which rows with a `pending_row` index. Returns tensors on the logits'
+        device."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [num_rows={len(rows)}, vocab], got {tuple(logits.shape)}")
         asked = [row.params.logprobs for row in rows if row.params.logprobs is not None]
@@ -377,7 +418,7 @@ class Sampler:
 
         # Our own float32 copy: the caller's tensor stays untouched.
         work = logits.to(dtype=torch.float32, copy=True)
-        work = self._apply_penalties(work, rows)
+        work = self._apply_penalties(work, rows, pending_ids)
         work = self._apply_logit_bias(work, rows)
         work = self._apply_min_tokens(work, rows, eos_token_ids)
         sampled = self._sample(work, rows)
@@ -389,7 +430,9 @@ class Sampler:
 
     # -- steps --------------------------------------------------------------------------------------------
 
-    def _apply_penalties(self, work: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    def _apply_penalties(
+        self, work: torch.Tensor, rows: Sequence[SamplingRow], pending_ids: torch.Tensor | None
+    ) -> torch.Tensor:
         index = [
             i
             for i, row in enumerate(rows)
@@ -404,7 +447,7 @@ class Sampler:
             kept = self.penalty_counts
             if kept is None or kept.device != device or kept.vocab_size != vocab_size:
                 kept = self.penalty_counts = PenaltyCounts(vocab_size, device)
-            prompt_counts, output_counts = kept.gather([rows[i] for i in index])
+            prompt_counts, output_counts = kept.gather([rows[i] for i in index], pending_ids)
         else:
             # Prompt tokens only matter for the repetition penalty: skip counting them when it is off.
             prompts = [
@@ -412,6 +455,9 @@ class Sampler:
             ]
             prompt_counts = token_counts(prompts, vocab_size, device)
             output_counts = token_counts([rows[i].output_token_ids for i in index], vocab_size, device)
+            pending = [(j, rows[i].pending_row) for j, i in enumerate(index) if rows[i].pending_row is not None]
+            if pending:
+                add_pending_tokens(output_counts, [j for j, _ in pending], [r for _, r in pending], pending_ids)
         params = [rows[i].params for i in index]
         rows_t = to_device(index, torch.int64, device)
         work[rows_t] = apply_penalties(
@@ -455,7 +501,7 @@ class Sampler:
         token_ids: list[int] = []
         for i, row in enumerate(rows):
             params = row.params
-            if len(row.output_token_ids) >= params.min_tokens:
+            if len(row.output_token_ids) + (row.pending_row is not None) >= params.min_tokens:
                 continue
             banned = set(params.stop_token_ids or ())
             if not params.ignore_eos:

@@ -114,8 +114,9 @@ class SamplingParams:
 
     @property
     def needs_output_history(self) -> bool:
-        """Whether sampling a token reads the tokens generated before it (penalties, min_tokens): such a
-        request cannot be scheduled before its previous token is known (see async scheduling)."""
+        """Whether sampling a token reads the tokens generated before it (penalties, min_tokens). Under async
+        scheduling the newest of them may still be on the device: the model runner points the sampler at
+        it (`SamplingRow.pending_row`)."""
         return (
             self.repetition_penalty != 1.0
             or self.frequency_penalty != 0.0

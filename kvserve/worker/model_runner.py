@@ -872,6 +872,7 @@ class ModelRunner:
             return PendingOutput.empty()
         logits = self.model.compute_logits(sample_hidden)
         states = [self.requests[req_id] for req_id in batch.sampled_req_ids]
+        pending = self._pending_rows(scheduler_output, batch.sampled_req_ids, states)
         rows = [
             SamplingRow(
                 params=s.sampling_params,
@@ -879,10 +880,12 @@ class ModelRunner:
                 output_token_ids=s.output_token_ids,
                 generator=s.generator,
                 req_id=req_id,
+                pending_row=pending[i] if pending is not None else None,
             )
-            for req_id, s in zip(batch.sampled_req_ids, states, strict=True)
+            for i, (req_id, s) in enumerate(zip(batch.sampled_req_ids, states, strict=True))
         ]
-        sampled = self.sampler(logits, rows, self.eos_token_ids)
+        pending_ids = self._prev_sampled[0] if pending is not None and self._prev_sampled is not None else None
+        sampled = self.sampler(logits, rows, self.eos_token_ids, pending_ids)
         self._prev_sampled = (
             sampled.sampled_token_ids,
             {req_id: i for i, req_id in enumerate(batch.sampled_req_ids)},
@@ -901,6 +904,24 @@ class ModelRunner:
             done = torch.cuda.Event()
             done.record()
         return PendingOutput(batch.sampled_req_ids, states, sampled_host, logprob_host, done)
+
+    def _pending_rows(
+        self, scheduler_output: SchedulerOutput, sampled_req_ids: list[str], states: list[RunnerRequestState]
+    ) -> list[int | None] | None:
+        """For each sampled request whose sampling reads its earlier output (penalties, min_tokens) and whose
+        newest token is still a placeholder (async scheduling: sampled by the previous step, not yet in its
+        state's output list), that token's row in the previous step's sampled ids; None for the others.
+        None when no request has such a token (the common case costs one pass over the states)."""
+        prev = self._prev_sampled
+        if prev is None or not any(s.sampling_params.needs_output_history for s in states):
+            return None
+        rows_of = prev[1]
+        last_token = {s.req_id: s.token_ids[-1] for s in scheduler_output.scheduled if s.sample and s.token_ids}
+        pending = [
+            rows_of.get(req_id) if s.sampling_params.needs_output_history and last_token[req_id] < 0 else None
+            for req_id, s in zip(sampled_req_ids, states, strict=True)
+        ]
+        return pending if any(p is not None for p in pending) else None
 
     def _piecewise_size(
         self, scheduler_output: SchedulerOutput, pad_to: int | None, prefill_key: tuple[int, bool] | None

@@ -140,9 +140,12 @@ def test_cache_salt_isolates_prefix_cache(default_llm: LLM) -> None:
     assert first.outputs[0].token_ids == other_tenant.outputs[0].token_ids == same_tenant.outputs[0].token_ids
 
 
-def test_async_scheduling_keeps_sampled_output() -> None:
+def test_async_scheduling_keeps_sampled_output(monkeypatch: pytest.MonkeyPatch) -> None:
     """Seeded sampling with logprobs, n>1, EOS, stop-token and stop-string stops, penalties and min_tokens
-    (which make the core wait for each step's tokens) give the same output pipelined as step by step."""
+    give the same output pipelined as step by step. Penalties and min_tokens pipeline too: their newest token
+    is counted from the previous step's sampled ids while the host has not read it yet."""
+    from kvserve.layers.sampler import Sampler
+
     prompts = [SYSTEM + "Tell me a story about a fox.", "Hello, my name is", "今天天气很好，我们"]
     params = [
         SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=20, logprobs=2),
@@ -156,12 +159,20 @@ def test_async_scheduling_keeps_sampled_output() -> None:
 
     # Each group's requests run together (a step of the 135M model costs about the same whatever its batch, so
     # a group takes as many steps as its longest request, not the sum): the logprobs, compared bit for bit, on
-    # their own; the stops (EOS, stop tokens, stop strings) with the other requests that need no history, all
-    # pipelined; penalties and min_tokens, which make the core wait for each step's tokens, apart from those.
-    groups = [params[:1], params[1:5], params[5:]]
+    # their own; the stops (EOS, stop tokens, stop strings), penalties and min_tokens together.
+    groups = [params[:1], params[1:]]
+    pending_seen: list[int] = []  # per sampler call: rows with penalties or min_tokens whose newest token is pending
+    call = Sampler.__call__
+
+    def recording(self: Sampler, logits, rows, eos_token_ids, pending_ids=None):  # noqa: ANN001, ANN202
+        pending_seen.append(sum(r.pending_row is not None for r in rows if r.params.needs_output_history))
+        return call(self, logits, rows, eos_token_ids, pending_ids)
+
+    monkeypatch.setattr(Sampler, "__call__", recording)
 
     def run(llm: LLM) -> list:
         llm.engine.core.check_invariants_every_step = True
+        pending_seen.clear()
         try:
             results = []  # per parameter set, per prompt, as if each parameter set ran on its own
             for group in groups:
@@ -177,4 +188,7 @@ def test_async_scheduling_keeps_sampled_output() -> None:
     pipelined = LLM(max_model_len=2048, async_scheduling=True)
     stepwise = LLM(max_model_len=2048, async_scheduling=False)
     assert pipelined.engine.core.async_scheduling and not stepwise.engine.core.async_scheduling
-    assert run(pipelined) == run(stepwise)
+    stepwise_results = run(stepwise)
+    assert not any(pending_seen)
+    assert run(pipelined) == stepwise_results
+    assert sum(n > 0 for n in pending_seen) >= 8  # the penalised and min_tokens requests decoded pipelined

@@ -70,9 +70,9 @@ def test_more_ranks_than_kv_heads(tiny_model_dir: Callable[..., str]) -> None:
 
 def test_async_scheduling_with_penalties_matches_one_rank(tiny_model_dir: Callable[..., str],
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """Penalties read each request's earlier tokens, which every rank records: at the engine's pace, since
-    with async scheduling it reads a step's tokens before launching the next while a live request needs
-    them, and after otherwise. Requests with penalties end early, so both happen."""
+    """Penalties read each request's earlier tokens, which every rank records at the engine's pace (a step's
+    tokens read after the next is launched, or before it when nothing is in flight), and the newest of which
+    every rank takes from its own previous step's sampled ids: the same tokens on 2 ranks as on 1."""
     from kvserve.executor.multiproc import TPWorkers
 
     path = tiny_model_dir("qwen2")

@@ -394,7 +394,8 @@ def test_every_sampling_option_on_the_gpu(
 ) -> None:
     """Seeded top-k, top-p, min-p and logit_bias with logprobs: the same tokens and logprobs with async
     scheduling (pipelined steps) as step by step, CUDA graphs in both. The same with min_tokens and the three
-    penalties added (these make even the async engine wait for each step's tokens). Penalised greedy decoding
+    penalties added (pipelined too: the newest token is counted from the previous step's ids on the GPU).
+    Penalised greedy decoding
     with the penalty counts kept on the GPU across steps gives the tokens of counting each request's token
     lists every step (the same device and kernels, so no near-tie can part them)."""
     from kvserve.layers.sampler import SamplingRow

@@ -373,6 +373,57 @@ def test_sampler_with_request_ids_keeps_counts_and_samples_as_without(device):
     sampler.check_invariants(set())
 
 
+def test_a_pending_token_on_the_device_counts_as_the_lists_next(device):
+    """Async scheduling: each step a request's newest token is still on the device (the previous step's
+    sampled ids, `pending_row`), not in its output list, which catches up a step later. Over 20 such steps
+    (and steps where the list is complete, with no pending token), the kept counts and the counts of the
+    lists' path equal counting the whole history; min_tokens counts the pending token too."""
+    gen = torch.Generator().manual_seed(3)
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.2, frequency_penalty=0.5)
+    history: dict[str, list[int]] = {"a": [], "b": [4, 4], "c": [7]}
+    host = {req_id: list(tokens) for req_id, tokens in history.items()}  # what the host's lists hold
+    kept = PenaltyCounts(VOCAB, device)
+    for step in range(20):
+        lagging = step % 5 != 4  # every fifth step the lists are complete (no token in flight)
+        previous = torch.randint(0, VOCAB, (len(history) + 2,), generator=gen)  # the previous step's ids
+        rows, pending_rows = [], {}
+        for i, req_id in enumerate(history):
+            token_row = (i + step) % len(previous)
+            if lagging:
+                history[req_id].append(int(previous[token_row]))  # sampled last step, on the device only
+                pending_rows[req_id] = token_row
+            else:
+                host[req_id] = list(history[req_id])
+            r = row(params, prompt=[1, 2], output=host[req_id], req_id=req_id)
+            r.pending_row = pending_rows.get(req_id)
+            rows.append(r)
+        want = token_counts([history[req_id] for req_id in history], VOCAB, CPU)
+        _, output_counts = kept.gather(rows, previous.to(device))
+        assert torch.equal(output_counts.cpu(), want), step
+        lists = Sampler()._apply_penalties(torch.zeros(len(rows), VOCAB, device=device), [
+            SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, None, None, r.pending_row) for r in rows
+        ], previous.to(device))
+        assert torch.equal(lists.cpu(), Sampler()._apply_penalties(torch.zeros(len(rows), VOCAB, device=device), [
+            row(params, prompt=[1, 2], output=history[req_id]) for req_id in history], None).cpu()), step
+        kept.check_invariants(set(history))
+        for req_id in history:  # the host reads the previous step's tokens after the next is launched
+            host[req_id] = list(history[req_id])
+
+    eos = 5
+    logits = torch.zeros(1, 8)
+    logits[0, eos] = 10.0
+    almost = SamplingParams(temperature=0.0, min_tokens=3)
+    pending = row(almost, output=[1])  # one token on the host, one on the device: 2 of 3
+    pending.pending_row = 0
+    assert Sampler()(logits.to(device), [pending], [eos], torch.zeros(1, dtype=torch.int64, device=device)
+                     ).sampled_token_ids.tolist() != [eos]
+    pending.output_token_ids.append(1)  # 3 of 3 with the pending one: EOS allowed
+    assert Sampler()(logits.to(device), [pending], [eos], torch.zeros(1, dtype=torch.int64, device=device)
+                     ).sampled_token_ids.tolist() == [eos]
+    with pytest.raises(ValueError, match="pending_ids"):  # a pending row needs the ids it points into
+        PenaltyCounts(VOCAB, device).gather([SamplingRow(params, [1], [1], None, "x", 0)])
+
+
 def sample_with(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow], device: torch.device) -> list[int]:
     return sampler(logits.to(device), rows, []).sampled_token_ids.cpu().tolist()
 
@@ -495,6 +546,10 @@ def test_no_host_sync_on_cuda():
         sampler.release(["r3"])
         rows[3].req_id = "r4"
         out = sampler(logits, rows, [2])
+        # Async scheduling: the newest tokens still on the device (the last call's sampled ids) are counted
+        # there, for the penalties and min_tokens, without a copy to the host.
+        rows[0].pending_row, rows[2].pending_row, rows[3].pending_row = 0, 2, 3
+        out = sampler(logits, rows, [2], out.sampled_token_ids)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert out.sampled_token_ids.shape == (4,)

@@ -746,9 +746,6 @@ def _pipelined_schedule(flush_after_schedule: bool) -> list[list[tuple[str, int,
     for _ in range(40):
         if not scheduler.has_unfinished_requests() and in_flight is None:
             break
-        if in_flight is not None and scheduler.needs_sync():
-            scheduler.update_from_output(*in_flight)
-            in_flight = None
         out = scheduler.schedule()
         if flush_after_schedule:
             scheduler.cache_scheduled_blocks()

@@ -192,8 +192,6 @@ class Driver:
 
     def step(self) -> SchedulerOutput:
         """One engine-core step (EngineCore.step's order, with the fake runner)."""
-        if self.in_flight is not None and self.sched.needs_sync():
-            self._deliver()
         out = self.sched.schedule()
         self.sched.check_invariants()
         check_limits(out, self.config)
