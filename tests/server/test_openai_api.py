@@ -317,7 +317,7 @@ def test_cache_salt_separates_prefix_cache_hits(tiny_server, api):
     assert cached(cache_salt="tenant-a") == 0
     assert cached(cache_salt="tenant-a") >= 48
     assert cached(cache_salt="tenant-b") == 0
-    assert cached() == 0
+    assert cached() < 48  # unsalted: at most the chat template's opening, which other tests' chats share
     assert cached() >= 48
     url = "/v1/chat/completions" if api == "chat" else "/v1/completions"
     empty = httpx.post(tiny_server.base_url + url, timeout=60, json={

@@ -18,7 +18,7 @@ def test_chat_role_chunk_waits_for_the_first_token() -> None:
         first_token = asyncio.Event()
 
         async def generate(request_id: str, ids: list[int], params: SamplingParams,
-                           prompt: str | None) -> AsyncIterator[RequestOutput]:
+                           prompt: str | None, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
             await first_token.wait()  # the prompt is running
             out = CompletionOutput(index=0, text="Hi", token_ids=[7], finish_reason="length", text_delta="Hi",
                                    token_ids_delta=[7])

@@ -123,7 +123,7 @@ async def chat_full(ctx: ServingContext, chat: PreparedChat) -> dict[str, Any]:
     final: RequestOutput | None = None
     try:
         async with aclosing(ctx.engine.generate(chat.request_id, chat.prompt_token_ids, chat.params,
-                                                chat.prompt, chat.cache_salt)) as updates:
+                                                chat.prompt, cache_salt=chat.cache_salt)) as updates:
             async for update in updates:
                 final = update
     except Exception as e:
@@ -174,7 +174,7 @@ async def chat_stream(ctx: ServingContext, chat: PreparedChat, include_usage: bo
     role_sent = False
     try:
         async with aclosing(ctx.engine.generate(chat.request_id, chat.prompt_token_ids, chat.params,
-                                                chat.prompt, chat.cache_salt)) as updates:
+                                                chat.prompt, cache_salt=chat.cache_salt)) as updates:
             async for update in updates:
                 if not role_sent:  # with the first token, as vLLM: its arrival is the time to first token
                     role_sent = True

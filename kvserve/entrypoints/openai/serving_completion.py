@@ -109,7 +109,7 @@ async def _run_one(ctx: ServingContext, prompt: PreparedPrompt, params: Sampling
                    cache_salt: str | None) -> RequestOutput:
     final: RequestOutput | None = None
     async with aclosing(ctx.engine.generate(prompt.request_id, prompt.prompt_token_ids, params,
-                                            prompt.text, cache_salt)) as updates:
+                                            prompt.text, cache_salt=cache_salt)) as updates:
         async for update in updates:
             final = update
     assert final is not None and final.finished
@@ -226,7 +226,7 @@ async def _merge(ctx: ServingContext, cmpl: PreparedCompletion) -> AsyncIterator
     if len(cmpl.prompts) == 1:
         p = cmpl.prompts[0]
         async with aclosing(ctx.engine.generate(p.request_id, p.prompt_token_ids, cmpl.params, p.text,
-                                                cmpl.cache_salt)) as updates:
+                                                cache_salt=cmpl.cache_salt)) as updates:
             async for update in updates:
                 yield 0, update
         return
@@ -235,7 +235,7 @@ async def _merge(ctx: ServingContext, cmpl: PreparedCompletion) -> AsyncIterator
     async def pump(index: int, prompt: PreparedPrompt) -> None:
         try:
             async with aclosing(ctx.engine.generate(prompt.request_id, prompt.prompt_token_ids, cmpl.params,
-                                                    prompt.text, cmpl.cache_salt)) as updates:
+                                                    prompt.text, cache_salt=cmpl.cache_salt)) as updates:
                 async for update in updates:
                     queue.put_nowait((index, update))
         except Exception as e:
