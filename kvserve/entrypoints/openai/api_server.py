@@ -40,6 +40,7 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -134,8 +135,10 @@ class SSEResponse(Response):
 
 
 def build_app(ctx: ServingContext, state: ServerState, metrics: PrometheusStatLogger, api_key: str | None,
-              max_body_bytes: int) -> ASGIApp:
-    """The FastAPI app wrapped in the guard middleware (413 / 401 / 503 while draining)."""
+              max_body_bytes: int, cors: dict[str, Any] | None = None) -> ASGIApp:
+    """The FastAPI app wrapped in the guard middleware (413 / 401 / 503 while draining) and, with `cors`
+    (CORSMiddleware's settings), in CORS outermost: browsers' preflight requests are answered before the
+    API key is asked for, and the guard's errors carry the CORS headers too."""
     app = FastAPI(title="kvserve OpenAI-compatible API", version=__version__)
     _add_error_handlers(app)
     engine = ctx.engine
@@ -146,6 +149,10 @@ def build_app(ctx: ServingContext, state: ServerState, metrics: PrometheusStatLo
             return error_response(503, "the engine is not running" if not engine.is_alive else
                                   "the server is shutting down")
         return Response(status_code=200)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:  # vLLM's (SageMaker's) name for the health check
+        return await health()
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -212,7 +219,8 @@ def build_app(ctx: ServingContext, state: ServerState, metrics: PrometheusStatLo
         check_token_ids(engine, body.tokens, "tokens")
         return {"prompt": engine.tokenizer.decode(body.tokens)}
 
-    return GuardMiddleware(app, state, api_key, max_body_bytes)
+    guarded: ASGIApp = GuardMiddleware(app, state, api_key, max_body_bytes)
+    return CORSMiddleware(guarded, **cors) if cors is not None else guarded
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -377,13 +385,17 @@ async def _serve_app(ns: argparse.Namespace, config: EngineConfig, engine: Async
         log_requests=not ns.disable_log_requests,
         created=created,
         sampling_defaults=dict(config.model_config.sampling_defaults),
+        max_logprobs=ns.max_logprobs,
     )
     try:
         state = ServerState()
         api_key = ns.api_key or envs.KVSERVE_API_KEY or None  # empty = no key, as vLLM
-        app = build_app(ctx, state, metrics, api_key, ns.max_request_body_bytes)
+        cors = {"allow_origins": ns.allowed_origins, "allow_methods": ns.allowed_methods,
+                "allow_headers": ns.allowed_headers, "allow_credentials": ns.allow_credentials}
+        app = build_app(ctx, state, metrics, api_key, ns.max_request_body_bytes, cors)
         uv_config = uvicorn.Config(
             app,
+            root_path=ns.root_path,
             log_level=ns.uvicorn_log_level,
             access_log=not ns.disable_uvicorn_access_log,
             timeout_keep_alive=ns.timeout_keep_alive,

@@ -6,10 +6,12 @@ Kept free of heavy imports: `kvserve --help` builds this parser.
 from __future__ import annotations
 
 import argparse
+import json
 
 from kvserve.entrypoints.cli import add_engine_args, add_generation_config_args, engine_args_from
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs, and OpenAI's top_logprobs limit
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
@@ -47,10 +49,32 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout-keep-alive", type=int, default=5, help="seconds an idle HTTP connection is kept open (default 5)")
     g.add_argument("--shutdown-timeout", type=float, default=60.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before exiting anyway (default 60)")
+    g.add_argument("--max-logprobs", type=_positive_int, default=MAX_LOGPROBS, metavar="N",
+                   help=f"the most logprobs (top_logprobs, or completions' logprobs) a request may ask for "
+                        f"(default {MAX_LOGPROBS})")
+    g.add_argument("--allowed-origins", type=_json_list, default=["*"], metavar="JSON",
+                   help='CORS: origins browsers may call the API from, a JSON list (default ["*"])')
+    g.add_argument("--allowed-methods", type=_json_list, default=["*"], metavar="JSON",
+                   help='CORS: allowed methods, a JSON list (default ["*"])')
+    g.add_argument("--allowed-headers", type=_json_list, default=["*"], metavar="JSON",
+                   help='CORS: allowed request headers, a JSON list (default ["*"])')
+    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)")
+    g.add_argument("--root-path", default="",
+                   help="the path prefix a proxy serves this server under (ASGI root_path), e.g. /llm")
     g.add_argument("--api-server-count", "-asc", type=_positive_int, default=1, metavar="N",
                    help="HTTP API processes sharing the port and the engine (default 1). One process handles "
                         "HTTP, tokenization and detokenization on one core; a small model's engine at hundreds "
                         "of streams can outrun it")
+
+
+def _json_list(text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'expected a JSON list such as \'["*"]\', got {text!r}') from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+    return value
 
 
 def _positive_int(text: str) -> int:

@@ -46,6 +46,9 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         path: str = scope.get("path", "")
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):  # --root-path: route on the path below the proxy's prefix
+            path = path[len(root):]
         if self.state.draining and path not in _ALWAYS_SERVED:
             await _send_error(send, 503, "the server is shutting down")
             return

@@ -16,7 +16,6 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 # Largest n accepted: each sample is a sequence in the batch.
 MAX_N = 128
-MAX_TOP_LOGPROBS = 20
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 Int64 = Annotated[int, Field(ge=_INT64_MIN, le=_INT64_MAX)]
@@ -93,7 +92,7 @@ class ResponseFormat(OpenAIBaseModel):
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     logprobs: StrictBool | None = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0)] | None = None  # at most --max-logprobs (the handler checks)
     max_tokens: Int64 | None = Field(default=None, description="Deprecated by OpenAI; max_completion_tokens.")
     max_completion_tokens: Int64 | None = None
     response_format: ResponseFormat | None = None
@@ -116,7 +115,7 @@ class CompletionRequest(SamplingFields):
     prompt: str | Annotated[list[str], Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)] | \
         Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
     max_tokens: Int64 | None = 16
-    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    logprobs: Annotated[int, Field(ge=0)] | None = None  # at most --max-logprobs (the handler checks)
     echo: StrictBool = False
     suffix: str | None = None
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None

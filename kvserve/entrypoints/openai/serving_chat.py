@@ -72,6 +72,7 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> PreparedCha
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     num_top = (req.top_logprobs or 0) if req.logprobs else None
+    ctx.check_logprobs(num_top, "top_logprobs")
     params = sampling_params_from(req, max_tokens, num_top,
                                   {"max_tokens": max_tokens_param, "logprobs": "top_logprobs"}, ctx.sampling_defaults)
 

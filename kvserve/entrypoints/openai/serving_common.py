@@ -46,6 +46,12 @@ class ServingContext:
     # SamplingParams field -> value for what a request leaves out: the model's generation config
     # (ModelConfig.sampling_defaults).
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    max_logprobs: int = 20  # --max-logprobs
+
+    def check_logprobs(self, count: int | None, param: str) -> None:
+        if count is not None and count > self.max_logprobs:
+            raise BadRequestError(f"{param} is {count}, more than this server's --max-logprobs ({self.max_logprobs})",
+                                  param)
     # Tokenization (and a chat template's rendering) runs here, off the event loop: a 1,024-token prompt took
     # 3-6 ms, during which every other stream's chunks would wait. One thread, so two encodes never run at
     # once. The event loop's detokenization may run beside an encode: both only read the tokenizer, and

@@ -65,6 +65,7 @@ def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> PreparedC
         raise BadRequestError("stream_options can only be given when stream is true", "stream_options")
     if req.echo and req.logprobs is not None:
         raise BadRequestError("echo together with logprobs is not supported (prompt logprobs)", "echo")
+    ctx.check_logprobs(req.logprobs, "logprobs")
     params = sampling_params_from(req, req.max_tokens, req.logprobs, None, ctx.sampling_defaults)
 
     engine = ctx.engine

@@ -1,0 +1,73 @@
+"""vLLM's server flags and endpoints that deployments rely on: CORS (`--allowed-origins` and friends, all
+origins by default), `/ping`, `--root-path` behind a proxy, `--max-logprobs`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import httpx
+import pytest
+
+from .conftest import API_KEY, TINY_NAME, ServerProcess
+
+ORIGIN = "http://app.example"
+PREFLIGHT = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+             "Access-Control-Request-Headers": "authorization, content-type"}
+
+
+def test_cors_by_default_and_before_the_api_key(tiny_server: ServerProcess, strict_server: ServerProcess) -> None:
+    """Every origin by default, as vLLM: a browser's preflight gets its answer, and responses carry the
+    header; with --api-key the preflight (which carries no key) is not refused, while the request is."""
+    for server in (tiny_server, strict_server):
+        preflight = httpx.options(server.base_url + "/v1/chat/completions", headers=PREFLIGHT, timeout=10)
+        assert preflight.status_code == 200, preflight.text
+        assert preflight.headers["access-control-allow-origin"] in ("*", ORIGIN)
+        assert "POST" in preflight.headers["access-control-allow-methods"]
+    models = httpx.get(tiny_server.base_url + "/v1/models", headers={"Origin": ORIGIN}, timeout=10)
+    assert models.status_code == 200 and models.headers["access-control-allow-origin"] == "*"
+    refused = httpx.get(strict_server.base_url + "/v1/models", headers={"Origin": ORIGIN}, timeout=10)
+    assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == "*"
+
+
+def test_ping_is_the_health_check(tiny_server: ServerProcess) -> None:
+    for method in ("GET", "POST"):
+        assert httpx.request(method, tiny_server.base_url + "/ping", timeout=10).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def flagged_server(launch_server: Callable[..., ServerProcess], tiny_llama_dir: str) -> ServerProcess:
+    return launch_server([tiny_llama_dir, "--served-model-name", TINY_NAME, "--max-model-len", "64",
+                          "--kv-cache-memory", "64MiB", "--api-key", API_KEY, "--max-logprobs", "3",
+                          "--allowed-origins", f'["{ORIGIN}"]', "--root-path", "/llm"])
+
+
+def test_origins_root_path_and_max_logprobs(flagged_server: ServerProcess) -> None:
+    base, auth = flagged_server.base_url, {"Authorization": f"Bearer {API_KEY}"}
+    allowed = httpx.options(base + "/v1/models", headers=PREFLIGHT, timeout=10)
+    assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == ORIGIN
+    other = httpx.options(base + "/v1/models", headers={**PREFLIGHT, "Origin": "http://evil.example"}, timeout=10)
+    assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+
+    # Behind a proxy that serves it at /llm and strips the prefix: the routes answer as before, under the
+    # API key (the guard routes on the path below the root path too), and the API's schema names the prefix.
+    assert httpx.get(base + "/v1/models", timeout=10).status_code == 401
+    listed = httpx.get(base + "/v1/models", headers=auth, timeout=10)
+    assert listed.status_code == 200 and listed.json()["data"][0]["id"] == TINY_NAME
+    assert httpx.get(base + "/openapi.json", timeout=10).json()["servers"] == [{"url": "/llm"}]
+
+    chat = {"model": TINY_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True}
+    ok = httpx.post(base + "/v1/chat/completions", headers=auth, json={**chat, "top_logprobs": 3}, timeout=60)
+    assert ok.status_code == 200, ok.text
+    assert len(ok.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 3
+    over = httpx.post(base + "/v1/chat/completions", headers=auth, json={**chat, "top_logprobs": 4}, timeout=60)
+    assert over.status_code == 400 and over.json()["error"]["param"] == "top_logprobs"
+    assert "--max-logprobs (3)" in over.json()["error"]["message"]
+    completion = {"model": TINY_NAME, "prompt": "hi", "max_tokens": 2, "logprobs": 4}
+    over = httpx.post(base + "/v1/completions", headers=auth, json=completion, timeout=60)
+    assert over.status_code == 400 and over.json()["error"]["param"] == "logprobs"
+
+
+def test_bad_flag_values_are_refused(launch_server: Callable[..., ServerProcess], tiny_llama_dir: str) -> None:
+    server = launch_server([tiny_llama_dir, "--allowed-origins", "*"], wait=False)
+    assert server.wait_exit(120) == 2
+    assert "expected a JSON list" in server.log()
