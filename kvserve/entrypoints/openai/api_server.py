@@ -64,7 +64,13 @@ from kvserve.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from kvserve.entrypoints.openai.serving_chat import chat_full, chat_stream, message_dict, prepare_chat
+from kvserve.entrypoints.openai.serving_chat import (
+    chat_full,
+    chat_stream,
+    message_dict,
+    prepare_chat,
+    template_kwargs,
+)
 from kvserve.entrypoints.openai.serving_common import (
     ClientDisconnected,
     ServingContext,
@@ -202,9 +208,13 @@ def build_app(ctx: ServingContext, state: ServerState, metrics: PrometheusStatLo
         if body.chat_template is not None:
             raise BadRequestError("a per-request chat_template is not accepted", "chat_template")
         if body.messages is not None:
+            if body.continue_final_message and body.add_generation_prompt:
+                raise BadRequestError("continue_final_message needs add_generation_prompt set to false",
+                                      "continue_final_message")
             try:
                 ids = engine.input_processor.apply_chat_template(
-                    [message_dict(m) for m in body.messages], None, body.add_generation_prompt
+                    [message_dict(m) for m in body.messages], None, body.add_generation_prompt,
+                    template_kwargs(body.chat_template_kwargs, body.continue_final_message),
                 ).prompt_token_ids
             except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
                 raise BadRequestError(f"cannot apply the chat template to these messages: {e}", "messages") from None

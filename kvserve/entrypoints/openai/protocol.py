@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 # Largest n accepted: each sample is a sequence in the batch.
 MAX_N = 128
@@ -33,8 +33,25 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: StrictBool | None = False
 
 
+# vLLM request fields that change what a request gets and that kvserve does not implement: a request that sets
+# one (to anything but null, false or empty) is refused with a 400 naming it, instead of served without it.
+UNSUPPORTED_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                      "truncate_prompt_tokens", "prompt_logprobs", "allowed_token_ids", "bad_words",
+                      "use_beam_search", "return_token_ids", "return_tokens_as_token_ids", "logits_processors")
+
+
+def _sets(value: Any) -> bool:
+    """Whether a field's value asks for something: not null, false or empty (0 does: prompt_logprobs 0)."""
+    if value is None or value is False:
+        return False
+    return not (isinstance(value, (list, dict, str)) and len(value) == 0)
+
+
 class SamplingFields(OpenAIBaseModel):
-    """Sampling parameters shared by chat and completions (OpenAI names, then vLLM's extras)."""
+    """Sampling parameters shared by chat and completions (OpenAI names, then vLLM's extras). Other fields
+    are kept (`model_extra`) so that the handlers can refuse the vLLM ones kvserve does not implement."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
@@ -61,12 +78,22 @@ class SamplingFields(OpenAIBaseModel):
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
     request_id: str | None = Field(default=None, max_length=256)
 
+    @field_validator("n", mode="before")
+    @classmethod
+    def _n_null_is_one(cls, value: Any) -> Any:
+        return 1 if value is None else value  # vLLM accepts "n": null
+
+    def unsupported_field(self) -> str | None:
+        """The first vLLM field in UNSUPPORTED_FIELDS this request sets, or None."""
+        extra = self.model_extra or {}
+        return next((name for name in UNSUPPORTED_FIELDS if _sets(extra.get(name))), None)
+
 
 # --------------------------------------------------------------------------------------------- chat
 
 
 class TextContentPart(OpenAIBaseModel):
-    type: Literal["text"]
+    type: Literal["text", "input_text", "output_text"]  # the last two: the Responses API's names, as vLLM
     text: str
 
 
@@ -78,7 +105,7 @@ class OtherContentPart(BaseModel):
 
 
 class ChatMessage(OpenAIBaseModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Annotated[str, Field(min_length=1)]  # any role the chat template knows (e.g. Llama 3.1's ipython)
     content: str | list[TextContentPart | OtherContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
@@ -116,7 +143,7 @@ class CompletionRequest(SamplingFields):
         Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
     max_tokens: Int64 | None = 16
     logprobs: Annotated[int, Field(ge=0)] | None = None  # at most --max-logprobs (the handler checks)
-    echo: StrictBool = False
+    echo: StrictBool | None = False
     suffix: str | None = None
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     add_special_tokens: StrictBool = True
@@ -131,7 +158,9 @@ class TokenizeRequest(OpenAIBaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: StrictBool = False
 
 

@@ -16,6 +16,7 @@ from kvserve.entrypoints.openai.serving_common import (
     ServingContext,
     chat_logprobs,
     check_lengths,
+    check_supported,
     delta_logprobs,
     engine_error,
     log_request,
@@ -32,6 +33,14 @@ from kvserve.protocol.sampling_params import SamplingParams
 # apply_chat_template arguments a request's chat_template_kwargs must not override.
 _RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tokenize", "chat_template", "add_generation_prompt",
                              "return_dict", "return_tensors", "padding", "truncation", "max_length"}
+
+
+def template_kwargs(requested: dict[str, Any] | None, continue_final_message: bool) -> dict[str, Any]:
+    """The chat template's extra arguments from a request (chat, or /tokenize with messages)."""
+    kwargs = {k: v for k, v in (requested or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
+    if continue_final_message:
+        kwargs["continue_final_message"] = True
+    return kwargs
 
 
 class PreparedChat:
@@ -53,6 +62,9 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> PreparedCha
     """Validate, render the chat template and tokenize. Raises OpenAIError (400/404/503)."""
     model = ctx.check_model(req.model)
     ctx.check_engine()
+    check_supported(req)
+    if req.echo:
+        raise BadRequestError("echo is not supported for chat completions", "echo")
     if req.tools and req.tool_choice != "none":
         raise BadRequestError("tool calling is not supported by this server", "tools")
     if req.response_format is not None and req.response_format.type != "text":
@@ -78,9 +90,7 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> PreparedCha
 
     engine = ctx.engine
     assert engine.input_processor is not None
-    kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
-    if req.continue_final_message:
-        kwargs["continue_final_message"] = True
+    kwargs = template_kwargs(req.chat_template_kwargs, req.continue_final_message)
     try:
         processed = engine.input_processor.apply_chat_template(
             [message_dict(m) for m in req.messages], None, req.add_generation_prompt, kwargs

@@ -81,6 +81,13 @@ class ServingContext:
             raise ServiceUnavailableError("the engine is not running", None)
 
 
+def check_supported(req: SamplingFields) -> None:
+    """400 for a vLLM field this server does not implement, set to something that would change the answer."""
+    name = req.unsupported_field()
+    if name is not None:
+        raise BadRequestError(f"{name} is not supported by this server", name)
+
+
 def new_request_id(engine: AsyncLLM, prefix: str, requested: str | None) -> str:
     """A fresh id, or the client's `request_id` (vLLM's extra) when it is not in use."""
     if not requested:
@@ -285,7 +292,9 @@ def completion_logprobs(
         text = _token_text(tokenizer, token_id, sampled)
         tokens.append(text)
         token_logprobs.append(_finite(sampled.logprob))
-        tops.append({_token_text(tokenizer, tid, lp): _finite(lp.logprob) for tid, lp in top} if num_top else None)
+        # The sampled token and the top `num_top`, as OpenAI's legacy API and vLLM give them (up to num_top + 1).
+        chosen = {text: _finite(sampled.logprob)}
+        tops.append({**chosen, **{_token_text(tokenizer, tid, lp): _finite(lp.logprob) for tid, lp in top}})
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}

@@ -18,6 +18,7 @@ from kvserve.entrypoints.openai.serving_common import (
     SSE_DONE,
     ServingContext,
     check_lengths,
+    check_supported,
     check_token_ids,
     completion_logprobs,
     delta_logprobs,
@@ -57,6 +58,11 @@ def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> PreparedC
     """Validate and tokenize. Raises OpenAIError (400/404/503)."""
     model = ctx.check_model(req.model)
     ctx.check_engine()
+    check_supported(req)
+    response_format = (req.model_extra or {}).get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type", "text") != "text":
+        raise BadRequestError(f"response_format {response_format.get('type')!r} is not supported (only 'text')",
+                              "response_format")
     if req.suffix:
         raise BadRequestError("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -97,7 +103,7 @@ def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> PreparedC
         params = with_default_length(params, default_max, room)
     for p in prompts:
         log_request(ctx, p.request_id, len(p.prompt_token_ids), params, p.text)
-    return PreparedCompletion(request_id, model, prompts, params, req.echo, req.cache_salt)
+    return PreparedCompletion(request_id, model, prompts, params, bool(req.echo), req.cache_salt)
 
 
 def _echo_text(ctx: ServingContext, prompt: PreparedPrompt) -> str:

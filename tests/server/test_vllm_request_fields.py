@@ -1,0 +1,89 @@
+"""Request fields as vLLM's server takes them: vLLM fields kvserve does not implement are refused by name
+(not served without them), nulls and neutral values pass, any chat role and the Responses API's text parts
+are accepted, /tokenize renders what chat renders, and completions' top_logprobs hold the sampled token."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from kvserve.entrypoints.openai.protocol import UNSUPPORTED_FIELDS
+
+from .conftest import TINY_NAME, ServerProcess
+
+CHAT = {"model": TINY_NAME, "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 3}
+COMPLETION = {"model": TINY_NAME, "prompt": "Hello there", "max_tokens": 3}
+ACTIVE = {"structured_outputs": {"choice": ["yes", "no"]}, "guided_json": {"type": "object"}, "guided_regex": "a+",
+          "guided_choice": ["a"], "guided_grammar": "root ::= 'a'", "truncate_prompt_tokens": 2, "prompt_logprobs": 0,
+          "allowed_token_ids": [5, 6], "bad_words": ["Paris"], "use_beam_search": True, "return_token_ids": True,
+          "return_tokens_as_token_ids": True, "logits_processors": ["x"]}
+
+
+def _post(server: ServerProcess, path: str, body: dict) -> httpx.Response:
+    return httpx.post(server.base_url + path, json=body, timeout=60)
+
+
+def test_every_unsupported_field_has_a_case() -> None:
+    assert set(ACTIVE) == set(UNSUPPORTED_FIELDS)
+
+
+@pytest.mark.parametrize("field", sorted(ACTIVE))
+@pytest.mark.parametrize("path, body", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)],
+                         ids=["chat", "completions"])
+def test_unsupported_vllm_fields_are_refused_by_name(tiny_server: ServerProcess, path: str, body: dict,
+                                                     field: str) -> None:
+    response = _post(tiny_server, path, {**body, field: ACTIVE[field]})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == field and "not supported" in response.json()["error"]["message"]
+
+
+def test_neutral_values_and_nulls_pass(tiny_server: ServerProcess) -> None:
+    neutral = {"use_beam_search": False, "prompt_logprobs": None, "bad_words": [], "truncate_prompt_tokens": None,
+               "return_token_ids": False, "n": None, "user": "u1", "metadata": {"a": "b"}}
+    for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", {**COMPLETION, "echo": None})):
+        response = _post(tiny_server, path, {**body, **neutral})
+        assert response.status_code == 200, response.text
+        assert len(response.json()["choices"]) == 1
+    assert _post(tiny_server, "/v1/completions", {**COMPLETION, "response_format": {"type": "text"}}).status_code == 200
+    refused = _post(tiny_server, "/v1/completions", {**COMPLETION, "response_format": {"type": "json_object"}})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "response_format"
+    echo = _post(tiny_server, "/v1/chat/completions", {**CHAT, "echo": True})
+    assert echo.status_code == 400 and echo.json()["error"]["param"] == "echo"
+
+
+def test_any_role_and_responses_text_parts(tiny_server: ServerProcess) -> None:
+    def prompt_tokens(messages: list[dict]) -> int:
+        response = _post(tiny_server, "/v1/chat/completions", {**CHAT, "messages": messages})
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]["prompt_tokens"]
+
+    plain = prompt_tokens([{"role": "user", "content": "Hello there"}])
+    for kind in ("input_text", "output_text", "text"):
+        assert prompt_tokens([{"role": "user", "content": [{"type": kind, "text": "Hello there"}]}]) == plain
+    assert prompt_tokens([{"role": "ipython", "content": "42"}, {"role": "user", "content": "Hello there"}]) > plain
+    empty_role = _post(tiny_server, "/v1/chat/completions", {**CHAT, "messages": [{"role": "", "content": "x"}]})
+    assert empty_role.status_code == 400
+
+
+def test_tokenize_renders_what_chat_renders(tiny_server: ServerProcess) -> None:
+    messages = [{"role": "user", "content": "List three colours."}, {"role": "assistant", "content": "1. Red\n2."}]
+    fields = {"add_generation_prompt": False, "continue_final_message": True}
+    chat = _post(tiny_server, "/v1/chat/completions", {**CHAT, "messages": messages, **fields})
+    assert chat.status_code == 200, chat.text
+    tokenized = _post(tiny_server, "/tokenize", {"model": TINY_NAME, "messages": messages, **fields}).json()
+    assert tokenized["count"] == chat.json()["usage"]["prompt_tokens"]
+    closed = _post(tiny_server, "/tokenize", {"model": TINY_NAME, "messages": messages,
+                                              "add_generation_prompt": False}).json()
+    assert closed["count"] > tokenized["count"]  # the final message closed by the template's end marker
+    both = _post(tiny_server, "/tokenize", {"model": TINY_NAME, "messages": messages, "continue_final_message": True})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+
+
+def test_completion_top_logprobs_hold_the_sampled_token(tiny_server: ServerProcess) -> None:
+    body = {**COMPLETION, "max_tokens": 12, "temperature": 1.5, "seed": 4, "ignore_eos": True}
+    one = _post(tiny_server, "/v1/completions", {**body, "logprobs": 1}).json()["choices"][0]["logprobs"]
+    for token, logprob, top in zip(one["tokens"], one["token_logprobs"], one["top_logprobs"], strict=True):
+        assert top[token] == logprob and 1 <= len(top) <= 2
+    assert any(len(top) == 2 for top in one["top_logprobs"])  # a sampled token outside the top 1
+    zero = _post(tiny_server, "/v1/completions", {**body, "logprobs": 0}).json()["choices"][0]["logprobs"]
+    assert [list(top) for top in zero["top_logprobs"]] == [[token] for token in zero["tokens"]]
