@@ -177,7 +177,8 @@ class OutputProcessor:
             sample.detokenizer.flush()
         text = sample.detokenizer.output_text
         stopped = False
-        if sample.stop_checker is not None:
+        # Stop strings count from the token after min_tokens on, as vLLM checks them.
+        if sample.stop_checker is not None and len(output.token_ids) > sample.params.min_tokens:
             result = sample.stop_checker.check(text, len(text) - len(output.text))
             if result is not None:
                 text = result.text

@@ -26,7 +26,8 @@ class SamplingParams:
       in the prompt or the output.
     * ``seed`` makes one request's samples reproducible whatever else is in the batch.
     * ``stop`` strings are cut from the output; ``stop_token_ids`` end generation (the token is not
-      shown as text). EOS ends generation unless ``ignore_eos``. Neither fires before ``min_tokens``.
+      shown as text). EOS ends generation unless ``ignore_eos``. None of them ends a request within its
+      first ``min_tokens`` tokens (stop strings count from the token after them, as in vLLM).
     * ``logprobs=k`` returns the sampled token's logprob and the top-k logprobs of each step
       (from the model's raw distribution, before temperature and penalties).
     """

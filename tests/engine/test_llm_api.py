@@ -237,3 +237,16 @@ def test_without_chunked_prefill_the_output_is_the_same(tiny_model_dir) -> None:
     assert all(len(o.prompt_token_ids) > 32 for o in chunked.generate(prompts[:2], params, use_tqdm=False))
     assert [o.outputs[0].token_ids for o in whole.generate(prompts, params, use_tqdm=False)] == [
         o.outputs[0].token_ids for o in chunked.generate(prompts, params, use_tqdm=False)]
+
+
+def test_stop_strings_wait_for_min_tokens(default_llm: LLM) -> None:
+    """A stop string in the first min_tokens tokens does not end the request (as vLLM: stop strings count
+    from the token after min_tokens); later it does."""
+    prompt = ["Count: 1, 2, 3,"]
+    early = default_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, stop=[","]),
+                                 use_tqdm=False)[0].outputs[0]
+    assert early.finish_reason == "stop" and len(early.token_ids) < 4
+    held = default_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, stop=[","], min_tokens=4),
+                                use_tqdm=False)[0].outputs[0]
+    assert held.finish_reason == "stop" and len(held.token_ids) > 4
+    assert held.text.startswith(early.text + ",")  # the first comma came and went
