@@ -762,9 +762,9 @@ class Bench:
     def section_seeds(self) -> None:
         d = self.engine()
         num, ins, outs = self.n(50), self.length(512), self.length(256)
-        d.run(self.prompts([ins] * num), [4] * num)  # warm-up at the same shapes
+        d.run(self.prompts([ins] * num), [4] * num, self.workload_params())  # warm-up at the same shapes
         self.seeds_prompts = self.prompts([ins] * num)
-        stats = d.run(self.seeds_prompts, [outs] * num)
+        stats = d.run(self.seeds_prompts, [outs] * num, self.workload_params())
         self.results["seeds"] = {"num_seqs": num, "input_len": ins, "output_len": outs,
                                  "elapsed_s": stats.elapsed_s, "output_tokens": stats.output_tokens,
                                  "output_tok_s": stats.output_tok_s,
@@ -772,6 +772,13 @@ class Bench:
         self.rows.append(("seeds' workload (output tok/s)", f"{stats.output_tok_s:.0f}",
                           f"{num} x {ins} in / {outs} out in {stats.elapsed_s:.2f} s; "
                           f"{describe_gc_pauses(stats.gc_pauses)}"))
+
+    def workload_params(self) -> Any:
+        """The seeds' and 256-sequence workloads' sampling: greedy, no EOS, and --repetition-penalty (1.05 is
+        what Qwen2.5-Instruct's generation config gives every request)."""
+        from kvserve.protocol.sampling_params import SamplingParams
+
+        return SamplingParams(temperature=0.0, ignore_eos=True, repetition_penalty=self.args.repetition_penalty)
 
     def random256_lengths(self, seed: int) -> tuple[list[int], list[int]]:
         """The 256-sequence workload's input and output lengths, uniform in [100, 1024] (scaled), from a
@@ -791,7 +798,7 @@ class Bench:
         num = len(ins)
         runs = []
         for label in ("first", "second"):  # the same lengths twice (fresh prompts): first-use costs show
-            stats = d.run(self.prompts(ins), outs)
+            stats = d.run(self.prompts(ins), outs, self.workload_params())
             runs.append({"run": label, "elapsed_s": stats.elapsed_s, "prompt_tokens": stats.prompt_tokens,
                          "output_tokens": stats.output_tokens, "output_tok_s": stats.output_tok_s,
                          "num_steps": len(stats.step_s),
@@ -1347,6 +1354,8 @@ def main() -> int:
     p.add_argument("--cascade-attn", action=argparse.BooleanOptionalAction, default=True,
                    help="cascade attention for decode batches sharing a prefix (the shared-prefix workload)")
     p.add_argument("--decode-steps", type=int, default=24)
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="the seeds' and 256-sequence workloads' repetition penalty (default 1.0: none)")
     p.add_argument("--firstpass-passes", type=int, default=3, help="firstpass section: bursts of prompts")
     p.add_argument("--sampled-rows-warmup", choices=["last", "before-capture", "none"], default="last",
                    help="ModelRunner.warm_up_sampled_rows: last at start (the engine's), before the graph "

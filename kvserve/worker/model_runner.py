@@ -916,12 +916,14 @@ class ModelRunner:
         if prev is None or not any(s.sampling_params.needs_output_history for s in states):
             return None
         rows_of = prev[1]
-        last_token = {s.req_id: s.token_ids[-1] for s in scheduler_output.scheduled if s.sample and s.token_ids}
-        pending = [
-            rows_of.get(req_id) if s.sampling_params.needs_output_history and last_token[req_id] < 0 else None
-            for req_id, s in zip(sampled_req_ids, states, strict=True)
-        ]
-        return pending if any(p is not None for p in pending) else None
+        needing = {req_id for req_id, s in zip(sampled_req_ids, states, strict=True)
+                   if s.sampling_params.needs_output_history}
+        # A placeholder's row exists: InputBuffers.prepare raised otherwise.
+        pending_of = {s.req_id: rows_of[s.req_id] for s in scheduler_output.scheduled
+                      if s.req_id in needing and s.token_ids[-1] < 0}
+        if not pending_of:
+            return None
+        return [pending_of.get(req_id) for req_id in sampled_req_ids]
 
     def _piecewise_size(
         self, scheduler_output: SchedulerOutput, pad_to: int | None, prefill_key: tuple[int, bool] | None

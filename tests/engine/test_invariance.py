@@ -92,8 +92,37 @@ def test_penalised_greedy_output_same_with_kept_counts_lists_and_preemption(
     assert _tokens(preempting, params) == kept
     stats = preempting.engine.last_stats
     assert stats is not None and stats.num_preemptions > 0, "the pool was meant to force preemption"
+    # Pipelined too: a request preempted with a token in flight, resumed by recomputing, its newest token
+    # counted from the device while the host has not read it.
+    from kvserve.layers.sampler import Sampler
+
+    pending: list[int] = []
+    call = Sampler.__call__
+
+    def recording(self: Sampler, logits, rows, eos_token_ids, pending_ids=None):  # noqa: ANN001, ANN202
+        pending.append(sum(r.pending_row is not None for r in rows))
+        return call(self, logits, rows, eos_token_ids, pending_ids)
+
+    monkeypatch.setattr(Sampler, "__call__", recording)
+    pipelined = LLM(max_model_len=192, num_kv_blocks=12, block_size=16, async_scheduling=True)
+    assert _tokens(pipelined, params) == kept
+    stats = pipelined.engine.last_stats
+    assert stats is not None and stats.num_preemptions > 0 and sum(pending) > 0
+    monkeypatch.undo()
     monkeypatch.setattr(model_runner, "SamplingRow", lambda **kw: SamplingRow(**{**kw, "req_id": None}))
     assert _tokens(default_llm, params) == kept
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["stepwise", "pipelined"])
+def test_min_tokens_holds_off_a_forced_end_exactly(tiny_model_dir, async_scheduling: bool) -> None:
+    """EOS made certain by logit_bias: the request gets exactly min_tokens tokens, then EOS, pipelined as step
+    by step (the pipelined sampler counts a request's newest token from the device)."""
+    llm = LLM(tiny_model_dir("llama"), max_model_len=128, async_scheduling=async_scheduling)
+    eos = llm.get_tokenizer().eos_token_id
+    params = [SamplingParams(temperature=0.0, max_tokens=20, min_tokens=k, logit_bias={eos: 100.0}) for k in (0, 1, 2, 5, 9)]
+    outs = llm.generate(["Hello, my name is"] * len(params), params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [1, 2, 3, 6, 10]
+    assert all(o.outputs[0].token_ids[-1] == eos and o.outputs[0].finish_reason == "stop" for o in outs)
 
 
 def test_last_layer_pruning_keeps_greedy_output(
