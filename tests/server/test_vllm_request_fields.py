@@ -16,7 +16,8 @@ COMPLETION = {"model": TINY_NAME, "prompt": "Hello there", "max_tokens": 3}
 ACTIVE = {"structured_outputs": {"choice": ["yes", "no"]}, "guided_json": {"type": "object"}, "guided_regex": "a+",
           "guided_choice": ["a"], "guided_grammar": "root ::= 'a'", "truncate_prompt_tokens": 2, "prompt_logprobs": 0,
           "allowed_token_ids": [5, 6], "bad_words": ["Paris"], "use_beam_search": True, "return_token_ids": True,
-          "return_tokens_as_token_ids": True, "logits_processors": ["x"]}
+          "return_tokens_as_token_ids": True, "logits_processors": ["x"], "prompt_embeds": "AAAA", "priority": 1,
+          "functions": [{"name": "f", "parameters": {}}], "function_call": "auto"}
 
 
 def _post(server: ServerProcess, path: str, body: dict) -> httpx.Response:
@@ -39,14 +40,18 @@ def test_unsupported_vllm_fields_are_refused_by_name(tiny_server: ServerProcess,
 
 def test_neutral_values_and_nulls_pass(tiny_server: ServerProcess) -> None:
     neutral = {"use_beam_search": False, "prompt_logprobs": None, "bad_words": [], "truncate_prompt_tokens": None,
-               "return_token_ids": False, "n": None, "user": "u1", "metadata": {"a": "b"}}
+               "return_token_ids": 0, "return_tokens_as_token_ids": False, "logits_processors": None,
+               "structured_outputs": None, "allowed_token_ids": None, "priority": 0, "function_call": "none",
+               "guided_decoding_backend": "xgrammar", "length_penalty": 1.0, "n": None, "user": "u1",
+               "metadata": {"a": "b"}}
     for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", {**COMPLETION, "echo": None})):
         response = _post(tiny_server, path, {**body, **neutral})
         assert response.status_code == 200, response.text
         assert len(response.json()["choices"]) == 1
     assert _post(tiny_server, "/v1/completions", {**COMPLETION, "response_format": {"type": "text"}}).status_code == 200
-    refused = _post(tiny_server, "/v1/completions", {**COMPLETION, "response_format": {"type": "json_object"}})
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "response_format"
+    for response_format in ({"type": "json_object"}, "json", {}):
+        refused = _post(tiny_server, "/v1/completions", {**COMPLETION, "response_format": response_format})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "response_format"
     echo = _post(tiny_server, "/v1/chat/completions", {**CHAT, "echo": True})
     assert echo.status_code == 400 and echo.json()["error"]["param"] == "echo"
 
@@ -61,6 +66,14 @@ def test_any_role_and_responses_text_parts(tiny_server: ServerProcess) -> None:
     for kind in ("input_text", "output_text", "text"):
         assert prompt_tokens([{"role": "user", "content": [{"type": kind, "text": "Hello there"}]}]) == plain
     assert prompt_tokens([{"role": "ipython", "content": "42"}, {"role": "user", "content": "Hello there"}]) > plain
+    refusal = [{"role": "user", "content": "Hello there"},
+               {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot."}]},
+               {"role": "user", "content": "Hello there"}]
+    as_text = [refusal[0], {"role": "assistant", "content": "I cannot."}, refusal[2]]
+    assert prompt_tokens(refusal) == prompt_tokens(as_text)
+    no_text = _post(tiny_server, "/v1/chat/completions",
+                    {**CHAT, "messages": [{"role": "user", "content": [{"type": "input_text"}]}]})
+    assert no_text.status_code == 400 and "text as a string" in no_text.json()["error"]["message"]
     empty_role = _post(tiny_server, "/v1/chat/completions", {**CHAT, "messages": [{"role": "", "content": "x"}]})
     assert empty_role.status_code == 400
 
@@ -87,3 +100,17 @@ def test_completion_top_logprobs_hold_the_sampled_token(tiny_server: ServerProce
     assert any(len(top) == 2 for top in one["top_logprobs"])  # a sampled token outside the top 1
     zero = _post(tiny_server, "/v1/completions", {**body, "logprobs": 0}).json()["choices"][0]["logprobs"]
     assert [list(top) for top in zero["top_logprobs"]] == [[token] for token in zero["tokens"]]
+
+
+def test_completion_top_logprobs_keep_the_sampled_value_where_texts_collide() -> None:
+    """Byte-piece tokens all decode to U+FFFD: the sampled token's value is kept, then the likelier one's."""
+    from kvserve.entrypoints.openai.serving_common import completion_logprobs
+    from kvserve.protocol.outputs import Logprob
+
+    class Bytes:
+        def decode(self, ids: list[int]) -> str:
+            return "\ufffd"
+
+    entry = {7: Logprob(-3.0, 3, None), 3: Logprob(-0.5, 1, None), 9: Logprob(-1.0, 2, None)}
+    got = completion_logprobs(Bytes(), [7], [entry], num_top=2, text_offset=0)
+    assert got["top_logprobs"] == [{"\ufffd": -3.0}] and got["token_logprobs"] == [-3.0]

@@ -38,7 +38,7 @@ def test_ping_is_the_health_check(tiny_server: ServerProcess) -> None:
 def flagged_server(launch_server: Callable[..., ServerProcess], tiny_llama_dir: str) -> ServerProcess:
     return launch_server([tiny_llama_dir, "--served-model-name", TINY_NAME, "--max-model-len", "64",
                           "--kv-cache-memory", "64MiB", "--api-key", API_KEY, "--max-logprobs", "3",
-                          "--allowed-origins", f'["{ORIGIN}"]', "--root-path", "/llm"])
+                          "--allowed-origins", f'["{ORIGIN}"]', "--root-path", "/v"])
 
 
 def test_origins_root_path_and_max_logprobs(flagged_server: ServerProcess) -> None:
@@ -48,12 +48,12 @@ def test_origins_root_path_and_max_logprobs(flagged_server: ServerProcess) -> No
     other = httpx.options(base + "/v1/models", headers={**PREFLIGHT, "Origin": "http://evil.example"}, timeout=10)
     assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
 
-    # Behind a proxy that serves it at /llm and strips the prefix: the routes answer as before, under the
-    # API key (the guard routes on the path below the root path too), and the API's schema names the prefix.
+    # Behind a proxy that serves it at /v and strips the prefix: the routes answer as before, under the API key
+    # (the guard routes on the path below the root path too), and the API's schema names the prefix.
     assert httpx.get(base + "/v1/models", timeout=10).status_code == 401
     listed = httpx.get(base + "/v1/models", headers=auth, timeout=10)
     assert listed.status_code == 200 and listed.json()["data"][0]["id"] == TINY_NAME
-    assert httpx.get(base + "/openapi.json", timeout=10).json()["servers"] == [{"url": "/llm"}]
+    assert httpx.get(base + "/openapi.json", timeout=10).json()["servers"] == [{"url": "/v"}]
 
     chat = {"model": TINY_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True}
     ok = httpx.post(base + "/v1/chat/completions", headers=auth, json={**chat, "top_logprobs": 3}, timeout=60)
@@ -67,7 +67,40 @@ def test_origins_root_path_and_max_logprobs(flagged_server: ServerProcess) -> No
     assert over.status_code == 400 and over.json()["error"]["param"] == "logprobs"
 
 
-def test_bad_flag_values_are_refused(launch_server: Callable[..., ServerProcess], tiny_llama_dir: str) -> None:
-    server = launch_server([tiny_llama_dir, "--allowed-origins", "*"], wait=False)
-    assert server.wait_exit(120) == 2
-    assert "expected a JSON list" in server.log()
+@pytest.mark.parametrize("flags, message", [
+    (["--allowed-origins", "*"], "expected a JSON list"),
+    (["--max-logprobs", "21"], "must be in [0, 20]"),
+    (["--root-path", "llm"], "must start with '/'"),
+])
+def test_bad_flag_values_are_refused(flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvserve.entrypoints.openai.cli_args import make_arg_parser
+
+    with pytest.raises(SystemExit) as exited:
+        make_arg_parser().parse_args(flags)
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_root_path_is_cut_where_the_router_cuts_it() -> None:
+    """The guard judges the path the router serves: the root path is cut only before a "/"."""
+    from kvserve.entrypoints.openai.cli_args import make_arg_parser
+    from kvserve.entrypoints.openai.middleware import route_path
+
+    cases = [("/llm", "/llm/v1/models", "/v1/models"), ("/llm", "/llm", ""), ("/llm", "/llmv1/models", "/llmv1/models"),
+             ("/v", "/v1/models", "/v1/models"), ("", "/v1/models", "/v1/models"), ("", "v1/models", "v1/models")]
+    for root, path, routed in cases:
+        assert route_path({"root_path": root, "path": path}) == routed, (root, path)
+    assert make_arg_parser().parse_args(["--root-path", "/"]).root_path == ""
+    assert make_arg_parser().parse_args(["--root-path", "/llm/"]).root_path == "/llm"
+
+
+def test_raw_paths_do_not_pass_the_api_key(flagged_server: ServerProcess) -> None:
+    """Request targets without the leading "/" (the HTTP server puts the root path /v in front of them as they
+    come: "1/models" becomes /v1/models) never reach the API unauthenticated."""
+    import socket
+
+    host, port = flagged_server.base_url.removeprefix("http://").split(":")
+    for target in ("1/models", "v1/models", "/1/models", "/v/v1/models"):
+        with socket.create_connection((host, int(port)), timeout=10) as conn:
+            conn.sendall(f"GET {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+            status = conn.recv(4096).split(b"\r\n", 1)[0]
+        assert b" 200 " not in status, (target, status)

@@ -402,6 +402,9 @@ async def _serve_app(ns: argparse.Namespace, config: EngineConfig, engine: Async
         api_key = ns.api_key or envs.KVSERVE_API_KEY or None  # empty = no key, as vLLM
         cors = {"allow_origins": ns.allowed_origins, "allow_methods": ns.allowed_methods,
                 "allow_headers": ns.allowed_headers, "allow_credentials": ns.allow_credentials}
+        if ns.allow_credentials and "*" in ns.allowed_origins and index == 0:
+            logger.warning("--allow-credentials with --allowed-origins '[\"*\"]': every web site may send credentialed "
+                           "requests (cookies) and read the answers; list the origins you trust")
         app = build_app(ctx, state, metrics, api_key, ns.max_request_body_bytes, cors)
         uv_config = uvicorn.Config(
             app,

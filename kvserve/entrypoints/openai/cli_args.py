@@ -49,9 +49,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout-keep-alive", type=int, default=5, help="seconds an idle HTTP connection is kept open (default 5)")
     g.add_argument("--shutdown-timeout", type=float, default=60.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before exiting anyway (default 60)")
-    g.add_argument("--max-logprobs", type=_positive_int, default=MAX_LOGPROBS, metavar="N",
-                   help=f"the most logprobs (top_logprobs, or completions' logprobs) a request may ask for "
-                        f"(default {MAX_LOGPROBS})")
+    g.add_argument("--max-logprobs", type=_max_logprobs, default=MAX_LOGPROBS, metavar="N",
+                   help=f"the most logprobs (top_logprobs, or completions' logprobs) a request may ask for, 0 to "
+                        f"{MAX_LOGPROBS} (default {MAX_LOGPROBS}, also the engine's limit)")
     g.add_argument("--allowed-origins", type=_json_list, default=["*"], metavar="JSON",
                    help='CORS: origins browsers may call the API from, a JSON list (default ["*"])')
     g.add_argument("--allowed-methods", type=_json_list, default=["*"], metavar="JSON",
@@ -59,12 +59,30 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--allowed-headers", type=_json_list, default=["*"], metavar="JSON",
                    help='CORS: allowed request headers, a JSON list (default ["*"])')
     g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)")
-    g.add_argument("--root-path", default="",
-                   help="the path prefix a proxy serves this server under (ASGI root_path), e.g. /llm")
+    g.add_argument("--root-path", type=_root_path, default="",
+                   help="the path prefix a proxy serves this server under and strips (ASGI root_path), e.g. /llm")
     g.add_argument("--api-server-count", "-asc", type=_positive_int, default=1, metavar="N",
                    help="HTTP API processes sharing the port and the engine (default 1). One process handles "
                         "HTTP, tokenization and detokenization on one core; a small model's engine at hundreds "
                         "of streams can outrun it")
+
+
+def _max_logprobs(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 0 <= value <= MAX_LOGPROBS:
+        raise argparse.ArgumentTypeError(f"must be in [0, {MAX_LOGPROBS}] (the engine's limit), got {value}")
+    return value
+
+
+def _root_path(text: str) -> str:
+    """'/llm/' -> '/llm'; '/' -> '' (no prefix). A prefix must start with '/'."""
+    value = text.rstrip("/")
+    if value and not value.startswith("/"):
+        raise argparse.ArgumentTypeError(f"must start with '/', got {text!r}")
+    return value
 
 
 def _json_list(text: str) -> list[str]:

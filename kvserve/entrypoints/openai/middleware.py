@@ -28,6 +28,16 @@ class ServerState:
     num_inflight: int = 0
 
 
+def route_path(scope: Scope) -> str:
+    """The path the router matches (below --root-path, cut only at a "/" as Starlette's router cuts it): the
+    guard must judge the same path the router serves, or a crafted path could be served without the key."""
+    path: str = scope.get("path", "")
+    root: str = scope.get("root_path", "")
+    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
+        return path[len(root):]
+    return path
+
+
 class GuardMiddleware:
     def __init__(
         self,
@@ -45,12 +55,12 @@ class GuardMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path: str = scope.get("path", "")
-        root = scope.get("root_path", "")
-        if root and path.startswith(root):  # --root-path: route on the path below the proxy's prefix
-            path = path[len(root):]
+        path = route_path(scope)
         if self.state.draining and path not in _ALWAYS_SERVED:
             await _send_error(send, 503, "the server is shutting down")
+            return
+        if not path.startswith("/") and path:
+            await _send_error(send, 400, "the request path must start with /")
             return
         if self.api_key is not None and path.startswith("/v1") and not self._authorized(scope):
             await _send_error(send, 401, "invalid or missing API key (send `Authorization: Bearer <key>`)",

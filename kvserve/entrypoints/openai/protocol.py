@@ -3,7 +3,7 @@
 Request models check types and the ranges that `SamplingParams` cannot (sizes that could exhaust memory,
 integers that must fit 64 bits, finite floats); the sampling ranges themselves are checked once, by
 `SamplingParams`, whose `SamplingParamsError.param` becomes the error's `param`. Unknown fields are
-ignored, as OpenAI's API does. Response models document the shapes (OpenAPI); handlers build the
+ignored, as OpenAI's API does, except vLLM's that kvserve does not implement (`UNSUPPORTED_FIELDS`). Response models document the shapes (OpenAPI); handlers build the
 JSON directly for speed.
 """
 
@@ -33,16 +33,23 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: StrictBool | None = False
 
 
-# vLLM request fields that change what a request gets and that kvserve does not implement: a request that sets
-# one (to anything but null, false or empty) is refused with a 400 naming it, instead of served without it.
-UNSUPPORTED_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                      "truncate_prompt_tokens", "prompt_logprobs", "allowed_token_ids", "bad_words",
-                      "use_beam_search", "return_token_ids", "return_tokens_as_token_ids", "logits_processors")
+MAX_LOGPROBS = 20  # the most logprobs SamplingParams takes (and OpenAI's top_logprobs limit)
+
+# vLLM (and legacy OpenAI) request fields that change what a request gets and that kvserve does not implement:
+# a request that sets one is refused with a 400 naming it, instead of served without it. Not set: null, false,
+# empty, or the value listed here (the field's neutral value).
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "structured_outputs": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "truncate_prompt_tokens": (), "prompt_logprobs": (), "prompt_embeds": (), "allowed_token_ids": (),
+    "bad_words": (), "use_beam_search": (0,), "return_token_ids": (0,), "return_tokens_as_token_ids": (0,),
+    "logits_processors": (), "priority": (0,), "functions": (), "function_call": ("none",),
+}
 
 
-def _sets(value: Any) -> bool:
-    """Whether a field's value asks for something: not null, false or empty (0 does: prompt_logprobs 0)."""
-    if value is None or value is False:
+def _sets(value: Any, neutral: tuple[Any, ...]) -> bool:
+    """Whether a field's value asks for something: not null, false, empty or `neutral` (0 does ask, unless
+    listed: prompt_logprobs 0 is the sampled token's)."""
+    if value is None or value is False or any(type(value) is type(n) and value == n for n in neutral):
         return False
     return not (isinstance(value, (list, dict, str)) and len(value) == 0)
 
@@ -86,7 +93,7 @@ class SamplingFields(OpenAIBaseModel):
     def unsupported_field(self) -> str | None:
         """The first vLLM field in UNSUPPORTED_FIELDS this request sets, or None."""
         extra = self.model_extra or {}
-        return next((name for name in UNSUPPORTED_FIELDS if _sets(extra.get(name))), None)
+        return next((name for name, neutral in UNSUPPORTED_FIELDS.items() if _sets(extra.get(name), neutral)), None)
 
 
 # --------------------------------------------------------------------------------------------- chat
@@ -95,6 +102,13 @@ class SamplingFields(OpenAIBaseModel):
 class TextContentPart(OpenAIBaseModel):
     type: Literal["text", "input_text", "output_text"]  # the last two: the Responses API's names, as vLLM
     text: str
+
+
+class RefusalContentPart(OpenAIBaseModel):
+    """An assistant message's refusal, as OpenAI's clients send it back: read as text."""
+
+    type: Literal["refusal"]
+    refusal: str
 
 
 class OtherContentPart(BaseModel):
@@ -106,7 +120,7 @@ class OtherContentPart(BaseModel):
 
 class ChatMessage(OpenAIBaseModel):
     role: Annotated[str, Field(min_length=1)]  # any role the chat template knows (e.g. Llama 3.1's ipython)
-    content: str | list[TextContentPart | OtherContentPart] | None = None
+    content: str | list[TextContentPart | RefusalContentPart | OtherContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[dict[str, Any]] | None = None

@@ -10,7 +10,12 @@ from typing import Any
 import jinja2
 
 from kvserve.entrypoints.openai.errors import BadRequestError
-from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, OtherContentPart
+from kvserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    OtherContentPart,
+    RefusalContentPart,
+)
 from kvserve.entrypoints.openai.serving_common import (
     SSE_DONE,
     ServingContext,
@@ -115,9 +120,9 @@ def message_dict(message: ChatMessage) -> dict[str, Any]:
         texts = []
         for part in content:
             if isinstance(part, OtherContentPart):
-                raise BadRequestError(f"content parts of type {part.type!r} are not supported (only text)",
-                                      "messages")
-            texts.append(part.text)
+                raise BadRequestError(f"content parts of type {part.type!r} are not supported (only text, with "
+                                      f"its text as a string)", "messages")
+            texts.append(part.refusal if isinstance(part, RefusalContentPart) else part.text)
         content = "\n".join(texts)
     out: dict[str, Any] = {"role": message.role, "content": content if content is not None else ""}
     if message.name is not None:

@@ -25,7 +25,7 @@ from kvserve.entrypoints.openai.errors import (
     OpenAIError,
     ServiceUnavailableError,
 )
-from kvserve.entrypoints.openai.protocol import SamplingFields
+from kvserve.entrypoints.openai.protocol import MAX_LOGPROBS, SamplingFields
 from kvserve.protocol.outputs import CompletionOutput, Logprob
 from kvserve.protocol.sampling_params import SamplingParams, SamplingParamsError
 
@@ -46,12 +46,7 @@ class ServingContext:
     # SamplingParams field -> value for what a request leaves out: the model's generation config
     # (ModelConfig.sampling_defaults).
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
-    max_logprobs: int = 20  # --max-logprobs
-
-    def check_logprobs(self, count: int | None, param: str) -> None:
-        if count is not None and count > self.max_logprobs:
-            raise BadRequestError(f"{param} is {count}, more than this server's --max-logprobs ({self.max_logprobs})",
-                                  param)
+    max_logprobs: int = MAX_LOGPROBS  # --max-logprobs
     # Tokenization (and a chat template's rendering) runs here, off the event loop: a 1,024-token prompt took
     # 3-6 ms, during which every other stream's chunks would wait. One thread, so two encodes never run at
     # once. The event loop's detokenization may run beside an encode: both only read the tokenizer, and
@@ -75,6 +70,11 @@ class ServingContext:
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args) on the preparation thread (tokenization, chat templates); its exceptions propagate."""
         return await asyncio.get_running_loop().run_in_executor(self.prepare_pool, fn, *args)
+
+    def check_logprobs(self, count: int | None, param: str) -> None:
+        if count is not None and count > self.max_logprobs:
+            raise BadRequestError(f"{param} is {count}, more than this server's --max-logprobs ({self.max_logprobs})",
+                                  param)
 
     def check_engine(self) -> None:
         if self.engine.dead_error is not None or not self.engine.is_alive:
@@ -293,8 +293,12 @@ def completion_logprobs(
         tokens.append(text)
         token_logprobs.append(_finite(sampled.logprob))
         # The sampled token and the top `num_top`, as OpenAI's legacy API and vLLM give them (up to num_top + 1).
-        chosen = {text: _finite(sampled.logprob)}
-        tops.append({**chosen, **{_token_text(tokenizer, tid, lp): _finite(lp.logprob) for tid, lp in top}})
+        # Keyed by text: where tokens decode alike (byte pieces all decode to U+FFFD) the sampled token's value
+        # stays, then the most likely one's.
+        entry_top = {text: _finite(sampled.logprob)}
+        for tid, lp in top:
+            entry_top.setdefault(_token_text(tokenizer, tid, lp), _finite(lp.logprob))
+        tops.append(entry_top)
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}

@@ -60,8 +60,9 @@ def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> PreparedC
     ctx.check_engine()
     check_supported(req)
     response_format = (req.model_extra or {}).get("response_format")
-    if isinstance(response_format, dict) and response_format.get("type", "text") != "text":
-        raise BadRequestError(f"response_format {response_format.get('type')!r} is not supported (only 'text')",
+    if response_format is not None and response_format != {"type": "text"}:
+        kind = response_format.get("type") if isinstance(response_format, dict) else response_format
+        raise BadRequestError(f"response_format {kind!r} is not supported (only {{'type': 'text'}})",
                               "response_format")
     if req.suffix:
         raise BadRequestError("suffix is not supported", "suffix")
