@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,23 +30,31 @@ def test_quantization_flag_and_its_short_form(flags: list[str]) -> None:
     assert engine_args_from(ns)["quantization"] == "awq"
 
 
+def _config_of(command: list[str], directory: Path, max_position_embeddings: int) -> Callable[..., Any]:
+    """config(*flags) -> the EngineConfig that `kvserve <command> <flags>` makes for a one-layer model
+    (config.json only, dummy weights) in `directory`, on the CPU."""
+    import json
+
+    (directory / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+        "max_position_embeddings": max_position_embeddings, "rms_norm_eps": 1e-6}))
+
+    def config(*flags: str) -> Any:
+        ns = build_parser().parse_args([*command, *flags, "--load-format", "dummy", "--device", "cpu"])
+        args = {**engine_args_from(ns), "model": str(directory)}
+        return EngineArgs(**args).create_engine_config()  # type: ignore[arg-type]
+
+    return config
+
+
 @pytest.mark.parametrize("command", [["serve", "/models/m"], ["generate", "--prompt", "x"]])
 def test_gpu_flags_reach_the_engine_config(command: list[str], tmp_path: Path) -> None:
     """--enforce-eager turns CUDA graphs off and --gpu-memory-utilization sets the KV budget's fraction, for
     `kvserve serve` and `kvserve generate` alike; the defaults are graphs on and 0.9."""
-    import json
-
     from kvserve.config import ConfigError
 
-    (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
-        "max_position_embeddings": 512, "rms_norm_eps": 1e-6}))
-
-    def config(*flags: str) -> object:
-        ns = build_parser().parse_args([*command, *flags, "--load-format", "dummy", "--device", "cpu"])
-        args = {**engine_args_from(ns), "model": str(tmp_path)}
-        return EngineArgs(**args).create_engine_config()  # type: ignore[arg-type]
+    config = _config_of(command, tmp_path, max_position_embeddings=512)
 
     default = config()
     assert default.enforce_eager is False and default.cache_config.gpu_memory_utilization == 0.9
@@ -58,19 +68,9 @@ def test_gpu_flags_reach_the_engine_config(command: list[str], tmp_path: Path) -
 def test_more_vllm_engine_flags(command: list[str], tmp_path: Path) -> None:
     """--no-enable-chunked-prefill (the budget then holds a whole prompt), --num-gpu-blocks-override (the KV
     pool's size; 0 refused) and --trust-remote-code (accepted; it changes nothing) reach the engine config."""
-    import json
-
     from kvserve.config import ConfigError
 
-    (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
-        "max_position_embeddings": 16384, "rms_norm_eps": 1e-6}))
-
-    def config(*flags: str) -> object:
-        ns = build_parser().parse_args([*command, *flags, "--load-format", "dummy", "--device", "cpu"])
-        args = {**engine_args_from(ns), "model": str(tmp_path)}
-        return EngineArgs(**args).create_engine_config()  # type: ignore[arg-type]
+    config = _config_of(command, tmp_path, max_position_embeddings=16384)
 
     default = config()
     assert default.scheduler_config.enable_chunked_prefill is True
