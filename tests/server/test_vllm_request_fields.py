@@ -114,3 +114,22 @@ def test_completion_top_logprobs_keep_the_sampled_value_where_texts_collide() ->
     entry = {7: Logprob(-3.0, 3, None), 3: Logprob(-0.5, 1, None), 9: Logprob(-1.0, 2, None)}
     got = completion_logprobs(Bytes(), [7], [entry], num_top=2, text_offset=0)
     assert got["top_logprobs"] == [{"\ufffd": -3.0}] and got["token_logprobs"] == [-3.0]
+
+
+def test_request_ids_as_vllm_names_them(tiny_server: ServerProcess) -> None:
+    """A response's id is `chatcmpl-` / `cmpl-` and the client's id: the X-Request-Id header, else the body's
+    request_id; a fresh one otherwise. The same client id can be used again once its request is done."""
+    chat = _post(tiny_server, "/v1/chat/completions", {**CHAT, "request_id": "fixed-1"})
+    assert chat.status_code == 200 and chat.json()["id"] == "chatcmpl-fixed-1"
+    again = _post(tiny_server, "/v1/chat/completions", {**CHAT, "request_id": "fixed-1"})
+    assert again.json()["id"] == "chatcmpl-fixed-1"
+    completion = _post(tiny_server, "/v1/completions", {**COMPLETION, "request_id": "fixed-1"})
+    assert completion.json()["id"] == "cmpl-fixed-1"
+    header = httpx.post(tiny_server.base_url + "/v1/chat/completions", json={**CHAT, "request_id": "body-id"},
+                        headers={"X-Request-Id": "header-id"}, timeout=60)
+    assert header.json()["id"] == "chatcmpl-header-id"
+    fresh = _post(tiny_server, "/v1/chat/completions", CHAT).json()["id"]
+    assert fresh.startswith("chatcmpl-") and len(fresh) > len("chatcmpl-") + 16
+    too_long = httpx.post(tiny_server.base_url + "/v1/completions", json=COMPLETION,
+                          headers={"X-Request-Id": "x" * 257}, timeout=60)
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "X-Request-Id"

@@ -53,6 +53,7 @@ from kvserve.entrypoints.openai.cli_args import make_arg_parser, server_engine_a
 from kvserve.entrypoints.openai.errors import BadRequestError, OpenAIError, error_response
 from kvserve.entrypoints.openai.middleware import GuardMiddleware, ServerState
 from kvserve.entrypoints.openai.protocol import (
+    MAX_REQUEST_ID_LEN,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -181,6 +182,7 @@ def build_app(ctx: ServingContext, state: ServerState, metrics: PrometheusStatLo
 
     @app.post("/v1/chat/completions", responses={200: {"model": ChatCompletionResponse}, **_ERROR_RESPONSES})
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
+        body.request_id = _header_request_id(raw, body.request_id)
         chat = await ctx.off_loop(prepare_chat, ctx, body)
         if body.stream:
             options = body.stream_options
@@ -190,6 +192,7 @@ def build_app(ctx: ServingContext, state: ServerState, metrics: PrometheusStatLo
 
     @app.post("/v1/completions", responses={200: {"model": CompletionResponse}, **_ERROR_RESPONSES})
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
+        body.request_id = _header_request_id(raw, body.request_id)
         cmpl = await ctx.off_loop(prepare_completion, ctx, body)
         if body.stream:
             options = body.stream_options
@@ -231,6 +234,16 @@ def build_app(ctx: ServingContext, state: ServerState, metrics: PrometheusStatLo
 
     guarded: ASGIApp = GuardMiddleware(app, state, api_key, max_body_bytes)
     return CORSMiddleware(guarded, **cors) if cors is not None else guarded
+
+
+def _header_request_id(raw: Request, requested: str | None) -> str | None:
+    """The X-Request-Id header, which vLLM takes over the body's request_id; 400 when it is too long."""
+    header = raw.headers.get("x-request-id")
+    if header is None:
+        return requested
+    if len(header) > MAX_REQUEST_ID_LEN:
+        raise BadRequestError(f"X-Request-Id is longer than {MAX_REQUEST_ID_LEN} characters", "X-Request-Id")
+    return header or requested
 
 
 def _add_error_handlers(app: FastAPI) -> None:

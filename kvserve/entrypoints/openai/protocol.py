@@ -34,6 +34,7 @@ class StreamOptions(OpenAIBaseModel):
 
 
 MAX_LOGPROBS = 20  # the most logprobs SamplingParams takes (and OpenAI's top_logprobs limit)
+MAX_REQUEST_ID_LEN = 256
 
 # vLLM (and legacy OpenAI) request fields that change what a request gets and that kvserve does not implement:
 # a request that sets one is refused with a 400 naming it, instead of served without it. Not set: null, false,
@@ -83,7 +84,7 @@ class SamplingFields(OpenAIBaseModel):
     skip_special_tokens: StrictBool = True
     spaces_between_special_tokens: StrictBool = True
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
-    request_id: str | None = Field(default=None, max_length=256)
+    request_id: str | None = Field(default=None, max_length=MAX_REQUEST_ID_LEN)
 
     @field_validator("n", mode="before")
     @classmethod

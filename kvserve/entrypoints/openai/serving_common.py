@@ -89,12 +89,14 @@ def check_supported(req: SamplingFields) -> None:
 
 
 def new_request_id(engine: AsyncLLM, prefix: str, requested: str | None) -> str:
-    """A fresh id, or the client's `request_id` (vLLM's extra) when it is not in use."""
+    """`<prefix>-<base>`, as vLLM names a response: the base is the client's (the X-Request-Id header, else
+    the `request_id` field, which the endpoint has merged) when given and not in use, else a fresh one."""
     if not requested:
         return f"{prefix}-{uuid.uuid4().hex}"
-    if engine.has_request(requested):
+    request_id = f"{prefix}-{requested}"
+    if engine.has_request(request_id):
         raise BadRequestError(f"request_id {requested!r} is already in use", "request_id")
-    return requested
+    return request_id
 
 
 def sampling_params_from(
