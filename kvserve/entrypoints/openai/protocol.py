@@ -3,8 +3,8 @@
 Request models check types and the ranges that `SamplingParams` cannot (sizes that could exhaust memory,
 integers that must fit 64 bits, finite floats); the sampling ranges themselves are checked once, by
 `SamplingParams`, whose `SamplingParamsError.param` becomes the error's `param`. Unknown fields are
-ignored, as OpenAI's API does, except vLLM's that kvserve does not implement (`UNSUPPORTED_FIELDS`). Response models document the shapes (OpenAPI); handlers build the
-JSON directly for speed.
+ignored, as OpenAI's API does, except vLLM's that kvserve does not implement (`UNSUPPORTED_FIELDS`).
+Response models document the shapes (OpenAPI); handlers build the JSON directly for speed.
 """
 
 from __future__ import annotations
