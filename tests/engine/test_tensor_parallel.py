@@ -72,8 +72,19 @@ def test_async_scheduling_with_penalties_matches_one_rank(tiny_model_dir: Callab
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Penalties read each request's earlier tokens, which every rank records at the engine's pace (a step's
     tokens read after the next is launched, or before it when nothing is in flight), and the newest of which
-    every rank takes from its own previous step's sampled ids: the same tokens on 2 ranks as on 1."""
+    every rank takes from its own previous step's sampled ids (rank 0 is seen doing so; a rank that counted
+    wrong would sample, and feed itself, another token): the same tokens on 2 ranks as on 1."""
     from kvserve.executor.multiproc import TPWorkers
+    from kvserve.layers.sampler import Sampler
+
+    pending: list[int] = []
+    call = Sampler.__call__
+
+    def recording(self: Sampler, logits, rows, eos_token_ids, pending_ids=None):  # noqa: ANN001, ANN202
+        pending.append(sum(r.pending_row is not None for r in rows))
+        return call(self, logits, rows, eos_token_ids, pending_ids)
+
+    monkeypatch.setattr(Sampler, "__call__", recording)
 
     path = tiny_model_dir("qwen2")
     plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -100,6 +111,7 @@ def test_async_scheduling_with_penalties_matches_one_rank(tiny_model_dir: Callab
 
     assert run(2) == run(1)
     assert True in flags and False in flags, flags
+    assert sum(pending) > 0  # the penalised requests decoded pipelined
 
 
 def test_a_model_that_does_not_split_is_refused(tiny_model_dir: Callable[..., str]) -> None:
