@@ -35,7 +35,9 @@ class InputProcessor:
         "prompt_token_ids"."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return self.tokenize(prompt["prompt_token_ids"])
+                processed = self.tokenize(prompt["prompt_token_ids"])
+                text = prompt.get("prompt")  # the text the ids came from, where the caller has it
+                return ProcessedPrompt(text, processed.prompt_token_ids) if isinstance(text, str) else processed
             if "prompt" in prompt:
                 return self.tokenize(prompt["prompt"])
             raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")

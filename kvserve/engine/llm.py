@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -24,6 +25,49 @@ Conversation = list[dict[str, Any]]
 logger = logging.getLogger(__name__)
 
 
+# vLLM's LLM(...) arguments that change nothing here (kvserve runs no checkpoint code, never downloads, logs
+# no periodic stats offline, recomputes instead of swapping): accepted at these values, with a log line.
+_IGNORED_VLLM_ARGS: dict[str, tuple[Any, ...]] = {
+    "trust_remote_code": (True, False), "disable_log_stats": (True, False), "swap_space": (), "revision": (None,),
+    "download_dir": (None,), "tokenizer_mode": ("auto",), "tokenizer_revision": (None,), "code_revision": (None,),
+}
+# vLLM's names for kvserve's own settings.
+_VLLM_ALIASES = {"num_gpu_blocks_override": "num_kv_blocks"}
+
+
+def _engine_args(given: dict[str, Any]) -> dict[str, Any]:
+    """LLM(...)'s keyword arguments as EngineArgs takes them: vLLM's aliases renamed, the arguments that
+    change nothing here dropped with a log line, and anything else EngineArgs does not know refused with the
+    list of what it does (instead of a bare TypeError)."""
+    known = {f.name for f in dataclasses.fields(EngineArgs)}
+    out: dict[str, Any] = {}
+    for name, value in given.items():
+        name = _VLLM_ALIASES.get(name, name)
+        if name in known:
+            out[name] = value
+        elif name in _IGNORED_VLLM_ARGS and (not _IGNORED_VLLM_ARGS[name] or value in _IGNORED_VLLM_ARGS[name]):
+            logger.info("LLM(%s=%r): accepted for vLLM code; it changes nothing in kvserve", name, value)
+        else:
+            raise TypeError(f"LLM() got an argument kvserve does not take: {name}={value!r}. Engine settings: "
+                            f"{', '.join(sorted(known - {'extra'}))}")
+    return out
+
+
+def _text_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A chat message with OpenAI's list of text parts joined into one string (as vLLM does by default)."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("text", "input_text", "output_text") and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            raise ValueError(f"content parts of type {kind!r} are not supported (only text parts)")
+    return {**message, "content": "\n".join(texts)}
+
+
 class LLM:
     """Generate with a model in this process.
 
@@ -34,7 +78,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        args = EngineArgs(model=model, **engine_args)
+        args = EngineArgs(model=model, **_engine_args(engine_args))
         config = args.create_engine_config()
         tokenizer = load_tokenizer(config.model_config.tokenizer, config.model_config.chat_template)
         self.engine = LLMEngine(config, tokenizer)
@@ -45,6 +89,11 @@ class LLM:
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.engine.tokenizer
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """vLLM's name for the engine (`engine`)."""
+        return self.engine
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use when given no SamplingParams: the model's generation config
@@ -92,22 +141,35 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Like `generate`, for conversations ([{"role": ..., "content": ...}, ...]) rendered with the
-        tokenizer's chat template (or `chat_template`)."""
+        tokenizer's chat template (or `chat_template`). A message's content may be a string or OpenAI's list
+        of text parts (joined with newlines). `continue_final_message` continues the last (assistant)
+        message instead of opening a new one (with add_generation_prompt=False). Each output's `prompt` is
+        the rendered text."""
+        if tools:
+            raise ValueError("tools are not supported by kvserve")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt=False")
         conversations: list[Conversation]
         if messages and isinstance(messages[0], dict):
             conversations = [messages]  # type: ignore[list-item]
         else:
             conversations = list(messages)  # type: ignore[arg-type]
+        kwargs = dict(chat_template_kwargs or {})
+        if continue_final_message:
+            kwargs["continue_final_message"] = True
         processed = [
             self.engine.input_processor.apply_chat_template(
-                conv, chat_template, add_generation_prompt, chat_template_kwargs
+                [_text_message(m) for m in conv], chat_template, add_generation_prompt, kwargs
             )
             for conv in conversations
         ]
         return self.generate(
-            [{"prompt_token_ids": p.prompt_token_ids} for p in processed], sampling_params, use_tqdm
+            [{"prompt": p.prompt, "prompt_token_ids": p.prompt_token_ids} for p in processed], sampling_params,
+            use_tqdm,
         )
 
     # ------------------------------------------------------------------ internals

@@ -171,7 +171,11 @@ class OutputProcessor:
             for entry in out.new_logprobs:
                 output.logprobs.append(self._logprob_dict(entry.token_ids, entry.logprobs, entry.rank))
                 output.cumulative_logprob = (output.cumulative_logprob or 0.0) + entry.logprobs[0]
-        sample.detokenizer.add_tokens(out.new_token_ids)
+        shown = out.new_token_ids
+        if out.finished and out.finish_reason == "stop" and shown and not sample.params.include_stop_str_in_output:
+            # The engine ended it on a token (EOS or a stop_token_ids entry): that token is not shown as text.
+            shown = shown[:-1]
+        sample.detokenizer.add_tokens(shown)
         if out.finished:
             # Nothing more will come to complete a held-back partial character: show it as it is.
             sample.detokenizer.flush()
@@ -187,7 +191,9 @@ class OutputProcessor:
                 stopped = True
         if not stopped and out.finished:
             output.finish_reason = out.finish_reason
-            output.stop_reason = out.stop_token_id
+            # vLLM's stop_reason: the stop_token_ids entry that ended it; None for EOS.
+            stop_ids = sample.params.stop_token_ids or ()
+            output.stop_reason = out.stop_token_id if out.stop_token_id in stop_ids else None
         output.text = text
         # Stream only what can no longer turn out to be part of a stop string.
         if output.finished or sample.stop_checker is None:

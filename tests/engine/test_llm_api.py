@@ -250,3 +250,52 @@ def test_stop_strings_wait_for_min_tokens(default_llm: LLM) -> None:
                                 use_tqdm=False)[0].outputs[0]
     assert held.finish_reason == "stop" and len(held.token_ids) > 4
     assert held.text.startswith(early.text + ",")  # the first comma came and went
+
+
+def test_the_token_that_ends_a_request_is_not_shown_as_text(default_llm: LLM) -> None:
+    """A stop_token_ids entry (or EOS) ends the request without its text, unless include_stop_str_in_output;
+    stop_reason is the stop id, and None for EOS (as vLLM)."""
+    prompt = ["The capital of France is"]
+    free = default_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                                use_tqdm=False)[0].outputs[0]
+    stop_id = free.token_ids[2]
+    tok = default_llm.get_tokenizer()
+    assert tok.decode([stop_id], skip_special_tokens=True)  # a token with text
+    ended = default_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop_id]),
+                                 use_tqdm=False)[0].outputs[0]
+    assert ended.token_ids == free.token_ids[:3] and ended.finish_reason == "stop" and ended.stop_reason == stop_id
+    assert ended.text == tok.decode(free.token_ids[:2], skip_special_tokens=True)
+    kept = default_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop_id],
+                                                       include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == tok.decode(free.token_ids[:3], skip_special_tokens=True)
+    eos = tok.eos_token_id
+    forced = default_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, logit_bias={eos: 100.0},
+                                                         skip_special_tokens=False), use_tqdm=False)[0].outputs[0]
+    assert forced.token_ids == [eos] and forced.text == "" and forced.stop_reason is None
+
+
+def test_vllm_constructor_arguments_and_chat_forms(tiny_model_dir) -> None:
+    """vLLM's LLM() arguments that change nothing here are accepted, its name for the KV pool override is
+    taken, others are refused by name; `llm_engine` is the engine; chat takes OpenAI's text parts,
+    continue_final_message and tools=None, and reports the rendered prompt."""
+    llm = LLM(tiny_model_dir("llama"), max_model_len=128, trust_remote_code=True, disable_log_stats=True,
+              swap_space=4, revision=None, num_gpu_blocks_override=40)
+    assert llm.config.cache_config.num_blocks == 40 and llm.llm_engine is llm.engine
+    with pytest.raises(TypeError, match="kvserve does not take: kv_cache_dtype='fp8'.*max_model_len"):
+        LLM(tiny_model_dir("llama"), kv_cache_dtype="fp8")
+    params = SamplingParams(temperature=0, max_tokens=4)
+    plain = llm.chat([{"role": "user", "content": "Hello\nthere"}], params, use_tqdm=False)[0]
+    parts = llm.chat([{"role": "user", "content": [{"type": "text", "text": "Hello"},
+                                                   {"type": "input_text", "text": "there"}]}],
+                     params, use_tqdm=False, tools=None)[0]
+    assert parts.prompt_token_ids == plain.prompt_token_ids and parts.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert plain.prompt == llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": "Hello\nthere"}], tokenize=False, add_generation_prompt=True)
+    continued = llm.chat([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Well"}], params,
+                         use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
+    assert continued.prompt.endswith("Well")
+    with pytest.raises(ValueError, match="tools"):
+        llm.chat([{"role": "user", "content": "Hi"}], params, use_tqdm=False, tools=[{"type": "function"}])
+    with pytest.raises(ValueError, match="image_url"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], params,
+                 use_tqdm=False)
