@@ -94,16 +94,9 @@ def test_penalised_greedy_output_same_with_kept_counts_lists_and_preemption(
     assert stats is not None and stats.num_preemptions > 0, "the pool was meant to force preemption"
     # Pipelined too: a request preempted with a token in flight, resumed by recomputing, its newest token
     # counted from the device while the host has not read it.
-    from kvserve.layers.sampler import Sampler
+    from helpers.sampling import record_pending_rows
 
-    pending: list[int] = []
-    call = Sampler.__call__
-
-    def recording(self: Sampler, logits, rows, eos_token_ids, pending_ids=None):  # noqa: ANN001, ANN202
-        pending.append(sum(r.pending_row is not None for r in rows))
-        return call(self, logits, rows, eos_token_ids, pending_ids)
-
-    monkeypatch.setattr(Sampler, "__call__", recording)
+    pending = record_pending_rows(monkeypatch)
     pipelined = LLM(max_model_len=192, num_kv_blocks=12, block_size=16, async_scheduling=True)
     assert _tokens(pipelined, params) == kept
     stats = pipelined.engine.last_stats
@@ -173,7 +166,7 @@ def test_async_scheduling_keeps_sampled_output(monkeypatch: pytest.MonkeyPatch) 
     """Seeded sampling with logprobs, n>1, EOS, stop-token and stop-string stops, penalties and min_tokens
     give the same output pipelined as step by step. Penalties and min_tokens pipeline too: their newest token
     is counted from the previous step's sampled ids while the host has not read it yet."""
-    from kvserve.layers.sampler import Sampler
+    from helpers.sampling import record_pending_rows
 
     prompts = [SYSTEM + "Tell me a story about a fox.", "Hello, my name is", "今天天气很好，我们"]
     params = [
@@ -190,14 +183,8 @@ def test_async_scheduling_keeps_sampled_output(monkeypatch: pytest.MonkeyPatch) 
     # a group takes as many steps as its longest request, not the sum): the logprobs, compared bit for bit, on
     # their own; the stops (EOS, stop tokens, stop strings), penalties and min_tokens together.
     groups = [params[:1], params[1:]]
-    pending_seen: list[int] = []  # per sampler call: rows with penalties or min_tokens whose newest token is pending
-    call = Sampler.__call__
-
-    def recording(self: Sampler, logits, rows, eos_token_ids, pending_ids=None):  # noqa: ANN001, ANN202
-        pending_seen.append(sum(r.pending_row is not None for r in rows if r.params.needs_output_history))
-        return call(self, logits, rows, eos_token_ids, pending_ids)
-
-    monkeypatch.setattr(Sampler, "__call__", recording)
+    # Per sampler call: rows with penalties or min_tokens whose newest token is pending.
+    pending_seen = record_pending_rows(monkeypatch, history_only=True)
 
     def run(llm: LLM) -> list:
         llm.engine.core.check_invariants_every_step = True

@@ -74,17 +74,11 @@ def test_async_scheduling_with_penalties_matches_one_rank(tiny_model_dir: Callab
     tokens read after the next is launched, or before it when nothing is in flight), and the newest of which
     every rank takes from its own previous step's sampled ids (rank 0 is seen doing so; a rank that counted
     wrong would sample, and feed itself, another token): the same tokens on 2 ranks as on 1."""
+    from helpers.sampling import record_pending_rows
+
     from kvserve.executor.multiproc import TPWorkers
-    from kvserve.layers.sampler import Sampler
 
-    pending: list[int] = []
-    call = Sampler.__call__
-
-    def recording(self: Sampler, logits, rows, eos_token_ids, pending_ids=None):  # noqa: ANN001, ANN202
-        pending.append(sum(r.pending_row is not None for r in rows))
-        return call(self, logits, rows, eos_token_ids, pending_ids)
-
-    monkeypatch.setattr(Sampler, "__call__", recording)
+    pending = record_pending_rows(monkeypatch)
 
     path = tiny_model_dir("qwen2")
     plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
