@@ -244,7 +244,7 @@ class EngineCore:
             outputs.extend(self._finish_in_flight())
         if self.check_invariants_every_step:
             self.scheduler.check_invariants()
-            self.runner.sampler.check_invariants(set(self.runner.requests))
+            self.runner.check_invariants()
         if self._variants_seen is not None and triton_precompile.loaded_count() != self._variants_seen:
             self._note_late_variants()
         return EngineStepResult(

@@ -192,6 +192,8 @@ class ModelRunner:
         self.eos_token_ids = list(self.arch.eos_token_ids)
         self.sampler = Sampler(seed=config.model_config.seed)
         self.requests: dict[str, RunnerRequestState] = {}
+        # the live requests whose sampling reads their earlier output (SamplingParams.needs_output_history)
+        self._history_req_ids: set[str] = set()
         sched = config.scheduler_config
         self.max_num_reqs = sched.max_num_seqs
         width = -(-config.model_config.max_model_len // self.block_size)
@@ -812,6 +814,7 @@ class ModelRunner:
         self.inputs.wait_for_copies()  # the block-table diffs below reuse pinned staging buffers
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
+            self._history_req_ids.discard(req_id)
         self.sampler.release(scheduler_output.finished_req_ids)
         for new in scheduler_output.new_requests:
             params = new.sampling_params
@@ -819,6 +822,10 @@ class ModelRunner:
             self.requests[new.req_id] = RunnerRequestState(
                 prompt_token_ids=new.prompt_token_ids, sampling_params=params, generator=generator
             )
+            if params.needs_output_history:
+                self._history_req_ids.add(new.req_id)
+            else:
+                self._history_req_ids.discard(new.req_id)
         self.block_table.apply(scheduler_output)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -872,7 +879,7 @@ class ModelRunner:
             return PendingOutput.empty()
         logits = self.model.compute_logits(sample_hidden)
         states = [self.requests[req_id] for req_id in batch.sampled_req_ids]
-        pending = self._pending_rows(scheduler_output, batch.sampled_req_ids, states)
+        pending = self._pending_rows(scheduler_output, batch.sampled_req_ids)
         rows = [
             SamplingRow(
                 params=s.sampling_params,
@@ -905,19 +912,25 @@ class ModelRunner:
             done.record()
         return PendingOutput(batch.sampled_req_ids, states, sampled_host, logprob_host, done)
 
-    def _pending_rows(
-        self, scheduler_output: SchedulerOutput, sampled_req_ids: list[str], states: list[RunnerRequestState]
-    ) -> list[int | None] | None:
+    def check_invariants(self) -> None:
+        """The requests that read their output history are exactly the live ones whose parameters say so, and
+        the sampler keeps state for live requests only."""
+        history = {req_id for req_id, s in self.requests.items() if s.sampling_params.needs_output_history}
+        assert self._history_req_ids == history, \
+            f"history requests {sorted(self._history_req_ids)} differ from the live ones {sorted(history)}"
+        self.sampler.check_invariants(set(self.requests))
+
+    def _pending_rows(self, scheduler_output: SchedulerOutput, sampled_req_ids: list[str]) -> list[int | None] | None:
         """For each sampled request whose sampling reads its earlier output (penalties, min_tokens) and whose
         newest token is still a placeholder (async scheduling: sampled by the previous step, not yet in its
         state's output list), that token's row in the previous step's sampled ids; None for the others.
-        None when no request has such a token (the common case costs one pass over the states)."""
+        None when no request has such a token (when no live request reads its output, the common case, that
+        costs nothing per request)."""
         prev = self._prev_sampled
-        if prev is None or not any(s.sampling_params.needs_output_history for s in states):
+        needing = self._history_req_ids
+        if prev is None or not needing:
             return None
         rows_of = prev[1]
-        needing = {req_id for req_id, s in zip(sampled_req_ids, states, strict=True)
-                   if s.sampling_params.needs_output_history}
         # A placeholder's row exists: InputBuffers.prepare raised otherwise.
         pending_of = {s.req_id: rows_of[s.req_id] for s in scheduler_output.scheduled
                       if s.req_id in needing and s.token_ids[-1] < 0}

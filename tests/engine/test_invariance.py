@@ -208,3 +208,8 @@ def test_async_scheduling_keeps_sampled_output(monkeypatch: pytest.MonkeyPatch) 
     assert not any(pending_seen)
     assert run(pipelined) == stepwise_results
     assert sum(n > 0 for n in pending_seen) >= 8  # the penalised and min_tokens requests decoded pipelined
+    # The runner's set of requests that read their history was checked after every step; a stale entry fails.
+    runner = pipelined.engine.core.runner
+    runner._history_req_ids.add("finished-long-ago")
+    with pytest.raises(AssertionError, match="history requests"):
+        runner.check_invariants()
