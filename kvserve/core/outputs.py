@@ -68,6 +68,8 @@ class ModelRunnerOutput:
     req_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
+    # per request with prompt_logprobs, the prompt tokens this step computed logprobs for, in prompt order
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -82,6 +84,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # time.time() when the request was first scheduled; set on its first output only (0 elsewhere), for
     # the API process's queue-time metric.
     first_scheduled_time: float = 0.0
+    # prompt_logprobs: those of prompt tokens 1.. (token 0 has none), on the request's first output only
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:

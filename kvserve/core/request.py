@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from kvserve.protocol.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvserve.core.outputs import TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -75,6 +79,8 @@ class Request:
         # Prompt tokens found in the prefix cache when the request was first scheduled (-1: not yet).
         self.num_cached_tokens = -1
         self.num_preemptions = 0
+        # prompt_logprobs: those computed so far, sent with the first output token
+        self.prompt_logprobs: list[TokenLogprobs] | None = [] if sampling_params.prompt_logprobs is not None else None
         # Hashes of the full blocks of all_token_ids, filled lazily by the KV cache manager.
         self.block_hashes: list[bytes] = []
         # The token id that stopped the request (a stop_token_id or EOS), when it did.

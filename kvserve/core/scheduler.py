@@ -181,7 +181,11 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_pending_tokens:  # preempted with a token in flight: resume once it is known
                 break
-            hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
+            if request.prompt_logprobs is not None and not request.output_token_ids:
+                # Every prompt position's logits are needed: no prefix-cache hits until its first token.
+                hit_blocks, num_hit_tokens = [], 0
+            else:
+                hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
@@ -243,6 +247,10 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         scheduled_requests, live = scheduler_output.requests, self.requests
         cache_computed_blocks, running = self.kv.cache_computed_blocks, RequestStatus.RUNNING
+        for req_id, entries in runner_output.prompt_logprobs.items():
+            request = scheduled_requests.get(req_id)
+            if request is not None and live.get(req_id) is request and request.prompt_logprobs is not None:
+                request.prompt_logprobs.extend(entries)
         for req_id, token_id, logprobs in zip(
             runner_output.req_ids, runner_output.sampled_token_ids, runner_output.logprobs, strict=True
         ):
@@ -261,6 +269,7 @@ class Scheduler:
                                       num_cached_tokens=max(request.num_cached_tokens, 0))
             if len(request.output_token_ids) == 1:
                 output.first_scheduled_time = request.first_scheduled_time or 0.0
+                output.prompt_logprobs = request.prompt_logprobs
             if status is not None:
                 output.finish_reason = status.finish_reason
                 output.stop_token_id = request.stop_token_id

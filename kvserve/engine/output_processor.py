@@ -40,6 +40,7 @@ class _ParentState:
     num_cached_tokens: int = 0
     arrival_time: float = 0.0
     first_token_time: float | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -55,6 +56,7 @@ class _ParentState:
             outputs=[s.output.copy() for s in self.samples],
             finished=self.finished,
             num_cached_tokens=self.num_cached_tokens,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -143,6 +145,9 @@ class OutputProcessor:
             if parent.first_token_time is None and out.new_token_ids:
                 parent.first_token_time = now
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+            if out.prompt_logprobs is not None and parent.prompt_logprobs is None:
+                parent.prompt_logprobs = [None] + [self._logprob_dict(e.token_ids, e.logprobs, e.rank)
+                                                   for e in out.prompt_logprobs]
             stopped_by_string = self._apply(sample, out)
             if stopped_by_string and not out.finished:
                 to_abort.append(out.req_id)

@@ -46,4 +46,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # with prompt_logprobs: per prompt token, its logprob and the top-k at its position (None for the first)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: dict[str, float] = field(default_factory=dict)

@@ -30,6 +30,9 @@ class SamplingParams:
       first ``min_tokens`` tokens (stop strings count from the token after them, as in vLLM).
     * ``logprobs=k`` returns the sampled token's logprob and the top-k logprobs of each step
       (from the model's raw distribution, before temperature and penalties).
+    * ``prompt_logprobs=k`` returns each prompt token's logprob (the first has none) and the top-k at its
+      position, from the raw distribution. Such a request takes no prefix-cache hits (every prompt position's
+      logits are computed) and its prompt's steps run without CUDA graphs.
     """
 
     n: int = 1
@@ -96,8 +99,10 @@ class SamplingParams:
             bad(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})", "min_tokens")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             bad(f"logprobs must be an integer in [0, 20], got {self.logprobs}", "logprobs")
-        if self.prompt_logprobs is not None:
-            bad("prompt_logprobs is not supported", "prompt_logprobs")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= 20
+        ):
+            bad(f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs}", "prompt_logprobs")
         if any(not isinstance(s, str) or s == "" for s in self.stop):  # type: ignore[union-attr]
             bad("stop strings must be non-empty strings", "stop")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):  # type: ignore[union-attr]
@@ -130,6 +135,7 @@ class SamplingParams:
         return list(self.stop or [])
 
     def for_sample(self, index: int) -> SamplingParams:
-        """Parameters of sample `index` of an n>1 request: n=1, and a distinct seed when seeded."""
+        """Parameters of sample `index` of an n>1 request: n=1, and a distinct seed when seeded. The prompt's
+        logprobs are the same for every sample: only sample 0 computes them."""
         seed = None if self.seed is None else self.seed + index
-        return replace(self, n=1, seed=seed)
+        return replace(self, n=1, seed=seed, prompt_logprobs=self.prompt_logprobs if index == 0 else None)

@@ -35,7 +35,7 @@ from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogpro
 from kvserve.kernels import cublaslt, ops, triton_precompile
 from kvserve.layers.attention_metadata import AttentionMetadata
 from kvserve.layers.linear import Linear
-from kvserve.layers.sampler import Sampler, SamplingRow, make_generator
+from kvserve.layers.sampler import Sampler, SamplingRow, compute_logprobs, make_generator
 from kvserve.model.loader import load_model
 from kvserve.protocol.sampling_params import SamplingParams
 from kvserve.worker import input_batch
@@ -114,6 +114,8 @@ class RunnerRequestState:
     sampling_params: SamplingParams
     generator: torch.Generator | None
     output_token_ids: list[int] = field(default_factory=list)
+    # prompt_logprobs: the next prompt position whose logprob is still to compute (position 0 has none)
+    next_prompt_target: int = 1
 
 
 class PendingOutput:
@@ -127,16 +129,22 @@ class PendingOutput:
         sampled_host: torch.Tensor | None,
         logprob_host: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None,
         done: torch.cuda.Event | None,
+        prompt_logprobs: PromptLogprobsPending | None = None,
     ) -> None:
         self.req_ids = req_ids
         self._states = states
         self._sampled_host = sampled_host
         self._logprob_host = logprob_host
         self._done = done
+        self._prompt_logprobs = prompt_logprobs
 
     @classmethod
-    def empty(cls) -> PendingOutput:
-        return cls([], [], None, None, None)
+    def empty(cls, prompt_logprobs: PromptLogprobsPending | None = None) -> PendingOutput:
+        done = None
+        if prompt_logprobs is not None and prompt_logprobs.values.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return cls([], [], None, None, done, prompt_logprobs)
 
     def result(self) -> ModelRunnerOutput:
         if self._done is not None:
@@ -146,7 +154,44 @@ class PendingOutput:
         logprobs = _logprobs_lists(self._logprob_host, self._states)
         for state, token_id in zip(self._states, token_ids, strict=True):
             state.output_token_ids.append(token_id)
-        return ModelRunnerOutput(req_ids=self.req_ids, sampled_token_ids=token_ids, logprobs=logprobs)
+        prompt = self._prompt_logprobs.lists() if self._prompt_logprobs is not None else {}
+        return ModelRunnerOutput(req_ids=self.req_ids, sampled_token_ids=token_ids, logprobs=logprobs,
+                                 prompt_logprobs=prompt)
+
+
+@dataclass
+class PromptLogprobSpan:
+    """One request's prompt positions whose logprobs a step computes: the logits of hidden rows
+    `row .. row + count - 1` give the logprobs of prompt tokens `first .. first + count - 1` (each row's
+    next token), with the top `k`."""
+
+    req_id: str
+    row: int
+    first: int
+    count: int
+    k: int
+
+
+@dataclass
+class PromptLogprobsPending:
+    """A step's prompt logprobs on their way to the host (`values` / `token_ids` / `ranks` as
+    `sampler.compute_logprobs` gives them, the spans' rows in order)."""
+
+    spans: list[PromptLogprobSpan]
+    values: torch.Tensor
+    token_ids: torch.Tensor
+    ranks: torch.Tensor
+
+    def lists(self) -> dict[str, list[TokenLogprobs]]:
+        values, ids, ranks = self.values.tolist(), self.token_ids.tolist(), self.ranks.tolist()
+        out: dict[str, list[TokenLogprobs]] = {}
+        i = 0
+        for span in self.spans:
+            width = 1 + span.k
+            out[span.req_id] = [TokenLogprobs(token_ids=ids[r][:width], logprobs=values[r][:width], rank=ranks[r])
+                                for r in range(i, i + span.count)]
+            i += span.count
+        return out
 
 
 def _logprobs_lists(
@@ -194,6 +239,8 @@ class ModelRunner:
         self.requests: dict[str, RunnerRequestState] = {}
         # the live requests whose sampling reads their earlier output (SamplingParams.needs_output_history)
         self._history_req_ids: set[str] = set()
+        # the live requests with prompt_logprobs whose prompt positions are not all computed yet
+        self._prompt_logprob_req_ids: set[str] = set()
         sched = config.scheduler_config
         self.max_num_reqs = sched.max_num_seqs
         width = -(-config.model_config.max_model_len // self.block_size)
@@ -815,6 +862,7 @@ class ModelRunner:
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
             self._history_req_ids.discard(req_id)
+            self._prompt_logprob_req_ids.discard(req_id)
         self.sampler.release(scheduler_output.finished_req_ids)
         for new in scheduler_output.new_requests:
             params = new.sampling_params
@@ -826,6 +874,10 @@ class ModelRunner:
                 self._history_req_ids.add(new.req_id)
             else:
                 self._history_req_ids.discard(new.req_id)
+            if params.prompt_logprobs is not None and len(new.prompt_token_ids) > 1:
+                self._prompt_logprob_req_ids.add(new.req_id)
+            else:
+                self._prompt_logprob_req_ids.discard(new.req_id)
         self.block_table.apply(scheduler_output)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -840,7 +892,9 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return PendingOutput.empty()
         num_reqs = len(scheduler_output.scheduled)
-        graphs = self.graphs
+        prompt_spans = self._prompt_logprob_spans(scheduler_output) if self._prompt_logprob_req_ids else None
+        # A step that computes prompt logprobs needs every token's final state: it runs eagerly, unpadded.
+        graphs = self.graphs if prompt_spans is None else None
         pad_to = graphs.padded_size(num_reqs) if graphs is not None else None
         cascade_pad_to = graphs.padded_size(num_reqs, cascade=True) if graphs is not None else None
         prefill_key = (
@@ -848,7 +902,7 @@ class ModelRunner:
             if graphs is not None
             else None
         )
-        token_pad_to = self._piecewise_size(scheduler_output, pad_to, prefill_key)
+        token_pad_to = self._piecewise_size(scheduler_output, pad_to, prefill_key) if prompt_spans is None else None
         batch = self.inputs.prepare(
             scheduler_output,
             self.block_table,
@@ -871,12 +925,16 @@ class ModelRunner:
         elif batch.piecewise_tokens is not None and self.piecewise is not None:
             sample_hidden = self.piecewise.replay(batch.piecewise_tokens, batch.attn_metadata, batch.logits_indices)
         else:
-            output_rows = None if batch.all_rows_sample else batch.logits_indices
+            output_rows = None if batch.all_rows_sample or prompt_spans else batch.logits_indices
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata, output_rows)
-            sample_hidden = hidden[:num_reqs] if output_rows is None else hidden
+            if batch.all_rows_sample:
+                sample_hidden = hidden[:num_reqs]
+            else:
+                sample_hidden = hidden[batch.logits_indices] if prompt_spans else hidden
+        prompt_logprobs = self._prompt_logprobs(hidden, prompt_spans) if prompt_spans else None
         if not batch.sampled_req_ids:
             self._prev_sampled = None
-            return PendingOutput.empty()
+            return PendingOutput.empty(prompt_logprobs)
         logits = self.model.compute_logits(sample_hidden)
         states = [self.requests[req_id] for req_id in batch.sampled_req_ids]
         pending = self._pending_rows(scheduler_output, batch.sampled_req_ids)
@@ -910,14 +968,64 @@ class ModelRunner:
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return PendingOutput(batch.sampled_req_ids, states, sampled_host, logprob_host, done)
+        return PendingOutput(batch.sampled_req_ids, states, sampled_host, logprob_host, done, prompt_logprobs)
+
+    def _prompt_logprob_spans(self, scheduler_output: SchedulerOutput) -> list[PromptLogprobSpan] | None:
+        """The prompt positions of this step's tokens whose logprobs are still to compute, per request with
+        prompt_logprobs; advances each request's next position (a request whose prompt is done leaves the
+        set). None when the step has none."""
+        spans: list[PromptLogprobSpan] = []
+        row = 0
+        wanting = self._prompt_logprob_req_ids
+        for s in scheduler_output.scheduled:
+            n = len(s.token_ids)
+            if s.req_id in wanting:
+                state = self.requests[s.req_id]
+                prompt_len = len(state.prompt_token_ids)
+                # The logits at position p give the logprob of the token at p + 1.
+                first = max(s.num_computed_tokens + 1, state.next_prompt_target)
+                last = min(s.num_computed_tokens + n, prompt_len - 1)
+                if first <= last:
+                    k = state.sampling_params.prompt_logprobs or 0
+                    spans.append(PromptLogprobSpan(s.req_id, row + first - 1 - s.num_computed_tokens, first,
+                                                   last - first + 1, k))
+                    state.next_prompt_target = last + 1
+                if state.next_prompt_target >= prompt_len:
+                    wanting.discard(s.req_id)
+            row += n
+        return spans or None
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, spans: list[PromptLogprobSpan]) -> PromptLogprobsPending:
+        """The raw logprobs of the spans' prompt tokens and their top-k, from the step's hidden rows (every
+        token's). Computed max_num_seqs rows at a time: the memory profile's sampling pass over that many rows
+        holds more [rows, vocab] temporaries than a slice does."""
+        device = hidden.device
+        rows = torch.cat([torch.arange(sp.row, sp.row + sp.count) for sp in spans]).to(device)
+        targets = torch.tensor(
+            [t for sp in spans for t in self.requests[sp.req_id].prompt_token_ids[sp.first : sp.first + sp.count]],
+            dtype=torch.int64,
+        ).to(device)
+        max_k = max(sp.k for sp in spans)
+        parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        step = self.max_num_reqs
+        for lo in range(0, rows.numel(), step):
+            logits = self.model.compute_logits(hidden[rows[lo : lo + step]])
+            raw = torch.log_softmax(logits.float(), dim=1)
+            parts.append(compute_logprobs(raw, targets[lo : lo + step], max_k))
+        values, ids, ranks = (torch.cat(t) for t in zip(*parts, strict=True))
+        return PromptLogprobsPending(spans, self._to_host(values), self._to_host(ids), self._to_host(ranks))
 
     def check_invariants(self) -> None:
-        """The requests that read their output history are exactly the live ones whose parameters say so, and
-        the sampler keeps state for live requests only."""
+        """The requests that read their output history, and those with prompt logprobs still to compute, are
+        exactly the live ones whose parameters and progress say so; the sampler keeps state for live requests
+        only."""
         history = {req_id for req_id, s in self.requests.items() if s.sampling_params.needs_output_history}
         assert self._history_req_ids == history, \
             f"history requests {sorted(self._history_req_ids)} differ from the live ones {sorted(history)}"
+        prompt = {req_id for req_id, s in self.requests.items()
+                  if s.sampling_params.prompt_logprobs is not None and s.next_prompt_target < len(s.prompt_token_ids)}
+        assert self._prompt_logprob_req_ids == prompt, \
+            f"prompt-logprob requests {sorted(self._prompt_logprob_req_ids)} differ from the live ones {sorted(prompt)}"
         self.sampler.check_invariants(set(self.requests))
 
     def _pending_rows(self, scheduler_output: SchedulerOutput, sampled_req_ids: list[str]) -> list[int | None] | None:

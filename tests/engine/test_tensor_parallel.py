@@ -41,6 +41,14 @@ def _assert_same(one: list, split: list) -> None:
             assert la.keys() == lb.keys()
             for token_id in la:
                 assert abs(la[token_id].logprob - lb[token_id].logprob) < 1e-4
+        assert (a.prompt_logprobs is None) == (b.prompt_logprobs is None)
+        for pa, pb in zip(a.prompt_logprobs or [], b.prompt_logprobs or [], strict=True):
+            assert (pa is None) == (pb is None)
+            if pa is not None and pb is not None:
+                assert pa.keys() == pb.keys()
+                assert all(abs(pa[t].logprob - pb[t].logprob) < 1e-4 for t in pa)
+                # A prompt token deep in a random model's flat tail may swap places with a near-equal one.
+                assert all(abs(pa[t].rank - pb[t].rank) <= (0 if pa[t].rank <= 20 else 2) for t in pa)
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=20, logprobs=3)
@@ -51,6 +59,16 @@ def test_two_ranks_match_one(tiny_model_dir: Callable[..., str], arch: str) -> N
     # A small step budget: prompts are prefilled in chunks, mixed with other requests' decodes.
     path = tiny_model_dir(arch)
     _assert_same(_run(path, 1, GREEDY, max_num_batched_tokens=32), _run(path, 2, GREEDY, max_num_batched_tokens=32))
+
+
+def test_prompt_logprobs_on_two_ranks_match_one(tiny_model_dir: Callable[..., str]) -> None:
+    # Every rank computes the prompt's logits (the vocabulary-split LM head gathers on all of them) in the
+    # same slices; rank 0's are reported.
+    path = tiny_model_dir("qwen2")
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=3)
+    one = _run(path, 1, params, max_num_batched_tokens=32)
+    assert all(o.prompt_logprobs is not None and len(o.prompt_logprobs) == len(o.prompt_token_ids) for o in one)
+    _assert_same(one, _run(path, 2, params, max_num_batched_tokens=32, async_scheduling=True))
 
 
 def test_a_gguf_file_splits_as_its_safetensors_twin(tiny_model_dir: Callable[..., str],

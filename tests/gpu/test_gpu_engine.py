@@ -817,3 +817,56 @@ def test_tuned_cublaslt_matmuls_match_torch(
     else:
         assert not runs
     assert results[True] == results[False]
+
+
+def _prompt_logprob_tables(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> list[list[Any]]:
+    """Per prompt, the engine's prompt logprobs (TokenLogprobs of tokens 1..), also checking that they come
+    with the first output only."""
+    for i, prompt in enumerate(prompts):
+        core.add_request(EngineCoreRequest(req_id=f"p{i}", prompt_token_ids=prompt, sampling_params=params,
+                                           max_tokens=params.max_tokens or 1))
+    tables: dict[str, list[Any]] = {}
+    while core.has_unfinished_requests():
+        for out in core.step().outputs:
+            if out.prompt_logprobs is not None:
+                assert out.req_id not in tables
+                tables[out.req_id] = out.prompt_logprobs
+    return [tables[f"p{i}"] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_prompt_logprobs_graphs_eager_and_cpu_agree(checkpoints: dict[str, str], model: str) -> None:
+    """Prompt logprobs on the GPU (steps that compute them run eagerly beside captured graphs, async
+    scheduling on) against the eager GPU engine and the CPU engine, float32: each prompt token's logprob, and
+    the top-4 values at each position; plain requests' greedy tokens are the same alongside them."""
+    prompts = _prompts(6, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=4)
+    tables = {}
+    for name, device, eager in (("graphs", "cuda", False), ("eager", "cuda", True), ("cpu", "cpu", True)):
+        args = EngineArgs(model=checkpoints[model], dtype="float32", device=device, enforce_eager=eager,
+                          max_model_len=1024, num_kv_blocks=1024, max_num_seqs=16, max_num_batched_tokens=512,
+                          async_scheduling=True)
+        core = EngineCore(args.create_engine_config())
+        tables[name] = _prompt_logprob_tables(core, prompts, params)
+        if name == "graphs":
+            alone = [t for t, _ in _generate(core, prompts, 16)]
+            plain = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+            beside: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+            for i, prompt in enumerate(prompts):  # plain requests beside prompt-logprob ones
+                core.add_request(EngineCoreRequest(req_id=f"q{i}", prompt_token_ids=prompt,
+                                                   sampling_params=params, max_tokens=8))
+                core.add_request(EngineCoreRequest(req_id=str(i), prompt_token_ids=prompt,
+                                                   sampling_params=plain, max_tokens=16))
+            while core.has_unfinished_requests():
+                for out in core.step().outputs:
+                    if out.req_id in beside:
+                        beside[out.req_id].extend(out.new_token_ids)
+            assert [beside[str(i)] for i in range(len(prompts))] == alone
+        del core
+    for other, tol in (("eager", 1e-4), ("cpu", 1e-3)):
+        for prompt, got, want in zip(prompts, tables["graphs"], tables[other], strict=True):
+            assert len(got) == len(want) == len(prompt) - 1
+            for pos, (g, w) in enumerate(zip(got, want, strict=True), start=1):
+                assert g.token_ids[0] == w.token_ids[0] == prompt[pos]
+                assert g.logprobs[0] == pytest.approx(w.logprobs[0], abs=tol)
+                assert g.logprobs[1:] == pytest.approx(w.logprobs[1:], abs=tol)

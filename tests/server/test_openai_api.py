@@ -192,6 +192,78 @@ def test_completion_logprobs_match_hf(client, tiny_tokenizer, hf_tiny):
         assert got_top == pytest.approx(top.values.tolist(), abs=1e-3)
 
 
+def _hf_logprobs(hf_tiny, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(hf_tiny(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def test_completion_echo_with_logprobs_scores_the_prompt(client, tiny_server, tiny_tokenizer, hf_tiny):
+    """echo with logprobs (how scoring clients such as lm-eval-harness ask for a text's likelihood): the
+    prompt's tokens come first in `logprobs`, the first with null values, the others as HF scores them; with
+    max_tokens 0 the prompt alone. The same streamed; vLLM's prompt_logprobs field alongside."""
+    ids = tiny_tokenizer("The quick brown fox jumps over the lazy dog")["input_ids"]
+    expected = _hf_logprobs(hf_tiny, ids)
+    text = tiny_tokenizer.decode(ids)
+    body = {"model": TINY_NAME, "prompt": ids, "temperature": 0, "logprobs": 2, "echo": True, "ignore_eos": True}
+    for max_tokens in (3, 0):
+        out = httpx.post(tiny_server.base_url + "/v1/completions", json={**body, "max_tokens": max_tokens},
+                         timeout=60).json()
+        choice = out["choices"][0]
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(ids) + max_tokens == len(lp["token_logprobs"]) == len(lp["top_logprobs"])
+        assert out["usage"]["completion_tokens"] == max_tokens
+        assert choice["text"].startswith(text) and (max_tokens or choice["text"] == text)
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        for pos in range(1, len(ids)):
+            assert lp["token_logprobs"][pos] == pytest.approx(expected[pos - 1, ids[pos]].item(), abs=1e-3)
+            assert sorted(lp["top_logprobs"][pos].values(), reverse=True)[:2] == \
+                pytest.approx(expected[pos - 1].topk(2).values.tolist(), abs=1e-3)
+        assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+        prompt_lp = choice["prompt_logprobs"]
+        assert prompt_lp[0] is None and len(prompt_lp) == len(ids)
+        assert all(str(ids[pos]) in prompt_lp[pos] for pos in range(1, len(ids)))
+        streamed = [event for event in read_sse(httpx.post(
+            tiny_server.base_url + "/v1/completions", json={**body, "max_tokens": max_tokens, "stream": True},
+            timeout=60)) if isinstance(event, dict) and event["choices"]]
+        assert "".join(c["choices"][0]["text"] for c in streamed) == choice["text"]
+        assert [t for c in streamed for t in c["choices"][0]["logprobs"]["tokens"]] == lp["tokens"]
+        assert [v for c in streamed for v in c["choices"][0]["logprobs"]["token_logprobs"]] == \
+            pytest.approx(lp["token_logprobs"])
+        assert [o for c in streamed for o in c["choices"][0]["logprobs"]["text_offset"]] == lp["text_offset"]
+        assert streamed[0]["choices"][0]["prompt_logprobs"] == prompt_lp
+
+
+def test_prompt_logprobs_field(client, tiny_server, tiny_tokenizer, hf_tiny):
+    """vLLM's prompt_logprobs request field: completions return it in each choice, chat at the top level
+    (the rendered prompt's tokens; with the stream's first chunk); over --max-logprobs is a 400."""
+    ids = tiny_tokenizer("Hello there, general")["input_ids"]
+    expected = _hf_logprobs(hf_tiny, ids)
+    out = client.completions.create(model=TINY_NAME, prompt=ids, max_tokens=2, n=2,
+                                    extra_body={"prompt_logprobs": 3})
+    assert out.choices[0].logprobs is None and len(out.choices) == 2
+    for choice in out.choices:
+        table = choice.model_extra["prompt_logprobs"]
+        assert table[0] is None and len(table) == len(ids)
+        for pos in range(1, len(ids)):
+            entry = table[pos][str(ids[pos])]
+            assert entry["logprob"] == pytest.approx(expected[pos - 1, ids[pos]].item(), abs=1e-3)
+            assert 3 <= len(table[pos]) <= 4 and isinstance(entry["decoded_token"], str)
+    chat = client.chat.completions.create(model=TINY_NAME, messages=MESSAGES_EN, max_tokens=2,
+                                          extra_body={"prompt_logprobs": 1})
+    table = chat.model_extra["prompt_logprobs"]
+    assert len(table) == chat.usage.prompt_tokens and table[0] is None and all(table[1:])
+    first = next(c for c in client.chat.completions.create(model=TINY_NAME, messages=MESSAGES_EN, max_tokens=2,
+                                                           stream=True, extra_body={"prompt_logprobs": 1}))
+    assert [None if e is None else sorted(e) for e in first.model_extra["prompt_logprobs"]] == \
+        [None if e is None else sorted(e) for e in table]
+    plain = client.chat.completions.create(model=TINY_NAME, messages=MESSAGES_EN, max_tokens=2)
+    assert "prompt_logprobs" not in (plain.model_extra or {})
+    for path, body in (("/v1/completions", {"prompt": ids}), ("/v1/chat/completions", {"messages": MESSAGES_EN})):
+        refused = httpx.post(tiny_server.base_url + path, json={"model": TINY_NAME, "prompt_logprobs": 21, **body},
+                             timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
+
+
 def test_chat_logprobs_shape(client):
     out = client.chat.completions.create(model=TINY_NAME, messages=MESSAGES_EN, temperature=0, max_tokens=5,
                                          logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})

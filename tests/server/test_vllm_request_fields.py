@@ -14,7 +14,7 @@ from .conftest import TINY_NAME, ServerProcess
 CHAT = {"model": TINY_NAME, "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 3}
 COMPLETION = {"model": TINY_NAME, "prompt": "Hello there", "max_tokens": 3}
 ACTIVE = {"structured_outputs": {"choice": ["yes", "no"]}, "guided_json": {"type": "object"}, "guided_regex": "a+",
-          "guided_choice": ["a"], "guided_grammar": "root ::= 'a'", "truncate_prompt_tokens": 2, "prompt_logprobs": 0,
+          "guided_choice": ["a"], "guided_grammar": "root ::= 'a'", "truncate_prompt_tokens": 2,
           "allowed_token_ids": [5, 6], "bad_words": ["Paris"], "use_beam_search": True, "return_token_ids": True,
           "return_tokens_as_token_ids": True, "logits_processors": ["x"], "prompt_embeds": "AAAA", "priority": 1,
           "functions": [{"name": "f", "parameters": {}}], "function_call": "auto"}

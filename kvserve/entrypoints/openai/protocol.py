@@ -41,7 +41,7 @@ MAX_REQUEST_ID_LEN = 256
 # empty, or the value listed here (the field's neutral value).
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "structured_outputs": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
-    "truncate_prompt_tokens": (), "prompt_logprobs": (), "prompt_embeds": (), "allowed_token_ids": (),
+    "truncate_prompt_tokens": (), "prompt_embeds": (), "allowed_token_ids": (),
     "bad_words": (), "use_beam_search": (0,), "return_token_ids": (0,), "return_tokens_as_token_ids": (0,),
     "logits_processors": (), "priority": (0,), "functions": (), "function_call": ("none",),
 }
@@ -49,7 +49,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
 
 def _sets(value: Any, neutral: tuple[Any, ...]) -> bool:
     """Whether a field's value asks for something: not null, false, empty or `neutral` (0 does ask, unless
-    listed: prompt_logprobs 0 is the sampled token's)."""
+    listed: use_beam_search 0 is off)."""
     if value is None or value is False or any(type(value) is type(n) and value == n for n in neutral):
         return False
     return not (isinstance(value, (list, dict, str)) and len(value) == 0)
@@ -84,6 +84,8 @@ class SamplingFields(OpenAIBaseModel):
     skip_special_tokens: StrictBool = True
     spaces_between_special_tokens: StrictBool = True
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    # each prompt token's logprob and the top N at its position (the first token has none)
+    prompt_logprobs: Annotated[int, Field(ge=0)] | None = None  # at most --max-logprobs (the handler checks)
     request_id: str | None = Field(default=None, max_length=MAX_REQUEST_ID_LEN)
 
     @field_validator("n", mode="before")

@@ -26,6 +26,7 @@ from kvserve.entrypoints.openai.serving_common import (
     engine_error,
     log_request,
     new_request_id,
+    prompt_logprobs_json,
     sampling_params_from,
     sse,
     stop_reason,
@@ -90,8 +91,10 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> PreparedCha
     max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     num_top = (req.top_logprobs or 0) if req.logprobs else None
     ctx.check_logprobs(num_top, "top_logprobs")
+    ctx.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
     params = sampling_params_from(req, max_tokens, num_top,
-                                  {"max_tokens": max_tokens_param, "logprobs": "top_logprobs"}, ctx.sampling_defaults)
+                                  {"max_tokens": max_tokens_param, "logprobs": "top_logprobs"}, ctx.sampling_defaults,
+                                  req.prompt_logprobs)
 
     engine = ctx.engine
     assert engine.input_processor is not None
@@ -159,7 +162,7 @@ async def chat_full(ctx: ServingContext, chat: PreparedChat) -> dict[str, Any]:
             "stop_reason": stop_reason(completion, chat.params),
         })
     num_completion_tokens = sum(len(c.token_ids) for c in final.outputs)
-    return {
+    body = {
         "id": chat.request_id,
         "object": "chat.completion",
         "created": chat.created,
@@ -167,6 +170,9 @@ async def chat_full(ctx: ServingContext, chat: PreparedChat) -> dict[str, Any]:
         "choices": choices,
         "usage": usage_dict(len(chat.prompt_token_ids), num_completion_tokens, final.num_cached_tokens),
     }
+    if final.prompt_logprobs is not None:  # vLLM's field: the rendered prompt's tokens
+        body["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)
+    return body
 
 
 async def chat_stream(ctx: ServingContext, chat: PreparedChat, include_usage: bool, continuous_usage: bool
@@ -176,12 +182,13 @@ async def chat_stream(ctx: ServingContext, chat: PreparedChat, include_usage: bo
     usage_field = include_usage or continuous_usage
     counts = {"completion": 0, "cached": 0}
 
-    def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
+    def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None,
+              extra: dict[str, Any] | None = None) -> str:
         body: dict[str, Any] = {"id": chat.request_id, "object": "chat.completion.chunk", "created": chat.created,
                                 "model": chat.model, "choices": choices}
         if usage_field:
             body["usage"] = usage
-        return sse(body)
+        return sse(body | (extra or {}))
 
     def usage() -> dict[str, Any]:
         return usage_dict(num_prompt_tokens, counts["completion"], counts["cached"])
@@ -195,8 +202,11 @@ async def chat_stream(ctx: ServingContext, chat: PreparedChat, include_usage: bo
                 if not role_sent:  # with the first token, as vLLM: its arrival is the time to first token
                     role_sent = True
                     for index in range(chat.params.n):
+                        # vLLM's prompt_logprobs, once: with the first chunk
+                        extra = {"prompt_logprobs": prompt_logprobs_json(update.prompt_logprobs)} \
+                            if index == 0 and update.prompt_logprobs is not None else None
                         yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
-                                      "logprobs": None, "finish_reason": None}])
+                                      "logprobs": None, "finish_reason": None}], extra=extra)
                 counts["cached"] = update.num_cached_tokens
                 for choice in _choice_deltas(ctx, chat, update, finished_sent, counts):
                     yield chunk([choice], usage() if continuous_usage else None)

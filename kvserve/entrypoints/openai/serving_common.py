@@ -9,7 +9,7 @@ import json
 import logging
 import math
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -105,6 +105,7 @@ def sampling_params_from(
     logprobs: int | None,
     param_names: dict[str, str] | None = None,
     defaults: dict[str, Any] | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """SamplingParams of an API request; out-of-range values become 400s naming the API's field. `defaults`
     (the model's generation config) fill temperature, top_p, top_k, min_p and repetition_penalty where the
@@ -141,6 +142,7 @@ def sampling_params_from(
             stop_token_ids=req.stop_token_ids,
             include_stop_str_in_output=req.include_stop_str_in_output,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
         )
@@ -284,12 +286,25 @@ def chat_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, 
 
 
 def completion_logprobs(
-    tokenizer: Any, token_ids: list[int], entries: list[dict[int, Logprob]], num_top: int, text_offset: int
+    tokenizer: Any, token_ids: list[int], entries: Sequence[dict[int, Logprob] | None], num_top: int,
+    text_offset: int
 ) -> dict[str, Any]:
-    """OpenAI completions `logprobs` object (tokens, token_logprobs, top_logprobs, text_offset)."""
-    tokens, token_logprobs, tops, offsets = [], [], [], []
+    """OpenAI completions `logprobs` object (tokens, token_logprobs, top_logprobs, text_offset). An entry of
+    None (an echoed prompt's first token, which has no logprob) gives null logprobs."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
     offset = text_offset
     for token_id, entry in zip(token_ids, entries, strict=True):
+        if entry is None:
+            text = tokenizer.decode([token_id])
+            tokens.append(text)
+            token_logprobs.append(None)
+            tops.append(None)
+            offsets.append(offset)
+            offset += len(text)
+            continue
         sampled, top = sampled_and_top(token_id, entry, num_top)
         text = _token_text(tokenizer, token_id, sampled)
         tokens.append(text)
@@ -304,6 +319,15 @@ def completion_logprobs(
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_logprobs_json(entries: list[dict[int, Logprob] | None]) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs` response field: per prompt token, null (the first) or {token id: {logprob,
+    rank, decoded_token}} holding the prompt token and the top-k at its position."""
+    return [None if entry is None else {
+        str(tid): {"logprob": _finite(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+        for tid, lp in entry.items()
+    } for entry in entries]
 
 
 def _finite(value: float) -> float:

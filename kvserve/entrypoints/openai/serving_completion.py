@@ -25,13 +25,14 @@ from kvserve.entrypoints.openai.serving_common import (
     engine_error,
     log_request,
     new_request_id,
+    prompt_logprobs_json,
     sampling_params_from,
     sse,
     stop_reason,
     usage_dict,
     with_default_length,
 )
-from kvserve.protocol.outputs import RequestOutput
+from kvserve.protocol.outputs import Logprob, RequestOutput
 from kvserve.protocol.sampling_params import SamplingParams
 
 
@@ -44,13 +45,15 @@ class PreparedPrompt:
 
 class PreparedCompletion:
     def __init__(self, request_id: str, model: str, prompts: list[PreparedPrompt], params: SamplingParams,
-                 echo: bool, cache_salt: str | None = None) -> None:
+                 echo: bool, cache_salt: str | None = None, echo_only: bool = False) -> None:
         self.request_id = request_id
         self.cache_salt = cache_salt  # the prefix cache's namespace (vLLM's extra field)
         self.model = model
         self.prompts = prompts
         self.params = params
         self.echo = echo
+        # echo with max_tokens 0: the prompt (and its logprobs) only; the engine's one token is not shown
+        self.echo_only = echo_only
         self.created = int(time.time())
 
 
@@ -70,10 +73,15 @@ def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> PreparedC
         raise BadRequestError("best_of must equal n (beam-style best-of is not supported)", "best_of")
     if req.stream_options is not None and not req.stream:
         raise BadRequestError("stream_options can only be given when stream is true", "stream_options")
-    if req.echo and req.logprobs is not None:
-        raise BadRequestError("echo together with logprobs is not supported (prompt logprobs)", "echo")
     ctx.check_logprobs(req.logprobs, "logprobs")
-    params = sampling_params_from(req, req.max_tokens, req.logprobs, None, ctx.sampling_defaults)
+    ctx.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
+    prompt_logprobs = req.prompt_logprobs
+    if req.echo and req.logprobs is not None and prompt_logprobs is None:
+        prompt_logprobs = req.logprobs  # the echoed prompt's tokens get logprobs too, as OpenAI's legacy API
+    # echo with max_tokens 0 returns the prompt alone (what scoring clients send); the engine makes one token.
+    echo_only = bool(req.echo) and req.max_tokens == 0
+    params = sampling_params_from(req, 1 if echo_only else req.max_tokens, req.logprobs, None,
+                                  ctx.sampling_defaults, prompt_logprobs)
 
     engine = ctx.engine
     raw = req.prompt
@@ -104,13 +112,23 @@ def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> PreparedC
         params = with_default_length(params, default_max, room)
     for p in prompts:
         log_request(ctx, p.request_id, len(p.prompt_token_ids), params, p.text)
-    return PreparedCompletion(request_id, model, prompts, params, bool(req.echo), req.cache_salt)
+    return PreparedCompletion(request_id, model, prompts, params, bool(req.echo), req.cache_salt, echo_only)
 
 
 def _echo_text(ctx: ServingContext, prompt: PreparedPrompt) -> str:
     if prompt.text is not None:
         return prompt.text
     return ctx.engine.tokenizer.decode(prompt.prompt_token_ids)
+
+
+def _echoed_logprobs(ctx: ServingContext, cmpl: PreparedCompletion, prompt: PreparedPrompt,
+                     output: RequestOutput) -> dict[str, Any] | None:
+    """The completions `logprobs` of an echoed prompt's tokens (offsets from 0), or None when the request
+    asked for none."""
+    if cmpl.params.logprobs is None or output.prompt_logprobs is None:
+        return None
+    return completion_logprobs(ctx.engine.tokenizer, prompt.prompt_token_ids, output.prompt_logprobs,
+                               cmpl.params.logprobs, 0)
 
 
 async def _run_one(ctx: ServingContext, prompt: PreparedPrompt, params: SamplingParams,
@@ -143,18 +161,27 @@ async def completion_full(ctx: ServingContext, cmpl: PreparedCompletion) -> dict
         num_cached_tokens += final.num_cached_tokens
         prefix = _echo_text(ctx, prompt) if cmpl.echo else ""
         for completion in final.outputs:
-            num_completion_tokens += len(completion.token_ids)
+            token_ids, text = completion.token_ids, completion.text
+            entries: list[dict[int, Logprob] | None] | None = completion.logprobs
+            if cmpl.echo_only:
+                token_ids, text, entries = [], "", [] if entries is not None else None
+            num_completion_tokens += len(token_ids)
             logprobs = None
-            if num_top is not None and completion.logprobs is not None:
-                logprobs = completion_logprobs(ctx.engine.tokenizer, completion.token_ids, completion.logprobs,
-                                               num_top, len(prefix))
-            choices.append({
+            if num_top is not None and entries is not None:
+                logprobs = _echoed_logprobs(ctx, cmpl, prompt, final) if cmpl.echo else None
+                generated = completion_logprobs(ctx.engine.tokenizer, token_ids, entries, num_top, len(prefix))
+                logprobs = generated if logprobs is None else \
+                    {key: logprobs[key] + generated[key] for key in generated}
+            choice = {
                 "index": p_index * n + completion.index,
-                "text": prefix + completion.text,
+                "text": prefix + text,
                 "logprobs": logprobs,
                 "finish_reason": completion.finish_reason,
                 "stop_reason": stop_reason(completion, cmpl.params),
-            })
+            }
+            if final.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)
+            choices.append(choice)
     choices.sort(key=lambda c: c["index"])
     return {
         "id": cmpl.request_id,
@@ -192,28 +219,37 @@ async def completion_stream(ctx: ServingContext, cmpl: PreparedCompletion, inclu
                 index = p_index * n + completion.index
                 if index in finished_sent:
                     continue
-                num_completion_tokens += len(completion.token_ids_delta)
-                text = completion.text_delta
-                if cmpl.echo and index not in offsets:
-                    text = _echo_text(ctx, cmpl.prompts[p_index]) + text
+                # echo with max_tokens 0: the engine's one token is not shown
+                delta_ids = [] if cmpl.echo_only else completion.token_ids_delta
+                num_completion_tokens += len(delta_ids)
+                text = "" if cmpl.echo_only else completion.text_delta
+                first = index not in offsets
+                echo = _echo_text(ctx, cmpl.prompts[p_index]) if cmpl.echo and first else ""
                 offset = offsets.setdefault(index, 0)
                 want_logprobs = num_top is not None and completion.logprobs is not None
                 # A chunk for every new token, also one whose text is still empty (held back as a partial
                 # character or a possible stop string, or a special token), as vLLM streams: the client sees
                 # the first token when it is generated.
-                if not (text or completion.token_ids_delta or completion.finished):
+                if not (echo or text or delta_ids or completion.finished):
                     continue
                 logprobs = None
-                offsets[index] = offset + len(text)
+                offsets[index] = offset + len(echo) + len(text)
                 if want_logprobs:
-                    logprobs = completion_logprobs(ctx.engine.tokenizer, completion.token_ids_delta,
-                                                   delta_logprobs(completion), num_top or 0, offset)
-                    if logprobs["tokens"]:
+                    entries = delta_logprobs(completion) if delta_ids else []
+                    logprobs = completion_logprobs(ctx.engine.tokenizer, delta_ids, entries, num_top or 0,
+                                                   offset + len(echo))
+                    if echo:
+                        echoed = _echoed_logprobs(ctx, cmpl, cmpl.prompts[p_index], update)
+                        if echoed is not None:
+                            logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
+                    if logprobs["tokens"] and delta_ids:
                         # Offsets count the tokens' texts, as the non-streamed answer does, not the text sent
                         # so far (which lags while text is held back): the same whichever steps share a chunk.
                         offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
-                choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs,
+                choice: dict[str, Any] = {"index": index, "text": echo + text, "logprobs": logprobs,
                                           "finish_reason": completion.finish_reason if completion.finished else None}
+                if first and update.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs_json(update.prompt_logprobs)
                 if completion.finished:
                     choice["stop_reason"] = stop_reason(completion, cmpl.params)
                     finished_sent.add(index)
