@@ -103,15 +103,24 @@ def main() -> int:
             prof.key_averages()[0], "self_cuda_time_total") else "self_device_time_total", row_limit=15)
         print(table, flush=True)
         result["profile_table"] = table
-        # GPU busy time: every kernel's and copy's own device time (CPU ops own none), against an unprofiled
-        # generate of the same length. Far below the wall time means HF is bound by the host's Python and
-        # launches, so its speed follows the host CPU.
-        busy_s = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))
-                     for e in prof.key_averages()) / 1e6
+        # GPU busy time: the device-side rows (kernels, copies; an op's row repeats its kernels' time), against
+        # an unprofiled generate of the same length. Far below the wall time means HF is bound by the host's
+        # Python and launches, so its speed follows the host CPU. "Command Buffer Full" (the host waiting for
+        # room in the launch queue: the GPU is behind) is reported apart.
+        from torch.autograd import DeviceType
+
+        def device_us(e: object) -> float:
+            return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)))
+
+        rows = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+        queue_full_s = sum(device_us(e) for e in rows if e.key == "Command Buffer Full") / 1e6
+        busy_s = sum(device_us(e) for e in rows if e.key != "Command Buffer Full") / 1e6
         wall_s = generate(args.profile_steps)
-        result |= {"profile_gpu_busy_s": busy_s, "profile_steps_wall_s": wall_s}
+        result |= {"profile_gpu_busy_s": busy_s, "profile_queue_full_s": queue_full_s,
+                   "profile_steps_wall_s": wall_s}
         print(f"HF generate of {args.profile_steps} tokens: GPU busy {busy_s * 1e3:.1f} ms of {wall_s * 1e3:.1f} ms "
-              f"wall unprofiled ({busy_s / wall_s:.0%})", flush=True)
+              f"wall unprofiled ({busy_s / wall_s:.0%}); host waited on a full launch queue "
+              f"{queue_full_s * 1e3:.1f} ms (profiled)", flush=True)
     write_result(args.out, "hf_probe", vars(args) | {"out": str(args.out)}, result, device)
     return 0
 

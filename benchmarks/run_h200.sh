@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: gpu43 hf43 pen42 kernels41 final41 gpu40 kprof40 check40 final40 dab40 dsw40 dec39 check39 final39 pgt39b c1ab39 pgt39 sus39 place38 dpdl38 gap38 busy38 tma38 ncuattn36 pair36 last36 pw36 final36 ab36 fuse36 ncu36 fix35 graphs35 final35 diag35 pairs35 pairs34 lop34 swap34 quant33 tp32a tp32b tp32c asc31b asc31 api30c api30b api30 client29b api29 client29 pytest28 cublas28 firstburst28 firstpass28w firstpass28s firstpass28e firstpass28 sweep28 abclient27 gcprobe27 client27 mnbt27 rowq26 gcserve26 gc26 bisect26 hash25 capfail25b capfail25 offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: hfseeds43 gpu43 hf43 pen42 kernels41 final41 gpu40 kprof40 check40 final40 dab40 dsw40 dec39 check39 final39 pgt39b c1ab39 pgt39 sus39 place38 dpdl38 gap38 busy38 tma38 ncuattn36 pair36 last36 pw36 final36 ab36 fuse36 ncu36 fix35 graphs35 final35 diag35 pairs35 pairs34 lop34 swap34 quant33 tp32a tp32b tp32c asc31b asc31 api30c api30b api30 client29b api29 client29 pytest28 cublas28 firstburst28 firstpass28w firstpass28s firstpass28e firstpass28 sweep28 abclient27 gcprobe27 client27 mnbt27 rowq26 gcserve26 gc26 bisect26 hash25 capfail25b capfail25 offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Pass the local commit, written in literally (the device copy's git metadata can be stale, so a $(git ...) in
 # the command would read it there): KVSERVE_BENCH_COMMIT=<sha> bash ...
@@ -764,9 +764,17 @@ PY
         # CPU, and HF's GPU busy time against its wall time over 32 decode steps (hf_probe --profile-steps).
         { lscpu | grep -E "Model name|^CPU\(s\)|MHz"; nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,power.draw \
             --format=csv; } > "$R/hf43.log" 2>&1
+        # A single-thread host speed probe, comparable across hosts (a Python loop; HF's generate is Python too).
+        python3 -c 'import time; t = time.perf_counter(); sum(i * i for i in range(10**7)); print(f"host probe: 10^7-term Python sum {time.perf_counter() - t:.3f} s")' >> "$R/hf43.log" 2>&1
         timeout 150 python3 benchmarks/hf_probe.py --out "$R/hf43" --repeats 2 --profile-steps 32 >> "$R/hf43.log" 2>&1
         echo "hf_probe rc=$?" >> "$R/hf43.log"; cp "$R/hf43.log" "$OUT/"
-        grep -a -E "Model name|CPU\(s\)|MHz|MiB|HF generate|rc=" "$R/hf43.log" | cut -c1-200 ;;
+        grep -a -E "Model name|CPU\(s\)|MHz|host probe|HF generate|rc=" "$R/hf43.log" | cut -c1-300 ;;
+    hfseeds43) # Session 43: the seeds' workload and HF in one engine_benchmarks run on the host of hf43, so that HF
+        # after kvserve (as the ratio is measured) can be set beside HF alone on the same host.
+        timeout 250 python3 benchmarks/engine_benchmarks.py --out "$R/hfseeds43" --sections seeds,hf \
+          > "$R/hfseeds43.log" 2>&1
+        echo "engine_benchmarks rc=$?" >> "$R/hfseeds43.log"; cp "$R/hfseeds43.log" "$OUT/"
+        grep -a -E "^seeds|^HF|kvserve / HF|rc=" "$R/hfseeds43.log" | cut -c1-200 ;;
     pen42) # Written in session 42 (no GPU lent then; about 300 s): what async scheduling is worth to penalised
         # requests now that they pipeline (entry 60): the seeds' and 256-sequence workloads with Qwen2.5-Instruct's
         # repetition_penalty 1.05 on every request, async and step by step, and without penalties (async).
