@@ -3,6 +3,10 @@ Qwen2.5-7B shape, with the process set up one of several ways, so that the HF ba
 `engine_benchmarks.py --sections seeds,hf` can be checked against HF run alone.
 
     python benchmarks/hf_probe.py --out DIR [--blas default|cublaslt] [--after-kvserve] [--profile-steps 8]
+                                  [--prompts FILE] [--dtype bfloat16]
+
+--prompts FILE (a JSON list of token-id lists) runs those prompts instead of random ones: how
+`engine_benchmarks.py --sections seeds,hf` runs HF on the seeds section's prompts in a fresh process.
 
 --after-kvserve starts a kvserve engine and runs the seeds' workload first, then frees it (what the hf
 section does when it follows the seeds section). --profile-steps N profiles one generate of N new tokens and
@@ -13,6 +17,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
+import json
+import time
 from pathlib import Path
 
 import torch
@@ -22,9 +29,15 @@ from common import (
     hf_generate_timer,
     make_engine,
     random_prompts,
+    sync,
     write_config_dir,
     write_result,
 )
+
+
+def prompt_digest(prompts: list[list[int]]) -> str:
+    """A short digest of the prompts' token ids (the caller checks that this process ran its prompts)."""
+    return hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16]
 
 
 def main() -> int:
@@ -42,6 +55,8 @@ def main() -> int:
     p.add_argument("--reserve-gb", type=float, default=0.0,
                    help="allocate and free this much GPU memory first (kept in torch's cache, not returned)")
     p.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after the model is built")
+    p.add_argument("--prompts", type=Path, default=None, help="a JSON list of token-id lists to run instead")
+    p.add_argument("--dtype", default="bfloat16")
     args = p.parse_args()
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -68,9 +83,16 @@ def main() -> int:
         block = torch.empty(int(args.reserve_gb * 2**30), dtype=torch.uint8, device=device)
         del block
     config = AutoConfig.from_pretrained(model_dir)
+    sync(device)
+    t0 = time.perf_counter()
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
-    ids = torch.tensor(random_prompts(gen, [args.input_len] * args.num, vocab), device=device)
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype)).eval()
+    sync(device)
+    init_s = time.perf_counter() - t0
+    prompts = json.loads(args.prompts.read_text()) if args.prompts else \
+        random_prompts(gen, [args.input_len] * args.num, vocab)
+    ids = torch.tensor(prompts, device=device)
+    num = ids.shape[0]
 
     generate = hf_generate_timer(model, ids, device)
 
@@ -81,11 +103,12 @@ def main() -> int:
     t_prefill = generate(1)
     runs = [generate(args.output_len) for _ in range(args.repeats)]
     elapsed = runs[-1]
-    tok_s = args.num * args.output_len / elapsed
+    tok_s = num * args.output_len / elapsed
     step_ms = (elapsed - t_prefill) / max(1, args.output_len - 1) * 1e3
     result = {"blas_at_start": blas_before, "blas": torch.backends.cuda.preferred_blas_library().name
               if device.startswith("cuda") else None, "after_kvserve": args.after_kvserve,
-              "kvserve_tok_s": kvserve_tok_s, "elapsed_s": elapsed, "output_tok_s": tok_s,
+              "kvserve_tok_s": kvserve_tok_s, "elapsed_s": elapsed, "output_tok_s": tok_s, "init_s": init_s,
+              "num_seqs": num, "input_len": ids.shape[1], "prompt_digest": prompt_digest(prompts),
               "prefill_s": t_prefill, "decode_step_ms": step_ms, "runs_s": runs,
               "reserved_gb_after": torch.cuda.memory_reserved() / 2**30 if device.startswith("cuda") else None,
               "attn_implementation": getattr(model.config, "_attn_implementation", None)}
