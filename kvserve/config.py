@@ -188,6 +188,13 @@ def parse_memory_size(value: str | int | float) -> int:
         raise ConfigError(f"cannot parse memory size {value!r} (examples: 4GiB, 512MiB, 1000000)") from None
 
 
+def memory_size_text(num_bytes: int) -> str:
+    """A size for a flag such as --kv-cache-memory, rounded up so that it holds `num_bytes`: '3MiB', '1.26GiB'."""
+    if num_bytes < 1 << 30:
+        return f"{-(-num_bytes // (1 << 20))}MiB"
+    return f"{-(-num_bytes * 100 // (1 << 30)) / 100:.2f}GiB"
+
+
 @dataclass
 class EngineArgs:
     """User-facing engine settings, named as vLLM names them. All optional but `model`."""

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve import distributed
-from kvserve.config import ConfigError, EngineConfig
+from kvserve.config import ConfigError, EngineConfig, memory_size_text
 from kvserve.core.outputs import EngineCoreOutput, SchedulerOutput, SchedulerStats
 from kvserve.core.request import Request
 from kvserve.core.scheduler import RequestRejected, Scheduler
@@ -173,17 +173,18 @@ class EngineCore:
         if cap.num_tokens >= cap.max_model_len:
             return
         per_block = self.runner.kv_cache_bytes_per_block()
-        needed_gib = -(-cap.max_model_len // cap.block_size) * per_block / (1 << 30)
+        blocks_needed = -(-cap.max_model_len // cap.block_size)
         profile = self.runner.memory_profile
-        if config.device_config.device == "cpu":
-            hint = f"raise --kv-cache-memory to at least {needed_gib:.2f}GiB"
+        if config.cache_config.num_blocks:  # set by the user: the sizing flags do not apply
+            hint = f"raise --num-gpu-blocks-override (num_kv_blocks) to at least {blocks_needed}"
+        elif config.device_config.device == "cpu":
+            hint = f"raise --kv-cache-memory to at least {memory_size_text(blocks_needed * per_block)}"
         elif profile is not None:
-            blocks_needed = -(-cap.max_model_len // cap.block_size)
             hint = gpu_capacity_hint(
                 profile, config.cache_config.gpu_memory_utilization, per_block, blocks_needed
             )
         else:
-            hint = "raise num_kv_blocks"
+            hint = f"raise --num-gpu-blocks-override (num_kv_blocks) to at least {blocks_needed}"
         raise ConfigError(
             f"the KV cache holds {cap.num_tokens} tokens ({cap.num_blocks} blocks), fewer than one request "
             f"of max_model_len={cap.max_model_len} needs: {hint}, or lower --max-model-len"

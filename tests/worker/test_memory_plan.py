@@ -89,7 +89,7 @@ def test_the_engines_gpu_sizing_path_on_a_fake_profile(tiny_model_dir: Callable[
     runner.device = torch.device("cuda")  # only its type is read on this path
     per_block = runner.kv_cache_bytes_per_block()
     gpu_config = SimpleNamespace(device_config=SimpleNamespace(device="cuda"),
-                                 cache_config=SimpleNamespace(gpu_memory_utilization=0.9))
+                                 cache_config=SimpleNamespace(gpu_memory_utilization=0.9, num_blocks=None))
 
     def size(in_use_blocks: int) -> int:
         profile = MemoryProfile(total_bytes=1000 * per_block, weights_bytes=500 * per_block,
@@ -110,3 +110,29 @@ def test_the_engines_gpu_sizing_path_on_a_fake_profile(tiny_model_dir: Callable[
     assert "raise --gpu-memory-utilization from 0.90 to at least 0.91" in message
     assert "--max-num-batched-tokens" in message and "--enforce-eager" in message
     assert message.endswith("or lower --max-model-len")
+
+
+@pytest.mark.parametrize("settings, hint", [
+    ({"kv_cache_memory": "64KiB"}, "raise --kv-cache-memory to at least 1MiB"),
+    ({"num_kv_blocks": 3}, "raise --num-gpu-blocks-override (num_kv_blocks) to at least 16"),
+], ids=["cpu-budget", "block-override"])
+def test_too_small_a_cache_names_the_flag_that_was_set(tiny_model_dir: Callable[..., str], settings: dict,
+                                                        hint: str) -> None:
+    """A KV cache too small for one max_model_len request names the flag that sized it, with a size that
+    suffices (not rounded down to 0.00GiB for a small model)."""
+    from kvserve.config import ConfigError, EngineArgs
+    from kvserve.engine.engine_core import EngineCore
+
+    args = EngineArgs(model=tiny_model_dir("llama"), device="cpu", max_model_len=256, block_size=16, **settings)
+    with pytest.raises(ConfigError) as info:
+        EngineCore(args.create_engine_config())
+    assert hint in str(info.value)
+
+
+def test_memory_size_text_rounds_up() -> None:
+    from kvserve.config import memory_size_text, parse_memory_size
+
+    for size in (1, (1 << 20) + 1, 700 << 20, (1 << 30) + 1, 5 * (1 << 30) // 3):
+        text = memory_size_text(size)
+        assert parse_memory_size(text) >= size and parse_memory_size(text) - size < max(size // 100, 1 << 20), text
+    assert memory_size_text(1 << 20) == "1MiB" and memory_size_text(3 << 30) == "3.00GiB"
