@@ -210,6 +210,13 @@ class KVCacheManager:
             return
         self._offer_full_blocks(request, num_tokens)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's `reset_prefix_cache`): only while no request holds blocks.
+        Returns whether it was done."""
+        if self.req_to_blocks or self._deferred:
+            return False
+        return self.pool.reset_prefix_cache()
+
     def flush(self) -> None:
         """Hash the deferred requests' scheduled blocks and offer them to the hash map."""
         while self._deferred:

@@ -226,6 +226,13 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every prefix-cache entry; only when no request is live or in flight. Returns whether it was
+        done (vLLM's `reset_prefix_cache`)."""
+        if self.has_unfinished_requests():
+            return False
+        return self.scheduler.kv.reset_prefix_cache()
+
     def step(self) -> EngineStepResult:
         """Schedule and launch one step; return the outputs of the step whose tokens arrived (this one
         without async scheduling, the previous one with it)."""

@@ -100,6 +100,12 @@ class LLM:
         (`generation_config`, `override_generation_config`) over SamplingParams' own defaults."""
         return SamplingParams(**self.config.model_config.sampling_defaults)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache, so that the next requests compute every prompt token (as vLLM's: for
+        benchmarks that must not hit what an earlier run cached). Returns False, changing nothing, while a
+        request is still live."""
+        return self.engine.core.reset_prefix_cache()
+
     def shutdown(self) -> None:
         """Stop the engine's other tensor-parallel processes (with `tensor_parallel_size` > 1; they also
         stop when this process exits). The object generates nothing after."""

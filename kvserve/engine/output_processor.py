@@ -146,7 +146,8 @@ class OutputProcessor:
                 parent.first_token_time = now
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
             if out.prompt_logprobs is not None and parent.prompt_logprobs is None:
-                parent.prompt_logprobs = [None] + [self._logprob_dict(e.token_ids, e.logprobs, e.rank)
+                decode = sample.params.detokenize
+                parent.prompt_logprobs = [None] + [self._logprob_dict(e.token_ids, e.logprobs, e.rank, decode)
                                                    for e in out.prompt_logprobs]
             stopped_by_string = self._apply(sample, out)
             if stopped_by_string and not out.finished:
@@ -174,12 +175,17 @@ class OutputProcessor:
         output.token_ids.extend(out.new_token_ids)
         if out.new_logprobs is not None and output.logprobs is not None:
             for entry in out.new_logprobs:
-                output.logprobs.append(self._logprob_dict(entry.token_ids, entry.logprobs, entry.rank))
+                output.logprobs.append(self._logprob_dict(entry.token_ids, entry.logprobs, entry.rank,
+                                                          sample.params.detokenize))
                 output.cumulative_logprob = (output.cumulative_logprob or 0.0) + entry.logprobs[0]
         shown = out.new_token_ids
         if out.finished and out.finish_reason == "stop" and shown and not sample.params.include_stop_str_in_output:
             # The engine ended it on a token (EOS or a stop_token_ids entry): that token is not shown as text.
             shown = shown[:-1]
+        if not sample.params.detokenize:  # token ids only (stop strings need text: refused with this)
+            if out.finished:
+                self._finish_as_engine(sample, out)
+            return False
         sample.detokenizer.add_tokens(shown)
         if out.finished:
             # Nothing more will come to complete a held-back partial character: show it as it is.
@@ -195,10 +201,7 @@ class OutputProcessor:
                 output.stop_reason = result.stop_str
                 stopped = True
         if not stopped and out.finished:
-            output.finish_reason = out.finish_reason
-            # vLLM's stop_reason: the stop_token_ids entry that ended it; None for EOS.
-            stop_ids = sample.params.stop_token_ids or ()
-            output.stop_reason = out.stop_token_id if out.stop_token_id in stop_ids else None
+            self._finish_as_engine(sample, out)
         output.text = text
         # Stream only what can no longer turn out to be part of a stop string.
         if output.finished or sample.stop_checker is None:
@@ -210,7 +213,15 @@ class OutputProcessor:
             sample.emitted_chars = emit_upto
         return stopped
 
-    def _logprob_dict(self, token_ids: list[int], logprobs: list[float], rank: int) -> dict[int, Logprob]:
+    @staticmethod
+    def _finish_as_engine(sample: _SampleState, out: EngineCoreOutput) -> None:
+        sample.output.finish_reason = out.finish_reason
+        # vLLM's stop_reason: the stop_token_ids entry that ended it; None for EOS.
+        stop_ids = sample.params.stop_token_ids or ()
+        sample.output.stop_reason = out.stop_token_id if out.stop_token_id in stop_ids else None
+
+    def _logprob_dict(self, token_ids: list[int], logprobs: list[float], rank: int,
+                      decode: bool = True) -> dict[int, Logprob]:
         entry: dict[int, Logprob] = {}
         for i, (tid, lp) in enumerate(zip(token_ids, logprobs, strict=True)):
             if tid in entry:
@@ -218,6 +229,6 @@ class OutputProcessor:
             entry[tid] = Logprob(
                 logprob=lp,
                 rank=rank if i == 0 else i,
-                decoded_token=self.tokenizer.decode([tid]),
+                decoded_token=self.tokenizer.decode([tid]) if decode else None,
             )
         return entry

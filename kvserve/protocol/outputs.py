@@ -48,4 +48,8 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     # with prompt_logprobs: per prompt token, its logprob and the top-k at its position (None for the first)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # vLLM's fields for encoder-decoder models and LoRA, which kvserve does not serve: always None
+    encoder_prompt: str | None = None
+    encoder_prompt_token_ids: list[int] | None = None
+    lora_request: None = None
     metrics: dict[str, float] = field(default_factory=dict)

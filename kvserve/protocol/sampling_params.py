@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field, replace
 
 _SAMPLING_EPS = 1e-5
@@ -30,6 +31,7 @@ class SamplingParams:
       first ``min_tokens`` tokens (stop strings count from the token after them, as in vLLM).
     * ``logprobs=k`` returns the sampled token's logprob and the top-k logprobs of each step
       (from the model's raw distribution, before temperature and penalties).
+    * ``detokenize=False`` leaves the text out (token ids only; logprobs without their decoded tokens).
     * ``prompt_logprobs=k`` returns each prompt token's logprob (the first has none) and the top-k at its
       position, from the raw distribution. Such a request takes no prefix-cache hits (every prompt position's
       logits are computed) and its prompt's steps run without CUDA graphs.
@@ -54,6 +56,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    detokenize: bool = True
     spaces_between_special_tokens: bool = True
     extra: dict[str, object] = field(default_factory=dict)
 
@@ -105,6 +108,8 @@ class SamplingParams:
             bad(f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs}", "prompt_logprobs")
         if any(not isinstance(s, str) or s == "" for s in self.stop):  # type: ignore[union-attr]
             bad("stop strings must be non-empty strings", "stop")
+        if not self.detokenize and self.stop:
+            bad("stop strings need the text: they cannot be used with detokenize=False", "stop")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):  # type: ignore[union-attr]
             bad("stop_token_ids must be non-negative integers", "stop_token_ids")
         if self.seed is not None and not isinstance(self.seed, int):
@@ -133,6 +138,10 @@ class SamplingParams:
     @property
     def stop_strings(self) -> list[str]:
         return list(self.stop or [])
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's name for it)."""
+        return copy.deepcopy(self)
 
     def for_sample(self, index: int) -> SamplingParams:
         """Parameters of sample `index` of an n>1 request: n=1, and a distinct seed when seeded. The prompt's

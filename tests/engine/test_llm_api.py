@@ -299,3 +299,49 @@ def test_vllm_constructor_arguments_and_chat_forms(tiny_model_dir) -> None:
     with pytest.raises(ValueError, match="image_url"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], params,
                  use_tqdm=False)
+
+
+def test_reset_prefix_cache(tiny_model_dir) -> None:
+    """After reset_prefix_cache() a repeated prompt hits nothing; before it, it hits; while a request is
+    live, the reset is refused and the cache kept."""
+    llm = LLM(tiny_model_dir("llama"), max_model_len=256, block_size=16)
+    prompt = list(range(100, 180))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    first = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0
+    assert llm.generate([prompt], params, use_tqdm=False)[0].num_cached_tokens == 64
+    llm.engine.add_tokenized_request("live", None, prompt, params)
+    llm.engine.step()
+    assert llm.reset_prefix_cache() is False
+    llm.engine.abort_request("live")
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert llm.reset_prefix_cache() is True
+    llm.engine.core.scheduler.check_invariants()
+    again = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert llm.generate([prompt], params, use_tqdm=False)[0].num_cached_tokens == 64
+
+
+def test_detokenize_false_and_clone(default_llm: LLM) -> None:
+    """detokenize=False gives the same tokens with no text (logprobs without decoded tokens) and still ends
+    requests as usual; stop strings need the text and are refused with it; clone() is a deep copy."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, stop_token_ids=[13])
+    texts = default_llm.generate(["Hello, my name is"], params, use_tqdm=False)[0].outputs[0]
+    ids_only = params.clone()
+    ids_only.detokenize = False
+    assert params.detokenize is True
+    out = default_llm.generate(["Hello, my name is"], ids_only, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == texts.token_ids and texts.text and out.text == ""
+    assert (out.finish_reason, out.stop_reason) == (texts.finish_reason, texts.stop_reason)
+    assert out.logprobs is not None and texts.logprobs is not None
+    assert [list(e) for e in out.logprobs] == [list(e) for e in texts.logprobs]
+    assert all(lp.decoded_token is None for e in out.logprobs for lp in e.values())
+    with pytest.raises(SamplingParamsError, match="detokenize"):
+        SamplingParams(stop=["."], detokenize=False)
+    biased = SamplingParams(logit_bias={5: 1.0})
+    copy = biased.clone()
+    assert copy == biased
+    assert copy.logit_bias is not None and biased.logit_bias is not None
+    copy.logit_bias[5] = 2.0
+    assert biased.logit_bias[5] == 1.0
