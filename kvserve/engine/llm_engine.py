@@ -44,6 +44,7 @@ class LLMEngine:
         cache_salt: str | None = None,
     ) -> None:
         self.input_processor.check_logit_bias(params)
+        prompt_token_ids = self.input_processor.truncate(prompt_token_ids, params)
         now = time.time()
         children = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params, now)
         group_key = request_id if params.n > 1 else None

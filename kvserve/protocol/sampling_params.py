@@ -31,6 +31,7 @@ class SamplingParams:
       first ``min_tokens`` tokens (stop strings count from the token after them, as in vLLM).
     * ``logprobs=k`` returns the sampled token's logprob and the top-k logprobs of each step
       (from the model's raw distribution, before temperature and penalties).
+    * ``truncate_prompt_tokens=k`` keeps the prompt's last k tokens (-1: the last max_model_len - 1).
     * ``detokenize=False`` leaves the text out (token ids only; logprobs without their decoded tokens).
     * ``prompt_logprobs=k`` returns each prompt token's logprob (the first has none) and the top-k at its
       position, from the raw distribution. Such a request takes no prefix-cache hits (every prompt position's
@@ -55,6 +56,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
     spaces_between_special_tokens: bool = True
@@ -108,6 +110,12 @@ class SamplingParams:
             bad(f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs}", "prompt_logprobs")
         if any(not isinstance(s, str) or s == "" for s in self.stop):  # type: ignore[union-attr]
             bad("stop strings must be non-empty strings", "stop")
+        if self.truncate_prompt_tokens is not None and (
+            not isinstance(self.truncate_prompt_tokens, int) or not (self.truncate_prompt_tokens >= 1
+                                                                     or self.truncate_prompt_tokens == -1)
+        ):
+            bad(f"truncate_prompt_tokens must be an integer >= 1, or -1 (max_model_len), got "
+                f"{self.truncate_prompt_tokens}", "truncate_prompt_tokens")
         if not self.detokenize and self.stop:
             bad("stop strings need the text: they cannot be used with detokenize=False", "stop")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):  # type: ignore[union-attr]

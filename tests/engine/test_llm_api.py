@@ -345,3 +345,25 @@ def test_detokenize_false_and_clone(default_llm: LLM) -> None:
     assert copy.logit_bias is not None and biased.logit_bias is not None
     copy.logit_bias[5] = 2.0
     assert biased.logit_bias[5] == 1.0
+
+
+def test_truncate_prompt_tokens(tiny_model_dir) -> None:
+    """truncate_prompt_tokens=k keeps the prompt's last k tokens (the same output as sending those alone);
+    -1 keeps what max_model_len leaves room for, so a prompt too long for the model is served; 0 is refused."""
+    llm = LLM(tiny_model_dir("llama"), max_model_len=128, block_size=16)
+    prompt = list(range(100, 300))  # longer than max_model_len
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    tail = llm.generate([prompt[-40:]], params, use_tqdm=False)[0]
+    cut = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
+                                                truncate_prompt_tokens=40), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == prompt[-40:] and cut.outputs[0].token_ids == tail.outputs[0].token_ids
+    most = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, truncate_prompt_tokens=-1),
+                        use_tqdm=False)[0]
+    assert most.prompt_token_ids == prompt[-127:] and len(most.outputs[0].token_ids) == 1  # room for one token
+    with pytest.raises(ValueError):
+        llm.generate([prompt], params, use_tqdm=False)
+    short = llm.generate([prompt[:10]], SamplingParams(max_tokens=2, truncate_prompt_tokens=40), use_tqdm=False)[0]
+    assert short.prompt_token_ids == prompt[:10]
+    for bad in (0, -2):
+        with pytest.raises(SamplingParamsError, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)

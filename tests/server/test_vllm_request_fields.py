@@ -14,7 +14,7 @@ from .conftest import TINY_NAME, ServerProcess
 CHAT = {"model": TINY_NAME, "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 3}
 COMPLETION = {"model": TINY_NAME, "prompt": "Hello there", "max_tokens": 3}
 ACTIVE = {"structured_outputs": {"choice": ["yes", "no"]}, "guided_json": {"type": "object"}, "guided_regex": "a+",
-          "guided_choice": ["a"], "guided_grammar": "root ::= 'a'", "truncate_prompt_tokens": 2,
+          "guided_choice": ["a"], "guided_grammar": "root ::= 'a'",
           "allowed_token_ids": [5, 6], "bad_words": ["Paris"], "use_beam_search": True, "return_token_ids": True,
           "return_tokens_as_token_ids": True, "logits_processors": ["x"], "prompt_embeds": "AAAA", "priority": 1,
           "functions": [{"name": "f", "parameters": {}}], "function_call": "auto"}
@@ -133,3 +133,26 @@ def test_request_ids_as_vllm_names_them(tiny_server: ServerProcess) -> None:
     too_long = httpx.post(tiny_server.base_url + "/v1/completions", json=COMPLETION,
                           headers={"X-Request-Id": "x" * 257}, timeout=60)
     assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "X-Request-Id"
+
+
+def test_truncate_prompt_tokens(tiny_server: ServerProcess) -> None:
+    """vLLM's truncate_prompt_tokens keeps the prompt's last N tokens (usage counts those; completions' echo
+    shows them); -1 keeps what max_model_len leaves room for; 0 is a 400 naming the field."""
+    ids = list(range(100, 140))
+    base = {"model": TINY_NAME, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    tail = _post(tiny_server, "/v1/completions", {**base, "prompt": ids[-8:]}).json()
+    cut = _post(tiny_server, "/v1/completions", {**base, "prompt": ids, "truncate_prompt_tokens": 8, "echo": True})
+    assert cut.status_code == 200, cut.text
+    body = cut.json()
+    assert body["usage"]["prompt_tokens"] == 8
+    detok = _post(tiny_server, "/detokenize", {"model": TINY_NAME, "tokens": ids[-8:]}).json()["prompt"]
+    assert body["choices"][0]["text"] == detok + tail["choices"][0]["text"]
+    chat = _post(tiny_server, "/v1/chat/completions", {**CHAT, "truncate_prompt_tokens": 5})
+    assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == 5
+    models = httpx.get(tiny_server.base_url + "/v1/models", timeout=10).json()
+    max_len = models["data"][0]["max_model_len"]
+    long = _post(tiny_server, "/v1/completions", {"model": TINY_NAME, "prompt": [5] * (max_len + 10),
+                                                  "max_tokens": 1, "truncate_prompt_tokens": -1})
+    assert long.status_code == 200 and long.json()["usage"]["prompt_tokens"] == max_len - 1
+    refused = _post(tiny_server, "/v1/completions", {**COMPLETION, "truncate_prompt_tokens": 0})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "truncate_prompt_tokens"

@@ -143,6 +143,7 @@ def sampling_params_from(
             include_stop_str_in_output=req.include_stop_str_in_output,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
         )

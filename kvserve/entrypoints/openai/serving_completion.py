@@ -101,6 +101,9 @@ def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> PreparedC
         else:
             check_token_ids(engine, item, "prompt")
             ids, text = list(item), None
+        kept = engine.input_processor.truncate(ids, params)
+        if len(kept) < len(ids):  # truncate_prompt_tokens: echo shows the tokens kept
+            ids, text = kept, None
         check_lengths(engine, len(ids), params.max_tokens, "prompt", "max_tokens")
         sub_id = request_id if len(items) == 1 else f"{request_id}-{i}"
         prompts.append(PreparedPrompt(sub_id, ids, text))
