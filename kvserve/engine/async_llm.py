@@ -166,7 +166,7 @@ class AsyncLLM:
         """
         if self.dead_error is not None:
             raise self.dead_error
-        self.input_processor.check_logit_bias(params)
+        self.input_processor.check_token_ids(params)
         now = time.time()
         children = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params, now)
         group_key = request_id if params.n > 1 else None

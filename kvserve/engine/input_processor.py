@@ -87,11 +87,15 @@ class InputProcessor:
             return max(room, 1)
         return max(min(params.max_tokens, room), 1)
 
-    def check_logit_bias(self, params: SamplingParams) -> None:
+    def check_token_ids(self, params: SamplingParams) -> None:
         vocab = len(self.tokenizer)
         for token_id in (params.logit_bias or {}):
             if not 0 <= token_id < vocab:
                 raise SamplingParamsError(f"logit_bias token id {token_id} is out of range [0, {vocab})", "logit_bias")
+        for token_id in (params.allowed_token_ids or ()):
+            if not 0 <= token_id < vocab:
+                raise SamplingParamsError(f"allowed_token_ids has token id {token_id}, out of range [0, {vocab})",
+                                          "allowed_token_ids")
 
     def make_engine_request(
         self,

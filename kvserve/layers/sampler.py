@@ -373,7 +373,8 @@ def compute_logprobs(
 
 
 def _is_plain_greedy(params: SamplingParams) -> bool:
-    return params.is_greedy and not params.needs_output_history and not params.logit_bias
+    return (params.is_greedy and not params.needs_output_history and not params.logit_bias
+            and params.allowed_token_ids is None)
 
 
 class Sampler:
@@ -420,6 +421,7 @@ class Sampler:
         work = logits.to(dtype=torch.float32, copy=True)
         work = self._apply_penalties(work, rows, pending_ids)
         work = self._apply_logit_bias(work, rows)
+        work = self._apply_allowed_tokens(work, rows)
         work = self._apply_min_tokens(work, rows, eos_token_ids)
         sampled = self._sample(work, rows)
 
@@ -490,6 +492,26 @@ class Sampler:
             to_device(values, torch.float32, device),
             accumulate=True,
         )
+        return work
+
+    @staticmethod
+    def _apply_allowed_tokens(work: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """-inf for every token outside a row's allowed_token_ids."""
+        vocab_size = work.shape[1]
+        index = [i for i, row in enumerate(rows) if row.params.allowed_token_ids is not None]
+        if not index:
+            return work
+        device = work.device
+        mask_rows: list[int] = []
+        mask_ids: list[int] = []
+        for j, i in enumerate(index):
+            ids = [t for t in rows[i].params.allowed_token_ids or () if t < vocab_size]
+            mask_rows.extend([j] * len(ids))
+            mask_ids.extend(ids)
+        allowed = torch.zeros((len(index), vocab_size), dtype=torch.bool, device=device)
+        allowed[to_device(mask_rows, torch.int64, device), to_device(mask_ids, torch.int64, device)] = True
+        rows_t = to_device(index, torch.int64, device)
+        work[rows_t] = work[rows_t].masked_fill(~allowed, float("-inf"))
         return work
 
     @staticmethod

@@ -31,6 +31,8 @@ class SamplingParams:
       first ``min_tokens`` tokens (stop strings count from the token after them, as in vLLM).
     * ``logprobs=k`` returns the sampled token's logprob and the top-k logprobs of each step
       (from the model's raw distribution, before temperature and penalties).
+    * ``allowed_token_ids`` restricts every sampled token to those ids (applied after penalties and
+      logit_bias; logprobs stay the raw distribution's).
     * ``truncate_prompt_tokens=k`` keeps the prompt's last k tokens (-1: the last max_model_len - 1).
     * ``detokenize=False`` leaves the text out (token ids only; logprobs without their decoded tokens).
     * ``prompt_logprobs=k`` returns each prompt token's logprob (the first has none) and the top-k at its
@@ -48,6 +50,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
     ignore_eos: bool = False
@@ -110,6 +113,10 @@ class SamplingParams:
             bad(f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs}", "prompt_logprobs")
         if any(not isinstance(s, str) or s == "" for s in self.stop):  # type: ignore[union-attr]
             bad("stop strings must be non-empty strings", "stop")
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)
+        ):
+            bad("allowed_token_ids must be a non-empty list of token ids", "allowed_token_ids")
         if self.truncate_prompt_tokens is not None and (
             not isinstance(self.truncate_prompt_tokens, int) or not (self.truncate_prompt_tokens >= 1
                                                                      or self.truncate_prompt_tokens == -1)

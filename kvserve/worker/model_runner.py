@@ -338,7 +338,8 @@ class ModelRunner:
         # Every sampling step at once, penalties included: their per-request counts (`PenaltyCounts`, kept on
         # the device for as many rows) stay allocated and count as memory in use, their temporaries in the peak.
         params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.01, logprobs=20,
-                                repetition_penalty=1.1, frequency_penalty=0.1, presence_penalty=0.1)
+                                repetition_penalty=1.1, frequency_penalty=0.1, presence_penalty=0.1,
+                                allowed_token_ids=[0])
         req_ids = [f"memory profile {i}" for i in range(num_rows)]
         rows = [SamplingRow(params, [0], [0], None, req_id=req_id) for req_id in req_ids]
         kept_before = self.sampler.kept_bytes()

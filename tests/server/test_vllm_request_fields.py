@@ -15,7 +15,7 @@ CHAT = {"model": TINY_NAME, "messages": [{"role": "user", "content": "Hello ther
 COMPLETION = {"model": TINY_NAME, "prompt": "Hello there", "max_tokens": 3}
 ACTIVE = {"structured_outputs": {"choice": ["yes", "no"]}, "guided_json": {"type": "object"}, "guided_regex": "a+",
           "guided_choice": ["a"], "guided_grammar": "root ::= 'a'",
-          "allowed_token_ids": [5, 6], "bad_words": ["Paris"], "use_beam_search": True, "return_token_ids": True,
+          "bad_words": ["Paris"], "use_beam_search": True, "return_token_ids": True,
           "return_tokens_as_token_ids": True, "logits_processors": ["x"], "prompt_embeds": "AAAA", "priority": 1,
           "functions": [{"name": "f", "parameters": {}}], "function_call": "auto"}
 
@@ -156,3 +156,16 @@ def test_truncate_prompt_tokens(tiny_server: ServerProcess) -> None:
     assert long.status_code == 200 and long.json()["usage"]["prompt_tokens"] == max_len - 1
     refused = _post(tiny_server, "/v1/completions", {**COMPLETION, "truncate_prompt_tokens": 0})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_allowed_token_ids(tiny_server: ServerProcess) -> None:
+    """vLLM's allowed_token_ids: every generated token is one of them; an id past the vocabulary is a 400."""
+    body = {"model": TINY_NAME, "prompt": "Hello there", "max_tokens": 4, "temperature": 1.0, "ignore_eos": True}
+    for allowed in ([300], [300, 301]):
+        got = _post(tiny_server, "/v1/completions", {**body, "allowed_token_ids": allowed, "logprobs": 0})
+        assert got.status_code == 200, got.text
+        texts = {_post(tiny_server, "/detokenize", {"model": TINY_NAME, "tokens": [t]}).json()["prompt"]
+                 for t in allowed}
+        assert set(got.json()["choices"][0]["logprobs"]["tokens"]) <= texts
+    refused = _post(tiny_server, "/v1/completions", {**body, "allowed_token_ids": [10**9]})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "allowed_token_ids"

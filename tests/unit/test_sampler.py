@@ -440,6 +440,23 @@ def test_logit_bias(device):
     assert set(draws.tolist()) == {0, 1}
 
 
+def test_allowed_token_ids(device):
+    """Greedy and sampled rows draw only allowed ids (the best of them when greedy), after logit_bias; a row
+    without the setting beside them is untouched; logprobs stay the raw distribution's."""
+    logits = torch.tensor([[3.0, 0.0, 1.0, 2.0, -1.0]] * 3)
+    rows = [
+        row(SamplingParams(temperature=0.0, allowed_token_ids=[1, 2, 4], logprobs=1)),
+        row(SamplingParams(temperature=0.0, allowed_token_ids=[1, 4], logit_bias={4: 5.0})),
+        row(SamplingParams(temperature=0.0)),
+    ]
+    out = sample(logits, rows, device)
+    assert out.sampled_token_ids.tolist() == [2, 4, 0]
+    assert out.logprobs is not None and out.logprobs[0, 0].item() == pytest.approx(
+        torch.log_softmax(logits[0], dim=0)[2].item())
+    draws = draw_many(torch.zeros(6), SamplingParams(allowed_token_ids=[1, 3, 5]), 600, device=device)
+    assert set(draws.tolist()) == {1, 3, 5}
+
+
 # ------------------------------------------------------------------------------------------------ min_tokens
 
 
