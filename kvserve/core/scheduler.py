@@ -270,6 +270,8 @@ class Scheduler:
             if len(request.output_token_ids) == 1:
                 output.first_scheduled_time = request.first_scheduled_time or 0.0
                 output.prompt_logprobs = request.prompt_logprobs
+                if request.prompt_logprobs is not None:
+                    request.prompt_logprobs = []  # sent (a later resume computes no prompt position again)
             if status is not None:
                 output.finish_reason = status.finish_reason
                 output.stop_token_id = request.stop_token_id

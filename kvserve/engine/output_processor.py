@@ -69,6 +69,8 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._samples: dict[str, _SampleState] = {}
         self._parents: dict[str, _ParentState] = {}
+        # each token id's text, decoded once (a prompt's logprobs decode thousands of mostly repeated ids)
+        self._token_texts: dict[int, str] = {}
 
     def add_request(
         self,
@@ -213,6 +215,12 @@ class OutputProcessor:
             sample.emitted_chars = emit_upto
         return stopped
 
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
     @staticmethod
     def _finish_as_engine(sample: _SampleState, out: EngineCoreOutput) -> None:
         sample.output.finish_reason = out.finish_reason
@@ -229,6 +237,6 @@ class OutputProcessor:
             entry[tid] = Logprob(
                 logprob=lp,
                 rank=rank if i == 0 else i,
-                decoded_token=self.tokenizer.decode([tid]) if decode else None,
+                decoded_token=self._token_text(tid) if decode else None,
             )
         return entry

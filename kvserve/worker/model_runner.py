@@ -1001,18 +1001,22 @@ class ModelRunner:
         token's). Computed max_num_seqs rows at a time: the memory profile's sampling pass over that many rows
         holds more [rows, vocab] temporaries than a slice does."""
         device = hidden.device
-        rows = torch.cat([torch.arange(sp.row, sp.row + sp.count) for sp in spans]).to(device)
+        pinned = device.type == "cuda"  # copied without waiting for the forward the step launched
+        rows = torch.tensor([r for sp in spans for r in range(sp.row, sp.row + sp.count)], dtype=torch.int64,
+                            pin_memory=pinned).to(device, non_blocking=True)
         targets = torch.tensor(
             [t for sp in spans for t in self.requests[sp.req_id].prompt_token_ids[sp.first : sp.first + sp.count]],
-            dtype=torch.int64,
-        ).to(device)
+            dtype=torch.int64, pin_memory=pinned,
+        ).to(device, non_blocking=True)
         max_k = max(sp.k for sp in spans)
         parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         step = self.max_num_reqs
         for lo in range(0, rows.numel(), step):
             logits = self.model.compute_logits(hidden[rows[lo : lo + step]])
             raw = torch.log_softmax(logits.float(), dim=1)
+            del logits
             parts.append(compute_logprobs(raw, targets[lo : lo + step], max_k))
+            del raw  # before the next slice's: one slice's [rows, vocab] tensors at a time
         values, ids, ranks = (torch.cat(t) for t in zip(*parts, strict=True))
         return PromptLogprobsPending(spans, self._to_host(values), self._to_host(ids), self._to_host(ranks))
 

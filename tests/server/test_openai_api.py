@@ -231,6 +231,16 @@ def test_completion_echo_with_logprobs_scores_the_prompt(client, tiny_server, ti
             pytest.approx(lp["token_logprobs"])
         assert [o for c in streamed for o in c["choices"][0]["logprobs"]["text_offset"]] == lp["text_offset"]
         assert streamed[0]["choices"][0]["prompt_logprobs"] == prompt_lp
+    # A prompt whose tokens' texts do not add up to it (characters split into byte pieces): the offsets are
+    # one chain over the prompt's tokens and the generated ones, never going back, streamed or not.
+    text_body = {**body, "prompt": "日本語のテキスト 😀😀", "max_tokens": 3}
+    whole = httpx.post(tiny_server.base_url + "/v1/completions", json=text_body, timeout=60).json()
+    offsets = whole["choices"][0]["logprobs"]["text_offset"]
+    assert offsets == sorted(offsets) and offsets[0] == 0
+    streamed = [event for event in read_sse(httpx.post(tiny_server.base_url + "/v1/completions",
+                                                       json={**text_body, "stream": True}, timeout=60))
+                if isinstance(event, dict) and event["choices"]]
+    assert [o for c in streamed for o in c["choices"][0]["logprobs"]["text_offset"]] == offsets
 
 
 def test_prompt_logprobs_field(client, tiny_server, tiny_tokenizer, hf_tiny):

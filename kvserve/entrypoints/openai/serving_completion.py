@@ -124,6 +124,14 @@ def _echo_text(ctx: ServingContext, prompt: PreparedPrompt) -> str:
     return ctx.engine.tokenizer.decode(prompt.prompt_token_ids)
 
 
+def _chain_end(logprobs: dict[str, Any] | None, default: int) -> int:
+    """The text offset just past a completions `logprobs` object's last token, or `default` when it has
+    none."""
+    if logprobs is None or not logprobs["tokens"]:
+        return default
+    return logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+
+
 def _echoed_logprobs(ctx: ServingContext, cmpl: PreparedCompletion, prompt: PreparedPrompt,
                      output: RequestOutput) -> dict[str, Any] | None:
     """The completions `logprobs` of an echoed prompt's tokens (offsets from 0), or None when the request
@@ -171,10 +179,13 @@ async def completion_full(ctx: ServingContext, cmpl: PreparedCompletion) -> dict
             num_completion_tokens += len(token_ids)
             logprobs = None
             if num_top is not None and entries is not None:
-                logprobs = _echoed_logprobs(ctx, cmpl, prompt, final) if cmpl.echo else None
-                generated = completion_logprobs(ctx.engine.tokenizer, token_ids, entries, num_top, len(prefix))
-                logprobs = generated if logprobs is None else \
-                    {key: logprobs[key] + generated[key] for key in generated}
+                echoed = _echoed_logprobs(ctx, cmpl, prompt, final) if cmpl.echo else None
+                # One chain of offsets over the echoed prompt's tokens and the generated ones (the tokens'
+                # texts need not add up to the prompt as given: a BOS token, byte pieces).
+                start = _chain_end(echoed, len(prefix))
+                logprobs = completion_logprobs(ctx.engine.tokenizer, token_ids, entries, num_top, start)
+                if echoed is not None:
+                    logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
             choice = {
                 "index": p_index * n + completion.index,
                 "text": prefix + text,
@@ -226,29 +237,28 @@ async def completion_stream(ctx: ServingContext, cmpl: PreparedCompletion, inclu
                 delta_ids = [] if cmpl.echo_only else completion.token_ids_delta
                 num_completion_tokens += len(delta_ids)
                 text = "" if cmpl.echo_only else completion.text_delta
-                first = index not in offsets
+                first = index not in offsets  # this choice's first chunk (offsets has the choices sent)
                 echo = _echo_text(ctx, cmpl.prompts[p_index]) if cmpl.echo and first else ""
-                offset = offsets.setdefault(index, 0)
                 want_logprobs = num_top is not None and completion.logprobs is not None
                 # A chunk for every new token, also one whose text is still empty (held back as a partial
                 # character or a possible stop string, or a special token), as vLLM streams: the client sees
                 # the first token when it is generated.
                 if not (echo or text or delta_ids or completion.finished):
                     continue
+                offset = offsets.setdefault(index, 0)
                 logprobs = None
                 offsets[index] = offset + len(echo) + len(text)
                 if want_logprobs:
+                    echoed = _echoed_logprobs(ctx, cmpl, cmpl.prompts[p_index], update) if echo else None
                     entries = delta_logprobs(completion) if delta_ids else []
                     logprobs = completion_logprobs(ctx.engine.tokenizer, delta_ids, entries, num_top or 0,
-                                                   offset + len(echo))
-                    if echo:
-                        echoed = _echoed_logprobs(ctx, cmpl, cmpl.prompts[p_index], update)
-                        if echoed is not None:
-                            logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
-                    if logprobs["tokens"] and delta_ids:
+                                                   _chain_end(echoed, offset + len(echo)))
+                    if echoed is not None:
+                        logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
+                    if logprobs["tokens"]:
                         # Offsets count the tokens' texts, as the non-streamed answer does, not the text sent
                         # so far (which lags while text is held back): the same whichever steps share a chunk.
-                        offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+                        offsets[index] = _chain_end(logprobs, offsets[index])
                 choice: dict[str, Any] = {"index": index, "text": echo + text, "logprobs": logprobs,
                                           "finish_reason": completion.finish_reason if completion.finished else None}
                 if first and update.prompt_logprobs is not None:
