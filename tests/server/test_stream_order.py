@@ -44,7 +44,11 @@ def test_chat_role_chunk_waits_for_the_first_token() -> None:
 def test_completion_stream_sends_prompt_logprobs_with_each_choices_first_chunk() -> None:
     """n=2 with prompt_logprobs, sample 1's first token an update after sample 0's (as when the engine runs
     them in different steps): each choice's first chunk carries prompt_logprobs, also sample 1's."""
-    from kvserve.entrypoints.openai.serving_completion import PreparedCompletion, PreparedPrompt, completion_stream
+    from kvserve.entrypoints.openai.serving_completion import (
+        PreparedCompletion,
+        PreparedPrompt,
+        completion_stream,
+    )
     from kvserve.protocol.outputs import Logprob
 
     table = [None, {5: Logprob(-1.0, 1, "x")}]
