@@ -21,6 +21,17 @@ class ProcessedPrompt:
     prompt_token_ids: list[int]
 
 
+def truncate_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
+    """The prompt's last `truncate_prompt_tokens` tokens (-1: as many as leave room for one new token), as
+    vLLM keeps them; the prompt itself when the setting is off or the prompt is shorter."""
+    keep = params.truncate_prompt_tokens
+    if keep is None:
+        return prompt_token_ids
+    if keep == -1:
+        keep = max_model_len - 1
+    return prompt_token_ids[-keep:] if len(prompt_token_ids) > keep else prompt_token_ids
+
+
 class InputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, max_model_len: int, eos_token_ids: Sequence[int]) -> None:
         self.tokenizer = tokenizer
@@ -72,14 +83,7 @@ class InputProcessor:
         return ProcessedPrompt(text, list(ids))
 
     def truncate(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
-        """The prompt's last `truncate_prompt_tokens` tokens (-1: as many as leave room for one new token),
-        as vLLM keeps them; the prompt itself when the setting is off or the prompt is shorter."""
-        keep = params.truncate_prompt_tokens
-        if keep is None:
-            return prompt_token_ids
-        if keep == -1:
-            keep = self.max_model_len - 1
-        return prompt_token_ids[-keep:] if len(prompt_token_ids) > keep else prompt_token_ids
+        return truncate_prompt(prompt_token_ids, params, self.max_model_len)
 
     def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         room = self.max_model_len - num_prompt_tokens

@@ -9,6 +9,7 @@ from typing import Any
 
 import jinja2
 
+from kvserve.engine.input_processor import truncate_prompt
 from kvserve.entrypoints.openai.errors import BadRequestError
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -106,7 +107,7 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> PreparedCha
     except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
         raise BadRequestError(f"cannot apply the chat template to these messages: {e}", "messages") from None
     assert processed.prompt is not None
-    processed.prompt_token_ids = engine.input_processor.truncate(processed.prompt_token_ids, params)
+    processed.prompt_token_ids = truncate_prompt(processed.prompt_token_ids, params, engine.max_model_len)
     check_lengths(engine, len(processed.prompt_token_ids), params.max_tokens, "messages", max_tokens_param)
     default_max = ctx.sampling_defaults.get("max_tokens")
     if max_tokens is None and default_max is not None:  # the model's reply length, when the request sets none

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
+from kvserve.engine.input_processor import truncate_prompt
 from kvserve.entrypoints.openai.errors import BadRequestError
 from kvserve.entrypoints.openai.protocol import CompletionRequest
 from kvserve.entrypoints.openai.serving_common import (
@@ -101,7 +102,7 @@ def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> PreparedC
         else:
             check_token_ids(engine, item, "prompt")
             ids, text = list(item), None
-        kept = engine.input_processor.truncate(ids, params)
+        kept = truncate_prompt(ids, params, engine.max_model_len)
         if len(kept) < len(ids):  # truncate_prompt_tokens: echo shows the tokens kept
             ids, text = kept, None
         check_lengths(engine, len(ids), params.max_tokens, "prompt", "max_tokens")
