@@ -135,9 +135,11 @@ def main() -> int:
         def device_us(e: object) -> float:
             return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)))
 
-        rows = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
-        queue_full_s = sum(device_us(e) for e in rows if e.key == "Command Buffer Full") / 1e6
-        busy_s = sum(device_us(e) for e in rows if e.key != "Command Buffer Full") / 1e6
+        averages = prof.key_averages()
+        # "Command Buffer Full" is a host-side row: its own CPU time is the host's wait.
+        queue_full_s = sum(e.self_cpu_time_total for e in averages if e.key == "Command Buffer Full") / 1e6
+        busy_s = sum(device_us(e) for e in averages
+                      if e.device_type == DeviceType.CUDA and e.key != "Command Buffer Full") / 1e6
         wall_s = generate(args.profile_steps)
         result |= {"profile_gpu_busy_s": busy_s, "profile_queue_full_s": queue_full_s,
                    "profile_steps_wall_s": wall_s}

@@ -167,6 +167,8 @@ class AsyncLLM:
         if self.dead_error is not None:
             raise self.dead_error
         self.input_processor.check_token_ids(params)
+        # (the server truncates while preparing, to count the kept tokens; the Triton backend does not)
+        prompt_token_ids = self.input_processor.truncate(prompt_token_ids, params)
         now = time.time()
         children = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params, now)
         group_key = request_id if params.n > 1 else None

@@ -207,6 +207,12 @@ class EngineCore:
             raise RequestRejected(
                 f"prompt token ids must be in [0, {vocab_size}) (the model's vocabulary size)", "prompt"
             )
+        allowed = request.sampling_params.allowed_token_ids
+        if allowed and max(allowed) >= vocab_size:
+            # The sampler would mask every token out of such an id's row.
+            raise RequestRejected(
+                f"allowed_token_ids must be in [0, {vocab_size}) (the model's vocabulary size)", "allowed_token_ids"
+            )
         self.scheduler.add_request(
             Request(
                 req_id=request.req_id,

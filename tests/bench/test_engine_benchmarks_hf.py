@@ -28,7 +28,19 @@ def test_seeds_then_hf_same_prompts_and_ratio(tmp_path: Path, in_process: bool) 
     hf = json.loads((out / "engine_hf.json").read_text())["results"]
     assert hf["same_prompts_as_seeds"] is True
     assert hf["process"] == ("this process, after kvserve" if in_process else "a fresh process")
+    assert len(hf["runs_s"]) == 4 and hf["elapsed_s"] == min(hf["runs_s"][1:])
     assert (hf["num_seqs"], hf["input_len"], hf["output_len"]) == (
         seeds["num_seqs"], seeds["input_len"], seeds["output_len"])
     assert hf["kvserve_over_hf"] == pytest.approx(seeds["output_tok_s"] / hf["output_tok_s"])
     assert "seeds' workload, kvserve / HF" in proc.stdout
+
+
+@pytest.mark.timeout(200)
+def test_a_failed_hf_process_is_reported_with_its_error(tmp_path: Path) -> None:
+    out = tmp_path / "res"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "engine_benchmarks.py"), "--out", str(out), "--device", "cpu",
+         "--dtype", "no_such_dtype", "--model", "tiny", "--sections", "hf"],
+        cwd=REPO, capture_output=True, text=True, timeout=180)
+    errors = (out / "engine_errors.json").read_text()
+    assert "hf_probe.py failed" in errors and "no_such_dtype" in errors, (errors, proc.stderr[-2000:])

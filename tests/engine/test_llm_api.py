@@ -367,3 +367,14 @@ def test_truncate_prompt_tokens(tiny_model_dir) -> None:
     for bad in (0, -2):
         with pytest.raises(SamplingParamsError, match="truncate_prompt_tokens"):
             SamplingParams(truncate_prompt_tokens=bad)
+
+
+def test_allowed_token_ids_past_the_models_vocabulary_are_refused(tiny_model_dir) -> None:
+    """A tokenizer may be longer than the model's vocabulary: an allowed id between the two is refused (the
+    sampler would mask every token of the row out and sample token 0)."""
+    llm = LLM(tiny_model_dir("llama", vocab_size=49000), max_model_len=128)
+    assert len(llm.get_tokenizer()) > 49100
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        llm.generate(["Hi"], SamplingParams(max_tokens=2, allowed_token_ids=[5, 49100]), use_tqdm=False)
+    out = llm.generate(["Hi"], SamplingParams(max_tokens=3, allowed_token_ids=[5, 48999]), use_tqdm=False)[0]
+    assert set(out.outputs[0].token_ids) <= {5, 48999}

@@ -226,3 +226,17 @@ def test_repository_layout_and_command(tmp_path: Path, tiny_model_dir: Callable[
                           "--model", str(model), "--device", "cpu", "--max-model-len", "999999"], cwd=REPO_ROOT,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "max_model_len" in bad.stderr and not (tmp_path / "tiny2").exists()
+
+
+def test_truncate_prompt_tokens_applies(triton_model: Callable[[bool], Any], tiny_model_dir: Callable[..., str]) -> None:
+    """sampling_parameters' truncate_prompt_tokens keeps the prompt's last tokens, as on the server: a prompt
+    longer than max_model_len is then served, as its tail alone is."""
+    model = triton_model(False)
+    prompt = "word " * 400
+    params = json.dumps({"temperature": 0, "max_tokens": 6, "truncate_prompt_tokens": 20})
+    (response,) = model.execute([Request(text_input=prompt, sampling_parameters=params, exclude_input_in_output=True)])
+    assert not response.has_error(), response.error().message()
+    llm = LLM(tiny_model_dir("llama"), max_model_len=256, kv_cache_memory="64MiB")
+    ids = llm.get_tokenizer()(prompt)["input_ids"]
+    tail = llm.generate([ids[-20:]], SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)[0]
+    assert response.text() == tail.outputs[0].text

@@ -167,5 +167,6 @@ def test_allowed_token_ids(tiny_server: ServerProcess) -> None:
         texts = {_post(tiny_server, "/detokenize", {"model": TINY_NAME, "tokens": [t]}).json()["prompt"]
                  for t in allowed}
         assert set(got.json()["choices"][0]["logprobs"]["tokens"]) <= texts
-    refused = _post(tiny_server, "/v1/completions", {**body, "allowed_token_ids": [10**9]})
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "allowed_token_ids"
+    for bad in ([10**9], []):  # past the vocabulary; empty (nothing could be sampled)
+        refused = _post(tiny_server, "/v1/completions", {**body, "allowed_token_ids": bad})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "allowed_token_ids"

@@ -135,7 +135,7 @@ def sampling_params_from(
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=pick("repetition_penalty", 1.0),
             logit_bias=logit_bias,
-            allowed_token_ids=req.allowed_token_ids or None,
+            allowed_token_ids=req.allowed_token_ids,
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,
             ignore_eos=req.ignore_eos,
