@@ -35,8 +35,8 @@ larger graph.
 
 The hf section (in the defaults, last) frees the engine first and then runs HF Transformers on the seeds
 section's prompts in a fresh process (`hf_probe.py`; `--hf-in-process`: in this one, after kvserve), for the
-issue's "same prompts in the same run" and the ratio; alone (`--sections hf`) it draws fresh prompts and
-reports no ratio. Prints a table last and writes JSON per
+issue's "same prompts in the same run" and the ratio, against the fastest of HF's steady runs (`--hf-runs`);
+alone (`--sections hf`) it draws fresh prompts and reports no ratio. Prints a table last and writes JSON per
 section under --out.
 
     python benchmarks/engine_benchmarks.py --out benchmarks/results/h200            # GPU
