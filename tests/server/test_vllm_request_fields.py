@@ -9,13 +9,13 @@ import pytest
 
 from kvserve.entrypoints.openai.protocol import UNSUPPORTED_FIELDS
 
-from .conftest import TINY_NAME, ServerProcess
+from .conftest import TINY_NAME, ServerProcess, read_sse
 
 CHAT = {"model": TINY_NAME, "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 3}
 COMPLETION = {"model": TINY_NAME, "prompt": "Hello there", "max_tokens": 3}
 ACTIVE = {"structured_outputs": {"choice": ["yes", "no"]}, "guided_json": {"type": "object"}, "guided_regex": "a+",
           "guided_choice": ["a"], "guided_grammar": "root ::= 'a'",
-          "bad_words": ["Paris"], "use_beam_search": True, "return_token_ids": True,
+          "bad_words": ["Paris"], "use_beam_search": True,
           "return_tokens_as_token_ids": True, "logits_processors": ["x"], "prompt_embeds": "AAAA", "priority": 1,
           "functions": [{"name": "f", "parameters": {}}], "function_call": "auto"}
 
@@ -170,3 +170,30 @@ def test_allowed_token_ids(tiny_server: ServerProcess) -> None:
     for bad in ([10**9], []):  # past the vocabulary; empty (nothing could be sampled)
         refused = _post(tiny_server, "/v1/completions", {**body, "allowed_token_ids": bad})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "allowed_token_ids"
+
+
+def test_return_token_ids(tiny_server: ServerProcess, tiny_tokenizer) -> None:
+    """vLLM's return_token_ids: completions choices carry prompt_token_ids and token_ids, chat choices token_ids
+    and the response prompt_token_ids; streamed, the chunks' token ids add up to the same; the ids decode to
+    the text."""
+    body = {**COMPLETION, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    choice = _post(tiny_server, "/v1/completions", body).json()["choices"][0]
+    assert choice["prompt_token_ids"] == tiny_tokenizer("Hello there")["input_ids"]
+    assert len(choice["token_ids"]) == 6 and tiny_tokenizer.decode(choice["token_ids"]) == choice["text"]
+    chunks = [e["choices"][0] for e in read_sse(httpx.post(tiny_server.base_url + "/v1/completions",
+                                                           json={**body, "stream": True}, timeout=60))
+              if isinstance(e, dict) and e["choices"]]
+    assert [t for c in chunks for t in c["token_ids"]] == choice["token_ids"]
+    assert chunks[0]["prompt_token_ids"] == choice["prompt_token_ids"]
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    chat_body = {**CHAT, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    chat = _post(tiny_server, "/v1/chat/completions", chat_body).json()
+    assert len(chat["prompt_token_ids"]) == chat["usage"]["prompt_tokens"]
+    tokens = chat["choices"][0]["token_ids"]
+    assert len(tokens) == 5 and tiny_tokenizer.decode(tokens) == chat["choices"][0]["message"]["content"]
+    events = [e for e in read_sse(httpx.post(tiny_server.base_url + "/v1/chat/completions",
+                                             json={**chat_body, "stream": True}, timeout=60)) if isinstance(e, dict)]
+    assert events[0]["prompt_token_ids"] == chat["prompt_token_ids"]
+    assert [t for e in events if e["choices"] for t in e["choices"][0].get("token_ids", [])] == tokens
+    plain = _post(tiny_server, "/v1/completions", COMPLETION).json()["choices"][0]
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain

@@ -54,8 +54,10 @@ class PreparedChat:
     """A validated chat request, ready to generate."""
 
     def __init__(self, request_id: str, model: str, prompt: str, prompt_token_ids: list[int],
-                 params: SamplingParams, num_top_logprobs: int | None, cache_salt: str | None = None) -> None:
+                 params: SamplingParams, num_top_logprobs: int | None, cache_salt: str | None = None,
+                 return_token_ids: bool = False) -> None:
         self.request_id = request_id
+        self.return_token_ids = return_token_ids  # vLLM's field: token ids beside the text
         self.cache_salt = cache_salt  # the prefix cache's namespace (vLLM's extra field)
         self.model = model
         self.prompt = prompt
@@ -116,7 +118,7 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> PreparedCha
     request_id = new_request_id(engine, "chatcmpl", req.request_id)
     log_request(ctx, request_id, len(processed.prompt_token_ids), params, processed.prompt)
     return PreparedChat(request_id, model, processed.prompt, processed.prompt_token_ids, params, num_top,
-                        req.cache_salt)
+                        req.cache_salt, bool(req.return_token_ids))
 
 
 def message_dict(message: ChatMessage) -> dict[str, Any]:
@@ -162,6 +164,7 @@ async def chat_full(ctx: ServingContext, chat: PreparedChat) -> dict[str, Any]:
             "logprobs": logprobs,
             "finish_reason": completion.finish_reason,
             "stop_reason": stop_reason(completion, chat.params),
+            **({"token_ids": list(completion.token_ids)} if chat.return_token_ids else {}),
         })
     num_completion_tokens = sum(len(c.token_ids) for c in final.outputs)
     body = {
@@ -174,6 +177,8 @@ async def chat_full(ctx: ServingContext, chat: PreparedChat) -> dict[str, Any]:
     }
     if final.prompt_logprobs is not None:  # vLLM's field: the rendered prompt's tokens
         body["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)
+    if chat.return_token_ids:
+        body["prompt_token_ids"] = chat.prompt_token_ids
     return body
 
 
@@ -204,9 +209,12 @@ async def chat_stream(ctx: ServingContext, chat: PreparedChat, include_usage: bo
                 if not role_sent:  # with the first token, as vLLM: its arrival is the time to first token
                     role_sent = True
                     for index in range(chat.params.n):
-                        # vLLM's prompt_logprobs, once: with the first chunk
-                        extra = {"prompt_logprobs": prompt_logprobs_json(update.prompt_logprobs)} \
-                            if index == 0 and update.prompt_logprobs is not None else None
+                        # vLLM's prompt_logprobs and prompt_token_ids, once: with the first chunk
+                        extra: dict[str, Any] = {}
+                        if index == 0 and update.prompt_logprobs is not None:
+                            extra["prompt_logprobs"] = prompt_logprobs_json(update.prompt_logprobs)
+                        if index == 0 and chat.return_token_ids:
+                            extra["prompt_token_ids"] = chat.prompt_token_ids
                         yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
                                       "logprobs": None, "finish_reason": None}], extra=extra)
                 counts["cached"] = update.num_cached_tokens
@@ -243,6 +251,8 @@ def _choice_deltas(ctx: ServingContext, chat: PreparedChat, update: RequestOutpu
             "logprobs": logprobs,
             "finish_reason": completion.finish_reason if completion.finished else None,
         }
+        if chat.return_token_ids:
+            choice["token_ids"] = list(completion.token_ids_delta)
         if completion.finished:
             choice["stop_reason"] = stop_reason(completion, chat.params)
             finished_sent.add(completion.index)

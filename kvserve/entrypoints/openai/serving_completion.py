@@ -46,8 +46,10 @@ class PreparedPrompt:
 
 class PreparedCompletion:
     def __init__(self, request_id: str, model: str, prompts: list[PreparedPrompt], params: SamplingParams,
-                 echo: bool, cache_salt: str | None = None, echo_only: bool = False) -> None:
+                 echo: bool, cache_salt: str | None = None, echo_only: bool = False,
+                 return_token_ids: bool = False) -> None:
         self.request_id = request_id
+        self.return_token_ids = return_token_ids  # vLLM's field: token ids beside the text
         self.cache_salt = cache_salt  # the prefix cache's namespace (vLLM's extra field)
         self.model = model
         self.prompts = prompts
@@ -116,7 +118,8 @@ def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> PreparedC
         params = with_default_length(params, default_max, room)
     for p in prompts:
         log_request(ctx, p.request_id, len(p.prompt_token_ids), params, p.text)
-    return PreparedCompletion(request_id, model, prompts, params, bool(req.echo), req.cache_salt, echo_only)
+    return PreparedCompletion(request_id, model, prompts, params, bool(req.echo), req.cache_salt, echo_only,
+                              bool(req.return_token_ids))
 
 
 def _echo_text(ctx: ServingContext, prompt: PreparedPrompt) -> str:
@@ -196,6 +199,9 @@ async def completion_full(ctx: ServingContext, cmpl: PreparedCompletion) -> dict
             }
             if final.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)
+            if cmpl.return_token_ids:
+                choice["prompt_token_ids"] = prompt.prompt_token_ids
+                choice["token_ids"] = list(token_ids)
             choices.append(choice)
     choices.sort(key=lambda c: c["index"])
     return {
@@ -264,6 +270,10 @@ async def completion_stream(ctx: ServingContext, cmpl: PreparedCompletion, inclu
                                           "finish_reason": completion.finish_reason if completion.finished else None}
                 if first and update.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = prompt_logprobs_json(update.prompt_logprobs)
+                if cmpl.return_token_ids:
+                    choice["token_ids"] = list(delta_ids)
+                    if first:
+                        choice["prompt_token_ids"] = cmpl.prompts[p_index].prompt_token_ids
                 if completion.finished:
                     choice["stop_reason"] = stop_reason(completion, cmpl.params)
                     finished_sent.add(index)
