@@ -6,6 +6,7 @@ import copy
 from dataclasses import dataclass, field, replace
 
 _SAMPLING_EPS = 1e-5
+MAX_LOGPROBS = 20  # the most logprobs / prompt_logprobs a request may ask for (OpenAI's top_logprobs limit)
 
 
 class SamplingParamsError(ValueError):
@@ -105,12 +106,10 @@ class SamplingParams:
             bad(f"min_tokens must be an integer >= 0, got {self.min_tokens}", "min_tokens")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})", "min_tokens")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            bad(f"logprobs must be an integer in [0, 20], got {self.logprobs}", "logprobs")
-        if self.prompt_logprobs is not None and (
-            not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= 20
-        ):
-            bad(f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs}", "prompt_logprobs")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                bad(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value}", name)
         if any(not isinstance(s, str) or s == "" for s in self.stop):  # type: ignore[union-attr]
             bad("stop strings must be non-empty strings", "stop")
         if self.allowed_token_ids is not None and (

@@ -9,9 +9,9 @@ import argparse
 import json
 
 from kvserve.entrypoints.cli import add_engine_args, add_generation_config_args, engine_args_from
+from kvserve.protocol.sampling_params import MAX_LOGPROBS  # (a light module)
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20
-MAX_LOGPROBS = 20  # vLLM's default --max-logprobs, and OpenAI's top_logprobs limit
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 

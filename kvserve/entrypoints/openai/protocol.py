@@ -33,7 +33,6 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: StrictBool | None = False
 
 
-MAX_LOGPROBS = 20  # the most logprobs SamplingParams takes (and OpenAI's top_logprobs limit)
 MAX_REQUEST_ID_LEN = 256
 
 # vLLM (and legacy OpenAI) request fields that change what a request gets and that kvserve does not implement:

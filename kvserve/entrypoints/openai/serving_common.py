@@ -25,9 +25,9 @@ from kvserve.entrypoints.openai.errors import (
     OpenAIError,
     ServiceUnavailableError,
 )
-from kvserve.entrypoints.openai.protocol import MAX_LOGPROBS, SamplingFields
+from kvserve.entrypoints.openai.protocol import SamplingFields
 from kvserve.protocol.outputs import CompletionOutput, Logprob
-from kvserve.protocol.sampling_params import SamplingParams, SamplingParamsError
+from kvserve.protocol.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
 
 logger = logging.getLogger("kvserve.server")
 
@@ -299,24 +299,22 @@ def completion_logprobs(
     offsets: list[int] = []
     offset = text_offset
     for token_id, entry in zip(token_ids, entries, strict=True):
+        value: float | None = None
+        entry_top: dict[str, float] | None = None
         if entry is None:
             text = tokenizer.decode([token_id])
-            tokens.append(text)
-            token_logprobs.append(None)
-            tops.append(None)
-            offsets.append(offset)
-            offset += len(text)
-            continue
-        sampled, top = sampled_and_top(token_id, entry, num_top)
-        text = _token_text(tokenizer, token_id, sampled)
+        else:
+            sampled, top = sampled_and_top(token_id, entry, num_top)
+            text = _token_text(tokenizer, token_id, sampled)
+            value = _finite(sampled.logprob)
+            # The sampled token and the top `num_top`, as OpenAI's legacy API and vLLM give them (up to
+            # num_top + 1). Keyed by text: where tokens decode alike (byte pieces all decode to U+FFFD) the
+            # sampled token's value stays, then the most likely one's.
+            entry_top = {text: value}
+            for tid, lp in top:
+                entry_top.setdefault(_token_text(tokenizer, tid, lp), _finite(lp.logprob))
         tokens.append(text)
-        token_logprobs.append(_finite(sampled.logprob))
-        # The sampled token and the top `num_top`, as OpenAI's legacy API and vLLM give them (up to num_top + 1).
-        # Keyed by text: where tokens decode alike (byte pieces all decode to U+FFFD) the sampled token's value
-        # stays, then the most likely one's.
-        entry_top = {text: _finite(sampled.logprob)}
-        for tid, lp in top:
-            entry_top.setdefault(_token_text(tokenizer, tid, lp), _finite(lp.logprob))
+        token_logprobs.append(value)
         tops.append(entry_top)
         offsets.append(offset)
         offset += len(text)

@@ -175,6 +175,7 @@ async def completion_full(ctx: ServingContext, cmpl: PreparedCompletion) -> dict
         num_prompt_tokens += len(prompt.prompt_token_ids)
         num_cached_tokens += final.num_cached_tokens
         prefix = _echo_text(ctx, prompt) if cmpl.echo else ""
+        echoed = _echoed_logprobs(ctx, cmpl, prompt, final) if cmpl.echo else None  # the same for every sample
         for completion in final.outputs:
             token_ids, text = completion.token_ids, completion.text
             entries: list[dict[int, Logprob] | None] | None = completion.logprobs
@@ -183,7 +184,6 @@ async def completion_full(ctx: ServingContext, cmpl: PreparedCompletion) -> dict
             num_completion_tokens += len(token_ids)
             logprobs = None
             if num_top is not None and entries is not None:
-                echoed = _echoed_logprobs(ctx, cmpl, prompt, final) if cmpl.echo else None
                 # One chain of offsets over the echoed prompt's tokens and the generated ones (the tokens'
                 # texts need not add up to the prompt as given: a BOS token, byte pieces).
                 start = _chain_end(echoed, len(prefix))
@@ -225,6 +225,7 @@ async def completion_stream(ctx: ServingContext, cmpl: PreparedCompletion, inclu
     cached: dict[int, int] = {}
     finished_sent: set[int] = set()
     offsets: dict[int, int] = {}
+    echoed_of: dict[int, dict[str, Any] | None] = {}  # per prompt: its echoed tokens' logprobs object
 
     def chunk(choice: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
         body: dict[str, Any] = {"id": cmpl.request_id, "object": "text_completion", "created": cmpl.created,
@@ -256,7 +257,11 @@ async def completion_stream(ctx: ServingContext, cmpl: PreparedCompletion, inclu
                 logprobs = None
                 offsets[index] = offset + len(echo) + len(text)
                 if want_logprobs:
-                    echoed = _echoed_logprobs(ctx, cmpl, cmpl.prompts[p_index], update) if echo else None
+                    echoed = None
+                    if echo:  # the prompt's, the same for every sample of it
+                        if p_index not in echoed_of:
+                            echoed_of[p_index] = _echoed_logprobs(ctx, cmpl, cmpl.prompts[p_index], update)
+                        echoed = echoed_of[p_index]
                     entries = delta_logprobs(completion) if delta_ids else []
                     logprobs = completion_logprobs(ctx.engine.tokenizer, delta_ids, entries, num_top or 0,
                                                    _chain_end(echoed, offset + len(echo)))
