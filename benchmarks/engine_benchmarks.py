@@ -1451,6 +1451,8 @@ def main() -> int:
     p.add_argument("--sdpa-cudnn-bucket", type=int, default=None, help="override ops.SDPA_CUDNN_BUCKET")
     p.add_argument("--sdpa-torch-order", action="store_true",
                    help="one-prompt prefill: torch's own SDPA backend order (no flash/cuDNN choice by kvserve)")
+    p.add_argument("--penalty-kernel", action=argparse.BooleanOptionalAction, default=True,
+                   help="penalised rows: the one-pass Triton kernel (default) or the torch reference (A/B)")
     p.add_argument("--gate-up-silu-fusion", action=argparse.BooleanOptionalAction, default=True,
                    help="small batches: SiLU-and-mul in the gate/up matmul's epilogue")
     p.add_argument("--decode-gate-up-tma", action=argparse.BooleanOptionalAction, default=True,
@@ -1533,6 +1535,7 @@ def main() -> int:
 
         ops._sdpa_order = lambda cudnn: contextlib.nullcontext  # type: ignore[assignment]
     ops.set_gate_up_silu_fusion(args.gate_up_silu_fusion)
+    ops.set_penalty_kernel(args.penalty_kernel)
     ops.set_prefill_gate_up_fusion(args.prefill_gate_up_fusion)
     ops.set_prefill_qkv_padding(args.prefill_qkv_padding)
     if args.prefill_copy_always:

@@ -6,7 +6,7 @@ Run on the GPU machine from the repository root:
 
 For each kernel (reshape_and_cache, paged_attention decode / prefill / mixed, rms_norm, rotary_embedding,
 silu_and_mul), model shape (Qwen2.5-7B: 28 q / 4 kv heads, head_dim 128; SmolLM2-135M: 9 / 3, head_dim 64)
-and dtype (bf16, fp16), it:
+and dtype (bf16, fp16), and for the sampler's penalise_rows_ once (the 7B vocabulary, float32 logits), it:
 
 1. runs the kernel once with every output buffer it writes poisoned with NaN first (for outputs the launcher
    allocates, its module's torch.empty is swapped for a NaN-filling one) and compares every element with
@@ -46,7 +46,13 @@ import triton  # noqa: E402
 import triton.testing  # noqa: E402
 from common import git_commit  # noqa: E402
 
-from kvserve.kernels import reference, triton_attention, triton_cache, triton_elementwise  # noqa: E402
+from kvserve.kernels import (  # noqa: E402
+    reference,
+    triton_attention,
+    triton_cache,
+    triton_elementwise,
+    triton_penalties,
+)
 from kvserve.layers.attention_metadata import AttentionMetadata  # noqa: E402
 
 
@@ -439,6 +445,33 @@ def run_elementwise(runner: Runner, model: str, shape: ModelShape, dtype_name: s
         torch.cuda.empty_cache()
 
 
+def run_penalties(runner: Runner, vocab: int) -> None:
+    """The sampler's penalty kernel on float32 logits of `vocab` columns: bit-equal to the reference."""
+    for num_rows in (256, 50):
+        row = Row("penalise_rows_", "qwen2.5-7b", "fp32", f"rows{num_rows}_vocab{vocab}")
+        if runner.out_of_time(row):
+            continue
+        gen = torch.Generator(device="cuda").manual_seed(num_rows)
+        logits = torch.randn(num_rows, vocab, device="cuda", generator=gen) * 4
+        capacity = 2 * num_rows  # the rows' slots scattered over a buffer twice as tall, as after churn
+        seen = torch.rand(capacity, vocab, device="cuda", generator=gen) < 0.01
+        counts = torch.randint(0, 3, (capacity, vocab), device="cuda", generator=gen).float()
+        counts *= torch.rand(capacity, vocab, device="cuda", generator=gen) < 0.002
+        rows = torch.arange(num_rows, device="cuda")
+        slots = torch.randperm(capacity, device="cuda", generator=gen)[:num_rows]
+        penalties = [torch.full((num_rows,), v, device="cuda") for v in (1.05, 0.1, 0.2)]
+        args = (rows, slots, seen, counts, *penalties)
+        got, expected = logits.clone(), logits.clone()
+        triton_penalties.penalise_rows_(got, *args)
+        reference.penalise_rows_(expected, *args)
+        row.ok = bool(torch.equal(got, expected))
+        row.max_abs_err = float((got - expected).abs().max())
+        ms = runner.bench(partial(triton_penalties.penalise_rows_, got, *args))
+        row.torch_ms = runner.bench(partial(reference.penalise_rows_, expected, *args))
+        runner.finish(row, ms, num_rows * vocab * (4 + 4 + 1 + 4) + num_rows * 8 * 2)
+        torch.cuda.empty_cache()
+
+
 def measure_copy_tbps() -> float:
     """Device-to-device copy of 2 GiB, counting bytes read and written (how the 4.28 TB/s was measured)."""
     src = torch.empty(2**30, dtype=torch.int16, device="cuda")
@@ -473,6 +506,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True, help="where to write the JSON results")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    kernel_groups = ["cache", "attention", "elementwise", "penalties"]
+    parser.add_argument("--kernels", nargs="+", default=kernel_groups, choices=kernel_groups)
     parser.add_argument("--copy-tbps", type=float, default=4.28, help="copy bandwidth to compare against")
     parser.add_argument(
         "--matmul-tflops", type=float, default=788.0, help="bf16 matmul rate to compare against"
@@ -489,13 +524,15 @@ def main() -> int:
     print(
         f"{torch.cuda.get_device_name()}: measured copy {copy_tbps:.2f} TB/s (comparing against {args.copy_tbps})"
     )
+    per_shape = {"cache": run_cache, "attention": run_attention, "elementwise": run_elementwise}
     for model in args.models:
         for dtype_name in args.dtypes:
             print(f"[{model} {dtype_name}] t={time.perf_counter() - runner.start:.0f}s", flush=True)
-            shape = MODELS[model]
-            run_cache(runner, model, shape, dtype_name)
-            run_attention(runner, model, shape, dtype_name)
-            run_elementwise(runner, model, shape, dtype_name)
+            for name, run in per_shape.items():
+                if name in args.kernels:
+                    run(runner, model, MODELS[model], dtype_name)
+    if "penalties" in args.kernels:
+        run_penalties(runner, 152064)  # the Qwen2.5-7B vocabulary; float32 logits whatever the model's dtype
 
     failed = [r for r in runner.rows if r.ok is False]
     summary = {

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: plp43 hfseeds43 gpu43 hf43 pen42 kernels41 final41 gpu40 kprof40 check40 final40 dab40 dsw40 dec39 check39 final39 pgt39b c1ab39 pgt39 sus39 place38 dpdl38 gap38 busy38 tma38 ncuattn36 pair36 last36 pw36 final36 ab36 fuse36 ncu36 fix35 graphs35 final35 diag35 pairs35 pairs34 lop34 swap34 quant33 tp32a tp32b tp32c asc31b asc31 api30c api30b api30 client29b api29 client29 pytest28 cublas28 firstburst28 firstpass28w firstpass28s firstpass28e firstpass28 sweep28 abclient27 gcprobe27 client27 mnbt27 rowq26 gcserve26 gc26 bisect26 hash25 capfail25b capfail25 offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: pen44 plp43 hfseeds43 gpu43 hf43 pen42 kernels41 final41 gpu40 kprof40 check40 final40 dab40 dsw40 dec39 check39 final39 pgt39b c1ab39 pgt39 sus39 place38 dpdl38 gap38 busy38 tma38 ncuattn36 pair36 last36 pw36 final36 ab36 fuse36 ncu36 fix35 graphs35 final35 diag35 pairs35 pairs34 lop34 swap34 quant33 tp32a tp32b tp32c asc31b asc31 api30c api30b api30 client29b api29 client29 pytest28 cublas28 firstburst28 firstpass28w firstpass28s firstpass28e firstpass28 sweep28 abclient27 gcprobe27 client27 mnbt27 rowq26 gcserve26 gc26 bisect26 hash25 capfail25b capfail25 offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Pass the local commit, written in literally (the device copy's git metadata can be stale, so a $(git ...) in
 # the command would read it there): KVSERVE_BENCH_COMMIT=<sha> bash ...
@@ -754,6 +754,34 @@ PY
         cp "$R/ncuattn36.log" "$OUT/"
         grep -a -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Waves Per|SM Active|Elapsed Cyc|Issue Slots|ncu rc|rror" \
           "$R/ncuattn36.log" | head -40 ;;
+    pen44) # Session 44: the one-pass Triton penalty kernel. Its GPU tests (bit-equal to the torch reference, the
+        # sampler's GPU cases, the engine's tokens with it and without it); its check and timing at the 7B
+        # vocabulary; the sampler's step with it and with the torch reference; then entry 60's workloads with
+        # Qwen2.5-Instruct's repetition penalty 1.05 (async) with the kernel, with the torch reference, and
+        # without penalties.
+        timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_penalties.py \
+          tests/unit/test_sampler.py tests/gpu/test_gpu_engine.py -k "penal or sampl" > "$R/pytest_pen44.log" 2>&1
+        echo "pytest rc=$?" >> "$R/pytest_pen44.log"; cp "$R/pytest_pen44.log" "$OUT/"
+        grep -a "^FAILED\|^E  " "$R/pytest_pen44.log" | head -8 | cut -c1-200; tail -2 "$R/pytest_pen44.log"
+        timeout 60 python3 benchmarks/gpu_kernels.py --kernels penalties --out "$R/gpu_kernels_pen44.json" \
+          > "$R/gpu_kernels_pen44.log" 2>&1
+        echo "gpu_kernels rc=$?" >> "$R/gpu_kernels_pen44.log"; cp "$R/gpu_kernels_pen44.log" "$OUT/"
+        grep -a -E "^kernel|^penalise|rc=" "$R/gpu_kernels_pen44.log" | cut -c1-160
+        for shape in "256 1024" "50 512"; do
+          read -r rows plen <<< "$shape"
+          timeout 60 python3 benchmarks/sampler_cost.py --device cuda --rows "$rows" --prompt-len "$plen" --steps 30 \
+            >> "$R/sampler_pen44.log" 2>&1
+        done
+        echo "sampler_cost rc=$?" >> "$R/sampler_pen44.log"; cp "$R/sampler_pen44.log" "$OUT/"; cat "$R/sampler_pen44.log"
+        for run in "1.05 --penalty-kernel" "1.05 --no-penalty-kernel" "1.0 --penalty-kernel"; do
+          read -r rp mode <<< "$run"
+          log="$R/pen44_${rp}${mode}.log"
+          timeout 150 python3 benchmarks/engine_benchmarks.py --out "$R/pen44_${rp}${mode}" --sections seeds,random256 \
+            --repetition-penalty "$rp" "$mode" --async-scheduling > "$log" 2>&1
+          echo "engine_benchmarks rc=$?" >> "$log"; cp "$log" "$OUT/"
+          echo "== repetition_penalty $rp $mode"
+          grep -a -E "^seeds|^256 seqs|rc=" "$log" | cut -c1-130
+        done ;;
     plp43) # Session 43, after the review's changes to the prompt-logprob step (pinned copies, one slice alive):
         # the GPU tests of prompt logprobs, async scheduling and graphs against eager.
         timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_engine.py \

@@ -1,8 +1,9 @@
 """Time of the sampler's step for penalised requests: N rows of a P-token prompt whose outputs grow by one
 token a step, with repetition, frequency and presence penalties, greedy. Two ways to count the tokens:
 `kept` (rows carry their request id: counts kept on the device, only the new token counted) and `lists`
-(no id: every prompt and output padded and uploaded each step). Prints milliseconds a step: host time of
-the call (on CUDA the GPU work is queued, not waited for) and the time until the sampled ids are ready.
+(no id: every prompt and output padded and uploaded each step); on CUDA each with the penalties as the Triton
+kernel and as the torch reference. Prints milliseconds a step: host time of the call (on CUDA the GPU work is
+queued, not waited for) and the time until the sampled ids are ready.
 
   python benchmarks/sampler_cost.py --rows 64 --prompt-len 4096 --steps 50 [--device cuda]
 """
@@ -19,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvserve.kernels import ops  # noqa: E402
 from kvserve.layers.sampler import Sampler, SamplingRow  # noqa: E402
 from kvserve.protocol.sampling_params import SamplingParams  # noqa: E402
 
@@ -66,10 +68,13 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     print(f"{args.rows} rows, {args.prompt_len}-token prompts, vocab {args.vocab}, {args.steps} steps on {device}")
-    print(f"{'counts':8s} {'host ms/step':>13s} {'ready ms/step':>14s}")
+    print(f"{'counts':8s} {'penalties':10s} {'host ms/step':>13s} {'ready ms/step':>14s}")
+    kernels = ("triton", "torch") if device.type == "cuda" else ("torch",)
     for mode in ("kept", "lists"):
-        host, ready = run(mode, args, device)
-        print(f"{mode:8s} {host:13.2f} {ready:14.2f}")
+        for kernel in kernels:
+            ops.set_penalty_kernel(kernel == "triton")
+            host, ready = run(mode, args, device)
+            print(f"{mode:8s} {kernel:10s} {host:13.2f} {ready:14.2f}")
 
 
 if __name__ == "__main__":

@@ -689,6 +689,32 @@ def _flash_prefill(
     return out[0]
 
 
+_penalty_kernel = True
+
+
+def set_penalty_kernel(enabled: bool) -> None:
+    """Penalise sampled rows on CUDA with the Triton kernel (default) or the torch reference (A/B)."""
+    global _penalty_kernel
+    _penalty_kernel = enabled
+
+
+def penalise_rows_(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    seen: torch.Tensor,
+    counts: torch.Tensor,
+    repetition_penalties: torch.Tensor,
+    frequency_penalties: torch.Tensor,
+    presence_penalties: torch.Tensor,
+) -> None:
+    """The sampler's penalties, in place (see `reference.penalise_rows_`): one Triton pass on CUDA tensors
+    (unless `set_penalty_kernel(False)`)."""
+    module = _triton_module("triton_penalties") if logits.is_cuda and _penalty_kernel else None
+    impl = module.penalise_rows_ if module is not None else reference.penalise_rows_
+    impl(logits, rows, slots, seen, counts, repetition_penalties, frequency_penalties, presence_penalties)
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -800,5 +826,7 @@ __all__ = [
     "set_qkv_rope_fusion",
     "set_rotary_cache_fusion",
     "set_skinny_gemm",
+    "set_penalty_kernel",
+    "penalise_rows_",
     "silu_and_mul",
 ]

@@ -176,3 +176,50 @@ def quantized_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor |
     """x [..., K] @ W^T (+ bias) for a quantized layer's packed weight (`layers.quantization.PackedWeight`):
     its dense weight, dequantized in float32 and rounded to x's dtype, times x as `F.linear` computes it."""
     return F.linear(x, weight.dense(x.dtype), bias)
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_counts: torch.Tensor,
+    output_counts: torch.Tensor,
+    repetition_penalties: torch.Tensor,
+    frequency_penalties: torch.Tensor,
+    presence_penalties: torch.Tensor,
+) -> torch.Tensor:
+    """Penalised copy of `logits` (float32 ``[R, V]``).
+
+    `prompt_counts`/`output_counts`: float32 ``[R, V]`` token counts; the penalties: float32 ``[R]``.
+    ``repetition_penalty`` r applies to tokens seen in prompt or output (logit > 0: ``/ r``, else ``* r``);
+    then ``logit -= frequency * output_count + presence * [output_count > 0]``.
+    """
+    seen = (prompt_counts > 0) | (output_counts > 0)
+    rep = repetition_penalties.unsqueeze(1)
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    out = torch.where(seen, penalised, logits)
+    out = out - frequency_penalties.unsqueeze(1) * output_counts
+    out = out - presence_penalties.unsqueeze(1) * (output_counts > 0).to(out.dtype)
+    return out
+
+
+def penalise_rows_(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    seen: torch.Tensor,
+    counts: torch.Tensor,
+    repetition_penalties: torch.Tensor,
+    frequency_penalties: torch.Tensor,
+    presence_penalties: torch.Tensor,
+) -> None:
+    """Penalise rows of `logits` (float32 ``[R, V]``) in place: row ``rows[j]`` by the prompt marks
+    ``seen[slots[j]]`` (bool ``[S, V]``), the output counts ``counts[slots[j]]`` (float32 ``[S, V]``) and the
+    j-th penalties (float32), as `apply_penalties` computes them. `rows`/`slots`: int64 ``[N]``, rows
+    distinct."""
+    logits[rows] = apply_penalties(
+        logits[rows],
+        seen[slots].to(torch.float32),
+        counts[slots],
+        repetition_penalties,
+        frequency_penalties,
+        presence_penalties,
+    )

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.kernels import ops
 from kvserve.protocol.sampling_params import SamplingParams
 
 
@@ -127,29 +128,6 @@ def token_counts(
     return counts[:, :vocab_size]
 
 
-def apply_penalties(
-    logits: torch.Tensor,
-    prompt_counts: torch.Tensor,
-    output_counts: torch.Tensor,
-    repetition_penalties: torch.Tensor,
-    frequency_penalties: torch.Tensor,
-    presence_penalties: torch.Tensor,
-) -> torch.Tensor:
-    """Penalised copy of `logits` (float32 ``[R, V]``).
-
-    `prompt_counts`/`output_counts`: float32 ``[R, V]`` token counts; the penalties: float32 ``[R]``.
-    ``repetition_penalty`` r applies to tokens seen in prompt or output (logit > 0: ``/ r``, else ``* r``);
-    then ``logit -= frequency * output_count + presence * [output_count > 0]``.
-    """
-    seen = (prompt_counts > 0) | (output_counts > 0)
-    rep = repetition_penalties.unsqueeze(1)
-    penalised = torch.where(logits > 0, logits / rep, logits * rep)
-    out = torch.where(seen, penalised, logits)
-    out = out - frequency_penalties.unsqueeze(1) * output_counts
-    out = out - presence_penalties.unsqueeze(1) * (output_counts > 0).to(out.dtype)
-    return out
-
-
 def add_pending_tokens(
     counts: torch.Tensor, count_rows: list[int], pending_rows: list[int], pending_ids: torch.Tensor | None
 ) -> None:
@@ -199,11 +177,15 @@ class PenaltyCounts:
     def gather(
         self, rows: Sequence[SamplingRow], pending_ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(prompt counts, output counts) ``[len(rows), vocab]`` float32 for these rows (each with a req_id),
-        after counting what is new: the tokens of `output_token_ids` not counted yet, and a row's
-        `pending_row` token, read from `pending_ids` on the device (it is counted as the list's next token,
-        which it becomes once the host reads it). A row whose repetition penalty is off gets no prompt
-        marks."""
+        """(prompt counts, output counts) ``[len(rows), vocab]`` float32 for these rows, after `update`."""
+        index = to_device(self.update(rows, pending_ids), torch.int64, self.device)
+        return self.seen[index].to(torch.float32), self.counts[index]
+
+    def update(self, rows: Sequence[SamplingRow], pending_ids: torch.Tensor | None = None) -> list[int]:
+        """Count what is new for these rows (each with a req_id) and return their slots, in row order: the
+        tokens of `output_token_ids` not counted yet, and a row's `pending_row` token, read from
+        `pending_ids` on the device (it is counted as the list's next token, which it becomes once the host
+        reads it). A row whose repetition penalty is off gets no prompt marks."""
         cleared: list[int] = []
         slots: list[int] = []
         marks: tuple[list[int], list[int]] = ([], [])
@@ -255,8 +237,7 @@ class PenaltyCounts:
             )
         if pending[0]:
             add_pending_tokens(self.counts, pending[0], pending[1], pending_ids)
-        index = to_device(slots, torch.int64, self.device)
-        return self.seen[index].to(torch.float32), self.counts[index]
+        return slots
 
     def release(self, req_ids: Sequence[str]) -> None:
         """Free the slots of these requests (unknown ids are ignored)."""
@@ -449,23 +430,26 @@ class Sampler:
             kept = self.penalty_counts
             if kept is None or kept.device != device or kept.vocab_size != vocab_size:
                 kept = self.penalty_counts = PenaltyCounts(vocab_size, device)
-            prompt_counts, output_counts = kept.gather([rows[i] for i in index], pending_ids)
+            slots = kept.update([rows[i] for i in index], pending_ids)
+            seen, counts = kept.seen, kept.counts
         else:
             # Prompt tokens only matter for the repetition penalty: skip counting them when it is off.
             prompts = [
                 rows[i].prompt_token_ids if rows[i].params.repetition_penalty != 1.0 else () for i in index
             ]
-            prompt_counts = token_counts(prompts, vocab_size, device)
-            output_counts = token_counts([rows[i].output_token_ids for i in index], vocab_size, device)
+            seen = token_counts(prompts, vocab_size, device) > 0
+            counts = token_counts([rows[i].output_token_ids for i in index], vocab_size, device)
             pending = [(j, rows[i].pending_row) for j, i in enumerate(index) if rows[i].pending_row is not None]
             if pending:
-                add_pending_tokens(output_counts, [j for j, _ in pending], [r for _, r in pending], pending_ids)
+                add_pending_tokens(counts, [j for j, _ in pending], [r for _, r in pending], pending_ids)
+            slots = list(range(len(index)))
         params = [rows[i].params for i in index]
-        rows_t = to_device(index, torch.int64, device)
-        work[rows_t] = apply_penalties(
-            work[rows_t],
-            prompt_counts,
-            output_counts,
+        ops.penalise_rows_(
+            work,
+            to_device(index, torch.int64, device),
+            to_device(slots, torch.int64, device),
+            seen,
+            counts,
             to_device([p.repetition_penalty for p in params], torch.float32, device),
             to_device([p.frequency_penalty for p in params], torch.float32, device),
             to_device([p.presence_penalty for p in params], torch.float32, device),

@@ -428,6 +428,37 @@ def test_every_sampling_option_on_the_gpu(
     assert core.runner.sampler.penalty_counts is None  # counted from the lists: no kept counts were made
 
 
+def test_penalty_kernel_matches_torch_penalties_in_the_engine(
+    checkpoints: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Penalised greedy decoding (pipelined, penalties kept on the GPU) gives the same tokens with the Triton
+    penalty kernel, which runs on every step, as with the torch reference: the kernel's results are the
+    reference's bits."""
+    from kvserve.kernels import ops, triton_penalties
+
+    launches = []
+    kernel = triton_penalties.penalise_rows_
+    monkeypatch.setattr(triton_penalties, "penalise_rows_", lambda *a: (launches.append(1), kernel(*a))[1])
+    prompts = _prompts(6, seed=37)
+    penalised = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3,
+                               frequency_penalty=0.4, presence_penalty=0.3)
+    tokens = {}
+    for use_kernel in (True, False):
+        ops.set_penalty_kernel(use_kernel)
+        try:
+            core = _core(checkpoints["qwen2-hd128"], "float32", enforce_eager=False, async_scheduling=True)
+            tokens[use_kernel] = [t for t, _ in _generate(core, prompts, 24, params=penalised)]
+        finally:
+            ops.set_penalty_kernel(True)
+        del core
+        if use_kernel:
+            assert len(launches) >= 24  # one a step at least
+            launches.clear()
+    assert not launches  # the reference run took no kernel launch
+    assert tokens[True] == tokens[False]
+    assert all(len(t) == 24 for t in tokens[True])
+
+
 @pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize(
     "enforce_eager, async_scheduling", [(False, True), (False, False), (True, False)],

@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 
+from kvserve.kernels.reference import apply_penalties
 from kvserve.layers.sampler import (
     PenaltyCounts,
     Sampler,
     SamplerOutput,
     SamplingRow,
     apply_min_p,
-    apply_penalties,
     apply_top_k_top_p,
     apply_top_k_top_p_min_p,
     make_generator,
