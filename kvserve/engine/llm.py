@@ -154,9 +154,8 @@ class LLM:
         tokenizer's chat template (or `chat_template`). A message's content may be a string or OpenAI's list
         of text parts (joined with newlines). `continue_final_message` continues the last (assistant)
         message instead of opening a new one (with add_generation_prompt=False). Each output's `prompt` is
-        the rendered text."""
-        if tools:
-            raise ValueError("tools are not supported by kvserve")
+        the rendered text. `tools` (OpenAI's function tools) go to the template; the outputs are the model's
+        text, tool calls unparsed (the server's --tool-call-parser reads them)."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt=False")
         conversations: list[Conversation]
@@ -167,6 +166,8 @@ class LLM:
         kwargs = dict(chat_template_kwargs or {})
         if continue_final_message:
             kwargs["continue_final_message"] = True
+        if tools:
+            kwargs["tools"] = tools
         processed = [
             self.engine.input_processor.apply_chat_template(
                 [_text_message(m) for m in conv], chat_template, add_generation_prompt, kwargs

@@ -277,7 +277,7 @@ def test_the_token_that_ends_a_request_is_not_shown_as_text(default_llm: LLM) ->
 def test_vllm_constructor_arguments_and_chat_forms(tiny_model_dir) -> None:
     """vLLM's LLM() arguments that change nothing here are accepted, its name for the KV pool override is
     taken, others are refused by name; `llm_engine` is the engine; chat takes OpenAI's text parts,
-    continue_final_message and tools=None, and reports the rendered prompt."""
+    continue_final_message and tools (rendered by the template), and reports the rendered prompt."""
     llm = LLM(tiny_model_dir("llama"), max_model_len=128, trust_remote_code=True, disable_log_stats=True,
               swap_space=4, revision=None, num_gpu_blocks_override=40)
     assert llm.config.cache_config.num_blocks == 40 and llm.llm_engine is llm.engine
@@ -294,8 +294,12 @@ def test_vllm_constructor_arguments_and_chat_forms(tiny_model_dir) -> None:
     continued = llm.chat([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Well"}], params,
                          use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
     assert continued.prompt.endswith("Well")
-    with pytest.raises(ValueError, match="tools"):
-        llm.chat([{"role": "user", "content": "Hi"}], params, use_tqdm=False, tools=[{"type": "function"}])
+    tools = [{"type": "function", "function": {"name": "get_time"}}]
+    template = ("{% for t in tools or [] %}[tool {{ t.function.name }}]{% endfor %}"
+                "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:")
+    with_tools = llm.chat([{"role": "user", "content": "Hi"}], params, use_tqdm=False, tools=tools,
+                          chat_template=template)[0]
+    assert with_tools.prompt == "[tool get_time]user: Hi\nassistant:"
     with pytest.raises(ValueError, match="image_url"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], params,
                  use_tqdm=False)

@@ -169,7 +169,8 @@ def tiny_llama_dir(tiny_model_dir: Callable[..., str]) -> str:
 
 
 TINY_SERVER_FLAGS = ["--served-model-name", TINY_NAME, "--max-model-len", "256", "--kv-cache-memory", "64MiB",
-                     "--metrics-compat", "vllm", "--disable-uvicorn-access-log"]
+                     "--metrics-compat", "vllm", "--disable-uvicorn-access-log",
+                     "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
 
 
 @pytest.fixture(scope="session")

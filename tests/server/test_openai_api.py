@@ -61,6 +61,20 @@ def test_chat_stream_equals_non_stream_and_usage(client, tiny_tokenizer, message
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_chat_with_tools_on_a_tool_calling_server(client):
+    """The tiny server runs with --enable-auto-tool-choice --tool-call-parser hermes: a request with tools is
+    read for tool calls (the message has its tool_calls list). The tiny model writes no <tool_call>, so its
+    text is the content, as without tools (its template does not render tools), streamed or not."""
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
+    settings = dict(messages=MESSAGES_EN, temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
+    plain = client.chat.completions.create(model=TINY_NAME, **settings)
+    full = client.chat.completions.create(model=TINY_NAME, **settings, tools=tools)
+    assert full.choices[0].message.tool_calls == [] and full.choices[0].finish_reason == "length"
+    assert full.choices[0].message.content == plain.choices[0].message.content
+    texts, finish, _ = _stream_chat(client, **settings, tools=tools)
+    assert texts == {0: plain.choices[0].message.content} and finish == {0: "length"}
+
+
 @pytest.mark.parametrize("prompt", ["The capital of France is", "北京是中国的首都，"], ids=["english", "chinese"])
 def test_completion_stream_equals_non_stream(client, tiny_tokenizer, prompt):
     full = client.completions.create(model=TINY_NAME, prompt=prompt, temperature=0, max_tokens=10)

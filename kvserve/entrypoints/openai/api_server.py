@@ -217,7 +217,7 @@ def build_app(ctx: ServingContext, state: ServerState, metrics: PrometheusStatLo
             try:
                 ids = engine.input_processor.apply_chat_template(
                     [message_dict(m) for m in body.messages], None, body.add_generation_prompt,
-                    template_kwargs(body.chat_template_kwargs, body.continue_final_message),
+                    template_kwargs(body.chat_template_kwargs, body.continue_final_message, body.tools),
                 ).prompt_token_ids
             except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
                 raise BadRequestError(f"cannot apply the chat template to these messages: {e}", "messages") from None
@@ -409,6 +409,7 @@ async def _serve_app(ns: argparse.Namespace, config: EngineConfig, engine: Async
         created=created,
         sampling_defaults=dict(config.model_config.sampling_defaults),
         max_logprobs=ns.max_logprobs,
+        tool_call_parser=ns.tool_call_parser if ns.enable_auto_tool_choice else None,
     )
     try:
         state = ServerState()

@@ -9,6 +9,7 @@ import argparse
 import json
 
 from kvserve.entrypoints.cli import add_engine_args, add_generation_config_args, engine_args_from
+from kvserve.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS  # (a light module)
 from kvserve.protocol.sampling_params import MAX_LOGPROBS  # (a light module)
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20
@@ -32,6 +33,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="require `Authorization: Bearer <key>` on /v1/* (default: $KVSERVE_API_KEY; none = open)")
     g.add_argument("--chat-template", default=None,
                    help="chat template replacing the tokenizer's: a file path or the Jinja template text")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='serve tool_choice "auto": the model decides when to call the request\'s tools, and its tool '
+                        "calls come back as the message's tool_calls (needs --tool-call-parser)")
+    g.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                   help="how tool calls are written in the model's text: hermes = <tool_call>{JSON}</tool_call> "
+                        "(Qwen2, Qwen2.5, Qwen3, Hermes 2 Pro)")
     g.add_argument("--disable-log-requests", action="store_true",
                    help="do not log each request's id and parameters (prompts are logged only at DEBUG level)")
     g.add_argument("--enable-log-requests", dest="disable_log_requests", action="store_false",
@@ -109,6 +116,9 @@ def server_engine_args(ns: argparse.Namespace) -> dict[str, object]:
     """EngineArgs keyword arguments from parsed server flags (the positional model wins over --model)."""
     if ns.model_tag is not None and ns.model is not None and ns.model_tag != ns.model:
         raise ValueError(f"the model is given twice: {ns.model_tag!r} (positional) and --model {ns.model!r}")
+    if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (one of: "
+                         f"{', '.join(TOOL_CALL_PARSERS)})")
     args = engine_args_from(ns)
     args["model"] = ns.model_tag if ns.model_tag is not None else ns.model
     args["served_model_name"] = ns.served_model_name[0] if ns.served_model_name else None

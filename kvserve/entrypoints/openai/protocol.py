@@ -182,6 +182,7 @@ class TokenizeRequest(OpenAIBaseModel):
     continue_final_message: StrictBool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # with messages: rendered as the chat request renders them
     return_token_strs: StrictBool = False
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -34,6 +35,7 @@ from kvserve.entrypoints.openai.serving_common import (
     usage_dict,
     with_default_length,
 )
+from kvserve.entrypoints.openai.tool_parsers import ToolCallStream, parse_tool_calls, tool_call_id
 from kvserve.protocol.outputs import RequestOutput
 from kvserve.protocol.sampling_params import SamplingParams
 
@@ -42,11 +44,15 @@ _RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tokenize", "chat_templ
                              "return_dict", "return_tensors", "padding", "truncation", "max_length"}
 
 
-def template_kwargs(requested: dict[str, Any] | None, continue_final_message: bool) -> dict[str, Any]:
-    """The chat template's extra arguments from a request (chat, or /tokenize with messages)."""
+def template_kwargs(requested: dict[str, Any] | None, continue_final_message: bool,
+                    tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The chat template's extra arguments from a request (chat, or /tokenize with messages). Tools go in
+    whatever the tool_choice (as vLLM): with "none" the model still sees what it may not call."""
     kwargs = {k: v for k, v in (requested or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
     if continue_final_message:
         kwargs["continue_final_message"] = True
+    if tools:
+        kwargs["tools"] = tools
     return kwargs
 
 
@@ -55,8 +61,10 @@ class PreparedChat:
 
     def __init__(self, request_id: str, model: str, prompt: str, prompt_token_ids: list[int],
                  params: SamplingParams, num_top_logprobs: int | None, cache_salt: str | None = None,
-                 return_token_ids: bool = False) -> None:
+                 return_token_ids: bool = False, parse_tools: bool = False, parallel_tool_calls: bool = True) -> None:
         self.request_id = request_id
+        self.parse_tools = parse_tools  # tool_choice "auto": the text is read for tool calls
+        self.max_tool_calls = None if parallel_tool_calls else 1  # OpenAI's parallel_tool_calls: false
         self.return_token_ids = return_token_ids  # vLLM's field: token ids beside the text
         self.cache_salt = cache_salt  # the prefix cache's namespace (vLLM's extra field)
         self.model = model
@@ -74,8 +82,7 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> PreparedCha
     check_supported(req)
     if req.echo:
         raise BadRequestError("echo is not supported for chat completions", "echo")
-    if req.tools and req.tool_choice != "none":
-        raise BadRequestError("tool calling is not supported by this server", "tools")
+    parse_tools = check_tools(ctx, req)
     if req.response_format is not None and req.response_format.type != "text":
         raise BadRequestError(f"response_format {req.response_format.type!r} is not supported (only 'text')",
                               "response_format")
@@ -101,7 +108,7 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> PreparedCha
 
     engine = ctx.engine
     assert engine.input_processor is not None
-    kwargs = template_kwargs(req.chat_template_kwargs, req.continue_final_message)
+    kwargs = template_kwargs(req.chat_template_kwargs, req.continue_final_message, req.tools)
     try:
         processed = engine.input_processor.apply_chat_template(
             [message_dict(m) for m in req.messages], None, req.add_generation_prompt, kwargs
@@ -118,7 +125,37 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> PreparedCha
     request_id = new_request_id(engine, "chatcmpl", req.request_id)
     log_request(ctx, request_id, len(processed.prompt_token_ids), params, processed.prompt)
     return PreparedChat(request_id, model, processed.prompt, processed.prompt_token_ids, params, num_top,
-                        req.cache_salt, bool(req.return_token_ids))
+                        req.cache_salt, bool(req.return_token_ids), parse_tools, req.parallel_tool_calls is not False)
+
+
+def check_tools(ctx: ServingContext, req: ChatCompletionRequest) -> bool:
+    """Validate tools and tool_choice; whether the response is read for tool calls (tool_choice "auto", which
+    tools make the default, as in vLLM). Raises 400s."""
+    tools = req.tools or []
+    for i, tool in enumerate(tools):
+        function = tool.get("function")
+        if tool.get("type") != "function" or not isinstance(function, dict) or not function.get("name") \
+                or not isinstance(function["name"], str):
+            raise BadRequestError(f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., ...}}}}',
+                                  "tools")
+        if not isinstance(function.get("parameters", {}), dict):
+            raise BadRequestError(f"tools[{i}].function.parameters must be a JSON Schema object", "tools")
+    choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
+    if choice == "none":
+        return False
+    if not tools:
+        raise BadRequestError("tool_choice needs tools", "tool_choice")
+    if choice == "auto":
+        if ctx.tool_call_parser is None:
+            raise BadRequestError('tool_choice "auto" needs the server started with --enable-auto-tool-choice and '
+                                  '--tool-call-parser; send tool_choice "none" to give the model tools it may not call',
+                                  "tool_choice")
+        return True
+    if choice == "required" or isinstance(choice, dict):
+        raise BadRequestError(f"tool_choice {json.dumps(choice)} needs structured output, which this server does not "
+                              f'support; use "auto" or "none"', "tool_choice")
+    raise BadRequestError(f'tool_choice must be "none", "auto", "required" or a named function, got {choice!r}',
+                          "tool_choice")
 
 
 def message_dict(message: ChatMessage) -> dict[str, Any]:
@@ -137,8 +174,24 @@ def message_dict(message: ChatMessage) -> dict[str, Any]:
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
     if message.tool_calls is not None:
-        out["tool_calls"] = message.tool_calls
+        out["tool_calls"] = [_arguments_as_object(call) for call in message.tool_calls]
     return out
+
+
+def _arguments_as_object(call: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message's tool call with its arguments, a JSON string in OpenAI's format, as the object
+    chat templates render (Qwen's `arguments | tojson`, as vLLM passes them). Arguments that are not a
+    JSON object are left as sent."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    if not isinstance(arguments, dict):
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 async def chat_full(ctx: ServingContext, chat: PreparedChat) -> dict[str, Any]:
@@ -158,11 +211,19 @@ async def chat_full(ctx: ServingContext, chat: PreparedChat) -> dict[str, Any]:
         logprobs = None
         if chat.num_top_logprobs is not None and completion.logprobs is not None:
             logprobs = chat_logprobs(tokenizer, completion.token_ids, completion.logprobs, chat.num_top_logprobs)
+        message: dict[str, Any] = {"role": "assistant", "content": completion.text}
+        finish_reason = completion.finish_reason
+        if chat.parse_tools:
+            parsed = parse_tool_calls(completion.text)
+            message = {"role": "assistant", "content": parsed.content,
+                       "tool_calls": parsed.tool_calls[: chat.max_tool_calls]}
+            if parsed.tool_calls:
+                finish_reason = "tool_calls"
         choices.append({
             "index": completion.index,
-            "message": {"role": "assistant", "content": completion.text},
+            "message": message,
             "logprobs": logprobs,
-            "finish_reason": completion.finish_reason,
+            "finish_reason": finish_reason,
             "stop_reason": stop_reason(completion, chat.params),
             **({"token_ids": list(completion.token_ids)} if chat.return_token_ids else {}),
         })
@@ -201,6 +262,7 @@ async def chat_stream(ctx: ServingContext, chat: PreparedChat, include_usage: bo
         return usage_dict(num_prompt_tokens, counts["completion"], counts["cached"])
 
     finished_sent: set[int] = set()
+    tool_streams: dict[int, ToolCallStream] | None = {} if chat.parse_tools else None
     role_sent = False
     try:
         async with aclosing(ctx.engine.generate(chat.request_id, chat.prompt_token_ids, chat.params,
@@ -218,7 +280,7 @@ async def chat_stream(ctx: ServingContext, chat: PreparedChat, include_usage: bo
                         yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
                                       "logprobs": None, "finish_reason": None}], extra=extra)
                 counts["cached"] = update.num_cached_tokens
-                for choice in _choice_deltas(ctx, chat, update, finished_sent, counts):
+                for choice in _choice_deltas(ctx, chat, update, finished_sent, counts, tool_streams):
                     yield chunk([choice], usage() if continuous_usage else None)
     except Exception as e:
         yield sse(engine_error(e).to_body())
@@ -230,8 +292,10 @@ async def chat_stream(ctx: ServingContext, chat: PreparedChat, include_usage: bo
 
 
 def _choice_deltas(ctx: ServingContext, chat: PreparedChat, update: RequestOutput, finished_sent: set[int],
-                   counts: dict[str, int]) -> list[dict[str, Any]]:
-    """The chunk choices of one update: text deltas, logprobs, and each choice's finish (sent once)."""
+                   counts: dict[str, int], tool_streams: dict[int, ToolCallStream] | None = None
+                   ) -> list[dict[str, Any]]:
+    """The chunk choices of one update: text deltas, logprobs, and each choice's finish (sent once). With
+    `tool_streams` (tool_choice "auto"), the text goes through each choice's `ToolCallStream`."""
     choices = []
     for completion in update.outputs:
         if completion.index in finished_sent:
@@ -245,11 +309,26 @@ def _choice_deltas(ctx: ServingContext, chat: PreparedChat, update: RequestOutpu
         if want_logprobs:
             logprobs = chat_logprobs(ctx.engine.tokenizer, completion.token_ids_delta, delta_logprobs(completion),
                                      chat.num_top_logprobs or 0)
+        delta: dict[str, Any] = {"content": completion.text_delta} if completion.text_delta or completion.token_ids_delta \
+            else {}
+        finish_reason = completion.finish_reason
+        if tool_streams is not None:
+            tools = tool_streams.setdefault(completion.index, ToolCallStream())
+            first = tools.num_tool_calls
+            released = tools.feed(completion.text_delta, final=completion.finished)
+            delta = {"content": released.content} if released.content else {}
+            calls = [{"index": first + k, "id": tool_call_id(), "type": "function", "function": f}
+                     for k, f in enumerate(released.tool_calls)
+                     if chat.max_tool_calls is None or first + k < chat.max_tool_calls]
+            if calls:
+                delta["tool_calls"] = calls
+            if tools.num_tool_calls:
+                finish_reason = "tool_calls"
         choice: dict[str, Any] = {
             "index": completion.index,
-            "delta": {"content": completion.text_delta} if completion.text_delta or completion.token_ids_delta else {},
+            "delta": delta,
             "logprobs": logprobs,
-            "finish_reason": completion.finish_reason if completion.finished else None,
+            "finish_reason": finish_reason if completion.finished else None,
         }
         if chat.return_token_ids:
             choice["token_ids"] = list(completion.token_ids_delta)

@@ -47,6 +47,7 @@ class ServingContext:
     # (ModelConfig.sampling_defaults).
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     max_logprobs: int = MAX_LOGPROBS  # --max-logprobs
+    tool_call_parser: str | None = None  # --tool-call-parser with --enable-auto-tool-choice: tool_choice "auto" served
     # Tokenization (and a chat template's rendering) runs here, off the event loop: a 1,024-token prompt took
     # 3-6 ms, during which every other stream's chunks would wait. One thread, so two encodes never run at
     # once. The event loop's detokenization may run beside an encode: both only read the tokenizer, and

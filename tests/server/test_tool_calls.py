@@ -1,0 +1,291 @@
+"""Tool calling (`--enable-auto-tool-choice --tool-call-parser hermes`): the parser's rules, the same message
+whatever the stream's chunking, and the chat endpoint's requests, responses and streams. The endpoint runs in
+process with a stub engine whose model writes scripted text, a token of text at a time."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+
+from kvserve.engine.input_processor import ProcessedPrompt
+from kvserve.entrypoints.openai.api_server import build_app
+from kvserve.entrypoints.openai.cli_args import make_arg_parser, server_engine_args
+from kvserve.entrypoints.openai.middleware import ServerState
+from kvserve.entrypoints.openai.serving_common import ServingContext
+from kvserve.entrypoints.openai.tool_parsers import ToolCallStream, parse_tool_calls
+from kvserve.protocol.outputs import CompletionOutput, RequestOutput
+from kvserve.protocol.sampling_params import SamplingParams
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                             "parameters": {"type": "object",
+                                                            "properties": {"city": {"type": "string"}}}}}
+TWO_CALLS = ('Let me look that up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>\n')
+TEXTS = [
+    TWO_CALLS,
+    "Just text, with  spaces \n and a trailing newline\n",
+    '<tool_call>{"name": "f", "arguments": {"a": [1, 2]}}',  # left open: the request ran out of tokens
+    'a <tool_call>{not json}</tool_call> b <tool_call>{"name": "g"}</tool_call>',
+    '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>',  # arguments as a JSON string
+    "ends with a partial tag <tool_c",
+    "   ",
+]
+
+
+def _functions(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [c["function"] for c in calls]
+
+
+# ------------------------------------------------------------------------------------------ the parser
+
+
+def test_parse_two_calls_after_content():
+    parsed = parse_tool_calls(TWO_CALLS)
+    assert parsed.content == "Let me look that up."
+    assert _functions(parsed.tool_calls) == [
+        {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"name": "get_weather", "arguments": '{"city": "Zürich"}'},
+    ]
+    ids = [c["id"] for c in parsed.tool_calls]
+    assert all(i.startswith("chatcmpl-tool-") for i in ids) and len(set(ids)) == 2
+    assert all(c["type"] == "function" for c in parsed.tool_calls)
+
+
+@pytest.mark.parametrize(("text", "content", "functions"), [
+    ("Just text <b>", "Just text <b>", []),
+    ("   ", "   ", []),  # no tool calls: the whole text, as generated
+    ('<tool_call>{"name": "f", "arguments": {"a": [1, 2]}}', None, [{"name": "f", "arguments": '{"a": [1, 2]}'}]),
+    # a block that is not a call stays in the content, tags and all; the one that is, is a call
+    ('a <tool_call>{not json}</tool_call> b <tool_call>{"name": "g"}</tool_call>',
+     "a <tool_call>{not json}</tool_call> b", [{"name": "g", "arguments": "{}"}]),
+    ('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>', None, [{"name": "f", "arguments": '{"x": 1}'}]),
+    ('<tool_call>{"name": "f", "arguments": "not json"}</tool_call>',
+     '<tool_call>{"name": "f", "arguments": "not json"}</tool_call>', []),
+    ('<tool_call>{"name": "", "arguments": {}}</tool_call>', '<tool_call>{"name": "", "arguments": {}}</tool_call>', []),
+    ('<tool_call>[1, 2]</tool_call>', "<tool_call>[1, 2]</tool_call>", []),
+    ("<tool_call>", "<tool_call>", []),
+])
+def test_parse_rules(text, content, functions):
+    parsed = parse_tool_calls(text)
+    assert parsed.content == content
+    assert _functions(parsed.tool_calls) == functions
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_any_chunking_streams_the_full_parse(text):
+    """Fed in random pieces (one character at a time among them), the stream releases the content and the
+    calls of the full parse, and never releases content it would later have to take back (what it has
+    released is always a prefix of the full parse's content)."""
+    expected = parse_tool_calls(text)
+    rng = random.Random(text)
+    for trial in range(30):
+        stream, content, functions = ToolCallStream(), "", []
+        position = 0
+        while position < len(text):
+            size = 1 if trial == 0 else rng.randint(1, 6)
+            delta = stream.feed(text[position:position + size])
+            position += size
+            content += delta.content
+            functions += delta.tool_calls
+            assert (expected.content or "").startswith(content), (trial, content)
+        delta = stream.feed("", final=True)
+        content += delta.content
+        functions += delta.tool_calls
+        assert (content or None if functions else content) == expected.content
+        assert functions == _functions(expected.tool_calls)
+
+
+def test_stream_holds_back_a_partial_start_tag():
+    stream = ToolCallStream()
+    assert stream.feed("Hello <tool").content == "Hello"
+    assert stream.feed("_c").content == ""
+    released = stream.feed('all>{"name": "f"}</tool_call>')
+    assert released.content == "" and released.tool_calls == [{"name": "f", "arguments": "{}"}]
+    stream = ToolCallStream()
+    assert stream.feed("x <tool").content == "x"
+    assert stream.feed("box").content == " <toolbox"  # not a tag after all: released
+
+
+# ------------------------------------------------------------------------------------------ the endpoint
+
+
+def _context(outputs: list[list[str]], parser: str | None = "hermes") -> tuple[ServingContext, list[dict]]:
+    """A server whose model writes each `outputs` sample's pieces, one a step; the template's calls are
+    recorded (their messages and keyword arguments)."""
+    rendered: list[dict] = []
+
+    def apply_chat_template(messages: list[dict], chat_template: str | None, add_generation_prompt: bool,
+                            kwargs: dict[str, Any]) -> ProcessedPrompt:
+        rendered.append({"messages": messages, "kwargs": kwargs})
+        return ProcessedPrompt("prompt", [1, 2, 3])
+
+    async def generate(request_id: str, ids: list[int], params: SamplingParams, prompt: str | None,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        steps = max(len(pieces) for pieces in outputs)
+        for step in range(steps):
+            samples = []
+            for index, pieces in enumerate(outputs[: params.n]):
+                done = step >= len(pieces) - 1
+                text = "".join(pieces[: step + 1])
+                delta = pieces[step] if step < len(pieces) else ""
+                samples.append(CompletionOutput(
+                    index, text, list(range(min(step, len(pieces) - 1) + 1)), finish_reason="stop" if done else None,
+                    text_delta=delta, token_ids_delta=[step] if step < len(pieces) else []))
+            yield RequestOutput(request_id, prompt, ids, samples, finished=step == steps - 1)
+
+    engine = SimpleNamespace(is_alive=True, dead_error=None, max_model_len=4096, tokenizer=None, generate=generate,
+                             has_request=lambda request_id: False,
+                             input_processor=SimpleNamespace(apply_chat_template=apply_chat_template))
+    ctx = ServingContext(engine=engine, served_model_names=["m"], model_path="m",  # type: ignore[arg-type]
+                         log_requests=False, tool_call_parser=parser)
+    return ctx, rendered
+
+
+def _post(ctx: ServingContext, body: dict[str, Any], path: str = "/v1/chat/completions") -> httpx.Response:
+    app = build_app(ctx, ServerState(), SimpleNamespace(), None, 1 << 20)  # type: ignore[arg-type]
+
+    async def scenario() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as client:
+            response = await client.post(path, json=body)
+            await response.aread()
+            return response
+
+    return asyncio.run(scenario())
+
+
+def _tokens(text: str) -> list[str]:
+    """The text in pieces of 1-4 characters, as a model's tokens would come."""
+    rng = random.Random(len(text))
+    pieces, position = [], 0
+    while position < len(text):
+        size = rng.randint(1, 4)
+        pieces.append(text[position:position + size])
+        position += size
+    return pieces
+
+
+def _stream_messages(response: httpx.Response) -> tuple[dict[int, dict[str, Any]], dict[int, str]]:
+    """Each choice's message put together from its deltas, and its finish reason."""
+    messages: dict[int, dict[str, Any]] = {}
+    finish: dict[int, str] = {}
+    for line in response.text.splitlines():
+        if not line.startswith("data: {"):
+            continue
+        for choice in json.loads(line[len("data: "):])["choices"]:
+            message = messages.setdefault(choice["index"], {"content": None, "tool_calls": []})
+            delta = choice["delta"]
+            if delta.get("content"):
+                message["content"] = (message["content"] or "") + delta["content"]
+            for call in delta.get("tool_calls", []):
+                assert call["index"] == len(message["tool_calls"])  # each call whole, in order
+                assert call["id"].startswith("chatcmpl-tool-") and call["type"] == "function"
+                message["tool_calls"].append(call)
+            if choice["finish_reason"] is not None:
+                finish[choice["index"]] = choice["finish_reason"]
+    return messages, finish
+
+
+def test_chat_returns_tool_calls_and_the_stream_says_the_same():
+    plain = "It is sunny.\n"
+    ctx, rendered = _context([_tokens(TWO_CALLS), _tokens(plain)])
+    messages = [{"role": "user", "content": "Weather in Paris and Zürich?"}]
+    body = {"messages": messages, "tools": [WEATHER], "n": 2, "max_tokens": 100}  # tool_choice: "auto" by default
+    response = _post(ctx, body)
+    assert response.status_code == 200, response.text
+    first, second = response.json()["choices"]
+    assert first["finish_reason"] == "tool_calls" and second["finish_reason"] == "stop"
+    assert first["message"]["content"] == "Let me look that up."
+    assert [json.loads(c["function"]["arguments"]) for c in first["message"]["tool_calls"]] == [
+        {"city": "Paris"}, {"city": "Zürich"}]
+    assert second["message"] == {"role": "assistant", "content": plain, "tool_calls": []}
+    assert rendered[0]["kwargs"]["tools"] == [WEATHER]
+
+    streamed, finish = _stream_messages(_post(ctx, {**body, "stream": True}))
+    assert finish == {0: "tool_calls", 1: "stop"}
+    for index, choice in enumerate((first, second)):
+        assert streamed[index]["content"] == choice["message"]["content"]
+        assert [c["function"] for c in streamed[index]["tool_calls"]] == _functions(choice["message"]["tool_calls"])
+
+
+def test_parallel_tool_calls_false_returns_the_first_call_only():
+    ctx, _ = _context([_tokens(TWO_CALLS)])
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER], "parallel_tool_calls": False}
+    message = _post(ctx, body).json()["choices"][0]["message"]
+    assert [json.loads(c["function"]["arguments"]) for c in message["tool_calls"]] == [{"city": "Paris"}]
+    streamed, finish = _stream_messages(_post(ctx, {**body, "stream": True}))
+    assert [c["function"] for c in streamed[0]["tool_calls"]] == _functions(message["tool_calls"])
+    assert finish == {0: "tool_calls"}
+
+
+def test_tool_choice_none_renders_the_tools_and_leaves_the_text_alone():
+    ctx, rendered = _context([_tokens(TWO_CALLS)], parser=None)
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER], "tool_choice": "none"}
+    response = _post(ctx, body)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": TWO_CALLS} and choice["finish_reason"] == "stop"
+    assert rendered[0]["kwargs"]["tools"] == [WEATHER]
+
+
+def test_tokenize_renders_the_tools_as_chat_does():
+    ctx, rendered = _context([["ok"]])
+    messages = [{"role": "user", "content": "hi"}]
+    assert _post(ctx, {"messages": messages, "tools": [WEATHER]}, "/tokenize").json()["tokens"] == [1, 2, 3]
+    _post(ctx, {"messages": messages, "tools": [WEATHER], "max_tokens": 1})
+    assert rendered[0] == rendered[1] and rendered[0]["kwargs"]["tools"] == [WEATHER]
+
+
+def test_assistant_tool_calls_reach_the_template_with_object_arguments():
+    ctx, rendered = _context([["ok"]])
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    odd = {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": "not json"}}
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [call, odd]},
+                {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "clear"}'}]
+    response = _post(ctx, {"messages": messages, "tools": [WEATHER]})
+    assert response.status_code == 200, response.text
+    sent = rendered[0]["messages"]
+    assert sent[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert sent[1]["tool_calls"][1]["function"]["arguments"] == "not json"  # left as sent
+    assert sent[2] == {"role": "tool", "content": '{"sky": "clear"}', "tool_call_id": "call_1"}
+    assert call["function"]["arguments"] == '{"city": "Paris"}'  # the request's own objects are not changed
+
+
+@pytest.mark.parametrize(("extra", "parser", "param", "words"), [
+    ({"tools": [WEATHER]}, None, "tool_choice", "--enable-auto-tool-choice"),
+    ({"tools": [WEATHER], "tool_choice": "auto"}, None, "tool_choice", "--tool-call-parser"),
+    ({"tools": [WEATHER], "tool_choice": "required"}, "hermes", "tool_choice", "structured output"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "hermes",
+     "tool_choice", "structured output"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "hermes", "tool_choice", "sometimes"),
+    ({"tool_choice": "auto"}, "hermes", "tool_choice", "needs tools"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "hermes", "tools", "tools[0]"),
+    ({"tools": [{"type": "code_interpreter"}]}, "hermes", "tools", "tools[0]"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "hermes", "tools", "parameters"),
+])
+def test_tool_requests_refused_with_a_400(extra, parser, param, words):
+    ctx, rendered = _context([["ok"]], parser=parser)
+    response = _post(ctx, {"messages": [{"role": "user", "content": "hi"}], **extra})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and words in error["message"]
+    assert not rendered  # refused before the template ran
+
+
+def test_auto_tool_choice_flag_needs_a_parser():
+    parser = make_arg_parser()
+    ns = parser.parse_args(["model-dir", "--enable-auto-tool-choice"])
+    with pytest.raises(ValueError, match="--tool-call-parser"):
+        server_engine_args(ns)
+    ns = parser.parse_args(["model-dir", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    assert server_engine_args(ns)["model"] == "model-dir"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["model-dir", "--tool-call-parser", "unknown"])
