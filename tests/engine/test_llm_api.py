@@ -300,6 +300,14 @@ def test_vllm_constructor_arguments_and_chat_forms(tiny_model_dir) -> None:
     with_tools = llm.chat([{"role": "user", "content": "Hi"}], params, use_tqdm=False, tools=tools,
                           chat_template=template)[0]
     assert with_tools.prompt == "[tool get_time]user: Hi\nassistant:"
+    # A follow-up turn: the assistant's call arguments (OpenAI's JSON string) reach the template as an object.
+    calls_template = ("{% for m in messages %}{{ m.role }}:{% for c in m.tool_calls or [] %}"
+                      "{{ c.function.arguments | tojson }}{% endfor %}{{ m.content or '' }}\n{% endfor %}")
+    call = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}
+    turn = llm.chat([{"role": "user", "content": "Time?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": "c1", "content": "12:00"}], params, use_tqdm=False, tools=tools,
+                    chat_template=calls_template, add_generation_prompt=False)[0]
+    assert turn.prompt == 'user:Time?\nassistant:{"zone": "UTC"}\ntool:12:00\n'
     with pytest.raises(ValueError, match="image_url"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], params,
                  use_tqdm=False)

@@ -19,7 +19,8 @@ from kvserve.entrypoints.openai.api_server import build_app
 from kvserve.entrypoints.openai.cli_args import make_arg_parser, server_engine_args
 from kvserve.entrypoints.openai.middleware import ServerState
 from kvserve.entrypoints.openai.serving_common import ServingContext
-from kvserve.entrypoints.openai.tool_parsers import ToolCallStream, parse_tool_calls
+from kvserve.entrypoints.openai.tool_parsers import ParsedMessage, ToolCallStream, parse_tool_calls
+from kvserve.protocol.chat_messages import arguments_as_objects
 from kvserve.protocol.outputs import CompletionOutput, RequestOutput
 from kvserve.protocol.sampling_params import SamplingParams
 
@@ -32,7 +33,7 @@ TEXTS = [
     TWO_CALLS,
     "Just text, with  spaces \n and a trailing newline\n",
     '<tool_call>{"name": "f", "arguments": {"a": [1, 2]}}',  # left open: the request ran out of tokens
-    'a <tool_call>{not json}</tool_call> b <tool_call>{"name": "g"}</tool_call>',
+    'a <tool_call>{not json}</tool_call> b <tool_call>{"name": "g", "arguments": {}}</tool_call>',
     '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>',  # arguments as a JSON string
     "ends with a partial tag <tool_c",
     "   ",
@@ -63,13 +64,26 @@ def test_parse_two_calls_after_content():
     ("   ", "   ", []),  # no tool calls: the whole text, as generated
     ('<tool_call>{"name": "f", "arguments": {"a": [1, 2]}}', None, [{"name": "f", "arguments": '{"a": [1, 2]}'}]),
     # a block that is not a call stays in the content, tags and all; the one that is, is a call
-    ('a <tool_call>{not json}</tool_call> b <tool_call>{"name": "g"}</tool_call>',
+    ('a <tool_call>{not json}</tool_call> b <tool_call>{"name": "g", "arguments": {}}</tool_call>',
      "a <tool_call>{not json}</tool_call> b", [{"name": "g", "arguments": "{}"}]),
     ('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>', None, [{"name": "f", "arguments": '{"x": 1}'}]),
     ('<tool_call>{"name": "f", "arguments": "not json"}</tool_call>',
      '<tool_call>{"name": "f", "arguments": "not json"}</tool_call>', []),
     ('<tool_call>{"name": "", "arguments": {}}</tool_call>', '<tool_call>{"name": "", "arguments": {}}</tool_call>', []),
     ('<tool_call>[1, 2]</tool_call>', "<tool_call>[1, 2]</tool_call>", []),
+    # Llama-style "parameters" read as the arguments; no arguments or other keys: not a call (nothing dropped)
+    ('<tool_call>{"name": "f", "parameters": {"a": 1}}</tool_call>', None, [{"name": "f", "arguments": '{"a": 1}'}]),
+    ('<tool_call>{"name": "f"}</tool_call>', '<tool_call>{"name": "f"}</tool_call>', []),
+    ('<tool_call>{"name": "f", "arguments": {}, "id": 3}</tool_call>',
+     '<tool_call>{"name": "f", "arguments": {}, "id": 3}</tool_call>', []),
+    ('<tool_call>{"name": "f", "arguments": null}</tool_call>', '<tool_call>{"name": "f", "arguments": null}</tool_call>', []),
+    ('<tool_call>{"name": "f", "arguments": "[1]"}</tool_call>', '<tool_call>{"name": "f", "arguments": "[1]"}</tool_call>', []),
+    # NaN and Infinity are not JSON: the arguments string must be
+    ('<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>',
+     '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>', []),
+    ('<tool_call>{"name": "f", "arguments": "{\\"x\\": Infinity}"}</tool_call>',
+     '<tool_call>{"name": "f", "arguments": "{\\"x\\": Infinity}"}</tool_call>', []),
+    ("Sure.\xa0<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>", "Sure.\xa0", [{"name": "f", "arguments": "{}"}]),
     ("<tool_call>", "<tool_call>", []),
 ])
 def test_parse_rules(text, content, functions):
@@ -102,11 +116,17 @@ def test_any_chunking_streams_the_full_parse(text):
         assert functions == _functions(expected.tool_calls)
 
 
+def test_deeply_nested_output_stays_content():
+    """A degenerate reply (a repetition loop inside a call) is too deep for json to read: content, not a 500."""
+    text = '<tool_call>{"name": "f", "arguments": ' + "[" * 5000
+    assert parse_tool_calls(text) == ParsedMessage(text, [])
+
+
 def test_stream_holds_back_a_partial_start_tag():
     stream = ToolCallStream()
     assert stream.feed("Hello <tool").content == "Hello"
     assert stream.feed("_c").content == ""
-    released = stream.feed('all>{"name": "f"}</tool_call>')
+    released = stream.feed('all>{"name": "f", "arguments": {}}</tool_call>')
     assert released.content == "" and released.tool_calls == [{"name": "f", "arguments": "{}"}]
     stream = ToolCallStream()
     assert stream.feed("x <tool").content == "x"
@@ -243,20 +263,49 @@ def test_tokenize_renders_the_tools_as_chat_does():
     assert rendered[0] == rendered[1] and rendered[0]["kwargs"]["tools"] == [WEATHER]
 
 
-def test_assistant_tool_calls_reach_the_template_with_object_arguments():
-    ctx, rendered = _context([["ok"]])
+def test_assistant_tool_calls_get_object_arguments():
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-    odd = {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": "not json"}}
-    messages = [{"role": "user", "content": "Weather?"},
-                {"role": "assistant", "content": None, "tool_calls": [call, odd]},
-                {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "clear"}'}]
-    response = _post(ctx, {"messages": messages, "tools": [WEATHER]})
-    assert response.status_code == 200, response.text
-    sent = rendered[0]["messages"]
-    assert sent[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
-    assert sent[1]["tool_calls"][1]["function"]["arguments"] == "not json"  # left as sent
-    assert sent[2] == {"role": "tool", "content": '{"sky": "clear"}', "tool_call_id": "call_1"}
-    assert call["function"]["arguments"] == '{"city": "Paris"}'  # the request's own objects are not changed
+    odd = {"id": "call_2", "type": "function", "function": {"name": "f", "arguments": "not json"}}
+    deep = {"id": "call_3", "type": "function", "function": {"name": "f", "arguments": "[" * 5000}}
+    message = {"role": "assistant", "content": None, "tool_calls": [call, odd, deep, "not a dict"]}
+    converted = arguments_as_objects(message)
+    assert converted["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert converted["tool_calls"][1:] == [odd, deep, "not a dict"]  # left as sent
+    assert call["function"]["arguments"] == '{"city": "Paris"}'  # the caller's objects are not changed
+    assert arguments_as_objects({"role": "assistant", "content": "hi", "tool_calls": []}) == {
+        "role": "assistant", "content": "hi"}  # no calls: the template's plain assistant path
+    other = {"role": "user", "content": "x", "tool_calls": [call]}
+    assert arguments_as_objects(other) is other  # only assistant messages
+
+
+def test_tool_call_parsing_keeps_special_tokens():
+    """Some checkpoints mark <tool_call> as a special token: with tools the text keeps special tokens."""
+    seen: list[SamplingParams] = []
+    ctx, _ = _context([["ok"]])
+    generate = ctx.engine.generate
+
+    async def recording(request_id, ids, params, prompt, cache_salt=None):  # noqa: ANN001, ANN202
+        seen.append(params)
+        async for update in generate(request_id, ids, params, prompt, cache_salt):
+            yield update
+
+    ctx.engine.generate = recording
+    _post(ctx, {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER]})
+    _post(ctx, {"messages": [{"role": "user", "content": "hi"}]})
+    assert [p.skip_special_tokens for p in seen] == [False, True]
+
+
+def test_tool_definitions_as_vllm_reads_them():
+    """`type` left out means "function", `parameters` may be null, and an empty tools list with "auto" is a
+    plain request."""
+    ctx, _ = _context([["ok"]])
+    for tools, parsed in (([{"function": {"name": "f", "parameters": None}}], True), ([], False)):
+        response = _post(ctx, {"messages": [{"role": "user", "content": "hi"}], "tools": tools, "tool_choice": "auto"})
+        assert response.status_code == 200, response.text
+        assert ("tool_calls" in response.json()["choices"][0]["message"]) == parsed
+    bad = {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}
+    response = _post(ctx, bad, "/tokenize")
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tools"
 
 
 @pytest.mark.parametrize(("extra", "parser", "param", "words"), [
@@ -266,10 +315,12 @@ def test_assistant_tool_calls_reach_the_template_with_object_arguments():
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "hermes",
      "tool_choice", "structured output"),
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "hermes", "tool_choice", "sometimes"),
-    ({"tool_choice": "auto"}, "hermes", "tool_choice", "needs tools"),
+    ({"tool_choice": "required"}, "hermes", "tool_choice", "needs tools"),
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "hermes", "tools", "tools[0]"),
     ({"tools": [{"type": "code_interpreter"}]}, "hermes", "tools", "tools[0]"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "hermes", "tools", "parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function"}}, "hermes",
+     "tool_choice", "structured output"),
 ])
 def test_tool_requests_refused_with_a_400(extra, parser, param, words):
     ctx, rendered = _context([["ok"]], parser=parser)

@@ -68,6 +68,7 @@ from kvserve.entrypoints.openai.protocol import (
 from kvserve.entrypoints.openai.serving_chat import (
     chat_full,
     chat_stream,
+    check_tool_definitions,
     message_dict,
     prepare_chat,
     template_kwargs,
@@ -211,6 +212,7 @@ def build_app(ctx: ServingContext, state: ServerState, metrics: PrometheusStatLo
         if body.chat_template is not None:
             raise BadRequestError("a per-request chat_template is not accepted", "chat_template")
         if body.messages is not None:
+            check_tool_definitions(body.tools)
             if body.continue_final_message and body.add_generation_prompt:
                 raise BadRequestError("continue_final_message needs add_generation_prompt set to false",
                                       "continue_final_message")

@@ -108,6 +108,10 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> PreparedCha
 
     engine = ctx.engine
     assert engine.input_processor is not None
+    if parse_tools and params.skip_special_tokens:
+        # Some checkpoints mark <tool_call> as a special token; the parser must see it (as vLLM does).
+        params = params.clone()
+        params.skip_special_tokens = False
     kwargs = template_kwargs(req.chat_template_kwargs, req.continue_final_message, req.tools)
     try:
         processed = engine.input_processor.apply_chat_template(
@@ -128,23 +132,28 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> PreparedCha
                         req.cache_salt, bool(req.return_token_ids), parse_tools, req.parallel_tool_calls is not False)
 
 
+def check_tool_definitions(tools: list[dict[str, Any]] | None) -> None:
+    """400 for a tool that is not a named function (`type` may be left out: "function", as vLLM reads it)."""
+    for i, tool in enumerate(tools or []):
+        function = tool.get("function")
+        if tool.get("type", "function") != "function" or not isinstance(function, dict) \
+                or not function.get("name") or not isinstance(function["name"], str):
+            raise BadRequestError(f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., ...}}}}',
+                                  "tools")
+        if not isinstance(function.get("parameters") or {}, dict):
+            raise BadRequestError(f"tools[{i}].function.parameters must be a JSON Schema object", "tools")
+
+
 def check_tools(ctx: ServingContext, req: ChatCompletionRequest) -> bool:
     """Validate tools and tool_choice; whether the response is read for tool calls (tool_choice "auto", which
     tools make the default, as in vLLM). Raises 400s."""
+    check_tool_definitions(req.tools)
     tools = req.tools or []
-    for i, tool in enumerate(tools):
-        function = tool.get("function")
-        if tool.get("type") != "function" or not isinstance(function, dict) or not function.get("name") \
-                or not isinstance(function["name"], str):
-            raise BadRequestError(f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., ...}}}}',
-                                  "tools")
-        if not isinstance(function.get("parameters", {}), dict):
-            raise BadRequestError(f"tools[{i}].function.parameters must be a JSON Schema object", "tools")
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
-    if choice == "none":
+    if choice == "none" or (choice == "auto" and not tools):  # nothing to call
         return False
     if not tools:
-        raise BadRequestError("tool_choice needs tools", "tool_choice")
+        raise BadRequestError(f"tool_choice {json.dumps(choice)} needs tools", "tool_choice")
     if choice == "auto":
         if ctx.tool_call_parser is None:
             raise BadRequestError('tool_choice "auto" needs the server started with --enable-auto-tool-choice and '
@@ -174,24 +183,8 @@ def message_dict(message: ChatMessage) -> dict[str, Any]:
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
     if message.tool_calls is not None:
-        out["tool_calls"] = [_arguments_as_object(call) for call in message.tool_calls]
+        out["tool_calls"] = message.tool_calls
     return out
-
-
-def _arguments_as_object(call: dict[str, Any]) -> dict[str, Any]:
-    """An assistant message's tool call with its arguments, a JSON string in OpenAI's format, as the object
-    chat templates render (Qwen's `arguments | tojson`, as vLLM passes them). Arguments that are not a
-    JSON object are left as sent."""
-    function = call.get("function")
-    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
-        return call
-    try:
-        arguments = json.loads(function["arguments"])
-    except ValueError:
-        return call
-    if not isinstance(arguments, dict):
-        return call
-    return {**call, "function": {**function, "arguments": arguments}}
 
 
 async def chat_full(ctx: ServingContext, chat: PreparedChat) -> dict[str, Any]:

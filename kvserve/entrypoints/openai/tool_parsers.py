@@ -8,9 +8,10 @@ One algorithm serves the full response and the stream, so the two agree whatever
 certain, and `parse_tool_calls` is that stream fed the whole text at once. Its rules:
 
 * text outside the tags is the message's content;
-* a block whose body is a JSON object with a string ``name`` (and ``arguments`` an object, a JSON string or
-  absent) is a tool call; any other block (bad JSON, no name) stays in the content, tags and all, so nothing
-  the model wrote is lost;
+* a block whose body is a JSON object of a non-empty string ``name`` and its ``arguments`` (an object, or a
+  JSON string of one; ``parameters`` is read as ``arguments``) is a tool call; any other block (bad JSON,
+  NaN, no name, no arguments, other keys) stays in the content, tags and all, so nothing the model wrote is
+  lost;
 * a block left open at the end (the request ran out of tokens) counts as closed there;
 * whitespace right before a tool call, and at the end of a response that made tool calls, is dropped
   (the newlines templates put around the tags); a response with tool calls and no other text has no
@@ -24,8 +25,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.protocol.chat_messages import strict_json
+
 TOOL_CALL_PARSERS = ("hermes",)
 _START, _END = "<tool_call>", "</tool_call>"
+_WHITESPACE = " \t\n\r"  # what templates put around the tags (JSON's whitespace)
 
 
 def tool_call_id() -> str:
@@ -33,20 +37,24 @@ def tool_call_id() -> str:
 
 
 def _tool_call(body: str) -> dict[str, Any] | None:
-    """The OpenAI `function` object of one block's body, or None when it is not a call."""
+    """The OpenAI `function` object of one block's body, or None when it is not a call: a JSON object with a
+    non-empty string ``name`` and its arguments (an object, or a JSON string of one) under ``arguments`` or,
+    as Llama-style models write them, ``parameters``, and no other key."""
     try:
-        call = json.loads(body)
+        call = strict_json(body)
     except ValueError:
         return None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
         return None
-    arguments = call.get("arguments", {})
+    keys = set(call) - {"name"}
+    if len(keys) != 1 or not keys <= {"arguments", "parameters"}:
+        return None  # no arguments, or more than the call: kept as the model wrote it
+    arguments = call[keys.pop()]
     if isinstance(arguments, str):  # a model that writes the arguments as a JSON string: kept as written
         try:
-            json.loads(arguments)
+            return {"name": call["name"], "arguments": arguments} if isinstance(strict_json(arguments), dict) else None
         except ValueError:
             return None
-        return {"name": call["name"], "arguments": arguments}
     if not isinstance(arguments, dict):
         return None
     return {"name": call["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}
@@ -76,7 +84,6 @@ class ToolCallStream:
         self._inside = False  # within a <tool_call> block (the buffer holds its body)
         self._held_space = ""  # whitespace released only if content, not a tool call, follows it
         self.num_tool_calls = 0
-        self.content_sent = False
 
     def feed(self, text: str, final: bool = False) -> ToolCallDelta:
         out = ToolCallDelta()
@@ -109,7 +116,6 @@ class ToolCallStream:
             break
         if final and self._held_space and not self.num_tool_calls:
             out.content += self._held_space
-            self.content_sent = True
         if final:
             self._held_space = ""
         return out
@@ -119,11 +125,10 @@ class ToolCallStream:
         if not text:
             return
         text = self._held_space + text
-        stripped = text.rstrip()
+        stripped = text.rstrip(_WHITESPACE)
         self._held_space = text[len(stripped):]
         if stripped:
             out.content += stripped
-            self.content_sent = True
 
 
 @dataclass
