@@ -167,6 +167,7 @@ class AsyncLLM:
         if self.dead_error is not None:
             raise self.dead_error
         self.input_processor.check_token_ids(params)
+        params = self.input_processor.resolve_bad_words(params)
         # (the server truncates while preparing, to count the kept tokens; the Triton backend does not)
         prompt_token_ids = self.input_processor.truncate(prompt_token_ids, params)
         now = time.time()

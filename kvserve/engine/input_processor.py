@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -101,6 +101,22 @@ class InputProcessor:
             if not 0 <= token_id < vocab:
                 raise SamplingParamsError(f"allowed_token_ids has token id {token_id}, out of range [0, {vocab})",
                                           "allowed_token_ids")
+
+    def resolve_bad_words(self, params: SamplingParams) -> SamplingParams:
+        """`params` with its bad words as token sequences (`bad_words_token_ids`), or as given when it has none.
+        Each word is tokenized as written (leading spaces dropped) and, to ban it inside a text too, after a
+        space, where that gives a different first token and as many tokens (vLLM's rule)."""
+        if not params.bad_words:
+            return params
+        sequences: list[list[int]] = []
+        for word in params.bad_words:
+            plain = list(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = list(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            candidates = [plain]
+            if plain and spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                candidates.append(spaced)
+            sequences += [ids for ids in candidates if ids and ids not in sequences]
+        return replace(params, bad_words_token_ids=sequences)
 
     def make_engine_request(
         self,

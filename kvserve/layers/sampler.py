@@ -12,7 +12,8 @@ Order of operations, per row (vLLM/OpenAI meanings; see `SamplingParams`):
    row's newest token may not have reached the host yet (``SamplingRow.pending_row``): it is counted from
    the previous step's sampled ids on the device, here and in min_tokens' count.
 3. **logit_bias** added. Token ids outside the vocabulary are ignored here: the input processor rejects
-   them; a bad id must not crash a whole batch.
+   them; a bad id must not crash a whole batch. Then **bad_words**: a word's last token is set to -inf where
+   the output so far ends with the word's other tokens (a pending newest token is compared on the device).
 4. **min_tokens**: while ``len(output) < min_tokens`` the request's ``stop_token_ids`` and, unless
    ``ignore_eos``, the EOS ids are set to -inf (as in vLLM: with ``ignore_eos`` EOS is an ordinary token
    that cannot end the request, so there is nothing to hold back).
@@ -402,6 +403,7 @@ class Sampler:
         work = logits.to(dtype=torch.float32, copy=True)
         work = self._apply_penalties(work, rows, pending_ids)
         work = self._apply_logit_bias(work, rows)
+        work = self._apply_bad_words(work, rows, pending_ids)
         work = self._apply_allowed_tokens(work, rows)
         work = self._apply_min_tokens(work, rows, eos_token_ids)
         sampled = self._sample(work, rows)
@@ -476,6 +478,59 @@ class Sampler:
             to_device(values, torch.float32, device),
             accumulate=True,
         )
+        return work
+
+    @staticmethod
+    def _apply_bad_words(
+        work: torch.Tensor, rows: Sequence[SamplingRow], pending_ids: torch.Tensor | None
+    ) -> torch.Tensor:
+        """-inf for a bad word's last token where the output so far ends with the word's other tokens. A row
+        whose newest token is still on the device (`pending_row`) has the bans that need that token as the
+        word's next-to-last compared there."""
+        vocab_size = work.shape[1]
+        banned: tuple[list[int], list[int]] = ([], [])  # (row, token)
+        maybe: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])  # + (pending row, token)
+        for i, row in enumerate(rows):
+            words = row.params.bad_words_token_ids
+            if not words:
+                continue
+            history = row.output_token_ids
+            known = len(history)
+            pending = row.pending_row
+            for ids in words:
+                last = ids[-1]
+                if last >= vocab_size:
+                    continue
+                if pending is None:
+                    before = len(ids) - 1  # tokens that must end the output
+                    if before <= known and list(history[known - before:]) == ids[:-1]:
+                        banned[0].append(i)
+                        banned[1].append(last)
+                elif len(ids) == 1:
+                    banned[0].append(i)
+                    banned[1].append(last)
+                else:
+                    before = len(ids) - 2  # known tokens before the pending one
+                    if before <= known and list(history[known - before:]) == ids[:-2]:
+                        for part, value in zip(maybe, (i, last, pending, ids[-2]), strict=True):
+                            part.append(value)
+        device = work.device
+        if banned[0]:
+            work.index_put_(
+                (to_device(banned[0], torch.int64, device), to_device(banned[1], torch.int64, device)),
+                torch.full((len(banned[0]),), float("-inf"), device=device),
+            )
+        if maybe[0]:
+            if pending_ids is None:
+                raise ValueError("rows have a pending_row but no pending_ids were given")
+            rows_t = to_device(maybe[2], torch.int64, pending_ids.device)
+            hit = pending_ids.index_select(0, rows_t).to(device) == to_device(maybe[3], torch.int64, device)
+            # Added, not written: two conditions on one (row, token) must not overwrite each other.
+            work.index_put_(
+                (to_device(maybe[0], torch.int64, device), to_device(maybe[1], torch.int64, device)),
+                torch.where(hit, float("-inf"), 0.0),
+                accumulate=True,
+            )
         return work
 
     @staticmethod

@@ -34,6 +34,9 @@ class SamplingParams:
       (from the model's raw distribution, before temperature and penalties).
     * ``allowed_token_ids`` restricts every sampled token to those ids (applied after penalties and
       logit_bias; logprobs stay the raw distribution's).
+    * ``bad_words`` are never generated: each word's tokens (as written, and after a space) are banned as a
+      sequence, i.e. a word's last token is banned where the output so far ends with the word's other tokens
+      (as in vLLM; the prompt does not count).
     * ``truncate_prompt_tokens=k`` keeps the prompt's last k tokens (-1: the last max_model_len - 1).
     * ``detokenize=False`` leaves the text out (token ids only; logprobs without their decoded tokens).
     * ``prompt_logprobs=k`` returns each prompt token's logprob (the first has none) and the top-k at its
@@ -52,6 +55,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # bad_words as token sequences, filled from the tokenizer by the input processor (`resolve_bad_words`)
+    bad_words_token_ids: list[list[int]] | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
     ignore_eos: bool = False
@@ -112,6 +118,14 @@ class SamplingParams:
                 bad(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value}", name)
         if any(not isinstance(s, str) or s == "" for s in self.stop):  # type: ignore[union-attr]
             bad("stop strings must be non-empty strings", "stop")
+        if self.bad_words is not None and (
+            not isinstance(self.bad_words, list) or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)
+        ):
+            bad("bad_words must be a list of words (non-empty strings)", "bad_words")
+        if self.bad_words_token_ids is not None and any(
+            not ids or any(not isinstance(t, int) or t < 0 for t in ids) for ids in self.bad_words_token_ids
+        ):
+            bad("bad_words_token_ids must be non-empty lists of token ids", "bad_words")
         if self.allowed_token_ids is not None and (
             not self.allowed_token_ids or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)
         ):
@@ -139,14 +153,15 @@ class SamplingParams:
 
     @property
     def needs_output_history(self) -> bool:
-        """Whether sampling a token reads the tokens generated before it (penalties, min_tokens). Under async
-        scheduling the newest of them may still be on the device: the model runner points the sampler at
-        it (`SamplingRow.pending_row`)."""
+        """Whether sampling a token reads the tokens generated before it (penalties, min_tokens, bad words).
+        Under async scheduling the newest of them may still be on the device: the model runner points the
+        sampler at it (`SamplingRow.pending_row`)."""
         return (
             self.repetition_penalty != 1.0
             or self.frequency_penalty != 0.0
             or self.presence_penalty != 0.0
             or self.min_tokens > 0
+            or bool(self.bad_words_token_ids)
         )
 
     @property

@@ -1,5 +1,5 @@
 """Request fields as vLLM's server takes them: vLLM fields kvserve does not implement are refused by name
-(not served without them), nulls and neutral values pass, any chat role and the Responses API's text parts
+(not served without them), nulls and neutral values pass, bad_words are served, any chat role and the Responses API's text parts
 are accepted, /tokenize renders what chat renders, and completions' top_logprobs hold the sampled token."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ CHAT = {"model": TINY_NAME, "messages": [{"role": "user", "content": "Hello ther
 COMPLETION = {"model": TINY_NAME, "prompt": "Hello there", "max_tokens": 3}
 ACTIVE = {"structured_outputs": {"choice": ["yes", "no"]}, "guided_json": {"type": "object"}, "guided_regex": "a+",
           "guided_choice": ["a"], "guided_grammar": "root ::= 'a'",
-          "bad_words": ["Paris"], "use_beam_search": True,
+          "use_beam_search": True,
           "return_tokens_as_token_ids": True, "logits_processors": ["x"], "prompt_embeds": "AAAA", "priority": 1,
           "functions": [{"name": "f", "parameters": {}}], "function_call": "auto"}
 
@@ -54,6 +54,26 @@ def test_neutral_values_and_nulls_pass(tiny_server: ServerProcess) -> None:
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "response_format"
     echo = _post(tiny_server, "/v1/chat/completions", {**CHAT, "echo": True})
     assert echo.status_code == 400 and echo.json()["error"]["param"] == "echo"
+
+
+def test_bad_words_are_served(tiny_server: ServerProcess, tiny_tokenizer) -> None:
+    """A word the model writes (a generated token that is the word's own token), banned with bad_words, is
+    not written; bad_words that are not words are a 400 naming the field."""
+    body = {**COMPLETION, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    plain = _post(tiny_server, "/v1/completions", body).json()["choices"][0]["token_ids"]
+
+    def own_token(token: int) -> str | None:
+        word = tiny_tokenizer.decode([token]).strip()
+        forms = [tiny_tokenizer.encode(text, add_special_tokens=False) for text in (word, " " + word)]
+        return word if word.isalpha() and [token] in forms and len(forms[0]) == len(forms[1]) else None
+
+    token, word = next((t, w) for t in plain if (w := own_token(t)) is not None)
+    banned = _post(tiny_server, "/v1/completions", {**body, "bad_words": [word]})
+    assert banned.status_code == 200, banned.text
+    assert token not in banned.json()["choices"][0]["token_ids"]
+    for bad in ([""], "word", [3]):
+        refused = _post(tiny_server, "/v1/chat/completions", {**CHAT, "bad_words": bad})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "bad_words", refused.text
 
 
 def test_any_role_and_responses_text_parts(tiny_server: ServerProcess) -> None:

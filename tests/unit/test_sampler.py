@@ -489,6 +489,43 @@ def test_min_tokens_with_ignore_eos_leaves_eos_alone(device):
     assert sample(logits, [row(params)], device, eos=[eos]).sampled_token_ids.tolist() == [stop_id]
 
 
+# ------------------------------------------------------------------------------------------------ bad words
+
+
+def _ranked_logits(num_rows: int) -> torch.Tensor:
+    """Greedy preference 7 > 6 > 5 > ... in every row."""
+    return torch.arange(VOCAB, dtype=torch.float32).where(torch.arange(VOCAB) < 8, torch.tensor(-10.0)).repeat(
+        num_rows, 1)
+
+
+def test_bad_words_ban_a_words_last_token_after_its_other_tokens(device):
+    params = SamplingParams(temperature=0.0, bad_words_token_ids=[[7], [3, 6], [1, 2, 5]])
+    rows = [
+        row(params),  # 7 always banned; 6 not (the output does not end with 3)
+        row(params, output=[4, 3]),  # ends with 3: 6 banned too
+        row(params, output=[1, 2]),  # ends with 1, 2: 5 banned only if 6 is, which it is not here
+        row(params, output=[3, 1, 2]),  # ... and ends with 1, 2 but not 3
+    ]
+    assert sample(_ranked_logits(4), rows, device).sampled_token_ids.tolist() == [6, 5, 6, 6]
+    both = SamplingParams(temperature=0.0, bad_words_token_ids=[[7], [2, 6], [1, 2, 5]])
+    assert sample(_ranked_logits(1), [row(both, output=[1, 2])], device).sampled_token_ids.tolist() == [4]
+
+
+def test_bad_words_compare_a_pending_token_on_the_device(device):
+    """Under async scheduling a row's newest token is on the device: a word whose next-to-last token it must
+    be is banned only where it is (two conditions on one token are both honoured)."""
+    params = SamplingParams(temperature=0.0, bad_words_token_ids=[[3, 7], [4, 7], [9, 2, 7]])
+    pending_ids = torch.tensor([3, 5, 2], device=device)
+    rows = [
+        SamplingRow(params, [], [], None, pending_row=0),  # pending 3: 7 banned (and [4, 7] does not undo it)
+        SamplingRow(params, [], [], None, pending_row=1),  # pending 5: nothing banned
+        SamplingRow(params, [], [9], None, pending_row=2),  # 9 then pending 2: 7 banned
+        SamplingRow(params, [], [8], None, pending_row=2),  # 8 then pending 2: 7 not
+    ]
+    out = Sampler()(_ranked_logits(4).to(device), rows, [], pending_ids=pending_ids)
+    assert out.sampled_token_ids.cpu().tolist() == [6, 7, 6, 7]
+
+
 # ------------------------------------------------------------------------------------------------ logprobs
 
 
@@ -538,7 +575,8 @@ def test_no_host_sync_on_cuda():
             generator=make_generator(3, device),
         ),
         row(SamplingParams(temperature=1.0, top_k=4, logit_bias={0: 1.0}, min_tokens=2, stop_token_ids=[7])),
-        row(SamplingParams(temperature=1.3, presence_penalty=0.5), output=[5, 5, 6]),
+        row(SamplingParams(temperature=1.3, presence_penalty=0.5, bad_words_token_ids=[[3], [6, 4]]),
+            output=[5, 5, 6]),
     ]
     sampler = Sampler()
     sampler(logits, rows, [2])  # first call creates the shared generator and warms caches

@@ -137,6 +137,7 @@ def sampling_params_from(
             repetition_penalty=pick("repetition_penalty", 1.0),
             logit_bias=logit_bias,
             allowed_token_ids=req.allowed_token_ids,
+            bad_words=req.bad_words or None,
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,
             ignore_eos=req.ignore_eos,

@@ -1,0 +1,79 @@
+"""bad_words (vLLM's field): the words' token sequences never appear in the output, step by step and
+pipelined (where a word's next-to-last token may still be on the device when the next one is sampled)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve.engine.llm import LLM
+from kvserve.protocol.sampling_params import SamplingParams, SamplingParamsError
+
+PROMPTS = ["The capital of France is", "Once upon a time there was", "1, 2, 3, 4,"]
+
+
+def _contains(tokens: list[int], word: list[int]) -> bool:
+    return any(tokens[i:i + len(word)] == word for i in range(len(tokens) - len(word) + 1))
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir) -> dict[bool, LLM]:
+    path = tiny_model_dir("llama")
+    return {pipelined: LLM(path, max_model_len=128, async_scheduling=pipelined) for pipelined in (False, True)}
+
+
+def test_bad_word_sequences_never_generated_pipelined_or_not(engines, monkeypatch):
+    from kvserve.layers.sampler import Sampler
+
+    pending_seen = []
+    apply = Sampler._apply_bad_words
+    monkeypatch.setattr(Sampler, "_apply_bad_words", staticmethod(
+        lambda work, rows, pending_ids: (pending_seen.extend(r.pending_row is not None for r in rows),
+                                         apply(work, rows, pending_ids))[1]))
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in engines[False].generate(PROMPTS, greedy, use_tqdm=False)]
+    # Per prompt: ban its 3rd-4th tokens as a two-token word, its 6th-8th as a three-token word, and its 2nd
+    # token alone.
+    for i, tokens in enumerate(plain):
+        words = [tokens[2:4], tokens[5:8], tokens[1:2]]
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, bad_words_token_ids=words)
+        runs = [engines[p].generate([PROMPTS[i]], params, use_tqdm=False)[0].outputs[0].token_ids for p in (False, True)]
+        assert runs[0] == runs[1], "pipelined bans differ from step-by-step ones"
+        out = runs[0]
+        assert out[:1] == tokens[:1] and out != tokens  # the same until the first ban
+        assert not any(_contains(out, w) for w in words), (out, words)
+    assert any(pending_seen), "no pipelined step had its newest token on the device"
+
+
+def test_bad_words_are_tokenized_as_written_and_after_a_space(engines):
+    llm = engines[False]
+    tokenizer = llm.get_tokenizer()
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    # After a space "unbelievable" is fewer tokens than alone: only the plain form is banned (vLLM's rule).
+    assert len(encode(" unbelievable")) != len(encode("unbelievable"))
+    assert encode(" hello") != encode("hello")
+    resolved = llm.engine.input_processor.resolve_bad_words(SamplingParams(bad_words=["unbelievable", " hello"]))
+    assert resolved.bad_words_token_ids == [encode("unbelievable"), encode("hello"), encode(" hello")]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, bad_words=["hello"])
+    assert params.bad_words_token_ids is None  # the caller's object is not changed
+    # A word the model writes (a generated token whose text, re-tokenized, is that token): banned, it is gone.
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+    resolve = llm.engine.input_processor.resolve_bad_words
+    prompt, word, sequences = next(
+        (i, w, seqs) for i, tokens in enumerate(plain) for t in tokens
+        if (w := tokenizer.decode([t]).strip()).isalpha()
+        and [t] in (seqs := resolve(SamplingParams(bad_words=[w])).bad_words_token_ids))
+    banned = llm.generate([PROMPTS[prompt]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                                            bad_words=[word]), use_tqdm=False)[0].outputs[0]
+    assert list(banned.token_ids) != list(plain[prompt])
+    for ids in sequences:
+        assert not _contains(list(banned.token_ids), ids)
+
+
+@pytest.mark.parametrize("bad_words", [[""], ["  "], [3], "word"])
+def test_bad_words_must_be_words(bad_words):
+    with pytest.raises(SamplingParamsError, match="bad_words"):
+        SamplingParams(bad_words=bad_words)
