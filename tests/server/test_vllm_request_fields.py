@@ -16,7 +16,7 @@ COMPLETION = {"model": TINY_NAME, "prompt": "Hello there", "max_tokens": 3}
 ACTIVE = {"structured_outputs": {"choice": ["yes", "no"]}, "guided_json": {"type": "object"}, "guided_regex": "a+",
           "guided_choice": ["a"], "guided_grammar": "root ::= 'a'",
           "use_beam_search": True,
-          "return_tokens_as_token_ids": True, "logits_processors": ["x"], "prompt_embeds": "AAAA", "priority": 1,
+          "logits_processors": ["x"], "prompt_embeds": "AAAA", "priority": 1,
           "functions": [{"name": "f", "parameters": {}}], "function_call": "auto"}
 
 
@@ -74,6 +74,33 @@ def test_bad_words_are_served(tiny_server: ServerProcess, tiny_tokenizer) -> Non
     for bad in ([""], "word", [3]):
         refused = _post(tiny_server, "/v1/chat/completions", {**CHAT, "bad_words": bad})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "bad_words", refused.text
+
+
+def test_return_tokens_as_token_ids(tiny_server: ServerProcess) -> None:
+    """Logprobs' tokens (and completions' top_logprobs keys) as "token_id:<id>", the ids of the tokens
+    generated; completions' text_offset counts those strings (as vLLM's); streamed as not."""
+    flags = {"temperature": 0, "ignore_eos": True, "return_token_ids": True, "return_tokens_as_token_ids": True}
+    chat = _post(tiny_server, "/v1/chat/completions", {**CHAT, **flags, "logprobs": True, "top_logprobs": 2})
+    choice = chat.json()["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert [c["token"] for c in content] == [f"token_id:{t}" for t in choice["token_ids"]]
+    assert all(c["bytes"] == list(c["token"].encode()) for c in content)
+    assert all(t["token"].startswith("token_id:") for c in content for t in c["top_logprobs"])
+    body = {**COMPLETION, **flags, "logprobs": 2}
+    full = _post(tiny_server, "/v1/completions", body).json()["choices"][0]
+    logprobs = full["logprobs"]
+    assert logprobs["tokens"] == [f"token_id:{t}" for t in full["token_ids"]]
+    assert all(key.startswith("token_id:") for top in logprobs["top_logprobs"] for key in top)
+    assert logprobs["text_offset"] == [sum(len(t) for t in logprobs["tokens"][:i]) for i in range(len(logprobs["tokens"]))]
+    streamed: dict[str, list] = {"tokens": [], "text_offset": []}
+    with httpx.stream("POST", tiny_server.base_url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        for event in read_sse(r):
+            if isinstance(event, dict) and event["choices"] and event["choices"][0]["logprobs"]:
+                for key in streamed:
+                    streamed[key] += event["choices"][0]["logprobs"][key]
+    assert streamed == {key: logprobs[key] for key in streamed}
+    plain = _post(tiny_server, "/v1/completions", {**body, "return_tokens_as_token_ids": False}).json()["choices"][0]
+    assert not any(t.startswith("token_id:") for t in plain["logprobs"]["tokens"])
 
 
 def test_any_role_and_responses_text_parts(tiny_server: ServerProcess) -> None:

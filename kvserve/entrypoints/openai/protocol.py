@@ -41,7 +41,7 @@ MAX_REQUEST_ID_LEN = 256
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "structured_outputs": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
     "prompt_embeds": (),
-    "use_beam_search": (0,), "return_tokens_as_token_ids": (0,),
+    "use_beam_search": (0,),
     "logits_processors": (), "priority": (0,), "functions": (), "function_call": ("none",),
 }
 
@@ -91,6 +91,7 @@ class SamplingFields(OpenAIBaseModel):
     bad_words: list[str] | None = None  # never generate these words
     # the prompt's and the output's token ids in the response, beside the text
     return_token_ids: bool | None = None  # (not strict: vLLM clients send 0 for off)
+    return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:<id>"
     request_id: str | None = Field(default=None, max_length=MAX_REQUEST_ID_LEN)
 
     @field_validator("n", mode="before")

@@ -61,8 +61,10 @@ class PreparedChat:
 
     def __init__(self, request_id: str, model: str, prompt: str, prompt_token_ids: list[int],
                  params: SamplingParams, num_top_logprobs: int | None, cache_salt: str | None = None,
-                 return_token_ids: bool = False, parse_tools: bool = False, parallel_tool_calls: bool = True) -> None:
+                 return_token_ids: bool = False, parse_tools: bool = False, parallel_tool_calls: bool = True,
+                 tokens_as_ids: bool = False) -> None:
         self.request_id = request_id
+        self.tokens_as_ids = tokens_as_ids  # vLLM's return_tokens_as_token_ids: logprobs' tokens as "token_id:<id>"
         self.parse_tools = parse_tools  # tool_choice "auto": the text is read for tool calls
         self.max_tool_calls = None if parallel_tool_calls else 1  # OpenAI's parallel_tool_calls: false
         self.return_token_ids = return_token_ids  # vLLM's field: token ids beside the text
@@ -129,7 +131,8 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> PreparedCha
     request_id = new_request_id(engine, "chatcmpl", req.request_id)
     log_request(ctx, request_id, len(processed.prompt_token_ids), params, processed.prompt)
     return PreparedChat(request_id, model, processed.prompt, processed.prompt_token_ids, params, num_top,
-                        req.cache_salt, bool(req.return_token_ids), parse_tools, req.parallel_tool_calls is not False)
+                        req.cache_salt, bool(req.return_token_ids), parse_tools, req.parallel_tool_calls is not False,
+                        bool(req.return_tokens_as_token_ids))
 
 
 def check_tool_definitions(tools: list[dict[str, Any]] | None) -> None:
@@ -203,7 +206,8 @@ async def chat_full(ctx: ServingContext, chat: PreparedChat) -> dict[str, Any]:
     for completion in final.outputs:
         logprobs = None
         if chat.num_top_logprobs is not None and completion.logprobs is not None:
-            logprobs = chat_logprobs(tokenizer, completion.token_ids, completion.logprobs, chat.num_top_logprobs)
+            logprobs = chat_logprobs(tokenizer, completion.token_ids, completion.logprobs, chat.num_top_logprobs,
+                                     chat.tokens_as_ids)
         message: dict[str, Any] = {"role": "assistant", "content": completion.text}
         finish_reason = completion.finish_reason
         if chat.parse_tools:
@@ -301,7 +305,7 @@ def _choice_deltas(ctx: ServingContext, chat: PreparedChat, update: RequestOutpu
         logprobs = None
         if want_logprobs:
             logprobs = chat_logprobs(ctx.engine.tokenizer, completion.token_ids_delta, delta_logprobs(completion),
-                                     chat.num_top_logprobs or 0)
+                                     chat.num_top_logprobs or 0, chat.tokens_as_ids)
         delta: dict[str, Any] = {"content": completion.text_delta} if completion.text_delta or completion.token_ids_delta \
             else {}
         finish_reason = completion.finish_reason

@@ -265,23 +265,28 @@ def sampled_and_top(
     return sampled, top[:num_top]
 
 
-def _token_text(tokenizer: Any, token_id: int, lp: Logprob) -> str:
-    return lp.decoded_token if lp.decoded_token is not None else tokenizer.decode([token_id])
+def _token_text(tokenizer: Any, token_id: int, lp: Logprob | None, as_ids: bool = False) -> str:
+    """A token as logprobs show it: its text, or with vLLM's return_tokens_as_token_ids "token_id:<id>"
+    (what a client can map back to the token when its text is not valid UTF-8 on its own)."""
+    if as_ids:
+        return f"token_id:{token_id}"
+    return lp.decoded_token if lp is not None and lp.decoded_token is not None else tokenizer.decode([token_id])
 
 
-def chat_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, Logprob]], num_top: int
-                  ) -> dict[str, Any]:
-    """OpenAI chat `logprobs` object: {"content": [{token, logprob, bytes, top_logprobs}, ...]}."""
+def chat_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, Logprob]], num_top: int,
+                  as_ids: bool = False) -> dict[str, Any]:
+    """OpenAI chat `logprobs` object: {"content": [{token, logprob, bytes, top_logprobs}, ...]}; `as_ids`:
+    tokens as "token_id:<id>"."""
     content = []
     for token_id, entry in zip(token_ids, entries, strict=True):
         sampled, top = sampled_and_top(token_id, entry, num_top)
-        text = _token_text(tokenizer, token_id, sampled)
+        text = _token_text(tokenizer, token_id, sampled, as_ids)
         content.append({
             "token": text,
             "logprob": _finite(sampled.logprob),
             "bytes": list(text.encode("utf-8")),
             "top_logprobs": [
-                {"token": (t := _token_text(tokenizer, tid, lp)), "logprob": _finite(lp.logprob),
+                {"token": (t := _token_text(tokenizer, tid, lp, as_ids)), "logprob": _finite(lp.logprob),
                  "bytes": list(t.encode("utf-8"))}
                 for tid, lp in top
             ],
@@ -291,10 +296,11 @@ def chat_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, 
 
 def completion_logprobs(
     tokenizer: Any, token_ids: list[int], entries: Sequence[dict[int, Logprob] | None], num_top: int,
-    text_offset: int
+    text_offset: int, as_ids: bool = False
 ) -> dict[str, Any]:
     """OpenAI completions `logprobs` object (tokens, token_logprobs, top_logprobs, text_offset). An entry of
-    None (an echoed prompt's first token, which has no logprob) gives null logprobs."""
+    None (an echoed prompt's first token, which has no logprob) gives null logprobs. `as_ids`: tokens (and
+    top_logprobs' keys) as "token_id:<id>"; text_offset then counts those strings, as vLLM's does."""
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     tops: list[dict[str, float] | None] = []
@@ -304,17 +310,17 @@ def completion_logprobs(
         value: float | None = None
         entry_top: dict[str, float] | None = None
         if entry is None:
-            text = tokenizer.decode([token_id])
+            text = _token_text(tokenizer, token_id, None, as_ids)
         else:
             sampled, top = sampled_and_top(token_id, entry, num_top)
-            text = _token_text(tokenizer, token_id, sampled)
+            text = _token_text(tokenizer, token_id, sampled, as_ids)
             value = _finite(sampled.logprob)
             # The sampled token and the top `num_top`, as OpenAI's legacy API and vLLM give them (up to
             # num_top + 1). Keyed by text: where tokens decode alike (byte pieces all decode to U+FFFD) the
             # sampled token's value stays, then the most likely one's.
             entry_top = {text: value}
             for tid, lp in top:
-                entry_top.setdefault(_token_text(tokenizer, tid, lp), _finite(lp.logprob))
+                entry_top.setdefault(_token_text(tokenizer, tid, lp, as_ids), _finite(lp.logprob))
         tokens.append(text)
         token_logprobs.append(value)
         tops.append(entry_top)

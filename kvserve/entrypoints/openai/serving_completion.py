@@ -47,8 +47,9 @@ class PreparedPrompt:
 class PreparedCompletion:
     def __init__(self, request_id: str, model: str, prompts: list[PreparedPrompt], params: SamplingParams,
                  echo: bool, cache_salt: str | None = None, echo_only: bool = False,
-                 return_token_ids: bool = False) -> None:
+                 return_token_ids: bool = False, tokens_as_ids: bool = False) -> None:
         self.request_id = request_id
+        self.tokens_as_ids = tokens_as_ids  # vLLM's return_tokens_as_token_ids: logprobs' tokens as "token_id:<id>"
         self.return_token_ids = return_token_ids  # vLLM's field: token ids beside the text
         self.cache_salt = cache_salt  # the prefix cache's namespace (vLLM's extra field)
         self.model = model
@@ -119,7 +120,7 @@ def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> PreparedC
     for p in prompts:
         log_request(ctx, p.request_id, len(p.prompt_token_ids), params, p.text)
     return PreparedCompletion(request_id, model, prompts, params, bool(req.echo), req.cache_salt, echo_only,
-                              bool(req.return_token_ids))
+                              bool(req.return_token_ids), bool(req.return_tokens_as_token_ids))
 
 
 def _echo_text(ctx: ServingContext, prompt: PreparedPrompt) -> str:
@@ -143,7 +144,7 @@ def _echoed_logprobs(ctx: ServingContext, cmpl: PreparedCompletion, prompt: Prep
     if cmpl.params.logprobs is None or output.prompt_logprobs is None:
         return None
     return completion_logprobs(ctx.engine.tokenizer, prompt.prompt_token_ids, output.prompt_logprobs,
-                               cmpl.params.logprobs, 0)
+                               cmpl.params.logprobs, 0, cmpl.tokens_as_ids)
 
 
 async def _run_one(ctx: ServingContext, prompt: PreparedPrompt, params: SamplingParams,
@@ -187,7 +188,8 @@ async def completion_full(ctx: ServingContext, cmpl: PreparedCompletion) -> dict
                 # One chain of offsets over the echoed prompt's tokens and the generated ones (the tokens'
                 # texts need not add up to the prompt as given: a BOS token, byte pieces).
                 start = _chain_end(echoed, len(prefix))
-                logprobs = completion_logprobs(ctx.engine.tokenizer, token_ids, entries, num_top, start)
+                logprobs = completion_logprobs(ctx.engine.tokenizer, token_ids, entries, num_top, start,
+                                               cmpl.tokens_as_ids)
                 if echoed is not None:
                     logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
             choice = {
@@ -264,7 +266,7 @@ async def completion_stream(ctx: ServingContext, cmpl: PreparedCompletion, inclu
                         echoed = echoed_of[p_index]
                     entries = delta_logprobs(completion) if delta_ids else []
                     logprobs = completion_logprobs(ctx.engine.tokenizer, delta_ids, entries, num_top or 0,
-                                                   _chain_end(echoed, offset + len(echo)))
+                                                   _chain_end(echoed, offset + len(echo)), cmpl.tokens_as_ids)
                     if echoed is not None:
                         logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
                     if logprobs["tokens"]:
