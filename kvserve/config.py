@@ -99,6 +99,9 @@ class CacheConfig:
             )
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Token-budget continuous batching limits."""
@@ -107,8 +110,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int = 8192
     enable_chunked_prefill: bool = True
+    # "fcfs": first come, first served; "priority": lower `priority` values first (vLLM's policies)
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ConfigError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -215,6 +222,7 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
     device: str | None = None
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
@@ -297,6 +305,7 @@ class EngineArgs:
             max_num_batched_tokens=max_batched,
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
+            scheduling_policy=self.scheduling_policy,
         )
         _check_tensor_parallel(arch, int(self.tensor_parallel_size), device)
         return EngineConfig(

@@ -61,6 +61,7 @@ class Request:
         max_tokens: int = 16,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("a request needs at least one prompt token")
@@ -71,6 +72,7 @@ class Request:
         self.max_tokens = max_tokens
         self.cache_salt = cache_salt
         self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.priority = priority  # lower first (the priority scheduling policy)
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)

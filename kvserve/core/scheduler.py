@@ -6,6 +6,12 @@ is prefilled over several steps (chunked prefill); a decode is simply a request 
 When a running request cannot get a block, the newest running request is preempted: its blocks are freed
 and it goes back to the front of the waiting queue, to be recomputed later.
 
+Under the priority policy (`SchedulerConfig.scheduling_policy`, vLLM's) both queues are kept in the order of
+(priority, arrival): the waiting request admitted next is the one with the lowest `priority` value (the
+earliest among equals), running requests are scheduled in that order, and the one preempted when blocks run
+out is the last of it (the lowest priority, the latest among equals). A preempted request waits in its place
+in that order.
+
 Async scheduling (the engine core schedules step n+1 before it reads step n's sampled tokens): a request
 that samples in a step gets a pending token (`Request.num_pending_tokens`) until `update_from_output`
 delivers it. A running request with a pending token is scheduled for one more token whose id is
@@ -16,9 +22,10 @@ step n has then computed one token in step n+1 for nothing; that output is dropp
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, MutableSequence
 
 from kvserve.config import SchedulerConfig
 from kvserve.core.kv_cache_manager import KVCacheManager, cdiv
@@ -61,6 +68,9 @@ class Scheduler:
         self._finished_since_last_step: list[str] = []
         self._known_to_runner: set[str] = set()
         self.num_preemptions = 0
+        self._by_priority = config.scheduling_policy == "priority"
+        self._arrivals = itertools.count()  # ties of priority and arrival time (an n>1 request's samples)
+        self._order: dict[str, tuple[int, float, int]] = {}  # req_id -> (priority, arrival time, arrival)
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -69,6 +79,11 @@ class Scheduler:
         max_len = self.config.max_model_len
         if request.req_id in self.requests:
             raise RequestRejected(f"request id {request.req_id!r} is already in use", "request_id")
+        if request.priority != 0 and not self._by_priority:
+            raise RequestRejected(
+                f"priority {request.priority} needs the priority scheduling policy (--scheduling-policy priority); "
+                f"under first come, first served every request's priority is 0", "priority"
+            )
         if request.num_prompt_tokens >= max_len:
             raise RequestRejected(
                 f"the prompt has {request.num_prompt_tokens} tokens but max_model_len is {max_len}: "
@@ -93,7 +108,11 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.kv.set_group(request, group_key)
         self.requests[request.req_id] = request
-        self.waiting.append(request)
+        self._order[request.req_id] = (request.priority, request.arrival_time, next(self._arrivals))
+        if self._by_priority:
+            self._insert_in_order(self.waiting, request)
+        else:
+            self.waiting.append(request)
 
     def abort_requests(self, req_ids: Iterable[str]) -> list[Request]:
         """Abort requests in any state; unknown or already finished ids are ignored."""
@@ -115,6 +134,7 @@ class Scheduler:
         self.kv.free(request)
         self.kv.forget(request)
         del self.requests[request.req_id]
+        del self._order[request.req_id]
         if request.req_id in self._known_to_runner:
             self._known_to_runner.discard(request.req_id)
             self._finished_since_last_step.append(request.req_id)
@@ -201,7 +221,10 @@ class Scheduler:
                 request.first_scheduled_time = time.time()
             request.num_computed_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            if self._by_priority:
+                self._insert_in_order(self.running, request)
+            else:
+                self.running.append(request)
             if request.req_id not in self._known_to_runner:
                 self._known_to_runner.add(request.req_id)
                 out.new_requests.append(
@@ -238,7 +261,20 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        if self._by_priority:
+            self._insert_in_order(self.waiting, request)
+        else:
+            self.waiting.appendleft(request)
+
+    def _insert_in_order(self, queue: MutableSequence[Request], request: Request) -> None:
+        """Insert `request` in (priority, arrival) order, after its equals (a scan from the back: new
+        arrivals usually belong there)."""
+        order = self._order
+        key = order[request.req_id]
+        i = len(queue)
+        while i > 0 and order[queue[i - 1].req_id] > key:
+            i -= 1
+        queue.insert(i, request)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -334,3 +370,10 @@ class Scheduler:
             ), f"{request} waiting with {request.num_pending_tokens} pending tokens"
             assert self.kv.num_blocks_of(request.req_id) == 0, f"{request} waiting but holds blocks"
         assert set(self.kv.req_to_blocks) <= running_ids, "blocks held by a request that is not running"
+        assert set(self._order) == set(self.requests), "the arrival order has requests that are not live"
+        if self._by_priority:
+            for name, queue in (("waiting", self.waiting), ("running", self.running)):
+                keys = [self._order[r.req_id] for r in queue]
+                assert keys == sorted(keys), f"the {name} queue is out of (priority, arrival) order"
+        else:
+            assert all(r.priority == 0 for r in self.requests.values()), "a priority under first come, first served"

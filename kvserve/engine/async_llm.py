@@ -155,6 +155,7 @@ class AsyncLLM:
         params: SamplingParams,
         prompt: str | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its updates; the last one has `finished=True`.
 
@@ -175,7 +176,7 @@ class AsyncLLM:
         group_key = request_id if params.n > 1 else None
         requests = [
             self.input_processor.make_engine_request(
-                child_id, prompt_token_ids, child_params, cache_salt, group_key, now
+                child_id, prompt_token_ids, child_params, cache_salt, group_key, now, priority
             )
             for child_id, child_params in children
         ]

@@ -222,6 +222,7 @@ class EngineCore:
                 max_tokens=request.max_tokens,
                 cache_salt=request.cache_salt,
                 arrival_time=request.arrival_time or None,
+                priority=request.priority,
             ),
             group_key=request.group_key,
         )

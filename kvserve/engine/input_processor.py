@@ -126,6 +126,7 @@ class InputProcessor:
         cache_salt: str | None = None,
         group_key: str | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> EngineCoreRequest:
         return EngineCoreRequest(
             req_id=req_id,
@@ -136,4 +137,5 @@ class InputProcessor:
             arrival_time=arrival_time if arrival_time is not None else time.time(),
             cache_salt=cache_salt,
             group_key=group_key,
+            priority=priority,
         )

@@ -117,21 +117,26 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         cache_salt: str | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of `prompts`.
 
         A prompt is a string, a list of token ids, or {"prompt": ...} / {"prompt_token_ids": ...}.
-        `sampling_params` is one SamplingParams for all prompts or one per prompt.
+        `sampling_params` is one SamplingParams for all prompts or one per prompt. `priority`: one per
+        prompt, lower first (needs `scheduling_policy="priority"`, as in vLLM).
         """
         prompt_list = self._as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = self._as_params_list(sampling_params, len(prompt_list))
+        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(f"priority has {len(priorities)} values for {len(prompt_list)} prompts")
         request_ids = []
         try:
-            for prompt, params in zip(prompt_list, params_list, strict=True):
+            for prompt, params, prio in zip(prompt_list, params_list, priorities, strict=True):
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
+                self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt, priority=prio)
                 request_ids.append(request_id)
         except Exception:
             for request_id in request_ids:

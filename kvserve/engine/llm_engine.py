@@ -29,11 +29,14 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
         """Tokenize and queue a request (all its n samples). Raises ValueError for a request that can
-        never be served (e.g. a prompt of max_model_len tokens or more); nothing is queued then."""
+        never be served (e.g. a prompt of max_model_len tokens or more); nothing is queued then.
+        `priority`: lower first, under the priority scheduling policy (0 otherwise)."""
         processed = self.input_processor.tokenize(prompt)
-        self.add_tokenized_request(request_id, processed.prompt, processed.prompt_token_ids, params, cache_salt)
+        self.add_tokenized_request(request_id, processed.prompt, processed.prompt_token_ids, params, cache_salt,
+                                   priority)
 
     def add_tokenized_request(
         self,
@@ -42,6 +45,7 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
         self.input_processor.check_token_ids(params)
         params = self.input_processor.resolve_bad_words(params)
@@ -54,7 +58,7 @@ class LLMEngine:
             for child_id, child_params in children:
                 self.core.add_request(
                     self.input_processor.make_engine_request(
-                        child_id, prompt_token_ids, child_params, cache_salt, group_key, now
+                        child_id, prompt_token_ids, child_params, cache_salt, group_key, now, priority
                     )
                 )
                 added.append(child_id)

@@ -18,6 +18,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bf16 on GPUs that have it), float32, float16, bfloat16")
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output in tokens (default: the model's limit)")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="fcfs: requests run in arrival order; priority: by each request's `priority` (lower "
+                        "first, then arrival), and when the KV cache runs short the lowest-priority running "
+                        "request is preempted first")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step (default 8192)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     g.add_argument("--kv-cache-memory", default=None, help="KV cache size on CPU, e.g. 2GiB (default 1GiB)")
@@ -75,6 +79,7 @@ def engine_args_from(ns: argparse.Namespace) -> dict[str, object]:
         "dtype": ns.dtype,
         "max_model_len": ns.max_model_len,
         "max_num_seqs": ns.max_num_seqs,
+        "scheduling_policy": ns.scheduling_policy,
         "max_num_batched_tokens": ns.max_num_batched_tokens,
         "block_size": ns.block_size,
         "kv_cache_memory": ns.kv_cache_memory,

@@ -17,3 +17,4 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     cache_salt: str | None = None
     # Samples of one n>1 request share this key so they share prompt blocks even with caching off.
     group_key: str | None = None
+    priority: int = 0  # lower first, under the priority scheduling policy

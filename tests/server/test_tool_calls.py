@@ -147,7 +147,7 @@ def _context(outputs: list[list[str]], parser: str | None = "hermes") -> tuple[S
         return ProcessedPrompt("prompt", [1, 2, 3])
 
     async def generate(request_id: str, ids: list[int], params: SamplingParams, prompt: str | None,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         steps = max(len(pieces) for pieces in outputs)
         for step in range(steps):
             samples = []
@@ -284,9 +284,9 @@ def test_tool_call_parsing_keeps_special_tokens():
     ctx, _ = _context([["ok"]])
     generate = ctx.engine.generate
 
-    async def recording(request_id, ids, params, prompt, cache_salt=None):  # noqa: ANN001, ANN202
+    async def recording(request_id, ids, params, prompt, **kwargs):  # noqa: ANN001, ANN003, ANN202
         seen.append(params)
-        async for update in generate(request_id, ids, params, prompt, cache_salt):
+        async for update in generate(request_id, ids, params, prompt, **kwargs):
             yield update
 
     ctx.engine.generate = recording

@@ -16,7 +16,7 @@ COMPLETION = {"model": TINY_NAME, "prompt": "Hello there", "max_tokens": 3}
 ACTIVE = {"structured_outputs": {"choice": ["yes", "no"]}, "guided_json": {"type": "object"}, "guided_regex": "a+",
           "guided_choice": ["a"], "guided_grammar": "root ::= 'a'",
           "use_beam_search": True,
-          "logits_processors": ["x"], "prompt_embeds": "AAAA", "priority": 1,
+          "logits_processors": ["x"], "prompt_embeds": "AAAA",
           "functions": [{"name": "f", "parameters": {}}], "function_call": "auto"}
 
 
@@ -74,6 +74,17 @@ def test_bad_words_are_served(tiny_server: ServerProcess, tiny_tokenizer) -> Non
     for bad in ([""], "word", [3]):
         refused = _post(tiny_server, "/v1/chat/completions", {**CHAT, "bad_words": bad})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "bad_words", refused.text
+
+
+def test_priority_needs_the_priority_policy(tiny_server: ServerProcess) -> None:
+    """The tiny server schedules first come, first served: a priority other than 0 is a 400 naming the flag,
+    streamed or not, before anything runs."""
+    for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)):
+        for stream in (False, True):
+            refused = _post(tiny_server, path, {**body, "priority": 3, "stream": stream})
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "priority", refused.text
+            assert "--scheduling-policy priority" in refused.json()["error"]["message"]
+        assert _post(tiny_server, path, {**body, "priority": 0}).status_code == 200
 
 
 def test_return_tokens_as_token_ids(tiny_server: ServerProcess) -> None:

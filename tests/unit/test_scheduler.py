@@ -25,12 +25,14 @@ def make_scheduler(
     max_model_len: int = 64,
     enable_prefix_caching: bool = True,
     enable_chunked_prefill: bool = True,
+    scheduling_policy: str = "fcfs",
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
         enable_chunked_prefill=enable_chunked_prefill,
+        scheduling_policy=scheduling_policy,
     )
     return Scheduler(
         config, num_blocks=num_blocks, block_size=BS, enable_prefix_caching=enable_prefix_caching
@@ -42,10 +44,11 @@ def make_request(
     prompt: list[int],
     max_tokens: int = 16,
     eos_token_ids: tuple[int, ...] = (),
+    priority: int = 0,
     **params: object,
 ) -> Request:
     params_ = SamplingParams(**params)
-    return Request(req_id, prompt, params_, eos_token_ids=eos_token_ids, max_tokens=max_tokens)
+    return Request(req_id, prompt, params_, eos_token_ids=eos_token_ids, max_tokens=max_tokens, priority=priority)
 
 
 class Harness:
@@ -283,6 +286,58 @@ def test_the_newest_running_requests_are_preempted_and_keep_their_order():
         for o in h.step()[1]:
             num_outputs[o.req_id] += len(o.new_token_ids)
     assert num_outputs == {"a": 4, "b": 4, "c": 4, "d": 4}
+
+
+def test_priority_policy_admits_by_priority_then_arrival():
+    sched = make_scheduler(max_num_seqs=2, scheduling_policy="priority")
+    h = Harness(sched)
+    for req_id, priority in (("a", 1), ("b", 0), ("c", -1), ("d", 0)):
+        sched.add_request(make_request(req_id, [1, 2, 3], max_tokens=2, priority=priority))
+    assert [r.req_id for r in sched.waiting] == ["c", "b", "d", "a"]
+    out, _ = h.step()
+    assert [s.req_id for s in out.scheduled] == ["c", "b"]
+    sched.add_request(make_request("e", [4, 5], max_tokens=2, priority=-5))  # arrives later, goes first
+    order = []
+    for _ in range(10):
+        if not sched.has_unfinished_requests():
+            break
+        out, _ = h.step()
+        order += [s.req_id for s in out.scheduled if s.req_id not in order]
+    assert order[:3] == ["c", "b", "e"] and order.index("d") < order.index("a")
+
+
+def test_priority_policy_preempts_the_lowest_priority_not_the_newest():
+    """Under first come, first served D (the newest) would be preempted; under priority it is B (priority 1)
+    and then the newest of the priority-0 ones. The preempted wait in priority order."""
+    sched = make_scheduler(num_blocks=4, scheduling_policy="priority")
+    h = Harness(sched)
+    sched.add_request(make_request("a", [1, 2, 3, 4], max_tokens=4))
+    sched.add_request(make_request("b", [5, 6, 7, 8], max_tokens=4, priority=1))
+    sched.add_request(make_request("c", [9, 10, 11, 12], max_tokens=4))
+    sched.add_request(make_request("d", [13, 14, 15], max_tokens=4))
+    num_outputs = {"a": 0, "b": 0, "c": 0, "d": 0}
+    out, outputs = h.step()
+    assert [s.req_id for s in out.scheduled] == ["a", "c", "d", "b"]  # running in priority order
+    # A and C each need a second block: B (the lowest priority) goes first, then D (the newest of the rest).
+    out, more = h.step()
+    assert [s.req_id for s in out.scheduled] == ["a", "c"]
+    assert [r.req_id for r in sched.waiting] == ["d", "b"]
+    for o in outputs + more:
+        num_outputs[o.req_id] += len(o.new_token_ids)
+    for _ in range(30):
+        if not sched.has_unfinished_requests():
+            break
+        for o in h.step()[1]:
+            num_outputs[o.req_id] += len(o.new_token_ids)
+    assert num_outputs == {"a": 4, "b": 4, "c": 4, "d": 4}
+
+
+def test_a_priority_needs_the_priority_policy():
+    sched = make_scheduler()
+    with pytest.raises(RequestRejected, match="--scheduling-policy priority") as e:
+        sched.add_request(make_request("a", [1, 2, 3], priority=2))
+    assert e.value.param == "priority" and not sched.requests
+    sched.add_request(make_request("b", [1, 2, 3], priority=0))
 
 
 def test_a_request_that_is_itself_the_newest_preempts_itself():

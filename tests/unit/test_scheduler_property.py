@@ -41,6 +41,7 @@ class Add:
     use_stop_token: bool
     salt: str | None
     num_samples: int  # > 1: siblings sharing a group key
+    priority: int  # used under the priority policy (0 otherwise)
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class Setup:
     enable_chunked_prefill: bool
     enable_prefix_caching: bool
     async_scheduling: bool
+    priority_policy: bool
 
 
 adds = st.builds(
@@ -76,6 +78,7 @@ adds = st.builds(
     use_stop_token=st.booleans(),
     salt=st.sampled_from([None, None, "s"]),
     num_samples=st.sampled_from([1, 1, 1, 2, 3]),
+    priority=st.integers(-2, 2),
 )
 steps = st.just(Step())
 aborts = st.builds(Abort, st.integers(0, 50))
@@ -109,6 +112,7 @@ def setups(draw: st.DrawFn) -> Setup:
         enable_chunked_prefill=chunked,
         enable_prefix_caching=draw(st.booleans()),
         async_scheduling=draw(st.booleans()),
+        priority_policy=draw(st.booleans()),
     )
 
 
@@ -138,6 +142,7 @@ class Driver:
             max_num_batched_tokens=setup.max_num_batched_tokens,
             max_model_len=setup.max_model_len,
             enable_chunked_prefill=setup.enable_chunked_prefill,
+            scheduling_policy="priority" if setup.priority_policy else "fcfs",
         )
         self.sched = Scheduler(
             self.config, setup.num_blocks, setup.block_size, enable_prefix_caching=setup.enable_prefix_caching
@@ -163,7 +168,8 @@ class Driver:
             req_id = f"r{self.num_ids}"
             self.num_ids += 1
             request = Request(
-                req_id, prompt, params, eos_token_ids=(EOS,), max_tokens=op.max_tokens, cache_salt=op.salt
+                req_id, prompt, params, eos_token_ids=(EOS,), max_tokens=op.max_tokens, cache_salt=op.salt,
+                priority=op.priority if self.setup.priority_policy else 0,
             )
             if self._must_reject(len(prompt), op.max_tokens):
                 try:

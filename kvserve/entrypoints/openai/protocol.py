@@ -42,7 +42,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "structured_outputs": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
     "prompt_embeds": (),
     "use_beam_search": (0,),
-    "logits_processors": (), "priority": (0,), "functions": (), "function_call": ("none",),
+    "logits_processors": (), "functions": (), "function_call": ("none",),
 }
 
 
@@ -89,6 +89,7 @@ class SamplingFields(OpenAIBaseModel):
     truncate_prompt_tokens: Int64 | None = None
     allowed_token_ids: list[TokenId] | None = None  # sample only these
     bad_words: list[str] | None = None  # never generate these words
+    priority: Int64 = 0  # lower first, under --scheduling-policy priority
     # the prompt's and the output's token ids in the response, beside the text
     return_token_ids: bool | None = None  # (not strict: vLLM clients send 0 for off)
     return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:<id>"

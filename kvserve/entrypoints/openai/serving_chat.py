@@ -62,8 +62,9 @@ class PreparedChat:
     def __init__(self, request_id: str, model: str, prompt: str, prompt_token_ids: list[int],
                  params: SamplingParams, num_top_logprobs: int | None, cache_salt: str | None = None,
                  return_token_ids: bool = False, parse_tools: bool = False, parallel_tool_calls: bool = True,
-                 tokens_as_ids: bool = False) -> None:
+                 tokens_as_ids: bool = False, priority: int = 0) -> None:
         self.request_id = request_id
+        self.priority = priority  # lower first, under the priority scheduling policy
         self.tokens_as_ids = tokens_as_ids  # vLLM's return_tokens_as_token_ids: logprobs' tokens as "token_id:<id>"
         self.parse_tools = parse_tools  # tool_choice "auto": the text is read for tool calls
         self.max_tool_calls = None if parallel_tool_calls else 1  # OpenAI's parallel_tool_calls: false
@@ -85,6 +86,7 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> PreparedCha
     if req.echo:
         raise BadRequestError("echo is not supported for chat completions", "echo")
     parse_tools = check_tools(ctx, req)
+    ctx.check_priority(req.priority)
     if req.response_format is not None and req.response_format.type != "text":
         raise BadRequestError(f"response_format {req.response_format.type!r} is not supported (only 'text')",
                               "response_format")
@@ -132,7 +134,7 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> PreparedCha
     log_request(ctx, request_id, len(processed.prompt_token_ids), params, processed.prompt)
     return PreparedChat(request_id, model, processed.prompt, processed.prompt_token_ids, params, num_top,
                         req.cache_salt, bool(req.return_token_ids), parse_tools, req.parallel_tool_calls is not False,
-                        bool(req.return_tokens_as_token_ids))
+                        bool(req.return_tokens_as_token_ids), req.priority)
 
 
 def check_tool_definitions(tools: list[dict[str, Any]] | None) -> None:
@@ -195,7 +197,8 @@ async def chat_full(ctx: ServingContext, chat: PreparedChat) -> dict[str, Any]:
     final: RequestOutput | None = None
     try:
         async with aclosing(ctx.engine.generate(chat.request_id, chat.prompt_token_ids, chat.params,
-                                                chat.prompt, cache_salt=chat.cache_salt)) as updates:
+                                                chat.prompt, cache_salt=chat.cache_salt,
+                                                priority=chat.priority)) as updates:
             async for update in updates:
                 final = update
     except Exception as e:
@@ -263,7 +266,8 @@ async def chat_stream(ctx: ServingContext, chat: PreparedChat, include_usage: bo
     role_sent = False
     try:
         async with aclosing(ctx.engine.generate(chat.request_id, chat.prompt_token_ids, chat.params,
-                                                chat.prompt, cache_salt=chat.cache_salt)) as updates:
+                                                chat.prompt, cache_salt=chat.cache_salt,
+                                                priority=chat.priority)) as updates:
             async for update in updates:
                 if not role_sent:  # with the first token, as vLLM: its arrival is the time to first token
                     role_sent = True

@@ -48,6 +48,7 @@ class ServingContext:
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     max_logprobs: int = MAX_LOGPROBS  # --max-logprobs
     tool_call_parser: str | None = None  # --tool-call-parser with --enable-auto-tool-choice: tool_choice "auto" served
+    scheduling_policy: str = "fcfs"  # --scheduling-policy: "priority" serves requests' priority
     # Tokenization (and a chat template's rendering) runs here, off the event loop: a 1,024-token prompt took
     # 3-6 ms, during which every other stream's chunks would wait. One thread, so two encodes never run at
     # once. The event loop's detokenization may run beside an encode: both only read the tokenizer, and
@@ -71,6 +72,12 @@ class ServingContext:
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args) on the preparation thread (tokenization, chat templates); its exceptions propagate."""
         return await asyncio.get_running_loop().run_in_executor(self.prepare_pool, fn, *args)
+
+    def check_priority(self, priority: int) -> None:
+        """400 for a priority the scheduling policy does not serve (before a stream starts)."""
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise BadRequestError(f"priority {priority} needs the server started with --scheduling-policy priority",
+                                  "priority")
 
     def check_logprobs(self, count: int | None, param: str) -> None:
         if count is not None and count > self.max_logprobs:

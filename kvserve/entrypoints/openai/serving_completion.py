@@ -47,8 +47,9 @@ class PreparedPrompt:
 class PreparedCompletion:
     def __init__(self, request_id: str, model: str, prompts: list[PreparedPrompt], params: SamplingParams,
                  echo: bool, cache_salt: str | None = None, echo_only: bool = False,
-                 return_token_ids: bool = False, tokens_as_ids: bool = False) -> None:
+                 return_token_ids: bool = False, tokens_as_ids: bool = False, priority: int = 0) -> None:
         self.request_id = request_id
+        self.priority = priority  # lower first, under the priority scheduling policy
         self.tokens_as_ids = tokens_as_ids  # vLLM's return_tokens_as_token_ids: logprobs' tokens as "token_id:<id>"
         self.return_token_ids = return_token_ids  # vLLM's field: token ids beside the text
         self.cache_salt = cache_salt  # the prefix cache's namespace (vLLM's extra field)
@@ -66,6 +67,7 @@ def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> PreparedC
     model = ctx.check_model(req.model)
     ctx.check_engine()
     check_supported(req)
+    ctx.check_priority(req.priority)
     response_format = (req.model_extra or {}).get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
         kind = response_format.get("type") if isinstance(response_format, dict) else response_format
@@ -120,7 +122,7 @@ def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> PreparedC
     for p in prompts:
         log_request(ctx, p.request_id, len(p.prompt_token_ids), params, p.text)
     return PreparedCompletion(request_id, model, prompts, params, bool(req.echo), req.cache_salt, echo_only,
-                              bool(req.return_token_ids), bool(req.return_tokens_as_token_ids))
+                              bool(req.return_token_ids), bool(req.return_tokens_as_token_ids), req.priority)
 
 
 def _echo_text(ctx: ServingContext, prompt: PreparedPrompt) -> str:
@@ -148,10 +150,10 @@ def _echoed_logprobs(ctx: ServingContext, cmpl: PreparedCompletion, prompt: Prep
 
 
 async def _run_one(ctx: ServingContext, prompt: PreparedPrompt, params: SamplingParams,
-                   cache_salt: str | None) -> RequestOutput:
+                   cache_salt: str | None, priority: int = 0) -> RequestOutput:
     final: RequestOutput | None = None
     async with aclosing(ctx.engine.generate(prompt.request_id, prompt.prompt_token_ids, params,
-                                            prompt.text, cache_salt=cache_salt)) as updates:
+                                            prompt.text, cache_salt=cache_salt, priority=priority)) as updates:
         async for update in updates:
             final = update
     assert final is not None and final.finished
@@ -160,7 +162,8 @@ async def _run_one(ctx: ServingContext, prompt: PreparedPrompt, params: Sampling
 
 async def completion_full(ctx: ServingContext, cmpl: PreparedCompletion) -> dict[str, Any]:
     """Run every prompt to completion and build the `text_completion` object."""
-    tasks = [asyncio.ensure_future(_run_one(ctx, p, cmpl.params, cmpl.cache_salt)) for p in cmpl.prompts]
+    tasks = [asyncio.ensure_future(_run_one(ctx, p, cmpl.params, cmpl.cache_salt, cmpl.priority))
+             for p in cmpl.prompts]
     try:
         finals = await asyncio.gather(*tasks)
     except Exception as e:
@@ -301,7 +304,7 @@ async def _merge(ctx: ServingContext, cmpl: PreparedCompletion) -> AsyncIterator
     if len(cmpl.prompts) == 1:
         p = cmpl.prompts[0]
         async with aclosing(ctx.engine.generate(p.request_id, p.prompt_token_ids, cmpl.params, p.text,
-                                                cache_salt=cmpl.cache_salt)) as updates:
+                                                cache_salt=cmpl.cache_salt, priority=cmpl.priority)) as updates:
             async for update in updates:
                 yield 0, update
         return
@@ -310,7 +313,8 @@ async def _merge(ctx: ServingContext, cmpl: PreparedCompletion) -> AsyncIterator
     async def pump(index: int, prompt: PreparedPrompt) -> None:
         try:
             async with aclosing(ctx.engine.generate(prompt.request_id, prompt.prompt_token_ids, cmpl.params,
-                                                    prompt.text, cache_salt=cmpl.cache_salt)) as updates:
+                                                    prompt.text, cache_salt=cmpl.cache_salt,
+                                                    priority=cmpl.priority)) as updates:
                 async for update in updates:
                     queue.put_nowait((index, update))
         except Exception as e:
