@@ -16,6 +16,16 @@ from kvserve.protocol.sampling_params import SamplingParams, SamplingParamsError
 PromptType = str | Sequence[int] | dict[str, Any]
 
 
+def encode_text(tokenizer: PreTrainedTokenizerBase, text: str, add_special_tokens: bool = True) -> list[int]:
+    """The token ids of `text`. ValueError for text a tokenizer cannot take (a lone UTF-16 surrogate, which
+    JSON's \\ud800 escapes can carry, makes HF tokenizers raise TypeError)."""
+    try:
+        return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+    except (TypeError, UnicodeEncodeError):
+        text.encode("utf-8")  # the usual cause: raises UnicodeEncodeError (a ValueError) naming the position
+        raise
+
+
 @dataclass
 class ProcessedPrompt:
     prompt: str | None
@@ -54,8 +64,7 @@ class InputProcessor:
                 return self.tokenize(prompt["prompt"])
             raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
-            ids = self.tokenizer(prompt)["input_ids"]
-            return ProcessedPrompt(prompt, list(ids))
+            return ProcessedPrompt(prompt, encode_text(self.tokenizer, prompt))
         ids = [int(t) for t in prompt]
         vocab = len(self.tokenizer)
         if any(t < 0 or t >= vocab for t in ids):
@@ -101,6 +110,9 @@ class InputProcessor:
             if not 0 <= token_id < vocab:
                 raise SamplingParamsError(f"allowed_token_ids has token id {token_id}, out of range [0, {vocab})",
                                           "allowed_token_ids")
+        for ids in (params.bad_words_token_ids or ()):
+            if not all(0 <= t < vocab for t in ids):
+                raise SamplingParamsError(f"bad_words_token_ids has {ids}, out of range [0, {vocab})", "bad_words")
 
     def resolve_bad_words(self, params: SamplingParams) -> SamplingParams:
         """`params` with its bad words as token sequences (`bad_words_token_ids`), or as given when it has none.
@@ -108,15 +120,19 @@ class InputProcessor:
         space, where that gives a different first token and as many tokens (vLLM's rule)."""
         if not params.bad_words:
             return params
-        sequences: list[list[int]] = []
+        if params.bad_words_token_ids is not None:  # resolved already (the server does it off its event loop)
+            return params
+        sequences: dict[tuple[int, ...], None] = {}  # in order, each once
         for word in params.bad_words:
-            plain = list(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
-            spaced = list(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-            candidates = [plain]
+            try:
+                plain = encode_text(self.tokenizer, word.lstrip(), add_special_tokens=False)
+                spaced = encode_text(self.tokenizer, " " + word.lstrip(), add_special_tokens=False)
+            except ValueError as e:
+                raise SamplingParamsError(f"bad_words: {word!r} cannot be tokenized: {e}", "bad_words") from None
+            sequences[tuple(plain)] = None
             if plain and spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
-                candidates.append(spaced)
-            sequences += [ids for ids in candidates if ids and ids not in sequences]
-        return replace(params, bad_words_token_ids=sequences)
+                sequences[tuple(spaced)] = None
+        return replace(params, bad_words_token_ids=[list(ids) for ids in sequences if ids])
 
     def make_engine_request(
         self,

@@ -34,9 +34,11 @@ class SamplingParams:
       (from the model's raw distribution, before temperature and penalties).
     * ``allowed_token_ids`` restricts every sampled token to those ids (applied after penalties and
       logit_bias; logprobs stay the raw distribution's).
-    * ``bad_words`` are never generated: each word's tokens (as written, and after a space) are banned as a
-      sequence, i.e. a word's last token is banned where the output so far ends with the word's other tokens
-      (as in vLLM; the prompt does not count).
+    * ``bad_words``: each word's token sequence is banned, i.e. its last token where the output so far ends
+      with its other tokens (the prompt does not count). The sequences are the word's tokens as written and,
+      where that gives as many tokens with a different first one, after a space (vLLM's rule); other
+      tokenizations of the word are not banned. ``bad_words_token_ids`` holds them once resolved (given
+      directly, they are used as they are).
     * ``truncate_prompt_tokens=k`` keeps the prompt's last k tokens (-1: the last max_model_len - 1).
     * ``detokenize=False`` leaves the text out (token ids only; logprobs without their decoded tokens).
     * ``prompt_logprobs=k`` returns each prompt token's logprob (the first has none) and the top-k at its
@@ -122,10 +124,12 @@ class SamplingParams:
             not isinstance(self.bad_words, list) or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)
         ):
             bad("bad_words must be a list of words (non-empty strings)", "bad_words")
-        if self.bad_words_token_ids is not None and any(
-            not ids or any(not isinstance(t, int) or t < 0 for t in ids) for ids in self.bad_words_token_ids
+        if self.bad_words_token_ids is not None and (
+            not isinstance(self.bad_words_token_ids, list)
+            or any(not isinstance(ids, list) or not ids or any(type(t) is not int or t < 0 for t in ids)
+                   for ids in self.bad_words_token_ids)
         ):
-            bad("bad_words_token_ids must be non-empty lists of token ids", "bad_words")
+            bad("bad_words_token_ids must be a list of non-empty lists of token ids", "bad_words")
         if self.allowed_token_ids is not None and (
             not self.allowed_token_ids or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)
         ):

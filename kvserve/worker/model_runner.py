@@ -1034,7 +1034,7 @@ class ModelRunner:
         self.sampler.check_invariants(set(self.requests))
 
     def _pending_rows(self, scheduler_output: SchedulerOutput, sampled_req_ids: list[str]) -> list[int | None] | None:
-        """For each sampled request whose sampling reads its earlier output (penalties, min_tokens) and whose
+        """For each sampled request whose sampling reads its earlier output (penalties, min_tokens, bad words) and whose
         newest token is still a placeholder (async scheduling: sampled by the previous step, not yet in its
         state's output list), that token's row in the previous step's sampled ids; None for the others.
         None when no request has such a token (when no live request reads its output, the common case, that

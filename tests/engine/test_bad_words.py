@@ -77,3 +77,24 @@ def test_bad_words_are_tokenized_as_written_and_after_a_space(engines):
 def test_bad_words_must_be_words(bad_words):
     with pytest.raises(SamplingParamsError, match="bad_words"):
         SamplingParams(bad_words=bad_words)
+
+
+@pytest.mark.parametrize("ids", [[1], [[]], [[True]], [[-1]], "x", [[1.0]]])
+def test_bad_words_token_ids_must_be_token_id_lists(ids):
+    with pytest.raises(SamplingParamsError, match="bad_words"):
+        SamplingParams(bad_words_token_ids=ids)
+
+
+def test_given_token_ids_are_kept_and_checked(engines):
+    llm = engines[False]
+    resolve = llm.engine.input_processor.resolve_bad_words
+    given = SamplingParams(bad_words=["hello"], bad_words_token_ids=[[5, 6]])
+    assert resolve(given) is given  # resolved already (as the server does it): used as they are
+    words = [f"w{i}" for i in range(300)] + ["hello", "hello", " hello"]
+    resolved = resolve(SamplingParams(bad_words=words)).bad_words_token_ids
+    assert len(resolved) == len({tuple(ids) for ids in resolved})  # each sequence once, in order
+    assert resolved.index(list(llm.get_tokenizer().encode("hello", add_special_tokens=False))) > 0
+    with pytest.raises(SamplingParamsError, match="out of range"):
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2, bad_words_token_ids=[[10**9]]), use_tqdm=False)
+    with pytest.raises(SamplingParamsError, match="cannot be tokenized"):
+        resolve(SamplingParams(bad_words=["a\ud800b"]))

@@ -4,6 +4,8 @@ are accepted, /tokenize renders what chat renders, and completions' top_logprobs
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -21,7 +23,9 @@ ACTIVE = {"structured_outputs": {"choice": ["yes", "no"]}, "guided_json": {"type
 
 
 def _post(server: ServerProcess, path: str, body: dict) -> httpx.Response:
-    return httpx.post(server.base_url + path, json=body, timeout=60)
+    # json.dumps escapes non-ASCII (a lone surrogate as \\ud800, which UTF-8 could not carry)
+    return httpx.post(server.base_url + path, content=json.dumps(body), timeout=60,
+                      headers={"content-type": "application/json"})
 
 
 def test_every_unsupported_field_has_a_case() -> None:
@@ -71,9 +75,18 @@ def test_bad_words_are_served(tiny_server: ServerProcess, tiny_tokenizer) -> Non
     banned = _post(tiny_server, "/v1/completions", {**body, "bad_words": [word]})
     assert banned.status_code == 200, banned.text
     assert token not in banned.json()["choices"][0]["token_ids"]
-    for bad in ([""], "word", [3]):
-        refused = _post(tiny_server, "/v1/chat/completions", {**CHAT, "bad_words": bad})
-        assert refused.status_code == 400 and refused.json()["error"]["param"] == "bad_words", refused.text
+    for bad in ([""], "word", [3], ["a\ud800b"]):  # the last: a lone surrogate, which no tokenizer takes
+        for path, request in (("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)):
+            refused = _post(tiny_server, path, {**request, "bad_words": bad})
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "bad_words", refused.text
+
+
+def test_text_a_tokenizer_cannot_take_is_a_400(tiny_server: ServerProcess) -> None:
+    """A lone surrogate (valid in JSON's \\u escapes, not in UTF-8) in a prompt: a 400, not a 500."""
+    for path, body in (("/v1/completions", {**COMPLETION, "prompt": "a\ud800b"}),
+                       ("/tokenize", {"model": TINY_NAME, "prompt": "a\ud800b"})):
+        refused = _post(tiny_server, path, body)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt", refused.text
 
 
 def test_priority_needs_the_priority_policy(tiny_server: ServerProcess) -> None:

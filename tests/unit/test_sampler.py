@@ -602,7 +602,7 @@ def test_no_host_sync_on_cuda():
         rows[3].req_id = "r4"
         out = sampler(logits, rows, [2])
         # Async scheduling: the newest tokens still on the device (the last call's sampled ids) are counted
-        # there, for the penalties and min_tokens, without a copy to the host.
+        # there, for the penalties, min_tokens and bad words (row 3's [6, 4]), without a copy to the host.
         rows[0].pending_row, rows[2].pending_row, rows[3].pending_row = 0, 2, 3
         out = sampler(logits, rows, [2], out.sampled_token_ids)
     finally:

@@ -77,6 +77,7 @@ from kvserve.entrypoints.openai.serving_common import (
     ClientDisconnected,
     ServingContext,
     check_token_ids,
+    encode_prompt,
     run_unless_disconnected,
     wait_for_disconnect,
 )
@@ -224,7 +225,7 @@ def build_app(ctx: ServingContext, state: ServerState, metrics: PrometheusStatLo
             except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
                 raise BadRequestError(f"cannot apply the chat template to these messages: {e}", "messages") from None
         else:
-            ids = list(engine.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
+            ids = encode_prompt(engine, body.prompt, body.add_special_tokens, "prompt")
         token_strs = engine.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": token_strs}
 

@@ -33,6 +33,7 @@ from kvserve.entrypoints.openai.serving_common import (
     sse,
     stop_reason,
     usage_dict,
+    with_bad_words,
     with_default_length,
 )
 from kvserve.entrypoints.openai.tool_parsers import ToolCallStream, parse_tool_calls, tool_call_id
@@ -112,6 +113,7 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> PreparedCha
 
     engine = ctx.engine
     assert engine.input_processor is not None
+    params = with_bad_words(engine, params)
     if parse_tools and params.skip_special_tokens:
         # Some checkpoints mark <tool_call> as a special token; the parser must see it (as vLLM does).
         params = params.clone()

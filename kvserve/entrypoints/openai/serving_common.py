@@ -19,6 +19,7 @@ from starlette.types import Receive
 
 from kvserve.engine.async_llm import AsyncLLM, RequestFailedError
 from kvserve.engine.core_client import EngineDeadError
+from kvserve.engine.input_processor import encode_text
 from kvserve.entrypoints.openai.errors import (
     BadRequestError,
     NotFoundError,
@@ -159,6 +160,25 @@ def sampling_params_from(
         )
     except SamplingParamsError as e:
         raise BadRequestError(str(e), names.get(e.param, e.param)) from None
+
+
+def with_bad_words(engine: AsyncLLM, params: SamplingParams) -> SamplingParams:
+    """`params` with its bad words tokenized (here, off the event loop, rather than in `AsyncLLM.generate`);
+    a 400 for a word the tokenizer cannot take."""
+    if not params.bad_words:
+        return params
+    try:
+        return engine.input_processor.resolve_bad_words(params)
+    except SamplingParamsError as e:
+        raise BadRequestError(str(e), e.param) from None
+
+
+def encode_prompt(engine: AsyncLLM, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    """A prompt's token ids; a 400 naming `param` for text the tokenizer cannot take (a lone surrogate)."""
+    try:
+        return encode_text(engine.tokenizer, text, add_special_tokens)
+    except ValueError as e:
+        raise BadRequestError(f"the {param} is not valid text: {e}", param) from None
 
 
 def with_default_length(params: SamplingParams, default_max: int, room: int,

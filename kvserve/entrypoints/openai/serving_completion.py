@@ -23,6 +23,7 @@ from kvserve.entrypoints.openai.serving_common import (
     check_token_ids,
     completion_logprobs,
     delta_logprobs,
+    encode_prompt,
     engine_error,
     log_request,
     new_request_id,
@@ -31,6 +32,7 @@ from kvserve.entrypoints.openai.serving_common import (
     sse,
     stop_reason,
     usage_dict,
+    with_bad_words,
     with_default_length,
 )
 from kvserve.protocol.outputs import Logprob, RequestOutput
@@ -90,6 +92,7 @@ def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> PreparedC
                                   ctx.sampling_defaults, prompt_logprobs)
 
     engine = ctx.engine
+    params = with_bad_words(engine, params)
     raw = req.prompt
     items: list[str | list[int]]
     if isinstance(raw, str):
@@ -102,7 +105,7 @@ def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> PreparedC
     prompts = []
     for i, item in enumerate(items):
         if isinstance(item, str):
-            ids = list(engine.tokenizer(item, add_special_tokens=req.add_special_tokens)["input_ids"])
+            ids = encode_prompt(engine, item, req.add_special_tokens, "prompt")
             text: str | None = item
         else:
             check_token_ids(engine, item, "prompt")
