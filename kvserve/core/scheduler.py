@@ -79,6 +79,9 @@ class Scheduler:
         max_len = self.config.max_model_len
         if request.req_id in self.requests:
             raise RequestRejected(f"request id {request.req_id!r} is already in use", "request_id")
+        if type(request.priority) is not int:  # compared with others' in the queues: a clean refusal, not a
+            # TypeError halfway through admitting it
+            raise RequestRejected(f"priority must be an integer, got {request.priority!r}", "priority")
         if request.priority != 0 and not self._by_priority:
             raise RequestRejected(
                 f"priority {request.priority} needs the priority scheduling policy (--scheduling-policy priority); "

@@ -132,6 +132,8 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
         if len(priorities) != len(prompt_list):
             raise ValueError(f"priority has {len(priorities)} values for {len(prompt_list)} prompts")
+        if any(type(p) is not int for p in priorities):
+            raise ValueError(f"priority must be integers, got {priorities}")
         request_ids = []
         try:
             for prompt, params, prio in zip(prompt_list, params_list, priorities, strict=True):

@@ -48,6 +48,10 @@ def test_priorities_change_no_tokens(tiny_model_dir):
     assert llm.engine.core.scheduler.num_preemptions > 0
     with pytest.raises(ValueError, match="priority has 1 values for 4 prompts"):
         llm.generate(PROMPTS, params, use_tqdm=False, priority=[1])
+    with pytest.raises(ValueError, match="priority must be integers"):
+        llm.generate(PROMPTS[:2], params, use_tqdm=False, priority=[0, None])  # type: ignore[list-item]
+    again = llm.generate(PROMPTS[:1], params, use_tqdm=False)  # nothing was left behind
+    assert again[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
 
 
 def test_the_scheduling_policy_flag():

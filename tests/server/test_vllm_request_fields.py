@@ -108,8 +108,13 @@ def test_return_tokens_as_token_ids(tiny_server: ServerProcess) -> None:
     choice = chat.json()["choices"][0]
     content = choice["logprobs"]["content"]
     assert [c["token"] for c in content] == [f"token_id:{t}" for t in choice["token_ids"]]
-    assert all(c["bytes"] == list(c["token"].encode()) for c in content)
     assert all(t["token"].startswith("token_id:") for c in content for t in c["top_logprobs"])
+    # `bytes` stay the tokens' own text (as vLLM gives the sampled token's)
+    as_text = _post(tiny_server, "/v1/chat/completions", {**CHAT, **flags, "logprobs": True, "top_logprobs": 2,
+                                                          "return_tokens_as_token_ids": False})
+    text_content = as_text.json()["choices"][0]["logprobs"]["content"]
+    assert [c["bytes"] for c in content] == [c["bytes"] for c in text_content]
+    assert [c["bytes"] == list(c["token"].encode()) for c in text_content] == [True] * len(content)
     body = {**COMPLETION, **flags, "logprobs": 2}
     full = _post(tiny_server, "/v1/completions", body).json()["choices"][0]
     logprobs = full["logprobs"]

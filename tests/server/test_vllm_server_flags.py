@@ -38,7 +38,7 @@ def test_ping_is_the_health_check(tiny_server: ServerProcess) -> None:
 def flagged_server(launch_server: Callable[..., ServerProcess], tiny_llama_dir: str) -> ServerProcess:
     return launch_server([tiny_llama_dir, "--served-model-name", TINY_NAME, "--max-model-len", "64",
                           "--kv-cache-memory", "64MiB", "--api-key", API_KEY, "--max-logprobs", "3",
-                          "--allowed-origins", f'["{ORIGIN}"]', "--root-path", "/v"])
+                          "--allowed-origins", f'["{ORIGIN}"]', "--root-path", "/v", "--return-tokens-as-token-ids"])
 
 
 def test_origins_root_path_and_max_logprobs(flagged_server: ServerProcess) -> None:
@@ -59,6 +59,11 @@ def test_origins_root_path_and_max_logprobs(flagged_server: ServerProcess) -> No
     ok = httpx.post(base + "/v1/chat/completions", headers=auth, json={**chat, "top_logprobs": 3}, timeout=60)
     assert ok.status_code == 200, ok.text
     assert len(ok.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 3
+    # --return-tokens-as-token-ids: the default of the request field, which a request may turn off
+    assert ok.json()["choices"][0]["logprobs"]["content"][0]["token"].startswith("token_id:")
+    as_text = httpx.post(base + "/v1/chat/completions", headers=auth, timeout=60,
+                         json={**chat, "return_tokens_as_token_ids": False})
+    assert not as_text.json()["choices"][0]["logprobs"]["content"][0]["token"].startswith("token_id:")
     over = httpx.post(base + "/v1/chat/completions", headers=auth, json={**chat, "top_logprobs": 4}, timeout=60)
     assert over.status_code == 400 and over.json()["error"]["param"] == "top_logprobs"
     assert "--max-logprobs (3)" in over.json()["error"]["message"]

@@ -332,6 +332,20 @@ def test_priority_policy_preempts_the_lowest_priority_not_the_newest():
     assert num_outputs == {"a": 4, "b": 4, "c": 4, "d": 4}
 
 
+def test_a_priority_that_is_not_an_integer_is_refused_before_anything_changes():
+    sched = make_scheduler(scheduling_policy="priority")
+    h = Harness(sched)
+    sched.add_request(make_request("a", [1, 2, 3]))
+    h.step()
+    for bad in (None, "1", 1.5, True):
+        with pytest.raises(RequestRejected, match="priority must be an integer"):
+            sched.add_request(make_request("b", [1, 2, 3], priority=bad))  # type: ignore[arg-type]
+    assert list(sched.requests) == ["a"]
+    sched.add_request(make_request("b", [1, 2, 3], priority=-1))
+    h.step()
+    assert [r.req_id for r in sched.running] == ["b", "a"]  # in priority order
+
+
 def test_a_priority_needs_the_priority_policy():
     sched = make_scheduler()
     with pytest.raises(RequestRejected, match="--scheduling-policy priority") as e:

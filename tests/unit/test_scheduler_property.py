@@ -239,9 +239,10 @@ class Driver:
             self.track.finishes[req_id].append("abort")
 
     def drain(self) -> None:
-        # Each step the oldest running request (or, with none running, the head of the queue) computes at
-        # least one token and is never preempted, since it fits the pool alone; so a request is served
-        # in at most prompt + max_tokens steps once it is at the front.
+        # Each step the first running request (the oldest; under the priority policy the first in (priority,
+        # arrival) order; with none running, the head of the queue) computes at least one token and is never
+        # preempted, since it fits the pool alone; so a request is served in at most prompt + max_tokens steps
+        # once it is at the front. During the drain no request arrives, so the front only moves forward.
         live = [self.track.requests[r] for r in self.track.live()]
         bound = sum(r.num_prompt_tokens + r.max_tokens for r in live) + 1
         for _ in range(bound + 2):

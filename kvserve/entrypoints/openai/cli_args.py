@@ -39,6 +39,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                    help="how tool calls are written in the model's text: hermes = <tool_call>{JSON}</tool_call> "
                         "(Qwen2, Qwen2.5, Qwen3, Hermes 2 Pro)")
+    g.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help='logprobs show tokens as "token_id:<id>" unless a request sets return_tokens_as_token_ids')
     g.add_argument("--disable-log-requests", action="store_true",
                    help="do not log each request's id and parameters (prompts are logged only at DEBUG level)")
     g.add_argument("--enable-log-requests", dest="disable_log_requests", action="store_false",

@@ -136,7 +136,7 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> PreparedCha
     log_request(ctx, request_id, len(processed.prompt_token_ids), params, processed.prompt)
     return PreparedChat(request_id, model, processed.prompt, processed.prompt_token_ids, params, num_top,
                         req.cache_salt, bool(req.return_token_ids), parse_tools, req.parallel_tool_calls is not False,
-                        bool(req.return_tokens_as_token_ids), req.priority)
+                        ctx.tokens_as_ids(req.return_tokens_as_token_ids), req.priority)
 
 
 def check_tool_definitions(tools: list[dict[str, Any]] | None) -> None:

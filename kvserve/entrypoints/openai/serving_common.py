@@ -50,6 +50,7 @@ class ServingContext:
     max_logprobs: int = MAX_LOGPROBS  # --max-logprobs
     tool_call_parser: str | None = None  # --tool-call-parser with --enable-auto-tool-choice: tool_choice "auto" served
     scheduling_policy: str = "fcfs"  # --scheduling-policy: "priority" serves requests' priority
+    return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: the default of the request field
     # Tokenization (and a chat template's rendering) runs here, off the event loop: a 1,024-token prompt took
     # 3-6 ms, during which every other stream's chunks would wait. One thread, so two encodes never run at
     # once. The event loop's detokenization may run beside an encode: both only read the tokenizer, and
@@ -73,6 +74,10 @@ class ServingContext:
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args) on the preparation thread (tokenization, chat templates); its exceptions propagate."""
         return await asyncio.get_running_loop().run_in_executor(self.prepare_pool, fn, *args)
+
+    def tokens_as_ids(self, requested: bool | None) -> bool:
+        """A request's return_tokens_as_token_ids, or the server's --return-tokens-as-token-ids when it gives none."""
+        return self.return_tokens_as_token_ids if requested is None else bool(requested)
 
     def check_priority(self, priority: int) -> None:
         """400 for a priority the scheduling policy does not serve (before a stream starts)."""
@@ -307,14 +312,14 @@ def chat_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, 
     content = []
     for token_id, entry in zip(token_ids, entries, strict=True):
         sampled, top = sampled_and_top(token_id, entry, num_top)
-        text = _token_text(tokenizer, token_id, sampled, as_ids)
         content.append({
-            "token": text,
+            "token": _token_text(tokenizer, token_id, sampled, as_ids),
             "logprob": _finite(sampled.logprob),
-            "bytes": list(text.encode("utf-8")),
+            # `bytes`: the token's own text, also when `token` is its id (as vLLM gives the sampled token's)
+            "bytes": list(_token_text(tokenizer, token_id, sampled).encode("utf-8")),
             "top_logprobs": [
-                {"token": (t := _token_text(tokenizer, tid, lp, as_ids)), "logprob": _finite(lp.logprob),
-                 "bytes": list(t.encode("utf-8"))}
+                {"token": _token_text(tokenizer, tid, lp, as_ids), "logprob": _finite(lp.logprob),
+                 "bytes": list(_token_text(tokenizer, tid, lp).encode("utf-8"))}
                 for tid, lp in top
             ],
         })

@@ -125,7 +125,8 @@ def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> PreparedC
     for p in prompts:
         log_request(ctx, p.request_id, len(p.prompt_token_ids), params, p.text)
     return PreparedCompletion(request_id, model, prompts, params, bool(req.echo), req.cache_salt, echo_only,
-                              bool(req.return_token_ids), bool(req.return_tokens_as_token_ids), req.priority)
+                              bool(req.return_token_ids), ctx.tokens_as_ids(req.return_tokens_as_token_ids),
+                              req.priority)
 
 
 def _echo_text(ctx: ServingContext, prompt: PreparedPrompt) -> str:
