@@ -89,8 +89,7 @@ class InputProcessor:
         )
         assert isinstance(text, str)
         # The template already carries the special tokens (BOS and role markers): don't add them twice.
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return ProcessedPrompt(text, list(ids))
+        return ProcessedPrompt(text, encode_text(self.tokenizer, text, add_special_tokens=False))
 
     def truncate(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
         return truncate_prompt(prompt_token_ids, params, self.max_model_len)

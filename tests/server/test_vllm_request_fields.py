@@ -87,6 +87,12 @@ def test_text_a_tokenizer_cannot_take_is_a_400(tiny_server: ServerProcess) -> No
                        ("/tokenize", {"model": TINY_NAME, "prompt": "a\ud800b"})):
         refused = _post(tiny_server, path, body)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt", refused.text
+    messages = [{"role": "user", "content": "a\ud800b"}]
+    for path, body in (("/v1/chat/completions", {**CHAT, "messages": messages}),
+                       ("/tokenize", {"model": TINY_NAME, "messages": messages})):
+        refused = _post(tiny_server, path, body)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages", refused.text
+        assert "surrogates not allowed" in refused.json()["error"]["message"]
 
 
 def test_priority_needs_the_priority_policy(tiny_server: ServerProcess) -> None:
