@@ -31,16 +31,23 @@ def test_bad_word_sequences_never_generated_pipelined_or_not(engines, monkeypatc
                                          apply(work, rows, pending_ids))[1]))
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in engines[False].generate(PROMPTS, greedy, use_tqdm=False)]
-    # Per prompt: ban its 3rd-4th tokens as a two-token word, its 6th-8th as a three-token word, and its 2nd
-    # token alone.
+    tested: list[int] = []
+    # Per prompt, each on its own: its 2nd token alone, its 3rd-4th tokens as a two-token word, its 6th-8th as a
+    # three-token word. The output is the same until the word's last token, which it cannot write there.
     for i, tokens in enumerate(plain):
-        words = [tokens[2:4], tokens[5:8], tokens[1:2]]
-        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, bad_words_token_ids=words)
-        runs = [engines[p].generate([PROMPTS[i]], params, use_tqdm=False)[0].outputs[0].token_ids for p in (False, True)]
-        assert runs[0] == runs[1], "pipelined bans differ from step-by-step ones"
-        out = runs[0]
-        assert out[:1] == tokens[:1] and out != tokens  # the same until the first ban
-        assert not any(_contains(out, w) for w in words), (out, words)
+        for start, end in ((1, 2), (2, 4), (5, 8)):
+            word = tokens[start:end]
+            if word[-1] in tokens[:end - 1] or any(t in word for t in tokens[:start]):
+                continue  # an earlier ban would change the output before this one
+            params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, bad_words_token_ids=[word])
+            runs = [engines[p].generate([PROMPTS[i]], params, use_tqdm=False)[0].outputs[0].token_ids
+                    for p in (False, True)]
+            assert runs[0] == runs[1], ("pipelined bans differ from step-by-step ones", word)
+            out = runs[0]
+            assert out[:end - 1] == tokens[:end - 1] and out[end - 1] != tokens[end - 1], (out, tokens, word)
+            assert not _contains(out, word), (out, word)
+            tested.append(len(word))
+    assert {1, 2, 3} <= set(tested), tested
     assert any(pending_seen), "no pipelined step had its newest token on the device"
 
 
@@ -56,7 +63,9 @@ def test_bad_words_are_tokenized_as_written_and_after_a_space(engines):
     assert encode(" hello") != encode("hello")
     resolved = llm.engine.input_processor.resolve_bad_words(SamplingParams(bad_words=["unbelievable", " hello"]))
     assert resolved.bad_words_token_ids == [encode("unbelievable"), encode("hello"), encode(" hello")]
+
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, bad_words=["hello"])
+    assert llm.engine.input_processor.resolve_bad_words(params).bad_words_token_ids
     assert params.bad_words_token_ids is None  # the caller's object is not changed
     # A word the model writes (a generated token whose text, re-tokenized, is that token): banned, it is gone.
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -71,6 +80,27 @@ def test_bad_words_are_tokenized_as_written_and_after_a_space(engines):
     assert list(banned.token_ids) != list(plain[prompt])
     for ids in sequences:
         assert not _contains(list(banned.token_ids), ids)
+
+
+def test_the_spaced_form_rule_with_a_scripted_tokenizer():
+    """vLLM's rule on every branch: the spaced form is added only with as many tokens and a different first one;
+    each sequence once, in order."""
+    from kvserve.engine.input_processor import InputProcessor
+
+    vocab = {"a": [1], " a": [2], "bc": [3, 4], " bc": [3, 5], "de": [6, 7], " de": [8]}
+
+    class Tokenizer:
+        eos_token_id = None
+
+        def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+            return {"input_ids": vocab[text]}
+
+        def __len__(self) -> int:
+            return 10
+
+    processor = InputProcessor(Tokenizer(), 64, [0])  # type: ignore[arg-type]
+    resolved = processor.resolve_bad_words(SamplingParams(bad_words=["a", "bc", " de", "a"]))
+    assert resolved.bad_words_token_ids == [[1], [2], [3, 4], [6, 7]]
 
 
 @pytest.mark.parametrize("bad_words", [[""], ["  "], [3], "word"])
@@ -94,7 +124,10 @@ def test_given_token_ids_are_kept_and_checked(engines):
     resolved = resolve(SamplingParams(bad_words=words)).bad_words_token_ids
     assert len(resolved) == len({tuple(ids) for ids in resolved})  # each sequence once, in order
     assert resolved.index(list(llm.get_tokenizer().encode("hello", add_special_tokens=False))) > 0
-    with pytest.raises(SamplingParamsError, match="out of range"):
-        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2, bad_words_token_ids=[[10**9]]), use_tqdm=False)
+    vocab = len(llm.get_tokenizer())
+    for ids in ([[10**9]], [[5, vocab]]):
+        with pytest.raises(SamplingParamsError, match="out of range"):
+            llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2, bad_words_token_ids=ids), use_tqdm=False)
+    llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2, bad_words_token_ids=[[5, vocab - 1]]), use_tqdm=False)
     with pytest.raises(SamplingParamsError, match="cannot be tokenized"):
         resolve(SamplingParams(bad_words=["a\ud800b"]))

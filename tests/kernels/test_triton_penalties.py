@@ -16,8 +16,10 @@ def _case(device: torch.device, vocab: int, seed: int = 0) -> dict[str, torch.Te
     """7 logit rows, 4 of them penalised (out of order), by 4 of 6 count slots (out of order)."""
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(7, vocab, generator=gen) * 4
-    logits[0, :5] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 3.0])  # signs and zero at the x > 0 boundary
+    logits[5, :5] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 3.0])  # signs and zero at the x > 0 boundary (row 5:
+    # repetition penalty 1.3)
     seen = torch.rand(6, vocab, generator=gen) < 0.2
+    seen[2, :5] = True  # row 5's slot: the boundary values are penalised
     counts = torch.randint(0, 4, (6, vocab), generator=gen).float() * (torch.rand(6, vocab, generator=gen) < 0.1)
     return dict(
         logits=logits.to(device),
@@ -26,7 +28,8 @@ def _case(device: torch.device, vocab: int, seed: int = 0) -> dict[str, torch.Te
         seen=seen.to(device),
         counts=counts.to(device),
         repetition_penalties=torch.tensor([1.3, 1.0, 0.7, 1.05], device=device),
-        frequency_penalties=torch.tensor([0.0, 0.5, -0.25, 0.1], device=device),
+        # products that round (0.3 * 3, 0.7 * 2, ...): a fused multiply-add would change the last bit
+        frequency_penalties=torch.tensor([0.3, 0.7, -0.1, 0.1], device=device),
         presence_penalties=torch.tensor([0.2, 0.0, 1.5, -0.3], device=device),
     )
 

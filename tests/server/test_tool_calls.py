@@ -37,6 +37,7 @@ TEXTS = [
     '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>',  # arguments as a JSON string
     "ends with a partial tag <tool_c",
     "   ",
+    'Sure. <tool_call>{"name": "f", "arguments": {}}</tool_call> Done.',
 ]
 
 
@@ -61,6 +62,15 @@ def test_parse_two_calls_after_content():
 
 @pytest.mark.parametrize(("text", "content", "functions"), [
     ("Just text <b>", "Just text <b>", []),
+    ("", "", []),
+    ("Just text, with  spaces \n and a trailing newline\n", "Just text, with  spaces \n and a trailing newline\n", []),
+    ("ends with a partial tag <tool_c", "ends with a partial tag <tool_c", []),
+    # the whitespace before a call goes with it; text after a call is content
+    ('Sure. <tool_call>{"name": "f", "arguments": {}}</tool_call> Done.', "Sure. Done.",
+     [{"name": "f", "arguments": "{}"}]),
+    ('Sure.\t\r\n<tool_call>{"name": "f", "arguments": {}}</tool_call>\r\n', "Sure.", [{"name": "f", "arguments": "{}"}]),
+    ('<tool_call>{"name": "f", "arguments": {}, "parameters": {}}</tool_call>',
+     '<tool_call>{"name": "f", "arguments": {}, "parameters": {}}</tool_call>', []),
     ("   ", "   ", []),  # no tool calls: the whole text, as generated
     ('<tool_call>{"name": "f", "arguments": {"a": [1, 2]}}', None, [{"name": "f", "arguments": '{"a": [1, 2]}'}]),
     # a block that is not a call stays in the content, tags and all; the one that is, is a call
@@ -207,6 +217,7 @@ def _stream_messages(response: httpx.Response) -> tuple[dict[int, dict[str, Any]
             for call in delta.get("tool_calls", []):
                 assert call["index"] == len(message["tool_calls"])  # each call whole, in order
                 assert call["id"].startswith("chatcmpl-tool-") and call["type"] == "function"
+                assert call["id"] not in {c["id"] for m in messages.values() for c in m["tool_calls"]}
                 message["tool_calls"].append(call)
             if choice["finish_reason"] is not None:
                 finish[choice["index"]] = choice["finish_reason"]
@@ -293,6 +304,36 @@ def test_tool_call_parsing_keeps_special_tokens():
     _post(ctx, {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER]})
     _post(ctx, {"messages": [{"role": "user", "content": "hi"}]})
     assert [p.skip_special_tokens for p in seen] == [False, True]
+
+
+def test_priority_and_bad_words_reach_the_engine():
+    """Under the priority policy a request's priority reaches the engine (chat and completions, streamed or
+    not); bad words are tokenized in the request's preparation, before the engine is called."""
+    from kvserve.protocol.sampling_params import SamplingParams as Params
+
+    calls: list[tuple[int, Params]] = []
+    ctx, _ = _context([["ok"]])
+    generate = ctx.engine.generate
+
+    async def recording(request_id, ids, params, prompt, cache_salt=None, priority=0):  # noqa: ANN001, ANN202
+        calls.append((priority, params))
+        async for update in generate(request_id, ids, params, prompt, cache_salt):
+            yield update
+
+    def resolve_bad_words(params: Params) -> Params:
+        return Params(**{**params.__dict__, "bad_words_token_ids": [[5]]})
+
+    ctx.engine.generate = recording
+    ctx.engine.input_processor.resolve_bad_words = resolve_bad_words
+    ctx.engine.tokenizer = lambda text, add_special_tokens=True: {"input_ids": [1, 2]}
+    ctx.scheduling_policy = "priority"
+    chat = {"messages": [{"role": "user", "content": "hi"}], "priority": -3, "bad_words": ["no"]}
+    completion = {"prompt": "hi", "priority": 7, "bad_words": ["no"]}
+    for stream in (False, True):
+        assert _post(ctx, {**chat, "stream": stream}).status_code == 200
+        assert _post(ctx, {**completion, "stream": stream}, "/v1/completions").status_code == 200
+    assert [p for p, _ in calls] == [-3, 7, -3, 7]
+    assert all(params.bad_words_token_ids == [[5]] for _, params in calls)
 
 
 def test_tool_definitions_as_vllm_reads_them():

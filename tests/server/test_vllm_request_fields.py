@@ -120,7 +120,16 @@ def test_return_tokens_as_token_ids(tiny_server: ServerProcess) -> None:
                                                           "return_tokens_as_token_ids": False})
     text_content = as_text.json()["choices"][0]["logprobs"]["content"]
     assert [c["bytes"] for c in content] == [c["bytes"] for c in text_content]
+    assert [[t["bytes"] for t in c["top_logprobs"]] for c in content] == \
+        [[t["bytes"] for t in c["top_logprobs"]] for c in text_content]
     assert [c["bytes"] == list(c["token"].encode()) for c in text_content] == [True] * len(content)
+    streamed_tokens = []
+    chat_stream = {**CHAT, **flags, "logprobs": True, "top_logprobs": 2, "stream": True}
+    with httpx.stream("POST", tiny_server.base_url + "/v1/chat/completions", json=chat_stream, timeout=60) as r:
+        for event in read_sse(r):
+            if isinstance(event, dict) and event["choices"] and event["choices"][0].get("logprobs"):
+                streamed_tokens += [c["token"] for c in event["choices"][0]["logprobs"]["content"]]
+    assert streamed_tokens == [c["token"] for c in content]
     body = {**COMPLETION, **flags, "logprobs": 2}
     full = _post(tiny_server, "/v1/completions", body).json()["choices"][0]
     logprobs = full["logprobs"]
@@ -136,6 +145,10 @@ def test_return_tokens_as_token_ids(tiny_server: ServerProcess) -> None:
     assert streamed == {key: logprobs[key] for key in streamed}
     plain = _post(tiny_server, "/v1/completions", {**body, "return_tokens_as_token_ids": False}).json()["choices"][0]
     assert not any(t.startswith("token_id:") for t in plain["logprobs"]["tokens"])
+    echoed = _post(tiny_server, "/v1/completions", {**body, "echo": True}).json()["choices"][0]
+    prompt_ids = echoed["prompt_token_ids"]
+    assert echoed["logprobs"]["tokens"] == [f"token_id:{t}" for t in prompt_ids + echoed["token_ids"]]
+    assert echoed["logprobs"]["token_logprobs"][0] is None  # the prompt's first token, labelled all the same
 
 
 def test_any_role_and_responses_text_parts(tiny_server: ServerProcess) -> None:

@@ -38,7 +38,8 @@ def test_ping_is_the_health_check(tiny_server: ServerProcess) -> None:
 def flagged_server(launch_server: Callable[..., ServerProcess], tiny_llama_dir: str) -> ServerProcess:
     return launch_server([tiny_llama_dir, "--served-model-name", TINY_NAME, "--max-model-len", "64",
                           "--kv-cache-memory", "64MiB", "--api-key", API_KEY, "--max-logprobs", "3",
-                          "--allowed-origins", f'["{ORIGIN}"]', "--root-path", "/v", "--return-tokens-as-token-ids"])
+                          "--allowed-origins", f'["{ORIGIN}"]', "--root-path", "/v", "--return-tokens-as-token-ids",
+                          "--scheduling-policy", "priority", "--tool-call-parser", "hermes"])
 
 
 def test_origins_root_path_and_max_logprobs(flagged_server: ServerProcess) -> None:
@@ -64,6 +65,13 @@ def test_origins_root_path_and_max_logprobs(flagged_server: ServerProcess) -> No
     as_text = httpx.post(base + "/v1/chat/completions", headers=auth, timeout=60,
                          json={**chat, "return_tokens_as_token_ids": False})
     assert not as_text.json()["choices"][0]["logprobs"]["content"][0]["token"].startswith("token_id:")
+    # --scheduling-policy priority: requests' priorities are served
+    ranked = httpx.post(base + "/v1/chat/completions", headers=auth, timeout=60, json={**chat, "priority": 5})
+    assert ranked.status_code == 200, ranked.text
+    # --tool-call-parser without --enable-auto-tool-choice (as in vLLM): tool_choice "auto" is not served
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    auto = httpx.post(base + "/v1/chat/completions", headers=auth, timeout=60, json={**chat, "tools": tools})
+    assert auto.status_code == 400 and auto.json()["error"]["param"] == "tool_choice", auto.text
     over = httpx.post(base + "/v1/chat/completions", headers=auth, json={**chat, "top_logprobs": 4}, timeout=60)
     assert over.status_code == 400 and over.json()["error"]["param"] == "top_logprobs"
     assert "--max-logprobs (3)" in over.json()["error"]["message"]

@@ -274,6 +274,18 @@ def test_sampler_penalties_only_touch_rows_that_ask(device):
     assert sample(logits, rows, device).sampled_token_ids.tolist() == [0, 3]
 
 
+def test_penalised_rows_after_unpenalised_ones_use_their_own_counts(device):
+    """Rows counted from their lists (no request id) and penalised, behind a row without penalties: each gets
+    its own counts (a row index used as a count row would read another row's)."""
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]] * 3)
+    rows = [
+        row(SamplingParams(temperature=0.0), output=[0, 0]),  # no penalty: argmax 3
+        row(SamplingParams(temperature=0.0, frequency_penalty=2.0), output=[3, 3]),  # 3 - 4 = -1: token 0
+        row(SamplingParams(temperature=0.0, frequency_penalty=2.0), output=[0]),  # 2 - 2 = 0: token 3
+    ]
+    assert sample(logits, rows, device).sampled_token_ids.tolist() == [3, 0, 3]
+
+
 def test_penalties_come_before_logit_bias(device):
     # Token 1: logit -2, in the output, repetition penalty 2, bias +3.
     # Penalty then bias: -2 * 2 + 3 = -1 < 0 (token 0 wins); bias then penalty would give (1) / 2 = 0.5.
@@ -509,6 +521,12 @@ def test_bad_words_ban_a_words_last_token_after_its_other_tokens(device):
     assert sample(_ranked_logits(4), rows, device).sampled_token_ids.tolist() == [6, 5, 6, 6]
     both = SamplingParams(temperature=0.0, bad_words_token_ids=[[7], [2, 6], [1, 2, 5]])
     assert sample(_ranked_logits(1), [row(both, output=[1, 2])], device).sampled_token_ids.tolist() == [4]
+
+
+def test_bad_words_past_the_models_vocabulary_are_ignored(device):
+    """A tokenizer may be longer than the model's vocabulary: a word ending past it bans nothing."""
+    params = SamplingParams(temperature=0.0, bad_words_token_ids=[[VOCAB + 3], [7, VOCAB], [6]])
+    assert sample(_ranked_logits(1), [row(params, output=[7])], device).sampled_token_ids.tolist() == [7]
 
 
 def test_bad_words_compare_a_pending_token_on_the_device(device):
