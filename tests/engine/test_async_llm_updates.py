@@ -29,6 +29,7 @@ class _FakeClient:
     def __init__(self, config: Any, handler: Any, *args: Any) -> None:
         self.dead_error = None
         self.added: list[str] = []
+        self.requests: list[Any] = []  # the EngineCoreRequests as sent
         self.aborted: list[str] = []
 
     async def start(self) -> EngineReady:
@@ -37,6 +38,7 @@ class _FakeClient:
 
     async def add_requests(self, requests: list[Any]) -> None:
         self.added += [r.req_id for r in requests]
+        self.requests += requests
 
     def abort_requests(self, req_ids: list[str]) -> None:
         self.aborted += req_ids
@@ -94,6 +96,26 @@ def test_one_update_per_step_while_the_consumer_keeps_up(monkeypatch, smollm_tok
     assert len(ids) == 3
     assert [u.outputs[0].token_ids_delta for u in got] == [[t] for t in ids]  # type: ignore[union-attr]
     assert "".join(u.outputs[0].text_delta for u in got) == " one two three"  # type: ignore[union-attr]
+
+
+def test_priority_and_bad_words_go_into_every_samples_request(monkeypatch, smollm_tokenizer) -> None:
+    """The engine-core requests of an n=2 request carry its priority, and its bad words as token sequences."""
+
+    async def run() -> list[Any]:
+        llm = await _engine(monkeypatch, smollm_tokenizer)
+        got: list[RequestOutput | Exception] = []
+        params = SamplingParams(n=2, max_tokens=3, bad_words=["hello"])
+        task = await _started(llm.generate("r", [1, 2], params, priority=-4), got)
+        sent = list(llm.client.requests)
+        task.cancel()  # the consumer goes away: the request is aborted
+        await asyncio.gather(task, return_exceptions=True)
+        assert sorted(llm.client.aborted) == sorted(r.req_id for r in sent)
+        return sent
+
+    sent = asyncio.run(run())
+    assert len(sent) == 2 and [r.priority for r in sent] == [-4, -4]
+    hello = _ids(smollm_tokenizer, "hello")
+    assert all(hello in r.sampling_params.bad_words_token_ids for r in sent)
 
 
 def test_steps_queued_behind_a_slow_consumer_come_as_one_update(monkeypatch, smollm_tokenizer) -> None:
