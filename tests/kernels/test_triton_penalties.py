@@ -63,13 +63,22 @@ def test_penalties_read_strided_count_rows(device):
 
 
 def test_penalties_refuse_what_they_cannot_read(device):
+    """Every argument the kernel would misread is refused: dtypes, count rows narrower than the logits (the
+    prompt marks or the counts), columns that are not contiguous."""
     case = _case(device, 64)
-    with pytest.raises(ValueError, match="float32"):
-        triton_penalties.penalise_rows_(case["logits"].half(), *[case[k] for k in list(case)[1:]])
-    with pytest.raises(ValueError, match="columns"):
-        args = [case[k] for k in list(case)[1:]]
-        args[3] = args[3][:, :32]
-        triton_penalties.penalise_rows_(case["logits"], *args)
+
+    def refused(match: str, **changed: torch.Tensor) -> None:
+        args = {**case, **changed}
+        with pytest.raises(ValueError, match=match):
+            triton_penalties.penalise_rows_(*args.values())
+
+    refused("float32", logits=case["logits"].half())
+    refused("float32", counts=case["counts"].double())
+    refused("bool", seen=case["seen"].to(torch.uint8))
+    refused("columns", seen=case["seen"][:, :32])
+    refused("columns", counts=case["counts"][:, :32])
+    refused("unit-stride", logits=case["logits"].t().contiguous().t())
+    refused("unit-stride", counts=case["counts"].t().contiguous().t())
 
 
 def test_penalty_kernel_compiles_for_hopper(device, compiler_for):
