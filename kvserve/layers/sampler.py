@@ -175,13 +175,6 @@ class PenaltyCounts:
         """Device memory the two buffers hold."""
         return self.seen.numel() * self.seen.element_size() + self.counts.numel() * self.counts.element_size()
 
-    def gather(
-        self, rows: Sequence[SamplingRow], pending_ids: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(prompt counts, output counts) ``[len(rows), vocab]`` float32 for these rows, after `update`."""
-        index = to_device(self.update(rows, pending_ids), torch.int64, self.device)
-        return self.seen[index].to(torch.float32), self.counts[index]
-
     def update(self, rows: Sequence[SamplingRow], pending_ids: torch.Tensor | None = None) -> list[int]:
         """Count what is new for these rows (each with a req_id) and return their slots, in row order: the
         tokens of `output_token_ids` not counted yet, and a row's `pending_row` token, read from

@@ -44,6 +44,13 @@ def row(params: SamplingParams, prompt=(), output=(), generator=None, req_id=Non
     )
 
 
+def gathered(kept: PenaltyCounts, rows: list[SamplingRow], pending_ids: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prompt marks as float32, output counts) of `rows` after `kept.update`, in row order."""
+    index = torch.tensor(kept.update(rows, pending_ids), device=kept.device)
+    return kept.seen[index].to(torch.float32), kept.counts[index]
+
+
 def probs_to_logits(probs: list[float]) -> torch.Tensor:
     """Logits whose softmax is `probs` (zeros become -inf)."""
     return torch.tensor([math.log(p) if p > 0 else float("-inf") for p in probs], dtype=torch.float32)
@@ -327,7 +334,7 @@ def test_kept_penalty_counts_match_counting_the_lists_at_every_step(device):
         rows = list(live.values())
         if not rows:
             continue
-        prompt_counts, output_counts = kept.gather(rows)
+        prompt_counts, output_counts = gathered(kept, rows)
         prompts = [r.prompt_token_ids if r.params.repetition_penalty != 1.0 else [] for r in rows]
         assert torch.equal((prompt_counts > 0).cpu(), (token_counts(prompts, VOCAB, CPU) > 0))
         assert torch.equal(output_counts.cpu(), token_counts([r.output_token_ids for r in rows], VOCAB, CPU))
@@ -338,13 +345,13 @@ def test_kept_penalty_counts_match_counting_the_lists_at_every_step(device):
 def test_kept_penalty_counts_recount_a_shorter_history_and_release_forgets(device):
     kept = PenaltyCounts(VOCAB, device)
     r = row(SamplingParams(frequency_penalty=1.0), output=[1, 1, 2], req_id="a")
-    assert kept.gather([r])[1][0, :3].tolist() == [0, 2, 1]
+    assert gathered(kept, [r])[1][0, :3].tolist() == [0, 2, 1]
     r.output_token_ids[:] = [2]  # not expected in the engine: counted again from the start
-    assert kept.gather([r])[1][0, :3].tolist() == [0, 0, 1]
+    assert gathered(kept, [r])[1][0, :3].tolist() == [0, 0, 1]
     kept.release(["a", "unknown"])
     kept.check_invariants(set())
     assert len(kept) == 0
-    kept.gather([r])  # a request the caller has ended but not released is caught by the invariant check
+    gathered(kept, [r])  # a request the caller has ended but not released is caught by the invariant check
     with pytest.raises(AssertionError, match="still holds"):
         kept.check_invariants(set())
 
@@ -354,9 +361,9 @@ def test_kept_penalty_counts_grow_once_for_a_batch_of_arrivals(device):
     them so for max_num_seqs rows); past that they double."""
     kept = PenaltyCounts(VOCAB, device)
     params = SamplingParams(presence_penalty=1.0)
-    kept.gather([row(params, output=[i % VOCAB], req_id=str(i)) for i in range(20)])
+    gathered(kept, [row(params, output=[i % VOCAB], req_id=str(i)) for i in range(20)])
     assert kept.counts.shape[0] == 20 and len(kept) == 20
-    prompt_counts, output_counts = kept.gather([row(params, output=[3, 3], req_id="new")])
+    prompt_counts, output_counts = gathered(kept, [row(params, output=[3, 3], req_id="new")])
     assert kept.counts.shape[0] == 40 and output_counts[0, 3].item() == 2.0 and prompt_counts.sum().item() == 0
     kept.check_invariants()
 
@@ -410,7 +417,7 @@ def test_a_pending_token_on_the_device_counts_as_the_lists_next(device):
             r.pending_row = pending_rows.get(req_id)
             rows.append(r)
         want = token_counts([history[req_id] for req_id in history], VOCAB, CPU)
-        _, output_counts = kept.gather(rows, previous.to(device))
+        _, output_counts = gathered(kept, rows, previous.to(device))
         assert torch.equal(output_counts.cpu(), want), step
         lists = Sampler()._apply_penalties(torch.zeros(len(rows), VOCAB, device=device), [
             SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, None, None, r.pending_row) for r in rows
@@ -433,7 +440,7 @@ def test_a_pending_token_on_the_device_counts_as_the_lists_next(device):
     assert Sampler()(logits.to(device), [pending], [eos], torch.zeros(1, dtype=torch.int64, device=device)
                      ).sampled_token_ids.tolist() == [eos]
     with pytest.raises(ValueError, match="pending_ids"):  # a pending row needs the ids it points into
-        PenaltyCounts(VOCAB, device).gather([SamplingRow(params, [1], [1], None, "x", 0)])
+        PenaltyCounts(VOCAB, device).update([SamplingRow(params, [1], [1], None, "x", 0)])
 
 
 def sample_with(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow], device: torch.device) -> list[int]:

@@ -297,12 +297,19 @@ def sampled_and_top(
     return sampled, top[:num_top]
 
 
-def _token_text(tokenizer: Any, token_id: int, lp: Logprob | None, as_ids: bool = False) -> str:
+def _token_text(tokenizer: Any, token_id: int, lp: Logprob | None) -> str:
+    return lp.decoded_token if lp is not None and lp.decoded_token is not None else tokenizer.decode([token_id])
+
+
+def _shown(token_id: int, text: str, as_ids: bool) -> str:
     """A token as logprobs show it: its text, or with vLLM's return_tokens_as_token_ids "token_id:<id>"
     (what a client can map back to the token when its text is not valid UTF-8 on its own)."""
-    if as_ids:
-        return f"token_id:{token_id}"
-    return lp.decoded_token if lp is not None and lp.decoded_token is not None else tokenizer.decode([token_id])
+    return f"token_id:{token_id}" if as_ids else text
+
+
+def _label(tokenizer: Any, token_id: int, lp: Logprob | None, as_ids: bool) -> str:
+    """`_shown` where the text is needed only to show it (not decoded for a token shown by its id)."""
+    return f"token_id:{token_id}" if as_ids else _token_text(tokenizer, token_id, lp)
 
 
 def chat_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, Logprob]], num_top: int,
@@ -312,14 +319,15 @@ def chat_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, 
     content = []
     for token_id, entry in zip(token_ids, entries, strict=True):
         sampled, top = sampled_and_top(token_id, entry, num_top)
+        text = _token_text(tokenizer, token_id, sampled)
         content.append({
-            "token": _token_text(tokenizer, token_id, sampled, as_ids),
+            "token": _shown(token_id, text, as_ids),
             "logprob": _finite(sampled.logprob),
             # `bytes`: the token's own text, also when `token` is its id (as vLLM gives the sampled token's)
-            "bytes": list(_token_text(tokenizer, token_id, sampled).encode("utf-8")),
+            "bytes": list(text.encode("utf-8")),
             "top_logprobs": [
-                {"token": _token_text(tokenizer, tid, lp, as_ids), "logprob": _finite(lp.logprob),
-                 "bytes": list(_token_text(tokenizer, tid, lp).encode("utf-8"))}
+                {"token": _shown(tid, t := _token_text(tokenizer, tid, lp), as_ids), "logprob": _finite(lp.logprob),
+                 "bytes": list(t.encode("utf-8"))}
                 for tid, lp in top
             ],
         })
@@ -342,17 +350,17 @@ def completion_logprobs(
         value: float | None = None
         entry_top: dict[str, float] | None = None
         if entry is None:
-            text = _token_text(tokenizer, token_id, None, as_ids)
+            text = _label(tokenizer, token_id, None, as_ids)
         else:
             sampled, top = sampled_and_top(token_id, entry, num_top)
-            text = _token_text(tokenizer, token_id, sampled, as_ids)
+            text = _label(tokenizer, token_id, sampled, as_ids)
             value = _finite(sampled.logprob)
             # The sampled token and the top `num_top`, as OpenAI's legacy API and vLLM give them (up to
             # num_top + 1). Keyed by text: where tokens decode alike (byte pieces all decode to U+FFFD) the
             # sampled token's value stays, then the most likely one's.
             entry_top = {text: value}
             for tid, lp in top:
-                entry_top.setdefault(_token_text(tokenizer, tid, lp, as_ids), _finite(lp.logprob))
+                entry_top.setdefault(_label(tokenizer, tid, lp, as_ids), _finite(lp.logprob))
         tokens.append(text)
         token_logprobs.append(value)
         tops.append(entry_top)
