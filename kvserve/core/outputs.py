@@ -40,6 +40,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)  # the runner may drop their state
     num_preempted: int = 0
+    # Structured output: the token mask of each scheduled request that samples this step and has a grammar
+    # (int32 words, one bit per token id; `kvserve.structured_output`).
+    grammar_bitmask: dict[str, bytes] = field(default_factory=dict)
     # The scheduler's own objects of the scheduled requests (in-process only): a token sampled for a
     # request that was aborted and whose id was reused meanwhile must not reach the new request.
     requests: dict[str, Request] = field(default_factory=dict, repr=False, compare=False)

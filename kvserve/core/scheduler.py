@@ -76,6 +76,18 @@ class Scheduler:
 
     def add_request(self, request: Request, group_key: str | None = None) -> None:
         """Queue a request; reject one that could never be served (rather than letting it hang)."""
+        self.check_request(request)
+        request.status = RequestStatus.WAITING
+        self.kv.set_group(request, group_key)
+        self.requests[request.req_id] = request
+        self._order[request.req_id] = (request.priority, request.arrival_time, next(self._arrivals))
+        if self._by_priority:
+            self._insert_in_order(self.waiting, request)
+        else:
+            self.waiting.append(request)
+
+    def check_request(self, request: Request) -> None:
+        """RequestRejected when `add_request` would refuse the request; changes nothing."""
         max_len = self.config.max_model_len
         if request.req_id in self.requests:
             raise RequestRejected(f"request id {request.req_id!r} is already in use", "request_id")
@@ -108,14 +120,6 @@ class Scheduler:
                 f"{self.kv.num_blocks * self.block_size} tokens",
                 "max_tokens",
             )
-        request.status = RequestStatus.WAITING
-        self.kv.set_group(request, group_key)
-        self.requests[request.req_id] = request
-        self._order[request.req_id] = (request.priority, request.arrival_time, next(self._arrivals))
-        if self._by_priority:
-            self._insert_in_order(self.waiting, request)
-        else:
-            self.waiting.append(request)
 
     def abort_requests(self, req_ids: Iterable[str]) -> list[Request]:
         """Abort requests in any state; unknown or already finished ids are ignored."""

@@ -175,6 +175,7 @@ class EngineCoreProc:
                     return 0
             if self.core.has_unfinished_requests():
                 result = self.core.step()
+                self._send_failures()
                 if result.outputs or self._changed or result.stats != self._last_stats:
                     self._send_outputs(result.outputs, result.stats)
                     self._last_stats = result.stats
@@ -231,6 +232,13 @@ class EngineCoreProc:
             added.append(request.req_id)
             self._owner[request.req_id] = message.client_index
 
+    def _send_failures(self) -> None:
+        """Requests the core dropped (a grammar that failed to compile): an error to the API process."""
+        for req_id, message, param in self.core.pop_failed():
+            client = self._owner.pop(req_id, None)
+            if client is not None and client not in self._gone:
+                self.outbox.put((client, RequestFailed(req_id, message, param)))
+
     def _client_gone(self, client: int) -> None:
         """An API process exited: nobody reads its requests' outputs any more."""
         if client in self._gone or not 0 < client < self.num_clients:
@@ -266,7 +274,7 @@ class EngineCoreProc:
 
     def check_invariants(self) -> None:
         """Every unfinished request of the core has an owner, and only those."""
-        assert set(self._owner) == set(self.core.scheduler.requests), "request owners differ from the core's requests"
+        assert set(self._owner) == self.core.unfinished_req_ids(), "request owners differ from the core's requests"
         assert all(0 <= c < self.num_clients and c not in self._gone for c in self._owner.values()), \
             "a request owned by no live API process"
 

@@ -18,11 +18,12 @@ requests coming and going do in either mode; unseeded draws from the shared gene
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvserve import distributed
 from kvserve.config import ConfigError, EngineConfig, memory_size_text
@@ -31,9 +32,14 @@ from kvserve.core.request import Request
 from kvserve.core.scheduler import RequestRejected, Scheduler
 from kvserve.executor.multiproc import TPWorkers
 from kvserve.kernels import triton_precompile
+from kvserve.model.tokenizer import load_tokenizer
 from kvserve.protocol.engine import EngineCoreRequest
+from kvserve.structured_output import GrammarCompiler, GrammarError, StructuredOutputs, grammar_for
 from kvserve.worker.memory import gpu_capacity_hint
 from kvserve.worker.model_runner import ModelRunner, PendingOutput
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +145,16 @@ class EngineCore:
             block_size=cache.block_size,
             enable_prefix_caching=cache.enable_prefix_caching,
         )
+        model_config = config.model_config
+        self.structured = StructuredOutputs(GrammarCompiler(
+            lambda: load_tokenizer(model_config.tokenizer, model_config.chat_template),
+            self.runner.arch.vocab_size, self.runner.eos_token_ids,
+        ))
+        # Requests with a grammar, until it is compiled: (request, group key, the compile). They enter the
+        # scheduler then; the others go on meanwhile.
+        self._awaiting_grammar: dict[str, tuple[Request, str | None, concurrent.futures.Future]] = {}
+        # Requests whose grammar failed to compile: (req_id, message, param), for the caller (`pop_failed`).
+        self._failed: list[tuple[str, str, str]] = []
         # Tests turn this on to run every stateful manager's invariant checks after each step.
         self.check_invariants_every_step = False
         self.async_scheduling = config.async_scheduling
@@ -157,6 +173,8 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do with one). The core takes no steps after."""
+        if hasattr(self, "structured"):
+            self.structured.compiler.shutdown()
         if self.workers is not None:
             self.workers.close()
             self.workers = None
@@ -213,25 +231,80 @@ class EngineCore:
             raise RequestRejected(
                 f"allowed_token_ids must be in [0, {vocab_size}) (the model's vocabulary size)", "allowed_token_ids"
             )
-        self.scheduler.add_request(
-            Request(
-                req_id=request.req_id,
-                prompt_token_ids=request.prompt_token_ids,
-                sampling_params=request.sampling_params,
-                eos_token_ids=request.eos_token_ids,
-                max_tokens=request.max_tokens,
-                cache_salt=request.cache_salt,
-                arrival_time=request.arrival_time or None,
-                priority=request.priority,
-            ),
-            group_key=request.group_key,
+        core_request = Request(
+            req_id=request.req_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling_params=request.sampling_params,
+            eos_token_ids=request.eos_token_ids,
+            max_tokens=request.max_tokens,
+            cache_salt=request.cache_salt,
+            arrival_time=request.arrival_time or None,
+            priority=request.priority,
         )
+        spec = request.sampling_params.structured_outputs
+        if spec is None:
+            if request.req_id in self._awaiting_grammar:
+                raise RequestRejected(f"request id {request.req_id!r} is already in use", "request_id")
+            self.scheduler.add_request(core_request, group_key=request.group_key)
+            return
+        if request.req_id in self._awaiting_grammar or request.req_id in self.scheduler.requests:
+            raise RequestRejected(f"request id {request.req_id!r} is already in use", "request_id")
+        self.scheduler.check_request(core_request)
+        try:
+            grammar = grammar_for(spec)
+        except GrammarError as e:
+            raise RequestRejected(str(e), "structured_outputs") from None
+        self._awaiting_grammar[request.req_id] = (core_request, request.group_key, self.structured.compiler.submit(grammar))
+
+    def set_tokenizer(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        """The tokenizer grammars are compiled against, when the caller has it already (in-process engines):
+        the core then does not load its own."""
+        self.structured.compiler.set_tokenizer_loader(lambda: tokenizer)
 
     def abort_requests(self, req_ids: list[str]) -> None:
+        for req_id in req_ids:
+            awaiting = self._awaiting_grammar.pop(req_id, None)
+            if awaiting is not None:
+                awaiting[2].cancel()
         self.scheduler.abort_requests(req_ids)
+        self.structured.release(req_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None or bool(self._awaiting_grammar)
+
+    def unfinished_req_ids(self) -> set[str]:
+        """The requests the core has taken and not finished: in the scheduler or waiting for their grammar."""
+        return set(self.scheduler.requests) | set(self._awaiting_grammar)
+
+    def pop_failed(self) -> list[tuple[str, str, str]]:
+        """Requests dropped since the last call because their grammar failed to compile: (req_id, message,
+        param). Their callers get the message as the request's error."""
+        failed, self._failed = self._failed, []
+        return failed
+
+    def _admit_compiled(self) -> None:
+        """Move requests whose grammar is compiled into the scheduler. When nothing else can run, wait a
+        little for a compile instead of spinning."""
+        awaiting = self._awaiting_grammar
+        if not awaiting:
+            return
+        if not self.scheduler.has_unfinished_requests() and self._in_flight is None:
+            concurrent.futures.wait([f for _, _, f in awaiting.values()], timeout=0.05,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        for req_id in [r for r, (_, _, future) in awaiting.items() if future.done()]:
+            request, group_key, future = awaiting.pop(req_id)
+            try:
+                matcher = future.result()
+            except Exception as e:  # GrammarError, or the tokenizer failed to load
+                logger.warning("request %s: its grammar could not be compiled: %s", req_id, e)
+                self._failed.append((req_id, str(e), "structured_outputs"))
+                continue
+            self.structured.add(req_id, matcher)
+            try:
+                self.scheduler.add_request(request, group_key=group_key)
+            except RequestRejected as e:  # checked on arrival; defensive
+                self.structured.release([req_id])
+                self._failed.append((req_id, str(e), e.param))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every prefix-cache entry; only when no request is live or in flight. Returns whether it was
@@ -244,7 +317,16 @@ class EngineCore:
         """Schedule and launch one step; return the outputs of the step whose tokens arrived (this one
         without async scheduling, the previous one with it)."""
         outputs: list[EngineCoreOutput] = []
+        self._admit_compiled()
+        if self._in_flight is not None and len(self.structured):
+            # A grammar's mask for this step needs the previous step's tokens: read them first (steps with
+            # structured output are not pipelined).
+            outputs.extend(self._finish_in_flight())
         scheduler_output = self.scheduler.schedule()
+        if len(self.structured):
+            scheduler_output.grammar_bitmask = self.structured.bitmasks(
+                [s.req_id for s in scheduler_output.scheduled if s.sample]
+            )
         if self.workers is not None:
             self.workers.step(scheduler_output, finish_previous_first=self._in_flight is None)
         pending = self.runner.execute_model_async(scheduler_output)
@@ -258,8 +340,7 @@ class EngineCore:
         if not self.async_scheduling or scheduler_output.is_empty:
             outputs.extend(self._finish_in_flight())
         if self.check_invariants_every_step:
-            self.scheduler.check_invariants()
-            self.runner.check_invariants()
+            self.check_invariants()
         if self._variants_seen is not None and triton_precompile.loaded_count() != self._variants_seen:
             self._note_late_variants()
         return EngineStepResult(
@@ -268,6 +349,12 @@ class EngineCore:
             num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
             num_scheduled_reqs=len(scheduler_output.scheduled),
         )
+
+    def check_invariants(self) -> None:
+        self.scheduler.check_invariants()
+        self.runner.check_invariants()
+        assert not set(self._awaiting_grammar) & set(self.scheduler.requests), "a request both queued and compiling"
+        self.structured.check_invariants(set(self.scheduler.requests))
 
     def _note_late_variants(self) -> None:
         assert self._variants_seen is not None
@@ -285,4 +372,13 @@ class EngineCore:
         assert self._in_flight is not None
         scheduler_output, pending = self._in_flight
         self._in_flight = None
-        return self.scheduler.update_from_output(scheduler_output, pending.result())
+        outputs = self.scheduler.update_from_output(scheduler_output, pending.result())
+        structured = self.structured
+        if len(structured):
+            for output in outputs:
+                if output.req_id in structured:
+                    if output.finished:
+                        structured.release([output.req_id])
+                    else:
+                        structured.accept(output.req_id, output.new_token_ids)
+        return outputs

@@ -212,7 +212,15 @@ class LLM:
         start = time.perf_counter()
         num_prompt_tokens = num_output_tokens = 0
         while self.engine.has_unfinished_requests():
-            for output in self.engine.step():
+            try:
+                step_outputs = self.engine.step()
+            except ValueError:  # a request failed in the core: the call's others are dropped too
+                for request_id in request_ids:
+                    if request_id not in finished:
+                        self.engine.abort_request(request_id)
+                bar.close()
+                raise
+            for output in step_outputs:
                 if not output.finished:
                     continue
                 finished[output.request_id] = output

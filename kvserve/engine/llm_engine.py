@@ -17,6 +17,7 @@ from kvserve.protocol.sampling_params import SamplingParams
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: PreTrainedTokenizerBase) -> None:
         self.core = EngineCore(config)
+        self.core.set_tokenizer(tokenizer)
         self.config = self.core.config
         self.tokenizer = tokenizer
         self.input_processor = InputProcessor(tokenizer, self.core.max_model_len, self.core.eos_token_ids)
@@ -76,6 +77,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         result = self.core.step()
         self.last_stats = result.stats
+        failed = self.core.pop_failed()
+        if failed:  # a grammar that failed to compile against the tokenizer: the request's error
+            for req_id, _, _ in failed:
+                parent = self.output_processor.parent_of(req_id)
+                if parent is not None:
+                    self.core.abort_requests(self.output_processor.abort_request(parent))
+            raise ValueError(failed[0][1])
         outputs, to_abort = self.output_processor.process_outputs(result.outputs, time.time())
         if to_abort:
             self.core.abort_requests(to_abort)

@@ -115,6 +115,11 @@ class OutputProcessor:
     def has_unfinished(self) -> bool:
         return bool(self._parents)
 
+    def parent_of(self, child_id: str) -> str | None:
+        """The user request an engine request id (a sample) belongs to, while it is live."""
+        sample = self._samples.get(child_id)
+        return sample.parent.request_id if sample is not None else None
+
     def abort_request(self, request_id: str) -> list[str]:
         """Forget a user request; returns the engine ids of its samples still to abort in the core."""
         parent = self._parents.pop(request_id, None)

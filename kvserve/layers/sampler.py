@@ -2,6 +2,9 @@
 
 Order of operations, per row (vLLM/OpenAI meanings; see `SamplingParams`):
 
+0. **Grammar** (structured output, ``SamplingRow.grammar_mask``): every token the request's grammar does not
+   allow next is set to -inf in a copy of the logits, before everything below: the logprobs too are the
+   constrained distribution's, as vLLM's.
 1. **Logprobs** (only when some row has ``params.logprobs`` set) come from the *raw* logits:
    ``log_softmax`` in float32, before anything below.
 2. **Penalties** on the model's logits: ``repetition_penalty`` for every token seen in the prompt or the
@@ -60,6 +63,9 @@ class SamplingRow:
     # `pending_ids` the sampler is called with). Penalties count it and min_tokens counts it from there, so
     # such requests need not wait for the host to read each step's tokens.
     pending_row: int | None = None
+    # Structured output: the tokens the request's grammar allows next (int32 words, one bit per token id,
+    # `kvserve.structured_output`); None: no grammar constrains this step.
+    grammar_mask: bytes | None = None
 
 
 @dataclass
@@ -105,6 +111,27 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
 # ---------------------------------------------------------------------------------------------------------
 # The pieces, each a pure function on tensors (tests check them against hand computations).
 # ---------------------------------------------------------------------------------------------------------
+
+
+def apply_grammar_masks(logits: torch.Tensor, row_index: Sequence[int], masks: Sequence[bytes]) -> torch.Tensor:
+    """A copy of `logits` with -inf at every token a row's grammar mask does not allow (rows `row_index`,
+    masks in the same order; token ids past a mask's bits are not allowed). Copied to the device without a
+    host sync."""
+    device = logits.device
+    num_rows, vocab_size = len(row_index), logits.shape[1]
+    words = torch.frombuffer(bytearray(b"".join(masks)), dtype=torch.int32).view(num_rows, -1)
+    if device.type == "cuda":
+        words = words.pin_memory()
+    words = words.to(device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    bits = ((words.unsqueeze(2) >> shifts) & 1).view(num_rows, -1).bool()
+    width = min(bits.shape[1], vocab_size)
+    allowed = torch.zeros((num_rows, vocab_size), dtype=torch.bool, device=device)
+    allowed[:, :width] = bits[:, :width]
+    out = logits.clone()
+    index = to_device(list(row_index), torch.int64, device)
+    out[index] = out[index].masked_fill(~allowed, float("-inf"))
+    return out
 
 
 def token_counts(
@@ -386,6 +413,9 @@ class Sampler:
         device."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [num_rows={len(rows)}, vocab], got {tuple(logits.shape)}")
+        constrained = [i for i, row in enumerate(rows) if row.grammar_mask is not None]
+        if constrained:  # before everything, the raw logprobs included (as vLLM's)
+            logits = apply_grammar_masks(logits, constrained, [rows[i].grammar_mask for i in constrained])
         asked = [row.params.logprobs for row in rows if row.params.logprobs is not None]
         if not asked and all(_is_plain_greedy(row.params) for row in rows):
             # Nothing changes the logits: argmax of them as they are (exact, no float32 copy of the batch).

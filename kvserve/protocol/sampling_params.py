@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 _SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20  # the most logprobs / prompt_logprobs a request may ask for (OpenAI's top_logprobs limit)
@@ -15,6 +15,54 @@ class SamplingParamsError(ValueError):
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A grammar the output must follow (vLLM's `StructuredOutputsParams`); exactly one of:
+
+    * ``json``: a JSON schema (a dict, or its JSON text);
+    * ``json_object=True``: any JSON object;
+    * ``regex``: a regular expression the whole output matches;
+    * ``choice``: one of these strings;
+    * ``grammar``: a Lark grammar, or a GBNF one (llama.cpp's, as vLLM's xgrammar takes).
+
+    ``disable_any_whitespace`` gives JSON without optional whitespace; ``disable_additional_properties`` adds
+    ``additionalProperties: false`` to every object schema that does not set it; ``whitespace_pattern`` is the
+    regex of JSON's optional whitespace.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            self.choice = list(self.choice)
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise SamplingParamsError(
+                "structured output takes exactly one of json, regex, choice, grammar and json_object"
+                + (f", got {', '.join(given)}" if given else ""), "structured_outputs")
+        if self.choice is not None and (not self.choice or any(not isinstance(c, str) or not c for c in self.choice)):
+            raise SamplingParamsError("choice must be a non-empty list of non-empty strings", "structured_outputs")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise SamplingParamsError(f"{name} must be a non-empty string", "structured_outputs")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise SamplingParamsError("json must be a JSON schema (an object or its JSON text)", "structured_outputs")
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in ("json", "regex", "choice", "grammar", "json_object")
+                    if getattr(self, name) not in (None, False))
 
 
 @dataclass
@@ -34,6 +82,10 @@ class SamplingParams:
       (from the model's raw distribution, before temperature and penalties).
     * ``allowed_token_ids`` restricts every sampled token to those ids (applied after penalties and
       logit_bias; logprobs stay the raw distribution's).
+    * ``structured_outputs`` (`StructuredOutputsParams`): the output follows a JSON schema, a regex, a choice
+      or a grammar (`kvserve.structured_output`). Tokens the grammar does not allow are masked before
+      everything else, so logprobs are the constrained distribution's (as vLLM's); the grammar is checked
+      here, so an invalid one is a SamplingParamsError.
     * ``bad_words``: each word's token sequence is banned, i.e. its last token where the output so far ends
       with its other tokens (the prompt does not count). The sequences are the word's tokens as written and,
       where that gives as many tokens with a different first one, after a space (vLLM's rule); other
@@ -69,6 +121,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
     spaces_between_special_tokens: bool = True
@@ -144,12 +197,31 @@ class SamplingParams:
             bad("stop strings need the text: they cannot be used with detokenize=False", "stop")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):  # type: ignore[union-attr]
             bad("stop_token_ids must be non-negative integers", "stop_token_ids")
+        if self.structured_outputs is not None:
+            self._check_structured_outputs()
         if self.seed is not None and not isinstance(self.seed, int):
             bad(f"seed must be an integer, got {self.seed!r}", "seed")
         if self.logit_bias is not None:
             for value in self.logit_bias.values():
                 if not -100.0 <= value <= 100.0:
                     bad(f"logit_bias values must be in [-100, 100], got {value}", "logit_bias")
+
+    def _check_structured_outputs(self) -> None:
+        from kvserve.structured_output import GrammarError, grammar_for
+
+        spec = self.structured_outputs
+        if isinstance(spec, dict):  # e.g. from JSON: vLLM's field names
+            unknown = sorted(set(spec) - {f.name for f in fields(StructuredOutputsParams)})
+            if unknown:
+                raise SamplingParamsError(f"unknown structured_outputs field(s): {', '.join(map(str, unknown))}",
+                                          "structured_outputs")
+            spec = self.structured_outputs = StructuredOutputsParams(**spec)
+        if not isinstance(spec, StructuredOutputsParams):
+            raise SamplingParamsError("structured_outputs must be StructuredOutputsParams", "structured_outputs")
+        try:
+            grammar_for(spec)
+        except GrammarError as e:
+            raise SamplingParamsError(str(e), "structured_outputs") from None
 
     @property
     def is_greedy(self) -> bool:

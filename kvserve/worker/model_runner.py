@@ -939,6 +939,7 @@ class ModelRunner:
         logits = self.model.compute_logits(sample_hidden)
         states = [self.requests[req_id] for req_id in batch.sampled_req_ids]
         pending = self._pending_rows(scheduler_output, batch.sampled_req_ids)
+        masks = scheduler_output.grammar_bitmask
         rows = [
             SamplingRow(
                 params=s.sampling_params,
@@ -947,6 +948,7 @@ class ModelRunner:
                 generator=s.generator,
                 req_id=req_id,
                 pending_row=pending[i] if pending is not None else None,
+                grammar_mask=masks.get(req_id) if masks else None,
             )
             for i, (req_id, s) in enumerate(zip(batch.sampled_req_ids, states, strict=True))
         ]

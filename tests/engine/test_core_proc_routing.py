@@ -43,6 +43,19 @@ class _FakeCore:
 
     def __init__(self) -> None:
         self.scheduler = _Scheduler()
+        self.failed: list[tuple[str, str, str]] = []
+
+    def unfinished_req_ids(self) -> set[str]:
+        return set(self.scheduler.requests)
+
+    def pop_failed(self) -> list[tuple[str, str, str]]:
+        failed, self.failed = self.failed, []
+        return failed
+
+    def fail(self, req_id: str, message: str) -> None:
+        """A request dropped by the core after it was added (a grammar that failed to compile)."""
+        del self.scheduler.requests[req_id]
+        self.failed.append((req_id, message, "structured_outputs"))
 
     def add_request(self, request: EngineCoreRequest) -> None:
         if not request.prompt_token_ids:
@@ -111,6 +124,19 @@ def test_a_rejected_request_fails_at_the_process_that_sent_it() -> None:
         (1, RequestFailed, "s0"), (1, RequestFailed, "s1")]
     assert core.scheduler.requests == {}
     proc.check_invariants()
+
+
+def test_a_request_the_core_drops_later_fails_at_its_process() -> None:
+    proc, core, outbox = _proc(3)
+    proc._handle(AddRequests([_request("g")], client_index=2))
+    proc._handle(AddRequests([_request("h")], client_index=1))
+    core.fail("g", "no tokenizer")
+    proc._send_failures()
+    assert _drain(outbox) == [(2, RequestFailed("g", "no tokenizer", "structured_outputs"))]
+    assert proc._owner == {"h": 1}
+    proc.check_invariants()
+    proc._send_failures()  # reported once
+    assert _drain(outbox) == []
 
 
 def test_one_process_gets_everything_and_the_owner_table_stays_exact() -> None:

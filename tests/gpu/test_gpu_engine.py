@@ -459,6 +459,47 @@ def test_penalty_kernel_matches_torch_penalties_in_the_engine(
     assert all(len(t) == 24 for t in tokens[True])
 
 
+def test_structured_output_on_the_gpu(checkpoints: dict[str, str], tmp_path: Any) -> None:
+    """Grammars on the GPU (masks copied from pinned memory, applied before sampling): each output follows its
+    grammar, and pipelined steps with CUDA graphs give the tokens of unpipelined eager ones."""
+    import re
+    import shutil
+
+    from helpers.tiny_models import write_byte_tokenizer
+
+    from kvserve.protocol.sampling_params import StructuredOutputsParams
+
+    # Grammars need a tokenizer; the module's checkpoints stay without one.
+    path = write_byte_tokenizer(shutil.copytree(checkpoints["llama-hd64"], str(tmp_path / "with-tokenizer")))
+    specs = [StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2}"), StructuredOutputsParams(choice=["yes", "no"]),
+             StructuredOutputsParams(regex=r"[a-z ]{300}")]
+    prompts = _prompts(6, seed=41)
+    tokens = {}
+    for enforce_eager, async_scheduling in ((True, False), (False, True)):
+        core = _core(path, "float32", enforce_eager=enforce_eager, async_scheduling=async_scheduling)
+        core.check_invariants_every_step = True
+        out: dict[str, list[int]] = {}
+        for i, prompt in enumerate(prompts):
+            params = SamplingParams(temperature=0.8, seed=i, max_tokens=24, structured_outputs=specs[i % 3])
+            core.add_request(EngineCoreRequest(req_id=str(i), prompt_token_ids=prompt, sampling_params=params,
+                                               max_tokens=24, eos_token_ids=core.eos_token_ids))
+            out[str(i)] = []
+        while core.has_unfinished_requests():
+            for o in core.step().outputs:
+                out[o.req_id].extend(o.new_token_ids)
+        assert core.structured.num_refused_tokens == 0 and len(core.structured) == 0
+        tokens[enforce_eager] = [out[str(i)] for i in range(len(prompts))]
+        del core
+    assert tokens[True] == tokens[False]
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    patterns = [r"[0-9]{3}-[a-z]{2}", "yes|no", "[a-z ]+"]
+    for i, ids in enumerate(tokens[True]):
+        text = tokenizer.decode([t for t in ids if t != tokenizer.eos_token_id])
+        assert re.fullmatch(patterns[i % 3], text), (i, text)
+
+
 @pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize(
     "enforce_eager, async_scheduling", [(False, True), (False, False), (True, False)],

@@ -143,6 +143,27 @@ def make_bare_checkpoint(directory: str, model_type: str, seed: int, **overrides
     return directory
 
 
+def write_byte_tokenizer(directory: str) -> str:
+    """A byte-level BPE tokenizer with no merges beside a bare checkpoint: ids 0-2 are <unk>, <s>, </s> (the
+    bare checkpoints' BOS and EOS), 3 + b is byte b. For engines that need text (structured output's grammars)
+    without the default model's tokenizer; returns `directory`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    # GPT-2's byte-to-character table: printable bytes stand for themselves, the others for 256 + n.
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: chr(b) for b in printable}
+    for n, b in enumerate(b for b in range(256) if b not in chars):
+        chars[b] = chr(256 + n)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{chars[b]: 3 + b for b in range(256)}}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(directory)
+    return directory
+
+
 def _randomize(model: torch.nn.Module, seed: int) -> None:
     """Scale-aware random weights: logits of order 1, and no parameter left at a neutral value (HF inits
     biases to 0 and norms to 1, which would hide a bias or norm weight that is not loaded)."""

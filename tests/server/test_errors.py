@@ -109,7 +109,7 @@ def test_unsupported_features_are_refused(http):
     cases = [
         # tools make tool_choice "auto", which this server (no --enable-auto-tool-choice) does not serve
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
         ({"chat_template": "{{ 1 }}"}, "chat_template"),
     ]
     for extra, param in cases:

@@ -352,16 +352,17 @@ def test_tool_definitions_as_vllm_reads_them():
 @pytest.mark.parametrize(("extra", "parser", "param", "words"), [
     ({"tools": [WEATHER]}, None, "tool_choice", "--enable-auto-tool-choice"),
     ({"tools": [WEATHER], "tool_choice": "auto"}, None, "tool_choice", "--tool-call-parser"),
-    ({"tools": [WEATHER], "tool_choice": "required"}, "hermes", "tool_choice", "structured output"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "hermes",
-     "tool_choice", "structured output"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "hermes",
+     "tool_choice", "not one of the tools"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, None,
+     "tool_choice", "cannot be combined"),
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "hermes", "tool_choice", "sometimes"),
     ({"tool_choice": "required"}, "hermes", "tool_choice", "needs tools"),
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "hermes", "tools", "tools[0]"),
     ({"tools": [{"type": "code_interpreter"}]}, "hermes", "tools", "tools[0]"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "hermes", "tools", "parameters"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function"}}, "hermes",
-     "tool_choice", "structured output"),
+     "tool_choice", "named tool_choice"),
 ])
 def test_tool_requests_refused_with_a_400(extra, parser, param, words):
     ctx, rendered = _context([["ok"]], parser=parser)

@@ -9,6 +9,7 @@ text is compared with the offline `LLM`'s.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -240,3 +241,17 @@ def test_truncate_prompt_tokens_applies(triton_model: Callable[[bool], Any], tin
     ids = llm.get_tokenizer()(prompt)["input_ids"]
     tail = llm.generate([ids[-20:]], SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)[0]
     assert response.text() == tail.outputs[0].text
+
+
+def test_structured_outputs_apply(triton_model: Callable[[bool], Any]) -> None:
+    """sampling_parameters' structured_outputs (vLLM's field names) constrain the text; a bad one is the
+    request's error."""
+    model = triton_model(False)
+    params = json.dumps({"temperature": 0.7, "seed": 3, "max_tokens": 12,
+                         "structured_outputs": {"regex": "[0-9]{2}:[0-9]{2}"}})
+    bad = json.dumps({"structured_outputs": {"regex": "[0-"}})
+    good, refused = model.execute([Request(text_input="Time:", sampling_parameters=params, exclude_input_in_output=True),
+                                   Request(text_input="x", sampling_parameters=bad)])
+    assert not good.has_error(), good.error().message()
+    assert re.fullmatch("[0-9]{2}:[0-9]{2}", good.text()), good.text()
+    assert refused.has_error() and "invalid regex" in refused.error().message()

@@ -39,7 +39,6 @@ MAX_REQUEST_ID_LEN = 256
 # a request that sets one is refused with a 400 naming it, instead of served without it. Not set: null, false,
 # empty, or the value listed here (the field's neutral value).
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "structured_outputs": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
     "prompt_embeds": (),
     "use_beam_search": (0,),
     "logits_processors": (), "functions": (), "function_call": ("none",),
@@ -52,6 +51,18 @@ def _sets(value: Any, neutral: tuple[Any, ...]) -> bool:
     if value is None or value is False or any(type(value) is type(n) and value == n for n in neutral):
         return False
     return not (isinstance(value, (list, dict, str)) and len(value) == 0)
+
+
+class JsonSchemaFormat(OpenAIBaseModel):
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: str  # "text" | "json_object" | "json_schema"
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingFields(OpenAIBaseModel):
@@ -94,6 +105,15 @@ class SamplingFields(OpenAIBaseModel):
     return_token_ids: bool | None = None  # (not strict: vLLM clients send 0 for off)
     return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:<id>"
     request_id: str | None = Field(default=None, max_length=MAX_REQUEST_ID_LEN)
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs (StructuredOutputsParams' fields)
+    # and its older guided_* fields; at most one of them.
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     @field_validator("n", mode="before")
     @classmethod
@@ -136,17 +156,12 @@ class ChatMessage(OpenAIBaseModel):
     tool_calls: list[dict[str, Any]] | None = None
 
 
-class ResponseFormat(OpenAIBaseModel):
-    type: str
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     logprobs: StrictBool | None = False
     top_logprobs: Annotated[int, Field(ge=0)] | None = None  # at most --max-logprobs (the handler checks)
     max_tokens: Int64 | None = Field(default=None, description="Deprecated by OpenAI; max_completion_tokens.")
     max_completion_tokens: Int64 | None = None
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator
@@ -37,8 +38,9 @@ from kvserve.entrypoints.openai.serving_common import (
     with_default_length,
 )
 from kvserve.entrypoints.openai.tool_parsers import ToolCallStream, parse_tool_calls, tool_call_id
+from kvserve.protocol.chat_messages import strict_json
 from kvserve.protocol.outputs import RequestOutput
-from kvserve.protocol.sampling_params import SamplingParams
+from kvserve.protocol.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 
 # apply_chat_template arguments a request's chat_template_kwargs must not override.
 _RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tokenize", "chat_template", "add_generation_prompt",
@@ -63,8 +65,13 @@ class PreparedChat:
     def __init__(self, request_id: str, model: str, prompt: str, prompt_token_ids: list[int],
                  params: SamplingParams, num_top_logprobs: int | None, cache_salt: str | None = None,
                  return_token_ids: bool = False, parse_tools: bool = False, parallel_tool_calls: bool = True,
-                 tokens_as_ids: bool = False, priority: int = 0) -> None:
+                 tokens_as_ids: bool = False, priority: int = 0, forced_tool: str | None = None,
+                 required_tools: bool = False) -> None:
         self.request_id = request_id
+        # tool_choice naming a function: the output (its arguments, by a grammar) is that function's call
+        self.forced_tool = forced_tool
+        # tool_choice "required": the output (by a grammar) is a JSON list of {"name", "parameters"}
+        self.required_tools = required_tools
         self.priority = priority  # lower first, under the priority scheduling policy
         self.tokens_as_ids = tokens_as_ids  # vLLM's return_tokens_as_token_ids: logprobs' tokens as "token_id:<id>"
         self.parse_tools = parse_tools  # tool_choice "auto": the text is read for tool calls
@@ -86,11 +93,9 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> PreparedCha
     check_supported(req)
     if req.echo:
         raise BadRequestError("echo is not supported for chat completions", "echo")
-    parse_tools = check_tools(ctx, req)
+    choice = check_tools(ctx, req)
+    parse_tools = choice == "auto"
     ctx.check_priority(req.priority)
-    if req.response_format is not None and req.response_format.type != "text":
-        raise BadRequestError(f"response_format {req.response_format.type!r} is not supported (only 'text')",
-                              "response_format")
     if req.chat_template is not None:
         raise BadRequestError("a per-request chat_template is not accepted; start the server with --chat-template",
                               "chat_template")
@@ -110,6 +115,17 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> PreparedCha
     params = sampling_params_from(req, max_tokens, num_top,
                                   {"max_tokens": max_tokens_param, "logprobs": "top_logprobs"}, ctx.sampling_defaults,
                                   req.prompt_logprobs)
+
+    forced = forced_tool_schema(req, choice)
+    if forced is not None:
+        if params.structured_outputs is not None:
+            raise BadRequestError(f"tool_choice {json.dumps(choice)} sets the output's structure: it cannot be "
+                                  f"combined with response_format, structured_outputs or guided_*", "tool_choice")
+        try:
+            params = dataclasses.replace(params, structured_outputs=StructuredOutputsParams(json=forced))
+        except SamplingParamsError as e:
+            raise BadRequestError(f"the tools' parameters are not a schema the output can follow: {e}",
+                                  "tools") from None
 
     engine = ctx.engine
     assert engine.input_processor is not None
@@ -136,7 +152,9 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> PreparedCha
     log_request(ctx, request_id, len(processed.prompt_token_ids), params, processed.prompt)
     return PreparedChat(request_id, model, processed.prompt, processed.prompt_token_ids, params, num_top,
                         req.cache_salt, bool(req.return_token_ids), parse_tools, req.parallel_tool_calls is not False,
-                        ctx.tokens_as_ids(req.return_tokens_as_token_ids), req.priority)
+                        ctx.tokens_as_ids(req.return_tokens_as_token_ids), req.priority,
+                        forced_tool=choice["function"]["name"] if isinstance(choice, dict) else None,
+                        required_tools=choice == "required")
 
 
 def check_tool_definitions(tools: list[dict[str, Any]] | None) -> None:
@@ -151,14 +169,15 @@ def check_tool_definitions(tools: list[dict[str, Any]] | None) -> None:
             raise BadRequestError(f"tools[{i}].function.parameters must be a JSON Schema object", "tools")
 
 
-def check_tools(ctx: ServingContext, req: ChatCompletionRequest) -> bool:
-    """Validate tools and tool_choice; whether the response is read for tool calls (tool_choice "auto", which
-    tools make the default, as in vLLM). Raises 400s."""
+def check_tools(ctx: ServingContext, req: ChatCompletionRequest) -> str | dict[str, Any]:
+    """Validate tools and tool_choice; the choice in effect: "none" (also when there is nothing to call),
+    "auto" (the response is read for tool calls; tools make it the default, as in vLLM), "required", or a
+    named function ({"type": "function", "function": {"name": ...}}, one of the tools). Raises 400s."""
     check_tool_definitions(req.tools)
     tools = req.tools or []
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
     if choice == "none" or (choice == "auto" and not tools):  # nothing to call
-        return False
+        return "none"
     if not tools:
         raise BadRequestError(f"tool_choice {json.dumps(choice)} needs tools", "tool_choice")
     if choice == "auto":
@@ -166,12 +185,54 @@ def check_tools(ctx: ServingContext, req: ChatCompletionRequest) -> bool:
             raise BadRequestError('tool_choice "auto" needs the server started with --enable-auto-tool-choice and '
                                   '--tool-call-parser; send tool_choice "none" to give the model tools it may not call',
                                   "tool_choice")
-        return True
-    if choice == "required" or isinstance(choice, dict):
-        raise BadRequestError(f"tool_choice {json.dumps(choice)} needs structured output, which this server does not "
-                              f'support; use "auto" or "none"', "tool_choice")
+        return "auto"
+    if choice == "required":
+        return choice
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type", "function") != "function" or not isinstance(name, str):
+            raise BadRequestError('a named tool_choice is {"type": "function", "function": {"name": ...}}',
+                                  "tool_choice")
+        if name not in {tool["function"]["name"] for tool in tools}:
+            raise BadRequestError(f"tool_choice names {name!r}, which is not one of the tools", "tool_choice")
+        return {"type": "function", "function": {"name": name}}
     raise BadRequestError(f'tool_choice must be "none", "auto", "required" or a named function, got {choice!r}',
                           "tool_choice")
+
+
+def forced_tool_schema(req: ChatCompletionRequest, choice: str | dict[str, Any]) -> dict[str, Any] | None:
+    """The JSON schema the output follows under a forced tool_choice (as vLLM's): a named function's
+    parameters; for "required", a list of at least one {"name", "parameters"} object of any tool (at most one
+    with parallel_tool_calls false). None for "none" and "auto"."""
+    functions = [tool["function"] for tool in req.tools or []]
+    if isinstance(choice, dict):
+        function = next(f for f in functions if f["name"] == choice["function"]["name"])
+        return function.get("parameters") or {"type": "object"}
+    if choice != "required":
+        return None
+    calls = [{"type": "object",
+              "properties": {"name": {"type": "string", "enum": [f["name"]]},
+                             "parameters": f.get("parameters") or {"type": "object"}},
+              "required": ["name", "parameters"]} for f in functions]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if req.parallel_tool_calls is False:
+        schema["maxItems"] = 1
+    return schema
+
+
+def required_tool_calls(text: str) -> list[dict[str, Any]] | None:
+    """The calls of a tool_choice "required" output (a JSON list of {"name", "parameters"}) as OpenAI
+    `function` objects; None when the text is not such a list (cut short by max_tokens)."""
+    try:
+        calls = strict_json(text)
+    except ValueError:
+        return None
+    if not isinstance(calls, list) or not calls or not all(
+            isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("parameters"), dict)
+            for c in calls):
+        return None
+    return [{"name": c["name"], "arguments": json.dumps(c["parameters"], ensure_ascii=False)} for c in calls]
 
 
 def message_dict(message: ChatMessage) -> dict[str, Any]:
@@ -221,6 +282,16 @@ async def chat_full(ctx: ServingContext, chat: PreparedChat) -> dict[str, Any]:
                        "tool_calls": parsed.tool_calls[: chat.max_tool_calls]}
             if parsed.tool_calls:
                 finish_reason = "tool_calls"
+        elif chat.forced_tool is not None:  # the text is the arguments
+            message = {"role": "assistant", "content": None, "tool_calls": [
+                {"id": tool_call_id(), "type": "function",
+                 "function": {"name": chat.forced_tool, "arguments": completion.text}}]}
+        elif chat.required_tools:
+            calls = required_tool_calls(completion.text)
+            if calls is not None:  # else (cut short) the text stays the content: nothing is lost
+                message = {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": tool_call_id(), "type": "function", "function": f} for f in calls]}
+                finish_reason = "tool_calls"
         choices.append({
             "index": completion.index,
             "message": message,
@@ -265,6 +336,7 @@ async def chat_stream(ctx: ServingContext, chat: PreparedChat, include_usage: bo
 
     finished_sent: set[int] = set()
     tool_streams: dict[int, ToolCallStream] | None = {} if chat.parse_tools else None
+    forced_started: set[int] = set()
     role_sent = False
     try:
         async with aclosing(ctx.engine.generate(chat.request_id, chat.prompt_token_ids, chat.params,
@@ -283,7 +355,7 @@ async def chat_stream(ctx: ServingContext, chat: PreparedChat, include_usage: bo
                         yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
                                       "logprobs": None, "finish_reason": None}], extra=extra)
                 counts["cached"] = update.num_cached_tokens
-                for choice in _choice_deltas(ctx, chat, update, finished_sent, counts, tool_streams):
+                for choice in _choice_deltas(ctx, chat, update, finished_sent, counts, tool_streams, forced_started):
                     yield chunk([choice], usage() if continuous_usage else None)
     except Exception as e:
         yield sse(engine_error(e).to_body())
@@ -295,11 +367,13 @@ async def chat_stream(ctx: ServingContext, chat: PreparedChat, include_usage: bo
 
 
 def _choice_deltas(ctx: ServingContext, chat: PreparedChat, update: RequestOutput, finished_sent: set[int],
-                   counts: dict[str, int], tool_streams: dict[int, ToolCallStream] | None = None
-                   ) -> list[dict[str, Any]]:
+                   counts: dict[str, int], tool_streams: dict[int, ToolCallStream] | None = None,
+                   forced_started: set[int] | None = None) -> list[dict[str, Any]]:
     """The chunk choices of one update: text deltas, logprobs, and each choice's finish (sent once). With
-    `tool_streams` (tool_choice "auto"), the text goes through each choice's `ToolCallStream`."""
+    `tool_streams` (tool_choice "auto"), the text goes through each choice's `ToolCallStream`; under a forced
+    tool_choice it is a tool call (`forced_started`: the choices whose call has been opened)."""
     choices = []
+    forced_started = forced_started if forced_started is not None else set()
     for completion in update.outputs:
         if completion.index in finished_sent:
             continue
@@ -315,7 +389,27 @@ def _choice_deltas(ctx: ServingContext, chat: PreparedChat, update: RequestOutpu
         delta: dict[str, Any] = {"content": completion.text_delta} if completion.text_delta or completion.token_ids_delta \
             else {}
         finish_reason = completion.finish_reason
-        if tool_streams is not None:
+        if chat.forced_tool is not None:
+            # The arguments stream as they come; the call's id and name with the first chunk.
+            function: dict[str, Any] = {"arguments": completion.text_delta}
+            call: dict[str, Any] = {"index": 0, "function": function}
+            if completion.index not in forced_started:
+                forced_started.add(completion.index)
+                call.update(id=tool_call_id(), type="function")
+                function["name"] = chat.forced_tool
+            delta = {"tool_calls": [call]} if completion.text_delta or len(function) > 1 else {}
+        elif chat.required_tools:
+            # The list is read whole at the end; cut short, its text is the content.
+            delta = {}
+            if completion.finished:
+                calls = required_tool_calls(completion.text)
+                if calls is None:
+                    delta = {"content": completion.text} if completion.text else {}
+                else:
+                    delta = {"tool_calls": [{"index": k, "id": tool_call_id(), "type": "function", "function": f}
+                                            for k, f in enumerate(calls)]}
+                    finish_reason = "tool_calls"
+        elif tool_streams is not None:
             tools = tool_streams.setdefault(completion.index, ToolCallStream())
             first = tools.num_tool_calls
             released = tools.feed(completion.text_delta, final=completion.finished)

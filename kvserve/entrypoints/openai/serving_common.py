@@ -28,7 +28,12 @@ from kvserve.entrypoints.openai.errors import (
 )
 from kvserve.entrypoints.openai.protocol import SamplingFields
 from kvserve.protocol.outputs import CompletionOutput, Logprob
-from kvserve.protocol.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
+from kvserve.protocol.sampling_params import (
+    MAX_LOGPROBS,
+    SamplingParams,
+    SamplingParamsError,
+    StructuredOutputsParams,
+)
 
 logger = logging.getLogger("kvserve.server")
 
@@ -102,6 +107,47 @@ def check_supported(req: SamplingFields) -> None:
         raise BadRequestError(f"{name} is not supported by this server", name)
 
 
+def structured_outputs_from(req: SamplingFields) -> tuple[StructuredOutputsParams | None, str]:
+    """The request's grammar, from whichever of response_format, structured_outputs and the guided_* fields
+    sets one (400 when more than one does, or for a response_format type that is not served), and the field
+    it came from (an invalid grammar's 400 names it)."""
+    specs: list[tuple[str, dict[str, Any]]] = []
+    fmt = req.response_format
+    if fmt is not None:
+        if fmt.type == "json_object":
+            specs.append(("response_format", {"json_object": True}))
+        elif fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+                raise BadRequestError('response_format "json_schema" needs json_schema.schema', "response_format")
+            specs.append(("response_format", {"json": fmt.json_schema.json_schema}))
+        elif fmt.type != "text":
+            raise BadRequestError(f'response_format type must be "text", "json_object" or "json_schema", got '
+                                  f"{fmt.type!r}", "response_format")
+    if req.structured_outputs:
+        specs.append(("structured_outputs", dict(req.structured_outputs)))
+    for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                      ("guided_grammar", "grammar")):
+        value = getattr(req, name)
+        if value is not None:
+            specs.append((name, {key: value}))
+    if not specs:
+        return None, "structured_outputs"
+    if len(specs) > 1:
+        raise BadRequestError(f"only one of {', '.join(n for n, _ in specs)} may set the output's structure",
+                              specs[1][0])
+    name, fields = specs[0]
+    if req.guided_whitespace_pattern is not None and "whitespace_pattern" not in fields:
+        fields["whitespace_pattern"] = req.guided_whitespace_pattern
+    try:
+        return StructuredOutputsParams(**fields), name
+    except SamplingParamsError as e:
+        raise BadRequestError(str(e), name) from None
+    except TypeError:  # a structured_outputs key that is not a field
+        known = {f.name for f in dataclasses.fields(StructuredOutputsParams)}
+        unknown = sorted(set(fields) - known)
+        raise BadRequestError(f"unknown structured_outputs field(s): {', '.join(unknown)}", name) from None
+
+
 def new_request_id(engine: AsyncLLM, prefix: str, requested: str | None) -> str:
     """`<prefix>-<base>`, as vLLM names a response: the base is the client's (the X-Request-Id header, else
     the `request_id` field, which the endpoint has merged) when given and not in use, else a fresh one."""
@@ -124,8 +170,10 @@ def sampling_params_from(
     """SamplingParams of an API request; out-of-range values become 400s naming the API's field. `defaults`
     (the model's generation config) fill temperature, top_p, top_k, min_p and repetition_penalty where the
     request leaves them out; then the engine's neutral values. `max_tokens` is resolved by the caller."""
-    names = param_names or {}
+    names = dict(param_names or {})
     given = defaults or {}
+    structured, structured_param = structured_outputs_from(req)
+    names.setdefault("structured_outputs", structured_param)
     logit_bias: dict[int, float] | None = None
     if req.logit_bias:
         try:
@@ -160,6 +208,7 @@ def sampling_params_from(
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             truncate_prompt_tokens=req.truncate_prompt_tokens,
+            structured_outputs=structured,
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
         )

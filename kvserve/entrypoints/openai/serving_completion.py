@@ -70,11 +70,6 @@ def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> PreparedC
     ctx.check_engine()
     check_supported(req)
     ctx.check_priority(req.priority)
-    response_format = (req.model_extra or {}).get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        kind = response_format.get("type") if isinstance(response_format, dict) else response_format
-        raise BadRequestError(f"response_format {kind!r} is not supported (only {{'type': 'text'}})",
-                              "response_format")
     if req.suffix:
         raise BadRequestError("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:

@@ -1,0 +1,171 @@
+"""Structured output in the engine: every kind of grammar gives output in its language, pipelined or step by
+step (the same tokens), beside unconstrained requests (whose tokens it does not change), under preemption,
+and with logprobs of the constrained distribution; a grammar that cannot be compiled is an error that leaves
+nothing behind."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from kvserve.engine.llm import LLM
+from kvserve.protocol.sampling_params import SamplingParams, StructuredOutputsParams
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
+          "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer"},
+                         "tags": {"type": "array", "maxItems": 2, "items": {"enum": ["a", "b"]}}}}
+CHOICES = ["yes", "no", "maybe so"]
+REGEX = r"[0-9]{3}-[a-z]{2}"
+GRAMMAR = 'root ::= "a" ("b" | "c")+ "."'  # GBNF, as vLLM's xgrammar takes it
+LARK = 'start: "x" NUM\nNUM: /[0-9]{2}/'
+PROMPTS = ["Hello", "Once upon a time", "1, 2, 3,", "The weather", "q", "Name and age:"]
+
+
+def _in_language(spec: StructuredOutputsParams, text: str) -> bool:
+    if spec.json is not None or spec.json_object:
+        value = json.loads(text)
+        if spec.json_object:
+            return isinstance(value, dict)
+        return (isinstance(value, dict) and set(value) == {"name", "age", "tags"} and isinstance(value["name"], str)
+                and len(value["name"]) <= 6 and type(value["age"]) is int
+                and isinstance(value["tags"], list) and len(value["tags"]) <= 2
+                and all(t in ("a", "b") for t in value["tags"]))
+    if spec.choice is not None:
+        return text in spec.choice
+    if spec.regex is not None:
+        return re.fullmatch(spec.regex, text) is not None
+    if spec.grammar == GRAMMAR:
+        return re.fullmatch(r"a[bc]+\.", text) is not None
+    return re.fullmatch(r"x[0-9]{2}", text) is not None
+
+
+SPECS = [StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True), StructuredOutputsParams(choice=CHOICES),
+         StructuredOutputsParams(regex=REGEX), StructuredOutputsParams(grammar=GRAMMAR),
+         StructuredOutputsParams(grammar=LARK), StructuredOutputsParams(json_object=True, disable_any_whitespace=True)]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir) -> dict[bool, LLM]:
+    path = tiny_model_dir("llama")
+    out = {pipelined: LLM(path, max_model_len=256, async_scheduling=pipelined) for pipelined in (False, True)}
+    for llm in out.values():
+        llm.engine.core.check_invariants_every_step = True
+    return out
+
+
+def _run(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> list:
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    core = llm.engine.core
+    assert core.structured.num_refused_tokens == 0
+    assert len(core.structured) == 0 and not core.has_unfinished_requests()  # nothing kept after the requests
+    return [o.outputs[0] for o in outs]
+
+
+def test_every_kind_gives_output_in_its_language_pipelined_or_not(engines):
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=120, structured_outputs=spec)
+              for i, spec in enumerate(SPECS)]
+    runs = {p: _run(llm, PROMPTS, params) for p, llm in engines.items()}
+    assert [o.token_ids for o in runs[True]] == [o.token_ids for o in runs[False]]
+    finished = 0
+    for spec, out in zip(SPECS, runs[False], strict=True):
+        if out.finish_reason == "stop":  # by EOS, which the grammar allows only at its end
+            assert _in_language(spec, out.text), (spec, out.text)
+            finished += 1
+        else:  # cut by max_tokens: a prefix of the language (JSON, which a random model can make long)
+            assert out.finish_reason == "length" and spec.json is not None or spec.json_object, (spec, out)
+    assert finished >= 4
+
+
+def test_greedy_grammars_leave_the_other_requests_tokens_alone(engines):
+    llm = engines[True]
+    plain = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    alone = _run(llm, PROMPTS[:3], [plain] * 3)
+    constrained = [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=spec) for spec in SPECS[1:4]]
+    mixed = _run(llm, PROMPTS[:3] + PROMPTS[3:6], [plain] * 3 + constrained)
+    assert [o.token_ids for o in mixed[:3]] == [o.token_ids for o in alone]
+    for spec, out in zip(SPECS[1:4], mixed[3:], strict=True):
+        assert out.finish_reason == "stop" and _in_language(spec, out.text), (spec, out.text)
+
+
+def test_preempted_requests_resume_their_grammar(tiny_model_dir):
+    path = tiny_model_dir("llama")
+    spec = StructuredOutputsParams(regex=r"[a-z ]{300}")  # longer than max_tokens: no request ends early
+    params = SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=spec)
+    roomy = _run(LLM(path, max_model_len=48), PROMPTS[:4], [params] * 4)
+    small = LLM(path, max_model_len=48, num_kv_blocks=12, block_size=4, async_scheduling=True)
+    small.engine.core.check_invariants_every_step = True
+    tight = _run(small, PROMPTS[:4], [params] * 4)
+    assert small.engine.core.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in tight] == [o.token_ids for o in roomy]
+    assert all(o.finish_reason == "length" and re.fullmatch("[a-z ]+", o.text) for o in tight)
+
+
+def test_logprobs_are_those_of_the_allowed_tokens(engines):
+    llm = engines[False]
+    tokenizer = llm.get_tokenizer()
+    # Any token that spells the start of a choice (the grammar allows every tokenization of it).
+    firsts = {t for t in range(len(tokenizer))
+              if (text := tokenizer.decode([t])) and any(c.startswith(text) for c in CHOICES)}
+    assert len(firsts) <= 20  # so the top 20 hold every allowed token
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=20,
+                            structured_outputs=StructuredOutputsParams(choice=CHOICES))
+    out = _run(llm, ["Pick one:"], [params])[0]
+    assert out.text in CHOICES and out.logprobs
+    first = out.logprobs[0]
+    finite = {t for t, lp in first.items() if lp.logprob > float("-inf")}
+    assert finite and finite <= firsts  # the top 20 hold only allowed tokens with a probability
+    assert sum(2.718281828459045 ** lp.logprob for t, lp in first.items() if t in finite) == pytest.approx(1.0)
+
+
+def test_past_the_grammars_end_ignore_eos_runs_unconstrained(engines):
+    llm = engines[True]
+    spec = StructuredOutputsParams(choice=["yes"])
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, structured_outputs=spec)
+    out = _run(llm, ["Say yes:"], [params])[0]
+    eos = llm.get_tokenizer().eos_token_id
+    yes = llm.get_tokenizer().encode("yes", add_special_tokens=False)
+    assert out.token_ids[: len(yes) + 1] == [*yes, eos] and len(out.token_ids) == 10
+
+
+def test_a_grammar_that_fails_to_compile_is_an_error_that_leaves_nothing(tiny_model_dir):
+    llm = LLM(tiny_model_dir("llama"), max_model_len=128)
+    core = llm.engine.core
+
+    def broken():
+        raise OSError("tokenizer files missing")
+
+    core.structured.compiler.set_tokenizer_loader(broken)
+    plain = SamplingParams(temperature=0.0, max_tokens=4)
+    constrained = SamplingParams(temperature=0.0, max_tokens=4, n=2,
+                                 structured_outputs=StructuredOutputsParams(regex="a+"))
+    with pytest.raises(ValueError, match="tokenizer files missing"):
+        llm.generate(PROMPTS[:3], [plain, constrained, plain], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests() and not core.unfinished_req_ids()
+    core.check_invariants()
+    assert llm.generate(PROMPTS[:1], plain, use_tqdm=False)[0].outputs[0].finish_reason == "length"
+
+
+def test_an_aborted_request_waiting_for_its_grammar_is_dropped(tiny_model_dir):
+    import threading
+
+    llm = LLM(tiny_model_dir("llama"), max_model_len=128)
+    core = llm.engine.core
+    release = threading.Event()
+    tokenizer = llm.get_tokenizer()
+
+    def slow():
+        release.wait(30)
+        return tokenizer
+
+    core.structured.compiler.set_tokenizer_loader(slow)
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="a+"))
+    llm.engine.add_request("r", "Hello", params)
+    assert core.has_unfinished_requests() and core.unfinished_req_ids() == {"r"}
+    llm.engine.step()  # the grammar is still compiling: nothing scheduled
+    assert "r" not in core.scheduler.requests
+    llm.engine.abort_request("r")
+    release.set()
+    assert not core.has_unfinished_requests() and len(core.structured) == 0
+    core.check_invariants()

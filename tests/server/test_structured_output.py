@@ -1,0 +1,169 @@
+"""Structured output through the API: each request field that sets a grammar (response_format, vLLM's
+structured_outputs and guided_*) reaches the engine as one spec, bad ones are 400s naming their field, and
+tool_choice "required" / a named function come back as tool calls, streamed or not. The endpoint checks run
+in process with a scripted engine (tests/server/test_tool_calls.py's); the real tiny server checks that the
+output follows the grammar."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import httpx
+import pytest
+
+from kvserve.protocol.sampling_params import SamplingParams, StructuredOutputsParams
+
+from .conftest import TINY_NAME, ServerProcess, read_sse
+from .test_tool_calls import WEATHER, _context, _post, _stream_messages, _tokens
+
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}
+USER = [{"role": "user", "content": "hi"}]
+
+
+def _recorded(ctx) -> list[SamplingParams]:  # noqa: ANN001
+    seen: list[SamplingParams] = []
+    generate = ctx.engine.generate
+
+    async def recording(request_id, ids, params, prompt, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        seen.append(params)
+        async for update in generate(request_id, ids, params, prompt, **kwargs):
+            yield update
+
+    ctx.engine.generate = recording
+    return seen
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize(("extra", "spec"), [
+    ({"response_format": {"type": "json_object"}}, StructuredOutputsParams(json_object=True)),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA, "strict": True}}},
+     StructuredOutputsParams(json=SCHEMA)),
+    ({"response_format": {"type": "text"}}, None),
+    ({"structured_outputs": {"choice": ["a", "b"]}}, StructuredOutputsParams(choice=["a", "b"])),
+    ({"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
+     StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)),
+    ({"guided_json": SCHEMA, "guided_whitespace_pattern": " ?"},
+     StructuredOutputsParams(json=SCHEMA, whitespace_pattern=" ?")),
+    ({"guided_json": json.dumps(SCHEMA)}, StructuredOutputsParams(json=json.dumps(SCHEMA))),
+    ({"guided_regex": "[0-9]+"}, StructuredOutputsParams(regex="[0-9]+")),
+    ({"guided_choice": ["x", "y z"]}, StructuredOutputsParams(choice=["x", "y z"])),
+    ({"guided_grammar": 'root ::= "a"+'}, StructuredOutputsParams(grammar='root ::= "a"+')),
+    ({"structured_outputs": None, "guided_regex": None}, None),
+])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_each_field_reaches_the_engine_as_one_spec(extra, spec, path):
+    ctx, _ = _context([["ok"]])
+    seen = _recorded(ctx)
+    body = {"messages": USER} if path == "/v1/chat/completions" else {"prompt": "hi"}
+    ctx.engine.tokenizer = lambda text, add_special_tokens=True: {"input_ids": [1, 2]}
+    response = _post(ctx, {**body, **extra, "max_tokens": 4}, path)
+    assert response.status_code == 200, response.text
+    assert seen[0].structured_outputs == spec
+
+
+@pytest.mark.parametrize(("extra", "param", "words"), [
+    ({"guided_regex": "[0-"}, "guided_regex", "invalid regex"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}},
+     "response_format", "invalid json"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "s"}}}, "response_format", "schema"),
+    ({"response_format": {"type": "structural_tag"}}, "response_format", "json_schema"),
+    ({"structured_outputs": {"regex": "a", "backend": "x"}}, "structured_outputs", "backend"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
+    ({"guided_grammar": "start: missing"}, "guided_grammar", "invalid grammar"),
+    ({"guided_choice": []}, "guided_choice", "choice"),
+    ({"guided_json": "{not json"}, "guided_json", "invalid json"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", "only one of"),
+])
+def test_bad_structure_requests_are_400s_naming_the_field(extra, param, words):
+    ctx, _ = _context([["ok"]])
+    response = _post(ctx, {"messages": USER, **extra})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+
+
+def test_tool_choice_required_returns_the_listed_calls_streamed_or_not():
+    text = ('[{"name": "get_weather", "parameters": {"city": "Zürich"}}, '
+            '{"name": "get_time", "parameters": {"zone": "CET"}}]')
+    ctx, rendered = _context([_tokens(text), _tokens(text[:30])], parser=None)
+    seen = _recorded(ctx)
+    body = {"messages": USER, "tools": [WEATHER, TIME], "tool_choice": "required", "n": 2}
+    response = _post(ctx, body)
+    assert response.status_code == 200, response.text
+    whole, cut = response.json()["choices"]
+    assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"] is None
+    assert [c["function"] for c in whole["message"]["tool_calls"]] == [
+        {"name": "get_weather", "arguments": '{"city": "Zürich"}'}, {"name": "get_time", "arguments": '{"zone": "CET"}'}]
+    assert cut["message"] == {"role": "assistant", "content": text[:30]}  # cut short: kept as text
+    assert rendered[0]["kwargs"]["tools"] == [WEATHER, TIME]
+    schema = seen[0].structured_outputs.json
+    assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
+    assert [item["properties"]["name"]["enum"] for item in schema["items"]["anyOf"]] == [["get_weather"], ["get_time"]]
+    assert schema["items"]["anyOf"][1]["properties"]["parameters"] == TIME["function"]["parameters"]
+
+    streamed, finish = _stream_messages(_post(ctx, {**body, "stream": True}))
+    assert finish == {0: "tool_calls", 1: "stop"}
+    assert [c["function"] for c in streamed[0]["tool_calls"]] == [c["function"] for c in whole["message"]["tool_calls"]]
+    assert streamed[0]["content"] is None and streamed[1] == {"content": text[:30], "tool_calls": []}
+
+    _post(ctx, {**body, "parallel_tool_calls": False})
+    assert seen[-1].structured_outputs.json["maxItems"] == 1
+
+
+def test_a_named_tool_choice_streams_its_arguments():
+    arguments = '{"zone": "Europe/Zürich"}'
+    ctx, _ = _context([_tokens(arguments)], parser=None)
+    seen = _recorded(ctx)
+    body = {"messages": USER, "tools": [WEATHER, TIME], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}
+    choice = _post(ctx, body).json()["choices"][0]
+    assert seen[0].structured_outputs == StructuredOutputsParams(json=TIME["function"]["parameters"])
+    assert choice["message"]["content"] is None and choice["finish_reason"] == "stop"
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_time", "arguments": arguments} and call["type"] == "function"
+
+    response = _post(ctx, {**body, "stream": True})
+    calls = [c for line in response.text.splitlines() if line.startswith("data: {")
+             for ch in json.loads(line[6:])["choices"] for c in ch["delta"].get("tool_calls", [])]
+    assert len(calls) > 2 and {c["index"] for c in calls} == {0}
+    assert calls[0]["id"].startswith("chatcmpl-tool-") and calls[0]["function"]["name"] == "get_time"
+    assert all("id" not in c and "name" not in c["function"] for c in calls[1:])
+    assert "".join(c["function"]["arguments"] for c in calls) == arguments
+
+
+# ------------------------------------------------------------------------------------------ the real server
+
+
+def _complete(server: ServerProcess, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(server.base_url + path, json={"model": TINY_NAME, **body}, timeout=120)
+
+
+def test_the_server_follows_a_schema_a_choice_and_a_regex(tiny_server: ServerProcess):
+    schema = {"type": "object", "required": ["n", "ok"], "additionalProperties": False,
+              "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}}}
+    chat = {"messages": USER, "max_tokens": 40, "temperature": 0.8, "seed": 7,
+            "structured_outputs": {"json": schema, "disable_any_whitespace": True}}
+    response = _complete(tiny_server, "/v1/chat/completions", chat)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    value = json.loads(choice["message"]["content"])
+    assert set(value) == {"n", "ok"} and type(value["n"]) is int and 0 <= value["n"] <= 99
+    assert type(value["ok"]) is bool
+
+    streamed = _complete(tiny_server, "/v1/chat/completions", {**chat, "stream": True})
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in read_sse(streamed) if isinstance(c, dict) and c["choices"])
+    assert text == choice["message"]["content"]
+
+    picked = _complete(tiny_server, "/v1/completions", {"prompt": "Answer:", "max_tokens": 10, "n": 3, "seed": 1,
+                                                        "guided_choice": ["left", "right", "up"]})
+    assert [c["text"] in ("left", "right", "up") for c in picked.json()["choices"]] == [True] * 3
+    code = _complete(tiny_server, "/v1/completions", {"prompt": "Code:", "max_tokens": 20, "temperature": 0,
+                                                      "guided_regex": "[A-Z]{2}-[0-9]{4}"})
+    assert re.fullmatch("[A-Z]{2}-[0-9]{4}", code.json()["choices"][0]["text"])
+    bad = _complete(tiny_server, "/v1/completions", {"prompt": "x", "guided_regex": "(("})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "guided_regex"

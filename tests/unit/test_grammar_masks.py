@@ -1,0 +1,206 @@
+"""Structured output's pieces: the spec's validation, the grammar of each kind, the mask applied to the logits
+(against a hand-built mask), the sampler under a mask, and the engine core's matchers against a tokenizer."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import msgspec
+import pytest
+import torch
+
+from kvserve.layers.sampler import Sampler, SamplingRow, apply_grammar_masks
+from kvserve.protocol.engine import EngineCoreRequest
+from kvserve.protocol.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
+from kvserve.structured_output import (
+    GrammarCompiler,
+    GrammarError,
+    StructuredOutputs,
+    _no_additional_properties,
+    bitmask_words,
+    grammar_for,
+)
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+# ------------------------------------------------------------------------------------------ the spec
+
+
+@pytest.mark.parametrize("fields", [{}, {"json": SCHEMA, "regex": "a+"}, {"choice": ["a"], "json_object": True}])
+def test_exactly_one_kind(fields):
+    with pytest.raises(SamplingParamsError, match="exactly one") as info:
+        StructuredOutputsParams(**fields)
+    assert info.value.param == "structured_outputs"
+
+
+@pytest.mark.parametrize("fields", [{"choice": []}, {"choice": ["a", ""]}, {"choice": ["a", 3]}, {"regex": ""},
+                                    {"grammar": 5}, {"json": 3}])
+def test_malformed_kinds_are_refused(fields):
+    with pytest.raises(SamplingParamsError):
+        StructuredOutputsParams(**fields)
+
+
+@pytest.mark.parametrize("spec", [
+    StructuredOutputsParams(regex="[a-"),
+    StructuredOutputsParams(json="{not json"),
+    StructuredOutputsParams(json='["a list"]'),
+    StructuredOutputsParams(json={"type": "nonsense"}),
+    StructuredOutputsParams(grammar="start: undefined_rule"),
+    StructuredOutputsParams(grammar='root ::= "a" ('),
+    StructuredOutputsParams(json="[" * 100_000),
+])
+def test_invalid_grammars_are_a_sampling_params_error(spec):
+    with pytest.raises(GrammarError):
+        grammar_for(spec)
+    with pytest.raises(SamplingParamsError) as info:
+        SamplingParams(structured_outputs=spec)
+    assert info.value.param == "structured_outputs" and f"invalid {spec.kind}" in str(info.value)
+
+
+def test_a_dict_spec_becomes_params_and_unknown_keys_are_refused():
+    params = SamplingParams(structured_outputs={"regex": "a+"})  # type: ignore[arg-type]
+    assert params.structured_outputs == StructuredOutputsParams(regex="a+")
+    with pytest.raises(SamplingParamsError, match="unknown structured_outputs field"):
+        SamplingParams(structured_outputs={"regex": "a+", "backend": "x"})  # type: ignore[arg-type]
+
+
+def test_the_spec_crosses_into_the_engine_core():
+    """msgspec carries it, schema dict and all, as it carries the rest of SamplingParams."""
+    for spec in (StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
+                 StructuredOutputsParams(choice=["yes", "no"])):
+        request = EngineCoreRequest("r", [1, 2], SamplingParams(structured_outputs=spec), 8)
+        decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(request), type=EngineCoreRequest)
+        assert decoded.sampling_params.structured_outputs == spec
+
+
+def test_no_additional_properties_reaches_nested_objects_and_keeps_explicit_ones():
+    schema = {"type": "object", "properties": {"inner": {"type": "object", "properties": {"x": {}}},
+                                               "free": {"type": "object", "additionalProperties": True}},
+              "items": [{"properties": {"y": {}}}]}
+    out = _no_additional_properties(schema)
+    assert out["additionalProperties"] is False
+    assert out["properties"]["inner"]["additionalProperties"] is False
+    assert out["properties"]["free"]["additionalProperties"] is True
+    assert out["items"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the caller's schema is not changed
+
+
+# ------------------------------------------------------------------------------------------ the mask
+
+
+def _bits(allowed: list[set[int]], vocab_size: int) -> list[bytes]:
+    """Hand-built masks: bit t of word t // 32 set for each allowed token."""
+    words = bitmask_words(vocab_size)
+    out = []
+    for tokens in allowed:
+        row = [0] * words
+        for t in tokens:
+            row[t // 32] |= 1 << (t % 32)
+        out.append(torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in row], dtype=torch.int32)
+                   .numpy().tobytes())
+    return out
+
+
+def test_masks_set_minus_inf_outside_the_allowed_tokens():
+    vocab = 70  # not a multiple of 32: the last word is partial
+    logits = torch.randn(4, vocab)
+    allowed = [{0, 31, 32, 63, 69}, set(range(vocab)), {5}]  # bit 31 is the int32's sign bit
+    out = apply_grammar_masks(logits, [2, 0, 3], _bits(allowed, vocab))
+    for row, tokens in zip([2, 0, 3], allowed, strict=True):
+        expected = torch.full((vocab,), float("-inf"))
+        expected[sorted(tokens)] = logits[row, sorted(tokens)]
+        assert torch.equal(out[row], expected)
+    assert torch.equal(out[1], logits[1])  # rows without a mask are untouched
+    assert not torch.isinf(logits).any()  # the caller's logits are not changed
+
+
+def test_tokens_past_the_mask_are_not_allowed():
+    logits = torch.zeros(1, 40)
+    out = apply_grammar_masks(logits, [0], _bits([{1, 31}], 32))  # one word for 40 logits
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [1, 31]
+
+
+def test_sampler_under_a_mask_picks_allowed_tokens_and_reports_constrained_logprobs():
+    vocab = 64
+    torch.manual_seed(0)
+    logits = torch.randn(3, vocab)
+    allowed = [{3, 40, 41}, {7}, {10, 50}]
+    masks = _bits(allowed, vocab)
+    params = [SamplingParams(temperature=0.0, logprobs=5), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=1.5, seed=3)]
+    sampler = Sampler()
+    seen: list[set[int]] = [set(), set(), set()]
+    for _ in range(200):
+        rows = [SamplingRow(p, [1], [], None, grammar_mask=m) for p, m in zip(params, masks, strict=True)]
+        out = sampler(logits, rows, eos_token_ids=[0])
+        for i, t in enumerate(out.sampled_token_ids.tolist()):
+            seen[i].add(t)
+    assert seen[0] == {max(allowed[0], key=lambda t: logits[0, t].item())}  # greedy: the best allowed one
+    assert seen[1] == {7} and seen[2] == allowed[2]
+    assert out.logprobs is not None and out.logprob_token_ids is not None
+    constrained = torch.log_softmax(logits[0, sorted(allowed[0])], dim=0)
+    top = out.logprobs[0, 1:4].tolist()
+    assert top == pytest.approx(sorted(constrained.tolist(), reverse=True), abs=1e-6)
+    assert set(out.logprob_token_ids[0, 1:4].tolist()) == allowed[0]
+    assert all(math.isinf(v) for v in out.logprobs[0, 4:].tolist())  # the rest of the top 5: not allowed
+
+
+# ------------------------------------------------------------------------------------------ the matchers
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir("llama"))
+
+
+def _allowed(masks: dict[str, bytes], req_id: str) -> set[int]:
+    words = torch.frombuffer(bytearray(masks[req_id]), dtype=torch.int32)
+    bits = ((words.unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()
+    return set(bits.nonzero().flatten().tolist())
+
+
+def test_matchers_follow_the_grammar_to_eos(tokenizer):
+    vocab = len(tokenizer) + 7  # the model's vocabulary may be larger than the tokenizer's
+    eos = tokenizer.eos_token_id
+    compiler = GrammarCompiler(lambda: tokenizer, vocab, [eos])
+    outputs = StructuredOutputs(compiler)
+    spec = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    outputs.add("a", compiler.compile(grammar_for(spec)))
+    outputs.add("b", compiler.submit(grammar_for(StructuredOutputsParams(choice=["yes", "no"]))).result(timeout=60))
+    text = json.dumps({"name": "Bob", "age": 42}, separators=(",", ":"))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    for i, token in enumerate(ids):
+        masks = outputs.bitmasks(["a", "b", "c"])  # "c": no grammar
+        assert set(masks) == {"a", "b"} and len(masks["a"]) == 4 * bitmask_words(vocab)
+        allowed = _allowed(masks, "a")
+        assert token in allowed and eos not in allowed, i
+        assert max(allowed) < len(tokenizer)  # ids past the tokenizer are never allowed
+        outputs.accept("a", [token])
+    assert _allowed(outputs.bitmasks(["a"]), "a") == {eos}  # the object is complete: EOS only
+    outputs.accept("a", [eos])
+    assert outputs.bitmasks(["a"]) == {}  # past the end (ignore_eos): unconstrained
+    outputs.accept("a", [5, 6])  # and never refuses
+    yes = tokenizer.encode("yes", add_special_tokens=False)
+    assert yes[0] in _allowed(outputs.bitmasks(["b"]), "b")
+    outputs.accept("b", [tokenizer.encode("}", add_special_tokens=False)[0]])  # not allowed: refused, released
+    assert outputs.num_refused_tokens == 1 and outputs.bitmasks(["b"]) == {}
+    outputs.release(["a", "b"])
+    assert len(outputs) == 0
+    outputs.check_invariants(set())
+    compiler.shutdown()
+
+
+def test_a_tokenizer_that_fails_to_load_is_a_grammar_error():
+    def broken():
+        raise OSError("no tokenizer.json here")
+
+    compiler = GrammarCompiler(broken, 100, [2])
+    future = compiler.submit(grammar_for(StructuredOutputsParams(regex="a+")))
+    with pytest.raises(GrammarError, match="tokenizer.*no tokenizer.json here"):
+        future.result(timeout=60)
+    compiler.shutdown()
