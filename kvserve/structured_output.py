@@ -22,6 +22,7 @@ import concurrent.futures
 import json
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -38,6 +39,10 @@ logger = logging.getLogger(__name__)
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
+# Compiled grammars kept for reuse (`GrammarCompiler.compile`).
+_COMPILED_KEPT = 64
+
+
 class GrammarError(ValueError):
     """The request's grammar cannot be compiled (its message says why)."""
 
@@ -48,7 +53,18 @@ def bitmask_words(vocab_size: int) -> int:
 
 
 def grammar_for(spec: StructuredOutputsParams) -> str:
-    """The llguidance grammar of a spec, validated (without the tokenizer). GrammarError when invalid."""
+    """The llguidance grammar of a spec, validated (without the tokenizer). GrammarError when invalid. Kept on
+    the spec: the samples of an n>1 request share it, and a large schema takes its time (about 0.1 s for
+    270 kB). A spec is not to be changed once used."""
+    cached = spec.__dict__.get("_grammar")
+    if cached is not None:
+        return cached
+    grammar = _grammar_for(spec)
+    spec.__dict__["_grammar"] = grammar  # not a field: msgspec does not carry it, == does not compare it
+    return grammar
+
+
+def _grammar_for(spec: StructuredOutputsParams) -> str:
     import llguidance
 
     matcher = llguidance.LLMatcher
@@ -59,7 +75,7 @@ def grammar_for(spec: StructuredOutputsParams) -> str:
     try:
         if spec.json is not None:
             schema = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
-            if not isinstance(schema, (dict, bool)):
+            if not isinstance(schema, dict):
                 raise GrammarError(f"the JSON schema must be an object, got {type(schema).__name__}")
             if spec.disable_additional_properties:
                 schema = _no_additional_properties(schema)
@@ -87,13 +103,31 @@ def _lark_string(text: str) -> str:
     return json.dumps(text)
 
 
+# JSON Schema keywords whose value is a schema, a list of schemas, or a map of names to schemas (values such
+# as const, enum and default are data, left alone).
+_SCHEMA_KEYWORDS = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
+                    "unevaluatedItems", "unevaluatedProperties", "additionalProperties")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
 def _no_additional_properties(schema: Any) -> Any:
-    """The schema with `additionalProperties: false` on every object schema that does not set it."""
-    if isinstance(schema, list):
-        return [_no_additional_properties(s) for s in schema]
+    """The schema with `additionalProperties: false` on every object schema that does not set it (vLLM's
+    disable_additional_properties). The caller's schema is not changed."""
     if not isinstance(schema, dict):
         return schema
-    out = {k: _no_additional_properties(v) for k, v in schema.items()}
+    out = dict(schema)
+    for key in _SCHEMA_KEYWORDS:
+        if isinstance(out.get(key), (dict, list)):
+            value = out[key]
+            out[key] = ([_no_additional_properties(v) for v in value] if isinstance(value, list)
+                        else _no_additional_properties(value))
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_no_additional_properties(v) for v in out[key]]
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _no_additional_properties(v) for name, v in out[key].items()}
     if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
@@ -109,16 +143,22 @@ class GrammarCompiler:
     def __init__(self, load_tokenizer: Callable[[], PreTrainedTokenizerBase], vocab_size: int,
                  eos_token_ids: Sequence[int]) -> None:
         self._load_tokenizer = load_tokenizer
-        self.vocab_size = vocab_size
+        self.vocab_size = vocab_size  # the model's: the logits' width
         self._eos_token_ids = list(eos_token_ids)
+        self.eos_token_ids: frozenset[int] = frozenset(eos_token_ids)  # with the tokenizer's, once loaded
         self._tokenizer: llguidance.LLTokenizer | None = None
+        self._tokenizer_error: GrammarError | None = None  # a failed load is not retried for every request
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        # Compiled grammars in their initial state, by grammar (the samples of an n>1 request, repeated
+        # schemas): a copy of one is a fresh matcher. Used by the worker thread only.
+        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
 
     def set_tokenizer_loader(self, load_tokenizer: Callable[[], PreTrainedTokenizerBase]) -> None:
         """Where the HF tokenizer comes from, when the llguidance tokenizer is not built yet."""
         with self._lock:
             self._load_tokenizer = load_tokenizer
+            self._tokenizer_error = None
 
     def submit(self, grammar: str) -> concurrent.futures.Future[llguidance.LLMatcher]:
         if self._pool is None:
@@ -128,14 +168,23 @@ class GrammarCompiler:
     def compile(self, grammar: str) -> llguidance.LLMatcher:
         import llguidance
 
-        matcher = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0)
-        if matcher.is_error():
-            raise GrammarError(matcher.get_error().strip())
-        return matcher
+        compiled = self._compiled.get(grammar)
+        if compiled is None:
+            compiled = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0)
+            if compiled.is_error():
+                raise GrammarError(compiled.get_error().strip())
+            self._compiled[grammar] = compiled
+            if len(self._compiled) > _COMPILED_KEPT:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(grammar)
+        return compiled.deep_copy()
 
     def tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._tokenizer is None:
+                if self._tokenizer_error is not None:
+                    raise self._tokenizer_error
                 import llguidance.hf
 
                 try:
@@ -143,11 +192,15 @@ class GrammarCompiler:
                     eos = list(dict.fromkeys(
                         [*self._eos_token_ids, *([hf_tokenizer.eos_token_id] if hf_tokenizer.eos_token_id is not None
                                                  else [])]))
-                    self._tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=self.vocab_size,
+                    # At least the tokenizer's size (its ids past the model's can never be sampled).
+                    n_vocab = max(self.vocab_size, len(hf_tokenizer))
+                    self._tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=n_vocab,
                                                                    eos_token=eos or None)
+                    self.eos_token_ids = frozenset(eos)
                 except Exception as e:
-                    raise GrammarError(f"structured output needs the model's tokenizer, which could not be "
-                                       f"loaded: {e}") from e
+                    self._tokenizer_error = GrammarError(
+                        f"structured output needs the model's tokenizer, which could not be loaded: {e}")
+                    raise self._tokenizer_error from e
             return self._tokenizer
 
     def shutdown(self) -> None:
@@ -167,16 +220,27 @@ class StructuredOutputs:
 
     def __init__(self, compiler: GrammarCompiler) -> None:
         self.compiler = compiler
-        self.words = bitmask_words(compiler.vocab_size)
         self._grammars: dict[str, _Grammar] = {}
-        # Tokens a matcher refused (the mask allowed them: never, unless a bug); counted for the tests.
+        # Tokens a matcher refused: the mask did not allow them (a row left with no allowed token, when
+        # allowed_token_ids or bad_words exclude every token the grammar allows); counted for the tests.
         self.num_refused_tokens = 0
+        self._executor: llguidance.LLExecutor | None = None
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._grammars
 
     def __len__(self) -> int:
         return len(self._grammars)
+
+    @property
+    def num_constraining(self) -> int:
+        """Requests whose grammar still constrains their next token."""
+        return sum(not g.done for g in self._grammars.values())
+
+    def ended(self, req_id: str) -> bool:
+        """Whether the request's grammar has reached its end (it allows only EOS next)."""
+        g = self._grammars.get(req_id)
+        return g is not None and not g.done and g.matcher.is_stopped()
 
     @property
     def req_ids(self) -> set[str]:
@@ -191,30 +255,38 @@ class StructuredOutputs:
 
     def bitmasks(self, req_ids: Sequence[str]) -> dict[str, bytes]:
         """The next token's mask of each request in `req_ids` that has a grammar still constraining it."""
-        import llguidance.torch
-        import torch
+        import llguidance
+        import numpy as np
 
         live = [(req_id, g) for req_id in req_ids if (g := self._grammars.get(req_id)) is not None and not g.done]
         if not live:
             return {}
-        masks = torch.empty((len(live), self.words), dtype=torch.int32)
-        for i, (_, g) in enumerate(live):
-            llguidance.torch.fill_next_token_bitmask(g.matcher, masks, i)
-        return {req_id: masks[i].numpy().tobytes() for i, (req_id, _) in enumerate(live)}
+        row_bytes = 4 * bitmask_words(self.compiler.tokenizer().vocab_size)
+        masks = np.zeros((len(live), row_bytes // 4), dtype=np.int32)
+        pointer = masks.ctypes.data
+        if len(live) == 1:
+            live[0][1].matcher.unsafe_compute_mask_ptr(pointer, row_bytes)
+        else:  # llguidance's threads, one matcher each (the GIL is released meanwhile)
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+            self._executor.unsafe_compute_mask_ptr([(g.matcher, i) for i, (_, g) in enumerate(live)], pointer,
+                                                   row_bytes, len(live))
+        return {req_id: masks[i].tobytes() for i, (req_id, _) in enumerate(live)}
 
     def accept(self, req_id: str, token_ids: Sequence[int]) -> None:
         """Advance a request's matcher past its newly sampled tokens."""
         g = self._grammars.get(req_id)
         if g is None or g.done:
             return
+        eos = self.compiler.eos_token_ids
         for token_id in token_ids:
-            if g.matcher.is_stopped():  # past the grammar's end: EOS taken under ignore_eos
-                g.done = True
+            if token_id in eos and (g.matcher.is_accepting() or g.matcher.is_stopped()):
+                g.done = True  # the grammar's text is complete; past it (ignore_eos) nothing is constrained
                 return
-            if not g.matcher.consume_token(token_id):
+            if g.matcher.is_stopped() or not g.matcher.consume_token(token_id):
                 self.num_refused_tokens += 1
                 logger.warning("request %s: the grammar refused token %d (%s); the request continues "
-                               "unconstrained", req_id, token_id, g.matcher.get_error())
+                               "unconstrained", req_id, token_id, g.matcher.get_error() or "past its end")
                 g.done = True
                 return
 

@@ -132,6 +132,15 @@ class Scheduler:
             aborted.append(request)
         return aborted
 
+    def stop_request(self, req_id: str) -> bool:
+        """Finish a live request as stopped (finish_reason "stop") outside the stop rules: the engine core's
+        call, for a grammar that has ended. Returns whether the request was live."""
+        request = self.requests.get(req_id)
+        if request is None or request.status.is_finished:
+            return False
+        self._finish(request, RequestStatus.FINISHED_STOPPED)
+        return True
+
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)

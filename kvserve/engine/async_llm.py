@@ -262,9 +262,14 @@ class AsyncLLM:
         if request_id is None:
             return
         state = self._requests.get(request_id)
-        # Its other samples are aborted by the core already; forget them here without counting an abort.
-        for child_id in self.output_processor.abort_request(request_id):
+        # Forget its other samples without counting an abort. The core aborted them already when it refused
+        # the request on arrival, not when it dropped one later (a grammar that failed to compile): abort
+        # them there too (ids it no longer has are ignored).
+        children = self.output_processor.abort_request(request_id)
+        for child_id in children:
             self._tracker.finish(child_id, "abort", time.time(), IterationStats())
+        if children:
+            self.client.abort_requests(children)
         if state is not None:
             state.queue.put_nowait(RequestFailedError(message.message, message.param))
 

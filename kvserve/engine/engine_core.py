@@ -318,7 +318,7 @@ class EngineCore:
         without async scheduling, the previous one with it)."""
         outputs: list[EngineCoreOutput] = []
         self._admit_compiled()
-        if self._in_flight is not None and len(self.structured):
+        if self._in_flight is not None and self.structured.num_constraining:
             # A grammar's mask for this step needs the previous step's tokens: read them first (steps with
             # structured output are not pipelined).
             outputs.extend(self._finish_in_flight())
@@ -376,9 +376,20 @@ class EngineCore:
         structured = self.structured
         if len(structured):
             for output in outputs:
-                if output.req_id in structured:
-                    if output.finished:
-                        structured.release([output.req_id])
-                    else:
-                        structured.accept(output.req_id, output.new_token_ids)
+                if output.req_id not in structured:
+                    continue
+                if not output.finished:
+                    structured.accept(output.req_id, output.new_token_ids)
+                    if structured.ended(output.req_id) and self._min_tokens_hold_eos(output.req_id):
+                        # The grammar allows only EOS, which min_tokens holds back: nothing could follow but
+                        # a token outside the grammar. The grammar wins: the request ends here.
+                        self.scheduler.stop_request(output.req_id)
+                        output.finish_reason = "stop"
+                if output.finished:
+                    structured.release([output.req_id])
         return outputs
+
+    def _min_tokens_hold_eos(self, req_id: str) -> bool:
+        request = self.scheduler.requests[req_id]
+        params = request.sampling_params
+        return not params.ignore_eos and len(request.output_token_ids) < params.min_tokens

@@ -23,6 +23,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(tokenizer, self.core.max_model_len, self.core.eos_token_ids)
         self.output_processor = OutputProcessor(tokenizer)
         self.last_stats = None
+        self._held_outputs: list[RequestOutput] = []
 
     def add_request(
         self,
@@ -70,21 +71,28 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         self.core.abort_requests(self.output_processor.abort_request(request_id))
+        self._held_outputs = [o for o in self._held_outputs if o.request_id != request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return self.core.has_unfinished_requests() or self.output_processor.has_unfinished()
+        return (self.core.has_unfinished_requests() or self.output_processor.has_unfinished()
+                or bool(self._held_outputs))
 
     def step(self) -> list[RequestOutput]:
+        if self._held_outputs:  # the outputs of the step whose failure was raised last call
+            held, self._held_outputs = self._held_outputs, []
+            return held
         result = self.core.step()
         self.last_stats = result.stats
+        outputs, to_abort = self.output_processor.process_outputs(result.outputs, time.time())
+        if to_abort:
+            self.core.abort_requests(to_abort)
         failed = self.core.pop_failed()
         if failed:  # a grammar that failed to compile against the tokenizer: the request's error
             for req_id, _, _ in failed:
                 parent = self.output_processor.parent_of(req_id)
                 if parent is not None:
                     self.core.abort_requests(self.output_processor.abort_request(parent))
+            # The other requests' outputs of this step are not lost: the next call returns them.
+            self._held_outputs = outputs
             raise ValueError(failed[0][1])
-        outputs, to_abort = self.output_processor.process_outputs(result.outputs, time.time())
-        if to_abort:
-            self.core.abort_requests(to_abort)
         return outputs

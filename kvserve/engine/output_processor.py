@@ -186,8 +186,9 @@ class OutputProcessor:
                                                           sample.params.detokenize))
                 output.cumulative_logprob = (output.cumulative_logprob or 0.0) + entry.logprobs[0]
         shown = out.new_token_ids
-        if out.finished and out.finish_reason == "stop" and shown and not sample.params.include_stop_str_in_output:
+        if out.finished and out.stop_token_id is not None and shown and not sample.params.include_stop_str_in_output:
             # The engine ended it on a token (EOS or a stop_token_ids entry): that token is not shown as text.
+            # (A "stop" without one, a grammar that ended, shows all of its tokens.)
             shown = shown[:-1]
         if not sample.params.detokenize:  # token ids only (stop strings need text: refused with this)
             if out.finished:

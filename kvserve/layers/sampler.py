@@ -3,7 +3,7 @@
 Order of operations, per row (vLLM/OpenAI meanings; see `SamplingParams`):
 
 0. **Grammar** (structured output, ``SamplingRow.grammar_mask``): every token the request's grammar does not
-   allow next is set to -inf in a copy of the logits, before everything below: the logprobs too are the
+   allow next is set to -inf in the logits (in place), before everything below: the logprobs too are the
    constrained distribution's, as vLLM's.
 1. **Logprobs** (only when some row has ``params.logprobs`` set) come from the *raw* logits:
    ``log_softmax`` in float32, before anything below.
@@ -113,25 +113,26 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
 # ---------------------------------------------------------------------------------------------------------
 
 
-def apply_grammar_masks(logits: torch.Tensor, row_index: Sequence[int], masks: Sequence[bytes]) -> torch.Tensor:
-    """A copy of `logits` with -inf at every token a row's grammar mask does not allow (rows `row_index`,
-    masks in the same order; token ids past a mask's bits are not allowed). Copied to the device without a
-    host sync."""
+def apply_grammar_masks_(logits: torch.Tensor, row_index: Sequence[int], masks: Sequence[bytes]) -> None:
+    """-inf, in place, at every token a row's grammar mask does not allow (rows `row_index`, masks in the same
+    order: int32 words, token t is bit t % 32 of word t // 32, little-endian; ids past a mask's bits are not
+    allowed). Copied to the device without a host sync; the temporaries are the masked rows' (a byte per
+    token for the unpacked bits), not the whole batch's."""
     device = logits.device
     num_rows, vocab_size = len(row_index), logits.shape[1]
-    words = torch.frombuffer(bytearray(b"".join(masks)), dtype=torch.int32).view(num_rows, -1)
+    # Little-endian int32 words as bytes: token t is bit t % 8 of byte t // 8.
+    packed = torch.frombuffer(bytearray(b"".join(masks)), dtype=torch.uint8).view(num_rows, -1)
     if device.type == "cuda":
-        words = words.pin_memory()
-    words = words.to(device, non_blocking=True)
-    shifts = torch.arange(32, dtype=torch.int32, device=device)
-    bits = ((words.unsqueeze(2) >> shifts) & 1).view(num_rows, -1).bool()
+        packed = packed.pin_memory()
+    packed = packed.to(device, non_blocking=True)
+    shifts = torch.arange(8, dtype=torch.uint8, device=device)
+    bits = ((packed.unsqueeze(2) >> shifts) & 1).view(num_rows, -1)
     width = min(bits.shape[1], vocab_size)
-    allowed = torch.zeros((num_rows, vocab_size), dtype=torch.bool, device=device)
-    allowed[:, :width] = bits[:, :width]
-    out = logits.clone()
+    refused = torch.ones((num_rows, vocab_size), dtype=torch.bool, device=device)
+    refused[:, :width] = bits[:, :width] == 0
+    del bits
     index = to_device(list(row_index), torch.int64, device)
-    out[index] = out[index].masked_fill(~allowed, float("-inf"))
-    return out
+    logits[index] = logits[index].masked_fill(refused, float("-inf"))
 
 
 def token_counts(
@@ -408,14 +409,14 @@ class Sampler:
         eos_token_ids: Sequence[int],
         pending_ids: torch.Tensor | None = None,
     ) -> SamplerOutput:
-        """`logits`: float ``[len(rows), vocab]`` (not modified). `pending_ids`: the previous step's sampled
-        ids on the logits' device, which rows with a `pending_row` index. Returns tensors on the logits'
-        device."""
+        """`logits`: float ``[len(rows), vocab]`` (not modified, except for the rows a grammar masks: those
+        are masked in place). `pending_ids`: the previous step's sampled ids on the logits' device, which rows
+        with a `pending_row` index. Returns tensors on the logits' device."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [num_rows={len(rows)}, vocab], got {tuple(logits.shape)}")
         constrained = [i for i, row in enumerate(rows) if row.grammar_mask is not None]
         if constrained:  # before everything, the raw logprobs included (as vLLM's)
-            logits = apply_grammar_masks(logits, constrained, [rows[i].grammar_mask for i in constrained])
+            apply_grammar_masks_(logits, constrained, [rows[i].grammar_mask for i in constrained])
         asked = [row.params.logprobs for row in rows if row.params.logprobs is not None]
         if not asked and all(_is_plain_greedy(row.params) for row in rows):
             # Nothing changes the logits: argmax of them as they are (exact, no float32 copy of the batch).

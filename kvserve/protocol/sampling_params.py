@@ -40,18 +40,28 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
+    disable_fallback: bool = False  # vLLM's: there is one backend here, so nothing to fall back to
 
     def __post_init__(self) -> None:
+        def bad(message: str) -> None:
+            raise SamplingParamsError(message, "structured_outputs")
+
+        for name in ("json_object", "disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                bad(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)):
+                bad(f"choice must be a list of strings, got {type(self.choice).__name__}")
             self.choice = list(self.choice)
         given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
                  if getattr(self, name) not in (None, False)]
         if len(given) != 1:
-            raise SamplingParamsError(
-                "structured output takes exactly one of json, regex, choice, grammar and json_object"
-                + (f", got {', '.join(given)}" if given else ""), "structured_outputs")
+            bad("structured output takes exactly one of json, regex, choice, grammar and json_object"
+                + (f", got {', '.join(given)}" if given else ""))
         if self.choice is not None and (not self.choice or any(not isinstance(c, str) or not c for c in self.choice)):
-            raise SamplingParamsError("choice must be a non-empty list of non-empty strings", "structured_outputs")
+            bad("choice must be a non-empty list of non-empty strings")
+        if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
+            bad("whitespace_pattern must be a string")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):

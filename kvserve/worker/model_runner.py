@@ -38,6 +38,7 @@ from kvserve.layers.linear import Linear
 from kvserve.layers.sampler import Sampler, SamplingRow, compute_logprobs, make_generator
 from kvserve.model.loader import load_model
 from kvserve.protocol.sampling_params import SamplingParams
+from kvserve.structured_output import bitmask_words
 from kvserve.worker import input_batch
 from kvserve.worker.cuda_graph import (
     CACHE_PREFILL_GRAPH_MAX_TOKENS,
@@ -341,7 +342,9 @@ class ModelRunner:
                                 repetition_penalty=1.1, frequency_penalty=0.1, presence_penalty=0.1,
                                 allowed_token_ids=[0])
         req_ids = [f"memory profile {i}" for i in range(num_rows)]
-        rows = [SamplingRow(params, [0], [0], None, req_id=req_id) for req_id in req_ids]
+        # Every row under a grammar too (its mask's temporaries; the mask allows every token).
+        mask = b"\xff" * (4 * bitmask_words(arch.vocab_size))
+        rows = [SamplingRow(params, [0], [0], None, req_id=req_id, grammar_mask=mask) for req_id in req_ids]
         kept_before = self.sampler.kept_bytes()
         self.sampler(logits, rows, self.eos_token_ids)
         self.sampler.release(req_ids)

@@ -171,6 +171,24 @@ def test_an_error_after_queued_steps_is_raised_after_them(monkeypatch, smollm_to
     assert isinstance(error, RequestFailedError) and error.param == "max_tokens"
 
 
+def test_a_sample_the_core_drops_later_takes_its_siblings_with_it(monkeypatch, smollm_tokenizer) -> None:
+    """A grammar that fails to compile fails one sample in the core, after the others were added: the request
+    fails, and its other samples are aborted in the core."""
+
+    async def run() -> tuple[list[RequestOutput | Exception], list[str], list[str]]:
+        llm = await _engine(monkeypatch, smollm_tokenizer)
+        got: list[RequestOutput | Exception] = []
+        task = await _started(llm.generate("r", [1, 2], SamplingParams(n=3, max_tokens=4)), got)
+        sent = [r.req_id for r in llm.client.requests]
+        llm.on_request_failed(RequestFailed(req_id=sent[1], message="no tokenizer", param="structured_outputs"))
+        await asyncio.wait_for(task, 5)
+        return got, sent, list(llm.client.aborted)
+
+    got, sent, aborted = asyncio.run(run())
+    assert len(got) == 1 and isinstance(got[0], RequestFailedError) and got[0].param == "structured_outputs"
+    assert set(sent) <= set(aborted)
+
+
 def test_merged_samples_keep_their_own_deltas_and_an_early_finish(monkeypatch, smollm_tokenizer) -> None:
     a = _ids(smollm_tokenizer, " red green blue")
     b = _ids(smollm_tokenizer, " cat dog")

@@ -169,3 +169,51 @@ def test_an_aborted_request_waiting_for_its_grammar_is_dropped(tiny_model_dir):
     release.set()
     assert not core.has_unfinished_requests() and len(core.structured) == 0
     core.check_invariants()
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_grammar_that_ends_before_min_tokens_ends_the_request(engines, pipelined):
+    """min_tokens holds EOS back, the finished grammar allows only EOS: the grammar wins, the request stops
+    with its text complete (not a token outside the grammar, then unconstrained text)."""
+    llm = engines[pipelined]
+    for spec, min_tokens in ((StructuredOutputsParams(choice=["yes"]), 6),
+                             (StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True), 200)):
+        params = SamplingParams(temperature=0.0, max_tokens=250, min_tokens=min_tokens, logprobs=1,
+                                structured_outputs=spec)
+        out = _run(llm, ["Say yes:"], [params])[0]
+        assert out.finish_reason == "stop" and _in_language(spec, out.text), out.text
+        assert len(out.token_ids) < min_tokens
+        assert all(lp[t].logprob > float("-inf") for t, lp in zip(out.token_ids, out.logprobs, strict=True))
+
+
+def test_a_failed_grammar_loses_no_other_output_of_the_step(tiny_model_dir):
+    """LLMEngine.step raises the failure; the step's other outputs come with the next call."""
+    import threading
+
+    llm = LLM(tiny_model_dir("llama"), max_model_len=128)
+    engine = llm.engine
+    release = threading.Event()
+
+    def broken():
+        release.wait(30)
+        raise OSError("tokenizer files missing")
+
+    engine.core.structured.compiler.set_tokenizer_loader(broken)
+    engine.add_request("s", "Hello", SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="a+")))
+    engine.add_request("p", "Hello", SamplingParams(temperature=0.0, max_tokens=1))
+    release.set()
+    engine.core._awaiting_grammar["s"][2].exception(timeout=30)  # failed before the step: p's only step raises
+    finished: dict[str, str | None] = {}
+    failures = []
+    for _ in range(20):
+        if not engine.has_unfinished_requests():
+            break
+        try:
+            outputs = engine.step()
+        except ValueError as e:
+            failures.append(str(e))
+            continue
+        finished.update({o.request_id: o.outputs[0].finish_reason for o in outputs if o.finished})
+    assert failures == ["structured output needs the model's tokenizer, which could not be loaded: tokenizer "
+                        "files missing"]
+    assert finished == {"p": "length"} and not engine.has_unfinished_requests()

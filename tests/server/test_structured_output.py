@@ -54,6 +54,8 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
     ({"guided_choice": ["x", "y z"]}, StructuredOutputsParams(choice=["x", "y z"])),
     ({"guided_grammar": 'root ::= "a"+'}, StructuredOutputsParams(grammar='root ::= "a"+')),
     ({"structured_outputs": None, "guided_regex": None}, None),
+    ({"structured_outputs": {"regex": "a+", "disable_fallback": True}},
+     StructuredOutputsParams(regex="a+", disable_fallback=True)),
 ])
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_each_field_reaches_the_engine_as_one_spec(extra, spec, path):
@@ -77,6 +79,10 @@ def test_each_field_reaches_the_engine_as_one_spec(extra, spec, path):
     ({"guided_grammar": "start: missing"}, "guided_grammar", "invalid grammar"),
     ({"guided_choice": []}, "guided_choice", "choice"),
     ({"guided_json": "{not json"}, "guided_json", "invalid json"),
+    ({"structured_outputs": {}}, "structured_outputs", "exactly one"),
+    ({"structured_outputs": {"choice": "yes"}}, "structured_outputs", "choice must be a list"),
+    ({"structured_outputs": {"choice": 5}}, "structured_outputs", "choice must be a list"),
+    ({"structured_outputs": {"regex": "a", "disable_any_whitespace": "false"}}, "structured_outputs", "boolean"),
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", "only one of"),
 ])
 def test_bad_structure_requests_are_400s_naming_the_field(extra, param, words):

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 import torch
 
-from kvserve.layers.sampler import Sampler, SamplingRow, apply_grammar_masks
+from kvserve.layers.sampler import Sampler, SamplingRow, apply_grammar_masks_
 from kvserve.protocol.engine import EngineCoreRequest
 from kvserve.protocol.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 from kvserve.structured_output import (
@@ -51,6 +51,7 @@ def test_malformed_kinds_are_refused(fields):
     StructuredOutputsParams(grammar="start: undefined_rule"),
     StructuredOutputsParams(grammar='root ::= "a" ('),
     StructuredOutputsParams(json="[" * 100_000),
+    StructuredOutputsParams(json="true"),  # a schema that is not an object
 ])
 def test_invalid_grammars_are_a_sampling_params_error(spec):
     with pytest.raises(GrammarError):
@@ -58,6 +59,18 @@ def test_invalid_grammars_are_a_sampling_params_error(spec):
     with pytest.raises(SamplingParamsError) as info:
         SamplingParams(structured_outputs=spec)
     assert info.value.param == "structured_outputs" and f"invalid {spec.kind}" in str(info.value)
+
+
+@pytest.mark.parametrize(("fields", "words"), [
+    ({"choice": "yes"}, "choice must be a list"),
+    ({"choice": 5}, "choice must be a list"),
+    ({"regex": "a", "disable_any_whitespace": "false"}, "disable_any_whitespace must be a boolean"),
+    ({"json_object": 1}, "json_object must be a boolean"),
+    ({"regex": "a", "whitespace_pattern": 3}, "whitespace_pattern must be a string"),
+])
+def test_field_types_are_checked(fields, words):
+    with pytest.raises(SamplingParamsError, match=words):
+        StructuredOutputsParams(**fields)
 
 
 def test_a_dict_spec_becomes_params_and_unknown_keys_are_refused():
@@ -86,6 +99,26 @@ def test_no_additional_properties_reaches_nested_objects_and_keeps_explicit_ones
     assert out["properties"]["free"]["additionalProperties"] is True
     assert out["items"][0]["additionalProperties"] is False
     assert "additionalProperties" not in schema  # the caller's schema is not changed
+    # Data is left alone: const, enum and default values, and a properties map itself (whose names are not
+    # schema keywords, here one called "properties").
+    data = {"type": "object", "properties": {"properties": {"type": "string"}},
+            "anyOf": [{"const": {"properties": {}}}, {"enum": [{"type": "object"}]}],
+            "$defs": {"d": {"properties": {"z": {}}}}, "default": {"properties": {}}}
+    out = _no_additional_properties(data)
+    assert set(out["properties"]) == {"properties"} and "additionalProperties" not in out["properties"]["properties"]
+    assert out["anyOf"] == data["anyOf"] and out["default"] == data["default"]
+    assert out["$defs"]["d"]["additionalProperties"] is False
+
+
+def test_the_grammar_is_kept_on_the_spec_and_not_carried():
+    spec = StructuredOutputsParams(regex="a+")
+    assert grammar_for(spec) is grammar_for(spec)
+    params = SamplingParams(n=3, structured_outputs=spec)
+    assert params.for_sample(2).structured_outputs is spec  # the samples share it: validated once
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(EngineCoreRequest("r", [1], params, 4)),
+                                     type=EngineCoreRequest)
+    assert decoded.sampling_params.structured_outputs == spec and "_grammar" not in msgspec.to_builtins(
+        decoded.sampling_params.structured_outputs)
 
 
 # ------------------------------------------------------------------------------------------ the mask
@@ -107,20 +140,20 @@ def _bits(allowed: list[set[int]], vocab_size: int) -> list[bytes]:
 def test_masks_set_minus_inf_outside_the_allowed_tokens():
     vocab = 70  # not a multiple of 32: the last word is partial
     logits = torch.randn(4, vocab)
-    allowed = [{0, 31, 32, 63, 69}, set(range(vocab)), {5}]  # bit 31 is the int32's sign bit
-    out = apply_grammar_masks(logits, [2, 0, 3], _bits(allowed, vocab))
+    out = logits.clone()
+    allowed = [{0, 7, 8, 31, 32, 63, 69}, set(range(vocab)), {5}]  # bit 31 is the int32's sign bit
+    apply_grammar_masks_(out, [2, 0, 3], _bits(allowed, vocab))
     for row, tokens in zip([2, 0, 3], allowed, strict=True):
         expected = torch.full((vocab,), float("-inf"))
         expected[sorted(tokens)] = logits[row, sorted(tokens)]
         assert torch.equal(out[row], expected)
     assert torch.equal(out[1], logits[1])  # rows without a mask are untouched
-    assert not torch.isinf(logits).any()  # the caller's logits are not changed
 
 
 def test_tokens_past_the_mask_are_not_allowed():
     logits = torch.zeros(1, 40)
-    out = apply_grammar_masks(logits, [0], _bits([{1, 31}], 32))  # one word for 40 logits
-    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [1, 31]
+    apply_grammar_masks_(logits, [0], _bits([{1, 31}], 32))  # one word for 40 logits
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [1, 31]
 
 
 def test_sampler_under_a_mask_picks_allowed_tokens_and_reports_constrained_logprobs():
@@ -135,7 +168,7 @@ def test_sampler_under_a_mask_picks_allowed_tokens_and_reports_constrained_logpr
     seen: list[set[int]] = [set(), set(), set()]
     for _ in range(200):
         rows = [SamplingRow(p, [1], [], None, grammar_mask=m) for p, m in zip(params, masks, strict=True)]
-        out = sampler(logits, rows, eos_token_ids=[0])
+        out = sampler(logits.clone(), rows, eos_token_ids=[0])
         for i, t in enumerate(out.sampled_token_ids.tolist()):
             seen[i].add(t)
     assert seen[0] == {max(allowed[0], key=lambda t: logits[0, t].item())}  # greedy: the best allowed one
@@ -195,12 +228,62 @@ def test_matchers_follow_the_grammar_to_eos(tokenizer):
     compiler.shutdown()
 
 
-def test_a_tokenizer_that_fails_to_load_is_a_grammar_error():
+def test_a_tokenizer_that_fails_to_load_is_a_grammar_error_once():
+    calls = []
+
     def broken():
+        calls.append(1)
         raise OSError("no tokenizer.json here")
 
     compiler = GrammarCompiler(broken, 100, [2])
-    future = compiler.submit(grammar_for(StructuredOutputsParams(regex="a+")))
-    with pytest.raises(GrammarError, match="tokenizer.*no tokenizer.json here"):
-        future.result(timeout=60)
+    for _ in range(2):
+        future = compiler.submit(grammar_for(StructuredOutputsParams(regex="a+")))
+        with pytest.raises(GrammarError, match="tokenizer.*no tokenizer.json here"):
+            future.result(timeout=60)
+    assert len(calls) == 1  # not loaded again for every request
     compiler.shutdown()
+
+
+def test_eos_where_the_grammar_may_end_ends_its_constraint(tokenizer):
+    """Under ignore_eos, EOS taken where the text could go on (regex a+ after "a") ends the constraint: the
+    next token is not forced to be another EOS."""
+    eos = tokenizer.eos_token_id
+    compiler = GrammarCompiler(lambda: tokenizer, len(tokenizer), [eos])
+    outputs = StructuredOutputs(compiler)
+    outputs.add("r", compiler.compile(grammar_for(StructuredOutputsParams(regex="a+"))))
+    a = tokenizer.encode("a", add_special_tokens=False)
+    outputs.accept("r", a)
+    allowed = _allowed(outputs.bitmasks(["r"]), "r")
+    assert eos in allowed and a[0] in allowed and not outputs.ended("r")
+    outputs.accept("r", [eos])
+    assert outputs.bitmasks(["r"]) == {} and outputs.num_refused_tokens == 0 and outputs.num_constraining == 0
+
+
+def test_many_masks_at_once_equal_one_at_a_time_and_compiles_are_fresh_copies(tokenizer):
+    compiler = GrammarCompiler(lambda: tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    together, alone = StructuredOutputs(compiler), StructuredOutputs(compiler)
+    grammars = [grammar_for(StructuredOutputsParams(json=SCHEMA)), grammar_for(StructuredOutputsParams(regex="[0-9]+x")),
+                grammar_for(StructuredOutputsParams(choice=["alpha", "beta"]))]
+    prefixes = ['{"name": "A', "12", "al"]
+    for i, (grammar, prefix) in enumerate(zip(grammars, prefixes, strict=True)):
+        for outputs in (together, alone):
+            outputs.add(str(i), compiler.compile(grammar))  # the second compile: a copy of the first's
+            outputs.accept(str(i), tokenizer.encode(prefix, add_special_tokens=False))
+    masks = together.bitmasks(["0", "1", "2"])
+    for i in range(3):
+        assert masks[str(i)] == alone.bitmasks([str(i)])[str(i)]
+    fresh = StructuredOutputs(compiler)
+    fresh.add("f", compiler.compile(grammars[2]))  # unaffected by the copies' progress
+    assert tokenizer.encode("beta", add_special_tokens=False)[0] in _allowed(fresh.bitmasks(["f"]), "f")
+    compiler.shutdown()
+
+
+def test_a_model_vocabulary_smaller_than_the_tokenizer(tokenizer):
+    """Masks are as wide as the tokenizer (the logits use their own width; ids past it are never allowed)."""
+    compiler = GrammarCompiler(lambda: tokenizer, len(tokenizer) - 40, [tokenizer.eos_token_id])
+    outputs = StructuredOutputs(compiler)
+    outputs.add("r", compiler.compile(grammar_for(StructuredOutputsParams(regex="[a-z]+"))))
+    assert len(outputs.bitmasks(["r"])["r"]) == 4 * bitmask_words(len(tokenizer))
+    logits = torch.zeros(1, len(tokenizer) - 40)
+    apply_grammar_masks_(logits, [0], [outputs.bitmasks(["r"])["r"]])
+    assert torch.isfinite(logits).any()

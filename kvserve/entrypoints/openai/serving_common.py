@@ -123,7 +123,7 @@ def structured_outputs_from(req: SamplingFields) -> tuple[StructuredOutputsParam
         elif fmt.type != "text":
             raise BadRequestError(f'response_format type must be "text", "json_object" or "json_schema", got '
                                   f"{fmt.type!r}", "response_format")
-    if req.structured_outputs:
+    if req.structured_outputs is not None:
         specs.append(("structured_outputs", dict(req.structured_outputs)))
     for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                       ("guided_grammar", "grammar")):
