@@ -174,15 +174,7 @@ class EngineCoreProc:
                 if self._handle(message):
                     return 0
             if self.core.has_unfinished_requests():
-                result = self.core.step()
-                self._send_failures()
-                if result.outputs or self._changed or result.stats != self._last_stats:
-                    self._send_outputs(result.outputs, result.stats)
-                    self._last_stats = result.stats
-                elif result.num_scheduled_tokens == 0:
-                    # Unfinished requests but nothing could be scheduled: don't spin a core flat out.
-                    time.sleep(_IDLE_STEP_SLEEP_S)
-                self._changed = False
+                self._step()
             elif self._changed:
                 # Nothing left to run (e.g. the last request was aborted): report the freed blocks now,
                 # there will be no step to carry the stats.
@@ -231,6 +223,18 @@ class EngineCoreProc:
                 return
             added.append(request.req_id)
             self._owner[request.req_id] = message.client_index
+
+    def _step(self) -> None:
+        """One engine step; its outputs (or the stats when they changed) and failures to the API processes."""
+        result = self.core.step()
+        self._send_failures()
+        if result.outputs or self._changed or result.stats != self._last_stats:
+            self._send_outputs(result.outputs, result.stats)
+            self._last_stats = result.stats
+        elif result.num_scheduled_tokens == 0:
+            # Unfinished requests but nothing could be scheduled: don't spin a core flat out.
+            time.sleep(_IDLE_STEP_SLEEP_S)
+        self._changed = False
 
     def _send_failures(self) -> None:
         """Requests the core dropped (a grammar that failed to compile): an error to the API process."""

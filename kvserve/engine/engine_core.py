@@ -14,6 +14,10 @@ the batches: a request that stopped on EOS or a stop string is computed for one 
 dropped), and a request that will surely finish keeps its slot until its last token arrives. Batch
 composition changes floating-point rounding (logprobs in the last digits, near-tied tokens), as other
 requests coming and going do in either mode; unseeded draws from the shared generator shift too.
+
+Structured output (`kvserve.structured_output`): a request with a grammar waits outside the scheduler while
+its grammar compiles in a worker thread, then enters it. While a grammar constrains some request, `step()`
+reads the previous step's tokens before it schedules: a step's mask needs them (no pipelining then).
 """
 
 from __future__ import annotations

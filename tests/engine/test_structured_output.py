@@ -74,7 +74,8 @@ def test_every_kind_gives_output_in_its_language_pipelined_or_not(engines):
             assert _in_language(spec, out.text), (spec, out.text)
             finished += 1
         else:  # cut by max_tokens: a prefix of the language (JSON, which a random model can make long)
-            assert out.finish_reason == "length" and spec.json is not None or spec.json_object, (spec, out)
+            assert out.finish_reason == "length" and (spec.json is not None or spec.json_object), (spec, out)
+            assert out.text.startswith("{"), out.text
     assert finished >= 4
 
 
@@ -127,6 +128,10 @@ def test_past_the_grammars_end_ignore_eos_runs_unconstrained(engines):
     eos = llm.get_tokenizer().eos_token_id
     yes = llm.get_tokenizer().encode("yes", add_special_tokens=False)
     assert out.token_ids[: len(yes) + 1] == [*yes, eos] and len(out.token_ids) == 10
+    # min_tokens does not end it at the grammar's end either: under ignore_eos EOS is an ordinary token.
+    held = _run(llm, ["Say yes:"], [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, min_tokens=6,
+                                                   structured_outputs=spec)])[0]
+    assert held.token_ids == out.token_ids
 
 
 def test_a_grammar_that_fails_to_compile_is_an_error_that_leaves_nothing(tiny_model_dir):
@@ -217,3 +222,69 @@ def test_a_failed_grammar_loses_no_other_output_of_the_step(tiny_model_dir):
     assert failures == ["structured output needs the model's tokenizer, which could not be loaded: tokenizer "
                         "files missing"]
     assert finished == {"p": "length"} and not engine.has_unfinished_requests()
+
+
+def test_the_engine_core_stops_a_request_whose_grammar_ended_before_min_tokens(engines):
+    """The request leaves the scheduler with its "stop" (it does not go on computing to max_tokens)."""
+    engine = engines[True].engine
+    params = SamplingParams(temperature=0.0, max_tokens=60, min_tokens=30,
+                            structured_outputs=StructuredOutputsParams(choice=["yes"]))
+    engine.add_request("m", "Say yes:", params)
+    for _ in range(200):
+        outputs = engine.step()
+        if any(o.finished for o in outputs):
+            break
+    assert [o.outputs[0].finish_reason for o in outputs if o.finished] == ["stop"]
+    assert not engine.core.scheduler.requests and not engine.has_unfinished_requests()
+
+
+def test_aborting_a_constrained_request_drops_its_matcher(engines):
+    engine = engines[True].engine
+    core = engine.core
+    engine.add_request("x", "Hello", SamplingParams(max_tokens=50, structured_outputs=StructuredOutputsParams(
+        regex="[a-z ]{100}")))
+    for _ in range(50):
+        engine.step()
+        if "x" in core.structured and core.scheduler.requests:
+            break
+    engine.step()
+    assert core.structured.num_constraining == 1
+    engine.abort_request("x")
+    assert len(core.structured) == 0 and not core.scheduler.requests
+    while engine.has_unfinished_requests():  # the step in flight
+        engine.step()
+    core.check_invariants()
+
+
+def test_requests_are_checked_on_arrival(engines):
+    from kvserve.core.scheduler import RequestRejected
+
+    engine = engines[False].engine
+    core = engine.core
+    spec = StructuredOutputsParams(regex="a+")
+    with pytest.raises(ValueError, match="max_model_len"):  # refused before its grammar is compiled
+        engine.add_request("long", "word " * 400, SamplingParams(max_tokens=4, structured_outputs=spec))
+    assert not core.unfinished_req_ids()
+    request = engine.input_processor.make_engine_request("dup", [1, 2, 3], SamplingParams(
+        max_tokens=4, structured_outputs=spec), None, None, 0.0, 0)
+    core.add_request(request)
+    with pytest.raises(RequestRejected, match="already in use"):  # while the first still compiles, or queued
+        core.add_request(request)
+    core.abort_requests(["dup"])
+    assert not core.unfinished_req_ids()
+
+
+def test_a_grammar_that_compiles_only_without_the_tokenizer_is_an_error(engines):
+    """A special token the tokenizer does not have passes validation, then fails against the tokenizer."""
+    spec = StructuredOutputsParams(grammar='start: <|no_such_special|> "a"')
+    with pytest.raises(ValueError, match="no_such_special"):
+        engines[False].generate(["Hello"], SamplingParams(max_tokens=4, structured_outputs=spec), use_tqdm=False)
+    assert not engines[False].engine.has_unfinished_requests()
+
+
+def test_choices_with_quotes_and_backslashes(engines):
+    choices = ['say "hi"', "a\\b", "plain"]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=12, structured_outputs=StructuredOutputsParams(
+        choice=choices)) for i in range(6)]
+    outs = _run(engines[False], PROMPTS, params)
+    assert all(o.text in choices for o in outs), [o.text for o in outs]

@@ -84,6 +84,10 @@ def test_each_field_reaches_the_engine_as_one_spec(extra, spec, path):
     ({"structured_outputs": {"choice": 5}}, "structured_outputs", "choice must be a list"),
     ({"structured_outputs": {"regex": "a", "disable_any_whitespace": "false"}}, "structured_outputs", "boolean"),
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", "only one of"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "x", "function": {"name": "get_weather"}}}, "tool_choice",
+     "named tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools", "not a schema"),
 ])
 def test_bad_structure_requests_are_400s_naming_the_field(extra, param, words):
     ctx, _ = _context([["ok"]])
@@ -111,6 +115,7 @@ def test_tool_choice_required_returns_the_listed_calls_streamed_or_not():
     assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
     assert [item["properties"]["name"]["enum"] for item in schema["items"]["anyOf"]] == [["get_weather"], ["get_time"]]
     assert schema["items"]["anyOf"][1]["properties"]["parameters"] == TIME["function"]["parameters"]
+    assert all(item["required"] == ["name", "parameters"] for item in schema["items"]["anyOf"])
 
     streamed, finish = _stream_messages(_post(ctx, {**body, "stream": True}))
     assert finish == {0: "tool_calls", 1: "stop"}
@@ -173,3 +178,15 @@ def test_the_server_follows_a_schema_a_choice_and_a_regex(tiny_server: ServerPro
     assert re.fullmatch("[A-Z]{2}-[0-9]{4}", code.json()["choices"][0]["text"])
     bad = _complete(tiny_server, "/v1/completions", {"prompt": "x", "guided_regex": "(("})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "guided_regex"
+
+
+def test_forced_tool_choices_take_a_function_without_parameters():
+    bare = {"type": "function", "function": {"name": "ping"}}
+    ctx, _ = _context([["{}"]], parser=None)
+    seen = _recorded(ctx)
+    named = _post(ctx, {"messages": USER, "tools": [bare], "tool_choice": {"type": "function", "function": {"name": "ping"}}})
+    assert named.status_code == 200, named.text
+    assert seen[0].structured_outputs == StructuredOutputsParams(json={"type": "object"})
+    required = _post(ctx, {"messages": USER, "tools": [bare], "tool_choice": "required"})
+    assert required.status_code == 200, required.text
+    assert seen[1].structured_outputs.json["items"]["anyOf"][0]["properties"]["parameters"] == {"type": "object"}

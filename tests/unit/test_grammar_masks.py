@@ -73,6 +73,11 @@ def test_field_types_are_checked(fields, words):
         StructuredOutputsParams(**fields)
 
 
+def test_a_spec_of_another_type_is_refused():
+    with pytest.raises(SamplingParamsError, match="must be StructuredOutputsParams"):
+        SamplingParams(structured_outputs="a+")  # type: ignore[arg-type]
+
+
 def test_a_dict_spec_becomes_params_and_unknown_keys_are_refused():
     params = SamplingParams(structured_outputs={"regex": "a+"})  # type: ignore[arg-type]
     assert params.structured_outputs == StructuredOutputsParams(regex="a+")
@@ -101,6 +106,11 @@ def test_no_additional_properties_reaches_nested_objects_and_keeps_explicit_ones
     assert "additionalProperties" not in schema  # the caller's schema is not changed
     # Data is left alone: const, enum and default values, and a properties map itself (whose names are not
     # schema keywords, here one called "properties").
+    nested = {"anyOf": [{"type": "object", "properties": {"x": {}}}],
+              "additionalProperties": {"type": "object", "properties": {"y": {}}}}
+    out = _no_additional_properties(nested)
+    assert out["anyOf"][0]["additionalProperties"] is False
+    assert out["additionalProperties"]["additionalProperties"] is False
     data = {"type": "object", "properties": {"properties": {"type": "string"}},
             "anyOf": [{"const": {"properties": {}}}, {"enum": [{"type": "object"}]}],
             "$defs": {"d": {"properties": {"z": {}}}}, "default": {"properties": {}}}
@@ -137,14 +147,19 @@ def _bits(allowed: list[set[int]], vocab_size: int) -> list[bytes]:
     return out
 
 
-def test_masks_set_minus_inf_outside_the_allowed_tokens():
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                                    reason="no GPU")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_masks_set_minus_inf_outside_the_allowed_tokens(device):
     vocab = 70  # not a multiple of 32: the last word is partial
-    logits = torch.randn(4, vocab)
+    logits = torch.randn(4, vocab, device=device)
     out = logits.clone()
     allowed = [{0, 7, 8, 31, 32, 63, 69}, set(range(vocab)), {5}]  # bit 31 is the int32's sign bit
     apply_grammar_masks_(out, [2, 0, 3], _bits(allowed, vocab))
     for row, tokens in zip([2, 0, 3], allowed, strict=True):
-        expected = torch.full((vocab,), float("-inf"))
+        expected = torch.full((vocab,), float("-inf"), device=device)
         expected[sorted(tokens)] = logits[row, sorted(tokens)]
         assert torch.equal(out[row], expected)
     assert torch.equal(out[1], logits[1])  # rows without a mask are untouched
@@ -156,10 +171,11 @@ def test_tokens_past_the_mask_are_not_allowed():
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [1, 31]
 
 
-def test_sampler_under_a_mask_picks_allowed_tokens_and_reports_constrained_logprobs():
+@pytest.mark.parametrize("device", DEVICES)
+def test_sampler_under_a_mask_picks_allowed_tokens_and_reports_constrained_logprobs(device):
     vocab = 64
     torch.manual_seed(0)
-    logits = torch.randn(3, vocab)
+    logits = torch.randn(3, vocab, device=device)
     allowed = [{3, 40, 41}, {7}, {10, 50}]
     masks = _bits(allowed, vocab)
     params = [SamplingParams(temperature=0.0, logprobs=5), SamplingParams(temperature=1.0),
@@ -174,7 +190,7 @@ def test_sampler_under_a_mask_picks_allowed_tokens_and_reports_constrained_logpr
     assert seen[0] == {max(allowed[0], key=lambda t: logits[0, t].item())}  # greedy: the best allowed one
     assert seen[1] == {7} and seen[2] == allowed[2]
     assert out.logprobs is not None and out.logprob_token_ids is not None
-    constrained = torch.log_softmax(logits[0, sorted(allowed[0])], dim=0)
+    constrained = torch.log_softmax(logits[0, sorted(allowed[0])].cpu(), dim=0)
     top = out.logprobs[0, 1:4].tolist()
     assert top == pytest.approx(sorted(constrained.tolist(), reverse=True), abs=1e-6)
     assert set(out.logprob_token_ids[0, 1:4].tolist()) == allowed[0]
@@ -287,3 +303,36 @@ def test_a_model_vocabulary_smaller_than_the_tokenizer(tokenizer):
     logits = torch.zeros(1, len(tokenizer) - 40)
     apply_grammar_masks_(logits, [0], [outputs.bitmasks(["r"])["r"]])
     assert torch.isfinite(logits).any()
+
+
+def _first_allowed(tokenizer, spec: StructuredOutputsParams, prefix: str) -> set[int]:
+    compiler = GrammarCompiler(lambda: tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    outputs = StructuredOutputs(compiler)
+    outputs.add("r", compiler.compile(grammar_for(spec)))
+    outputs.accept("r", tokenizer.encode(prefix, add_special_tokens=False) if prefix else [])
+    assert outputs.num_refused_tokens == 0
+    return _allowed(outputs.bitmasks(["r"]), "r")
+
+
+def _token(tokenizer, text: str) -> int:
+    [token] = tokenizer.encode(text, add_special_tokens=False)
+    return token
+
+
+def test_the_json_options_change_what_the_grammar_allows(tokenizer):
+    space, newline, comma = _token(tokenizer, " "), _token(tokenizer, "\n"), _token(tokenizer, ",")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    flexible = _first_allowed(tokenizer, StructuredOutputsParams(json=schema), "{")
+    assert space in flexible and newline in flexible
+    newlines_only = _first_allowed(tokenizer, StructuredOutputsParams(json=schema, whitespace_pattern="\n"), "{")
+    assert newline in newlines_only and space not in newlines_only
+    compact = dict(json=schema, disable_any_whitespace=True)
+    assert comma in _first_allowed(tokenizer, StructuredOutputsParams(**compact), '{"a":1')  # more keys may come
+    closed = _first_allowed(tokenizer, StructuredOutputsParams(**compact, disable_additional_properties=True), '{"a":1')
+    assert comma not in closed  # "a" is the only property
+
+
+def test_json_object_allows_only_an_object(tokenizer):
+    first = _first_allowed(tokenizer, StructuredOutputsParams(json_object=True, disable_any_whitespace=True), "")
+    assert _token(tokenizer, "{") in first
+    assert not first & {_token(tokenizer, t) for t in ("[", '"', "1", "t", "n")}
