@@ -13,27 +13,14 @@ from typing import Any
 import httpx
 import pytest
 
-from kvserve.protocol.sampling_params import SamplingParams, StructuredOutputsParams
+from kvserve.protocol.sampling_params import StructuredOutputsParams
 
 from .conftest import TINY_NAME, ServerProcess, read_sse
-from .test_tool_calls import WEATHER, _context, _post, _stream_messages, _tokens
+from .test_tool_calls import WEATHER, _context, _post, _recorded, _stream_messages, _tokens
 
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}
 USER = [{"role": "user", "content": "hi"}]
-
-
-def _recorded(ctx) -> list[SamplingParams]:  # noqa: ANN001
-    seen: list[SamplingParams] = []
-    generate = ctx.engine.generate
-
-    async def recording(request_id, ids, params, prompt, **kwargs):  # noqa: ANN001, ANN003, ANN202
-        seen.append(params)
-        async for update in generate(request_id, ids, params, prompt, **kwargs):
-            yield update
-
-    ctx.engine.generate = recording
-    return seen
 
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}

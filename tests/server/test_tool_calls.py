@@ -289,10 +289,9 @@ def test_assistant_tool_calls_get_object_arguments():
     assert arguments_as_objects(other) is other  # only assistant messages
 
 
-def test_tool_call_parsing_keeps_special_tokens():
-    """Some checkpoints mark <tool_call> as a special token: with tools the text keeps special tokens."""
+def _recorded(ctx: ServingContext) -> list[SamplingParams]:
+    """The SamplingParams of each request the stub engine is given, in order."""
     seen: list[SamplingParams] = []
-    ctx, _ = _context([["ok"]])
     generate = ctx.engine.generate
 
     async def recording(request_id, ids, params, prompt, **kwargs):  # noqa: ANN001, ANN003, ANN202
@@ -301,6 +300,13 @@ def test_tool_call_parsing_keeps_special_tokens():
             yield update
 
     ctx.engine.generate = recording
+    return seen
+
+
+def test_tool_call_parsing_keeps_special_tokens():
+    """Some checkpoints mark <tool_call> as a special token: with tools the text keeps special tokens."""
+    ctx, _ = _context([["ok"]])
+    seen = _recorded(ctx)
     _post(ctx, {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER]})
     _post(ctx, {"messages": [{"role": "user", "content": "hi"}]})
     assert [p.skip_special_tokens for p in seen] == [False, True]
