@@ -242,10 +242,6 @@ class StructuredOutputs:
         g = self._grammars.get(req_id)
         return g is not None and not g.done and g.matcher.is_stopped()
 
-    @property
-    def req_ids(self) -> set[str]:
-        return set(self._grammars)
-
     def add(self, req_id: str, matcher: llguidance.LLMatcher) -> None:
         self._grammars[req_id] = _Grammar(matcher)
 

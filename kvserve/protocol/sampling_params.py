@@ -69,6 +69,15 @@ class StructuredOutputsParams:
         if self.json is not None and not isinstance(self.json, (str, dict)):
             raise SamplingParamsError("json must be a JSON schema (an object or its JSON text)", "structured_outputs")
 
+    @classmethod
+    def from_dict(cls, spec: dict) -> StructuredOutputsParams:
+        """From vLLM's field names (JSON); a key that is not a field is a SamplingParamsError."""
+        unknown = sorted(set(spec) - {f.name for f in fields(cls)})
+        if unknown:
+            raise SamplingParamsError(f"unknown structured_outputs field(s): {', '.join(map(str, unknown))}",
+                                      "structured_outputs")
+        return cls(**spec)
+
     @property
     def kind(self) -> str:
         return next(name for name in ("json", "regex", "choice", "grammar", "json_object")
@@ -221,11 +230,7 @@ class SamplingParams:
 
         spec = self.structured_outputs
         if isinstance(spec, dict):  # e.g. from JSON: vLLM's field names
-            unknown = sorted(set(spec) - {f.name for f in fields(StructuredOutputsParams)})
-            if unknown:
-                raise SamplingParamsError(f"unknown structured_outputs field(s): {', '.join(map(str, unknown))}",
-                                          "structured_outputs")
-            spec = self.structured_outputs = StructuredOutputsParams(**spec)
+            spec = self.structured_outputs = StructuredOutputsParams.from_dict(spec)
         if not isinstance(spec, StructuredOutputsParams):
             raise SamplingParamsError("structured_outputs must be StructuredOutputsParams", "structured_outputs")
         try:
