@@ -194,8 +194,11 @@ class GrammarCompiler:
                                                  else [])]))
                     # At least the tokenizer's size (its ids past the model's can never be sampled).
                     n_vocab = max(self.vocab_size, len(hf_tokenizer))
+                    # The grammar ends with an EOS the tokenizer has (a model's EOS id past it, as with another
+                    # model's tokenizer, is refused by llguidance; it still ends an unconstrained text).
+                    known_eos = [t for t in eos if 0 <= t < len(hf_tokenizer)]
                     self._tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=n_vocab,
-                                                                   eos_token=eos or None)
+                                                                   eos_token=known_eos or None)
                     self.eos_token_ids = frozenset(eos)
                 except Exception as e:
                     self._tokenizer_error = GrammarError(
@@ -236,6 +239,11 @@ class StructuredOutputs:
     def num_constraining(self) -> int:
         """Requests whose grammar still constrains their next token."""
         return sum(not g.done for g in self._grammars.values())
+
+    def constrains_any(self, req_ids: Iterable[str]) -> bool:
+        """Whether a grammar still constrains the next token of one of these requests."""
+        grammars = self._grammars
+        return any((g := grammars.get(req_id)) is not None and not g.done for req_id in req_ids)
 
     def ended(self, req_id: str) -> bool:
         """Whether the request's grammar has reached its end (it allows only EOS next)."""

@@ -244,6 +244,21 @@ def test_matchers_follow_the_grammar_to_eos(tokenizer):
     compiler.shutdown()
 
 
+def test_a_model_eos_id_past_the_tokenizer_is_left_out_of_the_grammar(tokenizer):
+    """A model whose EOS id the tokenizer lacks (another model's tokenizer): grammars still compile, and end
+    with the EOS the tokenizer has."""
+    eos, foreign = tokenizer.eos_token_id, len(tokenizer) + 3
+    compiler = GrammarCompiler(lambda: tokenizer, len(tokenizer) + 10, [foreign, eos])
+    outputs = StructuredOutputs(compiler)
+    outputs.add("r", compiler.compile(grammar_for(StructuredOutputsParams(choice=["yes"]))))
+    outputs.accept("r", tokenizer.encode("yes", add_special_tokens=False))
+    assert _allowed(outputs.bitmasks(["r"]), "r") == {eos}
+    assert compiler.eos_token_ids == {eos, foreign}
+    outputs.accept("r", [eos])
+    assert outputs.num_constraining == 0 and outputs.num_refused_tokens == 0
+    compiler.shutdown()
+
+
 def test_a_tokenizer_that_fails_to_load_is_a_grammar_error_once():
     calls = []
 
