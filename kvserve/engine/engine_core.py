@@ -16,8 +16,10 @@ composition changes floating-point rounding (logprobs in the last digits, near-t
 requests coming and going do in either mode; unseeded draws from the shared generator shift too.
 
 Structured output (`kvserve.structured_output`): a request with a grammar waits outside the scheduler while
-its grammar compiles in a worker thread, then enters it. While a grammar constrains some request, `step()`
-reads the previous step's tokens before it schedules: a step's mask needs them (no pipelining then).
+its grammar compiles in a worker thread, then enters it. A step's token masks need the previous step's
+tokens: for a step that samples a request its grammar still constrains, `step()` launches the forward pass,
+then reads the previous step's tokens, advances the grammars and computes the masks while the GPU runs it,
+and then launches the sampling with them. Other steps pipeline as usual.
 """
 
 from __future__ import annotations
@@ -322,24 +324,41 @@ class EngineCore:
         without async scheduling, the previous one with it)."""
         outputs: list[EngineCoreOutput] = []
         self._admit_compiled()
-        if self._in_flight is not None and self.structured.num_constraining:
-            # A grammar's mask for this step needs the previous step's tokens: read them first (steps with
-            # structured output are not pipelined).
-            outputs.extend(self._finish_in_flight())
         scheduler_output = self.scheduler.schedule()
-        if len(self.structured):
-            scheduler_output.grammar_bitmask = self.structured.bitmasks(
-                [s.req_id for s in scheduler_output.scheduled if s.sample]
-            )
+        sampling = [s.req_id for s in scheduler_output.scheduled if s.sample] if len(self.structured) else []
+        # A grammar's mask for this step needs the previous step's tokens when that step is in flight: the
+        # masks are computed after the forward's launch, the sampling's launch waits for them.
+        masks_later = self._in_flight is not None and self.structured.constrains_any(sampling)
+        if sampling and not masks_later:
+            scheduler_output.grammar_bitmask = self.structured.bitmasks(sampling)
         if self.workers is not None:
-            self.workers.step(scheduler_output, finish_previous_first=self._in_flight is None)
-        pending = self.runner.execute_model_async(scheduler_output)
-        # The step's new blocks are hashed for the prefix cache here, while the GPU computes, instead of
-        # before the launch. Before the wait below, so the hashing overlaps the GPU.
-        self.scheduler.cache_scheduled_blocks()
-        # The GPU now works on this step: read the previous one's tokens meanwhile.
-        if self._in_flight is not None:
-            outputs.extend(self._finish_in_flight())
+            self.workers.step(scheduler_output, finish_previous_first=self._in_flight is None,
+                              masks_follow=masks_later)
+        if masks_later:
+            launched = self.runner.launch_forward(scheduler_output)
+            try:
+                self.scheduler.cache_scheduled_blocks()
+                # The GPU runs the forward: read the previous step's tokens and advance the grammars meanwhile.
+                outputs.extend(self._finish_in_flight())
+                scheduler_output.grammar_bitmask = self.structured.bitmasks(sampling)
+            except BaseException:
+                # The other ranks wait for this step's masks: the step is sampled without them and dropped
+                # (as a step launched before a failure is), so that every rank stays in step.
+                if self.workers is not None:
+                    self.workers.send_masks({})
+                self.runner.sample(launched, {})
+                raise
+            if self.workers is not None:
+                self.workers.send_masks(scheduler_output.grammar_bitmask)
+            pending = self.runner.sample(launched, scheduler_output.grammar_bitmask)
+        else:
+            pending = self.runner.execute_model_async(scheduler_output)
+            # The step's new blocks are hashed for the prefix cache here, while the GPU computes, instead of
+            # before the launch. Before the wait below, so the hashing overlaps the GPU.
+            self.scheduler.cache_scheduled_blocks()
+            # The GPU now works on this step: read the previous one's tokens meanwhile.
+            if self._in_flight is not None:
+                outputs.extend(self._finish_in_flight())
         self._in_flight = (scheduler_output, pending)
         if not self.async_scheduling or scheduler_output.is_empty:
             outputs.extend(self._finish_in_flight())

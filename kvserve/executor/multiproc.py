@@ -12,7 +12,9 @@ the engine makes on its runner:
   each rank feeds its own sampled ids to its next step's placeholder inputs (async scheduling). Each rank
   records its sampled tokens in its request states at the point rank 0 does (before the next launch when
   the engine waited for them, after it otherwise), so that penalties, which read those records, see the
-  same tokens on every rank.
+  same tokens on every rank. A step whose grammar masks need the previous step's tokens comes in two
+  messages (`step` with masks_follow, then `send_masks`): the ranks launch its forward, record the previous
+  step's tokens, and sample once the masks arrive, as rank 0 does.
 
 A rank that fails or exits ends the engine: the rank logs its error and exits, and rank 0's monitor thread
 logs which rank it was and exits the engine process (the server then reports the engine's death). During
@@ -195,11 +197,17 @@ class TPWorkers:
                 results[rank] = value
         return [results[rank] for rank in sorted(results)]
 
-    def step(self, scheduler_output: SchedulerOutput, finish_previous_first: bool) -> None:
+    def step(self, scheduler_output: SchedulerOutput, finish_previous_first: bool, masks_follow: bool = False) -> None:
         """Send one step to every other rank (no reply). finish_previous_first: rank 0 read the previous
-        step's tokens before launching this one."""
+        step's tokens before launching this one. masks_follow: the step's grammar masks come after, by
+        `send_masks`: the ranks launch the forward, record the previous step's tokens, then wait for them
+        to sample."""
         # The scheduler's own request objects stay here (the runner never reads them).
-        self._send(("step", dataclasses.replace(scheduler_output, requests={}), finish_previous_first))
+        self._send(("step", dataclasses.replace(scheduler_output, requests={}), finish_previous_first, masks_follow))
+
+    def send_masks(self, grammar_bitmask: dict[str, bytes]) -> None:
+        """The grammar masks of the step sent last with masks_follow."""
+        self._send(("masks", grammar_bitmask))
 
     # ------------------------------------------------------------------ life
 
@@ -316,14 +324,27 @@ def _worker_main(
             except (pickle.PicklingError, TypeError, AttributeError):  # a result that cannot travel: dropped
                 conn.send(("ok", None))
             continue
-        _, scheduler_output, finish_previous_first = message
+        _, scheduler_output, finish_previous_first, masks_follow = message
         try:
             if finish_previous_first and previous is not None:
                 previous.result()
                 previous = None
-            launched = runner.execute_model_async(scheduler_output)
-            if previous is not None:
-                previous.result()
+            if masks_follow:
+                forward = runner.launch_forward(scheduler_output)
+                if previous is not None:
+                    previous.result()
+                try:
+                    follow = pickle.loads(conn.recv_bytes())
+                except EOFError:
+                    break
+                if follow[0] == "stop":  # rank 0 failed before the masks (and is shutting down)
+                    break
+                assert follow[0] == "masks", f"a step's grammar masks expected, got {follow[0]!r}"
+                launched = runner.sample(forward, follow[1])
+            else:
+                launched = runner.execute_model_async(scheduler_output)
+                if previous is not None:
+                    previous.result()
             previous = launched
         except BaseException:
             logger.critical("tensor-parallel rank %d failed a step:\n%s", rank, traceback.format_exc())

@@ -14,6 +14,12 @@ host sync of the step.
 is the sync. Meanwhile the engine core may schedule and launch the next step (async scheduling): tokens
 the scheduler marks as placeholders (sampled by the previous step, ids not yet on the host) are filled in
 on the device from the previous step's sampled ids, so the GPU never waits for the host in between.
+
+A step can also be launched in two halves: `launch_forward` (inputs, forward, logits) and `sample` (the
+sampler, given the grammars' token masks, and the copy to the host). The engine core does so while a
+grammar constrains some request: the masks need the previous step's tokens, which it reads, and the masks
+it computes, while the GPU runs the forward. Tokens recorded by then are sampled from the requests' lists,
+not as placeholders.
 """
 
 from __future__ import annotations
@@ -138,6 +144,8 @@ class PendingOutput:
         self._logprob_host = logprob_host
         self._done = done
         self._prompt_logprobs = prompt_logprobs
+        # Whether result() has recorded the tokens in the requests' states.
+        self.recorded = False
 
     @classmethod
     def empty(cls, prompt_logprobs: PromptLogprobsPending | None = None) -> PendingOutput:
@@ -155,9 +163,21 @@ class PendingOutput:
         logprobs = _logprobs_lists(self._logprob_host, self._states)
         for state, token_id in zip(self._states, token_ids, strict=True):
             state.output_token_ids.append(token_id)
+        self.recorded = True
         prompt = self._prompt_logprobs.lists() if self._prompt_logprobs is not None else {}
         return ModelRunnerOutput(req_ids=self.req_ids, sampled_token_ids=token_ids, logprobs=logprobs,
                                  prompt_logprobs=prompt)
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward pass and logits are launched and whose sampling is not (`ModelRunner.sample`
+    launches it)."""
+
+    scheduler_output: SchedulerOutput
+    sampled_req_ids: list[str]
+    logits: torch.Tensor | None  # None: no request samples in this step
+    prompt_logprobs: PromptLogprobsPending | None
 
 
 @dataclass
@@ -264,6 +284,8 @@ class ModelRunner:
         # The last launched step's sampled ids (device) and each sampling request's row in them: where
         # the next step's placeholder tokens come from.
         self._prev_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
+        # The last sampled step's output: until its result() records its tokens, they are placeholders.
+        self._last_output: PendingOutput | None = None
 
     # ------------------------------------------------------------------ KV cache
 
@@ -888,13 +910,19 @@ class ModelRunner:
         """Run one step and wait for its sampled tokens."""
         return self.execute_model_async(scheduler_output).result()
 
-    @torch.inference_mode()
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingOutput:
-        """Launch one step (forward, logits, sampling, the device-to-host copy of the results) without
-        waiting for the GPU; the returned PendingOutput's `result()` waits."""
+        """Launch one step (forward, logits, sampling with the scheduler output's grammar masks, the
+        device-to-host copy of the results) without waiting for the GPU; the returned PendingOutput's
+        `result()` waits."""
+        return self.sample(self.launch_forward(scheduler_output), scheduler_output.grammar_bitmask)
+
+    @torch.inference_mode()
+    def launch_forward(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
+        """Launch a step's forward pass and logits (and prompt logprobs) without waiting for the GPU. Its
+        sampling is `sample`'s, called before the next step's launch."""
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
-            return PendingOutput.empty()
+            return LaunchedStep(scheduler_output, [], None, None)
         num_reqs = len(scheduler_output.scheduled)
         prompt_spans = self._prompt_logprob_spans(scheduler_output) if self._prompt_logprob_req_ids else None
         # A step that computes prompt logprobs needs every token's final state: it runs eagerly, unpadded.
@@ -937,12 +965,30 @@ class ModelRunner:
                 sample_hidden = hidden[batch.logits_indices] if prompt_spans else hidden
         prompt_logprobs = self._prompt_logprobs(hidden, prompt_spans) if prompt_spans else None
         if not batch.sampled_req_ids:
-            self._prev_sampled = None
-            return PendingOutput.empty(prompt_logprobs)
+            return LaunchedStep(scheduler_output, [], None, prompt_logprobs)
         logits = self.model.compute_logits(sample_hidden)
-        states = [self.requests[req_id] for req_id in batch.sampled_req_ids]
-        pending = self._pending_rows(scheduler_output, batch.sampled_req_ids)
-        masks = scheduler_output.grammar_bitmask
+        return LaunchedStep(scheduler_output, batch.sampled_req_ids, logits, prompt_logprobs)
+
+    @torch.inference_mode()
+    def sample(self, launched: LaunchedStep, grammar_bitmask: dict[str, bytes]) -> PendingOutput:
+        """Launch a launched step's sampling (each request in `grammar_bitmask` restricted to its mask) and
+        the copy of its results to the host, without waiting for the GPU."""
+        if launched.logits is None:
+            self._prev_sampled = None
+            output = PendingOutput.empty(launched.prompt_logprobs)
+        else:
+            output = self._sample(launched, grammar_bitmask)
+        self._last_output = output
+        return output
+
+    def _sample(self, launched: LaunchedStep, masks: dict[str, bytes]) -> PendingOutput:
+        assert launched.logits is not None
+        sampled_req_ids = launched.sampled_req_ids
+        states = [self.requests[req_id] for req_id in sampled_req_ids]
+        previous = self._last_output
+        # The previous step's tokens are placeholders still when its result() has not recorded them.
+        pending = (self._pending_rows(launched.scheduler_output, sampled_req_ids)
+                   if previous is not None and not previous.recorded else None)
         rows = [
             SamplingRow(
                 params=s.sampling_params,
@@ -953,13 +999,13 @@ class ModelRunner:
                 pending_row=pending[i] if pending is not None else None,
                 grammar_mask=masks.get(req_id) if masks else None,
             )
-            for i, (req_id, s) in enumerate(zip(batch.sampled_req_ids, states, strict=True))
+            for i, (req_id, s) in enumerate(zip(sampled_req_ids, states, strict=True))
         ]
         pending_ids = self._prev_sampled[0] if pending is not None and self._prev_sampled is not None else None
-        sampled = self.sampler(logits, rows, self.eos_token_ids, pending_ids)
+        sampled = self.sampler(launched.logits, rows, self.eos_token_ids, pending_ids)
         self._prev_sampled = (
             sampled.sampled_token_ids,
-            {req_id: i for i, req_id in enumerate(batch.sampled_req_ids)},
+            {req_id: i for i, req_id in enumerate(sampled_req_ids)},
         )
         sampled_host = self._to_host(sampled.sampled_token_ids)
         logprob_host = None
@@ -974,7 +1020,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return PendingOutput(batch.sampled_req_ids, states, sampled_host, logprob_host, done, prompt_logprobs)
+        return PendingOutput(sampled_req_ids, states, sampled_host, logprob_host, done, launched.prompt_logprobs)
 
     def _prompt_logprob_spans(self, scheduler_output: SchedulerOutput) -> list[PromptLogprobSpan] | None:
         """The prompt positions of this step's tokens whose logprobs are still to compute, per request with

@@ -235,7 +235,9 @@ def test_the_engine_core_stops_a_request_whose_grammar_ended_before_min_tokens(e
         if any(o.finished for o in outputs):
             break
     assert [o.outputs[0].finish_reason for o in outputs if o.finished] == ["stop"]
-    assert not engine.core.scheduler.requests and not engine.has_unfinished_requests()
+    assert not engine.core.scheduler.requests
+    # The step launched before the stop was known is drained; its token for the request is dropped.
+    assert engine.step() == [] and not engine.has_unfinished_requests()
 
 
 def test_aborting_a_constrained_request_drops_its_matcher(engines):
@@ -288,3 +290,78 @@ def test_choices_with_quotes_and_backslashes(engines):
         choice=choices)) for i in range(6)]
     outs = _run(engines[False], PROMPTS, params)
     assert all(o.text in choices for o in outs), [o.text for o in outs]
+
+
+def _watch_halves(monkeypatch) -> list[tuple[bool, bool, int, int]]:
+    """Per sampled step: whether the previous step's tokens were recorded when its forward was launched and
+    when its sampling was, its masks, its sampled rows."""
+    from kvserve.worker.model_runner import ModelRunner
+
+    seen: list[tuple[bool, bool, int, int]] = []
+    at_launch: list[bool] = []
+    launch, sample = ModelRunner.launch_forward, ModelRunner.sample
+
+    def recorded(runner) -> bool:
+        return runner._last_output is None or runner._last_output.recorded
+
+    def launching(self, scheduler_output):
+        at_launch.append(recorded(self))
+        return launch(self, scheduler_output)
+
+    def sampling(self, launched, grammar_bitmask):
+        if launched.logits is not None:
+            seen.append((at_launch[-1], recorded(self), len(grammar_bitmask), len(launched.sampled_req_ids)))
+        return sample(self, launched, grammar_bitmask)
+
+    monkeypatch.setattr(ModelRunner, "launch_forward", launching)
+    monkeypatch.setattr(ModelRunner, "sample", sampling)
+    return seen
+
+
+def test_pipelined_grammar_steps_launch_the_forward_before_the_previous_tokens_are_read(engines, monkeypatch):
+    """While a grammar constrains, a step's forward is launched with the previous step still in flight; its
+    tokens are read before the sampling, and the masks reach the sampler of that step."""
+    seen = _watch_halves(monkeypatch)
+    spec = StructuredOutputsParams(regex=r"[a-z ]{300}")
+    params = SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=spec)
+    outs = _run(engines[True], PROMPTS[:2], [params] * 2)
+    assert all(o.finish_reason == "length" and re.fullmatch("[a-z ]+", o.text) for o in outs)
+    split = [(masks, rows) for launched_read, sampled_read, masks, rows in seen if not launched_read and sampled_read]
+    assert len(split) >= 15 and all(masks == rows for masks, rows in split), seen
+    assert all(launched_read or sampled_read for launched_read, sampled_read, _, _ in seen), seen  # none pipelined
+
+
+def test_steps_that_sample_no_constrained_request_stay_pipelined(tiny_model_dir, monkeypatch):
+    """A grammar request whose prompt is still prefilling in chunks needs no mask yet: the steps that decode
+    the other requests meanwhile sample without waiting for the previous step's tokens."""
+    llm = LLM(tiny_model_dir("llama"), max_model_len=256, max_num_batched_tokens=16, async_scheduling=True)
+    llm.engine.core.check_invariants_every_step = True
+    seen = _watch_halves(monkeypatch)
+    spec = StructuredOutputsParams(regex=r"[a-z ]{300}")
+    outs = _run(llm, ["Hi", "word " * 40], [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+                                              SamplingParams(temperature=0.0, max_tokens=4, structured_outputs=spec)])
+    assert re.fullmatch("[a-z ]+", outs[1].text)
+    pipelined = [masks for launched_read, sampled_read, masks, _ in seen if not launched_read and not sampled_read]
+    split = [masks for launched_read, sampled_read, masks, _ in seen if not launched_read and sampled_read]
+    assert len(pipelined) >= 5 and set(pipelined) == {0}, seen  # the prompt's chunks beside the decode
+    assert len(split) >= 2 and set(split) == {1}, seen
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_grammars_beside_output_history_pipelined_or_not(engines, temperature):
+    """Penalties, min_tokens and bad words read a request's earlier tokens: in a pipelined grammar step the
+    previous step's tokens are read before sampling, and are counted from the requests' lists (once), for
+    constrained and unconstrained requests alike. EOS, pushed up by a logit bias, comes as soon as min_tokens
+    lets it: a count off by one shows in the lengths."""
+    eos = engines[False].get_tokenizer().eos_token_id
+    spec = StructuredOutputsParams(regex=r"[ab ]{1,300}")
+    history = [dict(frequency_penalty=1.5, presence_penalty=0.3, bad_words=["ab"]),
+               dict(min_tokens=7, logit_bias={eos: 30.0}),
+               dict(repetition_penalty=1.6, min_tokens=4, logit_bias={eos: 30.0})]
+    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=24,
+                             structured_outputs=spec if i < 3 else None, **extra)
+              for i, extra in enumerate(history * 2)]
+    runs = {p: _run(llm, PROMPTS, params) for p, llm in engines.items()}
+    assert [o.token_ids for o in runs[True]] == [o.token_ids for o in runs[False]]
+    assert all(re.fullmatch("[ab ]+", o.text) for o in runs[True][:3])
+    assert [len(o.token_ids) for o in runs[True]][1:3] == [8, 5]  # min_tokens, then EOS

@@ -8,6 +8,7 @@ GPUs); the sharding of each fused weight is also checked directly, rank by rank,
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -106,9 +107,10 @@ def test_async_scheduling_with_penalties_matches_one_rank(tiny_model_dir: Callab
     flags: list[bool] = []
     step = TPWorkers.step
 
-    def recording_step(self: TPWorkers, scheduler_output: object, finish_previous_first: bool) -> None:
+    def recording_step(self: TPWorkers, scheduler_output: object, finish_previous_first: bool,
+                       masks_follow: bool = False) -> None:
         flags.append(finish_previous_first)
-        step(self, scheduler_output, finish_previous_first)  # type: ignore[arg-type]
+        step(self, scheduler_output, finish_previous_first, masks_follow)  # type: ignore[arg-type]
 
     monkeypatch.setattr(TPWorkers, "step", recording_step)
 
@@ -124,6 +126,82 @@ def test_async_scheduling_with_penalties_matches_one_rank(tiny_model_dir: Callab
     assert run(2) == run(1)
     assert True in flags and False in flags, flags
     assert sum(pending) > 0  # the penalised requests decoded pipelined
+
+
+def test_grammar_steps_on_two_ranks_match_one(tiny_model_dir: Callable[..., str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pipelined grammar steps reach the other ranks in two messages (the step, then its masks once rank 0
+    has read the previous tokens): every rank samples under the masks and records the previous tokens
+    before sampling, as rank 0 does (min_tokens with EOS pushed up shows a count off by one)."""
+    from kvserve.executor.multiproc import TPWorkers
+    from kvserve.protocol.sampling_params import StructuredOutputsParams
+
+    sent: list[int] = []
+    send_masks = TPWorkers.send_masks
+
+    def recording(self: TPWorkers, grammar_bitmask: dict[str, bytes]) -> None:
+        sent.append(len(grammar_bitmask))
+        send_masks(self, grammar_bitmask)
+
+    monkeypatch.setattr(TPWorkers, "send_masks", recording)
+    path = tiny_model_dir("qwen2")
+    spec = StructuredOutputsParams(regex=r"[ab ]{1,300}")
+    from transformers import AutoTokenizer
+
+    eos = AutoTokenizer.from_pretrained(path).eos_token_id  # pushed up: the text ends once min_tokens lets it
+    params = [SamplingParams(temperature=1.0, seed=3, max_tokens=16, frequency_penalty=1.5, structured_outputs=spec),
+              SamplingParams(temperature=0.0, max_tokens=16, min_tokens=6, logit_bias={eos: 30.0}),
+              SamplingParams(temperature=0.0, max_tokens=16, min_tokens=5, structured_outputs=spec),
+              SamplingParams(temperature=0.0, max_tokens=16, repetition_penalty=1.5, structured_outputs=spec)]
+    one = _run(path, 1, params, async_scheduling=True)
+    _assert_same(one, _run(path, 2, params, async_scheduling=True))
+    assert sent and max(sent) == 3  # the step's masks followed it
+    assert len(one[1].outputs[0].token_ids) == 7  # min_tokens, then EOS
+
+
+def test_a_failure_between_a_grammar_steps_halves_leaves_the_ranks_in_step(
+        tiny_model_dir: Callable[..., str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The other ranks wait for the masks of a step whose forward rank 0 launched: a failure on rank 0 before
+    they are sent (here in the masks' computation) still sends them, and the engine serves the next call."""
+    from kvserve.protocol.sampling_params import StructuredOutputsParams
+    from kvserve.structured_output import StructuredOutputs
+    from kvserve.worker.model_runner import ModelRunner
+
+    between = {"now": False, "failures": 1}  # none for the one-rank engine
+    launch, sample, bitmasks = ModelRunner.launch_forward, ModelRunner.sample, StructuredOutputs.bitmasks
+
+    def launching(self: ModelRunner, scheduler_output: Any) -> Any:
+        between["now"] = True
+        return launch(self, scheduler_output)
+
+    def sampling(self: ModelRunner, launched: Any, grammar_bitmask: dict[str, bytes]) -> Any:
+        between["now"] = False
+        return sample(self, launched, grammar_bitmask)
+
+    def failing(self: StructuredOutputs, req_ids: Any) -> dict[str, bytes]:
+        if between["now"] and not between["failures"]:
+            between["failures"] += 1
+            raise ValueError("injected: the masks failed")
+        return bitmasks(self, req_ids)
+
+    monkeypatch.setattr(ModelRunner, "launch_forward", launching)
+    monkeypatch.setattr(ModelRunner, "sample", sampling)
+    monkeypatch.setattr(StructuredOutputs, "bitmasks", failing)
+    path = tiny_model_dir("qwen2")
+    spec = StructuredOutputsParams(regex=r"[ab ]{1,300}")
+    params = [SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=spec),
+              SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)]
+    one = _run(path, 1, params * 2, async_scheduling=True)
+    between["failures"] = 0  # one for the two ranks' engine
+    llm = LLM(path, dtype="float32", tensor_parallel_size=2, max_model_len=256, kv_cache_memory="16MiB",
+              async_scheduling=True)
+    try:
+        with pytest.raises(ValueError, match="injected"):
+            llm.generate(PROMPTS[:2], params, use_tqdm=False)
+        assert between["failures"] == 1
+        _assert_same(one[:2], llm.generate(PROMPTS[:2], params, use_tqdm=False))
+    finally:
+        llm.shutdown()
 
 
 def test_a_model_that_does_not_split_is_refused(tiny_model_dir: Callable[..., str]) -> None:
