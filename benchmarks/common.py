@@ -245,6 +245,8 @@ class RunStats:
     phase_s: list[tuple[float, float, float]] = field(default_factory=list)
     # the garbage collector's collections during the run: (generation, seconds)
     gc_pauses: list[tuple[int, float]] = field(default_factory=list)
+    # each request's output token ids, in submission order (run with collect_tokens=True)
+    token_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def output_tok_s(self) -> float:
@@ -293,11 +295,13 @@ class Driver:
         params: SamplingParams | None = None,
         phases: bool = False,
         on_step: Callable[[int], None] | None = None,
+        collect_tokens: bool = False,
     ) -> RunStats:
         """phases: step the engine's parts one by one (what EngineCore.step does, minus its stats) and
         time each: scheduler, model runner (ends with the step's one host sync), scheduler update. Ignored
         with async scheduling (the parts overlap): steps are then timed whole.
-        on_step: called after each step with its number of scheduled tokens, outside the step's timing."""
+        on_step: called after each step with its number of scheduled tokens, outside the step's timing.
+        collect_tokens: keep each request's output token ids (RunStats.token_ids)."""
         # (With tensor parallelism too: the other ranks follow core.step(), not the runner called directly.)
         phases = phases and not self.core.async_scheduling and self.core.workers is None
         base = params or SamplingParams(temperature=0.0, ignore_eos=True)
@@ -317,6 +321,7 @@ class Driver:
         step_tokens: list[int] = []
         phase_s: list[tuple[float, float, float]] = []
         step_reqs: list[int] = []
+        collected: dict[str, list[int]] = {}
         core = self.core
         with gc_pauses() as pauses:
             while core.has_unfinished_requests():
@@ -343,6 +348,8 @@ class Driver:
                     if out.new_token_ids and out.req_id not in first:
                         first[out.req_id] = t1
                     num_out += len(out.new_token_ids)
+                    if collect_tokens:
+                        collected.setdefault(out.req_id, []).extend(out.new_token_ids)
                 if on_step is not None:
                     on_step(num_scheduled)
             elapsed = time.perf_counter() - start
@@ -356,6 +363,7 @@ class Driver:
             phase_s=phase_s,
             step_reqs=step_reqs,
             gc_pauses=list(pauses),
+            token_ids=[collected.get(r, []) for r in submitted] if collect_tokens else [],
         )
 
 

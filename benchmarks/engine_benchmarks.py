@@ -22,6 +22,8 @@ Sections (--sections, default all but hf, each isolated: a failure is recorded a
             shared256), with a GPU timeline: busy time, idle gaps and the host phase during each gap;
 * hostprof  host time per steady decode step by engine phase (--hostprof-cases, default batch 1 and 64 at
             1k, 64 at 4k);
+* structured the seeds' shapes with every request under a JSON schema: async (pipelined) against step by step,
+            and without the grammar;
 * trace     per-step breakdown of the seeds', 256-sequence and shared-prefix workloads by step kind;
 * tprofile  the 256-sequence workload with windows of steps profiled (GPU only, --tprofile-windows): each
             window's batch sizes, GPU busy time against the wall time, and GPU time by kernel;
@@ -84,7 +86,7 @@ from common import (  # noqa: E402
 # Seconds without GPU work before each prompt of the ttft section's idle-GPU runs.
 TTFT_IDLE_S = 1.0
 SECTIONS = ("start", "decode", "seeds", "random256", "ttft", "ttftrest", "ttftrand", "ttftprefix", "ttftdiag", "prefillprof", "prefix", "prefixab", "shared", "hf", "profile",
-            "trace", "tprofile", "kprofile", "hostprof", "mixed", "poisson", "firstpass")
+            "trace", "tprofile", "kprofile", "hostprof", "mixed", "poisson", "firstpass", "structured")
 
 
 class Bench:
@@ -776,6 +778,63 @@ class Bench:
         self.rows.append(("seeds' workload (output tok/s)", f"{stats.output_tok_s:.0f}",
                           f"{num} x {ins} in / {outs} out in {stats.elapsed_s:.2f} s; "
                           f"{describe_gc_pauses(stats.gc_pauses)}"))
+
+    def section_structured(self) -> None:
+        """The seeds' shapes (50 x 512 in / 256 out, greedy) with every request under a JSON schema (an array of
+        at least 64 records: no output ends before 256 tokens), the grammars compiled against the default model's
+        tokenizer (.carry/tok where that copy exists), masks as wide as the model's vocabulary. Three runs:
+        without the grammar, with it under async scheduling (each step's forward launched before the previous
+        step's tokens are read; the masks computed while it runs), and with it step by step. The two grammar
+        runs must give the same tokens."""
+        import os
+
+        from kvserve.model.paths import default_model_path
+        from kvserve.model.tokenizer import load_tokenizer
+        from kvserve.protocol.sampling_params import SamplingParams, StructuredOutputsParams
+
+        d = self.engine()
+        core = self.core
+        core.set_tokenizer(load_tokenizer(".carry/tok" if os.path.isdir(".carry/tok") else default_model_path()))
+        record = {"type": "object", "additionalProperties": False, "required": ["id", "name", "price"],
+                  "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 12},
+                                 "price": {"type": "number"}, "tags": {"type": "array", "maxItems": 3,
+                                                                        "items": {"enum": ["new", "sale", "eco"]}}}}
+        schema = {"type": "array", "minItems": 64, "items": record}
+        spec = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+        num, ins, outs = self.n(50), self.length(512), self.length(256)
+        plain = SamplingParams(temperature=0.0, ignore_eos=True)
+        constrained = SamplingParams(temperature=0.0, structured_outputs=spec)
+        d.run(self.prompts([ins] * num), [4] * num, constrained)  # warm-up: the tokenizer's view, the compile
+        if core.pop_failed():
+            raise RuntimeError("the grammar failed to compile (see the log)")
+        prompts = self.prompts([ins] * num)
+        out: dict[str, Any] = {"num_seqs": num, "input_len": ins, "output_len": outs, "schema": schema}
+        tokens: dict[str, list[list[int]]] = {}
+        was_async = core.async_scheduling
+        for label, params, pipelined in (("plain", plain, was_async), ("grammar, async", constrained, True),
+                                         ("grammar, step by step", constrained, False)):
+            core.async_scheduling = pipelined
+            refused = core.structured.num_refused_tokens
+            stats = d.run(prompts, [outs] * num, params, collect_tokens=True)
+            failed = core.pop_failed()
+            if failed:
+                raise RuntimeError(f"{len(failed)} grammar(s) failed to compile, the first: {failed[0][1]}")
+            if stats.output_tokens != num * outs:
+                raise RuntimeError(f"{label}: {stats.output_tokens} output tokens, {num * outs} expected")
+            tokens[label] = stats.token_ids
+            out[label] = {"elapsed_s": stats.elapsed_s, "output_tokens": stats.output_tokens,
+                          "output_tok_s": stats.output_tok_s, "num_steps": len(stats.step_s),
+                          "median_step_ms": statistics.median(stats.step_s) * 1e3,
+                          "refused_tokens": core.structured.num_refused_tokens - refused}
+            self.rows.append((f"seeds' shapes, {label} (output tok/s)", f"{stats.output_tok_s:.0f}",
+                              f"{stats.output_tokens} tokens in {stats.elapsed_s:.2f} s, median step "
+                              f"{statistics.median(stats.step_s) * 1e3:.2f} ms"))
+        core.async_scheduling = was_async
+        same = tokens["grammar, async"] == tokens["grammar, step by step"]
+        out["grammar_tokens_equal"] = same
+        self.rows.append(("grammar runs' tokens equal (async vs step by step)", "yes" if same else "NO",
+                          f"tokens the grammars refused: {core.structured.num_refused_tokens} (should be 0)"))
+        self.results["structured"] = out
 
     def workload_params(self) -> Any:
         """The seeds' and 256-sequence workloads' sampling: greedy, no EOS, and --repetition-penalty (1.05 is
