@@ -16,10 +16,10 @@ the scheduler marks as placeholders (sampled by the previous step, ids not yet o
 on the device from the previous step's sampled ids, so the GPU never waits for the host in between.
 
 A step can also be launched in two halves: `launch_forward` (inputs, forward, logits) and `sample` (the
-sampler, given the grammars' token masks, and the copy to the host). The engine core does so while a
-grammar constrains some request: the masks need the previous step's tokens, which it reads, and the masks
-it computes, while the GPU runs the forward. Tokens recorded by then are sampled from the requests' lists,
-not as placeholders.
+sampler, given the grammars' token masks, and the copy to the host). The engine core does so for a step
+that samples a request under a grammar: the masks need the previous step's tokens, which it reads, and the
+masks it computes, while the GPU runs the forward. Tokens recorded by then are sampled from the requests'
+lists, not as placeholders.
 """
 
 from __future__ import annotations
