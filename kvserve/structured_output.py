@@ -77,6 +77,7 @@ def _grammar_for(spec: StructuredOutputsParams) -> str:
             schema = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
             if not isinstance(schema, dict):
                 raise GrammarError(f"the JSON schema must be an object, got {type(schema).__name__}")
+            _check_integers(schema)
             if spec.disable_additional_properties:
                 schema = _no_additional_properties(schema)
             grammar = matcher.grammar_from_json_schema(json.dumps(schema), defaults=options)
@@ -98,6 +99,24 @@ def _grammar_for(spec: StructuredOutputsParams) -> str:
     return grammar
 
 
+# The integers a JSON schema may hold: the requests' messages carry 64-bit ones, and llguidance 1.9 crashes
+# the process on an enum or const value within 512 of -2**63.
+_SCHEMA_INT_MIN, _SCHEMA_INT_MAX = -(2**63) + 1024, 2**63 - 1
+
+
+def _check_integers(value: Any) -> None:
+    """GrammarError for an integer anywhere in the schema outside [_SCHEMA_INT_MIN, _SCHEMA_INT_MAX]."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, int) and not isinstance(v, bool) and not _SCHEMA_INT_MIN <= v <= _SCHEMA_INT_MAX:
+            raise GrammarError(f"integers in a JSON schema must be within [-2**63 + 1024, 2**63 - 1], got {v}")
+
+
 def _lark_string(text: str) -> str:
     """`text` as a Lark string literal (JSON's escapes are Lark's)."""
     return json.dumps(text)
@@ -111,25 +130,44 @@ _SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
+def _map_subschemas(schema: dict, fn: Callable[[Any], Any]) -> dict:
+    """A copy of `schema` with `fn` applied to each of its direct subschemas (the values of the keywords that
+    take a schema, a list or a map of schemas; data such as const and enum is left alone)."""
+    out = dict(schema)
+    for key in _SCHEMA_KEYWORDS:
+        if isinstance(out.get(key), (dict, list)):
+            value = out[key]
+            out[key] = [fn(v) for v in value] if isinstance(value, list) else fn(value)
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [fn(v) for v in out[key]]
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: fn(v) for name, v in out[key].items()}
+    return out
+
+
 def _no_additional_properties(schema: Any) -> Any:
     """The schema with `additionalProperties: false` on every object schema that does not set it (vLLM's
     disable_additional_properties). The caller's schema is not changed."""
     if not isinstance(schema, dict):
         return schema
-    out = dict(schema)
-    for key in _SCHEMA_KEYWORDS:
-        if isinstance(out.get(key), (dict, list)):
-            value = out[key]
-            out[key] = ([_no_additional_properties(v) for v in value] if isinstance(value, list)
-                        else _no_additional_properties(value))
-    for key in _SCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [_no_additional_properties(v) for v in out[key]]
-    for key in _SCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: _no_additional_properties(v) for name, v in out[key].items()}
+    out = _map_subschemas(schema, _no_additional_properties)
     if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
         out["additionalProperties"] = False
+    return out
+
+
+def rebase_refs(schema: Any, base: str) -> Any:
+    """The schema with its references within the document (`$ref` "#..."), which point from its root, pointing
+    from `base` instead (a JSON pointer, "#/$defs/x"): for a schema placed there inside another. The caller's
+    schema is not changed."""
+    if not isinstance(schema, dict):
+        return schema
+    out = _map_subschemas(schema, lambda sub: rebase_refs(sub, base))
+    ref = out.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        out["$ref"] = base + ref[1:]
     return out
 
 

@@ -46,8 +46,10 @@ class StructuredOutputsParams:
         def bad(message: str) -> None:
             raise SamplingParamsError(message, "structured_outputs")
 
-        for name in ("json_object", "disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
-            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            bad(f"json_object must be a boolean, got {self.json_object!r}")
+        for name in ("disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
+            if not isinstance(getattr(self, name), bool):  # (null too: the engine's decoder would refuse it)
                 bad(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if self.choice is not None:
             if not isinstance(self.choice, (list, tuple)):

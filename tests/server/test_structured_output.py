@@ -101,7 +101,8 @@ def test_tool_choice_required_returns_the_listed_calls_streamed_or_not():
     schema = seen[0].structured_outputs.json
     assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
     assert [item["properties"]["name"]["enum"] for item in schema["items"]["anyOf"]] == [["get_weather"], ["get_time"]]
-    assert schema["items"]["anyOf"][1]["properties"]["parameters"] == TIME["function"]["parameters"]
+    assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"$ref": "#/$defs/tool_1"}
+    assert schema["$defs"]["tool_1"] == TIME["function"]["parameters"]
     assert all(item["required"] == ["name", "parameters"] for item in schema["items"]["anyOf"])
 
     streamed, finish = _stream_messages(_post(ctx, {**body, "stream": True}))
@@ -165,6 +166,14 @@ def test_the_server_follows_a_schema_a_choice_and_a_regex(tiny_server: ServerPro
     assert re.fullmatch("[A-Z]{2}-[0-9]{4}", code.json()["choices"][0]["text"])
     bad = _complete(tiny_server, "/v1/completions", {"prompt": "x", "guided_regex": "(("})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "guided_regex"
+    # A grammar that fails only against the tokenizer (in the engine) names the field that was sent too.
+    for path, body in (("/v1/chat/completions", {"messages": USER}), ("/v1/completions", {"prompt": "x"})):
+        for field, value in (("guided_grammar", "start: <[99999999]>"),
+                             ("structured_outputs", {"grammar": "start: <[99999999]>"})):
+            failed = _complete(tiny_server, path, {**body, "max_tokens": 4, field: value})
+            assert failed.status_code == 400 and failed.json()["error"]["param"] == field, (path, failed.text)
+            streamed = read_sse(_complete(tiny_server, path, {**body, "max_tokens": 4, field: value, "stream": True}))
+            assert streamed[0]["error"]["param"] == field, streamed
 
 
 def test_forced_tool_choices_take_a_function_without_parameters():
@@ -176,4 +185,67 @@ def test_forced_tool_choices_take_a_function_without_parameters():
     assert seen[0].structured_outputs == StructuredOutputsParams(json={"type": "object"})
     required = _post(ctx, {"messages": USER, "tools": [bare], "tool_choice": "required"})
     assert required.status_code == 200, required.text
-    assert seen[1].structured_outputs.json["items"]["anyOf"][0]["properties"]["parameters"] == {"type": "object"}
+    assert seen[1].structured_outputs.json["$defs"] == {"tool_0": {"type": "object"}}
+
+
+def _allows(tokenizer: Any, schema: dict[str, Any], text: str) -> bool:
+    """Whether the schema's grammar takes `text` whole (the tokenizer's tokens of it)."""
+    import llguidance
+    import llguidance.hf
+
+    from kvserve.structured_output import grammar_for
+
+    matcher = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tokenizer),
+                                   grammar_for(StructuredOutputsParams(json=schema, disable_any_whitespace=True)),
+                                   log_level=0)
+    return bool(matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and matcher.is_accepting())
+
+
+def test_tool_choice_required_keeps_each_tools_references(tiny_model_dir):
+    """A tool's parameters may refer within themselves ($defs, as pydantic writes them, or "#" for their own
+    root): under "required" they still mean what they meant alone."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from kvserve.entrypoints.openai.serving_chat import forced_tool_schema
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir("llama"))
+    book = {"type": "function", "function": {"name": "book", "parameters": {
+        "type": "object", "$defs": {"Date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"}},
+        "properties": {"when": {"$ref": "#/$defs/Date"}}, "required": ["when"], "additionalProperties": False}}}
+    tree = {"type": "function", "function": {"name": "tree", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["children"],
+        "properties": {"children": {"type": "array", "items": {"$ref": "#"}}}}}}
+    ctx, _ = _context([_tokens('[{"name":"book","parameters":{"when":"2024-01-01"}}]')], parser=None)
+    response = _post(ctx, {"messages": USER, "tools": [book, tree], "tool_choice": "required"})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "book"
+    schema = forced_tool_schema(SimpleNamespace(tools=[book, tree], parallel_tool_calls=None), "required")
+    assert _allows(tokenizer, schema, '[{"name":"book","parameters":{"when":"2024-01-01"}}]')
+    assert not _allows(tokenizer, schema, '[{"name":"book","parameters":{"when":"soon"}}]')
+    assert _allows(tokenizer, schema, '[{"name":"tree","parameters":{"children":[{"children":[]}]}}]')
+    assert not _allows(tokenizer, schema, '[{"name":"tree","parameters":{"children":[[{"name":"tree","parameters":{}}]]}}]')
+
+
+@pytest.mark.parametrize("flag", ["disable_any_whitespace", "disable_additional_properties", "disable_fallback"])
+def test_a_null_flag_is_a_400(flag):
+    """null is not a boolean: refused here (the engine's decoder would refuse the request, which then never
+    got an answer)."""
+    ctx, _ = _context([_tokens("{}")], parser=None)
+    response = _post(ctx, {"messages": USER, "structured_outputs": {"json": SCHEMA, flag: None}})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "structured_outputs" and flag in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("value", [-(2**63) + 1, -(2**63) - 5, 10**30])
+def test_integers_a_schema_cannot_carry_are_a_400(value):
+    """An integer past 64 bits cannot reach the engine, and llguidance crashed the server on an enum value
+    near -2**63."""
+    ctx, _ = _context([_tokens("1")], parser=None)
+    for schema in ({"type": "integer", "enum": [value]}, {"type": "integer", "maximum": value}):
+        response = _post(ctx, {"messages": USER, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "n", "schema": schema}}})
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == "response_format"
+        assert "2**63" in response.json()["error"]["message"]

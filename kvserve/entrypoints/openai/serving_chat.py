@@ -33,6 +33,7 @@ from kvserve.entrypoints.openai.serving_common import (
     sampling_params_from,
     sse,
     stop_reason,
+    structured_outputs_from,
     usage_dict,
     with_bad_words,
     with_default_length,
@@ -41,6 +42,7 @@ from kvserve.entrypoints.openai.tool_parsers import ToolCallStream, parse_tool_c
 from kvserve.protocol.chat_messages import strict_json
 from kvserve.protocol.outputs import RequestOutput
 from kvserve.protocol.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
+from kvserve.structured_output import rebase_refs
 
 # apply_chat_template arguments a request's chat_template_kwargs must not override.
 _RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tokenize", "chat_template", "add_generation_prompt",
@@ -66,8 +68,10 @@ class PreparedChat:
                  params: SamplingParams, num_top_logprobs: int | None, cache_salt: str | None = None,
                  return_token_ids: bool = False, parse_tools: bool = False, parallel_tool_calls: bool = True,
                  tokens_as_ids: bool = False, priority: int = 0, forced_tool: str | None = None,
-                 required_tools: bool = False) -> None:
+                 required_tools: bool = False, structure_param: str = "structured_outputs") -> None:
         self.request_id = request_id
+        # the field that set the output's structure (an engine-side grammar failure's param)
+        self.structure_param = structure_param
         # tool_choice naming a function: the output (its arguments, by a grammar) is that function's call
         self.forced_tool = forced_tool
         # tool_choice "required": the output (by a grammar) is a JSON list of {"name", "parameters"}
@@ -154,7 +158,8 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> PreparedCha
                         req.cache_salt, bool(req.return_token_ids), parse_tools, req.parallel_tool_calls is not False,
                         ctx.tokens_as_ids(req.return_tokens_as_token_ids), req.priority,
                         forced_tool=choice["function"]["name"] if isinstance(choice, dict) else None,
-                        required_tools=choice == "required")
+                        required_tools=choice == "required",
+                        structure_param="tools" if forced is not None else structured_outputs_from(req)[1])
 
 
 def check_tool_definitions(tools: list[dict[str, Any]] | None) -> None:
@@ -211,11 +216,14 @@ def forced_tool_schema(req: ChatCompletionRequest, choice: str | dict[str, Any])
         return function.get("parameters") or {"type": "object"}
     if choice != "required":
         return None
+    # Each tool's parameters sit under the root's $defs, their references ("#/$defs/...", "#") rebased there.
+    defs = {f"tool_{i}": rebase_refs(f.get("parameters") or {"type": "object"}, f"#/$defs/tool_{i}")
+            for i, f in enumerate(functions)}
     calls = [{"type": "object",
               "properties": {"name": {"type": "string", "enum": [f["name"]]},
-                             "parameters": f.get("parameters") or {"type": "object"}},
-              "required": ["name", "parameters"]} for f in functions]
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+                             "parameters": {"$ref": f"#/$defs/tool_{i}"}},
+              "required": ["name", "parameters"]} for i, f in enumerate(functions)]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, "$defs": defs}
     if req.parallel_tool_calls is False:
         schema["maxItems"] = 1
     return schema
@@ -265,7 +273,7 @@ async def chat_full(ctx: ServingContext, chat: PreparedChat) -> dict[str, Any]:
             async for update in updates:
                 final = update
     except Exception as e:
-        raise engine_error(e) from None
+        raise engine_error(e, chat.structure_param) from None
     assert final is not None and final.finished
     tokenizer = ctx.engine.tokenizer
     choices = []
@@ -358,7 +366,7 @@ async def chat_stream(ctx: ServingContext, chat: PreparedChat, include_usage: bo
                 for choice in _choice_deltas(ctx, chat, update, finished_sent, counts, tool_streams, forced_started):
                     yield chunk([choice], usage() if continuous_usage else None)
     except Exception as e:
-        yield sse(engine_error(e).to_body())
+        yield sse(engine_error(e, chat.structure_param).to_body())
         yield SSE_DONE
         return
     if include_usage:

@@ -293,12 +293,13 @@ def log_request(ctx: ServingContext, request_id: str, num_prompt_tokens: int, pa
         logger.debug("request %s prompt: %r", request_id, prompt)
 
 
-def engine_error(e: Exception) -> OpenAIError:
-    """Map what `AsyncLLM.generate` raises to an HTTP error."""
+def engine_error(e: Exception, structure_param: str = "structured_outputs") -> OpenAIError:
+    """Map what `AsyncLLM.generate` raises to an HTTP error. `structure_param`: the request's field that set
+    the output's structure, which a grammar the engine could not compile is reported against."""
     if isinstance(e, EngineDeadError):
         return ServiceUnavailableError(f"the engine is not running: {e}")
     if isinstance(e, RequestFailedError):
-        return BadRequestError(str(e), e.param)
+        return BadRequestError(str(e), structure_param if e.param == "structured_outputs" else e.param)
     if isinstance(e, SamplingParamsError):
         return BadRequestError(str(e), e.param)
     if isinstance(e, ValueError):

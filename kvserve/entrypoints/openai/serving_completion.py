@@ -31,6 +31,7 @@ from kvserve.entrypoints.openai.serving_common import (
     sampling_params_from,
     sse,
     stop_reason,
+    structured_outputs_from,
     usage_dict,
     with_bad_words,
     with_default_length,
@@ -49,8 +50,11 @@ class PreparedPrompt:
 class PreparedCompletion:
     def __init__(self, request_id: str, model: str, prompts: list[PreparedPrompt], params: SamplingParams,
                  echo: bool, cache_salt: str | None = None, echo_only: bool = False,
-                 return_token_ids: bool = False, tokens_as_ids: bool = False, priority: int = 0) -> None:
+                 return_token_ids: bool = False, tokens_as_ids: bool = False, priority: int = 0,
+                 structure_param: str = "structured_outputs") -> None:
         self.request_id = request_id
+        # the field that set the output's structure (an engine-side grammar failure's param)
+        self.structure_param = structure_param
         self.priority = priority  # lower first, under the priority scheduling policy
         self.tokens_as_ids = tokens_as_ids  # vLLM's return_tokens_as_token_ids: logprobs' tokens as "token_id:<id>"
         self.return_token_ids = return_token_ids  # vLLM's field: token ids beside the text
@@ -121,7 +125,7 @@ def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> PreparedC
         log_request(ctx, p.request_id, len(p.prompt_token_ids), params, p.text)
     return PreparedCompletion(request_id, model, prompts, params, bool(req.echo), req.cache_salt, echo_only,
                               bool(req.return_token_ids), ctx.tokens_as_ids(req.return_tokens_as_token_ids),
-                              req.priority)
+                              req.priority, structured_outputs_from(req)[1])
 
 
 def _echo_text(ctx: ServingContext, prompt: PreparedPrompt) -> str:
@@ -166,7 +170,7 @@ async def completion_full(ctx: ServingContext, cmpl: PreparedCompletion) -> dict
     try:
         finals = await asyncio.gather(*tasks)
     except Exception as e:
-        raise engine_error(e) from None
+        raise engine_error(e, cmpl.structure_param) from None
     finally:
         for task in tasks:  # one failed or we were cancelled: stop (and thereby abort) the others
             task.cancel()
@@ -290,7 +294,7 @@ async def completion_stream(ctx: ServingContext, cmpl: PreparedCompletion, inclu
                          if continuous_usage else None)
                 yield chunk([choice], usage)
     except Exception as e:
-        yield sse(engine_error(e).to_body())
+        yield sse(engine_error(e, cmpl.structure_param).to_body())
         yield SSE_DONE
         return
     if include_usage:
