@@ -47,7 +47,9 @@ from kvserve.protocol.core_messages import (
     EngineReady,
     RequestFailed,
     Shutdown,
+    UnreadableRequests,
     make_input_decoder,
+    unreadable_requests,
 )
 
 logger = logging.getLogger(__name__)
@@ -82,7 +84,7 @@ def run_engine_core(config: EngineConfig, input_addresses: list[str], output_add
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     parent_pid = os.getppid()
     outbox: queue.Queue[Outgoing | None] = queue.Queue()
-    inbox: queue.Queue[EngineInput] = queue.Queue()
+    inbox: queue.Queue[EngineInput | UnreadableRequests] = queue.Queue()
     # The sender has a context of its own: terminating it at exit flushes the last messages (EngineDead)
     # without waiting for the input socket, whose thread may be blocked in recv().
     sender = threading.Thread(target=_send_loop, args=(zmq.Context(), output_addresses, outbox), daemon=True,
@@ -138,7 +140,7 @@ class EngineCoreProc:
     def __init__(
         self,
         core: Any,
-        inbox: queue.Queue[EngineInput],
+        inbox: queue.Queue[EngineInput | UnreadableRequests],
         outbox: queue.Queue[Outgoing | None],
         parent_pid: int,
         num_clients: int = 1,
@@ -189,7 +191,7 @@ class EngineCoreProc:
                 if not self._parent_alive():
                     return 1
 
-    def _handle(self, message: EngineInput) -> bool:
+    def _handle(self, message: EngineInput | UnreadableRequests) -> bool:
         """Apply one input message. Returns True on `Shutdown`."""
         if isinstance(message, AddRequests):
             self._add(message)
@@ -202,6 +204,10 @@ class EngineCoreProc:
                 del self._owner[req_id]
         elif isinstance(message, ClientGone):
             self._client_gone(message.client_index)
+        elif isinstance(message, UnreadableRequests):
+            for req_id in message.req_ids:
+                self.outbox.put((message.client_index, RequestFailed(
+                    req_id, f"the engine could not read this request: {message.error}", None)))
         elif isinstance(message, Shutdown):
             return True
         self._changed = True
@@ -290,7 +296,8 @@ class EngineCoreProc:
         return alive
 
 
-def _receive_loop(ctx: zmq.Context, addresses: list[str], inbox: queue.Queue[EngineInput]) -> None:
+def _receive_loop(ctx: zmq.Context, addresses: list[str],
+                  inbox: queue.Queue[EngineInput | UnreadableRequests]) -> None:
     socket = ctx.socket(zmq.PULL)
     for address in addresses:  # fair-queued across the API processes
         socket.connect(address)
@@ -299,9 +306,13 @@ def _receive_loop(ctx: zmq.Context, addresses: list[str], inbox: queue.Queue[Eng
         frame = socket.recv(copy=False)
         try:
             inbox.put(decoder.decode(frame.buffer))
-        except msgspec.DecodeError:
-            # Only our own client writes to this socket; a bad frame is a bug, not a reason to die.
+        except msgspec.DecodeError as e:
+            # Only our own client writes to this socket; a bad frame is a bug, not a reason to die. The
+            # requests of an add get an error (instead of no answer).
             logger.exception("dropping an undecodable engine input message")
+            unreadable = unreadable_requests(frame.buffer, e)
+            if unreadable is not None:
+                inbox.put(unreadable)
 
 
 def _send_loop(ctx: zmq.Context, addresses: list[str], outbox: queue.Queue[Outgoing | None]) -> None:

@@ -89,5 +89,31 @@ def make_input_decoder() -> msgspec.msgpack.Decoder:
     return msgspec.msgpack.Decoder(EngineInput)
 
 
+class UnreadableRequests(msgspec.Struct):
+    """Not sent: what the engine core's receiver makes of an `AddRequests` frame it cannot decode (a field
+    of a type the API process should have refused), so that each of its requests gets an error instead of
+    no answer."""
+
+    req_ids: list[str]
+    client_index: int
+    error: str
+
+
+def unreadable_requests(frame: bytes | memoryview, error: Exception) -> UnreadableRequests | None:
+    """The request ids and sender of an `AddRequests` frame that fails to decode, read without the types;
+    None when the frame is not one."""
+    try:
+        raw = msgspec.msgpack.decode(frame)
+    except msgspec.DecodeError:
+        return None
+    if not isinstance(raw, dict) or raw.get("type") != "add" or not isinstance(raw.get("requests"), list):
+        return None
+    req_ids = [r["req_id"] for r in raw["requests"] if isinstance(r, dict) and isinstance(r.get("req_id"), str)]
+    client = raw.get("client_index", 0)
+    if not req_ids or not isinstance(client, int):
+        return None
+    return UnreadableRequests(req_ids, client, str(error))
+
+
 def make_message_decoder() -> msgspec.msgpack.Decoder:
     return msgspec.msgpack.Decoder(EngineMessage)

@@ -223,3 +223,28 @@ def test_the_send_loop_sends_to_one_process_or_to_all(tmp_path: Path) -> None:
     for socket in receivers:
         socket.close(linger=0)
     ctx.term()
+
+
+def test_an_add_the_core_cannot_decode_fails_its_requests_at_their_process() -> None:
+    """A request whose fields the API process let through with a type the engine's decoder refuses: each of
+    its samples gets an error at the process that sent it, instead of no answer."""
+    import msgspec
+
+    from kvserve.protocol.core_messages import UnreadableRequests, make_input_decoder, unreadable_requests
+
+    bad = _request("a-1")
+    bad.sampling_params.n = None  # type: ignore[assignment]  (a field of the wrong type, not validated again)
+    frame = msgspec.msgpack.encode(AddRequests([bad, _request("a-2")], client_index=1))
+    with pytest.raises(msgspec.ValidationError) as error:
+        make_input_decoder().decode(frame)
+    unreadable = unreadable_requests(frame, error.value)
+    assert unreadable is not None and unreadable.req_ids == ["a-1", "a-2"] and unreadable.client_index == 1
+    assert unreadable_requests(msgspec.msgpack.encode(AbortRequests(["x"])), error.value) is None
+    assert unreadable_requests(b"\xc1", error.value) is None  # not msgpack at all
+    proc, core, outbox = _proc(2)
+    assert not proc._handle(unreadable)
+    sent = _drain(outbox)
+    assert [(client, m.req_id) for client, m in sent] == [(1, "a-1"), (1, "a-2")]
+    assert all(isinstance(m, RequestFailed) and "could not read" in m.message and "n" in m.message
+               for _, m in sent)
+    assert not core.scheduler.requests and isinstance(unreadable, UnreadableRequests)
