@@ -7,11 +7,17 @@ each request's update on its queue, so a slow client never stalls the others.
 
 Leaving the `generate()` iterator early (client disconnect, cancellation) aborts the request in the
 engine core, which frees its KV blocks in its next loop iteration.
+
+The engine core knows each request by an id of its own, the caller's id with a suffix unique to this
+process and request (`<id>-<process index>-<serial>`, n>1 samples prefixed as usual). The core's abort of a
+finished or abandoned request is still on its way when the caller may reuse the id (a client's own
+X-Request-Id): the old request's late outputs and failures then match no live request instead of the new one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -43,8 +49,10 @@ class RequestFailedError(ValueError):
 
 @dataclass
 class _RequestState:
+    request_id: str  # the caller's
+    core_id: str  # the engine core's (and the OutputProcessor's) id of the request
     queue: asyncio.Queue[RequestOutput | Exception]
-    child_ids: list[str]
+    child_ids: list[str]  # the engine core's ids of its samples
     finished_children: set[str]
 
 
@@ -81,8 +89,10 @@ class AsyncLLM:
         self._input_processor: InputProcessor | None = None
         self.ready: EngineReady | None = None
         self.last_stats: SchedulerStats | None = None
-        self._requests: dict[str, _RequestState] = {}
-        self._child_to_parent: dict[str, str] = {}
+        self._requests: dict[str, _RequestState] = {}  # by the caller's id
+        self._by_core_id: dict[str, _RequestState] = {}
+        self._by_child_id: dict[str, _RequestState] = {}
+        self._serials = itertools.count()
         self._tracker = RequestStatsTracker()
         self._dead_callbacks: list[Callable[[EngineDeadError], None]] = []
 
@@ -163,27 +173,31 @@ class AsyncLLM:
         `logprobs` list is cumulative and consistent with the update (the last `len(token_ids_delta)`
         entries belong to the delta). An update covers one engine step, or every step that arrived
         since the caller last asked, when it falls behind. Raises EngineDeadError when the engine is gone and
-        RequestFailedError when the core refuses the request.
+        RequestFailedError when the core refuses the request, ValueError when `request_id` is in use.
         """
         if self.dead_error is not None:
             raise self.dead_error
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
         self.input_processor.check_token_ids(params)
         params = self.input_processor.resolve_bad_words(params)
         # (the server truncates while preparing, to count the kept tokens; the Triton backend does not)
         prompt_token_ids = self.input_processor.truncate(prompt_token_ids, params)
         now = time.time()
-        children = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params, now)
-        group_key = request_id if params.n > 1 else None
+        core_id = f"{request_id}-{self.client.index}-{next(self._serials)}"
+        children = self.output_processor.add_request(core_id, prompt, prompt_token_ids, params, now)
+        group_key = core_id if params.n > 1 else None
         requests = [
             self.input_processor.make_engine_request(
                 child_id, prompt_token_ids, child_params, cache_salt, group_key, now, priority
             )
             for child_id, child_params in children
         ]
-        state = _RequestState(asyncio.Queue(), [c for c, _ in children], set())
+        state = _RequestState(request_id, core_id, asyncio.Queue(), [c for c, _ in children], set())
         self._requests[request_id] = state
+        self._by_core_id[core_id] = state
         for request in requests:
-            self._child_to_parent[request.req_id] = request_id
+            self._by_child_id[request.req_id] = state
             self._tracker.add(request.req_id, now, len(prompt_token_ids), request.max_tokens)
         finished = False
         failure: Exception | None = None
@@ -208,28 +222,31 @@ class AsyncLLM:
                     return
         finally:
             if not finished:
-                self._abort(request_id)
-            self._forget(request_id)
+                self._abort(state)
+            self._forget(state)
 
     def abort(self, request_id: str) -> None:
         """Abort a user request (all its samples); its `generate()` iterator stops receiving updates."""
-        self._abort(request_id)
+        state = self._requests.get(request_id)
+        if state is not None:
+            self._abort(state)
 
-    def _abort(self, request_id: str) -> None:
-        child_ids = self.output_processor.abort_request(request_id)
+    def _abort(self, state: _RequestState) -> None:
+        child_ids = self.output_processor.abort_request(state.core_id)
         self.client.abort_requests(child_ids)
         now = time.time()
         iteration = IterationStats()
         for child_id in child_ids:
             self._tracker.finish(child_id, "abort", now, iteration)
         self._record(None, iteration)
-        self._forget(request_id)
+        self._forget(state)
 
-    def _forget(self, request_id: str) -> None:
-        state = self._requests.pop(request_id, None)
-        if state is not None:
-            for child_id in state.child_ids:
-                self._child_to_parent.pop(child_id, None)
+    def _forget(self, state: _RequestState) -> None:
+        if self._by_core_id.pop(state.core_id, None) is None:
+            return  # forgotten already
+        del self._requests[state.request_id]
+        for child_id in state.child_ids:
+            del self._by_child_id[child_id]
 
     # ------------------------------------------------------------------ EngineMessageHandler
 
@@ -243,7 +260,7 @@ class AsyncLLM:
         if stopped_by_string:
             self.client.abort_requests(stopped_by_string)
         for update in updates:
-            state = self._requests.get(update.request_id)
+            state = self._by_core_id.get(update.request_id)
             n = len(update.outputs)
             for completion in update.outputs:
                 child_id = child_request_id(update.request_id, completion.index, n)
@@ -254,24 +271,23 @@ class AsyncLLM:
                     state.finished_children.add(child_id)
                     self._tracker.finish(child_id, completion.finish_reason or "stop", now, iteration)
             if state is not None:
+                update.request_id = state.request_id
                 state.queue.put_nowait(update)
         self._record(message.stats, iteration)
 
     def on_request_failed(self, message: RequestFailed) -> None:
-        request_id = self._child_to_parent.get(message.req_id)
-        if request_id is None:
+        state = self._by_child_id.get(message.req_id)
+        if state is None:
             return
-        state = self._requests.get(request_id)
         # Forget its other samples without counting an abort. The core aborted them already when it refused
         # the request on arrival, not when it dropped one later (a grammar that failed to compile): abort
         # them there too (ids it no longer has are ignored).
-        children = self.output_processor.abort_request(request_id)
+        children = self.output_processor.abort_request(state.core_id)
         for child_id in children:
             self._tracker.finish(child_id, "abort", time.time(), IterationStats())
         if children:
             self.client.abort_requests(children)
-        if state is not None:
-            state.queue.put_nowait(RequestFailedError(message.message, message.param))
+        state.queue.put_nowait(RequestFailedError(message.message, message.param))
 
     def on_engine_dead(self, error: EngineDeadError) -> None:
         for state in self._requests.values():

@@ -15,7 +15,6 @@ from kvserve.config import EngineConfig
 from kvserve.core.outputs import EngineCoreOutput, SchedulerStats, TokenLogprobs
 from kvserve.engine import async_llm
 from kvserve.engine.async_llm import AsyncLLM, RequestFailedError
-from kvserve.engine.output_processor import child_request_id
 from kvserve.protocol.core_messages import EngineOutputs, EngineReady, RequestFailed
 from kvserve.protocol.outputs import Logprob, RequestOutput
 from kvserve.protocol.sampling_params import SamplingParams
@@ -27,6 +26,7 @@ class _FakeClient:
     """What AsyncLLM needs of EngineCoreClient, with no process behind it."""
 
     def __init__(self, config: Any, handler: Any, *args: Any) -> None:
+        self.index = 0
         self.dead_error = None
         self.added: list[str] = []
         self.requests: list[Any] = []  # the EngineCoreRequests as sent
@@ -86,14 +86,16 @@ def test_one_update_per_step_while_the_consumer_keeps_up(monkeypatch, smollm_tok
         llm = await _engine(monkeypatch, smollm_tokenizer)
         got: list[RequestOutput | Exception] = []
         task = await _started(llm.generate("r", [1, 2], SamplingParams(max_tokens=3)), got)
+        (core_id,) = llm.client.added
         for i, token in enumerate(ids):
-            llm.on_engine_outputs(_step(EngineCoreOutput("r", [token], finish_reason="length" if i == 2 else None)))
+            llm.on_engine_outputs(_step(EngineCoreOutput(core_id, [token], finish_reason="length" if i == 2 else None)))
             await asyncio.sleep(0)  # the consumer runs before the next step
         await asyncio.wait_for(task, 5)
         return got
 
     got = asyncio.run(run())
     assert len(ids) == 3
+    assert [u.request_id for u in got] == ["r"] * 3  # type: ignore[union-attr]
     assert [u.outputs[0].token_ids_delta for u in got] == [[t] for t in ids]  # type: ignore[union-attr]
     assert "".join(u.outputs[0].text_delta for u in got) == " one two three"  # type: ignore[union-attr]
 
@@ -127,14 +129,15 @@ def test_steps_queued_behind_a_slow_consumer_come_as_one_update(monkeypatch, smo
         llm = await _engine(monkeypatch, smollm_tokenizer)
         got: list[RequestOutput | Exception] = []
         task = await _started(llm.generate("r", [1, 2], SamplingParams(max_tokens=5, logprobs=1)), got)
+        (r,) = llm.client.added
         # Three steps arrive before the consumer runs (the reader handles every message that is there).
         for i in range(3):
-            llm.on_engine_outputs(_step(EngineCoreOutput("r", [ids[i]], new_logprobs=[top[i]])))
+            llm.on_engine_outputs(_step(EngineCoreOutput(r, [ids[i]], new_logprobs=[top[i]])))
         await asyncio.sleep(0)
         await asyncio.sleep(0)
-        llm.on_engine_outputs(_step(EngineCoreOutput("r", [ids[3]], new_logprobs=[top[3]])))
+        llm.on_engine_outputs(_step(EngineCoreOutput(r, [ids[3]], new_logprobs=[top[3]])))
         await asyncio.sleep(0)
-        llm.on_engine_outputs(_step(EngineCoreOutput("r", [ids[4]], new_logprobs=[top[4]], finish_reason="length")))
+        llm.on_engine_outputs(_step(EngineCoreOutput(r, [ids[4]], new_logprobs=[top[4]], finish_reason="length")))
         await asyncio.wait_for(task, 5)
         return got
 
@@ -158,9 +161,10 @@ def test_an_error_after_queued_steps_is_raised_after_them(monkeypatch, smollm_to
         llm = await _engine(monkeypatch, smollm_tokenizer)
         got: list[RequestOutput | Exception] = []
         task = await _started(llm.generate("r", [1, 2], SamplingParams(max_tokens=8)), got)
+        (r,) = llm.client.added
         for token in ids:
-            llm.on_engine_outputs(_step(EngineCoreOutput("r", [token])))
-        llm.on_request_failed(RequestFailed(req_id="r", message="refused", param="max_tokens"))
+            llm.on_engine_outputs(_step(EngineCoreOutput(r, [token])))
+        llm.on_request_failed(RequestFailed(req_id=r, message="refused", param="max_tokens"))
         await asyncio.wait_for(task, 5)
         return got
 
@@ -189,15 +193,76 @@ def test_a_sample_the_core_drops_later_takes_its_siblings_with_it(monkeypatch, s
     assert set(sent) <= set(aborted)
 
 
+def test_a_reused_id_gets_nothing_of_the_request_that_had_it_before(monkeypatch, smollm_tokenizer) -> None:
+    """A client reuses its request id as soon as the old request ended on a stop string, while the core, whose
+    abort is still on its way, sends one more token and then a failure for the old one: the new request sees
+    only its own outputs."""
+    ids = _ids(smollm_tokenizer, " one. two three")
+    assert len(ids) == 4
+
+    async def run() -> tuple[list[RequestOutput | Exception], list[RequestOutput | Exception], list[str], list[str]]:
+        llm = await _engine(monkeypatch, smollm_tokenizer)
+        first: list[RequestOutput | Exception] = []
+        task = await _started(llm.generate("x", [1, 2], SamplingParams(max_tokens=8, stop=["."])), first)
+        (old,) = llm.client.added
+        for token in ids[:2]:
+            llm.on_engine_outputs(_step(EngineCoreOutput(old, [token])))
+        await asyncio.wait_for(task, 5)
+        assert llm.client.aborted == [old] and not llm.has_request("x")
+        second: list[RequestOutput | Exception] = []
+        task = await _started(llm.generate("x", [1, 2], SamplingParams(max_tokens=2)), second)
+        new = llm.client.added[1]
+        llm.on_engine_outputs(_step(EngineCoreOutput(old, [ids[2]])))  # sampled before the abort arrived
+        llm.on_request_failed(RequestFailed(req_id=old, message="late", param=None))
+        llm.on_engine_outputs(_step(EngineCoreOutput(new, [ids[3]])))
+        llm.on_engine_outputs(_step(EngineCoreOutput(new, [ids[2]], finish_reason="length")))
+        await asyncio.wait_for(task, 5)
+        return first, second, list(llm.client.added), list(llm.client.aborted)
+
+    first, second, added, aborted = asyncio.run(run())
+    assert cast(RequestOutput, first[-1]).outputs[0].text == " one"
+    assert all(isinstance(u, RequestOutput) for u in second), second
+    updates = cast(list[RequestOutput], second)
+    assert updates and {u.request_id for u in updates} == {"x"}
+    assert updates[-1].finished and updates[-1].outputs[0].token_ids == [ids[3], ids[2]]
+    assert len(set(added)) == 2 and all(a.startswith("x-") for a in added)
+    assert aborted == added[:1]  # the second finished in the core: nothing to abort
+
+
+def test_an_id_in_use_is_refused_and_its_request_goes_on(monkeypatch, smollm_tokenizer) -> None:
+    ids = _ids(smollm_tokenizer, " one two")
+
+    async def run() -> tuple[list[RequestOutput | Exception], Exception | None]:
+        llm = await _engine(monkeypatch, smollm_tokenizer)
+        got: list[RequestOutput | Exception] = []
+        task = await _started(llm.generate("x", [1, 2], SamplingParams(max_tokens=2)), got)
+        refused: Exception | None = None
+        try:
+            async for _ in llm.generate("x", [3], SamplingParams(max_tokens=2)):
+                pass
+        except ValueError as e:
+            refused = e
+        (core_id,) = llm.client.added
+        assert llm.client.aborted == []
+        for i, token in enumerate(ids):
+            llm.on_engine_outputs(_step(EngineCoreOutput(core_id, [token], finish_reason="length" if i else None)))
+        await asyncio.wait_for(task, 5)
+        return got, refused
+
+    got, refused = asyncio.run(run())
+    assert refused is not None and "already in use" in str(refused)
+    assert cast(RequestOutput, got[-1]).finished and cast(RequestOutput, got[-1]).outputs[0].token_ids == ids
+
+
 def test_merged_samples_keep_their_own_deltas_and_an_early_finish(monkeypatch, smollm_tokenizer) -> None:
     a = _ids(smollm_tokenizer, " red green blue")
     b = _ids(smollm_tokenizer, " cat dog")
-    c0, c1 = child_request_id("r", 0, 2), child_request_id("r", 1, 2)
 
     async def run() -> list[RequestOutput | Exception]:
         llm = await _engine(monkeypatch, smollm_tokenizer)
         got: list[RequestOutput | Exception] = []
         task = await _started(llm.generate("r", [1, 2], SamplingParams(n=2, max_tokens=3, seed=1)), got)
+        c0, c1 = llm.client.added
         llm.on_engine_outputs(_step(EngineCoreOutput(c0, [a[0]]), EngineCoreOutput(c1, [b[0]])))
         llm.on_engine_outputs(_step(EngineCoreOutput(c0, [a[1]]), EngineCoreOutput(c1, [b[1]], finish_reason="stop",
                                                                                    stop_token_id=b[1])))
@@ -236,8 +301,9 @@ def test_streamed_text_offsets_are_the_full_answers_whatever_the_chunking(monkey
         prepared = PreparedCompletion("cmpl-1", "m", [PreparedPrompt("cmpl-1", [1, 2], "p")], params, False)
         events: list[str | Exception] = []
         task = await _started(completion_stream(ServingContext(llm, ["m"], "m"), prepared, False, False), events)
+        (core_id,) = llm.client.added
         for i, token in enumerate(ids):
-            llm.on_engine_outputs(_step(EngineCoreOutput("cmpl-1", [token], new_logprobs=[top[i]])))
+            llm.on_engine_outputs(_step(EngineCoreOutput(core_id, [token], new_logprobs=[top[i]])))
             if not merged or i in (2, 4):  # merged: the steps go out in three chunks
                 for _ in range(5):
                     await asyncio.sleep(0)
