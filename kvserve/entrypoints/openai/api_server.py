@@ -263,6 +263,11 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
         return error_response(exc.status_code, str(exc.detail))
 
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> Response:
+        # A bug (Starlette logs its traceback after this answer): the client still gets an OpenAI error body.
+        return error_response(500, f"internal server error: {type(exc).__name__}: {exc}", "InternalServerError")
+
     @app.exception_handler(ClientDisconnected)
     async def client_gone(_: Request, exc: ClientDisconnected) -> Response:
         return Response(status_code=499)  # nobody reads it; nginx's "client closed request"

@@ -28,6 +28,10 @@ class OpenAIError(Exception):
         return error_body(self.status_code, self.message, self.error_type, self.param)
 
 
+class InternalServerError(OpenAIError):
+    """A failure of the server itself (a bug), not of the request."""
+
+
 class BadRequestError(OpenAIError):
     status_code = 400
     error_type = "BadRequestError"

@@ -22,6 +22,7 @@ from kvserve.engine.core_client import EngineDeadError
 from kvserve.engine.input_processor import encode_text
 from kvserve.entrypoints.openai.errors import (
     BadRequestError,
+    InternalServerError,
     NotFoundError,
     OpenAIError,
     ServiceUnavailableError,
@@ -304,7 +305,9 @@ def engine_error(e: Exception, structure_param: str = "structured_outputs") -> O
         return BadRequestError(str(e), e.param)
     if isinstance(e, ValueError):
         return BadRequestError(str(e))
-    raise e
+    # A bug: logged with its traceback, answered as an OpenAI error (a stream ends with it and [DONE]).
+    logger.error("request failed in the server", exc_info=e)
+    return InternalServerError(f"internal server error: {type(e).__name__}: {e}")
 
 
 def sse(data: dict[str, Any]) -> str:
