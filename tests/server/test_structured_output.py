@@ -134,6 +134,33 @@ def test_a_named_tool_choice_streams_its_arguments():
     assert "".join(c["function"]["arguments"] for c in calls) == arguments
 
 
+def test_a_named_tool_choice_streams_each_samples_call_on_its_own_choice():
+    """n=2: each choice streams one call of its own (index 0 within the choice, its own id, `type` with the
+    name in its first delta), the arguments being that sample's."""
+    arguments = ['{"zone": "CET"}', '{"zone": "Asia/Tokyo"}']
+    ctx, _ = _context([_tokens(a) for a in arguments], parser=None)
+    body = {"messages": USER, "tools": [WEATHER, TIME], "n": 2, "stream": True,
+            "tool_choice": {"type": "function", "function": {"name": "get_time"}}}
+    response = _post(ctx, body)
+    calls: dict[int, list[dict[str, Any]]] = {0: [], 1: []}
+    finish: dict[int, str] = {}
+    for line in response.text.splitlines():
+        if line.startswith("data: {"):
+            for choice in json.loads(line[6:])["choices"]:
+                calls[choice["index"]] += choice["delta"].get("tool_calls", [])
+                if choice["finish_reason"] is not None:
+                    finish[choice["index"]] = choice["finish_reason"]
+    assert finish == {0: "stop", 1: "stop"}
+    for index, streamed in calls.items():
+        assert streamed and {c["index"] for c in streamed} == {0}
+        first = streamed[0]
+        assert first["type"] == "function" and first["function"]["name"] == "get_time"
+        assert first["id"].startswith("chatcmpl-tool-")
+        assert all("id" not in c and "name" not in c["function"] for c in streamed[1:])
+        assert "".join(c["function"]["arguments"] for c in streamed) == arguments[index]
+    assert calls[0][0]["id"] != calls[1][0]["id"]
+
+
 # ------------------------------------------------------------------------------------------ the real server
 
 
