@@ -20,6 +20,8 @@ class NewRequestData:
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    # The ids that end the request as EOS (the model's and its tokenizer's): min_tokens holds them back.
+    eos_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -244,7 +244,8 @@ class Scheduler:
             if request.req_id not in self._known_to_runner:
                 self._known_to_runner.add(request.req_id)
                 out.new_requests.append(
-                    NewRequestData(request.req_id, list(request.prompt_token_ids), request.sampling_params)
+                    NewRequestData(request.req_id, list(request.prompt_token_ids), request.sampling_params,
+                                   sorted(request.eos_token_ids))
                 )
             block_ids = self.kv.get_block_ids(request.req_id)
             out.scheduled.append(self._scheduled(request, num_new, block_ids, True))

@@ -18,7 +18,7 @@ Order of operations, per row (vLLM/OpenAI meanings; see `SamplingParams`):
    them; a bad id must not crash a whole batch. Then **bad_words**: a word's last token is set to -inf where
    the output so far ends with the word's other tokens (a pending newest token is compared on the device).
 4. **min_tokens**: while ``len(output) < min_tokens`` the request's ``stop_token_ids`` and, unless
-   ``ignore_eos``, the EOS ids are set to -inf (as in vLLM: with ``ignore_eos`` EOS is an ordinary token
+   ``ignore_eos``, the EOS ids (the model's and the row's own) are set to -inf (as in vLLM: with ``ignore_eos`` EOS is an ordinary token
    that cannot end the request, so there is nothing to hold back).
 5. **Greedy** rows (``temperature ~ 0``): argmax of the logits after 2-4. Top-k/top-p/min-p do not apply.
 6. Other rows: divide by ``temperature``; **top-k** (keep logits >= the k-th largest, so ties at the
@@ -66,6 +66,9 @@ class SamplingRow:
     # Structured output: the tokens the request's grammar allows next (int32 words, one bit per token id,
     # `kvserve.structured_output`); None: no grammar constrains this step.
     grammar_mask: bytes | None = None
+    # EOS ids of the request's own besides the model's (the sampler call's): its tokenizer's EOS, which ends
+    # the request as well, so min_tokens holds it back too.
+    eos_token_ids: Sequence[int] = ()
 
 
 @dataclass
@@ -591,6 +594,7 @@ class Sampler:
             banned = set(params.stop_token_ids or ())
             if not params.ignore_eos:
                 banned.update(eos_token_ids)
+                banned.update(row.eos_token_ids)
             for token_id in banned:
                 if 0 <= token_id < vocab_size:
                     row_ids.append(i)

@@ -121,6 +121,7 @@ class RunnerRequestState:
     sampling_params: SamplingParams
     generator: torch.Generator | None
     output_token_ids: list[int] = field(default_factory=list)
+    eos_token_ids: list[int] = field(default_factory=list)  # the request's own (NewRequestData's)
     # prompt_logprobs: the next prompt position whose logprob is still to compute (position 0 has none)
     next_prompt_target: int = 1
 
@@ -894,7 +895,8 @@ class ModelRunner:
             params = new.sampling_params
             generator = make_generator(params.seed, self.device) if params.seed is not None else None
             self.requests[new.req_id] = RunnerRequestState(
-                prompt_token_ids=new.prompt_token_ids, sampling_params=params, generator=generator
+                prompt_token_ids=new.prompt_token_ids, sampling_params=params, generator=generator,
+                eos_token_ids=new.eos_token_ids,
             )
             if params.needs_output_history:
                 self._history_req_ids.add(new.req_id)
@@ -998,6 +1000,7 @@ class ModelRunner:
                 req_id=req_id,
                 pending_row=pending[i] if pending is not None else None,
                 grammar_mask=masks.get(req_id) if masks else None,
+                eos_token_ids=s.eos_token_ids,
             )
             for i, (req_id, s) in enumerate(zip(sampled_req_ids, states, strict=True))
         ]

@@ -239,6 +239,20 @@ def test_without_chunked_prefill_the_output_is_the_same(tiny_model_dir) -> None:
         o.outputs[0].token_ids for o in chunked.generate(prompts, params, use_tqdm=False)]
 
 
+def test_min_tokens_holds_back_the_tokenizers_eos_when_the_models_differs(tiny_model_dir) -> None:
+    """The request ends on its tokenizer's EOS as on the model's, so min_tokens holds both back (a model whose
+    config names another EOS than its tokenizer)."""
+    path = tiny_model_dir("llama", eos_token_id=7)
+    llm = LLM(path, max_model_len=64)
+    tokenizer_eos = llm.get_tokenizer().eos_token_id
+    assert tokenizer_eos is not None and tokenizer_eos != 7
+    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=3, logit_bias={tokenizer_eos: 100.0})
+    [out] = llm.generate(["Hello"], params, use_tqdm=False)
+    tokens = out.outputs[0].token_ids
+    assert tokenizer_eos not in tokens[:3], tokens
+    assert len(tokens) == 4 and tokens[3] == tokenizer_eos and out.outputs[0].finish_reason == "stop"
+
+
 def test_stop_strings_wait_for_min_tokens(default_llm: LLM) -> None:
     """A stop string in the first min_tokens tokens does not end the request (as vLLM: stop strings count
     from the token after min_tokens); later it does."""

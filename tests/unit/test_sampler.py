@@ -496,6 +496,19 @@ def test_min_tokens_masks_eos_and_stop_ids(device, temperature):
         assert reached.tolist() == [eos]
 
 
+def test_min_tokens_holds_back_a_rows_own_eos_too(device):
+    """A request's EOS ids beyond the model's (its tokenizer's EOS, which ends it as well) are held back too."""
+    model_eos, own_eos = 5, 4
+    logits = torch.zeros(2, 8)
+    logits[:, own_eos] = 10.0
+    logits[:, 2] = 1.0
+    params = SamplingParams(temperature=0.0, min_tokens=2)
+    rows = [SamplingRow(params, [], [], None, eos_token_ids=(own_eos,)),
+            SamplingRow(SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True), [], [], None,
+                        eos_token_ids=(own_eos,))]
+    assert sample(logits, rows, device, eos=[model_eos]).sampled_token_ids.tolist() == [2, own_eos]
+
+
 def test_min_tokens_with_ignore_eos_leaves_eos_alone(device):
     eos, stop_id = 5, 6
     logits = torch.zeros(1, 8)
