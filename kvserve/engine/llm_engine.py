@@ -14,6 +14,21 @@ from kvserve.protocol.outputs import RequestOutput
 from kvserve.protocol.sampling_params import SamplingParams
 
 
+class RequestsFailedError(ValueError):
+    """Requests the engine core dropped in one step (a grammar that failed to compile), raised by
+    `LLMEngine.step`: every one is named, so that none vanishes unreported. `failures`: each failed user
+    request's id -> its error message. The requests are aborted already."""
+
+    def __init__(self, failures: dict[str, str]) -> None:
+        if len(failures) == 1:
+            message = next(iter(failures.values()))
+        else:
+            message = f"{len(failures)} requests failed: " + "; ".join(
+                f"request {req_id!r}: {error}" for req_id, error in failures.items())
+        super().__init__(message)
+        self.failures = failures
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: PreTrainedTokenizerBase) -> None:
         self.core = EngineCore(config)
@@ -78,6 +93,8 @@ class LLMEngine:
                 or bool(self._held_outputs))
 
     def step(self) -> list[RequestOutput]:
+        """One engine step: the user requests it updated. RequestsFailedError when requests failed in the core
+        during the step (each one named; they are aborted): the step's other outputs come with the next call."""
         if self._held_outputs:  # the outputs of the step whose failure was raised last call
             held, self._held_outputs = self._held_outputs, []
             return held
@@ -88,11 +105,14 @@ class LLMEngine:
             self.core.abort_requests(to_abort)
         failed = self.core.pop_failed()
         if failed:  # a grammar that failed to compile against the tokenizer: the request's error
-            for req_id, _, _ in failed:
+            failures: dict[str, str] = {}
+            for req_id, message, _ in failed:
+                # A sample of an n>1 request: the whole request fails (its first failed sample's message).
                 parent = self.output_processor.parent_of(req_id)
-                if parent is not None:
-                    self.core.abort_requests(self.output_processor.abort_request(parent))
+                failures.setdefault(parent if parent is not None else req_id, message)
+            for request_id in failures:
+                self.core.abort_requests(self.output_processor.abort_request(request_id))
             # The other requests' outputs of this step are not lost: the next call returns them.
             self._held_outputs = outputs
-            raise ValueError(failed[0][1])
+            raise RequestsFailedError(failures)
         return outputs

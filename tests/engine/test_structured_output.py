@@ -365,3 +365,25 @@ def test_grammars_beside_output_history_pipelined_or_not(engines, temperature):
     assert [o.token_ids for o in runs[True]] == [o.token_ids for o in runs[False]]
     assert all(re.fullmatch("[ab ]+", o.text) for o in runs[True][:3])
     assert [len(o.token_ids) for o in runs[True]][1:3] == [8, 5]  # min_tokens, then EOS
+
+
+def test_every_request_whose_grammar_fails_in_a_step_is_named_in_the_error(engines):
+    """Two requests whose grammars fail in the same step (b's two samples both): LLMEngine.step raises one error
+    naming each request once, with its message; neither is left live, neither is dropped without a word."""
+    from kvserve.engine.llm_engine import RequestsFailedError
+
+    engine = engines[False].engine
+    core = engine.core
+    missing = {"a": "no_such_special", "b": "other_missing"}
+    for (req_id, token), n in zip(missing.items(), (1, 2), strict=True):
+        spec = StructuredOutputsParams(grammar=f'start: <|{token}|> "a"')  # fails against the tokenizer only
+        engine.add_request(req_id, "Hello", SamplingParams(n=n, max_tokens=4, structured_outputs=spec))
+    for req_id in ("a", "0_b", "1_b"):
+        core._awaiting_grammar[req_id][2].exception(timeout=30)  # all fail before the step
+    with pytest.raises(RequestsFailedError) as info:
+        engine.step()
+    failures = info.value.failures
+    assert set(failures) == set(missing) and all(missing[r] in failures[r] for r in missing), failures
+    assert all(f"request {r!r}: " in str(info.value) for r in missing), str(info.value)
+    assert not engine.has_unfinished_requests() and not core.unfinished_req_ids()
+    core.check_invariants()
