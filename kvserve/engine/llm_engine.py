@@ -112,7 +112,9 @@ class LLMEngine:
                 failures.setdefault(parent if parent is not None else req_id, message)
             for request_id in failures:
                 self.core.abort_requests(self.output_processor.abort_request(request_id))
-            # The other requests' outputs of this step are not lost: the next call returns them.
-            self._held_outputs = outputs
+            # The other requests' outputs of this step are not lost: the next call returns them. Those of the
+            # failed requests are dropped (an n>1 request's other samples may have produced some): after its
+            # error, a request gets no update.
+            self._held_outputs = [o for o in outputs if o.request_id not in failures]
             raise RequestsFailedError(failures)
         return outputs

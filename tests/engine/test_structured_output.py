@@ -387,3 +387,35 @@ def test_every_request_whose_grammar_fails_in_a_step_is_named_in_the_error(engin
     assert all(f"request {r!r}: " in str(info.value) for r in missing), str(info.value)
     assert not engine.has_unfinished_requests() and not core.unfinished_req_ids()
     core.check_invariants()
+
+
+
+def test_after_one_sample_fails_no_update_of_its_request_comes_out(engines, monkeypatch):
+    """n=2: sample 0's grammar compiles and it samples its first token in the step where sample 1's grammar
+    fails. The error aborts the request: the step's other outputs come with the next call, none for it."""
+    from kvserve.structured_output import GrammarError
+
+    engine = engines[False].engine  # step by step: a step's tokens come out with it
+    core = engine.core
+    compiler = core.structured.compiler
+    compile_ok, calls = compiler.compile, []
+
+    def second_fails(grammar: str):
+        calls.append(grammar)
+        if len(calls) == 2:
+            raise GrammarError("sample 1's grammar failed")
+        return compile_ok(grammar)
+
+    monkeypatch.setattr(compiler, "compile", second_fails)
+    spec = StructuredOutputsParams(regex="[a-z]{20}")
+    engine.add_request("n2", "Hello", SamplingParams(n=2, max_tokens=8, structured_outputs=spec))
+    core._awaiting_grammar["1_n2"][2].exception(timeout=30)  # both compiles done before the step
+    with pytest.raises(ValueError, match="sample 1's grammar failed"):
+        engine.step()
+    later = []
+    for _ in range(10):
+        if not engine.has_unfinished_requests():
+            break
+        later.extend(engine.step())
+    assert [o.request_id for o in later] == [] and not engine.has_unfinished_requests()
+    core.check_invariants()
