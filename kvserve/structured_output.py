@@ -13,7 +13,8 @@ Where each part runs:
 * the model runner's sampler sets every token outside a row's mask to -inf before anything else, so the
   logprobs are those of the constrained distribution (as vLLM's).
 A matcher that has reached its grammar's end allows only EOS; once it has consumed EOS (`ignore_eos`), the
-request runs unconstrained.
+request runs unconstrained. With no EOS in the model or its tokenizer, llguidance ends grammars with an
+end-of-text token it picks; the engine core makes it one of the request's EOS ids, so that it ends the request.
 """
 
 from __future__ import annotations
@@ -184,6 +185,9 @@ class GrammarCompiler:
         self.vocab_size = vocab_size  # the model's: the logits' width
         self._eos_token_ids = list(eos_token_ids)
         self.eos_token_ids: frozenset[int] = frozenset(eos_token_ids)  # with the tokenizer's, once loaded
+        # The tokens the grammars end with (llguidance's EOS), once the tokenizer is loaded: the known EOS ids,
+        # or, where the model and its tokenizer have none, an end-of-text token llguidance picks itself.
+        self.grammar_eos_token_ids: frozenset[int] = frozenset()
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._tokenizer_error: GrammarError | None = None  # a failed load is not retried for every request
         self._lock = threading.Lock()
@@ -237,7 +241,8 @@ class GrammarCompiler:
                     known_eos = [t for t in eos if 0 <= t < len(hf_tokenizer)]
                     self._tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=n_vocab,
                                                                    eos_token=known_eos or None)
-                    self.eos_token_ids = frozenset(eos)
+                    self.grammar_eos_token_ids = frozenset(self._tokenizer.eos_tokens)
+                    self.eos_token_ids = frozenset(eos) | self.grammar_eos_token_ids
                 except Exception as e:
                     self._tokenizer_error = GrammarError(
                         f"structured output needs the model's tokenizer, which could not be loaded: {e}")

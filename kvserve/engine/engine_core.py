@@ -305,6 +305,9 @@ class EngineCore:
                 logger.warning("request %s: its grammar could not be compiled: %s", req_id, e)
                 self._failed.append((req_id, str(e), "structured_outputs"))
                 continue
+            # The grammar's end is its EOS: where the model knows none, the one llguidance picked must end the
+            # request too (known EOS ids are the request's already).
+            request.eos_token_ids = request.eos_token_ids | self.structured.compiler.grammar_eos_token_ids
             self.structured.add(req_id, matcher)
             try:
                 self.scheduler.add_request(request, group_key=group_key)

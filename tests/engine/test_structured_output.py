@@ -419,3 +419,31 @@ def test_after_one_sample_fails_no_update_of_its_request_comes_out(engines, monk
         later.extend(engine.step())
     assert [o.request_id for o in later] == [] and not engine.has_unfinished_requests()
     core.check_invariants()
+
+
+
+def test_without_any_eos_the_grammars_end_still_ends_the_request(tiny_model_dir):
+    """A model and a tokenizer with no EOS: llguidance ends grammars with an end-of-text token of its own
+    choice. Sampling it ends the request as EOS does (it does not run on unconstrained to max_tokens)."""
+    from kvserve.config import EngineArgs
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.model.tokenizer import load_tokenizer
+
+    path = tiny_model_dir("llama", eos_token_id=None)
+    tokenizer = load_tokenizer(path)
+    tokenizer.eos_token = None
+    engine = LLMEngine(EngineArgs(model=path, max_model_len=128).create_engine_config(), tokenizer)
+    assert not engine.core.eos_token_ids and not engine.input_processor.eos_token_ids
+    engine.core.check_invariants_every_step = True
+    spec = StructuredOutputsParams(choice=["yes"])
+    engine.add_request("r", "Say yes:", SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=spec))
+    finished = []
+    for _ in range(50):
+        if not engine.has_unfinished_requests():
+            break
+        finished.extend(o.outputs[0] for o in engine.step() if o.finished)
+    [out] = finished
+    yes = tokenizer.encode("yes", add_special_tokens=False)
+    assert out.finish_reason == "stop" and out.text == "yes", (out.finish_reason, out.text)
+    assert out.token_ids[:-1] == yes and out.token_ids[-1] in engine.core.structured.compiler.eos_token_ids
+    assert engine.core.structured.num_refused_tokens == 0 and not engine.has_unfinished_requests()
