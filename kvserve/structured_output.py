@@ -259,6 +259,7 @@ class GrammarCompiler:
 class _Grammar:
     matcher: llguidance.LLMatcher
     done: bool = False  # consumed EOS (or failed): no longer constrains
+    started: bool = False  # has consumed a token
 
 
 class StructuredOutputs:
@@ -291,7 +292,26 @@ class StructuredOutputs:
     def ended(self, req_id: str) -> bool:
         """Whether the request's grammar has reached its end (it allows only EOS next)."""
         g = self._grammars.get(req_id)
-        return g is not None and not g.done and g.matcher.is_stopped()
+        if g is None or g.done:
+            return False
+        if g.matcher.is_stopped():
+            return True
+        # llguidance marks a matcher stopped on the token that leaves it no way on. Before its first token, one
+        # whose language is the empty text alone is not marked, though it allows only EOS: its mask tells.
+        return not g.started and g.matcher.is_accepting() and self._allows_only_eos(g)
+
+    def _allows_only_eos(self, g: _Grammar) -> bool:
+        """Whether the matcher's next-token mask holds no token but the grammar's EOS (computed: a state the
+        matcher does not report itself)."""
+        import numpy as np
+
+        words = bitmask_words(self.compiler.tokenizer().vocab_size)
+        mask = np.zeros(words, dtype=np.uint32)
+        g.matcher.unsafe_compute_mask_ptr(mask.ctypes.data, 4 * words)
+        for token_id in self.compiler.grammar_eos_token_ids:
+            if token_id < 32 * words:
+                mask[token_id // 32] &= ~np.uint32(1 << (token_id % 32))
+        return not mask.any()
 
     def add(self, req_id: str, matcher: llguidance.LLMatcher) -> None:
         self._grammars[req_id] = _Grammar(matcher)
@@ -326,6 +346,7 @@ class StructuredOutputs:
         if g is None or g.done:
             return
         eos = self.compiler.eos_token_ids
+        g.started = g.started or bool(token_ids)
         for token_id in token_ids:
             if token_id in eos and (g.matcher.is_accepting() or g.matcher.is_stopped()):
                 g.done = True  # the grammar's text is complete; past it (ignore_eos) nothing is constrained

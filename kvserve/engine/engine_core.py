@@ -288,12 +288,13 @@ class EngineCore:
         failed, self._failed = self._failed, []
         return failed
 
-    def _admit_compiled(self) -> None:
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
         """Move requests whose grammar is compiled into the scheduler. When nothing else can run, wait a
-        little for a compile instead of spinning."""
+        little for a compile instead of spinning. Returns the outputs of requests that ended on admission."""
         awaiting = self._awaiting_grammar
+        ended: list[EngineCoreOutput] = []
         if not awaiting:
-            return
+            return ended
         if not self.scheduler.has_unfinished_requests() and self._in_flight is None:
             concurrent.futures.wait([f for _, _, f in awaiting.values()], timeout=0.05,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
@@ -309,11 +310,19 @@ class EngineCore:
             # request too (known EOS ids are the request's already).
             request.eos_token_ids = request.eos_token_ids | self.structured.compiler.grammar_eos_token_ids
             self.structured.add(req_id, matcher)
+            if self._min_tokens_hold_eos(request) and self.structured.ended(req_id):
+                # The grammar allows only EOS from the first token on (its language is the empty text), which
+                # min_tokens holds back: sampling would leave the grammar. It wins, as when it ends later
+                # (`_finish_in_flight`): the request ends here, with no token.
+                self.structured.release([req_id])
+                ended.append(EngineCoreOutput(req_id, [], finish_reason="stop"))
+                continue
             try:
                 self.scheduler.add_request(request, group_key=group_key)
             except RequestRejected as e:  # checked on arrival; defensive
                 self.structured.release([req_id])
                 self._failed.append((req_id, str(e), e.param))
+        return ended
 
     def reset_prefix_cache(self) -> bool:
         """Forget every prefix-cache entry; only when no request is live or in flight. Returns whether it was
@@ -325,8 +334,7 @@ class EngineCore:
     def step(self) -> EngineStepResult:
         """Schedule and launch one step; return the outputs of the step whose tokens arrived (this one
         without async scheduling, the previous one with it)."""
-        outputs: list[EngineCoreOutput] = []
-        self._admit_compiled()
+        outputs = self._admit_compiled()
         scheduler_output = self.scheduler.schedule()
         sampling = [s.req_id for s in scheduler_output.scheduled if s.sample] if len(self.structured) else []
         # A grammar's mask for this step needs the previous step's tokens when that step is in flight: the
@@ -406,7 +414,8 @@ class EngineCore:
                     continue
                 if not output.finished:
                     structured.accept(output.req_id, output.new_token_ids)
-                    if structured.ended(output.req_id) and self._min_tokens_hold_eos(output.req_id):
+                    if structured.ended(output.req_id) and self._min_tokens_hold_eos(
+                            self.scheduler.requests[output.req_id]):
                         # The grammar allows only EOS, which min_tokens holds back: nothing could follow but
                         # a token outside the grammar. The grammar wins: the request ends here.
                         self.scheduler.stop_request(output.req_id)
@@ -415,7 +424,8 @@ class EngineCore:
                     structured.release([output.req_id])
         return outputs
 
-    def _min_tokens_hold_eos(self, req_id: str) -> bool:
-        request = self.scheduler.requests[req_id]
+    @staticmethod
+    def _min_tokens_hold_eos(request: Request) -> bool:
+        """Whether min_tokens keeps EOS from being the request's next token (the sampler's rule)."""
         params = request.sampling_params
         return not params.ignore_eos and len(request.output_token_ids) < params.min_tokens

@@ -447,3 +447,17 @@ def test_without_any_eos_the_grammars_end_still_ends_the_request(tiny_model_dir)
     assert out.finish_reason == "stop" and out.text == "yes", (out.finish_reason, out.text)
     assert out.token_ids[:-1] == yes and out.token_ids[-1] in engine.core.structured.compiler.eos_token_ids
     assert engine.core.structured.num_refused_tokens == 0 and not engine.has_unfinished_requests()
+
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_grammar_of_the_empty_text_under_min_tokens_ends_before_any_token(engines, pipelined):
+    """The grammar allows only EOS from the first token on (llguidance does not mark it stopped yet), which
+    min_tokens holds back: the request ends with no token, as one whose grammar ends before min_tokens does,
+    instead of sampling outside the grammar and running on unconstrained. Without min_tokens it ends on EOS."""
+    llm = engines[pipelined]
+    spec = StructuredOutputsParams(grammar='start: ""')
+    held, free = _run(llm, ["Hello", "Hello"], [SamplingParams(temperature=0.0, max_tokens=10, min_tokens=m,
+                                                               structured_outputs=spec) for m in (3, 0)])
+    assert (held.finish_reason, held.token_ids, held.text) == ("stop", [], "")
+    assert (free.finish_reason, free.token_ids, free.text) == ("stop", [llm.get_tokenizer().eos_token_id], "")

@@ -351,3 +351,19 @@ def test_json_object_allows_only_an_object(tokenizer):
     first = _first_allowed(tokenizer, StructuredOutputsParams(json_object=True, disable_any_whitespace=True), "")
     assert _token(tokenizer, "{") in first
     assert not first & {_token(tokenizer, t) for t in ("[", '"', "1", "t", "n")}
+
+
+def test_a_grammar_of_the_empty_text_has_ended_before_its_first_token(tokenizer):
+    """llguidance does not mark such a matcher stopped until a token, but it allows only EOS: ended() says so
+    (the engine core then applies min_tokens' rule at admission). A grammar that also allows more text, or
+    that needs some, has not ended."""
+    compiler = GrammarCompiler(lambda: tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    outputs = StructuredOutputs(compiler)
+    for req_id, spec in (("empty", StructuredOutputsParams(grammar='start: ""')),
+                         ("maybe", StructuredOutputsParams(regex="a*")), ("some", StructuredOutputsParams(regex="a+"))):
+        outputs.add(req_id, compiler.compile(grammar_for(spec)))
+    assert _allowed(outputs.bitmasks(["empty"]), "empty") == {tokenizer.eos_token_id}
+    assert [outputs.ended(r) for r in ("empty", "maybe", "some")] == [True, False, False]
+    outputs.accept("maybe", tokenizer.encode("a", add_special_tokens=False))
+    assert not outputs.ended("maybe")
+    compiler.shutdown()
