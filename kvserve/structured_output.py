@@ -24,7 +24,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     import llguidance
     from transformers import PreTrainedTokenizerBase
 
+    from kvserve.core.request import Request
     from kvserve.protocol.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -358,6 +359,12 @@ class StructuredOutputs:
                 g.done = True
                 return
 
-    def check_invariants(self, live_req_ids: set[str]) -> None:
-        assert set(self._grammars) <= live_req_ids, \
-            f"grammars kept for requests that are not live: {sorted(set(self._grammars) - live_req_ids)}"
+    def check_invariants(self, live: Mapping[str, Request]) -> None:
+        """`live`: the scheduler's requests. A grammar is kept for live requests only, and every live request
+        with a grammar has its matcher (one still compiling is not in the scheduler yet): without it the
+        request would sample unconstrained."""
+        assert set(self._grammars) <= set(live), \
+            f"grammars kept for requests that are not live: {sorted(set(self._grammars) - set(live))}"
+        unmatched = sorted(req_id for req_id, request in live.items()
+                           if request.sampling_params.structured_outputs is not None and req_id not in self._grammars)
+        assert not unmatched, f"requests with a grammar but no matcher: {unmatched}"

@@ -388,7 +388,7 @@ class EngineCore:
         self.scheduler.check_invariants()
         self.runner.check_invariants()
         assert not set(self._awaiting_grammar) & set(self.scheduler.requests), "a request both queued and compiling"
-        self.structured.check_invariants(set(self.scheduler.requests))
+        self.structured.check_invariants(self.scheduler.requests)
 
     def _note_late_variants(self) -> None:
         assert self._variants_seen is not None

@@ -461,3 +461,21 @@ def test_a_grammar_of_the_empty_text_under_min_tokens_ends_before_any_token(engi
                                                                structured_outputs=spec) for m in (3, 0)])
     assert (held.finish_reason, held.token_ids, held.text) == ("stop", [], "")
     assert (free.finish_reason, free.token_ids, free.text) == ("stop", [llm.get_tokenizer().eos_token_id], "")
+
+
+
+def test_the_invariant_checks_catch_a_constrained_request_without_its_matcher(engines):
+    engine = engines[False].engine
+    core = engine.core
+    spec = StructuredOutputsParams(regex="[a-z ]{100}")
+    engine.add_request("m", "Hello", SamplingParams(max_tokens=50, structured_outputs=spec))
+    for _ in range(50):
+        engine.step()
+        if "m" in core.scheduler.requests:
+            break
+    core.check_invariants()
+    core.structured.release(["m"])  # its matcher lost while the request runs: it would sample unconstrained
+    with pytest.raises(AssertionError, match="no matcher"):
+        core.check_invariants()
+    engine.abort_request("m")
+    core.check_invariants()

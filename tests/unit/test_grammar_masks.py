@@ -240,7 +240,7 @@ def test_matchers_follow_the_grammar_to_eos(tokenizer):
     assert outputs.num_refused_tokens == 1 and outputs.bitmasks(["b"]) == {}
     outputs.release(["a", "b"])
     assert len(outputs) == 0
-    outputs.check_invariants(set())
+    outputs.check_invariants({})
     compiler.shutdown()
 
 
