@@ -479,3 +479,20 @@ def test_the_invariant_checks_catch_a_constrained_request_without_its_matcher(en
         core.check_invariants()
     engine.abort_request("m")
     core.check_invariants()
+
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_min_tokens_holds_eos_at_the_grammars_end_only_below_its_count(engines, pipelined):
+    """At the grammar's end with min_tokens tokens out, EOS may come: the request ends on it. One token short
+    of min_tokens, EOS is held back and the grammar ends the request without it."""
+    llm = engines[pipelined]
+    tokenizer = llm.get_tokenizer()
+    yes = tokenizer.encode("yes", add_special_tokens=False)
+    spec = StructuredOutputsParams(choice=["yes"])
+    at, short = _run(llm, ["Say yes:", "Say yes:"], [SamplingParams(temperature=0.0, max_tokens=10, min_tokens=m,
+                                                                    structured_outputs=spec)
+                                                     for m in (len(yes), len(yes) + 1)])
+    assert (at.finish_reason, at.token_ids) == ("stop", [*yes, tokenizer.eos_token_id])
+    assert (short.finish_reason, short.token_ids) == ("stop", yes)
+
