@@ -496,3 +496,23 @@ def test_min_tokens_holds_eos_at_the_grammars_end_only_below_its_count(engines, 
     assert (at.finish_reason, at.token_ids) == ("stop", [*yes, tokenizer.eos_token_id])
     assert (short.finish_reason, short.token_ids) == ("stop", yes)
 
+
+
+def test_a_plain_request_cannot_take_the_id_of_one_whose_grammar_compiles(engines, monkeypatch):
+    """The id is in use from arrival on, also while the grammar compiles outside the scheduler."""
+    import concurrent.futures
+
+    from kvserve.core.scheduler import RequestRejected
+
+    engine = engines[False].engine
+    core = engine.core
+    compiling: concurrent.futures.Future = concurrent.futures.Future()  # a compile that has not finished
+    monkeypatch.setattr(core.structured.compiler, "submit", lambda grammar: compiling)
+    make = engine.input_processor.make_engine_request
+    spec = StructuredOutputsParams(regex="a+")
+    core.add_request(make("dup", [1, 2, 3], SamplingParams(max_tokens=4, structured_outputs=spec), None, None, 0.0, 0))
+    with pytest.raises(RequestRejected, match="already in use"):
+        core.add_request(make("dup", [1, 2, 3], SamplingParams(max_tokens=4), None, None, 0.0, 0))
+    assert "dup" not in core.scheduler.requests
+    core.abort_requests(["dup"])
+    assert compiling.cancelled() and not core.unfinished_req_ids()
