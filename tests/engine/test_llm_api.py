@@ -404,3 +404,29 @@ def test_allowed_token_ids_past_the_models_vocabulary_are_refused(tiny_model_dir
         llm.generate(["Hi"], SamplingParams(max_tokens=2, allowed_token_ids=[5, 49100]), use_tqdm=False)
     out = llm.generate(["Hi"], SamplingParams(max_tokens=3, allowed_token_ids=[5, 48999]), use_tqdm=False)[0]
     assert set(out.outputs[0].token_ids) <= {5, 48999}
+
+
+def test_a_stop_string_ends_the_request_in_the_engine_core_too(tiny_model_dir) -> None:
+    """The output processor ends a request on a stop string; LLMEngine then aborts it in the engine core, which
+    would otherwise go on computing it to max_tokens."""
+    llm = LLM(tiny_model_dir("llama"), max_model_len=128)
+    engine = llm.engine
+    engine.core.check_invariants_every_step = True
+    base = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert len(base.text) >= 4
+    stop = base.text[:4]
+    engine.add_request("s", "Hello", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop]))
+    finished = []
+    for _ in range(40):
+        finished = [o.outputs[0] for o in engine.step() if o.finished]
+        if finished:
+            break
+    [out] = finished
+    assert out.finish_reason == "stop" and out.stop_reason == stop and len(out.token_ids) < 40
+    assert "s" not in engine.core.unfinished_req_ids()
+    for _ in range(3):  # the step in flight
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    assert not engine.has_unfinished_requests()
