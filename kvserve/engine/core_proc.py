@@ -180,7 +180,7 @@ class EngineCoreProc:
             elif self._changed:
                 # Nothing left to run (e.g. the last request was aborted): report the freed blocks now,
                 # there will be no step to carry the stats.
-                self._last_stats = self.core.scheduler.make_stats()
+                self._last_stats = self.core.make_stats()
                 self._send_outputs([], self._last_stats)
                 self._changed = False
             if self.core.check_invariants_every_step:

@@ -278,6 +278,13 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None or bool(self._awaiting_grammar)
 
+    def make_stats(self) -> SchedulerStats:
+        """The scheduler's stats, with the requests whose grammar compiles counted as waiting (as vLLM counts
+        them): they are queued, only not in the scheduler yet."""
+        stats = self.scheduler.make_stats()
+        stats.num_waiting_reqs += len(self._awaiting_grammar)
+        return stats
+
     def unfinished_req_ids(self) -> set[str]:
         """The requests the core has taken and not finished: in the scheduler or waiting for their grammar."""
         return set(self.scheduler.requests) | set(self._awaiting_grammar)
@@ -379,7 +386,7 @@ class EngineCore:
             self._note_late_variants()
         return EngineStepResult(
             outputs=outputs,
-            stats=self.scheduler.make_stats(),
+            stats=self.make_stats(),
             num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
             num_scheduled_reqs=len(scheduler_output.scheduled),
         )

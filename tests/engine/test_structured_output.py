@@ -170,9 +170,11 @@ def test_an_aborted_request_waiting_for_its_grammar_is_dropped(tiny_model_dir):
     assert core.has_unfinished_requests() and core.unfinished_req_ids() == {"r"}
     llm.engine.step()  # the grammar is still compiling: nothing scheduled
     assert "r" not in core.scheduler.requests
+    assert core.step().stats.num_waiting_reqs == 1  # queued as far as the metrics go (as vLLM counts it)
     llm.engine.abort_request("r")
     release.set()
     assert not core.has_unfinished_requests() and len(core.structured) == 0
+    assert core.make_stats().num_waiting_reqs == 0
     core.check_invariants()
 
 
