@@ -2,8 +2,9 @@
 
 Timing (all `time.perf_counter()`, from just before the request is handed to the connection pool):
 
-* TTFT: until the first SSE chunk that carries text (a role-only first chunk does not count).
-* ITL: gaps between consecutive text-carrying chunks (a server that packs several tokens in one chunk
+* TTFT: until the first SSE chunk that carries a token, of the answer or of a reasoning model's thinking (a
+  role-only first chunk does not count).
+* ITL: gaps between consecutive token-carrying chunks (a server that packs several tokens in one chunk
   shows fewer, longer gaps; TPOT below does not depend on chunking).
 * E2E: until the stream ends (`[DONE]`, or the end of the body after a finish_reason).
 * TPOT: (E2E - TTFT) / (output tokens - 1), per request.
@@ -47,6 +48,9 @@ ERROR_INVALID_RESPONSE = "invalid_response"
 ERROR_CANCELLED = "cancelled"
 # Error messages kept per record (the first bytes of an error body are enough to tell what went wrong).
 _MAX_ERROR_CHARS = 300
+# Where a chat delta carries a reasoning model's thinking: `reasoning` in current vLLM, `reasoning_content`
+# in older vLLM, DeepSeek's API and SGLang.
+_REASONING_FIELDS = ("reasoning", "reasoning_content")
 # Seconds an idle pooled connection is kept (see StreamClient._http).
 _KEEPALIVE_S = 4.0
 # How long a finished answer's remaining bytes (the end of the chunked body after `[DONE]`) may take to
@@ -328,19 +332,31 @@ def _carries_token(choice: dict[str, Any], api: str) -> bool:
     token has none yet (part of a character, a special token such as the EOS that ends an answer, text held
     back for a possible stop string). Servers that stream every token (vLLM, kvserve) send those, and
     vLLM's benchmark times them as tokens too. Not tokens here: a chat role chunk (a server may send it
-    before the prompt runs) and a chat chunk with an empty delta (a finish on its own)."""
+    before the prompt runs) and a chat chunk with an empty delta (a finish on its own). A reasoning model's
+    thinking comes in its own field (`_REASONING_FIELDS`) and is generated tokens like the answer."""
     if api == "chat":
         delta = choice.get("delta") or {}
-        return "role" not in delta and isinstance(delta.get("content"), str)
+        return "role" not in delta and any(isinstance(delta.get(name), str)
+                                           for name in ("content", *_REASONING_FIELDS))
     return isinstance(choice.get("text"), str)
 
 
 def _choice_text(choice: dict[str, Any], api: str) -> str:
+    """The generated text of a choice, a reasoning model's thinking included (it streams first, and it is
+    output the server had to generate: the tokenizer fallback counts it)."""
     if api == "chat":
         delta = choice.get("delta") or choice.get("message") or {}
-        # Reasoning models stream their thinking first; it is output the server had to generate.
-        return (delta.get("reasoning_content") or "") + (delta.get("content") or "")
+        return _reasoning_text(delta) + (delta.get("content") or "")
     return choice.get("text") or ""
+
+
+def _reasoning_text(delta: dict[str, Any]) -> str:
+    """The thinking in a chat delta or message. One field only: a server that sends both names (vLLM's
+    backward-compatible deltas) sends the same text twice."""
+    for name in _REASONING_FIELDS:
+        if text := delta.get(name):
+            return text if isinstance(text, str) else ""
+    return ""
 
 
 async def fetch_model_names(api_base: str, api_key: str | None, timeout_s: float = 10.0) -> list[str]:

@@ -52,6 +52,10 @@ class FakeBehavior:
     empty_text_last: bool = False
     # Chat: the finish comes in a chunk of its own after the last token, with an empty delta.
     finish_only_chunk: bool = False
+    # Chat: the first this many tokens are a reasoning model's thinking, streamed in each field of
+    # `reasoning_fields` of the delta (the same text in each, as vLLM's backward-compatible deltas do).
+    reasoning_tokens: int = 0
+    reasoning_fields: tuple[str, ...] = ("reasoning",)
     # Every event goes out in two writes split inside its JSON, with CRLF line ends.
     ragged: bool = False
     # The body stays open this long after `[DONE]` before it ends.
@@ -149,11 +153,14 @@ class FakeOpenAIServer:
         stream_error = bool(b.stream_error_every and k % b.stream_error_every == 0)
         garbage = bool(b.garbage_every and k % b.garbage_every == 0)
 
-        def chunk(piece: str | None, finish_reason: str | None = None, empty_delta: bool = False) -> str:
+        def chunk(piece: str | None, finish_reason: str | None = None, empty_delta: bool = False,
+                  thinking: bool = False) -> str:
             if chat:
                 delta = {"content": piece} if piece is not None else {"role": "assistant", "content": ""}
                 if empty_delta:
                     delta = {}
+                elif thinking:
+                    delta = dict.fromkeys(b.reasoning_fields, piece)
                 choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
             else:
                 choice = {"index": 0, "text": piece or "", "finish_reason": finish_reason}
@@ -183,7 +190,8 @@ class FakeOpenAIServer:
                     empty = i < b.empty_text_tokens or (last and b.empty_text_last)
                     piece = "" if empty else " " + WORDS[i % len(WORDS)]
                     separate_finish = chat and b.finish_only_chunk
-                    yield chunk(piece, finish if last and not separate_finish else None)
+                    yield chunk(piece, finish if last and not separate_finish else None,
+                                thinking=i < b.reasoning_tokens)
                     if last and separate_finish:
                         yield chunk(None, finish, empty_delta=True)
                 if usage_wanted:

@@ -99,6 +99,28 @@ def test_a_chat_finish_on_its_own_is_not_a_token(fake_server, bench, prompts_fil
     assert all(r.finish_reason == "length" for r in records)
 
 
+@pytest.mark.parametrize("fields", [("reasoning",), ("reasoning_content",), ("reasoning", "reasoning_content")])
+def test_a_reasoning_models_thinking_is_timed_and_counted(fake_server, bench, prompts_file, tiny_model_dir,
+                                                          fields):
+    # Two thinking tokens, then two of the answer, 0.3 s apart. Current vLLM streams the thinking as
+    # `delta.reasoning`, older vLLM and DeepSeek as `delta.reasoning_content`, vLLM's backward-compatible
+    # deltas both: the first thinking token is the first token, and every token is one gap. Without usage,
+    # the local tokenizer counts the thinking too, once.
+    from transformers import AutoTokenizer
+
+    tokenizer_dir = tiny_model_dir("llama")
+    server = fake_server(ttft_s=0.01, itl_s=0.3, reasoning_tokens=2, reasoning_fields=fields, include_usage=False)
+    result, _ = bench(server.base_url + "/v1/chat/completions", "--concurrency", "1", "--num-prompts", "1",
+                      "--max-tokens", "4", "--dataset", "file", "--dataset-path", prompts_file,
+                      "--tokenizer", tokenizer_dir)
+    (record,) = result.runs[0].records
+    assert record.success and record.token_source == "tokenizer"
+    assert record.ttft_s < 0.3 <= record.e2e_s - record.ttft_s
+    assert len(record.itl_s) == 3 and min(record.itl_s) >= 0.15  # 0.3 s apart, less a client-side stall
+    expected = len(AutoTokenizer.from_pretrained(tokenizer_dir).encode(answer_text(4), add_special_tokens=False))
+    assert record.output_tokens == expected
+
+
 @pytest.mark.parametrize("api", ["chat", "completions"])
 def test_events_split_across_reads_and_crlf_lines(fake_server, bench, prompts_file, api):
     server = fake_server(itl_s=0.003, ragged=True)
