@@ -193,9 +193,12 @@ async def _measure(config: BenchConfig, shape: LoadShape, dataset: Requests, cli
     sampler = None
     if config.server_metrics:
         sampler = ServerMetricsSampler(config.resolved_metrics_url, config.metrics_interval_s, config.api_key)
+        # Before the run's clock: the arrivals and --duration count from run_start, and a slow first scrape
+        # after it would send the arrivals it delayed all at once.
+        await sampler.baseline()
     run_start = time.perf_counter()
     if sampler is not None:
-        await sampler.start(run_start)
+        sampler.start(run_start)
     progress = _Progress(shape, config.progress, shape.label())
     monitor = ClientHealthMonitor()
     monitor.start(run_start)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import httpx
@@ -106,8 +106,9 @@ def summarize_samples(samples: list[MetricSample]) -> dict[str, float | None]:
 
 
 class ServerMetricsSampler:
-    """Scrapes `url` every `interval_s` from `start()` until `stop()` (plus one scrape at each end). The
-    first failed scrape turns it off: the run goes on without server metrics."""
+    """Scrapes `url` once before the run (`baseline()`), then every `interval_s` from `start()` until
+    `stop()`, and once more at the end. The first failed scrape turns it off: the run goes on without server
+    metrics."""
 
     def __init__(self, url: str, interval_s: float, api_key: str | None = None) -> None:
         self.url = url
@@ -118,6 +119,7 @@ class ServerMetricsSampler:
         # Its own connection: scraping must not take a slot of the request pool.
         self._http = httpx.AsyncClient(timeout=max(interval_s, 5.0), headers=headers)
         self._task: asyncio.Task[None] | None = None
+        # The origin of the samples' times: 0 (perf_counter's own) until `start()` rebases them.
         self._run_start = 0.0
 
     async def scrape(self) -> bool:
@@ -132,9 +134,18 @@ class ServerMetricsSampler:
             self.error = f"{type(exc).__name__}: {exc}"
             return False
 
-    async def start(self, run_start: float) -> None:
+    async def baseline(self) -> None:
+        """The first scrape: the counters the run's are measured from (the prefix hit rate). Awaited
+        before the run's clock starts, since a slow /metrics (up to the scrape timeout) would otherwise eat
+        into the run, whose arrivals and --duration count from its start."""
+        await self.scrape()
+
+    def start(self, run_start: float) -> None:
+        """After `baseline()`: scrape every interval from now on. Sample times count from `run_start`, the
+        baseline's too (at most 0: it came before the run)."""
         self._run_start = run_start
-        if await self.scrape():
+        self.samples = [replace(sample, t_s=sample.t_s - run_start) for sample in self.samples]
+        if self.error is None:
             self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def _loop(self) -> None:

@@ -60,6 +60,8 @@ class FakeBehavior:
     ragged: bool = False
     # The body stays open this long after `[DONE]` before it ends.
     hold_after_done_s: float = 0.0
+    # `/metrics` answers this long after it is asked (a server busy with the run's requests).
+    metrics_delay_s: float = 0.0
 
 
 @dataclass
@@ -116,6 +118,7 @@ class FakeOpenAIServer:
         return JSONResponse({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
 
     async def _metrics(self, request: Request) -> Response:
+        await asyncio.sleep(self.behavior.metrics_delay_s)
         s = self.state
         labels = f'{{model_name="{MODEL}"}}'
         lines = [

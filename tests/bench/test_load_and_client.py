@@ -367,6 +367,23 @@ def test_server_metrics_are_sampled(fake_server, bench, prompts_file):
     assert run.summary.cached_input_tokens == sum(r.cached_tokens for r in run.records)
 
 
+def test_a_slow_first_metrics_scrape_does_not_delay_the_arrivals(fake_server, bench, prompts_file):
+    # The baseline scrape takes 1 s. Counted inside the run, it held back the first second's Poisson
+    # arrivals, which then went out together about 1 s late, and it shortened the --duration window.
+    server = fake_server(ttft_s=0.002, itl_s=0.001, metrics_delay_s=1.0)
+    result, _ = bench(server.base_url + "/v1/completions", "--request-rate", "20", "--duration", "2",
+                      "--max-tokens", "2", "--dataset", "file", "--dataset-path", prompts_file)
+    run = result.runs[0]
+    # A Poisson process of rate 20/s has 40 +- 6 arrivals in 2 s.
+    assert len(run.records) >= 10 and all(r.success for r in run.records)
+    # Each arrival went out at its time (0.5 s: room for a stalled CI machine, half the scrape's delay).
+    assert max(r.queued_s for r in run.records) < 0.5
+    # The baseline is still the counters before the run: taken before its clock started, nothing sent yet.
+    baseline = run.server_samples[0]
+    assert baseline.t_s <= 0.0 and baseline.running == 0 and baseline.prefix_queries == 0
+    assert len(run.server_samples) >= 2 and run.summary.server["prefix_hit_rate"] == pytest.approx(0.5)
+
+
 def test_no_server_metrics_when_the_server_has_none(fake_server, bench, prompts_file):
     server = fake_server()
     result, _ = bench(server.base_url + "/v1/completions", "--concurrency", "1", "--num-prompts", "2",
