@@ -133,9 +133,14 @@ async def _check_server(config: BenchConfig, log: TextIO) -> str:
     return names[0]
 
 
-async def _warmup(config: BenchConfig, dataset: Dataset, client: StreamClient, log: TextIO) -> None:
+async def _warmup(config: BenchConfig, dataset: Dataset, client: StreamClient, log: TextIO,
+                  stop: asyncio.Event) -> bool:
+    """Send the warm-up requests; False when `stop` (Ctrl-C) ended it: the benchmark then ends too, since a
+    measured run would start already stopped."""
     shape = LoadShape(concurrency=config.warmup_concurrency(), num_prompts=config.warmup)
-    result = await run_load(shape, dataset, client, warmup=True, seed=config.dataset.seed)
+    result = await run_load(shape, dataset, client, warmup=True, seed=config.dataset.seed, stop=stop)
+    if stop.is_set():
+        return False  # its cancelled requests say nothing about the server
     failed = [r for r in result.records if not r.success]
     if len(failed) == len(result.records):
         first = failed[0]
@@ -143,12 +148,14 @@ async def _warmup(config: BenchConfig, dataset: Dataset, client: StreamClient, l
     if failed:
         print(f"warm-up: {len(failed)} of {len(result.records)} requests failed "
               f"(first: {failed[0].error_kind}: {failed[0].error})", file=log)
+    return True
 
 
 class _Interrupt:
     """The first SIGINT/SIGTERM ends the current run gracefully (in-flight requests cancelled and recorded,
-    the report still printed, no further sweep point); a second one acts as usual. Installed only when
-    the event loop runs in the main thread (signal handlers live there)."""
+    the report still printed, no further sweep point; during the warm-up, the benchmark with nothing
+    measured); a second one acts as usual. Installed only when the event loop runs in the main thread
+    (signal handlers live there)."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -224,11 +231,13 @@ async def _run_all(config: BenchConfig, log: TextIO) -> BenchResult:
     client = StreamClient(settings)
     interrupt = _Interrupt()
     interrupt.install()
+    runs: list[RunResult] = []
     try:
-        if config.warmup:
-            await _warmup(config, dataset, client, log)
-        runs = []
-        for k, shape in enumerate(config.shapes):
+        shapes = config.shapes
+        if config.warmup and not await _warmup(config, dataset, client, log, interrupt.event):
+            print("interrupted during the warm-up: nothing was measured (no report, JSON or plot)", file=log)
+            shapes = ()
+        for k, shape in enumerate(shapes):
             # Each run its own prompts: a sweep's later points must not hit the prefix cache that the
             # earlier ones filled (RunRequests).
             run = await _run_shape(config, shape, RunRequests(dataset, k), client, tokenizer, interrupt.event)
@@ -264,9 +273,12 @@ def run_benchmark(config: BenchConfig, log: TextIO | None = None) -> BenchResult
 
 def report(result: BenchResult, config: BenchConfig, out: TextIO | None = None, log: TextIO | None = None) -> None:
     """Print the result block (or the sweep table) to `out` (default stdout), then write the JSON and plot
-    and print the comparison; notes go to `log` (default stderr)."""
+    and print the comparison; notes go to `log` (default stderr). A result without runs (interrupted during
+    the warm-up) has nothing to report."""
     out = out or sys.stdout
     log = log or sys.stderr
+    if not result.runs:
+        return
     summaries = [run.summary for run in result.runs]
     if len(summaries) == 1:
         print(format_summary(summaries[0]), file=out)
@@ -296,7 +308,8 @@ def report(result: BenchResult, config: BenchConfig, out: TextIO | None = None, 
 
 
 def run_cli(config: BenchConfig, out: TextIO | None = None, log: TextIO | None = None) -> int:
-    """`kvserve bench`: run, report; exit status 0 when at least one request succeeded, else 1."""
+    """`kvserve bench`: run, report; exit status 0 when at least one measured request succeeded, else 1
+    (a Ctrl-C during the warm-up too: nothing was measured)."""
     if config.compare_path:
         read_json(config.compare_path)  # fail before the run, not after it
     result = run_benchmark(config, log)

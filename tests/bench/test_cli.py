@@ -143,3 +143,37 @@ def test_ctrl_c_ends_the_run_with_a_report(fake_server, prompts_file):
     # Nothing completed: status 1, and the report of what happened.
     assert proc.returncode == 1, err
     assert "cancelled:" in out and "interrupted" in out
+
+
+def test_ctrl_c_during_the_warmup_ends_the_benchmark(fake_server, prompts_file, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    # Three warm-up requests of 8 x 0.25 s, one at a time; Ctrl-C during the first. It used to be ignored
+    # until the warm-up ended, and a measured run then started already stopped.
+    server = fake_server(itl_s=0.25)
+    json_path = tmp_path / "result.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvserve", "bench", "--endpoint", server.base_url + "/v1/completions",
+         "--concurrency", "1", "--num-prompts", "4", "--warmup", "3", "--max-tokens", "8", "--dataset", "file",
+         "--dataset-path", prompts_file, "--json", str(json_path), "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while server.state.num_requests < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.state.num_requests == 1, "the bench never sent its first warm-up request"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    # The first warm-up request was cancelled and nothing more sent: no further warm-up, no measured run.
+    assert server.state.num_requests == 1
+    # Nothing measured: status 1 (as a Ctrl-C that leaves no completed request), a message, and no report.
+    assert proc.returncode == 1, err
+    assert "interrupted during the warm-up" in err and "Traceback" not in err
+    assert "Serving Benchmark Result" not in out and not json_path.exists()
