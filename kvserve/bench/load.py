@@ -5,12 +5,14 @@ order. Both loops stop issuing at `num_prompts` requests, at `duration_s`, at `M
 the first `ABORT_AFTER_ALL_FAILED` requests all failed, or when `stop` is set. Requests in flight then
 finish, each bounded by the client's request timeout; with a duration, those still running
 `drain_timeout_s` after it (and all of them once `stop` is set) are cancelled and recorded as `cancelled`.
-So a run always ends, and no request it sent is missing from its records.
+So a run always ends, and no request it sent, nor any open-loop arrival it did not send yet, is missing
+from its records.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import time
 from collections.abc import Callable, Coroutine, Iterator
@@ -19,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from kvserve.bench.client import RequestRecord, StreamClient
+from kvserve.bench.client import ERROR_CANCELLED, RequestRecord, StreamClient
 from kvserve.bench.config import ABORT_AFTER_ALL_FAILED, LoadShape
 from kvserve.bench.datasets import BenchRequest, Requests
 
@@ -168,23 +170,24 @@ async def _worker(run: _Run, dataset: Requests, client: StreamClient, warmup: bo
             return
 
 
+def _unsent(run: _Run, record: RequestRecord, message: str) -> None:
+    """Record an arrival cancelled before it was sent: it arrived, so it counts (as cancelled)."""
+    record.fail(ERROR_CANCELLED, message)
+    record.start_s = time.perf_counter() - run.run_start
+    record.e2e_s = 0.0
+    run.finished(record)
+
+
 async def _arrivals(run: _Run, shape: LoadShape, gaps: Iterator[float], dataset: Requests, client: StreamClient,
                     warmup: bool) -> None:
     slots = asyncio.Semaphore(shape.max_concurrency) if shape.max_concurrency is not None else None
 
-    async def one(index: int, scheduled_at: float) -> None:
-        request = dataset.get(index, warmup)
-        record = RequestRecord(index, request.max_tokens, request.input_tokens,
-                               scheduled_s=scheduled_at - run.run_start)
+    async def one(request: BenchRequest, record: RequestRecord, scheduled_at: float) -> None:
         try:
             if slots is not None:
                 await slots.acquire()
         except asyncio.CancelledError:
-            # Cancelled while waiting for a slot: never sent, but it arrived, so it is recorded.
-            record.fail("cancelled", "cancelled before it got a concurrency slot")
-            record.start_s = time.perf_counter() - run.run_start
-            record.e2e_s = 0.0
-            run.finished(record)
+            _unsent(run, record, "cancelled before it got a concurrency slot")
             return
         try:
             record.queued_s = max(0.0, time.perf_counter() - scheduled_at)
@@ -192,6 +195,18 @@ async def _arrivals(run: _Run, shape: LoadShape, gaps: Iterator[float], dataset:
         finally:
             if slots is not None:
                 slots.release()
+
+    def unstarted(record: RequestRecord, task: asyncio.Task[None]) -> None:
+        # A task cancelled before it first ran (a stop right after a burst of arrivals) never reached the
+        # handlers in `one`; every other ending has recorded the arrival already.
+        if task.cancelled() and record.e2e_s is None:
+            _unsent(run, record, "cancelled before it was sent")
+
+    def arrive(index: int, scheduled_at: float) -> None:
+        request = dataset.get(index, warmup)
+        record = RequestRecord(index, request.max_tokens, request.input_tokens,
+                               scheduled_s=scheduled_at - run.run_start)
+        run.spawn(one(request, record, scheduled_at)).add_done_callback(functools.partial(unstarted, record))
 
     scheduled = run.run_start
     try:
@@ -205,6 +220,6 @@ async def _arrivals(run: _Run, shape: LoadShape, gaps: Iterator[float], dataset:
             index = run.take()
             if index is None:
                 return
-            run.spawn(one(index, scheduled))
+            arrive(index, scheduled)
     except asyncio.CancelledError:
         return  # stopped while waiting for the next arrival

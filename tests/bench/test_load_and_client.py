@@ -470,6 +470,33 @@ def test_stop_cancels_and_records_everything_in_flight(fake_server, prompts_file
     assert server.state.num_requests == 2
 
 
+def test_arrivals_cancelled_before_their_task_runs_are_recorded(fake_server, prompts_file):
+    from kvserve.bench.client import ClientSettings, StreamClient
+    from kvserve.bench.config import LoadShape
+    from kvserve.bench.datasets import DatasetConfig, FileDataset
+    from kvserve.bench.load import run_load
+
+    # A stop that comes as a burst of arrivals is spawned (here: set before the run, so every arrival's task
+    # is cancelled before it first runs). Each arrival counted is recorded, cancelled and never sent; they
+    # used to be dropped.
+    server = fake_server()
+    dataset = FileDataset(DatasetConfig(name="file", path=prompts_file, output_len=4))
+
+    async def scenario():
+        client = StreamClient(ClientSettings(server.base_url + "/v1/completions", "completions", MODEL))
+        stop = asyncio.Event()
+        stop.set()
+        try:
+            return await run_load(LoadShape(request_rate=float("inf"), num_prompts=5), dataset, client, stop=stop)
+        finally:
+            await client.aclose()
+
+    result = asyncio.run(scenario())
+    assert sorted(r.index for r in result.records) == [0, 1, 2, 3, 4]
+    assert all(r.error_kind == "cancelled" and r.scheduled_s == 0.0 for r in result.records)
+    assert result.stopped.startswith("interrupted") and server.state.num_requests == 0
+
+
 def test_each_run_measures_with_the_client_heap_frozen(fake_server, bench, prompts_file, monkeypatch):
     # A full collection walking the client's start-up objects (tokenizer, torch) stopped its event loop for
     # 190-265 ms on the H200 host, which the run reported as the server's inter-token gaps.
