@@ -418,6 +418,7 @@ async def _serve_app(ns: argparse.Namespace, config: EngineConfig, engine: Async
         sampling_defaults=dict(config.model_config.sampling_defaults),
         max_logprobs=ns.max_logprobs,
         tool_call_parser=ns.tool_call_parser if ns.enable_auto_tool_choice else None,
+        reasoning_parser=ns.reasoning_parser,
         scheduling_policy=config.scheduler_config.scheduling_policy,
         return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
     )

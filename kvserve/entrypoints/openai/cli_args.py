@@ -9,6 +9,7 @@ import argparse
 import json
 
 from kvserve.entrypoints.cli import add_engine_args, add_generation_config_args, engine_args_from
+from kvserve.entrypoints.openai.reasoning_parsers import REASONING_PARSERS  # (a light module)
 from kvserve.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS  # (a light module)
 from kvserve.protocol.sampling_params import MAX_LOGPROBS  # (a light module)
 
@@ -39,6 +40,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                    help="how tool calls are written in the model's text: hermes = <tool_call>{JSON}</tool_call> "
                         "(Qwen2, Qwen2.5, Qwen3, Hermes 2 Pro)")
+    g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="return a thinking model's reasoning (the text before </think>) as the chat message's "
+                        "`reasoning` and only the answer as its `content`: deepseek_r1 (DeepSeek-R1, QwQ) or qwen3 "
+                        "(Qwen3; chat_template_kwargs enable_thinking false: all content). Requests with "
+                        "structured output are not read for reasoning (the grammar shapes the whole reply)")
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help='logprobs show tokens as "token_id:<id>" unless a request sets return_tokens_as_token_ids')
     g.add_argument("--disable-log-requests", action="store_true",

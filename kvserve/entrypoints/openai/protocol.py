@@ -171,6 +171,9 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: StrictBool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # with --reasoning-parser: false leaves the reasoning out of the reply (and, as in vLLM, the logprobs and
+    # token ids that would tell it)
+    include_reasoning: StrictBool = True
 
 
 # ---------------------------------------------------------------------------------------- completions
@@ -262,6 +265,7 @@ class ChatChoiceLogprobs(OpenAIBaseModel):
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning: str | None = None  # with --reasoning-parser (vLLM's field)
 
 
 class ChatCompletionChoice(OpenAIBaseModel):

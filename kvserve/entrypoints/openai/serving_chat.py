@@ -19,6 +19,7 @@ from kvserve.entrypoints.openai.protocol import (
     OtherContentPart,
     RefusalContentPart,
 )
+from kvserve.entrypoints.openai.reasoning_parsers import ReasoningStream, parse_reasoning, reasoning_applies
 from kvserve.entrypoints.openai.serving_common import (
     SSE_DONE,
     ServingContext,
@@ -68,8 +69,17 @@ class PreparedChat:
                  params: SamplingParams, num_top_logprobs: int | None, cache_salt: str | None = None,
                  return_token_ids: bool = False, parse_tools: bool = False, parallel_tool_calls: bool = True,
                  tokens_as_ids: bool = False, priority: int = 0, forced_tool: str | None = None,
-                 required_tools: bool = False, structure_param: str = "structured_outputs") -> None:
+                 required_tools: bool = False, structure_param: str = "structured_outputs",
+                 reasoning_field: bool = False, parse_reasoning: bool = False, include_reasoning: bool = True,
+                 ) -> None:
         self.request_id = request_id
+        # --reasoning-parser: each message has `reasoning` (null when there is none), as vLLM's
+        self.reasoning_field = reasoning_field
+        # the text is read for reasoning (not under a grammar, which shapes the whole text; not with qwen3's
+        # thinking turned off); its content part goes on to the tool-call parser
+        self.parse_reasoning = parse_reasoning
+        # false: the reasoning is left out, and with it the logprobs and token ids that would tell it (vLLM's)
+        self.hide_reasoning = parse_reasoning and not include_reasoning
         # the field that set the output's structure (an engine-side grammar failure's param)
         self.structure_param = structure_param
         # tool_choice naming a function: the output (its arguments, by a grammar) is that function's call
@@ -154,12 +164,19 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> PreparedCha
         params = with_default_length(params, default_max, room, {"max_tokens": max_tokens_param})
     request_id = new_request_id(engine, "chatcmpl", req.request_id)
     log_request(ctx, request_id, len(processed.prompt_token_ids), params, processed.prompt)
+    # A grammar (response_format, structured_outputs, guided_*, a forced tool_choice) constrains the whole
+    # text from its first token, so there is no reasoning to read: such replies are returned as without the
+    # parser (vLLM instead starts the grammar after </think>).
+    parse_reasoning = ctx.reasoning_parser is not None and params.structured_outputs is None and \
+        reasoning_applies(ctx.reasoning_parser, req.chat_template_kwargs)
     return PreparedChat(request_id, model, processed.prompt, processed.prompt_token_ids, params, num_top,
                         req.cache_salt, bool(req.return_token_ids), parse_tools, req.parallel_tool_calls is not False,
                         ctx.tokens_as_ids(req.return_tokens_as_token_ids), req.priority,
                         forced_tool=choice["function"]["name"] if isinstance(choice, dict) else None,
                         required_tools=choice == "required",
-                        structure_param="tools" if forced is not None else structured_outputs_from(req)[1])
+                        structure_param="tools" if forced is not None else structured_outputs_from(req)[1],
+                        reasoning_field=ctx.reasoning_parser is not None, parse_reasoning=parse_reasoning,
+                        include_reasoning=req.include_reasoning)
 
 
 def check_tool_definitions(tools: list[dict[str, Any]] | None) -> None:
@@ -279,15 +296,20 @@ async def chat_full(ctx: ServingContext, chat: PreparedChat) -> dict[str, Any]:
     choices = []
     for completion in final.outputs:
         logprobs = None
-        if chat.num_top_logprobs is not None and completion.logprobs is not None:
+        if chat.num_top_logprobs is not None and completion.logprobs is not None and not chat.hide_reasoning:
             logprobs = chat_logprobs(tokenizer, completion.token_ids, completion.logprobs, chat.num_top_logprobs,
                                      chat.tokens_as_ids)
-        message: dict[str, Any] = {"role": "assistant", "content": completion.text}
+        text: str | None = completion.text
+        reasoning = None
+        if chat.parse_reasoning:
+            split = parse_reasoning(completion.text)
+            reasoning, text = split.reasoning, split.content
+        message: dict[str, Any] = {"role": "assistant", "content": text}
         finish_reason = completion.finish_reason
-        if chat.parse_tools:
-            parsed = parse_tool_calls(completion.text)
-            message = {"role": "assistant", "content": parsed.content,
-                       "tool_calls": parsed.tool_calls[: chat.max_tool_calls]}
+        if chat.parse_tools:  # from the content: tool calls written while thinking are not calls
+            parsed = parse_tool_calls(text or "")
+            content = parsed.content if parsed.content or not chat.parse_reasoning else None
+            message = {"role": "assistant", "content": content, "tool_calls": parsed.tool_calls[: chat.max_tool_calls]}
             if parsed.tool_calls:
                 finish_reason = "tool_calls"
         elif chat.forced_tool is not None:  # the text is the arguments
@@ -300,13 +322,15 @@ async def chat_full(ctx: ServingContext, chat: PreparedChat) -> dict[str, Any]:
                 message = {"role": "assistant", "content": None, "tool_calls": [
                     {"id": tool_call_id(), "type": "function", "function": f} for f in calls]}
                 finish_reason = "tool_calls"
+        if chat.reasoning_field:
+            message["reasoning"] = None if chat.hide_reasoning else reasoning
         choices.append({
             "index": completion.index,
             "message": message,
             "logprobs": logprobs,
             "finish_reason": finish_reason,
             "stop_reason": stop_reason(completion, chat.params),
-            **({"token_ids": list(completion.token_ids)} if chat.return_token_ids else {}),
+            **({"token_ids": list(completion.token_ids)} if chat.return_token_ids and not chat.hide_reasoning else {}),
         })
     num_completion_tokens = sum(len(c.token_ids) for c in final.outputs)
     body = {
@@ -344,6 +368,7 @@ async def chat_stream(ctx: ServingContext, chat: PreparedChat, include_usage: bo
 
     finished_sent: set[int] = set()
     tool_streams: dict[int, ToolCallStream] | None = {} if chat.parse_tools else None
+    reasoning_streams: dict[int, ReasoningStream] | None = {} if chat.parse_reasoning else None
     forced_started: set[int] = set()
     role_sent = False
     try:
@@ -363,7 +388,8 @@ async def chat_stream(ctx: ServingContext, chat: PreparedChat, include_usage: bo
                         yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
                                       "logprobs": None, "finish_reason": None}], extra=extra)
                 counts["cached"] = update.num_cached_tokens
-                for choice in _choice_deltas(ctx, chat, update, finished_sent, counts, tool_streams, forced_started):
+                for choice in _choice_deltas(ctx, chat, update, finished_sent, counts, tool_streams, forced_started,
+                                             reasoning_streams):
                     yield chunk([choice], usage() if continuous_usage else None)
     except Exception as e:
         yield sse(engine_error(e, chat.structure_param).to_body())
@@ -376,10 +402,13 @@ async def chat_stream(ctx: ServingContext, chat: PreparedChat, include_usage: bo
 
 def _choice_deltas(ctx: ServingContext, chat: PreparedChat, update: RequestOutput, finished_sent: set[int],
                    counts: dict[str, int], tool_streams: dict[int, ToolCallStream] | None = None,
-                   forced_started: set[int] | None = None) -> list[dict[str, Any]]:
+                   forced_started: set[int] | None = None,
+                   reasoning_streams: dict[int, ReasoningStream] | None = None) -> list[dict[str, Any]]:
     """The chunk choices of one update: text deltas, logprobs, and each choice's finish (sent once). With
-    `tool_streams` (tool_choice "auto"), the text goes through each choice's `ToolCallStream`; under a forced
-    tool_choice it is a tool call (`forced_started`: the choices whose call has been opened)."""
+    `reasoning_streams` (--reasoning-parser), each choice's text goes through its `ReasoningStream` first,
+    and only its content part goes on. With `tool_streams` (tool_choice "auto"), the text goes through each
+    choice's `ToolCallStream`; under a forced tool_choice it is a tool call (`forced_started`: the choices
+    whose call has been opened)."""
     choices = []
     forced_started = forced_started if forced_started is not None else set()
     for completion in update.outputs:
@@ -391,11 +420,18 @@ def _choice_deltas(ctx: ServingContext, chat: PreparedChat, update: RequestOutpu
         if not (completion.text_delta or completion.token_ids_delta or completion.finished):
             continue
         logprobs = None
-        if want_logprobs:
+        if want_logprobs and not chat.hide_reasoning:
             logprobs = chat_logprobs(ctx.engine.tokenizer, completion.token_ids_delta, delta_logprobs(completion),
                                      chat.num_top_logprobs or 0, chat.tokens_as_ids)
-        delta: dict[str, Any] = {"content": completion.text_delta} if completion.text_delta or completion.token_ids_delta \
-            else {}
+        text_delta, reasoning_delta = completion.text_delta, ""
+        delta: dict[str, Any]
+        if reasoning_streams is not None:  # what it holds back (part of a tag) is not sent as an empty content
+            released = reasoning_streams.setdefault(completion.index, ReasoningStream()).feed(
+                text_delta, final=completion.finished)
+            reasoning_delta, text_delta = released.reasoning, released.content
+            delta = {"content": text_delta} if text_delta else {}
+        else:
+            delta = {"content": text_delta} if text_delta or completion.token_ids_delta else {}
         finish_reason = completion.finish_reason
         if chat.forced_tool is not None:
             # The arguments stream as they come; the call's id and name with the first chunk.
@@ -420,22 +456,26 @@ def _choice_deltas(ctx: ServingContext, chat: PreparedChat, update: RequestOutpu
         elif tool_streams is not None:
             tools = tool_streams.setdefault(completion.index, ToolCallStream())
             first = tools.num_tool_calls
-            released = tools.feed(completion.text_delta, final=completion.finished)
-            delta = {"content": released.content} if released.content else {}
+            found = tools.feed(text_delta, final=completion.finished)
+            delta = {"content": found.content} if found.content else {}
             calls = [{"index": first + k, "id": tool_call_id(), "type": "function", "function": f}
-                     for k, f in enumerate(released.tool_calls)
+                     for k, f in enumerate(found.tool_calls)
                      if chat.max_tool_calls is None or first + k < chat.max_tool_calls]
             if calls:
                 delta["tool_calls"] = calls
             if tools.num_tool_calls:
                 finish_reason = "tool_calls"
+        if reasoning_delta and not chat.hide_reasoning:
+            delta = {"reasoning": reasoning_delta, **delta}
+        if chat.hide_reasoning and not delta and not completion.finished:
+            continue  # nothing to send: a chunk per hidden reasoning token would tell its timing
         choice: dict[str, Any] = {
             "index": completion.index,
             "delta": delta,
             "logprobs": logprobs,
             "finish_reason": finish_reason if completion.finished else None,
         }
-        if chat.return_token_ids:
+        if chat.return_token_ids and not chat.hide_reasoning:
             choice["token_ids"] = list(completion.token_ids_delta)
         if completion.finished:
             choice["stop_reason"] = stop_reason(completion, chat.params)

@@ -55,6 +55,7 @@ class ServingContext:
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     max_logprobs: int = MAX_LOGPROBS  # --max-logprobs
     tool_call_parser: str | None = None  # --tool-call-parser with --enable-auto-tool-choice: tool_choice "auto" served
+    reasoning_parser: str | None = None  # --reasoning-parser: chat replies' reasoning as the message's `reasoning`
     scheduling_policy: str = "fcfs"  # --scheduling-policy: "priority" serves requests' priority
     return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: the default of the request field
     # Tokenization (and a chat template's rendering) runs here, off the event loop: a 1,024-token prompt took
