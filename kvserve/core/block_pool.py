@@ -79,6 +79,24 @@ class FreeBlockQueue:
             yield block
             block = block.next_free
 
+    def check_links(self) -> list[KVCacheBlock]:
+        """The free blocks, head first, after checking both directions of every link: `remove` (a prefix hit
+        taking a block back) relinks through `prev_free`, so a stale back link would silently cut blocks out
+        of the list or splice them back in. Stops at a repeated block (a cycle)."""
+        assert self._head.prev_free is None and self._tail.next_free is None, "a sentinel links outside the list"
+        out: list[KVCacheBlock] = []
+        seen: set[int] = set()
+        prev, block = self._head, self._head.next_free
+        while block is not self._tail:
+            assert block is not None, "the free list breaks off before its tail"
+            assert id(block) not in seen, f"{block} twice in the free list"
+            assert block.prev_free is prev, f"{block}'s back link skips the block before it ({prev})"
+            seen.add(id(block))
+            out.append(block)
+            prev, block = block, block.next_free
+        assert self._tail.prev_free is prev, "the tail's back link is not the last free block"
+        return out
+
 
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
@@ -162,9 +180,11 @@ class BlockPool:
 
     def check_invariants(self) -> None:
         free_ids = set()
-        for block in self.free_queue:
+        for block in self.free_queue.check_links():
             assert block.ref_cnt == 0, f"{block} in free list with references"
             assert block.block_id not in free_ids, f"{block} twice in the free list"
+            assert 0 <= block.block_id < self.num_blocks and self.blocks[block.block_id] is block, \
+                f"{block} in the free list is not this pool's"
             free_ids.add(block.block_id)
         assert len(free_ids) == self.num_free_blocks, "free count does not match the free list"
         num_used = 0
@@ -173,6 +193,8 @@ class BlockPool:
             if block.ref_cnt > 0:
                 num_used += 1
                 assert block.block_id not in free_ids, f"{block} in use and free"
+                # `remove` takes a block with links for a free one: an in-use block must have none.
+                assert block.prev_free is None and block.next_free is None, f"{block} in use but linked into the free list"
             else:
                 assert block.block_id in free_ids, f"{block} unreferenced but not free (leaked)"
         assert num_used + self.num_free_blocks == self.num_blocks, "free + used != total"

@@ -241,9 +241,27 @@ def _corrupt_in_use_and_free(pool: BlockPool) -> None:
     pool.free_queue.append(pool.blocks[1])  # block 1 is in use
 
 
+def _corrupt_back_link(pool: BlockPool) -> None:
+    # The forward walk still sees a sound list; a `remove` of block 3 would relink block 0 (in use) instead.
+    pool.blocks[3].prev_free = pool.blocks[0]
+
+
+def _corrupt_tail_back_link(pool: BlockPool) -> None:
+    # An `append` would link the new block after block 2, cutting block 3 out of the list.
+    pool.free_queue._tail.prev_free = pool.blocks[2]
+
+
+def _corrupt_in_use_block_linked(pool: BlockPool) -> None:
+    # `remove` would take block 1 (in use) for a free one and splice it out of a list it is not in.
+    pool.blocks[1].prev_free = pool.blocks[2]
+
+
 @pytest.mark.parametrize(
     "corrupt",
     [
+        _corrupt_back_link,
+        _corrupt_tail_back_link,
+        _corrupt_in_use_block_linked,
         _corrupt_free_block_with_refs,
         _corrupt_leak,
         _corrupt_negative_ref,
@@ -258,6 +276,7 @@ def test_check_invariants_catches_corruption(corrupt):
     blocks = pool.get_new_blocks(2)
     pool.cache_block(blocks[0], h("a"))
     pool.check_invariants()
+    assert free_ids(pool) == [2, 3]
     corrupt(pool)
     with pytest.raises(AssertionError):
         pool.check_invariants()
