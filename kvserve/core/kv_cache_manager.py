@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvserve.core.block_pool import BlockPool, KVCacheBlock
@@ -270,7 +270,10 @@ class KVCacheManager:
     def num_blocks_of(self, req_id: str) -> int:
         return len(self.req_to_blocks.get(req_id, ()))
 
-    def check_invariants(self) -> None:
+    def check_invariants(self, requests: Mapping[str, Request] | None = None) -> None:
+        """The pool's checks and the block tables' ref counts; given the live requests (the scheduler's), also
+        each held block against its request's tokens. O(blocks): run by tests (`check_invariants_every_step`), not
+        by production steps."""
         self.pool.check_invariants()
         for req_id, (request, _) in self._deferred.items():
             assert request.req_id == req_id and req_id in self.req_to_blocks, f"deferred caching of {req_id}, which holds no blocks"
@@ -284,3 +287,31 @@ class KVCacheManager:
                 f"{block} ref count differs from the number of requests holding it "
                 f"({refs.get(block.block_id, 0)})"
             )
+        for req_id, num_offered in self._num_cached_blocks.items():
+            # Left behind by a freed request, it would skip offering the blocks of a later request of that id.
+            blocks = self.req_to_blocks.get(req_id)
+            assert blocks is not None, f"{req_id} holds no blocks but counts {num_offered} offered to the cache"
+            assert num_offered <= len(blocks), f"{req_id} counts {num_offered} blocks offered, holds {len(blocks)}"
+        if requests is not None:
+            self._check_blocks_match_requests(requests)
+
+    def _check_blocks_match_requests(self, requests: Mapping[str, Request]) -> None:
+        """A later request's prefix hit reads a hashed block's K/V as those of its hash's tokens: block i of a
+        request carries no hash or the request's i-th block hash (a re-keyed block serves another prefix), and
+        only once the request has computed (or scheduled) all its tokens (else the hit reads K/V never written).
+        Per-request bookkeeping is kept for live requests only."""
+        assert set(self._group_keys) <= set(requests), "a sample-group key of a request that is not live"
+        for req_id, (request, _) in self._deferred.items():
+            assert requests.get(req_id) is request, f"deferred caching of {request}, which is not the live one"
+        bs = self.block_size
+        for req_id, blocks in self.req_to_blocks.items():
+            request = requests.get(req_id)
+            assert request is not None, f"{req_id} holds blocks but is not live"
+            hashes = request.block_hashes
+            for i, block in enumerate(blocks):
+                if block.block_hash is None:
+                    continue
+                assert i < len(hashes) and block.block_hash == hashes[i], \
+                    f"block {i} of {request} ({block}) carries the hash of other tokens"
+                assert (i + 1) * bs <= request.num_computed_tokens, \
+                    f"block {i} of {request} ({block}) is in the prefix cache but not full of computed tokens"

@@ -362,7 +362,7 @@ class Scheduler:
         )
 
     def check_invariants(self) -> None:
-        self.kv.check_invariants()
+        self.kv.check_invariants(self.requests)
         running_ids = {r.req_id for r in self.running}
         waiting_ids = {r.req_id for r in self.waiting}
         assert len(running_ids) == len(self.running), "a request is running twice"

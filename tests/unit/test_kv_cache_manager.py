@@ -243,6 +243,84 @@ def test_check_invariants_catches_a_request_holding_a_block_twice():
         kv.check_invariants()
 
 
+def _flushed(prompt_len: int, num_new: int | None = None) -> tuple[KVCacheManager, Request]:
+    """A manager whose one request "a" has its full computed blocks in the prefix cache; the checks given the
+    live requests pass."""
+    kv = KVCacheManager(num_blocks=6, block_size=BS)
+    a = make_request("a", list(range(1, prompt_len + 1)))
+    admit(kv, a, num_new)
+    kv.flush()
+    kv.check_invariants({"a": a})
+    return kv, a
+
+
+def test_check_invariants_catches_a_block_keyed_by_another_blocks_hash():
+    """Block 0 re-keyed with block 1's hash: a later prompt hitting block 1's prefix would read block 0's K/V."""
+    kv, a = _flushed(10)
+    b0, b1 = kv.req_to_blocks["a"][:2]
+    del kv.pool.cached[b0.block_hash], kv.pool.cached[b1.block_hash]
+    b1.block_hash = None
+    b0.block_hash = a.block_hashes[1]
+    kv.pool.cached[b0.block_hash] = b0
+    kv.check_invariants()  # the map and the blocks agree: only the request's tokens tell
+    with pytest.raises(AssertionError, match="hash of other tokens"):
+        kv.check_invariants({"a": a})
+
+
+def test_check_invariants_catches_a_cached_block_not_yet_computed():
+    """10 tokens, 6 of them scheduled: block 1 holds tokens 4..7, of which 6 and 7 are not computed. Carrying
+    its own (correct) hash, it would serve a prefix hit K/V never written."""
+    kv, a = _flushed(10, num_new=6)
+    kv._update_block_hashes(a)  # hash every full block of the tokens, as a later chunk would
+    block = kv.req_to_blocks["a"][1]
+    assert block.block_hash is None and len(a.block_hashes) == 2
+    block.block_hash = a.block_hashes[1]
+    kv.pool.cached[block.block_hash] = block
+    kv.check_invariants()
+    with pytest.raises(AssertionError, match="not full of computed tokens"):
+        kv.check_invariants({"a": a})
+
+
+def test_check_invariants_catches_offered_block_counts_past_the_blocks_held():
+    kv, a = _flushed(10)
+    kv._num_cached_blocks["a"] = 4  # holds 3
+    with pytest.raises(AssertionError, match="offered"):
+        kv.check_invariants()
+    kv._num_cached_blocks["a"] = 2
+    kv.free(a)
+    kv.check_invariants({})
+    kv._num_cached_blocks["a"] = 2  # left by the freed request: a new "a" would skip offering its first 2 blocks
+    with pytest.raises(AssertionError, match="holds no blocks"):
+        kv.check_invariants({})
+
+
+def test_check_invariants_catches_a_group_key_left_by_a_finished_request():
+    kv = KVCacheManager(num_blocks=6, block_size=BS, enable_caching=False)
+    a = make_request("a", list(range(1, 11)))
+    kv.set_group(a, "g")
+    admit(kv, a)
+    kv.check_invariants({"a": a})
+    kv.free(a)  # without `forget`: a later "a" would share the old group's blocks
+    with pytest.raises(AssertionError, match="sample-group key"):
+        kv.check_invariants({})
+    kv.forget(a)
+    kv.check_invariants({})
+
+
+def test_check_invariants_catches_deferred_caching_of_a_stale_request():
+    """A deferred entry must be the live request: an earlier one of the same id would offer its own hashes for
+    the live one's blocks."""
+    kv = KVCacheManager(num_blocks=6, block_size=BS)
+    a = make_request("a", list(range(1, 11)))
+    admit(kv, a)
+    assert "a" in kv._deferred
+    kv.check_invariants({"a": a})
+    kv._deferred["a"] = (make_request("a", list(range(20, 30))), 8)
+    kv.check_invariants()
+    with pytest.raises(AssertionError, match="not the live one"):
+        kv.check_invariants({"a": a})
+
+
 @pytest.mark.parametrize("extra", [(), ("salt:s",), ("salt:s", "group:g")])
 @pytest.mark.parametrize("parent", [None, b"p" * 16])
 def test_hash_blocks_equals_chained_hash_block(parent: bytes | None, extra: tuple[str, ...]) -> None:
