@@ -361,6 +361,12 @@ class Scheduler:
             num_free_blocks=self.kv.pool.num_free_blocks,
         )
 
+    def runner_req_ids(self) -> set[str]:
+        """The requests the model runner holds state for once the last `schedule()`'s output is applied: the
+        live ones it was told about, and those finished since (a request may finish while its step is in
+        flight), which the next output's `finished_req_ids` releases."""
+        return self._known_to_runner | set(self._finished_since_last_step)
+
     def check_invariants(self) -> None:
         self.kv.check_invariants(self.requests)
         running_ids = {r.req_id for r in self.running}
@@ -388,6 +394,19 @@ class Scheduler:
             assert self.kv.num_blocks_of(request.req_id) == 0, f"{request} waiting but holds blocks"
         assert set(self.kv.req_to_blocks) <= running_ids, "blocks held by a request that is not running"
         assert set(self._order) == set(self.requests), "the arrival order has requests that are not live"
+        # The runner was told about exactly the requests admitted since they arrived: the running ones and the
+        # preempted ones (a fresh request waits as WAITING, a preempted one keeps PREEMPTED until readmitted). A
+        # leftover id would keep a finished request from ever being released in the runner.
+        preempted_ids = {r.req_id for r in self.waiting if r.status == RequestStatus.PREEMPTED}
+        assert self._known_to_runner == running_ids | preempted_ids, (
+            f"requests known to the runner {sorted(self._known_to_runner)} differ from the running and preempted "
+            f"ones {sorted(running_ids | preempted_ids)}"
+        )
+        # Finished since the last schedule(): each once, and none told to the runner again before it is released
+        # (a reused id is announced by the schedule() that releases the old one).
+        finished = self._finished_since_last_step
+        assert len(set(finished)) == len(finished), f"a request finished twice since the last step: {finished}"
+        assert not self._known_to_runner & set(finished), "a finished request still known to the runner"
         if self._by_priority:
             for name, queue in (("waiting", self.waiting), ("running", self.running)):
                 keys = [self._order[r.req_id] for r in queue]

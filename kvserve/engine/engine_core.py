@@ -396,6 +396,15 @@ class EngineCore:
         self.runner.check_invariants()
         assert not set(self._awaiting_grammar) & set(self.scheduler.requests), "a request both queued and compiling"
         self.structured.check_invariants(self.scheduler.requests)
+        # Exact, with or without async scheduling, between steps: each schedule()'s output is applied by the runner
+        # at its launch, within the same step. A request finished since (while its step was in flight, or aborted)
+        # stays in the runner until the next output's finished_req_ids releases it (with no further step, as on
+        # an idle engine, until the next request's), and the scheduler counts it among those meanwhile.
+        held, told = set(self.runner.requests), self.scheduler.runner_req_ids()
+        assert held == told, (
+            f"the runner holds requests {sorted(held - told)} the scheduler does not count on it holding, "
+            f"and lacks {sorted(told - held)}"
+        )
 
     def _note_late_variants(self) -> None:
         assert self._variants_seen is not None

@@ -406,6 +406,34 @@ def test_allowed_token_ids_past_the_models_vocabulary_are_refused(tiny_model_dir
     assert set(out.outputs[0].token_ids) <= {5, 48999}
 
 
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "async"])
+def test_the_engine_core_checks_the_runners_requests_against_the_schedulers(tiny_model_dir, pipelined: bool) -> None:
+    """The runner holds exactly the requests the scheduler told it of and has not released: a finished request
+    lingers until the next step's output releases it, and that passes; a stale or a missing one does not."""
+    llm = LLM(tiny_model_dir("llama"), max_model_len=128, async_scheduling=pipelined)
+    engine, core = llm.engine, llm.engine.core
+    core.check_invariants_every_step = True
+    engine.add_request("a", "Hello", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    for _ in range(2):
+        engine.step()
+    engine.abort_request("a")
+    core.check_invariants()
+    runner = core.runner
+    assert "a" in runner.requests and not core.scheduler.requests  # until the next output releases it
+    state = runner.requests.pop("a")  # released before the scheduler said so
+    with pytest.raises(AssertionError, match=r"lacks \['a'\]"):
+        core.check_invariants()
+    runner.requests["a"] = state
+    while engine.has_unfinished_requests():
+        engine.step()
+    # Pipelined, the step in flight ran once more and its output released "a"; step by step no step came after
+    # the abort, and "a" waits for the next one.
+    assert set(runner.requests) == ({"a"} if not pipelined else set())
+    runner.requests["z"] = state  # a request never told of, or finished and never released
+    with pytest.raises(AssertionError, match=r"holds requests \['z'\]"):
+        core.check_invariants()
+
+
 def test_a_stop_string_ends_the_request_in_the_engine_core_too(tiny_model_dir) -> None:
     """The output processor ends a request on a stop string; LLMEngine then aborts it in the engine core, which
     would otherwise go on computing it to max_tokens."""

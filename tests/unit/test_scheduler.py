@@ -835,3 +835,92 @@ def test_skipping_the_flush_after_scheduling_changes_no_decision():
     # token flushes even when that token completes no block of its own request (a review found the order, and
     # so later block ids and admissions, differing when it did not).
     assert _pipelined_schedule(flush_after_schedule=False) == _pipelined_schedule(flush_after_schedule=True)
+
+
+def _one_scheduled() -> tuple[Scheduler, Request]:
+    """Request "a" (10 tokens: two full blocks, cached) scheduled once; the invariants hold."""
+    sched = make_scheduler()
+    a = make_request("a", list(range(1, 11)), max_tokens=4)
+    sched.add_request(a)
+    sched.schedule()
+    sched.cache_scheduled_blocks()
+    sched.check_invariants()
+    return sched, a
+
+
+def test_check_invariants_matches_held_blocks_against_the_live_requests():
+    """The scheduler hands its requests to the KV cache manager's check: a block re-keyed with another block's
+    hash (a wrong prefix hit for a later prompt) is caught."""
+    sched, a = _one_scheduled()
+    b0, b1 = sched.kv.req_to_blocks["a"][:2]
+    pool = sched.kv.pool
+    del pool.cached[b0.block_hash], pool.cached[b1.block_hash]
+    b1.block_hash, b0.block_hash = None, a.block_hashes[1]
+    pool.cached[b0.block_hash] = b0
+    with pytest.raises(AssertionError, match="hash of other tokens"):
+        sched.check_invariants()
+
+
+def _leave_known_to_runner(sched: Scheduler) -> None:
+    sched._known_to_runner.add("a")
+
+
+def _leave_group_key(sched: Scheduler) -> None:
+    sched.kv._group_keys["a"] = "g"
+
+
+def _leave_offered_count(sched: Scheduler) -> None:
+    sched.kv._num_cached_blocks["a"] = 2
+
+
+@pytest.mark.parametrize(
+    ("leave", "message"),
+    [
+        (_leave_known_to_runner, "known to the runner"),
+        (_leave_group_key, "sample-group key"),
+        (_leave_offered_count, "holds no blocks"),
+    ],
+)
+def test_check_invariants_catches_bookkeeping_left_by_a_finished_request(leave, message: str):
+    """Each would misserve a later request of the same id: not announced to the runner (known already), in the
+    old request's sample group, or with blocks counted as offered to the prefix cache."""
+    sched, _ = _one_scheduled()
+    sched.abort_requests(["a"])
+    sched.check_invariants()
+    leave(sched)
+    with pytest.raises(AssertionError, match=message):
+        sched.check_invariants()
+
+
+def test_check_invariants_catches_the_runner_told_of_a_request_wrongly():
+    sched, _ = _one_scheduled()
+    sched.add_request(make_request("b", [1, 2, 3]))
+    sched._known_to_runner.add("b")  # waiting, never scheduled: its first schedule would not announce it
+    with pytest.raises(AssertionError, match="known to the runner"):
+        sched.check_invariants()
+    sched._known_to_runner -= {"a", "b"}  # running, yet its finish would not be passed on to the runner
+    with pytest.raises(AssertionError, match="known to the runner"):
+        sched.check_invariants()
+
+
+def test_check_invariants_catches_a_request_finished_twice_since_the_last_step():
+    sched, _ = _one_scheduled()
+    sched.abort_requests(["a"])
+    sched._finished_since_last_step.append("a")
+    with pytest.raises(AssertionError, match="finished twice"):
+        sched.check_invariants()
+
+
+def test_a_finished_request_stays_with_the_runner_until_the_next_schedule_even_when_its_id_returns():
+    """Legitimate states the checks allow: a finished request lingers in the runner until the next output
+    releases it, and a new request may reuse its id meanwhile (released and announced by the same output)."""
+    sched, _ = _one_scheduled()
+    assert sched.runner_req_ids() == {"a"}
+    sched.abort_requests(["a"])
+    assert sched.runner_req_ids() == {"a"}
+    sched.add_request(make_request("a", [5, 6, 7]))
+    sched.check_invariants()
+    out = sched.schedule()
+    assert out.finished_req_ids == ["a"] and [n.req_id for n in out.new_requests] == ["a"]
+    sched.check_invariants()
+    assert sched.runner_req_ids() == {"a"}

@@ -227,6 +227,14 @@ class Driver:
         if output.finish_reason is not None:
             self.track.finishes[output.req_id].append(output.finish_reason)
 
+    def check_invariants(self) -> None:
+        """The scheduler's invariants, and (between steps, as EngineCore.check_invariants) that the runner holds
+        exactly the requests the scheduler counts on it holding."""
+        self.sched.check_invariants()
+        assert set(self.runner.requests) == self.sched.runner_req_ids(), (
+            f"runner holds {sorted(self.runner.requests)}, scheduler counts {sorted(self.sched.runner_req_ids())}"
+        )
+
     def abort(self, op: Abort) -> None:
         ids = list(self.track.requests)
         if not ids:
@@ -257,7 +265,7 @@ class Driver:
 
     def check_final(self) -> None:
         sched, kv = self.sched, self.sched.kv
-        sched.check_invariants()
+        self.check_invariants()
         assert kv.pool.num_free_blocks == kv.num_blocks, "blocks leaked"
         assert kv.req_to_blocks == {} and not sched.waiting and not sched.running
         assert self.runner.requests == {}, "the runner was not told that some requests finished"
@@ -299,7 +307,7 @@ def test_random_add_step_abort_sequences(setup: Setup, operations: list, seed: i
             driver.step()
         else:
             driver.abort(op)
-        driver.sched.check_invariants()
+        driver.check_invariants()
     driver.drain()
     driver.check_final()
 
@@ -322,7 +330,7 @@ def _run(setup: Setup, operations: list, seed: int, flushes: bool) -> tuple[list
             record.append(driver.step())
         else:
             driver.abort(op)
-        driver.sched.check_invariants()
+        driver.check_invariants()
         snapshot()
     for _ in range(10_000):
         if not driver.sched.has_unfinished_requests() and driver.in_flight is None:
