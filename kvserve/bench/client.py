@@ -333,11 +333,13 @@ def _carries_token(choice: dict[str, Any], api: str) -> bool:
     back for a possible stop string). Servers that stream every token (vLLM, kvserve) send those, and
     vLLM's benchmark times them as tokens too. Not tokens here: a chat role chunk (a server may send it
     before the prompt runs) and a chat chunk with an empty delta (a finish on its own). A reasoning model's
-    thinking comes in its own field (`_REASONING_FIELDS`) and is generated tokens like the answer."""
+    thinking comes in its own field (`_REASONING_FIELDS`), and a tool call's name and arguments in
+    `tool_calls`: generated tokens like the answer."""
     if api == "chat":
         delta = choice.get("delta") or {}
-        return "role" not in delta and any(isinstance(delta.get(name), str)
-                                           for name in ("content", *_REASONING_FIELDS))
+        return "role" not in delta and (any(isinstance(delta.get(name), str)
+                                            for name in ("content", *_REASONING_FIELDS))
+                                        or bool(_tool_call_text(delta)))
     return isinstance(choice.get("text"), str)
 
 
@@ -346,8 +348,22 @@ def _choice_text(choice: dict[str, Any], api: str) -> str:
     output the server had to generate: the tokenizer fallback counts it)."""
     if api == "chat":
         delta = choice.get("delta") or choice.get("message") or {}
-        return _reasoning_text(delta) + (delta.get("content") or "")
+        return _reasoning_text(delta) + (delta.get("content") or "") + _tool_call_text(delta)
     return choice.get("text") or ""
+
+
+def _tool_call_text(delta: dict[str, Any]) -> str:
+    """The generated text of the tool calls in a chat delta or message: each call's name and arguments (a
+    streamed call's arguments come in pieces; the name with its first)."""
+    calls = delta.get("tool_calls")
+    if not isinstance(calls, list):
+        return ""
+    pieces = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict):
+            pieces += [v for v in (function.get("name"), function.get("arguments")) if isinstance(v, str)]
+    return "".join(pieces)
 
 
 def _reasoning_text(delta: dict[str, Any]) -> str:

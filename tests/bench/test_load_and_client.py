@@ -569,3 +569,18 @@ def test_the_client_health_monitor_lists_long_stalls_on_the_run_clock():
     assert 1.0 < gc_start < 1.5 and gc_ms >= 20.0
     assert any(lag_ms >= 100.0 and 1.0 < start < 1.6 for start, lag_ms in report.long_loop_lags)
     assert ClientHealthReport.from_dict(json.loads(json.dumps(report.to_dict()))) == report
+
+
+def test_streamed_tool_call_chunks_are_tokens() -> None:
+    """A tool call streams its name and arguments in `delta.tool_calls` (no content): those chunks are
+    generated tokens, timed and, without usage, counted from their text."""
+    from kvserve.bench.client import _carries_token, _choice_text
+
+    opened = {"delta": {"tool_calls": [{"index": 0, "id": "call-1", "type": "function",
+                                        "function": {"name": "get_time", "arguments": ""}}]}}
+    piece = {"delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"zone": '}}]}}
+    assert _carries_token(opened, "chat") and _carries_token(piece, "chat")
+    assert _choice_text(opened, "chat") + _choice_text(piece, "chat") == 'get_time{"zone": '
+    for not_a_token in ({"delta": {"role": "assistant", "content": ""}}, {"delta": {}, "finish_reason": "stop"},
+                        {"delta": {"tool_calls": []}}, {"delta": {"tool_calls": "x"}}):
+        assert not _carries_token(not_a_token, "chat") and _choice_text(not_a_token, "chat") == ""
