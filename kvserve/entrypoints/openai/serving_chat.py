@@ -78,7 +78,7 @@ class PreparedChat:
         # the text is read for reasoning (not under a grammar, which shapes the whole text; not with qwen3's
         # thinking turned off); its content part goes on to the tool-call parser
         self.parse_reasoning = parse_reasoning
-        # false: the reasoning is left out, and with it the logprobs and token ids that would tell it (vLLM's)
+        # false: the reasoning is left out, and with it the logprobs and token ids that would tell it
         self.hide_reasoning = parse_reasoning and not include_reasoning
         # the field that set the output's structure (an engine-side grammar failure's param)
         self.structure_param = structure_param
