@@ -226,13 +226,17 @@ class AsyncLLM:
             self._forget(state)
 
     def abort(self, request_id: str) -> None:
-        """Abort a user request (all its samples); its `generate()` iterator stops receiving updates."""
+        """Abort a user request (all its samples). Its `generate()` iterator, when another task reads it, gets
+        a last update: finished, each unfinished sample with finish reason "abort"."""
         state = self._requests.get(request_id)
         if state is not None:
-            self._abort(state)
+            final = self._abort(state)
+            if final is not None:
+                final.request_id = request_id
+                state.queue.put_nowait(final)
 
-    def _abort(self, state: _RequestState) -> None:
-        child_ids = self.output_processor.abort_request(state.core_id)
+    def _abort(self, state: _RequestState) -> RequestOutput | None:
+        child_ids, final = self.output_processor.abort_request_with_output(state.core_id)
         self.client.abort_requests(child_ids)
         now = time.time()
         iteration = IterationStats()
@@ -240,6 +244,7 @@ class AsyncLLM:
             self._tracker.finish(child_id, "abort", now, iteration)
         self._record(None, iteration)
         self._forget(state)
+        return final
 
     def _forget(self, state: _RequestState) -> None:
         if self._by_core_id.pop(state.core_id, None) is None:

@@ -122,9 +122,14 @@ class OutputProcessor:
 
     def abort_request(self, request_id: str) -> list[str]:
         """Forget a user request; returns the engine ids of its samples still to abort in the core."""
+        return self.abort_request_with_output(request_id)[0]
+
+    def abort_request_with_output(self, request_id: str) -> tuple[list[str], RequestOutput | None]:
+        """`abort_request`, with the request's last update: finished, its unfinished samples with finish
+        reason "abort" and no new text (None when the request is not live)."""
         parent = self._parents.pop(request_id, None)
         if parent is None:
-            return []
+            return [], None
         ids = []
         for sample in parent.samples:
             child_id = child_request_id(request_id, sample.index, len(parent.samples))
@@ -132,7 +137,9 @@ class OutputProcessor:
             if not sample.output.finished:
                 sample.output.finish_reason = "abort"
                 ids.append(child_id)
-        return ids
+            sample.output.text_delta = ""
+            sample.output.token_ids_delta = []
+        return ids, parent.snapshot()
 
     def process_outputs(
         self, engine_outputs: Sequence[EngineCoreOutput], now: float = 0.0

@@ -229,6 +229,34 @@ def test_a_reused_id_gets_nothing_of_the_request_that_had_it_before(monkeypatch,
     assert aborted == added[:1]  # the second finished in the core: nothing to abort
 
 
+def test_an_abort_from_another_task_ends_the_request_with_a_last_update(monkeypatch, smollm_tokenizer) -> None:
+    """The reader of generate() gets a finished update (finish reason "abort", nothing new) instead of waiting
+    forever; the core is told."""
+    ids = _ids(smollm_tokenizer, " one two")
+
+    async def run() -> tuple[list[RequestOutput | Exception], list[str], list[str]]:
+        llm = await _engine(monkeypatch, smollm_tokenizer)
+        got: list[RequestOutput | Exception] = []
+        task = await _started(llm.generate("x", [1, 2], SamplingParams(max_tokens=8)), got)
+        (core_id,) = llm.client.added
+        llm.on_engine_outputs(_step(EngineCoreOutput(core_id, [ids[0]])))
+        await asyncio.sleep(0)
+        llm.abort("x")
+        llm.on_engine_outputs(_step(EngineCoreOutput(core_id, [ids[1]])))  # late: already on its way
+        await asyncio.wait_for(task, 5)
+        assert not llm.has_request("x") and llm.num_unfinished_requests == 0
+        return got, list(llm.client.added), list(llm.client.aborted)
+
+    got, added, aborted = asyncio.run(run())
+    assert aborted == added
+    first, last = cast(list[RequestOutput], got)
+    assert first.outputs[0].token_ids_delta == ids[:1]
+    assert last.finished and last.request_id == "x"
+    assert (last.outputs[0].finish_reason, last.outputs[0].token_ids_delta, last.outputs[0].text_delta) == (
+        "abort", [], "")
+    assert last.outputs[0].token_ids == ids[:1]
+
+
 def test_an_id_in_use_is_refused_and_its_request_goes_on(monkeypatch, smollm_tokenizer) -> None:
     ids = _ids(smollm_tokenizer, " one two")
 
