@@ -349,3 +349,24 @@ def test_the_flag_takes_vllms_parser_names():
     with pytest.raises(SystemExit):
         parser.parse_args(["model-dir", "--reasoning-parser", "granite"])
     assert "--reasoning-parser" in parser.format_help()
+
+
+def test_a_server_started_with_the_flag_reads_replies_for_reasoning(launch_server, tiny_llama_dir, tiny_server):
+    """The flag reaches the chat endpoint of a real server: the tiny model writes no </think>, so under
+    deepseek_r1 its whole reply (the default server's content) is the reasoning, streamed or not."""
+    from .conftest import TINY_NAME, TINY_SERVER_FLAGS, read_sse
+
+    server = launch_server([tiny_llama_dir, *TINY_SERVER_FLAGS, "--reasoning-parser", "deepseek_r1"])
+    body = {"model": TINY_NAME, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 12,
+            "temperature": 0, "ignore_eos": True}
+    plain = httpx.post(tiny_server.base_url + "/v1/chat/completions", json=body, timeout=120).json()
+    text = plain["choices"][0]["message"]["content"]
+    assert text and "</think>" not in text and "reasoning" not in plain["choices"][0]["message"]
+    message = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=120).json()["choices"][0][
+        "message"]
+    assert (message["reasoning"], message["content"]) == (text, None)
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json={**body, "stream": True},
+                      timeout=120) as response:
+        deltas = [c["choices"][0]["delta"] for c in read_sse(response) if isinstance(c, dict) and c["choices"]]
+    assert "".join(d.get("reasoning") or "" for d in deltas) == text
+    assert not any(d.get("content") for d in deltas)
