@@ -194,7 +194,8 @@ class BlockPool:
                 num_used += 1
                 assert block.block_id not in free_ids, f"{block} in use and free"
                 # `remove` takes a block with links for a free one: an in-use block must have none.
-                assert block.prev_free is None and block.next_free is None, f"{block} in use but linked into the free list"
+                assert block.prev_free is None and block.next_free is None, \
+                    f"{block} in use but linked into the free list"
             else:
                 assert block.block_id in free_ids, f"{block} unreferenced but not free (leaked)"
         assert num_used + self.num_free_blocks == self.num_blocks, "free + used != total"

@@ -272,8 +272,8 @@ class KVCacheManager:
 
     def check_invariants(self, requests: Mapping[str, Request] | None = None) -> None:
         """The pool's checks and the block tables' ref counts; given the live requests (the scheduler's), also
-        each held block against its request's tokens. O(blocks): run by tests (`check_invariants_every_step`), not
-        by production steps."""
+        each held block against its request's tokens. O(blocks): run by tests (`check_invariants_every_step`),
+        not by production steps."""
         self.pool.check_invariants()
         for req_id, (request, _) in self._deferred.items():
             assert request.req_id == req_id and req_id in self.req_to_blocks, f"deferred caching of {req_id}, which holds no blocks"

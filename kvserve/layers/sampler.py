@@ -18,8 +18,8 @@ Order of operations, per row (vLLM/OpenAI meanings; see `SamplingParams`):
    them; a bad id must not crash a whole batch. Then **bad_words**: a word's last token is set to -inf where
    the output so far ends with the word's other tokens (a pending newest token is compared on the device).
 4. **min_tokens**: while ``len(output) < min_tokens`` the request's ``stop_token_ids`` and, unless
-   ``ignore_eos``, the EOS ids (the model's and the row's own) are set to -inf (as in vLLM: with ``ignore_eos`` EOS is an ordinary token
-   that cannot end the request, so there is nothing to hold back).
+   ``ignore_eos``, the EOS ids (the model's and the row's own) are set to -inf (as in vLLM: with
+   ``ignore_eos`` EOS is an ordinary token that cannot end the request, so there is nothing to hold back).
 5. **Greedy** rows (``temperature ~ 0``): argmax of the logits after 2-4. Top-k/top-p/min-p do not apply.
 6. Other rows: divide by ``temperature``; **top-k** (keep logits >= the k-th largest, so ties at the
    boundary are kept); **top-p** (nucleus over the sorted renormalised probabilities: a token is kept while
