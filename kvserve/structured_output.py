@@ -299,18 +299,16 @@ class StructuredOutputs:
             return True
         # llguidance marks a matcher stopped on the token that leaves it no way on. Before its first token, one
         # whose language is the empty text alone is not marked, though it allows only EOS: its mask tells.
-        return not g.started and g.matcher.is_accepting() and self._allows_only_eos(g)
+        return not g.started and g.matcher.is_accepting() and self._allows_only_eos(req_id)
 
-    def _allows_only_eos(self, g: _Grammar) -> bool:
-        """Whether the matcher's next-token mask holds no token but the grammar's EOS (computed: a state the
+    def _allows_only_eos(self, req_id: str) -> bool:
+        """Whether the request's next-token mask holds no token but the grammar's EOS (computed: a state the
         matcher does not report itself)."""
         import numpy as np
 
-        words = bitmask_words(self.compiler.tokenizer().vocab_size)
-        mask = np.zeros(words, dtype=np.uint32)
-        g.matcher.unsafe_compute_mask_ptr(mask.ctypes.data, 4 * words)
+        mask = np.frombuffer(self.bitmasks([req_id])[req_id], dtype=np.uint32).copy()
         for token_id in self.compiler.grammar_eos_token_ids:
-            if token_id < 32 * words:
+            if token_id < 32 * len(mask):
                 mask[token_id // 32] &= ~np.uint32(1 << (token_id % 32))
         return not mask.any()
 
