@@ -74,8 +74,8 @@ KVSERVE_PREFILL_GEMM_TUNING: int = _int("KVSERVE_PREFILL_GEMM_TUNING", 1)
 # 48-256 rows on the H200), never timed at start; torch's picks elsewhere. 0: off. KVSERVE_GEMM_TUNING=1 times
 # these sizes briefly instead. See docs/perf_notes.md, entry 57.
 KVSERVE_DECODE_GEMM_CHOICES: bool = _int("KVSERVE_DECODE_GEMM_CHOICES", 1) != 0
-# Where results that outlive a run are kept (the matmul tuning's choices): $XDG_CACHE_HOME/kvserve, else
-# ~/.cache/kvserve.
+# Where results that outlive a run are kept (the matmul tuning's choices, GGUF files' converted tokenizers):
+# $XDG_CACHE_HOME/kvserve, else ~/.cache/kvserve.
 KVSERVE_CACHE_DIR: str = _str("KVSERVE_CACHE_DIR", None) or os.path.join(
     _str("XDG_CACHE_HOME", None) or os.path.join(os.path.expanduser("~"), ".cache"), "kvserve")
 

@@ -19,13 +19,24 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 from helpers import tiny_models
 
+from kvserve import envs
 from kvserve.model.paths import ModelLoadError, default_model_path
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # What outlives a run (GGUF files' converted tokenizers, matmul choices) goes to a directory of the session's
+    # own, shared with the servers it starts (through the environment), never the user's cache.
+    cache = tempfile.mkdtemp(prefix="kvserve-test-cache-")
+    os.environ["KVSERVE_CACHE_DIR"] = envs.KVSERVE_CACHE_DIR = cache
+    config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
 
 
 @pytest.fixture(scope="session")

@@ -2,13 +2,28 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import hashlib
+import json
+import logging
 import os
+import shutil
+import tempfile
+import time
 
+import tokenizers
+import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from kvserve import envs
 from kvserve.model.paths import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+# Bump when what is stored changes, so older entries are never read.
+_STORE_VERSION = 1
 
 
 def load_tokenizer(model_path: str, chat_template: str | None = None) -> PreTrainedTokenizerBase:
@@ -22,7 +37,8 @@ def load_tokenizer(model_path: str, chat_template: str | None = None) -> PreTrai
             # Building a tokenizer from GGUF metadata takes seconds; engines started again in the same
             # process (tests, notebooks) reuse the conversion. A copy keeps callers independent.
             stat = os.stat(path)
-            tokenizer = copy.deepcopy(_tokenizer_from_gguf(path, stat.st_size, stat.st_mtime_ns))
+            tokenizer = copy.deepcopy(_tokenizer_from_gguf(path, stat.st_size, stat.st_mtime_ns, stat.st_ino,
+                                                           stat.st_ctime_ns))
         else:
             tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:
@@ -33,9 +49,170 @@ def load_tokenizer(model_path: str, chat_template: str | None = None) -> PreTrai
 
 
 @functools.lru_cache(maxsize=4)
-def _tokenizer_from_gguf(path: str, size: int, mtime_ns: int) -> PreTrainedTokenizerBase:
-    # size and mtime are part of the cache key so a replaced file is converted again.
-    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+def _tokenizer_from_gguf(path: str, size: int, mtime_ns: int, inode: int, ctime_ns: int) -> PreTrainedTokenizerBase:
+    # The file's size, times and inode are part of this process's key so a replaced file is converted again (a
+    # copy that keeps the old mtime still changes ctime); the kept copy's key is the file's content.
+    stored = _stored_conversion_dir(path)
+    if os.path.isdir(stored):
+        try:
+            tokenizer = _load_stored(stored)
+        except Exception as exc:  # noqa: BLE001 - tokenizers' own errors are bare Exceptions; converting again is safe
+            logger.warning("the stored tokenizer %s could not be read (%s); converting %s again", stored, exc, path)
+            _discard(stored)
+        else:
+            with contextlib.suppress(OSError):
+                os.utime(stored)  # in use: pruning keeps it
+            tokenizer.name_or_path = os.path.dirname(path)  # as the conversion names it
+            return tokenizer
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    _store_conversion(tokenizer, stored)
+    return tokenizer
+
+
+# A GGUF file's metadata, the tokenizer's source, comes before its tensors; the largest vocabularies with their
+# merges take a few MB of it. The kept copy's key hashes this much of the file's start.
+_KEY_BYTES = 32 << 20
+# Kept copies unread for this long, and staging or discarded directories left by a killed process, are removed
+# when another copy is stored.
+_UNUSED_S = 30 * 86400
+_ABANDONED_S = 3600
+
+
+def _stored_conversion_dir(path: str) -> str:
+    """Where the conversion of the GGUF file at `path` is kept: KVSERVE_CACHE_DIR/tokenizers/<file>-<key>, the key
+    hashing the file's start (its metadata) and size, and naming the libraries that converted it."""
+    digest = hashlib.sha256(json.dumps([_STORE_VERSION, os.path.getsize(path), transformers.__version__,
+                                        tokenizers.__version__]).encode())
+    with open(path, "rb") as f:
+        remaining = _KEY_BYTES
+        while remaining and (chunk := f.read(min(remaining, 1 << 20))):
+            digest.update(chunk)
+            remaining -= len(chunk)
+    name = f"{os.path.basename(path).removesuffix('.gguf')}-{digest.hexdigest()[:16]}"
+    return os.path.join(envs.KVSERVE_CACHE_DIR, "tokenizers", name)
+
+
+# The conversion's switches that save_pretrained does not keep (Transformers 5 drops add_bos_token from the
+# saved settings, though the saved post-processor still adds the BOS): given again when the directory is read.
+_SWITCHES = ("add_bos_token", "add_eos_token")
+_SWITCHES_FILE = "kvserve_gguf.json"
+
+
+def _load_stored(stored: str) -> PreTrainedTokenizerBase:
+    with open(os.path.join(stored, _SWITCHES_FILE), encoding="utf-8") as f:
+        switches = json.load(f)
+    # The saved tokenizer.json as it is: Transformers 5 builds some classes' pipelines from the class's own
+    # defaults otherwise (Qwen2's adds an NFC normalizer the conversion does not have).
+    backend = tokenizers.Tokenizer.from_file(os.path.join(stored, "tokenizer.json"))
+    return AutoTokenizer.from_pretrained(stored, tokenizer_object=backend, **switches)
+
+
+def _store_conversion(tokenizer: PreTrainedTokenizerBase, stored: str) -> None:
+    """Keep a GGUF file's converted tokenizer as an HF tokenizer directory: loading that takes a fraction of a
+    second, converting the file's vocabulary again seconds (every server process and engine core pays it).
+    Kept only when reading it back gives the same tokenizer (`_same_tokenizer`). Written to a temporary
+    directory, synced and renamed, so readers never see a partial one; any failure (read-only disk, another
+    process first) keeps nothing and leaves the conversion as the tokenizer."""
+    parent = os.path.dirname(stored)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        _prune(parent)
+        staging = tempfile.mkdtemp(prefix=".partial-", dir=parent)
+    except OSError as exc:
+        logger.debug("not keeping the converted tokenizer in %s: %s", parent, exc)
+        return
+    try:
+        tokenizer.save_pretrained(staging)
+        switches = {name: value for name in _SWITCHES if isinstance(value := getattr(tokenizer, name, None), bool)}
+        with open(os.path.join(staging, _SWITCHES_FILE), "w", encoding="utf-8") as f:
+            json.dump(switches, f)
+        difference = _same_tokenizer(tokenizer, _load_stored(staging))
+        if difference:
+            logger.info("not keeping the converted tokenizer: read back, %s", difference)
+            return
+        _sync_tree(staging)
+        os.chmod(staging, 0o755)  # mkdtemp's is 0700: a shared cache directory serves other users too
+        os.rename(staging, stored)
+    except OSError as exc:  # another process stored it first, or the disk refused
+        logger.debug("not keeping the converted tokenizer as %s: %s", stored, exc)
+    except Exception as exc:  # noqa: BLE001 - keeping a copy only saves time; the conversion stands
+        logger.warning("not keeping the converted tokenizer as %s: %s: %s", stored, type(exc).__name__, exc)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # nothing left there once renamed
+
+
+def _sync_tree(directory: str) -> None:
+    """fsync a directory's files and the directory, so a rename after a crash never shows empty files."""
+    for name in os.listdir(directory):
+        fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _discard(stored: str) -> None:
+    """Remove a kept copy that could not be read, so the next conversion can take its place (renamed aside
+    first: a directory is never half removed under its own name)."""
+    aside = os.path.join(os.path.dirname(stored), f".stale-{os.path.basename(stored)}-{os.getpid()}")
+    try:
+        os.rename(stored, aside)
+    except OSError as exc:
+        logger.debug("could not remove the unreadable %s: %s", stored, exc)
+        return
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _prune(parent: str) -> None:
+    """Remove kept copies unread for `_UNUSED_S` and staging or discarded directories older than `_ABANDONED_S`."""
+    now = time.time()
+    for entry in os.scandir(parent):
+        try:
+            age = now - entry.stat(follow_symlinks=False).st_mtime
+        except OSError:
+            continue
+        leftover = entry.name.startswith((".partial-", ".stale-"))
+        if entry.is_dir(follow_symlinks=False) and age > (_ABANDONED_S if leftover else _UNUSED_S):
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
+# Plain, spaced, NFD and compatibility characters, and the spacing that clean_up_tokenization_spaces rewrites.
+_PROBE_TEXTS = ("Hello world", "  two  spaces\n\n\ttab", "ünïcödé 日本語 🙂 ∑", "x=1234567; y = 3.14159", "<|im_start|>",
+                "e\u0301 \ufb01 \u212b \uff21", "a . b , it 's do n't")
+
+
+def _same_tokenizer(a: PreTrainedTokenizerBase, b: PreTrainedTokenizerBase) -> str:
+    """What differs between two tokenizers that should be the same ('' when nothing seen): class, settings,
+    vocabulary, added tokens with their flags, the whole tokenizers pipeline (normalizer, pre-tokenizer, model,
+    post-processor, decoder), and the ids and text of probe texts with and without special tokens (the special
+    tokens' own text among them)."""
+    for name in ("__class__", "bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "all_special_ids",
+                 "chat_template", "model_max_length", "clean_up_tokenization_spaces", "padding_side", *_SWITCHES):
+        if getattr(a, name, None) != getattr(b, name, None):
+            return f"its {name} differs"
+    if a.get_vocab() != b.get_vocab():
+        return "its vocabulary differs"
+    if {i: repr(t) for i, t in a.added_tokens_decoder.items()} != {
+            i: repr(t) for i, t in b.added_tokens_decoder.items()}:
+        return "its added tokens differ"
+    pipeline_a, pipeline_b = (json.loads(t.backend_tokenizer.to_str()) if hasattr(t, "backend_tokenizer") else None
+                              for t in (a, b))
+    if pipeline_a != pipeline_b:
+        return "its tokenizers pipeline differs"
+    for text in (*_PROBE_TEXTS, " ".join(a.all_special_tokens)):
+        for special in (True, False):
+            ids = a(text, add_special_tokens=special)["input_ids"]
+            if ids != b(text, add_special_tokens=special)["input_ids"]:
+                return f"{text!r} is tokenized differently"
+            if a.decode(ids) != b.decode(ids) or a.decode(ids, skip_special_tokens=True) != b.decode(
+                    ids, skip_special_tokens=True):
+                return f"{text!r} is decoded differently"
+    return ""
 
 
 def _read_chat_template(template: str) -> str:
