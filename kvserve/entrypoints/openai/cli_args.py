@@ -27,7 +27,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model name(s) clients use in the `model` field; the first is reported in responses and "
-                        "metrics (default: the model path's last component)")
+                        "metrics (default: the model argument as given, as vLLM; without one, the default model's file name)")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all interfaces)")
     g.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     g.add_argument("--api-key", default=None,
