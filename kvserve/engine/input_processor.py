@@ -9,7 +9,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from kvserve.protocol.chat_messages import arguments_as_objects
+from kvserve.protocol.chat_messages import for_chat_template
 from kvserve.protocol.engine import EngineCoreRequest
 from kvserve.protocol.sampling_params import SamplingParams, SamplingParamsError
 
@@ -81,7 +81,7 @@ class InputProcessor:
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template; pass chat_template (--chat-template)")
         text = self.tokenizer.apply_chat_template(
-            [arguments_as_objects(m) for m in messages],
+            [for_chat_template(m) for m in messages],
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             chat_template=chat_template,

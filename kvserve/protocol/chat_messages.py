@@ -41,3 +41,20 @@ def arguments_as_objects(message: dict[str, Any]) -> dict[str, Any]:
                 call = {**call, "function": {**function, "arguments": arguments}}
         converted.append(call)
     return {**message, "tool_calls": converted}
+
+
+def for_chat_template(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as chat templates read it: an assistant's tool-call arguments as objects
+    (`arguments_as_objects`), and its earlier thinking under both names templates use: vLLM's ``reasoning``
+    and ``reasoning_content`` (Qwen3's and DeepSeek-R1's templates read the latter). A client may send
+    either; ``reasoning`` wins when both are sent, as vLLM reads only it. Other roles' messages are left
+    as sent. A new dict when anything changes."""
+    message = arguments_as_objects(message)
+    if message.get("role") != "assistant":
+        return message
+    reasoning = message.get("reasoning")
+    if not isinstance(reasoning, str):
+        reasoning = message.get("reasoning_content")
+    if not isinstance(reasoning, str):
+        return message
+    return {**message, "reasoning": reasoning, "reasoning_content": reasoning}

@@ -14,15 +14,17 @@ from typing import Any
 import httpx
 import pytest
 
-from kvserve.engine.input_processor import ProcessedPrompt
+from kvserve.engine.input_processor import InputProcessor, ProcessedPrompt
 from kvserve.entrypoints.openai.api_server import build_app
 from kvserve.entrypoints.openai.cli_args import make_arg_parser, server_engine_args
 from kvserve.entrypoints.openai.middleware import ServerState
 from kvserve.entrypoints.openai.serving_common import ServingContext
 from kvserve.entrypoints.openai.tool_parsers import ParsedMessage, ToolCallStream, parse_tool_calls
-from kvserve.protocol.chat_messages import arguments_as_objects
+from kvserve.protocol.chat_messages import arguments_as_objects, for_chat_template
 from kvserve.protocol.outputs import CompletionOutput, RequestOutput
 from kvserve.protocol.sampling_params import SamplingParams
+
+from .conftest import assert_openai_error
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                              "parameters": {"type": "object",
@@ -287,6 +289,48 @@ def test_assistant_tool_calls_get_object_arguments():
         "role": "assistant", "content": "hi"}  # no calls: the template's plain assistant path
     other = {"role": "user", "content": "x", "tool_calls": [call]}
     assert arguments_as_objects(other) is other  # only assistant messages
+
+
+THINKING_TEMPLATE = (
+    "{% for m in messages %}[{{ m.role }}]{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>"
+    "{% endif %}{% if m.reasoning %}(r:{{ m.reasoning }}){% endif %}{{ m.content }}\n{% endfor %}")
+
+
+def test_assistant_reasoning_reaches_the_template_under_both_names(smollm_tokenizer):
+    """An assistant turn's thinking sent back (vLLM's `reasoning`, or the older `reasoning_content`) is given to
+    the template under both names, as vLLM does, so Qwen3's template (which reads reasoning_content) renders it
+    in tool loops; `reasoning` wins when both are sent. (Transformers 5 also aliases the names for every role,
+    preferring reasoning_content; older releases do not, hence our own rule for assistant turns.)"""
+    processor = InputProcessor(smollm_tokenizer, 4096, [])
+
+    def render(assistant: dict[str, Any]) -> str:
+        messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", **assistant}]
+        rendered = processor.apply_chat_template(messages, THINKING_TEMPLATE, add_generation_prompt=False).prompt
+        assert rendered is not None
+        return rendered
+
+    assert render({"reasoning": "why"}) == "[user]q\n[assistant]<think>why</think>(r:why)a\n"
+    assert render({"reasoning_content": "old"}) == "[user]q\n[assistant]<think>old</think>(r:old)a\n"
+    assert render({"reasoning": "new", "reasoning_content": "old"}) == "[user]q\n[assistant]<think>new</think>(r:new)a\n"
+    assert render({}) == "[user]q\n[assistant]a\n"
+    message = {"role": "assistant", "content": "a", "reasoning": "why"}
+    assert for_chat_template(message) is not message and message == {"role": "assistant", "content": "a", "reasoning": "why"}
+    user = {"role": "user", "content": "q", "reasoning": "x"}
+    assert for_chat_template(user) is user
+
+
+def test_the_server_passes_the_reasoning_sent_back_to_the_template():
+    ctx, rendered = _context([["ok"]])
+    messages = [{"role": "user", "content": "q"},
+                {"role": "assistant", "content": "a", "reasoning": "why"},
+                {"role": "assistant", "content": "b", "reasoning_content": "old"},
+                {"role": "user", "content": "again"}]
+    assert _post(ctx, {"messages": messages, "max_tokens": 1}).status_code == 200
+    sent = rendered[0]["messages"]
+    assert sent[1]["reasoning"] == "why" and "reasoning_content" not in sent[1]
+    assert sent[2]["reasoning_content"] == "old" and "reasoning" not in sent[2]
+    bad = {"messages": [{"role": "assistant", "content": "a", "reasoning": ["x"]}], "max_tokens": 1}
+    assert_openai_error(_post(ctx, bad), 400, "messages")
 
 
 def _recorded(ctx: ServingContext) -> list[SamplingParams]:

@@ -154,6 +154,9 @@ class ChatMessage(OpenAIBaseModel):
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    # An assistant turn's thinking, sent back for templates that render it (vLLM's field; the older name too)
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -277,6 +277,9 @@ def message_dict(message: ChatMessage) -> dict[str, Any]:
         out["tool_call_id"] = message.tool_call_id
     if message.tool_calls is not None:
         out["tool_calls"] = message.tool_calls
+    for name in ("reasoning", "reasoning_content"):
+        if getattr(message, name) is not None:
+            out[name] = getattr(message, name)
     return out
 
 
