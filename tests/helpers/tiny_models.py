@@ -271,15 +271,11 @@ def write_gguf(checkpoint_dir: str, gguf_path: str, rope_freqs: list[float] | No
     return gguf_path
 
 
-def write_tokenizer_gguf(gguf_path: str, add_bos_token: bool) -> str:
-    """A GGUF file holding a small SentencePiece-style vocabulary (special tokens, 256 byte tokens, a few
-    pieces of "hello world") and one embedding tensor: enough for Transformers to build its tokenizer in
-    well under a second, with llama.cpp's add_bos_token switch as given. Returns its path."""
+def _small_gguf_writer(gguf_path: str, arch: str) -> Any:
+    """A GGUF writer with a one-layer model's metadata of `arch`, for files made to test tokenizers."""
     import gguf
 
-    pieces = ["\u2581", "\u2581h", "\u2581hello", "\u2581world", "h", "e", "l", "o", "w", "r", "d", "ll", "he", "hello"]
-    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{i:02X}>" for i in range(256)), *pieces]
-    writer = gguf.GGUFWriter(gguf_path, "llama")
+    writer = gguf.GGUFWriter(gguf_path, arch)
     writer.add_context_length(64)
     writer.add_embedding_length(8)
     writer.add_block_count(1)
@@ -287,6 +283,26 @@ def write_tokenizer_gguf(gguf_path: str, add_bos_token: bool) -> str:
     writer.add_head_count(2)
     writer.add_head_count_kv(1)
     writer.add_layer_norm_rms_eps(1e-5)
+    return writer
+
+
+def _finish_small_gguf(writer: Any, vocab_size: int, gguf_path: str) -> str:
+    """Adds a zero embedding for `vocab_size` tokens and writes the file."""
+    writer.add_tensor("token_embd.weight", np.zeros((vocab_size, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return gguf_path
+
+
+def write_tokenizer_gguf(gguf_path: str, add_bos_token: bool) -> str:
+    """A GGUF file holding a small SentencePiece-style vocabulary (special tokens, 256 byte tokens, a few
+    pieces of "hello world") and one embedding tensor: enough for Transformers to build its tokenizer in
+    well under a second, with llama.cpp's add_bos_token switch as given. Returns its path."""
+    pieces = ["\u2581", "\u2581h", "\u2581hello", "\u2581world", "h", "e", "l", "o", "w", "r", "d", "ll", "he", "hello"]
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{i:02X}>" for i in range(256)), *pieces]
+    writer = _small_gguf_writer(gguf_path, "llama")
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
     writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(pieces))])
@@ -296,20 +312,13 @@ def write_tokenizer_gguf(gguf_path: str, add_bos_token: bool) -> str:
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(add_bos_token)
-    writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return gguf_path
+    return _finish_small_gguf(writer, len(tokens), gguf_path)
 
 
 def write_bpe_tokenizer_gguf(gguf_path: str, chat_template: str) -> str:
     """A Qwen2-style GGUF (byte-level BPE, llama.cpp's "qwen2" pre-tokenizer) with a small vocabulary: the 256
     byte symbols, five merges of " hello", the ChatML special tokens and two tool-call tags (not special),
     and `chat_template`. Transformers builds its tokenizer as a Qwen2Tokenizer. Returns its path."""
-    import gguf
-
     # GPT-2's byte-to-symbol table: printable bytes stand for themselves, the rest follow from 256 on.
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
                  *range(ord("\u00ae"), ord("\u00ff") + 1)]
@@ -321,14 +330,7 @@ def write_bpe_tokenizer_gguf(gguf_path: str, chat_template: str) -> str:
     tags = ["<tool_call>", "</tool_call>"]
     tokens = [*symbols, *merged, *specials, *tags]
     first_special = len(symbols) + len(merged)
-    writer = gguf.GGUFWriter(gguf_path, "qwen2")
-    writer.add_context_length(64)
-    writer.add_embedding_length(8)
-    writer.add_block_count(1)
-    writer.add_feed_forward_length(16)
-    writer.add_head_count(2)
-    writer.add_head_count_kv(1)
-    writer.add_layer_norm_rms_eps(1e-5)
+    writer = _small_gguf_writer(gguf_path, "qwen2")
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
     writer.add_token_list(tokens)
@@ -340,9 +342,4 @@ def write_bpe_tokenizer_gguf(gguf_path: str, chat_template: str) -> str:
     writer.add_pad_token_id(first_special)
     writer.add_add_bos_token(False)
     writer.add_chat_template(chat_template)
-    writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return gguf_path
+    return _finish_small_gguf(writer, len(tokens), gguf_path)
