@@ -208,6 +208,12 @@ class EngineArgs:
 
     model: str | None = None
     tokenizer: str | None = None
+    # A repo id's snapshot in the local Hugging Face cache (vLLM's names; kvserve never downloads): the branch,
+    # tag or commit (default main), the tokenizer's (default: `revision`, as vLLM), and the cache directory
+    # (default HF_HUB_CACHE / HF_HOME/hub / ~/.cache/huggingface/hub). A local path ignores the revisions.
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None
     dtype: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
@@ -239,12 +245,17 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         """Resolve every default against the model's own limits and the machine."""
         from kvserve.model.arch import load_arch_config
-        from kvserve.model.paths import resolve_model_path
+        from kvserve.model.paths import resolve_model_path, resolve_tokenizer_path
 
         if self.load_format == "dummy":
-            model_path = _resolve_config_only_path(self.model)
+            model_path = _resolve_config_only_path(self.model, self.revision, self.download_dir)
         else:
-            model_path = resolve_model_path(self.model)
+            model_path = resolve_model_path(self.model, self.revision, self.download_dir)
+        tokenizer_revision = self.tokenizer_revision if self.tokenizer_revision is not None else self.revision
+        if self.tokenizer is None:
+            tokenizer_path = model_path
+        else:
+            tokenizer_path = resolve_tokenizer_path(self.tokenizer, tokenizer_revision, self.download_dir)
         arch = load_arch_config(model_path)
         _check_quantization(self.quantization, model_path, arch)
         device = self.device or _default_device()
@@ -283,7 +294,7 @@ class EngineArgs:
 
         model_config = ModelConfig(
             model=model_path,
-            tokenizer=self.tokenizer or model_path,
+            tokenizer=tokenizer_path,
             dtype=dtype,
             max_model_len=max_model_len,
             seed=self.seed,
@@ -359,13 +370,16 @@ def resolve_cuda_graph_sizes(
     return tuple(sizes)
 
 
-def _resolve_config_only_path(model: str | None) -> str:
-    """--load-format dummy: an HF directory needs only config.json (no weights), a .gguf its metadata."""
-    from kvserve.model.paths import ModelLoadError, resolve_model_path
+def _resolve_config_only_path(model: str | None, revision: str | None, download_dir: str | None) -> str:
+    """--load-format dummy: an HF directory (or a cached repo's snapshot) needs only config.json (no weights),
+    a .gguf its metadata."""
+    from kvserve.model.paths import ModelLoadError, locate, resolve_model_path
 
-    if model is None or not os.path.isdir(os.path.expanduser(model)):
+    if model is None:
         return resolve_model_path(model)
-    path = os.path.abspath(os.path.expanduser(model))
+    path = locate(model, revision, download_dir, what="model")
+    if not os.path.isdir(path):
+        return resolve_model_path(path)
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ModelLoadError(f"model directory {path} has no config.json")
     return path

@@ -86,8 +86,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the server's)")
     work.add_argument("--seed", type=int, default=0, help="seed of lengths, texts and arrival times (default 0)")
     work.add_argument("--tokenizer", default=None,
-                      help="local tokenizer (HF directory or .gguf) for prompt lengths and for counting tokens "
-                           "when the server sends no usage (default: the default model's)")
+                      help="local tokenizer (HF directory, .gguf, or a repo id in the local HF cache) for prompt "
+                           "lengths and for counting tokens when the server sends no usage (default: the default "
+                           "model's)")
 
     out = parser.add_argument_group("output")
     out.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",

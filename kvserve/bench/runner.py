@@ -33,9 +33,10 @@ class BenchError(ValueError):
 
 @functools.lru_cache(maxsize=4)
 def _load_tokenizer(path: str) -> TextTokenizer:
+    from kvserve.model.paths import resolve_tokenizer_path
     from kvserve.model.tokenizer import load_tokenizer
 
-    return load_tokenizer(path)
+    return load_tokenizer(resolve_tokenizer_path(path))  # a repo id: its snapshot in the local HF cache
 
 
 class LazyTokenizer:

@@ -28,8 +28,8 @@ logger = logging.getLogger(__name__)
 # vLLM's LLM(...) arguments that change nothing here (kvserve runs no checkpoint code, never downloads, logs
 # no periodic stats offline, recomputes instead of swapping): accepted at these values, with a log line.
 _IGNORED_VLLM_ARGS: dict[str, tuple[Any, ...]] = {
-    "trust_remote_code": (True, False), "disable_log_stats": (True, False), "swap_space": (), "revision": (None,),
-    "download_dir": (None,), "tokenizer_mode": ("auto",), "tokenizer_revision": (None,), "code_revision": (None,),
+    "trust_remote_code": (True, False), "disable_log_stats": (True, False), "swap_space": (),
+    "tokenizer_mode": ("auto",), "code_revision": (None,),
 }
 # vLLM's names for kvserve's own settings.
 _VLLM_ALIASES = {"num_gpu_blocks_override": "num_kv_blocks"}
@@ -71,8 +71,9 @@ def _text_message(message: dict[str, Any]) -> dict[str, Any]:
 class LLM:
     """Generate with a model in this process.
 
-    `model` is an HF model directory, a .gguf file, or None for the default model (SmolLM2-135M-Instruct
-    GGUF). Other keyword arguments are engine settings named as vLLM names them (`dtype`,
+    `model` is an HF model directory, a .gguf file, the id of an HF repo already in the local Hugging Face
+    cache (`revision`, `download_dir`, `tokenizer_revision` pick its snapshot as in vLLM; nothing is
+    downloaded), or None for the default model (SmolLM2-135M-Instruct GGUF). Other keyword arguments are engine settings named as vLLM names them (`dtype`,
     `max_model_len`, `block_size`, `enable_prefix_caching`, `max_num_seqs`, `max_num_batched_tokens`,
     `kv_cache_memory`, `seed`, ...; see `kvserve.config.EngineArgs`).
     """

@@ -13,8 +13,19 @@ from kvserve import __version__
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags shared by every command that builds an engine (vLLM's names)."""
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct GGUF)")
-    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    g.add_argument("--model", default=None,
+                   help="HF model directory, .gguf file, or the id of an HF repo already in the local Hugging Face "
+                   "cache, e.g. Qwen/Qwen2.5-7B-Instruct (never downloaded; default: SmolLM2-135M-Instruct GGUF)")
+    g.add_argument("--tokenizer", default=None,
+                   help="tokenizer directory, or a repo id in the local HF cache (default: the model's)")
+    g.add_argument("--revision", default=None,
+                   help="branch, tag or commit of a repo id's snapshot in the local HF cache (default main); not "
+                   "used with a local path")
+    g.add_argument("--tokenizer-revision", default=None,
+                   help="the same for --tokenizer given as a repo id (default: --revision)")
+    g.add_argument("--download-dir", default=None, metavar="DIR",
+                   help="the Hugging Face cache directory to find repo ids in (default: $HF_HUB_CACHE, else "
+                   "$HF_HOME/hub, else ~/.cache/huggingface/hub); kvserve never downloads into it")
     g.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bf16 on GPUs that have it), float32, float16, bfloat16")
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output in tokens (default: the model's limit)")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
@@ -76,6 +87,9 @@ def engine_args_from(ns: argparse.Namespace) -> dict[str, object]:
     return {
         "model": ns.model,
         "tokenizer": ns.tokenizer,
+        "revision": ns.revision,
+        "tokenizer_revision": ns.tokenizer_revision,
+        "download_dir": ns.download_dir,
         "dtype": ns.dtype,
         "max_model_len": ns.max_model_len,
         "max_num_seqs": ns.max_num_seqs,
@@ -141,10 +155,10 @@ def _cmd_triton_repo(ns: argparse.Namespace) -> int:
     from kvserve.integrations.triton.repo import write_repository
 
     args = engine_args_from(ns)
-    for key in ("model", "tokenizer", "generation_config"):  # Triton runs from its own working directory
+    for key in ("model", "tokenizer", "generation_config", "download_dir"):  # Triton runs from its own directory
         if key == "generation_config" and args[key] in ("auto", "vllm"):  # its modes, not directories
             continue
-        if args[key] is not None and os.path.exists(str(args[key])):
+        if args[key] is not None and (key == "download_dir" or os.path.exists(str(args[key]))):
             args[key] = os.path.abspath(str(args[key]))
     EngineArgs(**args).create_engine_config()  # refuse now what the engine would refuse in Triton
     gpus = [int(g) for g in ns.gpus.split(",")] if ns.gpus else None

@@ -1,17 +1,22 @@
 """Where the weights are: turn the user's `--model` into an absolute path we are willing to load.
 
 kvserve never downloads anything. A model is either a local Hugging Face directory (``config.json``
-plus ``*.safetensors``) or a single ``.gguf`` file. Pickle checkpoints (``*.bin``, ``*.pt``, ``*.pth``)
-are refused: unpickling runs arbitrary code from the file.
+plus ``*.safetensors``), a single ``.gguf`` file, or a Hugging Face repo id (``org/name``) whose snapshot
+is already in the local Hugging Face cache (filled by ``huggingface-cli download``). Pickle checkpoints
+(``*.bin``, ``*.pt``, ``*.pth``) are refused: unpickling runs arbitrary code from the file.
 """
 
 from __future__ import annotations
 
 import glob
 import importlib.util
+import logging
 import os
+import re
 
 from kvserve.config import ConfigError
+
+logger = logging.getLogger(__name__)
 
 # The package that ships the default model; installing it is the one supported way to get a model
 # without a download at serve time.
@@ -45,24 +50,126 @@ def default_model_path() -> str:
     )
 
 
-def resolve_model_path(model: str | None) -> str:
-    """`None` -> the default GGUF; otherwise the absolute path of an HF directory or a `.gguf` file.
+def resolve_model_path(model: str | None, revision: str | None = None, download_dir: str | None = None) -> str:
+    """`None` -> the default GGUF; otherwise the absolute path of an HF directory or a `.gguf` file, or of the
+    cached snapshot of an HF repo id (`locate`: a local path wins over an id of the same spelling).
 
-    Raises `ModelLoadError` when the path does not exist, is a file of another kind, is a directory
-    without `config.json`, or a directory whose weights are not safetensors.
+    Raises `ModelLoadError` when the path does not exist (nor the id in the cache), is a file of another kind,
+    is a directory without `config.json`, or a directory whose weights are not safetensors.
     """
     if model is None:
         return default_model_path()
-    path = os.path.abspath(os.path.expanduser(model))
-    if not os.path.exists(path):
-        raise ModelLoadError(
-            f"model path {model!r} does not exist (kvserve loads a local Hugging Face directory or a "
-            f".gguf file; it never downloads)"
-        )
+    path = locate(model, revision, download_dir, what="model")
     if os.path.isdir(path):
         _check_hf_dir(path)
         return path
     return _check_model_file(path)
+
+
+def resolve_tokenizer_path(tokenizer: str, revision: str | None = None, download_dir: str | None = None) -> str:
+    """The absolute path of a tokenizer directory or .gguf file, or the cached snapshot of an HF repo id
+    (as `locate`; what the directory holds is checked when the tokenizer is loaded)."""
+    return locate(tokenizer, revision, download_dir, what="tokenizer")
+
+
+# ------------------------------------------------------------------------ the local Hugging Face cache
+
+# huggingface_hub's repo id rule (validate_repo_id): one or two names of word characters, '-' and '.', each
+# starting and ending with a word character, no '--' or '..', at most 96 characters.
+_REPO_ID = re.compile(r"^(\w[\w.-]*\w/|\w/)?(\w[\w.-]*\w|\w)$")
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+
+
+def looks_like_repo_id(name: str) -> bool:
+    """`org/name` or `name` as the Hub spells repo ids (so `./dir`, `/abs/path` and `a/b/c` are paths)."""
+    return len(name) <= 96 and "--" not in name and ".." not in name and _REPO_ID.match(name) is not None
+
+
+def hf_cache_dir(download_dir: str | None = None) -> tuple[str, str]:
+    """(directory, where its name came from): `download_dir` (--download-dir), else huggingface_hub's own
+    order (HF_HUB_CACHE, HUGGINGFACE_HUB_CACHE, HF_HOME/hub, XDG_CACHE_HOME/huggingface/hub,
+    ~/.cache/huggingface/hub), read now rather than when huggingface_hub was imported."""
+    if download_dir:
+        return os.path.abspath(os.path.expanduser(download_dir)), "--download-dir"
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return os.path.abspath(os.path.expanduser(os.environ[var])), var
+    if os.environ.get("HF_HOME"):
+        return os.path.abspath(os.path.join(os.path.expanduser(os.environ["HF_HOME"]), "hub")), "HF_HOME"
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
+    return os.path.abspath(os.path.join(os.path.expanduser(xdg), "huggingface", "hub")), "the default"
+
+
+def locate(name: str, revision: str | None, download_dir: str | None, what: str) -> str:
+    """The absolute path of `name`: a local file or directory as given when it exists (then `revision`
+    has no meaning: a warning says it is not used), else the snapshot of the HF repo id `name` at `revision`
+    (default main) in the local cache (`download_dir` or huggingface_hub's), looked up on disk only: a
+    branch or tag through the cache's refs/, a commit hash directly. Never downloads."""
+    path = os.path.abspath(os.path.expanduser(name))
+    if os.path.exists(path):
+        if revision is not None:
+            logger.warning("%s %s is a local path: revision %r is not used (a revision picks a snapshot of a "
+                           "repo id in the Hugging Face cache)", what, name, revision)
+        return path
+    if not looks_like_repo_id(name):
+        raise ModelLoadError(
+            f"{what} path {name!r} does not exist (kvserve loads a local Hugging Face directory, a .gguf file or "
+            f"the id of a repo already in the local Hugging Face cache; it never downloads)"
+        )
+    snapshot = _cached_snapshot(name, revision or "main", download_dir)
+    logger.info("%s %s: using the Hugging Face cache's snapshot %s", what, name, snapshot)
+    return snapshot
+
+
+def _cached_snapshot(repo_id: str, revision: str, download_dir: str | None) -> str:
+    """The snapshot directory of `repo_id` at `revision` in the cache, or ModelLoadError saying where it
+    looked, what the cache holds of the repo, and how to get it there.
+
+    Read directly (the layout huggingface_hub writes: models--org--name/{refs/<branch>, snapshots/<commit>})
+    rather than through snapshot_download(local_files_only=True), which builds a Hub client and whose
+    errors do not say what is cached."""
+    cache, source = hf_cache_dir(download_dir)
+    repo_dir = os.path.join(cache, "models--" + repo_id.replace("/", "--"))
+    commit = revision if _COMMIT.match(revision) else _read_ref(repo_dir, revision)
+    if commit is not None:
+        snapshot = os.path.join(repo_dir, "snapshots", commit)
+        if os.path.isdir(snapshot):
+            return snapshot
+    rev = "" if revision == "main" else f" --revision {revision}"
+    held = _cached_revisions(repo_dir)
+    found = (f"; the cache holds {held} of it" if held else
+             f"; the cache has no {repo_id}" if os.path.isdir(cache) else "; that directory does not exist")
+    where = f"the local Hugging Face cache {cache} (from {source})"
+    raise ModelLoadError(
+        f"{repo_id!r} is not a local path, and {where} has no snapshot of it at revision {revision!r}{found}. "
+        f"kvserve never downloads: run `huggingface-cli download {repo_id}{rev} --local-dir DIR` and pass DIR, "
+        f"or `huggingface-cli download {repo_id}{rev}` to fill the cache (HF_HUB_CACHE or --download-dir name "
+        f"another cache)"
+    )
+
+
+def _read_ref(repo_dir: str, revision: str) -> str | None:
+    try:
+        with open(os.path.join(repo_dir, "refs", revision), encoding="utf-8") as f:
+            return f.read().strip() or None
+    except (OSError, ValueError):
+        return None
+
+
+def _cached_revisions(repo_dir: str) -> str:
+    """'branches main, v1; snapshots 0123abc, ...' of a cached repo ('' when there is none)."""
+    refs_dir = os.path.join(repo_dir, "refs")
+    refs = []
+    for root, _, files in os.walk(refs_dir):
+        refs += [os.path.relpath(os.path.join(root, f), refs_dir) for f in files]
+    refs.sort()
+    try:
+        snapshots = sorted(os.listdir(os.path.join(repo_dir, "snapshots")))
+    except OSError:
+        snapshots = []
+    parts = ([f"branches/tags {', '.join(refs)}"] if refs else []) + (
+        [f"snapshots {', '.join(snapshots)}"] if snapshots else [])
+    return "; ".join(parts)
 
 
 def _check_model_file(path: str) -> str:

@@ -20,8 +20,8 @@ UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     """Every flag of the server: the model (positional or --model), engine flags, HTTP flags."""
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                        help="HF model directory or .gguf file (same as --model; default: SmolLM2-135M-Instruct "
-                             "GGUF)")
+                        help="HF model directory, .gguf file, or the id of an HF repo already in the local Hugging "
+                             "Face cache (same as --model; default: SmolLM2-135M-Instruct GGUF)")
     add_engine_args(parser)
     add_generation_config_args(parser)
     g = parser.add_argument_group("server")
