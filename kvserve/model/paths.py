@@ -58,6 +58,8 @@ def resolve_model_path(model: str | None, revision: str | None = None, download_
     is a directory without `config.json`, or a directory whose weights are not safetensors.
     """
     if model is None:
+        if revision is not None:
+            logger.warning("no model given: revision %r is not used (the default model is a local file)", revision)
         return default_model_path()
     path = locate(model, revision, download_dir, what="model")
     if os.path.isdir(path):

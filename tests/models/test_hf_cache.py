@@ -75,6 +75,15 @@ def test_revision_is_a_branch_tag_or_commit(hf_env: dict[str, str], caplog: pyte
     assert resolve_model_path(REPO, MAIN) == hf_env["main"]
 
 
+def test_the_same_snapshot_as_huggingface_hub_finds_offline(hf_env: dict[str, str]) -> None:
+    """The cache is read directly; huggingface_hub's own offline lookup agrees on the layout."""
+    from huggingface_hub import snapshot_download
+
+    for revision in ("main", "v2", V2):
+        assert resolve_model_path(REPO, revision) == os.path.abspath(
+            snapshot_download(REPO, revision=revision, cache_dir=hf_env["cache"], local_files_only=True))
+
+
 def test_tokenizer_ids_and_tokenizer_revision(hf_env: dict[str, str], tiny_model_dir: Callable[..., str]) -> None:
     """--tokenizer takes a cached id too, at --tokenizer-revision, which defaults to --revision (as vLLM)."""
     local = tiny_model_dir("llama")
