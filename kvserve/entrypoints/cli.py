@@ -36,7 +36,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step (default 8192)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     g.add_argument("--kv-cache-memory", default=None, help="KV cache size on CPU, e.g. 2GiB (default 1GiB)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory kvserve may use")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of the GPU's memory this instance may use (weights, activations, CUDA graphs, "
+                   "KV cache): a per-instance budget, as vLLM's; refused at start when less is free")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse KV blocks of shared prompt prefixes")
     g.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")

@@ -1,7 +1,9 @@
 """Owns the model, the KV cache tensors and the sampler; runs one SchedulerOutput per call.
 
 Start-up order (driven by EngineCore): construct (load weights, allocate persistent input buffers) ->
-`determine_num_blocks` (CPU: the --kv-cache-memory budget; GPU: a profiled forward, see `worker.memory`)
+`determine_num_blocks` (CPU: the --kv-cache-memory budget; GPU: a profiled forward, see `worker.memory`;
+the device's memory in use is read first, before the weights, and an instance whose --gpu-memory-utilization
+budget exceeds the free memory refuses to start there)
 -> `initialize_kv_cache` -> `capture_cuda_graphs` (GPU, unless enforce_eager).
 
 Per step: apply the scheduler's diffs to the runner's request states and block table, fill the persistent
@@ -36,7 +38,7 @@ from typing import Any
 import torch
 
 from kvserve import envs
-from kvserve.config import EngineConfig
+from kvserve.config import ConfigError, EngineConfig
 from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from kvserve.kernels import cublaslt, ops, triton_precompile
 from kvserve.layers.attention_metadata import AttentionMetadata
@@ -55,10 +57,12 @@ from kvserve.worker.cuda_graph import (
 from kvserve.worker.input_batch import BlockTable, InputBuffers
 from kvserve.worker.memory import (
     CUDA_GRAPH_RESERVE_BYTES,
+    GiB,
     KVCachePlan,
     MemoryProfile,
     plan_kv_cache,
     prefill_graph_reserve_bytes,
+    start_memory_error,
 )
 from kvserve.worker.piecewise import CudaGraphBackend, PiecewiseGraphs, piecewise_graph_sizes
 
@@ -250,6 +254,11 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device_config.device)
         prefer_cublaslt(self.device)
+        # total - free when this runner started using the device (CUDA), before its weights: the budget
+        # counts only what this process adds from here on (`worker.memory`).
+        self.in_use_at_start_bytes: int | None = None
+        if self.device.type == "cuda":
+            self.in_use_at_start_bytes = self.read_memory_at_start()
         self.dtype: torch.dtype = getattr(torch, config.model_config.dtype)
         self.block_size = config.cache_config.block_size
         self.model = load_model(config.model_config, self.device)
@@ -297,6 +306,22 @@ class ModelRunner:
 
     def weights_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def read_memory_at_start(self) -> int:
+        """The device's memory in use (total - free, every process's) as this runner starts: after the CUDA
+        context exists (`mem_get_info` creates it) and after this process's garbage and cached free blocks are
+        released (an earlier in-process engine's, which this one's weights would otherwise reuse unseen), before
+        the weights. Refuses to start (ConfigError) when the free memory is below what
+        --gpu-memory-utilization asks for, unless --num-gpu-blocks-override sizes the cache instead."""
+        gc.collect()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        cache = self.config.cache_config
+        if not cache.num_blocks:
+            error = start_memory_error(free, total, cache.gpu_memory_utilization)
+            if error is not None:
+                raise ConfigError(error)
+        return total - free
 
     def determine_num_blocks(self) -> int:
         """Blocks that fit the KV budget: `--kv-cache-memory` on CPU; on GPU what `gpu_memory_utilization`
@@ -378,10 +403,21 @@ class ModelRunner:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         use_graphs = self.config.use_cuda_graphs
+        weights = self.weights_bytes()
+        # Not read (a runner that did not start on CUDA): everything in use counts as this instance's.
+        at_start = self.in_use_at_start_bytes or 0
+        if total - free - at_start < weights:
+            logger.warning(
+                "GPU memory in use grew by %.2f GiB since this instance started, less than its %.2f GiB of weights: "
+                "another process released memory meanwhile; the KV cache is sized as if this one added only its "
+                "weights (start instances on a shared GPU one after another)",
+                (total - free - at_start) / GiB, weights / GiB,
+            )
         return MemoryProfile(
             total_bytes=total,
-            weights_bytes=self.weights_bytes(),
+            weights_bytes=weights,
             in_use_bytes=total - free,
+            in_use_at_start_bytes=at_start,
             activation_peak_bytes=peak,
             graph_reserve_bytes=(
                 CUDA_GRAPH_RESERVE_BYTES

@@ -15,7 +15,13 @@ The models here have no tokenizer: the engine core is driven with token ids dire
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import math
 import os
+import subprocess
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -32,6 +38,8 @@ pytestmark = [
 ]
 
 VOCAB = 1024
+MiB = 1 << 20
+GiB = 1 << 30
 
 
 def _tiny_checkpoint(directory: str, model_type: str, seed: int, **overrides: Any) -> str:
@@ -355,14 +363,14 @@ def test_llama3_rope_scaling_greedy_gpu_equals_cpu(tmp_path: Any) -> None:
 
 def test_kv_cache_sized_by_gpu_memory_utilization(checkpoints: dict[str, str]) -> None:
     """Without num_kv_blocks the engine profiles a forward at max_num_batched_tokens and gives the KV cache what
-    gpu_memory_utilization leaves: utilization x total - memory in use (weights and kept state) - the
-    activation peak - the graph reserve; a utilization that leaves less than one max_model_len request fails
-    at start with the flag to change."""
+    this instance's gpu_memory_utilization leaves: utilization x total - what this process added to the memory
+    in use since the runner started (weights, kept state, workspaces) - the activation peak - the graph reserve;
+    a utilization that leaves less than one max_model_len request fails at start with the flag to change, and
+    one above the free memory is refused before the weights load."""
     from kvserve.config import ConfigError
 
     path = checkpoints["llama-hd64"]
-    free, total = torch.cuda.mem_get_info()
-    utilization = round((total - free) / total + 0.05, 2)  # about 5 % of the GPU for this engine
+    utilization = 0.05  # about 5 % of the GPU for this engine, whatever else the GPU holds
     args = EngineArgs(model=path, dtype="float32", device="cuda", max_model_len=1024, max_num_seqs=16,
                       gpu_memory_utilization=utilization)
     core = EngineCore(args.create_engine_config())
@@ -370,8 +378,11 @@ def test_kv_cache_sized_by_gpu_memory_utilization(checkpoints: dict[str, str]) -
     profile, plan = runner.memory_profile, runner.kv_plan
     assert profile is not None and plan is not None and profile.activation_peak_bytes > 0
     per_block = runner.kv_cache_bytes_per_block()
-    assert profile.in_use_bytes >= profile.weights_bytes > 0 and profile.graph_reserve_bytes > 0
-    budget = (int(profile.total_bytes * utilization) - profile.in_use_bytes - profile.activation_peak_bytes
+    grown = profile.in_use_bytes - profile.in_use_at_start_bytes  # this process's, since the runner's start
+    assert profile.in_use_at_start_bytes > 0  # the CUDA context at least
+    assert grown >= profile.weights_bytes > 0 and profile.graph_reserve_bytes > 0
+    assert profile.process_bytes == grown
+    budget = (int(profile.total_bytes * utilization) - grown - profile.activation_peak_bytes
               - profile.graph_reserve_bytes)
     assert core.capacity.num_blocks == plan.num_blocks == budget // per_block > 0
     kept = runner.sampler.penalty_counts  # the profile's sampling pass left them sized for every row
@@ -380,12 +391,84 @@ def test_kv_cache_sized_by_gpu_memory_utilization(checkpoints: dict[str, str]) -
     assert all(len(t) == 8 for t in tokens)
     del core, runner
     torch.cuda.empty_cache()
-    used = (total - torch.cuda.mem_get_info()[0]) / total
-    # 0.1 % past what is in use: less than the graph reserve alone, so no block fits.
+    # Rounded down from the weights, the activation peak and the graph reserve over the total: what it leaves
+    # for the KV cache is at most weights - growth <= 0 (the growth is at least the weights), so no block fits.
+    tight_utilization = math.floor(
+        (profile.weights_bytes + profile.activation_peak_bytes + profile.graph_reserve_bytes)
+        / profile.total_bytes * 1000
+    ) / 1000
+    assert tight_utilization > 0
     tight = EngineArgs(model=path, dtype="float32", device="cuda", max_model_len=1024, max_num_seqs=16,
-                       gpu_memory_utilization=round(used + 0.001, 3))
-    with pytest.raises(ConfigError, match="--gpu-memory-utilization"):
+                       gpu_memory_utilization=tight_utilization)
+    with pytest.raises(ConfigError, match="raise --gpu-memory-utilization"):
         EngineCore(tight.create_engine_config())
+    # The whole GPU is never free (this process's CUDA context): refused at start, naming the numbers.
+    whole = EngineArgs(model=path, dtype="float32", device="cuda", max_model_len=1024, max_num_seqs=16,
+                       gpu_memory_utilization=1.0)
+    with pytest.raises(ConfigError, match=r"GiB is free at start, less than the .* GiB that "
+                                          r"--gpu-memory-utilization 1\.00 asks for this instance"):
+        EngineCore(whole.create_engine_config())
+
+
+@contextlib.contextmanager
+def _memory_held(num_bytes: int, where: str) -> Iterator[None]:
+    """`num_bytes` of GPU memory held while the block runs: by a child process (its own CUDA context too), or
+    by this process before the engine starts (the runner's start reading counts it as not the engine's)."""
+    if where == "this process":
+        block = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+        try:
+            yield
+        finally:
+            del block
+            torch.cuda.empty_cache()
+        return
+    code = (f"import sys, torch; block = torch.empty({num_bytes}, dtype=torch.uint8, device='cuda'); "
+            "torch.cuda.synchronize(); print('held', flush=True); sys.stdin.read()")
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "held", "the child holds no memory"
+        yield
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait(timeout=60)
+
+
+def test_kv_cache_budget_is_per_instance(checkpoints: dict[str, str]) -> None:
+    """--gpu-memory-utilization is a per-instance budget, as vLLM's: with 4 GiB held by another process, or by
+    this process before the engine starts, the KV cache gets what it gets without them (within 256 MiB: the
+    engines' own measurements; a first engine in the process, which also makes the process's one-time
+    allocations, is started and dropped first). Sizing by the device-wide memory in use gave 4 GiB less."""
+    held = 4 * GiB
+    utilization = 0.1
+    free, total = torch.cuda.mem_get_info()
+    if free < utilization * total + held + 2 * GiB:
+        pytest.skip(f"needs {utilization * total / GiB + 6:.0f} GiB free, {free / GiB:.1f} GiB is")
+    args = EngineArgs(model=checkpoints["llama-hd64"], dtype="float32", device="cuda", max_model_len=1024,
+                      max_num_seqs=16, gpu_memory_utilization=utilization)
+
+    def start() -> tuple[int, int]:
+        """The KV budget and the memory in use at the runner's start, of an engine started and dropped."""
+        core = EngineCore(args.create_engine_config())
+        try:
+            profile, plan = core.runner.memory_profile, core.runner.kv_plan
+            assert profile is not None and plan is not None
+            return plan.budget_bytes, profile.in_use_at_start_bytes
+        finally:
+            core.shutdown()
+            del core
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    start()  # the process's one-time allocations (cuBLAS workspaces, loaded kernels) made here
+    alone, at_start_alone = start()
+    assert alone > GiB
+    for where in ("other process", "this process"):
+        with _memory_held(held, where):
+            shared, at_start = start()
+        assert at_start - at_start_alone >= held - 256 * MiB, where  # the held memory was seen at start
+        assert abs(shared - alone) <= 256 * MiB, (where, shared / GiB, alone / GiB)
 
 
 @pytest.mark.parametrize("model", list(MODELS))
