@@ -29,7 +29,8 @@ _DTYPE_ALIASES = {
 }
 
 
-LOAD_FORMATS = ("auto", "dummy")
+# vLLM's names: "safetensors" and "gguf" load as "auto" does, once the model is checked to be of that kind.
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
 # Decode batch sizes captured as CUDA graphs when EngineArgs.cuda_graph_sizes is not given (capped at
 # max_num_seqs): dense where small batches are common, every 16 up to 256, then every 64. The matmuls' time is
@@ -251,6 +252,7 @@ class EngineArgs:
             model_path = _resolve_config_only_path(self.model, self.revision, self.download_dir)
         else:
             model_path = resolve_model_path(self.model, self.revision, self.download_dir)
+            _check_load_format(self.load_format, model_path)
         tokenizer_revision = self.tokenizer_revision if self.tokenizer_revision is not None else self.revision
         if self.tokenizer is None:
             tokenizer_path = model_path
@@ -368,6 +370,17 @@ def resolve_cuda_graph_sizes(
     if not sizes or sizes[-1] < max_num_seqs:
         sizes.append(max_num_seqs)
     return tuple(sizes)
+
+
+def _check_load_format(load_format: str, model_path: str) -> None:
+    """--load-format safetensors needs an HF directory, gguf a .gguf file (both then load as auto)."""
+    is_gguf = os.path.isfile(model_path) and model_path.lower().endswith(".gguf")
+    if load_format == "safetensors" and is_gguf:
+        raise ConfigError(f"--load-format safetensors needs an HF model directory, but {model_path} is a GGUF file; "
+                          "pass --load-format gguf or auto")
+    if load_format == "gguf" and not is_gguf:
+        raise ConfigError(f"--load-format gguf needs a .gguf file, but {model_path} is not one; pass "
+                          "--load-format safetensors or auto")
 
 
 def _resolve_config_only_path(model: str | None, revision: str | None, download_dir: str | None) -> str:

@@ -24,6 +24,9 @@ def _str(name: str, default: str | None) -> str | None:
 KVSERVE_CPU_KVCACHE_SPACE_GIB: int = _int("KVSERVE_CPU_KVCACHE_SPACE", 1)
 # API key for the OpenAI-compatible server when --api-key is not given.
 KVSERVE_API_KEY: str | None = _str("KVSERVE_API_KEY", None)
+# vLLM's name for it, read when neither --api-key nor KVSERVE_API_KEY is given (a vLLM deployment's
+# environment keeps its authentication).
+VLLM_API_KEY: str | None = _str("VLLM_API_KEY", None)
 # Log level of the kvserve logger.
 KVSERVE_LOGGING_LEVEL: str = _str("KVSERVE_LOGGING_LEVEL", "INFO") or "INFO"
 # One-prompt prefills at least this long use cuDNN's attention kernel (0: never). Unset (-1): 1024 on sm_90
@@ -78,6 +81,22 @@ KVSERVE_DECODE_GEMM_CHOICES: bool = _int("KVSERVE_DECODE_GEMM_CHOICES", 1) != 0
 # $XDG_CACHE_HOME/kvserve, else ~/.cache/kvserve.
 KVSERVE_CACHE_DIR: str = _str("KVSERVE_CACHE_DIR", None) or os.path.join(
     _str("XDG_CACHE_HOME", None) or os.path.join(os.path.expanduser("~"), ".cache"), "kvserve")
+
+
+# vLLM's variables with a kvserve equivalent (VLLM_API_KEY is read itself, above).
+VLLM_ENV_EQUIVALENTS: dict[str, str] = {
+    "VLLM_CPU_KVCACHE_SPACE": "KVSERVE_CPU_KVCACHE_SPACE",
+    "VLLM_LOGGING_LEVEL": "KVSERVE_LOGGING_LEVEL",
+    "VLLM_CACHE_ROOT": "KVSERVE_CACHE_DIR",
+}
+
+
+def unread_vllm_env_vars() -> list[str]:
+    """The VLLM_* variables set that kvserve does not read, sorted, each with kvserve's equivalent where
+    there is one ("VLLM_LOGGING_LEVEL (use KVSERVE_LOGGING_LEVEL)")."""
+    names = sorted(name for name in os.environ if name.startswith("VLLM_") and name != "VLLM_API_KEY")
+    return [f"{name} (use {VLLM_ENV_EQUIVALENTS[name]})" if name in VLLM_ENV_EQUIVALENTS else name
+            for name in names]
 
 
 def triton_interpreting() -> bool:

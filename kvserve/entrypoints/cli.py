@@ -8,6 +8,14 @@ import sys
 from collections.abc import Sequence
 
 from kvserve import __version__
+from kvserve.entrypoints.vllm_compat import (
+    add_ignored_engine_args,
+    human_readable_int,
+    ignored_flag_notes,
+    parse_args_or_refuse,
+)
+
+logger = logging.getLogger(__name__)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +35,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="the Hugging Face cache directory to find repo ids in (default: $HF_HUB_CACHE, else "
                    "$HF_HOME/hub, else ~/.cache/huggingface/hub); kvserve never downloads into it")
     g.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bf16 on GPUs that have it), float32, float16, bfloat16")
-    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output in tokens (default: the model's limit)")
+    g.add_argument("--max-model-len", type=human_readable_int, default=None,
+                   help="longest prompt + output in tokens, e.g. 8192, 32k (32,000) or 32K (32,768) (default: the "
+                   "model's limit)")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="fcfs: requests run in arrival order; priority: by each request's `priority` (lower "
@@ -67,9 +77,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    "hold is refused")
     g.add_argument("--seed", type=int, default=0, help="seed of the sampler's shared random generator")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
-                   help="auto: the checkpoint's weights; dummy: random weights of the model's shape (needs only "
-                   "config.json; for benchmarks)")
+    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"],
+                   help="auto: the checkpoint's weights; safetensors / gguf: the same, checked to be an HF directory "
+                   "/ a .gguf file; dummy: random weights of the model's shape (needs only config.json; for "
+                   "benchmarks)")
+    add_ignored_engine_args(parser)
 
 
 def add_generation_config_args(parser: argparse.ArgumentParser) -> None:
@@ -116,9 +128,16 @@ def engine_args_from(ns: argparse.Namespace) -> dict[str, object]:
     }
 
 
+def log_ignored_flags(ns: argparse.Namespace) -> None:
+    """One warning per vLLM flag given that kvserve accepts and ignores."""
+    for note in ignored_flag_notes(ns):
+        logger.warning("%s", note)
+
+
 def _cmd_generate(ns: argparse.Namespace) -> int:
     from kvserve import LLM, SamplingParams
 
+    log_ignored_flags(ns)
     llm = LLM(**engine_args_from(ns))
     params = SamplingParams(
         temperature=ns.temperature,
@@ -156,6 +175,7 @@ def _cmd_triton_repo(ns: argparse.Namespace) -> int:
     from kvserve.config import EngineArgs
     from kvserve.integrations.triton.repo import write_repository
 
+    log_ignored_flags(ns)
     args = engine_args_from(ns)
     for key in ("model", "tokenizer", "generation_config", "download_dir"):  # Triton runs from its own directory
         if key == "generation_config" and args[key] in ("auto", "vllm"):  # its modes, not directories
@@ -269,7 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns = parse_args_or_refuse(parser, argv, {command: f"kvserve {command}" for command in
+                                             ("generate", "serve", "bench", "triton-repo", "route")})
     try:
         return int(ns.func(ns))
     except ValueError as e:  # ConfigError, ModelLoadError, bad sampling params, rejected requests

@@ -49,7 +49,8 @@ from kvserve.config import EngineArgs, EngineConfig
 from kvserve.engine.async_llm import AsyncLLM
 from kvserve.engine.core_client import EngineAttachment, EngineCoreClient, EngineDeadError
 from kvserve.engine.heap import freeze_startup_heap
-from kvserve.entrypoints.openai.cli_args import make_arg_parser, server_engine_args
+from kvserve.entrypoints.cli import log_ignored_flags
+from kvserve.entrypoints.openai.cli_args import DEFAULT_HOST, make_arg_parser, server_engine_args
 from kvserve.entrypoints.openai.errors import BadRequestError, OpenAIError, error_response
 from kvserve.entrypoints.openai.middleware import GuardMiddleware, ServerState
 from kvserve.entrypoints.openai.protocol import (
@@ -86,6 +87,7 @@ from kvserve.entrypoints.openai.serving_completion import (
     completion_stream,
     prepare_completion,
 )
+from kvserve.entrypoints.vllm_compat import parse_args_or_refuse
 from kvserve.metrics.log_stats import LoggingStatLogger
 from kvserve.metrics.prometheus import PrometheusStatLogger, enable_multiprocess
 from kvserve.model.generation_defaults import describe as describe_sampling_defaults
@@ -144,11 +146,15 @@ class SSEResponse(Response):
 
 
 def build_app(ctx: ServingContext, state: ServerState, metrics: PrometheusStatLogger, api_key: str | None,
-              max_body_bytes: int, cors: dict[str, Any] | None = None) -> ASGIApp:
+              max_body_bytes: int, cors: dict[str, Any] | None = None, force_include_usage: bool = False,
+              docs: bool = True) -> ASGIApp:
     """The FastAPI app wrapped in the guard middleware (413 / 401 / 503 while draining) and, with `cors`
     (CORSMiddleware's settings), in CORS outermost: browsers' preflight requests are answered before the
-    API key is asked for, and the guard's errors carry the CORS headers too."""
-    app = FastAPI(title="kvserve OpenAI-compatible API", version=__version__)
+    API key is asked for, and the guard's errors carry the CORS headers too. `force_include_usage`: every
+    stream ends with a usage chunk (--enable-force-include-usage); `docs=False`: no /docs, /redoc,
+    /openapi.json (--disable-fastapi-docs)."""
+    hidden: dict[str, Any] = {} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="kvserve OpenAI-compatible API", version=__version__, **hidden)
     _add_error_handlers(app)
     engine = ctx.engine
 
@@ -188,7 +194,7 @@ def build_app(ctx: ServingContext, state: ServerState, metrics: PrometheusStatLo
         chat = await ctx.off_loop(prepare_chat, ctx, body)
         if body.stream:
             options = body.stream_options
-            return SSEResponse(chat_stream(ctx, chat, bool(options and options.include_usage),
+            return SSEResponse(chat_stream(ctx, chat, force_include_usage or bool(options and options.include_usage),
                                            bool(options and options.continuous_usage_stats)))
         return JSONResponse(await run_unless_disconnected(raw, chat_full(ctx, chat)))
 
@@ -198,7 +204,8 @@ def build_app(ctx: ServingContext, state: ServerState, metrics: PrometheusStatLo
         cmpl = await ctx.off_loop(prepare_completion, ctx, body)
         if body.stream:
             options = body.stream_options
-            return SSEResponse(completion_stream(ctx, cmpl, bool(options and options.include_usage),
+            return SSEResponse(completion_stream(ctx, cmpl,
+                                                 force_include_usage or bool(options and options.include_usage),
                                                  bool(options and options.continuous_usage_stats)))
         return JSONResponse(await run_unless_disconnected(raw, completion_full(ctx, cmpl)))
 
@@ -441,15 +448,19 @@ async def _serve_app(ns: argparse.Namespace, config: EngineConfig, engine: Async
     )
     try:
         state = ServerState()
-        api_key = ns.api_key or envs.KVSERVE_API_KEY or None  # empty = no key, as vLLM
+        api_key = ns.api_key or envs.KVSERVE_API_KEY or envs.VLLM_API_KEY or None  # empty = no key, as vLLM
         cors = {"allow_origins": ns.allowed_origins, "allow_methods": ns.allowed_methods,
                 "allow_headers": ns.allowed_headers, "allow_credentials": ns.allow_credentials}
         if ns.allow_credentials and "*" in ns.allowed_origins and index == 0:
             logger.warning("--allow-credentials with --allowed-origins '[\"*\"]': every web site may send credentialed "
                            "requests (cookies) and read the answers; list the origins you trust")
-        app = build_app(ctx, state, metrics, api_key, ns.max_request_body_bytes, cors)
+        app = build_app(ctx, state, metrics, api_key, ns.max_request_body_bytes, cors,
+                        force_include_usage=ns.enable_force_include_usage, docs=not ns.disable_fastapi_docs)
         uv_config = uvicorn.Config(
             app,
+            ssl_keyfile=ns.ssl_keyfile,
+            ssl_certfile=ns.ssl_certfile,
+            ssl_ca_certs=ns.ssl_ca_certs,
             root_path=ns.root_path,
             log_level=ns.uvicorn_log_level,
             access_log=not ns.disable_uvicorn_access_log,
@@ -467,8 +478,7 @@ async def _serve_app(ns: argparse.Namespace, config: EngineConfig, engine: Async
             on_ready()
         if index == 0:
             processes = f" ({count} API server processes)" if count > 1 else ""
-            logger.info("serving %s on http://%s:%d (OpenAI API under /v1)%s", served_names[0], host, port,
-                        processes)
+            logger.info("%s", serving_line(served_names[0], ns, host, port, processes))
             if ctx.sampling_defaults:
                 logger.info("%s", describe_sampling_defaults(ctx.sampling_defaults))
         await server.serve(sockets=[sock])
@@ -477,6 +487,14 @@ async def _serve_app(ns: argparse.Namespace, config: EngineConfig, engine: Async
         return server.exit_code
     finally:
         ctx.prepare_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def serving_line(name: str, ns: argparse.Namespace, host: str, port: int, processes: str = "") -> str:
+    """The start-up line that says where the server listens; at the default host it says that only this
+    machine reaches it (vLLM's default listens on every interface)."""
+    scheme = "https" if ns.ssl_certfile else "http"
+    local = " (this machine only; --host 0.0.0.0 to accept others)" if ns.host == DEFAULT_HOST else ""
+    return f"serving {name} on {scheme}://{host}:{port}{local} (OpenAI API under /v1){processes}"
 
 
 async def serve(ns: argparse.Namespace, config: EngineConfig) -> int:
@@ -692,12 +710,16 @@ def run_server(ns: argparse.Namespace) -> int:
     except ValueError as e:  # ConfigError, ModelLoadError, conflicting flags
         print(f"kvserve serve: error: {e}", file=sys.stderr)
         return 2
+    log_ignored_flags(ns)
+    unread = envs.unread_vllm_env_vars()
+    if unread:
+        logger.warning("vLLM environment variables kvserve does not read: %s", ", ".join(unread))
     return asyncio.run(serve(ns, config))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = make_arg_parser(prog="python -m kvserve.entrypoints.openai.api_server")
-    return run_server(parser.parse_args(argv))
+    return run_server(parse_args_or_refuse(parser, argv))
 
 
 if __name__ == "__main__":

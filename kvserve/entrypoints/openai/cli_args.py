@@ -11,9 +11,11 @@ import json
 from kvserve.entrypoints.cli import add_engine_args, add_generation_config_args, engine_args_from
 from kvserve.entrypoints.openai.reasoning_parsers import REASONING_PARSERS  # (a light module)
 from kvserve.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS  # (a light module)
+from kvserve.entrypoints.vllm_compat import add_ignored_server_args
 from kvserve.protocol.sampling_params import MAX_LOGPROBS  # (a light module)
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20
+DEFAULT_HOST = "127.0.0.1"  # this machine only (vLLM's default is every interface)
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
@@ -28,10 +30,22 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model name(s) clients use in the `model` field; the first is reported in responses and "
                         "metrics (default: the model argument as given, as vLLM; without one, the default model's file name)")
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all interfaces)")
+    g.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (default 127.0.0.1; 0.0.0.0 for all interfaces)")
     g.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     g.add_argument("--api-key", default=None,
-                   help="require `Authorization: Bearer <key>` on /v1/* (default: $KVSERVE_API_KEY; none = open)")
+                   help="require `Authorization: Bearer <key>` on /v1/* (default: $KVSERVE_API_KEY, else $VLLM_API_KEY; "
+                        "none = open)")
+    g.add_argument("--ssl-keyfile", default=None, metavar="FILE",
+                   help="serve HTTPS: the private key file (PEM), with --ssl-certfile")
+    g.add_argument("--ssl-certfile", default=None, metavar="FILE",
+                   help="serve HTTPS: the certificate chain file (PEM), with --ssl-keyfile")
+    g.add_argument("--ssl-ca-certs", default=None, metavar="FILE",
+                   help="with HTTPS: CA certificates (PEM) that client certificates are checked against")
+    g.add_argument("--enable-force-include-usage", action="store_true",
+                   help="every streamed response ends with a usage chunk, also when the request's stream_options "
+                        "do not ask for one (non-streamed responses always carry usage)")
+    g.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="no /docs, /redoc or /openapi.json")
     g.add_argument("--chat-template", default=None,
                    help="chat template replacing the tokenizer's: a file path or the Jinja template text")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -80,6 +94,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="HTTP API processes sharing the port and the engine (default 1). One process handles "
                         "HTTP, tokenization and detokenization on one core; a small model's engine at hundreds "
                         "of streams can outrun it")
+    add_ignored_server_args(parser)
 
 
 def _max_logprobs(text: str) -> int:
@@ -127,6 +142,13 @@ def server_engine_args(ns: argparse.Namespace) -> dict[str, object]:
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (one of: "
                          f"{', '.join(TOOL_CALL_PARSERS)})")
+    if ns.enable_reasoning and ns.reasoning_parser is None:
+        raise ValueError("--enable-reasoning needs --reasoning-parser (one of: "
+                         f"{', '.join(REASONING_PARSERS)}), which alone turns reasoning on")
+    if (ns.ssl_keyfile is None) != (ns.ssl_certfile is None):
+        raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+    if ns.ssl_ca_certs is not None and ns.ssl_certfile is None:
+        raise ValueError("--ssl-ca-certs needs --ssl-keyfile and --ssl-certfile (HTTPS)")
     args = engine_args_from(ns)
     args["model"] = ns.model_tag if ns.model_tag is not None else ns.model
     args["served_model_name"] = ns.served_model_name[0] if ns.served_model_name else None

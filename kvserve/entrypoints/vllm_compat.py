@@ -1,0 +1,174 @@
+"""vLLM command lines that run unchanged: vLLM flags kvserve accepts and ignores (each reported at start as
+"ignored: <why>"), vLLM flags it refuses by name (instead of argparse's bare "unrecognized arguments"), and
+vLLM's human-readable sizes (`--max-model-len 32k`).
+
+Kept free of heavy imports: `kvserve --help` builds the parsers that use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Callable, Sequence
+
+# vLLM flags kvserve does not support -> what to do instead ("" where there is nothing to suggest).
+_TEXT_ONLY = "kvserve serves text-only models"
+_NO_LORA = "merge the adapter into the model's weights and serve the merged checkpoint"
+UNSUPPORTED_VLLM_FLAGS: dict[str, str] = {
+    "--enable-lora": _NO_LORA,
+    "--lora-modules": _NO_LORA,
+    "--max-loras": _NO_LORA,
+    "--max-lora-rank": _NO_LORA,
+    "--speculative-config": "",
+    "--cpu-offload-gb": "to fit a GPU, lower --max-model-len or --max-num-seqs, use a quantized checkpoint (AWQ, "
+                        "GPTQ, GGUF) or split the model with --tensor-parallel-size",
+    "--enable-sleep-mode": "",
+    "--kv-transfer-config": "",
+    "--limit-mm-per-prompt": _TEXT_ONLY,
+    "--mm-processor-kwargs": _TEXT_ONLY,
+    "--compilation-config": "kvserve captures CUDA graphs itself; --enforce-eager turns them off",
+    "-O": "kvserve captures CUDA graphs itself; --enforce-eager turns them off",
+    "--hf-overrides": "edit a copy of the model's config.json",
+    "--rope-scaling": "set rope_scaling in a copy of the model's config.json",
+    "--config": "pass the flags on the command line",
+}
+
+
+def unsupported_vllm_flag(args: Sequence[str]) -> str | None:
+    """The first of `args` (argparse's unrecognized arguments) that is a vLLM flag kvserve does not support."""
+    for arg in args:
+        name = arg.split("=", 1)[0]
+        if name in UNSUPPORTED_VLLM_FLAGS:
+            return name
+        if arg.startswith("-O") and not arg.startswith("--"):  # -O3, -O 3, -O.level=3
+            return "-O"
+    return None
+
+
+def refusal(prog: str, flag: str) -> str:
+    """The error line for a vLLM flag kvserve does not support."""
+    alternative = UNSUPPORTED_VLLM_FLAGS[flag]
+    return f"{prog}: error: {flag} is a vLLM option kvserve does not support" + (
+        f"; {alternative}" if alternative else "")
+
+
+def parse_args_or_refuse(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
+                         prog_of: dict[str, str] | None = None) -> argparse.Namespace:
+    """`parser.parse_args(argv)`, except that a known vLLM flag kvserve does not support is refused by name
+    (exit 2, as argparse's errors). `prog_of` names the program by subcommand (ns.command)."""
+    ns, extras = parser.parse_known_args(argv)
+    if extras:
+        flag = unsupported_vllm_flag(extras)
+        if flag is not None:
+            prog = (prog_of or {}).get(getattr(ns, "command", None) or "", parser.prog)
+            parser.exit(2, refusal(prog, flag) + "\n")
+        parser.error(f"unrecognized arguments: {' '.join(extras)}")
+    return ns
+
+
+# ----------------------------------------------------------------------------- human-readable sizes
+
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_readable_int(text: str) -> int:
+    """vLLM's rule: a whole number, or a number with a suffix: k, m, g, t are powers of 1000 and may follow a
+    decimal (25.6k = 25600); K, M, G, T are powers of 1024 and follow a whole number (1K = 1024)."""
+    value = text.strip()
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", value)
+    if match is None:
+        try:
+            return int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected a whole number, optionally with a suffix (k, m, g: x1000; K, M, G: x1024), e.g. 8192, "
+                f"32k or 32K, got {text!r}") from None
+    number, suffix = match.groups()
+    if suffix in _DECIMAL:
+        return int(float(number) * _DECIMAL[suffix])
+    if "." in number:
+        raise argparse.ArgumentTypeError(
+            f"a binary suffix ({suffix}, x{_BINARY[suffix]}) takes a whole number, got {text!r}; did you mean "
+            f"{number}{suffix.lower()} (x{_DECIMAL[suffix.lower()]})?")
+    return int(number) * _BINARY[suffix]
+
+
+# ----------------------------------------------------------------------------- flags accepted and ignored
+
+
+def _kv_cache_dtype(text: str) -> str:
+    if text != "auto":
+        raise argparse.ArgumentTypeError(
+            f"only 'auto' is accepted, got {text!r}: kvserve keeps the KV cache in the model's dtype (--dtype)")
+    return text
+
+
+def _just_one(alternative: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value != 1:
+            raise argparse.ArgumentTypeError(f"only 1 is accepted, got {value}: {alternative}")
+        return value
+
+    return parse
+
+
+def add_ignored_engine_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM engine flags that change nothing in kvserve, accepted so vLLM command lines run (not in --help:
+    README lists them). Values that would change something in vLLM are refused."""
+    p, hide = parser, argparse.SUPPRESS
+    p.add_argument("--swap-space", type=float, default=None, help=hide)
+    p.add_argument("--kv-cache-dtype", type=_kv_cache_dtype, default=None, help=hide)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=_just_one(
+        "kvserve has no pipeline parallelism; split a model over GPUs with --tensor-parallel-size, or run "
+        "several servers behind `kvserve route`"), default=None, help=hide)
+    p.add_argument("--data-parallel-size", "-dp", type=_just_one(
+        "for data parallelism run several servers (one per GPU or group of GPUs) behind `kvserve route`"),
+        default=None, help=hide)
+    p.add_argument("--distributed-executor-backend", choices=["mp", "uni"], default=None, help=hide)
+    p.add_argument("--tokenizer-mode", choices=["auto"], default=None, help=hide)
+    p.add_argument("--max-seq-len-to-capture", type=int, default=None, help=hide)
+    p.add_argument("--disable-custom-all-reduce", action="store_true", default=None, help=hide)
+    p.add_argument("--task", choices=["auto", "generate"], default=None, help=hide)
+    p.add_argument("--guided-decoding-backend", choices=["auto", "guidance", "xgrammar", "outlines"], default=None,
+                   help=hide)
+
+
+def add_ignored_server_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM server flags that change nothing in kvserve (see add_ignored_engine_args)."""
+    hide = argparse.SUPPRESS
+    parser.add_argument("--enable-reasoning", action="store_true", default=None, help=hide)
+    parser.add_argument("--enable-prompt-tokens-details", action="store_true", default=None, help=hide)
+
+
+# dest -> why it changes nothing here
+_IGNORED_WHY: dict[str, tuple[str, str]] = {
+    "swap_space": ("--swap-space", "kvserve preempts requests by recomputing them, so it swaps nothing to the CPU"),
+    "kv_cache_dtype": ("--kv-cache-dtype auto", "the KV cache is kept in the model's dtype, which is auto"),
+    "pipeline_parallel_size": ("--pipeline-parallel-size 1", "1 is the only size"),
+    "data_parallel_size": ("--data-parallel-size 1", "1 is the only size"),
+    "distributed_executor_backend": ("--distributed-executor-backend",
+                                     "tensor-parallel ranks always run as processes of this machine"),
+    "tokenizer_mode": ("--tokenizer-mode auto", "the model's fast tokenizer is always used"),
+    "max_seq_len_to_capture": ("--max-seq-len-to-capture",
+                               "kvserve's CUDA graphs serve every length up to --max-model-len"),
+    "disable_custom_all_reduce": ("--disable-custom-all-reduce", "tensor parallelism all-reduces with NCCL"),
+    "task": ("--task", "kvserve serves text generation only"),
+    "guided_decoding_backend": ("--guided-decoding-backend", "structured output always uses llguidance"),
+    "enable_reasoning": ("--enable-reasoning", "--reasoning-parser turns reasoning on"),
+    "enable_prompt_tokens_details": ("--enable-prompt-tokens-details",
+                                     "usage always carries prompt_tokens_details.cached_tokens"),
+}
+
+
+def ignored_flag_notes(ns: argparse.Namespace) -> list[str]:
+    """One "ignored: <why>" line for each accepted-and-ignored vLLM flag given."""
+    notes = []
+    for dest, (flag, why) in _IGNORED_WHY.items():
+        if getattr(ns, dest, None) not in (None, False):
+            notes.append(f"{flag} ignored: {why}")
+    return notes

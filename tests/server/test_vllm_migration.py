@@ -1,0 +1,96 @@
+"""A vLLM deployment moved to kvserve: VLLM_API_KEY keeps the server closed, other VLLM_* variables and
+vLLM's harmless flags are reported at start, --enable-force-include-usage, --disable-fastapi-docs, the
+start-up line at the default host, and HTTPS with --ssl-keyfile / --ssl-certfile."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from .conftest import STARTUP_TIMEOUT_S, ServerProcess, read_sse
+
+VLLM_KEY = "key-from-vllm-env"
+FLAGS = ["--served-model-name", "tiny", "--max-model-len", "64", "--kv-cache-memory", "64MiB"]
+
+
+def _certificate(directory: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 made with the openssl command (the test skips without it)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is not installed")
+    key, cert = directory / "key.pem", directory / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "2", "-subj", "/CN=127.0.0.1"], check=True, capture_output=True, timeout=60)
+    return key, cert
+
+
+@pytest.fixture(scope="module")
+def servers(launch_server: Callable[..., ServerProcess], tiny_llama_dir: str,
+            tmp_path_factory: pytest.TempPathFactory) -> dict[str, ServerProcess]:
+    """Both servers launched together (their start-ups overlap), waited for by the tests."""
+    vllm_env = {"VLLM_API_KEY": VLLM_KEY, "KVSERVE_API_KEY": "", "VLLM_USE_V1": "1",
+                "VLLM_LOGGING_LEVEL": "DEBUG"}
+    launched = {"vllm": launch_server([tiny_llama_dir, *FLAGS, "--swap-space", "4", "--enable-force-include-usage",
+                                       "--disable-fastapi-docs"], wait=False, env=vllm_env)}
+    key, cert = _certificate(tmp_path_factory.mktemp("tls"))
+    launched["https"] = launch_server([tiny_llama_dir, *FLAGS, "--ssl-keyfile", str(key), "--ssl-certfile",
+                                       str(cert)], wait=False, env={"KVSERVE_API_KEY": ""})
+    return launched
+
+
+def test_a_vllm_deployments_environment_and_flags(servers: dict[str, ServerProcess]) -> None:
+    server = servers["vllm"].wait_ready()
+    base, auth = server.base_url, {"Authorization": f"Bearer {VLLM_KEY}"}
+    # VLLM_API_KEY (no --api-key, no KVSERVE_API_KEY): the API is closed to requests without it
+    assert httpx.get(base + "/v1/models", timeout=10).status_code == 401
+    assert httpx.get(base + "/v1/models", headers={"Authorization": "Bearer other"}, timeout=10).status_code == 401
+    assert httpx.get(base + "/v1/models", headers=auth, timeout=10).status_code == 200
+
+    log = server.log()
+    assert ("vLLM environment variables kvserve does not read: VLLM_LOGGING_LEVEL (use KVSERVE_LOGGING_LEVEL), "
+            "VLLM_USE_V1") in log
+    assert log.count("--swap-space ignored: kvserve preempts requests by recomputing them") == 1
+    assert "on http://127.0.0.1:" in log and "(this machine only; --host 0.0.0.0 to accept others)" in log
+
+    # --enable-force-include-usage: a stream that did not ask for usage ends with it anyway
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", base + "/v1/chat/completions", headers=auth, json=chat, timeout=60) as response:
+        events = read_sse(response)
+    assert events[-1] == "[DONE]" and isinstance(events[-2], dict), events
+    assert events[-2]["usage"]["completion_tokens"] == 3 and events[-2]["choices"] == []
+    completion = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", base + "/v1/completions", headers=auth, json=completion, timeout=60) as response:
+        events = read_sse(response)
+    assert isinstance(events[-2], dict) and events[-2]["usage"]["completion_tokens"] == 2, events
+
+    # --disable-fastapi-docs
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert httpx.get(base + path, headers=auth, timeout=10).status_code == 404, path
+
+
+def test_https_with_a_self_signed_certificate(servers: dict[str, ServerProcess]) -> None:
+    server = servers["https"]
+    base = server.base_url.replace("http://", "https://")
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while True:
+        assert server.proc.poll() is None, f"server exited during start-up:\n{server.log()}"
+        try:
+            if httpx.get(base + "/health", verify=False, timeout=2.0).status_code == 200:
+                server.engine_pid = server._find_engine_pid()  # stopped with it at the end
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"not healthy over HTTPS within {STARTUP_TIMEOUT_S} s:\n{server.log()}"
+        time.sleep(0.2)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    reply = httpx.post(base + "/v1/chat/completions", json=chat, verify=False, timeout=60)
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] >= 1, reply.text
+    with pytest.raises(httpx.HTTPError):  # plain HTTP is not served on that port
+        httpx.get(server.base_url + "/health", timeout=5)
+    assert "on https://127.0.0.1:" in server.log()

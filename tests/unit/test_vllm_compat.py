@@ -1,0 +1,191 @@
+"""vLLM command lines and environments: flags accepted and ignored (each noted at start), flags refused by
+name, human-readable --max-model-len, --load-format's vLLM names, VLLM_* environment variables, the start-up
+line at the default host."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from kvserve.entrypoints.cli import build_parser, engine_args_from, main
+
+
+def _serve(*flags: str) -> argparse.Namespace:
+    return build_parser().parse_args(["serve", "/models/m", *flags])
+
+
+def _exit_message(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, value", [
+    ("8192", 8192), ("1k", 1000), ("1K", 1024), ("25.6k", 25600), ("32k", 32000), ("32K", 32768),
+    ("2m", 2_000_000), ("1M", 1 << 20), ("1g", 10**9), ("1G", 1 << 30), (" 4k ", 4000),
+])
+def test_max_model_len_takes_vllms_human_readable_sizes(text: str, value: int) -> None:
+    """k, m, g: powers of 1000 (decimals allowed); K, M, G: powers of 1024 (whole numbers), as vLLM."""
+    assert _serve("--max-model-len", text).max_model_len == value
+    assert build_parser().parse_args(["generate", "--prompt", "x", "--max-model-len", text]).max_model_len == value
+
+
+@pytest.mark.parametrize("text, message", [
+    ("1.5K", "did you mean 1.5k"), ("4x", "e.g. 8192, 32k or 32K"), ("k", "e.g. 8192"), ("1.5", "e.g. 8192"),
+])
+def test_bad_human_readable_sizes_are_refused(text: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    err = _exit_message(["serve", "--max-model-len", text], capsys)
+    assert "argument --max-model-len" in err and message in err
+
+
+@pytest.mark.parametrize("command", [["serve", "/models/m"], ["generate", "--prompt", "x"],
+                                     ["triton-repo", "--name", "m"]])
+def test_harmless_vllm_flags_are_accepted_and_noted(command: list[str]) -> None:
+    from kvserve.entrypoints.vllm_compat import ignored_flag_notes
+
+    flags = ["--swap-space", "4", "--kv-cache-dtype", "auto", "-pp", "1", "--data-parallel-size", "1",
+             "--distributed-executor-backend", "mp", "--tokenizer-mode", "auto", "--max-seq-len-to-capture",
+             "8192", "--disable-custom-all-reduce", "--task", "generate", "--guided-decoding-backend", "xgrammar"]
+    ns = build_parser().parse_args([*command, *flags])
+    notes = ignored_flag_notes(ns)
+    assert len(notes) == 10 and all(" ignored: " in note for note in notes), notes
+    assert notes[0].startswith("--swap-space ignored: kvserve preempts requests by recomputing")
+    assert engine_args_from(ns) == engine_args_from(build_parser().parse_args(command))  # nothing changes
+    assert ignored_flag_notes(build_parser().parse_args(command)) == []
+
+
+def test_harmless_vllm_server_flags_are_accepted_and_noted() -> None:
+    from kvserve.entrypoints.openai.cli_args import server_engine_args
+    from kvserve.entrypoints.vllm_compat import ignored_flag_notes
+
+    ns = _serve("--enable-prompt-tokens-details", "--enable-reasoning", "--reasoning-parser", "qwen3")
+    assert [note.split(" ignored:")[0] for note in ignored_flag_notes(ns)] == [
+        "--enable-reasoning", "--enable-prompt-tokens-details"]
+    server_engine_args(ns)
+    with pytest.raises(ValueError, match="--enable-reasoning needs --reasoning-parser"):
+        server_engine_args(_serve("--enable-reasoning"))
+
+
+def test_harmless_flags_are_not_in_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = capsys.readouterr().out
+    assert "--swap-space" not in out and "--kv-cache-dtype" not in out and "--max-model-len" in out
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--kv-cache-dtype", "fp8"], "kvserve keeps the KV cache in the model's dtype"),
+    (["--pipeline-parallel-size", "2"], "--tensor-parallel-size"),
+    (["-pp", "2"], "--tensor-parallel-size"),
+    (["-dp", "2"], "several servers (one per GPU or group of GPUs) behind `kvserve route`"),
+    (["--distributed-executor-backend", "ray"], "invalid choice: 'ray'"),
+    (["--guided-decoding-backend", "lm-format-enforcer"], "invalid choice"),
+    (["--task", "embed"], "invalid choice"),
+])
+def test_vllm_flag_values_that_would_matter_are_refused(flags: list[str], message: str,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    err = _exit_message(["serve", *flags], capsys)
+    assert message in err, err
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["serve", "m", "--enable-lora"], "--enable-lora"),
+    (["serve", "m", "--lora-modules", "a=/x"], "--lora-modules"),
+    (["serve", "--speculative-config", '{"num_speculative_tokens": 3}', "m"], "--speculative-config"),
+    (["serve", "m", "--cpu-offload-gb=4"], "--cpu-offload-gb"),
+    (["serve", "m", "--enable-sleep-mode"], "--enable-sleep-mode"),
+    (["serve", "m", "--kv-transfer-config", "{}"], "--kv-transfer-config"),
+    (["serve", "m", "--limit-mm-per-prompt", "{}"], "--limit-mm-per-prompt"),
+    (["serve", "m", "--mm-processor-kwargs", "{}"], "--mm-processor-kwargs"),
+    (["serve", "m", "--compilation-config", "{}"], "--compilation-config"),
+    (["serve", "m", "-O3"], "-O"),
+    (["serve", "m", "-O", "3"], "-O"),
+    (["serve", "m", "--hf-overrides", "{}"], "--hf-overrides"),
+    (["serve", "m", "--rope-scaling", "{}"], "--rope-scaling"),
+    (["serve", "m", "--config", "c.yaml"], "--config"),
+    (["generate", "--prompt", "x", "--enable-lora"], "--enable-lora"),
+])
+def test_unsupported_vllm_flags_are_refused_by_name(argv: list[str], flag: str,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    err = _exit_message(argv, capsys)
+    assert f"kvserve {argv[0]}: error: {flag} is a vLLM option kvserve does not support" in err, err
+    assert "unrecognized arguments" not in err
+
+
+def test_alternatives_are_named_and_other_flags_keep_argparses_message(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "--enforce-eager" in _exit_message(["serve", "m", "-O3"], capsys)
+    assert "quantized checkpoint" in _exit_message(["serve", "m", "--cpu-offload-gb", "4"], capsys)
+    err = _exit_message(["serve", "m", "--not-a-flag", "1"], capsys)
+    assert "unrecognized arguments: --not-a-flag 1" in err and "vLLM" not in err
+
+
+def test_the_module_entry_point_refuses_them_too(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvserve.entrypoints.openai.api_server import main as api_server_main
+
+    with pytest.raises(SystemExit) as exited:
+        api_server_main(["--enable-lora"])
+    assert exited.value.code == 2
+    assert "--enable-lora is a vLLM option kvserve does not support" in capsys.readouterr().err
+
+
+def test_load_format_takes_vllms_names_and_refuses_a_mismatch(tiny_model_dir: Callable[..., str],
+                                                               tiny_gguf_path: Callable[..., str]) -> None:
+    from kvserve.config import ConfigError, EngineArgs
+
+    hf_dir, gguf = tiny_model_dir("llama"), tiny_gguf_path("llama")
+
+    def config(model: str, load_format: str) -> Any:
+        ns = build_parser().parse_args(["serve", model, "--load-format", load_format, "--device", "cpu",
+                                        "--kv-cache-memory", "16MiB"])
+        return EngineArgs(**{**engine_args_from(ns), "model": model}).create_engine_config()  # type: ignore[arg-type]
+
+    assert config(hf_dir, "safetensors").model_config.model == config(hf_dir, "auto").model_config.model
+    assert config(gguf, "gguf").model_config.model == gguf
+    with pytest.raises(ConfigError, match="--load-format safetensors needs an HF model directory.*--load-format gguf"):
+        config(gguf, "safetensors")
+    with pytest.raises(ConfigError, match="--load-format gguf needs a .gguf file.*--load-format safetensors"):
+        config(hf_dir, "gguf")
+
+
+def test_unread_vllm_variables_are_listed_with_equivalents(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvserve import envs
+
+    for name in [n for n in os.environ if n.startswith("VLLM_")]:
+        monkeypatch.delenv(name)
+    assert envs.unread_vllm_env_vars() == []
+    monkeypatch.setenv("VLLM_API_KEY", "k")  # read by kvserve: not listed
+    monkeypatch.setenv("VLLM_USE_V1", "1")
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
+    assert envs.unread_vllm_env_vars() == [
+        "VLLM_CPU_KVCACHE_SPACE (use KVSERVE_CPU_KVCACHE_SPACE)", "VLLM_LOGGING_LEVEL (use KVSERVE_LOGGING_LEVEL)",
+        "VLLM_USE_V1"]
+
+
+def test_the_serving_line_says_when_only_this_machine_reaches_it() -> None:
+    from kvserve.entrypoints.openai.api_server import serving_line
+
+    local = serving_line("m", _serve(), "127.0.0.1", 8000)
+    assert local == ("serving m on http://127.0.0.1:8000 (this machine only; --host 0.0.0.0 to accept others) "
+                     "(OpenAI API under /v1)")
+    assert "this machine only" not in serving_line("m", _serve("--host", "0.0.0.0"), "0.0.0.0", 8000)
+    secure = serving_line("m", _serve("--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"), "127.0.0.1", 8443)
+    assert secure.startswith("serving m on https://127.0.0.1:8443 ")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--ssl-keyfile", "k.pem"], "HTTPS needs both --ssl-keyfile and --ssl-certfile"),
+    (["--ssl-certfile", "c.pem"], "HTTPS needs both --ssl-keyfile and --ssl-certfile"),
+    (["--ssl-ca-certs", "ca.pem"], "--ssl-ca-certs needs --ssl-keyfile and --ssl-certfile"),
+])
+def test_ssl_flags_come_in_pairs(flags: list[str], message: str) -> None:
+    from kvserve.entrypoints.openai.cli_args import server_engine_args
+
+    with pytest.raises(ValueError, match=message):
+        server_engine_args(_serve(*flags))
+
