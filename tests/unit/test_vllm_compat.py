@@ -189,3 +189,32 @@ def test_ssl_flags_come_in_pairs(flags: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         server_engine_args(_serve(*flags))
 
+
+
+@pytest.mark.parametrize("docs, status", [(True, 200), (False, 404)])
+def test_disable_fastapi_docs(docs: bool, status: int) -> None:
+    """--disable-fastapi-docs: no /docs, /redoc or /openapi.json (the API still answers)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import httpx
+
+    from kvserve.entrypoints.openai.api_server import build_app
+    from kvserve.entrypoints.openai.middleware import ServerState
+    from kvserve.entrypoints.openai.serving_common import ServingContext
+
+    engine = SimpleNamespace(is_alive=True, dead_error=None, max_model_len=64)
+    ctx = ServingContext(engine=engine, served_model_names=["m"], model_path="m",  # type: ignore[arg-type]
+                         log_requests=False)
+    app = build_app(ctx, ServerState(), SimpleNamespace(), None, 1 << 20, docs=docs)  # type: ignore[arg-type]
+
+    async def get(path: str) -> int:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            return (await client.get(path)).status_code
+
+    try:
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert asyncio.run(get(path)) == status, path
+        assert asyncio.run(get("/v1/models")) == 200
+    finally:
+        ctx.prepare_pool.shutdown(wait=False)
