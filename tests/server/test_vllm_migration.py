@@ -38,8 +38,11 @@ def servers(launch_server: Callable[..., ServerProcess], tiny_llama_dir: str,
     launched = {"vllm": launch_server([tiny_llama_dir, *FLAGS, "--swap-space", "4", "--enable-force-include-usage",
                                        "--disable-fastapi-docs"], wait=False, env=vllm_env)}
     key, cert = _certificate(tmp_path_factory.mktemp("tls"))
+    # the certificate is its own CA: the server asks for it from clients too (--ssl-cert-reqs 2: required)
     launched["https"] = launch_server([tiny_llama_dir, *FLAGS, "--ssl-keyfile", str(key), "--ssl-certfile",
-                                       str(cert)], wait=False, env={"KVSERVE_API_KEY": ""})
+                                       str(cert), "--ssl-ca-certs", str(cert), "--ssl-cert-reqs", "2"],
+                                      wait=False, env={"KVSERVE_API_KEY": ""})
+    launched["https"].client_cert = (str(cert), str(key))  # type: ignore[attr-defined]
     return launched
 
 
@@ -77,11 +80,12 @@ def test_a_vllm_deployments_environment_and_flags(servers: dict[str, ServerProce
 def test_https_with_a_self_signed_certificate(servers: dict[str, ServerProcess]) -> None:
     server = servers["https"]
     base = server.base_url.replace("http://", "https://")
+    client = httpx.Client(verify=False, cert=server.client_cert, timeout=60)  # type: ignore[attr-defined]
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while True:
         assert server.proc.poll() is None, f"server exited during start-up:\n{server.log()}"
         try:
-            if httpx.get(base + "/health", verify=False, timeout=2.0).status_code == 200:
+            if client.get(base + "/health", timeout=2.0).status_code == 200:
                 server.engine_pid = server._find_engine_pid()  # stopped with it at the end
                 break
         except httpx.HTTPError:
@@ -89,8 +93,10 @@ def test_https_with_a_self_signed_certificate(servers: dict[str, ServerProcess])
         assert time.monotonic() < deadline, f"not healthy over HTTPS within {STARTUP_TIMEOUT_S} s:\n{server.log()}"
         time.sleep(0.2)
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    reply = httpx.post(base + "/v1/chat/completions", json=chat, verify=False, timeout=60)
+    reply = client.post(base + "/v1/chat/completions", json=chat)
     assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] >= 1, reply.text
+    with pytest.raises(httpx.HTTPError):  # without a client certificate (--ssl-cert-reqs 2)
+        httpx.get(base + "/health", verify=False, timeout=5)
     with pytest.raises(httpx.HTTPError):  # plain HTTP is not served on that port
         httpx.get(server.base_url + "/health", timeout=5)
     assert "on https://127.0.0.1:" in server.log()

@@ -181,7 +181,9 @@ def test_the_serving_line_says_when_only_this_machine_reaches_it() -> None:
 @pytest.mark.parametrize("flags, message", [
     (["--ssl-keyfile", "k.pem"], "HTTPS needs both --ssl-keyfile and --ssl-certfile"),
     (["--ssl-certfile", "c.pem"], "HTTPS needs both --ssl-keyfile and --ssl-certfile"),
-    (["--ssl-ca-certs", "ca.pem"], "--ssl-ca-certs needs --ssl-keyfile and --ssl-certfile"),
+    (["--ssl-ca-certs", "ca.pem"], "--ssl-ca-certs and --ssl-cert-reqs need --ssl-keyfile and --ssl-certfile"),
+    (["--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem", "--ssl-cert-reqs", "2"],
+     "--ssl-cert-reqs 1 or 2 needs --ssl-ca-certs"),
 ])
 def test_ssl_flags_come_in_pairs(flags: list[str], message: str) -> None:
     from kvserve.entrypoints.openai.cli_args import server_engine_args

@@ -194,8 +194,8 @@ def build_app(ctx: ServingContext, state: ServerState, metrics: PrometheusStatLo
         chat = await ctx.off_loop(prepare_chat, ctx, body)
         if body.stream:
             options = body.stream_options
-            return SSEResponse(chat_stream(ctx, chat, force_include_usage or bool(options and options.include_usage),
-                                           bool(options and options.continuous_usage_stats)))
+            include_usage = force_include_usage or bool(options and options.include_usage)
+            return SSEResponse(chat_stream(ctx, chat, include_usage, bool(options and options.continuous_usage_stats)))
         return JSONResponse(await run_unless_disconnected(raw, chat_full(ctx, chat)))
 
     @app.post("/v1/completions", responses={200: {"model": CompletionResponse}, **_ERROR_RESPONSES})
@@ -204,8 +204,8 @@ def build_app(ctx: ServingContext, state: ServerState, metrics: PrometheusStatLo
         cmpl = await ctx.off_loop(prepare_completion, ctx, body)
         if body.stream:
             options = body.stream_options
-            return SSEResponse(completion_stream(ctx, cmpl,
-                                                 force_include_usage or bool(options and options.include_usage),
+            include_usage = force_include_usage or bool(options and options.include_usage)
+            return SSEResponse(completion_stream(ctx, cmpl, include_usage,
                                                  bool(options and options.continuous_usage_stats)))
         return JSONResponse(await run_unless_disconnected(raw, completion_full(ctx, cmpl)))
 
@@ -461,6 +461,7 @@ async def _serve_app(ns: argparse.Namespace, config: EngineConfig, engine: Async
             ssl_keyfile=ns.ssl_keyfile,
             ssl_certfile=ns.ssl_certfile,
             ssl_ca_certs=ns.ssl_ca_certs,
+            ssl_cert_reqs=ns.ssl_cert_reqs,
             root_path=ns.root_path,
             log_level=ns.uvicorn_log_level,
             access_log=not ns.disable_uvicorn_access_log,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import ssl
 
 from kvserve.entrypoints.cli import add_engine_args, add_generation_config_args, engine_args_from
 from kvserve.entrypoints.openai.reasoning_parsers import REASONING_PARSERS  # (a light module)
@@ -40,7 +41,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ssl-certfile", default=None, metavar="FILE",
                    help="serve HTTPS: the certificate chain file (PEM), with --ssl-keyfile")
     g.add_argument("--ssl-ca-certs", default=None, metavar="FILE",
-                   help="with HTTPS: CA certificates (PEM) that client certificates are checked against")
+                   help="with HTTPS: CA certificates (PEM) that client certificates are checked against (see "
+                        "--ssl-cert-reqs)")
+    g.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE), choices=[0, 1, 2], metavar="{0,1,2}",
+                   help="with HTTPS, client certificates: 0 not asked for (default), 1 checked when sent, 2 required "
+                        "(Python's ssl.CERT_NONE / CERT_OPTIONAL / CERT_REQUIRED, as vLLM)")
     g.add_argument("--enable-force-include-usage", action="store_true",
                    help="every streamed response ends with a usage chunk, also when the request's stream_options "
                         "do not ask for one (non-streamed responses always carry usage)")
@@ -147,8 +152,11 @@ def server_engine_args(ns: argparse.Namespace) -> dict[str, object]:
                          f"{', '.join(REASONING_PARSERS)}), which alone turns reasoning on")
     if (ns.ssl_keyfile is None) != (ns.ssl_certfile is None):
         raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
-    if ns.ssl_ca_certs is not None and ns.ssl_certfile is None:
-        raise ValueError("--ssl-ca-certs needs --ssl-keyfile and --ssl-certfile (HTTPS)")
+    if (ns.ssl_ca_certs is not None or ns.ssl_cert_reqs != ssl.CERT_NONE) and ns.ssl_certfile is None:
+        raise ValueError("--ssl-ca-certs and --ssl-cert-reqs need --ssl-keyfile and --ssl-certfile (HTTPS)")
+    if ns.ssl_cert_reqs != ssl.CERT_NONE and ns.ssl_ca_certs is None:
+        raise ValueError("--ssl-cert-reqs 1 or 2 needs --ssl-ca-certs, the CA certificates that client "
+                         "certificates are checked against")
     args = engine_args_from(ns)
     args["model"] = ns.model_tag if ns.model_tag is not None else ns.model
     args["served_model_name"] = ns.served_model_name[0] if ns.served_model_name else None
