@@ -63,6 +63,9 @@ class ModelConfig:
     # SamplingParams field -> value for what a request leaves out, from the model's generation_config.json
     # (--generation-config, --override-generation-config; kvserve.model.generation_defaults).
     sampling_defaults: dict[str, Any] = field(default_factory=dict, hash=False)
+    # The most tokens a request may generate (None: only the context limits it): vLLM's override_max_tokens,
+    # the override's max_new_tokens (--generation-config auto/vllm) or a --generation-config DIR's.
+    max_tokens_cap: int | None = None
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -282,10 +285,11 @@ class EngineArgs:
 
         if self.num_kv_blocks is not None and int(self.num_kv_blocks) < 1:
             raise ConfigError(f"num_kv_blocks (--num-gpu-blocks-override) must be >= 1, got {self.num_kv_blocks}")
-        from kvserve.model.generation_defaults import GenerationConfigError, sampling_defaults
+        from kvserve.model.generation_defaults import GenerationConfigError, max_tokens_cap, sampling_defaults
 
         try:
             defaults = sampling_defaults(model_path, self.generation_config, self.override_generation_config)
+            cap = max_tokens_cap(self.generation_config, self.override_generation_config, defaults)
         except GenerationConfigError as exc:
             raise ConfigError(str(exc)) from None
 
@@ -305,6 +309,7 @@ class EngineArgs:
             quantization=self.quantization,
             load_format=self.load_format,
             sampling_defaults=defaults,
+            max_tokens_cap=cap,
         )
         cache_config = CacheConfig(
             block_size=self.block_size,

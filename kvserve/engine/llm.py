@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 from kvserve.config import EngineArgs
 from kvserve.engine.input_processor import PromptType
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.model.generation_defaults import describe
+from kvserve.model.generation_defaults import apply_cap, describe
 from kvserve.model.tokenizer import load_tokenizer
 from kvserve.protocol.outputs import RequestOutput
 from kvserve.protocol.sampling_params import SamplingParams
@@ -86,7 +86,8 @@ class LLM:
         self.config = self.engine.config
         self._ids = itertools.count()
         if self.config.model_config.sampling_defaults:
-            logger.info("%s", describe(self.config.model_config.sampling_defaults))
+            logger.info("%s", describe(self.config.model_config.sampling_defaults,
+                                       self.config.model_config.max_tokens_cap))
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.engine.tokenizer
@@ -98,8 +99,10 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use when given no SamplingParams: the model's generation config
-        (`generation_config`, `override_generation_config`) over SamplingParams' own defaults."""
-        return SamplingParams(**self.config.model_config.sampling_defaults)
+        (`generation_config`, `override_generation_config`) over SamplingParams' own defaults, max_tokens
+        within the generation config's cap."""
+        return apply_cap(SamplingParams(**self.config.model_config.sampling_defaults),
+                         self.config.model_config.max_tokens_cap)
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache, so that the next requests compute every prompt token (as vLLM's: for
@@ -129,7 +132,10 @@ class LLM:
         prompt_list = self._as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params_list = self._as_params_list(sampling_params, len(prompt_list))
+        # The generation config's cap on max_tokens (an override's max_new_tokens, a --generation-config
+        # DIR's) lowers every request's, as the server does.
+        cap = self.config.model_config.max_tokens_cap
+        params_list = [apply_cap(p, cap) for p in self._as_params_list(sampling_params, len(prompt_list))]
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
         if len(priorities) != len(prompt_list):
             raise ValueError(f"priority has {len(priorities)} values for {len(prompt_list)} prompts")

@@ -91,10 +91,10 @@ def add_generation_config_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--generation-config", default="auto", metavar="{auto,vllm,DIR}",
                    help="defaults for the sampling settings a request leaves out (temperature, top_p, top_k, min_p, "
                    "repetition_penalty, max_tokens): auto, the model's generation_config.json; vllm, none; or a "
-                   "directory holding a generation_config.json")
+                   "directory holding a generation_config.json, whose max_new_tokens also caps every request")
     g.add_argument("--override-generation-config", default=None, metavar="JSON",
                    help="a JSON object applied over those defaults, e.g. '{\"temperature\": 0.5}' (null removes "
-                   "a setting)")
+                   "a setting); its max_new_tokens caps every request's max_tokens, as in vLLM")
 
 
 def engine_args_from(ns: argparse.Namespace) -> dict[str, object]:

@@ -12,6 +12,11 @@ every request field the client leaves out, so kvserve does too:
 ones vLLM takes: temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens (a request's
 max_tokens when it sets none). A setting the file holds is taken as written (Transformers 5 reads every one
 of them as given; `do_sample` is not consulted, as in vLLM).
+
+max_new_tokens is also a cap, by vLLM's rule (its serving code's `override_max_tokens`): with "auto" or
+"vllm", only the override's max_new_tokens caps what requests ask for (the model's own file only sets the
+default); with a directory, the merged value (the directory's file, or the override on top) caps too. A
+request above the cap is lowered to it silently, as vLLM does (`max_tokens_cap`, `capped_max_tokens`).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import replace
 from typing import Any
 
 from kvserve.protocol.sampling_params import SamplingParams, SamplingParamsError
@@ -70,11 +76,46 @@ def sampling_defaults(model_path: str, mode: str = "auto",
     return defaults
 
 
-def describe(defaults: dict[str, Any]) -> str:
+def max_tokens_cap(mode: str, overrides: dict[str, Any] | str | None, defaults: dict[str, Any]) -> int | None:
+    """The most tokens any request may generate (None: no cap), as vLLM computes its `override_max_tokens`:
+    the override's max_new_tokens with --generation-config auto or vllm, else (a directory) the merged
+    default's max_tokens. `defaults` is what `sampling_defaults` returned for the same arguments (which
+    checked the overrides already)."""
+    if mode in GENERATION_CONFIG_MODES:
+        return _parse_overrides(overrides).get("max_new_tokens")
+    cap = defaults.get("max_tokens")
+    return int(cap) if cap is not None else None
+
+
+def capped_max_tokens(requested: int | None, default: int | None, cap: int | None) -> int | None:
+    """vLLM's rule for a request's max_tokens, less the context's room (which the caller applies): the
+    smallest of the request's value (else the generation config's default) and the cap, over those that
+    are set; None when none is."""
+    values = [v for v in (requested if requested is not None else default, cap) if v is not None]
+    return min(values) if values else None
+
+
+def apply_cap(params: SamplingParams, cap: int | None) -> SamplingParams:
+    """`params` with max_tokens lowered to `cap` (a max_tokens of None, the context's room, becomes the cap).
+    Raises SamplingParamsError when the params' min_tokens is above the cap."""
+    limit = capped_max_tokens(params.max_tokens, None, cap)
+    if limit == params.max_tokens:
+        return params
+    try:
+        return replace(params, max_tokens=limit)
+    except SamplingParamsError as exc:
+        raise SamplingParamsError(f"{exc} (max_tokens is capped at {cap} by the generation config's "
+                                  f"max_new_tokens)", exc.param) from None
+
+
+def describe(defaults: dict[str, Any], cap: int | None = None) -> str:
     """One log line for a server's start."""
     settings = ", ".join(f"{key}={value}" for key, value in sorted(defaults.items()))
-    return (f"default sampling settings from the model's generation config: {settings}; a request's own values "
+    line = (f"default sampling settings from the model's generation config: {settings}; a request's own values "
             f"take precedence (start with --generation-config vllm to use none)")
+    if cap is not None:
+        line += f"; every request's max_tokens is capped at {cap} (max_new_tokens)"
+    return line
 
 
 def _number(key: str, value: Any, source: str) -> int | float:

@@ -224,6 +224,12 @@ def test_default_sampling_params_come_from_the_models_generation_config(tiny_mod
     assert overridden.get_default_sampling_params() == SamplingParams(top_k=1, temperature=0.9, max_tokens=3)
     assert [o.outputs[0].token_ids for o in overridden.generate(prompts, use_tqdm=False)] == [
         o.outputs[0].token_ids[:3] for o in greedy]
+    # The override's max_new_tokens also caps what SamplingParams ask for (as vLLM's server caps requests);
+    # the model's own file is only a default.
+    capped = overridden.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in capped] == [o.outputs[0].token_ids[:3] for o in greedy]
+    with pytest.raises(ValueError, match="min_tokens"):
+        overridden.generate(prompts, SamplingParams(max_tokens=6, min_tokens=5), use_tqdm=False)
 
 
 def test_without_chunked_prefill_the_output_is_the_same(tiny_model_dir) -> None:

@@ -1,6 +1,7 @@
 """A served model's generation_config.json sets what requests leave out, as with vLLM's default
 `--generation-config auto`: its checkpoint here sets top_k 1 (greedy whatever the temperature) and 50 new
-tokens, and `--override-generation-config` takes the tokens down to 4. The session's `tiny_server` serves the
+tokens, and `--override-generation-config` takes the tokens down to 4, which (as in vLLM) also caps what every
+request asks for. The session's `tiny_server` serves the
 same weights with no such file, for the greedy reference."""
 
 from __future__ import annotations
@@ -43,32 +44,42 @@ def test_what_a_request_leaves_out_comes_from_the_generation_config(defaults_ser
                                                                    tiny_server: ServerProcess) -> None:
     assert "default sampling settings from the model's generation config: max_tokens=4, temperature=1.3, " \
            "top_k=1" in defaults_server.log()
+    assert "every request's max_tokens is capped at 4" in defaults_server.log()
     greedy = _chat(tiny_server, temperature=0, max_tokens=4, ignore_eos=True, logprobs=True)
     defaulted = _chat(defaults_server, ignore_eos=True, logprobs=True)
     assert _tokens(defaulted) == _tokens(greedy)
     assert defaulted["usage"]["completion_tokens"] == 4
     assert defaulted["choices"][0]["finish_reason"] == "length"
 
-    # A request's own values win: a longer reply, and top_k off samples at the file's temperature.
-    longer = _chat(defaults_server, max_tokens=7, ignore_eos=True)
-    assert longer["usage"]["completion_tokens"] == 7
+    # A request's own values win, but the override's max_new_tokens caps the length (as vLLM's
+    # override_max_tokens: silently lowered); top_k off samples at the file's temperature.
+    shorter = _chat(defaults_server, max_tokens=3, ignore_eos=True)
+    assert shorter["usage"]["completion_tokens"] == 3
+    for field in ("max_tokens", "max_completion_tokens"):
+        capped = _chat(defaults_server, ignore_eos=True, **{field: 7})
+        assert capped["usage"]["completion_tokens"] == 4 and capped["choices"][0]["finish_reason"] == "length"
     sampled = _chat(defaults_server, top_k=-1, seed=3, max_tokens=4, ignore_eos=True, logprobs=True)
     assert _tokens(sampled) != _tokens(greedy)
 
-    # An explicit null is left out too; a min_tokens the default length cannot hold is a 400, not a 500.
+    # An explicit null is left out too; a min_tokens the default length or the cap cannot hold is a 400, not
+    # a 500.
     assert _chat(defaults_server, max_tokens=None, ignore_eos=True)["usage"]["completion_tokens"] == 4
-    too_few = httpx.post(defaults_server.base_url + "/v1/chat/completions", timeout=60,
-                         json={"model": TINY_NAME, "messages": MESSAGES, "min_tokens": 10})
-    assert too_few.status_code == 400 and too_few.json()["error"]["param"] == "min_tokens", too_few.text
+    for extra in ({}, {"max_tokens": 20}):
+        too_few = httpx.post(defaults_server.base_url + "/v1/chat/completions", timeout=60,
+                             json={"model": TINY_NAME, "messages": MESSAGES, "min_tokens": 10, **extra})
+        assert too_few.status_code == 400 and too_few.json()["error"]["param"] == "min_tokens", too_few.text
 
-    # Completions: max_tokens left out is the API's 16 (as in vLLM); null takes the generation config's.
+    # Completions: max_tokens left out is the API's 16 (as in vLLM), capped at 4; null takes the generation
+    # config's.
     def complete(server: ServerProcess, **fields: object) -> dict:
         response = httpx.post(server.base_url + "/v1/completions", timeout=60,
                               json={"model": TINY_NAME, "prompt": "Owls are", "ignore_eos": True, **fields})
         assert response.status_code == 200, response.text
         return response.json()
 
-    assert complete(defaults_server)["usage"]["completion_tokens"] == 16
+    assert complete(tiny_server)["usage"]["completion_tokens"] == 16
+    assert complete(defaults_server)["usage"]["completion_tokens"] == 4
+    assert complete(defaults_server, max_tokens=2)["usage"]["completion_tokens"] == 2
     completion = complete(defaults_server, max_tokens=None)
     assert completion["usage"]["completion_tokens"] == 4
     reference = complete(tiny_server, temperature=0, max_tokens=4)

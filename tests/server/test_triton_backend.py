@@ -184,7 +184,8 @@ def test_one_response_per_request_and_errors_stay_with_their_request(triton_mode
 def test_requests_take_the_models_generation_config(triton_model: Callable[..., Any],
                                                    tiny_model_dir: Callable[..., str], tmp_path: Path) -> None:
     """What a request's sampling_parameters leave out comes from the model's generation config (here top_k 1,
-    greedy whatever the temperature, and 5 tokens); what they give wins."""
+    greedy whatever the temperature, and 5 tokens); what they give wins, except that a --generation-config
+    directory's max_new_tokens also caps the length (vLLM's rule: 9 asked, 5 given; 3 asked, 3)."""
     settings = tmp_path / "generation"
     settings.mkdir()
     (settings / "generation_config.json").write_text(json.dumps({"top_k": 1, "temperature": 1.3,
@@ -195,10 +196,15 @@ def test_requests_take_the_models_generation_config(triton_model: Callable[..., 
         text_input=prompt, exclude_input_in_output=True, sampling_parameters=json.dumps({"max_tokens": 9}))
     null = Request(text_input=prompt, exclude_input_in_output=True,  # null is left out, as on the server
                    sampling_parameters=json.dumps({"max_tokens": None, "temperature": None, "top_k": None}))
-    responses = model.execute([left_out, given, null])
-    expected = [_reference(tiny_model_dir("llama"), prompt, n) for n in (5, 9)]
-    assert expected[0] != expected[1]  # no end of sequence within 9 tokens: the lengths show
-    assert [r.text() for r in responses] == [*expected, expected[0]]
+    shorter = Request(text_input=prompt, exclude_input_in_output=True,
+                      sampling_parameters=json.dumps({"max_tokens": 3}))
+    too_few = Request(text_input=prompt, exclude_input_in_output=True,
+                      sampling_parameters=json.dumps({"max_tokens": 9, "min_tokens": 7}))
+    responses = model.execute([left_out, given, null, shorter, too_few])
+    expected = [_reference(tiny_model_dir("llama"), prompt, n) for n in (5, 3)]
+    assert expected[0] != expected[1]  # no end of sequence within 5 tokens: the lengths show
+    assert [r.text() for r in responses[:4]] == [expected[0], expected[0], expected[0], expected[1]]
+    assert "min_tokens" in responses[4].error().message() and "capped at 5" in responses[4].error().message()
 
 
 def test_repository_layout_and_command(tmp_path: Path, tiny_model_dir: Callable[..., str]) -> None:

@@ -13,7 +13,14 @@ import pytest
 from helpers.tiny_models import with_generation_config
 
 from kvserve.config import ConfigError, EngineArgs
-from kvserve.model.generation_defaults import GenerationConfigError, sampling_defaults
+from kvserve.model.generation_defaults import (
+    GenerationConfigError,
+    apply_cap,
+    capped_max_tokens,
+    max_tokens_cap,
+    sampling_defaults,
+)
+from kvserve.protocol.sampling_params import SamplingParams, SamplingParamsError
 
 # What Qwen2.5-7B-Instruct ships, with the keys that are not sampling settings.
 QWEN_FILE = {"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643], "pad_token_id": 151643,
@@ -106,6 +113,65 @@ def test_unreadable_file_is_refused(tmp_path: Path) -> None:
         sampling_defaults(str(tmp_path))
 
 
+def test_max_new_tokens_caps_requests_by_vllms_rule(tmp_path: Path) -> None:
+    """vLLM's override_max_tokens: with auto or vllm only the override's max_new_tokens caps (the model's own
+    file sets a default); with a directory, its file's (or the override on top) caps too."""
+    model = _model_dir(tmp_path, {"max_new_tokens": 300})
+
+    def cap(mode: str, overrides: dict | str | None = None) -> int | None:
+        return max_tokens_cap(mode, overrides, sampling_defaults(model, mode, overrides))
+
+    assert cap("auto") is None
+    assert cap("vllm") is None
+    assert cap("auto", {"max_new_tokens": 40}) == 40
+    assert cap("vllm", '{"max_new_tokens": 40}') == 40
+    assert cap("auto", {"max_new_tokens": None}) is None
+    assert cap("auto", {"temperature": 0.5}) is None
+    assert cap(model) == 300
+    assert cap(model, {"max_new_tokens": 40}) == 40
+    assert cap(model, {"max_new_tokens": None}) is None
+
+    # min over the values that are set: the request's own (else the default) and the cap.
+    assert capped_max_tokens(None, None, None) is None
+    assert capped_max_tokens(None, 300, None) == 300
+    assert capped_max_tokens(500, 300, None) == 500  # a default is no cap
+    assert capped_max_tokens(500, 300, 40) == 40
+    assert capped_max_tokens(None, 300, 40) == 40
+    assert capped_max_tokens(None, None, 40) == 40
+    assert capped_max_tokens(7, None, 40) == 7
+
+
+def test_apply_cap_lowers_silently_and_refuses_min_tokens_above_it() -> None:
+    params = SamplingParams(max_tokens=100, temperature=0.3)
+    assert apply_cap(params, None) is params
+    assert apply_cap(params, 200) is params
+    assert apply_cap(params, 40) == SamplingParams(max_tokens=40, temperature=0.3)
+    assert apply_cap(SamplingParams(max_tokens=None), 40).max_tokens == 40  # the context's room, capped
+    with pytest.raises(SamplingParamsError, match=r"min_tokens \(50\).*capped at 40") as info:
+        apply_cap(SamplingParams(max_tokens=100, min_tokens=50), 40)
+    assert info.value.param == "min_tokens"
+
+
+def test_the_servers_length_limits() -> None:
+    """The API server's max_tokens: the request's own (else the default, within the context's room), lowered to
+    the cap; min_tokens above the result is a 400 naming the request's field and the cap."""
+    from kvserve.entrypoints.openai.errors import BadRequestError
+    from kvserve.entrypoints.openai.serving_common import with_length_limits
+
+    params = SamplingParams(max_tokens=None)
+    assert with_length_limits(params, None, None, 50) is params  # nothing set: the engine takes the room
+    assert with_length_limits(params, 300, None, 50).max_tokens == 50
+    assert with_length_limits(params, 30, None, 50).max_tokens == 30
+    assert with_length_limits(params, 300, 40, 50).max_tokens == 40
+    assert with_length_limits(SamplingParams(max_tokens=45), 30, None, 50).max_tokens == 45
+    assert with_length_limits(SamplingParams(max_tokens=45), 30, 40, 50).max_tokens == 40
+    assert with_length_limits(SamplingParams(max_tokens=16), None, 4, 50).max_tokens == 4
+    with pytest.raises(BadRequestError, match="caps max_tokens at 4") as info:
+        with_length_limits(SamplingParams(max_tokens=16, min_tokens=10), None, 4, 50,
+                           {"max_tokens": "max_completion_tokens"})
+    assert info.value.param == "min_tokens"
+
+
 def test_engine_config_and_flags(tiny_model_dir: Callable[..., str], tmp_path: Path) -> None:
     from kvserve.entrypoints.openai.cli_args import make_arg_parser, server_engine_args
 
@@ -119,6 +185,14 @@ def test_engine_config_and_flags(tiny_model_dir: Callable[..., str], tmp_path: P
     config = EngineArgs(model=model, device="cpu", max_model_len=128).create_engine_config()
     assert hash(config) == hash(config.with_num_blocks(0))  # the defaults (a dict) are left out of the hash
     assert defaults(generation_config="vllm") == {}
+
+    def cap(**kwargs: object) -> int | None:
+        args = EngineArgs(model=model, device="cpu", max_model_len=128, **kwargs)  # type: ignore[arg-type]
+        return args.create_engine_config().model_config.max_tokens_cap
+
+    assert cap() is None
+    assert cap(override_generation_config='{"max_new_tokens": 9}') == 9
+    assert cap(generation_config=model, override_generation_config='{"max_new_tokens": 9}') == 9
     assert defaults(override_generation_config='{"top_p": 0.5}') == {"temperature": 0.6, "top_p": 0.5}
     with pytest.raises(ConfigError, match="unknown setting"):
         defaults(override_generation_config='{"topp": 0.5}')

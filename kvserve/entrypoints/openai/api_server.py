@@ -440,6 +440,7 @@ async def _serve_app(ns: argparse.Namespace, config: EngineConfig, engine: Async
         log_requests=not ns.disable_log_requests,
         created=created,
         sampling_defaults=dict(config.model_config.sampling_defaults),
+        max_tokens_cap=config.model_config.max_tokens_cap,
         max_logprobs=ns.max_logprobs,
         tool_call_parser=ns.tool_call_parser if ns.enable_auto_tool_choice else None,
         reasoning_parser=ns.reasoning_parser,
@@ -481,7 +482,7 @@ async def _serve_app(ns: argparse.Namespace, config: EngineConfig, engine: Async
             processes = f" ({count} API server processes)" if count > 1 else ""
             logger.info("%s", serving_line(served_names[0], ns, host, port, processes))
             if ctx.sampling_defaults:
-                logger.info("%s", describe_sampling_defaults(ctx.sampling_defaults))
+                logger.info("%s", describe_sampling_defaults(ctx.sampling_defaults, ctx.max_tokens_cap))
         await server.serve(sockets=[sock])
         if engine.dead_error is not None:
             server.exit_code = 1

@@ -37,7 +37,7 @@ from kvserve.entrypoints.openai.serving_common import (
     structured_outputs_from,
     usage_dict,
     with_bad_words,
-    with_default_length,
+    with_length_limits,
 )
 from kvserve.entrypoints.openai.tool_parsers import ToolCallStream, parse_tool_calls, tool_call_id
 from kvserve.protocol.chat_messages import strict_json
@@ -158,10 +158,10 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> PreparedCha
     assert processed.prompt is not None
     processed.prompt_token_ids = truncate_prompt(processed.prompt_token_ids, params, engine.max_model_len)
     check_lengths(engine, len(processed.prompt_token_ids), params.max_tokens, "messages", max_tokens_param)
-    default_max = ctx.sampling_defaults.get("max_tokens")
-    if max_tokens is None and default_max is not None:  # the model's reply length, when the request sets none
-        room = engine.max_model_len - len(processed.prompt_token_ids)
-        params = with_default_length(params, default_max, room, {"max_tokens": max_tokens_param})
+    # The model's reply length when the request sets none; the generation config's cap (vLLM's rule).
+    params = with_length_limits(params, ctx.sampling_defaults.get("max_tokens"), ctx.max_tokens_cap,
+                                engine.max_model_len - len(processed.prompt_token_ids),
+                                {"max_tokens": max_tokens_param})
     request_id = new_request_id(engine, "chatcmpl", req.request_id)
     log_request(ctx, request_id, len(processed.prompt_token_ids), params, processed.prompt)
     # A grammar (response_format, structured_outputs, guided_*, a forced tool_choice) constrains the whole

@@ -28,6 +28,7 @@ from kvserve.entrypoints.openai.errors import (
     ServiceUnavailableError,
 )
 from kvserve.entrypoints.openai.protocol import SamplingFields
+from kvserve.model.generation_defaults import capped_max_tokens
 from kvserve.protocol.outputs import CompletionOutput, Logprob
 from kvserve.protocol.sampling_params import (
     MAX_LOGPROBS,
@@ -53,6 +54,8 @@ class ServingContext:
     # SamplingParams field -> value for what a request leaves out: the model's generation config
     # (ModelConfig.sampling_defaults).
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    # Every request's max_tokens is lowered to this (ModelConfig.max_tokens_cap; None: no cap).
+    max_tokens_cap: int | None = None
     max_logprobs: int = MAX_LOGPROBS  # --max-logprobs
     tool_call_parser: str | None = None  # --tool-call-parser with --enable-auto-tool-choice: tool_choice "auto" served
     reasoning_parser: str | None = None  # --reasoning-parser: chat replies' reasoning as the message's `reasoning`
@@ -233,17 +236,27 @@ def encode_prompt(engine: AsyncLLM, text: str, add_special_tokens: bool, param: 
         raise BadRequestError(f"the {param} is not valid text: {e}", param) from None
 
 
-def with_default_length(params: SamplingParams, default_max: int, room: int,
-                        param_names: dict[str, str] | None = None) -> SamplingParams:
-    """`params` with the generation config's reply length for a request that gives none: capped at `room`
-    (what the context leaves), so that a default never refuses a prompt that fits. A 400 when the request's
-    own settings do not fit it (min_tokens above it)."""
+def with_length_limits(params: SamplingParams, default_max: int | None, cap: int | None, room: int,
+                       param_names: dict[str, str] | None = None) -> SamplingParams:
+    """`params` with max_tokens as vLLM resolves it: the request's own (None: the generation config's reply
+    length `default_max`), lowered to the generation config's `cap` (silently, as vLLM) and, for a default,
+    to `room` (what the context leaves, so that a default never refuses a prompt that fits; a request's own
+    value above it was refused by check_lengths). Unchanged when neither the request nor the generation
+    config sets a length. A 400 when the request's own settings do not fit (min_tokens above the result)."""
+    limit = capped_max_tokens(params.max_tokens, default_max, cap)
+    if limit is None:
+        return params
+    limit = min(limit, room)
+    if limit == params.max_tokens:
+        return params
     try:
-        return dataclasses.replace(params, max_tokens=min(default_max, room))
+        return dataclasses.replace(params, max_tokens=limit)
     except SamplingParamsError as e:
         names = param_names or {}
-        raise BadRequestError(f"{e} (max_tokens is the model's default reply length, or what the context "
-                              f"leaves)", names.get(e.param, e.param)) from None
+        why = f"the server caps max_tokens at {cap} (its generation config's max_new_tokens)" \
+            if cap is not None and limit == cap else "max_tokens is the model's default reply length, or what " \
+            "the context leaves"
+        raise BadRequestError(f"{e} ({why})", names.get(e.param, e.param)) from None
 
 
 def check_lengths(

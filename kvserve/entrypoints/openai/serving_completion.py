@@ -34,7 +34,7 @@ from kvserve.entrypoints.openai.serving_common import (
     structured_outputs_from,
     usage_dict,
     with_bad_words,
-    with_default_length,
+    with_length_limits,
 )
 from kvserve.protocol.outputs import Logprob, RequestOutput
 from kvserve.protocol.sampling_params import SamplingParams
@@ -115,12 +115,10 @@ def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> PreparedC
         check_lengths(engine, len(ids), params.max_tokens, "prompt", "max_tokens")
         sub_id = request_id if len(items) == 1 else f"{request_id}-{i}"
         prompts.append(PreparedPrompt(sub_id, ids, text))
-    default_max = ctx.sampling_defaults.get("max_tokens")
-    if req.max_tokens is None and default_max is not None:
-        # max_tokens null (left out, it is the API's 16): the model's reply length, capped at what the
-        # context leaves the longest prompt.
-        room = engine.max_model_len - max(len(p.prompt_token_ids) for p in prompts)
-        params = with_default_length(params, default_max, room)
+    # max_tokens null (left out, it is the API's 16): the model's reply length, capped at what the context
+    # leaves the longest prompt; and the generation config's cap on every request (vLLM's rule).
+    params = with_length_limits(params, ctx.sampling_defaults.get("max_tokens"), ctx.max_tokens_cap,
+                                engine.max_model_len - max(len(p.prompt_token_ids) for p in prompts))
     for p in prompts:
         log_request(ctx, p.request_id, len(p.prompt_token_ids), params, p.text)
     return PreparedCompletion(request_id, model, prompts, params, bool(req.echo), req.cache_salt, echo_only,

@@ -82,6 +82,7 @@ class TritonPythonModel:
             os.environ["CUDA_VISIBLE_DEVICES"] = str(args.get("model_instance_device_id", "0"))
         config = EngineArgs(**engine_args).create_engine_config()
         self.sampling_defaults = dict(config.model_config.sampling_defaults)
+        self.max_tokens_cap = config.model_config.max_tokens_cap
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="kvserve-triton-loop", daemon=True)
         self._thread.start()
@@ -96,6 +97,7 @@ class TritonPythonModel:
 
     def _parse(self, request: Any) -> tuple[list[int], str, Any, bool, bool]:
         """(prompt ids, prompt, SamplingParams, stream, exclude_input_in_output); ValueError on bad input."""
+        from kvserve.model.generation_defaults import apply_cap
         from kvserve.protocol.sampling_params import SamplingParams
 
         prompt_value = _input(request, "text_input")
@@ -115,6 +117,8 @@ class TritonPythonModel:
             # What the request leaves out: the model's generation config, then SamplingParams' defaults.
             given = {key: value for key, value in fields.items() if value is not None}  # null: left out
             params = SamplingParams(**{**self.sampling_defaults, **given})
+            # The generation config's cap lowers what a request asks for, as on the server (vLLM's rule).
+            params = apply_cap(params, self.max_tokens_cap)
         except TypeError as exc:
             raise ValueError(f"sampling_parameters: {exc}") from None
         stream = bool(_input(request, "stream") or False)
