@@ -265,7 +265,7 @@ class EngineArgs:
         _check_quantization(self.quantization, model_path, arch)
         device = self.device or _default_device()
         _check_device(device)
-        dtype = _resolve_dtype(self.dtype, device)
+        dtype = _resolve_dtype(self.dtype, device, arch.config_dtype)
 
         model_limit = arch.max_position_embeddings
         if self.max_model_len is None:
@@ -444,18 +444,34 @@ def _check_quantization(asked: str | None, model_path: str, arch: Any) -> None:
                           f"drop the flag{f' or pass --quantization {held}' if held else ''}")
 
 
-def _resolve_dtype(dtype: str, device: str) -> str:
-    """'auto' is float32 on CPU, bfloat16 on GPUs that support it, float16 otherwise."""
+def _resolve_dtype(dtype: str, device: str, config_dtype: str | None = None) -> str:
+    """--dtype's name; 'auto' as `auto_dtype` picks it for the checkpoint's config dtype and this device."""
     name = _DTYPE_ALIASES.get(str(dtype).lower())
     if name is None:
         raise ConfigError(f"unknown dtype {dtype!r}; choose auto, float32, float16 or bfloat16")
     if name != "auto":
         return name
     if device == "cpu":
-        return "float32"
+        return auto_dtype(config_dtype, device, None)
     import torch
 
     # Compute capability 8.0+ (Ampere and newer) has bf16. Reading the capability does not create a
     # CUDA context (is_bf16_supported may allocate a test tensor), which matters in the API process.
-    major, _ = torch.cuda.get_device_capability()
-    return "bfloat16" if major >= 8 else "float16"
+    return auto_dtype(config_dtype, device, tuple(torch.cuda.get_device_capability()))
+
+
+def auto_dtype(config_dtype: str | None, device: str, capability: tuple[int, ...] | None) -> str:
+    """--dtype auto, as vLLM resolves it on a GPU: the checkpoint's own dtype (config.json's `dtype` or
+    `torch_dtype`) when the GPU has it, so float16 checkpoints (most AWQ/GPTQ exports) run in float16 and
+    bfloat16 ones in bfloat16; a float32 checkpoint (or one that names none: a GGUF file) in bfloat16 on a
+    GPU of compute capability 8.0+ (Ampere and newer), else float16; a bfloat16 checkpoint falls back to
+    float16 on an older GPU. On CPU kvserve always runs float32 (where vLLM would follow the checkpoint):
+    the CPU path is the exact reference the GPU's outputs are compared with."""
+    if device == "cpu":
+        return "float32"
+    has_bf16 = capability is not None and capability[0] >= 8
+    if config_dtype == "float16":
+        return "float16"
+    if config_dtype == "bfloat16" and has_bf16:
+        return "bfloat16"
+    return "bfloat16" if has_bf16 else "float16"

@@ -34,7 +34,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--download-dir", default=None, metavar="DIR",
                    help="the Hugging Face cache directory to find repo ids in (default: $HF_HUB_CACHE, else "
                    "$HF_HOME/hub, else ~/.cache/huggingface/hub); kvserve never downloads into it")
-    g.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bf16 on GPUs that have it), float32, float16, bfloat16")
+    g.add_argument("--dtype", default="auto", help="auto (on a GPU the checkpoint's config dtype, float32 ones as bf16 where the GPU has it; "
+                   "float32 on CPU), float32, float16, bfloat16")
     g.add_argument("--max-model-len", type=human_readable_int, default=None,
                    help="longest prompt + output in tokens, e.g. 8192, 32k (32,000) or 32K (32,768) (default: the "
                    "model's limit)")

@@ -30,6 +30,8 @@ class ArchConfig:
     qk_norm: RMSNorm over head_dim on every q and k head before RoPE (Qwen3).
     eos_token_ids: every id that ends generation (config.json and generation_config.json merged).
     quantization: how the checkpoint's linear layers are quantized (AWQ / GPTQ), None for dense weights.
+    config_dtype: the checkpoint's dtype as its config.json says (`dtype`, or the older `torch_dtype`):
+    "float16", "bfloat16" or "float32"; None where it says none, or for a GGUF file (--dtype auto reads it).
     """
 
     architecture: str
@@ -54,6 +56,7 @@ class ArchConfig:
     mlp_bias: bool = False
     rope_freq_factors: tuple[float, ...] | None = None
     quantization: QuantConfig | None = None
+    config_dtype: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -203,7 +206,26 @@ def _from_hf_dir(path: str) -> ArchConfig:
         eos_token_ids=eos_ids,
         hidden_act=cfg.get("hidden_act", "silu"),
         quantization=quantization,
+        config_dtype=_config_dtype(cfg),
     )
+
+
+# config.json's dtype names (Transformers writes torch's name without "torch."; a few older exports keep it).
+_CONFIG_DTYPES = {"float16": "float16", "half": "float16", "bfloat16": "bfloat16", "float32": "float32",
+                  "float": "float32"}
+
+
+def _config_dtype(cfg: dict[str, Any]) -> str | None:
+    """The checkpoint's dtype: `dtype` (Transformers 5) or `torch_dtype`, at the top or in `text_config`; None
+    for a missing or unknown value (--dtype auto then takes the device's default)."""
+    for source in (cfg, cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}):
+        for key in ("dtype", "torch_dtype"):
+            value = source.get(key)
+            if isinstance(value, str):
+                name = _CONFIG_DTYPES.get(value.lower().removeprefix("torch."))
+                if name is not None:
+                    return name
+    return None
 
 
 def _rope_from_hf_config(cfg: dict[str, Any], max_position: int) -> tuple[float, dict[str, Any] | None]:

@@ -471,6 +471,24 @@ def test_kv_cache_budget_is_per_instance(checkpoints: dict[str, str]) -> None:
         assert abs(shared - alone) <= 256 * MiB, (where, shared / GiB, alone / GiB)
 
 
+def test_dtype_auto_follows_the_checkpoint(checkpoints: dict[str, str], tmp_path: Any) -> None:
+    """--dtype auto on a GPU: a float16 checkpoint runs in float16, a bfloat16 or float32 one in bfloat16
+    (every GPU these tests run on has bfloat16)."""
+    import json
+    import shutil
+
+    source = checkpoints["llama-hd64"]
+    for saved, expected in (("float16", "float16"), ("bfloat16", "bfloat16"), ("float32", "bfloat16")):
+        path = tmp_path / saved
+        shutil.copytree(source, path)
+        config = json.loads((path / "config.json").read_text())
+        config.pop("dtype", None)
+        config["torch_dtype"] = saved
+        (path / "config.json").write_text(json.dumps(config))
+        args = EngineArgs(model=str(path), device="cuda", max_model_len=1024)
+        assert args.create_engine_config().model_config.dtype == expected, saved
+
+
 @pytest.mark.parametrize("model", list(MODELS))
 def test_every_sampling_option_on_the_gpu(
     checkpoints: dict[str, str], model: str, monkeypatch: pytest.MonkeyPatch
