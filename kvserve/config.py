@@ -89,6 +89,9 @@ class CacheConfig:
     kv_cache_memory_bytes: int = 1 * GiB  # CPU budget (--kv-cache-memory)
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    # --kv-cache-memory (vLLM's --kv-cache-memory-bytes) given: on a GPU the KV cache is this size (per GPU)
+    # instead of the --gpu-memory-utilization budget. None: the budget sizes it.
+    gpu_kv_cache_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -315,6 +318,7 @@ class EngineArgs:
             block_size=self.block_size,
             num_blocks=int(self.num_kv_blocks or 0),
             kv_cache_memory_bytes=kv_bytes,
+            gpu_kv_cache_memory_bytes=kv_bytes if self.kv_cache_memory is not None and device != "cpu" else None,
             gpu_memory_utilization=self.gpu_memory_utilization,
             enable_prefix_caching=self.enable_prefix_caching,
         )

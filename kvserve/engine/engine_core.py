@@ -201,7 +201,7 @@ class EngineCore:
         profile = self.runner.memory_profile
         if config.cache_config.num_blocks:  # set by the user: the sizing flags do not apply
             hint = f"raise --num-gpu-blocks-override (num_kv_blocks) to at least {blocks_needed}"
-        elif config.device_config.device == "cpu":
+        elif config.device_config.device == "cpu" or config.cache_config.gpu_kv_cache_memory_bytes is not None:
             hint = f"raise --kv-cache-memory to at least {memory_size_text(blocks_needed * per_block)}"
         elif profile is not None:
             hint = gpu_capacity_hint(

@@ -32,7 +32,7 @@ _IGNORED_VLLM_ARGS: dict[str, tuple[Any, ...]] = {
     "tokenizer_mode": ("auto",), "code_revision": (None,),
 }
 # vLLM's names for kvserve's own settings.
-_VLLM_ALIASES = {"num_gpu_blocks_override": "num_kv_blocks"}
+_VLLM_ALIASES = {"num_gpu_blocks_override": "num_kv_blocks", "kv_cache_memory_bytes": "kv_cache_memory"}
 
 
 def _engine_args(given: dict[str, Any]) -> dict[str, Any]:

@@ -46,7 +46,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "request is preempted first")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step (default 8192)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    g.add_argument("--kv-cache-memory", default=None, help="KV cache size on CPU, e.g. 2GiB (default 1GiB)")
+    g.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory", default=None,
+                   help="KV cache size (per GPU), e.g. 2GiB or a number of bytes; on a GPU it replaces the "
+                        "--gpu-memory-utilization budget (vLLM's --kv-cache-memory-bytes); on CPU the default is "
+                        "1GiB")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of the GPU's memory this instance may use (weights, activations, CUDA graphs, "
                    "KV cache): a per-instance budget, as vLLM's; refused at start when less is free")

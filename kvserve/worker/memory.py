@@ -160,3 +160,53 @@ def gpu_capacity_hint(
     if profile.graph_reserve_bytes:
         parts.append(f"pass --enforce-eager (frees the {profile.graph_reserve_bytes / GiB:.2f} GiB graph reserve)")
     return "; ".join(parts)
+
+
+# ------------------------------------------------------------------- --kv-cache-memory on a GPU
+
+
+class KVCacheMemoryError(ValueError):
+    """--kv-cache-memory asks for more than the GPU has free after the weights, activations and graphs."""
+
+
+def free_after_profile(profile: MemoryProfile) -> int:
+    """What the device has free for a KV cache after the profile: its free memory (total less everything in
+    use on it, by any process) less the activation peak and the CUDA-graph reserve. May be negative."""
+    return profile.total_bytes - profile.in_use_bytes - profile.activation_peak_bytes - profile.graph_reserve_bytes
+
+
+def plan_requested_kv_cache(profile: MemoryProfile, kv_cache_bytes: int, bytes_per_block: int,
+                            gguf_note: str = "") -> KVCachePlan:
+    """The KV cache at the size --kv-cache-memory (vLLM's --kv-cache-memory-bytes) asks for, per GPU, in
+    place of the --gpu-memory-utilization budget: as many whole blocks as fit in `kv_cache_bytes`. Raises
+    KVCacheMemoryError, with the numbers, when the device does not have that much free after the weights,
+    the activation peak and the graph reserve (`free_after_profile`); `gguf_note` is added to its message."""
+    if bytes_per_block <= 0:
+        raise ValueError(f"bytes_per_block must be positive, got {bytes_per_block}")
+    available = free_after_profile(profile)
+    if kv_cache_bytes > available:
+        parts = [
+            f"--kv-cache-memory {kv_cache_bytes / GiB:.2f} GiB does not fit on this GPU: it has "
+            f"{max(available, 0) / GiB:.2f} GiB free for the KV cache (total {profile.total_bytes / GiB:.2f} GiB; "
+            f"in use {profile.in_use_bytes / GiB:.2f} GiB, weights {profile.weights_bytes / GiB:.2f} GiB of it; "
+            f"activation peak {profile.activation_peak_bytes / GiB:.2f} GiB; graph reserve "
+            f"{profile.graph_reserve_bytes / GiB:.2f} GiB)",
+            "lower --kv-cache-memory",
+            f"lower --max-num-batched-tokens (activation peak {profile.activation_peak_bytes / GiB:.2f} GiB)",
+        ]
+        if profile.graph_reserve_bytes:
+            parts.append(f"pass --enforce-eager (frees the {profile.graph_reserve_bytes / GiB:.2f} GiB graph reserve)")
+        raise KVCacheMemoryError("; ".join(parts) + gguf_note)
+    return KVCachePlan(num_blocks=kv_cache_bytes // bytes_per_block, budget_bytes=kv_cache_bytes,
+                       bytes_per_block=bytes_per_block)
+
+
+def describe_requested_kv_cache(plan: KVCachePlan, profile: MemoryProfile) -> str:
+    """The start-up line for a KV cache sized by --kv-cache-memory."""
+    return (
+        f"GPU memory: total {profile.total_bytes / GiB:.2f} GiB; in use {profile.in_use_bytes / GiB:.2f} GiB "
+        f"(weights {profile.weights_bytes / GiB:.2f} GiB), activation peak "
+        f"{profile.activation_peak_bytes / GiB:.2f} GiB, graph reserve {profile.graph_reserve_bytes / GiB:.2f} GiB; "
+        f"KV cache {plan.budget_bytes / GiB:.2f} GiB as --kv-cache-memory asks (--gpu-memory-utilization not "
+        f"used) = {plan.num_blocks} blocks"
+    )

@@ -3,8 +3,8 @@
 Start-up order (driven by EngineCore): construct (load weights, allocate persistent input buffers) ->
 `determine_num_blocks` (CPU: the --kv-cache-memory budget; GPU: a profiled forward, see `worker.memory`;
 the device's memory in use is read first, before the weights, and an instance whose --gpu-memory-utilization
-budget exceeds the free memory refuses to start there)
--> `initialize_kv_cache` -> `capture_cuda_graphs` (GPU, unless enforce_eager).
+budget exceeds the free memory refuses to start there; then --kv-cache-memory when given, else the
+--gpu-memory-utilization budget) -> `initialize_kv_cache` -> `capture_cuda_graphs` (GPU, unless enforce_eager).
 
 Per step: apply the scheduler's diffs to the runner's request states and block table, fill the persistent
 input buffers, run the model (a CUDA-graph replay for decode-only batches that fit a captured size and for
@@ -58,9 +58,12 @@ from kvserve.worker.input_batch import BlockTable, InputBuffers
 from kvserve.worker.memory import (
     CUDA_GRAPH_RESERVE_BYTES,
     GiB,
+    KVCacheMemoryError,
     KVCachePlan,
     MemoryProfile,
+    describe_requested_kv_cache,
     plan_kv_cache,
+    plan_requested_kv_cache,
     prefill_graph_reserve_bytes,
     start_memory_error,
 )
@@ -312,24 +315,34 @@ class ModelRunner:
         context exists (`mem_get_info` creates it) and after this process's garbage and cached free blocks are
         released (an earlier in-process engine's, which this one's weights would otherwise reuse unseen), before
         the weights. Refuses to start (ConfigError) when the free memory is below what
-        --gpu-memory-utilization asks for, unless --num-gpu-blocks-override sizes the cache instead."""
+        --gpu-memory-utilization asks for, unless --num-gpu-blocks-override or --kv-cache-memory sizes the cache
+        instead."""
         gc.collect()
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         cache = self.config.cache_config
-        if not cache.num_blocks:
+        if not cache.num_blocks and cache.gpu_kv_cache_memory_bytes is None:
             error = start_memory_error(free, total, cache.gpu_memory_utilization)
             if error is not None:
                 raise ConfigError(error)
         return total - free
 
     def determine_num_blocks(self) -> int:
-        """Blocks that fit the KV budget: `--kv-cache-memory` on CPU; on GPU what `gpu_memory_utilization`
+        """Blocks that fit the KV budget: `--kv-cache-memory` on CPU; on GPU `--kv-cache-memory` when given
+        (checked against what the device has free after the profile), else what `gpu_memory_utilization`
         leaves after the weights and a profiled forward at max_num_batched_tokens (see `worker.memory`)."""
         per_block = self.kv_cache_bytes_per_block()
         if self.device.type == "cpu":
             return max(self.config.cache_config.kv_cache_memory_bytes // per_block, 0)
         self.memory_profile = self.profile_memory()
+        requested = self.config.cache_config.gpu_kv_cache_memory_bytes
+        if requested is not None:  # --kv-cache-memory: that size, if the device has it free
+            try:
+                self.kv_plan = plan_requested_kv_cache(self.memory_profile, requested, per_block)
+            except KVCacheMemoryError as exc:
+                raise ConfigError(str(exc)) from None
+            logger.info("%s", describe_requested_kv_cache(self.kv_plan, self.memory_profile))
+            return self.kv_plan.num_blocks
         self.kv_plan = plan_kv_cache(
             self.memory_profile, self.config.cache_config.gpu_memory_utilization, per_block
         )

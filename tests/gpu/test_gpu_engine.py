@@ -471,6 +471,31 @@ def test_kv_cache_budget_is_per_instance(checkpoints: dict[str, str]) -> None:
         assert abs(shared - alone) <= 256 * MiB, (where, shared / GiB, alone / GiB)
 
 
+def test_kv_cache_sized_by_kv_cache_memory(checkpoints: dict[str, str]) -> None:
+    """--kv-cache-memory (vLLM's --kv-cache-memory-bytes) on a GPU: the KV cache is that size, whatever
+    gpu_memory_utilization says; more than the GPU has free, or too little for one max_model_len request,
+    fails at start naming the flag."""
+    from kvserve.config import ConfigError
+
+    path = checkpoints["llama-hd64"]
+
+    def args(size: str) -> EngineArgs:
+        return EngineArgs(model=path, dtype="float32", device="cuda", max_model_len=1024, max_num_seqs=16,
+                          gpu_memory_utilization=0.01, kv_cache_memory=size)
+
+    core = EngineCore(args("64MiB").create_engine_config())
+    per_block = core.runner.kv_cache_bytes_per_block()
+    assert core.capacity.num_blocks == core.runner.kv_plan.num_blocks == (64 << 20) // per_block > 0
+    tokens = [t for t, _ in _generate(core, _prompts(4, seed=43), 8)]
+    assert all(len(t) == 8 for t in tokens)
+    del core
+    torch.cuda.empty_cache()
+    with pytest.raises(ConfigError, match="does not fit on this GPU"):
+        EngineCore(args("100000GiB").create_engine_config())
+    with pytest.raises(ConfigError, match="raise --kv-cache-memory to at least"):
+        EngineCore(args(str(per_block)).create_engine_config())
+
+
 def test_dtype_auto_follows_the_checkpoint(checkpoints: dict[str, str], tmp_path: Any) -> None:
     """--dtype auto on a GPU: a float16 checkpoint runs in float16, a bfloat16 or float32 one in bfloat16
     (every GPU these tests run on has bfloat16)."""

@@ -151,7 +151,8 @@ def test_the_engines_gpu_sizing_path_on_a_fake_profile(tiny_model_dir: Callable[
     runner.device = torch.device("cuda")  # only its type is read on this path
     per_block = runner.kv_cache_bytes_per_block()
     gpu_config = SimpleNamespace(device_config=SimpleNamespace(device="cuda"),
-                                 cache_config=SimpleNamespace(gpu_memory_utilization=0.9, num_blocks=None))
+                                 cache_config=SimpleNamespace(gpu_memory_utilization=0.9, num_blocks=None,
+                                                              gpu_kv_cache_memory_bytes=None))
 
     def size(in_use_blocks: int) -> int:
         # 50 blocks' worth in use at start (other processes): not counted against this instance
