@@ -209,9 +209,10 @@ class EngineCore:
             )
         else:
             hint = f"raise --num-gpu-blocks-override (num_kv_blocks) to at least {blocks_needed}"
+        note = self.runner.gguf_capacity_note() if config.device_config.device != "cpu" else ""
         raise ConfigError(
             f"the KV cache holds {cap.num_tokens} tokens ({cap.num_blocks} blocks), fewer than one request "
-            f"of max_model_len={cap.max_model_len} needs: {hint}, or lower --max-model-len"
+            f"of max_model_len={cap.max_model_len} needs: {hint}, or lower --max-model-len{note}"
         )
 
     @property

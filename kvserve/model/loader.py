@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import logging
 import os
 from collections.abc import Iterator
 
@@ -11,11 +12,14 @@ from safetensors import safe_open
 
 from kvserve.config import ModelConfig
 from kvserve.model.arch import ArchConfig, load_arch_config
-from kvserve.model.gguf import iter_gguf_weights
+from kvserve.model.gguf import dequantization_summary, iter_gguf_weights
 from kvserve.model.paths import ModelLoadError
 from kvserve.model.registry import CausalLM, get_model_class
 
-__all__ = ["CausalLM", "init_dummy_weights", "iter_safetensors_weights", "iter_weights", "load_model"]
+__all__ = ["CausalLM", "init_dummy_weights", "iter_safetensors_weights", "iter_weights", "load_model",
+           "parameter_bytes"]
+
+logger = logging.getLogger(__name__)
 
 # Standard deviation of dummy weights: the usual init scale of these models (HF initializer_range), so
 # activations and logits have realistic magnitudes rather than near-uniform softmaxes.
@@ -39,7 +43,16 @@ def load_model(model_config: ModelConfig, device: torch.device) -> CausalLM:
             model.finish_loading()
         else:
             model.load_weights(iter_weights(model_config.model, arch))
+            if model_config.is_gguf:
+                # A user who picked a 4-bit GGUF to fit a small GPU learns here why it takes more.
+                logger.info("%s", dequantization_summary(model_config.model, parameter_bytes(model),
+                                                         model_config.dtype))
     return model.eval()
+
+
+def parameter_bytes(model: torch.nn.Module) -> int:
+    """The bytes of a model's parameters (tied ones once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 @torch.no_grad()

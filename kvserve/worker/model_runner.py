@@ -44,6 +44,7 @@ from kvserve.kernels import cublaslt, ops, triton_precompile
 from kvserve.layers.attention_metadata import AttentionMetadata
 from kvserve.layers.linear import Linear
 from kvserve.layers.sampler import Sampler, SamplingRow, compute_logprobs, make_generator
+from kvserve.model.gguf import dequantization_summary
 from kvserve.model.loader import load_model
 from kvserve.protocol.sampling_params import SamplingParams
 from kvserve.structured_output import bitmask_words
@@ -327,6 +328,16 @@ class ModelRunner:
                 raise ConfigError(error)
         return total - free
 
+    def gguf_capacity_note(self) -> str:
+        """For a GGUF model, what a GPU capacity error adds: its weights are dequantized at load, so the file's
+        size is not what they take ("" for other models)."""
+        model_config = self.config.model_config
+        if not model_config.is_gguf or model_config.load_format == "dummy":
+            return ""
+        return (f" (note: {dequantization_summary(model_config.model, self.weights_bytes(), model_config.dtype)}; "
+                f"a smaller GGUF quantization does not make them smaller, an AWQ or GPTQ checkpoint stays packed "
+                f"on the GPU)")
+
     def determine_num_blocks(self) -> int:
         """Blocks that fit the KV budget: `--kv-cache-memory` on CPU; on GPU `--kv-cache-memory` when given
         (checked against what the device has free after the profile), else what `gpu_memory_utilization`
@@ -338,7 +349,8 @@ class ModelRunner:
         requested = self.config.cache_config.gpu_kv_cache_memory_bytes
         if requested is not None:  # --kv-cache-memory: that size, if the device has it free
             try:
-                self.kv_plan = plan_requested_kv_cache(self.memory_profile, requested, per_block)
+                self.kv_plan = plan_requested_kv_cache(self.memory_profile, requested, per_block,
+                                                       self.gguf_capacity_note())
             except KVCacheMemoryError as exc:
                 raise ConfigError(str(exc)) from None
             logger.info("%s", describe_requested_kv_cache(self.kv_plan, self.memory_profile))

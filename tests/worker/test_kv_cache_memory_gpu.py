@@ -116,20 +116,20 @@ def test_the_runner_sizes_the_gpu_cache_by_the_flag() -> None:
     # Without the flag: the utilization's budget, as before.
     assert ModelRunner.determine_num_blocks(_fake_runner(None, profile)) == plan_kv_cache(profile, 0.5, MiB).num_blocks
     assert plan_kv_cache(profile, 0.5, MiB).num_blocks != 4 * 1024
-    with pytest.raises(ConfigError, match="does not fit on this GPU"):
+    with pytest.raises(ConfigError, match="does not fit on this GPU.*GGUF note"):
         ModelRunner.determine_num_blocks(_fake_runner(70 * GiB, profile, " (GGUF note)"))
 
 
 def test_a_cache_too_small_for_one_request_names_the_flag(monkeypatch: pytest.MonkeyPatch) -> None:
-    runner = _fake_runner(MiB, _profile())
+    runner = _fake_runner(MiB, _profile(), " (note: GGUF weights dequantized)")
     runner.kv_cache_bytes_per_block = lambda: MiB
     runner.memory_profile = _profile()
     core = SimpleNamespace(capacity=KVCapacity(1, 16, 256), runner=runner)
     config = SimpleNamespace(cache_config=SimpleNamespace(num_blocks=0, gpu_kv_cache_memory_bytes=MiB,
                                                           gpu_memory_utilization=0.9),
                              device_config=SimpleNamespace(device="cuda"))
-    with pytest.raises(ConfigError, match=r"raise --kv-cache-memory to at least 16MiB"):
+    with pytest.raises(ConfigError, match=r"raise --kv-cache-memory to at least 16MiB.*GGUF weights dequantized"):
         EngineCore._check_capacity(core, config)  # type: ignore[arg-type]
     config.cache_config.gpu_kv_cache_memory_bytes = None
-    with pytest.raises(ConfigError, match=r"--gpu-memory-utilization"):
+    with pytest.raises(ConfigError, match=r"--gpu-memory-utilization.*GGUF weights dequantized"):
         EngineCore._check_capacity(core, config)  # type: ignore[arg-type]
