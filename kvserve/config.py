@@ -270,7 +270,7 @@ class EngineArgs:
         _check_device(device)
         dtype = _resolve_dtype(self.dtype, device, arch.config_dtype)
 
-        model_limit = arch.max_position_embeddings
+        model_limit = arch.max_positions
         if self.max_model_len is None:
             max_model_len = model_limit
         else:
@@ -278,7 +278,7 @@ class EngineArgs:
             if max_model_len > model_limit:
                 raise ConfigError(
                     f"max_model_len={max_model_len} is larger than the model supports "
-                    f"({model_limit}, max_position_embeddings in the model config); "
+                    f"({model_limit}, {_model_limit_source(arch)} in the model config); "
                     f"pass --max-model-len {model_limit} or less"
                 )
         if self.max_num_batched_tokens is not None:
@@ -479,3 +479,10 @@ def auto_dtype(config_dtype: str | None, device: str, capability: tuple[int, ...
     if config_dtype == "bfloat16" and has_bf16:
         return "bfloat16"
     return "bfloat16" if has_bf16 else "float16"
+
+
+def _model_limit_source(arch: Any) -> str:
+    """Which config values set `arch.max_positions` (for error messages)."""
+    if arch.rope_scaling is not None and arch.rope_scaling["rope_type"] == "yarn":
+        return "YaRN's original_max_position_embeddings x factor"
+    return "max_position_embeddings"

@@ -2,7 +2,10 @@
 
 The cos/sin table is computed once, in float32 on the CPU, with the same operations HF Transformers uses
 (inverse frequencies from `rope_theta`, then ``position * inv_freq``), so the rotated q/k are bit-identical
-to HF's in float32. Scaling variants only change the inverse frequencies; each is one function in a table.
+to HF's in float32. Scaling variants only change the inverse frequencies and, for YaRN, an attention factor
+that multiplies cos and sin; each is one function in a table. Every rotary path (the torch reference, the
+Triton rotary kernel, the q/k/v matmul's rope epilogue) reads this one table, so a scaling type never
+reaches a kernel: it only changes the table's values.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from torch import nn
 from kvserve.kernels import ops
 
 InvFreqFn = Callable[[torch.Tensor, dict[str, Any]], torch.Tensor]
+# (head_dim, theta, params) -> (inverse frequencies, attention factor multiplying cos and sin)
+RopeFn = Callable[[int, float, dict[str, Any]], tuple[torch.Tensor, float]]
 
 
 def _default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
@@ -52,14 +57,73 @@ def _llama3_scaling(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Ten
     return torch.where(is_medium, smoothed, scaled)
 
 
-# rope_type -> (inverse-frequency transform, parameters it requires)
-_ROPE_TYPES: dict[str, tuple[InvFreqFn, tuple[str, ...]]] = {
-    "default": (_no_scaling, ()),
-    "linear": (_linear_scaling, ("factor",)),
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention factor (its paper's eq. 21): 0.1 * mscale * ln(factor) + 1, and 1 for factor <= 1."""
+    if factor <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn(head_dim: int, theta: float, params: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """YaRN (NTK-by-parts): frequencies that turn more than `beta_fast` times over the pre-training length
+    are kept (extrapolated), those turning fewer than `beta_slow` times are divided by `factor`
+    (interpolated), with a linear ramp over the dimensions in between; cos and sin are multiplied by the
+    attention factor. Static, as HF Transformers and vLLM apply it: the same table at every length.
+
+    The operations and their order follow HF Transformers' `_compute_yarn_parameters`, so the table is
+    bit-identical to the one HF's rotary embedding computes in float32.
+    """
+    factor = params["factor"]
+    original_len = params["original_max_position_embeddings"]
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    # 0 or None mean the defaults, as in HF.
+    beta_fast = params.get("beta_fast") or 32
+    beta_slow = params.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        # The (fractional) dimension whose frequency turns `num_rotations` times over the pre-training length.
+        return (head_dim * math.log(original_len / (num_rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as HF: avoid dividing by zero
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim)
+    extrapolated = 1.0 / pos_freqs
+    interpolated = 1.0 / (factor * pos_freqs)
+    extrapolation_weight = 1 - ramp
+    inv_freq = interpolated * (1 - extrapolation_weight) + extrapolated * extrapolation_weight
+    return inv_freq, float(attention_factor)
+
+
+def _from_inv_freq_transform(transform: InvFreqFn) -> RopeFn:
+    """A RopeFn for a type that only transforms the default frequencies (attention factor 1)."""
+
+    def rope(head_dim: int, theta: float, params: dict[str, Any]) -> tuple[torch.Tensor, float]:
+        return transform(_default_inv_freq(head_dim, theta), params), 1.0
+
+    return rope
+
+
+# rope_type -> (frequencies and attention factor, parameters it requires)
+_ROPE_TYPES: dict[str, tuple[RopeFn, tuple[str, ...]]] = {
+    "default": (_from_inv_freq_transform(_no_scaling), ()),
+    "linear": (_from_inv_freq_transform(_linear_scaling), ("factor",)),
     "llama3": (
-        _llama3_scaling,
+        _from_inv_freq_transform(_llama3_scaling),
         ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     ),
+    "yarn": (_yarn, ("factor", "original_max_position_embeddings")),
 }
 
 
@@ -76,9 +140,29 @@ def check_rope_scaling(rope_scaling: dict[str, Any] | None) -> None:
         raise ValueError(
             f"unsupported rope_type {rope_type!r}; supported: {', '.join(supported_rope_types())}"
         )
-    missing = [key for key in _ROPE_TYPES[rope_type][1] if key not in rope_scaling]
+    missing = [key for key in _ROPE_TYPES[rope_type][1] if rope_scaling.get(key) is None]
     if missing:
         raise ValueError(f"rope_type {rope_type!r} needs {', '.join(missing)} in the rope parameters")
+
+
+def compute_rope_parameters(
+    head_dim: int,
+    theta: float,
+    rope_scaling: dict[str, Any] | None = None,
+    freq_factors: tuple[float, ...] | None = None,
+) -> tuple[torch.Tensor, float]:
+    """(float32 [head_dim // 2] inverse frequencies on the CPU, attention factor multiplying cos and sin).
+
+    `freq_factors` (GGUF `rope_freqs`) divide the frequencies as llama.cpp does; they stand in for a
+    scaling type the GGUF metadata does not name.
+    """
+    check_rope_scaling(rope_scaling)
+    rope_type = "default" if rope_scaling is None else rope_scaling["rope_type"]
+    rope_fn, _ = _ROPE_TYPES[rope_type]
+    inv_freq, attention_factor = rope_fn(head_dim, theta, rope_scaling or {})
+    if freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float32, device="cpu")
+    return inv_freq, attention_factor
 
 
 def compute_inv_freq(
@@ -87,26 +171,17 @@ def compute_inv_freq(
     rope_scaling: dict[str, Any] | None = None,
     freq_factors: tuple[float, ...] | None = None,
 ) -> torch.Tensor:
-    """float32 [head_dim // 2] inverse frequencies on the CPU.
-
-    `freq_factors` (GGUF `rope_freqs`) divide the frequencies as llama.cpp does; they stand in for a
-    scaling type the GGUF metadata does not name.
-    """
-    check_rope_scaling(rope_scaling)
-    inv_freq = _default_inv_freq(head_dim, theta)
-    if rope_scaling is not None:
-        transform, _ = _ROPE_TYPES[rope_scaling["rope_type"]]
-        inv_freq = transform(inv_freq, rope_scaling)
-    if freq_factors is not None:
-        inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float32, device="cpu")
-    return inv_freq
+    """float32 [head_dim // 2] inverse frequencies on the CPU (`compute_rope_parameters` without the
+    attention factor)."""
+    return compute_rope_parameters(head_dim, theta, rope_scaling, freq_factors)[0]
 
 
-def compute_cos_sin_cache(inv_freq: torch.Tensor, max_position: int) -> torch.Tensor:
-    """float32 [max_position, head_dim]: cos of every frequency in the first half, sin in the second."""
+def compute_cos_sin_cache(inv_freq: torch.Tensor, max_position: int, attention_factor: float = 1.0) -> torch.Tensor:
+    """float32 [max_position, head_dim]: cos of every frequency in the first half, sin in the second, both
+    multiplied by `attention_factor` (YaRN's; HF multiplies by it always, and by 1.0 exactly otherwise)."""
     positions = torch.arange(max_position, dtype=torch.int64, device=inv_freq.device).float()
     freqs = positions[:, None] * inv_freq[None, :]
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    return torch.cat([freqs.cos() * attention_factor, freqs.sin() * attention_factor], dim=-1)
 
 
 class RotaryEmbedding(nn.Module):
@@ -127,10 +202,10 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.max_position = max_position
-        inv_freq = compute_inv_freq(head_dim, theta, rope_scaling, freq_factors)
+        inv_freq, attention_factor = compute_rope_parameters(head_dim, theta, rope_scaling, freq_factors)
         # NOTE: computed on the CPU (as HF does at init) so the table does not depend on the device's
         # transcendental functions, then moved to wherever the model is being built.
-        cache = compute_cos_sin_cache(inv_freq, max_position)
+        cache = compute_cos_sin_cache(inv_freq, max_position, attention_factor)
         self.register_buffer("cos_sin_cache", cache.to(torch.get_default_device()), persistent=False)
 
     def forward(

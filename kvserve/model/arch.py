@@ -24,7 +24,7 @@ from kvserve.model.registry import is_supported_architecture, supported_architec
 class ArchConfig:
     """Hyper-parameters of a decoder-only transformer, in HF's names.
 
-    rope_scaling: None for plain RoPE, else {"rope_type": "linear" | "llama3", <its parameters>}.
+    rope_scaling: None for plain RoPE, else {"rope_type": "linear" | "llama3" | "yarn", <its parameters>}.
     rope_freq_factors: per-frequency divisors (GGUF `rope_freqs`), or None.
     attention_bias / o_proj_bias / mlp_bias: bias on the q/k/v, o and MLP projections respectively.
     qk_norm: RMSNorm over head_dim on every q and k head before RoPE (Qwen3).
@@ -85,6 +85,16 @@ class ArchConfig:
                 f"rope_freqs has {len(self.rope_freq_factors)} values, expected head_dim/2 = "
                 f"{self.head_dim // 2}"
             )
+
+    @property
+    def max_positions(self) -> int:
+        """The longest context the model's RoPE covers: the size of the cos/sin table and the largest
+        max_model_len. YaRN extends the pre-training length by its factor (as vLLM derives it:
+        original_max_position_embeddings * factor, e.g. 32768 * 4 for Qwen2.5 whose config.json keeps
+        max_position_embeddings 32768); otherwise max_position_embeddings."""
+        if self.rope_scaling is not None and self.rope_scaling["rope_type"] == "yarn":
+            return int(self.rope_scaling["original_max_position_embeddings"] * self.rope_scaling["factor"])
+        return self.max_position_embeddings
 
     @property
     def q_size(self) -> int:
@@ -245,11 +255,10 @@ def _rope_from_hf_config(cfg: dict[str, Any], max_position: int) -> tuple[float,
         raise ModelLoadError(f"partial_rotary_factor={partial} is not supported")
     if rope_type == "default":
         return float(theta), None
-    if rope_type == "llama3":
-        # HF falls back to the model's own length when the pre-training length is not given.
-        params.setdefault(
-            "original_max_position_embeddings", cfg.get("original_max_position_embeddings", max_position)
-        )
+    if rope_type in ("llama3", "yarn") and params.get("original_max_position_embeddings") is None:
+        # The pre-training length from the rope parameters, else the model config's top level, else (as HF
+        # falls back) the model's own length.
+        params["original_max_position_embeddings"] = cfg.get("original_max_position_embeddings") or max_position
     return float(theta), {"rope_type": rope_type, **params}
 
 

@@ -258,7 +258,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size, dtype)
         rotary_emb = RotaryEmbedding(
             arch.head_dim,
-            arch.max_position_embeddings,
+            arch.max_positions,
             arch.rope_theta,
             arch.rope_scaling,
             arch.rope_freq_factors,

@@ -44,8 +44,53 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
     "qwen2": ("qwen2", {}),
+    # YaRN as Qwen2.5's documentation sets it (factor 4, default betas and attention factor), with a short
+    # pre-training length (64; max_model_len up to 64 * 4 = 256) so that prompts pass it quickly and, at
+    # head_dim 16, some frequencies are kept, some interpolated and one ramped between.
+    "qwen2-yarn": (
+        "qwen2",
+        {
+            "max_position_embeddings": 64,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 1000000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
+    # YaRN with every optional parameter set otherwise than its default (mscale / mscale_all_dim for the
+    # attention factor, betas, no truncation of the ramp's ends).
+    "llama-yarn": (
+        "llama",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 16,
+                "beta_slow": 2,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.5,
+                "truncate": False,
+            },
+        },
+    ),
     # head_dim 32 != hidden / heads = 16: catches code deriving head_dim from hidden_size.
     "qwen3": ("qwen3", {"head_dim": 32}),
+    "qwen3-yarn": (
+        "qwen3",
+        {
+            "head_dim": 32,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 1000000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
 }
 
 _BASE_CONFIG: dict[str, Any] = {

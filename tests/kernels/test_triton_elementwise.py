@@ -226,6 +226,43 @@ def test_rotary_embedding_rejects_wrong_cache_width(device):
         )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rotary_embedding_with_a_yarn_table(dtype, head_dim, device):
+    """YaRN only changes the table's values (frequencies, and cos/sin scaled by its attention factor): the
+    Triton kernel, alone and writing the cache, agrees with the torch reference on the model's YaRN table,
+    and in float32 with HF Transformers' rotation (its own YaRN cos/sin and apply_rotary_pos_emb)."""
+    from transformers import Qwen2Config
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding, apply_rotary_pos_emb
+
+    from kvserve.layers.rotary import RotaryEmbedding
+
+    params = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    table = RotaryEmbedding(head_dim, 256, 1e6, params).cos_sin_cache.to(device)
+    num_heads, num_kv_heads, num_tokens = 3, 1, 5
+    query, key, value = qkv_views(num_tokens, num_heads, num_kv_heads, head_dim, dtype, device, seed=7)
+    positions = torch.tensor([0, 3, 63, 64, 255], dtype=torch.int64, device=device)
+    q_out, k_out = rotary_embedding(positions, query, key, table)
+    q_ref, k_ref = reference.rotary_embedding(positions, query, key, table)
+    torch.testing.assert_close(q_out, q_ref, **TWO_ULPS[dtype])
+    torch.testing.assert_close(k_out, k_ref, **TWO_ULPS[dtype])
+    kv_cache = torch.zeros(2, 4, 4, num_kv_heads, head_dim, dtype=dtype, device=device)
+    slots = torch.tensor([5, 0, 9, 15, 2], dtype=torch.int64, device=device)
+    q_cached, k_cached = rotary_embedding(positions, query, key, table, value, kv_cache, slots)
+    assert torch.equal(q_cached, q_out) and torch.equal(k_cached, k_out)
+    assert torch.equal(kv_cache[0].view(-1, num_kv_heads, head_dim)[slots], k_out)
+
+    if dtype == torch.float32:
+        config = Qwen2Config(hidden_size=head_dim * num_heads, num_attention_heads=num_heads, head_dim=head_dim,
+                             max_position_embeddings=256, rope_parameters={"rope_theta": 1e6, **params})
+        cos, sin = Qwen2RotaryEmbedding(config)(query.cpu(), positions.cpu()[None, :])
+        # HF's layout: [batch, heads, tokens, head_dim].
+        q_hf, k_hf = apply_rotary_pos_emb(query.cpu().transpose(0, 1)[None], key.cpu().transpose(0, 1)[None],
+                                          cos, sin)
+        torch.testing.assert_close(q_out.cpu(), q_hf[0].transpose(0, 1), **TWO_ULPS[dtype])
+        torch.testing.assert_close(k_out.cpu(), k_hf[0].transpose(0, 1), **TWO_ULPS[dtype])
+
+
 # ------------------------------------------------------------------------------------- silu_and_mul
 
 

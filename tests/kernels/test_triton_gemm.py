@@ -131,6 +131,34 @@ def test_rope_cache_epilogue_equals_the_two_kernels(dtype, config, m, bias, devi
     assert torch.equal(fused_cache.nan_to_num(), expected_cache.nan_to_num())
 
 
+def test_rope_cache_epilogue_with_a_yarn_table(device):
+    """The q/k/v matmul's rope epilogue reads the same table as the rotary kernel: with the model's YaRN table
+    (cos/sin scaled by the attention factor) it still gives bitwise the matmul followed by that kernel."""
+    from kvserve.kernels.triton_elementwise import rotary_embedding
+    from kvserve.kernels.triton_gemm import RopeCache
+    from kvserve.layers.rotary import RotaryEmbedding
+
+    dtype, config, m = torch.float16, GemmConfig(32, 32, 1, 2), 3
+    heads, kv_heads, head_dim, block_size = 4, 2, 64, 4
+    n = (heads + 2 * kv_heads) * head_dim
+    x, w, b = operands(m, n, 256, True, dtype, device, seed=21)
+    params = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    cos_sin = RotaryEmbedding(head_dim, 256, 1e6, params).cos_sin_cache.to(device)
+    positions = torch.tensor([1, 64, 250], dtype=torch.int64, device=device)
+    slots = torch.tensor([3, 0, 17], dtype=torch.int64, device=device)
+    fused_cache = torch.full((2, 8, block_size, kv_heads, head_dim), float("nan"), dtype=dtype, device=device)
+    expected_cache = fused_cache.clone()
+    rope = RopeCache(positions, cos_sin, fused_cache, slots, heads, kv_heads, head_dim)
+    assert fits(x, w, config, b, rope=rope)
+    fused = skinny_linear(x, w, b, config, rope=rope)
+    plain = skinny_linear(x, w, b, config)
+    q, k, v = plain.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q_rot, k_rot = rotary_embedding(positions, q.view(m, heads, head_dim), k.view(m, kv_heads, head_dim),
+                                    cos_sin, v.view(m, kv_heads, head_dim), expected_cache, slots)
+    assert torch.equal(fused, torch.cat([q_rot.view(m, -1), k_rot.view(m, -1), v], dim=-1))
+    assert torch.equal(fused_cache.nan_to_num(), expected_cache.nan_to_num())
+
+
 def test_rope_cache_epilogue_declines_what_it_cannot_do(device):
     from kvserve.kernels.triton_gemm import RopeCache
 

@@ -75,6 +75,29 @@ def test_tiny_checkpoints_match_hf(arch: str, tiny_model_dir) -> None:
     assert outs[0].prompt_token_ids == tok("Hi")["input_ids"]
 
 
+@pytest.mark.parametrize("arch", ["qwen2-yarn", "llama-yarn", "qwen3-yarn"])
+def test_yarn_checkpoints_match_hf_past_the_original_length(arch: str, tiny_model_dir) -> None:
+    """YaRN rope scaling (original_max_position_embeddings 64, factor 4): greedy tokens equal HF's, for prompts
+    shorter than the pre-training length and longer than it (up to the 256 positions YaRN extends it to, which
+    is max_model_len's default for the Qwen2 variant whose max_position_embeddings is 64, as Qwen2.5's is
+    32768)."""
+    path = tiny_model_dir(arch)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    assert hf.config.rope_parameters["rope_type"] == "yarn"
+    llm = LLM(path, block_size=16)
+    assert llm.config.model_config.max_model_len == 256
+    prompts = [
+        "Hi",
+        "A prompt of a few words.",
+        list(range(1000, 1100)),  # 100 tokens: past the original 64 before the first generated one
+        list(range(2000, 2210)),  # 210 tokens, generating up to position 229
+    ]
+    outs = _kvserve_greedy(llm, prompts, 20)
+    for out in outs:
+        expected = _hf_greedy(hf, out.prompt_token_ids, 20)
+        assert out.outputs[0].token_ids == expected, f"{arch}: prompt {out.prompt!r}"
+
+
 def test_tiny_gguf_matches_its_safetensors_twin(tiny_model_dir, tiny_gguf_path) -> None:
     """The GGUF loader (names, Q/K un-permutation) gives the same model as the safetensors loader."""
     st = LLM(tiny_model_dir("llama"), max_model_len=128)

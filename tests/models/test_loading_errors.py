@@ -113,10 +113,39 @@ def test_max_model_len_above_model_limit(tiny_model_dir: Callable) -> None:
     assert config.model_config.max_model_len == limit
 
 
+def test_yarn_extends_max_model_len_to_original_times_factor(tmp_path: Path, tiny_model_dir: Callable) -> None:
+    """As vLLM derives it: with YaRN the model supports original_max_position_embeddings x factor positions,
+    though config.json keeps max_position_embeddings at the pre-training length (Qwen2.5's 32768 with factor
+    4 serves 131072); the RoPE table covers them all. Without YaRN the limit is max_position_embeddings."""
+    model_dir = tiny_model_dir("qwen2-yarn")
+    arch = load_arch_config(model_dir)
+    assert arch.max_position_embeddings == 64 and arch.max_positions == 256
+    assert EngineArgs(model=model_dir).create_engine_config().model_config.max_model_len == 256
+    with pytest.raises(ConfigError, match="original_max_position_embeddings x factor"):
+        EngineArgs(model=model_dir, max_model_len=257).create_engine_config()
+    # The legacy `rope_scaling` with `type`, and the pre-training length from the config's top level.
+    config = json.loads(Path(model_dir, "config.json").read_text())
+    params = dict(config.pop("rope_parameters"))
+    config["rope_theta"] = params.pop("rope_theta")
+    config["original_max_position_embeddings"] = params.pop("original_max_position_embeddings")
+    config["rope_scaling"] = {"type": params.pop("rope_type"), **params}
+    legacy = load_arch_config(_write_config_only(tmp_path / "legacy", config))
+    assert legacy.rope_scaling == arch.rope_scaling and legacy.max_positions == 256
+
+
 @pytest.mark.parametrize(
     "edit, message",
     [
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope_type 'yarn'.*llama3"),
+        (
+            {"rope_parameters": {"rope_type": "dynamic", "factor": 4.0}},
+            "unsupported rope_type 'dynamic'; supported: default, linear, llama3, yarn",
+        ),
+        (
+            {"rope_parameters": None, "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8,
+                                                       "long_factor": [4.0] * 8}},
+            "unsupported rope_type 'longrope'; supported: default, linear, llama3, yarn",
+        ),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": None}}, "rope_type 'yarn' needs factor"),
         (
             {"rope_parameters": None, "rope_scaling": {"type": "llama3", "factor": 8.0}},
             "needs low_freq_factor",
