@@ -361,6 +361,23 @@ def test_llama3_rope_scaling_greedy_gpu_equals_cpu(tmp_path: Any) -> None:
     _assert_greedy_same_or_near_tie(gpu, cpu)
 
 
+def test_yarn_rope_scaling_greedy_gpu_equals_cpu(tmp_path: Any) -> None:
+    """A tiny Qwen2 (head dim 128, q/k/v bias) with YaRN over a short pre-training length (256, factor 4: 1024
+    positions), prompts past it: the GPU engine (fp32, CUDA graphs, the Triton rotary kernel and the q/k/v
+    rope epilogue reading the YaRN table) gives the CPU engine's greedy tokens. The CPU engine's YaRN is
+    checked against HF in tests/models/test_generate_vs_hf.py."""
+    scaling = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 256}
+    _, overrides = MODELS["qwen2-hd128"]
+    path = _tiny_checkpoint(str(tmp_path), "qwen2", seed=6, rope_parameters=scaling, max_position_embeddings=256,
+                            **overrides)
+    prompts = [p * 4 for p in _prompts(4, seed=61)]  # 20 to 800 tokens: most past position 256
+    gpu = _generate(_core(path, "float32", enforce_eager=False), prompts, 16, logprobs=2)
+    args = EngineArgs(model=path, dtype="float32", device="cpu", max_model_len=1024, kv_cache_memory="64MiB",
+                      max_num_seqs=16, max_num_batched_tokens=512)
+    cpu = _generate(EngineCore(args.create_engine_config()), prompts, 16, logprobs=2)
+    _assert_greedy_same_or_near_tie(gpu, cpu)
+
+
 def test_kv_cache_sized_by_gpu_memory_utilization(checkpoints: dict[str, str]) -> None:
     """Without num_kv_blocks the engine profiles a forward at max_num_batched_tokens and gives the KV cache what
     this instance's gpu_memory_utilization leaves: utilization x total - what this process added to the memory
