@@ -281,9 +281,10 @@ def test_gguf_export_reproduces_hf_checkpoint(
     gguf_path = tiny_gguf_path(variant)
     from_gguf = load_arch_config(gguf_path)
     from_hf = load_arch_config(tiny_model_dir(variant))
-    # GGUF stores eps as float32.
+    # GGUF stores eps as float32, and names no dtype (--dtype auto then takes the GPU's; config.auto_dtype).
     assert from_gguf.rms_norm_eps == pytest.approx(from_hf.rms_norm_eps, rel=1e-6)
-    assert replace(from_gguf, rms_norm_eps=from_hf.rms_norm_eps) == from_hf
+    assert from_gguf.config_dtype is None and from_hf.config_dtype == "float32"
+    assert replace(from_gguf, rms_norm_eps=from_hf.rms_norm_eps, config_dtype=from_hf.config_dtype) == from_hf
 
     ours = _load_ours(gguf_path)
     _, hf = tiny_pair(variant)

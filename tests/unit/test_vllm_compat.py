@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from kvserve.config import ConfigError, EngineArgs
 from kvserve.entrypoints.cli import build_parser, engine_args_from, main
 
 
@@ -193,6 +194,7 @@ def test_ssl_flags_come_in_pairs(flags: list[str], message: str) -> None:
 
 
 
+@pytest.mark.filterwarnings("error::UserWarning")  # the OpenAPI document builds without warnings (one id each)
 @pytest.mark.parametrize("docs, status", [(True, 200), (False, 404)])
 def test_disable_fastapi_docs(docs: bool, status: int) -> None:
     """--disable-fastapi-docs: no /docs, /redoc or /openapi.json (the API still answers)."""
@@ -220,3 +222,27 @@ def test_disable_fastapi_docs(docs: bool, status: int) -> None:
         assert asyncio.run(get("/v1/models")) == 200
     finally:
         ctx.prepare_pool.shutdown(wait=False)
+
+
+def test_engine_args_take_vllm_sizes(tiny_model_dir: Callable[..., str]) -> None:
+    """LLM(max_model_len="1k") and EngineArgs take vLLM's human-readable token counts, as the CLI does."""
+    config = EngineArgs(model=tiny_model_dir("llama"), device="cpu", max_model_len="0.2k",
+                        max_num_batched_tokens="2K").create_engine_config()
+    assert (config.model_config.max_model_len, config.scheduler_config.max_num_batched_tokens) == (200, 2048)
+    with pytest.raises(ConfigError, match="max_model_len: expected a whole number"):
+        EngineArgs(model=tiny_model_dir("llama"), device="cpu", max_model_len="lots").create_engine_config()
+    ns = build_parser().parse_args(["serve", "--max-num-batched-tokens", "16k"])
+    assert ns.max_num_batched_tokens == 16000
+
+
+def test_other_tools_do_not_refuse_vllm_flags_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    """kvserve bench and route are not vLLM's server: a vLLM engine flag there is just an unknown argument."""
+    for command in (["bench"], ["route", "--backend", "http://a:1"]):
+        with pytest.raises(SystemExit) as info:
+            main([*command, "--enable-lora"])
+        assert info.value.code == 2
+        error = capsys.readouterr().err
+        assert "unrecognized arguments: --enable-lora" in error and "vLLM option" not in error
+    with pytest.raises(SystemExit):
+        main(["serve", "--enable-lora"])
+    assert "is a vLLM option kvserve does not support" in capsys.readouterr().err

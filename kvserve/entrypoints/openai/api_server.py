@@ -165,7 +165,9 @@ def build_app(ctx: ServingContext, state: ServerState, metrics: PrometheusStatLo
                                   "the server is shutting down")
         return Response(status_code=200)
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    # One operation per method in the OpenAPI document (a shared one is a duplicate operation id there).
+    @app.get("/ping", operation_id="ping_get")
+    @app.post("/ping", operation_id="ping_post")
     async def ping() -> Response:  # vLLM's (SageMaker's) name for the health check
         return await health()
 
