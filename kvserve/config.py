@@ -7,6 +7,7 @@ frozen `EngineConfig` that every component receives. Nothing else interprets use
 
 from __future__ import annotations
 
+import argparse
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -222,7 +223,7 @@ class EngineArgs:
     tokenizer_revision: str | None = None
     download_dir: str | None = None
     dtype: str = "auto"
-    max_model_len: int | None = None
+    max_model_len: int | str | None = None  # a number, or as vLLM takes it: "32k" (x1000), "32K" (x1024)
     seed: int = 0
     served_model_name: str | None = None
     chat_template: str | None = None
@@ -233,7 +234,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
+    max_num_batched_tokens: int | str | None = None
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     device: str | None = None
@@ -260,10 +261,15 @@ class EngineArgs:
             model_path = resolve_model_path(self.model, self.revision, self.download_dir)
             _check_load_format(self.load_format, model_path)
         tokenizer_revision = self.tokenizer_revision if self.tokenizer_revision is not None else self.revision
-        if self.tokenizer is None:
+        # The tokenizer is the model's unless named; a --tokenizer-revision alone still picks the model's repo's
+        # tokenizer at that revision (as vLLM).
+        tokenizer = self.tokenizer
+        if tokenizer is None and self.tokenizer_revision is not None and self.model is not None:
+            tokenizer = self.model
+        if tokenizer is None:
             tokenizer_path = model_path
         else:
-            tokenizer_path = resolve_tokenizer_path(self.tokenizer, tokenizer_revision, self.download_dir)
+            tokenizer_path = resolve_tokenizer_path(tokenizer, tokenizer_revision, self.download_dir)
         arch = load_arch_config(model_path)
         _check_quantization(self.quantization, model_path, arch)
         device = self.device or _default_device()
@@ -274,7 +280,7 @@ class EngineArgs:
         if self.max_model_len is None:
             max_model_len = model_limit
         else:
-            max_model_len = int(self.max_model_len)
+            max_model_len = _token_count("max_model_len", self.max_model_len)
             if max_model_len > model_limit:
                 raise ConfigError(
                     f"max_model_len={max_model_len} is larger than the model supports "
@@ -282,7 +288,7 @@ class EngineArgs:
                     f"pass --max-model-len {model_limit} or less"
                 )
         if self.max_num_batched_tokens is not None:
-            max_batched = int(self.max_num_batched_tokens)
+            max_batched = _token_count("max_num_batched_tokens", self.max_num_batched_tokens)
         else:
             max_batched = 8192 if self.enable_chunked_prefill else max(8192, max_model_len)
 
@@ -479,6 +485,18 @@ def auto_dtype(config_dtype: str | None, device: str, capability: tuple[int, ...
     if config_dtype == "bfloat16" and has_bf16:
         return "bfloat16"
     return "bfloat16" if has_bf16 else "float16"
+
+
+def _token_count(name: str, value: int | str) -> int:
+    """A token count given as a number or, as vLLM takes them, a string such as '32k' (x1000) or '32K' (x1024)."""
+    if isinstance(value, str):
+        from kvserve.entrypoints.vllm_compat import human_readable_int
+
+        try:
+            return human_readable_int(value)
+        except argparse.ArgumentTypeError as exc:
+            raise ConfigError(f"{name}: {exc}") from None
+    return int(value)
 
 
 def _model_limit_source(arch: Any) -> str:

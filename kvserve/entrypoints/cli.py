@@ -44,7 +44,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="fcfs: requests run in arrival order; priority: by each request's `priority` (lower "
                         "first, then arrival), and when the KV cache runs short the lowest-priority running "
                         "request is preempted first")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step (default 8192)")
+    g.add_argument("--max-num-batched-tokens", type=human_readable_int, default=None,
+                   help="token budget of one step, e.g. 8192 or 16k (default 8192)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     g.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory", default=None,
                    help="KV cache size (per GPU), e.g. 2GiB or a number of bytes; on a GPU it replaces the "
@@ -293,8 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     parser = build_parser()
+    # vLLM's flags are refused by name only where vLLM's engine flags belong (bench and route are other tools).
     ns = parse_args_or_refuse(parser, argv, {command: f"kvserve {command}" for command in
-                                             ("generate", "serve", "bench", "triton-repo", "route")})
+                                             ("generate", "serve", "triton-repo")})
     try:
         return int(ns.func(ns))
     except ValueError as e:  # ConfigError, ModelLoadError, bad sampling params, rejected requests

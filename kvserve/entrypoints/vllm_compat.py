@@ -55,12 +55,14 @@ def refusal(prog: str, flag: str) -> str:
 def parse_args_or_refuse(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
                          prog_of: dict[str, str] | None = None) -> argparse.Namespace:
     """`parser.parse_args(argv)`, except that a known vLLM flag kvserve does not support is refused by name
-    (exit 2, as argparse's errors). `prog_of` names the program by subcommand (ns.command)."""
+    (exit 2, as argparse's errors). `prog_of` names the program by subcommand (ns.command); given, only its
+    subcommands refuse vLLM's flags by name (others get argparse's message)."""
     ns, extras = parser.parse_known_args(argv)
     if extras:
         flag = unsupported_vllm_flag(extras)
-        if flag is not None:
-            prog = (prog_of or {}).get(getattr(ns, "command", None) or "", parser.prog)
+        command = getattr(ns, "command", None) or ""
+        if flag is not None and (prog_of is None or command in prog_of):
+            prog = (prog_of or {}).get(command, parser.prog)
             parser.exit(2, refusal(prog, flag) + "\n")
         parser.error(f"unrecognized arguments: {' '.join(extras)}")
     return ns

@@ -175,12 +175,11 @@ def free_after_profile(profile: MemoryProfile) -> int:
     return profile.total_bytes - profile.in_use_bytes - profile.activation_peak_bytes - profile.graph_reserve_bytes
 
 
-def plan_requested_kv_cache(profile: MemoryProfile, kv_cache_bytes: int, bytes_per_block: int,
-                            gguf_note: str = "") -> KVCachePlan:
+def plan_requested_kv_cache(profile: MemoryProfile, kv_cache_bytes: int, bytes_per_block: int) -> KVCachePlan:
     """The KV cache at the size --kv-cache-memory (vLLM's --kv-cache-memory-bytes) asks for, per GPU, in
     place of the --gpu-memory-utilization budget: as many whole blocks as fit in `kv_cache_bytes`. Raises
     KVCacheMemoryError, with the numbers, when the device does not have that much free after the weights,
-    the activation peak and the graph reserve (`free_after_profile`); `gguf_note` is added to its message."""
+    the activation peak and the graph reserve (`free_after_profile`)."""
     if bytes_per_block <= 0:
         raise ValueError(f"bytes_per_block must be positive, got {bytes_per_block}")
     available = free_after_profile(profile)
@@ -196,7 +195,7 @@ def plan_requested_kv_cache(profile: MemoryProfile, kv_cache_bytes: int, bytes_p
         ]
         if profile.graph_reserve_bytes:
             parts.append(f"pass --enforce-eager (frees the {profile.graph_reserve_bytes / GiB:.2f} GiB graph reserve)")
-        raise KVCacheMemoryError("; ".join(parts) + gguf_note)
+        raise KVCacheMemoryError("; ".join(parts))
     return KVCachePlan(num_blocks=kv_cache_bytes // bytes_per_block, budget_bytes=kv_cache_bytes,
                        bytes_per_block=bytes_per_block)
 

@@ -349,10 +349,9 @@ class ModelRunner:
         requested = self.config.cache_config.gpu_kv_cache_memory_bytes
         if requested is not None:  # --kv-cache-memory: that size, if the device has it free
             try:
-                self.kv_plan = plan_requested_kv_cache(self.memory_profile, requested, per_block,
-                                                       self.gguf_capacity_note())
-            except KVCacheMemoryError as exc:
-                raise ConfigError(str(exc)) from None
+                self.kv_plan = plan_requested_kv_cache(self.memory_profile, requested, per_block)
+            except KVCacheMemoryError as exc:  # the GGUF note reads the file's metadata: only when it is said
+                raise ConfigError(str(exc) + self.gguf_capacity_note()) from None
             logger.info("%s", describe_requested_kv_cache(self.kv_plan, self.memory_profile))
             return self.kv_plan.num_blocks
         self.kv_plan = plan_kv_cache(

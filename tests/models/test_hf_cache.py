@@ -94,6 +94,9 @@ def test_tokenizer_ids_and_tokenizer_revision(hf_env: dict[str, str], tiny_model
     config = EngineArgs(model=REPO, revision="v2", tokenizer_revision="main", tokenizer=REPO,
                         max_model_len=64).create_engine_config()
     assert (config.model_config.model, config.model_config.tokenizer) == (hf_env["v2"], hf_env["main"])
+    # --tokenizer-revision alone: the model's repo's tokenizer at that revision (as vLLM)
+    config = EngineArgs(model=REPO, revision="v2", tokenizer_revision="main", max_model_len=64).create_engine_config()
+    assert (config.model_config.model, config.model_config.tokenizer) == (hf_env["v2"], hf_env["main"])
     # --load-format dummy reads only the snapshot's config.json
     dummy = EngineArgs(model=REPO, load_format="dummy", max_model_len=64).create_engine_config()
     assert dummy.model_config.model == hf_env["main"]
