@@ -96,7 +96,7 @@ def _yarn(head_dim: int, theta: float, params: dict[str, Any]) -> tuple[torch.Te
     low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001  # as HF: avoid dividing by zero
-    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
 
     pos_freqs = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim)
     extrapolated = 1.0 / pos_freqs

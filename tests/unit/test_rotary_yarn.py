@@ -88,6 +88,23 @@ def test_yarn_rotary_module_uses_the_scaled_table() -> None:
     assert not torch.allclose(rotary.cos_sin_cache[:, 31], plain.cos_sin_cache[:, 31] * attention)
 
 
+@pytest.mark.parametrize("params", [
+    None, {"rope_type": "linear", "factor": 2.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}])
+def test_tables_are_built_on_the_cpu_whatever_the_default_device(params: dict[str, Any] | None) -> None:
+    """The model is built under the GPU as default device; the tables are computed on the CPU all the same (a
+    tensor made without a device there landed on the GPU beside CPU ones: the YaRN GPU test failed on an H100).
+    The meta device stands in for the GPU here."""
+    expected = compute_rope_parameters(64, 10000.0, params)
+    with torch.device("meta"):
+        inv_freq, attention = compute_rope_parameters(64, 10000.0, params)
+        rotary = RotaryEmbedding(64, 128, 10000.0, params)
+    assert inv_freq.device.type == "cpu" and torch.equal(inv_freq, expected[0]) and attention == expected[1]
+    assert rotary.cos_sin_cache.device.type == "meta"  # moved to the default device only at the end
+
+
 @pytest.mark.parametrize("rope_type", ["dynamic", "longrope", "su", None])
 def test_unsupported_rope_types_are_refused_naming_the_supported(rope_type: str | None) -> None:
     with pytest.raises(ValueError, match=f"unsupported rope_type {rope_type!r}; supported: default, linear, "
