@@ -102,8 +102,6 @@ def test_rope_cache_epilogue_equals_the_two_kernels(dtype, config, m, bias, devi
     """The fused q/k/v matmul with the rotary + cache-write epilogue gives bitwise the plain matmul followed by
     the Triton rotary kernel that writes the cache: rotated q and k, v untouched, every k/v row in its slot,
     and nothing written for a padding slot (-1). The cache starts as NaN, so a missed write shows."""
-    from kvserve.kernels.triton_elementwise import rotary_embedding
-    from kvserve.kernels.triton_gemm import RopeCache
 
     skip_bf16_on_interpreter(dtype)
     heads, kv_heads, head_dim, block_size = 4, 2, 64, 4
@@ -119,6 +117,19 @@ def test_rope_cache_epilogue_equals_the_two_kernels(dtype, config, m, bias, devi
     fused_cache = torch.full((2, 8, block_size, kv_heads, head_dim), float("nan"), dtype=dtype, device=device)
     expected_cache = fused_cache.clone()
 
+    _assert_epilogue_is_matmul_then_rotary(x, w, b, config, positions, cos_sin, fused_cache, expected_cache, slots,
+                                           (heads, kv_heads, head_dim))
+
+
+def _assert_epilogue_is_matmul_then_rotary(x, w, b, config, positions, cos_sin, fused_cache, expected_cache,
+                                           slots, shape):
+    """The q/k/v matmul with the rope epilogue (writing `fused_cache`) equals, bitwise, the plain matmul followed
+    by the rotary kernel (writing `expected_cache`), outputs and cache slots (NaN where neither writes)."""
+    from kvserve.kernels.triton_elementwise import rotary_embedding
+    from kvserve.kernels.triton_gemm import RopeCache
+
+    heads, kv_heads, head_dim = shape
+    m = x.shape[0]
     rope = RopeCache(positions, cos_sin, fused_cache, slots, heads, kv_heads, head_dim)
     assert fits(x, w, config, b, rope=rope)
     fused = skinny_linear(x, w, b, config, rope=rope)
@@ -134,8 +145,6 @@ def test_rope_cache_epilogue_equals_the_two_kernels(dtype, config, m, bias, devi
 def test_rope_cache_epilogue_with_a_yarn_table(device):
     """The q/k/v matmul's rope epilogue reads the same table as the rotary kernel: with the model's YaRN table
     (cos/sin scaled by the attention factor) it still gives bitwise the matmul followed by that kernel."""
-    from kvserve.kernels.triton_elementwise import rotary_embedding
-    from kvserve.kernels.triton_gemm import RopeCache
     from kvserve.layers.rotary import RotaryEmbedding
 
     dtype, config, m = torch.float16, GemmConfig(32, 32, 1, 2), 3
@@ -148,15 +157,8 @@ def test_rope_cache_epilogue_with_a_yarn_table(device):
     slots = torch.tensor([3, 0, 17], dtype=torch.int64, device=device)
     fused_cache = torch.full((2, 8, block_size, kv_heads, head_dim), float("nan"), dtype=dtype, device=device)
     expected_cache = fused_cache.clone()
-    rope = RopeCache(positions, cos_sin, fused_cache, slots, heads, kv_heads, head_dim)
-    assert fits(x, w, config, b, rope=rope)
-    fused = skinny_linear(x, w, b, config, rope=rope)
-    plain = skinny_linear(x, w, b, config)
-    q, k, v = plain.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    q_rot, k_rot = rotary_embedding(positions, q.view(m, heads, head_dim), k.view(m, kv_heads, head_dim),
-                                    cos_sin, v.view(m, kv_heads, head_dim), expected_cache, slots)
-    assert torch.equal(fused, torch.cat([q_rot.view(m, -1), k_rot.view(m, -1), v], dim=-1))
-    assert torch.equal(fused_cache.nan_to_num(), expected_cache.nan_to_num())
+    _assert_epilogue_is_matmul_then_rotary(x, w, b, config, positions, cos_sin, fused_cache, expected_cache, slots,
+                                           (heads, kv_heads, head_dim))
 
 
 def test_rope_cache_epilogue_declines_what_it_cannot_do(device):
