@@ -433,8 +433,9 @@ class ModelRunner:
         if total - free - at_start < weights:
             logger.warning(
                 "GPU memory in use grew by %.2f GiB since this instance started, less than its %.2f GiB of weights: "
-                "another process released memory meanwhile; the KV cache is sized as if this one added only its "
-                "weights (start instances on a shared GPU one after another)",
+                "memory counted at start was released meanwhile (by another process, or an earlier engine of this "
+                "one); the KV cache is sized as if this instance added only its weights (start instances on a "
+                "shared GPU one after another)",
                 (total - free - at_start) / GiB, weights / GiB,
             )
         return MemoryProfile(

@@ -397,9 +397,12 @@ def test_kv_cache_sized_by_gpu_memory_utilization(checkpoints: dict[str, str]) -
     per_block = runner.kv_cache_bytes_per_block()
     grown = profile.in_use_bytes - profile.in_use_at_start_bytes  # this process's, since the runner's start
     assert profile.in_use_at_start_bytes > 0  # the CUDA context at least
-    assert grown >= profile.weights_bytes > 0 and profile.graph_reserve_bytes > 0
-    assert profile.process_bytes == grown
-    budget = (int(profile.total_bytes * utilization) - grown - profile.activation_peak_bytes
+    assert profile.weights_bytes > 0 and profile.graph_reserve_bytes > 0
+    # The growth is the weights and more, unless memory counted at start was released meanwhile (an earlier
+    # test's engine in this process can leave some that goes while this one starts; on an H100 the growth
+    # was once 8.0 MiB against 8.8 MiB of weights): then the weights count instead.
+    assert profile.process_bytes == max(grown, profile.weights_bytes)
+    budget = (int(profile.total_bytes * utilization) - profile.process_bytes - profile.activation_peak_bytes
               - profile.graph_reserve_bytes)
     assert core.capacity.num_blocks == plan.num_blocks == budget // per_block > 0
     kept = runner.sampler.penalty_counts  # the profile's sampling pass left them sized for every row
@@ -409,7 +412,7 @@ def test_kv_cache_sized_by_gpu_memory_utilization(checkpoints: dict[str, str]) -
     del core, runner
     torch.cuda.empty_cache()
     # Rounded down from the weights, the activation peak and the graph reserve over the total: what it leaves
-    # for the KV cache is at most weights - growth <= 0 (the growth is at least the weights), so no block fits.
+    # for the KV cache is at most weights - process_bytes <= 0 (at least the weights count), so no block fits.
     tight_utilization = math.floor(
         (profile.weights_bytes + profile.activation_peak_bytes + profile.graph_reserve_bytes)
         / profile.total_bytes * 1000
