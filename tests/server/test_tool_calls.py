@@ -19,7 +19,7 @@ from kvserve.entrypoints.openai.api_server import build_app
 from kvserve.entrypoints.openai.cli_args import make_arg_parser, server_engine_args
 from kvserve.entrypoints.openai.middleware import ServerState
 from kvserve.entrypoints.openai.serving_common import ServingContext
-from kvserve.entrypoints.openai.tool_parsers import ParsedMessage, ToolCallStream, parse_tool_calls
+from kvserve.entrypoints.openai.tool_parsers import HermesStream, ParsedMessage, parse_tool_calls
 from kvserve.protocol.chat_messages import arguments_as_objects, for_chat_template
 from kvserve.protocol.outputs import CompletionOutput, RequestOutput
 from kvserve.protocol.sampling_params import SamplingParams
@@ -51,7 +51,7 @@ def _functions(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def test_parse_two_calls_after_content():
-    parsed = parse_tool_calls(TWO_CALLS)
+    parsed = parse_tool_calls(TWO_CALLS, "hermes")
     assert parsed.content == "Let me look that up."
     assert _functions(parsed.tool_calls) == [
         {"name": "get_weather", "arguments": '{"city": "Paris"}'},
@@ -99,7 +99,7 @@ def test_parse_two_calls_after_content():
     ("<tool_call>", "<tool_call>", []),
 ])
 def test_parse_rules(text, content, functions):
-    parsed = parse_tool_calls(text)
+    parsed = parse_tool_calls(text, "hermes")
     assert parsed.content == content
     assert _functions(parsed.tool_calls) == functions
 
@@ -109,10 +109,10 @@ def test_any_chunking_streams_the_full_parse(text):
     """Fed in random pieces (one character at a time among them), the stream releases the content and the
     calls of the full parse, and never releases content it would later have to take back (what it has
     released is always a prefix of the full parse's content)."""
-    expected = parse_tool_calls(text)
+    expected = parse_tool_calls(text, "hermes")
     rng = random.Random(text)
     for trial in range(30):
-        stream, content, functions = ToolCallStream(), "", []
+        stream, content, functions = HermesStream(), "", []
         position = 0
         while position < len(text):
             size = 1 if trial == 0 else rng.randint(1, 6)
@@ -131,16 +131,16 @@ def test_any_chunking_streams_the_full_parse(text):
 def test_deeply_nested_output_stays_content():
     """A degenerate reply (a repetition loop inside a call) is too deep for json to read: content, not a 500."""
     text = '<tool_call>{"name": "f", "arguments": ' + "[" * 5000
-    assert parse_tool_calls(text) == ParsedMessage(text, [])
+    assert parse_tool_calls(text, "hermes") == ParsedMessage(text, [])
 
 
 def test_stream_holds_back_a_partial_start_tag():
-    stream = ToolCallStream()
+    stream = HermesStream()
     assert stream.feed("Hello <tool").content == "Hello"
     assert stream.feed("_c").content == ""
     released = stream.feed('all>{"name": "f", "arguments": {}}</tool_call>')
     assert released.content == "" and released.tool_calls == [{"name": "f", "arguments": "{}"}]
-    stream = ToolCallStream()
+    stream = HermesStream()
     assert stream.feed("x <tool").content == "x"
     assert stream.feed("box").content == " <toolbox"  # not a tag after all: released
 

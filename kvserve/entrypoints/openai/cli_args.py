@@ -58,7 +58,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         "calls come back as the message's tool_calls (needs --tool-call-parser)")
     g.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                    help="how tool calls are written in the model's text: hermes = <tool_call>{JSON}</tool_call> "
-                        "(Qwen2, Qwen2.5, Qwen3, Hermes 2 Pro)")
+                        "(Qwen2, Qwen2.5, Qwen3, Hermes 2 Pro); llama3_json = the reply is "
+                        '{"name": ..., "parameters": {...}}, optionally after <|python_tag|>, calls joined by ; '
+                        "(Llama 3.1/3.2/3.3 JSON tool calling); pythonic = the reply is a Python list of calls, "
+                        "[f(a=1), g()] (Llama 3.2, Llama 4)")
     g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                    help="return a thinking model's reasoning (the text before </think>) as the chat message's "
                         "`reasoning` and only the answer as its `content`: deepseek_r1 (DeepSeek-R1, QwQ) or qwen3 "

@@ -39,7 +39,12 @@ from kvserve.entrypoints.openai.serving_common import (
     with_bad_words,
     with_length_limits,
 )
-from kvserve.entrypoints.openai.tool_parsers import ToolCallStream, parse_tool_calls, tool_call_id
+from kvserve.entrypoints.openai.tool_parsers import (
+    ToolCallStream,
+    parse_tool_calls,
+    tool_call_id,
+    tool_call_stream,
+)
 from kvserve.protocol.chat_messages import strict_json
 from kvserve.protocol.outputs import RequestOutput
 from kvserve.protocol.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
@@ -310,7 +315,8 @@ async def chat_full(ctx: ServingContext, chat: PreparedChat) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": text}
         finish_reason = completion.finish_reason
         if chat.parse_tools:  # from the content: tool calls written while thinking are not calls
-            parsed = parse_tool_calls(text or "")
+            assert ctx.tool_call_parser is not None  # check_tools: "auto" needs it
+            parsed = parse_tool_calls(text or "", ctx.tool_call_parser)
             content = parsed.content if parsed.content or not chat.parse_reasoning else None
             message = {"role": "assistant", "content": content, "tool_calls": parsed.tool_calls[: chat.max_tool_calls]}
             if parsed.tool_calls:
@@ -457,7 +463,10 @@ def _choice_deltas(ctx: ServingContext, chat: PreparedChat, update: RequestOutpu
                                             for k, f in enumerate(calls)]}
                     finish_reason = "tool_calls"
         elif tool_streams is not None:
-            tools = tool_streams.setdefault(completion.index, ToolCallStream())
+            if completion.index not in tool_streams:
+                assert ctx.tool_call_parser is not None  # check_tools: "auto" needs it
+                tool_streams[completion.index] = tool_call_stream(ctx.tool_call_parser)
+            tools = tool_streams[completion.index]
             first = tools.num_tool_calls
             found = tools.feed(text_delta, final=completion.finished)
             delta = {"content": found.content} if found.content else {}
