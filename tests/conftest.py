@@ -4,10 +4,12 @@
 * `smollm_tokenizer` -> the HF tokenizer of that GGUF (vocab 49152, chat template); ~4 s the first time.
 * `tiny_model_dir(arch="llama", seed=0, **config_overrides)` -> str: a tiny random HF checkpoint directory
   (config.json, model.safetensors, tokenizer) made by `helpers.tiny_models.make_tiny_checkpoint`;
-  `arch` is one of "llama", "llama3" (Llama 3.1 RoPE scaling), "llama-tied", "qwen2", "qwen3". Cached per
-  argument set; treat the directory as read-only.
+  `arch` is a key of `tiny_models.VARIANTS`: "llama", "llama3" (Llama 3.1 RoPE scaling), "llama-tied",
+  "qwen2", "qwen3", and YaRN variants ("qwen2-yarn", "qwen3-yarn", "llama-yarn", "llama-yarn-explicit").
+  Cached per argument set; treat the directory as read-only.
 * `tiny_gguf_path(arch="llama")` -> str: the same tiny checkpoint re-exported as a float32 GGUF file laid out
-  as llama.cpp's converter does (plain-RoPE variants only).
+  as llama.cpp's converter does, RoPE scaling included (not "llama-yarn", whose mscale and truncate the
+  converter drops).
 * `hf_gguf_model` -> HF Transformers' float32 model loaded from `default_gguf_path` (~13 s, once), eval mode.
   Do not modify it.
 

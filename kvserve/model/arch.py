@@ -16,6 +16,7 @@ from kvserve.layers.activation import supported_activations
 from kvserve.layers.quantization import QuantConfig, parse_quant_config
 from kvserve.layers.rotary import check_rope_scaling
 from kvserve.model.gguf import check_tensor_types, read_gguf_info
+from kvserve.model.gguf_rope import rope_scaling_from_gguf
 from kvserve.model.paths import ModelLoadError
 from kvserve.model.registry import is_supported_architecture, supported_architectures
 
@@ -291,6 +292,11 @@ def _from_gguf(path: str) -> ArchConfig:
     if embedding_shape is None:
         raise ModelLoadError(f"{path}: GGUF file has no token_embd.weight tensor")
     tensors = info.tensor_types
+    max_position = key("context_length", family.max_position_embeddings)
+    try:
+        rope_scaling = rope_scaling_from_gguf(meta, gguf_arch, max_position)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{os.path.basename(path)}: {exc}") from None
     eos_ids = _merge_ids(
         meta.get("tokenizer.ggml.eos_token_id"),
         meta.get("tokenizer.ggml.eot_token_id"),
@@ -307,8 +313,8 @@ def _from_gguf(path: str) -> ArchConfig:
         head_dim=key("attention.key_length") or key("rope.dimension_count") or hidden_size // num_heads,
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", _DEFAULT_RMS_NORM_EPS)),
         rope_theta=float(key("rope.freq_base", _DEFAULT_ROPE_THETA)),
-        rope_scaling=_rope_from_gguf(key("rope.scaling.type"), key("rope.scaling.factor")),
-        max_position_embeddings=key("context_length", family.max_position_embeddings),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=max_position,
         # The converter drops output.weight exactly when the model ties it to the embedding.
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
@@ -319,14 +325,6 @@ def _from_gguf(path: str) -> ArchConfig:
         eos_token_ids=eos_ids,
         rope_freq_factors=info.rope_freqs,
     )
-
-
-def _rope_from_gguf(scaling_type: str | None, factor: float | None) -> dict[str, Any] | None:
-    if scaling_type in (None, "none"):
-        return None
-    if scaling_type == "linear":
-        return {"rope_type": "linear", "factor": float(factor or 1.0)}
-    raise ModelLoadError(f"GGUF rope scaling type {scaling_type!r} is not supported (supported: linear)")
 
 
 # --------------------------------------------------------------------------------------------- helpers

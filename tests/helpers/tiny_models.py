@@ -6,14 +6,16 @@ returns `dir`. Weights are drawn from a seeded generator (same variant + seed ->
 and norm weights randomised too so that loading them wrongly changes the output.
 
 `write_gguf(checkpoint_dir, gguf_path)` re-exports such a checkpoint as a GGUF file the way llama.cpp's
-converter lays it out (tensor names, metadata, and the q/k row permutation for the llama architecture), with
-float32 tensors, so a model loaded from it must reproduce the HF checkpoint's logits.
+converter lays it out (tensor names, metadata including RoPE scaling, and the q/k row permutation for the
+llama architecture), with float32 tensors, so a model loaded from it must reproduce the HF checkpoint's
+logits.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -74,6 +76,25 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
                 "mscale": 1.0,
                 "mscale_all_dim": 0.5,
                 "truncate": False,
+            },
+        },
+    ),
+    # YaRN with the optional parameters a GGUF file carries (betas, an explicit attention factor) otherwise
+    # than their defaults, and max_position_embeddings at the pre-training length as in "qwen2-yarn". At
+    # head_dim 16 the betas put the ramp over dimensions 1..2 where the defaults' spans 0..3, so each one
+    # changes a frequency.
+    "llama-yarn-explicit": (
+        "llama",
+        {
+            "max_position_embeddings": 64,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 3.0,
+                "beta_slow": 2.0,
+                "attention_factor": 1.25,
             },
         },
     ),
@@ -261,11 +282,75 @@ def _converter_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
+# rope_type -> the HF rope parameters llama.cpp's converter carries into the GGUF file (it drops the others).
+_CONVERTED_ROPE_PARAMETERS: dict[str, frozenset[str]] = {
+    "default": frozenset(),
+    "linear": frozenset({"factor"}),
+    "yarn": frozenset(
+        {"factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow"}
+    ),
+    "llama3": frozenset(
+        {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+    ),
+}
+
+
+def _add_rope_scaling(writer: Any, rope: dict[str, Any], head_dim: int) -> list[float] | None:
+    """Write `rope` (a checkpoint's rope_parameters) as convert_hf_to_gguf.py's TextModel does; returns the
+    `rope_freqs` divisors for Llama 3.1 scaling (LlamaModel.generate_extra_tensors), else None. Raises
+    ValueError for a parameter the converter would drop: the file would hold another model."""
+    import gguf
+
+    rope_type = rope.get("rope_type", "default")
+    dropped = sorted(set(rope) - {"rope_type", "rope_theta"} - _CONVERTED_ROPE_PARAMETERS[rope_type])
+    if dropped:
+        raise ValueError(f"llama.cpp's converter drops the rope parameters {dropped}")
+    if rope_type == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    elif rope_type == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        if rope.get("attention_factor") is not None:
+            writer.add_rope_scaling_yarn_attn_factor(rope["attention_factor"])
+        if rope.get("beta_fast") is not None:
+            writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        if rope.get("beta_slow") is not None:
+            writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    elif rope_type == "llama3":
+        return _llama3_rope_freqs(rope, head_dim)
+    return None
+
+
+def _llama3_rope_freqs(rope: dict[str, Any], head_dim: int) -> list[float]:
+    """The converter's Llama 3.1 divisors: 1 for the kept frequencies, `factor` for the divided ones, and the
+    inverse of HF's smooth interpolation weight in between (float32 arithmetic on each frequency, as
+    there)."""
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factor, old_context_len = rope["factor"], rope["original_max_position_embeddings"]
+    low_freq_factor, high_freq_factor = rope["low_freq_factor"], rope["high_freq_factor"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    divisors: list[Any] = []
+    for freq in freqs:  # 0-dim float32 tensors
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            divisors.append(1)
+        elif wavelen > low_freq_wavelen:
+            divisors.append(factor)
+        else:
+            smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(divisors, dtype=torch.float32).tolist()
+
+
 def write_gguf(checkpoint_dir: str, gguf_path: str, rope_freqs: list[float] | None = None) -> str:
     """Re-export a tiny checkpoint (from `make_tiny_checkpoint`) as a float32 GGUF file; returns its path.
 
-    RoPE scaling has no GGUF metadata here: a scaled checkpoint needs `rope_freqs`, the per-frequency
-    divisors llama.cpp's converter writes as the `rope_freqs.weight` tensor in its place.
+    RoPE scaling is written as llama.cpp's converter writes it: linear and YaRN as `{arch}.rope.scaling.*`
+    metadata, Llama 3.1's as the `rope_freqs.weight` tensor of per-frequency divisors. Explicit `rope_freqs`
+    are written instead of the checkpoint's scaling, whatever it is.
     """
     import gguf
     from safetensors.numpy import load_file
@@ -276,10 +361,10 @@ def write_gguf(checkpoint_dir: str, gguf_path: str, rope_freqs: list[float] | No
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     rope = cfg.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default" and rope_freqs is None:
-        raise ValueError("a checkpoint with RoPE scaling needs rope_freqs")
 
     writer = gguf.GGUFWriter(gguf_path, arch)
+    if rope_freqs is None:
+        rope_freqs = _add_rope_scaling(writer, rope, head_dim)
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_block_count(cfg["num_hidden_layers"])
@@ -316,12 +401,12 @@ def write_gguf(checkpoint_dir: str, gguf_path: str, rope_freqs: list[float] | No
     return gguf_path
 
 
-def _small_gguf_writer(gguf_path: str, arch: str) -> Any:
+def _small_gguf_writer(gguf_path: str, arch: str, context_length: int = 64) -> Any:
     """A GGUF writer with a one-layer model's metadata of `arch`, for files made to test tokenizers."""
     import gguf
 
     writer = gguf.GGUFWriter(gguf_path, arch)
-    writer.add_context_length(64)
+    writer.add_context_length(context_length)
     writer.add_embedding_length(8)
     writer.add_block_count(1)
     writer.add_feed_forward_length(16)
@@ -388,3 +473,21 @@ def write_bpe_tokenizer_gguf(gguf_path: str, chat_template: str) -> str:
     writer.add_add_bos_token(False)
     writer.add_chat_template(chat_template)
     return _finish_small_gguf(writer, len(tokens), gguf_path)
+
+
+def write_config_gguf(gguf_path: str, arch: str, metadata: dict[str, Any], context_length: int = 64) -> str:
+    """A one-layer GGUF file of `arch` (no weights but the embedding) whose metadata also holds `metadata`,
+    keys without the `{arch}.` prefix (`{"rope.scaling.type": "yarn"}`), each stored in the type llama.cpp's
+    converter gives it: str as string, bool as bool, int as uint32, float as float32. For config tests."""
+    writer = _small_gguf_writer(gguf_path, arch, context_length)
+    for name, value in metadata.items():
+        key = f"{arch}.{name}"
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        else:
+            writer.add_float32(key, float(value))
+    return _finish_small_gguf(writer, 16, gguf_path)

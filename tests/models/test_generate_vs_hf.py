@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvserve import LLM, SamplingParams
+from kvserve.model.arch import load_arch_config
 
 NUM_NEW_TOKENS = 32
 
@@ -96,6 +97,38 @@ def test_yarn_checkpoints_match_hf_past_the_original_length(arch: str, tiny_mode
     for out in outs:
         expected = _hf_greedy(hf, out.prompt_token_ids, 20)
         assert out.outputs[0].token_ids == expected, f"{arch}: prompt {out.prompt!r}"
+
+
+@pytest.mark.parametrize("arch", ["qwen2-yarn", "qwen3-yarn", "llama-yarn-explicit", "llama3"])
+def test_scaled_rope_ggufs_match_hf_past_the_original_length(
+    arch: str, tiny_model_dir, tiny_gguf_path
+) -> None:
+    """A GGUF file with RoPE scaling as llama.cpp's converter writes it (YaRN as `rope.scaling.*` metadata,
+    with betas and an attention factor for "llama-yarn-explicit"; Llama 3.1's as the `rope_freqs` tensor)
+    generates HF's greedy tokens from the safetensors checkpoint it was converted from, for prompts past the
+    pre-training length of 64. With YaRN, max_model_len defaults to original_context_length x factor = 256
+    as for the checkpoint (context_length is 64 for the Qwen2 and Llama variants, as Qwen2.5's is 32768)."""
+    checkpoint, gguf_path = tiny_model_dir(arch), tiny_gguf_path(arch)
+    from_gguf, from_hf = load_arch_config(gguf_path), load_arch_config(checkpoint)
+    if arch == "llama3":
+        assert from_gguf.rope_scaling is None and from_gguf.rope_freq_factors is not None
+    else:
+        assert from_gguf.rope_scaling["rope_type"] == "yarn"
+        assert from_gguf.rope_scaling == from_hf.rope_scaling
+    assert from_gguf.max_positions == from_hf.max_positions == 256
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation="eager")
+    hf.eval()
+    llm = LLM(gguf_path, block_size=16, tokenizer=checkpoint)
+    assert llm.config.model_config.max_model_len == 256
+    prompts = [
+        "A prompt of a few words.",
+        list(range(1000, 1100)),  # 100 tokens: past the original 64 before the first generated one
+        list(range(2000, 2210)),  # 210 tokens, generating up to position 229
+    ]
+    outs = _kvserve_greedy(llm, prompts, 20)
+    for out in outs:
+        expected = _hf_greedy(hf, out.prompt_token_ids, 20)
+        assert out.outputs[0].token_ids == expected, f"{arch} GGUF: prompt {out.prompt!r}"
 
 
 def test_tiny_gguf_matches_its_safetensors_twin(tiny_model_dir, tiny_gguf_path) -> None:

@@ -268,7 +268,9 @@ def test_last_token_metadata_describes_one_query_per_request() -> None:
 # ------------------------------------------------------------------------------------------------ GGUF
 
 
-@pytest.mark.parametrize("variant", ["llama", "llama-tied", "qwen2", "qwen3"])
+@pytest.mark.parametrize(
+    "variant", ["llama", "llama-tied", "qwen2", "qwen3", "qwen2-yarn", "llama-yarn-explicit"]
+)
 def test_gguf_export_reproduces_hf_checkpoint(
     variant: str,
     tiny_model_dir: Callable,
