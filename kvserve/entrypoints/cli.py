@@ -18,8 +18,9 @@ from kvserve.entrypoints.vllm_compat import (
 logger = logging.getLogger(__name__)
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Engine flags shared by every command that builds an engine (vLLM's names)."""
+def add_engine_args(parser: argparse.ArgumentParser, data_parallel: bool = False) -> None:
+    """Engine flags shared by every command that builds an engine (vLLM's names); `data_parallel`: the
+    command runs replicas (`kvserve serve --data-parallel-size`)."""
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None,
                    help="HF model directory, .gguf file, or the id of an HF repo already in the local Hugging Face "
@@ -86,7 +87,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="auto: the checkpoint's weights; safetensors / gguf: the same, checked to be an HF directory "
                    "/ a .gguf file; dummy: random weights of the model's shape (needs only config.json; for "
                    "benchmarks)")
-    add_ignored_engine_args(parser)
+    add_ignored_engine_args(parser, data_parallel)
 
 
 def add_generation_config_args(parser: argparse.ArgumentParser) -> None:
@@ -297,6 +298,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # vLLM's flags are refused by name only where vLLM's engine flags belong (bench and route are other tools).
     ns = parse_args_or_refuse(parser, argv, {command: f"kvserve {command}" for command in
                                              ("generate", "serve", "triton-repo")})
+    if ns.command == "serve":  # the flags after `serve`: the replicas' (--data-parallel-size)
+        args = list(sys.argv[1:] if argv is None else argv)
+        ns.serve_args = args[args.index("serve") + 1:]
     try:
         return int(ns.func(ns))
     except ValueError as e:  # ConfigError, ModelLoadError, bad sampling params, rejected requests

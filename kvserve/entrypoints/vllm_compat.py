@@ -119,18 +119,35 @@ def _just_one(alternative: str) -> Callable[[str], int]:
     return parse
 
 
-def add_ignored_engine_args(parser: argparse.ArgumentParser) -> None:
+def _replica_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def add_ignored_engine_args(parser: argparse.ArgumentParser, data_parallel: bool = False) -> None:
     """vLLM engine flags that change nothing in kvserve, accepted so vLLM command lines run (not in --help:
-    README lists them). Values that would change something in vLLM are refused."""
+    README lists them). Values that would change something in vLLM are refused. With `data_parallel` (the
+    server) --data-parallel-size is a real flag instead: that many replicas behind one port."""
     p, hide = parser, argparse.SUPPRESS
     p.add_argument("--swap-space", type=float, default=None, help=hide)
     p.add_argument("--kv-cache-dtype", type=_kv_cache_dtype, default=None, help=hide)
     p.add_argument("--pipeline-parallel-size", "-pp", type=_just_one(
         "kvserve has no pipeline parallelism; split a model over GPUs with --tensor-parallel-size, or run "
         "several servers behind `kvserve route`"), default=None, help=hide)
-    p.add_argument("--data-parallel-size", "-dp", type=_just_one(
-        "for data parallelism run several servers (one per GPU or group of GPUs) behind `kvserve route`"),
-        default=None, help=hide)
+    if data_parallel:
+        p.add_argument("--data-parallel-size", "-dp", type=_replica_count, default=None, metavar="N",
+                       help="engine replicas behind this server's one port, each on its own "
+                       "--tensor-parallel-size GPUs (replica i takes the i-th group of the visible GPUs; on CPU, "
+                       "processes sharing the cores); requests go to them by prompt prefix (default 1)")
+    else:
+        p.add_argument("--data-parallel-size", "-dp", type=_just_one(
+            "for data parallelism use `kvserve serve --data-parallel-size N`, or run several servers behind "
+            "`kvserve route`"), default=None, help=hide)
     p.add_argument("--distributed-executor-backend", choices=["mp", "uni"], default=None, help=hide)
     p.add_argument("--tokenizer-mode", choices=["auto"], default=None, help=hide)
     p.add_argument("--max-seq-len-to-capture", type=int, default=None, help=hide)
@@ -152,7 +169,7 @@ _IGNORED_WHY: dict[str, tuple[str, str]] = {
     "swap_space": ("--swap-space", "kvserve preempts requests by recomputing them, so it swaps nothing to the CPU"),
     "kv_cache_dtype": ("--kv-cache-dtype auto", "the KV cache is kept in the model's dtype, which is auto"),
     "pipeline_parallel_size": ("--pipeline-parallel-size 1", "1 is the only size"),
-    "data_parallel_size": ("--data-parallel-size 1", "1 is the only size"),
+    "data_parallel_size": ("--data-parallel-size 1", "one replica is the default"),
     "distributed_executor_backend": ("--distributed-executor-backend",
                                      "tensor-parallel ranks always run as processes of this machine"),
     "tokenizer_mode": ("--tokenizer-mode auto", "the model's fast tokenizer is always used"),
@@ -171,6 +188,8 @@ def ignored_flag_notes(ns: argparse.Namespace) -> list[str]:
     """One "ignored: <why>" line for each accepted-and-ignored vLLM flag given."""
     notes = []
     for dest, (flag, why) in _IGNORED_WHY.items():
+        if dest == "data_parallel_size" and getattr(ns, dest, None) not in (None, 1):
+            continue  # more than one: the server's replicas (kvserve serve --data-parallel-size)
         if getattr(ns, dest, None) not in (None, False):
             notes.append(f"{flag} ignored: {why}")
     return notes

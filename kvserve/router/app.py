@@ -18,7 +18,9 @@ header is forwarded, so backends started with --api-key check it themselves.
   backend takes as an abort.
 * `GET /health`: 200 while at least one backend is healthy, else 503 (OpenAI's error body).
   `GET /router/backends`: each backend's state (JSON). `GET /metrics`: the router's own Prometheus
-  series (requests by backend and status, retries, in-flight and health per backend).
+  series (requests by backend and status, retries, in-flight and health per backend); with
+  `engine_metrics` (the replicas of `kvserve serve --data-parallel-size`) also each backend's own /metrics,
+  labelled `engine="<i>"` by its position (a backend that does not answer within 2 s is left out).
 * SIGTERM / SIGINT: stop accepting, let requests in flight finish (up to 60 s), exit 0.
 """
 
@@ -34,6 +36,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+from kvserve.router.exposition import merge_expositions
 from kvserve.router.policies import Backend, Router, prefix_key
 
 logger = logging.getLogger("kvserve.router")
@@ -63,8 +66,9 @@ def _error(status: int, message: str, param: str | None = None) -> web.Response:
 
 class RouterApp:
     def __init__(self, router: Router, health_check_interval_s: float = 5.0,
-                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> None:
+                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, engine_metrics: bool = False) -> None:
         self.router = router
+        self.engine_metrics = engine_metrics
         self.health_check_interval_s = health_check_interval_s
         self.request_timeout_s = request_timeout_s
         self.registry = CollectorRegistry()
@@ -159,7 +163,22 @@ class RouterApp:
              "failures": b.failures, "last_error": b.last_error} for b in self.router.backends]})
 
     async def metrics(self, _: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.registry), content_type="text/plain", charset="utf-8")
+        body = generate_latest(self.registry)
+        if self.engine_metrics:
+            texts = await asyncio.gather(*(self._scrape(b) for b in self.router.backends))
+            parts = [({"engine": str(i)}, text) for i, text in enumerate(texts) if text is not None]
+            body = merge_expositions([*parts, ({}, body.decode())])
+        return web.Response(body=body, content_type="text/plain", charset="utf-8")
+
+    async def _scrape(self, backend: Backend) -> str | None:
+        """The backend's /metrics text, or None when it does not answer 200 in time."""
+        assert self.session is not None
+        try:
+            async with self.session.get(backend.url + "/metrics",
+                                        timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as response:
+                return await response.text() if response.status == 200 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, UnicodeDecodeError):
+            return None
 
     # ------------------------------------------------------------------ proxy
 

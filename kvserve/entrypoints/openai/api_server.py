@@ -714,6 +714,10 @@ def run_server(ns: argparse.Namespace) -> int:
     except ValueError as e:  # ConfigError, ModelLoadError, conflicting flags
         print(f"kvserve serve: error: {e}", file=sys.stderr)
         return 2
+    if (ns.data_parallel_size or 1) > 1:  # replicas of this server behind a router
+        from kvserve.entrypoints.data_parallel import run_data_parallel
+
+        return run_data_parallel(ns)
     log_ignored_flags(ns)
     unread = envs.unread_vllm_env_vars()
     if unread:
@@ -723,7 +727,9 @@ def run_server(ns: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = make_arg_parser(prog="python -m kvserve.entrypoints.openai.api_server")
-    return run_server(parse_args_or_refuse(parser, argv))
+    ns = parse_args_or_refuse(parser, argv)
+    ns.serve_args = list(sys.argv[1:] if argv is None else argv)  # the replicas' flags (--data-parallel-size)
+    return run_server(ns)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help="HF model directory, .gguf file, or the id of an HF repo already in the local Hugging "
                              "Face cache (same as --model; default: SmolLM2-135M-Instruct GGUF)")
-    add_engine_args(parser)
+    add_engine_args(parser, data_parallel=True)
     add_generation_config_args(parser)
     g = parser.add_argument_group("server")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
