@@ -83,7 +83,7 @@ def test_harmless_flags_are_not_in_help(capsys: pytest.CaptureFixture[str]) -> N
     (["--kv-cache-dtype", "fp8"], "kvserve keeps the KV cache in the model's dtype"),
     (["--pipeline-parallel-size", "2"], "--tensor-parallel-size"),
     (["-pp", "2"], "--tensor-parallel-size"),
-    (["-dp", "2"], "several servers (one per GPU or group of GPUs) behind `kvserve route`"),
+    (["-dp", "0"], "must be at least 1"),
     (["--distributed-executor-backend", "ray"], "invalid choice: 'ray'"),
     (["--guided-decoding-backend", "lm-format-enforcer"], "invalid choice"),
     (["--task", "embed"], "invalid choice"),
