@@ -154,9 +154,10 @@ class Replica:
             with contextlib.suppress(ProcessLookupError):
                 self.process.send_signal(sig)
 
-    def failure(self, code: int, when: str) -> str:
+    def failure(self, code: int, what: str) -> str:
+        """'<replica> exited with code <code> <what>', then its last lines of output."""
         last = "".join(self.tail).rstrip()
-        return (f"{self.plan.describe()} (pid {self.process.pid}) exited with code {code} {when}"
+        return (f"{self.plan.describe()} (pid {self.process.pid}) exited with code {code} {what}"
                 + (f"; its last output:\n{last}" if last else ""))
 
 
@@ -335,8 +336,8 @@ async def _serve(ns: argparse.Namespace, plans: Sequence[ReplicaPlan], serve_arg
         dead = [exits[task] for task in done if task in exits]
         if dead:
             replica = dead[0]
-            logger.error("%s; stopping the other replicas and exiting 1",
-                         replica.failure(await replica.process.wait(), "while serving"))
+            logger.error("%s", replica.failure(await replica.process.wait(),
+                                               "while serving: stopping the other replicas and exiting 1"))
         for replica in replicas:  # drain the replicas while the router finishes what it forwards
             replica.signal(signal.SIGTERM)
         await runner.cleanup()
