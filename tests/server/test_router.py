@@ -324,6 +324,44 @@ def test_a_client_that_leaves_mid_stream_ends_the_backend_request() -> None:
     _run(body)
 
 
+def test_engine_metrics_merge_each_backends_series_under_its_engine_label() -> None:
+    """`engine_metrics` (the replicas of `kvserve serve -dp N`): /metrics holds each backend's series labelled
+    by its position, once per family, and leaves out a backend whose /metrics does not answer."""
+    async def body() -> None:
+        a, b, c = FakeBackend("a"), FakeBackend("b"), FakeBackend("c")
+        for backend in (a, b, c):
+            await backend.start()
+        for backend, tokens in ((a, 3), (b, 5)):  # c has no /metrics (404)
+            app = web.Application()
+            exposition = ("# HELP kvserve:generation_tokens_total Tokens.\n"
+                          "# TYPE kvserve:generation_tokens_total counter\n"
+                          f'kvserve:generation_tokens_total{{model_name="m"}} {tokens}.0\n')
+            app.router.add_get("/metrics", lambda _, text=exposition: web.Response(text=text))
+            app.router.add_get("/health", backend.health)
+            assert backend.runner is not None
+            await backend.runner.cleanup()  # the same port, now with /metrics
+            backend.runner = web.AppRunner(app)
+            await backend.runner.setup()
+            await web.TCPSite(backend.runner, "127.0.0.1", backend.port).start()
+        router = RouterApp(Router([a.url, b.url, c.url], "prefix"), 60, engine_metrics=True)
+        runner = web.AppRunner(router.make_app())
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            async with aiohttp.ClientSession() as session:
+                text = await (await session.get(f"http://127.0.0.1:{port}/metrics")).text()
+        finally:
+            await runner.cleanup()
+            for backend in (a, b, c):
+                await backend.stop()
+        assert text.count("# TYPE kvserve:generation_tokens_total counter") == 1
+        assert 'kvserve:generation_tokens_total{engine="0",model_name="m"} 3.0' in text
+        assert 'kvserve:generation_tokens_total{engine="1",model_name="m"} 5.0' in text
+        assert 'engine="2"' not in text and "# TYPE kvserve_router:requests_total counter" in text
+    _run(body)
+
+
 # ------------------------------------------------------------------------------------------ the command
 
 
