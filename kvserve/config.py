@@ -7,8 +7,8 @@ frozen `EngineConfig` that every component receives. Nothing else interprets use
 
 from __future__ import annotations
 
-import argparse
 import os
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -184,7 +184,8 @@ def _asdict_shallow(obj: Any) -> dict[str, Any]:
 
 
 def parse_memory_size(value: str | int | float) -> int:
-    """'4GiB', '512MiB', '2G', '1.5GB' or a plain number of bytes -> bytes."""
+    """--kv-cache-memory's sizes: '4GiB', '512MiB', '2G', '1.5GB' or a plain number of bytes -> bytes. Suffixes
+    are read without case: k, m, g, KiB, MiB, GiB are powers of 1024, KB, MB, GB powers of 1000."""
     if isinstance(value, (int, float)):
         return int(value)
     text = value.strip().lower().replace(" ", "")
@@ -201,6 +202,50 @@ def parse_memory_size(value: str | int | float) -> int:
         return int(float(text))
     except ValueError:
         raise ConfigError(f"cannot parse memory size {value!r} (examples: 4GiB, 512MiB, 1000000)") from None
+
+
+_DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_readable_int(text: str) -> int:
+    """vLLM's integers (--max-model-len 32k): a whole number, or a number with a suffix whose case matters:
+    k, m, g, t are powers of 1000 and may follow a decimal (25.6k = 25600); K, M, G, T are powers of 1024 and
+    follow a whole number (1K = 1024). ConfigError otherwise (the CLI turns it into argparse's error)."""
+    value = text.strip()
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", value)
+    if match is None:
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(
+                f"expected a whole number, optionally with a suffix (k, m, g: x1000; K, M, G: x1024), e.g. 8192, "
+                f"32k or 32K, got {text!r}") from None
+    number, suffix = match.groups()
+    if suffix in _DECIMAL_SUFFIXES:
+        return int(float(number) * _DECIMAL_SUFFIXES[suffix])
+    if "." in number:
+        raise ConfigError(
+            f"a binary suffix ({suffix}, x{_BINARY_SUFFIXES[suffix]}) takes a whole number, got {text!r}; did you "
+            f"mean {number}{suffix.lower()} (x{_DECIMAL_SUFFIXES[suffix.lower()]})?")
+    return int(number) * _BINARY_SUFFIXES[suffix]
+
+
+def parse_kv_cache_memory_bytes(value: str | int | float) -> int:
+    """vLLM's --kv-cache-memory-bytes (and LLM's kv_cache_memory_bytes): bytes as vLLM reads them, with
+    `human_readable_int` (8g = 8*10^9 bytes, 8G = 8 GiB, 8000000000); a size ending in a unit name (8GiB,
+    512MiB, 8GB, 100B) is read as --kv-cache-memory reads it. The two kinds cannot be confused: vLLM's have no
+    B."""
+    if isinstance(value, bool):
+        raise ConfigError(f"expected a number of bytes, got {value!r}")
+    if isinstance(value, (int, float)):
+        return int(value)
+    if value.strip()[-1:] in ("b", "B"):
+        return parse_memory_size(value)
+    try:
+        return human_readable_int(value)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc}; or a size with a unit name, e.g. 8GiB or 512MiB") from None
 
 
 def memory_size_text(num_bytes: int) -> str:
@@ -230,7 +275,9 @@ class EngineArgs:
     quantization: str | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None  # override the memory-derived pool size (tests, tuning)
-    kv_cache_memory: str | int | None = None
+    kv_cache_memory: str | int | None = None  # '4GiB', '512MiB', bytes (parse_memory_size)
+    # vLLM's name, read as vLLM reads it: 8g = 8*10^9 bytes, 8G = 8 GiB (parse_kv_cache_memory_bytes); one of the two
+    kv_cache_memory_bytes: str | int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
@@ -302,8 +349,9 @@ class EngineArgs:
         except GenerationConfigError as exc:
             raise ConfigError(str(exc)) from None
 
-        if self.kv_cache_memory is not None:
-            kv_bytes = parse_memory_size(self.kv_cache_memory)
+        requested_kv_bytes = self._requested_kv_cache_bytes()
+        if requested_kv_bytes is not None:
+            kv_bytes = requested_kv_bytes
         else:
             kv_bytes = envs.KVSERVE_CPU_KVCACHE_SPACE_GIB * GiB
 
@@ -324,7 +372,7 @@ class EngineArgs:
             block_size=self.block_size,
             num_blocks=int(self.num_kv_blocks or 0),
             kv_cache_memory_bytes=kv_bytes,
-            gpu_kv_cache_memory_bytes=kv_bytes if self.kv_cache_memory is not None and device != "cpu" else None,
+            gpu_kv_cache_memory_bytes=requested_kv_bytes if device != "cpu" else None,
             gpu_memory_utilization=self.gpu_memory_utilization,
             enable_prefix_caching=self.enable_prefix_caching,
         )
@@ -347,6 +395,22 @@ class EngineArgs:
             async_scheduling=device != "cpu" if self.async_scheduling is None else bool(self.async_scheduling),
             cascade_attn=bool(self.cascade_attn),
         )
+
+    def _requested_kv_cache_bytes(self) -> int | None:
+        """The KV cache size asked for with kv_cache_memory or vLLM's kv_cache_memory_bytes (each read its own
+        way), None when neither is given."""
+        if self.kv_cache_memory is not None and self.kv_cache_memory_bytes is not None:
+            raise ConfigError(
+                f"the KV cache size is given twice: kv_cache_memory={self.kv_cache_memory!r} (--kv-cache-memory) "
+                f"and kv_cache_memory_bytes={self.kv_cache_memory_bytes!r} (--kv-cache-memory-bytes); pass one")
+        if self.kv_cache_memory is not None:
+            return parse_memory_size(self.kv_cache_memory)
+        if self.kv_cache_memory_bytes is not None:
+            try:
+                return parse_kv_cache_memory_bytes(self.kv_cache_memory_bytes)
+            except ConfigError as exc:
+                raise ConfigError(f"kv_cache_memory_bytes: {exc}") from None
+        return None
 
 
 def _check_tensor_parallel(arch: Any, size: int, device: str) -> None:
@@ -490,11 +554,9 @@ def auto_dtype(config_dtype: str | None, device: str, capability: tuple[int, ...
 def _token_count(name: str, value: int | str) -> int:
     """A token count given as a number or, as vLLM takes them, a string such as '32k' (x1000) or '32K' (x1024)."""
     if isinstance(value, str):
-        from kvserve.entrypoints.vllm_compat import human_readable_int
-
         try:
             return human_readable_int(value)
-        except argparse.ArgumentTypeError as exc:
+        except ConfigError as exc:
             raise ConfigError(f"{name}: {exc}") from None
     return int(value)
 

@@ -31,8 +31,8 @@ _IGNORED_VLLM_ARGS: dict[str, tuple[Any, ...]] = {
     "trust_remote_code": (True, False), "disable_log_stats": (True, False), "swap_space": (),
     "tokenizer_mode": ("auto",), "code_revision": (None,),
 }
-# vLLM's names for kvserve's own settings.
-_VLLM_ALIASES = {"num_gpu_blocks_override": "num_kv_blocks", "kv_cache_memory_bytes": "kv_cache_memory"}
+# vLLM's names for kvserve's own settings (kv_cache_memory_bytes is EngineArgs' own: read as vLLM reads it).
+_VLLM_ALIASES = {"num_gpu_blocks_override": "num_kv_blocks"}
 
 
 def _engine_args(given: dict[str, Any]) -> dict[str, Any]:

@@ -5,17 +5,29 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvserve import __version__
-from kvserve.entrypoints.vllm_compat import (
-    add_ignored_engine_args,
-    human_readable_int,
-    ignored_flag_notes,
-    parse_args_or_refuse,
-)
+from kvserve.config import ConfigError, human_readable_int, parse_kv_cache_memory_bytes
+from kvserve.entrypoints.vllm_compat import add_ignored_engine_args, ignored_flag_notes, parse_args_or_refuse
 
 logger = logging.getLogger(__name__)
+
+
+def _flag_type(parse: Callable[[str], int]) -> Callable[[str], int]:
+    """`parse` as an argparse `type=`: its ConfigError becomes argparse's error with the message kept (argparse
+    would replace a ValueError's message with a bare "invalid value")."""
+    def flag_value(text: str) -> int:
+        try:
+            return parse(text)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return flag_value
+
+
+_token_count = _flag_type(human_readable_int)
+_vllm_byte_count = _flag_type(parse_kv_cache_memory_bytes)
 
 
 def add_engine_args(parser: argparse.ArgumentParser, data_parallel: bool = False) -> None:
@@ -37,7 +49,7 @@ def add_engine_args(parser: argparse.ArgumentParser, data_parallel: bool = False
                    "$HF_HOME/hub, else ~/.cache/huggingface/hub); kvserve never downloads into it")
     g.add_argument("--dtype", default="auto", help="auto (on a GPU the checkpoint's config dtype, float32 ones as bf16 where the GPU has it; "
                    "float32 on CPU), float32, float16, bfloat16")
-    g.add_argument("--max-model-len", type=human_readable_int, default=None,
+    g.add_argument("--max-model-len", type=_token_count, default=None,
                    help="longest prompt + output in tokens, e.g. 8192, 32k (32,000) or 32K (32,768) (default: the "
                    "model's limit)")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
@@ -45,13 +57,17 @@ def add_engine_args(parser: argparse.ArgumentParser, data_parallel: bool = False
                    help="fcfs: requests run in arrival order; priority: by each request's `priority` (lower "
                         "first, then arrival), and when the KV cache runs short the lowest-priority running "
                         "request is preempted first")
-    g.add_argument("--max-num-batched-tokens", type=human_readable_int, default=None,
+    g.add_argument("--max-num-batched-tokens", type=_token_count, default=None,
                    help="token budget of one step, e.g. 8192 or 16k (default 8192)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    g.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory", default=None,
-                   help="KV cache size (per GPU), e.g. 2GiB or a number of bytes; on a GPU it replaces the "
-                        "--gpu-memory-utilization budget (vLLM's --kv-cache-memory-bytes); on CPU the default is "
-                        "1GiB")
+    g.add_argument("--kv-cache-memory", default=None,
+                   help="KV cache size (per GPU), e.g. 2GiB, 512MiB or a number of bytes (k, m, g, KiB, MiB, GiB: "
+                        "x1024; KB, MB, GB: x1000; any case); on a GPU it replaces the --gpu-memory-utilization "
+                        "budget; on CPU the default is 1GiB")
+    g.add_argument("--kv-cache-memory-bytes", type=_vllm_byte_count, default=None, metavar="BYTES",
+                   help="vLLM's flag for the same size, read as vLLM reads it: the suffix's case matters, 8g = "
+                        "8,000,000,000 bytes (k, m, g, t: x1000), 8G = 8 GiB (K, M, G, T: x1024); a size with a unit "
+                        "name (8GiB, 500MB) is read as --kv-cache-memory reads it. Not with --kv-cache-memory")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of the GPU's memory this instance may use (weights, activations, CUDA graphs, "
                    "KV cache): a per-instance budget, as vLLM's; refused at start when less is free")
@@ -117,6 +133,7 @@ def engine_args_from(ns: argparse.Namespace) -> dict[str, object]:
         "max_num_batched_tokens": ns.max_num_batched_tokens,
         "block_size": ns.block_size,
         "kv_cache_memory": ns.kv_cache_memory,
+        "kv_cache_memory_bytes": ns.kv_cache_memory_bytes,
         "gpu_memory_utilization": ns.gpu_memory_utilization,
         "enable_prefix_caching": ns.enable_prefix_caching,
         "enforce_eager": ns.enforce_eager,

@@ -1,6 +1,6 @@
 """vLLM command lines that run unchanged: vLLM flags kvserve accepts and ignores (each reported at start as
-"ignored: <why>"), vLLM flags it refuses by name (instead of argparse's bare "unrecognized arguments"), and
-vLLM's human-readable sizes (`--max-model-len 32k`).
+"ignored: <why>"), and vLLM flags it refuses by name (instead of argparse's bare "unrecognized arguments").
+vLLM's human-readable integers (`--max-model-len 32k`) are read by `kvserve.config.human_readable_int`.
 
 Kept free of heavy imports: `kvserve --help` builds the parsers that use it.
 """
@@ -8,7 +8,6 @@ Kept free of heavy imports: `kvserve --help` builds the parsers that use it.
 from __future__ import annotations
 
 import argparse
-import re
 from collections.abc import Callable, Sequence
 
 # vLLM flags kvserve does not support -> what to do instead ("" where there is nothing to suggest).
@@ -66,34 +65,6 @@ def parse_args_or_refuse(parser: argparse.ArgumentParser, argv: Sequence[str] | 
             parser.exit(2, refusal(prog, flag) + "\n")
         parser.error(f"unrecognized arguments: {' '.join(extras)}")
     return ns
-
-
-# ----------------------------------------------------------------------------- human-readable sizes
-
-_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-
-
-def human_readable_int(text: str) -> int:
-    """vLLM's rule: a whole number, or a number with a suffix: k, m, g, t are powers of 1000 and may follow a
-    decimal (25.6k = 25600); K, M, G, T are powers of 1024 and follow a whole number (1K = 1024)."""
-    value = text.strip()
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", value)
-    if match is None:
-        try:
-            return int(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected a whole number, optionally with a suffix (k, m, g: x1000; K, M, G: x1024), e.g. 8192, "
-                f"32k or 32K, got {text!r}") from None
-    number, suffix = match.groups()
-    if suffix in _DECIMAL:
-        return int(float(number) * _DECIMAL[suffix])
-    if "." in number:
-        raise argparse.ArgumentTypeError(
-            f"a binary suffix ({suffix}, x{_BINARY[suffix]}) takes a whole number, got {text!r}; did you mean "
-            f"{number}{suffix.lower()} (x{_DECIMAL[suffix.lower()]})?")
-    return int(number) * _BINARY[suffix]
 
 
 # ----------------------------------------------------------------------------- flags accepted and ignored

@@ -246,3 +246,82 @@ def test_other_tools_do_not_refuse_vllm_flags_by_name(capsys: pytest.CaptureFixt
     with pytest.raises(SystemExit):
         main(["serve", "--enable-lora"])
     assert "is a vLLM option kvserve does not support" in capsys.readouterr().err
+
+
+def test_human_readable_int_is_configs_and_raises_config_error() -> None:
+    """config.py owns vLLM's integer rule: programmatic callers get a ConfigError (a ValueError); the CLI turns
+    it into argparse's error with the message kept (test_bad_human_readable_sizes_are_refused)."""
+    from kvserve.config import human_readable_int
+
+    assert [human_readable_int(t) for t in ("8192", "32k", "32K", "25.6k", "1t", "1T")] == [
+        8192, 32000, 32768, 25600, 10**12, 1 << 40]
+    with pytest.raises(ConfigError, match="did you mean 1.5k"):
+        human_readable_int("1.5K")
+    with pytest.raises(ConfigError, match="e.g. 8192, 32k or 32K"):
+        human_readable_int("lots")
+
+
+def test_config_reads_token_counts_without_importing_the_entrypoints() -> None:
+    """LLM(max_model_len="32k") is read in config.py itself: the engine's configuration does not reach up into
+    the CLI's package for it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from kvserve.config import _token_count; assert _token_count('max_model_len', '32k') == "
+            "32000; print(sorted(m for m in sys.modules if m.startswith('kvserve.entrypoints')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("text, value", [
+    ("8g", 8 * 10**9), ("8G", 8 << 30), ("1.5g", 1_500_000_000), ("512M", 512 << 20), ("512m", 512 * 10**6),
+    ("8000000000", 8 * 10**9), ("2GiB", 2 << 30), ("500MB", 500 * 10**6), ("512 MiB", 512 << 20), ("100B", 100),
+])
+def test_kv_cache_memory_bytes_reads_sizes_as_vllm(text: str, value: int) -> None:
+    """vLLM's --kv-cache-memory-bytes: lower-case suffixes are powers of 1000, upper-case ones of 1024, as in
+    vLLM; sizes with a unit name (ending in B) are read as --kv-cache-memory reads them."""
+    ns = _serve("--kv-cache-memory-bytes", text)
+    assert ns.kv_cache_memory_bytes == value and ns.kv_cache_memory is None
+    assert engine_args_from(ns)["kv_cache_memory_bytes"] == value
+
+
+@pytest.mark.parametrize("text, value", [("8g", 8 << 30), ("8G", 8 << 30), ("4GiB", 4 << 30), ("512MiB", 512 << 20),
+                                         ("500MB", 500 * 10**6), ("1048576", 1 << 20)])
+def test_kv_cache_memory_keeps_its_own_reading(text: str, value: int) -> None:
+    """kvserve's --kv-cache-memory reads suffixes without case (8g = 8 GiB), as documented."""
+    from kvserve.config import parse_memory_size
+
+    ns = _serve("--kv-cache-memory", text)
+    assert ns.kv_cache_memory_bytes is None
+    assert parse_memory_size(engine_args_from(ns)["kv_cache_memory"]) == value  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("text, message", [("1.5G", "did you mean 1.5g"), ("lots", "e.g. 8GiB or 512MiB"),
+                                           ("8 gigs", "e.g. 8GiB")])
+def test_bad_kv_cache_memory_bytes_are_refused(text: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:  # the parser alone: a value it took would not start a server
+        build_parser().parse_args(["serve", "--kv-cache-memory-bytes", text])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --kv-cache-memory-bytes" in err and message in err
+
+
+def test_engine_args_read_kv_cache_memory_bytes_as_vllm(tiny_model_dir: Callable[..., str]) -> None:
+    """LLM(kv_cache_memory_bytes=...) and the flag agree; kv_cache_memory keeps its reading; not both."""
+    model = tiny_model_dir("llama")
+
+    def kv_bytes(**size: object) -> int:
+        args = EngineArgs(model=model, device="cpu", max_model_len=64, **size)  # type: ignore[arg-type]
+        return args.create_engine_config().cache_config.kv_cache_memory_bytes
+
+    assert kv_bytes(kv_cache_memory_bytes="64m") == 64 * 10**6
+    assert kv_bytes(kv_cache_memory_bytes="64M") == kv_bytes(kv_cache_memory_bytes="64MiB") == 64 << 20
+    assert kv_bytes(kv_cache_memory_bytes=64_000_000) == 64 * 10**6
+    assert kv_bytes(kv_cache_memory="64m") == 64 << 20
+    with pytest.raises(ConfigError, match="kv_cache_memory_bytes: a binary suffix"):
+        kv_bytes(kv_cache_memory_bytes="1.5G")
+    with pytest.raises(ConfigError, match="the KV cache size is given twice"):
+        kv_bytes(kv_cache_memory="64MiB", kv_cache_memory_bytes="64m")
+    ns = _serve("--kv-cache-memory", "64MiB", "--kv-cache-memory-bytes", "64m")
+    with pytest.raises(ConfigError, match="--kv-cache-memory.*--kv-cache-memory-bytes.*pass one"):
+        EngineArgs(**{**engine_args_from(ns), "model": model, "device": "cpu"}).create_engine_config()  # type: ignore[arg-type]

@@ -97,7 +97,7 @@ def test_the_flag_and_its_vllm_name_reach_the_gpu_config(flag: str, tmp_path: Pa
 def test_llm_takes_vllms_keyword() -> None:
     from kvserve.engine.llm import _engine_args
 
-    assert _engine_args({"kv_cache_memory_bytes": 1 << 30}) == {"kv_cache_memory": 1 << 30}
+    assert _engine_args({"kv_cache_memory_bytes": 1 << 30}) == {"kv_cache_memory_bytes": 1 << 30}
 
 
 def _fake_runner(requested: int | None, profile: MemoryProfile, gguf_note: str = "") -> Any:
