@@ -22,10 +22,11 @@ def _str(name: str, default: str | None) -> str | None:
 
 # KV cache budget on CPU in GiB when --kv-cache-memory is not given.
 KVSERVE_CPU_KVCACHE_SPACE_GIB: int = _int("KVSERVE_CPU_KVCACHE_SPACE", 1)
-# API key for the OpenAI-compatible server when --api-key is not given.
-KVSERVE_API_KEY: str | None = _str("KVSERVE_API_KEY", None)
-# vLLM's name for it, read when neither --api-key nor KVSERVE_API_KEY is given (a vLLM deployment's
-# environment keeps its authentication).
+# API key for the OpenAI-compatible server when --api-key is not given. Read as set, even empty (None only
+# when unset): set, it decides, and set empty it means no key (VLLM_API_KEY is then not read).
+KVSERVE_API_KEY: str | None = os.environ.get("KVSERVE_API_KEY")
+# vLLM's name for it, read only when --api-key is not given and KVSERVE_API_KEY is unset (a vLLM
+# deployment's environment keeps its authentication).
 VLLM_API_KEY: str | None = _str("VLLM_API_KEY", None)
 # Log level of the kvserve logger.
 KVSERVE_LOGGING_LEVEL: str = _str("KVSERVE_LOGGING_LEVEL", "INFO") or "INFO"

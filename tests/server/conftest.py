@@ -34,15 +34,22 @@ TINY_NAME = "tiny"
 STARTUP_TIMEOUT_S = 180.0
 
 
+def _environment(changes: dict[str, str | None] | None) -> dict[str, str]:
+    """This process's environment with `changes` applied (None: the variable unset)."""
+    merged: dict[str, str | None] = {**os.environ, **(changes or {})}
+    return {name: value for name, value in merged.items() if value is not None}
+
+
 class ServerProcess:
     """One `kvserve serve` process (`python -m kvserve serve`, whose spawned engine process skips re-importing
     the main module). `argv` are the flags after the program name (no --host/--port)."""
 
-    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str] | None = None,
+    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str | None] | None = None,
                  cwd: Path | None = None, program: list[str] | None = None, port: int | None = None,
                  add_address: bool = True, new_session: bool = False) -> None:
-        """`program` replaces `python -m kvserve.entrypoints.openai.api_server`; `add_address=False` leaves
-        out --host/--port; `new_session` puts it in its own process group, signalled as a whole (make)."""
+        """`program` replaces `python -m kvserve.entrypoints.openai.api_server`; `env` is added to this
+        process's environment (a None value removes that variable); `add_address=False` leaves out
+        --host/--port; `new_session` puts it in its own process group, signalled as a whole (make)."""
         self.port = port if port is not None else free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -52,7 +59,7 @@ class ServerProcess:
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.new_session = new_session
         self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd or REPO_ROOT,
-                                     env={**os.environ, **(env or {})}, start_new_session=new_session)
+                                     env=_environment(env), start_new_session=new_session)
         self.engine_pid: int | None = None
 
     def log(self) -> str:

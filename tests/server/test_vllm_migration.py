@@ -1,6 +1,7 @@
-"""A vLLM deployment moved to kvserve: VLLM_API_KEY keeps the server closed, other VLLM_* variables and
-vLLM's harmless flags are reported at start, --enable-force-include-usage, --disable-fastapi-docs, the
-start-up line at the default host, and HTTPS with --ssl-keyfile / --ssl-certfile."""
+"""A vLLM deployment moved to kvserve: VLLM_API_KEY keeps the server closed (unless KVSERVE_API_KEY is set,
+even empty), other VLLM_* variables and vLLM's harmless flags are reported at start,
+--enable-force-include-usage, --disable-fastapi-docs, the start-up line at the default host, and HTTPS with
+--ssl-keyfile / --ssl-certfile."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def _certificate(directory: Path) -> tuple[Path, Path]:
 def servers(launch_server: Callable[..., ServerProcess], tiny_llama_dir: str,
             tmp_path_factory: pytest.TempPathFactory) -> dict[str, ServerProcess]:
     """Both servers launched together (their start-ups overlap), waited for by the tests."""
-    vllm_env = {"VLLM_API_KEY": VLLM_KEY, "KVSERVE_API_KEY": "", "VLLM_USE_V1": "1",
+    # KVSERVE_API_KEY unset (set, even empty, it would decide and VLLM_API_KEY would not be read)
+    vllm_env = {"VLLM_API_KEY": VLLM_KEY, "KVSERVE_API_KEY": None, "VLLM_USE_V1": "1",
                 "VLLM_LOGGING_LEVEL": "DEBUG"}
     launched = {"vllm": launch_server([tiny_llama_dir, *FLAGS, "--swap-space", "4", "--enable-force-include-usage",
                                        "--disable-fastapi-docs"], wait=False, env=vllm_env)}
@@ -41,7 +43,7 @@ def servers(launch_server: Callable[..., ServerProcess], tiny_llama_dir: str,
     # the certificate is its own CA: the server asks for it from clients too (--ssl-cert-reqs 2: required)
     launched["https"] = launch_server([tiny_llama_dir, *FLAGS, "--ssl-keyfile", str(key), "--ssl-certfile",
                                        str(cert), "--ssl-ca-certs", str(cert), "--ssl-cert-reqs", "2"],
-                                      wait=False, env={"KVSERVE_API_KEY": ""})
+                                      wait=False, env={"KVSERVE_API_KEY": "", "VLLM_API_KEY": "ignored-key"})
     launched["https"].client_cert = (str(cert), str(key))  # type: ignore[attr-defined]
     return launched
 
@@ -55,6 +57,7 @@ def test_a_vllm_deployments_environment_and_flags(servers: dict[str, ServerProce
     assert httpx.get(base + "/v1/models", headers=auth, timeout=10).status_code == 200
 
     log = server.log()
+    assert "API key from VLLM_API_KEY (no --api-key, KVSERVE_API_KEY unset)" in log and VLLM_KEY not in log
     assert ("vLLM environment variables kvserve does not read: VLLM_LOGGING_LEVEL (use KVSERVE_LOGGING_LEVEL), "
             "VLLM_USE_V1") in log
     assert log.count("--swap-space ignored: kvserve preempts requests by recomputing them") == 1
@@ -92,6 +95,8 @@ def test_https_with_a_self_signed_certificate(servers: dict[str, ServerProcess])
             pass
         assert time.monotonic() < deadline, f"not healthy over HTTPS within {STARTUP_TIMEOUT_S} s:\n{server.log()}"
         time.sleep(0.2)
+    # KVSERVE_API_KEY set empty: no key, though VLLM_API_KEY is set too (the request carries no Authorization)
+    assert "no API key: KVSERVE_API_KEY is set empty (VLLM_API_KEY, also set, is not read)" in server.log()
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     reply = client.post(base + "/v1/chat/completions", json=chat)
     assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] >= 1, reply.text

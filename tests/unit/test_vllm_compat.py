@@ -325,3 +325,23 @@ def test_engine_args_read_kv_cache_memory_bytes_as_vllm(tiny_model_dir: Callable
     ns = _serve("--kv-cache-memory", "64MiB", "--kv-cache-memory-bytes", "64m")
     with pytest.raises(ConfigError, match="--kv-cache-memory.*--kv-cache-memory-bytes.*pass one"):
         EngineArgs(**{**engine_args_from(ns), "model": model, "device": "cpu"}).create_engine_config()  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("flag, kvserve_env, vllm_env, key, source", [
+    ("flag-secret", "kvserve-secret", "vllm-secret", "flag-secret", "API key from --api-key"),
+    (None, "kvserve-secret", "vllm-secret", "kvserve-secret", "API key from KVSERVE_API_KEY"),
+    (None, "", "vllm-secret", None, "no API key: KVSERVE_API_KEY is set empty (VLLM_API_KEY, also set, is not read)"),
+    (None, "", None, None, "no API key: KVSERVE_API_KEY is set empty; /v1/* is open"),
+    (None, None, "vllm-secret", "vllm-secret", "API key from VLLM_API_KEY (no --api-key, KVSERVE_API_KEY unset)"),
+    ("", None, "vllm-secret", "vllm-secret", "API key from VLLM_API_KEY"),  # --api-key "": not given, as in vLLM
+    (None, None, None, None, "no API key (no --api-key, KVSERVE_API_KEY or VLLM_API_KEY)"),
+])
+def test_api_key_sources_in_order(flag: str | None, kvserve_env: str | None, vllm_env: str | None,
+                                  key: str | None, source: str) -> None:
+    """--api-key, then KVSERVE_API_KEY when set at all (empty: no key, and VLLM_API_KEY is not read), then
+    VLLM_API_KEY; the log line names the source and never the key."""
+    from kvserve.entrypoints.openai.cli_args import api_key_from
+
+    got_key, line = api_key_from(flag, kvserve_env, vllm_env)
+    assert got_key == key and line.startswith(source), line
+    assert "secret" not in line

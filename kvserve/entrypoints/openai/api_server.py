@@ -50,7 +50,12 @@ from kvserve.engine.async_llm import AsyncLLM
 from kvserve.engine.core_client import EngineAttachment, EngineCoreClient, EngineDeadError
 from kvserve.engine.heap import freeze_startup_heap
 from kvserve.entrypoints.cli import log_ignored_flags
-from kvserve.entrypoints.openai.cli_args import DEFAULT_HOST, make_arg_parser, server_engine_args
+from kvserve.entrypoints.openai.cli_args import (
+    DEFAULT_HOST,
+    api_key_from,
+    make_arg_parser,
+    server_engine_args,
+)
 from kvserve.entrypoints.openai.errors import BadRequestError, OpenAIError, error_response
 from kvserve.entrypoints.openai.middleware import GuardMiddleware, ServerState
 from kvserve.entrypoints.openai.protocol import (
@@ -451,7 +456,9 @@ async def _serve_app(ns: argparse.Namespace, config: EngineConfig, engine: Async
     )
     try:
         state = ServerState()
-        api_key = ns.api_key or envs.KVSERVE_API_KEY or envs.VLLM_API_KEY or None  # empty = no key, as vLLM
+        api_key, key_source = api_key_from(ns.api_key, envs.KVSERVE_API_KEY, envs.VLLM_API_KEY)
+        if index == 0:
+            logger.info("%s", key_source)
         cors = {"allow_origins": ns.allowed_origins, "allow_methods": ns.allowed_methods,
                 "allow_headers": ns.allowed_headers, "allow_credentials": ns.allow_credentials}
         if ns.allow_credentials and "*" in ns.allowed_origins and index == 0:

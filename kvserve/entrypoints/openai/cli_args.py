@@ -34,8 +34,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (default 127.0.0.1; 0.0.0.0 for all interfaces)")
     g.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     g.add_argument("--api-key", default=None,
-                   help="require `Authorization: Bearer <key>` on /v1/* (default: $KVSERVE_API_KEY, else $VLLM_API_KEY; "
-                        "none = open)")
+                   help="require `Authorization: Bearer <key>` on /v1/* (default: $KVSERVE_API_KEY when set, where "
+                        "set empty means no key; else $VLLM_API_KEY; none = open)")
     g.add_argument("--ssl-keyfile", default=None, metavar="FILE",
                    help="serve HTTPS: the private key file (PEM), with --ssl-certfile")
     g.add_argument("--ssl-certfile", default=None, metavar="FILE",
@@ -165,6 +165,23 @@ def server_engine_args(ns: argparse.Namespace) -> dict[str, object]:
     args["served_model_name"] = ns.served_model_name[0] if ns.served_model_name else None
     args["chat_template"] = ns.chat_template
     return args
+
+
+def api_key_from(flag: str | None, kvserve_env: str | None, vllm_env: str | None) -> tuple[str | None, str]:
+    """(the API key, None for an open API; a log line saying where that came from, never the key). The first
+    source that is set decides: --api-key (empty counts as not given, as in vLLM), then KVSERVE_API_KEY (None:
+    unset; set empty: no key, so a VLLM_API_KEY left in a vLLM deployment's environment cannot add one), then
+    VLLM_API_KEY (empty: no key, as in vLLM)."""
+    if flag:
+        return flag, "API key from --api-key: /v1/* requires it"
+    if kvserve_env is not None:
+        if kvserve_env:
+            return kvserve_env, "API key from KVSERVE_API_KEY: /v1/* requires it"
+        ignored = " (VLLM_API_KEY, also set, is not read)" if vllm_env else ""
+        return None, f"no API key: KVSERVE_API_KEY is set empty{ignored}; /v1/* is open"
+    if vllm_env:
+        return vllm_env, "API key from VLLM_API_KEY (no --api-key, KVSERVE_API_KEY unset): /v1/* requires it"
+    return None, "no API key (no --api-key, KVSERVE_API_KEY or VLLM_API_KEY): /v1/* is open"
 
 
 def make_arg_parser(prog: str = "kvserve serve") -> argparse.ArgumentParser:
