@@ -74,6 +74,24 @@ def resolve_tokenizer_path(tokenizer: str, revision: str | None = None, download
     return locate(tokenizer, revision, download_dir, what="tokenizer")
 
 
+def names_a_model(name: str, revision: str | None = None, download_dir: str | None = None) -> bool:
+    """Whether `name` reads as a model rather than a served name (to catch a model argument taken by another
+    flag): a .gguf file name, an existing path written as one (with a '/', or a directory holding
+    config.json), or an `org/name` repo id whose snapshot is in the local Hugging Face cache."""
+    if name.lower().endswith(".gguf"):
+        return True
+    path = os.path.abspath(os.path.expanduser(name))
+    if os.path.exists(path):
+        return "/" in name or os.sep in name or os.path.isfile(os.path.join(path, "config.json"))
+    if "/" not in name or not looks_like_repo_id(name):
+        return False
+    try:
+        _cached_snapshot(name, revision or "main", download_dir)
+    except ModelLoadError:
+        return False
+    return True
+
+
 # ------------------------------------------------------------------------ the local Hugging Face cache
 
 # huggingface_hub's repo id rule (validate_repo_id): one or two names of word characters, '-' and '.', each

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import ssl
 
 from kvserve.entrypoints.cli import add_engine_args, add_generation_config_args, engine_args_from
 from kvserve.entrypoints.openai.reasoning_parsers import REASONING_PARSERS  # (a light module)
 from kvserve.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS  # (a light module)
 from kvserve.entrypoints.vllm_compat import add_ignored_server_args
+from kvserve.model.paths import names_a_model  # (a light module)
 from kvserve.protocol.sampling_params import MAX_LOGPROBS  # (a light module)
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20
@@ -30,7 +32,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model name(s) clients use in the `model` field; the first is reported in responses and "
-                        "metrics (default: the model argument as given, as vLLM; without one, the default model's file name)")
+                        "metrics (default: the model argument as given, as vLLM; without one, the default model's file "
+                        "name). It takes every word after it: give the model first")
     g.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (default 127.0.0.1; 0.0.0.0 for all interfaces)")
     g.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     g.add_argument("--api-key", default=None,
@@ -143,8 +146,30 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def swallowed_model(ns: argparse.Namespace) -> str | None:
+    """The error for `kvserve serve --served-model-name qwen /models/x`, else None: argparse gives every word
+    after --served-model-name (nargs="+") to it, so no model is given and the default model would be served
+    under names one of which is the model meant. Only when no model is given (a served name may well look
+    like a repo id: vLLM's default is the model argument) and a name reads as a model (`names_a_model`).
+    --served-model-name is the server's only flag taking several words, so the only one that can do this."""
+    if ns.model_tag is not None or ns.model is not None or not ns.served_model_name:
+        return None
+    names: list[str] = list(ns.served_model_name)
+    model = next((name for name in names if names_a_model(name, ns.revision, ns.download_dir)), None)
+    if model is None:
+        return None
+    rest = [name for name in names if name != model]
+    fixed = shlex.join(["kvserve", "serve", model, *(["--served-model-name", *rest] if rest else [])])
+    return (f"no model given, and --served-model-name took {model!r}, which is a model: every word after "
+            f"--served-model-name is a served name, so the default model would be served as "
+            f"{', '.join(repr(name) for name in names)}. Put the model first: {fixed}")
+
+
 def server_engine_args(ns: argparse.Namespace) -> dict[str, object]:
     """EngineArgs keyword arguments from parsed server flags (the positional model wins over --model)."""
+    swallowed = swallowed_model(ns)
+    if swallowed is not None:
+        raise ValueError(swallowed)
     if ns.model_tag is not None and ns.model is not None and ns.model_tag != ns.model:
         raise ValueError(f"the model is given twice: {ns.model_tag!r} (positional) and --model {ns.model!r}")
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
