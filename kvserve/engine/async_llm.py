@@ -9,9 +9,12 @@ Leaving the `generate()` iterator early (client disconnect, cancellation) aborts
 engine core, which frees its KV blocks in its next loop iteration.
 
 The engine core knows each request by an id of its own, the caller's id with a suffix unique to this
-process and request (`<id>-<process index>-<serial>`, n>1 samples prefixed as usual). The core's abort of a
-finished or abandoned request is still on its way when the caller may reuse the id (a client's own
-X-Request-Id): the old request's late outputs and failures then match no live request instead of the new one.
+process and request (`<id>-<process index>-<serial>`, n>1 samples prefixed as usual). The caller's id is only
+a label (updates carry it; `has_request` and `abort` go by it): several live requests may share it, as the
+prompts of one multi-prompt completion do, and requests whose ids clients chose cannot collide in the core
+whatever those ids are. The core's abort of a finished or abandoned request is still on its way when the
+caller may reuse the id (a client's own X-Request-Id): the old request's late outputs and failures then match
+no live request instead of the new one.
 """
 
 from __future__ import annotations
@@ -89,8 +92,8 @@ class AsyncLLM:
         self._input_processor: InputProcessor | None = None
         self.ready: EngineReady | None = None
         self.last_stats: SchedulerStats | None = None
-        self._requests: dict[str, _RequestState] = {}  # by the caller's id
-        self._by_core_id: dict[str, _RequestState] = {}
+        self._by_core_id: dict[str, _RequestState] = {}  # every live request
+        self._num_by_request_id: dict[str, int] = {}  # live requests per caller's id
         self._by_child_id: dict[str, _RequestState] = {}
         self._serials = itertools.count()
         self._tracker = RequestStatsTracker()
@@ -148,10 +151,11 @@ class AsyncLLM:
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self._requests)
+        return len(self._by_core_id)
 
     def has_request(self, request_id: str) -> bool:
-        return request_id in self._requests
+        """Whether a live request has the caller's id `request_id`."""
+        return request_id in self._num_by_request_id
 
     def add_dead_callback(self, callback: Callable[[EngineDeadError], None]) -> None:
         self._dead_callbacks.append(callback)
@@ -173,12 +177,11 @@ class AsyncLLM:
         `logprobs` list is cumulative and consistent with the update (the last `len(token_ids_delta)`
         entries belong to the delta). An update covers one engine step, or every step that arrived
         since the caller last asked, when it falls behind. Raises EngineDeadError when the engine is gone and
-        RequestFailedError when the core refuses the request, ValueError when `request_id` is in use.
+        RequestFailedError when the core refuses the request. `request_id` need not be unique (module
+        docstring): a caller that refuses ids in use checks `has_request` first.
         """
         if self.dead_error is not None:
             raise self.dead_error
-        if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
         self.input_processor.check_token_ids(params)
         params = self.input_processor.resolve_bad_words(params)
         # (the server truncates while preparing, to count the kept tokens; the Triton backend does not)
@@ -194,7 +197,7 @@ class AsyncLLM:
             for child_id, child_params in children
         ]
         state = _RequestState(request_id, core_id, asyncio.Queue(), [c for c, _ in children], set())
-        self._requests[request_id] = state
+        self._num_by_request_id[request_id] = self._num_by_request_id.get(request_id, 0) + 1
         self._by_core_id[core_id] = state
         for request in requests:
             self._by_child_id[request.req_id] = state
@@ -226,10 +229,12 @@ class AsyncLLM:
             self._forget(state)
 
     def abort(self, request_id: str) -> None:
-        """Abort a user request (all its samples). Its `generate()` iterator, when another task reads it, gets
-        a last update: finished, each unfinished sample with finish reason "abort"."""
-        state = self._requests.get(request_id)
-        if state is not None:
+        """Abort every live request with the caller's id `request_id` (all their samples). Each one's
+        `generate()` iterator, when another task reads it, gets a last update: finished, each unfinished sample
+        with finish reason "abort"."""
+        if request_id not in self._num_by_request_id:
+            return
+        for state in [s for s in self._by_core_id.values() if s.request_id == request_id]:
             final = self._abort(state)
             if final is not None:
                 final.request_id = request_id
@@ -249,7 +254,9 @@ class AsyncLLM:
     def _forget(self, state: _RequestState) -> None:
         if self._by_core_id.pop(state.core_id, None) is None:
             return  # forgotten already
-        del self._requests[state.request_id]
+        num_left = self._num_by_request_id.pop(state.request_id) - 1
+        if num_left:
+            self._num_by_request_id[state.request_id] = num_left
         for child_id in state.child_ids:
             del self._by_child_id[child_id]
 
@@ -295,7 +302,7 @@ class AsyncLLM:
         state.queue.put_nowait(RequestFailedError(message.message, message.param))
 
     def on_engine_dead(self, error: EngineDeadError) -> None:
-        for state in self._requests.values():
+        for state in self._by_core_id.values():
             state.queue.put_nowait(error)
         for callback in self._dead_callbacks:
             callback(error)

@@ -257,29 +257,42 @@ def test_an_abort_from_another_task_ends_the_request_with_a_last_update(monkeypa
     assert last.outputs[0].token_ids == ids[:1]
 
 
-def test_an_id_in_use_is_refused_and_its_request_goes_on(monkeypatch, smollm_tokenizer) -> None:
-    ids = _ids(smollm_tokenizer, " one two")
+def test_requests_that_share_a_callers_id_run_side_by_side(monkeypatch, smollm_tokenizer) -> None:
+    """The caller's id is a label (a multi-prompt completion runs all its prompts under its response's id):
+    each request has its own core id and gets its own outputs; the id is in use until the last one ends, and
+    `abort` by it aborts every request that has it."""
+    a, b = _ids(smollm_tokenizer, " one two"), _ids(smollm_tokenizer, " red green")
 
-    async def run() -> tuple[list[RequestOutput | Exception], Exception | None]:
+    async def run() -> tuple[list[RequestOutput | Exception], list[RequestOutput | Exception],
+                             list[RequestOutput | Exception], list[str], list[str]]:
         llm = await _engine(monkeypatch, smollm_tokenizer)
-        got: list[RequestOutput | Exception] = []
-        task = await _started(llm.generate("x", [1, 2], SamplingParams(max_tokens=2)), got)
-        refused: Exception | None = None
-        try:
-            async for _ in llm.generate("x", [3], SamplingParams(max_tokens=2)):
-                pass
-        except ValueError as e:
-            refused = e
-        (core_id,) = llm.client.added
-        assert llm.client.aborted == []
-        for i, token in enumerate(ids):
-            llm.on_engine_outputs(_step(EngineCoreOutput(core_id, [token], finish_reason="length" if i else None)))
-        await asyncio.wait_for(task, 5)
-        return got, refused
+        first: list[RequestOutput | Exception] = []
+        second: list[RequestOutput | Exception] = []
+        task_a = await _started(llm.generate("x", [1, 2], SamplingParams(max_tokens=2)), first)
+        task_b = await _started(llm.generate("x", [3], SamplingParams(max_tokens=3)), second)
+        core_a, core_b = llm.client.added
+        for i in range(2):
+            llm.on_engine_outputs(_step(EngineCoreOutput(core_a, [a[i]], finish_reason="length" if i else None),
+                                        EngineCoreOutput(core_b, [b[i]])))
+        await asyncio.wait_for(task_a, 5)
+        assert llm.has_request("x") and llm.num_unfinished_requests == 1  # the second still runs
+        llm.on_engine_outputs(_step(EngineCoreOutput(core_b, [b[0]], finish_reason="length")))
+        await asyncio.wait_for(task_b, 5)
+        assert not llm.has_request("x") and llm.num_unfinished_requests == 0
+        aborted: list[RequestOutput | Exception] = []
+        tasks = [await _started(llm.generate("y", [5], SamplingParams(max_tokens=4)), aborted) for _ in range(2)]
+        llm.abort("y")
+        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+        assert not llm.has_request("y")
+        return first, second, aborted, list(llm.client.added), list(llm.client.aborted)
 
-    got, refused = asyncio.run(run())
-    assert refused is not None and "already in use" in str(refused)
-    assert cast(RequestOutput, got[-1]).finished and cast(RequestOutput, got[-1]).outputs[0].token_ids == ids
+    first, second, aborted, added, aborted_ids = asyncio.run(run())
+    assert len(set(added)) == 4
+    assert aborted_ids == added[2:]
+    assert all(isinstance(u, RequestOutput) and u.request_id == "x" for u in first + second)
+    assert cast(RequestOutput, first[-1]).outputs[0].token_ids == a
+    assert cast(RequestOutput, second[-1]).outputs[0].token_ids == [b[0], b[1], b[0]]
+    assert [cast(RequestOutput, u).outputs[0].finish_reason for u in aborted] == ["abort", "abort"]
 
 
 def test_merged_samples_keep_their_own_deltas_and_an_early_finish(monkeypatch, smollm_tokenizer) -> None:
@@ -326,7 +339,7 @@ def test_streamed_text_offsets_are_the_full_answers_whatever_the_chunking(monkey
     async def run() -> list[int]:
         llm = await _engine(monkeypatch, smollm_tokenizer)
         params = SamplingParams(max_tokens=len(ids), stop=["STOP"], logprobs=0)
-        prepared = PreparedCompletion("cmpl-1", "m", [PreparedPrompt("cmpl-1", [1, 2], "p")], params, False)
+        prepared = PreparedCompletion("cmpl-1", "m", [PreparedPrompt([1, 2], "p")], params, False)
         events: list[str | Exception] = []
         task = await _started(completion_stream(ServingContext(llm, ["m"], "m"), prepared, False, False), events)
         (core_id,) = llm.client.added

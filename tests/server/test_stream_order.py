@@ -65,7 +65,7 @@ def test_completion_stream_sends_prompt_logprobs_with_each_choices_first_chunk()
     async def scenario() -> list[dict]:
         ctx = SimpleNamespace(engine=SimpleNamespace(generate=generate, tokenizer=None))
         params = SamplingParams(n=2, max_tokens=1, prompt_logprobs=1)
-        cmpl = PreparedCompletion("cmpl-1", "m", [PreparedPrompt("cmpl-1", [3, 5], None)], params, echo=False)
+        cmpl = PreparedCompletion("cmpl-1", "m", [PreparedPrompt([3, 5], None)], params, echo=False)
         stream = completion_stream(ctx, cmpl, include_usage=False, continuous_usage=False)  # type: ignore[arg-type]
         return [json.loads(e[len("data: "):]) async for e in stream if e.startswith("data: {")]
 

@@ -1,7 +1,9 @@
 """POST /v1/completions: prompt(s) -> engine -> one JSON response or an SSE stream of chunks.
 
 The prompt is a string, a list of strings, a list of token ids, or a list of token-id lists. Prompt `p`'s
-sample `j` is choice `p * n + j`, as in OpenAI's API; the prompts run concurrently.
+sample `j` is choice `p * n + j`, as in OpenAI's API; the prompts run concurrently, each an engine request
+under the response's id (`AsyncLLM` gives each its own id in the core), so no id a client picks for another
+request can collide with one of them, and the id in use is refused while any of them runs.
 """
 
 from __future__ import annotations
@@ -41,8 +43,7 @@ from kvserve.protocol.sampling_params import SamplingParams
 
 
 class PreparedPrompt:
-    def __init__(self, request_id: str, prompt_token_ids: list[int], text: str | None) -> None:
-        self.request_id = request_id
+    def __init__(self, prompt_token_ids: list[int], text: str | None) -> None:
         self.prompt_token_ids = prompt_token_ids
         self.text = text  # the prompt as given (strings) or None (token ids)
 
@@ -102,7 +103,7 @@ def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> PreparedC
         items = list(raw)  # type: ignore[arg-type]
     request_id = new_request_id(engine, "cmpl", req.request_id)
     prompts = []
-    for i, item in enumerate(items):
+    for item in items:
         if isinstance(item, str):
             ids = encode_prompt(engine, item, req.add_special_tokens, "prompt")
             text: str | None = item
@@ -113,14 +114,14 @@ def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> PreparedC
         if len(kept) < len(ids):  # truncate_prompt_tokens: echo shows the tokens kept
             ids, text = kept, None
         check_lengths(engine, len(ids), params.max_tokens, "prompt", "max_tokens")
-        sub_id = request_id if len(items) == 1 else f"{request_id}-{i}"
-        prompts.append(PreparedPrompt(sub_id, ids, text))
+        prompts.append(PreparedPrompt(ids, text))
     # max_tokens null (left out, it is the API's 16): the model's reply length, capped at what the context
     # leaves the longest prompt; and the generation config's cap on every request (vLLM's rule).
     params = with_length_limits(params, ctx.sampling_defaults.get("max_tokens"), ctx.max_tokens_cap,
                                 engine.max_model_len - max(len(p.prompt_token_ids) for p in prompts))
-    for p in prompts:
-        log_request(ctx, p.request_id, len(p.prompt_token_ids), params, p.text)
+    for i, p in enumerate(prompts):
+        log_request(ctx, request_id if len(prompts) == 1 else f"{request_id} (prompt {i})", len(p.prompt_token_ids),
+                    params, p.text)
     return PreparedCompletion(request_id, model, prompts, params, bool(req.echo), req.cache_salt, echo_only,
                               bool(req.return_token_ids), ctx.tokens_as_ids(req.return_tokens_as_token_ids),
                               req.priority, structured_outputs_from(req)[1])
@@ -150,11 +151,10 @@ def _echoed_logprobs(ctx: ServingContext, cmpl: PreparedCompletion, prompt: Prep
                                cmpl.params.logprobs, 0, cmpl.tokens_as_ids)
 
 
-async def _run_one(ctx: ServingContext, prompt: PreparedPrompt, params: SamplingParams,
-                   cache_salt: str | None, priority: int = 0) -> RequestOutput:
+async def _run_one(ctx: ServingContext, cmpl: PreparedCompletion, prompt: PreparedPrompt) -> RequestOutput:
     final: RequestOutput | None = None
-    async with aclosing(ctx.engine.generate(prompt.request_id, prompt.prompt_token_ids, params,
-                                            prompt.text, cache_salt=cache_salt, priority=priority)) as updates:
+    async with aclosing(ctx.engine.generate(cmpl.request_id, prompt.prompt_token_ids, cmpl.params, prompt.text,
+                                            cache_salt=cmpl.cache_salt, priority=cmpl.priority)) as updates:
         async for update in updates:
             final = update
     assert final is not None and final.finished
@@ -163,8 +163,7 @@ async def _run_one(ctx: ServingContext, prompt: PreparedPrompt, params: Sampling
 
 async def completion_full(ctx: ServingContext, cmpl: PreparedCompletion) -> dict[str, Any]:
     """Run every prompt to completion and build the `text_completion` object."""
-    tasks = [asyncio.ensure_future(_run_one(ctx, p, cmpl.params, cmpl.cache_salt, cmpl.priority))
-             for p in cmpl.prompts]
+    tasks = [asyncio.ensure_future(_run_one(ctx, cmpl, p)) for p in cmpl.prompts]
     try:
         finals = await asyncio.gather(*tasks)
     except Exception as e:
@@ -304,7 +303,7 @@ async def _merge(ctx: ServingContext, cmpl: PreparedCompletion) -> AsyncIterator
     """Updates of all prompts, interleaved as they arrive, tagged with the prompt's position."""
     if len(cmpl.prompts) == 1:
         p = cmpl.prompts[0]
-        async with aclosing(ctx.engine.generate(p.request_id, p.prompt_token_ids, cmpl.params, p.text,
+        async with aclosing(ctx.engine.generate(cmpl.request_id, p.prompt_token_ids, cmpl.params, p.text,
                                                 cache_salt=cmpl.cache_salt, priority=cmpl.priority)) as updates:
             async for update in updates:
                 yield 0, update
@@ -313,7 +312,7 @@ async def _merge(ctx: ServingContext, cmpl: PreparedCompletion) -> AsyncIterator
 
     async def pump(index: int, prompt: PreparedPrompt) -> None:
         try:
-            async with aclosing(ctx.engine.generate(prompt.request_id, prompt.prompt_token_ids, cmpl.params,
+            async with aclosing(ctx.engine.generate(cmpl.request_id, prompt.prompt_token_ids, cmpl.params,
                                                     prompt.text, cache_salt=cmpl.cache_salt,
                                                     priority=cmpl.priority)) as updates:
                 async for update in updates:
