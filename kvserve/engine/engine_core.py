@@ -28,7 +28,7 @@ import concurrent.futures
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from kvserve import distributed
@@ -161,6 +161,9 @@ class EngineCore:
         self._awaiting_grammar: dict[str, tuple[Request, str | None, concurrent.futures.Future]] = {}
         # Requests whose grammar failed to compile: (req_id, message, param), for the caller (`pop_failed`).
         self._failed: list[tuple[str, str, str]] = []
+        # Requests that end with no token once their prompt has run (the forward pass gives their
+        # prompt_logprobs): the one token they are scheduled for is dropped (`_admit_compiled`).
+        self._prompt_only: set[str] = set()
         # Tests turn this on to run every stateful manager's invariant checks after each step.
         self.check_invariants_every_step = False
         self.async_scheduling = config.async_scheduling
@@ -273,6 +276,7 @@ class EngineCore:
             awaiting = self._awaiting_grammar.pop(req_id, None)
             if awaiting is not None:
                 awaiting[2].cancel()
+            self._prompt_only.discard(req_id)
         self.scheduler.abort_requests(req_ids)
         self.structured.release(req_ids)
 
@@ -321,14 +325,21 @@ class EngineCore:
             if self._min_tokens_hold_eos(request) and self.structured.ended(req_id):
                 # The grammar allows only EOS from the first token on (its language is the empty text), which
                 # min_tokens holds back: sampling would leave the grammar. It wins, as when it ends later
-                # (`_finish_in_flight`): the request ends here, with no token.
+                # (`_finish_in_flight`): the request ends with no token.
                 self.structured.release([req_id])
-                ended.append(EngineCoreOutput(req_id, [], finish_reason="stop"))
-                continue
+                if request.prompt_logprobs is None:
+                    ended.append(EngineCoreOutput(req_id, [], finish_reason="stop"))
+                    continue
+                # NOTE: its prompt_logprobs come only from running the prompt: it runs, without the grammar,
+                # for one token, which `_finish_in_flight` drops as it ends the request.
+                request.sampling_params = replace(request.sampling_params, structured_outputs=None)
+                request.max_tokens = 1
+                self._prompt_only.add(req_id)
             try:
                 self.scheduler.add_request(request, group_key=group_key)
             except RequestRejected as e:  # checked on arrival; defensive
                 self.structured.release([req_id])
+                self._prompt_only.discard(req_id)
                 self._failed.append((req_id, str(e), e.param))
         return ended
 
@@ -397,6 +408,8 @@ class EngineCore:
         self.runner.check_invariants()
         assert not set(self._awaiting_grammar) & set(self.scheduler.requests), "a request both queued and compiling"
         self.structured.check_invariants(self.scheduler.requests)
+        assert self._prompt_only <= set(self.scheduler.requests), \
+            f"prompt-only requests that are not live: {sorted(self._prompt_only - set(self.scheduler.requests))}"
         # Exact, with or without async scheduling, between steps: each schedule()'s output is applied by the runner
         # at its launch, within the same step. A request finished since (while its step was in flight, or aborted)
         # stays in the runner until the next output's finished_req_ids releases it (with no further step, as on
@@ -424,6 +437,12 @@ class EngineCore:
         scheduler_output, pending = self._in_flight
         self._in_flight = None
         outputs = self.scheduler.update_from_output(scheduler_output, pending.result())
+        if self._prompt_only:
+            for output in outputs:
+                if output.req_id in self._prompt_only:  # its prompt has run: it ends with no token
+                    self._prompt_only.discard(output.req_id)
+                    output.new_token_ids, output.new_logprobs = [], None
+                    output.finish_reason, output.stop_token_id = "stop", None
         structured = self.structured
         if len(structured):
             for output in outputs:

@@ -466,6 +466,29 @@ def test_a_grammar_of_the_empty_text_under_min_tokens_ends_before_any_token(engi
 
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_request_that_ends_before_any_token_still_gets_its_prompt_logprobs(engines, pipelined):
+    """The empty-text grammar under min_tokens ends the request with no token; with prompt_logprobs asked (also
+    what completions' echo with logprobs asks) it runs its prompt first: the same prompt logprobs as a plain
+    request of that prompt, still no token, and nothing left behind."""
+    llm = engines[pipelined]
+    spec = StructuredOutputsParams(grammar='start: ""')
+    ended, plain = llm.generate(["Once upon a time", "Once upon a time"], [
+        SamplingParams(temperature=0.0, max_tokens=10, min_tokens=3, logprobs=2, prompt_logprobs=2,
+                       structured_outputs=spec),
+        SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)], use_tqdm=False)
+    core = llm.engine.core
+    assert len(core.structured) == 0 and not core.has_unfinished_requests()
+    out = ended.outputs[0]
+    assert (out.finish_reason, out.stop_reason, out.token_ids, out.text) == ("stop", None, [], "")
+    assert ended.prompt_logprobs is not None and plain.prompt_logprobs is not None
+    assert len(ended.prompt_logprobs) == len(ended.prompt_token_ids) > 1 and ended.prompt_logprobs[0] is None
+    for got, want in zip(ended.prompt_logprobs[1:], plain.prompt_logprobs[1:], strict=True):
+        assert got is not None and want is not None
+        assert {t: lp.rank for t, lp in got.items()} == {t: lp.rank for t, lp in want.items()}
+        assert [lp.logprob for lp in got.values()] == pytest.approx([lp.logprob for lp in want.values()], abs=1e-4)
+
+
 def test_the_invariant_checks_catch_a_constrained_request_without_its_matcher(engines):
     engine = engines[False].engine
     core = engine.core
