@@ -196,7 +196,7 @@ def _cmd_triton_repo(ns: argparse.Namespace) -> int:
     import os
 
     from kvserve.config import EngineArgs
-    from kvserve.integrations.triton.repo import write_repository
+    from kvserve.integrations.triton.repo import with_resolved_paths, write_repository
 
     log_ignored_flags(ns)
     args = engine_args_from(ns)
@@ -205,7 +205,9 @@ def _cmd_triton_repo(ns: argparse.Namespace) -> int:
             continue
         if args[key] is not None and (key == "download_dir" or os.path.exists(str(args[key]))):
             args[key] = os.path.abspath(str(args[key]))
-    EngineArgs(**args).create_engine_config()  # refuse now what the engine would refuse in Triton
+    config = EngineArgs(**args).create_engine_config()  # refuse now what the engine would refuse in Triton
+    if not ns.write_repo_ids:
+        args = with_resolved_paths(args, config.model_config)
     gpus = [int(g) for g in ns.gpus.split(",")] if ns.gpus else None
     model_dir = write_repository(ns.out, ns.name, args, max_batch_size=ns.max_batch_size, decoupled=ns.decoupled,
                                  instances=ns.instances, gpus=gpus, device=ns.device or "cuda")
@@ -279,6 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="decoupled transaction policy: streamed responses (default on)")
     repo.add_argument("--instances", type=int, default=1, help="model instances (each starts its own engine)")
     repo.add_argument("--gpus", default=None, help="GPU ids for the instance group, e.g. 0 or 0,1")
+    repo.add_argument("--write-repo-ids", action="store_true",
+                      help="write a Hugging Face repo id given as --model or --tokenizer as given, with --revision, "
+                      "--tokenizer-revision and --download-dir, to be looked up again in the Hugging Face cache "
+                      "where Triton runs (default: the local snapshot paths they resolve to here)")
     add_engine_args(repo)
     add_generation_config_args(repo)
     repo.set_defaults(func=_cmd_triton_repo)

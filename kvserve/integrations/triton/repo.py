@@ -15,7 +15,10 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvserve.config import ModelConfig
 
 _MODEL_PY = '''"""Triton Python-backend entry point written by `kvserve triton-repo`: the model is kvserve's."""
 
@@ -47,6 +50,21 @@ def config_pbtxt(name: str, max_batch_size: int, decoupled: bool, instances: int
         "]\n"
         f"instance_group [\n  {{\n{group}  }}\n]\n"
     )
+
+
+def with_resolved_paths(engine_args: dict[str, Any], model_config: ModelConfig) -> dict[str, Any]:
+    """`engine_args` with the model and tokenizer as the local paths they resolved to here (`model_config`,
+    from those arguments): a Hugging Face repo id becomes its cached snapshot's directory, and no revision or
+    cache directory is left to resolve it again, so Triton loads what was checked here whatever Hugging Face
+    cache it has, or none. The tokenizer is written when it is not the model's own directory."""
+    args = dict(engine_args)
+    if args.get("model") is not None:  # None: the default model, from the kvserve install where Triton runs
+        args["model"] = model_config.model
+    named = args.get("tokenizer") is not None or args.get("tokenizer_revision") is not None
+    args["tokenizer"] = model_config.tokenizer if named and model_config.tokenizer != model_config.model else None
+    for key in ("revision", "tokenizer_revision", "download_dir"):
+        args[key] = None
+    return args
 
 
 def write_repository(out_dir: str, name: str, engine_args: dict[str, Any], max_batch_size: int = 0,
