@@ -121,6 +121,8 @@ class Bench:
             kw["cuda_graph_sizes"] = [int(v) for v in a.cuda_graph_sizes.split(",")]
         if a.device == "cpu":
             kw["kv_cache_memory"] = "512MiB"
+        if a.kv_cache_dtype != "auto":
+            kw["kv_cache_dtype"] = a.kv_cache_dtype
         kw.update(overrides)
         return kw
 
@@ -1444,6 +1446,7 @@ def main() -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--kv-cache-dtype", default="auto", help="the engine's KV cache dtype (auto: the model's; fp8)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the engine's model splits over")
     p.add_argument("--quantization", choices=sorted(QUANT_CONFIGS), default=None,
                    help="random 4-bit weights in this format (group size 128) instead of bf16 ones")
