@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import tracemalloc
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from .test_tool_calls import TEXTS as HERMES_TEXTS
 from .test_tool_calls import WEATHER, _context, _post, _stream_messages, _tokens
 
 TAG = "<|python_tag|>"
+START, END = "<|python_start|>", "<|python_end|>"  # Llama 4's wrapping of its pythonic calls
 LLAMA_CALLS = (TAG + '{"name": "get_weather", "parameters": {"city": "Paris"}}; '
                '{"name": "get_weather", "parameters": {"city": "Zürich"}}')
 PYTHONIC_CALLS = '[get_weather(city="Paris"), get_weather(city=\'Zürich\')]'
@@ -33,6 +35,9 @@ LLAMA_TEXTS = [
     "Plain text with a brace { and a tag <|python_ta",
     '{"name": "f", "parameters": {}};',
     "   ",
+    '{"name": "f", "parameters": {}} ; <|python_tag|>{"name": "g", "parameters": {}}',
+    '{"answer": "a long JSON reply"} and more',
+    '{"parameters": {"a": 1}, "name": "f"}',
 ]
 PYTHONIC_TEXTS = [
     PYTHONIC_CALLS,
@@ -43,6 +48,10 @@ PYTHONIC_TEXTS = [
     "Text first [f()]",
     TAG + " [now()]",
     "[]",
+    START + "[f(a=1)]" + END + "\nDone.",
+    "[Note: don't do that] and more",
+    '[f(a="""x"y""", b=' + "'''it's ] here''', c=\"\", d='')]",
+    '[f(a="""cut short"")]',
 ]
 
 
@@ -82,8 +91,16 @@ def _functions(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ('{"name": "f", "parameters": {}}; {bad}; {"name": "g", "parameters": {}}',
      '; {bad}; {"name": "g", "parameters": {}}', [{"name": "f", "arguments": "{}"}]),
     ('{bad} <|python_tag|>{"name": "g", "parameters": {}}', "{bad}", [{"name": "g", "arguments": "{}"}]),
-    # a separator with no call after it stays
-    ('{"name": "f", "parameters": {}};', ";", [{"name": "f", "arguments": "{}"}]),
+    # a separator followed by no call, only by whitespace, the end or the tag, is dropped; before text it stays
+    ('{"name": "f", "parameters": {}};', None, [{"name": "f", "arguments": "{}"}]),
+    ('{"name": "f", "parameters": {}}; \n', None, [{"name": "f", "arguments": "{}"}]),
+    ('{"name": "f", "parameters": {}} ; <|python_tag|>{"name": "g", "parameters": {}}', None,
+     [{"name": "f", "arguments": "{}"}, {"name": "g", "arguments": "{}"}]),
+    ('{"name": "f", "parameters": {}}; Done.', "; Done.", [{"name": "f", "arguments": "{}"}]),
+    ('{"name": "f", "parameters": {}}; <|python_tag|>', TAG, [{"name": "f", "arguments": "{}"}]),
+    # the keys in any order: the first must be one a call has
+    ('{"parameters": {"a": 1}, "name": "f"}', None, [{"name": "f", "arguments": '{"a": 1}'}]),
+    ('{"\\u006eame": "f", "parameters": {}}', None, [{"name": "f", "arguments": "{}"}]),  # an escaped key
     ('{"name": "f", "parameters": {}} {"name": "g", "parameters": {}}', ' {"name": "g", "parameters": {}}',
      [{"name": "f", "arguments": "{}"}]),
     ("", "", []),
@@ -130,6 +147,22 @@ def test_llama3_json_deep_nesting_stays_content():
     ("Text first [f()]", "Text first [f()]", []),
     ("[f(a='cut short", "[f(a='cut short", []),
     ("[f(a=" + "[" * 300 + "]" * 300 + ")]", "[f(a=" + "[" * 300 + "]" * 300 + ")]", []),  # too deep for ast
+    # triple-quoted strings: quotes and brackets inside them are the string's
+    ('[f(a="""x"y""")]', None, [{"name": "f", "arguments": '{"a": "x\\"y"}'}]),
+    ("[f(a='''it's ] here''', b='')]", None, [{"name": "f", "arguments": '{"a": "it\'s ] here", "b": ""}'}]),
+    ('[f(a="""x""""")]', None, [{"name": "f", "arguments": '{"a": "x"}'}]),  # """x""" then "": one string, as Python reads them
+    # what cannot start a call is content at once; a tag after it reads as usual
+    ("[Note: don't do that] and more", "[Note: don't do that] and more", []),
+    ("[1, '<|python_tag|>[f()]'] x", "[1, ''] x", [{"name": "f", "arguments": "{}"}]),
+    ("[ # a comment\n f(a=1)]", None, [{"name": "f", "arguments": '{"a": 1}'}]),  # what ast reads is read
+    ("[(f)(a=1), g\n()]", None, [{"name": "f", "arguments": '{"a": 1}'}, {"name": "g", "arguments": "{}"}]),
+    # Llama 4 wraps the list in <|python_start|> ... <|python_end|>: the tags go with the calls
+    (START + "[f(a=1)]" + END, None, [{"name": "f", "arguments": '{"a": 1}'}]),
+    ("Let me check.\n" + START + "\n[f()]\n" + END + "\nDone.", "Let me check.\nDone.",
+     [{"name": "f", "arguments": "{}"}]),
+    (START + "[f()]", None, [{"name": "f", "arguments": "{}"}]),
+    (START + "print(1)" + END, START + "print(1)" + END, []),  # not a call: kept as written
+    ("[f()]" + END, END, [{"name": "f", "arguments": "{}"}]),  # no start tag: the end tag is content
 ])
 def test_pythonic_rules(text, content, functions):
     parsed = parse_tool_calls(text, "pythonic")
@@ -175,7 +208,7 @@ def test_every_split_streams_the_full_parse(parser, text):
 
 FRAGMENTS = [TAG, "<|python", '{"name": "f", "parameters": {"a": 1}}', '{"name": "g", "arguments": {}}', "{bad}",
              "[f(a=1)]", '[g(b="]")', "<tool_call>", "</tool_call>", ";", " ", "\n", "x", "{", "}", "[", "]", "(",
-             ")", '"', "'", "\\", "a=2", ","]
+             ")", '"', "'", "\\", "a=2", ",", START, END, '"""', "Note:", '{"answer": 1}']
 
 
 @pytest.mark.parametrize("parser", TOOL_CALL_PARSERS)
@@ -199,6 +232,73 @@ def test_random_texts_stream_as_parsed(parser):
 @pytest.mark.parametrize("text", ["Just text.\n", "Braces { } and [brackets] and ; and <|python_tag", "  x  "])
 def test_text_without_calls_is_the_content_unchanged(parser, text):
     assert parse_tool_calls(text, parser).content == text
+
+
+@pytest.mark.parametrize(("parser", "before", "char"), [
+    ("llama3_json", "", "\n"),  # where a call may open: the reply's start
+    ("llama3_json", TAG, "\n"),
+    ("llama3_json", '{"name": "f", "parameters": {}}', "\n"),  # after a call, where a separator may come
+    ("llama3_json", '{"name": "f", "parameters": {}};', "\n"),  # after a separator
+    ("llama3_json", "Some text.", "\n"),  # content
+    ("llama3_json", '{"name": "f", "parameters": {"a": "', "x"),  # within a call
+    ("llama3_json", "{", "\n"),  # before the call's first key
+    ("pythonic", "", "\n"),
+    ("pythonic", START + "[f()]", "\n"),  # after a call, where its closing tag may come
+    ("pythonic", "Some text.", "\n"),
+    ("pythonic", "[f", " "),  # between the name and its parenthesis
+    ("pythonic", '[f(a="""', "x"),
+    ("hermes", "", "\n"),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {}}</tool_call>', "\n"),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": "', "x"),
+])
+def test_a_long_run_costs_each_feed_only_its_own_text(parser, before, char):
+    """A model may write tens of thousands of newlines (or a call's long argument) a token at a time, and
+    each feed runs on the server's event loop: after 200k characters, a feed of one more allocates a few
+    bytes, not a copy of the run (which rescanning or re-joining what is held would make: quadratic work
+    over the run). What is held still comes out whole."""
+    run = char * 200_000
+    stream = tool_call_stream(parser)
+    content, functions = "", []
+    for piece in (before, run):
+        delta = stream.feed(piece)
+        content, functions = content + delta.content, functions + delta.tool_calls
+    tracemalloc.start()
+    try:
+        for _ in range(10):
+            delta = stream.feed(char)
+            content, functions = content + delta.content, functions + delta.tool_calls
+        peak_bytes = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak_bytes < 20_000
+    delta = stream.feed("x", final=True)
+    expected = parse_tool_calls(before + run + char * 10 + "x", parser)
+    assert content + delta.content == expected.content
+    assert functions + delta.tool_calls == _functions(expected.tool_calls)
+
+
+@pytest.mark.parametrize(("parser", "text", "undecided"), [
+    ("pythonic", "[Note: don't do that] and more", "[Note"),
+    ("pythonic", "[1] See the reference.", "["),
+    ("pythonic", "[get_weather is the tool] x", "[get_weather "),
+    ("llama3_json", '{"answer": "sunny, and a long reply"}', '{"a'),
+    ("llama3_json", '{\n  "result": [1, 2]}', '{\n  "'),
+    ("llama3_json", TAG + '{"answer": 1}', TAG + '{"a'),  # "a": "arguments" maybe
+])
+def test_what_cannot_start_a_call_streams_at_once(parser, text, undecided):
+    """Text after the bracket that no call starts with is released as content as soon as it shows (not held
+    to the end of the reply, as it was when it had to close first); `undecided` is the longest prefix that
+    could still start one."""
+    stream = tool_call_stream(parser)
+    released = ""
+    for i, char in enumerate(text):
+        released += stream.feed(char).content
+        if i + 1 <= len(undecided):
+            assert released == "", text[: i + 1]
+        elif i == len(undecided):
+            assert released == text[: i + 1]
+    assert released == text
+    assert stream.feed("", final=True).content == ""
 
 
 # ------------------------------------------------------------------------------------------ the endpoint
@@ -236,7 +336,45 @@ def test_chat_returns_the_parsers_calls_and_the_stream_says_the_same(parser, cal
     assert _functions(streamed[0]["tool_calls"]) == _functions(message["tool_calls"]) and finish == {0: "tool_calls"}
 
 
-@pytest.mark.parametrize("parser", ["llama3_json", "pythonic"])
+@pytest.mark.parametrize("parser", ["llama3_json", "pythonic", "llama4_json", "llama4_pythonic"])
 def test_the_server_flag_takes_the_parser(parser):
     ns = make_arg_parser().parse_args(["model-dir", "--enable-auto-tool-choice", "--tool-call-parser", parser])
     assert ns.tool_call_parser == parser and server_engine_args(ns)["model"] == "model-dir"
+
+
+@pytest.mark.parametrize("parser", ["llama4_json", "llama4_pythonic"])
+def test_the_llama4_names_are_their_formats_parsers(parser):
+    """vLLM's `llama4_json` reads llama3_json's format and `llama4_pythonic` pythonic's (Llama 4 may put
+    <|python_start|> ... <|python_end|> around the list)."""
+    text = {"llama4_json": LLAMA_CALLS, "llama4_pythonic": START + PYTHONIC_CALLS + END}[parser]
+    parsed = parse_tool_calls(text, parser)
+    assert parsed.content is None and _functions(parsed.tool_calls) == PARIS_ZURICH
+
+
+UNWRITABLE_CALLS = [
+    # an integer Python reads but will not write (more than 4300 digits)
+    ("pythonic", "[f(a=0x" + "f" * 4000 + ")]"),
+    # a lone surrogate, from a JSON or Python escape: no UTF-8 response can hold it
+    ("llama3_json", '{"name": "f", "parameters": {"a": "\\ud800"}}'),
+    ("llama3_json", '{"name": "\\udfff", "parameters": {}}'),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": "\\ud800"}}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "f", "arguments": "{\\"a\\": \\"\\ud800\\"}"}</tool_call>'),
+    ("pythonic", '[f(a="\\ud800")]'),
+]
+
+
+@pytest.mark.parametrize(("parser", "text"), UNWRITABLE_CALLS)
+def test_a_call_the_response_cannot_carry_is_content(parser, text):
+    """Not a server error or a 400 blaming the client: the call stays in the content as the model wrote it
+    (an ASCII escape there), streamed or not."""
+    ctx, _ = _context([_tokens(text)], parser=parser)
+    body = {"messages": [{"role": "user", "content": "Hi"}], "tools": [WEATHER]}
+    response = _post(ctx, body)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": text, "tool_calls": []}
+    assert choice["finish_reason"] == "stop"
+    streamed = _post(ctx, {**body, "stream": True})
+    assert streamed.status_code == 200 and '"error"' not in streamed.text, streamed.text
+    messages, finish = _stream_messages(streamed)
+    assert messages[0] == {"content": text, "tool_calls": []} and finish == {0: "stop"}

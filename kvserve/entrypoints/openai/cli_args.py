@@ -63,8 +63,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="how tool calls are written in the model's text: hermes = <tool_call>{JSON}</tool_call> "
                         "(Qwen2, Qwen2.5, Qwen3, Hermes 2 Pro); llama3_json = the reply is "
                         '{"name": ..., "parameters": {...}}, optionally after <|python_tag|>, calls joined by ; '
-                        "(Llama 3.1/3.2/3.3 JSON tool calling); pythonic = the reply is a Python list of calls, "
-                        "[f(a=1), g()] (Llama 3.2, Llama 4)")
+                        "(Llama 3.1/3.2/3.3 JSON tool calling; llama4_json is another name for it); pythonic = "
+                        "the reply is a Python list of calls, [f(a=1), g()], for Llama 4 maybe within "
+                        "<|python_start|> and <|python_end|> (Llama 3.2, Llama 4; llama4_pythonic is another name "
+                        "for it)")
     g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                    help="return a thinking model's reasoning (the text before </think>) as the chat message's "
                         "`reasoning` and only the answer as its `content`: deepseek_r1 (DeepSeek-R1, QwQ) or qwen3 "
