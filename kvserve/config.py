@@ -563,6 +563,9 @@ def _token_count(name: str, value: int | str) -> int:
 
 def _model_limit_source(arch: Any) -> str:
     """Which config values set `arch.max_positions` (for error messages)."""
-    if arch.rope_scaling is not None and arch.rope_scaling["rope_type"] == "yarn":
+    rope_type = None if arch.rope_scaling is None else arch.rope_scaling["rope_type"]
+    if rope_type == "yarn":
         return "YaRN's original_max_position_embeddings x factor"
+    if rope_type == "linear":
+        return "max_position_embeddings x the linear RoPE scaling factor"
     return "max_position_embeddings"

@@ -90,11 +90,16 @@ class ArchConfig:
     @property
     def max_positions(self) -> int:
         """The longest context the model's RoPE covers: the size of the cos/sin table and the largest
-        max_model_len. YaRN extends the pre-training length by its factor (as vLLM derives it:
-        original_max_position_embeddings * factor, e.g. 32768 * 4 for Qwen2.5 whose config.json keeps
-        max_position_embeddings 32768); otherwise max_position_embeddings."""
-        if self.rope_scaling is not None and self.rope_scaling["rope_type"] == "yarn":
-            return int(self.rope_scaling["original_max_position_embeddings"] * self.rope_scaling["factor"])
+        max_model_len, derived as vLLM derives it. A scaling that stretches positions by its factor extends
+        the length by it: YaRN from its original_max_position_embeddings (32768 * 4 for Qwen2.5, whose
+        config.json keeps max_position_embeddings 32768), linear from max_position_embeddings. Llama 3's
+        scaling leaves max_position_embeddings as it is (its config.json already states the extended
+        length), as does no scaling."""
+        scaling = self.rope_scaling
+        if scaling is not None and scaling["rope_type"] == "yarn":
+            return int(scaling["original_max_position_embeddings"] * scaling["factor"])
+        if scaling is not None and scaling["rope_type"] == "linear":
+            return int(self.max_position_embeddings * scaling["factor"])
         return self.max_position_embeddings
 
     @property

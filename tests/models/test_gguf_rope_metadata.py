@@ -97,6 +97,16 @@ def test_yarn_gguf_max_model_len_is_original_times_factor(tmp_path: Path) -> Non
     assert config.model_config.max_model_len == 131072
 
 
+def test_linear_gguf_max_model_len_is_context_length_times_factor(tmp_path: Path) -> None:
+    """As for a safetensors checkpoint (and vLLM): linear scaling stretches the file's context_length by
+    its factor; the factor may come as rope.scale_linear too."""
+    assert _arch(tmp_path, {TYPE: "linear", FACTOR: 4.0}).max_positions == 4 * CONTEXT_LENGTH
+    assert _arch(tmp_path, {"rope.scale_linear": 2.0}, arch="llama").max_positions == 2 * CONTEXT_LENGTH
+    path = write_config_gguf(str(tmp_path / "linear.gguf"), "llama", {TYPE: "linear", FACTOR: 4.0},
+                             context_length=1000)
+    assert EngineArgs(model=path).create_engine_config().model_config.max_model_len == 4000
+
+
 @pytest.mark.parametrize(
     "metadata, message",
     [

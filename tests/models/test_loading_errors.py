@@ -133,6 +133,28 @@ def test_yarn_extends_max_model_len_to_original_times_factor(tmp_path: Path, tin
     assert legacy.rope_scaling == arch.rope_scaling and legacy.max_positions == 256
 
 
+@pytest.mark.parametrize(("rope_scaling", "max_positions"), [
+    ({"rope_type": "linear", "factor": 4.0}, 256),
+    ({"type": "linear", "factor": 2.5}, 160),  # the legacy key
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 16}, 64),  # Llama 3's config states the extended length itself
+    (None, 64),
+])
+def test_linear_rope_scaling_extends_max_model_len_by_its_factor(
+    tiny_model_dir: Callable, rope_scaling: dict | None, max_positions: int
+) -> None:
+    """vLLM multiplies the derived length by the rope factor for every scaling type but su, longrope and
+    llama3 (YaRN from original_max_position_embeddings): a linear factor-4 checkpoint with
+    max_position_embeddings 64 serves 256 positions by default."""
+    model_dir = tiny_model_dir("llama", max_position_embeddings=64, rope_scaling=rope_scaling)
+    arch = load_arch_config(model_dir)
+    assert (arch.max_position_embeddings, arch.max_positions) == (64, max_positions)
+    assert EngineArgs(model=model_dir).create_engine_config().model_config.max_model_len == max_positions
+    if rope_scaling is not None and "linear" in rope_scaling.values():
+        with pytest.raises(ConfigError, match="linear RoPE scaling factor"):
+            EngineArgs(model=model_dir, max_model_len=max_positions + 1).create_engine_config()
+
+
 @pytest.mark.parametrize(
     "edit, message",
     [
