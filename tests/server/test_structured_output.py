@@ -114,6 +114,21 @@ def test_tool_choice_required_returns_the_listed_calls_streamed_or_not():
     assert seen[-1].structured_outputs.json["maxItems"] == 1
 
 
+def test_tool_choice_required_keeps_a_call_the_response_cannot_carry_as_text():
+    """A lone surrogate (the JSON escape \\ud800, which the grammar allows in a string) cannot be written in a
+    UTF-8 response: the reply stays the text as written (ASCII), not a server error."""
+    text = '[{"name": "get_weather", "parameters": {"city": "\\ud800"}}]'
+    ctx, _ = _context([_tokens(text)], parser=None)
+    body = {"messages": USER, "tools": [WEATHER], "tool_choice": "required"}
+    response = _post(ctx, body)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"] == {"role": "assistant", "content": text}
+    streamed = _post(ctx, {**body, "stream": True})
+    assert streamed.status_code == 200 and '"error"' not in streamed.text, streamed.text
+    messages, finish = _stream_messages(streamed)
+    assert messages[0] == {"content": text, "tool_calls": []} and finish == {0: "stop"}
+
+
 def test_a_named_tool_choice_streams_its_arguments():
     arguments = '{"zone": "Europe/Zürich"}'
     ctx, _ = _context([_tokens(arguments)], parser=None)

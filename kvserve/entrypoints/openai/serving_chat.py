@@ -44,6 +44,7 @@ from kvserve.entrypoints.openai.tool_parsers import (
     parse_tool_calls,
     tool_call_id,
     tool_call_stream,
+    tool_function,
 )
 from kvserve.protocol.chat_messages import strict_json
 from kvserve.protocol.outputs import RequestOutput
@@ -253,7 +254,8 @@ def forced_tool_schema(req: ChatCompletionRequest, choice: str | dict[str, Any])
 
 def required_tool_calls(text: str) -> list[dict[str, Any]] | None:
     """The calls of a tool_choice "required" output (a JSON list of {"name", "parameters"}) as OpenAI
-    `function` objects; None when the text is not such a list (cut short by max_tokens)."""
+    `function` objects; None when the text is not such a list (cut short by max_tokens) or a call is one the
+    response cannot carry (`tool_function`: a lone surrogate from a ``\\ud800`` escape)."""
     try:
         calls = strict_json(text)
     except ValueError:
@@ -262,7 +264,13 @@ def required_tool_calls(text: str) -> list[dict[str, Any]] | None:
             isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("parameters"), dict)
             for c in calls):
         return None
-    return [{"name": c["name"], "arguments": json.dumps(c["parameters"], ensure_ascii=False)} for c in calls]
+    functions: list[dict[str, Any]] = []
+    for call in calls:
+        function = tool_function(call["name"], call["parameters"])
+        if function is None:
+            return None
+        functions.append(function)
+    return functions
 
 
 def message_dict(message: ChatMessage) -> dict[str, Any]:

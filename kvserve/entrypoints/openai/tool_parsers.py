@@ -65,7 +65,7 @@ def tool_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
-def _function(name: str, arguments: dict[str, Any] | str) -> dict[str, str] | None:
+def tool_function(name: str, arguments: dict[str, Any] | str) -> dict[str, str] | None:
     """The OpenAI `function` object of a call, its arguments as a JSON string (a string given is kept as
     written), or None when the response could not carry it: an integer too long for Python to write
     (`sys.set_int_max_str_digits`), or a lone surrogate (a JSON ``\\ud800`` escape reads as one) that no UTF-8
@@ -104,7 +104,7 @@ def _tool_call(body: str, allow_type: bool = False) -> dict[str, Any] | None:
             return None
     elif not isinstance(arguments, dict):
         return None
-    return _function(call["name"], arguments)
+    return tool_function(call["name"], arguments)
 
 
 def _is_json(value: Any) -> bool:
@@ -143,7 +143,7 @@ def _pythonic_calls(section: str) -> list[dict[str, Any]] | None:
                 arguments[keyword.arg] = ast.literal_eval(keyword.value)
             except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
                 return None
-        function = _function(call.func.id, arguments) if _is_json(arguments) else None
+        function = tool_function(call.func.id, arguments) if _is_json(arguments) else None
         if function is None:
             return None
         functions.append(function)
@@ -277,8 +277,8 @@ class _LeadingCallStream(ToolCallStream):
     def __init__(self) -> None:
         super().__init__()
         # "opening": a call may open here (the reply's start, after a tag or a separator); "call": within one
-        # (the buffer starts with it); "after": just after a call (a separator or closing tag may follow);
-        # "text": content
+        # (its text is `_section` and then the buffer); "after": just after a call (a separator or a closing
+        # tag may follow); "text": content
         self._state: Literal["opening", "call", "after", "text"] = "opening"
         self._lead: list[str] = []  # the tag or separator and whitespace before a call: content unless one follows
         self._after_separator = False  # in "opening": the lead ends with a separator, dropped before a tag or the end
@@ -297,7 +297,7 @@ class _LeadingCallStream(ToolCallStream):
         while undecided. It must be False only where `_read` would find no call."""
 
     def _reset_head(self) -> None:
-        """Called as each call opens."""
+        """Called as each call opens: a subclass resets what its `_head_step` keeps."""
 
     @abstractmethod
     def _read(self, section: str) -> list[dict[str, Any]] | None: ...
