@@ -30,6 +30,19 @@ _DTYPE_ALIASES = {
 }
 
 
+# --kv-cache-dtype (vLLM's values) -> the torch dtype name of the KV cache; "auto" keeps the model's dtype. "fp8"
+# is vLLM's name for fp8_e4m3 (torch.float8_e4m3fn).
+KV_CACHE_DTYPES: dict[str, str | None] = {
+    "auto": None,
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+}
+# Triton converts to and from fp8 e4m3 (its fp8e4nv) only from compute capability 8.9 (Ada, Hopper) on; e5m2 is
+# held to the same line, so one rule decides where an fp8 cache runs on a GPU.
+FP8_KV_CACHE_MIN_CAPABILITY = (8, 9)
+
+
 # vLLM's names: "safetensors" and "gguf" load as "auto" does, once the model is checked to be of that kind.
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
@@ -93,8 +106,13 @@ class CacheConfig:
     # --kv-cache-memory (vLLM's --kv-cache-memory-bytes) given: on a GPU the KV cache is this size (per GPU)
     # instead of the --gpu-memory-utilization budget. None: the budget sizes it.
     gpu_kv_cache_memory_bytes: int | None = None
+    # --kv-cache-dtype, one of KV_CACHE_DTYPES: "auto" (the model's dtype) or an fp8 format. K and V are stored
+    # as x / scale with a per-layer scale of 1.0 (vLLM's default where the checkpoint has none).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_blocks < 0:
@@ -105,6 +123,12 @@ class CacheConfig:
             raise ConfigError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
+    """The torch dtype name the KV cache is allocated in: the model's dtype for "auto", else the fp8 format's."""
+    name = KV_CACHE_DTYPES[kv_cache_dtype]
+    return model_dtype if name is None else name
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -295,6 +319,7 @@ class EngineArgs:
     cuda_graph_sizes: list[int] | None = None  # None: DEFAULT_CUDA_GRAPH_SIZES up to max_num_seqs
     async_scheduling: bool | None = None  # None: on for GPUs, off on CPU (where nothing overlaps)
     cascade_attn: bool = True  # measured on the H200: docs/perf_notes.md, entry 12
+    kv_cache_dtype: str = "auto"  # vLLM's --kv-cache-dtype: auto, fp8 (= fp8_e4m3), fp8_e4m3, fp8_e5m2
     extra: dict[str, Any] = field(default_factory=dict)
 
     def create_engine_config(self) -> EngineConfig:
@@ -322,6 +347,7 @@ class EngineArgs:
         device = self.device or _default_device()
         _check_device(device)
         dtype = _resolve_dtype(self.dtype, device, arch.config_dtype)
+        kv_cache_dtype = _check_kv_cache_dtype(self.kv_cache_dtype, device)
 
         model_limit = arch.max_positions
         if self.max_model_len is None:
@@ -375,6 +401,7 @@ class EngineArgs:
             gpu_kv_cache_memory_bytes=requested_kv_bytes if device != "cpu" else None,
             gpu_memory_utilization=self.gpu_memory_utilization,
             enable_prefix_caching=self.enable_prefix_caching,
+            kv_cache_dtype=kv_cache_dtype,
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
@@ -497,6 +524,27 @@ def _check_device(device: str) -> None:
         if not torch.cuda.is_available():
             raise ConfigError(f"device {device!r} asked for, but this machine has no usable CUDA GPU "
                               "(or torch was built without CUDA); pass --device cpu")
+
+
+def _check_kv_cache_dtype(kv_cache_dtype: str, device: str) -> str:
+    """--kv-cache-dtype's value, lower-cased, if this device can hold the cache in it; ConfigError otherwise.
+    fp8 needs a GPU of compute capability 8.9 or later (the Triton kernels' fp8 conversions); on CPU torch's
+    casts store it and the reference attention reads it back in float32."""
+    value = str(kv_cache_dtype).lower()
+    if value not in KV_CACHE_DTYPES:
+        raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype!r} is not supported; choose {', '.join(KV_CACHE_DTYPES)} "
+                          "(fp8 is fp8_e4m3)")
+    if KV_CACHE_DTYPES[value] is None or device == "cpu":
+        return value
+    import torch
+
+    capability = tuple(torch.cuda.get_device_capability(torch.device(device)))
+    if capability < FP8_KV_CACHE_MIN_CAPABILITY:
+        major, minor = FP8_KV_CACHE_MIN_CAPABILITY
+        raise ConfigError(
+            f"--kv-cache-dtype {value} needs a GPU of compute capability {major}.{minor} or later (fp8 conversions in "
+            f"the Triton kernels); this GPU is {capability[0]}.{capability[1]}: pass --kv-cache-dtype auto")
+    return value
 
 
 def _check_quantization(asked: str | None, model_path: str, arch: Any) -> None:

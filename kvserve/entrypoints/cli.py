@@ -60,6 +60,10 @@ def add_engine_args(parser: argparse.ArgumentParser, data_parallel: bool = False
     g.add_argument("--max-num-batched-tokens", type=_token_count, default=None,
                    help="token budget of one step, e.g. 8192 or 16k (default 8192)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   help="KV cache storage (vLLM's values): auto, the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2, one "
+                   "byte per value, twice the tokens in the same memory (scales 1.0; GPUs of compute capability 8.9 "
+                   "or later, or CPU)")
     g.add_argument("--kv-cache-memory", default=None,
                    help="KV cache size (per GPU), e.g. 2GiB, 512MiB or a number of bytes (k, m, g, KiB, MiB, GiB: "
                         "x1024; KB, MB, GB: x1000; any case); on a GPU it replaces the --gpu-memory-utilization "
@@ -132,6 +136,7 @@ def engine_args_from(ns: argparse.Namespace) -> dict[str, object]:
         "scheduling_policy": ns.scheduling_policy,
         "max_num_batched_tokens": ns.max_num_batched_tokens,
         "block_size": ns.block_size,
+        "kv_cache_dtype": ns.kv_cache_dtype,
         "kv_cache_memory": ns.kv_cache_memory,
         "kv_cache_memory_bytes": ns.kv_cache_memory_bytes,
         "gpu_memory_utilization": ns.gpu_memory_utilization,

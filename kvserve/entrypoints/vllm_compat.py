@@ -30,6 +30,8 @@ UNSUPPORTED_VLLM_FLAGS: dict[str, str] = {
     "--hf-overrides": "edit a copy of the model's config.json",
     "--rope-scaling": "set rope_scaling in a copy of the model's config.json",
     "--config": "pass the flags on the command line",
+    "--calculate-kv-scales": "with --kv-cache-dtype fp8 kvserve stores K and V with scales of 1.0, vLLM's default "
+                             "when the checkpoint has none",
 }
 
 
@@ -70,13 +72,6 @@ def parse_args_or_refuse(parser: argparse.ArgumentParser, argv: Sequence[str] | 
 # ----------------------------------------------------------------------------- flags accepted and ignored
 
 
-def _kv_cache_dtype(text: str) -> str:
-    if text != "auto":
-        raise argparse.ArgumentTypeError(
-            f"only 'auto' is accepted, got {text!r}: kvserve keeps the KV cache in the model's dtype (--dtype)")
-    return text
-
-
 def _just_one(alternative: str) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
@@ -106,7 +101,6 @@ def add_ignored_engine_args(parser: argparse.ArgumentParser, data_parallel: bool
     server) --data-parallel-size is a real flag instead: that many replicas behind one port."""
     p, hide = parser, argparse.SUPPRESS
     p.add_argument("--swap-space", type=float, default=None, help=hide)
-    p.add_argument("--kv-cache-dtype", type=_kv_cache_dtype, default=None, help=hide)
     p.add_argument("--pipeline-parallel-size", "-pp", type=_just_one(
         "kvserve has no pipeline parallelism; split a model over GPUs with --tensor-parallel-size, or run "
         "several servers behind `kvserve route`"), default=None, help=hide)
@@ -138,7 +132,6 @@ def add_ignored_server_args(parser: argparse.ArgumentParser) -> None:
 # dest -> why it changes nothing here
 _IGNORED_WHY: dict[str, tuple[str, str]] = {
     "swap_space": ("--swap-space", "kvserve preempts requests by recomputing them, so it swaps nothing to the CPU"),
-    "kv_cache_dtype": ("--kv-cache-dtype auto", "the KV cache is kept in the model's dtype, which is auto"),
     "pipeline_parallel_size": ("--pipeline-parallel-size 1", "1 is the only size"),
     "data_parallel_size": ("--data-parallel-size 1", "one replica is the default"),
     "distributed_executor_backend": ("--distributed-executor-backend",

@@ -79,7 +79,12 @@ def _elementwise_impl(name: str, x: torch.Tensor) -> Callable[..., Any]:
 
 
 def reshape_and_cache(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     if key.is_cuda:
         module = _triton_module("triton_cache")
@@ -93,9 +98,9 @@ def reshape_and_cache(
             and value.stride(1) == head_dim
             and kv_cache.is_contiguous()
         ):
-            module.reshape_and_cache(key, value, kv_cache, slot_mapping)
+            module.reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale)
             return
-    reference.reshape_and_cache(key, value, kv_cache, slot_mapping)
+    reference.reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale)
 
 
 # Decode split-K: once there are at least as many (request, KV head) programs as SMs, do not split; below
@@ -250,8 +255,11 @@ def linear_rope_cache(
     """A fused q/k/v projection whose epilogue applies the rotary embedding and writes k / v into the cache:
     [num_tokens, (num_heads + 2 num_kv_heads) head_dim], q and k rotated, as `linear`, `rotary_embedding`
     and `reshape_and_cache` give (the `rotary_embedding_and_cache` contract). Small-row CUDA batches only
-    (the skinny matmul, one launch instead of two); None elsewhere, and the caller runs the separate ops."""
+    (the skinny matmul, one launch instead of two); None elsewhere, and the caller runs the separate ops. An fp8
+    cache is written by the separate ops (the epilogue stores the model's dtype)."""
     if not (_rotary_cache_fusion and _qkv_rope_fusion and _elementwise_backend == "triton"):
+        return None
+    if reference.is_fp8(kv_cache.dtype):
         return None
     return _skinny(x, weight, bias, silu_mul=False, rope=(positions, cos_sin_cache, kv_cache, slot_mapping,
                                                           num_heads, num_kv_heads, head_dim))
@@ -414,6 +422,8 @@ def paged_attention(
     metadata: AttentionMetadata,
     scale: float,
     out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     if query.is_cuda:
         module = _triton_module("triton_attention")
@@ -424,8 +434,8 @@ def paged_attention(
                 num_splits = decode_num_splits(
                     metadata.num_reqs, kv_cache.shape[3], metadata.max_seq_len, _num_sms(query.device)
                 )
-            return module.launch_paged_attention(query, kv_cache, metadata, scale, out, num_splits)
-    return reference.paged_attention(query, kv_cache, metadata, scale, out)
+            return module.launch_paged_attention(query, kv_cache, metadata, scale, out, num_splits, k_scale, v_scale)
+    return reference.paged_attention(query, kv_cache, metadata, scale, out, k_scale, v_scale)
 
 
 # Pure-prefill batches (no request has cached context) at least this long go to flash attention inside
@@ -734,8 +744,10 @@ def _fused_rotary_module(query: torch.Tensor, value: torch.Tensor, kv_cache: tor
     """triton_elementwise where its rotary launch also writes the cache for these tensors, else None."""
     module = _triton_module("triton_elementwise")
     head_dim = query.shape[2]
+    # An fp8 cache is written by `reshape_and_cache` (the fused launch stores the model's dtype).
     if (
         _rotary_cache_fusion
+        and not reference.is_fp8(kv_cache.dtype)
         and module is not None
         and _elementwise_impl("rotary_embedding", query) is module.rotary_embedding
         and _is_pow2(head_dim // 2)
@@ -755,14 +767,17 @@ def rotary_embedding_and_cache(
     cos_sin_cache: torch.Tensor,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`rotary_embedding`, then `reshape_and_cache` of the rotated key and the value: one Triton launch on
-    CUDA where both kernels would be Triton (one graph node per layer fewer at decode), else the two ops."""
+    """`rotary_embedding`, then `reshape_and_cache` of the rotated key and the value (k_scale / v_scale: an
+    fp8 cache's, see `reference.reshape_and_cache`): one Triton launch on CUDA where both kernels would be
+    Triton (one graph node per layer fewer at decode; not for an fp8 cache), else the two ops."""
     module = _fused_rotary_module(query, value, kv_cache)
     if module is not None:
         return module.rotary_embedding(positions, query, key, cos_sin_cache, value, kv_cache, slot_mapping)
     query, key = rotary_embedding(positions, query, key, cos_sin_cache)
-    reshape_and_cache(key, value, kv_cache, slot_mapping)
+    reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale)
     return query, key
 
 
@@ -775,6 +790,8 @@ def rotary_embedding_and_cache_padded(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     pad_to: int,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`rotary_embedding_and_cache`, returning (query, key, value) contiguous and padded with zero rows to
     pad_to (>= num_tokens) rows: the rotated query and key and value itself, in the layout
@@ -785,7 +802,8 @@ def rotary_embedding_and_cache_padded(
         return module.rotary_embedding_padded(
             positions, query, key, cos_sin_cache, value, kv_cache, slot_mapping, pad_to
         )
-    query, key = rotary_embedding_and_cache(positions, query, key, value, cos_sin_cache, kv_cache, slot_mapping)
+    query, key = rotary_embedding_and_cache(positions, query, key, value, cos_sin_cache, kv_cache, slot_mapping,
+                                            k_scale, v_scale)
     return _pad_tokens(query, pad_to), _pad_tokens(key, pad_to), _pad_tokens(value, pad_to)
 
 

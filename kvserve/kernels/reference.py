@@ -14,18 +14,45 @@ import torch.nn.functional as F
 from kvserve.layers.attention_metadata import AttentionMetadata
 from kvserve.layers.quantization import PackedWeight
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    """Whether a KV cache of this dtype holds fp8 values that kernels scale on write and read."""
+    return dtype in FP8_DTYPES
+
+
+def quantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """x / scale in float32, saturated to the fp8 format's finite range, then rounded (to nearest, ties to
+    even) to `dtype`: what a cache write stores. Saturating first matters: torch casts values past the range
+    to NaN (e4m3fn has no infinity) or infinity (e5m2)."""
+    limit = torch.finfo(dtype).max
+    return (x.float() / scale).clamp_(-limit, limit).to(dtype)
+
 
 def reshape_and_cache(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write new K/V into the paged cache.
 
     key, value: [num_tokens, num_kv_heads, head_dim]; kv_cache: [2, num_blocks, block_size, num_kv_heads,
-    head_dim] (same dtype); slot_mapping: int64 [num_tokens], slot = block_id * block_size + offset.
-    Slots < 0 are skipped (padding tokens).
+    head_dim], key's dtype, or fp8 (float8_e4m3fn / float8_e5m2): then the cache stores
+    `quantize_kv(key, k_scale)` and `quantize_kv(value, v_scale)` (the scales are ignored otherwise).
+    slot_mapping: int64 [num_tokens], slot = block_id * block_size + offset. Slots < 0 are skipped (padding
+    tokens).
     """
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
     flat = kv_cache.view(2, num_blocks * block_size, kv_cache.shape[3], kv_cache.shape[4])
+    if is_fp8(kv_cache.dtype):
+        # NOTE: torch's CPU index_copy_ has no fp8 kernel: the bytes are copied through a uint8 view.
+        key = quantize_kv(key, k_scale, kv_cache.dtype).view(torch.uint8)
+        value = quantize_kv(value, v_scale, kv_cache.dtype).view(torch.uint8)
+        flat = flat.view(torch.uint8)
     valid = slot_mapping >= 0
     if bool(valid.all()):
         flat[0].index_copy_(0, slot_mapping, key)
@@ -83,11 +110,13 @@ def paged_attention(
     metadata: AttentionMetadata,
     scale: float,
     out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its cached context.
 
     query: [num_tokens, num_heads, head_dim]; kv_cache as in `reshape_and_cache` (already holding this
-    step's K/V); num_heads must be a multiple of num_kv_heads (GQA: query head h reads KV head
+    step's K/V; an fp8 cache is read back as its values times k_scale / v_scale, in float32); num_heads must be a multiple of num_kv_heads (GQA: query head h reads KV head
     h // (num_heads // num_kv_heads)). Returns [num_tokens, num_heads, head_dim] in query's dtype, written
     into `out` when given.
 
@@ -107,6 +136,9 @@ def paged_attention(
     kv = kv_cache[:, tables].reshape(2, num_reqs, span, num_kv_heads, head_dim)[:, :, :max_s]
     keys = kv[0].float().transpose(1, 2)  # [R, Hkv, S, D]
     values = kv[1].float().transpose(1, 2)
+    if is_fp8(kv_cache.dtype):
+        keys = keys * k_scale
+        values = values * v_scale
 
     if max_q == 1:
         padded_q = query.view(num_reqs, 1, num_heads, head_dim)

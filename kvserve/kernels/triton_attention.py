@@ -21,7 +21,10 @@ from host ints only (never a device read):
 Keys are read `TILE_N` at a time whatever the cache block size: key j of request r lives at block
 `block_tables[r, j // block_size]`, offset `j % block_size`, so one tile may span several (non-contiguous)
 cache blocks. Softmax is online in fp32 with exp2 (log2(e) folded into the scale); P is cast to the cache
-dtype for the second dot (as FlashAttention does). Query i of a request with context length S and Q new
+dtype for the second dot (as FlashAttention does). An fp8 cache (`--kv-cache-dtype fp8`) is widened to the
+query's dtype after each load (exact), its key scale folded into the score scale and its value scale applied
+to each tile's fp32 P @ V, so every launch below (mixed, decode split or not, the cascade's prefix part)
+reads it; the tiles in shared memory stay one byte per value. Query i of a request with context length S and Q new
 tokens sits at position S - Q + i and sees keys 0..S - Q + i.
 
 CUDA graphs (decode): a launch reads only device tensors plus host ints, never syncs, and allocates only
@@ -52,6 +55,7 @@ from kvserve.kernels.triton_pdl import pdl_wait_then_release
 from kvserve.layers.attention_metadata import AttentionMetadata
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _LOG2E = 1.4426950408889634
 
 _DECODE_TILE_N = 64
@@ -94,10 +98,15 @@ _INTERPRETER_NUM_SMS = 4
 
 @triton.jit
 def _attend_tile(q, k_cache_ptr, v_cache_ptr, kv_offset, dims, k_valid, allowed, m_i, l_i, acc, scale_log2,
-                 DOT_PRECISION: tl.constexpr):
+                 v_scale, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
     """One K/V tile of online softmax: keys at `kv_offset` (masked by k_valid), scores kept where `allowed`
-    ([rows, keys]); returns the updated running max, sum and unnormalised output (log2 domain)."""
+    ([rows, keys]); returns the updated running max, sum and unnormalised output (log2 domain).
+
+    KV_FP8: the cache holds fp8; K and V are widened exactly to q's dtype for the dots, k_scale is part of
+    scale_log2 (the launcher folds it in) and each tile's P @ V is multiplied by v_scale in fp32."""
     k = tl.load(k_cache_ptr + kv_offset[None, :] + dims[:, None], mask=k_valid[None, :], other=0.0)
+    if KV_FP8:  # through fp32: exact, and the CPU interpreter's direct e5m2 -> fp16 rounds subnormals
+        k = k.to(tl.float32).to(q.dtype)
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N], log2 domain
     s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -107,7 +116,12 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, kv_offset, dims, k_valid, allowed,
     alpha = tl.math.exp2(m_i - m_shift)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = tl.load(v_cache_ptr + kv_offset[:, None] + dims[None, :], mask=k_valid[:, None], other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    if KV_FP8:
+        v = v.to(tl.float32).to(q.dtype)
+        pv = tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION) * v_scale
+    else:
+        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + pv
     return m_new, l_i, acc
 
 
@@ -128,6 +142,7 @@ def _paged_attention_kernel(
     kv_start_ptr,
     merge_count_ptr,
     scale_log2,
+    v_scale,
     num_reqs,
     num_splits,
     split_offset,
@@ -154,6 +169,7 @@ def _paged_attention_kernel(
     PDL: tl.constexpr = False,
     FUSED_MERGE: tl.constexpr = False,
     PREFETCH_IDS: tl.constexpr = True,
+    KV_FP8: tl.constexpr = False,
 ):
     pdl_wait_then_release(PDL)
     tile = tl.program_id(0)
@@ -242,7 +258,8 @@ def _paged_attention_kernel(
         kv_offset = block_id * stride_cache_block + (k_pos % BLOCK_SIZE) * stride_cache_offset + head_offset
         allowed = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
         m_i, l_i, acc = _attend_tile(
-            q, k_cache_ptr, v_cache_ptr, kv_offset, dims, k_valid, allowed, m_i, l_i, acc, scale_log2, DOT_PRECISION
+            q, k_cache_ptr, v_cache_ptr, kv_offset, dims, k_valid, allowed, m_i, l_i, acc, scale_log2, v_scale,
+            DOT_PRECISION, KV_FP8,
         )
 
     out_ptrs = out_ptr + token[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :]
@@ -325,6 +342,7 @@ def _shared_prefix_kernel(
     block_tables_ptr,
     prefix_len_ptr,
     scale_log2,
+    v_scale,
     num_reqs,
     num_prefix_splits,
     total_splits,
@@ -341,6 +359,7 @@ def _shared_prefix_kernel(
     TILE_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False,
 ):
     """Cascade, first part: every decode query of the batch against the keys 0..prefix_len - 1 that all
     requests share (the same cache blocks; read through block-table row 0). One program per (tile of
@@ -381,7 +400,7 @@ def _shared_prefix_kernel(
         kv_offset = block_id * stride_cache_block + (k_pos % BLOCK_SIZE) * stride_cache_offset + head_offset
         m_i, l_i, acc = _attend_tile(
             q, k_cache_ptr, v_cache_ptr, kv_offset, dims, k_valid, k_valid[None, :], m_i, l_i, acc, scale_log2,
-            DOT_PRECISION,
+            v_scale, DOT_PRECISION, KV_FP8,
         )
 
     part = (token * NUM_HEADS + head) * total_splits + split
@@ -485,8 +504,9 @@ def _check_contract(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
     assert triton.next_power_of_2(block_size) == block_size, (
         f"block_size must be a power of two, got {block_size}"
     )
-    assert query.dtype == kv_cache.dtype and query.dtype in _FLOAT_DTYPES, (
-        f"query and kv_cache must share a float dtype, got {query.dtype} and {kv_cache.dtype}"
+    assert query.dtype in _FLOAT_DTYPES and kv_cache.dtype in (query.dtype, *_FP8_DTYPES), (
+        f"query must be float16/bfloat16/float32 and kv_cache its dtype or fp8, got {query.dtype} and "
+        f"{kv_cache.dtype}"
     )
     assert query.stride(2) == 1, f"query's head_dim must be contiguous, got strides {query.stride()}"
     assert kv_cache.stride(4) == 1, f"kv_cache's head_dim must be contiguous, got strides {kv_cache.stride()}"
@@ -519,6 +539,8 @@ def launch_paged_attention(
     scale: float,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """`paged_attention` with the decode split count exposed (None: `choose_num_splits`).
 
@@ -542,6 +564,9 @@ def launch_paged_attention(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     is_decode = metadata.max_query_len == 1
     dot_precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    kv_fp8 = kv_cache.dtype in _FP8_DTYPES
+    if not kv_fp8:  # the scales are an fp8 cache's
+        k_scale = v_scale = 1.0
     pdl = triton_pdl.enabled(query.device)
     common = dict(
         PDL=pdl,
@@ -551,6 +576,7 @@ def launch_paged_attention(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         DOT_PRECISION=dot_precision,
+        KV_FP8=kv_fp8,
     )
     strides = (
         query.stride(0),
@@ -562,7 +588,9 @@ def launch_paged_attention(
         k_cache.stride(2),
         metadata.block_tables.stride(0),
     )
-    log2_scale = scale * _LOG2E
+    # q . (k8 * k_scale) == (q . k8) * k_scale: the key scale joins the score scale (1.0 unless fp8).
+    log2_scale = scale * _LOG2E * float(k_scale)
+    v_scale = float(v_scale)
 
     if not is_decode:
         # Rows per tile: enough for the longest query (times the group), at most 128 (register budget).
@@ -573,7 +601,7 @@ def launch_paged_attention(
         _paged_attention_kernel[grid](
             query, k_cache, v_cache, out, out, out, out,
             metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, metadata.seq_lens, metadata.seq_lens,
-            log2_scale, num_reqs, 1, 0, 1, *strides,
+            log2_scale, v_scale, num_reqs, 1, 0, 1, *strides,
             BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=64,
             IS_DECODE=False, USE_SPLITS=False, CASCADE=False, PREFETCH_IDS=DECODE_PREFETCH_IDS,
             num_warps=8 if block_m >= 128 else 4, num_stages=2,
@@ -598,7 +626,7 @@ def launch_paged_attention(
         _paged_attention_kernel[(num_reqs, num_kv_heads, 1)](
             query, k_cache, v_cache, out, out, out, out,
             metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, metadata.seq_lens, metadata.seq_lens,
-            log2_scale, num_reqs, 1, 0, 1, *strides,
+            log2_scale, v_scale, num_reqs, 1, 0, 1, *strides,
             USE_SPLITS=False, CASCADE=False, **decode_kwargs,
         )  # fmt: skip
         return out
@@ -629,7 +657,7 @@ def launch_paged_attention(
         _shared_prefix_kernel[(triton.cdiv(num_reqs * group, prefix_block_m), num_kv_heads, prefix_splits)](
             query, k_cache, v_cache, partial_acc, partial_max, partial_sum,
             metadata.query_start_loc, metadata.block_tables, prefix_len,
-            log2_scale, num_reqs, prefix_splits, total_splits,
+            log2_scale, v_scale, num_reqs, prefix_splits, total_splits,
             query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             BLOCK_M=prefix_block_m, TILE_N=CASCADE_PREFIX_TILE_N,
             num_warps=8 if prefix_block_m >= 128 else 4, num_stages=2,
@@ -639,7 +667,7 @@ def launch_paged_attention(
         query, k_cache, v_cache, out, partial_acc, partial_max, partial_sum,
         metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
         prefix_len if cascade else metadata.seq_lens, counters,
-        log2_scale, num_reqs, num_splits, prefix_splits, total_splits, *strides,
+        log2_scale, v_scale, num_reqs, num_splits, prefix_splits, total_splits, *strides,
         USE_SPLITS=not merge_in_own, CASCADE=cascade, FUSED_MERGE=fused_merge, **decode_kwargs,
     )  # fmt: skip
     if merge_in_own or fused_merge:
@@ -686,14 +714,16 @@ def paged_attention(
     metadata: AttentionMetadata,
     scale: float,
     out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its cached context (contract of the reference).
 
     query: [num_tokens, num_heads, head_dim], float16/bfloat16/float32, stride(2) == 1; kv_cache:
-    [2, num_blocks, block_size, num_kv_heads, head_dim], same dtype, stride(4) == 1, already holding this
-    step's K/V; head_dim and block_size powers of two (head_dim >= 16); num_heads a multiple of
+    [2, num_blocks, block_size, num_kv_heads, head_dim], same dtype or fp8 (read as values * k_scale /
+    v_scale; the scales are ignored otherwise), stride(4) == 1, already holding this step's K/V; head_dim and block_size powers of two (head_dim >= 16); num_heads a multiple of
     num_kv_heads. metadata: query_start_loc / seq_lens / block_tables int32 on query's device (see
     AttentionMetadata); only its host ints size the launch. Returns [num_tokens, num_heads, head_dim] in
     query's dtype, written into `out` (same shape/dtype, stride(2) == 1) when given.
     """
-    return launch_paged_attention(query, kv_cache, metadata, scale, out)
+    return launch_paged_attention(query, kv_cache, metadata, scale, out, None, k_scale, v_scale)

@@ -4,6 +4,9 @@ Grid: one program per new token; it copies all `num_kv_heads * head_dim` K and V
 (two contiguous rows of 2 x 512 bf16 for Qwen2.5-7B) to the token's slot, or does nothing when the slot is
 negative (padding tokens, e.g. CUDA-graph batch padding). The copy is memory-bound and each row is
 contiguous on both sides, so one program per token keeps every access coalesced with no reuse to exploit.
+
+An fp8 cache (float8_e4m3fn / float8_e5m2) stores x / k_scale (v_scale for values), computed in fp32,
+saturated to the format's finite range and rounded to nearest even: `reference.quantize_kv`, bit for bit.
 """
 
 # Kernel parameters stay unannotated: @triton.jit reads annotations as type/constexpr specialisations.
@@ -19,6 +22,7 @@ from kvserve.kernels import triton_pdl
 from kvserve.kernels.triton_pdl import pdl_wait_then_release
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @triton.jit
@@ -31,8 +35,11 @@ def _reshape_and_cache_kernel(
     stride_key_token,
     stride_value_token,
     stride_cache_slot,
+    k_scale,
+    v_scale,
     ROW_SIZE: tl.constexpr,
     BLOCK: tl.constexpr,
+    FP8_MAX: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     pdl_wait_then_release(PDL)
@@ -44,19 +51,30 @@ def _reshape_and_cache_kernel(
     mask = cols < ROW_SIZE
     k = tl.load(key_ptr + token * stride_key_token + cols, mask=mask)
     v = tl.load(value_ptr + token * stride_value_token + cols, mask=mask)
+    if FP8_MAX > 0:  # an fp8 cache: scale, saturate, round to nearest even
+        k = tl.clamp(k.to(tl.float32) / k_scale, -FP8_MAX, FP8_MAX)
+        v = tl.clamp(v.to(tl.float32) / v_scale, -FP8_MAX, FP8_MAX)
+        k = k.to(key_cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        v = v.to(value_cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
     # NOTE: slot * stride can exceed 2**31 for caches of tens of GB; both are int64 here.
     tl.store(key_cache_ptr + slot * stride_cache_slot + cols, k, mask=mask)
     tl.store(value_cache_ptr + slot * stride_cache_slot + cols, v, mask=mask)
 
 
 def reshape_and_cache(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write new K/V into the paged cache (same contract as `reference.reshape_and_cache`).
 
     key, value: [num_tokens, num_kv_heads, head_dim], each token's heads contiguous (stride(2) == 1,
     stride(1) == head_dim; the token stride is free, so views into a fused QKV output work).
-    kv_cache: contiguous [2, num_blocks, block_size, num_kv_heads, head_dim], same dtype as key/value.
+    kv_cache: contiguous [2, num_blocks, block_size, num_kv_heads, head_dim], same dtype as key/value, or fp8
+    (then K / k_scale and V / v_scale are stored, saturated; compute capability 8.9+ on a GPU).
     slot_mapping: int64 (or int32) [num_tokens], contiguous; slot = block_id * block_size + offset; slots
     < 0 are skipped. Launch-only (no host sync), so it is CUDA-graph capturable for a fixed num_tokens.
     """
@@ -71,8 +89,10 @@ def reshape_and_cache(
     assert tuple(kv_cache.shape[3:]) == (num_kv_heads, head_dim), (
         f"kv_cache heads/head_dim {tuple(kv_cache.shape[3:])} do not match key {(num_kv_heads, head_dim)}"
     )
-    assert key.dtype == value.dtype == kv_cache.dtype and key.dtype in _FLOAT_DTYPES, (
-        f"key, value and kv_cache must share one float dtype, got {key.dtype}, {value.dtype}, {kv_cache.dtype}"
+    fp8 = kv_cache.dtype in _FP8_DTYPES
+    assert key.dtype == value.dtype and key.dtype in _FLOAT_DTYPES and (fp8 or kv_cache.dtype == key.dtype), (
+        f"key and value must share one float dtype, kv_cache theirs or fp8, got {key.dtype}, {value.dtype}, "
+        f"{kv_cache.dtype}"
     )
     assert kv_cache.is_contiguous(), "kv_cache must be contiguous"
     for name, t in (("key", key), ("value", value)):
@@ -100,8 +120,11 @@ def reshape_and_cache(
         key.stride(0),
         value.stride(0),
         row_size,
+        float(k_scale),
+        float(v_scale),
         ROW_SIZE=row_size,
         BLOCK=block,
+        FP8_MAX=torch.finfo(kv_cache.dtype).max if fp8 else 0.0,
         PDL=pdl,
         num_warps=4 if block <= 1024 else 8,
         **triton_pdl.launch_options(pdl),

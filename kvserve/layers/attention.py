@@ -14,6 +14,10 @@ class Attention(nn.Module):
 
     Query head h reads KV head h // (num_heads // num_kv_heads); scores are scaled by `scale`
     (head_dim ** -0.5 for Llama/Qwen).
+
+    k_scale / v_scale: this layer's fp8 KV cache scales (the cache stores x / scale and is read back as
+    value * scale; ignored for a cache in the model's dtype). 1.0, vLLM's default for a checkpoint without
+    scales; plain floats, so that scales read from a checkpoint can be set per layer later.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
@@ -24,6 +28,8 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(
         self,
@@ -36,18 +42,20 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """query [num_tokens, num_heads, head_dim]; key/value [num_tokens, num_kv_heads, head_dim] (or all
         three padded with zero rows as `ops.prefill_attention_padding` asks);
-        kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] in the same dtype, already holding this
-        step's key/value (the paged kernel reads every key from there; the model writes them together with
+        kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] in the same dtype or fp8, already holding
+        this step's key/value (the paged kernel reads every key from there; the model writes them together with
         the rotary embedding, `ops.rotary_embedding_and_cache`).
         Returns [num_tokens, num_heads, head_dim] in query's dtype, written into `out` (that shape, contiguous)
         when given."""
-        # Fresh prompts only (GPU): flash attention over this step's own K/V, no cache reads.
+        # Fresh prompts only (GPU): flash attention over this step's own K/V, no cache reads (in the model's
+        # dtype even over an fp8 cache, as vLLM does).
         result = ops.prefill_attention(query, key, value, attn_metadata, self.scale)
         if result is not None:
             return result if out is None else out.copy_(result)
-        return ops.paged_attention(query[: attn_metadata.num_tokens], kv_cache, attn_metadata, self.scale, out)
+        return ops.paged_attention(query[: attn_metadata.num_tokens], kv_cache, attn_metadata, self.scale, out,
+                                   self.k_scale, self.v_scale)
 
     def forward_cached(self, query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
         """Attention of query [num_tokens, num_heads, head_dim] over the cache alone (every key the metadata
         names is already there): [num_tokens, num_heads, head_dim]."""
-        return ops.paged_attention(query, kv_cache, attn_metadata, self.scale)
+        return ops.paged_attention(query, kv_cache, attn_metadata, self.scale, None, self.k_scale, self.v_scale)

@@ -223,11 +223,13 @@ class RotaryEmbedding(nn.Module):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward`, and the rotated key and `value` written into `kv_cache` at `slot_mapping` (the
-        contract of `ops.reshape_and_cache`). Returns the rotated (query, key)."""
+        contract of `ops.reshape_and_cache`; the scales are an fp8 cache's). Returns the rotated (query, key)."""
         return ops.rotary_embedding_and_cache(
-            positions, query, key, value, self.cos_sin_cache, kv_cache, slot_mapping
+            positions, query, key, value, self.cos_sin_cache, kv_cache, slot_mapping, k_scale, v_scale
         )
 
     def forward_and_cache_padded(
@@ -239,9 +241,11 @@ class RotaryEmbedding(nn.Module):
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
         pad_to: int,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`forward_and_cache`, returning (query, key, value) padded with zero rows to pad_to rows, contiguous
         (`ops.rotary_embedding_and_cache_padded`)."""
         return ops.rotary_embedding_and_cache_padded(
-            positions, query, key, value, self.cos_sin_cache, kv_cache, slot_mapping, pad_to
+            positions, query, key, value, self.cos_sin_cache, kv_cache, slot_mapping, pad_to, k_scale, v_scale
         )

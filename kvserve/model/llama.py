@@ -123,10 +123,12 @@ class LlamaAttention(nn.Module):
             pad_to = ops.prefill_attention_padding(attn_metadata, q, k)
             if pad_to:
                 q, k, v = self.rotary_emb.forward_and_cache_padded(
-                    positions, q, k, v, kv_cache, attn_metadata.slot_mapping, pad_to
+                    positions, q, k, v, kv_cache, attn_metadata.slot_mapping, pad_to, self.attn.k_scale,
+                    self.attn.v_scale,
                 )
             else:
-                q, k = self.rotary_emb.forward_and_cache(positions, q, k, v, kv_cache, attn_metadata.slot_mapping)
+                q, k = self.rotary_emb.forward_and_cache(positions, q, k, v, kv_cache, attn_metadata.slot_mapping,
+                                                         self.attn.k_scale, self.attn.v_scale)
         return q, k, v
 
     def attend(

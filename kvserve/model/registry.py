@@ -27,6 +27,8 @@ class CausalLM(nn.Module, ABC):
     """
 
     arch: ArchConfig
+    # The model's dtype (activations, weights of dense layers); the KV cache may be fp8 (--kv-cache-dtype).
+    dtype: torch.dtype
     # The shapes of this rank's layers (heads, MLP width): `arch` itself without tensor parallelism.
     layer_arch: ArchConfig
 
@@ -42,8 +44,8 @@ class CausalLM(nn.Module, ABC):
         """One step over a flat batch.
 
         input_ids, positions: int64 [num_tokens]; kv_caches: one tensor per layer shaped
-        [2, num_blocks, block_size, num_kv_heads, head_dim] in the model dtype (this step's K/V are written
-        into it); returns the final hidden states [num_tokens, hidden_size] in the model dtype. With
+        [2, num_blocks, block_size, num_kv_heads, head_dim] in the model dtype or fp8 (this step's K/V are
+        written into it); returns the final hidden states [num_tokens, hidden_size] in the model dtype. With
         output_rows (int64 [n] token indices on the model's device), only those rows' states [n,
         hidden_size], in that order: the model may then skip the work no other row needs (the last layer
         past its cache write); the cache is written for every token either way.

@@ -454,7 +454,7 @@ class CUDAGraphRunner:
                 self._graphs[key] = warm_up_and_capture(forward, pool, stream)
                 return
             self._prefill_graphs[key] = warm_up_and_capture(forward, pool, stream)
-            if not key[1] and not ops.prefill_fast_path_applies(self.kv_caches[0].dtype, device):
+            if not key[1] and not ops.prefill_fast_path_applies(self.model.dtype, device):
                 # The fast path failed and turned itself off: this fresh-prompt graph attends over the
                 # cache with the padding as more tokens of the prompt (see the module docstring).
                 raise RuntimeError("the one-prompt prefill fast path turned off during the graphs' warm-up")

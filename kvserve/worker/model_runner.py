@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from kvserve import envs
-from kvserve.config import ConfigError, EngineConfig
+from kvserve.config import ConfigError, EngineConfig, kv_cache_torch_dtype
 from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from kvserve.kernels import cublaslt, ops, triton_precompile
 from kvserve.layers.attention_metadata import AttentionMetadata
@@ -264,6 +264,10 @@ class ModelRunner:
         if self.device.type == "cuda":
             self.in_use_at_start_bytes = self.read_memory_at_start()
         self.dtype: torch.dtype = getattr(torch, config.model_config.dtype)
+        # The KV cache's dtype: the model's, or fp8 (--kv-cache-dtype), which the cache-writing kernels scale
+        # into and attention scales back out of (each layer's `Attention.k_scale` / `v_scale`).
+        self.kv_cache_dtype: torch.dtype = getattr(
+            torch, kv_cache_torch_dtype(config.cache_config.kv_cache_dtype, config.model_config.dtype))
         self.block_size = config.cache_config.block_size
         self.model = load_model(config.model_config, self.device)
         # This rank's shapes (its heads and KV heads with tensor parallelism): what the caches, buffers and
@@ -304,8 +308,9 @@ class ModelRunner:
     # ------------------------------------------------------------------ KV cache
 
     def kv_cache_bytes_per_block(self) -> int:
+        """Bytes one block takes over every layer, K and V, in the cache's dtype (1 byte a value for fp8)."""
         arch = self.arch
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return 2 * arch.num_hidden_layers * self.block_size * arch.num_key_value_heads * arch.head_dim * elem
 
     def weights_bytes(self) -> int:
@@ -385,7 +390,9 @@ class ModelRunner:
         # A one-block cache that no token writes (slot -1): activations, not KV, are being measured.
         arch = self.arch
         kv_shape = (2, 1, self.block_size, arch.num_key_value_heads, arch.head_dim)
-        kv_caches = [torch.zeros(kv_shape, dtype=self.dtype, device=device) for _ in range(arch.num_hidden_layers)]
+        kv_caches = [
+            torch.zeros(kv_shape, dtype=self.kv_cache_dtype, device=device) for _ in range(arch.num_hidden_layers)
+        ]
         starts = [0]
         for n in lens:
             starts.append(starts[-1] + n)
@@ -463,7 +470,7 @@ class ModelRunner:
         # Zeroed so never-written slots hold finite values: masked attention weights are exactly 0, and
         # 0 * NaN from uninitialised memory would still poison the output.
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(arch.num_hidden_layers)
+            torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in range(arch.num_hidden_layers)
         ]
 
     @torch.inference_mode()

@@ -200,7 +200,7 @@ class PiecewiseGraphs:
         if self.attn_out is None or self.attn_out.shape[0] < self.sizes[-1] or self.attn_out.shape[1] != width:
             # Zeros: padding rows past a step's tokens are never written by attention and stay finite.
             self.attn_out = torch.zeros(
-                (self.sizes[-1], width), dtype=self.kv_caches[0].dtype, device=self.kv_caches[0].device
+                (self.sizes[-1], width), dtype=self.model.dtype, device=self.kv_caches[0].device
             )
         return self.attn_out
 

@@ -301,8 +301,8 @@ def test_vllm_constructor_arguments_and_chat_forms(tiny_model_dir) -> None:
     llm = LLM(tiny_model_dir("llama"), max_model_len=128, trust_remote_code=True, disable_log_stats=True,
               swap_space=4, revision=None, num_gpu_blocks_override=40)
     assert llm.config.cache_config.num_blocks == 40 and llm.llm_engine is llm.engine
-    with pytest.raises(TypeError, match="kvserve does not take: kv_cache_dtype='fp8'.*max_model_len"):
-        LLM(tiny_model_dir("llama"), kv_cache_dtype="fp8")
+    with pytest.raises(TypeError, match="kvserve does not take: calculate_kv_scales=True.*max_model_len"):
+        LLM(tiny_model_dir("llama"), calculate_kv_scales=True)
     params = SamplingParams(temperature=0, max_tokens=4)
     plain = llm.chat([{"role": "user", "content": "Hello\nthere"}], params, use_tqdm=False)[0]
     parts = llm.chat([{"role": "user", "content": [{"type": "text", "text": "Hello"},

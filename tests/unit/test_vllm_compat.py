@@ -49,12 +49,12 @@ def test_bad_human_readable_sizes_are_refused(text: str, message: str, capsys: p
 def test_harmless_vllm_flags_are_accepted_and_noted(command: list[str]) -> None:
     from kvserve.entrypoints.vllm_compat import ignored_flag_notes
 
-    flags = ["--swap-space", "4", "--kv-cache-dtype", "auto", "-pp", "1", "--data-parallel-size", "1",
+    flags = ["--swap-space", "4", "-pp", "1", "--data-parallel-size", "1",
              "--distributed-executor-backend", "mp", "--tokenizer-mode", "auto", "--max-seq-len-to-capture",
              "8192", "--disable-custom-all-reduce", "--task", "generate", "--guided-decoding-backend", "xgrammar"]
     ns = build_parser().parse_args([*command, *flags])
     notes = ignored_flag_notes(ns)
-    assert len(notes) == 10 and all(" ignored: " in note for note in notes), notes
+    assert len(notes) == 9 and all(" ignored: " in note for note in notes), notes
     assert notes[0].startswith("--swap-space ignored: kvserve preempts requests by recomputing")
     assert engine_args_from(ns) == engine_args_from(build_parser().parse_args(command))  # nothing changes
     assert ignored_flag_notes(build_parser().parse_args(command)) == []
@@ -76,11 +76,11 @@ def test_harmless_flags_are_not_in_help(capsys: pytest.CaptureFixture[str]) -> N
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
     out = capsys.readouterr().out
-    assert "--swap-space" not in out and "--kv-cache-dtype" not in out and "--max-model-len" in out
+    assert "--swap-space" not in out and "--max-model-len" in out
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--kv-cache-dtype", "fp8"], "kvserve keeps the KV cache in the model's dtype"),
+    (["--kv-cache-dtype", "fp4"], "invalid choice: 'fp4'"),
     (["--pipeline-parallel-size", "2"], "--tensor-parallel-size"),
     (["-pp", "2"], "--tensor-parallel-size"),
     (["-dp", "0"], "must be at least 1"),
