@@ -505,8 +505,7 @@ def _check_contract(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
         f"block_size must be a power of two, got {block_size}"
     )
     assert query.dtype in _FLOAT_DTYPES and kv_cache.dtype in (query.dtype, *_FP8_DTYPES), (
-        f"query must be float16/bfloat16/float32 and kv_cache its dtype or fp8, got {query.dtype} and "
-        f"{kv_cache.dtype}"
+        f"query and kv_cache must share a float dtype (or kv_cache be fp8), got {query.dtype} and {kv_cache.dtype}"
     )
     assert query.stride(2) == 1, f"query's head_dim must be contiguous, got strides {query.stride()}"
     assert kv_cache.stride(4) == 1, f"kv_cache's head_dim must be contiguous, got strides {kv_cache.stride()}"

@@ -164,6 +164,8 @@ _TRITON_TYPES = {
     torch.int32: "i32",
     torch.int64: "i64",
     torch.uint8: "u8",
+    torch.float8_e4m3fn: "fp8e4nv",
+    torch.float8_e5m2: "fp8e5",
 }
 
 

@@ -1,0 +1,223 @@
+"""The Triton cache write and paged attention over an fp8 KV cache (`--kv-cache-dtype fp8`) against the torch
+reference, compiled on a GPU or under Triton's interpreter on the CPU; and the fp8 launches compiled ahead of
+time for sm_89 and sm_90 (CPU runs: type errors and shared memory the interpreter lets through).
+
+The interpreter widens fp8 to fp32 exactly for every finite value, so attention runs there over random fp8
+caches. Its fp32 -> fp8 rounding is not a GPU's (it drops the carry of a round-up into the exponent: 31.6
+becomes 16 in e4m3, where torch and the GPU give 32), so under the interpreter the cache-write test feeds
+values already on the fp8 grid (times the scale), where the cast is exact, plus values past the format's
+range; on a GPU it feeds arbitrary values and compares the bytes with torch's rounding.
+
+Batches come from `test_triton_attention.make_batch`: non-contiguous shuffled blocks, block tables padded
+past each request's blocks, partial last blocks, chunks over a cached prefix, GQA groups 1, 3 and 7.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # set by conftest.py without a GPU
+from test_triton_attention import (  # noqa: E402
+    MIXED_QUERY_LENS,
+    MIXED_SEQ_LENS,
+    SHAPES,
+    TOLERANCES,
+    make_batch,
+    share_prefix,
+)
+
+from kvserve.kernels import reference, triton_attention, triton_cache  # noqa: E402
+from kvserve.kernels.triton_attention import launch_paged_attention  # noqa: E402
+from kvserve.layers.attention_metadata import AttentionMetadata  # noqa: E402
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+SCALES = {"unit": (1.0, 1.0), "scaled": (0.5, 0.25)}  # (k_scale, v_scale)
+
+
+def _fp8_cache(kv_cache: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """make_batch's random cache rounded to fp8 (values of order 1: normal numbers of both formats)."""
+    return reference.quantize_kv(kv_cache.float(), 1.0, cache_dtype)
+
+
+def _check(query: torch.Tensor, kv8: torch.Tensor, metadata: AttentionMetadata, scales: tuple[float, float],
+           num_splits: int | None = None) -> torch.Tensor:
+    """One launch into a NaN-filled output, against the reference reading the same fp8 cache."""
+    k_scale, v_scale = scales
+    scale = query.shape[-1] ** -0.5
+    out = torch.full_like(query, float("nan"))
+    launch_paged_attention(query, kv8, metadata, scale, out, num_splits, k_scale, v_scale)
+    expected = reference.paged_attention(query, kv8, metadata, scale, None, k_scale, v_scale)
+    torch.testing.assert_close(out, expected, **TOLERANCES[query.dtype])
+    return out
+
+
+# ----------------------------------------------------------------------------------------- cache write
+
+
+def _grid_values(shape: tuple[int, ...], cache_dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """float32 values that are fp8 values of `cache_dtype` (finite, random bytes)."""
+    raw = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8).view(cache_dtype).float()
+    return torch.where(raw.isfinite(), raw, torch.zeros_like(raw))
+
+
+@pytest.mark.parametrize("cache_dtype", FP8, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("scales", list(SCALES))
+def test_cache_write_stores_what_the_reference_stores(cache_dtype, dtype, scales, device, skip_bf16_on_interpreter):
+    """K/V as views into a fused QKV output, padding slots (-1) skipped, values past the format's range
+    saturated (not NaN / inf), every other slot untouched: the same bytes as `reference.reshape_and_cache`."""
+    skip_bf16_on_interpreter(dtype)
+    k_scale, v_scale = SCALES[scales]
+    num_tokens, num_blocks, block_size, num_heads, num_kv_heads, head_dim = 11, 6, 16, 4, 2, 64
+    gen = torch.Generator().manual_seed(4)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    if INTERPRET:  # on the fp8 grid once divided by the scale (see the module docstring)
+        qkv = _grid_values((num_tokens, width), cache_dtype, gen)
+        qkv[:, : (num_heads + num_kv_heads) * head_dim] *= k_scale
+        qkv[:, (num_heads + num_kv_heads) * head_dim :] *= v_scale
+    else:
+        qkv = torch.randn(num_tokens, width, generator=gen) * 40
+    qkv[0, num_heads * head_dim] = 60000.0  # past both formats' ranges, and float16's own limit is 65504
+    qkv[1, -1] = -60000.0
+    qkv = qkv.to(device=device, dtype=dtype)
+    key = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(-1, num_kv_heads, head_dim)
+    value = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(-1, num_kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[[2, 7]] = -1
+    slot_mapping = slots.to(device)
+    poison = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), 0x7F, dtype=torch.uint8)  # NaN
+    kv_cache = poison.view(cache_dtype).to(device)
+    expected = kv_cache.cpu().clone()
+    triton_cache.reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale)
+    reference.reshape_and_cache(key.cpu(), value.cpu(), expected, slots, k_scale, v_scale)
+    assert torch.equal(kv_cache.cpu().view(torch.uint8), expected.view(torch.uint8))
+    written = kv_cache.cpu().float().view(2, -1, num_kv_heads, head_dim)[:, slots[slots >= 0]]
+    assert bool(written.isfinite().all())
+    limit = torch.finfo(cache_dtype).max
+    assert written[0, 0, 0, 0] == limit and written[1, 1, -1, -1] == -limit
+    assert int((~kv_cache.cpu().float().isnan()).all(-1).all(-1).sum()) == 2 * (num_tokens - 2)
+
+
+# ----------------------------------------------------------------------------------------- attention
+
+
+@pytest.mark.parametrize("cache_dtype", FP8, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", ["mha", "group3"])
+def test_mixed_batch_over_fp8_cache(cache_dtype, dtype, shape, device, skip_bf16_on_interpreter):
+    """Prefill chunks over cached prefixes, a fresh prompt and decode rows in one launch; scaled."""
+    skip_bf16_on_interpreter(dtype)
+    num_heads, num_kv_heads = SHAPES[shape]
+    query, kv_cache, metadata = make_batch(
+        MIXED_QUERY_LENS, MIXED_SEQ_LENS, num_heads, num_kv_heads, 64, 16, dtype, device
+    )
+    _check(query, _fp8_cache(kv_cache, cache_dtype), metadata, SCALES["scaled"])
+
+
+@pytest.mark.parametrize("cache_dtype", FP8, ids=str)
+@pytest.mark.parametrize("num_splits", [1, 3, None], ids=lambda s: f"splits={s}")
+@pytest.mark.parametrize("scales", list(SCALES))
+def test_decode_over_fp8_cache(cache_dtype, num_splits, scales, device, poison_allocations):
+    """Decode one split and split-K (partials merged in the kernel); the split scratch starts as NaN."""
+    poison_allocations(triton_attention)
+    query, kv_cache, metadata = make_batch([1, 1, 1], [300, 77, 260], 7, 1, 64, 16, torch.float16, device, seed=2)
+    _check(query, _fp8_cache(kv_cache, cache_dtype), metadata, SCALES[scales], num_splits)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8, ids=str)
+@pytest.mark.parametrize("num_splits", [1, 3], ids=lambda s: f"splits={s}")
+def test_cascade_decode_over_fp8_cache(cache_dtype, num_splits, device, poison_allocations):
+    """The shared-prefix kernel reads the fp8 prefix once for all requests; the own part the rest."""
+    poison_allocations(triton_attention)
+    query, kv_cache, metadata = make_batch([1] * 4, [300, 77, 260, 150], 6, 2, 64, 16, torch.float32, device, seed=5)
+    _check(query, _fp8_cache(kv_cache, cache_dtype), share_prefix(metadata, 5, 76), SCALES["scaled"], num_splits)
+
+
+def test_prefill_then_decode_through_an_fp8_cache(device):
+    """The Triton cache write then attention, step by step (prompt, decode, decode, chunk), against the
+    reference pipeline; the two caches hold the same bytes after every write."""
+    num_heads, num_kv_heads, head_dim, block_size = 6, 2, 64, 16
+    k_scale, v_scale = SCALES["scaled"]
+    gen = torch.Generator().manual_seed(3)
+    block_table = torch.tensor([[5, 2, 7, 0]], dtype=torch.int32, device=device)
+    kv_triton = torch.zeros(2, 8, block_size, num_kv_heads, head_dim, dtype=torch.float8_e4m3fn, device=device)
+    kv_reference = kv_triton.cpu().clone()
+    seq_len = 0
+    for query_len in (37, 1, 1, 9):
+        positions = range(seq_len, seq_len + query_len)
+        seq_len += query_len
+        slots = [int(block_table[0, p // block_size]) * block_size + p % block_size for p in positions]
+        metadata = AttentionMetadata(
+            query_start_loc=torch.tensor([0, query_len], dtype=torch.int32, device=device),
+            seq_lens=torch.tensor([seq_len], dtype=torch.int32, device=device),
+            block_tables=block_table,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            max_query_len=query_len,
+            max_seq_len=seq_len,
+            query_start_loc_cpu=[0, query_len],
+            seq_lens_cpu=[seq_len],
+        )
+        q = torch.randn(query_len, num_heads, head_dim, generator=gen)
+        k, v = (torch.randn(query_len, num_kv_heads, head_dim, generator=gen) for _ in range(2))
+        if INTERPRET:  # order-1 values on the fp8 grid (times the scale): see the module docstring
+            k = reference.quantize_kv(k, 1.0, torch.float8_e4m3fn).float() * k_scale
+            v = reference.quantize_kv(v, 1.0, torch.float8_e4m3fn).float() * v_scale
+        triton_cache.reshape_and_cache(k.to(device), v.to(device), kv_triton, metadata.slot_mapping, k_scale, v_scale)
+        reference.reshape_and_cache(k, v, kv_reference, metadata.slot_mapping.cpu(), k_scale, v_scale)
+        assert torch.equal(kv_triton.cpu().view(torch.uint8), kv_reference.view(torch.uint8))
+        _check(q.to(device), kv_triton, metadata, (k_scale, v_scale))
+
+
+def test_fp8_cache_contract(device):
+    query, kv_cache, metadata = make_batch([3], [10], 2, 2, 64, 16, torch.float32, device)
+    kv8 = _fp8_cache(kv_cache, torch.float8_e4m3fn)
+    with pytest.raises(AssertionError, match="share a float dtype"):
+        launch_paged_attention(kv8[0, :3, 0], kv8, metadata, 0.1)  # an fp8 query
+    with pytest.raises(AssertionError, match="kv_cache theirs or fp8"):
+        triton_cache.reshape_and_cache(query[:, :2].half(), query[:, :2].half(), kv_cache, metadata.slot_mapping)
+
+
+# ------------------------------------------------------------------------------ ahead-of-time compile
+
+
+@pytest.mark.parametrize("arch", [89, 90])
+def test_fp8_kernels_compile(device, compiler_for, arch):
+    """The fp8 launches (bf16 and fp32 queries, both formats) compile for the first GPUs that run them (sm_89)
+    and for Hopper: decode one split (both tilings) and split, the cascade's two kernels, prefill tiles, the
+    cache write; within the per-block shared memory."""
+    compiler = compiler_for(arch)
+    kernels = ["_paged_attention_kernel"]
+    for (num_heads, num_kv_heads, head_dim), dtype, cache_dtype in (
+        ((28, 4, 128), torch.bfloat16, torch.float8_e4m3fn),
+        ((9, 3, 64), torch.float32, torch.float8_e5m2),
+    ):
+        decode = make_batch([1, 1], [900, 40], num_heads, num_kv_heads, head_dim, 16, dtype, device)
+        prefill = make_batch([40, 1], [50, 9], num_heads, num_kv_heads, head_dim, 16, dtype, device)
+        batches = {name: (b[0], _fp8_cache(b[1], cache_dtype), b[2]) for name, b in
+                   (("decode", decode), ("prefill", prefill))}
+        cascade = (*batches["decode"][:2], share_prefix(decode[2], 2, 32))
+        for batch, names, splits, busy in (
+            (batches["decode"], kernels, 1, False),
+            (batches["decode"], kernels, 1, True),
+            (batches["decode"], kernels, 4, False),
+            (cascade, ["_shared_prefix_kernel", *kernels], 1, False),
+            (batches["prefill"], kernels, None, False),
+        ):
+            with pytest.MonkeyPatch.context() as patch:
+                if busy:
+                    patch.setattr(triton_attention, "DECODE_BUSY_PROGRAMS_PER_SM", 0)
+                compiler.record(triton_attention, names, lambda b=batch, s=splits: launch_paged_attention(
+                    *b, 0.1, None, s, 0.5, 2.0))
+        key = decode[0][:, :num_kv_heads]
+        slot_mapping = torch.zeros(2, dtype=torch.int64, device=device)
+        kv8 = batches["decode"][1]
+        compiler.record(triton_cache, ["_reshape_and_cache_kernel"],
+                        lambda k=key, kv=kv8, s=slot_mapping: triton_cache.reshape_and_cache(k, k, kv, s, 0.5, 2.0))
+    assert {spec["constexprs"].get("KV_FP8") for spec in compiler.specs if "KV_FP8" in spec["constexprs"]} == {True}
+    for result in compiler.compile_all():
+        assert result["shared_bytes"] <= (99 if arch == 89 else 227) * 1024, result
