@@ -51,9 +51,11 @@ def _reshape_and_cache_kernel(
     mask = cols < ROW_SIZE
     k = tl.load(key_ptr + token * stride_key_token + cols, mask=mask)
     v = tl.load(value_ptr + token * stride_value_token + cols, mask=mask)
-    if FP8_MAX > 0:  # an fp8 cache: scale, saturate, round to nearest even
-        k = tl.clamp(k.to(tl.float32) / k_scale, -FP8_MAX, FP8_MAX)
-        v = tl.clamp(v.to(tl.float32) / v_scale, -FP8_MAX, FP8_MAX)
+    # An fp8 cache: divide (IEEE, as torch: `/` may compile to an approximate division), saturate, round to
+    # nearest even.
+    if FP8_MAX > 0:
+        k = tl.clamp(tl.math.div_rn(k.to(tl.float32), k_scale), -FP8_MAX, FP8_MAX)
+        v = tl.clamp(tl.math.div_rn(v.to(tl.float32), v_scale), -FP8_MAX, FP8_MAX)
         k = k.to(key_cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
         v = v.to(value_cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
     # NOTE: slot * stride can exceed 2**31 for caches of tens of GB; both are int64 here.

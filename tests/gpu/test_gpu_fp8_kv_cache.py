@@ -1,0 +1,289 @@
+"""`--kv-cache-dtype fp8` on a GPU (skipped without CUDA; the GPU must be sm_89 or later). One run of this file
+checks the kernels and the engine:
+
+* Kernels at real shapes (head_dim 64 and 128, GQA 3 and 7, bf16 queries, e4m3 and e5m2 caches, scaled):
+  the Triton cache write stores torch's bytes (x / scale in fp32, saturated, rounded to nearest even) for
+  arbitrary values; paged attention over the fp8 cache (mixed batches, decode one split in both tilings and
+  split-K, cascade) matches the reference reading the same cache, outputs and split scratch NaN-filled first;
+  `ops` sends an fp8 cache to those Triton kernels (never to the torch reference) and its fused
+  rotary+cache-write and matmul rope epilogue step aside for the separate ops.
+* The engine (bf16 tiny random models, head_dim 64 and 128) with an fp8 cache against the same engine with
+  the bf16 cache, CUDA graphs on and off: top-5 logprobs within 4x fp8's relative rounding error (the CPU
+  test's rule, tests/engine/test_fp8_kv_cache.py), greedy tokens parting only at near ties; fp8 blocks twice
+  bf16's for one --kv-cache-memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from kvserve.config import EngineArgs
+from kvserve.engine.engine_core import EngineCore
+from kvserve.kernels import ops, reference
+from kvserve.layers.attention_metadata import AttentionMetadata
+from kvserve.protocol.engine import EngineCoreRequest
+from kvserve.protocol.sampling_params import SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+K_SCALE, V_SCALE = 0.5, 0.25
+HEADS = {"hd128-group7": (28, 4, 128), "hd64-group3": (9, 3, 64)}
+# bf16 queries: P is rounded to bf16 before the second product (as the existing bf16 kernel tests allow).
+BF16_TOL = dict(atol=2e-2, rtol=2e-2)
+VOCAB = 1024
+MAX_TOKENS = 24
+LOGPROB_TOL = 4 * 2.0**-4  # e4m3's relative rounding error, times 4 (see the module docstring)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _needs_fp8_gpu() -> None:
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("the fp8 KV cache needs compute capability 8.9 or later")
+
+
+def _batch(query_lens: list[int], seq_lens: list[int], heads: tuple[int, int, int], cache_dtype: torch.dtype,
+           seed: int = 0, block_size: int = 16) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """bf16 queries and an fp8 cache of order-1 values, each request's blocks scattered over a shuffled pool,
+    block tables two columns wider than needed (padded with 0)."""
+    num_heads, num_kv_heads, head_dim = heads
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_req = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_req) + 3
+    pool = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.zeros(len(seq_lens), max(blocks_per_req) + 2, dtype=torch.int32)
+    slots: list[int] = []
+    for r, n in enumerate(blocks_per_req):
+        tables[r, :n] = torch.tensor(pool[:n], dtype=torch.int32)
+        pool = pool[n:]
+        slots += [int(tables[r, p // block_size]) * block_size + p % block_size
+                  for p in range(seq_lens[r] - query_lens[r], seq_lens[r])]
+    kv = reference.quantize_kv(torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen), 1.0,
+                               cache_dtype)
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    metadata = AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device="cuda"),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+        block_tables=tables.cuda(),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device="cuda"),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=list(seq_lens),
+    )
+    query = torch.randn(starts[-1], num_heads, head_dim, generator=gen).to("cuda", torch.bfloat16)
+    return query, kv.cuda(), metadata
+
+
+def _poison_scratch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attention module's torch.empty / empty_like return NaN-filled tensors (split partials)."""
+    from kvserve.kernels import triton_attention
+
+    class Poisoning:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(torch, name)
+
+        @staticmethod
+        def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+            t = torch.empty(*args, **kwargs)
+            return t.fill_(float("nan")) if t.is_floating_point() else t
+
+        @staticmethod
+        def empty_like(*args: Any, **kwargs: Any) -> torch.Tensor:
+            t = torch.empty_like(*args, **kwargs)
+            return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(triton_attention, "torch", Poisoning())
+
+
+def _check(query: torch.Tensor, kv: torch.Tensor, metadata: AttentionMetadata, num_splits: int | None) -> None:
+    from kvserve.kernels.triton_attention import launch_paged_attention
+
+    scale = query.shape[-1] ** -0.5
+    out = torch.full_like(query, float("nan"))
+    launch_paged_attention(query, kv, metadata, scale, out, num_splits, K_SCALE, V_SCALE)
+    expected = reference.paged_attention(query, kv, metadata, scale, None, K_SCALE, V_SCALE)
+    torch.testing.assert_close(out, expected, **BF16_TOL)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8, ids=str)
+@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("scales", [(K_SCALE, V_SCALE), (0.37, 1.3)], ids=["pow2", "any"])
+def test_cache_write_stores_torchs_bytes(cache_dtype: torch.dtype, heads: str, scales: tuple[float, float]) -> None:
+    num_heads, num_kv_heads, head_dim = HEADS[heads]
+    gen = torch.Generator().manual_seed(1)
+    num_tokens, num_blocks, block_size = 300, 40, 16
+    qkv = (torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen) * 60).to("cuda", torch.bfloat16)
+    qkv[0, num_heads * head_dim] = 1e6  # saturates
+    key = qkv[:, num_heads * head_dim: (num_heads + num_kv_heads) * head_dim].view(-1, num_kv_heads, head_dim)
+    value = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(-1, num_kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens].cuda()
+    slots[[3, 100]] = -1
+    cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), 0x7F, dtype=torch.uint8,
+                       device="cuda").view(cache_dtype)
+    expected = cache.clone()
+    ops.reshape_and_cache(key, value, cache, slots, *scales)  # the Triton kernel on CUDA
+    reference.reshape_and_cache(key, value, expected, slots, *scales)
+    assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+    assert cache.view(2, -1, num_kv_heads, head_dim)[0, slots[0], 0, 0].float() == torch.finfo(cache_dtype).max
+
+
+@pytest.mark.parametrize("cache_dtype", FP8, ids=str)
+@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("case", ["mixed", "decode-1", "decode-busy", "decode-4", "decode-auto", "cascade-1",
+                                  "cascade-3"])
+def test_attention_over_fp8_cache(cache_dtype: torch.dtype, heads: str, case: str,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvserve.kernels import triton_attention
+
+    _poison_scratch(monkeypatch)
+    if case == "mixed":  # chunks over cached prefixes, a fresh prompt, decode rows; partial last blocks
+        _check(*_batch([13, 200, 1, 9, 1], [45, 200, 33, 700, 1], HEADS[heads], cache_dtype), None)
+        return
+    seq_lens = [900, 77, 2000, 150]
+    query, kv, metadata = _batch([1] * 4, seq_lens, HEADS[heads], cache_dtype, seed=2)
+    kind, splits = case.split("-")
+    if kind == "cascade":
+        tables = metadata.block_tables.clone()
+        tables[:, :5] = tables[0, :5]
+        metadata = AttentionMetadata(**{**vars(metadata), "block_tables": tables, "common_prefix_len": 76,
+                                        "common_prefix_len_tensor": torch.tensor([76], dtype=torch.int32,
+                                                                                 device="cuda")})
+    if splits == "busy":
+        monkeypatch.setattr(triton_attention, "DECODE_BUSY_PROGRAMS_PER_SM", 0)
+    _check(query, kv, metadata, None if splits == "auto" else 1 if splits == "busy" else int(splits))
+
+
+def test_ops_send_fp8_to_the_triton_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA tensors with an fp8 cache never reach the torch reference; the fused rotary+cache launch and the
+    matmul's rope epilogue (model-dtype stores) step aside: the separate ops write the reference's bytes."""
+    query, kv, metadata = _batch([1, 1], [300, 40], HEADS["hd128-group7"], torch.float8_e4m3fn)
+    reference_attention = reference.paged_attention
+    reference_write = reference.reshape_and_cache
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the torch reference ran on CUDA tensors")
+
+    monkeypatch.setattr(reference, "paged_attention", refuse)
+    monkeypatch.setattr(reference, "reshape_and_cache", refuse)
+    out = ops.paged_attention(query, kv, metadata, 0.1, None, K_SCALE, V_SCALE)
+    num_tokens, num_kv_heads, head_dim = 2, 4, 128
+    positions = torch.tensor([299, 39], device="cuda")
+    from kvserve.layers.rotary import RotaryEmbedding
+
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0).cuda()
+    key = torch.randn(num_tokens, num_kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    value = torch.randn_like(key)
+    before = kv.clone()
+    q, k = ops.rotary_embedding_and_cache(positions, query, key, value, rope.cos_sin_cache, kv,
+                                          metadata.slot_mapping, K_SCALE, V_SCALE)
+    hidden = torch.randn(num_tokens, 256, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn((28 + 8) * head_dim, 256, device="cuda", dtype=torch.bfloat16)
+    assert ops.linear_rope_cache(hidden, weight, None, positions, rope.cos_sin_cache, kv, metadata.slot_mapping,
+                                 28, num_kv_heads, head_dim) is None
+    monkeypatch.setattr(reference, "paged_attention", reference_attention)
+    monkeypatch.setattr(reference, "reshape_and_cache", reference_write)
+    torch.testing.assert_close(out, reference.paged_attention(query, before, metadata, 0.1, None, K_SCALE, V_SCALE),
+                               **BF16_TOL)
+    reference.reshape_and_cache(k, value, before, metadata.slot_mapping, K_SCALE, V_SCALE)
+    assert torch.equal(kv.view(torch.uint8), before.view(torch.uint8))
+    torch.testing.assert_close(q, ops.rotary_embedding(positions, query, key, rope.cos_sin_cache)[0], atol=0, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------------ engine
+
+# head_dim 64 with GQA 2 (Llama) and 128 with GQA 4 and q/k/v bias (Qwen2), as tests/gpu/test_gpu_engine.py.
+MODELS = {
+    "llama-hd64": ("llama", {}),
+    "qwen2-hd128": ("qwen2", {"hidden_size": 512, "num_attention_heads": 4, "num_key_value_heads": 1}),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    from helpers.tiny_models import make_bare_checkpoint
+
+    return {name: make_bare_checkpoint(str(tmp_path_factory.mktemp(name)), model_type, seed=i, vocab_size=VOCAB,
+                                       **overrides)
+            for i, (name, (model_type, overrides)) in enumerate(MODELS.items())}
+
+
+def _prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(11)
+    shared = torch.randint(3, VOCAB, (300,), generator=generator).tolist()  # a cascade prefix for 8+ requests
+    own = [torch.randint(3, VOCAB, (n,), generator=generator).tolist()
+           for n in torch.randint(5, 400, (8,), generator=generator).tolist()]
+    return own + [shared + torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in (1, 7, 20, 33, 9,
+                                                                                                  15, 2, 40)]
+
+
+def _run(path: str, kv_cache_dtype: str, enforce_eager: bool) -> tuple[EngineCore, list]:
+    args = EngineArgs(model=path, dtype="bfloat16", device="cuda", enforce_eager=enforce_eager, max_model_len=1024,
+                      num_kv_blocks=2048, max_num_seqs=16, max_num_batched_tokens=512, kv_cache_dtype=kv_cache_dtype)
+    core = EngineCore(args.create_engine_config())
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
+    prompts = _prompts()
+    for i, prompt in enumerate(prompts):
+        core.add_request(EngineCoreRequest(req_id=str(i), prompt_token_ids=prompt, sampling_params=params,
+                                           max_tokens=MAX_TOKENS))
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    lps: dict[str, list[Any]] = {str(i): [] for i in range(len(prompts))}
+    while core.has_unfinished_requests():
+        for out in core.step().outputs:
+            tokens[out.req_id].extend(out.new_token_ids)
+            lps[out.req_id].extend(out.new_logprobs or [])
+    return core, [(tokens[str(i)], lps[str(i)]) for i in range(len(prompts))]
+
+
+def _top(lp: Any) -> dict[int, float]:
+    return dict(zip(lp.token_ids[1:], lp.logprobs[1:], strict=True))
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_fp8_engine_agrees_with_bf16_cache(checkpoints: dict[str, str], model: str, enforce_eager: bool) -> None:
+    base_core, base = _run(checkpoints[model], "auto", enforce_eager)
+    del base_core
+    core, got = _run(checkpoints[model], "fp8", enforce_eager)
+    assert all(c.dtype == torch.float8_e4m3fn for c in core.runner.kv_caches)
+    assert (core.runner.graphs is None) == enforce_eager
+    identical, largest = 0, 0.0
+    for (got_tokens, got_lps), (want_tokens, want_lps) in zip(got, base, strict=True):
+        part = next((i for i, (a, b) in enumerate(zip(got_tokens, want_tokens, strict=True)) if a != b), None)
+        for step in range(MAX_TOKENS if part is None else part + 1):
+            mine, theirs = _top(got_lps[step]), _top(want_lps[step])
+            common = mine.keys() & theirs.keys()
+            assert len(common) >= 3, (step, mine, theirs)
+            for token in common:
+                largest = max(largest, abs(mine[token] - theirs[token]))
+                assert abs(mine[token] - theirs[token]) <= LOGPROB_TOL, (step, token, mine, theirs)
+        if part is None:
+            identical += 1
+            continue
+        want_top = _top(want_lps[part])
+        a, b = got_tokens[part], want_tokens[part]
+        assert a in want_top and abs(want_top[a] - want_top[b]) <= LOGPROB_TOL, (part, a, b, want_top)
+    assert identical >= len(got) // 2, identical
+    assert largest > 0.0
+
+
+def test_fp8_cache_doubles_the_blocks_of_bf16(checkpoints: dict[str, str]) -> None:
+    blocks = {}
+    for kv in ("auto", "fp8"):
+        args = EngineArgs(model=checkpoints["llama-hd64"], dtype="bfloat16", device="cuda", max_model_len=1024,
+                          max_num_seqs=16, gpu_memory_utilization=0.01, kv_cache_memory="64MiB", kv_cache_dtype=kv,
+                          enforce_eager=True)
+        core = EngineCore(args.create_engine_config())
+        blocks[kv] = core.capacity.num_blocks
+        assert sum(c.numel() * c.element_size() for c in core.runner.kv_caches) <= 64 << 20
+        del core
+        torch.cuda.empty_cache()
+    assert blocks["fp8"] == 2 * blocks["auto"] > 0
