@@ -24,8 +24,8 @@ cache blocks. Softmax is online in fp32 with exp2 (log2(e) folded into the scale
 dtype for the second dot (as FlashAttention does). An fp8 cache (`--kv-cache-dtype fp8`) is widened to the
 query's dtype after each load (exact), its key scale folded into the score scale and its value scale applied
 to each tile's fp32 P @ V, so every launch below (mixed, decode split or not, the cascade's prefix part)
-reads it; the tiles in shared memory stay one byte per value. Query i of a request with context length S and Q new
-tokens sits at position S - Q + i and sees keys 0..S - Q + i.
+reads it. Query i of a request with context length S and Q new tokens sits at position S - Q + i and sees
+keys 0..S - Q + i.
 
 CUDA graphs (decode): a launch reads only device tensors plus host ints, never syncs, and allocates only
 fixed-size scratch. The grid and the scratch size depend on `num_reqs`, `num_tokens`, the model's head
