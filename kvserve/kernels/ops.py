@@ -744,10 +744,8 @@ def _fused_rotary_module(query: torch.Tensor, value: torch.Tensor, kv_cache: tor
     """triton_elementwise where its rotary launch also writes the cache for these tensors, else None."""
     module = _triton_module("triton_elementwise")
     head_dim = query.shape[2]
-    # An fp8 cache is written by `reshape_and_cache` (the fused launch stores the model's dtype).
     if (
         _rotary_cache_fusion
-        and not reference.is_fp8(kv_cache.dtype)
         and module is not None
         and _elementwise_impl("rotary_embedding", query) is module.rotary_embedding
         and _is_pow2(head_dim // 2)
@@ -772,10 +770,11 @@ def rotary_embedding_and_cache(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`rotary_embedding`, then `reshape_and_cache` of the rotated key and the value (k_scale / v_scale: an
     fp8 cache's, see `reference.reshape_and_cache`): one Triton launch on CUDA where both kernels would be
-    Triton (one graph node per layer fewer at decode; not for an fp8 cache), else the two ops."""
+    Triton (one graph node per layer fewer at decode), else the two ops."""
     module = _fused_rotary_module(query, value, kv_cache)
     if module is not None:
-        return module.rotary_embedding(positions, query, key, cos_sin_cache, value, kv_cache, slot_mapping)
+        return module.rotary_embedding(positions, query, key, cos_sin_cache, value, kv_cache, slot_mapping, k_scale,
+                                       v_scale)
     query, key = rotary_embedding(positions, query, key, cos_sin_cache)
     reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale)
     return query, key
@@ -800,7 +799,7 @@ def rotary_embedding_and_cache_padded(
     module = _fused_rotary_module(query, value, kv_cache)
     if module is not None:
         return module.rotary_embedding_padded(
-            positions, query, key, cos_sin_cache, value, kv_cache, slot_mapping, pad_to
+            positions, query, key, cos_sin_cache, value, kv_cache, slot_mapping, pad_to, k_scale, v_scale
         )
     query, key = rotary_embedding_and_cache(positions, query, key, value, cos_sin_cache, kv_cache, slot_mapping,
                                             k_scale, v_scale)

@@ -19,6 +19,7 @@ from kvserve.kernels import triton_pdl
 from kvserve.kernels.triton_pdl import pdl_wait_then_release
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _num_warps(block: int) -> int:
@@ -157,6 +158,14 @@ def rms_norm(
 # ------------------------------------------------------------------------------------------- rotary
 
 
+@triton.jit
+def _quantize(x, scale, FP8_MAX: tl.constexpr, cache_dtype: tl.constexpr):
+    """x / scale (IEEE division), saturated to +-FP8_MAX, rounded to nearest even into the fp8 cache_dtype:
+    `reference.quantize_kv` bit for bit."""
+    return tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -FP8_MAX, FP8_MAX).to(
+        cache_dtype, fp_downcast_rounding="rtne")
+
+
 # num_tokens and write_v_out vary with the batch (and the padded path): unspecialised, so that the padded
 # launch of a one-prompt prefill runs the variant every other launch compiled (no compile mid-serving).
 @triton.jit(do_not_specialize=["num_tokens", "write_v_out", "stride_v_out_token"])
@@ -184,10 +193,13 @@ def _rotary_kernel(
     v_out_ptr,
     stride_v_out_token,
     write_v_out,
+    k_scale,
+    v_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     WRITE_CACHE: tl.constexpr,
     PDL: tl.constexpr = False,
+    FP8_MAX: tl.constexpr = 0.0,
 ):
     pdl_wait_then_release(PDL)
     # Program (token, 0) rotates the token's query heads, (token, 1) its key heads.
@@ -235,12 +247,22 @@ def _rotary_kernel(
             v1 = tl.load(v_row + offs, mask=mask)
             v2 = tl.load(v_row + offs + half, mask=mask)
             if slot >= 0:
+                k1 = o1.to(dtype)
+                k2 = o2.to(dtype)
+                c1 = v1
+                c2 = v2
+                if FP8_MAX > 0:  # an fp8 cache: what `triton_cache.reshape_and_cache` stores
+                    cache_dtype = key_cache_ptr.dtype.element_ty
+                    k1 = _quantize(k1, k_scale, FP8_MAX, cache_dtype)
+                    k2 = _quantize(k2, k_scale, FP8_MAX, cache_dtype)
+                    c1 = _quantize(c1, v_scale, FP8_MAX, cache_dtype)
+                    c2 = _quantize(c2, v_scale, FP8_MAX, cache_dtype)
                 k_slot = key_cache_ptr + slot * stride_cache_slot
-                tl.store(k_slot + offs, o1.to(dtype), mask=mask)
-                tl.store(k_slot + offs + half, o2.to(dtype), mask=mask)
+                tl.store(k_slot + offs, k1, mask=mask)
+                tl.store(k_slot + offs + half, k2, mask=mask)
                 v_slot = value_cache_ptr + slot * stride_cache_slot
-                tl.store(v_slot + offs, v1, mask=mask)
-                tl.store(v_slot + offs + half, v2, mask=mask)
+                tl.store(v_slot + offs, c1, mask=mask)
+                tl.store(v_slot + offs + half, c2, mask=mask)
             if write_v_out != 0:
                 v_out = v_out_ptr + token * stride_v_out_token
                 tl.store(v_out + offs, v1, mask=mask)
@@ -255,11 +277,14 @@ def rotary_embedding(
     value: torch.Tensor | None = None,
     kv_cache: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style rotary embedding (contract of `reference.rotary_embedding`).
 
     With value / kv_cache / slot_mapping (the contract of `reshape_and_cache`, value laid out like key),
-    the rotated key and the value are also written into the cache, in the same launch.
+    the rotated key and the value are also written into the cache, in the same launch; an fp8 cache gets
+    them divided by k_scale / v_scale and saturated, as `reshape_and_cache` stores them.
 
     positions: int64/int32 [num_tokens], contiguous, each < max_position; query: [num_tokens, num_heads,
     head_dim]; key: [num_tokens, num_kv_heads, head_dim]; both with contiguous heads (stride(2) == 1,
@@ -268,7 +293,8 @@ def rotary_embedding(
     [max_position, head_dim], cos in the first head_dim/2 columns, sin in the rest. Returns new contiguous
     (query, key); the inputs are not modified.
     """
-    q_out, k_out, _ = _rotary(positions, query, key, cos_sin_cache, value, kv_cache, slot_mapping, 0)
+    q_out, k_out, _ = _rotary(positions, query, key, cos_sin_cache, value, kv_cache, slot_mapping, 0, k_scale,
+                              v_scale)
     return q_out, k_out
 
 
@@ -281,12 +307,15 @@ def rotary_embedding_padded(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     pad_to: int,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`rotary_embedding` with the cache written, whose outputs are padded: (query, key, value) as new
     contiguous [pad_to, heads, head_dim] tensors, the first num_tokens rows the rotated query and key and a
     copy of value, the rest zeros (pad_to >= num_tokens). One launch: the layout a padded one-prompt
     prefill attention reads (`ops.prefill_attention`) without copying q, k and v into it."""
-    q_out, k_out, v_out = _rotary(positions, query, key, cos_sin_cache, value, kv_cache, slot_mapping, pad_to)
+    q_out, k_out, v_out = _rotary(positions, query, key, cos_sin_cache, value, kv_cache, slot_mapping, pad_to,
+                                  k_scale, v_scale)
     assert v_out is not None
     return q_out, k_out, v_out
 
@@ -300,6 +329,8 @@ def _rotary(
     kv_cache: torch.Tensor | None,
     slot_mapping: torch.Tensor | None,
     pad_to: int,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`rotary_embedding` (pad_to 0: value out None) and `rotary_embedding_padded` (pad_to > 0)."""
     assert query.dim() == 3 and key.dim() == 3, "query/key must be [num_tokens, heads, head_dim]"
@@ -349,7 +380,8 @@ def _rotary(
         assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2 and tuple(kv_cache.shape[3:]) == (
             num_kv_heads, head_dim
         ), f"kv_cache must be [2, blocks, block_size, {num_kv_heads}, {head_dim}], got {tuple(kv_cache.shape)}"
-        assert kv_cache.dtype == key.dtype and kv_cache.is_contiguous(), "kv_cache: key's dtype, contiguous"
+        assert kv_cache.dtype in (key.dtype, *_FP8_DTYPES) and kv_cache.is_contiguous(), (
+            f"kv_cache: key's dtype or fp8, contiguous; got {kv_cache.dtype}")
         assert slot_mapping.shape == (num_tokens,) and slot_mapping.is_contiguous(), (
             f"slot_mapping must be contiguous [{num_tokens}], got {tuple(slot_mapping.shape)}"
         )
@@ -386,9 +418,12 @@ def _rotary(
         q_out if v_out is None else v_out,
         0 if v_out is None else v_out.stride(0),
         int(v_out is not None),
+        float(k_scale),
+        float(v_scale),
         HEAD_DIM=head_dim,
         BLOCK_H=block_h,
         WRITE_CACHE=write_cache,
+        FP8_MAX=torch.finfo(kv_cache.dtype).max if write_cache and kv_cache.dtype in _FP8_DTYPES else 0.0,
         PDL=pdl,
         num_warps=_num_warps(block_h * head_dim),
         enable_fp_fusion=False,  # each product is rounded before the sum, as the reference's are

@@ -5,8 +5,9 @@ checks the kernels and the engine:
   the Triton cache write stores torch's bytes (x / scale in fp32, saturated, rounded to nearest even) for
   arbitrary values; paged attention over the fp8 cache (mixed batches, decode one split in both tilings and
   split-K, cascade) matches the reference reading the same cache, outputs and split scratch NaN-filled first;
-  `ops` sends an fp8 cache to those Triton kernels (never to the torch reference) and its fused
-  rotary+cache-write and matmul rope epilogue step aside for the separate ops.
+  the rotary launch that writes the cache stores the same bytes as the separate cache write (padded or not);
+  `ops` sends an fp8 cache to those Triton kernels (never to the torch reference) and the q/k/v matmul's
+  rope + cache epilogue (model-dtype stores) steps aside.
 * The engine (bf16 tiny random models, head_dim 64 and 128) with an fp8 cache against the same engine with
   the bf16 cache, CUDA graphs on and off: top-5 logprobs within 4x fp8's relative rounding error (the CPU
   test's rule, tests/engine/test_fp8_kv_cache.py), greedy tokens parting only at near ties; fp8 blocks twice
@@ -138,6 +139,42 @@ def test_cache_write_stores_torchs_bytes(cache_dtype: torch.dtype, heads: str, s
 
 @pytest.mark.parametrize("cache_dtype", FP8, ids=str)
 @pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("pad_to", [0, 1280], ids=["plain", "padded"])
+def test_fused_rotary_cache_write_stores_torchs_bytes(cache_dtype: torch.dtype, heads: str, pad_to: int) -> None:
+    from kvserve.kernels import triton_elementwise
+    from kvserve.layers.rotary import RotaryEmbedding
+
+    num_heads, num_kv_heads, head_dim = HEADS[heads]
+    num_tokens, num_blocks, block_size = 1100, 80, 16
+    gen = torch.Generator().manual_seed(3)
+    rope = RotaryEmbedding(head_dim, 4096, 1000000.0).cuda()
+    positions = torch.randint(0, 4096, (num_tokens,), generator=gen).cuda()
+    qkv = (torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen) * 60).to("cuda", torch.bfloat16)
+    qkv[0, num_heads * head_dim] = 1e6  # saturates
+    query = qkv[:, : num_heads * head_dim].view(-1, num_heads, head_dim)
+    key = qkv[:, num_heads * head_dim: (num_heads + num_kv_heads) * head_dim].view(-1, num_kv_heads, head_dim)
+    value = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(-1, num_kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens].cuda()
+    slots[[3, 100]] = -1
+    cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), 0x7F, dtype=torch.uint8,
+                       device="cuda").view(cache_dtype)
+    expected = cache.clone()
+    plain_q, plain_k = triton_elementwise.rotary_embedding(positions, query, key, rope.cos_sin_cache)
+    if pad_to:
+        q, k, v = triton_elementwise.rotary_embedding_padded(positions, query, key, rope.cos_sin_cache, value, cache,
+                                                             slots, pad_to, K_SCALE, V_SCALE)
+        assert torch.equal(v[:num_tokens], value) and not bool(v[num_tokens:].any())
+        q, k = q[:num_tokens], k[:num_tokens]
+    else:
+        q, k = triton_elementwise.rotary_embedding(positions, query, key, rope.cos_sin_cache, value, cache, slots,
+                                                   K_SCALE, V_SCALE)
+    assert torch.equal(q, plain_q) and torch.equal(k, plain_k)
+    reference.reshape_and_cache(plain_k, value, expected, slots, K_SCALE, V_SCALE)
+    assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.parametrize("cache_dtype", FP8, ids=str)
+@pytest.mark.parametrize("heads", list(HEADS))
 @pytest.mark.parametrize("case", ["mixed", "decode-1", "decode-busy", "decode-4", "decode-auto", "cascade-1",
                                   "cascade-3"])
 def test_attention_over_fp8_cache(cache_dtype: torch.dtype, heads: str, case: str,
@@ -163,8 +200,8 @@ def test_attention_over_fp8_cache(cache_dtype: torch.dtype, heads: str, case: st
 
 
 def test_ops_send_fp8_to_the_triton_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
-    """CUDA tensors with an fp8 cache never reach the torch reference; the fused rotary+cache launch and the
-    matmul's rope epilogue (model-dtype stores) step aside: the separate ops write the reference's bytes."""
+    """CUDA tensors with an fp8 cache never reach the torch reference; the rotary + cache write writes the
+    reference's bytes; the matmul's rope epilogue (model-dtype stores) steps aside."""
     query, kv, metadata = _batch([1, 1], [300, 40], HEADS["hd128-group7"], torch.float8_e4m3fn)
     reference_attention = reference.paged_attention
     reference_write = reference.reshape_and_cache

@@ -31,9 +31,10 @@ from test_triton_attention import (  # noqa: E402
     share_prefix,
 )
 
-from kvserve.kernels import reference, triton_attention, triton_cache  # noqa: E402
+from kvserve.kernels import reference, triton_attention, triton_cache, triton_elementwise  # noqa: E402
 from kvserve.kernels.triton_attention import launch_paged_attention  # noqa: E402
 from kvserve.layers.attention_metadata import AttentionMetadata  # noqa: E402
+from kvserve.layers.rotary import RotaryEmbedding  # noqa: E402
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 SCALES = {"unit": (1.0, 1.0), "scaled": (0.5, 0.25)}  # (k_scale, v_scale)
@@ -101,6 +102,53 @@ def test_cache_write_stores_what_the_reference_stores(cache_dtype, dtype, scales
     limit = torch.finfo(cache_dtype).max
     assert written[0, 0, 0, 0] == limit and written[1, 1, -1, -1] == -limit
     assert int((~kv_cache.cpu().float().isnan()).all(-1).all(-1).sum()) == 2 * (num_tokens - 2)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("pad_to", [0, 16], ids=["plain", "padded"])
+def test_fused_rotary_cache_write_stores_what_the_separate_ops_store(
+    cache_dtype, dtype, pad_to, device, skip_bf16_on_interpreter
+):
+    """The rotary launch that also writes the cache: the rotated key and the value stored as
+    `reshape_and_cache` stores the unfused rotary's output (scaled, saturated, padding slots skipped); its
+    own outputs unchanged by the fp8 cache. Under the interpreter at position 0 (the rotation is the
+    identity), so that the stored values are on the fp8 grid (see the module docstring)."""
+    skip_bf16_on_interpreter(dtype)
+    k_scale, v_scale = SCALES["scaled"]
+    num_tokens, num_heads, num_kv_heads, head_dim, num_blocks, block_size = 11, 6, 2, 64, 4, 16
+    gen = torch.Generator().manual_seed(6)
+    rope = RotaryEmbedding(head_dim, 256, 10000.0)
+    if INTERPRET:
+        positions = torch.zeros(num_tokens, dtype=torch.int64)
+        key = _grid_values((num_tokens, num_kv_heads, head_dim), cache_dtype, gen) * k_scale
+        value = _grid_values((num_tokens, num_kv_heads, head_dim), cache_dtype, gen) * v_scale
+    else:
+        positions = torch.randint(0, 256, (num_tokens,), generator=gen)
+        key, value = (torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen) * 40 for _ in range(2))
+    key[0, 0, 0], value[1, 1, -1] = 60000.0, -60000.0  # saturate (past both formats, within float16)
+    query = torch.randn(num_tokens, num_heads, head_dim, generator=gen)
+    query, key, value, positions = (t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+                                    for t in (query, key, value, positions))
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[[2, 7]] = -1
+    cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), 0x7F, dtype=torch.uint8)
+    cache = cache.view(cache_dtype).to(device)
+    expected = cache.cpu().clone()
+    cos_sin = rope.cos_sin_cache.to(device)
+    plain_q, plain_k = triton_elementwise.rotary_embedding(positions, query, key, cos_sin)
+    if pad_to:
+        q, k, v = triton_elementwise.rotary_embedding_padded(positions, query, key, cos_sin, value, cache,
+                                                             slots.to(device), pad_to, k_scale, v_scale)
+        assert torch.equal(v[:num_tokens], value) and not bool(v[num_tokens:].any())
+        q, k = q[:num_tokens], k[:num_tokens]
+    else:
+        q, k = triton_elementwise.rotary_embedding(positions, query, key, cos_sin, value, cache, slots.to(device),
+                                                   k_scale, v_scale)
+    assert torch.equal(q, plain_q) and torch.equal(k, plain_k)
+    reference.reshape_and_cache(plain_k.cpu(), value.cpu(), expected, slots, k_scale, v_scale)
+    assert torch.equal(cache.cpu().view(torch.uint8), expected.view(torch.uint8))
+    assert int((~cache.cpu().float().isnan()).all(-1).all(-1).sum()) == 2 * (num_tokens - 2)
 
 
 # ----------------------------------------------------------------------------------------- attention
@@ -189,7 +237,7 @@ def test_fp8_cache_contract(device):
 def test_fp8_kernels_compile(device, compiler_for, arch):
     """The fp8 launches (bf16 and fp32 queries, both formats) compile for the first GPUs that run them (sm_89)
     and for Hopper: decode one split (both tilings) and split, the cascade's two kernels, prefill tiles, the
-    cache write; within the per-block shared memory."""
+    cache write and the rotary launch that writes the cache; within the per-block shared memory."""
     compiler = compiler_for(arch)
     kernels = ["_paged_attention_kernel"]
     for (num_heads, num_kv_heads, head_dim), dtype, cache_dtype in (
@@ -218,6 +266,11 @@ def test_fp8_kernels_compile(device, compiler_for, arch):
         kv8 = batches["decode"][1]
         compiler.record(triton_cache, ["_reshape_and_cache_kernel"],
                         lambda k=key, kv=kv8, s=slot_mapping: triton_cache.reshape_and_cache(k, k, kv, s, 0.5, 2.0))
+        cos_sin = RotaryEmbedding(head_dim, 64, 10000.0).cos_sin_cache.to(device)
+        compiler.record(triton_elementwise, ["_rotary_kernel"],
+                        lambda q=decode[0], k=key, kv=kv8, s=slot_mapping, cs=cos_sin: triton_elementwise.rotary_embedding(
+                            s, q, k, cs, k, kv, s, 0.5, 2.0))
     assert {spec["constexprs"].get("KV_FP8") for spec in compiler.specs if "KV_FP8" in spec["constexprs"]} == {True}
+    assert all(spec["constexprs"]["FP8_MAX"] > 0 for spec in compiler.specs if "FP8_MAX" in spec["constexprs"])
     for result in compiler.compile_all():
         assert result["shared_bytes"] <= (99 if arch == 89 else 227) * 1024, result
