@@ -251,18 +251,18 @@ def linear_rope_cache(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor | None:
     """A fused q/k/v projection whose epilogue applies the rotary embedding and writes k / v into the cache:
     [num_tokens, (num_heads + 2 num_kv_heads) head_dim], q and k rotated, as `linear`, `rotary_embedding`
     and `reshape_and_cache` give (the `rotary_embedding_and_cache` contract). Small-row CUDA batches only
-    (the skinny matmul, one launch instead of two); None elsewhere, and the caller runs the separate ops. An fp8
-    cache is written by the separate ops (the epilogue stores the model's dtype)."""
+    (the skinny matmul, one launch instead of two); None elsewhere, and the caller runs the separate ops.
+    k_scale / v_scale: an fp8 cache's (`reference.reshape_and_cache`)."""
     if not (_rotary_cache_fusion and _qkv_rope_fusion and _elementwise_backend == "triton"):
         return None
-    if reference.is_fp8(kv_cache.dtype):
-        return None
     return _skinny(x, weight, bias, silu_mul=False, rope=(positions, cos_sin_cache, kv_cache, slot_mapping,
-                                                          num_heads, num_kv_heads, head_dim))
+                                                          num_heads, num_kv_heads, head_dim, k_scale, v_scale))
 
 
 _qkv_rope_fusion = True

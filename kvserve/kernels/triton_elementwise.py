@@ -159,7 +159,7 @@ def rms_norm(
 
 
 @triton.jit
-def _quantize(x, scale, FP8_MAX: tl.constexpr, cache_dtype: tl.constexpr):
+def quantize_fp8(x, scale, FP8_MAX: tl.constexpr, cache_dtype: tl.constexpr):
     """x / scale (IEEE division), saturated to +-FP8_MAX, rounded to nearest even into the fp8 cache_dtype:
     `reference.quantize_kv` bit for bit."""
     return tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -FP8_MAX, FP8_MAX).to(
@@ -253,10 +253,10 @@ def _rotary_kernel(
                 c2 = v2
                 if FP8_MAX > 0:  # an fp8 cache: what `triton_cache.reshape_and_cache` stores
                     cache_dtype = key_cache_ptr.dtype.element_ty
-                    k1 = _quantize(k1, k_scale, FP8_MAX, cache_dtype)
-                    k2 = _quantize(k2, k_scale, FP8_MAX, cache_dtype)
-                    c1 = _quantize(c1, v_scale, FP8_MAX, cache_dtype)
-                    c2 = _quantize(c2, v_scale, FP8_MAX, cache_dtype)
+                    k1 = quantize_fp8(k1, k_scale, FP8_MAX, cache_dtype)
+                    k2 = quantize_fp8(k2, k_scale, FP8_MAX, cache_dtype)
+                    c1 = quantize_fp8(c1, v_scale, FP8_MAX, cache_dtype)
+                    c2 = quantize_fp8(c2, v_scale, FP8_MAX, cache_dtype)
                 k_slot = key_cache_ptr + slot * stride_cache_slot
                 tl.store(k_slot + offs, k1, mask=mask)
                 tl.store(k_slot + offs + half, k2, mask=mask)

@@ -38,7 +38,7 @@ from triton.runtime.errors import OutOfResources  # noqa: F401 (re-exported: ops
 
 from kvserve.kernels import triton_pdl
 from kvserve.kernels.split_counters import SplitCounters
-from kvserve.kernels.triton_elementwise import rotate_pair, silu_mul
+from kvserve.kernels.triton_elementwise import quantize_fp8, rotate_pair, silu_mul
 from kvserve.kernels.triton_pdl import pdl_wait_then_release
 
 # What the matmul does with a finished tile (`_store_output`).
@@ -82,6 +82,8 @@ def _skinny_gemm_kernel(
     stride_cache_slot,
     num_heads,
     num_kv_heads,
+    k_scale,
+    v_scale,
     HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr,
     FUSED_REDUCE: tl.constexpr,
@@ -91,6 +93,7 @@ def _skinny_gemm_kernel(
     PDL: tl.constexpr = False,
     EPILOGUE: tl.constexpr = 0,
     HEAD_DIM: tl.constexpr = 0,
+    FP8_MAX: tl.constexpr = 0.0,
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -147,26 +150,28 @@ def _skinny_gemm_kernel(
                     acc += tl.load(part_ptr + s * mn + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
                 _store_output(acc, bias_ptr, out_ptr, offs_n, offs_m, tile, out_mask, pid_n, M, N, HAS_BIAS,
                               pos_ptr, cos_sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_cos_sin,
-                              stride_cache_slot, num_heads, num_kv_heads, EPILOGUE, HEAD_DIM, BLOCK_N, BLOCK_M)
+                              stride_cache_slot, num_heads, num_kv_heads, k_scale, v_scale, EPILOGUE, HEAD_DIM,
+                              BLOCK_N, BLOCK_M, FP8_MAX)
                 tl.atomic_xchg(lock, 0)
     else:
         _store_output(acc, bias_ptr, out_ptr, offs_n, offs_m, tile, out_mask, pid_n, M, N, HAS_BIAS,
                       pos_ptr, cos_sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_cos_sin, stride_cache_slot,
-                      num_heads, num_kv_heads, EPILOGUE, HEAD_DIM, BLOCK_N, BLOCK_M)
+                      num_heads, num_kv_heads, k_scale, v_scale, EPILOGUE, HEAD_DIM, BLOCK_N, BLOCK_M, FP8_MAX)
 
 
 @triton.jit
 def _store_output(acc, bias_ptr, out_ptr, offs_n, offs_m, tile, out_mask, pid_n, M, N, HAS_BIAS: tl.constexpr,
                   pos_ptr, cos_sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_cos_sin, stride_cache_slot,
-                  num_heads, num_kv_heads, EPILOGUE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_M: tl.constexpr):
+                  num_heads, num_kv_heads, k_scale, v_scale, EPILOGUE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, FP8_MAX: tl.constexpr):
     """The finished float32 tile: add the bias and round once to the output dtype, then (EPILOGUE)
     * EPI_PLAIN: store it;
     * EPI_SILU_MUL: silu(gate) * up of each (gate, up) row pair into [M, N // 2], rounded where
       `silu_and_mul` rounds;
     * EPI_ROPE_CACHE (a fused q/k/v projection): rotate the q and k heads' pairs as `rotary_embedding` does
       (same rounding steps), store q, k, v, and write this token's k and v into its KV cache slot (slots < 0:
-      padding, not written)."""
+      padding, not written; FP8_MAX > 0: an fp8 cache, stored as `triton_cache.reshape_and_cache` stores
+      them: divided by k_scale / v_scale, saturated)."""
     dtype = out_ptr.dtype.element_ty
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n).to(tl.float32)[:, None]
@@ -197,13 +202,20 @@ def _store_output(acc, bias_ptr, out_ptr, offs_n, offs_m, tile, out_mask, pid_n,
                 slot = tl.load(slot_ptr + offs_m, mask=offs_m < M, other=-1).to(tl.int64)[None, :]
                 kv_head = head - num_heads
                 cache_ptr = k_cache_ptr
+                cache_scale = k_scale
                 if kv_head >= num_kv_heads:
                     kv_head -= num_kv_heads
                     cache_ptr = v_cache_ptr
+                    cache_scale = v_scale
                 slot_dst = cache_ptr + slot * stride_cache_slot + (kv_head * HEAD_DIM + col)[:, None]
                 keep = out_mask & (slot >= 0)
-                tl.store(slot_dst, o1.to(dtype), mask=keep)
-                tl.store(slot_dst + HEAD_DIM // 2, o2.to(dtype), mask=keep)
+                c1 = o1.to(dtype)
+                c2 = o2.to(dtype)
+                if FP8_MAX > 0:
+                    c1 = quantize_fp8(c1, cache_scale, FP8_MAX, k_cache_ptr.dtype.element_ty)
+                    c2 = quantize_fp8(c2, cache_scale, FP8_MAX, k_cache_ptr.dtype.element_ty)
+                tl.store(slot_dst, c1, mask=keep)
+                tl.store(slot_dst + HEAD_DIM // 2, c2, mask=keep)
 
 
 @triton.jit
@@ -265,6 +277,8 @@ def launch_block_m(m: int) -> int:
     return max(16, triton.next_power_of_2(min(m, 64)))
 
 
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
 # Per-tile split-K counters (zero between launches; each tile's last program resets its own).
 _LOCKS = SplitCounters("the matmul's split counters")
 
@@ -276,11 +290,13 @@ class RopeCache:
 
     positions: torch.Tensor  # [M] int32/int64
     cos_sin_cache: torch.Tensor  # [max_position, head_dim] float32, cos then sin
-    kv_cache: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_dim], contiguous, x's dtype
+    kv_cache: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_dim], contiguous, x's dtype or fp8
     slot_mapping: torch.Tensor  # [M] int32/int64, < 0: not written
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    k_scale: float = 1.0  # an fp8 cache's scales (`reshape_and_cache`); ignored otherwise
+    v_scale: float = 1.0
 
     def fits(self, x: torch.Tensor, n: int, block_n: int) -> bool:
         m, d = x.shape[0], self.head_dim
@@ -295,7 +311,7 @@ class RopeCache:
             and self.cos_sin_cache.dtype == torch.float32 and self.cos_sin_cache.is_contiguous()
             and self.cos_sin_cache.dim() == 2 and self.cos_sin_cache.shape[1] == d
             and cache.dim() == 5 and cache.shape[0] == 2 and tuple(cache.shape[3:]) == (self.num_kv_heads, d)
-            and cache.dtype == x.dtype and cache.is_contiguous()
+            and cache.dtype in (x.dtype, *_FP8_DTYPES) and cache.is_contiguous()
             and self.positions.device == self.slot_mapping.device == cache.device == x.device
             and self.cos_sin_cache.device == x.device
         )
@@ -373,9 +389,11 @@ def skinny_linear(
     if rope is not None:
         rope_args = (rope.positions, rope.cos_sin_cache, rope.slot_mapping, rope.kv_cache[0], rope.kv_cache[1])
         rope_ints = (rope.cos_sin_cache.stride(0), rope.num_kv_heads * rope.head_dim, rope.num_heads,
-                     rope.num_kv_heads)
+                     rope.num_kv_heads, float(rope.k_scale), float(rope.v_scale))
+        fp8_max = torch.finfo(rope.kv_cache.dtype).max if rope.kv_cache.dtype in _FP8_DTYPES else 0.0
     else:
-        rope_args, rope_ints = (x, x, x, x, x), (0, 0, 0, 0)
+        rope_args, rope_ints = (x, x, x, x, x), (0, 0, 0, 0, 1.0, 1.0)
+        fp8_max = 0.0
     _skinny_gemm_kernel[grid](
         x,
         weight,
@@ -399,6 +417,7 @@ def skinny_linear(
         PDL=pdl,
         EPILOGUE=epilogue.value,
         HEAD_DIM=rope.head_dim if rope is not None else 0,
+        FP8_MAX=fp8_max,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         # Each product of the rotation is rounded before the sum (as torch's bf16 ops round): no FMA contraction.

@@ -109,7 +109,8 @@ class LlamaAttention(nn.Module):
             # small GPU batches: rotary and cache write in the projection's epilogue
             rotated = ops.linear_rope_cache(
                 hidden, qkv_proj.weight, qkv_proj.bias, positions, self.rotary_emb.cos_sin_cache, kv_cache,
-                attn_metadata.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim,
+                attn_metadata.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim, self.attn.k_scale,
+                self.attn.v_scale,
             )
         q, k, v = qkv_proj.split(qkv_proj(hidden) if rotated is None else rotated)
         q = q.view(num_tokens, self.num_heads, self.head_dim)

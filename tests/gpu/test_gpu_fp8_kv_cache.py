@@ -6,8 +6,8 @@ checks the kernels and the engine:
   arbitrary values; paged attention over the fp8 cache (mixed batches, decode one split in both tilings and
   split-K, cascade) matches the reference reading the same cache, outputs and split scratch NaN-filled first;
   the rotary launch that writes the cache stores the same bytes as the separate cache write (padded or not);
-  `ops` sends an fp8 cache to those Triton kernels (never to the torch reference) and the q/k/v matmul's
-  rope + cache epilogue (model-dtype stores) steps aside.
+  `ops` sends an fp8 cache to those Triton kernels (never to the torch reference), the q/k/v matmul's rope +
+  cache epilogue included (its bytes those of the reference write).
 * The engine (bf16 tiny random models, head_dim 64 and 128) with an fp8 cache against the same engine with
   the bf16 cache, CUDA graphs on and off: top-5 logprobs within 4x fp8's relative rounding error (the CPU
   test's rule, tests/engine/test_fp8_kv_cache.py), greedy tokens parting only at near ties; fp8 blocks twice
@@ -200,8 +200,12 @@ def test_attention_over_fp8_cache(cache_dtype: torch.dtype, heads: str, case: st
 
 
 def test_ops_send_fp8_to_the_triton_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
-    """CUDA tensors with an fp8 cache never reach the torch reference; the rotary + cache write writes the
-    reference's bytes; the matmul's rope epilogue (model-dtype stores) steps aside."""
+    """CUDA tensors with an fp8 cache never reach the torch reference: attention, the rotary launch that
+    writes the cache and the q/k/v matmul whose epilogue writes it (at 2 and 32 rows, one split and split-K
+    tilings as `ops` picks them) all run Triton and store the reference's bytes."""
+    from kvserve.kernels import triton_gemm
+    from kvserve.layers.rotary import RotaryEmbedding
+
     query, kv, metadata = _batch([1, 1], [300, 40], HEADS["hd128-group7"], torch.float8_e4m3fn)
     reference_attention = reference.paged_attention
     reference_write = reference.reshape_and_cache
@@ -211,21 +215,26 @@ def test_ops_send_fp8_to_the_triton_kernels(monkeypatch: pytest.MonkeyPatch) -> 
 
     monkeypatch.setattr(reference, "paged_attention", refuse)
     monkeypatch.setattr(reference, "reshape_and_cache", refuse)
-    out = ops.paged_attention(query, kv, metadata, 0.1, None, K_SCALE, V_SCALE)
-    num_tokens, num_kv_heads, head_dim = 2, 4, 128
-    positions = torch.tensor([299, 39], device="cuda")
-    from kvserve.layers.rotary import RotaryEmbedding
-
-    rope = RotaryEmbedding(head_dim, 4096, 10000.0).cuda()
-    key = torch.randn(num_tokens, num_kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
-    value = torch.randn_like(key)
     before = kv.clone()
+    out = ops.paged_attention(query, kv, metadata, 0.1, None, K_SCALE, V_SCALE)
+    num_heads, num_kv_heads, head_dim = 28, 4, 128
+    positions = torch.tensor([299, 39], device="cuda")
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0).cuda()
+    key = torch.randn(2, num_kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    value = torch.randn_like(key)
     q, k = ops.rotary_embedding_and_cache(positions, query, key, value, rope.cos_sin_cache, kv,
                                           metadata.slot_mapping, K_SCALE, V_SCALE)
-    hidden = torch.randn(num_tokens, 256, device="cuda", dtype=torch.bfloat16)
-    weight = torch.randn((28 + 8) * head_dim, 256, device="cuda", dtype=torch.bfloat16)
-    assert ops.linear_rope_cache(hidden, weight, None, positions, rope.cos_sin_cache, kv, metadata.slot_mapping,
-                                 28, num_kv_heads, head_dim) is None
+    fused_results = []
+    for m in (2, ops.SKINNY_GEMM_MAX_ROWS):
+        hidden = torch.randn(m, 3584, device="cuda", dtype=torch.bfloat16)
+        weight = torch.randn((num_heads + 2 * num_kv_heads) * head_dim, 3584, device="cuda", dtype=torch.bfloat16) / 60
+        pos = torch.randint(0, 4096, (m,), device="cuda")
+        slots = torch.randperm(kv.shape[1] * kv.shape[2], device="cuda")[:m]
+        fused_cache = kv.clone()
+        fused = ops.linear_rope_cache(hidden, weight, None, pos, rope.cos_sin_cache, fused_cache, slots, num_heads,
+                                      num_kv_heads, head_dim, K_SCALE, V_SCALE)
+        assert fused is not None, "the matmul's rope epilogue declined an fp8 cache"
+        fused_results.append((hidden, weight, pos, slots, fused, fused_cache))
     monkeypatch.setattr(reference, "paged_attention", reference_attention)
     monkeypatch.setattr(reference, "reshape_and_cache", reference_write)
     torch.testing.assert_close(out, reference.paged_attention(query, before, metadata, 0.1, None, K_SCALE, V_SCALE),
@@ -233,6 +242,20 @@ def test_ops_send_fp8_to_the_triton_kernels(monkeypatch: pytest.MonkeyPatch) -> 
     reference.reshape_and_cache(k, value, before, metadata.slot_mapping, K_SCALE, V_SCALE)
     assert torch.equal(kv.view(torch.uint8), before.view(torch.uint8))
     torch.testing.assert_close(q, ops.rotary_embedding(positions, query, key, rope.cos_sin_cache)[0], atol=0, rtol=0)
+    for hidden, weight, pos, slots, fused, fused_cache in fused_results:
+        m = hidden.shape[0]
+        config = triton_gemm.pick_config(m, weight.shape[0], weight.shape[1], ops.num_sms(hidden.device),
+                                         ops._max_shared_bytes(hidden.device))
+        plain = triton_gemm.skinny_linear(hidden, weight, None, config)  # the same tiling, no epilogue
+        q_part, k_part, v_part = plain.split([num_heads * head_dim, num_kv_heads * head_dim,
+                                              num_kv_heads * head_dim], dim=-1)
+        q_rot, k_rot = ops.rotary_embedding(pos, q_part.reshape(m, num_heads, head_dim),
+                                            k_part.reshape(m, num_kv_heads, head_dim), rope.cos_sin_cache)
+        assert torch.equal(fused, torch.cat([q_rot.reshape(m, -1), k_rot.reshape(m, -1), v_part], dim=-1))
+        expected = kv.clone()
+        reference.reshape_and_cache(k_rot, v_part.reshape(m, num_kv_heads, head_dim), expected, slots, K_SCALE,
+                                    V_SCALE)
+        assert torch.equal(fused_cache.view(torch.uint8), expected.view(torch.uint8))
 
 
 # ------------------------------------------------------------------------------------------------ engine

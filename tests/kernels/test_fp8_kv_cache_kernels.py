@@ -31,7 +31,7 @@ from test_triton_attention import (  # noqa: E402
     share_prefix,
 )
 
-from kvserve.kernels import reference, triton_attention, triton_cache, triton_elementwise  # noqa: E402
+from kvserve.kernels import reference, triton_attention, triton_cache, triton_elementwise, triton_gemm  # noqa: E402
 from kvserve.kernels.triton_attention import launch_paged_attention  # noqa: E402
 from kvserve.layers.attention_metadata import AttentionMetadata  # noqa: E402
 from kvserve.layers.rotary import RotaryEmbedding  # noqa: E402
@@ -151,6 +151,52 @@ def test_fused_rotary_cache_write_stores_what_the_separate_ops_store(
     assert int((~cache.cpu().float().isnan()).all(-1).all(-1).sum()) == 2 * (num_tokens - 2)
 
 
+@pytest.mark.parametrize("cache_dtype", FP8, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("config", [triton_gemm.GemmConfig(32, 32, 1, 2), triton_gemm.GemmConfig(32, 32, 4, 3)],
+                         ids=["one-split", "split-k"])
+def test_qkv_matmul_rope_epilogue_stores_what_the_rotary_launch_stores(
+    cache_dtype, dtype, config, device, skip_bf16_on_interpreter
+):
+    """The small-batch q/k/v matmul whose epilogue rotates and writes the cache: with an fp8 cache, the same
+    output and cache bytes as the plain matmul then the rotary launch that writes the cache (itself checked
+    against the reference above), padding slot skipped. Under the interpreter x is one-hot rows and the
+    weight fp8 values times the scales at position 0, so that every stored value is on the fp8 grid."""
+    skip_bf16_on_interpreter(dtype)
+    k_scale, v_scale = SCALES["scaled"]
+    m, heads, kv_heads, head_dim, k_dim, block_size = 5, 4, 2, 64, 256, 4
+    n = (heads + 2 * kv_heads) * head_dim
+    gen = torch.Generator().manual_seed(8)
+    if INTERPRET:
+        x = torch.zeros(m, k_dim)
+        x[torch.arange(m), torch.randint(0, k_dim, (m,), generator=gen)] = 1.0
+        w = _grid_values((n, k_dim), cache_dtype, gen) * 2.0**-4  # within float16 for e5m2 too
+        w[(heads + kv_heads) * head_dim:] *= v_scale / k_scale  # v rows: on the grid times v_scale
+        w *= k_scale
+        positions = torch.zeros(m, dtype=torch.int64)
+    else:
+        x = torch.randn(m, k_dim, generator=gen)
+        w = torch.randn(n, k_dim, generator=gen) * 3
+        positions = torch.randint(0, 100, (m,), generator=gen)
+    x, w, positions = x.to(device, dtype), w.to(device, dtype), positions.to(device)
+    slots = torch.randperm(8 * block_size, generator=gen)[:m].to(device)
+    slots[1] = -1
+    cos_sin = RotaryEmbedding(head_dim, 128, 10000.0).cos_sin_cache.to(device)
+    poison = torch.full((2, 8, block_size, kv_heads, head_dim), 0x7F, dtype=torch.uint8).view(cache_dtype)
+    fused_cache, expected_cache = poison.clone().to(device), poison.clone().to(device)
+    rope = triton_gemm.RopeCache(positions, cos_sin, fused_cache, slots, heads, kv_heads, head_dim, k_scale, v_scale)
+    assert triton_gemm.fits(x, w, config, None, rope=rope)
+    fused = triton_gemm.skinny_linear(x, w, None, config, rope=rope)
+    plain = triton_gemm.skinny_linear(x, w, None, config)
+    q, k, v = plain.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q_rot, k_rot = triton_elementwise.rotary_embedding(
+        positions, q.view(m, heads, head_dim), k.view(m, kv_heads, head_dim), cos_sin, v.view(m, kv_heads, head_dim),
+        expected_cache, slots, k_scale, v_scale)
+    assert torch.equal(fused, torch.cat([q_rot.view(m, -1), k_rot.view(m, -1), v], dim=-1))
+    assert torch.equal(fused_cache.view(torch.uint8), expected_cache.view(torch.uint8))
+    assert int((~fused_cache.float().isnan()).all(-1).all(-1).sum()) == 2 * (m - 1)
+
+
 # ----------------------------------------------------------------------------------------- attention
 
 
@@ -237,7 +283,8 @@ def test_fp8_cache_contract(device):
 def test_fp8_kernels_compile(device, compiler_for, arch):
     """The fp8 launches (bf16 and fp32 queries, both formats) compile for the first GPUs that run them (sm_89)
     and for Hopper: decode one split (both tilings) and split, the cascade's two kernels, prefill tiles, the
-    cache write and the rotary launch that writes the cache; within the per-block shared memory."""
+    cache write, the rotary launch that writes the cache and the q/k/v matmul's rope epilogue; within the
+    per-block shared memory."""
     compiler = compiler_for(arch)
     kernels = ["_paged_attention_kernel"]
     for (num_heads, num_kv_heads, head_dim), dtype, cache_dtype in (
@@ -267,6 +314,14 @@ def test_fp8_kernels_compile(device, compiler_for, arch):
         compiler.record(triton_cache, ["_reshape_and_cache_kernel"],
                         lambda k=key, kv=kv8, s=slot_mapping: triton_cache.reshape_and_cache(k, k, kv, s, 0.5, 2.0))
         cos_sin = RotaryEmbedding(head_dim, 64, 10000.0).cos_sin_cache.to(device)
+        if dtype == torch.bfloat16:  # the q/k/v matmul's rope epilogue (fp16 / bf16 models only)
+            x = torch.zeros(2, 256, dtype=dtype, device=device)
+            w_qkv = torch.zeros((num_heads + 2 * num_kv_heads) * head_dim, 256, dtype=dtype, device=device)
+            for config in (triton_gemm.GemmConfig(32, 64, 1, 2), triton_gemm.GemmConfig(32, 64, 4, 3)):
+                rope = triton_gemm.RopeCache(slot_mapping, cos_sin, kv8, slot_mapping, num_heads, num_kv_heads,
+                                             head_dim, 0.5, 2.0)
+                compiler.record(triton_gemm, ["_skinny_gemm_kernel"],
+                                lambda x=x, w=w_qkv, c=config, r=rope: triton_gemm.skinny_linear(x, w, None, c, rope=r))
         compiler.record(triton_elementwise, ["_rotary_kernel"],
                         lambda q=decode[0], k=key, kv=kv8, s=slot_mapping, cs=cos_sin: triton_elementwise.rotary_embedding(
                             s, q, k, cs, k, kv, s, 0.5, 2.0))
