@@ -260,3 +260,31 @@ def test_cpu_rotary_and_cache_write_fp8() -> None:
     expected = torch.zeros_like(cache)
     reference.reshape_and_cache(k, value, expected, slots, 0.25, 4.0)
     assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+
+
+def test_fp8_cache_on_two_ranks(tiny_model_dir: Any) -> None:
+    """Tensor parallelism: each rank holds its KV heads in fp8 and the two ranks agree with one under the
+    module's rule (the ranks' q/k/v shards round differently in float32, which can tip an fp8 rounding)."""
+    from kvserve import LLM
+
+    path = tiny_model_dir("llama")
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5)
+    prompts = ["Hello, my name is", "The three most important inventions of the twentieth century were"]
+    runs = []
+    for tp in (1, 2):
+        llm = LLM(path, dtype="float32", tensor_parallel_size=tp, max_model_len=256, kv_cache_memory="16MiB",
+                  kv_cache_dtype="fp8", max_num_batched_tokens=32)
+        try:
+            assert llm.engine.core.runner.kv_caches[0].dtype == torch.float8_e4m3fn
+            assert llm.engine.core.runner.kv_caches[0].shape[3] == 2 // tp  # this rank's KV heads
+            runs.append(llm.generate(prompts, params, use_tqdm=False))
+        finally:
+            llm.shutdown()
+    for one, two in zip(*runs, strict=True):
+        a, b = one.outputs[0], two.outputs[0]
+        part = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y), None)
+        for step in range(len(a.token_ids) if part is None else part + 1):
+            common = a.logprobs[step].keys() & b.logprobs[step].keys()
+            assert len(common) >= 3
+            assert all(abs(a.logprobs[step][t].logprob - b.logprobs[step][t].logprob) <= LOGPROB_TOL["fp8"]
+                       for t in common)
