@@ -116,9 +116,9 @@ def paged_attention(
     """Causal attention of each request's new tokens over its cached context.
 
     query: [num_tokens, num_heads, head_dim]; kv_cache as in `reshape_and_cache` (already holding this
-    step's K/V; an fp8 cache is read back as its values times k_scale / v_scale, in float32); num_heads must be a multiple of num_kv_heads (GQA: query head h reads KV head
-    h // (num_heads // num_kv_heads)). Returns [num_tokens, num_heads, head_dim] in query's dtype, written
-    into `out` when given.
+    step's K/V; an fp8 cache is read back as its values times k_scale / v_scale, in float32); num_heads must
+    be a multiple of num_kv_heads (GQA: query head h reads KV head h // (num_heads // num_kv_heads)).
+    Returns [num_tokens, num_heads, head_dim] in query's dtype, written into `out` when given.
 
     The batch is padded to [num_reqs, max_query_len] queries over [num_reqs, max_seq_len] keys gathered
     through the block tables, masked per request, and handed to torch's SDPA in float32 (HF Transformers'

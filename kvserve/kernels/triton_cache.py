@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from kvserve.kernels import triton_pdl
+from kvserve.kernels.triton_elementwise import quantize_fp8
 from kvserve.kernels.triton_pdl import pdl_wait_then_release
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -51,13 +52,9 @@ def _reshape_and_cache_kernel(
     mask = cols < ROW_SIZE
     k = tl.load(key_ptr + token * stride_key_token + cols, mask=mask)
     v = tl.load(value_ptr + token * stride_value_token + cols, mask=mask)
-    # An fp8 cache: divide (IEEE, as torch: `/` may compile to an approximate division), saturate, round to
-    # nearest even.
-    if FP8_MAX > 0:
-        k = tl.clamp(tl.math.div_rn(k.to(tl.float32), k_scale), -FP8_MAX, FP8_MAX)
-        v = tl.clamp(tl.math.div_rn(v.to(tl.float32), v_scale), -FP8_MAX, FP8_MAX)
-        k = k.to(key_cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-        v = v.to(value_cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+    if FP8_MAX > 0:  # an fp8 cache
+        k = quantize_fp8(k, k_scale, FP8_MAX, key_cache_ptr.dtype.element_ty)
+        v = quantize_fp8(v, v_scale, FP8_MAX, value_cache_ptr.dtype.element_ty)
     # NOTE: slot * stride can exceed 2**31 for caches of tens of GB; both are int64 here.
     tl.store(key_cache_ptr + slot * stride_cache_slot + cols, k, mask=mask)
     tl.store(value_cache_ptr + slot * stride_cache_slot + cols, v, mask=mask)

@@ -160,8 +160,9 @@ def rms_norm(
 
 @triton.jit
 def quantize_fp8(x, scale, FP8_MAX: tl.constexpr, cache_dtype: tl.constexpr):
-    """x / scale (IEEE division), saturated to +-FP8_MAX, rounded to nearest even into the fp8 cache_dtype:
-    `reference.quantize_kv` bit for bit."""
+    """x / scale, saturated to +-FP8_MAX, rounded to nearest even into the fp8 cache_dtype: what every cache
+    write stores in an fp8 cache, `reference.quantize_kv` bit for bit. The division is IEEE (`div_rn`), as
+    torch's: Triton's `/` may compile to an approximate one."""
     return tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -FP8_MAX, FP8_MAX).to(
         cache_dtype, fp_downcast_rounding="rtne")
 

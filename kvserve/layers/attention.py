@@ -53,9 +53,10 @@ class Attention(nn.Module):
         if result is not None:
             return result if out is None else out.copy_(result)
         return ops.paged_attention(query[: attn_metadata.num_tokens], kv_cache, attn_metadata, self.scale, out,
-                                   self.k_scale, self.v_scale)
+                                   k_scale=self.k_scale, v_scale=self.v_scale)
 
     def forward_cached(self, query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
         """Attention of query [num_tokens, num_heads, head_dim] over the cache alone (every key the metadata
         names is already there): [num_tokens, num_heads, head_dim]."""
-        return ops.paged_attention(query, kv_cache, attn_metadata, self.scale, None, self.k_scale, self.v_scale)
+        return ops.paged_attention(query, kv_cache, attn_metadata, self.scale, k_scale=self.k_scale,
+                                   v_scale=self.v_scale)

@@ -229,7 +229,8 @@ class RotaryEmbedding(nn.Module):
         """`forward`, and the rotated key and `value` written into `kv_cache` at `slot_mapping` (the
         contract of `ops.reshape_and_cache`; the scales are an fp8 cache's). Returns the rotated (query, key)."""
         return ops.rotary_embedding_and_cache(
-            positions, query, key, value, self.cos_sin_cache, kv_cache, slot_mapping, k_scale, v_scale
+            positions, query, key, value, self.cos_sin_cache, kv_cache, slot_mapping, k_scale=k_scale,
+            v_scale=v_scale,
         )
 
     def forward_and_cache_padded(
@@ -247,5 +248,6 @@ class RotaryEmbedding(nn.Module):
         """`forward_and_cache`, returning (query, key, value) padded with zero rows to pad_to rows, contiguous
         (`ops.rotary_embedding_and_cache_padded`)."""
         return ops.rotary_embedding_and_cache_padded(
-            positions, query, key, value, self.cos_sin_cache, kv_cache, slot_mapping, pad_to, k_scale, v_scale
+            positions, query, key, value, self.cos_sin_cache, kv_cache, slot_mapping, pad_to, k_scale=k_scale,
+            v_scale=v_scale,
         )

@@ -109,8 +109,8 @@ class LlamaAttention(nn.Module):
             # small GPU batches: rotary and cache write in the projection's epilogue
             rotated = ops.linear_rope_cache(
                 hidden, qkv_proj.weight, qkv_proj.bias, positions, self.rotary_emb.cos_sin_cache, kv_cache,
-                attn_metadata.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim, self.attn.k_scale,
-                self.attn.v_scale,
+                attn_metadata.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim,
+                k_scale=self.attn.k_scale, v_scale=self.attn.v_scale,
             )
         q, k, v = qkv_proj.split(qkv_proj(hidden) if rotated is None else rotated)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -124,12 +124,12 @@ class LlamaAttention(nn.Module):
             pad_to = ops.prefill_attention_padding(attn_metadata, q, k)
             if pad_to:
                 q, k, v = self.rotary_emb.forward_and_cache_padded(
-                    positions, q, k, v, kv_cache, attn_metadata.slot_mapping, pad_to, self.attn.k_scale,
-                    self.attn.v_scale,
+                    positions, q, k, v, kv_cache, attn_metadata.slot_mapping, pad_to, k_scale=self.attn.k_scale,
+                    v_scale=self.attn.v_scale,
                 )
             else:
                 q, k = self.rotary_emb.forward_and_cache(positions, q, k, v, kv_cache, attn_metadata.slot_mapping,
-                                                         self.attn.k_scale, self.attn.v_scale)
+                                                         k_scale=self.attn.k_scale, v_scale=self.attn.v_scale)
         return q, k, v
 
     def attend(

@@ -39,10 +39,11 @@ def triton_attention_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     prefixes: list[int] = []
 
     def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-                        scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                        scale: float, out: torch.Tensor | None = None, k_scale: float = 1.0,
+                        v_scale: float = 1.0) -> torch.Tensor:
         if metadata.is_decode_only:
             prefixes.append(metadata.common_prefix_len)
-        return triton_attention.launch_paged_attention(query, kv_cache, metadata, scale, out)
+        return triton_attention.launch_paged_attention(query, kv_cache, metadata, scale, out, None, k_scale, v_scale)
 
     monkeypatch.setattr(ops, "paged_attention", paged_attention)
     monkeypatch.setattr(input_batch, "CASCADE_MIN_REQS", 2)
