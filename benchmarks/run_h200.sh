@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: s49t s49b s48 so47 so46 so45 gpu44 pen44 plp43 hfseeds43 gpu43 hf43 pen42 kernels41 final41 gpu40 kprof40 check40 final40 dab40 dsw40 dec39 check39 final39 pgt39b c1ab39 pgt39 sus39 place38 dpdl38 gap38 busy38 tma38 ncuattn36 pair36 last36 pw36 final36 ab36 fuse36 ncu36 fix35 graphs35 final35 diag35 pairs35 pairs34 lop34 swap34 quant33 tp32a tp32b tp32c asc31b asc31 api30c api30b api30 client29b api29 client29 pytest28 cublas28 firstburst28 firstpass28w firstpass28s firstpass28e firstpass28 sweep28 abclient27 gcprobe27 client27 mnbt27 rowq26 gcserve26 gc26 bisect26 hash25 capfail25b capfail25 offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: ab49 s49t s49b s48 so47 so46 so45 gpu44 pen44 plp43 hfseeds43 gpu43 hf43 pen42 kernels41 final41 gpu40 kprof40 check40 final40 dab40 dsw40 dec39 check39 final39 pgt39b c1ab39 pgt39 sus39 place38 dpdl38 gap38 busy38 tma38 ncuattn36 pair36 last36 pw36 final36 ab36 fuse36 ncu36 fix35 graphs35 final35 diag35 pairs35 pairs34 lop34 swap34 quant33 tp32a tp32b tp32c asc31b asc31 api30c api30b api30 client29b api29 client29 pytest28 cublas28 firstburst28 firstpass28w firstpass28s firstpass28e firstpass28 sweep28 abclient27 gcprobe27 client27 mnbt27 rowq26 gcserve26 gc26 bisect26 hash25 capfail25b capfail25 offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Pass the local commit, written in literally (the device copy's git metadata can be stale, so a $(git ...) in
 # the command would read it there): KVSERVE_BENCH_COMMIT=<sha> bash ...
@@ -754,6 +754,19 @@ PY
         cp "$R/ncuattn36.log" "$OUT/"
         grep -a -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Waves Per|SM Active|Elapsed Cyc|Issue Slots|ncu rc|rror" \
           "$R/ncuattn36.log" | head -40 ;;
+    ab49) # Session 49 (about 120 s): the bf16 decode steps at cf96ccb (before the fp8 KV cache; its kvserve and
+        # benchmark scripts in .carry/old49, carried) against this tree, alternating old / new twice in one call:
+        # s49b's batch-1 step read 5.57 ms where final41's had read 5.40 on another H100.
+        rm -rf /tmp/oldtree && mkdir -p /tmp/oldtree && cp -r .carry/old49/. /tmp/oldtree/ || exit 1
+        for round in 1 2; do
+          for mode in old new; do
+            dir=.; [ $mode = old ] && dir=/tmp/oldtree
+            timeout 60 python3 $dir/benchmarks/engine_benchmarks.py --out "$R/ab49_${mode}_$round" \
+              --sections decode --decode-batches 1,64 --decode-contexts 1024 > "$R/ab49_${mode}_$round.log" 2>&1
+            echo "rc=$?" >> "$R/ab49_${mode}_$round.log"
+            echo "--- $mode $round"; grep -a -E "^decode b|^decode graphs|rc=" "$R/ab49_${mode}_$round.log" | cut -c1-140
+          done
+        done ;;
     s49t) # Session 49, tests (about 450 s): the fp8 KV cache's GPU tests first (kernels against the reference at
         # real shapes, the engine with an fp8 cache against the model-dtype cache, graphs on and off), then every
         # GPU test file (the fp8 change touched the attention, cache-write, rotary and q/k/v epilogue kernels of

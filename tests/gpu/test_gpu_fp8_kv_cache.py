@@ -338,14 +338,20 @@ def test_fp8_engine_agrees_with_bf16_cache(checkpoints: dict[str, str], model: s
 
 
 def test_fp8_cache_doubles_the_blocks_of_bf16(checkpoints: dict[str, str]) -> None:
-    blocks = {}
+    blocks, per_block = {}, {}
     for kv in ("auto", "fp8"):
         args = EngineArgs(model=checkpoints["llama-hd64"], dtype="bfloat16", device="cuda", max_model_len=1024,
                           max_num_seqs=16, gpu_memory_utilization=0.01, kv_cache_memory="64MiB", kv_cache_dtype=kv,
                           enforce_eager=True)
         core = EngineCore(args.create_engine_config())
         blocks[kv] = core.capacity.num_blocks
+        per_block[kv] = core.runner.kv_cache_bytes_per_block()
         assert sum(c.numel() * c.element_size() for c in core.runner.kv_caches) <= 64 << 20
         del core
         torch.cuda.empty_cache()
-    assert blocks["fp8"] == 2 * blocks["auto"] > 0
+    # Half the bytes a block, so twice the blocks, give or take the rounding down of each division (on an H100:
+    # 64 MiB held 2,730 bf16 blocks and 5,461 fp8 ones).
+    assert per_block["auto"] == 2 * per_block["fp8"]
+    assert blocks["auto"] == (64 << 20) // per_block["auto"] > 0
+    assert blocks["fp8"] == (64 << 20) // per_block["fp8"]
+    assert blocks["fp8"] in (2 * blocks["auto"], 2 * blocks["auto"] + 1)
