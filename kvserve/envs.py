@@ -28,6 +28,9 @@ KVSERVE_API_KEY: str | None = os.environ.get("KVSERVE_API_KEY")
 # vLLM's name for it, read only when --api-key is not given and KVSERVE_API_KEY is unset (a vLLM
 # deployment's environment keeps its authentication).
 VLLM_API_KEY: str | None = _str("VLLM_API_KEY", None)
+# Set (1) by `kvserve serve --data-parallel-size N` in the environment of each replica it starts: a replica
+# refuses to start replicas of its own, whatever its command line says (not a setting for users).
+KVSERVE_DP_REPLICA: bool = _int("KVSERVE_DP_REPLICA", 0) != 0
 # Log level of the kvserve logger.
 KVSERVE_LOGGING_LEVEL: str = _str("KVSERVE_LOGGING_LEVEL", "INFO") or "INFO"
 # One-prompt prefills at least this long use cuDNN's attention kernel (0: never). Unset (-1): 1024 on sm_90

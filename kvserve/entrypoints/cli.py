@@ -222,14 +222,15 @@ def _cmd_triton_repo(ns: argparse.Namespace) -> int:
 
 
 def _cmd_route(ns: argparse.Namespace) -> int:
-    from kvserve.router.app import parse_backends, run_router
+    from kvserve.router.app import RouterConfig, parse_backends, run_router
 
     backends = parse_backends(ns.backend)
     if ns.health_check_interval <= 0:
         raise ValueError(f"--health-check-interval must be positive, got {ns.health_check_interval}")
     if ns.request_timeout <= 0:
         raise ValueError(f"--request-timeout must be positive, got {ns.request_timeout}")
-    return run_router(backends, ns.policy, ns.host, ns.port, ns.health_check_interval, ns.request_timeout)
+    config = RouterConfig(health_check_interval_s=ns.health_check_interval, request_timeout_s=ns.request_timeout)
+    return run_router(backends, ns.policy, ns.host, ns.port, config)
 
 
 def build_parser() -> argparse.ArgumentParser:

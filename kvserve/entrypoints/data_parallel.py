@@ -1,25 +1,31 @@
 """`kvserve serve --data-parallel-size N` (`-dp N`): N replicas of the server behind one port.
 
-This process starts N child `kvserve serve` processes with the command's own flags less --data-parallel-size,
---host and --port, each listening on 127.0.0.1 at a free port of its own and, on CUDA, on GPUs of its own:
-replica i gets GPUs [i * TP, (i + 1) * TP) of those visible to this process (CUDA_VISIBLE_DEVICES, else all),
-TP being --tensor-parallel-size. With device cpu the N replicas share the cores. Each child's output comes
-out of this process's stderr, each line prefixed `(replica i)`.
+This process starts N child `kvserve serve` processes with the command's own flags followed by
+`--data-parallel-size 1 --host 127.0.0.1 --port P` (argparse keeps a flag's last value), each listening on
+127.0.0.1 at a free port of its own and, on CUDA, on GPUs of its own: replica i gets GPUs
+[i * TP, (i + 1) * TP) of those visible to this process (CUDA_VISIBLE_DEVICES, else all), TP being
+--tensor-parallel-size. With device cpu the N replicas share the cores. Each child's output comes out of this
+process's stderr, each line prefixed `(replica i)`. Each child's environment has KVSERVE_DP_REPLICA=1, so it
+refuses to start replicas of its own.
 
-* Start-up: the public --host/--port is bound at once (a busy port fails fast) but accepts connections only
-  once every replica answers /health 200; then the router (`kvserve.router.app`, prefix policy) serves it
-  from this process. A replica that exits during start-up stops the others, and the command exits with that
-  replica's exit code (its last lines of output repeated in the error).
+* Start-up: the public --host/--port is bound and listening at once (a busy port fails fast, before any
+  replica starts); connections wait in its backlog until every replica answers /health 200 and the router
+  (`kvserve.router.app`, prefix policy) serves it from this process. A replica that exits during start-up
+  stops the others, and the command exits with that replica's exit status (128 + N for a death by signal N),
+  its last lines of output repeated in the error.
 * Serving: the router forwards each request to a healthy replica (prompts that start alike to the same one,
-  for its prefix cache), with the Authorization header, so replicas given --api-key check it. /metrics
-  holds every replica's series labelled engine="<i>", and the router's own.
+  for its prefix cache), with the Authorization header, so replicas given --api-key check it; its own
+  health checks send the key too. It sets no limit on how long a replica may take (as one server has none),
+  refuses bodies over --max-request-body-bytes as the server does, and caps nothing in flight. /metrics holds
+  every replica's series labelled engine="<i>", and the router's own.
 * A replica that exits while serving stops the whole server: the others are stopped and this process exits
   1, as one server does when its engine dies (an orchestrator restarts it whole). Between a replica's engine
   dying and its process exiting (about a second), the router's health checks and its retry on 503 keep
   requests away from it.
 * SIGTERM / SIGINT: every replica drains (it gets one SIGTERM; new requests 503, in-flight ones finish
   within --shutdown-timeout), the router stops accepting and finishes its requests, and the process exits 0
-  once every replica has exited 0. A second signal is passed on, so the replicas exit at once. The replicas
+  once every replica has exited 0. A second signal is passed on, so the replicas exit at once; the process
+  then exits 0 too when each replica exited 0 or by that SIGTERM (streams still open are cut). The replicas
   run in sessions of their own, so a terminal's Ctrl-C reaches them once, through this process; on Linux
   each also gets SIGTERM if this process dies without stopping them.
 """
@@ -35,26 +41,29 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TextIO
 
 import aiohttp
 from aiohttp import web
 
 from kvserve import envs
-from kvserve.router.app import RouterApp
+from kvserve.entrypoints.openai.cli_args import api_key_from
+from kvserve.router.app import RouterApp, RouterConfig
 from kvserve.router.policies import Router
 
 logger = logging.getLogger("kvserve.data_parallel")
 
 LOCAL_HOST = "127.0.0.1"
-# Flags of the command that the replicas do not get (each listens where this process tells it), with
-# whether they take a value.
-_PARENT_ONLY_FLAGS = {"--data-parallel-size": True, "-dp": True, "--host": True, "--port": True}
 HEALTH_POLL_S = 0.5
 ROUTER_HEALTH_CHECK_INTERVAL_S = 2.0
 # Lines of each replica's output kept to repeat when it fails.
 TAIL_LINES = 40
+# How much of a replica's output is read at once, and the longest line kept whole (a longer one is passed on
+# in pieces of this size).
+OUTPUT_CHUNK_BYTES = 64 * 1024
+MAX_LINE_BYTES = 1024 * 1024
 # After --shutdown-timeout, how long replicas get to exit before they are killed.
 EXIT_GRACE_S = 15.0
 
@@ -82,35 +91,42 @@ def assign_gpus(visible: Sequence[str], data_parallel_size: int, tensor_parallel
 
 
 def replica_args(serve_args: Sequence[str], port: int) -> list[str]:
-    """A replica's `kvserve serve` flags: the command's (`serve_args`, those after `serve`) less
-    --data-parallel-size / -dp, --host and --port (as `--flag value`, `--flag=value`, or a long flag's
-    unambiguous abbreviation, which argparse accepted), plus --host 127.0.0.1 --port `port`."""
-    out: list[str] = []
-    skip_value = False
-    for i, arg in enumerate(serve_args):
-        if skip_value:
-            skip_value = False
-            continue
-        if arg == "--":  # the rest is positional
-            out.extend(serve_args[i:])
-            break
-        name, has_value = arg.split("=", 1)[0], "=" in arg
-        flag = _parent_only_flag(name)
-        if flag is None:
-            out.append(arg)
-        elif _PARENT_ONLY_FLAGS[flag] and not has_value:
-            skip_value = True
-    return [*out, "--host", LOCAL_HOST, "--port", str(port)]
+    """A replica's `kvserve serve` flags: the command's (`serve_args`, those after `serve`), all of them in
+    their order, plus `--data-parallel-size 1 --host 127.0.0.1 --port <port>`, before a `--` if there is one
+    (after it every word is positional). argparse keeps a flag's last value, so these win however the
+    command spelled its own (`-dp 2`, `-d 2`, `--data-p=2`); and since nothing is dropped, every other word
+    parses as it did for the command (dropping `-dp 2` from `--served-model-name a -dp 2 MODEL` would make
+    MODEL a served name)."""
+    args = list(serve_args)
+    end = args.index("--") if "--" in args else len(args)
+    return [*args[:end], "--data-parallel-size", "1", "--host", LOCAL_HOST, "--port", str(port), *args[end:]]
 
 
-def _parent_only_flag(name: str) -> str | None:
-    if name in _PARENT_ONLY_FLAGS:
-        return name
-    if name.startswith("--") and len(name) > 3:  # an abbreviation argparse took for the one flag it begins
-        matches = [flag for flag in _PARENT_ONLY_FLAGS if flag.startswith("--") and flag.startswith(name)]
-        if len(matches) == 1:
-            return matches[0]
-    return None
+def exit_status(returncode: int) -> int:
+    """The command's exit status for a replica that failed with `returncode` (asyncio's: -N for a death by
+    signal N): 128 + N for a signal, as a shell reports it; the code itself otherwise, 1 for 0 (a replica that
+    exits during start-up has failed, whatever its code)."""
+    if returncode < 0:
+        return 128 - returncode
+    return returncode or 1
+
+
+def unexpected_exits(codes: Mapping[int, int | None], stopped_at_once: bool) -> dict[int, int | None]:
+    """{replica index: exit code} of the replicas that did not stop as told: every code but 0 when they were
+    asked to drain; after a second signal (`stopped_at_once`), a death by the SIGTERM that passed it on is
+    what was asked for, too."""
+    expected = {0, -int(signal.SIGTERM)} if stopped_at_once else {0}
+    return {index: code for index, code in codes.items() if code not in expected}
+
+
+def router_config(ns: argparse.Namespace) -> RouterConfig:
+    """The router in front of the replicas, set as one server would be: no time limit on an answer (one
+    server has none), the server's request body limit (the replicas check it too; 0, which refuses any body,
+    is theirs to apply), and the API key for its own /v1/models polls."""
+    api_key, _ = api_key_from(ns.api_key, envs.KVSERVE_API_KEY, envs.VLLM_API_KEY)
+    return RouterConfig(health_check_interval_s=ROUTER_HEALTH_CHECK_INTERVAL_S, request_timeout_s=None,
+                        max_body_bytes=max(int(ns.max_request_body_bytes), 1), engine_metrics=True,
+                        api_key=api_key)
 
 
 def check_data_parallel_flags(ns: argparse.Namespace) -> None:
@@ -167,8 +183,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def plan_replicas(ns: argparse.Namespace) -> list[ReplicaPlan]:
-    """Each replica's port and GPUs (ValueError when the GPUs do not suffice)."""
+def plan_replicas(ns: argparse.Namespace, taken_ports: Collection[int] = ()) -> list[ReplicaPlan]:
+    """Each replica's port (none of `taken_ports`: the public one) and GPUs (ValueError when the GPUs do not
+    suffice)."""
     dp, tp = int(ns.data_parallel_size), int(ns.tensor_parallel_size)
     device = ns.device
     if device is None:
@@ -185,7 +202,9 @@ def plan_replicas(ns: argparse.Namespace) -> list[ReplicaPlan]:
         groups = list(assign_gpus(visible, dp, tp))
     ports: set[int] = set()
     while len(ports) < dp:
-        ports.add(_free_port())
+        port = _free_port()
+        if port not in taken_ports:
+            ports.add(port)
     return [ReplicaPlan(i, port, gpus) for i, (port, gpus) in enumerate(zip(sorted(ports), groups, strict=True))]
 
 
@@ -199,14 +218,19 @@ def _die_with_parent() -> Callable[[], None] | None:
     prctl = ctypes.CDLL(None, use_errno=True).prctl
     pr_set_pdeathsig = 1
 
+    parent = os.getpid()
+
     def in_child() -> None:
         prctl(pr_set_pdeathsig, int(signal.SIGTERM))
+        if os.getppid() != parent:  # the parent died before the request took hold: no signal will come
+            os._exit(1)
 
     return in_child
 
 
 async def _start(plan: ReplicaPlan, serve_args: Sequence[str]) -> Replica:
     env = dict(os.environ)
+    env["KVSERVE_DP_REPLICA"] = "1"  # it refuses --data-parallel-size > 1, however its flags say it
     if plan.gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(plan.gpus)
     command = [sys.executable, "-m", "kvserve", "serve", *replica_args(serve_args, plan.port)]
@@ -214,27 +238,42 @@ async def _start(plan: ReplicaPlan, serve_args: Sequence[str]) -> Replica:
         *command, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
         env=env, start_new_session=True, preexec_fn=_die_with_parent())
     replica = Replica(plan, process)
-    replica.output_done = asyncio.create_task(_relay_output(replica))
+    assert process.stdout is not None
+    replica.output_done = asyncio.create_task(
+        relay_output(process.stdout, f"(replica {plan.index}) ", replica.tail, sys.stderr))
     replica.exit_wait = asyncio.create_task(process.wait())
     logger.info("started %s (pid %d)", plan.describe(), process.pid)
     return replica
 
 
-async def _relay_output(replica: Replica) -> None:
-    """Copy the replica's output to this process's stderr, line by line, prefixed; keep its last lines."""
-    assert replica.process.stdout is not None
-    prefix = f"(replica {replica.plan.index}) "
+async def relay_output(stream: asyncio.StreamReader, prefix: str, tail: collections.deque[str],
+                       out: TextIO) -> None:
+    """Copy `stream` to `out` line by line, each prefixed, until its end; keep the last lines in `tail`.
+    Read in chunks, not with readline(), whose 64 KiB limit loses the start of a longer line; a line past
+    MAX_LINE_BYTES is passed on in pieces."""
+    pending = b""
+
+    def emit(line: bytes) -> None:
+        for start in range(0, max(len(line), 1), MAX_LINE_BYTES):
+            text = line[start:start + MAX_LINE_BYTES].decode(errors="replace") + "\n"
+            tail.append(text)
+            out.write(prefix + text)
+
     while True:
-        try:
-            line = await replica.process.stdout.readline()
-        except ValueError:  # a line longer than the stream's limit: the rest of it comes next
-            continue
-        if not line:
+        chunk = await stream.read(OUTPUT_CHUNK_BYTES)
+        if not chunk:
+            if pending:
+                emit(pending)
+                out.flush()
             return
-        text = line.decode(errors="replace")
-        replica.tail.append(text)
-        sys.stderr.write(prefix + text)
-        sys.stderr.flush()
+        *lines, pending = (pending + chunk).split(b"\n")
+        if len(pending) > MAX_LINE_BYTES:  # no end in sight: pass on its whole pieces
+            cut = len(pending) - len(pending) % MAX_LINE_BYTES
+            lines.append(pending[:cut])
+            pending = pending[cut:]
+        for line in lines:
+            emit(line)
+        out.flush()
 
 
 async def _wait_ready(replicas: Sequence[Replica], stop: asyncio.Event) -> Replica | None:
@@ -314,18 +353,17 @@ async def _serve(ns: argparse.Namespace, plans: Sequence[ReplicaPlan], serve_arg
         if failed is not None:
             code = await failed.process.wait()
             logger.error("%s", failed.failure(code, "during start-up"))
-            return code or 1
+            return exit_status(code)
         if stop.is_set():
             return 0
-        app = RouterApp(Router([r.url for r in replicas], "prefix"), ROUTER_HEALTH_CHECK_INTERVAL_S,
-                        engine_metrics=True)
+        config = router_config(ns)
+        app = RouterApp(Router([r.url for r in replicas], "prefix"), config)
         runner = web.AppRunner(app.make_app(), handle_signals=False, access_log=None, handler_cancellation=True,
                                shutdown_timeout=shutdown_s)
         await runner.setup()
         await web.SockSite(runner, sock).start()
         host, port = sock.getsockname()[:2]
-        api_key = ns.api_key or envs.KVSERVE_API_KEY or envs.VLLM_API_KEY or None
-        name = await _served_name(replicas[0], api_key) or "the model"
+        name = await _served_name(replicas[0], config.api_key) or "the model"
         local = " (this machine only; --host 0.0.0.0 to accept others)" if ns.host == LOCAL_HOST else ""
         logger.info("serving %s on http://%s:%d%s (OpenAI API under /v1) from %d data-parallel replicas: %s",
                     name, host, port, local, len(replicas), "; ".join(r.plan.describe() for r in replicas))
@@ -346,10 +384,12 @@ async def _serve(ns: argparse.Namespace, plans: Sequence[ReplicaPlan], serve_arg
         if dead:
             return 1
         codes = {r.plan.index: r.process.returncode for r in replicas}
-        bad = {i: c for i, c in codes.items() if c != 0}
+        bad = unexpected_exits(codes, stopped_at_once=signals > 1)
         if bad:
             logger.error("replicas exited with codes %s", bad)
             return 1
+        if signals > 1:
+            logger.info("stopped at once: replicas exited with codes %s", codes)
         return 0
     finally:
         if runner is not None:
@@ -359,39 +399,36 @@ async def _serve(ns: argparse.Namespace, plans: Sequence[ReplicaPlan], serve_arg
             loop.remove_signal_handler(sig)
 
 
-def _bind_unlistened(host: str, port: int) -> socket.socket:
-    """The public socket, bound (so a busy port fails now) but not listening: connections are refused until
-    every replica is ready and the router starts."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.setblocking(False)
-    return sock
-
-
 def run_data_parallel(ns: argparse.Namespace) -> int:
     """`kvserve serve` with --data-parallel-size > 1; `ns.serve_args` holds the command's flags (after
     `serve`). Returns the exit code."""
+    from kvserve.entrypoints.openai.api_server import bind_listening
+
     serve_args = getattr(ns, "serve_args", None)
     if serve_args is None:
         raise ValueError("--data-parallel-size > 1 needs the command line (run it as `kvserve serve`)")
     try:
         check_data_parallel_flags(ns)
-        plans = plan_replicas(ns)
     except ValueError as e:
         print(f"kvserve serve: error: {e}", file=sys.stderr)
         return 2
+    # The public port first, listening: a busy one fails now, no other process can take it meanwhile, and
+    # the replicas' ports are then chosen among the others.
     try:
-        sock = _bind_unlistened(ns.host, ns.port)
+        sock = bind_listening(ns.host, ns.port)
     except OSError as e:
         logger.error("cannot listen on %s:%d: %s", ns.host, ns.port, e)
         return 1
-    import prometheus_client
-
-    prometheus_client.disable_created_metrics()  # the router's series, as `kvserve route`
-    logger.info("starting %d data-parallel replicas: %s", len(plans), "; ".join(p.describe() for p in plans))
     try:
+        try:
+            plans = plan_replicas(ns, taken_ports={int(sock.getsockname()[1])})
+        except ValueError as e:
+            print(f"kvserve serve: error: {e}", file=sys.stderr)
+            return 2
+        import prometheus_client
+
+        prometheus_client.disable_created_metrics()  # the router's series, as `kvserve route`
+        logger.info("starting %d data-parallel replicas: %s", len(plans), "; ".join(p.describe() for p in plans))
         return asyncio.run(_serve(ns, plans, serve_args, sock))
     finally:
         sock.close()

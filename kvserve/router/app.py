@@ -12,10 +12,15 @@ header is forwarded, so backends started with --api-key check it themselves.
   marked unhealthy until its /health answers 200 again; when every backend is marked, each is still tried.
   Once an answer has started, an error is the client's to see (it is passed on, or the stream ends). A
   backend silent for `--request-timeout` seconds (before its answer or between two chunks) ends the
-  request: 504 before the answer, a cut stream after.
+  request: 504 before the answer, a cut stream after (the replicas of `kvserve serve -dp N` have no such
+  limit, as one server has none).
+* No limit on the requests in flight: the connections to the backends are not pooled under a cap (aiohttp's
+  default of 100 would queue the rest unseen); the backends' own schedulers decide what waits.
+* A request body over `max_body_bytes` gets 413 with OpenAI's error body, as the server answers.
 * Each backend's /health (and, while healthy, /v1/models) is polled every `--health-check-interval` s.
 * A client that disconnects ends its request: the router closes the backend connection, which the
   backend takes as an abort.
+* `GET /ping` (and POST) goes to a backend as /v1/* does: the server's liveness path, as vLLM's.
 * `GET /health`: 200 while at least one backend is healthy, else 503 (OpenAI's error body).
   `GET /router/backends`: each backend's state (JSON). `GET /metrics`: the router's own Prometheus
   series (requests by backend and status, retries, in-flight and health per backend); with
@@ -30,6 +35,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
@@ -54,6 +60,7 @@ DEFAULT_REQUEST_TIMEOUT_S = 600.0
 MAX_BODY_BYTES = 32 * 1024 * 1024  # as the kvserve server's own limit
 SHUTDOWN_TIMEOUT_S = 60.0
 PROXIED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/version")
+PROXIED_PATHS = ("/ping",)
 
 
 def _error(status: int, message: str, param: str | None = None) -> web.Response:
@@ -64,13 +71,33 @@ def _error(status: int, message: str, param: str | None = None) -> web.Response:
                              dumps=lambda body: json.dumps(body, separators=(",", ":"), ensure_ascii=False))
 
 
+@dataclass(frozen=True)
+class RouterConfig:
+    """How the router serves: `kvserve route`'s flags, or what `kvserve serve -dp N` sets for its replicas."""
+
+    health_check_interval_s: float = 5.0
+    # The most a backend may stay silent (before its answer, or between two chunks of it); None: no limit.
+    request_timeout_s: float | None = DEFAULT_REQUEST_TIMEOUT_S
+    # Larger request bodies get 413.
+    max_body_bytes: int = MAX_BODY_BYTES
+    # /metrics also holds each backend's own series, labelled engine="<i>" (the replicas of -dp N).
+    engine_metrics: bool = False
+    # Sent with the router's own /v1/models polls; clients' requests carry their own Authorization.
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.health_check_interval_s > 0:
+            raise ValueError(f"the health check interval must be positive, got {self.health_check_interval_s}")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise ValueError(f"the request timeout must be positive, got {self.request_timeout_s}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"the request body limit must be positive, got {self.max_body_bytes}")
+
+
 class RouterApp:
-    def __init__(self, router: Router, health_check_interval_s: float = 5.0,
-                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, engine_metrics: bool = False) -> None:
+    def __init__(self, router: Router, config: RouterConfig | None = None) -> None:
         self.router = router
-        self.engine_metrics = engine_metrics
-        self.health_check_interval_s = health_check_interval_s
-        self.request_timeout_s = request_timeout_s
+        self.config = config if config is not None else RouterConfig()
         self.registry = CollectorRegistry()
         self.requests = Counter("kvserve_router:requests", "Requests, by backend and outcome: the HTTP status "
                                 "sent, client_closed, or stream_error (backend \"none\": the router's own answers).",
@@ -90,7 +117,7 @@ class RouterApp:
     # ------------------------------------------------------------------ app
 
     def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app = web.Application(client_max_size=self.config.max_body_bytes)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/router/backends", self.backends)
@@ -102,8 +129,11 @@ class RouterApp:
 
     async def _start(self, _: web.Application) -> None:
         self.session = aiohttp.ClientSession(
+            # limit=0: no cap on the connections (aiohttp's default, 100 in all, would hold the 101st request
+            # in flight back in the router, unseen by the backends' schedulers and metrics).
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=0),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S,
-                                          sock_read=self.request_timeout_s),
+                                          sock_read=self.config.request_timeout_s),
             auto_decompress=False,
         )
         await self.check_health()
@@ -130,8 +160,9 @@ class RouterApp:
             ok, why = False, f"/health failed: {type(exc).__name__}: {exc}"
         self._set_health(backend, ok, why)
         if ok:
-            try:  # which models it serves (a backend with --api-key refuses: its models stay unknown)
-                async with self.session.get(backend.url + "/v1/models", timeout=timeout) as response:
+            try:  # which models it serves (a backend whose --api-key the router lacks refuses: they stay unknown)
+                async with self.session.get(backend.url + "/v1/models", timeout=timeout,
+                                            headers=self._auth) as response:
                     if response.status == 200:
                         backend.models = {m["id"] for m in (await response.json())["data"]}
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError):
@@ -146,9 +177,13 @@ class RouterApp:
         if not ok:
             backend.last_error = why
 
+    @property
+    def _auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
+
     async def _health_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.health_check_interval_s)
+            await asyncio.sleep(self.config.health_check_interval_s)
             await self.check_health()
 
     async def health(self, _: web.Request) -> web.Response:
@@ -164,7 +199,7 @@ class RouterApp:
 
     async def metrics(self, _: web.Request) -> web.Response:
         body = generate_latest(self.registry)
-        if self.engine_metrics:
+        if self.config.engine_metrics:
             texts = await asyncio.gather(*(self._scrape(b) for b in self.router.backends))
             parts = [({"engine": str(i)}, text) for i, text in enumerate(texts) if text is not None]
             body = merge_expositions([*parts, ({}, body.decode())])
@@ -210,10 +245,13 @@ class RouterApp:
         return response
 
     async def proxy(self, request: web.Request) -> web.StreamResponse:
-        if not request.path.startswith(PROXIED_PREFIXES):
+        if not (request.path.startswith(PROXIED_PREFIXES) or request.path in PROXIED_PATHS):
             return self._own(_error(404, f"not found: {request.path} (the router forwards /v1/*, /tokenize, "
-                                    "/detokenize, /version)"))
-        body = await request.read()
+                                    "/detokenize, /version, /ping)"))
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return self._own(_error(413, f"request body is over the limit of {self.config.max_body_bytes} bytes"))
         key = model = None
         if body:
             try:
@@ -263,7 +301,8 @@ class RouterApp:
                 return None
             except asyncio.TimeoutError:
                 outcome = "504"
-                return _error(504, f"{backend.url} sent nothing for {self.request_timeout_s:g} s (--request-timeout)")
+                return _error(504, f"{backend.url} sent nothing for {self.config.request_timeout_s:g} s "
+                              "(--request-timeout)")
             except aiohttp.ClientConnectionError as exc:
                 outcome = self._refused(backend, f"{type(exc).__name__}: {exc}", errors)
                 return None
@@ -280,9 +319,16 @@ class RouterApp:
                 try:
                     async for chunk in upstream.content.iter_any():
                         await response.write(chunk)
-                except (aiohttp.ClientPayloadError, asyncio.TimeoutError, aiohttp.ClientConnectionError):
-                    outcome = "stream_error"  # the backend failed or went silent mid-answer: cut the stream
-                    raise
+                except (aiohttp.ClientPayloadError, asyncio.TimeoutError, aiohttp.ClientConnectionError) as exc:
+                    # The backend failed or went silent mid-answer (or was stopped at once): cut the client's
+                    # stream too, by closing its connection, so that it sees an incomplete answer. aiohttp's
+                    # write_eof then fails with a ConnectionError, which it takes quietly.
+                    outcome = "stream_error"
+                    logger.warning("%s %s: the answer from %s broke off (%s): cutting the client's stream",
+                                   request.method, request.path, backend.url, type(exc).__name__)
+                    if request.transport is not None:
+                        request.transport.close()
+                    return response
                 await response.write_eof()
                 outcome = str(upstream.status)
                 return response
@@ -305,12 +351,11 @@ def _forward_headers(request: web.Request) -> CIMultiDict[str]:
     return headers
 
 
-def run_router(backends: Sequence[str], policy: str, host: str, port: int, health_check_interval_s: float,
-               request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> int:
+def run_router(backends: Sequence[str], policy: str, host: str, port: int, config: RouterConfig) -> int:
     import prometheus_client
 
     prometheus_client.disable_created_metrics()  # no *_created series (as the server)
-    router = RouterApp(Router(backends, policy), health_check_interval_s, request_timeout_s)
+    router = RouterApp(Router(backends, policy), config)
     logging.getLogger("kvserve").setLevel(logging.INFO)
     logger.info("routing http://%s:%d to %d backends (%s): %s", host, port, len(backends), policy,
                 ", ".join(b.url for b in router.router.backends))

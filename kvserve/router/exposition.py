@@ -4,8 +4,10 @@ replica's metrics on its one /metrics.
 Each part's samples get the part's extra labels (`engine="<i>"` for replica i, as vLLM labels its
 data-parallel engines' series), and families of the same name from different parts become one family, so
 the result keeps one HELP and one TYPE line per family (the first part's) with every part's samples under
-them. A family whose type differs from the first part's is left out of the later part (two TYPE lines of one
-name would make the exposition invalid).
+them. A family that clashes with an earlier part's family of another type is left out of the later part (two
+TYPE lines of one name would make the exposition invalid). Families clash when their names as written match
+(prometheus_client's parser names a counter's family without the `_total` its TYPE line is written with, and
+a gauge's as written) or their parsed names do (a gauge `x` and a counter `x_total`).
 """
 
 from __future__ import annotations
@@ -30,14 +32,24 @@ class _Families:
 def merge_expositions(parts: Sequence[tuple[Mapping[str, str], str]]) -> bytes:
     """`parts`: (labels to add to every sample, exposition text) -> one exposition (Prometheus text format
     0.0.4). The added labels replace a sample's own label of the same name."""
-    merged: dict[str, Metric] = {}
+    merged: dict[str, Metric] = {}  # by the family's name as its TYPE line is written
+    parsed_names: set[str] = set()
     for extra, text in parts:
         for family in text_string_to_metric_families(text):
-            into = merged.get(family.name)
+            written = _written_name(family)
+            into = merged.get(written)
             if into is None:
-                into = merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+                if family.name in parsed_names:  # a family of another type wrote another name for it
+                    continue
+                into = merged[written] = Metric(family.name, family.documentation, family.type, family.unit)
+                parsed_names.add(family.name)
             elif into.type != family.type:
                 continue
             for sample in family.samples:
                 into.samples.append(sample._replace(labels={**sample.labels, **extra}))
     return generate_latest(_Families(list(merged.values())))  # type: ignore[arg-type]
+
+
+def _written_name(family: Metric) -> str:
+    """The name `generate_latest` writes in the family's HELP and TYPE lines."""
+    return family.name + "_total" if family.type == "counter" else family.name

@@ -4,7 +4,9 @@ health, disconnects), and the command in front of a real tiny kvserve server."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import signal
 import subprocess
 import sys
@@ -18,7 +20,7 @@ import httpx
 import pytest
 from aiohttp import web
 
-from kvserve.router.app import RouterApp, parse_backends
+from kvserve.router.app import RouterApp, RouterConfig, parse_backends
 from kvserve.router.policies import LOAD_FACTOR, PREFIX_KEY_CHARS, Router, prefix_key
 
 from .conftest import REPO_ROOT, ServerProcess, free_port, wait_for
@@ -116,6 +118,13 @@ class FakeBackend:
         self.stall_s = 0.0
         self.status = 200
         self.healthy = True
+        self.api_key: str | None = None  # /v1/models asks for it
+        self.models_auth: list[str | None] = []  # the Authorization header of each /v1/models request
+        self.break_after: int | None = None  # chunks sent before the connection is dropped mid-answer
+        # Each completion waits (up to 5 s) until this many are in flight at once; the most seen is recorded.
+        self.hold_until = 0
+        self.in_flight = self.peak_in_flight = 0
+        self._all_arrived = asyncio.Event()
         self.seen: list[dict[str, Any]] = []
         self.disconnected = asyncio.Event()
         self.port = free_port()
@@ -130,6 +139,7 @@ class FakeBackend:
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/ping", self.ping)
         self.runner = web.AppRunner(app, handler_cancellation=True)
         await self.runner.setup()
         await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
@@ -142,11 +152,30 @@ class FakeBackend:
     async def health(self, _: web.Request) -> web.Response:
         return web.Response(status=200 if self.healthy else 503)
 
-    async def list_models(self, _: web.Request) -> web.Response:
+    async def ping(self, _: web.Request) -> web.Response:
+        return web.json_response({"pong": self.name})
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        self.models_auth.append(request.headers.get("Authorization"))
+        if self.api_key is not None and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            return web.json_response({"error": {"message": "bad key", "code": 401}}, status=401)
         return web.json_response({"object": "list", "data": [{"id": m, "object": "model"} for m in self.models]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        self.in_flight += 1
+        try:
+            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+            if self.in_flight >= self.hold_until:
+                self._all_arrived.set()
+            if self.hold_until:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._all_arrived.wait(), 5.0)
+            return await self._answer(request, body)
+        finally:
+            self.in_flight -= 1
+
+    async def _answer(self, request: web.Request, body: Any) -> web.StreamResponse:
         await asyncio.sleep(self.stall_s)
         self.seen.append({"headers": dict(request.headers), "body": body})
         if self.status != 200:
@@ -155,6 +184,9 @@ class FakeBackend:
         await response.prepare(request)
         try:
             for i in range(self.chunks):
+                if i == self.break_after and request.transport is not None:
+                    request.transport.close()  # the backend dies mid-answer
+                    return response
                 await response.write(f"data: {json.dumps({'backend': self.name, 'i': i})}\n\n".encode())
                 await asyncio.sleep(self.delay_s)
             await response.write(b"data: [DONE]\n\n")
@@ -166,10 +198,11 @@ class FakeBackend:
 
 @asynccontextmanager
 async def routed(backends: list[FakeBackend], policy: str = "least-requests", interval_s: float = 0.2,
-                 timeout_s: float = 60.0) -> AsyncIterator[tuple[RouterApp, str]]:
+                 timeout_s: float | None = 60.0, **settings: Any) -> AsyncIterator[tuple[RouterApp, str]]:
     for b in backends:
         await b.start()
-    app = RouterApp(Router([b.url for b in backends], policy), interval_s, timeout_s)
+    config = RouterConfig(health_check_interval_s=interval_s, request_timeout_s=timeout_s, **settings)
+    app = RouterApp(Router([b.url for b in backends], policy), config)
     runner = web.AppRunner(app.make_app(), handler_cancellation=True)
     await runner.setup()
     port = free_port()
@@ -308,6 +341,82 @@ def test_a_silent_backend_times_out() -> None:
     _run(body)
 
 
+def test_more_than_a_hundred_requests_reach_the_backend_at_once() -> None:
+    """The router holds no request back: aiohttp's default pool (100 connections) must not cap what is in flight
+    at the backends."""
+    async def body() -> None:
+        backend = FakeBackend("a", chunks=1, delay_s=0.0)
+        backend.hold_until = 150  # every completion waits until all 150 are in flight at the backend
+        connector = aiohttp.TCPConnector(limit=0)  # nor may the test's own client cap them
+        async with routed([backend]) as (_, base), aiohttp.ClientSession(connector=connector) as session:
+            results = await asyncio.gather(*(_post(session, base) for _ in range(150)))
+        assert [status for status, _, _ in results] == [200] * 150
+        assert backend.peak_in_flight == 150
+    _run(body)
+
+
+def test_no_request_timeout_lets_a_slow_answer_through() -> None:
+    async def body() -> None:
+        backend = FakeBackend("slow", chunks=1, delay_s=0.0)
+        backend.stall_s = 0.3
+        async with routed([backend], timeout_s=None) as (app, base), aiohttp.ClientSession() as session:
+            assert app.config.request_timeout_s is None
+            assert (await _post(session, base))[0] == 200
+    _run(body)
+
+
+def test_a_body_over_the_limit_is_a_413_with_openais_error_body() -> None:
+    async def body() -> None:
+        backend = FakeBackend("a")
+        async with routed([backend], max_body_bytes=1000) as (_, base), aiohttp.ClientSession() as session:
+            response = await session.post(base + "/v1/completions", json={"prompt": "x" * 2000})
+            error = await response.json()
+            small = await session.post(base + "/v1/completions", json={"prompt": "x" * 500})
+        assert response.status == 413 and response.content_type == "application/json"
+        assert error["error"]["code"] == 413 and error["error"]["type"] == "PayloadTooLargeError"
+        assert "over the limit of 1000 bytes" in error["error"]["message"]
+        assert small.status == 200 and len(backend.seen) == 1
+    _run(body)
+
+
+def test_health_checks_send_the_routers_key_and_learn_the_models() -> None:
+    async def body() -> None:
+        locked, open_ = FakeBackend("locked", models=["a"]), FakeBackend("open", models=["b"])
+        locked.api_key = "k"
+        async with routed([locked, open_], interval_s=60, api_key="k") as (app, _):
+            assert [b.models for b in app.router.backends] == [{"a"}, {"b"}]
+        assert locked.models_auth == ["Bearer k"] and open_.models_auth == ["Bearer k"]
+        # Without the key the locked backend's models stay unknown (its /v1/models answers 401).
+        locked.models_auth.clear()
+        async with routed([locked], interval_s=60) as (app, _):
+            assert app.router.backends[0].models is None and locked.models_auth == [None]
+    _run(body)
+
+
+def test_ping_goes_to_a_backend() -> None:
+    async def body() -> None:
+        async with routed([FakeBackend("a")]) as (_, base), aiohttp.ClientSession() as session:
+            response = await session.get(base + "/ping")
+            assert response.status == 200 and await response.json() == {"pong": "a"}
+    _run(body)
+
+
+def test_a_backend_that_breaks_off_mid_stream_cuts_the_clients_stream_quietly(
+        caplog: pytest.LogCaptureFixture) -> None:
+    async def body() -> None:
+        backend = FakeBackend("a", chunks=5, delay_s=0.0)
+        backend.break_after = 2
+        async with routed([backend]) as (app, base), aiohttp.ClientSession() as session:
+            with pytest.raises(aiohttp.ClientPayloadError):  # not an answer that looks complete
+                await _post(session, base)
+            metrics = await (await session.get(base + "/metrics")).text()
+        assert f'kvserve_router:requests_total{{backend="{backend.url}",code="stream_error"}} 1.0' in metrics
+    with caplog.at_level(logging.INFO):
+        _run(body)
+    assert "broke off (ClientPayloadError): cutting the client's stream" in caplog.text
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR], caplog.text
+
+
 def test_a_client_that_leaves_mid_stream_ends_the_backend_request() -> None:
     async def body() -> None:
         backend = FakeBackend("a", chunks=500, delay_s=0.02)
@@ -343,7 +452,8 @@ def test_engine_metrics_merge_each_backends_series_under_its_engine_label() -> N
             backend.runner = web.AppRunner(app)
             await backend.runner.setup()
             await web.TCPSite(backend.runner, "127.0.0.1", backend.port).start()
-        router = RouterApp(Router([a.url, b.url, c.url], "prefix"), 60, engine_metrics=True)
+        router = RouterApp(Router([a.url, b.url, c.url], "prefix"),
+                           RouterConfig(health_check_interval_s=60, engine_metrics=True))
         runner = web.AppRunner(router.make_app())
         await runner.setup()
         port = free_port()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 
-from kvserve.entrypoints.openai.api_server import _bind
+from kvserve.entrypoints.openai.api_server import bind_listening
 
 
 def test_accepted_connections_have_nagle_off() -> None:
@@ -13,7 +13,7 @@ def test_accepted_connections_have_nagle_off() -> None:
     for the client's delayed ACK of the one before (up to 40 ms on Linux)."""
 
     async def scenario() -> int:
-        sock = _bind("127.0.0.1", 0)
+        sock = bind_listening("127.0.0.1", 0)
         port = sock.getsockname()[1]
         seen: asyncio.Future[int] = asyncio.get_running_loop().create_future()
 

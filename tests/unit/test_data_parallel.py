@@ -4,18 +4,31 @@ lines, the flags the command refuses, and the one /metrics made of the replicas'
 from __future__ import annotations
 
 import argparse
+import asyncio
+import collections
+import io
+import logging
+import signal
+import socket
 
 import prometheus_client
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvserve.entrypoints import data_parallel
 from kvserve.entrypoints.cli import build_parser, main
 from kvserve.entrypoints.data_parallel import (
+    MAX_LINE_BYTES,
     assign_gpus,
     check_data_parallel_flags,
+    exit_status,
     plan_replicas,
+    relay_output,
     replica_args,
+    router_config,
+    run_data_parallel,
+    unexpected_exits,
     visible_gpus,
 )
 from kvserve.entrypoints.vllm_compat import ignored_flag_notes
@@ -56,6 +69,46 @@ def test_plan_reads_cuda_visible_devices(monkeypatch: pytest.MonkeyPatch) -> Non
         plan_replicas(_serve("-dp", "2", "--device", "cuda"))
 
 
+def test_replica_ports_leave_out_the_public_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    offered = iter([5000, 5001, 5000, 5002])
+    monkeypatch.setattr(data_parallel, "_free_port", lambda: next(offered))
+    assert [p.port for p in plan_replicas(_serve("-dp", "2", "--device", "cpu"), taken_ports={5001})] == [5000, 5002]
+
+
+def test_the_public_port_listens_before_the_replicas_are_planned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bound and listening first: no other process can take it while the replicas start (connections wait
+    in the backlog), and no replica is given it."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    seen: dict[str, object] = {}
+
+    def plan(ns: argparse.Namespace, taken_ports: set[int]) -> list[object]:
+        with socket.create_connection(("127.0.0.1", port), timeout=5):  # accepted into the backlog
+            seen["taken"] = taken_ports
+        raise ValueError("no replicas in this test")
+
+    monkeypatch.setattr(data_parallel, "plan_replicas", plan)
+    ns = _serve("-dp", "2", "--device", "cpu", "--port", str(port))
+    ns.serve_args = []
+    assert run_data_parallel(ns) == 2
+    assert seen == {"taken": {port}}
+
+
+def test_a_busy_port_fails_before_any_replica_is_planned(monkeypatch: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(data_parallel, "plan_replicas", lambda *_: pytest.fail("planned replicas"))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        ns = _serve("-dp", "2", "--device", "cpu", "--port", str(port))
+        ns.serve_args = []
+        with caplog.at_level(logging.ERROR):
+            assert run_data_parallel(ns) == 1
+    assert f"cannot listen on 127.0.0.1:{port}: " in caplog.text and "in use" in caplog.text
+
+
 def test_cpu_replicas_need_no_gpu() -> None:
     plans = plan_replicas(_serve("-dp", "3", "--device", "cpu"))
     assert [p.gpus for p in plans] == [None, None, None]
@@ -69,21 +122,58 @@ def _serve(*flags: str) -> argparse.Namespace:
     return build_parser().parse_args(["serve", "/models/m", *flags])
 
 
+def _serve_argv(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["serve", *argv])
+
+
+OVERRIDES = ["--data-parallel-size", "1", "--host", "127.0.0.1", "--port", "4321"]
+
+
 @pytest.mark.parametrize("args", [
     ["m", "-dp", "2", "--port", "9000", "--host", "0.0.0.0", "--max-num-seqs", "8"],
     ["m", "--data-parallel-size=2", "--port=9000", "--host=0.0.0.0", "--max-num-seqs", "8"],
     ["-dp=2", "m", "--po", "9000", "--hos", "0.0.0.0", "--max-num-seqs", "8"],  # abbreviations argparse takes
     ["--data-parallel", "2", "m", "--max-num-seqs", "8"],
+    ["--data-p", "2", "m", "--max-num-seqs", "8"],
+    ["--data-p=2", "m", "--max-num-seqs", "8"],
+    ["-d", "2", "m", "--max-num-seqs", "8"],  # argparse's abbreviation of the single-dash -dp
 ])
-def test_replicas_get_the_flags_less_data_parallel_host_and_port(args: list[str]) -> None:
-    assert replica_args(args, 4321) == ["m", "--max-num-seqs", "8", "--host", "127.0.0.1", "--port", "4321"]
+def test_a_replica_parses_one_replica_on_its_own_port_however_the_command_spelled_them(args: list[str]) -> None:
+    assert _serve_argv(*args).data_parallel_size == 2  # the command runs replicas...
+    replica = _serve_argv(*replica_args(args, 4321))  # ...and each of them parses as one server
+    assert (replica.data_parallel_size, replica.host, replica.port) == (1, "127.0.0.1", 4321)
+    assert (replica.model_tag, replica.max_num_seqs) == ("m", 8)
+    assert replica_args(args, 4321) == [*args, *OVERRIDES]  # nothing dropped, nothing reordered
 
 
-def test_replica_flags_keep_everything_else_in_order() -> None:
-    args = ["--model", "m", "-tp", "2", "--api-key", "k", "--served-model-name", "a", "b", "--hf-x"]
-    assert replica_args(args, 1) == [*args, "--host", "127.0.0.1", "--port", "1"]
-    # After "--" every word is positional, even one spelled as a flag.
-    assert replica_args(["--", "--port"], 1) == ["--", "--port", "--host", "127.0.0.1", "--port", "1"]
+def test_a_replica_parses_every_other_flag_as_the_command_did() -> None:
+    # Dropping `-dp 2` here would leave `--served-model-name tiny /models/m`: two served names and no model.
+    args = ["--served-model-name", "tiny", "-dp", "2", "/models/m"]
+    command, replica = _serve_argv(*args), _serve_argv(*replica_args(args, 4321))
+    assert (replica.served_model_name, replica.model_tag) == (command.served_model_name, command.model_tag) == (
+        ["tiny"], "/models/m")
+    args = ["/models/m", "-tp", "2", "--api-key", "k", "--served-model-name", "a", "b", "-dp", "2"]
+    command, replica = _serve_argv(*args), _serve_argv(*replica_args(args, 4321))
+    assert {k: v for k, v in vars(replica).items() if k not in ("data_parallel_size", "host", "port")} == {
+        k: v for k, v in vars(command).items() if k not in ("data_parallel_size", "host", "port")}
+
+
+def test_the_overrides_go_before_a_double_dash() -> None:
+    # After "--" every word is positional, even one spelled as a flag: the overrides must come before it.
+    args = ["-dp", "2", "--", "/models/--port"]
+    assert replica_args(args, 4321) == ["-dp", "2", *OVERRIDES, "--", "/models/--port"]
+    replica = _serve_argv(*replica_args(args, 4321))
+    assert (replica.model_tag, replica.data_parallel_size, replica.port) == ("/models/--port", 1, 4321)
+
+
+def test_a_replica_refuses_to_start_replicas_of_its_own(monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    from kvserve import envs
+    from kvserve.entrypoints.openai.api_server import run_server
+
+    monkeypatch.setattr(envs, "KVSERVE_DP_REPLICA", True)
+    assert run_server(_serve_argv("/models/m", "-dp", "2")) == 2
+    assert "is a replica of `kvserve serve --data-parallel-size`" in capsys.readouterr().err
 
 
 def test_serve_takes_a_replica_count_and_other_commands_refuse_one(capsys: pytest.CaptureFixture[str]) -> None:
@@ -112,6 +202,62 @@ def test_https_and_a_fixed_gpu_are_refused_with_replicas() -> None:
     with pytest.raises(ValueError, match="--device is cpu or cuda"):
         check_data_parallel_flags(_serve("-dp", "2", "--device", "cuda:1"))
     check_data_parallel_flags(_serve("-dp", "2", "--device", "cuda"))
+
+
+# ------------------------------------------------------------------------------------------ the router
+
+
+def test_the_router_has_no_answer_time_limit_and_the_servers_body_limit_and_key(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvserve import envs
+
+    monkeypatch.setattr(envs, "KVSERVE_API_KEY", None)
+    monkeypatch.setattr(envs, "VLLM_API_KEY", None)
+    config = router_config(_serve("-dp", "2", "--max-request-body-bytes", "1000", "--api-key", "k"))
+    assert config.request_timeout_s is None  # one server cuts no long answer: nor do its replicas' router
+    assert (config.max_body_bytes, config.api_key, config.engine_metrics) == (1000, "k", True)
+    assert router_config(_serve("-dp", "2")).api_key is None
+    # The key's sources are the server's, in its order: KVSERVE_API_KEY set empty means no key at all.
+    monkeypatch.setattr(envs, "VLLM_API_KEY", "v")
+    assert router_config(_serve("-dp", "2")).api_key == "v"
+    monkeypatch.setattr(envs, "KVSERVE_API_KEY", "")
+    assert router_config(_serve("-dp", "2")).api_key is None
+
+
+# ------------------------------------------------------------------------------------------ processes
+
+
+def test_a_replicas_exit_status_is_the_commands() -> None:
+    assert exit_status(3) == 3
+    assert exit_status(0) == 1  # exiting during start-up is a failure whatever the code
+    assert exit_status(-signal.SIGKILL) == 128 + 9  # as a shell reports a death by signal
+    assert exit_status(-signal.SIGTERM) == 128 + 15
+
+
+def test_after_a_second_signal_a_replica_ended_by_sigterm_stopped_as_asked() -> None:
+    codes: dict[int, int | None] = {0: 0, 1: -signal.SIGTERM, 2: -signal.SIGKILL, 3: 1}
+    assert unexpected_exits(codes, stopped_at_once=False) == {1: -signal.SIGTERM, 2: -signal.SIGKILL, 3: 1}
+    assert unexpected_exits(codes, stopped_at_once=True) == {2: -signal.SIGKILL, 3: 1}
+    assert unexpected_exits({0: 0, 1: -signal.SIGTERM}, stopped_at_once=True) == {}
+
+
+def test_replica_output_keeps_lines_longer_than_the_stream_limit_whole() -> None:
+    long = "x" * 200_000  # past asyncio's 64 KiB readline() limit
+    huge = "y" * (MAX_LINE_BYTES + 10)
+
+    async def relay() -> tuple[str, list[str]]:
+        stream = asyncio.StreamReader()
+        for piece in (f"first\n{long}\nsh".encode(), b"ort\n", f"{huge}\nno newline at the end".encode()):
+            stream.feed_data(piece)
+        stream.feed_eof()
+        out, tail = io.StringIO(), collections.deque[str](maxlen=3)
+        await relay_output(stream, "(replica 0) ", tail, out)
+        return out.getvalue(), list(tail)
+
+    text, tail = asyncio.run(relay())
+    assert text == "".join(f"(replica 0) {line}\n" for line in (
+        "first", long, "short", huge[:MAX_LINE_BYTES], huge[MAX_LINE_BYTES:], "no newline at the end"))
+    assert tail == [huge[:MAX_LINE_BYTES] + "\n", huge[MAX_LINE_BYTES:] + "\n", "no newline at the end\n"]
 
 
 # ------------------------------------------------------------------------------------------ metrics
@@ -150,8 +296,14 @@ def test_metrics_of_replicas_are_labelled_by_engine_under_one_help_and_type() ->
     assert samples[("kvserve_router:requests_total", (("backend", "a"), ("code", "200")))] == 5
 
 
-def test_a_family_of_another_type_in_a_later_part_is_left_out() -> None:
-    gauge = "# HELP x A gauge.\n# TYPE x gauge\nx 1.0\n"
-    counter = "# HELP x_total A counter.\n# TYPE x_total counter\nx_total 2.0\n"
-    text = merge_expositions([({"engine": "0"}, gauge), ({"engine": "1"}, counter)]).decode()
-    assert text.count("# TYPE x") == 1 and 'x{engine="0"} 1.0' in text and 'engine="1"' not in text
+@pytest.mark.parametrize("first, later", [
+    ("# HELP x A gauge.\n# TYPE x gauge\nx 1.0\n", "# HELP x_total A counter.\n# TYPE x_total counter\nx_total 2.0\n"),
+    # The parser names a counter's family without its `_total` (x), a gauge's as written (x_total): they
+    # still clash, as the TYPE lines written for them would.
+    ("# HELP x_total A counter.\n# TYPE x_total counter\nx_total 1.0\n", "# HELP x_total A gauge.\n# TYPE x_total gauge\nx_total 2.0\n"),
+    ("# HELP x_total A gauge.\n# TYPE x_total gauge\nx_total 1.0\n", "# HELP x_total A counter.\n# TYPE x_total counter\nx_total 2.0\n"),
+])
+def test_a_family_of_another_type_in_a_later_part_is_left_out(first: str, later: str) -> None:
+    text = merge_expositions([({"engine": "0"}, first), ({"engine": "1"}, later)]).decode()
+    types = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")]
+    assert len(types) == 1 and 'engine="0"} 1.0' in text and 'engine="1"' not in text, text

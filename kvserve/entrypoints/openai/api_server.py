@@ -397,7 +397,9 @@ class _Server(uvicorn.Server):
         return await super().on_tick(counter)
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def bind_listening(host: str, port: int) -> socket.socket:
+    """A non-blocking TCP socket bound to host:port and listening (OSError when it cannot be): connections
+    wait in its backlog until something serves it."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on connections of a socket that names TCP. With
     # Nagle's algorithm on, a response's second small write (the first SSE chunk after the headers, each
@@ -511,7 +513,7 @@ def serving_line(name: str, ns: argparse.Namespace, host: str, port: int, proces
 async def serve(ns: argparse.Namespace, config: EngineConfig) -> int:
     """Run the server until drained or the engine dies; returns the process exit code."""
     try:
-        sock = _bind(ns.host, ns.port)
+        sock = bind_listening(ns.host, ns.port)
     except OSError as e:
         logger.error("cannot listen on %s:%d: %s", ns.host, ns.port, e)
         return 1
@@ -716,6 +718,13 @@ def run_server(ns: argparse.Namespace) -> int:
     """Entry point shared by `kvserve serve` and `python -m kvserve.entrypoints.openai.api_server`."""
     logging.basicConfig(level=envs.KVSERVE_LOGGING_LEVEL.upper(),
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s", force=True)
+    if envs.KVSERVE_DP_REPLICA:  # started by `kvserve serve --data-parallel-size N`
+        if (ns.data_parallel_size or 1) > 1:
+            print(f"kvserve serve: error: this is a replica of `kvserve serve --data-parallel-size` (KVSERVE_DP_REPLICA "
+                  f"is set), so it does not start replicas of its own (--data-parallel-size {ns.data_parallel_size})",
+                  file=sys.stderr)
+            return 2
+        ns.data_parallel_size = None  # the parent's `--data-parallel-size 1`: no "ignored" note for it
     try:
         config = EngineArgs(**server_engine_args(ns)).create_engine_config()  # type: ignore[arg-type]
     except ValueError as e:  # ConfigError, ModelLoadError, conflicting flags
