@@ -122,11 +122,12 @@ def unexpected_exits(codes: Mapping[int, int | None], stopped_at_once: bool) -> 
 def router_config(ns: argparse.Namespace) -> RouterConfig:
     """The router in front of the replicas, set as one server would be: no time limit on an answer (one
     server has none), the server's request body limit (the replicas check it too; 0, which refuses any body,
-    is theirs to apply), and the API key for its own /v1/models polls."""
+    is theirs to apply), the API key for its own /v1/models polls, and --root-path (paths under it are
+    forwarded, as one server serves them)."""
     api_key, _ = api_key_from(ns.api_key, envs.KVSERVE_API_KEY, envs.VLLM_API_KEY)
     return RouterConfig(health_check_interval_s=ROUTER_HEALTH_CHECK_INTERVAL_S, request_timeout_s=None,
                         max_body_bytes=max(int(ns.max_request_body_bytes), 1), engine_metrics=True,
-                        api_key=api_key)
+                        api_key=api_key, root_path=ns.root_path)
 
 
 def check_data_parallel_flags(ns: argparse.Namespace) -> None:
@@ -160,15 +161,20 @@ class Replica:
     tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
     output_done: asyncio.Task[None] | None = None
     exit_wait: asyncio.Task[int] | None = None
+    sigterms_sent: int = 0  # the first drains it, a second stops it at once
 
     @property
     def url(self) -> str:
         return f"http://{LOCAL_HOST}:{self.plan.port}"
 
     def signal(self, sig: int) -> None:
+        """Send `sig` unless the process is known to have exited. NOTE: os.kill, not Popen.send_signal, which
+        polls first and so may reap the child before asyncio's watcher, which then reports exit code 255."""
         if self.process.returncode is None:
+            if sig == signal.SIGTERM:
+                self.sigterms_sent += 1
             with contextlib.suppress(ProcessLookupError):
-                self.process.send_signal(sig)
+                os.kill(self.process.pid, sig)
 
     def failure(self, code: int, what: str) -> str:
         """'<replica> exited with code <code> <what>', then its last lines of output."""
@@ -228,12 +234,17 @@ def _die_with_parent() -> Callable[[], None] | None:
     return in_child
 
 
+def replica_command(plan: ReplicaPlan, serve_args: Sequence[str]) -> list[str]:
+    """The command that starts replica `plan`: this Python's `-m kvserve serve` with `replica_args`."""
+    return [sys.executable, "-m", "kvserve", "serve", *replica_args(serve_args, plan.port)]
+
+
 async def _start(plan: ReplicaPlan, serve_args: Sequence[str]) -> Replica:
     env = dict(os.environ)
     env["KVSERVE_DP_REPLICA"] = "1"  # it refuses --data-parallel-size > 1, however its flags say it
     if plan.gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(plan.gpus)
-    command = [sys.executable, "-m", "kvserve", "serve", *replica_args(serve_args, plan.port)]
+    command = replica_command(plan, serve_args)
     process = await asyncio.create_subprocess_exec(
         *command, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
         env=env, start_new_session=True, preexec_fn=_die_with_parent())
@@ -297,9 +308,11 @@ async def _wait_ready(replicas: Sequence[Replica], stop: asyncio.Event) -> Repli
 
 
 async def _stop_replicas(replicas: Sequence[Replica], timeout_s: float) -> None:
-    """SIGTERM each (they drain), wait, SIGKILL any still running; their output is relayed to the end."""
+    """SIGTERM each not sent one yet (they drain: a second would stop them at once), wait, SIGKILL any still
+    running; their output is relayed to the end."""
     for replica in replicas:
-        replica.signal(signal.SIGTERM)
+        if replica.sigterms_sent == 0:
+            replica.signal(signal.SIGTERM)
     waits = [r.exit_wait for r in replicas if r.exit_wait is not None]
     if waits:
         _, running = await asyncio.wait(waits, timeout=timeout_s)
@@ -324,8 +337,10 @@ async def _served_name(replica: Replica, api_key: str | None) -> str | None:
     return None
 
 
-async def _serve(ns: argparse.Namespace, plans: Sequence[ReplicaPlan], serve_args: Sequence[str],
-                 sock: socket.socket) -> int:
+async def serve_replicas(ns: argparse.Namespace, plans: Sequence[ReplicaPlan], serve_args: Sequence[str],
+                         sock: socket.socket) -> int:
+    """Start the replicas of `plans`, then serve `sock` (bound, listening) through the router once all are
+    ready, until a signal or a replica's exit (see the module's docstring); returns the exit code."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     replicas: list[Replica] = []
@@ -429,6 +444,6 @@ def run_data_parallel(ns: argparse.Namespace) -> int:
 
         prometheus_client.disable_created_metrics()  # the router's series, as `kvserve route`
         logger.info("starting %d data-parallel replicas: %s", len(plans), "; ".join(p.describe() for p in plans))
-        return asyncio.run(_serve(ns, plans, serve_args, sock))
+        return asyncio.run(serve_replicas(ns, plans, serve_args, sock))
     finally:
         sock.close()

@@ -20,7 +20,8 @@ header is forwarded, so backends started with --api-key check it themselves.
 * Each backend's /health (and, while healthy, /v1/models) is polled every `--health-check-interval` s.
 * A client that disconnects ends its request: the router closes the backend connection, which the
   backend takes as an abort.
-* `GET /ping` (and POST) goes to a backend as /v1/* does: the server's liveness path, as vLLM's.
+* `GET /ping` (and POST) goes to a backend as /v1/* does: the server's liveness path, as vLLM's. With
+  `root_path` (the replicas' --root-path), those paths under it are forwarded too, unchanged.
 * `GET /health`: 200 while at least one backend is healthy, else 503 (OpenAI's error body).
   `GET /router/backends`: each backend's state (JSON). `GET /metrics`: the router's own Prometheus
   series (requests by backend and status, retries, in-flight and health per backend); with
@@ -84,6 +85,9 @@ class RouterConfig:
     engine_metrics: bool = False
     # Sent with the router's own /v1/models polls; clients' requests carry their own Authorization.
     api_key: str | None = None
+    # The backends' --root-path: a path under it is forwarded as it came (the backend strips it) when the
+    # path below it is one the router forwards.
+    root_path: str = ""
 
     def __post_init__(self) -> None:
         if not self.health_check_interval_s > 0:
@@ -245,7 +249,8 @@ class RouterApp:
         return response
 
     async def proxy(self, request: web.Request) -> web.StreamResponse:
-        if not (request.path.startswith(PROXIED_PREFIXES) or request.path in PROXIED_PATHS):
+        path = _below_root(request.path, self.config.root_path)
+        if not (path.startswith(PROXIED_PREFIXES) or path in PROXIED_PATHS):
             return self._own(_error(404, f"not found: {request.path} (the router forwards /v1/*, /tokenize, "
                                     "/detokenize, /version, /ping)"))
         try:
@@ -340,6 +345,13 @@ class RouterApp:
             backend.in_flight -= 1
             if outcome != "retried":
                 self.requests.labels(backend.url, outcome).inc()
+
+
+def _below_root(path: str, root: str) -> str:
+    """`path` less the `root` prefix, cut only at a "/" (as the server's own guard cuts it)."""
+    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
+        return path[len(root):]
+    return path
 
 
 def _forward_headers(request: web.Request) -> CIMultiDict[str]:

@@ -31,11 +31,16 @@ class _Families:
 
 def merge_expositions(parts: Sequence[tuple[Mapping[str, str], str]]) -> bytes:
     """`parts`: (labels to add to every sample, exposition text) -> one exposition (Prometheus text format
-    0.0.4). The added labels replace a sample's own label of the same name."""
+    0.0.4). The added labels replace a sample's own label of the same name. A part that does not parse is
+    left out."""
     merged: dict[str, Metric] = {}  # by the family's name as its TYPE line is written
     parsed_names: set[str] = set()
     for extra, text in parts:
-        for family in text_string_to_metric_families(text):
+        try:
+            families = list(text_string_to_metric_families(text))
+        except ValueError:  # not an exposition (a backend that is no kvserve): left out, not the whole answer
+            continue
+        for family in families:
             written = _written_name(family)
             into = merged.get(written)
             if into is None:

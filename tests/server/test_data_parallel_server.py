@@ -1,11 +1,10 @@
-"""`kvserve serve --data-parallel-size 2` on CPU (tiny random Llama): two replicas behind one port. Requests
-reach both, /metrics labels each replica's series engine="<i>", the API key is checked, SIGTERM stops every
-process; a replica that dies stops the server (exit 1), and one that fails to start fails the command with
-its error."""
+"""`kvserve serve --data-parallel-size 2` on CPU (tiny random Llama): two real replicas behind one port.
+Requests reach both, /metrics labels each replica's series engine="<i>", the API key is checked, the body limit
+is the server's, SIGTERM stops every process. One server start: the lifecycle with failing, dying and signalled
+replicas is tested in tests/unit/test_data_parallel_replicas.py with fake replicas."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 
@@ -16,21 +15,19 @@ from prometheus_client.parser import text_string_to_metric_families
 from .conftest import ServerProcess, assert_openai_error, pid_alive, wait_for
 
 API_KEY = "dp-key"
-FLAGS = ["--data-parallel-size", "2", "--device", "cpu", "--served-model-name", "tiny", "--max-model-len", "256",
-         "--kv-cache-memory", "64MiB", "--disable-uvicorn-access-log", "--disable-log-requests"]
+MAX_BODY_BYTES = 100_000
 
 
 @pytest.fixture(scope="module")
 def server_launches(tiny_llama_dir: str) -> dict[str, tuple[list[str], dict[str, object]]]:
-    """Each test's command (see `module_servers`), started together."""
+    """Each test's command (see `module_servers`)."""
     return {
+        # Spelled as a vLLM user might: `-d 2` is argparse's abbreviation of -dp, and the model comes after it
+        # (each replica must still parse one replica, and MODEL as the model, not as a second served name).
         "test_two_replicas_serve_behind_one_port_and_stop_together": (
-            [tiny_llama_dir, *FLAGS, "--api-key", API_KEY], {}),
-        "test_a_replica_that_dies_stops_the_server": ([tiny_llama_dir, *FLAGS], {}),
-        # --kv-cache-memory 1KiB passes the command's checks, and each replica's engine then refuses it.
-        "test_a_replica_that_fails_to_start_fails_the_command": (
-            [tiny_llama_dir, "-dp", "2", "--device", "cpu", "--max-model-len", "256", "--kv-cache-memory", "1KiB"],
-            {}),
+            ["--served-model-name", "tiny", "-d", "2", tiny_llama_dir, "--device", "cpu", "--max-model-len", "256",
+             "--kv-cache-memory", "64MiB", "--disable-uvicorn-access-log", "--disable-log-requests",
+             "--api-key", API_KEY, "--max-request-body-bytes", str(MAX_BODY_BYTES)], {}),
     }
 
 
@@ -57,11 +54,20 @@ def test_two_replicas_serve_behind_one_port_and_stop_together(own_server: Server
     replicas, engines = _replica_pids(server), _engine_pids(server)
     assert set(replicas) == {0, 1} and set(engines) == {0, 1}, server.log()
     assert "from 2 data-parallel replicas" in server.log()
+    assert server.log().count("started replica ") == 2  # the replicas started none of their own
+    assert "--data-parallel-size 1 ignored" not in server.log()
 
     # The key is checked (by the replicas; the router passes the header on), and the model is listed once.
     assert_openai_error(httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=30), 401)
     models = httpx.get(base + "/v1/models", headers=auth, timeout=10).json()
     assert [m["id"] for m in models["data"]] == ["tiny"]
+
+    # The router's answers: /ping goes to a replica; a body over --max-request-body-bytes is a 413 with
+    # OpenAI's error body, as one server answers.
+    assert httpx.get(base + "/ping", timeout=10).status_code == 200
+    too_big = httpx.post(base + "/v1/completions", headers=auth, timeout=30,
+                         json={"model": "tiny", "prompt": "x" * MAX_BODY_BYTES, "max_tokens": 1})
+    assert_openai_error(too_big, 413)
 
     # Prompts that start differently spread over the replicas (the prefix policy hashes their starts).
     completed = 0
@@ -88,30 +94,4 @@ def test_two_replicas_serve_behind_one_port_and_stop_together(own_server: Server
     server.proc.send_signal(signal.SIGTERM)
     assert server.wait_exit(60) == 0
     for pid in [*replicas.values(), *engines.values()]:
-        wait_for(lambda pid=pid: not pid_alive(pid), 10, f"process {pid} to exit")
-
-
-def test_a_replica_that_dies_stops_the_server(own_server: ServerProcess) -> None:
-    server = own_server.wait_ready()
-    replicas, engines = _replica_pids(server), _engine_pids(server)
-    assert set(replicas) == {0, 1}, server.log()
-    httpx.post(server.base_url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=60)
-    os.kill(replicas[1], signal.SIGKILL)
-    assert server.wait_exit(60) == 1
-    assert re.search(r"replica 1 on CPU .* exited with code -9 while serving: stopping the other replicas",
-                     server.log()), server.log()[-3000:]
-    for pid in [*replicas.values(), *engines.values()]:
-        wait_for(lambda pid=pid: not pid_alive(pid), 10, f"process {pid} to exit")
-
-
-def test_a_replica_that_fails_to_start_fails_the_command(own_server: ServerProcess) -> None:
-    server = own_server
-    assert server.wait_exit(180) == 1
-    log = server.log()
-    # The failing replica's own error is repeated with its index.
-    assert re.search(r"replica \d on CPU .* exited with code 1 during start-up; its last output:\n", log), log
-    assert "KV cache holds 0 tokens" in log.split("during start-up; its last output:")[1]
-    with pytest.raises(httpx.ConnectError):  # the public port never opened
-        httpx.get(server.base_url + "/health", timeout=5)
-    for pid in _replica_pids(server).values():
         wait_for(lambda pid=pid: not pid_alive(pid), 10, f"process {pid} to exit")

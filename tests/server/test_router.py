@@ -140,6 +140,7 @@ class FakeBackend:
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/ping", self.ping)
+        app.router.add_route("*", "/{tail:.*}", self.other)
         self.runner = web.AppRunner(app, handler_cancellation=True)
         await self.runner.setup()
         await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
@@ -151,6 +152,12 @@ class FakeBackend:
 
     async def health(self, _: web.Request) -> web.Response:
         return web.Response(status=200 if self.healthy else 503)
+
+    async def other(self, request: web.Request) -> web.Response:
+        """Any other path: which one it was (404 for /metrics: this backend has none)."""
+        if request.path == "/metrics":
+            return web.Response(status=404)
+        return web.json_response({"path": request.path_qs})
 
     async def ping(self, _: web.Request) -> web.Response:
         return web.json_response({"pong": self.name})
@@ -398,6 +405,17 @@ def test_ping_goes_to_a_backend() -> None:
         async with routed([FakeBackend("a")]) as (_, base), aiohttp.ClientSession() as session:
             response = await session.get(base + "/ping")
             assert response.status == 200 and await response.json() == {"pong": "a"}
+    _run(body)
+
+
+def test_paths_under_the_backends_root_path_are_forwarded_as_they_came() -> None:
+    async def body() -> None:
+        async with routed([FakeBackend("a")], root_path="/llm") as (_, base), aiohttp.ClientSession() as session:
+            for path in ("/llm/v1/chat/completions?x=1", "/llm/ping", "/v1/models/m"):
+                response = await session.get(base + path)
+                assert response.status == 200 and await response.json() == {"path": path}, path
+            for path in ("/llm/admin", "/llmx/v1/models", "/llm"):
+                assert (await session.get(base + path)).status == 404, path
     _run(body)
 
 

@@ -307,3 +307,9 @@ def test_a_family_of_another_type_in_a_later_part_is_left_out(first: str, later:
     text = merge_expositions([({"engine": "0"}, first), ({"engine": "1"}, later)]).decode()
     types = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")]
     assert len(types) == 1 and 'engine="0"} 1.0' in text and 'engine="1"' not in text, text
+
+
+def test_a_part_that_is_no_exposition_is_left_out() -> None:
+    good = "# HELP x A gauge.\n# TYPE x gauge\nx 1.0\n"
+    text = merge_expositions([({"engine": "0"}, '{"path": "/metrics"}'), ({"engine": "1"}, good)]).decode()
+    assert text == '# HELP x A gauge.\n# TYPE x gauge\nx{engine="1"} 1.0\n'

@@ -1,0 +1,216 @@
+"""`kvserve serve --data-parallel-size N`, its process lifecycle, in this process with fake replicas (a small
+HTTP server script per replica instead of `kvserve serve`): a replica that fails or is killed during start-up
+fails the command with its exit status and its last output, one that dies while serving stops the others (exit
+1), SIGTERM drains them (exit 0), and a second SIGTERM stops them at once (exit 0 too)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from kvserve.entrypoints import data_parallel
+from kvserve.entrypoints.cli import build_parser
+from kvserve.entrypoints.data_parallel import ReplicaPlan, serve_replicas
+from kvserve.entrypoints.openai.api_server import bind_listening
+
+# argv: port, mode, directory. Modes: serve (exit 0 on SIGTERM), drains (exits 0 half a second after a first
+# SIGTERM, at once on a second), stubborn (ignores the first SIGTERM, dies of the second), fail (exit 3 at once),
+# killed (SIGKILLs itself at once). Writes <directory>/<port>.pid; <port>.draining on a first SIGTERM that it
+# does not exit on, and (drains) <port>.stopped_at_once on a second.
+FAKE_REPLICA = '''
+import http.server, json, os, signal, sys, threading
+port, mode, directory = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+print(f"fake replica on port {port}", flush=True)
+if mode == "fail":
+    print("error: the KV cache holds 0 tokens", flush=True)
+    sys.exit(3)
+if mode == "killed":
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"object": "list", "data": [{"id": "fake"}]}).encode() if self.path == "/v1/models" else b""
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+terms = 0
+
+
+def on_term(sig, frame):
+    global terms
+    terms += 1
+    if mode in ("stubborn", "drains") and terms == 1:
+        open(os.path.join(directory, f"{port}.draining"), "w").close()
+        if mode == "drains":
+            threading.Timer(0.5, os._exit, (0,)).start()
+        return
+    if mode == "drains":
+        open(os.path.join(directory, f"{port}.stopped_at_once"), "w").close()
+    if mode == "stubborn":
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+    os._exit(0)
+
+
+signal.signal(signal.SIGTERM, on_term)
+server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+with open(os.path.join(directory, f"{port}.pid"), "w") as f:
+    f.write(str(os.getpid()))
+server.serve_forever()
+'''
+
+
+def _ns() -> argparse.Namespace:
+    return build_parser().parse_args(["serve", "/models/m", "-dp", "2", "--device", "cpu",
+                                      "--shutdown-timeout", "5"])
+
+
+def _plans(count: int) -> list[ReplicaPlan]:
+    ports: set[int] = set()
+    while len(ports) < count:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            ports.add(probe.getsockname()[1])
+    return [ReplicaPlan(i, port, None) for i, port in enumerate(sorted(ports))]
+
+
+class Scenario:
+    """Fake replicas (one mode each) behind `serve_replicas` on a port of its own."""
+
+    def __init__(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, modes: Sequence[str]) -> None:
+        self.directory = tmp_path
+        script = tmp_path / "fake_replica.py"
+        script.write_text(FAKE_REPLICA)
+        self.plans = _plans(len(modes))
+
+        def command(plan: ReplicaPlan, serve_args: Sequence[str]) -> list[str]:
+            return [sys.executable, str(script), str(plan.port), modes[plan.index], str(tmp_path)]
+
+        monkeypatch.setattr(data_parallel, "replica_command", command)
+        self.sock = bind_listening("127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def run(self, while_serving: Callable[[Scenario], object] | None = None) -> int:
+        async def main() -> int:
+            serving = asyncio.create_task(serve_replicas(_ns(), self.plans, [], self.sock))
+            if while_serving is not None:
+                await self._wait_serving(serving)
+                while_serving(self)
+            return await asyncio.wait_for(serving, 60)
+
+        try:
+            return asyncio.run(main())
+        finally:
+            self.sock.close()
+
+    async def _wait_serving(self, serving: asyncio.Task[int]) -> None:
+        async with aiohttp.ClientSession() as session:
+            while not serving.done():
+                try:
+                    async with session.get(self.url + "/health") as response:
+                        if response.status == 200:
+                            return
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.05)
+
+    def pid(self, index: int) -> int:
+        return int((self.directory / f"{self.plans[index].port}.pid").read_text())
+
+    def wait_file(self, name: str) -> None:
+        deadline = time.monotonic() + 10
+        while not (self.directory / name).exists():
+            assert time.monotonic() < deadline, f"{name} never appeared"
+            time.sleep(0.02)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("mode, status, code", [("fail", 3, 3), ("killed", 128 + 9, -9)])
+def test_a_replica_that_fails_to_start_fails_the_command_with_its_status_and_output(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, mode: str, status: int,
+        code: int) -> None:
+    scenario = Scenario(tmp_path, monkeypatch, ["serve", mode])
+    with caplog.at_level(logging.INFO):
+        assert scenario.run() == status
+    failure = f"replica 1 on CPU at http://127.0.0.1:{scenario.plans[1].port} (pid "
+    assert failure in caplog.text and f"exited with code {code} during start-up; its last output:\n" in caplog.text
+    if mode == "fail":
+        assert caplog.text.split("its last output:\n")[1].startswith(
+            f"fake replica on port {scenario.plans[1].port}\nerror: the KV cache holds 0 tokens")
+    if (tmp_path / f"{scenario.plans[0].port}.pid").exists():  # replica 0 was stopped with the command
+        assert _gone(scenario.pid(0))
+
+
+def test_a_replica_that_dies_while_serving_stops_the_others(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    scenario = Scenario(tmp_path, monkeypatch, ["serve", "serve"])
+    pids: list[int] = []
+
+    def kill_replica_1(s: Scenario) -> None:
+        pids.extend([s.pid(0), s.pid(1)])
+        os.kill(s.pid(1), signal.SIGKILL)
+
+    with caplog.at_level(logging.INFO):
+        assert scenario.run(kill_replica_1) == 1
+    assert "exited with code -9 while serving: stopping the other replicas and exiting 1" in caplog.text
+    assert all(_gone(pid) for pid in pids)
+
+
+def test_sigterm_drains_the_replicas_and_exits_0(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    scenario = Scenario(tmp_path, monkeypatch, ["drains", "drains"])
+    with caplog.at_level(logging.INFO):
+        assert scenario.run(lambda _: os.kill(os.getpid(), signal.SIGTERM)) == 0
+    assert "stopping the 2 replicas (each drains its requests)" in caplog.text
+    # Each got one SIGTERM and drained: a second one would have stopped it at once.
+    assert sorted(p.name for p in tmp_path.glob("*.draining")) == [f"{plan.port}.draining" for plan in scenario.plans]
+    assert not list(tmp_path.glob("*.stopped_at_once"))
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
+def test_a_second_sigterm_stops_the_replicas_at_once_and_exits_0(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A replica's second SIGTERM ends it at once, however it ends: that was asked for, not a failure."""
+    scenario = Scenario(tmp_path, monkeypatch, ["stubborn", "stubborn"])
+    tasks: list[asyncio.Task[None]] = []
+
+    def signal_twice(s: Scenario) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+        async def then_again() -> None:  # once both replicas got the first (they keep serving: draining)
+            await asyncio.get_running_loop().run_in_executor(None, lambda: [
+                s.wait_file(f"{plan.port}.draining") for plan in s.plans])
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        tasks.append(asyncio.get_running_loop().create_task(then_again()))
+
+    with caplog.at_level(logging.INFO):
+        assert scenario.run(signal_twice) == 0
+    assert "again: the replicas stop now" in caplog.text
+    assert "stopped at once: replicas exited with codes {0: -15, 1: -15}" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
