@@ -7,6 +7,7 @@ frozen `EngineConfig` that every component receives. Nothing else interprets use
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -209,23 +210,31 @@ def _asdict_shallow(obj: Any) -> dict[str, Any]:
 
 def parse_memory_size(value: str | int | float) -> int:
     """--kv-cache-memory's sizes: '4GiB', '512MiB', '2G', '1.5GB' or a plain number of bytes -> bytes. Suffixes
-    are read without case: k, m, g, KiB, MiB, GiB are powers of 1024, KB, MB, GB powers of 1000."""
+    are read without case: k, m, g, t, KiB, MiB, GiB, TiB are powers of 1024, KB, MB, GB, TB powers of 1000.
+    ConfigError for anything else, and for a size that is not finite or is negative ('inf', '-1GiB')."""
     if isinstance(value, (int, float)):
-        return int(value)
+        return _whole_bytes(float(value), value)
     text = value.strip().lower().replace(" ", "")
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 1000, "mb": 1000**2, "gb": 1000**3,
-             "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "b": 1}
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "kb": 1000, "mb": 1000**2,
+             "gb": 1000**3, "tb": 1000**4, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "b": 1}
+    number, unit = text, 1
     for suffix in sorted(units, key=len, reverse=True):
         if text.endswith(suffix):
-            number = text[: -len(suffix)]
-            try:
-                return int(float(number) * units[suffix])
-            except ValueError:
-                break
+            number, unit = text[: -len(suffix)], units[suffix]
+            break
     try:
-        return int(float(text))
+        amount = float(number)
     except ValueError:
         raise ConfigError(f"cannot parse memory size {value!r} (examples: 4GiB, 512MiB, 1000000)") from None
+    return _whole_bytes(amount * unit, value)
+
+
+def _whole_bytes(num_bytes: float, value: object) -> int:
+    """`num_bytes` as an int; ConfigError (not int()'s OverflowError or ValueError) when it is not finite or is
+    negative."""
+    if not math.isfinite(num_bytes) or num_bytes < 0:
+        raise ConfigError(f"memory size {value!r} is not a finite number of bytes of at least 0")
+    return int(num_bytes)
 
 
 _DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}

@@ -276,6 +276,7 @@ def test_config_reads_token_counts_without_importing_the_entrypoints() -> None:
 @pytest.mark.parametrize("text, value", [
     ("8g", 8 * 10**9), ("8G", 8 << 30), ("1.5g", 1_500_000_000), ("512M", 512 << 20), ("512m", 512 * 10**6),
     ("8000000000", 8 * 10**9), ("2GiB", 2 << 30), ("500MB", 500 * 10**6), ("512 MiB", 512 << 20), ("100B", 100),
+    ("1t", 10**12), ("1T", 1 << 40), ("1TB", 10**12), ("1TiB", 1 << 40),  # a unit name for each suffix vLLM has
 ])
 def test_kv_cache_memory_bytes_reads_sizes_as_vllm(text: str, value: int) -> None:
     """vLLM's --kv-cache-memory-bytes: lower-case suffixes are powers of 1000, upper-case ones of 1024, as in
@@ -297,13 +298,28 @@ def test_kv_cache_memory_keeps_its_own_reading(text: str, value: int) -> None:
 
 
 @pytest.mark.parametrize("text, message", [("1.5G", "did you mean 1.5g"), ("lots", "e.g. 8GiB or 512MiB"),
-                                           ("8 gigs", "e.g. 8GiB")])
+                                           ("8 gigs", "e.g. 8GiB"), ("infB", "not a finite number of bytes")])
 def test_bad_kv_cache_memory_bytes_are_refused(text: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:  # the parser alone: a value it took would not start a server
         build_parser().parse_args(["serve", "--kv-cache-memory-bytes", text])
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert "argument --kv-cache-memory-bytes" in err and message in err
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nanGiB", "1e400", "-1GiB", float("inf"), -1])
+def test_a_kv_cache_memory_that_is_no_size_is_a_config_error(value: str | float) -> None:
+    """Not int()'s OverflowError, which the command would show as a traceback: a ConfigError, which it reports."""
+    from kvserve.config import ConfigError, parse_memory_size
+
+    with pytest.raises(ConfigError, match="not a finite number of bytes"):
+        parse_memory_size(value)
+
+
+def test_kv_cache_memory_takes_tebibytes() -> None:
+    from kvserve.config import parse_memory_size
+
+    assert parse_memory_size("1t") == parse_memory_size("1TiB") == 1 << 40 and parse_memory_size("2TB") == 2 * 10**12
 
 
 def test_engine_args_read_kv_cache_memory_bytes_as_vllm(tiny_model_dir: Callable[..., str]) -> None:
