@@ -4,7 +4,8 @@ This process starts N child `kvserve serve` processes with the command's own fla
 `--data-parallel-size 1 --host 127.0.0.1 --port P` (argparse keeps a flag's last value), each listening on
 127.0.0.1 at a free port of its own and, on CUDA, on GPUs of its own: replica i gets GPUs
 [i * TP, (i + 1) * TP) of those visible to this process (CUDA_VISIBLE_DEVICES, else all), TP being
---tensor-parallel-size. With device cpu the N replicas share the cores. Each child's output comes out of this
+--tensor-parallel-size. With device cpu the N replicas share the cores (OMP_NUM_THREADS = cores / N each,
+unless it is set). Each child's output comes out of this
 process's stderr, each line prefixed `(replica i)`. Each child's environment has KVSERVE_DP_REPLICA=1, so it
 refuses to start replicas of its own.
 
@@ -239,11 +240,28 @@ def replica_command(plan: ReplicaPlan, serve_args: Sequence[str]) -> list[str]:
     return [sys.executable, "-m", "kvserve", "serve", *replica_args(serve_args, plan.port)]
 
 
-async def _start(plan: ReplicaPlan, serve_args: Sequence[str]) -> Replica:
-    env = dict(os.environ)
-    env["KVSERVE_DP_REPLICA"] = "1"  # it refuses --data-parallel-size > 1, however its flags say it
+def replica_env(env: Mapping[str, str], plan: ReplicaPlan, num_replicas: int, num_cores: int) -> dict[str, str]:
+    """Replica `plan`'s environment: this process's `env` plus KVSERVE_DP_REPLICA=1 (it refuses
+    --data-parallel-size > 1, however its flags say it), its GPUs as CUDA_VISIBLE_DEVICES, and on CPU an equal
+    share of the `num_cores` cores as OMP_NUM_THREADS (torch's thread count; else each replica would run as
+    many threads as there are cores), unless `env` sets OMP_NUM_THREADS itself."""
+    out = {**env, "KVSERVE_DP_REPLICA": "1"}
     if plan.gpus is not None:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(plan.gpus)
+        out["CUDA_VISIBLE_DEVICES"] = ",".join(plan.gpus)
+    elif "OMP_NUM_THREADS" not in env:
+        out["OMP_NUM_THREADS"] = str(max(1, num_cores // num_replicas))
+    return out
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+async def _start(plan: ReplicaPlan, serve_args: Sequence[str], num_replicas: int) -> Replica:
+    env = replica_env(os.environ, plan, num_replicas, _usable_cores())
     command = replica_command(plan, serve_args)
     process = await asyncio.create_subprocess_exec(
         *command, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
@@ -363,7 +381,7 @@ async def serve_replicas(ns: argparse.Namespace, plans: Sequence[ReplicaPlan], s
     runner: web.AppRunner | None = None
     try:
         for plan in plans:
-            replicas.append(await _start(plan, serve_args))
+            replicas.append(await _start(plan, serve_args, len(plans)))
         failed = await _wait_ready(replicas, stop)
         if failed is not None:
             code = await failed.process.wait()

@@ -20,12 +20,14 @@ from kvserve.entrypoints import data_parallel
 from kvserve.entrypoints.cli import build_parser, main
 from kvserve.entrypoints.data_parallel import (
     MAX_LINE_BYTES,
+    ReplicaPlan,
     assign_gpus,
     check_data_parallel_flags,
     exit_status,
     plan_replicas,
     relay_output,
     replica_args,
+    replica_env,
     router_config,
     run_data_parallel,
     unexpected_exits,
@@ -107,6 +109,15 @@ def test_a_busy_port_fails_before_any_replica_is_planned(monkeypatch: pytest.Mon
         with caplog.at_level(logging.ERROR):
             assert run_data_parallel(ns) == 1
     assert f"cannot listen on 127.0.0.1:{port}: " in caplog.text and "in use" in caplog.text
+
+
+def test_a_replicas_environment_marks_it_and_shares_the_cpu_or_names_its_gpus() -> None:
+    cpu, gpu = ReplicaPlan(1, 5000, None), ReplicaPlan(1, 5000, ["2", "3"])
+    assert replica_env({"PATH": "/bin"}, cpu, 3, 16) == {"PATH": "/bin", "KVSERVE_DP_REPLICA": "1", "OMP_NUM_THREADS": "5"}
+    assert replica_env({}, cpu, 4, 2)["OMP_NUM_THREADS"] == "1"  # at least one thread each
+    assert replica_env({"OMP_NUM_THREADS": "7"}, cpu, 3, 16)["OMP_NUM_THREADS"] == "7"  # the user's choice
+    assert replica_env({"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, gpu, 2, 16) == {
+        "CUDA_VISIBLE_DEVICES": "2,3", "KVSERVE_DP_REPLICA": "1"}
 
 
 def test_cpu_replicas_need_no_gpu() -> None:
