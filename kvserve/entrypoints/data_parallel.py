@@ -5,9 +5,8 @@ This process starts N child `kvserve serve` processes with the command's own fla
 127.0.0.1 at a free port of its own and, on CUDA, on GPUs of its own: replica i gets GPUs
 [i * TP, (i + 1) * TP) of those visible to this process (CUDA_VISIBLE_DEVICES, else all), TP being
 --tensor-parallel-size. With device cpu the N replicas share the cores (OMP_NUM_THREADS = cores / N each,
-unless it is set). Each child's output comes out of this
-process's stderr, each line prefixed `(replica i)`. Each child's environment has KVSERVE_DP_REPLICA=1, so it
-refuses to start replicas of its own.
+unless it is set). Each child's output comes out of this process's stderr, each line prefixed `(replica i)`.
+Each child's environment has KVSERVE_DP_REPLICA=1, so it refuses to start replicas of its own.
 
 * Start-up: the public --host/--port is bound and listening at once (a busy port fails fast, before any
   replica starts); connections wait in its backlog until every replica answers /health 200 and the router
@@ -50,6 +49,7 @@ import aiohttp
 from aiohttp import web
 
 from kvserve import envs
+from kvserve.entrypoints.openai.api_server import LISTEN_BACKLOG, bind_listening
 from kvserve.entrypoints.openai.cli_args import api_key_from
 from kvserve.router.app import RouterApp, RouterConfig
 from kvserve.router.policies import Router
@@ -394,7 +394,7 @@ async def serve_replicas(ns: argparse.Namespace, plans: Sequence[ReplicaPlan], s
         runner = web.AppRunner(app.make_app(), handle_signals=False, access_log=None, handler_cancellation=True,
                                shutdown_timeout=shutdown_s)
         await runner.setup()
-        await web.SockSite(runner, sock).start()
+        await web.SockSite(runner, sock, backlog=LISTEN_BACKLOG).start()
         host, port = sock.getsockname()[:2]
         name = await _served_name(replicas[0], config.api_key) or "the model"
         local = " (this machine only; --host 0.0.0.0 to accept others)" if ns.host == LOCAL_HOST else ""
@@ -435,7 +435,6 @@ async def serve_replicas(ns: argparse.Namespace, plans: Sequence[ReplicaPlan], s
 def run_data_parallel(ns: argparse.Namespace) -> int:
     """`kvserve serve` with --data-parallel-size > 1; `ns.serve_args` holds the command's flags (after
     `serve`). Returns the exit code."""
-    from kvserve.entrypoints.openai.api_server import bind_listening
 
     serve_args = getattr(ns, "serve_args", None)
     if serve_args is None:

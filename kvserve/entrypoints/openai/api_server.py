@@ -397,6 +397,10 @@ class _Server(uvicorn.Server):
         return await super().on_tick(counter)
 
 
+# Connections waiting to be accepted, kept by the kernel (while the server starts, or is busy).
+LISTEN_BACKLOG = 2048
+
+
 def bind_listening(host: str, port: int) -> socket.socket:
     """A non-blocking TCP socket bound to host:port and listening (OSError when it cannot be): connections
     wait in its backlog until something serves it."""
@@ -407,7 +411,7 @@ def bind_listening(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    sock.listen(2048)
+    sock.listen(LISTEN_BACKLOG)
     sock.setblocking(False)
     return sock
 
