@@ -394,12 +394,14 @@ async def serve_replicas(ns: argparse.Namespace, plans: Sequence[ReplicaPlan], s
         runner = web.AppRunner(app.make_app(), handle_signals=False, access_log=None, handler_cancellation=True,
                                shutdown_timeout=shutdown_s)
         await runner.setup()
-        await web.SockSite(runner, sock, backlog=LISTEN_BACKLOG).start()
+        # Logged before the site starts, so that a client served first (one waiting in the backlog) finds it
+        # in the log.
         host, port = sock.getsockname()[:2]
         name = await _served_name(replicas[0], config.api_key) or "the model"
         local = " (this machine only; --host 0.0.0.0 to accept others)" if ns.host == LOCAL_HOST else ""
         logger.info("serving %s on http://%s:%d%s (OpenAI API under /v1) from %d data-parallel replicas: %s",
                     name, host, port, local, len(replicas), "; ".join(r.plan.describe() for r in replicas))
+        await web.SockSite(runner, sock, backlog=LISTEN_BACKLOG).start()
         exits = {r.exit_wait: r for r in replicas if r.exit_wait is not None}
         stopping = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait([stopping, *exits], return_when=asyncio.FIRST_COMPLETED)

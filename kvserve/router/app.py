@@ -321,19 +321,22 @@ class RouterApp:
                     if name.lower() not in _DROP_RESPONSE:
                         response.headers.add(name, value)
                 await response.prepare(request)
-                try:
-                    async for chunk in upstream.content.iter_any():
-                        await response.write(chunk)
-                except (aiohttp.ClientPayloadError, asyncio.TimeoutError, aiohttp.ClientConnectionError) as exc:
-                    # The backend failed or went silent mid-answer (or was stopped at once): cut the client's
-                    # stream too, by closing its connection, so that it sees an incomplete answer. aiohttp's
-                    # write_eof then fails with a ConnectionError, which it takes quietly.
-                    outcome = "stream_error"
-                    logger.warning("%s %s: the answer from %s broke off (%s): cutting the client's stream",
-                                   request.method, request.path, backend.url, type(exc).__name__)
-                    if request.transport is not None:
-                        request.transport.close()
-                    return response
+                while True:
+                    try:
+                        chunk = await upstream.content.readany()
+                    except (aiohttp.ClientPayloadError, asyncio.TimeoutError, aiohttp.ClientConnectionError) as exc:
+                        # The backend failed or went silent mid-answer (or was stopped at once): cut the client's
+                        # stream too, by closing its connection, so that it sees an incomplete answer. aiohttp's
+                        # write_eof then fails with a ConnectionError, which it takes quietly.
+                        outcome = "stream_error"
+                        logger.warning("%s %s: the answer from %s broke off (%s): cutting the client's stream",
+                                       request.method, request.path, backend.url, type(exc).__name__)
+                        if request.transport is not None:
+                            request.transport.close()
+                        return response
+                    if not chunk:
+                        break
+                    await response.write(chunk)
                 await response.write_eof()
                 outcome = str(upstream.status)
                 return response
