@@ -217,14 +217,14 @@ def plan_replicas(ns: argparse.Namespace, taken_ports: Collection[int] = ()) -> 
 
 def _die_with_parent() -> Callable[[], None] | None:
     """What the child runs before exec (Linux): ask for SIGTERM when this process dies, so no replica
-    outlives it. libc is loaded here, in the parent: the forked child should only make the call."""
+    outlives it, and exit at once if it already has (the request covers only a later death). libc is loaded
+    here, in the parent: the forked child should only make the call."""
     if not sys.platform.startswith("linux"):
         return None
     import ctypes
 
     prctl = ctypes.CDLL(None, use_errno=True).prctl
     pr_set_pdeathsig = 1
-
     parent = os.getpid()
 
     def in_child() -> None:

@@ -8,8 +8,10 @@ import asyncio
 import collections
 import io
 import logging
+import os
 import signal
 import socket
+import sys
 
 import prometheus_client
 import pytest
@@ -324,3 +326,32 @@ def test_a_part_that_is_no_exposition_is_left_out() -> None:
     good = "# HELP x A gauge.\n# TYPE x gauge\nx 1.0\n"
     text = merge_expositions([({"engine": "0"}, '{"path": "/metrics"}'), ({"engine": "1"}, good)]).decode()
     assert text == '# HELP x A gauge.\n# TYPE x gauge\nx{engine="1"} 1.0\n'
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_replica_whose_parent_died_before_its_death_signal_was_set_exits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The death signal only comes for a parent that dies after prctl: the child checks it still has its parent.
+    (Run here with a fake libc and getppid: the test process's own death signal is left alone.)"""
+    import ctypes
+
+    calls: list[tuple[int, int]] = []
+
+    class FakeLibc:
+        def prctl(self, option: int, value: int) -> int:
+            calls.append((option, value))
+            return 0
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda *_, **__: FakeLibc())
+    in_child = data_parallel._die_with_parent()
+    assert in_child is not None
+
+    def exit_now(code: int) -> None:
+        raise SystemExit(code)
+
+    monkeypatch.setattr(os, "_exit", exit_now)
+    monkeypatch.setattr(os, "getppid", os.getpid)  # the parent that made in_child: it is alive
+    in_child()
+    monkeypatch.setattr(os, "getppid", lambda: 1)  # adopted by init: the parent is gone
+    with pytest.raises(SystemExit) as exited:
+        in_child()
+    assert exited.value.code == 1 and calls == [(1, signal.SIGTERM)] * 2
