@@ -74,6 +74,11 @@ DECODE_LAUNCH: dict[str, int] = {"TILE_N": _DECODE_TILE_N, "num_warps": 4, "num_
 DECODE_LAUNCH_ONE_SPLIT: dict[str, int] = {"TILE_N": 64, "num_warps": 4, "num_stages": 4}
 DECODE_LAUNCH_ONE_SPLIT_BUSY: dict[str, int] = {"TILE_N": 128, "num_warps": 4, "num_stages": 3}
 DECODE_BUSY_PROGRAMS_PER_SM = 2
+# A non-busy one-split launch over an fp8 cache: 128-key tiles carry the bytes a bf16 launch's 64-key tiles
+# do. On an H100 (attention_sweep.py --kv-dtype fp8, Qwen2.5-7B shape, per layer; docs/perf_notes.md entry
+# 68) the bf16 tiling read an fp8 cache at 1.42-1.58 TB/s (batch 64, context 1k / 4k: 47.8 / 170.9 us against
+# bf16's 51.8 / 185.2), this one at 1.92 / 2.31 TB/s (35.4 / 116.5 us).
+DECODE_LAUNCH_ONE_SPLIT_FP8: dict[str, int] = {"TILE_N": 128, "num_warps": 4, "num_stages": 3}
 # Cascade decode (a prefix shared by every request of the batch; see `_shared_prefix_kernel`): tile shapes
 # of the shared part, as the mixed kernel's 128-row tiles. Not yet tuned on a GPU.
 CASCADE_PREFIX_TILE_N = 64
@@ -616,7 +621,12 @@ def launch_paged_attention(
     block_m = max(16, triton.next_power_of_2(group))
     one_split = num_splits == 1 and not cascade
     busy = one_split and decode_launch_is_busy(num_reqs, num_kv_heads, num_sms)
-    launch = dict(DECODE_LAUNCH if not one_split else DECODE_LAUNCH_ONE_SPLIT_BUSY if busy else DECODE_LAUNCH_ONE_SPLIT)
+    if not one_split:
+        launch = dict(DECODE_LAUNCH)
+    elif busy:
+        launch = dict(DECODE_LAUNCH_ONE_SPLIT_BUSY)
+    else:
+        launch = dict(DECODE_LAUNCH_ONE_SPLIT_FP8 if kv_fp8 else DECODE_LAUNCH_ONE_SPLIT)
     prefetch = DECODE_PREFETCH_IDS and not busy
     if prefetch:
         launch["num_stages"] = decode_stages(launch["num_stages"], launch["TILE_N"], head_dim, k_cache.element_size())

@@ -223,6 +223,38 @@ def test_decode_over_fp8_cache(cache_dtype, num_splits, scales, device, poison_a
     _check(query, _fp8_cache(kv_cache, cache_dtype), metadata, SCALES[scales], num_splits)
 
 
+def test_one_split_decode_over_fp8_takes_the_fp8_tiling(device, monkeypatch, poison_allocations):
+    """A non-busy one-split decode over an fp8 cache runs DECODE_LAUNCH_ONE_SPLIT_FP8 (128-key tiles: the
+    bytes of a bf16 launch's 64-key tiles), one over a bf16-width cache DECODE_LAUNCH_ONE_SPLIT, and a busy one
+    DECODE_LAUNCH_ONE_SPLIT_BUSY whatever the cache; each matches the reference. Contexts end inside, at and
+    just past a 128-key tile."""
+    poison_allocations(triton_attention)
+    kernel = triton_attention._paged_attention_kernel
+    seen: list[tuple[int, int]] = []
+
+    class Spy:
+        def __getitem__(self, grid: object) -> object:
+            def launch(*args: object, **kwargs: object) -> object:
+                seen.append((kwargs["TILE_N"], kwargs["num_warps"]))
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(triton_attention, "_paged_attention_kernel", Spy())
+    query, kv_cache, metadata = make_batch([1] * 4, [100, 128, 129, 300], 6, 2, 64, 16, torch.float32, device,
+                                           seed=8)
+    _check(query, _fp8_cache(kv_cache, torch.float8_e4m3fn), metadata, SCALES["scaled"], 1)
+    fp8 = triton_attention.DECODE_LAUNCH_ONE_SPLIT_FP8
+    assert seen[-1] == (fp8["TILE_N"], fp8["num_warps"]) and fp8["TILE_N"] == 128
+    launch_paged_attention(query, kv_cache, metadata, 0.125, num_splits=1)
+    one = triton_attention.DECODE_LAUNCH_ONE_SPLIT
+    assert seen[-1] == (one["TILE_N"], one["num_warps"])
+    monkeypatch.setattr(triton_attention, "DECODE_BUSY_PROGRAMS_PER_SM", 0)  # every launch busy
+    _check(query, _fp8_cache(kv_cache, torch.float8_e4m3fn), metadata, SCALES["unit"], 1)
+    busy = triton_attention.DECODE_LAUNCH_ONE_SPLIT_BUSY
+    assert seen[-1] == (busy["TILE_N"], busy["num_warps"])
+
+
 @pytest.mark.parametrize("cache_dtype", FP8, ids=str)
 @pytest.mark.parametrize("num_splits", [1, 3], ids=lambda s: f"splits={s}")
 def test_cascade_decode_over_fp8_cache(cache_dtype, num_splits, device, poison_allocations):
