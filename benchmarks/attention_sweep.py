@@ -1,5 +1,5 @@
 """Sweep of the Triton decode-attention launch parameters on the GPU (tile of keys, warps, pipeline stages,
-KV splits) at the Qwen2.5-7B shape, bf16.
+KV splits) at the Qwen2.5-7B shape, bf16 (the cache in bf16, or in fp8 with --kv-dtype fp8).
 
 Each case builds 28 separate KV caches (one per layer; blocks scattered by a permutation unless
 --block-orders says inorder, stored token-major unless --layouts says hnd) and times a CUDA
@@ -85,6 +85,9 @@ def main() -> int:
     parser.add_argument("--merge", default="fused",
                         help="split launches, comma-separated: fused (the last split program merges), kernel (a "
                         "reduce launch)")
+    parser.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16",
+                        help="the KV cache's dtype: bf16 (the model's) or fp8 (e4m3, scales 1.0, as --kv-cache-dtype "
+                        "fp8 stores it)")
     args = parser.parse_args()
     merges = [m == "fused" for m in args.merge.split(",")]
     prefetches = [v == "on" for v in args.prefetch_ids.split(",")]
@@ -99,7 +102,10 @@ def main() -> int:
     scale = shape.head_dim**-0.5
     # One split launches with its own parameters (DECODE_LAUNCH_ONE_SPLIT), several with DECODE_LAUNCH.
     default = dict(triton_attention.DECODE_LAUNCH)
-    default_one = dict(triton_attention.DECODE_LAUNCH_ONE_SPLIT)
+    # An fp8 cache's one-split launches take DECODE_LAUNCH_ONE_SPLIT_FP8: the sweep sets and restores it too.
+    one_split = (triton_attention.DECODE_LAUNCH_ONE_SPLIT_FP8 if args.kv_dtype == "fp8"
+                 else triton_attention.DECODE_LAUNCH_ONE_SPLIT)
+    default_one = dict(one_split)
     default_busy_one = dict(triton_attention.DECODE_LAUNCH_ONE_SPLIT_BUSY)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     results = []
@@ -116,13 +122,15 @@ def main() -> int:
             lengths = [ctx] * batch
         layers = [make_batch(shape, torch.bfloat16, [(1, n) for n in lengths], gen, layout=layout,
                              scattered=order == "scattered") for _ in range(LAYERS)]
+        if args.kv_dtype == "fp8":  # random normal values, well inside e4m3's range (448)
+            layers = [(q, kv.to(torch.float8_e4m3fn), md) for q, kv, md in layers]
         query, kv0, metadata = layers[0]
         expected = reference.paged_attention(query, kv0, metadata, scale)
         bytes_per_layer = attention_bytes(query, kv0, metadata)
         outs = [torch.empty_like(q) for q, _, _ in layers]
         case_rows = []
         for tile, warps, stages, prefetch in itertools.product(tiles, warps_list, stages_list, prefetches):
-            for launch in (triton_attention.DECODE_LAUNCH, triton_attention.DECODE_LAUNCH_ONE_SPLIT):
+            for launch in (triton_attention.DECODE_LAUNCH, one_split):
                 launch.update(TILE_N=tile, num_warps=warps, num_stages=stages)
             triton_attention.DECODE_PREFETCH_IDS = prefetch
             for splits, fused in itertools.product(split_options, merges):
@@ -138,8 +146,9 @@ def main() -> int:
                        "num_splits": splits, "merge": "fused" if merged_in_kernel else "kernel",
                        "prefetch_ids": prefetch,
                        # the stages the launch runs (the launcher trims them for buffers past its limit)
-                       "stages_run": triton_attention.decode_stages(stages, tile, shape.head_dim, 2) if prefetch
-                       else stages}
+                       "kv_dtype": args.kv_dtype,
+                       "stages_run": triton_attention.decode_stages(stages, tile, shape.head_dim,
+                                                                    kv0.element_size()) if prefetch else stages}
                 try:
                     out = triton_attention.launch_paged_attention(query, kv0, metadata, scale, None, splits)
                     err = (out.float() - expected.float()).abs().max().item()
@@ -160,7 +169,7 @@ def main() -> int:
         triton_attention.DECODE_FUSED_MERGE_MAX_SPLITS = fused_max_splits
         triton_attention.DECODE_PREFETCH_IDS = default_prefetch
         for launch, saved in ((triton_attention.DECODE_LAUNCH, default),
-                              (triton_attention.DECODE_LAUNCH_ONE_SPLIT, default_one)):
+                              (one_split, default_one)):
             launch.clear()
             launch.update(saved)
         timed = sorted((r for r in case_rows if "us_per_layer" in r), key=lambda r: r["us_per_layer"])
