@@ -161,10 +161,15 @@ def rms_norm(
 @triton.jit
 def quantize_fp8(x, scale, FP8_MAX: tl.constexpr, cache_dtype: tl.constexpr):
     """x / scale, saturated to +-FP8_MAX, rounded to nearest even into the fp8 cache_dtype: what every cache
-    write stores in an fp8 cache, `reference.quantize_kv` bit for bit. The division is IEEE (`div_rn`), as
-    torch's: Triton's `/` may compile to an approximate one."""
-    return tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -FP8_MAX, FP8_MAX).to(
-        cache_dtype, fp_downcast_rounding="rtne")
+    write stores in an fp8 cache, `reference.quantize_kv` bit for bit (a NaN's sign and payload aside). The
+    division is IEEE (`div_rn`), as torch's: Triton's `/` may compile to an approximate one.
+
+    NOTE: a NaN stays NaN (both formats have one), as torch's clamp keeps it: `tl.clamp`'s default turns it
+    into +-FP8_MAX, a huge finite key that attention would collapse onto, and the GPU would then store what
+    the CPU path does not. +-inf saturates like any value past the range."""
+    clamped = tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -FP8_MAX, FP8_MAX,
+                       propagate_nan=tl.PropagateNan.ALL)
+    return clamped.to(cache_dtype, fp_downcast_rounding="rtne")
 
 
 # num_tokens and write_v_out vary with the batch (and the padded path): unspecialised, so that the padded

@@ -106,6 +106,43 @@ def test_cache_write_stores_what_the_reference_stores(cache_dtype, dtype, scales
 
 @pytest.mark.parametrize("cache_dtype", FP8, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_cache_write_keeps_nan_and_saturates_inf(cache_dtype, dtype, device, skip_bf16_on_interpreter):
+    """A NaN in K or V is stored as a NaN, as the reference stores it (not +-max: a huge finite key that
+    attention would collapse onto); +-inf is stored as +-max; the other values as the reference stores them.
+    NaN encodings may differ (torch keeps the sign), so NaN is compared by position.
+
+    Under the interpreter e4m3fn's NaN is not checked: the interpreter's fp32 -> fp8 cast turns NaN into 384
+    in that format (a GPU's cvt.rn.satfinite gives NaN); e5m2 runs the same clamp and is checked."""
+    skip_bf16_on_interpreter(dtype)
+    k_scale, v_scale = SCALES["scaled"]
+    num_tokens, num_blocks, block_size, num_kv_heads, head_dim = 5, 2, 16, 2, 64
+    gen = torch.Generator().manual_seed(9)
+    key = _grid_values((num_tokens, num_kv_heads, head_dim), cache_dtype, gen) * k_scale
+    value = _grid_values((num_tokens, num_kv_heads, head_dim), cache_dtype, gen) * v_scale
+    nan, inf = float("nan"), float("inf")
+    key[0, 0, :4] = torch.tensor([nan, -nan, inf, -inf])
+    value[3, 1, -4:] = torch.tensor([-inf, inf, -nan, nan])
+    key[4] = nan  # a whole token
+    key, value = key.to(device=device, dtype=dtype), value.to(device=device, dtype=dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    kv_cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=cache_dtype, device=device)
+    expected = kv_cache.cpu().clone()
+    triton_cache.reshape_and_cache(key, value, kv_cache, slots.to(device), k_scale, v_scale)
+    reference.reshape_and_cache(key.cpu(), value.cpu(), expected, slots, k_scale, v_scale)
+    stored, wanted = kv_cache.cpu().float(), expected.float()
+    assert int(wanted.isnan().sum()) == 4 + num_kv_heads * head_dim
+    limit = torch.finfo(cache_dtype).max
+    flat = wanted.view(2, -1, num_kv_heads, head_dim)
+    assert flat[0, slots[0], 0, 2] == limit and flat[0, slots[0], 0, 3] == -limit
+    assert flat[1, slots[3], 1, -4] == -limit and flat[1, slots[3], 1, -3] == limit
+    if not (INTERPRET and cache_dtype == torch.float8_e4m3fn):
+        assert torch.equal(stored.isnan(), wanted.isnan())
+    not_nan = ~wanted.isnan()
+    assert torch.equal(stored[not_nan], wanted[not_nan])
+
+
+@pytest.mark.parametrize("cache_dtype", FP8, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("pad_to", [0, 16], ids=["plain", "padded"])
 def test_fused_rotary_cache_write_stores_what_the_separate_ops_store(
     cache_dtype, dtype, pad_to, device, skip_bf16_on_interpreter
