@@ -58,6 +58,7 @@ class KVCapacity:
     num_blocks: int
     block_size: int
     max_model_len: int
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype: named in the description unless "auto"
 
     @property
     def num_tokens(self) -> int:
@@ -69,8 +70,9 @@ class KVCapacity:
         return self.num_tokens / self.max_model_len
 
     def describe(self) -> str:
+        stored = "" if self.kv_cache_dtype == "auto" else f" ({self.kv_cache_dtype})"
         return (
-            f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens; "
+            f"KV cache{stored}: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens; "
             f"max concurrency at max_model_len={self.max_model_len}: {self.max_concurrency:.2f}x"
         )
 
@@ -115,7 +117,8 @@ class EngineCore:
         cache = config.cache_config
         num_blocks = cache.num_blocks or min(self._on_all_ranks("determine_num_blocks"))
         self._mark_phase("memory_profile", start)
-        self.capacity = KVCapacity(num_blocks, cache.block_size, config.model_config.max_model_len)
+        self.capacity = KVCapacity(num_blocks, cache.block_size, config.model_config.max_model_len,
+                                   cache.kv_cache_dtype)
         self._check_capacity(config)
         self.config = config.with_num_blocks(num_blocks)
         self._on_all_ranks("initialize_kv_cache", num_blocks)

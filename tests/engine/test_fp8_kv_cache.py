@@ -145,6 +145,9 @@ def test_fp8_cache_holds_more_blocks_in_the_same_memory(bare_checkpoint: str, mo
         runner = core.runner
         assert sum(c.numel() * c.element_size() for c in runner.kv_caches) == blocks[kv] * runner.kv_cache_bytes_per_block()
     assert cores["fp8"].runner.kv_caches[0].dtype == torch.float8_e4m3fn
+    # The capacity log line names the cache's dtype when it is not the model's.
+    assert cores["fp8"].capacity.describe().startswith(f"KV cache (fp8): {blocks['fp8']} blocks x 16 tokens")
+    assert cores["auto"].capacity.describe().startswith(f"KV cache: {blocks['auto']} blocks x 16 tokens")
 
 
 # ------------------------------------------------------------------------------------------ configuration

@@ -3,6 +3,8 @@ per-request stats tracker and the Prometheus logger. No processes, no model."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -152,3 +154,21 @@ def test_prometheus_logger_observes_iterations():
 def test_token_buckets():
     assert token_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
     assert token_buckets(8192)[-1] == 5000
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e5m2"])
+def test_cache_config_info_carries_vllms_cache_dtype_label(kv_cache_dtype: str) -> None:
+    """The server's cache_config_info has vLLM's `cache_dtype` label: the --kv-cache-dtype value."""
+    import argparse
+
+    from kvserve.config import CacheConfig
+    from kvserve.entrypoints.openai.api_server import _make_metrics
+
+    config = SimpleNamespace(cache_config=CacheConfig(enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype))
+    ready = EngineReady(pid=1, num_blocks=10, block_size=16, max_model_len=256, eos_token_ids=[2], startup_s=1.5,
+                        capacity_description="")
+    logger = _make_metrics(argparse.Namespace(metrics_compat="vllm"), config, ready, ["m"], None, True)
+    labels = (("block_size", "16"), ("cache_dtype", kv_cache_dtype), ("enable_prefix_caching", "False"),
+              ("num_gpu_blocks", "10"))
+    s = _samples(logger)
+    assert s[("kvserve:cache_config_info", labels)] == s[("vllm:cache_config_info", labels)] == 1

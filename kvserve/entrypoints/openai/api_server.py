@@ -426,6 +426,7 @@ def _make_metrics(ns: argparse.Namespace, config: EngineConfig, ready: EngineRea
             "block_size": str(ready.block_size),
             "num_gpu_blocks": str(ready.num_blocks),
             "enable_prefix_caching": str(config.cache_config.enable_prefix_caching),
+            "cache_dtype": config.cache_config.kv_cache_dtype,  # vLLM's label: the --kv-cache-dtype value
         },
         multiprocess_dir=multiprocess_dir,
         record_scheduler=first,
