@@ -32,12 +32,22 @@ _DTYPE_ALIASES = {
 
 
 # --kv-cache-dtype (vLLM's values) -> the torch dtype name of the KV cache; "auto" keeps the model's dtype. "fp8"
-# is vLLM's name for fp8_e4m3 (torch.float8_e4m3fn).
+# is vLLM's name for fp8_e4m3 (torch.float8_e4m3fn). bfloat16 and float16 are taken only where they are the
+# model's dtype (the same cache as auto): the kernels read a float cache in the query's dtype.
 KV_CACHE_DTYPES: dict[str, str | None] = {
     "auto": None,
+    "bfloat16": "bfloat16",
+    "float16": "float16",
     "fp8": "float8_e4m3fn",
     "fp8_e4m3": "float8_e4m3fn",
     "fp8_e5m2": "float8_e5m2",
+}
+KV_CACHE_MODEL_DTYPES = ("bfloat16", "float16")
+# vLLM's other --kv-cache-dtype values, refused with the reason (not a bare "invalid choice").
+KV_CACHE_DTYPES_REFUSED: dict[str, str] = {
+    "fp8_inc": "it is the fp8 cache of Intel Gaudi (vLLM's HPU backend)",
+    "fp8_ds_mla": "it is DeepSeek's fp8 layout for MLA attention, which kvserve's models do not have",
+    "int8": "kvserve's attention kernels read no int8 cache",
 }
 # Triton converts to and from fp8 e4m3 (its fp8e4nv) only from compute capability 8.9 (Ada, Hopper) on; e5m2 is
 # held to the same line, so one rule decides where an fp8 cache runs on a GPU.
@@ -107,8 +117,8 @@ class CacheConfig:
     # --kv-cache-memory (vLLM's --kv-cache-memory-bytes) given: on a GPU the KV cache is this size (per GPU)
     # instead of the --gpu-memory-utilization budget. None: the budget sizes it.
     gpu_kv_cache_memory_bytes: int | None = None
-    # --kv-cache-dtype, one of KV_CACHE_DTYPES: "auto" (the model's dtype) or an fp8 format. K and V are stored
-    # as x / scale with a per-layer scale of 1.0 (vLLM's default where the checkpoint has none).
+    # --kv-cache-dtype, one of KV_CACHE_DTYPES: "auto" or the model's own dtype's name, or an fp8 format. K and V
+    # are stored as x / scale with a per-layer scale of 1.0 (vLLM's default where the checkpoint has none).
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
@@ -127,9 +137,27 @@ class CacheConfig:
 
 
 def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
-    """The torch dtype name the KV cache is allocated in: the model's dtype for "auto", else the fp8 format's."""
+    """The torch dtype name the KV cache is allocated in: the model's dtype for "auto" (and for its own name), else
+    the fp8 format's. ConfigError for a float dtype other than the model's."""
     name = KV_CACHE_DTYPES[kv_cache_dtype]
+    if kv_cache_dtype in KV_CACHE_MODEL_DTYPES and name != model_dtype:
+        raise ConfigError(
+            f"--kv-cache-dtype {kv_cache_dtype} with a {model_dtype} model is not supported: a float KV cache is held "
+            f"in the model's dtype; pass --kv-cache-dtype auto (or fp8 / fp8_e5m2 for a one-byte cache)")
     return model_dtype if name is None else name
+
+
+def kv_cache_dtype_name(kv_cache_dtype: str) -> str:
+    """--kv-cache-dtype's value lower-cased (vLLM reads it in any case), if it is one of KV_CACHE_DTYPES;
+    ConfigError otherwise, with the reason for vLLM's values kvserve does not take."""
+    value = str(kv_cache_dtype).lower()
+    if value in KV_CACHE_DTYPES_REFUSED:
+        raise ConfigError(f"--kv-cache-dtype {value} is not supported: {KV_CACHE_DTYPES_REFUSED[value]}; choose "
+                          f"{', '.join(KV_CACHE_DTYPES)} (fp8 is fp8_e4m3)")
+    if value not in KV_CACHE_DTYPES:
+        raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype!r} is not supported; choose {', '.join(KV_CACHE_DTYPES)} "
+                          "(fp8 is fp8_e4m3)")
+    return value
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -328,7 +356,8 @@ class EngineArgs:
     cuda_graph_sizes: list[int] | None = None  # None: DEFAULT_CUDA_GRAPH_SIZES up to max_num_seqs
     async_scheduling: bool | None = None  # None: on for GPUs, off on CPU (where nothing overlaps)
     cascade_attn: bool = True  # measured on the H200: docs/perf_notes.md, entry 12
-    kv_cache_dtype: str = "auto"  # vLLM's --kv-cache-dtype: auto, fp8 (= fp8_e4m3), fp8_e4m3, fp8_e5m2
+    # vLLM's --kv-cache-dtype: auto, fp8 (= fp8_e4m3), fp8_e4m3, fp8_e5m2; bfloat16 / float16 if the model's dtype
+    kv_cache_dtype: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def create_engine_config(self) -> EngineConfig:
@@ -356,7 +385,7 @@ class EngineArgs:
         device = self.device or _default_device()
         _check_device(device)
         dtype = _resolve_dtype(self.dtype, device, arch.config_dtype)
-        kv_cache_dtype = _check_kv_cache_dtype(self.kv_cache_dtype, device)
+        kv_cache_dtype = _check_kv_cache_dtype(self.kv_cache_dtype, device, dtype)
 
         model_limit = arch.max_positions
         if self.max_model_len is None:
@@ -535,15 +564,14 @@ def _check_device(device: str) -> None:
                               "(or torch was built without CUDA); pass --device cpu")
 
 
-def _check_kv_cache_dtype(kv_cache_dtype: str, device: str) -> str:
-    """--kv-cache-dtype's value, lower-cased, if this device can hold the cache in it; ConfigError otherwise.
-    fp8 needs a GPU of compute capability 8.9 or later (the Triton kernels' fp8 conversions); on CPU torch's
-    casts store it and the reference attention reads it back in float32."""
-    value = str(kv_cache_dtype).lower()
-    if value not in KV_CACHE_DTYPES:
-        raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype!r} is not supported; choose {', '.join(KV_CACHE_DTYPES)} "
-                          "(fp8 is fp8_e4m3)")
-    if KV_CACHE_DTYPES[value] is None or device == "cpu":
+def _check_kv_cache_dtype(kv_cache_dtype: str, device: str, model_dtype: str) -> str:
+    """--kv-cache-dtype's value, lower-cased, if this model on this device can hold the cache in it; ConfigError
+    otherwise. bfloat16 / float16 must be the model's dtype. fp8 needs a GPU of compute capability 8.9 or later
+    (the Triton kernels' fp8 conversions); on CPU torch's casts store it and the reference attention reads it
+    back in float32."""
+    value = kv_cache_dtype_name(kv_cache_dtype)
+    kv_cache_torch_dtype(value, model_dtype)  # a float dtype other than the model's: refused here, not at start
+    if value == "auto" or value in KV_CACHE_MODEL_DTYPES or device == "cpu":
         return value
     import torch
 

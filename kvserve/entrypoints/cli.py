@@ -6,18 +6,27 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from kvserve import __version__
-from kvserve.config import ConfigError, human_readable_int, parse_kv_cache_memory_bytes
+from kvserve.config import (
+    KV_CACHE_DTYPES,
+    ConfigError,
+    human_readable_int,
+    kv_cache_dtype_name,
+    parse_kv_cache_memory_bytes,
+)
 from kvserve.entrypoints.vllm_compat import add_ignored_engine_args, ignored_flag_notes, parse_args_or_refuse
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
 
-def _flag_type(parse: Callable[[str], int]) -> Callable[[str], int]:
+
+def _flag_type(parse: Callable[[str], T]) -> Callable[[str], T]:
     """`parse` as an argparse `type=`: its ConfigError becomes argparse's error with the message kept (argparse
     would replace a ValueError's message with a bare "invalid value")."""
-    def flag_value(text: str) -> int:
+    def flag_value(text: str) -> T:
         try:
             return parse(text)
         except ConfigError as exc:
@@ -28,6 +37,7 @@ def _flag_type(parse: Callable[[str], int]) -> Callable[[str], int]:
 
 _token_count = _flag_type(human_readable_int)
 _vllm_byte_count = _flag_type(parse_kv_cache_memory_bytes)
+_kv_cache_dtype = _flag_type(kv_cache_dtype_name)
 
 
 def add_engine_args(parser: argparse.ArgumentParser, data_parallel: bool = False) -> None:
@@ -60,10 +70,10 @@ def add_engine_args(parser: argparse.ArgumentParser, data_parallel: bool = False
     g.add_argument("--max-num-batched-tokens", type=_token_count, default=None,
                    help="token budget of one step, e.g. 8192 or 16k (default 8192)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
-                   help="KV cache storage (vLLM's values): auto, the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2, one "
-                   "byte per value, twice the tokens in the same memory (scales 1.0; GPUs of compute capability 8.9 "
-                   "or later, or CPU)")
+    g.add_argument("--kv-cache-dtype", default="auto", type=_kv_cache_dtype, metavar="{" + ",".join(KV_CACHE_DTYPES) + "}",
+                   help="KV cache storage (vLLM's values, any case): auto, the model's dtype (bfloat16 / float16: "
+                   "only that of the model); fp8 (= fp8_e4m3) or fp8_e5m2, one byte per value, twice the tokens in "
+                   "the same memory (scales 1.0; GPUs of compute capability 8.9 or later, or CPU)")
     g.add_argument("--kv-cache-memory", default=None,
                    help="KV cache size (per GPU), e.g. 2GiB, 512MiB or a number of bytes (k, m, g, KiB, MiB, GiB: "
                         "x1024; KB, MB, GB: x1000; any case); on a GPU it replaces the --gpu-memory-utilization "

@@ -153,38 +153,63 @@ def test_fp8_cache_holds_more_blocks_in_the_same_memory(bare_checkpoint: str, mo
 # ------------------------------------------------------------------------------------------ configuration
 
 
-@pytest.mark.parametrize("value, expected", [("auto", "bfloat16"), ("fp8", "float8_e4m3fn"),
+@pytest.mark.parametrize("value, expected", [("auto", "bfloat16"), ("bfloat16", "bfloat16"), ("fp8", "float8_e4m3fn"),
                                              ("fp8_e4m3", "float8_e4m3fn"), ("fp8_e5m2", "float8_e5m2")])
 def test_kv_cache_dtype_values(value: str, expected: str) -> None:
     assert kv_cache_torch_dtype(value, "bfloat16") == expected
-    assert _check_kv_cache_dtype(value.upper(), "cpu") == value  # vLLM's values, any case
+    assert _check_kv_cache_dtype(value.upper(), "cpu", "bfloat16") == value  # vLLM's values, any case
+
+
+@pytest.mark.parametrize("model_dtype", ["bfloat16", "float16"])
+def test_kv_cache_dtype_of_the_models_own_float_dtype_is_auto(bare_checkpoint: str, model_dtype: str) -> None:
+    """vLLM's `--kv-cache-dtype bfloat16` (and float16) where it is the model's dtype: the same cache as auto."""
+    core = _core(bare_checkpoint, model_dtype.upper(), dtype=model_dtype, num_kv_blocks=4, max_model_len=64)
+    assert core.config.cache_config.kv_cache_dtype == model_dtype
+    assert core.runner.kv_caches[0].dtype == getattr(torch, model_dtype)
 
 
 def test_kv_cache_dtype_refusals(bare_checkpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(ConfigError, match="--kv-cache-dtype 'fp4' is not supported; choose auto, fp8"):
+    with pytest.raises(ConfigError, match="--kv-cache-dtype 'fp4' is not supported; choose auto, bfloat16, float16, fp8"):
         EngineArgs(model=bare_checkpoint, device="cpu", kv_cache_dtype="fp4").create_engine_config()
+    # A float cache in another dtype than the model's (the CPU runs float32): refused with the way out.
+    for value in ("bfloat16", "float16"):
+        with pytest.raises(ConfigError, match=f"--kv-cache-dtype {value} with a float32 model is not supported.*"
+                                              "--kv-cache-dtype auto"):
+            EngineArgs(model=bare_checkpoint, device="cpu", kv_cache_dtype=value).create_engine_config()
+    with pytest.raises(ConfigError, match="float16 with a bfloat16 model"):
+        kv_cache_torch_dtype("float16", "bfloat16")  # a CacheConfig built without the check
+    # vLLM's other values, by name with the reason.
+    for value, reason in (("fp8_inc", "Intel Gaudi"), ("FP8_DS_MLA", "MLA"), ("int8", "no int8 cache")):
+        with pytest.raises(ConfigError, match=f"--kv-cache-dtype {value.lower()} is not supported: .*{reason}"):
+            EngineArgs(model=bare_checkpoint, device="cpu", kv_cache_dtype=value).create_engine_config()
     # A GPU older than 8.9 cannot run the kernels' fp8 conversions: refused at configuration, not mid-serving.
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     with pytest.raises(ConfigError, match="compute capability 8.9 or later.*this GPU is 8.0.*--kv-cache-dtype auto"):
-        _check_kv_cache_dtype("fp8", "cuda")
-    assert _check_kv_cache_dtype("auto", "cuda") == "auto"
+        _check_kv_cache_dtype("fp8", "cuda", "bfloat16")
+    assert _check_kv_cache_dtype("auto", "cuda", "bfloat16") == "auto"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert _check_kv_cache_dtype("fp8_e5m2", "cuda") == "fp8_e5m2"
+    assert _check_kv_cache_dtype("fp8_e5m2", "cuda", "bfloat16") == "fp8_e5m2"
 
 
 @pytest.mark.parametrize("command", [["serve", "m"], ["generate", "--prompt", "x"], ["triton-repo", "--name", "m"]])
 def test_kv_cache_dtype_is_an_engine_flag(command: list[str]) -> None:
     assert engine_args_from(build_parser().parse_args(command))["kv_cache_dtype"] == "auto"
-    for value in ("fp8", "fp8_e4m3", "fp8_e5m2", "auto"):
+    for value in ("fp8", "fp8_e4m3", "fp8_e5m2", "auto", "bfloat16", "float16"):
         ns = build_parser().parse_args([*command, "--kv-cache-dtype", value])
+        assert engine_args_from(ns)["kv_cache_dtype"] == value
+        ns = build_parser().parse_args([*command, "--kv-cache-dtype", value.upper()])  # any case, as vLLM
         assert engine_args_from(ns)["kv_cache_dtype"] == value
 
 
 def test_kv_cache_dtype_flag_refusals(capsys: pytest.CaptureFixture[str]) -> None:
     parser = build_parser()
-    with pytest.raises(SystemExit):
-        parser.parse_args(["serve", "m", "--kv-cache-dtype", "int8"])
-    assert "invalid choice: 'int8'" in capsys.readouterr().err
+    for value, reason in (("int8", "kvserve's attention kernels read no int8 cache"),
+                          ("fp8_inc", "Intel Gaudi"), ("fp8_ds_mla", "DeepSeek's fp8 layout for MLA"),
+                          ("fp4", "choose auto, bfloat16, float16, fp8, fp8_e4m3, fp8_e5m2")):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "m", "--kv-cache-dtype", value])
+        err = capsys.readouterr().err
+        assert "argument --kv-cache-dtype: --kv-cache-dtype" in err and "is not supported" in err and reason in err
     from kvserve.entrypoints.vllm_compat import parse_args_or_refuse
 
     with pytest.raises(SystemExit):

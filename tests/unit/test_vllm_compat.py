@@ -80,7 +80,8 @@ def test_harmless_flags_are_not_in_help(capsys: pytest.CaptureFixture[str]) -> N
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--kv-cache-dtype", "fp4"], "invalid choice: 'fp4'"),
+    (["--kv-cache-dtype", "fp4"], "--kv-cache-dtype 'fp4' is not supported; choose auto"),
+    (["--kv-cache-dtype", "fp8_ds_mla"], "--kv-cache-dtype fp8_ds_mla is not supported: it is DeepSeek's"),
     (["--pipeline-parallel-size", "2"], "--tensor-parallel-size"),
     (["-pp", "2"], "--tensor-parallel-size"),
     (["-dp", "0"], "must be at least 1"),
