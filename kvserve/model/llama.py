@@ -42,6 +42,9 @@ _STACKED_PARAMS: tuple[tuple[str, str, Hashable], ...] = (
 
 # Checkpoint entries that are not parameters (old HF checkpoints saved the RoPE buffer).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Per-layer KV-cache scales, as fp8-KV checkpoints exported for vLLM carry them (`...self_attn.k_scale`, older
+# exports one `kv_scale` for both): refused by name until they are loaded into `Attention.k_scale` / `v_scale`.
+_KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale")
 
 # A step that needs the final states of some rows only (the tokens that sample: a prefill's last token)
 # runs the last layer past its cache write on those rows alone (docs/perf_notes.md entry 37), and, where the
@@ -369,6 +372,11 @@ class LlamaForCausalLM(CausalLM):
             if param is None and self.arch.quantization is not None and ckpt_name.endswith(".bias"):
                 # Older GPTQ exporters save a (zero) bias for every projection, also where the model has none.
                 continue
+            if param is None and ckpt_name.endswith(_KV_SCALE_SUFFIXES):
+                raise ModelLoadError(
+                    f"checkpoint tensor {ckpt_name!r} is a KV-cache scale: checkpoint KV-cache scales are not "
+                    "supported yet (kvserve's fp8 KV cache uses scales of 1.0); use a checkpoint without them"
+                )
             if param is None:
                 raise ModelLoadError(
                     f"checkpoint tensor {ckpt_name!r} matches no parameter of {type(self).__name__}"
