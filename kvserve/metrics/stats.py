@@ -57,6 +57,7 @@ class _RequestTimes:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_generation_tokens: int = 0
+    prompt_counted: bool = False  # its prompt tokens are in an IterationStats
 
 
 class RequestStatsTracker:
@@ -72,15 +73,24 @@ class RequestStatsTracker:
         return len(self._requests)
 
     def on_output(self, out: EngineCoreOutput, now: float, iteration: IterationStats) -> None:
-        """Account one engine output received at `now` (finishing is reported separately)."""
+        """Account one engine output received at `now` (finishing is reported separately).
+
+        The output of the step that ran a request's prompt counts its prompt tokens and records when it was
+        first scheduled (its queue time), also where it carries no token: a prompt-only request (prompt_logprobs
+        asked, a grammar that allows only EOS held back by min_tokens) ends there with none. It has no TTFT,
+        no token having been produced, and so no prefill time either."""
         times = self._requests.get(out.req_id)
-        if times is None or not out.new_token_ids:
+        if times is None:
             return
         if out.first_scheduled_time and times.first_scheduled_time is None:
             times.first_scheduled_time = out.first_scheduled_time
+        if not times.prompt_counted and (out.new_token_ids or out.first_scheduled_time):
+            times.prompt_counted = True
+            iteration.num_prompt_tokens += times.num_prompt_tokens
+        if not out.new_token_ids:
+            return
         if times.first_token_time is None:
             times.first_token_time = now
-            iteration.num_prompt_tokens += times.num_prompt_tokens
             iteration.time_to_first_tokens_s.append(now - times.arrival_time)
         else:
             assert times.last_token_time is not None

@@ -95,6 +95,32 @@ def test_stats_tracker_measures_each_request():
     assert len(it.finished) == 1 and len(tracker) == 0
 
 
+def test_stats_tracker_counts_a_prompt_only_request():
+    """A request that ends with no token after its prompt ran (prompt_logprobs asked, a grammar that allows only
+    EOS under min_tokens): its prompt tokens and queue time are counted; no TTFT (no token), no prefill time.
+    One ended before it was scheduled (the same grammar without prompt_logprobs) counts no prompt tokens."""
+    tracker = RequestStatsTracker()
+    tracker.add("p", arrival_time=100.0, num_prompt_tokens=10, max_tokens=3)
+    tracker.add("g", arrival_time=100.0, num_prompt_tokens=6, max_tokens=3)
+    it = IterationStats()
+    tracker.on_output(EngineCoreOutput("g", [], finish_reason="stop"), now=100.25, iteration=it)
+    tracker.finish("g", "stop", now=100.25, iteration=it)
+    tracker.on_output(EngineCoreOutput("p", [], finish_reason="stop", first_scheduled_time=100.5), now=101.0,
+                      iteration=it)
+    tracker.finish("p", "stop", now=101.0, iteration=it)
+    assert it.num_prompt_tokens == 10 and it.num_generation_tokens == 0 and it.time_to_first_tokens_s == []
+    ended_unscheduled, prompt_only = it.finished
+    assert ended_unscheduled.queue_time_s is None
+    assert (prompt_only.queue_time_s, prompt_only.prefill_time_s, prompt_only.decode_time_s) == (0.5, None, None)
+    assert (prompt_only.num_prompt_tokens, prompt_only.num_generation_tokens) == (10, 0)
+    # Counted once: a later output with tokens (not a prompt-only request's, shown for the rule) adds none.
+    tracker.add("q", arrival_time=0.0, num_prompt_tokens=4, max_tokens=3)
+    it = IterationStats()
+    tracker.on_output(EngineCoreOutput("q", [1], first_scheduled_time=0.5), now=1.0, iteration=it)
+    tracker.on_output(EngineCoreOutput("q", [2]), now=1.5, iteration=it)
+    assert it.num_prompt_tokens == 4 and it.time_to_first_tokens_s == [1.0]
+
+
 def test_stats_tracker_abort_before_scheduling():
     tracker = RequestStatsTracker()
     tracker.add("b", arrival_time=5.0, num_prompt_tokens=4, max_tokens=8)
