@@ -48,7 +48,8 @@ class Attention(nn.Module):
         Returns [num_tokens, num_heads, head_dim] in query's dtype, written into `out` (that shape, contiguous)
         when given."""
         # Fresh prompts only (GPU): flash attention over this step's own K/V, no cache reads (in the model's
-        # dtype even over an fp8 cache, as vLLM does).
+        # dtype even over an fp8 cache). Every cache read is fp8, the last layer's sampled rows included
+        # (`forward_cached`, under last-layer pruning).
         result = ops.prefill_attention(query, key, value, attn_metadata, self.scale)
         if result is not None:
             return result if out is None else out.copy_(result)
