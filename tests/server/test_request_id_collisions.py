@@ -1,7 +1,7 @@
 """Client-chosen request ids cannot collide inside the engine: a two-prompt completion with id "x" and a
 one-prompt completion with id "x-0" (the id the first one's prompt 0 used to run under) both succeed, in
 either order, streamed or not, and keep the ids the clients see. The id in use is refused while any prompt of
-a multi-prompt completion runs. Driven in process: the real `AsyncLLM` over a fake engine core that answers
+a multi-prompt completion runs (best-effort: two sent at once may both run, side by side). Driven in process: the real `AsyncLLM` over a fake engine core that answers
 every request with one token when the test says so."""
 
 from __future__ import annotations
@@ -153,3 +153,28 @@ def test_an_id_is_in_use_while_any_prompt_of_its_completion_runs(monkeypatch: py
     for refused in (refused_multi, refused_single):
         assert refused.status_code == 400
         assert refused.json()["error"]["param"] == "request_id" and "in use" in refused.json()["error"]["message"]
+
+
+def test_the_same_id_sent_at_once_runs_side_by_side(monkeypatch: pytest.MonkeyPatch, smollm_tokenizer: Any) -> None:
+    """The in-use check is best-effort (`new_request_id`): two requests with one id that both pass it (sent at
+    the same moment, both checked before either reached the engine; forced here by a check that sees nothing)
+    both run, each prompt under its own core id, both answered with the client's id, and the id is free once
+    both are done."""
+    in_use = AsyncLLM.has_request
+    monkeypatch.setattr(AsyncLLM, "has_request", lambda self, request_id: False)
+
+    async def script(client: httpx.AsyncClient, core: _HeldCore) -> tuple[list[httpx.Response], bool]:
+        sent = [asyncio.ensure_future(client.post("/v1/completions", json=_body(prompt, "x")))
+                for prompt in (["one", "two"], "three")]
+        await _until(lambda: len(core.held) == 3)
+        assert in_use(core.handler, "cmpl-x")
+        core.release()
+        responses = list(await asyncio.gather(*sent))
+        assert len(set(core.added)) == len(core.added) == 3
+        return responses, in_use(core.handler, "cmpl-x")
+
+    (multi, single), still_in_use = _scenario(monkeypatch, smollm_tokenizer, script)
+    assert multi.status_code == single.status_code == 200, (multi.text, single.text)
+    assert multi.json()["id"] == single.json()["id"] == "cmpl-x"
+    assert [c["index"] for c in multi.json()["choices"]] == [0, 1] and len(single.json()["choices"]) == 1
+    assert not still_in_use
