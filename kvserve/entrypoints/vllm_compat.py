@@ -85,7 +85,8 @@ def _just_one(alternative: str) -> Callable[[str], int]:
     return parse
 
 
-def _replica_count(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse `type=` for a count of at least 1 (replicas, API processes)."""
     try:
         value = int(text)
     except ValueError:
@@ -105,7 +106,7 @@ def add_ignored_engine_args(parser: argparse.ArgumentParser, data_parallel: bool
         "kvserve has no pipeline parallelism; split a model over GPUs with --tensor-parallel-size, or run "
         "several servers behind `kvserve route`"), default=None, help=hide)
     if data_parallel:
-        p.add_argument("--data-parallel-size", "-dp", type=_replica_count, default=None, metavar="N",
+        p.add_argument("--data-parallel-size", "-dp", type=positive_int, default=None, metavar="N",
                        help="engine replicas behind this server's one port, each on its own "
                        "--tensor-parallel-size GPUs (replica i takes the i-th group of the visible GPUs; on CPU, "
                        "processes sharing the cores); requests go to them by prompt prefix (default 1)")

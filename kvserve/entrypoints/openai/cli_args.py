@@ -13,7 +13,7 @@ import ssl
 from kvserve.entrypoints.cli import add_engine_args, add_generation_config_args, engine_args_from
 from kvserve.entrypoints.openai.reasoning_parsers import REASONING_PARSERS  # (a light module)
 from kvserve.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS  # (a light module)
-from kvserve.entrypoints.vllm_compat import add_ignored_server_args
+from kvserve.entrypoints.vllm_compat import add_ignored_server_args, positive_int
 from kvserve.model.paths import names_a_model  # (a light module)
 from kvserve.protocol.sampling_params import MAX_LOGPROBS  # (a light module)
 
@@ -103,7 +103,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)")
     g.add_argument("--root-path", type=_root_path, default="",
                    help="the path prefix a proxy serves this server under and strips (ASGI root_path), e.g. /llm")
-    g.add_argument("--api-server-count", "-asc", type=_positive_int, default=1, metavar="N",
+    g.add_argument("--api-server-count", "-asc", type=positive_int, default=1, metavar="N",
                    help="HTTP API processes sharing the port and the engine (default 1). One process handles "
                         "HTTP, tokenization and detokenization on one core; a small model's engine at hundreds "
                         "of streams can outrun it")
@@ -135,16 +135,6 @@ def _json_list(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(f'expected a JSON list such as \'["*"]\', got {text!r}') from None
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
 
 
