@@ -52,6 +52,10 @@ KV_CACHE_DTYPES_REFUSED: dict[str, str] = {
 # Triton converts to and from fp8 e4m3 (its fp8e4nv) only from compute capability 8.9 (Ada, Hopper) on; e5m2 is
 # held to the same line, so one rule decides where an fp8 cache runs on a GPU.
 FP8_KV_CACHE_MIN_CAPABILITY = (8, 9)
+# --quantization fp8 (weights quantized to fp8 e4m3 at load, vLLM's online fp8): the matmul is torch._scaled_mm,
+# whose fp8 tensor-core kernels need Ada (8.9) or Hopper; the per-token quantization is a Triton fp8 conversion
+# (the same line as the fp8 KV cache's).
+FP8_WEIGHTS_MIN_CAPABILITY = (8, 9)
 
 
 # vLLM's names: "safetensors" and "gguf" load as "auto" does, once the model is checked to be of that kind.
@@ -81,6 +85,7 @@ class ModelConfig:
     seed: int = 0
     served_model_name: str = ""
     chat_template: str | None = None
+    # awq / gptq / gguf (as given: what the checkpoint holds), or "fp8": quantize the weights at load
     quantization: str | None = None
     # "auto": read the weights from the checkpoint; "dummy": small random values drawn on the device
     # (benchmarks at real shapes with no weight files: only the config is read).
@@ -381,10 +386,12 @@ class EngineArgs:
         else:
             tokenizer_path = resolve_tokenizer_path(tokenizer, tokenizer_revision, self.download_dir)
         arch = load_arch_config(model_path)
-        _check_quantization(self.quantization, model_path, arch)
+        quantization = _check_quantization(self.quantization, model_path, arch)
         device = self.device or _default_device()
         _check_device(device)
         dtype = _resolve_dtype(self.dtype, device, arch.config_dtype)
+        if quantization == "fp8":
+            _check_fp8_weights_device(device)
         kv_cache_dtype = _check_kv_cache_dtype(self.kv_cache_dtype, device, dtype)
 
         model_limit = arch.max_positions
@@ -427,7 +434,7 @@ class EngineArgs:
             seed=self.seed,
             served_model_name=self.served_model_name or _default_served_name(self.model, model_path),
             chat_template=self.chat_template,
-            quantization=self.quantization,
+            quantization=quantization,
             load_format=self.load_format,
             sampling_defaults=defaults,
             max_tokens_cap=cap,
@@ -584,23 +591,47 @@ def _check_kv_cache_dtype(kv_cache_dtype: str, device: str, model_dtype: str) ->
     return value
 
 
-def _check_quantization(asked: str | None, model_path: str, arch: Any) -> None:
-    """`--quantization` must name what the checkpoint holds (it is read from the checkpoint either way):
-    gguf for a .gguf file, awq / gptq (or vLLM's awq_marlin / gptq_marlin) for a checkpoint whose config
-    says so. ConfigError otherwise."""
+def _check_quantization(asked: str | None, model_path: str, arch: Any) -> str | None:
+    """`--quantization`: awq / gptq (or vLLM's awq_marlin / gptq_marlin) / gguf must name what the checkpoint
+    holds (it is read from the checkpoint either way); fp8 asks for an unquantized checkpoint's weights to be
+    quantized at load. Returns the value ModelConfig keeps (as given; "fp8" lower-cased). ConfigError otherwise.
+    (Checkpoints quantized to fp8 themselves are refused by name when their config is read:
+    `layers.quantization.parse_quant_config`.)"""
     from kvserve.layers.quantization import normalize_method
 
     if asked is None:
-        return
+        return None
     held = "gguf" if model_path.endswith(".gguf") else (arch.quantization.method if arch.quantization else None)
+    if asked.lower() == "fp8":
+        if held is not None:
+            raise ConfigError(f"--quantization fp8 quantizes an unquantized (bfloat16 / float16 / float32) checkpoint's "
+                              f"weights at load, but {model_path} is already quantized as {held}; drop the flag")
+        return "fp8"
     method = "gguf" if asked.lower() == "gguf" else normalize_method(asked)
     if method is None:
-        raise ConfigError(f"quantization {asked!r} is not supported; supported: awq, gptq, gguf "
-                          "(read from the checkpoint: the flag can be left out)")
+        raise ConfigError(f"quantization {asked!r} is not supported; supported: awq, gptq, gguf (read from the "
+                          "checkpoint: the flag can be left out), and fp8 (an unquantized checkpoint's weights "
+                          "quantized at load)")
     if method != held:
         found = f"holds {held} weights" if held else "has no quantized weights"
-        raise ConfigError(f"--quantization {asked} asked for, but {model_path} {found}; "
-                          f"drop the flag{f' or pass --quantization {held}' if held else ''}")
+        hint = f" or pass --quantization {held}" if held else " (or pass --quantization fp8 to quantize it at load)"
+        raise ConfigError(f"--quantization {asked} asked for, but {model_path} {found}; drop the flag{hint}")
+    return asked
+
+
+def _check_fp8_weights_device(device: str) -> None:
+    """--quantization fp8 on a GPU needs compute capability 8.9 or later (fp8 tensor cores for torch._scaled_mm,
+    Triton's fp8 conversions); ConfigError below it. On CPU the torch reference runs (slowly: for tests)."""
+    if device == "cpu":
+        return
+    import torch
+
+    capability = tuple(torch.cuda.get_device_capability(torch.device(device)))
+    if capability < FP8_WEIGHTS_MIN_CAPABILITY:
+        major, minor = FP8_WEIGHTS_MIN_CAPABILITY
+        raise ConfigError(
+            f"--quantization fp8 needs a GPU of compute capability {major}.{minor} or later (fp8 matmuls: Ada, "
+            f"Hopper); this GPU is {capability[0]}.{capability[1]}: drop the flag, or use an AWQ / GPTQ checkpoint")
 
 
 def _resolve_dtype(dtype: str, device: str, config_dtype: str | None = None) -> str:

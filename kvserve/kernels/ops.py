@@ -229,6 +229,77 @@ def quantized_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor |
     return reference.quantized_linear(x, weight, bias)
 
 
+# ------------------------------------------------------------------ online fp8 weights (--quantization fp8)
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row fp8 quantization (`reference.quantize_rows_fp8`): one Triton launch on CUDA, the reference
+    elsewhere."""
+    module = _triton_module("triton_fp8") if x.is_cuda else None
+    if module is not None and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and x.stride(1) == 1:
+        return module.quantize_rows_fp8(x)
+    return reference.quantize_rows_fp8(x)
+
+
+def fp8_matmul_fits(w8: torch.Tensor) -> bool:
+    """Whether `torch._scaled_mm` can multiply by this fp8 weight [N, K]: both dims multiples of 16 (its
+    contract for the second operand and the shared dim). Layers whose shapes do not fit run
+    `reference.fp8_linear` (checked and logged once at load, `layers.linear.quantize_fp8_layers`)."""
+    return w8.dim() == 2 and w8.shape[0] % 16 == 0 and w8.shape[1] % 16 == 0
+
+
+@functools.cache
+def scaled_mm_out_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The output dtype `fp8_linear` asks `torch._scaled_mm` for, for a model of `dtype` on `device`: `dtype`
+    itself where this torch and GPU take it with row-wise scales, else bfloat16 (then cast to `dtype`).
+
+    NOTE: row-wise scaling runs cuBLAS on sm_90 with cuBLAS >= 12.9 (any of bf16 / fp16 / fp32 out), else
+    torch's CUTLASS kernel, which takes bf16 and, in some torch versions, fp16 only. One tiny call per
+    (device, dtype) finds out; the loader makes it at load (`Linear.quantize_fp8`), outside any CUDA-graph
+    capture. bfloat16 output then cast keeps 8 bits of mantissa: far below fp8's own rounding."""
+    if dtype == torch.bfloat16:
+        return dtype
+    a8 = torch.zeros((16, 16), dtype=torch.float8_e4m3fn, device=device)
+    ones_a = torch.ones((16, 1), dtype=torch.float32, device=device)
+    ones_b = torch.ones((1, 16), dtype=torch.float32, device=device)
+    try:
+        torch._scaled_mm(a8, a8.t(), scale_a=ones_a, scale_b=ones_b, out_dtype=dtype)
+    except (RuntimeError, ValueError) as exc:
+        logger.info("torch._scaled_mm refused %s output with row-wise scales (%s): fp8 matmuls return bfloat16 "
+                    "and are cast to %s", dtype, str(exc).splitlines()[0], dtype)
+        return torch.bfloat16
+    return dtype
+
+
+def fp8_linear(
+    x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias) of an fp8 layer (`reference.fp8_linear`'s contract: w8 float8_e4m3fn [N, K]
+    row-major, w_scale float32 [N]). CUDA, where `fp8_matmul_fits`: the Triton per-token quantization of x,
+    then `torch._scaled_mm` with row-wise scales (x's scale per row, the weight's per column of w8.t(), a
+    column-major view), then the bias added in x's dtype. No host sync: CUDA-graph capturable. Elsewhere the
+    reference."""
+    module = _triton_module("triton_fp8") if x.is_cuda else None
+    if module is None or not fp8_matmul_fits(w8) or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return reference.fp8_linear(x, w8, w_scale, bias)
+    num_out, k = w8.shape
+    rows = x.reshape(-1, k)
+    if rows.shape[0] == 0:
+        return x.new_empty((*x.shape[:-1], num_out))
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    a8, a_scale = module.quantize_rows_fp8(rows)
+    out = torch._scaled_mm(a8, w8.t(), scale_a=a_scale.view(-1, 1), scale_b=w_scale.view(1, -1),
+                           out_dtype=scaled_mm_out_dtype(x.device, x.dtype))
+    if out.dtype != x.dtype:
+        out = out.to(x.dtype)
+    # NOTE: the bias is not given to _scaled_mm: its bias with row-wise scales is not checked on every torch
+    # this runs on (2.11, 2.13); a separate add rounds as the reference does.
+    if bias is not None:
+        out.add_(bias)
+    return out.view(*x.shape[:-1], num_out)
+
+
 # The gate/up projection of a small-row batch applies SiLU-and-mul in the matmul's epilogue (one launch, no
 # [M, 2 d] intermediate; docs/perf_notes.md entry 19); larger batches run `linear` then `silu_and_mul`.
 _silu_fusion = True
@@ -822,6 +893,8 @@ __all__ = [
     "warm_up_prefill_attention",
     "set_prefill_fast_path",
     "get_elementwise_backend",
+    "fp8_linear",
+    "fp8_matmul_fits",
     "linear",
     "linear_rope_cache",
     "linear_silu_mul",
@@ -845,5 +918,7 @@ __all__ = [
     "set_skinny_gemm",
     "set_penalty_kernel",
     "penalise_rows_",
+    "quantize_rows_fp8",
+    "scaled_mm_out_dtype",
     "silu_and_mul",
 ]

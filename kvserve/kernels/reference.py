@@ -210,6 +210,51 @@ def quantized_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor |
     return F.linear(x, weight.dense(x.dtype), bias)
 
 
+# fp8 e4m3 (torch.float8_e4m3fn): the largest finite value. Online fp8 weights (`--quantization fp8`) scale each
+# row of a matrix so that its largest magnitude maps onto it.
+FP8_E4M3_MAX = 448.0
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row (dynamic) fp8 quantization: x [M, K] (any float dtype) -> (x8 float8_e4m3fn [M, K] contiguous,
+    scale float32 [M]) with scale[m] = max(|x[m, :]|) / FP8_E4M3_MAX in float32 (1.0 for a row of zeros, so
+    it stays zeros and no division by zero happens) and x8 = x / scale[m] in float32, saturated to the
+    format's range and rounded to nearest even; x8 * scale approximates x with e4m3's relative error (2^-4 at
+    most for normal values).
+
+    The same function quantizes a linear layer's weight [N, K] per output channel at load and activations per
+    token in `fp8_linear`."""
+    assert x.dim() == 2, f"x must be [M, K], got {tuple(x.shape)}"
+    amax = x.abs().amax(dim=1).float() if x.shape[1] else x.new_zeros(x.shape[0], dtype=torch.float32)
+    scale = amax / FP8_E4M3_MAX
+    # NOTE: a zero row (or one whose largest magnitude / 448 underflows to 0) gets scale 1: its values quantize
+    # to zero (or to the subnormals they are) instead of 0 / 0 = NaN.
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    x8 = (x.float() / scale[:, None]).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return x8.contiguous(), scale
+
+
+def fp8_linear(
+    x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias) for an fp8 weight: w8 float8_e4m3fn [N, K] (row-major) and w_scale float32
+    [N], W ~ w8 * w_scale[:, None] (`quantize_rows_fp8` of the layer's weight). The activations are quantized
+    per token the same way (a8, a_scale = quantize_rows_fp8(x's rows)); then
+
+        out[m, n] = (sum_k a8[m, k] w8[n, k]) * a_scale[m] * w_scale[n]
+
+    accumulated in float32, cast to x's dtype, and the bias (x's dtype) added after the cast, as the GPU path
+    (`torch._scaled_mm`, then a separate add) rounds it. Returns [..., N] in x's dtype."""
+    num_out, k = w8.shape
+    rows = x.reshape(-1, k)
+    a8, a_scale = quantize_rows_fp8(rows)
+    acc = a8.float() @ w8.float().t()
+    out = (acc * a_scale[:, None] * w_scale[None, :]).to(x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], num_out)
+
+
 def apply_penalties(
     logits: torch.Tensor,
     prompt_counts: torch.Tensor,

@@ -14,12 +14,19 @@ Quantized checkpoints (`layers.quantization`, AWQ / GPTQ): a layer built with a 
 checkpoint's parameters (qweight, qzeros, scales, g_idx) instead of `weight`, loaded by the same shard
 placement; `finish_loading` then packs them for the GPU's quantized matmul, or, on other devices, replaces
 them with the dense `weight` they stand for.
+
+Online fp8 weights (`--quantization fp8`, for unquantized checkpoints): once the whole model is loaded, every
+dense layer's `quantize_fp8` replaces its `weight` with `weight_fp8` (float8_e4m3fn, same shape) and
+`weight_scale` (float32, one per output row): each rank quantizes the rows and input columns it holds, after
+all of its shards are in, so merged q/k/v and gate/up layers and tensor-parallel shards need nothing more (a
+row-parallel rank's scales are its own columns'; its partial sums are added after the matmul as before).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -78,6 +85,9 @@ class Linear(nn.Module):
         self.dtype = dtype
         self.quantized: QuantizedWeights | None = None
         self.packed: PackedWeight | None = None  # the GPU layout of a quantized layer, after loading
+        # --quantization fp8, after loading (`quantize_fp8`): float8_e4m3fn [N, K] and float32 [N]; weight is None.
+        self.weight_fp8: nn.Parameter | None = None
+        self.weight_scale: nn.Parameter | None = None
         if quant is None:
             self.weight = self._make_param((output_size, input_size), dtype)
         else:
@@ -136,6 +146,24 @@ class Linear(nn.Module):
                            packed.group_rows)
         self.weight = nn.Parameter(packed.dense(self.dtype), requires_grad=False)
 
+    def quantize_fp8(self) -> tuple[int, int]:
+        """Replace the loaded dense weight [N, K] by its per-output-channel fp8 quantization
+        (`ops.quantize_rows_fp8`: scale[n] = max|W[n, :]| / 448, W8 = W / scale saturated and rounded to e4m3),
+        kept as parameters `weight_fp8` / `weight_scale`; the high-precision weight is dropped (its memory is
+        free once the caller empties the allocator's cache). The bias stays in the model's dtype. Returns
+        (bytes of the weight before, bytes of weight_fp8 + weight_scale). ValueError for a layer without a
+        dense weight (an AWQ / GPTQ one, or one already quantized)."""
+        if self.weight is None:
+            raise ValueError("only a dense layer's weight can be quantized to fp8")
+        weight = self.weight.data
+        before = weight.numel() * weight.element_size()
+        w8, scale = ops.quantize_rows_fp8(weight)
+        self.weight = None  # drops the parameter: the model holds no other reference to it
+        del weight
+        self.weight_fp8 = nn.Parameter(w8, requires_grad=False)
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)
+        return before, w8.numel() * w8.element_size() + scale.numel() * scale.element_size()
+
     def applied_bias(self) -> torch.Tensor | None:
         """The bias this rank's matmul adds: none on a row-parallel layer's ranks past 0 (rank 0 adds it once
         to the sum)."""
@@ -145,6 +173,9 @@ class Linear(nn.Module):
         bias = self.applied_bias()
         if self.packed is not None:
             out = ops.quantized_linear(x, self.packed, bias)
+        elif self.weight_fp8 is not None:
+            assert self.weight_scale is not None
+            out = ops.fp8_linear(x, self.weight_fp8, self.weight_scale, bias)
         else:
             assert self.weight is not None, "a quantized layer is used before finish_loading"
             out = ops.linear(x, self.weight, bias)
@@ -209,6 +240,54 @@ class QKVLinear(Linear):
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[num_tokens, q_size + 2 * kv_size] -> views (q, k, v)."""
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
+
+@dataclass(frozen=True)
+class Fp8Summary:
+    """What `quantize_fp8_layers` did: layers quantized, their weights' bytes before and after (fp8 values and
+    scales), and the layers whose shapes `torch._scaled_mm` cannot take (they run the torch reference)."""
+
+    num_layers: int
+    bytes_before: int
+    bytes_after: int
+    unfit_layers: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        mib = 1 << 20
+        text = (f"fp8 weights (--quantization fp8): {self.num_layers} linear layers quantized per output channel, "
+                f"{self.bytes_before / mib:.1f} MiB -> {self.bytes_after / mib:.1f} MiB (embeddings, LM head and "
+                f"norms stay in the model's dtype)")
+        if self.unfit_layers:
+            shown = ", ".join(self.unfit_layers[:3]) + (" ..." if len(self.unfit_layers) > 3 else "")
+            text += (f"; {len(self.unfit_layers)} layers have a dimension that is not a multiple of 16 and run the "
+                     f"slow torch fp8 matmul on the GPU: {shown}")
+        return text
+
+
+def quantize_fp8_layers(model: nn.Module) -> Fp8Summary:
+    """`Linear.quantize_fp8` on every dense `Linear` of `model` (not the embedding or LM head, which are not
+    `Linear`s): call once every weight is loaded (all shards of merged and tensor-parallel layers in). On CUDA
+    it also settles `ops.scaled_mm_out_dtype` for the model's dtype (a probe that must not run inside a graph
+    capture) and empties the allocator's cache, so that the memory profile sees the freed weights."""
+    num_layers = before = after = 0
+    unfit: list[str] = []
+    device: torch.device | None = None
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear) or module.weight is None:
+            continue
+        layer_before, layer_after = module.quantize_fp8()
+        num_layers += 1
+        before += layer_before
+        after += layer_after
+        assert module.weight_fp8 is not None
+        device = module.weight_fp8.device
+        if not ops.fp8_matmul_fits(module.weight_fp8):
+            unfit.append(name)
+        if device.type == "cuda":
+            ops.scaled_mm_out_dtype(device, module.dtype)
+    if device is not None and device.type == "cuda":
+        torch.cuda.empty_cache()
+    return Fp8Summary(num_layers, before, after, tuple(unfit))
 
 
 def _rank_rows(loaded: torch.Tensor, start: int, size: int, tp_size: int, total: int) -> torch.Tensor:

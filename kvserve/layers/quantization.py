@@ -38,6 +38,10 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 AWQ_UNORDER = tuple(AWQ_ORDER.index(j) for j in range(8))
 
 SUPPORTED_METHODS = ("awq", "gptq")
+# quant_method values of checkpoints whose weights are stored in fp8 (vLLM's "fp8"; llm-compressor's
+# "compressed-tensors", which is fp8 or int8 or 4-bit: refused whole either way), refused with a pointer to
+# --quantization fp8.
+FP8_CHECKPOINT_METHODS = ("fp8", "compressed-tensors", "compressed_tensors", "fbgemm_fp8", "modelopt")
 # vLLM's names of other kernels for the same checkpoints: accepted as the same formats.
 _METHOD_ALIASES = {"awq": "awq", "awq_marlin": "awq", "gptq": "gptq", "gptq_marlin": "gptq"}
 
@@ -84,9 +88,14 @@ def parse_quant_config(raw: dict[str, Any], where: str) -> QuantConfig:
     ModelLoadError, naming `where`, for methods and settings this module cannot run."""
     method = str(raw.get("quant_method", "")).lower()
     if method not in SUPPORTED_METHODS:
+        # fp8 checkpoints (quantized offline: their own scales, maybe per block) are not read; kvserve's fp8 is
+        # quantized at load from the unquantized checkpoint.
+        hint = (": checkpoints quantized offline to fp8 (or by llm-compressor) are not read; run the unquantized "
+                "(bfloat16 / float16) checkpoint with --quantization fp8 to quantize its weights to fp8 at load"
+                if method in FP8_CHECKPOINT_METHODS else "")
         raise ModelLoadError(
             f"{where}: quantization method {method or '(none given)'!r} is not supported; "
-            f"supported: {', '.join(SUPPORTED_METHODS)} (and GGUF files)"
+            f"supported: {', '.join(SUPPORTED_METHODS)} (and GGUF files){hint}"
         )
     bits = raw.get("bits", raw.get("w_bit"))
     group_size = raw.get("group_size", raw.get("q_group_size"))

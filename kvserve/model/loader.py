@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from kvserve.config import ModelConfig
+from kvserve.layers.linear import quantize_fp8_layers
 from kvserve.model.arch import ArchConfig, load_arch_config
 from kvserve.model.gguf import dequantization_summary, iter_gguf_weights
 from kvserve.model.paths import ModelLoadError
@@ -47,6 +48,10 @@ def load_model(model_config: ModelConfig, device: torch.device) -> CausalLM:
                 # A user who picked a 4-bit GGUF to fit a small GPU learns here why it takes more.
                 logger.info("%s", dequantization_summary(model_config.model, parameter_bytes(model),
                                                          model_config.dtype))
+        if model_config.quantization == "fp8":
+            # After every shard is in (merged and tensor-parallel layers whole), and the same for dummy weights.
+            # NOTE: the model's dtype weights are all resident before this: a checkpoint must fit at load.
+            logger.info("%s", quantize_fp8_layers(model).describe())
     return model.eval()
 
 

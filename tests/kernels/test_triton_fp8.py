@@ -1,0 +1,170 @@
+"""Online fp8 weights' arithmetic (`--quantization fp8`): `reference.quantize_rows_fp8` and `reference.fp8_linear`
+against hand computations and the unquantized matmul, and the Triton per-row quantization
+(`kernels/triton_fp8.py`) against the reference, compiled on a GPU or under Triton's interpreter on the CPU.
+
+The interpreter's fp32 -> fp8 rounding is not a GPU's (it drops the carry of a round-up into the exponent), so
+there the kernel gets rows whose values are fp8 grid values times a power of two, with one value of magnitude
+448 in each: the scale is then that power of two exactly and every cast is exact, and the bytes must equal the
+reference's. On a GPU it also gets arbitrary values (tests/gpu/test_gpu_fp8_weights.py compares their bytes).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kvserve.kernels import ops, reference, triton_fp8  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # set by conftest.py without a GPU
+DEVICE = "cpu" if INTERPRET else "cuda"
+FP8 = torch.float8_e4m3fn
+
+
+def _grid_rows(num_rows: int, num_cols: int, dtype: torch.dtype, seed: int, zero_rows: tuple[int, ...] = ()
+               ) -> torch.Tensor:
+    """Rows of e4m3 values (subnormals included) times 2^e (e in [-6, 3], per row), each with one value of
+    magnitude 448 (so max|row| / 448 = 2^e exactly); rows in zero_rows all zeros."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (num_rows, num_cols), generator=gen, dtype=torch.int32).to(torch.uint8)
+    values = codes.view(FP8).float()
+    values = torch.where(values.isnan(), torch.zeros_like(values), values)  # 0x7f / 0xff are NaN in e4m3fn
+    for r in range(num_rows):
+        col = int(torch.randint(0, num_cols, (1,), generator=gen))
+        values[r, col] = 448.0 if r % 2 else -448.0
+    exponents = torch.randint(-6, 4, (num_rows, 1), generator=gen).float()
+    rows = values * torch.exp2(exponents)
+    for r in zero_rows:
+        rows[r] = 0.0
+    return rows.to(dtype)
+
+
+# ------------------------------------------------------------------------------------------- reference
+
+
+def test_quantize_rows_by_hand() -> None:
+    x = torch.tensor([[896.0, -1.0, 0.3, -896.0], [0.0, 0.0, 0.0, 0.0], [1e-3, -2e-3, 0.0, 5e-4]])
+    x8, scale = reference.quantize_rows_fp8(x)
+    assert x8.dtype == FP8 and scale.dtype == torch.float32 and x8.shape == x.shape and scale.shape == (3,)
+    # Row 0: max 896 -> scale 2; values / 2 rounded to e4m3 (0.5 exactly; 0.15 -> 0.15625, the nearest of
+    # e4m3's 0.140625 and 0.15625); the largest maps onto +-448.
+    assert scale[0].item() == 2.0
+    assert x8[0].float().tolist() == [448.0, -0.5, 0.15625, -448.0]
+    # A zero row: scale 1 (not 0: no 0 / 0), values zero.
+    assert scale[1].item() == 1.0 and x8[1].float().abs().sum().item() == 0.0
+    # Row 2: scale 2e-3 / 448 in float32; the largest magnitude maps onto -448 again.
+    assert scale[2].item() == pytest.approx(2e-3 / 448, rel=1e-7)
+    assert x8[2, 1].item() == -448.0
+    torch.testing.assert_close((x8.float() * scale[:, None])[2], x[2], rtol=2.0**-4, atol=0.0)
+
+
+def test_quantize_rows_saturates_and_keeps_relative_error() -> None:
+    x = torch.randn(64, 96, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 3, 64)[:, None]
+    x8, scale = reference.quantize_rows_fp8(x)
+    assert x8.float().abs().amax().item() == 448.0
+    assert not x8.float().isnan().any()
+    back = x8.float() * scale[:, None]
+    # Normal e4m3 values round with a relative error of at most 2^-4; values below 2^-6 (subnormal) with an
+    # absolute error of at most 2^-10, both in units of the row's scale.
+    bound = torch.maximum(x.abs() * 2.0**-4, 2.0**-10 * scale[:, None].expand_as(x))
+    assert ((back - x).abs() <= bound * (1 + 1e-6)).all()
+
+
+def test_fp8_linear_by_hand() -> None:
+    x = torch.tensor([[448.0, 0.0, -224.0, 112.0], [0.0, 0.0, 0.0, 0.0]])
+    w = torch.tensor([[0.5, 1.0, 2.0, 4.0], [-8.0, 0.0, 0.5, 0.25]])
+    w8, w_scale = reference.quantize_rows_fp8(w)
+    # Exact on the grid: x's scale 1, w's scales 4 / 448 and 8 / 448 (rows 112 w and 56 w: 56, 112, 224, 448
+    # and -448, 0, 28, 14 are e4m3 values).
+    assert w_scale.tolist() == pytest.approx([4 / 448, 8 / 448])
+    bias = torch.tensor([0.5, -1.0])
+    out = reference.fp8_linear(x, w8, w_scale, bias)
+    torch.testing.assert_close(out, x @ w.T + bias, rtol=1e-6, atol=1e-6)
+    assert out[1].tolist() == bias.tolist()  # a zero row gives the bias alone
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fp8_linear_is_the_matmul_within_fp8s_error(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 5, 80, generator=gen).to(dtype)  # leading dims kept
+    w = (torch.randn(48, 80, generator=gen) / 80**0.5).to(dtype)
+    bias = torch.randn(48, generator=gen).to(dtype)
+    w8, w_scale = reference.quantize_rows_fp8(w)
+    out = reference.fp8_linear(x, w8, w_scale, bias)
+    assert out.shape == (2, 5, 48) and out.dtype == dtype
+    exact = x.float() @ w.float().T
+    # Each product's two factors carry up to 2^-4 relative error each: the sum's error is at most ~2^-3 of the
+    # sum of |products| (plus the output's rounding to dtype and the subnormals' tiny absolute error).
+    bound = 2.0**-3 * (x.float().abs() @ w.float().abs().T) + 1e-3 * exact.abs() + 1e-3
+    assert ((out.float() - bias.float() - exact).abs() <= bound).all()
+    # ... and in practice errors cancel: a few percent of the output's size overall.
+    rel = (out.float() - bias.float() - exact).norm() / exact.norm()
+    assert rel < 0.06, rel
+
+
+def test_ops_run_the_reference_off_cuda() -> None:
+    x = torch.randn(3, 32)
+    w8, w_scale = ops.quantize_rows_fp8(torch.randn(16, 32))
+    assert torch.equal(ops.fp8_linear(x, w8, w_scale), reference.fp8_linear(x, w8, w_scale))
+    assert ops.fp8_matmul_fits(w8) and not ops.fp8_matmul_fits(torch.empty(16, 40, dtype=FP8))
+
+
+# ------------------------------------------------------------------------------------- Triton kernel
+
+
+def _run_kernel(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return triton_fp8.quantize_rows_fp8(x.to(DEVICE))
+
+
+SHAPES = [(1, 16), (7, 100), (5, 33), (3, 1), (4, 640)]
+DTYPES = [torch.float32, torch.float16] + ([] if INTERPRET else [torch.bfloat16])
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kernel_bytes_equal_the_reference_on_grid_values(shape: tuple[int, int], dtype: torch.dtype) -> None:
+    num_rows, num_cols = shape
+    x = _grid_rows(num_rows, num_cols, dtype, seed=num_rows * 1000 + num_cols,
+                   zero_rows=(num_rows - 1,) if num_rows > 2 else ())
+    x8, scale = _run_kernel(x)
+    want8, want_scale = reference.quantize_rows_fp8(x)
+    assert x8.dtype == FP8 and x8.shape == shape and scale.shape == (num_rows,)
+    assert torch.equal(scale.cpu(), want_scale)
+    assert torch.equal(x8.cpu().view(torch.uint8), want8.view(torch.uint8))
+
+
+def test_kernel_loops_over_long_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows past ONE_TILE_MAX_COLS take the two-pass tiled path (made small here: the interpreter is slow)."""
+    monkeypatch.setattr(triton_fp8, "ONE_TILE_MAX_COLS", 64)
+    monkeypatch.setattr(triton_fp8, "_LOOP_TILE", 32)
+    x = _grid_rows(3, 300, torch.float32, seed=5, zero_rows=(1,))
+    x8, scale = _run_kernel(x)
+    want8, want_scale = reference.quantize_rows_fp8(x)
+    assert torch.equal(scale.cpu(), want_scale)
+    assert torch.equal(x8.cpu().view(torch.uint8), want8.view(torch.uint8))
+
+
+def test_kernel_reads_strided_rows_and_no_rows() -> None:
+    buffer = torch.full((4, 64), 1e4)
+    buffer[:, :48] = _grid_rows(4, 48, torch.float32, seed=9)
+    view = buffer[:, :48]  # rows 64 apart, 48 columns read (the 1e4 past them would change every scale)
+    x8, scale = _run_kernel(torch.zeros(0, 32))
+    assert x8.shape == (0, 32) and scale.shape == (0,)
+    x8, scale = triton_fp8.quantize_rows_fp8(view.to(DEVICE))
+    want8, want_scale = reference.quantize_rows_fp8(view)
+    assert torch.equal(scale.cpu(), want_scale)
+    assert torch.equal(x8.cpu().view(torch.uint8), want8.view(torch.uint8))
+
+
+@pytest.mark.skipif(INTERPRET, reason="the interpreter's fp8 rounding is not the GPU's (module docstring)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_kernel_bytes_equal_the_reference_on_any_values(dtype: torch.dtype) -> None:
+    x = (torch.randn(33, 3584, generator=torch.Generator().manual_seed(2)) * 3).to(dtype)
+    x[5] = 0.0
+    x8, scale = _run_kernel(x)
+    want8, want_scale = reference.quantize_rows_fp8(x)
+    assert torch.equal(scale.cpu(), want_scale)
+    assert torch.equal(x8.cpu().view(torch.uint8), want8.view(torch.uint8))
