@@ -1,6 +1,7 @@
 """Online fp8 weights' arithmetic (`--quantization fp8`): `reference.quantize_rows_fp8` and `reference.fp8_linear`
 against hand computations and the unquantized matmul, and the Triton per-row quantization
-(`kernels/triton_fp8.py`) against the reference, compiled on a GPU or under Triton's interpreter on the CPU.
+(`kernels/triton_fp8.py`) against the reference, compiled on a GPU or under Triton's interpreter on the CPU, and
+compiled ahead of time for sm_89 and sm_90 (plain and PDL launches) on the CPU.
 
 The interpreter's fp32 -> fp8 rounding is not a GPU's (it drops the carry of a round-up into the exponent), so
 there the kernel gets rows whose values are fp8 grid values times a power of two, with one value of magnitude
@@ -168,3 +169,31 @@ def test_kernel_bytes_equal_the_reference_on_any_values(dtype: torch.dtype) -> N
     want8, want_scale = reference.quantize_rows_fp8(x)
     assert torch.equal(scale.cpu(), want_scale)
     assert torch.equal(x8.cpu().view(torch.uint8), want8.view(torch.uint8))
+
+
+# ------------------------------------------------------------------------------ ahead-of-time compile
+
+
+def _record_launches(compiler: object) -> None:
+    """The launches a 7B model's layers make (K 3584 and 18944, one tile), a row past ONE_TILE_MAX_COLS (the
+    tiled loop), in each activation dtype."""
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for num_cols in (3584, 18944, triton_fp8.ONE_TILE_MAX_COLS + 16):
+            x = torch.zeros(2, num_cols, dtype=dtype)
+            compiler.record(triton_fp8, ["_quantize_rows_kernel"],  # type: ignore[attr-defined]
+                            lambda x=x: triton_fp8.quantize_rows_fp8(x))
+
+
+def test_kernel_compiles_for_hopper(hopper_compiler: object) -> None:
+    """Plain and PDL launches compile for sm_90 (types and fp8 conversions the interpreter lets through)."""
+    _record_launches(hopper_compiler)
+    specs = hopper_compiler.specs  # type: ignore[attr-defined]
+    assert {spec["constexprs"]["ONE_TILE"] for spec in specs} == {True, False}
+    hopper_compiler.compile_all()  # type: ignore[attr-defined]
+
+
+def test_kernel_compiles_for_ada(compiler_for: object) -> None:
+    """sm_89, the first GPU --quantization fp8 runs on."""
+    compiler = compiler_for(89)  # type: ignore[operator]
+    _record_launches(compiler)
+    compiler.compile_all()

@@ -1,0 +1,260 @@
+"""`--quantization fp8` (online fp8 weights) on a GPU (skipped without CUDA, or below compute capability 8.9).
+
+* Kernels at Qwen2.5-7B's shapes (q/k/v 3584 -> 4608 with bias, o 3584 -> 3584, gate/up 3584 -> 37888, down
+  18944 -> 3584), 1 to 4,096 rows, bf16 and fp16: the Triton per-row quantization stores the reference's bytes
+  and scales for arbitrary values; `ops.fp8_linear` (that quantization, then `torch._scaled_mm` with row-wise
+  scales, then the bias) matches `reference.fp8_linear` (the same fp8 products summed in another order: a
+  rounding of the output's dtype apart), with the allocator's free blocks NaN-poisoned first and the reference
+  forbidden inside ops (so the GPU path really ran); a shape `_scaled_mm` cannot take runs the reference; the
+  call is captured in a CUDA graph and replays with new inputs.
+* The engine (tiny random models): CUDA graphs against eager, float32, the same greedy tokens; fp8 weights
+  against the unquantized model in bfloat16, top-5 logprobs within the CPU test's tolerance
+  (tests/engine/test_fp8_weights.py: 8x e4m3's relative error); no Triton variant compiled after start; the
+  weights' freed memory reaching the KV cache under --gpu-memory-utilization.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+import pytest
+import torch
+
+from kvserve.config import EngineArgs
+from kvserve.engine.engine_core import EngineCore
+from kvserve.kernels import ops, reference
+from kvserve.layers.linear import Linear
+from kvserve.protocol.engine import EngineCoreRequest
+from kvserve.protocol.sampling_params import SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+FP8 = torch.float8_e4m3fn
+# Qwen2.5-7B's projections: (input size K, output size N, bias)
+SHAPES = {"qkv": (3584, 4608, True), "o": (3584, 3584, False), "gate_up": (3584, 37888, False),
+          "down": (18944, 3584, False)}
+ROWS = [1, 7, 64, 300, 4096]
+VOCAB = 1024
+MAX_TOKENS = 24
+LOGPROB_TOL = 8 * 2.0**-4  # tests/engine/test_fp8_weights.py's rule
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _needs_fp8_gpu() -> None:
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("--quantization fp8 needs compute capability 8.9 or later")
+
+
+def _poison_free_memory(num_bytes: int = 1 << 30) -> None:
+    """Fill a block of the caching allocator with NaN and free it: the next allocations (the kernels' outputs)
+    reuse NaN memory, so an element a kernel leaves unwritten shows."""
+    torch.full((num_bytes // 2,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    torch.cuda.synchronize()
+
+
+def _forbid_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("ops ran the torch reference where the GPU path applies")
+
+    monkeypatch.setattr(reference, "fp8_linear", refuse)
+    monkeypatch.setattr(reference, "quantize_rows_fp8", refuse)
+
+
+# ------------------------------------------------------------------------------------------------ kernels
+
+
+@pytest.mark.parametrize("num_cols", [3584, 18944, 40000])  # 40000: past one tile (the tiled loop)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_quantize_rows_stores_the_references_bytes(num_cols: int, rows: int, dtype: torch.dtype,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    x = (torch.randn(rows, num_cols, device="cuda", generator=gen) * torch.logspace(
+        -4, 2, rows, device="cuda")[:, None]).to(dtype)
+    x[rows // 2] = 0.0
+    want8, want_scale = reference.quantize_rows_fp8(x)
+    _poison_free_memory()
+    _forbid_reference(monkeypatch)
+    x8, scale = ops.quantize_rows_fp8(x)
+    assert torch.equal(scale, want_scale)
+    assert torch.equal(x8.view(torch.uint8), want8.view(torch.uint8))
+
+
+def _layer_tensors(shape: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    k, n, has_bias = SHAPES[shape]
+    gen = torch.Generator(device="cuda").manual_seed(k + n)
+    weight = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(dtype)
+    w8, w_scale = ops.quantize_rows_fp8(weight)
+    bias = torch.randn(n, device="cuda", generator=gen).to(dtype) if has_bias else None
+    return w8, w_scale, bias
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_fp8_linear_matches_the_reference(shape: str, rows: int, dtype: torch.dtype,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    w8, w_scale, bias = _layer_tensors(shape, dtype)
+    x = torch.randn(rows, w8.shape[1], device="cuda", generator=torch.Generator(device="cuda").manual_seed(rows))
+    x = x.to(dtype)
+    want = reference.fp8_linear(x, w8, w_scale, bias)
+    _poison_free_memory()
+    with monkeypatch.context() as patch:
+        _forbid_reference(patch)
+        got = ops.fp8_linear(x, w8, w_scale, bias)
+    assert got.shape == want.shape and got.dtype == dtype
+    assert not got.isnan().any()
+    # The same fp8 products, summed in another order in float32, then rounded to dtype: a unit or two of the
+    # output dtype's last place, relative to the row's size.
+    scale = want.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-6)
+    assert ((got.float() - want.float()).abs() / scale).max().item() <= 2**-7
+
+
+def test_shapes_scaled_mm_cannot_take_run_the_reference() -> None:
+    weight = torch.randn(40, 72, device="cuda", dtype=torch.bfloat16)  # 40 and 72 are not multiples of 16
+    w8, w_scale = ops.quantize_rows_fp8(weight)
+    assert not ops.fp8_matmul_fits(w8)
+    x = torch.randn(5, 72, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(ops.fp8_linear(x, w8, w_scale), reference.fp8_linear(x, w8, w_scale))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_fp8_linear_is_captured_in_a_cuda_graph(dtype: torch.dtype) -> None:
+    """No host sync: the call captures, and a replay with new inputs gives the eager result."""
+    w8, w_scale, bias = _layer_tensors("qkv", dtype)
+    static_x = torch.randn(8, w8.shape[1], device="cuda", dtype=dtype)
+    ops.fp8_linear(static_x, w8, w_scale, bias)  # warm-up: Triton compile and the output-dtype probe outside
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = ops.fp8_linear(static_x, w8, w_scale, bias)
+    new_x = torch.randn_like(static_x)
+    static_x.copy_(new_x)
+    graph.replay()
+    assert torch.equal(static_out, ops.fp8_linear(new_x, w8, w_scale, bias))
+
+
+# ------------------------------------------------------------------------------------------------- engine
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    from helpers.tiny_models import make_bare_checkpoint
+
+    models = {"llama": ("llama", {}), "qwen2-hd128": ("qwen2", {"hidden_size": 512, "num_attention_heads": 4,
+                                                                 "num_key_value_heads": 1}),
+              "qwen3": ("qwen3", {"head_dim": 64})}
+    return {name: make_bare_checkpoint(str(tmp_path_factory.mktemp(name)), model_type, seed=i, vocab_size=VOCAB,
+                                       **overrides)
+            for i, (name, (model_type, overrides)) in enumerate(models.items())}
+
+
+def _prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(11)
+    return [torch.randint(3, VOCAB, (n,), generator=generator).tolist()
+            for n in torch.randint(5, 400, (12,), generator=generator).tolist()]
+
+
+def _run(path: str, dtype: str, quantization: str | None, enforce_eager: bool = False,
+         **kwargs: Any) -> tuple[EngineCore, list]:
+    settings: dict[str, Any] = {"max_model_len": 1024, "num_kv_blocks": 1024, "max_num_seqs": 16,
+                                "max_num_batched_tokens": 512, **kwargs}
+    args = EngineArgs(model=path, dtype=dtype, device="cuda", enforce_eager=enforce_eager, quantization=quantization,
+                      **settings)
+    core = EngineCore(args.create_engine_config())
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
+    prompts = _prompts()
+    for i, prompt in enumerate(prompts):
+        core.add_request(EngineCoreRequest(req_id=str(i), prompt_token_ids=prompt, sampling_params=params,
+                                           max_tokens=MAX_TOKENS))
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    lps: dict[str, list[Any]] = {str(i): [] for i in range(len(prompts))}
+    while core.has_unfinished_requests():
+        for out in core.step().outputs:
+            tokens[out.req_id].extend(out.new_token_ids)
+            lps[out.req_id].extend(out.new_logprobs or [])
+    return core, [(tokens[str(i)], lps[str(i)]) for i in range(len(prompts))]
+
+
+def _top(lp: Any) -> dict[int, float]:
+    return dict(zip(lp.token_ids[1:], lp.logprobs[1:], strict=True))
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen2-hd128", "qwen3"])
+def test_graphs_give_eagers_tokens(checkpoints: dict[str, str], model: str) -> None:
+    """float32 (as tests/gpu/test_gpu_engine.py's graph tests): the decode and piecewise graphs replay the same
+    per-row quantization and matmuls as eager steps."""
+    core, graphs = _run(checkpoints[model], "float32", "fp8")
+    layer = core.runner.model.model.layers[0]
+    assert layer.self_attn.qkv_proj.weight is None and layer.self_attn.qkv_proj.weight_fp8 is not None
+    assert core.runner.graphs is not None
+    assert core.startup_late_variants == [] and core.late_kernel_variants == []
+    del core
+    _, eager = _run(checkpoints[model], "float32", "fp8", enforce_eager=True)
+    assert [t for t, _ in graphs] == [t for t, _ in eager]
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen2-hd128", "qwen3"])
+def test_bf16_fp8_weights_agree_with_the_unquantized_model(checkpoints: dict[str, str], model: str) -> None:
+    base_core, base = _run(checkpoints[model], "bfloat16", None)
+    del base_core
+    core, got = _run(checkpoints[model], "bfloat16", "fp8")
+    assert all(m.weight_fp8 is not None for m in core.runner.model.modules() if isinstance(m, Linear))
+    assert core.late_kernel_variants == []
+    largest, compared, top1_listed = 0.0, 0, 0
+    for (got_tokens, got_lps), (want_tokens, want_lps) in zip(got, base, strict=True):
+        part = next((i for i, (a, b) in enumerate(zip(got_tokens, want_tokens, strict=True)) if a != b), None)
+        for step in range(MAX_TOKENS if part is None else part + 1):
+            mine, theirs = _top(got_lps[step]), _top(want_lps[step])
+            compared += 1
+            top1_listed += max(theirs, key=theirs.__getitem__) in mine
+            common = mine.keys() & theirs.keys()
+            assert len(common) >= 3, (step, mine, theirs)
+            for token in common:
+                largest = max(largest, abs(mine[token] - theirs[token]))
+                assert abs(mine[token] - theirs[token]) <= LOGPROB_TOL, (step, token, mine, theirs)
+        if part is not None:
+            want_top = _top(want_lps[part])
+            a, b = got_tokens[part], want_tokens[part]
+            assert a in want_top and abs(want_top[a] - want_top[b]) <= LOGPROB_TOL, (part, a, b, want_top)
+    print(f"{model}: {compared} positions compared, largest logprob gap {largest:.3f}, unquantized top-1 in fp8's "
+          f"top-5 at {top1_listed}")
+    assert top1_listed >= 0.95 * compared
+    assert largest > 0.0
+
+
+def test_freed_weights_reach_the_kv_cache(checkpoints: dict[str, str], tmp_path: Any) -> None:
+    """A model with ~1 GB of bf16 projection weights (dummy weights: only config.json is read): with fp8 weights
+    the --gpu-memory-utilization budget gives the KV cache about the half it saves."""
+    directory = str(tmp_path / "big")
+    os.makedirs(directory)
+    shutil.copy(os.path.join(checkpoints["llama"], "config.json"), directory)
+    path = os.path.join(directory, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config.update(hidden_size=2048, intermediate_size=8192, num_hidden_layers=8, num_attention_heads=16,
+                  num_key_value_heads=4)
+    with open(path, "w") as f:
+        json.dump(config, f)
+    kv_bytes = {}
+    for quantization in (None, "fp8"):
+        args = EngineArgs(model=directory, dtype="bfloat16", device="cuda", load_format="dummy",
+                          quantization=quantization, max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=512,
+                          gpu_memory_utilization=0.5, enforce_eager=True)
+        core = EngineCore(args.create_engine_config())
+        kv_bytes[quantization] = core.capacity.num_blocks * core.runner.kv_cache_bytes_per_block()
+        if quantization is None:
+            linear_bytes = sum(m.weight.numel() * 2 for m in core.runner.model.modules() if isinstance(m, Linear))
+        core.shutdown()
+        del core
+        torch.cuda.empty_cache()
+    gained = kv_bytes["fp8"] - kv_bytes[None]
+    print(f"bf16 projections {linear_bytes / 2**20:.0f} MiB; KV cache {kv_bytes[None] / 2**20:.0f} -> "
+          f"{kv_bytes['fp8'] / 2**20:.0f} MiB")
+    assert gained >= 0.4 * linear_bytes  # half the bytes saved, less the scales and the allocator's rounding
