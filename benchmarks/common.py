@@ -83,11 +83,25 @@ QUANT_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+# --quantization fp8: the engine quantizes its (random, bf16) weights at load; the checkpoint's config stays
+# unquantized. One byte a projection weight and a float32 scale per output row (layers.linear.quantize_fp8).
+FP8_WEIGHTS: dict[str, Any] = {"quant_method": "fp8", "bits": 8}
+BENCH_QUANTIZATIONS = (*sorted(QUANT_CONFIGS), "fp8")
+
+
+def quant_settings(quantization: str | None) -> dict[str, Any] | None:
+    """What `decode_floor_ms` counts for a benchmark's --quantization (None: the model's dtype)."""
+    if quantization == "fp8":
+        return FP8_WEIGHTS
+    return QUANT_CONFIGS[quantization] if quantization else None
+
+
 def write_config_dir(name: str, quantization: str | None = None) -> str:
-    """A directory holding the shape's config.json (with QUANT_CONFIGS[quantization] when given)."""
+    """A directory holding the shape's config.json (with QUANT_CONFIGS[quantization] when given; fp8 is
+    quantized at load, so its config is the unquantized one)."""
     directory = tempfile.mkdtemp(prefix=f"kvserve-{name}-")
     config = dict(MODEL_CONFIGS[name])
-    if quantization:
+    if quantization in QUANT_CONFIGS:
         config["quantization_config"] = QUANT_CONFIGS[quantization]
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f)
@@ -114,13 +128,15 @@ def decode_floor_ms(config: dict[str, Any], batch: int, context: int, dtype_byte
     """Bytes a decode step must read (every weight but the gathered embedding, plus the KV of every
     sequence) over the measured copy bandwidth. With a `quantization_config` (QUANT_CONFIGS), the decoder's
     projections count bits / 8 bytes a weight plus a 2-byte scale and a 1-byte zero point per group and
-    column, as kvserve stores them."""
+    column, as kvserve stores them; with FP8_WEIGHTS one byte a weight and a 4-byte scale per output row."""
     h, i, layers, v = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"], config["vocab_size"]
     head_dim = h // config["num_attention_heads"]
     kv = config["num_key_value_heads"] * head_dim
     projections = h * (h + 2 * kv) + h * h + 3 * h * i
     projection_bytes = projections * dtype_bytes
-    if quantization:
+    if quantization and quantization.get("quant_method") == "fp8":
+        projection_bytes = projections + ((h + 2 * kv) + h + 2 * i + h) * 4  # + a float32 scale per output row
+    elif quantization:
         projection_bytes = projections * (quantization["bits"] / 8 + 3 / quantization["group_size"])
     per_layer = projection_bytes + ((h + 2 * kv) + 2 * h) * dtype_bytes  # + q/k/v bias and the two norms
     weights = layers * per_layer + (h + v * h) * dtype_bytes  # + final norm + lm_head

@@ -69,13 +69,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from common import (  # noqa: E402
+    BENCH_QUANTIZATIONS,
     MODEL_CONFIGS,
-    QUANT_CONFIGS,
     Driver,
     decode_floor_ms,
     describe_gc_pauses,
     hf_generate_timer,
     make_engine,
+    quant_settings,
     random_prompts,
     summarize_gc_pauses,
     sync,
@@ -94,7 +95,7 @@ class Bench:
         self.args = args
         self.config = MODEL_CONFIGS[args.model]
         self.model_dir = write_config_dir(args.model, args.quantization)
-        self.quant_config = QUANT_CONFIGS[args.quantization] if args.quantization else None
+        self.quant_config = quant_settings(args.quantization)
         self.vocab = self.config["vocab_size"]
         self.gen = torch.Generator().manual_seed(0)
         self.rows: list[tuple[str, str, str]] = []  # (measure, value, note) for the final table
@@ -123,6 +124,8 @@ class Bench:
             kw["kv_cache_memory"] = "512MiB"
         if a.kv_cache_dtype != "auto":
             kw["kv_cache_dtype"] = a.kv_cache_dtype
+        if a.quantization == "fp8":  # quantized at load (AWQ / GPTQ are read from the config written above)
+            kw["quantization"] = "fp8"
         kw.update(overrides)
         return kw
 
@@ -1448,8 +1451,9 @@ def main() -> int:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--kv-cache-dtype", default="auto", help="the engine's KV cache dtype (auto: the model's; fp8)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the engine's model splits over")
-    p.add_argument("--quantization", choices=sorted(QUANT_CONFIGS), default=None,
-                   help="random 4-bit weights in this format (group size 128) instead of bf16 ones")
+    p.add_argument("--quantization", choices=BENCH_QUANTIZATIONS, default=None,
+                   help="awq / gptq: random 4-bit weights in this format (group size 128) instead of bf16 ones; fp8: "
+                   "random bf16 weights quantized to fp8 at load (--quantization fp8)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="default: the engine's (on with a GPU)")
     p.add_argument("--cascade-attn", action=argparse.BooleanOptionalAction, default=True,

@@ -1,0 +1,108 @@
+"""Online fp8 weights' matmul (`--quantization fp8`) against the bf16 matmul, at the Qwen2.5-7B shapes.
+
+For each projection shape (q/k/v 3584 -> 4608 with its bias, o 3584 -> 3584, gate/up 3584 -> 37888, down
+18944 -> 3584) and row count: the engine's bf16 `ops.linear` (the Triton skinny matmul up to 32 rows, cuBLAS
+past it; no tuned cuBLASLt plans in this process), `ops.fp8_linear` (the Triton per-row quantization, then
+`torch._scaled_mm` with row-wise scales, then the bias), `torch._scaled_mm` alone on activations quantized
+beforehand, and the quantization alone. Each is a cycle of calls over distinct weights (at least 200 MB of
+fp8 weights, so no call finds its weight in L2) captured in a CUDA graph, as the engine runs its decode steps,
+so the times are the GPU's (no launch cost): median of the replays (`quant_matmul_bench.graph_time_us`).
+Achieved weight bandwidth = the weight's bytes (2 a value in bf16, 1 in fp8, + the fp8 scales) over the time:
+at decode sizes both should approach the copy rate, the fp8 one in half the time. Also checks the fp8 output
+against `reference.fp8_linear` and against the bf16 matmul (largest error over the output's largest
+magnitude). Prints a table and writes JSON (GPU name, commit, date, settings).
+
+    python benchmarks/fp8_matmul_bench.py --out benchmarks/results/<dir>
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_result  # noqa: E402
+from quant_matmul_bench import graph_time_us, int_list  # noqa: E402
+
+from kvserve.kernels import ops, reference  # noqa: E402
+
+# (name, K, N, bias) of Qwen2.5-7B's projections.
+SHAPES = [("qkv", 3584, 4608, True), ("o", 3584, 3584, False), ("gate_up", 3584, 37888, False),
+          ("down", 18944, 3584, False)]
+L2_DEFEAT_BYTES = 200 * 2**20
+
+
+def measure(name: str, k: int, n: int, m: int, dense: list[torch.Tensor], quantized: list[tuple[torch.Tensor,
+            torch.Tensor]], bias: torch.Tensor | None, args: argparse.Namespace, gen: torch.Generator) -> dict[str, Any]:
+    """One shape at `m` rows: the four timings over the weight cycle, bandwidths and errors."""
+    count = len(dense)
+    dtype = dense[0].dtype
+    x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
+    a8, a_scale = ops.quantize_rows_fp8(x)
+    out_dtype = ops.scaled_mm_out_dtype(x.device, dtype)
+    fp8_out = ops.fp8_linear(x, *quantized[0], bias)
+    scale = fp8_out.float().abs().max().item()
+    err_ref = (fp8_out.float() - reference.fp8_linear(x, *quantized[0], bias).float()).abs().max().item() / scale
+    err_bf16 = (fp8_out.float() - ops.linear(x, dense[0], bias).float()).abs().max().item() / scale
+    calls = 2 * count
+    bf16_us = graph_time_us(lambda i: ops.linear(x, dense[i % count], bias), calls, args.repeats)
+    fp8_us = graph_time_us(lambda i: ops.fp8_linear(x, *quantized[i % count], bias), calls, args.repeats)
+    mm_us = graph_time_us(lambda i: torch._scaled_mm(a8, quantized[i % count][0].t(), scale_a=a_scale.view(-1, 1),
+                                                     scale_b=quantized[i % count][1].view(1, -1),
+                                                     out_dtype=out_dtype), calls, args.repeats)
+    quant_us = graph_time_us(lambda i: ops.quantize_rows_fp8(x), calls, args.repeats)
+    bf16_bytes = k * n * dense[0].element_size()
+    fp8_bytes = k * n + 4 * n
+    return {"shape": name, "k": k, "n": n, "rows": m, "bias": bias is not None, "bf16_us": bf16_us,
+            "fp8_linear_us": fp8_us, "scaled_mm_us": mm_us, "quantize_us": quant_us,
+            "bf16_weight_tbps": bf16_bytes / bf16_us / 1e6, "fp8_weight_tbps": fp8_bytes / fp8_us / 1e6,
+            "scaled_mm_weight_tbps": fp8_bytes / mm_us / 1e6, "speedup": bf16_us / fp8_us,
+            "rel_err_vs_reference": err_ref, "rel_err_vs_bf16": err_bf16, "scaled_mm_out_dtype": str(out_dtype)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--rows", type=int_list, default=[1, 8, 32, 64, 128, 256, 4096, 8192])
+    p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--shapes", default=",".join(s[0] for s in SHAPES), help="comma-separated subset of the shapes")
+    args = p.parse_args()
+    dtype = getattr(torch, args.dtype)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    wanted = set(args.shapes.split(","))
+    results: list[dict[str, Any]] = []
+    lines: list[str] = []
+    for name, k, n, has_bias in SHAPES:
+        if name not in wanted:
+            continue
+        count = max(2, -(-L2_DEFEAT_BYTES // (k * n)))
+        dense = [(torch.randn(n, k, generator=gen, device="cuda") * 0.02).to(dtype) for _ in range(count)]
+        quantized = [ops.quantize_rows_fp8(w) for w in dense]
+        bias = (torch.randn(n, generator=gen, device="cuda") * 0.1).to(dtype) if has_bias else None
+        for m in args.rows:
+            e = measure(name, k, n, m, dense, quantized, bias, args, gen)
+            results.append(e)
+            lines.append(f"{name:<8} {m:>5} {e['bf16_us']:>9.1f} {e['fp8_linear_us']:>9.1f} {e['scaled_mm_us']:>9.1f} "
+                         f"{e['quantize_us']:>8.1f} {e['speedup']:>6.2f}x {e['bf16_weight_tbps']:>6.2f} "
+                         f"{e['fp8_weight_tbps']:>6.2f} {e['scaled_mm_weight_tbps']:>6.2f}  err "
+                         f"{e['rel_err_vs_reference']:.1e}/{e['rel_err_vs_bf16']:.1e}")
+            print(lines[-1], flush=True)
+        dense.clear()
+        quantized.clear()
+        torch.cuda.empty_cache()
+    write_result(args.out, "fp8_matmul", vars(args) | {"out": str(args.out)}, results, "cuda")
+    print(f"\n{torch.cuda.get_device_name()}, {args.dtype}; times in us (CUDA graphs), weight bandwidth in TB/s; "
+          "err: fp8 output vs reference.fp8_linear / vs the bf16 matmul, over its largest magnitude")
+    print(f"{'shape':<8} {'rows':>5} {'bf16':>9} {'fp8':>9} {'mm only':>9} {'quant':>8} {'bf16/fp8':>7} "
+          f"{'bf16 BW':>6} {'fp8 BW':>6} {'mm BW':>6}")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
