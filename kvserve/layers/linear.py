@@ -245,7 +245,8 @@ class QKVLinear(Linear):
 @dataclass(frozen=True)
 class Fp8Summary:
     """What `quantize_fp8_layers` did: layers quantized, their weights' bytes before and after (fp8 values and
-    scales), and the layers whose shapes `torch._scaled_mm` cannot take (they run the torch reference)."""
+    scales), and, on CUDA, the layers whose shapes `torch._scaled_mm` cannot take (they run the torch reference
+    there)."""
 
     num_layers: int
     bytes_before: int
@@ -281,10 +282,10 @@ def quantize_fp8_layers(model: nn.Module) -> Fp8Summary:
         after += layer_after
         assert module.weight_fp8 is not None
         device = module.weight_fp8.device
-        if not ops.fp8_matmul_fits(module.weight_fp8):
-            unfit.append(name)
-        if device.type == "cuda":
+        if device.type == "cuda":  # (elsewhere every layer runs the reference)
             ops.scaled_mm_out_dtype(device, module.dtype)
+            if not ops.fp8_matmul_fits(module.weight_fp8):
+                unfit.append(name)
     if device is not None and device.type == "cuda":
         torch.cuda.empty_cache()
     return Fp8Summary(num_layers, before, after, tuple(unfit))

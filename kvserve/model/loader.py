@@ -51,7 +51,8 @@ def load_model(model_config: ModelConfig, device: torch.device) -> CausalLM:
         if model_config.quantization == "fp8":
             # After every shard is in (merged and tensor-parallel layers whole), and the same for dummy weights.
             # NOTE: the model's dtype weights are all resident before this: a checkpoint must fit at load.
-            logger.info("%s", quantize_fp8_layers(model).describe())
+            summary = quantize_fp8_layers(model)
+            (logger.warning if summary.unfit_layers else logger.info)("%s", summary.describe())
     return model.eval()
 
 
