@@ -9,7 +9,8 @@ memory would be a second round of load latency per layer); longer rows are read 
 Bits: the scale is max|x| / 448 with IEEE division (`div_rn`; Triton's `/` may be approximate), and each value
 goes through `triton_elementwise.quantize_fp8` (x / scale in fp32, saturated, rounded to nearest even): on a
 GPU the same bytes as the reference. The interpreter's fp32 -> fp8 rounding is not a GPU's (it drops a
-round-up's carry into the exponent), so CPU tests feed values on the fp8 grid.
+round-up's carry into the exponent), so CPU tests feed values on the fp8 grid. A row holding a NaN gets a
+NaN scale and NaN values on both paths (a NaN's sign and payload aside).
 """
 
 # Kernel parameters stay unannotated: @triton.jit reads annotations as type/constexpr specialisations.
@@ -54,12 +55,18 @@ def _quantize_rows_kernel(
         mask = cols < num_cols
         x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
         amax = tl.max(tl.abs(x), axis=0)
+        num_nan = tl.sum((x != x).to(tl.int32), axis=0)
     else:
         amax = tl.full([], 0.0, tl.float32)
+        num_nan = tl.full([], 0, tl.int32)
         for start in range(0, num_cols, BLOCK):
             mask = start + cols < num_cols
             part = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.max(tl.abs(part), axis=0))
+            num_nan += tl.sum((part != part).to(tl.int32), axis=0)
+    # NOTE: tl.max may skip a NaN where torch's amax returns it: a row holding one gets a NaN scale (every value
+    # NaN), as in the reference.
+    amax = tl.where(num_nan > 0, float("nan"), amax)
     scale = tl.math.div_rn(amax, FP8_MAX)
     scale = tl.where(scale == 0.0, 1.0, scale)  # a zero row stays zeros (reference.quantize_rows_fp8)
     tl.store(scale_ptr + row, scale)

@@ -160,6 +160,25 @@ def test_kernel_reads_strided_rows_and_no_rows() -> None:
     assert torch.equal(x8.cpu().view(torch.uint8), want8.view(torch.uint8))
 
 
+@pytest.mark.parametrize("num_cols", [40, 300])
+def test_a_nan_makes_its_row_nan(num_cols: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the reference: a NaN's row gets a NaN scale and only NaN values (300 columns: the tiled loop). Under
+    the interpreter the values are not checked: its fp32 -> e4m3fn cast turns NaN into 384 (a GPU's
+    cvt.rn.satfinite gives NaN; tests/kernels/test_fp8_kv_cache_kernels.py meets the same)."""
+    monkeypatch.setattr(triton_fp8, "ONE_TILE_MAX_COLS", 64)
+    monkeypatch.setattr(triton_fp8, "_LOOP_TILE", 32)
+    x = _grid_rows(3, num_cols, torch.float32, seed=7)
+    x[1, num_cols - 3] = float("nan")
+    x8, scale = _run_kernel(x)
+    want8, want_scale = reference.quantize_rows_fp8(x)
+    assert want_scale[1].isnan() and want8[1].float().isnan().all()
+    assert scale[1].isnan()
+    if not INTERPRET:
+        assert x8[1].float().isnan().all()
+    assert torch.equal(scale.cpu()[::2], want_scale[::2])
+    assert torch.equal(x8.cpu()[::2].view(torch.uint8), want8[::2].view(torch.uint8))
+
+
 @pytest.mark.skipif(INTERPRET, reason="the interpreter's fp8 rounding is not the GPU's (module docstring)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_kernel_bytes_equal_the_reference_on_any_values(dtype: torch.dtype) -> None:
