@@ -255,8 +255,8 @@ def scaled_mm_out_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype
 
     NOTE: row-wise scaling runs cuBLAS on sm_90 with cuBLAS >= 12.9 (any of bf16 / fp16 / fp32 out), else
     torch's CUTLASS kernel, which takes bf16 and, in some torch versions, fp16 only. One tiny call per
-    (device, dtype) finds out; the loader makes it at load (`Linear.quantize_fp8`), outside any CUDA-graph
-    capture. bfloat16 output then cast keeps 8 bits of mantissa: far below fp8's own rounding."""
+    (device, dtype) finds out; the loader makes it at load (`layers.linear.quantize_fp8_layers`), outside
+    any CUDA-graph capture. bfloat16 output then cast keeps 8 bits of mantissa: far below fp8's own rounding."""
     if dtype == torch.bfloat16:
         return dtype
     a8 = torch.zeros((16, 16), dtype=torch.float8_e4m3fn, device=device)
