@@ -226,7 +226,10 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     token in `fp8_linear`."""
     assert x.dim() == 2, f"x must be [M, K], got {tuple(x.shape)}"
     amax = x.abs().amax(dim=1).float() if x.shape[1] else x.new_zeros(x.shape[0], dtype=torch.float32)
-    scale = amax / FP8_E4M3_MAX
+    # NOTE: divided by a tensor, not the Python float: CUDA torch divides by a scalar as a multiply by its
+    # rounded reciprocal, which differs from IEEE division (the Triton kernel's `div_rn`) in the last bit for
+    # some values (an H100 run of the GPU test found scales one unit apart); tensor by tensor is IEEE on both.
+    scale = amax / torch.full_like(amax, FP8_E4M3_MAX)
     # NOTE: a zero row (or one whose largest magnitude / 448 underflows to 0) gets scale 1: its values quantize
     # to zero (or to the subnormals they are) instead of 0 / 0 = NaN.
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
