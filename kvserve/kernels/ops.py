@@ -118,6 +118,14 @@ _DECODE_TILE_N = 64  # keys per tile of the Triton decode kernel: a split with f
 # faster with it; at 48-64 rows cuBLAS is faster); larger ones stay with torch (cuBLAS).
 SKINNY_GEMM_MAX_ROWS = 32
 _skinny_gemm_enabled = True
+# An fp8 layer (--quantization fp8) of at most this many rows runs the skinny matmul with its fp8 weight
+# converted in registers (weight-only fp8: x is not quantized); more rows quantize x per token and run
+# torch._scaled_mm (`fp8_linear`). Read at each call (benchmarks/fp8_matmul_bench.py sets it to time the
+# skinny path at more rows); the choice depends on the row count alone, so a CUDA graph and an eager step of
+# the same (padded) rows take the same path.
+FP8_SKINNY_MAX_ROWS = SKINNY_GEMM_MAX_ROWS
+# Cleared when a tiling of the fp8 weights fails to launch (`_skinny`), leaving the bf16 skinny matmul on.
+_fp8_skinny_enabled = True
 # The rotary embedding writes the KV cache in the same launch (`rotary_embedding_and_cache`).
 _rotary_cache_fusion = True
 
@@ -135,30 +143,38 @@ def set_skinny_gemm(enabled: bool) -> None:
 
 
 def _skinny(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool, rope: Any = None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool, rope: Any = None,
+    w_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """The Triton skinny matmul's result where it applies (CUDA, at most SKINNY_GEMM_MAX_ROWS rows, a tiling
-    that fits, with the asked epilogue), else None."""
-    global _skinny_gemm_enabled
-    if not (_skinny_gemm_enabled and x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= SKINNY_GEMM_MAX_ROWS):
+    """The Triton skinny matmul's result where it applies (CUDA, at most SKINNY_GEMM_MAX_ROWS rows, or
+    FP8_SKINNY_MAX_ROWS for an fp8 weight with its `w_scale`; a tiling that fits, with the asked epilogue),
+    else None."""
+    global _skinny_gemm_enabled, _fp8_skinny_enabled
+    fp8 = w_scale is not None
+    max_rows = FP8_SKINNY_MAX_ROWS if fp8 else SKINNY_GEMM_MAX_ROWS
+    if not (_skinny_gemm_enabled and (_fp8_skinny_enabled or not fp8) and x.is_cuda and x.dim() == 2
+            and 0 < x.shape[0] <= max_rows):
         return None
     module = _triton_module("triton_gemm")
     if module is None:
         return None
     config = module.pick_config(
-        x.shape[0], weight.shape[0], weight.shape[1], _num_sms(x.device), _max_shared_bytes(x.device)
+        x.shape[0], weight.shape[0], weight.shape[1], _num_sms(x.device), _max_shared_bytes(x.device),
+        weight_bytes=weight.element_size(),
     )
     if rope is not None:
         rope = module.RopeCache(*rope)
-    if config is None or not module.fits(x, weight, config, bias, silu_mul, rope):
+    if config is None or not module.fits(x, weight, config, bias, silu_mul, rope, w_scale):
         return None
     try:
-        return module.skinny_linear(x, weight, bias, config, silu_mul, rope)
+        return module.skinny_linear(x, weight, bias, config, silu_mul, rope, w_scale)
     except module.OutOfResources as exc:  # a GPU whose shared memory the estimate got wrong
-        import logging
-
-        logging.getLogger(__name__).warning("skinny matmul unavailable on this GPU (%s); using torch", exc)
-        _skinny_gemm_enabled = False
+        logger.warning("skinny matmul unavailable on this GPU for %s weights (%s); using torch",
+                       weight.dtype, exc)
+        if fp8:
+            _fp8_skinny_enabled = False
+        else:
+            _skinny_gemm_enabled = False
         return None
 
 
@@ -274,18 +290,30 @@ def scaled_mm_out_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype
 def fp8_linear(
     x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x [..., K] @ W^T (+ bias) of an fp8 layer (`reference.fp8_linear`'s contract: w8 float8_e4m3fn [N, K]
-    row-major, w_scale float32 [N]). CUDA, where `fp8_matmul_fits`: the Triton per-token quantization of x,
-    then `torch._scaled_mm` with row-wise scales (x's scale per row, the weight's per column of w8.t(), a
-    column-major view), then the bias added in x's dtype. No host sync: CUDA-graph capturable. Elsewhere the
-    reference."""
+    """x [..., K] @ W^T (+ bias) of an fp8 layer (w8 float8_e4m3fn [N, K] row-major, w_scale float32 [N],
+    bias in x's dtype). On CUDA two numerics, chosen by the row count alone:
+
+    * at most FP8_SKINNY_MAX_ROWS rows (fp16 / bf16 x, a tiling that fits): weight-only fp8, the Triton skinny
+      matmul reading the fp8 weight (`reference.fp8_linear_weight_only`: x unquantized, float32 sums scaled
+      per output row, the bias added before the one rounding);
+    * more rows (or where the skinny matmul does not apply), where `fp8_matmul_fits`: weights and activations
+      in fp8 (`reference.fp8_linear`): the Triton per-token quantization of x, then `torch._scaled_mm` with
+      row-wise scales (x's scale per row, the weight's per column of w8.t(), a column-major view), then the
+      bias added in x's dtype.
+
+    No host sync: CUDA-graph capturable. Elsewhere `reference.fp8_linear` (weights and activations)."""
     module = _triton_module("triton_fp8") if x.is_cuda else None
-    if module is None or not fp8_matmul_fits(w8) or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+    if module is None or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return reference.fp8_linear(x, w8, w_scale, bias)
     num_out, k = w8.shape
     rows = x.reshape(-1, k)
     if rows.shape[0] == 0:
         return x.new_empty((*x.shape[:-1], num_out))
+    out = _skinny(rows, w8, bias, silu_mul=False, w_scale=w_scale)
+    if out is not None:
+        return out.view(*x.shape[:-1], num_out)
+    if not fp8_matmul_fits(w8):
+        return reference.fp8_linear(x, w8, w_scale, bias)
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     a8, a_scale = module.quantize_rows_fp8(rows)
@@ -324,16 +352,19 @@ def linear_rope_cache(
     head_dim: int,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    w_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """A fused q/k/v projection whose epilogue applies the rotary embedding and writes k / v into the cache:
     [num_tokens, (num_heads + 2 num_kv_heads) head_dim], q and k rotated, as `linear`, `rotary_embedding`
     and `reshape_and_cache` give (the `rotary_embedding_and_cache` contract). Small-row CUDA batches only
     (the skinny matmul, one launch instead of two); None elsewhere, and the caller runs the separate ops.
-    k_scale / v_scale: an fp8 cache's (`reference.reshape_and_cache`)."""
+    k_scale / v_scale: an fp8 cache's (`reference.reshape_and_cache`). w_scale: the layer's fp8 weight scales
+    (weight float8_e4m3fn): the matmul is then `fp8_linear`'s weight-only one, up to FP8_SKINNY_MAX_ROWS."""
     if not (_rotary_cache_fusion and _qkv_rope_fusion and _elementwise_backend == "triton"):
         return None
     return _skinny(x, weight, bias, silu_mul=False, rope=(positions, cos_sin_cache, kv_cache, slot_mapping,
-                                                          num_heads, num_kv_heads, head_dim, k_scale, v_scale))
+                                                          num_heads, num_kv_heads, head_dim, k_scale, v_scale),
+                   w_scale=w_scale)
 
 
 _qkv_rope_fusion = True
@@ -414,17 +445,21 @@ def _tma_gate_up(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         return None
 
 
-def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    w_scale: torch.Tensor | None = None) -> torch.Tensor:
     """silu_and_mul(linear(x, weight, bias)) for a [gate; up] weight of 2 d rows: [num_tokens, d]. On CUDA
     with the Triton elementwise backend: one fused launch for small-row batches (`_skinny`) and the row ranges
-    of `gate_up_tma_config` (`_tma_gate_up`)."""
+    of `gate_up_tma_config` (`_tma_gate_up`). w_scale: an fp8 layer's (weight float8_e4m3fn): then
+    silu_and_mul(fp8_linear(x, weight, w_scale, bias)), fused up to FP8_SKINNY_MAX_ROWS rows (weight-only fp8)."""
     out = None
     if _elementwise_backend == "triton":
         if _silu_fusion:
-            out = _skinny(x, weight, bias, silu_mul=True)
-        if out is None:
+            out = _skinny(x, weight, bias, silu_mul=True, w_scale=w_scale)
+        if out is None and w_scale is None:
             out = _tma_gate_up(x, weight, bias)
-    return silu_and_mul(linear(x, weight, bias)) if out is None else out
+    if out is not None:
+        return out
+    return silu_and_mul(linear(x, weight, bias) if w_scale is None else fp8_linear(x, weight, w_scale, bias))
 
 
 @functools.cache
@@ -884,6 +919,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 __all__ = [
     "DECODE_PROGRAMS_PER_SM",
     "ELEMENTWISE_BACKENDS",
+    "FP8_SKINNY_MAX_ROWS",
     "SKINNY_GEMM_MAX_ROWS",
     "decode_num_splits",
     "prefill_attention",

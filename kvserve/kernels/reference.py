@@ -258,6 +258,24 @@ def fp8_linear(
     return out.view(*x.shape[:-1], num_out)
 
 
+def fp8_linear_weight_only(
+    x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias) for an fp8 weight (`fp8_linear`'s w8 / w_scale) with x NOT quantized
+    ("W8A16", what the Triton skinny matmul computes for small row counts):
+
+        out[m, n] = (sum_k x[m, k] w8[n, k]) * w_scale[n] (+ bias[n])
+
+    in float32 (x's values and the e4m3 values are exact there), the bias (x's dtype) added in float32, then
+    rounded once to x's dtype, as the kernel's epilogue rounds. Returns [..., N] in x's dtype."""
+    num_out, k = w8.shape
+    rows = x.reshape(-1, k)
+    out = (rows.float() @ w8.float().t()) * w_scale.float()[None, :]
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).view(*x.shape[:-1], num_out)
+
+
 def apply_penalties(
     logits: torch.Tensor,
     prompt_counts: torch.Tensor,

@@ -13,6 +13,13 @@ checks need; it adds the bias and rounds once, as a float32-accumulating matmul 
 `fused_reduce=False` sums them in a second kernel instead. One split rounds in the first kernel. The
 counters are one buffer per device: launches must not overlap on two streams (kvserve computes on one).
 
+fp8 weights (`--quantization fp8`, weight-only at these row counts): the weight may be float8_e4m3fn [N, K]
+with a float32 scale per row. Each fp8 tile is converted to the activations' dtype in registers (every e4m3
+value is exact in fp16 and bf16) before the same `tl.dot`, and the float32 accumulator is multiplied by its
+rows' scales right after the K loop, so split-K partials, both reductions and both epilogues see a tile like
+a bf16 weight's (`reference.fp8_linear_weight_only`). The weight moves half the bytes per tile:
+`pick_config(weight_bytes=1)` takes BLOCK_K twice as long where K allows.
+
 Two epilogues fuse the kernel that would follow the matmul (`_store_output`): SiLU-and-mul for a [gate; up]
 weight, and the rotary embedding plus the KV-cache write for a fused q/k/v weight. For either, the program's
 BLOCK_N weight rows are chosen so the pairs the epilogue combines share a tile; the K loop is unchanged.
@@ -84,6 +91,7 @@ def _skinny_gemm_kernel(
     num_kv_heads,
     k_scale,
     v_scale,
+    w_scale_ptr,
     HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr,
     FUSED_REDUCE: tl.constexpr,
@@ -94,6 +102,7 @@ def _skinny_gemm_kernel(
     EPILOGUE: tl.constexpr = 0,
     HEAD_DIM: tl.constexpr = 0,
     FP8_MAX: tl.constexpr = 0.0,
+    W_SCALED: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -126,10 +135,15 @@ def _skinny_gemm_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for _ in range(chunk_begin, chunk_end):
         w = tl.load(w_ptrs)
+        if W_SCALED:  # an fp8 weight: to the activations' dtype, exactly
+            w = w.to(x_ptr.dtype.element_ty)
         x = tl.load(x_ptrs, mask=m_mask, other=0.0)
         acc = tl.dot(w, tl.trans(x), acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if W_SCALED:
+        # Before the partials are stored: every split's partial, and so the sum and the epilogues, in real units.
+        acc = acc * tl.load(w_scale_ptr + offs_n)[:, None]
     out_mask = offs_m[None, :] < M
     # [BLOCK_N, BLOCK_M] offsets into an [M, N] matrix: tile row r at column pid_n * BLOCK_N + r (the partials'
     # layout; with an epilogue that pairs rows, a column of no one weight row, which is all the partials need).
@@ -234,13 +248,16 @@ def split_reduce_kernel(part_ptr, bias_ptr, out_ptr, MN, N, SPLITS: tl.constexpr
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def shared_bytes(config: GemmConfig, block_m: int = 16, elem_bytes: int = 2) -> int:
+def shared_bytes(config: GemmConfig, block_m: int = 16, elem_bytes: int = 2, weight_bytes: int | None = None) -> int:
     """Shared memory the pipelined loop needs at most: `num_stages` buffers of a weight tile and an
-    activation tile (Triton keeps num_stages - 1 of them on some targets, num_stages on Hopper)."""
-    return config.num_stages * (config.block_n + block_m) * config.block_k * elem_bytes
+    activation tile (Triton keeps num_stages - 1 of them on some targets, num_stages on Hopper). elem_bytes:
+    the activations' element size; weight_bytes: the weight's (1 for fp8), elem_bytes when None."""
+    weight_bytes = elem_bytes if weight_bytes is None else weight_bytes
+    return config.num_stages * (config.block_n * weight_bytes + block_m * elem_bytes) * config.block_k
 
 
-def pick_config(m: int, n: int, k: int, num_sms: int, max_shared: int = 227 * 1024) -> GemmConfig | None:
+def pick_config(m: int, n: int, k: int, num_sms: int, max_shared: int = 227 * 1024,
+                weight_bytes: int = 2) -> GemmConfig | None:
     """The tiling for an [m, k] x [n, k]^T matmul, or None when no tiling of this kernel fits (torch then).
 
     Fitted to the H200 sweeps (docs/perf_notes.md, entries 14 and 26): 64-row weight tiles of 128 keys, 3
@@ -249,27 +266,37 @@ def pick_config(m: int, n: int, k: int, num_sms: int, max_shared: int = 227 * 10
     on Hopper, 99 KiB on sm_86 / sm_89). Split-K: the most splits (at most 16, one K chunk each at least)
     whose programs are all resident at once (`resident_programs`), so that every program streams from the
     start and none waits for a second round: on the H200 qkv takes 5 splits, o_proj and down 7.
+
+    weight_bytes=1 (an fp8 weight): the same rule with tiles of 256 keys (a weight tile of the bf16 tile's
+    bytes) where K is a multiple of 256 and the stages fit `max_shared` with this m's activation tile, else
+    of 128. A starting point for the GPU sweep, not yet measured.
     """
-    block_k = 128
-    if m < 1 or k < block_k or k % block_k:
+    if m < 1:
         return None
-    wide = GemmConfig(128, block_k, 1, num_stages=4, num_warps=8)
-    narrow = GemmConfig(64, block_k, 1, num_stages=3, num_warps=4)
-    use_wide = n % 128 == 0 and n // 64 >= 16 * num_sms and shared_bytes(wide) <= max_shared
-    base = wide if use_wide else narrow
-    if n % base.block_n or shared_bytes(base) > max_shared:
-        return None
-    tiles = n // base.block_n
-    resident = resident_programs(base, num_sms, max_shared, launch_block_m(m))
-    split = max(1, min(16, k // block_k, resident // tiles))
-    return GemmConfig(base.block_n, block_k, split, base.num_stages, base.num_warps)
+    block_m = launch_block_m(m)
+    for block_k in (256, 128) if weight_bytes == 1 else (128,):
+        if k < block_k or k % block_k:
+            continue
+        wide = GemmConfig(128, block_k, 1, num_stages=4, num_warps=8)
+        narrow = GemmConfig(64, block_k, 1, num_stages=3, num_warps=4)
+        use_wide = (n % 128 == 0 and n // 64 >= 16 * num_sms
+                    and shared_bytes(wide, block_m, weight_bytes=weight_bytes) <= max_shared)
+        base = wide if use_wide else narrow
+        if n % base.block_n or shared_bytes(base, block_m, weight_bytes=weight_bytes) > max_shared:
+            continue
+        tiles = n // base.block_n
+        resident = resident_programs(base, num_sms, max_shared, block_m, weight_bytes)
+        split = max(1, min(16, k // block_k, resident // tiles))
+        return GemmConfig(base.block_n, block_k, split, base.num_stages, base.num_warps)
+    return None
 
 
-def resident_programs(config: GemmConfig, num_sms: int, max_shared: int, block_m: int = 16) -> int:
-    """Programs of this tiling (with `block_m`-row activation tiles) the GPU holds at once, as its shared
-    memory allows (`max_shared` per block, taken as the SM's capacity too; registers and warps do not bind
-    for these tilings)."""
-    return num_sms * max(1, max_shared // shared_bytes(config, block_m))
+def resident_programs(config: GemmConfig, num_sms: int, max_shared: int, block_m: int = 16,
+                      weight_bytes: int = 2) -> int:
+    """Programs of this tiling (with `block_m`-row activation tiles, a weight of `weight_bytes` a value) the
+    GPU holds at once, as its shared memory allows (`max_shared` per block, taken as the SM's capacity too;
+    registers and warps do not bind for these tilings)."""
+    return num_sms * max(1, max_shared // shared_bytes(config, block_m, weight_bytes=weight_bytes))
 
 
 def launch_block_m(m: int) -> int:
@@ -324,11 +351,17 @@ def fits(
     bias: torch.Tensor | None = None,
     silu_mul: bool = False,
     rope: RopeCache | None = None,
+    w_scale: torch.Tensor | None = None,
 ) -> bool:
     """Whether `skinny_linear` takes these operands with this tiling (else the caller uses torch)."""
     n, k = weight.shape
     if bias is not None and not (
-        bias.shape == (n,) and bias.dtype == weight.dtype and bias.is_contiguous() and bias.device == x.device
+        bias.shape == (n,) and bias.dtype == x.dtype and bias.is_contiguous() and bias.device == x.device
+    ):
+        return False
+    if w_scale is not None and not (
+        weight.dtype == torch.float8_e4m3fn and w_scale.dtype == torch.float32 and w_scale.shape == (n,)
+        and w_scale.is_contiguous() and w_scale.device == x.device
     ):
         return False
     if (silu_mul or rope is not None) and config.split_k > 1 and not config.fused_reduce:
@@ -340,7 +373,7 @@ def fits(
     return (
         x.dim() == 2
         and x.shape[1] == k
-        and x.dtype == weight.dtype
+        and (x.dtype == weight.dtype or w_scale is not None)
         and x.dtype in (torch.float16, torch.bfloat16)
         and x.stride(1) == 1
         and weight.stride(1) == 1
@@ -357,8 +390,13 @@ def skinny_linear(
     config: GemmConfig,
     silu_mul: bool = False,
     rope: RopeCache | None = None,
+    w_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T + bias[N] -> [M, N] in x's dtype (fp16/bf16), with the given tiling.
+
+    w_scale: an fp8 weight's float32 scales [N]: weight is float8_e4m3fn [N, K] standing for
+    weight * w_scale[:, None], and the result is `reference.fp8_linear_weight_only`'s (x unquantized: the
+    products of x with the exact e4m3 values, summed in float32 and scaled per row). bias: x's dtype.
 
     silu_mul: the weight is [gate; up] (N = 2 d rows) and the result is silu(gate) * up, [M, d], bitwise what
     `silu_and_mul` gives on the plain result (one launch, no [M, N] intermediate).
@@ -369,7 +407,7 @@ def skinny_linear(
     differ by one at most), unit stride along K; with an epilogue,
     the last program of a split tile sums the partials (fused_reduce).
     """
-    assert fits(x, weight, config, bias, silu_mul, rope), (
+    assert fits(x, weight, config, bias, silu_mul, rope, w_scale), (
         f"skinny_linear: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype} do not fit {config}"
     )
     m = x.shape[0]
@@ -408,6 +446,7 @@ def skinny_linear(
         weight.stride(0),
         k // config.block_k,
         *rope_ints,
+        w_scale if w_scale is not None else weight,
         HAS_BIAS=has_bias,
         SPLIT_K=config.split_k,
         FUSED_REDUCE=fused,
@@ -418,6 +457,7 @@ def skinny_linear(
         EPILOGUE=epilogue.value,
         HEAD_DIM=rope.head_dim if rope is not None else 0,
         FP8_MAX=fp8_max,
+        W_SCALED=w_scale is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         # Each product of the rotation is rounded before the sum (as torch's bf16 ops round): no FMA contraction.

@@ -164,6 +164,15 @@ class Linear(nn.Module):
         self.weight_scale = nn.Parameter(scale, requires_grad=False)
         return before, w8.numel() * w8.element_size() + scale.numel() * scale.element_size()
 
+    def fusable_weight(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """What the fused ops (`ops.linear_rope_cache`, `ops.linear_silu_mul`) take as this layer's weight:
+        (weight, None) for a dense layer, (weight_fp8, weight_scale) for an fp8 one (their `w_scale`), None
+        for a packed AWQ / GPTQ layer (its own matmul: `forward`)."""
+        if self.weight_fp8 is not None:
+            assert self.weight_scale is not None
+            return self.weight_fp8, self.weight_scale
+        return None if self.weight is None else (self.weight, None)
+
     def applied_bias(self) -> torch.Tensor | None:
         """The bias this rank's matmul adds: none on a row-parallel layer's ranks past 0 (rank 0 adds it once
         to the sum)."""

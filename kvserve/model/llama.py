@@ -108,12 +108,13 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv_proj = self.qkv_proj
         rotated = None
-        if self.q_norm is None and qkv_proj.weight is not None:
+        fusable = qkv_proj.fusable_weight()
+        if self.q_norm is None and fusable is not None:
             # small GPU batches: rotary and cache write in the projection's epilogue
             rotated = ops.linear_rope_cache(
-                hidden, qkv_proj.weight, qkv_proj.bias, positions, self.rotary_emb.cos_sin_cache, kv_cache,
+                hidden, fusable[0], qkv_proj.bias, positions, self.rotary_emb.cos_sin_cache, kv_cache,
                 attn_metadata.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim,
-                k_scale=self.attn.k_scale, v_scale=self.attn.v_scale,
+                k_scale=self.attn.k_scale, v_scale=self.attn.v_scale, w_scale=fusable[1],
             )
         q, k, v = qkv_proj.split(qkv_proj(hidden) if rotated is None else rotated)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -172,9 +173,10 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj
-        if isinstance(self.act_fn, SiluAndMul) and gate_up.weight is not None:
+        fusable = gate_up.fusable_weight()
+        if isinstance(self.act_fn, SiluAndMul) and fusable is not None:
             # one op, so small batches can fuse the two on the GPU
-            return self.down_proj(ops.linear_silu_mul(x, gate_up.weight, gate_up.bias))
+            return self.down_proj(ops.linear_silu_mul(x, fusable[0], gate_up.bias, w_scale=fusable[1]))
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 

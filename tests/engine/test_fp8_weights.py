@@ -256,6 +256,11 @@ def test_a_layer_quantizes_per_output_row() -> None:
     assert torch.equal(layer(x), reference.fp8_linear(x, want8, want_scale, bias))
     with pytest.raises(ValueError, match="only a dense layer"):
         layer.quantize_fp8()
+    # what the model hands the fused ops (ops.linear_rope_cache / linear_silu_mul): the fp8 weight and scales
+    fusable = layer.fusable_weight()
+    assert fusable is not None and fusable[0] is layer.weight_fp8 and fusable[1] is layer.weight_scale
+    dense = _loaded(Linear(48, 32, False, torch.float32), {None: weight})
+    assert dense.fusable_weight() == (dense.weight, None)
 
 
 def test_merged_layers_are_quantized_after_all_their_shards() -> None:

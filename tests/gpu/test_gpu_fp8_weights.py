@@ -2,11 +2,15 @@
 
 * Kernels at Qwen2.5-7B's shapes (q/k/v 3584 -> 4608 with bias, o 3584 -> 3584, gate/up 3584 -> 37888, down
   18944 -> 3584), 1 to 4,096 rows, bf16 and fp16: the Triton per-row quantization stores the reference's bytes
-  and scales for arbitrary values; `ops.fp8_linear` (that quantization, then `torch._scaled_mm` with row-wise
-  scales, then the bias) matches `reference.fp8_linear` (the same fp8 products summed in another order: a
-  rounding of the output's dtype apart), with the allocator's free blocks NaN-poisoned first and the reference
-  forbidden inside ops (so the GPU path really ran); a shape `_scaled_mm` cannot take runs the reference; the
-  call is captured in a CUDA graph and replays with new inputs.
+  and scales for arbitrary values; `ops.fp8_linear` past FP8_SKINNY_MAX_ROWS rows (that quantization, then
+  `torch._scaled_mm` with row-wise scales, then the bias; at any row count with the threshold set to 0)
+  matches `reference.fp8_linear` (the same fp8 products summed in another order: a rounding of the output's
+  dtype apart); at up to FP8_SKINNY_MAX_ROWS rows (and 64 / 256 with the threshold raised) the skinny matmul
+  reading the fp8 weight matches `reference.fp8_linear_weight_only`, with `_scaled_mm` forbidden, and so do
+  its SiLU-and-mul and rotary + KV-cache epilogues (`ops.linear_silu_mul`, `ops.linear_rope_cache`, bitwise
+  the plain matmul then the elementwise kernels); the allocator's free blocks are NaN-poisoned first and the
+  reference forbidden inside ops (so the GPU path really ran); a shape `_scaled_mm` cannot take runs the
+  reference past the skinny rows; the calls are captured in a CUDA graph and replay with new inputs.
 * The engine (tiny random models): CUDA graphs against eager, float32, the same greedy tokens; fp8 weights
   against the unquantized model in bfloat16, top-5 logprobs within the CPU test's tolerance
   (tests/engine/test_fp8_weights.py: 8x e4m3's relative error); no Triton variant compiled after start; the
@@ -95,11 +99,23 @@ def _layer_tensors(shape: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.
     return w8, w_scale, bias
 
 
+def _forbid_scaled_mm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The skinny path must run: the activation quantization and `_scaled_mm` (and the references) refuse."""
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("ops ran the quantize + _scaled_mm path where the skinny fp8 matmul applies")
+
+    _forbid_reference(monkeypatch)
+    monkeypatch.setattr(reference, "fp8_linear_weight_only", refuse)
+    monkeypatch.setattr(torch, "_scaled_mm", refuse)
+    monkeypatch.setattr(ops, "quantize_rows_fp8", refuse)
+
+
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_fp8_linear_matches_the_reference(shape: str, rows: int, dtype: torch.dtype,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The weights-and-activations path (`_scaled_mm`) at every row count: FP8_SKINNY_MAX_ROWS set to 0."""
     w8, w_scale, bias = _layer_tensors(shape, dtype)
     x = torch.randn(rows, w8.shape[1], device="cuda", generator=torch.Generator(device="cuda").manual_seed(rows))
     x = x.to(dtype)
@@ -107,6 +123,7 @@ def test_fp8_linear_matches_the_reference(shape: str, rows: int, dtype: torch.dt
     _poison_free_memory()
     with monkeypatch.context() as patch:
         _forbid_reference(patch)
+        patch.setattr(ops, "FP8_SKINNY_MAX_ROWS", 0)
         got = ops.fp8_linear(x, w8, w_scale, bias)
     assert got.shape == want.shape and got.dtype == dtype
     assert not got.isnan().any()
@@ -118,7 +135,105 @@ def test_fp8_linear_matches_the_reference(shape: str, rows: int, dtype: torch.dt
     assert ((got.float() - want.float()).abs() / scale).max().item() <= 2**-6
 
 
+def _assert_weight_only_close(got: torch.Tensor, want: torch.Tensor, ulps: float = 1.0) -> None:
+    """The skinny matmul against `reference.fp8_linear_weight_only`: the same float32 products summed in
+    another order, each rounded once to the output dtype: `ulps` units in the last place of the element, plus
+    2^-12 of the row's largest magnitude for elements the sums' order moves across a rounding boundary near 0."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert not got.isnan().any()
+    ulp = 2.0**-7 if want.dtype == torch.bfloat16 else 2.0**-10
+    row_max = want.float().abs().amax(dim=-1, keepdim=True)
+    bound = ulps * ulp * want.float().abs() + 2.0**-12 * row_max
+    excess = (got.float() - want.float()).abs() - bound
+    assert excess.max().item() <= 0, excess.max().item()
+
+
+SKINNY_ROWS = [1, 7, 16, 32]
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("rows", SKINNY_ROWS + [64, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_skinny_fp8_linear_matches_the_weight_only_reference(shape: str, rows: int, dtype: torch.dtype,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """At up to FP8_SKINNY_MAX_ROWS rows `ops.fp8_linear` is weight-only fp8 (the skinny matmul); 64 and 256
+    rows with the threshold raised to 256 (benchmarks/fp8_matmul_bench.py times them so)."""
+    w8, w_scale, bias = _layer_tensors(shape, dtype)
+    x = torch.randn(rows, w8.shape[1], device="cuda", generator=torch.Generator(device="cuda").manual_seed(rows))
+    x = x.to(dtype)
+    want = reference.fp8_linear_weight_only(x, w8, w_scale, bias)
+    _poison_free_memory()
+    with monkeypatch.context() as patch:
+        _forbid_scaled_mm(patch)
+        if rows > ops.FP8_SKINNY_MAX_ROWS:
+            patch.setattr(ops, "FP8_SKINNY_MAX_ROWS", 256)
+        got = ops.fp8_linear(x, w8, w_scale, bias)
+    _assert_weight_only_close(got, want)
+
+
+@pytest.mark.parametrize("rows", SKINNY_ROWS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_skinny_fp8_silu_mul_epilogue(rows: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ops.linear_silu_mul` of an fp8 gate/up layer: bitwise silu_and_mul of the plain skinny fp8 matmul,
+    and so close to silu_and_mul of the weight-only reference (gate and up a unit apart at most each: three
+    units of the product)."""
+    w8, w_scale, _ = _layer_tensors("gate_up", dtype)
+    x = torch.randn(rows, w8.shape[1], device="cuda", generator=torch.Generator(device="cuda").manual_seed(rows))
+    x = x.to(dtype)
+    want = reference.silu_and_mul(reference.fp8_linear_weight_only(x, w8, w_scale))
+    _poison_free_memory()
+    with monkeypatch.context() as patch:
+        _forbid_scaled_mm(patch)
+        fused = ops.linear_silu_mul(x, w8, None, w_scale=w_scale)
+        plain = ops.fp8_linear(x, w8, w_scale)
+    assert fused.shape == (rows, w8.shape[0] // 2) and fused.dtype == dtype
+    assert torch.equal(fused, ops.silu_and_mul(plain))
+    _assert_weight_only_close(fused, want, ulps=3)
+
+
+@pytest.mark.parametrize("rows", SKINNY_ROWS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("cache_dtype", ["model", "fp8"])
+def test_skinny_fp8_rope_cache_epilogue(rows: int, dtype: torch.dtype, cache_dtype: str,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ops.linear_rope_cache` of an fp8 q/k/v layer (Qwen2.5-7B: 28 + 2 x 4 heads of 128, bias): bitwise the
+    plain skinny fp8 matmul then `ops.rotary_embedding_and_cache` (the rotated q, k, v and the cache bytes,
+    an fp8 cache scaled), padding slots untouched."""
+    from kvserve.layers.rotary import RotaryEmbedding
+
+    heads, kv_heads, head_dim, block_size = 28, 4, 128, 16
+    w8, w_scale, bias = _layer_tensors("qkv", dtype)
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, w8.shape[1], device="cuda", generator=gen).to(dtype)
+    positions = torch.randint(0, 4000, (rows,), device="cuda", generator=gen)
+    slots = torch.randperm(64 * block_size, device="cuda", generator=gen)[:rows]
+    if rows > 1:
+        slots[0] = -1  # padding: not written
+    cos_sin = RotaryEmbedding(head_dim, 4096, 1e6).cos_sin_cache.to("cuda")
+    cache_shape = (2, 64, block_size, kv_heads, head_dim)
+    if cache_dtype == "fp8":
+        k_scale, v_scale = 0.25, 0.5
+        fused_cache = torch.full(cache_shape, 0x7F, dtype=torch.uint8, device="cuda").view(FP8)  # NaN in e4m3fn
+    else:
+        k_scale, v_scale = 1.0, 1.0
+        fused_cache = torch.full(cache_shape, float("nan"), dtype=dtype, device="cuda")
+    expected_cache = fused_cache.clone()
+    _poison_free_memory()
+    with monkeypatch.context() as patch:
+        _forbid_scaled_mm(patch)
+        fused = ops.linear_rope_cache(x, w8, bias, positions, cos_sin, fused_cache, slots, heads, kv_heads, head_dim,
+                                      k_scale=k_scale, v_scale=v_scale, w_scale=w_scale)
+        plain = ops.fp8_linear(x, w8, w_scale, bias)
+    assert fused is not None
+    q, k, v = plain.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = q.reshape(rows, heads, head_dim), k.reshape(rows, kv_heads, head_dim), v.reshape(rows, kv_heads, head_dim)
+    q_rot, k_rot = ops.rotary_embedding_and_cache(positions, q, k, v, cos_sin, expected_cache, slots, k_scale, v_scale)
+    assert torch.equal(fused, torch.cat([q_rot.reshape(rows, -1), k_rot.reshape(rows, -1), v.reshape(rows, -1)], -1))
+    assert torch.equal(fused_cache.view(torch.uint8), expected_cache.view(torch.uint8))
+
+
 def test_shapes_scaled_mm_cannot_take_run_the_reference() -> None:
+    """Past the skinny rows (which take neither shape either: N is not a multiple of a weight tile)."""
     weight = torch.randn(40, 72, device="cuda", dtype=torch.bfloat16)  # 40 and 72 are not multiples of 16
     w8, w_scale = ops.quantize_rows_fp8(weight)
     assert not ops.fp8_matmul_fits(w8)
@@ -126,11 +241,12 @@ def test_shapes_scaled_mm_cannot_take_run_the_reference() -> None:
     assert torch.equal(ops.fp8_linear(x, w8, w_scale), reference.fp8_linear(x, w8, w_scale))
 
 
+@pytest.mark.parametrize("rows", [8, 64])  # the skinny path and the _scaled_mm one (bf16 / fp16)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-def test_fp8_linear_is_captured_in_a_cuda_graph(dtype: torch.dtype) -> None:
+def test_fp8_linear_is_captured_in_a_cuda_graph(rows: int, dtype: torch.dtype) -> None:
     """No host sync: the call captures, and a replay with new inputs gives the eager result."""
     w8, w_scale, bias = _layer_tensors("qkv", dtype)
-    static_x = torch.randn(8, w8.shape[1], device="cuda", dtype=dtype)
+    static_x = torch.randn(rows, w8.shape[1], device="cuda", dtype=dtype)
     ops.fp8_linear(static_x, w8, w_scale, bias)  # warm-up: Triton compile and the output-dtype probe outside
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

@@ -106,6 +106,31 @@ def test_fp8_linear_is_the_matmul_within_fp8s_error(dtype: torch.dtype) -> None:
     assert rel < 0.06, rel
 
 
+def test_fp8_linear_weight_only_by_hand() -> None:
+    """x unquantized (0.3 is no e4m3 value), the weight's fp8 values times its row scales, the bias added in
+    float32 and the sum rounded once to x's dtype."""
+    x = torch.tensor([[0.3, -1.0, 2.0], [0.0, 0.0, 0.0]], dtype=torch.float16)
+    w8 = torch.tensor([[448.0, 1.0, -0.5], [2.0, 0.0, 3.0]]).to(FP8)
+    w_scale = torch.tensor([0.5, 4.0])
+    bias = torch.tensor([1.0, -2.0], dtype=torch.float16)
+    out = reference.fp8_linear_weight_only(x, w8, w_scale, bias)
+    assert out.dtype == torch.float16 and out.shape == (2, 2)
+    x32 = x.float()
+    want = torch.stack([(x32 @ torch.tensor([448.0, 1.0, -0.5])) * 0.5 + 1.0,
+                        (x32 @ torch.tensor([2.0, 0.0, 3.0])) * 4.0 - 2.0], dim=1)
+    assert torch.equal(out, want.half())
+    assert out[1].tolist() == bias.tolist()
+    # against the weights-and-activations reference: the same within x's fp8 rounding (2^-4 relative)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 4, 64, generator=gen)
+    w8, w_scale = reference.quantize_rows_fp8(torch.randn(32, 64, generator=gen))
+    weight_only = reference.fp8_linear_weight_only(x, w8, w_scale)
+    assert weight_only.shape == (3, 4, 32)
+    torch.testing.assert_close(weight_only, x @ (w8.float() * w_scale[:, None]).T, rtol=1e-5, atol=1e-5)
+    rel = (reference.fp8_linear(x, w8, w_scale) - weight_only).norm() / weight_only.norm()
+    assert 0 < rel < 0.06, rel
+
+
 def test_ops_run_the_reference_off_cuda() -> None:
     x = torch.randn(3, 32)
     w8, w_scale = ops.quantize_rows_fp8(torch.randn(16, 32))

@@ -354,3 +354,173 @@ def test_kernels_compile_for_hopper(device, hopper_compiler):
             # activation tiles: its real footprint must allow that.
             assert 3 * (result["shared_bytes"] + 1024) <= 228 * 1024, result  # 1 KiB reserved per block
 
+
+
+# ------------------------------------------------------------------------------ fp8 weights (weight-only)
+
+FP8_CONFIGS = [
+    GemmConfig(32, 32, 1, 2),
+    GemmConfig(32, 32, 4, 3),  # split-K, the last program of a tile reduces
+    GemmConfig(32, 32, 4, 3, fused_reduce=False),  # split-K, a second kernel reduces
+    GemmConfig(32, 32, 3, 2),  # 8 chunks in 3 splits
+]
+
+
+def fp8_operands(m: int, n: int, k: int, bias: bool, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    """x, an fp8 weight and its per-row scales (`reference.quantize_rows_fp8` on the CPU: already on the fp8
+    grid, so the interpreter's own fp8 rounding is not involved), bias. The rows' magnitudes span 2^-4..2^4,
+    so their scales differ: a scale applied to the wrong row, twice or not at all shows."""
+    from kvserve.kernels import reference
+
+    x, w, b = operands(m, n, k, bias, torch.float32, torch.device("cpu"), seed)
+    w = w * torch.exp2(torch.linspace(-4, 4, n))[:, None]
+    w8, w_scale = reference.quantize_rows_fp8(w)
+    return (x.to(device, dtype), w8.to(device), w_scale.to(device),
+            None if b is None else b.to(device, dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("config", FP8_CONFIGS, ids=str)
+@pytest.mark.parametrize("m", [1, 5, 70])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_fp8_weight_matches_the_weight_only_reference(dtype, config, m, bias, device, skip_bf16_on_interpreter):
+    """An fp8 weight converted in registers, the accumulator scaled per row before the split partials and the
+    bias: `reference.fp8_linear_weight_only` (float32 sums in another order: one unit in the last place)."""
+    from kvserve.kernels import reference
+
+    skip_bf16_on_interpreter(dtype)
+    x, w8, w_scale, b = fp8_operands(m, 128, 256, bias, dtype, device, seed=m)
+    assert fits(x, w8, config, b, w_scale=w_scale)
+    out = skinny_linear(x, w8, b, config, w_scale=w_scale)
+    assert out.shape == (m, 128) and out.dtype == dtype
+    expected = reference.fp8_linear_weight_only(x, w8, w_scale, b)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2**-7 if dtype == torch.bfloat16 else 2**-10,
+                               atol=1e-3)
+
+
+def test_fp8_weight_split_reductions_agree_bitwise(device):
+    x, w8, w_scale, b = fp8_operands(9, 96, 512, True, torch.float16, device, seed=3)
+    fused = skinny_linear(x, w8, b, GemmConfig(32, 64, 8, 2), w_scale=w_scale)
+    separate = skinny_linear(x, w8, b, GemmConfig(32, 64, 8, 2, fused_reduce=False), w_scale=w_scale)
+    assert torch.equal(fused, separate)
+    assert int(triton_gemm._LOCKS.buffers[x.device].abs().sum()) == 0
+
+
+@pytest.mark.parametrize("config", [c for c in FP8_CONFIGS if c.split_k == 1 or c.fused_reduce], ids=str)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_fp8_weight_silu_mul_epilogue_equals_the_two_kernels(config, bias, device):
+    from kvserve.kernels import reference
+    from kvserve.kernels.triton_elementwise import silu_and_mul
+
+    x, w8, w_scale, b = fp8_operands(6, 256, 256, bias, torch.float16, device, seed=7)
+    assert fits(x, w8, config, b, silu_mul=True, w_scale=w_scale)
+    fused = skinny_linear(x, w8, b, config, silu_mul=True, w_scale=w_scale)
+    assert fused.shape == (6, 128)
+    assert torch.equal(fused, silu_and_mul(skinny_linear(x, w8, b, config, w_scale=w_scale)))
+    want = reference.silu_and_mul(reference.fp8_linear_weight_only(x, w8, w_scale, b).float())
+    torch.testing.assert_close(fused.float(), want, rtol=2**-9, atol=2e-3)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float8_e4m3fn], ids=str)
+@pytest.mark.parametrize("config", [GemmConfig(32, 32, 1, 2), GemmConfig(32, 32, 4, 3)], ids=str)
+def test_fp8_weight_rope_cache_epilogue_equals_the_two_kernels(cache_dtype, config, device):
+    """The q/k/v matmul of an fp8 weight with the rotary + cache epilogue (an fp16 or an fp8 KV cache, scaled):
+    bitwise the plain fp8-weight matmul then the rotary launch that writes the cache; a padding slot (-1)
+    untouched. (Both sides round to fp8 with the same code: under the interpreter its rounding, whatever it is,
+    is the same on both.)"""
+    from kvserve.kernels.triton_elementwise import rotary_embedding
+    from kvserve.kernels.triton_gemm import RopeCache
+
+    m, heads, kv_heads, head_dim, block_size = 5, 4, 2, 64, 4
+    k_scale, v_scale = (0.5, 2.0) if cache_dtype == torch.float8_e4m3fn else (1.0, 1.0)
+    n = (heads + 2 * kv_heads) * head_dim
+    x, w8, w_scale, b = fp8_operands(m, n, 256, True, torch.float16, device, seed=12)
+    gen = torch.Generator().manual_seed(5)
+    positions = torch.randint(0, 100, (m,), generator=gen).to(device)
+    slots = torch.randperm(8 * block_size, generator=gen)[:m].to(device)
+    slots[1] = -1
+    inv_freq = 1.0 / (1e4 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = torch.arange(100, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+    shape = (2, 8, block_size, kv_heads, head_dim)
+    if cache_dtype == torch.float8_e4m3fn:
+        poison = torch.full(shape, 0x7F, dtype=torch.uint8).view(cache_dtype)  # NaN in e4m3fn
+    else:
+        poison = torch.full(shape, float("nan"), dtype=cache_dtype)
+    fused_cache, expected_cache = poison.clone().to(device), poison.clone().to(device)
+    rope = RopeCache(positions, cos_sin, fused_cache, slots, heads, kv_heads, head_dim, k_scale, v_scale)
+    assert fits(x, w8, config, b, rope=rope, w_scale=w_scale)
+    fused = skinny_linear(x, w8, b, config, rope=rope, w_scale=w_scale)
+    plain = skinny_linear(x, w8, b, config, w_scale=w_scale)
+    q, k, v = plain.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q_rot, k_rot = rotary_embedding(positions, q.view(m, heads, head_dim), k.view(m, kv_heads, head_dim), cos_sin,
+                                    v.view(m, kv_heads, head_dim), expected_cache, slots, k_scale, v_scale)
+    assert torch.equal(fused, torch.cat([q_rot.view(m, -1), k_rot.view(m, -1), v], dim=-1))
+    assert torch.equal(fused_cache.view(torch.uint8), expected_cache.view(torch.uint8))
+    assert int((~fused_cache.float().isnan()).all(-1).all(-1).sum()) == 2 * (m - 1)
+
+
+def test_fits_takes_an_fp8_weight_only_with_its_scales(device):
+    x, w8, w_scale, b = fp8_operands(2, 64, 128, True, torch.float16, device)
+    config = GemmConfig(32, 32, 1, 2)
+    assert fits(x, w8, config, b, w_scale=w_scale)
+    assert not fits(x, w8, config, b)  # fp8 weight, no scales
+    assert not fits(x, w8.to(torch.float16), config, b, w_scale=w_scale)  # scales for a 16-bit weight
+    assert not fits(x, w8, config, b, w_scale=w_scale.half())
+    assert not fits(x, w8, config, b, w_scale=w_scale[:32])
+    assert not fits(x, w8.view(torch.float8_e5m2), config, b, w_scale=w_scale)
+    assert not fits(x.float(), w8, config, None, w_scale=w_scale)  # float32 activations: _scaled_mm's
+    assert not fits(x, w8, config, b.float(), w_scale=w_scale)  # the bias is in x's dtype
+
+
+def test_pick_config_for_fp8_weights():
+    """weight_bytes=1: 256-key tiles where K allows (the Qwen2.5-7B shapes), the bf16 rule otherwise; 128-key
+    tiles where 256 would not fit the shared memory with this row count's activation tile."""
+    for name, (n, k) in QWEN_7B.items():
+        bf16 = pick_config(1, n, k, 132)
+        fp8 = pick_config(1, n, k, 132, weight_bytes=1)
+        assert fp8.block_k == 256 and (fp8.block_n, fp8.num_stages, fp8.num_warps) == (
+            bf16.block_n, bf16.num_stages, bf16.num_warps), name
+        assert triton_gemm.shared_bytes(fp8, weight_bytes=1) <= 227 * 1024
+    assert pick_config(1, 4096, 384, 132, weight_bytes=1).block_k == 128  # 384 = 3 x 128
+    # 256 rows on a 99 KiB GPU: 64-row activation tiles of 256 keys need 144 KiB in 3 stages; 128 keys fit.
+    small = pick_config(256, 3584, 3584, 58, max_shared=99 * 1024, weight_bytes=1)
+    assert small is not None and small.block_k == 128
+    assert triton_gemm.shared_bytes(small, 64, weight_bytes=1) <= 99 * 1024
+    assert pick_config(1, 3584, 3584, 132, weight_bytes=1).split_k <= 3584 // 256
+
+
+def test_fp8_weight_kernels_compile_for_hopper(device, hopper_compiler):
+    """The fp8-weight variants (e4m3 -> bf16 / fp16 in registers, the rows' scales) of `pick_config`'s
+    fp8 tilings compile for sm_90, plain and with each epilogue, within the shared memory `shared_bytes`
+    counts (plus Triton's reserve); 64-row activation tiles too (FP8_SKINNY_MAX_ROWS may go past 32)."""
+    cases = [(1, GemmConfig(64, 256, 1, 3, 4)), (8, GemmConfig(64, 256, 5, 3, 4)), (16, GemmConfig(128, 256, 1, 4, 8)),
+             (64, GemmConfig(64, 128, 4, 3, 4))]
+    recorded: list[tuple[GemmConfig, int]] = []  # one launch a record, in order
+    for dtype in (torch.bfloat16, torch.float16):
+        for m, config in cases:
+            recorded.append((config, triton_gemm.launch_block_m(m)))
+            x = torch.empty(m, 2048, dtype=dtype, device=device)
+            w8 = torch.empty(256, 2048, dtype=torch.float8_e4m3fn, device=device)
+            scale = torch.empty(256, dtype=torch.float32, device=device)
+            b = torch.empty(256, dtype=dtype, device=device)
+            hopper_compiler.record(triton_gemm, ["_skinny_gemm_kernel"],
+                                   lambda x=x, w=w8, s=scale, b=b, c=config: skinny_linear(x, w, b, c, w_scale=s))
+            if dtype == torch.bfloat16 and m == 8:
+                recorded += [(config, triton_gemm.launch_block_m(m))] * 2
+                hopper_compiler.record(triton_gemm, ["_skinny_gemm_kernel"], lambda x=x, w=w8, s=scale, c=config:
+                                       skinny_linear(x, w, None, c, silu_mul=True, w_scale=s))
+                w_qkv = torch.empty(36 * 128, 2048, dtype=torch.float8_e4m3fn, device=device)
+                s_qkv = torch.empty(36 * 128, dtype=torch.float32, device=device)
+                ints = torch.zeros(m, dtype=torch.int64, device=device)
+                cache = torch.empty(2, 4, 16, 4, 128, dtype=torch.float8_e4m3fn, device=device)
+                rope = triton_gemm.RopeCache(ints, torch.empty(64, 128, device=device), cache, ints, 28, 4, 128)
+                hopper_compiler.record(triton_gemm, ["_skinny_gemm_kernel"], lambda x=x, w=w_qkv, s=s_qkv, c=config,
+                                       r=rope: skinny_linear(x, w, None, c, rope=r, w_scale=s))
+    results = hopper_compiler.compile_all()
+    assert len(results) == len(recorded)
+    for result, (config, block_m) in zip(results, recorded, strict=True):
+        assert result["shared_bytes"] <= 227 * 1024, result
+        estimate = triton_gemm.shared_bytes(config, block_m, weight_bytes=1)
+        print(f"fp8 weight {config} block_m {block_m}: {result['shared_bytes']} B, estimate {estimate}")
+        assert result["shared_bytes"] <= estimate + 1024, (result, config, estimate)
