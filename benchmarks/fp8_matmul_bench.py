@@ -5,8 +5,8 @@ For each projection shape (q/k/v 3584 -> 4608 with its bias, o 3584 -> 3584, gat
 no tuned cuBLASLt plans in this process); `ops.fp8_linear` as the engine runs it (the skinny matmul reading the
 fp8 weight up to `ops.FP8_SKINNY_MAX_ROWS` rows, `--fp8-skinny-max-rows` to change it; past it the Triton
 per-row quantization, then `torch._scaled_mm` with row-wise scales, then the bias); each of its two paths
-forced at every row count: the skinny fp8 matmul (weight-only fp8, up to `--skinny-max-rows`, with the tiling
-`pick_config(weight_bytes=1)` gives) and quantize + `_scaled_mm` (threshold 0); `torch._scaled_mm` alone on
+forced at every row count: the skinny fp8 matmul (weight-only fp8, up to `--skinny-max-rows`: its launcher
+with the tiling `pick_config(weight_bytes=1)` gives, as ops would) and quantize + `_scaled_mm` (threshold 0); `torch._scaled_mm` alone on
 activations quantized beforehand, and the quantization alone. Each is a cycle of calls over distinct weights
 (at least 200 MB of fp8 weights, so no call finds its weight in L2) captured in a CUDA graph, as the engine
 runs its decode steps, so the times are the GPU's (no launch cost): median of the replays
@@ -92,9 +92,11 @@ def measure(name: str, k: int, n: int, m: int, dense: list[torch.Tensor], quanti
         scaled_us = graph_time_us(lambda i: ops.fp8_linear(x, *quantized[i % count], bias), calls, args.repeats)
     skinny_us = skinny_err = float("nan")
     if skinny_config is not None and m <= args.skinny_max_rows:
-        with fp8_skinny_max_rows(m):
-            skinny_out = ops.fp8_linear(x, *quantized[0], bias)
-            skinny_us = graph_time_us(lambda i: ops.fp8_linear(x, *quantized[i % count], bias), calls, args.repeats)
+        # the launcher itself, with the tiling ops.fp8_linear would give it at these rows: no silent fallback
+        w8, w_scale = quantized[0]
+        skinny_out = triton_gemm.skinny_linear(x, w8, bias, skinny_config, w_scale=w_scale)
+        skinny_us = graph_time_us(lambda i: triton_gemm.skinny_linear(
+            x, quantized[i % count][0], bias, skinny_config, w_scale=quantized[i % count][1]), calls, args.repeats)
         want = reference.fp8_linear_weight_only(x, *quantized[0], bias).float()
         skinny_err = (skinny_out.float() - want).abs().max().item() / want.abs().max().item()
     bf16_bytes = k * n * dense[0].element_size()
