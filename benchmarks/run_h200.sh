@@ -754,6 +754,26 @@ PY
         cp "$R/ncuattn36.log" "$OUT/"
         grep -a -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Waves Per|SM Active|Elapsed Cyc|Issue Slots|ncu rc|rror" \
           "$R/ncuattn36.log" | head -40 ;;
+    s50b) # Session 50 (about 500 s): fp8 weights in the skinny matmul (weight-only fp8 up to FP8_SKINNY_MAX_ROWS
+        # rows): the GPU tests and the kernel tests compiled, the matmul benchmark with the skinny column to 256
+        # rows, the quantization kernel's tilings, then the engine with fp8 weights (bf16 rerun beside it).
+        timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_gpu_fp8_weights.py \
+          tests/kernels/test_triton_fp8.py tests/kernels/test_triton_gemm.py > "$R/pytest_s50b.log" 2>&1
+        echo "pytest rc=$?" >> "$R/pytest_s50b.log"; cp "$R/pytest_s50b.log" "$OUT/"
+        grep -a "^FAILED\|^E  " "$R/pytest_s50b.log" | head -12 | cut -c1-200; tail -2 "$R/pytest_s50b.log"
+        timeout 100 python3 benchmarks/fp8_matmul_bench.py --out "$R/s50b_mm" --rows 1,8,16,32,64,128,256,4096 \
+          > "$R/s50b_mm.log" 2>&1
+        echo "fp8_matmul_bench rc=$?" >> "$R/s50b_mm.log"; cp "$R/s50b_mm.log" "$OUT/"; tail -36 "$R/s50b_mm.log" | cut -c1-170
+        timeout 60 python3 benchmarks/fp8_quant_rows_probe.py --out "$R/s50b_q" > "$R/s50b_q.log" 2>&1
+        echo "fp8_quant_rows_probe rc=$?" >> "$R/s50b_q.log"; cp "$R/s50b_q.log" "$OUT/"; tail -28 "$R/s50b_q.log"
+        for q in none fp8; do
+          flags=""; [ $q = fp8 ] && flags="--quantization fp8"
+          timeout 140 python3 benchmarks/engine_benchmarks.py --out "$R/s50b_$q" $flags \
+            --sections start,decode,seeds,random256 --decode-batches 1,64 > "$R/s50b_$q.log" 2>&1
+          echo "engine_benchmarks rc=$?" >> "$R/s50b_$q.log"; cp "$R/s50b_$q.log" "$OUT/"
+          echo "--- weights $q"
+          grep -a -E "^KV cache|^decode b|^seeds|^256 seqs|late|rc=|Error" "$R/s50b_$q.log" | cut -c1-150
+        done ;;
     s50a) # Session 50 (about 450 s): --quantization fp8 (online fp8 weights), first GPU run: its GPU and kernel
         # tests, the matmul benchmark (bf16 ops.linear against the fp8 path at the 7B shapes), then the engine
         # with bf16 weights and with fp8 weights, one engine each, same call.
