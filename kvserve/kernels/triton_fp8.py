@@ -28,8 +28,11 @@ from kvserve.kernels.triton_elementwise import quantize_fp8
 from kvserve.kernels.triton_pdl import pdl_wait_then_release
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Rows up to this many columns are quantized from registers in one read (16 warps: 64 values a thread at most).
-ONE_TILE_MAX_COLS = 32768
+# Rows up to this many columns are quantized from registers in one read; longer ones in two passes of
+# _LOOP_TILE (the second mostly from L2). Measured on an H100 (benchmarks/fp8_quant_rows_probe.py): the down
+# projection's 18,944-column input at 4,096 rows took 281 us as one 32,768-wide tile (0.83 TB/s) and 102 us
+# in 4,096-wide passes (2.28 TB/s); 3,584 columns took 25.5 us either way.
+ONE_TILE_MAX_COLS = 8192
 _LOOP_TILE = 4096
 
 

@@ -219,10 +219,11 @@ def test_kernel_bytes_equal_the_reference_on_any_values(dtype: torch.dtype) -> N
 
 
 def _record_launches(compiler: object) -> None:
-    """The launches a 7B model's layers make (K 3584 and 18944, one tile), a row past ONE_TILE_MAX_COLS (the
-    tiled loop), in each activation dtype."""
+    """The launches a 7B model's layers make (K 3584: one tile; 18944: past ONE_TILE_MAX_COLS, the tiled loop)
+    and a row of ONE_TILE_MAX_COLS (the widest one tile), in each activation dtype."""
+    assert 3584 <= triton_fp8.ONE_TILE_MAX_COLS < 18944
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        for num_cols in (3584, 18944, triton_fp8.ONE_TILE_MAX_COLS + 16):
+        for num_cols in (3584, 18944, triton_fp8.ONE_TILE_MAX_COLS):
             x = torch.zeros(2, num_cols, dtype=dtype)
             compiler.record(triton_fp8, ["_quantize_rows_kernel"],  # type: ignore[attr-defined]
                             lambda x=x: triton_fp8.quantize_rows_fp8(x))
