@@ -17,8 +17,8 @@ fp8 weights (`--quantization fp8`, weight-only at these row counts): the weight 
 with a float32 scale per row. Each fp8 tile is converted to the activations' dtype in registers (every e4m3
 value is exact in fp16 and bf16) before the same `tl.dot`, and the float32 accumulator is multiplied by its
 rows' scales right after the K loop, so split-K partials, both reductions and both epilogues see a tile like
-a bf16 weight's (`reference.fp8_linear_weight_only`). The weight moves half the bytes per tile:
-`pick_config(weight_bytes=1)` takes BLOCK_K twice as long where K allows.
+a bf16 weight's (`reference.fp8_linear_weight_only`). An fp8 weight takes bf16's tiling
+(`pick_config`: measured best or near it on an H100).
 
 Two epilogues fuse the kernel that would follow the matmul (`_store_output`): SiLU-and-mul for a [gate; up]
 weight, and the rotary embedding plus the KV-cache write for a fused q/k/v weight. For either, the program's
@@ -267,14 +267,19 @@ def pick_config(m: int, n: int, k: int, num_sms: int, max_shared: int = 227 * 10
     whose programs are all resident at once (`resident_programs`), so that every program streams from the
     start and none waits for a second round: on the H200 qkv takes 5 splits, o_proj and down 7.
 
-    weight_bytes=1 (an fp8 weight): the same rule with tiles of 256 keys (a weight tile of the bf16 tile's
-    bytes) where K is a multiple of 256 and the stages fit `max_shared` with this m's activation tile, else
-    of 128. A starting point for the GPU sweep, not yet measured.
+    weight_bytes=1 (an fp8 weight): the bf16 weight's tiling, split counts included (the stages then hold
+    less than the shared memory fits). An H100 sweep of fp8 tilings at 1-64 rows (`gemm_sweep.py
+    --weight-dtype fp8`, docs/perf_notes.md entry 69) found 128-key tiles best at every shape, and bf16's
+    splits at or near the best at 1-8 rows: q/k/v 12.2 us (best 11.2, 128-row tiles in 7 splits), o_proj
+    9.1 (the best), gate/up 64.0 (best 56.4, 2 splits); 256-key tiles, and the more splits that fp8's smaller
+    stages would let be resident, were slower.
     """
     if m < 1:
         return None
+    if weight_bytes == 1:
+        weight_bytes = 2
     block_m = launch_block_m(m)
-    for block_k in (256, 128) if weight_bytes == 1 else (128,):
+    for block_k in (128,):
         if k < block_k or k % block_k:
             continue
         wide = GemmConfig(128, block_k, 1, num_stages=4, num_warps=8)
