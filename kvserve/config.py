@@ -580,15 +580,19 @@ def _check_kv_cache_dtype(kv_cache_dtype: str, device: str, model_dtype: str) ->
     kv_cache_torch_dtype(value, model_dtype)  # a float dtype other than the model's: refused here, not at start
     if value == "auto" or value in KV_CACHE_MODEL_DTYPES or device == "cpu":
         return value
+    _require_capability(device, FP8_KV_CACHE_MIN_CAPABILITY, f"--kv-cache-dtype {value}",
+                        "fp8 conversions in the Triton kernels", "pass --kv-cache-dtype auto")
+    return value
+
+
+def _require_capability(device: str, minimum: tuple[int, int], flag: str, reason: str, remedy: str) -> None:
+    """ConfigError naming `flag`, `reason` and `remedy` when CUDA `device` is below compute capability `minimum`."""
     import torch
 
     capability = tuple(torch.cuda.get_device_capability(torch.device(device)))
-    if capability < FP8_KV_CACHE_MIN_CAPABILITY:
-        major, minor = FP8_KV_CACHE_MIN_CAPABILITY
-        raise ConfigError(
-            f"--kv-cache-dtype {value} needs a GPU of compute capability {major}.{minor} or later (fp8 conversions in "
-            f"the Triton kernels); this GPU is {capability[0]}.{capability[1]}: pass --kv-cache-dtype auto")
-    return value
+    if capability < minimum:
+        raise ConfigError(f"{flag} needs a GPU of compute capability {minimum[0]}.{minimum[1]} or later ({reason}); "
+                          f"this GPU is {capability[0]}.{capability[1]}: {remedy}")
 
 
 def _check_quantization(asked: str | None, model_path: str, arch: Any) -> str | None:
@@ -624,14 +628,8 @@ def _check_fp8_weights_device(device: str) -> None:
     Triton's fp8 conversions); ConfigError below it. On CPU the torch reference runs (slowly: for tests)."""
     if device == "cpu":
         return
-    import torch
-
-    capability = tuple(torch.cuda.get_device_capability(torch.device(device)))
-    if capability < FP8_WEIGHTS_MIN_CAPABILITY:
-        major, minor = FP8_WEIGHTS_MIN_CAPABILITY
-        raise ConfigError(
-            f"--quantization fp8 needs a GPU of compute capability {major}.{minor} or later (fp8 matmuls: Ada, "
-            f"Hopper); this GPU is {capability[0]}.{capability[1]}: drop the flag, or use an AWQ / GPTQ checkpoint")
+    _require_capability(device, FP8_WEIGHTS_MIN_CAPABILITY, "--quantization fp8", "fp8 matmuls: Ada, Hopper",
+                        "drop the flag, or use an AWQ / GPTQ checkpoint")
 
 
 def _resolve_dtype(dtype: str, device: str, config_dtype: str | None = None) -> str:

@@ -19,13 +19,13 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.engine_runs import greedy_with_logprobs, top_logprobs
 
 from kvserve.config import ConfigError, EngineArgs, _check_kv_cache_dtype, kv_cache_torch_dtype
 from kvserve.engine.engine_core import EngineCore
 from kvserve.entrypoints.cli import build_parser, engine_args_from
 from kvserve.kernels import ops, reference
 from kvserve.layers.attention_metadata import AttentionMetadata
-from kvserve.protocol.engine import EngineCoreRequest
 from kvserve.protocol.sampling_params import SamplingParams
 
 MAX_TOKENS = 24
@@ -54,26 +54,6 @@ def _core(path: str, kv_cache_dtype: str, **kwargs: Any) -> EngineCore:
     return EngineCore(args.create_engine_config())
 
 
-def _greedy(core: EngineCore, prompts: list[list[int]]) -> list[tuple[list[int], list[Any]]]:
-    """Greedy tokens and their TokenLogprobs (top 5) per prompt; invariants checked after every step."""
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
-    for i, prompt in enumerate(prompts):
-        core.add_request(EngineCoreRequest(req_id=str(i), prompt_token_ids=prompt, sampling_params=params,
-                                           max_tokens=MAX_TOKENS))
-    core.check_invariants_every_step = True
-    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    logprobs: dict[str, list[Any]] = {str(i): [] for i in range(len(prompts))}
-    while core.has_unfinished_requests():
-        for out in core.step().outputs:
-            tokens[out.req_id].extend(out.new_token_ids)
-            logprobs[out.req_id].extend(out.new_logprobs or [])
-    return [(tokens[str(i)], logprobs[str(i)]) for i in range(len(prompts))]
-
-
-def _top(lp: Any) -> dict[int, float]:
-    return dict(zip(lp.token_ids[1:], lp.logprobs[1:], strict=True))
-
-
 def _compare(got: list, want: list, tol: float) -> tuple[int, float]:
     """Asserts the module docstring's rule; returns (prompts with identical tokens, largest logprob gap)."""
     identical, largest = 0, 0.0
@@ -81,7 +61,7 @@ def _compare(got: list, want: list, tol: float) -> tuple[int, float]:
         assert len(got_tokens) == len(want_tokens) == MAX_TOKENS
         part = next((i for i, (a, b) in enumerate(zip(got_tokens, want_tokens, strict=True)) if a != b), None)
         for step in range(MAX_TOKENS if part is None else part + 1):
-            mine, theirs = _top(got_lps[step]), _top(want_lps[step])
+            mine, theirs = top_logprobs(got_lps[step]), top_logprobs(want_lps[step])
             common = mine.keys() & theirs.keys()
             assert len(common) >= 3, (step, mine, theirs)  # the same candidates, give or take the tail
             for token in common:
@@ -91,7 +71,7 @@ def _compare(got: list, want: list, tol: float) -> tuple[int, float]:
             identical += 1
             continue
         a, b = got_tokens[part], want_tokens[part]
-        reference_top = _top(want_lps[part])
+        reference_top = top_logprobs(want_lps[part])
         assert a in reference_top and abs(reference_top[a] - reference_top[b]) <= tol, (part, a, b, reference_top)
     return identical, largest
 
@@ -100,7 +80,7 @@ def _compare(got: list, want: list, tol: float) -> tuple[int, float]:
 def model_dtype_run(bare_checkpoint: str) -> list:
     core = _core(bare_checkpoint, "auto")
     assert core.runner.kv_caches[0].dtype == torch.float32
-    return _greedy(core, _prompts())
+    return greedy_with_logprobs(core, _prompts(), MAX_TOKENS)
 
 
 @pytest.mark.parametrize("kv_cache_dtype, torch_dtype", [("fp8", torch.float8_e4m3fn),
@@ -110,7 +90,7 @@ def test_fp8_cache_engine_agrees_with_the_model_dtype_cache(
 ) -> None:
     core = _core(bare_checkpoint, kv_cache_dtype)
     assert all(cache.dtype == torch_dtype for cache in core.runner.kv_caches)
-    got = _greedy(core, _prompts())
+    got = greedy_with_logprobs(core, _prompts(), MAX_TOKENS)
     identical, largest = _compare(got, model_dtype_run, LOGPROB_TOL[kv_cache_dtype])
     assert largest > 0.0  # the cache really holds rounded values
     if kv_cache_dtype == "fp8":
@@ -121,9 +101,9 @@ def test_fp8_cache_engine_under_preemption_and_without_prefix_cache(bare_checkpo
     """Recomputed (preempted) requests and no prefix caching rewrite the fp8 cache: the same tokens as the fp8
     engine given room (the same rounding of the same values)."""
     prompts = _prompts()[:6]
-    roomy = _greedy(_core(bare_checkpoint, "fp8"), prompts)
+    roomy = greedy_with_logprobs(_core(bare_checkpoint, "fp8"), prompts, MAX_TOKENS)
     core = _core(bare_checkpoint, "fp8", num_kv_blocks=12, max_model_len=160, enable_prefix_caching=False)
-    tight = _greedy(core, prompts)
+    tight = greedy_with_logprobs(core, prompts, MAX_TOKENS)
     assert [t for t, _ in tight] == [t for t, _ in roomy]
     assert core.scheduler.num_preemptions > 0
 

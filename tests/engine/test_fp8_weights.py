@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.engine_runs import greedy_with_logprobs, top_logprobs
 
 from kvserve import LLM, SamplingParams, distributed
 from kvserve.config import ConfigError, EngineArgs, _check_fp8_weights_device
@@ -30,7 +31,6 @@ from kvserve.entrypoints.cli import build_parser, engine_args_from
 from kvserve.kernels import reference
 from kvserve.layers.linear import Linear, MergedLinear, QKVLinear, quantize_fp8_layers
 from kvserve.model.paths import ModelLoadError
-from kvserve.protocol.engine import EngineCoreRequest
 
 MAX_TOKENS = 24
 LOGPROB_TOL = 8 * 2.0**-4  # see the module docstring
@@ -56,26 +56,6 @@ def _core(path: str, quantization: str | None, **kwargs: Any) -> EngineCore:
     return EngineCore(EngineArgs(model=path, device="cpu", quantization=quantization, **settings).create_engine_config())
 
 
-def _greedy(core: EngineCore, prompts: list[list[int]]) -> list[tuple[list[int], list[Any]]]:
-    """Greedy tokens and their TokenLogprobs (top 5) per prompt; invariants checked after every step."""
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
-    for i, prompt in enumerate(prompts):
-        core.add_request(EngineCoreRequest(req_id=str(i), prompt_token_ids=prompt, sampling_params=params,
-                                           max_tokens=MAX_TOKENS))
-    core.check_invariants_every_step = True
-    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    logprobs: dict[str, list[Any]] = {str(i): [] for i in range(len(prompts))}
-    while core.has_unfinished_requests():
-        for out in core.step().outputs:
-            tokens[out.req_id].extend(out.new_token_ids)
-            logprobs[out.req_id].extend(out.new_logprobs or [])
-    return [(tokens[str(i)], logprobs[str(i)]) for i in range(len(prompts))]
-
-
-def _top(lp: Any) -> dict[int, float]:
-    return dict(zip(lp.token_ids[1:], lp.logprobs[1:], strict=True))
-
-
 def _compare(got: list, want: list, tol: float) -> float:
     """Asserts the module docstring's rule (`want` is the unquantized run); returns the largest logprob gap."""
     largest = 0.0
@@ -84,7 +64,7 @@ def _compare(got: list, want: list, tol: float) -> float:
         assert len(got_tokens) == len(want_tokens) == MAX_TOKENS
         part = next((i for i, (a, b) in enumerate(zip(got_tokens, want_tokens, strict=True)) if a != b), None)
         for step in range(MAX_TOKENS if part is None else part + 1):
-            mine, theirs = _top(got_lps[step]), _top(want_lps[step])
+            mine, theirs = top_logprobs(got_lps[step]), top_logprobs(want_lps[step])
             compared += 1
             top1_listed += max(theirs, key=theirs.__getitem__) in mine
             common = mine.keys() & theirs.keys()
@@ -94,7 +74,7 @@ def _compare(got: list, want: list, tol: float) -> float:
                 largest = max(largest, abs(mine[token] - theirs[token]))
         if part is not None:
             a, b = got_tokens[part], want_tokens[part]
-            reference_top = _top(want_lps[part])
+            reference_top = top_logprobs(want_lps[part])
             assert a in reference_top and abs(reference_top[a] - reference_top[b]) <= tol, (part, a, b, reference_top)
     # measured: every position; 95 % leaves room for another machine's float32 rounding at a near tie
     assert top1_listed >= 0.95 * compared, (top1_listed, compared)
@@ -103,7 +83,7 @@ def _compare(got: list, want: list, tol: float) -> float:
 
 @pytest.fixture(scope="module")
 def unquantized_runs(checkpoints: dict[str, str]) -> dict[str, list]:
-    return {arch: _greedy(_core(path, None), _prompts()) for arch, path in checkpoints.items()}
+    return {arch: greedy_with_logprobs(_core(path, None), _prompts(), MAX_TOKENS) for arch, path in checkpoints.items()}
 
 
 # ------------------------------------------------------------------------------------------------- engine
@@ -118,7 +98,7 @@ def test_fp8_weights_agree_with_the_unquantized_model(checkpoints: dict[str, str
     assert layers and all(m.weight is None and m.weight_fp8 is not None and m.weight_fp8.dtype == FP8 for m in layers)
     # the embedding and the LM head keep the model's dtype
     assert model.lm_head.weight.dtype == model.model.embed_tokens.weight.dtype == torch.float32
-    largest = _compare(_greedy(core, _prompts()), unquantized_runs[arch], LOGPROB_TOL)
+    largest = _compare(greedy_with_logprobs(core, _prompts(), MAX_TOKENS), unquantized_runs[arch], LOGPROB_TOL)
     assert largest > 0.0  # the weights really are rounded
 
 
@@ -127,7 +107,7 @@ def test_fp8_weights_with_an_fp8_kv_cache(checkpoints: dict[str, str], unquantiz
     largest gap 0.21 nats, against 0.22 with fp8 weights alone)."""
     core = _core(checkpoints["qwen2"], "fp8", kv_cache_dtype="fp8")
     assert all(cache.dtype == FP8 for cache in core.runner.kv_caches)
-    _compare(_greedy(core, _prompts()), unquantized_runs["qwen2"], LOGPROB_TOL + 4 * 2.0**-4)
+    _compare(greedy_with_logprobs(core, _prompts(), MAX_TOKENS), unquantized_runs["qwen2"], LOGPROB_TOL + 4 * 2.0**-4)
 
 
 def test_two_ranks_with_fp8_weights(checkpoints: dict[str, str], unquantized_runs: dict[str, list]) -> None:
@@ -137,7 +117,7 @@ def test_two_ranks_with_fp8_weights(checkpoints: dict[str, str], unquantized_run
     core = _core(checkpoints["qwen2"], "fp8", tensor_parallel_size=2)
     try:
         assert all(m.weight_fp8 is not None for m in core.runner.model.modules() if isinstance(m, Linear))
-        _compare(_greedy(core, _prompts()), unquantized_runs["qwen2"], LOGPROB_TOL)
+        _compare(greedy_with_logprobs(core, _prompts(), MAX_TOKENS), unquantized_runs["qwen2"], LOGPROB_TOL)
     finally:
         core.shutdown()
 
@@ -151,7 +131,7 @@ def test_fp8_weights_halve_the_weights_bytes_and_dummy_weights_take_the_same_pat
     saved = dense.runner.weights_bytes() - fp8.runner.weights_bytes()
     assert 0.74 * linear_bytes < saved < 0.75 * linear_bytes
     assert all(m.weight_fp8 is not None for m in fp8.runner.model.modules() if isinstance(m, Linear))
-    out = _greedy(fp8, _prompts()[:2])
+    out = greedy_with_logprobs(fp8, _prompts()[:2], MAX_TOKENS)
     assert all(len(tokens) == MAX_TOKENS for tokens, _ in out)
 
 
