@@ -111,7 +111,8 @@ def add_engine_args(parser: argparse.ArgumentParser, data_parallel: bool = False
     g.add_argument("--quantization", "-q", default=None,
                    help="awq, gptq or gguf: read from the checkpoint, so optional; a value the checkpoint does not "
                    "hold is refused. fp8: quantize an unquantized checkpoint's linear weights to fp8 (e4m3, per "
-                   "output channel) at load, activations per token (GPU: compute capability 8.9 or later)")
+                   "output channel) at load (GPU: compute capability 8.9 or later); batches past 32 rows on a GPU, and "
+                   "every batch with --dtype float32 or on CPU, quantize their activations per token too")
     g.add_argument("--seed", type=int, default=0, help="seed of the sampler's shared random generator")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"],

@@ -272,19 +272,26 @@ def scaled_mm_out_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype
     NOTE: row-wise scaling runs cuBLAS on sm_90 with cuBLAS >= 12.9 (any of bf16 / fp16 / fp32 out), else
     torch's CUTLASS kernel, which takes bf16 and, in some torch versions, fp16 only. One tiny call per
     (device, dtype) finds out; the loader makes it at load (`layers.linear.quantize_fp8_layers`), outside
-    any CUDA-graph capture. bfloat16 output then cast keeps 8 bits of mantissa: far below fp8's own rounding."""
-    if dtype == torch.bfloat16:
-        return dtype
+    any CUDA-graph capture. bfloat16 output then cast keeps 8 bits of mantissa: far below fp8's own rounding.
+    RuntimeError, naming what was refused, when neither output dtype runs."""
     a8 = torch.zeros((16, 16), dtype=torch.float8_e4m3fn, device=device)
     ones_a = torch.ones((16, 1), dtype=torch.float32, device=device)
     ones_b = torch.ones((1, 16), dtype=torch.float32, device=device)
-    try:
-        torch._scaled_mm(a8, a8.t(), scale_a=ones_a, scale_b=ones_b, out_dtype=dtype)
-    except (RuntimeError, ValueError) as exc:
-        logger.info("torch._scaled_mm refused %s output with row-wise scales (%s): fp8 matmuls return bfloat16 "
-                    "and are cast to %s", dtype, str(exc).splitlines()[0], dtype)
-        return torch.bfloat16
-    return dtype
+    refused: list[str] = []
+    for out_dtype in dict.fromkeys((dtype, torch.bfloat16)):
+        try:
+            torch._scaled_mm(a8, a8.t(), scale_a=ones_a, scale_b=ones_b, out_dtype=out_dtype)
+        except (RuntimeError, ValueError) as exc:
+            refused.append(f"{out_dtype}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+            continue
+        if out_dtype != dtype:
+            logger.info("torch._scaled_mm refused %s output with row-wise scales (%s): fp8 matmuls return bfloat16 "
+                        "and are cast to %s", dtype, refused[0], dtype)
+        return out_dtype
+    # NOTE: a GPU that passes the compute-capability check can still lack row-wise scaled fp8 matmuls in this
+    # torch / cuBLAS build: say so at load rather than at the first large batch (the memory profile's).
+    raise RuntimeError(f"this torch and GPU cannot run fp8 matmuls with row-wise scales (torch._scaled_mm refused "
+                       f"{'; '.join(refused)}): --quantization fp8 cannot run here")
 
 
 def fp8_linear(

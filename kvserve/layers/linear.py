@@ -292,7 +292,10 @@ def quantize_fp8_layers(model: nn.Module) -> Fp8Summary:
         assert module.weight_fp8 is not None
         device = module.weight_fp8.device
         if device.type == "cuda":  # (elsewhere every layer runs the reference)
-            ops.scaled_mm_out_dtype(device, module.dtype)
+            try:
+                ops.scaled_mm_out_dtype(device, module.dtype)
+            except RuntimeError as exc:
+                raise ModelLoadError(str(exc)) from None
             if not ops.fp8_matmul_fits(module.weight_fp8):
                 unfit.append(name)
     if device is not None and device.type == "cuda":

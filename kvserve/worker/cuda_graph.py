@@ -99,6 +99,11 @@ def choose_padding(
     return choice
 
 
+def _has_fp8_weights(model: torch.nn.Module) -> bool:
+    """Whether any layer of `model` holds online fp8 weights (`--quantization fp8`, `Linear.weight_fp8`)."""
+    return any(getattr(module, "weight_fp8", None) is not None for module in model.modules())
+
+
 # One-request prefill graphs are captured at multiples of this many tokens.
 PREFILL_GRAPH_BUCKET = 128
 
@@ -302,6 +307,11 @@ class CUDAGraphRunner:
         self.attention_launch = {
             size: ops.decode_attention_launch(size, kv_caches[0], max_model_len) for size in sizes
         } if kv_caches else None
+        # With fp8 weights a size's matmuls take their numerics from its row count (`ops.fp8_linear`: weight-only
+        # fp8 up to FP8_SKINNY_MAX_ROWS rows, activations quantized past it): padding keeps a batch on its side,
+        # so that a timing at start cannot decide which numerics a batch gets.
+        self.fp8_weight_only = ({size: size <= ops.FP8_SKINNY_MAX_ROWS for size in sizes}
+                                if model is not None and _has_fp8_weights(model) else None)
         self.model = model
         self.kv_caches = kv_caches
         self.buffers = buffers
@@ -497,13 +507,21 @@ class CUDAGraphRunner:
             self.size_ms[size] = best
         self.set_size_times(self.size_ms)
 
+    def _padding_keys(self) -> dict[int, Hashable] | None:
+        """What a batch keeps when it replays a larger size's graph (`choose_padding`): its attention launch and,
+        with fp8 weights, its matmuls' numerics; None when neither applies."""
+        if self.attention_launch is None and self.fp8_weight_only is None:
+            return None
+        launch, fp8 = self.attention_launch or {}, self.fp8_weight_only or {}
+        return {size: (launch.get(size), fp8.get(size)) for size in self.sizes}
+
     def set_size_times(self, times_ms: dict[int, float]) -> None:
         """Take each decode size's time (ms per replay of a padding-only batch; every captured size) and
         choose the padding from it (`choose_padding` with this runner's pad_min_gain)."""
         if sorted(times_ms) != self.sizes:
             raise ValueError(f"times for sizes {sorted(times_ms)}, captured sizes {self.sizes}")
         self.size_ms = dict(times_ms)
-        self._pad_to = choose_padding(self.size_ms, self.pad_min_gain, self.attention_launch)
+        self._pad_to = choose_padding(self.size_ms, self.pad_min_gain, self._padding_keys())
         moved = {s: t for s, t in self._pad_to.items() if t != s}
         if moved:
             logger.info(

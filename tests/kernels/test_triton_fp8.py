@@ -242,3 +242,33 @@ def test_kernel_compiles_for_ada(compiler_for: object) -> None:
     compiler = compiler_for(89)  # type: ignore[operator]
     _record_launches(compiler)
     compiler.compile_all()
+
+
+def test_scaled_mm_output_dtype_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The load-time probe of `torch._scaled_mm` (row-wise scales): the model's dtype where it runs, bfloat16
+    (then cast) where only that runs, and a RuntimeError naming the refusals where neither does, so that a
+    GPU without row-wise fp8 matmuls fails at load (ModelLoadError) instead of at its first large batch."""
+    asked: list[torch.dtype] = []
+
+    def scaled_mm(a: torch.Tensor, b: torch.Tensor, *, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+        asked.append(out_dtype)
+        if out_dtype not in allowed:
+            raise RuntimeError(f"{out_dtype} output is not supported with row-wise scaling\nmore detail")
+        return torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    probe = ops.scaled_mm_out_dtype.__wrapped__  # uncached
+    cpu = torch.device("cpu")
+    allowed = {torch.bfloat16, torch.float16}
+    assert probe(cpu, torch.float16) == torch.float16 and asked == [torch.float16]
+    allowed = {torch.bfloat16}
+    assert probe(cpu, torch.float32) == torch.bfloat16
+    allowed = set()
+    asked.clear()
+    with pytest.raises(RuntimeError, match=r"cannot run fp8 matmuls with row-wise scales .*torch.bfloat16: "
+                                           r"torch.bfloat16 output is not supported.*--quantization fp8"):
+        probe(cpu, torch.bfloat16)
+    assert asked == [torch.bfloat16]  # bfloat16 is tried once
+    with pytest.raises(RuntimeError, match=r"torch.float16: .*; torch.bfloat16: "):
+        probe(cpu, torch.float16)

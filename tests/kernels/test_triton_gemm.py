@@ -474,8 +474,8 @@ def test_fits_takes_an_fp8_weight_only_with_its_scales(device):
 
 
 def test_pick_config_for_fp8_weights():
-    """weight_bytes=1 takes the bf16 weight's tiling (the H100 sweep's finding), which fits the shared memory
-    with the smaller fp8 stages too."""
+    """The contract for fp8 weights: weight_bytes=1 takes the bf16 weight's tiling (the H100 sweep's finding,
+    docs/perf_notes.md entry 69), which fits the shared memory with the smaller fp8 stages too."""
     for m in (1, 8, 17, 32, 64, 256):
         for name, (n, k) in QWEN_7B.items():
             for sms, shared in ((132, 227 * 1024), (58, 99 * 1024)):
@@ -487,11 +487,14 @@ def test_pick_config_for_fp8_weights():
 
 
 def test_fp8_weight_kernels_compile_for_hopper(device, hopper_compiler):
-    """The fp8-weight variants (e4m3 -> bf16 / fp16 in registers, the rows' scales) of `pick_config`'s
-    fp8 tilings compile for sm_90, plain and with each epilogue, within the shared memory `shared_bytes`
-    counts (plus Triton's reserve); 64-row activation tiles too (FP8_SKINNY_MAX_ROWS may go past 32)."""
-    cases = [(1, GemmConfig(64, 256, 1, 3, 4)), (8, GemmConfig(64, 256, 5, 3, 4)), (16, GemmConfig(128, 256, 1, 4, 8)),
-             (64, GemmConfig(64, 128, 4, 3, 4))]
+    """The fp8-weight variants (e4m3 -> bf16 / fp16 in registers, the rows' scales) of the tilings `pick_config`
+    gives fp8 weights at the 7B shapes compile for sm_90, plain and with each epilogue, within the shared memory
+    `shared_bytes` counts (plus Triton's reserve); 64-row activation tiles too (FP8_SKINNY_MAX_ROWS may go past
+    32), and the 128-row, 8-warp tiling (the LM head's in bf16)."""
+    cases = [(m, pick_config(m, *QWEN_7B[name], 132, weight_bytes=1))
+             for m, name in ((1, "qkv"), (8, "o_proj"), (32, "gate_up"), (64, "down"))]
+    cases.append((16, GemmConfig(128, 128, 1, 4, 8)))
+    assert all(config is not None for _, config in cases)
     recorded: list[tuple[GemmConfig, int]] = []  # one launch a record, in order
     for dtype in (torch.bfloat16, torch.float16):
         for m, config in cases:

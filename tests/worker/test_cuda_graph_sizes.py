@@ -123,6 +123,34 @@ def test_runner_keeps_batches_within_their_attention_launch(monkeypatch: pytest.
     assert [runner.padded_size(n) for n in (5, 12, 30, 40, 60, 70)] == [8, 16, 32, 48, 64, 80]
 
 
+def test_fp8_weights_keep_a_batch_on_its_side_of_the_weight_only_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With fp8 weights a batch of up to FP8_SKINNY_MAX_ROWS rows runs weight-only fp8 matmuls and a larger
+    one quantizes its activations too: padding never crosses that line, however the graphs timed (a faster
+    larger graph would otherwise change a small batch's numerics by a start-up timing)."""
+    import torch
+
+    from kvserve.kernels import ops
+
+    monkeypatch.setattr(ops, "FP8_SKINNY_MAX_ROWS", 32)
+    monkeypatch.setattr(ops, "decode_attention_launch", lambda size, cache, max_len: (1, False))
+    sizes = [8, 16, 24, 32, 48, 64]
+    times = {8: 4.0, 16: 4.0, 24: 4.1, 32: 4.2, 48: 3.0, 64: 3.5}
+    layer = torch.nn.Module()
+    plain = CUDAGraphRunner(torch.nn.Sequential(layer), [object()], {}, None, sizes, 4096,  # type: ignore[arg-type,list-item]
+                            pad_min_gain=0.05)
+    assert plain.fp8_weight_only is None
+    layer.weight_fp8 = torch.nn.Parameter(torch.zeros(1), requires_grad=False)  # as Linear.quantize_fp8 leaves it
+    fp8 = CUDAGraphRunner(torch.nn.Sequential(layer), [object()], {}, None, sizes, 4096,  # type: ignore[arg-type,list-item]
+                          pad_min_gain=0.05)
+    assert fp8.fp8_weight_only == {8: True, 16: True, 24: True, 32: True, 48: False, 64: False}
+    for runner in (plain, fp8):
+        runner._graphs = {(s, False): None for s in sizes}  # type: ignore[misc]  # as if captured
+        runner.set_size_times(times)
+    batches = (5, 12, 20, 30, 40, 60)
+    assert [plain.padded_size(n) for n in batches] == [48, 48, 48, 48, 48, 64]
+    assert [fp8.padded_size(n) for n in batches] == [8, 16, 24, 32, 48, 64]
+
+
 def test_cascade_batches_take_the_smallest_size() -> None:
     sizes = sorted(H200_LIKE_MS)
     runner = CUDAGraphRunner(None, [], {}, None, sizes, 4096, pad_min_gain=0.05)  # type: ignore[arg-type]
