@@ -170,6 +170,7 @@ class AsyncLLM:
         prompt: str | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        prompt_only: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its updates; the last one has `finished=True`.
 
@@ -178,7 +179,8 @@ class AsyncLLM:
         entries belong to the delta). An update covers one engine step, or every step that arrived
         since the caller last asked, when it falls behind. Raises EngineDeadError when the engine is gone and
         RequestFailedError when the core refuses the request. `request_id` need not be unique (module
-        docstring): a caller that refuses ids in use checks `has_request` first.
+        docstring): a caller that refuses ids in use checks `has_request` first. `prompt_only`: the prompt runs
+        (for its prompt_logprobs) and the request ends with no token, finish_reason "length".
         """
         if self.dead_error is not None:
             raise self.dead_error
@@ -192,7 +194,7 @@ class AsyncLLM:
         group_key = core_id if params.n > 1 else None
         requests = [
             self.input_processor.make_engine_request(
-                child_id, prompt_token_ids, child_params, cache_salt, group_key, now, priority
+                child_id, prompt_token_ids, child_params, cache_salt, group_key, now, priority, prompt_only
             )
             for child_id, child_params in children
         ]

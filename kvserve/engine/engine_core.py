@@ -165,8 +165,10 @@ class EngineCore:
         # Requests whose grammar failed to compile: (req_id, message, param), for the caller (`pop_failed`).
         self._failed: list[tuple[str, str, str]] = []
         # Requests that end with no token once their prompt has run (the forward pass gives their
-        # prompt_logprobs): the one token they are scheduled for is dropped (`_admit_compiled`).
-        self._prompt_only: set[str] = set()
+        # prompt_logprobs), with their finish reason: the one token they are scheduled for is dropped
+        # (`_finish_in_flight`). A grammar that allows only EOS held back by min_tokens (`_admit_compiled`),
+        # a request that asks for none (`EngineCoreRequest.prompt_only`).
+        self._prompt_only: dict[str, str] = {}
         # Tests turn this on to run every stateful manager's invariant checks after each step.
         self.check_invariants_every_step = False
         self.async_scheduling = config.async_scheduling
@@ -254,11 +256,18 @@ class EngineCore:
             arrival_time=request.arrival_time or None,
             priority=request.priority,
         )
-        spec = request.sampling_params.structured_outputs
+        if request.prompt_only:
+            # NOTE: the prompt runs for one token (its step gives the prompt_logprobs), which
+            # `_finish_in_flight` drops as it ends the request; no grammar constrains a token nobody sees.
+            core_request.max_tokens = 1
+            core_request.sampling_params = replace(request.sampling_params, structured_outputs=None)
+        spec = core_request.sampling_params.structured_outputs
         if spec is None:
             if request.req_id in self._awaiting_grammar:
                 raise RequestRejected(f"request id {request.req_id!r} is already in use", "request_id")
             self.scheduler.add_request(core_request, group_key=request.group_key)
+            if request.prompt_only:
+                self._prompt_only[request.req_id] = "length"
             return
         if request.req_id in self._awaiting_grammar or request.req_id in self.scheduler.requests:
             raise RequestRejected(f"request id {request.req_id!r} is already in use", "request_id")
@@ -279,7 +288,7 @@ class EngineCore:
             awaiting = self._awaiting_grammar.pop(req_id, None)
             if awaiting is not None:
                 awaiting[2].cancel()
-            self._prompt_only.discard(req_id)
+            self._prompt_only.pop(req_id, None)
         self.scheduler.abort_requests(req_ids)
         self.structured.release(req_ids)
 
@@ -337,12 +346,12 @@ class EngineCore:
                 # for one token, which `_finish_in_flight` drops as it ends the request.
                 request.sampling_params = replace(request.sampling_params, structured_outputs=None)
                 request.max_tokens = 1
-                self._prompt_only.add(req_id)
+                self._prompt_only[req_id] = "stop"
             try:
                 self.scheduler.add_request(request, group_key=group_key)
             except RequestRejected as e:  # checked on arrival; defensive
                 self.structured.release([req_id])
-                self._prompt_only.discard(req_id)
+                self._prompt_only.pop(req_id, None)
                 self._failed.append((req_id, str(e), e.param))
         return ended
 
@@ -411,8 +420,8 @@ class EngineCore:
         self.runner.check_invariants()
         assert not set(self._awaiting_grammar) & set(self.scheduler.requests), "a request both queued and compiling"
         self.structured.check_invariants(self.scheduler.requests)
-        assert self._prompt_only <= set(self.scheduler.requests), \
-            f"prompt-only requests that are not live: {sorted(self._prompt_only - set(self.scheduler.requests))}"
+        assert set(self._prompt_only) <= set(self.scheduler.requests), \
+            f"prompt-only requests that are not live: {sorted(set(self._prompt_only) - set(self.scheduler.requests))}"
         # Exact, with or without async scheduling, between steps: each schedule()'s output is applied by the runner
         # at its launch, within the same step. A request finished since (while its step was in flight, or aborted)
         # stays in the runner until the next output's finished_req_ids releases it (with no further step, as on
@@ -443,9 +452,8 @@ class EngineCore:
         if self._prompt_only:
             for output in outputs:
                 if output.req_id in self._prompt_only:  # its prompt has run: it ends with no token
-                    self._prompt_only.discard(output.req_id)
-                    output.new_token_ids, output.new_logprobs = [], None
-                    output.finish_reason, output.stop_token_id = "stop", None
+                    output.finish_reason = self._prompt_only.pop(output.req_id)
+                    output.new_token_ids, output.new_logprobs, output.stop_token_id = [], None, None
         structured = self.structured
         if len(structured):
             for output in outputs:

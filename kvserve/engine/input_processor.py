@@ -142,6 +142,7 @@ class InputProcessor:
         group_key: str | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        prompt_only: bool = False,
     ) -> EngineCoreRequest:
         return EngineCoreRequest(
             req_id=req_id,
@@ -153,4 +154,5 @@ class InputProcessor:
             cache_salt=cache_salt,
             group_key=group_key,
             priority=priority,
+            prompt_only=prompt_only,
         )

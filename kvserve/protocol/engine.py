@@ -18,3 +18,6 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     # Samples of one n>1 request share this key so they share prompt blocks even with caching off.
     group_key: str | None = None
     priority: int = 0  # lower first, under the priority scheduling policy
+    # Run the prompt (for its prompt_logprobs) and end with no token, finish_reason "length": a completion's
+    # echo with max_tokens 0. The core drops the one token the prompt's step samples.
+    prompt_only: bool = False

@@ -30,7 +30,8 @@ def _app(fail_in: str) -> tuple[Any, ServingContext]:
         return {"input_ids": [5, 6, 7]}
 
     async def generate(request_id: str, ids: list[int], params: SamplingParams, prompt: str | None,
-                       cache_salt: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None, priority: int = 0,
+                       prompt_only: bool = False) -> AsyncIterator[RequestOutput]:
         out = CompletionOutput(index=0, text=" ok", token_ids=[9], text_delta=" ok", token_ids_delta=[9])
         yield RequestOutput(request_id, prompt, ids, [out])
         raise RuntimeError("engine broke")

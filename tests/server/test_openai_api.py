@@ -10,7 +10,7 @@ import torch
 
 import kvserve
 
-from .conftest import TINY_NAME, ServerProcess, read_sse
+from .conftest import TINY_NAME, ServerProcess, metric, read_sse, scrape
 
 MESSAGES_EN = [{"role": "user", "content": "Tell me a short story about a fox."}]
 MESSAGES_ZH = [{"role": "user", "content": "给我讲一个关于狐狸的短故事。"}]
@@ -255,6 +255,33 @@ def test_completion_echo_with_logprobs_scores_the_prompt(client, tiny_server, ti
                                                        json={**text_body, "stream": True}, timeout=60))
                 if isinstance(event, dict) and event["choices"]]
     assert [o for c in streamed for o in c["choices"][0]["logprobs"]["text_offset"]] == offsets
+
+
+
+def test_echo_with_max_tokens_0_generates_no_token(tiny_server):
+    """echo with max_tokens 0 runs the prompt and ends with no token: the engine generates none (the
+    generation counters and TTFT stay as they were; the request and prompt counters grow), and the answer,
+    with logprobs or without, streamed or not, is the prompt alone with finish_reason "length"."""
+    body = {"model": TINY_NAME, "prompt": "Hello world again", "max_tokens": 0, "echo": True}
+    unchanged = ("kvserve:generation_tokens_total", "kvserve:request_generation_tokens_sum",
+                 "kvserve:time_to_first_token_seconds_count")
+    before = scrape(tiny_server.base_url)
+    for extra in ({}, {"logprobs": 1}, {"stream": True}, {"stream": True, "logprobs": 1}):
+        response = httpx.post(tiny_server.base_url + "/v1/completions", json={**body, **extra}, timeout=60)
+        if extra.get("stream"):
+            chunks = [e for e in read_sse(response) if isinstance(e, dict) and e["choices"]]
+            assert "".join(c["choices"][0]["text"] for c in chunks) == body["prompt"]
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        else:
+            out = response.json()
+            assert out["choices"][0]["text"] == body["prompt"] and out["choices"][0]["finish_reason"] == "length"
+            assert out["usage"]["completion_tokens"] == 0
+    after = scrape(tiny_server.base_url)
+    for name in unchanged:
+        assert metric(after, name) == metric(before, name), name
+    assert metric(after, "kvserve:request_success_total", finished_reason="length") == \
+        metric(before, "kvserve:request_success_total", finished_reason="length") + 4
+    assert metric(after, "kvserve:prompt_tokens_total") > metric(before, "kvserve:prompt_tokens_total")
 
 
 def test_prompt_logprobs_field(client, tiny_server, tiny_tokenizer, hf_tiny):

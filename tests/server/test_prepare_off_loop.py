@@ -23,7 +23,8 @@ BLOCK_S = 3.0  # how long the stub tokenizer holds the prompt at most (the old c
 
 def _stub_engine(tokenizer: Any) -> Any:
     async def generate(request_id: str, ids: list[int], params: SamplingParams,
-                       prompt: str | None, cache_salt: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       prompt: str | None, cache_salt: str | None = None, priority: int = 0,
+                       prompt_only: bool = False) -> AsyncIterator[RequestOutput]:
         out = CompletionOutput(index=0, text=" ok", token_ids=[9], finish_reason="length", text_delta=" ok",
                                token_ids_delta=[9])
         yield RequestOutput(request_id, prompt, ids, [out], finished=True)

@@ -18,7 +18,8 @@ def test_chat_role_chunk_waits_for_the_first_token() -> None:
         first_token = asyncio.Event()
 
         async def generate(request_id: str, ids: list[int], params: SamplingParams,
-                           prompt: str | None, cache_salt: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                           prompt: str | None, cache_salt: str | None = None, priority: int = 0,
+                       prompt_only: bool = False) -> AsyncIterator[RequestOutput]:
             await first_token.wait()  # the prompt is running
             out = CompletionOutput(index=0, text="Hi", token_ids=[7], finish_reason="length", text_delta="Hi",
                                    token_ids_delta=[7])
@@ -54,7 +55,8 @@ def test_completion_stream_sends_prompt_logprobs_with_each_choices_first_chunk()
     table = [None, {5: Logprob(-1.0, 1, "x")}]
 
     async def generate(request_id: str, ids: list[int], params: SamplingParams, prompt: str | None,
-                       cache_salt: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None, priority: int = 0,
+                       prompt_only: bool = False) -> AsyncIterator[RequestOutput]:
         s0 = CompletionOutput(0, "a", [7], finish_reason="length", text_delta="a", token_ids_delta=[7])
         s1 = CompletionOutput(1)
         yield RequestOutput(request_id, prompt, ids, [s0, s1], prompt_logprobs=table)

@@ -159,7 +159,8 @@ def _context(outputs: list[list[str]], parser: str | None = "hermes") -> tuple[S
         return ProcessedPrompt("prompt", [1, 2, 3])
 
     async def generate(request_id: str, ids: list[int], params: SamplingParams, prompt: str | None,
-                       cache_salt: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None, priority: int = 0,
+                       prompt_only: bool = False) -> AsyncIterator[RequestOutput]:
         steps = max(len(pieces) for pieces in outputs)
         for step in range(steps):
             samples = []
@@ -365,7 +366,7 @@ def test_priority_and_bad_words_reach_the_engine():
     ctx, _ = _context([["ok"]])
     generate = ctx.engine.generate
 
-    async def recording(request_id, ids, params, prompt, cache_salt=None, priority=0):  # noqa: ANN001, ANN202
+    async def recording(request_id, ids, params, prompt, cache_salt=None, priority=0, prompt_only=False):  # noqa: ANN001, ANN202
         calls.append((priority, params))
         async for update in generate(request_id, ids, params, prompt, cache_salt):
             yield update

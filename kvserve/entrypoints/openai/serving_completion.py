@@ -64,7 +64,8 @@ class PreparedCompletion:
         self.prompts = prompts
         self.params = params
         self.echo = echo
-        # echo with max_tokens 0: the prompt (and its logprobs) only; the engine's one token is not shown
+        # echo with max_tokens 0: the prompt (and its logprobs) only; the engine runs the prompt and ends the
+        # request with no token (`prompt_only`)
         self.echo_only = echo_only
         self.created = int(time.time())
 
@@ -86,7 +87,8 @@ def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> PreparedC
     prompt_logprobs = req.prompt_logprobs
     if req.echo and req.logprobs is not None and prompt_logprobs is None:
         prompt_logprobs = req.logprobs  # the echoed prompt's tokens get logprobs too, as OpenAI's legacy API
-    # echo with max_tokens 0 returns the prompt alone (what scoring clients send); the engine makes one token.
+    # echo with max_tokens 0 returns the prompt alone (what scoring clients send): the engine runs the prompt
+    # and generates nothing (`prompt_only`; SamplingParams' max_tokens is at least 1).
     echo_only = bool(req.echo) and req.max_tokens == 0
     params = sampling_params_from(req, 1 if echo_only else req.max_tokens, req.logprobs, None,
                                   ctx.sampling_defaults, prompt_logprobs)
@@ -154,7 +156,8 @@ def _echoed_logprobs(ctx: ServingContext, cmpl: PreparedCompletion, prompt: Prep
 async def _run_one(ctx: ServingContext, cmpl: PreparedCompletion, prompt: PreparedPrompt) -> RequestOutput:
     final: RequestOutput | None = None
     async with aclosing(ctx.engine.generate(cmpl.request_id, prompt.prompt_token_ids, cmpl.params, prompt.text,
-                                            cache_salt=cmpl.cache_salt, priority=cmpl.priority)) as updates:
+                                            cache_salt=cmpl.cache_salt, priority=cmpl.priority,
+                                            prompt_only=cmpl.echo_only)) as updates:
         async for update in updates:
             final = update
     assert final is not None and final.finished
@@ -183,8 +186,6 @@ async def completion_full(ctx: ServingContext, cmpl: PreparedCompletion) -> dict
         for completion in final.outputs:
             token_ids, text = completion.token_ids, completion.text
             entries: list[dict[int, Logprob] | None] | None = completion.logprobs
-            if cmpl.echo_only:
-                token_ids, text, entries = [], "", [] if entries is not None else None
             num_completion_tokens += len(token_ids)
             logprobs = None
             if num_top is not None and entries is not None:
@@ -246,10 +247,9 @@ async def completion_stream(ctx: ServingContext, cmpl: PreparedCompletion, inclu
                 index = p_index * n + completion.index
                 if index in finished_sent:
                     continue
-                # echo with max_tokens 0: the engine's one token is not shown
-                delta_ids = [] if cmpl.echo_only else completion.token_ids_delta
+                delta_ids = completion.token_ids_delta
                 num_completion_tokens += len(delta_ids)
-                text = "" if cmpl.echo_only else completion.text_delta
+                text = completion.text_delta
                 first = index not in offsets  # this choice's first chunk (offsets has the choices sent)
                 echo = _echo_text(ctx, cmpl.prompts[p_index]) if cmpl.echo and first else ""
                 want_logprobs = num_top is not None and completion.logprobs is not None
@@ -304,7 +304,8 @@ async def _merge(ctx: ServingContext, cmpl: PreparedCompletion) -> AsyncIterator
     if len(cmpl.prompts) == 1:
         p = cmpl.prompts[0]
         async with aclosing(ctx.engine.generate(cmpl.request_id, p.prompt_token_ids, cmpl.params, p.text,
-                                                cache_salt=cmpl.cache_salt, priority=cmpl.priority)) as updates:
+                                                cache_salt=cmpl.cache_salt, priority=cmpl.priority,
+                                                prompt_only=cmpl.echo_only)) as updates:
             async for update in updates:
                 yield 0, update
         return
@@ -314,7 +315,7 @@ async def _merge(ctx: ServingContext, cmpl: PreparedCompletion) -> AsyncIterator
         try:
             async with aclosing(ctx.engine.generate(cmpl.request_id, prompt.prompt_token_ids, cmpl.params,
                                                     prompt.text, cache_salt=cmpl.cache_salt,
-                                                    priority=cmpl.priority)) as updates:
+                                                    priority=cmpl.priority, prompt_only=cmpl.echo_only)) as updates:
                 async for update in updates:
                     queue.put_nowait((index, update))
         except Exception as e:
