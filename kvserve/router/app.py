@@ -6,7 +6,9 @@ body, streamed chunk by chunk (server-sent events pass through unchanged). The c
 header is forwarded, so backends started with --api-key check it themselves.
 
 * A request naming a `model` goes only to backends whose /v1/models lists it (404 when none does);
-  `GET /v1/models` merges the healthy backends' lists.
+  `GET /v1/models` merges the healthy backends' lists. A backend whose list is not known yet is tried for
+  any model; when only such backends could take the request and they fail, a model no known list names is
+  a 404 (`Router.known_missing`), not a 503.
 * A backend that refuses the connection, or answers 503 (draining, or its engine is gone), before any of
   the answer was sent, is skipped and the request goes to the next one: nothing was generated yet. It is
   marked unhealthy until its /health answers 200 again; when every backend is marked, each is still tried.
@@ -269,9 +271,8 @@ class RouterApp:
                     key = prefix_key(parsed)
         candidates = self.router.order(key, model)
         if not candidates:
-            served = sorted({m for b in self.router.backends for m in (b.models or ())})
             return self._own(_error(404, f"the model {model!r} is not served by any backend (served: "
-                                    f"{', '.join(served) or 'none known'})", param="model"))
+                                    f"{self._served_models()})", param="model"))
         headers = _forward_headers(request)
         errors: list[str] = []
         for i, backend in enumerate(candidates):
@@ -280,7 +281,16 @@ class RouterApp:
             response = await self._forward(request, backend, body, headers, errors, last=i == len(candidates) - 1)
             if response is not None:
                 return response
+        if model is not None and self.router.known_missing(model):
+            # Only backends never reached were left to try, and they failed: the model is unknown to every
+            # backend that answers, which is the client's error (README: 404 when none lists it).
+            return self._own(_error(404, f"the model {model!r} is not served by any reachable backend (served: "
+                                    f"{self._served_models()}; not reached: {'; '.join(errors)})", param="model"))
         return self._own(_error(503, "every backend failed: " + "; ".join(errors)))
+
+    def _served_models(self) -> str:
+        """The models the backends' known lists name, for a 404's message."""
+        return ", ".join(sorted({m for b in self.router.backends for m in (b.models or ())})) or "none known"
 
     def _refused(self, backend: Backend, why: str, errors: list[str]) -> str:
         """Record that `backend` could not take a request (the next one gets it): the "retried" outcome."""

@@ -75,6 +75,13 @@ class Router:
             return list(self.backends)
         return [b for b in self.backends if b.models is None or model in b.models]
 
+    def known_missing(self, model: str) -> bool:
+        """Whether `model` is served by no backend whose list is known, while at least one list is known: only
+        the backends never reached could serve it. When those fail too, the model is one no reachable backend
+        serves (a 404), not a backend outage."""
+        known = [b.models for b in self.backends if b.models is not None]
+        return bool(known) and all(model not in models for models in known)
+
     def order(self, key: str | None = None, model: str | None = None) -> list[Backend]:
         """The backends serving `model`, first choice first: the healthy ones by the policy, then (as a last
         resort, in case they recovered since their last check) the others, fewest failures first."""

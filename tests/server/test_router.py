@@ -205,11 +205,13 @@ class FakeBackend:
 
 @asynccontextmanager
 async def routed(backends: list[FakeBackend], policy: str = "least-requests", interval_s: float = 0.2,
-                 timeout_s: float | None = 60.0, **settings: Any) -> AsyncIterator[tuple[RouterApp, str]]:
+                 timeout_s: float | None = 60.0, dead_urls: tuple[str, ...] = (),
+                 **settings: Any) -> AsyncIterator[tuple[RouterApp, str]]:
+    """A router in front of `backends` (started here) and `dead_urls` (backends nothing listens on)."""
     for b in backends:
         await b.start()
     config = RouterConfig(health_check_interval_s=interval_s, request_timeout_s=timeout_s, **settings)
-    app = RouterApp(Router([b.url for b in backends], policy), config)
+    app = RouterApp(Router([*dead_urls, *[b.url for b in backends]], policy), config)
     runner = web.AppRunner(app.make_app(), handler_cancellation=True)
     await runner.setup()
     port = free_port()
@@ -311,6 +313,30 @@ def test_requests_go_to_the_backends_serving_their_model() -> None:
             assert '"param":"model"' in text and "'modèle' is not served" in text
             listed = await (await session.get(base + "/v1/models")).json()
         assert sorted(m["id"] for m in listed["data"]) == ["m1", "m2"]
+    _run(body)
+
+
+def test_a_model_no_reachable_backend_lists_is_a_404_also_with_a_backend_down() -> None:
+    """A backend never reached (its model list unknown) is tried for any model; when it is the only
+    candidate and fails, while the backends whose lists are known lack the model, the answer is the 404 of
+    an unknown model, not a 503. A model the live backend lists still goes there."""
+    async def body() -> None:
+        dead = f"http://127.0.0.1:{free_port()}"
+        async with routed([FakeBackend("a", models=["m1"])], "round-robin", dead_urls=(dead,)) as (app, base), \
+                aiohttp.ClientSession() as session:
+            assert app.router.backends[0].models is None and app.router.backends[1].models == {"m1"}
+            for _ in range(2):  # round-robin: the dead backend first or second, the same answer
+                unknown = await session.post(base + "/v1/completions", json={"model": "nope", "prompt": "x"})
+                error = (await unknown.json())["error"]
+                assert unknown.status == 404 and error["param"] == "model" and error["type"] == "NotFoundError"
+                assert "'nope' is not served by any reachable backend" in error["message"]
+                assert "m1" in error["message"] and dead in error["message"]
+            async with session.post(base + "/v1/completions", json={"model": "m1", "prompt": "x"}) as r:
+                assert r.status == 200 and r.headers["X-Backend"] == "a"
+        # No backend's list known (the only one down): nothing says the model is missing, a 503 as before.
+        async with routed([], dead_urls=(dead,)) as (_, base), aiohttp.ClientSession() as session:
+            response = await session.post(base + "/v1/completions", json={"model": "nope", "prompt": "x"})
+            assert response.status == 503
     _run(body)
 
 
