@@ -134,6 +134,34 @@ def test_n2_seeded_samples_stream_equals_non_stream(client):
     assert full.choices[0].message.content != full.choices[1].message.content
 
 
+
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_continuous_usage_is_per_choice_and_needs_include_usage(tiny_server, api):
+    """stream_options.continuous_usage_stats as vLLM reads it: usage on every chunk only together with
+    include_usage (alone it adds nothing), and each chunk's completion_tokens counts its own choice's tokens
+    so far, not every choice's (chat's role chunks: 0); the last chunk's usage has the total."""
+    prompt = {"messages": MESSAGES_EN} if api == "chat" else {"prompt": "Once upon a time"}
+    body = {"model": TINY_NAME, **prompt, "max_tokens": 5, "n": 2, "ignore_eos": True, "stream": True}
+    url = tiny_server.base_url + f"/v1/{'chat/completions' if api == 'chat' else 'completions'}"
+
+    def events(options: dict) -> list[dict]:
+        return [e for e in read_sse(httpx.post(url, json={**body, "stream_options": options}, timeout=60))
+                if isinstance(e, dict)]
+
+    alone = events({"continuous_usage_stats": True})
+    assert alone and all(e.get("usage") is None for e in alone)
+    both = events({"include_usage": True, "continuous_usage_stats": True})
+    *chunks, last = both
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 10
+    seen: dict[int, list[int]] = {}
+    for chunk in chunks:
+        (choice,) = chunk["choices"]
+        seen.setdefault(choice["index"], []).append(chunk["usage"]["completion_tokens"])
+    assert sorted(seen) == [0, 1]
+    for counts in seen.values():
+        assert counts == sorted(counts) and counts[-1] == 5 and (api == "completions" or counts[0] == 0)
+
+
 def test_n3_samples_finishing_at_different_steps_stream_equals_non_stream(tiny_server):
     """Stop strings end the seeded samples at different steps; every choice's streamed text, logprob tokens,
     finish and stop reason match the non-streamed response, and each choice finishes exactly once."""

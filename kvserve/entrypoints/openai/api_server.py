@@ -68,6 +68,7 @@ from kvserve.entrypoints.openai.protocol import (
     DetokenizeResponse,
     ErrorResponse,
     ModelList,
+    StreamOptions,
     TokenizeRequest,
     TokenizeResponse,
 )
@@ -202,7 +203,7 @@ def build_app(ctx: ServingContext, state: ServerState, metrics: PrometheusStatLo
         if body.stream:
             options = body.stream_options
             include_usage = force_include_usage or bool(options and options.include_usage)
-            return SSEResponse(chat_stream(ctx, chat, include_usage, bool(options and options.continuous_usage_stats)))
+            return SSEResponse(chat_stream(ctx, chat, include_usage, _continuous_usage(options, include_usage)))
         return JSONResponse(await run_unless_disconnected(raw, chat_full(ctx, chat)))
 
     @app.post("/v1/completions", responses={200: {"model": CompletionResponse}, **_ERROR_RESPONSES})
@@ -212,8 +213,7 @@ def build_app(ctx: ServingContext, state: ServerState, metrics: PrometheusStatLo
         if body.stream:
             options = body.stream_options
             include_usage = force_include_usage or bool(options and options.include_usage)
-            return SSEResponse(completion_stream(ctx, cmpl, include_usage,
-                                                 bool(options and options.continuous_usage_stats)))
+            return SSEResponse(completion_stream(ctx, cmpl, include_usage, _continuous_usage(options, include_usage)))
         return JSONResponse(await run_unless_disconnected(raw, completion_full(ctx, cmpl)))
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERROR_RESPONSES)
@@ -251,6 +251,12 @@ def build_app(ctx: ServingContext, state: ServerState, metrics: PrometheusStatLo
 
     guarded: ASGIApp = GuardMiddleware(app, state, api_key, max_body_bytes)
     return CORSMiddleware(guarded, **cors) if cors is not None else guarded
+
+
+def _continuous_usage(options: StreamOptions | None, include_usage: bool) -> bool:
+    """Whether every chunk carries usage: continuous_usage_stats counts only together with usage itself (the
+    request's include_usage or --enable-force-include-usage), as vLLM's `should_include_usage` reads it."""
+    return include_usage and bool(options and options.continuous_usage_stats)
 
 
 def _header_request_id(raw: Request, requested: str | None) -> str | None:

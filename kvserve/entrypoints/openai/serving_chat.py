@@ -367,10 +367,13 @@ async def chat_full(ctx: ServingContext, chat: PreparedChat) -> dict[str, Any]:
 
 async def chat_stream(ctx: ServingContext, chat: PreparedChat, include_usage: bool, continuous_usage: bool
                       ) -> AsyncIterator[str]:
-    """SSE events: a role chunk per choice, content chunks, the finish chunk of each choice, [DONE]."""
+    """SSE events: a role chunk per choice, content chunks, the finish chunk of each choice, [DONE].
+    `continuous_usage` (only with `include_usage`): every chunk's usage counts its own choice's tokens so far,
+    as vLLM's; the last chunk's has every choice's."""
     num_prompt_tokens = len(chat.prompt_token_ids)
-    usage_field = include_usage or continuous_usage
-    counts = {"completion": 0, "cached": 0}
+    usage_field = include_usage
+    num_tokens_by_choice: dict[int, int] = {}  # the tokens each choice has generated so far
+    num_cached_tokens = 0
 
     def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None,
               extra: dict[str, Any] | None = None) -> str:
@@ -380,8 +383,8 @@ async def chat_stream(ctx: ServingContext, chat: PreparedChat, include_usage: bo
             body["usage"] = usage
         return sse(body | (extra or {}))
 
-    def usage() -> dict[str, Any]:
-        return usage_dict(num_prompt_tokens, counts["completion"], counts["cached"])
+    def usage(num_completion_tokens: int) -> dict[str, Any]:
+        return usage_dict(num_prompt_tokens, num_completion_tokens, num_cached_tokens)
 
     finished_sent: set[int] = set()
     tool_streams: dict[int, ToolCallStream] | None = {} if chat.parse_tools else None
@@ -393,6 +396,7 @@ async def chat_stream(ctx: ServingContext, chat: PreparedChat, include_usage: bo
                                                 chat.prompt, cache_salt=chat.cache_salt,
                                                 priority=chat.priority)) as updates:
             async for update in updates:
+                num_cached_tokens = update.num_cached_tokens
                 if not role_sent:  # with the first token, as vLLM: its arrival is the time to first token
                     role_sent = True
                     for index in range(chat.params.n):
@@ -403,35 +407,36 @@ async def chat_stream(ctx: ServingContext, chat: PreparedChat, include_usage: bo
                         if index == 0 and chat.return_token_ids:
                             extra["prompt_token_ids"] = chat.prompt_token_ids
                         yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
-                                      "logprobs": None, "finish_reason": None}], extra=extra)
-                counts["cached"] = update.num_cached_tokens
-                for choice in _choice_deltas(ctx, chat, update, finished_sent, counts, tool_streams, forced_started,
-                                             reasoning_streams):
-                    yield chunk([choice], usage() if continuous_usage else None)
+                                      "logprobs": None, "finish_reason": None}],
+                                    usage(0) if continuous_usage else None, extra=extra)
+                for choice in _choice_deltas(ctx, chat, update, finished_sent, num_tokens_by_choice, tool_streams,
+                                             forced_started, reasoning_streams):
+                    yield chunk([choice], usage(num_tokens_by_choice[choice["index"]]) if continuous_usage else None)
     except Exception as e:
         yield sse(engine_error(e, chat.structure_param).to_body())
         yield SSE_DONE
         return
     if include_usage:
-        yield chunk([], usage())
+        yield chunk([], usage(sum(num_tokens_by_choice.values())))
     yield SSE_DONE
 
 
 def _choice_deltas(ctx: ServingContext, chat: PreparedChat, update: RequestOutput, finished_sent: set[int],
-                   counts: dict[str, int], tool_streams: dict[int, ToolCallStream] | None = None,
+                   num_tokens_by_choice: dict[int, int], tool_streams: dict[int, ToolCallStream] | None = None,
                    forced_started: set[int] | None = None,
                    reasoning_streams: dict[int, ReasoningStream] | None = None) -> list[dict[str, Any]]:
     """The chunk choices of one update: text deltas, logprobs, and each choice's finish (sent once). With
     `reasoning_streams` (--reasoning-parser), each choice's text goes through its `ReasoningStream` first,
     and only its content part goes on. With `tool_streams` (tool_choice "auto"), the text goes through each
     choice's `ToolCallStream`; under a forced tool_choice it is a tool call (`forced_started`: the choices
-    whose call has been opened)."""
+    whose call has been opened). `num_tokens_by_choice` counts each choice's tokens (updated here)."""
     choices = []
     forced_started = forced_started if forced_started is not None else set()
     for completion in update.outputs:
         if completion.index in finished_sent:
             continue
-        counts["completion"] += len(completion.token_ids_delta)
+        num_tokens_by_choice[completion.index] = (num_tokens_by_choice.get(completion.index, 0)
+                                                  + len(completion.token_ids_delta))
         want_logprobs = chat.num_top_logprobs is not None and completion.logprobs is not None
         # A chunk for every new token, also one with no text yet (as completion_stream).
         if not (completion.text_delta or completion.token_ids_delta or completion.finished):

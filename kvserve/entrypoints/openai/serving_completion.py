@@ -222,12 +222,14 @@ async def completion_full(ctx: ServingContext, cmpl: PreparedCompletion) -> dict
 
 async def completion_stream(ctx: ServingContext, cmpl: PreparedCompletion, include_usage: bool,
                             continuous_usage: bool) -> AsyncIterator[str]:
-    """SSE events: text chunks of every choice as they come, each choice's finish, [DONE]."""
+    """SSE events: text chunks of every choice as they come, each choice's finish, [DONE].
+    `continuous_usage` (only with `include_usage`): every chunk's usage is its own choice's, as vLLM's: its
+    prompt's tokens and the choice's tokens so far; the last chunk's has every prompt's and choice's."""
     n = cmpl.params.n
     num_top = cmpl.params.logprobs
-    usage_field = include_usage or continuous_usage
+    usage_field = include_usage
     num_prompt_tokens = sum(len(p.prompt_token_ids) for p in cmpl.prompts)
-    num_completion_tokens = 0
+    num_tokens_by_choice: dict[int, int] = {}  # the tokens each choice has generated so far
     cached: dict[int, int] = {}
     finished_sent: set[int] = set()
     offsets: dict[int, int] = {}
@@ -248,7 +250,7 @@ async def completion_stream(ctx: ServingContext, cmpl: PreparedCompletion, inclu
                 if index in finished_sent:
                     continue
                 delta_ids = completion.token_ids_delta
-                num_completion_tokens += len(delta_ids)
+                num_tokens_by_choice[index] = num_tokens_by_choice.get(index, 0) + len(delta_ids)
                 text = completion.text_delta
                 first = index not in offsets  # this choice's first chunk (offsets has the choices sent)
                 echo = _echo_text(ctx, cmpl.prompts[p_index]) if cmpl.echo and first else ""
@@ -287,15 +289,15 @@ async def completion_stream(ctx: ServingContext, cmpl: PreparedCompletion, inclu
                 if completion.finished:
                     choice["stop_reason"] = stop_reason(completion, cmpl.params)
                     finished_sent.add(index)
-                usage = (usage_dict(num_prompt_tokens, num_completion_tokens, sum(cached.values()))
-                         if continuous_usage else None)
+                usage = (usage_dict(len(cmpl.prompts[p_index].prompt_token_ids), num_tokens_by_choice[index],
+                                    cached[p_index]) if continuous_usage else None)
                 yield chunk([choice], usage)
     except Exception as e:
         yield sse(engine_error(e, cmpl.structure_param).to_body())
         yield SSE_DONE
         return
     if include_usage:
-        yield chunk([], usage_dict(num_prompt_tokens, num_completion_tokens, sum(cached.values())))
+        yield chunk([], usage_dict(num_prompt_tokens, sum(num_tokens_by_choice.values()), sum(cached.values())))
     yield SSE_DONE
 
 
