@@ -165,3 +165,38 @@ def test_runner_prompt_logprob_set_is_checked(tiny_qwen2: str) -> None:
     runner._prompt_logprob_req_ids.add("finished-long-ago")
     with pytest.raises(AssertionError, match="prompt-logprob requests"):
         runner.check_invariants()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_prompt_only_request_ends_with_no_token(tiny_qwen2: str, reference: list[RequestOutput],
+                                                  async_scheduling: bool) -> None:
+    """`EngineCoreRequest.prompt_only` (a completion's echo with max_tokens 0): the prompt runs, its
+    prompt_logprobs come out as a normal request's, and the request ends with no token and "length"; beside
+    it a plain request keeps its tokens. Without prompt_logprobs the same, less the logprobs."""
+    llm = LLM(tiny_qwen2, max_model_len=256, block_size=16, async_scheduling=async_scheduling,
+              enable_prefix_caching=False)
+    engine, core = llm.engine, llm.engine.core
+    core.check_invariants_every_step = True
+    ids = reference[1].prompt_token_ids
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=K)
+    make = engine.input_processor.make_engine_request
+    core.add_request(make("scored", ids, params, prompt_only=True))
+    core.add_request(make("bare", ids, SamplingParams(temperature=0.0, max_tokens=4), prompt_only=True))
+    core.add_request(make("plain", ids, params))
+    outputs: dict[str, list] = {}
+    for _ in range(50):
+        for out in core.step().outputs:
+            outputs.setdefault(out.req_id, []).append(out)
+        if not core.has_unfinished_requests():
+            break
+    for req_id in ("scored", "bare"):
+        (only,) = outputs[req_id]
+        assert only.new_token_ids == [] and only.new_logprobs is None and only.finish_reason == "length"
+    assert sum(len(o.new_token_ids) for o in outputs["plain"]) == 4
+    assert outputs["bare"][0].prompt_logprobs is None
+    scored, plain = outputs["scored"][0].prompt_logprobs, outputs["plain"][0].prompt_logprobs
+    assert scored is not None and len(scored) == len(ids) - 1
+    assert [e.token_ids for e in scored] == [e.token_ids for e in plain]  # type: ignore[union-attr]
+    for got, want in zip(scored, plain, strict=True):  # type: ignore[arg-type]
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+    assert not core._prompt_only and not core.scheduler.requests
