@@ -7,8 +7,9 @@ header is forwarded, so backends started with --api-key check it themselves.
 
 * A request naming a `model` goes only to backends whose /v1/models lists it (404 when none does);
   `GET /v1/models` merges the healthy backends' lists. A backend whose list is not known yet is tried for
-  any model; when only such backends could take the request and they fail, a model no known list names is
-  a 404 (`Router.known_missing`), not a 503.
+  any model; when only such backends could take the request and they fail, the answer stays a 503 (such a
+  backend may be loading the model), whose message says that no backend that answered lists the model
+  (`Router.known_missing`).
 * A backend that refuses the connection, or answers 503 (draining, or its engine is gone), before any of
   the answer was sent, is skipped and the request goes to the next one: nothing was generated yet. It is
   marked unhealthy until its /health answers 200 again; when every backend is marked, each is still tried.
@@ -282,14 +283,15 @@ class RouterApp:
             if response is not None:
                 return response
         if model is not None and self.router.known_missing(model):
-            # Only backends never reached were left to try, and they failed: the model is unknown to every
-            # backend that answers, which is the client's error (README: 404 when none lists it).
-            return self._own(_error(404, f"the model {model!r} is not served by any reachable backend (served: "
-                                    f"{self._served_models()}; not reached: {'; '.join(errors)})", param="model"))
+            # Only backends never reached were left to try, and they failed. Still a 503, which clients retry: such
+            # a backend may be one still loading that will serve the model; the message says what is known.
+            return self._own(_error(503, f"the model {model!r} is not listed by any backend that answered (served: "
+                                    f"{self._served_models()}); the backends not reached yet, whose models are "
+                                    f"unknown, failed: {'; '.join(errors)}"))
         return self._own(_error(503, "every backend failed: " + "; ".join(errors)))
 
     def _served_models(self) -> str:
-        """The models the backends' known lists name, for a 404's message."""
+        """The models the backends' known lists name, for an error's message."""
         return ", ".join(sorted({m for b in self.router.backends for m in (b.models or ())})) or "none known"
 
     def _refused(self, backend: Backend, why: str, errors: list[str]) -> str:

@@ -77,8 +77,8 @@ class Router:
 
     def known_missing(self, model: str) -> bool:
         """Whether `model` is served by no backend whose list is known, while at least one list is known: only
-        the backends never reached could serve it. When those fail too, the model is one no reachable backend
-        serves (a 404), not a backend outage."""
+        the backends never reached could serve it. When those fail too, the router's 503 says so (a backend
+        still loading may serve it: not a 404, which clients do not retry)."""
         known = [b.models for b in self.backends if b.models is not None]
         return bool(known) and all(model not in models for models in known)
 

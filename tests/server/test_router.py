@@ -316,10 +316,11 @@ def test_requests_go_to_the_backends_serving_their_model() -> None:
     _run(body)
 
 
-def test_a_model_no_reachable_backend_lists_is_a_404_also_with_a_backend_down() -> None:
-    """A backend never reached (its model list unknown) is tried for any model; when it is the only
-    candidate and fails, while the backends whose lists are known lack the model, the answer is the 404 of
-    an unknown model, not a 503. A model the live backend lists still goes there."""
+def test_a_model_only_unreached_backends_might_serve_is_a_503_that_says_so() -> None:
+    """A backend never reached (its model list unknown) is tried for any model; when it is the only candidate
+    and fails, while the backends whose lists are known lack the model, the answer stays a 503 (clients retry
+    it, and a backend still loading may serve the model), and its message says no backend that answered lists
+    the model and names the one not reached. A model the live backend lists still goes there."""
     async def body() -> None:
         dead = f"http://127.0.0.1:{free_port()}"
         async with routed([FakeBackend("a", models=["m1"])], "round-robin", dead_urls=(dead,)) as (app, base), \
@@ -328,9 +329,9 @@ def test_a_model_no_reachable_backend_lists_is_a_404_also_with_a_backend_down() 
             for _ in range(2):  # round-robin: the dead backend first or second, the same answer
                 unknown = await session.post(base + "/v1/completions", json={"model": "nope", "prompt": "x"})
                 error = (await unknown.json())["error"]
-                assert unknown.status == 404 and error["param"] == "model" and error["type"] == "NotFoundError"
-                assert "'nope' is not served by any reachable backend" in error["message"]
-                assert "m1" in error["message"] and dead in error["message"]
+                assert unknown.status == 503 and error["type"] == "ServiceUnavailableError"
+                assert "'nope' is not listed by any backend that answered (served: m1)" in error["message"]
+                assert dead in error["message"]
             async with session.post(base + "/v1/completions", json={"model": "m1", "prompt": "x"}) as r:
                 assert r.status == 200 and r.headers["X-Backend"] == "a"
         # No backend's list known (the only one down): nothing says the model is missing, a 503 as before.
