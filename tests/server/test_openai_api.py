@@ -310,6 +310,11 @@ def test_echo_with_max_tokens_0_generates_no_token(tiny_server):
     assert metric(after, "kvserve:request_success_total", finished_reason="length") == \
         metric(before, "kvserve:request_success_total", finished_reason="length") + 4
     assert metric(after, "kvserve:prompt_tokens_total") > metric(before, "kvserve:prompt_tokens_total")
+    # min_tokens above the max_tokens of 0 is refused naming the client's values (not the engine's 1)
+    refused = httpx.post(tiny_server.base_url + "/v1/completions", json={**body, "min_tokens": 3}, timeout=60)
+    assert refused.status_code == 400
+    assert refused.json()["error"]["message"] == "min_tokens (3) must be <= max_tokens (0)"
+    assert refused.json()["error"]["param"] == "min_tokens"
 
 
 def test_prompt_logprobs_field(client, tiny_server, tiny_tokenizer, hf_tiny):

@@ -90,6 +90,8 @@ def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> PreparedC
     # echo with max_tokens 0 returns the prompt alone (what scoring clients send): the engine runs the prompt
     # and generates nothing (`prompt_only`; SamplingParams' max_tokens is at least 1).
     echo_only = bool(req.echo) and req.max_tokens == 0
+    if echo_only and req.min_tokens > 0:  # named as the client sent it, not as the 1 given the engine below
+        raise BadRequestError(f"min_tokens ({req.min_tokens}) must be <= max_tokens (0)", "min_tokens")
     params = sampling_params_from(req, 1 if echo_only else req.max_tokens, req.logprobs, None,
                                   ctx.sampling_defaults, prompt_logprobs)
 
