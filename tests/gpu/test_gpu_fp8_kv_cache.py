@@ -20,13 +20,12 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.engine_runs import greedy_with_logprobs, top_logprobs
 
 from kvserve.config import EngineArgs
 from kvserve.engine.engine_core import EngineCore
 from kvserve.kernels import ops, reference
 from kvserve.layers.attention_metadata import AttentionMetadata
-from kvserve.protocol.engine import EngineCoreRequest
-from kvserve.protocol.sampling_params import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,
@@ -289,22 +288,7 @@ def _run(path: str, kv_cache_dtype: str, enforce_eager: bool) -> tuple[EngineCor
     args = EngineArgs(model=path, dtype="bfloat16", device="cuda", enforce_eager=enforce_eager, max_model_len=1024,
                       num_kv_blocks=2048, max_num_seqs=16, max_num_batched_tokens=512, kv_cache_dtype=kv_cache_dtype)
     core = EngineCore(args.create_engine_config())
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
-    prompts = _prompts()
-    for i, prompt in enumerate(prompts):
-        core.add_request(EngineCoreRequest(req_id=str(i), prompt_token_ids=prompt, sampling_params=params,
-                                           max_tokens=MAX_TOKENS))
-    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    lps: dict[str, list[Any]] = {str(i): [] for i in range(len(prompts))}
-    while core.has_unfinished_requests():
-        for out in core.step().outputs:
-            tokens[out.req_id].extend(out.new_token_ids)
-            lps[out.req_id].extend(out.new_logprobs or [])
-    return core, [(tokens[str(i)], lps[str(i)]) for i in range(len(prompts))]
-
-
-def _top(lp: Any) -> dict[int, float]:
-    return dict(zip(lp.token_ids[1:], lp.logprobs[1:], strict=True))
+    return core, greedy_with_logprobs(core, _prompts(), MAX_TOKENS)
 
 
 @pytest.mark.parametrize("model", list(MODELS))
@@ -319,7 +303,7 @@ def test_fp8_engine_agrees_with_bf16_cache(checkpoints: dict[str, str], model: s
     for (got_tokens, got_lps), (want_tokens, want_lps) in zip(got, base, strict=True):
         part = next((i for i, (a, b) in enumerate(zip(got_tokens, want_tokens, strict=True)) if a != b), None)
         for step in range(MAX_TOKENS if part is None else part + 1):
-            mine, theirs = _top(got_lps[step]), _top(want_lps[step])
+            mine, theirs = top_logprobs(got_lps[step]), top_logprobs(want_lps[step])
             common = mine.keys() & theirs.keys()
             assert len(common) >= 3, (step, mine, theirs)
             for token in common:
@@ -328,7 +312,7 @@ def test_fp8_engine_agrees_with_bf16_cache(checkpoints: dict[str, str], model: s
         if part is None:
             identical += 1
             continue
-        want_top = _top(want_lps[part])
+        want_top = top_logprobs(want_lps[part])
         a, b = got_tokens[part], want_tokens[part]
         assert a in want_top and abs(want_top[a] - want_top[b]) <= LOGPROB_TOL, (part, a, b, want_top)
     # Random tiny models have many near ties, and bf16 rounding adds its own: a quarter of the 16 prompts must

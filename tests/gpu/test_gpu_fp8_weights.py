@@ -26,13 +26,12 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.engine_runs import greedy_with_logprobs, top_logprobs
 
 from kvserve.config import EngineArgs
 from kvserve.engine.engine_core import EngineCore
 from kvserve.kernels import ops, reference
 from kvserve.layers.linear import Linear
-from kvserve.protocol.engine import EngineCoreRequest
-from kvserve.protocol.sampling_params import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,
@@ -286,22 +285,7 @@ def _run(path: str, dtype: str, quantization: str | None, enforce_eager: bool = 
     args = EngineArgs(model=path, dtype=dtype, device="cuda", enforce_eager=enforce_eager, quantization=quantization,
                       **settings)
     core = EngineCore(args.create_engine_config())
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
-    prompts = _prompts()
-    for i, prompt in enumerate(prompts):
-        core.add_request(EngineCoreRequest(req_id=str(i), prompt_token_ids=prompt, sampling_params=params,
-                                           max_tokens=MAX_TOKENS))
-    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    lps: dict[str, list[Any]] = {str(i): [] for i in range(len(prompts))}
-    while core.has_unfinished_requests():
-        for out in core.step().outputs:
-            tokens[out.req_id].extend(out.new_token_ids)
-            lps[out.req_id].extend(out.new_logprobs or [])
-    return core, [(tokens[str(i)], lps[str(i)]) for i in range(len(prompts))]
-
-
-def _top(lp: Any) -> dict[int, float]:
-    return dict(zip(lp.token_ids[1:], lp.logprobs[1:], strict=True))
+    return core, greedy_with_logprobs(core, _prompts(), MAX_TOKENS)
 
 
 @pytest.mark.parametrize("model", ["llama", "qwen2-hd128", "qwen3"])
@@ -329,7 +313,7 @@ def test_bf16_fp8_weights_agree_with_the_unquantized_model(checkpoints: dict[str
     for (got_tokens, got_lps), (want_tokens, want_lps) in zip(got, base, strict=True):
         part = next((i for i, (a, b) in enumerate(zip(got_tokens, want_tokens, strict=True)) if a != b), None)
         for step in range(MAX_TOKENS if part is None else part + 1):
-            mine, theirs = _top(got_lps[step]), _top(want_lps[step])
+            mine, theirs = top_logprobs(got_lps[step]), top_logprobs(want_lps[step])
             compared += 1
             top1_listed += max(theirs, key=theirs.__getitem__) in mine
             common = mine.keys() & theirs.keys()
@@ -338,7 +322,7 @@ def test_bf16_fp8_weights_agree_with_the_unquantized_model(checkpoints: dict[str
                 largest = max(largest, abs(mine[token] - theirs[token]))
                 assert abs(mine[token] - theirs[token]) <= LOGPROB_TOL, (step, token, mine, theirs)
         if part is not None:
-            want_top = _top(want_lps[part])
+            want_top = top_logprobs(want_lps[part])
             a, b = got_tokens[part], want_tokens[part]
             assert a in want_top and abs(want_top[a] - want_top[b]) <= LOGPROB_TOL, (part, a, b, want_top)
     print(f"{model}: {compared} positions compared, largest logprob gap {largest:.3f}, unquantized top-1 in fp8's "

@@ -19,12 +19,11 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.engine_runs import greedy_with_logprobs
 
 from kvserve.config import EngineArgs
 from kvserve.engine.engine_core import EngineCore
 from kvserve.kernels import ops
-from kvserve.protocol.engine import EngineCoreRequest
-from kvserve.protocol.sampling_params import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,
@@ -67,17 +66,7 @@ def _prompts(num: int, seed: int) -> list[list[int]]:
 
 def _generate(core: EngineCore, prompts: list[list[int]], max_tokens: int,
               logprobs: int = 2) -> list[tuple[list[int], list[Any]]]:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
-    for i, prompt in enumerate(prompts):
-        core.add_request(EngineCoreRequest(req_id=str(i), prompt_token_ids=prompt, sampling_params=params,
-                                           max_tokens=max_tokens))
-    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    lps: dict[str, list[Any]] = {str(i): [] for i in range(len(prompts))}
-    while core.has_unfinished_requests():
-        for out in core.step().outputs:
-            tokens[out.req_id].extend(out.new_token_ids)
-            lps[out.req_id].extend(out.new_logprobs or [])
-    return [(tokens[str(i)], lps[str(i)]) for i in range(len(prompts))]
+    return greedy_with_logprobs(core, prompts, max_tokens, logprobs=logprobs)
 
 
 def _core(path: str, device: str, dtype: str, enforce_eager: bool = False) -> EngineCore:
