@@ -207,6 +207,20 @@ def test_engine_exits_when_the_api_process_is_killed(own_server: ServerProcess):
     wait_for(lambda: not pid_alive(server.engine_pid), 15, "the orphaned engine process to exit")
 
 
+def test_sigterm_while_the_engine_starts_leaves_no_engine_process(launch_server, tiny_llama_dir):
+    """The API process stopped (SIGTERM to it alone: before serving, Python's default action ends it) right after
+    it spawned the engine process, which is still importing: the engine must not outlive it. It read its
+    parent's pid only once running, which was init's by then, and so never saw the API process gone."""
+    server = launch_server([tiny_llama_dir, *FLAGS], wait=False)
+    wait_for(lambda: "engine core process started" in server.log() or server.proc.poll() is not None, 180,
+             "the engine process to be started")
+    server.engine_pid = server._find_engine_pid()  # finish() kills it should it still be alive
+    assert server.engine_pid is not None, server.log()
+    server.proc.send_signal(signal.SIGTERM)
+    server.wait_exit(30)
+    wait_for(lambda: not pid_alive(server.engine_pid), 60, "the engine process of a stopped API process to exit")
+
+
 def test_engine_start_failure_exits_nonzero_with_its_error(own_server: ServerProcess):
     server = own_server  # --kv-cache-memory 1KiB (server_launches)
     assert server.wait_exit(180) == 1
