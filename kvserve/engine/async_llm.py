@@ -242,6 +242,18 @@ class AsyncLLM:
                 final.request_id = request_id
                 state.queue.put_nowait(final)
 
+    def abort_all(self) -> int:
+        """Abort every live request as `abort` does (each one's iterator gets its last update, finish reason
+        "abort" for its unfinished samples); returns how many there were. The server's drain calls it when
+        --shutdown-timeout runs out, so that the responses still in flight end."""
+        states = list(self._by_core_id.values())
+        for state in states:
+            final = self._abort(state)
+            if final is not None:
+                final.request_id = state.request_id
+                state.queue.put_nowait(final)
+        return len(states)
+
     def _abort(self, state: _RequestState) -> RequestOutput | None:
         child_ids, final = self.output_processor.abort_request_with_output(state.core_id)
         self.client.abort_requests(child_ids)

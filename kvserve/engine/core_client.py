@@ -155,7 +155,7 @@ class EngineCoreClient:
         mp = multiprocessing.get_context("spawn")
         self._process = mp.Process(
             target=run_engine_core,
-            args=(self.config, [a[0] for a in every], [a[1] for a in every], self.log_level),
+            args=(self.config, [a[0] for a in every], [a[1] for a in every], self.log_level, os.getpid()),
             name="kvserve-engine-core",
             daemon=False,
         )

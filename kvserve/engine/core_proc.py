@@ -73,16 +73,24 @@ Outgoing = tuple[int, EngineMessage | _Close]
 
 
 def run_engine_core(config: EngineConfig, input_addresses: list[str], output_addresses: list[str],
-                    log_level: str) -> None:
+                    log_level: str, parent_pid: int | None = None) -> None:
     """Process entry point (must be importable: spawn pickles it by name). Never returns normally.
-    `output_addresses[i]` is API process i's; messages for it are queued as `(i, message)`."""
+    `output_addresses[i]` is API process i's; messages for it are queued as `(i, message)`. `parent_pid`: the
+    API process's pid, as it passed it (by default this process's parent now, which is already init, or a
+    subreaper, when the API process died while this one was still importing: it would then wait forever)."""
     # Ctrl-C reaches the whole process group, and a service manager's SIGTERM often does too; the API process
     # decides when the engine stops (it drains first), so the engine ignores both and waits for `Shutdown`
     # (it also exits by itself within a second of losing the API process; SIGKILL still stops it).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    parent_pid = os.getppid()
+    if parent_pid is None:
+        parent_pid = os.getppid()
+    # Start-up (the model load, minutes for a large one) checks nothing else: leave as soon as the API process
+    # is gone rather than load for nobody (and hold the GPU) until the loop's own check.
+    started = threading.Event()
+    threading.Thread(target=_exit_if_orphaned_before, args=(parent_pid, started), daemon=True,
+                     name="engine-start-watch").start()
     outbox: queue.Queue[Outgoing | None] = queue.Queue()
     inbox: queue.Queue[EngineInput | UnreadableRequests] = queue.Queue()
     # The sender has a context of its own: terminating it at exit flushes the last messages (EngineDead)
@@ -92,7 +100,10 @@ def run_engine_core(config: EngineConfig, input_addresses: list[str], output_add
     sender.start()
     exit_code = 1
     try:
-        core = _start_core(config, outbox)
+        try:
+            core = _start_core(config, outbox)
+        finally:
+            started.set()
         if core is not None:
             threading.Thread(target=_receive_loop, args=(zmq.Context(), input_addresses, inbox), daemon=True,
                              name="engine-input").start()
@@ -106,6 +117,15 @@ def run_engine_core(config: EngineConfig, input_addresses: list[str], output_add
     # The input thread may be blocked in recv(); os._exit does not wait for it.
     logging.shutdown()
     os._exit(exit_code)
+
+
+def _exit_if_orphaned_before(parent_pid: int, started: threading.Event) -> None:
+    """Until `started` is set: exit the process once the API process `parent_pid` is gone."""
+    while not started.wait(_PARENT_CHECK_INTERVAL_S):
+        if os.getppid() != parent_pid:
+            logger.error("the API process (pid %d) is gone; engine core exiting during start-up", parent_pid)
+            logging.shutdown()
+            os._exit(1)
 
 
 def _start_core(config: EngineConfig, outbox: queue.Queue[Outgoing | None]) -> Any:

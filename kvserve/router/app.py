@@ -348,8 +348,17 @@ class RouterApp:
                         return response
                     if not chunk:
                         break
-                    await response.write(chunk)
-                await response.write_eof()
+                    try:
+                        await response.write(chunk)
+                    except ConnectionResetError:
+                        # The client left after this chunk arrived but before the disconnect cancelled this
+                        # handler (a close or reset seen in the same loop pass): "client_closed", quietly (not a
+                        # 500 and a traceback in the log); closing `upstream` below aborts the backend's request.
+                        return response
+                try:
+                    await response.write_eof()
+                except ConnectionResetError:  # (the same, at the end of the answer)
+                    return response
                 outcome = str(upstream.status)
                 return response
             finally:

@@ -257,6 +257,33 @@ def test_an_abort_from_another_task_ends_the_request_with_a_last_update(monkeypa
     assert last.outputs[0].token_ids == ids[:1]
 
 
+def test_abort_all_ends_every_live_request_with_a_last_update(monkeypatch, smollm_tokenizer) -> None:
+    """The server's drain at --shutdown-timeout: every request (each sample of an n>1 one) is aborted in the
+    core, and each reader gets its finished update instead of waiting for tokens that will not come."""
+    ids = _ids(smollm_tokenizer, " one")
+
+    async def run() -> tuple[list[list[RequestOutput | Exception]], int, list[str], list[str], int]:
+        llm = await _engine(monkeypatch, smollm_tokenizer)
+        got: list[list[RequestOutput | Exception]] = [[], []]
+        tasks = [await _started(llm.generate("a", [1, 2], SamplingParams(max_tokens=8)), got[0]),
+                 await _started(llm.generate("b", [3], SamplingParams(max_tokens=8, n=2)), got[1])]
+        llm.on_engine_outputs(_step(EngineCoreOutput(llm.client.added[0], [ids[0]])))
+        await asyncio.sleep(0)
+        aborted = llm.abort_all()
+        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+        return got, aborted, list(llm.client.added), list(llm.client.aborted), llm.num_unfinished_requests
+
+    got, num_aborted, added, aborted, unfinished = asyncio.run(run())
+    assert num_aborted == 2 and unfinished == 0
+    assert sorted(aborted) == sorted(added) and len(added) == 3
+    for updates in got:
+        last = updates[-1]
+        assert isinstance(last, RequestOutput) and last.finished
+        assert {o.finish_reason for o in last.outputs} == {"abort"}
+    assert cast(RequestOutput, got[0][-1]).outputs[0].token_ids == ids[:1]
+    assert len(cast(RequestOutput, got[1][-1]).outputs) == 2
+
+
 def test_requests_that_share_a_callers_id_run_side_by_side(monkeypatch, smollm_tokenizer) -> None:
     """The caller's id is a label (a multi-prompt completion runs all its prompts under its response's id):
     each request has its own core id and gets its own outputs; the id is in use until the last one ends, and

@@ -25,6 +25,8 @@ def server_launches(tiny_llama_dir: str) -> dict[str, tuple[list[str], dict[str,
         "test_engine_death_turns_health_503_and_server_exits_nonzero": ([tiny_llama_dir, *FLAGS], {}),
         "test_sigterm_drains_in_flight_requests_and_exits_0": (
             [tiny_llama_dir, *FLAGS, "--disable-log-requests"], {"env": {"KVSERVE_GC_FREEZE": "1"}}),
+        "test_shutdown_timeout_aborts_the_requests_still_in_flight": (
+            [tiny_llama_dir, *FLAGS, "--disable-log-requests", "--shutdown-timeout", "1", "--max-num-seqs", "1"], {}),
         "test_engine_exits_when_the_api_process_is_killed": (
             [tiny_llama_dir, *FLAGS], {"env": {"KVSERVE_API_KEY": "from-env"}}),
         # Start-up failures: these exit by themselves.
@@ -141,6 +143,58 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(own_server: ServerProcess
     wait_for(lambda: not pid_alive(engine_pid), 10, "the engine process to exit")
 
 
+class FullReader(threading.Thread):
+    """One non-streamed completion in the background."""
+
+    def __init__(self, base_url: str, max_tokens: int) -> None:
+        super().__init__(daemon=True)
+        self.url = base_url + "/v1/completions"
+        self.body = {"prompt": "Tell me everything:", "max_tokens": max_tokens, "ignore_eos": True}
+        self.response: httpx.Response | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.response = httpx.post(self.url, json=self.body, timeout=120)
+        except BaseException as e:  # noqa: BLE001 - inspected by the test
+            self.error = e
+
+
+def test_shutdown_timeout_aborts_the_requests_still_in_flight(own_server: ServerProcess):
+    # --shutdown-timeout 1, --max-num-seqs 1 (server_launches): six requests of 240 tokens run one after
+    # another, far longer than the drain may last. Once it runs out, those still in flight are aborted: each
+    # response ends (finish reason "abort"), and the process exits then, not when the last would have finished.
+    server = own_server.wait_ready()
+    engine_pid = server.engine_pid
+    streams = [StreamReader(server.base_url, max_tokens=240) for _ in range(4)]
+    fulls = [FullReader(server.base_url, max_tokens=240) for _ in range(2)]
+    for reader in (*streams, *fulls):
+        reader.start()
+    assert streams[0].first_chunk.wait(60) and streams[0].error is None
+    time.sleep(0.3)  # the others reach the engine's queue
+    signalled = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.wait_exit(60) == 0
+    exit_s = time.monotonic() - signalled
+    finish_reasons = []
+    for stream in streams:
+        stream.join(10)
+        assert stream.error is None and stream.status == 200, stream.error
+        assert stream.events[-1] == "[DONE]", stream.events[-3:]
+        chunks = [e for e in stream.events if isinstance(e, dict)]
+        assert not [c for c in chunks if "error" in c], chunks[-2:]
+        finish_reasons.append(chunks[-1]["choices"][0]["finish_reason"])
+    for full in fulls:
+        full.join(10)
+        assert full.error is None and full.response is not None and full.response.status_code == 200, full.error
+        finish_reasons.append(full.response.json()["choices"][0]["finish_reason"])
+    assert set(finish_reasons) <= {"length", "abort"} and "abort" in finish_reasons, finish_reasons
+    assert "shutdown timeout" in server.log() and "Exception in ASGI application" not in server.log()
+    assert exit_s < 30, exit_s
+    assert engine_pid is not None
+    wait_for(lambda: not pid_alive(engine_pid), 10, "the engine process to exit")
+
+
 def test_engine_exits_when_the_api_process_is_killed(own_server: ServerProcess):
     server = own_server.wait_ready()  # KVSERVE_API_KEY=from-env (server_launches)
     # (While it is up: the API key can come from the environment.)
@@ -151,6 +205,20 @@ def test_engine_exits_when_the_api_process_is_killed(own_server: ServerProcess):
     server.proc.kill()
     server.wait_exit(10)
     wait_for(lambda: not pid_alive(server.engine_pid), 15, "the orphaned engine process to exit")
+
+
+def test_sigterm_while_the_engine_starts_leaves_no_engine_process(launch_server, tiny_llama_dir):
+    """The API process stopped (SIGTERM to it alone: before serving, Python's default action ends it) right after
+    it spawned the engine process, which is still importing: the engine must not outlive it. It read its
+    parent's pid only once running, which was init's by then, and so never saw the API process gone."""
+    server = launch_server([tiny_llama_dir, *FLAGS], wait=False)
+    wait_for(lambda: "engine core process started" in server.log() or server.proc.poll() is not None, 180,
+             "the engine process to be started")
+    server.engine_pid = server._find_engine_pid()  # finish() kills it should it still be alive
+    assert server.engine_pid is not None, server.log()
+    server.proc.send_signal(signal.SIGTERM)
+    server.wait_exit(30)
+    wait_for(lambda: not pid_alive(server.engine_pid), 60, "the engine process of a stopped API process to exit")
 
 
 def test_engine_start_failure_exits_nonzero_with_its_error(own_server: ServerProcess):

@@ -478,6 +478,48 @@ def test_a_client_that_leaves_mid_stream_ends_the_backend_request() -> None:
     _run(body)
 
 
+def test_a_client_gone_before_a_chunk_is_written_ends_quietly(monkeypatch: pytest.MonkeyPatch,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """The race of a client that leaves while a chunk is on its way: the chunk arrives and the client's close
+    (or reset) closes its transport in the same loop pass, before the disconnect cancels the handler, so the
+    write finds the transport closing. Seen under load through `kvserve serve -dp 2` as aiohttp's "Error
+    handling request" traceback; forced here by closing the transport just before the router's second write."""
+    original_write = web.StreamResponse.write
+    router_port: list[int] = []
+
+    async def write(self: web.StreamResponse, data: bytes) -> None:
+        request = self._req
+        transport = request.transport if request is not None else None
+        if transport is not None and transport.get_extra_info("sockname")[1] in router_port:
+            self.writes = getattr(self, "writes", 0) + 1
+            if self.writes == 2:
+                transport.abort()  # closing now; connection_lost (and the cancellation) come a loop pass later
+        await original_write(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", write)
+
+    async def body() -> None:
+        backend = FakeBackend("a", chunks=500, delay_s=0.02)
+        async with routed([backend]) as (app, base):
+            router_port.append(int(base.rsplit(":", 1)[1]))
+            async with aiohttp.ClientSession() as session:
+                with contextlib.suppress(aiohttp.ClientError):
+                    await _post(session, base)
+            await asyncio.wait_for(backend.disconnected.wait(), 5)
+            for _ in range(50):
+                if app.router.backends[0].in_flight == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert app.router.backends[0].in_flight == 0
+            router_port.clear()
+            async with aiohttp.ClientSession() as session:
+                metrics = await (await session.get(base + "/metrics")).text()
+        assert f'kvserve_router:requests_total{{backend="{backend.url}",code="client_closed"}} 1.0' in metrics
+    with caplog.at_level(logging.INFO):
+        _run(body)
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR], caplog.text
+
+
 def test_engine_metrics_merge_each_backends_series_under_its_engine_label() -> None:
     """`engine_metrics` (the replicas of `kvserve serve -dp N`): /metrics holds each backend's series labelled
     by its position, once per family, and leaves out a backend whose /metrics does not answer."""

@@ -5,8 +5,9 @@ loads), start the engine-core process and load the tokenizer meanwhile, wait for
 message, log the KV capacity, then serve.
 
 Lifecycle:
-* SIGTERM / SIGINT drain: new requests get 503, in-flight ones finish (up to --shutdown-timeout), then
-  the engine core is shut down and the process exits 0. A second signal exits at once.
+* SIGTERM / SIGINT drain: new requests get 503, in-flight ones finish (up to --shutdown-timeout; those still
+  running then are aborted, their responses ending with finish reason "abort"), then the engine core is shut
+  down and the process exits 0. A second signal exits at once.
 * If the engine-core process dies, /health turns 503, in-flight requests fail, and the server exits 1
   shortly after (so an orchestrator restarts it).
 * `--api-server-count N`: this process starts the engine, then N - 1 more API processes on the same socket
@@ -103,6 +104,9 @@ logger = logging.getLogger("kvserve.server")
 
 # After the engine died: keep answering (503) this long so health checks see it, then exit 1.
 ENGINE_DEAD_EXIT_DELAY_S = 1.0
+# Once --shutdown-timeout has run out and the requests still in flight are aborted: how long their responses
+# (now ending, finish reason "abort") may take to go out before uvicorn cancels what is left and the process exits.
+DRAIN_ABORT_GRACE_S = 5.0
 
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 503)
@@ -343,10 +347,14 @@ class _Server(uvicorn.Server):
     count twice."""
 
     def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout_s: float,
-                 others: ApiProcesses | None = None, controlled: bool = False) -> None:
+                 others: ApiProcesses | None = None, controlled: bool = False,
+                 abort_in_flight: Callable[[], int] | None = None) -> None:
+        """`abort_in_flight` (the engine's `abort_all`) ends the requests still in flight when the drain's
+        --shutdown-timeout runs out."""
         super().__init__(config)
         self.state = state
         self.shutdown_timeout_s = shutdown_timeout_s
+        self.abort_in_flight = abort_in_flight
         self.others = others if others is not None else ApiProcesses()
         self.controlled = controlled
         self.exit_code = 0
@@ -397,8 +405,13 @@ class _Server(uvicorn.Server):
             if self.state.num_inflight == 0 and not self.others.any_alive():
                 logger.info("drained; shutting down")
                 self.should_exit = True
-            elif now >= self._drain_deadline:
-                logger.warning("shutdown timeout: %d requests still in flight", self.state.num_inflight)
+            elif now >= self._drain_deadline and not self.should_exit:
+                # uvicorn's shutdown waits for every open response to end: abort the requests behind them (each
+                # response then ends, finish reason "abort"), and bound that wait in case one does not.
+                aborted = self.abort_in_flight() if self.abort_in_flight is not None else 0
+                logger.warning("shutdown timeout: %d requests still in flight; %d aborted", self.state.num_inflight,
+                               aborted)
+                self.config.timeout_graceful_shutdown = DRAIN_ABORT_GRACE_S
                 self.should_exit = True
         return await super().on_tick(counter)
 
@@ -491,7 +504,8 @@ async def _serve_app(ns: argparse.Namespace, config: EngineConfig, engine: Async
             timeout_keep_alive=ns.timeout_keep_alive,
             lifespan="off",
         )
-        server = _Server(uv_config, state, ns.shutdown_timeout, others, controlled=index > 0)
+        server = _Server(uv_config, state, ns.shutdown_timeout, others, controlled=index > 0,
+                         abort_in_flight=engine.abort_all)
         if index > 0:
             for sig in (DRAIN_SIGNAL, STOP_SIGNAL):
                 signal.signal(sig, server.handle_exit)
