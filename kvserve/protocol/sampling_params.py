@@ -156,6 +156,9 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        for name in ("logprobs", "prompt_logprobs"):
+            if isinstance(getattr(self, name), bool):  # vLLM reads True as 1 (and False, an int there, as 0)
+                setattr(self, name, int(getattr(self, name)))
         if self.top_k == -1:
             self.top_k = 0
         if self.logit_bias is not None:
