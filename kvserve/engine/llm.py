@@ -221,7 +221,10 @@ class LLM:
         while self.engine.has_unfinished_requests():
             try:
                 step_outputs = self.engine.step()
-            except ValueError:  # a request failed in the core: the call's others are dropped too
+            except BaseException:
+                # A request failed in the core (ValueError), or anything else stopped the call (an error in a
+                # step, Ctrl-C): the call's requests are dropped, so that they neither run on in the next call
+                # nor leave the engine waiting for a step that never finished.
                 for request_id in request_ids:
                     if request_id not in finished:
                         self.engine.abort_request(request_id)

@@ -26,3 +26,33 @@ def test_logprobs_true_is_one_logprob(llm: LLM) -> None:
     assert out.outputs[0].logprobs == one.outputs[0].logprobs and len(out.outputs[0].logprobs) == 3
     assert out.prompt_logprobs == one.prompt_logprobs
     assert SamplingParams(logprobs=False).logprobs == 0  # an int in vLLM: the sampled token's logprob only
+
+
+@pytest.mark.timeout(120)  # before the fix, the call after a KeyboardInterrupt never returned
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_a_call_stopped_by_an_error_leaves_the_llm_usable(llm: LLM, monkeypatch: pytest.MonkeyPatch,
+                                                          error: type[BaseException]) -> None:
+    """An exception out of a step other than a request's ValueError (a failure inside the model runner, Ctrl-C
+    in a notebook) drops the call's requests as a ValueError does; they used to stay live, and every later call
+    failed ("a placeholder token the previous step did not sample") or, after Ctrl-C, never returned."""
+    prompt = [list(range(100, 110))]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    expected = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    sampler = llm.engine.core.runner.sampler
+    real = type(sampler).__call__
+    calls = 0
+
+    def failing(self: Any, *args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 2:  # a step into the call, as logprobs=True once failed in torch.topk
+            raise error("boom")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(sampler), "__call__", failing)
+    with pytest.raises(error, match="boom"):
+        llm.generate(prompt * 2, params, use_tqdm=False)
+    monkeypatch.undo()
+    assert not llm.engine.output_processor.has_unfinished() and not llm.engine.core.scheduler.requests
+    outs = llm.generate(prompt * 2, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [expected, expected]
