@@ -161,6 +161,8 @@ class SamplingParams:
                 setattr(self, name, int(getattr(self, name)))
         if self.top_k == -1:
             self.top_k = 0
+        if self.seed == -1:  # vLLM's (and OpenAI's) "no seed": a random sample, not a fixed seed of -1
+            self.seed = None
         if self.logit_bias is not None:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         self._validate()

@@ -56,3 +56,10 @@ def test_a_call_stopped_by_an_error_leaves_the_llm_usable(llm: LLM, monkeypatch:
     assert not llm.engine.output_processor.has_unfinished() and not llm.engine.core.scheduler.requests
     outs = llm.generate(prompt * 2, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [expected, expected]
+
+
+def test_seed_minus_one_is_unseeded() -> None:
+    """vLLM reads seed=-1 as no seed (its SamplingParams sets None; OpenAI clients send -1 for "random"): each
+    request samples anew instead of every one repeating the samples of a fixed seed -1."""
+    assert SamplingParams(seed=-1).seed is None
+    assert SamplingParams(seed=-2).seed == -2 and SamplingParams(seed=0).seed == 0
