@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field, fields, replace
 
 _SAMPLING_EPS = 1e-5
@@ -173,6 +174,11 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             bad(f"n must be an integer >= 1, got {self.n}", "n")
+        # NaN passes every comparison below (and inf the penalty's): the sampler then returned token 0 or one
+        # token over and over, silently. vLLM refuses both.
+        for name in ("temperature", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                bad(f"{name} must be a finite number, got {getattr(self, name)}", name)
         if self.temperature < 0.0:
             bad(f"temperature must be >= 0, got {self.temperature}", "temperature")
         if not 0.0 < self.top_p <= 1.0:

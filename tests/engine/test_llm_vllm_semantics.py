@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from kvserve import LLM, SamplingParams
+from kvserve.protocol.sampling_params import SamplingParamsError
 
 
 @pytest.fixture(scope="module")
@@ -63,3 +64,13 @@ def test_seed_minus_one_is_unseeded() -> None:
     request samples anew instead of every one repeating the samples of a fixed seed -1."""
     assert SamplingParams(seed=-1).seed is None
     assert SamplingParams(seed=-2).seed == -2 and SamplingParams(seed=0).seed == 0
+
+
+@pytest.mark.parametrize("name", ["temperature", "repetition_penalty"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_temperature_and_repetition_penalty_are_refused(name: str, value: float) -> None:
+    """As in vLLM ("must be a finite number"); NaN passed the range checks and sampled garbage (token 0 on every
+    step with temperature=nan, one token over and over with repetition_penalty=nan)."""
+    with pytest.raises(SamplingParamsError, match=f"{name} must be a finite number") as info:
+        SamplingParams(**{name: value})
+    assert info.value.param == name
