@@ -125,7 +125,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of `prompts`.
 
-        A prompt is a string, a list of token ids, or {"prompt": ...} / {"prompt_token_ids": ...}.
+        A prompt is a string, a list of token ids, or {"prompt": ...} / {"prompt_token_ids": ...} (vLLM's
+        TextPrompt / TokensPrompt; a "cache_salt" there is that prompt's, over the `cache_salt` argument).
         `sampling_params` is one SamplingParams for all prompts or one per prompt. `priority`: one per
         prompt, lower first (needs `scheduling_policy="priority"`, as in vLLM).
         """
@@ -145,7 +146,9 @@ class LLM:
         try:
             for prompt, params, prio in zip(prompt_list, params_list, priorities, strict=True):
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt, priority=prio)
+                # vLLM's prompt dicts carry their own cache_salt (TextPrompt / TokensPrompt)
+                salt = prompt.get("cache_salt", cache_salt) if isinstance(prompt, dict) else cache_salt
+                self.engine.add_request(request_id, prompt, params, cache_salt=salt, priority=prio)
                 request_ids.append(request_id)
         except Exception:
             for request_id in request_ids:

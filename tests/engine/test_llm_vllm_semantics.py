@@ -74,3 +74,19 @@ def test_non_finite_temperature_and_repetition_penalty_are_refused(name: str, va
     with pytest.raises(SamplingParamsError, match=f"{name} must be a finite number") as info:
         SamplingParams(**{name: value})
     assert info.value.param == name
+
+
+def test_prompt_dicts_cache_salt(llm: LLM) -> None:
+    """vLLM's TextPrompt / TokensPrompt: a "cache_salt" keeps the prompt's prefix-cache entries apart from other
+    salts' (it was ignored: prompts of different salts shared their blocks)."""
+    ids = list(range(200, 250))  # three full blocks of 16
+    params = SamplingParams(temperature=0, max_tokens=2)
+
+    def cached(prompt: Any) -> int:
+        return llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens
+
+    assert llm.reset_prefix_cache()
+    assert cached({"prompt_token_ids": ids, "cache_salt": "alice"}) == 0
+    assert cached({"prompt_token_ids": ids, "cache_salt": "bob"}) == 0
+    assert cached({"prompt_token_ids": ids, "cache_salt": "alice"}) == 48
+    assert cached({"prompt_token_ids": ids}) == 0
