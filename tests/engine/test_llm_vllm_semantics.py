@@ -90,3 +90,15 @@ def test_prompt_dicts_cache_salt(llm: LLM) -> None:
     assert cached({"prompt_token_ids": ids, "cache_salt": "bob"}) == 0
     assert cached({"prompt_token_ids": ids, "cache_salt": "alice"}) == 48
     assert cached({"prompt_token_ids": ids}) == 0
+
+
+def test_prompt_dicts_with_multimodal_data_are_refused(llm: LLM) -> None:
+    """A text-only model given vLLM's "multi_modal_data" (or its processor kwargs) refuses the prompt, as vLLM
+    does; it was ignored, and the model answered the text alone."""
+    params = SamplingParams(temperature=0, max_tokens=2)
+    for key in ("multi_modal_data", "mm_processor_kwargs"):
+        with pytest.raises(ValueError, match=f"text-only models: a prompt cannot carry {key}"):
+            llm.generate({"prompt": "Describe the image", key: {"image": object()}}, params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    # None (a TypedDict's key set to nothing) is no data
+    assert llm.generate({"prompt": "Hi", "multi_modal_data": None}, params, use_tqdm=False)[0].finished
