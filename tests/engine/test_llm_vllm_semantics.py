@@ -102,3 +102,13 @@ def test_prompt_dicts_with_multimodal_data_are_refused(llm: LLM) -> None:
     assert not llm.engine.has_unfinished_requests()
     # None (a TypedDict's key set to nothing) is no data
     assert llm.generate({"prompt": "Hi", "multi_modal_data": None}, params, use_tqdm=False)[0].finished
+
+
+def test_llm_seed_none_samples(tiny_model_dir: Any) -> None:
+    """LLM(seed=None), the default of vLLM's LLM signature for long: the engine draws a random seed (vLLM then
+    seeds nothing); it used to reach torch's manual_seed as None and fail every sampled request."""
+    llm = LLM(tiny_model_dir("llama"), max_model_len=64, seed=None)
+    out = llm.generate([list(range(100, 105))], SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 3
+    assert isinstance(llm.config.model_config.seed, int)
