@@ -30,6 +30,11 @@ logger = logging.getLogger(__name__)
 _IGNORED_VLLM_ARGS: dict[str, tuple[Any, ...]] = {
     "trust_remote_code": (True, False), "disable_log_stats": (True, False), "swap_space": (),
     "tokenizer_mode": ("auto",), "code_revision": (None,),
+    # those `kvserve serve` / `generate` accept and ignore too (vllm_compat.add_ignored_engine_args)
+    "task": ("auto", "generate"), "pipeline_parallel_size": (1,), "data_parallel_size": (1,),
+    "distributed_executor_backend": (None, "mp", "uni"), "max_seq_len_to_capture": (),
+    "disable_custom_all_reduce": (True, False), "disable_async_output_proc": (True, False),
+    "skip_tokenizer_init": (False,), "hf_token": (None,),
 }
 # vLLM's names for kvserve's own settings (kv_cache_memory_bytes is EngineArgs' own: read as vLLM reads it).
 _VLLM_ALIASES = {"num_gpu_blocks_override": "num_kv_blocks"}

@@ -112,3 +112,16 @@ def test_llm_seed_none_samples(tiny_model_dir: Any) -> None:
                        use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 3
     assert isinstance(llm.config.model_config.seed, int)
+
+
+def test_vllm_arguments_the_cli_ignores_are_ignored_offline_too(tiny_model_dir: Any) -> None:
+    """vLLM's LLM() arguments that `kvserve serve` accepts and ignores as flags (--task generate, -pp 1, ...)
+    are taken by LLM() too, at the values that change nothing; they were a TypeError offline only."""
+    llm = LLM(tiny_model_dir("llama"), max_model_len=64, task="generate", pipeline_parallel_size=1,
+              data_parallel_size=1, distributed_executor_backend="mp", max_seq_len_to_capture=8192,
+              disable_custom_all_reduce=True, disable_async_output_proc=False, skip_tokenizer_init=False,
+              hf_token=None)
+    assert llm.generate([[100, 101]], SamplingParams(max_tokens=1), use_tqdm=False)[0].finished
+    for name, value in (("task", "embed"), ("pipeline_parallel_size", 2), ("skip_tokenizer_init", True)):
+        with pytest.raises(TypeError, match=f"kvserve does not take: {name}={value!r}"):
+            LLM(tiny_model_dir("llama"), max_model_len=64, **{name: value})
