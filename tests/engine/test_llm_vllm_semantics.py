@@ -125,3 +125,29 @@ def test_vllm_arguments_the_cli_ignores_are_ignored_offline_too(tiny_model_dir: 
     for name, value in (("task", "embed"), ("pipeline_parallel_size", 2), ("skip_tokenizer_init", True)):
         with pytest.raises(TypeError, match=f"kvserve does not take: {name}={value!r}"):
             LLM(tiny_model_dir("llama"), max_model_len=64, **{name: value})
+
+
+def test_vllm_keyword_arguments_of_generate_and_chat(llm: LLM) -> None:
+    """vLLM code passes lora_request=None, chat_template_content_format and mm_processor_kwargs=None by keyword;
+    each was a TypeError. An adapter is refused; "openai" hands the template a list of text parts."""
+    params = SamplingParams(temperature=0, max_tokens=2)
+    plain = llm.generate([[100, 101]], params, use_tqdm=False)[0]
+    assert llm.generate([[100, 101]], params, use_tqdm=False, lora_request=None)[0].outputs[0].token_ids == \
+        plain.outputs[0].token_ids
+    with pytest.raises(ValueError, match="LoRA"):
+        llm.generate([[100, 101]], params, use_tqdm=False, lora_request=object())  # type: ignore[arg-type]
+    template = ("{% for m in messages %}{{ m.role }}:{% if m.content is string %}{{ m.content }}"
+                "{% else %}{% for p in m.content %}[{{ p.text }}]{% endfor %}{% endif %}|{% endfor %}")
+    conversation = [{"role": "user", "content": "Hi"},
+                    {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+
+    def rendered(**kwargs: Any) -> str:
+        return llm.chat(conversation, params, use_tqdm=False, chat_template=template, lora_request=None,
+                        mm_processor_kwargs=None, **kwargs)[0].prompt
+
+    assert rendered() == rendered(chat_template_content_format="string") == "user:Hi|user:a\nb|"
+    assert rendered(chat_template_content_format="openai") == "user:[Hi]|user:[a][b]|"
+    with pytest.raises(ValueError, match="chat_template_content_format"):
+        rendered(chat_template_content_format="html")
+    with pytest.raises(ValueError, match="text-only"):
+        llm.chat(conversation, params, use_tqdm=False, mm_processor_kwargs={"num_crops": 4})  # type: ignore[arg-type]
