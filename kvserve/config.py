@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -335,7 +336,7 @@ class EngineArgs:
     download_dir: str | None = None
     dtype: str = "auto"
     max_model_len: int | str | None = None  # a number, or as vLLM takes it: "32k" (x1000), "32K" (x1024)
-    seed: int = 0
+    seed: int | None = 0  # None (vLLM's LLM(seed=None)): a random one, so unseeded samples differ run to run
     served_model_name: str | None = None
     chat_template: str | None = None
     quantization: str | None = None
@@ -431,7 +432,7 @@ class EngineArgs:
             tokenizer=tokenizer_path,
             dtype=dtype,
             max_model_len=max_model_len,
-            seed=self.seed,
+            seed=self.seed if self.seed is not None else random.SystemRandom().randrange(2**63),
             served_model_name=self.served_model_name or _default_served_name(self.model, model_path),
             chat_template=self.chat_template,
             quantization=quantization,

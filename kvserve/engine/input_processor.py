@@ -14,6 +14,8 @@ from kvserve.protocol.engine import EngineCoreRequest
 from kvserve.protocol.sampling_params import SamplingParams, SamplingParamsError
 
 PromptType = str | Sequence[int] | dict[str, Any]
+# vLLM's prompt-dict keys for images, audio and video
+_MULTIMODAL_PROMPT_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids")
 
 
 def encode_text(tokenizer: PreTrainedTokenizerBase, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -56,6 +58,9 @@ class InputProcessor:
         """A string (tokenized with the tokenizer's special tokens), token ids, or a dict with "prompt" or
         "prompt_token_ids"."""
         if isinstance(prompt, dict):
+            multimodal = sorted(key for key in _MULTIMODAL_PROMPT_KEYS if prompt.get(key) is not None)
+            if multimodal:  # vLLM refuses them for a text-only model too; ignored, the answer would be about nothing
+                raise ValueError(f"kvserve serves text-only models: a prompt cannot carry {', '.join(multimodal)}")
             if "prompt_token_ids" in prompt:
                 processed = self.tokenize(prompt["prompt_token_ids"])
                 text = prompt.get("prompt")  # the text the ids came from, where the caller has it

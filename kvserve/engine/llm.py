@@ -30,6 +30,11 @@ logger = logging.getLogger(__name__)
 _IGNORED_VLLM_ARGS: dict[str, tuple[Any, ...]] = {
     "trust_remote_code": (True, False), "disable_log_stats": (True, False), "swap_space": (),
     "tokenizer_mode": ("auto",), "code_revision": (None,),
+    # those `kvserve serve` / `generate` accept and ignore too (vllm_compat.add_ignored_engine_args)
+    "task": ("auto", "generate"), "pipeline_parallel_size": (1,), "data_parallel_size": (1,),
+    "distributed_executor_backend": (None, "mp", "uni"), "max_seq_len_to_capture": (),
+    "disable_custom_all_reduce": (True, False), "disable_async_output_proc": (True, False),
+    "skip_tokenizer_init": (False,), "hf_token": (None,),
 }
 # vLLM's names for kvserve's own settings (kv_cache_memory_bytes is EngineArgs' own: read as vLLM reads it).
 _VLLM_ALIASES = {"num_gpu_blocks_override": "num_kv_blocks"}
@@ -53,11 +58,31 @@ def _engine_args(given: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _text_message(message: dict[str, Any]) -> dict[str, Any]:
-    """A chat message with OpenAI's list of text parts joined into one string (as vLLM does by default)."""
+def _no_lora(lora_request: Any) -> None:
+    """vLLM's `lora_request` argument: None (no adapter) is all kvserve takes."""
+    if lora_request is not None:
+        raise ValueError("kvserve does not serve LoRA adapters: merge the adapter into the model's weights and "
+                         "load the merged checkpoint")
+
+
+def _text_message(message: dict[str, Any], content_format: str = "string") -> dict[str, Any]:
+    """A chat message with OpenAI's list of text parts joined into one string (vLLM's "string" content format,
+    what it picks for templates that print the content), or with the content as a list of text parts
+    ({"type": "text", "text": ...}; vLLM's "openai" format) for templates that loop over the parts."""
     content = message.get("content")
+    if content_format == "openai":
+        if isinstance(content, str):
+            return {**message, "content": [{"type": "text", "text": content}]}
+        if isinstance(content, list):
+            return {**message, "content": [{"type": "text", "text": text}
+                                           for text in _text_parts(content)]}
+        return message
     if not isinstance(content, list):
         return message
+    return {**message, "content": "\n".join(_text_parts(content))}
+
+
+def _text_parts(content: list[Any]) -> list[str]:
     texts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
@@ -65,7 +90,7 @@ def _text_message(message: dict[str, Any]) -> dict[str, Any]:
             texts.append(part["text"])
         else:
             raise ValueError(f"content parts of type {kind!r} are not supported (only text parts)")
-    return {**message, "content": "\n".join(texts)}
+    return texts
 
 
 class LLM:
@@ -122,13 +147,17 @@ class LLM:
         use_tqdm: bool = True,
         cache_salt: str | None = None,
         priority: Sequence[int] | None = None,
+        *,
+        lora_request: None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of `prompts`.
 
-        A prompt is a string, a list of token ids, or {"prompt": ...} / {"prompt_token_ids": ...}.
+        A prompt is a string, a list of token ids, or {"prompt": ...} / {"prompt_token_ids": ...} (vLLM's
+        TextPrompt / TokensPrompt; a "cache_salt" there is that prompt's, over the `cache_salt` argument).
         `sampling_params` is one SamplingParams for all prompts or one per prompt. `priority`: one per
         prompt, lower first (needs `scheduling_policy="priority"`, as in vLLM).
         """
+        _no_lora(lora_request)
         prompt_list = self._as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -145,7 +174,9 @@ class LLM:
         try:
             for prompt, params, prio in zip(prompt_list, params_list, priorities, strict=True):
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt, priority=prio)
+                # vLLM's prompt dicts carry their own cache_salt (TextPrompt / TokensPrompt)
+                salt = prompt.get("cache_salt", cache_salt) if isinstance(prompt, dict) else cache_salt
+                self.engine.add_request(request_id, prompt, params, cache_salt=salt, priority=prio)
                 request_ids.append(request_id)
         except Exception:
             for request_id in request_ids:
@@ -163,15 +194,30 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        *,
+        lora_request: None = None,
+        chat_template_content_format: str = "auto",
+        mm_processor_kwargs: None = None,
     ) -> list[RequestOutput]:
         """Like `generate`, for conversations ([{"role": ..., "content": ...}, ...]) rendered with the
         tokenizer's chat template (or `chat_template`). A message's content may be a string or OpenAI's list
         of text parts (joined with newlines). `continue_final_message` continues the last (assistant)
         message instead of opening a new one (with add_generation_prompt=False). Each output's `prompt` is
         the rendered text. `tools` (OpenAI's function tools) go to the template; the outputs are the model's
-        text, tool calls unparsed (the server's --tool-call-parser reads them)."""
+        text, tool calls unparsed (the server's --tool-call-parser reads them). vLLM's `lora_request` (None
+        only), `chat_template_content_format` ("auto" = "string": parts joined; "openai": every content as a
+        list of text parts) and `mm_processor_kwargs` (None only) are taken by keyword."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt=False")
+        _no_lora(lora_request)
+        if mm_processor_kwargs is not None:
+            raise ValueError("kvserve serves text-only models: chat takes no mm_processor_kwargs")
+        # vLLM's content formats; its "auto" picks "openai" only for templates that loop over content parts,
+        # which kvserve's (text) models' templates do not: "auto" is "string" here.
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise ValueError(f"chat_template_content_format must be 'auto', 'string' or 'openai', got "
+                             f"{chat_template_content_format!r}")
+        content_format = "openai" if chat_template_content_format == "openai" else "string"
         conversations: list[Conversation]
         if messages and isinstance(messages[0], dict):
             conversations = [messages]  # type: ignore[list-item]
@@ -184,7 +230,7 @@ class LLM:
             kwargs["tools"] = tools
         processed = [
             self.engine.input_processor.apply_chat_template(
-                [_text_message(m) for m in conv], chat_template, add_generation_prompt, kwargs
+                [_text_message(m, content_format) for m in conv], chat_template, add_generation_prompt, kwargs
             )
             for conv in conversations
         ]
@@ -221,7 +267,10 @@ class LLM:
         while self.engine.has_unfinished_requests():
             try:
                 step_outputs = self.engine.step()
-            except ValueError:  # a request failed in the core: the call's others are dropped too
+            except BaseException:
+                # A request failed in the core (ValueError), or anything else stopped the call (an error in a
+                # step, Ctrl-C): the call's requests are dropped, so that they neither run on in the next call
+                # nor leave the engine waiting for a step that never finished.
                 for request_id in request_ids:
                     if request_id not in finished:
                         self.engine.abort_request(request_id)

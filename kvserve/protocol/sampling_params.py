@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field, fields, replace
 
 _SAMPLING_EPS = 1e-5
@@ -156,8 +157,13 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        for name in ("logprobs", "prompt_logprobs"):
+            if isinstance(getattr(self, name), bool):  # vLLM reads True as 1 (and False, an int there, as 0)
+                setattr(self, name, int(getattr(self, name)))
         if self.top_k == -1:
             self.top_k = 0
+        if self.seed == -1:  # vLLM's (and OpenAI's) "no seed": a random sample, not a fixed seed of -1
+            self.seed = None
         if self.logit_bias is not None:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         self._validate()
@@ -168,6 +174,11 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             bad(f"n must be an integer >= 1, got {self.n}", "n")
+        # NaN passes every comparison below (and inf the penalty's): the sampler then returned token 0 or one
+        # token over and over, silently. vLLM refuses both.
+        for name in ("temperature", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                bad(f"{name} must be a finite number, got {getattr(self, name)}", name)
         if self.temperature < 0.0:
             bad(f"temperature must be >= 0, got {self.temperature}", "temperature")
         if not 0.0 < self.top_p <= 1.0:

@@ -1,0 +1,153 @@
+"""vLLM offline code run unchanged: SamplingParams values and prompt forms read as vLLM reads them, and the
+LLM still usable after a call that failed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.protocol.sampling_params import SamplingParamsError
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir: Any) -> LLM:
+    return LLM(tiny_model_dir("llama"), max_model_len=128)
+
+
+def test_logprobs_true_is_one_logprob(llm: LLM) -> None:
+    """vLLM reads logprobs=True (and prompt_logprobs=True) as 1; it used to reach torch.topk as a bool, which
+    failed the step."""
+    params = SamplingParams(temperature=0, max_tokens=3, logprobs=True, prompt_logprobs=True)
+    assert params.logprobs == 1 and params.prompt_logprobs == 1
+    out = llm.generate([list(range(100, 110))], params, use_tqdm=False)[0]
+    one = llm.generate([list(range(100, 110))], SamplingParams(temperature=0, max_tokens=3, logprobs=1,
+                                                               prompt_logprobs=1), use_tqdm=False)[0]
+    assert out.outputs[0].logprobs == one.outputs[0].logprobs and len(out.outputs[0].logprobs) == 3
+    assert out.prompt_logprobs == one.prompt_logprobs
+    assert SamplingParams(logprobs=False).logprobs == 0  # an int in vLLM: the sampled token's logprob only
+
+
+@pytest.mark.timeout(120)  # before the fix, the call after a KeyboardInterrupt never returned
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_a_call_stopped_by_an_error_leaves_the_llm_usable(llm: LLM, monkeypatch: pytest.MonkeyPatch,
+                                                          error: type[BaseException]) -> None:
+    """An exception out of a step other than a request's ValueError (a failure inside the model runner, Ctrl-C
+    in a notebook) drops the call's requests as a ValueError does; they used to stay live, and every later call
+    failed ("a placeholder token the previous step did not sample") or, after Ctrl-C, never returned."""
+    prompt = [list(range(100, 110))]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    expected = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    sampler = llm.engine.core.runner.sampler
+    real = type(sampler).__call__
+    calls = 0
+
+    def failing(self: Any, *args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 2:  # a step into the call, as logprobs=True once failed in torch.topk
+            raise error("boom")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(sampler), "__call__", failing)
+    with pytest.raises(error, match="boom"):
+        llm.generate(prompt * 2, params, use_tqdm=False)
+    monkeypatch.undo()
+    assert not llm.engine.output_processor.has_unfinished() and not llm.engine.core.scheduler.requests
+    outs = llm.generate(prompt * 2, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [expected, expected]
+
+
+def test_seed_minus_one_is_unseeded() -> None:
+    """vLLM reads seed=-1 as no seed (its SamplingParams sets None; OpenAI clients send -1 for "random"): each
+    request samples anew instead of every one repeating the samples of a fixed seed -1."""
+    assert SamplingParams(seed=-1).seed is None
+    assert SamplingParams(seed=-2).seed == -2 and SamplingParams(seed=0).seed == 0
+
+
+@pytest.mark.parametrize("name", ["temperature", "repetition_penalty"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_temperature_and_repetition_penalty_are_refused(name: str, value: float) -> None:
+    """As in vLLM ("must be a finite number"); NaN passed the range checks and sampled garbage (token 0 on every
+    step with temperature=nan, one token over and over with repetition_penalty=nan)."""
+    with pytest.raises(SamplingParamsError, match=f"{name} must be a finite number") as info:
+        SamplingParams(**{name: value})
+    assert info.value.param == name
+
+
+def test_prompt_dicts_cache_salt(llm: LLM) -> None:
+    """vLLM's TextPrompt / TokensPrompt: a "cache_salt" keeps the prompt's prefix-cache entries apart from other
+    salts' (it was ignored: prompts of different salts shared their blocks)."""
+    ids = list(range(200, 250))  # three full blocks of 16
+    params = SamplingParams(temperature=0, max_tokens=2)
+
+    def cached(prompt: Any) -> int:
+        return llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens
+
+    assert llm.reset_prefix_cache()
+    assert cached({"prompt_token_ids": ids, "cache_salt": "alice"}) == 0
+    assert cached({"prompt_token_ids": ids, "cache_salt": "bob"}) == 0
+    assert cached({"prompt_token_ids": ids, "cache_salt": "alice"}) == 48
+    assert cached({"prompt_token_ids": ids}) == 0
+
+
+def test_prompt_dicts_with_multimodal_data_are_refused(llm: LLM) -> None:
+    """A text-only model given vLLM's "multi_modal_data" (or its processor kwargs) refuses the prompt, as vLLM
+    does; it was ignored, and the model answered the text alone."""
+    params = SamplingParams(temperature=0, max_tokens=2)
+    for key in ("multi_modal_data", "mm_processor_kwargs"):
+        with pytest.raises(ValueError, match=f"text-only models: a prompt cannot carry {key}"):
+            llm.generate({"prompt": "Describe the image", key: {"image": object()}}, params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    # None (a TypedDict's key set to nothing) is no data
+    assert llm.generate({"prompt": "Hi", "multi_modal_data": None}, params, use_tqdm=False)[0].finished
+
+
+def test_llm_seed_none_samples(tiny_model_dir: Any) -> None:
+    """LLM(seed=None), the default of vLLM's LLM signature for long: the engine draws a random seed (vLLM then
+    seeds nothing); it used to reach torch's manual_seed as None and fail every sampled request."""
+    llm = LLM(tiny_model_dir("llama"), max_model_len=64, seed=None)
+    out = llm.generate([list(range(100, 105))], SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 3
+    assert isinstance(llm.config.model_config.seed, int)
+
+
+def test_vllm_arguments_the_cli_ignores_are_ignored_offline_too(tiny_model_dir: Any) -> None:
+    """vLLM's LLM() arguments that `kvserve serve` accepts and ignores as flags (--task generate, -pp 1, ...)
+    are taken by LLM() too, at the values that change nothing; they were a TypeError offline only."""
+    llm = LLM(tiny_model_dir("llama"), max_model_len=64, task="generate", pipeline_parallel_size=1,
+              data_parallel_size=1, distributed_executor_backend="mp", max_seq_len_to_capture=8192,
+              disable_custom_all_reduce=True, disable_async_output_proc=False, skip_tokenizer_init=False,
+              hf_token=None)
+    assert llm.generate([[100, 101]], SamplingParams(max_tokens=1), use_tqdm=False)[0].finished
+    for name, value in (("task", "embed"), ("pipeline_parallel_size", 2), ("skip_tokenizer_init", True)):
+        with pytest.raises(TypeError, match=f"kvserve does not take: {name}={value!r}"):
+            LLM(tiny_model_dir("llama"), max_model_len=64, **{name: value})
+
+
+def test_vllm_keyword_arguments_of_generate_and_chat(llm: LLM) -> None:
+    """vLLM code passes lora_request=None, chat_template_content_format and mm_processor_kwargs=None by keyword;
+    each was a TypeError. An adapter is refused; "openai" hands the template a list of text parts."""
+    params = SamplingParams(temperature=0, max_tokens=2)
+    plain = llm.generate([[100, 101]], params, use_tqdm=False)[0]
+    assert llm.generate([[100, 101]], params, use_tqdm=False, lora_request=None)[0].outputs[0].token_ids == \
+        plain.outputs[0].token_ids
+    with pytest.raises(ValueError, match="LoRA"):
+        llm.generate([[100, 101]], params, use_tqdm=False, lora_request=object())  # type: ignore[arg-type]
+    template = ("{% for m in messages %}{{ m.role }}:{% if m.content is string %}{{ m.content }}"
+                "{% else %}{% for p in m.content %}[{{ p.text }}]{% endfor %}{% endif %}|{% endfor %}")
+    conversation = [{"role": "user", "content": "Hi"},
+                    {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+
+    def rendered(**kwargs: Any) -> str:
+        return llm.chat(conversation, params, use_tqdm=False, chat_template=template, lora_request=None,
+                        mm_processor_kwargs=None, **kwargs)[0].prompt
+
+    assert rendered() == rendered(chat_template_content_format="string") == "user:Hi|user:a\nb|"
+    assert rendered(chat_template_content_format="openai") == "user:[Hi]|user:[a][b]|"
+    with pytest.raises(ValueError, match="chat_template_content_format"):
+        rendered(chat_template_content_format="html")
+    with pytest.raises(ValueError, match="text-only"):
+        llm.chat(conversation, params, use_tqdm=False, mm_processor_kwargs={"num_crops": 4})  # type: ignore[arg-type]
