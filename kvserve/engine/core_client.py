@@ -207,6 +207,11 @@ class EngineCoreClient:
         process = self._process
         if process is not None:
             asyncio.get_running_loop().remove_reader(process.sentinel)
+            if process.is_alive() and self.ready is None:
+                # Still loading: it reads no message before it is ready and ignores SIGTERM (the API process
+                # decides when it stops), and it has no request to finish: stop it now.
+                logger.info("engine core still starting; killing it")
+                process.kill()
             if process.is_alive():
                 if self._pending_sends:  # (aborts, ClientGone) before the engine stops reading
                     await asyncio.wait(set(self._pending_sends), timeout=1.0)

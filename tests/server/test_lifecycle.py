@@ -221,6 +221,23 @@ def test_sigterm_while_the_engine_starts_leaves_no_engine_process(launch_server,
     wait_for(lambda: not pid_alive(server.engine_pid), 60, "the engine process of a stopped API process to exit")
 
 
+def test_ctrl_c_while_the_engine_starts_kills_the_loading_engine(launch_server, tiny_llama_dir):
+    """Ctrl-C to the API process while the engine loads: the engine reads no message before it is ready and
+    ignores SIGINT / SIGTERM, so asking it to stop (then terminating it) only waited 10 + 5 s before the kill.
+    A loading engine has nothing to finish: it is killed at once."""
+    server = launch_server([tiny_llama_dir, *FLAGS], wait=False)
+    wait_for(lambda: "engine core process started" in server.log() or server.proc.poll() is not None, 180,
+             "the engine process to be started")
+    server.engine_pid = server._find_engine_pid()  # finish() kills it should it still be alive
+    assert server.engine_pid is not None, server.log()
+    server.proc.send_signal(signal.SIGINT)
+    server.wait_exit(60)
+    wait_for(lambda: not pid_alive(server.engine_pid), 30, "the engine process to exit")
+    log = server.log()
+    assert "engine core still starting; killing it" in log, log[-3000:]
+    assert "did not exit" not in log, log[-3000:]
+
+
 def test_engine_start_failure_exits_nonzero_with_its_error(own_server: ServerProcess):
     server = own_server  # --kv-cache-memory 1KiB (server_launches)
     assert server.wait_exit(180) == 1
