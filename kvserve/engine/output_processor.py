@@ -234,12 +234,14 @@ class OutputProcessor:
             text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
         return text
 
-    @staticmethod
-    def _finish_as_engine(sample: _SampleState, out: EngineCoreOutput) -> None:
+    def _finish_as_engine(self, sample: _SampleState, out: EngineCoreOutput) -> None:
         sample.output.finish_reason = out.finish_reason
-        # vLLM's stop_reason: the stop_token_ids entry that ended it; None for EOS.
-        stop_ids = sample.params.stop_token_ids or ()
-        sample.output.stop_reason = out.stop_token_id if out.stop_token_id in stop_ids else None
+        # vLLM's stop_reason: the id of the token that ended it (a stop_token_ids entry, or one of the generation
+        # config's EOS ids beyond the tokenizer's), except the tokenizer's own EOS, which vLLM checks first: None
+        # (unless ignore_eos, when only a stop_token_ids entry can have ended it).
+        token = out.stop_token_id
+        primary_eos = token is not None and token == self.tokenizer.eos_token_id and not sample.params.ignore_eos
+        sample.output.stop_reason = None if primary_eos else token
 
     def _logprob_dict(self, token_ids: list[int], logprobs: list[float], rank: int,
                       decode: bool = True) -> dict[int, Logprob]:

@@ -292,6 +292,13 @@ def test_the_token_that_ends_a_request_is_not_shown_as_text(default_llm: LLM) ->
     forced = default_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, logit_bias={eos: 100.0},
                                                          skip_special_tokens=False), use_tqdm=False)[0].outputs[0]
     assert forced.token_ids == [eos] and forced.text == "" and forced.stop_reason is None
+    # vLLM checks the tokenizer's EOS before stop_token_ids: None even when it is listed there too; with
+    # ignore_eos only the list can have ended it, and stop_reason is the id
+    for ignore_eos, reason in ((False, None), (True, eos)):
+        listed = default_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, logit_bias={eos: 100.0},
+                                                             stop_token_ids=[eos], ignore_eos=ignore_eos),
+                                      use_tqdm=False)[0].outputs[0]
+        assert (listed.token_ids, listed.finish_reason, listed.stop_reason) == ([eos], "stop", reason)
 
 
 def test_vllm_constructor_arguments_and_chat_forms(tiny_model_dir) -> None:
