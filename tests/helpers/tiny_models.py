@@ -5,6 +5,9 @@
 returns `dir`. Weights are drawn from a seeded generator (same variant + seed -> same bytes), with biases
 and norm weights randomised too so that loading them wrongly changes the output.
 
+`write_default_checkpoint(dir, dtype)` writes the default GGUF model (SmolLM2-135M-Instruct) as such an HF
+checkpoint, for engine settings a GGUF file is refused (`--quantization fp8`).
+
 `write_gguf(checkpoint_dir, gguf_path)` re-exports such a checkpoint as a GGUF file the way llama.cpp's
 converter lays it out (tensor names, metadata including RoPE scaling, and the q/k row permutation for the
 llama architecture), with float32 tensors, so a model loaded from it must reproduce the HF checkpoint's
@@ -141,6 +144,46 @@ def smollm_tokenizer_dir() -> str:
     out = tempfile.mkdtemp(prefix="kvserve-smollm-tokenizer-")
     smollm_tokenizer().save_pretrained(out)
     return out
+
+
+def write_default_checkpoint(directory: str, dtype: torch.dtype = torch.float32) -> str:
+    """The default GGUF (SmolLM2-135M-Instruct, Q4_1) as an HF checkpoint in `directory`: config.json (HF
+    Transformers' LlamaConfig of the file's metadata), model.safetensors (the Q4_1 weights dequantized, then
+    cast to `dtype`) and the tokenizer (`smollm_tokenizer_dir`); returns `directory`. For what a GGUF file
+    cannot be given: `--quantization fp8` refuses GGUF checkpoints.
+
+    The weights come from `kvserve.model.gguf.iter_gguf_weights` (the q/k rows un-permuted), whose float32
+    values are bit-identical to HF Transformers' GGUF loader's (checked tensor by tensor when this was written;
+    tests/models/test_model_forward.py checks the logits): about 5 s here, against 15-45 s for
+    `AutoModelForCausalLM.from_pretrained(gguf_file=...)` + `save_pretrained`, which parses the file twice."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    from kvserve.model.arch import load_arch_config
+    from kvserve.model.gguf import iter_gguf_weights
+
+    gguf_path = default_model_path()
+    arch = load_arch_config(gguf_path)
+    assert arch.architecture == "LlamaForCausalLM" and arch.rope_scaling is None, arch
+    config = AutoConfig.for_model(
+        "llama", vocab_size=arch.vocab_size, hidden_size=arch.hidden_size, intermediate_size=arch.intermediate_size,
+        num_hidden_layers=arch.num_hidden_layers, num_attention_heads=arch.num_attention_heads,
+        num_key_value_heads=arch.num_key_value_heads, head_dim=arch.head_dim, rms_norm_eps=arch.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": arch.rope_theta},
+        max_position_embeddings=arch.max_position_embeddings, tie_word_embeddings=arch.tie_word_embeddings,
+        bos_token_id=arch.bos_token_id, eos_token_id=arch.eos_token_ids[0], dtype=dtype,
+        architectures=[arch.architecture],
+    )
+    os.makedirs(directory, exist_ok=True)
+    config.save_pretrained(directory)
+    weights = iter_gguf_weights(gguf_path, unpermute_qk=True, num_heads=arch.num_attention_heads,
+                                num_kv_heads=arch.num_key_value_heads)
+    save_file({name: tensor.to(dtype) for name, tensor in weights}, os.path.join(directory, "model.safetensors"),
+              metadata={"format": "pt"})
+    tokenizer_dir = smollm_tokenizer_dir()
+    for name in os.listdir(tokenizer_dir):
+        shutil.copy(os.path.join(tokenizer_dir, name), directory)
+    return directory
 
 
 def make_tiny_checkpoint(directory: str, arch: str = "llama", seed: int = 0, **config_overrides: Any) -> str:
