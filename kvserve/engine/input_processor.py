@@ -15,9 +15,6 @@ from kvserve.protocol.sampling_params import SamplingParams, SamplingParamsError
 
 PromptType = str | Sequence[int] | dict[str, Any]
 # vLLM's prompt-dict keys for images, audio and video
-_MULTIMODAL_PROMPT_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids")
-
-
 def encode_text(tokenizer: PreTrainedTokenizerBase, text: str, add_special_tokens: bool = True) -> list[int]:
     """The token ids of `text`. ValueError for text a tokenizer cannot take (a lone UTF-16 surrogate, which
     JSON's \\ud800 escapes can carry, makes HF tokenizers raise TypeError)."""
@@ -58,9 +55,11 @@ class InputProcessor:
         """A string (tokenized with the tokenizer's special tokens), token ids, or a dict with "prompt" or
         "prompt_token_ids"."""
         if isinstance(prompt, dict):
-            multimodal = sorted(key for key in _MULTIMODAL_PROMPT_KEYS if prompt.get(key) is not None)
-            if multimodal:  # vLLM refuses them for a text-only model too; ignored, the answer would be about nothing
-                raise ValueError(f"kvserve serves text-only models: a prompt cannot carry {', '.join(multimodal)}")
+            # vLLM refuses multimodal data for a text-only model too (ignored, the answer would be about nothing);
+            # like vLLM, only data counts: an empty or None value, and the processor kwargs / uuids that go with
+            # data, are no data.
+            if prompt.get("multi_modal_data"):
+                raise ValueError("kvserve serves text-only models: a prompt cannot carry multi_modal_data")
             if "prompt_token_ids" in prompt:
                 processed = self.tokenize(prompt["prompt_token_ids"])
                 text = prompt.get("prompt")  # the text the ids came from, where the caller has it

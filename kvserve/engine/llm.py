@@ -33,8 +33,10 @@ _IGNORED_VLLM_ARGS: dict[str, tuple[Any, ...]] = {
     # those `kvserve serve` / `generate` accept and ignore too (vllm_compat.add_ignored_engine_args)
     "task": ("auto", "generate"), "pipeline_parallel_size": (1,), "data_parallel_size": (1,),
     "distributed_executor_backend": (None, "mp", "uni"), "max_seq_len_to_capture": (),
-    "disable_custom_all_reduce": (True, False), "disable_async_output_proc": (True, False),
-    "skip_tokenizer_init": (False,), "hf_token": (None,),
+    "disable_custom_all_reduce": (True, False),
+    # offline only (no such flags here): no async output processing to turn off, the tokenizer is always
+    # loaded, nothing is downloaded
+    "disable_async_output_proc": (True, False), "skip_tokenizer_init": (False,), "hf_token": (None,),
 }
 # vLLM's names for kvserve's own settings (kv_cache_memory_bytes is EngineArgs' own: read as vLLM reads it).
 _VLLM_ALIASES = {"num_gpu_blocks_override": "num_kv_blocks"}
@@ -176,9 +178,11 @@ class LLM:
                 request_id = str(next(self._ids))
                 # vLLM's prompt dicts carry their own cache_salt (TextPrompt / TokensPrompt)
                 salt = prompt.get("cache_salt", cache_salt) if isinstance(prompt, dict) else cache_salt
+                if salt is not None and not isinstance(salt, str):
+                    raise ValueError(f"cache_salt must be a string, got {type(salt).__name__}")
                 self.engine.add_request(request_id, prompt, params, cache_salt=salt, priority=prio)
                 request_ids.append(request_id)
-        except Exception:
+        except BaseException:  # a bad prompt, or Ctrl-C while tokenizing: none of this call's requests stay
             for request_id in request_ids:
                 self.engine.abort_request(request_id)
             raise
@@ -197,7 +201,7 @@ class LLM:
         *,
         lora_request: None = None,
         chat_template_content_format: str = "auto",
-        mm_processor_kwargs: None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Like `generate`, for conversations ([{"role": ..., "content": ...}, ...]) rendered with the
         tokenizer's chat template (or `chat_template`). A message's content may be a string or OpenAI's list
@@ -206,12 +210,12 @@ class LLM:
         the rendered text. `tools` (OpenAI's function tools) go to the template; the outputs are the model's
         text, tool calls unparsed (the server's --tool-call-parser reads them). vLLM's `lora_request` (None
         only), `chat_template_content_format` ("auto" = "string": parts joined; "openai": every content as a
-        list of text parts) and `mm_processor_kwargs` (None only) are taken by keyword."""
+        list of text parts) and `mm_processor_kwargs` (a multimodal processor's: ignored, as vLLM ignores them
+        for a conversation without images) are taken by keyword."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt=False")
         _no_lora(lora_request)
-        if mm_processor_kwargs is not None:
-            raise ValueError("kvserve serves text-only models: chat takes no mm_processor_kwargs")
+        del mm_processor_kwargs  # processor settings for images; text-only conversations have none
         # vLLM's content formats; its "auto" picks "openai" only for templates that loop over content parts,
         # which kvserve's (text) models' templates do not: "auto" is "string" here.
         if chat_template_content_format not in ("auto", "string", "openai"):

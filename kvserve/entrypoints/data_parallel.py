@@ -49,7 +49,7 @@ import aiohttp
 from aiohttp import web
 
 from kvserve import envs
-from kvserve.entrypoints.openai.api_server import LISTEN_BACKLOG, bind_listening
+from kvserve.entrypoints.openai.api_server import DRAIN_ABORT_GRACE_S, LISTEN_BACKLOG, bind_listening
 from kvserve.entrypoints.openai.cli_args import api_key_from
 from kvserve.router.app import RouterApp, RouterConfig
 from kvserve.router.policies import Router
@@ -391,8 +391,10 @@ async def serve_replicas(ns: argparse.Namespace, plans: Sequence[ReplicaPlan], s
             return 0
         config = router_config(ns)
         app = RouterApp(Router([r.url for r in replicas], "prefix"), config)
+        # The replicas abort what still runs at --shutdown-timeout and their responses end within
+        # DRAIN_ABORT_GRACE_S: the router's own wait covers both, so those ends reach the clients.
         runner = web.AppRunner(app.make_app(), handle_signals=False, access_log=None, handler_cancellation=True,
-                               shutdown_timeout=shutdown_s)
+                               shutdown_timeout=shutdown_s + DRAIN_ABORT_GRACE_S)
         await runner.setup()
         # Logged before the site starts, so that a client served first (one waiting in the backlog) finds it
         # in the log.

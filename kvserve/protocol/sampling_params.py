@@ -280,4 +280,6 @@ class SamplingParams:
         """Parameters of sample `index` of an n>1 request: n=1, and a distinct seed when seeded. The prompt's
         logprobs are the same for every sample: only sample 0 computes them."""
         seed = None if self.seed is None else self.seed + index
-        return replace(self, n=1, seed=seed, prompt_logprobs=self.prompt_logprobs if index == 0 else None)
+        sample = replace(self, n=1, seed=seed, prompt_logprobs=self.prompt_logprobs if index == 0 else None)
+        sample.seed = seed  # seed + index may be -1, which __post_init__ (run again by replace) reads as no seed
+        return sample

@@ -64,6 +64,8 @@ def test_seed_minus_one_is_unseeded() -> None:
     request samples anew instead of every one repeating the samples of a fixed seed -1."""
     assert SamplingParams(seed=-1).seed is None
     assert SamplingParams(seed=-2).seed == -2 and SamplingParams(seed=0).seed == 0
+    # an n > 1 request's samples take seed + index, -1 included (vLLM copies the params with it)
+    assert [SamplingParams(seed=-2, n=3).for_sample(i).seed for i in range(3)] == [-2, -1, 0]
 
 
 @pytest.mark.parametrize("name", ["temperature", "repetition_penalty"])
@@ -90,18 +92,23 @@ def test_prompt_dicts_cache_salt(llm: LLM) -> None:
     assert cached({"prompt_token_ids": ids, "cache_salt": "bob"}) == 0
     assert cached({"prompt_token_ids": ids, "cache_salt": "alice"}) == 48
     assert cached({"prompt_token_ids": ids}) == 0
+    with pytest.raises(ValueError, match="cache_salt must be a string, got int"):
+        llm.generate({"prompt_token_ids": ids, "cache_salt": 42}, params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_prompt_dicts_with_multimodal_data_are_refused(llm: LLM) -> None:
-    """A text-only model given vLLM's "multi_modal_data" (or its processor kwargs) refuses the prompt, as vLLM
-    does; it was ignored, and the model answered the text alone."""
+    """A text-only model given vLLM's "multi_modal_data" refuses the prompt, as vLLM does; it was ignored, and
+    the model answered the text alone. As in vLLM, only data counts: None or {} is none, and the processor
+    kwargs and uuids that go with data are read only with it."""
     params = SamplingParams(temperature=0, max_tokens=2)
-    for key in ("multi_modal_data", "mm_processor_kwargs"):
-        with pytest.raises(ValueError, match=f"text-only models: a prompt cannot carry {key}"):
-            llm.generate({"prompt": "Describe the image", key: {"image": object()}}, params, use_tqdm=False)
+    with pytest.raises(ValueError, match="text-only models: a prompt cannot carry multi_modal_data"):
+        llm.generate({"prompt": "Describe the image", "multi_modal_data": {"image": object()}}, params,
+                     use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
-    # None (a TypedDict's key set to nothing) is no data
-    assert llm.generate({"prompt": "Hi", "multi_modal_data": None}, params, use_tqdm=False)[0].finished
+    for extra in ({"multi_modal_data": None}, {"multi_modal_data": {}}, {"mm_processor_kwargs": {"num_crops": 4}},
+                  {"multi_modal_uuids": {}}):
+        assert llm.generate({"prompt": "Hi", **extra}, params, use_tqdm=False)[0].finished, extra
 
 
 def test_llm_seed_none_samples(tiny_model_dir: Any) -> None:
@@ -149,5 +156,6 @@ def test_vllm_keyword_arguments_of_generate_and_chat(llm: LLM) -> None:
     assert rendered(chat_template_content_format="openai") == "user:[Hi]|user:[a][b]|"
     with pytest.raises(ValueError, match="chat_template_content_format"):
         rendered(chat_template_content_format="html")
-    with pytest.raises(ValueError, match="text-only"):
-        llm.chat(conversation, params, use_tqdm=False, mm_processor_kwargs={"num_crops": 4})  # type: ignore[arg-type]
+    # a processor's kwargs are ignored for a conversation without images, as vLLM ignores them
+    assert llm.chat(conversation, params, use_tqdm=False, chat_template=template,
+                    mm_processor_kwargs={"num_crops": 4})[0].prompt == rendered()
