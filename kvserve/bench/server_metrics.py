@@ -14,7 +14,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 # Field -> sample names that carry it, first match wins (a server exporting both kvserve: and vllm: names
-# reports the same values under both). Several label sets of one name (e.g. per model) are summed.
+# reports the same values under both). Several label sets of one name (per model, or per data-parallel
+# replica's `engine`) are summed, except the KV cache usage, a fraction: the fullest one's (MAXED_FIELDS).
 METRIC_NAMES: dict[str, tuple[str, ...]] = {
     "running": ("kvserve:num_requests_running", "vllm:num_requests_running", "sglang:num_running_reqs",
                 "tgi_batch_current_size"),
@@ -27,6 +28,8 @@ METRIC_NAMES: dict[str, tuple[str, ...]] = {
     "prefix_queries": ("kvserve:prefix_cache_queries_total", "vllm:prefix_cache_queries_total",
                        "vllm:gpu_prefix_cache_queries_total"),
 }
+
+MAXED_FIELDS = frozenset({"kv_usage"})
 
 
 @dataclass(frozen=True)
@@ -49,12 +52,17 @@ class MetricSample:
         return cls(**data)
 
 
-def _sample_totals(text: str) -> dict[str, float]:
-    """{sample name: value summed over its label sets} of a Prometheus text exposition."""
+def _sample_totals(text: str, maxed: frozenset[str] = frozenset()) -> dict[str, float]:
+    """{sample name: value summed over its label sets} of a Prometheus text exposition; the largest of its
+    label sets' values for a name in `maxed`."""
     totals: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            totals[sample.name] = totals.get(sample.name, 0.0) + float(sample.value)
+            value = float(sample.value)
+            if sample.name in maxed:
+                totals[sample.name] = max(totals.get(sample.name, value), value)
+            else:
+                totals[sample.name] = totals.get(sample.name, 0.0) + value
     return totals
 
 
@@ -74,7 +82,7 @@ def histogram_means(before: str, after: str) -> dict[str, tuple[float, int]]:
 
 def parse_metrics(text: str, t_s: float) -> MetricSample:
     """The fields of METRIC_NAMES found in a Prometheus text exposition."""
-    totals = _sample_totals(text)
+    totals = _sample_totals(text, frozenset(n for f in MAXED_FIELDS for n in METRIC_NAMES[f]))
     values: dict[str, float | None] = {}
     for field_name, names in METRIC_NAMES.items():
         values[field_name] = next((totals[n] for n in names if n in totals), None)

@@ -205,6 +205,15 @@ kvserve:prefix_cache_queries_total{model_name="a"} 40.0
     sample = parse_metrics(text, 1.5)
     assert sample == MetricSample(1.5, running=5.0, waiting=7.0, kv_usage=0.5, prefix_hits=10.0,
                                   prefix_queries=40.0)
+    # data-parallel replicas (`engine` labels): counts add up, the KV cache usage is the fullest replica's
+    replicas = """# TYPE kvserve:num_requests_running gauge
+kvserve:num_requests_running{engine="0"} 4.0
+kvserve:num_requests_running{engine="1"} 6.0
+# TYPE kvserve:kv_cache_usage_perc gauge
+kvserve:kv_cache_usage_perc{engine="0"} 0.6
+kvserve:kv_cache_usage_perc{engine="1"} 0.7
+"""
+    assert parse_metrics(replicas, 2.0) == MetricSample(2.0, running=10.0, kv_usage=0.7)
     summary = summarize_samples(SAMPLES)
     assert summary["max_running"] == 2 and summary["max_kv_usage"] == 0.25
     assert summary["prefix_hit_rate"] == pytest.approx(120 / 200)

@@ -168,6 +168,7 @@ def test_one_response_per_request_and_errors_stay_with_their_request(triton_mode
         Request(text_input="x", sampling_parameters=json.dumps({"temperature": -1})),
         Request(sampling_parameters="{}"),
         Request(text_input="word " * 400),  # longer than max_model_len
+        Request(text_input="x", sampling_parameters=json.dumps({"logit_bias": [1, 2]})),  # not a mapping
     ]
     responses = model.execute(requests)
     assert len(responses) == len(requests)
@@ -179,6 +180,40 @@ def test_one_response_per_request_and_errors_stay_with_their_request(triton_mode
     assert "temperature" in errors[2]
     assert "text_input is required" in errors[3]
     assert "max_model_len" in errors[4] or "too long" in errors[4], errors[4]
+    assert errors[5].startswith("sampling_parameters: "), errors[5]  # an AttributeError escaped execute
+
+
+@pytest.mark.parametrize("decoupled", [True, False], ids=["decoupled", "plain"])
+def test_a_failure_while_generating_is_that_requests_error(triton_model: Callable[[bool], Any], decoupled: bool,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error other than a refusal while a request generates (the engine gone, a failed step) ends that
+    request with an error response: it escaped before, failing the whole batch, or (decoupled) never sent the
+    final response, leaving the client waiting."""
+    model = triton_model(decoupled)
+    real = model.engine.generate
+
+    def generate(request_id: str, ids: list[int], params: Any, **kwargs: Any) -> Any:
+        if kwargs.get("prompt") != "boom":
+            return real(request_id, ids, params, **kwargs)
+
+        async def failing() -> Any:
+            raise RuntimeError("engine core died")
+            yield  # an async generator
+
+        return failing()
+
+    monkeypatch.setattr(model.engine, "generate", generate)
+    bad = Request(text_input="boom", sampling_parameters=json.dumps({"max_tokens": 2}))
+    good = Request(text_input="fine", sampling_parameters=json.dumps({"temperature": 0, "max_tokens": 2}))
+    responses = model.execute([bad, good])
+    if decoupled:
+        assert bad.sender.done.wait(60) and good.sender.done.wait(60)
+        ((response, flags),) = bad.sender.sent
+        assert flags == FINAL and response.error().message() == "RuntimeError: engine core died"
+        assert not good.sender.sent[-1][0].has_error()
+    else:
+        assert responses[0].error().message() == "RuntimeError: engine core died"
+        assert not responses[1].has_error()
 
 
 def test_requests_take_the_models_generation_config(triton_model: Callable[..., Any],

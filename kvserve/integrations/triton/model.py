@@ -119,8 +119,10 @@ class TritonPythonModel:
             params = SamplingParams(**{**self.sampling_defaults, **given})
             # The generation config's cap lowers what a request asks for, as on the server (vLLM's rule).
             params = apply_cap(params, self.max_tokens_cap)
-        except TypeError as exc:
-            raise ValueError(f"sampling_parameters: {exc}") from None
+        except ValueError:
+            raise
+        except Exception as exc:  # noqa: BLE001 (a field of the wrong type: TypeError, AttributeError, ...)
+            raise ValueError(f"sampling_parameters: {type(exc).__name__}: {exc}") from None
         stream = bool(_input(request, "stream") or False)
         exclude = bool(_input(request, "exclude_input_in_output") or False)
         if stream and not self.decoupled:
@@ -149,7 +151,13 @@ class TritonPythonModel:
 
     async def _respond(self, request: Any, parsed: tuple[list[int], str, Any, bool, bool], sender: Any | None
                        ) -> Any:
-        response = await self._generate(request, parsed, sender)
+        """The request's final response: sent through `sender` (decoupled) or returned. Whatever stops the
+        generation (the engine gone, an error in a step) ends this request with an error response of its own:
+        a decoupled client is not left waiting for a final response, nor the batch's others failed."""
+        try:
+            response = await self._generate(request, parsed, sender)
+        except Exception as exc:  # noqa: BLE001 (any failure is this request's error response)
+            response = _output([], error=f"{type(exc).__name__}: {exc}")
         if sender is None:
             return response
         sender.send(response, flags=_pb().TRITONSERVER_RESPONSE_COMPLETE_FINAL)
