@@ -242,6 +242,19 @@ def test_requests_take_the_models_generation_config(triton_model: Callable[..., 
     assert "min_tokens" in responses[4].error().message() and "capped at 5" in responses[4].error().message()
 
 
+def test_a_gpu_instance_takes_the_gpu_triton_gave_it() -> None:
+    """Triton numbers an instance's GPU among those tritonserver sees: with CUDA_VISIBLE_DEVICES set, the
+    engine takes that entry of it (it took the first visible GPU for every instance); a tensor-parallel engine
+    keeps every GPU it sees (it was narrowed to one)."""
+    from kvserve.integrations.triton.model import instance_visible_devices
+
+    assert instance_visible_devices(None, 1, 1) == "1"
+    assert instance_visible_devices("4,5", 1, 1) == "5"
+    assert instance_visible_devices("GPU-aa, GPU-bb", 0, 1) == "GPU-aa"
+    assert instance_visible_devices("4,5", 3, 1) is None  # not one of them: left as it is
+    assert instance_visible_devices(None, 0, 2) is None and instance_visible_devices("4,5", 1, 2) is None
+
+
 def test_repository_layout_and_command(tmp_path: Path, tiny_model_dir: Callable[..., str]) -> None:
     text = config_pbtxt("qwen2_7b", 32, True, 1, "KIND_GPU", [0])
     for line in ('name: "qwen2_7b"', 'backend: "python"', "max_batch_size: 32", "decoupled: true",

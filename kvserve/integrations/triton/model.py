@@ -40,6 +40,18 @@ except ImportError:  # pragma: no cover - outside Triton (tests install a stand-
 ENGINE_ARGS_FILE = "kvserve.json"
 
 
+def instance_visible_devices(visible: str | None, device_id: int, tensor_parallel_size: int) -> str | None:
+    """CUDA_VISIBLE_DEVICES for the engine of a GPU instance Triton placed on `device_id` (CUDA's numbering,
+    which counts the GPUs tritonserver itself sees: `visible`, when set, names them), or None to leave it as
+    it is: a tensor-parallel engine takes the first `tensor_parallel_size` GPUs it sees."""
+    if tensor_parallel_size > 1:
+        return None
+    names = [name.strip() for name in visible.split(",")] if visible else []
+    if names:
+        return names[device_id] if device_id < len(names) else None
+    return str(device_id)
+
+
 def _pb() -> Any:
     import sys
 
@@ -77,9 +89,13 @@ class TritonPythonModel:
         version_dir = os.path.join(args["model_repository"], args["model_version"])
         with open(os.path.join(version_dir, ENGINE_ARGS_FILE)) as f:
             engine_args = json.load(f)
-        if args.get("model_instance_kind") == "GPU" and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        if args.get("model_instance_kind") == "GPU":
             # The engine process (spawned below) takes the GPU Triton gave this instance.
-            os.environ["CUDA_VISIBLE_DEVICES"] = str(args.get("model_instance_device_id", "0"))
+            devices = instance_visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"),
+                                               int(args.get("model_instance_device_id", 0)),
+                                               int(engine_args.get("tensor_parallel_size", 1)))
+            if devices is not None:
+                os.environ["CUDA_VISIBLE_DEVICES"] = devices
         config = EngineArgs(**engine_args).create_engine_config()
         self.sampling_defaults = dict(config.model_config.sampling_defaults)
         self.max_tokens_cap = config.model_config.max_tokens_cap
