@@ -14,7 +14,8 @@ from kvserve.protocol.engine import EngineCoreRequest
 from kvserve.protocol.sampling_params import SamplingParams, SamplingParamsError
 
 PromptType = str | Sequence[int] | dict[str, Any]
-# vLLM's prompt-dict keys for images, audio and video
+
+
 def encode_text(tokenizer: PreTrainedTokenizerBase, text: str, add_special_tokens: bool = True) -> list[int]:
     """The token ids of `text`. ValueError for text a tokenizer cannot take (a lone UTF-16 surrogate, which
     JSON's \\ud800 escapes can carry, makes HF tokenizers raise TypeError)."""
