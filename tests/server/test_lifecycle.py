@@ -9,6 +9,7 @@ import signal
 import socket
 import threading
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -205,15 +206,21 @@ def test_engine_exits_when_the_api_process_is_killed(own_server: ServerProcess):
     wait_for(lambda: not pid_alive(server.engine_pid), 15, "the orphaned engine process to exit")
 
 
-def test_sigterm_while_the_engine_starts_leaves_no_engine_process(launch_server, tiny_llama_dir):
-    """The API process stopped (SIGTERM to it alone: before serving, Python's default action ends it) right after
-    it spawned the engine process, which is still importing: the engine must not outlive it. It read its
-    parent's pid only once running, which was init's by then, and so never saw the API process gone."""
+def _engine_starting(launch_server: Any, tiny_llama_dir: str) -> ServerProcess:
+    """A server whose engine process was just spawned (still importing or loading), its pid known."""
     server = launch_server([tiny_llama_dir, *FLAGS], wait=False)
     wait_for(lambda: "engine core process started" in server.log() or server.proc.poll() is not None, 180,
              "the engine process to be started")
     server.engine_pid = server._find_engine_pid()  # finish() kills it should it still be alive
     assert server.engine_pid is not None, server.log()
+    return server
+
+
+def test_sigterm_while_the_engine_starts_leaves_no_engine_process(launch_server, tiny_llama_dir):
+    """The API process stopped (SIGTERM to it alone: before serving, Python's default action ends it) right after
+    it spawned the engine process, which is still importing: the engine must not outlive it. It read its
+    parent's pid only once running, which was init's by then, and so never saw the API process gone."""
+    server = _engine_starting(launch_server, tiny_llama_dir)
     server.proc.send_signal(signal.SIGTERM)
     server.wait_exit(30)
     wait_for(lambda: not pid_alive(server.engine_pid), 60, "the engine process of a stopped API process to exit")
@@ -223,11 +230,7 @@ def test_ctrl_c_while_the_engine_starts_kills_the_loading_engine(launch_server, 
     """Ctrl-C to the API process while the engine loads: the engine reads no message before it is ready and
     ignores SIGINT / SIGTERM, so asking it to stop (then terminating it) only waited 10 + 5 s before the kill.
     A loading engine has nothing to finish: it is killed at once."""
-    server = launch_server([tiny_llama_dir, *FLAGS], wait=False)
-    wait_for(lambda: "engine core process started" in server.log() or server.proc.poll() is not None, 180,
-             "the engine process to be started")
-    server.engine_pid = server._find_engine_pid()  # finish() kills it should it still be alive
-    assert server.engine_pid is not None, server.log()
+    server = _engine_starting(launch_server, tiny_llama_dir)
     server.proc.send_signal(signal.SIGINT)
     server.wait_exit(60)
     wait_for(lambda: not pid_alive(server.engine_pid), 30, "the engine process to exit")

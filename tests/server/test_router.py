@@ -462,6 +462,16 @@ def test_a_backend_that_breaks_off_mid_stream_cuts_the_clients_stream_quietly(
     assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR], caplog.text
 
 
+async def _backend_request_ended(app: Any, backend: FakeBackend) -> None:
+    """The router closed its request to `backend` (the only one) and counts nothing in flight there."""
+    await asyncio.wait_for(backend.disconnected.wait(), 5)
+    for _ in range(50):
+        if app.router.backends[0].in_flight == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert app.router.backends[0].in_flight == 0
+
+
 def test_a_client_that_leaves_mid_stream_ends_the_backend_request() -> None:
     async def body() -> None:
         backend = FakeBackend("a", chunks=500, delay_s=0.02)
@@ -469,12 +479,7 @@ def test_a_client_that_leaves_mid_stream_ends_the_backend_request() -> None:
             async with aiohttp.ClientSession() as session:
                 async with session.post(base + "/v1/completions", json={"prompt": "x", "stream": True}) as response:
                     await response.content.readline()  # the first event arrived; now hang up
-            await asyncio.wait_for(backend.disconnected.wait(), 5)
-            for _ in range(50):
-                if app.router.backends[0].in_flight == 0:
-                    break
-                await asyncio.sleep(0.02)
-            assert app.router.backends[0].in_flight == 0
+            await _backend_request_ended(app, backend)
     _run(body)
 
 
@@ -505,12 +510,7 @@ def test_a_client_gone_before_a_chunk_is_written_ends_quietly(monkeypatch: pytes
             async with aiohttp.ClientSession() as session:
                 with contextlib.suppress(aiohttp.ClientError):
                     await _post(session, base)
-            await asyncio.wait_for(backend.disconnected.wait(), 5)
-            for _ in range(50):
-                if app.router.backends[0].in_flight == 0:
-                    break
-                await asyncio.sleep(0.02)
-            assert app.router.backends[0].in_flight == 0
+            await _backend_request_ended(app, backend)
             router_port.clear()
             async with aiohttp.ClientSession() as session:
                 metrics = await (await session.get(base + "/metrics")).text()
