@@ -32,6 +32,7 @@ import zmq.asyncio
 
 from kvserve.config import EngineConfig
 from kvserve.engine.core_proc import run_engine_core
+from kvserve.engine.errors import EngineDeadError
 from kvserve.protocol.core_messages import (
     AbortRequests,
     AddRequests,
@@ -59,10 +60,6 @@ READ_SLICE_S = 0.02
 _DEATH_BACKLOG_MAX_S = 10.0
 # An attached client without pidfds checks that the engine's pid exists this often.
 _PID_POLL_S = 0.25
-
-
-class EngineDeadError(RuntimeError):
-    """The engine-core process is gone (or failed to start); the message says why when it is known."""
 
 
 class EngineMessageHandler(Protocol):

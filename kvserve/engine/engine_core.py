@@ -27,7 +27,10 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import signal
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +39,7 @@ from kvserve.config import ConfigError, EngineConfig, memory_size_text
 from kvserve.core.outputs import EngineCoreOutput, SchedulerOutput, SchedulerStats
 from kvserve.core.request import Request
 from kvserve.core.scheduler import RequestRejected, Scheduler
+from kvserve.engine.errors import EngineDeadError
 from kvserve.executor.multiproc import TPWorkers
 from kvserve.kernels import triton_precompile
 from kvserve.model.tokenizer import load_tokenizer
@@ -92,6 +96,9 @@ class EngineCore:
         self.startup_phases: dict[str, float] = {}
         # Tensor parallelism: the other ranks, which mirror every runner call below (executor.multiproc).
         self.workers: TPWorkers | None = None
+        # Why the engine can take no more steps (a tensor-parallel step failed while the other ranks ran it:
+        # `_lockstep`), once it cannot.
+        self._dead: str | None = None
         if config.tensor_parallel_size > 1:
             self.workers = TPWorkers(config)
         elif distributed.tp_size() > 1:
@@ -362,9 +369,43 @@ class EngineCore:
             return False
         return self.scheduler.kv.reset_prefix_cache()
 
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+
+    @contextlib.contextmanager
+    def _lockstep(self) -> Iterator[None]:
+        """A part of a step that the other tensor-parallel ranks run with rank 0: sending them the step, and
+        rank 0's own launches (their forwards meet in the collectives). An exception here (out of memory, a
+        bad input, Ctrl-C, a rank gone) leaves the ranks out of step: the others may wait in a collective rank
+        0 will never join, or have run a step rank 0 did not, and the next step's collectives would pair with
+        the wrong ones (a hang, a crash, or wrong tokens). Nothing brings them back in step, so the failure
+        ends the engine, as vLLM's does: the other ranks are stopped at once (a rank blocked in a collective
+        reads no message), and every later step raises EngineDeadError. The engine-core process
+        exits on the error itself (the server reports the engine dead). With one rank, nothing happens here."""
+        try:
+            yield
+        except BaseException as e:
+            if self.workers is not None:
+                self._dead = (f"a tensor-parallel step failed while the other ranks ran it ({type(e).__name__}: "
+                              f"{e}); the ranks are out of step and were stopped: make a new engine")
+                logger.error("%s", self._dead)
+                workers, self.workers = self.workers, None
+                workers.close(kill=True)
+            raise
+
     def step(self) -> EngineStepResult:
         """Schedule and launch one step; return the outputs of the step whose tokens arrived (this one
-        without async scheduling, the previous one with it)."""
+        without async scheduling, the previous one with it). With tensor parallelism, Ctrl-C (SIGINT) in the
+        main thread raises KeyboardInterrupt once the step is launched on every rank (`_interrupts_deferred`),
+        so that it leaves the ranks in step; a second one raises at once (and ends the engine: `_lockstep`)."""
+        self._check_alive()
+        if self.workers is None:
+            return self._step()
+        with _interrupts_deferred():
+            return self._step()
+
+    def _step(self) -> EngineStepResult:
         outputs = self._admit_compiled()
         scheduler_output = self.scheduler.schedule()
         sampling = [s.req_id for s in scheduler_output.scheduled if s.sample] if len(self.structured) else []
@@ -373,11 +414,15 @@ class EngineCore:
         masks_later = self._in_flight is not None and self.structured.constrains_any(sampling)
         if sampling and not masks_later:
             scheduler_output.grammar_bitmask = self.structured.bitmasks(sampling)
-        if self.workers is not None:
-            self.workers.step(scheduler_output, finish_previous_first=self._in_flight is None,
-                              masks_follow=masks_later)
+        with self._lockstep():
+            if self.workers is not None:
+                self.workers.step(scheduler_output, finish_previous_first=self._in_flight is None,
+                                  masks_follow=masks_later)
+            if masks_later:
+                launched = self.runner.launch_forward(scheduler_output)
+            else:
+                pending = self.runner.execute_model_async(scheduler_output)
         if masks_later:
-            launched = self.runner.launch_forward(scheduler_output)
             try:
                 self.scheduler.cache_scheduled_blocks()
                 # The GPU runs the forward: read the previous step's tokens and advance the grammars meanwhile.
@@ -386,15 +431,16 @@ class EngineCore:
             except BaseException:
                 # The other ranks wait for this step's masks: the step is sampled without them and dropped
                 # (as a step launched before a failure is), so that every rank stays in step.
-                if self.workers is not None:
-                    self.workers.send_masks({})
-                self.runner.sample(launched, {})
+                with self._lockstep():
+                    if self.workers is not None:
+                        self.workers.send_masks({})
+                    self.runner.sample(launched, {})
                 raise
-            if self.workers is not None:
-                self.workers.send_masks(scheduler_output.grammar_bitmask)
-            pending = self.runner.sample(launched, scheduler_output.grammar_bitmask)
+            with self._lockstep():
+                if self.workers is not None:
+                    self.workers.send_masks(scheduler_output.grammar_bitmask)
+                pending = self.runner.sample(launched, scheduler_output.grammar_bitmask)
         else:
-            pending = self.runner.execute_model_async(scheduler_output)
             # The step's new blocks are hashed for the prefix cache here, while the GPU computes, instead of
             # before the launch. Before the wait below, so the hashing overlaps the GPU.
             self.scheduler.cache_scheduled_blocks()
@@ -476,3 +522,30 @@ class EngineCore:
         """Whether min_tokens keeps EOS from being the request's next token (the sampler's rule)."""
         params = request.sampling_params
         return not params.ignore_eos and len(request.output_token_ids) < params.min_tokens
+
+
+@contextlib.contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """Ctrl-C (SIGINT) inside the block raises KeyboardInterrupt when the block ends instead of wherever it
+    lands (between two of a step's collectives, say); a second one inside raises at once. Only in the main
+    thread with Python's own SIGINT handler (the engine-core process ignores SIGINT; a handler the user set
+    is left alone)."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    interrupted = False
+
+    def defer(signum: int, frame: object) -> None:
+        nonlocal interrupted
+        if interrupted:
+            raise KeyboardInterrupt
+        interrupted = True
+
+    signal.signal(signal.SIGINT, defer)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if interrupted:
+        raise KeyboardInterrupt

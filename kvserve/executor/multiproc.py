@@ -17,7 +17,9 @@ the engine makes on its runner:
   step's tokens, and sample once the masks arrive, as rank 0 does.
 
 A rank that fails or exits ends the engine: the rank logs its error and exits, and rank 0's monitor thread
-logs which rank it was and exits the engine process (the server then reports the engine's death). During
+logs which rank it was and exits the engine process (the server then reports the engine's death). A step
+that fails on rank 0 once the other ranks have it ends the engine too (`EngineCore._lockstep`: they may wait
+in a collective rank 0 will never join): `close(kill=True)` stops them at once. During
 start-up the engine raises instead (`WorkerError`, with the rank's reason) when rank 0 reaches its next
 `gather` within the monitor's grace; the grace does not run while rank 0 builds its model and waits for
 the others' builds (`local_phase`: no collective there), however long that takes. A rank
@@ -241,10 +243,17 @@ class TPWorkers:
         logging.shutdown()
         os._exit(1)
 
-    def close(self) -> None:
-        """Stop the other ranks and leave the group."""
+    def close(self, kill: bool = False) -> None:
+        """Stop the other ranks and leave the group. kill: at once (SIGKILL), without asking them to stop and
+        waiting: for ranks that may be blocked in a collective rank 0 will never join (a failed step), which
+        would read no stop message."""
         if self._stopping.is_set():
             return
+        if kill:
+            self._stopping.set()  # before the kills: their exits are no failure for the monitor
+            for process in self._processes:
+                if process.is_alive():
+                    process.kill()
         self._finalizer()
         atexit.unregister(self._finalizer)
         distributed.destroy_tensor_parallel()

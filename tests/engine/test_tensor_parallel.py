@@ -204,6 +204,123 @@ def test_a_failure_between_a_grammar_steps_halves_leaves_the_ranks_in_step(
         llm.shutdown()
 
 
+def _within(seconds: float, call: Callable[[], Any]) -> Any:
+    """call()'s result (or its exception, raised here), from a helper thread: a hang guard (ranks out of step
+    may wait in a collective forever, where no signal reaches)."""
+    import threading
+
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = call()
+        except BaseException as exc:  # noqa: BLE001 - raised again below
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"hung for {seconds} s"
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
+def _fault_in_rank_0s_collectives(monkeypatch: pytest.MonkeyPatch, fault: Callable[[], None],
+                                  at: tuple[int, ...]) -> dict[str, Any]:
+    """Make this process's (rank 0's) all-reduces call `fault` before the ones numbered `at` (1-based) once
+    armed (`state["armed"] = True`): between two collectives of a step the other ranks run too. The other
+    ranks are fresh interpreters: only rank 0 is touched."""
+    real = distributed.all_reduce
+    state: dict[str, Any] = {"armed": False, "calls": 0}
+
+    def faulty(x: torch.Tensor) -> torch.Tensor:
+        if state["armed"]:
+            state["calls"] += 1
+            if state["calls"] in at:
+                fault()
+        return real(x)
+
+    monkeypatch.setattr(distributed, "all_reduce", faulty)
+    return state
+
+
+def _live_ranks() -> list[Any]:
+    import multiprocessing
+
+    return [p for p in multiprocessing.active_children() if p.name.startswith("kvserve-tp-rank")]
+
+
+def test_a_failure_inside_rank_0s_step_ends_the_engine_instead_of_a_hang(
+        tiny_model_dir: Callable[..., str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 fails between two all-reduces of a forward (an out-of-memory error, say) that rank 1 runs too:
+    rank 1 is left waiting in the next one, and nothing brings the ranks back in step (the next call's
+    collectives would pair with the stale ones: a gloo size mismatch that kills rank 1 and then this process,
+    a hang, or wrong tokens). The error reaches the caller, rank 1 is stopped at once, and the engine refuses
+    further work with EngineDeadError instead."""
+    from kvserve.engine.errors import EngineDeadError
+
+    def oom() -> None:
+        raise RuntimeError("injected: out of memory")
+
+    state = _fault_in_rank_0s_collectives(monkeypatch, oom, at=(3,))
+    llm = LLM(tiny_model_dir("qwen2"), dtype="float32", tensor_parallel_size=2, max_model_len=256,
+              kv_cache_memory="16MiB")
+    try:
+        state["armed"] = True
+        with pytest.raises(RuntimeError, match="injected: out of memory") as raised:
+            _within(60, lambda: llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False))
+        assert raised.type is RuntimeError
+        assert not _live_ranks()
+        assert distributed.tp_size() == 1 and not torch.distributed.is_initialized()  # free for a new engine
+        with pytest.raises(EngineDeadError, match=r"(?s)a tensor-parallel step failed.*injected: out of memory"):
+            _within(60, lambda: llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False))
+        assert not llm.engine.has_unfinished_requests()
+    finally:
+        llm.shutdown()
+
+
+def test_ctrl_c_inside_a_step_leaves_the_ranks_in_step(tiny_model_dir: Callable[..., str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C in `LLM.generate` lands between two collectives of a step (rank 1 ignores SIGINT and runs the
+    step on): the KeyboardInterrupt waits for the step's end, so the call is interrupted and the next call
+    gives the same tokens as a one-rank engine. A second Ctrl-C within the step raises at once, which ends
+    the engine (its ranks are out of step)."""
+    import os
+    import signal
+
+    from kvserve.engine.errors import EngineDeadError
+
+    path = tiny_model_dir("qwen2")
+    one = LLM(path, dtype="float32", max_model_len=256, kv_cache_memory="16MiB")
+    want = [o.outputs[0].token_ids for o in one.generate(PROMPTS[:2], GREEDY, use_tqdm=False)]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+    def ctrl_c() -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+
+    state = _fault_in_rank_0s_collectives(monkeypatch, ctrl_c, at=(3, 10, 11))
+    llm = LLM(path, dtype="float32", tensor_parallel_size=2, max_model_len=256, kv_cache_memory="16MiB")
+    try:
+        state["armed"] = True
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+        assert state["calls"] > 3  # the step went on after the signal
+        state["armed"] = False
+        got = _within(60, lambda: llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False))
+        assert [o.outputs[0].token_ids for o in got] == want
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        # Twice within one step: the armed all-reduces 10 and 11 (4 a forward: this call's second step).
+        state["armed"] = True
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+        assert not _live_ranks()
+        with pytest.raises(EngineDeadError, match="KeyboardInterrupt"):
+            llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
 def test_a_model_that_does_not_split_is_refused(tiny_model_dir: Callable[..., str]) -> None:
     with pytest.raises(ConfigError, match=r"tensor_parallel_size=3 does not split the model: "
                                           r"num_attention_heads \(4\), intermediate_size \(128\).*tensor-parallel-size"):
