@@ -383,16 +383,24 @@ class EngineCore:
         ends the engine, as vLLM's does: the other ranks are stopped at once (a rank blocked in a collective
         reads no message), and every later step raises EngineDeadError. The engine-core process
         exits on the error itself (the server reports the engine dead). With one rank, nothing happens here."""
+        workers = self.workers
+        if workers is None:
+            yield
+            return
+        workers.in_step = True
         try:
             yield
         except BaseException as e:
-            if self.workers is not None:
-                self._dead = (f"a tensor-parallel step failed while the other ranks ran it ({type(e).__name__}: "
-                              f"{e}); the ranks are out of step and were stopped: make a new engine")
-                logger.error("%s", self._dead)
-                workers, self.workers = self.workers, None
-                workers.close(kill=True)
+            gone = workers.exited()
+            self._dead = (f"a tensor-parallel step failed while the other ranks ran it ({type(e).__name__}: {e}"
+                          f"{'; ' + ', '.join(gone) + ' had exited' if gone else ''}); the ranks are out of step "
+                          "and were stopped: make a new engine")
+            logger.error("%s", self._dead)
+            self.workers = None
+            workers.close(kill=True)
             raise
+        finally:
+            workers.in_step = False  # after close: the monitor reads it to tell a failing step (see _watch)
 
     def step(self) -> EngineStepResult:
         """Schedule and launch one step; return the outputs of the step whose tokens arrived (this one

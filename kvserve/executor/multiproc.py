@@ -17,9 +17,11 @@ the engine makes on its runner:
   step's tokens, and sample once the masks arrive, as rank 0 does.
 
 A rank that fails or exits ends the engine: the rank logs its error and exits, and rank 0's monitor thread
-logs which rank it was and exits the engine process (the server then reports the engine's death). A step
-that fails on rank 0 once the other ranks have it ends the engine too (`EngineCore._lockstep`: they may wait
-in a collective rank 0 will never join): `close(kill=True)` stops them at once. During
+logs which rank it was and exits the engine process (the server then reports the engine's death), unless
+rank 0's step under way fails on it first (gloo's collectives do at once): a step that fails on rank 0 once
+the other ranks have it ends the engine without ending the process (`EngineCore._lockstep`: the other ranks
+may wait in a collective rank 0 will never join, so `close(kill=True)` stops them at once, and the engine
+raises EngineDeadError from then on). During
 start-up the engine raises instead (`WorkerError`, with the rank's reason) when rank 0 reaches its next
 `gather` within the monitor's grace; the grace does not run while rank 0 builds its model and waits for
 the others' builds (`local_phase`: no collective there), however long that takes. A rank
@@ -97,6 +99,11 @@ def set_cpu_threads(tp_size: int) -> int:
 _STARTUP_FAILURE_GRACE_S = 10.0
 # How often the monitor looks at whether rank 0 is in a local phase while a dead rank waits to be reported.
 _LOCAL_PHASE_POLL_S = 0.2
+# After start-up, how long the monitor waits for rank 0, in the part of a step the ranks run together, to fail
+# it on a dead rank (and stop the ranks: `EngineCore._lockstep`) before it ends the process itself.
+_STEP_FAILURE_GRACE_S = 2.0
+# How often the monitor looks at whether rank 0 is still in that part meanwhile.
+_STEP_POLL_S = 0.05
 
 
 class TPWorkers:
@@ -119,6 +126,9 @@ class TPWorkers:
         self._previous_threads: int | None = None
         # Set once the ranks are being stopped on purpose (their exits are then no failure).
         self._stopping = threading.Event()
+        # Whether rank 0 runs the part of a step the other ranks run too (set by `EngineCore._lockstep`), where a
+        # rank's exit makes it fail the step (and stop the ranks) rather than wait: see `_watch`.
+        self.in_step = False
         # Stops the ranks at interpreter exit without close(): registered after multiprocessing's own exit
         # handler, so it runs first (that handler would wait for them forever: they ignore its SIGTERM).
         self._finalizer = weakref.finalize(self, _stop_ranks, self._conns, self._processes, self._stopping)
@@ -236,12 +246,27 @@ class TPWorkers:
                 self._failure_seen.wait(_LOCAL_PHASE_POLL_S)
             if self._failure_seen.is_set():
                 return
+        else:
+            # Rank 0 may be in a step's part that the ranks run together, which then fails too (gloo's collectives
+            # raise once a peer is gone; a failure every rank shares is rank 0's own): it raises the error to its
+            # caller and stops the ranks, and this process goes on (an offline LLM's is the user's). Wait for
+            # that while rank 0 is there, within the grace; a rank 0 elsewhere (idle, or blocked waiting for the
+            # GPU: NCCL waits for a dead peer forever) is ended at once.
+            deadline = time.monotonic() + _STEP_FAILURE_GRACE_S
+            while self.in_step and time.monotonic() < deadline:
+                if self._stopping.wait(_STEP_POLL_S):
+                    return
         if self._stopping.is_set():
             return
         logger.critical("tensor-parallel rank %d exited (code %s); the engine cannot continue without it and "
                         "exits", rank, code)
         logging.shutdown()
         os._exit(1)
+
+    def exited(self) -> list[str]:
+        """The ranks that have exited, as "rank R (code C)"."""
+        return [f"rank {rank} (code {p.exitcode})" for rank, p in enumerate(self._processes, start=1)
+                if p.exitcode is not None]
 
     def close(self, kill: bool = False) -> None:
         """Stop the other ranks and leave the group. kill: at once (SIGKILL), without asking them to stop and

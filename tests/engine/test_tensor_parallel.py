@@ -321,6 +321,54 @@ def test_ctrl_c_inside_a_step_leaves_the_ranks_in_step(tiny_model_dir: Callable[
         llm.shutdown()
 
 
+# The spawned ranks only (see _FAILING_CHILD_RANK): rank 1 fails between two all-reduces of its first step.
+_RANK_FAILING_A_STEP = """
+import sys
+if sys.argv[-1:] == ["--multiprocessing-fork"]:
+    import kvserve.distributed as d
+    import kvserve.worker.model_runner as m
+    real, launch, state = d.all_reduce, m.ModelRunner.launch_forward, {"armed": False, "calls": 0}
+    def faulty(x):
+        if state["armed"]:
+            state["calls"] += 1
+            if state["calls"] == 3:
+                raise MemoryError("rank 1 ran out of memory (injected)")
+        return real(x)
+    def launching(self, scheduler_output):
+        state["armed"] = True
+        return launch(self, scheduler_output)
+    d.all_reduce, m.ModelRunner.launch_forward = faulty, launching
+"""
+
+
+def test_a_rank_that_fails_a_step_ends_the_engine_not_this_process(
+        tiny_model_dir: Callable[..., str], tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 fails between two all-reduces of a step and exits; rank 0, in the same step, fails on it (gloo's
+    collectives raise once a peer is gone). The error reaches the caller and the engine refuses further work,
+    and the process goes on: the monitor, which ends a process whose rank 0 does not fail the step (idle, or
+    blocked in NCCL), leaves it alone once rank 0 has (its grace made long here, so that only rank 0's own
+    failure lets this test's process live; without the grace the monitor raced rank 0 and ended it)."""
+    import os
+
+    from kvserve.engine.errors import EngineDeadError
+    from kvserve.executor import multiproc
+
+    (tmp_path / "sitecustomize.py").write_text(_RANK_FAILING_A_STEP)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setattr(multiproc, "_STEP_FAILURE_GRACE_S", 120.0)
+    llm = LLM(tiny_model_dir("qwen2"), dtype="float32", tensor_parallel_size=2, max_model_len=256,
+              kv_cache_memory="16MiB")
+    try:
+        with pytest.raises(RuntimeError) as raised:  # gloo's: the peer closed the connection
+            _within(30, lambda: llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False))
+        assert raised.type is not EngineDeadError
+        assert not _live_ranks()
+        with pytest.raises(EngineDeadError, match="a tensor-parallel step failed"):
+            llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
 def test_a_model_that_does_not_split_is_refused(tiny_model_dir: Callable[..., str]) -> None:
     with pytest.raises(ConfigError, match=r"tensor_parallel_size=3 does not split the model: "
                                           r"num_attention_heads \(4\), intermediate_size \(128\).*tensor-parallel-size"):
