@@ -97,6 +97,7 @@ class AsyncLLM:
         self._by_child_id: dict[str, _RequestState] = {}
         self._serials = itertools.count()
         self._tracker = RequestStatsTracker()
+        self._aborted_all = False  # abort_all has run: every later request ends at once (see there)
         self._dead_callbacks: list[Callable[[EngineDeadError], None]] = []
 
     # ------------------------------------------------------------------ lifecycle
@@ -178,7 +179,8 @@ class AsyncLLM:
         `logprobs` list is cumulative and consistent with the update (the last `len(token_ids_delta)`
         entries belong to the delta). An update covers one engine step, or every step that arrived
         since the caller last asked, when it falls behind. Raises EngineDeadError when the engine is gone and
-        RequestFailedError when the core refuses the request. `request_id` need not be unique (module
+        RequestFailedError when the core refuses the request; after `abort_all`, ends the request at once
+        (finish reason "abort"; see there). `request_id` need not be unique (module
         docstring): a caller that refuses ids in use checks `has_request` first. `prompt_only`: the prompt runs
         (for its prompt_logprobs) and the request ends with no token, finish_reason "length".
         """
@@ -207,6 +209,16 @@ class AsyncLLM:
         finished = False
         failure: Exception | None = None
         try:
+            if self._aborted_all:
+                # Prepared while abort_all ran (the server's drain ran out of time while the prompt was being
+                # tokenized): it ends as abort_all ended those before it, and never reaches the core, which is
+                # about to stop.
+                final = self._abort(state, in_core=False)
+                assert final is not None
+                final.request_id = request_id
+                finished = True
+                yield final
+                return
             await self.client.add_requests(requests)
             while True:
                 item = failure if failure is not None else await state.queue.get()
@@ -245,7 +257,13 @@ class AsyncLLM:
     def abort_all(self) -> int:
         """Abort every live request as `abort` does (each one's iterator gets its last update, finish reason
         "abort" for its unfinished samples); returns how many there were. The server's drain calls it when
-        --shutdown-timeout runs out, so that the responses still in flight end."""
+        --shutdown-timeout runs out, so that the responses still in flight end.
+
+        From then on `generate()` ends every new request the same way at once (its one update: finished, each
+        sample with finish reason "abort" and no token), without sending it to the core: the requests the
+        server was still preparing (tokenizing) then end like the others instead of starting to run in an
+        engine that is about to stop (and being cut off when the server exits)."""
+        self._aborted_all = True
         states = list(self._by_core_id.values())
         for state in states:
             final = self._abort(state)
@@ -254,9 +272,12 @@ class AsyncLLM:
                 state.queue.put_nowait(final)
         return len(states)
 
-    def _abort(self, state: _RequestState) -> RequestOutput | None:
+    def _abort(self, state: _RequestState, in_core: bool = True) -> RequestOutput | None:
+        """End a live request: its samples counted as aborted, the core told (unless `in_core` is False: it
+        was never sent there), the request forgotten. Returns its last update (None if it had ended)."""
         child_ids, final = self.output_processor.abort_request_with_output(state.core_id)
-        self.client.abort_requests(child_ids)
+        if in_core:
+            self.client.abort_requests(child_ids)
         now = time.time()
         iteration = IterationStats()
         for child_id in child_ids:

@@ -52,4 +52,7 @@ class RequestOutput:
     encoder_prompt: str | None = None
     encoder_prompt_token_ids: list[int] | None = None
     lora_request: None = None
-    metrics: dict[str, float] = field(default_factory=dict)
+    # vLLM's per-request stats object (a RequestStateStats, only with LLM(disable_log_stats=False), which
+    # kvserve takes and ignores): always None, as in vLLM's offline API by default; code that tests it for None
+    # before reading it runs unchanged (an empty dict was neither None nor that object).
+    metrics: None = None

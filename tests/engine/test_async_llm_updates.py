@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar, cast
 
@@ -28,6 +29,7 @@ class _FakeClient:
     def __init__(self, config: Any, handler: Any, *args: Any) -> None:
         self.index = 0
         self.dead_error = None
+        self.is_alive = True
         self.added: list[str] = []
         self.requests: list[Any] = []  # the EngineCoreRequests as sent
         self.aborted: list[str] = []
@@ -259,7 +261,8 @@ def test_an_abort_from_another_task_ends_the_request_with_a_last_update(monkeypa
 
 def test_abort_all_ends_every_live_request_with_a_last_update(monkeypatch, smollm_tokenizer) -> None:
     """The server's drain at --shutdown-timeout: every request (each sample of an n>1 one) is aborted in the
-    core, and each reader gets its finished update instead of waiting for tokens that will not come."""
+    core, and each reader gets its finished update instead of waiting for tokens that will not come; a request
+    that comes later gets that update at once."""
     ids = _ids(smollm_tokenizer, " one")
 
     async def run() -> tuple[list[list[RequestOutput | Exception]], int, list[str], list[str], int]:
@@ -271,11 +274,18 @@ def test_abort_all_ends_every_live_request_with_a_last_update(monkeypatch, smoll
         await asyncio.sleep(0)
         aborted = llm.abort_all()
         await asyncio.wait_for(asyncio.gather(*tasks), 5)
+        # A request that comes after it (one the server was still preparing) ends at once the same way,
+        # without reaching the core.
+        late: list[RequestOutput | Exception] = []
+        got.append(late)
+        await asyncio.wait_for(await _started(llm.generate("c", [4], SamplingParams(max_tokens=8, n=2)), late), 5)
         return got, aborted, list(llm.client.added), list(llm.client.aborted), llm.num_unfinished_requests
 
     got, num_aborted, added, aborted, unfinished = asyncio.run(run())
     assert num_aborted == 2 and unfinished == 0
     assert sorted(aborted) == sorted(added) and len(added) == 3
+    assert len(got[2]) == 1 and cast(RequestOutput, got[2][0]).request_id == "c"
+    assert [(o.token_ids, o.text) for o in cast(RequestOutput, got[2][0]).outputs] == [([], ""), ([], "")]
     for updates in got:
         last = updates[-1]
         assert isinstance(last, RequestOutput) and last.finished
@@ -389,3 +399,59 @@ def test_streamed_text_offsets_are_the_full_answers_whatever_the_chunking(monkey
     full = completion_logprobs(smollm_tokenizer, ids[: stopped_at + 1], [{t: Logprob(-1.0, 1)} for t in
                                                                           ids[: stopped_at + 1]], 0, 0)
     assert offsets == full["text_offset"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_still_being_prepared_when_the_drain_aborts_ends_as_aborted(monkeypatch, smollm_tokenizer, stream):
+    """The drain's abort (`abort_all`, when --shutdown-timeout runs out) while a request is still being prepared
+    (tokenized, off the event loop): its response ends as the others do, finish reason "abort" (a 200 with the
+    choice's finish, or the stream's finish chunk and [DONE]), and it never reaches the engine, which is about
+    to stop. It used to escape the abort and start running, to be cut off when the server exited."""
+    from types import SimpleNamespace
+
+    import httpx
+
+    from kvserve.entrypoints.openai import api_server
+    from kvserve.entrypoints.openai.middleware import ServerState
+    from kvserve.entrypoints.openai.serving_common import ServingContext
+
+    entered, release = threading.Event(), threading.Event()
+    real_prepare = api_server.prepare_completion
+
+    def slow_prepare(*args: Any) -> Any:  # on the preparation thread
+        entered.set()
+        release.wait(timeout=10)
+        return real_prepare(*args)
+
+    monkeypatch.setattr(api_server, "prepare_completion", slow_prepare)
+
+    async def run() -> tuple[httpx.Response, list[str]]:
+        llm = await _engine(monkeypatch, smollm_tokenizer)
+        ctx = ServingContext(llm, ["m"], "m", log_requests=False)
+        app = api_server.build_app(ctx, ServerState(), SimpleNamespace(), None, 1 << 20)  # type: ignore[arg-type]
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+                body = {"model": "m", "prompt": "Tell me everything:", "max_tokens": 8, "stream": stream}
+                response = asyncio.ensure_future(client.post("/v1/completions", json=body))
+                while not entered.is_set():
+                    await asyncio.sleep(0.01)
+                assert llm.abort_all() == 0  # nothing in the engine yet
+                release.set()
+                return await asyncio.wait_for(response, 10), list(llm.client.added)
+        finally:
+            release.set()
+            ctx.prepare_pool.shutdown()
+
+    response, added = asyncio.run(run())
+    assert response.status_code == 200, response.text
+    assert added == []
+    if stream:
+        events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert chunks and chunks[-1]["choices"][0]["finish_reason"] == "abort"
+        assert "".join(c["choices"][0]["text"] for c in chunks) == ""
+    else:
+        choice = response.json()["choices"][0]
+        assert (choice["finish_reason"], choice["text"]) == ("abort", "")
+        assert response.json()["usage"]["completion_tokens"] == 0

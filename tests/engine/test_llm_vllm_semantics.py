@@ -134,6 +134,13 @@ def test_vllm_arguments_the_cli_ignores_are_ignored_offline_too(tiny_model_dir: 
             LLM(tiny_model_dir("llama"), max_model_len=64, **{name: value})
 
 
+def test_request_output_fields_of_what_kvserve_does_not_serve_are_none(llm: LLM) -> None:
+    """As vLLM's offline API gives them (`metrics` too: vLLM's LLM() defaults to disable_log_stats=True, which
+    leaves it None); `metrics` was an empty dict, so vLLM code that reads it when it is not None broke."""
+    out = llm.generate([[100, 101]], SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert (out.metrics, out.lora_request, out.encoder_prompt, out.encoder_prompt_token_ids) == (None,) * 4
+
+
 def test_vllm_keyword_arguments_of_generate_and_chat(llm: LLM) -> None:
     """vLLM code passes lora_request=None, chat_template_content_format and mm_processor_kwargs=None by keyword;
     each was a TypeError. An adapter is refused; "openai" hands the template a list of text parts."""

@@ -1,6 +1,7 @@
 """A failure of the server itself (an exception that is no request error) still answers in the OpenAI error
 format with status 500: a plain request gets the JSON body, a stream gets an error event and [DONE] after
-what it had sent. Driven in process with a stub engine."""
+what it had sent. A request the stopping server cancels answers the same way, with status 503. Driven in
+process with a stub engine."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from kvserve.protocol.sampling_params import SamplingParams
 
 def _app(fail_in: str) -> tuple[Any, ServingContext]:
     """An app whose engine fails with a RuntimeError after one token (`fail_in` "engine"), or whose tokenizer
-    fails with one (`fail_in` "tokenizer": an exception the request's preparation does not expect)."""
+    fails with one (`fail_in` "tokenizer": an exception the request's preparation does not expect); `fail_in`
+    "hang": the engine gives one token, then nothing more."""
 
     def tokenizer(text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
         if fail_in == "tokenizer":
@@ -34,10 +36,13 @@ def _app(fail_in: str) -> tuple[Any, ServingContext]:
                        prompt_only: bool = False) -> AsyncIterator[RequestOutput]:
         out = CompletionOutput(index=0, text=" ok", token_ids=[9], text_delta=" ok", token_ids_delta=[9])
         yield RequestOutput(request_id, prompt, ids, [out])
+        if fail_in == "hang":
+            engine.hanging.append(request_id)
+            await asyncio.Event().wait()
         raise RuntimeError("engine broke")
 
     engine = SimpleNamespace(is_alive=True, dead_error=None, max_model_len=64, tokenizer=tokenizer,
-                             generate=generate, has_request=lambda request_id: False)
+                             generate=generate, has_request=lambda request_id: False, hanging=[])
     ctx = ServingContext(engine=engine, served_model_names=["m"], model_path="m",  # type: ignore[arg-type]
                          log_requests=False)
     return build_app(ctx, ServerState(), SimpleNamespace(), None, 1 << 20), ctx  # type: ignore[arg-type]
@@ -78,3 +83,77 @@ def test_a_stream_that_fails_in_the_server_ends_with_an_error_event_and_done() -
     chunks = [json.loads(e) for e in events[:-1]]
     assert chunks[0]["choices"][0]["text"] == " ok"
     assert chunks[-1]["error"]["code"] == 500 and "engine broke" in chunks[-1]["error"]["message"]
+
+
+def _cancelled_mid_request(app: Any, ctx: ServingContext, body: dict[str, Any]
+                           ) -> tuple[list[dict[str, Any]], BaseException | None]:
+    """Send `body` to /v1/completions straight to the ASGI app (of `_app("hang")`), in a task that is cancelled
+    once the engine has given its token (a stream has sent it) and waits, as uvicorn cancels what still runs
+    when it stops (a second signal: exit at once). Returns the ASGI messages the app sent, and what the task
+    raised."""
+
+    async def scenario() -> tuple[list[dict[str, Any]], BaseException | None]:
+        payload = json.dumps(body).encode()
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "root_path": "",
+                 "query_string": b"", "client": ("127.0.0.1", 1), "server": ("test", 80),
+                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]}
+        request = [{"type": "http.request", "body": payload, "more_body": False}]
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            if request:
+                return request.pop()
+            await asyncio.Event().wait()  # the client stays
+            raise AssertionError
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        task = asyncio.ensure_future(app(scope, receive, send))
+        for _ in range(1000):
+            if ctx.engine.hanging:
+                break
+            await asyncio.sleep(0.01)
+        assert ctx.engine.hanging, "the request never reached the engine"
+        task.cancel()
+        (outcome,) = await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 10)
+        return sent, outcome if isinstance(outcome, BaseException) else None
+
+    return asyncio.run(scenario())
+
+
+def test_a_request_the_stopping_server_cancels_is_an_openai_503() -> None:
+    """uvicorn answered a request it cancelled before its response started with a plain-text 500 ("Internal
+    Server Error"), the body no OpenAI client can read as an error."""
+    app, ctx = _app("hang")
+    try:
+        sent, raised = _cancelled_mid_request(app, ctx, {"model": "m", "prompt": "hello", "max_tokens": 4})
+    finally:
+        ctx.prepare_pool.shutdown()
+    assert sent, f"no response (the task raised {raised!r})"
+    start, *bodies = sent
+    assert start["status"] == 503 and (b"content-type", b"application/json") in start["headers"]
+    assert bodies and not bodies[-1].get("more_body", False)
+    error = json.loads(b"".join(b["body"] for b in bodies))["error"]
+    assert error["code"] == 503 and error["type"] == "ServiceUnavailableError"
+    assert "shutting down" in error["message"]
+
+
+def test_a_stream_the_stopping_server_cancels_ends_with_an_error_event_and_done() -> None:
+    """It was cut off (uvicorn closed the connection mid-body)."""
+    app, ctx = _app("hang")
+    try:
+        sent, raised = _cancelled_mid_request(app, ctx, {"model": "m", "prompt": "hello", "max_tokens": 4,
+                                                         "stream": True})
+    finally:
+        ctx.prepare_pool.shutdown()
+    start, *bodies = sent
+    assert start["status"] == 200
+    assert bodies and not bodies[-1].get("more_body", False), f"the stream was not ended (raised {raised!r})"
+    text = b"".join(b["body"] for b in bodies).decode()
+    events = [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["text"] == " ok"
+    assert chunks[-1]["error"]["code"] == 503 and "shutting down" in chunks[-1]["error"]["message"]

@@ -6,8 +6,9 @@ message, log the KV capacity, then serve.
 
 Lifecycle:
 * SIGTERM / SIGINT drain: new requests get 503, in-flight ones finish (up to --shutdown-timeout; those still
-  running then are aborted, their responses ending with finish reason "abort"), then the engine core is shut
-  down and the process exits 0. A second signal exits at once.
+  running or still being prepared then are aborted, their responses ending with finish reason "abort"), then
+  the engine core is shut down and the process exits 0. A second signal exits at once (the responses still
+  under way end with a 503 error in the OpenAI format, a stream's as an error event and [DONE]).
 * If the engine-core process dies, /health turns 503, in-flight requests fail, and the server exits 1
   shortly after (so an orchestrator restarts it).
 * `--api-server-count N`: this process starts the engine, then N - 1 more API processes on the same socket

@@ -1,5 +1,6 @@
 """The ASGI layer in front of the app: body-size limit (413), API key (401), draining / dead engine (503),
-and the in-flight request count that SIGTERM's drain waits on.
+the in-flight request count that SIGTERM's drain waits on, and a proper end for the responses the stopping
+server cancels (a 503 in the OpenAI error format, or a stream's error event and [DONE]).
 
 Pure ASGI (not Starlette's BaseHTTPMiddleware) so streaming responses and disconnect detection pass
 through untouched.
@@ -7,6 +8,7 @@ through untouched.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 from dataclasses import dataclass
@@ -55,6 +57,17 @@ class GuardMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        response = _ResponseSend(send)
+        try:
+            await self._guarded(scope, receive, response)
+        except asyncio.CancelledError:
+            # The server stops and cancels what still runs (a second signal, which stops it at once, or the
+            # drain's grace over): uvicorn would answer a response not yet started with a plain-text 500 and
+            # cut a started stream off. End it here in the OpenAI format instead; the task ends with it.
+            if not await response.end_cancelled():
+                raise
+
+    async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = route_path(scope)
         if self.state.draining and path not in _ALWAYS_SERVED:
             await _send_error(send, 503, "the server is shutting down")
@@ -88,6 +101,44 @@ class GuardMiddleware:
                 scheme, _, token = value.decode("latin-1").partition(" ")
                 return scheme.lower() == "bearer" and hmac.compare_digest(token.strip(), self.api_key)
         return False
+
+
+class _ResponseSend:
+    """`send`, noting how far the response has gone, so that a cancelled request's response can be ended."""
+
+    CANCELLED_MESSAGE = "the server is shutting down"
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.started = False
+        self.complete = False
+        self.event_stream = False
+
+    async def __call__(self, message: Message) -> None:
+        await self._send(message)  # (a send cancelled while it waits to write has written nothing)
+        if message["type"] == "http.response.start":
+            self.started = True
+            self.event_stream = any(name.lower() == b"content-type" and value.startswith(b"text/event-stream")
+                                    for name, value in message.get("headers", []))
+        elif message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.complete = True
+
+    async def end_cancelled(self) -> bool:
+        """End the response of a cancelled request: a 503 error if none has started, an error event and [DONE]
+        for a stream under way. Whether the response is complete now (False: a started response that is no
+        stream, which cannot be ended properly)."""
+        if self.complete:
+            return True
+        if not self.started:
+            await _send_error(self, 503, self.CANCELLED_MESSAGE)
+            return True
+        if not self.event_stream:
+            return False
+        error = json.dumps(error_body(503, self.CANCELLED_MESSAGE), separators=(",", ":"))
+        await self({"type": "http.response.body", "body": f"data: {error}\n\ndata: [DONE]\n\n".encode(),
+                    "more_body": True})
+        await self({"type": "http.response.body", "body": b"", "more_body": False})
+        return True
 
 
 def _content_length(scope: Scope) -> int | None:
