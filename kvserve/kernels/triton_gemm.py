@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources  # noqa: F401 (re-exported: ops.linear catches it)
 
+from kvserve import envs
 from kvserve.kernels import triton_pdl
 from kvserve.kernels.split_counters import SplitCounters
 from kvserve.kernels.triton_elementwise import quantize_fp8, rotate_pair, silu_mul
@@ -52,6 +53,12 @@ from kvserve.kernels.triton_pdl import pdl_wait_then_release
 EPI_PLAIN = tl.constexpr(0)
 EPI_SILU_MUL = tl.constexpr(1)
 EPI_ROPE_CACHE = tl.constexpr(2)
+# How an fp8 weight tile meets bf16 activations in the dot (`_skinny_gemm_kernel`'s WIDEN): converted to bf16
+# (WIDEN_TO_X, also fp16 activations' way), or both in fp16 with each activation row scaled by a power of two
+# into [2^14, 2^15), found once over the program's K chunk (WIDEN_FP16_ROW) or for each K tile (WIDEN_FP16_TILE).
+WIDEN_TO_X = tl.constexpr(0)
+WIDEN_FP16_ROW = tl.constexpr(1)
+WIDEN_FP16_TILE = tl.constexpr(2)
 
 
 @dataclass(frozen=True)
@@ -103,6 +110,7 @@ def _skinny_gemm_kernel(
     HEAD_DIM: tl.constexpr = 0,
     FP8_MAX: tl.constexpr = 0.0,
     W_SCALED: tl.constexpr = False,
+    WIDEN: tl.constexpr = 0,
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -133,14 +141,30 @@ def _skinny_gemm_kernel(
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + k_start + offs_k[None, :]
     m_mask = offs_m[:, None] < M
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if WIDEN == WIDEN_FP16_ROW:
+        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        xp = x_ptrs
+        for _ in range(chunk_begin, chunk_end):
+            amax = tl.maximum(amax, tl.max(tl.abs(tl.load(xp, mask=m_mask, other=0.0).to(tl.float32)), axis=1))
+            xp += BLOCK_K
+        row_down, row_up = fp16_scales(amax)
     for _ in range(chunk_begin, chunk_end):
         w = tl.load(w_ptrs)
-        if W_SCALED:  # an fp8 weight: to the activations' dtype, exactly
-            w = w.to(x_ptr.dtype.element_ty)
         x = tl.load(x_ptrs, mask=m_mask, other=0.0)
-        acc = tl.dot(w, tl.trans(x), acc)
+        if WIDEN == WIDEN_FP16_ROW:
+            acc = tl.dot(w.to(tl.float16), tl.trans((x.to(tl.float32) * row_down[:, None]).to(tl.float16)), acc)
+        elif WIDEN == WIDEN_FP16_TILE:
+            xf = x.to(tl.float32)
+            tile_down, tile_up = fp16_scales(tl.max(tl.abs(xf), axis=1))
+            acc += tl.dot(w.to(tl.float16), tl.trans((xf * tile_down[:, None]).to(tl.float16))) * tile_up[None, :]
+        else:
+            if W_SCALED:  # an fp8 weight: to the activations' dtype, exactly
+                w = w.to(x_ptr.dtype.element_ty)
+            acc = tl.dot(w, tl.trans(x), acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if WIDEN == WIDEN_FP16_ROW:
+        acc = acc * row_up[None, :]
     if W_SCALED:
         # Before the partials are stored: every split's partial, and so the sum and the epilogues, in real units.
         acc = acc * tl.load(w_scale_ptr + offs_n)[:, None]
@@ -171,6 +195,17 @@ def _skinny_gemm_kernel(
         _store_output(acc, bias_ptr, out_ptr, offs_n, offs_m, tile, out_mask, pid_n, M, N, HAS_BIAS,
                       pos_ptr, cos_sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_cos_sin, stride_cache_slot,
                       num_heads, num_kv_heads, k_scale, v_scale, EPILOGUE, HEAD_DIM, BLOCK_N, BLOCK_M, FP8_MAX)
+
+
+@triton.jit
+def fp16_scales(amax):
+    """Powers of two (down, up = 1 / down) for rows whose largest |x| is amax (float32): amax * down lies in
+    [2^14, 2^15), below fp16's 65,504, read off amax's exponent field (clamped so both stay normal float32s;
+    amax past 2^127 is beyond any bf16 activation worth keeping finite, and an all-zero row takes any scale)."""
+    e = tl.minimum(tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF, 15), 253)
+    down = ((268 - e) << 23).to(tl.float32, bitcast=True)
+    up = ((e - 14) << 23).to(tl.float32, bitcast=True)
+    return down, up
 
 
 @triton.jit
@@ -313,6 +348,8 @@ _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 # Per-tile split-K counters (zero between launches; each tile's last program resets its own).
 _LOCKS = SplitCounters("the matmul's split counters")
+# WIDEN for an fp8 weight with bf16 activations (WIDEN_TO_X for fp16 ones, already fp16).
+FP8_WIDEN: int = envs.KVSERVE_FP8_WIDEN
 
 
 @dataclass(frozen=True)
@@ -463,6 +500,7 @@ def skinny_linear(
         HEAD_DIM=rope.head_dim if rope is not None else 0,
         FP8_MAX=fp8_max,
         W_SCALED=w_scale is not None,
+        WIDEN=FP8_WIDEN if w_scale is not None and x.dtype == torch.bfloat16 else WIDEN_TO_X.value,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         # Each product of the rotation is rounded before the sum (as torch's bf16 ops round): no FMA contraction.
