@@ -14,11 +14,14 @@ checks need; it adds the bias and rounds once, as a float32-accumulating matmul 
 counters are one buffer per device: launches must not overlap on two streams (kvserve computes on one).
 
 fp8 weights (`--quantization fp8`, weight-only at these row counts): the weight may be float8_e4m3fn [N, K]
-with a float32 scale per row. Each fp8 tile is converted to the activations' dtype in registers (every e4m3
-value is exact in fp16 and bf16) before the same `tl.dot`, and the float32 accumulator is multiplied by its
-rows' scales right after the K loop, so split-K partials, both reductions and both epilogues see a tile like
-a bf16 weight's (`reference.fp8_linear_weight_only`). An fp8 weight takes bf16's tiling
-(`pick_config`: measured best or near it on an H100).
+with a float32 scale per row. Each fp8 tile is converted in registers (every e4m3 value is exact in fp16 and
+bf16) before the `tl.dot`, and the float32 accumulator is multiplied by its rows' scales right after the K
+loop, so split-K partials, both reductions and both epilogues see a tile like a bf16 weight's
+(`reference.fp8_linear_weight_only`). With fp16 activations the tile becomes fp16. With bf16 activations
+(`FP8_FP16_DOT`) it becomes fp16 too, one hardware conversion a pair where bf16 takes three, and each row of
+the activation tile is scaled by a power of two into fp16's range, its dot scaled back as it is added: the
+same products (exact) and sums, short of values 2^31 below their tile row's largest (docs/perf_notes.md
+entry 71). An fp8 weight takes bf16's tiling (`pick_config`: measured best or near it on an H100).
 
 Two epilogues fuse the kernel that would follow the matmul (`_store_output`): SiLU-and-mul for a [gate; up]
 weight, and the rotary embedding plus the KV-cache write for a fused q/k/v weight. For either, the program's
@@ -53,12 +56,6 @@ from kvserve.kernels.triton_pdl import pdl_wait_then_release
 EPI_PLAIN = tl.constexpr(0)
 EPI_SILU_MUL = tl.constexpr(1)
 EPI_ROPE_CACHE = tl.constexpr(2)
-# How an fp8 weight tile meets bf16 activations in the dot (`_skinny_gemm_kernel`'s WIDEN): converted to bf16
-# (WIDEN_TO_X, also fp16 activations' way), or both in fp16 with each activation row scaled by a power of two
-# into [2^14, 2^15), found once over the program's K chunk (WIDEN_FP16_ROW) or for each K tile (WIDEN_FP16_TILE).
-WIDEN_TO_X = tl.constexpr(0)
-WIDEN_FP16_ROW = tl.constexpr(1)
-WIDEN_FP16_TILE = tl.constexpr(2)
 
 
 @dataclass(frozen=True)
@@ -110,7 +107,7 @@ def _skinny_gemm_kernel(
     HEAD_DIM: tl.constexpr = 0,
     FP8_MAX: tl.constexpr = 0.0,
     W_SCALED: tl.constexpr = False,
-    WIDEN: tl.constexpr = 0,
+    FP16_DOT: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -141,30 +138,21 @@ def _skinny_gemm_kernel(
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + k_start + offs_k[None, :]
     m_mask = offs_m[:, None] < M
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    if WIDEN == WIDEN_FP16_ROW:
-        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        xp = x_ptrs
-        for _ in range(chunk_begin, chunk_end):
-            amax = tl.maximum(amax, tl.max(tl.abs(tl.load(xp, mask=m_mask, other=0.0).to(tl.float32)), axis=1))
-            xp += BLOCK_K
-        row_down, row_up = fp16_scales(amax)
     for _ in range(chunk_begin, chunk_end):
         w = tl.load(w_ptrs)
         x = tl.load(x_ptrs, mask=m_mask, other=0.0)
-        if WIDEN == WIDEN_FP16_ROW:
-            acc = tl.dot(w.to(tl.float16), tl.trans((x.to(tl.float32) * row_down[:, None]).to(tl.float16)), acc)
-        elif WIDEN == WIDEN_FP16_TILE:
+        if FP16_DOT:
+            # bf16 activations and an fp8 weight, both to fp16: each row of the x tile scaled by a power of two
+            # into fp16's range (rows past 65,504 or in fp16's subnormals keep their bits), its dot scaled back.
             xf = x.to(tl.float32)
-            tile_down, tile_up = fp16_scales(tl.max(tl.abs(xf), axis=1))
-            acc += tl.dot(w.to(tl.float16), tl.trans((xf * tile_down[:, None]).to(tl.float16))) * tile_up[None, :]
+            down, up = fp16_scales(tl.max(tl.abs(xf), axis=1))
+            acc += tl.dot(w.to(tl.float16), tl.trans((xf * down[:, None]).to(tl.float16))) * up[None, :]
         else:
             if W_SCALED:  # an fp8 weight: to the activations' dtype, exactly
                 w = w.to(x_ptr.dtype.element_ty)
             acc = tl.dot(w, tl.trans(x), acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    if WIDEN == WIDEN_FP16_ROW:
-        acc = acc * row_up[None, :]
     if W_SCALED:
         # Before the partials are stored: every split's partial, and so the sum and the epilogues, in real units.
         acc = acc * tl.load(w_scale_ptr + offs_n)[:, None]
@@ -348,8 +336,9 @@ _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 # Per-tile split-K counters (zero between launches; each tile's last program resets its own).
 _LOCKS = SplitCounters("the matmul's split counters")
-# WIDEN for an fp8 weight with bf16 activations (WIDEN_TO_X for fp16 ones, already fp16).
-FP8_WIDEN: int = envs.KVSERVE_FP8_WIDEN
+# An fp8 weight with bf16 activations: the dot in fp16, each x row of a K tile scaled into fp16's range
+# (True), or the weight tile converted to bf16 (False). fp16 activations take the fp16 dot unscaled.
+FP8_FP16_DOT: bool = envs.KVSERVE_FP8_FP16_DOT
 
 
 @dataclass(frozen=True)
@@ -500,7 +489,7 @@ def skinny_linear(
         HEAD_DIM=rope.head_dim if rope is not None else 0,
         FP8_MAX=fp8_max,
         W_SCALED=w_scale is not None,
-        WIDEN=FP8_WIDEN if w_scale is not None and x.dtype == torch.bfloat16 else WIDEN_TO_X.value,
+        FP16_DOT=FP8_FP16_DOT and w_scale is not None and x.dtype == torch.bfloat16,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         # Each product of the rotation is rounded before the sum (as torch's bf16 ops round): no FMA contraction.

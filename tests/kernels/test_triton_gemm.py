@@ -398,21 +398,20 @@ def test_fp8_weight_matches_the_weight_only_reference(dtype, config, m, bias, de
                                atol=1e-3)
 
 
-@pytest.mark.parametrize("widen", [triton_gemm.WIDEN_TO_X.value, triton_gemm.WIDEN_FP16_ROW.value,
-                                   triton_gemm.WIDEN_FP16_TILE.value], ids=["to_x", "fp16_row", "fp16_tile"])
+@pytest.mark.parametrize("fp16_dot", [True, False], ids=["fp16_dot", "bf16_dot"])
 @pytest.mark.parametrize("config", [GemmConfig(32, 64, 1, 2), GemmConfig(32, 64, 4, 2),
                                     GemmConfig(64, 128, 2, 2, fused_reduce=False)], ids=str)
-def test_fp8_weight_bf16_activations_keep_their_range(widen, config, device, monkeypatch,
+def test_fp8_weight_bf16_activations_keep_their_range(fp16_dot, config, device, monkeypatch,
                                                       skip_bf16_on_interpreter):
-    """bf16 activations against an fp8 weight, each way of widening (`FP8_WIDEN`): rows past fp16's 65,504
-    (3e5), in fp16's subnormals (1e-6), all zero and ordinary all give the weight-only reference's float32
-    sums, then rounded once to bf16. Widened to fp16 unscaled, the first would be inf and the second lose bits.
-    (The interpreter has no bf16 dot: converting to bf16 runs on a GPU only.)"""
+    """bf16 activations against an fp8 weight, the dot in fp16 (`FP8_FP16_DOT`) or in bf16: rows past fp16's
+    65,504 (3e5), in fp16's subnormals (1e-6), all zero and ordinary all give the weight-only reference's
+    float32 sums, then rounded once to bf16. In fp16 unscaled, the first would be inf and the second lose bits.
+    (The interpreter has no bf16 dot: the bf16 way runs on a GPU only.)"""
     from kvserve.kernels import reference
 
-    if widen == triton_gemm.WIDEN_TO_X.value:
+    if not fp16_dot:
         skip_bf16_on_interpreter(torch.bfloat16)
-    monkeypatch.setattr(triton_gemm, "FP8_WIDEN", widen)
+    monkeypatch.setattr(triton_gemm, "FP8_FP16_DOT", fp16_dot)
     m, n, k = 5, 64, 512
     gen = torch.Generator().manual_seed(4)
     w = torch.randn(n, k, generator=gen) * 0.02 * torch.exp2(torch.linspace(-4, 4, n))[:, None]
