@@ -761,12 +761,13 @@ PY
           tests/kernels/test_triton_gemm.py -k fp8 > "$R/pytest_s52b.log" 2>&1
         echo "pytest rc=$?" >> "$R/pytest_s52b.log"; cp "$R/pytest_s52b.log" "$OUT/"
         grep -a "^FAILED\|^E  " "$R/pytest_s52b.log" | head -12 | cut -c1-200; tail -2 "$R/pytest_s52b.log"
+        i=0
         for mode in bf16 dot0 dot1 dot0 dot1; do
-          flags="--quantization fp8"; dot=${mode#dot}; [ $mode = bf16 ] && flags="" && dot=1
-          KVSERVE_FP8_FP16_DOT=$dot timeout 75 python3 benchmarks/engine_benchmarks.py --out "$R/s52b_$mode" $flags \
-            --sections decode --decode-batches 1,8,32 --decode-contexts 1024 > "$R/s52b_$mode.log" 2>&1
-          echo "engine_benchmarks rc=$?" >> "$R/s52b_$mode.log"; cp -r "$R/s52b_$mode" "$R/s52b_${mode}_$SECONDS"
-          echo "--- engine $mode"; grep -a -E "^decode b|rc=|Error" "$R/s52b_$mode.log" | cut -c1-150
+          i=$((i + 1)); flags="--quantization fp8"; dot=${mode#dot}; [ $mode = bf16 ] && flags="" && dot=1
+          KVSERVE_FP8_FP16_DOT=$dot timeout 75 python3 benchmarks/engine_benchmarks.py --out "$R/s52b_${i}_$mode" \
+            $flags --sections decode --decode-batches 1,8,32 --decode-contexts 1024 > "$R/s52b_${i}_$mode.log" 2>&1
+          echo "engine_benchmarks rc=$?" >> "$R/s52b_${i}_$mode.log"
+          echo "--- engine $i $mode"; grep -a -E "^decode b|rc=|Error" "$R/s52b_${i}_$mode.log" | cut -c1-150
         done ;;
     s52a) # Session 52 (ran at 0802ea8, 363 s on an H100; KVSERVE_FP8_WIDEN is gone since: 2 became the default
         # way, KVSERVE_FP8_FP16_DOT=1, and 1 was dropped): the fp8 weight widened to fp16 with activations scaled by
