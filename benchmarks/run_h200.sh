@@ -754,9 +754,9 @@ PY
         cp "$R/ncuattn36.log" "$OUT/"
         grep -a -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Waves Per|SM Active|Elapsed Cyc|Issue Slots|ncu rc|rror" \
           "$R/ncuattn36.log" | head -40 ;;
-    s52b) # Session 52 (about 330 s): the fp16 dot for fp8 weights as shipped (per K tile, KVSERVE_FP8_FP16_DOT=1)
+    s52b) # Session 52 (about 420 s): the fp16 dot for fp8 weights as shipped (per K tile, KVSERVE_FP8_FP16_DOT=1)
         # against the bf16 widening (=0): the fp8 GPU tests, then the engine's decode steps (bf16 weights once,
-        # then fp8 weights 0 / 1 twice, alternating).
+        # then fp8 weights 0 / 1 twice, alternating), and a kernel profile of batch 1 each way.
         timeout 130 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_gpu_fp8_weights.py \
           tests/kernels/test_triton_gemm.py -k fp8 > "$R/pytest_s52b.log" 2>&1
         echo "pytest rc=$?" >> "$R/pytest_s52b.log"; cp "$R/pytest_s52b.log" "$OUT/"
@@ -768,6 +768,13 @@ PY
             $flags --sections decode --decode-batches 1,8,32 --decode-contexts 1024 > "$R/s52b_${i}_$mode.log" 2>&1
           echo "engine_benchmarks rc=$?" >> "$R/s52b_${i}_$mode.log"
           echo "--- engine $i $mode"; grep -a -E "^decode b|rc=|Error" "$R/s52b_${i}_$mode.log" | cut -c1-150
+        done
+        for dot in 0 1; do  # where the step's time goes: kernel times at batch 1 without PDL (no waits inside)
+          KVSERVE_FP8_FP16_DOT=$dot timeout 80 python3 benchmarks/engine_benchmarks.py --out "$R/s52b_kprof$dot" \
+            --quantization fp8 --no-pdl --sections kprofile --kprofile-cases b1 > "$R/s52b_kprof$dot.log" 2>&1
+          echo "engine_benchmarks rc=$?" >> "$R/s52b_kprof$dot.log"
+          echo "--- kernel profile b1, KVSERVE_FP8_FP16_DOT=$dot"
+          grep -a -A12 "^kernel profile b1" "$R/s52b_kprof$dot.log" | cut -c1-130
         done ;;
     s52a) # Session 52 (ran at 0802ea8, 363 s on an H100; KVSERVE_FP8_WIDEN is gone since: 2 became the default
         # way, KVSERVE_FP8_FP16_DOT=1, and 1 was dropped): the fp8 weight widened to fp16 with activations scaled by
