@@ -13,7 +13,14 @@ weight tile brought to the dot in five ways:
 * `bits_bf16`: the e4m3 bits moved into a bf16 by integer shifts (value x 2^-120, exact, subnormals too),
   the activations scaled by 2^64 (exact) and the float32 sum by 2^56 after the loop: exact like `cvt_bf16`;
 * `fp8_dot`: activations quantized per row to e4m3 beforehand and an fp8 x fp8 dot (other numerics:
-  per-token activation scales, as `_scaled_mm` past 32 rows).
+  per-token activation scales, as `_scaled_mm` past 32 rows);
+* `fp16_row`: `cvt_fp16` made safe: before the K loop the program finds each row's largest |x| over its own
+  K chunk and scales the row by the power of two that brings it into [2^14, 2^15) (exact), the float32 sum
+  scaled back after the loop: `cvt_bf16`'s numerics, short of values 2^31 below their row's largest;
+* `fp16_tile`: the same with a power of two per row of each K tile, found in the loop (no pass before it),
+  each tile's dot scaled back as it is added.
+
+`--outlier` also checks each mode with one activation of 3 x 10^5 a row (past fp16's 65,504).
 
 Each mode runs each tiling of a small grid (weight rows a program, keys a tile, stages, split count) over a
 cycle of distinct weights (200 MB+, none in L2) in a CUDA graph; the table gives each mode's best and the
@@ -47,8 +54,18 @@ from quant_matmul_bench import graph_time_us, int_list  # noqa: E402
 from kvserve.kernels import ops, triton_gemm  # noqa: E402
 
 SHAPES = [("qkv", 3584, 4608), ("o", 3584, 3584), ("gate_up", 3584, 37888), ("down", 18944, 3584)]
-MODES = {"bf16": 0, "cvt_bf16": 1, "cvt_fp16": 2, "bits_bf16": 3, "fp8_dot": 4}
+MODES = {"bf16": 0, "cvt_bf16": 1, "cvt_fp16": 2, "bits_bf16": 3, "fp8_dot": 4, "fp16_row": 5, "fp16_tile": 6}
 L2_DEFEAT_BYTES = 200 * 2**20
+
+
+@triton.jit
+def _fp16_scales(amax):
+    """Powers of two (down, up = 1 / down) for rows whose largest |x| is amax (float32): amax * down in
+    [2^14, 2^15), from amax's exponent field (clamped so both stay normal float32s)."""
+    e = tl.minimum(tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF, 15), 253)
+    down = ((268 - e) << 23).to(tl.float32, bitcast=True)
+    up = ((e - 14) << 23).to(tl.float32, bitcast=True)
+    return down, up
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -68,9 +85,24 @@ def _probe_kernel(x_ptr, w_ptr, part_ptr, M, N, num_chunks, stride_xm, stride_wn
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + k_start + offs_k[None, :]
     m_mask = offs_m[:, None] < M
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if MODE == 5:
+        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        xp = x_ptrs
+        for _ in range(chunk_begin, chunk_end):
+            amax = tl.maximum(amax, tl.max(tl.abs(tl.load(xp, mask=m_mask, other=0.0).to(tl.float32)), axis=1))
+            xp += BLOCK_K
+        row_down, row_up = _fp16_scales(amax)
     for _ in range(chunk_begin, chunk_end):
         w = tl.load(w_ptrs)
         x = tl.load(x_ptrs, mask=m_mask, other=0.0)
+        if MODE == 5:
+            w = w.to(tl.float16)
+            x = (x.to(tl.float32) * row_down[:, None]).to(tl.float16)
+        elif MODE == 6:
+            w = w.to(tl.float16)
+            xf = x.to(tl.float32)
+            tile_down, tile_up = _fp16_scales(tl.max(tl.abs(xf), axis=1))
+            x = (xf * tile_down[:, None]).to(tl.float16)
         if MODE == 1:
             w = w.to(tl.bfloat16)
         elif MODE == 2:
@@ -81,11 +113,16 @@ def _probe_kernel(x_ptr, w_ptr, part_ptr, M, N, num_chunks, stride_xm, stride_wn
             w16 = w.to(tl.uint16)
             w = (((w16 & 0x80) << 8) | ((w16 & 0x7F) << 4)).to(tl.bfloat16, bitcast=True)
             x = (x * 18446744073709551616.0).to(tl.bfloat16)  # 2^64, exact
-        acc = tl.dot(w, tl.trans(x), acc)
+        if MODE == 6:
+            acc += tl.dot(w, tl.trans(x)) * tile_up[None, :]
+        else:
+            acc = tl.dot(w, tl.trans(x), acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if MODE == 3:
         acc = acc * 72057594037927936.0  # 2^56: 2^-120 x 2^64 undone
+    if MODE == 5:
+        acc = acc * row_up[None, :]
     tile = offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]
     tl.store(part_ptr + pid_s.to(tl.int64) * M * N + tile, acc, mask=offs_m[None, :] < M)
 
@@ -120,6 +157,8 @@ def main() -> int:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--budget-s", type=float, default=300.0, help="stop starting new shapes after this long")
+    p.add_argument("--outlier", action="store_true",
+                   help="also check each mode (first tiling) with one activation of 3e5 a row")
     args = p.parse_args()
     t0 = time.monotonic()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -172,6 +211,16 @@ def main() -> int:
                     got = part.sum(0)
                     want = wants[mode if mode in wants else 1]
                     err = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
+                    outlier_err = None
+                    if args.outlier and best is None:
+                        xo = xin.clone()
+                        if mode != 4:
+                            xo[:, 7] = 3e5
+                            po = torch.empty_like(part)
+                            launch(mode, xo, weights[0], po, bn, bk, sp, st)
+                            wo = xo.float() @ (dense[0] if mode == 0 else quantized[0][0]).float().t()
+                            outlier_err = ((po.sum(0) - wo).abs().max().item()
+                                           / max(wo.abs().max().item(), 1e-30))
                     if f"{mode_name}" not in ptx and m == args.rows[0]:
                         ptx[mode_name] = ptx_counts(compiled) | {"tiling": f"{bn}x{bk} st{st} sp{sp}"}
                     calls = 2 * count
@@ -182,6 +231,7 @@ def main() -> int:
                     wbytes = k * n * weights[0].element_size()
                     e = {"shape": name, "k": k, "n": n, "rows": m, "mode": mode_name, "block_n": bn, "block_k": bk,
                          "stages": st, "split_k": sp, "us": us, "weight_tbps": wbytes / us / 1e6, "rel_err": err,
+                         "outlier_rel_err": outlier_err,
                          "shipped_bf16_tiling": (bn, bk, st, sp) == (base.block_n, base.block_k, base.num_stages,
                                                                       base.split_k)}
                     results.append(e)
@@ -192,7 +242,11 @@ def main() -> int:
                                     and r["mode"] == mode_name and r["shipped_bf16_tiling"]), None)
                     lines.append(f"{name:<8} {m:>4} {mode_name:<10} {best['us']:>8.1f} {best['weight_tbps']:>6.2f} "
                                  f"{best['block_n']}x{best['block_k']} st{best['stages']} sp{best['split_k']:<3} "
-                                 f"{shipped['us'] if shipped else float('nan'):>8.1f} {best['rel_err']:.1e}")
+                                 f"{shipped['us'] if shipped else float('nan'):>8.1f} {best['rel_err']:.1e}"
+                                 + (f" outlier {oe:.1e}" if (oe := next(
+                                     (r["outlier_rel_err"] for r in results if r["shape"] == name and r["rows"] == m
+                                      and r["mode"] == mode_name and r["outlier_rel_err"] is not None), None))
+                                     is not None else ""))
                     print(lines[-1], flush=True)
             del x
         dense.clear()

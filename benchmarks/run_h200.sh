@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: s51b s51a s50e s50d s50c s50b s50a s49c ab49 s49t s49b s48 so47 so46 so45 gpu44 pen44 plp43 hfseeds43 gpu43 hf43 pen42 kernels41 final41 gpu40 kprof40 check40 final40 dab40 dsw40 dec39 check39 final39 pgt39b c1ab39 pgt39 sus39 place38 dpdl38 gap38 busy38 tma38 ncuattn36 pair36 last36 pw36 final36 ab36 fuse36 ncu36 fix35 graphs35 final35 diag35 pairs35 pairs34 lop34 swap34 quant33 tp32a tp32b tp32c asc31b asc31 api30c api30b api30 client29b api29 client29 pytest28 cublas28 firstburst28 firstpass28w firstpass28s firstpass28e firstpass28 sweep28 abclient27 gcprobe27 client27 mnbt27 rowq26 gcserve26 gc26 bisect26 hash25 capfail25b capfail25 offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: s52c s52b s52a s51b s51a s50e s50d s50c s50b s50a s49c ab49 s49t s49b s48 so47 so46 so45 gpu44 pen44 plp43 hfseeds43 gpu43 hf43 pen42 kernels41 final41 gpu40 kprof40 check40 final40 dab40 dsw40 dec39 check39 final39 pgt39b c1ab39 pgt39 sus39 place38 dpdl38 gap38 busy38 tma38 ncuattn36 pair36 last36 pw36 final36 ab36 fuse36 ncu36 fix35 graphs35 final35 diag35 pairs35 pairs34 lop34 swap34 quant33 tp32a tp32b tp32c asc31b asc31 api30c api30b api30 client29b api29 client29 pytest28 cublas28 firstburst28 firstpass28w firstpass28s firstpass28e firstpass28 sweep28 abclient27 gcprobe27 client27 mnbt27 rowq26 gcserve26 gc26 bisect26 hash25 capfail25b capfail25 offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Pass the local commit, written in literally (the device copy's git metadata can be stale, so a $(git ...) in
 # the command would read it there): KVSERVE_BENCH_COMMIT=<sha> bash ...
@@ -754,6 +754,68 @@ PY
         cp "$R/ncuattn36.log" "$OUT/"
         grep -a -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Waves Per|SM Active|Elapsed Cyc|Issue Slots|ncu rc|rror" \
           "$R/ncuattn36.log" | head -40 ;;
+    s52c) # Session 52 (about 200 s; s52b shortened when most of the device time had gone to refused starts): the
+        # fp8 GPU tests with the shipped fp16 dot, then the engine's decode steps with fp8 weights, the dot in
+        # bf16 (KVSERVE_FP8_FP16_DOT=0) and in fp16 (=1).
+        timeout 130 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_gpu_fp8_weights.py \
+          tests/kernels/test_triton_gemm.py -k fp8 > "$R/pytest_s52c.log" 2>&1
+        echo "pytest rc=$?" >> "$R/pytest_s52c.log"; cp "$R/pytest_s52c.log" "$OUT/"
+        grep -a "^FAILED\|^E  " "$R/pytest_s52c.log" | head -12 | cut -c1-200; tail -2 "$R/pytest_s52c.log"
+        for dot in 0 1; do
+          KVSERVE_FP8_FP16_DOT=$dot timeout 75 python3 benchmarks/engine_benchmarks.py --out "$R/s52c_dot$dot" \
+            --quantization fp8 --sections decode --decode-batches 1,8,32 --decode-contexts 1024 \
+            > "$R/s52c_dot$dot.log" 2>&1
+          echo "engine_benchmarks rc=$?" >> "$R/s52c_dot$dot.log"
+          echo "--- engine fp8, KVSERVE_FP8_FP16_DOT=$dot"; grep -a -E "^decode b|rc=|Error" "$R/s52c_dot$dot.log" | cut -c1-150
+        done ;;
+    s52b) # Session 52 (about 420 s): the fp16 dot for fp8 weights as shipped (per K tile, KVSERVE_FP8_FP16_DOT=1)
+        # against the bf16 widening (=0): the fp8 GPU tests, then the engine's decode steps (bf16 weights once,
+        # then fp8 weights 0 / 1 twice, alternating), and a kernel profile of batch 1 each way.
+        timeout 130 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_gpu_fp8_weights.py \
+          tests/kernels/test_triton_gemm.py -k fp8 > "$R/pytest_s52b.log" 2>&1
+        echo "pytest rc=$?" >> "$R/pytest_s52b.log"; cp "$R/pytest_s52b.log" "$OUT/"
+        grep -a "^FAILED\|^E  " "$R/pytest_s52b.log" | head -12 | cut -c1-200; tail -2 "$R/pytest_s52b.log"
+        i=0
+        for mode in bf16 dot0 dot1 dot0 dot1; do
+          i=$((i + 1)); flags="--quantization fp8"; dot=${mode#dot}; [ $mode = bf16 ] && flags="" && dot=1
+          KVSERVE_FP8_FP16_DOT=$dot timeout 75 python3 benchmarks/engine_benchmarks.py --out "$R/s52b_${i}_$mode" \
+            $flags --sections decode --decode-batches 1,8,32 --decode-contexts 1024 > "$R/s52b_${i}_$mode.log" 2>&1
+          echo "engine_benchmarks rc=$?" >> "$R/s52b_${i}_$mode.log"
+          echo "--- engine $i $mode"; grep -a -E "^decode b|rc=|Error" "$R/s52b_${i}_$mode.log" | cut -c1-150
+        done
+        for dot in 0 1; do  # where the step's time goes: kernel times at batch 1 without PDL (no waits inside)
+          KVSERVE_FP8_FP16_DOT=$dot timeout 80 python3 benchmarks/engine_benchmarks.py --out "$R/s52b_kprof$dot" \
+            --quantization fp8 --no-pdl --sections kprofile --kprofile-cases b1 > "$R/s52b_kprof$dot.log" 2>&1
+          echo "engine_benchmarks rc=$?" >> "$R/s52b_kprof$dot.log"
+          echo "--- kernel profile b1, KVSERVE_FP8_FP16_DOT=$dot"
+          grep -a -A12 "^kernel profile b1" "$R/s52b_kprof$dot.log" | cut -c1-130
+        done ;;
+    s52a) # Session 52 (ran at 0802ea8, 363 s on an H100; KVSERVE_FP8_WIDEN is gone since: 2 became the default
+        # way, KVSERVE_FP8_FP16_DOT=1, and 1 was dropped): the fp8 weight widened to fp16 with activations scaled by
+        # powers of two (KVSERVE_FP8_WIDEN 1: a row's over the program's K chunk; 2: each K tile's; 0: widened to
+        # bf16, as before). The K loop alone (fp8_convert_probe), the launcher at the 7B shapes (fp8_matmul_bench), the
+        # engine's decode steps (bf16 weights, then fp8 weights each way), then the fp8 GPU tests (default way).
+        timeout 170 python3 benchmarks/fp8_convert_probe.py --out "$R/s52a_probe" --rows 1,8,32 --outlier \
+          --modes bf16,cvt_bf16,cvt_fp16,fp16_row,fp16_tile --budget-s 120 > "$R/s52a_probe.log" 2>&1
+        echo "fp8_convert_probe rc=$?" >> "$R/s52a_probe.log"; cp "$R/s52a_probe.log" "$OUT/"
+        tail -62 "$R/s52a_probe.log" | cut -c1-150
+        for widen in 0 1 2; do
+          KVSERVE_FP8_WIDEN=$widen timeout 60 python3 benchmarks/fp8_matmul_bench.py --out "$R/s52a_mm$widen" \
+            --rows 1,8,32 > "$R/s52a_mm$widen.log" 2>&1
+          echo "fp8_matmul_bench rc=$?" >> "$R/s52a_mm$widen.log"
+          echo "--- fp8_matmul_bench, KVSERVE_FP8_WIDEN=$widen"; tail -16 "$R/s52a_mm$widen.log" | cut -c1-150
+        done
+        for mode in bf16 w0 w1 w2; do
+          flags="--quantization fp8"; widen=${mode#w}; [ $mode = bf16 ] && flags="" && widen=1
+          KVSERVE_FP8_WIDEN=$widen timeout 75 python3 benchmarks/engine_benchmarks.py --out "$R/s52a_$mode" $flags \
+            --sections decode --decode-batches 1,8,32 --decode-contexts 1024 > "$R/s52a_$mode.log" 2>&1
+          echo "engine_benchmarks rc=$?" >> "$R/s52a_$mode.log"
+          echo "--- engine $mode"; grep -a -E "^decode b|rc=|Error" "$R/s52a_$mode.log" | cut -c1-150
+        done
+        timeout 120 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_gpu_fp8_weights.py \
+          tests/kernels/test_triton_gemm.py -k fp8 > "$R/pytest_s52a.log" 2>&1
+        echo "pytest rc=$?" >> "$R/pytest_s52a.log"; cp "$R/pytest_s52a.log" "$OUT/"
+        grep -a "^FAILED\|^E  " "$R/pytest_s52a.log" | head -12 | cut -c1-200; tail -2 "$R/pytest_s52a.log" ;;
     s51b) # Session 51 (about 150 s): the GPU test files whose engine loops now use tests/helpers/engine_runs.py
         # (fp8 weights, fp8 KV cache, AWQ / GPTQ): the same assertions, invariant checks every step.
         timeout 280 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_gpu_fp8_weights.py \

@@ -14,11 +14,14 @@ checks need; it adds the bias and rounds once, as a float32-accumulating matmul 
 counters are one buffer per device: launches must not overlap on two streams (kvserve computes on one).
 
 fp8 weights (`--quantization fp8`, weight-only at these row counts): the weight may be float8_e4m3fn [N, K]
-with a float32 scale per row. Each fp8 tile is converted to the activations' dtype in registers (every e4m3
-value is exact in fp16 and bf16) before the same `tl.dot`, and the float32 accumulator is multiplied by its
-rows' scales right after the K loop, so split-K partials, both reductions and both epilogues see a tile like
-a bf16 weight's (`reference.fp8_linear_weight_only`). An fp8 weight takes bf16's tiling
-(`pick_config`: measured best or near it on an H100).
+with a float32 scale per row. Each fp8 tile is converted in registers (every e4m3 value is exact in fp16 and
+bf16) before the `tl.dot`, and the float32 accumulator is multiplied by its rows' scales right after the K
+loop, so split-K partials, both reductions and both epilogues see a tile like a bf16 weight's
+(`reference.fp8_linear_weight_only`). With fp16 activations the tile becomes fp16. With bf16 activations
+(`FP8_FP16_DOT`) it becomes fp16 too, one hardware conversion a pair where bf16 takes three, and each row of
+the activation tile is scaled by a power of two into fp16's range, its dot scaled back as it is added: the
+same products (exact) and sums, short of values 2^31 below their tile row's largest (docs/perf_notes.md
+entry 71). An fp8 weight takes bf16's tiling (`pick_config`: measured best or near it on an H100).
 
 Two epilogues fuse the kernel that would follow the matmul (`_store_output`): SiLU-and-mul for a [gate; up]
 weight, and the rotary embedding plus the KV-cache write for a fused q/k/v weight. For either, the program's
@@ -43,6 +46,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources  # noqa: F401 (re-exported: ops.linear catches it)
 
+from kvserve import envs
 from kvserve.kernels import triton_pdl
 from kvserve.kernels.split_counters import SplitCounters
 from kvserve.kernels.triton_elementwise import quantize_fp8, rotate_pair, silu_mul
@@ -103,6 +107,7 @@ def _skinny_gemm_kernel(
     HEAD_DIM: tl.constexpr = 0,
     FP8_MAX: tl.constexpr = 0.0,
     W_SCALED: tl.constexpr = False,
+    FP16_DOT: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -135,10 +140,17 @@ def _skinny_gemm_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for _ in range(chunk_begin, chunk_end):
         w = tl.load(w_ptrs)
-        if W_SCALED:  # an fp8 weight: to the activations' dtype, exactly
-            w = w.to(x_ptr.dtype.element_ty)
         x = tl.load(x_ptrs, mask=m_mask, other=0.0)
-        acc = tl.dot(w, tl.trans(x), acc)
+        if FP16_DOT:
+            # bf16 activations and an fp8 weight, both to fp16: each row of the x tile scaled by a power of two
+            # into fp16's range (rows past 65,504 or in fp16's subnormals keep their bits), its dot scaled back.
+            xf = x.to(tl.float32)
+            down, up = fp16_scales(tl.max(tl.abs(xf), axis=1))
+            acc += tl.dot(w.to(tl.float16), tl.trans((xf * down[:, None]).to(tl.float16))) * up[None, :]
+        else:
+            if W_SCALED:  # an fp8 weight: to the activations' dtype, exactly
+                w = w.to(x_ptr.dtype.element_ty)
+            acc = tl.dot(w, tl.trans(x), acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if W_SCALED:
@@ -171,6 +183,17 @@ def _skinny_gemm_kernel(
         _store_output(acc, bias_ptr, out_ptr, offs_n, offs_m, tile, out_mask, pid_n, M, N, HAS_BIAS,
                       pos_ptr, cos_sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_cos_sin, stride_cache_slot,
                       num_heads, num_kv_heads, k_scale, v_scale, EPILOGUE, HEAD_DIM, BLOCK_N, BLOCK_M, FP8_MAX)
+
+
+@triton.jit
+def fp16_scales(amax):
+    """Powers of two (down, up = 1 / down) for rows whose largest |x| is amax (float32): amax * down lies in
+    [2^14, 2^15), below fp16's 65,504, read off amax's exponent field (clamped so both stay normal float32s;
+    amax past 2^127 is beyond any bf16 activation worth keeping finite, and an all-zero row takes any scale)."""
+    e = tl.minimum(tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF, 15), 253)
+    down = ((268 - e) << 23).to(tl.float32, bitcast=True)
+    up = ((e - 14) << 23).to(tl.float32, bitcast=True)
+    return down, up
 
 
 @triton.jit
@@ -313,6 +336,9 @@ _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 # Per-tile split-K counters (zero between launches; each tile's last program resets its own).
 _LOCKS = SplitCounters("the matmul's split counters")
+# An fp8 weight with bf16 activations: the dot in fp16, each x row of a K tile scaled into fp16's range
+# (True), or the weight tile converted to bf16 (False). fp16 activations take the fp16 dot unscaled.
+FP8_FP16_DOT: bool = envs.KVSERVE_FP8_FP16_DOT
 
 
 @dataclass(frozen=True)
@@ -463,6 +489,7 @@ def skinny_linear(
         HEAD_DIM=rope.head_dim if rope is not None else 0,
         FP8_MAX=fp8_max,
         W_SCALED=w_scale is not None,
+        FP16_DOT=FP8_FP16_DOT and w_scale is not None and x.dtype == torch.bfloat16,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         # Each product of the rotation is rounded before the sum (as torch's bf16 ops round): no FMA contraction.

@@ -398,6 +398,39 @@ def test_fp8_weight_matches_the_weight_only_reference(dtype, config, m, bias, de
                                atol=1e-3)
 
 
+@pytest.mark.parametrize("fp16_dot", [True, False], ids=["fp16_dot", "bf16_dot"])
+@pytest.mark.parametrize("config", [GemmConfig(32, 64, 1, 2), GemmConfig(32, 64, 4, 2),
+                                    GemmConfig(64, 128, 2, 2, fused_reduce=False)], ids=str)
+def test_fp8_weight_bf16_activations_keep_their_range(fp16_dot, config, device, monkeypatch,
+                                                      skip_bf16_on_interpreter):
+    """bf16 activations against an fp8 weight, the dot in fp16 (`FP8_FP16_DOT`) or in bf16: rows past fp16's
+    65,504 (3e5), in fp16's subnormals (1e-6), all zero and ordinary all give the weight-only reference's
+    float32 sums, then rounded once to bf16. In fp16 unscaled, the first would be inf and the second lose bits.
+    (The interpreter has no bf16 dot: the bf16 way runs on a GPU only.)"""
+    from kvserve.kernels import reference
+
+    if not fp16_dot:
+        skip_bf16_on_interpreter(torch.bfloat16)
+    monkeypatch.setattr(triton_gemm, "FP8_FP16_DOT", fp16_dot)
+    m, n, k = 5, 64, 512
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(n, k, generator=gen) * 0.02 * torch.exp2(torch.linspace(-4, 4, n))[:, None]
+    w8, w_scale = reference.quantize_rows_fp8(w)
+    x = torch.randn(m, k, generator=gen)
+    x[0] *= 1e-6
+    x[1, 3] = 3e5
+    x[2] = 0
+    x[3] *= 1e4
+    x = x.to(torch.bfloat16)
+    want = reference.fp8_linear_weight_only(x, w8, w_scale, None).float()
+    out = skinny_linear(x.to(device), w8.to(device), None, config, w_scale=w_scale.to(device)).float().cpu()
+    assert torch.isfinite(out).all()
+    # One bf16 rounding of the float32 sum (the interpreter truncates: up to one unit in the last place).
+    bound = 2**-7 * want.abs() + 2**-20 * want.abs().amax(dim=1, keepdim=True)
+    assert ((out - want).abs() <= bound).all(), ((out - want).abs() / bound).amax(dim=1)
+    assert torch.equal(out[2], torch.zeros(n))
+
+
 def test_fp8_weight_split_reductions_agree_bitwise(device):
     x, w8, w_scale, b = fp8_operands(9, 96, 512, True, torch.float16, device, seed=3)
     fused = skinny_linear(x, w8, b, GemmConfig(32, 64, 8, 2), w_scale=w_scale)
