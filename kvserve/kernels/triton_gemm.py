@@ -18,10 +18,10 @@ with a float32 scale per row. Each fp8 tile is converted in registers (every e4m
 bf16) before the `tl.dot`, and the float32 accumulator is multiplied by its rows' scales right after the K
 loop, so split-K partials, both reductions and both epilogues see a tile like a bf16 weight's
 (`reference.fp8_linear_weight_only`). With fp16 activations the tile becomes fp16. With bf16 activations
-(`FP8_FP16_DOT`) it becomes fp16 too, one hardware conversion a pair where bf16 takes three, and each row of
-the activation tile is scaled by a power of two into fp16's range, its dot scaled back as it is added: the
-same products (exact) and sums, short of values 2^31 below their tile row's largest (docs/perf_notes.md
-entry 71). An fp8 weight takes bf16's tiling (`pick_config`: measured best or near it on an H100).
+and up to 16 rows a program (`fp8_fp16_dot`) it becomes fp16 too (e4m3 -> fp16 is one conversion a pair; the
+64 x 128 tiling's PTX has 80 conversions that way against 127 to bf16), and each row of the activation tile
+is scaled by a power of two into fp16's range, its dot scaled back as it is added: the same products (exact)
+and sums, short of values 2^31 below their tile row's largest (docs/perf_notes.md entry 71). An fp8 weight takes bf16's tiling (`pick_config`: measured best or near it on an H100).
 
 Two epilogues fuse the kernel that would follow the matmul (`_store_output`): SiLU-and-mul for a [gate; up]
 weight, and the rotary embedding plus the KV-cache write for a fused q/k/v weight. For either, the program's
@@ -339,6 +339,16 @@ _LOCKS = SplitCounters("the matmul's split counters")
 # An fp8 weight with bf16 activations: the dot in fp16, each x row of a K tile scaled into fp16's range
 # (True), or the weight tile converted to bf16 (False). fp16 activations take the fp16 dot unscaled.
 FP8_FP16_DOT: bool = envs.KVSERVE_FP8_FP16_DOT
+# ... up to this many activation rows a program (`launch_block_m`): the scaling's work grows with the x tile,
+# and at 32 rows the bf16 way was ahead (an H100's decode step at batch 32 5.30 ms against 5.38; at batch 1
+# and 8 4.42 / 4.77 against 3.80 / 4.18: docs/perf_notes.md entry 71).
+FP8_FP16_DOT_MAX_BLOCK_M = 16
+
+
+def fp8_fp16_dot(x_dtype: torch.dtype, w_scale: torch.Tensor | None, block_m: int) -> bool:
+    """Whether the skinny matmul runs an fp8 weight's dot in fp16 on scaled bf16 activations (`FP16_DOT`)."""
+    return (FP8_FP16_DOT and w_scale is not None and x_dtype == torch.bfloat16
+            and block_m <= FP8_FP16_DOT_MAX_BLOCK_M)
 
 
 @dataclass(frozen=True)
@@ -489,7 +499,7 @@ def skinny_linear(
         HEAD_DIM=rope.head_dim if rope is not None else 0,
         FP8_MAX=fp8_max,
         W_SCALED=w_scale is not None,
-        FP16_DOT=FP8_FP16_DOT and w_scale is not None and x.dtype == torch.bfloat16,
+        FP16_DOT=fp8_fp16_dot(x.dtype, w_scale, block_m),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         # Each product of the rotation is rounded before the sum (as torch's bf16 ops round): no FMA contraction.

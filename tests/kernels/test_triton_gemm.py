@@ -431,6 +431,17 @@ def test_fp8_weight_bf16_activations_keep_their_range(fp16_dot, config, device, 
     assert torch.equal(out[2], torch.zeros(n))
 
 
+def test_the_fp16_dot_is_for_fp8_weights_bf16_activations_and_16_row_tiles(monkeypatch):
+    scale = torch.ones(4)
+    assert triton_gemm.fp8_fp16_dot(torch.bfloat16, scale, triton_gemm.launch_block_m(1))
+    assert triton_gemm.fp8_fp16_dot(torch.bfloat16, scale, triton_gemm.launch_block_m(16))
+    assert not triton_gemm.fp8_fp16_dot(torch.bfloat16, scale, triton_gemm.launch_block_m(17))
+    assert not triton_gemm.fp8_fp16_dot(torch.float16, scale, 16)  # already fp16: the plain conversion
+    assert not triton_gemm.fp8_fp16_dot(torch.bfloat16, None, 16)  # a bf16 weight
+    monkeypatch.setattr(triton_gemm, "FP8_FP16_DOT", False)  # KVSERVE_FP8_FP16_DOT=0
+    assert not triton_gemm.fp8_fp16_dot(torch.bfloat16, scale, 16)
+
+
 def test_fp8_weight_split_reductions_agree_bitwise(device):
     x, w8, w_scale, b = fp8_operands(9, 96, 512, True, torch.float16, device, seed=3)
     fused = skinny_linear(x, w8, b, GemmConfig(32, 64, 8, 2), w_scale=w_scale)
