@@ -130,6 +130,18 @@ _fp8_skinny_enabled = True
 _rotary_cache_fusion = True
 
 
+def fp8_numerics(rows: int) -> tuple[bool, bool]:
+    """What an fp8 layer's matmul of `rows` rows computes, as far as the row count decides it: whether only the
+    weight is fp8 (`fp8_linear`: up to FP8_SKINNY_MAX_ROWS rows), and whether the skinny matmul may run its
+    dot in fp16 on scaled bf16 activations there (`triton_gemm.fp8_fp16_dot`: up to 16 rows a program). The
+    two dots' sums are rounded differently: CUDA-graph padding keeps a batch's (`CUDAGraphRunner`)."""
+    weight_only = rows <= FP8_SKINNY_MAX_ROWS
+    module = _triton_module("triton_gemm") if weight_only else None
+    fp16_dot = module is not None and bool(module.FP8_FP16_DOT) and (
+        module.launch_block_m(rows) <= module.FP8_FP16_DOT_MAX_BLOCK_M)
+    return weight_only, fp16_dot
+
+
 def set_rotary_cache_fusion(enabled: bool) -> None:
     """Use the fused launch (default) or always the separate kernels (for measuring what fusion gains)."""
     global _rotary_cache_fusion
@@ -937,6 +949,7 @@ __all__ = [
     "set_prefill_fast_path",
     "get_elementwise_backend",
     "fp8_linear",
+    "fp8_numerics",
     "fp8_matmul_fits",
     "linear",
     "linear_rope_cache",

@@ -309,11 +309,11 @@ class CUDAGraphRunner:
         self.attention_launch = {
             size: ops.decode_attention_launch(size, kv_caches[0], max_model_len) for size in sizes
         } if kv_caches else None
-        # With fp8 weights a size's matmuls take their numerics from its row count (`ops.fp8_linear`: weight-only
-        # fp8 up to FP8_SKINNY_MAX_ROWS rows, activations quantized past it): padding keeps a batch on its side,
-        # so that a timing at start cannot decide which numerics a batch gets.
-        self.fp8_weight_only = ({size: size <= ops.FP8_SKINNY_MAX_ROWS for size in sizes}
-                                if model is not None and _has_fp8_weights(model) else None)
+        # With fp8 weights a size's matmuls take their numerics from its row count (`ops.fp8_numerics`:
+        # weight-only fp8 up to FP8_SKINNY_MAX_ROWS rows, activations quantized past it; the fp16 dot up to 16
+        # rows): padding keeps a batch's, so that a timing at start cannot decide which numerics a batch gets.
+        self.fp8_numerics = ({size: ops.fp8_numerics(size) for size in sizes}
+                             if model is not None and _has_fp8_weights(model) else None)
         self.model = model
         self.kv_caches = kv_caches
         self.buffers = buffers
@@ -512,9 +512,9 @@ class CUDAGraphRunner:
     def _padding_keys(self) -> dict[int, Hashable] | None:
         """What a batch keeps when it replays a larger size's graph (`choose_padding`): its attention launch and,
         with fp8 weights, its matmuls' numerics; None when neither applies."""
-        if self.attention_launch is None and self.fp8_weight_only is None:
+        if self.attention_launch is None and self.fp8_numerics is None:
             return None
-        launch, fp8 = self.attention_launch or {}, self.fp8_weight_only or {}
+        launch, fp8 = self.attention_launch or {}, self.fp8_numerics or {}
         return {size: (launch.get(size), fp8.get(size)) for size in self.sizes}
 
     def set_size_times(self, times_ms: dict[int, float]) -> None:

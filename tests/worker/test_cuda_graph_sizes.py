@@ -129,26 +129,51 @@ def test_fp8_weights_keep_a_batch_on_its_side_of_the_weight_only_rows(monkeypatc
     larger graph would otherwise change a small batch's numerics by a start-up timing)."""
     import torch
 
-    from kvserve.kernels import ops
+    from kvserve.kernels import ops, triton_gemm
 
     monkeypatch.setattr(ops, "FP8_SKINNY_MAX_ROWS", 32)
+    monkeypatch.setattr(triton_gemm, "FP8_FP16_DOT", True)
     monkeypatch.setattr(ops, "decode_attention_launch", lambda size, cache, max_len: (1, False))
     sizes = [8, 16, 24, 32, 48, 64]
     times = {8: 4.0, 16: 4.0, 24: 4.1, 32: 4.2, 48: 3.0, 64: 3.5}
     layer = torch.nn.Module()
     plain = CUDAGraphRunner(torch.nn.Sequential(layer), [object()], {}, None, sizes, 4096,  # type: ignore[arg-type,list-item]
                             pad_min_gain=0.05)
-    assert plain.fp8_weight_only is None
+    assert plain.fp8_numerics is None
     layer.weight_fp8 = torch.nn.Parameter(torch.zeros(1), requires_grad=False)  # as Linear.quantize_fp8 leaves it
     fp8 = CUDAGraphRunner(torch.nn.Sequential(layer), [object()], {}, None, sizes, 4096,  # type: ignore[arg-type,list-item]
                           pad_min_gain=0.05)
-    assert fp8.fp8_weight_only == {8: True, 16: True, 24: True, 32: True, 48: False, 64: False}
+    assert fp8.fp8_numerics == {8: (True, True), 16: (True, True), 24: (True, False), 32: (True, False),
+                                48: (False, False), 64: (False, False)}
     for runner in (plain, fp8):
         runner._graphs = {(s, False): None for s in sizes}  # type: ignore[misc]  # as if captured
         runner.set_size_times(times)
     batches = (5, 12, 20, 30, 40, 60)
     assert [plain.padded_size(n) for n in batches] == [48, 48, 48, 48, 48, 64]
     assert [fp8.padded_size(n) for n in batches] == [8, 16, 24, 32, 48, 64]
+
+
+@pytest.mark.parametrize("fp16_dot", [True, False])
+def test_fp8_weights_keep_a_batch_on_its_side_of_the_fp16_dot_rows(fp16_dot: bool,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Up to 16 rows an fp8 layer's skinny matmul runs its dot in fp16 on scaled bf16 activations, past them
+    in bf16 (the sums rounded otherwise): a batch of 9-16 never replays the 24-row graph however fast it timed,
+    unless the fp16 dot is off (KVSERVE_FP8_FP16_DOT=0)."""
+    import torch
+
+    from kvserve.kernels import ops, triton_gemm
+
+    monkeypatch.setattr(ops, "FP8_SKINNY_MAX_ROWS", 32)
+    monkeypatch.setattr(triton_gemm, "FP8_FP16_DOT", fp16_dot)
+    monkeypatch.setattr(ops, "decode_attention_launch", lambda size, cache, max_len: (1, False))
+    sizes = [8, 16, 24, 32]
+    layer = torch.nn.Module()
+    layer.weight_fp8 = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
+    runner = CUDAGraphRunner(torch.nn.Sequential(layer), [object()], {}, None, sizes, 4096,  # type: ignore[arg-type,list-item]
+                             pad_min_gain=0.05)
+    runner._graphs = {(s, False): None for s in sizes}  # type: ignore[misc]  # as if captured
+    runner.set_size_times({8: 4.0, 16: 4.0, 24: 3.0, 32: 4.2})
+    assert [runner.padded_size(n) for n in (5, 12, 20, 30)] == ([8, 16, 24, 32] if fp16_dot else [24, 24, 24, 32])
 
 
 def test_cascade_batches_take_the_smallest_size() -> None:
