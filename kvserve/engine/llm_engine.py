@@ -79,7 +79,7 @@ class LLMEngine:
                     )
                 )
                 added.append(child_id)
-        except ValueError:
+        except BaseException:  # a sample the core refused (ValueError), or Ctrl-C between two samples' adds
             self.core.abort_requests(added)
             self.output_processor.abort_request(request_id)
             raise

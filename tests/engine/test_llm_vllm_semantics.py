@@ -59,6 +59,36 @@ def test_a_call_stopped_by_an_error_leaves_the_llm_usable(llm: LLM, monkeypatch:
     assert [o.outputs[0].token_ids for o in outs] == [expected, expected]
 
 
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_a_request_stopped_while_its_samples_are_added_leaves_nothing_behind(
+        llm: LLM, monkeypatch: pytest.MonkeyPatch, error: type[BaseException]) -> None:
+    """Ctrl-C (or any error) while an n=2 request's second sample is being added to the core: the request's
+    first sample and its output state are dropped too. They used to stay (only a ValueError dropped them): the
+    engine then had an unfinished request no call owned, and the next call ran it along."""
+    prompt = [list(range(100, 110))]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    expected = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    core = llm.engine.core
+    real = type(core).add_request
+    calls = 0
+
+    def failing(self: Any, *args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 2:  # the second sample of the request
+            raise error("boom")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(core), "add_request", failing)
+    with pytest.raises(error, match="boom"):
+        llm.generate(prompt, SamplingParams(n=2, temperature=0.8, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    monkeypatch.undo()
+    assert not llm.engine.has_unfinished_requests()
+    assert not llm.engine.output_processor.has_unfinished() and not core.scheduler.requests
+    outs = llm.generate(prompt, params, use_tqdm=False)
+    assert len(outs) == 1 and outs[0].outputs[0].token_ids == expected
+
+
 def test_seed_minus_one_is_unseeded() -> None:
     """vLLM reads seed=-1 as no seed (its SamplingParams sets None; OpenAI clients send -1 for "random"): each
     request samples anew instead of every one repeating the samples of a fixed seed -1."""
