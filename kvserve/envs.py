@@ -53,8 +53,8 @@ KVSERVE_GRAPH_PAD_MIN_GAIN_PCT: int = _int("KVSERVE_GRAPH_PAD_MIN_GAIN_PCT", 5)
 # kvserve/kernels/triton_pdl.py and docs/perf_notes.md, entry 17.
 KVSERVE_PDL: bool = _int("KVSERVE_PDL", 1) != 0
 # fp8 weights (`--quantization fp8`) at up to 16 rows with bf16 activations: the skinny matmul's dot in
-# fp16, activations scaled by powers of two (1), or the weight converted to bf16 (0; same sums, slower on an
-# H100: docs/perf_notes.md entry 71).
+# fp16, activations scaled by powers of two (1), or the weight converted to bf16 (0; the same exact products,
+# float32 sums rounded in another order; slower on an H100: docs/perf_notes.md entry 71).
 KVSERVE_FP8_FP16_DOT: bool = _int("KVSERVE_FP8_FP16_DOT", 1) != 0
 # Compile the Triton kernel variants that start-up needs on a thread pool before the warm-up runs them (1: on,
 # the default; 0: off, the warm-up compiles them one at a time). See kvserve/kernels/triton_precompile.py and

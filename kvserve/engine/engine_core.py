@@ -405,8 +405,9 @@ class EngineCore:
     def step(self) -> EngineStepResult:
         """Schedule and launch one step; return the outputs of the step whose tokens arrived (this one
         without async scheduling, the previous one with it). With tensor parallelism, Ctrl-C (SIGINT) in the
-        main thread raises KeyboardInterrupt once the step is launched on every rank (`_interrupts_deferred`),
-        so that it leaves the ranks in step; a second one raises at once (and ends the engine: `_lockstep`)."""
+        main thread raises KeyboardInterrupt when this returns (`_interrupts_deferred`), so that it leaves the
+        ranks in step; a second one raises at once (which ends the engine inside `_lockstep`, and is an ordinary
+        interrupt elsewhere: the ranks are in step there)."""
         self._check_alive()
         if self.workers is None:
             return self._step()

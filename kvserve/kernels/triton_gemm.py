@@ -20,8 +20,9 @@ loop, so split-K partials, both reductions and both epilogues see a tile like a 
 (`reference.fp8_linear_weight_only`). With fp16 activations the tile becomes fp16. With bf16 activations
 and up to 16 rows a program (`fp8_fp16_dot`) it becomes fp16 too (e4m3 -> fp16 is one conversion a pair; the
 64 x 128 tiling's PTX has 80 conversions that way against 127 to bf16), and each row of the activation tile
-is scaled by a power of two into fp16's range, its dot scaled back as it is added: the same products (exact)
-and sums, short of values 2^31 below their tile row's largest (docs/perf_notes.md entry 71). An fp8 weight takes bf16's tiling (`pick_config`: measured best or near it on an H100).
+is scaled by a power of two into fp16's range, its dot scaled back as it is added: the same exact products,
+short of values 2^31 below their tile row's largest, summed in float32 in another order (each tile's dot
+apart, then added; docs/perf_notes.md entry 71). An fp8 weight takes bf16's tiling (`pick_config`: measured best or near it on an H100).
 
 Two epilogues fuse the kernel that would follow the matmul (`_store_output`): SiLU-and-mul for a [gate; up]
 weight, and the rotary embedding plus the KV-cache write for a fused q/k/v weight. For either, the program's

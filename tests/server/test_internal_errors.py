@@ -157,3 +157,59 @@ def test_a_stream_the_stopping_server_cancels_ends_with_an_error_event_and_done(
     chunks = [json.loads(e) for e in events[:-1]]
     assert chunks[0]["choices"][0]["text"] == " ok"
     assert chunks[-1]["error"]["code"] == 503 and "shutting down" in chunks[-1]["error"]["message"]
+
+
+def _cancel_through_the_guard(app: Any, blocks_after: int | None) -> tuple[list[dict[str, Any]], BaseException | None]:
+    """Run `app` behind GuardMiddleware, cancel it once it has sent two messages and waits, as the stopping
+    server does; `blocks_after`: every send after that many messages waits forever (a client that stopped
+    reading: uvicorn's send waits for the transport to drain). Returns the messages sent and what the task
+    raised (a 20-s hang guard)."""
+    from kvserve.entrypoints.openai.middleware import GuardMiddleware
+
+    async def scenario() -> tuple[list[dict[str, Any]], BaseException | None]:
+        sent: list[dict[str, Any]] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            if blocks_after is not None and len(sent) >= blocks_after:
+                await asyncio.Event().wait()
+            sent.append(message)
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        scope = {"type": "http", "path": "/v1/completions", "root_path": "", "headers": []}
+        task = asyncio.ensure_future(GuardMiddleware(app, ServerState(), None, 1 << 20)(scope, receive, send))
+        for _ in range(500):
+            if len(sent) >= 2:
+                break
+            await asyncio.sleep(0.01)
+        task.cancel()
+        (outcome,) = await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 20)
+        return sent, outcome if isinstance(outcome, BaseException) else None
+
+    return asyncio.run(scenario())
+
+
+def _stream_app(last_event: bytes) -> Any:
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": last_event, "more_body": True})
+        await asyncio.Event().wait()  # waits for the engine (or, after [DONE], to send its closing body)
+
+    return app
+
+
+def test_a_cancelled_stream_whose_client_stopped_reading_still_ends_the_task() -> None:
+    """Ending the response waits on a send that never returns: the cancellation goes on after a bound. The task
+    used to wait forever, so asyncio.run's exit (the second signal's "exit at once") never returned."""
+    sent, raised = _cancel_through_the_guard(_stream_app(b'data: {"x": 1}\n\n'), blocks_after=2)
+    assert isinstance(raised, asyncio.CancelledError) and len(sent) == 2
+
+
+def test_a_cancelled_stream_already_done_only_gets_its_closing_body() -> None:
+    """A stream cancelled after its [DONE] event (waiting to send its closing empty body) gets no error event
+    after [DONE]: only that closing body."""
+    sent, raised = _cancel_through_the_guard(_stream_app(b'data: {"x": 1}\n\ndata: [DONE]\n\n'), blocks_after=None)
+    assert raised is None
+    assert [m.get("body") for m in sent[2:]] == [b""] and not sent[-1].get("more_body", False)

@@ -63,8 +63,14 @@ class GuardMiddleware:
         except asyncio.CancelledError:
             # The server stops and cancels what still runs (a second signal, which stops it at once, or the
             # drain's grace over): uvicorn would answer a response not yet started with a plain-text 500 and
-            # cut a started stream off. End it here in the OpenAI format instead; the task ends with it.
-            if not await response.end_cancelled():
+            # cut a started stream off. End it here in the OpenAI format instead; the task ends with it. Within
+            # a bound: a client that stops reading holds its send forever, and asyncio.run's exit (which cancels
+            # the tasks once, then waits for them) would then never return.
+            try:
+                ended = await asyncio.wait_for(response.end_cancelled(), _END_CANCELLED_S)
+            except asyncio.TimeoutError:
+                ended = False
+            if not ended:
                 raise
 
     async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -103,6 +109,10 @@ class GuardMiddleware:
         return False
 
 
+# How long a cancelled request may take to end its response (`GuardMiddleware`) before the cancellation goes on.
+_END_CANCELLED_S = 1.0
+
+
 class _ResponseSend:
     """`send`, noting how far the response has gone, so that a cancelled request's response can be ended."""
 
@@ -113,6 +123,7 @@ class _ResponseSend:
         self.started = False
         self.complete = False
         self.event_stream = False
+        self.done_sent = False  # a stream's last body so far ended with its [DONE] event
 
     async def __call__(self, message: Message) -> None:
         await self._send(message)  # (a send cancelled while it waits to write has written nothing)
@@ -120,8 +131,13 @@ class _ResponseSend:
             self.started = True
             self.event_stream = any(name.lower() == b"content-type" and value.startswith(b"text/event-stream")
                                     for name, value in message.get("headers", []))
-        elif message["type"] == "http.response.body" and not message.get("more_body", False):
-            self.complete = True
+        elif message["type"] == "http.response.body":
+            if not message.get("more_body", False):
+                self.complete = True
+            elif self.event_stream:
+                body = message.get("body", b"")
+                if body:
+                    self.done_sent = body.endswith(b"data: [DONE]\n\n")
 
     async def end_cancelled(self) -> bool:
         """End the response of a cancelled request: a 503 error if none has started, an error event and [DONE]
@@ -134,9 +150,10 @@ class _ResponseSend:
             return True
         if not self.event_stream:
             return False
-        error = json.dumps(error_body(503, self.CANCELLED_MESSAGE), separators=(",", ":"))
-        await self({"type": "http.response.body", "body": f"data: {error}\n\ndata: [DONE]\n\n".encode(),
-                    "more_body": True})
+        if not self.done_sent:  # (a stream whose [DONE] is out only waits for its closing body)
+            error = json.dumps(error_body(503, self.CANCELLED_MESSAGE), separators=(",", ":"))
+            await self({"type": "http.response.body", "body": f"data: {error}\n\ndata: [DONE]\n\n".encode(),
+                        "more_body": True})
         await self({"type": "http.response.body", "body": b"", "more_body": False})
         return True
 
