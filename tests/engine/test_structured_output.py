@@ -49,7 +49,10 @@ SPECS = [StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True), Stru
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir) -> dict[bool, LLM]:
     path = tiny_model_dir("llama")
-    out = {pipelined: LLM(path, max_model_len=256, async_scheduling=pipelined) for pipelined in (False, True)}
+    # 1024 blocks (64 requests of max_model_len at once, far more than any test here runs): the default pool
+    # for the tiny model is 131072 blocks, which the invariant checks after every step walk (0.25 s a step).
+    out = {pipelined: LLM(path, max_model_len=256, num_kv_blocks=1024, async_scheduling=pipelined)
+           for pipelined in (False, True)}
     for llm in out.values():
         llm.engine.core.check_invariants_every_step = True
     return out
