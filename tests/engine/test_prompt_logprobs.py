@@ -93,7 +93,8 @@ def test_prompt_logprobs_match_hf(tiny_qwen2: str, reference: list[RequestOutput
 def test_prompt_logprobs_unchanged_by_engine_settings(
     tiny_qwen2: str, reference: list[RequestOutput], settings: dict
 ) -> None:
-    _assert_same(_run(LLM(tiny_qwen2, max_model_len=256, block_size=16, num_kv_blocks=POOL_BLOCKS, **settings)), reference)
+    llm = LLM(tiny_qwen2, max_model_len=256, block_size=16, num_kv_blocks=POOL_BLOCKS, **settings)
+    _assert_same(_run(llm), reference)
 
 
 def _assert_same(outs: list[RequestOutput], reference: list[RequestOutput]) -> None:
@@ -176,8 +177,8 @@ def test_a_prompt_only_request_ends_with_no_token(tiny_qwen2: str, reference: li
     """`EngineCoreRequest.prompt_only` (a completion's echo with max_tokens 0): the prompt runs, its
     prompt_logprobs come out as a normal request's, and the request ends with no token and "length"; beside
     it a plain request keeps its tokens. Without prompt_logprobs the same, less the logprobs."""
-    llm = LLM(tiny_qwen2, max_model_len=256, block_size=16, num_kv_blocks=POOL_BLOCKS, async_scheduling=async_scheduling,
-              enable_prefix_caching=False)
+    llm = LLM(tiny_qwen2, max_model_len=256, block_size=16, num_kv_blocks=POOL_BLOCKS,
+              async_scheduling=async_scheduling, enable_prefix_caching=False)
     engine, core = llm.engine, llm.engine.core
     core.check_invariants_every_step = True
     ids = reference[1].prompt_token_ids
