@@ -60,21 +60,34 @@ def test_greedy_output_unchanged(settings: dict, reference_tokens: list[list[int
     assert _tokens(llm) == reference_tokens
 
 
+@pytest.fixture(scope="module")
+def preempting_llms() -> dict[bool, LLM]:
+    """{async_scheduling: engine} with 12 blocks of 16 tokens: one request needs up to 5 blocks here, so six at
+    once cannot all fit and the newest running requests are preempted and recomputed. Shared by the tests
+    that preempt (each checks that its own run preempted: the engine's count is cumulative)."""
+    return {pipelined: LLM(max_model_len=192, num_kv_blocks=12, block_size=16, async_scheduling=pipelined)
+            for pipelined in (False, True)}
+
+
+def _preemptions(llm: LLM) -> int:
+    return llm.engine.core.scheduler.num_preemptions
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_greedy_output_unchanged_under_preemption(
-    reference_tokens: list[list[int]], async_scheduling: bool
+    reference_tokens: list[list[int]], preempting_llms: dict[bool, LLM], async_scheduling: bool
 ) -> None:
-    # 12 blocks of 16 tokens: one request needs up to 5 blocks here, so six at once cannot all fit and
-    # the newest running requests are preempted and recomputed.
-    llm = LLM(max_model_len=192, num_kv_blocks=12, block_size=16, async_scheduling=async_scheduling)
+    llm = preempting_llms[async_scheduling]
+    before = _preemptions(llm)
     assert _tokens(llm) == reference_tokens
     stats = llm.engine.last_stats
-    assert stats is not None and stats.num_preemptions > 0, "the pool was meant to force preemption"
+    assert stats is not None and stats.num_preemptions > before, "the pool was meant to force preemption"
     assert stats.num_free_blocks == stats.num_blocks
 
 
 def test_penalised_greedy_output_same_with_kept_counts_lists_and_preemption(
-    default_llm: LLM, reference_tokens: list[list[int]], monkeypatch: pytest.MonkeyPatch
+    default_llm: LLM, reference_tokens: list[list[int]], preempting_llms: dict[bool, LLM],
+    monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Repetition, frequency and presence penalties: the counts the sampler keeps per request across steps
     give the same greedy tokens as counting the whole token lists every step, also when requests are
@@ -88,19 +101,19 @@ def test_penalised_greedy_output_same_with_kept_counts_lists_and_preemption(
     kept = _tokens(default_llm, params)
     assert kept != reference_tokens  # the penalties change the output
     assert default_llm.engine.core.runner.sampler.penalty_counts is not None  # the kept counts were used
-    preempting = LLM(max_model_len=192, num_kv_blocks=12, block_size=16)
+    preempting = preempting_llms[False]
+    before = _preemptions(preempting)
     assert _tokens(preempting, params) == kept
-    stats = preempting.engine.last_stats
-    assert stats is not None and stats.num_preemptions > 0, "the pool was meant to force preemption"
+    assert _preemptions(preempting) > before, "the pool was meant to force preemption"
     # Pipelined too: a request preempted with a token in flight, resumed by recomputing, its newest token
     # counted from the device while the host has not read it.
     from helpers.sampling import record_pending_rows
 
     pending = record_pending_rows(monkeypatch)
-    pipelined = LLM(max_model_len=192, num_kv_blocks=12, block_size=16, async_scheduling=True)
+    pipelined = preempting_llms[True]
+    before = _preemptions(pipelined)
     assert _tokens(pipelined, params) == kept
-    stats = pipelined.engine.last_stats
-    assert stats is not None and stats.num_preemptions > 0 and sum(pending) > 0
+    assert _preemptions(pipelined) > before and sum(pending) > 0
     monkeypatch.undo()
     monkeypatch.setattr(model_runner, "SamplingRow", lambda **kw: SamplingRow(**{**kw, "req_id": None}))
     assert _tokens(default_llm, params) == kept
@@ -134,7 +147,12 @@ def test_last_layer_pruning_keeps_greedy_output(
         return forward(input_ids, positions, kv_caches, attn_metadata, output_rows)
 
     monkeypatch.setattr(model, "forward", recording)
-    assert _tokens(llm) == reference_tokens
+    # A few tokens show the rows asked for (the prefill step and decode steps); the whole run with pruning on
+    # is the reference itself (the default engine prunes) and test_greedy_output_unchanged[no-prefix-cache]
+    # (these engine settings).
+    short = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    outs = llm.generate(PROMPTS, short, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [t[:3] for t in reference_tokens]
     prefill_steps = [(n, rows) for n, rows in asked if rows is not None]
     assert prefill_steps and all(rows < n for n, rows in prefill_steps)
     assert any(rows is None for _, rows in asked)  # the decode steps
@@ -143,10 +161,13 @@ def test_last_layer_pruning_keeps_greedy_output(
 
 
 def test_prefix_cache_hits_reported(default_llm: LLM) -> None:
-    outs = default_llm.generate([SYSTEM + "Say hi.", SYSTEM + "Say bye."], GREEDY, use_tqdm=False)
+    # A few tokens: what is reported is counted at the prefill; that a full prefix hit keeps greedy output is
+    # also test_greedy_output_unchanged's (PROMPTS repeats one exactly).
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    outs = default_llm.generate([SYSTEM + "Say hi.", SYSTEM + "Say bye."], params, use_tqdm=False)
     # Both share the SYSTEM prefix with earlier prompts run on this engine.
     assert all(o.num_cached_tokens >= 16 for o in outs)
-    again = default_llm.generate([SYSTEM + "Say hi."], GREEDY, use_tqdm=False)[0]
+    again = default_llm.generate([SYSTEM + "Say hi."], params, use_tqdm=False)[0]
     assert again.num_cached_tokens == (len(again.prompt_token_ids) - 1) // 16 * 16
     assert again.outputs[0].token_ids == outs[0].outputs[0].token_ids
 
@@ -172,7 +193,7 @@ def test_async_scheduling_keeps_sampled_output(monkeypatch: pytest.MonkeyPatch) 
     params = [
         SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=20, logprobs=2),
         SamplingParams(temperature=1.0, top_k=20, seed=3, n=2, max_tokens=16),
-        SamplingParams(temperature=0.0, max_tokens=40),  # may stop at EOS
+        SamplingParams(temperature=0.0, max_tokens=30),  # may stop at EOS
         SamplingParams(temperature=0.7, seed=5, max_tokens=12, stop_token_ids=[13, 28]),
         SamplingParams(temperature=0.0, max_tokens=30, stop=[".", "。", ","]),  # stop strings: aborts
         SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.3, frequency_penalty=0.5),

@@ -423,7 +423,8 @@ def test_allowed_token_ids_past_the_models_vocabulary_are_refused(tiny_model_dir
 def test_the_engine_core_checks_the_runners_requests_against_the_schedulers(tiny_model_dir, pipelined: bool) -> None:
     """The runner holds exactly the requests the scheduler told it of and has not released: a finished request
     lingers until the next step's output releases it, and that passes; a stale or a missing one does not."""
-    llm = LLM(tiny_model_dir("llama"), max_model_len=128, async_scheduling=pipelined)
+    # A small pool: the tiny model's default one (131072 blocks) makes each step's invariant check slow.
+    llm = LLM(tiny_model_dir("llama"), max_model_len=128, num_kv_blocks=256, async_scheduling=pipelined)
     engine, core = llm.engine, llm.engine.core
     core.check_invariants_every_step = True
     engine.add_request("a", "Hello", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
@@ -450,7 +451,8 @@ def test_the_engine_core_checks_the_runners_requests_against_the_schedulers(tiny
 def test_a_stop_string_ends_the_request_in_the_engine_core_too(tiny_model_dir) -> None:
     """The output processor ends a request on a stop string; LLMEngine then aborts it in the engine core, which
     would otherwise go on computing it to max_tokens."""
-    llm = LLM(tiny_model_dir("llama"), max_model_len=128)
+    # A small pool: the tiny model's default one (131072 blocks) makes each step's invariant check slow.
+    llm = LLM(tiny_model_dir("llama"), max_model_len=128, num_kv_blocks=256)
     engine = llm.engine
     engine.core.check_invariants_every_step = True
     base = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),

@@ -14,6 +14,9 @@ from kvserve.protocol.outputs import Logprob, RequestOutput
 from kvserve.protocol.sampling_params import SamplingParamsError
 
 K = 3
+# The engines' KV pool: 256 blocks of 16 hold every test's requests here at once (the preemption test sizes its
+# own). The tiny model's default pool, 131072 blocks, makes the invariant check after every step slow (~0.25 s).
+POOL_BLOCKS = 256
 PROMPTS: list = [
     "Hi",
     "A longer prompt that spans more than one block of sixteen tokens, so that block tables matter here.",
@@ -45,7 +48,7 @@ def tiny_qwen2(tiny_model_dir: Callable[..., str]) -> str:
 
 @pytest.fixture(scope="module")
 def reference(tiny_qwen2: str) -> list[RequestOutput]:
-    return _run(LLM(tiny_qwen2, max_model_len=256, block_size=16))
+    return _run(LLM(tiny_qwen2, max_model_len=256, block_size=16, num_kv_blocks=POOL_BLOCKS))
 
 
 def test_prompt_logprobs_match_hf(tiny_qwen2: str, reference: list[RequestOutput]) -> None:
@@ -90,7 +93,8 @@ def test_prompt_logprobs_match_hf(tiny_qwen2: str, reference: list[RequestOutput
 def test_prompt_logprobs_unchanged_by_engine_settings(
     tiny_qwen2: str, reference: list[RequestOutput], settings: dict
 ) -> None:
-    _assert_same(_run(LLM(tiny_qwen2, max_model_len=256, block_size=16, **settings)), reference)
+    llm = LLM(tiny_qwen2, max_model_len=256, block_size=16, num_kv_blocks=POOL_BLOCKS, **settings)
+    _assert_same(_run(llm), reference)
 
 
 def _assert_same(outs: list[RequestOutput], reference: list[RequestOutput]) -> None:
@@ -115,7 +119,7 @@ def test_prompt_logprobs_unchanged_by_preemption_within_a_prompt(tiny_qwen2: str
     """Three 60-token prompts prefilled 16 tokens a step in a pool of 6 blocks of 16: the second is
     preempted while its prompt is half done and recomputed; no prompt position is lost or repeated."""
     prompts = [list(range(start, start + 60)) for start in (1000, 2000, 3000)]
-    want = _run(LLM(tiny_qwen2, max_model_len=256, block_size=16), prompts)
+    want = _run(LLM(tiny_qwen2, max_model_len=256, block_size=16, num_kv_blocks=POOL_BLOCKS), prompts)
     llm = LLM(tiny_qwen2, max_model_len=96, block_size=16, num_kv_blocks=6, max_num_batched_tokens=16,
               async_scheduling=async_scheduling)
     _assert_same(_run(llm, prompts), want)
@@ -126,7 +130,7 @@ def test_prompt_logprobs_unchanged_by_preemption_within_a_prompt(tiny_qwen2: str
 def test_prompt_logprobs_skip_prefix_cache_hits(tiny_qwen2: str, reference: list[RequestOutput]) -> None:
     """A request with prompt_logprobs takes no prefix-cache hit (it needs every position's logits) and gets
     all its prompt's logprobs; its blocks still serve later requests without them."""
-    llm = LLM(tiny_qwen2, max_model_len=256, block_size=16)
+    llm = LLM(tiny_qwen2, max_model_len=256, block_size=16, num_kv_blocks=POOL_BLOCKS)
     prompt = PROMPTS[3]
     first = _run(llm, [prompt])[0]
     again = _run(llm, [prompt])[0]
@@ -138,7 +142,7 @@ def test_prompt_logprobs_skip_prefix_cache_hits(tiny_qwen2: str, reference: list
 
 
 def test_prompt_logprobs_with_n_and_k0(tiny_qwen2: str, reference: list[RequestOutput]) -> None:
-    llm = LLM(tiny_qwen2, max_model_len=256, block_size=16)
+    llm = LLM(tiny_qwen2, max_model_len=256, block_size=16, num_kv_blocks=POOL_BLOCKS)
     sp = SamplingParams(temperature=1.0, seed=3, max_tokens=4, n=3, prompt_logprobs=K)
     out = llm.generate([PROMPTS[1]], sp, use_tqdm=False)[0]
     assert len(out.outputs) == 3
@@ -159,7 +163,7 @@ def test_prompt_logprobs_out_of_range_refused(value: object) -> None:
 
 
 def test_runner_prompt_logprob_set_is_checked(tiny_qwen2: str) -> None:
-    llm = LLM(tiny_qwen2, max_model_len=256, block_size=16)
+    llm = LLM(tiny_qwen2, max_model_len=256, block_size=16, num_kv_blocks=POOL_BLOCKS)
     _run(llm, [PROMPTS[1]])
     runner = llm.engine.core.runner
     runner._prompt_logprob_req_ids.add("finished-long-ago")
@@ -173,8 +177,8 @@ def test_a_prompt_only_request_ends_with_no_token(tiny_qwen2: str, reference: li
     """`EngineCoreRequest.prompt_only` (a completion's echo with max_tokens 0): the prompt runs, its
     prompt_logprobs come out as a normal request's, and the request ends with no token and "length"; beside
     it a plain request keeps its tokens. Without prompt_logprobs the same, less the logprobs."""
-    llm = LLM(tiny_qwen2, max_model_len=256, block_size=16, async_scheduling=async_scheduling,
-              enable_prefix_caching=False)
+    llm = LLM(tiny_qwen2, max_model_len=256, block_size=16, num_kv_blocks=POOL_BLOCKS,
+              async_scheduling=async_scheduling, enable_prefix_caching=False)
     engine, core = llm.engine, llm.engine.core
     core.check_invariants_every_step = True
     ids = reference[1].prompt_token_ids

@@ -49,7 +49,10 @@ SPECS = [StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True), Stru
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir) -> dict[bool, LLM]:
     path = tiny_model_dir("llama")
-    out = {pipelined: LLM(path, max_model_len=256, async_scheduling=pipelined) for pipelined in (False, True)}
+    # 1024 blocks (64 requests of max_model_len at once, far more than any test here runs): the default pool
+    # for the tiny model is 131072 blocks, which the invariant checks after every step walk (0.25 s a step).
+    out = {pipelined: LLM(path, max_model_len=256, num_kv_blocks=1024, async_scheduling=pipelined)
+           for pipelined in (False, True)}
     for llm in out.values():
         llm.engine.core.check_invariants_every_step = True
     return out
@@ -336,7 +339,8 @@ def test_pipelined_grammar_steps_launch_the_forward_before_the_previous_tokens_a
 def test_steps_that_sample_no_constrained_request_stay_pipelined(tiny_model_dir, monkeypatch):
     """A grammar request whose prompt is still prefilling in chunks needs no mask yet: the steps that decode
     the other requests meanwhile sample without waiting for the previous step's tokens."""
-    llm = LLM(tiny_model_dir("llama"), max_model_len=256, max_num_batched_tokens=16, async_scheduling=True)
+    llm = LLM(tiny_model_dir("llama"), max_model_len=256, max_num_batched_tokens=16, num_kv_blocks=1024,
+              async_scheduling=True)  # a small pool: see `engines`
     llm.engine.core.check_invariants_every_step = True
     seen = _watch_halves(monkeypatch)
     spec = StructuredOutputsParams(regex=r"[a-z ]{300}")
@@ -434,7 +438,8 @@ def test_without_any_eos_the_grammars_end_still_ends_the_request(tiny_model_dir)
     path = tiny_model_dir("llama", eos_token_id=None)
     tokenizer = load_tokenizer(path)
     tokenizer.eos_token = None
-    engine = LLMEngine(EngineArgs(model=path, max_model_len=128).create_engine_config(), tokenizer)
+    engine = LLMEngine(EngineArgs(model=path, max_model_len=128, num_kv_blocks=1024).create_engine_config(),
+                       tokenizer)  # a small pool: see `engines`
     assert not engine.core.eos_token_ids and not engine.input_processor.eos_token_ids
     engine.core.check_invariants_every_step = True
     spec = StructuredOutputsParams(choice=["yes"])

@@ -52,7 +52,8 @@ def triton_attention_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def _generate(model: str, cascade: bool, **settings: Any) -> list[list[int]]:
-    llm = LLM(model=model, max_model_len=256, block_size=16, cascade_attn=cascade, **settings)
+    # 256 blocks (the tiny model's default pool, 131072, makes the invariant check after every step ~0.25 s).
+    llm = LLM(model=model, max_model_len=256, block_size=16, num_kv_blocks=256, cascade_attn=cascade, **settings)
     llm.engine.core.check_invariants_every_step = True
     llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)  # puts the shared prefix in the cache
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
