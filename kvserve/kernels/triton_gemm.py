@@ -22,7 +22,8 @@ and up to 16 rows a program (`fp8_fp16_dot`) it becomes fp16 too (e4m3 -> fp16 i
 64 x 128 tiling's PTX has 80 conversions that way against 127 to bf16), and each row of the activation tile
 is scaled by a power of two into fp16's range, its dot scaled back as it is added: the same exact products,
 short of values 2^31 below their tile row's largest, summed in float32 in another order (each tile's dot
-apart, then added; docs/perf_notes.md entry 71). An fp8 weight takes bf16's tiling (`pick_config`: measured best or near it on an H100).
+apart, then added; docs/perf_notes.md entry 71). An fp8 weight takes bf16's tiling (`pick_config`: measured
+best or near it on an H100).
 
 Two epilogues fuse the kernel that would follow the matmul (`_store_output`): SiLU-and-mul for a [gate; up]
 weight, and the rotary embedding plus the KV-cache write for a fused q/k/v weight. For either, the program's
