@@ -15,8 +15,11 @@ header is forwarded, so backends started with --api-key check it themselves.
   marked unhealthy until its /health answers 200 again; when every backend is marked, each is still tried.
   Once an answer has started, an error is the client's to see (it is passed on, or the stream ends). A
   backend silent for `--request-timeout` seconds (before its answer or between two chunks) ends the
-  request: 504 before the answer, a cut stream after (the replicas of `kvserve serve -dp N` have no such
-  limit, as one server has none).
+  request: 504 before the answer (the replicas of `kvserve serve -dp N` have no such limit, as one server
+  has none). A backend that breaks off (or goes silent) mid-answer: a server-sent event stream cut between
+  two events ends as the server ends one it cannot finish, with an error event in the OpenAI format (503,
+  or 504 for the timeout) and `data: [DONE]`; any other answer, or a stream cut inside an event, is cut for
+  the client too (its connection is closed), so that it never looks complete.
 * No limit on the requests in flight: the connections to the backends are not pooled under a cap (aiohttp's
   default of 100 would queue the rest unseen); the backends' own schedulers decide what waits.
 * A request body over `max_body_bytes` gets 413 with OpenAI's error body, as the server answers.
@@ -36,6 +39,7 @@ header is forwarded, so backends started with --api-key check it themselves.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import Sequence
@@ -333,14 +337,28 @@ class RouterApp:
                     if name.lower() not in _DROP_RESPONSE:
                         response.headers.add(name, value)
                 await response.prepare(request)
+                event_stream = upstream.content_type == "text/event-stream"
+                last = b""  # the end of what was written so far (where the last event ends, if it does)
                 while True:
                     try:
                         chunk = await upstream.content.readany()
                     except (aiohttp.ClientPayloadError, asyncio.TimeoutError, aiohttp.ClientConnectionError) as exc:
-                        # The backend failed or went silent mid-answer (or was stopped at once): cut the client's
-                        # stream too, by closing its connection, so that it sees an incomplete answer. aiohttp's
-                        # write_eof then fails with a ConnectionError, which it takes quietly.
+                        # The backend failed or went silent mid-answer (or was stopped at once).
                         outcome = "stream_error"
+                        if event_stream and (not last or last.endswith((b"\n\n", b"\r\r"))):
+                            # Between two events: end the stream as the server ends one it cannot finish, with
+                            # an error event in the OpenAI format and [DONE] (only the end, if [DONE] is out).
+                            logger.warning("%s %s: the answer from %s broke off (%s): ending the client's stream "
+                                           "with an error event", request.method, request.path, backend.url,
+                                           type(exc).__name__)
+                            with contextlib.suppress(ConnectionResetError):
+                                if not last.endswith(b"data: [DONE]\n\n"):
+                                    await response.write(_error_event(backend, exc, self.config.request_timeout_s))
+                                await response.write_eof()
+                            return response
+                        # Not an event stream, or cut inside an event: cut the client's stream too, by closing its
+                        # connection, so that it sees an incomplete answer. aiohttp's write_eof then fails with a
+                        # ConnectionError, which it takes quietly.
                         logger.warning("%s %s: the answer from %s broke off (%s): cutting the client's stream",
                                        request.method, request.path, backend.url, type(exc).__name__)
                         if request.transport is not None:
@@ -348,6 +366,7 @@ class RouterApp:
                         return response
                     if not chunk:
                         break
+                    last = (last + chunk)[-len(b"data: [DONE]\n\n"):]
                     try:
                         await response.write(chunk)
                     except ConnectionResetError:
@@ -369,6 +388,18 @@ class RouterApp:
             backend.in_flight -= 1
             if outcome != "retried":
                 self.requests.labels(backend.url, outcome).inc()
+
+
+def _error_event(backend: Backend, exc: BaseException, timeout_s: float | None) -> bytes:
+    """The SSE error event (then [DONE]) that ends a client's stream whose backend broke off mid-answer: 504
+    when it went silent for --request-timeout, else 503 (as the server's own when its engine is gone)."""
+    from kvserve.entrypoints.openai.errors import error_body
+
+    if isinstance(exc, asyncio.TimeoutError) and timeout_s is not None:
+        body = error_body(504, f"{backend.url} sent nothing for {timeout_s:g} s (--request-timeout)")
+    else:
+        body = error_body(503, f"the answer from {backend.url} broke off ({type(exc).__name__})")
+    return f"data: {json.dumps(body, separators=(',', ':'), ensure_ascii=False)}\n\ndata: [DONE]\n\n".encode()
 
 
 def _below_root(path: str, root: str) -> str:

@@ -121,6 +121,8 @@ class FakeBackend:
         self.api_key: str | None = None  # /v1/models asks for it
         self.models_auth: list[str | None] = []  # the Authorization header of each /v1/models request
         self.break_after: int | None = None  # chunks sent before the connection is dropped mid-answer
+        self.break_inside = b""  # sent (the start of an event) just before that drop
+        self.die_before_answer = False  # the connection is dropped once the request has come (no answer)
         # Each completion waits (up to 5 s) until this many are in flight at once; the most seen is recorded.
         self.hold_until = 0
         self.in_flight = self.peak_in_flight = 0
@@ -185,6 +187,9 @@ class FakeBackend:
     async def _answer(self, request: web.Request, body: Any) -> web.StreamResponse:
         await asyncio.sleep(self.stall_s)
         self.seen.append({"headers": dict(request.headers), "body": body})
+        if self.die_before_answer and request.transport is not None:
+            request.transport.close()  # the backend dies before its answer
+            return web.Response()
         if self.status != 200:
             return web.json_response({"error": {"message": "draining", "code": self.status}}, status=self.status)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Backend": self.name})
@@ -192,11 +197,15 @@ class FakeBackend:
         try:
             for i in range(self.chunks):
                 if i == self.break_after and request.transport is not None:
+                    if self.break_inside:
+                        await response.write(self.break_inside)
                     request.transport.close()  # the backend dies mid-answer
                     return response
                 await response.write(f"data: {json.dumps({'backend': self.name, 'i': i})}\n\n".encode())
                 await asyncio.sleep(self.delay_s)
             await response.write(b"data: [DONE]\n\n")
+            if self.break_after == self.chunks and request.transport is not None:
+                request.transport.close()  # dies after its [DONE], before the answer's end
         except (asyncio.CancelledError, ConnectionResetError):
             self.disconnected.set()
             raise
@@ -446,11 +455,51 @@ def test_paths_under_the_backends_root_path_are_forwarded_as_they_came() -> None
     _run(body)
 
 
-def test_a_backend_that_breaks_off_mid_stream_cuts_the_clients_stream_quietly(
+def _events(data: bytes) -> list[str]:
+    """The data fields of a server-sent event stream's events."""
+    return [event.removeprefix("data: ") for event in data.decode().split("\n\n") if event]
+
+
+def test_a_backend_that_breaks_off_mid_stream_ends_the_clients_stream_with_an_error_event(
         caplog: pytest.LogCaptureFixture) -> None:
+    """A replica that dies mid-stream (cut between two events): the client's stream ends as the server ends one
+    it cannot finish, with an error event in the OpenAI format and [DONE], not cut off."""
     async def body() -> None:
         backend = FakeBackend("a", chunks=5, delay_s=0.0)
         backend.break_after = 2
+        async with routed([backend]) as (app, base), aiohttp.ClientSession() as session:
+            status, headers, data = await _post(session, base)
+            metrics = await (await session.get(base + "/metrics")).text()
+        assert status == 200 and headers["Content-Type"] == "text/event-stream"
+        events = _events(data)
+        assert [json.loads(e) for e in events[:2]] == [{"backend": "a", "i": 0}, {"backend": "a", "i": 1}], data
+        assert events[3:] == ["[DONE]"], data
+        error = json.loads(events[2])["error"]
+        assert set(error) == {"message", "type", "param", "code"}, error
+        assert error["code"] == 503 and error["type"] == "ServiceUnavailableError" and backend.url in error["message"]
+        assert f'kvserve_router:requests_total{{backend="{backend.url}",code="stream_error"}} 1.0' in metrics
+    with caplog.at_level(logging.INFO):
+        _run(body)
+    assert "broke off (ClientPayloadError): ending the client's stream with an error event" in caplog.text
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR], caplog.text
+
+
+def test_a_backend_that_breaks_off_after_its_done_event_ends_the_clients_stream_as_it_was() -> None:
+    async def body() -> None:
+        backend = FakeBackend("a", chunks=2, delay_s=0.0)
+        backend.break_after = 2
+        async with routed([backend]) as (_, base), aiohttp.ClientSession() as session:
+            status, _, data = await _post(session, base)
+        assert status == 200 and _events(data) == ['{"backend": "a", "i": 0}', '{"backend": "a", "i": 1}', "[DONE]"]
+    _run(body)
+
+
+def test_a_backend_that_breaks_off_inside_an_event_cuts_the_clients_stream_quietly(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Cut inside an event, the stream cannot take another: the client's is cut too (never looks complete)."""
+    async def body() -> None:
+        backend = FakeBackend("a", chunks=5, delay_s=0.0)
+        backend.break_after, backend.break_inside = 2, b'data: {"backend": "a", "i"'
         async with routed([backend]) as (app, base), aiohttp.ClientSession() as session:
             with pytest.raises(aiohttp.ClientPayloadError):  # not an answer that looks complete
                 await _post(session, base)
@@ -460,6 +509,39 @@ def test_a_backend_that_breaks_off_mid_stream_cuts_the_clients_stream_quietly(
         _run(body)
     assert "broke off (ClientPayloadError): cutting the client's stream" in caplog.text
     assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR], caplog.text
+
+
+def test_a_backend_silent_mid_stream_ends_the_clients_stream_with_a_504_event() -> None:
+    async def body() -> None:
+        backend = FakeBackend("slow", chunks=3, delay_s=30.0)  # silent after its first event
+        async with routed([backend], timeout_s=0.3) as (_, base), aiohttp.ClientSession() as session:
+            status, _, data = await asyncio.wait_for(_post(session, base), 10)
+        events = _events(data)
+        assert status == 200 and json.loads(events[0]) == {"backend": "slow", "i": 0} and events[2:] == ["[DONE]"]
+        error = json.loads(events[1])["error"]
+        assert error["code"] == 504 and "--request-timeout" in error["message"], error
+    _run(body)
+
+
+def test_a_backend_that_dies_before_answering_is_retried_or_a_503() -> None:
+    """A replica that dies with a request in flight, before its answer: the request goes to another backend
+    (nothing was sent to the client yet); with none left, the router's 503 in the OpenAI format."""
+    async def body() -> None:
+        dying, live = FakeBackend("dying"), FakeBackend("live")
+        dying.die_before_answer = True
+        async with routed([dying, live], "round-robin", interval_s=60) as (_, base), \
+                aiohttp.ClientSession() as session:
+            results = [await _post(session, base) for _ in range(2)]
+        assert [(status, headers["X-Backend"]) for status, headers, _ in results] == [(200, "live")] * 2
+        assert dying.seen, "the dying backend was tried"
+        alone = FakeBackend("dying")
+        alone.die_before_answer = True
+        async with routed([alone]) as (_, base), aiohttp.ClientSession() as session:
+            response = await session.post(base + "/v1/completions", json={"prompt": "x", "stream": True})
+            error = (await response.json())["error"]
+        assert response.status == 503 and error["code"] == 503 and set(error) == {"message", "type", "param", "code"}
+        assert "every backend failed" in error["message"] and "ServerDisconnectedError" in error["message"], error
+    _run(body)
 
 
 async def _backend_request_ended(app: Any, backend: FakeBackend) -> None:
