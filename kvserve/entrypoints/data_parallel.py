@@ -25,8 +25,11 @@ Each child's environment has KVSERVE_DP_REPLICA=1, so it refuses to start replic
 * SIGTERM / SIGINT: every replica drains (it gets one SIGTERM; new requests 503, in-flight ones finish
   within --shutdown-timeout), the router stops accepting and finishes its requests, and the process exits 0
   once every replica has exited 0. A second signal is passed on, so the replicas exit at once; the process
-  then exits 0 too when each replica exited 0 or by that SIGTERM (streams still open are cut). The replicas
-  run in sessions of their own, so a terminal's Ctrl-C reaches them once, through this process; on Linux
+  then exits 0 too when each replica exited 0 or by that SIGTERM (each ends what it still runs as one server
+  does: a 503 in the OpenAI format, or a stream's error event and [DONE], which the router passes on; a
+  request not streamed may first be tried on another replica, which is stopping too: the router's own 503
+  then says so). A replica that dies mid-answer: see `kvserve.router.app`. The replicas run in sessions of
+  their own, so a terminal's Ctrl-C reaches them once, through this process; on Linux
   each also gets SIGTERM if this process dies without stopping them.
 """
 
