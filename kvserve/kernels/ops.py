@@ -137,9 +137,8 @@ def fp8_numerics(rows: int) -> tuple[bool, bool]:
     two dots' sums are rounded differently: CUDA-graph padding keeps a batch's (`CUDAGraphRunner`)."""
     weight_only = rows <= FP8_SKINNY_MAX_ROWS
     module = _triton_module("triton_gemm") if weight_only else None
-    fp16_dot = module is not None and bool(module.FP8_FP16_DOT) and (
-        module.launch_block_m(rows) <= module.FP8_FP16_DOT_MAX_BLOCK_M)
-    return weight_only, fp16_dot
+    # (as for bf16 activations: with fp16 ones the key only splits sizes that would agree anyway)
+    return weight_only, module is not None and module.fp8_fp16_dot(torch.bfloat16, True, module.launch_block_m(rows))
 
 
 def set_rotary_cache_fusion(enabled: bool) -> None:

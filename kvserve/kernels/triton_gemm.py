@@ -347,10 +347,10 @@ FP8_FP16_DOT: bool = envs.KVSERVE_FP8_FP16_DOT
 FP8_FP16_DOT_MAX_BLOCK_M = 16
 
 
-def fp8_fp16_dot(x_dtype: torch.dtype, w_scale: torch.Tensor | None, block_m: int) -> bool:
-    """Whether the skinny matmul runs an fp8 weight's dot in fp16 on scaled bf16 activations (`FP16_DOT`)."""
-    return (FP8_FP16_DOT and w_scale is not None and x_dtype == torch.bfloat16
-            and block_m <= FP8_FP16_DOT_MAX_BLOCK_M)
+def fp8_fp16_dot(x_dtype: torch.dtype, fp8_weight: bool, block_m: int) -> bool:
+    """Whether the skinny matmul runs its dot in fp16 on scaled activations of `x_dtype` (`FP16_DOT`), for a
+    weight in fp8 or not, `block_m` activation rows a program."""
+    return FP8_FP16_DOT and fp8_weight and x_dtype == torch.bfloat16 and block_m <= FP8_FP16_DOT_MAX_BLOCK_M
 
 
 @dataclass(frozen=True)
@@ -501,7 +501,7 @@ def skinny_linear(
         HEAD_DIM=rope.head_dim if rope is not None else 0,
         FP8_MAX=fp8_max,
         W_SCALED=w_scale is not None,
-        FP16_DOT=fp8_fp16_dot(x.dtype, w_scale, block_m),
+        FP16_DOT=fp8_fp16_dot(x.dtype, w_scale is not None, block_m),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         # Each product of the rotation is rounded before the sum (as torch's bf16 ops round): no FMA contraction.

@@ -50,6 +50,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+from kvserve.entrypoints.openai.sse import SSE_DONE, sse
 from kvserve.router.exposition import merge_expositions
 from kvserve.router.policies import Backend, Router, prefix_key
 
@@ -69,6 +70,7 @@ MAX_BODY_BYTES = 32 * 1024 * 1024  # as the kvserve server's own limit
 SHUTDOWN_TIMEOUT_S = 60.0
 PROXIED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/version")
 PROXIED_PATHS = ("/ping",)
+_SSE_DONE_BYTES = SSE_DONE.encode()
 
 
 def _error(status: int, message: str, param: str | None = None) -> web.Response:
@@ -352,7 +354,7 @@ class RouterApp:
                                            "with an error event", request.method, request.path, backend.url,
                                            type(exc).__name__)
                             with contextlib.suppress(ConnectionResetError):
-                                if not last.endswith(b"data: [DONE]\n\n"):
+                                if not last.endswith(_SSE_DONE_BYTES):
                                     await response.write(_error_event(backend, exc, self.config.request_timeout_s))
                                 await response.write_eof()
                             return response
@@ -366,7 +368,8 @@ class RouterApp:
                         return response
                     if not chunk:
                         break
-                    last = (last + chunk)[-len(b"data: [DONE]\n\n"):]
+                    if event_stream:
+                        last = (last + chunk)[-len(_SSE_DONE_BYTES):]
                     try:
                         await response.write(chunk)
                     except ConnectionResetError:
@@ -399,7 +402,7 @@ def _error_event(backend: Backend, exc: BaseException, timeout_s: float | None) 
         body = error_body(504, f"{backend.url} sent nothing for {timeout_s:g} s (--request-timeout)")
     else:
         body = error_body(503, f"the answer from {backend.url} broke off ({type(exc).__name__})")
-    return f"data: {json.dumps(body, separators=(',', ':'), ensure_ascii=False)}\n\ndata: [DONE]\n\n".encode()
+    return (sse(body) + SSE_DONE).encode()
 
 
 def _below_root(path: str, root: str) -> str:

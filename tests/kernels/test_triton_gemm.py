@@ -432,14 +432,13 @@ def test_fp8_weight_bf16_activations_keep_their_range(fp16_dot, config, device, 
 
 
 def test_the_fp16_dot_is_for_fp8_weights_bf16_activations_and_16_row_tiles(monkeypatch):
-    scale = torch.ones(4)
-    assert triton_gemm.fp8_fp16_dot(torch.bfloat16, scale, triton_gemm.launch_block_m(1))
-    assert triton_gemm.fp8_fp16_dot(torch.bfloat16, scale, triton_gemm.launch_block_m(16))
-    assert not triton_gemm.fp8_fp16_dot(torch.bfloat16, scale, triton_gemm.launch_block_m(17))
-    assert not triton_gemm.fp8_fp16_dot(torch.float16, scale, 16)  # already fp16: the plain conversion
-    assert not triton_gemm.fp8_fp16_dot(torch.bfloat16, None, 16)  # a bf16 weight
+    assert triton_gemm.fp8_fp16_dot(torch.bfloat16, True, triton_gemm.launch_block_m(1))
+    assert triton_gemm.fp8_fp16_dot(torch.bfloat16, True, triton_gemm.launch_block_m(16))
+    assert not triton_gemm.fp8_fp16_dot(torch.bfloat16, True, triton_gemm.launch_block_m(17))
+    assert not triton_gemm.fp8_fp16_dot(torch.float16, True, 16)  # already fp16: the plain conversion
+    assert not triton_gemm.fp8_fp16_dot(torch.bfloat16, False, 16)  # a bf16 weight
     monkeypatch.setattr(triton_gemm, "FP8_FP16_DOT", False)  # KVSERVE_FP8_FP16_DOT=0
-    assert not triton_gemm.fp8_fp16_dot(torch.bfloat16, scale, 16)
+    assert not triton_gemm.fp8_fp16_dot(torch.bfloat16, True, 16)
 
 
 def test_fp8_weight_split_reductions_agree_bitwise(device):

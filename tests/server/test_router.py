@@ -237,6 +237,14 @@ def _run(coro: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(coro())  # type: ignore[arg-type]
 
 
+def _run_quietly(coro: Callable[[], Awaitable[None]], caplog: pytest.LogCaptureFixture) -> str:
+    """`_run` with the log captured: no record may carry an error or a traceback. Returns the log's text."""
+    with caplog.at_level(logging.INFO):
+        _run(coro)
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR], caplog.text
+    return caplog.text
+
+
 async def _post(session: aiohttp.ClientSession, base: str, **headers: str) -> tuple[int, dict[str, str], bytes]:
     async with session.post(base + "/v1/completions", json={"model": "m", "prompt": "hello", "stream": True},
                             headers=headers) as response:
@@ -478,10 +486,7 @@ def test_a_backend_that_breaks_off_mid_stream_ends_the_clients_stream_with_an_er
         assert set(error) == {"message", "type", "param", "code"}, error
         assert error["code"] == 503 and error["type"] == "ServiceUnavailableError" and backend.url in error["message"]
         assert f'kvserve_router:requests_total{{backend="{backend.url}",code="stream_error"}} 1.0' in metrics
-    with caplog.at_level(logging.INFO):
-        _run(body)
-    assert "broke off (ClientPayloadError): ending the client's stream with an error event" in caplog.text
-    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR], caplog.text
+    assert "broke off (ClientPayloadError): ending the client's stream with an error event" in _run_quietly(body, caplog)
 
 
 def test_a_backend_that_breaks_off_after_its_done_event_ends_the_clients_stream_as_it_was() -> None:
@@ -505,10 +510,7 @@ def test_a_backend_that_breaks_off_inside_an_event_cuts_the_clients_stream_quiet
                 await _post(session, base)
             metrics = await (await session.get(base + "/metrics")).text()
         assert f'kvserve_router:requests_total{{backend="{backend.url}",code="stream_error"}} 1.0' in metrics
-    with caplog.at_level(logging.INFO):
-        _run(body)
-    assert "broke off (ClientPayloadError): cutting the client's stream" in caplog.text
-    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR], caplog.text
+    assert "broke off (ClientPayloadError): cutting the client's stream" in _run_quietly(body, caplog)
 
 
 def test_a_backend_silent_mid_stream_ends_the_clients_stream_with_a_504_event() -> None:
@@ -597,9 +599,7 @@ def test_a_client_gone_before_a_chunk_is_written_ends_quietly(monkeypatch: pytes
             async with aiohttp.ClientSession() as session:
                 metrics = await (await session.get(base + "/metrics")).text()
         assert f'kvserve_router:requests_total{{backend="{backend.url}",code="client_closed"}} 1.0' in metrics
-    with caplog.at_level(logging.INFO):
-        _run(body)
-    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR], caplog.text
+    _run_quietly(body, caplog)
 
 
 def test_engine_metrics_merge_each_backends_series_under_its_engine_label() -> None:

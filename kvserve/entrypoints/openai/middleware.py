@@ -17,6 +17,9 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvserve.entrypoints.openai.errors import error_body
+from kvserve.entrypoints.openai.sse import SSE_DONE, sse
+
+_SSE_DONE_BYTES = SSE_DONE.encode()
 
 # Paths that answer while draining (a scraper should see the last numbers).
 _ALWAYS_SERVED = ("/metrics",)
@@ -137,7 +140,7 @@ class _ResponseSend:
             elif self.event_stream:
                 body = message.get("body", b"")
                 if body:
-                    self.done_sent = body.endswith(b"data: [DONE]\n\n")
+                    self.done_sent = body.endswith(_SSE_DONE_BYTES)
 
     async def end_cancelled(self) -> bool:
         """End the response of a cancelled request: a 503 error if none has started, an error event and [DONE]
@@ -151,9 +154,8 @@ class _ResponseSend:
         if not self.event_stream:
             return False
         if not self.done_sent:  # (a stream whose [DONE] is out only waits for its closing body)
-            error = json.dumps(error_body(503, self.CANCELLED_MESSAGE), separators=(",", ":"))
-            await self({"type": "http.response.body", "body": f"data: {error}\n\ndata: [DONE]\n\n".encode(),
-                        "more_body": True})
+            event = sse(error_body(503, self.CANCELLED_MESSAGE)) + SSE_DONE
+            await self({"type": "http.response.body", "body": event.encode(), "more_body": True})
         await self({"type": "http.response.body", "body": b"", "more_body": False})
         return True
 

@@ -21,7 +21,6 @@ from kvserve.entrypoints.openai.protocol import (
 )
 from kvserve.entrypoints.openai.reasoning_parsers import ReasoningStream, parse_reasoning, reasoning_applies
 from kvserve.entrypoints.openai.serving_common import (
-    SSE_DONE,
     ServingContext,
     chat_logprobs,
     check_lengths,
@@ -32,13 +31,13 @@ from kvserve.entrypoints.openai.serving_common import (
     new_request_id,
     prompt_logprobs_json,
     sampling_params_from,
-    sse,
     stop_reason,
     structured_outputs_from,
     usage_dict,
     with_bad_words,
     with_length_limits,
 )
+from kvserve.entrypoints.openai.sse import SSE_DONE, sse
 from kvserve.entrypoints.openai.tool_parsers import (
     ToolCallStream,
     parse_tool_calls,

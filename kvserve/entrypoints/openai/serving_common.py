@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import math
 import uuid
@@ -329,13 +328,6 @@ def engine_error(e: Exception, structure_param: str = "structured_outputs") -> O
     # A bug: logged with its traceback, answered as an OpenAI error (a stream ends with it and [DONE]).
     logger.error("request failed in the server", exc_info=e)
     return InternalServerError(f"internal server error: {type(e).__name__}: {e}")
-
-
-def sse(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
 
 
 def usage_dict(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> dict[str, Any]:

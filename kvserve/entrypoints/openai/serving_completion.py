@@ -18,7 +18,6 @@ from kvserve.engine.input_processor import truncate_prompt
 from kvserve.entrypoints.openai.errors import BadRequestError
 from kvserve.entrypoints.openai.protocol import CompletionRequest
 from kvserve.entrypoints.openai.serving_common import (
-    SSE_DONE,
     ServingContext,
     check_lengths,
     check_supported,
@@ -31,13 +30,13 @@ from kvserve.entrypoints.openai.serving_common import (
     new_request_id,
     prompt_logprobs_json,
     sampling_params_from,
-    sse,
     stop_reason,
     structured_outputs_from,
     usage_dict,
     with_bad_words,
     with_length_limits,
 )
+from kvserve.entrypoints.openai.sse import SSE_DONE, sse
 from kvserve.protocol.outputs import Logprob, RequestOutput
 from kvserve.protocol.sampling_params import SamplingParams
 
