@@ -393,6 +393,8 @@ class EngineArgs:
         dtype = _resolve_dtype(self.dtype, device, arch.config_dtype)
         if quantization == "fp8":
             _check_fp8_weights_device(device)
+        elif arch.quantization is not None and arch.quantization.method == "fp8":
+            _check_fp8_weights_device(device, checkpoint=True)
         kv_cache_dtype = _check_kv_cache_dtype(self.kv_cache_dtype, device, dtype)
 
         model_limit = arch.max_positions
@@ -599,24 +601,26 @@ def _require_capability(device: str, minimum: tuple[int, int], flag: str, reason
 def _check_quantization(asked: str | None, model_path: str, arch: Any) -> str | None:
     """`--quantization`: awq / gptq (or vLLM's awq_marlin / gptq_marlin) / gguf must name what the checkpoint
     holds (it is read from the checkpoint either way); fp8 asks for an unquantized checkpoint's weights to be
-    quantized at load. Returns the value ModelConfig keeps (as given; "fp8" lower-cased). ConfigError otherwise.
-    (Checkpoints quantized to fp8 themselves are refused by name when their config is read:
-    `layers.quantization.parse_quant_config`.)"""
+    quantized at load, or names an fp8 checkpoint's own. Returns the value ModelConfig keeps (as given; "fp8"
+    lower-cased, None for an fp8 checkpoint: nothing is quantized at load). ConfigError otherwise."""
     from kvserve.layers.quantization import normalize_method
 
     if asked is None:
         return None
     held = "gguf" if model_path.endswith(".gguf") else (arch.quantization.method if arch.quantization else None)
     if asked.lower() == "fp8":
+        if held == "fp8":
+            return None  # an fp8 checkpoint: its own weights and scales, nothing quantized at load
         if held is not None:
             raise ConfigError(f"--quantization fp8 quantizes an unquantized (bfloat16 / float16 / float32) checkpoint's "
                               f"weights at load, but {model_path} is already quantized as {held}; drop the flag")
         return "fp8"
     method = "gguf" if asked.lower() == "gguf" else normalize_method(asked)
     if method is None:
-        raise ConfigError(f"quantization {asked!r} is not supported; supported: awq, gptq, gguf (read from the "
-                          "checkpoint: the flag can be left out), and fp8 (an unquantized checkpoint's weights "
-                          "quantized at load)")
+        raise ConfigError(f"quantization {asked!r} is not supported; supported: awq, gptq, gguf, compressed-tensors, "
+                          "fbgemm_fp8 (read from the "
+                          "checkpoint: the flag can be left out), and fp8 (an fp8 checkpoint's own weights, or an "
+                          "unquantized checkpoint's weights quantized at load)")
     if method != held:
         found = f"holds {held} weights" if held else "has no quantized weights"
         hint = f" or pass --quantization {held}" if held else " (or pass --quantization fp8 to quantize it at load)"
@@ -624,10 +628,15 @@ def _check_quantization(asked: str | None, model_path: str, arch: Any) -> str | 
     return asked
 
 
-def _check_fp8_weights_device(device: str) -> None:
-    """--quantization fp8 on a GPU needs compute capability 8.9 or later (fp8 tensor cores for torch._scaled_mm,
-    Triton's fp8 conversions); ConfigError below it. On CPU the torch reference runs (slowly: for tests)."""
+def _check_fp8_weights_device(device: str, checkpoint: bool = False) -> None:
+    """--quantization fp8 (or an fp8 checkpoint: `checkpoint`) on a GPU needs compute capability 8.9 or later (fp8
+    tensor cores for torch._scaled_mm, Triton's fp8 conversions); ConfigError below it. On CPU the torch reference
+    runs (slowly: for tests)."""
     if device == "cpu":
+        return
+    if checkpoint:
+        _require_capability(device, FP8_WEIGHTS_MIN_CAPABILITY, "an fp8 checkpoint", "fp8 matmuls: Ada, Hopper",
+                            "use the unquantized checkpoint, or an AWQ / GPTQ one")
         return
     _require_capability(device, FP8_WEIGHTS_MIN_CAPABILITY, "--quantization fp8", "fp8 matmuls: Ada, Hopper",
                         "drop the flag, or use an AWQ / GPTQ checkpoint")

@@ -20,6 +20,11 @@ dense layer's `quantize_fp8` replaces its `weight` with `weight_fp8` (float8_e4m
 `weight_scale` (float32, one per output row): each rank quantizes the rows and input columns it holds, after
 all of its shards are in, so merged q/k/v and gate/up layers and tensor-parallel shards need nothing more (a
 row-parallel rank's scales are its own columns'; its partial sums are added after the matmul as before).
+
+fp8 checkpoints (a `QuantConfig` of method "fp8"): the layer is built with `weight_fp8` and `weight_scale` in
+place of `weight`, and loads the checkpoint's float8_e4m3fn `weight` rows and its `weight_scale` (a scalar per
+tensor, repeated over the tensor's rows, or one per output row) by the same shard placement; from then on it
+is the layer `quantize_fp8` leaves. A row-parallel rank keeps every output row's scale (it spans all columns).
 """
 
 from __future__ import annotations
@@ -90,6 +95,14 @@ class Linear(nn.Module):
         self.weight_scale: nn.Parameter | None = None
         if quant is None:
             self.weight = self._make_param((output_size, input_size), dtype)
+        elif quant.method == "fp8":
+            self.weight = None
+            self.weight_fp8 = _new_param((output_size, input_size), torch.float8_e4m3fn, self.shard_ids())
+            self.weight_fp8.weight_loader = self._fp8_weight_loader  # type: ignore[attr-defined]
+            self.weight_fp8.dummy_fill = _dummy_fp8_weight  # type: ignore[attr-defined]
+            self.weight_scale = _new_param((output_size,), torch.float32, self.shard_ids())
+            self.weight_scale.weight_loader = self._fp8_scale_loader  # type: ignore[attr-defined]
+            self.weight_scale.dummy_fill = _dummy_fp8_scale  # type: ignore[attr-defined]
         else:
             self.weight = None
             row_share = (self.tp_rank, self.tp_size) if self.row_parallel else None
@@ -127,9 +140,44 @@ class Linear(nn.Module):
         start, size, total, offset = self.place(loaded, shard_id, loaded.shape[0])
         _load_rows(param, _rank_rows(loaded, start, size, self.tp_size, total), offset, size)
 
+    def _fp8_weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Hashable = None) -> None:
+        """An fp8 checkpoint's weight (float8_e4m3fn [N, K]), placed as a dense weight is."""
+        if loaded.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"an fp8 checkpoint's weight must be float8_e4m3fn, got {loaded.dtype}")
+        self.weight_loader(param, loaded, shard_id)
+
+    def _fp8_scale_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Hashable = None) -> None:
+        """An fp8 checkpoint's weight scale: one for the tensor (repeated over the shard's rows here) or one
+        per output row ([N] or [N, 1], placed as the weight's rows)."""
+        if not loaded.is_floating_point():
+            raise ValueError(f"a weight scale must be floating point, got {loaded.dtype}")
+        loaded = loaded.float()
+        if loaded.numel() == 1:
+            _start, size, _total, offset = self.place(loaded.reshape(1), shard_id, self.output_size * self.tp_size)
+            param.data.narrow(0, offset, size).fill_(loaded.reshape(()))
+            return
+        if loaded.dim() == 2 and loaded.shape[1] == 1:
+            loaded = loaded.reshape(-1)
+        if loaded.dim() != 1:
+            raise ValueError(f"a weight scale of shape {tuple(loaded.shape)}: one per tensor or per output row "
+                             "is supported (block-wise scales are not)")
+        if self.shard_ids() == (None,):
+            default_weight_loader(param, loaded, shard_id)
+            return
+        start, size, total, offset = self.place(loaded, shard_id, loaded.shape[0])
+        _load_rows(param, _rank_rows(loaded, start, size, self.tp_size, total), offset, size)
+
     def finish_loading(self) -> None:
         """After every checkpoint tensor is in: a quantized layer packs its tensors for the GPU's quantized
-        matmul (CUDA) or becomes a dense layer of the weight they stand for (other devices)."""
+        matmul (CUDA) or becomes a dense layer of the weight they stand for (other devices); an fp8 one checks
+        its scales."""
+        if self.weight_scale is not None and self.weight is None and self.quantized is None:
+            scale = self.weight_scale.data
+            bad = ~(torch.isfinite(scale) & (scale >= 0))
+            if bool(bad.any()):
+                row = int(bad.nonzero()[0, 0])
+                raise ModelLoadError(f"an fp8 weight scale is {float(scale[row])} (output row {row}): scales must "
+                                     "be finite and not negative")
         if self.quantized is None:
             return
         try:
@@ -261,12 +309,17 @@ class Fp8Summary:
     bytes_before: int
     bytes_after: int
     unfit_layers: tuple[str, ...] = ()
+    from_checkpoint: bool = False  # `fp8_checkpoint_layers`: read, not quantized (bytes_before is 0)
 
     def describe(self) -> str:
         mib = 1 << 20
-        text = (f"fp8 weights (--quantization fp8): {self.num_layers} linear layers quantized per output channel, "
-                f"{self.bytes_before / mib:.1f} MiB -> {self.bytes_after / mib:.1f} MiB (embeddings, LM head and "
-                f"norms stay in the model's dtype)")
+        if self.from_checkpoint:
+            text = (f"fp8 checkpoint: {self.num_layers} linear layers with fp8 weights, {self.bytes_after / mib:.1f} "
+                    "MiB with their scales (per output channel; activations are quantized per token at run time)")
+        else:
+            text = (f"fp8 weights (--quantization fp8): {self.num_layers} linear layers quantized per output "
+                    f"channel, {self.bytes_before / mib:.1f} MiB -> {self.bytes_after / mib:.1f} MiB (embeddings, "
+                    "LM head and norms stay in the model's dtype)")
         if self.unfit_layers:
             shown = ", ".join(self.unfit_layers[:3]) + (" ..." if len(self.unfit_layers) > 3 else "")
             text += (f"; {len(self.unfit_layers)} layers have a dimension that is not a multiple of 16 and run the "
@@ -279,13 +332,28 @@ def quantize_fp8_layers(model: nn.Module) -> Fp8Summary:
     `Linear`s): call once every weight is loaded (all shards of merged and tensor-parallel layers in). On CUDA
     it also settles `ops.scaled_mm_out_dtype` for the model's dtype (a probe that must not run inside a graph
     capture) and empties the allocator's cache, so that the memory profile sees the freed weights."""
+    return _fp8_layers(model, quantize=True)
+
+
+def fp8_checkpoint_layers(model: nn.Module) -> Fp8Summary:
+    """What an fp8 checkpoint's layers hold, once loaded; on CUDA the same settling as `quantize_fp8_layers`."""
+    return _fp8_layers(model, quantize=False)
+
+
+def _fp8_layers(model: nn.Module, quantize: bool) -> Fp8Summary:
     num_layers = before = after = 0
     unfit: list[str] = []
     device: torch.device | None = None
     for name, module in model.named_modules():
-        if not isinstance(module, Linear) or module.weight is None:
+        if not isinstance(module, Linear) or (module.weight is None if quantize else module.weight_fp8 is None):
             continue
-        layer_before, layer_after = module.quantize_fp8()
+        if quantize:
+            layer_before, layer_after = module.quantize_fp8()
+        else:
+            assert module.weight_fp8 is not None and module.weight_scale is not None
+            layer_before = 0
+            layer_after = (module.weight_fp8.numel() * module.weight_fp8.element_size()
+                           + module.weight_scale.numel() * module.weight_scale.element_size())
         num_layers += 1
         before += layer_before
         after += layer_after
@@ -298,9 +366,21 @@ def quantize_fp8_layers(model: nn.Module) -> Fp8Summary:
                 raise ModelLoadError(str(exc)) from None
             if not ops.fp8_matmul_fits(module.weight_fp8):
                 unfit.append(name)
-    if device is not None and device.type == "cuda":
+    if device is not None and device.type == "cuda" and quantize:
         torch.cuda.empty_cache()
-    return Fp8Summary(num_layers, before, after, tuple(unfit))
+    return Fp8Summary(num_layers, before, after, tuple(unfit), from_checkpoint=not quantize)
+
+
+def _dummy_fp8_weight(param: nn.Parameter, generator: torch.Generator) -> None:
+    """`--load-format dummy` for an fp8 checkpoint's weight: N(0, 1) values in e4m3 (times `_dummy_fp8_scale`'s
+    0.02, the usual init scale)."""
+    values = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+    values.normal_(0.0, 1.0, generator=generator)
+    param.data.copy_(values.clamp_(-448.0, 448.0))
+
+
+def _dummy_fp8_scale(param: nn.Parameter, generator: torch.Generator) -> None:
+    param.data.fill_(0.02)
 
 
 def _rank_rows(loaded: torch.Tensor, start: int, size: int, tp_size: int, total: int) -> torch.Tensor:

@@ -1,4 +1,11 @@
-"""Weight-only quantized checkpoints: AWQ (4-bit) and GPTQ (2, 4 and 8 bits, with or without act-order).
+"""Quantized checkpoints: AWQ (4-bit) and GPTQ (2, 4 and 8 bits, with or without act-order), and fp8 weights.
+
+fp8 checkpoints (`FP8_CHECKPOINT_FORMATS`: vLLM's / AutoFP8's "fp8", llm-compressor's "compressed-tensors" with
+float 8-bit weights, FBGEMM's "fbgemm_fp8") store each linear layer's weight in float8_e4m3fn with a float32
+scale per tensor or per output channel (`weight_scale`); `parse_quant_config` gives them method "fp8", and such a
+layer (`layers.linear`) holds them as `--quantization fp8` holds what it quantizes at load (per output channel: a
+tensor's scale is repeated over its rows). Activations are quantized per token at run time, as online fp8 does;
+a checkpoint's static activation scales (`input_scale`) are not read. Block-wise scales are refused.
 
 Both formats store, per linear layer, integer weights `q` packed into int32 words, and per group of
 `group_size` input rows a scale `s` and a zero point `z` for every output column; the weight is
@@ -24,6 +31,7 @@ zero points as uint8 [groups, N], scales in the checkpoint's dtype (the layer ca
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -37,22 +45,26 @@ from kvserve.model.paths import ModelLoadError
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 AWQ_UNORDER = tuple(AWQ_ORDER.index(j) for j in range(8))
 
-SUPPORTED_METHODS = ("awq", "gptq")
-# quant_method values of checkpoints whose weights are stored in fp8 (vLLM's "fp8"; llm-compressor's
-# "compressed-tensors", which is fp8 or int8 or 4-bit: refused whole either way), refused with a pointer to
-# --quantization fp8.
-FP8_CHECKPOINT_METHODS = ("fp8", "compressed-tensors", "compressed_tensors", "fbgemm_fp8", "modelopt")
+SUPPORTED_METHODS = ("awq", "gptq", "fp8", "compressed-tensors", "fbgemm_fp8")
+# quant_method values read as fp8 checkpoints (`_parse_fp8`; llm-compressor's "compressed-tensors" only where
+# its weights are float 8-bit).
+FP8_CHECKPOINT_FORMATS = ("fp8", "compressed-tensors", "compressed_tensors", "fbgemm_fp8")
 # vLLM's names of other kernels for the same checkpoints: accepted as the same formats.
-_METHOD_ALIASES = {"awq": "awq", "awq_marlin": "awq", "gptq": "gptq", "gptq_marlin": "gptq"}
+_METHOD_ALIASES = {"awq": "awq", "awq_marlin": "awq", "gptq": "gptq", "gptq_marlin": "gptq",
+                   "compressed-tensors": "fp8", "compressed_tensors": "fp8", "fbgemm_fp8": "fp8"}
 
 
 @dataclass(frozen=True)
 class QuantConfig:
     """How a checkpoint's linear layers are quantized.
 
-    method: "awq" | "gptq". group_size: input rows per scale (-1: one group spanning the input).
+    method: "awq" | "gptq" | "fp8" (float8_e4m3fn weights, a float32 scale per tensor or output channel; bits 8,
+    group_size -1). group_size: input rows per scale (-1: one group spanning the input).
     zero_offset: added to stored zero points (1 for GPTQ's original format, which stores z - 1).
-    skip_modules: name parts of layers left unquantized (AWQ's `modules_to_not_convert`).
+    skip_modules: layers left unquantized: name parts (AWQ's `modules_to_not_convert`), or "re:" + a regular
+    expression matched at the start of the layer's name (compressed-tensors' `ignore`).
+    static_activations: the checkpoint has static activation scales (fp8; not read: tokens are quantized each
+    with its own scale).
     """
 
     method: str
@@ -60,6 +72,7 @@ class QuantConfig:
     group_size: int
     zero_offset: int = 0
     skip_modules: tuple[str, ...] = ()
+    static_activations: bool = False
 
     @property
     def pack(self) -> int:
@@ -68,7 +81,8 @@ class QuantConfig:
 
     def applies_to(self, prefix: str) -> bool:
         """Whether the layer at checkpoint name `prefix` (e.g. model.layers.0.mlp.down_proj) is quantized."""
-        return not any(part and part in prefix for part in self.skip_modules)
+        return not any(re.match(part[3:], prefix) if part.startswith("re:") else part and part in prefix
+                       for part in self.skip_modules)
 
     def groups(self, input_size: int) -> int:
         return 1 if self.group_size == -1 else math.ceil(input_size / self.group_size)
@@ -87,12 +101,12 @@ def parse_quant_config(raw: dict[str, Any], where: str) -> QuantConfig:
 
     ModelLoadError, naming `where`, for methods and settings this module cannot run."""
     method = str(raw.get("quant_method", "")).lower()
+    if method in FP8_CHECKPOINT_FORMATS:
+        return _parse_fp8(raw, method, where)
     if method not in SUPPORTED_METHODS:
-        # fp8 checkpoints (quantized offline: their own scales, maybe per block) are not read; kvserve's fp8 is
-        # quantized at load from the unquantized checkpoint.
-        hint = (": checkpoints quantized offline to fp8 (or by llm-compressor) are not read; run the unquantized "
-                "(bfloat16 / float16) checkpoint with --quantization fp8 to quantize its weights to fp8 at load"
-                if method in FP8_CHECKPOINT_METHODS else "")
+        hint = (": NVIDIA ModelOpt checkpoints are not read; an fp8 one exported for vLLM's 'fp8' or llm-compressor's "
+                "'compressed-tensors' format is, or the unquantized checkpoint with --quantization fp8"
+                if method == "modelopt" else "")
         raise ModelLoadError(
             f"{where}: quantization method {method or '(none given)'!r} is not supported; "
             f"supported: {', '.join(SUPPORTED_METHODS)} (and GGUF files){hint}"
@@ -125,6 +139,59 @@ def parse_quant_config(raw: dict[str, Any], where: str) -> QuantConfig:
         raise ModelLoadError(f"{where}: GPTQ checkpoint_format {fmt!r} is not supported (gptq, gptq_v2)")
     # desc_act is not read: act-order is what the stored g_idx says (`QuantizedWeights.finish`).
     return QuantConfig("gptq", bits, group_size, zero_offset=1 if fmt == "gptq" else 0)
+
+
+def _parse_fp8(raw: dict[str, Any], method: str, where: str) -> QuantConfig:
+    """An fp8 checkpoint's `quantization_config` -> QuantConfig("fp8"); ModelLoadError for what it cannot run
+    (block-wise scales, weights that are not float 8-bit, some layers quantized otherwise)."""
+    def refuse(what: str) -> ModelLoadError:
+        return ModelLoadError(f"{where}: {what} is not supported (fp8 checkpoints with a scale per tensor or per "
+                              "output channel are; or run the unquantized checkpoint with --quantization fp8)")
+
+    if method == "fp8":  # vLLM's own format (AutoFP8, transformers' fp8 exports)
+        if raw.get("weight_block_size"):
+            raise refuse(f"fp8 with block-wise scales (weight_block_size {raw['weight_block_size']})")
+        scheme = str(raw.get("activation_scheme", "dynamic")).lower()
+        if scheme not in ("dynamic", "static"):
+            raise refuse(f"fp8 activation_scheme {scheme!r}")
+        fmt = str(raw.get("fmt", "e4m3")).lower()
+        if fmt != "e4m3":
+            raise refuse(f"fp8 weights in {fmt}")
+        skip = raw.get("ignored_layers") or []
+        return QuantConfig("fp8", 8, -1, skip_modules=tuple(str(s) for s in skip),
+                           static_activations=scheme == "static")
+    if method == "fbgemm_fp8":  # per-channel weights, dynamic per-token activations
+        skip = raw.get("modules_to_not_convert") or []
+        return QuantConfig("fp8", 8, -1, skip_modules=tuple(str(s) for s in skip))
+    # llm-compressor's compressed-tensors: one config group over every Linear with float 8-bit weights
+    fmt = str(raw.get("format", "")).lower()
+    if fmt not in ("float-quantized", "naive-quantized"):
+        raise refuse(f"compressed-tensors format {fmt or '(none given)'!r}")
+    groups = raw.get("config_groups") or {}
+    if not isinstance(groups, dict) or len(groups) != 1:
+        raise refuse(f"compressed-tensors with {len(groups) if isinstance(groups, dict) else 0} config groups "
+                     "(one, over every Linear, is)")
+    group = next(iter(groups.values())) or {}
+    targets = group.get("targets") or []
+    if list(targets) != ["Linear"]:
+        raise refuse(f"compressed-tensors targets {targets!r} (['Linear'] is)")
+    weights = group.get("weights") or {}
+    strategy = str(weights.get("strategy", "")).lower()
+    if weights.get("num_bits") != 8 or str(weights.get("type", "")).lower() != "float":
+        raise refuse(f"compressed-tensors weights of {weights.get('num_bits')} bits, type {weights.get('type')!r}")
+    if strategy not in ("tensor", "channel") or weights.get("dynamic") or not weights.get("symmetric", True):
+        raise refuse(f"compressed-tensors fp8 weights with strategy {strategy!r}"
+                     + (", dynamic" if weights.get("dynamic") else "")
+                     + ("" if weights.get("symmetric", True) else ", asymmetric"))
+    activations = group.get("input_activations")
+    static = False
+    if activations:
+        if activations.get("num_bits") != 8 or str(activations.get("type", "")).lower() != "float":
+            raise refuse(f"compressed-tensors activations of {activations.get('num_bits')} bits, type "
+                         f"{activations.get('type')!r}")
+        static = not activations.get("dynamic", False)
+    skip = raw.get("ignore") or []
+    return QuantConfig("fp8", 8, -1, skip_modules=tuple(str(s) for s in skip), static_activations=static)
 
 
 # ---------------------------------------------------------------------------------- packing arithmetic

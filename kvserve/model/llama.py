@@ -42,9 +42,14 @@ _STACKED_PARAMS: tuple[tuple[str, str, Hashable], ...] = (
 
 # Checkpoint entries that are not parameters (old HF checkpoints saved the RoPE buffer).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# fp8 checkpoints' static activation scales (FBGEMM's upper bound on them): not read, since activations are
+# quantized per token at run time (`layers.quantization`).
+_FP8_ACTIVATION_SUFFIXES = (".input_scale", ".input_scale_ub")
 # Per-layer KV-cache scales, as fp8-KV checkpoints exported for vLLM carry them (`...self_attn.k_scale`, older
 # exports one `kv_scale` for both): refused by name until they are loaded into `Attention.k_scale` / `v_scale`.
 _KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale")
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 # A step that needs the final states of some rows only (the tokens that sample: a prefill's last token)
 # runs the last layer past its cache write on those rows alone (docs/perf_notes.md entry 37), and, where the
@@ -363,6 +368,7 @@ class LlamaForCausalLM(CausalLM):
         # named_parameters() lists a tied lm_head once, under model.embed_tokens.
         params = dict(self.named_parameters())
         loaded: dict[str, set[Hashable]] = {name: set() for name in params}
+        fp8_checkpoint = self.arch.quantization is not None and self.arch.quantization.method == "fp8"
         for ckpt_name, tensor in weights:
             if ckpt_name.endswith(_IGNORED_SUFFIXES):
                 continue
@@ -371,6 +377,14 @@ class LlamaForCausalLM(CausalLM):
                 continue
             param_name, shard_id = _param_name(ckpt_name)
             param = params.get(param_name)
+            if param is None and param_name.endswith(".weight") and f"{param_name}_fp8" in params:
+                param_name = f"{param_name}_fp8"  # an fp8 checkpoint's layer (`Linear.weight_fp8`)
+                param = params[param_name]
+            if fp8_checkpoint and param is None and ckpt_name.endswith(_FP8_ACTIVATION_SUFFIXES):
+                continue
+            if param is not None and tensor.dtype in _FP8_DTYPES and param.dtype != torch.float8_e4m3fn:
+                raise ModelLoadError(f"checkpoint tensor {ckpt_name!r} is {tensor.dtype}, but its layer is not an fp8 "
+                                     "layer of this model (an fp8 LM head or embedding is not supported)")
             if param is None and self.arch.quantization is not None and ckpt_name.endswith(".bias"):
                 # Older GPTQ exporters save a (zero) bias for every projection, also where the model has none.
                 continue

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from kvserve.config import ModelConfig
-from kvserve.layers.linear import quantize_fp8_layers
+from kvserve.layers.linear import fp8_checkpoint_layers, quantize_fp8_layers
 from kvserve.model.arch import ArchConfig, load_arch_config
 from kvserve.model.gguf import dequantization_summary, iter_gguf_weights
 from kvserve.model.paths import ModelLoadError
@@ -48,10 +48,17 @@ def load_model(model_config: ModelConfig, device: torch.device) -> CausalLM:
                 # A user who picked a 4-bit GGUF to fit a small GPU learns here why it takes more.
                 logger.info("%s", dequantization_summary(model_config.model, parameter_bytes(model),
                                                          model_config.dtype))
+        summary = None
         if model_config.quantization == "fp8":
             # After every shard is in (merged and tensor-parallel layers whole), and the same for dummy weights.
             # NOTE: the model's dtype weights are all resident before this: a checkpoint must fit at load.
             summary = quantize_fp8_layers(model)
+        elif arch.quantization is not None and arch.quantization.method == "fp8":
+            summary = fp8_checkpoint_layers(model)
+            if arch.quantization.static_activations:
+                logger.info("the fp8 checkpoint's static activation scales are not used: activations are quantized "
+                            "per token (each with its own scale) at run time")
+        if summary is not None:
             (logger.warning if summary.unfit_layers else logger.info)("%s", summary.describe())
     return model.eval()
 

@@ -30,7 +30,6 @@ from kvserve.engine.engine_core import EngineCore
 from kvserve.entrypoints.cli import build_parser, engine_args_from
 from kvserve.kernels import reference
 from kvserve.layers.linear import Linear, MergedLinear, QKVLinear, quantize_fp8_layers
-from kvserve.model.paths import ModelLoadError
 
 MAX_TOKENS = 24
 LOGPROB_TOL = 8 * 2.0**-4  # see the module docstring
@@ -182,15 +181,6 @@ def test_an_already_quantized_checkpoint_is_refused(checkpoints: dict[str, str],
     with pytest.raises(ConfigError, match=r"already quantized as gguf; drop the flag"):
         gguf_path = write_config_gguf(str(tmp_path / "m.gguf"), "llama", {})
         EngineArgs(model=gguf_path, device="cpu", quantization="fp8").create_engine_config()
-
-
-@pytest.mark.parametrize("method", ["fp8", "compressed-tensors"])
-def test_an_fp8_checkpoint_is_refused_by_name(checkpoints: dict[str, str], tmp_path: Any, method: str) -> None:
-    path = _with_quant_config(checkpoints["llama"], str(tmp_path / "m"), {"quant_method": method})
-    for quantization in (None, "fp8"):
-        with pytest.raises(ModelLoadError, match=rf"quantization method '{method}' is not supported; .*checkpoints "
-                                                 r"quantized offline to fp8 .* --quantization fp8"):
-            EngineArgs(model=path, device="cpu", quantization=quantization).create_engine_config()
 
 
 def test_a_gpu_before_ada_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -379,3 +379,28 @@ def test_freed_weights_reach_the_kv_cache(checkpoints: dict[str, str], tmp_path:
     print(f"bf16 projections {linear_bytes / 2**20:.0f} MiB; KV cache {kv_bytes[None] / 2**20:.0f} -> "
           f"{kv_bytes['fp8'] / 2**20:.0f} MiB")
     assert gained >= 0.4 * linear_bytes  # half the bytes saved, less the scales and the allocator's rounding
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen2-hd128"])
+def test_an_fp8_checkpoint_gives_what_quantizing_at_load_gives(checkpoints: dict[str, str], model: str,
+                                                                tmp_path: Any) -> None:
+    """An fp8 checkpoint (compressed-tensors, per output channel, quantized on the CPU by the function online fp8
+    uses) against `--quantization fp8` on the dense checkpoint, float32 with CUDA graphs: the same fp8 values and
+    scales (the GPU's per-row quantization stores the reference's bytes: test_quantize_rows_stores_the_references_
+    bytes), so the same greedy tokens and logprobs. Then the same checkpoint in bfloat16 with graphs runs."""
+    from helpers.fp8_checkpoints import compressed_tensors, write_fp8_checkpoint
+
+    path = write_fp8_checkpoint(checkpoints[model], str(tmp_path / "fp8"), compressed_tensors("channel"),
+                                per_tensor=False)
+    core, got = _run(path, "float32", None)
+    assert core.config.model_config.quantization is None and core.runner.graphs is not None
+    assert all(m.weight is None and m.weight_fp8 is not None
+               for m in core.runner.model.modules() if isinstance(m, Linear))
+    del core
+    _, want = _run(checkpoints[model], "float32", "fp8")
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for (_, got_lps), (_, want_lps) in zip(got, want, strict=True):
+        assert [(lp.token_ids, lp.logprobs) for lp in got_lps] == [(lp.token_ids, lp.logprobs) for lp in want_lps]
+    core, bf16 = _run(path, "bfloat16", None)
+    assert core.late_kernel_variants == []
+    assert all(len(tokens) == MAX_TOKENS for tokens, _ in bf16)

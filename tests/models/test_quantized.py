@@ -135,7 +135,8 @@ def _write_config(directory: str, quantization_config: dict[str, Any] | None, so
 
 
 @pytest.mark.parametrize(("config", "message"), [
-    ({"quant_method": "fp8"}, "quantization method 'fp8' is not supported; supported: awq, gptq"),
+    ({"quant_method": "bitsandbytes"}, "quantization method 'bitsandbytes' is not supported; supported: awq, gptq, "
+                                       "fp8, compressed-tensors, fbgemm_fp8"),
     ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}, "AWQ version 'gemv'"),
     ({"quant_method": "awq", "bits": 8, "group_size": 32}, "AWQ with 8 bits"),
     ({"quant_method": "gptq", "bits": 3, "group_size": 32}, "GPTQ with 3 bits"),
