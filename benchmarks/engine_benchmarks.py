@@ -52,6 +52,7 @@ import contextlib
 import dataclasses
 import gc
 import gzip
+import inspect
 import json
 import random
 import shutil
@@ -1220,6 +1221,19 @@ def _self_device_us(event: Any) -> float:
     return float(getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0.0)))
 
 
+class _CallProxy:
+    """`target` with its calls made through `call` (`_around_methods`), every other attribute its own."""
+
+    def __init__(self, target: Any, call: Callable[..., Any]) -> None:
+        self._target, self._call = target, call
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._target, name)
+
+
 @contextlib.contextmanager
 def _around_methods(targets: list[tuple[Any, str]], around: Callable[[str, Callable[[], Any]], Any]) -> Iterator[None]:
     """Route every call of each (object, method name) in targets through around(name, call) while the
@@ -1232,7 +1246,8 @@ def _around_methods(targets: list[tuple[Any, str]], around: Callable[[str, Calla
         def routed(*a: Any, _f: Any = original, _n: str = name, **k: Any) -> Any:
             return around(_n, lambda: _f(*a, **k))
 
-        setattr(obj, name, routed)
+        # A callable object (the runner's sampler) keeps its other attributes (`release`, ...) behind a proxy.
+        setattr(obj, name, routed if inspect.isroutine(original) else _CallProxy(original, routed))
     try:
         yield
     finally:

@@ -91,3 +91,14 @@ def test_poisson_section_without_arrivals_reports_nan(tmp_path: Path) -> None:
     for r in result["rounds"]:
         assert r["requests"] == r["completed"] == 0
         assert math.isnan(r["ttft_ms"]["mean"]) and math.isnan(r["tpot_ms"]["p99"])
+
+
+@pytest.mark.timeout(300)
+def test_kprofile_section_runs_with_the_host_phases_labelled(tmp_path: Path) -> None:
+    """The kprofile section labels the host phases by routing the runner's calls (its sampler, a callable object
+    with other methods the step uses, among them); on the CPU there are no device events to time, but the steps
+    must run through the labels (the sampler's `release` was lost behind a plain function once)."""
+    out = tmp_path / "res"
+    proc = _run_tiny(out, "--sections", "kprofile", "--kprofile-cases", "b2")
+    assert "kernel profile b2" in proc.stdout
+    assert "b2" in json.loads((out / "engine_kprofile.json").read_text())["results"]
