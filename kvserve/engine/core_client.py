@@ -191,7 +191,7 @@ class EngineCoreClient:
             await asyncio.sleep(_PID_POLL_S)
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Ask the engine to exit; terminate it if it does not within `timeout_s`. Idempotent."""
+        """Ask the engine to exit; kill it if it does not within `timeout_s`. Idempotent."""
         if self._shutting_down:
             return
         self._shutting_down = True
@@ -218,10 +218,9 @@ class EngineCoreClient:
                     pass
                 await _join(process, timeout_s)
             if process.is_alive():
-                logger.warning("engine core did not exit in %.0f s; terminating it", timeout_s)
-                process.terminate()
-                await _join(process, 5.0)
-            if process.is_alive():
+                # Killed, not terminated: the engine ignores SIGTERM (core_proc: the API process decides when
+                # it stops), so a SIGTERM first only added a wait of 5 s before the kill.
+                logger.warning("engine core did not exit in %.0f s; killing it", timeout_s)
                 process.kill()
                 await _join(process, 5.0)
             logger.info("engine core stopped (exit code %s)", process.exitcode)

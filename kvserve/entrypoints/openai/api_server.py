@@ -7,8 +7,9 @@ message, log the KV capacity, then serve.
 Lifecycle:
 * SIGTERM / SIGINT drain: new requests get 503, in-flight ones finish (up to --shutdown-timeout; those still
   running or still being prepared then are aborted, their responses ending with finish reason "abort"), then
-  the engine core is shut down and the process exits 0. A second signal exits at once (the responses still
-  under way end with a 503 error in the OpenAI format, a stream's as an error event and [DONE]).
+  the engine core is shut down and the process exits 0. A second signal exits at once: the responses still
+  under way end with a 503 error in the OpenAI format (a stream's as an error event and [DONE]) first, then
+  the engine core is shut down.
 * If the engine-core process dies, /health turns 503, in-flight requests fail, and the server exits 1
   shortly after (so an orchestrator restarts it).
 * `--api-server-count N`: this process starts the engine, then N - 1 more API processes on the same socket
@@ -59,7 +60,7 @@ from kvserve.entrypoints.openai.cli_args import (
     server_engine_args,
 )
 from kvserve.entrypoints.openai.errors import BadRequestError, OpenAIError, error_response
-from kvserve.entrypoints.openai.middleware import GuardMiddleware, ServerState
+from kvserve.entrypoints.openai.middleware import END_CANCELLED_S, GuardMiddleware, ServerState
 from kvserve.entrypoints.openai.protocol import (
     MAX_REQUEST_ID_LEN,
     ChatCompletionRequest,
@@ -108,6 +109,10 @@ ENGINE_DEAD_EXIT_DELAY_S = 1.0
 # Once --shutdown-timeout has run out and the requests still in flight are aborted: how long their responses
 # (now ending, finish reason "abort") may take to go out before uvicorn cancels what is left and the process exits.
 DRAIN_ABORT_GRACE_S = 5.0
+# When the server stops with requests still running (a second signal, or DRAIN_ABORT_GRACE_S over): how long
+# it waits for them to end their responses (the middleware ends each within END_CANCELLED_S of its
+# cancellation) before it goes on to stop the engine anyway.
+REQUESTS_END_WAIT_S = END_CANCELLED_S + 1.0
 
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 503)
@@ -415,6 +420,38 @@ class _Server(uvicorn.Server):
                 self.config.timeout_graceful_shutdown = DRAIN_ABORT_GRACE_S
                 self.should_exit = True
         return await super().on_tick(counter)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's shutdown, with the requests still running ended before it returns (and `serve` stops the
+        engine core). On a second signal (`force_exit`) uvicorn stops waiting for them and leaves them running:
+        they were cancelled, and their responses ended with the 503 or a stream's error event and [DONE]
+        (`GuardMiddleware`), only once asyncio.run returned, after the engine core had been shut down (a
+        second; 10 more if it hangs). They are cancelled here and their responses end first (each within
+        END_CANCELLED_S), before uvicorn closes the connections (whose close it waits for on Python 3.12+);
+        once more after it, for a second signal that came while it waited for the drain's last responses; and
+        those it cancelled itself when DRAIN_ABORT_GRACE_S was over are waited for as well."""
+        if self.force_exit:
+            await self._end_requests()
+        await super().shutdown(sockets)
+        await self._end_requests(cancel=self.force_exit)
+
+    async def _end_requests(self, cancel: bool = True) -> None:
+        """Wait (within REQUESTS_END_WAIT_S) for the requests still running to end; `cancel`: cancel them first,
+        those not being cancelled already (a second cancellation would cut the end of a response short)."""
+        running = set(self.server_state.tasks)
+        if cancel:
+            for task in running:
+                if not _cancel_requested(task):
+                    task.cancel()
+        if running:
+            await asyncio.wait(running, timeout=REQUESTS_END_WAIT_S)
+
+
+def _cancel_requested(task: asyncio.Task[Any]) -> bool:
+    """Whether `task` is being cancelled (Task.cancelling: Python 3.11+). Before Python 3.12 the answer is not
+    needed: a second signal ends uvicorn's wait for the drain's last responses at once, before it cancels any."""
+    cancelling: Callable[[], int] | None = getattr(task, "cancelling", None)
+    return cancelling is not None and cancelling() > 0
 
 
 # Connections waiting to be accepted, kept by the kernel (while the server starts, or is busy).

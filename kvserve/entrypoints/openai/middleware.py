@@ -66,11 +66,11 @@ class GuardMiddleware:
         except asyncio.CancelledError:
             # The server stops and cancels what still runs (a second signal, which stops it at once, or the
             # drain's grace over): uvicorn would answer a response not yet started with a plain-text 500 and
-            # cut a started stream off. End it here in the OpenAI format instead; the task ends with it. Within
-            # a bound: a client that stops reading holds its send forever, and asyncio.run's exit (which cancels
-            # the tasks once, then waits for them) would then never return.
+            # cut a started stream off. End it here in the OpenAI format instead; the task ends with it (and the
+            # server waits for these ends before it stops the engine: `_Server.shutdown`). Within a bound: a
+            # client that stops reading holds its send forever, and the server's exit would wait on it.
             try:
-                ended = await asyncio.wait_for(response.end_cancelled(), _END_CANCELLED_S)
+                ended = await asyncio.wait_for(response.end_cancelled(), END_CANCELLED_S)
             except asyncio.TimeoutError:
                 ended = False
             if not ended:
@@ -113,7 +113,7 @@ class GuardMiddleware:
 
 
 # How long a cancelled request may take to end its response (`GuardMiddleware`) before the cancellation goes on.
-_END_CANCELLED_S = 1.0
+END_CANCELLED_S = 1.0
 
 
 class _ResponseSend:
