@@ -1,7 +1,8 @@
 """Checkpoint KV-cache scales (`model.layers.N.self_attn.k_scale` / `v_scale` and the other names vLLM reads), as
 checkpoints exported for vLLM's fp8 KV cache carry them: each layer's go to its attention and scale an fp8
 cache; a cache in the model's dtype loads them and leaves them unused (scales of 1.0, as vLLM); a scale that is
-not one positive finite value is refused, naming the tensor.
+not one positive finite value is refused, naming the tensor; an llm-compressor export of the KV cache alone
+(compressed-tensors config, no config_groups) loads as dense weights with its scales.
 
 The oracle (tests/helpers/kv_scales.py): a copy M' of a tiny random checkpoint M whose layer i has K scaled by
 c_k[i] and V by c_v[i] (q_proj and o_proj divided to match: powers of two, so M' computes M's function bit for
@@ -14,8 +15,10 @@ e4m3's 448 for most values, and outputs move by whole nats (checked: the oracle 
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -276,3 +279,60 @@ def test_inconsistent_scales_are_refused(tiny_model_dir: Callable[..., str], tmp
     path = _with_tensors(tiny_model_dir("llama"), tmp_path / "m", {k: torch.tensor(v) for k, v in tensors.items()})
     with pytest.raises(ModelLoadError, match=message):
         _load(path)
+
+
+# ------------------------------------------------------------------------------------------ KV-cache-only configs
+
+# config.json's quantization_config of an llm-compressor (compressed-tensors) export that quantizes the KV cache
+# alone: dense weights, the scales beside them.
+KV_ONLY = {"quant_method": "compressed-tensors", "config_groups": {}, "format": "dense",
+           "quantization_status": "compressed", "ignore": ["lm_head"],
+           "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+                               "symmetric": True, "group_size": None}}
+
+
+def _with_quant_config(src: str, dst: Path, quant: dict[str, Any]) -> str:
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+    return str(dst)
+
+
+@pytest.mark.parametrize("names", ["output_scale", "k_v_scale"])
+def test_a_kv_cache_only_compressed_tensors_checkpoint_loads(plain_runs: Callable[[str], list],
+                                                             scaled_checkpoints: Callable[..., str], tmp_path: Path,
+                                                             names: str) -> None:
+    """Its quantization_config names compressed-tensors, otherwise refused (fp8 weights): with no config_groups
+    and a kv_cache_scheme vLLM reads, the weights are dense and the scales scale the fp8 cache (vLLM alike)."""
+    path = _with_quant_config(scaled_checkpoints(names), tmp_path / "m", KV_ONLY)
+    core = _core(path, "fp8")
+    assert core.runner.model.arch.quantization is None
+    assert _layer_scales(core) == list(zip(K_FACTORS, V_FACTORS, strict=True))
+    assert _run(core) == plain_runs("fp8")
+
+
+@pytest.mark.parametrize("scheme, shown", [
+    ({"num_bits": 8, "type": "int", "strategy": "tensor", "symmetric": True}, "'type': 'int'"),
+    ({"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}, "'strategy': 'channel'"),
+    ({"num_bits": 8, "type": "float", "strategy": "attn_head", "symmetric": True}, "'strategy': 'attn_head'"),
+    ({"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": False}, "'symmetric': False"),
+    ({"num_bits": 4, "type": "float", "strategy": "tensor", "symmetric": True}, "'num_bits': 4"),
+], ids=["int8", "per-channel", "per-head", "asymmetric", "fp4"])
+def test_kv_cache_schemes_vllm_does_not_read_are_refused(tiny_model_dir: Callable[..., str], tmp_path: Path,
+                                                         scheme: dict[str, Any], shown: str) -> None:
+    from kvserve.model.arch import load_arch_config
+
+    path = _with_quant_config(tiny_model_dir("llama"), tmp_path / "m", {**KV_ONLY, "kv_cache_scheme": scheme})
+    with pytest.raises(ModelLoadError, match=rf"config\.json: kv_cache_scheme .*{shown}.* is not supported: the "
+                                             "KV-cache scales of an fp8 KV cache are 8-bit float, symmetric, one per"):
+        load_arch_config(path)
+
+
+def test_quantized_weights_beside_the_kv_cache_are_still_refused(tiny_model_dir: Callable[..., str],
+                                                                 tmp_path: Path) -> None:
+    from kvserve.model.arch import load_arch_config
+
+    weights = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float"}}}
+    path = _with_quant_config(tiny_model_dir("llama"), tmp_path / "w", {**KV_ONLY, "config_groups": weights})
+    with pytest.raises(ModelLoadError, match="quantization method 'compressed-tensors' is not supported"):
+        load_arch_config(path)
