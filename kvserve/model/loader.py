@@ -76,7 +76,7 @@ def use_kv_cache_scales(model: torch.nn.Module, fp8_cache: bool) -> None:
                     "cache (--kv-cache-dtype fp8 / fp8_e5m2), this one holds the model's dtype", len(scaled), len(layers))
         return
     k_scales, v_scales = [k for k, _ in scaled], [v for _, v in scaled]
-    described = (f"k_scale {min(k_scales):.4g}..{max(k_scales):.4g}, v_scale {min(v_scales):.4g}..{max(v_scales):.4g}")
+    described = f"k_scale {min(k_scales):.4g}..{max(k_scales):.4g}, v_scale {min(v_scales):.4g}..{max(v_scales):.4g}"
     if len(scaled) < len(layers):
         logger.warning("The checkpoint has KV-cache scales for %d of %d layers (%s); the fp8 KV cache of the other "
                        "layers uses 1.0", len(scaled), len(layers), described)
