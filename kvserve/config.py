@@ -124,7 +124,7 @@ class CacheConfig:
     # instead of the --gpu-memory-utilization budget. None: the budget sizes it.
     gpu_kv_cache_memory_bytes: int | None = None
     # --kv-cache-dtype, one of KV_CACHE_DTYPES: "auto" or the model's own dtype's name, or an fp8 format. K and V
-    # are stored as x / scale with a per-layer scale of 1.0 (vLLM's default where the checkpoint has none).
+    # are stored as x / scale with per-layer scales: the checkpoint's KV-cache scales, else 1.0 (vLLM's default).
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:

@@ -16,8 +16,10 @@ class Attention(nn.Module):
     (head_dim ** -0.5 for Llama/Qwen).
 
     k_scale / v_scale: this layer's fp8 KV cache scales (the cache stores x / scale and is read back as
-    value * scale; ignored for a cache in the model's dtype). 1.0, vLLM's default for a checkpoint without
-    scales; plain floats, so that scales read from a checkpoint can be set per layer later.
+    value * scale; ignored for a cache in the model's dtype). Plain floats, which the kernels take as launch
+    arguments (CUDA graphs bake them at capture, after loading): 1.0, vLLM's default for a checkpoint without
+    scales, or this layer's checkpoint scales (`checkpoint_kv_scales`) once `use_kv_cache_scales` is told the
+    cache is fp8.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
@@ -30,6 +32,15 @@ class Attention(nn.Module):
         self.scale = scale
         self.k_scale = 1.0
         self.v_scale = 1.0
+        # (k_scale, v_scale) as the checkpoint gives them for this layer (the model's `load_weights`), None
+        # where it has none.
+        self.checkpoint_kv_scales: tuple[float, float] | None = None
+
+    def use_kv_cache_scales(self, fp8_cache: bool) -> None:
+        """Sets k_scale / v_scale for the KV cache the layer will run over: the checkpoint's scales (else 1.0)
+        for an fp8 cache, 1.0 for a cache in the model's dtype, whatever the checkpoint carries (as vLLM)."""
+        scales = self.checkpoint_kv_scales if fp8_cache else None
+        self.k_scale, self.v_scale = scales or (1.0, 1.0)
 
     def forward(
         self,

@@ -96,6 +96,26 @@ def normalize_method(name: str) -> str | None:
     return _METHOD_ALIASES.get(name.lower())
 
 
+def is_kv_cache_only(raw: dict[str, Any], where: str) -> bool:
+    """Whether config.json's `quantization_config` quantizes the KV cache alone: compressed-tensors (llm-compressor)
+    with a `kv_cache_scheme` and no `config_groups`. Its weights are dense and the checkpoint carries per-layer
+    KV-cache scales, which the model loads (`LlamaForCausalLM.load_weights`) and an fp8 KV cache uses. ModelLoadError,
+    naming `where`, for a scheme vLLM's fp8 KV cache does not read either: anything but 8-bit floats, symmetric,
+    one scale per tensor."""
+    scheme = raw.get("kv_cache_scheme")
+    if str(raw.get("quant_method", "")).lower() not in ("compressed-tensors", "compressed_tensors") or not scheme \
+            or raw.get("config_groups"):
+        return False
+    if not isinstance(scheme, dict):
+        raise ModelLoadError(f"{where}: kv_cache_scheme must be an object, got {scheme!r}")
+    found = {key: scheme.get(key) for key in ("type", "num_bits", "strategy", "symmetric")}
+    if found != {"type": "float", "num_bits": 8, "strategy": "tensor", "symmetric": True}:
+        raise ModelLoadError(f"{where}: kv_cache_scheme {found} is not supported: the KV-cache scales of an fp8 KV cache "
+                             "are 8-bit float, symmetric, one per tensor (type 'float', num_bits 8, strategy 'tensor', "
+                             "symmetric true)")
+    return True
+
+
 def parse_quant_config(raw: dict[str, Any], where: str) -> QuantConfig:
     """config.json's `quantization_config` (or a GPTQ `quantize_config.json`) -> QuantConfig.
 

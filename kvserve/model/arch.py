@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.layers.activation import supported_activations
-from kvserve.layers.quantization import QuantConfig, parse_quant_config
+from kvserve.layers.quantization import QuantConfig, is_kv_cache_only, parse_quant_config
 from kvserve.layers.rotary import check_rope_scaling
 from kvserve.model.gguf import check_tensor_types, read_gguf_info
 from kvserve.model.gguf_rope import rope_scaling_from_gguf
@@ -198,6 +198,8 @@ def _from_hf_dir(path: str) -> ArchConfig:
         raw_quant, quant_file = _read_json(os.path.join(path, "quantize_config.json")), "quantize_config.json"
         if raw_quant is not None and "quant_method" not in raw_quant:
             raw_quant = {**raw_quant, "quant_method": "gptq"}  # the file AutoGPTQ writes, without the key
+    if raw_quant and is_kv_cache_only(raw_quant, f"{path}/{quant_file}"):
+        raw_quant = None  # dense weights; the checkpoint's KV-cache scales are loaded with them
     quantization = parse_quant_config(raw_quant, f"{path}/{quant_file}") if raw_quant else None
     eos_ids = _merge_ids(generation.get("eos_token_id"), cfg.get("eos_token_id", family.eos_token_id))
     return ArchConfig(

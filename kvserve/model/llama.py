@@ -11,6 +11,8 @@ in the model dtype, RoPE from an HF-identical float32 table, attention scaled by
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Hashable, Iterable
 
 import torch
@@ -45,9 +47,23 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # fp8 checkpoints' static activation scales (FBGEMM's upper bound on them): not read, since activations are
 # quantized per token at run time (`layers.quantization`).
 _FP8_ACTIVATION_SUFFIXES = (".input_scale", ".input_scale_ub")
-# Per-layer KV-cache scales, as fp8-KV checkpoints exported for vLLM carry them (`...self_attn.k_scale`, older
-# exports one `kv_scale` for both): refused by name until they are loaded into `Attention.k_scale` / `v_scale`.
-_KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale")
+# Per-layer KV-cache scales, as checkpoints exported for vLLM's fp8 KV cache carry them, under the names vLLM
+# reads: `self_attn.k_scale` / `v_scale` (llm-compressor, AutoFP8), one `kv_scale` for both (older exports),
+# ModelOpt's `k_proj.k_scale` / `v_proj.v_scale`, `qkv_proj.k_scale` / `v_scale`, and compressed-tensors' (and
+# Quark's) `k_proj.output_scale` / `v_proj.output_scale`. Suffix of `model.layers.N.` -> what it scales: "k",
+# "v" or "kv" (both). They go to the layer's `Attention.checkpoint_kv_scales`.
+_KV_SCALE_NAMES = {
+    "self_attn.k_scale": "k",
+    "self_attn.v_scale": "v",
+    "self_attn.kv_scale": "kv",
+    "self_attn.k_proj.k_scale": "k",
+    "self_attn.v_proj.v_scale": "v",
+    "self_attn.qkv_proj.k_scale": "k",
+    "self_attn.qkv_proj.v_scale": "v",
+    "self_attn.k_proj.output_scale": "k",
+    "self_attn.v_proj.output_scale": "v",
+}
+_LAYER_PREFIX = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -369,8 +385,19 @@ class LlamaForCausalLM(CausalLM):
         params = dict(self.named_parameters())
         loaded: dict[str, set[Hashable]] = {name: set() for name in params}
         fp8_checkpoint = self.arch.quantization is not None and self.arch.quantization.method == "fp8"
+        # layer -> {"k" / "v" / "kv": (value, checkpoint name)}
+        kv_scales: dict[int, dict[str, tuple[float, str]]] = {}
         for ckpt_name, tensor in weights:
             if ckpt_name.endswith(_IGNORED_SUFFIXES):
+                continue
+            scale_of = self._kv_scale_target(ckpt_name)
+            if scale_of is not None:
+                layer, what = scale_of
+                seen = kv_scales.setdefault(layer, {}).get(what)
+                if seen is not None:
+                    raise ModelLoadError(f"checkpoint tensors {seen[1]!r} and {ckpt_name!r} are both layer {layer}'s "
+                                         f"{what}_scale")
+                kv_scales[layer][what] = (_kv_scale_value(ckpt_name, tensor), ckpt_name)
                 continue
             if self.arch.tie_word_embeddings and ckpt_name == "lm_head.weight":
                 # Some exporters save the tied copy anyway; the embedding is the one we keep.
@@ -388,11 +415,6 @@ class LlamaForCausalLM(CausalLM):
             if param is None and self.arch.quantization is not None and ckpt_name.endswith(".bias"):
                 # Older GPTQ exporters save a (zero) bias for every projection, also where the model has none.
                 continue
-            if param is None and ckpt_name.endswith(_KV_SCALE_SUFFIXES):
-                raise ModelLoadError(
-                    f"checkpoint tensor {ckpt_name!r} is a KV-cache scale: checkpoint KV-cache scales are not "
-                    "supported yet (kvserve's fp8 KV cache uses scales of 1.0); use a checkpoint without them"
-                )
             if param is None:
                 raise ModelLoadError(
                     f"checkpoint tensor {ckpt_name!r} matches no parameter of {type(self).__name__}"
@@ -411,7 +433,18 @@ class LlamaForCausalLM(CausalLM):
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise ModelLoadError(f"checkpoint lacks weights for {shown}")
+        for layer, found in kv_scales.items():
+            self.model.layers[layer].self_attn.attn.checkpoint_kv_scales = _layer_kv_scales(layer, found)
         self.finish_loading()
+
+    def _kv_scale_target(self, ckpt_name: str) -> tuple[int, str] | None:
+        """(layer, "k" / "v" / "kv") for a checkpoint KV-cache scale of one of this model's layers (`_KV_SCALE_NAMES`),
+        None for any other name."""
+        match = _LAYER_PREFIX.fullmatch(ckpt_name)
+        if match is None or match.group(2) not in _KV_SCALE_NAMES:
+            return None
+        layer = int(match.group(1))
+        return (layer, _KV_SCALE_NAMES[match.group(2)]) if layer < len(self.model.layers) else None
 
     def finish_loading(self) -> None:
         """Quantized layers pack (GPU) or dequantize (other devices) what they loaded (`Linear.finish_loading`)."""
@@ -426,6 +459,32 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3: Llama with per-head q/k RMSNorm (ArchConfig.qk_norm) and an independent head_dim."""
+
+
+def _kv_scale_value(ckpt_name: str, tensor: torch.Tensor) -> float:
+    """A checkpoint KV-cache scale as a float; ModelLoadError (a ValueError) naming the tensor unless it is one
+    positive finite value (a per-tensor scale: vLLM reads no other for its fp8 cache either)."""
+    if tensor.numel() != 1:
+        raise ModelLoadError(f"checkpoint tensor {ckpt_name!r} is a KV-cache scale of shape {tuple(tensor.shape)}: "
+                             "only per-tensor scales (one value per layer) are supported")
+    value = float(tensor.reshape(()).float().item())
+    if not (math.isfinite(value) and value > 0.0):
+        raise ModelLoadError(f"checkpoint tensor {ckpt_name!r} is a KV-cache scale of {value}: a scale must be a "
+                             "positive finite number")
+    return value
+
+
+def _layer_kv_scales(layer: int, found: dict[str, tuple[float, str]]) -> tuple[float, float]:
+    """One layer's (k_scale, v_scale) from its checkpoint scales, as vLLM resolves them: k and v as given; one
+    `kv_scale` (or a k_scale alone) for both; a v_scale without a k_scale is refused."""
+    if "kv" in found and ("k" in found or "v" in found):
+        names = ", ".join(repr(name) for _, name in found.values())
+        raise ModelLoadError(f"layer {layer} has both a kv_scale and a k_scale / v_scale in the checkpoint: {names}")
+    k = found.get("k", found.get("kv"))
+    if k is None:
+        raise ModelLoadError(f"checkpoint tensor {found['v'][1]!r} is layer {layer}'s v_scale, but the checkpoint "
+                             "has no k_scale for the layer")
+    return k[0], found.get("v", k)[0]
 
 
 def _param_name(ckpt_name: str) -> tuple[str, Hashable]:

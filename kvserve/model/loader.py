@@ -11,6 +11,8 @@ import torch
 from safetensors import safe_open
 
 from kvserve.config import ModelConfig
+from kvserve.kernels.reference import is_fp8
+from kvserve.layers.attention import Attention
 from kvserve.layers.linear import fp8_checkpoint_layers, quantize_fp8_layers
 from kvserve.model.arch import ArchConfig, load_arch_config
 from kvserve.model.gguf import dequantization_summary, iter_gguf_weights
@@ -18,7 +20,7 @@ from kvserve.model.paths import ModelLoadError
 from kvserve.model.registry import CausalLM, get_model_class
 
 __all__ = ["CausalLM", "init_dummy_weights", "iter_safetensors_weights", "iter_weights", "load_model",
-           "parameter_bytes"]
+           "parameter_bytes", "use_kv_cache_scales"]
 
 logger = logging.getLogger(__name__)
 
@@ -27,8 +29,10 @@ logger = logging.getLogger(__name__)
 _DUMMY_STD = 0.02
 
 
-def load_model(model_config: ModelConfig, device: torch.device) -> CausalLM:
-    """The model of `model_config.model` on `device`, parameters in `model_config.dtype`, in eval mode.
+def load_model(model_config: ModelConfig, device: torch.device, kv_cache_dtype: torch.dtype | None = None) -> CausalLM:
+    """The model of `model_config.model` on `device`, parameters in `model_config.dtype`, in eval mode, set up
+    for a KV cache of `kv_cache_dtype` (None: the model's dtype): with an fp8 cache each layer's attention takes
+    the checkpoint's KV-cache scales where it has them (`use_kv_cache_scales`).
 
     Parameters are allocated directly on `device` and each checkpoint tensor is copied (and cast) into
     place as it is read, so peak host memory is about one tensor, not one model.
@@ -60,7 +64,31 @@ def load_model(model_config: ModelConfig, device: torch.device) -> CausalLM:
                             "per token (each with its own scale) at run time")
         if summary is not None:
             (logger.warning if summary.unfit_layers else logger.info)("%s", summary.describe())
+    use_kv_cache_scales(model, kv_cache_dtype is not None and is_fp8(kv_cache_dtype))
     return model.eval()
+
+
+def use_kv_cache_scales(model: torch.nn.Module, fp8_cache: bool) -> None:
+    """Sets every attention layer's k_scale / v_scale for the cache (`Attention.use_kv_cache_scales`): with an
+    fp8 cache, the checkpoint's per-layer scales (1.0 for a layer it has none for); otherwise 1.0, as vLLM
+    enforces for an unquantized cache whatever the checkpoint carries. Logs what the checkpoint's scales do."""
+    layers = [module for module in model.modules() if isinstance(module, Attention)]
+    for layer in layers:
+        layer.use_kv_cache_scales(fp8_cache)
+    scaled = [layer.checkpoint_kv_scales for layer in layers if layer.checkpoint_kv_scales is not None]
+    if not scaled:
+        return
+    if not fp8_cache:
+        logger.info("The checkpoint's KV-cache scales (%d of %d layers) are loaded and not used: they scale an fp8 KV "
+                    "cache (--kv-cache-dtype fp8 / fp8_e5m2), this one holds the model's dtype", len(scaled), len(layers))
+        return
+    k_scales, v_scales = [k for k, _ in scaled], [v for _, v in scaled]
+    described = f"k_scale {min(k_scales):.4g}..{max(k_scales):.4g}, v_scale {min(v_scales):.4g}..{max(v_scales):.4g}"
+    if len(scaled) < len(layers):
+        logger.warning("The checkpoint has KV-cache scales for %d of %d layers (%s); the fp8 KV cache of the other "
+                       "layers uses 1.0", len(scaled), len(layers), described)
+    else:
+        logger.info("The fp8 KV cache uses the checkpoint's per-layer scales (%s)", described)
 
 
 def parameter_bytes(model: torch.nn.Module) -> int:

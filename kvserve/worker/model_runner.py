@@ -265,11 +265,13 @@ class ModelRunner:
             self.in_use_at_start_bytes = self.read_memory_at_start()
         self.dtype: torch.dtype = getattr(torch, config.model_config.dtype)
         # The KV cache's dtype: the model's, or fp8 (--kv-cache-dtype), which the cache-writing kernels scale
-        # into and attention scales back out of (each layer's `Attention.k_scale` / `v_scale`).
+        # into and attention scales back out of (each layer's `Attention.k_scale` / `v_scale`: the checkpoint's
+        # KV-cache scales, else 1.0).
         self.kv_cache_dtype: torch.dtype = getattr(
             torch, kv_cache_torch_dtype(config.cache_config.kv_cache_dtype, config.model_config.dtype))
         self.block_size = config.cache_config.block_size
-        self.model = load_model(config.model_config, self.device)
+        # Before any CUDA graph capture: the graphs bake each layer's KV-cache scales (plain floats) in.
+        self.model = load_model(config.model_config, self.device, self.kv_cache_dtype)
         # This rank's shapes (its heads and KV heads with tensor parallelism): what the caches, buffers and
         # warm-up batches are built from. The vocabulary, hidden size and layer count are the checkpoint's.
         self.arch = self.model.layer_arch

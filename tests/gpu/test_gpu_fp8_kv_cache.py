@@ -12,10 +12,13 @@ checks the kernels and the engine:
   the bf16 cache, CUDA graphs on and off: top-5 logprobs within 4x fp8's relative rounding error (the CPU
   test's rule, tests/engine/test_fp8_kv_cache.py), greedy tokens parting only at near ties; fp8 blocks twice
   bf16's for one --kv-cache-memory.
+* Checkpoint KV-cache scales (the CPU test's oracle, tests/engine/test_kv_cache_scales.py), CUDA graphs on and
+  off: a checkpoint with K and V scaled by its per-layer scales gives the unscaled checkpoint's fp8 run.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -339,3 +342,47 @@ def test_fp8_cache_doubles_the_blocks_of_bf16(checkpoints: dict[str, str]) -> No
     assert blocks["auto"] == (64 << 20) // per_block["auto"] > 0
     assert blocks["fp8"] == (64 << 20) // per_block["fp8"]
     assert blocks["fp8"] in (2 * blocks["auto"], 2 * blocks["auto"] + 1)
+
+
+def _gap(got: list, want: list) -> tuple[int, float]:
+    """(prompts with the same tokens throughout, the largest gap of the top logprobs both runs list, up to each
+    prompt's first parting token; inf where a step's top-5 share fewer than 3 tokens)."""
+    identical, largest = 0, 0.0
+    for (got_tokens, got_lps), (want_tokens, want_lps) in zip(got, want, strict=True):
+        part = next((i for i, (a, b) in enumerate(zip(got_tokens, want_tokens, strict=True)) if a != b), None)
+        identical += part is None
+        for step in range(MAX_TOKENS if part is None else part + 1):
+            mine, theirs = top_logprobs(got_lps[step]), top_logprobs(want_lps[step])
+            common = mine.keys() & theirs.keys()
+            if len(common) < 3:
+                return identical, math.inf
+            largest = max(largest, *(abs(mine[t] - theirs[t]) for t in common))
+    return identical, largest
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_checkpoint_kv_scales_reach_every_kernel(checkpoints: dict[str, str], tmp_path: Any, model: str,
+                                                 enforce_eager: bool) -> None:
+    """Checkpoint KV-cache scales on the GPU (tests/engine/test_kv_cache_scales.py's oracle): M' (K and V of
+    layer i times 2^16 / 2^8 / 1 and 1 / 2^8 / 2^16, q_proj and o_proj divided to match, the factors as its
+    k_scale / v_scale) with an fp8 cache stores what M's fp8 cache with scales of 1.0 stores, through the
+    fused q/k/v epilogue, the rotary launch and the cache kernel, and every attention launch reads it back
+    scaled (CUDA graphs capture the loaded scales): M's fp8 run, to bf16's rounding at most (the products are
+    the same; cuBLAS may pick another algorithm for another instance). M' without its scales saturates e4m3:
+    logprobs move by whole nats."""
+    from helpers.kv_scales import write_scaled_checkpoint
+
+    k_factors, v_factors = (2.0**16, 2.0**8, 1.0), (1.0, 2.0**8, 2.0**16)
+    scaled = write_scaled_checkpoint(checkpoints[model], str(tmp_path / "scaled"), k_factors, v_factors)
+    unscaled = write_scaled_checkpoint(checkpoints[model], str(tmp_path / "unscaled"), k_factors, v_factors, None)
+    _, want = _run(checkpoints[model], "fp8", enforce_eager)
+    core, got = _run(scaled, "fp8", enforce_eager)
+    assert (core.runner.graphs is None) == enforce_eager
+    assert [(layer.self_attn.attn.k_scale, layer.self_attn.attn.v_scale)
+            for layer in core.runner.model.model.layers] == list(zip(k_factors, v_factors, strict=True))
+    del core
+    identical, largest = _gap(got, want)
+    assert largest <= 2.0**-4 and identical >= len(got) // 2, (identical, largest)
+    _, ignored = _run(unscaled, "fp8", enforce_eager)
+    assert _gap(ignored, want)[1] > 1.0

@@ -245,23 +245,6 @@ def test_missing_unexpected_and_misshapen_weights(tmp_path: Path, tiny_model_dir
         load(bad)
 
 
-@pytest.mark.parametrize("scale_name", ["self_attn.k_scale", "self_attn.v_scale", "self_attn.kv_scale"])
-def test_checkpoint_kv_cache_scales_are_refused_by_name(tmp_path: Path, tiny_model_dir: Callable,
-                                                        scale_name: str) -> None:
-    """A checkpoint exported for vLLM's fp8 KV cache carries per-layer K/V scales: refused with what they are,
-    not as an unknown tensor."""
-    from safetensors.torch import save_file
-
-    model_dir = _copy_checkpoint(tiny_model_dir("llama"), tmp_path / "m")
-    weights = dict(iter_safetensors_weights(model_dir))
-    scales = {f"model.layers.{i}.{scale_name}": torch.tensor(0.5) for i in range(2)}
-    save_file({**weights, **scales}, os.path.join(model_dir, "model.safetensors"))
-    config = ModelConfig(model=model_dir, tokenizer=model_dir, dtype="float32", max_model_len=64)
-    with pytest.raises(ModelLoadError, match=rf"'model\.layers\.\d\.{scale_name}' is a KV-cache scale: "
-                                             "checkpoint KV-cache scales are not supported yet"):
-        load_model(config, torch.device("cpu"))
-
-
 def test_weights_are_cast_to_the_configured_dtype(tiny_model_dir: Callable) -> None:
     model_dir = tiny_model_dir("llama-tied")
     config = ModelConfig(model=model_dir, tokenizer=model_dir, dtype="bfloat16", max_model_len=64)
