@@ -106,6 +106,12 @@ def is_kv_cache_only(raw: dict[str, Any], where: str) -> bool:
     if str(raw.get("quant_method", "")).lower() not in ("compressed-tensors", "compressed_tensors") or not scheme \
             or raw.get("config_groups"):
         return False
+    _check_kv_cache_scheme(scheme, where)
+    return True
+
+
+def _check_kv_cache_scheme(scheme: Any, where: str) -> None:
+    """A compressed-tensors `kv_cache_scheme` must be one vLLM's fp8 KV cache reads; ModelLoadError otherwise."""
     if not isinstance(scheme, dict):
         raise ModelLoadError(f"{where}: kv_cache_scheme must be an object, got {scheme!r}")
     found = {key: scheme.get(key) for key in ("type", "num_bits", "strategy", "symmetric")}
@@ -113,7 +119,6 @@ def is_kv_cache_only(raw: dict[str, Any], where: str) -> bool:
         raise ModelLoadError(f"{where}: kv_cache_scheme {found} is not supported: the KV-cache scales of an fp8 KV cache "
                              "are 8-bit float, symmetric, one per tensor (type 'float', num_bits 8, strategy 'tensor', "
                              "symmetric true)")
-    return True
 
 
 def parse_quant_config(raw: dict[str, Any], where: str) -> QuantConfig:
@@ -183,7 +188,10 @@ def _parse_fp8(raw: dict[str, Any], method: str, where: str) -> QuantConfig:
     if method == "fbgemm_fp8":  # per-channel weights, dynamic per-token activations
         skip = raw.get("modules_to_not_convert") or []
         return QuantConfig("fp8", 8, -1, skip_modules=tuple(str(s) for s in skip))
-    # llm-compressor's compressed-tensors: one config group over every Linear with float 8-bit weights
+    # llm-compressor's compressed-tensors: one config group over every Linear with float 8-bit weights (and maybe
+    # per-layer KV-cache scales, loaded by the model)
+    if raw.get("kv_cache_scheme"):
+        _check_kv_cache_scheme(raw["kv_cache_scheme"], where)
     fmt = str(raw.get("format", "")).lower()
     if fmt not in ("float-quantized", "naive-quantized"):
         raise refuse(f"compressed-tensors format {fmt or '(none given)'!r}")

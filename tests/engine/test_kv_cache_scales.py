@@ -328,11 +328,22 @@ def test_kv_cache_schemes_vllm_does_not_read_are_refused(tiny_model_dir: Callabl
         load_arch_config(path)
 
 
-def test_quantized_weights_beside_the_kv_cache_are_still_refused(tiny_model_dir: Callable[..., str],
-                                                                 tmp_path: Path) -> None:
+def test_weights_beside_the_kv_cache_scheme(tiny_model_dir: Callable[..., str], tmp_path: Path) -> None:
+    """fp8 weights beside the KV-cache scheme are an fp8 checkpoint (tests/engine/test_fp8_checkpoints.py), whose
+    scheme is checked as well; 4-bit integer weights are still refused."""
     from kvserve.model.arch import load_arch_config
 
-    weights = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float"}}}
-    path = _with_quant_config(tiny_model_dir("llama"), tmp_path / "w", {**KV_ONLY, "config_groups": weights})
-    with pytest.raises(ModelLoadError, match="quantization method 'compressed-tensors' is not supported"):
+    fp8 = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}
+    quant = {**KV_ONLY, "format": "float-quantized", "config_groups": fp8}
+    path = _with_quant_config(tiny_model_dir("llama"), tmp_path / "fp8", quant)
+    arch = load_arch_config(path)
+    assert arch.quantization is not None and arch.quantization.method == "fp8"
+    bad_scheme = {**quant, "kv_cache_scheme": {**KV_ONLY["kv_cache_scheme"], "strategy": "channel"}}
+    path = _with_quant_config(tiny_model_dir("llama"), tmp_path / "bad", bad_scheme)
+    with pytest.raises(ModelLoadError, match=r"kv_cache_scheme .*'strategy': 'channel'.* is not supported"):
+        load_arch_config(path)
+    int4 = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group"}}}
+    path = _with_quant_config(tiny_model_dir("llama"), tmp_path / "w4",
+                              {**KV_ONLY, "format": "pack-quantized", "config_groups": int4})
+    with pytest.raises(ModelLoadError, match="compressed-tensors format 'pack-quantized' is not supported"):
         load_arch_config(path)
