@@ -341,6 +341,8 @@ _LOCKS = SplitCounters("the matmul's split counters")
 # An fp8 weight with bf16 activations: the dot in fp16, each x row of a K tile scaled into fp16's range
 # (True), or the weight tile converted to bf16 (False). fp16 activations take the fp16 dot unscaled.
 FP8_FP16_DOT: bool = envs.KVSERVE_FP8_FP16_DOT
+# Whether an fp8 weight's skinny matmul that converts it to bf16 launches with PDL where PDL is on.
+FP8_CONVERT_PDL: bool = envs.KVSERVE_FP8_CONVERT_PDL
 # ... up to this many activation rows a program (`launch_block_m`): the scaling's work grows with the x tile,
 # and at 32 rows the bf16 way was ahead (an H100's decode step at batch 32 5.30 ms against 5.38; at batch 1
 # and 8 4.42 / 4.77 against 3.80 / 4.18: docs/perf_notes.md entry 71).
@@ -465,7 +467,8 @@ def skinny_linear(
     fused = split and config.fused_reduce
     parts = torch.empty((config.split_k, m, n), dtype=torch.float32, device=x.device) if split else out
     locks = _LOCKS.get(x.device, grid[0] * grid[2]) if fused else parts
-    pdl = triton_pdl.enabled(x.device)
+    fp16_dot = fp8_fp16_dot(x.dtype, w_scale is not None, block_m)
+    pdl = triton_pdl.enabled(x.device) and (w_scale is None or fp16_dot or FP8_CONVERT_PDL)
     epilogue = EPI_ROPE_CACHE if rope is not None else EPI_SILU_MUL if silu_mul else EPI_PLAIN
     if rope is not None:
         rope_args = (rope.positions, rope.cos_sin_cache, rope.slot_mapping, rope.kv_cache[0], rope.kv_cache[1])
@@ -501,7 +504,7 @@ def skinny_linear(
         HEAD_DIM=rope.head_dim if rope is not None else 0,
         FP8_MAX=fp8_max,
         W_SCALED=w_scale is not None,
-        FP16_DOT=fp8_fp16_dot(x.dtype, w_scale is not None, block_m),
+        FP16_DOT=fp16_dot,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         # Each product of the rotation is rounded before the sum (as torch's bf16 ops round): no FMA contraction.
