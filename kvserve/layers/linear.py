@@ -167,6 +167,14 @@ class Linear(nn.Module):
         start, size, total, offset = self.place(loaded, shard_id, loaded.shape[0])
         _load_rows(param, _rank_rows(loaded, start, size, self.tp_size, total), offset, size)
 
+    def _describe_row(self, row: int) -> str:
+        """Output row `row` of this layer as its checkpoint shard's row ("shard 'v', row 3")."""
+        for shard in self.shard_ids():
+            _start, size, _total, offset = self.place(torch.empty(0), shard, self.output_size * self.tp_size)
+            if offset <= row < offset + size:
+                return f"output row {row}" if shard is None else f"shard {shard!r}, its row {row - offset} here"
+        return f"output row {row}"
+
     def finish_loading(self) -> None:
         """After every checkpoint tensor is in: a quantized layer packs its tensors for the GPU's quantized
         matmul (CUDA) or becomes a dense layer of the weight they stand for (other devices); an fp8 one checks
@@ -176,8 +184,8 @@ class Linear(nn.Module):
             bad = ~(torch.isfinite(scale) & (scale >= 0))
             if bool(bad.any()):
                 row = int(bad.nonzero()[0, 0])
-                raise ModelLoadError(f"an fp8 weight scale is {float(scale[row])} (output row {row}): scales must "
-                                     "be finite and not negative")
+                raise ModelLoadError(f"an fp8 weight scale is {float(scale[row])} ({self._describe_row(row)}): "
+                                     "scales must be finite and not negative")
         if self.quantized is None:
             return
         try:
@@ -315,7 +323,7 @@ class Fp8Summary:
         mib = 1 << 20
         if self.from_checkpoint:
             text = (f"fp8 checkpoint: {self.num_layers} linear layers with fp8 weights, {self.bytes_after / mib:.1f} "
-                    "MiB with their scales (per output channel; activations are quantized per token at run time)")
+                    "MiB with their scales (per output channel, as --quantization fp8 keeps them)")
         else:
             text = (f"fp8 weights (--quantization fp8): {self.num_layers} linear layers quantized per output "
                     f"channel, {self.bytes_before / mib:.1f} MiB -> {self.bytes_after / mib:.1f} MiB (embeddings, "

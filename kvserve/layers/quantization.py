@@ -80,9 +80,13 @@ class QuantConfig:
         return 32 // self.bits
 
     def applies_to(self, prefix: str) -> bool:
-        """Whether the layer at checkpoint name `prefix` (e.g. model.layers.0.mlp.down_proj) is quantized."""
-        return not any(re.match(part[3:], prefix) if part.startswith("re:") else part and part in prefix
-                       for part in self.skip_modules)
+        """Whether the layer at checkpoint name `prefix` (e.g. model.layers.0.mlp.down_proj) is quantized. A
+        plain skip entry matches as a substring (AWQ) or, for fp8 checkpoints, as whole dotted parts of the name
+        ("model.layers.1" skips layer 1, not layer 10; "down_proj" every down_proj)."""
+        if self.method == "fp8":
+            return not any(re.match(part[3:], prefix) if part.startswith("re:") else f".{part}." in f".{prefix}."
+                           for part in self.skip_modules)
+        return not any(part and part in prefix for part in self.skip_modules)
 
     def groups(self, input_size: int) -> int:
         return 1 if self.group_size == -1 else math.ceil(input_size / self.group_size)
@@ -182,7 +186,8 @@ def _parse_fp8(raw: dict[str, Any], method: str, where: str) -> QuantConfig:
         fmt = str(raw.get("fmt", "e4m3")).lower()
         if fmt != "e4m3":
             raise refuse(f"fp8 weights in {fmt}")
-        skip = raw.get("ignored_layers") or []
+        # (transformers writes the list as modules_to_not_convert)
+        skip = raw.get("ignored_layers") or raw.get("modules_to_not_convert") or []
         return QuantConfig("fp8", 8, -1, skip_modules=tuple(str(s) for s in skip),
                            static_activations=scheme == "static")
     if method == "fbgemm_fp8":  # per-channel weights, dynamic per-token activations
@@ -192,6 +197,9 @@ def _parse_fp8(raw: dict[str, Any], method: str, where: str) -> QuantConfig:
     # per-layer KV-cache scales, loaded by the model)
     if raw.get("kv_cache_scheme"):
         _check_kv_cache_scheme(raw["kv_cache_scheme"], where)
+    sparsity = raw.get("sparsity_config") or {}
+    if str(sparsity.get("format", "dense")).lower() != "dense":
+        raise refuse(f"compressed-tensors sparsity format {sparsity.get('format')!r}")
     fmt = str(raw.get("format", "")).lower()
     if fmt not in ("float-quantized", "naive-quantized"):
         raise refuse(f"compressed-tensors format {fmt or '(none given)'!r}")

@@ -448,9 +448,12 @@ class LlamaForCausalLM(CausalLM):
 
     def finish_loading(self) -> None:
         """Quantized layers pack (GPU) or dequantize (other devices) what they loaded (`Linear.finish_loading`)."""
-        for module in self.modules():
+        for name, module in self.named_modules():
             if isinstance(module, Linear):
-                module.finish_loading()
+                try:
+                    module.finish_loading()
+                except ModelLoadError as exc:
+                    raise ModelLoadError(f"{name}: {exc}") from None
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

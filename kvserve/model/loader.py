@@ -60,8 +60,8 @@ def load_model(model_config: ModelConfig, device: torch.device, kv_cache_dtype: 
         elif arch.quantization is not None and arch.quantization.method == "fp8":
             summary = fp8_checkpoint_layers(model)
             if arch.quantization.static_activations:
-                logger.info("the fp8 checkpoint's static activation scales are not used: activations are quantized "
-                            "per token (each with its own scale) at run time")
+                logger.info("the fp8 checkpoint's static activation scales are not used: where activations are "
+                            "quantized (past the skinny matmul's rows), each token gets its own scale at run time")
         if summary is not None:
             (logger.warning if summary.unfit_layers else logger.info)("%s", summary.describe())
     use_kv_cache_scales(model, kv_cache_dtype is not None and is_fp8(kv_cache_dtype))
