@@ -270,23 +270,28 @@ class KVCacheManager:
     def num_blocks_of(self, req_id: str) -> int:
         return len(self.req_to_blocks.get(req_id, ()))
 
-    def check_invariants(self, requests: Mapping[str, Request] | None = None) -> None:
-        """The pool's checks and the block tables' ref counts; given the live requests (the scheduler's), also
-        each held block against its request's tokens. O(blocks): run by tests (`check_invariants_every_step`),
-        not by production steps."""
-        self.pool.check_invariants()
+    def check_invariants(self, requests: Mapping[str, Request] | None = None, incremental: bool = False) -> None:
+        """The pool's checks (`incremental`: see `BlockPool.check_invariants`) and the block tables' ref counts;
+        given the live requests (the scheduler's), also each held block against its request's tokens. Besides the
+        pool's, O(blocks held): run by tests (`check_invariants_every_step`), not by production steps."""
+        pool = self.pool
+        pool.check_invariants(incremental)
         for req_id, (request, _) in self._deferred.items():
             assert request.req_id == req_id and req_id in self.req_to_blocks, f"deferred caching of {req_id}, which holds no blocks"
-        refs: dict[int, int] = {}
+        refs: dict[KVCacheBlock, int] = {}
         for blocks in self.req_to_blocks.values():
             assert len({b.block_id for b in blocks}) == len(blocks), "a request holds a block twice"
             for block in blocks:
-                refs[block.block_id] = refs.get(block.block_id, 0) + 1
-        for block in self.pool.blocks:
-            assert block.ref_cnt == refs.get(block.block_id, 0), (
-                f"{block} ref count differs from the number of requests holding it "
-                f"({refs.get(block.block_id, 0)})"
-            )
+                refs[block] = refs.get(block, 0) + 1
+        for block, num_holders in refs.items():
+            assert pool.blocks[block.block_id] is block, f"{block} held by a request is not the pool's"
+            assert block.ref_cnt == num_holders, \
+                f"{block} ref count differs from the number of requests holding it ({num_holders})"
+        # The pool's blocks in use (ref count > 0) are the ones out of its free list (its invariants): as many as
+        # the held blocks, each with its holders as references, so no other block has references.
+        num_in_use = pool.num_blocks - pool.num_free_blocks
+        assert len(refs) == num_in_use, \
+            f"{num_in_use} blocks in use, {len(refs)} held by requests: a block's ref count is nobody's"
         for req_id, num_offered in self._num_cached_blocks.items():
             # Left behind by a freed request, it would skip offering the blocks of a later request of that id.
             blocks = self.req_to_blocks.get(req_id)

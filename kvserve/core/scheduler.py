@@ -367,8 +367,9 @@ class Scheduler:
         flight), which the next output's `finished_req_ids` releases."""
         return self._known_to_runner | set(self._finished_since_last_step)
 
-    def check_invariants(self) -> None:
-        self.kv.check_invariants(self.requests)
+    def check_invariants(self, incremental: bool = False) -> None:
+        """`incremental`: the block pool's incremental check (see `BlockPool.check_invariants`)."""
+        self.kv.check_invariants(self.requests, incremental)
         running_ids = {r.req_id for r in self.running}
         waiting_ids = {r.req_id for r in self.waiting}
         assert len(running_ids) == len(self.running), "a request is running twice"

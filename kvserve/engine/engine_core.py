@@ -460,7 +460,7 @@ class EngineCore:
         if not self.async_scheduling or scheduler_output.is_empty:
             outputs.extend(self._finish_in_flight())
         if self.check_invariants_every_step:
-            self.check_invariants()
+            self.check_invariants(incremental=True)
         if self._variants_seen is not None and triton_precompile.loaded_count() != self._variants_seen:
             self._note_late_variants()
         return EngineStepResult(
@@ -470,8 +470,10 @@ class EngineCore:
             num_scheduled_reqs=len(scheduler_output.scheduled),
         )
 
-    def check_invariants(self) -> None:
-        self.scheduler.check_invariants()
+    def check_invariants(self, incremental: bool = False) -> None:
+        """Every stateful manager's invariants. `incremental` (after each step): the block pool checks only what
+        its methods changed since its last check, and walks the whole pool when due (`BlockPool.check_invariants`)."""
+        self.scheduler.check_invariants(incremental)
         self.runner.check_invariants()
         assert not set(self._awaiting_grammar) & set(self.scheduler.requests), "a request both queued and compiling"
         self.structured.check_invariants(self.scheduler.requests)

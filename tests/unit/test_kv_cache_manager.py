@@ -225,22 +225,47 @@ def test_can_fit():
     assert not kv.can_fit(13)
 
 
-def test_check_invariants_catches_a_reference_mismatch():
+@pytest.mark.parametrize("incremental", [False, True])
+def test_check_invariants_catches_a_reference_mismatch(incremental: bool):
     kv = KVCacheManager(num_blocks=4, block_size=BS)
     admit(kv, make_request("a", list(range(6))))
     kv.pool.blocks[0].ref_cnt += 1  # a reference nobody holds
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="number of requests holding it"):
+        kv.check_invariants(incremental=incremental)
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+def test_check_invariants_catches_a_block_in_use_that_no_request_holds(incremental: bool):
+    """Sound for the pool (taken from its free list, one reference), but nobody's: the blocks in use outnumber the
+    held ones. The manager checks the held blocks only (O(held)), the count stands for the others."""
+    kv = KVCacheManager(num_blocks=64, block_size=BS)
+    kv.pool.FULL_CHECK_SPREAD = 1  # the pool's incremental check stays incremental
+    admit(kv, make_request("a", list(range(6))))
+    kv.check_invariants(incremental=incremental)
+    kv.pool.get_new_blocks(1)
+    kv.pool.check_invariants(incremental=incremental)
+    with pytest.raises(AssertionError, match="ref count is nobody's"):
+        kv.check_invariants(incremental=incremental)
+
+
+def test_check_invariants_catches_a_held_block_of_another_pool():
+    kv = KVCacheManager(num_blocks=4, block_size=BS)
+    admit(kv, make_request("a", list(range(6))))
+    stranger = KVCacheManager(num_blocks=4, block_size=BS).pool.get_new_blocks(2)[1]
+    kv.req_to_blocks["a"][1] = stranger  # the pool's block 1 (still in use) is nobody's, a stranger has its id
+    with pytest.raises(AssertionError, match="not the pool's"):
         kv.check_invariants()
 
 
-def test_check_invariants_catches_a_request_holding_a_block_twice():
+@pytest.mark.parametrize("incremental", [False, True])
+def test_check_invariants_catches_a_request_holding_a_block_twice(incremental: bool):
     kv = KVCacheManager(num_blocks=4, block_size=BS)
     admit(kv, make_request("a", list(range(6))))
     block = kv.req_to_blocks["a"][0]
     kv.req_to_blocks["a"].append(block)
     block.ref_cnt += 1
     with pytest.raises(AssertionError):
-        kv.check_invariants()
+        kv.check_invariants(incremental=incremental)
 
 
 def _flushed(prompt_len: int, num_new: int | None = None) -> tuple[KVCacheManager, Request]:
