@@ -57,8 +57,9 @@ KVSERVE_PDL: bool = _int("KVSERVE_PDL", 1) != 0
 # float32 sums rounded in another order; slower on an H100: docs/perf_notes.md entry 71).
 KVSERVE_FP8_FP16_DOT: bool = _int("KVSERVE_FP8_FP16_DOT", 1) != 0
 # Launch the skinny matmul of an fp8 weight converted to bf16 (past the fp16 dot's rows, or with it off) with
-# programmatic dependent launch where PDL is on (1, the default), or without it (0; for measurement).
-KVSERVE_FP8_CONVERT_PDL: bool = _int("KVSERVE_FP8_CONVERT_PDL", 1) != 0
+# programmatic dependent launch where PDL is on (1), or without it (0, the default: faster on an H100,
+# docs/perf_notes.md entry 72).
+KVSERVE_FP8_CONVERT_PDL: bool = _int("KVSERVE_FP8_CONVERT_PDL", 0) != 0
 # Compile the Triton kernel variants that start-up needs on a thread pool before the warm-up runs them (1: on,
 # the default; 0: off, the warm-up compiles them one at a time). See kvserve/kernels/triton_precompile.py and
 # docs/perf_notes.md, entry 29.

@@ -341,7 +341,8 @@ _LOCKS = SplitCounters("the matmul's split counters")
 # An fp8 weight with bf16 activations: the dot in fp16, each x row of a K tile scaled into fp16's range
 # (True), or the weight tile converted to bf16 (False). fp16 activations take the fp16 dot unscaled.
 FP8_FP16_DOT: bool = envs.KVSERVE_FP8_FP16_DOT
-# Whether an fp8 weight's skinny matmul that converts it to bf16 launches with PDL where PDL is on.
+# Whether an fp8 weight's skinny matmul that converts it to bf16 launches with PDL where PDL is on (off by
+# default: on an H100 such decode steps were 4 % faster at 17 and 32 rows without it, docs/perf_notes.md entry 72).
 FP8_CONVERT_PDL: bool = envs.KVSERVE_FP8_CONVERT_PDL
 # ... up to this many activation rows a program (`launch_block_m`): the scaling's work grows with the x tile,
 # and at 32 rows the bf16 way was ahead (an H100's decode step at batch 32 5.30 ms against 5.38; at batch 1
@@ -353,6 +354,12 @@ def fp8_fp16_dot(x_dtype: torch.dtype, fp8_weight: bool, block_m: int) -> bool:
     """Whether the skinny matmul runs its dot in fp16 on scaled activations of `x_dtype` (`FP16_DOT`), for a
     weight in fp8 or not, `block_m` activation rows a program."""
     return FP8_FP16_DOT and fp8_weight and x_dtype == torch.bfloat16 and block_m <= FP8_FP16_DOT_MAX_BLOCK_M
+
+
+def launch_pdl(pdl_on: bool, fp8_weight: bool, fp16_dot: bool) -> bool:
+    """Whether a skinny matmul launches with PDL (where `pdl_on`): not an fp8 weight's that converts it to bf16,
+    unless FP8_CONVERT_PDL (KVSERVE_FP8_CONVERT_PDL=1)."""
+    return pdl_on and (not fp8_weight or fp16_dot or FP8_CONVERT_PDL)
 
 
 @dataclass(frozen=True)
@@ -468,7 +475,7 @@ def skinny_linear(
     parts = torch.empty((config.split_k, m, n), dtype=torch.float32, device=x.device) if split else out
     locks = _LOCKS.get(x.device, grid[0] * grid[2]) if fused else parts
     fp16_dot = fp8_fp16_dot(x.dtype, w_scale is not None, block_m)
-    pdl = triton_pdl.enabled(x.device) and (w_scale is None or fp16_dot or FP8_CONVERT_PDL)
+    pdl = launch_pdl(triton_pdl.enabled(x.device), w_scale is not None, fp16_dot)
     epilogue = EPI_ROPE_CACHE if rope is not None else EPI_SILU_MUL if silu_mul else EPI_PLAIN
     if rope is not None:
         rope_args = (rope.positions, rope.cos_sin_cache, rope.slot_mapping, rope.kv_cache[0], rope.kv_cache[1])

@@ -441,6 +441,18 @@ def test_the_fp16_dot_is_for_fp8_weights_bf16_activations_and_16_row_tiles(monke
     assert not triton_gemm.fp8_fp16_dot(torch.bfloat16, True, 16)
 
 
+def test_pdl_is_off_for_fp8_weights_converted_to_bf16(monkeypatch):
+    """PDL launches stay on for bf16 weights and the fp16 dot; an fp8 weight converted to bf16 launches without
+    it unless KVSERVE_FP8_CONVERT_PDL=1 (and nothing launches with it where PDL is off)."""
+    assert not triton_gemm.FP8_CONVERT_PDL  # the default
+    assert triton_gemm.launch_pdl(True, fp8_weight=False, fp16_dot=False)
+    assert triton_gemm.launch_pdl(True, fp8_weight=True, fp16_dot=True)
+    assert not triton_gemm.launch_pdl(True, fp8_weight=True, fp16_dot=False)
+    assert not any(triton_gemm.launch_pdl(False, w, d) for w in (False, True) for d in (False, True))
+    monkeypatch.setattr(triton_gemm, "FP8_CONVERT_PDL", True)
+    assert triton_gemm.launch_pdl(True, fp8_weight=True, fp16_dot=False)
+
+
 def test_fp8_weight_split_reductions_agree_bitwise(device):
     x, w8, w_scale, b = fp8_operands(9, 96, 512, True, torch.float16, device, seed=3)
     fused = skinny_linear(x, w8, b, GemmConfig(32, 64, 8, 2), w_scale=w_scale)
@@ -529,11 +541,13 @@ def test_pick_config_for_fp8_weights():
     assert pick_config(1, 3584, 3584, 132, weight_bytes=1).block_k == 128
 
 
-def test_fp8_weight_kernels_compile_for_hopper(device, hopper_compiler):
+def test_fp8_weight_kernels_compile_for_hopper(device, hopper_compiler, monkeypatch):
     """The fp8-weight variants (e4m3 -> bf16 / fp16 in registers, the rows' scales) of the tilings `pick_config`
     gives fp8 weights at the 7B shapes compile for sm_90, plain and with each epilogue, within the shared memory
     `shared_bytes` counts (plus Triton's reserve); 64-row activation tiles too (FP8_SKINNY_MAX_ROWS may go past
-    32), and the 128-row, 8-warp tiling (the LM head's in bf16)."""
+    32), and the 128-row, 8-warp tiling (the LM head's in bf16). With PDL, the bf16-converting launches too
+    (KVSERVE_FP8_CONVERT_PDL=1: without it they launch as the no-PDL case compiles them)."""
+    monkeypatch.setattr(triton_gemm, "FP8_CONVERT_PDL", True)
     cases = [(m, pick_config(m, *QWEN_7B[name], 132, weight_bytes=1))
              for m, name in ((1, "qkv"), (8, "o_proj"), (32, "gate_up"), (64, "down"))]
     cases.append((16, GemmConfig(128, 128, 1, 4, 8)))
