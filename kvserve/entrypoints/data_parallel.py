@@ -21,7 +21,11 @@ Each child's environment has KVSERVE_DP_REPLICA=1, so it refuses to start replic
 * A replica that exits while serving stops the whole server: the others are stopped and this process exits
   1, as one server does when its engine dies (an orchestrator restarts it whole). Between a replica's engine
   dying and its process exiting (about a second), the router's health checks and its retry on 503 keep
-  requests away from it.
+  requests away from it. Its exit is seen at once (`_exit_code`: by the process, not by the end of its output,
+  which its engine core holds for up to about 6 s after a SIGKILL), and what it left running (its process
+  group: its engine core) is killed then. Until the router stops accepting, requests still go to the other
+  replicas: a refused connection, or one closed before the answer began, is retried there; a stream under
+  way ends with an error event (see `kvserve.router.app`).
 * SIGTERM / SIGINT: every replica drains (it gets one SIGTERM; new requests 503, in-flight ones finish
   within --shutdown-timeout), the router stops accepting and finishes its requests, and the process exits 0
   once every replica has exited 0. A second signal is passed on, so the replicas exit at once; the process
@@ -70,6 +74,10 @@ OUTPUT_CHUNK_BYTES = 64 * 1024
 MAX_LINE_BYTES = 1024 * 1024
 # After --shutdown-timeout, how long replicas get to exit before they are killed.
 EXIT_GRACE_S = 15.0
+# How often each replica's process is checked for its exit (`_exit_code`).
+EXIT_POLL_S = 0.1
+# After a replica exited by itself, how long the rest of its output may take (`Replica.reap`).
+OUTPUT_AFTER_EXIT_S = 1.0
 
 
 # ----------------------------------------------------------------------------------------- pure parts
@@ -164,7 +172,7 @@ class Replica:
     process: asyncio.subprocess.Process
     tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
     output_done: asyncio.Task[None] | None = None
-    exit_wait: asyncio.Task[int] | None = None
+    exit_wait: asyncio.Task[int] | None = None  # its exit code, once its process has exited (`_exit_code`)
     sigterms_sent: int = 0  # the first drains it, a second stops it at once
 
     @property
@@ -179,6 +187,19 @@ class Replica:
                 self.sigterms_sent += 1
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.process.pid, sig)
+
+    async def reap(self) -> int:
+        """After the replica's process exited by itself (it died, or failed): kill what it started that still runs,
+        its process group (its engine core and that one's workers, which leave by themselves only seconds after
+        losing it, meanwhile holding its GPUs and its output pipe), relay the rest of its output (up to
+        OUTPUT_AFTER_EXIT_S), and return its exit code."""
+        code = self.process.returncode
+        assert code is not None, "the replica is still running"
+        if self.output_done is not None and not self.output_done.done():  # something still holds its output
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, signal.SIGKILL)  # (its own session: the group is its pid)
+            await asyncio.wait([self.output_done], timeout=OUTPUT_AFTER_EXIT_S)
+        return code
 
     def failure(self, code: int, what: str) -> str:
         """'<replica> exited with code <code> <what>', then its last lines of output."""
@@ -273,9 +294,19 @@ async def _start(plan: ReplicaPlan, serve_args: Sequence[str], num_replicas: int
     assert process.stdout is not None
     replica.output_done = asyncio.create_task(
         relay_output(process.stdout, f"(replica {plan.index}) ", replica.tail, sys.stderr))
-    replica.exit_wait = asyncio.create_task(process.wait())
+    replica.exit_wait = asyncio.create_task(_exit_code(process))
     logger.info("started %s (pid %d)", plan.describe(), process.pid)
     return replica
+
+
+async def _exit_code(process: asyncio.subprocess.Process) -> int:
+    """`process`'s exit code, as soon as it has exited. Not process.wait(), which (Python 3.11) returns only once
+    its output pipe is closed too: a replica's engine core holds that pipe until it leaves by itself, up to about
+    6 s after a SIGKILLed replica (a second to see that it is gone, then up to 5 s for its last messages), and
+    the replica's death would only be noticed then."""
+    while process.returncode is None:
+        await asyncio.sleep(EXIT_POLL_S)
+    return process.returncode
 
 
 async def relay_output(stream: asyncio.StreamReader, prefix: str, tail: collections.deque[str],
@@ -387,7 +418,7 @@ async def serve_replicas(ns: argparse.Namespace, plans: Sequence[ReplicaPlan], s
             replicas.append(await _start(plan, serve_args, len(plans)))
         failed = await _wait_ready(replicas, stop)
         if failed is not None:
-            code = await failed.process.wait()
+            code = await failed.reap()
             logger.error("%s", failed.failure(code, "during start-up"))
             return exit_status(code)
         if stop.is_set():
@@ -414,7 +445,7 @@ async def serve_replicas(ns: argparse.Namespace, plans: Sequence[ReplicaPlan], s
         dead = [exits[task] for task in done if task in exits]
         if dead:
             replica = dead[0]
-            logger.error("%s", replica.failure(await replica.process.wait(),
+            logger.error("%s", replica.failure(await replica.reap(),
                                                "while serving: stopping the other replicas and exiting 1"))
         for replica in replicas:  # drain the replicas while the router finishes what it forwards
             replica.signal(signal.SIGTERM)

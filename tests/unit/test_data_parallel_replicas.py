@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -26,12 +27,18 @@ from kvserve.entrypoints.openai.api_server import bind_listening
 
 # argv: port, mode, directory. Modes: serve (exit 0 on SIGTERM), drains (exits 0 half a second after a first
 # SIGTERM, at once on a second), stubborn (ignores the first SIGTERM, dies of the second), fail (exit 3 at once),
-# killed (SIGKILLs itself at once). Writes <directory>/<port>.pid; <port>.draining on a first SIGTERM that it
-# does not exit on, and (drains) <port>.stopped_at_once on a second.
+# killed (SIGKILLs itself at once), spawns (serve, with a child process that sleeps for 15 s holding its
+# output open, as a replica's engine core does). Writes <directory>/<port>.pid (and <port>.child: the child's
+# pid); <port>.draining on a first SIGTERM that it does not exit on, and (drains) <port>.stopped_at_once on a
+# second.
 FAKE_REPLICA = '''
-import http.server, json, os, signal, sys, threading
+import http.server, json, os, signal, subprocess, sys, threading
 port, mode, directory = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 print(f"fake replica on port {port}", flush=True)
+if mode == "spawns":
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(15)"])
+    with open(os.path.join(directory, f"{port}.child"), "w") as f:
+        f.write(str(child.pid))
 if mode == "fail":
     print("error: the KV cache holds 0 tokens", flush=True)
     sys.exit(3)
@@ -179,6 +186,49 @@ def test_a_replica_that_dies_while_serving_stops_the_others(tmp_path: Path, monk
         assert scenario.run(kill_replica_1) == 1
     assert "exited with code -9 while serving: stopping the other replicas and exiting 1" in caplog.text
     assert all(_gone(pid) for pid in pids)
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, exited but not reaped yet by whoever adopted it, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_killed_replica_is_noticed_at_once_and_what_it_started_is_killed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A SIGKILLed replica's process is gone at once, but not its output pipe: what it started (its engine core)
+    holds that until it leaves by itself, seconds later. The command goes by the process's exit (not by its
+    output's end): it stops at once, and kills what the replica left running (its GPUs are then free for the
+    server's restart)."""
+    scenario = Scenario(tmp_path, monkeypatch, ["serve", "spawns"])
+    children: list[int] = []
+    killed_at: list[float] = []
+
+    def kill_replica_1(s: Scenario) -> None:
+        s.wait_file(f"{s.plans[1].port}.child")
+        children.append(int((s.directory / f"{s.plans[1].port}.child").read_text()))
+        killed_at.append(time.monotonic())
+        os.kill(s.pid(1), signal.SIGKILL)
+
+    try:
+        with caplog.at_level(logging.INFO):
+            assert scenario.run(kill_replica_1) == 1
+        stopped_in = time.monotonic() - killed_at[0]
+        assert "exited with code -9 while serving: stopping the other replicas and exiting 1" in caplog.text
+        assert stopped_in < 5, f"stopped {stopped_in:.1f} s after the kill (its child holds the pipe for 15 s)"
+        for _ in range(50):  # (adopted, it is reaped by init)
+            if not _running(children[0]):
+                break
+            time.sleep(0.02)
+        assert not _running(children[0]), "the replica's child still runs"
+    finally:
+        for child in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
 
 
 def test_sigterm_drains_the_replicas_and_exits_0(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
