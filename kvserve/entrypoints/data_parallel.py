@@ -32,9 +32,13 @@ Each child's environment has KVSERVE_DP_REPLICA=1, so it refuses to start replic
   then exits 0 too when each replica exited 0 or by that SIGTERM (each ends what it still runs as one server
   does: a 503 in the OpenAI format, or a stream's error event and [DONE], which the router passes on; a
   request not streamed may first be tried on another replica, which is stopping too: the router's own 503
-  then says so). A replica that dies mid-answer: see `kvserve.router.app`. The replicas run in sessions of
-  their own, so a terminal's Ctrl-C reaches them once, through this process; on Linux
-  each also gets SIGTERM if this process dies without stopping them.
+  then says so). Unlike `kvserve route`, the router's own requests are not cancelled by that signal (this
+  process handles its signals itself): the replicas' ends reach the clients. What is still in flight at the
+  router --shutdown-timeout + DRAIN_ABORT_GRACE_S after the replicas were stopped (a replica that hangs) the
+  router ends itself, as `kvserve route` ends what it stops (`RouterApp.end_in_flight`), before aiohttp's own
+  wait would run out and cut it. A replica that dies mid-answer: see `kvserve.router.app`. The replicas run in
+  sessions of their own, so a terminal's Ctrl-C reaches them once, through this process; on Linux each also
+  gets SIGTERM if this process dies without stopping them.
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ from aiohttp import web
 from kvserve import envs
 from kvserve.entrypoints.openai.api_server import DRAIN_ABORT_GRACE_S, LISTEN_BACKLOG, bind_listening
 from kvserve.entrypoints.openai.cli_args import api_key_from
-from kvserve.router.app import RouterApp, RouterConfig
+from kvserve.router.app import END_IN_FLIGHT_S, RouterApp, RouterConfig
 from kvserve.router.policies import Router
 
 logger = logging.getLogger("kvserve.data_parallel")
@@ -426,9 +430,10 @@ async def serve_replicas(ns: argparse.Namespace, plans: Sequence[ReplicaPlan], s
         config = router_config(ns)
         app = RouterApp(Router([r.url for r in replicas], "prefix"), config)
         # The replicas abort what still runs at --shutdown-timeout and their responses end within
-        # DRAIN_ABORT_GRACE_S: the router's own wait covers both, so those ends reach the clients.
+        # DRAIN_ABORT_GRACE_S: the router's own wait covers both, so those ends reach the clients; then it ends
+        # what is left itself (`overdue`), before aiohttp's wait runs out and cuts it.
         runner = web.AppRunner(app.make_app(), handle_signals=False, access_log=None, handler_cancellation=True,
-                               shutdown_timeout=shutdown_s + DRAIN_ABORT_GRACE_S)
+                               shutdown_timeout=shutdown_s + DRAIN_ABORT_GRACE_S + END_IN_FLIGHT_S + 1)
         await runner.setup()
         # Logged before the site starts, so that a client served first (one waiting in the backlog) finds it
         # in the log.
@@ -449,7 +454,16 @@ async def serve_replicas(ns: argparse.Namespace, plans: Sequence[ReplicaPlan], s
                                                "while serving: stopping the other replicas and exiting 1"))
         for replica in replicas:  # drain the replicas while the router finishes what it forwards
             replica.signal(signal.SIGTERM)
-        await runner.cleanup()
+
+        def overdue() -> None:
+            logger.warning("%d requests still in flight %.0f s after the replicas were stopped: ending them",
+                           app.end_in_flight(), shutdown_s + DRAIN_ABORT_GRACE_S)
+
+        deadline = loop.call_later(shutdown_s + DRAIN_ABORT_GRACE_S, overdue)
+        try:
+            await runner.cleanup()
+        finally:
+            deadline.cancel()
         runner = None
         await _stop_replicas(replicas, shutdown_s + EXIT_GRACE_S)
         if dead:
