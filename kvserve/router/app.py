@@ -564,7 +564,7 @@ async def serve_router(router: RouterApp, host: str, port: int) -> int:
         signals += 1
         if signals == 1:
             logger.info("signal %d: stopping (no new connections; the %d requests in flight may finish, up to "
-                        "%.0f s)", sig, router.requests_in_flight, SHUTDOWN_TIMEOUT_S)
+                        "%g s)", sig, router.requests_in_flight, SHUTDOWN_TIMEOUT_S)
             stop.set()
         else:
             logger.info("signal %d again: ending the %d requests in flight now", sig, router.end_in_flight())

@@ -20,6 +20,7 @@ import httpx
 import pytest
 from aiohttp import web
 
+from kvserve.router import app as router_app
 from kvserve.router.app import END_IN_FLIGHT_S, RouterApp, RouterConfig, parse_backends
 from kvserve.router.policies import LOAD_FACTOR, PREFIX_KEY_CHARS, Router, prefix_key
 
@@ -855,6 +856,42 @@ def test_route_command_a_second_signal_ends_the_requests_in_flight_in_the_openai
         assert ended_in < 3 and code == 0, (ended_in, code)  # (at once: the 20 s answers did not run on)
         assert backend.disconnected.is_set()  # the backend's requests were closed (it aborts them)
     _run(body)
+
+
+def test_the_requests_still_in_flight_when_the_drain_time_is_over_end_in_the_openai_format(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """`serve_router` (the command's loop, here in this process with its time shortened): a signal drains; what
+    is still in flight when SHUTDOWN_TIMEOUT_S is over ends as at a second signal, and it returns 0."""
+    monkeypatch.setattr(router_app, "SHUTDOWN_TIMEOUT_S", 0.5)
+
+    async def body() -> None:
+        backend = FakeBackend("slow", chunks=400, delay_s=0.05)  # 20 s an answer
+        await backend.start()
+        port = free_port()
+        app = RouterApp(Router([backend.url], "prefix"), RouterConfig(health_check_interval_s=60))
+        serving = asyncio.create_task(router_app.serve_router(app, "127.0.0.1", port))
+        try:
+            async with aiohttp.ClientSession() as session:
+                for _ in range(100):
+                    with contextlib.suppress(aiohttp.ClientError):
+                        if (await session.get(f"http://127.0.0.1:{port}/health")).status == 200:
+                            break
+                    await asyncio.sleep(0.05)
+                async with session.post(f"http://127.0.0.1:{port}/v1/completions",
+                                        json={"prompt": "x", "stream": True}) as response:
+                    data = await response.content.readuntil(b"\n\n")
+                    signal.raise_signal(signal.SIGTERM)
+                    data += await asyncio.wait_for(response.content.read(), 5)
+            assert await asyncio.wait_for(serving, 5) == 0
+        finally:
+            serving.cancel()
+            await backend.stop()
+        events = _events(data)
+        assert json.loads(events[-2])["error"]["message"] == "the router is shutting down" and events[-1] == "[DONE]"
+        assert 2 < len(events) < 100, events
+    text = _run_quietly(body, caplog)
+    assert "signal 15: stopping (no new connections; the 1 requests in flight may finish, up to 0.5 s)" in text
+    assert "shutdown timeout: ending the 1 requests still in flight" in text
 
 
 def test_route_command_a_signal_lets_the_requests_in_flight_finish() -> None:
