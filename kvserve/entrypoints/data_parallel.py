@@ -21,16 +21,24 @@ Each child's environment has KVSERVE_DP_REPLICA=1, so it refuses to start replic
 * A replica that exits while serving stops the whole server: the others are stopped and this process exits
   1, as one server does when its engine dies (an orchestrator restarts it whole). Between a replica's engine
   dying and its process exiting (about a second), the router's health checks and its retry on 503 keep
-  requests away from it.
+  requests away from it. Its exit is seen at once (`_exit_code`: by the process, not by the end of its output,
+  which its engine core holds for up to about 6 s after a SIGKILL), and what it left running (its process
+  group: its engine core) is killed then. Until the router stops accepting, requests still go to the other
+  replicas: a refused connection, or one closed before the answer began, is retried there; a stream under
+  way ends with an error event (see `kvserve.router.app`).
 * SIGTERM / SIGINT: every replica drains (it gets one SIGTERM; new requests 503, in-flight ones finish
   within --shutdown-timeout), the router stops accepting and finishes its requests, and the process exits 0
   once every replica has exited 0. A second signal is passed on, so the replicas exit at once; the process
   then exits 0 too when each replica exited 0 or by that SIGTERM (each ends what it still runs as one server
   does: a 503 in the OpenAI format, or a stream's error event and [DONE], which the router passes on; a
   request not streamed may first be tried on another replica, which is stopping too: the router's own 503
-  then says so). A replica that dies mid-answer: see `kvserve.router.app`. The replicas run in sessions of
-  their own, so a terminal's Ctrl-C reaches them once, through this process; on Linux
-  each also gets SIGTERM if this process dies without stopping them.
+  then says so). Unlike `kvserve route`, the router's own requests are not cancelled by that signal (this
+  process handles its signals itself): the replicas' ends reach the clients. What is still in flight at the
+  router --shutdown-timeout + DRAIN_ABORT_GRACE_S after the replicas were stopped (a replica that hangs) the
+  router ends itself, as `kvserve route` ends what it stops (`RouterApp.end_in_flight`), before aiohttp's own
+  wait would run out and cut it. A replica that dies mid-answer: see `kvserve.router.app`. The replicas run in
+  sessions of their own, so a terminal's Ctrl-C reaches them once, through this process; on Linux each also
+  gets SIGTERM if this process dies without stopping them.
 """
 
 from __future__ import annotations
@@ -54,7 +62,7 @@ from aiohttp import web
 from kvserve import envs
 from kvserve.entrypoints.openai.api_server import DRAIN_ABORT_GRACE_S, LISTEN_BACKLOG, bind_listening
 from kvserve.entrypoints.openai.cli_args import api_key_from
-from kvserve.router.app import RouterApp, RouterConfig
+from kvserve.router.app import END_IN_FLIGHT_S, RouterApp, RouterConfig
 from kvserve.router.policies import Router
 
 logger = logging.getLogger("kvserve.data_parallel")
@@ -70,6 +78,10 @@ OUTPUT_CHUNK_BYTES = 64 * 1024
 MAX_LINE_BYTES = 1024 * 1024
 # After --shutdown-timeout, how long replicas get to exit before they are killed.
 EXIT_GRACE_S = 15.0
+# How often each replica's process is checked for its exit (`_exit_code`).
+EXIT_POLL_S = 0.1
+# After a replica exited by itself, how long the rest of its output may take (`Replica.reap`).
+OUTPUT_AFTER_EXIT_S = 1.0
 
 
 # ----------------------------------------------------------------------------------------- pure parts
@@ -164,7 +176,7 @@ class Replica:
     process: asyncio.subprocess.Process
     tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
     output_done: asyncio.Task[None] | None = None
-    exit_wait: asyncio.Task[int] | None = None
+    exit_wait: asyncio.Task[int] | None = None  # its exit code, once its process has exited (`_exit_code`)
     sigterms_sent: int = 0  # the first drains it, a second stops it at once
 
     @property
@@ -179,6 +191,19 @@ class Replica:
                 self.sigterms_sent += 1
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.process.pid, sig)
+
+    async def reap(self) -> int:
+        """After the replica's process exited by itself (it died, or failed): kill what it started that still runs,
+        its process group (its engine core and that one's workers, which leave by themselves only seconds after
+        losing it, meanwhile holding its GPUs and its output pipe), relay the rest of its output (up to
+        OUTPUT_AFTER_EXIT_S), and return its exit code."""
+        code = self.process.returncode
+        assert code is not None, "the replica is still running"
+        if self.output_done is not None and not self.output_done.done():  # something still holds its output
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, signal.SIGKILL)  # (its own session: the group is its pid)
+            await asyncio.wait([self.output_done], timeout=OUTPUT_AFTER_EXIT_S)
+        return code
 
     def failure(self, code: int, what: str) -> str:
         """'<replica> exited with code <code> <what>', then its last lines of output."""
@@ -273,9 +298,19 @@ async def _start(plan: ReplicaPlan, serve_args: Sequence[str], num_replicas: int
     assert process.stdout is not None
     replica.output_done = asyncio.create_task(
         relay_output(process.stdout, f"(replica {plan.index}) ", replica.tail, sys.stderr))
-    replica.exit_wait = asyncio.create_task(process.wait())
+    replica.exit_wait = asyncio.create_task(_exit_code(process))
     logger.info("started %s (pid %d)", plan.describe(), process.pid)
     return replica
+
+
+async def _exit_code(process: asyncio.subprocess.Process) -> int:
+    """`process`'s exit code, as soon as it has exited. Not process.wait(), which (Python 3.11) returns only once
+    its output pipe is closed too: a replica's engine core holds that pipe until it leaves by itself, up to about
+    6 s after a SIGKILLed replica (a second to see that it is gone, then up to 5 s for its last messages), and
+    the replica's death would only be noticed then."""
+    while process.returncode is None:
+        await asyncio.sleep(EXIT_POLL_S)
+    return process.returncode
 
 
 async def relay_output(stream: asyncio.StreamReader, prefix: str, tail: collections.deque[str],
@@ -387,7 +422,7 @@ async def serve_replicas(ns: argparse.Namespace, plans: Sequence[ReplicaPlan], s
             replicas.append(await _start(plan, serve_args, len(plans)))
         failed = await _wait_ready(replicas, stop)
         if failed is not None:
-            code = await failed.process.wait()
+            code = await failed.reap()
             logger.error("%s", failed.failure(code, "during start-up"))
             return exit_status(code)
         if stop.is_set():
@@ -395,9 +430,10 @@ async def serve_replicas(ns: argparse.Namespace, plans: Sequence[ReplicaPlan], s
         config = router_config(ns)
         app = RouterApp(Router([r.url for r in replicas], "prefix"), config)
         # The replicas abort what still runs at --shutdown-timeout and their responses end within
-        # DRAIN_ABORT_GRACE_S: the router's own wait covers both, so those ends reach the clients.
+        # DRAIN_ABORT_GRACE_S: the router's own wait covers both, so those ends reach the clients; then it ends
+        # what is left itself (`overdue`), before aiohttp's wait runs out and cuts it.
         runner = web.AppRunner(app.make_app(), handle_signals=False, access_log=None, handler_cancellation=True,
-                               shutdown_timeout=shutdown_s + DRAIN_ABORT_GRACE_S)
+                               shutdown_timeout=shutdown_s + DRAIN_ABORT_GRACE_S + END_IN_FLIGHT_S + 1)
         await runner.setup()
         # Logged before the site starts, so that a client served first (one waiting in the backlog) finds it
         # in the log.
@@ -414,11 +450,20 @@ async def serve_replicas(ns: argparse.Namespace, plans: Sequence[ReplicaPlan], s
         dead = [exits[task] for task in done if task in exits]
         if dead:
             replica = dead[0]
-            logger.error("%s", replica.failure(await replica.process.wait(),
+            logger.error("%s", replica.failure(await replica.reap(),
                                                "while serving: stopping the other replicas and exiting 1"))
         for replica in replicas:  # drain the replicas while the router finishes what it forwards
             replica.signal(signal.SIGTERM)
-        await runner.cleanup()
+
+        def overdue() -> None:
+            logger.warning("%d requests still in flight %.0f s after the replicas were stopped: ending them",
+                           app.end_in_flight(), shutdown_s + DRAIN_ABORT_GRACE_S)
+
+        deadline = loop.call_later(shutdown_s + DRAIN_ABORT_GRACE_S, overdue)
+        try:
+            await runner.cleanup()
+        finally:
+            deadline.cancel()
         runner = None
         await _stop_replicas(replicas, shutdown_s + EXIT_GRACE_S)
         if dead:

@@ -33,7 +33,10 @@ header is forwarded, so backends started with --api-key check it themselves.
   series (requests by backend and status, retries, in-flight and health per backend); with
   `engine_metrics` (the replicas of `kvserve serve --data-parallel-size`) also each backend's own /metrics,
   labelled `engine="<i>"` by its position (a backend that does not answer within 2 s is left out).
-* SIGTERM / SIGINT: stop accepting, let requests in flight finish (up to 60 s), exit 0.
+* SIGTERM / SIGINT: stop accepting, let requests in flight finish (up to 60 s), exit 0. Those still in flight
+  then, or at a second signal, end as the server ends those it stops (`RouterApp.end_in_flight`): a 503 in the
+  OpenAI format when the answer has not started, a stream's error event and `data: [DONE]` (nothing after a
+  [DONE] already sent), each within a second (else its connection is dropped); the router then exits 0.
 """
 
 from __future__ import annotations
@@ -42,11 +45,13 @@ import asyncio
 import contextlib
 import json
 import logging
+import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
@@ -68,6 +73,10 @@ CONNECT_TIMEOUT_S = 5.0
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
 MAX_BODY_BYTES = 32 * 1024 * 1024  # as the kvserve server's own limit
 SHUTDOWN_TIMEOUT_S = 60.0
+# How long a request the router ends (`RouterApp.end_in_flight`) may take to send its end before its connection
+# is closed: a client that stops reading would hold it forever. As the server's own bound.
+END_IN_FLIGHT_S = 1.0
+SHUTTING_DOWN = "the router is shutting down"
 PROXIED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/version")
 PROXIED_PATHS = ("/ping",)
 _SSE_DONE_BYTES = SSE_DONE.encode()
@@ -126,11 +135,13 @@ class RouterApp:
             healthy.labels(backend.url).set_function(lambda b=backend: 1.0 if b.healthy else 0.0)
         self.session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task[None] | None = None
+        self._handlers: set[asyncio.Task[object]] = set()  # the tasks of the requests in flight
+        self._ending = False  # `end_in_flight` was called: every request still in flight ends now
 
     # ------------------------------------------------------------------ app
 
     def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_body_bytes)
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._track])
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/router/backends", self.backends)
@@ -157,6 +168,43 @@ class RouterApp:
             self._health_task.cancel()
         if self.session is not None:
             await self.session.close()
+
+    # ------------------------------------------------------------------ ending what is in flight
+
+    @property
+    def requests_in_flight(self) -> int:
+        return len(self._handlers)
+
+    def end_in_flight(self) -> int:
+        """End every request in flight now, as the server ends those it stops (a second signal, or the drain's
+        time over): a 503 in the OpenAI format when its answer has not started, a stream's error event and
+        `data: [DONE]` (only the end if its [DONE] is out; after the rest of an event under way), each within
+        END_IN_FLIGHT_S; an answer that cannot end so (started but no event stream, or not within that time) is
+        cut. Closing their backend connections aborts them there. Requests that arrive later get the 503 at once.
+        Returns how many were in flight."""
+        self._ending = True
+        for task in self._handlers:
+            task.cancel()
+        return len(self._handlers)
+
+    @web.middleware
+    async def _track(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Every request's task is known (`end_in_flight` cancels them); a cancelled one whose answer had not
+        started gets the 503 (one whose answer had, `_forward` ends itself)."""
+        if self._ending:
+            return self._own(_error(503, SHUTTING_DOWN))
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        try:
+            return await handler(request)
+        except asyncio.CancelledError:
+            if not self._ending:  # the client left (aiohttp cancels its handler)
+                raise
+            task.uncancel()
+            return self._own(_error(503, SHUTTING_DOWN))
+        finally:
+            self._handlers.discard(task)
 
     # ------------------------------------------------------------------ health
 
@@ -296,6 +344,47 @@ class RouterApp:
                                     f"unknown, failed: {'; '.join(errors)}"))
         return self._own(_error(503, "every backend failed: " + "; ".join(errors)))
 
+    async def _end_started(self, request: web.Request, response: web.StreamResponse,
+                           upstream: aiohttp.ClientResponse | None, event_stream: bool, tail: bytes) -> None:
+        """End an answer under way that `end_in_flight` stops, within END_IN_FLIGHT_S: an event stream with an
+        error event and [DONE] (only the end if its [DONE] is out) once the event under way, if any, has come
+        whole from `upstream`; otherwise (no event stream, or past that time) cut it, dropping the client's
+        connection, so that it never looks complete."""
+        from kvserve.entrypoints.openai.errors import error_body
+
+        async def end() -> None:
+            transport = request.transport
+            # Cancelled while it waited for the client to take the answer, a write leaves aiohttp's wait for that
+            # cancelled (a next write would end at once) until the client has taken the buffer down to its
+            # low-water mark: wait for that first.
+            while transport is not None and transport.get_write_buffer_size() > transport.get_write_buffer_limits()[0]:
+                await asyncio.sleep(0.01)
+            written = tail
+            while not _between_events(written):  # the rest of the event under way, up to its end
+                chunk = await upstream.content.readany() if upstream is not None else b""
+                if not chunk:
+                    raise ConnectionResetError("the event under way did not end")
+                cut = _event_end(written[-1:] + chunk)
+                part = chunk if cut < 0 else chunk[:cut - 1]
+                await response.write(part)
+                written = (written + part)[-len(_SSE_DONE_BYTES):]
+            if not written.endswith(_SSE_DONE_BYTES):
+                await response.write((sse(error_body(503, SHUTTING_DOWN)) + SSE_DONE).encode())
+            await response.write_eof()
+
+        why = "not an event stream"
+        if event_stream:
+            try:
+                await asyncio.wait_for(end(), END_IN_FLIGHT_S)
+                return
+            except asyncio.TimeoutError:
+                why = f"its end could not be sent within {END_IN_FLIGHT_S:g} s"
+            except (ConnectionResetError, aiohttp.ClientError) as exc:
+                why = f"{type(exc).__name__}: {exc}"
+        logger.warning("%s %s: cutting the client's answer (%s)", request.method, request.path, why)
+        if request.transport is not None:
+            request.transport.abort()  # at once: what it has not taken yet is dropped
+
     def _served_models(self) -> str:
         """The models the backends' known lists name, for an error's message."""
         return ", ".join(sorted({m for b in self.router.backends for m in (b.models or ())})) or "none known"
@@ -315,6 +404,11 @@ class RouterApp:
         backend.in_flight += 1
         backend.served += 1
         outcome = "client_closed"  # unless the answer completes (or fails) first
+        upstream: aiohttp.ClientResponse | None = None
+        response: web.StreamResponse | None = None
+        event_stream = False
+        tail = b""  # the end of what was written so far (where the last event ends, if it does)
+        finishing = False  # the answer's end is being written
         try:
             try:
                 upstream = await self.session.request(request.method, backend.url + request.path_qs, data=body,
@@ -329,68 +423,92 @@ class RouterApp:
             except aiohttp.ClientConnectionError as exc:
                 outcome = self._refused(backend, f"{type(exc).__name__}: {exc}", errors)
                 return None
-            try:
-                if upstream.status == 503 and not last:
-                    text = (await upstream.read())[:300].decode(errors="replace")
-                    outcome = self._refused(backend, f"503 {text}", errors)
-                    return None
-                response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-                for name, value in upstream.headers.items():
-                    if name.lower() not in _DROP_RESPONSE:
-                        response.headers.add(name, value)
-                await response.prepare(request)
-                event_stream = upstream.content_type == "text/event-stream"
-                last = b""  # the end of what was written so far (where the last event ends, if it does)
-                while True:
-                    try:
-                        chunk = await upstream.content.readany()
-                    except (aiohttp.ClientPayloadError, asyncio.TimeoutError, aiohttp.ClientConnectionError) as exc:
-                        # The backend failed or went silent mid-answer (or was stopped at once).
-                        outcome = "stream_error"
-                        if event_stream and (not last or last.endswith((b"\n\n", b"\r\r"))):
-                            # Between two events: end the stream as the server ends one it cannot finish, with
-                            # an error event in the OpenAI format and [DONE] (only the end, if [DONE] is out).
-                            logger.warning("%s %s: the answer from %s broke off (%s): ending the client's stream "
-                                           "with an error event", request.method, request.path, backend.url,
-                                           type(exc).__name__)
-                            with contextlib.suppress(ConnectionResetError):
-                                if not last.endswith(_SSE_DONE_BYTES):
-                                    await response.write(_error_event(backend, exc, self.config.request_timeout_s))
-                                await response.write_eof()
-                            return response
-                        # Not an event stream, or cut inside an event: cut the client's stream too, by closing its
-                        # connection, so that it sees an incomplete answer. aiohttp's write_eof then fails with a
-                        # ConnectionError, which it takes quietly.
-                        logger.warning("%s %s: the answer from %s broke off (%s): cutting the client's stream",
-                                       request.method, request.path, backend.url, type(exc).__name__)
-                        if request.transport is not None:
-                            request.transport.close()
-                        return response
-                    if not chunk:
-                        break
-                    if event_stream:
-                        last = (last + chunk)[-len(_SSE_DONE_BYTES):]
-                    try:
-                        await response.write(chunk)
-                    except ConnectionResetError:
-                        # The client left after this chunk arrived but before the disconnect cancelled this
-                        # handler (a close or reset seen in the same loop pass): "client_closed", quietly (not a
-                        # 500 and a traceback in the log); closing `upstream` below aborts the backend's request.
-                        return response
+            if upstream.status == 503 and not last:
+                text = (await upstream.read())[:300].decode(errors="replace")
+                outcome = self._refused(backend, f"503 {text}", errors)
+                return None
+            response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+            for name, value in upstream.headers.items():
+                if name.lower() not in _DROP_RESPONSE:
+                    response.headers.add(name, value)
+            event_stream = upstream.content_type == "text/event-stream"
+            await response.prepare(request)
+            while True:
                 try:
-                    await response.write_eof()
-                except ConnectionResetError:  # (the same, at the end of the answer)
+                    chunk = await upstream.content.readany()
+                except (aiohttp.ClientPayloadError, asyncio.TimeoutError, aiohttp.ClientConnectionError) as exc:
+                    # The backend failed or went silent mid-answer (or was stopped at once).
+                    outcome = "stream_error"
+                    if event_stream and _between_events(tail):
+                        # Between two events: end the stream as the server ends one it cannot finish, with an
+                        # error event in the OpenAI format and [DONE] (only the end, if [DONE] is out).
+                        logger.warning("%s %s: the answer from %s broke off (%s): ending the client's stream with "
+                                       "an error event", request.method, request.path, backend.url,
+                                       type(exc).__name__)
+                        finishing = True
+                        with contextlib.suppress(ConnectionResetError):
+                            if not tail.endswith(_SSE_DONE_BYTES):
+                                await response.write(_error_event(backend, exc, self.config.request_timeout_s))
+                            await response.write_eof()
+                        return response
+                    # Not an event stream, or cut inside an event: cut the client's stream too, by closing its
+                    # connection, so that it sees an incomplete answer. aiohttp's write_eof then fails with a
+                    # ConnectionError, which it takes quietly.
+                    logger.warning("%s %s: the answer from %s broke off (%s): cutting the client's stream",
+                                   request.method, request.path, backend.url, type(exc).__name__)
+                    if request.transport is not None:
+                        request.transport.close()
                     return response
-                outcome = str(upstream.status)
+                if not chunk:
+                    break
+                if event_stream:
+                    tail = (tail + chunk)[-len(_SSE_DONE_BYTES):]
+                try:
+                    await response.write(chunk)
+                except ConnectionResetError:
+                    # The client left after this chunk arrived but before the disconnect cancelled this handler
+                    # (a close or reset seen in the same loop pass): "client_closed", quietly (not a 500 and a
+                    # traceback in the log); closing `upstream` below aborts the backend's request.
+                    return response
+            finishing = True
+            try:
+                await response.write_eof()
+            except ConnectionResetError:  # (the same, at the end of the answer)
                 return response
-            finally:
-                # Closing (not releasing) the connection: if the client left mid-answer, the backend sees the
-                # disconnect and aborts the request.
-                upstream.close()
+            outcome = str(upstream.status)
+            return response
+        except asyncio.CancelledError:
+            if not self._ending:  # the client left (aiohttp cancels its handler)
+                raise
+            task = asyncio.current_task()
+            assert task is not None
+            task.uncancel()
+            if response is None or not response.prepared:
+                outcome = "503"
+                return _error(503, SHUTTING_DOWN)
+            if not finishing:
+                outcome = "stream_error"
+                await self._end_started(request, response, upstream, event_stream, tail)
+            return response
         finally:
+            if upstream is not None:
+                # Closing (not releasing) the connection: if the client left mid-answer (or the router ends the
+                # request), the backend sees the disconnect and aborts the request.
+                upstream.close()
             backend.in_flight -= 1
             if outcome != "retried":
                 self.requests.labels(backend.url, outcome).inc()
+
+
+def _between_events(tail: bytes) -> bool:
+    """Whether an event stream whose written part ends with `tail` (the last bytes) can take another event."""
+    return not tail or tail.endswith((b"\n\n", b"\r\r"))
+
+
+def _event_end(data: bytes) -> int:
+    """Where the first event in `data` ends (just past its blank line), or -1."""
+    ends = [i + 2 for i in (data.find(b"\n\n"), data.find(b"\r\r")) if i >= 0]
+    return min(ends, default=-1)
 
 
 def _error_event(backend: Backend, exc: BaseException, timeout_s: float | None) -> bytes:
@@ -429,8 +547,50 @@ def run_router(backends: Sequence[str], policy: str, host: str, port: int, confi
     logging.getLogger("kvserve").setLevel(logging.INFO)
     logger.info("routing http://%s:%d to %d backends (%s): %s", host, port, len(backends), policy,
                 ", ".join(b.url for b in router.router.backends))
-    web.run_app(router.make_app(), host=host, port=port, shutdown_timeout=SHUTDOWN_TIMEOUT_S,
-                handler_cancellation=True, print=None, access_log=None)
+    return asyncio.run(serve_router(router, host, port))
+
+
+async def serve_router(router: RouterApp, host: str, port: int) -> int:
+    """Serve `router` on host:port until a signal; returns the exit code. The first SIGTERM / SIGINT stops
+    accepting and lets the requests in flight finish, up to SHUTDOWN_TIMEOUT_S; those still in flight then, or
+    at a second signal, end now (`RouterApp.end_in_flight`), as the server's do. (Not aiohttp's run_app: its
+    second signal cancels the handlers, cutting every client's connection, and exits 1 with tracebacks.)"""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals = 0
+
+    def on_signal(sig: int) -> None:
+        nonlocal signals
+        signals += 1
+        if signals == 1:
+            logger.info("signal %d: stopping (no new connections; the %d requests in flight may finish, up to "
+                        "%g s)", sig, router.requests_in_flight, SHUTDOWN_TIMEOUT_S)
+            stop.set()
+        else:
+            logger.info("signal %d again: ending the %d requests in flight now", sig, router.end_in_flight())
+
+    def time_over() -> None:
+        logger.warning("shutdown timeout: ending the %d requests still in flight", router.end_in_flight())
+
+    # aiohttp's own wait for the handlers outlasts the drain and their end: `end_in_flight` ends them first.
+    runner = web.AppRunner(router.make_app(), handle_signals=False, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=SHUTDOWN_TIMEOUT_S + END_IN_FLIGHT_S + 1)
+    await runner.setup()
+    deadline: asyncio.TimerHandle | None = None
+    try:
+        await web.TCPSite(runner, host, port).start()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal, sig)
+        await stop.wait()
+        deadline = loop.call_later(SHUTDOWN_TIMEOUT_S, time_over)
+    finally:
+        try:
+            await runner.cleanup()  # stops accepting, then waits for the requests in flight
+        finally:
+            if deadline is not None:
+                deadline.cancel()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
     return 0
 
 

@@ -20,7 +20,8 @@ import httpx
 import pytest
 from aiohttp import web
 
-from kvserve.router.app import RouterApp, RouterConfig, parse_backends
+from kvserve.router import app as router_app
+from kvserve.router.app import END_IN_FLIGHT_S, RouterApp, RouterConfig, parse_backends
 from kvserve.router.policies import LOAD_FACTOR, PREFIX_KEY_CHARS, Router, prefix_key
 
 from .conftest import REPO_ROOT, ServerProcess, free_port, wait_for
@@ -109,8 +110,9 @@ def test_bad_router_settings_are_refused() -> None:
 
 
 class FakeBackend:
-    """An OpenAI-ish server: /health, and /v1/completions streaming `chunks` SSE events (or answering
-    `status`); records each request's headers and whether its client went away mid-stream."""
+    """An OpenAI-ish server: /health, and /v1/completions streaming `chunks` SSE events, one every `delay_s`
+    (or answering `status`; a request with `"stream": false` gets one JSON body after as long); records each
+    request's headers and whether its client went away mid-answer."""
 
     def __init__(self, name: str, chunks: int = 5, delay_s: float = 0.01, models: list[str] | None = None) -> None:
         self.name, self.chunks, self.delay_s = name, chunks, delay_s
@@ -123,6 +125,10 @@ class FakeBackend:
         self.break_after: int | None = None  # chunks sent before the connection is dropped mid-answer
         self.break_inside = b""  # sent (the start of an event) just before that drop
         self.die_before_answer = False  # the connection is dropped once the request has come (no answer)
+        self.hang_after: int | None = None  # chunks sent (`chunks`: and [DONE]) before the answer hangs
+        self.hang_inside = 0  # bytes of the next event sent before that hang (its rest after)
+        self.hang_s = 60.0
+        self.padding = 0  # characters of padding in each event
         # Each completion waits (up to 5 s) until this many are in flight at once; the most seen is recorded.
         self.hold_until = 0
         self.in_flight = self.peak_in_flight = 0
@@ -192,6 +198,13 @@ class FakeBackend:
             return web.Response()
         if self.status != 200:
             return web.json_response({"error": {"message": "draining", "code": self.status}}, status=self.status)
+        if body.get("stream") is False:  # as a server answers one: the whole answer at its end
+            try:
+                await asyncio.sleep(self.chunks * self.delay_s)
+            except asyncio.CancelledError:
+                self.disconnected.set()
+                raise
+            return web.json_response({"backend": self.name, "chunks": self.chunks}, headers={"X-Backend": self.name})
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Backend": self.name})
         await response.prepare(request)
         try:
@@ -201,9 +214,18 @@ class FakeBackend:
                         await response.write(self.break_inside)
                     request.transport.close()  # the backend dies mid-answer
                     return response
-                await response.write(f"data: {json.dumps({'backend': self.name, 'i': i})}\n\n".encode())
+                data = {"backend": self.name, "i": i, **({"pad": "x" * self.padding} if self.padding else {})}
+                event = f"data: {json.dumps(data)}\n\n".encode()
+                if i == self.hang_after:
+                    if self.hang_inside:
+                        await response.write(event[:self.hang_inside])
+                    await asyncio.sleep(self.hang_s)
+                    event = event[self.hang_inside:]
+                await response.write(event)
                 await asyncio.sleep(self.delay_s)
             await response.write(b"data: [DONE]\n\n")
+            if self.hang_after == self.chunks:
+                await asyncio.sleep(self.hang_s)
             if self.break_after == self.chunks and request.transport is not None:
                 request.transport.close()  # dies after its [DONE], before the answer's end
         except (asyncio.CancelledError, ConnectionResetError):
@@ -546,6 +568,88 @@ def test_a_backend_that_dies_before_answering_is_retried_or_a_503() -> None:
     _run(body)
 
 
+def test_ending_the_requests_in_flight_leaves_a_stream_whose_done_is_out_as_it_was() -> None:
+    """`end_in_flight` (the router's second signal) on a stream whose [DONE] is out: only its end, no error
+    event after the [DONE]; a request that comes later gets the 503 at once."""
+    async def body() -> None:
+        backend = FakeBackend("a", chunks=2, delay_s=0.0)
+        backend.hang_after = 2  # after its [DONE]
+        async with routed([backend]) as (app, base), aiohttp.ClientSession() as session:
+            async with session.post(base + "/v1/completions", json={"prompt": "x", "stream": True}) as response:
+                data = await response.content.readuntil(b"data: [DONE]\n\n")
+                assert app.end_in_flight() == 1
+                data += await asyncio.wait_for(response.content.read(), 5)
+            late = await session.post(base + "/v1/completions", json={"prompt": "x", "stream": True})
+            error = (await late.json())["error"]
+            await asyncio.wait_for(backend.disconnected.wait(), 5)  # its request was closed: it aborts it
+        assert _events(data) == ['{"backend": "a", "i": 0}', '{"backend": "a", "i": 1}', "[DONE]"]
+        assert late.status == 503 and error["message"] == "the router is shutting down", error
+    _run(body)
+
+
+def test_ending_the_requests_in_flight_finishes_the_event_under_way_first() -> None:
+    """A stream ended while an event is under way (the router passes on what it gets, which may be part of an
+    event) gets the rest of that event from the backend first (within END_IN_FLIGHT_S), then the error event
+    and [DONE]."""
+    async def body() -> None:
+        backend = FakeBackend("a", chunks=5, delay_s=0.0)
+        backend.hang_after, backend.hang_inside, backend.hang_s = 2, 10, 0.5  # 10 bytes of event 2, then its rest
+        async with routed([backend]) as (app, base), aiohttp.ClientSession() as session:
+            async with session.post(base + "/v1/completions", json={"prompt": "x", "stream": True}) as response:
+                data = await response.content.readuntil(b'"i": 1}\n\n')
+                data += await response.content.readexactly(10)
+                app.end_in_flight()
+                data += await asyncio.wait_for(response.content.read(), 5)
+        events = _events(data)
+        assert [json.loads(e) for e in events[:3]] == [{"backend": "a", "i": i} for i in range(3)], data
+        assert json.loads(events[3])["error"]["code"] == 503 and events[4:] == ["[DONE]"], data
+    _run(body)
+
+
+def test_ending_the_requests_in_flight_cuts_a_stream_whose_event_does_not_end(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Its backend silent inside an event, a stream cannot take another within END_IN_FLIGHT_S: it is cut (never
+    looks complete)."""
+    async def body() -> None:
+        backend = FakeBackend("a", chunks=3, delay_s=0.0)
+        backend.hang_after, backend.hang_inside = 1, 20  # silent after 20 bytes of event 1
+        async with routed([backend]) as (app, base), aiohttp.ClientSession() as session:
+            async with session.post(base + "/v1/completions", json={"prompt": "x", "stream": True}) as response:
+                await response.content.readuntil(b'"i": 0}\n\n')
+                await response.content.readexactly(20)
+                app.end_in_flight()
+                with pytest.raises(aiohttp.ClientPayloadError):  # not an answer that looks complete
+                    await asyncio.wait_for(response.content.read(), 5)
+    assert "cutting the client's answer (its end could not be sent within 1 s)" in _run_quietly(body, caplog)
+
+
+def test_ending_the_requests_in_flight_is_bounded_for_a_client_that_does_not_read(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A client that stops reading cannot take the stream's end: its connection is closed after END_IN_FLIGHT_S
+    (else the router's exit would wait on it)."""
+    async def body() -> None:
+        backend = FakeBackend("big", chunks=200, delay_s=0.0)
+        backend.padding = 1024 * 1024  # 200 MiB in all: the buffers between the router and the client fill
+        async with routed([backend]) as (app, base), aiohttp.ClientSession() as session:
+            async with session.post(base + "/v1/completions", json={"prompt": "x", "stream": True}) as response:
+                await response.content.readuntil(b'"i"')  # then reads no more
+                for _ in range(100):  # until the router's writes wait for the client
+                    await asyncio.sleep(0.05)
+                    if response.content.total_bytes > 0 and app.router.backends[0].in_flight == 1:
+                        written = response.content.total_bytes
+                        await asyncio.sleep(0.2)
+                        if response.content.total_bytes == written:
+                            break
+                started = time.monotonic()
+                assert app.end_in_flight() == 1
+                while app.requests_in_flight:
+                    assert time.monotonic() - started < END_IN_FLIGHT_S + 2, "the request did not end"
+                    await asyncio.sleep(0.05)
+                with pytest.raises(aiohttp.ClientPayloadError):  # cut: what it gets never looks complete
+                    await asyncio.wait_for(response.content.read(), 10)
+    assert "cutting the client's answer (its end could not be sent within 1 s)" in _run_quietly(body, caplog)
+
+
 async def _backend_request_ended(app: Any, backend: FakeBackend) -> None:
     """The router closed its request to `backend` (the only one) and counts nothing in flight there."""
     await asyncio.wait_for(backend.disconnected.wait(), 5)
@@ -675,3 +779,143 @@ def test_route_command_in_front_of_a_real_server(tiny_server: ServerProcess) -> 
             proc.kill()
         output = proc.stdout.read().decode() if proc.stdout else ""
     assert "routing http://127.0.0.1:" in output and "to 1 backends (prefix)" in output
+
+
+@asynccontextmanager
+async def _route_process(backend: FakeBackend) -> AsyncIterator[tuple[subprocess.Popen[bytes], str]]:
+    """A `kvserve route` process in front of `backend` (started here), answering; killed at the end if it still
+    runs (its output: proc.stdout)."""
+    await backend.start()
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvserve", "route", "--backend", backend.url, "--port", str(port),
+                             "--health-check-interval", "60"], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            for _ in range(300):
+                assert proc.poll() is None, "the router exited during start-up"
+                with contextlib.suppress(aiohttp.ClientError):
+                    if (await session.get(base + "/health")).status == 200:
+                        break
+                await asyncio.sleep(0.05)
+        yield proc, base
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        await asyncio.to_thread(proc.wait, 10)
+        await backend.stop()
+
+
+async def _refused(base: str) -> None:
+    """Until a new connection to `base` is refused (the router stopped accepting: its drain began)."""
+    host, port = base.removeprefix("http://").split(":")
+    for _ in range(100):
+        try:
+            _, writer = await asyncio.open_connection(host, int(port))
+        except ConnectionRefusedError:
+            return
+        writer.close()
+        await asyncio.sleep(0.05)
+    raise AssertionError("the router kept accepting connections")
+
+
+def test_route_command_a_second_signal_ends_the_requests_in_flight_in_the_openai_format() -> None:
+    """`kvserve route` given a second SIGTERM while the first one's drain waits on requests in flight: they end
+    as the server ends its own (a JSON 503 in the OpenAI format; a stream's error event, then [DONE]) within
+    about a second, and the router exits 0."""
+    async def body() -> None:
+        backend = FakeBackend("slow", chunks=400, delay_s=0.05)  # 20 s an answer
+        async with _route_process(backend) as (proc, base), aiohttp.ClientSession() as session:
+            stream = await session.post(base + "/v1/completions", json={"prompt": "x", "stream": True})
+            first = await stream.content.readuntil(b"\n\n")
+            unstreamed = asyncio.create_task(session.post(base + "/v1/completions",
+                                                          json={"prompt": "y", "stream": False}))
+            for _ in range(100):
+                if len(backend.seen) == 2:
+                    break
+                await asyncio.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            await _refused(base)
+            started = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            rest = await asyncio.wait_for(stream.content.read(), 5)
+            response = await asyncio.wait_for(unstreamed, 5)
+            error = (await response.json())["error"]
+            ended_in = time.monotonic() - started
+            code = await asyncio.to_thread(proc.wait, 15)
+        assert json.loads(first.decode().removeprefix("data: ")) == {"backend": "slow", "i": 0}
+        events = _events(first + rest)
+        assert events[-1] == "[DONE]" and json.loads(events[-3]).get("backend") == "slow", events
+        streamed = json.loads(events[-2])["error"]
+        for got in (streamed, error):
+            assert set(got) == {"message", "type", "param", "code"}, got
+            assert got["code"] == 503 and got["type"] == "ServiceUnavailableError", got
+            assert "shutting down" in got["message"], got
+        assert response.status == 503 and response.content_type == "application/json"
+        assert ended_in < 3 and code == 0, (ended_in, code)  # (at once: the 20 s answers did not run on)
+        assert backend.disconnected.is_set()  # the backend's requests were closed (it aborts them)
+    _run(body)
+
+
+def test_the_requests_still_in_flight_when_the_drain_time_is_over_end_in_the_openai_format(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """`serve_router` (the command's loop, here in this process with its time shortened): a signal drains; what
+    is still in flight when SHUTDOWN_TIMEOUT_S is over ends as at a second signal, and it returns 0."""
+    monkeypatch.setattr(router_app, "SHUTDOWN_TIMEOUT_S", 0.5)
+
+    async def body() -> None:
+        backend = FakeBackend("slow", chunks=400, delay_s=0.05)  # 20 s an answer
+        await backend.start()
+        port = free_port()
+        app = RouterApp(Router([backend.url], "prefix"), RouterConfig(health_check_interval_s=60))
+        serving = asyncio.create_task(router_app.serve_router(app, "127.0.0.1", port))
+        try:
+            async with aiohttp.ClientSession() as session:
+                for _ in range(100):
+                    with contextlib.suppress(aiohttp.ClientError):
+                        if (await session.get(f"http://127.0.0.1:{port}/health")).status == 200:
+                            break
+                    await asyncio.sleep(0.05)
+                async with session.post(f"http://127.0.0.1:{port}/v1/completions",
+                                        json={"prompt": "x", "stream": True}) as response:
+                    data = await response.content.readuntil(b"\n\n")
+                    signal.raise_signal(signal.SIGTERM)
+                    data += await asyncio.wait_for(response.content.read(), 5)
+            assert await asyncio.wait_for(serving, 5) == 0
+        finally:
+            serving.cancel()
+            await backend.stop()
+        events = _events(data)
+        assert json.loads(events[-2])["error"]["message"] == "the router is shutting down" and events[-1] == "[DONE]"
+        assert 2 < len(events) < 100, events
+    text = _run_quietly(body, caplog)
+    assert "signal 15: stopping (no new connections; the 1 requests in flight may finish, up to 0.5 s)" in text
+    assert "shutdown timeout: ending the 1 requests still in flight" in text
+
+
+def test_route_command_a_signal_lets_the_requests_in_flight_finish() -> None:
+    """SIGTERM: the router stops accepting, the requests in flight finish (a stream to its [DONE]), then it
+    exits 0."""
+    async def body() -> None:
+        backend = FakeBackend("slow", chunks=10, delay_s=0.1)  # a second an answer
+        async with _route_process(backend) as (proc, base), aiohttp.ClientSession() as session:
+            stream = await session.post(base + "/v1/completions", json={"prompt": "x", "stream": True})
+            first = await stream.content.readuntil(b"\n\n")
+            unstreamed = asyncio.create_task(session.post(base + "/v1/completions",
+                                                          json={"prompt": "y", "stream": False}))
+            for _ in range(100):
+                if len(backend.seen) == 2:
+                    break
+                await asyncio.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            await _refused(base)
+            rest = await asyncio.wait_for(stream.content.read(), 10)
+            response = await asyncio.wait_for(unstreamed, 10)
+            answer = await response.json()
+            code = await asyncio.to_thread(proc.wait, 10)
+        events = _events(first + rest)
+        assert [json.loads(e)["i"] for e in events[:-1]] == list(range(10)) and events[-1] == "[DONE]", events
+        assert response.status == 200 and answer == {"backend": "slow", "chunks": 10}
+        assert code == 0
+    _run(body)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import logging
 import os
 import signal
@@ -26,12 +28,19 @@ from kvserve.entrypoints.openai.api_server import bind_listening
 
 # argv: port, mode, directory. Modes: serve (exit 0 on SIGTERM), drains (exits 0 half a second after a first
 # SIGTERM, at once on a second), stubborn (ignores the first SIGTERM, dies of the second), fail (exit 3 at once),
-# killed (SIGKILLs itself at once). Writes <directory>/<port>.pid; <port>.draining on a first SIGTERM that it
-# does not exit on, and (drains) <port>.stopped_at_once on a second.
+# killed (SIGKILLs itself at once), spawns (serve, with a child process that sleeps for 15 s holding its
+# output open, as a replica's engine core does), hangs (a POST gets one event of a stream that then never
+# goes on; SIGTERM is ignored). Writes <directory>/<port>.pid (and <port>.child: the child's
+# pid); <port>.draining on a first SIGTERM that it does not exit on, and (drains) <port>.stopped_at_once on a
+# second.
 FAKE_REPLICA = '''
-import http.server, json, os, signal, sys, threading
+import http.server, json, os, signal, subprocess, sys, threading
 port, mode, directory = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 print(f"fake replica on port {port}", flush=True)
+if mode == "spawns":
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(15)"])
+    with open(os.path.join(directory, f"{port}.child"), "w") as f:
+        f.write(str(child.pid))
 if mode == "fail":
     print("error: the KV cache holds 0 tokens", flush=True)
     sys.exit(3)
@@ -47,6 +56,15 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        self.wfile.write(b'data: {"i": 0}\\n\\n')
+        self.wfile.flush()
+        threading.Event().wait()
+
     def log_message(self, *args):
         pass
 
@@ -57,7 +75,7 @@ terms = 0
 def on_term(sig, frame):
     global terms
     terms += 1
-    if mode in ("stubborn", "drains") and terms == 1:
+    if mode == "hangs" or (mode in ("stubborn", "drains") and terms == 1):
         open(os.path.join(directory, f"{port}.draining"), "w").close()
         if mode == "drains":
             threading.Timer(0.5, os._exit, (0,)).start()
@@ -78,9 +96,9 @@ server.serve_forever()
 '''
 
 
-def _ns() -> argparse.Namespace:
+def _ns(shutdown_s: float = 5) -> argparse.Namespace:
     return build_parser().parse_args(["serve", "/models/m", "-dp", "2", "--device", "cpu",
-                                      "--shutdown-timeout", "5"])
+                                      "--shutdown-timeout", str(shutdown_s)])
 
 
 def _plans(count: int) -> list[ReplicaPlan]:
@@ -95,8 +113,10 @@ def _plans(count: int) -> list[ReplicaPlan]:
 class Scenario:
     """Fake replicas (one mode each) behind `serve_replicas` on a port of its own."""
 
-    def __init__(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, modes: Sequence[str]) -> None:
+    def __init__(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, modes: Sequence[str],
+                 shutdown_s: float = 5) -> None:
         self.directory = tmp_path
+        self.shutdown_s = shutdown_s
         script = tmp_path / "fake_replica.py"
         script.write_text(FAKE_REPLICA)
         self.plans = _plans(len(modes))
@@ -109,12 +129,18 @@ class Scenario:
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
 
     def run(self, while_serving: Callable[[Scenario], object] | None = None) -> int:
+        """`while_serving` runs once the command serves; a task it returns is awaited after the command."""
         async def main() -> int:
-            serving = asyncio.create_task(serve_replicas(_ns(), self.plans, [], self.sock))
+            serving = asyncio.create_task(serve_replicas(_ns(self.shutdown_s), self.plans, [], self.sock))
+            task = None
             if while_serving is not None:
                 await self._wait_serving(serving)
-                while_serving(self)
-            return await asyncio.wait_for(serving, 60)
+                if not serving.done():  # (else it failed to start: nothing to do while it serves)
+                    task = while_serving(self)
+            code = await asyncio.wait_for(serving, 60)
+            if isinstance(task, asyncio.Task):
+                await asyncio.wait_for(task, 10)
+            return code
 
         try:
             return asyncio.run(main())
@@ -181,6 +207,49 @@ def test_a_replica_that_dies_while_serving_stops_the_others(tmp_path: Path, monk
     assert all(_gone(pid) for pid in pids)
 
 
+def _running(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, exited but not reaped yet by whoever adopted it, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_killed_replica_is_noticed_at_once_and_what_it_started_is_killed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A SIGKILLed replica's process is gone at once, but not its output pipe: what it started (its engine core)
+    holds that until it leaves by itself, seconds later. The command goes by the process's exit (not by its
+    output's end): it stops at once, and kills what the replica left running (its GPUs are then free for the
+    server's restart)."""
+    scenario = Scenario(tmp_path, monkeypatch, ["serve", "spawns"])
+    children: list[int] = []
+    killed_at: list[float] = []
+
+    def kill_replica_1(s: Scenario) -> None:
+        s.wait_file(f"{s.plans[1].port}.child")
+        children.append(int((s.directory / f"{s.plans[1].port}.child").read_text()))
+        killed_at.append(time.monotonic())
+        os.kill(s.pid(1), signal.SIGKILL)
+
+    try:
+        with caplog.at_level(logging.INFO):
+            assert scenario.run(kill_replica_1) == 1
+        stopped_in = time.monotonic() - killed_at[0]
+        assert "exited with code -9 while serving: stopping the other replicas and exiting 1" in caplog.text
+        assert stopped_in < 5, f"stopped {stopped_in:.1f} s after the kill (its child holds the pipe for 15 s)"
+        for _ in range(50):  # (adopted, it is reaped by init)
+            if not _running(children[0]):
+                break
+            time.sleep(0.02)
+        assert not _running(children[0]), "the replica's child still runs"
+    finally:
+        for child in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+
+
 def test_sigterm_drains_the_replicas_and_exits_0(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                  caplog: pytest.LogCaptureFixture) -> None:
     scenario = Scenario(tmp_path, monkeypatch, ["drains", "drains"])
@@ -191,6 +260,35 @@ def test_sigterm_drains_the_replicas_and_exits_0(tmp_path: Path, monkeypatch: py
     assert sorted(p.name for p in tmp_path.glob("*.draining")) == [f"{plan.port}.draining" for plan in scenario.plans]
     assert not list(tmp_path.glob("*.stopped_at_once"))
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
+def test_what_a_hung_replica_leaves_in_flight_ends_in_the_openai_format(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A replica that neither finishes nor ends its answers when stopped: --shutdown-timeout + DRAIN_ABORT_GRACE_S
+    after the stop, the router ends what it still forwards as the server ends what it stops (a stream: an error
+    event, then [DONE]), rather than aiohttp cutting it when its own wait runs out."""
+    monkeypatch.setattr(data_parallel, "DRAIN_ABORT_GRACE_S", 0.5)
+    monkeypatch.setattr(data_parallel, "EXIT_GRACE_S", 0.5)
+    scenario = Scenario(tmp_path, monkeypatch, ["hangs"], shutdown_s=1)
+    received: list[bytes] = []
+
+    def stream_then_stop(s: Scenario) -> asyncio.Task[None]:
+        async def client() -> None:
+            async with aiohttp.ClientSession() as session:
+                async with session.post(s.url + "/v1/completions", json={"prompt": "x", "stream": True}) as response:
+                    received.append(await response.content.readuntil(b"\n\n"))
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    received.append(await response.content.read())
+
+        return asyncio.get_running_loop().create_task(client())
+
+    with caplog.at_level(logging.INFO):
+        assert scenario.run(stream_then_stop) == 1  # (the replica, killed at last, did not stop as told)
+    events = [e.removeprefix("data: ") for e in b"".join(received).decode().split("\n\n") if e]
+    assert events[0] == '{"i": 0}' and events[2:] == ["[DONE]"], events
+    error = json.loads(events[1])["error"]
+    assert error["code"] == 503 and error["message"] == "the router is shutting down", error
+    assert "1 requests still in flight 2 s after the replicas were stopped: ending them" in caplog.text
 
 
 def test_a_second_sigterm_stops_the_replicas_at_once_and_exits_0(
