@@ -820,6 +820,22 @@ async def _refused(base: str) -> None:
     raise AssertionError("the router kept accepting connections")
 
 
+async def _two_requests_then_a_signal(session: aiohttp.ClientSession, base: str, backend: FakeBackend,
+                                     proc: subprocess.Popen) -> tuple[aiohttp.ClientResponse, bytes, asyncio.Task]:
+    """A stream (its first event read) and a non-stream request in flight at `backend`, then a SIGTERM to the
+    router, which stops accepting: (the stream's response, its first event, the other request's task)."""
+    stream = await session.post(base + "/v1/completions", json={"prompt": "x", "stream": True})
+    first = await stream.content.readuntil(b"\n\n")
+    unstreamed = asyncio.create_task(session.post(base + "/v1/completions", json={"prompt": "y", "stream": False}))
+    for _ in range(100):
+        if len(backend.seen) == 2:
+            break
+        await asyncio.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    await _refused(base)
+    return stream, first, unstreamed
+
+
 def test_route_command_a_second_signal_ends_the_requests_in_flight_in_the_openai_format() -> None:
     """`kvserve route` given a second SIGTERM while the first one's drain waits on requests in flight: they end
     as the server ends its own (a JSON 503 in the OpenAI format; a stream's error event, then [DONE]) within
@@ -827,16 +843,7 @@ def test_route_command_a_second_signal_ends_the_requests_in_flight_in_the_openai
     async def body() -> None:
         backend = FakeBackend("slow", chunks=400, delay_s=0.05)  # 20 s an answer
         async with _route_process(backend) as (proc, base), aiohttp.ClientSession() as session:
-            stream = await session.post(base + "/v1/completions", json={"prompt": "x", "stream": True})
-            first = await stream.content.readuntil(b"\n\n")
-            unstreamed = asyncio.create_task(session.post(base + "/v1/completions",
-                                                          json={"prompt": "y", "stream": False}))
-            for _ in range(100):
-                if len(backend.seen) == 2:
-                    break
-                await asyncio.sleep(0.05)
-            proc.send_signal(signal.SIGTERM)
-            await _refused(base)
+            stream, first, unstreamed = await _two_requests_then_a_signal(session, base, backend, proc)
             started = time.monotonic()
             proc.send_signal(signal.SIGTERM)
             rest = await asyncio.wait_for(stream.content.read(), 5)
@@ -900,16 +907,7 @@ def test_route_command_a_signal_lets_the_requests_in_flight_finish() -> None:
     async def body() -> None:
         backend = FakeBackend("slow", chunks=10, delay_s=0.1)  # a second an answer
         async with _route_process(backend) as (proc, base), aiohttp.ClientSession() as session:
-            stream = await session.post(base + "/v1/completions", json={"prompt": "x", "stream": True})
-            first = await stream.content.readuntil(b"\n\n")
-            unstreamed = asyncio.create_task(session.post(base + "/v1/completions",
-                                                          json={"prompt": "y", "stream": False}))
-            for _ in range(100):
-                if len(backend.seen) == 2:
-                    break
-                await asyncio.sleep(0.05)
-            proc.send_signal(signal.SIGTERM)
-            await _refused(base)
+            stream, first, unstreamed = await _two_requests_then_a_signal(session, base, backend, proc)
             rest = await asyncio.wait_for(stream.content.read(), 10)
             response = await asyncio.wait_for(unstreamed, 10)
             answer = await response.json()
