@@ -109,8 +109,9 @@ def add_engine_args(parser: argparse.ArgumentParser, data_parallel: bool = False
                    help="GPUs per replica: the model's heads and MLP split over this many ranks, one process and "
                    "one GPU each (ranks take the first N visible GPUs); on CPU, processes sharing the cores")
     g.add_argument("--quantization", "-q", default=None,
-                   help="awq, gptq or gguf: read from the checkpoint, so optional; a value the checkpoint does not "
-                   "hold is refused. fp8: quantize an unquantized checkpoint's linear weights to fp8 (e4m3, per "
+                   help="awq, gptq, gguf or an fp8 checkpoint's format (fp8, compressed-tensors, fbgemm_fp8): read "
+                   "from the checkpoint, so optional; a value the checkpoint does not hold is refused. fp8 on an "
+                   "unquantized checkpoint: quantize its linear weights to fp8 (e4m3, per "
                    "output channel) at load (GPU: compute capability 8.9 or later); batches past 32 rows on a GPU, and "
                    "every batch with --dtype float32 or on CPU, quantize their activations per token too")
     g.add_argument("--seed", type=int, default=0, help="seed of the sampler's shared random generator")
