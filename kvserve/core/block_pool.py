@@ -160,8 +160,15 @@ class BlockPool:
         """Fraction of blocks in use by requests (free-but-cached blocks count as free)."""
         return 1.0 - self.num_free_blocks / self.num_blocks
 
+    def _bound_tracking(self) -> None:
+        """Stop tracking once as much was written as makes the next check a full walk anyway (`_full_check_due`):
+        with checks no longer run (a test that turned them off), what is tracked would otherwise grow without end."""
+        if self._touched is not None and 8 * (len(self._touched) + len(self._touched_keys)) > self.num_blocks:
+            self._track(None)
+
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take `num_blocks` blocks from the head of the free list (evicting their cached hashes)."""
+        self._bound_tracking()
         if num_blocks > self.num_free_blocks:
             raise ValueError(f"asked for {num_blocks} blocks, only {self.num_free_blocks} free")
         out = []
@@ -193,6 +200,7 @@ class BlockPool:
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block; blocks reaching zero join the free list in the given
         order (callers pass a request's blocks tail-first so its prefix is evicted last)."""
+        self._bound_tracking()
         touched = self._touched
         for block in ordered_blocks:
             if block.ref_cnt <= 0:
@@ -292,12 +300,13 @@ class BlockPool:
         assert last is not None and last.next_free is tail, "the tail's back link is not the last free block"
         free_delta = cached_delta = 0
         for block, (prev, nxt, block_hash) in touched.items():
-            if block is head or block is tail:
-                continue
-            self._check_block(block)
+            # A written block's old neighbours, a sentinel's too (a relinked head or tail must not cut blocks out).
             for old in (prev, nxt):
                 if old is not None and old is not head and old is not tail and old not in touched:
                     self._check_block(old)
+            if block is head or block is tail:
+                continue
+            self._check_block(block)
             free_delta += (block.prev_free is not None) - (prev is not None)
             cached_delta += (block.block_hash is not None) - (block_hash is not None)
             if block_hash is not None:

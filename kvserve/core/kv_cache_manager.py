@@ -284,7 +284,7 @@ class KVCacheManager:
             for block in blocks:
                 refs[block] = refs.get(block, 0) + 1
         for block, num_holders in refs.items():
-            assert pool.blocks[block.block_id] is block, f"{block} held by a request is not the pool's"
+            assert pool._owns(block), f"{block} held by a request is not the pool's"
             assert block.ref_cnt == num_holders, \
                 f"{block} ref count differs from the number of requests holding it ({num_holders})"
         # The pool's blocks in use (ref count > 0) are the ones out of its free list (its invariants): as many as

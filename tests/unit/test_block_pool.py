@@ -594,9 +594,19 @@ def _insert_without_the_back_link(queue: block_pool.FreeBlockQueue, anchor: KVCa
     queue.num_free_blocks += 1
 
 
+def _insert_before_the_tail_dropping_the_rest(queue: block_pool.FreeBlockQueue, anchor: KVCacheBlock,
+                                              block: KVCacheBlock) -> None:
+    nxt = queue._tail  # should be anchor.next_free: the blocks between them are cut out of the list
+    assert queue.touched is not None
+    block_pool._note(queue.touched, anchor, block, nxt)
+    block.prev_free, block.next_free, anchor.next_free, nxt.prev_free = anchor, nxt, block, block
+    queue.num_free_blocks += 1
+
+
 @pytest.mark.parametrize(
     ("owner", "method", "bug"),
     [
+        (block_pool.FreeBlockQueue, "_insert_after", _insert_before_the_tail_dropping_the_rest),
         (BlockPool, "get_new_blocks", _evicts_without_unmapping),
         (BlockPool, "get_new_blocks", _evicts_without_clearing_the_hash),
         (BlockPool, "touch", _touch_leaving_free_hits_linked),
@@ -622,3 +632,48 @@ def test_a_bug_in_the_pools_methods_is_caught_incrementally_as_soon_as_by_a_full
             caught[incremental] = _random_operations(pool, seed, incremental)
     assert caught[False] is not None
     assert caught[True] == caught[False]
+
+
+def test_the_pools_methods_note_every_block_they_rewrite():
+    """The real methods record each block whose links, ref count or hash they write, the neighbours and
+    sentinels whose links a free-list insert or removal rewrites included, and the hash-map keys they set or
+    delete (what the incremental check relies on)."""
+    pool = BlockPool(8)
+    head, tail = pool.free_queue._head, pool.free_queue._tail
+    pool.check_invariants()
+    first, second = pool.get_new_blocks(2)  # blocks 0 and 1 leave the head of the list
+    assert set(pool._touched) == {head, first, second, pool.blocks[2]}
+    pool.check_invariants(incremental=True)
+    pool.cache_block(first, b"h0")
+    assert set(pool._touched) == {first} and pool._touched_keys == {b"h0"}
+    pool.check_invariants(incremental=True)
+    last_free = tail.prev_free
+    pool.free_blocks([first])  # a cached block joins the tail
+    assert set(pool._touched) == {first, last_free, tail}
+    pool.check_invariants(incremental=True)
+    pool.free_blocks([second])  # an uncached one joins the head
+    assert set(pool._touched) == {second, head, pool.blocks[2]}
+    pool.check_invariants(incremental=True)
+    before, after = first.prev_free, first.next_free
+    pool.touch([first])  # a prefix hit on a free cached block
+    assert set(pool._touched) == {first, before, after}
+    pool.check_invariants(incremental=True)
+    pool.free_blocks([first])
+    pool.check_invariants(incremental=True)
+    taken = pool.get_new_blocks(8)  # every block, the cached one evicted
+    assert set(taken) <= set(pool._touched) and pool._touched_keys == {b"h0"}
+    pool.check_invariants(incremental=True)
+
+
+def test_tracking_stops_when_checks_stop():
+    """A pool whose checks stopped (a test turned them off) keeps no growing record: once the writes would make
+    the next check a full walk anyway, tracking ends, and the next check walks the pool and tracks again."""
+    pool = BlockPool(64)
+    pool.check_invariants()
+    for i in range(200):
+        blocks = pool.get_new_blocks(4)
+        pool.cache_block(blocks[0], i.to_bytes(4, "little"))
+        pool.free_blocks(blocks)
+    assert pool._touched is None and pool._touched_keys == set()
+    pool.check_invariants(incremental=True)
+    assert pool._touched == {}
