@@ -192,6 +192,13 @@ class Replica:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.process.pid, sig)
 
+    def kill_group(self) -> None:
+        """SIGKILL the replica's process group: the replica and what it started (its engine core and that one's
+        workers, which would otherwise hold its GPUs and its output pipe for seconds). Its own session: the
+        group's id is its pid, kept while any of them lives."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+
     async def reap(self) -> int:
         """After the replica's process exited by itself (it died, or failed): kill what it started that still runs,
         its process group (its engine core and that one's workers, which leave by themselves only seconds after
@@ -200,8 +207,7 @@ class Replica:
         code = self.process.returncode
         assert code is not None, "the replica is still running"
         if self.output_done is not None and not self.output_done.done():  # something still holds its output
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.process.pid, signal.SIGKILL)  # (its own session: the group is its pid)
+            self.kill_group()
             await asyncio.wait([self.output_done], timeout=OUTPUT_AFTER_EXIT_S)
         return code
 
@@ -375,9 +381,9 @@ async def _stop_replicas(replicas: Sequence[Replica], timeout_s: float) -> None:
         if running:
             for replica in replicas:
                 if replica.process.returncode is None:
-                    logger.warning("replica %d did not stop within %.0f s: killing it", replica.plan.index,
-                                   timeout_s)
-                    replica.signal(signal.SIGKILL)
+                    logger.warning("replica %d did not stop within %.0f s: killing it (and what it started)",
+                                   replica.plan.index, timeout_s)
+                    replica.kill_group()
             await asyncio.wait(running, timeout=5.0)
     outputs = [r.output_done for r in replicas if r.output_done is not None]
     if outputs:

@@ -137,6 +137,7 @@ class RouterApp:
         self._health_task: asyncio.Task[None] | None = None
         self._handlers: set[asyncio.Task[object]] = set()  # the tasks of the requests in flight
         self._ending = False  # `end_in_flight` was called: every request still in flight ends now
+        self._told_to_end: set[asyncio.Task[object]] = set()  # the tasks `end_in_flight` has cancelled
 
     # ------------------------------------------------------------------ app
 
@@ -183,8 +184,9 @@ class RouterApp:
         cut. Closing their backend connections aborts them there. Requests that arrive later get the 503 at once.
         Returns how many were in flight."""
         self._ending = True
-        for task in self._handlers:
+        for task in self._handlers - self._told_to_end:  # once each: a second cancel would cut its end short
             task.cancel()
+        self._told_to_end |= self._handlers
         return len(self._handlers)
 
     @web.middleware
@@ -201,10 +203,11 @@ class RouterApp:
         except asyncio.CancelledError:
             if not self._ending:  # the client left (aiohttp cancels its handler)
                 raise
-            task.uncancel()
+            _uncancel(task)
             return self._own(_error(503, SHUTTING_DOWN))
         finally:
             self._handlers.discard(task)
+            self._told_to_end.discard(task)
 
     # ------------------------------------------------------------------ health
 
@@ -482,7 +485,7 @@ class RouterApp:
                 raise
             task = asyncio.current_task()
             assert task is not None
-            task.uncancel()
+            _uncancel(task)
             if response is None or not response.prepared:
                 outcome = "503"
                 return _error(503, SHUTTING_DOWN)
@@ -550,6 +553,14 @@ def run_router(backends: Sequence[str], policy: str, host: str, port: int, confi
     return asyncio.run(serve_router(router, host, port))
 
 
+def _uncancel(task: asyncio.Task[object]) -> None:
+    """Task.uncancel where it exists (Python 3.11+): the task goes on after its cancellation was handled. Before
+    3.11 a handled cancellation leaves no count to take back."""
+    uncancel = getattr(task, "uncancel", None)
+    if uncancel is not None:
+        uncancel()
+
+
 async def serve_router(router: RouterApp, host: str, port: int) -> int:
     """Serve `router` on host:port until a signal; returns the exit code. The first SIGTERM / SIGINT stops
     accepting and lets the requests in flight finish, up to SHUTDOWN_TIMEOUT_S; those still in flight then, or
@@ -575,22 +586,24 @@ async def serve_router(router: RouterApp, host: str, port: int) -> int:
     # aiohttp's own wait for the handlers outlasts the drain and their end: `end_in_flight` ends them first.
     runner = web.AppRunner(router.make_app(), handle_signals=False, handler_cancellation=True, access_log=None,
                            shutdown_timeout=SHUTDOWN_TIMEOUT_S + END_IN_FLIGHT_S + 1)
-    await runner.setup()
     deadline: asyncio.TimerHandle | None = None
+    # The handlers first: a signal while the startup health checks run stops the router before it serves.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
     try:
-        await web.TCPSite(runner, host, port).start()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, on_signal, sig)
-        await stop.wait()
-        deadline = loop.call_later(SHUTDOWN_TIMEOUT_S, time_over)
-    finally:
+        await runner.setup()
         try:
-            await runner.cleanup()  # stops accepting, then waits for the requests in flight
+            if not stop.is_set():
+                await web.TCPSite(runner, host, port).start()
+                await stop.wait()
+            deadline = loop.call_later(SHUTDOWN_TIMEOUT_S, time_over)
         finally:
-            if deadline is not None:
-                deadline.cancel()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)
+            await runner.cleanup()  # stops accepting, then waits for the requests in flight
+    finally:
+        if deadline is not None:
+            deadline.cancel()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
     return 0
 
 

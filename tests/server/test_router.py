@@ -587,10 +587,12 @@ def test_ending_the_requests_in_flight_leaves_a_stream_whose_done_is_out_as_it_w
     _run(body)
 
 
-def test_ending_the_requests_in_flight_finishes_the_event_under_way_first() -> None:
+def test_ending_the_requests_in_flight_finishes_the_event_under_way_first(monkeypatch: pytest.MonkeyPatch) -> None:
     """A stream ended while an event is under way (the router passes on what it gets, which may be part of an
     event) gets the rest of that event from the backend first (within END_IN_FLIGHT_S), then the error event
     and [DONE]."""
+    monkeypatch.setattr(router_app, "END_IN_FLIGHT_S", 5.0)  # (the backend's 0.5 s hold, with room on a busy CPU)
+
     async def body() -> None:
         backend = FakeBackend("a", chunks=5, delay_s=0.0)
         backend.hang_after, backend.hang_inside, backend.hang_s = 2, 10, 0.5  # 10 bytes of event 2, then its rest
@@ -603,6 +605,67 @@ def test_ending_the_requests_in_flight_finishes_the_event_under_way_first() -> N
         events = _events(data)
         assert [json.loads(e) for e in events[:3]] == [{"backend": "a", "i": i} for i in range(3)], data
         assert json.loads(events[3])["error"]["code"] == 503 and events[4:] == ["[DONE]"], data
+    _run(body)
+
+
+def test_ending_the_requests_in_flight_again_ends_each_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """More signals (or the drain's time over) while a stream's end is under way: each request is ended once,
+    so no second answer (a 503's status line and headers) is written into the stream."""
+    monkeypatch.setattr(router_app, "END_IN_FLIGHT_S", 5.0)
+
+    async def body() -> None:
+        backend = FakeBackend("a", chunks=5, delay_s=0.0)
+        backend.hang_after, backend.hang_inside, backend.hang_s = 2, 10, 1.0  # its end waits on the event's rest
+        async with routed([backend]) as (app, base):
+            reader, writer = await asyncio.open_connection("127.0.0.1", int(base.rsplit(":", 1)[1]))
+            payload = json.dumps({"prompt": "x", "stream": True}).encode()
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
+            data = b""
+            while b'"i": 1}' not in data:
+                data += await reader.read(65536)
+            await asyncio.sleep(0.2)  # 10 bytes of event 2 out, its rest held back
+            for _ in range(3):
+                app.end_in_flight()
+                await asyncio.sleep(0.2)
+            with contextlib.suppress(asyncio.TimeoutError):
+                while chunk := await asyncio.wait_for(reader.read(65536), 5):
+                    data += chunk
+            writer.close()
+        assert data.count(b"HTTP/1.1 ") == 1, data
+        assert b"[DONE]" in data and data.index(b"shutting down") < data.index(b"[DONE]"), data
+    _run(body)
+
+
+def test_route_command_a_signal_during_start_up_stops_it_cleanly() -> None:
+    """A SIGTERM while the start-up health checks wait on a backend that does not answer: the router stops
+    without serving, exits 0, with no traceback."""
+    async def body() -> None:
+        async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await asyncio.sleep(30)
+
+        server = await asyncio.start_server(silent, "127.0.0.1", 0)
+        backend_port = server.sockets[0].getsockname()[1]
+        proc = subprocess.Popen([sys.executable, "-m", "kvserve", "route", "--backend", f"127.0.0.1:{backend_port}",
+                                 "--port", str(free_port())], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT)
+        assert proc.stdout is not None
+        try:
+            lines = []
+            while not any("routing http://" in line for line in lines):  # logged as its loop starts
+                line = (await asyncio.to_thread(proc.stdout.readline)).decode()
+                assert line, lines
+                lines.append(line)
+            await asyncio.sleep(0.5)  # its start-up health check waits on the silent backend (2 s at most)
+            proc.send_signal(signal.SIGTERM)
+            code = await asyncio.to_thread(proc.wait, 20)
+            output = "".join(lines) + proc.stdout.read().decode()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            server.close()
+        assert code == 0, (code, output)
+        assert "Traceback" not in output, output
     _run(body)
 
 

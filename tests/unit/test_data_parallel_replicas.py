@@ -30,14 +30,14 @@ from kvserve.entrypoints.openai.api_server import bind_listening
 # SIGTERM, at once on a second), stubborn (ignores the first SIGTERM, dies of the second), fail (exit 3 at once),
 # killed (SIGKILLs itself at once), spawns (serve, with a child process that sleeps for 15 s holding its
 # output open, as a replica's engine core does), hangs (a POST gets one event of a stream that then never
-# goes on; SIGTERM is ignored). Writes <directory>/<port>.pid (and <port>.child: the child's
+# goes on; SIGTERM is ignored), hangs_spawns (both). Writes <directory>/<port>.pid (and <port>.child: the child's
 # pid); <port>.draining on a first SIGTERM that it does not exit on, and (drains) <port>.stopped_at_once on a
 # second.
 FAKE_REPLICA = '''
 import http.server, json, os, signal, subprocess, sys, threading
 port, mode, directory = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 print(f"fake replica on port {port}", flush=True)
-if mode == "spawns":
+if mode in ("spawns", "hangs_spawns"):
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(15)"])
     with open(os.path.join(directory, f"{port}.child"), "w") as f:
         f.write(str(child.pid))
@@ -75,7 +75,7 @@ terms = 0
 def on_term(sig, frame):
     global terms
     terms += 1
-    if mode == "hangs" or (mode in ("stubborn", "drains") and terms == 1):
+    if mode in ("hangs", "hangs_spawns") or (mode in ("stubborn", "drains") and terms == 1):
         open(os.path.join(directory, f"{port}.draining"), "w").close()
         if mode == "drains":
             threading.Timer(0.5, os._exit, (0,)).start()
@@ -289,6 +289,36 @@ def test_what_a_hung_replica_leaves_in_flight_ends_in_the_openai_format(
     error = json.loads(events[1])["error"]
     assert error["code"] == 503 and error["message"] == "the router is shutting down", error
     assert "1 requests still in flight 2 s after the replicas were stopped: ending them" in caplog.text
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_replica_that_does_not_stop_is_killed_with_what_it_started(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A replica that ignores its SIGTERM is SIGKILLed when the stop's time is over, and so is what it started
+    (its engine core would otherwise hold its GPUs after the command exits)."""
+    monkeypatch.setattr(data_parallel, "DRAIN_ABORT_GRACE_S", 0.5)
+    monkeypatch.setattr(data_parallel, "EXIT_GRACE_S", 0.5)
+    scenario = Scenario(tmp_path, monkeypatch, ["hangs_spawns"], shutdown_s=1)
+    children: list[int] = []
+
+    def stop(s: Scenario) -> None:
+        s.wait_file(f"{s.plans[0].port}.child")
+        children.append(int((s.directory / f"{s.plans[0].port}.child").read_text()))
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    try:
+        with caplog.at_level(logging.INFO):
+            assert scenario.run(stop) == 1
+        assert "replica 0 did not stop within" in caplog.text
+        for _ in range(50):  # (adopted, it is reaped by init)
+            if not _running(children[0]):
+                break
+            time.sleep(0.02)
+        assert not _running(children[0]), "the replica's child still runs"
+    finally:
+        for child in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
 
 
 def test_a_second_sigterm_stops_the_replicas_at_once_and_exits_0(

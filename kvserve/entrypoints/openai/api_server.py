@@ -366,6 +366,8 @@ class _Server(uvicorn.Server):
         self.exit_code = 0
         self._drain_deadline: float | None = None
         self._exit_at: float | None = None
+        self._shutting_down = False  # `shutdown` has begun
+        self._ending: asyncio.Task[None] | None = None  # `_end_now`, started by a second signal during shutdown
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # NOTE: the signal is not recorded in _captured_signals as uvicorn does: uvicorn re-raises recorded
@@ -381,6 +383,10 @@ class _Server(uvicorn.Server):
             self.others.stop_now()
             self.force_exit = True
             self.should_exit = True
+            if self._shutting_down and self._ending is None:
+                # uvicorn's shutdown is under way, waiting out the drain's grace (on Python 3.12+ its wait for the
+                # connections to close does not look at force_exit): end what still runs now.
+                self._ending = asyncio.get_running_loop().create_task(self._end_now())
             return
         logger.info("signal %d: draining (new requests get 503; %d in flight)", sig, self.state.num_inflight)
         self._start_drain()
@@ -430,10 +436,22 @@ class _Server(uvicorn.Server):
         END_CANCELLED_S), before uvicorn closes the connections (whose close it waits for on Python 3.12+);
         once more after it, for a second signal that came while it waited for the drain's last responses; and
         those it cancelled itself when DRAIN_ABORT_GRACE_S was over are waited for as well."""
+        self._shutting_down = True
         if self.force_exit:
-            await self._end_requests()
+            await self._end_now()
         await super().shutdown(sockets)
         await self._end_requests(cancel=self.force_exit)
+        if self._ending is not None:
+            await self._ending
+
+    async def _end_now(self) -> None:
+        """A forced exit: end the requests still running, then drop the connections whose clients do not take
+        what is left to send (uvicorn would wait for them to close, on Python 3.12+ without end)."""
+        await self._end_requests()
+        for connection in list(self.server_state.connections):
+            transport = getattr(connection, "transport", None)
+            if transport is not None and transport.get_write_buffer_size() > 0:
+                transport.abort()
 
     async def _end_requests(self, cancel: bool = True) -> None:
         """Wait (within REQUESTS_END_WAIT_S) for the requests still running to end; `cancel`: cancel them first,
