@@ -871,12 +871,13 @@ async def _route_process(backend: FakeBackend) -> AsyncIterator[tuple[subprocess
 
 
 async def _refused(base: str) -> None:
-    """Until a new connection to `base` is refused (the router stopped accepting: its drain began)."""
+    """Until a new connection to `base` is refused (the router stopped accepting: its drain began). A connection
+    made as the listening socket closes is reset instead: the same."""
     host, port = base.removeprefix("http://").split(":")
     for _ in range(100):
         try:
             _, writer = await asyncio.open_connection(host, int(port))
-        except ConnectionRefusedError:
+        except (ConnectionRefusedError, ConnectionResetError):
             return
         writer.close()
         await asyncio.sleep(0.05)
