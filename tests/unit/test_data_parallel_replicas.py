@@ -216,6 +216,21 @@ def _running(pid: int) -> bool:
         return False
 
 
+def _assert_gone_soon(child: int) -> None:
+    """The replica's child stops running within a second (adopted once killed, it is reaped by init)."""
+    for _ in range(50):
+        if not _running(child):
+            return
+        time.sleep(0.02)
+    raise AssertionError("the replica's child still runs")
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_killed_replica_is_noticed_at_once_and_what_it_started_is_killed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
@@ -239,15 +254,9 @@ def test_a_killed_replica_is_noticed_at_once_and_what_it_started_is_killed(
         stopped_in = time.monotonic() - killed_at[0]
         assert "exited with code -9 while serving: stopping the other replicas and exiting 1" in caplog.text
         assert stopped_in < 5, f"stopped {stopped_in:.1f} s after the kill (its child holds the pipe for 15 s)"
-        for _ in range(50):  # (adopted, it is reaped by init)
-            if not _running(children[0]):
-                break
-            time.sleep(0.02)
-        assert not _running(children[0]), "the replica's child still runs"
+        _assert_gone_soon(children[0])
     finally:
-        for child in children:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child, signal.SIGKILL)
+        _kill(children)
 
 
 def test_sigterm_drains_the_replicas_and_exits_0(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -310,15 +319,9 @@ def test_a_replica_that_does_not_stop_is_killed_with_what_it_started(
         with caplog.at_level(logging.INFO):
             assert scenario.run(stop) == 1
         assert "replica 0 did not stop within" in caplog.text
-        for _ in range(50):  # (adopted, it is reaped by init)
-            if not _running(children[0]):
-                break
-            time.sleep(0.02)
-        assert not _running(children[0]), "the replica's child still runs"
+        _assert_gone_soon(children[0])
     finally:
-        for child in children:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child, signal.SIGKILL)
+        _kill(children)
 
 
 def test_a_second_sigterm_stops_the_replicas_at_once_and_exits_0(
