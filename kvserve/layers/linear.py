@@ -153,7 +153,7 @@ class Linear(nn.Module):
             raise ValueError(f"a weight scale must be floating point, got {loaded.dtype}")
         loaded = loaded.float()
         if loaded.numel() == 1:
-            _start, size, _total, offset = self.place(loaded.reshape(1), shard_id, self.output_size * self.tp_size)
+            offset, size = self._shard_rows(shard_id)
             param.data.narrow(0, offset, size).fill_(loaded.reshape(()))
             return
         if loaded.dim() == 2 and loaded.shape[1] == 1:
@@ -167,10 +167,16 @@ class Linear(nn.Module):
         start, size, total, offset = self.place(loaded, shard_id, loaded.shape[0])
         _load_rows(param, _rank_rows(loaded, start, size, self.tp_size, total), offset, size)
 
+    def _shard_rows(self, shard_id: Hashable) -> tuple[int, int]:
+        """(first row, rows) of shard `shard_id` in this layer (`place`'s offset and size, which do not depend on
+        the checkpoint tensor's rows)."""
+        _start, size, _total, offset = self.place(torch.empty(0), shard_id, self.output_size * self.tp_size)
+        return offset, size
+
     def _describe_row(self, row: int) -> str:
         """Output row `row` of this layer as its checkpoint shard's row ("shard 'v', row 3")."""
         for shard in self.shard_ids():
-            _start, size, _total, offset = self.place(torch.empty(0), shard, self.output_size * self.tp_size)
+            offset, size = self._shard_rows(shard)
             if offset <= row < offset + size:
                 return f"output row {row}" if shard is None else f"shard {shard!r}, its row {row - offset} here"
         return f"output row {row}"
