@@ -33,6 +33,8 @@ class ArchConfig:
     quantization: how the checkpoint's linear layers are quantized (AWQ / GPTQ), None for dense weights.
     config_dtype: the checkpoint's dtype as its config.json says (`dtype`, or the older `torch_dtype`):
     "float16", "bfloat16" or "float32"; None where it says none, or for a GGUF file (--dtype auto reads it).
+    kv_cache_scheme: the quantization_config declares per-layer KV-cache scales (compressed-tensors'
+    `kv_cache_scheme`), which the checkpoint's tensors should then carry.
     """
 
     architecture: str
@@ -58,6 +60,7 @@ class ArchConfig:
     rope_freq_factors: tuple[float, ...] | None = None
     quantization: QuantConfig | None = None
     config_dtype: str | None = None
+    kv_cache_scheme: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -198,6 +201,7 @@ def _from_hf_dir(path: str) -> ArchConfig:
         raw_quant, quant_file = _read_json(os.path.join(path, "quantize_config.json")), "quantize_config.json"
         if raw_quant is not None and "quant_method" not in raw_quant:
             raw_quant = {**raw_quant, "quant_method": "gptq"}  # the file AutoGPTQ writes, without the key
+    kv_cache_scheme = bool(raw_quant and raw_quant.get("kv_cache_scheme"))
     if raw_quant and is_kv_cache_only(raw_quant, f"{path}/{quant_file}"):
         raw_quant = None  # dense weights; the checkpoint's KV-cache scales are loaded with them
     quantization = parse_quant_config(raw_quant, f"{path}/{quant_file}") if raw_quant else None
@@ -225,6 +229,7 @@ def _from_hf_dir(path: str) -> ArchConfig:
         hidden_act=cfg.get("hidden_act", "silu"),
         quantization=quantization,
         config_dtype=_config_dtype(cfg),
+        kv_cache_scheme=kv_cache_scheme,
     )
 
 

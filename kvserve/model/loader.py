@@ -64,19 +64,25 @@ def load_model(model_config: ModelConfig, device: torch.device, kv_cache_dtype: 
                             "quantized (past the skinny matmul's rows), each token gets its own scale at run time")
         if summary is not None:
             (logger.warning if summary.unfit_layers else logger.info)("%s", summary.describe())
-    use_kv_cache_scales(model, kv_cache_dtype is not None and is_fp8(kv_cache_dtype))
+    use_kv_cache_scales(model, kv_cache_dtype is not None and is_fp8(kv_cache_dtype),
+                        declared=arch.kv_cache_scheme and model_config.load_format != "dummy")
     return model.eval()
 
 
-def use_kv_cache_scales(model: torch.nn.Module, fp8_cache: bool) -> None:
+def use_kv_cache_scales(model: torch.nn.Module, fp8_cache: bool, declared: bool = False) -> None:
     """Sets every attention layer's k_scale / v_scale for the cache (`Attention.use_kv_cache_scales`): with an
     fp8 cache, the checkpoint's per-layer scales (1.0 for a layer it has none for); otherwise 1.0, as vLLM
-    enforces for an unquantized cache whatever the checkpoint carries. Logs what the checkpoint's scales do."""
+    enforces for an unquantized cache whatever the checkpoint carries. Logs what the checkpoint's scales do;
+    `declared`: its config declares scales (a kv_cache_scheme), so an fp8 cache without them is warned of."""
     layers = [module for module in model.modules() if isinstance(module, Attention)]
     for layer in layers:
         layer.use_kv_cache_scales(fp8_cache)
     scaled = [layer.checkpoint_kv_scales for layer in layers if layer.checkpoint_kv_scales is not None]
     if not scaled:
+        if declared and fp8_cache:
+            logger.warning("The checkpoint's quantization_config declares a kv_cache_scheme, but none of its tensors "
+                           "is a KV-cache scale (k_scale / v_scale): the fp8 KV cache uses 1.0 for every layer, which "
+                           "may saturate. Re-export the checkpoint with its scales, or use --kv-cache-dtype auto")
         return
     if not fp8_cache:
         logger.info("The checkpoint's KV-cache scales (%d of %d layers) are loaded and not used: they scale an fp8 KV "

@@ -347,3 +347,25 @@ def test_weights_beside_the_kv_cache_scheme(tiny_model_dir: Callable[..., str], 
                               {**KV_ONLY, "format": "pack-quantized", "config_groups": int4})
     with pytest.raises(ModelLoadError, match="compressed-tensors format 'pack-quantized' is not supported"):
         load_arch_config(path)
+
+
+def test_a_declared_kv_cache_scheme_without_scales_is_warned_of(tiny_model_dir: Callable[..., str], tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """A config that declares a kv_cache_scheme over a checkpoint with no scale tensors loads (scales of 1.0, as
+    before) with a warning when the cache is fp8; none for a cache in the model's dtype, for a checkpoint that has
+    its scales, or for dummy weights (which have no tensors at all)."""
+    warning = "declares a kv_cache_scheme, but none of its tensors is a KV-cache scale"
+    path = _with_quant_config(tiny_model_dir("llama"), tmp_path / "m", KV_ONLY)
+    with caplog.at_level(logging.INFO, logger="kvserve.model.loader"):
+        assert _layer_scales(_load(path)) == [(1.0, 1.0), (1.0, 1.0)]
+    assert warning in caplog.text and "uses 1.0 for every layer" in caplog.text
+    assert [r.levelno for r in caplog.records if warning in r.getMessage()] == [logging.WARNING]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="kvserve.model.loader"):
+        _load(path, None)
+        scaled = _with_tensors(path, tmp_path / "scaled", {"model.layers.0.self_attn.kv_scale": torch.tensor(2.0),
+                                                            "model.layers.1.self_attn.kv_scale": torch.tensor(4.0)})
+        assert _layer_scales(_load(scaled)) == [(2.0, 2.0), (4.0, 4.0)]
+        dummy = ModelConfig(model=path, tokenizer=path, dtype="float32", max_model_len=64, load_format="dummy")
+        load_model(dummy, torch.device("cpu"), torch.float8_e4m3fn)
+    assert warning not in caplog.text
