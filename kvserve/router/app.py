@@ -16,10 +16,17 @@ header is forwarded, so backends started with --api-key check it themselves.
   Once an answer has started, an error is the client's to see (it is passed on, or the stream ends). A
   backend silent for `--request-timeout` seconds (before its answer or between two chunks) ends the
   request: 504 before the answer (the replicas of `kvserve serve -dp N` have no such limit, as one server
-  has none). A backend that breaks off (or goes silent) mid-answer: a server-sent event stream cut between
-  two events ends as the server ends one it cannot finish, with an error event in the OpenAI format (503,
-  or 504 for the timeout) and `data: [DONE]`; any other answer, or a stream cut inside an event, is cut for
-  the client too (its connection is closed), so that it never looks complete.
+  has none). A server-sent event stream (`text/event-stream`) is passed on in whole events: the bytes after
+  its last event's end (a blank line; lines end in LF, CRLF or CR, as the SSE spec allows) are held back
+  until the rest of their event comes (`_EventStream`; kvserve's backends send whole events, which pass at
+  once, uncopied). A backend that breaks off (or goes silent) mid-answer: such a stream ends as the server
+  ends one it cannot finish, with an error event in the OpenAI format (503, or 504 for the timeout) and
+  `data: [DONE]` (nothing after a [DONE] already sent), framed as the backend framed its events (LF, CRLF
+  or CR); the part of an event held back is dropped (a warning gives its size). At the answer's normal end
+  what is held is passed on as it came (a last event without its blank line). An event longer than
+  MAX_HELD_EVENT_BYTES is not held: it is passed on as it comes, and a stream cut inside it, like any other
+  answer that breaks off, is cut for the client too (its connection is closed), so that it never looks
+  complete.
 * No limit on the requests in flight: the connections to the backends are not pooled under a cap (aiohttp's
   default of 100 would queue the rest unseen); the backends' own schedulers decide what waits.
 * A request body over `max_body_bytes` gets 413 with OpenAI's error body, as the server answers.
@@ -36,7 +43,8 @@ header is forwarded, so backends started with --api-key check it themselves.
 * SIGTERM / SIGINT: stop accepting, let requests in flight finish (up to 60 s), exit 0. Those still in flight
   then, or at a second signal, end as the server ends those it stops (`RouterApp.end_in_flight`): a 503 in the
   OpenAI format when the answer has not started, a stream's error event and `data: [DONE]` (nothing after a
-  [DONE] already sent), each within a second (else its connection is dropped); the router then exits 0.
+  [DONE] already sent; the part of an event held back is dropped, as above), each within a second (else, or
+  inside an event over MAX_HELD_EVENT_BYTES, its connection is dropped); the router then exits 0.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ import logging
 import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -79,7 +88,9 @@ END_IN_FLIGHT_S = 1.0
 SHUTTING_DOWN = "the router is shutting down"
 PROXIED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/version")
 PROXIED_PATHS = ("/ping",)
-_SSE_DONE_BYTES = SSE_DONE.encode()
+# The longest event stream event held back whole (see the module's docstring): a longer one is passed on as it
+# comes, so that the router's memory stays bounded.
+MAX_HELD_EVENT_BYTES = 4 * 1024 * 1024
 
 
 def _error(status: int, message: str, param: str | None = None) -> web.Response:
@@ -179,9 +190,9 @@ class RouterApp:
     def end_in_flight(self) -> int:
         """End every request in flight now, as the server ends those it stops (a second signal, or the drain's
         time over): a 503 in the OpenAI format when its answer has not started, a stream's error event and
-        `data: [DONE]` (only the end if its [DONE] is out; after the rest of an event under way), each within
-        END_IN_FLIGHT_S; an answer that cannot end so (started but no event stream, or not within that time) is
-        cut. Closing their backend connections aborts them there. Requests that arrive later get the 503 at once.
+        `data: [DONE]` (only the end if its [DONE] is out; the part of an event held back dropped), each within
+        END_IN_FLIGHT_S; an answer that cannot end so (started but no event stream, inside an event over
+        MAX_HELD_EVENT_BYTES, or not within that time) is cut. Closing their backend connections aborts them there. Requests that arrive later get the 503 at once.
         Returns how many were in flight."""
         self._ending = True
         for task in self._handlers - self._told_to_end:  # once each: a second cancel would cut its end short
@@ -348,41 +359,36 @@ class RouterApp:
         return self._own(_error(503, "every backend failed: " + "; ".join(errors)))
 
     async def _end_started(self, request: web.Request, response: web.StreamResponse,
-                           upstream: aiohttp.ClientResponse | None, event_stream: bool, tail: bytes) -> None:
-        """End an answer under way that `end_in_flight` stops, within END_IN_FLIGHT_S: an event stream with an
-        error event and [DONE] (only the end if its [DONE] is out) once the event under way, if any, has come
-        whole from `upstream`; otherwise (no event stream, or past that time) cut it, dropping the client's
-        connection, so that it never looks complete."""
+                           events: _EventStream | None) -> None:
+        """End an answer under way that `end_in_flight` stops, within END_IN_FLIGHT_S: an event stream (`events`)
+        with an error event and [DONE] (only the end if its [DONE] is out), the part of an event it holds back
+        dropped; otherwise (no event stream, one passed on inside an event over MAX_HELD_EVENT_BYTES, or past
+        that time) cut it, dropping the client's connection, so that it never looks complete."""
         from kvserve.entrypoints.openai.errors import error_body
 
-        async def end() -> None:
+        async def end(events: _EventStream) -> None:
             transport = request.transport
             # Cancelled while it waited for the client to take the answer, a write leaves aiohttp's wait for that
             # cancelled (a next write would end at once) until the client has taken the buffer down to its
             # low-water mark: wait for that first.
             while transport is not None and transport.get_write_buffer_size() > transport.get_write_buffer_limits()[0]:
                 await asyncio.sleep(0.01)
-            written = tail
-            while not _between_events(written):  # the rest of the event under way, up to its end
-                chunk = await upstream.content.readany() if upstream is not None else b""
-                if not chunk:
-                    raise ConnectionResetError("the event under way did not end")
-                cut = _event_end(written[-1:] + chunk)
-                part = chunk if cut < 0 else chunk[:cut - 1]
-                await response.write(part)
-                written = (written + part)[-len(_SSE_DONE_BYTES):]
-            if not written.endswith(_SSE_DONE_BYTES):
-                await response.write((sse(error_body(503, SHUTTING_DOWN)) + SSE_DONE).encode())
+            ending = events.end(error_body(503, SHUTTING_DOWN))
+            if ending:
+                await response.write(ending)
             await response.write_eof()
 
         why = "not an event stream"
-        if event_stream:
+        if events is not None and events.inside:
+            why = f"inside an event over {MAX_HELD_EVENT_BYTES} bytes"
+        elif events is not None:
+            _drop_held(request, events, "the router is shutting down")
             try:
-                await asyncio.wait_for(end(), END_IN_FLIGHT_S)
+                await asyncio.wait_for(end(events), END_IN_FLIGHT_S)
                 return
             except asyncio.TimeoutError:
                 why = f"its end could not be sent within {END_IN_FLIGHT_S:g} s"
-            except (ConnectionResetError, aiohttp.ClientError) as exc:
+            except ConnectionResetError as exc:
                 why = f"{type(exc).__name__}: {exc}"
         logger.warning("%s %s: cutting the client's answer (%s)", request.method, request.path, why)
         if request.transport is not None:
@@ -409,8 +415,7 @@ class RouterApp:
         outcome = "client_closed"  # unless the answer completes (or fails) first
         upstream: aiohttp.ClientResponse | None = None
         response: web.StreamResponse | None = None
-        event_stream = False
-        tail = b""  # the end of what was written so far (where the last event ends, if it does)
+        events: _EventStream | None = None  # an event stream's state: what it holds back, what was passed on
         finishing = False  # the answer's end is being written
         try:
             try:
@@ -434,7 +439,8 @@ class RouterApp:
             for name, value in upstream.headers.items():
                 if name.lower() not in _DROP_RESPONSE:
                     response.headers.add(name, value)
-            event_stream = upstream.content_type == "text/event-stream"
+            if upstream.content_type == "text/event-stream":
+                events = _EventStream()
             await response.prepare(request)
             while True:
                 try:
@@ -442,21 +448,24 @@ class RouterApp:
                 except (aiohttp.ClientPayloadError, asyncio.TimeoutError, aiohttp.ClientConnectionError) as exc:
                     # The backend failed or went silent mid-answer (or was stopped at once).
                     outcome = "stream_error"
-                    if event_stream and _between_events(tail):
-                        # Between two events: end the stream as the server ends one it cannot finish, with an
-                        # error event in the OpenAI format and [DONE] (only the end, if [DONE] is out).
+                    if events is not None and not events.inside:
+                        # End the stream as the server ends one it cannot finish, with an error event in the
+                        # OpenAI format and [DONE] (only the end, if [DONE] is out), without the part of an event
+                        # held back.
                         logger.warning("%s %s: the answer from %s broke off (%s): ending the client's stream with "
                                        "an error event", request.method, request.path, backend.url,
                                        type(exc).__name__)
+                        _drop_held(request, events, f"the answer from {backend.url} broke off")
                         finishing = True
                         with contextlib.suppress(ConnectionResetError):
-                            if not tail.endswith(_SSE_DONE_BYTES):
-                                await response.write(_error_event(backend, exc, self.config.request_timeout_s))
+                            ending = events.end(_error_event(backend, exc, self.config.request_timeout_s))
+                            if ending:
+                                await response.write(ending)
                             await response.write_eof()
                         return response
-                    # Not an event stream, or cut inside an event: cut the client's stream too, by closing its
-                    # connection, so that it sees an incomplete answer. aiohttp's write_eof then fails with a
-                    # ConnectionError, which it takes quietly.
+                    # Not an event stream, or cut inside an event passed on as it came: cut the client's stream
+                    # too, by closing its connection, so that it sees an incomplete answer. aiohttp's write_eof
+                    # then fails with a ConnectionError, which it takes quietly.
                     logger.warning("%s %s: the answer from %s broke off (%s): cutting the client's stream",
                                    request.method, request.path, backend.url, type(exc).__name__)
                     if request.transport is not None:
@@ -464,8 +473,12 @@ class RouterApp:
                     return response
                 if not chunk:
                     break
-                if event_stream:
-                    tail = (tail + chunk)[-len(_SSE_DONE_BYTES):]
+                if events is not None:
+                    # (`events` counts it passed on before the write: cancelled in the write's wait for the client,
+                    # it was handed to the transport all the same.)
+                    chunk = events.take(chunk)
+                    if not chunk:
+                        continue
                 try:
                     await response.write(chunk)
                 except ConnectionResetError:
@@ -475,6 +488,8 @@ class RouterApp:
                     return response
             finishing = True
             try:
+                if events is not None and events.held:  # a last event without its blank line: as it came
+                    await response.write(events.flush())
                 await response.write_eof()
             except ConnectionResetError:  # (the same, at the end of the answer)
                 return response
@@ -491,7 +506,7 @@ class RouterApp:
                 return _error(503, SHUTTING_DOWN)
             if not finishing:
                 outcome = "stream_error"
-                await self._end_started(request, response, upstream, event_stream, tail)
+                await self._end_started(request, response, events)
             return response
         finally:
             if upstream is not None:
@@ -503,27 +518,119 @@ class RouterApp:
                 self.requests.labels(backend.url, outcome).inc()
 
 
-def _between_events(tail: bytes) -> bool:
-    """Whether an event stream whose written part ends with `tail` (the last bytes) can take another event."""
-    return not tail or tail.endswith((b"\n\n", b"\r\r"))
+# Two line ends in a row (each of LF, CRLF or CR; a CRLF's CR is followed by its LF, never by another line end):
+# a blank line, the end of an event. Every such pair of bytes in an event stream is one.
+_BLANK_LINES = (b"\n\n", b"\n\r", b"\r\r")
+# A chunk that ends so ends at an event's end (the LF of a blank line's CRLF included): it passes whole, at once.
+_EVENT_ENDS = (*_BLANK_LINES, b"\n\r\n", b"\r\r\n")
+_DONE_LINES = (b"data: [DONE]", b"data:[DONE]")
+_TAIL_BYTES = 32  # the end of what was passed on that is kept: room for a [DONE] event and its framing
 
 
-def _event_end(data: bytes) -> int:
-    """Where the first event in `data` ends (just past its blank line), or -1."""
-    ends = [i + 2 for i in (data.find(b"\n\n"), data.find(b"\r\r")) if i >= 0]
-    return min(ends, default=-1)
+def _last_event_end(data: bytes | bytearray, start: int, before: bytes) -> int:
+    """Just past the last blank line in `data` that ends after `data[start]` (the bytes before it were looked at
+    before), its CRLF's LF included; -1 if none. `before`: the byte that came before `data`, when `start` is 0."""
+    found = max(data.rfind(pair, max(start - 1, 0)) for pair in _BLANK_LINES)
+    if found >= 0:
+        end = found + 2
+    elif start == 0 and before and before + data[:1] in _BLANK_LINES:
+        end = 1
+    else:
+        return -1
+    if data[end - 1:end] == b"\r" and data[end:end + 1] == b"\n":
+        end += 1
+    return end
 
 
-def _error_event(backend: Backend, exc: BaseException, timeout_s: float | None) -> bytes:
-    """The SSE error event (then [DONE]) that ends a client's stream whose backend broke off mid-answer: 504
-    when it went silent for --request-timeout, else 503 (as the server's own when its engine is gone)."""
+class _EventStream:
+    """An event stream passed on in whole events: `take` says what to pass on once a chunk has come, holding back
+    the bytes after the last event's end until that event's end comes. The common case, a chunk of whole events,
+    passes as it came, uncopied. An event held past MAX_HELD_EVENT_BYTES (a pathological one) is passed on as it
+    comes, held part and rest (`inside` until it ends), so that what is held stays bounded."""
+
+    def __init__(self) -> None:
+        self.held = bytearray()
+        self.tail = b""  # the last bytes passed on
+        self.inside = False  # what was passed on ends inside an event (one over MAX_HELD_EVENT_BYTES)
+
+    def take(self, chunk: bytes) -> bytes:
+        """What to pass on now, `chunk` having come."""
+        out = b""
+        if not self.held:
+            if chunk.endswith(_EVENT_ENDS):
+                return self._passed(chunk, False)
+            end = _last_event_end(chunk, 0, self.tail[-1:])
+            if end >= 0:
+                out = self._passed(chunk[:end], False)
+                chunk = chunk[end:]
+            self.held += chunk
+        else:
+            start = len(self.held)
+            self.held += chunk
+            end = _last_event_end(self.held, start, b"")
+            if end >= 0:
+                out = self._passed(bytes(self.held[:end]), False)
+                del self.held[:end]
+        if self.held and (self.inside or len(self.held) > MAX_HELD_EVENT_BYTES):
+            if not self.inside:
+                logger.warning("an event stream's event is over %d bytes (MAX_HELD_EVENT_BYTES): passed on as it "
+                               "comes (a break inside it cuts the client's stream)", MAX_HELD_EVENT_BYTES)
+            rest = bytes(self.held)
+            self.held.clear()
+            out = out + self._passed(rest, True) if out else self._passed(rest, True)
+        return out
+
+    def flush(self) -> bytes:
+        """What is held, passed on as it came (at the stream's normal end)."""
+        out = bytes(self.held)
+        self.held.clear()
+        return self._passed(out, not out.endswith(_EVENT_ENDS)) if out else out
+
+    def drop(self) -> int:
+        """Drop what is held (the stream ends without it); returns how many bytes that was."""
+        dropped = len(self.held)
+        self.held.clear()
+        return dropped
+
+    def _passed(self, out: bytes, inside: bool) -> bytes:
+        self.inside = inside
+        self.tail = out[-_TAIL_BYTES:] if len(out) >= _TAIL_BYTES else (self.tail + out)[-_TAIL_BYTES:]
+        return out
+
+    @property
+    def done(self) -> bool:
+        """Whether the last event passed on is `data: [DONE]` (whatever its line ends)."""
+        text = self.tail.rstrip(b"\r\n")
+        return not self.inside and text[max(text.rfind(b"\n"), text.rfind(b"\r")) + 1:] in _DONE_LINES
+
+    @property
+    def newline(self) -> str:
+        """The backend's line end (CRLF or CR where its events have it, else LF), for the events the router adds."""
+        return "\r\n" if b"\r\n" in self.tail else "\r" if b"\r" in self.tail else "\n"
+
+    def end(self, body: dict[str, Any]) -> bytes:
+        """An error event with `body`, then [DONE], in the backend's framing; nothing if its [DONE] is out."""
+        return b"" if self.done else (sse(body) + SSE_DONE).replace("\n", self.newline).encode()
+
+
+def _error_event(backend: Backend, exc: BaseException, timeout_s: float | None) -> dict[str, Any]:
+    """The body of the SSE error event (then [DONE]) that ends a client's stream whose backend broke off
+    mid-answer: 504 when it went silent for --request-timeout, else 503 (as the server's own when its engine is
+    gone)."""
     from kvserve.entrypoints.openai.errors import error_body
 
     if isinstance(exc, asyncio.TimeoutError) and timeout_s is not None:
-        body = error_body(504, f"{backend.url} sent nothing for {timeout_s:g} s (--request-timeout)")
-    else:
-        body = error_body(503, f"the answer from {backend.url} broke off ({type(exc).__name__})")
-    return (sse(body) + SSE_DONE).encode()
+        return error_body(504, f"{backend.url} sent nothing for {timeout_s:g} s (--request-timeout)")
+    return error_body(503, f"the answer from {backend.url} broke off ({type(exc).__name__})")
+
+
+def _drop_held(request: web.Request, events: _EventStream, why: str) -> None:
+    """Drop the part of an event that `events` holds back, as its stream ends early (`why`)."""
+    unfinished = bool(events.held.strip(b"\r\n"))  # (not just the LF of a CRLF that ended the last event)
+    dropped = events.drop()
+    if unfinished:
+        logger.warning("%s %s: %s: dropping the %d bytes of an unfinished event", request.method, request.path, why,
+                       dropped)
 
 
 def _below_root(path: str, root: str) -> str:

@@ -7,6 +7,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import random
+import re
 import signal
 import subprocess
 import sys
@@ -129,6 +131,10 @@ class FakeBackend:
         self.hang_inside = 0  # bytes of the next event sent before that hang (its rest after)
         self.hang_s = 60.0
         self.padding = 0  # characters of padding in each event
+        # A stream's body as written, one write a piece (each its own chunk of the answer), in place of the
+        # events above; then the answer ends ("end"), its connection is dropped ("break"), or it hangs ("hang").
+        self.script: list[bytes] | None = None
+        self.script_end = "end"
         # Each completion waits (up to 5 s) until this many are in flight at once; the most seen is recorded.
         self.hold_until = 0
         self.in_flight = self.peak_in_flight = 0
@@ -207,6 +213,8 @@ class FakeBackend:
             return web.json_response({"backend": self.name, "chunks": self.chunks}, headers={"X-Backend": self.name})
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Backend": self.name})
         await response.prepare(request)
+        if self.script is not None:
+            return await self._scripted(request, response, self.script)
         try:
             for i in range(self.chunks):
                 if i == self.break_after and request.transport is not None:
@@ -228,6 +236,21 @@ class FakeBackend:
                 await asyncio.sleep(self.hang_s)
             if self.break_after == self.chunks and request.transport is not None:
                 request.transport.close()  # dies after its [DONE], before the answer's end
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.disconnected.set()
+            raise
+        return response
+
+    async def _scripted(self, request: web.Request, response: web.StreamResponse,
+                        script: list[bytes]) -> web.StreamResponse:
+        try:
+            for piece in script:
+                await response.write(piece)
+                await asyncio.sleep(0.002)  # (so that the pieces come apart, as separate reads, to the router)
+            if self.script_end == "break" and request.transport is not None:
+                request.transport.close()  # the backend dies mid-answer
+            elif self.script_end == "hang":
+                await asyncio.sleep(self.hang_s)
         except (asyncio.CancelledError, ConnectionResetError):
             self.disconnected.set()
             raise
@@ -521,18 +544,196 @@ def test_a_backend_that_breaks_off_after_its_done_event_ends_the_clients_stream_
     _run(body)
 
 
-def test_a_backend_that_breaks_off_inside_an_event_cuts_the_clients_stream_quietly(
+def _data_lines(data: bytes) -> list[Any]:
+    """The data fields of a server-sent event stream framed in any of its line ends (LF, CRLF, CR), each parsed:
+    JSON, or "[DONE]". A field that is no JSON (part of an event) fails the test."""
+    values: list[Any] = []
+    for line in re.split(rb"\r\n|\r|\n", data):
+        if line.startswith(b"data:"):
+            text = line.removeprefix(b"data:").removeprefix(b" ")
+            values.append("[DONE]" if text == b"[DONE]" else json.loads(text))
+    return values
+
+
+def _stream_events(n: int, newline: bytes = b"\n") -> list[bytes]:
+    """`n` events as a server frames them, with `newline` as the line end."""
+    return [b'data: {"backend": "a", "i": %d}' % i + newline * 2 for i in range(n)]
+
+
+async def _scripted_answer(backend: FakeBackend) -> tuple[bytes, str]:
+    """A stream through the router from `backend` (its script): what the client got, and the router's metrics."""
+    async with routed([backend]) as (_, base), aiohttp.ClientSession() as session:
+        status, headers, data = await _post(session, base)
+        metrics = await (await session.get(base + "/metrics")).text()
+    assert status == 200 and headers["Content-Type"] == "text/event-stream"
+    return data, metrics
+
+
+def _event_ends(data: bytes) -> set[int]:
+    """Where `data[:p]` ends at an event's end (just past a blank line, or its CRLF's LF), per the SSE spec's
+    lines: the reference for `_EventStream`, a byte at a time."""
+    ends, line, after_cr, blank_cr = {0}, 0, False, False
+    for i, byte in enumerate(data):
+        if byte == 0x0A and after_cr:  # the LF of a CRLF
+            after_cr = False
+            if blank_cr:
+                ends.add(i + 1)
+        elif byte in (0x0A, 0x0D):
+            if line == 0:
+                ends.add(i + 1)
+            blank_cr, after_cr, line = line == 0 and byte == 0x0D, byte == 0x0D, 0
+        else:
+            after_cr, line = False, line + 1
+    return ends
+
+
+def test_an_event_stream_is_passed_on_in_whole_events_however_it_is_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`_EventStream` against the spec's line rules, on random streams (LF, CRLF and CR framings mixed, a last
+    event without its blank line) cut into random chunks: what it passes on always ends at an event's end (the
+    LF of a CRLF may wait for the next chunk) unless an event outgrew the limit, holds back no whole event, knows
+    a [DONE] out; with what it holds at the end, it is the stream unchanged."""
+    rng = random.Random(7)
+    for _ in range(3000):
+        monkeypatch.setattr(router_app, "MAX_HELD_EVENT_BYTES", rng.choice([1 << 20, 24]))
+        events = []
+        for _ in range(rng.randint(0, 5)):
+            newline = rng.choice(["\n", "\r\n", "\r"])
+            lines = [f'data: {{"i": {rng.randint(0, 99)}}}' for _ in range(rng.randint(1, 2))]
+            events.append(newline.join(lines) + newline * rng.randint(2, 3))
+        if rng.random() < 0.3:
+            events.append(rng.choice(["\n", "\r\n", "\r"]).join(["data: [DONE]", "", ""]))
+        data = ("".join(events) + rng.choice(["", "data: last", ": x\r"])).encode()
+        ends, stream, passed, pos = _event_ends(data), router_app._EventStream(), b"", 0
+        while pos < len(data):
+            n = rng.randint(1, 12)
+            passed += stream.take(data[pos:pos + n])
+            pos += n
+            assert data.startswith(passed) and len(stream.held) <= router_app.MAX_HELD_EVENT_BYTES
+            if not stream.inside:
+                last = max(end for end in ends if end <= pos)
+                assert len(passed) == last or (len(passed) == last - 1 and data[last - 2:last] == b"\r\n"), data
+                text = passed.rstrip(b"\r\n")
+                done = re.search(rb"(^|[\r\n])data: \[DONE\]$", text) is not None
+                assert stream.done == done or not passed, data
+        assert passed + stream.flush() == data
+
+
+def test_a_backend_that_breaks_off_inside_an_event_ends_the_clients_stream_with_whole_events(
         caplog: pytest.LogCaptureFixture) -> None:
-    """Cut inside an event, the stream cannot take another: the client's is cut too (never looks complete)."""
+    """Cut inside an event, the stream is ended as one cut between two: the router passes on whole events only
+    (it held the event's start back), drops that part and ends the stream with the error event and [DONE]; every
+    data line the client got parses."""
     async def body() -> None:
         backend = FakeBackend("a", chunks=5, delay_s=0.0)
         backend.break_after, backend.break_inside = 2, b'data: {"backend": "a", "i"'
-        async with routed([backend]) as (app, base), aiohttp.ClientSession() as session:
-            with pytest.raises(aiohttp.ClientPayloadError):  # not an answer that looks complete
-                await _post(session, base)
-            metrics = await (await session.get(base + "/metrics")).text()
+        data, metrics = await _scripted_answer(backend)
+        values = _data_lines(data)  # (no broken JSON)
+        assert values[:2] == [{"backend": "a", "i": 0}, {"backend": "a", "i": 1}] and values[3:] == ["[DONE]"], data
+        assert values[2]["error"]["code"] == 503 and backend.url in values[2]["error"]["message"], data
+        assert data.startswith(b"".join(_stream_events(2))) and data.endswith(b"\n\ndata: [DONE]\n\n"), data
         assert f'kvserve_router:requests_total{{backend="{backend.url}",code="stream_error"}} 1.0' in metrics
-    assert "broke off (ClientPayloadError): cutting the client's stream" in _run_quietly(body, caplog)
+    text = _run_quietly(body, caplog)
+    assert "broke off (ClientPayloadError): ending the client's stream with an error event" in text
+    assert "broke off: dropping the 26 bytes of an unfinished event" in text
+    assert [r.levelno for r in caplog.records if "dropping the" in r.getMessage()] == [logging.WARNING]
+
+
+@pytest.mark.parametrize(("newline", "cut"), [
+    *[pytest.param(newline, cut, id=f"{name}-{cut.replace(' ', '-')}")
+      for newline, name in ((b"\r\n", "crlf"), (b"\r", "cr"))
+      for cut in ("between", "in the data line", "before the blank line")],
+    pytest.param(b"\r\n", "in the blank line", id="crlf-in-the-blank-line")])
+def test_a_stream_framed_in_crlf_or_cr_that_breaks_off_ends_in_its_framing(newline: bytes, cut: str) -> None:
+    """Events framed in CRLF (or CR, as the SSE spec allows), cut between two events or anywhere inside one: the
+    client gets the whole events as they came, then the error event and [DONE] framed as the backend framed its
+    own (no broken JSON, no mixed line ends)."""
+    whole = _stream_events(2, newline)
+    partial = {"between": b"", "in the data line": b'data: {"backend": "a", "i"',
+               "before the blank line": b'data: {"backend": "a", "i": 2}' + newline,
+               "in the blank line": b""}[cut]
+    if cut == "in the blank line":  # the blank line's CRLF cut in two: its CR came, its LF not
+        whole[-1] = whole[-1][:-1]
+
+    async def body() -> None:
+        backend = FakeBackend("a")
+        backend.script, backend.script_end = [*whole, *([partial] if partial else [])], "break"
+        data, _ = await _scripted_answer(backend)
+        assert data.startswith(b"".join(whole)), data
+        rest = data[len(b"".join(whole)):]
+        values = _data_lines(data)
+        assert values[:2] == [{"backend": "a", "i": 0}, {"backend": "a", "i": 1}] and values[3:] == ["[DONE]"], data
+        assert values[2]["error"]["code"] == 503, data
+        assert re.fullmatch(rb"data: \{.*\}" + newline * 2 + rb"data: \[DONE\]" + newline * 2, rest), rest
+    _run(body)
+
+
+def test_an_event_split_across_many_chunks_passes_unchanged() -> None:
+    """Events that come a byte at a time (LF, CRLF and CR framings, a comment): at the stream's end the client
+    has every byte as the backend sent it."""
+    sent = b"".join([*_stream_events(2), b": keep-alive\r\n\r\n", *_stream_events(2, b"\r\n"),
+                     *_stream_events(1, b"\r"), b"data: [DONE]\r\n\r\n"])
+
+    async def body() -> None:
+        backend = FakeBackend("a")
+        backend.script = [sent[i:i + 1] for i in range(len(sent))]
+        data, _ = await _scripted_answer(backend)
+        assert data == sent
+    _run(body)
+
+
+@pytest.mark.parametrize("last", [b'data: {"backend": "a", "i": 9}', b'data: {"backend": "a", "i": 9}\n',
+                                  b"data: [DONE]\r\n", b"data: [DONE]\r"],
+                         ids=["no-line-end", "one-lf", "done-one-crlf", "done-one-cr"])
+def test_a_last_event_without_its_blank_line_passes_unchanged_at_the_end(last: bytes) -> None:
+    """A backend whose last event lacks its blank line (or part of it): at the answer's normal end the router
+    passes on what it held back as it came."""
+    sent = [*_stream_events(2, b"\r\n" if b"\r" in last else b"\n"), last[:5], last[5:]]
+
+    async def body() -> None:
+        backend = FakeBackend("a")
+        backend.script = sent
+        data, _ = await _scripted_answer(backend)
+        assert data == b"".join(sent)
+    _run(body)
+
+
+@pytest.mark.parametrize("after", [b"", b": ping"], ids=["at-once", "inside-a-comment"])
+def test_a_crlf_stream_that_breaks_off_after_its_done_event_ends_as_it_was(after: bytes) -> None:
+    """Cut after its [DONE] (CRLF framing; then at once or inside a last comment): nothing is added."""
+    whole = [*_stream_events(2, b"\r\n"), b"data: [DONE]\r\n\r\n"]
+
+    async def body() -> None:
+        backend = FakeBackend("a")
+        backend.script, backend.script_end = [*whole, *([after] if after else [])], "break"
+        data, _ = await _scripted_answer(backend)
+        assert data == b"".join(whole)
+    _run(body)
+
+
+def test_an_event_over_the_held_limit_passes_as_it_comes_and_a_break_inside_it_cuts(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The router holds back at most MAX_HELD_EVENT_BYTES of an event: a longer one passes as it comes (whole at
+    a normal end); a break inside such an event cuts the client's stream (it never looks complete)."""
+    monkeypatch.setattr(router_app, "MAX_HELD_EVENT_BYTES", 64)
+    big = b'data: {"pad": "' + b"x" * 300 + b'"}\n\n'
+    pieces = [*_stream_events(1), *[big[i:i + 50] for i in range(0, len(big), 50)], *_stream_events(1)]
+
+    async def body() -> None:
+        backend = FakeBackend("a")
+        backend.script = pieces
+        data, _ = await _scripted_answer(backend)
+        assert data == b"".join(pieces)
+        backend.script, backend.script_end = pieces[:4], "break"  # 100 bytes into the big event
+        async with routed([backend]) as (_, base), aiohttp.ClientSession() as session:
+            async with session.post(base + "/v1/completions", json={"prompt": "x", "stream": True}) as response:
+                got = b""
+                with pytest.raises(aiohttp.ClientPayloadError):  # not an answer that looks complete
+                    while chunk := await response.content.readany():
+                        got += chunk
+        assert got == b"".join(pieces[:4]), got  # (the big event's start: passed on as it came)
+    text = _run_quietly(body, caplog)
+    assert "over 64 bytes (MAX_HELD_EVENT_BYTES): passed on as it comes" in text
+    assert "broke off (ClientPayloadError): cutting the client's stream" in text
 
 
 def test_a_backend_silent_mid_stream_ends_the_clients_stream_with_a_504_event() -> None:
@@ -587,35 +788,65 @@ def test_ending_the_requests_in_flight_leaves_a_stream_whose_done_is_out_as_it_w
     _run(body)
 
 
-def test_ending_the_requests_in_flight_finishes_the_event_under_way_first(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A stream ended while an event is under way (the router passes on what it gets, which may be part of an
-    event) gets the rest of that event from the backend first (within END_IN_FLIGHT_S), then the error event
-    and [DONE]."""
-    monkeypatch.setattr(router_app, "END_IN_FLIGHT_S", 5.0)  # (the backend's 0.5 s hold, with room on a busy CPU)
+def _reads_at_the_router(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """Every chunk that aiohttp's StreamReader.readany hands out from now on (the router's reads of its backends'
+    answers among them), so that a test can wait until the router has a given piece."""
+    reads: list[bytes] = []
+    original = aiohttp.StreamReader.readany
+
+    async def readany(self: aiohttp.StreamReader) -> bytes:
+        chunk = await original(self)
+        reads.append(chunk)
+        return chunk
+
+    monkeypatch.setattr(aiohttp.StreamReader, "readany", readany)
+    return reads
+
+
+@pytest.mark.parametrize("newline", [b"\n", b"\r\n"], ids=["lf", "crlf"])
+def test_ending_the_requests_in_flight_drops_the_part_of_an_event_held_back(
+        newline: bytes, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A stream ended (the router's second signal) while its backend has sent part of an event and then nothing:
+    the router held that part back, so the client gets the whole events, then (at once) the error event and
+    [DONE] in the backend's framing; the part is dropped."""
+    whole = _stream_events(2, newline)
+    partial = b'data: {"backend": "a", "i": 2' + (newline if newline == b"\r\n" else b"")
+    reads = _reads_at_the_router(monkeypatch)
 
     async def body() -> None:
-        backend = FakeBackend("a", chunks=5, delay_s=0.0)
-        backend.hang_after, backend.hang_inside, backend.hang_s = 2, 10, 0.5  # 10 bytes of event 2, then its rest
+        backend = FakeBackend("a")
+        backend.script, backend.script_end = [*whole, partial], "hang"
         async with routed([backend]) as (app, base), aiohttp.ClientSession() as session:
             async with session.post(base + "/v1/completions", json={"prompt": "x", "stream": True}) as response:
-                data = await response.content.readuntil(b'"i": 1}\n\n')
-                data += await response.content.readexactly(10)
-                app.end_in_flight()
+                data = await response.content.readuntil(whole[-1])
+                while partial not in reads:  # the router has it
+                    await asyncio.sleep(0.01)
+                assert app.end_in_flight() == 1
                 data += await asyncio.wait_for(response.content.read(), 5)
-        events = _events(data)
-        assert [json.loads(e) for e in events[:3]] == [{"backend": "a", "i": i} for i in range(3)], data
-        assert json.loads(events[3])["error"]["code"] == 503 and events[4:] == ["[DONE]"], data
-    _run(body)
+        assert data.startswith(b"".join(whole)), data
+        values = _data_lines(data)
+        assert values[:2] == [{"backend": "a", "i": 0}, {"backend": "a", "i": 1}] and values[3:] == ["[DONE]"], data
+        assert values[2]["error"]["message"] == "the router is shutting down", data
+        assert data.endswith(newline * 2 + b"data: [DONE]" + newline * 2), data
+    text = _run_quietly(body, caplog)
+    assert f"the router is shutting down: dropping the {len(partial)} bytes of an unfinished event" in text
 
 
 def test_ending_the_requests_in_flight_again_ends_each_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """More signals (or the drain's time over) while a stream's end is under way: each request is ended once,
-    so no second answer (a 503's status line and headers) is written into the stream."""
-    monkeypatch.setattr(router_app, "END_IN_FLIGHT_S", 5.0)
+    so no second answer (a 503's status line and headers) is written into the stream, and its end is not cut
+    short."""
+    original = RouterApp._end_started
+
+    async def slow_end(self: RouterApp, *args: Any) -> None:
+        await asyncio.sleep(1.0)  # the end under way (as one that waits for a slow client) while signals come
+        await original(self, *args)
+
+    monkeypatch.setattr(RouterApp, "_end_started", slow_end)
 
     async def body() -> None:
         backend = FakeBackend("a", chunks=5, delay_s=0.0)
-        backend.hang_after, backend.hang_inside, backend.hang_s = 2, 10, 1.0  # its end waits on the event's rest
+        backend.hang_after, backend.hang_inside, backend.hang_s = 2, 10, 1.0  # 10 bytes of event 2 (held back)
         async with routed([backend]) as (app, base):
             reader, writer = await asyncio.open_connection("127.0.0.1", int(base.rsplit(":", 1)[1]))
             payload = json.dumps({"prompt": "x", "stream": True}).encode()
@@ -669,10 +900,12 @@ def test_route_command_a_signal_during_start_up_stops_it_cleanly() -> None:
     _run(body)
 
 
-def test_ending_the_requests_in_flight_cuts_a_stream_whose_event_does_not_end(
-        caplog: pytest.LogCaptureFixture) -> None:
-    """Its backend silent inside an event, a stream cannot take another within END_IN_FLIGHT_S: it is cut (never
-    looks complete)."""
+def test_ending_the_requests_in_flight_cuts_a_stream_inside_an_event_over_the_held_limit(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Its backend silent inside an event longer than MAX_HELD_EVENT_BYTES (passed on as it came), a stream
+    cannot take another: it is cut (never looks complete)."""
+    monkeypatch.setattr(router_app, "MAX_HELD_EVENT_BYTES", 10)
+
     async def body() -> None:
         backend = FakeBackend("a", chunks=3, delay_s=0.0)
         backend.hang_after, backend.hang_inside = 1, 20  # silent after 20 bytes of event 1
@@ -683,7 +916,7 @@ def test_ending_the_requests_in_flight_cuts_a_stream_whose_event_does_not_end(
                 app.end_in_flight()
                 with pytest.raises(aiohttp.ClientPayloadError):  # not an answer that looks complete
                     await asyncio.wait_for(response.content.read(), 5)
-    assert "cutting the client's answer (its end could not be sent within 1 s)" in _run_quietly(body, caplog)
+    assert "cutting the client's answer (inside an event over 10 bytes)" in _run_quietly(body, caplog)
 
 
 def test_ending_the_requests_in_flight_is_bounded_for_a_client_that_does_not_read(
