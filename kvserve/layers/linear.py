@@ -25,6 +25,16 @@ fp8 checkpoints (a `QuantConfig` of method "fp8"): the layer is built with `weig
 place of `weight`, and loads the checkpoint's float8_e4m3fn `weight` rows and its `weight_scale` (a scalar per
 tensor, repeated over the tensor's rows, or one per output row) by the same shard placement; from then on it
 is the layer `quantize_fp8` leaves. A row-parallel rank keeps every output row's scale (it spans all columns).
+
+Block-wise fp8 checkpoints (`QuantConfig.weight_block` = (bn, bk): a float32 scale per bn x bk block of each
+checkpoint weight, [ceil(N / bn), ceil(K / bk)]) load into the same `weight_fp8` / `weight_scale` layer: the
+weight's rows are placed as above, each shard's block scales are kept whole (`fp8_blocks.Fp8Blocks`, a float
+per 128 x 128 block) until `finish_loading`, which dequantizes this rank's rows and columns of each shard (e4m3 times
+its block's scale in float32, cast to the model's dtype: what a dense checkpoint of those values holds) and
+requantizes them per output row with `ops.quantize_rows_fp8`, the function `quantize_fp8` uses. The fp8 matmuls
+are unchanged and every rank holds exactly what `quantize_fp8` makes of the dense layer's share (a shard or
+rank boundary may fall inside a block: scales are looked up per row and per column); outputs differ slightly
+from an engine that applies the block scales inside its matmul (the load logs it).
 """
 
 from __future__ import annotations
@@ -38,10 +48,14 @@ from torch import nn
 
 from kvserve import distributed
 from kvserve.kernels import ops
+from kvserve.layers.fp8_blocks import Fp8Blocks, dequantize
 from kvserve.layers.quantization import PackedWeight, QuantConfig, QuantizedWeights
 from kvserve.model.paths import ModelLoadError
 
 logger = logging.getLogger(__name__)
+
+# Rows a block-wise fp8 layer dequantizes at a time in `finish_loading` (bounds its float32 temporaries).
+_REQUANTIZE_ROWS = 4096
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Hashable = None) -> None:
@@ -93,6 +107,8 @@ class Linear(nn.Module):
         # --quantization fp8, after loading (`quantize_fp8`): float8_e4m3fn [N, K] and float32 [N]; weight is None.
         self.weight_fp8: nn.Parameter | None = None
         self.weight_scale: nn.Parameter | None = None
+        # A block-wise fp8 checkpoint's block scales while it loads (None otherwise, and after `finish_loading`).
+        self.fp8_blocks: Fp8Blocks | None = None
         if quant is None:
             self.weight = self._make_param((output_size, input_size), dtype)
         elif quant.method == "fp8":
@@ -103,6 +119,11 @@ class Linear(nn.Module):
             self.weight_scale = _new_param((output_size,), torch.float32, self.shard_ids())
             self.weight_scale.weight_loader = self._fp8_scale_loader  # type: ignore[attr-defined]
             self.weight_scale.dummy_fill = _dummy_fp8_scale  # type: ignore[attr-defined]
+            if quant.weight_block is not None:
+                # weight_scale is computed by finish_loading; the checkpoint's block scales load into fp8_blocks.
+                self.fp8_blocks = Fp8Blocks(quant.weight_block)
+                self.weight_scale.weight_loader = self._fp8_block_scale_loader  # type: ignore[attr-defined]
+                self.weight_scale.dummy_fill = self._dummy_fp8_block_scale  # type: ignore[attr-defined]
         else:
             self.weight = None
             row_share = (self.tp_rank, self.tp_size) if self.row_parallel else None
@@ -145,6 +166,22 @@ class Linear(nn.Module):
         if loaded.dtype != torch.float8_e4m3fn:
             raise ValueError(f"an fp8 checkpoint's weight must be float8_e4m3fn, got {loaded.dtype}")
         self.weight_loader(param, loaded, shard_id)
+        if self.fp8_blocks is not None:
+            self.fp8_blocks.add_weight(shard_id, tuple(loaded.shape))
+
+    def _fp8_block_scale_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Hashable = None) -> None:
+        """A block-wise fp8 checkpoint's scales (`weight_scale_inv`, or compressed-tensors' `weight_scale`): float
+        [ceil(N / bn), ceil(K / bk)] of the whole checkpoint tensor, kept (every rank's, in float32) until
+        `finish_loading`; checked against the weight's shape once both are in."""
+        assert self.fp8_blocks is not None
+        self._shard_rows(shard_id)  # ValueError for a shard id this layer does not have
+        self.fp8_blocks.add_scales(shard_id, loaded, param.device)
+
+    def _dummy_fp8_block_scale(self, param: nn.Parameter, generator: torch.Generator) -> None:
+        """`--load-format dummy`: the dummy fp8 weight with `_dummy_fp8_scale`'s scale per row, nothing to
+        requantize."""
+        _dummy_fp8_scale(param, generator)
+        self.fp8_blocks = None
 
     def _fp8_scale_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Hashable = None) -> None:
         """An fp8 checkpoint's weight scale: one for the tensor (repeated over the shard's rows here) or one
@@ -160,7 +197,7 @@ class Linear(nn.Module):
             loaded = loaded.reshape(-1)
         if loaded.dim() != 1:
             raise ValueError(f"a weight scale of shape {tuple(loaded.shape)}: one per tensor or per output row "
-                             "is supported (block-wise scales are not)")
+                             "is supported (block-wise scales where the quantization_config gives their block size)")
         if self.shard_ids() == (None,):
             default_weight_loader(param, loaded, shard_id)
             return
@@ -184,7 +221,9 @@ class Linear(nn.Module):
     def finish_loading(self) -> None:
         """After every checkpoint tensor is in: a quantized layer packs its tensors for the GPU's quantized
         matmul (CUDA) or becomes a dense layer of the weight they stand for (other devices); an fp8 one checks
-        its scales."""
+        its scales (a block-wise one first requantizes its weight per output row: `_requantize_blocks`)."""
+        if self.fp8_blocks is not None:
+            self._requantize_blocks()
         if self.weight_scale is not None and self.weight is None and self.quantized is None:
             scale = self.weight_scale.data
             bad = ~(torch.isfinite(scale) & (scale >= 0))
@@ -207,6 +246,33 @@ class Linear(nn.Module):
                            "its weight is dequantized once and kept dense", packed.input_size, packed.output_size,
                            packed.group_rows)
         self.weight = nn.Parameter(packed.dense(self.dtype), requires_grad=False)
+
+    def _requantize_blocks(self) -> None:
+        """A block-wise fp8 layer's weight as `quantize_fp8` makes it of the dense layer: this rank's rows and
+        columns of each shard dequantized (e4m3 x its block's scale in float32, cast to the model's dtype) and
+        quantized per output row by `ops.quantize_rows_fp8`, into `weight_fp8` / `weight_scale`; the block scales
+        are released. ModelLoadError for a shard without its weight or block scales, or a scale that is negative or
+        not finite."""
+        blocks = self.fp8_blocks
+        assert blocks is not None and self.weight_fp8 is not None and self.weight_scale is not None
+        first_column = self.tp_rank * self.input_size if self.row_parallel else 0
+        column_blocks = torch.arange(first_column, first_column + self.input_size,
+                                     device=self.weight_fp8.device) // blocks.block[1]
+        for shard in self.shard_ids():
+            every_row = blocks.row_scales(shard)
+            start, size, total, offset = self.place(torch.empty(0), shard, every_row.shape[0])
+            try:  # this rank's rows, as its weight rows were taken
+                row_scales = _rank_rows(every_row, start, size, self.tp_size, total)
+            except ValueError as exc:
+                raise ModelLoadError(f"shard {shard!r}: {exc}") from None
+            for first in range(0, size, _REQUANTIZE_ROWS):
+                count = min(_REQUANTIZE_ROWS, size - first)
+                w8 = self.weight_fp8.data.narrow(0, offset + first, count)
+                weight = dequantize(w8, row_scales.narrow(0, first, count), column_blocks, self.dtype)
+                q, row_scale = ops.quantize_rows_fp8(weight)
+                w8.copy_(q)
+                self.weight_scale.data.narrow(0, offset + first, count).copy_(row_scale)
+        self.fp8_blocks = None
 
     def quantize_fp8(self) -> tuple[int, int]:
         """Replace the loaded dense weight [N, K] by its per-output-channel fp8 quantization

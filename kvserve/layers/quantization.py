@@ -5,7 +5,15 @@ float 8-bit weights, FBGEMM's "fbgemm_fp8") store each linear layer's weight in 
 scale per tensor or per output channel (`weight_scale`); `parse_quant_config` gives them method "fp8", and such a
 layer (`layers.linear`) holds them as `--quantization fp8` holds what it quantizes at load (per output channel: a
 tensor's scale is repeated over its rows). Activations are quantized per token at run time, as online fp8 does;
-a checkpoint's static activation scales (`input_scale`) are not read. Block-wise scales are refused.
+a checkpoint's static activation scales (`input_scale`) are not read.
+
+Block-wise fp8 checkpoints (vLLM's "fp8" with `weight_block_size` [bn, bk], as DeepSeek's and Qwen's own FP8
+releases; compressed-tensors' strategy "block" with `block_structure`) store a float32 scale per bn x bk block
+of the weight [N, K], shape [ceil(N / bn), ceil(K / bk)] (`weight_scale_inv`, or `weight_scale` in
+compressed-tensors; it multiplies despite the name). `QuantConfig.weight_block` holds (bn, bk); such a layer
+dequantizes its weight with the block scales after loading and requantizes it per output channel as
+`--quantization fp8` does (`Linear.finish_loading`), so its outputs differ slightly from an engine that applies
+the block scales inside its matmul.
 
 Both formats store, per linear layer, integer weights `q` packed into int32 words, and per group of
 `group_size` input rows a scale `s` and a zero point `z` for every output column; the weight is
@@ -65,6 +73,8 @@ class QuantConfig:
     expression matched at the start of the layer's name (compressed-tensors' `ignore`).
     static_activations: the checkpoint has static activation scales (fp8; not read: tokens are quantized each
     with its own scale).
+    weight_block: (rows, columns) of the weight each fp8 scale covers in a block-wise checkpoint, None for scales
+    per tensor or output channel.
     """
 
     method: str
@@ -73,6 +83,7 @@ class QuantConfig:
     zero_offset: int = 0
     skip_modules: tuple[str, ...] = ()
     static_activations: bool = False
+    weight_block: tuple[int, int] | None = None
 
     @property
     def pack(self) -> int:
@@ -172,14 +183,16 @@ def parse_quant_config(raw: dict[str, Any], where: str) -> QuantConfig:
 
 def _parse_fp8(raw: dict[str, Any], method: str, where: str) -> QuantConfig:
     """An fp8 checkpoint's `quantization_config` -> QuantConfig("fp8"); ModelLoadError for what it cannot run
-    (block-wise scales, weights that are not float 8-bit, some layers quantized otherwise)."""
+    (weights that are not float 8-bit, block sizes that are not two positive integers, some layers quantized
+    otherwise)."""
     def refuse(what: str) -> ModelLoadError:
-        return ModelLoadError(f"{where}: {what} is not supported (fp8 checkpoints with a scale per tensor or per "
-                              "output channel are; or run the unquantized checkpoint with --quantization fp8)")
+        return ModelLoadError(f"{where}: {what} is not supported (fp8 checkpoints with a scale per tensor, per "
+                              "output channel or per block are; or run the unquantized checkpoint with "
+                              "--quantization fp8)")
 
-    if method == "fp8":  # vLLM's own format (AutoFP8, transformers' fp8 exports)
-        if raw.get("weight_block_size"):
-            raise refuse(f"fp8 with block-wise scales (weight_block_size {raw['weight_block_size']})")
+    if method == "fp8":  # vLLM's own format (AutoFP8, transformers' fp8 exports, DeepSeek's / Qwen's FP8 releases)
+        block = raw.get("weight_block_size")
+        weight_block = None if block is None else _block_size(block, "weight_block_size", where)
         scheme = str(raw.get("activation_scheme", "dynamic")).lower()
         if scheme not in ("dynamic", "static"):
             raise refuse(f"fp8 activation_scheme {scheme!r}")
@@ -189,7 +202,7 @@ def _parse_fp8(raw: dict[str, Any], method: str, where: str) -> QuantConfig:
         # (transformers writes the list as modules_to_not_convert)
         skip = raw.get("ignored_layers") or raw.get("modules_to_not_convert") or []
         return QuantConfig("fp8", 8, -1, skip_modules=tuple(str(s) for s in skip),
-                           static_activations=scheme == "static")
+                           static_activations=scheme == "static", weight_block=weight_block)
     if method == "fbgemm_fp8":  # per-channel weights, dynamic per-token activations
         skip = raw.get("modules_to_not_convert") or []
         return QuantConfig("fp8", 8, -1, skip_modules=tuple(str(s) for s in skip))
@@ -215,10 +228,12 @@ def _parse_fp8(raw: dict[str, Any], method: str, where: str) -> QuantConfig:
     strategy = str(weights.get("strategy", "")).lower()
     if weights.get("num_bits") != 8 or str(weights.get("type", "")).lower() != "float":
         raise refuse(f"compressed-tensors weights of {weights.get('num_bits')} bits, type {weights.get('type')!r}")
-    if strategy not in ("tensor", "channel") or weights.get("dynamic") or not weights.get("symmetric", True):
+    if strategy not in ("tensor", "channel", "block") or weights.get("dynamic") or not weights.get("symmetric", True):
         raise refuse(f"compressed-tensors fp8 weights with strategy {strategy!r}"
                      + (", dynamic" if weights.get("dynamic") else "")
                      + ("" if weights.get("symmetric", True) else ", asymmetric"))
+    weight_block = (_block_size(weights.get("block_structure"), "compressed-tensors block_structure", where)
+                    if strategy == "block" else None)
     activations = group.get("input_activations")
     static = False
     if activations:
@@ -227,7 +242,18 @@ def _parse_fp8(raw: dict[str, Any], method: str, where: str) -> QuantConfig:
                          f"{activations.get('type')!r}")
         static = not activations.get("dynamic", False)
     skip = raw.get("ignore") or []
-    return QuantConfig("fp8", 8, -1, skip_modules=tuple(str(s) for s in skip), static_activations=static)
+    return QuantConfig("fp8", 8, -1, skip_modules=tuple(str(s) for s in skip), static_activations=static,
+                       weight_block=weight_block)
+
+
+def _block_size(value: Any, key: str, where: str) -> tuple[int, int]:
+    """A block-wise fp8 checkpoint's block size ([rows, columns] of the weight a scale covers) as a pair of
+    positive ints; ModelLoadError, naming `where` and `key`, for anything else."""
+    if (not isinstance(value, (list, tuple)) or len(value) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
+        raise ModelLoadError(f"{where}: {key} {value!r} is not supported: block-wise fp8 scales need a block size of "
+                             "two positive integers, [rows, columns] (e.g. [128, 128])")
+    return int(value[0]), int(value[1])
 
 
 # ---------------------------------------------------------------------------------- packing arithmetic

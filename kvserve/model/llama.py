@@ -384,7 +384,9 @@ class LlamaForCausalLM(CausalLM):
         # named_parameters() lists a tied lm_head once, under model.embed_tokens.
         params = dict(self.named_parameters())
         loaded: dict[str, set[Hashable]] = {name: set() for name in params}
-        fp8_checkpoint = self.arch.quantization is not None and self.arch.quantization.method == "fp8"
+        quant = self.arch.quantization
+        fp8_checkpoint = quant is not None and quant.method == "fp8"
+        block_fp8 = quant is not None and quant.method == "fp8" and quant.weight_block is not None
         # layer -> {"k" / "v" / "kv": (value, checkpoint name)}
         kv_scales: dict[int, dict[str, tuple[float, str]]] = {}
         for ckpt_name, tensor in weights:
@@ -407,6 +409,16 @@ class LlamaForCausalLM(CausalLM):
             if param is None and param_name.endswith(".weight") and f"{param_name}_fp8" in params:
                 param_name = f"{param_name}_fp8"  # an fp8 checkpoint's layer (`Linear.weight_fp8`)
                 param = params[param_name]
+            if param is None and param_name.endswith(".weight_scale_inv") and param_name[: -len("_inv")] in params:
+                # a block-wise fp8 checkpoint's scales go to the layer's weight_scale (`Linear.fp8_blocks`)
+                if not block_fp8:
+                    raise ModelLoadError(f"checkpoint tensor {ckpt_name!r} holds block-wise fp8 scales, but the "
+                                         "quantization_config gives no weight_block_size")
+                param_name = param_name[: -len("_inv")]
+                param = params[param_name]
+            if fp8_checkpoint and param is None and ckpt_name.endswith((".weight_scale", ".weight_scale_inv")):
+                raise ModelLoadError(f"checkpoint tensor {ckpt_name!r} is an fp8 weight scale, but its layer is not an "
+                                     "fp8 layer of this model (an fp8 LM head or embedding is not supported)")
             if fp8_checkpoint and param is None and ckpt_name.endswith(_FP8_ACTIVATION_SUFFIXES):
                 continue
             if param is not None and tensor.dtype in _FP8_DTYPES and param.dtype != torch.float8_e4m3fn:

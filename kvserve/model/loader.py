@@ -59,6 +59,11 @@ def load_model(model_config: ModelConfig, device: torch.device, kv_cache_dtype: 
             summary = quantize_fp8_layers(model)
         elif arch.quantization is not None and arch.quantization.method == "fp8":
             summary = fp8_checkpoint_layers(model)
+            if arch.quantization.weight_block is not None and model_config.load_format != "dummy":
+                logger.warning("the fp8 checkpoint's weights have block-wise scales (blocks of %d x %d): each weight was "
+                               "dequantized with them at load and requantized per output channel, as --quantization fp8 "
+                               "quantizes, so outputs differ slightly from an engine that applies the block scales in "
+                               "its matmul", *arch.quantization.weight_block)
             if arch.quantization.static_activations:
                 logger.info("the fp8 checkpoint's static activation scales are not used: where activations are "
                             "quantized (past the skinny matmul's rows), each token gets its own scale at run time")

@@ -162,13 +162,17 @@ def test_dummy_weights_with_an_fp8_config(checkpoints: dict[str, str], tmp_path:
 
 
 @pytest.mark.parametrize(("quant", "message"), [
-    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, r"block-wise scales \(weight_block_size \[128, 128\]\)"),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, r"weight_block_size \[128\] is not supported: block-wise fp8 "
+                                                          r"scales need a block size of two positive integers"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, r"fp8 weights in e5m2"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, r"format 'pack-quantized'"),
     ({**compressed_tensors("channel"), "config_groups": {"a": {"targets": ["Linear"], "weights": {
         "num_bits": 4, "type": "int", "strategy": "group"}}}}, r"weights of 4 bits, type 'int'"),
     ({**compressed_tensors("channel"), "config_groups": {"a": {"targets": ["Linear"], "weights": {
-        "num_bits": 8, "type": "float", "strategy": "block"}}}}, r"fp8 weights with strategy 'block'"),
+        "num_bits": 8, "type": "float", "strategy": "group"}}}}, r"fp8 weights with strategy 'group'"),
+    ({**compressed_tensors("channel"), "config_groups": {"a": {"targets": ["Linear"], "weights": {
+        "num_bits": 8, "type": "float", "strategy": "block"}}}}, r"compressed-tensors block_structure None is not "
+                                                                 r"supported"),
     ({**compressed_tensors("channel"), "config_groups": {"a": {"targets": ["re:.*q_proj"], "weights": {
         "num_bits": 8, "type": "float", "strategy": "channel"}}}}, r"targets \['re:.\*q_proj'\]"),
     ({"quant_method": "modelopt"}, r"'modelopt' is not supported; .*ModelOpt checkpoints are not read"),
