@@ -404,3 +404,27 @@ def test_an_fp8_checkpoint_gives_what_quantizing_at_load_gives(checkpoints: dict
     core, bf16 = _run(path, "bfloat16", None)
     assert core.late_kernel_variants == []
     assert all(len(tokens) == MAX_TOKENS for tokens, _ in bf16)
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen2-hd128"])
+def test_a_block_wise_fp8_checkpoint_gives_what_quantizing_its_dense_weights_gives(checkpoints: dict[str, str],
+                                                                                    model: str, tmp_path: Any) -> None:
+    """A block-wise fp8 checkpoint (blocks of 24 x 40, partial at every edge) is dequantized and requantized per
+    row at load by the GPU's per-row quantization: the same greedy tokens and logprobs as `--quantization fp8` on
+    the dense checkpoint of its dequantized weights, float32 with CUDA graphs; then bfloat16 with graphs runs."""
+    from helpers.fp8_checkpoints import write_block_fp8_checkpoint, write_dequantized_checkpoint
+
+    block = write_block_fp8_checkpoint(checkpoints[model], str(tmp_path / "b"), (24, 40))
+    dense = write_dequantized_checkpoint(block, str(tmp_path / "d"), (24, 40))
+    core, got = _run(block, "float32", None)
+    assert core.runner.graphs is not None
+    assert all(m.weight is None and m.weight_fp8 is not None
+               for m in core.runner.model.modules() if isinstance(m, Linear))
+    del core
+    _, want = _run(dense, "float32", "fp8")
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for (_, got_lps), (_, want_lps) in zip(got, want, strict=True):
+        assert [(lp.token_ids, lp.logprobs) for lp in got_lps] == [(lp.token_ids, lp.logprobs) for lp in want_lps]
+    core, bf16 = _run(block, "bfloat16", None)
+    assert core.late_kernel_variants == []
+    assert all(len(tokens) == MAX_TOKENS for tokens, _ in bf16)
