@@ -19,14 +19,19 @@ header is forwarded, so backends started with --api-key check it themselves.
   has none). A server-sent event stream (`text/event-stream`) is passed on in whole events: the bytes after
   its last event's end (a blank line; lines end in LF, CRLF or CR, as the SSE spec allows) are held back
   until the rest of their event comes (`_EventStream`; kvserve's backends send whole events, which pass at
-  once, uncopied). A backend that breaks off (or goes silent) mid-answer: such a stream ends as the server
-  ends one it cannot finish, with an error event in the OpenAI format (503, or 504 for the timeout) and
-  `data: [DONE]` (nothing after a [DONE] already sent), framed as the backend framed its events (LF, CRLF
-  or CR); the part of an event held back is dropped (a warning gives its size). At the answer's normal end
+  once, uncopied). Comment lines (":" first) between events pass at once, each whole, blank line or not:
+  the keep-alives (`: ping`) a server sends while it has nothing else reach the client in time. A backend
+  that ends its events with a single line end, no blank line (not the SSE format: kvserve, vLLM and
+  sse-starlette always send the blank line), is held back until the answer's end (or MAX_HELD_EVENT_BYTES):
+  without the blank line the router cannot tell an event's end from its next line's. A backend that breaks
+  off (or goes silent) mid-answer: such a stream ends as the server ends one it cannot finish, with an
+  error event in the OpenAI format (503, or 504 for the timeout) and `data: [DONE]` (nothing after a `data:
+  [DONE]` line already sent, whatever came after it), framed as the backend framed its events (LF, CRLF or
+  CR); the part of an event held back is dropped (a warning gives its size). At the answer's normal end
   what is held is passed on as it came (a last event without its blank line). An event longer than
-  MAX_HELD_EVENT_BYTES is not held: it is passed on as it comes, and a stream cut inside it, like any other
-  answer that breaks off, is cut for the client too (its connection is closed), so that it never looks
-  complete.
+  MAX_HELD_EVENT_BYTES is not held: it is passed on as it comes (a warning, once a stream), and a stream
+  cut inside it, like any other answer that breaks off, is cut for the client too (its connection is
+  closed), so that it never looks complete.
 * No limit on the requests in flight: the connections to the backends are not pooled under a cap (aiohttp's
   default of 100 would queue the rest unseen); the backends' own schedulers decide what waits.
 * A request body over `max_body_bytes` gets 413 with OpenAI's error body, as the server answers.
@@ -53,6 +58,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -192,8 +198,8 @@ class RouterApp:
         time over): a 503 in the OpenAI format when its answer has not started, a stream's error event and
         `data: [DONE]` (only the end if its [DONE] is out; the part of an event held back dropped), each within
         END_IN_FLIGHT_S; an answer that cannot end so (started but no event stream, inside an event over
-        MAX_HELD_EVENT_BYTES, or not within that time) is cut. Closing their backend connections aborts them there. Requests that arrive later get the 503 at once.
-        Returns how many were in flight."""
+        MAX_HELD_EVENT_BYTES, or not within that time) is cut. Closing their backend connections aborts them
+        there. Requests that arrive later get the 503 at once. Returns how many were in flight."""
         self._ending = True
         for task in self._handlers - self._told_to_end:  # once each: a second cancel would cut its end short
             task.cancel()
@@ -440,7 +446,7 @@ class RouterApp:
                 if name.lower() not in _DROP_RESPONSE:
                     response.headers.add(name, value)
             if upstream.content_type == "text/event-stream":
-                events = _EventStream()
+                events = _EventStream(f"{request.method} {request.path}: the answer from {backend.url}")
             await response.prepare(request)
             while True:
                 try:
@@ -523,8 +529,10 @@ class RouterApp:
 _BLANK_LINES = (b"\n\n", b"\n\r", b"\r\r")
 # A chunk that ends so ends at an event's end (the LF of a blank line's CRLF included): it passes whole, at once.
 _EVENT_ENDS = (*_BLANK_LINES, b"\n\r\n", b"\r\r\n")
-_DONE_LINES = (b"data: [DONE]", b"data:[DONE]")
-_TAIL_BYTES = 32  # the end of what was passed on that is kept: room for a [DONE] event and its framing
+# A data line of [DONE] (the line ends after it), at the start of what is searched or after a line end.
+_DONE_LINE = re.compile(rb"(?:^|(?<=[\r\n]))data: ?\[DONE\](?=[\r\n])")
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+_TAIL_BYTES = 32  # the end of what was passed on that is kept: room to tell the backend's line end
 
 
 def _last_event_end(data: bytes | bytearray, start: int, before: bytes) -> int:
@@ -542,16 +550,33 @@ def _last_event_end(data: bytes | bytearray, start: int, before: bytes) -> int:
     return end
 
 
+def _comment_lines_end(data: bytes | bytearray, start: int) -> int:
+    """Just past the whole comment lines (lines that begin with ":") that `data[start:]` begins with (a CR that ends
+    the last of them counts as its line end: an LF after it is passed on when it comes); `start` if none."""
+    while data[start:start + 1] == b":":
+        line_end = _LINE_END.search(data, start)  # (the first: not a scan of all that follows)
+        if line_end is None:
+            break
+        start = line_end.end()
+    return start
+
+
 class _EventStream:
     """An event stream passed on in whole events: `take` says what to pass on once a chunk has come, holding back
     the bytes after the last event's end until that event's end comes. The common case, a chunk of whole events,
-    passes as it came, uncopied. An event held past MAX_HELD_EVENT_BYTES (a pathological one) is passed on as it
-    comes, held part and rest (`inside` until it ends), so that what is held stays bounded."""
+    passes as it came, uncopied. Comment lines (":" first, such as the keep-alive `: ping` a server sends while it
+    has nothing else) that come between events pass at once, each whole line (they belong to no event's data); so
+    does the LF of a CRLF whose CR was passed on. An event held past MAX_HELD_EVENT_BYTES (a pathological one) is
+    passed on as it comes, held part and rest (`inside` until it ends), so that what is held stays bounded.
+    `where` names the answer in the log (its request and backend)."""
 
-    def __init__(self) -> None:
+    def __init__(self, where: str = "an event stream") -> None:
+        self.where = where
         self.held = bytearray()
         self.tail = b""  # the last bytes passed on
         self.inside = False  # what was passed on ends inside an event (one over MAX_HELD_EVENT_BYTES)
+        self.done = False  # a `data: [DONE]` line was passed on
+        self._warned = False  # the warning of an event over MAX_HELD_EVENT_BYTES was logged (once a stream)
 
     def take(self, chunk: bytes) -> bytes:
         """What to pass on now, `chunk` having come."""
@@ -559,22 +584,32 @@ class _EventStream:
         if not self.held:
             if chunk.endswith(_EVENT_ENDS):
                 return self._passed(chunk, False)
-            end = _last_event_end(chunk, 0, self.tail[-1:])
-            if end >= 0:
-                out = self._passed(chunk[:end], False)
-                chunk = chunk[end:]
-            self.held += chunk
+            end = _last_event_end(chunk, 0, self.tail[-1:] or b"\n")  # (the stream's start: a line's start)
+            if end < 0:
+                # The LF of a CRLF whose CR was passed on (a blank line's, or a comment line's) goes at once too.
+                end = 1 if chunk[:1] == b"\n" and not self.inside and self.tail.endswith(b"\r") else 0
+            if end or not self.inside:  # (inside an event, a ":" may begin a chunk, not a line)
+                end = _comment_lines_end(chunk, end)
+            if end:
+                out = self._passed(chunk if end == len(chunk) else chunk[:end], False)
+            self.held += chunk[end:] if end else chunk
         else:
             start = len(self.held)
             self.held += chunk
             end = _last_event_end(self.held, start, b"")
-            if end >= 0:
-                out = self._passed(bytes(self.held[:end]), False)
+            # (Held back at its start, a comment line is unfinished: only a line end in this chunk can finish it.)
+            if end >= 0 or (self.held[:1] == b":" and (b"\n" in chunk or b"\r" in chunk)):
+                end = _comment_lines_end(self.held, max(end, 0))
+            if end > 0:
+                with memoryview(self.held)[:end] as view:
+                    out = self._passed(bytes(view), False)
                 del self.held[:end]
         if self.held and (self.inside or len(self.held) > MAX_HELD_EVENT_BYTES):
-            if not self.inside:
-                logger.warning("an event stream's event is over %d bytes (MAX_HELD_EVENT_BYTES): passed on as it "
-                               "comes (a break inside it cuts the client's stream)", MAX_HELD_EVENT_BYTES)
+            if not self._warned:
+                self._warned = True
+                logger.warning("%s: an event is over %d bytes (MAX_HELD_EVENT_BYTES): passed on as it comes (a break "
+                               "inside it cuts the client's stream; logged once a stream)", self.where,
+                               MAX_HELD_EVENT_BYTES)
             rest = bytes(self.held)
             self.held.clear()
             out = out + self._passed(rest, True) if out else self._passed(rest, True)
@@ -593,15 +628,14 @@ class _EventStream:
         return dropped
 
     def _passed(self, out: bytes, inside: bool) -> bytes:
+        # [DONE] is looked for only in what holds it (a fast search): a line of it is passed on whole, bar inside an
+        # event over MAX_HELD_EVENT_BYTES, where a line that begins before `out` is not taken for one.
+        if not self.done and b"[DONE]" in out:
+            at_line_start = not self.inside or self.tail.endswith((b"\n", b"\r"))
+            self.done = any(m.start() or at_line_start for m in _DONE_LINE.finditer(out))
         self.inside = inside
         self.tail = out[-_TAIL_BYTES:] if len(out) >= _TAIL_BYTES else (self.tail + out)[-_TAIL_BYTES:]
         return out
-
-    @property
-    def done(self) -> bool:
-        """Whether the last event passed on is `data: [DONE]` (whatever its line ends)."""
-        text = self.tail.rstrip(b"\r\n")
-        return not self.inside and text[max(text.rfind(b"\n"), text.rfind(b"\r")) + 1:] in _DONE_LINES
 
     @property
     def newline(self) -> str:
@@ -609,7 +643,7 @@ class _EventStream:
         return "\r\n" if b"\r\n" in self.tail else "\r" if b"\r" in self.tail else "\n"
 
     def end(self, body: dict[str, Any]) -> bytes:
-        """An error event with `body`, then [DONE], in the backend's framing; nothing if its [DONE] is out."""
+        """An error event with `body`, then [DONE], in the backend's framing; nothing if a [DONE] is out."""
         return b"" if self.done else (sse(body) + SSE_DONE).replace("\n", self.newline).encode()
 
 

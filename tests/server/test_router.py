@@ -570,39 +570,57 @@ async def _scripted_answer(backend: FakeBackend) -> tuple[bytes, str]:
 
 
 def _event_ends(data: bytes) -> set[int]:
-    """Where `data[:p]` ends at an event's end (just past a blank line, or its CRLF's LF), per the SSE spec's
-    lines: the reference for `_EventStream`, a byte at a time."""
-    ends, line, after_cr, blank_cr = {0}, 0, False, False
+    """Where `data[:p]` ends at an event's end (just past a blank line, or its CRLF's LF) or just past a comment
+    line (":" first; its CRLF's LF too) that comes between events, per the SSE spec's lines: the reference for
+    `_EventStream`, a byte at a time."""
+    ends, line, first, after_cr, cr_ended, between = {0}, 0, 0, False, False, True
     for i, byte in enumerate(data):
         if byte == 0x0A and after_cr:  # the LF of a CRLF
             after_cr = False
-            if blank_cr:
+            if cr_ended:
                 ends.add(i + 1)
         elif byte in (0x0A, 0x0D):
-            if line == 0:
+            if line == 0 or (first == 0x3A and between):  # a blank line, or a comment line between events
                 ends.add(i + 1)
-            blank_cr, after_cr, line = line == 0 and byte == 0x0D, byte == 0x0D, 0
+                between, cr_ended = True, byte == 0x0D
+            else:
+                between, cr_ended = False, False
+            after_cr, line = byte == 0x0D, 0
         else:
+            first = byte if line == 0 else first
             after_cr, line = False, line + 1
     return ends
 
 
-def test_an_event_stream_is_passed_on_in_whole_events_however_it_is_split(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`_EventStream` against the spec's line rules, on random streams (LF, CRLF and CR framings mixed, a last
-    event without its blank line) cut into random chunks: what it passes on always ends at an event's end (the
-    LF of a CRLF may wait for the next chunk) unless an event outgrew the limit, holds back no whole event, knows
-    a [DONE] out; with what it holds at the end, it is the stream unchanged."""
-    rng = random.Random(7)
-    for _ in range(3000):
-        monkeypatch.setattr(router_app, "MAX_HELD_EVENT_BYTES", rng.choice([1 << 20, 24]))
-        events = []
-        for _ in range(rng.randint(0, 5)):
-            newline = rng.choice(["\n", "\r\n", "\r"])
-            lines = [f'data: {{"i": {rng.randint(0, 99)}}}' for _ in range(rng.randint(1, 2))]
-            events.append(newline.join(lines) + newline * rng.randint(2, 3))
+def _random_stream(rng: random.Random) -> bytes:
+    """An event stream as the SSE spec allows it: LF, CRLF and CR framings mixed, comment lines between events (with
+    no blank line, as keep-alives) and inside them, events of several lines, a [DONE] event (maybe with other
+    fields, then a comment or blank lines), a last event without its blank line."""
+    parts = []
+    for _ in range(rng.randint(0, 5)):
+        newline = rng.choice(["\n", "\r\n", "\r"])
         if rng.random() < 0.3:
-            events.append(rng.choice(["\n", "\r\n", "\r"]).join(["data: [DONE]", "", ""]))
-        data = ("".join(events) + rng.choice(["", "data: last", ": x\r"])).encode()
+            parts.append("".join(f": ping {rng.randint(0, 9)}{newline}" for _ in range(rng.randint(1, 3))))
+        lines = [f'data: {{"i": {rng.randint(0, 99)}}}' for _ in range(rng.randint(1, 2))]
+        if rng.random() < 0.2:
+            lines.insert(rng.randint(0, len(lines)), ": c")
+        parts.append(newline.join(lines) + newline * rng.randint(2, 3))
+    if rng.random() < 0.3:
+        newline = rng.choice(["\n", "\r\n", "\r"])
+        parts.append(newline.join([rng.choice(["data: [DONE]", "data:[DONE]", "data: [DONE]\nid: 3"]), "", ""]))
+        parts.append(rng.choice(["", ": bye" + newline * 2, newline * 30]))
+    return ("".join(parts) + rng.choice(["", "data: last", ": x\r", ": x", "\n"])).encode()
+
+
+def test_an_event_stream_is_passed_on_in_whole_events_however_it_is_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`_EventStream` against the spec's line rules, on random streams (`_random_stream`) cut into random chunks:
+    what it passes on always ends at an event's end, or after a comment line between events, all it can (the LF of
+    a CRLF whose CR it passed on included), unless an event outgrew the limit; it knows a [DONE] line passed on;
+    with what it holds at the end, it is the stream unchanged."""
+    rng = random.Random(7)
+    for _ in range(4000):
+        monkeypatch.setattr(router_app, "MAX_HELD_EVENT_BYTES", rng.choice([1 << 20, 24]))
+        data = _random_stream(rng)
         ends, stream, passed, pos = _event_ends(data), router_app._EventStream(), b"", 0
         while pos < len(data):
             n = rng.randint(1, 12)
@@ -610,11 +628,9 @@ def test_an_event_stream_is_passed_on_in_whole_events_however_it_is_split(monkey
             pos += n
             assert data.startswith(passed) and len(stream.held) <= router_app.MAX_HELD_EVENT_BYTES
             if not stream.inside:
-                last = max(end for end in ends if end <= pos)
-                assert len(passed) == last or (len(passed) == last - 1 and data[last - 2:last] == b"\r\n"), data
-                text = passed.rstrip(b"\r\n")
-                done = re.search(rb"(^|[\r\n])data: \[DONE\]$", text) is not None
-                assert stream.done == done or not passed, data
+                assert len(passed) == max(end for end in ends if end <= pos), (data, passed)
+            if router_app.MAX_HELD_EVENT_BYTES > len(data):
+                assert stream.done == (re.search(rb"(^|[\r\n])data: ?\[DONE\][\r\n]", passed) is not None), data
         assert passed + stream.flush() == data
 
 
@@ -642,17 +658,21 @@ def test_a_backend_that_breaks_off_inside_an_event_ends_the_clients_stream_with_
     *[pytest.param(newline, cut, id=f"{name}-{cut.replace(' ', '-')}")
       for newline, name in ((b"\r\n", "crlf"), (b"\r", "cr"))
       for cut in ("between", "in the data line", "before the blank line")],
-    pytest.param(b"\r\n", "in the blank line", id="crlf-in-the-blank-line")])
+    pytest.param(b"\r\n", "in the blank line", id="crlf-in-the-blank-line"),
+    pytest.param(b"\r\n", "after the blank line's cr", id="crlf-blank-line-lf-apart")])
 def test_a_stream_framed_in_crlf_or_cr_that_breaks_off_ends_in_its_framing(newline: bytes, cut: str) -> None:
     """Events framed in CRLF (or CR, as the SSE spec allows), cut between two events or anywhere inside one: the
     client gets the whole events as they came, then the error event and [DONE] framed as the backend framed its
-    own (no broken JSON, no mixed line ends)."""
+    own (no broken JSON, no mixed line ends). A blank line's CRLF that comes in two reads, its LF apart, reaches
+    the client whole."""
     whole = _stream_events(2, newline)
     partial = {"between": b"", "in the data line": b'data: {"backend": "a", "i"',
                "before the blank line": b'data: {"backend": "a", "i": 2}' + newline,
-               "in the blank line": b""}[cut]
+               "in the blank line": b"", "after the blank line's cr": b""}[cut]
     if cut == "in the blank line":  # the blank line's CRLF cut in two: its CR came, its LF not
         whole[-1] = whole[-1][:-1]
+    elif cut == "after the blank line's cr":  # its LF comes as a chunk of its own
+        whole[-1:] = [whole[-1][:-1], b"\n"]
 
     async def body() -> None:
         backend = FakeBackend("a")
@@ -665,6 +685,36 @@ def test_a_stream_framed_in_crlf_or_cr_that_breaks_off_ends_in_its_framing(newli
         assert values[2]["error"]["code"] == 503, data
         assert re.fullmatch(rb"data: \{.*\}" + newline * 2 + rb"data: \[DONE\]" + newline * 2, rest), rest
     _run(body)
+
+
+def test_keep_alive_comment_lines_between_events_pass_at_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Comment lines between events with no blank line after them (the SSE spec's keep-alive, `: ping` sent while
+    a server has nothing else) reach the client at once, not held back until an event's end; a backend that breaks
+    off after them ends the stream with the error event and [DONE], nothing dropped."""
+    first = _stream_events(1)[0]
+
+    async def body() -> None:
+        backend = FakeBackend("a")
+        backend.script, backend.script_end = [first, b": ping\n", b": ping\r\n: pi", b"ng\r"], "hang"
+        async with routed([backend]) as (_, base), aiohttp.ClientSession() as session:
+            async with session.post(base + "/v1/completions", json={"prompt": "x", "stream": True}) as response:
+                wanted, got = first + b": ping\n: ping\r\n: ping\r", b""
+
+                async def read() -> None:
+                    nonlocal got
+                    while got != wanted and (chunk := await response.content.readany()):
+                        got += chunk
+
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(read(), 10)  # (the backend sends nothing more)
+                assert got == wanted, got
+        backend.script, backend.script_end = [first, b": ping\n", b": ping\n"], "break"
+        data, _ = await _scripted_answer(backend)
+        assert data.startswith(first + b": ping\n: ping\ndata: {") and data.endswith(b"\n\ndata: [DONE]\n\n"), data
+        values = _data_lines(data)
+        assert values[0] == {"backend": "a", "i": 0} and values[1]["error"]["code"] == 503 and values[2:] == ["[DONE]"]
+    text = _run_quietly(body, caplog)
+    assert "dropping the" not in text and "broke off (ClientPayloadError): ending the client's stream" in text
 
 
 def test_an_event_split_across_many_chunks_passes_unchanged() -> None:
@@ -697,10 +747,15 @@ def test_a_last_event_without_its_blank_line_passes_unchanged_at_the_end(last: b
     _run(body)
 
 
-@pytest.mark.parametrize("after", [b"", b": ping"], ids=["at-once", "inside-a-comment"])
-def test_a_crlf_stream_that_breaks_off_after_its_done_event_ends_as_it_was(after: bytes) -> None:
-    """Cut after its [DONE] (CRLF framing; then at once or inside a last comment): nothing is added."""
-    whole = [*_stream_events(2, b"\r\n"), b"data: [DONE]\r\n\r\n"]
+@pytest.mark.parametrize(("done", "after"), [
+    (b"data: [DONE]\r\n\r\n", b""), (b"data: [DONE]\r\n\r\n", b": ping"),
+    (b"data: [DONE]\r\nid: 3\r\n\r\n", b""), (b"data: [DONE]\r\n\r\n: bye\r\n\r\n", b""),
+    (b"data: [DONE]\r\n\r\n" + b"\r\n" * 20, b"")],
+    ids=["at-once", "inside-a-comment", "another-field-in-its-event", "then-a-comment-event", "then-blank-lines"])
+def test_a_crlf_stream_that_breaks_off_after_its_done_event_ends_as_it_was(done: bytes, after: bytes) -> None:
+    """Cut after its [DONE] (CRLF framing; then at once or inside a last comment; the [DONE] event with another
+    field, or followed by a comment event or blank lines): nothing is added (no second [DONE])."""
+    whole = [*_stream_events(2, b"\r\n"), done]
 
     async def body() -> None:
         backend = FakeBackend("a")
@@ -717,12 +772,12 @@ def test_an_event_over_the_held_limit_passes_as_it_comes_and_a_break_inside_it_c
     monkeypatch.setattr(router_app, "MAX_HELD_EVENT_BYTES", 64)
     big = b'data: {"pad": "' + b"x" * 300 + b'"}\n\n'
     pieces = [*_stream_events(1), *[big[i:i + 50] for i in range(0, len(big), 50)], *_stream_events(1)]
+    backend = FakeBackend("a")
 
     async def body() -> None:
-        backend = FakeBackend("a")
-        backend.script = pieces
+        backend.script = [*pieces, *pieces]  # two such events: one warning
         data, _ = await _scripted_answer(backend)
-        assert data == b"".join(pieces)
+        assert data == b"".join(pieces) * 2
         backend.script, backend.script_end = pieces[:4], "break"  # 100 bytes into the big event
         async with routed([backend]) as (_, base), aiohttp.ClientSession() as session:
             async with session.post(base + "/v1/completions", json={"prompt": "x", "stream": True}) as response:
@@ -732,7 +787,10 @@ def test_an_event_over_the_held_limit_passes_as_it_comes_and_a_break_inside_it_c
                         got += chunk
         assert got == b"".join(pieces[:4]), got  # (the big event's start: passed on as it came)
     text = _run_quietly(body, caplog)
-    assert "over 64 bytes (MAX_HELD_EVENT_BYTES): passed on as it comes" in text
+    over = [r.getMessage() for r in caplog.records if "over 64 bytes (MAX_HELD_EVENT_BYTES)" in r.getMessage()]
+    assert len(over) == 2, over  # once a stream (two streams)
+    assert all(m.startswith(f"POST /v1/completions: the answer from {backend.url}: ") for m in over), over
+    assert "passed on as it comes" in over[0]
     assert "broke off (ClientPayloadError): cutting the client's stream" in text
 
 
@@ -819,8 +877,12 @@ def test_ending_the_requests_in_flight_drops_the_part_of_an_event_held_back(
         async with routed([backend]) as (app, base), aiohttp.ClientSession() as session:
             async with session.post(base + "/v1/completions", json={"prompt": "x", "stream": True}) as response:
                 data = await response.content.readuntil(whole[-1])
-                while partial not in reads:  # the router has it
-                    await asyncio.sleep(0.01)
+
+                async def read_by_the_router() -> None:
+                    while partial not in reads:
+                        await asyncio.sleep(0.01)
+
+                await asyncio.wait_for(read_by_the_router(), 10)  # the router has it
                 assert app.end_in_flight() == 1
                 data += await asyncio.wait_for(response.content.read(), 5)
         assert data.startswith(b"".join(whole)), data
@@ -859,11 +921,16 @@ def test_ending_the_requests_in_flight_again_ends_each_once(monkeypatch: pytest.
             for _ in range(3):
                 app.end_in_flight()
                 await asyncio.sleep(0.2)
-            with contextlib.suppress(asyncio.TimeoutError):
-                while chunk := await asyncio.wait_for(reader.read(65536), 5):
+
+            async def rest() -> None:  # up to the chunked body's end (the connection stays open)
+                nonlocal data
+                while not data.endswith(b"\r\n0\r\n\r\n") and (chunk := await reader.read(65536)):
                     data += chunk
+
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(rest(), 10)
             writer.close()
-        assert data.count(b"HTTP/1.1 ") == 1, data
+        assert data.endswith(b"\r\n0\r\n\r\n") and data.count(b"HTTP/1.1 ") == 1, data
         assert b"[DONE]" in data and data.index(b"shutting down") < data.index(b"[DONE]"), data
     _run(body)
 
