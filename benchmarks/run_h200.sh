@@ -754,12 +754,16 @@ PY
         cp "$R/ncuattn36.log" "$OUT/"
         grep -a -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Waves Per|SM Active|Elapsed Cyc|Issue Slots|ncu rc|rror" \
           "$R/ncuattn36.log" | head -40 ;;
-    s54a) # Session 54 (about 450 s): s53d's fp8 GPU tests (the bf16-converting fp8 launches without PDL, the
-        # shipped default, first GPU run), then the targets' sections with bf16 weights (start, decode at batch
+    s54a) # Session 54 (about 500 s): s53d's fp8 GPU tests (the bf16-converting fp8 launches without PDL, the
+        # shipped default, first GPU run; block-wise fp8 checkpoints; checkpoint KV scales through cuDNN's
+        # one-prompt prefill), then the targets' sections with bf16 weights (start, decode at batch
         # 1/8/32/64, the seeds' workload, the 256 sequences, TTFT, prefix caching), fp8 weights' decode at
         # batch 1/16/17/32, and bf16 decode without PDL (KVSERVE_PDL=0) at batch 1/32/64.
         timeout 130 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_gpu_fp8_weights.py \
           tests/kernels/test_triton_gemm.py -k fp8 > "$R/pytest_s54a.log" 2>&1
+        echo "pytest rc=$?" >> "$R/pytest_s54a.log"
+        timeout 90 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_gpu_fp8_kv_cache.py -k cudnn \
+          >> "$R/pytest_s54a.log" 2>&1
         echo "pytest rc=$?" >> "$R/pytest_s54a.log"; cp "$R/pytest_s54a.log" "$OUT/"
         grep -a "^FAILED\|^E  " "$R/pytest_s54a.log" | head -12 | cut -c1-200; tail -2 "$R/pytest_s54a.log"
         timeout 240 python3 benchmarks/engine_benchmarks.py --out "$R/s54a_bf16" \

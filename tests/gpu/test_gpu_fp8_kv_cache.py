@@ -386,3 +386,30 @@ def test_checkpoint_kv_scales_reach_every_kernel(checkpoints: dict[str, str], tm
     assert largest <= 2.0**-4 and identical >= len(got) // 2, (identical, largest)
     _, ignored = _run(unscaled, "fp8", enforce_eager)
     assert _gap(ignored, want)[1] > 1.0
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_checkpoint_kv_scales_in_a_one_prompt_cudnn_prefill(checkpoints: dict[str, str], tmp_path: Any,
+                                                             model: str) -> None:
+    """The same oracle for a prompt long enough to run alone through cuDNN's padded one-prompt attention (its
+    step attends its own K/V in bf16; the cache write stores them divided by the scales, which decode reads
+    back): M' with its scales gives M's fp8 run, to bf16's rounding; M' without them moves by whole nats."""
+    from helpers.kv_scales import write_scaled_checkpoint
+
+    length = ops.cudnn_min_tokens(torch.device("cuda")) + 176
+    if length == 176:
+        pytest.skip("no cuDNN one-prompt prefill on this GPU / torch")
+    prompt = torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(5)).tolist()
+
+    def run(path: str) -> list:
+        args = EngineArgs(model=path, dtype="bfloat16", device="cuda", max_model_len=length + MAX_TOKENS,
+                          num_kv_blocks=512, max_num_seqs=4, max_num_batched_tokens=length + MAX_TOKENS,
+                          kv_cache_dtype="fp8")
+        return greedy_with_logprobs(EngineCore(args.create_engine_config()), [prompt], MAX_TOKENS)
+
+    k_factors, v_factors = (2.0**16, 2.0**8, 1.0), (1.0, 2.0**8, 2.0**16)
+    scaled = write_scaled_checkpoint(checkpoints[model], str(tmp_path / "scaled"), k_factors, v_factors)
+    unscaled = write_scaled_checkpoint(checkpoints[model], str(tmp_path / "unscaled"), k_factors, v_factors, None)
+    want = run(checkpoints[model])
+    assert _gap(run(scaled), want)[1] <= 2.0**-4
+    assert _gap(run(unscaled), want)[1] > 1.0
