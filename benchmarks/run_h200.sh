@@ -765,7 +765,7 @@ PY
         timeout 90 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_gpu_fp8_kv_cache.py -k cudnn \
           >> "$R/pytest_s54a.log" 2>&1
         echo "pytest rc=$?" >> "$R/pytest_s54a.log"; cp "$R/pytest_s54a.log" "$OUT/"
-        grep -a "^FAILED\|^E  " "$R/pytest_s54a.log" | head -12 | cut -c1-200; tail -2 "$R/pytest_s54a.log"
+        grep -a -E "^FAILED|^E  |passed|failed|rc=" "$R/pytest_s54a.log" | head -14 | cut -c1-200
         timeout 240 python3 benchmarks/engine_benchmarks.py --out "$R/s54a_bf16" \
           --sections start,decode,seeds,random256,ttft,prefix --decode-batches 1,8,32,64 --decode-contexts 1024 \
           > "$R/s54a_bf16.log" 2>&1
