@@ -18,7 +18,10 @@ checks the kernels and the engine:
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -389,7 +392,7 @@ def test_checkpoint_kv_scales_reach_every_kernel(checkpoints: dict[str, str], tm
 
 
 @pytest.mark.parametrize("model", list(MODELS))
-def test_checkpoint_kv_scales_in_a_one_prompt_cudnn_prefill(checkpoints: dict[str, str], tmp_path: Any,
+def test_checkpoint_kv_scales_in_a_one_prompt_cudnn_prefill(checkpoints: dict[str, str], tmp_path: Path,
                                                              model: str) -> None:
     """The same oracle for a prompt long enough to run alone through cuDNN's padded one-prompt attention (its
     step attends its own K/V in bf16; the cache write stores them divided by the scales, which decode reads
@@ -407,9 +410,13 @@ def test_checkpoint_kv_scales_in_a_one_prompt_cudnn_prefill(checkpoints: dict[st
                           kv_cache_dtype="fp8")
         return greedy_with_logprobs(EngineCore(args.create_engine_config()), [prompt], MAX_TOKENS)
 
+    base = str(tmp_path / "base")  # the checkpoint with room for the prompt (plain RoPE: nothing else changes)
+    shutil.copytree(checkpoints[model], base)
+    config = json.loads((tmp_path / "base" / "config.json").read_text())
+    (tmp_path / "base" / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
     k_factors, v_factors = (2.0**16, 2.0**8, 1.0), (1.0, 2.0**8, 2.0**16)
-    scaled = write_scaled_checkpoint(checkpoints[model], str(tmp_path / "scaled"), k_factors, v_factors)
-    unscaled = write_scaled_checkpoint(checkpoints[model], str(tmp_path / "unscaled"), k_factors, v_factors, None)
-    want = run(checkpoints[model])
+    scaled = write_scaled_checkpoint(base, str(tmp_path / "scaled"), k_factors, v_factors)
+    unscaled = write_scaled_checkpoint(base, str(tmp_path / "unscaled"), k_factors, v_factors, None)
+    want = run(base)
     assert _gap(run(scaled), want)[1] <= 2.0**-4
     assert _gap(run(unscaled), want)[1] > 1.0
