@@ -396,7 +396,7 @@ def test_checkpoint_kv_scales_in_a_one_prompt_cudnn_prefill(checkpoints: dict[st
                                                              model: str) -> None:
     """The same oracle for a prompt long enough to run alone through cuDNN's padded one-prompt attention (its
     step attends its own K/V in bf16; the cache write stores them divided by the scales, which decode reads
-    back): M' with its scales gives M's fp8 run, to bf16's rounding; M' without them moves by whole nats."""
+    back): M' with its scales gives M's fp8 run, to bf16's rounding; M' without them moves by more."""
     from helpers.kv_scales import write_scaled_checkpoint
 
     length = ops.cudnn_min_tokens(torch.device("cuda")) + 176
@@ -419,4 +419,7 @@ def test_checkpoint_kv_scales_in_a_one_prompt_cudnn_prefill(checkpoints: dict[st
     unscaled = write_scaled_checkpoint(base, str(tmp_path / "unscaled"), k_factors, v_factors, None)
     want = run(base)
     assert _gap(run(scaled), want)[1] <= 2.0**-4
-    assert _gap(run(unscaled), want)[1] > 1.0
+    # Only the decode steps read the cache here (the prefill attends its own bf16 K/V): one prompt's 24 steps
+    # move less than the other test's 16 prompts (0.54 nats at least, seen on an H100), still 8x the bound.
+    ignored = _gap(run(unscaled), want)[1]
+    assert ignored > 4 * 2.0**-4, ignored
