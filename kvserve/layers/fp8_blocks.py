@@ -36,14 +36,21 @@ class Fp8Blocks:
 
     def add_scales(self, shard_id: Hashable, loaded: torch.Tensor, device: torch.device) -> None:
         """Shard `shard_id`'s block scales (any float dtype, kept in float32 on `device`); ValueError for a tensor
-        that is not 2-D float, or does not fit the shard's weight, if already in."""
+        that is not 2-D float, holds a scale that is negative or not finite, or does not fit the shard's weight, if
+        already in."""
         if not loaded.is_floating_point():
             raise ValueError(f"a weight scale must be floating point, got {loaded.dtype}")
         bn, bk = self.block
         if loaded.dim() != 2:
             raise ValueError(f"a weight scale of shape {tuple(loaded.shape)}: a block-wise fp8 checkpoint (blocks of "
                              f"{bn} x {bk}) needs one per block, [ceil(rows / {bn}), ceil(columns / {bk})]")
-        self.scales[shard_id] = loaded.to(device=device, dtype=torch.float32, copy=True)
+        scales = loaded.to(device=device, dtype=torch.float32, copy=True)
+        bad = ~(torch.isfinite(scales) & (scales >= 0))
+        if bool(bad.any()):  # (checked as it loads, so that the message names the checkpoint tensor)
+            i, j = (int(v) for v in bad.nonzero()[0])
+            raise ValueError(f"an fp8 block scale is {float(scales[i, j])} (block row {i}, column {j}): scales must "
+                             "be finite and not negative")
+        self.scales[shard_id] = scales
         self._check_shape(shard_id)
 
     def _check_shape(self, shard_id: Hashable) -> None:
@@ -58,24 +65,35 @@ class Fp8Blocks:
 
     def row_scales(self, shard_id: Hashable) -> torch.Tensor:
         """Every checkpoint row's scales of shard `shard_id`, float32 [rows, ceil(columns / bk)] (row r: block row
-        r // bn). ModelLoadError for a shard without its weight or scales, or a scale that is negative or not
-        finite."""
+        r // bn). ModelLoadError for a shard without its weight or scales (`add_scales` took only finite, non-negative
+        ones)."""
         scales, shape = self.scales.get(shard_id), self.weight_shapes.get(shard_id)
         if scales is None or shape is None:
             layer = "a block-wise fp8 layer" if shard_id is None else f"shard {shard_id!r} of a block-wise fp8 layer"
             raise ModelLoadError(f"{layer} has no {'block scales' if scales is None else 'fp8 weight'}")
-        bad = ~(torch.isfinite(scales) & (scales >= 0))
-        if bool(bad.any()):
-            i, j = (int(v) for v in bad.nonzero()[0])
-            described = "the weight" if shard_id is None else f"shard {shard_id!r}"
-            raise ModelLoadError(f"an fp8 block scale is {float(scales[i, j])} ({described}, block row {i}, column "
-                                 f"{j}): scales must be finite and not negative")
         return scales.repeat_interleave(self.block[0], dim=0)[: shape[0]]
 
 
-def dequantize(w8: torch.Tensor, row_scales: torch.Tensor, column_blocks: torch.Tensor,
+def dequantize(w8: torch.Tensor, row_scales: torch.Tensor, first_column: int, block_columns: int,
                dtype: torch.dtype) -> torch.Tensor:
     """w8 e4m3 [n, k] times its scales, in float32, cast to `dtype` (what a dense checkpoint of those values
-    holds): row_scales float32 [n, K-blocks] (`Fp8Blocks.row_scales`' rows), column_blocks int64 [k], the K-block
-    of each column (of the whole checkpoint weight: a row-parallel rank's columns start anywhere in a block)."""
-    return (w8.float() * row_scales.index_select(1, column_blocks)).to(dtype)
+    holds): row_scales float32 [n, K-blocks] (`Fp8Blocks.row_scales`' rows); w8's columns are the checkpoint
+    weight's columns from `first_column` on (a row-parallel rank's columns start anywhere in a block of
+    `block_columns`). One float32 copy of w8 is made and scaled in place, a K-block at a time (the whole blocks
+    in one broadcast multiply): no other [n, k] temporary but the `dtype` result."""
+    x = w8.float()
+    n, k = x.shape
+    bk = block_columns
+    column = 0
+    while column < k:
+        block = (first_column + column) // bk
+        if (first_column + column) % bk == 0 and k - column >= bk:  # the whole blocks from here, at once
+            count = (k - column) // bk
+            x.narrow(1, column, count * bk).unflatten(1, (count, bk)).mul_(
+                row_scales.narrow(1, block, count).unsqueeze(2))
+            column += count * bk
+        else:  # a partial block: the first of a row-parallel rank's columns, or the weight's last
+            width = min(bk - (first_column + column) % bk, k - column)
+            x.narrow(1, column, width).mul_(row_scales.narrow(1, block, 1))
+            column += width
+    return x.to(dtype)

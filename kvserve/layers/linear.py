@@ -30,8 +30,9 @@ Block-wise fp8 checkpoints (`QuantConfig.weight_block` = (bn, bk): a float32 sca
 checkpoint weight, [ceil(N / bn), ceil(K / bk)]) load into the same `weight_fp8` / `weight_scale` layer: the
 weight's rows are placed as above, each shard's block scales are kept whole (`fp8_blocks.Fp8Blocks`, a float
 per 128 x 128 block) until `finish_loading`, which dequantizes this rank's rows and columns of each shard (e4m3 times
-its block's scale in float32, cast to the model's dtype: what a dense checkpoint of those values holds) and
-requantizes them per output row with `ops.quantize_rows_fp8`, the function `quantize_fp8` uses. The fp8 matmuls
+its block's scale in float32, cast to the model's dtype: what a dense checkpoint holding those values in float32
+or in that dtype loads as) and requantizes them per output row with `ops.quantize_rows_fp8`, the function
+`quantize_fp8` uses, a chunk of about `_REQUANTIZE_ELEMENTS` values (whole rows) at a time. The fp8 matmuls
 are unchanged and every rank holds exactly what `quantize_fp8` makes of the dense layer's share (a shard or
 rank boundary may fall inside a block: scales are looked up per row and per column); outputs differ slightly
 from an engine that applies the block scales inside its matmul (the load logs it).
@@ -54,8 +55,9 @@ from kvserve.model.paths import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
-# Rows a block-wise fp8 layer dequantizes at a time in `finish_loading` (bounds its float32 temporaries).
-_REQUANTIZE_ROWS = 4096
+# Elements a block-wise fp8 layer dequantizes at a time in `finish_loading` (whole rows, at least one): its float32
+# chunk is 64 MiB (plus the chunk in the model's dtype and `ops.quantize_rows_fp8`'s temporaries of its size).
+_REQUANTIZE_ELEMENTS = 1 << 24
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Hashable = None) -> None:
@@ -251,13 +253,12 @@ class Linear(nn.Module):
         """A block-wise fp8 layer's weight as `quantize_fp8` makes it of the dense layer: this rank's rows and
         columns of each shard dequantized (e4m3 x its block's scale in float32, cast to the model's dtype) and
         quantized per output row by `ops.quantize_rows_fp8`, into `weight_fp8` / `weight_scale`; the block scales
-        are released. ModelLoadError for a shard without its weight or block scales, or a scale that is negative or
-        not finite."""
+        are released. ModelLoadError for a shard without its weight or block scales, or a weight value that is
+        NaN or dequantizes to one that is not finite."""
         blocks = self.fp8_blocks
         assert blocks is not None and self.weight_fp8 is not None and self.weight_scale is not None
         first_column = self.tp_rank * self.input_size if self.row_parallel else 0
-        column_blocks = torch.arange(first_column, first_column + self.input_size,
-                                     device=self.weight_fp8.device) // blocks.block[1]
+        chunk_rows = max(1, _REQUANTIZE_ELEMENTS // max(1, self.input_size))
         for shard in self.shard_ids():
             every_row = blocks.row_scales(shard)
             start, size, total, offset = self.place(torch.empty(0), shard, every_row.shape[0])
@@ -265,14 +266,39 @@ class Linear(nn.Module):
                 row_scales = _rank_rows(every_row, start, size, self.tp_size, total)
             except ValueError as exc:
                 raise ModelLoadError(f"shard {shard!r}: {exc}") from None
-            for first in range(0, size, _REQUANTIZE_ROWS):
-                count = min(_REQUANTIZE_ROWS, size - first)
+            for first in range(0, size, chunk_rows):
+                count = min(chunk_rows, size - first)
                 w8 = self.weight_fp8.data.narrow(0, offset + first, count)
-                weight = dequantize(w8, row_scales.narrow(0, first, count), column_blocks, self.dtype)
+                chunk_scales = row_scales.narrow(0, first, count)
+                weight = dequantize(w8, chunk_scales, first_column, blocks.block[1], self.dtype)
                 q, row_scale = ops.quantize_rows_fp8(weight)
+                # (a row's scale is max|row| / 448: not finite where the row holds a value that is not)
+                if not bool(torch.isfinite(row_scale).all()):
+                    row = int((~torch.isfinite(row_scale)).nonzero()[0, 0])
+                    raise ModelLoadError(self._non_finite_weight(w8[row], weight[row], chunk_scales[row],
+                                                                 first_column, blocks.block[1], offset + first + row))
+                del weight
                 w8.copy_(q)
                 self.weight_scale.data.narrow(0, offset + first, count).copy_(row_scale)
         self.fp8_blocks = None
+
+    def _non_finite_weight(self, w8: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, first_column: int,
+                           block_columns: int, row: int) -> str:
+        """Why output row `row` of a block-wise fp8 layer did not requantize: its fp8 values `w8` hold a NaN, or
+        one of them times its block scale (`scales`, the row's) is not finite in float32 or the model's dtype
+        (`weight`, the row dequantized)."""
+        where = self._describe_row(row)
+        nan = torch.isnan(w8.float()).nonzero()
+        if len(nan):
+            return (f"the fp8 weight holds a NaN ({where}, checkpoint column {first_column + int(nan[0, 0])}): fp8 "
+                    "weights must be finite")
+        bad = (~torch.isfinite(weight)).nonzero()
+        column = int(bad[0, 0]) if len(bad) else 0
+        value = float(w8[column].float())
+        scale = float(scales[(first_column + column) // block_columns])
+        dtype = str(self.dtype).removeprefix("torch.")
+        return (f"the fp8 weight's value {value} times its block scale {scale} is {float(weight[column])} in "
+                f"{dtype} ({where}, checkpoint column {first_column + column}): a dequantized weight must be finite")
 
     def quantize_fp8(self) -> tuple[int, int]:
         """Replace the loaded dense weight [N, K] by its per-output-channel fp8 quantization

@@ -192,7 +192,8 @@ def _parse_fp8(raw: dict[str, Any], method: str, where: str) -> QuantConfig:
 
     if method == "fp8":  # vLLM's own format (AutoFP8, transformers' fp8 exports, DeepSeek's / Qwen's FP8 releases)
         block = raw.get("weight_block_size")
-        weight_block = None if block is None else _block_size(block, "weight_block_size", where)
+        # (None or [], as some exports write it: no blocks, a scale per tensor or per output channel)
+        weight_block = None if block is None or block == [] else _block_size(block, "weight_block_size", where)
         scheme = str(raw.get("activation_scheme", "dynamic")).lower()
         if scheme not in ("dynamic", "static"):
             raise refuse(f"fp8 activation_scheme {scheme!r}")

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import torch
 from safetensors import safe_open
 
+from kvserve import distributed
 from kvserve.config import ModelConfig
 from kvserve.kernels.reference import is_fp8
 from kvserve.layers.attention import Attention
@@ -59,7 +60,9 @@ def load_model(model_config: ModelConfig, device: torch.device, kv_cache_dtype: 
             summary = quantize_fp8_layers(model)
         elif arch.quantization is not None and arch.quantization.method == "fp8":
             summary = fp8_checkpoint_layers(model)
-            if arch.quantization.weight_block is not None and model_config.load_format != "dummy":
+            # (once, not once per tensor-parallel worker)
+            if (arch.quantization.weight_block is not None and model_config.load_format != "dummy"
+                    and distributed.tp_group().rank == 0):
                 logger.warning("the fp8 checkpoint's weights have block-wise scales (blocks of %d x %d): each weight was "
                                "dequantized with them at load and requantized per output channel, as --quantization fp8 "
                                "quantizes, so outputs differ slightly from an engine that applies the block scales in "

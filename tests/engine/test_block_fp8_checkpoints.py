@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable, Hashable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,6 +35,7 @@ from kvserve import distributed
 from kvserve.config import EngineArgs
 from kvserve.engine.engine_core import EngineCore
 from kvserve.kernels import ops
+from kvserve.layers import linear
 from kvserve.layers.linear import Linear, MergedLinear, QKVLinear
 from kvserve.layers.quantization import QuantConfig, parse_quant_config
 from kvserve.model.paths import ModelLoadError
@@ -87,7 +89,7 @@ def _check_against_dense(block_path: str, dense_path: str, **kwargs: Any) -> Non
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_a_block_wise_checkpoint_equals_quantizing_its_dense_weights_at_load(
-        checkpoints: dict[str, str], arch: str, tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+        checkpoints: dict[str, str], arch: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     block = write_block_fp8_checkpoint(checkpoints[arch], str(tmp_path / "b"), BLOCK)
     dense = write_dequantized_checkpoint(block, str(tmp_path / "d"), BLOCK)
     with caplog.at_level("WARNING", logger="kvserve.model.loader"):
@@ -96,7 +98,7 @@ def test_a_block_wise_checkpoint_equals_quantizing_its_dense_weights_at_load(
     assert len(said) == 1 and "blocks of 24 x 40" in said[0] and "requantized per output channel" in said[0]
 
 
-def test_compressed_tensors_block_strategy(checkpoints: dict[str, str], tmp_path: Any) -> None:
+def test_compressed_tensors_block_strategy(checkpoints: dict[str, str], tmp_path: Path) -> None:
     """compressed-tensors names the block scales `weight_scale`; non-square blocks (16 x 32) the other way round."""
     block = write_block_fp8_checkpoint(checkpoints["qwen2"], str(tmp_path / "b"), (16, 32), compressed=True, seed=3)
     assert "model.layers.0.mlp.up_proj.weight_scale" in load_file(os.path.join(block, "model.safetensors"))
@@ -104,7 +106,7 @@ def test_compressed_tensors_block_strategy(checkpoints: dict[str, str], tmp_path
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_blocks_of_128_with_partial_blocks(tmp_path: Any, dtype: str) -> None:
+def test_blocks_of_128_with_partial_blocks(tmp_path: Path, dtype: str) -> None:
     """The released block size, 128 x 128, at shapes that leave every weight's last blocks partial: q 192 rows,
     k / v 64 (half a block), hidden 192 and intermediate 320 columns. In bfloat16 the dequantized weight is
     rounded to the model's dtype before it is requantized, as the dense checkpoint's weight is when it loads."""
@@ -119,7 +121,7 @@ def test_blocks_of_128_with_partial_blocks(tmp_path: Any, dtype: str) -> None:
     _check_against_dense(block, write_dequantized_checkpoint(block, str(tmp_path / "d"), (128, 128)), dtype=dtype)
 
 
-def test_two_ranks_equal_quantizing_the_dense_checkpoint_at_load(checkpoints: dict[str, str], tmp_path: Any) -> None:
+def test_two_ranks_equal_quantizing_the_dense_checkpoint_at_load(checkpoints: dict[str, str], tmp_path: Path) -> None:
     """Tensor parallelism (2 CPU ranks, real processes): each rank holds what `--quantization fp8` makes of its
     share of the dense weights (rank boundaries inside blocks: q's 128 rows a rank against blocks of 24 rows,
     down's 256 columns against 40), so the two engines agree bit for bit at 2 ranks too."""
@@ -142,10 +144,12 @@ def _random_block_weight(n: int, k: int, block: tuple[int, int], seed: int) -> t
 
 
 @pytest.mark.parametrize("block", [(16, 32), (32, 16), (8, 8)])
-def test_each_block_gets_its_own_scale(block: tuple[int, int]) -> None:
+def test_each_block_gets_its_own_scale(block: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
     """A 88 x 72 layer (partial blocks in both directions) against the block-by-block dequantization requantized
     per row: a scale looked up transposed, by the other dimension's block size, or one block off fails. The
-    scales load before the weight (either may come first)."""
+    scales load before the weight (either may come first). Requantized 7 rows at a time (chunks that start inside
+    blocks, the last one short), so a chunk given the wrong rows' scales fails too."""
+    monkeypatch.setattr(linear, "_REQUANTIZE_ELEMENTS", 7 * 72)
     w8, scales = _random_block_weight(88, 72, block, seed=block[0] * 100 + block[1])
     layer = Linear(72, 88, False, torch.float32, quant=QuantConfig("fp8", 8, -1, weight_block=block))
     assert layer.weight_scale is not None and layer.weight_fp8 is not None
@@ -177,6 +181,36 @@ def test_a_layer_without_its_block_scales_or_weight_is_refused() -> None:
         layer.finish_loading()
 
 
+def test_a_weight_that_is_not_finite_is_refused_naming_it() -> None:
+    """A NaN fp8 code (0x7f / 0xff), or a value whose product with its block scale overflows the model's dtype,
+    is named as what it is (the shard, its row and column), not as the per-row scale it would make NaN or inf."""
+    block = (16, 16)
+    w8, scales = _random_block_weight(64, 48, block, seed=6)
+    quant = QuantConfig("fp8", 8, -1, weight_block=block)
+
+    def merged(w8: torch.Tensor, dtype: torch.dtype) -> MergedLinear:
+        layer = MergedLinear(48, [32, 32], False, dtype, quant=quant)
+        for shard in (0, 1):
+            layer.weight_fp8.weight_loader(layer.weight_fp8, w8[32 * shard:32 * (shard + 1)], shard)
+            layer.weight_scale.weight_loader(layer.weight_scale, scales[2 * shard:2 * (shard + 1)], shard)
+        return layer
+
+    for code in (0x7F, 0xFF):
+        nan = w8.clone()
+        nan.view(torch.uint8)[32 + 3, 5] = code
+        with pytest.raises(ModelLoadError, match=r"^the fp8 weight holds a NaN \(shard 1, its row 3 here, checkpoint "
+                                                 r"column 5\): fp8 weights must be finite$"):
+            merged(nan, torch.float32).finish_loading()
+    big = w8.clone()
+    big[32:48, :16] = 1.0  # block (2, 0): shard 1's rows 0-15, columns 0-15
+    big[32 + 3, 5] = 448.0
+    scales[2, 0] = 256.0  # 448 x 256 = 114688: past float16's 65504 (the other blocks' scales are 64 at most)
+    with pytest.raises(ModelLoadError, match=r"^the fp8 weight's value 448.0 times its block scale 256.0 is inf in "
+                                             r"float16 \(shard 1, its row 3 here, checkpoint column 5\)"):
+        merged(big, torch.float16).finish_loading()
+    merged(big, torch.float32).finish_loading()  # finite in float32
+
+
 def _build(make: Maker, rank: int, ranks: int, quant: QuantConfig) -> tuple[Linear, Linear]:
     previous = distributed.set_group_for_building(distributed.TPGroup(rank, ranks))
     try:
@@ -188,13 +222,15 @@ def _build(make: Maker, rank: int, ranks: int, quant: QuantConfig) -> tuple[Line
 @pytest.mark.parametrize("block", [(24, 40), (128, 128)])
 @pytest.mark.parametrize("kv_heads", [1, 2, 8])
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_each_rank_holds_what_online_fp8_makes_of_its_share(block: tuple[int, int], kv_heads: int,
-                                                            ranks: int) -> None:
+def test_each_rank_holds_what_online_fp8_makes_of_its_share(block: tuple[int, int], kv_heads: int, ranks: int,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Built as rank r of `ranks` (fewer KV heads than ranks: replicated), a block-wise layer holds exactly what
     `quantize_fp8` makes of the dense layer of the dequantized weights on that rank: q/k/v and gate/up (each
     shard its own block scales) and a row-parallel down projection. Rank and shard boundaries fall inside blocks:
     with 24 x 40, q's 32 rows a rank and down's 32 columns; with 128 x 128, heads of 64 rows (2 KV heads over 4
-    ranks), gate / up / down's 80 or 160 a rank, hidden 192 (a partial block)."""
+    ranks), gate / up / down's 80 or 160 a rank, hidden 192 (a partial block). Requantized in chunks of 448
+    elements: 7 rows of 64 columns, 14 of 32, 5 of 80, 2 of 160 or 192 (chunks that start inside blocks)."""
+    monkeypatch.setattr(linear, "_REQUANTIZE_ELEMENTS", 7 * 64)
     quant = QuantConfig("fp8", 8, -1, weight_block=block)
     heads = 8
     head_dim, hidden, inter = (16, 64, 128) if block == (24, 40) else (64, 192, 320)
@@ -240,7 +276,7 @@ def _one_rank_rows(one_rank: Linear, layer: Linear, shard: Hashable) -> tuple[in
     return offset + start, size
 
 
-def test_dummy_weights_with_a_block_wise_config(checkpoints: dict[str, str], tmp_path: Any) -> None:
+def test_dummy_weights_with_a_block_wise_config(checkpoints: dict[str, str], tmp_path: Path) -> None:
     path = write_block_fp8_checkpoint(checkpoints["llama"], str(tmp_path / "m"), BLOCK)
     dummy, online = _core(path, load_format="dummy"), _core(checkpoints["llama"], "fp8")
     try:
@@ -271,6 +307,8 @@ def test_block_configs_are_read() -> None:
     assert parse_quant_config(compressed_tensors("block", block=(64, 128)), "where").weight_block == (64, 128)
     assert parse_quant_config(compressed_tensors("channel"), "where").weight_block is None
     assert parse_quant_config({"quant_method": "fp8"}, "where").weight_block is None
+    for none in (None, []):  # written by some exports for "no blocks"
+        assert parse_quant_config({"quant_method": "fp8", "weight_block_size": none}, "where").weight_block is None
 
 
 def _rewrite(path: str, change: Callable[[dict[str, torch.Tensor]], None]) -> str:
@@ -281,7 +319,7 @@ def _rewrite(path: str, change: Callable[[dict[str, torch.Tensor]], None]) -> st
     return path
 
 
-def test_bad_block_tensors_are_refused(checkpoints: dict[str, str], tmp_path: Any) -> None:
+def test_bad_block_tensors_are_refused(checkpoints: dict[str, str], tmp_path: Path) -> None:
     source = checkpoints["llama"]
     block = write_block_fp8_checkpoint(source, str(tmp_path / "b"), BLOCK)
 
@@ -311,8 +349,8 @@ def test_bad_block_tensors_are_refused(checkpoints: dict[str, str], tmp_path: An
 
     def negative(t: dict[str, torch.Tensor]) -> None:
         t[up][2, 3] = -0.5
-    with pytest.raises(ModelLoadError, match=r"model.layers.1.mlp.gate_up_proj: an fp8 block scale is -0.5 \(shard 1, "
-                                             r"block row 2, column 3\)"):
+    with pytest.raises(ModelLoadError, match=rf"checkpoint tensor '{up}': an fp8 block scale is -0.5 \(block row 2, "
+                                             r"column 3\): scales must be finite and not negative"):
         _core(variant("negative", negative))
 
     head = {"lm_head.weight": torch.zeros(1024, 256).to(FP8), "lm_head.weight_scale_inv": torch.ones(43, 7)}
@@ -324,7 +362,7 @@ def test_bad_block_tensors_are_refused(checkpoints: dict[str, str], tmp_path: An
         _core(variant("head_scale", lambda t: t.update({"lm_head.weight_scale_inv": torch.ones(43, 7)})))
 
 
-def test_block_scales_without_a_block_size_are_refused(checkpoints: dict[str, str], tmp_path: Any) -> None:
+def test_block_scales_without_a_block_size_are_refused(checkpoints: dict[str, str], tmp_path: Path) -> None:
     path = write_block_fp8_checkpoint(checkpoints["llama"], str(tmp_path / "m"), BLOCK)
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
@@ -337,7 +375,7 @@ def test_block_scales_without_a_block_size_are_refused(checkpoints: dict[str, st
         _core(path)
 
 
-def test_a_per_tensor_scale_under_a_block_config_is_refused(checkpoints: dict[str, str], tmp_path: Any) -> None:
+def test_a_per_tensor_scale_under_a_block_config_is_refused(checkpoints: dict[str, str], tmp_path: Path) -> None:
     """A per-tensor fp8 checkpoint whose config claims blocks: its scalar scales are not block scales."""
     from helpers.fp8_checkpoints import VLLM_FP8, write_fp8_checkpoint
 
