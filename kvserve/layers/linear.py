@@ -288,6 +288,8 @@ class Linear(nn.Module):
         one of them times its block scale (`scales`, the row's) is not finite in float32 or the model's dtype
         (`weight`, the row dequantized)."""
         where = self._describe_row(row)
+        if self.tp_size > 1:  # (the row is this rank's: each rank says which it is)
+            where += f" on tensor-parallel rank {self.tp_rank} of {self.tp_size}"
         nan = torch.isnan(w8.float()).nonzero()
         if len(nan):
             return (f"the fp8 weight holds a NaN ({where}, checkpoint column {first_column + int(nan[0, 0])}): fp8 "

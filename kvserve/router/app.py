@@ -535,6 +535,14 @@ _LINE_END = re.compile(rb"\r\n|\r|\n")
 _TAIL_BYTES = 32  # the end of what was passed on that is kept: room to tell the backend's line end
 
 
+def _opens_its_event(out: bytes, line: int) -> bool:
+    """Whether the line at `out[line]` is the first data line of its event (no `data` field between the event's
+    start, or the start of `out`, and it): an event whose data only begins with [DONE] ends the stream for clients
+    (they read the data `[DONE]` or `[DONE]\n...`), one whose data is `x\n[DONE]` does not."""
+    start = max(out.rfind(pair, 0, line) for pair in _BLANK_LINES)
+    return not any(part.startswith(b"data") for part in _LINE_END.split(out[max(start, 0):line]))
+
+
 def _last_event_end(data: bytes | bytearray, start: int, before: bytes) -> int:
     """Just past the last blank line in `data` that ends after `data[start]` (the bytes before it were looked at
     before), its CRLF's LF included; -1 if none. `before`: the byte that came before `data`, when `start` is 0."""
@@ -632,7 +640,8 @@ class _EventStream:
         # event over MAX_HELD_EVENT_BYTES, where a line that begins before `out` is not taken for one.
         if not self.done and b"[DONE]" in out:
             at_line_start = not self.inside or self.tail.endswith((b"\n", b"\r"))
-            self.done = any(m.start() or at_line_start for m in _DONE_LINE.finditer(out))
+            self.done = any((m.start() or at_line_start) and _opens_its_event(out, m.start())
+                            for m in _DONE_LINE.finditer(out))
         self.inside = inside
         self.tail = out[-_TAIL_BYTES:] if len(out) >= _TAIL_BYTES else (self.tail + out)[-_TAIL_BYTES:]
         return out

@@ -188,8 +188,8 @@ def test_a_weight_that_is_not_finite_is_refused_naming_it() -> None:
     w8, scales = _random_block_weight(64, 48, block, seed=6)
     quant = QuantConfig("fp8", 8, -1, weight_block=block)
 
-    def merged(w8: torch.Tensor, dtype: torch.dtype) -> MergedLinear:
-        layer = MergedLinear(48, [32, 32], False, dtype, quant=quant)
+    def merged(w8: torch.Tensor, dtype: torch.dtype, ranks: int = 1) -> MergedLinear:
+        layer = MergedLinear(48, [32 // ranks] * 2, False, dtype, quant=quant)
         for shard in (0, 1):
             layer.weight_fp8.weight_loader(layer.weight_fp8, w8[32 * shard:32 * (shard + 1)], shard)
             layer.weight_scale.weight_loader(layer.weight_scale, scales[2 * shard:2 * (shard + 1)], shard)
@@ -209,6 +209,15 @@ def test_a_weight_that_is_not_finite_is_refused_naming_it() -> None:
                                              r"float16 \(shard 1, its row 3 here, checkpoint column 5\)"):
         merged(big, torch.float16).finish_loading()
     merged(big, torch.float32).finish_loading()  # finite in float32
+    previous = distributed.set_group_for_building(distributed.TPGroup(1, 2))  # rank 1 of 2 holds 16 rows a shard
+    try:
+        with pytest.raises(ModelLoadError, match=r"^the fp8 weight holds a NaN \(shard 1, its row 3 here on "
+                                                 r"tensor-parallel rank 1 of 2, checkpoint column 5\)"):
+            nan = w8.clone()
+            nan.view(torch.uint8)[32 + 16 + 3, 5] = 0x7F
+            merged(nan, torch.float32, ranks=2).finish_loading()
+    finally:
+        distributed.set_group_for_building(previous)
 
 
 def _build(make: Maker, rank: int, ranks: int, quant: QuantConfig) -> tuple[Linear, Linear]:

@@ -765,6 +765,22 @@ def test_a_crlf_stream_that_breaks_off_after_its_done_event_ends_as_it_was(done:
     _run(body)
 
 
+@pytest.mark.parametrize("framing", [b"\n", b"\r\n"], ids=["lf", "crlf"])
+def test_a_done_line_after_another_data_line_of_its_event_does_not_end_the_stream(framing: bytes) -> None:
+    """An event whose data is `x` then `[DONE]` is not the end for clients (they read its data, "x\n[DONE]"):
+    a break after it still ends the client's stream with the error event and [DONE]."""
+    event = framing.join([b'data: {"i": 0}', b"data: [DONE]", b"", b""])
+
+    async def body() -> None:
+        backend = FakeBackend("a")
+        backend.script, backend.script_end = [*_stream_events(1, framing), event], "break"
+        data, _ = await _scripted_answer(backend)
+        assert data.startswith(b"".join([*_stream_events(1, framing), event])), data
+        rest = data[len(b"".join([*_stream_events(1, framing), event])):]
+        assert b'"code":503' in rest and rest.endswith(b"data: [DONE]" + framing * 2), rest
+    _run(body)
+
+
 def test_an_event_over_the_held_limit_passes_as_it_comes_and_a_break_inside_it_cuts(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """The router holds back at most MAX_HELD_EVENT_BYTES of an event: a longer one passes as it comes (whole at
