@@ -21,26 +21,25 @@ from typing import Any
 
 import pytest
 import torch
-from helpers.engine_runs import greedy_with_logprobs
 from helpers.fp8_checkpoints import (
+    MAX_TOKENS,
     block_dequantize,
     block_fp8_config,
     compressed_tensors,
+    fp8_core,
+    fp8_runs,
     write_block_fp8_checkpoint,
     write_dequantized_checkpoint,
 )
 from safetensors.torch import load_file, save_file
 
 from kvserve import distributed
-from kvserve.config import EngineArgs
-from kvserve.engine.engine_core import EngineCore
 from kvserve.kernels import ops
 from kvserve.layers import linear
 from kvserve.layers.linear import Linear, MergedLinear, QKVLinear
 from kvserve.layers.quantization import QuantConfig, parse_quant_config
 from kvserve.model.paths import ModelLoadError
 
-MAX_TOKENS = 12
 FP8 = torch.float8_e4m3fn
 # hidden 256, intermediate 512 (unless overridden), q 256 rows, k / v 128: blocks of 24 x 40 leave partial edge
 # blocks on every side.
@@ -56,34 +55,15 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
             for arch, overrides in ARCHS.items()}
 
 
-def _prompts() -> list[list[int]]:
-    generator = torch.Generator().manual_seed(1)
-    return [torch.randint(3, 1024, (n,), generator=generator).tolist() for n in (7, 30, 65)]
-
-
-def _core(path: str, quantization: str | None = None, **kwargs: Any) -> EngineCore:
-    settings: dict[str, Any] = {"max_model_len": 128, "num_kv_blocks": 32, "max_num_batched_tokens": 64, **kwargs}
-    return EngineCore(EngineArgs(model=path, device="cpu", quantization=quantization, **settings).create_engine_config())
-
-
-def _runs(core: EngineCore) -> list[tuple[list[int], list[dict[int, float]]]]:
-    """Greedy tokens and each step's full top-5 (the sampled token's own logprob included)."""
-    try:
-        out = greedy_with_logprobs(core, _prompts(), MAX_TOKENS)
-    finally:
-        core.shutdown()
-    return [(tokens, [dict(zip(lp.token_ids, lp.logprobs, strict=True)) for lp in lps]) for tokens, lps in out]
-
-
 def _check_against_dense(block_path: str, dense_path: str, **kwargs: Any) -> None:
-    core = _core(block_path, **kwargs)
+    core = fp8_core(block_path, **kwargs)
     assert core.config.model_config.quantization is None  # nothing quantized at load but the block-wise layers
     layers = [m for m in core.runner.model.modules() if isinstance(m, Linear)]
     assert layers and all(m.weight is None and m.weight_fp8 is not None and m.weight_fp8.dtype == FP8
                           and m.weight_scale is not None and m.weight_scale.shape == (m.output_size,)
                           and m.fp8_blocks is None for m in layers)
-    got = _runs(core)
-    assert got == _runs(_core(dense_path, "fp8", **kwargs))
+    got = fp8_runs(core)
+    assert got == fp8_runs(fp8_core(dense_path, "fp8", **kwargs))
     assert len({tokens[0] for tokens, _ in got}) > 1  # the prompts do not all collapse to one token
 
 
@@ -127,8 +107,8 @@ def test_two_ranks_equal_quantizing_the_dense_checkpoint_at_load(checkpoints: di
     down's 256 columns against 40), so the two engines agree bit for bit at 2 ranks too."""
     block = write_block_fp8_checkpoint(checkpoints["qwen2"], str(tmp_path / "b"), BLOCK)
     dense = write_dequantized_checkpoint(block, str(tmp_path / "d"), BLOCK)
-    got = _runs(_core(block, tensor_parallel_size=2))
-    assert got == _runs(_core(dense, "fp8", tensor_parallel_size=2))
+    got = fp8_runs(fp8_core(block, tensor_parallel_size=2))
+    assert got == fp8_runs(fp8_core(dense, "fp8", tensor_parallel_size=2))
     assert len({tokens[0] for tokens, _ in got}) > 1
 
 
@@ -287,7 +267,7 @@ def _one_rank_rows(one_rank: Linear, layer: Linear, shard: Hashable) -> tuple[in
 
 def test_dummy_weights_with_a_block_wise_config(checkpoints: dict[str, str], tmp_path: Path) -> None:
     path = write_block_fp8_checkpoint(checkpoints["llama"], str(tmp_path / "m"), BLOCK)
-    dummy, online = _core(path, load_format="dummy"), _core(checkpoints["llama"], "fp8")
+    dummy, online = fp8_core(path, load_format="dummy"), fp8_core(checkpoints["llama"], "fp8")
     try:
         layers = [m for m in dummy.runner.model.modules() if isinstance(m, Linear)]
         assert all(m.weight_fp8 is not None and m.weight_fp8.float().std() > 0.5 for m in layers)
@@ -295,7 +275,7 @@ def test_dummy_weights_with_a_block_wise_config(checkpoints: dict[str, str], tmp
         assert dummy.runner.weights_bytes() == online.runner.weights_bytes()
     finally:
         online.shutdown()
-    assert all(len(tokens) == MAX_TOKENS for tokens, _ in _runs(dummy))
+    assert all(len(tokens) == MAX_TOKENS for tokens, _ in fp8_runs(dummy))
 
 
 # ----------------------------------------------------------------------------------------------- refusals
@@ -344,31 +324,31 @@ def test_bad_block_tensors_are_refused(checkpoints: dict[str, str], tmp_path: Pa
         with pytest.raises(ModelLoadError, match=r"down_proj.weight(_scale_inv)?': block-wise fp8 scales of shape "
                                                  rf"\({wrong[0]}, {wrong[1]}\) do not match a 256 x 512 weight in "
                                                  r"blocks of 24 x 40: \(11, 13\) expected"):
-            _core(path)
+            fp8_core(path)
     path = variant("flat", lambda t: t.update({down: torch.ones(11 * 13)}))
     with pytest.raises(ModelLoadError, match=rf"'{down}': a weight scale of shape \(143,\): a block-wise fp8 "
                                              r"checkpoint \(blocks of 24 x 40\) needs one per block"):
-        _core(path)
+        fp8_core(path)
 
     up = "model.layers.1.mlp.up_proj.weight_scale_inv"
     path = variant("missing", lambda t: t.pop(up))
     with pytest.raises(ModelLoadError, match=r"checkpoint lacks weights for model.layers.1.mlp.gate_up_proj.weight_scale "
                                              r"\(shard 1\)"):
-        _core(path)
+        fp8_core(path)
 
     def negative(t: dict[str, torch.Tensor]) -> None:
         t[up][2, 3] = -0.5
     with pytest.raises(ModelLoadError, match=rf"checkpoint tensor '{up}': an fp8 block scale is -0.5 \(block row 2, "
                                              r"column 3\): scales must be finite and not negative"):
-        _core(variant("negative", negative))
+        fp8_core(variant("negative", negative))
 
     head = {"lm_head.weight": torch.zeros(1024, 256).to(FP8), "lm_head.weight_scale_inv": torch.ones(43, 7)}
     with pytest.raises(ModelLoadError, match=r"'lm_head.weight(_scale_inv)?' is .*but its layer is not an fp8 layer "
                                              r"of this model \(an fp8 LM head or embedding is not supported\)"):
-        _core(variant("head", lambda t: t.update(head)))
+        fp8_core(variant("head", lambda t: t.update(head)))
     with pytest.raises(ModelLoadError, match=r"'lm_head.weight_scale_inv' is an fp8 weight scale, but its layer is "
                                              r"not an fp8 layer"):
-        _core(variant("head_scale", lambda t: t.update({"lm_head.weight_scale_inv": torch.ones(43, 7)})))
+        fp8_core(variant("head_scale", lambda t: t.update({"lm_head.weight_scale_inv": torch.ones(43, 7)})))
 
 
 def test_block_scales_without_a_block_size_are_refused(checkpoints: dict[str, str], tmp_path: Path) -> None:
@@ -381,7 +361,7 @@ def test_block_scales_without_a_block_size_are_refused(checkpoints: dict[str, st
     with pytest.raises(ModelLoadError, match=r"checkpoint tensor 'model.layers.\d.(self_attn|mlp).\w+_proj.weight_scale_inv' "
                                              r"holds block-wise fp8 scales, but the quantization_config gives no "
                                              r"weight_block_size"):
-        _core(path)
+        fp8_core(path)
 
 
 def test_a_per_tensor_scale_under_a_block_config_is_refused(checkpoints: dict[str, str], tmp_path: Path) -> None:
@@ -396,5 +376,5 @@ def test_a_per_tensor_scale_under_a_block_config_is_refused(checkpoints: dict[st
         json.dump(config, f)
     with pytest.raises(ModelLoadError, match=r"weight_scale': a weight scale of shape \(\): a block-wise fp8 "
                                              r"checkpoint \(blocks of 128 x 128\) needs one per block"):
-        _core(path)
+        fp8_core(path)
 

@@ -17,17 +17,22 @@ from typing import Any
 
 import pytest
 import torch
-from helpers.engine_runs import greedy_with_logprobs
-from helpers.fp8_checkpoints import FBGEMM, VLLM_FP8, compressed_tensors, write_fp8_checkpoint
+from helpers.fp8_checkpoints import (
+    FBGEMM,
+    MAX_TOKENS,
+    VLLM_FP8,
+    compressed_tensors,
+    fp8_core,
+    fp8_runs,
+    write_fp8_checkpoint,
+)
 from safetensors.torch import load_file, save_file
 
 from kvserve.config import ConfigError, EngineArgs
-from kvserve.engine.engine_core import EngineCore
 from kvserve.layers.linear import Linear
 from kvserve.layers.quantization import parse_quant_config
 from kvserve.model.paths import ModelLoadError
 
-MAX_TOKENS = 12
 FP8 = torch.float8_e4m3fn
 ARCHS = {"llama": {}, "qwen2": {}, "qwen3": {"head_dim": 64}}
 
@@ -40,39 +45,20 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
             for arch, overrides in ARCHS.items()}
 
 
-def _prompts() -> list[list[int]]:
-    generator = torch.Generator().manual_seed(1)
-    return [torch.randint(3, 1024, (n,), generator=generator).tolist() for n in (7, 30, 65)]
-
-
-def _core(path: str, quantization: str | None = None, **kwargs: Any) -> EngineCore:
-    settings: dict[str, Any] = {"max_model_len": 128, "num_kv_blocks": 32, "max_num_batched_tokens": 64, **kwargs}
-    return EngineCore(EngineArgs(model=path, device="cpu", quantization=quantization, **settings).create_engine_config())
-
-
-def _runs(core: EngineCore) -> list[tuple[list[int], list[dict[int, float]]]]:
-    """Greedy tokens and each step's full top-5 (the sampled token's own logprob included)."""
-    try:
-        out = greedy_with_logprobs(core, _prompts(), MAX_TOKENS)
-    finally:
-        core.shutdown()
-    return [(tokens, [dict(zip(lp.token_ids, lp.logprobs, strict=True)) for lp in lps]) for tokens, lps in out]
-
-
 @pytest.fixture(scope="module")
 def online_runs(checkpoints: dict[str, str]) -> dict[str, list]:
-    return {arch: _runs(_core(path, "fp8")) for arch, path in checkpoints.items()}
+    return {arch: fp8_runs(fp8_core(path, "fp8")) for arch, path in checkpoints.items()}
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_a_per_channel_checkpoint_equals_quantizing_at_load(checkpoints: dict[str, str], online_runs: dict[str, list],
                                                              arch: str, tmp_path: Any) -> None:
     path = write_fp8_checkpoint(checkpoints[arch], str(tmp_path / "m"), compressed_tensors("channel"), per_tensor=False)
-    core = _core(path)
+    core = fp8_core(path)
     assert core.config.model_config.quantization is None  # nothing quantized at load
     layers = [m for m in core.runner.model.modules() if isinstance(m, Linear)]
     assert layers and all(m.weight is None and m.weight_fp8 is not None and m.weight_fp8.dtype == FP8 for m in layers)
-    assert _runs(core) == online_runs[arch]
+    assert fp8_runs(core) == online_runs[arch]
 
 
 def test_fbgemm_and_row_shaped_scales_read_the_same(checkpoints: dict[str, str], online_runs: dict[str, list],
@@ -80,10 +66,10 @@ def test_fbgemm_and_row_shaped_scales_read_the_same(checkpoints: dict[str, str],
     """FBGEMM's format (scales [N, 1], activation bounds `input_scale_ub`) and scales stored as [N]."""
     ub = {"model.layers.0.self_attn.q_proj.input_scale_ub": torch.tensor([1200.0])}
     fbgemm = write_fp8_checkpoint(checkpoints["qwen2"], str(tmp_path / "fb"), FBGEMM, per_tensor=False, extra=ub)
-    assert _runs(_core(fbgemm)) == online_runs["qwen2"]
+    assert fp8_runs(fp8_core(fbgemm)) == online_runs["qwen2"]
     rows = write_fp8_checkpoint(checkpoints["qwen2"], str(tmp_path / "rows"), compressed_tensors("channel"),
                                 per_tensor=False, scale_shape="row")
-    assert _runs(_core(rows)) == online_runs["qwen2"]
+    assert fp8_runs(fp8_core(rows)) == online_runs["qwen2"]
 
 
 def test_a_scale_per_tensor_is_each_shards_own(checkpoints: dict[str, str], tmp_path: Any) -> None:
@@ -105,13 +91,13 @@ def test_a_scale_per_tensor_is_each_shards_own(checkpoints: dict[str, str], tmp_
     config["quantization_config"] = compressed_tensors("channel")
     with open(os.path.join(expanded, "config.json"), "w") as f:
         json.dump(config, f)
-    core = _core(tensor)
+    core = fp8_core(tensor)
     qkv = core.runner.model.model.layers[0].self_attn.qkv_proj
     q_rows = qkv.q_size
     assert float(qkv.weight_scale[0]) == float(scales["model.layers.0.self_attn.q_proj.weight_scale"])
     assert float(qkv.weight_scale[q_rows]) == float(scales["model.layers.0.self_attn.k_proj.weight_scale"])
-    got = _runs(core)
-    assert got == _runs(_core(expanded))
+    got = fp8_runs(core)
+    assert got == fp8_runs(fp8_core(expanded))
     assert len({tokens[0] for tokens, _ in got}) > 1  # the prompts do not all collapse to one token
 
 
@@ -120,7 +106,7 @@ def test_ignored_layers_stay_dense(checkpoints: dict[str, str], tmp_path: Any) -
     quant = compressed_tensors("channel", ignore=["lm_head", "re:.*layers\\.1\\.mlp\\..*", "model.layers.2.self_attn.o_proj"])
     path = write_fp8_checkpoint(checkpoints["llama"], str(tmp_path / "m"), quant, per_tensor=False,
                                 skip=("layers.1.mlp.", "layers.2.self_attn.o_proj"))
-    core = _core(path)
+    core = fp8_core(path)
     layers = core.runner.model.model.layers
     dense = {"1.gate_up", "1.down", "2.o"}
     for i, layer in enumerate(layers):
@@ -130,7 +116,7 @@ def test_ignored_layers_stay_dense(checkpoints: dict[str, str], tmp_path: Any) -
                 assert module.weight is not None and module.weight.dtype == torch.float32 and module.weight_fp8 is None
             else:
                 assert module.weight is None and module.weight_fp8 is not None
-    out = _runs(core)
+    out = fp8_runs(core)
     assert all(len(tokens) == MAX_TOKENS for tokens, _ in out)
 
 
@@ -147,7 +133,7 @@ def test_the_quantization_flag_with_an_fp8_checkpoint(checkpoints: dict[str, str
 
 def test_dummy_weights_with_an_fp8_config(checkpoints: dict[str, str], tmp_path: Any) -> None:
     path = write_fp8_checkpoint(checkpoints["llama"], str(tmp_path / "m"), VLLM_FP8, per_tensor=True)
-    dummy, online = _core(path, load_format="dummy"), _core(checkpoints["llama"], "fp8")
+    dummy, online = fp8_core(path, load_format="dummy"), fp8_core(checkpoints["llama"], "fp8")
     try:
         layers = [m for m in dummy.runner.model.modules() if isinstance(m, Linear)]
         assert all(m.weight_fp8 is not None and m.weight_fp8.float().std() > 0.5 for m in layers)
@@ -155,7 +141,7 @@ def test_dummy_weights_with_an_fp8_config(checkpoints: dict[str, str], tmp_path:
         assert dummy.runner.weights_bytes() == online.runner.weights_bytes()
     finally:
         online.shutdown()
-    assert all(len(tokens) == MAX_TOKENS for tokens, _ in _runs(dummy))
+    assert all(len(tokens) == MAX_TOKENS for tokens, _ in fp8_runs(dummy))
 
 
 # ----------------------------------------------------------------------------------------------- refusals
@@ -196,7 +182,7 @@ def test_a_config_alone_is_not_enough(checkpoints: dict[str, str], tmp_path: Any
         json.dump(config, f)
     with pytest.raises(ModelLoadError, match=r"_proj.weight': an fp8 checkpoint's weight must be float8_e4m3fn, "
                                              r"got torch.float32"):
-        _core(path)
+        fp8_core(path)
 
 
 def test_bad_tensors_are_refused(checkpoints: dict[str, str], tmp_path: Any) -> None:
@@ -204,21 +190,21 @@ def test_bad_tensors_are_refused(checkpoints: dict[str, str], tmp_path: Any) -> 
     head = {"lm_head.weight": torch.zeros(1024, 256).to(FP8)}
     path = write_fp8_checkpoint(source, str(tmp_path / "head"), VLLM_FP8, per_tensor=True, extra=head)
     with pytest.raises(ModelLoadError, match=r"'lm_head.weight' is torch.float8_e4m3fn, but its layer is not an fp8"):
-        _core(path)
+        fp8_core(path)
     negative = {"model.layers.1.mlp.up_proj.weight_scale": torch.tensor(-0.5)}
     path = write_fp8_checkpoint(source, str(tmp_path / "neg"), VLLM_FP8, per_tensor=True, extra=negative)
     with pytest.raises(ModelLoadError, match=r"model.layers.1.mlp.gate_up_proj: an fp8 weight scale is -0.5 \(shard 1, "
                                              r"its row 0 here\)"):
-        _core(path)
+        fp8_core(path)
     blocks = {"model.layers.0.mlp.down_proj.weight_scale": torch.ones(2, 4)}
     path = write_fp8_checkpoint(source, str(tmp_path / "blk"), VLLM_FP8, per_tensor=True, extra=blocks)
     with pytest.raises(ModelLoadError, match=r"down_proj.weight_scale': a weight scale of shape \(2, 4\)"):
-        _core(path)
+        fp8_core(path)
     e5m2 = {"model.layers.0.mlp.down_proj.weight": torch.zeros(256, 512).to(torch.float8_e5m2)}
     path = write_fp8_checkpoint(source, str(tmp_path / "e5"), VLLM_FP8, per_tensor=True, extra=e5m2)
     with pytest.raises(ModelLoadError, match=r"down_proj.weight': an fp8 checkpoint's weight must be float8_e4m3fn, "
                                              r"got torch.float8_e5m2"):
-        _core(path)
+        fp8_core(path)
 
 
 def test_skip_lists_match_whole_name_parts() -> None:
@@ -294,7 +280,7 @@ def test_two_ranks_read_their_shards(checkpoints: dict[str, str], tmp_path: Any,
     tol = 8 * 2.0**-4
     quant = VLLM_FP8 if per_tensor else compressed_tensors("channel")
     path = write_fp8_checkpoint(checkpoints["qwen2"], str(tmp_path / "m"), quant, per_tensor=per_tensor)
-    one, two = _runs(_core(path)), _runs(_core(path, tensor_parallel_size=2))
+    one, two = fp8_runs(fp8_core(path)), fp8_runs(fp8_core(path, tensor_parallel_size=2))
     compared = 0
     for (tokens1, tops1), (tokens2, tops2) in zip(one, two, strict=True):
         for step, (a, b) in enumerate(zip(tokens1, tokens2, strict=True)):

@@ -7,7 +7,10 @@ weights are quantized from the checkpoint's own values).
 
 Block-wise (`write_block_fp8_checkpoint`: vLLM's "fp8" with `weight_block_size`, as DeepSeek's and Qwen's FP8
 releases, or compressed-tensors' "block" strategy) each bn x bk block gets its own scale; `write_dequantized_checkpoint`
-writes the dense checkpoint of what such a checkpoint stands for, the oracle of its loading."""
+writes the dense checkpoint of what such a checkpoint stands for, the oracle of its loading.
+
+`fp8_core` / `fp8_runs`: the small CPU engine both files of these tests run, and its greedy tokens with each
+step's top 5."""
 
 from __future__ import annotations
 
@@ -20,12 +23,34 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from helpers.engine_runs import greedy_with_logprobs
+from kvserve.config import EngineArgs
+from kvserve.engine.engine_core import EngineCore
 from kvserve.kernels import ops
 
 FP8 = torch.float8_e4m3fn
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 VLLM_FP8 = {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"]}
 FBGEMM = {"quant_method": "fbgemm_fp8", "modules_to_not_convert": ["lm_head"], "activation_scale_ub": 1200.0}
+MAX_TOKENS = 12  # generated per prompt by `fp8_runs`
+
+
+def fp8_core(path: str, quantization: str | None = None, **kwargs: Any) -> EngineCore:
+    """A CPU engine of `path` (`quantization`: --quantization), small limits unless `kwargs` set them."""
+    settings: dict[str, Any] = {"max_model_len": 128, "num_kv_blocks": 32, "max_num_batched_tokens": 64, **kwargs}
+    return EngineCore(EngineArgs(model=path, device="cpu", quantization=quantization, **settings).create_engine_config())
+
+
+def fp8_runs(core: EngineCore) -> list[tuple[list[int], list[dict[int, float]]]]:
+    """Three prompts' greedy tokens (MAX_TOKENS each) and each step's full top-5 (the sampled token's own logprob
+    included); shuts `core` down."""
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 1024, (n,), generator=generator).tolist() for n in (7, 30, 65)]
+    try:
+        out = greedy_with_logprobs(core, prompts, MAX_TOKENS)
+    finally:
+        core.shutdown()
+    return [(tokens, [dict(zip(lp.token_ids, lp.logprobs, strict=True)) for lp in lps]) for tokens, lps in out]
 
 
 def block_fp8_config(block: tuple[int, int]) -> dict[str, Any]:
