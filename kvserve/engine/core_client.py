@@ -31,7 +31,7 @@ import zmq
 import zmq.asyncio
 
 from kvserve.config import EngineConfig
-from kvserve.engine.core_proc import run_engine_core
+from kvserve.engine.core_proc import IPC_DIR_PREFIX, run_engine_core
 from kvserve.engine.errors import EngineDeadError
 from kvserve.protocol.core_messages import (
     AbortRequests,
@@ -101,7 +101,7 @@ class EngineCoreClient:
         self._pidfd: int | None = None  # attached: the engine process, readable once it exits
         self._poller: asyncio.Task[None] | None = None  # attached, where pidfds are not available
         self._engine_exited = False
-        self._ipc_dir = tempfile.mkdtemp(prefix="kvserve-ipc-") if attach is None else ""
+        self._ipc_dir = tempfile.mkdtemp(prefix=IPC_DIR_PREFIX) if attach is None else ""
         self._ctx = zmq.asyncio.Context()
         self._input = self._ctx.socket(zmq.PUSH)
         self._output = self._ctx.socket(zmq.PULL)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import shutil
 import signal
 import threading
 import time
@@ -56,6 +57,8 @@ logger = logging.getLogger(__name__)
 
 # How often an idle or busy loop checks that the API process is still there.
 _PARENT_CHECK_INTERVAL_S = 1.0
+# The directory of the IPC sockets, made by the API process that starts the engine (core_client).
+IPC_DIR_PREFIX = "kvserve-ipc-"
 # How long queued output messages may take to leave when the process exits.
 _SEND_LINGER_MS = 5000
 # Pause after a step that scheduled nothing (cannot happen with a sane scheduler; guards the loop anyway).
@@ -89,7 +92,7 @@ def run_engine_core(config: EngineConfig, input_addresses: list[str], output_add
     # Start-up (the model load, minutes for a large one) checks nothing else: leave as soon as the API process
     # is gone rather than load for nobody (and hold the GPU) until the loop's own check.
     started = threading.Event()
-    threading.Thread(target=_exit_if_orphaned_before, args=(parent_pid, started), daemon=True,
+    threading.Thread(target=_exit_if_orphaned_before, args=(parent_pid, started, input_addresses), daemon=True,
                      name="engine-start-watch").start()
     outbox: queue.Queue[Outgoing | None] = queue.Queue()
     inbox: queue.Queue[EngineInput | UnreadableRequests] = queue.Queue()
@@ -114,18 +117,32 @@ def run_engine_core(config: EngineConfig, input_addresses: list[str], output_add
     finally:
         outbox.put(None)
         sender.join(timeout=_SEND_LINGER_MS / 1000 + 1)
+    if os.getppid() != parent_pid:
+        remove_ipc_dir(input_addresses)
     # The input thread may be blocked in recv(); os._exit does not wait for it.
     logging.shutdown()
     os._exit(exit_code)
 
 
-def _exit_if_orphaned_before(parent_pid: int, started: threading.Event) -> None:
+def _exit_if_orphaned_before(parent_pid: int, started: threading.Event, input_addresses: list[str]) -> None:
     """Until `started` is set: exit the process once the API process `parent_pid` is gone."""
     while not started.wait(_PARENT_CHECK_INTERVAL_S):
         if os.getppid() != parent_pid:
             logger.error("the API process (pid %d) is gone; engine core exiting during start-up", parent_pid)
+            remove_ipc_dir(input_addresses)
             logging.shutdown()
             os._exit(1)
+
+
+def remove_ipc_dir(input_addresses: list[str]) -> None:
+    """Remove the IPC sockets' directory that the API process made (`IPC_DIR_PREFIX`), for when that process
+    died without removing it (SIGKILL, an out-of-memory kill): else every such death leaves one in the
+    temporary directory. Any other address is left alone."""
+    if not input_addresses or not input_addresses[0].startswith("ipc://"):
+        return
+    directory = os.path.dirname(input_addresses[0][len("ipc://"):])
+    if os.path.basename(directory).startswith(IPC_DIR_PREFIX):
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _start_core(config: EngineConfig, outbox: queue.Queue[Outgoing | None]) -> Any:

@@ -20,7 +20,13 @@ FLAGS = ["--max-model-len", "256", "--kv-cache-memory", "64MiB", "--served-model
 
 
 @pytest.fixture(scope="module")
-def server_launches(tiny_llama_dir: str) -> dict[str, tuple[list[str], dict[str, object]]]:
+def killed_server_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The temporary directory (TMPDIR) of the server whose API process is killed: where its IPC sockets are."""
+    return str(tmp_path_factory.mktemp("killed-server-tmp"))
+
+
+@pytest.fixture(scope="module")
+def server_launches(tiny_llama_dir: str, killed_server_tmpdir: str) -> dict[str, tuple[list[str], dict[str, object]]]:
     """Each test's server (see `module_servers`), started together; the busy-port test starts its own."""
     return {
         "test_engine_death_turns_health_503_and_server_exits_nonzero": ([tiny_llama_dir, *FLAGS], {}),
@@ -29,7 +35,7 @@ def server_launches(tiny_llama_dir: str) -> dict[str, tuple[list[str], dict[str,
         "test_shutdown_timeout_aborts_the_requests_still_in_flight": (
             [tiny_llama_dir, *FLAGS, "--disable-log-requests", "--shutdown-timeout", "1", "--max-num-seqs", "1"], {}),
         "test_engine_exits_when_the_api_process_is_killed": (
-            [tiny_llama_dir, *FLAGS], {"env": {"KVSERVE_API_KEY": "from-env"}}),
+            [tiny_llama_dir, *FLAGS], {"env": {"KVSERVE_API_KEY": "from-env", "TMPDIR": killed_server_tmpdir}}),
         # Start-up failures: these exit by themselves.
         "test_engine_start_failure_exits_nonzero_with_its_error": (
             [tiny_llama_dir, "--max-model-len", "256", "--kv-cache-memory", "1KiB"], {}),
@@ -194,8 +200,10 @@ def test_shutdown_timeout_aborts_the_requests_still_in_flight(own_server: Server
     wait_for(lambda: not pid_alive(engine_pid), 10, "the engine process to exit")
 
 
-def test_engine_exits_when_the_api_process_is_killed(own_server: ServerProcess):
-    server = own_server.wait_ready()  # KVSERVE_API_KEY=from-env (server_launches)
+def test_engine_exits_when_the_api_process_is_killed(own_server: ServerProcess, killed_server_tmpdir: str):
+    server = own_server.wait_ready()  # KVSERVE_API_KEY=from-env, TMPDIR=killed_server_tmpdir (server_launches)
+    ipc_dirs = [name for name in os.listdir(killed_server_tmpdir) if name.startswith("kvserve-ipc-")]
+    assert len(ipc_dirs) == 1, ipc_dirs
     # (While it is up: the API key can come from the environment.)
     assert_openai_error(httpx.get(server.base_url + "/v1/models", timeout=10), 401)
     ok = httpx.get(server.base_url + "/v1/models", headers={"Authorization": "Bearer from-env"}, timeout=10)
@@ -204,11 +212,13 @@ def test_engine_exits_when_the_api_process_is_killed(own_server: ServerProcess):
     server.proc.kill()
     server.wait_exit(10)
     wait_for(lambda: not pid_alive(server.engine_pid), 15, "the orphaned engine process to exit")
+    # The killed API process could not remove its IPC sockets' directory; the engine did, on its way out.
+    assert not os.path.exists(os.path.join(killed_server_tmpdir, ipc_dirs[0]))
 
 
-def _engine_starting(launch_server: Any, tiny_llama_dir: str) -> ServerProcess:
+def _engine_starting(launch_server: Any, tiny_llama_dir: str, env: dict[str, str] | None = None) -> ServerProcess:
     """A server whose engine process was just spawned (still importing or loading), its pid known."""
-    server = launch_server([tiny_llama_dir, *FLAGS], wait=False)
+    server = launch_server([tiny_llama_dir, *FLAGS], wait=False, env=env)
     wait_for(lambda: "engine core process started" in server.log() or server.proc.poll() is not None, 180,
              "the engine process to be started")
     server.engine_pid = server._find_engine_pid()  # finish() kills it should it still be alive
@@ -216,14 +226,17 @@ def _engine_starting(launch_server: Any, tiny_llama_dir: str) -> ServerProcess:
     return server
 
 
-def test_sigterm_while_the_engine_starts_leaves_no_engine_process(launch_server, tiny_llama_dir):
+def test_sigterm_while_the_engine_starts_leaves_no_engine_process(launch_server, tiny_llama_dir, tmp_path):
     """The API process stopped (SIGTERM to it alone: before serving, Python's default action ends it) right after
     it spawned the engine process, which is still importing: the engine must not outlive it. It read its
-    parent's pid only once running, which was init's by then, and so never saw the API process gone."""
-    server = _engine_starting(launch_server, tiny_llama_dir)
+    parent's pid only once running, which was init's by then, and so never saw the API process gone. Nor may
+    the IPC sockets' directory, which the API process had no chance to remove."""
+    server = _engine_starting(launch_server, tiny_llama_dir, env={"TMPDIR": str(tmp_path)})
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("kvserve-ipc-")], list(tmp_path.iterdir())
     server.proc.send_signal(signal.SIGTERM)
     server.wait_exit(30)
     wait_for(lambda: not pid_alive(server.engine_pid), 60, "the engine process of a stopped API process to exit")
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("kvserve-ipc-")]
 
 
 def test_ctrl_c_while_the_engine_starts_kills_the_loading_engine(launch_server, tiny_llama_dir):
