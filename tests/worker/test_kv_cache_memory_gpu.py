@@ -12,7 +12,8 @@ import pytest
 
 from kvserve.config import ConfigError, EngineArgs
 from kvserve.engine.engine_core import EngineCore, KVCapacity
-from kvserve.entrypoints.cli import build_parser, engine_args_from
+from kvserve.entrypoints.cli import build_parser
+from kvserve.entrypoints.openai.cli_args import server_engine_args
 from kvserve.worker.memory import (
     GiB,
     KVCacheMemoryError,
@@ -82,11 +83,13 @@ def test_the_flag_and_its_vllm_name_reach_the_gpu_config(flag: str, tmp_path: Pa
     monkeypatch.setattr(config_module, "_check_device", lambda device: None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: (9, 0))
     ns = build_parser().parse_args(["serve", _model(tmp_path), flag, "2GiB"])
-    args = {**engine_args_from(ns), "device": "cuda", "load_format": "dummy"}
-    cache = EngineArgs(**args).create_engine_config().cache_config  # type: ignore[arg-type]
+    args = {**server_engine_args(ns), "device": "cuda", "load_format": "dummy"}
+    config = EngineArgs(**args).create_engine_config()  # type: ignore[arg-type]
+    assert config.model_config.model == str(tmp_path)  # the command's model, not the default one
+    cache = config.cache_config
     assert cache.gpu_kv_cache_memory_bytes == 2 * GiB
     ns = build_parser().parse_args(["serve", _model(tmp_path)])
-    args = {**engine_args_from(ns), "device": "cuda", "load_format": "dummy"}
+    args = {**server_engine_args(ns), "device": "cuda", "load_format": "dummy"}
     assert EngineArgs(**args).create_engine_config().cache_config.gpu_kv_cache_memory_bytes is None  # type: ignore[arg-type]
     # On CPU the flag is the CPU budget, as before.
     cpu = EngineArgs(model=_model(tmp_path), device="cpu", load_format="dummy", kv_cache_memory="2GiB")
