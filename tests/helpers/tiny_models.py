@@ -16,6 +16,7 @@ logits.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import math
@@ -140,8 +141,10 @@ def smollm_tokenizer() -> Any:
 
 @functools.lru_cache(maxsize=1)
 def smollm_tokenizer_dir() -> str:
-    """A directory holding `smollm_tokenizer()` saved with `save_pretrained` (written once per process)."""
+    """A directory holding `smollm_tokenizer()` saved with `save_pretrained` (written once per process, removed
+    when the process exits)."""
     out = tempfile.mkdtemp(prefix="kvserve-smollm-tokenizer-")
+    atexit.register(shutil.rmtree, out, True)
     smollm_tokenizer().save_pretrained(out)
     return out
 
