@@ -6,6 +6,10 @@ BIN := $(VENV)/bin
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 TORCH_SPEC := $(if $(HAS_GPU),torch,torch==2.13.0)
 PYTEST_ARGS ?=
+# The suite runs in this many pytest-xdist worker processes, one test file per worker at a time (a file's
+# servers and engines stay in one process); each worker's torch gets its share of the cores
+# (tests/conftest.py). TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 HOST ?= 127.0.0.1
 PORT ?= 8000
 # Extra `kvserve serve` flags, e.g. make serve SERVE_ARGS="--served-model-name qwen2-7b"
@@ -32,7 +36,7 @@ lint: install
 	$(BIN)/ruff check kvserve tests benchmarks deploy
 
 test: lint
-	$(BIN)/pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(BIN)/pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 serve: install
 	$(BIN)/kvserve serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)

@@ -27,18 +27,28 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from helpers import tiny_models
+from helpers import tiny_models, xdist
 
 from kvserve import envs
 from kvserve.model.paths import ModelLoadError, default_model_path
 
+# The session's cache directory, as the pytest-xdist controller made it, for its workers.
+_SESSION_CACHE_ENV = "KVSERVE_TEST_SESSION_CACHE"
+
 
 def pytest_configure(config: pytest.Config) -> None:
     # What outlives a run (GGUF files' converted tokenizers, matmul choices) goes to a directory of the session's
-    # own, shared with the servers it starts (through the environment), never the user's cache.
-    cache = tempfile.mkdtemp(prefix="kvserve-test-cache-")
+    # own, shared with the servers it starts (through the environment), never the user's cache. Under
+    # pytest-xdist the workers share the controller's (its writes are atomic renames); the controller removes it.
+    shared = os.environ.get(_SESSION_CACHE_ENV) if xdist.worker_index() is not None else None
+    if shared:
+        cache = shared
+    else:
+        cache = tempfile.mkdtemp(prefix="kvserve-test-cache-")
+        os.environ[_SESSION_CACHE_ENV] = cache
+        config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
     os.environ["KVSERVE_CACHE_DIR"] = envs.KVSERVE_CACHE_DIR = cache
-    config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
+    xdist.share_the_cores()
 
 
 @pytest.fixture(scope="session")
