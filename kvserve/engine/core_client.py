@@ -84,6 +84,37 @@ def _addresses(ipc_dir: str, index: int) -> tuple[str, str]:
     return (f"ipc://{os.path.join(ipc_dir, f'input-{index}')}", f"ipc://{os.path.join(ipc_dir, f'output-{index}')}")
 
 
+# The longest IPC socket path ZeroMQ takes (a Unix socket's sun_path: 107 on Linux; pyzmq says 0 where unknown).
+IPC_PATH_MAX_LEN = zmq.IPC_PATH_MAX_LEN or 107
+# Where the sockets go when the temporary directory's path is too long for them.
+_SHORT_TMP = "/tmp"
+
+
+class IpcPathError(RuntimeError):
+    """The engine's IPC socket paths would be too long for a Unix socket (TMPDIR too deep, no /tmp)."""
+
+
+def make_ipc_dir(api_server_count: int) -> str:
+    """A new directory for the engine's IPC sockets: in the temporary directory (TMPDIR), or in /tmp when the
+    sockets' paths there would be longer than ZeroMQ takes (a deep TMPDIR, as CI runners and job schedulers
+    set); IpcPathError, naming TMPDIR, when neither fits."""
+    longest = os.path.basename(_addresses("", api_server_count - 1)[1])  # output-N (input-N is as long)
+    directory = tempfile.mkdtemp(prefix=IPC_DIR_PREFIX)
+    if len(os.path.join(directory, longest)) <= IPC_PATH_MAX_LEN:
+        return directory
+    os.rmdir(directory)
+    if os.path.isdir(_SHORT_TMP):
+        short = tempfile.mkdtemp(prefix=IPC_DIR_PREFIX, dir=_SHORT_TMP)
+        if len(os.path.join(short, longest)) <= IPC_PATH_MAX_LEN:
+            logger.info("the IPC sockets go to %s: under the temporary directory %s their paths would be longer "
+                        "than %d characters", short, os.path.dirname(directory), IPC_PATH_MAX_LEN)
+            return short
+        os.rmdir(short)
+    raise IpcPathError(f"the engine's IPC socket paths under the temporary directory {os.path.dirname(directory)!r} "
+                       f"would be longer than the {IPC_PATH_MAX_LEN} characters a Unix socket takes: set TMPDIR to "
+                       "a shorter directory")
+
+
 class EngineCoreClient:
     def __init__(self, config: EngineConfig, handler: EngineMessageHandler, log_level: str = "INFO",
                  api_server_count: int = 1, attach: EngineAttachment | None = None) -> None:
@@ -101,7 +132,7 @@ class EngineCoreClient:
         self._pidfd: int | None = None  # attached: the engine process, readable once it exits
         self._poller: asyncio.Task[None] | None = None  # attached, where pidfds are not available
         self._engine_exited = False
-        self._ipc_dir = tempfile.mkdtemp(prefix=IPC_DIR_PREFIX) if attach is None else ""
+        self._ipc_dir = make_ipc_dir(api_server_count) if attach is None else ""
         self._ctx = zmq.asyncio.Context()
         self._input = self._ctx.socket(zmq.PUSH)
         self._output = self._ctx.socket(zmq.PULL)

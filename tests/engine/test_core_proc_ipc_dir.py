@@ -1,10 +1,16 @@
-"""core_proc.remove_ipc_dir: an engine whose API process died (SIGKILL) removes the IPC sockets' directory the API
-process made, and nothing else. The server-level checks are in tests/server/test_lifecycle.py."""
+"""The engine's IPC sockets' directory. core_client.make_ipc_dir: where it goes (a path a Unix socket takes).
+core_proc.remove_ipc_dir: an engine whose API process died (SIGKILL) removes the directory the API process made,
+and nothing else. The server-level checks are in tests/server/test_lifecycle.py."""
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
+import pytest
+
+from kvserve.engine import core_client
 from kvserve.engine.core_proc import IPC_DIR_PREFIX, remove_ipc_dir
 
 
@@ -29,3 +35,36 @@ def test_other_addresses_are_left_alone(tmp_path: Path) -> None:
     remove_ipc_dir(["tcp://127.0.0.1:5555"])
     remove_ipc_dir([])
     assert sorted(p.name for p in other.iterdir()) == ["input-0", "output-0", "output-1"]
+
+
+def test_the_ipc_directory_goes_to_tmp_when_tmpdir_is_too_deep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Unix socket's path holds at most 107 characters: under a deep TMPDIR (as CI runners and job schedulers
+    set) the engine's sockets could not bind, and the server died with ZeroMQ's error."""
+    deep = tmp_path / ("t" * 100)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    directory = core_client.make_ipc_dir(api_server_count=1)
+    try:
+        assert os.path.dirname(directory) == "/tmp" and os.path.basename(directory).startswith(IPC_DIR_PREFIX)
+        assert all(len(address) - len("ipc://") <= core_client.IPC_PATH_MAX_LEN
+                   for address in core_client._addresses(directory, 0))
+    finally:
+        os.rmdir(directory)
+    assert os.listdir(deep) == []  # the directory it could not use is removed
+
+
+def test_a_short_tmpdir_is_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    directory = core_client.make_ipc_dir(api_server_count=4)
+    assert os.path.dirname(directory) == str(tmp_path)
+    os.rmdir(directory)
+
+
+def test_no_short_directory_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    deep = tmp_path / ("t" * 100)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    monkeypatch.setattr(core_client, "_SHORT_TMP", str(deep))
+    with pytest.raises(core_client.IpcPathError, match="set TMPDIR to a shorter directory"):
+        core_client.make_ipc_dir(api_server_count=1)
+    assert os.listdir(deep) == []

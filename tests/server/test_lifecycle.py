@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -19,17 +22,39 @@ from .conftest import ServerProcess, assert_openai_error, pid_alive, scrape, wai
 FLAGS = ["--max-model-len", "256", "--kv-cache-memory", "64MiB", "--served-model-name", "tiny"]
 
 
+def _short_tmpdir() -> Iterator[str]:
+    # Directly in /tmp: the IPC sockets' paths must stay within a Unix socket's 107 characters, which pytest's own
+    # directories (under xdist, .../pytest-N/popen-gwN/<test name>N/) come close to.
+    directory = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
-def killed_server_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> str:
+def killed_server_tmpdir() -> Iterator[str]:
     """The temporary directory (TMPDIR) of the server whose API process is killed: where its IPC sockets are."""
-    return str(tmp_path_factory.mktemp("killed-server-tmp"))
+    yield from _short_tmpdir()
+
+
+@pytest.fixture
+def short_tmpdir() -> Iterator[str]:
+    yield from _short_tmpdir()
 
 
 @pytest.fixture(scope="module")
-def server_launches(tiny_llama_dir: str, killed_server_tmpdir: str) -> dict[str, tuple[list[str], dict[str, object]]]:
+def deep_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A TMPDIR too deep for the IPC sockets' paths (a Unix socket takes 107 characters)."""
+    return str(tmp_path_factory.mktemp("deep-" + "t" * 100))
+
+
+@pytest.fixture(scope="module")
+def server_launches(tiny_llama_dir: str, killed_server_tmpdir: str,
+                    deep_tmpdir: str) -> dict[str, tuple[list[str], dict[str, object]]]:
     """Each test's server (see `module_servers`), started together; the busy-port test starts its own."""
     return {
-        "test_engine_death_turns_health_503_and_server_exits_nonzero": ([tiny_llama_dir, *FLAGS], {}),
+        # (Its TMPDIR is too deep for the IPC sockets: the server still starts, with them in /tmp.)
+        "test_engine_death_turns_health_503_and_server_exits_nonzero": (
+            [tiny_llama_dir, *FLAGS], {"env": {"TMPDIR": deep_tmpdir}}),
         "test_sigterm_drains_in_flight_requests_and_exits_0": (
             [tiny_llama_dir, *FLAGS, "--disable-log-requests"], {"env": {"KVSERVE_GC_FREEZE": "1"}}),
         "test_shutdown_timeout_aborts_the_requests_still_in_flight": (
@@ -79,6 +104,7 @@ class StreamReader(threading.Thread):
 
 def test_engine_death_turns_health_503_and_server_exits_nonzero(own_server: ServerProcess):
     server = own_server.wait_ready()
+    assert "the IPC sockets go to /tmp/kvserve-ipc-" in server.log(), server.log()[-3000:]  # (deep TMPDIR)
     assert server.engine_pid is not None and pid_alive(server.engine_pid)
     # Without --metrics-compat there are no vllm: series.
     assert not [name for name, _ in scrape(server.base_url) if name.startswith("vllm:")]
@@ -226,17 +252,17 @@ def _engine_starting(launch_server: Any, tiny_llama_dir: str, env: dict[str, str
     return server
 
 
-def test_sigterm_while_the_engine_starts_leaves_no_engine_process(launch_server, tiny_llama_dir, tmp_path):
+def test_sigterm_while_the_engine_starts_leaves_no_engine_process(launch_server, tiny_llama_dir, short_tmpdir):
     """The API process stopped (SIGTERM to it alone: before serving, Python's default action ends it) right after
     it spawned the engine process, which is still importing: the engine must not outlive it. It read its
     parent's pid only once running, which was init's by then, and so never saw the API process gone. Nor may
     the IPC sockets' directory, which the API process had no chance to remove."""
-    server = _engine_starting(launch_server, tiny_llama_dir, env={"TMPDIR": str(tmp_path)})
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("kvserve-ipc-")], list(tmp_path.iterdir())
+    server = _engine_starting(launch_server, tiny_llama_dir, env={"TMPDIR": short_tmpdir})
+    assert [name for name in os.listdir(short_tmpdir) if name.startswith("kvserve-ipc-")], os.listdir(short_tmpdir)
     server.proc.send_signal(signal.SIGTERM)
     server.wait_exit(30)
     wait_for(lambda: not pid_alive(server.engine_pid), 60, "the engine process of a stopped API process to exit")
-    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("kvserve-ipc-")]
+    assert not [name for name in os.listdir(short_tmpdir) if name.startswith("kvserve-ipc-")]
 
 
 def test_ctrl_c_while_the_engine_starts_kills_the_loading_engine(launch_server, tiny_llama_dir):

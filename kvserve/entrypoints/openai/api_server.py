@@ -50,7 +50,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kvserve import __version__, envs
 from kvserve.config import EngineArgs, EngineConfig
 from kvserve.engine.async_llm import AsyncLLM
-from kvserve.engine.core_client import EngineAttachment, EngineCoreClient, EngineDeadError
+from kvserve.engine.core_client import EngineAttachment, EngineCoreClient, EngineDeadError, IpcPathError
 from kvserve.engine.heap import freeze_startup_heap
 from kvserve.entrypoints.cli import log_ignored_flags
 from kvserve.entrypoints.openai.cli_args import (
@@ -602,7 +602,14 @@ async def serve(ns: argparse.Namespace, config: EngineConfig) -> int:
     multiprocess_dir = tempfile.mkdtemp(prefix="kvserve-metrics-") if count > 1 else None
     if multiprocess_dir is not None:
         enable_multiprocess(multiprocess_dir)
-    engine = AsyncLLM(config, log_level=envs.KVSERVE_LOGGING_LEVEL, api_server_count=count)
+    try:
+        engine = AsyncLLM(config, log_level=envs.KVSERVE_LOGGING_LEVEL, api_server_count=count)
+    except IpcPathError as e:
+        logger.error("%s", e)
+        if multiprocess_dir is not None:
+            shutil.rmtree(multiprocess_dir, ignore_errors=True)
+        sock.close()
+        return 1
     others = ApiProcesses()
     try:
         try:
