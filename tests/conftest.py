@@ -40,7 +40,8 @@ def pytest_configure(config: pytest.Config) -> None:
     # What outlives a run (GGUF files' converted tokenizers, matmul choices) goes to a directory of the session's
     # own, shared with the servers it starts (through the environment), never the user's cache. Under
     # pytest-xdist the workers share the controller's (its writes are atomic renames); the controller removes it.
-    shared = os.environ.get(_SESSION_CACHE_ENV) if xdist.worker_index() is not None else None
+    worker = hasattr(config, "workerinput")  # an xdist worker (not a pytest these tests run, which inherits its env)
+    shared = os.environ.get(_SESSION_CACHE_ENV) if worker else None
     if shared:
         cache = shared
     else:
@@ -48,7 +49,8 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[_SESSION_CACHE_ENV] = cache
         config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
     os.environ["KVSERVE_CACHE_DIR"] = envs.KVSERVE_CACHE_DIR = cache
-    xdist.share_the_cores()
+    if worker:
+        xdist.share_the_cores()
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 
@@ -10,12 +11,23 @@ from helpers.xdist import worker_index
 _handed_out: set[int] = set()
 
 # Under pytest-xdist (`make test` runs two or more worker processes) each worker takes its ports from a range of
-# its own, below Linux's ephemeral range (32768-60999, where the kernel puts port-0 binds: kvserve's own
-# internal ports, torch.distributed's rendezvous). A port handed out here waits seconds before its server binds
-# it, so without the split two workers could be offered the same free port in that gap.
+# its own: ports WORKER_PORT_BASE .. EPHEMERAL_START - 1 split evenly between the workers, below Linux's default
+# ephemeral range (32768-60999, where the kernel puts port-0 binds: kvserve's own internal ports,
+# torch.distributed's rendezvous). A port handed out here waits seconds before its server binds it, so without
+# the split two workers could be offered the same free port in that gap.
 WORKER_PORT_BASE = 20000
-WORKER_PORT_SPAN = 1000
-MAX_WORKERS = 12
+EPHEMERAL_START = 32768
+MIN_WORKER_SPAN = 100
+
+
+def worker_ports(worker: int, worker_count: int) -> range:
+    """The ports xdist worker `worker` of `worker_count` hands out."""
+    span = (EPHEMERAL_START - WORKER_PORT_BASE) // max(worker_count, 1)
+    if span < MIN_WORKER_SPAN or not 0 <= worker < max(worker_count, 1):
+        raise RuntimeError(f"helpers.ports cannot give xdist worker {worker} of {worker_count} a range of "
+                           f"{MIN_WORKER_SPAN}+ ports in {WORKER_PORT_BASE}-{EPHEMERAL_START - 1}")
+    first = WORKER_PORT_BASE + worker * span
+    return range(first, first + span)
 
 
 def _bindable(port: int) -> bool:
@@ -34,16 +46,15 @@ def free_port() -> int:
     own range."""
     worker = worker_index()
     if worker is not None:
-        if worker >= MAX_WORKERS:
-            raise RuntimeError(f"helpers.ports has port ranges for {MAX_WORKERS} xdist workers, not worker {worker}")
-        first = WORKER_PORT_BASE + worker * WORKER_PORT_SPAN
-        start = random.randrange(WORKER_PORT_SPAN)
-        for offset in range(WORKER_PORT_SPAN):
-            port = first + (start + offset) % WORKER_PORT_SPAN
+        count = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+        ports = worker_ports(worker, int(count) if count.isdigit() else worker + 1)
+        start = random.randrange(len(ports))
+        for offset in range(len(ports)):
+            port = ports[(start + offset) % len(ports)]
             if port not in _handed_out and _bindable(port):
                 _handed_out.add(port)
                 return port
-        raise RuntimeError(f"no free port left in {first}-{first + WORKER_PORT_SPAN - 1} for xdist worker {worker}")
+        raise RuntimeError(f"no free port left in {ports.start}-{ports.stop - 1} for xdist worker {worker}")
     while True:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

@@ -15,6 +15,7 @@ import sys
 
 import prometheus_client
 import pytest
+from helpers.ports import free_port
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -82,9 +83,7 @@ def test_replica_ports_leave_out_the_public_one(monkeypatch: pytest.MonkeyPatch)
 def test_the_public_port_listens_before_the_replicas_are_planned(monkeypatch: pytest.MonkeyPatch) -> None:
     """Bound and listening first: no other process can take it while the replicas start (connections wait
     in the backlog), and no replica is given it."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     seen: dict[str, object] = {}
 
     def plan(ns: argparse.Namespace, taken_ports: set[int]) -> list[object]:

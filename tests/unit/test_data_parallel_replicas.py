@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from helpers.ports import free_port
 
 from kvserve.entrypoints import data_parallel
 from kvserve.entrypoints.cli import build_parser
@@ -102,12 +102,7 @@ def _ns(shutdown_s: float = 5) -> argparse.Namespace:
 
 
 def _plans(count: int) -> list[ReplicaPlan]:
-    ports: set[int] = set()
-    while len(ports) < count:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            ports.add(probe.getsockname()[1])
-    return [ReplicaPlan(i, port, None) for i, port in enumerate(sorted(ports))]
+    return [ReplicaPlan(i, port, None) for i, port in enumerate(sorted(free_port() for _ in range(count)))]
 
 
 class Scenario:

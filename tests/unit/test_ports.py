@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import socket
 from collections.abc import Iterator
 
@@ -35,21 +36,32 @@ def test_a_port_offered_again_is_skipped(monkeypatch: pytest.MonkeyPatch) -> Non
     assert [ports.free_port(), ports.free_port()] == [41000, 41001]
 
 
-
 def test_xdist_workers_take_ports_from_ranges_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ports, "_handed_out", set())
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
-    first = ports.WORKER_PORT_BASE + ports.WORKER_PORT_SPAN
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
     got = [ports.free_port() for _ in range(20)]
     assert len(set(got)) == 20
-    assert all(first <= port < first + ports.WORKER_PORT_SPAN for port in got)
-    assert ports.WORKER_PORT_BASE + ports.WORKER_PORT_SPAN * ports.MAX_WORKERS <= 32768  # below Linux's ephemeral range
+    assert all(26384 <= port < 32768 for port in got)  # worker 1 of 2: the upper half, below the ephemeral range
+
+
+def test_the_ranges_split_the_ports_below_the_ephemeral_range() -> None:
+    for count in (1, 2, 3, 8, 64):
+        ranges = [ports.worker_ports(worker, count) for worker in range(count)]
+        assert ranges[0].start == ports.WORKER_PORT_BASE and ranges[-1].stop <= 32768
+        assert all(a.stop == b.start for a, b in itertools.pairwise(ranges))  # adjacent, never overlapping
+        assert min(len(r) for r in ranges) >= ports.MIN_WORKER_SPAN
+    with pytest.raises(RuntimeError, match="cannot give xdist worker 0 of 1000"):
+        ports.worker_ports(0, 1000)
+    with pytest.raises(RuntimeError, match="worker 2 of 2"):
+        ports.worker_ports(2, 2)
 
 
 def test_a_worker_skips_ports_in_use(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ports, "_handed_out", set())
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw2")
-    first = ports.WORKER_PORT_BASE + 2 * ports.WORKER_PORT_SPAN
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "4")
+    first = ports.worker_ports(2, 4).start
     monkeypatch.setattr(ports.random, "randrange", lambda n: 0)
     with socket.socket() as taken:
         try:
@@ -58,9 +70,3 @@ def test_a_worker_skips_ports_in_use(monkeypatch: pytest.MonkeyPatch) -> None:
             pytest.skip(f"port {first} is in use on this machine")
         taken.listen()
         assert ports.free_port() == first + 1
-
-
-def test_the_worker_limit(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PYTEST_XDIST_WORKER", f"gw{ports.MAX_WORKERS}")
-    with pytest.raises(RuntimeError, match="port ranges for 12 xdist workers"):
-        ports.free_port()
