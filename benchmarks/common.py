@@ -6,6 +6,7 @@ makes them), with the model's weights random (`load_format="dummy"`): no weight 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import datetime
@@ -96,10 +97,13 @@ def quant_settings(quantization: str | None) -> dict[str, Any] | None:
     return QUANT_CONFIGS[quantization] if quantization else None
 
 
-def write_config_dir(name: str, quantization: str | None = None) -> str:
+def write_config_dir(name: str, quantization: str | None = None, remove_at_exit: bool = False) -> str:
     """A directory holding the shape's config.json (with QUANT_CONFIGS[quantization] when given; fp8 is
-    quantized at load, so its config is the unquantized one)."""
+    quantized at load, so its config is the unquantized one). `remove_at_exit`: removed when this process
+    exits (for a script's own use; a directory printed for a shell to use must stay)."""
     directory = tempfile.mkdtemp(prefix=f"kvserve-{name}-")
+    if remove_at_exit:
+        atexit.register(shutil.rmtree, directory, True)
     config = dict(MODEL_CONFIGS[name])
     if quantization in QUANT_CONFIGS:
         config["quantization_config"] = QUANT_CONFIGS[quantization]

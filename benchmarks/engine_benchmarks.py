@@ -95,7 +95,7 @@ class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.config = MODEL_CONFIGS[args.model]
-        self.model_dir = write_config_dir(args.model, args.quantization)
+        self.model_dir = write_config_dir(args.model, args.quantization, remove_at_exit=True)
         self.quant_config = quant_settings(args.quantization)
         self.vocab = self.config["vocab_size"]
         self.gen = torch.Generator().manual_seed(0)

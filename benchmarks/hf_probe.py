@@ -61,7 +61,7 @@ def main() -> int:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     device = args.device
-    model_dir = write_config_dir(args.model)
+    model_dir = write_config_dir(args.model, remove_at_exit=True)
     vocab = MODEL_CONFIGS[args.model]["vocab_size"]
     gen = torch.Generator().manual_seed(0)
     blas_before = torch.backends.cuda.preferred_blas_library() if device.startswith("cuda") else None
