@@ -84,7 +84,8 @@ def _addresses(ipc_dir: str, index: int) -> tuple[str, str]:
     return (f"ipc://{os.path.join(ipc_dir, f'input-{index}')}", f"ipc://{os.path.join(ipc_dir, f'output-{index}')}")
 
 
-# The longest IPC socket path ZeroMQ takes (a Unix socket's sun_path: 107 on Linux; pyzmq says 0 where unknown).
+# The longest IPC socket path ZeroMQ takes, in bytes (a Unix socket's sun_path: 107 on Linux; pyzmq says 0 where
+# unknown).
 IPC_PATH_MAX_LEN = zmq.IPC_PATH_MAX_LEN or 107
 # Where the sockets go when the temporary directory's path is too long for them.
 _SHORT_TMP = "/tmp"
@@ -98,21 +99,32 @@ def make_ipc_dir(api_server_count: int) -> str:
     """A new directory for the engine's IPC sockets: in the temporary directory (TMPDIR), or in /tmp when the
     sockets' paths there would be longer than ZeroMQ takes (a deep TMPDIR, as CI runners and job schedulers
     set); IpcPathError, naming TMPDIR, when neither fits."""
-    longest = os.path.basename(_addresses("", api_server_count - 1)[1])  # output-N (input-N is as long)
+    longest = os.path.basename(_addresses("", api_server_count - 1)[1])  # output-N, the longest name
+
+    def fits(directory: str) -> bool:  # (the limit is in bytes)
+        return len(os.fsencode(os.path.join(directory, longest))) <= IPC_PATH_MAX_LEN
+
     directory = tempfile.mkdtemp(prefix=IPC_DIR_PREFIX)
-    if len(os.path.join(directory, longest)) <= IPC_PATH_MAX_LEN:
+    if fits(directory):
         return directory
     os.rmdir(directory)
+    why = "its path in /tmp would be too long as well"
     if os.path.isdir(_SHORT_TMP):
-        short = tempfile.mkdtemp(prefix=IPC_DIR_PREFIX, dir=_SHORT_TMP)
-        if len(os.path.join(short, longest)) <= IPC_PATH_MAX_LEN:
-            logger.info("the IPC sockets go to %s: under the temporary directory %s their paths would be longer "
-                        "than %d characters", short, os.path.dirname(directory), IPC_PATH_MAX_LEN)
-            return short
-        os.rmdir(short)
+        try:
+            short = tempfile.mkdtemp(prefix=IPC_DIR_PREFIX, dir=_SHORT_TMP)
+        except OSError as e:
+            why = f"{_SHORT_TMP} is not writable ({e})"
+        else:
+            if fits(short):
+                logger.info("the IPC sockets go to %s: under the temporary directory %s their paths would be "
+                            "longer than %d bytes", short, os.path.dirname(directory), IPC_PATH_MAX_LEN)
+                return short
+            os.rmdir(short)
+    else:
+        why = f"there is no {_SHORT_TMP}"
     raise IpcPathError(f"the engine's IPC socket paths under the temporary directory {os.path.dirname(directory)!r} "
-                       f"would be longer than the {IPC_PATH_MAX_LEN} characters a Unix socket takes: set TMPDIR to "
-                       "a shorter directory")
+                       f"would be longer than the {IPC_PATH_MAX_LEN} bytes a Unix socket takes, and {why}: set "
+                       "TMPDIR to a shorter directory")
 
 
 class EngineCoreClient:

@@ -5,6 +5,7 @@ and nothing else. The server-level checks are in tests/server/test_lifecycle.py.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -53,11 +54,14 @@ def test_the_ipc_directory_goes_to_tmp_when_tmpdir_is_too_deep(tmp_path: Path, m
     assert os.listdir(deep) == []  # the directory it could not use is removed
 
 
-def test_a_short_tmpdir_is_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    directory = core_client.make_ipc_dir(api_server_count=4)
-    assert os.path.dirname(directory) == str(tmp_path)
-    os.rmdir(directory)
+def test_a_short_tmpdir_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    short = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")  # (pytest's tmp_path may itself be deep)
+    try:
+        monkeypatch.setattr(tempfile, "tempdir", short)
+        directory = core_client.make_ipc_dir(api_server_count=4)
+        assert os.path.dirname(directory) == short
+    finally:
+        shutil.rmtree(short)
 
 
 def test_no_short_directory_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -65,6 +69,40 @@ def test_no_short_directory_is_a_clear_error(tmp_path: Path, monkeypatch: pytest
     deep.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(deep))
     monkeypatch.setattr(core_client, "_SHORT_TMP", str(deep))
-    with pytest.raises(core_client.IpcPathError, match="set TMPDIR to a shorter directory"):
+    with pytest.raises(core_client.IpcPathError, match="in /tmp would be too long as well: set TMPDIR to a shorter"):
         core_client.make_ipc_dir(api_server_count=1)
     assert os.listdir(deep) == []
+    monkeypatch.setattr(core_client, "_SHORT_TMP", str(tmp_path / "missing"))
+    with pytest.raises(core_client.IpcPathError, match="there is no .*missing: set TMPDIR"):
+        core_client.make_ipc_dir(api_server_count=1)
+
+
+def test_an_unwritable_tmp_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    deep = tmp_path / ("t" * 100)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    real_mkdtemp = tempfile.mkdtemp
+
+    def mkdtemp(*args: object, dir: str | None = None, **kwargs: object) -> str:
+        if dir == "/tmp":
+            raise PermissionError(13, "Permission denied", dir)
+        return real_mkdtemp(*args, dir=dir, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp)
+    with pytest.raises(core_client.IpcPathError, match="/tmp is not writable .*Permission denied"):
+        core_client.make_ipc_dir(api_server_count=1)
+
+
+def test_the_limit_is_in_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """/tmp/kvt-XXXXXXXX/ + 40 two-byte characters: the sockets' paths have 88 characters, 128 bytes."""
+    short = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
+    try:
+        deep = os.path.join(short, "é" * 40)
+        os.mkdir(deep)
+        monkeypatch.setattr(tempfile, "tempdir", deep)
+        directory = core_client.make_ipc_dir(api_server_count=1)
+        assert len(os.path.join(deep, os.path.basename(directory), "output-0")) <= core_client.IPC_PATH_MAX_LEN
+        assert os.path.dirname(directory) == "/tmp"
+        os.rmdir(directory)
+    finally:
+        shutil.rmtree(short)

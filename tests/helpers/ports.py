@@ -18,6 +18,7 @@ _handed_out: set[int] = set()
 WORKER_PORT_BASE = 20000
 EPHEMERAL_START = 32768
 MIN_WORKER_SPAN = 100
+DEFAULT_WORKER_SLOTS = 8  # when the worker count is not in the environment
 
 
 def worker_ports(worker: int, worker_count: int) -> range:
@@ -46,8 +47,10 @@ def free_port() -> int:
     own range."""
     worker = worker_index()
     if worker is not None:
+        # A worker that replaces a crashed one gets the next id (gw2 of 2): it takes the crashed one's range.
         count = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
-        ports = worker_ports(worker, int(count) if count.isdigit() else worker + 1)
+        slots = int(count) if count.isdigit() and int(count) > 0 else DEFAULT_WORKER_SLOTS
+        ports = worker_ports(worker % slots, slots)
         start = random.randrange(len(ports))
         for offset in range(len(ports)):
             port = ports[(start + offset) % len(ports)]

@@ -104,7 +104,9 @@ class StreamReader(threading.Thread):
 
 def test_engine_death_turns_health_503_and_server_exits_nonzero(own_server: ServerProcess):
     server = own_server.wait_ready()
-    assert "the IPC sockets go to /tmp/kvserve-ipc-" in server.log(), server.log()[-3000:]  # (deep TMPDIR)
+    # (Deep TMPDIR: the sockets went to /tmp.)
+    ipc_dir = re.search(r"the IPC sockets go to (/tmp/kvserve-ipc-\S+):", server.log())
+    assert ipc_dir is not None, server.log()[-3000:]
     assert server.engine_pid is not None and pid_alive(server.engine_pid)
     # Without --metrics-compat there are no vllm: series.
     assert not [name for name, _ in scrape(server.base_url) if name.startswith("vllm:")]
@@ -133,6 +135,7 @@ def test_engine_death_turns_health_503_and_server_exits_nonzero(own_server: Serv
     errors = [e for e in stream.events if isinstance(e, dict) and "error" in e]
     assert errors and errors[0]["error"]["code"] == 503, stream.events[-3:]
     assert "engine core is dead" in server.log()
+    assert not os.path.exists(ipc_dir.group(1))  # removed on the way out, from /tmp too
 
 
 def test_sigterm_drains_in_flight_requests_and_exits_0(own_server: ServerProcess):

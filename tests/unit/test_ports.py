@@ -70,3 +70,13 @@ def test_a_worker_skips_ports_in_use(monkeypatch: pytest.MonkeyPatch) -> None:
             pytest.skip(f"port {first} is in use on this machine")
         taken.listen()
         assert ports.free_port() == first + 1
+
+
+def test_a_replacement_worker_takes_the_crashed_ones_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    """xdist gives a worker that replaces a crashed one the next id (gw2 when two run)."""
+    monkeypatch.setattr(ports, "_handed_out", set())
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw2")
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+    assert ports.free_port() in ports.worker_ports(0, 2)
+    monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT")  # no count: a fixed split
+    assert ports.free_port() in ports.worker_ports(2, ports.DEFAULT_WORKER_SLOTS)
