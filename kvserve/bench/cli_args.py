@@ -42,7 +42,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--request-rate", type=float, default=None,
                       help="open loop: requests/s arriving as a Poisson process ('inf': all at once)")
     load.add_argument("--burstiness", type=float, default=1.0,
-                      help="open loop: gamma shape of the arrival gaps; 1 = Poisson, <1 burstier, >1 smoother")
+                      help="open loop: gamma shape of the arrival gaps; 1 = Poisson (the default), <1 burstier, >1 smoother")
     load.add_argument("--max-concurrency", type=int, default=None,
                       help="open loop: most requests in flight; later arrivals wait (the wait is reported)")
     load.add_argument("--duration", type=float, default=None,
@@ -102,7 +102,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--server-metrics", action=argparse.BooleanOptionalAction, default=True,
                      help="sample the server's Prometheus /metrics during the run (default on)")
     out.add_argument("--metrics-url", default=None, help="where /metrics is (default: the endpoint's host)")
-    out.add_argument("--metrics-interval", type=float, default=1.0, help="seconds between /metrics samples")
+    out.add_argument("--metrics-interval", type=float, default=1.0, help="seconds between /metrics samples (default 1)")
     out.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                      help="live progress bar (default: when stderr is a terminal)")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import json
 import signal
 import sys
 import threading
@@ -152,6 +153,37 @@ async def _warmup(config: BenchConfig, dataset: Dataset, client: StreamClient, l
     return True
 
 
+# How much of a failed request's error is shown in the log (the JSON result keeps each record's whole error).
+_ERROR_SAMPLE_CHARS = 300
+
+
+def error_samples(records: list[RequestRecord]) -> dict[str, str]:
+    """The first failed request's error of each kind (`http_404`, `timeout`, ...), in the order the kinds first
+    failed: an OpenAI error body as its message, anything else as sent, cut to _ERROR_SAMPLE_CHARS."""
+    samples: dict[str, str] = {}
+    for record in records:
+        if record.error_kind is None or record.error_kind in samples:
+            continue
+        text = record.error or ""
+        try:
+            message = json.loads(text)["error"]["message"]
+        except (ValueError, TypeError, KeyError):
+            message = None
+        samples[record.error_kind] = (message if isinstance(message, str) else text)[:_ERROR_SAMPLE_CHARS]
+    return samples
+
+
+def report_failures(label: str, records: list[RequestRecord], log: TextIO) -> None:
+    """When requests failed, say why on `log`: how many, and the first error of each kind (the report lists only
+    the kinds' counts, so a wrong --model was `http_404: 2` with the server's reason nowhere)."""
+    samples = error_samples(records)
+    if not samples:
+        return
+    failed = sum(1 for r in records if r.error_kind is not None)
+    print(f"{label}: {failed} of {len(records)} requests failed; the first of each kind: "
+          + "; ".join(f"{kind}: {message}" for kind, message in samples.items()), file=log)
+
+
 class _Interrupt:
     """The first SIGINT/SIGTERM ends the current run gracefully (in-flight requests cancelled and recorded,
     the report still printed, no further sweep point; during the warm-up, the benchmark with nothing
@@ -243,6 +275,7 @@ async def _run_all(config: BenchConfig, log: TextIO) -> BenchResult:
             # earlier ones filled (RunRequests).
             run = await _run_shape(config, shape, RunRequests(dataset, k), client, tokenizer, interrupt.event)
             runs.append(run)
+            report_failures(run.summary.label, run.records, log)
             if len(config.shapes) > 1:
                 s = run.summary
                 print(f"{s.label}: {s.completed} ok, {s.failed} failed, {s.output_throughput:.1f} out tok/s",

@@ -35,6 +35,18 @@ def _flag_type(parse: Callable[[str], T]) -> Callable[[str], T]:
     return flag_value
 
 
+def port_number(text: str) -> int:
+    """argparse `type=` for a TCP port to listen on: 0-65535 (0: one the system picks), refused as a usage error
+    before anything starts (binding it would raise OverflowError)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0-65535, got {value}")
+    return value
+
+
 _token_count = _flag_type(human_readable_int)
 _vllm_byte_count = _flag_type(parse_kv_cache_memory_bytes)
 _kv_cache_dtype = _flag_type(kv_cache_dtype_name)
@@ -62,18 +74,18 @@ def add_engine_args(parser: argparse.ArgumentParser, data_parallel: bool = False
     g.add_argument("--max-model-len", type=_token_count, default=None,
                    help="longest prompt + output in tokens, e.g. 8192, 32k (32,000) or 32K (32,768) (default: the "
                    "model's limit)")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once (default 256)")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="fcfs: requests run in arrival order; priority: by each request's `priority` (lower "
                         "first, then arrival), and when the KV cache runs short the lowest-priority running "
                         "request is preempted first")
     g.add_argument("--max-num-batched-tokens", type=_token_count, default=None,
                    help="token budget of one step, e.g. 8192 or 16k (default 8192)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
     g.add_argument("--kv-cache-dtype", default="auto", type=_kv_cache_dtype, metavar="{" + ",".join(KV_CACHE_DTYPES) + "}",
                    help="KV cache storage (vLLM's values, any case): auto, the model's dtype (bfloat16 / float16: "
                    "only that of the model); fp8 (= fp8_e4m3) or fp8_e5m2, one byte per value, twice the tokens in "
-                   "the same memory (scales 1.0; GPUs of compute capability 8.9 or later, or CPU)")
+                   "the same memory (the checkpoint's KV scales where it has them, else 1.0; GPUs of compute capability 8.9 or later, or CPU)")
     g.add_argument("--kv-cache-memory", default=None,
                    help="KV cache size (per GPU), e.g. 2GiB, 512MiB or a number of bytes (k, m, g, KiB, MiB, GiB: "
                         "x1024; KB, MB, GB: x1000; any case); on a GPU it replaces the --gpu-memory-utilization "
@@ -84,7 +96,7 @@ def add_engine_args(parser: argparse.ArgumentParser, data_parallel: bool = False
                         "name (8GiB, 500MB) is read as --kv-cache-memory reads it. Not with --kv-cache-memory")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of the GPU's memory this instance may use (weights, activations, CUDA graphs, "
-                   "KV cache): a per-instance budget, as vLLM's; refused at start when less is free")
+                   "KV cache): a per-instance budget, as vLLM's; refused at start when less is free (default 0.9)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse KV blocks of shared prompt prefixes")
     g.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
@@ -107,14 +119,14 @@ def add_engine_args(parser: argparse.ArgumentParser, data_parallel: bool = False
                    help="vLLM's spelling of --no-cascade-attn")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="GPUs per replica: the model's heads and MLP split over this many ranks, one process and "
-                   "one GPU each (ranks take the first N visible GPUs); on CPU, processes sharing the cores")
+                   "one GPU each (ranks take the first N visible GPUs); on CPU, processes sharing the cores (default 1)")
     g.add_argument("--quantization", "-q", default=None,
                    help="awq, gptq, gguf or an fp8 checkpoint's format (fp8, compressed-tensors, fbgemm_fp8): read "
                    "from the checkpoint, so optional; a value the checkpoint does not hold is refused. fp8 on an "
                    "unquantized checkpoint: quantize its linear weights to fp8 (e4m3, per "
                    "output channel) at load (GPU: compute capability 8.9 or later); batches past 32 rows on a GPU, and "
                    "every batch with --dtype float32 or on CPU, quantize their activations per token too")
-    g.add_argument("--seed", type=int, default=0, help="seed of the sampler's shared random generator")
+    g.add_argument("--seed", type=int, default=0, help="seed of the sampler's shared random generator (default 0)")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"],
                    help="auto: the checkpoint's weights; safetensors / gguf: the same, checked to be an HF directory "
@@ -254,10 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="complete one prompt offline and print the text")
     gen.add_argument("--prompt", required=True, help="the prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
-    gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default 64)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's mass (default 1: off)")
+    gen.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (default 0: off)")
     gen.add_argument("--sampling-seed", type=int, default=None, help="seed of this request's sampling")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     add_engine_args(gen)
@@ -295,10 +307,10 @@ def build_parser() -> argparse.ArgumentParser:
     repo.add_argument("--name", required=True, help="the model's name in Triton")
     repo.add_argument("--out", default="models", help="the model repository directory (default: models)")
     repo.add_argument("--max-batch-size", type=int, default=0,
-                      help="Triton's max_batch_size (0: no Triton batching; kvserve batches continuously anyway)")
+                      help="Triton's max_batch_size (default 0: no Triton batching; kvserve batches continuously anyway)")
     repo.add_argument("--decoupled", action=argparse.BooleanOptionalAction, default=True,
                       help="decoupled transaction policy: streamed responses (default on)")
-    repo.add_argument("--instances", type=int, default=1, help="model instances (each starts its own engine)")
+    repo.add_argument("--instances", type=int, default=1, help="model instances (each starts its own engine; default 1)")
     repo.add_argument("--gpus", default=None, help="GPU ids for the instance group, e.g. 0 or 0,1")
     repo.add_argument("--write-repo-ids", action="store_true",
                       help="write a Hugging Face repo id given as --model or --tokenizer as given, with --revision, "
@@ -323,10 +335,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="prefix: requests whose prompts start alike share a backend (its prefix cache), with no "
                        "backend above 1.25x the average load; least-requests: the least busy backend; round-robin "
                        "(default: prefix)")
-    route.add_argument("--host", default="127.0.0.1", help="listening address (0.0.0.0 for all interfaces)")
-    route.add_argument("--port", type=int, default=8080, help="listening port")
+    route.add_argument("--host", default="127.0.0.1", help="listening address (default 127.0.0.1; 0.0.0.0 for all interfaces)")
+    route.add_argument("--port", type=port_number, default=8080, help="listening port (default 8080)")
     route.add_argument("--health-check-interval", type=float, default=5.0, metavar="SECONDS",
-                       help="how often each backend's /health is polled")
+                       help="how often each backend's /health is polled (default 5)")
     route.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
                        help="the most a backend may stay silent, before its answer or between two chunks of it "
                        "(default 600: a long non-streamed completion sends nothing until done)")
@@ -346,7 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(ns.func(ns))
     except ValueError as e:  # ConfigError, ModelLoadError, bad sampling params, rejected requests
-        print(f"kvserve: error: {e}", file=sys.stderr)
+        print(f"kvserve {ns.command}: error: {e}", file=sys.stderr)
         return 2
 
 

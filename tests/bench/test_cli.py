@@ -114,7 +114,10 @@ def test_command_fails_cleanly(fake_server, prompts_file, tmp_path, capsys):
     failing = fake_server(fail_every=1)
     assert main(["bench", "--endpoint", failing.base_url + "/v1/completions", "--num-prompts", "3",
                  "--dataset", "file", "--dataset-path", prompts_file, "--no-progress"]) == 1
-    assert "http_500:" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "http_500:" in captured.out
+    # ... and the log says why, with the server's message (the report only counts the kinds).
+    assert "3 of 3 requests failed; the first of each kind: http_500: injected failure of request 1" in captured.err
 
 
 def test_ctrl_c_ends_the_run_with_a_report(fake_server, prompts_file):

@@ -261,3 +261,28 @@ def test_histogram_means_between_two_scrapes():
     mean, count = means["kvserve:time_to_first_token_seconds"]
     assert count == 10 and mean == pytest.approx(0.03)
     assert means["kvserve:e2e_request_latency_seconds"] == (3.0, 2)
+
+
+def test_the_first_error_of_each_kind_is_sampled() -> None:
+    """An OpenAI error body gives its message; another body is shown as sent, cut; successes are skipped."""
+    from kvserve.bench.client import RequestRecord
+    from kvserve.bench.runner import error_samples
+
+    def record(index: int, kind: str | None, error: str | None) -> RequestRecord:
+        r = RequestRecord(index=index, max_tokens=4)
+        if kind is not None:
+            r.fail(kind, error or "")
+        return r
+
+    records = [record(0, None, None),
+               record(1, "http_404", '{"error": {"message": "The model `nope` does not exist.", "code": 404}}'),
+               record(2, "timeout", "no answer within 600 s"),
+               record(3, "http_404", '{"error": {"message": "another"}}'),
+               record(4, "http_502", "<html>" + "x" * 1000),
+               record(5, "http_400", '{"error": "a string"}')]
+    samples = error_samples(records)
+    assert list(samples) == ["http_404", "timeout", "http_502", "http_400"]
+    assert samples["http_404"] == "The model `nope` does not exist."
+    assert samples["timeout"] == "no answer within 600 s"
+    assert samples["http_502"] == ("<html>" + "x" * 1000)[:300]
+    assert samples["http_400"] == '{"error": "a string"}'

@@ -174,6 +174,18 @@ def test_bad_token_ids_and_empty_prompt(http):
     assert_openai_error(http.post("/detokenize", json={"tokens": [10**9]}), 400, "tokens")
 
 
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": [-5], "max_tokens": 1}, "prompt"),
+    ("/v1/completions", {"prompt": [[1, 2], [3, -5]], "max_tokens": 1}, "prompt"),
+    ("/detokenize", {"tokens": [1, -5]}, "tokens"),
+])
+def test_a_negative_token_id_is_named_with_the_vocabularys_range(http, path, body, param):
+    """As one past the vocabulary is: the message names the id and the range (it was pydantic's list of every
+    form the prompt failed to match)."""
+    error = assert_openai_error(http.post(path, json=body), 400, param)
+    assert error["message"].startswith("token id -5 is out of range [0, "), error
+
+
 def test_api_key(strict_server):
     url = strict_server.base_url
     body = {"prompt": "hi", "max_tokens": 1}

@@ -10,7 +10,7 @@ import json
 import shlex
 import ssl
 
-from kvserve.entrypoints.cli import add_engine_args, add_generation_config_args, engine_args_from
+from kvserve.entrypoints.cli import add_engine_args, add_generation_config_args, engine_args_from, port_number
 from kvserve.entrypoints.openai.reasoning_parsers import REASONING_PARSERS  # (a light module)
 from kvserve.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS  # (a light module)
 from kvserve.entrypoints.vllm_compat import add_ignored_server_args, positive_int
@@ -35,7 +35,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         "metrics (default: the model argument as given, as vLLM; without one, the default model's file "
                         "name). It takes every word after it: give the model first")
     g.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (default 127.0.0.1; 0.0.0.0 for all interfaces)")
-    g.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    g.add_argument("--port", type=port_number, default=8000, help="port to listen on (default 8000)")
     g.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer <key>` on /v1/* (default: $KVSERVE_API_KEY when set, where "
                         "set empty means no key; else $VLLM_API_KEY; none = open)")

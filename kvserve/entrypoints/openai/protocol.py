@@ -20,6 +20,10 @@ _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 Int64 = Annotated[int, Field(ge=_INT64_MIN, le=_INT64_MAX)]
 TokenId = Annotated[int, Field(ge=0, le=_INT64_MAX)]
+# A token id of a prompt (or of /detokenize's tokens): any 64-bit integer here, so that one out of the vocabulary,
+# negative ones included, gets the handler's message naming it and the vocabulary's range (check_token_ids)
+# rather than the union's list of every form the prompt failed to match.
+PromptTokenId = Int64
 
 
 class OpenAIBaseModel(BaseModel):
@@ -184,8 +188,8 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     # A string, a list of strings, a list of token ids, or a list of token-id lists.
-    prompt: str | Annotated[list[str], Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)] | \
-        Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    prompt: str | Annotated[list[str], Field(min_length=1)] | Annotated[list[PromptTokenId], Field(min_length=1)] | \
+        Annotated[list[Annotated[list[PromptTokenId], Field(min_length=1)]], Field(min_length=1)]
     max_tokens: Int64 | None = 16
     logprobs: Annotated[int, Field(ge=0)] | None = None  # at most --max-logprobs (the handler checks)
     echo: StrictBool | None = False
@@ -219,7 +223,7 @@ class TokenizeResponse(OpenAIBaseModel):
 
 class DetokenizeRequest(OpenAIBaseModel):
     model: str | None = None
-    tokens: list[TokenId]
+    tokens: list[PromptTokenId]
 
 
 class DetokenizeResponse(OpenAIBaseModel):
