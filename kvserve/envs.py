@@ -31,6 +31,13 @@ VLLM_API_KEY: str | None = _str("VLLM_API_KEY", None)
 # Set (1) by `kvserve serve --data-parallel-size N` in the environment of each replica it starts: a replica
 # refuses to start replicas of its own, whatever its command line says (not a setting for users).
 KVSERVE_DP_REPLICA: bool = _int("KVSERVE_DP_REPLICA", 0) != 0
+# Set by `kvserve serve --data-parallel-size N` in the environment of each replica it starts, a random tag of
+# the replica's own (16 hex digits; not a setting for users): the directories the replica makes in the
+# temporary directory carry it in their names (`kvserve-ipc-<tag>-...`, `kvserve-metrics-<tag>-...`), so that
+# the parent can remove them, and only them, after it killed the replica's process group. This attribute is read
+# when a directory is made (kvserve.engine.core_client.replica_tag), which ignores a tag that is not 1 to 32
+# ASCII letters and digits.
+KVSERVE_DP_REPLICA_TAG: str | None = _str("KVSERVE_DP_REPLICA_TAG", None)
 # Log level of the kvserve logger.
 KVSERVE_LOGGING_LEVEL: str = _str("KVSERVE_LOGGING_LEVEL", "INFO") or "INFO"
 # One-prompt prefills at least this long use cuDNN's attention kernel (0: never). Unset (-1): 1024 on sm_90

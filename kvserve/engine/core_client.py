@@ -1,6 +1,8 @@
 """The API process's side of the engine-core process: start it, talk to it over ZMQ, notice its death.
 
-`EngineCoreClient.start()` binds two ipc:// sockets in a private temp directory, spawns
+`EngineCoreClient.start()` binds two ipc:// sockets in a private temp directory (`make_ipc_dir`; in a
+data-parallel replica its name carries the replica's tag, so that the parent can remove it after killing the
+replica: `remove_replica_dirs`), spawns
 `core_proc.run_engine_core` and waits for `EngineReady` (or for the process to die, whose `EngineDead`
 message becomes the error). After that a reader task decodes every engine message and hands it to the
 `EngineMessageHandler` (the `AsyncLLM`); the process's sentinel is watched by the event loop, so an engine
@@ -21,8 +23,11 @@ import asyncio
 import logging
 import multiprocessing
 import os
+import re
 import shutil
+import stat
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -30,6 +35,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from kvserve import envs
 from kvserve.config import EngineConfig
 from kvserve.engine.core_proc import IPC_DIR_PREFIX, run_engine_core
 from kvserve.engine.errors import EngineDeadError
@@ -95,8 +101,90 @@ class IpcPathError(RuntimeError):
     """The engine's IPC socket paths would be too long for a Unix socket (TMPDIR too deep, no /tmp)."""
 
 
+# The start of the name of the directory of the API processes' metrics files that a server with
+# --api-server-count > 1 makes in the temporary directory (`api_server.serve`). Here beside the IPC directory's
+# (`IPC_DIR_PREFIX`): both are named alike (`tagged_prefix`) and removed together (`remove_replica_dirs`).
+METRICS_DIR_PREFIX = "kvserve-metrics-"
+# The directories that `remove_replica_dirs` removes, by the start of their names.
+REPLICA_DIR_PREFIXES = (IPC_DIR_PREFIX, METRICS_DIR_PREFIX)
+# A data-parallel replica's tag, as its directories' names carry it: ASCII letters and digits, 1 to 32 of them
+# (`kvserve serve -dp N` gives 16 hex digits). Nothing else: a tag never holds the `-` that ends it in a name.
+_TAG = re.compile(r"[A-Za-z0-9]{1,32}")
+
+
+def valid_replica_tag(tag: str) -> bool:
+    """Whether `tag` is a tag that directory names may carry (`_TAG`)."""
+    return _TAG.fullmatch(tag) is not None
+
+
+def replica_tag() -> str | None:
+    """This process's data-parallel replica tag: envs.KVSERVE_DP_REPLICA_TAG, read now (so that tests may set
+    it), which `kvserve serve --data-parallel-size N` sets in each replica's environment, a random one of its
+    own per replica. None when it is unset, or not a valid tag (`valid_replica_tag`): it is then ignored, and
+    the names are those of a server run alone."""
+    tag = envs.KVSERVE_DP_REPLICA_TAG
+    return tag if tag is not None and valid_replica_tag(tag) else None
+
+
+def tagged_prefix(prefix: str) -> str:
+    """The start of the name of a directory this process makes in the temporary directory (`IPC_DIR_PREFIX`,
+    `METRICS_DIR_PREFIX`; mkdtemp adds 8 random letters, digits or `_`): `<prefix><tag>-` in a data-parallel
+    replica (`replica_tag`), so that the data-parallel parent, which kills a failed replica's process group
+    (its engine core with it: neither is left to remove them), can remove that replica's directories and no
+    other (`remove_replica_dirs`); `prefix` alone otherwise, as ever."""
+    tag = replica_tag()
+    return f"{prefix}{tag}-" if tag is not None else prefix
+
+
+def ipc_dir_parents() -> list[str]:
+    """Where a process with this process's environment makes its directories (`make_ipc_dir`, and the metrics
+    directory): the temporary directory, and /tmp (where the IPC directory goes when the other is too deep).
+    Only /tmp when there is no usable temporary directory (the process could not have made one there either)."""
+    try:
+        temporary = tempfile.gettempdir()
+    except FileNotFoundError:
+        return [_SHORT_TMP]
+    return list(dict.fromkeys([temporary, _SHORT_TMP]))
+
+
+def remove_replica_dirs(tag: str, parents: Iterable[str] | None = None) -> list[str]:
+    """Remove the directories that the data-parallel replica tagged `tag` made (`tagged_prefix`: its IPC
+    sockets' directory and its metrics directory) in `parents` (by default `ipc_dir_parents()`); returns the
+    paths removed. For the data-parallel parent, once it has SIGKILLed that replica's process group: neither
+    its API process nor its engine core is left to remove them. Only names of exactly `tag` (`<prefix><tag>-`
+    and what mkdtemp adds: tag `abc` is not `abcd`'s), and of those only real directories of this user: never a
+    symbolic link (nor where it points) or any other entry. Each replica's tag is random (64 bits), so no other
+    process's directory, another server's among them (the temporary directory may be shared, even by
+    containers whose pids are alike), carries it. ValueError for an invalid tag (`valid_replica_tag`)."""
+    if not valid_replica_tag(tag):
+        raise ValueError(f"not a replica tag: {tag!r}")
+    # (mkdtemp's characters are letters, digits and `_`, never a `-`.)
+    starts = "|".join(re.escape(f"{prefix}{tag}-") for prefix in REPLICA_DIR_PREFIXES)
+    names = re.compile(f"(?:{starts})\\w+", re.ASCII)
+    removed: list[str] = []
+    for parent in ipc_dir_parents() if parents is None else parents:
+        try:
+            entries = os.listdir(parent)
+        except OSError:  # (no such directory, not readable: nothing of ours there)
+            continue
+        for name in entries:
+            if names.fullmatch(name) is None:
+                continue
+            path = os.path.join(parent, name)
+            try:
+                info = os.lstat(path)
+            except OSError:
+                continue
+            if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid():
+                shutil.rmtree(path, ignore_errors=True)
+                if not os.path.lexists(path):
+                    removed.append(path)
+    return removed
+
+
 def make_ipc_dir(api_server_count: int) -> str:
-    """A new directory for the engine's IPC sockets: in the temporary directory (TMPDIR), or in /tmp when the
+    """A new directory for the engine's IPC sockets (named by `tagged_prefix`: `kvserve-ipc-XXXXXXXX`, in a
+    data-parallel replica `kvserve-ipc-<tag>-XXXXXXXX`): in the temporary directory (TMPDIR), or in /tmp when the
     sockets' paths there would be longer than ZeroMQ takes (a deep TMPDIR, as CI runners and job schedulers
     set); IpcPathError, naming TMPDIR, when neither fits."""
     longest = os.path.basename(_addresses("", api_server_count - 1)[1])  # output-N, the longest name
@@ -104,14 +192,15 @@ def make_ipc_dir(api_server_count: int) -> str:
     def fits(directory: str) -> bool:  # (the limit is in bytes)
         return len(os.fsencode(os.path.join(directory, longest))) <= IPC_PATH_MAX_LEN
 
-    directory = tempfile.mkdtemp(prefix=IPC_DIR_PREFIX)
+    prefix = tagged_prefix(IPC_DIR_PREFIX)
+    directory = tempfile.mkdtemp(prefix=prefix)
     if fits(directory):
         return directory
     os.rmdir(directory)
     why = "its path in /tmp would be too long as well"
     if os.path.isdir(_SHORT_TMP):
         try:
-            short = tempfile.mkdtemp(prefix=IPC_DIR_PREFIX, dir=_SHORT_TMP)
+            short = tempfile.mkdtemp(prefix=prefix, dir=_SHORT_TMP)
         except OSError as e:
             why = f"{_SHORT_TMP} is not writable ({e})"
         else:

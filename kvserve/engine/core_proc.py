@@ -57,7 +57,8 @@ logger = logging.getLogger(__name__)
 
 # How often an idle or busy loop checks that the API process is still there.
 _PARENT_CHECK_INTERVAL_S = 1.0
-# The directory of the IPC sockets, made by the API process that starts the engine (core_client).
+# The start of the name of the IPC sockets' directory, made by the API process that starts the engine
+# (core_client.make_ipc_dir: `kvserve-ipc-XXXXXXXX`, in a data-parallel replica `kvserve-ipc-<tag>-XXXXXXXX`).
 IPC_DIR_PREFIX = "kvserve-ipc-"
 # How long queued output messages may take to leave when the process exits.
 _SEND_LINGER_MS = 5000

@@ -6,7 +6,9 @@ This process starts N child `kvserve serve` processes with the command's own fla
 [i * TP, (i + 1) * TP) of those visible to this process (CUDA_VISIBLE_DEVICES, else all), TP being
 --tensor-parallel-size. With device cpu the N replicas share the cores (OMP_NUM_THREADS = cores / N each,
 unless it is set). Each child's output comes out of this process's stderr, each line prefixed `(replica i)`.
-Each child's environment has KVSERVE_DP_REPLICA=1, so it refuses to start replicas of its own.
+Each child's environment has KVSERVE_DP_REPLICA=1, so it refuses to start replicas of its own, and
+KVSERVE_DP_REPLICA_TAG, a random tag of its own (`new_replica_tag`), which the directories it makes in the
+temporary directory carry in their names (below).
 
 * Start-up: the public --host/--port is bound and listening at once (a busy port fails fast, before any
   replica starts); connections wait in its backlog until every replica answers /health 200 and the router
@@ -26,6 +28,18 @@ Each child's environment has KVSERVE_DP_REPLICA=1, so it refuses to start replic
   group: its engine core) is killed then. Until the router stops accepting, requests still go to the other
   replicas: a refused connection, or one closed before the answer began, is retried there; a stream under
   way ends with an error event (see `kvserve.router.app`).
+* What a failed replica leaves: a replica's API process makes a directory for its engine's IPC sockets in
+  the temporary directory (or /tmp), and with --api-server-count > 1 one for its API processes' metrics
+  files, and removes them at exit; when that process is SIGKILLed (the OOM killer) its engine core removes the
+  IPC one on its way out, but here the engine core is SIGKILLed with it (its process group, above), so this
+  process removes them: their names carry the replica's tag (`core_client.tagged_prefix`), and for each
+  replica whose process exited with a code other than 0 (killed, or failed by itself), once, this process
+  SIGKILLs the replica's process group (its engine core may still run) and then removes the directories that
+  carry exactly that replica's tag, in the temporary directory and in /tmp (`Replica.remove_what_it_left`,
+  `core_client.remove_replica_dirs`): as soon as a replica is seen to exit while serving or during start-up
+  (`Replica.reap`), or as each exits while they are stopped (`_stop_replicas`). Nothing of a replica that
+  exited 0 (it removed its own), and no other directory: tags are random (64 bits), so none of another
+  server's (the temporary directory may be shared, even by containers whose pids are alike) carries it.
 * SIGTERM / SIGINT: every replica drains (it gets one SIGTERM; new requests 503, in-flight ones finish
   within --shutdown-timeout), the router stops accepting and finishes its requests, and the process exits 0
   once every replica has exited 0. A second signal is passed on, so the replicas exit at once; the process
@@ -49,6 +63,7 @@ import collections
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -60,6 +75,7 @@ import aiohttp
 from aiohttp import web
 
 from kvserve import envs
+from kvserve.engine.core_client import remove_replica_dirs
 from kvserve.entrypoints.openai.api_server import DRAIN_ABORT_GRACE_S, LISTEN_BACKLOG, bind_listening
 from kvserve.entrypoints.openai.cli_args import api_key_from
 from kvserve.router.app import END_IN_FLIGHT_S, RouterApp, RouterConfig
@@ -159,11 +175,19 @@ def check_data_parallel_flags(ns: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------------------- replicas
 
 
+def new_replica_tag() -> str:
+    """A replica's tag (KVSERVE_DP_REPLICA_TAG): 16 random hex digits (64 bits), so that no other process's
+    directory in the temporary directory carries it (see `core_client.remove_replica_dirs`)."""
+    return secrets.token_hex(8)
+
+
 @dataclass
 class ReplicaPlan:
     index: int
     port: int
     gpus: list[str] | None  # CUDA_VISIBLE_DEVICES entries; None on CPU
+    # Its KVSERVE_DP_REPLICA_TAG, which the names of the directories it makes carry (`replica_env`).
+    tag: str = field(default_factory=new_replica_tag)
 
     def describe(self) -> str:
         where = f"GPU {','.join(self.gpus)}" if self.gpus is not None else "CPU"
@@ -178,6 +202,7 @@ class Replica:
     output_done: asyncio.Task[None] | None = None
     exit_wait: asyncio.Task[int] | None = None  # its exit code, once its process has exited (`_exit_code`)
     sigterms_sent: int = 0  # the first drains it, a second stops it at once
+    left_removed: bool = False  # `remove_what_it_left` has run (it runs once)
 
     @property
     def url(self) -> str:
@@ -203,13 +228,33 @@ class Replica:
         """After the replica's process exited by itself (it died, or failed): kill what it started that still runs,
         its process group (its engine core and that one's workers, which leave by themselves only seconds after
         losing it, meanwhile holding its GPUs and its output pipe), relay the rest of its output (up to
-        OUTPUT_AFTER_EXIT_S), and return its exit code."""
+        OUTPUT_AFTER_EXIT_S), and return its exit code. A code other than 0 also removes what it left in the
+        temporary directory, its group killed first (`remove_what_it_left`)."""
         code = self.process.returncode
         assert code is not None, "the replica is still running"
         if self.output_done is not None and not self.output_done.done():  # something still holds its output
             self.kill_group()
             await asyncio.wait([self.output_done], timeout=OUTPUT_AFTER_EXIT_S)
+        self.remove_what_it_left()
         return code
+
+    def remove_what_it_left(self) -> None:
+        """Once the replica's process has exited with a code other than 0 (it was killed, or failed by itself),
+        and only once (`left_removed`): SIGKILL its process group, as its engine core may still run (its API
+        process failed without stopping it, or is gone), then remove the directories it made in the temporary
+        directory and in /tmp, those whose names carry its tag (`core_client.remove_replica_dirs`: its engine's
+        IPC sockets' directory, its metrics directory), which neither its API process nor its engine core,
+        killed, is left to remove. Once the group is SIGKILLed none of it runs any more of its code, so nothing
+        uses them or makes them again. Nothing while the process runs, or when it exited 0: it removed its own,
+        and stopped its engine core."""
+        if self.left_removed or self.process.returncode in (None, 0):
+            return
+        self.left_removed = True
+        self.kill_group()
+        removed = remove_replica_dirs(self.plan.tag)
+        if removed:
+            logger.info("removed what replica %d (pid %d, exit code %d) left in the temporary directory: %s",
+                        self.plan.index, self.process.pid, self.process.returncode, ", ".join(removed))
 
     def failure(self, code: int, what: str) -> str:
         """'<replica> exited with code <code> <what>', then its last lines of output."""
@@ -276,10 +321,11 @@ def replica_command(plan: ReplicaPlan, serve_args: Sequence[str]) -> list[str]:
 
 def replica_env(env: Mapping[str, str], plan: ReplicaPlan, num_replicas: int, num_cores: int) -> dict[str, str]:
     """Replica `plan`'s environment: this process's `env` plus KVSERVE_DP_REPLICA=1 (it refuses
-    --data-parallel-size > 1, however its flags say it), its GPUs as CUDA_VISIBLE_DEVICES, and on CPU an equal
-    share of the `num_cores` cores as OMP_NUM_THREADS (torch's thread count; else each replica would run as
-    many threads as there are cores), unless `env` sets OMP_NUM_THREADS itself."""
-    out = {**env, "KVSERVE_DP_REPLICA": "1"}
+    --data-parallel-size > 1, however its flags say it), KVSERVE_DP_REPLICA_TAG=<its tag> (the names of the
+    directories it makes carry it: `Replica.remove_what_it_left`), its GPUs as CUDA_VISIBLE_DEVICES, and on
+    CPU an equal share of the `num_cores` cores as OMP_NUM_THREADS (torch's thread count; else each replica
+    would run as many threads as there are cores), unless `env` sets OMP_NUM_THREADS itself."""
+    out = {**env, "KVSERVE_DP_REPLICA": "1", "KVSERVE_DP_REPLICA_TAG": plan.tag}
     if plan.gpus is not None:
         out["CUDA_VISIBLE_DEVICES"] = ",".join(plan.gpus)
     elif "OMP_NUM_THREADS" not in env:
@@ -370,21 +416,35 @@ async def _wait_ready(replicas: Sequence[Replica], stop: asyncio.Event) -> Repli
 
 
 async def _stop_replicas(replicas: Sequence[Replica], timeout_s: float) -> None:
-    """SIGTERM each not sent one yet (they drain: a second would stop them at once), wait, SIGKILL any still
-    running; their output is relayed to the end."""
+    """SIGTERM each not sent one yet (they drain: a second would stop them at once), wait up to `timeout_s`,
+    SIGKILL the process group of any still running, and wait up to 5 s more; their output is relayed to the end.
+    Each replica whose process has exited with a code other than 0 (one exited before, one exiting now, one
+    killed here) has its process group SIGKILLed and what it left in the temporary directory removed
+    (`Replica.remove_what_it_left`, once per replica) as soon as its exit is seen."""
     for replica in replicas:
         if replica.sigterms_sent == 0:
             replica.signal(signal.SIGTERM)
-    waits = [r.exit_wait for r in replicas if r.exit_wait is not None]
-    if waits:
-        _, running = await asyncio.wait(waits, timeout=timeout_s)
-        if running:
-            for replica in replicas:
-                if replica.process.returncode is None:
-                    logger.warning("replica %d did not stop within %.0f s: killing it (and what it started)",
-                                   replica.plan.index, timeout_s)
-                    replica.kill_group()
-            await asyncio.wait(running, timeout=5.0)
+    exits = {r.exit_wait: r for r in replicas if r.exit_wait is not None}
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    killed = False
+    pending: set[asyncio.Task[int]] = set(exits)
+    while pending:
+        done, pending = await asyncio.wait(pending, timeout=max(0.0, deadline - loop.time()),
+                                           return_when=asyncio.FIRST_COMPLETED)
+        for task in done:  # (at once, not once the others are done: what it left running is killed now)
+            exits[task].remove_what_it_left()
+        if done:
+            continue
+        if killed:  # (still running 5 s after a SIGKILL)
+            break
+        for replica in replicas:
+            if replica.process.returncode is None:
+                logger.warning("replica %d did not stop within %.0f s: killing it (and what it started)",
+                               replica.plan.index, timeout_s)
+                replica.kill_group()
+        killed = True
+        deadline = loop.time() + 5.0
     outputs = [r.output_done for r in replicas if r.output_done is not None]
     if outputs:
         await asyncio.wait(outputs, timeout=5.0)

@@ -1,16 +1,22 @@
-"""The engine's IPC sockets' directory. core_client.make_ipc_dir: where it goes (a path a Unix socket takes).
+"""The engine's IPC sockets' directory. core_client.make_ipc_dir: where it goes (a path a Unix socket takes), and
+its name, which in a data-parallel replica carries the replica's tag (KVSERVE_DP_REPLICA_TAG).
 core_proc.remove_ipc_dir: an engine whose API process died (SIGKILL) removes the directory the API process made,
-and nothing else. The server-level checks are in tests/server/test_lifecycle.py."""
+and nothing else. core_client.remove_replica_dirs: what `kvserve serve -dp N` removes after it killed a
+replica's process group (the IPC and metrics directories that carry exactly that replica's tag), and nothing
+else. The server-level checks are in tests/server/test_lifecycle.py and
+tests/server/test_data_parallel_server.py."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
 
+from kvserve import envs
 from kvserve.engine import core_client
 from kvserve.engine.core_proc import IPC_DIR_PREFIX, remove_ipc_dir
 
@@ -106,3 +112,88 @@ def test_the_limit_is_in_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
         os.rmdir(directory)
     finally:
         shutil.rmtree(short)
+
+
+@pytest.mark.parametrize("tag, prefix", [
+    (None, "kvserve-ipc-"),  # a server run alone: the name it always had
+    ("0123456789abcdef", "kvserve-ipc-0123456789abcdef-"),  # a data-parallel replica's (`kvserve serve -dp N`)
+    ("", "kvserve-ipc-"),  # an invalid tag is ignored
+    ("ab-cd", "kvserve-ipc-"),
+    ("../x", "kvserve-ipc-"),
+    ("ab_cd", "kvserve-ipc-"),
+    ("١٢", "kvserve-ipc-"),  # (digits of another script)
+    ("a" * 33, "kvserve-ipc-"),
+])
+def test_the_ipc_directorys_name_carries_the_replica_tag(tag: str | None, prefix: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    short = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
+    try:
+        monkeypatch.setattr(tempfile, "tempdir", short)
+        monkeypatch.setattr(envs, "KVSERVE_DP_REPLICA_TAG", tag)
+        assert core_client.tagged_prefix(IPC_DIR_PREFIX) == prefix
+        assert core_client.tagged_prefix(core_client.METRICS_DIR_PREFIX) == prefix.replace("-ipc-", "-metrics-")
+        directory = core_client.make_ipc_dir(api_server_count=1)
+        name = os.path.basename(directory)
+        assert os.path.dirname(directory) == short and name.startswith(prefix)
+        assert re.fullmatch(r"\w{8}", name[len(prefix):], re.ASCII), name  # mkdtemp's part, as before
+        remove_ipc_dir([f"ipc://{directory}/input-0"])  # the engine core's own check still knows it
+        assert os.listdir(short) == []
+    finally:
+        shutil.rmtree(short)
+
+
+def _replica_dirs(parent: Path, tag: str) -> list[Path]:
+    return [_sockets_dir(parent, f"kvserve-ipc-{tag}-abc_1234"), _sockets_dir(parent, f"kvserve-metrics-{tag}-x1y2")]
+
+
+def test_the_directories_of_one_tag_are_removed_and_nothing_else(tmp_path: Path) -> None:
+    """What a killed replica (tag abc) left, in the temporary directory and in /tmp (here `first` and `second`),
+    its IPC and its metrics directories, is removed; the directories of another tag (another replica's, or
+    another server's: the temporary directory may be shared), of a tag that starts alike (abcd), of a server run
+    alone (no tag), other files and a symbolic link named alike are left alone, and so is where the link
+    points."""
+    first, second, elsewhere = tmp_path / "tmpdir", tmp_path / "short", tmp_path / "elsewhere"
+    for parent in (first, second, elsewhere):
+        parent.mkdir()
+    ours = [*_replica_dirs(first, "abc"), _sockets_dir(second, "kvserve-ipc-abc-xyz")]
+    others = [*_replica_dirs(first, "abcd"), *_replica_dirs(first, "ABC"), *_replica_dirs(second, "ab"),
+              _sockets_dir(first, "kvserve-ipc-abcdefgh"), _sockets_dir(first, "kvserve-ipc-abc-x-y"),
+              _sockets_dir(first, "kvserve-ipc-abc-"), _sockets_dir(first, "my-kvserve-ipc-abc-xyz"),
+              _sockets_dir(first, "kvserve-cache-abc-xyz")]
+    (second / "kvserve-ipc-abc-file").write_text("not a directory")
+    target = _sockets_dir(elsewhere, "target")
+    (second / "kvserve-ipc-abc-link").symlink_to(target)
+    (second / "kvserve-metrics-abc-link").symlink_to(target)
+    removed = core_client.remove_replica_dirs("abc", [str(first), str(second), str(tmp_path / "missing")])
+    assert sorted(removed) == sorted(str(d) for d in ours)
+    assert not any(d.exists() for d in ours)
+    assert all(sorted(p.name for p in d.iterdir()) == ["input-0", "output-0", "output-1"] for d in [*others, target])
+    assert sorted(p.name for p in second.iterdir()) == sorted(
+        ["kvserve-ipc-abc-file", "kvserve-ipc-abc-link", "kvserve-metrics-abc-link", "kvserve-ipc-ab-abc_1234",
+         "kvserve-metrics-ab-x1y2"])
+    assert core_client.remove_replica_dirs("abc", [str(first), str(second)]) == []  # (nothing left of it)
+
+
+@pytest.mark.parametrize("tag", ["", "ab-cd", "*", "a" * 33])
+def test_an_invalid_tag_removes_nothing(tag: str, tmp_path: Path) -> None:
+    _sockets_dir(tmp_path, f"kvserve-ipc-{tag}-abc")
+    with pytest.raises(ValueError, match="not a replica tag"):
+        core_client.remove_replica_dirs(tag, [str(tmp_path)])
+    assert len(list(tmp_path.iterdir())) == 1
+
+
+def test_the_directories_are_looked_for_where_they_are_made(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmpdir"))
+    monkeypatch.setattr(core_client, "_SHORT_TMP", str(tmp_path / "short"))
+    assert core_client.ipc_dir_parents() == [str(tmp_path / "tmpdir"), str(tmp_path / "short")]
+    monkeypatch.setattr(core_client, "_SHORT_TMP", str(tmp_path / "tmpdir"))
+    assert core_client.ipc_dir_parents() == [str(tmp_path / "tmpdir")]  # (looked through once)
+
+    def no_temporary_directory() -> str:
+        raise FileNotFoundError(2, "No usable temporary directory found")
+
+    monkeypatch.setattr(tempfile, "gettempdir", no_temporary_directory)  # (no directory was made there either)
+    assert core_client.ipc_dir_parents() == [str(tmp_path / "tmpdir")]
+    monkeypatch.setattr(core_client, "_SHORT_TMP", str(tmp_path / "short"))
+    assert core_client.ipc_dir_parents() == [str(tmp_path / "short")]
+    assert core_client.remove_replica_dirs("abc") == []  # (neither exists: nothing to do)

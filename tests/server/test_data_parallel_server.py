@@ -1,12 +1,19 @@
 """`kvserve serve --data-parallel-size 2` on CPU (tiny random Llama): two real replicas behind one port.
 Requests reach both, /metrics labels each replica's series engine="<i>", the API key is checked, the body limit
-is the server's, SIGTERM stops every process. One server start: the lifecycle with failing, dying and signalled
-replicas is tested in tests/unit/test_data_parallel_replicas.py with fake replicas."""
+is the server's, SIGTERM stops every process. A replica whose API process is SIGKILLed stops the server, and what
+it left in the temporary directory (its IPC sockets' and its metrics directories, named with its tag: its engine
+core, killed with it, could not remove them) is removed. Two server starts, together: the rest of the lifecycle with failing, dying and signalled replicas
+is tested in tests/unit/test_data_parallel_replicas.py with fake replicas."""
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import signal
+import sys
+import tempfile
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -19,9 +26,22 @@ MAX_BODY_BYTES = 100_000
 
 
 @pytest.fixture(scope="module")
-def server_launches(tiny_llama_dir: str) -> dict[str, tuple[list[str], dict[str, object]]]:
+def killed_replica_tmpdir() -> Iterator[str]:
+    """The temporary directory (TMPDIR) of the server whose replica is killed: where its replicas' IPC sockets
+    and metrics files are. Directly in /tmp: the sockets' paths must stay within a Unix socket's 107 characters."""
+    directory = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def server_launches(tiny_llama_dir: str, killed_replica_tmpdir: str) -> dict[str, tuple[list[str], dict[str, object]]]:
     """Each test's command (see `module_servers`)."""
     return {
+        # Two API processes per replica: each replica makes a metrics directory too.
+        "test_a_killed_replica_stops_the_server_and_leaves_nothing_in_the_temporary_directory": (
+            ["-dp", "2", tiny_llama_dir, "--device", "cpu", "--max-model-len", "256", "--kv-cache-memory", "64MiB",
+             "--api-server-count", "2", "--disable-uvicorn-access-log"], {"env": {"TMPDIR": killed_replica_tmpdir}}),
         # Spelled as a vLLM user might: `-d 2` is argparse's abbreviation of -dp, and the model comes after it
         # (each replica must still parse one replica, and MODEL as the model, not as a second served name).
         "test_two_replicas_serve_behind_one_port_and_stop_together": (
@@ -98,3 +118,42 @@ def test_two_replicas_serve_behind_one_port_and_stop_together(own_server: Server
     assert server.wait_exit(60) == 0
     for pid in [*replicas.values(), *engines.values()]:
         wait_for(lambda pid=pid: not pid_alive(pid), 10, f"process {pid} to exit")
+
+
+def _replica_dirs(directory: str) -> list[str]:
+    """The directories that kvserve makes in `directory` (the IPC sockets', the metrics files')."""
+    return sorted(name for name in os.listdir(directory) if name.startswith(("kvserve-ipc-", "kvserve-metrics-")))
+
+
+def _tag(pid: int) -> str:
+    """The KVSERVE_DP_REPLICA_TAG in process `pid`'s environment."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        tags = [entry.split(b"=", 1)[1].decode() for entry in f.read().split(b"\0")
+                if entry.startswith(b"KVSERVE_DP_REPLICA_TAG=")]
+    assert len(tags) == 1, tags
+    return tags[0]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_killed_replica_stops_the_server_and_leaves_nothing_in_the_temporary_directory(
+        own_server: ServerProcess, killed_replica_tmpdir: str) -> None:
+    """A replica's API process SIGKILLed (the OOM killer): the server stops (exit 1), and the killed replica's
+    process group, its engine core and its other API process with it, is SIGKILLed at once, so none could
+    remove the engine's IPC directory or the metrics directory; the server removes them (the other replica,
+    stopped, removes its own). Every death of a replica left them in the temporary directory."""
+    server = own_server.wait_ready()  # TMPDIR=killed_replica_tmpdir (server_launches)
+    replicas, engines = _replica_pids(server), _engine_pids(server)
+    assert set(replicas) == {0, 1} and set(engines) == {0, 1}, server.log()
+    # An IPC and a metrics directory each, named with the replica's own tag.
+    tags = {index: _tag(pid) for index, pid in replicas.items()}
+    assert len(set(tags.values())) == 2 and all(re.fullmatch(r"[0-9a-f]{16}", t) for t in tags.values()), tags
+    made = _replica_dirs(killed_replica_tmpdir)
+    assert sorted(name.rsplit("-", 1)[0] for name in made) == sorted(
+        f"kvserve-{kind}-{tag}" for tag in tags.values() for kind in ("ipc", "metrics")), made
+    os.kill(replicas[1], signal.SIGKILL)
+    assert server.wait_exit(60) == 1
+    assert "exited with code -9 while serving" in server.log()
+    for pid in [*replicas.values(), *engines.values()]:
+        wait_for(lambda pid=pid: not pid_alive(pid), 10, f"process {pid} to exit")
+    assert _replica_dirs(killed_replica_tmpdir) == [], server.log()[-3000:]
+    assert f"removed what replica 1 (pid {replicas[1]}, exit code -9) left in the temporary directory" in server.log()

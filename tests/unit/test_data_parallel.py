@@ -9,6 +9,7 @@ import collections
 import io
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -19,6 +20,7 @@ from helpers.ports import free_port
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvserve.engine import core_client
 from kvserve.entrypoints import data_parallel
 from kvserve.entrypoints.cli import build_parser, main
 from kvserve.entrypoints.data_parallel import (
@@ -113,12 +115,24 @@ def test_a_busy_port_fails_before_any_replica_is_planned(monkeypatch: pytest.Mon
 
 
 def test_a_replicas_environment_marks_it_and_shares_the_cpu_or_names_its_gpus() -> None:
-    cpu, gpu = ReplicaPlan(1, 5000, None), ReplicaPlan(1, 5000, ["2", "3"])
-    assert replica_env({"PATH": "/bin"}, cpu, 3, 16) == {"PATH": "/bin", "KVSERVE_DP_REPLICA": "1", "OMP_NUM_THREADS": "5"}
+    cpu, gpu = ReplicaPlan(1, 5000, None, tag="abc"), ReplicaPlan(1, 5000, ["2", "3"], tag="def")
+    assert replica_env({"PATH": "/bin"}, cpu, 3, 16) == {
+        "PATH": "/bin", "KVSERVE_DP_REPLICA": "1", "KVSERVE_DP_REPLICA_TAG": "abc", "OMP_NUM_THREADS": "5"}
     assert replica_env({}, cpu, 4, 2)["OMP_NUM_THREADS"] == "1"  # at least one thread each
     assert replica_env({"OMP_NUM_THREADS": "7"}, cpu, 3, 16)["OMP_NUM_THREADS"] == "7"  # the user's choice
     assert replica_env({"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, gpu, 2, 16) == {
-        "CUDA_VISIBLE_DEVICES": "2,3", "KVSERVE_DP_REPLICA": "1"}
+        "CUDA_VISIBLE_DEVICES": "2,3", "KVSERVE_DP_REPLICA": "1", "KVSERVE_DP_REPLICA_TAG": "def"}
+    # A tag in this process's environment is not passed on: each replica has its own.
+    assert replica_env({"KVSERVE_DP_REPLICA_TAG": "xyz"}, cpu, 3, 16)["KVSERVE_DP_REPLICA_TAG"] == "abc"
+
+
+def test_each_replica_gets_a_random_tag_of_its_own() -> None:
+    """The names of the directories a replica makes carry its tag (core_client.tagged_prefix): a valid one, and
+    none alike, of this command's replicas or of another's."""
+    plans = plan_replicas(_serve("-dp", "3", "--device", "cpu")) + plan_replicas(_serve("-dp", "3", "--device", "cpu"))
+    tags = [plan.tag for plan in plans]
+    assert len(set(tags)) == 6 and all(re.fullmatch(r"[0-9a-f]{16}", tag) for tag in tags), tags
+    assert all(core_client.valid_replica_tag(tag) for tag in tags)
 
 
 def test_cpu_replicas_need_no_gpu() -> None:

@@ -50,7 +50,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kvserve import __version__, envs
 from kvserve.config import EngineArgs, EngineConfig
 from kvserve.engine.async_llm import AsyncLLM
-from kvserve.engine.core_client import EngineAttachment, EngineCoreClient, EngineDeadError, IpcPathError
+from kvserve.engine.core_client import (
+    METRICS_DIR_PREFIX,
+    EngineAttachment,
+    EngineCoreClient,
+    EngineDeadError,
+    IpcPathError,
+    tagged_prefix,
+)
 from kvserve.engine.heap import freeze_startup_heap
 from kvserve.entrypoints.cli import log_ignored_flags
 from kvserve.entrypoints.openai.cli_args import (
@@ -599,7 +606,8 @@ async def serve(ns: argparse.Namespace, config: EngineConfig) -> int:
         logger.error("cannot listen on %s:%d: %s", ns.host, ns.port, e)
         return 1
     count = ns.api_server_count
-    multiprocess_dir = tempfile.mkdtemp(prefix="kvserve-metrics-") if count > 1 else None
+    # (In a data-parallel replica its name carries the replica's tag: see core_client.remove_replica_dirs.)
+    multiprocess_dir = tempfile.mkdtemp(prefix=tagged_prefix(METRICS_DIR_PREFIX)) if count > 1 else None
     if multiprocess_dir is not None:
         enable_multiprocess(multiprocess_dir)
     try:
