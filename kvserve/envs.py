@@ -32,7 +32,7 @@ VLLM_API_KEY: str | None = _str("VLLM_API_KEY", None)
 # refuses to start replicas of its own, whatever its command line says (not a setting for users).
 KVSERVE_DP_REPLICA: bool = _int("KVSERVE_DP_REPLICA", 0) != 0
 # Set by `kvserve serve --data-parallel-size N` in the environment of each replica it starts, a random tag of
-# the replica's own (16 hex digits; not a setting for users): the directories the replica makes in the
+# the replica's own (8 hex digits; not a setting for users): the directories the replica makes in the
 # temporary directory carry it in their names (`kvserve-ipc-<tag>-...`, `kvserve-metrics-<tag>-...`), so that
 # the parent can remove them, and only them, after it killed the replica's process group. This attribute is read
 # when a directory is made (kvserve.engine.core_client.replica_tag), which ignores a tag that is not 1 to 32

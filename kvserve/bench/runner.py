@@ -167,7 +167,7 @@ def error_samples(records: list[RequestRecord]) -> dict[str, str]:
         text = record.error or ""
         try:
             message = json.loads(text)["error"]["message"]
-        except (ValueError, TypeError, KeyError):
+        except (ValueError, TypeError, KeyError, RecursionError):  # (Recursion: nested past the parser's depth)
             message = None
         samples[record.error_kind] = (message if isinstance(message, str) else text)[:_ERROR_SAMPLE_CHARS]
     return samples

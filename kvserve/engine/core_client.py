@@ -108,7 +108,7 @@ METRICS_DIR_PREFIX = "kvserve-metrics-"
 # The directories that `remove_replica_dirs` removes, by the start of their names.
 REPLICA_DIR_PREFIXES = (IPC_DIR_PREFIX, METRICS_DIR_PREFIX)
 # A data-parallel replica's tag, as its directories' names carry it: ASCII letters and digits, 1 to 32 of them
-# (`kvserve serve -dp N` gives 16 hex digits). Nothing else: a tag never holds the `-` that ends it in a name.
+# (`kvserve serve -dp N` gives 8 hex digits). Nothing else: a tag never holds the `-` that ends it in a name.
 _TAG = re.compile(r"[A-Za-z0-9]{1,32}")
 
 
@@ -153,9 +153,9 @@ def remove_replica_dirs(tag: str, parents: Iterable[str] | None = None) -> list[
     paths removed. For the data-parallel parent, once it has SIGKILLed that replica's process group: neither
     its API process nor its engine core is left to remove them. Only names of exactly `tag` (`<prefix><tag>-`
     and what mkdtemp adds: tag `abc` is not `abcd`'s), and of those only real directories of this user: never a
-    symbolic link (nor where it points) or any other entry. Each replica's tag is random (64 bits), so no other
+    symbolic link (nor where it points) or any other entry. Each replica's tag is random (32 bits), so another
     process's directory, another server's among them (the temporary directory may be shared, even by
-    containers whose pids are alike), carries it. ValueError for an invalid tag (`valid_replica_tag`)."""
+    containers whose pids are alike), carries it only by a one-in-four-billion chance. ValueError for an invalid tag (`valid_replica_tag`)."""
     if not valid_replica_tag(tag):
         raise ValueError(f"not a replica tag: {tag!r}")
     # (mkdtemp's characters are letters, digits and `_`, never a `-`.)

@@ -34,11 +34,12 @@ temporary directory carry in their names (below).
   IPC one on its way out, but here the engine core is SIGKILLed with it (its process group, above), so this
   process removes them: their names carry the replica's tag (`core_client.tagged_prefix`), and for each
   replica whose process exited with a code other than 0 (killed, or failed by itself), once, this process
-  SIGKILLs the replica's process group (its engine core may still run) and then removes the directories that
+  SIGKILLs the replica's process group while something of it still holds its output (its engine core may
+  still run) and then removes the directories that
   carry exactly that replica's tag, in the temporary directory and in /tmp (`Replica.remove_what_it_left`,
   `core_client.remove_replica_dirs`): as soon as a replica is seen to exit while serving or during start-up
   (`Replica.reap`), or as each exits while they are stopped (`_stop_replicas`). Nothing of a replica that
-  exited 0 (it removed its own), and no other directory: tags are random (64 bits), so none of another
+  exited 0 (it removed its own), and no other directory: tags are random (32 bits), so none of another
   server's (the temporary directory may be shared, even by containers whose pids are alike) carries it.
 * SIGTERM / SIGINT: every replica drains (it gets one SIGTERM; new requests 503, in-flight ones finish
   within --shutdown-timeout), the router stops accepting and finishes its requests, and the process exits 0
@@ -176,9 +177,10 @@ def check_data_parallel_flags(ns: argparse.Namespace) -> None:
 
 
 def new_replica_tag() -> str:
-    """A replica's tag (KVSERVE_DP_REPLICA_TAG): 16 random hex digits (64 bits), so that no other process's
-    directory in the temporary directory carries it (see `core_client.remove_replica_dirs`)."""
-    return secrets.token_hex(8)
+    """A replica's tag (KVSERVE_DP_REPLICA_TAG): 8 random hex digits (32 bits: another process's directory in
+    the temporary directory carries it only by a chance of one in four billion, and the names stay short, see
+    `core_client.make_ipc_dir`'s length limit; `core_client.remove_replica_dirs`)."""
+    return secrets.token_hex(4)
 
 
 @dataclass
@@ -240,17 +242,22 @@ class Replica:
 
     def remove_what_it_left(self) -> None:
         """Once the replica's process has exited with a code other than 0 (it was killed, or failed by itself),
-        and only once (`left_removed`): SIGKILL its process group, as its engine core may still run (its API
-        process failed without stopping it, or is gone), then remove the directories it made in the temporary
+        and only once (`left_removed`): SIGKILL its process group while something of it still holds the
+        replica's output open (its engine core may still run: its API process failed without stopping it, or
+        is gone), then remove the directories it made in the temporary
         directory and in /tmp, those whose names carry its tag (`core_client.remove_replica_dirs`: its engine's
         IPC sockets' directory, its metrics directory), which neither its API process nor its engine core,
         killed, is left to remove. Once the group is SIGKILLed none of it runs any more of its code, so nothing
-        uses them or makes them again. Nothing while the process runs, or when it exited 0: it removed its own,
+        uses them or makes them again. The group is killed only while a member holds the output (`output_done`
+        not done): that member keeps the group's id (the replica's pid) from being reused, whereas once the
+        group is empty the id is free and may be another process's group, possibly a minute later (a replica
+        that failed during the router's drain is handled only afterwards). Nothing while the process runs, or when it exited 0: it removed its own,
         and stopped its engine core."""
         if self.left_removed or self.process.returncode in (None, 0):
             return
         self.left_removed = True
-        self.kill_group()
+        if self.output_done is not None and not self.output_done.done():
+            self.kill_group()
         removed = remove_replica_dirs(self.plan.tag)
         if removed:
             logger.info("removed what replica %d (pid %d, exit code %d) left in the temporary directory: %s",

@@ -146,7 +146,7 @@ def test_a_killed_replica_stops_the_server_and_leaves_nothing_in_the_temporary_d
     assert set(replicas) == {0, 1} and set(engines) == {0, 1}, server.log()
     # An IPC and a metrics directory each, named with the replica's own tag.
     tags = {index: _tag(pid) for index, pid in replicas.items()}
-    assert len(set(tags.values())) == 2 and all(re.fullmatch(r"[0-9a-f]{16}", t) for t in tags.values()), tags
+    assert len(set(tags.values())) == 2 and all(re.fullmatch(r"[0-9a-f]{8}", t) for t in tags.values()), tags
     made = _replica_dirs(killed_replica_tmpdir)
     assert sorted(name.rsplit("-", 1)[0] for name in made) == sorted(
         f"kvserve-{kind}-{tag}" for tag in tags.values() for kind in ("ipc", "metrics")), made

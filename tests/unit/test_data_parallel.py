@@ -131,7 +131,7 @@ def test_each_replica_gets_a_random_tag_of_its_own() -> None:
     none alike, of this command's replicas or of another's."""
     plans = plan_replicas(_serve("-dp", "3", "--device", "cpu")) + plan_replicas(_serve("-dp", "3", "--device", "cpu"))
     tags = [plan.tag for plan in plans]
-    assert len(set(tags)) == 6 and all(re.fullmatch(r"[0-9a-f]{16}", tag) for tag in tags), tags
+    assert len(set(tags)) == 6 and all(re.fullmatch(r"[0-9a-f]{8}", tag) for tag in tags), tags
     assert all(core_client.valid_replica_tag(tag) for tag in tags)
 
 
@@ -368,3 +368,29 @@ def test_a_replica_whose_parent_died_before_its_death_signal_was_set_exits(monke
     with pytest.raises(SystemExit) as exited:
         in_child()
     assert exited.value.code == 1 and calls == [(1, signal.SIGTERM)] * 2
+
+
+@pytest.mark.parametrize("output_held, killed", [(True, True), (False, False)])
+def test_a_failed_replicas_group_is_killed_only_while_something_holds_its_output(
+        monkeypatch: pytest.MonkeyPatch, output_held: bool, killed: bool) -> None:
+    """What a failed replica left is removed either way; its process group is SIGKILLed only while a member still
+    holds its output (and so keeps the group's id, the replica's pid, from being reused). Once its output closed
+    the group may be empty and its id another process's, so killing it then could hit that one."""
+    kills: list[tuple[int, int]] = []
+    removals: list[str] = []
+    monkeypatch.setattr(os, "killpg", lambda pgid, sig: kills.append((pgid, sig)))
+    monkeypatch.setattr(data_parallel, "remove_replica_dirs", lambda tag: removals.append(tag) or [])
+
+    async def scenario() -> None:
+        process = argparse.Namespace(pid=4_000_000, returncode=1)  # (a pid no process has: pid_max is lower)
+        output = asyncio.get_running_loop().create_future()
+        if not output_held:
+            output.set_result(None)
+        replica = data_parallel.Replica(ReplicaPlan(0, 1, None), process, output_done=output)  # type: ignore[arg-type]
+        replica.remove_what_it_left()
+        replica.remove_what_it_left()  # (once)
+        output.cancel()
+
+    asyncio.run(scenario())
+    assert kills == ([(4_000_000, signal.SIGKILL)] if killed else [])
+    assert len(removals) == 1 and re.fullmatch(r"[0-9a-f]{8}", removals[0])
