@@ -490,12 +490,16 @@ class EngineArgs:
 
 def _check_tensor_parallel(arch: Any, size: int, device: str) -> None:
     """ConfigError unless `size` ranks can run the model on this machine."""
-    from kvserve.distributed import check_tensor_parallel
+    from kvserve.distributed import check_quantized_split, check_tensor_parallel
 
     try:
         check_tensor_parallel(arch, size)
     except ValueError as exc:
         raise ConfigError(f"{exc}; pass a --tensor-parallel-size that divides them") from None
+    try:
+        check_quantized_split(arch, size)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if size == 1:
         return
     if device not in ("cpu", "cuda"):

@@ -28,6 +28,9 @@ KVSERVE_API_KEY: str | None = os.environ.get("KVSERVE_API_KEY")
 # vLLM's name for it, read only when --api-key is not given and KVSERVE_API_KEY is unset (a vLLM
 # deployment's environment keeps its authentication).
 VLLM_API_KEY: str | None = _str("VLLM_API_KEY", None)
+# The OpenAI client's key variable: `kvserve bench` sends it when --api-key is not given, as the OpenAI client
+# and vLLM's benchmark do (None when unset or empty). The server does not read it.
+OPENAI_API_KEY: str | None = _str("OPENAI_API_KEY", None)
 # Set (1) by `kvserve serve --data-parallel-size N` in the environment of each replica it starts: a replica
 # refuses to start replicas of its own, whatever its command line says (not a setting for users).
 KVSERVE_DP_REPLICA: bool = _int("KVSERVE_DP_REPLICA", 0) != 0

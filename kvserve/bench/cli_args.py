@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from kvserve import envs
 from kvserve.bench.config import APIS, GOODPUT_KEYS, BenchConfig, BenchConfigError, LoadShape
 from kvserve.bench.datasets import DATASETS, LANGUAGES, LENGTH_DISTS, DatasetConfig
 
@@ -32,7 +33,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--api", choices=APIS, default=None,
                         help="request format (default: chat when the endpoint ends in chat/completions)")
     target.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
-    target.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    target.add_argument("--api-key", default=None,
+                        help="sent as 'Authorization: Bearer KEY' (default: the OPENAI_API_KEY environment variable, "
+                        "as the OpenAI client and vLLM's benchmark read it; none when unset or empty)")
     target.add_argument("--request-timeout", type=float, default=600.0,
                         help="seconds one request may take before it counts as a timeout (default 600)")
 
@@ -155,7 +158,8 @@ def config_from_args(ns: argparse.Namespace) -> BenchConfig:
     )
     return BenchConfig(
         endpoint=ns.endpoint, shapes=_shapes(ns), dataset=dataset, api=ns.api, model=ns.model,
-        api_key=ns.api_key, tokenizer=ns.tokenizer, warmup=ns.warmup, request_timeout_s=ns.request_timeout,
+        api_key=ns.api_key if ns.api_key is not None else envs.OPENAI_API_KEY, tokenizer=ns.tokenizer,
+        warmup=ns.warmup, request_timeout_s=ns.request_timeout,
         drain_timeout_s=ns.drain_timeout,
         ignore_eos=ns.ignore_eos, temperature=ns.temperature, goodput_ms=_parse_goodput(ns.goodput),
         server_metrics=ns.server_metrics, metrics_url=ns.metrics_url, metrics_interval_s=ns.metrics_interval,

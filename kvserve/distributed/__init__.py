@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -146,6 +147,29 @@ def check_tensor_parallel(arch: ArchConfig, size: int) -> None:
             f"tensor_parallel_size={size} does not split the model: {', '.join(problems)} "
             f"{'is' if len(problems) == 1 else 'are'} not divisible by it"
         )
+
+
+def check_quantized_split(arch: ArchConfig, size: int) -> None:
+    """ValueError unless an AWQ / GPTQ checkpoint's row-split layers (o_proj and down_proj: each rank takes
+    1/size of their input rows) leave each rank whole groups of `group_size` rows and whole packed words; the
+    ranks would each fail at load otherwise, after they started. Checked for the layers the checkpoint
+    quantizes (`QuantConfig.applies_to`); call it after `check_tensor_parallel`."""
+    config = arch.quantization
+    if size == 1 or config is None or config.method not in ("awq", "gptq"):
+        return
+    for layer, rows in (("self_attn.o_proj", arch.num_attention_heads * arch.head_dim),
+                        ("mlp.down_proj", arch.intermediate_size)):
+        if not any(config.applies_to(f"model.layers.{i}.{layer}") for i in range(arch.num_hidden_layers)):
+            continue
+        share = rows // size
+        unit = config.pack if config.group_size == -1 else math.lcm(config.group_size, config.pack)
+        if share % unit:
+            what = (f"a multiple of its group_size {config.group_size}" if config.group_size != -1 and
+                    share % config.group_size else f"whole {config.bits}-bit words of {config.pack} values")
+            raise ValueError(
+                f"--tensor-parallel-size {size} does not split this {config.method.upper()} checkpoint: each rank "
+                f"would take {share} of {layer.split('.')[-1]}'s {rows} input rows, not {what}; pass a smaller "
+                "--tensor-parallel-size")
 
 
 def first_kv_head(num_kv_heads: int, rank: int, size: int) -> int:

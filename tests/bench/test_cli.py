@@ -180,3 +180,14 @@ def test_ctrl_c_during_the_warmup_ends_the_benchmark(fake_server, prompts_file, 
     assert proc.returncode == 1, err
     assert "interrupted during the warm-up" in err and "Traceback" not in err
     assert "Serving Benchmark Result" not in out and not json_path.exists()
+
+
+def test_the_api_key_defaults_to_openai_api_key(monkeypatch):
+    """As the OpenAI client and vLLM's benchmark: OPENAI_API_KEY when --api-key is not given; the flag wins."""
+    from kvserve import envs
+
+    monkeypatch.setattr(envs, "OPENAI_API_KEY", "sk-from-env")
+    assert parse_bench("http://127.0.0.1:1/v1/completions").api_key == "sk-from-env"
+    assert parse_bench("http://127.0.0.1:1/v1/completions", "--api-key", "sk-flag").api_key == "sk-flag"
+    monkeypatch.setattr(envs, "OPENAI_API_KEY", None)
+    assert parse_bench("http://127.0.0.1:1/v1/completions").api_key is None

@@ -211,6 +211,29 @@ def test_two_ranks_match_one(case_id: str, quantized_pair: Callable) -> None:
             assert all(abs(la[t].logprob - lb[t].logprob) < 1e-4 for t in la)
 
 
+@pytest.mark.parametrize("case_id, layer", [("awq4-llama", "o_proj"), ("awq4-qwen2-skip-down", "o_proj")])
+def test_ranks_that_would_split_a_group_are_refused_before_they_start(case_id: str, layer: str,
+                                                                     quantized_pair: Callable) -> None:
+    """4 ranks of these tiny checkpoints take 16 of o_proj's 64 input rows each, half of a 32-row group: refused
+    when the engine is configured, not by each rank's traceback at load after the ranks started."""
+    with pytest.raises(ConfigError, match=rf"--tensor-parallel-size 4 does not split this AWQ checkpoint: each rank "
+                                          rf"would take 16 of {layer}'s 64 input rows, not a multiple of its "
+                                          r"group_size 32; pass a smaller --tensor-parallel-size"):
+        EngineArgs(model=quantized_pair(case_id)[0], device="cpu", tensor_parallel_size=4).create_engine_config()
+    EngineArgs(model=quantized_pair(case_id)[0], device="cpu", tensor_parallel_size=2).create_engine_config()
+
+
+def test_a_layer_left_dense_is_not_checked_for_its_groups(tiny_model_dir: Callable[..., str],
+                                                         tmp_path_factory: pytest.TempPathFactory) -> None:
+    """o_proj left unquantized (modules_to_not_convert): 4 ranks split only down_proj's groups (32 of 128 rows
+    each, whole groups), so they are accepted."""
+    root = tmp_path_factory.mktemp("quant-awq4-skip-o")
+    quantize_checkpoint(tiny_model_dir("llama"), str(root / "q"), str(root / "d"), method="awq", bits=4,
+                        group_size=32, skip=("o_proj",))
+    config = EngineArgs(model=str(root / "q"), device="cpu", tensor_parallel_size=4).create_engine_config()
+    assert config.tensor_parallel_size == 4
+
+
 def test_act_order_with_tensor_parallelism_is_refused(quantized_pair: Callable) -> None:
     with pytest.raises(Exception, match="act-order"):
         LLM(quantized_pair("gptq4-qwen3-actorder")[0], dtype="float32", device="cpu", tensor_parallel_size=2,

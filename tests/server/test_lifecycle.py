@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 
 from .conftest import ServerProcess, assert_openai_error, pid_alive, scrape, wait_for
 
@@ -54,7 +55,7 @@ def server_launches(tiny_llama_dir: str, killed_server_tmpdir: str,
     return {
         # (Its TMPDIR is too deep for the IPC sockets: the server still starts, with them in /tmp.)
         "test_engine_death_turns_health_503_and_server_exits_nonzero": (
-            [tiny_llama_dir, *FLAGS], {"env": {"TMPDIR": deep_tmpdir}}),
+            [tiny_llama_dir, *FLAGS, "--metrics-compat", "none"], {"env": {"TMPDIR": deep_tmpdir}}),
         "test_sigterm_drains_in_flight_requests_and_exits_0": (
             [tiny_llama_dir, *FLAGS, "--disable-log-requests"], {"env": {"KVSERVE_GC_FREEZE": "1"}}),
         "test_shutdown_timeout_aborts_the_requests_still_in_flight": (
@@ -108,8 +109,9 @@ def test_engine_death_turns_health_503_and_server_exits_nonzero(own_server: Serv
     ipc_dir = re.search(r"the IPC sockets go to (/tmp/kvserve-ipc-\S+):", server.log())
     assert ipc_dir is not None, server.log()[-3000:]
     assert server.engine_pid is not None and pid_alive(server.engine_pid)
-    # Without --metrics-compat there are no vllm: series.
-    assert not [name for name, _ in scrape(server.base_url) if name.startswith("vllm:")]
+    # With --metrics-compat none there are no vllm: series (the default exports them: see the next test).
+    names = [name for name, _ in scrape(server.base_url)]
+    assert [name for name in names if name.startswith("kvserve:")] and not [n for n in names if n.startswith("vllm:")]
     stream = StreamReader(server.base_url, max_tokens=240)
     stream.start()
     assert stream.first_chunk.wait(60) and stream.error is None
@@ -145,6 +147,13 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(own_server: ServerProcess
     for process in ("engine core", "API server"):
         frozen = re.search(process + r": (\d+) start-up objects left out of the garbage collector", server.log())
         assert frozen is not None and int(frozen.group(1)) > 0, server.log()
+    # By default every series is under vLLM's names too (a vLLM user's dashboards and alerts), as under ours.
+    names = {name for name, _ in scrape(server.base_url)}
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert f"kvserve:{name}" in names and f"vllm:{name}" in names, sorted(names)
+    assert "vllm:gpu_cache_usage_perc" in names  # (vLLM's older name, which the articles' queries use)
+    # No --device here: on a machine without a usable GPU the server says it serves on the CPU.
+    assert ("serving on the CPU, far slower than on a GPU" in server.log()) == (not torch.cuda.is_available())
     # 240 tokens: the drain must outlast the checks below (60 tokens drained in 0.37-0.45 s here, which a
     # stalled 2-core CI machine could miss; the server then closes its port).
     stream = StreamReader(server.base_url, max_tokens=240)

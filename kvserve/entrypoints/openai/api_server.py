@@ -503,7 +503,7 @@ def _make_metrics(ns: argparse.Namespace, config: EngineConfig, ready: EngineRea
     return PrometheusStatLogger(
         served_names[0],
         ready.max_model_len,
-        ns.metrics_compat,
+        None if ns.metrics_compat == "none" else ns.metrics_compat,
         cache_info={
             "block_size": str(ready.block_size),
             "num_gpu_blocks": str(ready.num_blocks),
@@ -810,6 +810,21 @@ async def _serve_attached(ns: argparse.Namespace, config: EngineConfig, attach: 
         sock.close()
 
 
+def cpu_fallback_warning(flag: str | None, device: str) -> str | None:
+    """The start-up warning when no --device was given and the engine runs on the CPU because torch has no usable
+    CUDA GPU (a CPU build of torch, a driver or CUDA mismatch, a container started without its GPUs): a vLLM
+    user expects such a server to fail at start, not to serve far more slowly. None otherwise."""
+    if flag is not None or device != "cpu":
+        return None
+    import torch
+
+    why = ("this torch was built without CUDA" if torch.version.cuda is None else
+           f"torch (CUDA {torch.version.cuda}) sees no usable GPU: the driver, CUDA_VISIBLE_DEVICES, or a container "
+           "started without its GPUs")
+    return (f"no CUDA GPU ({why}): serving on the CPU, far slower than on a GPU; --device cuda makes a missing GPU "
+            "an error, --device cpu chooses the CPU (and silences this)")
+
+
 def run_server(ns: argparse.Namespace) -> int:
     """Entry point shared by `kvserve serve` and `python -m kvserve.entrypoints.openai.api_server`."""
     logging.basicConfig(level=envs.KVSERVE_LOGGING_LEVEL.upper(),
@@ -831,6 +846,9 @@ def run_server(ns: argparse.Namespace) -> int:
 
         return run_data_parallel(ns)
     log_ignored_flags(ns)
+    warning = cpu_fallback_warning(ns.device, config.device_config.device)
+    if warning is not None:
+        logger.warning("%s", warning)
     unread = envs.unread_vllm_env_vars()
     if unread:
         logger.warning("vLLM environment variables kvserve does not read: %s", ", ".join(unread))

@@ -83,9 +83,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-uvicorn-access-log", action="store_true", help="do not log each HTTP request line")
     g.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS,
                    help="log level of uvicorn, the HTTP server (default info)")
-    g.add_argument("--metrics-compat", default=None, choices=["vllm"],
-                   help="also export every metric under vLLM's `vllm:` names (incl. vllm:gpu_cache_usage_perc), "
-                        "so vLLM dashboards work unchanged")
+    g.add_argument("--metrics-compat", default="vllm", choices=["vllm", "none"],
+                   help="vllm (default): every metric is also exported under vLLM's `vllm:` names (incl. "
+                        "vllm:gpu_cache_usage_perc), so vLLM dashboards, alerts and queries work unchanged; none: "
+                        "the `kvserve:` names only (half the series)")
     g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                    help="larger request bodies get 413 (default 32 MiB)")
     g.add_argument("--timeout-keep-alive", type=int, default=5, help="seconds an idle HTTP connection is kept open (default 5)")
