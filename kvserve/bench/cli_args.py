@@ -35,7 +35,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
     target.add_argument("--api-key", default=None,
                         help="sent as 'Authorization: Bearer KEY' (default: the OPENAI_API_KEY environment variable, "
-                        "as the OpenAI client and vLLM's benchmark read it; none when unset or empty)")
+                        "as the OpenAI client and vLLM's benchmark read it, sent to the endpoint only, not to /metrics; none when unset "
+                        "or empty; --api-key '' sends none)")
     target.add_argument("--request-timeout", type=float, default=600.0,
                         help="seconds one request may take before it counts as a timeout (default 600)")
 
@@ -158,7 +159,8 @@ def config_from_args(ns: argparse.Namespace) -> BenchConfig:
     )
     return BenchConfig(
         endpoint=ns.endpoint, shapes=_shapes(ns), dataset=dataset, api=ns.api, model=ns.model,
-        api_key=ns.api_key if ns.api_key is not None else envs.OPENAI_API_KEY, tokenizer=ns.tokenizer,
+        api_key=ns.api_key if ns.api_key is not None else envs.OPENAI_API_KEY,
+        api_key_from_env=ns.api_key is None and envs.OPENAI_API_KEY is not None, tokenizer=ns.tokenizer,
         warmup=ns.warmup, request_timeout_s=ns.request_timeout,
         drain_timeout_s=ns.drain_timeout,
         ignore_eos=ns.ignore_eos, temperature=ns.temperature, goodput_ms=_parse_goodput(ns.goodput),

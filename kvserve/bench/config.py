@@ -97,6 +97,9 @@ class BenchConfig:
     api: str | None = None
     model: str | None = None
     api_key: str | None = None
+    # The key came from $OPENAI_API_KEY, not --api-key: it goes to the endpoint's server only, never to a
+    # /metrics scrape (`metrics_api_key`), which may be another host and needs no key on kvserve or vLLM.
+    api_key_from_env: bool = False
     tokenizer: str | None = None
     warmup: int = 0
     request_timeout_s: float = 600.0
@@ -157,6 +160,12 @@ class BenchConfig:
                 path = path[: -len(suffix)]
                 break
         return self.server_root + path
+
+    @property
+    def metrics_api_key(self) -> str | None:
+        """The key sent with /metrics scrapes: --api-key's, never one taken from $OPENAI_API_KEY (a user's
+        OpenAI key, which /metrics does not need, to a URL that may be another host's)."""
+        return None if self.api_key_from_env else self.api_key
 
     @property
     def resolved_metrics_url(self) -> str:

@@ -232,7 +232,7 @@ async def _measure(config: BenchConfig, shape: LoadShape, dataset: Requests, cli
                    stop: asyncio.Event) -> tuple[LoadResult, ClientHealthReport, list[MetricSample]]:
     sampler = None
     if config.server_metrics:
-        sampler = ServerMetricsSampler(config.resolved_metrics_url, config.metrics_interval_s, config.api_key)
+        sampler = ServerMetricsSampler(config.resolved_metrics_url, config.metrics_interval_s, config.metrics_api_key)
         # Before the run's clock: the arrivals and --duration count from run_start, and a slow first scrape
         # after it would send the arrivals it delayed all at once.
         await sampler.baseline()

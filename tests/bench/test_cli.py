@@ -187,7 +187,10 @@ def test_the_api_key_defaults_to_openai_api_key(monkeypatch):
     from kvserve import envs
 
     monkeypatch.setattr(envs, "OPENAI_API_KEY", "sk-from-env")
-    assert parse_bench("http://127.0.0.1:1/v1/completions").api_key == "sk-from-env"
-    assert parse_bench("http://127.0.0.1:1/v1/completions", "--api-key", "sk-flag").api_key == "sk-flag"
+    config = parse_bench("http://127.0.0.1:1/v1/completions")
+    # ... to the endpoint only: /metrics needs none and may be another host's (a user's OpenAI key).
+    assert config.api_key == "sk-from-env" and config.metrics_api_key is None
+    config = parse_bench("http://127.0.0.1:1/v1/completions", "--api-key", "sk-flag")
+    assert config.api_key == "sk-flag" and config.metrics_api_key == "sk-flag"
     monkeypatch.setattr(envs, "OPENAI_API_KEY", None)
     assert parse_bench("http://127.0.0.1:1/v1/completions").api_key is None
