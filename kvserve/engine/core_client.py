@@ -155,7 +155,8 @@ def remove_replica_dirs(tag: str, parents: Iterable[str] | None = None) -> list[
     and what mkdtemp adds: tag `abc` is not `abcd`'s), and of those only real directories of this user: never a
     symbolic link (nor where it points) or any other entry. Each replica's tag is random (32 bits), so another
     process's directory, another server's among them (the temporary directory may be shared, even by
-    containers whose pids are alike), carries it only by a one-in-four-billion chance. ValueError for an invalid tag (`valid_replica_tag`)."""
+    containers whose pids are alike), carries it only by a one-in-four-billion chance. ValueError for an
+    invalid tag (`valid_replica_tag`)."""
     if not valid_replica_tag(tag):
         raise ValueError(f"not a replica tag: {tag!r}")
     # (mkdtemp's characters are letters, digits and `_`, never a `-`.)

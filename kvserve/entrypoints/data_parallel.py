@@ -251,8 +251,8 @@ class Replica:
         uses them or makes them again. The group is killed only while a member holds the output (`output_done`
         not done): that member keeps the group's id (the replica's pid) from being reused, whereas once the
         group is empty the id is free and may be another process's group, possibly a minute later (a replica
-        that failed during the router's drain is handled only afterwards). Nothing while the process runs, or when it exited 0: it removed its own,
-        and stopped its engine core."""
+        that failed during the router's drain is handled only afterwards). Nothing while the process runs, or
+        when it exited 0: it removed its own, and stopped its engine core."""
         if self.left_removed or self.process.returncode in (None, 0):
             return
         self.left_removed = True
