@@ -151,8 +151,9 @@ def check_tensor_parallel(arch: ArchConfig, size: int) -> None:
 
 def check_quantized_split(arch: ArchConfig, size: int) -> None:
     """ValueError unless an AWQ / GPTQ checkpoint's row-split layers (o_proj and down_proj: each rank takes
-    1/size of their input rows) leave each rank whole groups of `group_size` rows and whole packed words; the
-    ranks would each fail at load otherwise, after they started. Checked for the layers the checkpoint
+    1/size of their input rows) leave each rank whole groups of `group_size` rows and whole packed words, and
+    are not GPTQ act-order (its g_idx would scatter a rank's rows over every group); the ranks would each fail
+    at load otherwise, after they started. Checked for the layers the checkpoint
     quantizes (`QuantConfig.applies_to`); call it after `check_tensor_parallel`."""
     config = arch.quantization
     if size == 1 or config is None or config.method not in ("awq", "gptq"):
@@ -161,6 +162,10 @@ def check_quantized_split(arch: ArchConfig, size: int) -> None:
                         ("mlp.down_proj", arch.intermediate_size)):
         if not any(config.applies_to(f"model.layers.{i}.{layer}") for i in range(arch.num_hidden_layers)):
             continue
+        if config.act_order:
+            from kvserve.layers.quantization import ACT_ORDER_WITH_TP
+
+            raise ValueError(ACT_ORDER_WITH_TP)
         share = rows // size
         unit = config.pack if config.group_size == -1 else math.lcm(config.group_size, config.pack)
         if share % unit:

@@ -57,6 +57,8 @@ SUPPORTED_METHODS = ("awq", "gptq", "fp8", "compressed-tensors", "fbgemm_fp8")
 # quant_method values read as fp8 checkpoints (`_parse_fp8`; llm-compressor's "compressed-tensors" only where
 # its weights are float 8-bit).
 FP8_CHECKPOINT_FORMATS = ("fp8", "compressed-tensors", "compressed_tensors", "fbgemm_fp8")
+ACT_ORDER_WITH_TP = ("GPTQ act-order (desc_act) checkpoints are not supported with tensor parallelism yet; run them "
+                     "with --tensor-parallel-size 1")
 # vLLM's names of other kernels for the same checkpoints: accepted as the same formats.
 _METHOD_ALIASES = {"awq": "awq", "awq_marlin": "awq", "gptq": "gptq", "gptq_marlin": "gptq",
                    "compressed-tensors": "fp8", "compressed_tensors": "fp8", "fbgemm_fp8": "fp8"}
@@ -75,6 +77,9 @@ class QuantConfig:
     with its own scale).
     weight_block: (rows, columns) of the weight each fp8 scale covers in a block-wise checkpoint, None for scales
     per tensor or output channel.
+    act_order: a GPTQ checkpoint quantized in activation order (`desc_act` without `static_groups`, groups of
+    fewer rows than the input), so its g_idx permutes the input rows. Only checked against tensor parallelism
+    before the ranks start (`distributed.check_quantized_split`); the load reads the stored g_idx itself.
     """
 
     method: str
@@ -84,6 +89,7 @@ class QuantConfig:
     skip_modules: tuple[str, ...] = ()
     static_activations: bool = False
     weight_block: tuple[int, int] | None = None
+    act_order: bool = False
 
     @property
     def pack(self) -> int:
@@ -177,8 +183,10 @@ def parse_quant_config(raw: dict[str, Any], where: str) -> QuantConfig:
     fmt = str(raw.get("checkpoint_format", "gptq")).lower()
     if fmt not in ("gptq", "gptq_v2"):
         raise ModelLoadError(f"{where}: GPTQ checkpoint_format {fmt!r} is not supported (gptq, gptq_v2)")
-    # desc_act is not read: act-order is what the stored g_idx says (`QuantizedWeights.finish`).
-    return QuantConfig("gptq", bits, group_size, zero_offset=1 if fmt == "gptq" else 0)
+    # The load applies whatever order the stored g_idx says (`QuantizedWeights.finish`); desc_act only lets
+    # tensor parallelism be refused before the ranks start.
+    act_order = bool(raw.get("desc_act")) and not raw.get("static_groups") and group_size != -1
+    return QuantConfig("gptq", bits, group_size, zero_offset=1 if fmt == "gptq" else 0, act_order=act_order)
 
 
 def _parse_fp8(raw: dict[str, Any], method: str, where: str) -> QuantConfig:
@@ -546,8 +554,7 @@ class QuantizedWeights:
         perm = None
         if not torch.equal(g_idx, plain):
             if self.row_share is not None:
-                raise ModelLoadError("GPTQ act-order (desc_act) checkpoints are not supported with tensor "
-                                     "parallelism yet; run them with --tensor-parallel-size 1")
+                raise ModelLoadError(ACT_ORDER_WITH_TP)
             order = torch.argsort(g_idx, stable=True)
             if not torch.equal(g_idx[order], plain):
                 raise ModelLoadError("g_idx does not assign group_size input rows to every group")

@@ -234,10 +234,32 @@ def test_a_layer_left_dense_is_not_checked_for_its_groups(tiny_model_dir: Callab
     assert config.tensor_parallel_size == 4
 
 
-def test_act_order_with_tensor_parallelism_is_refused(quantized_pair: Callable) -> None:
-    with pytest.raises(Exception, match="act-order"):
-        LLM(quantized_pair("gptq4-qwen3-actorder")[0], dtype="float32", device="cpu", tensor_parallel_size=2,
-            max_model_len=64, kv_cache_memory="16MiB")
+ACT_ORDER_WITH_TP = (r"GPTQ act-order \(desc_act\) checkpoints are not supported with tensor parallelism yet; run "
+                     r"them with --tensor-parallel-size 1")
+
+
+def test_act_order_with_tensor_parallelism_is_refused_before_the_ranks_start(quantized_pair: Callable) -> None:
+    """desc_act in the checkpoint's config: one message when the engine is configured, not one traceback per
+    rank at load after the ranks started."""
+    path = quantized_pair("gptq4-qwen3-actorder")[0]
+    with pytest.raises(ConfigError, match=ACT_ORDER_WITH_TP):
+        EngineArgs(model=path, device="cpu", tensor_parallel_size=2).create_engine_config()
+    assert EngineArgs(model=path, device="cpu").create_engine_config().tensor_parallel_size == 1
+
+
+@pytest.mark.parametrize("settings", [{"desc_act": False}, {"desc_act": True, "static_groups": True}])
+def test_act_order_that_the_config_does_not_declare_is_refused_at_load(settings: dict[str, Any],
+                                                                       quantized_pair: Callable,
+                                                                       tmp_path: Any) -> None:
+    """A config without desc_act (or with static groups, whose g_idx stays in input order) passes the check
+    before the ranks start; a stored g_idx in activation order is still refused when the ranks load it."""
+    source = quantized_pair("gptq4-qwen3-actorder")[0]
+    with open(os.path.join(source, "config.json")) as f:
+        quantization_config = {**json.load(f)["quantization_config"], **settings}
+    path = _write_config(str(tmp_path / "m"), quantization_config, source)
+    assert EngineArgs(model=path, device="cpu", tensor_parallel_size=2).create_engine_config().tensor_parallel_size == 2
+    with pytest.raises(Exception, match=ACT_ORDER_WITH_TP):
+        LLM(path, dtype="float32", device="cpu", tensor_parallel_size=2, max_model_len=64, kv_cache_memory="16MiB")
 
 
 def test_zero_points_of_zero_wrap_in_the_original_gptq_format(quantized_pair: Callable) -> None:
