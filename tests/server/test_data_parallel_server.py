@@ -39,9 +39,12 @@ def server_launches(tiny_llama_dir: str, killed_replica_tmpdir: str) -> dict[str
     """Each test's command (see `module_servers`)."""
     return {
         # Two API processes per replica: each replica makes a metrics directory too.
+        # No --device, and no GPU to be seen: the CPU fallback's warning. With a flag and a variable of vLLM's
+        # that kvserve ignores, said once by the parent, not by each replica.
         "test_a_killed_replica_stops_the_server_and_leaves_nothing_in_the_temporary_directory": (
-            ["-dp", "2", tiny_llama_dir, "--device", "cpu", "--max-model-len", "256", "--kv-cache-memory", "64MiB",
-             "--api-server-count", "2", "--disable-uvicorn-access-log"], {"env": {"TMPDIR": killed_replica_tmpdir}}),
+            ["-dp", "2", tiny_llama_dir, "--max-model-len", "256", "--kv-cache-memory", "64MiB",
+             "--api-server-count", "2", "--disable-uvicorn-access-log", "--swap-space", "4"],
+            {"env": {"TMPDIR": killed_replica_tmpdir, "CUDA_VISIBLE_DEVICES": "", "VLLM_USE_V1": "1"}}),
         # Spelled as a vLLM user might: `-d 2` is argparse's abbreviation of -dp, and the model comes after it
         # (each replica must still parse one replica, and MODEL as the model, not as a second served name).
         "test_two_replicas_serve_behind_one_port_and_stop_together": (
@@ -144,6 +147,8 @@ def test_a_killed_replica_stops_the_server_and_leaves_nothing_in_the_temporary_d
     server = own_server.wait_ready()  # TMPDIR=killed_replica_tmpdir (server_launches)
     replicas, engines = _replica_pids(server), _engine_pids(server)
     assert set(replicas) == {0, 1} and set(engines) == {0, 1}, server.log()
+    for said_once in ("no CUDA GPU (", "--swap-space ignored", "vLLM environment variables kvserve does not read"):
+        assert server.log().count(said_once) == 1, said_once
     # An IPC and a metrics directory each, named with the replica's own tag.
     tags = {index: _tag(pid) for index, pid in replicas.items()}
     assert len(set(tags.values())) == 2 and all(re.fullmatch(r"[0-9a-f]{8}", t) for t in tags.values()), tags

@@ -841,17 +841,18 @@ def run_server(ns: argparse.Namespace) -> int:
     except ValueError as e:  # ConfigError, ModelLoadError, conflicting flags
         print(f"kvserve serve: error: {e}", file=sys.stderr)
         return 2
+    if not envs.KVSERVE_DP_REPLICA:  # a replica's parent said these once for all its replicas
+        log_ignored_flags(ns)
+        warning = cpu_fallback_warning(ns.device, config.device_config.device)
+        if warning is not None:
+            logger.warning("%s", warning)
+        unread = envs.unread_vllm_env_vars()
+        if unread:
+            logger.warning("vLLM environment variables kvserve does not read: %s", ", ".join(unread))
     if (ns.data_parallel_size or 1) > 1:  # replicas of this server behind a router
         from kvserve.entrypoints.data_parallel import run_data_parallel
 
         return run_data_parallel(ns)
-    log_ignored_flags(ns)
-    warning = cpu_fallback_warning(ns.device, config.device_config.device)
-    if warning is not None:
-        logger.warning("%s", warning)
-    unread = envs.unread_vllm_env_vars()
-    if unread:
-        logger.warning("vLLM environment variables kvserve does not read: %s", ", ".join(unread))
     return asyncio.run(serve(ns, config))
 
 
