@@ -19,7 +19,7 @@ from tqdm import tqdm
 from kvserve.bench.client import ClientSettings, RequestRecord, StreamClient, fetch_model_names
 from kvserve.bench.client_health import ClientHealthMonitor, ClientHealthReport
 from kvserve.bench.config import BenchConfig, LoadShape
-from kvserve.bench.datasets import Dataset, Requests, RunRequests, TextTokenizer, make_dataset
+from kvserve.bench.datasets import BenchRequest, Dataset, Requests, RunRequests, TextTokenizer, make_dataset
 from kvserve.bench.load import LoadResult, run_load
 from kvserve.bench.report import format_compare, format_summary, format_sweep
 from kvserve.bench.results import BenchResult, RunResult, jsonable, read_json, write_json
@@ -112,8 +112,9 @@ def shape_dict(shape: LoadShape) -> dict[str, Any]:
     return jsonable(dataclasses.asdict(shape))
 
 
-async def _check_server(config: BenchConfig, log: TextIO) -> str:
-    """Fail fast when nothing listens at the endpoint; returns the model name to send."""
+async def _check_server(config: BenchConfig, log: TextIO) -> tuple[str, bool]:
+    """Fail fast when nothing listens at the endpoint; returns the model name to send, and whether the server's
+    model listing names it."""
     listing = f"{config.api_base}/models"
     try:
         names = await fetch_model_names(config.api_base, config.api_key)
@@ -125,14 +126,26 @@ async def _check_server(config: BenchConfig, log: TextIO) -> str:
         raise BenchError(f"cannot reach the server at {config.api_base}: {type(exc).__name__}: {exc}") from None
     if config.model is not None:
         if names and config.model not in names:
-            print(f"warning: the server lists {', '.join(names)}, not {config.model!r}: requests may fail",
+            print(f"warning: the server lists {', '.join(names)}, not {config.model!r}: sending one test request",
                   file=log)
-        return config.model
+        return config.model, config.model in names
     if not names:
         raise BenchError(f"no model name to send ({listing} gives none): pass --model "
                          f"(and --api-key if the server needs one)")
     print(f"model: {names[0]} (from {config.api_base}/models)", file=log)
-    return names[0]
+    return names[0], True
+
+
+async def _test_request(client: StreamClient, model: str) -> None:
+    """One short request before anything is measured, for a --model the server's listing does not name (or a
+    server without a listing), as vLLM's benchmark sends one: a name the server does not serve then stops the
+    benchmark at once with the server's reason, instead of failing every request of the run."""
+    record = await client.send(BenchRequest(-1, ({"role": "user", "content": "Hello"},), max_tokens=1),
+                               time.perf_counter())
+    if not record.success:
+        reason = error_samples([record]).get(record.error_kind or "", "")
+        raise BenchError(f"the test request for model {model!r} failed ({record.error_kind}: {reason}); nothing "
+                         "was measured: check --model (and --endpoint, --api-key)")
 
 
 async def _warmup(config: BenchConfig, dataset: Dataset, client: StreamClient, log: TextIO,
@@ -253,15 +266,21 @@ async def _measure(config: BenchConfig, shape: LoadShape, dataset: Requests, cli
 
 
 async def _run_all(config: BenchConfig, log: TextIO) -> BenchResult:
-    model = await _check_server(config, log)
-    tokenizer = LazyTokenizer(config.tokenizer, log)
-    dataset = make_dataset(config.dataset, tokenizer)
+    model, listed = await _check_server(config, log)
     settings = ClientSettings(
         endpoint=config.endpoint, api=config.resolved_api, model=model, api_key=config.api_key,
         request_timeout_s=config.request_timeout_s, ignore_eos=config.ignore_eos,
         temperature=config.temperature, max_connections=config.pool_size(),
     )
     client = StreamClient(settings)
+    try:
+        if not listed:
+            await _test_request(client, model)
+        tokenizer = LazyTokenizer(config.tokenizer, log)
+        dataset = make_dataset(config.dataset, tokenizer)
+    except BaseException:
+        await client.aclose()
+        raise
     interrupt = _Interrupt()
     interrupt.install()
     runs: list[RunResult] = []

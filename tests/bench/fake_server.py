@@ -62,6 +62,8 @@ class FakeBehavior:
     hold_after_done_s: float = 0.0
     # `/metrics` answers this long after it is asked (a server busy with the run's requests).
     metrics_delay_s: float = 0.0
+    # The model names requests may send (a 404 with OpenAI's error body for another, as vLLM answers); None: any.
+    served_models: tuple[str, ...] | None = None
 
 
 @dataclass
@@ -144,6 +146,9 @@ class FakeOpenAIServer:
         chat = "messages" in body
         text = " ".join(m["content"] for m in body["messages"]) if chat else body["prompt"]
         num_prompt = len(text.split())
+        if b.served_models is not None and body.get("model") not in b.served_models:
+            return JSONResponse({"error": {"message": f"The model `{body.get('model')}` does not exist.",
+                                           "type": "NotFoundError", "param": None, "code": 404}}, status_code=404)
         if b.fail_every and k % b.fail_every == 0:
             return JSONResponse({"error": {"message": f"injected failure of request {k}", "type": "server_error",
                                            "param": None, "code": b.fail_status}}, status_code=b.fail_status)

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from bench.conftest import parse_bench
+from bench.fake_server import MODEL
 from kvserve.bench import client_health
 from kvserve.bench.config import BenchConfigError
 from kvserve.entrypoints.cli import main
@@ -118,6 +119,29 @@ def test_command_fails_cleanly(fake_server, prompts_file, tmp_path, capsys):
     assert "http_500:" in captured.out
     # ... and the log says why, with the server's message (the report only counts the kinds).
     assert "3 of 3 requests failed; the first of each kind: http_500: injected failure of request 1" in captured.err
+
+
+def test_a_model_the_server_does_not_list_gets_one_test_request_first(fake_server, prompts_file, capsys):
+    """--model not in GET /v1/models: one short request before the run. A name the server does not serve stops
+    the benchmark there with the server's reason (not a run of 404s); one it serves without listing it (an
+    alias behind a proxy) is measured after that one request. A listed name gets no test request."""
+    args = ["--dataset", "file", "--dataset-path", prompts_file, "--num-prompts", "3", "--no-progress"]
+    server = fake_server(served_models=(MODEL,))
+    assert main(["bench", "--endpoint", server.base_url + "/v1/chat/completions", "--model", "nope", *args]) == 2
+    err = capsys.readouterr().err
+    assert "kvserve bench: error: the test request for model 'nope' failed (http_404: The model `nope` does not " \
+           "exist.); nothing was measured" in err, err
+    assert server.state.num_requests == 1 and server.state.bodies[0]["max_tokens"] == 1
+
+    alias = fake_server(served_models=(MODEL, "alias"))
+    assert main(["bench", "--endpoint", alias.base_url + "/v1/completions", "--model", "alias", *args]) == 0
+    assert f"the server lists {MODEL}, not 'alias': sending one test request" in capsys.readouterr().err
+    assert alias.state.num_requests == 1 + 3
+    assert [b["model"] for b in alias.state.bodies] == ["alias"] * 4
+
+    listed = fake_server(served_models=(MODEL,))
+    assert main(["bench", "--endpoint", listed.base_url + "/v1/completions", "--model", MODEL, *args]) == 0
+    assert listed.state.num_requests == 3
 
 
 def test_ctrl_c_ends_the_run_with_a_report(fake_server, prompts_file):
