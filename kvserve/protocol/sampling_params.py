@@ -205,6 +205,11 @@ class SamplingParams:
                 bad(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value}", name)
         if any(not isinstance(s, str) or s == "" for s in self.stop):  # type: ignore[union-attr]
             bad("stop strings must be non-empty strings", "stop")
+        for s in self.stop:  # type: ignore[union-attr]
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError as e:  # a lone surrogate: no output text can hold it
+                bad(f"stop string {s!r} is not valid text: {e.reason} at position {e.start}", "stop")
         if self.bad_words is not None and (
             not isinstance(self.bad_words, list) or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)
         ):

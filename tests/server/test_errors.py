@@ -210,6 +210,42 @@ def test_unknown_model_and_route(http):
     assert_openai_error(http.get("/v1/completions"), 405)
 
 
+def test_routes_it_lacks_say_what_it_serves_and_a_model_can_be_retrieved(http):
+    for method, path in (("POST", "/v1/embeddings"), ("POST", "/v1/responses"), ("GET", "/v1/nothing-here")):
+        error = assert_openai_error(http.request(method, path, json={"model": STRICT_NAME, "input": "hi"}), 404)
+        assert error["message"].startswith(f"{method} {path} is not served here: kvserve serves text generation: "
+                                           "POST /v1/chat/completions and /v1/completions"), error
+    # OpenAI's "retrieve model" (the openai client's models.retrieve), for each served name.
+    for name in (STRICT_NAME, STRICT_ALIAS):
+        card = http.get(f"/v1/models/{name}")
+        assert card.status_code == 200 and card.json()["id"] == name and card.json()["object"] == "model", card.text
+    assert "`nope` does not exist" in assert_openai_error(http.get("/v1/models/nope"), 404, "model")["message"]
+    assert_openai_error(http.get("/v1/models/"), 404, "model")
+
+
+def test_request_values_that_utf8_cannot_carry_get_their_own_error_not_a_500(http):
+    """A lone surrogate (JSON's "\\ud800" escape) quoted in an error message: the body escapes it."""
+    body = b'{"model": "\\ud800", "prompt": "hi", "max_tokens": 2}'
+    wrong_model = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert assert_openai_error(wrong_model, 404, "model")["message"] == "The model `\ud800` does not exist."
+    assert b"\\ud800" in wrong_model.content
+    stop = http.post("/v1/completions", content=b'{"prompt": "hi", "max_tokens": 2, "stop": ["\\ud800"]}',
+                     headers={"content-type": "application/json"})
+    assert_openai_error(stop, 400, "stop")
+
+
+def test_messages_name_the_field_as_the_request_spelled_it(http):
+    error = assert_openai_error(http.post("/v1/chat/completions", json={
+        "messages": CHAT, "max_completion_tokens": 0}), 400, "max_completion_tokens")
+    assert error["message"] == "max_completion_tokens must be an integer >= 1, got 0"
+    error = assert_openai_error(http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": [{"type": "text"}]}], "max_tokens": 2}), 400, "messages")
+    assert error["message"] == "a content part of type 'text' needs its text as a string, got '(none)'"
+    error = assert_openai_error(http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}], "max_tokens": 2}), 400, "messages")
+    assert error["message"] == "a content part of type 'text' needs its text as a string, got 5"
+
+
 def test_body_over_limit(http):
     big = {"prompt": "x" * (STRICT_MAX_BODY_BYTES + 10), "max_tokens": 1}
     assert_openai_error(http.post("/v1/completions", json=big), 413)

@@ -66,7 +66,7 @@ from kvserve.entrypoints.openai.cli_args import (
     make_arg_parser,
     server_engine_args,
 )
-from kvserve.entrypoints.openai.errors import BadRequestError, OpenAIError, error_response
+from kvserve.entrypoints.openai.errors import BadRequestError, NotFoundError, OpenAIError, error_response
 from kvserve.entrypoints.openai.middleware import END_CANCELLED_S, GuardMiddleware, ServerState
 from kvserve.entrypoints.openai.protocol import (
     MAX_REQUEST_ID_LEN,
@@ -77,6 +77,7 @@ from kvserve.entrypoints.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
+    ModelCard,
     ModelList,
     StreamOptions,
     TokenizeRequest,
@@ -202,16 +203,20 @@ def build_app(ctx: ServingContext, state: ServerState, metrics: PrometheusStatLo
     async def prometheus_metrics() -> Response:
         return Response(metrics.generate_latest(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    def model_card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": ctx.created, "owned_by": "kvserve", "root": ctx.model_path,
+                "parent": None, "max_model_len": engine.max_model_len}
+
     @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {"id": name, "object": "model", "created": ctx.created, "owned_by": "kvserve",
-                 "root": ctx.model_path, "parent": None, "max_model_len": engine.max_model_len}
-                for name in ctx.served_model_names
-            ],
-        }
+        return {"object": "list", "data": [model_card(name) for name in ctx.served_model_names]}
+
+    # OpenAI's "retrieve model" (the openai client's models.retrieve); a name may hold slashes (Qwen/Qwen2-7B).
+    @app.get("/v1/models/{model:path}", response_model=ModelCard, responses=_ERROR_RESPONSES)
+    async def retrieve_model(model: str) -> dict[str, Any]:
+        if model not in ctx.served_model_names:
+            raise NotFoundError(f"The model `{model}` does not exist.", "model")
+        return model_card(model)
 
     @app.post("/v1/chat/completions", responses={200: {"model": ChatCompletionResponse}, **_ERROR_RESPONSES})
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
@@ -286,6 +291,11 @@ def _header_request_id(raw: Request, requested: str | None) -> str | None:
     return header or requested
 
 
+# What a request for a route this server lacks (OpenAI's /v1/embeddings, /v1/responses, ...) is told.
+SERVED_ROUTES = ("kvserve serves text generation: POST /v1/chat/completions and /v1/completions; also GET /v1/models "
+                 "and /v1/models/{model}, POST /tokenize and /detokenize, GET /health, /ping, /metrics and /version")
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def openai_error(_: Request, exc: OpenAIError) -> Response:
@@ -307,7 +317,9 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_response(400, message, "BadRequestError", param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 404 and exc.detail == "Not Found":  # no such route
+            return error_response(404, f"{request.method} {request.url.path} is not served here: {SERVED_ROUTES}")
         return error_response(exc.status_code, str(exc.detail))
 
     @app.exception_handler(Exception)

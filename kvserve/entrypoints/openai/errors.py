@@ -7,6 +7,7 @@ validation and routing errors) into that body. `type` follows vLLM's server ("Ba
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -86,6 +87,14 @@ def error_body(status_code: int, message: str, error_type: str | None = None, pa
     }
 
 
+class ErrorJSONResponse(JSONResponse):
+    """An error body with every character past ASCII escaped: its message may quote the request's own values,
+    and JSON can carry a lone surrogate (a "\\ud800" escape in the request) that UTF-8 cannot encode."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
 def error_response(status_code: int, message: str, error_type: str | None = None, param: str | None = None
                    ) -> JSONResponse:
-    return JSONResponse(error_body(status_code, message, error_type, param), status_code=status_code)
+    return ErrorJSONResponse(error_body(status_code, message, error_type, param), status_code=status_code)

@@ -278,6 +278,10 @@ def message_dict(message: ChatMessage) -> dict[str, Any]:
         texts = []
         for part in content:
             if isinstance(part, OtherContentPart):
+                if part.type in ("text", "input_text", "output_text", "refusal"):  # the schema's, without its string
+                    field = "refusal" if part.type == "refusal" else "text"
+                    raise BadRequestError(f"a content part of type {part.type!r} needs its {field} as a string, got "
+                                          f"{(part.model_extra or {}).get(field, '(none)')!r}"[:300], "messages")
                 raise BadRequestError(f"content parts of type {part.type!r} are not supported (only text, with "
                                       f"its text as a string)", "messages")
             texts.append(part.refusal if isinstance(part, RefusalContentPart) else part.text)

@@ -220,7 +220,17 @@ def sampling_params_from(
             spaces_between_special_tokens=req.spaces_between_special_tokens,
         )
     except SamplingParamsError as e:
-        raise BadRequestError(str(e), names.get(e.param, e.param)) from None
+        raise _renamed(e, names) from None
+
+
+def _renamed(error: SamplingParamsError, names: dict[str, str]) -> BadRequestError:
+    """A 400 for `error` under the API's name of its parameter (max_completion_tokens for max_tokens, ...), in
+    its param and in the message, which starts with the engine's name."""
+    param = names.get(error.param, error.param)
+    message = str(error)
+    if param != error.param and message.startswith(error.param + " "):
+        message = param + message[len(error.param):]
+    return BadRequestError(message, param)
 
 
 def with_bad_words(engine: AsyncLLM, params: SamplingParams) -> SamplingParams:
