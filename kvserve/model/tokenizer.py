@@ -224,3 +224,50 @@ def _read_chat_template(template: str) -> str:
     if "{" not in template:
         raise ModelLoadError(f"chat template {template!r} is neither a file nor a Jinja template")
     return template
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """Byte-level BPE's character for each byte (the GPT-2 scheme, which Llama 3, Qwen2 and SmolLM2 use): the
+    printable Latin-1 bytes stand for themselves, the 68 others for U+0100 onwards in byte order."""
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    chars: dict[str, int] = {}
+    others = 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(0x100 + others)] = byte
+            others += 1
+    return chars
+
+
+_BYTE_OF_CHAR = _byte_level_chars()
+
+
+@functools.lru_cache(maxsize=8)
+def _piece_scheme(tokenizer: PreTrainedTokenizerBase) -> str:
+    """How the tokenizer's vocabulary pieces hold bytes: "byte_level" (a ByteLevel decoder: each piece's
+    characters map to bytes), "byte_fallback" (<0xHH> pieces for single bytes, SentencePiece-style), or "text"."""
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    try:
+        state = json.loads(decoder.__getstate__()) if decoder is not None else {}
+    except (AttributeError, TypeError, ValueError):
+        return "text"
+    types = {state.get("type"), *(d.get("type") for d in state.get("decoders") or () if isinstance(d, dict))}
+    return "byte_level" if "ByteLevel" in types else "byte_fallback" if "ByteFallback" in types else "text"
+
+
+def token_bytes(tokenizer: PreTrainedTokenizerBase, token_id: int, text: str) -> bytes:
+    """The bytes token `token_id` stands for (OpenAI's logprobs `bytes`): a piece of a character split over
+    several tokens, whose `text` alone decodes to U+FFFD, keeps its own bytes, so a client can join them back.
+    `text` (the token decoded) where the vocabulary piece says nothing more: added tokens, other schemes."""
+    scheme = _piece_scheme(tokenizer)
+    if scheme != "text" and token_id not in tokenizer.added_tokens_decoder:
+        piece = tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str) and scheme == "byte_level":
+            if all(c in _BYTE_OF_CHAR for c in piece):
+                return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        elif isinstance(piece, str) and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            with contextlib.suppress(ValueError):
+                return bytes([int(piece[3:5], 16)])
+    return text.encode("utf-8")

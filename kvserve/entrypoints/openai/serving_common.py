@@ -28,6 +28,7 @@ from kvserve.entrypoints.openai.errors import (
 )
 from kvserve.entrypoints.openai.protocol import SamplingFields
 from kvserve.model.generation_defaults import capped_max_tokens
+from kvserve.model.tokenizer import token_bytes
 from kvserve.protocol.outputs import CompletionOutput, Logprob
 from kvserve.protocol.sampling_params import (
     MAX_LOGPROBS,
@@ -395,11 +396,12 @@ def chat_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, 
         content.append({
             "token": _shown(token_id, text, as_ids),
             "logprob": _finite(sampled.logprob),
-            # `bytes`: the token's own text, also when `token` is its id (as vLLM gives the sampled token's)
-            "bytes": list(text.encode("utf-8")),
+            # `bytes`: the token's own bytes (a piece of a character too, whose text is U+FFFD), also when
+            # `token` is its id
+            "bytes": list(token_bytes(tokenizer, token_id, text)),
             "top_logprobs": [
                 {"token": _shown(tid, t := _token_text(tokenizer, tid, lp), as_ids), "logprob": _finite(lp.logprob),
-                 "bytes": list(t.encode("utf-8"))}
+                 "bytes": list(token_bytes(tokenizer, tid, t))}
                 for tid, lp in top
             ],
         })
