@@ -16,7 +16,7 @@ import pytest
 from kvserve.protocol.sampling_params import StructuredOutputsParams
 
 from .conftest import TINY_NAME, ServerProcess, read_sse
-from .test_tool_calls import WEATHER, _context, _post, _recorded, _stream_messages, _tokens
+from .test_tool_calls import WEATHER, _context, _empty_chunks, _post, _recorded, _stream_messages, _tokens
 
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}
@@ -105,9 +105,11 @@ def test_tool_choice_required_returns_the_listed_calls_streamed_or_not():
     assert schema["$defs"]["tool_1"] == TIME["function"]["parameters"]
     assert all(item["required"] == ["name", "parameters"] for item in schema["items"]["anyOf"])
 
-    streamed, finish = _stream_messages(_post(ctx, {**body, "stream": True}))
+    stream = _post(ctx, {**body, "stream": True})
+    streamed, finish = _stream_messages(stream)
     assert finish == {0: "tool_calls", 1: "stop"}
     assert [c["function"] for c in streamed[0]["tool_calls"]] == [c["function"] for c in whole["message"]["tool_calls"]]
+    assert _empty_chunks(stream) == 0  # the list is read whole at the end: no empty chunk for each token before
     assert streamed[0]["content"] is None and streamed[1] == {"content": text[:30], "tool_calls": []}
 
     _post(ctx, {**body, "parallel_tool_calls": False})

@@ -227,6 +227,13 @@ def _stream_messages(response: httpx.Response) -> tuple[dict[int, dict[str, Any]
     return messages, finish
 
 
+def _empty_chunks(response: httpx.Response) -> int:
+    """How many choices of a stream's chunks carried nothing: no delta and no finish."""
+    return sum(1 for line in response.text.splitlines() if line.startswith("data: {")
+               for choice in json.loads(line[len("data: "):])["choices"]
+               if not choice["delta"] and choice["finish_reason"] is None)
+
+
 def test_chat_returns_tool_calls_and_the_stream_says_the_same():
     plain = "It is sunny.\n"
     ctx, rendered = _context([_tokens(TWO_CALLS), _tokens(plain)])
@@ -242,11 +249,13 @@ def test_chat_returns_tool_calls_and_the_stream_says_the_same():
     assert second["message"] == {"role": "assistant", "content": plain, "tool_calls": []}
     assert rendered[0]["kwargs"]["tools"] == [WEATHER]
 
-    streamed, finish = _stream_messages(_post(ctx, {**body, "stream": True}))
+    stream = _post(ctx, {**body, "stream": True})
+    streamed, finish = _stream_messages(stream)
     assert finish == {0: "tool_calls", 1: "stop"}
     for index, choice in enumerate((first, second)):
         assert streamed[index]["content"] == choice["message"]["content"]
         assert [c["function"] for c in streamed[index]["tool_calls"]] == _functions(choice["message"]["tool_calls"])
+    assert _empty_chunks(stream) == 0  # the tokens of a call held back send nothing until it is parsed
 
 
 def test_parallel_tool_calls_false_returns_the_first_call_only():

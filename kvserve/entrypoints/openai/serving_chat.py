@@ -441,7 +441,8 @@ def _choice_deltas(ctx: ServingContext, chat: PreparedChat, update: RequestOutpu
         num_tokens_by_choice[completion.index] = (num_tokens_by_choice.get(completion.index, 0)
                                                   + len(completion.token_ids_delta))
         want_logprobs = chat.num_top_logprobs is not None and completion.logprobs is not None
-        # A chunk for every new token, also one with no text yet (as completion_stream).
+        # A chunk for every new token, also one with no text yet (as completion_stream), except where a tool call
+        # holds the text back (below).
         if not (completion.text_delta or completion.token_ids_delta or completion.finished):
             continue
         logprobs = None
@@ -497,6 +498,9 @@ def _choice_deltas(ctx: ServingContext, chat: PreparedChat, update: RequestOutpu
             delta = {"reasoning": reasoning_delta, **delta}
         if chat.hide_reasoning and not delta and not completion.finished:
             continue  # nothing to send: a chunk per hidden reasoning token would tell its timing
+        if (not delta and not completion.finished and logprobs is None and not chat.return_token_ids
+                and (chat.forced_tool is not None or chat.required_tools or tool_streams is not None)):
+            continue  # text held back for a tool call (all of it under "required"): no empty chunk per token
         choice: dict[str, Any] = {
             "index": completion.index,
             "delta": delta,
