@@ -247,6 +247,8 @@ def _cmd_triton_repo(ns: argparse.Namespace) -> int:
 
 
 def _cmd_route(ns: argparse.Namespace) -> int:
+    from kvserve import envs
+    from kvserve.entrypoints.openai.cli_args import api_key_from
     from kvserve.router.app import RouterConfig, parse_backends, run_router
 
     backends = parse_backends(ns.backend)
@@ -254,7 +256,9 @@ def _cmd_route(ns: argparse.Namespace) -> int:
         raise ValueError(f"--health-check-interval must be positive, got {ns.health_check_interval}")
     if ns.request_timeout <= 0:
         raise ValueError(f"--request-timeout must be positive, got {ns.request_timeout}")
-    config = RouterConfig(health_check_interval_s=ns.health_check_interval, request_timeout_s=ns.request_timeout)
+    api_key, _ = api_key_from(ns.api_key, envs.KVSERVE_API_KEY, envs.VLLM_API_KEY)
+    config = RouterConfig(health_check_interval_s=ns.health_check_interval, request_timeout_s=ns.request_timeout,
+                          api_key=api_key)
     return run_router(backends, ns.policy, ns.host, ns.port, config)
 
 
@@ -342,6 +346,11 @@ def build_parser() -> argparse.ArgumentParser:
     route.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
                        help="the most a backend may stay silent, before its answer or between two chunks of it "
                        "(default 600: a long non-streamed completion sends nothing until done)")
+    route.add_argument("--api-key", default=None,
+                       help="the backends' API key, sent as `Authorization: Bearer <key>` with the router's own "
+                       "polls of /health and /v1/models, which it needs to learn the models of backends started "
+                       "with --api-key; clients' requests are forwarded with their own Authorization (default: "
+                       "$KVSERVE_API_KEY when set, where set empty means no key; else $VLLM_API_KEY; none)")
     route.set_defaults(func=_cmd_route)
     return parser
 

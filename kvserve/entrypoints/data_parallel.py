@@ -155,7 +155,7 @@ def unexpected_exits(codes: Mapping[int, int | None], stopped_at_once: bool) -> 
 def router_config(ns: argparse.Namespace) -> RouterConfig:
     """The router in front of the replicas, set as one server would be: no time limit on an answer (one
     server has none), the server's request body limit (the replicas check it too; 0, which refuses any body,
-    is theirs to apply), the API key for its own /v1/models polls, and --root-path (paths under it are
+    is theirs to apply), the API key for its own polls of the replicas, and --root-path (paths under it are
     forwarded, as one server serves them)."""
     api_key, _ = api_key_from(ns.api_key, envs.KVSERVE_API_KEY, envs.VLLM_API_KEY)
     return RouterConfig(health_check_interval_s=ROUTER_HEALTH_CHECK_INTERVAL_S, request_timeout_s=None,

@@ -6,10 +6,21 @@ body, streamed chunk by chunk (server-sent events pass through unchanged). The c
 header is forwarded, so backends started with --api-key check it themselves.
 
 * A request naming a `model` goes only to backends whose /v1/models lists it (404 when none does);
-  `GET /v1/models` merges the healthy backends' lists. A backend whose list is not known yet is tried for
-  any model; when only such backends could take the request and they fail, the answer stays a 503 (such a
-  backend may be loading the model), whose message says that no backend that answered lists the model
+  `GET /v1/models` merges the healthy backends' lists. A backend whose list is not known (not reached yet,
+  or its /v1/models does not answer the router with a list: one started with --api-key answers 401 to a
+  router without that key, a warning once a backend) is tried for any model. When such a backend answers a
+  404 whose OpenAI error says the model does not exist ("The model `X` does not exist.", as kvserve's and
+  vLLM's servers say it), the request goes to the next candidate; the client gets a 404 (the router's own,
+  as when no backend is a candidate) only when every candidate said so. Any other 404, and any 404 from a
+  backend whose list names the model, is passed on. When only backends whose lists are unknown could take
+  the request and they fail (or some say they lack the model), the answer stays a 503 (one that failed may
+  be loading the model), whose message says that no backend that answered lists the model
   (`Router.known_missing`).
+* Each health check's /v1/models answer replaces the backend's list: any answer but a 200 with a list (a
+  401 or 403, a backend restarted with another model and a key the router lacks, a body not understood)
+  makes it unknown again, so that a list the backend no longer serves is not kept. A poll that gets no
+  answer (connection failure, timeout) keeps the list: the backend is down, or going down, which its
+  /health marks, and one that comes back with another model answers the next poll.
 * A backend that refuses the connection, or answers 503 (draining, or its engine is gone), before any of
   the answer was sent, is skipped and the request goes to the next one: nothing was generated yet. It is
   marked unhealthy until its /health answers 200 again; when every backend is marked, each is still tried.
@@ -35,7 +46,9 @@ header is forwarded, so backends started with --api-key check it themselves.
 * No limit on the requests in flight: the connections to the backends are not pooled under a cap (aiohttp's
   default of 100 would queue the rest unseen); the backends' own schedulers decide what waits.
 * A request body over `max_body_bytes` gets 413 with OpenAI's error body, as the server answers.
-* Each backend's /health (and, while healthy, /v1/models) is polled every `--health-check-interval` s.
+* Each backend's /health (and, while healthy, /v1/models) is polled every `--health-check-interval` s, with
+  `--api-key` (`RouterConfig.api_key`) as its Authorization (as is each backend's /metrics, read with
+  `engine_metrics`).
 * A client that disconnects ends its request: the router closes the backend connection, which the
   backend takes as an abort.
 * `GET /ping` (and POST) goes to a backend as /v1/* does: the server's liveness path, as vLLM's. With
@@ -118,7 +131,8 @@ class RouterConfig:
     max_body_bytes: int = MAX_BODY_BYTES
     # /metrics also holds each backend's own series, labelled engine="<i>" (the replicas of -dp N).
     engine_metrics: bool = False
-    # Sent with the router's own /v1/models polls; clients' requests carry their own Authorization.
+    # Sent with the router's own requests to the backends (/health, /v1/models, /metrics); clients' requests carry
+    # their own Authorization.
     api_key: str | None = None
     # The backends' --root-path: a path under it is forwarded as it came (the backend strips it) when the
     # path below it is one the router forwards.
@@ -155,6 +169,7 @@ class RouterApp:
         self._handlers: set[asyncio.Task[object]] = set()  # the tasks of the requests in flight
         self._ending = False  # `end_in_flight` was called: every request still in flight ends now
         self._told_to_end: set[asyncio.Task[object]] = set()  # the tasks `end_in_flight` has cancelled
+        self._refused_models: set[str] = set()  # the backends whose /v1/models refused the router's key (logged)
 
     # ------------------------------------------------------------------ app
 
@@ -235,19 +250,34 @@ class RouterApp:
         assert self.session is not None
         timeout = aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
         try:
-            async with self.session.get(backend.url + "/health", timeout=timeout) as response:
+            async with self.session.get(backend.url + "/health", timeout=timeout, headers=self._auth) as response:
                 ok, why = response.status == 200, f"/health answered {response.status}"
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             ok, why = False, f"/health failed: {type(exc).__name__}: {exc}"
         self._set_health(backend, ok, why)
-        if ok:
-            try:  # which models it serves (a backend whose --api-key the router lacks refuses: they stay unknown)
-                async with self.session.get(backend.url + "/v1/models", timeout=timeout,
-                                            headers=self._auth) as response:
-                    if response.status == 200:
-                        backend.models = {m["id"] for m in (await response.json())["data"]}
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError):
-                pass
+        if not ok:
+            return
+        try:  # which models it serves
+            async with self.session.get(backend.url + "/v1/models", timeout=timeout, headers=self._auth) as response:
+                status, listing = response.status, await response.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return  # no answer: its list is kept (it may be going down: its next /health check says so)
+        backend.models = self._listed_models(backend, status, listing)
+
+    def _listed_models(self, backend: Backend, status: int, listing: bytes) -> set[str] | None:
+        """The models a /v1/models answer lists; None (unknown: the backend is tried for any model) for any other
+        answer, so that a list the backend no longer answers with is not kept. A 401 or 403 (the router lacks the
+        backend's key) is logged once a backend."""
+        if status in (401, 403) and backend.url not in self._refused_models:
+            self._refused_models.add(backend.url)
+            logger.warning("backend %s answers %d to the router's /v1/models: its models stay unknown, so it is tried "
+                           "for every model; give the router its API key (--api-key)", backend.url, status)
+        if status != 200:
+            return None
+        try:
+            return {m["id"] for m in json.loads(listing)["data"]}
+        except (ValueError, KeyError, TypeError, RecursionError):
+            return None
 
     def _set_health(self, backend: Backend, ok: bool, why: str) -> None:
         if ok and not backend.healthy:
@@ -290,8 +320,8 @@ class RouterApp:
         """The backend's /metrics text, or None when it does not answer 200 in time."""
         assert self.session is not None
         try:
-            async with self.session.get(backend.url + "/metrics",
-                                        timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as response:
+            async with self.session.get(backend.url + "/metrics", timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S),
+                                        headers=self._auth) as response:
                 return await response.text() if response.status == 200 else None
         except (aiohttp.ClientError, asyncio.TimeoutError, UnicodeDecodeError):
             return None
@@ -350,18 +380,25 @@ class RouterApp:
                                     f"{self._served_models()})", param="model"))
         headers = _forward_headers(request)
         errors: list[str] = []
+        unserved: list[str] = []  # the backends whose lists are unknown that answered that they lack `model`
         for i, backend in enumerate(candidates):
             if i:
                 self.retries.inc()
-            response = await self._forward(request, backend, body, headers, errors, last=i == len(candidates) - 1)
+            response = await self._forward(request, backend, body, headers, model, errors, unserved,
+                                           last=i == len(candidates) - 1)
             if response is not None:
                 return response
+        if len(unserved) == len(candidates):
+            return self._own(_error(404, f"the model {model!r} is not served by any backend (served: "
+                                    f"{self._served_models()}; nor by those whose lists are unknown: "
+                                    f"{', '.join(unserved)})", param="model"))
         if model is not None and self.router.known_missing(model):
-            # Only backends never reached were left to try, and they failed. Still a 503, which clients retry: such
-            # a backend may be one still loading that will serve the model; the message says what is known.
+            # Only backends whose lists are unknown were left to try, and they failed (or lack it). Still a 503,
+            # which clients retry: such a backend may be one still loading that will serve the model; the message
+            # says what is known.
             return self._own(_error(503, f"the model {model!r} is not listed by any backend that answered (served: "
-                                    f"{self._served_models()}); the backends not reached yet, whose models are "
-                                    f"unknown, failed: {'; '.join(errors)}"))
+                                    f"{self._served_models()}); the backends whose models are unknown could not "
+                                    f"take it: {'; '.join(errors)}"))
         return self._own(_error(503, "every backend failed: " + "; ".join(errors)))
 
     async def _end_started(self, request: web.Request, response: web.StreamResponse,
@@ -412,9 +449,11 @@ class RouterApp:
         return "retried"
 
     async def _forward(self, request: web.Request, backend: Backend, body: bytes, headers: CIMultiDict[str],
-                       errors: list[str], last: bool) -> web.StreamResponse | None:
+                       model: str | None, errors: list[str], unserved: list[str],
+                       last: bool) -> web.StreamResponse | None:
         """The backend's answer streamed to the client, or None when it could not take the request (try
-        the next)."""
+        the next): why goes to `errors`, and the backend's URL to `unserved` when its list is unknown and it
+        answered that it does not serve `model` (the request's)."""
         assert self.session is not None
         backend.in_flight += 1
         backend.served += 1
@@ -441,10 +480,17 @@ class RouterApp:
                 text = (await upstream.read())[:300].decode(errors="replace")
                 outcome = self._refused(backend, f"503 {text}", errors)
                 return None
-            response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-            for name, value in upstream.headers.items():
-                if name.lower() not in _DROP_RESPONSE:
-                    response.headers.add(name, value)
+            if upstream.status == 404 and model is not None and backend.models is None:
+                # Tried for a model it may not serve (its list unknown): if it says it does not, the next may.
+                answer = await upstream.read()
+                if _model_missing(answer, model):
+                    errors.append(f"{backend.url}: 404, does not serve the model")
+                    unserved.append(backend.url)
+                    outcome = "retried"
+                    return None
+                outcome = "404"  # any other 404 is the client's: passed on as it came, read whole
+                return _copy_headers(upstream, web.Response(status=404, reason=upstream.reason, body=answer))
+            response = _copy_headers(upstream, web.StreamResponse(status=upstream.status, reason=upstream.reason))
             if upstream.content_type == "text/event-stream":
                 events = _EventStream(f"{request.method} {request.path}: the answer from {backend.url}")
             await response.prepare(request)
@@ -681,6 +727,25 @@ def _below_root(path: str, root: str) -> str:
     if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
         return path[len(root):]
     return path
+
+
+def _model_missing(answer: bytes, model: str) -> bool:
+    """Whether a backend's 404 `answer` is its OpenAI error saying that `model` does not exist, as kvserve's and
+    vLLM's servers word it (the error under "error", or at the top level as older vLLM sends it)."""
+    try:
+        body = json.loads(answer)
+    except (ValueError, RecursionError):
+        return False
+    error = body.get("error", body) if isinstance(body, dict) else None
+    return isinstance(error, dict) and error.get("message") == f"The model `{model}` does not exist."
+
+
+def _copy_headers(upstream: aiohttp.ClientResponse, response: web.StreamResponse) -> web.StreamResponse:
+    """`response` with the backend's answer's headers (less those the router sets itself)."""
+    for name, value in upstream.headers.items():
+        if name.lower() not in _DROP_RESPONSE:
+            response.headers.add(name, value)
+    return response
 
 
 def _forward_headers(request: web.Request) -> CIMultiDict[str]:

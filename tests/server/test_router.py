@@ -22,6 +22,7 @@ import httpx
 import pytest
 from aiohttp import web
 
+from kvserve.entrypoints.openai.errors import NotFoundError
 from kvserve.router import app as router_app
 from kvserve.router.app import END_IN_FLIGHT_S, RouterApp, RouterConfig, parse_backends
 from kvserve.router.policies import LOAD_FACTOR, PREFIX_KEY_CHARS, Router, prefix_key
@@ -113,8 +114,9 @@ def test_bad_router_settings_are_refused() -> None:
 
 class FakeBackend:
     """An OpenAI-ish server: /health, and /v1/completions streaming `chunks` SSE events, one every `delay_s`
-    (or answering `status`; a request with `"stream": false` gets one JSON body after as long); records each
-    request's headers and whether its client went away mid-answer."""
+    (or answering `status`; a request with `"stream": false` gets one JSON body after as long; one for a model
+    not in `models`, the server's 404); records each request's headers and whether its client went away
+    mid-answer."""
 
     def __init__(self, name: str, chunks: int = 5, delay_s: float = 0.01, models: list[str] | None = None) -> None:
         self.name, self.chunks, self.delay_s = name, chunks, delay_s
@@ -124,6 +126,9 @@ class FakeBackend:
         self.healthy = True
         self.api_key: str | None = None  # /v1/models asks for it
         self.models_auth: list[str | None] = []  # the Authorization header of each /v1/models request
+        self.health_auth: list[str | None] = []  # the Authorization header of each /health request
+        # /v1/models answers: "list" (`models`), "garbage" (a 200 whose body is no list), "drop" (no answer).
+        self.models_answer = "list"
         self.break_after: int | None = None  # chunks sent before the connection is dropped mid-answer
         self.break_inside = b""  # sent (the start of an event) just before that drop
         self.die_before_answer = False  # the connection is dropped once the request has come (no answer)
@@ -164,7 +169,8 @@ class FakeBackend:
             await self.runner.cleanup()
             self.runner = None
 
-    async def health(self, _: web.Request) -> web.Response:
+    async def health(self, request: web.Request) -> web.Response:
+        self.health_auth.append(request.headers.get("Authorization"))
         return web.Response(status=200 if self.healthy else 503)
 
     async def other(self, request: web.Request) -> web.Response:
@@ -180,6 +186,11 @@ class FakeBackend:
         self.models_auth.append(request.headers.get("Authorization"))
         if self.api_key is not None and request.headers.get("Authorization") != f"Bearer {self.api_key}":
             return web.json_response({"error": {"message": "bad key", "code": 401}}, status=401)
+        if self.models_answer == "garbage":
+            return web.Response(text="<html>models</html>", content_type="text/html")
+        if self.models_answer == "drop" and request.transport is not None:
+            request.transport.close()
+            return web.Response()
         return web.json_response({"object": "list", "data": [{"id": m, "object": "model"} for m in self.models]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -204,6 +215,10 @@ class FakeBackend:
             return web.Response()
         if self.status != 200:
             return web.json_response({"error": {"message": "draining", "code": self.status}}, status=self.status)
+        model = body.get("model")
+        if model and model not in self.models:  # as the server answers it (ServingContext.check_model)
+            return web.json_response(NotFoundError(f"The model `{model}` does not exist.", "model").to_body(),
+                                     status=404)
         if body.get("stream") is False:  # as a server answers one: the whole answer at its end
             try:
                 await asyncio.sleep(self.chunks * self.delay_s)
@@ -475,18 +490,137 @@ def test_a_body_over_the_limit_is_a_413_with_openais_error_body() -> None:
     _run(body)
 
 
-def test_health_checks_send_the_routers_key_and_learn_the_models() -> None:
+def test_health_checks_send_the_routers_key_and_learn_the_models(caplog: pytest.LogCaptureFixture) -> None:
     async def body() -> None:
         locked, open_ = FakeBackend("locked", models=["a"]), FakeBackend("open", models=["b"])
         locked.api_key = "k"
         async with routed([locked, open_], interval_s=60, api_key="k") as (app, _):
             assert [b.models for b in app.router.backends] == [{"a"}, {"b"}]
         assert locked.models_auth == ["Bearer k"] and open_.models_auth == ["Bearer k"]
-        # Without the key the locked backend's models stay unknown (its /v1/models answers 401).
+        assert locked.health_auth == ["Bearer k"] and open_.health_auth == ["Bearer k"]
+        # Without the key the locked backend's models stay unknown (its /v1/models answers 401), which a warning
+        # says once.
         locked.models_auth.clear()
         async with routed([locked], interval_s=60) as (app, _):
-            assert app.router.backends[0].models is None and locked.models_auth == [None]
+            await app.check_health()
+            assert app.router.backends[0].models is None and locked.models_auth == [None, None]
+    text = _run_quietly(body, caplog)
+    assert text.count("answers 401 to the router's /v1/models") == 1
+    assert "give the router its API key (--api-key)" in text
+
+
+def _complete(session: aiohttp.ClientSession, base: str, model: str) -> Awaitable[aiohttp.ClientResponse]:
+    return session.post(base + "/v1/completions", json={"model": model, "prompt": "x", "stream": False})
+
+
+def test_a_backend_whose_models_are_unknown_and_lacks_the_model_sends_the_request_on(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A backend started with --api-key, in front of a router without it: its models stay unknown, so it is tried
+    for any model. Its 404 saying the model does not exist sends the request to the next candidate (not to the
+    client); only when every candidate says so does the client get a 404. Another 404 from it is passed on, and so
+    is a 404 from a backend whose list names the model."""
+    async def body() -> None:
+        locked, smol = FakeBackend("locked", models=["tiny"]), FakeBackend("smol", models=["smol"])
+        locked.api_key = "sekret"
+        async with routed([locked, smol], "round-robin", interval_s=60) as (app, base), \
+                aiohttp.ClientSession() as session:
+            assert [b.models for b in app.router.backends] == [None, {"smol"}]
+            for _ in range(4):  # round-robin: the locked backend first every other time
+                async with _complete(session, base, "smol") as response:
+                    assert response.status == 200 and response.headers["X-Backend"] == "smol"
+            assert [s["body"]["model"] for s in locked.seen] == ["smol", "smol"]
+            async with _complete(session, base, "tiny") as response:
+                assert response.status == 200 and response.headers["X-Backend"] == "locked"
+            async with _complete(session, base, "huge") as response:  # no candidate serves it
+                error = (await response.json())["error"]
+                assert response.status == 404 and error["type"] == "NotFoundError" and error["param"] == "model"
+                assert f"'huge' is not served by any backend (served: smol; nor by those whose lists are unknown: " \
+                       f"{locked.url})" in error["message"]
+            locked.status = 404  # a 404 of another kind: the client's to see, as it came
+            async with _complete(session, base, "tiny") as response:
+                assert response.status == 404 and await response.json() == {"error": {"message": "draining",
+                                                                                       "code": 404}}
+            locked.status = 200
+            # smol's list (known: it names smol) goes stale: its 404 for smol is passed on as it came.
+            smol.models = ["other"]
+            async with _complete(session, base, "smol") as response:
+                error = (await response.json())["error"]
+                assert response.status == 404 and error["message"] == "The model `smol` does not exist."
+            metrics = await (await session.get(base + "/metrics")).text()
+        assert f'kvserve_router:requests_total{{backend="{smol.url}",code="200"}} 4.0' in metrics
+        assert f'kvserve_router:requests_total{{backend="{locked.url}",code="404"}} 1.0' in metrics
+        assert 'kvserve_router:requests_total{backend="none",code="404"} 1.0' in metrics
+        assert all(b.healthy and not b.failures for b in app.router.backends)  # a 404 is no failure
+    _run_quietly(body, caplog)
+
+
+def test_a_model_only_unknown_lists_might_serve_is_a_503_when_one_of_them_is_down() -> None:
+    """Backends whose lists are unknown: one answers that it lacks the model, another cannot be reached (it may be
+    loading the model): a 503, which clients retry, naming both."""
+    async def body() -> None:
+        dead = f"http://127.0.0.1:{free_port()}"
+        locked = FakeBackend("locked", models=["tiny"])
+        locked.api_key = "sekret"
+        async with routed([locked], "round-robin", dead_urls=(dead,)) as (_, base), aiohttp.ClientSession() as session:
+            for _ in range(2):
+                async with _complete(session, base, "huge") as response:
+                    error = (await response.json())["error"]
+                    assert response.status == 503, error
+                    assert f"{locked.url}: 404, does not serve the model" in error["message"]
+                    assert dead in error["message"]
     _run(body)
+
+
+def test_a_models_poll_that_is_no_list_forgets_the_list_and_one_without_answer_keeps_it() -> None:
+    """A backend restarted with another model and a key the router lacks: its /v1/models answers 401, and the list
+    it answered before is forgotten (unknown: tried for any model), so that the model it serves now is not a 404
+    and the one it served before is not sent there. A 200 whose body is no list forgets it too; a poll without an
+    answer keeps it."""
+    async def body() -> None:
+        backend, other = FakeBackend("a", models=["old"]), FakeBackend("b", models=["old"])
+        async with routed([backend, other], "round-robin", interval_s=60) as (app, base), \
+                aiohttp.ClientSession() as session:
+            assert app.router.backends[0].models == {"old"}
+            backend.models, backend.api_key = ["new"], "sekret"  # restarted so
+            await app.check_health()
+            assert app.router.backends[0].models is None
+            async with _complete(session, base, "new") as response:
+                assert response.status == 200 and response.headers["X-Backend"] == "a"
+            for _ in range(2):
+                async with _complete(session, base, "old") as response:
+                    assert response.status == 200 and response.headers["X-Backend"] == "b"
+            backend.api_key = None
+            await app.check_health()
+            assert app.router.backends[0].models == {"new"}
+            backend.models_answer = "drop"
+            await app.check_health()
+            assert app.router.backends[0].models == {"new"} and app.router.backends[0].healthy
+            backend.models_answer = "garbage"
+            await app.check_health()
+            assert app.router.backends[0].models is None
+    _run(body)
+
+
+def test_route_command_reads_its_api_key_as_the_server_reads_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--api-key, else KVSERVE_API_KEY (set empty: none), else VLLM_API_KEY: the key of the router's own polls."""
+    from kvserve import envs
+    from kvserve.entrypoints.cli import build_parser
+
+    configs: list[RouterConfig] = []
+    monkeypatch.setattr(router_app, "run_router", lambda *args: configs.append(args[-1]) or 0)
+
+    def key(argv: list[str], kvserve_env: str | None, vllm_env: str | None) -> str | None:
+        monkeypatch.setattr(envs, "KVSERVE_API_KEY", kvserve_env)
+        monkeypatch.setattr(envs, "VLLM_API_KEY", vllm_env)
+        ns = build_parser().parse_args(["route", "--backend", "http://127.0.0.1:1", *argv])
+        assert ns.func(ns) == 0
+        return configs[-1].api_key
+
+    assert key(["--api-key", "flag"], "kv", "vllm") == "flag"
+    assert key([], "kv", "vllm") == "kv"
+    assert key([], "", "vllm") is None
+    assert key([], None, "vllm") == "vllm"
+    assert key([], None, None) is None
 
 
 def test_ping_goes_to_a_backend() -> None:
