@@ -16,7 +16,12 @@ from kvserve.config import (
     kv_cache_dtype_name,
     parse_kv_cache_memory_bytes,
 )
-from kvserve.entrypoints.vllm_compat import add_ignored_engine_args, ignored_flag_notes, parse_args_or_refuse
+from kvserve.entrypoints.vllm_compat import (
+    add_ignored_engine_args,
+    ignored_flag_notes,
+    parse_args_or_refuse,
+    positive_int,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +122,7 @@ def add_engine_args(parser: argparse.ArgumentParser, data_parallel: bool = False
                    "(GPU; default on)")
     g.add_argument("--disable-cascade-attn", dest="cascade_attn", action="store_false",
                    help="vLLM's spelling of --no-cascade-attn")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+    g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
                    help="GPUs per replica: the model's heads and MLP split over this many ranks, one process and "
                    "one GPU each (ranks take the first N visible GPUs); on CPU, processes sharing the cores (default 1)")
     g.add_argument("--quantization", "-q", default=None,

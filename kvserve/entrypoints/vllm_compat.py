@@ -8,6 +8,7 @@ Kept free of heavy imports: `kvserve --help` builds the parsers that use it.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable, Sequence
 
 # vLLM flags kvserve does not support -> what to do instead ("" where there is nothing to suggest).
@@ -32,6 +33,8 @@ UNSUPPORTED_VLLM_FLAGS: dict[str, str] = {
     "--config": "pass the flags on the command line",
     "--calculate-kv-scales": "with --kv-cache-dtype fp8 kvserve stores K and V with scales of 1.0, vLLM's default "
                              "when the checkpoint has none",
+    "--enable-request-id-headers": "responses carry no X-Request-Id header; a request's own X-Request-Id names "
+                                   "it, and its response's id is chatcmpl-<that id> (cmpl- for completions)",
 }
 
 
@@ -53,19 +56,34 @@ def refusal(prog: str, flag: str) -> str:
         f"; {alternative}" if alternative else "")
 
 
+def _reporting_parser(parser: argparse.ArgumentParser, args: list[str], command: str,
+                      extras: list[str]) -> argparse.ArgumentParser:
+    """The parser whose arguments `extras` were among: that of the subcommand `command` of `parser`, unless one
+    of them came before the subcommand's name in `args` (then `parser`'s own, as argparse would say)."""
+    if command not in args or any(extra in args[:args.index(command)] for extra in extras):
+        return parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            return action.choices[command]
+    return parser
+
+
 def parse_args_or_refuse(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
                          prog_of: dict[str, str] | None = None) -> argparse.Namespace:
     """`parser.parse_args(argv)`, except that a known vLLM flag kvserve does not support is refused by name
     (exit 2, as argparse's errors). `prog_of` names the program by subcommand (ns.command); given, only its
-    subcommands refuse vLLM's flags by name (others get argparse's message)."""
-    ns, extras = parser.parse_known_args(argv)
+    subcommands refuse vLLM's flags by name (others get argparse's message). Unrecognized arguments are
+    reported by the subcommand's parser (`kvserve serve: error: ...` under its usage), as argparse reports a
+    subcommand's other errors: parse_known_args hands them up to the top parser, whose usage is not theirs."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    ns, extras = parser.parse_known_args(args)
     if extras:
         flag = unsupported_vllm_flag(extras)
         command = getattr(ns, "command", None) or ""
         if flag is not None and (prog_of is None or command in prog_of):
             prog = (prog_of or {}).get(command, parser.prog)
             parser.exit(2, refusal(prog, flag) + "\n")
-        parser.error(f"unrecognized arguments: {' '.join(extras)}")
+        _reporting_parser(parser, args, command, extras).error(f"unrecognized arguments: {' '.join(extras)}")
     return ns
 
 
@@ -81,6 +99,21 @@ def _just_one(alternative: str) -> Callable[[str], int]:
         if value != 1:
             raise argparse.ArgumentTypeError(f"only 1 is accepted, got {value}: {alternative}")
         return value
+
+    return parse
+
+
+def _vllm_choice(accepted: Sequence[str], refused: dict[str, str], any_other: str = "") -> Callable[[str], str]:
+    """argparse `type=` for a vLLM flag's value: one of `accepted` (what kvserve does anyway), or refused with
+    why: vLLM's other values by `refused` (value -> the reason), any other value by `any_other` where given (a
+    free-form value), else as argparse's invalid choice."""
+    def parse(text: str) -> str:
+        if text in accepted:
+            return text
+        reason = refused.get(text, any_other)
+        if reason:
+            raise argparse.ArgumentTypeError(f"{text!r} is not supported: {reason}")
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(accepted)})")
 
     return parse
 
@@ -115,7 +148,17 @@ def add_ignored_engine_args(parser: argparse.ArgumentParser, data_parallel: bool
             "for data parallelism use `kvserve serve --data-parallel-size N`, or run several servers behind "
             "`kvserve route`"), default=None, help=hide)
     p.add_argument("--distributed-executor-backend", choices=["mp", "uni"], default=None, help=hide)
-    p.add_argument("--tokenizer-mode", choices=["auto"], default=None, help=hide)
+    p.add_argument("--tokenizer-mode", type=_vllm_choice(["auto"], {
+        "slow": "kvserve always loads the fast tokenizer (tokenizer.json, or one built from the .gguf file)",
+        "mistral": "kvserve tokenizes with the checkpoint's Hugging Face tokenizer, not mistral_common; serve a "
+                   "checkpoint in Hugging Face format (with tokenizer.json)",
+        "custom": "kvserve has no tokenizer plug-ins; it loads the checkpoint's Hugging Face tokenizer",
+    }), default=None, help=hide)
+    p.add_argument("--model-impl", type=_vllm_choice(["auto", "vllm"], {
+        "transformers": "kvserve runs its own implementation of each architecture it serves, never the "
+                        "Transformers modeling code",
+    }), default=None, help=hide)
+    p.add_argument("--hf-token", nargs="?", const=True, default=None, help=hide)
     p.add_argument("--max-seq-len-to-capture", type=int, default=None, help=hide)
     p.add_argument("--disable-custom-all-reduce", action="store_true", default=None, help=hide)
     p.add_argument("--task", choices=["auto", "generate"], default=None, help=hide)
@@ -128,9 +171,17 @@ def add_ignored_server_args(parser: argparse.ArgumentParser) -> None:
     hide = argparse.SUPPRESS
     parser.add_argument("--enable-reasoning", action="store_true", default=None, help=hide)
     parser.add_argument("--enable-prompt-tokens-details", action="store_true", default=None, help=hide)
+    parser.add_argument("--response-role", type=_vllm_choice(
+        ["assistant"], {}, "chat responses' role is always assistant (vLLM's default)"), default=None, help=hide)
+    parser.add_argument("--chat-template-content-format", type=_vllm_choice(["auto", "string"], {
+        "openai": "message content reaches the chat template as a string (text parts joined by newlines), never "
+                  "as OpenAI's list of parts",
+    }), default=None, help=hide)
+    parser.add_argument("--max-log-len", type=int, default=None, help=hide)
+    parser.add_argument("--disable-frontend-multiprocessing", action="store_true", default=None, help=hide)
 
 
-# dest -> why it changes nothing here
+# dest -> (the flag as noted, "{value}" standing for its value; why it changes nothing here)
 _IGNORED_WHY: dict[str, tuple[str, str]] = {
     "swap_space": ("--swap-space", "kvserve preempts requests by recomputing them, so it swaps nothing to the CPU"),
     "pipeline_parallel_size": ("--pipeline-parallel-size 1", "1 is the only size"),
@@ -143,9 +194,20 @@ _IGNORED_WHY: dict[str, tuple[str, str]] = {
     "disable_custom_all_reduce": ("--disable-custom-all-reduce", "tensor parallelism all-reduces with NCCL"),
     "task": ("--task", "kvserve serves text generation only"),
     "guided_decoding_backend": ("--guided-decoding-backend", "structured output always uses llguidance"),
+    "model_impl": ("--model-impl {value}", "kvserve runs its own implementation of each architecture it serves"),
+    "hf_token": ("--hf-token", "kvserve never downloads: models come from local paths or the local Hugging Face "
+                               "cache"),
     "enable_reasoning": ("--enable-reasoning", "--reasoning-parser turns reasoning on"),
     "enable_prompt_tokens_details": ("--enable-prompt-tokens-details",
                                      "usage always carries prompt_tokens_details.cached_tokens"),
+    "response_role": ("--response-role assistant", "chat responses' role is always assistant"),
+    "chat_template_content_format": ("--chat-template-content-format {value}",
+                                     "message content reaches the chat template as a string (text parts joined by "
+                                     "newlines)"),
+    "max_log_len": ("--max-log-len", "request log lines carry no prompt (prompts are logged, whole, only at DEBUG "
+                                     "level)"),
+    "disable_frontend_multiprocessing": ("--disable-frontend-multiprocessing",
+                                         "the engine core always runs in a process of its own"),
 }
 
 
@@ -155,6 +217,7 @@ def ignored_flag_notes(ns: argparse.Namespace) -> list[str]:
     for dest, (flag, why) in _IGNORED_WHY.items():
         if dest == "data_parallel_size" and getattr(ns, dest, None) not in (None, 1):
             continue  # more than one: the server's replicas (kvserve serve --data-parallel-size)
-        if getattr(ns, dest, None) not in (None, False):
-            notes.append(f"{flag} ignored: {why}")
+        value = getattr(ns, dest, None)
+        if value is not None and value is not False:  # given (0 too: --max-log-len 0, --swap-space 0)
+            notes.append(f"{flag.format(value=value)} ignored: {why}")
     return notes

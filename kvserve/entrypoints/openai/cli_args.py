@@ -30,7 +30,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser, data_parallel=True)
     add_generation_config_args(parser)
     g = parser.add_argument_group("server")
-    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+    g.add_argument("--served-model-name", nargs="+", type=_served_name, default=None, metavar="NAME",
                    help="model name(s) clients use in the `model` field; the first is reported in responses and "
                         "metrics (default: the model argument as given, as vLLM; without one, the default model's file "
                         "name). It takes every word after it: give the model first")
@@ -109,6 +109,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         "HTTP, tokenization and detokenization on one core; a small model's engine at hundreds "
                         "of streams can outrun it")
     add_ignored_server_args(parser)
+
+
+def _served_name(text: str) -> str:
+    """argparse `type=` for a served model name: not blank, which no client could ask for by name."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"a served model name cannot be empty, got {text!r}")
+    return text
 
 
 def _max_logprobs(text: str) -> int:
