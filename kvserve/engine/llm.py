@@ -6,9 +6,10 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import jinja2
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
@@ -146,7 +147,7 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
         cache_salt: str | None = None,
         priority: Sequence[int] | None = None,
         *,
@@ -157,7 +158,8 @@ class LLM:
         A prompt is a string, a list of token ids, or {"prompt": ...} / {"prompt_token_ids": ...} (vLLM's
         TextPrompt / TokensPrompt; a "cache_salt" there is that prompt's, over the `cache_salt` argument).
         `sampling_params` is one SamplingParams for all prompts or one per prompt. `priority`: one per
-        prompt, lower first (needs `scheduling_policy="priority"`, as in vLLM).
+        prompt, lower first (needs `scheduling_policy="priority"`, as in vLLM). `use_tqdm`: the progress bar
+        on or off, or a tqdm class (or factory) to draw it with.
         """
         _no_lora(lora_request)
         prompt_list = self._as_prompt_list(prompts)
@@ -192,7 +194,7 @@ class LLM:
         self,
         messages: Conversation | Sequence[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
@@ -232,12 +234,14 @@ class LLM:
             kwargs["continue_final_message"] = True
         if tools:
             kwargs["tools"] = tools
-        processed = [
-            self.engine.input_processor.apply_chat_template(
-                [_text_message(m, content_format) for m in conv], chat_template, add_generation_prompt, kwargs
-            )
-            for conv in conversations
-        ]
+        processed = []
+        for i, conv in enumerate(conversations):
+            try:
+                processed.append(self.engine.input_processor.apply_chat_template(
+                    [_text_message(m, content_format) for m in conv], chat_template, add_generation_prompt, kwargs))
+            except jinja2.TemplateError as e:  # (a message without its content, a role the template refuses)
+                raise ValueError(f"cannot apply the chat template to conversation {i}: {type(e).__name__}: "
+                                 f"{e}") from None
         return self.generate(
             [{"prompt": p.prompt, "prompt_token_ids": p.prompt_token_ids} for p in processed], sampling_params,
             use_tqdm,
@@ -249,6 +253,9 @@ class LLM:
     def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
         if isinstance(prompts, (str, dict)):
             return [prompts]
+        if not isinstance(prompts, Sequence):
+            raise TypeError(f"prompts must be a string, a list of token ids, a prompt dict or a list of these, "
+                            f"got {type(prompts).__name__}")
         items = list(prompts)
         if items and all(isinstance(t, int) for t in items):
             return [items]  # one prompt given as token ids
@@ -258,14 +265,22 @@ class LLM:
     def _as_params_list(params: SamplingParams | Sequence[SamplingParams], num_prompts: int) -> list[SamplingParams]:
         if isinstance(params, SamplingParams):
             return [params] * num_prompts
+        if not isinstance(params, Sequence) or not all(isinstance(p, SamplingParams) for p in params):
+            hint = ": pass SamplingParams(**it)" if isinstance(params, dict) else ""
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them (one per prompt), got "
+                            f"{type(params).__name__}{hint}")
         params = list(params)
         if len(params) != num_prompts:
             raise ValueError(f"got {len(params)} SamplingParams for {num_prompts} prompts")
         return params
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, request_ids: list[str], use_tqdm: bool | Callable[..., Any]) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        # use_tqdm: on / off, or (as vLLM takes it) the progress bar's class or factory, called as tqdm is
+        if callable(use_tqdm):
+            bar = use_tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
+        else:
+            bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
         start = time.perf_counter()
         num_prompt_tokens = num_output_tokens = 0
         while self.engine.has_unfinished_requests():

@@ -6,7 +6,7 @@ import time
 
 from transformers import PreTrainedTokenizerBase
 
-from kvserve.config import EngineConfig
+from kvserve.config import EngineConfig, ModelConfig
 from kvserve.engine.engine_core import EngineCore
 from kvserve.engine.input_processor import InputProcessor, PromptType
 from kvserve.engine.output_processor import OutputProcessor
@@ -39,6 +39,14 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer)
         self.last_stats = None
         self._held_outputs: list[RequestOutput] = []
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The model's settings (model, tokenizer, dtype, max_model_len, ...), where vLLM's engine has them."""
+        return self.config.model_config
+
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.tokenizer
 
     def add_request(
         self,

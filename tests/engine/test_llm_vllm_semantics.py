@@ -196,3 +196,37 @@ def test_vllm_keyword_arguments_of_generate_and_chat(llm: LLM) -> None:
     # a processor's kwargs are ignored for a conversation without images, as vLLM ignores them
     assert llm.chat(conversation, params, use_tqdm=False, chat_template=template,
                     mm_processor_kwargs={"num_crops": 4})[0].prompt == rendered()
+
+
+def test_a_progress_bar_class_is_used_as_vllm_uses_it(llm: LLM) -> None:
+    """use_tqdm may be tqdm's class or a factory (vLLM calls it as tqdm); it draws the bar."""
+    from tqdm import tqdm
+
+    made: list[dict[str, Any]] = []
+
+    def quiet_bar(**kwargs: Any) -> Any:
+        made.append(kwargs)
+        return tqdm(**kwargs, disable=True)
+
+    outs = llm.generate(["a", "b"], SamplingParams(max_tokens=2), use_tqdm=quiet_bar)
+    assert len(outs) == 2 and [m["total"] for m in made] == [2] and made[0]["desc"] == "Processed prompts"
+    llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2), use_tqdm=quiet_bar)
+    assert [m["total"] for m in made] == [2, 1]
+
+
+def test_inputs_of_the_wrong_kind_get_a_message_naming_the_argument(llm: LLM) -> None:
+    with pytest.raises(TypeError, match=r"^prompts must be a string, a list of token ids, a prompt dict or a list "
+                                        r"of these, got int$"):
+        llm.generate(123)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^sampling_params must be a SamplingParams or a list of them \(one per "
+                                        r"prompt\), got dict: pass SamplingParams\(\*\*it\)$"):
+        llm.generate("a", {"max_tokens": 3})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^cannot apply the chat template to conversation 1: UndefinedError: "):
+        llm.chat([[{"role": "user", "content": "hi"}], [{"role": "user"}]])
+    assert len(llm.generate("a", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) == 2
+
+
+def test_the_engine_answers_what_vllm_code_asks_of_it(llm: LLM) -> None:
+    engine = llm.llm_engine
+    assert engine.get_tokenizer() is llm.get_tokenizer()
+    assert engine.model_config.max_model_len == 128 and engine.model_config.dtype == "float32"
