@@ -181,7 +181,7 @@ class AsyncLLM:
         since the caller last asked, when it falls behind. Raises EngineDeadError when the engine is gone and
         RequestFailedError when the core refuses the request; after `abort_all`, ends the request at once
         (finish reason "abort"; see there). `request_id` need not be unique (module
-        docstring): a caller that refuses ids in use checks `has_request` first. `prompt_only`: the prompt runs
+        docstring). `prompt_only`: the prompt runs
         (for its prompt_logprobs) and the request ends with no token, finish_reason "length".
         """
         if self.dead_error is not None:

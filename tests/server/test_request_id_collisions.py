@@ -1,8 +1,9 @@
 """Client-chosen request ids cannot collide inside the engine: a two-prompt completion with id "x" and a
 one-prompt completion with id "x-0" (the id the first one's prompt 0 used to run under) both succeed, in
-either order, streamed or not, and keep the ids the clients see. The id in use is refused while any prompt of
-a multi-prompt completion runs (best-effort: two sent at once may both run, side by side). Driven in process: the real `AsyncLLM` over a fake engine core that answers
-every request with one token when the test says so."""
+either order, streamed or not, and keep the ids the clients see. An id in use is taken again, as current vLLM
+takes it (a gateway's one trace id on several requests): each runs, and a client that leaves ends only its own.
+Driven in process: the real `AsyncLLM` over a fake engine core that answers every request with one token when
+the test says so."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ class _HeldCore:
         self.is_alive = True
         self.held: list[str] = []
         self.added: list[str] = []
+        self.aborted: list[str] = []
 
     async def start(self) -> EngineReady:
         return EngineReady(pid=0, num_blocks=64, block_size=16, max_model_len=256, eos_token_ids=[],
@@ -53,7 +55,7 @@ class _HeldCore:
         self.handler.on_engine_outputs(EngineOutputs(outputs=outputs, stats=SchedulerStats(), timestamp=0.0))
 
     def abort_requests(self, req_ids: list[str]) -> None:
-        pass
+        self.aborted += req_ids
 
     async def shutdown(self) -> None:
         pass
@@ -134,47 +136,32 @@ def test_a_multi_prompt_completion_and_a_client_id_like_its_prompts_both_run(
     assert single.json()["id"] == "cmpl-x-0" and len(single.json()["choices"]) == 1
 
 
-def test_an_id_is_in_use_while_any_prompt_of_its_completion_runs(monkeypatch: pytest.MonkeyPatch,
-                                                                  smollm_tokenizer: Any) -> None:
-    async def script(client: httpx.AsyncClient, core: _HeldCore) -> tuple[httpx.Response, httpx.Response,
-                                                                            httpx.Response]:
+def test_an_id_in_use_is_taken_again_and_a_client_that_leaves_ends_only_its_own(
+        monkeypatch: pytest.MonkeyPatch, smollm_tokenizer: Any) -> None:
+    """While a two-prompt completion "x" runs, three more requests with id "x" come (one of them streamed, one
+    whose client leaves before its answer): the others are answered with the client's id, every prompt ran
+    under a core id of its own, and the one that left was aborted alone."""
+    async def script(client: httpx.AsyncClient, core: _HeldCore) -> tuple[list[httpx.Response], bool, bool]:
         first = asyncio.ensure_future(client.post("/v1/completions", json=_body(["one", "two"], "x")))
         await _until(lambda: len(core.held) == 2)
-        others = [asyncio.ensure_future(client.post("/v1/completions", json=body))
-                  for body in (_body(["three", "four"], "x"), _body("five", "x"))]
-        # (refused, both are done; one that runs instead is held in the core with the first's prompts)
-        await _until(lambda: all(o.done() for o in others) or len(core.held) > 2)
-        core.release()
-        refused_multi, refused_single = await asyncio.gather(*others)
-        return await first, refused_multi, refused_single
-
-    first, refused_multi, refused_single = _scenario(monkeypatch, smollm_tokenizer, script)
-    assert first.status_code == 200 and first.json()["id"] == "cmpl-x"
-    for refused in (refused_multi, refused_single):
-        assert refused.status_code == 400
-        assert refused.json()["error"]["param"] == "request_id" and "in use" in refused.json()["error"]["message"]
-
-
-def test_the_same_id_sent_at_once_runs_side_by_side(monkeypatch: pytest.MonkeyPatch, smollm_tokenizer: Any) -> None:
-    """The in-use check is best-effort (`new_request_id`): two requests with one id that both pass it (sent at
-    the same moment, both checked before either reached the engine; forced here by a check that sees nothing)
-    both run, each prompt under its own core id, both answered with the client's id, and the id is free once
-    both are done."""
-    in_use = AsyncLLM.has_request
-    monkeypatch.setattr(AsyncLLM, "has_request", lambda self, request_id: False)
-
-    async def script(client: httpx.AsyncClient, core: _HeldCore) -> tuple[list[httpx.Response], bool]:
-        sent = [asyncio.ensure_future(client.post("/v1/completions", json=_body(prompt, "x")))
-                for prompt in (["one", "two"], "three")]
+        leaving = asyncio.ensure_future(client.post("/v1/completions", json=_body("three", "x")))
         await _until(lambda: len(core.held) == 3)
-        assert in_use(core.handler, "cmpl-x")
+        leaving.cancel()
+        await asyncio.gather(leaving, return_exceptions=True)
+        others = [asyncio.ensure_future(client.post("/v1/completions", json=body))
+                  for body in (_body(["four", "five"], "x"), _body("six", "x", stream=True))]
+        await _until(lambda: len(core.held) == 6)
         core.release()
-        responses = list(await asyncio.gather(*sent))
-        assert len(set(core.added)) == len(core.added) == 3
-        return responses, in_use(core.handler, "cmpl-x")
+        responses = [await first, *await asyncio.gather(*others)]
+        assert len(set(core.added)) == len(core.added) == 6
+        # The core was told to abort the leaving request's prompt, and only it.
+        return responses, core.aborted == [core.added[2]], core.handler.has_request("cmpl-x")
 
-    (multi, single), still_in_use = _scenario(monkeypatch, smollm_tokenizer, script)
-    assert multi.status_code == single.status_code == 200, (multi.text, single.text)
-    assert multi.json()["id"] == single.json()["id"] == "cmpl-x"
-    assert [c["index"] for c in multi.json()["choices"]] == [0, 1] and len(single.json()["choices"]) == 1
+    (first, multi, streamed), left_alone, still_in_use = _scenario(monkeypatch, smollm_tokenizer, script)
+    assert left_alone
+    for response in (first, multi):
+        assert response.status_code == 200 and response.json()["id"] == "cmpl-x", response.text
+        assert [c["index"] for c in response.json()["choices"]] == [0, 1]
+        assert all(c["finish_reason"] == "length" for c in response.json()["choices"])
+    assert _streamed(streamed) == ({"cmpl-x"}, [0])
     assert not still_in_use

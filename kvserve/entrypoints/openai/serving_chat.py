@@ -167,7 +167,7 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> PreparedCha
     params = with_length_limits(params, ctx.sampling_defaults.get("max_tokens"), ctx.max_tokens_cap,
                                 engine.max_model_len - len(processed.prompt_token_ids),
                                 {"max_tokens": max_tokens_param})
-    request_id = new_request_id(engine, "chatcmpl", req.request_id)
+    request_id = new_request_id("chatcmpl", req.request_id)
     log_request(ctx, request_id, len(processed.prompt_token_ids), params, processed.prompt)
     # A grammar (response_format, structured_outputs, guided_*, a forced tool_choice) constrains the whole
     # text from its first token, so there is no reasoning to read: such replies are returned as without the

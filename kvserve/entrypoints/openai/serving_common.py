@@ -149,22 +149,13 @@ def structured_outputs_from(req: SamplingFields) -> tuple[StructuredOutputsParam
         raise BadRequestError(str(e), name) from None
 
 
-def new_request_id(engine: AsyncLLM, prefix: str, requested: str | None) -> str:
+def new_request_id(prefix: str, requested: str | None) -> str:
     """`<prefix>-<base>`, as vLLM names a response: the base is the client's (the X-Request-Id header, else
-    the `request_id` field, which the endpoint has merged) when given and not in use, else a fresh one.
-
-    NOTE: the in-use check is best-effort. It runs while the request is prepared, and the request counts as
-    in use only once `AsyncLLM.generate` registers it: two requests with one id sent at the same moment may
-    both pass and run side by side. That is harmless (every prompt runs under a core id of its own, and
-    `abort` by that id reaches both), and current vLLM, which suffixes client ids to keep them apart, runs
-    duplicates side by side too: reserving the id here would need a release on every exit path before
-    generate."""
-    if not requested:
-        return f"{prefix}-{uuid.uuid4().hex}"
-    request_id = f"{prefix}-{requested}"
-    if engine.has_request(request_id):
-        raise BadRequestError(f"request_id {requested!r} is already in use", "request_id")
-    return request_id
+    the `request_id` field, which the endpoint has merged) when given, else a fresh one. An id in use is taken
+    again, as current vLLM takes it: every prompt runs under a core id of its own (`AsyncLLM`) and a client's
+    disconnect ends only its own request, so a gateway that sends one trace id with several requests gets each
+    of them served (an id refused while in use failed them at random, as their timing fell)."""
+    return f"{prefix}-{requested}" if requested else f"{prefix}-{uuid.uuid4().hex}"
 
 
 def sampling_params_from(

@@ -104,7 +104,7 @@ def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> PreparedC
         items = [list(raw)]  # type: ignore[arg-type]
     else:
         items = list(raw)  # type: ignore[arg-type]
-    request_id = new_request_id(engine, "cmpl", req.request_id)
+    request_id = new_request_id("cmpl", req.request_id)
     prompts = []
     for item in items:
         if isinstance(item, str):
