@@ -122,6 +122,12 @@ class BenchConfig:
             raise BenchConfigError(f"--endpoint must be an http(s) URL, got {self.endpoint!r}")
         if self.api is not None and self.api not in APIS:
             raise BenchConfigError(f"--api must be one of {', '.join(APIS)}, got {self.api!r}")
+        if self.api is None and not parts.path.rstrip("/").endswith("/completions"):
+            # e.g. http://host:8000/v1, the OpenAI client's base URL: every request would get a 404
+            raise BenchConfigError(
+                f"--endpoint {self.endpoint!r} is no completions URL: give the route itself, e.g. "
+                f"{self.endpoint.rstrip('/')}/chat/completions or .../completions (or --api chat / completions to "
+                "send to this URL as it is)")
         if not self.shapes:
             raise BenchConfigError("no load shape to run")
         if self.warmup < 0:

@@ -58,6 +58,16 @@ def test_bad_flag_combinations(flags, message):
         parse_bench("http://127.0.0.1:1/v1/completions", *flags)
 
 
+def test_an_endpoint_that_is_no_completions_route_is_refused_before_any_request():
+    """The OpenAI client's base URL (.../v1) as --endpoint: every request would get a 404."""
+    for endpoint in ("http://127.0.0.1:1/v1", "http://127.0.0.1:1/v1/", "http://127.0.0.1:1"):
+        with pytest.raises(BenchConfigError, match=rf"^--endpoint '{endpoint}' is no completions URL: give the route "
+                                                   rf"itself, e.g. {endpoint.rstrip('/')}/chat/completions"):
+            parse_bench(endpoint)
+    # --api sends to the URL as it is (a gateway's own path)
+    assert parse_bench("http://127.0.0.1:1/gateway/generate", "--api", "chat").resolved_api == "chat"
+
+
 def test_command_end_to_end(fake_server, prompts_file, tmp_path, capsys):
     server = fake_server(itl_s=0.002)
     first, second, plot = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "a.png"
