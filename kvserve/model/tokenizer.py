@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass, field
 
 import tokenizers
 import transformers
@@ -233,30 +234,52 @@ def _byte_level_chars() -> dict[str, int]:
 _BYTE_OF_CHAR = _byte_level_chars()
 
 
+@dataclass
+class _PieceBytes:
+    """A tokenizer's vocabulary pieces as bytes: how its pieces hold bytes ("byte_level": a ByteLevel decoder,
+    each piece's characters map to bytes; "byte_fallback": <0xHH> pieces for single bytes and ▁ for a space,
+    SentencePiece-style; "text": neither), its added tokens (their text is what they stand for), and the bytes
+    of the pieces looked up so far (None: the piece says nothing more than the text)."""
+
+    scheme: str
+    added: frozenset[int]
+    known: dict[int, bytes | None] = field(default_factory=dict)
+
+
 @functools.lru_cache(maxsize=8)
-def _piece_scheme(tokenizer: PreTrainedTokenizerBase) -> str:
-    """How the tokenizer's vocabulary pieces hold bytes: "byte_level" (a ByteLevel decoder: each piece's
-    characters map to bytes), "byte_fallback" (<0xHH> pieces for single bytes, SentencePiece-style), or "text"."""
+def _piece_bytes(tokenizer: PreTrainedTokenizerBase) -> _PieceBytes:
     decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
     try:
         state = json.loads(decoder.__getstate__()) if decoder is not None else {}
     except (AttributeError, TypeError, ValueError):
-        return "text"
+        state = {}
     types = {state.get("type"), *(d.get("type") for d in state.get("decoders") or () if isinstance(d, dict))}
-    return "byte_level" if "ByteLevel" in types else "byte_fallback" if "ByteFallback" in types else "text"
+    scheme = "byte_level" if "ByteLevel" in types else "byte_fallback" if "ByteFallback" in types else "text"
+    added = frozenset(getattr(tokenizer, "added_tokens_decoder", {})) if scheme != "text" else frozenset()
+    return _PieceBytes(scheme, added)
+
+
+def _bytes_of_piece(piece: object, scheme: str) -> bytes | None:
+    if not isinstance(piece, str):
+        return None
+    if scheme == "byte_level":
+        return bytes(_BYTE_OF_CHAR[c] for c in piece) if all(c in _BYTE_OF_CHAR for c in piece) else None
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        with contextlib.suppress(ValueError):
+            return bytes([int(piece[3:5], 16)])
+    return piece.replace("\u2581", " ").encode("utf-8")
 
 
 def token_bytes(tokenizer: PreTrainedTokenizerBase, token_id: int, text: str) -> bytes:
     """The bytes token `token_id` stands for (OpenAI's logprobs `bytes`): a piece of a character split over
-    several tokens, whose `text` alone decodes to U+FFFD, keeps its own bytes, so a client can join them back.
-    `text` (the token decoded) where the vocabulary piece says nothing more: added tokens, other schemes."""
-    scheme = _piece_scheme(tokenizer)
-    if scheme != "text" and token_id not in tokenizer.added_tokens_decoder:
-        piece = tokenizer.convert_ids_to_tokens(token_id)
-        if isinstance(piece, str) and scheme == "byte_level":
-            if all(c in _BYTE_OF_CHAR for c in piece):
-                return bytes(_BYTE_OF_CHAR[c] for c in piece)
-        elif isinstance(piece, str) and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-            with contextlib.suppress(ValueError):
-                return bytes([int(piece[3:5], 16)])
-    return text.encode("utf-8")
+    several tokens, whose `text` alone decodes to U+FFFD, keeps its own bytes, so a client can join them back;
+    a SentencePiece word keeps its leading space, which decoding it alone strips. `text` (the token decoded)
+    where the vocabulary piece says nothing more: added tokens, other schemes. Each piece is looked up once a
+    tokenizer (this runs for every token and top logprob of a chat response)."""
+    table = _piece_bytes(tokenizer)
+    if table.scheme == "text" or token_id in table.added:
+        return text.encode("utf-8")
+    if token_id not in table.known:
+        table.known[token_id] = _bytes_of_piece(tokenizer.convert_ids_to_tokens(token_id), table.scheme)
+    found = table.known[token_id]
+    return found if found is not None else text.encode("utf-8")

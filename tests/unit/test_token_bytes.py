@@ -31,12 +31,13 @@ def test_byte_level_pieces_join_back_into_the_text(smollm_tokenizer: Any) -> Non
 
 
 def _sentencepiece_style() -> Any:
-    """A BPE vocabulary with byte-fallback pieces <0x00>..<0xFF> and ▁ for spaces (Llama 2's scheme)."""
+    """A unigram vocabulary with byte-fallback pieces <0x00>..<0xFF> and ▁ for spaces (Llama 2's scheme)."""
     from tokenizers import Tokenizer, decoders, models, normalizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "▁Party": 257, "▁at": 258, "▁": 259}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    vocab = [("<unk>", 0.0), *((f"<0x{b:02X}>", -10.0) for b in range(256)), ("▁Party", -1.0), ("▁at", -1.0),
+             ("▁", -2.0)]
+    tokenizer = Tokenizer(models.Unigram(vocab, unk_id=0, byte_fallback=True))
     tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
                                            decoders.Strip(" ", 1, 0)])
@@ -48,8 +49,25 @@ def test_byte_fallback_pieces_are_their_byte() -> None:
     ids = tokenizer.encode("🎉", add_special_tokens=False)
     assert tokenizer.convert_ids_to_tokens(ids) == ["▁", "<0xF0>", "<0x9F>", "<0x8E>", "<0x89>"]
     assert b"".join(token_bytes(tokenizer, i, tokenizer.decode([i])) for i in ids[1:]) == "🎉".encode()
-    party = tokenizer.convert_tokens_to_ids("▁Party")
-    assert token_bytes(tokenizer, party, tokenizer.decode([party])) == tokenizer.decode([party]).encode()
+    # A word keeps its leading space (▁), which decoding it alone strips: the words join back with their spaces.
+    ids = tokenizer.encode("Party at 🎉", add_special_tokens=False)
+    assert tokenizer.decode([ids[0]]) == "Party"
+    assert b"".join(token_bytes(tokenizer, i, tokenizer.decode([i])) for i in ids) == " Party at 🎉".encode()
+
+
+def test_each_piece_is_looked_up_once(smollm_tokenizer: Any, monkeypatch: Any) -> None:
+    """token_bytes runs for every token and top logprob of a chat response: the vocabulary is asked once a
+    token, and the added tokens once a tokenizer (rebuilt on every read of added_tokens_decoder)."""
+    import copy
+
+    tokenizer = copy.deepcopy(smollm_tokenizer)  # a tokenizer of its own: the lookups are kept per tokenizer
+    looked_up: list[int] = []
+    convert = tokenizer.convert_ids_to_tokens
+    monkeypatch.setattr(tokenizer, "convert_ids_to_tokens", lambda i: looked_up.append(i) or convert(i))
+    ids = smollm_tokenizer.encode(TEXT, add_special_tokens=False)
+    first = [token_bytes(tokenizer, i, smollm_tokenizer.decode([i])) for i in ids]
+    assert [token_bytes(tokenizer, i, smollm_tokenizer.decode([i])) for i in ids] == first
+    assert sorted(looked_up) == sorted(set(ids))
 
 
 def test_a_tokenizer_without_a_byte_scheme_gives_the_text() -> None:
