@@ -6,7 +6,8 @@ body, streamed chunk by chunk (server-sent events pass through unchanged). The c
 header is forwarded, so backends started with --api-key check it themselves.
 
 * A request naming a `model` goes only to backends whose /v1/models lists it (404 when none does);
-  `GET /v1/models` merges the healthy backends' lists. A backend whose list is not known (not reached yet,
+  `GET /v1/models` merges the healthy backends' lists, and `GET /v1/models/{model}` is routed by the model
+  its path names. A backend whose list is not known (not reached yet,
   or its /v1/models does not answer the router with a list: one started with --api-key answers 401 to a
   router without that key, a warning once a backend) is tried for any model. When such a backend answers a
   404 whose OpenAI error says the model does not exist ("The model `X` does not exist.", as kvserve's and
@@ -374,6 +375,8 @@ class RouterApp:
                 model = parsed.get("model") if isinstance(parsed.get("model"), str) else None
                 if self.router.policy == "prefix":
                     key = prefix_key(parsed)
+        if model is None and request.method == "GET" and path.startswith("/v1/models/") and len(path) > 11:
+            model = path[len("/v1/models/"):]  # OpenAI's retrieve-model: to a backend that serves it
         candidates = self.router.order(key, model)
         if not candidates:
             return self._own(_error(404, f"the model {model!r} is not served by any backend (served: "
@@ -381,13 +384,16 @@ class RouterApp:
         headers = _forward_headers(request)
         errors: list[str] = []
         unserved: list[str] = []  # the backends whose lists are unknown that answered that they lack `model`
+        lacked_model = False  # the last backend tried answered that it does not serve the model: no failure
         for i, backend in enumerate(candidates):
-            if i:
+            if i and not lacked_model:
                 self.retries.inc()
+            num_unserved = len(unserved)
             response = await self._forward(request, backend, body, headers, model, errors, unserved,
                                            last=i == len(candidates) - 1)
             if response is not None:
                 return response
+            lacked_model = len(unserved) > num_unserved
         if len(unserved) == len(candidates):
             return self._own(_error(404, f"the model {model!r} is not served by any backend (served: "
                                     f"{self._served_models()}; nor by those whose lists are unknown: "

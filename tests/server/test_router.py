@@ -157,6 +157,7 @@ class FakeBackend:
         app = web.Application()
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.list_models)
+        app.router.add_get("/v1/models/{model:.+}", self.retrieve_model)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/ping", self.ping)
         app.router.add_route("*", "/{tail:.*}", self.other)
@@ -192,6 +193,13 @@ class FakeBackend:
             request.transport.close()
             return web.Response()
         return web.json_response({"object": "list", "data": [{"id": m, "object": "model"} for m in self.models]})
+
+    async def retrieve_model(self, request: web.Request) -> web.Response:
+        model = request.match_info["model"]
+        if model not in self.models:  # as the server answers it
+            return web.json_response(NotFoundError(f"The model `{model}` does not exist.", "model").to_body(),
+                                     status=404)
+        return web.json_response({"id": model, "object": "model"}, headers={"X-Backend": self.name})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -551,6 +559,27 @@ def test_a_backend_whose_models_are_unknown_and_lacks_the_model_sends_the_reques
         assert f'kvserve_router:requests_total{{backend="{locked.url}",code="404"}} 1.0' in metrics
         assert 'kvserve_router:requests_total{backend="none",code="404"} 1.0' in metrics
         assert all(b.healthy and not b.failures for b in app.router.backends)  # a 404 is no failure
+        assert "kvserve_router:retries_total 0.0" in metrics  # nor is going on past it a retry after a failure
+    _run_quietly(body, caplog)
+
+
+def test_retrieving_a_model_goes_to_a_backend_that_serves_it(caplog: pytest.LogCaptureFixture) -> None:
+    """GET /v1/models/{model} (the openai client's models.retrieve) has no body naming the model: the path
+    does, and routes it as a request's model does, also past a backend whose list is unknown."""
+    async def body() -> None:
+        locked, smol = FakeBackend("locked", models=["tiny"]), FakeBackend("smol", models=["smol"])
+        locked.api_key = "sekret"
+        async with routed([locked, smol], "round-robin", interval_s=60) as (_, base), \
+                aiohttp.ClientSession() as session:
+            for _ in range(4):
+                async with session.get(base + "/v1/models/smol") as response:
+                    assert response.status == 200 and response.headers["X-Backend"] == "smol"
+                    assert (await response.json())["id"] == "smol"
+            async with session.get(base + "/v1/models/tiny") as response:
+                assert response.status == 200 and response.headers["X-Backend"] == "locked"
+            async with session.get(base + "/v1/models/huge") as response:
+                error = (await response.json())["error"]
+                assert response.status == 404 and error["param"] == "model" and "'huge'" in error["message"]
     _run_quietly(body, caplog)
 
 
@@ -634,7 +663,7 @@ def test_ping_goes_to_a_backend() -> None:
 def test_paths_under_the_backends_root_path_are_forwarded_as_they_came() -> None:
     async def body() -> None:
         async with routed([FakeBackend("a")], root_path="/llm") as (_, base), aiohttp.ClientSession() as session:
-            for path in ("/llm/v1/chat/completions?x=1", "/llm/ping", "/v1/models/m"):
+            for path in ("/llm/v1/chat/completions?x=1", "/llm/ping", "/v1/files/m"):
                 response = await session.get(base + path)
                 assert response.status == 200 and await response.json() == {"path": path}, path
             for path in ("/llm/admin", "/llmx/v1/models", "/llm"):
