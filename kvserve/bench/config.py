@@ -124,10 +124,10 @@ class BenchConfig:
             raise BenchConfigError(f"--api must be one of {', '.join(APIS)}, got {self.api!r}")
         if self.api is None and not parts.path.rstrip("/").endswith("/completions"):
             # e.g. http://host:8000/v1, the OpenAI client's base URL: every request would get a 404
+            chat = parts._replace(path=parts.path.rstrip("/") + "/chat/completions", fragment="").geturl()
             raise BenchConfigError(
-                f"--endpoint {self.endpoint!r} is no completions URL: give the route itself, e.g. "
-                f"{self.endpoint.rstrip('/')}/chat/completions or .../completions (or --api chat / completions to "
-                "send to this URL as it is)")
+                f"--endpoint {self.endpoint!r} is no completions URL: give the route itself, e.g. {chat} or "
+                ".../completions (or --api chat / completions for a server whose route is named otherwise)")
         if not self.shapes:
             raise BenchConfigError("no load shape to run")
         if self.warmup < 0:

@@ -6,7 +6,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jinja2
@@ -253,7 +253,7 @@ class LLM:
     def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
         if isinstance(prompts, (str, dict)):
             return [prompts]
-        if not isinstance(prompts, Sequence):
+        if not isinstance(prompts, Iterable):  # (any iterable of prompts, as vLLM: a numpy array, a generator)
             raise TypeError(f"prompts must be a string, a list of token ids, a prompt dict or a list of these, "
                             f"got {type(prompts).__name__}")
         items = list(prompts)

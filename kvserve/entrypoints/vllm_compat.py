@@ -148,7 +148,7 @@ def add_ignored_engine_args(parser: argparse.ArgumentParser, data_parallel: bool
             "for data parallelism use `kvserve serve --data-parallel-size N`, or run several servers behind "
             "`kvserve route`"), default=None, help=hide)
     p.add_argument("--distributed-executor-backend", choices=["mp", "uni"], default=None, help=hide)
-    p.add_argument("--tokenizer-mode", type=_vllm_choice(["auto"], {
+    p.add_argument("--tokenizer-mode", type=_vllm_choice(["auto", "hf"], {
         "slow": "kvserve always loads the fast tokenizer (tokenizer.json, or one built from the .gguf file)",
         "mistral": "kvserve tokenizes with the checkpoint's Hugging Face tokenizer, not mistral_common; serve a "
                    "checkpoint in Hugging Face format (with tokenizer.json)",
@@ -188,7 +188,7 @@ _IGNORED_WHY: dict[str, tuple[str, str]] = {
     "data_parallel_size": ("--data-parallel-size 1", "one replica is the default"),
     "distributed_executor_backend": ("--distributed-executor-backend",
                                      "tensor-parallel ranks always run as processes of this machine"),
-    "tokenizer_mode": ("--tokenizer-mode auto", "the model's fast tokenizer is always used"),
+    "tokenizer_mode": ("--tokenizer-mode {value}", "the model's fast tokenizer is always used"),
     "max_seq_len_to_capture": ("--max-seq-len-to-capture",
                                "kvserve's CUDA graphs serve every length up to --max-model-len"),
     "disable_custom_all_reduce": ("--disable-custom-all-reduce", "tensor parallelism all-reduces with NCCL"),

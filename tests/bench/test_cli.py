@@ -64,6 +64,8 @@ def test_an_endpoint_that_is_no_completions_route_is_refused_before_any_request(
         with pytest.raises(BenchConfigError, match=rf"^--endpoint '{endpoint}' is no completions URL: give the route "
                                                    rf"itself, e.g. {endpoint.rstrip('/')}/chat/completions"):
             parse_bench(endpoint)
+    with pytest.raises(BenchConfigError, match=r"e\.g\. https://x\.example/openai/v1/chat/completions\?api-version=1 "):
+        parse_bench("https://x.example/openai/v1?api-version=1")  # the query stays after the route
     # --api sends to the URL as it is (a gateway's own path)
     assert parse_bench("http://127.0.0.1:1/gateway/generate", "--api", "chat").resolved_api == "chat"
 

@@ -224,6 +224,11 @@ def test_inputs_of_the_wrong_kind_get_a_message_naming_the_argument(llm: LLM) ->
     with pytest.raises(ValueError, match=r"^cannot apply the chat template to conversation 1: UndefinedError: "):
         llm.chat([[{"role": "user", "content": "hi"}], [{"role": "user"}]])
     assert len(llm.generate("a", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) == 2
+    # Any iterable of prompts still is one: a numpy array, a generator.
+    import numpy as np
+
+    for prompts in (np.array(["a", "b"]), (p for p in ["a", "b"])):
+        assert len(llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)) == 2
 
 
 def test_the_engine_answers_what_vllm_code_asks_of_it(llm: LLM) -> None:

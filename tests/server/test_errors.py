@@ -229,6 +229,9 @@ def test_request_values_that_utf8_cannot_carry_get_their_own_error_not_a_500(htt
     wrong_model = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
     assert assert_openai_error(wrong_model, 404, "model")["message"] == "The model `\ud800` does not exist."
     assert b"\\ud800" in wrong_model.content
+    accented = assert_openai_error(http.post("/v1/completions", json={"model": "modèle", "prompt": "hi"}), 404)
+    assert accented["message"] == "The model `modèle` does not exist."
+    assert "modèle".encode() in http.post("/v1/completions", json={"model": "modèle", "prompt": "hi"}).content
     stop = http.post("/v1/completions", content=b'{"prompt": "hi", "max_tokens": 2, "stop": ["\\ud800"]}',
                      headers={"content-type": "application/json"})
     assert_openai_error(stop, 400, "stop")

@@ -59,6 +59,19 @@ def test_other_spellings_of_a_model_are_refused(tmp_path: Path, monkeypatch: pyt
     assert _error("--download-dir", str(cache), "--served-model-name", "qwen", "org/uncached") is None
 
 
+def test_a_model_taken_by_hf_token_is_refused(tmp_path: Path) -> None:
+    """vLLM's --hf-token takes an optional value: before the model, it takes the model as its token."""
+    model = _model_dir(tmp_path)
+    ns = build_parser().parse_args(["serve", "--hf-token", model])
+    assert ns.model_tag is None and ns.hf_token == model  # what argparse does
+    with pytest.raises(ValueError, match=rf"^no model given, and --hf-token took '{model}', which is a model, as "
+                                         rf"its token: the default model would be served. Put the model first: "
+                                         rf"kvserve serve {model} --hf-token \.\.\.$"):
+        server_engine_args(ns)
+    for argv in ([model, "--hf-token", "hf_abc"], ["--hf-token", "hf_abc", model], [model, "--hf-token"]):
+        assert server_engine_args(build_parser().parse_args(["serve", *argv]))["model"] == model, argv
+
+
 def test_served_names_that_are_not_models_and_given_models_pass(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     model = _model_dir(tmp_path)

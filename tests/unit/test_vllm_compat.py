@@ -111,7 +111,7 @@ def test_vllm_server_flags_matching_kvserve_are_accepted_and_noted() -> None:
     (["--tokenizer-mode", "mistral"], "argument --tokenizer-mode: 'mistral' is not supported: kvserve tokenizes "
                                       "with the checkpoint's Hugging Face tokenizer"),
     (["--tokenizer-mode", "custom"], "argument --tokenizer-mode: 'custom' is not supported"),
-    (["--tokenizer-mode", "fancy"], "argument --tokenizer-mode: invalid choice: 'fancy' (choose from auto)"),
+    (["--tokenizer-mode", "fancy"], "argument --tokenizer-mode: invalid choice: 'fancy' (choose from auto, hf)"),
     (["--model-impl", "transformers"], "argument --model-impl: 'transformers' is not supported: kvserve runs its "
                                        "own implementation"),
     (["--chat-template-content-format", "openai"], "argument --chat-template-content-format: 'openai' is not "
@@ -417,3 +417,8 @@ def test_api_key_sources_in_order(flag: str | None, kvserve_env: str | None, vll
     got_key, line = api_key_from(flag, kvserve_env, vllm_env)
     assert got_key == key and line.startswith(source), line
     assert "secret" not in line
+
+
+def test_tokenizer_mode_hf_is_what_kvserve_does() -> None:
+    """vLLM's `hf` tokenizer mode (the Hugging Face tokenizer) is what kvserve always loads: taken, as `auto`."""
+    assert build_parser().parse_args(["serve", "--tokenizer-mode", "hf"]).tokenizer_mode == "hf"

@@ -170,6 +170,12 @@ def server_engine_args(ns: argparse.Namespace) -> dict[str, object]:
     swallowed = swallowed_model(ns)
     if swallowed is not None:
         raise ValueError(swallowed)
+    token = getattr(ns, "hf_token", None)  # vLLM's --hf-token [TOKEN] takes the word after it, if any
+    if ns.model_tag is None and ns.model is None and isinstance(token, str) and names_a_model(
+            token, ns.revision, ns.download_dir):
+        raise ValueError(f"no model given, and --hf-token took {token!r}, which is a model, as its token: the "
+                         f"default model would be served. Put the model first: kvserve serve {shlex.quote(token)} "
+                         "--hf-token ...")
     if ns.model_tag is not None and ns.model is not None and ns.model_tag != ns.model:
         raise ValueError(f"the model is given twice: {ns.model_tag!r} (positional) and --model {ns.model!r}")
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:

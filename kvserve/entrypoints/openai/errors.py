@@ -88,11 +88,15 @@ def error_body(status_code: int, message: str, error_type: str | None = None, pa
 
 
 class ErrorJSONResponse(JSONResponse):
-    """An error body with every character past ASCII escaped: its message may quote the request's own values,
-    and JSON can carry a lone surrogate (a "\\ud800" escape in the request) that UTF-8 cannot encode."""
+    """An error body as JSONResponse writes one (compact, UTF-8), except that when its message quotes a request
+    value UTF-8 cannot encode (a lone surrogate, which JSON's "\\ud800" escape reads as), the characters past
+    ASCII are escaped instead of the answer failing."""
 
     def render(self, content: Any) -> bytes:
-        return json.dumps(content, allow_nan=False, separators=(",", ":")).encode("ascii")
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
 def error_response(status_code: int, message: str, error_type: str | None = None, param: str | None = None
