@@ -239,7 +239,8 @@ class LLM:
             try:
                 processed.append(self.engine.input_processor.apply_chat_template(
                     [_text_message(m, content_format) for m in conv], chat_template, add_generation_prompt, kwargs))
-            except jinja2.TemplateError as e:  # (a message without its content, a role the template refuses)
+            except (jinja2.TemplateError, TypeError, KeyError, IndexError) as e:  # as the server reads them: a
+                # message without its content, a role the template refuses, content of a type it cannot add
                 raise ValueError(f"cannot apply the chat template to conversation {i}: {type(e).__name__}: "
                                  f"{e}") from None
         return self.generate(
