@@ -30,7 +30,7 @@ def _stub_engine(tokenizer: Any) -> Any:
         yield RequestOutput(request_id, prompt, ids, [out], finished=True)
 
     return SimpleNamespace(is_alive=True, dead_error=None, max_model_len=64, tokenizer=tokenizer,
-                           generate=generate, has_request=lambda request_id: False)
+                           generate=generate)
 
 
 def test_other_requests_are_served_while_a_prompt_is_tokenized() -> None:

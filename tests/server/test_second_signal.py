@@ -58,9 +58,6 @@ class _HangingEngine:
     def tokenizer(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
         return {"input_ids": [5, 6, 7]}
 
-    def has_request(self, request_id: str) -> bool:
-        return False
-
     def add_dead_callback(self, callback: Any) -> None:
         pass
 

@@ -174,7 +174,6 @@ def _context(outputs: list[list[str]], parser: str | None = "hermes") -> tuple[S
             yield RequestOutput(request_id, prompt, ids, samples, finished=step == steps - 1)
 
     engine = SimpleNamespace(is_alive=True, dead_error=None, max_model_len=4096, tokenizer=None, generate=generate,
-                             has_request=lambda request_id: False,
                              input_processor=SimpleNamespace(apply_chat_template=apply_chat_template))
     ctx = ServingContext(engine=engine, served_model_names=["m"], model_path="m",  # type: ignore[arg-type]
                          log_requests=False, tool_call_parser=parser)
