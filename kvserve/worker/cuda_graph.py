@@ -239,8 +239,11 @@ def _release_failed_capture(graph: torch.cuda.CUDAGraph, pool: Any) -> None:
       ("Offset increment outside graph capture"). Where a random op shows that, its state is replaced by a
       copy (same seed and offset) that is not capturing; otherwise the op's offset is given back.
     The pinned-host allocator's record of the capture cannot be ended from Python, so a later capture into
-    the same pool id is refused; kvserve's retries capture into a new pool. A failure here is logged: the
-    capture's own error is the one the caller gets."""
+    the same pool id is refused; kvserve's retries capture into a new pool. The graph is kept alive
+    (`_FAILED_GRAPHS`), and so is its registration with the generator: where it was the first graph to
+    register, the generator's graph-safe seed and offset (1 KiB, allocated by torch at capture_begin) stay
+    allocated (benchmarks/capture_failure_residue.py). A failure here is logged: the capture's own error is
+    the one the caller gets."""
     try:
         graph.pool()  # raises unless the capture ended
     except RuntimeError:
