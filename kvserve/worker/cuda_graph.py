@@ -241,9 +241,10 @@ def _release_failed_capture(graph: torch.cuda.CUDAGraph, pool: Any) -> None:
     The pinned-host allocator's record of the capture cannot be ended from Python, so a later capture into
     the same pool id is refused; kvserve's retries capture into a new pool. The graph is kept alive
     (`_FAILED_GRAPHS`), and so is its registration with the generator: where it was the first graph to
-    register, the generator's graph-safe seed and offset (1 KiB, allocated by torch at capture_begin) stay
-    allocated (benchmarks/capture_failure_residue.py). A failure here is logged: the capture's own error is
-    the one the caller gets."""
+    register, the generator's graph-safe seed and offset stay allocated: 1 KiB that torch allocates at
+    capture_begin on the capture's stream, so a new 2 MiB segment where that stream has no free small block
+    (benchmarks/capture_failure_residue.py). A failure here is logged: the capture's own error is the one the
+    caller gets."""
     try:
         graph.pool()  # raises unless the capture ended
     except RuntimeError:
