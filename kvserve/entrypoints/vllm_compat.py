@@ -33,8 +33,6 @@ UNSUPPORTED_VLLM_FLAGS: dict[str, str] = {
     "--config": "pass the flags on the command line",
     "--calculate-kv-scales": "with --kv-cache-dtype fp8 kvserve stores K and V with scales of 1.0, vLLM's default "
                              "when the checkpoint has none",
-    "--enable-request-id-headers": "responses carry no X-Request-Id header; a request's own X-Request-Id names "
-                                   "it, and its response's id is chatcmpl-<that id> (cmpl- for completions)",
 }
 
 
@@ -171,8 +169,6 @@ def add_ignored_server_args(parser: argparse.ArgumentParser) -> None:
     hide = argparse.SUPPRESS
     parser.add_argument("--enable-reasoning", action="store_true", default=None, help=hide)
     parser.add_argument("--enable-prompt-tokens-details", action="store_true", default=None, help=hide)
-    parser.add_argument("--response-role", type=_vllm_choice(
-        ["assistant"], {}, "chat responses' role is always assistant (vLLM's default)"), default=None, help=hide)
     parser.add_argument("--chat-template-content-format", type=_vllm_choice(["auto", "string"], {
         "openai": "message content reaches the chat template as a string (text parts joined by newlines), never "
                   "as OpenAI's list of parts",
@@ -200,7 +196,6 @@ _IGNORED_WHY: dict[str, tuple[str, str]] = {
     "enable_reasoning": ("--enable-reasoning", "--reasoning-parser turns reasoning on"),
     "enable_prompt_tokens_details": ("--enable-prompt-tokens-details",
                                      "usage always carries prompt_tokens_details.cached_tokens"),
-    "response_role": ("--response-role assistant", "chat responses' role is always assistant"),
     "chat_template_content_format": ("--chat-template-content-format {value}",
                                      "message content reaches the chat template as a string (text parts joined by "
                                      "newlines)"),

@@ -39,7 +39,8 @@ def flagged_server(launch_server: Callable[..., ServerProcess], tiny_llama_dir: 
     return launch_server([tiny_llama_dir, "--served-model-name", TINY_NAME, "--max-model-len", "64",
                           "--kv-cache-memory", "64MiB", "--api-key", API_KEY, "--max-logprobs", "3",
                           "--allowed-origins", f'["{ORIGIN}"]', "--root-path", "/v", "--return-tokens-as-token-ids",
-                          "--scheduling-policy", "priority", "--tool-call-parser", "hermes"])
+                          "--scheduling-policy", "priority", "--tool-call-parser", "hermes",
+                          "--response-role", "model", "--enable-request-id-headers"])
 
 
 def test_origins_root_path_and_max_logprobs(flagged_server: ServerProcess) -> None:
@@ -80,7 +81,46 @@ def test_origins_root_path_and_max_logprobs(flagged_server: ServerProcess) -> No
     assert over.status_code == 400 and over.json()["error"]["param"] == "logprobs"
 
 
+def test_response_role_and_request_id_headers(flagged_server: ServerProcess, tiny_server: ServerProcess) -> None:
+    """--response-role: a chat reply's role (streamed too) under add_generation_prompt; without a generation
+    prompt the reply takes the last message's role, as vLLM's. --enable-request-id-headers: every response,
+    the guard's 401 included, carries X-Request-Id: the client's own, else a new random one. Not without it."""
+    import json
+    import re
+
+    base, auth = flagged_server.base_url, {"Authorization": f"Bearer {API_KEY}"}
+    chat = {"model": TINY_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    reply = httpx.post(base + "/v1/chat/completions", headers={**auth, "X-Request-Id": "trace-7"}, json=chat,
+                       timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["message"]["role"] == "model"
+    assert reply.headers["x-request-id"] == "trace-7"
+    with httpx.stream("POST", base + "/v1/chat/completions", headers=auth, json={**chat, "stream": True},
+                      timeout=60) as stream:
+        assert re.fullmatch("[0-9a-f]{32}", stream.headers["x-request-id"]), stream.headers
+        events = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
+    assert events[0]["choices"][0]["delta"]["role"] == "model"
+    assert all("role" not in event["choices"][0]["delta"] for event in events[1:] if event["choices"])
+    continued = httpx.post(base + "/v1/chat/completions", headers=auth, timeout=60, json={
+        **chat, "messages": [*chat["messages"], {"role": "assistant", "content": "Hello"}],
+        "add_generation_prompt": False, "continue_final_message": True})
+    assert continued.status_code == 200, continued.text
+    assert continued.json()["choices"][0]["message"]["role"] == "assistant"
+    as_user = httpx.post(base + "/v1/chat/completions", headers=auth, json={**chat, "add_generation_prompt": False},
+                         timeout=60)
+    assert as_user.status_code == 200 and as_user.json()["choices"][0]["message"]["role"] == "user", as_user.text
+    refused = httpx.get(base + "/v1/models", headers={"X-Request-Id": "trace-8"}, timeout=10)
+    assert refused.status_code == 401 and refused.headers["x-request-id"] == "trace-8"
+    ids = {httpx.get(base + "/v1/models", headers=auth, timeout=10).headers["x-request-id"] for _ in range(2)}
+    assert len(ids) == 2
+    plain = httpx.post(tiny_server.base_url + "/v1/chat/completions", json=chat, timeout=60,
+                       headers={"X-Request-Id": "trace-9"})
+    assert plain.json()["choices"][0]["message"]["role"] == "assistant"
+    assert "x-request-id" not in plain.headers
+
+
 @pytest.mark.parametrize("flags, message", [
+    (["--response-role", " "], "argument --response-role: must not be empty"),
     (["--allowed-origins", "*"], "expected a JSON list"),
     (["--max-logprobs", "21"], "must be in [0, 20]"),
     (["--root-path", "llm"], "must start with '/'"),

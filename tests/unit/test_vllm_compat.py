@@ -89,16 +89,15 @@ def test_vllm_engine_flags_matching_kvserve_are_accepted_and_noted(command: list
 
 
 def test_vllm_server_flags_matching_kvserve_are_accepted_and_noted() -> None:
-    """--response-role assistant, --chat-template-content-format auto|string, --max-log-len and
-    --disable-frontend-multiprocessing describe what kvserve's server does anyway: accepted and noted."""
+    """--chat-template-content-format auto|string, --max-log-len and --disable-frontend-multiprocessing
+    describe what kvserve's server does anyway: accepted and noted."""
     from kvserve.entrypoints.openai.cli_args import server_engine_args
     from kvserve.entrypoints.vllm_compat import ignored_flag_notes
 
-    ns = _serve("--response-role", "assistant", "--chat-template-content-format", "string", "--max-log-len", "100",
+    ns = _serve("--chat-template-content-format", "string", "--max-log-len", "100",
                 "--disable-frontend-multiprocessing")
     assert [note.split(" ignored: ")[0] for note in ignored_flag_notes(ns)] == [
-        "--response-role assistant", "--chat-template-content-format string", "--max-log-len",
-        "--disable-frontend-multiprocessing"]
+        "--chat-template-content-format string", "--max-log-len", "--disable-frontend-multiprocessing"]
     assert server_engine_args(ns) == server_engine_args(_serve())
     auto = ignored_flag_notes(_serve("--chat-template-content-format", "auto"))
     assert auto == ["--chat-template-content-format auto ignored: message content reaches the chat template as a "
@@ -116,8 +115,6 @@ def test_vllm_server_flags_matching_kvserve_are_accepted_and_noted() -> None:
                                        "own implementation"),
     (["--chat-template-content-format", "openai"], "argument --chat-template-content-format: 'openai' is not "
                                                    "supported"),
-    (["--response-role", "bot"], "argument --response-role: 'bot' is not supported: chat responses' role is "
-                                 "always assistant"),
     (["--max-log-len", "lots"], "argument --max-log-len: invalid int value"),
 ])
 def test_vllm_flag_values_kvserve_does_not_serve_are_refused_by_name(flags: list[str], message: str,
@@ -164,7 +161,6 @@ def test_vllm_flag_values_that_would_matter_are_refused(flags: list[str], messag
     (["serve", "m", "--hf-overrides", "{}"], "--hf-overrides"),
     (["serve", "m", "--rope-scaling", "{}"], "--rope-scaling"),
     (["serve", "m", "--config", "c.yaml"], "--config"),
-    (["serve", "m", "--enable-request-id-headers"], "--enable-request-id-headers"),
     (["generate", "--prompt", "x", "--enable-lora"], "--enable-lora"),
 ])
 def test_unsupported_vllm_flags_are_refused_by_name(argv: list[str], flag: str,

@@ -171,12 +171,13 @@ class SSEResponse(Response):
 
 def build_app(ctx: ServingContext, state: ServerState, metrics: PrometheusStatLogger, api_key: str | None,
               max_body_bytes: int, cors: dict[str, Any] | None = None, force_include_usage: bool = False,
-              docs: bool = True) -> ASGIApp:
+              docs: bool = True, request_id_headers: bool = False) -> ASGIApp:
     """The FastAPI app wrapped in the guard middleware (413 / 401 / 503 while draining) and, with `cors`
     (CORSMiddleware's settings), in CORS outermost: browsers' preflight requests are answered before the
     API key is asked for, and the guard's errors carry the CORS headers too. `force_include_usage`: every
     stream ends with a usage chunk (--enable-force-include-usage); `docs=False`: no /docs, /redoc,
-    /openapi.json (--disable-fastapi-docs)."""
+    /openapi.json (--disable-fastapi-docs); `request_id_headers`: every response carries X-Request-Id
+    (--enable-request-id-headers)."""
     hidden: dict[str, Any] = {} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="kvserve OpenAI-compatible API", version=__version__, **hidden)
     _add_error_handlers(app)
@@ -271,7 +272,7 @@ def build_app(ctx: ServingContext, state: ServerState, metrics: PrometheusStatLo
         check_token_ids(engine, body.tokens, "tokens")
         return {"prompt": engine.tokenizer.decode(body.tokens)}
 
-    guarded: ASGIApp = GuardMiddleware(app, state, api_key, max_body_bytes)
+    guarded: ASGIApp = GuardMiddleware(app, state, api_key, max_body_bytes, request_id_headers)
     return CORSMiddleware(guarded, **cors) if cors is not None else guarded
 
 
@@ -554,6 +555,7 @@ async def _serve_app(ns: argparse.Namespace, config: EngineConfig, engine: Async
         reasoning_parser=ns.reasoning_parser,
         scheduling_policy=config.scheduler_config.scheduling_policy,
         return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
+        response_role=ns.response_role,
     )
     try:
         state = ServerState()
@@ -566,7 +568,8 @@ async def _serve_app(ns: argparse.Namespace, config: EngineConfig, engine: Async
             logger.warning("--allow-credentials with --allowed-origins '[\"*\"]': every web site may send credentialed "
                            "requests (cookies) and read the answers; list the origins you trust")
         app = build_app(ctx, state, metrics, api_key, ns.max_request_body_bytes, cors,
-                        force_include_usage=ns.enable_force_include_usage, docs=not ns.disable_fastapi_docs)
+                        force_include_usage=ns.enable_force_include_usage, docs=not ns.disable_fastapi_docs,
+                        request_id_headers=ns.enable_request_id_headers)
         uv_config = uvicorn.Config(
             app,
             ssl_keyfile=ns.ssl_keyfile,

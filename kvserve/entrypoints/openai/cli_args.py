@@ -72,6 +72,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         "`reasoning` and only the answer as its `content`: deepseek_r1 (DeepSeek-R1, QwQ) or qwen3 "
                         "(Qwen3; chat_template_kwargs enable_thinking false: all content). Requests with "
                         "structured output are not read for reasoning (the grammar shapes the whole reply)")
+    g.add_argument("--response-role", default="assistant", type=_response_role, metavar="ROLE",
+                   help="the role of chat replies, when the request's add_generation_prompt is true (the default); "
+                        "with add_generation_prompt false, a reply takes the role of the request's last message "
+                        "(default assistant)")
+    g.add_argument("--enable-request-id-headers", action="store_true",
+                   help="every response carries an X-Request-Id header: the request's own X-Request-Id, else a new "
+                        "random id")
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help='logprobs show tokens as "token_id:<id>" unless a request sets return_tokens_as_token_ids')
     g.add_argument("--disable-log-requests", action="store_true",
@@ -126,6 +133,12 @@ def _max_logprobs(text: str) -> int:
     if not 0 <= value <= MAX_LOGPROBS:
         raise argparse.ArgumentTypeError(f"must be in [0, {MAX_LOGPROBS}] (the engine's limit), got {value}")
     return value
+
+
+def _response_role(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
 
 
 def _root_path(text: str) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,16 +51,20 @@ class GuardMiddleware:
         state: ServerState,
         api_key: str | None,
         max_body_bytes: int,
+        request_id_headers: bool = False,
     ) -> None:
         self.app = app
         self.state = state
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
+        self.request_id_headers = request_id_headers  # --enable-request-id-headers
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if self.request_id_headers:
+            send = _with_request_id(scope, send)
         response = _ResponseSend(send)
         try:
             await self._guarded(scope, receive, response)
@@ -110,6 +115,20 @@ class GuardMiddleware:
                 scheme, _, token = value.decode("latin-1").partition(" ")
                 return scheme.lower() == "bearer" and hmac.compare_digest(token.strip(), self.api_key)
         return False
+
+
+def _with_request_id(scope: Scope, send: Send) -> Send:
+    """`send`, with an X-Request-Id header added to the response: the request's own X-Request-Id, else a new
+    random id (as vLLM's --enable-request-id-headers)."""
+    request_id = next((value for name, value in scope.get("headers", []) if name == b"x-request-id"), None)
+    header = (b"x-request-id", request_id if request_id is not None else uuid.uuid4().hex.encode())
+
+    async def send_with_id(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), header]}
+        await send(message)
+
+    return send_with_id
 
 
 # How long a cancelled request may take to end its response (`GuardMiddleware`) before the cancellation goes on.

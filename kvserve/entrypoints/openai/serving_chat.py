@@ -76,8 +76,9 @@ class PreparedChat:
                  tokens_as_ids: bool = False, priority: int = 0, forced_tool: str | None = None,
                  required_tools: bool = False, structure_param: str = "structured_outputs",
                  reasoning_field: bool = False, parse_reasoning: bool = False, include_reasoning: bool = True,
-                 ) -> None:
+                 role: str = "assistant") -> None:
         self.request_id = request_id
+        self.role = role  # the reply's role (--response-role, or the last message's without a generation prompt)
         # --reasoning-parser: each message has `reasoning` (null when there is none), as vLLM's
         self.reasoning_field = reasoning_field
         # the text is read for reasoning (not under a grammar, which shapes the whole text; not with qwen3's
@@ -181,7 +182,8 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> PreparedCha
                         required_tools=choice == "required",
                         structure_param="tools" if forced is not None else structured_outputs_from(req)[1],
                         reasoning_field=ctx.reasoning_parser is not None, parse_reasoning=parse_reasoning,
-                        include_reasoning=req.include_reasoning)
+                        include_reasoning=req.include_reasoning,
+                        role=ctx.response_role if req.add_generation_prompt else req.messages[-1].role)
 
 
 def check_tool_definitions(tools: list[dict[str, Any]] | None) -> None:
@@ -323,23 +325,23 @@ async def chat_full(ctx: ServingContext, chat: PreparedChat) -> dict[str, Any]:
         if chat.parse_reasoning:
             split = parse_reasoning(completion.text)
             reasoning, text = split.reasoning, split.content
-        message: dict[str, Any] = {"role": "assistant", "content": text}
+        message: dict[str, Any] = {"role": chat.role, "content": text}
         finish_reason = completion.finish_reason
         if chat.parse_tools:  # from the content: tool calls written while thinking are not calls
             assert ctx.tool_call_parser is not None  # check_tools: "auto" needs it
             parsed = parse_tool_calls(text or "", ctx.tool_call_parser)
             content = parsed.content if parsed.content or not chat.parse_reasoning else None
-            message = {"role": "assistant", "content": content, "tool_calls": parsed.tool_calls[: chat.max_tool_calls]}
+            message = {"role": chat.role, "content": content, "tool_calls": parsed.tool_calls[: chat.max_tool_calls]}
             if parsed.tool_calls:
                 finish_reason = "tool_calls"
         elif chat.forced_tool is not None:  # the text is the arguments
-            message = {"role": "assistant", "content": None, "tool_calls": [
+            message = {"role": chat.role, "content": None, "tool_calls": [
                 {"id": tool_call_id(), "type": "function",
                  "function": {"name": chat.forced_tool, "arguments": completion.text}}]}
         elif chat.required_tools:
             calls = required_tool_calls(completion.text)
             if calls is not None:  # else (cut short) the text stays the content: nothing is lost
-                message = {"role": "assistant", "content": None, "tool_calls": [
+                message = {"role": chat.role, "content": None, "tool_calls": [
                     {"id": tool_call_id(), "type": "function", "function": f} for f in calls]}
                 finish_reason = "tool_calls"
         if chat.reasoning_field:
@@ -409,7 +411,7 @@ async def chat_stream(ctx: ServingContext, chat: PreparedChat, include_usage: bo
                             extra["prompt_logprobs"] = prompt_logprobs_json(update.prompt_logprobs)
                         if index == 0 and chat.return_token_ids:
                             extra["prompt_token_ids"] = chat.prompt_token_ids
-                        yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+                        yield chunk([{"index": index, "delta": {"role": chat.role, "content": ""},
                                       "logprobs": None, "finish_reason": None}],
                                     usage(0) if continuous_usage else None, extra=extra)
                 for choice in _choice_deltas(ctx, chat, update, finished_sent, num_tokens_by_choice, tool_streams,
