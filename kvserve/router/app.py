@@ -307,7 +307,8 @@ class RouterApp:
     async def backends(self, _: web.Request) -> web.Response:
         return web.json_response({"policy": self.router.policy, "backends": [
             {"url": b.url, "healthy": b.healthy, "in_flight": b.in_flight, "served": b.served,
-             "failures": b.failures, "last_error": b.last_error} for b in self.router.backends]})
+             "failures": b.failures, "last_error": b.last_error,
+             "models": None if b.models is None else sorted(b.models)} for b in self.router.backends]})
 
     async def metrics(self, _: web.Request) -> web.Response:
         body = generate_latest(self.registry)

@@ -411,6 +411,8 @@ def test_a_model_only_unreached_backends_might_serve_is_a_503_that_says_so() -> 
         async with routed([FakeBackend("a", models=["m1"])], "round-robin", dead_urls=(dead,)) as (app, base), \
                 aiohttp.ClientSession() as session:
             assert app.router.backends[0].models is None and app.router.backends[1].models == {"m1"}
+            state = await (await session.get(base + "/router/backends")).json()
+            assert [b["models"] for b in state["backends"]] == [None, ["m1"]]  # null: not known
             for _ in range(2):  # round-robin: the dead backend first or second, the same answer
                 unknown = await session.post(base + "/v1/completions", json={"model": "nope", "prompt": "x"})
                 error = (await unknown.json())["error"]
