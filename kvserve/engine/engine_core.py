@@ -96,8 +96,8 @@ class EngineCore:
         self.startup_phases: dict[str, float] = {}
         # Tensor parallelism: the other ranks, which mirror every runner call below (executor.multiproc).
         self.workers: TPWorkers | None = None
-        # Why the engine can take no more steps (a tensor-parallel step failed while the other ranks ran it:
-        # `_lockstep`), once it cannot.
+        # Why the engine can take no more requests or steps (a tensor-parallel step failed while the other
+        # ranks ran it: `_lockstep`; or `shutdown`), once it cannot.
         self._dead: str | None = None
         if config.tensor_parallel_size > 1:
             self.workers = TPWorkers(config)
@@ -193,7 +193,10 @@ class EngineCore:
         return [result, *(self.workers.gather() if self.workers is not None else [])]
 
     def shutdown(self) -> None:
-        """Stop the other tensor-parallel ranks (nothing to do with one). The core takes no steps after."""
+        """Stop the other tensor-parallel ranks (nothing to do with one). The core takes no requests or steps
+        after: they raise EngineDeadError."""
+        if self._dead is None:
+            self._dead = "the engine was shut down"
         if hasattr(self, "structured"):
             self.structured.compiler.shutdown()
         if self.workers is not None:
@@ -239,7 +242,9 @@ class EngineCore:
         return self.config.model_config.max_model_len
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Queue a request. Raises RequestRejected when it can never be served."""
+        """Queue a request. Raises RequestRejected when it can never be served, EngineDeadError when the engine
+        has died or was shut down."""
+        self._check_alive()
         vocab_size = self.runner.arch.vocab_size
         # A token id past the embedding table would crash the forward pass of the whole batch (and with
         # it the engine process): refuse it here. Tokenizers can be larger than the model's vocabulary.

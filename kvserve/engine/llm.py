@@ -140,7 +140,8 @@ class LLM:
 
     def shutdown(self) -> None:
         """Stop the engine's other tensor-parallel processes (with `tensor_parallel_size` > 1; they also
-        stop when this process exits). The object generates nothing after."""
+        stop when this process exits). The object generates nothing after: `generate` and `chat` raise
+        EngineDeadError."""
         self.engine.core.shutdown()
 
     def generate(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 
@@ -126,6 +127,21 @@ def test_prompt_too_long_is_rejected_and_engine_survives() -> None:
     assert not llm.engine.has_unfinished_requests()
     out = llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
     assert out.finished and len(out.outputs[0].token_ids) >= 1
+
+
+def test_a_shut_down_llm_generates_nothing(tiny_model_dir: Callable[..., str]) -> None:
+    """After shutdown(), generate and chat raise EngineDeadError saying so, and queue nothing."""
+    from kvserve.engine.errors import EngineDeadError
+
+    llm = LLM(tiny_model_dir("llama"), max_model_len=64, kv_cache_memory="16MiB")
+    assert llm.generate(["Hi"], SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
+    llm.shutdown()
+    llm.shutdown()  # a second call changes nothing
+    with pytest.raises(EngineDeadError, match="the engine was shut down"):
+        llm.generate(["Hi"], SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(EngineDeadError, match="the engine was shut down"):
+        llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_output_stops_at_max_model_len() -> None:
