@@ -243,7 +243,10 @@ def _cmd_triton_repo(ns: argparse.Namespace) -> int:
     config = EngineArgs(**args).create_engine_config()  # refuse now what the engine would refuse in Triton
     if not ns.write_repo_ids:
         args = with_resolved_paths(args, config.model_config)
-    gpus = [int(g) for g in ns.gpus.split(",")] if ns.gpus else None
+    try:
+        gpus = [int(g) for g in ns.gpus.split(",")] if ns.gpus is not None else None
+    except ValueError:
+        raise ValueError(f"--gpus must list GPU ids separated by commas (e.g. 0,1), got {ns.gpus!r}") from None
     model_dir = write_repository(ns.out, ns.name, args, max_batch_size=ns.max_batch_size, decoupled=ns.decoupled,
                                  instances=ns.instances, gpus=gpus, device=ns.device or "cuda")
     print(f"wrote {model_dir} (config.pbtxt, 1/model.py, 1/kvserve.json); serve it with: "
@@ -319,8 +322,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="Triton's max_batch_size (default 0: no Triton batching; kvserve batches continuously anyway)")
     repo.add_argument("--decoupled", action=argparse.BooleanOptionalAction, default=True,
                       help="decoupled transaction policy: streamed responses (default on)")
-    repo.add_argument("--instances", type=int, default=1, help="model instances (each starts its own engine; default 1)")
-    repo.add_argument("--gpus", default=None, help="GPU ids for the instance group, e.g. 0 or 0,1")
+    repo.add_argument("--instances", type=int, default=1,
+                      help="model instances, each starting its own engine (default 1): on a GPU, engines on each GPU of "
+                      "--gpus (Triton's count; together their --gpu-memory-utilization must fit in 1); on CPU, in "
+                      "all. With --tensor-parallel-size > 1, one engine only")
+    repo.add_argument("--gpus", default=None,
+                      help="GPU ids (as tritonserver numbers them), e.g. 0 or 0,1: the GPUs that get --instances "
+                      "engines each (default 0); with --tensor-parallel-size N, the N GPUs of the one engine "
+                      "(default 0..N-1)")
     repo.add_argument("--write-repo-ids", action="store_true",
                       help="write a Hugging Face repo id given as --model or --tokenizer as given, with --revision, "
                       "--tokenizer-revision and --download-dir, to be looked up again in the Hugging Face cache "

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
+import sys
 from dataclasses import dataclass, field, fields, replace
 
 _SAMPLING_EPS = 1e-5
@@ -87,6 +89,15 @@ class StructuredOutputsParams:
                     if getattr(self, name) not in (None, False))
 
 
+# The scalar fields by type, for `_normalize_scalars` (and the Triton backend, which reads strings into them).
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
+              "truncate_prompt_tokens")
+BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize",
+               "spaces_between_special_tokens")
+_INT64 = (-(1 << 63), (1 << 63) - 1)  # the engine's messages carry a seed as a 64-bit integer
+
+
 @dataclass
 class SamplingParams:
     """How to pick each next token and when to stop.
@@ -160,6 +171,7 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if isinstance(getattr(self, name), bool):  # vLLM reads True as 1 (and False, an int there, as 0)
                 setattr(self, name, int(getattr(self, name)))
+        self._normalize_scalars()
         if self.top_k == -1:
             self.top_k = 0
         if self.seed == -1:  # vLLM's (and OpenAI's) "no seed": a random sample, not a fixed seed of -1
@@ -167,6 +179,31 @@ class SamplingParams:
         if self.logit_bias is not None:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         self._validate()
+
+    def _normalize_scalars(self) -> None:
+        """Each scalar field as the Python type it is declared with (numpy's numbers too, whose types are not
+        Python's), or a SamplingParamsError naming it. A wrong type (a string, a bool for a number) passed
+        here before and failed only where the engine process decoded the request, or was read as truthy."""
+        for name in FLOAT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise SamplingParamsError(f"{name} must be a number, got {value!r}", name)
+            setattr(self, name, float(value))
+        for name in INT_FIELDS:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise SamplingParamsError(f"{name} must be an integer, got {value!r}", name)
+            setattr(self, name, int(value))
+        if self.seed is not None and not _INT64[0] <= self.seed <= _INT64[1]:
+            raise SamplingParamsError(f"seed must be a 64-bit integer, got {self.seed}", "seed")
+        for name in BOOL_FIELDS:
+            value = getattr(self, name)
+            numpy = sys.modules.get("numpy")  # (not imported: the value is no numpy bool)
+            if not (isinstance(value, bool) or (numpy is not None and isinstance(value, numpy.bool_))):
+                raise SamplingParamsError(f"{name} must be true or false, got {value!r}", name)
+            setattr(self, name, bool(value))
 
     def _validate(self) -> None:
         def bad(msg: str, param: str) -> None:

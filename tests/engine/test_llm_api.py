@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -175,6 +176,37 @@ def test_bad_sampling_params_are_clear() -> None:
     assert info.value.param == "top_p"
     with pytest.raises(SamplingParamsError):
         SamplingParams(temperature=-1)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("ignore_eos", "true", "ignore_eos must be true or false, got 'true'"),
+    ("temperature", True, "temperature must be a number, got True"),
+    ("temperature", "0.5", "temperature must be a number"),
+    ("max_tokens", True, "max_tokens must be an integer, got True"),
+    ("n", True, "n must be an integer"),
+    ("max_tokens", 5.0, "max_tokens must be an integer, got 5.0"),
+    ("seed", 2**70, "seed must be a 64-bit integer"),
+    ("skip_special_tokens", None, "skip_special_tokens must be true or false"),
+])
+def test_sampling_params_of_the_wrong_type_are_refused_by_name(field: str, value: object, message: str) -> None:
+    """A wrong type was taken before: read as truthy in this process, or refused only where the engine
+    process decoded the request (the Triton backend's clients got "the engine could not read this request")."""
+    with pytest.raises(SamplingParamsError, match=re.escape(message)) as info:
+        SamplingParams(**{field: value})
+    assert info.value.param == field
+
+
+def test_numpy_numbers_are_taken_as_pythons() -> None:
+    """numpy's scalars (not Python's types) become Python's, so the request encodes for the engine process."""
+    import msgspec
+    import numpy as np
+
+    params = SamplingParams(temperature=np.float32(0.5), max_tokens=np.int64(5), seed=np.int32(3),
+                            ignore_eos=np.bool_(True))
+    assert (params.temperature, params.max_tokens, params.seed, params.ignore_eos) == (0.5, 5, 3, True)
+    assert [type(v) for v in (params.temperature, params.max_tokens, params.seed, params.ignore_eos)] == [
+        float, int, int, bool]
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(params))["max_tokens"] == 5
 
 
 def test_max_model_len_above_model_limit_is_refused() -> None:

@@ -66,6 +66,10 @@ class InferenceResponse:
         assert tensor.name() == "text_output"
         return b"".join(tensor.as_numpy().tolist()).decode()
 
+    def texts(self) -> list[str]:
+        (tensor,) = self._outputs
+        return [t.decode() for t in tensor.as_numpy().tolist()]
+
 
 class Sender:
     def __init__(self) -> None:
@@ -80,13 +84,17 @@ class Sender:
 
 
 class Request:
-    def __init__(self, **inputs: Any) -> None:
+    def __init__(self, parameters: dict[str, Any] | None = None, **inputs: Any) -> None:
         # With max_batch_size > 0 each input has a batch dimension: [1, 1].
         self._inputs = {k: Tensor(k, np.array([[v.encode() if isinstance(v, str) else v]],
                                               dtype=np.object_ if isinstance(v, str) else np.bool_))
                         for k, v in inputs.items()}
+        self._parameters = json.dumps(parameters or {})
         self.sender = Sender()
         self.cancelled = False
+
+    def parameters(self) -> str:  # Triton's: the request's parameters as a JSON object's text ("{}": none)
+        return self._parameters
 
     def inputs(self) -> list[Tensor]:
         return list(self._inputs.values())
@@ -309,3 +317,156 @@ def test_structured_outputs_apply(triton_model: Callable[[bool], Any]) -> None:
     assert not good.has_error(), good.error().message()
     assert re.fullmatch("[0-9]{2}:[0-9]{2}", good.text()), good.text()
     assert refused.has_error() and "invalid regex" in refused.error().message()
+
+
+def test_request_parameters_stand_in_for_sampling_parameters(triton_model: Callable[[bool], Any],
+                                                            tiny_model_dir: Callable[..., str]) -> None:
+    """Without a sampling_parameters input the request's parameters are read (Triton's generate endpoint
+    puts a body's "parameters" there; vLLM's backend reads them): they were ignored, so temperature 0 and
+    max_tokens 3 gave 16 random tokens. stream and exclude_input_in_output may stand there for the inputs;
+    Triton's own triton_* keys are skipped; numbers and booleans may come as strings."""
+    model = triton_model(True)
+    prompt = "The capital of France"
+    expected = _reference(tiny_model_dir("llama"), prompt, 3)
+    whole = Request(text_input=prompt, parameters={"temperature": 0, "max_tokens": 3, "exclude_input_in_output": True,
+                                                   "triton_enable_empty_final_response": True})
+    streamed = Request(text_input=prompt, parameters={"temperature": "0", "max_tokens": "3", "stream": "true",
+                                                      "ignore_eos": "false"})
+    tensor_first = Request(text_input=prompt, sampling_parameters=json.dumps({"temperature": 0, "max_tokens": 3}),
+                           parameters={"max_tokens": 9})  # the input wins, as in vLLM's backend
+    bad = Request(text_input=prompt, parameters={"temperature": "warm"})
+    unknown = Request(text_input=prompt, parameters={"temprature": 0})
+    model.execute([whole, streamed, tensor_first, bad, unknown])
+    for request in (whole, streamed, tensor_first, bad, unknown):
+        assert request.sender.done.wait(60)
+    assert whole.sender.sent[-1][0].text() == expected
+    assert "".join(r.text() for r, _ in streamed.sender.sent if r is not None) == expected
+    assert tensor_first.sender.sent[-1][0].text() == prompt + expected
+    assert bad.sender.sent[-1][0].error().message() == "parameters: temperature must be a number, got 'warm'"
+    assert "temprature" in unknown.sender.sent[-1][0].error().message()
+
+
+def test_n_samples_each_get_their_text(triton_model: Callable[[bool], Any],
+                                       tiny_model_dir: Callable[..., str]) -> None:
+    """sampling_parameters' n: one text_output element a sample, as vLLM's backend (only the first came back);
+    streamed, each response holds each sample's new text. Seeded, the samples are the offline LLM's."""
+    model = triton_model(True)
+    prompt = "Hello, my name is"
+    fields = {"n": 3, "seed": 11, "temperature": 1.0, "max_tokens": 6}
+    llm = LLM(tiny_model_dir("llama"), max_model_len=256, kv_cache_memory="64MiB")
+    (reference,) = llm.generate([prompt], SamplingParams(**fields), use_tqdm=False)
+    expected = [o.text for o in sorted(reference.outputs, key=lambda o: o.index)]
+    assert len(set(expected)) > 1
+    whole = Request(text_input=prompt, sampling_parameters=json.dumps(fields), exclude_input_in_output=True)
+    streamed = Request(text_input=prompt, sampling_parameters=json.dumps(fields), stream=True)
+    model.execute([whole, streamed])
+    assert whole.sender.done.wait(60) and streamed.sender.done.wait(60)
+    assert whole.sender.sent[-1][0].texts() == expected
+    pieces = [r.texts() for r, _ in streamed.sender.sent if r is not None]
+    assert all(len(p) == 3 for p in pieces)
+    assert ["".join(p[i] for p in pieces) for i in range(3)] == expected
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"ignore_eos": "yes"}, "sampling_parameters: ignore_eos must be true or false, got 'yes'"),
+    ({"ignore_eos": 1}, "sampling_parameters: ignore_eos must be true or false, got 1"),
+    ({"temperature": True}, "sampling_parameters: temperature must be a number, got True"),
+    ({"max_tokens": True}, "sampling_parameters: max_tokens must be an integer, got True"),
+    ({"max_tokens": "4.5"}, "sampling_parameters: max_tokens must be an integer, got '4.5'"),
+    ({"seed": 2**70}, "sampling_parameters: seed must be a 64-bit integer"),
+    ({"structured_outputs": "{not json"}, "sampling_parameters: structured_outputs must be a JSON object"),
+    ({"structured_outputs": {"regex": "a"}, "guided_decoding": {"regex": "b"}}, "not both"),
+])
+def test_sampling_fields_of_the_wrong_type_are_the_requests_error(triton_model: Callable[[bool], Any],
+                                                                 fields: dict[str, Any], message: str) -> None:
+    """Refused with the field's name before the engine: such values passed and the engine process could not
+    decode the request (an error of its own, with a traceback in its log), or overflowed its encoder."""
+    model = triton_model(False)
+    (response,) = model.execute([Request(text_input="x", sampling_parameters=json.dumps(fields))])
+    assert response.has_error() and message in response.error().message(), response.error().message()
+
+
+def test_strings_and_older_names_of_vllms_backend_are_read(triton_model: Callable[[bool], Any],
+                                                           tiny_model_dir: Callable[..., str]) -> None:
+    """vLLM's backend reads "0"/"4" as numbers, structured_outputs as a JSON string and guided_decoding as
+    its older name; each was refused here. And a stream never carries the prompt, so an explicit
+    exclude_input_in_output false with stream is refused (as vLLM's), not silently ignored."""
+    model = triton_model(True)
+    prompt = "Time:"
+    strings = Request(text_input=prompt, exclude_input_in_output=True,
+                      sampling_parameters=json.dumps({"temperature": "0", "max_tokens": "4"}))
+    regex = {"regex": "[0-9]{2}:[0-9]{2}"}
+    as_text = Request(text_input=prompt, exclude_input_in_output=True, sampling_parameters=json.dumps(
+        {"temperature": 0.7, "seed": 3, "max_tokens": 12, "structured_outputs": json.dumps(regex)}))
+    older = Request(text_input=prompt, exclude_input_in_output=True, sampling_parameters=json.dumps(
+        {"temperature": 0.7, "seed": 3, "max_tokens": 12, "guided_decoding": regex}))
+    refused = Request(text_input=prompt, stream=True, exclude_input_in_output=False)
+    model.execute([strings, as_text, older, refused])
+    for request in (strings, as_text, older, refused):
+        assert request.sender.done.wait(60)
+    assert strings.sender.sent[-1][0].text() == _reference(tiny_model_dir("llama"), prompt, 4)
+    assert re.fullmatch("[0-9]{2}:[0-9]{2}", as_text.sender.sent[-1][0].text())
+    assert older.sender.sent[-1][0].text() == as_text.sender.sent[-1][0].text()
+    ((response, flags),) = refused.sender.sent
+    assert flags == FINAL and "exclude_input_in_output=false cannot be given with stream=true" in (
+        response.error().message())
+
+
+def test_instance_groups_place_each_engine_once() -> None:
+    """Triton's KIND_GPU count is per listed GPU, and with no list per GPU of the host: the repository had no
+    list, so a 4-GPU host started 4 engines, and --instances 2 --gpus 0,1 four (two a GPU at 0.9 each, the
+    second refused at start). Now: the GPUs listed (GPU 0 by default); engines sharing a GPU must fit in it;
+    a tensor-parallel engine is one KIND_MODEL instance told its GPUs (KIND_GPU would place it on one)."""
+    from kvserve.integrations.triton.repo import instance_group
+
+    assert instance_group("cuda", 1, None, 1, 0.9, False) == ("KIND_GPU", [0], {})
+    assert instance_group("cuda", 1, [2, 3], 1, 0.9, False) == ("KIND_GPU", [2, 3], {})
+    assert instance_group("cuda", 2, [0, 1], 1, 0.45, False) == ("KIND_GPU", [0, 1], {})
+    assert instance_group("cuda", 2, None, 1, 0.9, True) == ("KIND_GPU", [0], {})  # --kv-cache-memory sizes each
+    assert instance_group("cpu", 3, None, 1, 0.9, False) == ("KIND_CPU", None, {})
+    assert instance_group("cuda", 1, None, 2, 0.9, False) == ("KIND_MODEL", None, {"kvserve_gpus": "0,1"})
+    assert instance_group("cuda", 1, [2, 3], 2, 0.9, False) == ("KIND_MODEL", None, {"kvserve_gpus": "2,3"})
+    for args, message in [
+        (("cuda", 2, [0, 1], 1, 0.9, False), "at most 0.50"),
+        (("cuda", 2, None, 2, 0.9, False), "one engine"),
+        (("cuda", 1, [0, 1, 2], 2, 0.9, False), "lists 3 GPUs for --tensor-parallel-size 2"),
+        (("cuda", 1, [0, 0], 1, 0.9, False), "distinct"),
+        (("cuda", 0, None, 1, 0.9, False), ">= 1"),
+        (("cpu", 1, [0], 1, 0.9, False), "--device cuda"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            instance_group(*args)  # type: ignore[arg-type]
+    text = config_pbtxt("m", 0, True, 1, "KIND_MODEL", None, {"kvserve_gpus": "2,3"})
+    assert "kind: KIND_MODEL" in text and "gpus:" not in text
+    assert 'parameters {\n  key: "kvserve_gpus"\n  value: { string_value: "2,3" }\n}' in text
+    assert text.count("{") == text.count("}")
+
+
+def test_a_tensor_parallel_instance_takes_its_gpus() -> None:
+    """KIND_MODEL: the engine's GPUs come from the kvserve_gpus parameter, numbered among the GPUs
+    tritonserver sees (every TP engine took the first N GPUs, whatever --gpus said)."""
+    from kvserve.integrations.triton.model import model_visible_devices
+
+    assert model_visible_devices(None, "2,3") == "2,3"
+    assert model_visible_devices("4,5,6,7", "2,3") == "6,7"
+    with pytest.raises(ValueError, match="beyond the 2 that tritonserver sees"):
+        model_visible_devices("4,5", "1,2")
+
+
+def test_triton_repo_writes_the_placement(tmp_path: Path, tiny_model_dir: Callable[..., str],
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """The command writes the group of `instance_group` and refuses what cannot run (exit 2), writing
+    nothing."""
+    from kvserve.entrypoints.cli import main
+
+    model = tiny_model_dir("llama")
+    assert main(["triton-repo", "--name", "one", "--out", str(tmp_path), "--model", model, "--max-model-len", "64",
+                 "--gpus", "1", "--instances", "2", "--gpu-memory-utilization", "0.4"]) == 0
+    text = (tmp_path / "one" / "config.pbtxt").read_text()
+    assert "count: 2" in text and "kind: KIND_GPU" in text and "gpus: [ 1 ]" in text
+    assert main(["triton-repo", "--name", "two", "--out", str(tmp_path), "--model", model, "--max-model-len", "64",
+                 "--instances", "2"]) == 2
+    assert "at most 0.50 (it is 0.9)" in capsys.readouterr().err
+    assert main(["triton-repo", "--name", "three", "--out", str(tmp_path), "--model", model, "--gpus", "a,b"]) == 2
+    assert "--gpus must list GPU ids separated by commas" in capsys.readouterr().err
+    assert not (tmp_path / "two").exists() and not (tmp_path / "three").exists()

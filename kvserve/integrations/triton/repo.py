@@ -27,12 +27,15 @@ from kvserve.integrations.triton.model import TritonPythonModel  # noqa: F401
 
 
 def config_pbtxt(name: str, max_batch_size: int, decoupled: bool, instances: int, kind: str,
-                 gpus: list[int] | None) -> str:
-    """The model's config.pbtxt."""
+                 gpus: list[int] | None, parameters: dict[str, str] | None = None) -> str:
+    """The model's config.pbtxt. `instances` is Triton's instance-group count: per listed GPU with KIND_GPU,
+    in all with KIND_CPU and KIND_MODEL. `parameters`: the model's string parameters (model_config's)."""
     group = f"    count: {instances}\n    kind: {kind}\n"
     if kind == "KIND_GPU" and gpus:
         group += f"    gpus: [ {', '.join(map(str, gpus))} ]\n"
     batching = ("dynamic_batching {\n  max_queue_delay_microseconds: 1000\n}\n" if max_batch_size > 0 else "")
+    params = "".join(f'parameters {{\n  key: "{key}"\n  value: {{ string_value: "{value}" }}\n}}\n'
+                     for key, value in (parameters or {}).items())
     return (
         f'name: "{name}"\n'
         'backend: "python"\n'
@@ -49,7 +52,46 @@ def config_pbtxt(name: str, max_batch_size: int, decoupled: bool, instances: int
         '  { name: "text_output", data_type: TYPE_STRING, dims: [ -1 ] }\n'
         "]\n"
         f"instance_group [\n  {{\n{group}  }}\n]\n"
+        f"{params}"
     )
+
+
+# The model parameter naming a tensor-parallel engine's GPUs (KIND_MODEL: Triton places no such instance).
+GPUS_PARAMETER = "kvserve_gpus"
+
+
+def instance_group(device: str, instances: int, gpus: list[int] | None, tensor_parallel_size: int,
+                   gpu_memory_utilization: float, kv_cache_memory_given: bool
+                   ) -> tuple[str, list[int] | None, dict[str, str]]:
+    """(kind, gpus, model parameters) of the instance group, or ValueError for a placement that cannot run.
+
+    * CPU: KIND_CPU, `instances` engines in all.
+    * One GPU an engine: KIND_GPU on `gpus` (default GPU 0), `instances` engines on each of them (Triton's
+      count is per listed GPU; with no list it would be per GPU of the host). Engines on one GPU share it, so
+      their --gpu-memory-utilization shares must fit in it (or --kv-cache-memory size each cache).
+    * Tensor parallelism: KIND_MODEL, one instance, whose engine takes `gpus` (default 0 .. N-1) through the
+      `kvserve_gpus` parameter: Triton places a KIND_GPU instance on one GPU only."""
+    if instances < 1:
+        raise ValueError("--instances must be >= 1")
+    if device == "cpu":
+        if gpus:
+            raise ValueError("--gpus needs --device cuda")
+        return "KIND_CPU", None, {}
+    if gpus is not None and (not gpus or len(set(gpus)) != len(gpus) or min(gpus) < 0):
+        raise ValueError(f"--gpus must list distinct GPU ids >= 0, got {gpus}")
+    if tensor_parallel_size > 1:
+        if instances != 1:
+            raise ValueError("with --tensor-parallel-size > 1 the repository holds one engine (--instances 1); "
+                             "write one repository per engine, each with its own --gpus")
+        chosen = gpus if gpus is not None else list(range(tensor_parallel_size))
+        if len(chosen) != tensor_parallel_size:
+            raise ValueError(f"--gpus lists {len(chosen)} GPUs for --tensor-parallel-size {tensor_parallel_size}")
+        return "KIND_MODEL", None, {GPUS_PARAMETER: ",".join(map(str, chosen))}
+    if instances > 1 and not kv_cache_memory_given and instances * gpu_memory_utilization > 1.0:
+        raise ValueError(f"{instances} engines on each GPU share it: give each --gpu-memory-utilization at most "
+                         f"{1.0 / instances:.2f} (it is {gpu_memory_utilization}), or size each KV cache with "
+                         "--kv-cache-memory")
+    return "KIND_GPU", gpus if gpus is not None else [0], {}
 
 
 def with_resolved_paths(engine_args: dict[str, Any], model_config: ModelConfig) -> dict[str, Any]:
@@ -70,18 +112,24 @@ def with_resolved_paths(engine_args: dict[str, Any], model_config: ModelConfig) 
 def write_repository(out_dir: str, name: str, engine_args: dict[str, Any], max_batch_size: int = 0,
                      decoupled: bool = True, instances: int = 1, gpus: list[int] | None = None,
                      device: str = "cuda") -> str:
-    """Write the repository's model directory; returns it. ValueError on a bad name or an existing model."""
+    """Write the repository's model directory; returns it. ValueError on a bad name, an existing model or a
+    placement that cannot run (`instance_group`)."""
+    from kvserve.config import CacheConfig
+
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
         raise ValueError(f"model name {name!r} may hold letters, digits, '_', '.', '-' only")
-    if max_batch_size < 0 or instances < 1:
-        raise ValueError("max_batch_size must be >= 0 and instances >= 1")
+    if max_batch_size < 0:
+        raise ValueError("max_batch_size must be >= 0")
+    kind, group_gpus, parameters = instance_group(
+        device, instances, gpus, int(engine_args.get("tensor_parallel_size") or 1),
+        float(engine_args.get("gpu_memory_utilization") or CacheConfig.gpu_memory_utilization),
+        engine_args.get("kv_cache_memory") is not None or engine_args.get("kv_cache_memory_bytes") is not None)
     model_dir = os.path.join(out_dir, name)
     if os.path.exists(os.path.join(model_dir, "config.pbtxt")):
         raise ValueError(f"{model_dir} already holds a model (config.pbtxt); remove it or pick another --name")
     os.makedirs(os.path.join(model_dir, "1"), exist_ok=True)
-    kind = "KIND_CPU" if device == "cpu" else "KIND_GPU"
     with open(os.path.join(model_dir, "config.pbtxt"), "w") as f:
-        f.write(config_pbtxt(name, max_batch_size, decoupled, instances, kind, gpus))
+        f.write(config_pbtxt(name, max_batch_size, decoupled, instances, kind, group_gpus, parameters))
     with open(os.path.join(model_dir, "1", "model.py"), "w") as f:
         f.write(_MODEL_PY)
     args = {k: v for k, v in engine_args.items() if v is not None}
