@@ -205,7 +205,7 @@ class AsyncLLM:
         self._by_core_id[core_id] = state
         for request in requests:
             self._by_child_id[request.req_id] = state
-            self._tracker.add(request.req_id, now, len(prompt_token_ids), request.max_tokens)
+        self._tracker.add_group([r.req_id for r in requests], now, len(prompt_token_ids), requests[0].max_tokens)
         finished = False
         failure: Exception | None = None
         try:

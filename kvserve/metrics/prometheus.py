@@ -37,9 +37,10 @@ ITL_BUCKETS_S = [
     0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 ]
 REQUEST_LATENCY_BUCKETS_S = [
-    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
     40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 ]
+N_BUCKETS = [1, 2, 5, 10, 20]  # vLLM's for request_params_n
 FINISH_REASONS = ("stop", "length", "abort")
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -120,6 +121,10 @@ class _Series:
         self.prompt_hist = histogram("request_prompt_tokens", "Prompt tokens per request.", tokens)
         self.generation_hist = histogram("request_generation_tokens", "Generated tokens per request.", tokens)
         self.max_tokens_hist = histogram("request_params_max_tokens", "max_tokens per request.", tokens)
+        self.n_hist = histogram("request_params_n", "n (samples) per request, counted once all its samples end.",
+                                N_BUCKETS)
+        self.max_generation_hist = histogram("request_max_num_generation_tokens", "The most tokens one sample of "
+                                             "a request generated, once all its samples end.", tokens)
 
     def success_counter(self, reason: str) -> Counter:
         if reason not in self.success:
@@ -193,6 +198,9 @@ class PrometheusStatLogger:
                     s.decode.observe(done.decode_time_s)
                 if done.prefill_time_s is not None and done.decode_time_s is not None:
                     s.inference.observe(done.prefill_time_s + done.decode_time_s)
+            for n, max_generation_tokens in iteration.finished_groups:
+                s.n_hist.observe(n)
+                s.max_generation_hist.observe(max_generation_tokens)
 
     def _record_scheduler(self, stats: SchedulerStats) -> None:
         queries = _delta(stats.prefix_cache_queries, self._last_queries)

@@ -38,10 +38,12 @@ class IterationStats:
     time_to_first_tokens_s: list[float] = field(default_factory=list)
     inter_token_latencies_s: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
+    # (n, the most tokens one of its samples generated) of each request whose samples have all finished
+    finished_groups: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not (self.num_prompt_tokens or self.num_generation_tokens or self.finished)
+        return not (self.num_prompt_tokens or self.num_generation_tokens or self.finished or self.finished_groups)
 
 
 class StatLogger(Protocol):
@@ -58,6 +60,16 @@ class _RequestTimes:
     last_token_time: float | None = None
     num_generation_tokens: int = 0
     prompt_counted: bool = False  # its prompt tokens are in an IterationStats
+    group: _Group | None = None  # the request's samples (all of them, n of them)
+
+
+@dataclass
+class _Group:
+    """A request's samples: how many are still live, and the most tokens a finished one generated."""
+
+    n: int
+    live: int
+    max_generation_tokens: int = 0
 
 
 class RequestStatsTracker:
@@ -67,7 +79,16 @@ class RequestStatsTracker:
         self._requests: dict[str, _RequestTimes] = {}
 
     def add(self, req_id: str, arrival_time: float, num_prompt_tokens: int, max_tokens: int) -> None:
-        self._requests[req_id] = _RequestTimes(arrival_time, num_prompt_tokens, max_tokens)
+        """One engine request: a request alone (n=1). `add_group` adds a request's n samples together."""
+        self.add_group([req_id], arrival_time, num_prompt_tokens, max_tokens)
+
+    def add_group(self, req_ids: list[str], arrival_time: float, num_prompt_tokens: int, max_tokens: int) -> None:
+        """The n engine requests of one request's samples; when the last of them finishes, the request's n and
+        the most tokens a sample generated go to IterationStats.finished_groups (vLLM's request_params_n and
+        request_max_num_generation_tokens)."""
+        group = _Group(len(req_ids), len(req_ids))
+        for req_id in req_ids:
+            self._requests[req_id] = _RequestTimes(arrival_time, num_prompt_tokens, max_tokens, group=group)
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -111,6 +132,12 @@ class RequestStatsTracker:
                 prefill_s = max(times.first_token_time - times.first_scheduled_time, 0.0)
         if times.first_token_time is not None and times.last_token_time is not None:
             decode_s = times.last_token_time - times.first_token_time
+        group = times.group
+        if group is not None:
+            group.live -= 1
+            group.max_generation_tokens = max(group.max_generation_tokens, times.num_generation_tokens)
+            if group.live == 0:
+                iteration.finished_groups.append((group.n, group.max_generation_tokens))
         iteration.finished.append(
             FinishedRequestStats(
                 finish_reason=finish_reason,

@@ -152,6 +152,8 @@ def test_metrics_present_labelled_and_moving(tiny_server: ServerProcess, tiny_to
                  "request_prompt_tokens", "request_generation_tokens"):
         assert delta(f"kvserve:{name}_count") == 2, name
     assert delta("kvserve:inter_token_latency_seconds_count") == 2 * 4
+    assert delta("kvserve:request_params_n_count") == 2 and delta("kvserve:request_params_n_sum") == 2
+    assert delta("kvserve:request_max_num_generation_tokens_sum") == 2 * 5
     assert delta("kvserve:request_prompt_tokens_sum") == 2 * 48
     assert delta("kvserve:prefix_cache_queries_total") >= 2 * 48 - 1
     # The second request finds the first one's full blocks (its last token is recomputed).

@@ -177,6 +177,34 @@ def test_prometheus_logger_observes_iterations():
     assert not any(name.startswith("vllm:") for name, _ in s)
 
 
+def test_a_requests_samples_count_once_for_n_and_their_longest_output():
+    """vLLM's request_params_n and request_max_num_generation_tokens: once per request, when its last sample
+    ends (an n=3 request whose samples made 2, 5 and 1 tokens: n 3, 5 tokens; a request alone: n 1)."""
+    logger = PrometheusStatLogger("m", max_model_len=100, metrics_compat="vllm")
+    tracker = RequestStatsTracker()
+    tracker.add_group(["g0", "g1", "g2"], 0.0, 4, 8)
+    tracker.add("solo", 0.0, 4, 8)
+    it = IterationStats()
+    for req_id, num in (("g0", 2), ("g1", 5), ("g2", 1), ("solo", 3)):
+        tracker.on_output(EngineCoreOutput(req_id, list(range(num)), first_scheduled_time=0.1), 0.2, it)
+    tracker.finish("g0", "stop", 0.3, it)
+    tracker.finish("g1", "length", 0.3, it)
+    assert it.finished_groups == []  # a sample is still live
+    tracker.finish("solo", "stop", 0.3, it)
+    tracker.finish("g2", "abort", 0.4, it)
+    assert it.finished_groups == [(1, 3), (3, 5)] and len(tracker) == 0
+    logger.record(None, it)
+    s = _samples(logger)
+    label = ("model_name", "m")
+    for prefix in ("kvserve:", "vllm:"):
+        assert s[(prefix + "request_params_n_count", (label,))] == 2
+        assert s[(prefix + "request_params_n_sum", (label,))] == 4
+        assert s[(prefix + "request_max_num_generation_tokens_sum", (label,))] == 8
+        assert s[(prefix + "request_params_n_bucket", (("le", "2.0"), label))] == 1
+    # vLLM's request latency buckets are all there (0.3 s was missing).
+    assert (("vllm:e2e_request_latency_seconds_bucket", (("le", "0.3"), label))) in s
+
+
 def test_token_buckets():
     assert token_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
     assert token_buckets(8192)[-1] == 5000
