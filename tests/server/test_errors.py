@@ -110,6 +110,8 @@ def test_chat_only_parameters(http):
     assert_openai_error(http.post("/v1/chat/completions", json=bad_top), 400, "top_logprobs")
     without_logprobs = {"messages": CHAT, "max_tokens": 2, "top_logprobs": 2}
     assert_openai_error(http.post("/v1/chat/completions", json=without_logprobs), 400, "top_logprobs")
+    zero = http.post("/v1/chat/completions", json={**without_logprobs, "top_logprobs": 0})  # taken, as vLLM
+    assert zero.status_code == 200 and zero.json()["choices"][0]["logprobs"] is None, zero.text
     bad_completion_tokens = {"messages": CHAT, "max_completion_tokens": 0}
     assert_openai_error(http.post("/v1/chat/completions", json=bad_completion_tokens), 400, "max_completion_tokens")
     options_without_stream = {"messages": CHAT, "max_tokens": 2, "stream_options": {"include_usage": True}}
@@ -241,6 +243,12 @@ def test_messages_name_the_field_as_the_request_spelled_it(http):
     error = assert_openai_error(http.post("/v1/chat/completions", json={
         "messages": CHAT, "max_completion_tokens": 0}), 400, "max_completion_tokens")
     assert error["message"] == "max_completion_tokens must be an integer >= 1, got 0"
+    error = assert_openai_error(http.post("/v1/chat/completions", json={
+        "messages": CHAT, "max_completion_tokens": 3, "min_tokens": 5}), 400, "min_tokens")
+    assert error["message"] == "min_tokens (5) must be <= max_completion_tokens (3)"
+    error = assert_openai_error(http.post("/v1/chat/completions", json={
+        "messages": CHAT, "max_tokens": 3, "min_tokens": 5}), 400, "min_tokens")
+    assert error["message"] == "min_tokens (5) must be <= max_tokens (3)"
     error = assert_openai_error(http.post("/v1/chat/completions", json={
         "messages": [{"role": "user", "content": [{"type": "text"}]}], "max_tokens": 2}), 400, "messages")
     assert error["message"] == "a content part of type 'text' needs its text as a string, got '(none)'"

@@ -121,7 +121,7 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> PreparedCha
                               "chat_template")
     if req.stream_options is not None and not req.stream:
         raise BadRequestError("stream_options can only be given when stream is true", "stream_options")
-    if req.top_logprobs is not None and not req.logprobs:
+    if req.top_logprobs and not req.logprobs:  # 0 is taken (and changes nothing), as vLLM takes it
         raise BadRequestError("top_logprobs needs logprobs set to true", "top_logprobs")
     if req.continue_final_message and req.add_generation_prompt:
         raise BadRequestError("continue_final_message needs add_generation_prompt set to false",

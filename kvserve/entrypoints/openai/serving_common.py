@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import logging
 import math
+import re
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -217,13 +218,14 @@ def sampling_params_from(
 
 
 def _renamed(error: SamplingParamsError, names: dict[str, str]) -> BadRequestError:
-    """A 400 for `error` under the API's name of its parameter (max_completion_tokens for max_tokens, ...), in
-    its param and in the message, which starts with the engine's name."""
-    param = names.get(error.param, error.param)
+    """A 400 for `error` under the API's names of the parameters (max_completion_tokens for max_tokens, ...):
+    in its param, and in the message wherever it names one of them as a word ("min_tokens (5) must be <=
+    max_tokens (3)" to a request that sent max_completion_tokens)."""
     message = str(error)
-    if param != error.param and message.startswith(error.param + " "):
-        message = param + message[len(error.param):]
-    return BadRequestError(message, param)
+    for engine_name, api_name in names.items():
+        if api_name != engine_name:
+            message = re.sub(rf"(?<![\w.]){re.escape(engine_name)}(?![\w.])", api_name, message)
+    return BadRequestError(message, names.get(error.param, error.param))
 
 
 def with_bad_words(engine: AsyncLLM, params: SamplingParams) -> SamplingParams:
