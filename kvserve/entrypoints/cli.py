@@ -266,7 +266,7 @@ def _cmd_route(ns: argparse.Namespace) -> int:
         raise ValueError(f"--request-timeout must be positive, got {ns.request_timeout}")
     api_key, _ = api_key_from(ns.api_key, envs.KVSERVE_API_KEY, envs.VLLM_API_KEY)
     config = RouterConfig(health_check_interval_s=ns.health_check_interval, request_timeout_s=ns.request_timeout,
-                          api_key=api_key)
+                          api_key=api_key, engine_metrics=ns.engine_metrics)
     return run_router(backends, ns.policy, ns.host, ns.port, config)
 
 
@@ -365,6 +365,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "polls of /health and /v1/models, which it needs to learn the models of backends started "
                        "with --api-key; clients' requests are forwarded with their own Authorization (default: "
                        "$KVSERVE_API_KEY when set, where set empty means no key; else $VLLM_API_KEY; none)")
+    route.add_argument("--engine-metrics", action="store_true",
+                       help="/metrics also carries each backend's own series, labelled engine=\"<i>\" by the "
+                       "backend's position in --backend (as kvserve serve --data-parallel-size serves them), so "
+                       "one scrape of the router (kvserve bench's, say) sees the engines; a backend that does "
+                       "not answer within 2 s is left out of that scrape")
     route.set_defaults(func=_cmd_route)
     return parser
 

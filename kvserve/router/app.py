@@ -57,7 +57,8 @@ header is forwarded, so backends started with --api-key check it themselves.
 * `GET /health`: 200 while at least one backend is healthy, else 503 (OpenAI's error body).
   `GET /router/backends`: each backend's state (JSON). `GET /metrics`: the router's own Prometheus
   series (requests by backend and status, retries, in-flight and health per backend); with
-  `engine_metrics` (the replicas of `kvserve serve --data-parallel-size`) also each backend's own /metrics,
+  `engine_metrics` (`--engine-metrics`; the replicas of `kvserve serve --data-parallel-size`) also each
+  backend's own /metrics,
   labelled `engine="<i>"` by its position (a backend that does not answer within 2 s is left out).
 * SIGTERM / SIGINT: stop accepting, let requests in flight finish (up to 60 s), exit 0. Those still in flight
   then, or at a second signal, end as the server ends those it stops (`RouterApp.end_in_flight`): a 503 in the

@@ -652,6 +652,9 @@ def test_route_command_reads_its_api_key_as_the_server_reads_its_own(monkeypatch
     assert key([], "", "vllm") is None
     assert key([], None, "vllm") == "vllm"
     assert key([], None, None) is None
+    assert not configs[-1].engine_metrics
+    ns = build_parser().parse_args(["route", "--backend", "http://127.0.0.1:1", "--engine-metrics"])
+    assert ns.func(ns) == 0 and configs[-1].engine_metrics  # (what it does: the test of engine_metrics)
 
 
 def test_ping_goes_to_a_backend() -> None:
