@@ -34,12 +34,16 @@ class ProcessedPrompt:
 
 def truncate_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
     """The prompt's last `truncate_prompt_tokens` tokens (-1: as many as leave room for one new token), as
-    vLLM keeps them; the prompt itself when the setting is off or the prompt is shorter."""
+    vLLM keeps them; the prompt itself when the setting is off or the prompt is shorter. A setting above
+    max_model_len is a SamplingParamsError, as vLLM refuses it (it would keep prompts no request can hold)."""
     keep = params.truncate_prompt_tokens
     if keep is None:
         return prompt_token_ids
     if keep == -1:
         keep = max_model_len - 1
+    if keep > max_model_len:
+        raise SamplingParamsError(f"truncate_prompt_tokens ({keep}) must be at most max_model_len ({max_model_len})",
+                                  "truncate_prompt_tokens")
     return prompt_token_ids[-keep:] if len(prompt_token_ids) > keep else prompt_token_ids
 
 

@@ -250,6 +250,12 @@ def test_truncate_prompt_tokens(tiny_server: ServerProcess) -> None:
     assert long.status_code == 200 and long.json()["usage"]["prompt_tokens"] == max_len - 1
     refused = _post(tiny_server, "/v1/completions", {**COMPLETION, "truncate_prompt_tokens": 0})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "truncate_prompt_tokens"
+    # Above max_model_len: refused as vLLM refuses it (it was taken, and kept prompts no request can hold).
+    for path, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
+        over = _post(tiny_server, path, {**body, "truncate_prompt_tokens": max_len + 1})
+        assert over.status_code == 400 and over.json()["error"]["param"] == "truncate_prompt_tokens", over.text
+        assert over.json()["error"]["message"] == (
+            f"truncate_prompt_tokens ({max_len + 1}) must be at most max_model_len ({max_len})")
 
 
 def test_allowed_token_ids(tiny_server: ServerProcess) -> None:

@@ -162,7 +162,10 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> PreparedCha
     except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
         raise BadRequestError(f"cannot apply the chat template to these messages: {e}", "messages") from None
     assert processed.prompt is not None
-    processed.prompt_token_ids = truncate_prompt(processed.prompt_token_ids, params, engine.max_model_len)
+    try:
+        processed.prompt_token_ids = truncate_prompt(processed.prompt_token_ids, params, engine.max_model_len)
+    except SamplingParamsError as e:
+        raise BadRequestError(str(e), e.param) from None
     check_lengths(engine, len(processed.prompt_token_ids), params.max_tokens, "messages", max_tokens_param)
     # The model's reply length when the request sets none; the generation config's cap (vLLM's rule).
     params = with_length_limits(params, ctx.sampling_defaults.get("max_tokens"), ctx.max_tokens_cap,

@@ -38,7 +38,7 @@ from kvserve.entrypoints.openai.serving_common import (
 )
 from kvserve.entrypoints.openai.sse import SSE_DONE, sse
 from kvserve.protocol.outputs import Logprob, RequestOutput
-from kvserve.protocol.sampling_params import SamplingParams
+from kvserve.protocol.sampling_params import SamplingParams, SamplingParamsError
 
 
 class PreparedPrompt:
@@ -113,7 +113,10 @@ def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> PreparedC
         else:
             check_token_ids(engine, item, "prompt")
             ids, text = list(item), None
-        kept = truncate_prompt(ids, params, engine.max_model_len)
+        try:
+            kept = truncate_prompt(ids, params, engine.max_model_len)
+        except SamplingParamsError as e:
+            raise BadRequestError(str(e), e.param) from None
         if len(kept) < len(ids):  # truncate_prompt_tokens: echo shows the tokens kept
             ids, text = kept, None
         check_lengths(engine, len(ids), params.max_tokens, "prompt", "max_tokens")
