@@ -17,6 +17,9 @@ MAX_DURATION_S = 24 * 3600.0
 # Stop issuing when this many requests have finished and every one of them failed (server down, wrong
 # model name): more requests would only measure the error path.
 ABORT_AFTER_ALL_FAILED = 100
+# Stop issuing when this many requests in a row got no answer at all (`connection`): the server has gone (a
+# closed loop would otherwise resend at once after each refused connection, thousands a second).
+ABORT_AFTER_CONNECTION_FAILURES = 50
 
 
 class BenchConfigError(ValueError):

@@ -2,7 +2,8 @@
 
 `run_load(shape, dataset, client, ...)` returns every request's record, failures included, in completion
 order. Both loops stop issuing at `num_prompts` requests, at `duration_s`, at `MAX_REQUESTS_PER_RUN`, when
-the first `ABORT_AFTER_ALL_FAILED` requests all failed, or when `stop` is set. Requests in flight then
+the first `ABORT_AFTER_ALL_FAILED` requests all failed, when `ABORT_AFTER_CONNECTION_FAILURES` requests in a
+row could not connect (the server went away mid-run), or when `stop` is set. Requests in flight then
 finish, each bounded by the client's request timeout; with a duration, those still running
 `drain_timeout_s` after it (and all of them once `stop` is set) are cancelled and recorded as `cancelled`.
 So a run always ends, and no request it sent, nor any open-loop arrival it did not send yet, is missing
@@ -21,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from kvserve.bench.client import ERROR_CANCELLED, RequestRecord, StreamClient
-from kvserve.bench.config import ABORT_AFTER_ALL_FAILED, LoadShape
+from kvserve.bench.client import ERROR_CANCELLED, ERROR_CONNECTION, RequestRecord, StreamClient
+from kvserve.bench.config import ABORT_AFTER_ALL_FAILED, ABORT_AFTER_CONNECTION_FAILURES, LoadShape
 from kvserve.bench.datasets import BenchRequest, Requests
 
 
@@ -60,6 +61,7 @@ class _Run:
         self.on_done = on_done
         self.next_index = 0
         self.succeeded = 0
+        self.unconnected_in_row = 0  # the latest records that all failed to connect
         self.records: list[RequestRecord] = []
         self.stopped: str | None = None
         self.tasks: set[asyncio.Task[Any]] = set()
@@ -74,9 +76,13 @@ class _Run:
     def finished(self, record: RequestRecord) -> None:
         self.records.append(record)
         self.succeeded += record.success
+        self.unconnected_in_row = self.unconnected_in_row + 1 if record.error_kind == ERROR_CONNECTION else 0
         if self.succeeded == 0 and len(self.records) >= ABORT_AFTER_ALL_FAILED and not self.stopped:
             self.stopped = (f"stopped early: the first {len(self.records)} requests all failed "
                             f"(last error: {record.error_kind}: {record.error})")
+        elif self.unconnected_in_row >= ABORT_AFTER_CONNECTION_FAILURES and not self.stopped:
+            self.stopped = (f"stopped early: {self.unconnected_in_row} requests in a row could not connect to the "
+                            f"server (last error: {record.error})")
         if self.on_done is not None:
             self.on_done(record)
 

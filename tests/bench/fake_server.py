@@ -64,6 +64,8 @@ class FakeBehavior:
     metrics_delay_s: float = 0.0
     # The model names requests may send (a 404 with OpenAI's error body for another, as vLLM answers); None: any.
     served_models: tuple[str, ...] | None = None
+    # The server stops listening once this many requests have arrived (it goes away mid-run).
+    exit_after: int | None = None
 
 
 @dataclass
@@ -138,6 +140,8 @@ class FakeOpenAIServer:
         body = await request.json()
         s.num_requests += 1
         k = s.num_requests
+        if b.exit_after is not None and k >= b.exit_after:
+            self._server.should_exit = True  # uvicorn closes the listening socket: later connections are refused
         s.bodies.append(body)
         s.arrival_times.append(time.perf_counter())
         if request.client is not None:

@@ -14,7 +14,7 @@ from bench.fake_server import MODEL, answer_text
 from kvserve import envs
 from kvserve.bench import runner
 from kvserve.bench.client_health import ClientHealthMonitor, ClientHealthReport
-from kvserve.bench.config import ABORT_AFTER_ALL_FAILED
+from kvserve.bench.config import ABORT_AFTER_ALL_FAILED, ABORT_AFTER_CONNECTION_FAILURES
 from kvserve.bench.load import arrival_gaps
 
 STAT_ORDER = ("min_ms", "median_ms", "p90_ms", "p95_ms", "p99_ms", "max_ms")
@@ -328,6 +328,23 @@ def test_a_server_that_fails_everything_stops_the_run_early(fake_server, bench, 
     assert s.completed == 0 and s.errors == {"http_500": s.num_requests}
     assert ABORT_AFTER_ALL_FAILED <= s.num_requests < ABORT_AFTER_ALL_FAILED + 4
     assert s.stopped and "all failed" in s.stopped
+
+
+def test_a_server_that_goes_away_mid_run_stops_the_run(fake_server, bench, prompts_file):
+    """Refused connections after some successes: the closed loop resent at once after each (8,274 failed
+    requests in 5 s in a user's run); now the run stops issuing after ABORT_AFTER_CONNECTION_FAILURES in a
+    row, saying why, and reports what it measured."""
+    import time
+
+    server = fake_server(exit_after=6)
+    start = time.perf_counter()
+    result, _ = bench(server.base_url + "/v1/completions", "--concurrency", "2", "--duration", "60",
+                      "--max-tokens", "3", "--dataset", "file", "--dataset-path", prompts_file)
+    s = result.runs[0].summary
+    assert time.perf_counter() - start < 50
+    assert s.completed >= 5 and s.errors.get("connection", 0) >= ABORT_AFTER_CONNECTION_FAILURES
+    assert s.num_requests < s.completed + ABORT_AFTER_CONNECTION_FAILURES + 10
+    assert s.stopped and f"{ABORT_AFTER_CONNECTION_FAILURES} requests in a row could not connect" in s.stopped
 
 
 def test_without_usage_tokens_are_counted_with_the_local_tokenizer(fake_server, bench, tiny_model_dir):
