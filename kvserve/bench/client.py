@@ -220,6 +220,10 @@ class StreamClient:
                 text = (await response.read()).decode("utf-8", "replace")
                 record.fail(f"http_{response.status}", text.strip(), response.status)
                 return
+            if response.status >= 300:  # not followed: the body of a POST would not go with it
+                record.fail(f"http_{response.status}", f"redirected to {response.headers.get('Location')!r}",
+                            response.status)
+                return
             if "text/event-stream" not in response.headers.get("Content-Type", ""):
                 # A server that ignores `stream`: the whole answer is one chunk.
                 obj = self._decode(await response.read(), record)

@@ -131,6 +131,9 @@ class BenchConfig:
             raise BenchConfigError(
                 f"--endpoint {self.endpoint!r} is no completions URL: give the route itself, e.g. {chat} or "
                 ".../completions (or --api chat / completions for a server whose route is named otherwise)")
+        if parts.path.endswith("/") and parts.path.rstrip("/"):
+            # .../chat/completions/ is the route itself to a user, but a server answers it with a redirect (or 404)
+            object.__setattr__(self, "endpoint", parts._replace(path=parts.path.rstrip("/")).geturl())
         if not self.shapes:
             raise BenchConfigError("no load shape to run")
         if self.warmup < 0:
@@ -141,6 +144,9 @@ class BenchConfig:
             raise BenchConfigError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
         if not self.metrics_interval_s > 0:
             raise BenchConfigError(f"--metrics-interval must be positive, got {self.metrics_interval_s}")
+        if self.temperature is not None and not 0 <= self.temperature < math.inf:
+            # (NaN and inf went out as JSON null, the server's default, and NaN broke the result JSON)
+            raise BenchConfigError(f"--temperature must be a finite number >= 0, got {self.temperature}")
         for key, value in self.goodput_ms.items():
             if key not in GOODPUT_KEYS:
                 raise BenchConfigError(f"--goodput keys are {', '.join(GOODPUT_KEYS)}, got {key!r}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,9 +81,17 @@ def jsonable(value: Any) -> Any:
 
 
 def write_json(result: BenchResult, path: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(jsonable(result.to_dict()), f, indent=1, allow_nan=False)
-        f.write("\n")
+    """Write `result` to `path` whole or not at all: the text is made first and replaces the file in one rename,
+    so a failure leaves an earlier file there as it was (it was truncated and left half written)."""
+    text = json.dumps(jsonable(result.to_dict()), indent=1, allow_nan=False) + "\n"
+    partial = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(partial, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
 
 
 def read_json(path: str) -> BenchResult:

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import functools
 import json
+import os
 import signal
 import sys
 import threading
@@ -18,7 +19,7 @@ from tqdm import tqdm
 
 from kvserve.bench.client import ClientSettings, RequestRecord, StreamClient, fetch_model_names
 from kvserve.bench.client_health import ClientHealthMonitor, ClientHealthReport
-from kvserve.bench.config import BenchConfig, LoadShape
+from kvserve.bench.config import BenchConfig, BenchConfigError, LoadShape
 from kvserve.bench.datasets import BenchRequest, Dataset, Requests, RunRequests, TextTokenizer, make_dataset
 from kvserve.bench.load import LoadResult, run_load
 from kvserve.bench.report import format_compare, format_summary, format_sweep
@@ -324,10 +325,11 @@ def run_benchmark(config: BenchConfig, log: TextIO | None = None) -> BenchResult
     return asyncio.run(_run_all(config, log or sys.stderr))
 
 
-def report(result: BenchResult, config: BenchConfig, out: TextIO | None = None, log: TextIO | None = None) -> None:
+def report(result: BenchResult, config: BenchConfig, out: TextIO | None = None, log: TextIO | None = None,
+           old: BenchResult | None = None) -> None:
     """Print the result block (or the sweep table) to `out` (default stdout), then write the JSON and plot
-    and print the comparison; notes go to `log` (default stderr). A result without runs (interrupted during
-    the warm-up) has nothing to report."""
+    and print the comparison (with `old`, else the --compare file as it is now); notes go to `log` (default
+    stderr). A result without runs (interrupted during the warm-up) has nothing to report."""
     out = out or sys.stdout
     log = log or sys.stderr
     if not result.runs:
@@ -350,7 +352,7 @@ def report(result: BenchResult, config: BenchConfig, out: TextIO | None = None, 
         plot_runs(result.runs, config.plot_path, title=f"kvserve bench: {result.config.get('model')}")
         print(f"plot written to {config.plot_path}", file=log)
     if config.compare_path:
-        old = read_json(config.compare_path)
+        old = old if old is not None else read_json(config.compare_path)
         old_by_label = {run.label: run for run in old.runs}
         for i, run in enumerate(result.runs):
             match = old_by_label.get(run.label) or (old.runs[i] if i < len(old.runs) else None)
@@ -362,9 +364,33 @@ def report(result: BenchResult, config: BenchConfig, out: TextIO | None = None, 
 
 def run_cli(config: BenchConfig, out: TextIO | None = None, log: TextIO | None = None) -> int:
     """`kvserve bench`: run, report; exit status 0 when at least one measured request succeeded, else 1
-    (a Ctrl-C during the warm-up too: nothing was measured)."""
+    (a Ctrl-C during the warm-up too: nothing was measured). What would fail after the run fails before it
+    (BenchConfigError): an output file that cannot be written, a --compare file that cannot be read; the
+    comparison is with the file as it was before the run (--json may name the same file)."""
+    old = None
     if config.compare_path:
-        read_json(config.compare_path)  # fail before the run, not after it
+        try:
+            old = read_json(config.compare_path)
+        except OSError as exc:
+            raise BenchConfigError(f"--compare {config.compare_path}: {exc.strerror}") from None
+    for flag, path in (("--json", config.json_path), ("--plot", config.plot_path)):
+        if path is not None:
+            _check_writable(flag, path)
     result = run_benchmark(config, log)
-    report(result, config, out, log)
+    report(result, config, out, log, old)
     return 0 if any(run.summary.completed for run in result.runs) else 1
+
+
+def _check_writable(flag: str, path: str) -> None:
+    """Refuse, before the run, an output file that could not be written after it (the run's results were
+    lost then): its directory is created if missing, as vLLM's --result-dir is."""
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        raise BenchConfigError(f"{flag} {path}: cannot create its directory: {exc.strerror}") from None
+    if os.path.isdir(path):
+        raise BenchConfigError(f"{flag} {path} is a directory; give a file name")
+    if not os.access(path if os.path.exists(path) else directory, os.W_OK):
+        raise BenchConfigError(f"{flag} {path} cannot be written (permission denied)")
+

@@ -93,6 +93,7 @@ class FakeOpenAIServer:
         app = Starlette(routes=[
             Route("/v1/chat/completions", self._completions, methods=["POST"]),
             Route("/v1/completions", self._completions, methods=["POST"]),
+            Route("/v1/redirect/completions", self._redirect, methods=["POST"]),
             Route("/v1/models", self._models),
             Route("/metrics", self._metrics),
         ])
@@ -117,6 +118,9 @@ class FakeOpenAIServer:
         self._server.should_exit = True
         self._thread.join(timeout=10)
         self._sock.close()
+
+    async def _redirect(self, request: Request) -> Response:
+        return Response(status_code=307, headers={"Location": "/v1/completions"})
 
     async def _models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": MODEL, "object": "model"}]})

@@ -133,6 +133,53 @@ def test_command_fails_cleanly(fake_server, prompts_file, tmp_path, capsys):
     assert "3 of 3 requests failed; the first of each kind: http_500: injected failure of request 1" in captured.err
 
 
+def test_what_would_fail_after_the_run_fails_before_it(fake_server, prompts_file, tmp_path, capsys):
+    """A run's results were lost, or the JSON left half written, when the output failed after the run: a
+    --json path that cannot be written (a traceback, no JSON), --temperature nan (the JSON broke midway), a
+    --compare file that does not exist (a traceback). Each is now refused before any request (status 2);
+    a missing directory is made, as vLLM's --result-dir is. --json X --compare X compared the run with
+    itself (the file was written first); it compares with the file as it was."""
+    server = fake_server()
+    common = ["bench", "--endpoint", server.base_url + "/v1/chat/completions", "--num-prompts", "2",
+              "--max-tokens", "2", "--dataset", "file", "--dataset-path", prompts_file, "--no-progress"]
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("x")
+    for flags, message in [
+        (["--json", str(tmp_path)], "is a directory"),
+        (["--json", str(blocker / "r.json")], "cannot create its directory"),
+        (["--plot", str(blocker / "p.png")], "cannot create its directory"),
+        (["--temperature", "nan"], "--temperature must be a finite number >= 0, got nan"),
+        (["--temperature", "inf"], "--temperature must be a finite number >= 0"),
+        (["--compare", str(tmp_path / "missing.json")], "No such file or directory"),
+    ]:
+        assert main([*common, *flags]) == 2, flags
+        assert message in capsys.readouterr().err, flags
+    assert server.state.num_requests == 0
+    result = tmp_path / "new" / "dir" / "r.json"
+    assert main([*common, "--concurrency", "2", "--json", str(result)]) == 0
+    assert json.loads(result.read_text())["runs"][0]["label"] == "concurrency=2"
+    capsys.readouterr()
+    assert main([*common, "--concurrency", "1", "--json", str(result), "--compare", str(result)]) == 0
+    assert f" concurrency=1 vs {result} (concurrency=2) " in capsys.readouterr().out
+    assert json.loads(result.read_text())["runs"][0]["label"] == "concurrency=1"
+
+
+def test_an_endpoint_with_a_trailing_slash_is_the_route_and_redirects_are_errors(fake_server, bench, prompts_file):
+    """.../chat/completions/ passed the route check but went out as given: the server's 307 was read as a
+    stream, every request an 'invalid_response' of an empty chunk. The slash is dropped; an answer that is a
+    redirect is recorded as http_307 with where it points."""
+    server = fake_server()
+    result, config = bench(server.base_url + "/v1/completions/", "--num-prompts", "2", "--max-tokens", "2",
+                           "--dataset", "file", "--dataset-path", prompts_file)
+    assert config.endpoint == server.base_url + "/v1/completions" and result.runs[0].summary.completed == 2
+    from kvserve.bench.runner import BenchError
+
+    # (the model is not listed under that path, so one test request goes first, and its failure says why)
+    with pytest.raises(BenchError, match=r"\(http_307: redirected to '/v1/completions'\)"):
+        bench(server.base_url + "/v1/redirect/completions", "--num-prompts", "1", "--max-tokens", "2",
+              "--dataset", "file", "--dataset-path", prompts_file, "--model", MODEL)
+
+
 def test_a_model_the_server_does_not_list_gets_one_test_request_first(fake_server, prompts_file, capsys):
     """--model not in GET /v1/models: one short request before the run. A name the server does not serve stops
     the benchmark there with the server's reason (not a run of 404s); one it serves without listing it (an
