@@ -88,7 +88,10 @@ def _grammar_for(spec: StructuredOutputsParams) -> str:
         elif spec.regex is not None:
             grammar = matcher.grammar_from_regex(spec.regex)
         elif spec.choice is not None:
-            grammar = matcher.grammar_from_lark("start: " + " | ".join(_lark_string(c) for c in spec.choice))
+            # One terminal, the lexer's alternation: as parser alternatives, a list past 2,000 choices broke
+            # llguidance's row limit while generating.
+            grammar = matcher.grammar_from_lark("start: CHOICE\nCHOICE: " + " | ".join(_lark_string(c)
+                                                                                   for c in spec.choice))
         elif spec.grammar is not None:
             grammar = llguidance.grammar_from("grammar", spec.grammar)  # Lark, or GBNF (converted)
         else:
@@ -168,7 +171,7 @@ def rebase_refs(schema: Any, base: str) -> Any:
         return schema
     out = _map_subschemas(schema, lambda sub: rebase_refs(sub, base))
     ref = out.get("$ref")
-    if isinstance(ref, str) and ref.startswith("#"):
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):  # ("#name", an $anchor's, needs no base)
         out["$ref"] = base + ref[1:]
     return out
 
@@ -222,6 +225,14 @@ class GrammarCompiler:
         else:
             self._compiled.move_to_end(grammar)
         return compiled.deep_copy()
+
+    def forget(self, grammar: str) -> None:
+        """Drop `grammar`'s compiled matcher, so that the next request compiles it anew: its copies share the
+        compiled lexer and its budget, and a request that spent it (a regex whose automaton grows past
+        llguidance's limit) left every later copy able to end only (an empty text, "stop"). On the compile
+        thread, after the compiles already submitted."""
+        if self._pool is not None:
+            self._pool.submit(self._compiled.pop, grammar, None)
 
     def tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
@@ -339,23 +350,32 @@ class StructuredOutputs:
                                                    row_bytes, len(live))
         return {req_id: masks[i].tobytes() for i, (req_id, _) in enumerate(live)}
 
-    def accept(self, req_id: str, token_ids: Sequence[int]) -> None:
-        """Advance a request's matcher past its newly sampled tokens."""
+    def accept(self, req_id: str, token_ids: Sequence[int]) -> str | None:
+        """Advance a request's matcher past its newly sampled tokens. Returns the matcher's error when it
+        failed (a limit of llguidance's reached while generating): the request cannot follow its grammar any
+        further, and the caller fails it. A token the grammar refused without an error (a row whose mask
+        allowed no token: allowed_token_ids or bad_words excluded all the grammar's) leaves the request
+        unconstrained, as before."""
         g = self._grammars.get(req_id)
         if g is None or g.done:
-            return
+            return None
         eos = self.compiler.eos_token_ids
         g.started = g.started or bool(token_ids)
         for token_id in token_ids:
             if token_id in eos and (g.matcher.is_accepting() or g.matcher.is_stopped()):
                 g.done = True  # the grammar's text is complete; past it (ignore_eos) nothing is constrained
-                return
+                return None
             if g.matcher.is_stopped() or not g.matcher.consume_token(token_id):
-                self.num_refused_tokens += 1
-                logger.warning("request %s: the grammar refused token %d (%s); the request continues "
-                               "unconstrained", req_id, token_id, g.matcher.get_error() or "past its end")
                 g.done = True
-                return
+                if g.matcher.is_error():  # (its first line: the rest is a dump of the matcher's state)
+                    error = (g.matcher.get_error() or "unknown error").strip().splitlines()[0]
+                    logger.warning("request %s: its grammar failed while generating: %s", req_id, error)
+                    return error
+                self.num_refused_tokens += 1
+                logger.warning("request %s: the grammar refused token %d (past its end); the request continues "
+                               "unconstrained", req_id, token_id)
+                return None
+        return None
 
     def check_invariants(self, live: Mapping[str, Request]) -> None:
         """`live`: the scheduler's requests. A grammar is kept for live requests only, and every live request

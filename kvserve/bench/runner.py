@@ -393,4 +393,3 @@ def _check_writable(flag: str, path: str) -> None:
         raise BenchConfigError(f"{flag} {path} is a directory; give a file name")
     if not os.access(path if os.path.exists(path) else directory, os.W_OK):
         raise BenchConfigError(f"{flag} {path} cannot be written (permission denied)")
-

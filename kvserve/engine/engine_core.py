@@ -169,7 +169,8 @@ class EngineCore:
         # Requests with a grammar, until it is compiled: (request, group key, the compile). They enter the
         # scheduler then; the others go on meanwhile.
         self._awaiting_grammar: dict[str, tuple[Request, str | None, concurrent.futures.Future]] = {}
-        # Requests whose grammar failed to compile: (req_id, message, param), for the caller (`pop_failed`).
+        # Requests whose grammar failed to compile, or failed while generating: (req_id, message, param), for the
+        # caller (`pop_failed`).
         self._failed: list[tuple[str, str, str]] = []
         # Requests that end with no token once their prompt has run (the forward pass gives their
         # prompt_logprobs), with their finish reason: the one token they are scheduled for is dropped
@@ -319,8 +320,8 @@ class EngineCore:
         return set(self.scheduler.requests) | set(self._awaiting_grammar)
 
     def pop_failed(self) -> list[tuple[str, str, str]]:
-        """Requests dropped since the last call because their grammar failed to compile: (req_id, message,
-        param). Their callers get the message as the request's error."""
+        """Requests dropped since the last call because their grammar failed to compile or failed while
+        generating: (req_id, message, param). Their callers get the message as the request's error."""
         failed, self._failed = self._failed, []
         return failed
 
@@ -518,11 +519,23 @@ class EngineCore:
                     output.new_token_ids, output.new_logprobs, output.stop_token_id = [], None, None
         structured = self.structured
         if len(structured):
+            failed: set[str] = set()
             for output in outputs:
                 if output.req_id not in structured:
                     continue
                 if not output.finished:
-                    structured.accept(output.req_id, output.new_token_ids)
+                    error = structured.accept(output.req_id, output.new_token_ids)
+                    if error is not None:
+                        # It cannot follow its grammar any more: it fails, rather than going on unconstrained
+                        # to a text outside the grammar that would end as if it were whole.
+                        spec = self.scheduler.requests[output.req_id].sampling_params.structured_outputs
+                        if spec is not None:
+                            structured.compiler.forget(grammar_for(spec))
+                        self.abort_requests([output.req_id])
+                        self._failed.append((output.req_id, f"the structured output's grammar failed while "
+                                             f"generating: {error}", "structured_outputs"))
+                        failed.add(output.req_id)
+                        continue
                     if structured.ended(output.req_id) and self._min_tokens_hold_eos(
                             self.scheduler.requests[output.req_id]):
                         # The grammar allows only EOS, which min_tokens holds back: nothing could follow but
@@ -531,6 +544,8 @@ class EngineCore:
                         output.finish_reason = "stop"
                 if output.finished:
                     structured.release([output.req_id])
+            if failed:
+                outputs = [output for output in outputs if output.req_id not in failed]
         return outputs
 
     @staticmethod

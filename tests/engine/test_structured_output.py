@@ -546,3 +546,34 @@ def test_a_plain_request_cannot_take_the_id_of_one_whose_grammar_compiles(engine
     assert "dup" not in core.scheduler.requests
     core.abort_requests(["dup"])
     assert compiling.cancelled() and not core.unfinished_req_ids()
+
+
+def test_a_choice_among_thousands_stays_among_them(engines):
+    """A choice list past 2,000 items broke llguidance's row limit as parser alternatives while generating,
+    and the request went on unconstrained to a text that was none of them (finish_reason "stop"). The choice
+    is one lexer terminal now."""
+    choices = [f"item-{i:05d}" for i in range(2001)]
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=40,
+                             structured_outputs=StructuredOutputsParams(choice=choices)) for seed in range(3)]
+    for out in _run(engines[True], ["Pick one item."] * 3, params):
+        assert out.text in choices and out.finish_reason == "stop", out.text
+
+
+def test_a_grammar_that_fails_while_generating_fails_its_request_each_time(engines):
+    """A regex whose automaton grows past llguidance's limit fails while generating. The request went on
+    unconstrained ("aaaaa\n", "stop"); the next one with the same grammar got a spent copy of the cached
+    matcher and ended at once with "" and "stop". Each now fails with the grammar's error; the engine keeps
+    nothing, and other requests run on."""
+    from kvserve.engine.llm_engine import RequestsFailedError
+
+    llm = engines[False]
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=40,
+                            structured_outputs=StructuredOutputsParams(regex="a{1000}{1000}"))
+    for _ in range(2):
+        with pytest.raises(RequestsFailedError, match="the structured output's grammar failed while generating: "
+                                                       "lexer error: too many expressions constructed$"):
+            llm.generate(["Say a"], params, use_tqdm=False)
+        assert not llm.engine.has_unfinished_requests() and not llm.engine.core.unfinished_req_ids()
+        assert len(llm.engine.core.structured) == 0
+    plain = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)[0]
+    assert plain.outputs[0].finish_reason == "length"
