@@ -71,8 +71,13 @@ def _no_lora(lora_request: Any) -> None:
 def _text_message(message: dict[str, Any], content_format: str = "string") -> dict[str, Any]:
     """A chat message with OpenAI's list of text parts joined into one string (vLLM's "string" content format,
     what it picks for templates that print the content), or with the content as a list of text parts
-    ({"type": "text", "text": ...}; vLLM's "openai" format) for templates that loop over the parts."""
+    ({"type": "text", "text": ...}; vLLM's "openai" format) for templates that loop over the parts. No content
+    (None or left out, as an assistant turn of tool calls has) is the empty text, as the server reads it:
+    templates that print the content failed on None."""
     content = message.get("content")
+    if content is None:
+        message = {**message, "content": "" if content_format == "string" else []}
+        content = message["content"]
     if content_format == "openai":
         if isinstance(content, str):
             return {**message, "content": [{"type": "text", "text": content}]}

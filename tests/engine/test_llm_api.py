@@ -42,6 +42,23 @@ def test_chat_uses_the_template(default_llm: LLM) -> None:
     assert single.outputs[0].token_ids == out.outputs[0].token_ids
 
 
+def test_an_assistant_turn_of_tool_calls_without_content_is_the_empty_text(default_llm: LLM) -> None:
+    """content None, or left out, beside tool_calls (as OpenAI clients send the turn back): the server reads
+    it as the empty text; llm.chat passed None to the template, which failed ("'dict object' has no attribute
+    'content'" with SmolLM2's)."""
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+    def conversation(assistant: dict) -> list[dict]:
+        return [{"role": "user", "content": "weather?"}, {"role": "assistant", **assistant, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+
+    params = SamplingParams(temperature=0, max_tokens=1)
+    outs = [default_llm.chat(conversation(assistant), params, use_tqdm=False, tools=tools)[0]
+            for assistant in ({"content": ""}, {"content": None}, {})]
+    assert outs[0].prompt_token_ids == outs[1].prompt_token_ids == outs[2].prompt_token_ids
+
+
 def test_max_tokens_gives_length(default_llm: LLM) -> None:
     out = default_llm.generate(["Count: 1, 2, 3,"], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
                                use_tqdm=False)[0]
