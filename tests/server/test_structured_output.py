@@ -293,3 +293,23 @@ def test_integers_a_schema_cannot_carry_are_a_400(value):
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == "response_format"
         assert "2**63" in response.json()["error"]["message"]
+
+
+def test_tool_choice_required_keeps_anchor_references_of_a_tools_parameters():
+    """Under "required" each tool's parameters move under the list schema's $defs, and their JSON-pointer
+    references ("#", "#/...") follow them; a reference to an $anchor ("#num") names the anchor wherever it sits
+    and stays as it is (it became "#/$defs/tool_0num", a 400 that a named tool_choice did not give)."""
+    from kvserve.entrypoints.openai.protocol import ChatCompletionRequest
+    from kvserve.entrypoints.openai.serving_chat import forced_tool_schema
+    from kvserve.protocol.sampling_params import StructuredOutputsParams
+    from kvserve.structured_output import grammar_for
+
+    parameters = {"type": "object", "$defs": {"n": {"$anchor": "num", "type": "integer"}},
+                  "properties": {"k": {"$ref": "#num"}, "self": {"$ref": "#/$defs/n"}}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    request = ChatCompletionRequest(messages=USER, tools=[tool], tool_choice="required")
+    schema = forced_tool_schema(request, "required")
+    assert schema is not None
+    moved = schema["$defs"]["tool_0"]["properties"]
+    assert moved == {"k": {"$ref": "#num"}, "self": {"$ref": "#/$defs/tool_0/$defs/n"}}
+    grammar_for(StructuredOutputsParams(json=schema))  # a valid schema (it raised GrammarError)
