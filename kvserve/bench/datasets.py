@@ -12,7 +12,7 @@ Three datasets, chosen by name (`DATASETS`):
 A dataset is a pure function of (seed, run, index): `get(i, run=k)` returns the same request whatever the
 load shape or the order requests are issued in, so two benchmarks with the same seed send the same text.
 The exception is the nonce: every generated prompt starts with a reference line holding a random nonce
-drawn once per benchmark process, the measured run's number (a sweep's point) and the request index. So
+(8 digits, of a fixed token count) drawn once per benchmark process, the measured run's number (a sweep's point) and the request index. So
 neither requests of one run, nor a sweep's later points, nor a re-run against the same server hit the
 prefix cache by accident (shared prefixes put the line inside the shared part: shared within a run, cold
 at the start of each; the warm-up has prefixes of its own). Lengths and prose depend on (seed, index)
@@ -244,6 +244,26 @@ def _reference(language: str, nonce: str, tag: str) -> str:
     return f"编号 {tag}-{nonce}。" if language == "zh" else f"Ref {tag}-{nonce}."
 
 
+_REFERENCE_NONCE = "00000000"
+
+
+def _fresh_nonce(source: TextSource, tries: int = 200) -> str:
+    """A random 8-digit nonce whose reference lines are as many tokens as `_REFERENCE_NONCE`'s, in both
+    languages: the prose's budget is what the header leaves, so a nonce of another token count gave the same
+    seed other prose (and dropped the task line now and then) in another process. Most tokenizers split
+    digits evenly, and take the first; the last try is taken where none matches."""
+    def counts(nonce: str) -> tuple[int, int]:
+        return (source.count(_reference("en", nonce, "0")), source.count(_reference("zh", nonce, "0")))
+
+    wanted = counts(_REFERENCE_NONCE)
+    nonce = _REFERENCE_NONCE
+    for _ in range(tries):
+        nonce = f"{secrets.randbelow(10**8):08d}"
+        if counts(nonce) == wanted:
+            break
+    return nonce
+
+
 # -------------------------------------------------------------------------------------------- datasets
 
 
@@ -289,7 +309,7 @@ class _SyntheticDataset:
     def __init__(self, config: DatasetConfig, tokenizer: TextTokenizer) -> None:
         self.config = config
         self.source = TextSource(tokenizer)
-        self.nonce = config.run_nonce if config.run_nonce is not None else secrets.token_hex(4)
+        self.nonce = config.run_nonce if config.run_nonce is not None else _fresh_nonce(self.source)
         self.size: int | None = None
         self._input = config.input_dist_obj()
         self._output = config.output_dist_obj()

@@ -82,6 +82,20 @@ def test_same_seed_same_requests_and_no_shared_prefix_between_requests(tokenizer
     assert other.get(0).prompt() != a.get(0).prompt()
 
 
+@pytest.mark.parametrize("language", ["en", "zh", "mixed"])
+def test_processes_with_one_seed_send_the_same_prose_under_their_own_nonces(tokenizer, language):
+    """Each process draws its nonce; the prose (and task line) must not depend on it. A hex nonce's token
+    count varied, and with it the prose's budget: the same seed gave other prose (or no task line) in another
+    process. Nonces are drawn to the token count of a fixed one."""
+    config = DatasetConfig(input_len=48, input_dist="uniform", language=language)
+    datasets = [RandomDataset(config, tokenizer) for _ in range(4)]
+    assert len({d.nonce for d in datasets}) > 1
+    for index in range(8):
+        requests = [d.get(index) for d in datasets]
+        assert len({r.prompt().replace(d.nonce, "N") for d, r in zip(datasets, requests, strict=True)}) == 1
+        assert len({_count(tokenizer, r.prompt()) for r in requests}) == 1
+
+
 def test_each_measured_run_sends_its_own_prompts_of_the_same_lengths(tokenizer):
     # A sweep's second point re-sent the first point's prompts, and the server's prefix cache answered 81-83 %
     # of its prompt tokens (H200, session 28): its TTFT and throughput were not the load's.
