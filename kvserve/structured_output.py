@@ -280,8 +280,9 @@ class StructuredOutputs:
     def __init__(self, compiler: GrammarCompiler) -> None:
         self.compiler = compiler
         self._grammars: dict[str, _Grammar] = {}
-        # Tokens a matcher refused: the mask did not allow them (a row left with no allowed token, when
-        # allowed_token_ids or bad_words exclude every token the grammar allows); counted for the tests.
+        # Tokens a matcher refused (its request then fails): a limit of llguidance's reached, or the mask did
+        # not allow them (a row left with no allowed token, when allowed_token_ids or bad_words exclude every
+        # token the grammar allows); counted for the tests.
         self.num_refused_tokens = 0
         self._executor: llguidance.LLExecutor | None = None
 
@@ -351,11 +352,11 @@ class StructuredOutputs:
         return {req_id: masks[i].tobytes() for i, (req_id, _) in enumerate(live)}
 
     def accept(self, req_id: str, token_ids: Sequence[int]) -> str | None:
-        """Advance a request's matcher past its newly sampled tokens. Returns the matcher's error when it
-        failed (a limit of llguidance's reached while generating): the request cannot follow its grammar any
-        further, and the caller fails it. A token the grammar refused without an error (a row whose mask
-        allowed no token: allowed_token_ids or bad_words excluded all the grammar's) leaves the request
-        unconstrained, as before."""
+        """Advance a request's matcher past its newly sampled tokens. Returns why when the grammar cannot take
+        them: a limit of llguidance's reached while generating, or a token it does not allow (sampled where
+        allowed_token_ids, bad_words or logit_bias left no token it allows). The request cannot follow its
+        grammar any further, and the caller fails it: going on unconstrained gave a text outside the grammar
+        that ended as if it were whole."""
         g = self._grammars.get(req_id)
         if g is None or g.done:
             return None
@@ -367,14 +368,15 @@ class StructuredOutputs:
                 return None
             if g.matcher.is_stopped() or not g.matcher.consume_token(token_id):
                 g.done = True
-                if g.matcher.is_error():  # (its first line: the rest is a dump of the matcher's state)
-                    error = (g.matcher.get_error() or "unknown error").strip().splitlines()[0]
-                    logger.warning("request %s: its grammar failed while generating: %s", req_id, error)
-                    return error
                 self.num_refused_tokens += 1
-                logger.warning("request %s: the grammar refused token %d (past its end); the request continues "
-                               "unconstrained", req_id, token_id)
-                return None
+                # (the error's first line: the rest is a dump of the matcher's state)
+                error = (g.matcher.get_error() or "").strip().splitlines()[:1]
+                reason = error[0] if error else f"token {token_id} is past the grammar's end"
+                if "doesn't satisfy the grammar" in reason or not error:
+                    reason += (" (allowed_token_ids, bad_words or logit_bias may leave no token the grammar "
+                               "allows)")
+                logger.warning("request %s: its grammar failed while generating: %s", req_id, reason)
+                return reason
         return None
 
     def check_invariants(self, live: Mapping[str, Request]) -> None:

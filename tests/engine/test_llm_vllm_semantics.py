@@ -222,7 +222,7 @@ def test_inputs_of_the_wrong_kind_get_a_message_naming_the_argument(llm: LLM) ->
                                         r"prompt\), got dict: pass SamplingParams\(\*\*it\)$"):
         llm.generate("a", {"max_tokens": 3})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"^cannot apply the chat template to conversation 1: UndefinedError: "):
-        llm.chat([[{"role": "user", "content": "hi"}], [{"role": "user"}]])
+        llm.chat([[{"role": "user", "content": "hi"}], [{"content": "no role"}]])
     with pytest.raises(ValueError, match=r"^cannot apply the chat template to conversation 0: TypeError: "):
         llm.chat([{"role": "user", "content": "hi"}], chat_template="{{ messages[0]['content'] + 1 }}")
     assert len(llm.generate("a", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) == 2

@@ -577,3 +577,22 @@ def test_a_grammar_that_fails_while_generating_fails_its_request_each_time(engin
         assert len(llm.engine.core.structured) == 0
     plain = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)[0]
     assert plain.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_constraints_that_leave_no_token_of_the_grammar_fail_the_request(engines, pipelined):
+    """allowed_token_ids that exclude every token the grammar allows: the sampler must take a token outside
+    it. The request went on unconstrained ("maybemaybe...", "stop"); it fails, saying what may have caused it.
+    (Pipelined, the step launched before the failure was read finishes with the next call.)"""
+    from kvserve.engine.llm_engine import RequestsFailedError
+
+    llm = engines[pipelined]
+    maybe = llm.get_tokenizer().encode("maybe", add_special_tokens=False)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=8, allowed_token_ids=[maybe],
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    with pytest.raises(RequestsFailedError, match="doesn't satisfy the grammar.*allowed_token_ids, bad_words or "
+                                                   "logit_bias may leave no token the grammar allows"):
+        llm.generate(["Answer:"], params, use_tqdm=False)
+    plain = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)[0]
+    assert plain.outputs[0].finish_reason == "length"
+    assert not llm.engine.has_unfinished_requests() and len(llm.engine.core.structured) == 0

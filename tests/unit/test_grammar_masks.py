@@ -236,7 +236,9 @@ def test_matchers_follow_the_grammar_to_eos(tokenizer):
     outputs.accept("a", [5, 6])  # and never refuses
     yes = tokenizer.encode("yes", add_special_tokens=False)
     assert yes[0] in _allowed(outputs.bitmasks(["b"]), "b")
-    outputs.accept("b", [tokenizer.encode("}", add_special_tokens=False)[0]])  # not allowed: refused, released
+    # Not allowed: refused, with the reason the caller fails the request with; the matcher constrains no more.
+    error = outputs.accept("b", [tokenizer.encode("}", add_special_tokens=False)[0]])
+    assert error is not None and "doesn't satisfy the grammar" in error and "allowed_token_ids" in error, error
     assert outputs.num_refused_tokens == 1 and outputs.bitmasks(["b"]) == {}
     outputs.release(["a", "b"])
     assert len(outputs) == 0
