@@ -12,12 +12,13 @@ Three datasets, chosen by name (`DATASETS`):
 A dataset is a pure function of (seed, run, index): `get(i, run=k)` returns the same request whatever the
 load shape or the order requests are issued in, so two benchmarks with the same seed send the same text.
 The exception is the nonce: every generated prompt starts with a reference line holding a random nonce
-(8 digits, of a fixed token count) drawn once per benchmark process, the measured run's number (a sweep's point) and the request index. So
-neither requests of one run, nor a sweep's later points, nor a re-run against the same server hit the
-prefix cache by accident (shared prefixes put the line inside the shared part: shared within a run, cold
-at the start of each; the warm-up has prefixes of its own). Lengths and prose depend on (seed, index)
-only, so a sweep's points get the same lengths. The `file` dataset sends its lines as written: its later
-points and re-runs can hit the server's prefix cache, which the report's "Cached input tokens" shows.
+(8 digits, of a fixed token count) drawn once per benchmark process, the measured run's number (a sweep's
+point) and the request index. So neither requests of one run, nor a sweep's later points, nor a re-run
+against the same server hit the prefix cache by accident (shared prefixes put the line inside the shared
+part: shared within a run, cold at the start of each; the warm-up has prefixes of its own). Lengths and
+prose depend on (seed, index) only, so a sweep's points get the same lengths. The `file` dataset sends its
+lines as written: its later points and re-runs can hit the server's prefix cache, which the report's
+"Cached input tokens" shows.
 """
 
 from __future__ import annotations

@@ -198,9 +198,9 @@ class SamplingParams:
             setattr(self, name, int(value))
         if self.seed is not None and not _INT64[0] <= self.seed <= _INT64[1]:
             raise SamplingParamsError(f"seed must be a 64-bit integer, got {self.seed}", "seed")
+        numpy = sys.modules.get("numpy")  # (not imported: no value is a numpy bool)
         for name in BOOL_FIELDS:
             value = getattr(self, name)
-            numpy = sys.modules.get("numpy")  # (not imported: the value is no numpy bool)
             if not (isinstance(value, bool) or (numpy is not None and isinstance(value, numpy.bool_))):
                 raise SamplingParamsError(f"{name} must be true or false, got {value!r}", name)
             setattr(self, name, bool(value))
