@@ -41,6 +41,14 @@ KVSERVE_DP_REPLICA: bool = _int("KVSERVE_DP_REPLICA", 0) != 0
 # when a directory is made (kvserve.engine.core_client.replica_tag), which ignores a tag that is not 1 to 32
 # ASCII letters and digits.
 KVSERVE_DP_REPLICA_TAG: str | None = _str("KVSERVE_DP_REPLICA_TAG", None)
+# The Responses API's store (1: on): responses created with `store` are kept in the API process's memory for
+# GET / DELETE /v1/responses/{id} and previous_response_id. Off by default, as in vLLM, whose variable
+# VLLM_ENABLE_RESPONSES_API_STORE is read when this one is unset. Not with --api-server-count > 1 (each API
+# process would keep its own).
+KVSERVE_ENABLE_RESPONSES_API_STORE: bool = _int(
+    "KVSERVE_ENABLE_RESPONSES_API_STORE", _int("VLLM_ENABLE_RESPONSES_API_STORE", 0)) != 0
+# How many responses the store keeps (the oldest go first); vLLM's store keeps every response until restart.
+KVSERVE_RESPONSES_API_STORE_SIZE: int = _int("KVSERVE_RESPONSES_API_STORE_SIZE", 10000)
 # Log level of the kvserve logger.
 KVSERVE_LOGGING_LEVEL: str = _str("KVSERVE_LOGGING_LEVEL", "INFO") or "INFO"
 # One-prompt prefills at least this long use cuDNN's attention kernel (0: never). Unset (-1): 1024 on sm_90
@@ -113,10 +121,13 @@ VLLM_ENV_EQUIVALENTS: dict[str, str] = {
 }
 
 
+_VLLM_READ = ("VLLM_API_KEY", "VLLM_ENABLE_RESPONSES_API_STORE")  # vLLM's variables read above
+
+
 def unread_vllm_env_vars() -> list[str]:
     """The VLLM_* variables set that kvserve does not read, sorted, each with kvserve's equivalent where
     there is one ("VLLM_LOGGING_LEVEL (use KVSERVE_LOGGING_LEVEL)")."""
-    names = sorted(name for name in os.environ if name.startswith("VLLM_") and name != "VLLM_API_KEY")
+    names = sorted(name for name in os.environ if name.startswith("VLLM_") and name not in _VLLM_READ)
     return [f"{name} (use {VLLM_ENV_EQUIVALENTS[name]})" if name in VLLM_ENV_EQUIVALENTS else name
             for name in names]
 

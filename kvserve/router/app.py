@@ -367,7 +367,7 @@ class RouterApp:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
             return self._own(_error(413, f"request body is over the limit of {self.config.max_body_bytes} bytes"))
-        key = model = None
+        key = model = parsed = None
         if body:
             try:
                 parsed = json.loads(body)
@@ -379,6 +379,9 @@ class RouterApp:
                     key = prefix_key(parsed)
         if model is None and request.method == "GET" and path.startswith("/v1/models/") and len(path) > 11:
             model = path[len("/v1/models/"):]  # OpenAI's retrieve-model: to a backend that serves it
+        # A stored response lives on the backend that made it: a backend that does not have it says so with a
+        # 404, and the next is asked.
+        stored_ref = _names_stored_response(path, parsed)
         candidates = self.router.order(key, model)
         if not candidates:
             return self._own(_error(404, f"the model {model!r} is not served by any backend (served: "
@@ -387,15 +390,17 @@ class RouterApp:
         errors: list[str] = []
         unserved: list[str] = []  # the backends whose lists are unknown that answered that they lack `model`
         lacked_model = False  # the last backend tried answered that it does not serve the model: no failure
+        lacking_response: list[str] = []  # the backends that answered that they do not store the named response
         for i, backend in enumerate(candidates):
             if i and not lacked_model:
                 self.retries.inc()
-            num_unserved = len(unserved)
+            num_unserved, num_lacking = len(unserved), len(lacking_response)
             response = await self._forward(request, backend, body, headers, model, errors, unserved,
-                                           last=i == len(candidates) - 1)
+                                           last=i == len(candidates) - 1,
+                                           lacking_response=lacking_response if stored_ref else None)
             if response is not None:
                 return response
-            lacked_model = len(unserved) > num_unserved
+            lacked_model = len(unserved) > num_unserved or len(lacking_response) > num_lacking
         if len(unserved) == len(candidates):
             return self._own(_error(404, f"the model {model!r} is not served by any backend (served: "
                                     f"{self._served_models()}; nor by those whose lists are unknown: "
@@ -458,10 +463,11 @@ class RouterApp:
 
     async def _forward(self, request: web.Request, backend: Backend, body: bytes, headers: CIMultiDict[str],
                        model: str | None, errors: list[str], unserved: list[str],
-                       last: bool) -> web.StreamResponse | None:
+                       last: bool, lacking_response: list[str] | None = None) -> web.StreamResponse | None:
         """The backend's answer streamed to the client, or None when it could not take the request (try
         the next): why goes to `errors`, and the backend's URL to `unserved` when its list is unknown and it
-        answered that it does not serve `model` (the request's)."""
+        answered that it does not serve `model` (the request's), or to `lacking_response` (given for a request
+        naming a stored response) when it answered that it does not store that response."""
         assert self.session is not None
         backend.in_flight += 1
         backend.served += 1
@@ -488,6 +494,15 @@ class RouterApp:
                 text = (await upstream.read())[:300].decode(errors="replace")
                 outcome = self._refused(backend, f"503 {text}", errors)
                 return None
+            if upstream.status == 404 and lacking_response is not None and not last:
+                answer = await upstream.read()
+                if _response_missing(answer):
+                    errors.append(f"{backend.url}: 404, does not store the response")
+                    lacking_response.append(backend.url)
+                    outcome = "retried"
+                    return None
+                outcome = "404"
+                return _copy_headers(upstream, web.Response(status=404, reason=upstream.reason, body=answer))
             if upstream.status == 404 and model is not None and backend.models is None:
                 # Tried for a model it may not serve (its list unknown): if it says it does not, the next may.
                 answer = await upstream.read()
@@ -735,6 +750,24 @@ def _below_root(path: str, root: str) -> str:
     if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
         return path[len(root):]
     return path
+
+
+def _names_stored_response(path: str, body: Any) -> bool:
+    """Whether a request names a response stored by the backend that made it (the Responses API's
+    /v1/responses/{id} and its sub-paths, or a new response's previous_response_id)."""
+    if path.startswith("/v1/responses/"):
+        return True
+    return path == "/v1/responses" and isinstance(body, dict) and isinstance(body.get("previous_response_id"), str)
+
+
+def _response_missing(answer: bytes) -> bool:
+    """Whether a backend's 404 `answer` is kvserve's error saying that it does not store the named response."""
+    try:
+        body = json.loads(answer)
+    except (ValueError, RecursionError):
+        return False
+    error = body.get("error") if isinstance(body, dict) else None
+    return isinstance(error, dict) and error.get("param") in ("response_id", "previous_response_id")
 
 
 def _model_missing(answer: bytes, model: str) -> bool:

@@ -213,10 +213,11 @@ def test_unknown_model_and_route(http):
 
 
 def test_routes_it_lacks_say_what_it_serves_and_a_model_can_be_retrieved(http):
-    for method, path in (("POST", "/v1/embeddings"), ("POST", "/v1/responses"), ("GET", "/v1/nothing-here")):
+    for method, path in (("POST", "/v1/embeddings"), ("POST", "/v1/responses/x/input_items"),
+                         ("GET", "/v1/nothing-here")):
         error = assert_openai_error(http.request(method, path, json={"model": STRICT_NAME, "input": "hi"}), 404)
         assert error["message"].startswith(f"{method} {path} is not served here: kvserve serves text generation: "
-                                           "POST /v1/chat/completions and /v1/completions"), error
+                                           "POST /v1/chat/completions, /v1/completions and /v1/responses"), error
     # OpenAI's "retrieve model" (the openai client's models.retrieve), for each served name.
     for name in (STRICT_NAME, STRICT_ALIAS):
         card = http.get(f"/v1/models/{name}")

@@ -145,6 +145,7 @@ class FakeBackend:
         self.in_flight = self.peak_in_flight = 0
         self._all_arrived = asyncio.Event()
         self.seen: list[dict[str, Any]] = []
+        self.stored: list[str] = []  # the Responses API's responses this backend made (and stores)
         self.disconnected = asyncio.Event()
         self.port = free_port()
         self.runner: web.AppRunner | None = None
@@ -160,6 +161,7 @@ class FakeBackend:
         app.router.add_get("/v1/models/{model:.+}", self.retrieve_model)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/ping", self.ping)
+        app.router.add_route("*", "/v1/responses{tail:.*}", self.responses)
         app.router.add_route("*", "/{tail:.*}", self.other)
         self.runner = web.AppRunner(app, handler_cancellation=True)
         await self.runner.setup()
@@ -179,6 +181,23 @@ class FakeBackend:
         if request.path == "/metrics":
             return web.Response(status=404)
         return web.json_response({"path": request.path_qs})
+
+    async def responses(self, request: web.Request) -> web.Response:
+        """The Responses API as a server with its store on answers it: a response it made (named by the path or
+        by previous_response_id) or its 404; a new one is `resp_<name>-<count>`, stored here."""
+        body = await request.json() if request.can_read_body else {}
+        named, param = request.path[len("/v1/responses/"):].split("/")[0], "response_id"
+        if request.path == "/v1/responses":
+            named, param = body.get("previous_response_id"), "previous_response_id"
+        self.seen.append({"path": request.path, "body": body})
+        mark = {"X-Backend": self.name}
+        if named is not None and named not in self.stored:
+            return web.json_response(NotFoundError(f"no response with id {named!r} is stored on this server",
+                                                   param).to_body(), status=404, headers=mark)
+        if request.path == "/v1/responses":
+            self.stored.append(f"resp_{self.name}-{len(self.stored)}")
+            return web.json_response({"id": self.stored[-1], "previous_response_id": named}, headers=mark)
+        return web.json_response({"id": named, "method": request.method}, headers=mark)
 
     async def ping(self, _: web.Request) -> web.Response:
         return web.json_response({"pong": self.name})
@@ -582,6 +601,41 @@ def test_retrieving_a_model_goes_to_a_backend_that_serves_it(caplog: pytest.LogC
             async with session.get(base + "/v1/models/huge") as response:
                 error = (await response.json())["error"]
                 assert response.status == 404 and error["param"] == "model" and "'huge'" in error["message"]
+    _run_quietly(body, caplog)
+
+
+def test_a_stored_response_is_found_on_the_backend_that_made_it(caplog: pytest.LogCaptureFixture) -> None:
+    """Responses API: each backend (or -dp replica) stores the responses it made. A request naming one (GET /
+    DELETE /v1/responses/{id}, a new response's previous_response_id) goes on past the backends that answer that
+    they do not store it, without counting a failure or a retry; a response no backend has is the last 404."""
+    async def body() -> None:
+        a, b = FakeBackend("a"), FakeBackend("b")
+        async with routed([a, b], "round-robin", interval_s=60) as (app, base), aiohttp.ClientSession() as session:
+            made = []
+            for _ in range(2):  # round-robin: one made by each backend
+                async with session.post(base + "/v1/responses", json={"model": "m", "input": "hi"}) as response:
+                    made.append((await response.json())["id"])
+            assert made == ["resp_a-0", "resp_b-0"]
+            for _ in range(2):  # whichever backend's turn it is, each is found where it lives
+                for rid, owner in (("resp_a-0", "a"), ("resp_b-0", "b")):
+                    async with session.get(f"{base}/v1/responses/{rid}") as response:
+                        assert response.status == 200 and response.headers["X-Backend"] == owner
+                    follow = {"model": "m", "input": "more", "previous_response_id": rid}
+                    async with session.post(base + "/v1/responses", json=follow) as response:
+                        assert response.status == 200 and response.headers["X-Backend"] == owner
+                        assert (await response.json())["previous_response_id"] == rid
+            async with session.delete(f"{base}/v1/responses/resp_b-0") as response:
+                assert response.status == 200 and (await response.json()) == {"id": "resp_b-0", "method": "DELETE"}
+            async with session.get(f"{base}/v1/responses/resp_zz") as response:
+                error = (await response.json())["error"]
+                assert response.status == 404 and error["param"] == "response_id" and "resp_zz" in error["message"]
+            async with session.post(base + "/v1/responses", json={"input": "x"}) as response:  # names none: one try
+                assert response.status == 200
+            metrics = await (await session.get(base + "/metrics")).text()
+        assert all(backend.healthy and not backend.failures for backend in app.router.backends)
+        assert "kvserve_router:retries_total 0.0" in metrics
+        # a plain new response was never sent on: each backend saw it once at most
+        assert sum(1 for backend in (a, b) for seen in backend.seen if seen["body"] == {"input": "x"}) == 1
     _run_quietly(body, caplog)
 
 

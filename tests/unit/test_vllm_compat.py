@@ -212,6 +212,7 @@ def test_unread_vllm_variables_are_listed_with_equivalents(monkeypatch: pytest.M
         monkeypatch.delenv(name)
     assert envs.unread_vllm_env_vars() == []
     monkeypatch.setenv("VLLM_API_KEY", "k")  # read by kvserve: not listed
+    monkeypatch.setenv("VLLM_ENABLE_RESPONSES_API_STORE", "1")  # read by kvserve too
     monkeypatch.setenv("VLLM_USE_V1", "1")
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")

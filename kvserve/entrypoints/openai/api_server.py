@@ -79,6 +79,7 @@ from kvserve.entrypoints.openai.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    ResponsesRequest,
     StreamOptions,
     TokenizeRequest,
     TokenizeResponse,
@@ -103,6 +104,13 @@ from kvserve.entrypoints.openai.serving_completion import (
     completion_full,
     completion_stream,
     prepare_completion,
+)
+from kvserve.entrypoints.openai.serving_responses import (
+    ResponseStore,
+    prepare_response,
+    response_full,
+    response_stream,
+    stored_response,
 )
 from kvserve.entrypoints.vllm_compat import parse_args_or_refuse
 from kvserve.metrics.log_stats import LoggingStatLogger
@@ -239,6 +247,30 @@ def build_app(ctx: ServingContext, state: ServerState, metrics: PrometheusStatLo
             return SSEResponse(completion_stream(ctx, cmpl, include_usage, _continuous_usage(options, include_usage)))
         return JSONResponse(await run_unless_disconnected(raw, completion_full(ctx, cmpl)))
 
+    @app.post("/v1/responses", responses=_ERROR_RESPONSES)
+    async def create_response(body: ResponsesRequest, raw: Request) -> Response:
+        body.request_id = _header_request_id(raw, body.request_id)
+        prep = await ctx.off_loop(prepare_response, ctx, body)
+        if body.stream:
+            return SSEResponse(response_stream(ctx, prep))
+        return JSONResponse(await run_unless_disconnected(raw, response_full(ctx, prep)))
+
+    @app.get("/v1/responses/{response_id}", responses=_ERROR_RESPONSES)
+    async def retrieve_response(response_id: str) -> dict[str, Any]:
+        return stored_response(ctx, response_id).body
+
+    @app.delete("/v1/responses/{response_id}", responses=_ERROR_RESPONSES)
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        stored_response(ctx, response_id)
+        ctx.responses_store.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    @app.post("/v1/responses/{response_id}/cancel", responses=_ERROR_RESPONSES)
+    async def cancel_response(response_id: str) -> dict[str, Any]:
+        stored_response(ctx, response_id)
+        raise BadRequestError("only background responses can be cancelled, and this server runs none: this "
+                              "response has finished", "response_id")
+
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERROR_RESPONSES)
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         return await ctx.off_loop(tokenize_request, body)
@@ -293,8 +325,9 @@ def _header_request_id(raw: Request, requested: str | None) -> str | None:
 
 
 # What a request for a route this server lacks (OpenAI's /v1/embeddings, /v1/responses, ...) is told.
-SERVED_ROUTES = ("kvserve serves text generation: POST /v1/chat/completions and /v1/completions; also GET /v1/models "
-                 "and /v1/models/{model}, POST /tokenize and /detokenize, GET /health, /ping, /metrics and /version")
+SERVED_ROUTES = ("kvserve serves text generation: POST /v1/chat/completions, /v1/completions and /v1/responses (GET "
+                 "and DELETE /v1/responses/{id} with the store on); also GET /v1/models and /v1/models/{model}, "
+                 "POST /tokenize and /detokenize, GET /health, /ping, /metrics and /version")
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -556,6 +589,8 @@ async def _serve_app(ns: argparse.Namespace, config: EngineConfig, engine: Async
         scheduling_policy=config.scheduler_config.scheduling_policy,
         return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
         response_role=ns.response_role,
+        responses_store=ResponseStore(envs.KVSERVE_RESPONSES_API_STORE_SIZE)
+        if envs.KVSERVE_ENABLE_RESPONSES_API_STORE else None,
     )
     try:
         state = ServerState()

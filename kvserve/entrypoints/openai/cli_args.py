@@ -10,6 +10,7 @@ import json
 import shlex
 import ssl
 
+from kvserve import envs
 from kvserve.entrypoints.cli import add_engine_args, add_generation_config_args, engine_args_from, port_number
 from kvserve.entrypoints.openai.reasoning_parsers import REASONING_PARSERS  # (a light module)
 from kvserve.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS  # (a light module)
@@ -204,6 +205,10 @@ def server_engine_args(ns: argparse.Namespace) -> dict[str, object]:
     if ns.ssl_cert_reqs != ssl.CERT_NONE and ns.ssl_ca_certs is None:
         raise ValueError("--ssl-cert-reqs 1 or 2 needs --ssl-ca-certs, the CA certificates that client "
                          "certificates are checked against")
+    if envs.KVSERVE_ENABLE_RESPONSES_API_STORE and getattr(ns, "api_server_count", 1) > 1:
+        raise ValueError("the Responses API's store (KVSERVE_ENABLE_RESPONSES_API_STORE) keeps responses in one API "
+                         "process's memory: with --api-server-count > 1 a follow-up (previous_response_id) would "
+                         "reach another process; serve with one API process, or turn the store off")
     args = engine_args_from(ns)
     args["model"] = ns.model_tag if ns.model_tag is not None else ns.model
     args["served_model_name"] = ns.served_model_name[0] if ns.served_model_name else None

@@ -201,6 +201,31 @@ class CompletionRequest(SamplingFields):
 # ---------------------------------------------------------------------------------------- tokenizer
 
 
+class ResponsesRequest(SamplingFields):
+    """POST /v1/responses: OpenAI's Responses API (create), with vLLM's sampling extras (SamplingFields).
+    Input items, tools, `text` and `reasoning` are kept as JSON and read by the handler, whose errors name the
+    item or field at fault; `n`, `response_format` and `stream_options` other than OpenAI's are refused there."""
+
+    input: str | Annotated[list[dict[str, Any]], Field(min_length=1)]
+    instructions: str | None = None
+    max_output_tokens: Annotated[int, Field(ge=1, le=_INT64_MAX)] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    max_tool_calls: Annotated[int, Field(ge=1, le=_INT64_MAX)] | None = None
+    text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
+    reasoning: dict[str, Any] | None = None  # {"effort": ..., "summary": ...}
+    store: StrictBool | None = True
+    background: StrictBool | None = False
+    previous_response_id: str | None = None
+    include: list[str] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    metadata: dict[str, str] | None = None
+    truncation: str | None = None
+    service_tier: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
 class TokenizeRequest(OpenAIBaseModel):
     model: str | None = None
     prompt: str | None = None

@@ -106,8 +106,9 @@ class PreparedChat:
         self.created = int(time.time())
 
 
-def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> PreparedChat:
-    """Validate, render the chat template and tokenize. Raises OpenAIError (400/404/503)."""
+def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest, request_id: str | None = None) -> PreparedChat:
+    """Validate, render the chat template and tokenize. Raises OpenAIError (400/404/503). `request_id`: the
+    engine's id for the request (the Responses API's response id); by default `chatcmpl-<the client's id>`."""
     model = ctx.check_model(req.model)
     ctx.check_engine()
     check_supported(req)
@@ -171,7 +172,7 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> PreparedCha
     params = with_length_limits(params, ctx.sampling_defaults.get("max_tokens"), ctx.max_tokens_cap,
                                 engine.max_model_len - len(processed.prompt_token_ids),
                                 {"max_tokens": max_tokens_param})
-    request_id = new_request_id("chatcmpl", req.request_id)
+    request_id = request_id or new_request_id("chatcmpl", req.request_id)
     log_request(ctx, request_id, len(processed.prompt_token_ids), params, processed.prompt)
     # A grammar (response_format, structured_outputs, guided_*, a forced tool_choice) constrains the whole
     # text from its first token, so there is no reasoning to read: such replies are returned as without the

@@ -63,6 +63,8 @@ class ServingContext:
     scheduling_policy: str = "fcfs"  # --scheduling-policy: "priority" serves requests' priority
     return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: the default of the request field
     response_role: str = "assistant"  # --response-role: chat replies' role under add_generation_prompt
+    # The Responses API's stored responses (serving_responses.ResponseStore); None: the store is off
+    responses_store: Any = None
     # Tokenization (and a chat template's rendering) runs here, off the event loop: a 1,024-token prompt took
     # 3-6 ms, during which every other stream's chunks would wait. One thread, so two encodes never run at
     # once. The event loop's detokenization may run beside an encode: both only read the tokenizer, and

@@ -1,0 +1,377 @@
+"""POST /v1/responses (OpenAI's Responses API): input items to chat messages, output items and events, the
+store, errors under the API's names; driven by the official `openai` client against scripted model outputs,
+then against a real server, where the response's text must be what chat completions return for the same
+conversation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from kvserve.engine.async_llm import RequestFailedError
+from kvserve.entrypoints.openai.api_server import build_app
+from kvserve.entrypoints.openai.middleware import ServerState
+from kvserve.entrypoints.openai.serving_common import ServingContext
+from kvserve.entrypoints.openai.serving_responses import ResponseStore, input_messages
+
+from .conftest import TINY_NAME, ServerProcess
+from .test_tool_calls import TWO_CALLS, WEATHER, _context, _post, _tokens
+
+TOOL = {"type": "function", "name": "get_weather", "description": "Weather in a city",
+        "parameters": WEATHER["function"]["parameters"]}
+THOUGHT = "The user asks for 2+2. That is 4.</think>\n\nIt is 4."
+
+
+def _sdk(ctx: ServingContext, scenario: Callable[[openai.AsyncOpenAI], Any]) -> Any:
+    """Run `scenario(client)` with the openai client talking to `ctx`'s app in this process."""
+    app = build_app(ctx, ServerState(), SimpleNamespace(), None, 1 << 20)  # type: ignore[arg-type]
+
+    async def run() -> Any:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="x", http_client=http, max_retries=0)
+            return await scenario(client)
+
+    return asyncio.run(run())
+
+
+def _events(response: httpx.Response) -> list[dict[str, Any]]:
+    """A stream's events, checked: each `event:` line names its data's type, sequence numbers count from 0."""
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = []
+    for block in response.text.split("\n\n"):
+        if not block.strip():
+            continue
+        lines = block.split("\n")
+        assert lines[0].startswith("event: ") and lines[1].startswith("data: "), block
+        event = json.loads(lines[1][len("data: "):])
+        assert event["type"] == lines[0][len("event: "):]
+        assert event["sequence_number"] == len(events)
+        events.append(event)
+    return events
+
+
+def _finish(ctx: ServingContext, reason: str) -> ServingContext:
+    """`ctx` whose scripted outputs end with `reason` (e.g. "length") instead of "stop"."""
+    inner = ctx.engine.generate
+
+    async def generate(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        async for update in inner(*args, **kwargs):
+            for completion in update.outputs:
+                if completion.finish_reason is not None:
+                    completion.finish_reason = reason
+            yield update
+
+    ctx.engine.generate = generate  # type: ignore[method-assign]
+    return ctx
+
+
+# ------------------------------------------------------------------------------------------ output
+
+
+def test_text_streamed_or_not_is_one_message_and_the_client_reads_both():
+    ctx, rendered = _context([_tokens("Hello there, friend.")])
+
+    async def scenario(client: openai.AsyncOpenAI) -> tuple[Any, Any, list[str]]:
+        full = await client.responses.create(model="m", input="hi", instructions="Be brief.")
+        async with client.responses.stream(model="m", input="hi", instructions="Be brief.") as stream:
+            types = [event.type async for event in stream]
+            streamed = await stream.get_final_response()
+        return full, streamed, types
+
+    full, streamed, types = _sdk(ctx, scenario)
+    assert rendered[0]["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    for response in (full, streamed):
+        assert response.status == "completed" and response.output_text == "Hello there, friend."
+        assert [item.type for item in response.output] == ["message"]
+        assert response.output[0].status == "completed" and response.output[0].role == "assistant"
+        assert response.usage.input_tokens == 3 and response.usage.output_tokens == len(_tokens("Hello there, friend."))
+        assert response.usage.total_tokens == response.usage.input_tokens + response.usage.output_tokens
+        assert response.id.startswith("resp_") and response.store is False  # the store is off by default
+    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    assert types.count("response.output_text.delta") == len(_tokens("Hello there, friend."))
+
+
+def test_tool_calls_become_function_call_items_streamed_or_not():
+    ctx, rendered = _context([_tokens(TWO_CALLS)])
+    body = {"input": "Weather in Paris and Zürich?", "tools": [TOOL]}
+    full = _post(ctx, body, "/v1/responses").json()
+    events = _events(_post(ctx, {**body, "stream": True}, "/v1/responses"))
+    # The tool reached the template in chat's shape.
+    assert rendered[0]["kwargs"]["tools"] == [{"type": "function", "function": {
+        "name": "get_weather", "description": "Weather in a city", "parameters": TOOL["parameters"]}}]
+    final = events[-1]["response"]
+    assert events[-1]["type"] == "response.completed"
+    for output in (full["output"], final["output"]):
+        assert [item["type"] for item in output] == ["message", "function_call", "function_call"]
+        assert output[0]["content"][0]["text"] == "Let me look that up."  # as chat's content
+        assert [json.loads(item["arguments"]) for item in output[1:]] == [{"city": "Paris"}, {"city": "Zürich"}]
+        assert {item["name"] for item in output[1:]} == {"get_weather"}
+        assert all(item["status"] == "completed" for item in output)
+        assert output[1]["call_id"] != output[2]["call_id"]
+    # Each item's events: added, its deltas, done; the arguments' deltas put together are the arguments.
+    added = [e["item"]["id"] for e in events if e["type"] == "response.output_item.added"]
+    done = [e["item"]["id"] for e in events if e["type"] == "response.output_item.done"]
+    assert added == done == [item["id"] for item in final["output"]]
+    for item in final["output"][1:]:
+        deltas = "".join(e["delta"] for e in events
+                         if e["type"] == "response.function_call_arguments.delta" and e["item_id"] == item["id"])
+        assert deltas == item["arguments"]
+
+
+def test_max_tool_calls_and_parallel_tool_calls_false_keep_the_first_call():
+    for extra in ({"max_tool_calls": 1}, {"parallel_tool_calls": False}):
+        ctx, _ = _context([_tokens(TWO_CALLS)])
+        body = {"input": "Weather?", "tools": [TOOL], **extra}
+        for output in (_post(ctx, body, "/v1/responses").json()["output"],
+                       _events(_post(ctx, {**body, "stream": True}, "/v1/responses"))[-1]["response"]["output"]):
+            calls = [item for item in output if item["type"] == "function_call"]
+            assert [json.loads(c["arguments"]) for c in calls] == [{"city": "Paris"}], extra
+
+
+def test_a_named_tool_choice_streams_its_arguments():
+    arguments = '{"city": "Oslo"}'
+    ctx, _ = _context([_tokens(arguments)])
+    body = {"input": "Weather in Oslo?", "tools": [TOOL],
+            "tool_choice": {"type": "function", "name": "get_weather"}}
+    events = _events(_post(ctx, {**body, "stream": True}, "/v1/responses"))
+    output = events[-1]["response"]["output"]
+    assert [(i["type"], i["name"], i["arguments"]) for i in output] == [("function_call", "get_weather", arguments)]
+    deltas = [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"]
+    assert len(deltas) > 1 and "".join(deltas) == arguments
+    assert _post(ctx, body, "/v1/responses").json()["output"][0]["arguments"] == arguments
+
+
+def test_reasoning_is_its_own_item_and_its_tokens_are_counted():
+    ctx, _ = _context([_tokens(THOUGHT)])
+    ctx.reasoning_parser = "deepseek_r1"
+    full = _post(ctx, {"input": "2+2?"}, "/v1/responses").json()
+    events = _events(_post(ctx, {"input": "2+2?", "stream": True}, "/v1/responses"))
+    pieces = _tokens(THOUGHT)
+    # the tokens up to the one that completes </think>
+    thinking = next(k + 1 for k in range(len(pieces)) if "</think>" in "".join(pieces[: k + 1]))
+    for response in (full, events[-1]["response"]):
+        reasoning, message = response["output"]
+        assert reasoning["type"] == "reasoning" and message["type"] == "message"
+        assert reasoning["content"] == [{"type": "reasoning_text", "text": "The user asks for 2+2. That is 4."}]
+        assert message["content"][0]["text"] == "\n\nIt is 4."
+        assert response["usage"]["output_tokens_details"]["reasoning_tokens"] == thinking
+        assert response["usage"]["output_tokens"] == len(pieces)
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    assert deltas == "The user asks for 2+2. That is 4."
+
+
+def test_a_reply_cut_by_max_output_tokens_is_incomplete():
+    ctx = _finish(_context([_tokens("Hello there")])[0], "length")
+    full = _post(ctx, {"input": "hi", "max_output_tokens": 5}, "/v1/responses").json()
+    events = _events(_post(ctx, {"input": "hi", "max_output_tokens": 5, "stream": True}, "/v1/responses"))
+    assert events[-1]["type"] == "response.incomplete"
+    for response in (full, events[-1]["response"]):
+        assert response["status"] == "incomplete"
+        assert response["incomplete_details"] == {"reason": "max_output_tokens"}
+        assert response["output"][0]["status"] == "incomplete"
+        assert response["max_output_tokens"] == 5
+
+
+def test_a_grammar_failure_mid_way_ends_the_stream_with_response_failed():
+    """The engine fails the request after some text (a grammar it cannot follow): the stream ends with an
+    `error` event and response.failed holding what was written; not streamed, the same failure is a 400 naming
+    text.format (the field that set the grammar), under the Responses API's name."""
+    ctx, _ = _context([_tokens("Hello there")])
+    inner = ctx.engine.generate
+
+    async def generate(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        count = 0
+        async for update in inner(*args, **kwargs):
+            if count == 2:
+                raise RequestFailedError("the grammar could not be followed", "structured_outputs")
+            count += 1
+            yield update
+
+    ctx.engine.generate = generate  # type: ignore[method-assign]
+    body = {"input": "json", "text": {"format": {"type": "json_object"}}}
+    events = _events(_post(ctx, {**body, "stream": True}, "/v1/responses"))
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    assert events[-2]["param"] == "text.format" and "could not be followed" in events[-2]["message"]
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and "could not be followed" in failed["error"]["message"]
+    assert failed["output"][0]["content"][0]["text"] == "".join(_tokens("Hello there")[:2])
+    response = _post(ctx, body, "/v1/responses")
+    assert response.status_code == 400 and response.json()["error"]["param"] == "text.format", response.text
+
+
+def test_structured_output_from_text_format():
+    ctx, _ = _context([_tokens('{"a": 1}')])
+    captured: list[Any] = []
+    inner = ctx.engine.generate
+
+    def generate(request_id: str, ids: list[int], params: Any, *args: Any, **kwargs: Any) -> Any:
+        captured.append(params)
+        return inner(request_id, ids, params, *args, **kwargs)
+
+    ctx.engine.generate = generate  # type: ignore[method-assign]
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    body = {"input": "json please", "text": {"format": {"type": "json_schema", "name": "a", "schema": schema}},
+            "max_output_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3, "top_k": 5}
+    response = _post(ctx, body, "/v1/responses").json()
+    params = captured[0]
+    assert params.structured_outputs is not None and params.structured_outputs.json == schema
+    assert (params.max_tokens, params.temperature, params.top_p, params.seed, params.top_k) == (7, 0.5, 0.9, 3, 5)
+    assert response["text"]["format"]["type"] == "json_schema" and response["temperature"] == 0.5
+    _post(ctx, {"input": "json", "text": {"format": {"type": "json_object"}}}, "/v1/responses")
+    assert captured[1].structured_outputs.json_object is True
+
+
+# ------------------------------------------------------------------------------------------ input
+
+
+def test_input_items_become_the_chat_conversation():
+    items = [
+        {"role": "developer", "content": "Use tools."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "I should call the tool."}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Looking.",
+                                                              "annotations": []}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": '{"city": "Lyon"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "rain"}]},
+    ]
+    assert input_messages(items) == [
+        {"role": "system", "content": "Use tools."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "Looking.", "reasoning": "I should call the tool.", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Lyon"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "c2", "content": "rain"},
+    ]
+    # A call after a tool's output is a new assistant turn.
+    later = input_messages(items + [{"type": "function_call", "call_id": "c3", "name": "f", "arguments": "{}"}])
+    assert later[-1] == {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c3", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", "only function tools"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input",
+     "text only"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input", "input[0] is of type 'item_reference'"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input", "role 'tool'"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input", "call_id"),
+    ({"input": "x", "background": True}, "background", "background"),
+    ({"input": "x", "n": 2}, "n", "one output"),
+    ({"input": "x", "response_format": {"type": "json_object"}}, "response_format", "text.format"),
+    ({"input": "x", "truncation": "auto"}, "truncation", "disabled"),
+    ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt", "reusable prompts"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a"}}}, "text.format", "schema"),
+    ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format", "'xml'"),
+    ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice", "not served"),
+    ({"input": "x", "max_output_tokens": 5000}, "max_output_tokens", "max_output_tokens"),
+    ({"input": "x", "top_logprobs": 21}, "top_logprobs", None),
+    ({"input": []}, "input", None),
+    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", "KVSERVE_ENABLE_RESPONSES_API_STORE"),
+])
+def test_what_is_not_served_is_a_400_naming_the_field(body: dict[str, Any], param: str, words: str | None):
+    ctx, _ = _context([_tokens("never")])
+    response = _post(ctx, body, "/v1/responses")
+    error = response.json()["error"]
+    assert response.status_code == (404 if param == "previous_response_id" else 400), response.text
+    assert error["param"] == param, error
+    assert words is None or words in error["message"], error["message"]
+
+
+# ------------------------------------------------------------------------------------------ the store
+
+
+def test_the_store_keeps_conversations_for_previous_response_id():
+    ctx, rendered = _context([_tokens("Paris is sunny.")])
+    ctx.responses_store = ResponseStore(capacity=2)
+
+    async def scenario(client: openai.AsyncOpenAI) -> Any:
+        first = await client.responses.create(model="m", input="Weather in Paris?", instructions="Be brief.")
+        second = await client.responses.create(model="m", input="And tomorrow?", previous_response_id=first.id)
+        fetched = await client.responses.retrieve(first.id)
+        unstored = await client.responses.create(model="m", input="x", store=False)
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve(unstored.id)
+        await client.responses.delete(first.id)
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve(first.id)
+        with pytest.raises(openai.NotFoundError) as missing:
+            await client.responses.create(model="m", input="x", previous_response_id=first.id)
+        return first, second, fetched, unstored, missing.value
+
+    first, second, fetched, unstored, missing = _sdk(ctx, scenario)
+    assert first.store and second.store and not unstored.store
+    assert fetched.model_dump() == first.model_dump()
+    # The second turn saw the first (its input and output; its instructions are not carried over).
+    assert rendered[1]["messages"] == [{"role": "user", "content": "Weather in Paris?"},
+                                       {"role": "assistant", "content": "Paris is sunny."},
+                                       {"role": "user", "content": "And tomorrow?"}]
+    assert second.previous_response_id == first.id
+    assert missing.body["param"] == "previous_response_id"
+    ctx.responses_store.check()
+
+
+def test_the_store_drops_its_oldest_past_its_capacity():
+    ctx, _ = _context([_tokens("ok")])
+    ctx.responses_store = ResponseStore(capacity=2)
+    ids = [_post(ctx, {"input": f"q{i}"}, "/v1/responses").json()["id"] for i in range(3)]
+    assert len(ctx.responses_store) == 2
+    assert ctx.responses_store.get(ids[0]) is None
+    assert all(ctx.responses_store.get(i) is not None for i in ids[1:])
+    assert _post(ctx, {"input": "x", "previous_response_id": ids[0]}, "/v1/responses").status_code == 404
+    with pytest.raises(ValueError, match="at least one"):
+        ResponseStore(0)
+
+
+def test_the_store_cannot_be_split_across_api_processes(monkeypatch: pytest.MonkeyPatch):
+    from kvserve import envs
+    from kvserve.entrypoints.openai.cli_args import make_arg_parser, server_engine_args
+
+    monkeypatch.setattr(envs, "KVSERVE_ENABLE_RESPONSES_API_STORE", True)
+    ns = make_arg_parser().parse_args(["model-dir", "--api-server-count", "2"])
+    with pytest.raises(ValueError, match="api-server-count"):
+        server_engine_args(ns)
+    server_engine_args(make_arg_parser().parse_args(["model-dir"]))  # one API process: fine
+
+
+# ------------------------------------------------------------------------------------------ a real server
+
+
+def test_a_real_server_answers_as_chat_completions_does(tiny_server: ServerProcess):
+    """Greedy: the response's text is the chat completion's for the same conversation, streamed or not; the
+    logprobs asked for through `include` are those of the text's tokens; usage is chat's."""
+    client = openai.OpenAI(base_url=tiny_server.base_url + "/v1", api_key="x", timeout=120, max_retries=0)
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a color."}]
+    chat = client.chat.completions.create(model=TINY_NAME, messages=messages, temperature=0, max_tokens=12,
+                                          logprobs=True, top_logprobs=2)
+    response = client.responses.create(model=TINY_NAME, instructions="You are terse.", input="Name a color.",
+                                       temperature=0, max_output_tokens=12, top_logprobs=2,
+                                       include=["message.output_text.logprobs"])
+    events = list(client.responses.create(model=TINY_NAME, instructions="You are terse.", input="Name a color.",
+                                          temperature=0, max_output_tokens=12, stream=True))
+    assert events[-1].type in ("response.completed", "response.incomplete")  # (a random model may not stop)
+    streamed = events[-1].response
+    text = chat.choices[0].message.content
+    assert response.output_text == streamed.output_text == text
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.usage.output_tokens == chat.usage.completion_tokens
+    assert response.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    got = [(lp.token, round(lp.logprob, 4)) for lp in response.output[0].content[0].logprobs]
+    want = [(lp.token, round(lp.logprob, 4)) for lp in chat.choices[0].logprobs.content]
+    assert got == want and all(len(lp.top_logprobs) == 2 for lp in response.output[0].content[0].logprobs)
+    with pytest.raises(openai.NotFoundError):  # the store is off by default
+        client.responses.retrieve(response.id)
