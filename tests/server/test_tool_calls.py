@@ -342,6 +342,33 @@ def test_the_server_passes_the_reasoning_sent_back_to_the_template():
     assert_openai_error(_post(ctx, bad), 400, "messages")
 
 
+DOCUMENTS_TEMPLATE = (
+    "{% for d in documents or [] %}<doc {{ d.title }}>{{ d.text }}</doc>{% endfor %}"
+    "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}")
+
+
+def test_documents_reach_the_chat_template(smollm_tokenizer):
+    """vLLM's chat field `documents` (RAG: a list of {"title", "text"}) is given to the chat template, as vLLM's
+    `_preprocess_chat` gives it (Command-R's and Granite's templates render it); a `documents` in
+    chat_template_kwargs wins, as there. It was dropped (an unknown field), the model never seeing them."""
+    ctx, rendered = _context([["ok"]])
+    docs = [{"title": "Paris", "text": "Paris is the capital of France."}]
+    body = {"messages": [{"role": "user", "content": "q"}], "max_tokens": 1}
+    assert _post(ctx, {**body, "documents": docs}).status_code == 200
+    assert rendered[-1]["kwargs"]["documents"] == docs
+    assert _post(ctx, body).status_code == 200
+    assert "documents" not in rendered[-1]["kwargs"]
+    other = [{"title": "Rome", "text": "Rome is the capital of Italy."}]
+    assert _post(ctx, {**body, "documents": docs, "chat_template_kwargs": {"documents": other}}).status_code == 200
+    assert rendered[-1]["kwargs"]["documents"] == other
+    assert_openai_error(_post(ctx, {**body, "documents": "not a list"}), 400, "documents")
+    # what the template makes of them: the kwargs reach transformers' apply_chat_template
+    processor = InputProcessor(smollm_tokenizer, 4096, [])
+    prompt = processor.apply_chat_template(body["messages"], DOCUMENTS_TEMPLATE, False,
+                                           rendered[0]["kwargs"]).prompt
+    assert prompt == "<doc Paris>Paris is the capital of France.</doc>[user]q"
+
+
 def _recorded(ctx: ServingContext) -> list[SamplingParams]:
     """The SamplingParams of each request the stub engine is given, in order."""
     seen: list[SamplingParams] = []

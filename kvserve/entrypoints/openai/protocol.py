@@ -178,6 +178,9 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: StrictBool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # RAG documents (each {"title": ..., "text": ...} as vLLM recommends), given to the chat template as its
+    # `documents` (Command-R's and Granite's templates render them; others ignore them)
+    documents: list[dict[str, Any]] | None = None
     # with --reasoning-parser: false leaves the reasoning out of the reply (and, as in vLLM, the logprobs and
     # token ids that would tell it)
     include_reasoning: StrictBool = True

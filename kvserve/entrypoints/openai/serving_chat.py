@@ -56,10 +56,15 @@ _RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tokenize", "chat_templ
 
 
 def template_kwargs(requested: dict[str, Any] | None, continue_final_message: bool,
-                    tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                    tools: list[dict[str, Any]] | None = None,
+                    documents: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The chat template's extra arguments from a request (chat, or /tokenize with messages). Tools go in
-    whatever the tool_choice (as vLLM): with "none" the model still sees what it may not call."""
+    whatever the tool_choice (as vLLM): with "none" the model still sees what it may not call. The chat
+    request's `documents` go in as `documents`, unless chat_template_kwargs names its own (as vLLM, whose
+    chat_template_kwargs update the arguments it sets)."""
     kwargs = {k: v for k, v in (requested or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
+    if documents is not None:
+        kwargs.setdefault("documents", documents)
     if continue_final_message:
         kwargs["continue_final_message"] = True
     if tools:
@@ -155,7 +160,7 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest, request_id: st
         # Some checkpoints mark <tool_call> as a special token; the parser must see it (as vLLM does).
         params = params.clone()
         params.skip_special_tokens = False
-    kwargs = template_kwargs(req.chat_template_kwargs, req.continue_final_message, req.tools)
+    kwargs = template_kwargs(req.chat_template_kwargs, req.continue_final_message, req.tools, req.documents)
     try:
         processed = engine.input_processor.apply_chat_template(
             [message_dict(m) for m in req.messages], None, req.add_generation_prompt, kwargs
