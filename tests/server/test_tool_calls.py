@@ -459,6 +459,21 @@ def test_tool_requests_refused_with_a_400(extra, parser, param, words):
     assert not rendered  # refused before the template ran
 
 
+def test_required_tool_choice_with_an_empty_tools_list_is_none():
+    """tool_choice "required" with `"tools": []` is served as "none" (vLLM's check_tool_usage: 'to align with
+    OpenAI's behavior'), a plain reply; without a tools field at all it stays a 400 (as in vLLM)."""
+    ctx, rendered = _context([["plain ", "text"]])
+    response = _post(ctx, {"messages": [{"role": "user", "content": "hi"}], "tools": [], "tool_choice": "required"})
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["message"]["content"] == "plain text" and not choice["message"].get("tool_calls")
+    assert choice["finish_reason"] == "stop" and not rendered[-1]["kwargs"].get("tools")
+    ctx, _ = _context([["x"]])
+    named = {"type": "function", "function": {"name": "f"}}
+    assert_openai_error(_post(ctx, {"messages": [{"role": "user", "content": "hi"}], "tools": [], "tool_choice": named}),
+                        400, "tool_choice")
+
+
 def test_auto_tool_choice_flag_needs_a_parser():
     parser = make_arg_parser()
     ns = parser.parse_args(["model-dir", "--enable-auto-tool-choice"])

@@ -216,6 +216,8 @@ def check_tools(ctx: ServingContext, req: ChatCompletionRequest) -> str | dict[s
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
     if choice == "none" or (choice == "auto" and not tools):  # nothing to call
         return "none"
+    if choice == "required" and req.tools is not None and not tools:
+        return "none"  # an empty tools list: nothing to call, as vLLM reads it (without the field: a 400 below)
     if not tools:
         raise BadRequestError(f"tool_choice {json.dumps(choice)} needs tools", "tool_choice")
     if choice == "auto":
