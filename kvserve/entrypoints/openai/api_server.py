@@ -354,7 +354,8 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         if exc.status_code == 404 and exc.detail == "Not Found":  # no such route
             return error_response(404, f"{request.method} {request.url.path} is not served here: {SERVED_ROUTES}")
-        return error_response(exc.status_code, str(exc.detail))
+        # its headers too: a 405's Allow (which RFC 9110 requires) names the methods the route takes
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> Response:

@@ -8,6 +8,7 @@ validation and routing errors) into that body. `type` follows vLLM's server ("Ba
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -99,6 +100,7 @@ class ErrorJSONResponse(JSONResponse):
             return json.dumps(content, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
-def error_response(status_code: int, message: str, error_type: str | None = None, param: str | None = None
-                   ) -> JSONResponse:
-    return ErrorJSONResponse(error_body(status_code, message, error_type, param), status_code=status_code)
+def error_response(status_code: int, message: str, error_type: str | None = None, param: str | None = None,
+                   headers: Mapping[str, str] | None = None) -> JSONResponse:
+    return ErrorJSONResponse(error_body(status_code, message, error_type, param), status_code=status_code,
+                             headers=headers)
