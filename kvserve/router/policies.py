@@ -112,10 +112,21 @@ def prefix_key(body: object) -> str | None:
     """What decides a request's backend under the prefix policy (None when the body has no prompt).
 
     Chat: the messages up to and including the first user message (system prompt and first question),
-    which every later turn of the conversation repeats, so the conversation keeps its backend. Completion:
-    the prompt's first `PREFIX_KEY_CHARS` characters. Both cut at `PREFIX_KEY_CHARS`."""
+    which every later turn of the conversation repeats, so the conversation keeps its backend; the Responses
+    API's `instructions` and `input` are read as the messages they render as (a system message first, and a
+    string input as a user message). Completion: the prompt's first `PREFIX_KEY_CHARS` characters. All cut at
+    `PREFIX_KEY_CHARS`."""
     if not isinstance(body, dict):
         return None
+    if "input" in body and "messages" not in body and "prompt" not in body:
+        given = body.get("input")
+        items = [{"role": "user", "content": given}] if isinstance(given, str) else given
+        if not isinstance(items, list):
+            return None
+        instructions = body.get("instructions")
+        system = [{"role": "system", "content": instructions}] if isinstance(instructions, str) and instructions else []
+        body = {"messages": system + [dict(i, role="system") if isinstance(i, dict) and i.get("role") == "developer"
+                                      else i for i in items]}
     prompt = body.get("prompt")
     if prompt is not None:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):

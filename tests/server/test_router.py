@@ -83,6 +83,13 @@ def test_prefix_key_reads_completions_and_chats() -> None:
                                              {"role": "user", "content": "and then?"}]}
     assert prefix_key(later) == prefix_key(chat)
     assert prefix_key({"model": "m"}) is None and prefix_key([1]) is None
+    # The Responses API's instructions and input, as the chat messages they render as.
+    assert prefix_key({"instructions": "be brief", "input": "hi"}) == prefix_key(chat)
+    items = [{"role": "developer", "content": "be brief"}, {"type": "message", "role": "user",
+                                                             "content": [{"type": "input_text", "text": "hi"}]},
+             {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]
+    assert prefix_key({"input": items}) == prefix_key(chat)
+    assert prefix_key({"input": 5}) is None
 
 
 def test_a_conversation_keeps_its_backend_turn_after_turn() -> None:
