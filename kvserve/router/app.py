@@ -384,7 +384,7 @@ class RouterApp:
         stored_ref = _names_stored_response(path, parsed)
         candidates = self.router.order(key, model)
         if not candidates:
-            return self._own(_error(404, f"the model {model!r} is not served by any backend (served: "
+            return self._own(_error(404, f"{_no_such_model(model)} It is not served by any backend (served: "
                                     f"{self._served_models()})", param="model"))
         headers = _forward_headers(request)
         errors: list[str] = []
@@ -402,7 +402,7 @@ class RouterApp:
                 return response
             lacked_model = len(unserved) > num_unserved or len(lacking_response) > num_lacking
         if len(unserved) == len(candidates):
-            return self._own(_error(404, f"the model {model!r} is not served by any backend (served: "
+            return self._own(_error(404, f"{_no_such_model(model)} It is not served by any backend (served: "
                                     f"{self._served_models()}; nor by those whose lists are unknown: "
                                     f"{', '.join(unserved)})", param="model"))
         if model is not None and self.router.known_missing(model):
@@ -770,15 +770,24 @@ def _response_missing(answer: bytes) -> bool:
     return isinstance(error, dict) and error.get("param") in ("response_id", "previous_response_id")
 
 
+def _no_such_model(model: str | None) -> str:
+    """The first sentence of a 404 for a model not served: vLLM's and kvserve's server's words, so that a client
+    (or a router in front of this one) that reads them reads the router's answer alike."""
+    return f"The model `{model}` does not exist."
+
+
 def _model_missing(answer: bytes, model: str) -> bool:
     """Whether a backend's 404 `answer` is its OpenAI error saying that `model` does not exist, as kvserve's and
-    vLLM's servers word it (the error under "error", or at the top level as older vLLM sends it)."""
+    vLLM's servers word it, and a router's (which goes on after those words) (the error under "error", or at the
+    top level as older vLLM sends it)."""
     try:
         body = json.loads(answer)
     except (ValueError, RecursionError):
         return False
     error = body.get("error", body) if isinstance(body, dict) else None
-    return isinstance(error, dict) and error.get("message") == f"The model `{model}` does not exist."
+    message = error.get("message") if isinstance(error, dict) else None
+    return isinstance(message, str) and (message == _no_such_model(model) or
+                                         message.startswith(_no_such_model(model) + " It is not served"))
 
 
 def _copy_headers(upstream: aiohttp.ClientResponse, response: web.StreamResponse) -> web.StreamResponse:

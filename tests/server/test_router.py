@@ -417,11 +417,12 @@ def test_requests_go_to_the_backends_serving_their_model() -> None:
                     assert r.status == 200 and r.headers["X-Backend"] == name
             unknown = await session.post(base + "/v1/completions", json={"model": "m3", "prompt": "x"})
             error = (await unknown.json())["error"]
-            assert unknown.status == 404 and "'m3' is not served" in error["message"] and "m1, m2" in error["message"]
+            assert unknown.status == 404 and error["message"] == \
+                "The model `m3` does not exist. It is not served by any backend (served: m1, m2)"
             assert error["param"] == "model" and error["type"] == "NotFoundError"  # as the server's own 404
             accented = await session.post(base + "/v1/completions", json={"model": "modèle", "prompt": "x"})
             text = await accented.text()  # compact and unescaped, as the server's own bodies
-            assert '"param":"model"' in text and "'modèle' is not served" in text
+            assert '"param":"model"' in text and "`modèle` does not exist." in text
             listed = await (await session.get(base + "/v1/models")).json()
         assert sorted(m["id"] for m in listed["data"]) == ["m1", "m2"]
     _run(body)
@@ -570,8 +571,11 @@ def test_a_backend_whose_models_are_unknown_and_lacks_the_model_sends_the_reques
             async with _complete(session, base, "huge") as response:  # no candidate serves it
                 error = (await response.json())["error"]
                 assert response.status == 404 and error["type"] == "NotFoundError" and error["param"] == "model"
-                assert f"'huge' is not served by any backend (served: smol; nor by those whose lists are unknown: " \
-                       f"{locked.url})" in error["message"]
+                # vLLM's words first (a client, or a router in front of this one, reads them as a server's)
+                assert error["message"] == "The model `huge` does not exist. It is not served by any backend " \
+                       f"(served: smol; nor by those whose lists are unknown: {locked.url})"
+                assert router_app._model_missing(json.dumps({"error": error}).encode(), "huge")
+                assert not router_app._model_missing(json.dumps({"error": error}).encode(), "hug")
             locked.status = 404  # a 404 of another kind: the client's to see, as it came
             async with _complete(session, base, "tiny") as response:
                 assert response.status == 404 and await response.json() == {"error": {"message": "draining",
@@ -607,7 +611,7 @@ def test_retrieving_a_model_goes_to_a_backend_that_serves_it(caplog: pytest.LogC
                 assert response.status == 200 and response.headers["X-Backend"] == "locked"
             async with session.get(base + "/v1/models/huge") as response:
                 error = (await response.json())["error"]
-                assert response.status == 404 and error["param"] == "model" and "'huge'" in error["message"]
+                assert response.status == 404 and error["param"] == "model" and "`huge`" in error["message"]
     _run_quietly(body, caplog)
 
 
