@@ -232,6 +232,27 @@ def test_structured_output_from_text_format():
     assert captured[1].structured_outputs.json_object is True
 
 
+def test_a_body_echoing_what_utf8_cannot_carry_is_escaped():
+    """instructions holding a lone surrogate (JSON's "\\ud800" escape) come back escaped, streamed, not streamed
+    and retrieved, instead of the answer failing as it encodes."""
+    ctx, _ = _context([_tokens("ok")])
+    ctx.responses_store = ResponseStore(capacity=2)
+    app = build_app(ctx, ServerState(), SimpleNamespace(), None, 1 << 20)  # type: ignore[arg-type]
+
+    async def scenario() -> tuple[httpx.Response, httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            post = {"url": "/v1/responses", "headers": {"content-type": "application/json"}}
+            full = await client.post(content=json.dumps({"input": "hi", "instructions": "\ud800 x"}), **post)
+            stream = await client.post(content=json.dumps({"input": "hi", "instructions": "\ud800 x",
+                                                           "stream": True}), **post)
+            return full, stream, await client.get(f"/v1/responses/{full.json()['id']}")
+
+    full, stream, fetched = asyncio.run(scenario())
+    assert full.status_code == 200 and full.json()["instructions"] == "\ud800 x", full.text
+    assert _events(stream)[-1]["response"]["instructions"] == "\ud800 x"
+    assert fetched.status_code == 200 and fetched.json()["instructions"] == "\ud800 x"
+
+
 # ------------------------------------------------------------------------------------------ input
 
 

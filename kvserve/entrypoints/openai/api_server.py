@@ -66,7 +66,13 @@ from kvserve.entrypoints.openai.cli_args import (
     make_arg_parser,
     server_engine_args,
 )
-from kvserve.entrypoints.openai.errors import BadRequestError, NotFoundError, OpenAIError, error_response
+from kvserve.entrypoints.openai.errors import (
+    BadRequestError,
+    EchoingJSONResponse,
+    NotFoundError,
+    OpenAIError,
+    error_response,
+)
 from kvserve.entrypoints.openai.middleware import END_CANCELLED_S, GuardMiddleware, ServerState
 from kvserve.entrypoints.openai.protocol import (
     MAX_REQUEST_ID_LEN,
@@ -253,11 +259,12 @@ def build_app(ctx: ServingContext, state: ServerState, metrics: PrometheusStatLo
         prep = await ctx.off_loop(prepare_response, ctx, body)
         if body.stream:
             return SSEResponse(response_stream(ctx, prep))
-        return JSONResponse(await run_unless_disconnected(raw, response_full(ctx, prep)))
+        # (the body echoes the request's instructions, metadata, tools)
+        return EchoingJSONResponse(await run_unless_disconnected(raw, response_full(ctx, prep)))
 
     @app.get("/v1/responses/{response_id}", responses=_ERROR_RESPONSES)
-    async def retrieve_response(response_id: str) -> dict[str, Any]:
-        return stored_response(ctx, response_id).body
+    async def retrieve_response(response_id: str) -> Response:
+        return EchoingJSONResponse(stored_response(ctx, response_id).body)
 
     @app.delete("/v1/responses/{response_id}", responses=_ERROR_RESPONSES)
     async def delete_response(response_id: str) -> dict[str, Any]:

@@ -88,10 +88,10 @@ def error_body(status_code: int, message: str, error_type: str | None = None, pa
     }
 
 
-class ErrorJSONResponse(JSONResponse):
-    """An error body as JSONResponse writes one (compact, UTF-8), except that when its message quotes a request
-    value UTF-8 cannot encode (a lone surrogate, which JSON's "\\ud800" escape reads as), the characters past
-    ASCII are escaped instead of the answer failing."""
+class EchoingJSONResponse(JSONResponse):
+    """A body as JSONResponse writes one (compact, UTF-8), except that when it quotes a request value UTF-8
+    cannot encode (a lone surrogate, which JSON's "\\ud800" escape reads as: an error's message, a Responses API
+    response's instructions), the characters past ASCII are escaped instead of the answer failing."""
 
     def render(self, content: Any) -> bytes:
         try:
@@ -102,5 +102,5 @@ class ErrorJSONResponse(JSONResponse):
 
 def error_response(status_code: int, message: str, error_type: str | None = None, param: str | None = None,
                    headers: Mapping[str, str] | None = None) -> JSONResponse:
-    return ErrorJSONResponse(error_body(status_code, message, error_type, param), status_code=status_code,
-                             headers=headers)
+    return EchoingJSONResponse(error_body(status_code, message, error_type, param), status_code=status_code,
+                               headers=headers)

@@ -74,11 +74,12 @@ class ResponseStore:
         return self._entries.get(response_id)
 
     def put(self, response_id: str, entry: StoredResponse) -> None:
+        assert entry.body["id"] == response_id, (response_id, entry.body["id"])
         self._entries[response_id] = entry
         self._entries.move_to_end(response_id)
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
-        self.check()
+        assert len(self._entries) <= self.capacity  # (check() walks every entry: for tests)
 
     def delete(self, response_id: str) -> bool:
         return self._entries.pop(response_id, None) is not None
@@ -559,7 +560,13 @@ async def response_full(ctx: ServingContext, prep: PreparedResponse) -> dict[str
 def _event(event: dict[str, Any], sequence_number: int) -> str:
     body = {"type": event["type"], "sequence_number": sequence_number,
             **{k: v for k, v in event.items() if k != "type"}}
-    return f"event: {event['type']}\ndata: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    data = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+    if "response" in event:  # it echoes the request (instructions, ...): escaped if UTF-8 cannot carry it
+        try:
+            data.encode("utf-8")
+        except UnicodeEncodeError:
+            data = json.dumps(body, separators=(",", ":"))
+    return f"event: {event['type']}\ndata: {data}\n\n"
 
 
 async def response_stream(ctx: ServingContext, prep: PreparedResponse) -> AsyncIterator[str]:
