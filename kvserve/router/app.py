@@ -476,6 +476,9 @@ class RouterApp:
         response: web.StreamResponse | None = None
         events: _EventStream | None = None  # an event stream's state: what it holds back, what was passed on
         finishing = False  # the answer's end is being written
+        # An event stream's `data: [DONE]` was written to the client: it has the whole answer, so one that hangs up
+        # now (as clients do on reading it, often before the backend's answer has ended) is served, not "client_closed".
+        delivered = False
         try:
             try:
                 upstream = await self.session.request(request.method, backend.url + request.path_qs, data=body,
@@ -556,6 +559,7 @@ class RouterApp:
                         continue
                 try:
                     await response.write(chunk)
+                    delivered = events is not None and events.done
                 except ConnectionResetError:
                     # The client left after this chunk arrived but before the disconnect cancelled this handler
                     # (a close or reset seen in the same loop pass): "client_closed", quietly (not a 500 and a
@@ -589,6 +593,8 @@ class RouterApp:
                 # request), the backend sees the disconnect and aborts the request.
                 upstream.close()
             backend.in_flight -= 1
+            if outcome == "client_closed" and delivered and upstream is not None:
+                outcome = str(upstream.status)
             if outcome != "retried":
                 self.requests.labels(backend.url, outcome).inc()
 
