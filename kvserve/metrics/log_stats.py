@@ -25,18 +25,24 @@ class LoggingStatLogger:
         self._last_queries = self._last_hits = 0
 
     def record(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats) -> None:
+        now = time.monotonic()
+        if now >= self._last_log + self.interval_s:
+            # The interval has ended, and what was counted came within it (before this output): its line is the
+            # interval's, as a timer's would be. Not counted up to now: only outputs call this, and after an idle spell
+            # (outputs stopped) the tokens of a busy spell's last seconds, or of the first step after it, were spread
+            # over the idle time as well. The next interval starts with this output.
+            self._log(self.interval_s)
+            self._last_log = now
         self._num_prompt_tokens += iteration.num_prompt_tokens
         self._num_generation_tokens += iteration.num_generation_tokens
         if scheduler_stats is not None:
             self._last_stats = scheduler_stats
-        now = time.monotonic()
-        elapsed = now - self._last_log
-        if elapsed < self.interval_s:
-            return
+
+    def _log(self, elapsed: float) -> None:
+        """The line of what was counted over the last `elapsed` seconds (none while idle); the counts restart."""
         stats = self._last_stats
         busy = stats is not None and (stats.num_running_reqs or stats.num_waiting_reqs)
         if not (busy or self._num_prompt_tokens or self._num_generation_tokens):
-            self._last_log = now
             return
         hit_rate = 0.0
         if stats is not None:
@@ -55,5 +61,4 @@ class LoggingStatLogger:
             100 * (stats.kv_cache_usage if stats else 0.0),
             100 * hit_rate,
         )
-        self._last_log = now
         self._num_prompt_tokens = self._num_generation_tokens = 0
