@@ -255,7 +255,7 @@ class RouterApp:
             async with self.session.get(backend.url + "/health", timeout=timeout, headers=self._auth) as response:
                 ok, why = response.status == 200, f"/health answered {response.status}"
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            ok, why = False, f"/health failed: {type(exc).__name__}: {exc}"
+            ok, why = False, f"/health failed: {_describe(exc)}"
         self._set_health(backend, ok, why)
         if not ok:
             return
@@ -445,7 +445,7 @@ class RouterApp:
             except asyncio.TimeoutError:
                 why = f"its end could not be sent within {END_IN_FLIGHT_S:g} s"
             except ConnectionResetError as exc:
-                why = f"{type(exc).__name__}: {exc}"
+                why = f"{_describe(exc)}"
         logger.warning("%s %s: cutting the client's answer (%s)", request.method, request.path, why)
         if request.transport is not None:
             request.transport.abort()  # at once: what it has not taken yet is dropped
@@ -484,14 +484,14 @@ class RouterApp:
                 upstream = await self.session.request(request.method, backend.url + request.path_qs, data=body,
                                                       headers=headers)
             except aiohttp.ConnectionTimeoutError as exc:  # (a TimeoutError too) no connection: the next one
-                outcome = self._refused(backend, f"{type(exc).__name__}: {exc}", errors)
+                outcome = self._refused(backend, f"{_describe(exc)}", errors)
                 return None
             except asyncio.TimeoutError:
                 outcome = "504"
                 return _error(504, f"{backend.url} sent nothing for {self.config.request_timeout_s:g} s "
                               "(--request-timeout)")
             except aiohttp.ClientConnectionError as exc:
-                outcome = self._refused(backend, f"{type(exc).__name__}: {exc}", errors)
+                outcome = self._refused(backend, f"{_describe(exc)}", errors)
                 return None
             if upstream.status == 503 and not last:
                 text = (await upstream.read())[:300].decode(errors="replace")
@@ -758,6 +758,11 @@ def _below_root(path: str, root: str) -> str:
     return path
 
 
+def _describe(exc: BaseException) -> str:
+    """An exception as a reason: its type, and its message when it has one (aiohttp's timeouts have none)."""
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
 def _names_stored_response(path: str, body: Any) -> bool:
     """Whether a request names a response stored by the backend that made it (the Responses API's
     /v1/responses/{id} and its sub-paths, or a new response's previous_response_id)."""
@@ -865,7 +870,11 @@ async def serve_router(router: RouterApp, host: str, port: int) -> int:
         await runner.setup()
         try:
             if not stop.is_set():
-                await web.TCPSite(runner, host, port).start()
+                try:
+                    await web.TCPSite(runner, host, port).start()
+                except OSError as e:  # (the port taken, the host not this machine's): said as the server says it
+                    logger.error("cannot listen on %s:%d: %s", host, port, e)
+                    return 1
                 await stop.wait()
             deadline = loop.call_later(SHUTDOWN_TIMEOUT_S, time_over)
         finally:

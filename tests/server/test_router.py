@@ -650,6 +650,28 @@ def test_a_stored_response_is_found_on_the_backend_that_made_it(caplog: pytest.L
     _run_quietly(body, caplog)
 
 
+def test_a_reason_without_a_message_is_its_type_alone() -> None:
+    # aiohttp's timeouts carry no message: "/health failed: TimeoutError: " read as if one was cut off
+    assert router_app._describe(asyncio.TimeoutError()) == "TimeoutError"
+    assert router_app._describe(ConnectionResetError("reset by peer")) == "ConnectionResetError: reset by peer"
+
+
+def test_a_port_in_use_is_an_error_line_and_exit_code_1(caplog: pytest.LogCaptureFixture) -> None:
+    import socket
+
+    from kvserve.router.app import serve_router
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        router = RouterApp(Router(["http://127.0.0.1:9"], "round-robin"), RouterConfig(health_check_interval_s=60))
+        with caplog.at_level(logging.ERROR):
+            assert asyncio.run(serve_router(router, "127.0.0.1", port)) == 1
+    assert f"cannot listen on 127.0.0.1:{port}:" in caplog.text
+    assert not [r for r in caplog.records if r.exc_info], caplog.text
+
+
 def test_a_model_only_unknown_lists_might_serve_is_a_503_when_one_of_them_is_down() -> None:
     """Backends whose lists are unknown: one answers that it lacks the model, another cannot be reached (it may be
     loading the model): a 503, which clients retry, naming both."""
