@@ -321,7 +321,9 @@ class SamplingParams:
     def for_sample(self, index: int) -> SamplingParams:
         """Parameters of sample `index` of an n>1 request: n=1, and a distinct seed when seeded. The prompt's
         logprobs are the same for every sample: only sample 0 computes them."""
-        seed = None if self.seed is None else self.seed + index
+        # seed + index, wrapped into the 64-bit range the engine carries (a seed near the top, valid for n=1,
+        # would otherwise make its later samples' seeds, and so the whole request, invalid)
+        seed = None if self.seed is None else (self.seed + index - _INT64[0]) % (1 << 64) + _INT64[0]
         sample = replace(self, n=1, seed=seed, prompt_logprobs=self.prompt_logprobs if index == 0 else None)
         sample.seed = seed  # seed + index may be -1, which __post_init__ (run again by replace) reads as no seed
         return sample

@@ -98,6 +98,14 @@ def test_seed_minus_one_is_unseeded() -> None:
     assert [SamplingParams(seed=-2, n=3).for_sample(i).seed for i in range(3)] == [-2, -1, 0]
 
 
+def test_largest_seed_takes_n_samples() -> None:
+    """seed + index wraps within 64 bits: the largest seed, valid for one sample, is valid for n samples too
+    (its second sample's seed 2**63 was refused, so the whole n>1 request failed naming a seed never given)."""
+    top = (1 << 63) - 1
+    seeds = [SamplingParams(seed=top, n=3).for_sample(i).seed for i in range(3)]
+    assert seeds == [top, -(1 << 63), -(1 << 63) + 1]
+
+
 @pytest.mark.parametrize("name", ["temperature", "repetition_penalty"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_non_finite_temperature_and_repetition_penalty_are_refused(name: str, value: float) -> None:
