@@ -290,28 +290,30 @@ class LLM:
             bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
         start = time.perf_counter()
         num_prompt_tokens = num_output_tokens = 0
-        while self.engine.has_unfinished_requests():
-            try:
+        try:
+            while self.engine.has_unfinished_requests():
                 step_outputs = self.engine.step()
-            except BaseException:
-                # A request failed in the core (ValueError), or anything else stopped the call (an error in a
-                # step, Ctrl-C): the call's requests are dropped, so that they neither run on in the next call
-                # nor leave the engine waiting for a step that never finished.
-                for request_id in request_ids:
-                    if request_id not in finished:
-                        self.engine.abort_request(request_id)
-                bar.close()
-                raise
-            for output in step_outputs:
-                if not output.finished:
-                    continue
-                finished[output.request_id] = output
-                num_prompt_tokens += len(output.prompt_token_ids)
-                num_output_tokens += sum(len(o.token_ids) for o in output.outputs)
-                elapsed = max(time.perf_counter() - start, 1e-9)
-                bar.set_postfix_str(
-                    f"input: {num_prompt_tokens / elapsed:.1f} tok/s, output: {num_output_tokens / elapsed:.1f} tok/s"
-                )
-                bar.update(1)
+                for output in step_outputs:
+                    if not output.finished:
+                        continue
+                    finished[output.request_id] = output
+                    num_prompt_tokens += len(output.prompt_token_ids)
+                    num_output_tokens += sum(len(o.token_ids) for o in output.outputs)
+                    elapsed = max(time.perf_counter() - start, 1e-9)
+                    bar.set_postfix_str(
+                        f"input: {num_prompt_tokens / elapsed:.1f} tok/s, "
+                        f"output: {num_output_tokens / elapsed:.1f} tok/s"
+                    )
+                    bar.update(1)
+        except BaseException:
+            # A request failed in the core (ValueError), or anything else stopped the call (an error in a step,
+            # Ctrl-C, also while the progress bar draws between steps, or an error of a caller's progress bar
+            # class): the call's requests are dropped, so that they neither run on in the next call nor leave
+            # the engine waiting for a step that never finished.
+            for request_id in request_ids:
+                if request_id not in finished:
+                    self.engine.abort_request(request_id)
+            bar.close()
+            raise
         bar.close()
         return [finished[request_id] for request_id in request_ids]

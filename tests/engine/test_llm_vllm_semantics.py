@@ -60,6 +60,34 @@ def test_a_call_stopped_by_an_error_leaves_the_llm_usable(llm: LLM, monkeypatch:
 
 
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_a_call_stopped_between_steps_leaves_nothing_behind(llm: LLM, error: type[BaseException]) -> None:
+    """Ctrl-C (or an error of the caller's progress bar class) while the call updates its progress bar between
+    steps, one request done and another running: the call's unfinished requests are dropped, as when a step
+    fails. They used to stay live, holding their blocks, and the next call ran them along (their outputs lost)."""
+
+    class FailingBar:
+        def __init__(self, **kwargs: Any) -> None:
+            pass
+
+        def set_postfix_str(self, text: str) -> None:
+            pass
+
+        def update(self, n: int) -> None:
+            raise error("boom")
+
+        def close(self) -> None:
+            pass
+
+    params = [SamplingParams(temperature=0, max_tokens=1), SamplingParams(temperature=0, max_tokens=20, n=2)]
+    with pytest.raises(error, match="boom"):
+        llm.generate([list(range(100, 110)), list(range(200, 230))], params, use_tqdm=FailingBar)
+    assert not llm.engine.has_unfinished_requests()
+    assert not llm.engine.output_processor.has_unfinished() and not llm.engine.core.scheduler.requests
+    stats = llm.engine.core.make_stats()
+    assert stats.num_free_blocks == stats.num_blocks
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
 def test_a_request_stopped_while_its_samples_are_added_leaves_nothing_behind(
         llm: LLM, monkeypatch: pytest.MonkeyPatch, error: type[BaseException]) -> None:
     """Ctrl-C (or any error) while an n=2 request's second sample is being added to the core: the request's
