@@ -283,14 +283,16 @@ class LLM:
 
     def _run(self, request_ids: list[str], use_tqdm: bool | Callable[..., Any]) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
-        # use_tqdm: on / off, or (as vLLM takes it) the progress bar's class or factory, called as tqdm is
-        if callable(use_tqdm):
-            bar = use_tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
-        else:
-            bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        bar = None
         start = time.perf_counter()
         num_prompt_tokens = num_output_tokens = 0
         try:
+            # use_tqdm: on / off, or (as vLLM takes it) the progress bar's class or factory, called as tqdm is
+            # (inside the try: a factory that refuses these arguments must not leave the requests running)
+            if callable(use_tqdm):
+                bar = use_tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
+            else:
+                bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
             while self.engine.has_unfinished_requests():
                 step_outputs = self.engine.step()
                 for output in step_outputs:
@@ -308,12 +310,13 @@ class LLM:
         except BaseException:
             # A request failed in the core (ValueError), or anything else stopped the call (an error in a step,
             # Ctrl-C, also while the progress bar draws between steps, or an error of a caller's progress bar
-            # class): the call's requests are dropped, so that they neither run on in the next call nor leave
+            # class, its construction included): the call's requests are dropped, so that they neither run on in the next call nor leave
             # the engine waiting for a step that never finished.
             for request_id in request_ids:
                 if request_id not in finished:
                     self.engine.abort_request(request_id)
-            bar.close()
+            if bar is not None:
+                bar.close()
             raise
         bar.close()
         return [finished[request_id] for request_id in request_ids]

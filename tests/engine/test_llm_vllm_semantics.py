@@ -87,6 +87,19 @@ def test_a_call_stopped_between_steps_leaves_nothing_behind(llm: LLM, error: typ
     assert stats.num_free_blocks == stats.num_blocks
 
 
+def test_a_progress_bar_factory_that_fails_leaves_nothing_behind(llm: LLM) -> None:
+    """A use_tqdm factory that refuses the arguments it is called with (one written for another signature): the
+    call fails, and its requests, already queued when the bar is made, are dropped. They used to stay live."""
+
+    def bar_without_dynamic_ncols(total: int, desc: str) -> Any:
+        raise AssertionError("not called with these arguments")
+
+    with pytest.raises(TypeError, match="dynamic_ncols"):
+        llm.generate([list(range(100, 110))], SamplingParams(max_tokens=20), use_tqdm=bar_without_dynamic_ncols)
+    assert not llm.engine.has_unfinished_requests()
+    assert not llm.engine.output_processor.has_unfinished() and not llm.engine.core.scheduler.requests
+
+
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
 def test_a_request_stopped_while_its_samples_are_added_leaves_nothing_behind(
         llm: LLM, monkeypatch: pytest.MonkeyPatch, error: type[BaseException]) -> None:
