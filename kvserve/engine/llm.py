@@ -310,8 +310,8 @@ class LLM:
         except BaseException:
             # A request failed in the core (ValueError), or anything else stopped the call (an error in a step,
             # Ctrl-C, also while the progress bar draws between steps, or an error of a caller's progress bar
-            # class, its construction included): the call's requests are dropped, so that they neither run on in the next call nor leave
-            # the engine waiting for a step that never finished.
+            # class, its construction included): the call's requests are dropped, so that they neither run on in
+            # the next call nor leave the engine waiting for a step that never finished.
             for request_id in request_ids:
                 if request_id not in finished:
                     self.engine.abort_request(request_id)
