@@ -396,3 +396,17 @@ def test_a_real_server_answers_as_chat_completions_does(tiny_server: ServerProce
     assert got == want and all(len(lp.top_logprobs) == 2 for lp in response.output[0].content[0].logprobs)
     with pytest.raises(openai.NotFoundError):  # the store is off by default
         client.responses.retrieve(response.id)
+
+
+def test_a_model_this_server_does_not_serve_is_a_404_as_in_chat():
+    ctx, _ = _context([_tokens("never")])
+
+    async def scenario(client: openai.AsyncOpenAI) -> Any:
+        with pytest.raises(openai.NotFoundError) as missing:
+            await client.responses.create(model="not-served", input="hi")
+        served = await client.responses.create(model="m", input="hi")
+        return missing.value, served
+
+    missing, served = _sdk(ctx, scenario)
+    assert missing.body["param"] == "model" and "`not-served` does not exist" in missing.body["message"]
+    assert served.model == "m"

@@ -44,7 +44,8 @@ from kvserve.entrypoints.openai.tool_parsers import ToolCallStream
 _RESPONSES_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens",
                     "response_format": "text.format"}
 # SamplingFields the Responses API does not take: refused when set (n, response_format) or read otherwise.
-_NOT_PASSED = {"n", "response_format", "stream", "stream_options", "model"}
+# (`model` goes on: the chat path answers a model this server does not serve with vLLM's 404.)
+_NOT_PASSED = {"n", "response_format", "stream", "stream_options"}
 _UNSERVED_FIELDS = {  # OpenAI request fields kvserve does not implement -> why
     "prompt": "reusable prompts are not stored here; send the input itself",
     "conversation": "conversations are not stored here; use previous_response_id (with the store on) or send "
