@@ -213,7 +213,7 @@ def test_unknown_model_and_route(http):
 
 
 def test_routes_it_lacks_say_what_it_serves_and_a_model_can_be_retrieved(http):
-    for method, path in (("POST", "/v1/embeddings"), ("POST", "/v1/responses/x/input_items"),
+    for method, path in (("POST", "/v1/embeddings"), ("POST", "/v1/conversations"),
                          ("GET", "/v1/nothing-here")):
         error = assert_openai_error(http.request(method, path, json={"model": STRICT_NAME, "input": "hi"}), 404)
         assert error["message"].startswith(f"{method} {path} is not served here: kvserve serves text generation: "

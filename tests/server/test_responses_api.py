@@ -410,3 +410,33 @@ def test_a_model_this_server_does_not_serve_is_a_404_as_in_chat():
     missing, served = _sdk(ctx, scenario)
     assert missing.body["param"] == "model" and "`not-served` does not exist" in missing.body["message"]
     assert served.model == "m"
+
+
+def test_a_stored_responses_input_items_are_listed_as_the_client_pages_them():
+    ctx, _ = _context([_tokens("Paris is sunny.")])
+    ctx.responses_store = ResponseStore(capacity=4)
+
+    async def scenario(client: openai.AsyncOpenAI) -> Any:
+        first = await client.responses.create(model="m", input="Weather in Paris?")
+        second = await client.responses.create(
+            model="m", previous_response_id=first.id,
+            input=[{"id": "msg_mine", "role": "user", "content": "And tomorrow?"}])
+        newest_first = [item async for item in client.responses.input_items.list(second.id)]
+        oldest_first = await client.responses.input_items.list(second.id, order="asc", limit=2)
+        rest = await client.responses.input_items.list(second.id, order="asc", after=oldest_first.data[-1].id)
+        unstored = await client.responses.create(model="m", input="x", store=False)
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.input_items.list(unstored.id)
+        return first, newest_first, oldest_first, rest
+
+    first, newest_first, oldest_first, rest = _sdk(ctx, scenario)
+    texts = [item.content[0].text for item in newest_first]
+    assert texts == ["And tomorrow?", "Paris is sunny.", "Weather in Paris?"]
+    assert [item.role for item in newest_first] == ["user", "assistant", "user"]
+    assert all(item.id and item.type == "message" for item in newest_first)
+    assert newest_first[0].id == "msg_mine"  # the client's own id is kept
+    assert newest_first[1].id == first.output[0].id  # the previous output, as it was returned
+    assert [item.id for item in oldest_first.data] == [item.id for item in newest_first[::-1][:2]]
+    assert oldest_first.has_more and oldest_first.first_id == oldest_first.data[0].id
+    assert [item.id for item in rest.data] == [newest_first[0].id] and not rest.has_more
+    ctx.responses_store.check()

@@ -35,11 +35,11 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import jinja2
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Query
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -113,6 +113,7 @@ from kvserve.entrypoints.openai.serving_completion import (
 )
 from kvserve.entrypoints.openai.serving_responses import (
     ResponseStore,
+    input_items_page,
     prepare_response,
     response_full,
     response_stream,
@@ -266,6 +267,13 @@ def build_app(ctx: ServingContext, state: ServerState, metrics: PrometheusStatLo
     async def retrieve_response(response_id: str) -> Response:
         return EchoingJSONResponse(stored_response(ctx, response_id).body)
 
+    @app.get("/v1/responses/{response_id}/input_items", responses=_ERROR_RESPONSES)
+    async def list_input_items(response_id: str, after: str | None = None,
+                               limit: Annotated[int, Query(ge=1, le=100)] = 20,
+                               order: Literal["asc", "desc"] = "desc") -> Response:
+        # (OpenAI's `include` only adds what this server does not serve: taken and ignored)
+        return EchoingJSONResponse(input_items_page(stored_response(ctx, response_id), after, limit, order))
+
     @app.delete("/v1/responses/{response_id}", responses=_ERROR_RESPONSES)
     async def delete_response(response_id: str) -> dict[str, Any]:
         stored_response(ctx, response_id)
@@ -333,7 +341,8 @@ def _header_request_id(raw: Request, requested: str | None) -> str | None:
 
 # What a request for a route this server lacks (OpenAI's /v1/embeddings, /v1/responses, ...) is told.
 SERVED_ROUTES = ("kvserve serves text generation: POST /v1/chat/completions, /v1/completions and /v1/responses (GET "
-                 "and DELETE /v1/responses/{id} with the store on); also GET /v1/models and /v1/models/{model}, "
+                 "and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items with the store on); also GET "
+                 "/v1/models and /v1/models/{model}, "
                  "POST /tokenize and /detokenize, GET /health, /ping, /metrics and /version")
 
 

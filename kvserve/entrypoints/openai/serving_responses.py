@@ -98,6 +98,43 @@ def _not_stored(ctx: ServingContext, response_id: str, param: str) -> NotFoundEr
     return NotFoundError(f"no response with id {response_id!r} is stored on this server{why}", param)
 
 
+def _with_id(item: dict[str, Any]) -> dict[str, Any]:
+    """An input item as the store keeps it: with an id (the client's, or a new one, as OpenAI gives input items
+    one) and a message's string content as a text part, so GET .../input_items lists it as the API types it."""
+    kind = item.get("type", "message" if "role" in item else None)
+    needs_id = not isinstance(item.get("id"), str)
+    if not needs_id and (kind != "message" or ("type" in item and not isinstance(item.get("content"), str))):
+        return item
+    item = dict(item)
+    if needs_id:
+        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}.get(
+            str(kind), "item")
+        item["id"] = _item_id(prefix)
+    if kind == "message":
+        item.setdefault("type", "message")
+        if isinstance(item.get("content"), str):
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            item["content"] = [{"type": part, "text": item["content"]}]
+    return item
+
+
+def input_items_page(entry: StoredResponse, after: str | None, limit: int, order: str) -> dict[str, Any]:
+    """GET /v1/responses/{id}/input_items: the items the response was generated from (those of its
+    previous_response_id's conversation first), `order` "asc" (oldest first) or "desc", `limit` of them after
+    the item `after`, as OpenAI's list object."""
+    items = entry.items[: len(entry.items) - len(entry.body["output"])]
+    if order == "desc":
+        items = items[::-1]
+    if after is not None:
+        ids = [item.get("id") for item in items]
+        if after not in ids:
+            raise NotFoundError(f"no input item with id {after!r} in response {entry.body['id']!r}", "after")
+        items = items[ids.index(after) + 1:]
+    data = items[:limit]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": len(items) > limit}
+
+
 def stored_response(ctx: ServingContext, response_id: str) -> StoredResponse:
     """GET / DELETE /v1/responses/{id}: the stored response, or a 404."""
     entry = ctx.responses_store.get(response_id) if ctx.responses_store is not None else None
@@ -537,7 +574,8 @@ class ResponseRun:
         final = copy.deepcopy(self.body(status, usage, **extra))
         if prep.store:
             assert ctx.responses_store is not None
-            ctx.responses_store.put(prep.response_id, StoredResponse(final, prep.items + final["output"]))
+            items = [_with_id(item) for item in prep.items]
+            ctx.responses_store.put(prep.response_id, StoredResponse(final, items + final["output"]))
         yield {"type": f"response.{status}", "response": final}
 
 
