@@ -440,3 +440,18 @@ def test_a_stored_responses_input_items_are_listed_as_the_client_pages_them():
     assert oldest_first.has_more and oldest_first.first_id == oldest_first.data[0].id
     assert [item.id for item in rest.data] == [newest_first[0].id] and not rest.has_more
     ctx.responses_store.check()
+
+
+def test_a_reasoning_item_with_no_answer_after_it_keeps_its_own_turn():
+    # A response cut while thinking is a lone reasoning item; sent back, it is the assistant's turn there, not
+    # reasoning for a later, unrelated assistant message (nor two user turns in a row, which some templates
+    # refuse).
+    thought = {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "Hmm, 2+2"}]}
+    ctx, rendered = _context([_tokens("ok")])
+    body = {"input": [{"role": "user", "content": "2+2?"}, thought, {"role": "user", "content": "Go on."},
+                      {"role": "assistant", "content": "4"}, {"role": "user", "content": "Thanks"}]}
+    assert _post(ctx, body, "/v1/responses").status_code == 200
+    assert rendered[0]["messages"] == [
+        {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "", "reasoning": "Hmm, 2+2"},
+        {"role": "user", "content": "Go on."}, {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "Thanks"}]

@@ -190,7 +190,8 @@ def _string_field(item: dict[str, Any], name: str, where: str) -> str:
 def input_messages(items: list[Any], first_new: int = 0) -> list[dict[str, Any]]:
     """The chat messages of a conversation's input items: messages (developer as system), function calls (one
     assistant turn for the calls that follow its text), their outputs (tool messages) and reasoning (the next
-    assistant turn's `reasoning`, which templates such as Qwen3's show in tool loops). Items before `first_new`
+    assistant turn's `reasoning`, which templates such as Qwen3's show in tool loops; a reasoning item with no
+assistant message or call after it, as a response cut while thinking, is an assistant turn of its own). Items before `first_new`
     come from the store; errors name the request's items by their index in its `input`."""
     messages: list[dict[str, Any]] = []
     reasoning: str | None = None
@@ -219,6 +220,8 @@ def input_messages(items: list[Any], first_new: int = 0) -> list[dict[str, Any]]
             if role not in ("user", "system", "developer"):
                 raise BadRequestError(f"{where} has role {role!r}: a message's role is user, assistant, system or "
                                       f"developer", "input")
+            if reasoning is not None:  # a turn that only reasoned (cut while thinking): its own turn
+                assistant("")
             messages.append({"role": "system" if role == "developer" else role, "content": text})
         elif kind == "function_call":
             call = {"id": _string_field(item, "call_id", where), "type": "function",
@@ -229,6 +232,8 @@ def input_messages(items: list[Any], first_new: int = 0) -> list[dict[str, Any]]
             open_turn.setdefault("tool_calls", []).append(call)
             continue
         elif kind == "function_call_output":
+            if reasoning is not None:
+                assistant("")
             output = item.get("output")
             text = output if isinstance(output, str) else _content_text(output, where)
             messages.append({"role": "tool", "tool_call_id": _string_field(item, "call_id", where),
