@@ -183,6 +183,19 @@ def test_a_reply_cut_by_max_output_tokens_is_incomplete():
         assert response["max_output_tokens"] == 5
 
 
+def test_a_reply_the_server_aborted_is_incomplete_not_completed():
+    # (the drain at shutdown aborts what still runs: finish reason "abort", its text cut short)
+    ctx = _finish(_context([_tokens("Hello there, half")])[0], "abort")
+    ctx.responses_store = ResponseStore(capacity=4)
+    full = _post(ctx, {"input": "hi"}, "/v1/responses").json()
+    events = _events(_post(ctx, {"input": "hi", "stream": True}, "/v1/responses"))
+    assert events[-1]["type"] == "response.incomplete"
+    for response in (full, events[-1]["response"], ctx.responses_store.get(full["id"]).body):
+        assert response["status"] == "incomplete"
+        assert response["incomplete_details"] == {"reason": "abort"}
+        assert response["output"][0]["status"] == "incomplete"
+
+
 def test_a_grammar_failure_mid_way_ends_the_stream_with_response_failed():
     """The engine fails the request after some text (a grammar it cannot follow): the stream ends with an
     `error` event and response.failed holding what was written; not streamed, the same failure is a 400 naming

@@ -571,11 +571,14 @@ class ResponseRun:
         if not out.items:  # nothing written: an empty message, as chat's empty content
             for event in out.text("", []):
                 yield event
-        status = "incomplete" if finish_reason == "length" else "completed"
+        # Cut short: by max_output_tokens, or aborted by the server (its drain at shutdown: finish reason
+        # "abort", which chat returns as such) -- not a completed answer.
+        status = "incomplete" if finish_reason in ("length", "abort") else "completed"
         for event in out.close(status):
             yield event
         usage = _usage(len(chat.prompt_token_ids), num_cached, sum(num_tokens.values()), num_reasoning)
-        extra = {"incomplete_details": {"reason": "max_output_tokens"}} if status == "incomplete" else {}
+        reason = "max_output_tokens" if finish_reason == "length" else "abort"
+        extra = {"incomplete_details": {"reason": reason}} if status == "incomplete" else {}
         final = copy.deepcopy(self.body(status, usage, **extra))
         if prep.store:
             assert ctx.responses_store is not None
