@@ -468,3 +468,10 @@ def test_a_reasoning_item_with_no_answer_after_it_keeps_its_own_turn():
         {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "", "reasoning": "Hmm, 2+2"},
         {"role": "user", "content": "Go on."}, {"role": "assistant", "content": "4"},
         {"role": "user", "content": "Thanks"}]
+    # An empty one (its reasoning encrypted, from another server) makes no turn, nor goes to a later one.
+    empty = {"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}
+    body = {"input": [{"role": "user", "content": "a"}, empty, {"role": "user", "content": "b"},
+                      {"role": "assistant", "content": "c"}, {"role": "user", "content": "d"}]}
+    assert _post(ctx, body, "/v1/responses").status_code == 200
+    assert rendered[1]["messages"] == [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
+                                       {"role": "assistant", "content": "c"}, {"role": "user", "content": "d"}]

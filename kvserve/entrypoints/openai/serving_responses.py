@@ -206,6 +206,14 @@ assistant message or call after it, as a response cut while thinking, is an assi
         messages.append(turn)
         return turn
 
+    def flush_reasoning() -> None:
+        """A reasoning item no assistant message or call followed: its own assistant turn (none if empty, as
+        one whose reasoning is only encrypted, from another server)."""
+        nonlocal reasoning
+        if reasoning:
+            assistant("")
+        reasoning = None
+
     for position, item in enumerate(items):
         where = f"input[{position - first_new}]" if position >= first_new else "the stored conversation"
         if not isinstance(item, dict):
@@ -220,8 +228,7 @@ assistant message or call after it, as a response cut while thinking, is an assi
             if role not in ("user", "system", "developer"):
                 raise BadRequestError(f"{where} has role {role!r}: a message's role is user, assistant, system or "
                                       f"developer", "input")
-            if reasoning is not None:  # a turn that only reasoned (cut while thinking): its own turn
-                assistant("")
+            flush_reasoning()  # a turn that only reasoned (cut while thinking) is its own turn
             messages.append({"role": "system" if role == "developer" else role, "content": text})
         elif kind == "function_call":
             call = {"id": _string_field(item, "call_id", where), "type": "function",
@@ -232,8 +239,7 @@ assistant message or call after it, as a response cut while thinking, is an assi
             open_turn.setdefault("tool_calls", []).append(call)
             continue
         elif kind == "function_call_output":
-            if reasoning is not None:
-                assistant("")
+            flush_reasoning()
             output = item.get("output")
             text = output if isinstance(output, str) else _content_text(output, where)
             messages.append({"role": "tool", "tool_call_id": _string_field(item, "call_id", where),
