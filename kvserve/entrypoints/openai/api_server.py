@@ -342,8 +342,8 @@ def _header_request_id(raw: Request, requested: str | None) -> str | None:
 # What a request for a route this server lacks (OpenAI's /v1/embeddings, /v1/responses, ...) is told.
 SERVED_ROUTES = ("kvserve serves text generation: POST /v1/chat/completions, /v1/completions and /v1/responses (GET "
                  "and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items with the store on); also GET "
-                 "/v1/models and /v1/models/{model}, "
-                 "POST /tokenize and /detokenize, GET /health, /ping, /metrics and /version")
+                 "/v1/models and /v1/models/{model}, POST /tokenize and /detokenize, GET /health, /ping, /metrics "
+                 "and /version")
 
 
 def _add_error_handlers(app: FastAPI) -> None:

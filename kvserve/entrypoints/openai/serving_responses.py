@@ -191,8 +191,8 @@ def input_messages(items: list[Any], first_new: int = 0) -> list[dict[str, Any]]
     """The chat messages of a conversation's input items: messages (developer as system), function calls (one
     assistant turn for the calls that follow its text), their outputs (tool messages) and reasoning (the next
     assistant turn's `reasoning`, which templates such as Qwen3's show in tool loops; a reasoning item with no
-assistant message or call after it, as a response cut while thinking, is an assistant turn of its own). Items before `first_new`
-    come from the store; errors name the request's items by their index in its `input`."""
+    assistant message or call after it, as a response cut while thinking, is an assistant turn of its own).
+    Items before `first_new` come from the store; errors name the request's items by their index in `input`."""
     messages: list[dict[str, Any]] = []
     reasoning: str | None = None
     open_turn: dict[str, Any] | None = None  # the assistant turn that the next function calls join
