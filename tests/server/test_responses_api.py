@@ -359,6 +359,20 @@ def test_the_store_keeps_conversations_for_previous_response_id():
     ctx.responses_store.check()
 
 
+def test_a_client_id_already_naming_a_stored_response_is_refused():
+    """A response's id carries the client's request id (as chat's does): a second request with the same id would
+    overwrite the stored one, so it is refused while that one is stored; not stored, it is served."""
+    ctx, _ = _context([_tokens("ok")])
+    ctx.responses_store = ResponseStore(capacity=4)
+    first = _post(ctx, {"input": "a", "request_id": "trace-1"}, "/v1/responses").json()
+    assert first["id"] == "resp_trace-1" and first["store"]
+    again = _post(ctx, {"input": "b", "request_id": "trace-1"}, "/v1/responses")
+    assert again.status_code == 400 and again.json()["error"]["param"] == "request_id", again.text
+    assert ctx.responses_store.get("resp_trace-1").items[0]["content"] == [{"type": "input_text", "text": "a"}]
+    unstored = _post(ctx, {"input": "b", "request_id": "trace-1", "store": False}, "/v1/responses")
+    assert unstored.status_code == 200 and unstored.json()["id"] == "resp_trace-1"
+
+
 def test_the_store_drops_its_oldest_past_its_capacity():
     ctx, _ = _context([_tokens("ok")])
     ctx.responses_store = ResponseStore(capacity=2)

@@ -376,14 +376,18 @@ def prepare_response(ctx: ServingContext, req: ResponsesRequest) -> PreparedResp
         raise _responses_error(BadRequestError(f"{where}: {first.get('msg')}",
                                                str(first["loc"][0]) if first.get("loc") else None)) from None
     response_id = f"resp_{req.request_id or uuid.uuid4().hex}"
+    store = req.store is not False and ctx.responses_store is not None
+    if store and ctx.responses_store.get(response_id) is not None:
+        # A client's id (X-Request-Id or request_id) names the response: one already stored keeps its id.
+        raise BadRequestError(f"a stored response already has the id {response_id!r} (from the request's "
+                              f"X-Request-Id or request_id): give this one another id, or store it not", "request_id")
     try:
         chat = prepare_chat(ctx, chat_request, request_id=response_id)
     except OpenAIError as e:
         raise _responses_error(e) from None
     if req.max_tool_calls is not None:
         chat.max_tool_calls = min(chat.max_tool_calls or req.max_tool_calls, req.max_tool_calls)
-    return PreparedResponse(chat, req, response_id, chat.model, int(time.time()), items,
-                            store=req.store is not False and ctx.responses_store is not None,
+    return PreparedResponse(chat, req, response_id, chat.model, int(time.time()), items, store=store,
                             logprobs=wanted_logprobs, max_tool_calls=chat.max_tool_calls)
 
 
