@@ -123,6 +123,10 @@ def test_tool_calls_become_function_call_items_streamed_or_not():
     added = [e["item"]["id"] for e in events if e["type"] == "response.output_item.added"]
     done = [e["item"]["id"] for e in events if e["type"] == "response.output_item.done"]
     assert added == done == [item["id"] for item in final["output"]]
+    # each item is done before the next is added (a call's arguments are whole before the next call begins)
+    lifecycle = [(e["type"], e["item"]["id"]) for e in events if e["type"].startswith("response.output_item.")]
+    assert lifecycle == [(kind, item["id"]) for item in final["output"]
+                         for kind in ("response.output_item.added", "response.output_item.done")]
     for item in final["output"][1:]:
         deltas = "".join(e["delta"] for e in events
                          if e["type"] == "response.function_call_arguments.delta" and e["item_id"] == item["id"])

@@ -407,6 +407,7 @@ class _Output:
         self.open: dict[str, Any] | None = None  # the reasoning or message item being written
         self.calls: dict[int, dict[str, Any]] = {}  # open function_call items by the chat delta's call index
         self.dropped_calls: set[int] = set()  # calls past max_tool_calls
+        self.closed_calls: set[int] = set()  # calls ended (a later call began)
         self.max_tool_calls = max_tool_calls
 
     def _add(self, item: dict[str, Any]) -> dict[str, Any]:
@@ -454,7 +455,7 @@ class _Output:
 
     def call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
         index = call["index"]
-        if index in self.dropped_calls:
+        if index in self.dropped_calls or index in self.closed_calls:
             return []
         events = []
         if index not in self.calls:
@@ -462,7 +463,8 @@ class _Output:
                     self.max_tool_calls:
                 self.dropped_calls.add(index)
                 return []
-            events += self._close_open("completed")
+            # the item before it is done (a call before this one has all its arguments: calls come one by one)
+            events += self._close_open("completed") + self._close_calls("completed")
             function = call.get("function") or {}
             item = {"id": _item_id("fc"), "type": "function_call", "call_id": call.get("id") or _item_id("call"),
                     "name": function.get("name", ""), "arguments": "", "status": "in_progress"}
@@ -495,13 +497,17 @@ class _Output:
 
     def close(self, status: str) -> list[dict[str, Any]]:
         """End the open items (the message or reasoning, then the calls), each with `status`."""
-        events = self._close_open(status)
+        return self._close_open(status) + self._close_calls(status)
+
+    def _close_calls(self, status: str) -> list[dict[str, Any]]:
+        events = []
         for item in self.calls.values():
             item["status"] = status
             events.append({"type": "response.function_call_arguments.done", **self._where(item),
                            "name": item["name"], "arguments": item["arguments"]})
             events.append({"type": "response.output_item.done", "output_index": self.items.index(item),
                            "item": copy.deepcopy(item)})
+        self.closed_calls.update(self.calls)
         self.calls = {}
         return events
 
