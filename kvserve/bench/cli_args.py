@@ -29,9 +29,11 @@ def _positive_list(kind: type, flag: str) -> Callable[[str], list[float]]:
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     target = parser.add_argument_group("target")
     target.add_argument("--endpoint", default=DEFAULT_ENDPOINT,
-                        help=f"full URL of .../v1/chat/completions or .../v1/completions (default {DEFAULT_ENDPOINT})")
+                        help=f"full URL of .../v1/chat/completions, .../v1/completions or .../v1/responses "
+                        f"(default {DEFAULT_ENDPOINT})")
     target.add_argument("--api", choices=APIS, default=None,
-                        help="request format (default: chat when the endpoint ends in chat/completions)")
+                        help="request format (default: chat when the endpoint ends in chat/completions, responses "
+                        "when it ends in responses)")
     target.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
     target.add_argument("--api-key", default=None,
                         help="sent as 'Authorization: Bearer KEY' (default: the OPENAI_API_KEY environment variable, "

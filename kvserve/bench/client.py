@@ -166,11 +166,16 @@ class StreamClient:
 
     def body(self, request: BenchRequest) -> dict[str, Any]:
         s = self.settings
-        body: dict[str, Any] = {"model": s.model, "max_tokens": request.max_tokens, "stream": True,
-                                "stream_options": {"include_usage": True}}
+        body: dict[str, Any]
+        if s.api == "responses":  # the messages as input items; usage comes with response.completed
+            body = {"model": s.model, "input": [dict(m) for m in request.messages],
+                    "max_output_tokens": request.max_tokens, "stream": True, "store": False}
+        else:
+            body = {"model": s.model, "max_tokens": request.max_tokens, "stream": True,
+                    "stream_options": {"include_usage": True}}
         if s.api == "chat":
             body["messages"] = [dict(m) for m in request.messages]
-        else:
+        elif s.api == "completions":
             body["prompt"] = request.prompt()
         if s.ignore_eos:
             body["ignore_eos"] = True
@@ -254,7 +259,12 @@ class StreamClient:
             state.finish(done=True)
             return True
         obj = self._decode(payload, record)
-        return obj is None or not state.on_payload(obj, self.settings.api)
+        if obj is None or not state.on_payload(obj, self.settings.api):
+            return True
+        if state.completed:  # the Responses API's last event (its streams have no [DONE])
+            state.finish(done=True)
+            return True
+        return False
 
     def _decode(self, payload: bytes, record: RequestRecord) -> dict[str, Any] | None:
         try:
@@ -287,11 +297,23 @@ class _StreamState:
         self.started = started
         self.last_token_at: float | None = None
         self.pieces: list[str] = []
+        self.completed = False  # the Responses API's response.completed / response.incomplete came
+
+    def _token(self, text: str, now: float) -> None:
+        record = self.record
+        if self.last_token_at is None:
+            record.ttft_s = now - self.started
+        else:
+            record.itl_s.append(now - self.last_token_at)
+        self.last_token_at = now
+        self.pieces.append(text)
 
     def on_payload(self, obj: dict[str, Any], api: str) -> bool:
         """Apply one chunk; False when the stream must stop (an error object)."""
         now = time.perf_counter()
         record = self.record
+        if api == "responses":
+            return self._on_event(obj, now)
         if "error" in obj and not obj.get("choices"):
             error = obj["error"]
             message = error.get("message", str(error)) if isinstance(error, dict) else str(error)
@@ -300,12 +322,7 @@ class _StreamState:
         for choice in obj.get("choices") or ():
             text = _choice_text(choice, api)
             if text or _carries_token(choice, api):
-                if self.last_token_at is None:
-                    record.ttft_s = now - self.started
-                else:
-                    record.itl_s.append(now - self.last_token_at)
-                self.last_token_at = now
-                self.pieces.append(text)
+                self._token(text, now)
             if choice.get("finish_reason"):
                 record.finish_reason = choice["finish_reason"]
         usage = obj.get("usage")
@@ -316,6 +333,39 @@ class _StreamState:
             if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
                 record.cached_tokens = details["cached_tokens"]
             record.token_source = "usage"
+        return True
+
+    def _on_event(self, obj: dict[str, Any], now: float) -> bool:
+        """Apply one Responses API event (or a whole response, from a server that does not stream); False when
+        the stream must stop (`error`, response.failed)."""
+        record = self.record
+        kind = obj.get("type")
+        if kind in ("error", "response.failed"):
+            error = (obj.get("response") or {}).get("error") if kind == "response.failed" else obj
+            message = error.get("message", str(error)) if isinstance(error, dict) else str(error)
+            record.fail(ERROR_STREAM_ERROR, message, record.status_code)
+            return False
+        if kind in _RESPONSES_TOKEN_EVENTS and isinstance(obj.get("delta"), str):
+            self._token(obj["delta"], now)
+            return True
+        response = obj.get("response") if kind in ("response.completed", "response.incomplete") else \
+            obj if kind is None and obj.get("object") == "response" else None
+        if not isinstance(response, dict):
+            return True
+        if kind is None:  # not streamed: its text at once
+            self._token(_response_text(response), now)
+        details = response.get("incomplete_details") or {}
+        record.finish_reason = "length" if details.get("reason") == "max_output_tokens" else \
+            str(details.get("reason") or "stop")
+        usage = response.get("usage")
+        if isinstance(usage, dict) and isinstance(usage.get("output_tokens"), int):
+            record.prompt_tokens = usage.get("input_tokens")
+            record.output_tokens = usage["output_tokens"]
+            cached = (usage.get("input_tokens_details") or {}).get("cached_tokens")
+            if isinstance(cached, int):
+                record.cached_tokens = cached
+            record.token_source = "usage"
+        self.completed = True
         return True
 
     def finish(self, done: bool) -> None:
@@ -329,6 +379,25 @@ class _StreamState:
             # A stream with no token chunk at all (a server that streams text only, and an answer of special
             # tokens): the first token time is unknown, the end is the best bound.
             record.ttft_s = record.e2e_s
+
+
+# Responses API events that carry generated tokens: the answer, the thinking, tool calls' arguments
+_RESPONSES_TOKEN_EVENTS = ("response.output_text.delta", "response.reasoning_text.delta",
+                           "response.function_call_arguments.delta", "response.refusal.delta")
+
+
+def _response_text(response: dict[str, Any]) -> str:
+    """The generated text of a whole Responses API response: its reasoning, messages and calls' arguments."""
+    pieces = []
+    for item in response.get("output") or ():
+        if not isinstance(item, dict):
+            continue
+        if item.get("type") == "function_call":
+            pieces += [v for v in (item.get("name"), item.get("arguments")) if isinstance(v, str)]
+        for part in item.get("content") or ():
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                pieces.append(part["text"])
+    return "".join(pieces)
 
 
 def _carries_token(choice: dict[str, Any], api: str) -> bool:

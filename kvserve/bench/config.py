@@ -8,7 +8,7 @@ from urllib.parse import urlsplit
 
 from kvserve.bench.datasets import DatasetConfig
 
-APIS = ("chat", "completions")
+APIS = ("chat", "completions", "responses")
 GOODPUT_KEYS = ("ttft", "itl", "tpot", "e2e")
 # Hard bounds that hold whatever the flags say: no run issues more requests than this, and no run issues
 # requests for longer than this.
@@ -125,12 +125,13 @@ class BenchConfig:
             raise BenchConfigError(f"--endpoint must be an http(s) URL, got {self.endpoint!r}")
         if self.api is not None and self.api not in APIS:
             raise BenchConfigError(f"--api must be one of {', '.join(APIS)}, got {self.api!r}")
-        if self.api is None and not parts.path.rstrip("/").endswith("/completions"):
+        if self.api is None and not parts.path.rstrip("/").endswith(("/completions", "/responses")):
             # e.g. http://host:8000/v1, the OpenAI client's base URL: every request would get a 404
             chat = parts._replace(path=parts.path.rstrip("/") + "/chat/completions", fragment="").geturl()
             raise BenchConfigError(
                 f"--endpoint {self.endpoint!r} is no completions URL: give the route itself, e.g. {chat} or "
-                ".../completions (or --api chat / completions for a server whose route is named otherwise)")
+                ".../completions or .../responses (or --api chat / completions / responses for a server whose "
+                "route is named otherwise)")
         if parts.path.endswith("/") and parts.path.rstrip("/"):
             # .../chat/completions/ is the route itself to a user, but a server answers it with a redirect (or 404)
             object.__setattr__(self, "endpoint", parts._replace(path=parts.path.rstrip("/")).geturl())
@@ -155,10 +156,14 @@ class BenchConfig:
 
     @property
     def resolved_api(self) -> str:
-        """`api`, or guessed from the endpoint path: .../chat/completions is chat, anything else completions."""
+        """`api`, or guessed from the endpoint path: .../chat/completions is chat, .../responses the Responses
+        API, anything else completions."""
         if self.api is not None:
             return self.api
-        return "chat" if urlsplit(self.endpoint).path.rstrip("/").endswith("chat/completions") else "completions"
+        path = urlsplit(self.endpoint).path.rstrip("/")
+        if path.endswith("/responses"):
+            return "responses"
+        return "chat" if path.endswith("chat/completions") else "completions"
 
     @property
     def server_root(self) -> str:
@@ -167,10 +172,10 @@ class BenchConfig:
 
     @property
     def api_base(self) -> str:
-        """The URL that `/models` hangs off: the endpoint without its trailing `/chat/completions` or
-        `/completions` (e.g. http://host:8000/v1)."""
+        """The URL that `/models` hangs off: the endpoint without its trailing `/chat/completions`,
+        `/completions` or `/responses` (e.g. http://host:8000/v1)."""
         path = urlsplit(self.endpoint).path.rstrip("/")
-        for suffix in ("/chat/completions", "/completions"):
+        for suffix in ("/chat/completions", "/completions", "/responses"):
             if path.endswith(suffix):
                 path = path[: -len(suffix)]
                 break

@@ -78,7 +78,7 @@ def count_missing_tokens(records: list[RequestRecord], dataset: Requests, tokeni
 
 
 def _count_prompt(tok: Any, messages: tuple[dict[str, str], ...], prompt: str, api: str) -> int:
-    if api == "chat" and getattr(tok, "chat_template", None):
+    if api in ("chat", "responses") and getattr(tok, "chat_template", None):
         try:
             ids = tok.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=True)
             if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding (a mapping)

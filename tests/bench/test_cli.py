@@ -68,6 +68,10 @@ def test_an_endpoint_that_is_no_completions_route_is_refused_before_any_request(
         parse_bench("https://x.example/openai/v1?api-version=1")  # the query stays after the route
     # --api sends to the URL as it is (a gateway's own path)
     assert parse_bench("http://127.0.0.1:1/gateway/generate", "--api", "chat").resolved_api == "chat"
+    # the Responses API's route
+    responses = parse_bench("http://127.0.0.1:1/v1/responses")
+    assert responses.resolved_api == "responses" and responses.api_base == "http://127.0.0.1:1/v1"
+    assert parse_bench("http://127.0.0.1:1/gateway/generate", "--api", "responses").resolved_api == "responses"
 
 
 def test_command_end_to_end(fake_server, prompts_file, tmp_path, capsys):

@@ -601,3 +601,38 @@ def test_streamed_tool_call_chunks_are_tokens() -> None:
     for not_a_token in ({"delta": {"role": "assistant", "content": ""}}, {"delta": {}, "finish_reason": "stop"},
                         {"delta": {"tool_calls": []}}, {"delta": {"tool_calls": "x"}}):
         assert not _carries_token(not_a_token, "chat") and _choice_text(not_a_token, "chat") == ""
+
+
+def test_responses_api_events_make_the_record():
+    """The Responses API's events: text, reasoning and arguments deltas are timed tokens, response.completed /
+    response.incomplete carries the counts and the end (no [DONE]); `error` and response.failed fail the request;
+    a server that does not stream sends the whole response, read at once."""
+    from kvserve.bench.client import ERROR_STREAM_ERROR, RequestRecord, _StreamState
+
+    record = RequestRecord(0, 8, 4)
+    state = _StreamState(record, time.perf_counter())
+    for kind in ("response.reasoning_text.delta", "response.output_text.delta", "response.output_text.delta"):
+        assert state.on_payload({"type": kind, "delta": "ab"}, "responses") and not state.completed
+    assert state.on_payload({"type": "response.content_part.done", "part": {}}, "responses")
+    final = {"status": "incomplete", "incomplete_details": {"reason": "max_output_tokens"},
+             "usage": {"input_tokens": 5, "output_tokens": 8, "input_tokens_details": {"cached_tokens": 2}}}
+    assert state.on_payload({"type": "response.incomplete", "response": final}, "responses") and state.completed
+    state.finish(done=True)
+    assert (record.prompt_tokens, record.output_tokens, record.cached_tokens) == (5, 8, 2)
+    assert record.finish_reason == "length" and record.token_source == "usage" and len(record.itl_s) == 2
+    assert record.output_text == "ababab" and record.error_kind is None
+
+    for event in ({"type": "error", "message": "grammar failed"},
+                  {"type": "response.failed", "response": {"error": {"message": "grammar failed"}}}):
+        failed = RequestRecord(1, 8, 4)
+        assert not _StreamState(failed, time.perf_counter()).on_payload(event, "responses")
+        assert failed.error_kind == ERROR_STREAM_ERROR and failed.error == "grammar failed"
+
+    whole = RequestRecord(2, 8, 4)
+    state = _StreamState(whole, time.perf_counter())
+    response = {"object": "response", "status": "completed", "output": [
+        {"type": "message", "content": [{"type": "output_text", "text": "hi"}]},
+        {"type": "function_call", "name": "f", "arguments": "{}"}], "usage": {"input_tokens": 3, "output_tokens": 4}}
+    assert state.on_payload(response, "responses") and state.completed
+    state.finish(done=True)
+    assert whole.output_text == "hif{}" and whole.finish_reason == "stop" and whole.output_tokens == 4

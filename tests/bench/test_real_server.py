@@ -81,6 +81,22 @@ def test_completions_open_loop_chinese(kvserve_server, kvserve_model_dir, bench)
     assert all(47 <= r.prompt_tokens <= 52 for r in run.records)
 
 
+def test_the_responses_api_is_measured_as_chat_is(kvserve_server, kvserve_model_dir, bench):
+    """--endpoint .../v1/responses: the messages go as input items, the events' text deltas are the tokens'
+    times, and response.completed's usage the counts; the server's counters agree."""
+    tokens_before, finished_before = _served(kvserve_server)
+    result, _ = bench(f"{kvserve_server}/v1/responses", "--num-prompts", "4", "--concurrency", "2",
+                      "--max-tokens", "8", "--ignore-eos", "--input-len", "32", "--language", "en",
+                      "--tokenizer", kvserve_model_dir)
+    run = result.runs[0]
+    assert result.config["api"] == "responses" and run.summary.completed == 4, run.summary.errors
+    for r in run.records:
+        assert r.token_source == "usage" and r.output_tokens == 8 and r.finish_reason == "length"
+        assert r.prompt_tokens >= 32 and 0 < r.ttft_s <= r.e2e_s and r.itl_s  # a time per text delta
+    tokens_after, finished_after = _served(kvserve_server)
+    assert tokens_after - tokens_before == 32 and finished_after - finished_before == 4
+
+
 def test_shared_prefix_hits_the_prefix_cache(kvserve_server, kvserve_model_dir, bench):
     result, _ = bench(f"{kvserve_server}/v1/chat/completions", "--dataset", "shared-prefix", "--prefix-len", "128",
                       "--input-len", "24", "--num-prompts", "5", "--concurrency", "1", "--max-tokens", "2",
