@@ -445,7 +445,7 @@ class RouterApp:
             except asyncio.TimeoutError:
                 why = f"its end could not be sent within {END_IN_FLIGHT_S:g} s"
             except ConnectionResetError as exc:
-                why = f"{_describe(exc)}"
+                why = _describe(exc)
         logger.warning("%s %s: cutting the client's answer (%s)", request.method, request.path, why)
         if request.transport is not None:
             request.transport.abort()  # at once: what it has not taken yet is dropped
@@ -476,22 +476,23 @@ class RouterApp:
         response: web.StreamResponse | None = None
         events: _EventStream | None = None  # an event stream's state: what it holds back, what was passed on
         finishing = False  # the answer's end is being written
-        # An event stream's `data: [DONE]` was written to the client: it has the whole answer, so one that hangs up
-        # now (as clients do on reading it, often before the backend's answer has ended) is served, not "client_closed".
+        # An event stream's end (`data: [DONE]`) was written to the client: it has the whole answer, so one that
+        # hangs up now (as clients do on reading it, often before the backend's answer has ended) is served, not
+        # "client_closed".
         delivered = False
         try:
             try:
                 upstream = await self.session.request(request.method, backend.url + request.path_qs, data=body,
                                                       headers=headers)
             except aiohttp.ConnectionTimeoutError as exc:  # (a TimeoutError too) no connection: the next one
-                outcome = self._refused(backend, f"{_describe(exc)}", errors)
+                outcome = self._refused(backend, _describe(exc), errors)
                 return None
             except asyncio.TimeoutError:
                 outcome = "504"
                 return _error(504, f"{backend.url} sent nothing for {self.config.request_timeout_s:g} s "
                               "(--request-timeout)")
             except aiohttp.ClientConnectionError as exc:
-                outcome = self._refused(backend, f"{_describe(exc)}", errors)
+                outcome = self._refused(backend, _describe(exc), errors)
                 return None
             if upstream.status == 503 and not last:
                 text = (await upstream.read())[:300].decode(errors="replace")
@@ -606,6 +607,8 @@ _BLANK_LINES = (b"\n\n", b"\n\r", b"\r\r")
 _EVENT_ENDS = (*_BLANK_LINES, b"\n\r\n", b"\r\r\n")
 # A data line of [DONE] (the line ends after it), at the start of what is searched or after a line end.
 _DONE_LINE = re.compile(rb"(?:^|(?<=[\r\n]))data: ?\[DONE\](?=[\r\n])")
+# The Responses API's stream has no [DONE]: its last event is one of these (an `event:` line naming it)
+_RESPONSE_END_LINE = re.compile(rb"(?:^|(?<=[\r\n]))event: ?response\.(?:completed|incomplete|failed)(?=[\r\n])")
 _LINE_END = re.compile(rb"\r\n|\r|\n")
 _TAIL_BYTES = 32  # the end of what was passed on that is kept: room to tell the backend's line end
 
@@ -658,7 +661,7 @@ class _EventStream:
         self.held = bytearray()
         self.tail = b""  # the last bytes passed on
         self.inside = False  # what was passed on ends inside an event (one over MAX_HELD_EVENT_BYTES)
-        self.done = False  # a `data: [DONE]` line was passed on
+        self.done = False  # a `data: [DONE]` line was passed on (or the Responses API's last event)
         self._warned = False  # the warning of an event over MAX_HELD_EVENT_BYTES was logged (once a stream)
 
     def take(self, chunk: bytes) -> bytes:
@@ -717,6 +720,8 @@ class _EventStream:
             at_line_start = not self.inside or self.tail.endswith((b"\n", b"\r"))
             self.done = any((m.start() or at_line_start) and _opens_its_event(out, m.start())
                             for m in _DONE_LINE.finditer(out))
+        if not self.done and b"event: response." in out:  # (passed on in whole events: its line is in `out`)
+            self.done = _RESPONSE_END_LINE.search(out) is not None
         self.inside = inside
         self.tail = out[-_TAIL_BYTES:] if len(out) >= _TAIL_BYTES else (self.tail + out)[-_TAIL_BYTES:]
         return out
@@ -727,7 +732,8 @@ class _EventStream:
         return "\r\n" if b"\r\n" in self.tail else "\r" if b"\r" in self.tail else "\n"
 
     def end(self, body: dict[str, Any]) -> bytes:
-        """An error event with `body`, then [DONE], in the backend's framing; nothing if a [DONE] is out."""
+        """An error event with `body`, then [DONE], in the backend's framing; nothing if the stream's end (its
+        [DONE], or the Responses API's last event) is out."""
         return b"" if self.done else (sse(body) + SSE_DONE).replace("\n", self.newline).encode()
 
 

@@ -889,6 +889,25 @@ def test_an_event_stream_is_passed_on_in_whole_events_however_it_is_split(monkey
         assert passed + stream.flush() == data
 
 
+def test_a_responses_api_stream_is_done_at_its_last_event() -> None:
+    """The Responses API's streams have no [DONE]: their end is response.completed / incomplete / failed. Once it is
+    passed on the stream is done (nothing is added after it, and a client that then hangs up was served); an
+    event merely naming such a type in its data is not the end."""
+    events = [b'event: response.created\ndata: {"type":"response.created"}\n\n',
+              b'event: response.output_text.delta\ndata: {"type":"x","delta":"event: response.completed\\n"}\n\n',
+              b'event: response.completed\ndata: {"type":"response.completed"}\n\n']
+    for end in ("completed", "incomplete", "failed"):
+        stream, data = router_app._EventStream(), b"".join(events).replace(b"response.completed\nd",
+                                                                           f"response.{end}\nd".encode())
+        for k in range(0, len(data), 7):
+            stream.take(data[k:k + 7])
+            assert stream.done == (k + 7 >= len(data)), (end, k)
+        assert stream.end({"error": {"message": "x"}}) == b""
+    unfinished = router_app._EventStream()
+    unfinished.take(b"".join(events[:2]))
+    assert not unfinished.done and unfinished.end({"error": {"message": "x"}}).endswith(b"data: [DONE]\n\n")
+
+
 def test_a_backend_that_breaks_off_inside_an_event_ends_the_clients_stream_with_whole_events(
         caplog: pytest.LogCaptureFixture) -> None:
     """Cut inside an event, the stream is ended as one cut between two: the router passes on whole events only

@@ -380,7 +380,7 @@ def prepare_response(ctx: ServingContext, req: ResponsesRequest) -> PreparedResp
     if store and ctx.responses_store.get(response_id) is not None:
         # A client's id (X-Request-Id or request_id) names the response: one already stored keeps its id.
         raise BadRequestError(f"a stored response already has the id {response_id!r} (from the request's "
-                              f"X-Request-Id or request_id): give this one another id, or store it not", "request_id")
+                              f"X-Request-Id or request_id): give this one another id, or send store false", "request_id")
     try:
         chat = prepare_chat(ctx, chat_request, request_id=response_id)
     except OpenAIError as e:
