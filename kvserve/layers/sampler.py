@@ -7,24 +7,27 @@ Order of operations, per row (vLLM/OpenAI meanings; see `SamplingParams`):
    constrained distribution's, as vLLM's.
 1. **Logprobs** (only when some row has ``params.logprobs`` set) come from the *raw* logits:
    ``log_softmax`` in float32, before anything below.
-2. **Penalties** on the model's logits: ``repetition_penalty`` for every token seen in the prompt or the
+2. **logit_bias** added (before the penalties, as vLLM v1's sampler and HF Transformers' processors order
+   them). Token ids outside the vocabulary are ignored here: the input processor rejects them; a bad id must
+   not crash a whole batch.
+3. **Penalties** on the biased logits: ``repetition_penalty`` for every token seen in the prompt or the
    output (positive logits divided, negative multiplied), then ``frequency_penalty * count`` and
    ``presence_penalty * [count > 0]`` subtracted, counting output tokens only. Rows that carry their
    request's id keep these counts on the device across steps (`PenaltyCounts`): the prompt is marked once
    and only the output tokens new since the last step are uploaded and counted. Under async scheduling a
    row's newest token may not have reached the host yet (``SamplingRow.pending_row``): it is counted from
-   the previous step's sampled ids on the device, here and in min_tokens' count.
-3. **logit_bias** added. Token ids outside the vocabulary are ignored here: the input processor rejects
-   them; a bad id must not crash a whole batch. Then **bad_words**: a word's last token is set to -inf where
-   the output so far ends with the word's other tokens (a pending newest token is compared on the device).
+   the previous step's sampled ids on the device, here and in min_tokens' count. Then **bad_words**: a
+   word's last token is set to -inf where the output so far ends with the word's other tokens (a pending
+   newest token is compared on the device).
 4. **min_tokens**: while ``len(output) < min_tokens`` the request's ``stop_token_ids`` and, unless
    ``ignore_eos``, the EOS ids (the model's and the row's own) are set to -inf (as in vLLM: with
    ``ignore_eos`` EOS is an ordinary token that cannot end the request, so there is nothing to hold back).
 5. **Greedy** rows (``temperature ~ 0``): argmax of the logits after 2-4. Top-k/top-p/min-p do not apply.
-6. Other rows: divide by ``temperature``; **top-k** (keep logits >= the k-th largest, so ties at the
-   boundary are kept); **top-p** (nucleus over the sorted renormalised probabilities: a token is kept while
-   the probability mass *before* it is < top_p, so the top token always stays); **min-p** (drop tokens with
-   ``p < min_p * p_max``); then sample with the exponential race ``argmax(p / q)``, ``q ~ Exp(1)``.
+6. Other rows: divide by ``temperature``; **min-p** (drop tokens with ``p < min_p * p_max``); **top-k**
+   (keep logits >= the k-th largest, so ties at the boundary are kept); **top-p** (nucleus over the sorted
+   renormalised probabilities of what min-p and top-k kept: a token is kept while the probability mass
+   *before* it is < top_p, so the top token always stays), in vLLM v1's order; then sample with the
+   exponential race ``argmax(p / q)``, ``q ~ Exp(1)``.
    A row with its own generator (``params.seed``) draws ``q`` from it, a full-vocabulary draw per step, so
    its token depends only on its logits and its generator: not on the batch size, its position, or the
    other rows. Unseeded rows draw from the sampler's shared generator.
@@ -322,19 +325,19 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Copy of `logits` (float32 ``[R, V]``) with tokens of ``p < min_p * p_max`` set to -inf.
 
-    `min_p`: float32 ``[R]``, 0 = off. The ratio p / p_max does not depend on renormalisation, so this
-    can follow top-k/top-p directly.
+    `min_p`: float32 ``[R]``, 0 = off. The ratio p / p_max does not depend on renormalisation, so it is the
+    same before or after top-k; top-p after it reads the distribution it leaves.
     """
     probs = logits.softmax(dim=1)
     threshold = min_p.unsqueeze(1) * probs.amax(dim=1, keepdim=True)
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-def apply_top_k_top_p_min_p(
+def apply_min_p_top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
 ) -> torch.Tensor:
-    """Top-k, then top-p, then min-p (see the two functions); shapes as there."""
-    return apply_min_p(apply_top_k_top_p(logits, top_k, top_p), min_p)
+    """Min-p, then top-k, then top-p (vLLM v1's order; see the two functions); shapes as there."""
+    return apply_top_k_top_p(apply_min_p(logits, min_p), top_k, top_p)
 
 
 def exponential_race(
@@ -428,8 +431,8 @@ class Sampler:
 
         # Our own float32 copy: the caller's tensor stays untouched.
         work = logits.to(dtype=torch.float32, copy=True)
-        work = self._apply_penalties(work, rows, pending_ids)
         work = self._apply_logit_bias(work, rows)
+        work = self._apply_penalties(work, rows, pending_ids)
         work = self._apply_bad_words(work, rows, pending_ids)
         work = self._apply_allowed_tokens(work, rows)
         work = self._apply_min_tokens(work, rows, eos_token_ids)
@@ -621,12 +624,12 @@ class Sampler:
             top_p.append(1.0 if is_greedy else p.top_p)
             min_p.append(0.0 if is_greedy else p.min_p)
         scaled = work / to_device(temperature, torch.float32, device).unsqueeze(1)
+        if any(p > 0.0 for p in min_p):  # first, as vLLM v1: top-p then reads what min-p left
+            scaled = apply_min_p(scaled, to_device(min_p, torch.float32, device))
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
             scaled = apply_top_k_top_p(
                 scaled, to_device(top_k, torch.int64, device), to_device(top_p, torch.float32, device)
             )
-        if any(p > 0.0 for p in min_p):
-            scaled = apply_min_p(scaled, to_device(min_p, torch.float32, device))
         probs = scaled.softmax(dim=1)
         # Greedy rows draw nothing from their own generator: its stream advances only on sampled steps.
         generators = [None if g else row.generator for row, g in zip(rows, greedy, strict=True)]

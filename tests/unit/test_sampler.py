@@ -14,8 +14,8 @@ from kvserve.layers.sampler import (
     SamplerOutput,
     SamplingRow,
     apply_min_p,
+    apply_min_p_top_k_top_p,
     apply_top_k_top_p,
-    apply_top_k_top_p_min_p,
     make_generator,
     token_counts,
 )
@@ -216,8 +216,8 @@ def test_top_k_top_p_min_p_functions_exact(device):
     assert torch.equal(out[1], logits[1])
     assert torch.isinf(out[0]).tolist() == [True, False, True, False, False]
 
-    combined = apply_top_k_top_p_min_p(logits.to(device), on(0, 0, 2), on(1.0, 1.0, 1.0), on(0.0, 0.0, 0.6))
-    # Row 2: top-k 2 keeps 0 and 1; min-p 0.6 then drops 1 (0.25 < 0.3).
+    combined = apply_min_p_top_k_top_p(logits.to(device), on(0, 0, 2), on(1.0, 1.0, 1.0), on(0.0, 0.0, 0.6))
+    # Row 2: min-p 0.6 drops 1 (0.25 < 0.3) and below; top-k 2 then keeps 0 alone.
     assert torch.isinf(combined[2]).tolist() == [False, True, True, True, True]
     assert torch.equal(combined[:2].cpu(), logits[:2])
 
@@ -293,12 +293,21 @@ def test_penalised_rows_after_unpenalised_ones_use_their_own_counts(device):
     assert sample(logits, rows, device).sampled_token_ids.tolist() == [3, 0, 3]
 
 
-def test_penalties_come_before_logit_bias(device):
-    # Token 1: logit -2, in the output, repetition penalty 2, bias +3.
-    # Penalty then bias: -2 * 2 + 3 = -1 < 0 (token 0 wins); bias then penalty would give (1) / 2 = 0.5.
+def test_logit_bias_comes_before_the_penalties(device):
+    # Token 1: logit -2, in the output, repetition penalty 2, bias +3 (vLLM v1's order, and HF's processors').
+    # Bias then penalty: (-2 + 3) / 2 = 0.5 > 0 (token 1 wins); penalty then bias would give -2 * 2 + 3 = -1.
     logits = torch.tensor([[0.0, -2.0]])
     params = SamplingParams(temperature=0.0, repetition_penalty=2.0, logit_bias={1: 3.0})
-    assert sample(logits, [row(params, output=[1])], device).sampled_token_ids.tolist() == [0]
+    assert sample(logits, [row(params, output=[1])], device).sampled_token_ids.tolist() == [1]
+
+
+def test_min_p_comes_before_top_p(device):
+    """vLLM v1's order: min-p, then top-p over what it left. Probabilities .5/.25/.15/.1, min_p .25 drops .1
+    (< .125); top_p .8 over the renormalised .556/.278/.167 keeps two tokens (mass before the third .833). Top-p
+    first would keep three (mass before the third .75 < .8), and min-p would then drop none of them."""
+    draws = draw_many(probs_to_logits([0.5, 0.25, 0.15, 0.1]), SamplingParams(temperature=1.0, min_p=0.25, top_p=0.8),
+                      2000, device=device)
+    assert set(draws.tolist()) == {0, 1}
 
 
 def test_repetition_penalty_uses_prompt_tokens(device):
