@@ -173,10 +173,10 @@ class StreamClient:
         else:
             body = {"model": s.model, "max_tokens": request.max_tokens, "stream": True,
                     "stream_options": {"include_usage": True}}
-        if s.api == "chat":
-            body["messages"] = [dict(m) for m in request.messages]
-        elif s.api == "completions":
-            body["prompt"] = request.prompt()
+            if s.api == "chat":
+                body["messages"] = [dict(m) for m in request.messages]
+            else:
+                body["prompt"] = request.prompt()
         if s.ignore_eos:
             body["ignore_eos"] = True
         if s.temperature is not None:

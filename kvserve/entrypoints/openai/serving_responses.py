@@ -23,7 +23,6 @@ from __future__ import annotations
 import copy
 import json
 import re
-import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -148,15 +147,17 @@ def stored_response(ctx: ServingContext, response_id: str) -> StoredResponse:
 
 @dataclass
 class PreparedResponse:
+    # the chat path's request: its request_id is the response's id, and its model, created and max_tool_calls
+    # are the response's
     chat: PreparedChat
     request: ResponsesRequest
-    response_id: str
-    model: str
-    created_at: int
     items: list[dict[str, Any]]  # the conversation's input items (stored ones first), for the store
     store: bool  # whether the response is stored (the request's `store` with the store on)
     logprobs: bool  # output_text parts carry their tokens' logprobs
-    max_tool_calls: int | None
+
+    @property
+    def response_id(self) -> str:
+        return self.chat.request_id
 
 
 def _content_text(content: Any, where: str) -> str:
@@ -380,15 +381,15 @@ def prepare_response(ctx: ServingContext, req: ResponsesRequest) -> PreparedResp
     if store and ctx.responses_store.get(response_id) is not None:
         # A client's id (X-Request-Id or request_id) names the response: one already stored keeps its id.
         raise BadRequestError(f"a stored response already has the id {response_id!r} (from the request's "
-                              f"X-Request-Id or request_id): give this one another id, or send store false", "request_id")
+                              f"X-Request-Id or request_id): give this one another id, or send store false",
+                              "request_id")
     try:
         chat = prepare_chat(ctx, chat_request, request_id=response_id)
     except OpenAIError as e:
         raise _responses_error(e) from None
     if req.max_tool_calls is not None:
         chat.max_tool_calls = min(chat.max_tool_calls or req.max_tool_calls, req.max_tool_calls)
-    return PreparedResponse(chat, req, response_id, chat.model, int(time.time()), items, store=store,
-                            logprobs=wanted_logprobs, max_tool_calls=chat.max_tool_calls)
+    return PreparedResponse(chat, req, items, store=store, logprobs=wanted_logprobs)
 
 
 # ------------------------------------------------------------------------------------------ the output
@@ -406,17 +407,19 @@ class _Output:
         self.items: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the reasoning or message item being written
         self.calls: dict[int, dict[str, Any]] = {}  # open function_call items by the chat delta's call index
+        self.index_of: dict[str, int] = {}  # each item's output index, by its id
         self.dropped_calls: set[int] = set()  # calls past max_tool_calls
         self.closed_calls: set[int] = set()  # calls ended (a later call began)
         self.max_tool_calls = max_tool_calls
 
     def _add(self, item: dict[str, Any]) -> dict[str, Any]:
+        self.index_of[item["id"]] = len(self.items)
         self.items.append(item)
         return {"type": "response.output_item.added", "output_index": len(self.items) - 1,
                 "item": copy.deepcopy(item)}
 
     def _where(self, item: dict[str, Any]) -> dict[str, Any]:
-        return {"item_id": item["id"], "output_index": self.items.index(item)}
+        return {"item_id": item["id"], "output_index": self.index_of[item["id"]]}
 
     def reasoning(self, delta: str) -> list[dict[str, Any]]:
         events = []
@@ -505,7 +508,7 @@ class _Output:
             item["status"] = status
             events.append({"type": "response.function_call_arguments.done", **self._where(item),
                            "name": item["name"], "arguments": item["arguments"]})
-            events.append({"type": "response.output_item.done", "output_index": self.items.index(item),
+            events.append({"type": "response.output_item.done", "output_index": self.index_of[item["id"]],
                            "item": copy.deepcopy(item)})
         self.closed_calls.update(self.calls)
         self.calls = {}
@@ -526,16 +529,16 @@ class ResponseRun:
     def __init__(self, ctx: ServingContext, prep: PreparedResponse) -> None:
         self.ctx = ctx
         self.prep = prep
-        self.output = _Output(prep.max_tool_calls)
+        self.output = _Output(prep.chat.max_tool_calls)
 
     def body(self, status: str, usage: dict[str, Any] | None = None, **fields: Any) -> dict[str, Any]:
         req, params = self.prep.request, self.prep.chat.params
         fmt = (req.text or {}).get("format") or {"type": "text"}
         return {
-            "id": self.prep.response_id, "object": "response", "created_at": self.prep.created_at,
+            "id": self.prep.response_id, "object": "response", "created_at": self.prep.chat.created,
             "status": status, "background": False, "error": None, "incomplete_details": None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-            "max_tool_calls": req.max_tool_calls, "model": self.prep.model, "output": self.output.items,
+            "max_tool_calls": req.max_tool_calls, "model": self.prep.chat.model, "output": self.output.items,
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id,
             "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": None},
