@@ -86,7 +86,10 @@ class InputProcessor:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        add_special_tokens: bool = False,
     ) -> ProcessedPrompt:
+        """The conversation rendered and tokenized. The template already writes the special tokens (BOS, role
+        markers), so the tokenizer adds none unless `add_special_tokens` asks it to (vLLM's chat field)."""
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template; pass chat_template (--chat-template)")
         text = self.tokenizer.apply_chat_template(
@@ -97,8 +100,7 @@ class InputProcessor:
             **(chat_template_kwargs or {}),
         )
         assert isinstance(text, str)
-        # The template already carries the special tokens (BOS and role markers): don't add them twice.
-        return ProcessedPrompt(text, encode_text(self.tokenizer, text, add_special_tokens=False))
+        return ProcessedPrompt(text, encode_text(self.tokenizer, text, add_special_tokens=add_special_tokens))
 
     def truncate(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
         return truncate_prompt(prompt_token_ids, params, self.max_model_len)

@@ -154,8 +154,8 @@ def _context(outputs: list[list[str]], parser: str | None = "hermes") -> tuple[S
     rendered: list[dict] = []
 
     def apply_chat_template(messages: list[dict], chat_template: str | None, add_generation_prompt: bool,
-                            kwargs: dict[str, Any]) -> ProcessedPrompt:
-        rendered.append({"messages": messages, "kwargs": kwargs})
+                            kwargs: dict[str, Any], add_special_tokens: bool = False) -> ProcessedPrompt:
+        rendered.append({"messages": messages, "kwargs": kwargs, "add_special_tokens": add_special_tokens})
         return ProcessedPrompt("prompt", [1, 2, 3])
 
     async def generate(request_id: str, ids: list[int], params: SamplingParams, prompt: str | None,
@@ -367,6 +367,33 @@ def test_documents_reach_the_chat_template(smollm_tokenizer):
     prompt = processor.apply_chat_template(body["messages"], DOCUMENTS_TEMPLATE, False,
                                            rendered[0]["kwargs"]).prompt
     assert prompt == "<doc Paris>Paris is the capital of France.</doc>[user]q"
+
+
+def test_add_special_tokens_reaches_the_chat_tokenization(smollm_tokenizer, tmp_path):
+    """vLLM's chat field `add_special_tokens` (default false: the template writes BOS and role markers) lets the
+    tokenizer add its own specials to the rendered conversation; /tokenize with messages follows it, with a
+    prompt it stays true by default. The field was dropped (an unknown field), the prompt never getting them."""
+    ctx, rendered = _context([["ok"]])
+    body = {"messages": [{"role": "user", "content": "q"}], "max_tokens": 1}
+    assert _post(ctx, body).status_code == 200
+    assert rendered[-1]["add_special_tokens"] is False
+    assert _post(ctx, {**body, "add_special_tokens": True}).status_code == 200
+    assert rendered[-1]["add_special_tokens"] is True
+    assert_openai_error(_post(ctx, {**body, "add_special_tokens": "yes"}), 400, "add_special_tokens")
+    tokenize = {"messages": body["messages"]}
+    assert _post(ctx, tokenize, "/tokenize").status_code == 200
+    assert rendered[-1]["add_special_tokens"] is False
+    assert _post(ctx, {**tokenize, "add_special_tokens": True}, "/tokenize").status_code == 200
+    assert rendered[-1]["add_special_tokens"] is True
+    # with a tokenizer that adds a BOS, the rendered text's ids start with it only when asked
+    smollm_tokenizer.save_pretrained(tmp_path)
+    from transformers import AutoTokenizer
+
+    bos_adding = AutoTokenizer.from_pretrained(tmp_path, add_bos_token=True)
+    processor = InputProcessor(bos_adding, 4096, [])
+    plain = processor.apply_chat_template(body["messages"], DOCUMENTS_TEMPLATE, False).prompt_token_ids
+    with_bos = processor.apply_chat_template(body["messages"], DOCUMENTS_TEMPLATE, False, None, True).prompt_token_ids
+    assert with_bos == [bos_adding.bos_token_id, *plain] and plain[0] != bos_adding.bos_token_id
 
 
 def _recorded(ctx: ServingContext) -> list[SamplingParams]:

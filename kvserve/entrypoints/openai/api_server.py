@@ -305,11 +305,12 @@ def build_app(ctx: ServingContext, state: ServerState, metrics: PrometheusStatLo
                 ids = engine.input_processor.apply_chat_template(
                     [message_dict(m) for m in body.messages], None, body.add_generation_prompt,
                     template_kwargs(body.chat_template_kwargs, body.continue_final_message, body.tools),
+                    bool(body.add_special_tokens),
                 ).prompt_token_ids
             except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
                 raise BadRequestError(f"cannot apply the chat template to these messages: {e}", "messages") from None
         else:
-            ids = encode_prompt(engine, body.prompt, body.add_special_tokens, "prompt")
+            ids = encode_prompt(engine, body.prompt, body.add_special_tokens is not False, "prompt")
         token_strs = engine.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": token_strs}
 

@@ -181,6 +181,8 @@ class ChatCompletionRequest(SamplingFields):
     # RAG documents (each {"title": ..., "text": ...} as vLLM recommends), given to the chat template as its
     # `documents` (Command-R's and Granite's templates render them; others ignore them)
     documents: list[dict[str, Any]] | None = None
+    # the tokenizer's own special tokens (a BOS) added to the rendered template, which usually writes them itself
+    add_special_tokens: StrictBool = False
     # with --reasoning-parser: false leaves the reasoning out of the reply (and, as in vLLM, the logprobs and
     # token ids that would tell it)
     include_reasoning: StrictBool = True
@@ -233,7 +235,7 @@ class TokenizeRequest(OpenAIBaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: StrictBool = True
+    add_special_tokens: StrictBool | None = None  # unset: true for a prompt, false for messages (vLLM's defaults)
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template: str | None = None

@@ -163,7 +163,7 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest, request_id: st
     kwargs = template_kwargs(req.chat_template_kwargs, req.continue_final_message, req.tools, req.documents)
     try:
         processed = engine.input_processor.apply_chat_template(
-            [message_dict(m) for m in req.messages], None, req.add_generation_prompt, kwargs
+            [message_dict(m) for m in req.messages], None, req.add_generation_prompt, kwargs, req.add_special_tokens
         )
     except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
         raise BadRequestError(f"cannot apply the chat template to these messages: {e}", "messages") from None
