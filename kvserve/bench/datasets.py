@@ -208,10 +208,14 @@ class TextSource:
     def count(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def text(self, language: str, num_tokens: int, rng: np.random.Generator) -> str:
-        """About `num_tokens` tokens of prose (a cut inside a multi-byte character drops that character)."""
+    def start(self, language: str, rng: np.random.Generator) -> int:
+        """A random sentence start in the corpus of `language` (a token index)."""
+        return self._starts[language][int(rng.integers(len(self._starts[language])))]
+
+    def text(self, language: str, start: int, num_tokens: int) -> str:
+        """About `num_tokens` tokens of prose from token `start` (a cut inside a multi-byte character drops
+        that character)."""
         ids = self._ids[language]
-        start = self._starts[language][int(rng.integers(len(self._starts[language])))]
         picked: list[int] = []
         position = start
         while len(picked) < num_tokens:
@@ -230,15 +234,36 @@ def _pick_language(config: DatasetConfig, rng: np.random.Generator) -> str:
 
 def _task_prompt(source: TextSource, language: str, header: str, num_tokens: int,
                  rng: np.random.Generator) -> str:
-    """`header` + a task line + prose, `num_tokens` long in total. The task line is left out when it would
-    take more than half the budget; a budget below the header's own length gives the header + 1 token."""
+    """`header` + a task line + prose, `num_tokens` long in total as the tokenizer counts the whole (where
+    the pieces' tokens merge at the joins, the prose is re-cut, so that the prompt is not longer than asked
+    and, but for a few cases of merges, exactly as long). The task line is left out when it would take more
+    than half the budget; a budget below the header's own length gives the header + 1 token."""
     instructions = corpus.CHINESE_INSTRUCTIONS if language == "zh" else corpus.ENGLISH_INSTRUCTIONS
     head = f"{header} {instructions[int(rng.integers(len(instructions)))]}\n\n"
     head_tokens = source.count(head)
     if 2 * head_tokens > num_tokens:
         head = f"{header}\n\n"
         head_tokens = source.count(head)
-    return head + source.text(language, max(1, num_tokens - head_tokens), rng)
+    start = source.start(language, rng)
+    prose_len = max(1, num_tokens - head_tokens)
+    best: str | None = None  # the longest prompt so far that is not over num_tokens
+    best_len = 0
+    tried: set[int] = set()
+    for _ in range(_RECUT_TRIES):
+        prompt = head + source.text(language, start, prose_len)
+        length = source.count(prompt)
+        if length <= num_tokens and (best is None or length > best_len):
+            best, best_len = prompt, length
+        tried.add(prose_len)
+        if length == num_tokens:
+            break
+        prose_len = max(1, prose_len + num_tokens - length)
+        if prose_len in tried:
+            break
+    return best if best is not None else prompt
+
+
+_RECUT_TRIES = 4  # re-cuts of the prose towards the exact length (merges at the joins move it by a token or two)
 
 
 def _reference(language: str, nonce: str, tag: str) -> str:

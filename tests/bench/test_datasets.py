@@ -45,9 +45,10 @@ def test_random_prompts_have_the_requested_token_length(tokenizer, language, inp
     for index in range(5):
         request = dataset.get(index)
         assert request.input_tokens == input_len
-        # Re-tokenizing decoded text can merge across the cut points; a cut inside a multi-byte character
-        # drops it: a few tokens either way.
-        assert abs(_count(tokenizer, request.prompt()) - input_len) <= 3
+        # Re-tokenizing the joined text can merge tokens at the joins, and a cut inside a multi-byte character
+        # drops it; the prose is re-cut so that the prompt is never longer than asked (it was 1-2 tokens over
+        # in English) and at most two tokens shorter.
+        assert 0 <= input_len - _count(tokenizer, request.prompt()) <= 2
 
 
 def test_prompts_are_real_prose_not_token_soup(tokenizer):
