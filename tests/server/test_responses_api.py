@@ -17,9 +17,18 @@ import pytest
 
 from kvserve.engine.async_llm import RequestFailedError
 from kvserve.entrypoints.openai.api_server import build_app
+from kvserve.entrypoints.openai.errors import BadRequestError
 from kvserve.entrypoints.openai.middleware import ServerState
+from kvserve.entrypoints.openai.protocol import ResponsesRequest
 from kvserve.entrypoints.openai.serving_common import ServingContext
-from kvserve.entrypoints.openai.serving_responses import ResponseStore, input_messages
+from kvserve.entrypoints.openai.serving_responses import (
+    ResponseRun,
+    ResponseStore,
+    input_messages,
+    prepare_response,
+    response_full,
+    response_stream,
+)
 
 from .conftest import TINY_NAME, ServerProcess
 from .test_tool_calls import TWO_CALLS, WEATHER, _context, _post, _tokens
@@ -375,6 +384,97 @@ def test_a_client_id_already_naming_a_stored_response_is_refused():
     assert ctx.responses_store.get("resp_trace-1").items[0]["content"] == [{"type": "input_text", "text": "a"}]
     unstored = _post(ctx, {"input": "b", "request_id": "trace-1", "store": False}, "/v1/responses")
     assert unstored.status_code == 200 and unstored.json()["id"] == "resp_trace-1"
+
+
+def _gated(ctx: ServingContext) -> asyncio.Event:
+    """Holds `ctx`'s scripted generation after its first update until the returned event is set."""
+    inner = ctx.engine.generate
+    gate = asyncio.Event()
+
+    async def generate(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        first = True
+        async for update in inner(*args, **kwargs):
+            if not first:
+                await gate.wait()
+            first = False
+            yield update
+
+    ctx.engine.generate = generate  # type: ignore[method-assign]
+    return gate
+
+
+def test_a_stored_response_is_in_progress_from_its_start_and_its_end_is_kept():
+    """With the store on, a response is stored as it starts (GET answers `in_progress`, as OpenAI's), then
+    replaced by its end: completed, failed (a run that raised), cancelled (its client left); only a completed or
+    incomplete one continues a conversation. Before, a running response was a 404 and a failed or abandoned one
+    was never stored. Two requests with one client id that both passed the id check: the second to start is
+    refused, where it overwrote the first."""
+    ctx, _ = _context([_tokens("Hello there, friend.")])
+    ctx.responses_store = ResponseStore(capacity=8)
+    app = build_app(ctx, ServerState(), SimpleNamespace(), None, 1 << 20)  # type: ignore[arg-type]
+
+    def prepared(request_id: str) -> Any:
+        return prepare_response(ctx, ResponsesRequest(input="hi", request_id=request_id))
+
+    async def scenario() -> None:
+        gate = _gated(ctx)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            # in progress, then completed; a twin prepared beside it is refused when it starts
+            first, twin = prepared("a"), prepared("a")
+            running = asyncio.create_task(response_full(ResponseRun(ctx, first)))
+            while ctx.responses_store.get("resp_a") is None:
+                await asyncio.sleep(0)
+            fetched = (await http.get("/v1/responses/resp_a")).json()
+            assert fetched["status"] == "in_progress" and fetched["output"] == []
+            with pytest.raises(BadRequestError) as refused:
+                await response_full(ResponseRun(ctx, twin))
+            assert refused.value.param == "request_id"
+            follow = await http.post("/v1/responses", json={"input": "x", "previous_response_id": "resp_a"})
+            assert follow.status_code == 400 and follow.json()["error"]["param"] == "previous_response_id"
+            assert "in_progress" in follow.json()["error"]["message"]
+            gate.set()
+            done = await running
+            assert done["status"] == "completed" and ctx.responses_store.get("resp_a").body == done
+            assert (await http.get("/v1/responses/resp_a")).json()["status"] == "completed"
+            # a client leaving a stream: cancelled, with what was written so far
+            gate.clear()
+            stream = response_stream(ResponseRun(ctx, prepared("b")))
+            events = [await anext(stream) for _ in range(4)]
+            assert any("event: response.output_item.added" in event for event in events)
+            await stream.aclose()
+            cancelled = ctx.responses_store.get("resp_b").body
+            assert cancelled["status"] == "cancelled" and cancelled["output"][0]["type"] == "message"
+            # a response deleted while it runs stays deleted
+            running = asyncio.create_task(response_full(ResponseRun(ctx, prepared("c"))))
+            while ctx.responses_store.get("resp_c") is None:
+                await asyncio.sleep(0)
+            assert (await http.delete("/v1/responses/resp_c")).status_code == 200
+            gate.set()
+            assert (await running)["status"] == "completed" and ctx.responses_store.get("resp_c") is None
+        ctx.responses_store.check()
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_response_is_stored_as_failed():
+    ctx, _ = _context([_tokens("Hello there")])
+    ctx.responses_store = ResponseStore(capacity=4)
+    inner = ctx.engine.generate
+
+    async def generate(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        async for update in inner(*args, **kwargs):
+            yield update
+            raise RequestFailedError("the grammar could not be followed", "structured_outputs")
+
+    ctx.engine.generate = generate  # type: ignore[method-assign]
+    for stream, request_id in ((False, "f1"), (True, "f2")):
+        response = _post(ctx, {"input": "json", "request_id": request_id, "stream": stream}, "/v1/responses")
+        assert response.status_code == (200 if stream else 400), response.text
+        stored = ctx.responses_store.get(f"resp_{request_id}").body
+        assert stored["status"] == "failed" and "could not be followed" in stored["error"]["message"]
+        follow = _post(ctx, {"input": "x", "previous_response_id": f"resp_{request_id}"}, "/v1/responses")
+        assert follow.status_code == 400 and "failed" in follow.json()["error"]["message"]
+    ctx.responses_store.check()
 
 
 def test_the_store_drops_its_oldest_past_its_capacity():

@@ -112,6 +112,7 @@ from kvserve.entrypoints.openai.serving_completion import (
     prepare_completion,
 )
 from kvserve.entrypoints.openai.serving_responses import (
+    ResponseRun,
     ResponseStore,
     input_items_page,
     prepare_response,
@@ -258,10 +259,11 @@ def build_app(ctx: ServingContext, state: ServerState, metrics: PrometheusStatLo
     async def create_response(body: ResponsesRequest, raw: Request) -> Response:
         body.request_id = _header_request_id(raw, body.request_id)
         prep = await ctx.off_loop(prepare_response, ctx, body)
+        run = ResponseRun(ctx, prep)
         if body.stream:
-            return SSEResponse(response_stream(ctx, prep))
+            return SSEResponse(response_stream(run))
         # (the body echoes the request's instructions, metadata, tools)
-        return EchoingJSONResponse(await run_unless_disconnected(raw, response_full(ctx, prep)))
+        return EchoingJSONResponse(await run_unless_disconnected(raw, response_full(run)))
 
     @app.get("/v1/responses/{response_id}", responses=_ERROR_RESPONSES)
     async def retrieve_response(response_id: str) -> Response:
@@ -283,8 +285,8 @@ def build_app(ctx: ServingContext, state: ServerState, metrics: PrometheusStatLo
     @app.post("/v1/responses/{response_id}/cancel", responses=_ERROR_RESPONSES)
     async def cancel_response(response_id: str) -> dict[str, Any]:
         stored_response(ctx, response_id)
-        raise BadRequestError("only background responses can be cancelled, and this server runs none: this "
-                              "response has finished", "response_id")
+        raise BadRequestError("only background responses can be cancelled, and this server runs none: a "
+                              "response ends when its client closes its request", "response_id")
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERROR_RESPONSES)
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:

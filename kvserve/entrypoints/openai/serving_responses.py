@@ -11,7 +11,9 @@ response.completed); a response that is not streamed is the one its stream would
 Stored responses are off by default, as in vLLM: a request's `store: true` (OpenAI's default) is served without
 storing, and the response says `store: false`. KVSERVE_ENABLE_RESPONSES_API_STORE=1 (or vLLM's
 VLLM_ENABLE_RESPONSES_API_STORE=1) keeps the last KVSERVE_RESPONSES_API_STORE_SIZE responses in the API process's
-memory, for GET and DELETE /v1/responses/{id} and for `previous_response_id`.
+memory, for GET and DELETE /v1/responses/{id} and for `previous_response_id`. A response is stored from its
+start: `in_progress` while it generates, then `completed` or `incomplete`, `failed` when it fails, `cancelled`
+when its client leaves first; only a completed or incomplete one continues a conversation.
 
 Not served, each refused with a 400 naming its field: built-in tools (web_search, file_search, ...), images,
 files and audio in the input, item references, reusable prompts (`prompt`), `conversation`, background mode,
@@ -80,6 +82,19 @@ class ResponseStore:
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
         assert len(self._entries) <= self.capacity  # (check() walks every entry: for tests)
+
+    def reserve(self, response_id: str, entry: StoredResponse) -> bool:
+        """Stores `entry` (a response just started) unless the id is taken; False when it is."""
+        if response_id in self._entries:
+            return False
+        self.put(response_id, entry)
+        return True
+
+    def settle(self, response_id: str, reserved: StoredResponse, entry: StoredResponse) -> None:
+        """Replaces the `reserved` entry with `entry` (the response's end) where it is still stored: a response
+        deleted (or dropped for room) while it ran stays gone."""
+        if self._entries.get(response_id) is reserved:
+            self._entries[response_id] = entry
 
     def delete(self, response_id: str) -> bool:
         return self._entries.pop(response_id, None) is not None
@@ -345,6 +360,9 @@ def prepare_response(ctx: ServingContext, req: ResponsesRequest) -> PreparedResp
         entry = ctx.responses_store.get(req.previous_response_id) if ctx.responses_store is not None else None
         if entry is None:
             raise _not_stored(ctx, req.previous_response_id, "previous_response_id")
+        if entry.body["status"] not in ("completed", "incomplete"):
+            raise BadRequestError(f"response {req.previous_response_id!r} is {entry.body['status']}; only a "
+                                  f"completed or incomplete response can be continued", "previous_response_id")
         prior = entry.items
     new_items: list[Any] = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
     items = prior + new_items
@@ -379,10 +397,7 @@ def prepare_response(ctx: ServingContext, req: ResponsesRequest) -> PreparedResp
     response_id = f"resp_{req.request_id or uuid.uuid4().hex}"
     store = req.store is not False and ctx.responses_store is not None
     if store and ctx.responses_store.get(response_id) is not None:
-        # A client's id (X-Request-Id or request_id) names the response: one already stored keeps its id.
-        raise BadRequestError(f"a stored response already has the id {response_id!r} (from the request's "
-                              f"X-Request-Id or request_id): give this one another id, or send store false",
-                              "request_id")
+        raise _duplicate_id(response_id)  # (checked again when the response is stored: `ResponseRun.reserve`)
     try:
         chat = prepare_chat(ctx, chat_request, request_id=response_id)
     except OpenAIError as e:
@@ -393,6 +408,13 @@ def prepare_response(ctx: ServingContext, req: ResponsesRequest) -> PreparedResp
 
 
 # ------------------------------------------------------------------------------------------ the output
+
+
+def _duplicate_id(response_id: str) -> BadRequestError:
+    # A client's id (X-Request-Id or request_id) names the response: one already stored keeps its id.
+    return BadRequestError(f"a stored response already has the id {response_id!r} (from the request's "
+                           f"X-Request-Id or request_id): give this one another id, or send store false",
+                           "request_id")
 
 
 def _item_id(prefix: str) -> str:
@@ -530,6 +552,28 @@ class ResponseRun:
         self.ctx = ctx
         self.prep = prep
         self.output = _Output(prep.chat.max_tool_calls)
+        self._reserved: StoredResponse | None = None  # the store's in-progress entry (store on)
+        self._items = [_with_id(item) for item in prep.items] if prep.store else []
+
+    def _reserve(self) -> None:
+        """With the store on, stores the response as in progress; a 400 when a stored response has its id (two
+        requests with one client id: `prepare_response` checked the id before either was stored). Done as the
+        run starts, so that a request whose client left before it ever ran stores nothing."""
+        if not self.prep.store:
+            return
+        assert self.ctx.responses_store is not None
+        self._reserved = StoredResponse(copy.deepcopy(self.body("in_progress")), self._items)
+        if not self.ctx.responses_store.reserve(self.prep.response_id, self._reserved):
+            self._reserved = None
+            raise _duplicate_id(self.prep.response_id)
+
+    def _keep(self, body: dict[str, Any]) -> None:
+        """Stores the response's end (`body`), in place of its in-progress entry."""
+        if self._reserved is not None:
+            assert self.ctx.responses_store is not None
+            self.ctx.responses_store.settle(self.prep.response_id, self._reserved,
+                                            StoredResponse(body, self._items + body["output"]))
+            self._reserved = None
 
     def body(self, status: str, usage: dict[str, Any] | None = None, **fields: Any) -> dict[str, Any]:
         req, params = self.prep.request, self.prep.chat.params
@@ -551,9 +595,23 @@ class ResponseRun:
         }
 
     def failed(self, error: OpenAIError) -> dict[str, Any]:
-        return copy.deepcopy(self.body("failed", error={"code": error.error_type, "message": error.message}))
+        """The response object of a run that raised `error` (stored as such with the store on)."""
+        body = copy.deepcopy(self.body("failed", error={"code": error.error_type, "message": error.message}))
+        self._keep(body)
+        return body
 
     async def events(self) -> AsyncIterator[dict[str, Any]]:
+        self._reserve()
+        try:
+            async for event in self._events():
+                yield event
+        except Exception:
+            raise  # the caller makes its error and stores the response as failed (`failed`)
+        except BaseException:  # the client left (the stream closed, or the request's task cancelled)
+            self._keep(copy.deepcopy(self.body("cancelled")))
+            raise
+
+    async def _events(self) -> AsyncIterator[dict[str, Any]]:
         ctx, prep, chat, out = self.ctx, self.prep, self.prep.chat, self.output
         start = copy.deepcopy(self.body("in_progress"))
         yield {"type": "response.created", "response": start}
@@ -599,26 +657,27 @@ class ResponseRun:
         reason = "max_output_tokens" if finish_reason == "length" else "abort"
         extra = {"incomplete_details": {"reason": reason}} if status == "incomplete" else {}
         final = copy.deepcopy(self.body(status, usage, **extra))
-        if prep.store:
-            assert ctx.responses_store is not None
-            items = [_with_id(item) for item in prep.items]
-            ctx.responses_store.put(prep.response_id, StoredResponse(final, items + final["output"]))
+        self._keep(final)
         yield {"type": f"response.{status}", "response": final}
 
 
 def _engine_error(e: Exception, prep: PreparedResponse) -> OpenAIError:
+    if isinstance(e, OpenAIError):  # the run's own (a duplicate id)
+        return e
     return _responses_error(engine_error(e, prep.chat.structure_param))
 
 
-async def response_full(ctx: ServingContext, prep: PreparedResponse) -> dict[str, Any]:
+async def response_full(run: ResponseRun) -> dict[str, Any]:
     """The response object (what a stream of this request ends with). Raises OpenAIError."""
     final: dict[str, Any] | None = None
     try:
-        async with aclosing(ResponseRun(ctx, prep).events()) as events:
+        async with aclosing(run.events()) as events:
             async for event in events:
                 final = event.get("response", final)
     except Exception as e:
-        raise _engine_error(e, prep) from None
+        error = _engine_error(e, run.prep)
+        run.failed(error)
+        raise error from None
     assert final is not None
     return final
 
@@ -635,10 +694,9 @@ def _event(event: dict[str, Any], sequence_number: int) -> str:
     return f"event: {event['type']}\ndata: {data}\n\n"
 
 
-async def response_stream(ctx: ServingContext, prep: PreparedResponse) -> AsyncIterator[str]:
+async def response_stream(run: ResponseRun) -> AsyncIterator[str]:
     """The Responses API's server-sent events (`event:` and `data:` lines, no [DONE]); a failure mid-way ends
     the stream with an `error` event and response.failed."""
-    run = ResponseRun(ctx, prep)
     sequence = 0
     try:
         async with aclosing(run.events()) as events:
@@ -646,7 +704,7 @@ async def response_stream(ctx: ServingContext, prep: PreparedResponse) -> AsyncI
                 yield _event(event, sequence)
                 sequence += 1
     except Exception as e:
-        error = _engine_error(e, prep)
+        error = _engine_error(e, run.prep)
         yield _event({"type": "error", "code": error.error_type, "message": error.message, "param": error.param},
                      sequence)
         yield _event({"type": "response.failed", "response": run.failed(error)}, sequence + 1)
