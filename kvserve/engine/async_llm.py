@@ -207,6 +207,7 @@ class AsyncLLM:
             self._by_child_id[request.req_id] = state
         self._tracker.add_group([r.req_id for r in requests], now, len(prompt_token_ids), requests[0].max_tokens)
         finished = False
+        engine_failed = False  # the engine died under it: it failed rather than was aborted
         failure: Exception | None = None
         try:
             if self._aborted_all:
@@ -223,6 +224,7 @@ class AsyncLLM:
             while True:
                 item = failure if failure is not None else await state.queue.get()
                 if isinstance(item, Exception):
+                    engine_failed = isinstance(item, EngineDeadError)
                     raise item
                 # Updates of several engine steps queue up when this consumer falls behind (the reader
                 # handles the waiting steps for up to a slice before the consumers run): they go out as one
@@ -239,7 +241,7 @@ class AsyncLLM:
                     return
         finally:
             if not finished:
-                self._abort(state)
+                self._abort(state, failed=engine_failed)
             self._forget(state)
 
     def abort(self, request_id: str) -> None:
@@ -272,16 +274,20 @@ class AsyncLLM:
                 state.queue.put_nowait(final)
         return len(states)
 
-    def _abort(self, state: _RequestState, in_core: bool = True) -> RequestOutput | None:
-        """End a live request: its samples counted as aborted, the core told (unless `in_core` is False: it
-        was never sent there), the request forgotten. Returns its last update (None if it had ended)."""
+    def _abort(self, state: _RequestState, in_core: bool = True, failed: bool = False) -> RequestOutput | None:
+        """End a live request: its samples counted as aborted (as failed with `failed`: see
+        `RequestStatsTracker.fail`), the core told (unless `in_core` is False: it was never sent there), the
+        request forgotten. Returns its last update (None if it had ended)."""
         child_ids, final = self.output_processor.abort_request_with_output(state.core_id)
         if in_core:
             self.client.abort_requests(child_ids)
         now = time.time()
         iteration = IterationStats()
         for child_id in child_ids:
-            self._tracker.finish(child_id, "abort", now, iteration)
+            if failed:
+                self._tracker.fail(child_id, now, iteration)
+            else:
+                self._tracker.finish(child_id, "abort", now, iteration)
         self._record(None, iteration)
         self._forget(state)
         return final
@@ -326,12 +332,16 @@ class AsyncLLM:
         state = self._by_child_id.get(message.req_id)
         if state is None:
             return
-        # Forget its other samples without counting an abort. The core aborted them already when it refused
+        # Its samples end without counting an abort: as failed if they ran (a grammar that failed while
+        # generating), uncounted if not (refused on arrival). The core aborted them already when it refused
         # the request on arrival, not when it dropped one later (a grammar that failed to compile): abort
         # them there too (ids it no longer has are ignored).
         children = self.output_processor.abort_request(state.core_id)
+        now = time.time()
+        iteration = IterationStats()
         for child_id in children:
-            self._tracker.finish(child_id, "abort", time.time(), IterationStats())
+            self._tracker.fail(child_id, now, iteration)
+        self._record(None, iteration)
         if children:
             self.client.abort_requests(children)
         state.queue.put_nowait(RequestFailedError(message.message, message.param))

@@ -41,7 +41,9 @@ REQUEST_LATENCY_BUCKETS_S = [
     40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 ]
 N_BUCKETS = [1, 2, 5, 10, 20]  # vLLM's for request_params_n
-FINISH_REASONS = ("stop", "length", "abort")
+# vLLM's finish reasons that kvserve gives ("error": a request that failed in the engine after it ran), each
+# exported from the start so that a rate() of it has a series before the first such request.
+FINISH_REASONS = ("stop", "length", "abort", "error")
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 

@@ -19,7 +19,7 @@ from kvserve.core.outputs import EngineCoreOutput, SchedulerStats
 
 @dataclass
 class FinishedRequestStats:
-    finish_reason: str  # "stop" | "length" | "abort"
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
     e2e_latency_s: float
     num_prompt_tokens: int
     num_generation_tokens: int
@@ -70,6 +70,7 @@ class _Group:
     n: int
     live: int
     max_generation_tokens: int = 0
+    counted: bool = False  # a sample of it has gone to IterationStats.finished
 
 
 class RequestStatsTracker:
@@ -134,10 +135,8 @@ class RequestStatsTracker:
             decode_s = times.last_token_time - times.first_token_time
         group = times.group
         if group is not None:
-            group.live -= 1
-            group.max_generation_tokens = max(group.max_generation_tokens, times.num_generation_tokens)
-            if group.live == 0:
-                iteration.finished_groups.append((group.n, group.max_generation_tokens))
+            group.counted = True
+            self._leave_group(group, times, iteration)
         iteration.finished.append(
             FinishedRequestStats(
                 finish_reason=finish_reason,
@@ -150,3 +149,26 @@ class RequestStatsTracker:
                 max_tokens=times.max_tokens,
             )
         )
+
+    def fail(self, req_id: str, now: float, iteration: IterationStats) -> None:
+        """The engine dropped the request (its grammar failed, the engine died). One that had run (its prompt
+        counted) ends with finish reason "error", vLLM's for a request that failed in the engine; one that
+        never ran (refused on arrival: its client gets a 400) is forgotten uncounted, as requests the server
+        refuses before the engine are. Unknown ids are ignored."""
+        times = self._requests.get(req_id)
+        if times is None:
+            return
+        if times.prompt_counted:
+            self.finish(req_id, "error", now, iteration)
+            return
+        del self._requests[req_id]
+        if times.group is not None:
+            self._leave_group(times.group, times, iteration)
+
+    @staticmethod
+    def _leave_group(group: _Group, times: _RequestTimes, iteration: IterationStats) -> None:
+        """One of the group's samples has ended; the last one reports the group (if a sample of it counted)."""
+        group.live -= 1
+        group.max_generation_tokens = max(group.max_generation_tokens, times.num_generation_tokens)
+        if group.live == 0 and group.counted:
+            iteration.finished_groups.append((group.n, group.max_generation_tokens))

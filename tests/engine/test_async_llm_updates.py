@@ -11,11 +11,14 @@ from collections.abc import AsyncIterator
 from typing import Any, TypeVar, cast
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.config import EngineConfig
 from kvserve.core.outputs import EngineCoreOutput, SchedulerStats, TokenLogprobs
 from kvserve.engine import async_llm
 from kvserve.engine.async_llm import AsyncLLM, RequestFailedError
+from kvserve.engine.errors import EngineDeadError
+from kvserve.metrics.prometheus import PrometheusStatLogger
 from kvserve.protocol.core_messages import EngineOutputs, EngineReady, RequestFailed
 from kvserve.protocol.outputs import Logprob, RequestOutput
 from kvserve.protocol.sampling_params import SamplingParams
@@ -455,3 +458,46 @@ def test_a_request_still_being_prepared_when_the_drain_aborts_ends_as_aborted(mo
         choice = response.json()["choices"][0]
         assert (choice["finish_reason"], choice["text"]) == ("abort", "")
         assert response.json()["usage"]["completion_tokens"] == 0
+
+
+def _finished_by_reason(logger: PrometheusStatLogger) -> dict[str, float]:
+    return {s.labels["finished_reason"]: s.value
+            for family in text_string_to_metric_families(logger.generate_latest().decode())
+            for s in family.samples if s.name == "kvserve:request_success_total"}
+
+
+def _e2e_count(logger: PrometheusStatLogger) -> float:
+    return next(s.value for family in text_string_to_metric_families(logger.generate_latest().decode())
+                for s in family.samples if s.name == "kvserve:e2e_request_latency_seconds_count")
+
+
+@pytest.mark.parametrize("failure", ["request_failed", "engine_dead"])
+def test_a_request_that_fails_while_generating_counts_as_error(monkeypatch, smollm_tokenizer, failure) -> None:
+    """vLLM's finish reason "error": a request the engine dropped after it ran (its grammar failed while
+    generating, or the engine died) is counted once as such, not as an abort, nor left out. One refused on
+    arrival, never run (a 400 to its client), counts nowhere."""
+
+    async def run() -> PrometheusStatLogger:
+        llm = await _engine(monkeypatch, smollm_tokenizer)
+        logger = PrometheusStatLogger("m", 256)
+        llm.stat_loggers.append(logger)
+        got: list[RequestOutput | Exception] = []
+        task = await _started(llm.generate("r", [1, 2], SamplingParams(max_tokens=8)), got)
+        (r,) = llm.client.added
+        llm.on_engine_outputs(_step(EngineCoreOutput(r, [5], first_scheduled_time=1.0)))
+        llm.on_engine_outputs(_step(EngineCoreOutput(r, [6])))
+        refused: list[RequestOutput | Exception] = []
+        refused_task = await _started(llm.generate("q", [1, 2], SamplingParams(max_tokens=8)), refused)
+        q = llm.client.added[1]
+        llm.on_request_failed(RequestFailed(req_id=q, message="refused", param="max_tokens"))
+        if failure == "request_failed":
+            llm.on_request_failed(RequestFailed(req_id=r, message="grammar failed", param="structured_outputs"))
+        else:
+            llm.on_engine_dead(EngineDeadError("engine core process died"))
+        await asyncio.wait_for(asyncio.gather(task, refused_task), 5)
+        assert isinstance(got[-1], Exception) and isinstance(refused[-1], RequestFailedError)
+        return logger
+
+    logger = asyncio.run(run())
+    assert _finished_by_reason(logger) == {"stop": 0.0, "length": 0.0, "abort": 0.0, "error": 1.0}
+    assert _e2e_count(logger) == 1.0
