@@ -59,7 +59,8 @@ header is forwarded, so backends started with --api-key check it themselves.
   series (requests by backend and status, retries, in-flight and health per backend); with
   `engine_metrics` (`--engine-metrics`; the replicas of `kvserve serve --data-parallel-size`) also each
   backend's own /metrics,
-  labelled `engine="<i>"` by its position (a backend that does not answer within 2 s is left out).
+  labelled `engine="<i>"` by its position (`"<i>.<j>"` for replica j of a backend that is itself a -dp
+  server; a backend that does not answer within 2 s is left out).
 * SIGTERM / SIGINT: stop accepting, let requests in flight finish (up to 60 s), exit 0. Those still in flight
   then, or at a second signal, end as the server ends those it stops (`RouterApp.end_in_flight`): a 503 in the
   OpenAI format when the answer has not started, a stream's error event and `data: [DONE]` (nothing after a

@@ -31,8 +31,10 @@ class _Families:
 
 def merge_expositions(parts: Sequence[tuple[Mapping[str, str], str]]) -> bytes:
     """`parts`: (labels to add to every sample, exposition text) -> one exposition (Prometheus text format
-    0.0.4). The added labels replace a sample's own label of the same name. A part that does not parse is
-    left out."""
+    0.0.4). Where a sample has a label of its own of an added label's name (a backend that is itself a
+    `kvserve serve -dp N`, whose series carry `engine="<j>"`), the label becomes "<added>.<own>": replaced,
+    its replicas' series would become one series given twice, which Prometheus keeps only one of. A part that
+    does not parse is left out."""
     merged: dict[str, Metric] = {}  # by the family's name as its TYPE line is written
     parsed_names: set[str] = set()
     for extra, text in parts:
@@ -51,7 +53,9 @@ def merge_expositions(parts: Sequence[tuple[Mapping[str, str], str]]) -> bytes:
             elif into.type != family.type:
                 continue
             for sample in family.samples:
-                into.samples.append(sample._replace(labels={**sample.labels, **extra}))
+                added = {name: value if name not in sample.labels else f"{value}.{sample.labels[name]}"
+                         for name, value in extra.items()}
+                into.samples.append(sample._replace(labels={**sample.labels, **added}))
     return generate_latest(_Families(list(merged.values())))  # type: ignore[arg-type]
 
 

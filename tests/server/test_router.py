@@ -21,10 +21,12 @@ import aiohttp
 import httpx
 import pytest
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.entrypoints.openai.errors import NotFoundError
 from kvserve.router import app as router_app
 from kvserve.router.app import END_IN_FLIGHT_S, RouterApp, RouterConfig, parse_backends
+from kvserve.router.exposition import merge_expositions
 from kvserve.router.policies import LOAD_FACTOR, PREFIX_KEY_CHARS, Router, prefix_key
 
 from .conftest import REPO_ROOT, ServerProcess, free_port, wait_for
@@ -1416,6 +1418,30 @@ def test_engine_metrics_merge_each_backends_series_under_its_engine_label() -> N
         assert 'kvserve:generation_tokens_total{engine="1",model_name="m"} 5.0' in text
         assert 'engine="2"' not in text and "# TYPE kvserve_router:requests_total counter" in text
     _run(body)
+
+
+def test_engine_metrics_of_a_data_parallel_backend_stay_one_series_a_replica() -> None:
+    """A backend that is itself `kvserve serve -dp 2` labels its replicas' series engine="0" and "1": behind a
+    router with `engine_metrics` they stay two series (engine "<backend>.<replica>"), not one given twice."""
+    replicas = ("# HELP kvserve:num_requests_running Running.\n"
+                "# TYPE kvserve:num_requests_running gauge\n"
+                'kvserve:num_requests_running{engine="0",model_name="m"} 2.0\n'
+                'kvserve:num_requests_running{engine="1",model_name="m"} 3.0\n'
+                "# HELP kvserve_router:retries_total Retries.\n"
+                "# TYPE kvserve_router:retries_total counter\n"
+                "kvserve_router:retries_total 1.0\n")
+    plain = ("# HELP kvserve:num_requests_running Running.\n"
+             "# TYPE kvserve:num_requests_running gauge\n"
+             'kvserve:num_requests_running{model_name="m"} 4.0\n')
+    text = merge_expositions([({"engine": "0"}, replicas), ({"engine": "1"}, plain)]).decode()
+    samples = [(s.name, tuple(sorted(s.labels.items())), s.value)
+               for family in text_string_to_metric_families(text) for s in family.samples]
+    assert sorted(samples) == [
+        ("kvserve:num_requests_running", (("engine", "0.0"), ("model_name", "m")), 2.0),
+        ("kvserve:num_requests_running", (("engine", "0.1"), ("model_name", "m")), 3.0),
+        ("kvserve:num_requests_running", (("engine", "1"), ("model_name", "m")), 4.0),
+        ("kvserve_router:retries_total", (("engine", "0"),), 1.0),
+    ]
 
 
 # ------------------------------------------------------------------------------------------ the command
