@@ -36,6 +36,8 @@ ITL_BUCKETS_S = [
     0.001, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
     0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 ]
+# vLLM's for request_time_per_output_token_seconds (one observation a request, its mean time a token).
+TPOT_BUCKETS_S = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
 REQUEST_LATENCY_BUCKETS_S = [
     0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
     40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
@@ -120,6 +122,9 @@ class _Series:
                                 REQUEST_LATENCY_BUCKETS_S)
         self.inference = histogram("request_inference_time_seconds", "First scheduled to last token.",
                                    REQUEST_LATENCY_BUCKETS_S)
+        self.tpot = histogram("request_time_per_output_token_seconds", "A request's mean time per output token "
+                              "after its first (its decode time / (output tokens - 1); 0 with one token).",
+                              TPOT_BUCKETS_S)
         self.prompt_hist = histogram("request_prompt_tokens", "Prompt tokens per request.", tokens)
         self.generation_hist = histogram("request_generation_tokens", "Generated tokens per request.", tokens)
         self.max_tokens_hist = histogram("request_params_max_tokens", "max_tokens per request.", tokens)
@@ -198,6 +203,9 @@ class PrometheusStatLogger:
                     s.prefill.observe(done.prefill_time_s)
                 if done.decode_time_s is not None:
                     s.decode.observe(done.decode_time_s)
+                    # vLLM's: the first token is the prefill's, so it is not counted
+                    tokens_after_first = done.num_generation_tokens - 1
+                    s.tpot.observe(done.decode_time_s / tokens_after_first if tokens_after_first > 0 else 0.0)
                 if done.prefill_time_s is not None and done.decode_time_s is not None:
                     s.inference.observe(done.prefill_time_s + done.decode_time_s)
             for n, max_generation_tokens in iteration.finished_groups:

@@ -177,6 +177,32 @@ def test_prometheus_logger_observes_iterations():
     assert not any(name.startswith("vllm:") for name, _ in s)
 
 
+def test_time_per_output_token_is_observed_once_a_request_as_vllms():
+    """vLLM's request_time_per_output_token_seconds (the TPOT vLLM dashboards and tools read): a request's
+    decode time over its tokens after the first, once when it ends; 0 for a one-token request."""
+    logger = PrometheusStatLogger("m", max_model_len=100, metrics_compat="vllm")
+    tracker = RequestStatsTracker()
+    tracker.add("a", 0.0, 3, 8)
+    tracker.add("b", 0.0, 3, 8)
+    it = IterationStats()
+    tracker.on_output(EngineCoreOutput("a", [1], first_scheduled_time=0.01), 0.1, it)
+    tracker.on_output(EngineCoreOutput("b", [1], first_scheduled_time=0.01), 0.1, it)
+    tracker.on_output(EngineCoreOutput("a", [2, 3]), 0.2, it)
+    tracker.on_output(EngineCoreOutput("a", [4]), 0.4, it)
+    tracker.finish("a", "length", 0.4, it)  # 0.3 s for 3 tokens after the first: 0.1 s a token
+    tracker.finish("b", "stop", 0.4, it)
+    logger.record(None, it)
+    s = _samples(logger)
+    label = ("model_name", "m")
+    for prefix in ("kvserve:", "vllm:"):
+        name = prefix + "request_time_per_output_token_seconds"
+        assert s[(name + "_count", (label,))] == 2
+        assert s[(name + "_sum", (label,))] == pytest.approx(0.1)
+        assert s[(name + "_bucket", (("le", "0.01"), label))] == 1  # b's 0
+        assert s[(name + "_bucket", (("le", "0.075"), label))] == 1
+        assert s[(name + "_bucket", (("le", "0.15"), label))] == 2
+
+
 def test_a_requests_samples_count_once_for_n_and_their_longest_output():
     """vLLM's request_params_n and request_max_num_generation_tokens: once per request, when its last sample
     ends (an n=3 request whose samples made 2, 5 and 1 tokens: n 3, 5 tokens; a request alone: n 1)."""
