@@ -75,6 +75,12 @@ def test_every_series_and_label_is_exported(tiny_server: ServerProcess) -> None:
                    for part in group for label in re.findall(r"([a-z_]+)\s*(?:=~|!=|=|,|$)", part)}
     unknown = sorted(used_labels - labels - SCRAPE_LABELS)
     assert not unknown, f"labels queried but not exported: {unknown}"
+    # and each label value a query matches exactly (finished_reason="abort", ...) is one a series carries
+    matched = {(name, label, value) for q in queries for name, matchers in re.findall(r"(kvserve:[a-z0-9_]+)\{([^}]*)\}", q)
+               for label, value in re.findall(r'([a-z_]+)\s*=\s*"([^"$]*)"', matchers)}
+    assert any(label == "finished_reason" for _, label, _ in matched)
+    absent = sorted(m for m in matched if not any(name == m[0] and (m[1], m[2]) in pairs for name, pairs in samples))
+    assert not absent, f"label values queried but on no exported series: {absent}"
 
 
 def test_rules_have_what_prometheus_and_receivers_need() -> None:
