@@ -501,7 +501,9 @@ async def serve_replicas(ns: argparse.Namespace, plans: Sequence[ReplicaPlan], s
         if stop.is_set():
             return 0
         config = router_config(ns)
-        app = RouterApp(Router([r.url for r in replicas], "prefix"), config)
+        # (the router's series name each replica by its index, as its engine series' `engine` label does: its
+        # port changes at each start, and a url label would start new series each time)
+        app = RouterApp(Router([r.url for r in replicas], "prefix", [str(r.plan.index) for r in replicas]), config)
         # The replicas abort what still runs at --shutdown-timeout and their responses end within
         # DRAIN_ABORT_GRACE_S: the router's own wait covers both, so those ends reach the clients; then it ends
         # what is left itself (`overdue`), before aiohttp's wait runs out and cuts it.

@@ -165,8 +165,8 @@ class RouterApp:
         healthy = Gauge("kvserve_router:backend_healthy", "1 while the backend is healthy.", ["backend"],
                         registry=self.registry)
         for backend in router.backends:
-            in_flight.labels(backend.url).set_function(lambda b=backend: b.in_flight)
-            healthy.labels(backend.url).set_function(lambda b=backend: 1.0 if b.healthy else 0.0)
+            in_flight.labels(backend.label).set_function(lambda b=backend: b.in_flight)
+            healthy.labels(backend.label).set_function(lambda b=backend: 1.0 if b.healthy else 0.0)
         self.session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task[None] | None = None
         self._handlers: set[asyncio.Task[object]] = set()  # the tasks of the requests in flight
@@ -598,7 +598,7 @@ class RouterApp:
             if outcome == "client_closed" and delivered and upstream is not None:
                 outcome = str(upstream.status)
             if outcome != "retried":
-                self.requests.labels(backend.url, outcome).inc()
+                self.requests.labels(backend.label, outcome).inc()
 
 
 # Two line ends in a row (each of LF, CRLF or CR; a CRLF's CR is followed by its LF, never by another line end):

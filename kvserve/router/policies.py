@@ -40,6 +40,11 @@ class Backend:
     failures: int = 0  # requests it could not take (connection errors, 503s)
     last_error: str = ""
     models: set[str] | None = None  # what its /v1/models lists (None: not known yet)
+    name: str = ""  # its `backend` label in the router's metrics ("": its url)
+
+    @property
+    def label(self) -> str:
+        return self.name or self.url
 
     def check_invariants(self) -> None:
         assert self.in_flight >= 0, f"{self.url}: negative in-flight count {self.in_flight}"
@@ -53,7 +58,9 @@ def _rank(key: str, url: str) -> int:
 class Router:
     """Backends and a policy. `order(key)` lists the healthy backends in the order to try them."""
 
-    def __init__(self, urls: Sequence[str], policy: str = "prefix") -> None:
+    def __init__(self, urls: Sequence[str], policy: str = "prefix", names: Sequence[str] | None = None) -> None:
+        """`names`: each backend's label in the router's metrics, where its url is not the one to use (the
+        replicas of `kvserve serve -dp`, on ports picked at each start)."""
         if policy not in POLICIES:
             raise ValueError(f"unknown routing policy {policy!r}; choose one of {', '.join(POLICIES)}")
         if not urls:
@@ -61,7 +68,9 @@ class Router:
         clean = [u.rstrip("/") for u in urls]
         if len(set(clean)) != len(clean):
             raise ValueError(f"backends listed twice: {sorted({u for u in clean if clean.count(u) > 1})}")
-        self.backends = [Backend(u) for u in clean]
+        if names is not None and len(names) != len(clean):
+            raise ValueError(f"{len(names)} names for {len(clean)} backends")
+        self.backends = [Backend(u, name=names[i] if names is not None else "") for i, u in enumerate(clean)]
         self.policy = policy
         self._turn = itertools.count()
 

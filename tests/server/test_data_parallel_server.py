@@ -116,6 +116,11 @@ def test_two_replicas_serve_behind_one_port_and_stop_together(own_server: Server
     text = httpx.get(base + "/metrics", timeout=10).text
     types = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")]
     assert len(types) == len(set(types)) and "kvserve_router:requests_total" in types
+    # The router's series name each replica by its index, as `engine` does, not by its port (picked at each
+    # start: a url label began new series at every restart).
+    backends = {sample.labels["backend"] for family in text_string_to_metric_families(text)
+                if family.name.startswith("kvserve_router:") for sample in family.samples if "backend" in sample.labels}
+    assert backends >= {"0", "1"} and backends <= {"0", "1", "none"}, backends
 
     server.proc.send_signal(signal.SIGTERM)
     assert server.wait_exit(60) == 0
