@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import os
 from collections.abc import Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from kvserve import distributed
 from kvserve.config import ModelConfig
@@ -171,12 +172,45 @@ def iter_weights(path: str, arch: ArchConfig) -> Iterator[tuple[str, torch.Tenso
     return iter_safetensors_weights(path)
 
 
+# The index of a sharded checkpoint (as `save_pretrained` writes it): {"weight_map": {tensor: shard file}}.
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    """The weight files of `model_dir`: the shards its `model.safetensors.index.json` names when it has one (as
+    vLLM and HF Transformers read a sharded checkpoint; other safetensors files beside them, such as a
+    consolidated copy or an adapter, are not the model's), else every `*.safetensors` file. ModelLoadError for
+    an unreadable index or a shard it names that is not there."""
+    index_path = os.path.join(model_dir, SAFETENSORS_INDEX)
+    if not os.path.isfile(index_path):
+        files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+        if not files:
+            raise ModelLoadError(f"model directory {model_dir} has no *.safetensors weights")
+        return files
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ModelLoadError(f"cannot read {index_path}: {exc}") from None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ModelLoadError(f"{index_path} has no weight_map naming the checkpoint's shards")
+    shards = sorted(set(map(str, weight_map.values())))
+    missing = [shard for shard in shards if not os.path.isfile(os.path.join(model_dir, shard))]
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise ModelLoadError(f"model directory {model_dir} lacks {shown}, named in {SAFETENSORS_INDEX} "
+                             f"({len(missing)} of its {len(shards)} shards missing: an incomplete download?)")
+    return [os.path.join(model_dir, shard) for shard in shards]
+
+
 def iter_safetensors_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of every `*.safetensors` file in `model_dir` (sharded or not), read one at a time."""
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
-    if not files:
-        raise ModelLoadError(f"model directory {model_dir} has no *.safetensors weights")
-    for file in files:
-        with safe_open(file, framework="pt", device="cpu") as handle:
-            for name in handle.keys():
-                yield name, handle.get_tensor(name)
+    """Every tensor of the checkpoint's safetensors files (`safetensors_files`), read one at a time.
+    ModelLoadError naming the file for one that is not valid safetensors (truncated, not safetensors at all)."""
+    for file in safetensors_files(model_dir):
+        try:
+            with safe_open(file, framework="pt", device="cpu") as handle:
+                for name in handle.keys():
+                    yield name, handle.get_tensor(name)
+        except SafetensorError as exc:
+            raise ModelLoadError(f"cannot read weights file {file}: {exc} (a corrupt or incomplete download? "
+                                 "fetch the file again)") from None

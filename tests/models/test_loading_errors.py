@@ -245,6 +245,50 @@ def test_missing_unexpected_and_misshapen_weights(tmp_path: Path, tiny_model_dir
         load(bad)
 
 
+def _write_sharded(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Two shards and their index, as save_pretrained writes a sharded checkpoint; returns the tensors."""
+    from safetensors.torch import save_file
+
+    shards = {"model-00001-of-00002.safetensors": {"a.weight": torch.ones(2, 3)},
+              "model-00002-of-00002.safetensors": {"b.weight": torch.zeros(4)}}
+    model_dir.mkdir(parents=True, exist_ok=True)
+    for file, tensors in shards.items():
+        save_file(tensors, str(model_dir / file))
+    weight_map = {name: file for file, tensors in shards.items() for name in tensors}
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return {name: tensor for tensors in shards.values() for name, tensor in tensors.items()}
+
+
+def test_a_sharded_checkpoint_reads_the_shards_its_index_names(tmp_path: Path) -> None:
+    """As vLLM and HF: with model.safetensors.index.json, only the shards it names are the model's (a consolidated
+    copy or an adapter beside them was read too, and refused as unknown tensors); a shard it names that is not
+    there is named in the error (it surfaced as some weight missing)."""
+    from safetensors.torch import save_file
+
+    model_dir = tmp_path / "m"
+    expected = _write_sharded(model_dir)
+    save_file({"tok_embeddings.weight": torch.ones(2)}, str(model_dir / "consolidated.safetensors"))
+    loaded = dict(iter_safetensors_weights(str(model_dir)))
+    assert loaded.keys() == expected.keys()
+    assert all(torch.equal(loaded[name], tensor) for name, tensor in expected.items())
+    (model_dir / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match=r"lacks model-00002-of-00002\.safetensors, named in "
+                                             r"model\.safetensors\.index\.json \(1 of its 2 shards"):
+        list(iter_safetensors_weights(str(model_dir)))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not safetensors", "empty"])
+def test_a_corrupt_safetensors_file_is_named(tmp_path: Path, damage: str) -> None:
+    """A truncated or foreign weights file was safetensors' own SafetensorError, naming no file."""
+    model_dir = tmp_path / "m"
+    _write_sharded(model_dir)
+    path = model_dir / "model-00002-of-00002.safetensors"
+    data = path.read_bytes()
+    path.write_bytes({"truncated": data[: len(data) - 8], "not safetensors": b"\x00" * 64, "empty": b""}[damage])
+    with pytest.raises(ModelLoadError, match=r"cannot read weights file .*model-00002-of-00002\.safetensors: "):
+        list(iter_safetensors_weights(str(model_dir)))
+
+
 def test_weights_are_cast_to_the_configured_dtype(tiny_model_dir: Callable) -> None:
     model_dir = tiny_model_dir("llama-tied")
     config = ModelConfig(model=model_dir, tokenizer=model_dir, dtype="bfloat16", max_model_len=64)
