@@ -195,12 +195,9 @@ def _from_hf_dir(path: str) -> ArchConfig:
     attention_bias = bool(cfg.get("attention_bias", False))
 
     generation = _read_json(os.path.join(path, "generation_config.json")) or {}
-    # Older GPTQ exports keep their settings in quantize_config.json instead of config.json.
     raw_quant, quant_file = cfg.get("quantization_config"), "config.json"
     if not raw_quant:
-        raw_quant, quant_file = _read_json(os.path.join(path, "quantize_config.json")), "quantize_config.json"
-        if raw_quant is not None and "quant_method" not in raw_quant:
-            raw_quant = {**raw_quant, "quant_method": "gptq"}  # the file AutoGPTQ writes, without the key
+        raw_quant, quant_file = _legacy_quant_config(path)
     kv_cache_scheme = bool(raw_quant and raw_quant.get("kv_cache_scheme"))
     if raw_quant and is_kv_cache_only(raw_quant, f"{path}/{quant_file}"):
         raw_quant = None  # dense weights; the checkpoint's KV-cache scales are loaded with them
@@ -231,6 +228,26 @@ def _from_hf_dir(path: str) -> ArchConfig:
         config_dtype=_config_dtype(cfg),
         kv_cache_scheme=kv_cache_scheme,
     )
+
+
+# Keys only AutoAWQ's own settings file has (GPTQ's name them bits / group_size).
+_AWQ_KEYS = ("w_bit", "q_group_size", "zero_point", "version")
+
+
+def _legacy_quant_config(path: str) -> tuple[dict[str, Any] | None, str]:
+    """(settings, file name) of a quantized checkpoint whose config.json has no quantization_config: older
+    exports keep them in a file of their own, without the quant_method key, AutoGPTQ in quantize_config.json
+    and AutoAWQ in quant_config.json (w_bit, q_group_size, zero_point, version), the files vLLM reads for
+    them. (None, "") where neither is there."""
+    for name in ("quantize_config.json", "quant_config.json"):
+        raw = _read_json(os.path.join(path, name))
+        if raw is None:
+            continue
+        if "quant_method" not in raw:
+            awq = name == "quant_config.json" or any(key in raw for key in _AWQ_KEYS)
+            raw = {**raw, "quant_method": "awq" if awq else "gptq"}
+        return raw, name
+    return None, ""
 
 
 # config.json's dtype names (Transformers writes torch's name without "torch."; a few older exports keep it).

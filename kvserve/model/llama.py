@@ -63,6 +63,8 @@ _KV_SCALE_NAMES = {
     "self_attn.k_proj.output_scale": "k",
     "self_attn.v_proj.output_scale": "v",
 }
+# The tensors of an AWQ / GPTQ layer (`layers.quantization`), none of which a dense model has.
+_PACKED_SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx")
 _LAYER_PREFIX = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -427,6 +429,12 @@ class LlamaForCausalLM(CausalLM):
             if param is None and self.arch.quantization is not None and ckpt_name.endswith(".bias"):
                 # Older GPTQ exporters save a (zero) bias for every projection, also where the model has none.
                 continue
+            if param is None and self.arch.quantization is None and ckpt_name.endswith(_PACKED_SUFFIXES):
+                raise ModelLoadError(
+                    f"checkpoint tensor {ckpt_name!r} is a packed quantized (AWQ / GPTQ) weight, but the checkpoint "
+                    "says nothing of its quantization: its config.json has no quantization_config, and there is no "
+                    "quantize_config.json (GPTQ) or quant_config.json (AWQ) beside it"
+                )
             if param is None:
                 raise ModelLoadError(
                     f"checkpoint tensor {ckpt_name!r} matches no parameter of {type(self).__name__}"

@@ -20,6 +20,8 @@ from transformers import AutoModelForCausalLM
 from kvserve import LLM, SamplingParams
 from kvserve.config import ConfigError, EngineArgs
 from kvserve.layers import quantization as quant
+from kvserve.model.arch import load_arch_config
+from kvserve.model.loader import load_model
 from kvserve.model.paths import ModelLoadError
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "一二三四五六七八九十"]
@@ -291,3 +293,24 @@ def test_quantize_config_json_without_quant_method(quantized_pair: Callable, tmp
         json.dump(settings, f)
     with pytest.raises(ModelLoadError, match=r"quantize_config\.json: GPTQ with 3 bits"):
         EngineArgs(model=directory, device="cpu").create_engine_config()
+
+
+def test_autoawq_quant_config_json(quantized_pair: Callable, tmp_path: Any) -> None:
+    """Older AutoAWQ exports keep their settings in quant_config.json, in AutoAWQ's names (w_bit, q_group_size,
+    version "GEMM"), and config.json has no quantization_config (vLLM reads that file): read as config.json's
+    entry would be, with or without --quantization awq, and the model loads. It was not read: the packed tensors
+    were refused as unknown, and the flag as naming what the checkpoint does not hold. A checkpoint that says
+    nothing of its quantization is refused as such."""
+    source = quantized_pair("awq4-llama")[0]
+    directory = _write_config(str(tmp_path / "m"), None, source)
+    with open(os.path.join(directory, "quant_config.json"), "w") as f:
+        json.dump({"zero_point": True, "q_group_size": 32, "w_bit": 4, "version": "GEMM"}, f)
+    assert load_arch_config(directory).quantization == load_arch_config(source).quantization
+    EngineArgs(model=directory, device="cpu", quantization="awq").create_engine_config()
+    config = EngineArgs(model=directory, device="cpu", dtype="float32", max_model_len=64).create_engine_config()
+    load_model(config.model_config, torch.device("cpu"))
+    os.remove(os.path.join(directory, "quant_config.json"))
+    config = EngineArgs(model=directory, device="cpu", dtype="float32", max_model_len=64).create_engine_config()
+    with pytest.raises(ModelLoadError, match=r"'model\.layers\.0\.[a-z_.]+\.(qweight|qzeros|scales)' is a packed "
+                                             r"quantized .* no quantization_config"):
+        load_model(config.model_config, torch.device("cpu"))
