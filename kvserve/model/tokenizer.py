@@ -33,6 +33,14 @@ def load_tokenizer(model_path: str, chat_template: str | None = None) -> PreTrai
     `chat_template` replaces the model's template: a path to a template file, or the template text itself.
     """
     path = os.path.abspath(os.path.expanduser(model_path))
+    if os.path.isdir(path) and not _has_tokenizer_files(path):
+        # Transformers builds some classes' tokenizers with no vocabulary from such a directory (Qwen2's
+        # holds one token), and fails others' with a page on sentencepiece.
+        raise ModelLoadError(
+            f"cannot load a tokenizer from {model_path}: the directory has no tokenizer files "
+            f"(tokenizer.json, tokenizer_config.json, tokenizer.model, vocab.json, ...); pass --tokenizer "
+            f"(LLM(tokenizer=...)): a directory, .gguf file or cached repo id with the model's tokenizer"
+        )
     try:
         if path.endswith(".gguf"):
             # Building a tokenizer from GGUF metadata takes seconds; engines started again in the same
@@ -47,6 +55,17 @@ def load_tokenizer(model_path: str, chat_template: str | None = None) -> PreTrai
     if chat_template is not None:
         tokenizer.chat_template = read_chat_template(chat_template)
     return tokenizer
+
+
+def _has_tokenizer_files(directory: str) -> bool:
+    """Whether `directory` holds a file a Transformers tokenizer is read from (its vocabulary or settings):
+    tokenizer*.json / tokenizer.model / vocab.* / merges.txt, a SentencePiece or tiktoken model, Mistral's tekken.json."""
+    for name in os.listdir(directory):
+        lower = name.lower()
+        if lower.startswith(("tokenizer", "vocab")) or lower in ("merges.txt", "tekken.json") \
+                or lower.endswith((".model", ".tiktoken")):
+            return True
+    return False
 
 
 @functools.lru_cache(maxsize=4)

@@ -353,3 +353,14 @@ def test_chat_template_override(tmp_path: Path, tiny_model_dir: Callable) -> Non
     assert from_file.apply_chat_template(messages, tokenize=False) == "[user] hi"
     with pytest.raises(ModelLoadError, match="neither a file nor a Jinja template"):
         load_tokenizer(model_dir, str(tmp_path / "missing.jinja"))
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "llama"])
+def test_a_directory_without_tokenizer_files_is_named(tmp_path: Path, model_type: str) -> None:
+    """A checkpoint directory with weights and config.json alone: Transformers built Qwen2's tokenizer with one
+    token (every prompt then failed as out of vocabulary) and failed Llama's with a page on sentencepiece; the
+    error says what is missing and names --tokenizer."""
+    architecture = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[model_type]
+    model_dir = _write_config_only(tmp_path / "m", {"architectures": [architecture], "model_type": model_type})
+    with pytest.raises(ModelLoadError, match=r"no tokenizer files .*pass --tokenizer"):
+        load_tokenizer(model_dir)
