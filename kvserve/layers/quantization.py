@@ -77,6 +77,8 @@ class QuantConfig:
     with its own scale).
     weight_block: (rows, columns) of the weight each fp8 scale covers in a block-wise checkpoint, None for scales
     per tensor or output channel.
+    only_modules: GPTQ's `modules_in_block_to_quantize` (GPTQModel, AutoRound): the layers it names (dotted name
+    parts such as "self_attn.q_proj") are quantized and a decoder layer's others are stored dense; empty: all are.
     act_order: a GPTQ checkpoint quantized in activation order (`desc_act` without `static_groups`, groups of
     fewer rows than the input), so its g_idx permutes the input rows. Only checked against tensor parallelism
     before the ranks start (`distributed.check_quantized_split`); the load reads the stored g_idx itself.
@@ -90,6 +92,7 @@ class QuantConfig:
     static_activations: bool = False
     weight_block: tuple[int, int] | None = None
     act_order: bool = False
+    only_modules: tuple[str, ...] = ()
 
     @property
     def pack(self) -> int:
@@ -103,6 +106,8 @@ class QuantConfig:
         if self.method == "fp8":
             return not any(re.match(part[3:], prefix) if part.startswith("re:") else f".{part}." in f".{prefix}."
                            for part in self.skip_modules)
+        if self.only_modules and not any(f".{part}." in f".{prefix}." for part in self.only_modules):
+            return False
         return not any(part and part in prefix for part in self.skip_modules)
 
     def groups(self, input_size: int) -> int:
@@ -186,7 +191,23 @@ def parse_quant_config(raw: dict[str, Any], where: str) -> QuantConfig:
     # The load applies whatever order the stored g_idx says (`QuantizedWeights.finish`); desc_act only lets
     # tensor parallelism be refused before the ranks start.
     act_order = bool(raw.get("desc_act")) and not raw.get("static_groups") and group_size != -1
-    return QuantConfig("gptq", bits, group_size, zero_offset=1 if fmt == "gptq" else 0, act_order=act_order)
+    return QuantConfig("gptq", bits, group_size, zero_offset=1 if fmt == "gptq" else 0, act_order=act_order,
+                       only_modules=_module_names(raw.get("modules_in_block_to_quantize"), where))
+
+
+def _module_names(entries: Any, where: str) -> tuple[str, ...]:
+    """GPTQ's `modules_in_block_to_quantize`, a list of names or of lists of names (GPTQModel groups them by the
+    order it quantized them), flattened; () for none given."""
+    if entries is None:
+        return ()
+    names: list[str] = []
+    for entry in entries if isinstance(entries, list) else [entries]:
+        for name in entry if isinstance(entry, list) else [entry]:
+            if not isinstance(name, str) or not name:
+                raise ModelLoadError(f"{where}: modules_in_block_to_quantize must list module names such as "
+                                     f"'self_attn.q_proj', got {entries!r}")
+            names.append(name.strip("."))
+    return tuple(names)
 
 
 def _parse_fp8(raw: dict[str, Any], method: str, where: str) -> QuantConfig:

@@ -435,6 +435,12 @@ class LlamaForCausalLM(CausalLM):
                     "says nothing of its quantization: its config.json has no quantization_config, and there is no "
                     "quantize_config.json (GPTQ) or quant_config.json (AWQ) beside it"
                 )
+            if param is None and quant is not None and quant.method in ("awq", "gptq") \
+                    and ckpt_name.endswith(_PACKED_SUFFIXES):
+                raise ModelLoadError(
+                    f"checkpoint tensor {ckpt_name!r} is a packed quantized weight, but the checkpoint's "
+                    f"quantization_config leaves its layer dense (modules_to_not_convert, modules_in_block_to_quantize)"
+                )
             if param is None:
                 raise ModelLoadError(
                     f"checkpoint tensor {ckpt_name!r} matches no parameter of {type(self).__name__}"

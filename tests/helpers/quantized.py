@@ -106,7 +106,7 @@ def quantize_checkpoint(
 
     act_order (GPTQ): input rows go to groups in a random order (g_idx a shuffled arange // group_size), as
     GPTQ's desc_act orders them by activation size. skip: projection names left dense (AWQ's
-    modules_to_not_convert). extra_bias: a zero `.bias` for every quantized projection that has none, as older
+    modules_to_not_convert; GPTQ's modules_in_block_to_quantize names the others). extra_bias: a zero `.bias` for every quantized projection that has none, as older
     GPTQ exporters write."""
     rng = np.random.default_rng(seed)
     orders: dict[tuple[str, str], np.ndarray] = {}
@@ -151,6 +151,12 @@ def quantize_checkpoint(
     else:
         quant_config = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": act_order,
                         "sym": False, "checkpoint_format": checkpoint_format}
+        if skip:  # as GPTQModel and AutoRound name the quantized ones, grouped by the input they read
+            attn = [f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj") if p not in skip]
+            groups = [attn, [f"self_attn.{p}" for p in ("o_proj",) if p not in skip],
+                      [f"mlp.{p}" for p in ("gate_proj", "up_proj") if p not in skip],
+                      [f"mlp.{p}" for p in ("down_proj",) if p not in skip]]
+            quant_config["modules_in_block_to_quantize"] = [group for group in groups if group]
     for directory, weights, extra in ((out_dir, quantized, {"quantization_config": quant_config}),
                                       (dequantized_dir, dense, {})):
         os.makedirs(directory, exist_ok=True)

@@ -314,3 +314,39 @@ def test_autoawq_quant_config_json(quantized_pair: Callable, tmp_path: Any) -> N
     with pytest.raises(ModelLoadError, match=r"'model\.layers\.0\.[a-z_.]+\.(qweight|qzeros|scales)' is a packed "
                                              r"quantized .* no quantization_config"):
         load_model(config.model_config, torch.device("cpu"))
+
+
+def test_gptq_modules_in_block_to_quantize_leaves_the_others_dense(tiny_model_dir: Callable[..., str],
+                                                                   tmp_path: Any) -> None:
+    """GPTQModel / AutoRound exports name the quantized projections in modules_in_block_to_quantize (as vLLM reads
+    it) and store the others dense: o_proj and down_proj here. Their dense weights were refused as unknown
+    tensors; each layer now holds the checkpoint's dense weight, or its dequantized packed one."""
+    from safetensors.torch import load_file
+
+    quantized, dense = str(tmp_path / "q"), str(tmp_path / "d")
+    config = quantize_checkpoint(tiny_model_dir("llama"), quantized, dense, method="gptq", bits=4, group_size=32,
+                                 skip=("o_proj", "down_proj"))
+    assert config["modules_in_block_to_quantize"] == [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+                                                      ["mlp.gate_proj", "mlp.up_proj"]]
+    engine_config = EngineArgs(model=quantized, device="cpu", dtype="float32", max_model_len=64).create_engine_config()
+    model = load_model(engine_config.model_config, torch.device("cpu"))
+    expected = load_file(os.path.join(dense, "model.safetensors"))
+    for i, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{i}"
+        qkv = torch.cat([expected[f"{prefix}.self_attn.{p}_proj.weight"] for p in "qkv"])
+        gate_up = torch.cat([expected[f"{prefix}.mlp.{p}_proj.weight"] for p in ("gate", "up")])
+        for got, want in ((layer.self_attn.qkv_proj.weight, qkv), (layer.mlp.gate_up_proj.weight, gate_up),
+                          (layer.self_attn.o_proj.weight, expected[f"{prefix}.self_attn.o_proj.weight"]),
+                          (layer.mlp.down_proj.weight, expected[f"{prefix}.mlp.down_proj.weight"])):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    # A list that leaves out a projection the checkpoint holds packed: the packed tensors are named as such.
+    path = os.path.join(quantized, "config.json")
+    with open(path) as f:
+        raw = json.load(f)
+    raw["quantization_config"]["modules_in_block_to_quantize"] = [["mlp.gate_proj", "mlp.up_proj"]]
+    with open(path, "w") as f:
+        json.dump(raw, f)
+    engine_config = EngineArgs(model=quantized, device="cpu", dtype="float32", max_model_len=64).create_engine_config()
+    with pytest.raises(ModelLoadError, match=r"self_attn\.[kqv]_proj\.[a-z_]+' is a packed quantized .* leaves "
+                                             r"its layer dense"):
+        load_model(engine_config.model_config, torch.device("cpu"))
