@@ -270,11 +270,12 @@ def _config_dtype(cfg: dict[str, Any]) -> str | None:
 
 def _rope_from_hf_config(cfg: dict[str, Any], max_position: int) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling) from transformers-5 `rope_parameters` or the older `rope_theta` +
-    `rope_scaling` (whose type key is `type` or `rope_type`)."""
-    params: dict[str, Any] = {}
-    for source in (cfg.get("rope_scaling"), cfg.get("rope_parameters")):
-        if isinstance(source, dict):
-            params.update(source)
+    `rope_scaling` (whose type key is `type` or `rope_type`). Where config.json has both, a `rope_scaling`
+    replaces `rope_parameters` whole, as Transformers 5 reads it: it is what users add to a config to turn on
+    YaRN (Qwen2.5's instructions), also to one a newer Transformers saved with default `rope_parameters`; its
+    theta is then the top level's `rope_theta` (or the default)."""
+    source = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    params: dict[str, Any] = dict(source) if isinstance(source, dict) else {}
     if any(isinstance(value, dict) for value in params.values()):
         raise ModelLoadError("per-layer-type rope parameters are not supported")
     theta = params.pop("rope_theta", None) or cfg.get("rope_theta") or _DEFAULT_ROPE_THETA

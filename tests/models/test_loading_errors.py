@@ -201,6 +201,32 @@ def test_legacy_rope_format_reads_like_transformers5(tmp_path: Path, tiny_model_
     assert load_arch_config(legacy_dir).rope_theta == 500000.0
 
 
+@pytest.mark.parametrize("changes", [
+    # YaRN added as Qwen2.5's instructions say, to a config a newer Transformers saved with rope_parameters
+    {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}},
+    {"rope_scaling": {"rope_type": "linear", "factor": 2.0}, "rope_theta": 20000.0},
+    {"rope_scaling": None, "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500000.0}},
+    {"rope_scaling": {"rope_type": "default"}, "rope_theta": 3000.0},
+])
+def test_rope_scaling_beside_rope_parameters_reads_as_transformers(tmp_path: Path, tiny_model_dir: Callable,
+                                                                   changes: dict) -> None:
+    """A config.json with both `rope_parameters` and a `rope_scaling`: the RoPE HF Transformers builds (the
+    `rope_scaling` in place of the other, its theta the top level's rope_theta or the default). The added
+    scaling was ignored for the saved default `rope_parameters`: another RoPE than HF's, and YaRN's longer
+    max_model_len refused."""
+    from transformers import AutoConfig
+
+    config = json.loads(Path(tiny_model_dir("qwen2"), "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
+    config.update(changes)
+    model_dir = _write_config_only(tmp_path / "m", config)
+    expected = dict(AutoConfig.from_pretrained(model_dir).rope_parameters)
+    expected.pop("type", None)
+    arch = load_arch_config(model_dir)
+    assert arch.rope_theta == expected.pop("rope_theta")
+    assert (arch.rope_scaling or {"rope_type": "default"}) == expected
+
+
 def test_eos_ids_from_config_and_generation_config(tmp_path: Path) -> None:
     config = {
         "architectures": ["LlamaForCausalLM"],
