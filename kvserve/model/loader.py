@@ -180,7 +180,8 @@ def safetensors_files(model_dir: str) -> list[str]:
     """The weight files of `model_dir`: the shards its `model.safetensors.index.json` names when it has one (as
     vLLM and HF Transformers read a sharded checkpoint; other safetensors files beside them, such as a
     consolidated copy or an adapter, are not the model's), else every `*.safetensors` file. ModelLoadError for
-    an unreadable index or a shard it names that is not there."""
+    an unreadable index or a shard it names that is not there (unless a one-file `model.safetensors` is: a stale
+    index beside the file that replaced its shards, which HF Transformers reads too)."""
     index_path = os.path.join(model_dir, SAFETENSORS_INDEX)
     if not os.path.isfile(index_path):
         files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
@@ -196,6 +197,11 @@ def safetensors_files(model_dir: str) -> list[str]:
         raise ModelLoadError(f"{index_path} has no weight_map naming the checkpoint's shards")
     shards = sorted(set(map(str, weight_map.values())))
     missing = [shard for shard in shards if not os.path.isfile(os.path.join(model_dir, shard))]
+    single = os.path.join(model_dir, "model.safetensors")
+    if missing and os.path.isfile(single):
+        # a stale index beside the one-file checkpoint that replaced its shards: HF Transformers reads that file
+        logger.warning("%s names shards that are not there (%s); loading %s instead", index_path, missing[0], single)
+        return [single]
     if missing:
         shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
         raise ModelLoadError(f"model directory {model_dir} lacks {shown}, named in {SAFETENSORS_INDEX} "

@@ -301,6 +301,9 @@ def test_a_sharded_checkpoint_reads_the_shards_its_index_names(tmp_path: Path) -
     with pytest.raises(ModelLoadError, match=r"lacks model-00002-of-00002\.safetensors, named in "
                                              r"model\.safetensors\.index\.json \(1 of its 2 shards"):
         list(iter_safetensors_weights(str(model_dir)))
+    # A stale index beside a one-file checkpoint that replaced the shards: that file, as HF reads it.
+    save_file({"c.weight": torch.ones(3)}, str(model_dir / "model.safetensors"))
+    assert list(dict(iter_safetensors_weights(str(model_dir)))) == ["c.weight"]
 
 
 @pytest.mark.parametrize("damage", ["truncated", "not safetensors", "empty"])
