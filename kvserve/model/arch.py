@@ -179,8 +179,11 @@ def _from_hf_dir(path: str) -> ArchConfig:
         )
     architecture = architectures[0]
     family = _family(architecture)
-    if cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or []):
-        raise ModelLoadError(f"{path}: sliding-window attention layers are not supported yet")
+    sliding = _sliding_layers(cfg, family)
+    if sliding:
+        raise ModelLoadError(f"{path}: sliding-window attention layers are not supported yet (config.json gives "
+                             f"{len(sliding)} layer(s) a window of {cfg.get('sliding_window', 4096)} tokens: "
+                             f"use_sliding_window, max_window_layers / layer_types)")
 
     def require(key: str) -> Any:
         if cfg.get(key) is None:
@@ -228,6 +231,30 @@ def _from_hf_dir(path: str) -> ArchConfig:
         config_dtype=_config_dtype(cfg),
         kv_cache_scheme=kv_cache_scheme,
     )
+
+
+# HF Transformers' Qwen2 / Qwen3 config defaults for the keys that place sliding-window layers.
+_DEFAULT_SLIDING_WINDOW = 4096
+_DEFAULT_MAX_WINDOW_LAYERS = 28
+
+
+def _sliding_layers(cfg: dict[str, Any], family: _Family) -> list[int]:
+    """The layers that attend within a sliding window, as HF Transformers places them: for Qwen2 / Qwen3 only
+    with `use_sliding_window` and a `sliding_window` (null: none), then the layers `layer_types` marks
+    "sliding_attention", else those from `max_window_layers` on (so a config with use_sliding_window true and
+    max_window_layers >= num_hidden_layers has none). A Llama config naming either is taken as sliding
+    everywhere (Transformers' Llama has no such layers: such a checkpoint is likely another model's)."""
+    num_layers = cfg.get("num_hidden_layers") if isinstance(cfg.get("num_hidden_layers"), int) else 0
+    layer_types = cfg.get("layer_types") if isinstance(cfg.get("layer_types"), list) else None
+    if not family.qk_norm and not family.qkv_bias_always:  # Llama
+        named = cfg.get("use_sliding_window") or "sliding_attention" in (layer_types or [])
+        return list(range(num_layers)) if named else []
+    if not cfg.get("use_sliding_window") or cfg.get("sliding_window", _DEFAULT_SLIDING_WINDOW) is None:
+        return []
+    if layer_types is not None:
+        return [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+    first = cfg.get("max_window_layers", _DEFAULT_MAX_WINDOW_LAYERS)
+    return list(range(first if isinstance(first, int) else 0, num_layers))
 
 
 # Keys only AutoAWQ's own settings file has (GPTQ's name them bits / group_size).

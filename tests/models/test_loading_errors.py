@@ -185,6 +185,36 @@ def test_unsupported_config_values(
         load_arch_config(model_dir)
 
 
+@pytest.mark.parametrize("settings", [
+    {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 2},  # every layer from 2 of 2: none
+    {"use_sliding_window": True, "sliding_window": None, "max_window_layers": 0},  # no window
+    {"use_sliding_window": False, "sliding_window": 4, "max_window_layers": 0},  # as Qwen2.5 ships
+    {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},  # layer 1 slides
+    {"use_sliding_window": True, "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]},
+])
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_sliding_window_layers_as_transformers_places_them(tmp_path: Path, tiny_model_dir: Callable,
+                                                           model_type: str, settings: dict) -> None:
+    """Qwen2 / Qwen3 configs slide only the layers Transformers gives a window (use_sliding_window with a
+    sliding_window, from max_window_layers on or as layer_types says): those are refused, and a config whose
+    use_sliding_window leaves every layer full (max_window_layers >= num_hidden_layers) loads. It was refused
+    for use_sliding_window alone."""
+    from transformers import AutoConfig
+
+    config = json.loads(Path(tiny_model_dir(model_type), "config.json").read_text())
+    config.pop("layer_types", None)
+    config.update(settings)
+    model_dir = _write_config_only(tmp_path / "m", config)
+    hf = AutoConfig.from_pretrained(model_dir)
+    slides = [kind == "sliding_attention" and hf.sliding_window is not None for kind in hf.layer_types]
+    if any(slides):
+        with pytest.raises(ModelLoadError, match=r"sliding-window attention layers are not supported yet \(config"
+                                                 rf"\.json gives {sum(slides)} layer"):
+            load_arch_config(model_dir)
+    else:
+        assert load_arch_config(model_dir).num_hidden_layers == 2
+
+
 def test_legacy_rope_format_reads_like_transformers5(tmp_path: Path, tiny_model_dir: Callable) -> None:
     """Older config.json files carry `rope_theta` + `rope_scaling` with `type`; transformers 5 writes
     `rope_parameters`. Both describe the same model."""
