@@ -100,6 +100,12 @@ def read_gguf_info(path: str) -> GGUFInfo:
     return GGUFInfo(metadata, tensor_types, tensor_shapes, rope_freqs)
 
 
+def has_tokenizer(path: str) -> bool:
+    """Whether the GGUF file carries a tokenizer (llama.cpp's `tokenizer.ggml.model` and its token list)."""
+    fields = _open_reader(path).fields
+    return "tokenizer.ggml.model" in fields and "tokenizer.ggml.tokens" in fields
+
+
 def quantized_types(info: GGUFInfo) -> list[str]:
     """The file's GGML tensor types by how many parameters each holds, most first, leaving out F32 (norms),
     unless the file holds nothing else: ["Q4_K", "Q6_K"] for a Q4_K_M file."""

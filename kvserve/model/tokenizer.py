@@ -19,6 +19,7 @@ import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from kvserve import envs
+from kvserve.model.gguf import has_tokenizer
 from kvserve.model.paths import ModelLoadError, read_chat_template
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,13 @@ def load_tokenizer(model_path: str, chat_template: str | None = None) -> PreTrai
             f"cannot load a tokenizer from {model_path}: the directory has no tokenizer files "
             f"(tokenizer.json, tokenizer_config.json, tokenizer.model, vocab.json, ...); pass --tokenizer "
             f"(LLM(tokenizer=...)): a directory, .gguf file or cached repo id with the model's tokenizer"
+        )
+    if path.endswith(".gguf") and os.path.isfile(path) and not has_tokenizer(path):
+        # (Transformers' conversion fails with a bare KeyError)
+        raise ModelLoadError(
+            f"cannot load a tokenizer from {model_path}: the GGUF file carries none (no tokenizer.ggml.model / "
+            f"tokenizer.ggml.tokens metadata); pass --tokenizer (LLM(tokenizer=...)): a directory, .gguf file or "
+            f"cached repo id with the model's tokenizer"
         )
     try:
         if path.endswith(".gguf"):

@@ -423,3 +423,27 @@ def test_a_directory_without_tokenizer_files_is_named(tmp_path: Path, model_type
     model_dir = _write_config_only(tmp_path / "m", {"architectures": [architecture], "model_type": model_type})
     with pytest.raises(ModelLoadError, match=r"no tokenizer files .*pass --tokenizer"):
         load_tokenizer(model_dir)
+
+
+@pytest.mark.parametrize("token_ids", [False, True])
+def test_a_gguf_file_without_a_tokenizer_is_named(tmp_path: Path, token_ids: bool) -> None:
+    """A GGUF file with weights and no tokenizer vocabulary: Transformers' conversion failed with a bare
+    KeyError('tokens') where the file names its BOS / EOS ids, or a message on tokenizer None; the error says
+    what is missing and names --tokenizer."""
+    import gguf
+
+    path = str(tmp_path / "no-tokenizer.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_embedding_length(64)
+    writer.add_head_count(4)
+    writer.add_block_count(1)
+    if token_ids:
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+    writer.add_tensor("token_embd.weight", np.zeros((32, 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match=r"the GGUF file carries none .*pass --tokenizer"):
+        load_tokenizer(path)
