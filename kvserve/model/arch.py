@@ -201,6 +201,13 @@ def _from_hf_dir(path: str) -> ArchConfig:
     raw_quant, quant_file = cfg.get("quantization_config"), "config.json"
     if not raw_quant:
         raw_quant, quant_file = _legacy_quant_config(path)
+    mlx = cfg.get("quantization")
+    if not raw_quant and isinstance(mlx, dict) and "bits" in mlx:
+        raise ModelLoadError(
+            f"{path}/config.json: 'quantization' {mlx} describes an MLX-quantized checkpoint (mlx-lm's packed weights "
+            f"with scales and biases), which kvserve does not load; use the unquantized checkpoint, or an AWQ / GPTQ "
+            f"/ GGUF one"
+        )
     kv_cache_scheme = bool(raw_quant and raw_quant.get("kv_cache_scheme"))
     if raw_quant and is_kv_cache_only(raw_quant, f"{path}/{quant_file}"):
         raw_quant = None  # dense weights; the checkpoint's KV-cache scales are loaded with them

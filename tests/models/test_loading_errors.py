@@ -175,6 +175,9 @@ def test_linear_rope_scaling_extends_max_model_len_by_its_factor(
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"num_key_value_heads": 3}, "not a multiple"),
         ({"use_sliding_window": True}, "sliding-window"),
+        # mlx-lm's quantized export (packed uint32 weights, .scales / .biases): refused by what it is, not by the
+        # first packed weight's shape
+        ({"quantization": {"group_size": 64, "bits": 4}}, r"'quantization' .* MLX-quantized checkpoint"),
     ],
 )
 def test_unsupported_config_values(
