@@ -333,6 +333,15 @@ def _rope_from_hf_config(cfg: dict[str, Any], max_position: int) -> tuple[float,
 def _from_gguf(path: str) -> ArchConfig:
     info = read_gguf_info(path)
     meta = info.metadata
+    parts = meta.get("split.count")
+    if isinstance(parts, int) and parts > 1:
+        # llama.cpp's gguf-split: the metadata is in the first part, the tensors spread over all of them
+        part = meta.get("split.no")
+        which = f"part {part + 1} of {parts}" if isinstance(part, int) else f"one of {parts} parts"
+        raise ModelLoadError(
+            f"{os.path.basename(path)} is {which} of a split GGUF model (llama.cpp's gguf-split); kvserve loads a "
+            f"single file: merge the parts with `llama-gguf-split --merge <first part> merged.gguf` and pass merged.gguf"
+        )
     gguf_arch = meta.get("general.architecture")
     architecture = GGUF_ARCHITECTURES.get(gguf_arch or "")
     if architecture is None:

@@ -392,6 +392,28 @@ def test_unsupported_gguf_tensor_type(tmp_path: Path) -> None:
         load_arch_config(resolve_model_path(path))
 
 
+def test_a_split_gguf_part_is_refused_as_such(tmp_path: Path) -> None:
+    """A part of a model split by llama.cpp's gguf-split (model-00001-of-00002.gguf, ...): the first was read as a
+    whole model (then failed at load for weights it lacked), the others, which hold no metadata, as an
+    unsupported architecture None."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama", split_max_tensors=1)
+    writer.add_embedding_length(64)
+    writer.add_head_count(4)
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((32, 64), dtype=np.float32))
+    writer.add_tensor("output.weight", np.zeros((32, 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    for part in (1, 2):
+        with pytest.raises(ModelLoadError, match=rf"m-0000{part}-of-00002\.gguf is part {part} of 2 of a split GGUF "
+                                                 r"model .*llama-gguf-split --merge"):
+            load_arch_config(str(tmp_path / f"m-0000{part}-of-00002.gguf"))
+
+
 def test_unknown_gguf_architecture(tmp_path: Path) -> None:
     path = _write_gguf(tmp_path / "gpt2.gguf", "gpt2", "F32")
     expected = r"GGUF architecture 'gpt2' is not supported; supported: llama, qwen2, qwen3"
