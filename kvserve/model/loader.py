@@ -211,12 +211,13 @@ def safetensors_files(model_dir: str) -> list[str]:
 
 def iter_safetensors_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the checkpoint's safetensors files (`safetensors_files`), read one at a time.
-    ModelLoadError naming the file for one that is not valid safetensors (truncated, not safetensors at all)."""
+    ModelLoadError naming the file for one that is not valid safetensors (truncated, not safetensors at all) or
+    cannot be opened (a link to a missing blob of a Hugging Face cache)."""
     for file in safetensors_files(model_dir):
         try:
             with safe_open(file, framework="pt", device="cpu") as handle:
                 for name in handle.keys():
                     yield name, handle.get_tensor(name)
-        except SafetensorError as exc:
+        except (SafetensorError, OSError) as exc:  # (OSError: a broken link into a cache's blobs, say)
             raise ModelLoadError(f"cannot read weights file {file}: {exc} (a corrupt or incomplete download? "
                                  "fetch the file again)") from None

@@ -339,14 +339,20 @@ def test_a_sharded_checkpoint_reads_the_shards_its_index_names(tmp_path: Path) -
     assert list(dict(iter_safetensors_weights(str(model_dir)))) == ["c.weight"]
 
 
-@pytest.mark.parametrize("damage", ["truncated", "not safetensors", "empty"])
+@pytest.mark.parametrize("damage", ["truncated", "not safetensors", "empty", "broken link"])
 def test_a_corrupt_safetensors_file_is_named(tmp_path: Path, damage: str) -> None:
-    """A truncated or foreign weights file was safetensors' own SafetensorError, naming no file."""
+    """A truncated or foreign weights file was safetensors' own SafetensorError, naming no file; a link to a blob
+    that is gone (a Hugging Face cache's snapshot) a bare FileNotFoundError."""
     model_dir = tmp_path / "m"
     _write_sharded(model_dir)
     path = model_dir / "model-00002-of-00002.safetensors"
     data = path.read_bytes()
-    path.write_bytes({"truncated": data[: len(data) - 8], "not safetensors": b"\x00" * 64, "empty": b""}[damage])
+    if damage == "broken link":  # (without the index, which names the shard as missing)
+        (model_dir / "model.safetensors.index.json").unlink()
+        path.unlink()
+        path.symlink_to(tmp_path / "blobs" / "gone")
+    else:
+        path.write_bytes({"truncated": data[: len(data) - 8], "not safetensors": b"\x00" * 64, "empty": b""}[damage])
     with pytest.raises(ModelLoadError, match=r"cannot read weights file .*model-00002-of-00002\.safetensors: "):
         list(iter_safetensors_weights(str(model_dir)))
 
