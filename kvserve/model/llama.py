@@ -11,6 +11,7 @@ in the model dtype, RoPE from an HF-identical float32 table, attention scaled by
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import Hashable, Iterable
@@ -31,6 +32,8 @@ from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.model.arch import ArchConfig
 from kvserve.model.paths import ModelLoadError
 from kvserve.model.registry import CausalLM
+
+logger = logging.getLogger(__name__)
 
 # (fused parameter, checkpoint name part, shard id): checkpoint `...self_attn.q_proj.weight` is shard "q"
 # of `...self_attn.qkv_proj.weight`.
@@ -65,6 +68,8 @@ _KV_SCALE_NAMES = {
 }
 # The tensors of an AWQ / GPTQ layer (`layers.quantization`), none of which a dense model has.
 _PACKED_SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx")
+# Rows of a tied checkpoint's lm_head.weight compared with the embedding's (`load_weights`).
+_TIED_ROWS_COMPARED = 8
 _LAYER_PREFIX = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -391,6 +396,7 @@ class LlamaForCausalLM(CausalLM):
         block_fp8 = quant is not None and quant.method == "fp8" and quant.weight_block is not None
         # layer -> {"k" / "v" / "kv": (value, checkpoint name)}
         kv_scales: dict[int, dict[str, tuple[float, str]]] = {}
+        tied_rows: dict[str, torch.Tensor] = {}
         for ckpt_name, tensor in weights:
             if ckpt_name.endswith(_IGNORED_SUFFIXES):
                 continue
@@ -403,6 +409,9 @@ class LlamaForCausalLM(CausalLM):
                                          f"{what}_scale")
                 kv_scales[layer][what] = (_kv_scale_value(ckpt_name, tensor), ckpt_name)
                 continue
+            if self.arch.tie_word_embeddings and ckpt_name in ("lm_head.weight", "model.embed_tokens.weight"):
+                # (a few rows of each, to tell whether a saved lm_head is the tied copy)
+                tied_rows[ckpt_name] = tensor[:_TIED_ROWS_COMPARED].float().clone()
             if self.arch.tie_word_embeddings and ckpt_name == "lm_head.weight":
                 # Some exporters save the tied copy anyway; the embedding is the one we keep.
                 continue
@@ -459,6 +468,12 @@ class LlamaForCausalLM(CausalLM):
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise ModelLoadError(f"checkpoint lacks weights for {shown}")
+        if (len(tied_rows) == 2 and distributed.tp_group().rank == 0  # (once, not once per rank)
+                and not torch.equal(tied_rows["lm_head.weight"], tied_rows["model.embed_tokens.weight"])):
+            logger.warning("config.json ties the LM head to the embedding (tie_word_embeddings), but the checkpoint's "
+                           "lm_head.weight holds other values: the embedding serves as the LM head, as vLLM loads it "
+                           "(HF Transformers 5 unties them and uses lm_head.weight); if the model was trained untied, "
+                           "set tie_word_embeddings to false in config.json")
         for layer, found in kv_scales.items():
             self.model.layers[layer].self_attn.attn.checkpoint_kv_scales = _layer_kv_scales(layer, found)
         self.finish_loading()

@@ -357,6 +357,25 @@ def test_a_corrupt_safetensors_file_is_named(tmp_path: Path, damage: str) -> Non
         list(iter_safetensors_weights(str(model_dir)))
 
 
+def test_a_tied_checkpoint_with_another_lm_head_is_warned_of(tiny_model_dir: Callable,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """tie_word_embeddings with an lm_head.weight that is not the embedding's copy (a model trained untied, its
+    config left tied): the embedding serves, as in vLLM, but HF Transformers 5 uses lm_head.weight, so the two
+    disagree; this was silent. A saved copy equal to the embedding is not warned of."""
+    model_dir = tiny_model_dir("llama-tied")
+    arch = load_arch_config(model_dir)
+    weights = dict(iter_safetensors_weights(model_dir))
+    embed = weights["model.embed_tokens.weight"]
+    model_cls = get_model_class(arch.architecture)
+    with caplog.at_level("WARNING", logger="kvserve.model.llama"):
+        model_cls(arch, torch.float32).load_weights({**weights, "lm_head.weight": embed.clone()}.items())
+        assert "tie_word_embeddings" not in caplog.text
+        model = model_cls(arch, torch.float32)
+        model.load_weights({**weights, "lm_head.weight": torch.zeros_like(embed)}.items())
+    assert "but the checkpoint's lm_head.weight holds other values" in caplog.text
+    assert torch.equal(model.lm_head.weight, embed)
+
+
 def test_weights_are_cast_to_the_configured_dtype(tiny_model_dir: Callable) -> None:
     model_dir = tiny_model_dir("llama-tied")
     config = ModelConfig(model=model_dir, tokenizer=model_dir, dtype="bfloat16", max_model_len=64)
