@@ -155,7 +155,8 @@ def _context(outputs: list[list[str]], parser: str | None = "hermes") -> tuple[S
 
     def apply_chat_template(messages: list[dict], chat_template: str | None, add_generation_prompt: bool,
                             kwargs: dict[str, Any], add_special_tokens: bool = False) -> ProcessedPrompt:
-        rendered.append({"messages": messages, "kwargs": kwargs, "add_special_tokens": add_special_tokens})
+        rendered.append({"messages": messages, "kwargs": kwargs, "add_special_tokens": add_special_tokens,
+                         "add_generation_prompt": add_generation_prompt})
         return ProcessedPrompt("prompt", [1, 2, 3])
 
     async def generate(request_id: str, ids: list[int], params: SamplingParams, prompt: str | None,
@@ -510,3 +511,36 @@ def test_auto_tool_choice_flag_needs_a_parser():
     assert server_engine_args(ns)["model"] == "model-dir"
     with pytest.raises(SystemExit):
         parser.parse_args(["model-dir", "--tool-call-parser", "unknown"])
+
+
+def test_chat_template_kwargs_set_the_template_switches():
+    """add_generation_prompt and continue_final_message in chat_template_kwargs override the request's own
+    fields, as vLLM's do (the server dropped the first silently, so a client's `false` there still got the
+    assistant header; and passed the second to the template unchecked); a chat_template there is refused as the
+    request's own is."""
+    ctx, rendered = _context([["ok"]])
+    body = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "The answer is"}],
+            "max_tokens": 1}
+    assert _post(ctx, body).status_code == 200
+    assert rendered[-1]["add_generation_prompt"] is True and "continue_final_message" not in rendered[-1]["kwargs"]
+    reply = _post(ctx, {**body, "chat_template_kwargs": {"add_generation_prompt": False}})
+    assert reply.status_code == 200 and rendered[-1]["add_generation_prompt"] is False
+    assert reply.json()["choices"][0]["message"]["role"] == "assistant"  # the last message's role
+    continued = {"add_generation_prompt": False, "continue_final_message": True}
+    assert _post(ctx, {**body, "chat_template_kwargs": continued}).status_code == 200
+    assert rendered[-1]["add_generation_prompt"] is False and rendered[-1]["kwargs"]["continue_final_message"] is True
+    # the request's own field, turned off by the kwargs
+    off = {**body, "continue_final_message": True, "add_generation_prompt": False,
+           "chat_template_kwargs": {"continue_final_message": False}}
+    assert _post(ctx, off).status_code == 200 and "continue_final_message" not in rendered[-1]["kwargs"]
+    count = len(rendered)
+    assert_openai_error(_post(ctx, {**body, "chat_template_kwargs": {"continue_final_message": True}}), 400,
+                        "continue_final_message")
+    assert_openai_error(_post(ctx, {**body, "chat_template_kwargs": {"add_generation_prompt": "no"}}), 400,
+                        "chat_template_kwargs")
+    assert_openai_error(_post(ctx, {**body, "chat_template_kwargs": {"chat_template": "{{ 1 }}"}}), 400,
+                        "chat_template_kwargs")
+    assert len(rendered) == count  # refused before rendering
+    assert _post(ctx, {"messages": body["messages"], "chat_template_kwargs": {"add_generation_prompt": False}},
+                 "/tokenize").status_code == 200
+    assert rendered[-1]["add_generation_prompt"] is False

@@ -97,6 +97,7 @@ from kvserve.entrypoints.openai.serving_chat import (
     message_dict,
     prepare_chat,
     template_kwargs,
+    template_switches,
 )
 from kvserve.entrypoints.openai.serving_common import (
     ClientDisconnected,
@@ -300,13 +301,12 @@ def build_app(ctx: ServingContext, state: ServerState, metrics: PrometheusStatLo
             raise BadRequestError("a per-request chat_template is not accepted", "chat_template")
         if body.messages is not None:
             check_tool_definitions(body.tools)
-            if body.continue_final_message and body.add_generation_prompt:
-                raise BadRequestError("continue_final_message needs add_generation_prompt set to false",
-                                      "continue_final_message")
+            add_generation_prompt, continue_final_message = template_switches(
+                body.chat_template_kwargs, body.add_generation_prompt, body.continue_final_message)
             try:
                 ids = engine.input_processor.apply_chat_template(
-                    [message_dict(m) for m in body.messages], None, body.add_generation_prompt,
-                    template_kwargs(body.chat_template_kwargs, body.continue_final_message, body.tools),
+                    [message_dict(m) for m in body.messages], None, add_generation_prompt,
+                    template_kwargs(body.chat_template_kwargs, continue_final_message, body.tools),
                     bool(body.add_special_tokens),
                 ).prompt_token_ids
             except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as e:

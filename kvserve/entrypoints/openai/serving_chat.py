@@ -55,6 +55,29 @@ _RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tokenize", "chat_templ
                              "return_dict", "return_tensors", "padding", "truncation", "max_length"}
 
 
+def template_switches(requested: dict[str, Any] | None, add_generation_prompt: bool,
+                      continue_final_message: bool) -> tuple[bool, bool]:
+    """A request's add_generation_prompt and continue_final_message, where its chat_template_kwargs may set
+    either (they override the request's own fields there, as vLLM's do); 400 for a chat_template given there
+    (per-request templates are not accepted), a non-boolean switch, or both switches on."""
+    requested = requested or {}
+    if "chat_template" in requested:
+        raise BadRequestError("a per-request chat_template is not accepted (in chat_template_kwargs either); start "
+                              "the server with --chat-template", "chat_template_kwargs")
+    switches = []
+    for name, own in (("add_generation_prompt", add_generation_prompt),
+                      ("continue_final_message", continue_final_message)):
+        value = requested.get(name, own)
+        if not isinstance(value, bool):
+            raise BadRequestError(f"chat_template_kwargs' {name} must be true or false, got {value!r}",
+                                  "chat_template_kwargs")
+        switches.append(value)
+    if switches[0] and switches[1]:
+        raise BadRequestError("continue_final_message needs add_generation_prompt set to false",
+                              "continue_final_message")
+    return switches[0], switches[1]
+
+
 def template_kwargs(requested: dict[str, Any] | None, continue_final_message: bool,
                     tools: list[dict[str, Any]] | None = None,
                     documents: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -62,7 +85,8 @@ def template_kwargs(requested: dict[str, Any] | None, continue_final_message: bo
     whatever the tool_choice (as vLLM): with "none" the model still sees what it may not call. The chat
     request's `documents` go in as `documents`, unless chat_template_kwargs names its own (as vLLM, whose
     chat_template_kwargs update the arguments it sets)."""
-    kwargs = {k: v for k, v in (requested or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
+    kwargs = {k: v for k, v in (requested or {}).items()
+              if k not in _RESERVED_TEMPLATE_KWARGS and k != "continue_final_message"}
     if documents is not None:
         kwargs.setdefault("documents", documents)
     if continue_final_message:
@@ -129,9 +153,8 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest, request_id: st
         raise BadRequestError("stream_options can only be given when stream is true", "stream_options")
     if req.top_logprobs and not req.logprobs:  # 0 is taken (and changes nothing), as vLLM takes it
         raise BadRequestError("top_logprobs needs logprobs set to true", "top_logprobs")
-    if req.continue_final_message and req.add_generation_prompt:
-        raise BadRequestError("continue_final_message needs add_generation_prompt set to false",
-                              "continue_final_message")
+    add_generation_prompt, continue_final_message = template_switches(
+        req.chat_template_kwargs, req.add_generation_prompt, req.continue_final_message)
 
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -160,10 +183,10 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest, request_id: st
         # Some checkpoints mark <tool_call> as a special token; the parser must see it (as vLLM does).
         params = params.clone()
         params.skip_special_tokens = False
-    kwargs = template_kwargs(req.chat_template_kwargs, req.continue_final_message, req.tools, req.documents)
+    kwargs = template_kwargs(req.chat_template_kwargs, continue_final_message, req.tools, req.documents)
     try:
         processed = engine.input_processor.apply_chat_template(
-            [message_dict(m) for m in req.messages], None, req.add_generation_prompt, kwargs, req.add_special_tokens
+            [message_dict(m) for m in req.messages], None, add_generation_prompt, kwargs, req.add_special_tokens
         )
     except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
         raise BadRequestError(f"cannot apply the chat template to these messages: {e}", "messages") from None
@@ -192,7 +215,7 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest, request_id: st
                         structure_param="tools" if forced is not None else structured_outputs_from(req)[1],
                         reasoning_field=ctx.reasoning_parser is not None, parse_reasoning=parse_reasoning,
                         include_reasoning=req.include_reasoning,
-                        role=ctx.response_role if req.add_generation_prompt else req.messages[-1].role)
+                        role=ctx.response_role if add_generation_prompt else req.messages[-1].role)
 
 
 def check_tool_definitions(tools: list[dict[str, Any]] | None) -> None:
