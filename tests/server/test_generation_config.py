@@ -13,17 +13,20 @@ import httpx
 import pytest
 from helpers.tiny_models import with_generation_config
 
-from .conftest import TINY_NAME, ServerProcess
+from .conftest import TINY_NAME, ServerProcess, read_sse
 
 MAX_MODEL_LEN = 64
 MESSAGES = [{"role": "user", "content": "Tell me about owls."}]
+# An EOS id of the generation config beyond the tokenizer's (2), as Qwen's lists <|endoftext|> beside <|im_end|>
+EXTRA_EOS = 5
 
 
 @pytest.fixture(scope="module")
 def defaults_server(launch_server: Callable[..., ServerProcess], tiny_llama_dir: str,
                     tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
     model = with_generation_config(tiny_llama_dir, str(tmp_path_factory.mktemp("generation")),
-                                   {"top_k": 1, "temperature": 1.3, "max_new_tokens": 50})
+                                   {"top_k": 1, "temperature": 1.3, "max_new_tokens": 50,
+                                    "eos_token_id": [2, EXTRA_EOS]})
     return launch_server([model, "--served-model-name", TINY_NAME, "--max-model-len", str(MAX_MODEL_LEN),
                           "--kv-cache-memory", "64MiB", "--override-generation-config", '{"max_new_tokens": 4}'])
 
@@ -84,6 +87,22 @@ def test_what_a_request_leaves_out_comes_from_the_generation_config(defaults_ser
     assert completion["usage"]["completion_tokens"] == 4
     reference = complete(tiny_server, temperature=0, max_tokens=4)
     assert completion["choices"][0]["text"] == reference["choices"][0]["text"]
+
+
+def test_a_generation_config_eos_id_is_the_stop_reason(defaults_server: ServerProcess) -> None:
+    """vLLM adds the generation config's EOS ids beyond the tokenizer's to stop_token_ids: a choice ended by
+    one has it as stop_reason (as the offline API gives it), in every API and streamed too; the tokenizer's
+    own EOS is null."""
+    url = defaults_server.base_url
+    for eos, reason in ((EXTRA_EOS, EXTRA_EOS), (2, None)):
+        forced = {"model": TINY_NAME, "max_tokens": 3, "logit_bias": {str(eos): 100}}
+        for path, body in (("/v1/completions", {"prompt": "Owls are"}), ("/v1/chat/completions",
+                                                                          {"messages": MESSAGES})):
+            done = httpx.post(url + path, json={**forced, **body}, timeout=60).json()["choices"][0]
+            assert (done["finish_reason"], done["stop_reason"]) == ("stop", reason), (path, done)
+            with httpx.stream("POST", url + path, json={**forced, **body, "stream": True}, timeout=60) as response:
+                last = [e for e in read_sse(response) if isinstance(e, dict) and e["choices"]][-1]["choices"][0]
+            assert (last["finish_reason"], last["stop_reason"]) == ("stop", reason), (path, last)
 
 
 def test_the_default_length_never_refuses_a_prompt_that_fits(defaults_server: ServerProcess) -> None:

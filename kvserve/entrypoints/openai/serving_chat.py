@@ -31,7 +31,6 @@ from kvserve.entrypoints.openai.serving_common import (
     new_request_id,
     prompt_logprobs_json,
     sampling_params_from,
-    stop_reason,
     structured_outputs_from,
     usage_dict,
     with_bad_words,
@@ -385,7 +384,7 @@ async def chat_full(ctx: ServingContext, chat: PreparedChat) -> dict[str, Any]:
             "message": message,
             "logprobs": logprobs,
             "finish_reason": finish_reason,
-            "stop_reason": stop_reason(completion, chat.params),
+            "stop_reason": completion.stop_reason,
             **({"token_ids": list(completion.token_ids)} if chat.return_token_ids and not chat.hide_reasoning else {}),
         })
     num_completion_tokens = sum(len(c.token_ids) for c in final.outputs)
@@ -546,7 +545,7 @@ def _choice_deltas(ctx: ServingContext, chat: PreparedChat, update: RequestOutpu
         if chat.return_token_ids and not chat.hide_reasoning:
             choice["token_ids"] = list(completion.token_ids_delta)
         if completion.finished:
-            choice["stop_reason"] = stop_reason(completion, chat.params)
+            choice["stop_reason"] = completion.stop_reason
             finished_sent.add(completion.index)
         choices.append(choice)
     return choices

@@ -346,14 +346,6 @@ def usage_dict(num_prompt_tokens: int, num_completion_tokens: int, num_cached_to
     }
 
 
-def stop_reason(completion: CompletionOutput, params: SamplingParams) -> int | str | None:
-    """vLLM's `stop_reason`: the stop string or stop_token_ids entry that ended the choice; None for EOS."""
-    reason = completion.stop_reason
-    if isinstance(reason, int) and reason not in (params.stop_token_ids or []):
-        return None
-    return reason
-
-
 # ------------------------------------------------------------------------------------------ logprobs
 
 

@@ -30,7 +30,6 @@ from kvserve.entrypoints.openai.serving_common import (
     new_request_id,
     prompt_logprobs_json,
     sampling_params_from,
-    stop_reason,
     structured_outputs_from,
     usage_dict,
     with_bad_words,
@@ -205,7 +204,7 @@ async def completion_full(ctx: ServingContext, cmpl: PreparedCompletion) -> dict
                 "text": prefix + text,
                 "logprobs": logprobs,
                 "finish_reason": completion.finish_reason,
-                "stop_reason": stop_reason(completion, cmpl.params),
+                "stop_reason": completion.stop_reason,
             }
             if final.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)
@@ -291,7 +290,7 @@ async def completion_stream(ctx: ServingContext, cmpl: PreparedCompletion, inclu
                     if first:
                         choice["prompt_token_ids"] = cmpl.prompts[p_index].prompt_token_ids
                 if completion.finished:
-                    choice["stop_reason"] = stop_reason(completion, cmpl.params)
+                    choice["stop_reason"] = completion.stop_reason
                     finished_sent.add(index)
                 usage = (usage_dict(len(cmpl.prompts[p_index].prompt_token_ids), num_tokens_by_choice[index],
                                     cached[p_index]) if continuous_usage else None)
