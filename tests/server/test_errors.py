@@ -170,6 +170,19 @@ def test_prompt_plus_max_tokens_over_limit_is_refused_not_truncated(http, tiny_t
     assert ok.status_code == 200, ok.text
 
 
+def test_min_tokens_beyond_the_contexts_room_is_refused_when_max_tokens_is_null(http, tiny_tokenizer):
+    """max_tokens null is what the context leaves (vLLM's rule): a min_tokens above that is a 400 naming
+    min_tokens, as it is against an explicit max_tokens, not a reply of fewer tokens than it asked for."""
+    room = STRICT_MAX_MODEL_LEN - len(tiny_tokenizer("hello there")["input_ids"])
+    body = {"prompt": "hello there", "max_tokens": None, "ignore_eos": True}
+    error = assert_openai_error(http.post("/v1/completions", json={**body, "min_tokens": room + 1}), 400, "min_tokens")
+    assert str(room) in error["message"] and str(room + 1) in error["message"]
+    chat = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": None, "min_tokens": 40})
+    assert_openai_error(chat, 400, "min_tokens")
+    fits = http.post("/v1/completions", json={**body, "min_tokens": room})
+    assert fits.status_code == 200 and fits.json()["usage"]["completion_tokens"] == room, fits.text
+
+
 def test_bad_token_ids_and_empty_prompt(http):
     assert_openai_error(http.post("/v1/completions", json={"prompt": [1, 10**9], "max_tokens": 1}), 400, "prompt")
     assert_openai_error(http.post("/v1/completions", json={"prompt": "", "max_tokens": 1}), 400, "prompt")

@@ -255,9 +255,14 @@ def with_length_limits(params: SamplingParams, default_max: int | None, cap: int
     length `default_max`), lowered to the generation config's `cap` (silently, as vLLM) and, for a default,
     to `room` (what the context leaves, so that a default never refuses a prompt that fits; a request's own
     value above it was refused by check_lengths). Unchanged when neither the request nor the generation
-    config sets a length. A 400 when the request's own settings do not fit (min_tokens above the result)."""
+    config sets a length (the engine then stops where the context ends). A 400 when the request's own
+    settings do not fit (min_tokens above the result, or above what the context leaves: vLLM's max_tokens is
+    then that room, and refuses a min_tokens beyond it rather than serving fewer tokens than it asks for)."""
     limit = capped_max_tokens(params.max_tokens, default_max, cap)
     if limit is None:
+        if params.min_tokens > room:
+            raise BadRequestError(f"min_tokens ({params.min_tokens}) must be <= max_tokens ({room}: max_tokens is "
+                                  f"not set, and the context leaves room for {room} tokens)", "min_tokens")
         return params
     limit = min(limit, room)
     if limit == params.max_tokens:
