@@ -19,7 +19,7 @@ from kvserve.engine.llm_engine import LLMEngine
 from kvserve.model.generation_defaults import apply_cap, describe
 from kvserve.model.tokenizer import load_tokenizer
 from kvserve.protocol.outputs import RequestOutput
-from kvserve.protocol.sampling_params import SamplingParams
+from kvserve.protocol.sampling_params import MAX_LOGPROBS, SamplingParams
 
 Conversation = list[dict[str, Any]]
 
@@ -59,6 +59,19 @@ def _engine_args(given: dict[str, Any]) -> dict[str, Any]:
             raise TypeError(f"LLM() got an argument kvserve does not take: {name}={value!r}. Engine settings: "
                             f"{', '.join(sorted(known - {'extra'}))}")
     return out
+
+
+def _max_logprobs(value: Any) -> int:
+    """vLLM's `LLM(max_logprobs=N)`: the most logprobs (and prompt_logprobs) a request may ask for. kvserve's
+    engine returns at most MAX_LOGPROBS: a larger N (or vLLM's -1, the whole vocabulary) is taken as that,
+    with a log line, so that a script written for vLLM runs when its requests ask for no more."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+        raise ValueError(f"max_logprobs must be an integer >= 0 (or -1), got {value!r}")
+    if value == -1 or value > MAX_LOGPROBS:
+        logger.info("LLM(max_logprobs=%d): kvserve returns at most %d logprobs per token; requests are held to %d",
+                    value, MAX_LOGPROBS, MAX_LOGPROBS)
+        return MAX_LOGPROBS
+    return value
 
 
 def _no_lora(lora_request: Any) -> None:
@@ -112,6 +125,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self._max_logprobs = _max_logprobs(engine_args.pop("max_logprobs", MAX_LOGPROBS))
         args = EngineArgs(model=model, **_engine_args(engine_args))
         config = args.create_engine_config()
         tokenizer = load_tokenizer(config.model_config.tokenizer, config.model_config.chat_template)
@@ -175,6 +189,12 @@ class LLM:
         # DIR's) lowers every request's, as the server does.
         cap = self.config.model_config.max_tokens_cap
         params_list = [apply_cap(p, cap) for p in self._as_params_list(sampling_params, len(prompt_list))]
+        for params in params_list:
+            for name, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+                count = getattr(params, name)
+                if count is not None and count > self._max_logprobs:
+                    raise ValueError(f"Requested {kind} logprobs of {count}, which is greater than max allowed: "
+                                     f"{self._max_logprobs} (LLM(max_logprobs=...))")
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
         if len(priorities) != len(prompt_list):
             raise ValueError(f"priority has {len(priorities)} values for {len(prompt_list)} prompts")

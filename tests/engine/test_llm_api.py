@@ -405,6 +405,21 @@ def test_vllm_constructor_arguments_and_chat_forms(tiny_model_dir) -> None:
                  use_tqdm=False)
 
 
+def test_max_logprobs_argument_limits_requests_as_vllms(tiny_model_dir) -> None:
+    """vLLM's LLM(max_logprobs=N) is taken: a request asking for more logprobs (or prompt_logprobs) than N is
+    a ValueError and nothing runs; N above the engine's 20 (or -1) holds requests to 20."""
+    llm = LLM(tiny_model_dir("llama"), max_model_len=64, max_logprobs=2)
+    for params in (SamplingParams(max_tokens=2, logprobs=3), SamplingParams(max_tokens=2, prompt_logprobs=3)):
+        with pytest.raises(ValueError, match="greater than max allowed: 2"):
+            llm.generate("Hello", params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    out = llm.generate("Hello", SamplingParams(max_tokens=2, logprobs=2), use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == 2 and all(len(entry) <= 3 for entry in out.logprobs)
+    with pytest.raises(ValueError, match="max_logprobs"):
+        LLM(tiny_model_dir("llama"), max_model_len=64, max_logprobs="20")
+    assert LLM(tiny_model_dir("llama"), max_model_len=64, max_logprobs=-1)._max_logprobs == 20
+
+
 def test_reset_prefix_cache(tiny_model_dir) -> None:
     """After reset_prefix_cache() a repeated prompt hits nothing; before it, it hits; while a request is
     live, the reset is refused and the cache kept."""
