@@ -240,6 +240,13 @@ class LLM:
         only), `chat_template_content_format` ("auto" = "string": parts joined; "openai": every content as a
         list of text parts) and `mm_processor_kwargs` (a multimodal processor's: ignored, as vLLM ignores them
         for a conversation without images) are taken by keyword."""
+        # vLLM's chat_template_kwargs update the arguments chat() sets: add_generation_prompt, chat_template,
+        # continue_final_message and tools given there win (and must not reach the template twice).
+        kwargs = dict(chat_template_kwargs or {})
+        add_generation_prompt = bool(kwargs.pop("add_generation_prompt", add_generation_prompt))
+        chat_template = kwargs.pop("chat_template", chat_template)
+        continue_final_message = bool(kwargs.pop("continue_final_message", continue_final_message))
+        tools = kwargs.pop("tools", tools)
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt=False")
         _no_lora(lora_request)
@@ -255,7 +262,6 @@ class LLM:
             conversations = [messages]  # type: ignore[list-item]
         else:
             conversations = list(messages)  # type: ignore[arg-type]
-        kwargs = dict(chat_template_kwargs or {})
         if continue_final_message:
             kwargs["continue_final_message"] = True
         if tools:

@@ -42,6 +42,24 @@ def test_chat_uses_the_template(default_llm: LLM) -> None:
     assert single.outputs[0].token_ids == out.outputs[0].token_ids
 
 
+def test_chat_template_kwargs_override_the_arguments_chat_sets(default_llm: LLM) -> None:
+    """As vLLM's chat(), chat_template_kwargs update the template arguments chat() sets (add_generation_prompt,
+    chat_template, continue_final_message): given there, they win instead of failing as given twice."""
+    tok = default_llm.get_tokenizer()
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    params = SamplingParams(temperature=0, max_tokens=1)
+    plain = default_llm.chat(msgs, params, use_tqdm=False, chat_template_kwargs={"add_generation_prompt": False})[0]
+    assert plain.prompt == tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False)
+    continued = default_llm.chat(msgs, params, use_tqdm=False, chat_template_kwargs={
+        "add_generation_prompt": False, "continue_final_message": True})[0]
+    assert continued.prompt.endswith("Hello")
+    own = default_llm.chat(msgs, params, use_tqdm=False, chat_template_kwargs={
+        "chat_template": "{% for m in messages %}{{ m.content }}|{% endfor %}"})[0]
+    assert own.prompt == "Hi|Hello|"
+    with pytest.raises(ValueError, match="continue_final_message needs add_generation_prompt=False"):
+        default_llm.chat(msgs, params, use_tqdm=False, chat_template_kwargs={"continue_final_message": True})
+
+
 def test_an_assistant_turn_of_tool_calls_without_content_is_the_empty_text(default_llm: LLM) -> None:
     """content None, or left out, beside tool_calls (as OpenAI clients send the turn back): the server reads
     it as the empty text; llm.chat passed None to the template, which failed ("'dict object' has no attribute
