@@ -66,14 +66,30 @@ def _reporting_parser(parser: argparse.ArgumentParser, args: list[str], command:
     return parser
 
 
+def dashed_flags(args: Sequence[str]) -> list[str]:
+    """`args` with each long flag's name spelled with dashes, as vLLM's parser reads them: `--max_model_len 8192`
+    and `--gpu_memory_utilization=0.9` (common in Docker and Kubernetes command lines) are `--max-model-len` and
+    `--gpu-memory-utilization`. Values, and every word after a bare `--`, are kept as written."""
+    result: list[str] = []
+    for index, arg in enumerate(args):
+        if arg == "--":
+            return result + list(args[index:])
+        if arg.startswith("--"):
+            name, eq, value = arg.partition("=")
+            arg = name.replace("_", "-") + eq + value
+        result.append(arg)
+    return result
+
+
 def parse_args_or_refuse(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
                          prog_of: dict[str, str] | None = None) -> argparse.Namespace:
     """`parser.parse_args(argv)`, except that a known vLLM flag kvserve does not support is refused by name
     (exit 2, as argparse's errors). `prog_of` names the program by subcommand (ns.command); given, only its
     subcommands refuse vLLM's flags by name (others get argparse's message). Unrecognized arguments are
     reported by the subcommand's parser (`kvserve serve: error: ...` under its usage), as argparse reports a
-    subcommand's other errors: parse_known_args hands them up to the top parser, whose usage is not theirs."""
-    args = list(sys.argv[1:] if argv is None else argv)
+    subcommand's other errors: parse_known_args hands them up to the top parser, whose usage is not theirs.
+    Flags spelled with underscores are read as with dashes (`dashed_flags`), as vLLM reads them."""
+    args = dashed_flags(sys.argv[1:] if argv is None else argv)
     ns, extras = parser.parse_known_args(args)
     if extras:
         flag = unsupported_vllm_flag(extras)

@@ -177,6 +177,25 @@ def test_alternatives_are_named_and_other_flags_keep_argparses_message(capsys: p
     assert "unrecognized arguments: --not-a-flag 1" in err and "vLLM" not in err
 
 
+def test_flags_spelled_with_underscores_are_read_as_vllm_reads_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--max_model_len 8k` and `--gpu_memory_utilization=0.8` (Docker and Kubernetes command lines written for
+    vLLM, whose parser turns a flag's underscores into dashes) are the dashed flags; values and the words after
+    `--` are kept as written."""
+    from kvserve.entrypoints import cli
+    from kvserve.entrypoints.vllm_compat import parse_args_or_refuse
+
+    argv = ["serve", "--served_model_name", "my_model", "--max_model_len", "8k", "--gpu_memory_utilization=0.8",
+            "--enable_prefix_caching", "--no_enable_chunked_prefill", "--tensor_parallel_size", "1", "--swap_space",
+            "4", "--", "/models/a_b"]
+    ns = parse_args_or_refuse(build_parser(), argv)
+    assert ns.served_model_name == ["my_model"] and ns.model_tag == "/models/a_b"
+    assert (ns.max_model_len, ns.gpu_memory_utilization, ns.enable_chunked_prefill, ns.swap_space) == (
+        8000, 0.8, False, 4.0)
+    seen: list[argparse.Namespace] = []
+    monkeypatch.setattr(cli, "_cmd_serve", lambda ns: seen.append(ns) or 0)
+    assert main(["serve", "/models/m", "--max_num_seqs", "8"]) == 0 and seen[0].max_num_seqs == 8
+
+
 def test_the_module_entry_point_refuses_them_too(capsys: pytest.CaptureFixture[str]) -> None:
     from kvserve.entrypoints.openai.api_server import main as api_server_main
 
