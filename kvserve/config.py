@@ -653,8 +653,10 @@ def _check_fp8_weights_device(device: str, checkpoint: bool = False) -> None:
 
 
 def _resolve_dtype(dtype: str, device: str, config_dtype: str | None = None) -> str:
-    """--dtype's name; 'auto' as `auto_dtype` picks it for the checkpoint's config dtype and this device."""
-    name = _DTYPE_ALIASES.get(str(dtype).lower())
+    """--dtype's name (or a torch.dtype's, as vLLM's LLM takes it); 'auto' as `auto_dtype` picks it for the
+    checkpoint's config dtype and this device."""
+    # A torch.dtype (vLLM's LLM(dtype=torch.bfloat16)) reads as its name: str() gives "torch.bfloat16".
+    name = _DTYPE_ALIASES.get(str(dtype).lower().removeprefix("torch."))
     if name is None:
         raise ConfigError(f"unknown dtype {dtype!r}; choose auto, float32, float16 or bfloat16")
     if name != "auto":

@@ -38,19 +38,28 @@ _IGNORED_VLLM_ARGS: dict[str, tuple[Any, ...]] = {
     # offline only (no such flags here): no async output processing to turn off, the tokenizer is always
     # loaded, nothing is downloaded
     "disable_async_output_proc": (True, False), "skip_tokenizer_init": (False,), "hf_token": (None,),
+    # no LoRA adapters: LoRA off, and the sizes of adapters that never come (lm-evaluation-harness's vLLM
+    # model passes enable_lora=False and max_lora_rank to every LLM it makes)
+    "enable_lora": (False, None), "max_lora_rank": (), "max_loras": (), "max_cpu_loras": (),
 }
+# Settings whose None is vLLM's "not set" (its defaults are Optional): the default here too. Not `seed`, whose
+# None asks for a random seed.
+_NONE_IS_DEFAULT = frozenset(f.name for f in dataclasses.fields(EngineArgs) if f.default is not None) - {"seed"}
 # vLLM's names for kvserve's own settings (kv_cache_memory_bytes is EngineArgs' own: read as vLLM reads it).
 _VLLM_ALIASES = {"num_gpu_blocks_override": "num_kv_blocks"}
 
 
 def _engine_args(given: dict[str, Any]) -> dict[str, Any]:
-    """LLM(...)'s keyword arguments as EngineArgs takes them: vLLM's aliases renamed, the arguments that
-    change nothing here dropped with a log line, and anything else EngineArgs does not know refused with the
+    """LLM(...)'s keyword arguments as EngineArgs takes them: vLLM's aliases renamed, None for a setting
+    with a default left to the default (as vLLM reads None), the arguments that change nothing here dropped
+    with a log line, and anything else EngineArgs does not know refused with the
     list of what it does (instead of a bare TypeError)."""
     known = {f.name for f in dataclasses.fields(EngineArgs)}
     out: dict[str, Any] = {}
     for name, value in given.items():
         name = _VLLM_ALIASES.get(name, name)
+        if value is None and name in _NONE_IS_DEFAULT:
+            continue  # e.g. enable_prefix_caching=None: on, as vLLM's default (None was read as False)
         if name in known:
             out[name] = value
         elif name in _IGNORED_VLLM_ARGS and (not _IGNORED_VLLM_ARGS[name] or value in _IGNORED_VLLM_ARGS[name]):

@@ -213,6 +213,31 @@ def test_vllm_arguments_the_cli_ignores_are_ignored_offline_too(tiny_model_dir: 
             LLM(tiny_model_dir("llama"), max_model_len=64, **{name: value})
 
 
+def test_vllm_constructor_defaults_passed_explicitly(tiny_model_dir: Any) -> None:
+    """What vLLM code passes to LLM() as it stands: None for a setting vLLM types Optional (its "not set") is
+    kvserve's default (enable_prefix_caching=None and enable_chunked_prefill=None turned both off; None counts
+    and sizes were a TypeError from a comparison), a torch.dtype is its name, and lm-evaluation-harness's
+    enable_lora=False with max_lora_rank are taken (no adapters; LoRA itself stays refused)."""
+    import torch
+
+    from kvserve.config import EngineArgs
+    from kvserve.engine.llm import _engine_args
+
+    def config(**given: Any) -> Any:
+        return EngineArgs(model=tiny_model_dir("llama"), **_engine_args(given)).create_engine_config()
+
+    default = config()
+    given = config(enable_prefix_caching=None, enable_chunked_prefill=None, max_num_seqs=None, block_size=None,
+                   max_num_batched_tokens=None, gpu_memory_utilization=None, tensor_parallel_size=None,
+                   kv_cache_dtype=None, dtype=torch.float32, enable_lora=False, max_lora_rank=16, max_loras=1)
+    assert given.cache_config.enable_prefix_caching is True and given.scheduler_config.enable_chunked_prefill is True
+    assert (given.scheduler_config, given.cache_config, given.model_config.dtype) == (
+        default.scheduler_config, default.cache_config, "float32")
+    assert config(dtype=torch.float16).model_config.dtype == "float16"
+    with pytest.raises(TypeError, match="kvserve does not take: enable_lora=True"):
+        config(enable_lora=True)
+
+
 def test_request_output_fields_of_what_kvserve_does_not_serve_are_none(llm: LLM) -> None:
     """As vLLM's offline API gives them (`metrics` too: vLLM's LLM() defaults to disable_log_stats=True, which
     leaves it None); `metrics` was an empty dict, so vLLM code that reads it when it is not None broke."""
