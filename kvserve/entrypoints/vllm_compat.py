@@ -30,7 +30,6 @@ UNSUPPORTED_VLLM_FLAGS: dict[str, str] = {
     "-O": "kvserve captures CUDA graphs itself; --enforce-eager turns them off",
     "--hf-overrides": "edit a copy of the model's config.json",
     "--rope-scaling": "set rope_scaling in a copy of the model's config.json",
-    "--config": "pass the flags on the command line",
     "--calculate-kv-scales": "with --kv-cache-dtype fp8 kvserve stores K and V with scales of 1.0, vLLM's default "
                              "when the checkpoint has none",
 }
@@ -81,6 +80,97 @@ def dashed_flags(args: Sequence[str]) -> list[str]:
     return result
 
 
+class ConfigFileError(ValueError):
+    """A `--config FILE` that cannot be read as vLLM's YAML config of flags; `prog`: the (sub)command's."""
+
+    def __init__(self, message: str, prog: str = "") -> None:
+        super().__init__(message)
+        self.prog = prog
+
+
+def _config_file_words(path: str, parser: argparse.ArgumentParser) -> list[str]:
+    """The flags that vLLM's `--config FILE` stands for: a YAML mapping of flag names (without the dashes)
+    to values, read as vLLM reads it: `port: 8000` is `--port 8000`, `enforce-eager: true` is `--enforce-eager`;
+    false is `--no-<flag>` where the flag has that form (`enable-prefix-caching: false`), else the flag's
+    default; a list gives its items as words of a flag that takes several (`served-model-name: [a, b]`), and a
+    list or mapping is one JSON word for any other flag (`override-generation-config: {temperature: 0.5}`)."""
+    import json
+
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = yaml.safe_load(f)
+    except OSError as exc:
+        raise ConfigFileError(f"cannot read it: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigFileError(f"not valid YAML: {' '.join(str(exc).split())}") from None
+    if config is None:
+        return []
+    if not isinstance(config, dict):
+        raise ConfigFileError(f"expected a mapping of flag names to values (e.g. port: 8000), got a "
+                              f"{type(config).__name__}")
+    actions = parser._option_string_actions
+    words: list[str] = []
+    for key, value in config.items():
+        flag = "--" + str(key).removeprefix("--").replace("_", "-")
+        if flag == "--config":
+            raise ConfigFileError("a config file cannot name another (--config)")
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            if value:
+                words.append(flag)
+            elif "--no-" + flag[2:] in actions:
+                words.append("--no-" + flag[2:])
+            continue
+        action = actions.get(flag)
+        if isinstance(value, list) and action is not None and action.nargs in ("+", "*"):
+            words += [flag, *(json.dumps(item) if isinstance(item, (dict, list)) else str(item) for item in value)]
+        elif isinstance(value, (dict, list)):
+            words += [flag, json.dumps(value)]
+        else:
+            words += [flag, str(value)]
+    return words
+
+
+def with_config_file(parser: argparse.ArgumentParser, args: list[str]) -> list[str]:
+    """`args` with `--config FILE` replaced by the flags the file holds (`_config_file_words`), put where vLLM
+    puts them: after the subcommand and its positional model, before the other flags given, so that those
+    win; the file's `model` gives way to a positional model. ConfigFileError for a file that cannot be read."""
+    end = args.index("--") if "--" in args else len(args)
+    at = [i for i, arg in enumerate(args[:end]) if arg == "--config" or arg.startswith("--config=")]
+    if not at:
+        return args
+    start, command_parser = 0, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            first = next((j for j, arg in enumerate(args) if arg in action.choices), None)
+            if first is None:
+                return args  # no subcommand: argparse says so
+            start, command_parser = first + 1, action.choices[args[first]]
+    if len(at) > 1:
+        raise ConfigFileError("given more than once; pass one file", command_parser.prog)
+    i = at[0]
+    if args[i] == "--config":
+        if i + 1 >= end:
+            raise ConfigFileError("expected a file name after it", command_parser.prog)
+        path, rest = args[i + 1], args[:i] + args[i + 2:]
+    else:
+        path, rest = args[i].partition("=")[2], args[:i] + args[i + 1:]
+    try:
+        words = _config_file_words(path, command_parser)
+    except ConfigFileError as exc:
+        raise ConfigFileError(f"{path}: {exc}", command_parser.prog) from None
+    takes_model = any(not action.option_strings and action.dest == "model_tag" for action in command_parser._actions)
+    if takes_model and start < len(rest) and not rest[start].startswith("-"):
+        start += 1  # the positional model stays first, and wins over the file's
+        if "--model" in words:
+            model_at = words.index("--model")
+            words = words[:model_at] + words[model_at + 2:]
+    return rest[:start] + words + rest[start:]
+
+
 def parse_args_or_refuse(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
                          prog_of: dict[str, str] | None = None) -> argparse.Namespace:
     """`parser.parse_args(argv)`, except that a known vLLM flag kvserve does not support is refused by name
@@ -88,8 +178,13 @@ def parse_args_or_refuse(parser: argparse.ArgumentParser, argv: Sequence[str] | 
     subcommands refuse vLLM's flags by name (others get argparse's message). Unrecognized arguments are
     reported by the subcommand's parser (`kvserve serve: error: ...` under its usage), as argparse reports a
     subcommand's other errors: parse_known_args hands them up to the top parser, whose usage is not theirs.
-    Flags spelled with underscores are read as with dashes (`dashed_flags`), as vLLM reads them."""
+    Flags spelled with underscores are read as with dashes (`dashed_flags`), and `--config FILE` as the flags
+    the YAML file holds (`with_config_file`), as vLLM reads them."""
     args = dashed_flags(sys.argv[1:] if argv is None else argv)
+    try:
+        args = dashed_flags(with_config_file(parser, args))
+    except ConfigFileError as exc:
+        parser.exit(2, f"{exc.prog or parser.prog}: error: --config {exc}\n")
     ns, extras = parser.parse_known_args(args)
     if extras:
         flag = unsupported_vllm_flag(extras)

@@ -5,6 +5,7 @@ line at the default host."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections.abc import Callable
 from typing import Any
@@ -160,7 +161,6 @@ def test_vllm_flag_values_that_would_matter_are_refused(flags: list[str], messag
     (["serve", "m", "-O", "3"], "-O"),
     (["serve", "m", "--hf-overrides", "{}"], "--hf-overrides"),
     (["serve", "m", "--rope-scaling", "{}"], "--rope-scaling"),
-    (["serve", "m", "--config", "c.yaml"], "--config"),
     (["generate", "--prompt", "x", "--enable-lora"], "--enable-lora"),
 ])
 def test_unsupported_vllm_flags_are_refused_by_name(argv: list[str], flag: str,
@@ -194,6 +194,35 @@ def test_flags_spelled_with_underscores_are_read_as_vllm_reads_them(monkeypatch:
     seen: list[argparse.Namespace] = []
     monkeypatch.setattr(cli, "_cmd_serve", lambda ns: seen.append(ns) or 0)
     assert main(["serve", "/models/m", "--max_num_seqs", "8"]) == 0 and seen[0].max_num_seqs == 8
+
+
+def test_a_config_file_holds_flags_as_vllms_does(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM's `--config FILE` (YAML, flag names without dashes; refused before): true is the flag, false its
+    --no- form where it has one, a list a flag's several words or one JSON word, a mapping JSON; the command
+    line's own flags and positional model win over the file's."""
+    from kvserve.entrypoints.openai.api_server import main as api_server_main
+    from kvserve.entrypoints.vllm_compat import parse_args_or_refuse
+
+    path = tmp_path / "serve.yaml"
+    path.write_text("model: /models/from-file\nserved_model_name: [qwen, qwen-alias]\nport: 21002\n"
+                    "max-model-len: 32K\nenable-prefix-caching: false\nenforce-eager: true\n"
+                    "trust-remote-code: false\nallowed-origins: ['http://a']\n"
+                    "override-generation-config: {temperature: 0.5}\nswap-space: null\n")
+    ns = parse_args_or_refuse(build_parser(), ["serve", "--config", str(path)])
+    assert (ns.model, ns.served_model_name, ns.port, ns.max_model_len) == (
+        "/models/from-file", ["qwen", "qwen-alias"], 21002, 32768)
+    assert (ns.enable_prefix_caching, ns.enforce_eager, ns.trust_remote_code, ns.swap_space) == (False, True, False, None)
+    assert ns.allowed_origins == ["http://a"] and json.loads(ns.override_generation_config) == {"temperature": 0.5}
+    ns = parse_args_or_refuse(build_parser(), ["serve", "/models/m", f"--config={path}", "--port", "21003",
+                                               "--enable-prefix-caching"])
+    assert (ns.model_tag, ns.model, ns.port, ns.enable_prefix_caching) == ("/models/m", None, 21003, True)
+    with pytest.raises(SystemExit):
+        api_server_main(["--config", str(path), "--port", "bad"])  # the module entry point reads it too
+    assert "argument --port" in capsys.readouterr().err
+    (tmp_path / "list.yaml").write_text("- port\n")
+    for config, message in ((tmp_path / "none.yaml", "cannot read it"), (tmp_path / "list.yaml", "a mapping")):
+        err = _exit_message(["serve", "--config", str(config)], capsys)
+        assert err.startswith(f"kvserve serve: error: --config {config}: ") and message in err, err
 
 
 def test_the_module_entry_point_refuses_them_too(capsys: pytest.CaptureFixture[str]) -> None:
