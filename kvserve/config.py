@@ -369,7 +369,7 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         """Resolve every default against the model's own limits and the machine."""
         from kvserve.model.arch import load_arch_config
-        from kvserve.model.paths import read_chat_template, resolve_model_path, resolve_tokenizer_path
+        from kvserve.model.paths import check_chat_template, resolve_model_path, resolve_tokenizer_path
 
         if int(self.tensor_parallel_size) < 1:
             raise ConfigError(f"tensor_parallel_size (--tensor-parallel-size) must be >= 1, got "
@@ -391,7 +391,7 @@ class EngineArgs:
         else:
             tokenizer_path = resolve_tokenizer_path(tokenizer, tokenizer_revision, self.download_dir)
         if self.chat_template is not None:
-            read_chat_template(self.chat_template)  # refused now: the tokenizer reads it once the engine runs
+            check_chat_template(self.chat_template)  # refused now: the tokenizer reads it once the engine runs
         arch = load_arch_config(model_path)
         quantization = _check_quantization(self.quantization, model_path, arch)
         device = self.device or _default_device()

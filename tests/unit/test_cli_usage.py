@@ -119,7 +119,9 @@ def test_a_missing_chat_template_file_is_refused_before_the_engine_starts(
         raise AssertionError("the server started")
 
     monkeypatch.setattr(api_server, "serve", started)
-    assert main(["serve", tiny_model_dir("llama"), "--device", "cpu", "--chat-template", template]) == 2
+    model = tiny_model_dir("llama")
+    capsys.readouterr()  # a first build's progress bar
+    assert main(["serve", model, "--device", "cpu", "--chat-template", template]) == 2
     err = capsys.readouterr().err
     assert err == (f"kvserve serve: error: chat template {template!r} is neither a file nor a Jinja template\n"), err
 
@@ -135,3 +137,30 @@ def test_an_unreadable_chat_template_file_is_a_config_error(tiny_model_dir: Call
     template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}", encoding="utf-8")
     config = EngineArgs(model=tiny_model_dir("llama"), device="cpu", chat_template=str(template)).create_engine_config()
     assert config.model_config.chat_template == str(template)
+
+
+def test_a_chat_template_that_is_not_jinja_is_refused_before_the_engine_starts(
+        tiny_model_dir: Callable[..., str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A --chat-template with a Jinja syntax error (a file's or the text's) is a start-up error naming it; the
+    server used to start and answer every chat request with a 400. Transformers' own tags still compile."""
+    from kvserve.entrypoints.openai import api_server
+
+    def started(*_: object) -> int:
+        raise AssertionError("the server started")
+
+    monkeypatch.setattr(api_server, "serve", started)
+    model = tiny_model_dir("llama")
+    capsys.readouterr()  # a first build's progress bar
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}{{ m.content }", encoding="utf-8")
+    for template, where in ((str(broken), str(broken)), ("{% if %}", "given as text")):
+        assert main(["serve", model, "--device", "cpu", "--chat-template", template]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"kvserve serve: error: chat template ({where}) is not valid Jinja: "), err
+        assert err.endswith("(line 1)\n") and err.count("\n") == 1, err
+    from kvserve.config import EngineArgs
+
+    tagged = "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}"
+    config = EngineArgs(model=model, device="cpu", chat_template=tagged).create_engine_config()
+    assert config.model_config.chat_template == tagged
