@@ -298,6 +298,18 @@ def human_readable_int(text: str) -> int:
     return int(number) * _BINARY_SUFFIXES[suffix]
 
 
+def max_model_len_value(value: int | str) -> int:
+    """--max-model-len (LLM's max_model_len) as `human_readable_int` reads it; vLLM's -1 and "auto" (the longest
+    length the KV cache holds, found after the memory profile) are refused with what to do instead, as a
+    ConfigError: kvserve sizes its engine for the length before the KV cache exists."""
+    if str(value).strip().lower() in ("auto", "-1"):
+        raise ConfigError(
+            f"max_model_len {value!r} (vLLM: the longest length the KV cache holds) is not supported; leave "
+            "--max-model-len out for the model's own limit, or give a length (when the KV cache cannot hold it, "
+            "start-up fails saying how many tokens it holds)")
+    return value if isinstance(value, int) else human_readable_int(value)
+
+
 def parse_kv_cache_memory_bytes(value: str | int | float) -> int:
     """vLLM's --kv-cache-memory-bytes (and LLM's kv_cache_memory_bytes): bytes as vLLM reads them, with
     `human_readable_int` (8g = 8*10^9 bytes, 8G = 8 GiB, 8000000000); a size ending in a unit name (8GiB,
@@ -407,7 +419,7 @@ class EngineArgs:
         if self.max_model_len is None:
             max_model_len = model_limit
         else:
-            max_model_len = _token_count("max_model_len", self.max_model_len)
+            max_model_len = _token_count("max_model_len", max_model_len_value(self.max_model_len))
             if max_model_len > model_limit:
                 raise ConfigError(
                     f"max_model_len={max_model_len} is larger than the model supports "

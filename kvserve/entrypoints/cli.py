@@ -14,6 +14,7 @@ from kvserve.config import (
     ConfigError,
     human_readable_int,
     kv_cache_dtype_name,
+    max_model_len_value,
     parse_kv_cache_memory_bytes,
 )
 from kvserve.entrypoints.vllm_compat import (
@@ -53,6 +54,7 @@ def port_number(text: str) -> int:
 
 
 _token_count = _flag_type(human_readable_int)
+_max_model_len = _flag_type(max_model_len_value)
 _vllm_byte_count = _flag_type(parse_kv_cache_memory_bytes)
 _kv_cache_dtype = _flag_type(kv_cache_dtype_name)
 
@@ -76,7 +78,7 @@ def add_engine_args(parser: argparse.ArgumentParser, data_parallel: bool = False
                    "$HF_HOME/hub, else ~/.cache/huggingface/hub); kvserve never downloads into it")
     g.add_argument("--dtype", default="auto", help="auto (on a GPU the checkpoint's config dtype, float32 ones as bf16 where the GPU has it; "
                    "float32 on CPU), float32, float16, bfloat16")
-    g.add_argument("--max-model-len", type=_token_count, default=None,
+    g.add_argument("--max-model-len", type=_max_model_len, default=None,
                    help="longest prompt + output in tokens, e.g. 8192, 32k (32,000) or 32K (32,768) (default: the "
                    "model's limit)")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once (default 256)")

@@ -45,6 +45,23 @@ def test_bad_human_readable_sizes_are_refused(text: str, message: str, capsys: p
     assert "argument --max-model-len" in err and message in err
 
 
+@pytest.mark.parametrize("flags", [["--max-model-len", "auto"], ["--max-model-len", "-1"], ["--max-model-len=-1"],
+                                   ["--max-model-len", "AUTO"]])
+def test_vllms_automatic_max_model_len_is_refused_saying_what_to_do(flags: list[str],
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM's -1 / auto (the longest length the KV cache holds) is refused as what it is: -1 passed the flag and
+    failed later as "max_model_len must be >= 1", auto as "expected a whole number"."""
+    err = _exit_message(["serve", "/models/m", *flags], capsys)
+    assert "argument --max-model-len: " in err and "vLLM: the longest length the KV cache holds" in err, err
+    assert "leave --max-model-len out for the model's own limit" in err
+
+
+def test_engine_args_refuse_vllms_automatic_max_model_len_too(tiny_model_dir: Callable[..., str]) -> None:
+    for value in (-1, "auto"):
+        with pytest.raises(ConfigError, match="vLLM: the longest length the KV cache holds"):
+            EngineArgs(model=tiny_model_dir("llama"), device="cpu", max_model_len=value).create_engine_config()
+
+
 @pytest.mark.parametrize("command", [["serve", "/models/m"], ["generate", "--prompt", "x"],
                                      ["triton-repo", "--name", "m"]])
 def test_harmless_vllm_flags_are_accepted_and_noted(command: list[str]) -> None:
