@@ -383,6 +383,7 @@ class EngineArgs:
         from kvserve.model.arch import load_arch_config
         from kvserve.model.paths import check_chat_template, resolve_model_path, resolve_tokenizer_path
 
+        envs.check_values()  # a KVSERVE_* variable that could not be read (as its default, it would go unnoticed)
         if int(self.tensor_parallel_size) < 1:
             raise ConfigError(f"tensor_parallel_size (--tensor-parallel-size) must be >= 1, got "
                               f"{self.tensor_parallel_size}")

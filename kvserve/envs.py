@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
+
+# Variables set to a value of the wrong kind, each with the error to report ("environment variable X must
+# be ..."): read at import, where raising would end every kvserve command (--help included) with an import
+# traceback; `check_values` raises the first when an engine is configured.
+_INVALID: list[str] = []
 
 
 def _int(name: str, default: int) -> int:
@@ -12,7 +18,26 @@ def _int(name: str, default: int) -> int:
     try:
         return int(raw)
     except ValueError:
-        raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
+        _INVALID.append(f"environment variable {name} must be an integer, got {raw!r}")
+        return default
+
+
+def _log_level(name: str, default: str) -> str:
+    raw = _str(name, None)
+    if raw is None:
+        return default
+    if not isinstance(logging.getLevelName(raw.upper()), int):
+        _INVALID.append(f"environment variable {name} must be a log level (DEBUG, INFO, WARNING, ERROR, CRITICAL), "
+                        f"got {raw!r}")
+        return default
+    return raw
+
+
+def check_values() -> None:
+    """ValueError naming the first kvserve variable set to a value of the wrong kind (the others then read as
+    their defaults, which must not start an engine silently)."""
+    if _INVALID:
+        raise ValueError(_INVALID[0])
 
 
 def _str(name: str, default: str | None) -> str | None:
@@ -50,7 +75,7 @@ KVSERVE_ENABLE_RESPONSES_API_STORE: bool = _int(
 # How many responses the store keeps (the oldest go first); vLLM's store keeps every response until restart.
 KVSERVE_RESPONSES_API_STORE_SIZE: int = _int("KVSERVE_RESPONSES_API_STORE_SIZE", 10000)
 # Log level of the kvserve logger.
-KVSERVE_LOGGING_LEVEL: str = _str("KVSERVE_LOGGING_LEVEL", "INFO") or "INFO"
+KVSERVE_LOGGING_LEVEL: str = _log_level("KVSERVE_LOGGING_LEVEL", "INFO")
 # One-prompt prefills at least this long use cuDNN's attention kernel (0: never). Unset (-1): 1024 on sm_90
 # and later, 0 elsewhere. cuDNN builds an execution graph per sequence length, so such prompts are padded to
 # a 256-token bucket whose graphs are all built at start; see docs/perf_notes.md, entry 18.

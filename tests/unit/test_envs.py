@@ -43,3 +43,33 @@ def test_kvserve_api_key_is_read_as_set_even_empty(value: str | None, expected: 
     finally:
         monkeypatch.undo()
         importlib.reload(envs)
+
+
+@pytest.mark.parametrize(("name", "value", "message"), [
+    ("KVSERVE_CPU_KVCACHE_SPACE", "4GiB", "KVSERVE_CPU_KVCACHE_SPACE must be an integer, got '4GiB'"),
+    ("VLLM_ENABLE_RESPONSES_API_STORE", "true", "VLLM_ENABLE_RESPONSES_API_STORE must be an integer, got 'true'"),
+    ("KVSERVE_LOGGING_LEVEL", "verbose", "KVSERVE_LOGGING_LEVEL must be a log level"),
+])
+def test_a_variable_of_the_wrong_kind_is_an_error_at_start_not_at_import(
+        name: str, value: str, message: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Such a value raised while kvserve.envs was imported: every command, --help too, ended with a traceback
+    (and a bad log level with logging's "Unknown level", naming no variable). Now the command line parses and an
+    engine's configuration is refused with one line naming the variable."""
+    from kvserve.config import EngineArgs
+    from kvserve.entrypoints.cli import main
+
+    monkeypatch.setenv(name, value)
+    try:
+        reloaded = importlib.reload(envs)
+        assert reloaded.KVSERVE_LOGGING_LEVEL == "INFO"  # a bad level reads as the default until the error
+        with pytest.raises(SystemExit) as exited:
+            main(["--version"])
+        assert exited.value.code == 0
+        with pytest.raises(ValueError, match=f"^environment variable {message}"):
+            EngineArgs(model="/nonexistent").create_engine_config()
+        assert main(["generate", "--model", "/nonexistent", "--prompt", "x"]) == 2
+        assert capsys.readouterr().err.startswith(f"kvserve generate: error: environment variable {message}")
+    finally:
+        monkeypatch.undo()
+        importlib.reload(envs)
+    envs.check_values()  # unset again: nothing to report
