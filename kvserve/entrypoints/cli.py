@@ -62,6 +62,10 @@ _kv_cache_dtype = _flag_type(kv_cache_dtype_name)
 def add_engine_args(parser: argparse.ArgumentParser, data_parallel: bool = False) -> None:
     """Engine flags shared by every command that builds an engine (vLLM's names); `data_parallel`: the
     command runs replicas (`kvserve serve --data-parallel-size`)."""
+    # Read before parsing (vllm_compat.with_config_file), which takes it out of the words parsed: here for --help.
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help="a YAML file of flags, as vLLM's: `port: 8000`, `enforce-eager: true`, "
+                        "`served-model-name: [a, b]`; flags on the command line win over the file's")
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None,
                    help="HF model directory, .gguf file, or the id of an HF repo already in the local Hugging Face "
