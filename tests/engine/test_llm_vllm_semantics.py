@@ -216,8 +216,9 @@ def test_vllm_arguments_the_cli_ignores_are_ignored_offline_too(tiny_model_dir: 
 def test_vllm_constructor_defaults_passed_explicitly(tiny_model_dir: Any) -> None:
     """What vLLM code passes to LLM() as it stands: None for a setting vLLM types Optional (its "not set") is
     kvserve's default (enable_prefix_caching=None and enable_chunked_prefill=None turned both off; None counts
-    and sizes were a TypeError from a comparison), a torch.dtype is its name, and lm-evaluation-harness's
-    enable_lora=False with max_lora_rank are taken (no adapters; LoRA itself stays refused)."""
+    and sizes were a TypeError from a comparison), a torch.dtype is its name, lm-evaluation-harness's
+    enable_lora=False with max_lora_rank are taken (no adapters; LoRA itself stays refused), and so is
+    max_logprobs=20, vLLM's default and kvserve's limit."""
     import torch
 
     from kvserve.config import EngineArgs
@@ -229,13 +230,16 @@ def test_vllm_constructor_defaults_passed_explicitly(tiny_model_dir: Any) -> Non
     default = config()
     given = config(enable_prefix_caching=None, enable_chunked_prefill=None, max_num_seqs=None, block_size=None,
                    max_num_batched_tokens=None, gpu_memory_utilization=None, tensor_parallel_size=None,
-                   kv_cache_dtype=None, dtype=torch.float32, enable_lora=False, max_lora_rank=16, max_loras=1)
+                   kv_cache_dtype=None, dtype=torch.float32, enable_lora=False, max_lora_rank=16, max_loras=1,
+                   max_logprobs=20)
     assert given.cache_config.enable_prefix_caching is True and given.scheduler_config.enable_chunked_prefill is True
     assert (given.scheduler_config, given.cache_config, given.model_config.dtype) == (
         default.scheduler_config, default.cache_config, "float32")
     assert config(dtype=torch.float16).model_config.dtype == "float16"
     with pytest.raises(TypeError, match="kvserve does not take: enable_lora=True"):
         config(enable_lora=True)
+    with pytest.raises(TypeError, match="kvserve does not take: max_logprobs=100"):  # its limit is 20, vLLM's default
+        config(max_logprobs=100)
 
 
 def test_request_output_fields_of_what_kvserve_does_not_serve_are_none(llm: LLM) -> None:
