@@ -134,6 +134,48 @@ def _config_file_words(path: str, parser: argparse.ArgumentParser) -> list[str]:
     return words
 
 
+def _command_parser(parser: argparse.ArgumentParser, args: Sequence[str]) -> tuple[argparse.ArgumentParser, int]:
+    """(the parser of the subcommand named in `args`, the index after its name); (`parser`, 0) for a parser
+    without subcommands; (`parser`, -1) when `args` names none of them."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            first = next((j for j, arg in enumerate(args) if arg in action.choices), None)
+            if first is None:
+                return parser, -1
+            return action.choices[args[first]], first + 1
+    return parser, 0
+
+
+_BOOLEAN_WORDS = {"true": True, "false": False}
+
+
+def explicit_booleans(parser: argparse.ArgumentParser, args: list[str]) -> list[str]:
+    """`args` with an on/off flag given a value as vLLM's earlier releases took one (`--enable-chunked-prefill
+    false`, `--enable-prefix-caching=True`: their StoreBoolean flags took true or false, any case, as the next
+    word or after =) as the flag or its --no- form. Only the words true and false are read so, so a flag
+    followed by a model path keeps it."""
+    command_parser, _ = _command_parser(parser, args)
+    flags = {option for action in command_parser._actions if isinstance(action, argparse.BooleanOptionalAction)
+             for option in action.option_strings if option.startswith("--") and not option.startswith("--no-")}
+    result: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--":
+            return result + args[i:]
+        name, eq, value = arg.partition("=")
+        if name in flags and eq and value.lower() in _BOOLEAN_WORDS:
+            result.append(name if _BOOLEAN_WORDS[value.lower()] else "--no-" + name[2:])
+            i += 1
+        elif name in flags and not eq and i + 1 < len(args) and args[i + 1].lower() in _BOOLEAN_WORDS:
+            result.append(name if _BOOLEAN_WORDS[args[i + 1].lower()] else "--no-" + name[2:])
+            i += 2
+        else:
+            result.append(arg)
+            i += 1
+    return result
+
+
 def with_config_file(parser: argparse.ArgumentParser, args: list[str]) -> list[str]:
     """`args` with `--config FILE` replaced by the flags the file holds (`_config_file_words`), put where vLLM
     puts them: after the subcommand and its positional model, before the other flags given, so that those
@@ -142,13 +184,9 @@ def with_config_file(parser: argparse.ArgumentParser, args: list[str]) -> list[s
     at = [i for i, arg in enumerate(args[:end]) if arg == "--config" or arg.startswith("--config=")]
     if not at:
         return args
-    start, command_parser = 0, parser
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            first = next((j for j, arg in enumerate(args) if arg in action.choices), None)
-            if first is None:
-                return args  # no subcommand: argparse says so
-            start, command_parser = first + 1, action.choices[args[first]]
+    command_parser, start = _command_parser(parser, args)
+    if start < 0:
+        return args  # no subcommand: argparse says so
     if len(at) > 1:
         raise ConfigFileError("given more than once; pass one file", command_parser.prog)
     i = at[0]
@@ -178,11 +216,12 @@ def parse_args_or_refuse(parser: argparse.ArgumentParser, argv: Sequence[str] | 
     subcommands refuse vLLM's flags by name (others get argparse's message). Unrecognized arguments are
     reported by the subcommand's parser (`kvserve serve: error: ...` under its usage), as argparse reports a
     subcommand's other errors: parse_known_args hands them up to the top parser, whose usage is not theirs.
-    Flags spelled with underscores are read as with dashes (`dashed_flags`), and `--config FILE` as the flags
-    the YAML file holds (`with_config_file`), as vLLM reads them."""
+    Flags spelled with underscores are read as with dashes (`dashed_flags`), `--config FILE` as the flags the
+    YAML file holds (`with_config_file`), and an on/off flag's true or false as the flag or its --no- form
+    (`explicit_booleans`), as vLLM reads them."""
     args = dashed_flags(sys.argv[1:] if argv is None else argv)
     try:
-        args = dashed_flags(with_config_file(parser, args))
+        args = explicit_booleans(parser, dashed_flags(with_config_file(parser, args)))
     except ConfigFileError as exc:
         parser.exit(2, f"{exc.prog or parser.prog}: error: --config {exc}\n")
     ns, extras = parser.parse_known_args(args)

@@ -213,6 +213,23 @@ def test_flags_spelled_with_underscores_are_read_as_vllm_reads_them(monkeypatch:
     assert main(["serve", "/models/m", "--max_num_seqs", "8"]) == 0 and seen[0].max_num_seqs == 8
 
 
+@pytest.mark.parametrize("flags, chunked, prefix", [
+    (["--enable-chunked-prefill", "False", "--enable-prefix-caching=false"], False, False),
+    (["--enable-chunked-prefill", "true", "--enable-prefix-caching=TRUE"], True, True),
+    (["--no-enable-prefix-caching", "--enable-chunked-prefill=False"], False, False),
+])
+def test_on_off_flags_take_vllms_earlier_true_false_values(flags: list[str], chunked: bool, prefix: bool) -> None:
+    """vLLM's earlier `--enable-chunked-prefill false` / `=True` (a StoreBoolean flag; still in older compose
+    files) was "unrecognized arguments: False"; the flag followed by a model keeps the model positional."""
+    from kvserve.entrypoints.vllm_compat import parse_args_or_refuse
+
+    ns = parse_args_or_refuse(build_parser(), ["serve", "/models/m", *flags])
+    assert (ns.model_tag, ns.enable_chunked_prefill, ns.enable_prefix_caching) == ("/models/m", chunked, prefix)
+    ns = parse_args_or_refuse(build_parser(), ["serve", "--no-enable-chunked-prefill", "--enable-chunked-prefill",
+                                               "/models/true-model"])
+    assert (ns.model_tag, ns.enable_chunked_prefill) == ("/models/true-model", True)
+
+
 def test_a_config_file_holds_flags_as_vllms_does(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
     """vLLM's `--config FILE` (YAML, flag names without dashes; refused before): true is the flag, false its
     --no- form where it has one, a list a flag's several words or one JSON word, a mapping JSON; the command
