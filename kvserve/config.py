@@ -298,16 +298,21 @@ def human_readable_int(text: str) -> int:
     return int(number) * _BINARY_SUFFIXES[suffix]
 
 
-def max_model_len_value(value: int | str) -> int:
-    """--max-model-len (LLM's max_model_len) as `human_readable_int` reads it; vLLM's -1 and "auto" (the longest
-    length the KV cache holds, found after the memory profile) are refused with what to do instead, as a
-    ConfigError: kvserve sizes its engine for the length before the KV cache exists."""
+def check_max_model_len_value(value: int | str) -> None:
+    """ConfigError for vLLM's max_model_len -1 and "auto" (the longest length the KV cache holds, found after the
+    memory profile), saying what to do instead: kvserve sizes its engine for the length before the KV cache
+    exists."""
     if str(value).strip().lower() in ("auto", "-1"):
         raise ConfigError(
             f"max_model_len {value!r} (vLLM: the longest length the KV cache holds) is not supported; leave "
             "--max-model-len out for the model's own limit, or give a length (when the KV cache cannot hold it, "
             "start-up fails saying how many tokens it holds)")
-    return value if isinstance(value, int) else human_readable_int(value)
+
+
+def max_model_len_value(text: str) -> int:
+    """--max-model-len as `human_readable_int` reads it, vLLM's -1 and auto refused (`check_max_model_len_value`)."""
+    check_max_model_len_value(text)
+    return human_readable_int(text)
 
 
 def parse_kv_cache_memory_bytes(value: str | int | float) -> int:
@@ -420,7 +425,8 @@ class EngineArgs:
         if self.max_model_len is None:
             max_model_len = model_limit
         else:
-            max_model_len = _token_count("max_model_len", max_model_len_value(self.max_model_len))
+            check_max_model_len_value(self.max_model_len)
+            max_model_len = _token_count("max_model_len", self.max_model_len)
             if max_model_len > model_limit:
                 raise ConfigError(
                     f"max_model_len={max_model_len} is larger than the model supports "
