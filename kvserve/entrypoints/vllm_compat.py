@@ -30,6 +30,7 @@ UNSUPPORTED_VLLM_FLAGS: dict[str, str] = {
     "-O": "kvserve captures CUDA graphs itself; --enforce-eager turns them off",
     "--hf-overrides": "edit a copy of the model's config.json",
     "--rope-scaling": "set rope_scaling in a copy of the model's config.json",
+    "--middleware": "kvserve loads no ASGI middleware by import path; put it in a proxy in front of the server",
     "--calculate-kv-scales": "with --kv-cache-dtype fp8 kvserve stores K and V with scales of 1.0, vLLM's default "
                              "when the checkpoint has none",
 }
@@ -312,6 +313,12 @@ def add_ignored_engine_args(parser: argparse.ArgumentParser, data_parallel: bool
     p.add_argument("--task", choices=["auto", "generate"], default=None, help=hide)
     p.add_argument("--guided-decoding-backend", choices=["auto", "guidance", "xgrammar", "outlines"], default=None,
                    help=hide)
+    p.add_argument("--preemption-mode", type=_vllm_choice(["recompute"], {
+        "swap": "kvserve preempts requests by recomputing them; it swaps nothing to the CPU",
+    }), default=None, help=hide)
+    p.add_argument("--max-parallel-loading-workers", type=int, default=None, help=hide)
+    p.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, help=hide)
+    p.add_argument("--max-cudagraph-capture-size", type=int, default=None, help=hide)
 
 
 def add_ignored_server_args(parser: argparse.ArgumentParser) -> None:
@@ -325,6 +332,7 @@ def add_ignored_server_args(parser: argparse.ArgumentParser) -> None:
     }), default=None, help=hide)
     parser.add_argument("--max-log-len", type=int, default=None, help=hide)
     parser.add_argument("--disable-frontend-multiprocessing", action="store_true", default=None, help=hide)
+    parser.add_argument("--enable-log-outputs", action="store_true", default=None, help=hide)
 
 
 # dest -> (the flag as noted, "{value}" standing for its value; why it changes nothing here)
@@ -343,6 +351,13 @@ _IGNORED_WHY: dict[str, tuple[str, str]] = {
     "model_impl": ("--model-impl {value}", "kvserve runs its own implementation of each architecture it serves"),
     "hf_token": ("--hf-token", "kvserve never downloads: models come from local paths or the local Hugging Face "
                                "cache"),
+    "preemption_mode": ("--preemption-mode recompute", "kvserve always preempts by recomputing"),
+    "max_parallel_loading_workers": ("--max-parallel-loading-workers", "kvserve loads the weights itself, file by "
+                                                                       "file"),
+    "cuda_graph_sizes": ("--cuda-graph-sizes", "kvserve captures its own decode batch sizes, up to --max-num-seqs "
+                                               "(--enforce-eager: none)"),
+    "max_cudagraph_capture_size": ("--max-cudagraph-capture-size", "kvserve captures its own decode batch sizes, up "
+                                                                   "to --max-num-seqs (--enforce-eager: none)"),
     "enable_reasoning": ("--enable-reasoning", "--reasoning-parser turns reasoning on"),
     "enable_prompt_tokens_details": ("--enable-prompt-tokens-details",
                                      "usage always carries prompt_tokens_details.cached_tokens"),
@@ -353,6 +368,7 @@ _IGNORED_WHY: dict[str, tuple[str, str]] = {
                                      "level)"),
     "disable_frontend_multiprocessing": ("--disable-frontend-multiprocessing",
                                          "the engine core always runs in a process of its own"),
+    "enable_log_outputs": ("--enable-log-outputs", "request log lines carry no generated text"),
 }
 
 

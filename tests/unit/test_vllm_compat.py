@@ -213,6 +213,28 @@ def test_flags_spelled_with_underscores_are_read_as_vllm_reads_them(monkeypatch:
     assert main(["serve", "/models/m", "--max_num_seqs", "8"]) == 0 and seen[0].max_num_seqs == 8
 
 
+def test_more_vllm_flags_that_change_nothing_are_noted_and_middleware_is_refused(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """--preemption-mode recompute (what kvserve does), --max-parallel-loading-workers, --cuda-graph-sizes,
+    --max-cudagraph-capture-size and --enable-log-outputs were "unrecognized arguments"; --middleware is
+    refused by name, and --preemption-mode swap saying why."""
+    from kvserve.engine.llm import _engine_args
+    from kvserve.entrypoints.vllm_compat import ignored_flag_notes
+
+    ns = _serve("--preemption-mode", "recompute", "--max-parallel-loading-workers", "2", "--cuda-graph-sizes", "1",
+                "2", "--max-cudagraph-capture-size", "64", "--enable-log-outputs")
+    assert [note.split(" ignored:")[0] for note in ignored_flag_notes(ns)] == [
+        "--preemption-mode recompute", "--max-parallel-loading-workers", "--cuda-graph-sizes",
+        "--max-cudagraph-capture-size", "--enable-log-outputs"]
+    assert engine_args_from(ns) == engine_args_from(_serve())
+    assert _engine_args({"preemption_mode": "recompute", "max_parallel_loading_workers": 2,
+                         "max_cudagraph_capture_size": 64}) == {}
+    assert "kvserve preempts requests by recomputing" in _exit_message(
+        ["serve", "m", "--preemption-mode", "swap"], capsys)
+    assert "--middleware is a vLLM option kvserve does not support; kvserve loads no ASGI middleware" in \
+        _exit_message(["serve", "m", "--middleware", "app.mw"], capsys)
+
+
 @pytest.mark.parametrize("flags, chunked, prefix", [
     (["--enable-chunked-prefill", "False", "--enable-prefix-caching=false"], False, False),
     (["--enable-chunked-prefill", "true", "--enable-prefix-caching=TRUE"], True, True),
