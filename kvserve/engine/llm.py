@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 # no periodic stats offline, recomputes instead of swapping): accepted at these values, with a log line.
 _IGNORED_VLLM_ARGS: dict[str, tuple[Any, ...]] = {
     "trust_remote_code": (True, False), "disable_log_stats": (True, False), "swap_space": (),
-    "tokenizer_mode": ("auto",), "code_revision": (None,),
+    "tokenizer_mode": ("auto", "hf"), "code_revision": (None,),
     # those `kvserve serve` / `generate` accept and ignore too (vllm_compat.add_ignored_engine_args)
     "task": ("auto", "generate"), "pipeline_parallel_size": (1,), "data_parallel_size": (1,),
     "distributed_executor_backend": (None, "mp", "uni"), "max_seq_len_to_capture": (),
