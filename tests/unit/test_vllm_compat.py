@@ -351,6 +351,32 @@ def test_ssl_flags_come_in_pairs(flags: list[str], message: str) -> None:
 
 
 
+def test_https_files_that_cannot_be_loaded_are_refused_before_the_engine_starts(tmp_path: Any) -> None:
+    """uvicorn loads them after the model is loaded: a missing file or one that is not PEM ended the server with
+    a traceback once it had logged "serving ... on https://"."""
+    import shutil
+    import subprocess
+
+    from kvserve.entrypoints.openai.cli_args import server_engine_args
+
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    for files, message in (((tmp_path / "none.pem", tmp_path / "none.key"), "No such file or directory"),
+                           ((garbage, garbage), "PEM")):
+        with pytest.raises(ValueError, match=r"^cannot load the HTTPS certificate and key \(--ssl-certfile .*"
+                           + message):
+            server_engine_args(_serve("--ssl-certfile", str(files[0]), "--ssl-keyfile", str(files[1])))
+    if shutil.which("openssl") is None:
+        return
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1"], check=True, capture_output=True)
+    server_engine_args(_serve("--ssl-certfile", str(cert), "--ssl-keyfile", str(key)))
+    with pytest.raises(ValueError, match=r"^cannot load the CA certificates \(--ssl-ca-certs "):
+        server_engine_args(_serve("--ssl-certfile", str(cert), "--ssl-keyfile", str(key), "--ssl-ca-certs",
+                                  str(garbage)))
+
+
 @pytest.mark.filterwarnings("error::UserWarning")  # the OpenAPI document builds without warnings (one id each)
 @pytest.mark.parametrize("docs, status", [(True, 200), (False, 404)])
 def test_disable_fastapi_docs(docs: bool, status: int) -> None:

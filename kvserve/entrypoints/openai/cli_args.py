@@ -205,6 +205,7 @@ def server_engine_args(ns: argparse.Namespace) -> dict[str, object]:
     if ns.ssl_cert_reqs != ssl.CERT_NONE and ns.ssl_ca_certs is None:
         raise ValueError("--ssl-cert-reqs 1 or 2 needs --ssl-ca-certs, the CA certificates that client "
                          "certificates are checked against")
+    check_ssl_files(ns.ssl_certfile, ns.ssl_keyfile, ns.ssl_ca_certs)
     if envs.KVSERVE_ENABLE_RESPONSES_API_STORE and getattr(ns, "api_server_count", 1) > 1:
         raise ValueError("the Responses API's store (KVSERVE_ENABLE_RESPONSES_API_STORE) keeps responses in one API "
                          "process's memory: with --api-server-count > 1 a follow-up (previous_response_id) would "
@@ -214,6 +215,26 @@ def server_engine_args(ns: argparse.Namespace) -> dict[str, object]:
     args["served_model_name"] = ns.served_model_name[0] if ns.served_model_name else None
     args["chat_template"] = ns.chat_template
     return args
+
+
+def check_ssl_files(certfile: str | None, keyfile: str | None, ca_certs: str | None) -> None:
+    """ValueError naming the flags when the HTTPS files cannot be loaded (missing, unreadable, not PEM, a key
+    that does not match the certificate): uvicorn loads them only once the model is loaded, and failed there
+    with a traceback after the server had said it was serving."""
+    if certfile is None:
+        return
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(certfile, keyfile)
+    except OSError as exc:  # ssl.SSLError included
+        raise ValueError(f"cannot load the HTTPS certificate and key (--ssl-certfile {certfile}, --ssl-keyfile "
+                         f"{keyfile}): {exc.strerror or exc}") from None
+    if ca_certs is not None:
+        try:
+            context.load_verify_locations(ca_certs)
+        except OSError as exc:
+            raise ValueError(f"cannot load the CA certificates (--ssl-ca-certs {ca_certs}): "
+                             f"{exc.strerror or exc}") from None
 
 
 def api_key_from(flag: str | None, kvserve_env: str | None, vllm_env: str | None) -> tuple[str | None, str]:
