@@ -124,6 +124,11 @@ def test_response_role_and_request_id_headers(flagged_server: ServerProcess, tin
     (["--allowed-origins", "*"], "expected a JSON list"),
     (["--max-logprobs", "21"], "must be in [0, 20]"),
     (["--root-path", "llm"], "must start with '/'"),
+    # a negative size or time started the server (every body refused, connections closed at once)
+    (["--max-request-body-bytes", "-1"], "argument --max-request-body-bytes: must be at least 0, got -1"),
+    (["--timeout-keep-alive", "-1"], "argument --timeout-keep-alive: must be at least 0, got -1"),
+    (["--shutdown-timeout", "-5"], "argument --shutdown-timeout: must be at least 0, got -5"),
+    (["--shutdown-timeout", "nan"], "argument --shutdown-timeout: must be at least 0, got nan"),
 ])
 def test_bad_flag_values_are_refused(flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     from kvserve.entrypoints.openai.cli_args import make_arg_parser

@@ -9,6 +9,7 @@ import argparse
 import json
 import shlex
 import ssl
+from collections.abc import Callable
 
 from kvserve import envs
 from kvserve.entrypoints.cli import add_engine_args, add_generation_config_args, engine_args_from, port_number
@@ -95,10 +96,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="vllm (default): every metric is also exported under vLLM's `vllm:` names (incl. "
                         "vllm:gpu_cache_usage_perc), so vLLM dashboards, alerts and queries work unchanged; none: "
                         "the `kvserve:` names only (half the series)")
-    g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+    g.add_argument("--max-request-body-bytes", type=_non_negative(int), default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                    help="larger request bodies get 413 (default 32 MiB)")
-    g.add_argument("--timeout-keep-alive", type=int, default=5, help="seconds an idle HTTP connection is kept open (default 5)")
-    g.add_argument("--shutdown-timeout", type=float, default=60.0,
+    g.add_argument("--timeout-keep-alive", type=_non_negative(int), default=5, help="seconds an idle HTTP connection is kept open (default 5)")
+    g.add_argument("--shutdown-timeout", type=_non_negative(float), default=60.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before exiting anyway (default 60)")
     g.add_argument("--max-logprobs", type=_max_logprobs, default=MAX_LOGPROBS, metavar="N",
                    help=f"the most logprobs (top_logprobs, or completions' logprobs) a request may ask for, 0 to "
@@ -124,6 +125,21 @@ def _served_name(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError(f"a served model name cannot be empty, got {text!r}")
     return text
+
+
+def _non_negative(kind: type[int] | type[float]) -> Callable[[str], int | float]:
+    """argparse `type=` for a size or a number of seconds: `kind`, at least 0 (a negative one started the server,
+    which then refused every request body, or closed connections and drained at once)."""
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {'whole ' if kind is int else ''}number, got {text!r}") from None
+        if not value >= 0:  # NaN too
+            raise argparse.ArgumentTypeError(f"must be at least 0, got {text}")
+        return value
+
+    return parse
 
 
 def _max_logprobs(text: str) -> int:
