@@ -201,6 +201,7 @@ def with_config_file(parser: argparse.ArgumentParser, args: list[str]) -> list[s
         words = _config_file_words(path, command_parser)
     except ConfigFileError as exc:
         raise ConfigFileError(f"{path}: {exc}", command_parser.prog) from None
+    _, start = _command_parser(parser, rest)  # where the subcommand's words start once --config FILE is out
     takes_model = any(not action.option_strings and action.dest == "model_tag" for action in command_parser._actions)
     if takes_model and start < len(rest) and not rest[start].startswith("-"):
         start += 1  # the positional model stays first, and wins over the file's

@@ -272,6 +272,10 @@ def test_a_config_file_holds_flags_as_vllms_does(tmp_path: Any, capsys: pytest.C
     ns = parse_args_or_refuse(build_parser(), ["serve", "/models/m", f"--config={path}", "--port", "21003",
                                                "--enable-prefix-caching"])
     assert (ns.model_tag, ns.model, ns.port, ns.enable_prefix_caching) == ("/models/m", None, 21003, True)
+    for argv in (["--config", str(path), "serve", "/models/m", "--port", "1"],
+                 ["serve", "--config", str(path), "/models/m", "--port", "1"]):
+        ns = parse_args_or_refuse(build_parser(), argv)
+        assert (ns.model_tag, ns.model, ns.port, ns.max_model_len) == ("/models/m", None, 1, 32768), argv
     with pytest.raises(SystemExit):
         api_server_main(["--config", str(path), "--port", "bad"])  # the module entry point reads it too
     assert "argument --port" in capsys.readouterr().err
