@@ -42,8 +42,6 @@ _IGNORED_VLLM_ARGS: dict[str, tuple[Any, ...]] = {
     # no LoRA adapters: LoRA off, and the sizes of adapters that never come (lm-evaluation-harness's vLLM
     # model passes enable_lora=False and max_lora_rank to every LLM it makes)
     "enable_lora": (False, None), "max_lora_rank": (), "max_loras": (), "max_cpu_loras": (),
-    # vLLM's default, which is kvserve's limit too (SamplingParams refuses more); another limit is refused
-    "max_logprobs": (MAX_LOGPROBS,),
 }
 # Settings whose None is vLLM's "not set" (its defaults are Optional): the default here too. Not `seed`, whose
 # None asks for a random seed.

@@ -218,7 +218,7 @@ def test_vllm_constructor_defaults_passed_explicitly(tiny_model_dir: Any) -> Non
     kvserve's default (enable_prefix_caching=None and enable_chunked_prefill=None turned both off; None counts
     and sizes were a TypeError from a comparison), a torch.dtype is its name, lm-evaluation-harness's
     enable_lora=False with max_lora_rank are taken (no adapters; LoRA itself stays refused), and so is
-    max_logprobs=20, vLLM's default and kvserve's limit, and tokenizer_mode="hf" (as the CLI takes it)."""
+    tokenizer_mode="hf" (as the CLI takes it). (max_logprobs is LLM's own: test_llm_api.)"""
     import torch
 
     from kvserve.config import EngineArgs
@@ -231,15 +231,13 @@ def test_vllm_constructor_defaults_passed_explicitly(tiny_model_dir: Any) -> Non
     given = config(enable_prefix_caching=None, enable_chunked_prefill=None, max_num_seqs=None, block_size=None,
                    max_num_batched_tokens=None, gpu_memory_utilization=None, tensor_parallel_size=None,
                    kv_cache_dtype=None, dtype=torch.float32, enable_lora=False, max_lora_rank=16, max_loras=1,
-                   max_logprobs=20, tokenizer_mode="hf")
+                   tokenizer_mode="hf")
     assert given.cache_config.enable_prefix_caching is True and given.scheduler_config.enable_chunked_prefill is True
     assert (given.scheduler_config, given.cache_config, given.model_config.dtype) == (
         default.scheduler_config, default.cache_config, "float32")
     assert config(dtype=torch.float16).model_config.dtype == "float16"
     with pytest.raises(TypeError, match="kvserve does not take: enable_lora=True"):
         config(enable_lora=True)
-    with pytest.raises(TypeError, match="kvserve does not take: max_logprobs=100"):  # its limit is 20, vLLM's default
-        config(max_logprobs=100)
 
 
 def test_request_output_fields_of_what_kvserve_does_not_serve_are_none(llm: LLM) -> None:
