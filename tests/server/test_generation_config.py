@@ -127,6 +127,20 @@ def test_the_default_length_never_refuses_a_prompt_that_fits(defaults_server: Se
     assert refused.status_code == 400 and "max_tokens" in json.dumps(refused.json())
 
 
+def test_each_completion_prompt_gets_its_own_default_length(defaults_server: ServerProcess) -> None:
+    """Several prompts in one completions request with max_tokens null: each prompt's default length is cut
+    to what the context leaves it, as vLLM resolves it per prompt; the longest prompt's room cut them all."""
+    body = {"model": TINY_NAME, "prompt": [[10, 11, 12], [10] * (MAX_MODEL_LEN - 2)], "max_tokens": None,
+            "ignore_eos": True, "logprobs": 0}
+    response = httpx.post(defaults_server.base_url + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    lengths = [len(c["logprobs"]["tokens"]) for c in choices]
+    assert lengths == [4, 2], lengths  # the override's 4; the long prompt's 2 that fit
+    assert [c["finish_reason"] for c in choices] == ["length", "length"]
+    assert response.json()["usage"]["completion_tokens"] == 6
+
+
 def test_a_bad_override_stops_the_server_at_start(launch_server: Callable[..., ServerProcess],
                                                   tiny_llama_dir: str) -> None:
     server = launch_server([tiny_llama_dir, "--max-model-len", "64", "--kv-cache-memory", "64MiB",

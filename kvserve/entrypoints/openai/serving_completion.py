@@ -44,6 +44,12 @@ class PreparedPrompt:
     def __init__(self, prompt_token_ids: list[int], text: str | None) -> None:
         self.prompt_token_ids = prompt_token_ids
         self.text = text  # the prompt as given (strings) or None (token ids)
+        # the request's settings with this prompt's max_tokens (a default length is capped by what the context
+        # leaves this prompt), set by `prepare_completion`; None: the request's
+        self.params: SamplingParams | None = None
+
+    def settings(self, cmpl: PreparedCompletion) -> SamplingParams:
+        return self.params if self.params is not None else cmpl.params
 
 
 class PreparedCompletion:
@@ -121,12 +127,12 @@ def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> PreparedC
         check_lengths(engine, len(ids), params.max_tokens, "prompt", "max_tokens")
         prompts.append(PreparedPrompt(ids, text))
     # max_tokens null (left out, it is the API's 16): the model's reply length, capped at what the context
-    # leaves the longest prompt; and the generation config's cap on every request (vLLM's rule).
-    params = with_length_limits(params, ctx.sampling_defaults.get("max_tokens"), ctx.max_tokens_cap,
-                                engine.max_model_len - max(len(p.prompt_token_ids) for p in prompts))
+    # leaves each prompt; and the generation config's cap on every request (vLLM's rule).
     for i, p in enumerate(prompts):
+        p.params = with_length_limits(params, ctx.sampling_defaults.get("max_tokens"), ctx.max_tokens_cap,
+                                      engine.max_model_len - len(p.prompt_token_ids))
         log_request(ctx, request_id if len(prompts) == 1 else f"{request_id} (prompt {i})", len(p.prompt_token_ids),
-                    params, p.text)
+                    p.params, p.text)
     return PreparedCompletion(request_id, model, prompts, params, bool(req.echo), req.cache_salt, echo_only,
                               bool(req.return_token_ids), ctx.tokens_as_ids(req.return_tokens_as_token_ids),
                               req.priority, structured_outputs_from(req)[1])
@@ -158,7 +164,7 @@ def _echoed_logprobs(ctx: ServingContext, cmpl: PreparedCompletion, prompt: Prep
 
 async def _run_one(ctx: ServingContext, cmpl: PreparedCompletion, prompt: PreparedPrompt) -> RequestOutput:
     final: RequestOutput | None = None
-    async with aclosing(ctx.engine.generate(cmpl.request_id, prompt.prompt_token_ids, cmpl.params, prompt.text,
+    async with aclosing(ctx.engine.generate(cmpl.request_id, prompt.prompt_token_ids, prompt.settings(cmpl), prompt.text,
                                             cache_salt=cmpl.cache_salt, priority=cmpl.priority,
                                             prompt_only=cmpl.echo_only)) as updates:
         async for update in updates:
@@ -308,7 +314,7 @@ async def _merge(ctx: ServingContext, cmpl: PreparedCompletion) -> AsyncIterator
     """Updates of all prompts, interleaved as they arrive, tagged with the prompt's position."""
     if len(cmpl.prompts) == 1:
         p = cmpl.prompts[0]
-        async with aclosing(ctx.engine.generate(cmpl.request_id, p.prompt_token_ids, cmpl.params, p.text,
+        async with aclosing(ctx.engine.generate(cmpl.request_id, p.prompt_token_ids, p.settings(cmpl), p.text,
                                                 cache_salt=cmpl.cache_salt, priority=cmpl.priority,
                                                 prompt_only=cmpl.echo_only)) as updates:
             async for update in updates:
@@ -318,7 +324,7 @@ async def _merge(ctx: ServingContext, cmpl: PreparedCompletion) -> AsyncIterator
 
     async def pump(index: int, prompt: PreparedPrompt) -> None:
         try:
-            async with aclosing(ctx.engine.generate(cmpl.request_id, prompt.prompt_token_ids, cmpl.params,
+            async with aclosing(ctx.engine.generate(cmpl.request_id, prompt.prompt_token_ids, prompt.settings(cmpl),
                                                     prompt.text, cache_salt=cmpl.cache_salt,
                                                     priority=cmpl.priority, prompt_only=cmpl.echo_only)) as updates:
                 async for update in updates:
