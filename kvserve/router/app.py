@@ -495,12 +495,23 @@ class RouterApp:
             except aiohttp.ClientConnectionError as exc:
                 outcome = self._refused(backend, _describe(exc), errors)
                 return None
+            # An answer the router reads whole before the client's starts (to tell whether to try the next
+            # backend) that breaks off or goes silent: the backend failed before any of the answer was sent.
+            read_whole = upstream.status == 503 and not last or upstream.status == 404 and (
+                lacking_response is not None and not last or model is not None and backend.models is None)
+            answer = b""
+            if read_whole:
+                try:
+                    answer = await upstream.read()
+                except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+                    outcome = self._refused(backend, f"its {upstream.status} answer broke off: {_describe(exc)}",
+                                            errors)
+                    return None
             if upstream.status == 503 and not last:
-                text = (await upstream.read())[:300].decode(errors="replace")
+                text = answer[:300].decode(errors="replace")
                 outcome = self._refused(backend, f"503 {text}", errors)
                 return None
             if upstream.status == 404 and lacking_response is not None and not last:
-                answer = await upstream.read()
                 if _response_missing(answer):
                     errors.append(f"{backend.url}: 404, does not store the response")
                     lacking_response.append(backend.url)
@@ -510,7 +521,6 @@ class RouterApp:
                 return _copy_headers(upstream, web.Response(status=404, reason=upstream.reason, body=answer))
             if upstream.status == 404 and model is not None and backend.models is None:
                 # Tried for a model it may not serve (its list unknown): if it says it does not, the next may.
-                answer = await upstream.read()
                 if _model_missing(answer, model):
                     errors.append(f"{backend.url}: 404, does not serve the model")
                     unserved.append(backend.url)

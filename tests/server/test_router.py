@@ -141,6 +141,9 @@ class FakeBackend:
         self.break_after: int | None = None  # chunks sent before the connection is dropped mid-answer
         self.break_inside = b""  # sent (the start of an event) just before that drop
         self.die_before_answer = False  # the connection is dropped once the request has come (no answer)
+        # An answer of `status` whose body breaks off ("break": its connection dropped) or hangs ("hang") after
+        # its start; None: its whole body.
+        self.error_body_end: str | None = None
         self.hang_after: int | None = None  # chunks sent (`chunks`: and [DONE]) before the answer hangs
         self.hang_inside = 0  # bytes of the next event sent before that hang (its rest after)
         self.hang_s = 60.0
@@ -249,6 +252,16 @@ class FakeBackend:
         if self.die_before_answer and request.transport is not None:
             request.transport.close()  # the backend dies before its answer
             return web.Response()
+        if self.status != 200 and self.error_body_end is not None:
+            response = web.StreamResponse(status=self.status, headers={"Content-Type": "application/json",
+                                                                       "Content-Length": "100"})
+            await response.prepare(request)
+            await response.write(b'{"error": {"mess')
+            if self.error_body_end == "hang":
+                await asyncio.sleep(self.hang_s)
+            elif request.transport is not None:
+                request.transport.close()
+            return response
         if self.status != 200:
             return web.json_response({"error": {"message": "draining", "code": self.status}}, status=self.status)
         model = body.get("model")
@@ -1117,6 +1130,33 @@ def test_a_backend_that_dies_before_answering_is_retried_or_a_503() -> None:
         assert response.status == 503 and error["code"] == 503 and set(error) == {"message", "type", "param", "code"}
         assert "every backend failed" in error["message"] and "ServerDisconnectedError" in error["message"], error
     _run(body)
+
+
+def test_an_error_answer_whose_body_breaks_off_goes_to_the_next_backend(caplog: pytest.LogCaptureFixture) -> None:
+    """A 503 (or a 404 from a backend whose model list is unknown) that the router reads whole to tell whether to
+    try the next backend, and that breaks off or goes silent before its body's end: nothing was sent to the client,
+    so the next backend takes the request; with none left, the router's 503 in the OpenAI format. (It was aiohttp's
+    plain-text 500 with a traceback in the log, or an empty 504, each counted as "client_closed".)"""
+    async def body() -> None:
+        for end in ("break", "hang"):
+            broken, live = FakeBackend("broken"), FakeBackend("live")
+            broken.status, broken.error_body_end = 503, end
+            async with routed([broken, live], "round-robin", interval_s=60, timeout_s=0.3) as (app, base), \
+                    aiohttp.ClientSession() as session:
+                results = [await _post(session, base) for _ in range(2)]
+                metrics = await (await session.get(base + "/metrics")).text()
+            assert [(status, headers["X-Backend"]) for status, headers, _ in results] == [(200, "live")] * 2, results
+            assert broken.seen and not app.router.backends[0].healthy
+            assert "kvserve_router:retries_total 1.0" in metrics and 'code="client_closed"' not in metrics, metrics
+        alone = FakeBackend("alone")
+        alone.status, alone.error_body_end, alone.models_answer = 404, "break", "garbage"  # its models unknown
+        async with routed([alone]) as (_, base), aiohttp.ClientSession() as session:
+            response = await session.post(base + "/v1/completions", json={"model": "m", "prompt": "x"})
+            error = (await response.json())["error"]
+            metrics = await (await session.get(base + "/metrics")).text()
+        assert response.status == 503 and error["code"] == 503 and "every backend failed" in error["message"], error
+        assert 'backend="none",code="503"} 1.0' in metrics and 'code="client_closed"' not in metrics, metrics
+    _run_quietly(body, caplog)
 
 
 def test_ending_the_requests_in_flight_leaves_a_stream_whose_done_is_out_as_it_was() -> None:
