@@ -6,8 +6,8 @@ body, streamed chunk by chunk (server-sent events pass through unchanged). The c
 header is forwarded, so backends started with --api-key check it themselves.
 
 * A request naming a `model` goes only to backends whose /v1/models lists it (404 when none does);
-  `GET /v1/models` merges the healthy backends' lists, and `GET /v1/models/{model}` is routed by the model
-  its path names. A backend whose list is not known (not reached yet,
+  `GET /v1/models` merges the healthy backends' lists (each asked for up to HEALTH_TIMEOUT_S), and
+  `GET /v1/models/{model}` is routed by the model its path names. A backend whose list is not known (not reached yet,
   or its /v1/models does not answer the router with a list: one started with --api-key answers 401 to a
   router without that key, a warning once a backend) is tried for any model. When such a backend answers a
   404 whose OpenAI error says the model does not exist ("The model `X` does not exist.", as kvserve's and
@@ -333,27 +333,48 @@ class RouterApp:
     # ------------------------------------------------------------------ proxy
 
     async def models(self, request: web.Request) -> web.StreamResponse:
-        """The healthy backends' model lists, merged (the first backend's entry for a model id)."""
+        """The healthy backends' model lists, merged (the first backend's entry for a model id). The backends are
+        asked at once, each for up to HEALTH_TIMEOUT_S (as the router's own polls of /v1/models): one that does not
+        answer in time is left out, where it held the answer for --request-timeout (600 s by default, or for
+        ever without one), one backend after another."""
         assert self.session is not None
         headers = _forward_headers(request)
+        answers = await asyncio.gather(*(self._list_models(backend, headers)
+                                         for backend in self.router.healthy() or self.router.backends))
         merged: dict[str, object] = {}
         errors = []
-        for backend in self.router.healthy() or self.router.backends:
-            try:
-                async with self.session.get(backend.url + "/v1/models", headers=headers) as response:
-                    if response.status != 200:
-                        if response.status in (401, 403):  # the client's key: the backend's answer is the answer
-                            return web.Response(status=response.status, body=await response.read(),
-                                                content_type=response.content_type)
-                        errors.append(f"{backend.url}: {response.status}")
-                        continue
-                    for entry in (await response.json())["data"]:
-                        merged.setdefault(entry["id"], entry)
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as exc:
-                errors.append(f"{backend.url}: {type(exc).__name__}")
+        for answer in answers:
+            if isinstance(answer, web.Response):  # the client's key refused: the backend's answer is the answer
+                return self._own(answer)
+            if isinstance(answer, str):
+                errors.append(answer)
+                continue
+            for entry in answer:
+                merged.setdefault(entry["id"], entry)
         if not merged and errors:
             return self._own(_error(503, "no backend listed its models: " + "; ".join(errors)))
-        return web.json_response({"object": "list", "data": list(merged.values())})
+        return self._own(web.json_response({"object": "list", "data": list(merged.values())}))
+
+    async def _list_models(self, backend: Backend,
+                           headers: CIMultiDict[str]) -> list[dict[str, Any]] | web.Response | str:
+        """A backend's /v1/models entries for a client's GET /v1/models; its answer when it refuses the client's key
+        (401, 403); else why it has no list (a reason for the 503 when none has)."""
+        assert self.session is not None
+        try:
+            async with self.session.get(backend.url + "/v1/models", headers=headers,
+                                        timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as response:
+                if response.status in (401, 403):
+                    return web.Response(status=response.status, body=await response.read(),
+                                        content_type=response.content_type)
+                if response.status != 200:
+                    return f"{backend.url}: {response.status}"
+                entries = (await response.json())["data"]
+                if not isinstance(entries, list) or not all(isinstance(e, dict) and isinstance(e.get("id"), str)
+                                                            for e in entries):
+                    raise TypeError("not a list of models")
+                return entries
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as exc:
+            return f"{backend.url}: {type(exc).__name__}"
 
     def _own(self, response: web.Response) -> web.Response:
         self.requests.labels("none", str(response.status)).inc()

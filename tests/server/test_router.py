@@ -136,7 +136,8 @@ class FakeBackend:
         self.api_key: str | None = None  # /v1/models asks for it
         self.models_auth: list[str | None] = []  # the Authorization header of each /v1/models request
         self.health_auth: list[str | None] = []  # the Authorization header of each /health request
-        # /v1/models answers: "list" (`models`), "garbage" (a 200 whose body is no list), "drop" (no answer).
+        # /v1/models answers: "list" (`models`), "garbage" (a 200 whose body is no list), "drop" (no answer),
+        # "hang" (nothing, for `hang_s`).
         self.models_answer = "list"
         self.break_after: int | None = None  # chunks sent before the connection is dropped mid-answer
         self.break_inside = b""  # sent (the start of an event) just before that drop
@@ -220,6 +221,8 @@ class FakeBackend:
             return web.json_response({"error": {"message": "bad key", "code": 401}}, status=401)
         if self.models_answer == "garbage":
             return web.Response(text="<html>models</html>", content_type="text/html")
+        if self.models_answer == "hang":
+            await asyncio.sleep(self.hang_s)
         if self.models_answer == "drop" and request.transport is not None:
             request.transport.close()
             return web.Response()
@@ -731,6 +734,32 @@ def test_a_models_poll_that_is_no_list_forgets_the_list_and_one_without_answer_k
             backend.models_answer = "garbage"
             await app.check_health()
             assert app.router.backends[0].models is None
+    _run(body)
+
+
+def test_listing_the_models_leaves_out_a_backend_that_does_not_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GET /v1/models asks the backends at once, each for up to HEALTH_TIMEOUT_S: one that hangs (still marked
+    healthy) is left out of the list. It held the answer for --request-timeout (for ever without one), one backend
+    after another. The answer counts as the router's own in /metrics (it was not counted)."""
+    monkeypatch.setattr(router_app, "HEALTH_TIMEOUT_S", 0.3)
+
+    async def body() -> None:
+        stuck, live = FakeBackend("stuck", models=["m1"]), FakeBackend("live", models=["m2"])
+        async with routed([stuck, live], interval_s=60, timeout_s=None) as (app, base), \
+                aiohttp.ClientSession() as session:
+            stuck.models_answer = "hang"
+            assert app.router.backends[0].healthy
+            response = await asyncio.wait_for(session.get(base + "/v1/models"), 10)
+            listing = await response.json()
+            live.models_answer = "garbage"
+            response = await asyncio.wait_for(session.get(base + "/v1/models"), 10)
+            error = (await response.json())["error"]
+            metrics = await (await session.get(base + "/metrics")).text()
+        assert [m["id"] for m in listing["data"]] == ["m2"], listing
+        assert response.status == 503 and error["code"] == 503, error
+        assert f"{stuck.url}: TimeoutError" in error["message"] and f"{live.url}: " in error["message"], error
+        assert 'kvserve_router:requests_total{backend="none",code="200"} 1.0' in metrics, metrics
+        assert 'kvserve_router:requests_total{backend="none",code="503"} 1.0' in metrics, metrics
     _run(body)
 
 
