@@ -115,6 +115,30 @@ PROXIED_PATHS = ("/ping",)
 MAX_HELD_EVENT_BYTES = 4 * 1024 * 1024
 
 
+# How many times a request whose pooled connection the backend had closed is sent again (`RouterApp._send`): more
+# than one of the pooled connections to a backend may have been closed at once.
+STALE_CONNECTION_RETRIES = 3
+
+
+@dataclass
+class _Sent:
+    """A request's trace context (aiohttp's trace_request_ctx): whether it went out on a pooled connection."""
+
+    reused: bool = False
+
+
+def _reuse_trace() -> aiohttp.TraceConfig:
+    """Marks each request sent on a pooled connection (its `_Sent`)."""
+
+    async def reused(_: aiohttp.ClientSession, context: Any, __: aiohttp.TraceConnectionReuseconnParams) -> None:
+        if isinstance(context.trace_request_ctx, _Sent):
+            context.trace_request_ctx.reused = True
+
+    trace = aiohttp.TraceConfig()
+    trace.on_connection_reuseconn.append(reused)
+    return trace
+
+
 def _error(status: int, message: str, param: str | None = None) -> web.Response:
     from kvserve.entrypoints.openai.errors import error_body
 
@@ -195,6 +219,7 @@ class RouterApp:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S,
                                           sock_read=self.config.request_timeout_s),
             auto_decompress=False,
+            trace_configs=[_reuse_trace()],
         )
         await self.check_health()
         self._health_task = asyncio.create_task(self._health_loop())
@@ -483,6 +508,26 @@ class RouterApp:
         errors.append(f"{backend.url}: {why}")
         return "retried"
 
+    async def _send(self, request: web.Request, backend: Backend, body: bytes,
+                    headers: CIMultiDict[str]) -> aiohttp.ClientResponse:
+        """The request sent to `backend`, its answer's start. A pooled connection that the backend closed as it sat
+        idle (its keep-alive timeout, uvicorn's 5 s, kvserve's and vLLM's, ending as the request went out) fails with
+        a disconnect or a reset, the backend not having taken the request: it goes again on another connection (up to
+        STALE_CONNECTION_RETRIES times; aiohttp retries only GET-like methods), and the backend is not marked."""
+        assert self.session is not None
+        tries = 0
+        while True:
+            sent = _Sent()
+            try:
+                return await self.session.request(request.method, backend.url + request.path_qs, data=body,
+                                                  headers=headers, trace_request_ctx=sent)
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                if not sent.reused or tries >= STALE_CONNECTION_RETRIES:
+                    raise
+                tries += 1
+                logger.debug("%s %s: a pooled connection to %s was closed (%s): sending again", request.method,
+                             request.path, backend.url, _describe(exc))
+
     async def _forward(self, request: web.Request, backend: Backend, body: bytes, headers: CIMultiDict[str],
                        model: str | None, errors: list[str], unserved: list[str],
                        last: bool, lacking_response: list[str] | None = None) -> web.StreamResponse | None:
@@ -504,8 +549,7 @@ class RouterApp:
         delivered = False
         try:
             try:
-                upstream = await self.session.request(request.method, backend.url + request.path_qs, data=body,
-                                                      headers=headers)
+                upstream = await self._send(request, backend, body, headers)
             except aiohttp.ConnectionTimeoutError as exc:  # (a TimeoutError too) no connection: the next one
                 outcome = self._refused(backend, _describe(exc), errors)
                 return None

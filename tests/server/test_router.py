@@ -21,6 +21,7 @@ import aiohttp
 import httpx
 import pytest
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.entrypoints.openai.errors import NotFoundError
@@ -142,6 +143,11 @@ class FakeBackend:
         self.break_after: int | None = None  # chunks sent before the connection is dropped mid-answer
         self.break_inside = b""  # sent (the start of an event) just before that drop
         self.die_before_answer = False  # the connection is dropped once the request has come (no answer)
+        # A request on a connection that carried one before finds it closed (as a server closes an idle connection
+        # when its keep-alive timeout ends, just as the request goes out); counted in `closed_reused`.
+        self.close_reused = False
+        self.closed_reused = 0
+        self._carried: set[object] = set()  # the transports that carried a request
         # An answer of `status` whose body breaks off ("break": its connection dropped) or hangs ("hang") after
         # its start; None: its whole body.
         self.error_body_end: str | None = None
@@ -168,7 +174,7 @@ class FakeBackend:
         return f"http://127.0.0.1:{self.port}"
 
     async def start(self) -> None:
-        app = web.Application()
+        app = web.Application(middlewares=[self._close_reused])
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_get("/v1/models/{model:.+}", self.retrieve_model)
@@ -179,6 +185,15 @@ class FakeBackend:
         self.runner = web.AppRunner(app, handler_cancellation=True)
         await self.runner.setup()
         await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+
+    @web.middleware
+    async def _close_reused(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if self.close_reused and request.transport in self._carried and request.transport is not None:
+            self.closed_reused += 1
+            request.transport.close()
+            return web.Response()
+        self._carried.add(request.transport)
+        return await handler(request)
 
     async def stop(self) -> None:
         if self.runner is not None:
@@ -1185,6 +1200,24 @@ def test_an_error_answer_whose_body_breaks_off_goes_to_the_next_backend(caplog: 
             metrics = await (await session.get(base + "/metrics")).text()
         assert response.status == 503 and error["code"] == 503 and "every backend failed" in error["message"], error
         assert 'backend="none",code="503"} 1.0' in metrics and 'code="client_closed"' not in metrics, metrics
+    _run_quietly(body, caplog)
+
+
+def test_a_pooled_connection_the_backend_closed_is_sent_again_on_another(caplog: pytest.LogCaptureFixture) -> None:
+    """A backend that closes an idle connection as a request goes out on it (uvicorn's keep-alive timeout, 5 s,
+    kvserve's and vLLM's, ending at that moment) did not take the request: it goes again on another connection, and
+    the backend stays healthy. The router took it for a failed backend: marked unhealthy, and with no other one
+    the client got a 503 (seen about once in 60 requests sent near the keep-alive timeout)."""
+    async def body() -> None:
+        backend = FakeBackend("a", chunks=2, delay_s=0.0)
+        backend.close_reused = True
+        async with routed([backend], interval_s=60) as (app, base), aiohttp.ClientSession() as session:
+            results = [await _post(session, base) for _ in range(4)]
+            metrics = await (await session.get(base + "/metrics")).text()
+        assert [status for status, _, _ in results] == [200] * 4, results
+        assert backend.closed_reused and len(backend.seen) == 4  # each request taken once
+        assert app.router.backends[0].healthy and app.router.backends[0].failures == 0
+        assert f'kvserve_router:requests_total{{backend="{backend.url}",code="200"}} 4.0' in metrics, metrics
     _run_quietly(body, caplog)
 
 
