@@ -25,6 +25,8 @@ header is forwarded, so backends started with --api-key check it themselves.
 * A backend that refuses the connection, or answers 503 (draining, or its engine is gone), before any of
   the answer was sent, is skipped and the request goes to the next one: nothing was generated yet. It is
   marked unhealthy until its /health answers 200 again; when every backend is marked, each is still tried.
+  A request on a pooled connection that the backend closed as it went out (its keep-alive timeout ending then)
+  goes again on another connection (`RouterApp._send`); the backend is not marked.
   Once an answer has started, an error is the client's to see (it is passed on, or the stream ends). A
   backend silent for `--request-timeout` seconds (before its answer or between two chunks) ends the
   request: 504 before the answer (the replicas of `kvserve serve -dp N` have no such limit, as one server
