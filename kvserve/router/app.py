@@ -117,9 +117,10 @@ PROXIED_PATHS = ("/ping",)
 MAX_HELD_EVENT_BYTES = 4 * 1024 * 1024
 
 
-# How many times a request whose pooled connection the backend had closed is sent again (`RouterApp._send`): more
-# than one of the pooled connections to a backend may have been closed at once.
-STALE_CONNECTION_RETRIES = 3
+# How many times a request whose pooled connection the backend had closed is sent again (`RouterApp._send`): once. A
+# backend that took the request and then dropped the connection (one that died on it) looks the same from here, and
+# would be sent the request again each time.
+STALE_CONNECTION_RETRIES = 1
 
 
 @dataclass
@@ -514,8 +515,8 @@ class RouterApp:
                     headers: CIMultiDict[str]) -> aiohttp.ClientResponse:
         """The request sent to `backend`, its answer's start. A pooled connection that the backend closed as it sat
         idle (its keep-alive timeout, uvicorn's 5 s, kvserve's and vLLM's, ending as the request went out) fails with
-        a disconnect or a reset, the backend not having taken the request: it goes again on another connection (up to
-        STALE_CONNECTION_RETRIES times; aiohttp retries only GET-like methods), and the backend is not marked."""
+        a disconnect or a reset, the backend not having taken the request: it goes again on another connection (once,
+        STALE_CONNECTION_RETRIES; aiohttp retries only GET-like methods), and the backend is not marked."""
         assert self.session is not None
         tries = 0
         while True:
