@@ -70,6 +70,9 @@ class InferenceResponse:
         (tensor,) = self._outputs
         return [t.decode() for t in tensor.as_numpy().tolist()]
 
+    def outputs(self) -> dict[str, np.ndarray]:
+        return {t.name(): t.as_numpy() for t in self._outputs}
+
 
 class Sender:
     def __init__(self) -> None:
@@ -344,6 +347,57 @@ def test_request_parameters_stand_in_for_sampling_parameters(triton_model: Calla
     assert tensor_first.sender.sent[-1][0].text() == prompt + expected
     assert bad.sender.sent[-1][0].error().message() == "parameters: temperature must be a number, got 'warm'"
     assert "temprature" in unknown.sender.sent[-1][0].error().message()
+
+
+def test_return_flags_add_vllms_optional_outputs(triton_model: Callable[[bool], Any],
+                                                 tiny_model_dir: Callable[..., str]) -> None:
+    """vLLM's backend's return_finish_reason / _cumulative_logprob / _logprobs / _num_input_tokens /
+    _num_output_tokens inputs add those outputs (they were not inputs of the repository, so Triton refused such
+    requests, and the model ignored them): whole, the request's; streamed, each response's delta of logprobs
+    and tokens, the finish reason "None" until the last. Without the flags only text_output comes."""
+    model = triton_model(True)
+    prompt = "Hello, my name is"
+    flags = {f"return_{name}": True for name in ("finish_reason", "cumulative_logprob", "logprobs",
+                                                 "num_input_tokens", "num_output_tokens")}
+    params = json.dumps({"temperature": 0, "max_tokens": 5, "logprobs": 1})
+    whole = Request(text_input=prompt, sampling_parameters=params, exclude_input_in_output=True, **flags)
+    streamed = Request(text_input=prompt, sampling_parameters=params, stream=True, **flags)
+    plain = Request(text_input=prompt, sampling_parameters=params)
+    no_logprobs = Request(text_input=prompt, sampling_parameters=json.dumps({"max_tokens": 2}), **flags)
+    model.execute([whole, streamed, plain, no_logprobs])
+    from transformers import AutoTokenizer
+
+    for request in (whole, streamed, plain, no_logprobs):
+        assert request.sender.done.wait(60)
+    num_prompt = len(AutoTokenizer.from_pretrained(tiny_model_dir("llama"))(prompt)["input_ids"])
+    out = whole.sender.sent[-1][0].outputs()
+    assert [t.decode() for t in out["finish_reason"].tolist()] == ["length"]
+    assert out["num_input_tokens"].dtype == np.uint32 and out["num_input_tokens"].tolist() == [num_prompt]
+    assert out["num_output_tokens"].dtype == np.uint32 and out["num_output_tokens"].tolist() == [5]
+    (logprobs,) = [json.loads(t) for t in out["logprobs"].tolist()]
+    assert len(logprobs) == 5 and all({"logprob", "rank", "decoded_token"} <= set(next(iter(d.values())))
+                                      for d in logprobs)
+    sampled = [max(d.values(), key=lambda e: e["logprob"])["logprob"] for d in logprobs]  # greedy: the top one
+    assert out["cumulative_logprob"].dtype == np.float32
+    assert out["cumulative_logprob"].tolist() == pytest.approx([sum(sampled)], abs=1e-4)
+    pieces = [r.outputs() for r, _ in streamed.sender.sent if r is not None]
+    assert "".join(p["text_output"][0].decode() for p in pieces) == out["text_output"][0].decode()
+    assert [p["finish_reason"][0].decode() for p in pieces] == ["None"] * (len(pieces) - 1) + ["length"]
+    assert sum(int(p["num_output_tokens"][0]) for p in pieces) == 5
+    streamed_logprobs = sum((json.loads(p["logprobs"][0]) for p in pieces), [])
+    assert [{k: e["decoded_token"] for k, e in d.items()} for d in streamed_logprobs] == [
+        {k: e["decoded_token"] for k, e in d.items()} for d in logprobs]
+    assert pieces[-1]["cumulative_logprob"].tolist() == pytest.approx(out["cumulative_logprob"].tolist(), abs=1e-4)
+    assert set(plain.sender.sent[-1][0].outputs()) == {"text_output"}
+    bare = no_logprobs.sender.sent[-1][0].outputs()
+    assert bare["logprobs"].tolist() == [b"null"] and np.isnan(bare["cumulative_logprob"]).all()
+    text = config_pbtxt("m", 0, True, 1, "KIND_CPU", None)
+    for name in flags:
+        assert f'name: "{name}", data_type: TYPE_BOOL, dims: [ 1 ], optional: true' in text
+    for line in ('name: "finish_reason", data_type: TYPE_STRING', 'name: "cumulative_logprob", data_type: TYPE_FP32',
+                 'name: "logprobs", data_type: TYPE_STRING', 'name: "num_input_tokens", data_type: TYPE_UINT32',
+                 'name: "num_output_tokens", data_type: TYPE_UINT32'):
+        assert line in text
 
 
 def test_n_samples_each_get_their_text(triton_model: Callable[[bool], Any],

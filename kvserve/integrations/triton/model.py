@@ -17,9 +17,17 @@ Inputs (the names vLLM's Triton backend uses, so clients carry over):
   Numbers and booleans given as strings (`"0.7"`, `"128"`, `"true"`) are read as such, and
   `structured_outputs` (or vLLM's older `guided_decoding`) may be a JSON string;
 * `exclude_input_in_output` (BOOL, optional): without streaming, the output is the prompt followed by the
-  generated text unless this is true. A stream never carries the prompt: false with `stream` is refused.
+  generated text unless this is true. A stream never carries the prompt: false with `stream` is refused;
+* `return_finish_reason`, `return_cumulative_logprob`, `return_logprobs`, `return_num_input_tokens`,
+  `return_num_output_tokens` (BOOL, optional; vLLM's backend's): add the output of that name.
 
 Output `text_output` (STRING): one element a sample (`n` of them), each streamed response one delta a sample.
+The optional outputs, as vLLM's backend gives them: `finish_reason` (STRING, a sample's "stop", "length",
+"abort", or "None" while it runs), `cumulative_logprob` (FP32, NaN without the `logprobs` sampling field),
+`logprobs` (STRING, a sample's JSON list of `{token id: {"logprob", "rank", "decoded_token"}}` a token, or
+`null` without the `logprobs` field), `num_input_tokens` (UINT32, the prompt's) and `num_output_tokens`
+(UINT32, a sample's). A streamed response's logprobs and output token count are those of its delta; a stream
+asking for any of them also gets its sample's last update when that adds no text, so the finish reason comes.
 A bad request (no prompt, bad JSON or parameters, a prompt too long for the model) gets an error response with
 the reason; other requests are unaffected. A request cancelled by its client is aborted in the engine.
 """
@@ -44,6 +52,8 @@ except ImportError:  # pragma: no cover - outside Triton (tests install a stand-
     pb_utils = None
 
 ENGINE_ARGS_FILE = "kvserve.json"
+# vLLM's backend's optional outputs: input `return_<name>` (BOOL) asks for output `<name>`.
+ADDITIONAL_OUTPUTS = ("finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens", "num_output_tokens")
 
 
 def instance_visible_devices(visible: str | None, device_id: int, tensor_parallel_size: int) -> str | None:
@@ -90,12 +100,62 @@ def _text(value: Any) -> str:
     return value.decode("utf-8") if isinstance(value, (bytes, np.bytes_)) else str(value)
 
 
-def _output(texts: list[str], error: str | None = None) -> Any:
+def _output(texts: list[str], error: str | None = None, extra: dict[str, np.ndarray] | None = None) -> Any:
     pb = _pb()
     if error is not None:
         return pb.InferenceResponse(output_tensors=[], error=pb.TritonError(error))
-    tensor = pb.Tensor("text_output", np.array([t.encode("utf-8") for t in texts], dtype=np.object_))
-    return pb.InferenceResponse(output_tensors=[tensor])
+    tensors = [pb.Tensor("text_output", np.array([t.encode("utf-8") for t in texts], dtype=np.object_))]
+    tensors += [pb.Tensor(name, value) for name, value in (extra or {}).items()]
+    return pb.InferenceResponse(output_tensors=tensors)
+
+
+class _Extras:
+    """The optional outputs a request asked for (`ADDITIONAL_OUTPUTS`), from each sample's latest output; in a
+    stream each response's logprobs and output token count cover what the previous response had not."""
+
+    def __init__(self, wanted: frozenset[str], n: int) -> None:
+        self.wanted = wanted
+        self.samples: list[Any] = [None] * n  # each sample's latest CompletionOutput
+        self.sent_logprobs, self.sent_tokens = [0] * n, [0] * n
+        self.num_input_tokens = 0
+
+    def update(self, update: Any) -> None:
+        self.num_input_tokens = len(update.prompt_token_ids)
+        for out in update.outputs:
+            self.samples[out.index] = out
+
+    def tensors(self, delta: bool) -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = {}
+        samples = self.samples
+        if "finish_reason" in self.wanted:  # str(None) while running, as vLLM's backend
+            out["finish_reason"] = np.array([str(s.finish_reason if s else None).encode() for s in samples],
+                                            dtype=np.object_)
+        if "cumulative_logprob" in self.wanted:
+            out["cumulative_logprob"] = np.array(
+                [np.nan if s is None or s.cumulative_logprob is None else s.cumulative_logprob for s in samples],
+                dtype=np.float32)
+        if "logprobs" in self.wanted:
+            texts = []
+            for i, s in enumerate(samples):
+                if s is None or s.logprobs is None:
+                    texts.append(b"null")
+                    continue
+                start = self.sent_logprobs[i] if delta else 0
+                self.sent_logprobs[i] = len(s.logprobs)
+                texts.append(json.dumps([
+                    {token: {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                     for token, lp in entry.items()} for entry in s.logprobs[start:]]).encode())
+            out["logprobs"] = np.array(texts, dtype=np.object_)
+        if "num_input_tokens" in self.wanted:
+            out["num_input_tokens"] = np.array([self.num_input_tokens], dtype=np.uint32)
+        if "num_output_tokens" in self.wanted:
+            counts = []
+            for i, s in enumerate(samples):
+                total = len(s.token_ids) if s is not None else 0
+                counts.append(total - (self.sent_tokens[i] if delta else 0))
+                self.sent_tokens[i] = total
+            out["num_output_tokens"] = np.array(counts, dtype=np.uint32)
+        return out
 
 
 class TritonPythonModel:
@@ -135,8 +195,9 @@ class TritonPythonModel:
 
     # ------------------------------------------------------------------ requests
 
-    def _parse(self, request: Any) -> tuple[list[int], str, Any, bool, bool]:
-        """(prompt ids, prompt, SamplingParams, stream, exclude_input_in_output); ValueError on bad input."""
+    def _parse(self, request: Any) -> tuple[list[int], str, Any, bool, bool, frozenset[str]]:
+        """(prompt ids, prompt, SamplingParams, stream, exclude_input_in_output, the optional outputs asked
+        for); ValueError on bad input."""
         from kvserve.model.generation_defaults import apply_cap
         from kvserve.protocol.sampling_params import SamplingParams
 
@@ -145,6 +206,7 @@ class TritonPythonModel:
             raise ValueError("text_input is required")
         prompt = _text(prompt_value)
         stream_value, exclude_value = _input(request, "stream"), _input(request, "exclude_input_in_output")
+        flags = {name: _input(request, f"return_{name}") for name in ADDITIONAL_OUTPUTS}
         raw = _input(request, "sampling_parameters")
         source = "sampling_parameters"
         if raw is None or not _text(raw).strip():
@@ -165,6 +227,9 @@ class TritonPythonModel:
             exclude_param = _flag(fields.pop("exclude_input_in_output", None), "exclude_input_in_output")
             stream_value = stream_param if stream_value is None else stream_value  # the input tensors first
             exclude_value = exclude_param if exclude_value is None else exclude_value
+            for name in ADDITIONAL_OUTPUTS:
+                flag = _flag(fields.pop(f"return_{name}", None), f"return_{name}")
+                flags[name] = flag if flags[name] is None else flags[name]
         try:
             # What the request leaves out: the model's generation config, then SamplingParams' defaults.
             given = _read_fields({key: value for key, value in fields.items() if value is not None})  # null: left out
@@ -182,15 +247,17 @@ class TritonPythonModel:
             raise ValueError("a stream never carries the prompt: exclude_input_in_output=false cannot be given with "
                              "stream=true")
         ids = self.engine.input_processor.tokenize(prompt).prompt_token_ids
-        return ids, prompt, params, stream, bool(exclude_value or False)
+        wanted = frozenset(name for name, flag in flags.items() if flag)
+        return ids, prompt, params, stream, bool(exclude_value or False), wanted
 
-    async def _generate(self, request: Any, parsed: tuple[list[int], str, Any, bool, bool], sender: Any | None
-                        ) -> Any:
+    async def _generate(self, request: Any, parsed: tuple[list[int], str, Any, bool, bool, frozenset[str]],
+                        sender: Any | None) -> Any:
         """Run one parsed request: its final response (None after streaming its pieces through `sender`). One
         text a sample; a streamed response holds each sample's new text (empty where it has none)."""
-        ids, prompt, params, stream, exclude = parsed
+        ids, prompt, params, stream, exclude, wanted = parsed
         request_id = f"triton-{next(self._ids)}"
         texts = [""] * params.n
+        extras = _Extras(wanted, params.n)
         try:
             async for update in self.engine.generate(request_id, ids, params, prompt=prompt):
                 if _cancelled(request):
@@ -199,14 +266,19 @@ class TritonPythonModel:
                 deltas = [""] * params.n
                 for out in update.outputs:
                     texts[out.index], deltas[out.index] = out.text, out.text_delta
-                if stream and sender is not None and any(deltas):
-                    sender.send(_output(deltas))
+                extras.update(update)
+                # With optional outputs a sample's last update goes out even without text: its finish reason.
+                if stream and sender is not None and (
+                        any(deltas) or (wanted and any(out.finished for out in update.outputs))):
+                    sender.send(_output(deltas, extra=extras.tensors(delta=True)))
         except ValueError as exc:  # refused by the engine (e.g. too long for max_model_len)
             return _output([], error=str(exc))
-        return None if stream else _output([text if exclude else prompt + text for text in texts])
+        if stream:
+            return None
+        return _output([text if exclude else prompt + text for text in texts], extra=extras.tensors(delta=False))
 
-    async def _respond(self, request: Any, parsed: tuple[list[int], str, Any, bool, bool], sender: Any | None
-                       ) -> Any:
+    async def _respond(self, request: Any, parsed: tuple[list[int], str, Any, bool, bool, frozenset[str]],
+                       sender: Any | None) -> Any:
         """The request's final response: sent through `sender` (decoupled) or returned. Whatever stops the
         generation (the engine gone, an error in a step) ends this request with an error response of its own:
         a decoupled client is not left waiting for a final response, nor the batch's others failed."""

@@ -46,10 +46,21 @@ def config_pbtxt(name: str, max_batch_size: int, decoupled: bool, instances: int
         '  { name: "text_input", data_type: TYPE_STRING, dims: [ 1 ] },\n'
         '  { name: "stream", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },\n'
         '  { name: "sampling_parameters", data_type: TYPE_STRING, dims: [ 1 ], optional: true },\n'
-        '  { name: "exclude_input_in_output", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }\n'
+        '  { name: "exclude_input_in_output", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },\n'
+        # vLLM's backend's flags for its optional outputs (below)
+        '  { name: "return_finish_reason", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },\n'
+        '  { name: "return_cumulative_logprob", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },\n'
+        '  { name: "return_logprobs", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },\n'
+        '  { name: "return_num_input_tokens", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },\n'
+        '  { name: "return_num_output_tokens", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }\n'
         "]\n"
         "output [\n"
-        '  { name: "text_output", data_type: TYPE_STRING, dims: [ -1 ] }\n'
+        '  { name: "text_output", data_type: TYPE_STRING, dims: [ -1 ] },\n'
+        '  { name: "finish_reason", data_type: TYPE_STRING, dims: [ -1 ] },\n'
+        '  { name: "cumulative_logprob", data_type: TYPE_FP32, dims: [ -1 ] },\n'
+        '  { name: "logprobs", data_type: TYPE_STRING, dims: [ -1 ] },\n'
+        '  { name: "num_input_tokens", data_type: TYPE_UINT32, dims: [ 1 ] },\n'
+        '  { name: "num_output_tokens", data_type: TYPE_UINT32, dims: [ -1 ] }\n'
         "]\n"
         f"instance_group [\n  {{\n{group}  }}\n]\n"
         f"{params}"
