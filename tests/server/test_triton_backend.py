@@ -253,6 +253,39 @@ def test_requests_take_the_models_generation_config(triton_model: Callable[..., 
     assert "min_tokens" in responses[4].error().message() and "capped at 5" in responses[4].error().message()
 
 
+def test_vllms_model_json_is_read(triton_model: Callable[..., Any], tiny_model_dir: Callable[..., str],
+                                  tmp_path: Path) -> None:
+    """A vLLM repository's 1/model.json (its engine arguments, with vLLM's own such as disable_log_requests)
+    starts the engine when there is no kvserve.json: it was never read (the model failed to load, no
+    kvserve.json), and those arguments in kvserve.json failed with EngineArgs' bare TypeError. An argument
+    kvserve does not take is named, with the file; kvserve.json wins over model.json."""
+    from kvserve.integrations.triton.model import TritonPythonModel
+
+    version = tmp_path / "vllm_model" / "1"
+    version.mkdir(parents=True)
+    vllm_args = {"model": tiny_model_dir("llama"), "disable_log_requests": True, "gpu_memory_utilization": 0.5,
+                 "enforce_eager": True, "max_model_len": 128, "trust_remote_code": True, "device": "cpu",
+                 "kv_cache_memory": "64MiB"}
+    (version / "model.json").write_text(json.dumps(vllm_args))
+    model = TritonPythonModel()
+    model.initialize({"model_config": json.dumps({"name": "vllm_model"}), "model_repository": str(version.parent),
+                      "model_version": "1", "model_instance_kind": "CPU"})
+    try:
+        assert model.engine.config.model_config.max_model_len == 128
+        (response,) = model.execute([Request(text_input="Hi", sampling_parameters=json.dumps({"max_tokens": 2}))])
+        assert not response.has_error()
+    finally:
+        model.finalize()
+    from kvserve.integrations.triton.model import read_engine_args
+
+    (version / "model.json").write_text(json.dumps({**vllm_args, "enable_lora": True}))
+    with pytest.raises(ValueError, match=re.escape("model.json: kvserve does not take the engine argument "
+                                                   "enable_lora=True")):
+        read_engine_args(str(version))
+    (version / "kvserve.json").write_text(json.dumps({"model": "m", "max_model_len": 64}))
+    assert read_engine_args(str(version)) == {"model": "m", "max_model_len": 64}
+
+
 def test_a_gpu_instance_takes_the_gpu_triton_gave_it() -> None:
     """Triton numbers an instance's GPU among those tritonserver sees: with CUDA_VISIBLE_DEVICES set, the
     engine takes that entry of it (it took the first visible GPU for every instance); a tensor-parallel engine

@@ -2,8 +2,9 @@
 
 Triton runs this model's `TritonPythonModel` in its Python stub process. `initialize` starts a kvserve engine
 (the engine-core process, as `kvserve serve` does) with the engine arguments of `kvserve.json` beside the
-model file; requests go to it as they arrive, and the engine batches them continuously, so Triton's own
-dynamic batching only groups requests that arrive together.
+model file (or of vLLM's `model.json` there, when there is no kvserve.json); requests go to it as they arrive,
+and the engine batches them continuously, so Triton's own dynamic batching only groups requests that arrive
+together.
 
 Inputs (the names vLLM's Triton backend uses, so clients carry over):
 
@@ -35,6 +36,7 @@ the reason; other requests are unaffected. A request cancelled by its client is 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import os
@@ -52,6 +54,9 @@ except ImportError:  # pragma: no cover - outside Triton (tests install a stand-
     pb_utils = None
 
 ENGINE_ARGS_FILE = "kvserve.json"
+VLLM_ENGINE_ARGS_FILE = "model.json"  # vLLM's backend's name, read when there is no kvserve.json
+# vLLM AsyncEngineArgs that change nothing in this backend (it logs no requests), accepted at any value.
+_IGNORED_BACKEND_ARGS = ("disable_log_requests", "enable_log_requests")
 # vLLM's backend's optional outputs: input `return_<name>` (BOOL) asks for output `<name>`.
 ADDITIONAL_OUTPUTS = ("finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens", "num_output_tokens")
 
@@ -80,6 +85,36 @@ def model_visible_devices(visible: str | None, gpus: str) -> str:
         raise ValueError(f"kvserve_gpus {gpus} names GPUs beyond the {len(names)} that tritonserver sees "
                          f"(CUDA_VISIBLE_DEVICES={visible})")
     return ",".join(names[i] for i in ids)
+
+
+def read_engine_args(version_dir: str) -> dict[str, Any]:
+    """The engine arguments of the version directory's kvserve.json, or of vLLM's model.json when there is none
+    (a vLLM repository's engine arguments carry over): vLLM's aliases renamed, its arguments that change
+    nothing here (`disable_log_requests`, `trust_remote_code`, ...) dropped, and an argument kvserve does not
+    take a ValueError naming it and the file (it was EngineArgs' bare TypeError)."""
+    from kvserve.config import EngineArgs
+    from kvserve.engine.llm import _IGNORED_VLLM_ARGS, _VLLM_ALIASES
+
+    path = os.path.join(version_dir, ENGINE_ARGS_FILE)
+    if not os.path.exists(path) and os.path.exists(os.path.join(version_dir, VLLM_ENGINE_ARGS_FILE)):
+        path = os.path.join(version_dir, VLLM_ENGINE_ARGS_FILE)
+    with open(path) as f:
+        given = json.load(f)
+    if not isinstance(given, dict):
+        raise ValueError(f"{path} must hold a JSON object of engine arguments")
+    known = {f.name for f in dataclasses.fields(EngineArgs)} - {"extra"}
+    out: dict[str, Any] = {}
+    for name, value in given.items():
+        name = _VLLM_ALIASES.get(name, name)
+        if name in known:
+            out[name] = value
+        elif name in _IGNORED_BACKEND_ARGS or (
+                name in _IGNORED_VLLM_ARGS and (not _IGNORED_VLLM_ARGS[name] or value in _IGNORED_VLLM_ARGS[name])):
+            continue
+        else:
+            raise ValueError(f"{path}: kvserve does not take the engine argument {name}={value!r}. It takes: "
+                             f"{', '.join(sorted(known))}")
+    return out
 
 
 def _pb() -> Any:
@@ -167,8 +202,7 @@ class TritonPythonModel:
         self.model_config = json.loads(args["model_config"])
         self.decoupled = bool(pb.using_decoupled_model_transaction_policy(self.model_config))
         version_dir = os.path.join(args["model_repository"], args["model_version"])
-        with open(os.path.join(version_dir, ENGINE_ARGS_FILE)) as f:
-            engine_args = json.load(f)
+        engine_args = read_engine_args(version_dir)
         gpus = self.model_config.get("parameters", {}).get(GPUS_PARAMETER, {}).get("string_value")
         if args.get("model_instance_kind") == "GPU":
             # The engine process (spawned below) takes the GPU Triton gave this instance.
