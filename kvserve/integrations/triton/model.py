@@ -124,10 +124,16 @@ def _pb() -> Any:
 
 
 def _input(request: Any, name: str) -> Any:
+    """The input's one element (None when not given or empty). ValueError for more than one: a request of a
+    model with max_batch_size > 0 may carry a batch of them ([2, 1]), which would answer the first alone."""
     tensor = _pb().get_input_tensor_by_name(request, name)
     if tensor is None:
         return None
     values = np.asarray(tensor.as_numpy()).reshape(-1)
+    if values.size > 1:
+        raise ValueError(f"{name} holds {values.size} elements (shape {list(np.shape(tensor.as_numpy()))}): one "
+                         "prompt a request, so send each prompt of a batch as its own request (Triton's dynamic "
+                         "batching and kvserve's engine run them together)")
     return values[0] if values.size else None
 
 
