@@ -290,6 +290,30 @@ def test_vllms_model_json_is_read(triton_model: Callable[..., Any], tiny_model_d
     assert read_engine_args(str(version)) == {"model": "m", "max_model_len": 64}
 
 
+def test_finalize_lets_requests_in_flight_finish(triton_model: Callable[..., Any],
+                                                 tiny_model_dir: Callable[..., str], tmp_path: Path) -> None:
+    """finalize() while a decoupled request still streams: the request finishes and gets its final response
+    before the engine shuts down, as vLLM's backend waits for its ongoing requests. The engine was shut down
+    under it: the stream stopped without a final response (the client left waiting) and its task was
+    destroyed pending."""
+    from kvserve.integrations.triton.model import TritonPythonModel
+
+    model_dir = write_repository(str(tmp_path), "tiny", {"model": tiny_model_dir("llama"), "device": "cpu",
+                                                         "max_model_len": 256, "kv_cache_memory": "64MiB"},
+                                 device="cpu")
+    model = TritonPythonModel()
+    model.initialize({"model_config": json.dumps({"model_transaction_policy": {"decoupled": True}}),
+                      "model_repository": model_dir, "model_version": "1", "model_instance_kind": "CPU"})
+    streamed = Request(text_input="Hello", stream=True, return_num_output_tokens=True, return_finish_reason=True,
+                       sampling_parameters=json.dumps({"max_tokens": 64, "ignore_eos": True}))
+    model.execute([streamed])
+    model.finalize()
+    assert streamed.sender.done.is_set() and streamed.sender.sent[-1] == (None, FINAL)
+    pieces = [r.outputs() for r, _ in streamed.sender.sent if r is not None]
+    assert sum(int(p["num_output_tokens"][0]) for p in pieces) == 64
+    assert pieces[-1]["finish_reason"].tolist() == [b"length"]
+
+
 def test_a_gpu_instance_takes_the_gpu_triton_gave_it() -> None:
     """Triton numbers an instance's GPU among those tritonserver sees: with CUDA_VISIBLE_DEVICES set, the
     engine takes that entry of it (it took the first visible GPU for every instance); a tensor-parallel engine

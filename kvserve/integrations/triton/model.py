@@ -41,7 +41,7 @@ import itertools
 import json
 import os
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import Any
 
 import numpy as np
@@ -54,6 +54,8 @@ except ImportError:  # pragma: no cover - outside Triton (tests install a stand-
     pb_utils = None
 
 ENGINE_ARGS_FILE = "kvserve.json"
+# How long finalize() lets the requests in flight finish before it aborts them (vLLM's backend waits for them).
+FINALIZE_DRAIN_S = 60.0
 VLLM_ENGINE_ARGS_FILE = "model.json"  # vLLM's backend's name, read when there is no kvserve.json
 # vLLM AsyncEngineArgs that change nothing in this backend (it logs no requests), accepted at any value.
 _IGNORED_BACKEND_ARGS = ("disable_log_requests", "enable_log_requests")
@@ -229,6 +231,8 @@ class TritonPythonModel:
         self.engine = AsyncLLM(config)
         self._run(self.engine.start()).result()
         self._ids = itertools.count()
+        self._in_flight: set[Future[Any]] = set()  # each request's response future, until it is answered
+        self.drain_timeout_s = FINALIZE_DRAIN_S
 
     def _run(self, coro: Any) -> Future[Any]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
@@ -343,12 +347,22 @@ class TritonPythonModel:
                 if sender is not None:
                     sender.send(outcomes[-1], flags=_pb().TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
-            outcomes.append(self._run(self._respond(request, parsed, sender)))
+            future = self._run(self._respond(request, parsed, sender))
+            self._in_flight.add(future)
+            future.add_done_callback(self._in_flight.discard)
+            outcomes.append(future)
         if self.decoupled:
             return None
         return [o.result() if isinstance(o, Future) else o for o in outcomes]
 
     def finalize(self) -> None:
+        """Shut the engine down once the requests in flight (a decoupled model's outlive `execute`) have
+        finished, as vLLM's backend waits for them; those still running after `drain_timeout_s` are aborted
+        (finish reason "abort"), so each still gets its final response before the engine goes."""
+        pending = list(self._in_flight)
+        if wait(pending, timeout=self.drain_timeout_s).not_done:
+            self.loop.call_soon_threadsafe(self.engine.abort_all)
+            wait(pending, timeout=10)
         self._run(self.engine.shutdown()).result(timeout=60)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
