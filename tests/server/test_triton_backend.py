@@ -314,6 +314,53 @@ def test_finalize_lets_requests_in_flight_finish(triton_model: Callable[..., Any
     assert pieces[-1]["finish_reason"].tolist() == [b"length"]
 
 
+class AutoCompleteConfig:
+    """Triton's ModelConfig of auto_complete_config: the config as a dict, and its setters."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.config = config
+
+    def as_dict(self) -> dict[str, Any]:
+        return self.config
+
+    def add_input(self, tensor: dict[str, Any]) -> None:
+        self.config.setdefault("input", []).append(tensor)
+
+    def add_output(self, tensor: dict[str, Any]) -> None:
+        self.config.setdefault("output", []).append(tensor)
+
+    def set_model_transaction_policy(self, policy: dict[str, bool]) -> None:
+        self.config["model_transaction_policy"] = policy
+
+
+def test_auto_complete_fills_a_vllm_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A vLLM repository's config.pbtxt names no inputs or outputs (vLLM's backend adds them in
+    auto_complete_config): with kvserve's model it had none, so every request was refused. The inputs and
+    outputs it leaves out are added (those it names kept), and with no transaction policy it is decoupled,
+    as vLLM's; a policy the config sets stays."""
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", _stand_in())
+    from kvserve.integrations.triton.model import TritonPythonModel
+
+    vllm = TritonPythonModel.auto_complete_config(AutoCompleteConfig({"name": "vllm_model", "backend": "python"}))
+    config = vllm.as_dict()
+    assert [t["name"] for t in config["input"]] == [
+        "text_input", "stream", "sampling_parameters", "exclude_input_in_output", "return_finish_reason",
+        "return_cumulative_logprob", "return_logprobs", "return_num_input_tokens", "return_num_output_tokens"]
+    assert config["input"][0] == {"name": "text_input", "data_type": "TYPE_STRING", "dims": [1]}
+    assert all(t["optional"] for t in config["input"][1:])
+    assert {t["name"]: t["data_type"] for t in config["output"]} == {
+        "text_output": "TYPE_STRING", "finish_reason": "TYPE_STRING", "cumulative_logprob": "TYPE_FP32",
+        "logprobs": "TYPE_STRING", "num_input_tokens": "TYPE_UINT32", "num_output_tokens": "TYPE_UINT32"}
+    assert config["model_transaction_policy"] == {"decoupled": True}
+    own = {"input": [{"name": "text_input", "data_type": "TYPE_STRING", "dims": [1]}],
+           "output": [{"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]}],
+           "model_transaction_policy": {"decoupled": False}}
+    config = TritonPythonModel.auto_complete_config(AutoCompleteConfig(own)).as_dict()
+    assert [t["name"] for t in config["input"]].count("text_input") == 1 and len(config["input"]) == 9
+    assert [t["name"] for t in config["output"]].count("text_output") == 1 and len(config["output"]) == 6
+    assert config["model_transaction_policy"] == {"decoupled": False}
+
+
 def test_a_gpu_instance_takes_the_gpu_triton_gave_it() -> None:
     """Triton numbers an instance's GPU among those tritonserver sees: with CUDA_VISIBLE_DEVICES set, the
     engine takes that entry of it (it took the first visible GPU for every instance); a tensor-parallel engine

@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from kvserve.integrations.triton.repo import GPUS_PARAMETER
+from kvserve.integrations.triton.repo import GPUS_PARAMETER, INPUTS, OUTPUTS
 
 try:  # provided by Triton's Python backend inside its stub process
     import triton_python_backend_utils as pb_utils
@@ -202,6 +202,26 @@ class _Extras:
 
 
 class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(auto_complete_model_config: Any) -> Any:
+        """Triton's auto-complete (on unless tritonserver runs with --disable-auto-complete-config) adds the
+        inputs and outputs the config leaves out, as vLLM's backend adds its own: a vLLM repository's
+        config.pbtxt names none, so its clients' requests were refused ("unexpected inference input"). A config
+        that sets no transaction policy gets the decoupled one, as vLLM's backend requires; one that sets it
+        (as `kvserve triton-repo` writes) keeps it, and the batch size stays as the config has it."""
+        config = auto_complete_model_config.as_dict()
+        inputs = {tensor["name"] for tensor in config.get("input") or []}
+        outputs = {tensor["name"] for tensor in config.get("output") or []}
+        for tensor in INPUTS:
+            if tensor["name"] not in inputs:
+                auto_complete_model_config.add_input(dict(tensor))
+        for tensor in OUTPUTS:
+            if tensor["name"] not in outputs:
+                auto_complete_model_config.add_output(dict(tensor))
+        if "model_transaction_policy" not in config:
+            auto_complete_model_config.set_model_transaction_policy({"decoupled": True})
+        return auto_complete_model_config
+
     def initialize(self, args: dict[str, str]) -> None:
         from kvserve.config import EngineArgs
         from kvserve.engine.async_llm import AsyncLLM

@@ -26,6 +26,33 @@ from kvserve.integrations.triton.model import TritonPythonModel  # noqa: F401
 '''
 
 
+# The model's inputs and outputs: vLLM's Triton backend's names, types and shapes (its clients carry over).
+# Written into config.pbtxt, and added by the model's auto_complete_config to a config that leaves them out.
+INPUTS: list[dict[str, Any]] = [
+    {"name": "text_input", "data_type": "TYPE_STRING", "dims": [1]},
+    {"name": "stream", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
+    {"name": "sampling_parameters", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
+    {"name": "exclude_input_in_output", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
+    # the flags of vLLM's backend's optional outputs (below)
+    *({"name": f"return_{name}", "data_type": "TYPE_BOOL", "dims": [1], "optional": True}
+      for name in ("finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens", "num_output_tokens")),
+]
+OUTPUTS: list[dict[str, Any]] = [
+    {"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "finish_reason", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "cumulative_logprob", "data_type": "TYPE_FP32", "dims": [-1]},
+    {"name": "logprobs", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "num_input_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
+    {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
+]
+
+
+def _tensor_pbtxt(tensor: dict[str, Any]) -> str:
+    optional = ", optional: true" if tensor.get("optional") else ""
+    return (f'  {{ name: "{tensor["name"]}", data_type: {tensor["data_type"]}, '
+            f'dims: [ {", ".join(map(str, tensor["dims"]))} ]{optional} }}')
+
+
 def config_pbtxt(name: str, max_batch_size: int, decoupled: bool, instances: int, kind: str,
                  gpus: list[int] | None, parameters: dict[str, str] | None = None) -> str:
     """The model's config.pbtxt. `instances` is Triton's instance-group count: per listed GPU with KIND_GPU,
@@ -43,24 +70,10 @@ def config_pbtxt(name: str, max_batch_size: int, decoupled: bool, instances: int
         f"model_transaction_policy {{\n  decoupled: {'true' if decoupled else 'false'}\n}}\n"
         f"{batching}"
         "input [\n"
-        '  { name: "text_input", data_type: TYPE_STRING, dims: [ 1 ] },\n'
-        '  { name: "stream", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },\n'
-        '  { name: "sampling_parameters", data_type: TYPE_STRING, dims: [ 1 ], optional: true },\n'
-        '  { name: "exclude_input_in_output", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },\n'
-        # vLLM's backend's flags for its optional outputs (below)
-        '  { name: "return_finish_reason", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },\n'
-        '  { name: "return_cumulative_logprob", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },\n'
-        '  { name: "return_logprobs", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },\n'
-        '  { name: "return_num_input_tokens", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },\n'
-        '  { name: "return_num_output_tokens", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }\n'
+        + ",\n".join(map(_tensor_pbtxt, INPUTS)) + "\n"
         "]\n"
         "output [\n"
-        '  { name: "text_output", data_type: TYPE_STRING, dims: [ -1 ] },\n'
-        '  { name: "finish_reason", data_type: TYPE_STRING, dims: [ -1 ] },\n'
-        '  { name: "cumulative_logprob", data_type: TYPE_FP32, dims: [ -1 ] },\n'
-        '  { name: "logprobs", data_type: TYPE_STRING, dims: [ -1 ] },\n'
-        '  { name: "num_input_tokens", data_type: TYPE_UINT32, dims: [ 1 ] },\n'
-        '  { name: "num_output_tokens", data_type: TYPE_UINT32, dims: [ -1 ] }\n'
+        + ",\n".join(map(_tensor_pbtxt, OUTPUTS)) + "\n"
         "]\n"
         f"instance_group [\n  {{\n{group}  }}\n]\n"
         f"{params}"
