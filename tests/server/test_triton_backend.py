@@ -181,8 +181,10 @@ def test_one_response_per_request_and_errors_stay_with_their_request(triton_mode
         Request(text_input="word " * 400),  # longer than max_model_len
         Request(text_input="x", sampling_parameters=json.dumps({"logit_bias": [1, 2]})),  # not a mapping
         Request(text_input="x"),  # a client's batch of two prompts in one request (max_batch_size > 0): [2, 1]
+        Request(text_input="x", sampling_parameters=json.dumps({"stop": 5})),
+        Request(text_input="x", sampling_parameters=json.dumps({"stop_token_ids": 7})),
     ]
-    requests[-1]._inputs["text_input"] = Tensor("text_input", np.array([[b"one"], [b"two"]], dtype=np.object_))
+    requests[7]._inputs["text_input"] = Tensor("text_input", np.array([[b"one"], [b"two"]], dtype=np.object_))
     responses = model.execute(requests)
     assert len(responses) == len(requests)
     assert not responses[0].has_error()
@@ -196,6 +198,9 @@ def test_one_response_per_request_and_errors_stay_with_their_request(triton_mode
     assert errors[5].startswith("sampling_parameters: "), errors[5]  # an AttributeError escaped execute
     # It answered the first prompt alone, one text where the client waits for two
     assert "text_input holds 2 elements (shape [2, 1]): one prompt a request" in errors[6], errors[6]
+    # SamplingParams' "TypeError: 'int' object is not iterable" named no field
+    assert errors[7] == "sampling_parameters: stop must be a string or a list of strings, got 5", errors[7]
+    assert errors[8] == "sampling_parameters: stop_token_ids must be a list of token ids, got 7", errors[8]
 
 
 @pytest.mark.parametrize("decoupled", [True, False], ids=["decoupled", "plain"])

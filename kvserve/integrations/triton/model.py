@@ -403,6 +403,11 @@ def _flag(value: Any, name: str) -> bool | None:
     raise ValueError(f"parameters: {name} must be true or false, got {value!r}")
 
 
+# Sampling fields that hold a list (or, logit_bias, an object): what each must be.
+_CONTAINER_FIELDS = {"stop": "a string or a list of strings", "stop_token_ids": "a list of token ids",
+                     "allowed_token_ids": "a list of token ids", "logit_bias": "an object of token id: bias"}
+
+
 def _read_fields(fields: dict[str, Any]) -> dict[str, Any]:
     """Sampling fields as vLLM's Triton backend reads them: a number or boolean given as a string is read as
     the field's type ("0.7", "128", "true"), `structured_outputs` may be a JSON string, and vLLM's older
@@ -410,6 +415,11 @@ def _read_fields(fields: dict[str, Any]) -> dict[str, Any]:
     from kvserve.protocol.sampling_params import BOOL_FIELDS, FLOAT_FIELDS, INT_FIELDS
 
     out = dict(fields)
+    for key, kind in _CONTAINER_FIELDS.items():  # else SamplingParams' bare TypeError, naming no field
+        value = out.get(key)
+        if value is not None and not (isinstance(value, dict) if key == "logit_bias" else
+                                      isinstance(value, list) or (key == "stop" and isinstance(value, str))):
+            raise ValueError(f"{key} must be {kind}, got {value!r}")
     if "guided_decoding" in out:
         if "structured_outputs" in out:
             raise ValueError("give structured_outputs or guided_decoding (its older name), not both")
