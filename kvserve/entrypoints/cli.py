@@ -320,7 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a Triton Inference Server model repository that serves a model with kvserve",
         description="Write <out>/<name>/{config.pbtxt, 1/model.py, 1/kvserve.json}: a Python-backend model whose "
         "engine is kvserve, with the engine flags given here. Inputs text_input, stream, sampling_parameters "
-        "(JSON), exclude_input_in_output; output text_output.",
+        "(JSON), exclude_input_in_output and vLLM's backend's optional return_* flags; output text_output (and "
+        "the outputs those flags ask for).",
     )
     repo.add_argument("--name", required=True, help="the model's name in Triton")
     repo.add_argument("--out", default="models", help="the model repository directory (default: models)")
@@ -342,6 +343,10 @@ def build_parser() -> argparse.ArgumentParser:
                       "where Triton runs (default: the local snapshot paths they resolve to here)")
     add_engine_args(repo)
     add_generation_config_args(repo)
+    # vLLM's engine flags for request logging, in command lines written for its backend: this backend logs no
+    # requests, so either is taken and changes nothing
+    repo.add_argument("--disable-log-requests", "--enable-log-requests", action="store_true",
+                      dest="triton_log_requests_flag", help=argparse.SUPPRESS)
     repo.set_defaults(func=_cmd_triton_repo)
 
     from kvserve.router.policies import POLICIES

@@ -223,7 +223,7 @@ def parse_args_or_refuse(parser: argparse.ArgumentParser, argv: Sequence[str] | 
     (`explicit_booleans`), as vLLM reads them."""
     args = dashed_flags(sys.argv[1:] if argv is None else argv)
     try:
-        args = explicit_booleans(parser, dashed_flags(with_config_file(parser, args)))
+        args = explicit_booleans(parser, with_config_file(parser, args))
     except ConfigFileError as exc:
         parser.exit(2, f"{exc.prog or parser.prog}: error: --config {exc}\n")
     ns, extras = parser.parse_known_args(args)

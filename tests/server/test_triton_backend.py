@@ -623,14 +623,16 @@ def test_a_tensor_parallel_instance_takes_its_gpus() -> None:
 def test_triton_repo_writes_the_placement(tmp_path: Path, tiny_model_dir: Callable[..., str],
                                          capsys: pytest.CaptureFixture[str]) -> None:
     """The command writes the group of `instance_group` and refuses what cannot run (exit 2), writing
-    nothing."""
+    nothing. vLLM's --disable-log-requests (in command lines written for its backend) is taken: this backend
+    logs no requests, so it changes nothing written (it was an unrecognized argument)."""
     from kvserve.entrypoints.cli import main
 
     model = tiny_model_dir("llama")
     assert main(["triton-repo", "--name", "one", "--out", str(tmp_path), "--model", model, "--max-model-len", "64",
-                 "--gpus", "1", "--instances", "2", "--gpu-memory-utilization", "0.4"]) == 0
+                 "--gpus", "1", "--instances", "2", "--gpu-memory-utilization", "0.4", "--disable-log-requests"]) == 0
     text = (tmp_path / "one" / "config.pbtxt").read_text()
     assert "count: 2" in text and "kind: KIND_GPU" in text and "gpus: [ 1 ]" in text
+    assert "log_requests" not in (tmp_path / "one" / "1" / "kvserve.json").read_text()
     assert main(["triton-repo", "--name", "two", "--out", str(tmp_path), "--model", model, "--max-model-len", "64",
                  "--instances", "2"]) == 2
     assert "at most 0.50 (it is 0.9)" in capsys.readouterr().err
