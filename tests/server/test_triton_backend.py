@@ -24,7 +24,7 @@ import pytest
 from kvserve import LLM, SamplingParams
 from kvserve.integrations.triton.repo import config_pbtxt, write_repository
 
-from .conftest import REPO_ROOT
+from .conftest import REPO_ROOT, wait_for
 
 FINAL = 1
 
@@ -41,11 +41,17 @@ class Tensor:
 
 
 class TritonError:
-    def __init__(self, message: str) -> None:
+    CANCELLED = 6  # one of the codes Tritons since 23.10 give TritonError
+
+    def __init__(self, message: str, code: int | None = None) -> None:
         self._message = message
+        self._code = code
 
     def message(self) -> str:
         return self._message
+
+    def code(self) -> int | None:
+        return self._code
 
 
 class InferenceResponse:
@@ -165,6 +171,39 @@ def test_decoupled_streams_the_engines_text(triton_model: Callable[[bool], Any],
     assert [flags for _, flags in streamed.sender.sent] == [0] * len(pieces) + [FINAL]
     ((response, flags),) = whole.sender.sent
     assert flags == FINAL and response is not None and response.text() == "Hello, my name is" + expected
+
+
+class CancelledAfter(Request):
+    """A request its client cancels once the model has asked `checks` times."""
+
+    def __init__(self, checks: int, **inputs: Any) -> None:
+        super().__init__(**inputs)
+        self.checks = checks
+
+    def is_cancelled(self) -> bool:
+        self.checks -= 1
+        return self.checks < 0
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_a_cancelled_request_is_aborted_and_ends_with_a_cancelled_error(triton_model: Callable[[bool], Any],
+                                                                         decoupled: bool) -> None:
+    """A request cancelled by its client mid-way is aborted in the engine, and its final response is an error
+    with Triton's CANCELLED code, as vLLM's backend answers it; it was an empty response (decoupled) or the text
+    so far, both read as a success."""
+    model = triton_model(decoupled)
+    params = json.dumps({"temperature": 0, "max_tokens": 60, "ignore_eos": True})
+    request = CancelledAfter(3, text_input="Hello, my name is", stream=decoupled, sampling_parameters=params)
+    responses = model.execute([request])
+    if decoupled:
+        assert responses is None and request.sender.done.wait(60)
+        *pieces, (final, flags) = request.sender.sent
+        assert flags == FINAL and all(r is not None and not r.has_error() for r, _ in pieces)
+    else:
+        (final,) = responses
+    assert final is not None and final.has_error()
+    assert final.error().code() == TritonError.CANCELLED and "cancelled" in final.error().message()
+    wait_for(lambda: model.engine.num_unfinished_requests == 0, 10, "the engine to drop the request")
 
 
 def test_one_response_per_request_and_errors_stay_with_their_request(triton_model: Callable[[bool], Any],

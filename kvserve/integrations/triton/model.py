@@ -30,7 +30,8 @@ The optional outputs, as vLLM's backend gives them: `finish_reason` (STRING, a s
 (UINT32, a sample's). A streamed response's logprobs and output token count are those of its delta; a stream
 asking for any of them also gets its sample's last update when that adds no text, so the finish reason comes.
 A bad request (no prompt, bad JSON or parameters, a prompt too long for the model) gets an error response with
-the reason; other requests are unaffected. A request cancelled by its client is aborted in the engine.
+the reason; other requests are unaffected. A request cancelled by its client is aborted in the engine, and
+its final response is an error with Triton's CANCELLED code (as vLLM's backend answers it), not an empty success.
 """
 
 from __future__ import annotations
@@ -150,6 +151,18 @@ def _output(texts: list[str], error: str | None = None, extra: dict[str, np.ndar
     tensors = [pb.Tensor("text_output", np.array([t.encode("utf-8") for t in texts], dtype=np.object_))]
     tensors += [pb.Tensor(name, value) for name, value in (extra or {}).items()]
     return pb.InferenceResponse(output_tensors=tensors)
+
+
+CANCELLED_MESSAGE = "the request was cancelled"
+
+
+def _cancelled_response() -> Any:
+    """The final response of a request its client cancelled: an error with Triton's CANCELLED code (Tritons
+    before 23.10 have no codes: the message alone)."""
+    pb = _pb()
+    code = getattr(pb.TritonError, "CANCELLED", None)
+    error = pb.TritonError(CANCELLED_MESSAGE) if code is None else pb.TritonError(CANCELLED_MESSAGE, code)
+    return pb.InferenceResponse(output_tensors=[], error=error)
 
 
 class _Extras:
@@ -326,7 +339,7 @@ class TritonPythonModel:
             async for update in self.engine.generate(request_id, ids, params, prompt=prompt):
                 if _cancelled(request):
                     self.engine.abort(request_id)
-                    break
+                    return _cancelled_response()
                 deltas = [""] * params.n
                 for out in update.outputs:
                     texts[out.index], deltas[out.index] = out.text, out.text_delta
