@@ -459,11 +459,14 @@ class LlamaForCausalLM(CausalLM):
             except ValueError as exc:
                 raise ModelLoadError(f"checkpoint tensor {ckpt_name!r}: {exc}") from None
             loaded[param_name].add(shard_id)
+        # A GPTQ checkpoint not in activation order may leave g_idx out (its rows are in group order, k //
+        # group_size: what the load assumes without one, as vLLM does); an act-order one needs its order.
+        optional = (".g_idx",) if quant is not None and quant.method == "gptq" and not quant.act_order else ()
         missing = [
             f"{name} (shard {shard!r})" if shard is not None else name
             for name, param in params.items()
             for shard in param.shard_ids  # type: ignore[attr-defined]
-            if shard not in loaded[name]
+            if shard not in loaded[name] and not name.endswith(optional)
         ]
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")

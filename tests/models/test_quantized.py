@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Callable
 from typing import Any
 
@@ -293,6 +294,31 @@ def test_quantize_config_json_without_quant_method(quantized_pair: Callable, tmp
         json.dump(settings, f)
     with pytest.raises(ModelLoadError, match=r"quantize_config\.json: GPTQ with 3 bits"):
         EngineArgs(model=directory, device="cpu").create_engine_config()
+
+
+def test_gptq_without_g_idx(quantized_pair: Callable, tmp_path: Any) -> None:
+    """A GPTQ export without g_idx tensors: not in activation order, its rows are in group order, and it loads
+    as the checkpoint with them does (the same tokens; it was refused for the missing g_idx, where vLLM fills
+    the order in); in activation order the order is the checkpoint's own, and its absence is refused."""
+    from safetensors.torch import load_file, save_file
+
+    def without_g_idx(case_id: str) -> str:
+        directory = str(tmp_path / case_id)
+        shutil.copytree(quantized_pair(case_id)[0], directory)
+        path = os.path.join(directory, "model.safetensors")
+        tensors = load_file(path)
+        assert any(name.endswith(".g_idx") for name in tensors)
+        save_file({name: t for name, t in tensors.items() if not name.endswith(".g_idx")}, path)
+        return directory
+
+    params = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6)
+    outs = [LLM(model=path, device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=16)
+            .generate(PROMPTS, params, use_tqdm=False)
+            for path in (quantized_pair("gptq4-qwen2")[0], without_g_idx("gptq4-qwen2"))]
+    assert [o.outputs[0].token_ids for o in outs[0]] == [o.outputs[0].token_ids for o in outs[1]]
+    with pytest.raises(ModelLoadError, match=r"lacks weights for .*g_idx"):
+        LLM(model=without_g_idx("gptq4-qwen3-actorder"), device="cpu", dtype="float32", max_model_len=64,
+            num_kv_blocks=16)
 
 
 def test_autoawq_quant_config_json(quantized_pair: Callable, tmp_path: Any) -> None:
