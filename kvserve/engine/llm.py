@@ -50,6 +50,15 @@ _NONE_IS_DEFAULT = frozenset(f.name for f in dataclasses.fields(EngineArgs) if f
 _VLLM_ALIASES = {"num_gpu_blocks_override": "num_kv_blocks"}
 
 
+class UnknownEngineArgument(TypeError):
+    """An engine argument kvserve does not take (`_engine_args`); `known`: the settings it does."""
+
+    def __init__(self, name: str, value: Any, known: list[str]) -> None:
+        super().__init__(f"LLM() got an argument kvserve does not take: {name}={value!r}. Engine settings: "
+                         f"{', '.join(known)}")
+        self.name, self.value, self.known = name, value, known
+
+
 def _engine_args(given: dict[str, Any]) -> dict[str, Any]:
     """LLM(...)'s keyword arguments as EngineArgs takes them: vLLM's aliases renamed, None for a setting
     with a default left to the default (as vLLM reads None), the arguments that change nothing here dropped
@@ -66,8 +75,7 @@ def _engine_args(given: dict[str, Any]) -> dict[str, Any]:
         elif name in _IGNORED_VLLM_ARGS and (not _IGNORED_VLLM_ARGS[name] or value in _IGNORED_VLLM_ARGS[name]):
             logger.info("LLM(%s=%r): accepted for vLLM code; it changes nothing in kvserve", name, value)
         else:
-            raise TypeError(f"LLM() got an argument kvserve does not take: {name}={value!r}. Engine settings: "
-                            f"{', '.join(sorted(known - {'extra'}))}")
+            raise UnknownEngineArgument(name, value, sorted(known - {"extra"}))
     return out
 
 

@@ -37,7 +37,6 @@ its final response is an error with Triton's CANCELLED code (as vLLM's backend a
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import json
 import os
@@ -95,8 +94,7 @@ def read_engine_args(version_dir: str) -> dict[str, Any]:
     (a vLLM repository's engine arguments carry over): vLLM's aliases renamed, its arguments that change
     nothing here (`disable_log_requests`, `trust_remote_code`, ...) dropped, and an argument kvserve does not
     take a ValueError naming it and the file (it was EngineArgs' bare TypeError)."""
-    from kvserve.config import EngineArgs
-    from kvserve.engine.llm import _IGNORED_VLLM_ARGS, _VLLM_ALIASES
+    from kvserve.engine.llm import UnknownEngineArgument, _engine_args
 
     path = os.path.join(version_dir, ENGINE_ARGS_FILE)
     if not os.path.exists(path) and os.path.exists(os.path.join(version_dir, VLLM_ENGINE_ARGS_FILE)):
@@ -105,19 +103,11 @@ def read_engine_args(version_dir: str) -> dict[str, Any]:
         given = json.load(f)
     if not isinstance(given, dict):
         raise ValueError(f"{path} must hold a JSON object of engine arguments")
-    known = {f.name for f in dataclasses.fields(EngineArgs)} - {"extra"}
-    out: dict[str, Any] = {}
-    for name, value in given.items():
-        name = _VLLM_ALIASES.get(name, name)
-        if name in known:
-            out[name] = value
-        elif name in _IGNORED_BACKEND_ARGS or (
-                name in _IGNORED_VLLM_ARGS and (not _IGNORED_VLLM_ARGS[name] or value in _IGNORED_VLLM_ARGS[name])):
-            continue
-        else:
-            raise ValueError(f"{path}: kvserve does not take the engine argument {name}={value!r}. It takes: "
-                             f"{', '.join(sorted(known))}")
-    return out
+    try:  # (as LLM() reads its keyword arguments)
+        return _engine_args({k: v for k, v in given.items() if k not in _IGNORED_BACKEND_ARGS})
+    except UnknownEngineArgument as exc:
+        raise ValueError(f"{path}: kvserve does not take the engine argument {exc.name}={exc.value!r}. It takes: "
+                         f"{', '.join(exc.known)}") from None
 
 
 def _pb() -> Any:
