@@ -12,7 +12,12 @@ from typing import Any
 import pytest
 
 from kvserve.entrypoints.openai.cli_args import make_arg_parser, server_engine_args
-from kvserve.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS, parse_tool_calls, tool_call_stream
+from kvserve.entrypoints.openai.tool_parsers import (
+    TOOL_CALL_PARSERS,
+    joined_calls,
+    parse_tool_calls,
+    tool_call_stream,
+)
 
 from .test_tool_calls import TEXTS as HERMES_TEXTS
 from .test_tool_calls import WEATHER, _context, _post, _stream_messages, _tokens
@@ -80,13 +85,19 @@ def _functions(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
     # not calls: kept as written, tag and separators too
     ('{"answer": 42}', '{"answer": 42}', []),
     ('{"name": "f"}', '{"name": "f"}', []),
-    ('{"name": "f", "parameters": {}, "id": 1}', '{"name": "f", "parameters": {}, "id": 1}', []),
     ('{"type": "tool", "name": "f", "parameters": {}}', '{"type": "tool", "name": "f", "parameters": {}}', []),
-    ('{"name": "f", "parameters": {"x": NaN}}', '{"name": "f", "parameters": {"x": NaN}}', []),
     ('{"name": "f", "parameters": [1]}', '{"name": "f", "parameters": [1]}', []),
     (TAG + 'brave_search.call(query="x")', TAG + 'brave_search.call(query="x")', []),
     (TAG, TAG, []),
-    ('{"name": "f", "parameters": {"a": 1', '{"name": "f", "parameters": {"a": 1', []),  # cut short
+    # a call that names itself first and opens its arguments object streams from there: it is a call however it
+    # goes on (keys after the arguments dropped; arguments that stop being JSON, or are cut short, as written)
+    ('{"name": "f", "parameters": {}, "id": 1}', None, [{"name": "f", "arguments": "{}"}]),
+    ('{"name": "f", "parameters": {"x": NaN, "s": "}"}} Done.', " Done.", [{"name": "f", "arguments": '{"x": NaN, "s": "}"}'}]),
+    ('{"name": "f", "parameters": {"a": 1', None, [{"name": "f", "arguments": '{"a": 1'}]),  # cut short
+    ('{"name": "f", "type": "function", "parameters": {"a" :1.0e2}}', None, [{"name": "f", "arguments": '{"a": 100.0}'}]),
+    # read whole when it does not start so: the rules of a whole call
+    ('{"parameters": {}, "name": "f", "id": 1}', '{"parameters": {}, "name": "f", "id": 1}', []),
+    ('{"name": "f", "parameters": "{}", "id": 1}', '{"name": "f", "parameters": "{}", "id": 1}', []),
     # a bad call ends the calls: it and what follows are content, and a later tag starts them again
     ('{"name": "f", "parameters": {}}; {bad}; {"name": "g", "parameters": {}}',
      '; {bad}; {"name": "g", "parameters": {}}', [{"name": "f", "arguments": "{}"}]),
@@ -113,8 +124,14 @@ def test_llama3_json_rules(text, content, functions):
 
 
 def test_llama3_json_deep_nesting_stays_content():
-    text = '{"name": "f", "parameters": ' + "{" * 5000 + "}" * 5001
+    """Read whole (its arguments first), a call too deep for json to read is content; streamed, its arguments are
+    written as they come, whatever the depth."""
+    text = '{"parameters": ' + "{" * 5000 + "}" * 5000 + ', "name": "f"}'
     assert parse_tool_calls(text, "llama3_json").content == text
+    text = '{"name": "f", "parameters": ' + '{"a": ' * 5000 + "1" + "}" * 5001
+    parsed = parse_tool_calls(text, "llama3_json")
+    assert parsed.content is None
+    assert _functions(parsed.tool_calls) == [{"name": "f", "arguments": '{"a": ' * 5000 + "1" + "}" * 5000}]
 
 
 # ------------------------------------------------------------------------------------------ pythonic
@@ -187,7 +204,7 @@ def _streamed(parser: str, pieces: list[str], expected_content: str) -> tuple[st
         functions += delta.tool_calls
         assert expected_content.startswith(content), (pieces, content)
     delta = stream.feed("", final=True)
-    return content + delta.content, functions + delta.tool_calls
+    return content + delta.content, joined_calls(functions + delta.tool_calls)
 
 
 @pytest.mark.parametrize(("parser", "text"), EXAMPLES)
@@ -250,6 +267,11 @@ def test_text_without_calls_is_the_content_unchanged(parser, text):
     ("hermes", "", "\n"),
     ("hermes", '<tool_call>{"name": "f", "arguments": {}}</tool_call>', "\n"),
     ("hermes", '<tool_call>{"name": "f", "arguments": {"a": "', "x"),
+    # streamed arguments: a number, whitespace between values, arguments no longer JSON, text after the call
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": ', "1"),
+    ("llama3_json", '{"name": "f", "parameters": {"a": [', "\n"),
+    ("llama3_json", '{"name": "f", "parameters": {"a": NaN', " "),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {}}', " "),
 ])
 def test_a_long_run_costs_each_feed_only_its_own_text(parser, before, char):
     """A model may write tens of thousands of newlines (or a call's long argument) a token at a time, and
@@ -273,8 +295,9 @@ def test_a_long_run_costs_each_feed_only_its_own_text(parser, before, char):
     assert peak_bytes < 20_000
     delta = stream.feed("x", final=True)
     expected = parse_tool_calls(before + run + char * 10 + "x", parser)
-    assert content + delta.content == expected.content
-    assert functions + delta.tool_calls == _functions(expected.tool_calls)
+    content += delta.content
+    assert (content or None if expected.tool_calls else content) == expected.content
+    assert joined_calls(functions + delta.tool_calls) == _functions(expected.tool_calls)
 
 
 @pytest.mark.parametrize(("parser", "text", "undecided"), [
@@ -355,9 +378,7 @@ UNWRITABLE_CALLS = [
     # an integer Python reads but will not write (more than 4300 digits)
     ("pythonic", "[f(a=0x" + "f" * 4000 + ")]"),
     # a lone surrogate, from a JSON or Python escape: no UTF-8 response can hold it
-    ("llama3_json", '{"name": "f", "parameters": {"a": "\\ud800"}}'),
     ("llama3_json", '{"name": "\\udfff", "parameters": {}}'),
-    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": "\\ud800"}}</tool_call>'),
     ("hermes", '<tool_call>{"name": "f", "arguments": "{\\"a\\": \\"\\ud800\\"}"}</tool_call>'),
     ("pythonic", '[f(a="\\ud800")]'),
 ]

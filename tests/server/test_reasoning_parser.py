@@ -137,7 +137,11 @@ def _streamed(response: httpx.Response) -> tuple[dict[int, dict[str, Any]], list
                     message[key] = (message[key] or "") + piece
             if delta.get("reasoning"):
                 assert message["content"] is None, "reasoning after content"
-            message["tool_calls"] += delta.get("tool_calls", [])
+            for call in delta.get("tool_calls", []):  # a call's first piece has its id; the rest, more arguments
+                if "id" in call:
+                    message["tool_calls"].append(json.loads(json.dumps(call)))
+                else:
+                    message["tool_calls"][call["index"]]["function"]["arguments"] += call["function"]["arguments"]
             if choice["finish_reason"] is not None:
                 message["finish_reason"] = choice["finish_reason"]
     return messages, chunks

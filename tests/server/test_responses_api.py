@@ -142,6 +142,19 @@ def test_tool_calls_become_function_call_items_streamed_or_not():
         assert deltas == item["arguments"]
 
 
+def test_a_calls_last_arguments_and_the_text_after_it_in_one_chunk():
+    """A chunk that ends a call's streamed arguments and goes on with text: the arguments go to the call before
+    the message after it is opened (which closes the call), streamed or not."""
+    pieces = ['<tool_call>{"name": "get_weather", "arguments": {"city": ', '"Paris"}}</tool_call>\nDone.']
+    ctx, _ = _context([pieces])
+    body = {"input": "Weather in Paris?", "tools": [TOOL]}
+    for output in (_post(ctx, body, "/v1/responses").json()["output"],
+                   _events(_post(ctx, {**body, "stream": True}, "/v1/responses"))[-1]["response"]["output"]):
+        assert [item["type"] for item in output] == ["function_call", "message"]
+        assert json.loads(output[0]["arguments"]) == {"city": "Paris"}
+        assert output[1]["content"][0]["text"] == "\nDone."
+
+
 def test_max_tool_calls_and_parallel_tool_calls_false_keep_the_first_call():
     for extra in ({"max_tool_calls": 1}, {"parallel_tool_calls": False}):
         ctx, _ = _context([_tokens(TWO_CALLS)])

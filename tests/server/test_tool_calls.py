@@ -19,7 +19,13 @@ from kvserve.entrypoints.openai.api_server import build_app
 from kvserve.entrypoints.openai.cli_args import make_arg_parser, server_engine_args
 from kvserve.entrypoints.openai.middleware import ServerState
 from kvserve.entrypoints.openai.serving_common import ServingContext
-from kvserve.entrypoints.openai.tool_parsers import HermesStream, ParsedMessage, parse_tool_calls
+from kvserve.entrypoints.openai.tool_parsers import (
+    HermesStream,
+    ParsedMessage,
+    joined_calls,
+    parse_tool_calls,
+    tool_call_stream,
+)
 from kvserve.protocol.chat_messages import arguments_as_objects, for_chat_template
 from kvserve.protocol.outputs import CompletionOutput, RequestOutput
 from kvserve.protocol.sampling_params import SamplingParams
@@ -71,8 +77,20 @@ def test_parse_two_calls_after_content():
     ('Sure. <tool_call>{"name": "f", "arguments": {}}</tool_call> Done.', "Sure. Done.",
      [{"name": "f", "arguments": "{}"}]),
     ('Sure.\t\r\n<tool_call>{"name": "f", "arguments": {}}</tool_call>\r\n', "Sure.", [{"name": "f", "arguments": "{}"}]),
-    ('<tool_call>{"name": "f", "arguments": {}, "parameters": {}}</tool_call>',
-     '<tool_call>{"name": "f", "arguments": {}, "parameters": {}}</tool_call>', []),
+    # a call that names itself first and opens its arguments object streams from there: keys after its arguments
+    # are dropped, and arguments that stop being JSON go on as written (the model's, to be checked by the client)
+    ('<tool_call>{"name": "f", "arguments": {}, "parameters": {}}</tool_call>', None, [{"name": "f", "arguments": "{}"}]),
+    ('<tool_call>{"name": "f", "arguments": {"a": 1} , "id": 3}</tool_call>', None,
+     [{"name": "f", "arguments": '{"a": 1}'}]),
+    ('<tool_call>{"name": "f", "arguments": {"x": NaN, "y": [1]}} after}</tool_call>', " after}",
+     [{"name": "f", "arguments": '{"x": NaN, "y": [1]}'}]),
+    ('<tool_call>\n{"name": "f", "arguments": {"s": "a\\u00e9\\ud83d\\ude00\\/\\n", "n": -0, "m": 1.50E1, "t": true}}\n',
+     None, [{"name": "f", "arguments": '{"s": "aé😀/\\n", "n": 0, "m": 15.0, "t": true}'}]),
+    ('<tool_call>{"name": "f", "arguments": {"a": [1, 2], "b": "x', None, [{"name": "f", "arguments": '{"a": [1, 2], "b": "x'}]),
+    ('<tool_call>{"name": "f", "arguments": {"a": 1}</tool_call>', None, [{"name": "f", "arguments": '{"a": 1}'}]),
+    # a call read whole (its keys in another order, its arguments a string): by the rules of a whole call
+    ('<tool_call>{"arguments": {}, "name": "f", "id": 3}</tool_call>', '<tool_call>{"arguments": {}, "name": "f", "id": 3}</tool_call>', []),
+    ('<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call>', None, [{"name": "f", "arguments": '{"a": 1}'}]),
     ("   ", "   ", []),  # no tool calls: the whole text, as generated
     ('<tool_call>{"name": "f", "arguments": {"a": [1, 2]}}', None, [{"name": "f", "arguments": '{"a": [1, 2]}'}]),
     # a block that is not a call stays in the content, tags and all; the one that is, is a call
@@ -86,13 +104,9 @@ def test_parse_two_calls_after_content():
     # Llama-style "parameters" read as the arguments; no arguments or other keys: not a call (nothing dropped)
     ('<tool_call>{"name": "f", "parameters": {"a": 1}}</tool_call>', None, [{"name": "f", "arguments": '{"a": 1}'}]),
     ('<tool_call>{"name": "f"}</tool_call>', '<tool_call>{"name": "f"}</tool_call>', []),
-    ('<tool_call>{"name": "f", "arguments": {}, "id": 3}</tool_call>',
-     '<tool_call>{"name": "f", "arguments": {}, "id": 3}</tool_call>', []),
     ('<tool_call>{"name": "f", "arguments": null}</tool_call>', '<tool_call>{"name": "f", "arguments": null}</tool_call>', []),
     ('<tool_call>{"name": "f", "arguments": "[1]"}</tool_call>', '<tool_call>{"name": "f", "arguments": "[1]"}</tool_call>', []),
-    # NaN and Infinity are not JSON: the arguments string must be
-    ('<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>',
-     '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>', []),
+    # NaN and Infinity are not JSON: arguments given as a string must be
     ('<tool_call>{"name": "f", "arguments": "{\\"x\\": Infinity}"}</tool_call>',
      '<tool_call>{"name": "f", "arguments": "{\\"x\\": Infinity}"}</tool_call>', []),
     ("Sure.\xa0<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>", "Sure.\xa0", [{"name": "f", "arguments": "{}"}]),
@@ -112,20 +126,21 @@ def test_any_chunking_streams_the_full_parse(text):
     expected = parse_tool_calls(text, "hermes")
     rng = random.Random(text)
     for trial in range(30):
-        stream, content, functions = HermesStream(), "", []
+        stream, content, pieces = HermesStream(), "", []
         position = 0
         while position < len(text):
             size = 1 if trial == 0 else rng.randint(1, 6)
             delta = stream.feed(text[position:position + size])
             position += size
             content += delta.content
-            functions += delta.tool_calls
+            pieces += delta.tool_calls
             assert (expected.content or "").startswith(content), (trial, content)
         delta = stream.feed("", final=True)
         content += delta.content
-        functions += delta.tool_calls
-        assert (content or None if functions else content) == expected.content
-        assert functions == _functions(expected.tool_calls)
+        pieces += delta.tool_calls
+        assert (content or None if pieces else content) == expected.content
+        assert joined_calls(pieces) == _functions(expected.tool_calls)
+        assert stream.last_call_cut == expected.last_call_cut
 
 
 def test_deeply_nested_output_stays_content():
@@ -139,7 +154,7 @@ def test_stream_holds_back_a_partial_start_tag():
     assert stream.feed("Hello <tool").content == "Hello"
     assert stream.feed("_c").content == ""
     released = stream.feed('all>{"name": "f", "arguments": {}}</tool_call>')
-    assert released.content == "" and released.tool_calls == [{"name": "f", "arguments": "{}"}]
+    assert released.content == "" and joined_calls(released.tool_calls) == [{"name": "f", "arguments": "{}"}]
     stream = HermesStream()
     assert stream.feed("x <tool").content == "x"
     assert stream.feed("box").content == " <toolbox"  # not a tag after all: released
@@ -148,9 +163,10 @@ def test_stream_holds_back_a_partial_start_tag():
 # ------------------------------------------------------------------------------------------ the endpoint
 
 
-def _context(outputs: list[list[str]], parser: str | None = "hermes") -> tuple[ServingContext, list[dict]]:
-    """A server whose model writes each `outputs` sample's pieces, one a step; the template's calls are
-    recorded (their messages and keyword arguments)."""
+def _context(outputs: list[list[str]], parser: str | None = "hermes",
+             finish_reason: str = "stop") -> tuple[ServingContext, list[dict]]:
+    """A server whose model writes each `outputs` sample's pieces, one a step, and ends it with `finish_reason`;
+    the template's calls are recorded (their messages and keyword arguments)."""
     rendered: list[dict] = []
 
     def apply_chat_template(messages: list[dict], chat_template: str | None, add_generation_prompt: bool,
@@ -170,7 +186,8 @@ def _context(outputs: list[list[str]], parser: str | None = "hermes") -> tuple[S
                 text = "".join(pieces[: step + 1])
                 delta = pieces[step] if step < len(pieces) else ""
                 samples.append(CompletionOutput(
-                    index, text, list(range(min(step, len(pieces) - 1) + 1)), finish_reason="stop" if done else None,
+                    index, text, list(range(min(step, len(pieces) - 1) + 1)),
+                    finish_reason=finish_reason if done else None,
                     text_delta=delta, token_ids_delta=[step] if step < len(pieces) else []))
             yield RequestOutput(request_id, prompt, ids, samples, finished=step == steps - 1)
 
@@ -218,10 +235,15 @@ def _stream_messages(response: httpx.Response) -> tuple[dict[int, dict[str, Any]
             if delta.get("content"):
                 message["content"] = (message["content"] or "") + delta["content"]
             for call in delta.get("tool_calls", []):
-                assert call["index"] == len(message["tool_calls"])  # each call whole, in order
+                if "id" not in call:  # more of the last call's arguments
+                    assert call["index"] == len(message["tool_calls"]) - 1 and set(call) == {"index", "function"}
+                    assert set(call["function"]) == {"arguments"}
+                    message["tool_calls"][-1]["function"]["arguments"] += call["function"]["arguments"]
+                    continue
+                assert call["index"] == len(message["tool_calls"])  # calls in order, each begun once
                 assert call["id"].startswith("chatcmpl-tool-") and call["type"] == "function"
                 assert call["id"] not in {c["id"] for m in messages.values() for c in m["tool_calls"]}
-                message["tool_calls"].append(call)
+                message["tool_calls"].append(json.loads(json.dumps(call)))
             if choice["finish_reason"] is not None:
                 finish[choice["index"]] = choice["finish_reason"]
     return messages, finish
@@ -256,6 +278,109 @@ def test_chat_returns_tool_calls_and_the_stream_says_the_same():
         assert streamed[index]["content"] == choice["message"]["content"]
         assert [c["function"] for c in streamed[index]["tool_calls"]] == _functions(choice["message"]["tool_calls"])
     assert _empty_chunks(stream) == 0  # the tokens of a call held back send nothing until it is parsed
+
+
+def test_a_calls_arguments_stream_as_they_are_written():
+    """Once a call has written its name and opened its arguments, the stream sends the call (id, type, name)
+    and then its arguments as they come, re-written as the full response writes them; joined, the stream's
+    message is the full response's."""
+    note = "a long note, " * 12
+    text = ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city":"Paris",\n "note": "' + note
+            + '", "days": [1,2,3]}}\n</tool_call>')
+    ctx, _ = _context([_tokens(text)])
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER]}
+    message = _post(ctx, body).json()["choices"][0]["message"]
+    assert message["content"] == "Checking."
+    assert _functions(message["tool_calls"]) == [{"name": "get_weather", "arguments": json.dumps(
+        {"city": "Paris", "note": note, "days": [1, 2, 3]})}]
+    stream = _post(ctx, {**body, "stream": True})
+    calls = [call for line in stream.text.splitlines() if line.startswith("data: {")
+             for choice in json.loads(line[len("data: "):])["choices"] for call in choice["delta"].get("tool_calls", [])]
+    assert calls[0]["function"]["name"] == "get_weather" and len(calls) > 10  # one token of arguments at a time
+    assert "".join(c["function"]["arguments"] for c in calls) == message["tool_calls"][0]["function"]["arguments"]
+    streamed, finish = _stream_messages(stream)
+    assert streamed[0]["content"] == message["content"] and finish == {0: "tool_calls"}
+    assert _functions(streamed[0]["tool_calls"]) == _functions(message["tool_calls"])
+    assert _empty_chunks(stream) == 0
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+def test_a_call_cut_short_keeps_the_engines_finish_reason(parser):
+    """A call whose arguments the token limit cut off is still the call it began as (streamed, it was sent):
+    its arguments are what was written, and the finish reason stays "length", as OpenAI's, so the client
+    knows they are cut."""
+    start = {"hermes": "<tool_call>\n", "llama3_json": ""}[parser]
+    text = start + '{"name": "get_weather", "arguments": {"city": "Par'
+    ctx, _ = _context([_tokens(text)], parser=parser, finish_reason="length")
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER]}
+    choice = _post(ctx, body).json()["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert _functions(choice["message"]["tool_calls"]) == [{"name": "get_weather", "arguments": '{"city": "Par'}]
+    streamed, finish = _stream_messages(_post(ctx, {**body, "stream": True}))
+    assert finish == {0: "length"} and _functions(streamed[0]["tool_calls"]) == _functions(choice["message"]["tool_calls"])
+    # a whole call before the limit: "tool_calls"
+    ctx, _ = _context([_tokens(start + '{"name": "get_weather", "arguments": {"city": "Paris"}}')], parser=parser,
+                      finish_reason="length")
+    assert _post(ctx, body).json()["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def _random_json(rng: random.Random, depth: int = 0) -> Any:
+    kind = rng.choice(["int", "float", "str", "bool", "null"] + (["list", "dict"] * 2 if depth < 4 else []))
+    if kind == "int":
+        return rng.choice([0, -1, 7, 10**20, -(10**12)])
+    if kind == "float":
+        return rng.choice([0.5, -2.25, 1e-7, 3e20, 1.0, -0.0])
+    if kind == "str":
+        return "".join(rng.choice(['a', ' ', '"', "\\", "/", "\n", "\t", "\x01", "\x7f", "é", "\u2028", "😀", "}", "{", "]"])
+                       for _ in range(rng.randint(0, 6)))
+    if kind == "bool":
+        return rng.random() < 0.5
+    if kind == "null":
+        return None
+    if kind == "list":
+        return [_random_json(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+    return {_random_json_key(rng): _random_json(rng, depth + 1) for _ in range(rng.randint(0, 3))}
+
+
+def _random_json_key(rng: random.Random) -> str:
+    return rng.choice(["a", "b c", "ключ", 'q"', "k\\", ""])
+
+
+def _random_writing(value: Any, rng: random.Random) -> str:
+    """JSON text of `value` as a model might write it: any spacing, escaped or not, numbers in other forms."""
+    space = lambda: rng.choice(["", "", " ", "\n  ", "\t"])  # noqa: E731
+    if isinstance(value, dict):
+        items = [f"{space()}{_random_writing(k, rng)}{space()}:{space()}{_random_writing(v, rng)}{space()}"
+                 for k, v in value.items()]
+        return "{" + ",".join(items) + "}" if items else "{" + space() + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(space() + _random_writing(v, rng) + space() for v in value) + "]"
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=rng.random() < 0.5).replace("/", rng.choice(["/", "\\/"]))
+    if isinstance(value, float) and value == 1.0:
+        return rng.choice(["1.0", "1.00", "1e0", "10E-1"])
+    return json.dumps(value)
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+def test_streamed_arguments_are_written_as_the_full_json(parser):
+    """Property: arguments of any JSON, written with any spacing and escaping and fed in any chunks, stream as
+    `json.dumps` writes the object (the message a full response has always had)."""
+    rng = random.Random(parser)
+    start, end = {"hermes": ("<tool_call>\n", "\n</tool_call>"), "llama3_json": ("", "")}[parser]
+    for _ in range(300):
+        arguments = {_random_json_key(rng): _random_json(rng) for _ in range(rng.randint(0, 4))}
+        text = start + '{"name": "f", "arguments": ' + _random_writing(arguments, rng) + "}" + end
+        expected = json.dumps(arguments, ensure_ascii=False)
+        parsed = parse_tool_calls(text, parser)
+        assert _functions(parsed.tool_calls) == [{"name": "f", "arguments": expected}], text
+        stream, pieces, position = tool_call_stream(parser), [], 0
+        while position < len(text):
+            size = rng.randint(1, 5)
+            pieces += stream.feed(text[position:position + size]).tool_calls
+            position += size
+        pieces += stream.feed("", final=True).tool_calls
+        assert joined_calls(pieces) == [{"name": "f", "arguments": expected}], text
 
 
 def test_parallel_tool_calls_false_returns_the_first_call_only():

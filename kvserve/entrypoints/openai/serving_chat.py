@@ -38,6 +38,7 @@ from kvserve.entrypoints.openai.serving_common import (
 )
 from kvserve.entrypoints.openai.sse import SSE_DONE, sse
 from kvserve.entrypoints.openai.tool_parsers import (
+    ToolCallPiece,
     ToolCallStream,
     parse_tool_calls,
     tool_call_id,
@@ -365,7 +366,7 @@ async def chat_full(ctx: ServingContext, chat: PreparedChat) -> dict[str, Any]:
             parsed = parse_tool_calls(text or "", ctx.tool_call_parser)
             content = parsed.content if parsed.content or not chat.parse_reasoning else None
             message = {"role": chat.role, "content": content, "tool_calls": parsed.tool_calls[: chat.max_tool_calls]}
-            if parsed.tool_calls:
+            if parsed.tool_calls and not parsed.last_call_cut:  # cut short: the engine's reason ("length")
                 finish_reason = "tool_calls"
         elif chat.forced_tool is not None:  # the text is the arguments
             message = {"role": chat.role, "content": None, "tool_calls": [
@@ -459,6 +460,14 @@ async def chat_stream(ctx: ServingContext, chat: PreparedChat, include_usage: bo
     yield SSE_DONE
 
 
+def _call_delta(piece: ToolCallPiece) -> dict[str, Any]:
+    """A stream chunk's `tool_calls` entry for a piece of a call: its first with the id, type and name."""
+    if piece.name is None:
+        return {"index": piece.index, "function": {"arguments": piece.arguments}}
+    return {"index": piece.index, "id": tool_call_id(), "type": "function",
+            "function": {"name": piece.name, "arguments": piece.arguments}}
+
+
 def _choice_deltas(ctx: ServingContext, chat: PreparedChat, update: RequestOutput, finished_sent: set[int],
                    num_tokens_by_choice: dict[int, int], tool_streams: dict[int, ToolCallStream] | None = None,
                    forced_started: set[int] | None = None,
@@ -519,15 +528,13 @@ def _choice_deltas(ctx: ServingContext, chat: PreparedChat, update: RequestOutpu
                 assert ctx.tool_call_parser is not None  # check_tools: "auto" needs it
                 tool_streams[completion.index] = tool_call_stream(ctx.tool_call_parser)
             tools = tool_streams[completion.index]
-            first = tools.num_tool_calls
             found = tools.feed(text_delta, final=completion.finished)
             delta = {"content": found.content} if found.content else {}
-            calls = [{"index": first + k, "id": tool_call_id(), "type": "function", "function": f}
-                     for k, f in enumerate(found.tool_calls)
-                     if chat.max_tool_calls is None or first + k < chat.max_tool_calls]
+            calls = [_call_delta(piece) for piece in found.tool_calls
+                     if chat.max_tool_calls is None or piece.index < chat.max_tool_calls]
             if calls:
                 delta["tool_calls"] = calls
-            if tools.num_tool_calls:
+            if tools.num_tool_calls and not tools.last_call_cut:  # cut short: the engine's reason ("length")
                 finish_reason = "tool_calls"
         if reasoning_delta and not chat.hide_reasoning:
             delta = {"reasoning": reasoning_delta, **delta}

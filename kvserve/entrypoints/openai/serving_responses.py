@@ -637,10 +637,17 @@ class ResponseRun:
                     if delta.get("reasoning"):
                         events += out.reasoning(delta["reasoning"])
                     logprobs = (choice["logprobs"] or {}).get("content") or [] if prep.logprobs else []
+                    # In order: the arguments of a call under way end before the text after it, which comes before
+                    # the calls that start after it.
+                    calls = delta.get("tool_calls", [])
+                    for call in calls:
+                        if call["index"] in out.calls:
+                            events += out.call(call)
                     if delta.get("content") or (logprobs and out.open is not None and out.open["type"] == "message"):
                         events += out.text(delta.get("content", ""), logprobs)
-                    for call in delta.get("tool_calls", []):
-                        events += out.call(call)
+                    for call in calls:
+                        if call["index"] not in out.calls and "id" in call:
+                            events += out.call(call)
                     if choice["finish_reason"] is not None:
                         finish_reason = choice["finish_reason"]
                     for event in events:

@@ -12,28 +12,39 @@ Each parser reads one format:
   value a Python literal; Llama 4 may write it between ``<|python_start|>`` and ``<|python_end|>``.
 
 One algorithm per parser serves the full response and the stream, so the two agree whatever the stream's
-chunking: a `ToolCallStream` is fed the text as it comes and releases content and tool calls as soon as they
-are certain, and `parse_tool_calls` is that stream fed the whole text at once. The rules:
+chunking: a `ToolCallStream` is fed the text as it comes and releases content and pieces of tool calls as soon
+as they are certain, and `parse_tool_calls` is that stream fed the whole text at once. The rules:
 
-* a JSON call (`hermes`, `llama3_json`) is an object of a non-empty string ``name`` and its arguments (an
+* a JSON call (`hermes`, `llama3_json`) whose text starts ``{"name": "<name>", "arguments": {`` (or
+  ``"parameters"``; `llama3_json` also allows ``"type": "function"`` before the arguments; any JSON spacing;
+  no escape in those keys and the name) streams: the call (its name) is released there, and its arguments as
+  they are written. While they are JSON they are re-written as `json.dumps` writes them (its spacing, its
+  escapes, Python's reading of each number), so that a whole object comes out as it always did; from the first
+  character that cannot continue JSON (NaN, a lone surrogate's escape, a stray quote) the rest of the arguments
+  object is passed on as written, to its closing brace. Keys after the arguments are dropped. A call cut off
+  before its arguments close keeps what was written (`last_call_cut`: the response keeps the engine's finish
+  reason, "length", as OpenAI's does for arguments cut short). Once sent, a call cannot be taken back: the
+  client checks its arguments, as OpenAI's API asks of every client;
+* any other JSON call is read whole at its end: an object of a non-empty string ``name`` and its arguments (an
   object, or a JSON string of one) under ``arguments`` or ``parameters``, and no other key (`llama3_json`
   also allows ``"type": "function"``); NaN and Infinity are not JSON;
-* a pythonic call is ``name(key=value, ...)``: a plain name, no positional or repeated arguments, values
-  that are Python literals convertible to JSON (str keys, no NaN, sets or bytes), read with `ast`, never
-  evaluated; a list with anything else in it (or an empty list) holds no calls;
-* a call the response could not carry is not one: arguments with an integer too long for Python to write,
-  or a lone surrogate (which a JSON or Python ``\\ud800`` escape reads as) in the name or arguments;
+* a pythonic call is read whole: ``name(key=value, ...)``: a plain name, no positional or repeated
+  arguments, values that are Python literals convertible to JSON (str keys, no NaN, sets or bytes), read with
+  `ast`, never evaluated; a list with anything else in it (or an empty list) holds no calls;
+* a call read whole that the response could not carry is not one: arguments with an integer too long for
+  Python to write, or a lone surrogate (which a JSON or Python ``\\ud800`` escape reads as) in the name or
+  arguments (streamed arguments keep such an escape or number as written);
 * whatever is not a call stays in the content as written (tags, ``<|python_tag|>``, separators and all,
   but for the ``;`` below), so nothing the model wrote is lost;
 * `hermes`: text outside the tags is content; a block left open at the end (the request ran out of
-  tokens) counts as closed there;
+  tokens) counts as closed there; text in a block after a streamed call's object is content;
 * `llama3_json` and `pythonic`: calls are read only where the reply starts and right after each
   ``<|python_tag|>`` (for `pythonic`, also ``<|python_start|>``), where the text (after whitespace) must
   open the call (``{``, ``[``); the call ends at its matching bracket (brackets inside strings, Python's
   triple-quoted ones too, do not count) and what follows is content, except, for `llama3_json`, a ``;``
   followed by another call (a ``;`` followed only by whitespace, the end or ``<|python_tag|>`` is
   dropped), and, after calls opened by ``<|python_start|>``, the ``<|python_end|>`` closing them (dropped);
-  a call still open at the end (cut short) is content;
+  a call read whole still open at the end (cut short) is content;
 * text after the bracket that no call can start with is content as soon as it shows (not held until its
   bracket closes): for `pythonic` the list must start ``[`` name ``(``; for `llama3_json` the object's first
   key must be one a call has (``name``, ``type``, ``parameters``, ``arguments``); a tag later in such text
@@ -48,6 +59,7 @@ from __future__ import annotations
 import ast
 import json
 import math
+import re
 import uuid
 import warnings
 from abc import ABC, abstractmethod
@@ -163,18 +175,316 @@ def _is_partial(text: str, tag: str) -> bool:
     return len(text) < len(tag) and tag.startswith(text)
 
 
+_HEAD_LIMIT = 512  # a call's start longer than this (a long name, whitespace) is read whole at its end
+_HEAD_OPEN = re.compile(r"[ \t\n\r]*\{")
+_HEAD_PAIR = re.compile(r'[ \t\n\r]*"(name|type)"[ \t\n\r]*:[ \t\n\r]*"([^"\\\x00-\x1f]*)"[ \t\n\r]*,')
+_HEAD_ARGUMENTS = re.compile(r'[ \t\n\r]*"(?:arguments|parameters)"[ \t\n\r]*:[ \t\n\r]*\{')
+_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+_NUMBER_CHARS = frozenset("0123456789+-.eE")
+_NUMBER_LIMIT = 1000  # a longer number (a model's loop) is passed on as written, not held whole
+_STRING_STOP = re.compile(r'["\\\x00-\x1f]')  # what ends a run of a string's plain characters
+_SIMPLE_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
+_HEX = frozenset("0123456789abcdefABCDEF")
+_LITERALS = ("true", "false", "null")
+
+
+def _json_char(char: str) -> str:
+    """A string's character as `json.dumps(..., ensure_ascii=False)` writes it."""
+    return json.dumps(char, ensure_ascii=False)[1:-1]
+
+
+class _StreamedCall:
+    """One JSON call's text (hermes' block body, llama3_json's object), read as it comes so that its arguments
+    stream (see the module docstring). Phases: "head" while the call's start is undecided; "whole" when it does
+    not start as a streamed call does (its host reads it whole at its end, by the rules before); "arguments"
+    while the arguments object is JSON, re-written as `json.dumps` writes it; "raw" from the first character
+    that is not JSON, passed on as written; "tail" after the arguments object, through the call object's end
+    (dropped); "done" after that end.
+
+    NOTE: work per feed is proportional to its text (plus the bounded head): nothing is kept but the parse's
+    state and an unfinished token (a number, a literal, a string escape: a few characters)."""
+
+    def __init__(self, allow_type: bool) -> None:
+        self._allow_type = allow_type  # llama3_json's "type": "function" before the arguments
+        self.phase: Literal["head", "whole", "arguments", "raw", "tail", "done"] = "head"
+        self._head = ""
+        self.name = ""
+        # "arguments": the open containers ("{" or "["), what may come next, and an unfinished token
+        self._stack: list[str] = []
+        self._expect: Literal["key", "key or end", "colon", "value", "value or end", "comma or end"] = "key or end"
+        self._in_string = False
+        self._in_key = False
+        self._token = ""
+        self._token_kind: Literal["", "number", "literal", "escape"] = ""
+        # "raw" and "tail": braces outside strings, the call object's own counted (as `_LeadingCallStream._scan`)
+        self._depth = 0
+        self._quoted = False
+        self._escaped = False
+
+    def feed(self, text: str) -> tuple[str, int | None]:
+        """The arguments' text released by `text`, and where in `text` the call object ended (the index after
+        its closing brace), None while it is open. In "head" and "whole" nothing is released; the phase tells
+        whether the call has begun streaming (its `name` then set)."""
+        out: list[str] = []
+        start = 0
+        if self.phase == "head":
+            start = self._feed_head(text)
+            if start is None:
+                return "", None
+            out.append("{")
+        if self.phase == "whole":
+            return "", None
+        end = self._feed_body(text, start, out)
+        return "".join(out), end
+
+    def finish(self) -> tuple[str, bool]:
+        """The call's text ended before its object closed (its block's end, or the reply's): the arguments'
+        last text (an unfinished token, as written), and whether the arguments were cut short."""
+        if self.phase == "arguments":
+            token, self._token = self._token, ""
+            return token, True
+        return "", self.phase == "raw"
+
+    def _feed_head(self, text: str) -> int | None:
+        """Whether the call's start, with `text`, opens its arguments after its name: then the phase moves on
+        and the index in `text` after the arguments' brace is returned."""
+        head = self._head + text[: _HEAD_LIMIT]
+        opened = _HEAD_OPEN.match(head)
+        seen: dict[str, str] | None = {} if opened else None
+        position = opened.end() if opened else 0
+        while seen is not None:
+            arguments = _HEAD_ARGUMENTS.match(head, position)
+            if arguments is not None:
+                if "name" not in seen:
+                    break
+                start = arguments.end() - len(self._head)
+                self.phase, self.name, self._stack, self._head = "arguments", seen["name"], ["{"], ""
+                return start
+            pair = _HEAD_PAIR.match(head, position)
+            if pair is None or pair[1] in seen or (pair[1] == "name" and not pair[2]) or (
+                    pair[1] == "type" and (not self._allow_type or pair[2] != "function")):
+                break
+            seen[pair[1]] = pair[2]
+            position = pair.end()
+        if len(head) >= _HEAD_LIMIT or (opened is None and head.lstrip(_WHITESPACE)):
+            self.phase, self._head = "whole", ""
+        else:
+            self._head = head
+        return None
+
+    def _feed_body(self, text: str, i: int, out: list[str]) -> int | None:
+        while i < len(text):
+            if self.phase == "arguments":
+                if self._in_string and not self._token_kind:  # a run of plain characters at once
+                    stop = _STRING_STOP.search(text, i)
+                    j = len(text) if stop is None else stop.start()
+                    if j > i:
+                        out.append(text[i:j])
+                        i = j
+                        continue
+                if not self._json_step(text[i], out):
+                    self._to_raw(text[i], out)
+                i += 1
+                continue
+            if self.phase == "done":
+                return i
+            char = text[i]
+            i += 1
+            if self.phase == "raw":
+                out.append(char)
+            self._raw_step(char)
+            if self.phase == "done":
+                return i
+        return i if self.phase == "done" else None
+
+    def _raw_step(self, char: str) -> None:
+        """A brace counted outside strings; the arguments object's close ends "raw", the call's "tail"."""
+        if self._quoted:
+            if self._escaped:
+                self._escaped = False
+            elif char == "\\":
+                self._escaped = True
+            elif char == '"':
+                self._quoted = False
+        elif char == '"':
+            self._quoted = True
+        elif char == "{":
+            self._depth += 1
+        elif char == "}":
+            self._depth -= 1
+            if self._depth == 1 and self.phase == "raw":
+                self.phase = "tail"
+            elif self._depth == 0:
+                self.phase = "done"
+
+    def _to_raw(self, char: str, out: list[str]) -> None:
+        """`char` is not JSON here: the unfinished token and it are passed on as written, and counted from the
+        structure the JSON so far has (each open object a brace, the call's own too)."""
+        self.phase = "raw"
+        self._depth = 1 + self._stack.count("{")
+        self._quoted, self._escaped = self._in_string, False
+        token, self._token, self._token_kind = self._token, "", ""
+        for c in token + char:
+            out.append(c)
+            self._raw_step(c)
+
+    def _json_step(self, char: str, out: list[str]) -> bool:
+        """One character of the arguments while they are JSON; False when it cannot continue them."""
+        kind = self._token_kind
+        if kind == "escape":
+            return self._escape_step(char, out)
+        if self._in_string:
+            if char == "\\":
+                self._token, self._token_kind = char, "escape"
+                return True
+            if char != '"':
+                return False  # a control character (the plain ones went in runs)
+            out.append(char)
+            self._in_string = False
+            self._expect = "colon" if self._in_key else "comma or end"
+            return True
+        if kind == "number":
+            if char in _NUMBER_CHARS and len(self._token) < _NUMBER_LIMIT:
+                self._token += char
+                return True
+            if not self._end_number(out):
+                return False
+        elif kind == "literal":
+            self._token += char
+            if self._token in _LITERALS:
+                out.append(self._token)
+                self._token, self._token_kind, self._expect = "", "", "comma or end"
+                return True
+            if any(literal.startswith(self._token) for literal in _LITERALS):
+                return True
+            self._token = self._token[:-1]  # `char` goes on raw after the token
+            return False
+        if char in _WHITESPACE:
+            return True
+        expect = self._expect
+        if expect in ("key", "key or end") and char == '"':
+            out.append(char)
+            self._in_string = self._in_key = True
+        elif expect == "colon" and char == ":":
+            out.append(": ")
+            self._expect = "value"
+        elif expect == "comma or end" and char == ",":
+            out.append(", ")
+            self._expect = "key" if self._stack[-1] == "{" else "value"
+        elif (expect in ("key or end", "comma or end") and char == "}" and self._stack[-1:] == ["{"]) or (
+                expect in ("value or end", "comma or end") and char == "]" and self._stack[-1:] == ["["]):
+            out.append(char)
+            self._stack.pop()
+            self._expect = "comma or end"
+            if not self._stack:  # the arguments' object closed: the rest of the call's object is dropped
+                self.phase, self._depth, self._quoted, self._escaped = "tail", 1, False, False
+        elif expect in ("value", "value or end"):
+            if char in "{[":
+                out.append(char)
+                self._stack.append(char)
+                self._expect = "key or end" if char == "{" else "value or end"
+            elif char == '"':
+                out.append(char)
+                self._in_string, self._in_key = True, False
+            elif char == "-" or char.isdigit():
+                self._token, self._token_kind = char, "number"
+            elif char in "tfn":
+                self._token, self._token_kind = char, "literal"
+            else:
+                return False
+        else:
+            return False
+        return True
+
+    def _end_number(self, out: list[str]) -> bool:
+        """The number token ends (a character that is not a number's follows): written as `json.dumps` writes
+        the number Python reads; False when it is no JSON number or one Python will not write (too many
+        digits)."""
+        token = self._token
+        if _NUMBER.fullmatch(token) is None:
+            return False
+        try:
+            if any(c in token for c in ".eE"):
+                value = float(token)
+                written = repr(value) if math.isfinite(value) else token
+            else:
+                written = str(int(token))
+        except ValueError:
+            return False
+        out.append(written)
+        self._token, self._token_kind, self._expect = "", "", "comma or end"
+        return True
+
+    def _escape_step(self, char: str, out: list[str]) -> bool:
+        """A string's escape, ``\\x`` or ``\\uXXXX`` (a surrogate pair two of them), written decoded as
+        `json.dumps` writes its character; a lone surrogate is not written (no UTF-8 response holds it)."""
+        token = self._token = self._token + char
+        if len(token) == 2:
+            if char in _SIMPLE_ESCAPES:
+                out.append(_json_char(_SIMPLE_ESCAPES[char]))
+                self._token, self._token_kind = "", ""
+                return True
+            return char == "u" or self._bad_token()
+        if len(token) == 7 or len(token) == 8:  # the second escape of a pair
+            return char == "\\u"[len(token) - 7] or self._bad_token()
+        if char not in _HEX:
+            return self._bad_token()
+        if len(token) == 6:
+            code = int(token[2:], 16)
+            if 0xD800 <= code < 0xDC00:
+                return True  # a high surrogate: its low one must follow
+            if 0xDC00 <= code < 0xE000:
+                return self._bad_token()
+            out.append(_json_char(chr(code)))
+            self._token, self._token_kind = "", ""
+        elif len(token) == 12:
+            low = int(token[8:], 16)
+            if not 0xDC00 <= low < 0xE000:
+                return self._bad_token()
+            high = int(token[2:6], 16)
+            out.append(chr(0x10000 + ((high - 0xD800) << 10) + (low - 0xDC00)))
+            self._token, self._token_kind = "", ""
+        return True
+
+    def _bad_token(self) -> bool:
+        """The escape token, with its last character, is not JSON: that character goes on raw after the rest."""
+        self._token = self._token[:-1]
+        return False
+
+
+@dataclass
+class ToolCallPiece:
+    """Part of a tool call: its first piece has its `name` (None on the others); `arguments` is the next text of
+    its arguments (a JSON string when all pieces are joined)."""
+
+    index: int  # the call's index among the response's calls
+    name: str | None
+    arguments: str
+
+
 @dataclass
 class ToolCallDelta:
-    """What one `feed` releases: content text and complete tool calls (OpenAI `function` objects)."""
+    """What one `feed` releases: content text and pieces of tool calls, in order (one piece per call at most)."""
 
     content: str = ""
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    tool_calls: list[ToolCallPiece] = field(default_factory=list)
+
+
+def joined_calls(pieces: list[ToolCallPiece]) -> list[dict[str, str]]:
+    """The OpenAI `function` objects of the calls that `pieces` (all of them, in order) make."""
+    functions: list[dict[str, str]] = []
+    for piece in pieces:
+        if piece.name is not None:
+            functions.append({"name": piece.name, "arguments": piece.arguments})
+        else:
+            functions[piece.index]["arguments"] += piece.arguments
+    return functions
 
 
 class ToolCallStream(ABC):
     """One choice's text, fed as it is generated, read by one parser (see the module docstring for the
     rules). A subclass's `_advance` consumes what is decided of `_buffer`, all of it when `final`, and
-    releases it through `_content` and `_call`.
+    releases it through `_content`, and `_call` (a whole call) or `_start_call` and `_arguments` (a streamed one).
 
     NOTE: a feed's work is proportional to its text (plus a bounded tail), not to the text before it: a
     model may write tens of thousands of newlines, or a long call, one token at a time, and each feed runs
@@ -186,6 +496,7 @@ class ToolCallStream(ABC):
         self._buffer = ""  # text not decided yet
         self._held_space: list[str] = []  # whitespace released only if content, not a tool call, follows it
         self.num_tool_calls = 0
+        self.last_call_cut = False  # whether the last call's arguments were cut off by the end of the text
 
     def feed(self, text: str, final: bool = False) -> ToolCallDelta:
         out = ToolCallDelta()
@@ -213,10 +524,40 @@ class ToolCallStream(ABC):
         self._held_space = [text[len(stripped):]] if len(stripped) < len(text) else []
 
     def _call(self, out: ToolCallDelta, function: dict[str, Any]) -> None:
-        """Release a tool call; the whitespace held before it goes with it."""
+        """Release a whole tool call; the whitespace held before it goes with it."""
+        self._start_call(out, function["name"])
+        self._arguments(out, function["arguments"])
+
+    def _start_call(self, out: ToolCallDelta, name: str) -> None:
+        """Release a tool call's start (its arguments follow); the whitespace held before it goes with it."""
         self._held_space = []
-        out.tool_calls.append(function)
+        out.tool_calls.append(ToolCallPiece(self.num_tool_calls, name, ""))
         self.num_tool_calls += 1
+        self.last_call_cut = False
+
+    def _arguments(self, out: ToolCallDelta, text: str) -> None:
+        """Release more of the last call's arguments."""
+        if not text:
+            return
+        if out.tool_calls and out.tool_calls[-1].index == self.num_tool_calls - 1:
+            out.tool_calls[-1].arguments += text
+        else:
+            out.tool_calls.append(ToolCallPiece(self.num_tool_calls - 1, None, text))
+
+    def _streamed_text(self, out: ToolCallDelta, call: _StreamedCall, text: str) -> int | None:
+        """Feed `text` of a call's text to its reader, releasing the call's start when it begins to stream and
+        its arguments as they come; where in `text` the call object ended (None while open)."""
+        streaming = call.phase not in ("head", "whole")
+        arguments, end = call.feed(text)
+        if not streaming and call.phase not in ("head", "whole"):
+            self._start_call(out, call.name)
+        self._arguments(out, arguments)
+        return end
+
+    def _end_streamed(self, out: ToolCallDelta, call: _StreamedCall) -> None:
+        """A streamed call's text ended before its object closed (its block's end, or the reply's)."""
+        arguments, self.last_call_cut = call.finish()
+        self._arguments(out, arguments)
 
 
 class HermesStream(ToolCallStream):
@@ -227,7 +568,9 @@ class HermesStream(ToolCallStream):
     def __init__(self) -> None:
         super().__init__()
         self._inside = False  # within a <tool_call> block
-        self._body: list[str] = []  # the block's text searched already; the buffer holds the rest
+        self._body: list[str] = []  # the block's text searched already, while it may be read whole
+        self._reader = _StreamedCall(allow_type=False)  # the block's call, streamed once it begins as one
+        self._trailing: list[str] = []  # the block's text after a streamed call's object
 
     def _advance(self, out: ToolCallDelta, final: bool) -> None:
         while True:
@@ -235,17 +578,12 @@ class HermesStream(ToolCallStream):
                 end = self._buffer.find(self._END)
                 if end < 0 and not final:
                     keep = _partial_suffix(self._buffer, self._END)
-                    self._body.append(self._buffer[: len(self._buffer) - keep])
+                    self._block_text(out, self._buffer[: len(self._buffer) - keep])
                     self._buffer = self._buffer[len(self._buffer) - keep:]
                     return
-                body = "".join(self._body) + (self._buffer if end < 0 else self._buffer[:end])
+                self._block_text(out, self._buffer if end < 0 else self._buffer[:end])
                 self._buffer = "" if end < 0 else self._buffer[end + len(self._END):]
-                self._inside, self._body = False, []
-                call = _tool_call(body.strip())
-                if call is not None:
-                    self._call(out, call)
-                else:
-                    self._content(out, self._START + body + ("" if end < 0 else self._END))
+                self._end_block(out, closed=end >= 0)
                 continue
             start = self._buffer.find(self._START)
             if start >= 0:
@@ -257,6 +595,39 @@ class HermesStream(ToolCallStream):
             self._content(out, self._buffer[: len(self._buffer) - keep])
             self._buffer = self._buffer[len(self._buffer) - keep:]
             return
+
+    def _block_text(self, out: ToolCallDelta, text: str) -> None:
+        reader = self._reader
+        if reader.phase in ("head", "whole"):
+            self._body.append(text)
+        if reader.phase == "done":
+            self._trailing.append(text)
+            return
+        end = self._streamed_text(out, reader, text)
+        if reader.phase not in ("head", "whole"):
+            self._body = []
+        if end is not None:
+            self._trailing.append(text[end:])
+
+    def _end_block(self, out: ToolCallDelta, closed: bool) -> None:
+        """The block ended (its closing tag, or the text's end): a call streamed ends; otherwise the body is
+        read whole, a call or content."""
+        reader = self._reader
+        if reader.phase in ("head", "whole"):
+            body = "".join(self._body)
+            call = _tool_call(body.strip())
+            if call is not None:
+                self._call(out, call)
+            else:
+                self._content(out, self._START + body + (self._END if closed else ""))
+        else:
+            if reader.phase != "done":
+                self._end_streamed(out, reader)
+            trailing = "".join(self._trailing)
+            if trailing.strip(_WHITESPACE):  # text after the call's object, within the block: content
+                self._content(out, trailing)
+        self._inside, self._body, self._trailing = False, [], []
+        self._reader = _StreamedCall(allow_type=False)
 
 
 class _LeadingCallStream(ToolCallStream):
@@ -278,8 +649,8 @@ class _LeadingCallStream(ToolCallStream):
         super().__init__()
         # "opening": a call may open here (the reply's start, after a tag or a separator); "call": within one
         # (its text is `_section` and then the buffer); "after": just after a call (a separator or a closing
-        # tag may follow); "text": content
-        self._state: Literal["opening", "call", "after", "text"] = "opening"
+        # tag may follow); "text": content; "streamed": within a call whose arguments stream (`_reader` reads it)
+        self._state: Literal["opening", "call", "streamed", "after", "text"] = "opening"
         self._lead: list[str] = []  # the tag or separator and whitespace before a call: content unless one follows
         self._after_separator = False  # in "opening": the lead ends with a separator, dropped before a tag or the end
         self._closer: str | None = None  # the tag that closes the calls' block, dropped after them
@@ -289,6 +660,7 @@ class _LeadingCallStream(ToolCallStream):
         self._escaped = False
         self._scanned = 0
         self._head: bool | None = None  # whether the call's start reads as a call's: None until decided
+        self._reader: _StreamedCall | None = None  # the call's reader, for a format whose arguments stream
 
     @abstractmethod
     def _head_step(self, char: str) -> bool | None:
@@ -298,6 +670,10 @@ class _LeadingCallStream(ToolCallStream):
 
     def _reset_head(self) -> None:
         """Called as each call opens: a subclass resets what its `_head_step` keeps."""
+
+    def _new_reader(self) -> _StreamedCall | None:
+        """A reader for a call opening now, when the format's arguments stream (None: each call is read whole)."""
+        return None
 
     @abstractmethod
     def _read(self, section: str) -> list[dict[str, Any]] | None: ...
@@ -340,13 +716,37 @@ class _LeadingCallStream(ToolCallStream):
                     self._state, self._section, self._buffer = "call", [self._OPEN], rest[len(self._OPEN):]
                     self._depth, self._quote, self._escaped, self._scanned, self._head = 1, None, False, 0, None
                     self._reset_head()
+                    self._reader = self._new_reader()
+                    if self._reader is not None:
+                        self._reader.feed(self._OPEN)
                 elif self._after_separator and (not rest or any(rest.startswith(tag) for tag in self._OPENERS)):
                     self._state, self._lead = "text", []  # a separator with no call after it: dropped
                 else:  # no call here: the tag or separator is content, and so is what follows
                     self._content(out, "".join(self._lead))
                     self._state, self._lead, self._closer = "text", [], None
                 continue
-            end = self._scan(final)  # state "call"
+            if self._state == "streamed":
+                assert self._reader is not None
+                end = self._streamed_text(out, self._reader, self._buffer)
+                if end is not None:
+                    self._buffer, self._state = self._buffer[end:], "after"
+                    continue
+                self._buffer = ""
+                if final:
+                    self._end_streamed(out, self._reader)
+                    self._state, self._closer = "text", None
+                    continue
+                return
+            # state "call"
+            reader = self._reader
+            if reader is not None and reader.phase == "head":  # the reader sees what the scan has not
+                end = self._streamed_text(out, reader, self._buffer[self._scanned:])
+                if reader.phase != "whole" and reader.phase != "head":  # the call streams from here
+                    self._buffer = "" if end is None else self._buffer[self._scanned + end:]
+                    self._lead, self._section, self._scanned = [], [], 0
+                    self._state = "streamed" if end is None else "after"
+                    continue
+            end = self._scan(final)
             if self._head is False:  # not a call's start: the lead is content, and so is the text from the bracket
                 self._content(out, "".join(self._lead))
                 self._buffer = "".join(self._section) + self._buffer
@@ -448,6 +848,9 @@ class Llama3JsonStream(_LeadingCallStream):
         self._first_key += char
         return None if any(key.startswith(self._first_key) for key in self._FIRST_KEYS) else False
 
+    def _new_reader(self) -> _StreamedCall | None:
+        return _StreamedCall(allow_type=True)
+
     def _read(self, section: str) -> list[dict[str, Any]] | None:
         function = _tool_call(section, allow_type=True)
         return None if function is None else [function]
@@ -504,10 +907,12 @@ def tool_call_stream(parser: str) -> ToolCallStream:
 class ParsedMessage:
     content: str | None
     tool_calls: list[dict[str, Any]]  # OpenAI tool_call objects (id, type, function)
+    last_call_cut: bool = False  # the last call's arguments were cut off by the end of the text
 
 
 def parse_tool_calls(text: str, parser: str) -> ParsedMessage:
     """The assistant message of a full response (the parser's stream fed the whole text)."""
-    delta = tool_call_stream(parser).feed(text, final=True)
-    calls = [{"id": tool_call_id(), "type": "function", "function": f} for f in delta.tool_calls]
-    return ParsedMessage(delta.content if delta.content or not calls else None, calls)
+    stream = tool_call_stream(parser)
+    delta = stream.feed(text, final=True)
+    calls = [{"id": tool_call_id(), "type": "function", "function": f} for f in joined_calls(delta.tool_calls)]
+    return ParsedMessage(delta.content if delta.content or not calls else None, calls, stream.last_call_cut)
