@@ -105,6 +105,21 @@ def test_out_of_range_completion_parameters(http, field, value):
     assert_openai_error(http.post("/v1/completions", json=body), 400, field)
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "hello"}),
+    ("/v1/chat/completions", {"messages": CHAT}),
+])
+@pytest.mark.parametrize("field, value", [
+    ("logit_bias", {"99999999": 1}),
+    ("allowed_token_ids", [99999999]),
+])
+def test_token_ids_past_the_vocabulary_are_a_400_streamed_too(http, path, body, field, value):
+    """Refused before the response starts, as unstreamed: not a 200 stream whose one event is the error."""
+    for stream in (False, True):
+        response = http.post(path, json={**body, "max_tokens": 2, "stream": stream, field: value})
+        assert "out of range" in assert_openai_error(response, 400, field)["message"]
+
+
 def test_chat_only_parameters(http):
     bad_top = {"messages": CHAT, "max_tokens": 2, "logprobs": True, "top_logprobs": 21}
     assert_openai_error(http.post("/v1/chat/completions", json=bad_top), 400, "top_logprobs")

@@ -232,13 +232,16 @@ def _renamed(error: SamplingParamsError, names: dict[str, str]) -> BadRequestErr
 
 def with_bad_words(engine: AsyncLLM, params: SamplingParams) -> SamplingParams:
     """`params` with its bad words tokenized (here, off the event loop, rather than in `AsyncLLM.generate`);
-    a 400 for a word the tokenizer cannot take."""
-    if not params.bad_words:
-        return params
+    a 400 for a word the tokenizer cannot take, and for a token id past the vocabulary in logit_bias or
+    allowed_token_ids: `AsyncLLM.generate` refuses those too, but only once a stream's 200 has gone out."""
     try:
-        return engine.input_processor.resolve_bad_words(params)
+        if params.bad_words:  # (tokenized here: its ids are in the vocabulary)
+            params = engine.input_processor.resolve_bad_words(params)
+        if params.logit_bias or params.allowed_token_ids:
+            engine.input_processor.check_token_ids(params)
     except SamplingParamsError as e:
         raise BadRequestError(str(e), e.param) from None
+    return params
 
 
 def encode_prompt(engine: AsyncLLM, text: str, add_special_tokens: bool, param: str) -> list[int]:
