@@ -98,7 +98,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
 
     out = parser.add_argument_group("output")
     out.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
-                     help=f"SLOs for goodput, keys {', '.join(GOODPUT_KEYS)} in ms, e.g. ttft:500 itl:50")
+                     help=f"SLOs for goodput, keys {', '.join(GOODPUT_KEYS)} in ms (vLLM's e2el = e2e), "
+                     "e.g. ttft:500 itl:50")
     out.add_argument("--json", dest="json_path", default=None, metavar="FILE",
                      help="write the configuration, summary and every request's record as JSON")
     out.add_argument("--plot", dest="plot_path", default=None, metavar="FILE.png",
@@ -113,12 +114,17 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                      help="live progress bar (default: when stderr is a terminal)")
 
 
+# vLLM's `bench serve` names the end-to-end SLO `e2el`.
+_GOODPUT_ALIASES = {"e2el": "e2e"}
+
+
 def _parse_goodput(items: list[str] | None) -> dict[str, float]:
     slos: dict[str, float] = {}
     for item in items or []:
         key, sep, value = item.partition(":")
+        key = key.strip().lower()
         try:
-            slos[key.strip().lower()] = float(value)
+            slos[_GOODPUT_ALIASES.get(key, key)] = float(value)
         except ValueError:
             raise BenchConfigError(f"--goodput takes KEY:MS pairs, got {item!r}") from None
         if not sep:

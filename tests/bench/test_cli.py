@@ -44,6 +44,12 @@ def test_open_loop_and_sweep_flags():
     assert all(s.duration_s == 60 for s in sweep.shapes)  # the default bound
 
 
+def test_goodput_takes_vllms_e2el_key():
+    # `vllm bench serve --goodput ttft:500 e2el:2000`: vLLM's name of the end-to-end latency SLO
+    config = parse_bench("http://127.0.0.1:1/v1/completions", "--goodput", "ttft:500", "E2EL:2000")
+    assert config.goodput_ms == {"ttft": 500.0, "e2e": 2000.0}
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--concurrency", "4", "--request-rate", "2"], "give one"),
     (["--max-concurrency", "4"], "open loop"),
