@@ -50,7 +50,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--burstiness", type=float, default=1.0,
                       help="open loop: gamma shape of the arrival gaps; 1 = Poisson (the default), <1 burstier, >1 smoother")
     load.add_argument("--max-concurrency", type=int, default=None,
-                      help="open loop: most requests in flight; later arrivals wait (the wait is reported)")
+                      help="open loop: most requests in flight; later arrivals wait (the wait is reported); "
+                      "without --request-rate, as in vLLM (whose rate defaults to inf): --concurrency N")
     load.add_argument("--duration", type=float, default=None,
                       help=f"seconds to issue requests for (default {DEFAULT_DURATION_S:g} unless --num-prompts)")
     load.add_argument("--num-prompts", type=int, default=None,
@@ -153,8 +154,14 @@ def _shapes(ns: argparse.Namespace) -> tuple[LoadShape, ...]:
             raise BenchConfigError("--concurrency is closed loop, --request-rate open loop: give one "
                                    "(cap an open loop with --max-concurrency)")
         return (LoadShape(request_rate=ns.request_rate, **open_loop, **common),)
-    if ns.max_concurrency is not None or ns.burstiness != 1.0:
-        raise BenchConfigError("--max-concurrency and --burstiness shape an open loop: add --request-rate")
+    if ns.burstiness != 1.0:
+        raise BenchConfigError("--burstiness shapes an open loop: add --request-rate")
+    if ns.max_concurrency is not None:
+        if ns.concurrency is not None:
+            raise BenchConfigError("give --concurrency or --max-concurrency, not both")
+        # vLLM's `bench serve --max-concurrency N` (its request rate defaults to inf): every request
+        # arrives at once and N are in flight, each sent when another ends, which is the closed loop of N.
+        return (LoadShape(concurrency=ns.max_concurrency, **common),)
     return (LoadShape(concurrency=ns.concurrency if ns.concurrency is not None else 1, **common),)
 
 

@@ -44,6 +44,14 @@ def test_open_loop_and_sweep_flags():
     assert all(s.duration_s == 60 for s in sweep.shapes)  # the default bound
 
 
+def test_max_concurrency_without_a_rate_is_vllms_capped_burst():
+    # `vllm bench serve --max-concurrency 8 --num-prompts 100`: vLLM's rate defaults to inf, so all 100
+    # arrive at once and 8 run at a time, each sent when another ends: the closed loop of 8.
+    (shape,) = parse_bench("http://127.0.0.1:1/v1/completions", "--max-concurrency", "8", "--num-prompts",
+                           "100").shapes
+    assert shape.closed_loop and shape.concurrency == 8 and shape.num_prompts == 100
+
+
 def test_goodput_takes_vllms_e2el_key():
     # `vllm bench serve --goodput ttft:500 e2el:2000`: vLLM's name of the end-to-end latency SLO
     config = parse_bench("http://127.0.0.1:1/v1/completions", "--goodput", "ttft:500", "E2EL:2000")
@@ -52,7 +60,8 @@ def test_goodput_takes_vllms_e2el_key():
 
 @pytest.mark.parametrize("flags, message", [
     (["--concurrency", "4", "--request-rate", "2"], "give one"),
-    (["--max-concurrency", "4"], "open loop"),
+    (["--burstiness", "0.5"], "open loop"),
+    (["--max-concurrency", "4", "--concurrency", "4"], "not both"),
     (["--sweep-concurrency", "1,2", "--concurrency", "3"], "replaces"),
     (["--request-rate", "inf", "--duration", "10"], "needs --num-prompts"),
     (["--goodput", "ttft=5"], "KEY:MS"),
