@@ -9,7 +9,11 @@ from kvserve import envs
 from kvserve.bench.config import APIS, GOODPUT_KEYS, BenchConfig, BenchConfigError, LoadShape
 from kvserve.bench.datasets import DATASETS, LANGUAGES, LENGTH_DISTS, DatasetConfig
 
-DEFAULT_ENDPOINT = "http://127.0.0.1:8000/v1/chat/completions"
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+DEFAULT_ENDPOINT = f"http://{DEFAULT_HOST}:{DEFAULT_PORT}/v1/chat/completions"
+# vLLM's `bench serve` default route, taken when the server is given as vLLM gives it (--base-url/--host/--port).
+VLLM_DEFAULT_PATH = "/v1/completions"
 DEFAULT_DURATION_S = 60.0
 
 
@@ -28,9 +32,16 @@ def _positive_list(kind: type, flag: str) -> Callable[[str], list[float]]:
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     target = parser.add_argument_group("target")
-    target.add_argument("--endpoint", default=DEFAULT_ENDPOINT,
+    target.add_argument("--endpoint", default=None,
                         help=f"full URL of .../v1/chat/completions, .../v1/completions or .../v1/responses "
-                        f"(default {DEFAULT_ENDPOINT})")
+                        f"(default {DEFAULT_ENDPOINT}); or, as in vLLM's bench serve, the route's path (e.g. "
+                        f"/v1/completions, the default with --base-url, --host or --port) on that server")
+    target.add_argument("--base-url", default=None,
+                        help="with --endpoint a path: the server's URL, e.g. http://host:8000 (vLLM's flag)")
+    target.add_argument("--host", default=None,
+                        help=f"with --endpoint a path and no --base-url: the server's host (default {DEFAULT_HOST})")
+    target.add_argument("--port", type=int, default=None,
+                        help=f"with --endpoint a path and no --base-url: the server's port (default {DEFAULT_PORT})")
     target.add_argument("--api", choices=APIS, default=None,
                         help="request format (default: chat when the endpoint ends in chat/completions, responses "
                         "when it ends in responses)")
@@ -165,6 +176,24 @@ def _shapes(ns: argparse.Namespace) -> tuple[LoadShape, ...]:
     return (LoadShape(concurrency=ns.concurrency if ns.concurrency is not None else 1, **common),)
 
 
+def _endpoint(ns: argparse.Namespace) -> str:
+    """--endpoint as a full URL, or (vLLM's way) a path on --base-url, else on http://--host:--port."""
+    server_given = ns.base_url is not None or ns.host is not None or ns.port is not None
+    if ns.endpoint is None and not server_given:
+        return DEFAULT_ENDPOINT
+    path = ns.endpoint if ns.endpoint is not None else VLLM_DEFAULT_PATH
+    if not path.startswith("/"):
+        if server_given:
+            raise BenchConfigError(f"--endpoint {path!r} is a full URL: --base-url, --host and --port go with an "
+                                   "--endpoint path such as /v1/completions")
+        return path
+    if ns.base_url is not None:
+        if ns.host is not None or ns.port is not None:
+            raise BenchConfigError("give --base-url or --host/--port, not both")
+        return ns.base_url.rstrip("/") + path
+    return f"http://{ns.host or DEFAULT_HOST}:{ns.port if ns.port is not None else DEFAULT_PORT}{path}"
+
+
 def config_from_args(ns: argparse.Namespace) -> BenchConfig:
     dataset = DatasetConfig(
         name=ns.dataset, input_len=ns.input_len, input_dist=ns.input_dist, output_len=ns.max_tokens,
@@ -173,7 +202,7 @@ def config_from_args(ns: argparse.Namespace) -> BenchConfig:
         prefix_reuse=ns.prefix_reuse, path=ns.dataset_path,
     )
     return BenchConfig(
-        endpoint=ns.endpoint, shapes=_shapes(ns), dataset=dataset, api=ns.api, model=ns.model,
+        endpoint=_endpoint(ns), shapes=_shapes(ns), dataset=dataset, api=ns.api, model=ns.model,
         api_key=ns.api_key if ns.api_key is not None else envs.OPENAI_API_KEY,
         api_key_from_env=ns.api_key is None and envs.OPENAI_API_KEY is not None, tokenizer=ns.tokenizer,
         warmup=ns.warmup, request_timeout_s=ns.request_timeout,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 
@@ -10,8 +11,10 @@ import pytest
 from bench.conftest import parse_bench
 from bench.fake_server import MODEL
 from kvserve.bench import client_health
-from kvserve.bench.config import BenchConfigError
-from kvserve.entrypoints.cli import main
+from kvserve.bench.cli_args import config_from_args
+from kvserve.bench.config import BenchConfig, BenchConfigError
+from kvserve.bench.runner import run_benchmark
+from kvserve.entrypoints.cli import build_parser, main
 
 SEEDS_ENDPOINT = "http://localhost:8000/v1/chat/completions"
 
@@ -50,6 +53,31 @@ def test_max_concurrency_without_a_rate_is_vllms_capped_burst():
     (shape,) = parse_bench("http://127.0.0.1:1/v1/completions", "--max-concurrency", "8", "--num-prompts",
                            "100").shapes
     assert shape.closed_loop and shape.concurrency == 8 and shape.num_prompts == 100
+
+
+def _parse_vllm_style(*flags: str) -> BenchConfig:
+    return config_from_args(build_parser().parse_args(["bench", "--no-progress", *flags]))
+
+
+def test_the_endpoint_may_be_vllms_path_on_base_url_or_host_and_port(fake_server, prompts_file):
+    # vllm bench serve: --endpoint is the route's path (default /v1/completions), on --base-url, else on
+    # http://--host:--port (default 127.0.0.1:8000)
+    assert _parse_vllm_style().endpoint == "http://127.0.0.1:8000/v1/chat/completions"  # kvserve's default
+    assert _parse_vllm_style("--port", "9000").endpoint == "http://127.0.0.1:9000/v1/completions"
+    config = _parse_vllm_style("--host", "h.example", "--endpoint", "/v1/chat/completions")
+    assert config.endpoint == "http://h.example:8000/v1/chat/completions" and config.resolved_api == "chat"
+    assert _parse_vllm_style("--base-url", "https://g.example/", "--endpoint", "/v1/completions").endpoint == \
+        "https://g.example/v1/completions"
+    assert _parse_vllm_style("--endpoint", "/v1/completions").endpoint == "http://127.0.0.1:8000/v1/completions"
+    with pytest.raises(BenchConfigError, match="not both"):
+        _parse_vllm_style("--base-url", "http://a:1", "--port", "2")
+    with pytest.raises(BenchConfigError, match="is a full URL"):
+        _parse_vllm_style("--base-url", "http://a:1", "--endpoint", "http://a:1/v1/completions")
+    server = fake_server()
+    config = _parse_vllm_style("--base-url", server.base_url, "--endpoint", "/v1/completions", "--num-prompts", "2",
+                               "--max-tokens", "3", "--dataset", "file", "--dataset-path", prompts_file)
+    result = run_benchmark(config, log=io.StringIO())
+    assert result.runs[0].summary.completed == 2 and "prompt" in server.state.bodies[0]
 
 
 def test_goodput_takes_vllms_e2el_key():
