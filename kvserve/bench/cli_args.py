@@ -15,6 +15,8 @@ DEFAULT_ENDPOINT = f"http://{DEFAULT_HOST}:{DEFAULT_PORT}/v1/chat/completions"
 # vLLM's `bench serve` default route, taken when the server is given as vLLM gives it (--base-url/--host/--port).
 VLLM_DEFAULT_PATH = "/v1/completions"
 DEFAULT_DURATION_S = 60.0
+# vLLM's `bench serve --dataset-name` values that name one of kvserve's datasets.
+VLLM_DATASETS = {"custom": "file"}
 
 
 def _positive_list(kind: type, flag: str) -> Callable[[str], list[float]]:
@@ -77,20 +79,25 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                       metavar="R,R,...", help="one open-loop run per request rate, one table row each")
 
     work = parser.add_argument_group("workload")
-    work.add_argument("--dataset", choices=DATASETS, default="random",
-                      help="random prose, shared-prefix (prefix caching), or file (JSONL) (default random)")
+    work.add_argument("--dataset", "--dataset-name", dest="dataset", choices=(*DATASETS, *VLLM_DATASETS),
+                      default="random",
+                      help="random prose, shared-prefix (prefix caching), or file (JSONL; vLLM's name: custom) "
+                      "(default random)")
     work.add_argument("--dataset-path", default=None,
                       help='--dataset file: JSONL with {"prompt": ...} or {"messages": [...]}, optional "output_len"')
-    work.add_argument("--input-len", type=int, default=256,
+    work.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=256,
                       help="prompt tokens (the median for --input-dist chat) (default 256)")
     work.add_argument("--input-dist", choices=LENGTH_DISTS, default="fixed",
                       help="prompt length distribution; chat = long-tailed like real chat traffic (default fixed)")
-    work.add_argument("--max-tokens", "--output-len", dest="max_tokens", type=int, default=128,
+    work.add_argument("--max-tokens", "--output-len", "--random-output-len", dest="max_tokens", type=int, default=128,
                       help="max_tokens of each request (the median for --output-dist chat) (default 128)")
     work.add_argument("--output-dist", choices=LENGTH_DISTS, default="fixed",
                       help="max_tokens distribution (default fixed)")
     work.add_argument("--range-ratio", type=float, default=0.25,
                       help="uniform: +-ratio around the length; normal: std = ratio x length (default 0.25)")
+    work.add_argument("--random-range-ratio", type=float, default=None,
+                      help="vLLM's flag: prompt and output lengths uniform on length x [1 - R, 1 + R] "
+                      "(--range-ratio R with uniform input and output distributions; 0: fixed)")
     work.add_argument("--language", choices=LANGUAGES, default="mixed",
                       help="prompt text: English, Chinese, or mixed (70%% English) (default mixed)")
     work.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: system prompt tokens (default 512)")
@@ -194,10 +201,24 @@ def _endpoint(ns: argparse.Namespace) -> str:
     return f"http://{ns.host or DEFAULT_HOST}:{ns.port if ns.port is not None else DEFAULT_PORT}{path}"
 
 
+def _lengths(ns: argparse.Namespace) -> tuple[str, str, float]:
+    """(input_dist, output_dist, range_ratio), vLLM's --random-range-ratio read as uniform lengths."""
+    ratio = ns.random_range_ratio
+    if ratio is None:
+        return ns.input_dist, ns.output_dist, ns.range_ratio
+    if ns.input_dist != "fixed" or ns.output_dist != "fixed":
+        raise BenchConfigError("--random-range-ratio makes both lengths uniform: give it or --input-dist/"
+                               "--output-dist, not both")
+    dist = "uniform" if ratio != 0 else "fixed"
+    return dist, dist, ratio
+
+
 def config_from_args(ns: argparse.Namespace) -> BenchConfig:
+    input_dist, output_dist, range_ratio = _lengths(ns)
     dataset = DatasetConfig(
-        name=ns.dataset, input_len=ns.input_len, input_dist=ns.input_dist, output_len=ns.max_tokens,
-        output_dist=ns.output_dist, range_ratio=ns.range_ratio, language=ns.language, seed=ns.seed,
+        name=VLLM_DATASETS.get(ns.dataset, ns.dataset), input_len=ns.input_len, input_dist=input_dist,
+        output_len=ns.max_tokens, output_dist=output_dist, range_ratio=range_ratio, language=ns.language,
+        seed=ns.seed,
         max_model_len=ns.max_model_len, prefix_len=ns.prefix_len, num_prefixes=ns.num_prefixes,
         prefix_reuse=ns.prefix_reuse, path=ns.dataset_path,
     )

@@ -80,6 +80,23 @@ def test_the_endpoint_may_be_vllms_path_on_base_url_or_host_and_port(fake_server
     assert result.runs[0].summary.completed == 2 and "prompt" in server.state.bodies[0]
 
 
+def test_vllms_dataset_flags():
+    # vllm bench serve --dataset-name random --random-input-len 1024 --random-output-len 128
+    # --random-range-ratio 0.5: lengths uniform on 512-1536 and 64-192
+    config = parse_bench("http://127.0.0.1:1/v1/completions", "--dataset-name", "random", "--random-input-len",
+                         "1024", "--random-output-len", "100", "--random-range-ratio", "0.5")
+    d = config.dataset
+    assert (d.name, d.input_len, d.output_len, d.input_dist, d.output_dist, d.range_ratio) == \
+        ("random", 1024, 100, "uniform", "uniform", 0.5)
+    fixed = parse_bench("http://127.0.0.1:1/v1/completions", "--random-range-ratio", "0").dataset
+    assert (fixed.input_dist, fixed.output_dist) == ("fixed", "fixed")
+    # vLLM's custom dataset is a JSONL of {"prompt": ...}: kvserve's file dataset
+    custom = parse_bench("http://127.0.0.1:1/v1/completions", "--dataset-name", "custom", "--dataset-path", "x.jsonl")
+    assert custom.dataset.name == "file" and custom.dataset.path == "x.jsonl"
+    with pytest.raises(BenchConfigError, match="not both"):
+        parse_bench("http://127.0.0.1:1/v1/completions", "--random-range-ratio", "0.5", "--input-dist", "chat")
+
+
 def test_goodput_takes_vllms_e2el_key():
     # `vllm bench serve --goodput ttft:500 e2el:2000`: vLLM's name of the end-to-end latency SLO
     config = parse_bench("http://127.0.0.1:1/v1/completions", "--goodput", "ttft:500", "E2EL:2000")
