@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import datetime
+import os
 from collections.abc import Callable
 
 from kvserve import envs
@@ -121,6 +123,11 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                      "e.g. ttft:500 itl:50")
     out.add_argument("--json", dest="json_path", default=None, metavar="FILE",
                      help="write the configuration, summary and every request's record as JSON")
+    out.add_argument("--save-result", action="store_true",
+                     help="vLLM's flag: --json into --result-dir (default .) as --result-filename (default "
+                     "kvserve-bench-YYYYMMDD-HHMMSS.json)")
+    out.add_argument("--result-dir", default=None, help="with --save-result: the JSON's directory (default .)")
+    out.add_argument("--result-filename", default=None, help="with --save-result: the JSON's file name")
     out.add_argument("--plot", dest="plot_path", default=None, metavar="FILE.png",
                      help="write latency CDFs, throughput over time and server metrics as a PNG")
     out.add_argument("--compare", dest="compare_path", default=None, metavar="OLD.json",
@@ -213,6 +220,16 @@ def _lengths(ns: argparse.Namespace) -> tuple[str, str, float]:
     return dist, dist, ratio
 
 
+def _json_path(ns: argparse.Namespace) -> str | None:
+    """--json, or vLLM's --save-result [--result-dir D] [--result-filename F] (either of these saves too)."""
+    if not (ns.save_result or ns.result_dir is not None or ns.result_filename is not None):
+        return ns.json_path
+    if ns.json_path is not None:
+        raise BenchConfigError("give --json FILE or --save-result/--result-dir/--result-filename, not both")
+    name = ns.result_filename or f"kvserve-bench-{datetime.datetime.now():%Y%m%d-%H%M%S}.json"
+    return os.path.join(ns.result_dir, name) if ns.result_dir is not None else name
+
+
 def config_from_args(ns: argparse.Namespace) -> BenchConfig:
     input_dist, output_dist, range_ratio = _lengths(ns)
     dataset = DatasetConfig(
@@ -230,5 +247,5 @@ def config_from_args(ns: argparse.Namespace) -> BenchConfig:
         drain_timeout_s=ns.drain_timeout,
         ignore_eos=ns.ignore_eos, temperature=ns.temperature, goodput_ms=_parse_goodput(ns.goodput),
         server_metrics=ns.server_metrics, metrics_url=ns.metrics_url, metrics_interval_s=ns.metrics_interval,
-        json_path=ns.json_path, plot_path=ns.plot_path, compare_path=ns.compare_path, progress=ns.progress,
+        json_path=_json_path(ns), plot_path=ns.plot_path, compare_path=ns.compare_path, progress=ns.progress,
     )

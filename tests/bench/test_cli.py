@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 
 import pytest
 
@@ -95,6 +96,23 @@ def test_vllms_dataset_flags():
     assert custom.dataset.name == "file" and custom.dataset.path == "x.jsonl"
     with pytest.raises(BenchConfigError, match="not both"):
         parse_bench("http://127.0.0.1:1/v1/completions", "--random-range-ratio", "0.5", "--input-dist", "chat")
+
+
+def test_save_result_writes_the_json_as_vllms_flags_say(fake_server, prompts_file, tmp_path, monkeypatch):
+    endpoint = "http://127.0.0.1:1/v1/completions"
+    config = parse_bench(endpoint, "--save-result", "--result-dir", str(tmp_path / "out"), "--result-filename", "r.json")
+    assert config.json_path == str(tmp_path / "out" / "r.json")
+    monkeypatch.chdir(tmp_path)
+    default = parse_bench(endpoint, "--save-result").json_path
+    assert default.startswith("kvserve-bench-") and default.endswith(".json") and os.sep not in default
+    with pytest.raises(BenchConfigError, match="not both"):
+        parse_bench(endpoint, "--save-result", "--json", "x.json")
+    server = fake_server()
+    assert main(["bench", "--endpoint", server.base_url + "/v1/completions", "--num-prompts", "2", "--max-tokens", "3",
+                 "--dataset", "file", "--dataset-path", prompts_file, "--no-progress", "--save-result",
+                 "--result-dir", "results", "--result-filename", "run.json"]) == 0
+    data = json.loads((tmp_path / "results" / "run.json").read_text())
+    assert data["runs"][0]["summary"]["completed"] == 2
 
 
 def test_goodput_takes_vllms_e2el_key():
