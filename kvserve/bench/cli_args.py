@@ -6,6 +6,7 @@ import argparse
 import datetime
 import os
 from collections.abc import Callable
+from urllib.parse import urlsplit
 
 from kvserve import envs
 from kvserve.bench.config import APIS, GOODPUT_KEYS, BenchConfig, BenchConfigError, LoadShape
@@ -17,6 +18,8 @@ DEFAULT_ENDPOINT = f"http://{DEFAULT_HOST}:{DEFAULT_PORT}/v1/chat/completions"
 # vLLM's `bench serve` default route, taken when the server is given as vLLM gives it (--base-url/--host/--port).
 VLLM_DEFAULT_PATH = "/v1/completions"
 DEFAULT_DURATION_S = 60.0
+# vLLM's `bench serve --backend` values of the APIs kvserve bench sends.
+VLLM_BACKENDS = {"vllm": "completions", "openai": "completions", "openai-chat": "chat"}
 # vLLM's `bench serve --dataset-name` values that name one of kvserve's datasets.
 VLLM_DATASETS = {"custom": "file"}
 
@@ -49,6 +52,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--api", choices=APIS, default=None,
                         help="request format (default: chat when the endpoint ends in chat/completions, responses "
                         "when it ends in responses)")
+    target.add_argument("--backend", choices=tuple(VLLM_BACKENDS), default=None,
+                        help="vLLM's flag: vllm or openai = --api completions, openai-chat = --api chat")
     target.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
     target.add_argument("--api-key", default=None,
                         help="sent as 'Authorization: Bearer KEY' (default: the OPENAI_API_KEY environment variable, "
@@ -116,6 +121,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                       help="local tokenizer (HF directory, .gguf, or a repo id in the local HF cache) for prompt "
                            "lengths and for counting tokens when the server sends no usage (default: the default "
                            "model's)")
+    work.add_argument("--trust-remote-code", action="store_true",
+                      help="accepted for vLLM's command lines; the local tokenizers run no remote code")
 
     out = parser.add_argument_group("output")
     out.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
@@ -230,8 +237,24 @@ def _json_path(ns: argparse.Namespace) -> str | None:
     return os.path.join(ns.result_dir, name) if ns.result_dir is not None else name
 
 
+def _api(ns: argparse.Namespace, endpoint: str) -> str | None:
+    """--api, or the API of vLLM's --backend, which must be the endpoint's when its route names one."""
+    if ns.backend is None:
+        return ns.api
+    api = VLLM_BACKENDS[ns.backend]
+    if ns.api is not None and ns.api != api:
+        raise BenchConfigError(f"--backend {ns.backend} sends the {api} API, --api {ns.api}: give one")
+    path = urlsplit(endpoint).path.rstrip("/")
+    routed = "chat" if path.endswith("/chat/completions") else "completions" if path.endswith("/completions") else None
+    if routed is not None and routed != api:
+        raise BenchConfigError(f"--backend {ns.backend} sends the {api} API, but the endpoint {endpoint} is the "
+                               f"{routed} route: give --endpoint /v1/{'chat/' if api == 'chat' else ''}completions")
+    return api
+
+
 def config_from_args(ns: argparse.Namespace) -> BenchConfig:
     input_dist, output_dist, range_ratio = _lengths(ns)
+    endpoint = _endpoint(ns)
     dataset = DatasetConfig(
         name=VLLM_DATASETS.get(ns.dataset, ns.dataset), input_len=ns.input_len, input_dist=input_dist,
         output_len=ns.max_tokens, output_dist=output_dist, range_ratio=range_ratio, language=ns.language,
@@ -240,7 +263,7 @@ def config_from_args(ns: argparse.Namespace) -> BenchConfig:
         prefix_reuse=ns.prefix_reuse, path=ns.dataset_path,
     )
     return BenchConfig(
-        endpoint=_endpoint(ns), shapes=_shapes(ns), dataset=dataset, api=ns.api, model=ns.model,
+        endpoint=endpoint, shapes=_shapes(ns), dataset=dataset, api=_api(ns, endpoint), model=ns.model,
         api_key=ns.api_key if ns.api_key is not None else envs.OPENAI_API_KEY,
         api_key_from_env=ns.api_key is None and envs.OPENAI_API_KEY is not None, tokenizer=ns.tokenizer,
         warmup=ns.warmup, request_timeout_s=ns.request_timeout,

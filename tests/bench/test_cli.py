@@ -115,6 +115,21 @@ def test_save_result_writes_the_json_as_vllms_flags_say(fake_server, prompts_fil
     assert data["runs"][0]["summary"]["completed"] == 2
 
 
+def test_vllms_backend_and_trust_remote_code_flags():
+    # vllm bench serve --backend openai-chat --endpoint /v1/chat/completions --trust-remote-code
+    config = _parse_vllm_style("--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--trust-remote-code")
+    assert config.resolved_api == "chat" and config.endpoint == "http://127.0.0.1:8000/v1/chat/completions"
+    for backend in ("vllm", "openai"):
+        assert _parse_vllm_style("--backend", backend, "--port", "9000").resolved_api == "completions"
+    # a route the endpoint names and a backend of the other API (vLLM refuses it too)
+    with pytest.raises(BenchConfigError, match="is the completions route"):
+        _parse_vllm_style("--backend", "openai-chat", "--port", "9000")
+    with pytest.raises(BenchConfigError, match="give one"):
+        _parse_vllm_style("--backend", "vllm", "--api", "chat", "--endpoint", "/gateway")
+    # a route of another name: the backend says the API
+    assert _parse_vllm_style("--backend", "openai-chat", "--endpoint", "/gateway").resolved_api == "chat"
+
+
 def test_goodput_takes_vllms_e2el_key():
     # `vllm bench serve --goodput ttft:500 e2el:2000`: vLLM's name of the end-to-end latency SLO
     config = parse_bench("http://127.0.0.1:1/v1/completions", "--goodput", "ttft:500", "E2EL:2000")
