@@ -9,7 +9,7 @@ from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from kvserve import envs
-from kvserve.bench.config import APIS, GOODPUT_KEYS, BenchConfig, BenchConfigError, LoadShape
+from kvserve.bench.config import APIS, GOODPUT_KEYS, LATENCY_KEYS, BenchConfig, BenchConfigError, LoadShape
 from kvserve.bench.datasets import DATASETS, LANGUAGES, LENGTH_DISTS, DatasetConfig
 
 DEFAULT_HOST = "127.0.0.1"
@@ -35,6 +35,21 @@ def _positive_list(kind: type, flag: str) -> Callable[[str], list[float]]:
         return values
 
     return parse
+
+
+def _percentile_list(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--metric-percentiles takes numbers separated by commas, got {text!r}"
+                                         ) from None
+
+
+def _percentile_metrics(text: str | None) -> tuple[str, ...]:
+    if text is None:
+        return LATENCY_KEYS
+    keys = (key.strip().lower() for key in text.split(",") if key.strip())
+    return tuple(dict.fromkeys(_VLLM_LATENCY_NAMES.get(key, key) for key in keys))
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
@@ -128,6 +143,11 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                      help=f"SLOs for goodput, keys {', '.join(GOODPUT_KEYS)} in ms (vLLM's e2el = e2e), "
                      "e.g. ttft:500 itl:50")
+    out.add_argument("--percentile-metrics", default=None, metavar="ttft,tpot,itl,e2el",
+                     help="latencies the report shows (vLLM's flag; e2el = e2e) (default all four)")
+    out.add_argument("--metric-percentiles", type=_percentile_list, default=(), metavar="P,P,...",
+                     help="percentiles to report besides the median, P90, P95 and P99, e.g. 99.9 (vLLM's flag; "
+                     "also in the JSON, as p99.9 of each latency)")
     out.add_argument("--json", dest="json_path", default=None, metavar="FILE",
                      help="write the configuration, summary and every request's record as JSON")
     out.add_argument("--save-result", action="store_true",
@@ -147,8 +167,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                      help="live progress bar (default: when stderr is a terminal)")
 
 
-# vLLM's `bench serve` names the end-to-end SLO `e2el`.
-_GOODPUT_ALIASES = {"e2el": "e2e"}
+# vLLM's `bench serve` names the end-to-end latency `e2el` (in --goodput and --percentile-metrics).
+_VLLM_LATENCY_NAMES = {"e2el": "e2e"}
 
 
 def _parse_goodput(items: list[str] | None) -> dict[str, float]:
@@ -157,7 +177,7 @@ def _parse_goodput(items: list[str] | None) -> dict[str, float]:
         key, sep, value = item.partition(":")
         key = key.strip().lower()
         try:
-            slos[_GOODPUT_ALIASES.get(key, key)] = float(value)
+            slos[_VLLM_LATENCY_NAMES.get(key, key)] = float(value)
         except ValueError:
             raise BenchConfigError(f"--goodput takes KEY:MS pairs, got {item!r}") from None
         if not sep:
@@ -270,5 +290,6 @@ def config_from_args(ns: argparse.Namespace) -> BenchConfig:
         drain_timeout_s=ns.drain_timeout,
         ignore_eos=ns.ignore_eos, temperature=ns.temperature, goodput_ms=_parse_goodput(ns.goodput),
         server_metrics=ns.server_metrics, metrics_url=ns.metrics_url, metrics_interval_s=ns.metrics_interval,
+        percentile_metrics=_percentile_metrics(ns.percentile_metrics), metric_percentiles=ns.metric_percentiles,
         json_path=_json_path(ns), plot_path=ns.plot_path, compare_path=ns.compare_path, progress=ns.progress,
     )

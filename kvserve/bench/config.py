@@ -10,6 +10,8 @@ from kvserve.bench.datasets import DatasetConfig
 
 APIS = ("chat", "completions", "responses")
 GOODPUT_KEYS = ("ttft", "itl", "tpot", "e2e")
+# The latencies the report shows (--percentile-metrics chooses among them).
+LATENCY_KEYS = ("ttft", "tpot", "itl", "e2e")
 # Hard bounds that hold whatever the flags say: no run issues more requests than this, and no run issues
 # requests for longer than this.
 MAX_REQUESTS_PER_RUN = 1_000_000
@@ -114,6 +116,9 @@ class BenchConfig:
     server_metrics: bool = True
     metrics_url: str | None = None
     metrics_interval_s: float = 1.0
+    # Latencies the report shows, and percentiles of each beyond its median, P90, P95 and P99.
+    percentile_metrics: tuple[str, ...] = LATENCY_KEYS
+    metric_percentiles: tuple[float, ...] = ()
     json_path: str | None = None
     plot_path: str | None = None
     compare_path: str | None = None
@@ -153,6 +158,13 @@ class BenchConfig:
                 raise BenchConfigError(f"--goodput keys are {', '.join(GOODPUT_KEYS)}, got {key!r}")
             if not value > 0:
                 raise BenchConfigError(f"--goodput {key} must be a positive number of ms, got {value}")
+
+        if not self.percentile_metrics or any(key not in LATENCY_KEYS for key in self.percentile_metrics):
+            raise BenchConfigError(f"--percentile-metrics takes {', '.join(LATENCY_KEYS)} (or e2el), got "
+                                   f"{','.join(self.percentile_metrics)!r}")
+        for p in self.metric_percentiles:
+            if not 0 <= p <= 100:
+                raise BenchConfigError(f"--metric-percentiles must be in [0, 100], got {p:g}")
 
     @property
     def resolved_api(self) -> str:

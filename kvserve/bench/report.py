@@ -32,8 +32,8 @@ def _rule(title: str, fill: str = "-") -> str:
     return f"{title:{fill}^{WIDTH}}"
 
 
-def format_summary(summary: Summary) -> str:
-    """The result block of one run."""
+def format_summary(summary: Summary, metrics: tuple[str, ...] | None = None) -> str:
+    """The result block of one run; `metrics` (default all) are the latencies shown (--percentile-metrics)."""
     s = summary
     lines = [_rule(" Serving Benchmark Result ", "="), _line("Load", s.label)]
     lines.append(_line("Successful requests", s.completed))
@@ -60,10 +60,14 @@ def format_summary(summary: Summary) -> str:
     if s.tokens_from_tokenizer:
         lines.append(_line("Token counts from local tokenizer", f"{s.tokens_from_tokenizer} requests"))
     for key, short, title in _LATENCIES:
+        if metrics is not None and key not in metrics:
+            continue
         stats: LatencyStats = getattr(s, key)
         lines.append(_rule(title))
         for attr, name in _STATS:
             lines.append(_line(f"{name} {short} (ms)", getattr(stats, attr)))
+        for name, value in stats.percentiles_ms.items():  # --metric-percentiles beyond the usual ones
+            lines.append(_line(f"{name.upper()} {short} (ms)", value))
         if key == "ttft" and s.ttft_all.count > s.ttft.count:
             # Unfinished requests saw first tokens too: say so rather than show only the survivors.
             lines.append(_line(f"Median TTFT incl. {s.ttft_all.count - s.ttft.count} unfinished (ms)",

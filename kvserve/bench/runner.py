@@ -238,7 +238,7 @@ async def _run_shape(config: BenchConfig, shape: LoadShape, dataset: Requests, c
     count_missing_tokens(result.records, dataset, tokenizer, client.settings.api)
     records = sorted(result.records, key=lambda r: r.index)
     summary = summarize(shape.label(), records, config.goodput_ms, health,
-                        summarize_samples(samples) if samples else None, result.stopped)
+                        summarize_samples(samples) if samples else None, result.stopped, config.metric_percentiles)
     return RunResult(shape.label(), shape_dict(shape), summary, records, samples)
 
 
@@ -336,7 +336,7 @@ def report(result: BenchResult, config: BenchConfig, out: TextIO | None = None, 
         return
     summaries = [run.summary for run in result.runs]
     if len(summaries) == 1:
-        print(format_summary(summaries[0]), file=out)
+        print(format_summary(summaries[0], config.percentile_metrics), file=out)
     else:
         print(format_sweep(summaries), file=out)
         for s in summaries:

@@ -33,15 +33,27 @@ class LatencyStats:
     min_ms: float | None = None
     max_ms: float | None = None
     std_ms: float | None = None
+    # Further percentiles asked for (--metric-percentiles), by name ("p99.9", "p25"; None when count is 0).
+    percentiles_ms: dict[str, float | None] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, values_s: list[float]) -> LatencyStats:
+    def of(cls, values_s: list[float], percentiles: tuple[float, ...] = ()) -> LatencyStats:
+        extra = [p for p in percentiles if p not in STANDARD_PERCENTILES]
         if not values_s:
-            return cls(0)
+            return cls(0, percentiles_ms={percentile_name(p): None for p in extra})
         ms = np.asarray(values_s, dtype=np.float64) * 1e3
-        p50, p90, p95, p99 = (float(v) for v in np.percentile(ms, [50, 90, 95, 99]))
+        p50, p90, p95, p99 = (float(v) for v in np.percentile(ms, STANDARD_PERCENTILES))
         return cls(len(values_s), float(ms.mean()), p50, p90, p95, p99, float(ms.min()), float(ms.max()),
-                   float(ms.std()))
+                   float(ms.std()), {percentile_name(p): float(np.percentile(ms, p)) for p in extra})
+
+
+# The percentiles every LatencyStats has (median_ms, p90_ms, p95_ms, p99_ms).
+STANDARD_PERCENTILES = (50.0, 90.0, 95.0, 99.0)
+
+
+def percentile_name(p: float) -> str:
+    """"p99.9", "p25": the name of a further percentile (vLLM's key part)."""
+    return f"p{p:g}"
 
 
 @dataclass(frozen=True)
@@ -119,7 +131,9 @@ def summarize(
     client: ClientHealthReport | None = None,
     server: dict[str, float | None] | None = None,
     stopped: str | None = None,
+    percentiles: tuple[float, ...] = (),
 ) -> Summary:
+    """`percentiles`: further percentiles of each latency (LatencyStats.percentiles_ms)."""
     goodput_ms = dict(goodput_ms or {})
     ok = [r for r in records if r.success]
     if records:
@@ -148,10 +162,10 @@ def summarize(
         output_throughput=rate(output_tokens),
         total_token_throughput=rate(input_tokens + output_tokens),
         mean_concurrency=rate(sum(r.e2e_s or 0.0 for r in records)),
-        ttft=LatencyStats.of([r.ttft_s for r in ok if r.ttft_s is not None]),
-        tpot=LatencyStats.of([t for r in ok if (t := r.tpot_s) is not None]),
-        itl=LatencyStats.of([gap for r in ok for gap in r.itl_s]),
-        e2e=LatencyStats.of([r.e2e_s for r in ok if r.e2e_s is not None]),
+        ttft=LatencyStats.of([r.ttft_s for r in ok if r.ttft_s is not None], percentiles),
+        tpot=LatencyStats.of([t for r in ok if (t := r.tpot_s) is not None], percentiles),
+        itl=LatencyStats.of([gap for r in ok for gap in r.itl_s], percentiles),
+        e2e=LatencyStats.of([r.e2e_s for r in ok if r.e2e_s is not None], percentiles),
         queued=LatencyStats.of([r.queued_s for r in records if r.scheduled_s is not None]),
         ttft_all=LatencyStats.of([r.ttft_s for r in records if r.ttft_s is not None]),
         tokens_from_usage=sum(r.token_source == "usage" for r in ok),

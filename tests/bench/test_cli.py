@@ -130,6 +130,24 @@ def test_vllms_backend_and_trust_remote_code_flags():
     assert _parse_vllm_style("--backend", "openai-chat", "--endpoint", "/gateway").resolved_api == "chat"
 
 
+def test_percentile_flags(fake_server, prompts_file, capsys):
+    config = parse_bench("http://127.0.0.1:1/v1/completions", "--percentile-metrics", "ttft,E2EL",
+                         "--metric-percentiles", "50,99.9")
+    assert config.percentile_metrics == ("ttft", "e2e") and config.metric_percentiles == (50.0, 99.9)
+    default = parse_bench("http://127.0.0.1:1/v1/completions")
+    assert default.percentile_metrics == ("ttft", "tpot", "itl", "e2e") and default.metric_percentiles == ()
+    with pytest.raises(BenchConfigError, match="--percentile-metrics takes"):
+        parse_bench("http://127.0.0.1:1/v1/completions", "--percentile-metrics", "ttft,latency")
+    with pytest.raises(BenchConfigError, match=r"--metric-percentiles must be in \[0, 100\]"):
+        parse_bench("http://127.0.0.1:1/v1/completions", "--metric-percentiles", "99,101")
+    server = fake_server()
+    assert main(["bench", "--endpoint", server.base_url + "/v1/completions", "--num-prompts", "3", "--max-tokens", "3",
+                 "--dataset", "file", "--dataset-path", prompts_file, "--no-progress", "--percentile-metrics",
+                 "tpot", "--metric-percentiles", "99.9"]) == 0
+    out = capsys.readouterr().out
+    assert "P99.9 TPOT (ms):" in out and "TTFT" not in out
+
+
 def test_goodput_takes_vllms_e2el_key():
     # `vllm bench serve --goodput ttft:500 e2el:2000`: vLLM's name of the end-to-end latency SLO
     config = parse_bench("http://127.0.0.1:1/v1/completions", "--goodput", "ttft:500", "E2EL:2000")

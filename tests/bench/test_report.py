@@ -286,3 +286,21 @@ def test_the_first_error_of_each_kind_is_sampled() -> None:
     assert samples["timeout"] == "no answer within 600 s"
     assert samples["http_502"] == ("<html>" + "x" * 1000)[:300]
     assert samples["http_400"] == '{"error": "a string"}'
+
+
+def test_metric_percentiles_and_percentile_metrics(records, tmp_path):
+    # vllm bench serve --percentile-metrics ttft,e2el --metric-percentiles 25,99,99.9: the latencies shown,
+    # and percentiles besides the usual ones (which stay), in the block and in the JSON
+    s = summarize("concurrency=2", records, percentiles=(25.0, 99.0, 99.9))
+    # TTFT 100, 200, 300, 400 ms: P25 at 175, P99.9 interpolates 300 -> 400 at 0.997
+    assert s.ttft.percentiles_ms == {"p25": pytest.approx(175), "p99.9": pytest.approx(399.7)}
+    assert set(s.e2e.percentiles_ms) == {"p25", "p99.9"} and s.queued.percentiles_ms == {}
+    text = format_summary(s, ("ttft", "e2e"))
+    assert "P25 TTFT (ms):" in text and "P99.9 E2E Latency (ms):" in text and "P99 TTFT (ms):" in text
+    assert "TPOT" not in text and "ITL" not in text
+    assert "P99.9 TTFT (ms):" in format_summary(s) and "Mean ITL (ms):" in format_summary(s)
+    empty = summarize("concurrency=1", [], percentiles=(99.9,))
+    assert empty.ttft.percentiles_ms == {"p99.9": None} and "P99.9 TTFT (ms):" in format_summary(empty)
+    path = tmp_path / "r.json"
+    write_json(BenchResult({}, [RunResult("concurrency=2", {}, s, records)]), str(path))
+    assert read_json(str(path)).runs[0].summary == s
