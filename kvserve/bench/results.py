@@ -55,8 +55,11 @@ class BenchResult:
     created_utc: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat())
 
     def to_dict(self) -> dict[str, Any]:
-        return {"format": FORMAT, "version": FORMAT_VERSION, "created_utc": self.created_utc,
+        data = {"format": FORMAT, "version": FORMAT_VERSION, "created_utc": self.created_utc,
                 "config": self.config, "runs": [run.to_dict() for run in self.runs]}
+        if len(self.runs) == 1:  # (a sweep's runs are in "runs" only, as vLLM writes one file per run)
+            data.update(vllm_metrics(self.runs[0].summary, self.config.get("model")))
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BenchResult:
@@ -67,6 +70,33 @@ class BenchResult:
                              f"version {FORMAT_VERSION}")
         return cls(config=data["config"], runs=[RunResult.from_dict(r) for r in data["runs"]],
                    created_utc=data["created_utc"])
+
+
+# The latencies under vLLM's names (its keys say e2el).
+_VLLM_LATENCY_NAMES = {"ttft": "ttft", "tpot": "tpot", "itl": "itl", "e2e": "e2el"}
+
+
+def vllm_metrics(summary: Summary, model: str | None) -> dict[str, Any]:
+    """A run's numbers under the keys of `vllm bench serve --save-result`'s JSON (`completed`, `request_throughput`,
+    `mean_ttft_ms`, `p99_itl_ms`, ...), so that scripts reading those files read these too: each latency's mean,
+    median, std and every percentile the summary has (P90, P95, P99 and --metric-percentiles'). Durations are
+    seconds and latencies ms, as in vLLM; a latency without values gives None."""
+    s = summary
+    data: dict[str, Any] = {
+        "model_id": model, "duration": s.duration_s, "completed": s.completed, "failed": s.failed,
+        "total_input_tokens": s.total_input_tokens, "total_output_tokens": s.total_output_tokens,
+        "request_throughput": s.request_throughput, "request_goodput": s.goodput,
+        "output_throughput": s.output_throughput, "total_token_throughput": s.total_token_throughput,
+    }
+    for key, name in _VLLM_LATENCY_NAMES.items():
+        stats = getattr(s, key)
+        data[f"mean_{name}_ms"] = stats.mean_ms
+        data[f"median_{name}_ms"] = stats.median_ms
+        data[f"std_{name}_ms"] = stats.std_ms
+        for pname, value in (("p90", stats.p90_ms), ("p95", stats.p95_ms), ("p99", stats.p99_ms),
+                             *stats.percentiles_ms.items()):
+            data[f"{pname}_{name}_ms"] = value
+    return data
 
 
 def jsonable(value: Any) -> Any:

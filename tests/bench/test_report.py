@@ -304,3 +304,27 @@ def test_metric_percentiles_and_percentile_metrics(records, tmp_path):
     path = tmp_path / "r.json"
     write_json(BenchResult({}, [RunResult("concurrency=2", {}, s, records)]), str(path))
     assert read_json(str(path)).runs[0].summary == s
+
+
+def test_a_single_runs_json_carries_vllms_result_keys(tmp_path, records):
+    # Scripts written for `vllm bench serve --save-result` files read completed, request_throughput,
+    # mean_ttft_ms, p99_e2el_ms, ... at the top level
+    result = _result(records, SAMPLES)
+    result.config["model"] = "m"
+    result.runs[0].summary = summarize("rate=inf", records, {"e2e": 500.0}, percentiles=(99.9,))
+    path = tmp_path / "result.json"
+    write_json(result, str(path))
+    data = json.loads(path.read_text())
+    s = result.runs[0].summary
+    assert (data["model_id"], data["completed"], data["failed"], data["duration"]) == ("m", 4, 2, s.duration_s)
+    assert (data["total_input_tokens"], data["total_output_tokens"]) == (40, 11)
+    assert data["request_throughput"] == s.request_throughput and data["request_goodput"] == s.goodput
+    assert data["output_throughput"] == s.output_throughput
+    assert data["total_token_throughput"] == s.total_token_throughput
+    assert data["mean_ttft_ms"] == s.ttft.mean_ms and data["median_tpot_ms"] == s.tpot.median_ms
+    assert data["std_itl_ms"] == s.itl.std_ms and data["p99_e2el_ms"] == s.e2e.p99_ms
+    assert data["p99.9_ttft_ms"] == s.ttft.percentiles_ms["p99.9"] and data["p90_itl_ms"] == s.itl.p90_ms
+    assert read_json(str(path)).runs[0].summary == s
+    # a sweep's runs: their own summaries only (vLLM writes a file per run)
+    result.runs.append(result.runs[0])
+    assert "completed" not in result.to_dict()
