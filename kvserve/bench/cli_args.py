@@ -103,10 +103,13 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     work = parser.add_argument_group("workload")
     work.add_argument("--dataset", "--dataset-name", dest="dataset", choices=(*DATASETS, *VLLM_DATASETS),
                       default="random",
-                      help="random prose, shared-prefix (prefix caching), or file (JSONL; vLLM's name: custom) "
-                      "(default random)")
+                      help="random prose, shared-prefix (prefix caching), file (JSONL; vLLM's name: custom), or "
+                      "sharegpt (a ShareGPT JSON file, sampled as vLLM samples it) (default random)")
     work.add_argument("--dataset-path", default=None,
                       help='--dataset file: JSONL with {"prompt": ...} or {"messages": [...]}, optional "output_len"')
+    work.add_argument("--sharegpt-output-len", type=int, default=None,
+                      help="--dataset sharegpt: every request's max_tokens (default: the token count of the "
+                      "conversation's answer)")
     work.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=256,
                       help="prompt tokens (the median for --input-dist chat) (default 256)")
     work.add_argument("--input-dist", choices=LENGTH_DISTS, default="fixed",
@@ -280,7 +283,7 @@ def config_from_args(ns: argparse.Namespace) -> BenchConfig:
         output_len=ns.max_tokens, output_dist=output_dist, range_ratio=range_ratio, language=ns.language,
         seed=ns.seed,
         max_model_len=ns.max_model_len, prefix_len=ns.prefix_len, num_prefixes=ns.num_prefixes,
-        prefix_reuse=ns.prefix_reuse, path=ns.dataset_path,
+        prefix_reuse=ns.prefix_reuse, path=ns.dataset_path, sharegpt_output_len=ns.sharegpt_output_len,
     )
     return BenchConfig(
         endpoint=endpoint, shapes=_shapes(ns), dataset=dataset, api=_api(ns, endpoint), model=ns.model,

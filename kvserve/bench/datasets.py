@@ -1,6 +1,6 @@
 """Workloads: what each benchmark request asks for (its messages and `max_tokens`).
 
-Three datasets, chosen by name (`DATASETS`):
+Four datasets, chosen by name (`DATASETS`):
 
 * `random` — real English/Chinese prose cut to a token length drawn from a `LengthDist`
   (`fixed`, `uniform`, `normal`, or the long-tailed `chat` preset), with a task line on top.
@@ -8,6 +8,7 @@ Three datasets, chosen by name (`DATASETS`):
   share (one of `num_prefixes`), then a per-request question: measures prefix caching.
 * `file` — a JSONL file, one request per line: `{"prompt": str}` or `{"messages": [...]}`, optionally
   with `"output_len"` (or `"max_tokens"`).
+* `sharegpt` — a ShareGPT JSON file, sampled as vLLM's benchmark samples it (`ShareGPTDataset`).
 
 A dataset is a pure function of (seed, run, index): `get(i, run=k)` returns the same request whatever the
 load shape or the order requests are issued in, so two benchmarks with the same seed send the same text.
@@ -36,7 +37,12 @@ import numpy as np
 
 from kvserve.bench import corpus
 
-DATASETS = ("random", "shared-prefix", "file")
+DATASETS = ("random", "shared-prefix", "file", "sharegpt")
+# vLLM's ShareGPT sampling: a conversation is kept when its prompt and answer have at least this many tokens,
+# the prompt at most SHAREGPT_MAX_PROMPT and both together at most SHAREGPT_MAX_TOTAL.
+SHAREGPT_MIN_LEN = 4
+SHAREGPT_MAX_PROMPT = 1024
+SHAREGPT_MAX_TOTAL = 2048
 LENGTH_DISTS = ("fixed", "uniform", "normal", "chat")
 LANGUAGES = ("en", "zh", "mixed")
 # Share of Chinese prompts under --language mixed.
@@ -136,6 +142,8 @@ class DatasetConfig:
     num_prefixes: int = 1
     prefix_reuse: float = 1.0
     path: str | None = None
+    # sharegpt: every request's max_tokens (None: the token count of the conversation's answer).
+    sharegpt_output_len: int | None = None
     # None: a fresh random nonce per run (see the module docstring); tests pass a fixed one.
     run_nonce: str | None = field(default=None, compare=False)
 
@@ -150,6 +158,11 @@ class DatasetConfig:
             raise DatasetError("--num-prefixes and --prefix-len must be at least 1")
         if self.name == "file" and not self.path:
             raise DatasetError("--dataset file needs --dataset-path FILE.jsonl")
+        if self.name == "sharegpt" and not self.path:
+            raise DatasetError("--dataset sharegpt needs --dataset-path FILE.json (e.g. "
+                               "ShareGPT_V3_unfiltered_cleaned_split.json)")
+        if self.sharegpt_output_len is not None and self.sharegpt_output_len < 1:
+            raise DatasetError(f"--sharegpt-output-len must be at least 1, got {self.sharegpt_output_len}")
         if self.max_model_len is not None and self.max_model_len <= TEMPLATE_MARGIN_TOKENS + 1:
             raise DatasetError(f"--max-model-len must exceed {TEMPLATE_MARGIN_TOKENS + 1} tokens")
         # Builds (and so validates) both length distributions now rather than at the first request.
@@ -447,10 +460,75 @@ def _parse_entry(item: object, where: str) -> tuple[tuple[dict[str, str], ...], 
     return messages, output_len
 
 
+class ShareGPTDataset:
+    """A ShareGPT JSON file (a list of {"conversations": [{"from", "value"}, ...]}), sampled as vLLM's benchmark
+    samples it: the conversations in an order shuffled by the seed, each as its first turn (the prompt) and
+    its second (the answer, whose token count is max_tokens unless `sharegpt_output_len`), skipping those
+    whose lengths are out of vLLM's bounds (SHAREGPT_*). Conversations are tokenized as requests need them (a
+    few hundred microseconds a request, inside the run: a 94,000-conversation file is not tokenized up front);
+    index i takes the i-th kept one, cycling once the file is used up."""
+
+    def __init__(self, config: DatasetConfig, tokenizer: TextTokenizer) -> None:
+        assert config.path is not None
+        self.config = config
+        self._tokenizer = tokenizer
+        self._pairs = _read_sharegpt(config.path)
+        np.random.default_rng(config.seed).shuffle(self._pairs)
+        self._next = 0  # the next pair to look at
+        self._kept: list[tuple[str, int, int]] = []  # (prompt, prompt tokens, output tokens)
+        self.size: int | None = None
+
+    def _fill(self, index: int) -> None:
+        tok = self._tokenizer
+        fixed = self.config.sharegpt_output_len
+        while len(self._kept) <= index and self._next < len(self._pairs):
+            prompt, answer = self._pairs[self._next]
+            self._next += 1
+            prompt_len = len(tok.encode(prompt, add_special_tokens=False))
+            output_len = fixed if fixed is not None else len(tok.encode(answer, add_special_tokens=False))
+            if (prompt_len < SHAREGPT_MIN_LEN or (fixed is None and output_len < SHAREGPT_MIN_LEN)
+                    or prompt_len > SHAREGPT_MAX_PROMPT or prompt_len + output_len > SHAREGPT_MAX_TOTAL):
+                continue
+            self._kept.append((prompt, prompt_len, output_len))
+        if not self._kept:
+            raise DatasetError(f"{self.config.path}: no conversation within the lengths vLLM's ShareGPT sampling "
+                               f"keeps (prompt and answer of {SHAREGPT_MIN_LEN} tokens or more, prompt at most "
+                               f"{SHAREGPT_MAX_PROMPT}, both at most {SHAREGPT_MAX_TOTAL})")
+
+    def get(self, index: int, warmup: bool = False, run: int = 0) -> BenchRequest:
+        self._fill(index)
+        prompt, prompt_len, output_len = self._kept[index % len(self._kept)]
+        return BenchRequest(index, ({"role": "user", "content": prompt},), output_len, prompt_len)
+
+
+def _read_sharegpt(path: str) -> list[tuple[str, str]]:
+    """(first turn, second turn) of each conversation of two turns or more."""
+    if not os.path.isfile(path):
+        raise DatasetError(f"dataset file {path} does not exist")
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise DatasetError(f"{path}: not JSON ({exc})") from None
+    if not isinstance(data, list):
+        raise DatasetError(f"{path}: a ShareGPT file is a JSON list of {{\"conversations\": [...]}}")
+    pairs = []
+    for item in data:
+        turns = item.get("conversations") if isinstance(item, dict) else None
+        if (isinstance(turns, list) and len(turns) >= 2 and all(isinstance(t, dict) for t in turns[:2])
+                and isinstance(turns[0].get("value"), str) and isinstance(turns[1].get("value"), str)):
+            pairs.append((turns[0]["value"], turns[1]["value"]))
+    if not pairs:
+        raise DatasetError(f"{path}: no conversation of two turns or more")
+    return pairs
+
+
 def make_dataset(config: DatasetConfig, tokenizer: Callable[[], TextTokenizer]) -> Dataset:
-    """The dataset `config.name`; `tokenizer()` is called only by datasets that generate text."""
+    """The dataset `config.name`; `tokenizer()` is called only by datasets that generate text or count it."""
     if config.name == "file":
         return FileDataset(config)
+    if config.name == "sharegpt":
+        return ShareGPTDataset(config, tokenizer())  # (loaded before the run, not inside its first request)
     if config.name == "shared-prefix":
         return SharedPrefixDataset(config, tokenizer())
     return RandomDataset(config, tokenizer())

@@ -96,6 +96,9 @@ def test_vllms_dataset_flags():
     assert custom.dataset.name == "file" and custom.dataset.path == "x.jsonl"
     with pytest.raises(BenchConfigError, match="not both"):
         parse_bench("http://127.0.0.1:1/v1/completions", "--random-range-ratio", "0.5", "--input-dist", "chat")
+    sharegpt = parse_bench("http://127.0.0.1:1/v1/completions", "--dataset-name", "sharegpt", "--dataset-path",
+                           "s.json", "--sharegpt-output-len", "64").dataset
+    assert (sharegpt.name, sharegpt.path, sharegpt.sharegpt_output_len) == ("sharegpt", "s.json", 64)
 
 
 def test_save_result_writes_the_json_as_vllms_flags_say(fake_server, prompts_file, tmp_path, monkeypatch):

@@ -215,3 +215,44 @@ def test_config_errors():
         DatasetConfig(input_len=0)
     with pytest.raises(DatasetError, match="--prefix-reuse"):
         DatasetConfig(prefix_reuse=1.5)
+
+
+class _WordTokenizer:
+    """One token per word: lengths known without a model (make_dataset takes its class as the loader)."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(range(len(text.split())))
+
+    def decode(self, token_ids: list[int]) -> str:
+        return ""
+
+
+def test_sharegpt_is_sampled_as_vllm_samples_it(tmp_path):
+    # vllm bench serve --dataset-name sharegpt --dataset-path ShareGPT_V3_unfiltered_cleaned_split.json
+    def conversation(prompt_words: int, answer_words: int) -> dict:
+        return {"id": "x", "conversations": [{"from": "human", "value": " ".join(["q"] * prompt_words)},
+                                             {"from": "gpt", "value": " ".join(["a"] * answer_words)}]}
+
+    data = [conversation(5 + k, 10 + k) for k in range(6)]
+    data += [conversation(3, 10), conversation(10, 3), conversation(1025, 10), conversation(1000, 1049),
+             {"id": "one turn", "conversations": [{"from": "human", "value": "hello there you all"}]}]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(data))
+    dataset = make_dataset(DatasetConfig(name="sharegpt", path=str(path), seed=1), _WordTokenizer)
+    requests = [dataset.get(i) for i in range(12)]
+    # only the six conversations within vLLM's bounds, each once in a seeded order, then again
+    kept = [(r.input_tokens, r.max_tokens) for r in requests[:6]]
+    assert sorted(kept) == [(5 + k, 10 + k) for k in range(6)]
+    assert [(r.input_tokens, r.max_tokens) for r in requests[6:]] == kept
+    assert requests[0].messages == ({"role": "user", "content": " ".join(["q"] * requests[0].input_tokens)},)
+    again = make_dataset(DatasetConfig(name="sharegpt", path=str(path), seed=1), _WordTokenizer)
+    assert [again.get(i).input_tokens for i in range(6)] == [r.input_tokens for r in requests[:6]]
+    # a fixed output length: answers shorter than 4 tokens are kept, and a total within 2048 with it
+    fixed = make_dataset(DatasetConfig(name="sharegpt", path=str(path), sharegpt_output_len=7), _WordTokenizer)
+    assert sorted(fixed.get(i).input_tokens for i in range(8)) == [5, 6, 7, 8, 9, 10, 10, 1000]
+    assert {fixed.get(i).max_tokens for i in range(8)} == {7}
+    with pytest.raises(DatasetError, match="needs --dataset-path"):
+        DatasetConfig(name="sharegpt")
+    path.write_text(json.dumps([conversation(2, 2)]))
+    with pytest.raises(DatasetError, match="no conversation within the lengths"):
+        make_dataset(DatasetConfig(name="sharegpt", path=str(path)), _WordTokenizer).get(0)
