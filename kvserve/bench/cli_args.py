@@ -168,6 +168,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--metrics-interval", type=float, default=1.0, help="seconds between /metrics samples (default 1)")
     out.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                      help="live progress bar (default: when stderr is a terminal)")
+    out.add_argument("--disable-tqdm", dest="progress", action="store_false",
+                     help="vLLM's name of --no-progress")
 
 
 # vLLM's `bench serve` names the end-to-end latency `e2el` (in --goodput and --percentile-metrics).

@@ -129,6 +129,8 @@ def test_vllms_backend_and_trust_remote_code_flags():
         _parse_vllm_style("--backend", "openai-chat", "--port", "9000")
     with pytest.raises(BenchConfigError, match="give one"):
         _parse_vllm_style("--backend", "vllm", "--api", "chat", "--endpoint", "/gateway")
+    assert build_parser().parse_args(["bench", "--disable-tqdm"]).progress is False
+    assert build_parser().parse_args(["bench"]).progress is None
     # a route of another name: the backend says the API
     assert _parse_vllm_style("--backend", "openai-chat", "--endpoint", "/gateway").resolved_api == "chat"
 
