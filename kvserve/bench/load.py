@@ -177,9 +177,12 @@ async def _worker(run: _Run, dataset: Requests, client: StreamClient, warmup: bo
 
 
 def _unsent(run: _Run, record: RequestRecord, message: str) -> None:
-    """Record an arrival cancelled before it was sent: it arrived, so it counts (as cancelled)."""
+    """Record an arrival cancelled before it was sent: it arrived, so it counts (as cancelled), and so does its
+    wait for a slot, until the cancellation (0 would hide the longest waits of an overloaded run)."""
     record.fail(ERROR_CANCELLED, message)
     record.start_s = time.perf_counter() - run.run_start
+    if record.scheduled_s is not None:
+        record.queued_s = max(0.0, record.start_s - record.scheduled_s)
     record.e2e_s = 0.0
     run.finished(record)
 

@@ -485,6 +485,12 @@ def test_stop_cancels_and_records_everything_in_flight(fake_server, prompts_file
     # Closed loop: the two in flight. Open loop: all six arrived at once; two were sent, four waited.
     assert len(kinds) == (2 if shape == "closed" else 6)
     assert server.state.num_requests == 2
+    if shape == "open":
+        # The four that waited for a slot until the stop waited that long (recorded as 0, the queueing
+        # statistics hid an overloaded run's longest waits)
+        unsent = [r for r in result.records if r.status_code is None]
+        assert len(unsent) == 4
+        assert all(r.queued_s > 0 and r.queued_s == pytest.approx(r.start_s - r.scheduled_s) for r in unsent)
 
 
 def test_arrivals_cancelled_before_their_task_runs_are_recorded(fake_server, prompts_file):
