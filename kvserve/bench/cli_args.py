@@ -69,7 +69,11 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                         "when it ends in responses)")
     target.add_argument("--backend", choices=tuple(VLLM_BACKENDS), default=None,
                         help="vLLM's flag: vllm or openai = --api completions, openai-chat = --api chat")
-    target.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
+    target.add_argument("--model", default=None,
+                        help="model name to send (default: the first of GET /v1/models); a model directory, "
+                        ".gguf or repo id in the local HF cache is also the default --tokenizer, as in vLLM")
+    target.add_argument("--served-model-name", default=None,
+                        help="vLLM's flag: the name to send instead of --model (which then names the tokenizer)")
     target.add_argument("--api-key", default=None,
                         help="sent as 'Authorization: Bearer KEY' (default: the OPENAI_API_KEY environment variable, "
                         "as the OpenAI client and vLLM's benchmark read it, sent to the endpoint only, not to /metrics; none when unset "
@@ -137,8 +141,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--seed", type=int, default=0, help="seed of lengths, texts and arrival times (default 0)")
     work.add_argument("--tokenizer", default=None,
                       help="local tokenizer (HF directory, .gguf, or a repo id in the local HF cache) for prompt "
-                           "lengths and for counting tokens when the server sends no usage (default: the default "
-                           "model's)")
+                           "lengths and for counting tokens when the server sends no usage (default: --model's where it "
+                           "names a local model, else the default model's)")
     work.add_argument("--trust-remote-code", action="store_true",
                       help="accepted for vLLM's command lines; the local tokenizers run no remote code")
 
@@ -277,6 +281,15 @@ def _api(ns: argparse.Namespace, endpoint: str) -> str | None:
     return api
 
 
+def _tokenizer(ns: argparse.Namespace) -> str | None:
+    """--tokenizer, else --model where it names a local model (vLLM's benchmark takes the model's tokenizer)."""
+    if ns.tokenizer is not None or ns.model is None:
+        return ns.tokenizer
+    from kvserve.model.paths import names_a_model
+
+    return ns.model if names_a_model(ns.model) else None
+
+
 def config_from_args(ns: argparse.Namespace) -> BenchConfig:
     input_dist, output_dist, range_ratio = _lengths(ns)
     endpoint = _endpoint(ns)
@@ -288,9 +301,10 @@ def config_from_args(ns: argparse.Namespace) -> BenchConfig:
         prefix_reuse=ns.prefix_reuse, path=ns.dataset_path, sharegpt_output_len=ns.sharegpt_output_len,
     )
     return BenchConfig(
-        endpoint=endpoint, shapes=_shapes(ns), dataset=dataset, api=_api(ns, endpoint), model=ns.model,
+        endpoint=endpoint, shapes=_shapes(ns), dataset=dataset, api=_api(ns, endpoint),
+        model=ns.served_model_name if ns.served_model_name is not None else ns.model,
         api_key=ns.api_key if ns.api_key is not None else envs.OPENAI_API_KEY,
-        api_key_from_env=ns.api_key is None and envs.OPENAI_API_KEY is not None, tokenizer=ns.tokenizer,
+        api_key_from_env=ns.api_key is None and envs.OPENAI_API_KEY is not None, tokenizer=_tokenizer(ns),
         warmup=ns.warmup, request_timeout_s=ns.request_timeout,
         drain_timeout_s=ns.drain_timeout,
         ignore_eos=ns.ignore_eos, temperature=ns.temperature, goodput_ms=_parse_goodput(ns.goodput),

@@ -153,6 +153,19 @@ def test_percentile_flags(fake_server, prompts_file, capsys):
     assert "P99.9 TPOT (ms):" in out and "TTFT" not in out
 
 
+def test_the_model_names_the_tokenizer_as_in_vllm(tiny_model_dir):
+    # vllm bench serve --model ORG/NAME --served-model-name NAME: --model is the tokenizer, the served name is sent
+    model_dir = tiny_model_dir("llama")
+    endpoint = "http://127.0.0.1:1/v1/completions"
+    config = parse_bench(endpoint, "--model", model_dir, "--served-model-name", "tiny")
+    assert (config.model, config.tokenizer) == ("tiny", model_dir)
+    config = parse_bench(endpoint, "--model", model_dir)
+    assert (config.model, config.tokenizer) == (model_dir, model_dir)
+    # a served name (no local model): the default tokenizer; --tokenizer wins
+    assert parse_bench(endpoint, "--model", "tiny").tokenizer is None
+    assert parse_bench(endpoint, "--model", model_dir, "--tokenizer", "/t").tokenizer == "/t"
+
+
 def test_goodput_takes_vllms_e2el_key():
     # `vllm bench serve --goodput ttft:500 e2el:2000`: vLLM's name of the end-to-end latency SLO
     config = parse_bench("http://127.0.0.1:1/v1/completions", "--goodput", "ttft:500", "E2EL:2000")
