@@ -118,7 +118,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                       help="prompt tokens (the median for --input-dist chat) (default 256)")
     work.add_argument("--input-dist", choices=LENGTH_DISTS, default="fixed",
                       help="prompt length distribution; chat = long-tailed like real chat traffic (default fixed)")
-    work.add_argument("--max-tokens", "--output-len", "--random-output-len", dest="max_tokens", type=int, default=128,
+    work.add_argument("--max-tokens", "--output-len", "--random-output-len", "--custom-output-len", dest="max_tokens",
+                      type=int, default=128,
                       help="max_tokens of each request (the median for --output-dist chat) (default 128)")
     work.add_argument("--output-dist", choices=LENGTH_DISTS, default="fixed",
                       help="max_tokens distribution (default fixed)")

@@ -94,6 +94,7 @@ def test_vllms_dataset_flags():
     # vLLM's custom dataset is a JSONL of {"prompt": ...}: kvserve's file dataset
     custom = parse_bench("http://127.0.0.1:1/v1/completions", "--dataset-name", "custom", "--dataset-path", "x.jsonl")
     assert custom.dataset.name == "file" and custom.dataset.path == "x.jsonl"
+    assert parse_bench("http://127.0.0.1:1/v1/completions", "--custom-output-len", "77").dataset.output_len == 77
     with pytest.raises(BenchConfigError, match="not both"):
         parse_bench("http://127.0.0.1:1/v1/completions", "--random-range-ratio", "0.5", "--input-dist", "chat")
     sharegpt = parse_bench("http://127.0.0.1:1/v1/completions", "--dataset-name", "sharegpt", "--dataset-path",
