@@ -229,26 +229,41 @@ class StreamClient:
                 record.fail(f"http_{response.status}", f"redirected to {response.headers.get('Location')!r}",
                             response.status)
                 return
-            if "text/event-stream" not in response.headers.get("Content-Type", ""):
+            content_type = response.headers.get("Content-Type", "")
+            first = b""
+            if "text/event-stream" not in content_type and "json" not in content_type:
+                # Neither an event stream nor JSON by its type (a proxy's text/plain, or none): the body tells,
+                # by its first bytes (as vLLM's client, which reads any body as SSE lines).
+                first = await response.content.readany()
+            if "json" in content_type or first.lstrip().startswith(b"{"):
                 # A server that ignores `stream`: the whole answer is one chunk.
-                obj = self._decode(await response.read(), record)
+                obj = self._decode(first + await response.read(), record)
                 state = _StreamState(record, started)
                 if obj is not None and state.on_payload(obj, self.settings.api):
                     state.finish(done=True)
                 return
             state = _StreamState(record, started)
             # Lines are split from the bytes as they arrive (SSE lines end in LF or CRLF).
-            pending = b""
-            async for data in response.content.iter_any():
-                lines = (pending + data).split(b"\n")
-                pending = lines.pop()
-                for line in lines:
-                    if self._on_line(line, state, record):
-                        if record.error_kind is None:
-                            await _drain(response)
-                        return
-            if not (pending and self._on_line(pending, state, record)):  # a last line without a newline
+            pending, over = self._on_bytes(b"", first, state, record)
+            if not over:
+                async for data in response.content.iter_any():
+                    pending, over = self._on_bytes(pending, data, state, record)
+                    if over:
+                        break
+            if over:
+                if record.error_kind is None:
+                    await _drain(response)
+            elif not (pending and self._on_line(pending, state, record)):  # a last line without a newline
                 state.finish(done=False)
+
+    def _on_bytes(self, pending: bytes, data: bytes, state: _StreamState, record: RequestRecord) -> tuple[bytes, bool]:
+        """Apply the complete SSE lines of `pending + data`; (the incomplete rest, whether the stream is over)."""
+        lines = (pending + data).split(b"\n")
+        rest = lines.pop()
+        for line in lines:
+            if self._on_line(line, state, record):
+                return rest, True
+        return rest, False
 
     def _on_line(self, line: bytes, state: _StreamState, record: RequestRecord) -> bool:
         """Apply one SSE line; True when the stream is over (`[DONE]`, or a chunk that ends it)."""

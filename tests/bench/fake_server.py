@@ -66,6 +66,8 @@ class FakeBehavior:
     served_models: tuple[str, ...] | None = None
     # The server stops listening once this many requests have arrived (it goes away mid-run).
     exit_after: int | None = None
+    # The Content-Type of the streamed answers (a proxy may send an event stream as text/plain).
+    content_type: str = "text/event-stream"
 
 
 @dataclass
@@ -230,4 +232,4 @@ class FakeOpenAIServer:
                 await asyncio.sleep(0.002)  # a separate read for the client
                 yield event[half:]
 
-        return StreamingResponse(ragged(events()) if b.ragged else events(), media_type="text/event-stream")
+        return StreamingResponse(ragged(events()) if b.ragged else events(), media_type=b.content_type)

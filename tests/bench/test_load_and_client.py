@@ -609,6 +609,62 @@ def test_streamed_tool_call_chunks_are_tokens() -> None:
         assert not _carries_token(not_a_token, "chat") and _choice_text(not_a_token, "chat") == ""
 
 
+@pytest.mark.parametrize("content_type", ["text/plain", "application/octet-stream"])
+def test_an_event_stream_sent_under_another_type_is_read_as_one(fake_server, bench, prompts_file, content_type):
+    # A proxy that sends the stream as text/plain: every request failed as invalid_response (the whole body
+    # read as one JSON answer), where vLLM's client reads any body as SSE lines
+    server = fake_server(content_type=content_type)
+    result, _ = bench(server.base_url + "/v1/completions", "--num-prompts", "3", "--max-tokens", "4",
+                      "--dataset", "file", "--dataset-path", prompts_file)
+    records = result.runs[0].records
+    assert result.runs[0].summary.errors == {}
+    assert all(r.output_tokens == 4 and len(r.itl_s) == 3 and r.finish_reason == "length" for r in records)
+
+
+def test_a_whole_json_answer_is_read_whatever_its_type():
+    """A server that ignores `stream` answers with one JSON body: read at once under application/json, and
+    under another type when the body is a JSON object."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from kvserve.bench.client import ClientSettings, StreamClient
+    from kvserve.bench.datasets import BenchRequest
+
+    answer = json.dumps({"choices": [{"index": 0, "text": " hi there", "finish_reason": "length"}],
+                         "usage": {"prompt_tokens": 3, "completion_tokens": 2}}).encode()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", self.path.rsplit("/", 1)[-1].replace("_", "/"))
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+
+    async def send(content_type: str):
+        client = StreamClient(ClientSettings(f"http://127.0.0.1:{httpd.server_port}/v1/completions/"
+                                             f"{content_type.replace('/', '_')}", "completions", MODEL))
+        try:
+            return await client.send(BenchRequest(0, ({"role": "user", "content": "x"},), 2), time.perf_counter())
+        finally:
+            await client.aclose()
+
+    try:
+        for content_type in ("application/json", "text/plain"):
+            record = asyncio.run(send(content_type))
+            assert record.success and record.output_tokens == 2 and record.output_text == " hi there", content_type
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
 def test_responses_api_events_make_the_record():
     """The Responses API's events: text, reasoning and arguments deltas are timed tokens, response.completed /
     response.incomplete carries the counts and the end (no [DONE]); `error` and response.failed fail the request;
