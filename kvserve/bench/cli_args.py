@@ -250,6 +250,8 @@ def _lengths(ns: argparse.Namespace) -> tuple[str, str, float]:
     ratio = ns.random_range_ratio
     if ratio is None:
         return ns.input_dist, ns.output_dist, ns.range_ratio
+    if not 0.0 <= ratio < 1.0:  # (vLLM's range too; before 0.9 its ratio meant [ratio x L, L], default 1)
+        raise BenchConfigError(f"--random-range-ratio must be in [0, 1), got {ratio:g}")
     if ns.input_dist != "fixed" or ns.output_dist != "fixed":
         raise BenchConfigError("--random-range-ratio makes both lengths uniform: give it or --input-dist/"
                                "--output-dist, not both")

@@ -97,6 +97,8 @@ def test_vllms_dataset_flags():
     assert parse_bench("http://127.0.0.1:1/v1/completions", "--custom-output-len", "77").dataset.output_len == 77
     with pytest.raises(BenchConfigError, match="not both"):
         parse_bench("http://127.0.0.1:1/v1/completions", "--random-range-ratio", "0.5", "--input-dist", "chat")
+    with pytest.raises(BenchConfigError, match=r"--random-range-ratio must be in \[0, 1\), got 1"):
+        parse_bench("http://127.0.0.1:1/v1/completions", "--random-range-ratio", "1.0")
     sharegpt = parse_bench("http://127.0.0.1:1/v1/completions", "--dataset-name", "sharegpt", "--dataset-path",
                            "s.json", "--sharegpt-output-len", "64").dataset
     assert (sharegpt.name, sharegpt.path, sharegpt.sharegpt_output_len) == ("sharegpt", "s.json", 64)
