@@ -14,8 +14,14 @@ result does not depend on how the text was split into deltas. (Earliest end and 
 unless one stop string overlaps another, e.g. stops ``["abcd", "bc"]`` on ``"abcd"``: "bc" is complete
 one character before "abcd", so it wins.)
 
-Cost per call: O(num_new_chars + longest stop) per stop string: a new match must end within the new
-characters, so it starts at most ``len(stop) - 1`` characters before them.
+Cost per call: O(num_new_chars + what each stop string's held prefix was) per stop string, not O(its
+length): the checker keeps, for each stop string, the longest tail of the text seen last that is a proper
+prefix of it (its *partial match*). A match ending within the new characters starts no earlier than that
+tail; a tail held now is at most the partial match plus the new characters. So a request's long stop strings
+(thousands of characters each) cost each step little more than its new text, on the event loop where this
+runs. The partial matches hold while the text grows by appending between calls, as the detokenizer's
+output text does; a text that does not extend the one seen (checked: a comparison of its start) is looked at
+whole, as a fresh checker would.
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ class StopResult:
 
 
 class StopChecker:
-    """Stop-string matching for one request (stateless between calls: the caller passes the text)."""
+    """Stop-string matching for one request: the caller passes the text at each call (see the module
+    docstring for what is kept between calls)."""
 
     def __init__(self, stop: Sequence[str], include_stop_str_in_output: bool = False) -> None:
         if any(not s for s in stop):
@@ -42,6 +49,18 @@ class StopChecker:
         # Duplicates would only repeat work.
         self._stop = list(dict.fromkeys(stop))
         self._include_stop_str = include_stop_str_in_output
+        # Each stop string's partial match (the longest tail of `_seen_text` that is a proper prefix of it),
+        # as `safe_emit_len` last found it.
+        self._partial = [0] * len(self._stop)
+        self._seen_text = ""
+
+    @property
+    def _seen(self) -> int:
+        return len(self._seen_text)
+
+    def _extends_seen(self, text: str) -> bool:
+        """Whether `text` is the text the partial matches were found in, grown by appending."""
+        return text.startswith(self._seen_text)
 
     @property
     def has_stop_strings(self) -> bool:
@@ -56,9 +75,15 @@ class StopChecker:
         if not self._stop or num_new_chars <= 0:
             return None
         new_start = len(text) - num_new_chars
+        known = new_start >= self._seen and self._extends_seen(text)  # the partial matches hold for this text
         best: tuple[int, int, str] | None = None  # (end, start, stop string)
-        for stop_str in self._stop:
-            start = text.find(stop_str, max(0, new_start - len(stop_str) + 1))
+        for i, stop_str in enumerate(self._stop):
+            # A match ending in the new characters starts within the last len - 1 characters before them, and
+            # what of it was seen already is a tail of that text and a proper prefix of the string.
+            floor = max(0, new_start - len(stop_str) + 1)
+            if known:
+                floor = max(floor, self._seen - self._partial[i])
+            start = text.find(stop_str, floor)
             if start < 0:
                 continue
             # The first occurrence of this string also ends first (all its occurrences have one length).
@@ -79,11 +104,26 @@ class StopChecker:
         """
         if self._include_stop_str or not self._stop:
             return len(text)
+        grown = len(text) - self._seen if self._extends_seen(text) else None  # None: not the text seen before
+        self._seen_text = text
+        if not text:
+            self._partial = [0] * len(self._stop)
+            return 0
+        last = text[-1]
         held = 0
-        for stop_str in self._stop:
-            # Only tails longer than what is already held can change the answer.
-            for length in range(min(len(stop_str) - 1, len(text)), held, -1):
-                if text.endswith(stop_str[:length]):
-                    held = length
+        for i, stop_str in enumerate(self._stop):
+            # The tail held now came from the one held before and the new characters; it ends with the text's
+            # last character, so only the string's positions holding that character are candidates.
+            limit = min(len(stop_str) - 1, len(text))
+            if grown is not None:
+                limit = min(limit, self._partial[i] + grown)
+            length = 0
+            position = stop_str.rfind(last, 0, limit)
+            while position >= 0:
+                if text.endswith(stop_str[: position + 1]):
+                    length = position + 1
                     break
+                position = stop_str.rfind(last, 0, position)
+            self._partial[i] = length
+            held = max(held, length)
         return len(text) - held

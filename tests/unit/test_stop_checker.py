@@ -135,3 +135,51 @@ def test_stop_spanning_tokens_through_the_detokenizer(smollm_tokenizer, stop):
     full = " 你好世界🙂! 再见"
     assert result.text == full[: full.index(stop)]
     assert result.text.startswith(detok.output_text[:sent])
+
+
+def _held_reference(text: str, stops: list[str]) -> int:
+    """Oracle: the longest tail of `text` that is a proper prefix of a stop string."""
+    return max((n for s in stops for n in range(1, min(len(s) - 1, len(text)) + 1) if text.endswith(s[:n])),
+               default=0)
+
+
+@settings(max_examples=400, deadline=None, derandomize=True)
+@given(
+    text=st.text(alphabet="ab", max_size=60),
+    stops=st.lists(st.text(alphabet="ab", min_size=1, max_size=9), min_size=1, max_size=3),
+    seed=st.integers(0, 2**16),
+    min_steps=st.integers(0, 6),
+)
+def test_the_partial_matches_kept_between_calls_give_the_stateless_answers(text, stops, seed, min_steps):
+    """The checker keeps each stop string's partial match between calls (so that long stop strings cost little
+    a step). Property, on a two-letter alphabet where stop strings overlap themselves (borders): every call
+    answers as a fresh checker (which knows nothing of earlier calls) answers, when the output processor's
+    calls come as they do: no `check` for the first steps (min_tokens), and `safe_emit_len` after each step
+    with no stop, also on steps whose text did not grow."""
+    rng = random.Random(seed)
+    checker = StopChecker(stops)
+    text_so_far = ""
+    for step, delta in enumerate(split_randomly(text, rng)):
+        text_so_far += delta
+        if step >= min_steps:
+            result = checker.check(text_so_far, len(delta))
+            assert result == StopChecker(stops).check(text_so_far, len(delta)), (text_so_far, step)
+            if result is not None:
+                return
+        assert checker.safe_emit_len(text_so_far) == len(text_so_far) - _held_reference(text_so_far, stops)
+
+
+def test_long_stop_strings_hold_what_they_must():
+    """Stop strings of thousands of characters: held tails grow with the text and fall back to a shorter border
+    when the text departs from the string."""
+    stop = "ab" * 2000 + "c"
+    checker = StopChecker([stop, "x" * 5000])
+    text = ""
+    for _ in range(1500):
+        text += "ab"
+        assert checker.safe_emit_len(text) == 0  # all of it may still become the stop string
+    text += "b"  # "...abb": no tail of it starts the string
+    assert checker.check(text, 1) is None and checker.safe_emit_len(text) == len(text)
+    text += "ab" * 2000 + "c"
+    result = checker.check(text, 4001)
+    assert result is not None and result.text == "ab" * 1500 + "b"
