@@ -133,6 +133,16 @@ def test_chat_only_parameters(http):
     assert_openai_error(http.post("/v1/chat/completions", json=options_without_stream), 400, "stream_options")
 
 
+def test_empty_stream_options_without_stream_are_taken(http):
+    """vLLM refuses stream_options without stream only when they set something: clients that always send
+    `stream_options: {}` get their answer."""
+    for path, body in (("/v1/chat/completions", {"messages": CHAT}), ("/v1/completions", {"prompt": "hi"})):
+        response = http.post(path, json={**body, "max_tokens": 2, "stream_options": {}})
+        assert response.status_code == 200, response.text
+        refused = http.post(path, json={**body, "max_tokens": 2, "stream_options": {"include_usage": False}})
+        assert_openai_error(refused, 400, "stream_options")
+
+
 def test_non_finite_numbers_are_refused(http):
     # Python's json module (the server's) parses NaN and Infinity; they must not reach the sampler.
     for literal in (b"NaN", b"Infinity", b"-Infinity"):

@@ -149,7 +149,7 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest, request_id: st
     if req.chat_template is not None:
         raise BadRequestError("a per-request chat_template is not accepted; start the server with --chat-template",
                               "chat_template")
-    if req.stream_options is not None and not req.stream:
+    if req.stream_options is not None and req.stream_options.model_fields_set and not req.stream:  # {}: taken, as vLLM
         raise BadRequestError("stream_options can only be given when stream is true", "stream_options")
     if req.top_logprobs and not req.logprobs:  # 0 is taken (and changes nothing), as vLLM takes it
         raise BadRequestError("top_logprobs needs logprobs set to true", "top_logprobs")

@@ -84,7 +84,7 @@ def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> PreparedC
         raise BadRequestError("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise BadRequestError("best_of must equal n (beam-style best-of is not supported)", "best_of")
-    if req.stream_options is not None and not req.stream:
+    if req.stream_options is not None and req.stream_options.model_fields_set and not req.stream:  # {}: taken, as vLLM
         raise BadRequestError("stream_options can only be given when stream is true", "stream_options")
     ctx.check_logprobs(req.logprobs, "logprobs")
     ctx.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
