@@ -7,6 +7,7 @@ frozen `EngineConfig` that every component receives. Nothing else interprets use
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import random
@@ -15,6 +16,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvserve import envs
+
+logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
 
@@ -427,11 +430,17 @@ class EngineArgs:
         else:
             check_max_model_len_value(self.max_model_len)
             max_model_len = _token_count("max_model_len", self.max_model_len)
-            if max_model_len > model_limit:
+            if max_model_len > model_limit and envs.KVSERVE_ALLOW_LONG_MAX_MODEL_LEN:
+                logger.warning("max_model_len=%d is larger than the model supports (%d, %s in the model config): "
+                               "allowed by VLLM_ALLOW_LONG_MAX_MODEL_LEN / KVSERVE_ALLOW_LONG_MAX_MODEL_LEN; outputs "
+                               "past %d tokens may be wrong", max_model_len, model_limit, _model_limit_source(arch),
+                               model_limit)
+            elif max_model_len > model_limit:
                 raise ConfigError(
                     f"max_model_len={max_model_len} is larger than the model supports "
                     f"({model_limit}, {_model_limit_source(arch)} in the model config); "
-                    f"pass --max-model-len {model_limit} or less"
+                    f"pass --max-model-len {model_limit} or less (or set VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 to allow "
+                    f"it, at the risk of wrong outputs past {model_limit} tokens)"
                 )
         if self.max_num_batched_tokens is not None:
             max_batched = _token_count("max_num_batched_tokens", self.max_num_batched_tokens)

@@ -33,6 +33,16 @@ def _log_level(name: str, default: str) -> str:
     return raw
 
 
+def _switch(name: str) -> bool:
+    """A variable read as vLLM reads its switches: 1 or true (any case) on; unset, empty, 0 or false off."""
+    raw = os.environ.get(name, "").strip().lower()
+    if raw in ("1", "true"):
+        return True
+    if raw not in ("", "0", "false"):
+        _INVALID.append(f"environment variable {name} must be 1, true, 0 or false, got {os.environ[name]!r}")
+    return False
+
+
 def check_values() -> None:
     """ValueError naming the first kvserve variable set to a value of the wrong kind (the others then read as
     their defaults, which must not start an engine silently)."""
@@ -138,6 +148,13 @@ KVSERVE_CACHE_DIR: str = _str("KVSERVE_CACHE_DIR", None) or os.path.join(
     _str("XDG_CACHE_HOME", None) or os.path.join(os.path.expanduser("~"), ".cache"), "kvserve")
 
 
+# Let --max-model-len exceed the model's context (max_position_embeddings, or what its RoPE scaling gives):
+# the RoPE table is built to --max-model-len, and outputs past the length the model was trained for may be
+# wrong. vLLM's name is read too.
+KVSERVE_ALLOW_LONG_MAX_MODEL_LEN: bool = _switch("KVSERVE_ALLOW_LONG_MAX_MODEL_LEN") or _switch(
+    "VLLM_ALLOW_LONG_MAX_MODEL_LEN")
+
+
 # vLLM's variables with a kvserve equivalent (VLLM_API_KEY is read itself, above).
 VLLM_ENV_EQUIVALENTS: dict[str, str] = {
     "VLLM_CPU_KVCACHE_SPACE": "KVSERVE_CPU_KVCACHE_SPACE",
@@ -146,7 +163,7 @@ VLLM_ENV_EQUIVALENTS: dict[str, str] = {
 }
 
 
-_VLLM_READ = ("VLLM_API_KEY", "VLLM_ENABLE_RESPONSES_API_STORE")  # vLLM's variables read above
+_VLLM_READ = ("VLLM_API_KEY", "VLLM_ENABLE_RESPONSES_API_STORE", "VLLM_ALLOW_LONG_MAX_MODEL_LEN")  # read above
 
 
 def unread_vllm_env_vars() -> list[str]:

@@ -61,6 +61,9 @@ class ArchConfig:
     quantization: QuantConfig | None = None
     config_dtype: str | None = None
     kv_cache_scheme: bool = False
+    # A --max-model-len past `max_positions` that the user allowed (KVSERVE_ALLOW_LONG_MAX_MODEL_LEN): the RoPE
+    # table is built that long (set by the loader, never read from a checkpoint).
+    long_max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",

@@ -294,7 +294,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size, dtype)
         rotary_emb = RotaryEmbedding(
             arch.head_dim,
-            arch.max_positions,
+            max(arch.max_positions, arch.long_max_model_len or 0),
             arch.rope_theta,
             arch.rope_scaling,
             arch.rope_freq_factors,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import logging
@@ -40,6 +41,8 @@ def load_model(model_config: ModelConfig, device: torch.device, kv_cache_dtype: 
     place as it is read, so peak host memory is about one tensor, not one model.
     """
     arch = load_arch_config(model_config.model)
+    if model_config.max_model_len > arch.max_positions:  # allowed by the user (config's check): RoPE that long
+        arch = dataclasses.replace(arch, long_max_model_len=model_config.max_model_len)
     model_cls = get_model_class(arch.architecture)
     dtype = getattr(torch, model_config.dtype)
     with torch.device(device):

@@ -155,3 +155,23 @@ def test_tiny_gguf_matches_its_safetensors_twin(tiny_model_dir, tiny_gguf_path) 
     b = [o.outputs[0].token_ids for o in _kvserve_greedy(gg, prompts, 12)]
     assert a == b
     assert os.path.getsize(tiny_gguf_path("llama")) > 0
+
+
+def test_a_max_model_len_past_the_models_allowed_by_the_environment(tmp_path, monkeypatch, caplog) -> None:
+    """VLLM_ALLOW_LONG_MAX_MODEL_LEN (vLLM's switch; kvserve's name too): --max-model-len past the model's
+    max_position_embeddings is refused without it, naming it; with it the RoPE table is built that long, so a
+    prompt past the model's length gives HF's greedy tokens (HF computes RoPE at any position)."""
+    from kvserve import envs
+    from kvserve.config import ConfigError
+    from tests.helpers.tiny_models import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(str(tmp_path / "short"), "llama", seed=3, max_position_embeddings=64)
+    with pytest.raises(ConfigError, match="VLLM_ALLOW_LONG_MAX_MODEL_LEN"):
+        LLM(path, max_model_len=160)
+    monkeypatch.setattr(envs, "KVSERVE_ALLOW_LONG_MAX_MODEL_LEN", True)
+    llm = LLM(path, max_model_len=160, block_size=16)
+    assert "outputs past 64 tokens may be wrong" in caplog.text
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    prompt_ids = [(7 * i + 11) % 1000 + 5 for i in range(100)]
+    out = _kvserve_greedy(llm, [{"prompt_token_ids": prompt_ids}], 24)[0]
+    assert list(out.outputs[0].token_ids) == _hf_greedy(hf, prompt_ids, 24)

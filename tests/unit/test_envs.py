@@ -49,6 +49,7 @@ def test_kvserve_api_key_is_read_as_set_even_empty(value: str | None, expected: 
     ("KVSERVE_CPU_KVCACHE_SPACE", "4GiB", "KVSERVE_CPU_KVCACHE_SPACE must be an integer, got '4GiB'"),
     ("VLLM_ENABLE_RESPONSES_API_STORE", "true", "VLLM_ENABLE_RESPONSES_API_STORE must be an integer, got 'true'"),
     ("KVSERVE_LOGGING_LEVEL", "verbose", "KVSERVE_LOGGING_LEVEL must be a log level"),
+    ("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "yes", "VLLM_ALLOW_LONG_MAX_MODEL_LEN must be 1, true, 0 or false, got 'yes'"),
 ])
 def test_a_variable_of_the_wrong_kind_is_an_error_at_start_not_at_import(
         name: str, value: str, message: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
@@ -73,3 +74,21 @@ def test_a_variable_of_the_wrong_kind_is_an_error_at_start_not_at_import(
         monkeypatch.undo()
         importlib.reload(envs)
     envs.check_values()  # unset again: nothing to report
+
+
+@pytest.mark.parametrize(("value", "expected"), [("1", True), ("TRUE", True), (" true ", True), ("0", False),
+                                                 ("false", False), ("", False), (None, False)])
+def test_allow_long_max_model_len_is_read_as_vllm_reads_it(value: str | None, expected: bool,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "KVSERVE_ALLOW_LONG_MAX_MODEL_LEN"):
+        monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+        monkeypatch.delenv("KVSERVE_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+        if value is not None:
+            monkeypatch.setenv(name, value)
+        try:
+            reloaded = importlib.reload(envs)
+            assert reloaded.KVSERVE_ALLOW_LONG_MAX_MODEL_LEN is expected
+            assert "VLLM_ALLOW_LONG_MAX_MODEL_LEN" not in reloaded.unread_vllm_env_vars()
+        finally:
+            monkeypatch.undo()
+            importlib.reload(envs)
