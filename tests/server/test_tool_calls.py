@@ -149,6 +149,19 @@ def test_deeply_nested_output_stays_content():
     assert parse_tool_calls(text, "hermes") == ParsedMessage(text, [])
 
 
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+def test_a_long_call_start_is_read_whole_however_it_comes(parser):
+    """A call whose arguments open past its first 512 characters is read whole, in one piece or in many (fed in
+    pieces, its start was once looked at up to 512 characters past the pieces before, and so streamed)."""
+    call = '{"name": "f",' + " " * 600 + '"arguments": {"a": 1}, "id": 3}'
+    text = "<tool_call>" + call + "</tool_call>" if parser == "hermes" else call
+    expected = parse_tool_calls(text, parser)
+    assert expected == ParsedMessage(text, [])
+    stream = tool_call_stream(parser)
+    first, second = stream.feed(text[:300]), stream.feed(text[300:], final=True)
+    assert first.content + second.content == text and not first.tool_calls + second.tool_calls
+
+
 def test_stream_holds_back_a_partial_start_tag():
     stream = HermesStream()
     assert stream.feed("Hello <tool").content == "Hello"

@@ -248,7 +248,7 @@ class _StreamedCall:
     def _feed_head(self, text: str) -> int | None:
         """Whether the call's start, with `text`, opens its arguments after its name: then the phase moves on
         and the index in `text` after the arguments' brace is returned."""
-        head = self._head + text[: _HEAD_LIMIT]
+        head = self._head + text[: _HEAD_LIMIT - len(self._head)]  # the call's first characters, however they came
         opened = _HEAD_OPEN.match(head)
         seen: dict[str, str] | None = {} if opened else None
         position = opened.end() if opened else 0
