@@ -84,6 +84,10 @@ def test_parse_two_calls_after_content():
      [{"name": "f", "arguments": '{"a": 1}'}]),
     ('<tool_call>{"name": "f", "arguments": {"x": NaN, "y": [1]}} after}</tool_call>', " after}",
      [{"name": "f", "arguments": '{"x": NaN, "y": [1]}'}]),
+    # the spacing before the first character that is not JSON is kept: two values apart do not read as one
+    ('<tool_call>{"name": "f", "arguments": {"a": 1 2}}</tool_call>', None, [{"name": "f", "arguments": '{"a": 1 2}'}]),
+    ('<tool_call>{"name": "f", "arguments": {"a": [1.0\n5]}}</tool_call>', None,
+     [{"name": "f", "arguments": '{"a": [1.0\n5]}'}]),
     ('<tool_call>\n{"name": "f", "arguments": {"s": "a\\u00e9\\ud83d\\ude00\\/\\n", "n": -0, "m": 1.50E1, "t": true}}\n',
      None, [{"name": "f", "arguments": '{"s": "aé😀/\\n", "n": 0, "m": 15.0, "t": true}'}]),
     ('<tool_call>{"name": "f", "arguments": {"a": [1, 2], "b": "x', None, [{"name": "f", "arguments": '{"a": [1, 2], "b": "x'}]),

@@ -216,6 +216,7 @@ class _StreamedCall:
         self._in_key = False
         self._token = ""
         self._token_kind: Literal["", "number", "literal", "escape"] = ""
+        self._space: list[str] = []  # the whitespace after a value, dropped unless "raw" follows it
         # "raw" and "tail": braces outside strings, the call object's own counted (as `_LeadingCallStream._scan`)
         self._depth = 0
         self._quoted = False
@@ -284,6 +285,8 @@ class _StreamedCall:
                         continue
                 if not self._json_step(text[i], out):
                     self._to_raw(text[i], out)
+                elif self._space and text[i] not in _WHITESPACE:  # JSON goes on: its spacing is json.dumps'
+                    self._space = []
                 i += 1
                 continue
             if self.phase == "done":
@@ -318,9 +321,12 @@ class _StreamedCall:
                 self.phase = "done"
 
     def _to_raw(self, char: str, out: list[str]) -> None:
-        """`char` is not JSON here: the unfinished token and it are passed on as written, and counted from the
-        structure the JSON so far has (each open object a brace, the call's own too)."""
+        """`char` is not JSON here: the whitespace before it (or the unfinished token) and it are passed on as
+        written, and counted from the structure the JSON so far has (each open object a brace, the call's own
+        too). The whitespace is kept so that two values written apart do not come out as one (``1 2``, ``12``)."""
         self.phase = "raw"
+        out.append("".join(self._space))
+        self._space = []
         self._depth = 1 + self._stack.count("{")
         self._quoted, self._escaped = self._in_string, False
         token, self._token, self._token_kind = self._token, "", ""
@@ -360,6 +366,8 @@ class _StreamedCall:
             self._token = self._token[:-1]  # `char` goes on raw after the token
             return False
         if char in _WHITESPACE:
+            if self._expect == "comma or end":  # after a value: kept until what follows shows it is JSON
+                self._space.append(char)
             return True
         expect = self._expect
         if expect in ("key", "key or end") and char == '"':
