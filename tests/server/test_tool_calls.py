@@ -339,6 +339,16 @@ def test_a_call_cut_short_keeps_the_engines_finish_reason(parser):
     ctx, _ = _context([_tokens(start + '{"name": "get_weather", "arguments": {"city": "Paris"}}')], parser=parser,
                       finish_reason="length")
     assert _post(ctx, body).json()["choices"][0]["finish_reason"] == "tool_calls"
+    # a call cut short past the calls returned (parallel_tool_calls false): the calls returned are whole
+    separator = {"hermes": "</tool_call>\n", "llama3_json": ";"}[parser]
+    text = start + '{"name": "get_weather", "arguments": {}}' + separator + start + '{"name": "f", "arguments": {"a'
+    ctx, _ = _context([_tokens(text)], parser=parser, finish_reason="length")
+    body = {**body, "parallel_tool_calls": False}
+    choice = _post(ctx, body).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert _functions(choice["message"]["tool_calls"]) == [{"name": "get_weather", "arguments": "{}"}]
+    streamed, finish = _stream_messages(_post(ctx, {**body, "stream": True}))
+    assert finish == {0: "tool_calls"} and _functions(streamed[0]["tool_calls"]) == _functions(choice["message"]["tool_calls"])
 
 
 def _random_json(rng: random.Random, depth: int = 0) -> Any:

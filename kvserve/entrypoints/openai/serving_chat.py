@@ -366,7 +366,9 @@ async def chat_full(ctx: ServingContext, chat: PreparedChat) -> dict[str, Any]:
             parsed = parse_tool_calls(text or "", ctx.tool_call_parser)
             content = parsed.content if parsed.content or not chat.parse_reasoning else None
             message = {"role": chat.role, "content": content, "tool_calls": parsed.tool_calls[: chat.max_tool_calls]}
-            if parsed.tool_calls and not parsed.last_call_cut:  # cut short: the engine's reason ("length")
+            # cut short: the engine's reason ("length"), unless the cut call is past max_tool_calls (not returned)
+            cut = parsed.last_call_cut and (chat.max_tool_calls is None or len(parsed.tool_calls) <= chat.max_tool_calls)
+            if parsed.tool_calls and not cut:
                 finish_reason = "tool_calls"
         elif chat.forced_tool is not None:  # the text is the arguments
             message = {"role": chat.role, "content": None, "tool_calls": [
@@ -534,7 +536,9 @@ def _choice_deltas(ctx: ServingContext, chat: PreparedChat, update: RequestOutpu
                      if chat.max_tool_calls is None or piece.index < chat.max_tool_calls]
             if calls:
                 delta["tool_calls"] = calls
-            if tools.num_tool_calls and not tools.last_call_cut:  # cut short: the engine's reason ("length")
+            # cut short: the engine's reason ("length"), unless the cut call is past max_tool_calls (not sent)
+            cut = tools.last_call_cut and (chat.max_tool_calls is None or tools.num_tool_calls <= chat.max_tool_calls)
+            if tools.num_tool_calls and not cut:
                 finish_reason = "tool_calls"
         if reasoning_delta and not chat.hide_reasoning:
             delta = {"reasoning": reasoning_delta, **delta}
