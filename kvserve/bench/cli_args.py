@@ -80,6 +80,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                         "or empty; --api-key '' sends none)")
     target.add_argument("--request-timeout", type=float, default=600.0,
                         help="seconds one request may take before it counts as a timeout (default 600)")
+    target.add_argument("--ready-check-timeout-sec", type=int, default=0, metavar="N",
+                        help="vLLM's flag: wait up to N seconds for the server to come up (its /v1/models to "
+                        "answer), saying so every few seconds, before anything is sent; then fail (status 2) "
+                        "(default 0: check once, fail at once; vLLM's default is 600)")
 
     load = parser.add_argument_group("load")
     load.add_argument("--concurrency", type=int, default=None,
@@ -308,7 +312,7 @@ def config_from_args(ns: argparse.Namespace) -> BenchConfig:
         model=ns.served_model_name if ns.served_model_name is not None else ns.model,
         api_key=ns.api_key if ns.api_key is not None else envs.OPENAI_API_KEY,
         api_key_from_env=ns.api_key is None and envs.OPENAI_API_KEY is not None, tokenizer=_tokenizer(ns),
-        warmup=ns.warmup, request_timeout_s=ns.request_timeout,
+        warmup=ns.warmup, request_timeout_s=ns.request_timeout, ready_check_timeout_s=ns.ready_check_timeout_sec,
         drain_timeout_s=ns.drain_timeout,
         ignore_eos=ns.ignore_eos, temperature=ns.temperature, goodput_ms=_parse_goodput(ns.goodput),
         server_metrics=ns.server_metrics, metrics_url=ns.metrics_url, metrics_interval_s=ns.metrics_interval,

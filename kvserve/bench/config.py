@@ -108,6 +108,8 @@ class BenchConfig:
     tokenizer: str | None = None
     warmup: int = 0
     request_timeout_s: float = 600.0
+    # How long to wait for the server to come up (vLLM's --ready-check-timeout-sec; 0: one check, no wait).
+    ready_check_timeout_s: float = 0.0
     # With a duration: requests still running this long after it are cancelled (None: never).
     drain_timeout_s: float | None = 60.0
     ignore_eos: bool = False
@@ -146,6 +148,9 @@ class BenchConfig:
             raise BenchConfigError(f"--warmup must be >= 0, got {self.warmup}")
         if not self.request_timeout_s > 0:
             raise BenchConfigError(f"--request-timeout must be positive, got {self.request_timeout_s}")
+        if not 0 <= self.ready_check_timeout_s <= MAX_DURATION_S:
+            raise BenchConfigError(f"--ready-check-timeout-sec must be in [0, {MAX_DURATION_S:.0f}], got "
+                                   f"{self.ready_check_timeout_s:g}")
         if self.drain_timeout_s is not None and not self.drain_timeout_s >= 0:
             raise BenchConfigError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
         if not self.metrics_interval_s > 0:

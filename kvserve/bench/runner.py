@@ -113,18 +113,53 @@ def shape_dict(shape: LoadShape) -> dict[str, Any]:
     return jsonable(dataclasses.asdict(shape))
 
 
+# Seconds between attempts while --ready-check-timeout-sec waits for the server (vLLM's interval).
+READY_RETRY_S = 5.0
+# Answers of a server (or a proxy before it) that is up but not serving yet: waited out like a refused connection.
+_NOT_READY_STATUSES = (502, 503, 504)
+
+
+async def _wait_for_models(config: BenchConfig, log: TextIO) -> list[str]:
+    """The server's model listing, waiting up to `ready_check_timeout_s` for the server to come up (a refused
+    connection, a timeout, or a 502/503/504): one line on `log` per attempt that failed, with the time left.
+    Raises BenchError when it is not up in time (at once without a wait), httpx.HTTPStatusError for another
+    error status (a server without /models)."""
+    wait_s = config.ready_check_timeout_s
+    start = time.monotonic()
+    deadline = start + wait_s
+    if wait_s > 0:
+        print(f"waiting up to {wait_s:g} s for the server at {config.api_base} to come up", file=log)
+    while True:
+        try:
+            return await fetch_model_names(config.api_base, config.api_key,
+                                           timeout_s=min(10.0, max(1.0, deadline - time.monotonic())))
+        except httpx.HTTPStatusError as exc:
+            if exc.response.status_code not in _NOT_READY_STATUSES or wait_s <= 0:
+                raise
+            reason = f"{config.api_base}/models answered {exc.response.status_code}"
+        except httpx.HTTPError as exc:
+            reason = f"{type(exc).__name__}: {exc}".rstrip(": ")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            if wait_s <= 0:
+                raise BenchError(f"cannot reach the server at {config.api_base}: {reason} (vLLM's "
+                                 "--ready-check-timeout-sec N waits up to N s for it to come up)")
+            raise BenchError(f"the server at {config.api_base} did not come up within {wait_s:g} s "
+                             f"(--ready-check-timeout-sec); last attempt: {reason}")
+        print(f"  not up yet after {time.monotonic() - start:.0f} s ({reason}); {left:.0f} s left", file=log)
+        await asyncio.sleep(min(READY_RETRY_S, left))
+
+
 async def _check_server(config: BenchConfig, log: TextIO) -> tuple[str, bool]:
     """Fail fast when nothing listens at the endpoint; returns the model name to send, and whether the server's
     model listing names it."""
     listing = f"{config.api_base}/models"
     try:
-        names = await fetch_model_names(config.api_base, config.api_key)
+        names = await _wait_for_models(config, log)
     except httpx.HTTPStatusError as exc:
         # A server without /models (or behind a proxy that hides it) can still serve.
         names = []
         listing = f"{listing} answered {exc.response.status_code}"
-    except httpx.HTTPError as exc:
-        raise BenchError(f"cannot reach the server at {config.api_base}: {type(exc).__name__}: {exc}") from None
     if config.model is not None:
         if names and config.model not in names:
             print(f"warning: the server lists {', '.join(names)}, not {config.model!r}: sending one test request",

@@ -7,11 +7,12 @@ import json
 import math
 import os
 
+import httpx
 import pytest
 
 from bench.conftest import parse_bench
-from bench.fake_server import MODEL
-from kvserve.bench import client_health
+from bench.fake_server import MODEL, FakeBehavior, FakeOpenAIServer
+from kvserve.bench import client_health, runner
 from kvserve.bench.cli_args import config_from_args
 from kvserve.bench.config import BenchConfig, BenchConfigError
 from kvserve.bench.runner import run_benchmark
@@ -413,3 +414,74 @@ def test_the_api_key_defaults_to_openai_api_key(monkeypatch):
     assert config.api_key == "sk-flag" and config.metrics_api_key == "sk-flag"
     monkeypatch.setattr(envs, "OPENAI_API_KEY", None)
     assert parse_bench("http://127.0.0.1:1/v1/completions").api_key is None
+
+
+def test_ready_check_timeout_waits_for_a_server_that_comes_up_late(prompts_file, capsys, monkeypatch):
+    # vLLM's --ready-check-timeout-sec N: the benchmark waits for a server still starting (its port bound but
+    # not listening yet: connections refused), saying so, and runs once it answers. It failed at once (status 2).
+    monkeypatch.setattr(runner, "READY_RETRY_S", 0.05)
+    server = FakeOpenAIServer(FakeBehavior())
+    attempts: list[float] = []
+    fetch = runner.fetch_model_names
+
+    async def counting_fetch(*args, **kwargs):
+        attempts.append(0.0)
+        if len(attempts) == 3:  # the server comes up after the second refused attempt
+            server.start()
+        return await fetch(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "fetch_model_names", counting_fetch)
+    try:
+        assert main(["bench", "--endpoint", server.base_url + "/v1/completions", "--num-prompts", "2",
+                     "--max-tokens", "2", "--dataset", "file", "--dataset-path", prompts_file, "--no-progress",
+                     "--ready-check-timeout-sec", "600"]) == 0
+    finally:
+        server.stop()
+    err = capsys.readouterr().err
+    assert f"waiting up to 600 s for the server at {server.base_url}/v1 to come up" in err
+    assert err.count("not up yet after") == 2
+    assert server.state.num_requests == 2
+
+
+def test_ready_check_timeout_fails_clearly_when_the_server_never_comes_up(fake_server, prompts_file, capsys,
+                                                                          monkeypatch):
+    monkeypatch.setattr(runner, "READY_RETRY_S", 0.05)
+    server = fake_server()
+    port = server.port
+    server.stop()
+    flags = ["bench", "--endpoint", f"http://127.0.0.1:{port}/v1/completions", "--num-prompts", "2",
+             "--dataset", "file", "--dataset-path", prompts_file, "--no-progress"]
+    assert main([*flags, "--ready-check-timeout-sec", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"the server at http://127.0.0.1:{port}/v1 did not come up within 1 s (--ready-check-timeout-sec)" in err
+    assert "last attempt: ConnectError" in err and "not up yet after" in err
+    # The default (0) checks once and names the flag that waits.
+    assert main(flags) == 2
+    err = capsys.readouterr().err
+    assert "cannot reach the server" in err and "--ready-check-timeout-sec N waits" in err
+    assert "not up yet" not in err
+    assert main([*flags, "--ready-check-timeout-sec", "-1"]) == 2
+    assert "--ready-check-timeout-sec must be in [0, 86400], got -1" in capsys.readouterr().err
+
+
+def test_ready_check_waits_out_a_server_that_answers_503_while_it_loads(fake_server, prompts_file, capsys,
+                                                                        monkeypatch):
+    monkeypatch.setattr(runner, "READY_RETRY_S", 0.05)
+    server = fake_server()
+    statuses = [503, 503]
+    fetch = runner.fetch_model_names
+
+    async def loading(api_base, *args, **kwargs):
+        if statuses:
+            request = httpx.Request("GET", api_base + "/models")
+            raise httpx.HTTPStatusError("loading", request=request,
+                                        response=httpx.Response(statuses.pop(), request=request))
+        return await fetch(api_base, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "fetch_model_names", loading)
+    assert main(["bench", "--endpoint", server.base_url + "/v1/completions", "--num-prompts", "1",
+                 "--max-tokens", "2", "--dataset", "file", "--dataset-path", prompts_file, "--no-progress",
+                 "--ready-check-timeout-sec", "60"]) == 0
+    err = capsys.readouterr().err
+    assert err.count(f"({server.base_url}/v1/models answered 503)") == 2
+    assert server.state.num_requests == 1
