@@ -37,6 +37,15 @@ def _positive_list(kind: type, flag: str) -> Callable[[str], list[float]]:
     return parse
 
 
+def _temperature(text: str) -> float | None:
+    if text.strip().lower() == "server":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--temperature takes a number or 'server', got {text!r}") from None
+
+
 def _percentile_list(text: str) -> tuple[float, ...]:
     try:
         return tuple(float(v) for v in text.split(",") if v.strip())
@@ -142,7 +151,20 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                       help="clip drawn lengths so prompt + output fit the server's context (default: no clip)")
     work.add_argument("--ignore-eos", action="store_true",
                       help="ask the server to generate max_tokens even past end-of-sequence (vLLM extension)")
-    work.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the server's)")
+    sampling = parser.add_argument_group("sampling (vLLM's flags, sent in every request)")
+    sampling.add_argument("--temperature", type=_temperature, default=0.0,
+                          help="sampling temperature (default 0: greedy, as in vLLM's bench; 'server': send none, "
+                          "the server's default)")
+    sampling.add_argument("--top-p", type=float, default=None, help="top_p, in (0, 1] (default: not sent)")
+    sampling.add_argument("--top-k", type=int, default=None,
+                          help="top_k: a positive integer, or -1/0 for no limit (default: not sent)")
+    sampling.add_argument("--min-p", type=float, default=None, help="min_p, in [0, 1] (default: not sent)")
+    sampling.add_argument("--repetition-penalty", type=float, default=None,
+                          help="repetition_penalty, > 0; 1 = none (default: not sent)")
+    sampling.add_argument("--presence-penalty", type=float, default=None,
+                          help="presence_penalty, in [-2, 2] (default: not sent)")
+    sampling.add_argument("--frequency-penalty", type=float, default=None,
+                          help="frequency_penalty, in [-2, 2] (default: not sent)")
     work.add_argument("--seed", type=int, default=0, help="seed of lengths, texts and arrival times (default 0)")
     work.add_argument("--tokenizer", default=None,
                       help="local tokenizer (HF directory, .gguf, or a repo id in the local HF cache) for prompt "
@@ -314,7 +336,9 @@ def config_from_args(ns: argparse.Namespace) -> BenchConfig:
         api_key_from_env=ns.api_key is None and envs.OPENAI_API_KEY is not None, tokenizer=_tokenizer(ns),
         warmup=ns.warmup, request_timeout_s=ns.request_timeout, ready_check_timeout_s=ns.ready_check_timeout_sec,
         drain_timeout_s=ns.drain_timeout,
-        ignore_eos=ns.ignore_eos, temperature=ns.temperature, goodput_ms=_parse_goodput(ns.goodput),
+        ignore_eos=ns.ignore_eos, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p,
+        repetition_penalty=ns.repetition_penalty, presence_penalty=ns.presence_penalty,
+        frequency_penalty=ns.frequency_penalty, goodput_ms=_parse_goodput(ns.goodput),
         server_metrics=ns.server_metrics, metrics_url=ns.metrics_url, metrics_interval_s=ns.metrics_interval,
         percentile_metrics=_percentile_metrics(ns.percentile_metrics), metric_percentiles=ns.metric_percentiles,
         json_path=_json_path(ns), plot_path=ns.plot_path, compare_path=ns.compare_path, progress=ns.progress,

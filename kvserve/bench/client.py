@@ -128,6 +128,8 @@ class ClientSettings:
     ignore_eos: bool = False
     temperature: float | None = None
     max_connections: int | None = None
+    # Further sampling parameters sent in every request body (top_p, top_k, min_p, penalties).
+    sampling: dict[str, float | int] = field(default_factory=dict)
 
 
 class StreamClient:
@@ -181,6 +183,7 @@ class StreamClient:
             body["ignore_eos"] = True
         if s.temperature is not None:
             body["temperature"] = s.temperature
+        body.update(s.sampling)
         return body
 
     async def send(self, request: BenchRequest, run_start: float, record: RequestRecord | None = None

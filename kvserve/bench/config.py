@@ -113,7 +113,14 @@ class BenchConfig:
     # With a duration: requests still running this long after it are cancelled (None: never).
     drain_timeout_s: float | None = 60.0
     ignore_eos: bool = False
+    # Sent in every request when set (None: the server's default); vLLM's bench sends temperature 0 unless told.
     temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     goodput_ms: dict[str, float] = field(default_factory=dict)
     server_metrics: bool = True
     metrics_url: str | None = None
@@ -158,6 +165,17 @@ class BenchConfig:
         if self.temperature is not None and not 0 <= self.temperature < math.inf:
             # (NaN and inf went out as JSON null, the server's default, and NaN broke the result JSON)
             raise BenchConfigError(f"--temperature must be a finite number >= 0, got {self.temperature}")
+        for flag, value, ok, accepted in (
+            ("--top-p", self.top_p, lambda v: 0 < v <= 1, "in (0, 1]"),
+            ("--top-k", self.top_k, lambda v: v == -1 or v >= 0, "-1 or 0 (no limit) or a positive integer"),
+            ("--min-p", self.min_p, lambda v: 0 <= v <= 1, "in [0, 1]"),
+            ("--repetition-penalty", self.repetition_penalty, lambda v: 0 < v < math.inf,
+             "a finite number > 0 (1: none)"),
+            ("--presence-penalty", self.presence_penalty, lambda v: -2 <= v <= 2, "in [-2, 2]"),
+            ("--frequency-penalty", self.frequency_penalty, lambda v: -2 <= v <= 2, "in [-2, 2]"),
+        ):
+            if value is not None and not ok(value):  # (NaN fails every comparison)
+                raise BenchConfigError(f"{flag} must be {accepted}, got {value:g}")
         for key, value in self.goodput_ms.items():
             if key not in GOODPUT_KEYS:
                 raise BenchConfigError(f"--goodput keys are {', '.join(GOODPUT_KEYS)}, got {key!r}")
@@ -170,6 +188,13 @@ class BenchConfig:
         for p in self.metric_percentiles:
             if not 0 <= p <= 100:
                 raise BenchConfigError(f"--metric-percentiles must be in [0, 100], got {p:g}")
+
+    def sampling(self) -> dict[str, float | int]:
+        """The sampling parameters every request carries, under their request-body names."""
+        values = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+                  "repetition_penalty": self.repetition_penalty, "presence_penalty": self.presence_penalty,
+                  "frequency_penalty": self.frequency_penalty}
+        return {key: value for key, value in values.items() if value is not None}
 
     @property
     def resolved_api(self) -> str:

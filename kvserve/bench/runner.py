@@ -307,6 +307,7 @@ async def _run_all(config: BenchConfig, log: TextIO) -> BenchResult:
         endpoint=config.endpoint, api=config.resolved_api, model=model, api_key=config.api_key,
         request_timeout_s=config.request_timeout_s, ignore_eos=config.ignore_eos,
         temperature=config.temperature, max_connections=config.pool_size(),
+        sampling={k: v for k, v in config.sampling().items() if k != "temperature"},
     )
     client = StreamClient(settings)
     try:

@@ -485,3 +485,55 @@ def test_ready_check_waits_out_a_server_that_answers_503_while_it_loads(fake_ser
     err = capsys.readouterr().err
     assert err.count(f"({server.base_url}/v1/models answered 503)") == 2
     assert server.state.num_requests == 1
+
+
+def test_vllms_sampling_flags_go_into_every_request(fake_server, prompts_file, capsys):
+    # As vLLM's bench serve: no --temperature is greedy (0 sent; kvserve bench sent none, the server's default
+    # sampling); --top-p, --top-k, --min-p and the penalties go into each request body under their API names.
+    server = fake_server()
+    common = ["bench", "--endpoint", server.base_url + "/v1/completions", "--num-prompts", "2", "--max-tokens",
+              "2", "--dataset", "file", "--dataset-path", prompts_file, "--no-progress"]
+    assert main(common) == 0
+    assert [b["temperature"] for b in server.state.bodies] == [0.0, 0.0]
+    assert not {"top_p", "top_k", "min_p", "repetition_penalty"} & set(server.state.bodies[0])
+    server.state.bodies.clear()
+    assert main([*common, "--temperature", "0.7", "--top-p", "0.9", "--top-k", "20", "--min-p", "0.05",
+                 "--repetition-penalty", "1.1", "--presence-penalty", "0.5", "--frequency-penalty", "-0.5"]) == 0
+    for body in server.state.bodies:
+        assert {k: body[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                                     "presence_penalty", "frequency_penalty")} == {
+            "temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1,
+            "presence_penalty": 0.5, "frequency_penalty": -0.5}
+    assert len(server.state.bodies) == 2
+    # 'server' sends no temperature (the server's default, kvserve bench's earlier behaviour)
+    server.state.bodies.clear()
+    assert main([*common, "--temperature", "server", "--top-k", "-1"]) == 0
+    assert "temperature" not in server.state.bodies[0] and server.state.bodies[0]["top_k"] == -1
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--top-p", "0"], "--top-p must be in (0, 1], got 0"),
+    (["--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
+    (["--top-p", "nan"], "--top-p must be in (0, 1], got nan"),
+    (["--top-k", "-2"], "--top-k must be -1 or 0 (no limit) or a positive integer, got -2"),
+    (["--min-p", "-0.1"], "--min-p must be in [0, 1], got -0.1"),
+    (["--repetition-penalty", "0"], "--repetition-penalty must be a finite number > 0 (1: none), got 0"),
+    (["--repetition-penalty", "inf"], "--repetition-penalty must be a finite number > 0 (1: none), got inf"),
+    (["--presence-penalty", "3"], "--presence-penalty must be in [-2, 2], got 3"),
+    (["--frequency-penalty", "-2.5"], "--frequency-penalty must be in [-2, 2], got -2.5"),
+    (["--temperature", "-1"], "--temperature must be a finite number >= 0, got -1"),
+])
+def test_nonsensical_sampling_values_are_refused_before_any_request(fake_server, prompts_file, capsys, flags,
+                                                                    message):
+    server = fake_server()
+    assert main(["bench", "--endpoint", server.base_url + "/v1/completions", "--num-prompts", "1",
+                 "--dataset", "file", "--dataset-path", prompts_file, "--no-progress", *flags]) == 2
+    assert message in capsys.readouterr().err
+    assert server.state.num_requests == 0
+
+
+def test_temperature_takes_a_number_or_server(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--temperature", "hot"])
+    assert "--temperature takes a number or 'server', got 'hot'" in capsys.readouterr().err
