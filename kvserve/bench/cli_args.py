@@ -189,6 +189,20 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                      "kvserve-bench-YYYYMMDD-HHMMSS.json)")
     out.add_argument("--result-dir", default=None, help="with --save-result: the JSON's directory (default .)")
     out.add_argument("--result-filename", default=None, help="with --save-result: the JSON's file name")
+    out.add_argument("--append-result", action="store_true",
+                     help="vLLM's flag: save as --save-result does, but append the JSON to the file as one more "
+                     "line (JSON Lines) instead of replacing it")
+    out.add_argument("--save-detailed", action="store_true",
+                     help="vLLM's flag: a single run's JSON also gets vLLM's per-request lists (input_lens, "
+                     "output_lens, ttfts, itls, generated_texts, errors); the answers' texts are kept for it")
+    out.add_argument("--label", default=None,
+                     help="vLLM's flag: the JSON's 'label' key, and the default --result-filename's prefix")
+    out.add_argument("--metadata", nargs="+", default=None, metavar="KEY=VALUE",
+                     help="vLLM's flag: extra top-level keys of the JSON (values as strings)")
+    out.add_argument("--request-id-prefix", default=None,
+                     help="vLLM's flag: send each request an x-request-id header PREFIX + its index (later "
+                     "sweep points and the warm-up add '<point>-' or 'warmup-' before the index); kept in each "
+                     "record (default: no header)")
     out.add_argument("--plot", dest="plot_path", default=None, metavar="FILE.png",
                      help="write latency CDFs, throughput over time and server metrics as a PNG")
     out.add_argument("--compare", dest="compare_path", default=None, metavar="OLD.json",
@@ -286,12 +300,18 @@ def _lengths(ns: argparse.Namespace) -> tuple[str, str, float]:
 
 
 def _json_path(ns: argparse.Namespace) -> str | None:
-    """--json, or vLLM's --save-result [--result-dir D] [--result-filename F] (either of these saves too)."""
-    if not (ns.save_result or ns.result_dir is not None or ns.result_filename is not None):
+    """--json, or vLLM's --save-result/--append-result [--result-dir D] [--result-filename F] (either of these
+    saves too)."""
+    if not (ns.save_result or ns.append_result or ns.result_dir is not None or ns.result_filename is not None):
         return ns.json_path
-    if ns.json_path is not None:
+    if ns.json_path is not None and not ns.append_result:
         raise BenchConfigError("give --json FILE or --save-result/--result-dir/--result-filename, not both")
-    name = ns.result_filename or f"kvserve-bench-{datetime.datetime.now():%Y%m%d-%H%M%S}.json"
+    if ns.json_path is not None:  # --json FILE --append-result: append to FILE
+        if ns.save_result or ns.result_dir is not None or ns.result_filename is not None:
+            raise BenchConfigError("give --json FILE or --save-result/--result-dir/--result-filename, not both")
+        return ns.json_path
+    prefix = ns.label if ns.label else "kvserve-bench"
+    name = ns.result_filename or f"{prefix}-{datetime.datetime.now():%Y%m%d-%H%M%S}.json"
     return os.path.join(ns.result_dir, name) if ns.result_dir is not None else name
 
 
@@ -308,6 +328,17 @@ def _api(ns: argparse.Namespace, endpoint: str) -> str | None:
         raise BenchConfigError(f"--backend {ns.backend} sends the {api} API, but the endpoint {endpoint} is the "
                                f"{routed} route: give --endpoint /v1/{'chat/' if api == 'chat' else ''}completions")
     return api
+
+
+def _metadata(items: list[str] | None) -> dict[str, str]:
+    """vLLM's --metadata KEY=VALUE ...: split at the first '=', both sides stripped."""
+    metadata: dict[str, str] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise BenchConfigError(f"--metadata takes KEY=VALUE pairs, got {item!r}")
+        metadata[key.strip()] = value.strip()
+    return metadata
 
 
 def _tokenizer(ns: argparse.Namespace) -> str | None:
@@ -341,5 +372,7 @@ def config_from_args(ns: argparse.Namespace) -> BenchConfig:
         frequency_penalty=ns.frequency_penalty, goodput_ms=_parse_goodput(ns.goodput),
         server_metrics=ns.server_metrics, metrics_url=ns.metrics_url, metrics_interval_s=ns.metrics_interval,
         percentile_metrics=_percentile_metrics(ns.percentile_metrics), metric_percentiles=ns.metric_percentiles,
-        json_path=_json_path(ns), plot_path=ns.plot_path, compare_path=ns.compare_path, progress=ns.progress,
+        json_path=_json_path(ns), backend=ns.backend, label=ns.label, metadata=_metadata(ns.metadata),
+        save_detailed=ns.save_detailed, append_result=ns.append_result, request_id_prefix=ns.request_id_prefix,
+        plot_path=ns.plot_path, compare_path=ns.compare_path, progress=ns.progress,
     )

@@ -81,6 +81,10 @@ class RequestRecord:
     error_kind: str | None = None
     error: str | None = None
     status_code: int | None = None
+    # The x-request-id sent (--request-id-prefix; None: none sent).
+    request_id: str | None = None
+    # The answer's text, kept with --save-detailed only (vLLM's generated_texts).
+    generated_text: str | None = None
     # Kept only until tokens are counted (never serialized): the fallback counts them with a tokenizer.
     output_text: str = field(default="", repr=False, compare=False)
 
@@ -130,6 +134,9 @@ class ClientSettings:
     max_connections: int | None = None
     # Further sampling parameters sent in every request body (top_p, top_k, min_p, penalties).
     sampling: dict[str, float | int] = field(default_factory=dict)
+    # Each request's x-request-id header is this prefix, the client's `id_scope` and the request's index, as
+    # vLLM's bench sends `{prefix}{index}` (None: no header).
+    request_id_prefix: str | None = None
 
 
 class StreamClient:
@@ -144,6 +151,9 @@ class StreamClient:
         self._session: aiohttp.ClientSession | None = None
         self._decoder = msgspec.json.Decoder()
         self._encoder = msgspec.json.Encoder()
+        # Between the prefix and the index of request ids: set per run so that no two requests share an id
+        # (a sweep's later points and the warm-up number their requests from 0 too).
+        self.id_scope = ""
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -194,10 +204,14 @@ class StreamClient:
         if record is None:
             record = RequestRecord(request.index, request.max_tokens, request.input_tokens)
         body = self.body(request)
+        headers = None
+        if self.settings.request_id_prefix is not None:
+            record.request_id = f"{self.settings.request_id_prefix}{self.id_scope}{request.index}"
+            headers = {"x-request-id": record.request_id}
         started = time.perf_counter()
         record.start_s = started - run_start
         try:
-            await asyncio.wait_for(self._stream(body, record, started), self.settings.request_timeout_s)
+            await asyncio.wait_for(self._stream(body, record, started, headers), self.settings.request_timeout_s)
         except asyncio.CancelledError:
             # An answer already complete (cancelled while its body's end was read) keeps its record.
             if record.e2e_s is None:
@@ -220,8 +234,9 @@ class StreamClient:
             record.e2e_s = time.perf_counter() - started
         return record
 
-    async def _stream(self, body: dict[str, Any], record: RequestRecord, started: float) -> None:
-        async with self._http().post(self.settings.endpoint, data=self._encoder.encode(body),
+    async def _stream(self, body: dict[str, Any], record: RequestRecord, started: float,
+                      headers: dict[str, str] | None = None) -> None:
+        async with self._http().post(self.settings.endpoint, data=self._encoder.encode(body), headers=headers,
                                      allow_redirects=False) as response:
             record.status_code = response.status
             if response.status >= 400:

@@ -24,6 +24,14 @@ ABORT_AFTER_ALL_FAILED = 100
 ABORT_AFTER_CONNECTION_FAILURES = 50
 
 
+# Top-level keys of the result JSON that --metadata may not name (kvserve's, and vLLM's configuration and
+# per-request lists).
+RESERVED_RESULT_KEYS = frozenset((
+    "format", "version", "created_utc", "config", "runs", "date", "endpoint_type", "backend", "label", "model_id",
+    "tokenizer_id", "num_prompts", "request_rate", "burstiness", "max_concurrency", "input_lens", "output_lens",
+    "ttfts", "itls", "generated_texts", "errors"))
+
+
 class BenchConfigError(ValueError):
     """A benchmark setting is invalid; the message names the flag."""
 
@@ -129,6 +137,14 @@ class BenchConfig:
     percentile_metrics: tuple[str, ...] = LATENCY_KEYS
     metric_percentiles: tuple[float, ...] = ()
     json_path: str | None = None
+    # vLLM's result-file options: --backend as given, --label, --metadata KEY=VALUE (top-level keys of the
+    # JSON), --save-detailed (its per-request lists), --append-result (the JSON appended as one more line).
+    backend: str | None = None
+    label: str | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+    save_detailed: bool = False
+    append_result: bool = False
+    request_id_prefix: str | None = None
     plot_path: str | None = None
     compare_path: str | None = None
     progress: bool | None = None
@@ -182,6 +198,10 @@ class BenchConfig:
             if not value > 0:
                 raise BenchConfigError(f"--goodput {key} must be a positive number of ms, got {value}")
 
+        for key in self.metadata:
+            if not key or key in RESERVED_RESULT_KEYS:
+                raise BenchConfigError(f"--metadata {key!r}=...: that key is the result file's own"
+                                       if key else "--metadata takes KEY=VALUE with a non-empty KEY")
         if not self.percentile_metrics or any(key not in LATENCY_KEYS for key in self.percentile_metrics):
             raise BenchConfigError(f"--percentile-metrics takes {', '.join(LATENCY_KEYS)} (or e2el), got "
                                    f"{','.join(self.percentile_metrics)!r}")

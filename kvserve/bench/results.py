@@ -57,8 +57,14 @@ class BenchResult:
     def to_dict(self) -> dict[str, Any]:
         data = {"format": FORMAT, "version": FORMAT_VERSION, "created_utc": self.created_utc,
                 "config": self.config, "runs": [run.to_dict() for run in self.runs]}
+        metadata = self.config.get("metadata") or {}
+        data.update({k: v for k, v in metadata.items() if k not in data})
         if len(self.runs) == 1:  # (a sweep's runs are in "runs" only, as vLLM writes one file per run)
-            data.update(vllm_metrics(self.runs[0].summary, self.config.get("model")))
+            run = self.runs[0]
+            data.update(vllm_config(self.config, run, self.created_utc))
+            data.update(vllm_metrics(run.summary, self.config.get("model")))
+            if self.config.get("save_detailed"):
+                data.update(vllm_detailed(run.records))
         return data
 
     @classmethod
@@ -70,6 +76,48 @@ class BenchResult:
                              f"version {FORMAT_VERSION}")
         return cls(config=data["config"], runs=[RunResult.from_dict(r) for r in data["runs"]],
                    created_utc=data["created_utc"])
+
+
+# vLLM's --backend of each API, for a result whose command named none.
+_VLLM_BACKEND_OF_API = {"completions": "openai", "chat": "openai-chat", "responses": "openai-responses"}
+
+
+def vllm_config(config: dict[str, Any], run: RunResult, created_utc: str) -> dict[str, Any]:
+    """The configuration keys of vLLM's --save-result file: `date` (local time, as vLLM's YYYYMMDD-HHMMSS),
+    `backend` (--backend, else the API's), `label`, `model_id`, `tokenizer_id` (--tokenizer, else the model),
+    `num_prompts` (--num-prompts, else the requests issued), `request_rate` ("inf" for a closed loop: vLLM's
+    --max-concurrency N alone), `burstiness`, `max_concurrency` (a closed loop's concurrency)."""
+    shape = run.shape
+    closed = shape.get("concurrency") is not None
+    try:
+        date = datetime.datetime.fromisoformat(created_utc).astimezone().strftime("%Y%m%d-%H%M%S")
+    except ValueError:
+        date = created_utc
+    return {
+        "date": date,
+        "backend": config.get("backend") or _VLLM_BACKEND_OF_API.get(config.get("api") or "", config.get("api")),
+        "label": config.get("label"),
+        "model_id": config.get("model"),
+        "tokenizer_id": config.get("tokenizer") or config.get("model"),
+        "num_prompts": shape.get("num_prompts") if shape.get("num_prompts") is not None else len(run.records),
+        "request_rate": "inf" if closed else shape.get("request_rate"),
+        "burstiness": shape.get("burstiness", 1.0),
+        "max_concurrency": shape.get("concurrency") if closed else shape.get("max_concurrency"),
+    }
+
+
+def vllm_detailed(records: list[RequestRecord]) -> dict[str, list[Any]]:
+    """vLLM's per-request lists (--save-detailed), in request order, failed requests included as vLLM has
+    them: token counts 0 when unknown, `ttfts` and `itls` in seconds (a request without a first token: 0),
+    `errors` "" for a request that succeeded."""
+    return {
+        "input_lens": [r.prompt_tokens or 0 for r in records],
+        "output_lens": [r.output_tokens or 0 for r in records],
+        "ttfts": [r.ttft_s or 0.0 for r in records],
+        "itls": [list(r.itl_s) for r in records],
+        "generated_texts": [r.generated_text or "" for r in records],
+        "errors": [r.error or "" for r in records],
+    }
 
 
 # The latencies under vLLM's names (its keys say e2el).
@@ -110,10 +158,19 @@ def jsonable(value: Any) -> Any:
     return value
 
 
-def write_json(result: BenchResult, path: str) -> None:
+def write_json(result: BenchResult, path: str, append: bool = False) -> None:
     """Write `result` to `path` whole or not at all: the text is made first and replaces the file in one rename,
-    so a failure leaves an earlier file there as it was (it was truncated and left half written)."""
-    text = json.dumps(jsonable(result.to_dict()), indent=1, allow_nan=False) + "\n"
+    so a failure leaves an earlier file there as it was (it was truncated and left half written). `append`
+    (vLLM's --append-result): the file keeps what it holds and gets the result as one more line."""
+    if append:
+        text = json.dumps(jsonable(result.to_dict()), allow_nan=False) + "\n"
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                earlier = f.read()
+            if earlier.strip():
+                text = earlier.rstrip("\n") + "\n" + text
+    else:
+        text = json.dumps(jsonable(result.to_dict()), indent=1, allow_nan=False) + "\n"
     partial = f"{path}.{os.getpid()}.tmp"
     try:
         with open(partial, "w", encoding="utf-8") as f:
@@ -125,11 +182,20 @@ def write_json(result: BenchResult, path: str) -> None:
 
 
 def read_json(path: str) -> BenchResult:
+    """The result in `path`; of a file that --append-result grew (one JSON document after another), the last."""
     with open(path, encoding="utf-8") as f:
-        try:
-            data = json.load(f)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path} is not JSON: {exc}") from None
+        text = f.read()
+    decoder = json.JSONDecoder()
+    position, data = 0, None
+    try:
+        while True:
+            while position < len(text) and text[position].isspace():
+                position += 1
+            if position == len(text) and data is not None:
+                break
+            data, position = decoder.raw_decode(text, position)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path} is not a kvserve bench result")
     return BenchResult.from_dict(data)

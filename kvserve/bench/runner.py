@@ -63,7 +63,7 @@ class LazyTokenizer:
 
 
 def count_missing_tokens(records: list[RequestRecord], dataset: Requests, tokenizer: LazyTokenizer, api: str,
-                         warmup: bool = False) -> None:
+                         warmup: bool = False, keep_text: bool = False) -> None:
     """Token counts of successful requests whose server sent no `usage`, with the local tokenizer. The chat
     prompt is counted through the tokenizer's chat template when it has one (the server's template may
     differ: these counts are estimates, and the report says how many requests used them)."""
@@ -74,6 +74,8 @@ def count_missing_tokens(records: list[RequestRecord], dataset: Requests, tokeni
             request = dataset.get(record.index, warmup)
             record.prompt_tokens = _count_prompt(tok, request.messages, request.prompt(), api)
             record.token_source = "tokenizer"
+        if keep_text:  # --save-detailed: vLLM's generated_texts
+            record.generated_text = record.output_text
         record.output_text = ""
 
 
@@ -270,7 +272,7 @@ async def _run_shape(config: BenchConfig, shape: LoadShape, dataset: Requests, c
     # collection comes before the run's clock, monitors and sampler start.
     with frozen_heap():
         result, health, samples = await _measure(config, shape, dataset, client, stop)
-    count_missing_tokens(result.records, dataset, tokenizer, client.settings.api)
+    count_missing_tokens(result.records, dataset, tokenizer, client.settings.api, keep_text=config.save_detailed)
     records = sorted(result.records, key=lambda r: r.index)
     summary = summarize(shape.label(), records, config.goodput_ms, health,
                         summarize_samples(samples) if samples else None, result.stopped, config.metric_percentiles)
@@ -308,10 +310,12 @@ async def _run_all(config: BenchConfig, log: TextIO) -> BenchResult:
         request_timeout_s=config.request_timeout_s, ignore_eos=config.ignore_eos,
         temperature=config.temperature, max_connections=config.pool_size(),
         sampling={k: v for k, v in config.sampling().items() if k != "temperature"},
+        request_id_prefix=config.request_id_prefix,
     )
     client = StreamClient(settings)
     try:
         if not listed:
+            client.id_scope = "test-"
             await _test_request(client, model)
         tokenizer = LazyTokenizer(config.tokenizer, log)
         dataset = make_dataset(config.dataset, tokenizer)
@@ -323,12 +327,14 @@ async def _run_all(config: BenchConfig, log: TextIO) -> BenchResult:
     runs: list[RunResult] = []
     try:
         shapes = config.shapes
+        client.id_scope = "warmup-"
         if config.warmup and not await _warmup(config, dataset, client, log, interrupt.event):
             print("interrupted during the warm-up: nothing was measured (no report, JSON or plot)", file=log)
             shapes = ()
         for k, shape in enumerate(shapes):
             # Each run its own prompts: a sweep's later points must not hit the prefix cache that the
             # earlier ones filled (RunRequests).
+            client.id_scope = f"{k}-" if k else ""
             run = await _run_shape(config, shape, RunRequests(dataset, k), client, tokenizer, interrupt.event)
             runs.append(run)
             report_failures(run.summary.label, run.records, log)
@@ -380,8 +386,8 @@ def report(result: BenchResult, config: BenchConfig, out: TextIO | None = None, 
                 if note:
                     print(f"{s.label}: {note}", file=out)
     if config.json_path:
-        write_json(result, config.json_path)
-        print(f"results written to {config.json_path}", file=log)
+        write_json(result, config.json_path, append=config.append_result)
+        print(f"results {'appended' if config.append_result else 'written'} to {config.json_path}", file=log)
     if config.plot_path:
         from kvserve.bench.plot import plot_runs
 

@@ -82,6 +82,8 @@ class FakeState:
     connections: set[tuple[str, int]] = field(default_factory=set)
     # The Authorization header of each request (None: none sent).
     authorizations: list[str | None] = field(default_factory=list)
+    # The x-request-id header of each request (None: none sent).
+    request_ids: list[str | None] = field(default_factory=list)
 
 
 class _CutStream(Exception):
@@ -153,6 +155,7 @@ class FakeOpenAIServer:
         if request.client is not None:
             s.connections.add((request.client.host, request.client.port))
         s.authorizations.append(request.headers.get("authorization"))
+        s.request_ids.append(request.headers.get("x-request-id"))
         chat = "messages" in body
         text = " ".join(m["content"] for m in body["messages"]) if chat else body["prompt"]
         num_prompt = len(text.split())

@@ -6,6 +6,7 @@ import io
 import json
 import math
 import os
+import re
 
 import httpx
 import pytest
@@ -537,3 +538,81 @@ def test_temperature_takes_a_number_or_server(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "--temperature", "hot"])
     assert "--temperature takes a number or 'server', got 'hot'" in capsys.readouterr().err
+
+
+def test_the_result_json_carries_vllms_config_keys_and_detailed_lists(fake_server, prompts_file, tmp_path):
+    # A script that reads `vllm bench serve --save-result --save-detailed` files finds its keys: the
+    # configuration (date, backend, label, model_id, tokenizer_id, num_prompts, request_rate, burstiness,
+    # max_concurrency), --metadata's keys, and with --save-detailed the per-request lists.
+    server = fake_server(stop_after_tokens=2, fail_every=3)
+    common = ["bench", "--base-url", server.base_url, "--backend", "vllm", "--num-prompts", "3", "--max-tokens",
+              "4", "--dataset", "file", "--dataset-path", prompts_file, "--no-progress"]
+    path = tmp_path / "r.json"
+    assert main([*common, "--max-concurrency", "2", "--json", str(path), "--label", "nightly", "--metadata",
+                 "gpu=H100", "note = a=b ", "--save-detailed"]) == 0
+    data = json.loads(path.read_text())
+    assert re.fullmatch(r"\d{8}-\d{6}", data["date"])
+    assert {k: data[k] for k in ("backend", "label", "model_id", "tokenizer_id", "num_prompts", "request_rate",
+                                 "burstiness", "max_concurrency", "gpu", "note")} == {
+        "backend": "vllm", "label": "nightly", "model_id": MODEL, "tokenizer_id": MODEL, "num_prompts": 3,
+        "request_rate": "inf", "burstiness": 1.0, "max_concurrency": 2, "gpu": "H100", "note": "a=b"}
+    # request order; the third request failed (the fake fails every third)
+    assert data["input_lens"][2] == 0 and data["output_lens"] == [2, 2, 0]
+    assert data["generated_texts"][:2] == [" alpha bravo", " alpha bravo"] and data["generated_texts"][2] == ""
+    assert data["errors"][:2] == ["", ""] and "injected failure of request 3" in data["errors"][2]
+    assert all(t > 0 for t in data["ttfts"][:2]) and data["ttfts"][2] == 0
+    assert [len(gaps) for gaps in data["itls"]] == [1, 1, 0]
+    # Without --save-detailed: no lists, and no answer text kept; an open loop's own rate and cap.
+    assert main([*common, "--request-rate", "50", "--burstiness", "2", "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    assert not {"input_lens", "output_lens", "ttfts", "itls", "generated_texts", "errors"} & set(data)
+    assert data["label"] is None and data["request_rate"] == 50 and data["burstiness"] == 2
+    assert data["max_concurrency"] is None
+    assert all(r["generated_text"] is None for r in data["runs"][0]["records"])
+
+
+def test_metadata_takes_key_value_pairs_and_leaves_the_files_own_keys(capsys):
+    with pytest.raises(BenchConfigError, match="--metadata takes KEY=VALUE pairs, got 'gpu'"):
+        parse_bench("http://127.0.0.1:1/v1/completions", "--metadata", "gpu")
+    with pytest.raises(BenchConfigError, match="that key is the result file's own"):
+        parse_bench("http://127.0.0.1:1/v1/completions", "--metadata", "runs=3")
+
+
+def test_append_result_adds_one_line_per_run_and_compare_reads_the_last(fake_server, prompts_file, tmp_path,
+                                                                        monkeypatch, capsys):
+    server = fake_server()
+    monkeypatch.chdir(tmp_path)
+    common = ["bench", "--endpoint", server.base_url + "/v1/completions", "--num-prompts", "2", "--max-tokens",
+              "2", "--dataset", "file", "--dataset-path", prompts_file, "--no-progress", "--result-filename",
+              "all.jsonl", "--append-result"]
+    assert main([*common, "--concurrency", "1"]) == 0
+    assert main([*common, "--concurrency", "2"]) == 0
+    lines = (tmp_path / "all.jsonl").read_text().splitlines()
+    assert [json.loads(line)["max_concurrency"] for line in lines] == [1, 2]
+    assert "results appended to all.jsonl" in capsys.readouterr().err
+    # --compare with an appended file compares with its last result
+    assert main([*common[:-3], "--concurrency", "1", "--compare", "all.jsonl"]) == 0
+    assert "vs all.jsonl (concurrency=2)" in capsys.readouterr().out
+    # --label names the default file, as in vLLM
+    assert parse_bench("http://127.0.0.1:1/v1/completions", "--save-result", "--label", "nightly"
+                       ).json_path.startswith("nightly-")
+
+
+def test_request_id_prefix_sends_vllms_x_request_id(fake_server, prompts_file, tmp_path):
+    server = fake_server()
+    common = ["bench", "--endpoint", server.base_url + "/v1/completions", "--max-tokens", "2", "--dataset",
+              "file", "--dataset-path", prompts_file, "--no-progress"]
+    path = tmp_path / "r.json"
+    assert main([*common, "--num-prompts", "3", "--json", str(path)]) == 0
+    assert server.state.request_ids == [None, None, None]  # none without the flag
+    server.state.request_ids.clear()
+    assert main([*common, "--num-prompts", "3", "--warmup", "1", "--request-id-prefix", "bench-", "--json",
+                 str(path)]) == 0
+    assert server.state.request_ids[0] == "bench-warmup-0"
+    assert sorted(server.state.request_ids[1:]) == ["bench-0", "bench-1", "bench-2"]
+    records = json.loads(path.read_text())["runs"][0]["records"]
+    assert [r["request_id"] for r in records] == ["bench-0", "bench-1", "bench-2"]
+    # a sweep's later points number their ids apart: no id is sent twice
+    server.state.request_ids.clear()
+    assert main([*common, "--num-prompts", "2", "--sweep-concurrency", "1,2", "--request-id-prefix", "p"]) == 0
+    assert sorted(server.state.request_ids) == ["p0", "p1", "p1-0", "p1-1"]
