@@ -26,7 +26,7 @@ cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 a0=$(cpu_ticks "$SERVER"); c0=$(cpu_ticks "$CORE")
 $PY -m kvserve bench --endpoint "http://127.0.0.1:$PORT/v1/chat/completions" --model m --concurrency "${CONCURRENCY:-50}" \
     --duration "$DURATION" --max-tokens "${MAX_TOKENS:-256}" --ignore-eos --tokenizer "$DIR" --no-progress \
-    --json "$OUT/api_cost_bench.json" > "$OUT/api_cost_bench.log" 2>&1
+    --json "$OUT/api_cost_bench.json" --temperature server > "$OUT/api_cost_bench.log" 2>&1
 a1=$(cpu_ticks "$SERVER"); c1=$(cpu_ticks "$CORE")
 kill -INT "$SERVER"; wait "$SERVER"
 $PY - "$OUT/api_cost_bench.json" "$a0" "$a1" "$c0" "$c1" "$(getconf CLK_TCK)" <<'P'

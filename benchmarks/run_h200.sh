@@ -33,12 +33,13 @@ sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", sys.argv[1]]))' "$t" >> "$
   done
 }
 # bench_load_args LOAD: kvserve bench's load flags for LOAD: seeds (50 in flight, 512 in / 256 out, 200
-# prompts) or burst256 (256 requests at once, lengths uniform in about [100, 1024]).
+# prompts) or burst256 (256 requests at once, lengths uniform in about [100, 1024]). The server's temperature, as
+# the runs recorded before kvserve bench's default became greedy (vLLM's).
 bench_load_args() {
   if [ "$1" = seeds ]; then
-    echo "--concurrency 50 --num-prompts 200 --input-len 512 --max-tokens 256"
+    echo "--concurrency 50 --num-prompts 200 --input-len 512 --max-tokens 256 --temperature server"
   else
-    echo "--request-rate inf --num-prompts 256 --input-len 562 --input-dist uniform --max-tokens 562 --output-dist uniform --range-ratio 0.82"
+    echo "--request-rate inf --num-prompts 256 --input-len 562 --input-dist uniform --max-tokens 562 --output-dist uniform --range-ratio 0.82 --temperature server"
   fi
 }
 # serve_7b LOG [FLAGS...]: kvserve serve on the Qwen2.5-7B shape (dummy weights) on port 8000 in the

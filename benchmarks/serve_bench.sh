@@ -34,7 +34,7 @@ for variant in plain ignore_eos; do
   if [ $variant = ignore_eos ]; then extra=(--ignore-eos); json="$OUT/bench_ignore_eos.json"; fi
   timeout $(( DURATION + 150 )) $PY -m kvserve bench --endpoint "http://localhost:$PORT/v1/chat/completions" \
       --model qwen2-7b --concurrency "$CONC" --duration "$DURATION" --max-tokens "$MAXTOK" \
-      --tokenizer "$DIR" --no-progress --json "$json" "${extra[@]}" > "$OUT/bench_$variant.log" 2>&1
+      --tokenizer "$DIR" --no-progress --json "$json" --temperature server "${extra[@]}" > "$OUT/bench_$variant.log" 2>&1
   echo "=== bench ($variant) rc=$?"
   tail -45 "$OUT/bench_$variant.log"
 done
