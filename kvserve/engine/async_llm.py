@@ -116,7 +116,8 @@ class AsyncLLM:
             await self.client.shutdown()
             raise
         self._output_processor = OutputProcessor(self._tokenizer)
-        self._input_processor = InputProcessor(self._tokenizer, self.ready.max_model_len, self.ready.eos_token_ids)
+        self._input_processor = InputProcessor(self._tokenizer, self.ready.max_model_len, self.ready.eos_token_ids,
+                                               self.ready.vocab_size)
         return self.ready
 
     @property

@@ -166,6 +166,7 @@ def _start_core(config: EngineConfig, outbox: queue.Queue[Outgoing | None]) -> A
             block_size=cap.block_size,
             max_model_len=core.max_model_len,
             eos_token_ids=list(core.eos_token_ids),
+            vocab_size=core.vocab_size,
             startup_s=core.startup_s,
             capacity_description=cap.describe(),
         )))

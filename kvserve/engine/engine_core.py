@@ -242,11 +242,16 @@ class EngineCore:
     def max_model_len(self) -> int:
         return self.config.model_config.max_model_len
 
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary (the logits' width): prompt and allowed token ids must be below it."""
+        return self.runner.arch.vocab_size
+
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request. Raises RequestRejected when it can never be served, EngineDeadError when the engine
         has died or was shut down."""
         self._check_alive()
-        vocab_size = self.runner.arch.vocab_size
+        vocab_size = self.vocab_size
         # A token id past the embedding table would crash the forward pass of the whole batch (and with
         # it the engine process): refuse it here. Tokenizers can be larger than the model's vocabulary.
         if request.prompt_token_ids and not 0 <= min(request.prompt_token_ids) <= max(request.prompt_token_ids) < vocab_size:

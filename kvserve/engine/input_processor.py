@@ -48,13 +48,32 @@ def truncate_prompt(prompt_token_ids: list[int], params: SamplingParams, max_mod
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_model_len: int, eos_token_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_model_len: int, eos_token_ids: Sequence[int],
+                 model_vocab_size: int) -> None:
+        """`model_vocab_size`: the model's vocabulary (the engine core's `vocab_size`, its logits' width)."""
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         eos = list(eos_token_ids)
         if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
             eos.append(tokenizer.eos_token_id)
         self.eos_token_ids = eos
+        # The token ids a request may name (in its prompt, logit_bias, allowed_token_ids, bad_words_token_ids):
+        # [0, vocab_size), the smaller of the tokenizer's and the model's vocabularies. A tokenizer may hold more
+        # ids than the model: the engine core refuses a prompt or allowed_token_ids past the model's, and a
+        # logit_bias there would change nothing (vLLM refuses it).
+        tokenizer_size = len(tokenizer)
+        self.vocab_size = min(tokenizer_size, model_vocab_size)
+        self._vocab_note = " (the model's vocabulary size)" if model_vocab_size < tokenizer_size else ""
+
+    def vocab_range(self) -> str:
+        """The range token ids must be in, as messages give it: "[0, 48000) (the model's vocabulary size)"."""
+        return f"[0, {self.vocab_size}){self._vocab_note}"
+
+    def first_out_of_vocab(self, token_ids: Sequence[int]) -> int | None:
+        """The first of `token_ids` outside [0, vocab_size); None when they are all in it."""
+        if not token_ids or (min(token_ids) >= 0 and max(token_ids) < self.vocab_size):
+            return None
+        return next(t for t in token_ids if not 0 <= t < self.vocab_size)
 
     def tokenize(self, prompt: PromptType) -> ProcessedPrompt:
         """A string (tokenized with the tokenizer's special tokens), token ids, or a dict with "prompt" or
@@ -75,9 +94,9 @@ class InputProcessor:
         if isinstance(prompt, str):
             return ProcessedPrompt(prompt, encode_text(self.tokenizer, prompt))
         ids = [int(t) for t in prompt]
-        vocab = len(self.tokenizer)
-        if any(t < 0 or t >= vocab for t in ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        bad = self.first_out_of_vocab(ids)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is out of range {self.vocab_range()}")
         return ProcessedPrompt(None, ids)
 
     def apply_chat_template(
@@ -112,22 +131,25 @@ class InputProcessor:
         return max(min(params.max_tokens, room), 1)
 
     def check_token_ids(self, params: SamplingParams) -> None:
-        vocab = len(self.tokenizer)
-        for token_id in (params.logit_bias or {}):
-            if not 0 <= token_id < vocab:
-                raise SamplingParamsError(f"logit_bias token id {token_id} is out of range [0, {vocab})", "logit_bias")
-        for token_id in (params.allowed_token_ids or ()):
-            if not 0 <= token_id < vocab:
-                raise SamplingParamsError(f"allowed_token_ids has token id {token_id}, out of range [0, {vocab})",
-                                          "allowed_token_ids")
+        """A SamplingParamsError naming the field for a token id of `params` outside [0, vocab_size)."""
+        bad = self.first_out_of_vocab(list(params.logit_bias or ()))
+        if bad is not None:
+            raise SamplingParamsError(f"logit_bias token id {bad} is out of range {self.vocab_range()}", "logit_bias")
+        bad = self.first_out_of_vocab(params.allowed_token_ids or ())
+        if bad is not None:
+            raise SamplingParamsError(f"allowed_token_ids has token id {bad}, out of range {self.vocab_range()}",
+                                      "allowed_token_ids")
         for ids in (params.bad_words_token_ids or ()):
-            if not all(0 <= t < vocab for t in ids):
-                raise SamplingParamsError(f"bad_words_token_ids has {ids}, out of range [0, {vocab})", "bad_words")
+            if self.first_out_of_vocab(ids) is not None:
+                raise SamplingParamsError(f"bad_words_token_ids has {ids}, out of range {self.vocab_range()}",
+                                          "bad_words")
 
     def resolve_bad_words(self, params: SamplingParams) -> SamplingParams:
         """`params` with its bad words as token sequences (`bad_words_token_ids`), or as given when it has none.
         Each word is tokenized as written (leading spaces dropped) and, to ban it inside a text too, after a
-        space, where that gives a different first token and as many tokens (vLLM's rule)."""
+        space, where that gives a different first token and as many tokens (vLLM's rule). A sequence with a
+        token past the model's vocabulary is left out: the model never samples that token, so the sequence
+        never appears (the tokenizer may hold more ids than the model)."""
         if not params.bad_words:
             return params
         if params.bad_words_token_ids is not None:  # resolved already (the server does it off its event loop)
@@ -142,7 +164,8 @@ class InputProcessor:
             sequences[tuple(plain)] = None
             if plain and spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
                 sequences[tuple(spaced)] = None
-        return replace(params, bad_words_token_ids=[list(ids) for ids in sequences if ids])
+        return replace(params, bad_words_token_ids=[list(ids) for ids in sequences
+                                                    if ids and self.first_out_of_vocab(ids) is None])
 
     def make_engine_request(
         self,

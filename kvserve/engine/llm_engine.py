@@ -35,7 +35,8 @@ class LLMEngine:
         self.core.set_tokenizer(tokenizer)
         self.config = self.core.config
         self.tokenizer = tokenizer
-        self.input_processor = InputProcessor(tokenizer, self.core.max_model_len, self.core.eos_token_ids)
+        self.input_processor = InputProcessor(tokenizer, self.core.max_model_len, self.core.eos_token_ids,
+                                              self.core.vocab_size)
         self.output_processor = OutputProcessor(tokenizer)
         self.last_stats = None
         self._held_outputs: list[RequestOutput] = []

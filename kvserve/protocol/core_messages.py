@@ -56,6 +56,10 @@ class EngineReady(msgspec.Struct, tag="ready"):
     block_size: int
     max_model_len: int
     eos_token_ids: list[int]
+    # The model's vocabulary (its embedding's rows), which the core refuses prompt and allowed token ids past:
+    # the API process refuses them first (a stream's 200 must not go out for a request the core will refuse),
+    # tokenizers can hold more ids than the model.
+    vocab_size: int
     startup_s: float
     capacity_description: str  # KVCapacity.describe(): blocks, tokens, concurrency at max_model_len
 

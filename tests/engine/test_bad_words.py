@@ -98,7 +98,7 @@ def test_the_spaced_form_rule_with_a_scripted_tokenizer():
         def __len__(self) -> int:
             return 10
 
-    processor = InputProcessor(Tokenizer(), 64, [0])  # type: ignore[arg-type]
+    processor = InputProcessor(Tokenizer(), 64, [0], 10)  # type: ignore[arg-type]
     resolved = processor.resolve_bad_words(SamplingParams(bad_words=["a", "bc", " de", "a"]))
     assert resolved.bad_words_token_ids == [[1], [2], [3, 4], [6, 7]]
 

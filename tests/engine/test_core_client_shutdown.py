@@ -46,7 +46,8 @@ def test_an_engine_that_hangs_in_its_shutdown_is_killed_without_a_sigterm_first(
         assert installed.wait(60), "the stand-in engine did not start"
         client._process = process  # as start() leaves it once the engine is ready
         client.ready = EngineReady(pid=process.pid or 0, num_blocks=1, block_size=16, max_model_len=16,
-                                   eos_token_ids=[], startup_s=0.0, capacity_description="")
+                                   eos_token_ids=[], vocab_size=49152, startup_s=0.0,
+                                   capacity_description="")
         asyncio.run(client.shutdown(timeout_s=0.1))
         assert not process.is_alive()
         assert process.exitcode == -signal.SIGKILL

@@ -517,6 +517,29 @@ def test_allowed_token_ids_past_the_models_vocabulary_are_refused(tiny_model_dir
     assert set(out.outputs[0].token_ids) <= {5, 48999}
 
 
+def test_token_ids_past_the_models_vocabulary_are_refused_by_the_input_processor(tiny_model_dir) -> None:
+    """The input processor's bound is the smaller of the tokenizer's and the model's vocabularies: a logit_bias
+    between the two was silently ignored, a prompt id refused by the engine core only."""
+    llm = LLM(tiny_model_dir("llama", vocab_size=49000), max_model_len=128)
+    processor = llm.engine.input_processor
+    for params, param in ((SamplingParams(max_tokens=2, logit_bias={49100: 5.0}), "logit_bias"),
+                          (SamplingParams(max_tokens=2, allowed_token_ids=[49100]), "allowed_token_ids"),
+                          (SamplingParams(max_tokens=2, bad_words_token_ids=[[5, 49100]]), "bad_words")):
+        with pytest.raises(SamplingParamsError, match=re.escape("out of range [0, 49000) (the model's vocabulary")) \
+                as caught:
+            llm.generate(["Hi"], params, use_tqdm=False)
+        assert caught.value.param == param
+    with pytest.raises(ValueError, match=re.escape("prompt token id 49100 is out of range [0, 49000)")):
+        llm.generate([{"prompt_token_ids": [1, 49100]}], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert processor.vocab_size == 49000 < len(llm.get_tokenizer())
+    # A bad word whose tokens the model lacks is left out (the model never samples them), not refused.
+    assert processor.tokenizer.encode(" CMOS", add_special_tokens=False) == [49100]
+    words = processor.resolve_bad_words(SamplingParams(bad_words=["CMOS", "hello"])).bad_words_token_ids
+    assert words and all(max(ids) < 49000 for ids in words)
+    out = llm.generate(["Hi"], SamplingParams(max_tokens=2, logit_bias={48999: 100.0}), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == [48999, 48999]
+
+
 @pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "async"])
 def test_the_engine_core_checks_the_runners_requests_against_the_schedulers(tiny_model_dir, pipelined: bool) -> None:
     """The runner holds exactly the requests the scheduler told it of and has not released: a finished request

@@ -120,6 +120,59 @@ def test_token_ids_past_the_vocabulary_are_a_400_streamed_too(http, path, body, 
         assert "out of range" in assert_openai_error(response, 400, field)["message"]
 
 
+# A checkpoint whose model has fewer token ids than its tokenizer (49,152): the engine core refuses a prompt or
+# allowed_token_ids past the model's, and a logit_bias there changes nothing.
+SMALL_VOCAB = 48000
+PAST_THE_MODEL = 49100  # " CMOS" to the tokenizer
+CMOS = "hello CMOS"  # a text whose tokens include PAST_THE_MODEL
+
+
+@pytest.fixture(scope="module")
+def small_vocab_http(launch_server, tiny_model_dir) -> httpx.Client:
+    server = launch_server([tiny_model_dir("llama", vocab_size=SMALL_VOCAB), "--max-model-len", "64",
+                            "--kv-cache-memory", "32MiB", "--disable-uvicorn-access-log"])
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        yield client
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": [1, PAST_THE_MODEL]}, "prompt"),
+    ("/v1/completions", {"prompt": [[1, 2], [1, PAST_THE_MODEL]]}, "prompt"),
+    ("/v1/completions", {"prompt": CMOS}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": CMOS}]}, "messages"),
+    ("/v1/responses", {"input": CMOS}, "input"),
+    ("/v1/completions", {"prompt": "hi", "allowed_token_ids": [5, PAST_THE_MODEL]}, "allowed_token_ids"),
+    ("/v1/chat/completions", {"messages": CHAT, "allowed_token_ids": [PAST_THE_MODEL]}, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {str(PAST_THE_MODEL): 5}}, "logit_bias"),
+    ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {str(PAST_THE_MODEL): 5}}, "logit_bias"),
+])
+def test_token_ids_past_the_models_vocabulary_are_a_400_streamed_too(small_vocab_http, path, body, param):
+    """The API process knows the model's vocabulary (from the engine core's EngineReady), not only the
+    tokenizer's: ids between the two are refused before the response starts, streamed as unstreamed (they were a
+    200 stream whose one event was the core's error; a logit_bias was ignored)."""
+    for stream in (False, True):
+        response = small_vocab_http.post(path, json={**body, "max_tokens": 2, "stream": stream})
+        error = assert_openai_error(response, 400, param)
+        assert f"out of range [0, {SMALL_VOCAB}) (the model's vocabulary size)" in error["message"], error
+
+
+def test_token_ids_within_the_models_vocabulary_are_served(small_vocab_http):
+    last = SMALL_VOCAB - 1
+    bodies = [
+        {"prompt": [1, last], "allowed_token_ids": [5, last], "logit_bias": {str(last): 5}},
+        {"prompt": "hi", "bad_words": ["CMOS", " CMOS"]},  # tokens the model lacks: it never samples them anyway
+    ]
+    for body in bodies:
+        for stream in (False, True):
+            response = small_vocab_http.post("/v1/completions", json={**body, "max_tokens": 3, "stream": stream,
+                                                                      "return_token_ids": True})
+            assert response.status_code == 200, response.text
+            if not stream:
+                token_ids = response.json()["choices"][0]["token_ids"]
+                assert len(token_ids) == 3 and ("allowed_token_ids" not in body or set(token_ids) <= {5, last})
+    assert small_vocab_http.post("/detokenize", json={"tokens": [PAST_THE_MODEL]}).json() == {"prompt": " CMOS"}
+
+
 def test_chat_only_parameters(http):
     bad_top = {"messages": CHAT, "max_tokens": 2, "logprobs": True, "top_logprobs": 21}
     assert_openai_error(http.post("/v1/chat/completions", json=bad_top), 400, "top_logprobs")

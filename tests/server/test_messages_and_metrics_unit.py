@@ -72,7 +72,7 @@ def test_engine_messages_round_trip():
     )
     assert _roundtrip(outputs, decoder) == outputs
     ready = EngineReady(pid=1, num_blocks=10, block_size=16, max_model_len=256, eos_token_ids=[2], startup_s=1.5,
-                        capacity_description="KV cache: ...")
+                        vocab_size=49152, capacity_description="KV cache: ...")
     for message in (ready, RequestFailed("r", "too long", "prompt"), RequestFailed("r", "bad"), EngineDead("boom")):
         assert _roundtrip(message, decoder) == message
 
@@ -246,7 +246,7 @@ def test_cache_config_info_carries_vllms_cache_dtype_label(kv_cache_dtype: str) 
 
     config = SimpleNamespace(cache_config=CacheConfig(enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype))
     ready = EngineReady(pid=1, num_blocks=10, block_size=16, max_model_len=256, eos_token_ids=[2], startup_s=1.5,
-                        capacity_description="")
+                        vocab_size=49152, capacity_description="")
     logger = _make_metrics(argparse.Namespace(metrics_compat="vllm"), config, ready, ["m"], None, True)
     labels = (("block_size", "16"), ("cache_dtype", kv_cache_dtype), ("enable_prefix_caching", "False"),
               ("num_gpu_blocks", "10"))

@@ -43,7 +43,7 @@ class _HeldCore:
 
     async def start(self) -> EngineReady:
         return EngineReady(pid=0, num_blocks=64, block_size=16, max_model_len=256, eos_token_ids=[],
-                           startup_s=0.0, capacity_description="")
+                           vocab_size=49152, startup_s=0.0, capacity_description="")
 
     async def add_requests(self, requests: list[Any]) -> None:
         self.added += [r.req_id for r in requests]

@@ -44,6 +44,7 @@ class _HangingEngine:
         self.is_alive = True
         self.dead_error = None
         self.max_model_len = 64
+        self.input_processor = SimpleNamespace(first_out_of_vocab=lambda token_ids: None)
         self.hanging: list[str] = []
         self.answers: dict[str, Any] = {}
         self.answered = asyncio.Event()
@@ -53,7 +54,7 @@ class _HangingEngine:
 
     async def start(self) -> EngineReady:
         return EngineReady(pid=1, num_blocks=10, block_size=16, max_model_len=64, eos_token_ids=[2], startup_s=0.0,
-                           capacity_description="stand-in engine")
+                           vocab_size=49152, capacity_description="stand-in engine")
 
     def tokenizer(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
         return {"input_ids": [5, 6, 7]}

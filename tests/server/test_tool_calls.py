@@ -209,7 +209,8 @@ def _context(outputs: list[list[str]], parser: str | None = "hermes",
             yield RequestOutput(request_id, prompt, ids, samples, finished=step == steps - 1)
 
     engine = SimpleNamespace(is_alive=True, dead_error=None, max_model_len=4096, tokenizer=None, generate=generate,
-                             input_processor=SimpleNamespace(apply_chat_template=apply_chat_template))
+                             input_processor=SimpleNamespace(apply_chat_template=apply_chat_template,
+                                                             first_out_of_vocab=lambda token_ids: None))
     ctx = ServingContext(engine=engine, served_model_names=["m"], model_path="m",  # type: ignore[arg-type]
                          log_requests=False, tool_call_parser=parser)
     return ctx, rendered
@@ -463,7 +464,7 @@ def test_assistant_reasoning_reaches_the_template_under_both_names(smollm_tokeni
     the template under both names, as vLLM does, so Qwen3's template (which reads reasoning_content) renders it
     in tool loops; `reasoning` wins when both are sent. (Transformers 5 also aliases the names for every role,
     preferring reasoning_content; older releases do not, hence our own rule for assistant turns.)"""
-    processor = InputProcessor(smollm_tokenizer, 4096, [])
+    processor = InputProcessor(smollm_tokenizer, 4096, [], len(smollm_tokenizer))
 
     def render(assistant: dict[str, Any]) -> str:
         messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", **assistant}]
@@ -516,7 +517,7 @@ def test_documents_reach_the_chat_template(smollm_tokenizer):
     assert rendered[-1]["kwargs"]["documents"] == other
     assert_openai_error(_post(ctx, {**body, "documents": "not a list"}), 400, "documents")
     # what the template makes of them: the kwargs reach transformers' apply_chat_template
-    processor = InputProcessor(smollm_tokenizer, 4096, [])
+    processor = InputProcessor(smollm_tokenizer, 4096, [], len(smollm_tokenizer))
     prompt = processor.apply_chat_template(body["messages"], DOCUMENTS_TEMPLATE, False,
                                            rendered[0]["kwargs"]).prompt
     assert prompt == "<doc Paris>Paris is the capital of France.</doc>[user]q"
@@ -543,7 +544,7 @@ def test_add_special_tokens_reaches_the_chat_tokenization(smollm_tokenizer, tmp_
     from transformers import AutoTokenizer
 
     bos_adding = AutoTokenizer.from_pretrained(tmp_path, add_bos_token=True)
-    processor = InputProcessor(bos_adding, 4096, [])
+    processor = InputProcessor(bos_adding, 4096, [], len(bos_adding))
     plain = processor.apply_chat_template(body["messages"], DOCUMENTS_TEMPLATE, False).prompt_token_ids
     with_bos = processor.apply_chat_template(body["messages"], DOCUMENTS_TEMPLATE, False, None, True).prompt_token_ids
     assert with_bos == [bos_adding.bos_token_id, *plain] and plain[0] != bos_adding.bos_token_id

@@ -102,7 +102,6 @@ from kvserve.entrypoints.openai.serving_chat import (
 from kvserve.entrypoints.openai.serving_common import (
     ClientDisconnected,
     ServingContext,
-    check_token_ids,
     encode_prompt,
     run_unless_disconnected,
     wait_for_disconnect,
@@ -319,7 +318,10 @@ def build_app(ctx: ServingContext, state: ServerState, metrics: PrometheusStatLo
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERROR_RESPONSES)
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         ctx.check_model(body.model)
-        check_token_ids(engine, body.tokens, "tokens")
+        vocab = len(engine.tokenizer)  # the tokenizer's ids: decoding does not need the model's
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise BadRequestError(f"token id {bad} is out of range [0, {vocab})", "tokens")
         return {"prompt": engine.tokenizer.decode(body.tokens)}
 
     guarded: ASGIApp = GuardMiddleware(app, state, api_key, max_body_bytes, request_id_headers)

@@ -23,6 +23,7 @@ from kvserve.entrypoints.openai.reasoning_parsers import ReasoningStream, parse_
 from kvserve.entrypoints.openai.serving_common import (
     ServingContext,
     chat_logprobs,
+    check_encoded_prompt,
     check_lengths,
     check_supported,
     delta_logprobs,
@@ -191,6 +192,7 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest, request_id: st
     except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
         raise BadRequestError(f"cannot apply the chat template to these messages: {e}", "messages") from None
     assert processed.prompt is not None
+    check_encoded_prompt(engine, processed.prompt_token_ids, "messages")
     try:
         processed.prompt_token_ids = truncate_prompt(processed.prompt_token_ids, params, engine.max_model_len)
     except SamplingParamsError as e:

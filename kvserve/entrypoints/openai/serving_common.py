@@ -232,10 +232,11 @@ def _renamed(error: SamplingParamsError, names: dict[str, str]) -> BadRequestErr
 
 def with_bad_words(engine: AsyncLLM, params: SamplingParams) -> SamplingParams:
     """`params` with its bad words tokenized (here, off the event loop, rather than in `AsyncLLM.generate`);
-    a 400 for a word the tokenizer cannot take, and for a token id past the vocabulary in logit_bias or
-    allowed_token_ids: `AsyncLLM.generate` refuses those too, but only once a stream's 200 has gone out."""
+    a 400 for a word the tokenizer cannot take, and for a token id past the vocabulary (the tokenizer's or the
+    model's, the smaller) in logit_bias or allowed_token_ids: `AsyncLLM.generate` refuses those too, but only
+    once a stream's 200 has gone out."""
     try:
-        if params.bad_words:  # (tokenized here: its ids are in the vocabulary)
+        if params.bad_words:  # (tokenized here: the sequences kept are in the vocabulary)
             params = engine.input_processor.resolve_bad_words(params)
         if params.logit_bias or params.allowed_token_ids:
             engine.input_processor.check_token_ids(params)
@@ -308,10 +309,23 @@ def check_lengths(
 
 
 def check_token_ids(engine: AsyncLLM, token_ids: list[int], param: str) -> None:
-    vocab = len(engine.tokenizer)
-    for token_id in token_ids:
-        if not 0 <= token_id < vocab:
-            raise BadRequestError(f"token id {token_id} is out of range [0, {vocab})", param)
+    """A 400 naming `param` for a prompt's token id outside the input processor's [0, vocab_size) (the smaller of
+    the tokenizer's and the model's vocabularies): the engine core refuses one past the model's too, but only
+    once a stream's 200 has gone out."""
+    processor = engine.input_processor
+    bad = processor.first_out_of_vocab(token_ids)
+    if bad is not None:
+        raise BadRequestError(f"token id {bad} is out of range {processor.vocab_range()}", param)
+
+
+def check_encoded_prompt(engine: AsyncLLM, token_ids: list[int], param: str) -> None:
+    """`check_token_ids` for a prompt the server tokenized (a text, rendered messages): its ids are the
+    tokenizer's, which may hold more than the model's vocabulary."""
+    processor = engine.input_processor
+    bad = processor.first_out_of_vocab(token_ids)
+    if bad is not None:
+        raise BadRequestError(f"token id {bad} ({engine.tokenizer.decode([bad])!r}) of the tokenized {param} is "
+                              f"out of range {processor.vocab_range()}", param)
 
 
 def log_request(ctx: ServingContext, request_id: str, num_prompt_tokens: int, params: SamplingParams,
