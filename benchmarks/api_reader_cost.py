@@ -38,7 +38,7 @@ class _NoEngine:
 
     async def start(self) -> EngineReady:
         return EngineReady(pid=0, num_blocks=1, block_size=16, max_model_len=1 << 20, eos_token_ids=[],
-                           startup_s=0.0, capacity_description="")
+                           vocab_size=49152, startup_s=0.0, capacity_description="")  # the default model's
 
     async def add_requests(self, requests: list[Any]) -> None:
         pass
