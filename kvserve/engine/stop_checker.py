@@ -20,8 +20,12 @@ prefix of it (its *partial match*). A match ending within the new characters sta
 tail; a tail held now is at most the partial match plus the new characters. So a request's long stop strings
 (thousands of characters each) cost each step little more than its new text, on the event loop where this
 runs. The partial matches hold while the text grows by appending between calls, as the detokenizer's
-output text does; a text that does not extend the one seen (checked: a comparison of its start) is looked at
-whole, as a fresh checker would.
+output text does. They depend only on the seen text's last ``len(longest stop) - 1`` characters, so only
+those are compared with the new text (not the whole text, which would cost each step the output's length);
+a text that differs there is looked at whole, as a fresh checker would. Short stop strings (all under
+`StopChecker.stateful_min_span` characters, as most requests' are) keep no state: trying each of their few
+tail lengths costs less than keeping the partial matches (6.8 against 12.3 us a step for two short strings
+over a 90,000-character output, measured when this was written).
 """
 
 from __future__ import annotations
@@ -43,24 +47,29 @@ class StopChecker:
     """Stop-string matching for one request: the caller passes the text at each call (see the module
     docstring for what is kept between calls)."""
 
+    # Partial matches are kept between calls when the longest stop string has at least this many characters
+    # past its first (a class attribute: tests set it to 0 to run the kept-state path on short strings).
+    stateful_min_span = 32
+
     def __init__(self, stop: Sequence[str], include_stop_str_in_output: bool = False) -> None:
         if any(not s for s in stop):
             raise ValueError("stop strings must be non-empty")
         # Duplicates would only repeat work.
         self._stop = list(dict.fromkeys(stop))
         self._include_stop_str = include_stop_str_in_output
-        # Each stop string's partial match (the longest tail of `_seen_text` that is a proper prefix of it),
-        # as `safe_emit_len` last found it.
+        # Each stop string's partial match (the longest tail of the text seen, its first `_seen` characters,
+        # that is a proper prefix of it), as `safe_emit_len` last found it; they depend only on the seen text's
+        # last `_span` characters (`_seen_tail`).
         self._partial = [0] * len(self._stop)
-        self._seen_text = ""
-
-    @property
-    def _seen(self) -> int:
-        return len(self._seen_text)
+        self._span = max((len(s) for s in self._stop), default=1) - 1
+        self._seen = 0
+        self._seen_tail = ""
+        self._stateful = self._span >= self.stateful_min_span
 
     def _extends_seen(self, text: str) -> bool:
-        """Whether `text` is the text the partial matches were found in, grown by appending."""
-        return text.startswith(self._seen_text)
+        """Whether the partial matches hold for `text`: it ends, at the seen length, as the seen text did."""
+        return (self._stateful and len(text) >= self._seen
+                and text.startswith(self._seen_tail, self._seen - len(self._seen_tail)))
 
     @property
     def has_stop_strings(self) -> bool:
@@ -104,8 +113,16 @@ class StopChecker:
         """
         if self._include_stop_str or not self._stop:
             return len(text)
+        if not self._stateful:  # short stop strings: each tail length tried, longest first
+            held = 0
+            for stop_str in self._stop:
+                for length in range(min(len(stop_str) - 1, len(text)), held, -1):  # only longer tails matter
+                    if text.endswith(stop_str[:length]):
+                        held = length
+                        break
+            return len(text) - held
         grown = len(text) - self._seen if self._extends_seen(text) else None  # None: not the text seen before
-        self._seen_text = text
+        self._seen, self._seen_tail = len(text), text[max(0, len(text) - self._span):]
         if not text:
             self._partial = [0] * len(self._stop)
             return 0

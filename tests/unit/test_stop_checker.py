@@ -151,6 +151,11 @@ def _held_reference(text: str, stops: list[str]) -> int:
     min_steps=st.integers(0, 6),
 )
 def test_the_partial_matches_kept_between_calls_give_the_stateless_answers(text, stops, seed, min_steps):
+    for stateful_min_span in (0, StopChecker.stateful_min_span):  # kept state for these short strings too
+        _partial_matches_case(text, stops, seed, min_steps, stateful_min_span)
+
+
+def _partial_matches_case(text: str, stops: list[str], seed: int, min_steps: int, stateful_min_span: int) -> None:
     """The checker keeps each stop string's partial match between calls (so that long stop strings cost little
     a step). Property, on a two-letter alphabet where stop strings overlap themselves (borders): every call
     answers as a fresh checker (which knows nothing of earlier calls) answers, when the output processor's
@@ -158,6 +163,7 @@ def test_the_partial_matches_kept_between_calls_give_the_stateless_answers(text,
     with no stop, also on steps whose text did not grow."""
     rng = random.Random(seed)
     checker = StopChecker(stops)
+    checker._stateful = checker._span >= stateful_min_span
     text_so_far = ""
     for step, delta in enumerate(split_randomly(text, rng)):
         text_so_far += delta
@@ -183,3 +189,18 @@ def test_long_stop_strings_hold_what_they_must():
     text += "ab" * 2000 + "c"
     result = checker.check(text, 4001)
     assert result is not None and result.text == "ab" * 1500 + "b"
+
+
+def test_a_text_that_changed_where_the_partial_matches_were_found_is_read_whole(monkeypatch):
+    """The checker compares only the seen text's last characters (those its partial matches depend on) with the
+    next text: a text rewritten there is read as a fresh checker reads it; one rewritten further back keeps
+    answers that do not depend on it."""
+    monkeypatch.setattr(StopChecker, "stateful_min_span", 0)
+    checker = StopChecker(["STOP"])
+    assert checker.safe_emit_len("abc ST") == 4
+    assert checker.safe_emit_len("abc Sx") == 6  # not "abc ST" grown: its held tail is gone
+    assert checker.check("abc SxSTOP", 4) is not None
+    checker = StopChecker(["STOP"])
+    assert checker._stateful
+    assert checker.safe_emit_len("xyz ST") == 4
+    assert checker.safe_emit_len("abc STO") == 4  # the last 3 characters seen are as before: "ST" + "O"
