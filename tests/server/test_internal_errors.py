@@ -42,7 +42,8 @@ def _app(fail_in: str) -> tuple[Any, ServingContext]:
         raise RuntimeError("engine broke")
 
     engine = SimpleNamespace(is_alive=True, dead_error=None, max_model_len=64, tokenizer=tokenizer,
-                             generate=generate, hanging=[])
+                             generate=generate, hanging=[],
+                             input_processor=SimpleNamespace(first_out_of_vocab=lambda ids: None))
     ctx = ServingContext(engine=engine, served_model_names=["m"], model_path="m",  # type: ignore[arg-type]
                          log_requests=False)
     return build_app(ctx, ServerState(), SimpleNamespace(), None, 1 << 20), ctx  # type: ignore[arg-type]

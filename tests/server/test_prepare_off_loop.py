@@ -29,8 +29,10 @@ def _stub_engine(tokenizer: Any) -> Any:
                                token_ids_delta=[9])
         yield RequestOutput(request_id, prompt, ids, [out], finished=True)
 
+    # every id in the vocabulary (the server asks before it answers)
+    input_processor = SimpleNamespace(first_out_of_vocab=lambda ids: None)
     return SimpleNamespace(is_alive=True, dead_error=None, max_model_len=64, tokenizer=tokenizer,
-                           generate=generate)
+                           generate=generate, input_processor=input_processor)
 
 
 def test_other_requests_are_served_while_a_prompt_is_tokenized() -> None:
