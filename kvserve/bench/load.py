@@ -61,7 +61,11 @@ class _Run:
         self.on_done = on_done
         self.next_index = 0
         self.succeeded = 0
-        self.unconnected_in_row = 0  # the latest records that all failed to connect
+        # Records that could not connect since a request sent after the latest such failure got through.
+        # A request sent before the server went away may finish after many refused ones: it says nothing
+        # about the server now, so it does not break the streak.
+        self.unconnected_in_row = 0
+        self.last_unconnected_start_s = -math.inf
         self.records: list[RequestRecord] = []
         self.stopped: str | None = None
         self.tasks: set[asyncio.Task[Any]] = set()
@@ -76,7 +80,11 @@ class _Run:
     def finished(self, record: RequestRecord) -> None:
         self.records.append(record)
         self.succeeded += record.success
-        self.unconnected_in_row = self.unconnected_in_row + 1 if record.error_kind == ERROR_CONNECTION else 0
+        if record.error_kind == ERROR_CONNECTION:
+            self.unconnected_in_row += 1
+            self.last_unconnected_start_s = max(self.last_unconnected_start_s, record.start_s)
+        elif record.start_s > self.last_unconnected_start_s:
+            self.unconnected_in_row = 0
         if self.succeeded == 0 and len(self.records) >= ABORT_AFTER_ALL_FAILED and not self.stopped:
             self.stopped = (f"stopped early: the first {len(self.records)} requests all failed "
                             f"(last error: {record.error_kind}: {record.error})")

@@ -347,6 +347,37 @@ def test_a_server_that_goes_away_mid_run_stops_the_run(fake_server, bench, promp
     assert s.stopped and f"{ABORT_AFTER_CONNECTION_FAILURES} requests in a row could not connect" in s.stopped
 
 
+def test_a_request_sent_before_the_server_went_away_does_not_break_the_refused_streak():
+    """CI saw 63 refused connections before the stop, not 50: a request sent before the server went away
+    finished after 13 refused ones and reset the count. Only a request sent after the latest refused one
+    says the server is back."""
+    from kvserve.bench.client import ERROR_CONNECTION, RequestRecord
+    from kvserve.bench.config import LoadShape
+    from kvserve.bench.load import _Run
+
+    def record(index: int, start_s: float, refused: bool) -> RequestRecord:
+        r = RequestRecord(index, 3)
+        r.start_s = start_s
+        if refused:
+            r.fail(ERROR_CONNECTION, "refused")
+        return r
+
+    run = _Run(LoadShape(concurrency=2, num_prompts=1000), 0.0, None)
+    for i in range(13):
+        run.finished(record(i, 1.0 + i, refused=True))
+    run.finished(record(13, 0.5, refused=False))  # sent at 0.5 s, before the first refusal
+    assert run.unconnected_in_row == 13 and not run.stopped
+    for i in range(ABORT_AFTER_CONNECTION_FAILURES - 13):
+        run.finished(record(14 + i, 20.0 + i, refused=True))
+    assert run.stopped and f"{ABORT_AFTER_CONNECTION_FAILURES} requests in a row" in run.stopped
+
+    later = _Run(LoadShape(concurrency=2, num_prompts=1000), 0.0, None)
+    for i in range(10):
+        later.finished(record(i, 1.0 + i, refused=True))
+    later.finished(record(10, 10.5, refused=False))  # sent after the latest refusal: the server is back
+    assert later.unconnected_in_row == 0
+
+
 def test_without_usage_tokens_are_counted_with_the_local_tokenizer(fake_server, bench, tiny_model_dir):
     from transformers import AutoTokenizer
 
