@@ -105,3 +105,10 @@ def test_https_with_a_self_signed_certificate(servers: dict[str, ServerProcess])
     with pytest.raises(httpx.HTTPError):  # plain HTTP is not served on that port
         httpx.get(server.base_url + "/health", timeout=5)
     assert "on https://127.0.0.1:" in server.log()
+    # SIGTERM with the client's kept-alive connection open and idle: the server stops. It waited 30 s for the
+    # client's TLS close_notify, which an idle client does not send, and was killed by this fixture's timeout.
+    server.terminate()
+    try:
+        assert server.proc.wait(timeout=15) == 0, server.log()
+    finally:
+        client.close()

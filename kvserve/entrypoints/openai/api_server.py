@@ -137,6 +137,9 @@ DRAIN_ABORT_GRACE_S = 5.0
 # it waits for them to end their responses (the middleware ends each within END_CANCELLED_S of its
 # cancellation) before it goes on to stop the engine anyway.
 REQUESTS_END_WAIT_S = END_CANCELLED_S + 1.0
+# A connection closed at shutdown with nothing left to send, still open this long after (a TLS connection waits
+# for the client's close_notify, which an idle kept-alive client never sends, up to asyncio's 30 s): dropped.
+CLOSED_CONNECTION_GRACE_S = 1.0
 
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 503)
@@ -514,7 +517,11 @@ class _Server(uvicorn.Server):
         self._shutting_down = True
         if self.force_exit:
             await self._end_now()
-        await super().shutdown(sockets)
+        dropper = asyncio.get_running_loop().create_task(self._drop_lingering_connections())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            dropper.cancel()
         await self._end_requests(cancel=self.force_exit)
         if self._ending is not None:
             await self._ending
@@ -527,6 +534,22 @@ class _Server(uvicorn.Server):
             transport = getattr(connection, "transport", None)
             if transport is not None and transport.get_write_buffer_size() > 0:
                 transport.abort()
+
+    async def _drop_lingering_connections(self) -> None:
+        """Until cancelled: abort each connection that uvicorn's shutdown closed, that has nothing left to send,
+        and that is still open CLOSED_CONNECTION_GRACE_S later. uvicorn waits for every connection to go; over
+        HTTPS an idle kept-alive one waits for the client's close_notify, and stopped the server 30 s late."""
+        closing_since: dict[int, float] = {}
+        while True:
+            now = time.monotonic()
+            for connection in list(self.server_state.connections):
+                transport = getattr(connection, "transport", None)
+                if transport is None or not transport.is_closing() or transport.get_write_buffer_size() > 0:
+                    continue
+                since = closing_since.setdefault(id(connection), now)
+                if now - since >= CLOSED_CONNECTION_GRACE_S:
+                    transport.abort()
+            await asyncio.sleep(0.1)
 
     async def _end_requests(self, cancel: bool = True) -> None:
         """Wait (within REQUESTS_END_WAIT_S) for the requests still running to end; `cancel`: cancel them first,
