@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import uuid
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
@@ -202,7 +203,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--request-id-prefix", default=None,
                      help="vLLM's flag: send each request an x-request-id header PREFIX + its index (later "
                      "sweep points and the warm-up add '<point>-' or 'warmup-' before the index); kept in each "
-                     "record (default: no header)")
+                     "record (default: bench-<8 random hex digits>-, new for each command, as vLLM's default)")
     out.add_argument("--plot", dest="plot_path", default=None, metavar="FILE.png",
                      help="write latency CDFs, throughput over time and server metrics as a PNG")
     out.add_argument("--compare", dest="compare_path", default=None, metavar="OLD.json",
@@ -330,6 +331,11 @@ def _api(ns: argparse.Namespace, endpoint: str) -> str | None:
     return api
 
 
+def _request_id_prefix(given: str | None) -> str:
+    """vLLM's default: a prefix new for each command, so two runs' ids never collide on one server."""
+    return given if given is not None else f"bench-{uuid.uuid4().hex[:8]}-"
+
+
 def _metadata(items: list[str] | None) -> dict[str, str]:
     """vLLM's --metadata KEY=VALUE ...: split at the first '=', both sides stripped."""
     metadata: dict[str, str] = {}
@@ -373,6 +379,6 @@ def config_from_args(ns: argparse.Namespace) -> BenchConfig:
         server_metrics=ns.server_metrics, metrics_url=ns.metrics_url, metrics_interval_s=ns.metrics_interval,
         percentile_metrics=_percentile_metrics(ns.percentile_metrics), metric_percentiles=ns.metric_percentiles,
         json_path=_json_path(ns), backend=ns.backend, label=ns.label, metadata=_metadata(ns.metadata),
-        save_detailed=ns.save_detailed, append_result=ns.append_result, request_id_prefix=ns.request_id_prefix,
+        save_detailed=ns.save_detailed, append_result=ns.append_result, request_id_prefix=_request_id_prefix(ns.request_id_prefix),
         plot_path=ns.plot_path, compare_path=ns.compare_path, progress=ns.progress,
     )

@@ -603,9 +603,16 @@ def test_request_id_prefix_sends_vllms_x_request_id(fake_server, prompts_file, t
     common = ["bench", "--endpoint", server.base_url + "/v1/completions", "--max-tokens", "2", "--dataset",
               "file", "--dataset-path", prompts_file, "--no-progress"]
     path = tmp_path / "r.json"
-    assert main([*common, "--num-prompts", "3", "--json", str(path)]) == 0
-    assert server.state.request_ids == [None, None, None]  # none without the flag
-    server.state.request_ids.clear()
+    # without the flag, vLLM's default: bench-<8 hex digits>-<index>, the prefix new for each command
+    prefixes = set()
+    for _ in range(2):
+        assert main([*common, "--num-prompts", "3", "--json", str(path)]) == 0
+        ids = server.state.request_ids
+        assert len(ids) == 3 and all(re.fullmatch(r"bench-[0-9a-f]{8}-[0-2]", i or "") for i in ids), ids
+        assert sorted(i.rsplit("-", 1)[1] for i in ids) == ["0", "1", "2"] and len({i[:15] for i in ids}) == 1
+        prefixes.add(ids[0][:15])
+        server.state.request_ids.clear()
+    assert len(prefixes) == 2
     assert main([*common, "--num-prompts", "3", "--warmup", "1", "--request-id-prefix", "bench-", "--json",
                  str(path)]) == 0
     assert server.state.request_ids[0] == "bench-warmup-0"
