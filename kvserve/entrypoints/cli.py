@@ -1,4 +1,5 @@
-"""`kvserve <command>`: generate (one prompt, offline), serve (the OpenAI-compatible server)."""
+"""`kvserve <command>`: generate (one prompt, offline), serve (the OpenAI-compatible server), chat / complete
+(a terminal client of a running server), and the others below."""
 
 from __future__ import annotations
 
@@ -382,6 +383,24 @@ def build_parser() -> argparse.ArgumentParser:
                        "one scrape of the router (kvserve bench's, say) sees the engines; a backend that does "
                        "not answer within 2 s is left out of that scrape")
     route.set_defaults(func=_cmd_route)
+
+    from kvserve.entrypoints.chat_cli import add_client_args, run_chat, run_complete
+
+    chat = sub.add_parser(
+        "chat", help="chat with a running OpenAI-compatible server from the terminal (vLLM's `vllm chat`)",
+        description="Send messages to <url>/chat/completions and print the streamed answers: one with -q, else "
+        "a line at a time from stdin until end of input (Ctrl-D), keeping the whole conversation.",
+    )
+    add_client_args(chat, chat=True)
+    chat.set_defaults(func=run_chat)
+
+    complete = sub.add_parser(
+        "complete", help="complete prompts on a running OpenAI-compatible server (vLLM's `vllm complete`)",
+        description="Send prompts to <url>/completions and print the streamed completions: one with -q, else "
+        "each line read from stdin as a prompt of its own, until end of input (Ctrl-D).",
+    )
+    add_client_args(complete, chat=False)
+    complete.set_defaults(func=run_complete)
     return parser
 
 
