@@ -305,6 +305,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(serve)
     serve.set_defaults(func=_cmd_serve)
 
+    from kvserve.entrypoints.run_batch import add_run_batch_args
+
+    batch = sub.add_parser(
+        "run-batch",
+        help="answer a file of requests in the OpenAI Batch format offline (vLLM's run-batch)",
+        description="Answer every line of an OpenAI Batch file (/v1/chat/completions, /v1/completions, "
+        "/v1/responses) as `kvserve serve` with the same flags would, the lines batched through one engine; "
+        "one output line per request, in input order.",
+    )
+    add_run_batch_args(batch)
+
     from kvserve.bench.cli_args import add_bench_args
 
     bench = sub.add_parser(
@@ -409,7 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     # vLLM's flags are refused by name only where vLLM's engine flags belong (bench and route are other tools).
     ns = parse_args_or_refuse(parser, argv, {command: f"kvserve {command}" for command in
-                                             ("generate", "serve", "triton-repo")})
+                                             ("generate", "serve", "run-batch", "triton-repo")})
     if ns.command == "serve":  # the flags after `serve`: the replicas' (--data-parallel-size)
         args = list(sys.argv[1:] if argv is None else argv)
         ns.serve_args = args[args.index("serve") + 1:]

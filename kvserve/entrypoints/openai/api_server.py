@@ -611,18 +611,11 @@ def stat_loggers(ns: argparse.Namespace, metrics: PrometheusStatLogger, label: s
     return [metrics] if ns.disable_log_stats else [metrics, LoggingStatLogger(label=label)]
 
 
-async def _serve_app(ns: argparse.Namespace, config: EngineConfig, engine: AsyncLLM, ready: EngineReady,
-                     sock: socket.socket, created: int, multiprocess_dir: str | None, index: int,
-                     others: ApiProcesses | None = None, on_ready: Callable[[], None] | None = None) -> int:
-    """Serve on `sock` until drained or the engine dies (API process `index`); returns the exit code."""
-    served_names = list(ns.served_model_name or [config.model_config.served_model_name])
-    metrics = _make_metrics(ns, config, ready, served_names, multiprocess_dir, first=index == 0)
-    count = ns.api_server_count
-    label = f"API server {index}: " if count > 1 else ""
-    engine.stat_loggers += stat_loggers(ns, metrics, label)
-    ctx = ServingContext(
+def serving_context(ns: argparse.Namespace, config: EngineConfig, engine: AsyncLLM, created: int) -> ServingContext:
+    """What the handlers need, from the server's flags (also `kvserve run-batch`'s, which answers as the server)."""
+    return ServingContext(
         engine=engine,
-        served_model_names=served_names,
+        served_model_names=list(ns.served_model_name or [config.model_config.served_model_name]),
         model_path=config.model_config.model,
         log_requests=not ns.disable_log_requests,
         created=created,
@@ -637,6 +630,18 @@ async def _serve_app(ns: argparse.Namespace, config: EngineConfig, engine: Async
         responses_store=ResponseStore(envs.KVSERVE_RESPONSES_API_STORE_SIZE)
         if envs.KVSERVE_ENABLE_RESPONSES_API_STORE else None,
     )
+
+
+async def _serve_app(ns: argparse.Namespace, config: EngineConfig, engine: AsyncLLM, ready: EngineReady,
+                     sock: socket.socket, created: int, multiprocess_dir: str | None, index: int,
+                     others: ApiProcesses | None = None, on_ready: Callable[[], None] | None = None) -> int:
+    """Serve on `sock` until drained or the engine dies (API process `index`); returns the exit code."""
+    served_names = list(ns.served_model_name or [config.model_config.served_model_name])
+    metrics = _make_metrics(ns, config, ready, served_names, multiprocess_dir, first=index == 0)
+    count = ns.api_server_count
+    label = f"API server {index}: " if count > 1 else ""
+    engine.stat_loggers += stat_loggers(ns, metrics, label)
+    ctx = serving_context(ns, config, engine, created)
     try:
         state = ServerState()
         api_key, key_source = api_key_from(ns.api_key, envs.KVSERVE_API_KEY, envs.VLLM_API_KEY)
