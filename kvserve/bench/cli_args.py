@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import uuid
 from collections.abc import Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 from kvserve import envs
@@ -166,6 +168,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                           help="presence_penalty, in [-2, 2] (default: not sent)")
     sampling.add_argument("--frequency-penalty", type=float, default=None,
                           help="frequency_penalty, in [-2, 2] (default: not sent)")
+    sampling.add_argument("--extra-body", type=_json_object, default=None, metavar="JSON",
+                          help="vLLM's flag: a JSON object whose keys go into every request body, after (over) "
+                          "the flags' values, e.g. '{\"chat_template_kwargs\": {\"enable_thinking\": false}}' "
+                          "(not stream, messages, prompt or input)")
     work.add_argument("--seed", type=int, default=0, help="seed of lengths, texts and arrival times (default 0)")
     work.add_argument("--tokenizer", default=None,
                       help="local tokenizer (HF directory, .gguf, or a repo id in the local HF cache) for prompt "
@@ -331,6 +337,16 @@ def _api(ns: argparse.Namespace, endpoint: str) -> str | None:
     return api
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object ({{...}}), got {text!r}")
+    return value
+
+
 def _request_id_prefix(given: str | None) -> str:
     """vLLM's default: a prefix new for each command, so two runs' ids never collide on one server."""
     return given if given is not None else f"bench-{uuid.uuid4().hex[:8]}-"
@@ -375,7 +391,7 @@ def config_from_args(ns: argparse.Namespace) -> BenchConfig:
         drain_timeout_s=ns.drain_timeout,
         ignore_eos=ns.ignore_eos, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p,
         repetition_penalty=ns.repetition_penalty, presence_penalty=ns.presence_penalty,
-        frequency_penalty=ns.frequency_penalty, goodput_ms=_parse_goodput(ns.goodput),
+        frequency_penalty=ns.frequency_penalty, extra_body=ns.extra_body or {}, goodput_ms=_parse_goodput(ns.goodput),
         server_metrics=ns.server_metrics, metrics_url=ns.metrics_url, metrics_interval_s=ns.metrics_interval,
         percentile_metrics=_percentile_metrics(ns.percentile_metrics), metric_percentiles=ns.metric_percentiles,
         json_path=_json_path(ns), backend=ns.backend, label=ns.label, metadata=_metadata(ns.metadata),

@@ -137,6 +137,8 @@ class ClientSettings:
     # Each request's x-request-id header is this prefix, the client's `id_scope` and the request's index, as
     # vLLM's bench sends `{prefix}{index}` (None: no header).
     request_id_prefix: str | None = None
+    # vLLM's --extra-body: merged into every request body last.
+    extra_body: dict[str, Any] = field(default_factory=dict)
 
 
 class StreamClient:
@@ -194,6 +196,7 @@ class StreamClient:
         if s.temperature is not None:
             body["temperature"] = s.temperature
         body.update(s.sampling)
+        body.update(s.extra_body)
         return body
 
     async def send(self, request: BenchRequest, run_start: float, record: RequestRecord | None = None

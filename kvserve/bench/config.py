@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 from kvserve.bench.datasets import DatasetConfig
@@ -22,6 +23,8 @@ ABORT_AFTER_ALL_FAILED = 100
 # Stop issuing when this many requests in a row got no answer at all (`connection`): the server has gone (a
 # closed loop would otherwise resend at once after each refused connection, thousands a second).
 ABORT_AFTER_CONNECTION_FAILURES = 50
+# Request-body keys --extra-body may not set: those the client needs as it sends them.
+EXTRA_BODY_RESERVED = frozenset({"stream", "messages", "prompt", "input"})
 
 
 # Top-level keys of the result JSON that --metadata may not name (kvserve's, and vLLM's configuration and
@@ -129,6 +132,8 @@ class BenchConfig:
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    # vLLM's --extra-body: keys merged into every request body last (over the flags' values).
+    extra_body: dict[str, Any] = field(default_factory=dict)
     goodput_ms: dict[str, float] = field(default_factory=dict)
     server_metrics: bool = True
     metrics_url: str | None = None
@@ -192,6 +197,10 @@ class BenchConfig:
         ):
             if value is not None and not ok(value):  # (NaN fails every comparison)
                 raise BenchConfigError(f"{flag} must be {accepted}, got {value:g}")
+        taken = sorted(set(self.extra_body) & EXTRA_BODY_RESERVED)
+        if taken:
+            raise BenchConfigError(f"--extra-body cannot set {', '.join(taken)}: the benchmark streams each request "
+                                   "and takes its prompt from the dataset")
         for key, value in self.goodput_ms.items():
             if key not in GOODPUT_KEYS:
                 raise BenchConfigError(f"--goodput keys are {', '.join(GOODPUT_KEYS)}, got {key!r}")

@@ -310,7 +310,7 @@ async def _run_all(config: BenchConfig, log: TextIO) -> BenchResult:
         request_timeout_s=config.request_timeout_s, ignore_eos=config.ignore_eos,
         temperature=config.temperature, max_connections=config.pool_size(),
         sampling={k: v for k, v in config.sampling().items() if k != "temperature"},
-        request_id_prefix=config.request_id_prefix,
+        request_id_prefix=config.request_id_prefix, extra_body=config.extra_body,
     )
     client = StreamClient(settings)
     try:

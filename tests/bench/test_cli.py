@@ -534,6 +534,30 @@ def test_nonsensical_sampling_values_are_refused_before_any_request(fake_server,
     assert server.state.num_requests == 0
 
 
+def test_extra_body_goes_into_every_request_over_the_flags(fake_server, prompts_file, capsys, tmp_path):
+    # vLLM's --extra-body: fields the flags do not cover (chat_template_kwargs), and over a flag's value
+    server = fake_server()
+    common = ["bench", "--endpoint", server.base_url + "/v1/chat/completions", "--num-prompts", "2", "--max-tokens",
+              "2", "--dataset", "file", "--dataset-path", prompts_file, "--no-progress"]
+    path = tmp_path / "r.json"
+    extra = {"chat_template_kwargs": {"enable_thinking": False}, "top_p": 0.5}
+    assert main([*common, "--top-p", "0.9", "--extra-body", json.dumps(extra), "--json", str(path)]) == 0
+    assert len(server.state.bodies) == 2
+    for body in server.state.bodies:
+        assert body["chat_template_kwargs"] == {"enable_thinking": False} and body["top_p"] == 0.5
+        assert body["stream"] is True and body["messages"]
+    assert json.loads(path.read_text())["config"]["extra_body"] == extra
+    # keys the client must set itself are refused before any request; anything but an object is a usage error
+    server.state.bodies.clear()
+    assert main([*common, "--extra-body", '{"stream": false, "messages": []}']) == 2
+    assert "--extra-body cannot set messages, stream" in capsys.readouterr().err
+    assert server.state.num_requests == 2
+    for bad in ("[1]", "{oops"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["bench", "--extra-body", bad])
+        assert "--extra-body: expected a JSON object" in capsys.readouterr().err
+
+
 def test_temperature_takes_a_number_or_server(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "--temperature", "hot"])
