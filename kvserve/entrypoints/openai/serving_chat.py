@@ -23,9 +23,9 @@ from kvserve.entrypoints.openai.reasoning_parsers import ReasoningStream, parse_
 from kvserve.entrypoints.openai.serving_common import (
     ServingContext,
     chat_logprobs,
-    check_encoded_prompt,
     check_lengths,
     check_supported,
+    check_token_ids,
     delta_logprobs,
     engine_error,
     log_request,
@@ -192,7 +192,7 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest, request_id: st
     except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
         raise BadRequestError(f"cannot apply the chat template to these messages: {e}", "messages") from None
     assert processed.prompt is not None
-    check_encoded_prompt(engine, processed.prompt_token_ids, "messages")
+    check_token_ids(engine, processed.prompt_token_ids, "messages", tokenized=True)
     try:
         processed.prompt_token_ids = truncate_prompt(processed.prompt_token_ids, params, engine.max_model_len)
     except SamplingParamsError as e:

@@ -308,24 +308,20 @@ def check_lengths(
         )
 
 
-def check_token_ids(engine: AsyncLLM, token_ids: list[int], param: str) -> None:
+def check_token_ids(engine: AsyncLLM, token_ids: list[int], param: str, tokenized: bool = False) -> None:
     """A 400 naming `param` for a prompt's token id outside the input processor's [0, vocab_size) (the smaller of
     the tokenizer's and the model's vocabularies): the engine core refuses one past the model's too, but only
-    once a stream's 200 has gone out."""
+    once a stream's 200 has gone out. `tokenized`: the server tokenized the prompt (a text, rendered messages),
+    so its ids are the tokenizer's, which may hold more than the model's vocabulary: the message names the
+    token."""
     processor = engine.input_processor
     bad = processor.first_out_of_vocab(token_ids)
-    if bad is not None:
-        raise BadRequestError(f"token id {bad} is out of range {processor.vocab_range()}", param)
-
-
-def check_encoded_prompt(engine: AsyncLLM, token_ids: list[int], param: str) -> None:
-    """`check_token_ids` for a prompt the server tokenized (a text, rendered messages): its ids are the
-    tokenizer's, which may hold more than the model's vocabulary."""
-    processor = engine.input_processor
-    bad = processor.first_out_of_vocab(token_ids)
-    if bad is not None:
+    if bad is None:
+        return
+    if tokenized:
         raise BadRequestError(f"token id {bad} ({engine.tokenizer.decode([bad])!r}) of the tokenized {param} is "
                               f"out of range {processor.vocab_range()}", param)
+    raise BadRequestError(f"token id {bad} is out of range {processor.vocab_range()}", param)
 
 
 def log_request(ctx: ServingContext, request_id: str, num_prompt_tokens: int, params: SamplingParams,

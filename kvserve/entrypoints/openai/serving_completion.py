@@ -19,7 +19,6 @@ from kvserve.entrypoints.openai.errors import BadRequestError
 from kvserve.entrypoints.openai.protocol import CompletionRequest
 from kvserve.entrypoints.openai.serving_common import (
     ServingContext,
-    check_encoded_prompt,
     check_lengths,
     check_supported,
     check_token_ids,
@@ -115,7 +114,7 @@ def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> PreparedC
     for item in items:
         if isinstance(item, str):
             ids = encode_prompt(engine, item, req.add_special_tokens, "prompt")
-            check_encoded_prompt(engine, ids, "prompt")
+            check_token_ids(engine, ids, "prompt", tokenized=True)
             text: str | None = item
         else:
             check_token_ids(engine, item, "prompt")
