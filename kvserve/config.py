@@ -12,7 +12,7 @@ import math
 import os
 import random
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from kvserve import envs
@@ -100,6 +100,9 @@ class ModelConfig:
     # The most tokens a request may generate (None: only the context limits it): vLLM's override_max_tokens,
     # the override's max_new_tokens (--generation-config auto/vllm) or a --generation-config DIR's.
     max_tokens_cap: int | None = None
+    # vLLM's max_model_len auto / -1: max_model_len is the model's own length until the KV cache is sized; the
+    # engine then lowers it to the longest length one request can hold in the cache (`with_max_model_len`).
+    max_model_len_auto: bool = False
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -240,6 +243,16 @@ class EngineConfig:
         cache = CacheConfig(**{**_asdict_shallow(self.cache_config), "num_blocks": num_blocks})
         return EngineConfig(**{**_asdict_shallow(self), "cache_config": cache})
 
+    def with_max_model_len(self, max_model_len: int) -> EngineConfig:
+        """The same config with max_model_len set to `max_model_len` in the model's and the scheduler's settings
+        (done once by the engine at start-up, for max_model_len auto: never larger than it was)."""
+        if not 1 <= max_model_len <= self.model_config.max_model_len:
+            raise ValueError(f"max_model_len may only be lowered, to at least 1: {self.model_config.max_model_len} "
+                             f"-> {max_model_len}")
+        model = replace(self.model_config, max_model_len=max_model_len)
+        scheduler = replace(self.scheduler_config, max_model_len=max_model_len)
+        return replace(self, model_config=model, scheduler_config=scheduler)
+
 
 def _asdict_shallow(obj: Any) -> dict[str, Any]:
     return {f.name: getattr(obj, f.name) for f in fields(obj)}
@@ -301,21 +314,30 @@ def human_readable_int(text: str) -> int:
     return int(number) * _BINARY_SUFFIXES[suffix]
 
 
-def check_max_model_len_value(value: int | str) -> None:
-    """ConfigError for vLLM's max_model_len -1 and "auto" (the longest length the KV cache holds, found after the
-    memory profile), saying what to do instead: kvserve sizes its engine for the length before the KV cache
-    exists."""
-    if str(value).strip().lower() in ("auto", "-1"):
-        raise ConfigError(
-            f"max_model_len {value!r} (vLLM: the longest length the KV cache holds) is not supported; leave "
-            "--max-model-len out for the model's own limit, or give a length (when the KV cache cannot hold it, "
-            "start-up fails saying how many tokens it holds)")
+AUTO_MAX_MODEL_LEN = "auto"
 
 
-def max_model_len_value(text: str) -> int:
-    """--max-model-len as `human_readable_int` reads it, vLLM's -1 and auto refused (`check_max_model_len_value`)."""
-    check_max_model_len_value(text)
-    return human_readable_int(text)
+def is_auto_max_model_len(value: object) -> bool:
+    """Whether a max_model_len asks for vLLM's automatic length: "auto" or -1 (in any case, with surrounding
+    spaces; -1 as an int or a string). Not for bools (True == 1 in Python, never a length anyone meant)."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return value == -1
+    return isinstance(value, str) and value.strip().lower() in (AUTO_MAX_MODEL_LEN, "-1")
+
+
+def max_model_len_value(text: str) -> int | str:
+    """--max-model-len: "auto" for vLLM's auto / -1 (the model's own length, lowered after the KV cache is sized
+    to the longest that one request can hold there; `is_auto_max_model_len`), else a length as
+    `human_readable_int` reads it, at least 1."""
+    if is_auto_max_model_len(text):
+        return AUTO_MAX_MODEL_LEN
+    value = human_readable_int(text)
+    if value < 1:
+        raise ConfigError(f"expected a length of at least 1 token, or auto / -1 (the longest length the KV cache "
+                          f"holds, at most the model's own), got {text!r}")
+    return value
 
 
 def parse_kv_cache_memory_bytes(value: str | int | float) -> int:
@@ -425,10 +447,12 @@ class EngineArgs:
         kv_cache_dtype = _check_kv_cache_dtype(self.kv_cache_dtype, device, dtype)
 
         model_limit = arch.max_positions
-        if self.max_model_len is None:
+        # auto / -1: the model's own length, as when the flag is left out, until the engine has sized the KV cache
+        # (EngineCore lowers it then to what one request can hold there, if that is less).
+        auto_max_model_len = is_auto_max_model_len(self.max_model_len)
+        if self.max_model_len is None or auto_max_model_len:
             max_model_len = model_limit
         else:
-            check_max_model_len_value(self.max_model_len)
             max_model_len = _token_count("max_model_len", self.max_model_len)
             if max_model_len > model_limit and envs.KVSERVE_ALLOW_LONG_MAX_MODEL_LEN:
                 logger.warning("max_model_len=%d is larger than the model supports (%d, %s in the model config): "
@@ -475,6 +499,7 @@ class EngineArgs:
             load_format=self.load_format,
             sampling_defaults=defaults,
             max_tokens_cap=cap,
+            max_model_len_auto=auto_max_model_len,
         )
         cache_config = CacheConfig(
             block_size=self.block_size,

@@ -111,6 +111,8 @@ class AsyncLLM:
                 model = self.config.model_config
                 self._tokenizer = await asyncio.to_thread(load_tokenizer, model.tokenizer, model.chat_template)
             self.ready = await engine_started
+            if self.ready.max_model_len < self.config.model_config.max_model_len:  # max_model_len auto, lowered
+                self.config = self.config.with_max_model_len(self.ready.max_model_len)
         except BaseException:
             engine_started.cancel()
             await self.client.shutdown()

@@ -122,8 +122,10 @@ class EngineCore:
                 self.workers.gather()  # every rank has built its model
         self._mark_phase("model_init", start)
         cache = config.cache_config
+        # Every rank's cache gets the smallest rank's block count; max_model_len auto follows from that number.
         num_blocks = cache.num_blocks or min(self._on_all_ranks("determine_num_blocks"))
         self._mark_phase("memory_profile", start)
+        config = self._fit_max_model_len(config, num_blocks)
         self.capacity = KVCapacity(num_blocks, cache.block_size, config.model_config.max_model_len,
                                    cache.kv_cache_dtype)
         self._check_capacity(config)
@@ -211,23 +213,51 @@ class EngineCore:
             torch.cuda.synchronize(self.runner.device)
         self.startup_phases[name] = time.perf_counter() - start - sum(self.startup_phases.values())
 
+    def _fit_max_model_len(self, config: EngineConfig, num_blocks: int) -> EngineConfig:
+        """max_model_len auto (vLLM's auto / -1): `config` with max_model_len lowered to the longest length one
+        request can hold in `num_blocks` blocks (num_blocks x block_size, the length `_check_capacity` accepts:
+        a whole number of blocks) when the model's own length does not fit, with a warning; on every rank, so that
+        their CUDA graphs and checks are those of an engine started with that length. `config` itself otherwise:
+        not auto, the model's length fits (an info line says so), or no length that a prompt can run in fits
+        (fewer than 2 tokens: `_check_capacity` refuses it as for any length)."""
+        model_len = config.model_config.max_model_len
+        if not config.model_config.max_model_len_auto:
+            return config
+        fitted = num_blocks * config.cache_config.block_size
+        if fitted >= model_len:
+            logger.info("max_model_len auto: the KV cache holds %d tokens, enough for one request of the model's "
+                        "length: max_model_len=%d", fitted, model_len)
+            return config
+        if fitted < 2:
+            return config
+        blocks_needed = -(-model_len // config.cache_config.block_size)
+        fp8 = ("" if config.cache_config.num_blocks or config.cache_config.kv_cache_dtype.startswith("fp8") else
+               ", or pass --kv-cache-dtype fp8 (one byte a value: twice the tokens in the same memory)")
+        logger.warning(
+            "max_model_len auto: the KV cache holds %d tokens (%d blocks x %d), fewer than one request of the "
+            "model's length (%d) needs: max_model_len is lowered to %d. For the model's length: %s%s",
+            fitted, num_blocks, config.cache_config.block_size, model_len, fitted,
+            self._capacity_hint(config, blocks_needed), fp8)
+        self._on_all_ranks("set_max_model_len", fitted)
+        return config.with_max_model_len(fitted)
+
+    def _capacity_hint(self, config: EngineConfig, blocks_needed: int) -> str:
+        """Which flag to raise, and to what, for the KV cache to hold `blocks_needed` blocks."""
+        per_block = self.runner.kv_cache_bytes_per_block()
+        profile = self.runner.memory_profile
+        if config.cache_config.num_blocks:  # set by the user: the sizing flags do not apply
+            return f"raise --num-gpu-blocks-override (num_kv_blocks) to at least {blocks_needed}"
+        if config.device_config.device == "cpu" or config.cache_config.gpu_kv_cache_memory_bytes is not None:
+            return f"raise --kv-cache-memory to at least {memory_size_text(blocks_needed * per_block)}"
+        if profile is not None:
+            return gpu_capacity_hint(profile, config.cache_config.gpu_memory_utilization, per_block, blocks_needed)
+        return f"raise --num-gpu-blocks-override (num_kv_blocks) to at least {blocks_needed}"
+
     def _check_capacity(self, config: EngineConfig) -> None:
         cap = self.capacity
         if cap.num_tokens >= cap.max_model_len:
             return
-        per_block = self.runner.kv_cache_bytes_per_block()
-        blocks_needed = -(-cap.max_model_len // cap.block_size)
-        profile = self.runner.memory_profile
-        if config.cache_config.num_blocks:  # set by the user: the sizing flags do not apply
-            hint = f"raise --num-gpu-blocks-override (num_kv_blocks) to at least {blocks_needed}"
-        elif config.device_config.device == "cpu" or config.cache_config.gpu_kv_cache_memory_bytes is not None:
-            hint = f"raise --kv-cache-memory to at least {memory_size_text(blocks_needed * per_block)}"
-        elif profile is not None:
-            hint = gpu_capacity_hint(
-                profile, config.cache_config.gpu_memory_utilization, per_block, blocks_needed
-            )
-        else:
-            hint = f"raise --num-gpu-blocks-override (num_kv_blocks) to at least {blocks_needed}"
+        hint = self._capacity_hint(config, -(-cap.max_model_len // cap.block_size))
         note = self.runner.gguf_capacity_note() if config.device_config.device != "cpu" else ""
         raise ConfigError(
             f"the KV cache holds {cap.num_tokens} tokens ({cap.num_blocks} blocks), fewer than one request "

@@ -85,7 +85,8 @@ def add_engine_args(parser: argparse.ArgumentParser, data_parallel: bool = False
                    "float32 on CPU), float32, float16, bfloat16")
     g.add_argument("--max-model-len", type=_max_model_len, default=None,
                    help="longest prompt + output in tokens, e.g. 8192, 32k (32,000) or 32K (32,768) (default: the "
-                   "model's limit)")
+                   "model's limit); auto or -1 (as vLLM): the model's limit if the KV cache holds one request that "
+                   "long, else the longest length it holds (a warning says so)")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once (default 256)")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="fcfs: requests run in arrival order; priority: by each request's `priority` (lower "

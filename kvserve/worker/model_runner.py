@@ -466,6 +466,13 @@ class ModelRunner:
             ),
         )
 
+    def set_max_model_len(self, max_model_len: int) -> None:
+        """Lower max_model_len (max_model_len auto, once the KV cache is sized; before it is allocated): what is
+        built from it later (CUDA graphs, prefill graph sizes, warm-up shapes, the length check of a step) takes
+        the new length. What was sized with the old one (the block tables' width, the profiled step) stays: it
+        holds every shorter length."""
+        self.config = self.config.with_max_model_len(max_model_len)
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         arch = self.arch
         shape = (2, num_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim)

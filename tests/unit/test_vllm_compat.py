@@ -46,20 +46,47 @@ def test_bad_human_readable_sizes_are_refused(text: str, message: str, capsys: p
 
 
 @pytest.mark.parametrize("flags", [["--max-model-len", "auto"], ["--max-model-len", "-1"], ["--max-model-len=-1"],
-                                   ["--max-model-len", "AUTO"]])
-def test_vllms_automatic_max_model_len_is_refused_saying_what_to_do(flags: list[str],
-                                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    """vLLM's -1 / auto (the longest length the KV cache holds) is refused as what it is: -1 passed the flag and
-    failed later as "max_model_len must be >= 1", auto as "expected a whole number"."""
-    err = _exit_message(["serve", "/models/m", *flags], capsys)
-    assert "argument --max-model-len: " in err and "vLLM: the longest length the KV cache holds" in err, err
-    assert "leave --max-model-len out for the model's own limit" in err
+                                   ["--max-model-len", "AUTO"], ["--max-model-len", " Auto "]])
+@pytest.mark.parametrize("command", [["serve", "/models/m"], ["generate", "--prompt", "x"],
+                                     ["triton-repo", "--name", "m"]])
+def test_vllms_automatic_max_model_len_is_taken(command: list[str], flags: list[str]) -> None:
+    """vLLM's -1 / auto (the longest length the KV cache holds, at most the model's) reads as "auto" on every
+    command that takes engine flags, and reaches EngineArgs so."""
+    ns = build_parser().parse_args([*command, *flags])
+    assert ns.max_model_len == "auto"
+    assert engine_args_from(ns)["max_model_len"] == "auto"
 
 
-def test_engine_args_refuse_vllms_automatic_max_model_len_too(tiny_model_dir: Callable[..., str]) -> None:
-    for value in (-1, "auto"):
-        with pytest.raises(ConfigError, match="vLLM: the longest length the KV cache holds"):
-            EngineArgs(model=tiny_model_dir("llama"), device="cpu", max_model_len=value).create_engine_config()
+@pytest.mark.parametrize("text", ["-2", "0", "-1k", "autoo", "au to", "-1.0"])
+def test_other_lengths_below_one_and_garbage_are_refused(text: str, capsys: pytest.CaptureFixture[str]) -> None:
+    err = _exit_message(["serve", "/models/m", f"--max-model-len={text}"], capsys)
+    assert "argument --max-model-len: " in err, err
+    assert "auto / -1" in err or "e.g. 8192, 32k or 32K" in err, err
+
+
+def test_engine_args_take_vllms_automatic_max_model_len_too(tiny_model_dir: Callable[..., str]) -> None:
+    """Until the engine sizes the KV cache, auto / -1 is the model's own length, as when none is given (with
+    VLLM_ALLOW_LONG_MAX_MODEL_LEN set too: it allows a longer length given, auto never asks for one)."""
+    path = tiny_model_dir("llama", max_position_embeddings=96)
+    plain = EngineArgs(model=path, device="cpu").create_engine_config()
+    assert plain.model_config.max_model_len == 96 and not plain.model_config.max_model_len_auto
+    for value in (-1, "-1", "auto", " AUTO "):
+        config = EngineArgs(model=path, device="cpu", max_model_len=value).create_engine_config()
+        assert config.model_config.max_model_len == config.scheduler_config.max_model_len == 96
+        assert config.model_config.max_model_len_auto
+    for value in (0, -2, "-5", "auto-ish"):
+        with pytest.raises(ConfigError, match="max_model_len"):
+            EngineArgs(model=path, device="cpu", max_model_len=value).create_engine_config()
+
+
+def test_engine_args_auto_with_long_lengths_allowed(tiny_model_dir: Callable[..., str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvserve import envs
+
+    monkeypatch.setattr(envs, "KVSERVE_ALLOW_LONG_MAX_MODEL_LEN", True)
+    path = tiny_model_dir("llama", max_position_embeddings=96)
+    config = EngineArgs(model=path, device="cpu", max_model_len="auto").create_engine_config()
+    assert config.model_config.max_model_len == 96 and config.model_config.max_model_len_auto
 
 
 @pytest.mark.parametrize("command", [["serve", "/models/m"], ["generate", "--prompt", "x"],
