@@ -111,8 +111,10 @@ class AsyncLLM:
                 model = self.config.model_config
                 self._tokenizer = await asyncio.to_thread(load_tokenizer, model.tokenizer, model.chat_template)
             self.ready = await engine_started
-            if self.ready.max_model_len < self.config.model_config.max_model_len:  # max_model_len auto, lowered
-                self.config = self.config.with_max_model_len(self.ready.max_model_len)
+            # max_model_len auto, lowered by the engine: this process's config says so too (tests' fakes have none)
+            config: EngineConfig | None = self.config
+            if config is not None and self.ready.max_model_len < config.model_config.max_model_len:
+                self.config = config.with_max_model_len(self.ready.max_model_len)
         except BaseException:
             engine_started.cancel()
             await self.client.shutdown()

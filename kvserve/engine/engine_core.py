@@ -81,6 +81,20 @@ class KVCapacity:
         )
 
 
+def capacity_hint(runner: ModelRunner, config: EngineConfig, blocks_needed: int) -> str:
+    """Which flag to raise, and to what, for the KV cache to hold `blocks_needed` blocks (`runner`: rank 0's, whose
+    memory profile sized it)."""
+    per_block = runner.kv_cache_bytes_per_block()
+    profile = runner.memory_profile
+    if config.cache_config.num_blocks:  # set by the user: the sizing flags do not apply
+        return f"raise --num-gpu-blocks-override (num_kv_blocks) to at least {blocks_needed}"
+    if config.device_config.device == "cpu" or config.cache_config.gpu_kv_cache_memory_bytes is not None:
+        return f"raise --kv-cache-memory to at least {memory_size_text(blocks_needed * per_block)}"
+    if profile is not None:
+        return gpu_capacity_hint(profile, config.cache_config.gpu_memory_utilization, per_block, blocks_needed)
+    return f"raise --num-gpu-blocks-override (num_kv_blocks) to at least {blocks_needed}"
+
+
 @dataclass
 class EngineStepResult:
     outputs: list[EngineCoreOutput]
@@ -237,27 +251,15 @@ class EngineCore:
             "max_model_len auto: the KV cache holds %d tokens (%d blocks x %d), fewer than one request of the "
             "model's length (%d) needs: max_model_len is lowered to %d. For the model's length: %s%s",
             fitted, num_blocks, config.cache_config.block_size, model_len, fitted,
-            self._capacity_hint(config, blocks_needed), fp8)
+            capacity_hint(self.runner, config, blocks_needed), fp8)
         self._on_all_ranks("set_max_model_len", fitted)
         return config.with_max_model_len(fitted)
-
-    def _capacity_hint(self, config: EngineConfig, blocks_needed: int) -> str:
-        """Which flag to raise, and to what, for the KV cache to hold `blocks_needed` blocks."""
-        per_block = self.runner.kv_cache_bytes_per_block()
-        profile = self.runner.memory_profile
-        if config.cache_config.num_blocks:  # set by the user: the sizing flags do not apply
-            return f"raise --num-gpu-blocks-override (num_kv_blocks) to at least {blocks_needed}"
-        if config.device_config.device == "cpu" or config.cache_config.gpu_kv_cache_memory_bytes is not None:
-            return f"raise --kv-cache-memory to at least {memory_size_text(blocks_needed * per_block)}"
-        if profile is not None:
-            return gpu_capacity_hint(profile, config.cache_config.gpu_memory_utilization, per_block, blocks_needed)
-        return f"raise --num-gpu-blocks-override (num_kv_blocks) to at least {blocks_needed}"
 
     def _check_capacity(self, config: EngineConfig) -> None:
         cap = self.capacity
         if cap.num_tokens >= cap.max_model_len:
             return
-        hint = self._capacity_hint(config, -(-cap.max_model_len // cap.block_size))
+        hint = capacity_hint(self.runner, config, -(-cap.max_model_len // cap.block_size))
         note = self.runner.gguf_capacity_note() if config.device_config.device != "cpu" else ""
         raise ConfigError(
             f"the KV cache holds {cap.num_tokens} tokens ({cap.num_blocks} blocks), fewer than one request "

@@ -76,6 +76,7 @@ import aiohttp
 from aiohttp import web
 
 from kvserve import envs
+from kvserve.config import is_auto_max_model_len
 from kvserve.engine.core_client import remove_replica_dirs
 from kvserve.entrypoints.openai.api_server import DRAIN_ABORT_GRACE_S, LISTEN_BACKLOG, bind_listening
 from kvserve.entrypoints.openai.cli_args import api_key_from
@@ -466,6 +467,30 @@ async def _served_name(replica: Replica, api_key: str | None) -> str | None:
     return None
 
 
+async def _served_length(replica: Replica, api_key: str | None) -> int | None:
+    """The max_model_len replica `replica` serves (its /v1/models), None when it cannot be read."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, IndexError, TypeError):
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0)) as session:
+            async with session.get(replica.url + "/v1/models", headers=headers) as response:
+                return int((await response.json())["data"][0]["max_model_len"])
+    return None
+
+
+def unequal_lengths_warning(lengths: Mapping[int, int | None]) -> str | None:
+    """With --max-model-len auto each replica lowers the length to what its own KV cache holds: when replicas
+    (index -> length; None: not read) settled on different lengths, what to say (a request between the shortest
+    and the longest is served by some replicas and refused by others); None when they agree."""
+    known = {index: length for index, length in lengths.items() if length is not None}
+    if len(set(known.values())) <= 1:
+        return None
+    shortest = min(known.values())
+    each = ", ".join(f"replica {index}: {length}" for index, length in sorted(known.items()))
+    return (f"--max-model-len auto gave the replicas different lengths ({each}): their KV caches hold different "
+            f"numbers of tokens, and a request longer than {shortest} tokens is refused by some replicas and "
+            f"served by others; pass --max-model-len {shortest} for one length on all")
+
+
 async def serve_replicas(ns: argparse.Namespace, plans: Sequence[ReplicaPlan], serve_args: Sequence[str],
                          sock: socket.socket) -> int:
     """Start the replicas of `plans`, then serve `sock` (bound, listening) through the router once all are
@@ -514,6 +539,11 @@ async def serve_replicas(ns: argparse.Namespace, plans: Sequence[ReplicaPlan], s
         # in the log.
         host, port = sock.getsockname()[:2]
         name = await _served_name(replicas[0], config.api_key) or "the model"
+        if is_auto_max_model_len(getattr(ns, "max_model_len", None)):
+            lengths = await asyncio.gather(*(_served_length(r, config.api_key) for r in replicas))
+            unequal = unequal_lengths_warning({r.plan.index: n for r, n in zip(replicas, lengths, strict=True)})
+            if unequal is not None:
+                logger.warning("%s", unequal)
         local = " (this machine only; --host 0.0.0.0 to accept others)" if ns.host == LOCAL_HOST else ""
         logger.info("serving %s on http://%s:%d%s (OpenAI API under /v1) from %d data-parallel replicas: %s",
                     name, host, port, local, len(replicas), "; ".join(r.plan.describe() for r in replicas))

@@ -119,3 +119,27 @@ def test_explicit_too_long_length_still_fails_clearly(long_model: str) -> None:
     """Only auto lowers the length: a length given that the cache cannot hold is refused as before."""
     with pytest.raises(ConfigError, match=r"the KV cache holds 80 tokens .* max_model_len=512"):
         LLM(long_model, device="cpu", max_model_len=MODEL_LEN, num_kv_blocks=5)
+
+
+def test_tensor_parallel_ranks_take_the_length_of_the_agreed_blocks(
+        auto_llm: tuple[LLM, list[logging.LogRecord]], long_model: str) -> None:
+    """Two ranks (gloo on the CPU) each size a cache from the same budget (half the KV heads each: twice the blocks
+    of one rank), agree on the smallest count, and every rank's runner takes the length that count holds; the
+    greedy tokens of a prompt at the limit are one rank's."""
+    budget = "48KiB"  # per rank: each holds half the KV heads, so the blocks are those of 96KiB on one rank
+    one, _ = auto_llm
+    held = one.engine.core.max_model_len
+    llm = LLM(long_model, device="cpu", dtype="float32", tensor_parallel_size=2, max_model_len="auto",
+              kv_cache_memory=budget)
+    try:
+        core = llm.engine.core
+        assert core.max_model_len == held == core.capacity.num_tokens
+        # Each rank's runner config (rank 0 here, rank 1 in its process).
+        configs = core._on_all_ranks("__getattribute__", "config")
+        assert [c.model_config.max_model_len for c in configs] == [held, held]
+        prompt = {"prompt_token_ids": list(range(3, held + 1))}  # held - 2 tokens, then 2 of output
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        split = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+        assert split == one.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        llm.shutdown()

@@ -394,3 +394,15 @@ def test_a_failed_replicas_group_is_killed_only_while_something_holds_its_output
     asyncio.run(scenario())
     assert kills == ([(4_000_000, signal.SIGKILL)] if killed else [])
     assert len(removals) == 1 and re.fullmatch(r"[0-9a-f]{8}", removals[0])
+
+
+def test_replicas_that_settle_on_different_auto_lengths_are_named() -> None:
+    """--max-model-len auto: each replica lowers the length to what its own KV cache holds; unequal lengths are
+    warned about with the length that all hold."""
+    from kvserve.entrypoints.data_parallel import unequal_lengths_warning
+
+    assert unequal_lengths_warning({0: 4096, 1: 4096}) is None
+    assert unequal_lengths_warning({0: 4096, 1: None}) is None  # one not read: nothing to compare
+    said = unequal_lengths_warning({1: 3072, 0: 4096, 2: None})
+    assert said is not None
+    assert "replica 0: 4096, replica 1: 3072" in said and "pass --max-model-len 3072" in said
