@@ -1088,3 +1088,28 @@ def test_prompt_logprobs_graphs_eager_and_cpu_agree(checkpoints: dict[str, str],
                 assert g.token_ids[0] == w.token_ids[0] == prompt[pos]
                 assert g.logprobs[0] == pytest.approx(w.logprobs[0], abs=tol)
                 assert g.logprobs[1:] == pytest.approx(w.logprobs[1:], abs=tol)
+
+
+def test_max_model_len_auto_is_an_engine_started_with_the_length_the_cache_holds(tmp_path: Any) -> None:
+    """max_model_len auto on a GPU with CUDA graphs: a KV cache too small for the model's 4,096 positions lowers
+    the length to what it holds, the decode graphs are captured at that length, and the greedy tokens equal an
+    engine given that length explicitly."""
+    path = _tiny_checkpoint(str(tmp_path / "long"), "llama", seed=3, max_position_embeddings=4096)
+
+    def core(max_model_len: int | str) -> EngineCore:
+        args = EngineArgs(model=path, dtype="float32", device="cuda", max_model_len=max_model_len, max_num_seqs=16,
+                          max_num_batched_tokens=512, gpu_memory_utilization=0.01, kv_cache_memory="1MiB")
+        return EngineCore(args.create_engine_config())
+
+    auto = core("auto")
+    held = auto.capacity.num_blocks * auto.capacity.block_size
+    assert 256 <= held < 4096, held  # room for the prompts below, short of the model's length
+    assert auto.max_model_len == held == auto.scheduler.config.max_model_len
+    assert auto.runner.config.model_config.max_model_len == held
+    prompts = [p[:200] for p in _prompts(6, seed=44)]
+    got = _generate(auto, prompts, 24, logprobs=2)
+    del auto
+    torch.cuda.empty_cache()
+    explicit = core(held)
+    want = _generate(explicit, prompts, 24, logprobs=2)
+    assert [t for t, _ in got] == [t for t, _ in want]
