@@ -13,6 +13,7 @@ import json
 import os
 import signal
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -239,3 +240,68 @@ def test_a_forced_exit_drops_the_connections_that_cannot_take_their_rest() -> No
     server.server_state.connections.update({_Connection(stuck), _Connection(done)})  # type: ignore[arg-type]
     asyncio.run(server._end_now())
     assert stuck.aborted and not done.aborted
+
+
+def test_a_tls_response_still_going_out_at_shutdown_is_not_cut(tmp_path: Path) -> None:
+    """SIGTERM with a response sent in full by the app but not yet taken by a slow HTTPS client: the server waits
+    for the client as over plain HTTP. The connections closed at shutdown with nothing left to send are dropped
+    after CLOSED_CONNECTION_GRACE_S, and a TLS transport's own count missed what waits encrypted in the TCP
+    transport under it: a client that took more than a second for the last 64 KiB lost them."""
+    import shutil
+    import socket
+    import ssl
+    import subprocess
+    import threading
+    import time
+
+    import uvicorn
+
+    from kvserve.entrypoints.openai.middleware import ServerState
+
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is not installed")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1"],
+                   check=True, capture_output=True, timeout=60)
+    size, port, sent = 40_000, free_port(), threading.Event()  # (under the 64 KiB the TLS layer passes on at once)
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(size).encode())]})
+        await send({"type": "http.response.body", "body": b"x" * size, "more_body": False})
+        sent.set()
+
+    def slow_client() -> bytes:
+        raw = socket.socket()
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        raw.connect(("127.0.0.1", port))
+        context = ssl.create_default_context(cafile=str(cert))
+        context.check_hostname = False
+        with context.wrap_socket(raw) as conn:
+            conn.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            sent.wait(_HANG_GUARD_S)
+            time.sleep(api_server.CLOSED_CONNECTION_GRACE_S + 0.5)  # (slow: the answer waits in the server)
+            data = b""
+            try:
+                while chunk := conn.recv(1 << 16):
+                    data += chunk
+            except OSError:  # the connection was dropped
+                pass
+        return data.partition(b"\r\n\r\n")[2]
+
+    async def scenario() -> bytes:
+        sock = api_server.bind_listening("127.0.0.1", port)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # (small kernel buffers: the rest waits in asyncio)
+        config = uvicorn.Config(app, ssl_keyfile=str(key), ssl_certfile=str(cert), lifespan="off", log_level="warning")
+        server = api_server._Server(config, ServerState(), 5.0)
+        serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+        received = asyncio.ensure_future(asyncio.to_thread(slow_client))
+        while not sent.is_set() and not received.done():
+            await asyncio.sleep(0.02)
+        server.handle_exit(signal.SIGTERM, None)
+        await asyncio.wait_for(serving, _HANG_GUARD_S)
+        return await received
+
+    assert len(asyncio.run(scenario())) == size

@@ -532,7 +532,7 @@ class _Server(uvicorn.Server):
         await self._end_requests()
         for connection in list(self.server_state.connections):
             transport = getattr(connection, "transport", None)
-            if transport is not None and transport.get_write_buffer_size() > 0:
+            if transport is not None and _unsent_bytes(transport) > 0:
                 transport.abort()
 
     async def _drop_lingering_connections(self) -> None:
@@ -544,7 +544,8 @@ class _Server(uvicorn.Server):
             now = time.monotonic()
             for connection in list(self.server_state.connections):
                 transport = getattr(connection, "transport", None)
-                if transport is None or not transport.is_closing() or transport.get_write_buffer_size() > 0:
+                if transport is None or not transport.is_closing() or _unsent_bytes(transport) > 0:
+                    closing_since.pop(id(connection), None)
                     continue
                 since = closing_since.setdefault(id(connection), now)
                 if now - since >= CLOSED_CONNECTION_GRACE_S:
@@ -561,6 +562,18 @@ class _Server(uvicorn.Server):
                     task.cancel()
         if running:
             await asyncio.wait(running, timeout=REQUESTS_END_WAIT_S)
+
+
+def _unsent_bytes(transport: Any) -> int:
+    """The bytes `transport` still holds for its peer. A TLS transport's own count is only what is not yet
+    encrypted: what is encrypted waits in the TCP transport under it (asyncio's sslproto keeps it as
+    `_ssl_protocol._transport`), up to its high-water mark (64 KiB) before the TLS layer stops handing it more,
+    and for a slow client that is the end of the response (and the close_notify after it): counted too."""
+    unsent: int = transport.get_write_buffer_size()
+    under = getattr(getattr(transport, "_ssl_protocol", None), "_transport", None)
+    if under is not None and under is not transport:
+        unsent += _unsent_bytes(under)
+    return unsent
 
 
 def _cancel_requested(task: asyncio.Task[Any]) -> bool:
