@@ -16,7 +16,8 @@ status code and the server's OpenAI error body (`{"error": {"message", "type", "
 OpenAI's batch output carries failed requests, and `error` set to `{"code": <the error type>, "message": ...}`
 (vLLM's run-batch sets `error` for every failed line): `error` is null exactly when the line succeeded. The
 command exits 0 once every line has its output line, failed lines included; 2 for bad flags or an input it
-cannot read; 1 when the engine fails.
+cannot read; 1 when the engine fails or the output cannot be written (a full disk, a closed pipe: the run
+stops).
 """
 
 from __future__ import annotations
@@ -255,18 +256,28 @@ def _check_paths(ns: argparse.Namespace) -> None:
 async def answer_lines(app: Any, lines: list[bytes], out: IO[str], max_concurrency: int,
                        progress: Progress, progress_interval_s: float = PROGRESS_INTERVAL_S) -> None:
     """Answer every line through `app`, at most `max_concurrency` at once, writing each output line to `out`
-    in input order as soon as those before it are written."""
+    in input order as soon as those before it are written. OSError when writing fails: the lines still running
+    are cancelled and no more are started."""
     results: dict[int, LineResult] = {}
     next_to_write = 0
     slots = asyncio.Semaphore(max_concurrency)
+    # A failed write (a full disk; standard output closed, `| head`) stops the run: no more lines are answered with nowhere to go.
+    write_error: OSError | None = None
+    write_failed = asyncio.Event()
 
     def write_ready() -> None:
-        nonlocal next_to_write
-        while next_to_write in results:
-            result = results.pop(next_to_write)
-            out.write(json.dumps(result.line, ensure_ascii=False) + "\n")
-            next_to_write += 1
-        out.flush()
+        nonlocal next_to_write, write_error
+        if write_error is not None:
+            return
+        try:
+            while next_to_write in results:
+                out.write(json.dumps(results[next_to_write].line, ensure_ascii=False) + "\n")
+                del results[next_to_write]
+                next_to_write += 1
+            out.flush()
+        except OSError as exc:
+            write_error = exc
+            write_failed.set()
 
     async def one(index: int, request: BatchRequest) -> None:
         try:
@@ -291,24 +302,34 @@ async def answer_lines(app: Any, lines: list[bytes], out: IO[str], max_concurren
             print(progress.line(), file=sys.stderr, flush=True)
 
     reporter = asyncio.ensure_future(report())
+    stopper = asyncio.ensure_future(write_failed.wait())
     tasks: set[asyncio.Task[None]] = set()
     try:
         for index, raw in enumerate(lines):
+            if write_error is not None:
+                break
             parsed = parse_line(raw)
             if isinstance(parsed, LineResult):
                 finish(index, parsed)
                 continue
             await slots.acquire()
+            if write_error is not None:
+                break
             task = asyncio.ensure_future(one(index, parsed))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
-        while tasks:
-            await asyncio.gather(*list(tasks))
+        while tasks and write_error is None:
+            done, _ = await asyncio.wait({*tasks, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            for task in done - {stopper}:
+                task.result()  # (a line's own failure is its output line: this raises only a bug)
     finally:
         reporter.cancel()
+        stopper.cancel()
         for task in tasks:
             task.cancel()
-        await asyncio.gather(reporter, *tasks, return_exceptions=True)
+        await asyncio.gather(reporter, stopper, *tasks, return_exceptions=True)
+    if write_error is not None:
+        raise write_error
 
 
 async def run(ns: argparse.Namespace, config: Any) -> int:
@@ -341,16 +362,20 @@ async def run(ns: argparse.Namespace, config: Any) -> int:
         app = build_app(ctx, ServerState(), metrics, None, ns.max_request_body_bytes,
                         force_include_usage=ns.enable_force_include_usage)
         progress = Progress(len(lines))
-        out: IO[str] = (sys.stdout if ns.output_file == "-"
-                        else open(ns.output_file, "w", encoding="utf-8"))  # noqa: SIM115 - closed below
-        try:
-            await answer_lines(app, lines, out, ns.max_concurrency or 2 * config.scheduler_config.max_num_seqs,
-                               progress)
-        finally:
-            if out is not sys.stdout:
-                out.close()
-            ctx.prepare_pool.shutdown(wait=False, cancel_futures=True)
         where = "standard output" if ns.output_file == "-" else ns.output_file
+        try:
+            out: IO[str] = (sys.stdout if ns.output_file == "-"
+                            else open(ns.output_file, "w", encoding="utf-8"))  # noqa: SIM115 - closed below
+            try:
+                await answer_lines(app, lines, out, ns.max_concurrency or 2 * config.scheduler_config.max_num_seqs,
+                                   progress)
+            finally:
+                if out is not sys.stdout:
+                    out.close()
+        except OSError as exc:
+            return output_failed(where, exc)
+        finally:
+            ctx.prepare_pool.shutdown(wait=False, cancel_futures=True)
         print(f"{progress.line()}; {progress.done - progress.failed} succeeded, output in {where}",
               file=sys.stderr, flush=True)
         if engine.dead_error is not None:
@@ -359,6 +384,21 @@ async def run(ns: argparse.Namespace, config: Any) -> int:
         return 0
     finally:
         await engine.shutdown()
+
+
+def output_failed(where: str, exc: OSError) -> int:
+    """The exit code (1) and stderr line of a run whose output could not be written. Standard output closed
+    early (`| head`) is also kept from the interpreter's last flush, which would fail again on exit."""
+    if isinstance(exc, BrokenPipeError) and where == "standard output":
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        print("kvserve run-batch: error: standard output was closed before every line was written; stopped",
+              file=sys.stderr, flush=True)
+    else:
+        print(f"kvserve run-batch: error: cannot write the output to {where}: {exc.strerror or exc}; stopped",
+              file=sys.stderr, flush=True)
+    return 1
 
 
 def run_batch_command(ns: argparse.Namespace) -> int:

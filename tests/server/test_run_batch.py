@@ -207,3 +207,35 @@ def test_unusable_paths_refused_before_the_engine(tmp_path: Path, capsys: pytest
     assert main(["run-batch", *flags, "--model", str(tmp_path / "no-model")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvserve run-batch: error: ") and message in err, err
+
+
+def test_a_failed_write_stops_the_run(capsys: pytest.CaptureFixture[str]) -> None:
+    """Standard output closed early (`| head -1`) or a full disk: the run stops with the write's OSError (no line
+    is started after it), and `output_failed` makes that one stderr line and exit 1. The failed write raised out
+    of the line's task while the loop went on answering every other line for nobody, then ended in a traceback."""
+    started: list[int] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        started.append(json.loads((await receive())["body"])["n"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    class Closed(io.StringIO):
+        def write(self, text: str) -> int:
+            if self.getvalue().count("\n") == 2:
+                raise OSError(28, "No space left on device")
+            return super().write(text)
+
+    out = Closed()
+    lines = [json.dumps({"custom_id": str(n), "url": "/v1/completions", "body": {"n": n}}).encode()
+             for n in range(50)]
+    with pytest.raises(OSError, match="No space left"):
+        asyncio.run(answer_lines(app, lines, out, 2, Progress(len(lines)), progress_interval_s=60))
+    assert [json.loads(line)["custom_id"] for line in out.getvalue().splitlines()] == ["0", "1"]
+    assert len(started) <= 5, started
+
+    from kvserve.entrypoints.run_batch import output_failed
+
+    assert output_failed("out.jsonl", OSError(28, "No space left on device")) == 1
+    assert capsys.readouterr().err == ("kvserve run-batch: error: cannot write the output to out.jsonl: No space "
+                                       "left on device; stopped\n")
