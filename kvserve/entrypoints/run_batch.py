@@ -17,7 +17,7 @@ OpenAI's batch output carries failed requests, and `error` set to `{"code": <the
 (vLLM's run-batch sets `error` for every failed line): `error` is null exactly when the line succeeded. The
 command exits 0 once every line has its output line, failed lines included; 2 for bad flags or an input it
 cannot read; 1 when the engine fails or the output cannot be written (a full disk, a closed pipe: the run
-stops).
+stops); 130 after Ctrl-C (the output lines written so far are kept, and stderr says how many).
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ _NOT_SERVED = {"/v1/embeddings": "embeddings", "/v1/score": "scoring", "/score":
                "/v1/rerank": "reranking", "/rerank": "reranking"}
 # How often a long run says how far it has got (stderr).
 PROGRESS_INTERVAL_S = 10.0
+# The exit status after Ctrl-C (128 + SIGINT).
+INTERRUPTED = 130
 
 
 def add_run_batch_args(parser: argparse.ArgumentParser) -> None:
@@ -212,6 +214,7 @@ class Progress:
     total: int
     done: int = 0
     failed: int = 0
+    written: int = 0  # the output lines written: those of the first `written` input lines
     started: float = field(default_factory=time.monotonic)
 
     def line(self) -> str:
@@ -274,6 +277,7 @@ async def answer_lines(app: Any, lines: list[bytes], out: IO[str], max_concurren
                 out.write(json.dumps(results[next_to_write].line, ensure_ascii=False) + "\n")
                 del results[next_to_write]
                 next_to_write += 1
+                progress.written = next_to_write
             out.flush()
         except OSError as exc:
             write_error = exc
@@ -374,6 +378,10 @@ async def run(ns: argparse.Namespace, config: Any) -> int:
                     out.close()
         except OSError as exc:
             return output_failed(where, exc)
+        except asyncio.CancelledError:  # Ctrl-C: asyncio.run cancels this task (run_batch_command exits 130)
+            print(f"kvserve run-batch: interrupted: the output of the first {progress.written} of {len(lines)} "
+                  f"lines is in {where}", file=sys.stderr, flush=True)
+            raise
         finally:
             ctx.prepare_pool.shutdown(wait=False, cancel_futures=True)
         print(f"{progress.line()}; {progress.done - progress.failed} succeeded, output in {where}",
@@ -420,4 +428,7 @@ def run_batch_command(ns: argparse.Namespace) -> int:
     log_ignored_flags(ns)
     if ns.enable_metrics:
         logger.warning("--enable-metrics: run-batch serves no metrics (the summary at the end gives the counts)")
-    return asyncio.run(run(ns, config))
+    try:
+        return asyncio.run(run(ns, config))
+    except KeyboardInterrupt:  # (the engine was shut down as run() unwound; what was written is kept)
+        return INTERRUPTED

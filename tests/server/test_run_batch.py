@@ -239,3 +239,51 @@ def test_a_failed_write_stops_the_run(capsys: pytest.CaptureFixture[str]) -> Non
     assert output_failed("out.jsonl", OSError(28, "No space left on device")) == 1
     assert capsys.readouterr().err == ("kvserve run-batch: error: cannot write the output to out.jsonl: No space "
                                        "left on device; stopped\n")
+
+
+def test_ctrl_c_exits_130_and_says_how_far_the_output_got(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """Ctrl-C during a run: exit 130 without a traceback (asyncio.run's KeyboardInterrupt escaped with one); the
+    lines written so far are counted (`Progress.written`, which the interrupted line on stderr gives)."""
+    import os
+    import signal
+    from types import SimpleNamespace
+
+    import kvserve.config
+    from kvserve.entrypoints import run_batch
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        index = json.loads((await receive())["body"])["n"]
+        if index >= 3:
+            await asyncio.Event().wait()  # (never done)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    lines = [json.dumps({"custom_id": str(n), "url": "/v1/completions", "body": {"n": n}}).encode()
+             for n in range(6)]
+    progress, out = Progress(len(lines)), io.StringIO()
+
+    async def interrupted_run(ns: Any, config: Any) -> int:
+        running = asyncio.ensure_future(answer_lines(app, lines, out, 6, progress, progress_interval_s=60))
+        await asyncio.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)  # (asyncio.run cancels this task, then raises KeyboardInterrupt)
+        await running
+        return 0
+
+    class Args:
+        def __init__(self, **kwargs: Any) -> None:
+            pass
+
+        def create_engine_config(self) -> Any:
+            return SimpleNamespace()
+
+    monkeypatch.setattr(kvserve.config, "EngineArgs", Args)
+    monkeypatch.setattr(run_batch, "run", interrupted_run)
+    monkeypatch.setattr(run_batch.logging, "basicConfig", lambda **kwargs: None)
+    (tmp_path / "in.jsonl").write_text("")
+    try:
+        code: int | None = main(["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", "-", "--model", "m"])
+    except KeyboardInterrupt:
+        code = None
+    assert code == 130
+    assert progress.written == 3 and len(out.getvalue().splitlines()) == 3
