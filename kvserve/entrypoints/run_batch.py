@@ -240,7 +240,8 @@ def _check_paths(ns: argparse.Namespace) -> None:
         if path.startswith(("http://", "https://")):
             raise ValueError(f"{flag} {path}: kvserve run-batch reads and writes local files or - (standard input "
                              "/ output), not URLs; download the file first")
-    if ns.input_file != "-" and not os.path.isfile(ns.input_file):
+    # (not a regular file alone: a named pipe or a shell's <(...) is read as well)
+    if ns.input_file != "-" and (os.path.isdir(ns.input_file) or not os.path.exists(ns.input_file)):
         why = "is a directory" if os.path.isdir(ns.input_file) else "no such file"
         raise ValueError(f"cannot read --input-file {ns.input_file}: {why}")
     if ns.input_file != "-" and not os.access(ns.input_file, os.R_OK):

@@ -287,3 +287,18 @@ def test_ctrl_c_exits_130_and_says_how_far_the_output_got(monkeypatch: pytest.Mo
         code = None
     assert code == 130
     assert progress.written == 3 and len(out.getvalue().splitlines()) == 3
+
+
+def test_a_named_pipe_is_an_input(tmp_path: Path) -> None:
+    """`-i <(jq -c ... requests.json)` (a pipe, /dev/fd/N) or a named pipe is read as a file is: it was refused
+    before the engine started as 'no such file', since it is not a regular file."""
+    import os
+    from types import SimpleNamespace
+
+    from kvserve.entrypoints.run_batch import _check_paths
+
+    fifo = tmp_path / "requests.jsonl"
+    os.mkfifo(fifo)
+    _check_paths(SimpleNamespace(input_file=str(fifo), output_file="-", data_parallel_size=1))  # (no error)
+    with pytest.raises(ValueError, match="no such file"):
+        _check_paths(SimpleNamespace(input_file=str(tmp_path / "none.jsonl"), output_file="-", data_parallel_size=1))
