@@ -196,7 +196,11 @@ class StreamClient:
         if s.temperature is not None:
             body["temperature"] = s.temperature
         body.update(s.sampling)
-        body.update(s.extra_body)
+        for key, value in s.extra_body.items():
+            if key == "stream_options" and isinstance(value, dict) and isinstance(body.get(key), dict):
+                body[key] = {**body[key], **value}  # (continuous_usage_stats, say: include_usage stays on)
+            else:
+                body[key] = value
         return body
 
     async def send(self, request: BenchRequest, run_start: float, record: RequestRecord | None = None

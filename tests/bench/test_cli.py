@@ -547,11 +547,15 @@ def test_extra_body_goes_into_every_request_over_the_flags(fake_server, prompts_
         assert body["chat_template_kwargs"] == {"enable_thinking": False} and body["top_p"] == 0.5
         assert body["stream"] is True and body["messages"]
     assert json.loads(path.read_text())["config"]["extra_body"] == extra
+    # stream_options is merged with the client's own (its usage counts the tokens)
+    server.state.bodies.clear()
+    assert main([*common, "--extra-body", '{"stream_options": {"continuous_usage_stats": true}}']) == 0
+    assert server.state.bodies[0]["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     # keys the client must set itself are refused before any request; anything but an object is a usage error
     server.state.bodies.clear()
     assert main([*common, "--extra-body", '{"stream": false, "messages": []}']) == 2
     assert "--extra-body cannot set messages, stream" in capsys.readouterr().err
-    assert server.state.num_requests == 2
+    assert server.state.num_requests == 4  # (two runs of two requests before: none more)
     for bad in ("[1]", "{oops"):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["bench", "--extra-body", bad])
