@@ -160,8 +160,10 @@ class Client:
         return ids[0]
 
 
-def _event_text(payload: str, chat: bool) -> str | None:
-    """The text one SSE `data:` payload adds to the answer; None at `[DONE]`."""
+def _event_text(payload: str, chat: bool) -> tuple[str, str] | None:
+    """What one SSE `data:` payload adds to the answer: (its reasoning, its text); None at `[DONE]`. A chat
+    delta's reasoning is vLLM's `reasoning` field, or the older `reasoning_content` (servers may send both, with
+    the same text)."""
     if payload.strip() == "[DONE]":
         return None
     try:
@@ -174,18 +176,28 @@ def _event_text(payload: str, chat: bool) -> str | None:
         error = event["error"]
         message = error.get("message") if isinstance(error, dict) else error
         raise ClientError(f"the server reported an error in the answer: {message or error}")
-    pieces = []
+    reasoning: list[str] = []
+    pieces: list[str] = []
     for choice in event.get("choices") or []:
         if not isinstance(choice, dict) or choice.get("index", 0) != 0:
             continue
-        text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+        if chat:
+            delta = choice.get("delta") or {}
+            thought = delta.get("reasoning")
+            if not isinstance(thought, str):
+                thought = delta.get("reasoning_content")
+            if isinstance(thought, str):
+                reasoning.append(thought)
+            text = delta.get("content")
+        else:
+            text = choice.get("text")
         if isinstance(text, str):
             pieces.append(text)
-    return "".join(pieces)
+    return "".join(reasoning), "".join(pieces)
 
 
-def stream_text(response: http.client.HTTPResponse, chat: bool) -> Iterator[str]:
-    """The answer's text pieces, in order, from a server-sent event stream, up to `data: [DONE]`."""
+def stream_text(response: http.client.HTTPResponse, chat: bool) -> Iterator[tuple[str, str]]:
+    """The answer's (reasoning, text) pieces, in order, from a server-sent event stream, up to `data: [DONE]`."""
     data: list[str] = []
     try:
         while True:
@@ -193,12 +205,12 @@ def stream_text(response: http.client.HTTPResponse, chat: bool) -> Iterator[str]
             line = raw.decode("utf-8", "replace").rstrip("\r\n")
             if not line:  # a blank line ends an event (the end of the body too)
                 if data:
-                    text = _event_text("\n".join(data), chat)
-                    if text is None:
+                    piece = _event_text("\n".join(data), chat)
+                    if piece is None:
                         return
                     data = []
-                    if text:
-                        yield text
+                    if piece[0] or piece[1]:
+                        yield piece
                 if not raw:
                     break
                 continue
@@ -212,16 +224,34 @@ def stream_text(response: http.client.HTTPResponse, chat: bool) -> Iterator[str]
     raise ClientError("the answer ended before the server's `data: [DONE]` (the stream broke off)")
 
 
-def print_answer(client: Client, path: str, body: dict[str, Any], chat: bool, out: TextIO) -> str:
-    """Stream one answer to `out` as it arrives, ending with a newline; returns its text."""
+def print_answer(client: Client, path: str, body: dict[str, Any], chat: bool, out: TextIO,
+                 thoughts: TextIO | None = None) -> str:
+    """Stream one answer to `out` as it arrives, ending with a newline; returns its text. A reasoning model's
+    thinking (a server started with a reasoning parser) goes to `thoughts` (stderr), after "thinking: ": seen
+    while it comes, kept out of `out` (what a script reads) and out of the conversation."""
     pieces: list[str] = []
+    thinking = False
     try:
         with client.request("POST", path, body) as response:
-            for piece in stream_text(response, chat):
-                out.write(piece)
-                out.flush()
-                pieces.append(piece)
+            for thought, piece in stream_text(response, chat):
+                if thought and thoughts is not None:
+                    if not thinking:
+                        thoughts.write("thinking: ")
+                        thinking = True
+                    thoughts.write(thought)
+                    thoughts.flush()
+                if piece:
+                    if thinking and thoughts is not None:
+                        thoughts.write("\n")
+                        thoughts.flush()
+                        thinking = False
+                    out.write(piece)
+                    out.flush()
+                    pieces.append(piece)
     finally:
+        if thinking and thoughts is not None:
+            thoughts.write("\n")
+            thoughts.flush()
         if pieces:  # the error or the interruption shows on a line of its own
             out.write("\n")
             out.flush()
@@ -260,7 +290,7 @@ def _run(ns: argparse.Namespace, chat: bool) -> int:
             body["prompt"] = text
         if ns.max_tokens is not None:
             body["max_tokens"] = ns.max_tokens
-        reply = print_answer(client, "/chat/completions" if chat else "/completions", body, chat, out)
+        reply = print_answer(client, "/chat/completions" if chat else "/completions", body, chat, out, sys.stderr)
         if chat:
             conversation.extend([user, {"role": "assistant", "content": reply}])
 

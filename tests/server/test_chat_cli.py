@@ -290,6 +290,19 @@ def test_api_key_is_sent_and_a_wrong_one_is_a_clear_401(capsys: pytest.CaptureFi
     assert rc == 1 and "HTTP 401: Invalid API key." in err
 
 
+@pytest.mark.parametrize("fields", [("reasoning",), ("reasoning_content",), ("reasoning", "reasoning_content")])
+def test_a_reasoning_models_thinking_goes_to_stderr_not_into_the_answer(
+        capsys: pytest.CaptureFixture[str], fake: Callable[..., ChatFake], fields: tuple[str, ...]) -> None:
+    """A server with a reasoning parser streams the thinking in `reasoning` (or the older `reasoning_content`,
+    or both with the same text): it showed nothing while the model thought. Now it is shown once on stderr;
+    stdout and the conversation keep the answer only."""
+    server = fake(reasoning_tokens=2, reasoning_fields=fields)
+    rc, out, err = run_cli(capsys, "chat", "--url", server.base_url + "/v1", "-q", "hi", "--max-tokens", "5")
+    words = answer_text(5)
+    assert rc == 0 and out == words[len(answer_text(2)):] + "\n"
+    assert err == "thinking: " + answer_text(2) + "\n"
+
+
 def test_api_key_sources_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
     assert chat_cli.resolve_api_key(None) is None
     monkeypatch.setattr(envs, "VLLM_API_KEY", "vllm")
