@@ -78,7 +78,8 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_pending_tokens = 0
-        # Prompt tokens found in the prefix cache when the request was first scheduled (-1: not yet).
+        # Prompt tokens found in the prefix cache when the request was first scheduled (-1: not yet); an n>1
+        # request's samples all report their first admitted sample's (`Scheduler._reported_cached_tokens`).
         self.num_cached_tokens = -1
         self.num_preemptions = 0
         # prompt_logprobs: those computed so far, sent with the first output token

@@ -51,6 +51,18 @@ class RequestRejected(ValueError):
         self.param = param
 
 
+class _SampleGroup:
+    """The samples of one n>1 request (vLLM's child requests) in this scheduler."""
+
+    __slots__ = ("key", "num_live", "num_cached_tokens")
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.num_live = 0
+        # Prompt tokens the group's first admitted sample found in the prefix cache (-1: none admitted yet).
+        self.num_cached_tokens = -1
+
+
 class Scheduler:
     def __init__(
         self,
@@ -71,6 +83,9 @@ class Scheduler:
         self._by_priority = config.scheduling_policy == "priority"
         self._arrivals = itertools.count()  # ties of priority and arrival time (an n>1 request's samples)
         self._order: dict[str, tuple[int, float, int]] = {}  # req_id -> (priority, arrival time, arrival)
+        # n>1 requests' live samples: group key -> group, and req_id -> its group (see `_reported_cached_tokens`).
+        self._groups: dict[str, _SampleGroup] = {}
+        self._group_of: dict[str, _SampleGroup] = {}
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -79,6 +94,12 @@ class Scheduler:
         self.check_request(request)
         request.status = RequestStatus.WAITING
         self.kv.set_group(request, group_key)
+        if group_key is not None:
+            group = self._groups.get(group_key)
+            if group is None:
+                group = self._groups[group_key] = _SampleGroup(group_key)
+            group.num_live += 1
+            self._group_of[request.req_id] = group
         self.requests[request.req_id] = request
         self._order[request.req_id] = (request.priority, request.arrival_time, next(self._arrivals))
         if self._by_priority:
@@ -149,6 +170,11 @@ class Scheduler:
         request.status = status
         self.kv.free(request)
         self.kv.forget(request)
+        group = self._group_of.pop(request.req_id, None)
+        if group is not None:
+            group.num_live -= 1
+            if group.num_live == 0:
+                del self._groups[group.key]
         del self.requests[request.req_id]
         del self._order[request.req_id]
         if request.req_id in self._known_to_runner:
@@ -232,7 +258,7 @@ class Scheduler:
             self.waiting.popleft()
             self.kv.record_admission(request, num_hit_tokens)
             if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
+                request.num_cached_tokens = self._reported_cached_tokens(request, num_hit_tokens)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.time()
             request.num_computed_tokens = num_hit_tokens
@@ -254,6 +280,23 @@ class Scheduler:
 
         out.num_preempted = len(preempted)
         return out
+
+    def _reported_cached_tokens(self, request: Request, num_hit_tokens: int) -> int:
+        """The prompt tokens a request reports as served from the prefix cache (vLLM's `num_cached_tokens`, the
+        API's `usage.prompt_tokens_details.cached_tokens`), at its first admission with `num_hit_tokens` hits.
+
+        Only prefix-cache hits count, so 0 with prefix caching off, although the samples of an n>1 request share
+        their prompt blocks then (through their group key). With it on, every sample of an n>1 request reports
+        the hits of the group's first admitted sample: the later ones also hit the blocks their siblings
+        computed, which are the request's own work, not tokens it found in the cache."""
+        if not self.kv.enable_caching:
+            return 0
+        group = self._group_of.get(request.req_id)
+        if group is None:
+            return num_hit_tokens
+        if group.num_cached_tokens < 0:
+            group.num_cached_tokens = num_hit_tokens
+        return group.num_cached_tokens
 
     def _scheduled(
         self, request: Request, num_new: int, new_block_ids: list[int], reset: bool
@@ -395,6 +438,13 @@ class Scheduler:
             assert self.kv.num_blocks_of(request.req_id) == 0, f"{request} waiting but holds blocks"
         assert set(self.kv.req_to_blocks) <= running_ids, "blocks held by a request that is not running"
         assert set(self._order) == set(self.requests), "the arrival order has requests that are not live"
+        assert set(self._group_of) <= set(self.requests), "a sample group holds a request that is not live"
+        num_live: dict[str, int] = {}
+        for group in self._group_of.values():
+            assert self._groups.get(group.key) is group, f"sample group {group.key!r} is not the one of its key"
+            num_live[group.key] = num_live.get(group.key, 0) + 1
+        assert num_live == {key: g.num_live for key, g in self._groups.items()}, \
+            "the sample groups' live counts differ from their live samples"
         # The runner was told about exactly the requests admitted since they arrived: the running ones and the
         # preempted ones (a fresh request waits as WAITING, a preempted one keeps PREEMPTED until readmitted). A
         # leftover id would keep a finished request from ever being released in the runner.

@@ -170,6 +170,9 @@ def test_prefix_cache_hits_reported(default_llm: LLM) -> None:
     again = default_llm.generate([SYSTEM + "Say hi."], params, use_tqdm=False)[0]
     assert again.num_cached_tokens == (len(again.prompt_token_ids) - 1) // 16 * 16
     assert again.outputs[0].token_ids == outs[0].outputs[0].token_ids
+    # n=3 of a prompt new to the cache (its own salt): the samples share its blocks, but none was in the cache.
+    three = SamplingParams(n=3, temperature=0.0, max_tokens=1)
+    assert default_llm.generate([SYSTEM + "Say hi."], three, use_tqdm=False, cache_salt="n3")[0].num_cached_tokens == 0
 
 
 def test_cache_salt_isolates_prefix_cache(default_llm: LLM) -> None:

@@ -12,6 +12,7 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import ConfigError
+from kvserve.core.request import Request
 from kvserve.protocol.sampling_params import SamplingParamsError
 
 
@@ -127,14 +128,26 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(default_llm: LLM)
 @pytest.mark.parametrize("enable_prefix_caching", [True, False])
 def test_n_samples_share_prompt_blocks(enable_prefix_caching: bool) -> None:
     llm = LLM(max_model_len=256, enable_prefix_caching=enable_prefix_caching)
+    kv = llm.engine.core.scheduler.kv
+    admitted: list[int] = []  # the prompt tokens each admission found in the hash map
+    record_admission = kv.record_admission
+
+    def recording(request: Request, num_hit_tokens: int) -> None:
+        admitted.append(num_hit_tokens)
+        record_admission(request, num_hit_tokens)
+
+    kv.record_admission = recording
     prompt = "Write a haiku about the sea. " * 4  # several full blocks
     out = llm.generate([prompt], SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=7, ignore_eos=True),
                        use_tqdm=False)[0]
     assert [o.index for o in out.outputs] == [0, 1, 2]
     assert all(len(o.token_ids) == 8 for o in out.outputs)
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1, "distinct seeds should give distinct samples"
-    # The later samples found the first one's prompt blocks.
-    assert out.num_cached_tokens == (len(out.prompt_token_ids) - 1) // 16 * 16
+    # The later samples found the first one's prompt blocks...
+    full = (len(out.prompt_token_ids) - 1) // 16 * 16
+    assert admitted == [0, full, full]
+    # ...which were in no prefix cache before the request: no cached tokens reported (it reported `full`).
+    assert out.num_cached_tokens == 0
     stats = llm.engine.last_stats
     assert stats is not None and stats.num_free_blocks == stats.num_blocks
 

@@ -615,9 +615,31 @@ def test_samples_of_one_request_share_their_prompt_without_prefix_caching():
     sched.add_request(make_request("a-0", prompt), group_key="a")
     sched.add_request(make_request("a-1", prompt), group_key="a")
     sched.add_request(make_request("other", prompt))
-    out, _ = h.step()
+    out, outputs = h.step()
     assert summary(out) == [("a-0", 0, 10, True), ("a-1", 8, 2, True), ("other", 0, 10, True)]
     assert [s.new_block_ids for s in out.scheduled] == [[0, 1, 2], [0, 1, 3], [4, 5, 6]]
+    # Shared, not found in a prefix cache: no cached tokens are reported (a-1 reported its 8 sibling hits).
+    assert [o.num_cached_tokens for o in outputs] == [0, 0, 0]
+    assert (sched.kv.stats.num_queries, sched.kv.stats.num_hits) == (0, 0)
+
+
+def test_samples_of_one_request_report_the_prefix_cache_hits_of_the_first_admitted():
+    """With prefix caching on, a later sample also hits the blocks its siblings computed: the request's own work,
+    not prompt tokens found in the cache. Every sample reports the first admitted one's hits (the prefix cache's
+    counters still count each sample's lookup, as vLLM's count each child request's)."""
+    sched = make_scheduler()
+    h = Harness(sched)
+    prompt = list(range(1, 11))
+    sched.add_request(make_request("earlier", prompt[:5]))
+    h.step()
+    sched.add_request(make_request("a-0", prompt), group_key="a")
+    sched.add_request(make_request("a-1", prompt), group_key="a")
+    out, outputs = h.step()
+    assert [(s.req_id, s.num_computed_tokens) for s in out.scheduled if s.req_id != "earlier"] == [("a-0", 4), ("a-1", 8)]
+    assert [(o.req_id, o.num_cached_tokens) for o in outputs if o.req_id != "earlier"] == [("a-0", 4), ("a-1", 4)]
+    assert (sched.kv.stats.num_queries, sched.kv.stats.num_hits) == (25, 12)
+    sched.abort_requests(["a-0", "a-1"])
+    assert not sched._groups  # forgotten with its last sample: a later request of that key starts anew
 
 
 def test_make_stats():
