@@ -127,6 +127,9 @@ class _Family:
 
     max_position_embeddings: int
     head_dim: int | None  # None: hidden_size // num_attention_heads
+    # When config.json lacks the key (an explicit null is num_attention_heads for every family, as in HF's
+    # config classes). None: num_attention_heads (LlamaConfig's); Qwen2Config and Qwen3Config default it to 32.
+    num_key_value_heads: int | None
     bos_token_id: int | None
     eos_token_id: int | None
     qkv_bias_always: bool  # Qwen2 hard-codes q/k/v bias; others follow `attention_bias`
@@ -136,15 +139,15 @@ class _Family:
 
 _FAMILIES: dict[str, _Family] = {
     "LlamaForCausalLM": _Family(
-        max_position_embeddings=2048, head_dim=None, bos_token_id=1, eos_token_id=2,
+        max_position_embeddings=2048, head_dim=None, num_key_value_heads=None, bos_token_id=1, eos_token_id=2,
         qkv_bias_always=False, o_proj_bias_follows_attention_bias=True, qk_norm=False,
     ),
     "Qwen2ForCausalLM": _Family(
-        max_position_embeddings=32768, head_dim=None, bos_token_id=None, eos_token_id=None,
+        max_position_embeddings=32768, head_dim=None, num_key_value_heads=32, bos_token_id=None, eos_token_id=None,
         qkv_bias_always=True, o_proj_bias_follows_attention_bias=False, qk_norm=False,
     ),
     "Qwen3ForCausalLM": _Family(
-        max_position_embeddings=32768, head_dim=128, bos_token_id=None, eos_token_id=None,
+        max_position_embeddings=32768, head_dim=128, num_key_value_heads=32, bos_token_id=None, eos_token_id=None,
         qkv_bias_always=False, o_proj_bias_follows_attention_bias=True, qk_norm=True,
     ),
 }
@@ -223,7 +226,7 @@ def _from_hf_dir(path: str) -> ArchConfig:
         intermediate_size=require("intermediate_size"),
         num_hidden_layers=require("num_hidden_layers"),
         num_attention_heads=num_heads,
-        num_key_value_heads=cfg.get("num_key_value_heads") or num_heads,
+        num_key_value_heads=_num_kv_heads(cfg, family, num_heads),
         head_dim=head_dim,
         rms_norm_eps=float(cfg.get("rms_norm_eps", _DEFAULT_RMS_NORM_EPS)),
         rope_theta=rope_theta,
@@ -241,6 +244,16 @@ def _from_hf_dir(path: str) -> ArchConfig:
         config_dtype=_config_dtype(cfg),
         kv_cache_scheme=kv_cache_scheme,
     )
+
+
+def _num_kv_heads(cfg: dict[str, Any], family: _Family, num_heads: int) -> Any:
+    """num_key_value_heads as HF Transformers' config class reads config.json: the family's default when the key is
+    missing (32 for Qwen2 and Qwen3, whatever their number of attention heads), num_attention_heads when it is
+    null. (A checkpoint whose K/V projections do not fit that number fails to load in Transformers too.)"""
+    if "num_key_value_heads" not in cfg:
+        return family.num_key_value_heads or num_heads
+    value = cfg["num_key_value_heads"]
+    return num_heads if value is None else value
 
 
 # HF Transformers' Qwen2 / Qwen3 config defaults for the keys that place sliding-window layers.

@@ -11,7 +11,9 @@ one per token.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -89,6 +91,24 @@ def test_tiny_checkpoints_match_hf(arch: str, tiny_model_dir) -> None:
         expected = _hf_greedy(hf, out.prompt_token_ids, 20)
         assert out.outputs[0].token_ids == expected, f"{arch}: prompt {out.prompt!r}"
     assert outs[0].prompt_token_ids == tok("Hi")["input_ids"]
+
+
+def test_qwen2_config_without_num_key_value_heads_reads_as_hf(tmp_path, tiny_model_dir) -> None:
+    """A Qwen2 config.json without num_key_value_heads: Qwen2Config defaults it to 32 (not num_attention_heads, as
+    LlamaConfig does), and kvserve read it as num_attention_heads (64 here), so the checkpoint's K/V projections of
+    32 heads did not load. 64 heads of head_dim 8 keep the checkpoint tiny."""
+    source = tiny_model_dir("qwen2", num_attention_heads=64, num_key_value_heads=32, head_dim=8)
+    path = shutil.copytree(source, tmp_path / "no-kv-heads")
+    config = json.loads((path / "config.json").read_text())
+    del config["num_key_value_heads"]
+    (path / "config.json").write_text(json.dumps(config))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    assert hf.config.num_key_value_heads == 32
+    assert load_arch_config(str(path)).num_key_value_heads == 32
+    llm = LLM(str(path), max_model_len=64, block_size=16)
+    outs = _kvserve_greedy(llm, ["Hi", list(range(1000, 1020))], 8)
+    for out in outs:
+        assert out.outputs[0].token_ids == _hf_greedy(hf, out.prompt_token_ids, 8), f"prompt {out.prompt!r}"
 
 
 @pytest.mark.parametrize("arch", ["qwen2-yarn", "llama-yarn", "qwen3-yarn"])

@@ -218,6 +218,27 @@ def test_sliding_window_layers_as_transformers_places_them(tmp_path: Path, tiny_
         assert load_arch_config(model_dir).num_hidden_layers == 2
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("value", ["missing", None])
+def test_num_key_value_heads_defaults_as_transformers(tmp_path: Path, tiny_model_dir: Callable, model_type: str,
+                                                      value: None | str) -> None:
+    """Without the key LlamaConfig takes num_attention_heads and Qwen2Config / Qwen3Config take 32; null is
+    num_attention_heads for all three. (Qwen2 and Qwen3 were read as num_attention_heads.)"""
+    from transformers import AutoConfig
+
+    config = json.loads(Path(tiny_model_dir(model_type), "config.json").read_text())
+    config["num_attention_heads"] = 64
+    config["head_dim"] = 8
+    if value == "missing":
+        del config["num_key_value_heads"]
+    else:
+        config["num_key_value_heads"] = value
+    model_dir = _write_config_only(tmp_path / "m", config)
+    expected = AutoConfig.from_pretrained(model_dir).num_key_value_heads
+    assert expected == (32 if value == "missing" and model_type != "llama" else 64)
+    assert load_arch_config(model_dir).num_key_value_heads == expected
+
+
 def test_legacy_rope_format_reads_like_transformers5(tmp_path: Path, tiny_model_dir: Callable) -> None:
     """Older config.json files carry `rope_theta` + `rope_scaling` with `type`; transformers 5 writes
     `rope_parameters`. Both describe the same model."""
