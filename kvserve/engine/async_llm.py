@@ -184,7 +184,9 @@ class AsyncLLM:
         `logprobs` list is cumulative and consistent with the update (the last `len(token_ids_delta)`
         entries belong to the delta). An update covers one engine step, or every step that arrived
         since the caller last asked, when it falls behind. Raises EngineDeadError when the engine is gone and
-        RequestFailedError when the core refuses the request; after `abort_all`, ends the request at once
+        RequestFailedError when the core refuses the request. Closed before its last update, it aborts the request
+        (finish reason "abort" in the metrics); an exception thrown in at an update (`athrow`: the caller failed)
+        ends it as failed ("error"), as the engine's own failures do. After `abort_all`, ends the request at once
         (finish reason "abort"; see there). `request_id` need not be unique (module
         docstring). `prompt_only`: the prompt runs
         (for its prompt_logprobs) and the request ends with no token, finish_reason "length".
@@ -213,6 +215,7 @@ class AsyncLLM:
         self._tracker.add_group([r.req_id for r in requests], now, len(prompt_token_ids), requests[0].max_tokens)
         finished = False
         engine_failed = False  # the engine died under it: it failed rather than was aborted
+        caller_failed = False  # the caller's own error, thrown in at an update: failed too (not a disconnect)
         failure: Exception | None = None
         try:
             if self._aborted_all:
@@ -241,12 +244,18 @@ class AsyncLLM:
                         break
                     item = merge_updates(item, later)
                 finished = item.finished
-                yield item
+                try:
+                    yield item
+                except Exception:
+                    # The caller failed while handling the request (`serving_common.closing_updates` throws its
+                    # error in here): counted as failed ("error"), not as aborted, which a client that left is.
+                    caller_failed = True
+                    raise
                 if finished:
                     return
         finally:
             if not finished:
-                self._abort(state, failed=engine_failed)
+                self._abort(state, failed=engine_failed or caller_failed)
             self._forget(state)
 
     def abort(self, request_id: str) -> None:

@@ -501,3 +501,74 @@ def test_a_request_that_fails_while_generating_counts_as_error(monkeypatch, smol
     logger = asyncio.run(run())
     assert _finished_by_reason(logger) == {"stop": 0.0, "length": 0.0, "abort": 0.0, "error": 1.0}
     assert _e2e_count(logger) == 1.0
+
+
+@pytest.mark.parametrize("api", ["completions", "chat", "responses"])
+def test_a_stream_that_fails_in_the_server_counts_as_error_not_abort(monkeypatch, smollm_tokenizer, api) -> None:
+    """A streamed request whose server code fails after its response started (a 500 error event after the first
+    chunk) is counted as finished reason "error", as a request the engine drops is: it was counted as "abort",
+    as if its client had gone away. A client that goes away still counts as "abort"."""
+    from types import SimpleNamespace
+
+    import httpx
+
+    from kvserve.entrypoints.openai import api_server, serving_chat, serving_completion, serving_responses
+    from kvserve.entrypoints.openai.middleware import ServerState
+    from kvserve.entrypoints.openai.serving_common import ServingContext, closing_updates
+
+    def fail_on_second_update(module: Any, name: str) -> None:
+        real, calls = getattr(module, name), []
+
+        def failing(*args: Any, **kwargs: Any) -> Any:
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("the server broke")
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, failing)
+
+    if api == "completions":  # the chunks' SSE bodies
+        fail_on_second_update(serving_completion, "sse")
+    else:
+        fail_on_second_update(serving_chat if api == "chat" else serving_responses, "_choice_deltas")
+    path = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "responses": "/v1/responses"}[api]
+    body: dict[str, Any] = {"model": "m", "stream": True, "max_tokens": 8}
+    if api == "completions":
+        body["prompt"] = "Tell me everything:"
+    elif api == "chat":
+        body["messages"] = [{"role": "user", "content": "Tell me everything:"}]
+    else:
+        body["input"] = "Tell me everything:"
+
+    async def run() -> tuple[httpx.Response, PrometheusStatLogger, list[str]]:
+        llm = await _engine(monkeypatch, smollm_tokenizer)
+        logger = PrometheusStatLogger("m", 256)
+        llm.stat_loggers.append(logger)
+        ctx = ServingContext(llm, ["m"], "m", log_requests=False)
+        app = api_server.build_app(ctx, ServerState(), SimpleNamespace(), None, 1 << 20)  # type: ignore[arg-type]
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+                response = asyncio.ensure_future(client.post(path, json=body))
+                while not llm.client.added:
+                    await asyncio.sleep(0.01)
+                (r,) = llm.client.added
+                for token in _ids(smollm_tokenizer, " one two three"):
+                    llm.on_engine_outputs(_step(EngineCoreOutput(r, [token], first_scheduled_time=1.0)))
+                    await asyncio.sleep(0.01)
+                answer = await asyncio.wait_for(response, 10)
+            # A client that leaves: the response's generator is closed after an update.
+            async with closing_updates(llm.generate("left", [1, 2], SamplingParams(max_tokens=8))) as updates:
+                first = asyncio.ensure_future(updates.__anext__())
+                while len(llm.client.added) < 2:
+                    await asyncio.sleep(0.01)
+                llm.on_engine_outputs(_step(EngineCoreOutput(llm.client.added[1], [5], first_scheduled_time=1.0)))
+                await asyncio.wait_for(first, 10)
+        finally:
+            ctx.prepare_pool.shutdown()
+        return answer, logger, list(llm.client.aborted)
+
+    answer, logger, aborted = asyncio.run(run())
+    assert answer.status_code == 200
+    assert "the server broke" in answer.text
+    assert len(aborted) == 2  # both ended in the core
+    assert _finished_by_reason(logger) == {"stop": 0.0, "length": 0.0, "abort": 1.0, "error": 1.0}

@@ -6,7 +6,6 @@ import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 from typing import Any
 
 import jinja2
@@ -26,6 +25,7 @@ from kvserve.entrypoints.openai.serving_common import (
     check_lengths,
     check_supported,
     check_token_ids,
+    closing_updates,
     delta_logprobs,
     engine_error,
     log_request,
@@ -341,9 +341,9 @@ async def chat_full(ctx: ServingContext, chat: PreparedChat) -> dict[str, Any]:
     """Run to completion and build the `chat.completion` object."""
     final: RequestOutput | None = None
     try:
-        async with aclosing(ctx.engine.generate(chat.request_id, chat.prompt_token_ids, chat.params,
-                                                chat.prompt, cache_salt=chat.cache_salt,
-                                                priority=chat.priority)) as updates:
+        async with closing_updates(ctx.engine.generate(chat.request_id, chat.prompt_token_ids, chat.params,
+                                                       chat.prompt, cache_salt=chat.cache_salt,
+                                                       priority=chat.priority)) as updates:
             async for update in updates:
                 final = update
     except Exception as e:
@@ -435,9 +435,9 @@ async def chat_stream(ctx: ServingContext, chat: PreparedChat, include_usage: bo
     forced_started: set[int] = set()
     role_sent = False
     try:
-        async with aclosing(ctx.engine.generate(chat.request_id, chat.prompt_token_ids, chat.params,
-                                                chat.prompt, cache_salt=chat.cache_salt,
-                                                priority=chat.priority)) as updates:
+        async with closing_updates(ctx.engine.generate(chat.request_id, chat.prompt_token_ids, chat.params,
+                                                       chat.prompt, cache_salt=chat.cache_salt,
+                                                       priority=chat.priority)) as updates:
             async for update in updates:
                 num_cached_tokens = update.num_cached_tokens
                 if not role_sent:  # with the first token, as vLLM: its arrival is the time to first token

@@ -9,8 +9,9 @@ import logging
 import math
 import re
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -472,6 +473,25 @@ def delta_logprobs(completion: CompletionOutput) -> list[dict[int, Logprob]]:
 
 
 # ---------------------------------------------------------------------------------------- disconnects
+
+
+@asynccontextmanager
+async def closing_updates(updates: AsyncGenerator[T, None]) -> AsyncIterator[AsyncGenerator[T, None]]:
+    """`contextlib.aclosing` for `AsyncLLM.generate()`'s updates, or for a generator that reads them inside
+    one of these. An exception of the caller's own while `updates` waits at an update (a failure of the server's
+    code, the response under way) is first thrown into it there, so the engine ends the request as failed
+    (finished reason "error") instead of aborted. A client that went away still aborts it: the caller is then
+    cancelled or its response's generator closed, BaseExceptions that only close `updates`."""
+    try:
+        yield updates
+    except Exception as e:
+        try:
+            await updates.athrow(e)
+        except Exception:  # noqa: BLE001 - e again (or the generator's own end): the caller's error is raised
+            pass
+        raise
+    finally:
+        await updates.aclose()
 
 
 async def run_unless_disconnected(request: Request, work: Awaitable[T]) -> T:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 from typing import Any
 
 from kvserve.engine.input_processor import truncate_prompt
@@ -22,6 +21,7 @@ from kvserve.entrypoints.openai.serving_common import (
     check_lengths,
     check_supported,
     check_token_ids,
+    closing_updates,
     completion_logprobs,
     delta_logprobs,
     encode_prompt,
@@ -165,9 +165,9 @@ def _echoed_logprobs(ctx: ServingContext, cmpl: PreparedCompletion, prompt: Prep
 
 async def _run_one(ctx: ServingContext, cmpl: PreparedCompletion, prompt: PreparedPrompt) -> RequestOutput:
     final: RequestOutput | None = None
-    async with aclosing(ctx.engine.generate(cmpl.request_id, prompt.prompt_token_ids, prompt.settings(cmpl), prompt.text,
-                                            cache_salt=cmpl.cache_salt, priority=cmpl.priority,
-                                            prompt_only=cmpl.echo_only)) as updates:
+    async with closing_updates(ctx.engine.generate(cmpl.request_id, prompt.prompt_token_ids, prompt.settings(cmpl),
+                                                   prompt.text, cache_salt=cmpl.cache_salt, priority=cmpl.priority,
+                                                   prompt_only=cmpl.echo_only)) as updates:
         async for update in updates:
             final = update
     assert final is not None and final.finished
@@ -253,55 +253,57 @@ async def completion_stream(ctx: ServingContext, cmpl: PreparedCompletion, inclu
         return sse(body)
 
     try:
-        async for p_index, update in _merge(ctx, cmpl):
-            cached[p_index] = update.num_cached_tokens
-            for completion in update.outputs:
-                index = p_index * n + completion.index
-                if index in finished_sent:
-                    continue
-                delta_ids = completion.token_ids_delta
-                num_tokens_by_choice[index] = num_tokens_by_choice.get(index, 0) + len(delta_ids)
-                text = completion.text_delta
-                first = index not in offsets  # this choice's first chunk (offsets has the choices sent)
-                echo = _echo_text(ctx, cmpl.prompts[p_index]) if cmpl.echo and first else ""
-                want_logprobs = num_top is not None and completion.logprobs is not None
-                # A chunk for every new token, also one whose text is still empty (held back as a partial
-                # character or a possible stop string, or a special token), as vLLM streams: the client sees
-                # the first token when it is generated.
-                if not (echo or text or delta_ids or completion.finished):
-                    continue
-                offset = offsets.setdefault(index, 0)
-                logprobs = None
-                offsets[index] = offset + len(echo) + len(text)
-                if want_logprobs:
-                    echoed = None
-                    if echo:  # the prompt's, the same for every sample of it
-                        if p_index not in echoed_of:
-                            echoed_of[p_index] = _echoed_logprobs(ctx, cmpl, cmpl.prompts[p_index], update)
-                        echoed = echoed_of[p_index]
-                    entries = delta_logprobs(completion) if delta_ids else []
-                    logprobs = completion_logprobs(ctx.engine.tokenizer, delta_ids, entries, num_top or 0,
-                                                   _chain_end(echoed, offset + len(echo)), cmpl.tokens_as_ids)
-                    if echoed is not None:
-                        logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
-                    if logprobs["tokens"]:
-                        # Offsets count the tokens' texts, as the non-streamed answer does, not the text sent
-                        # so far (which lags while text is held back): the same whichever steps share a chunk.
-                        offsets[index] = _chain_end(logprobs, offsets[index])
-                choice: dict[str, Any] = {"index": index, "text": echo + text, "logprobs": logprobs,
-                                          "finish_reason": completion.finish_reason if completion.finished else None}
-                if first and update.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = prompt_logprobs_json(update.prompt_logprobs)
-                if cmpl.return_token_ids:
-                    choice["token_ids"] = list(delta_ids)
-                    if first:
-                        choice["prompt_token_ids"] = cmpl.prompts[p_index].prompt_token_ids
-                if completion.finished:
-                    choice["stop_reason"] = completion.stop_reason
-                    finished_sent.add(index)
-                usage = (usage_dict(len(cmpl.prompts[p_index].prompt_token_ids), num_tokens_by_choice[index],
-                                    cached[p_index]) if continuous_usage else None)
-                yield chunk([choice], usage)
+        async with closing_updates(_merge(ctx, cmpl)) as updates:
+            async for p_index, update in updates:
+                cached[p_index] = update.num_cached_tokens
+                for completion in update.outputs:
+                    index = p_index * n + completion.index
+                    if index in finished_sent:
+                        continue
+                    delta_ids = completion.token_ids_delta
+                    num_tokens_by_choice[index] = num_tokens_by_choice.get(index, 0) + len(delta_ids)
+                    text = completion.text_delta
+                    first = index not in offsets  # this choice's first chunk (offsets has the choices sent)
+                    echo = _echo_text(ctx, cmpl.prompts[p_index]) if cmpl.echo and first else ""
+                    want_logprobs = num_top is not None and completion.logprobs is not None
+                    # A chunk for every new token, also one whose text is still empty (held back as a partial
+                    # character or a possible stop string, or a special token), as vLLM streams: the client sees
+                    # the first token when it is generated.
+                    if not (echo or text or delta_ids or completion.finished):
+                        continue
+                    offset = offsets.setdefault(index, 0)
+                    logprobs = None
+                    offsets[index] = offset + len(echo) + len(text)
+                    if want_logprobs:
+                        echoed = None
+                        if echo:  # the prompt's, the same for every sample of it
+                            if p_index not in echoed_of:
+                                echoed_of[p_index] = _echoed_logprobs(ctx, cmpl, cmpl.prompts[p_index], update)
+                            echoed = echoed_of[p_index]
+                        entries = delta_logprobs(completion) if delta_ids else []
+                        logprobs = completion_logprobs(ctx.engine.tokenizer, delta_ids, entries, num_top or 0,
+                                                       _chain_end(echoed, offset + len(echo)), cmpl.tokens_as_ids)
+                        if echoed is not None:
+                            logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
+                        if logprobs["tokens"]:
+                            # Offsets count the tokens' texts, as the non-streamed answer does, not the text sent
+                            # so far (which lags while text is held back): the same whichever steps share a chunk.
+                            offsets[index] = _chain_end(logprobs, offsets[index])
+                    choice: dict[str, Any] = {
+                        "index": index, "text": echo + text, "logprobs": logprobs,
+                        "finish_reason": completion.finish_reason if completion.finished else None}
+                    if first and update.prompt_logprobs is not None:
+                        choice["prompt_logprobs"] = prompt_logprobs_json(update.prompt_logprobs)
+                    if cmpl.return_token_ids:
+                        choice["token_ids"] = list(delta_ids)
+                        if first:
+                            choice["prompt_token_ids"] = cmpl.prompts[p_index].prompt_token_ids
+                    if completion.finished:
+                        choice["stop_reason"] = completion.stop_reason
+                        finished_sent.add(index)
+                    usage = (usage_dict(len(cmpl.prompts[p_index].prompt_token_ids), num_tokens_by_choice[index],
+                                        cached[p_index]) if continuous_usage else None)
+                    yield chunk([choice], usage)
     except Exception as e:
         yield sse(engine_error(e, cmpl.structure_param).to_body())
         yield SSE_DONE
@@ -315,9 +317,9 @@ async def _merge(ctx: ServingContext, cmpl: PreparedCompletion) -> AsyncIterator
     """Updates of all prompts, interleaved as they arrive, tagged with the prompt's position."""
     if len(cmpl.prompts) == 1:
         p = cmpl.prompts[0]
-        async with aclosing(ctx.engine.generate(cmpl.request_id, p.prompt_token_ids, p.settings(cmpl), p.text,
-                                                cache_salt=cmpl.cache_salt, priority=cmpl.priority,
-                                                prompt_only=cmpl.echo_only)) as updates:
+        async with closing_updates(ctx.engine.generate(cmpl.request_id, p.prompt_token_ids, p.settings(cmpl), p.text,
+                                                       cache_salt=cmpl.cache_salt, priority=cmpl.priority,
+                                                       prompt_only=cmpl.echo_only)) as updates:
             async for update in updates:
                 yield 0, update
         return
@@ -325,9 +327,9 @@ async def _merge(ctx: ServingContext, cmpl: PreparedCompletion) -> AsyncIterator
 
     async def pump(index: int, prompt: PreparedPrompt) -> None:
         try:
-            async with aclosing(ctx.engine.generate(cmpl.request_id, prompt.prompt_token_ids, prompt.settings(cmpl),
-                                                    prompt.text, cache_salt=cmpl.cache_salt,
-                                                    priority=cmpl.priority, prompt_only=cmpl.echo_only)) as updates:
+            async with closing_updates(ctx.engine.generate(
+                    cmpl.request_id, prompt.prompt_token_ids, prompt.settings(cmpl), prompt.text,
+                    cache_salt=cmpl.cache_salt, priority=cmpl.priority, prompt_only=cmpl.echo_only)) as updates:
                 async for update in updates:
                     queue.put_nowait((index, update))
         except Exception as e:
@@ -347,5 +349,7 @@ async def _merge(ctx: ServingContext, cmpl: PreparedCompletion) -> AsyncIterator
             else:
                 yield index, item
     finally:
-        for task in tasks:  # disconnect or a failed prompt: stop (and thereby abort) the others
+        # Disconnect or a failed prompt: stop (and thereby abort) the others. (A failure of the caller's own ends
+        # them as aborted too, not failed: `closing_updates` cannot throw into generators the pumps are running.)
+        for task in tasks:
             task.cancel()

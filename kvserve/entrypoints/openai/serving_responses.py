@@ -28,7 +28,6 @@ import re
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +37,7 @@ from kvserve.entrypoints.openai.errors import BadRequestError, NotFoundError, Op
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, ResponsesRequest, SamplingFields
 from kvserve.entrypoints.openai.reasoning_parsers import ReasoningStream
 from kvserve.entrypoints.openai.serving_chat import PreparedChat, _choice_deltas, prepare_chat
-from kvserve.entrypoints.openai.serving_common import ServingContext, engine_error
+from kvserve.entrypoints.openai.serving_common import ServingContext, closing_updates, engine_error
 from kvserve.entrypoints.openai.tool_parsers import ToolCallStream
 
 # The chat request's field names that the Responses API names otherwise (in errors' params and messages).
@@ -603,8 +602,9 @@ class ResponseRun:
     async def events(self) -> AsyncIterator[dict[str, Any]]:
         self._reserve()
         try:
-            async for event in self._events():
-                yield event
+            async with closing_updates(self._events()) as events:
+                async for event in events:
+                    yield event
         except Exception:
             raise  # the caller makes its error and stores the response as failed (`failed`)
         except BaseException:  # the client left (the stream closed, or the request's task cancelled)
@@ -623,8 +623,8 @@ class ResponseRun:
         forced_started: set[int] = set()
         num_reasoning = num_cached = 0
         finish_reason = None
-        async with aclosing(ctx.engine.generate(chat.request_id, chat.prompt_token_ids, chat.params, chat.prompt,
-                                                cache_salt=chat.cache_salt, priority=chat.priority)) as updates:
+        async with closing_updates(ctx.engine.generate(chat.request_id, chat.prompt_token_ids, chat.params, chat.prompt,
+                                                       cache_salt=chat.cache_salt, priority=chat.priority)) as updates:
             async for update in updates:
                 num_cached = update.num_cached_tokens
                 if reasoning_streams is not None and (0 not in reasoning_streams or reasoning_streams[0].thinking):
@@ -678,7 +678,7 @@ async def response_full(run: ResponseRun) -> dict[str, Any]:
     """The response object (what a stream of this request ends with). Raises OpenAIError."""
     final: dict[str, Any] | None = None
     try:
-        async with aclosing(run.events()) as events:
+        async with closing_updates(run.events()) as events:
             async for event in events:
                 final = event.get("response", final)
     except Exception as e:
@@ -706,7 +706,7 @@ async def response_stream(run: ResponseRun) -> AsyncIterator[str]:
     the stream with an `error` event and response.failed."""
     sequence = 0
     try:
-        async with aclosing(run.events()) as events:
+        async with closing_updates(run.events()) as events:
             async for event in events:
                 yield _event(event, sequence)
                 sequence += 1
