@@ -490,7 +490,11 @@ def test_a_request_that_ends_before_any_token_still_gets_its_prompt_logprobs(eng
     assert len(ended.prompt_logprobs) == len(ended.prompt_token_ids) > 1 and ended.prompt_logprobs[0] is None
     for got, want in zip(ended.prompt_logprobs[1:], plain.prompt_logprobs[1:], strict=True):
         assert got is not None and want is not None
-        assert {t: lp.rank for t, lp in got.items()} == {t: lp.rank for t, lp in want.items()}
+        assert got.keys() == want.keys()
+        # A prompt token deep in the tail ranks among near-equal logits, which the two rows' float rounding may
+        # order apart (rank 40,008 against 40,009 was seen): ranks within 3, logprobs within 1e-4.
+        for token, lp in got.items():
+            assert abs(lp.rank - want[token].rank) <= 3, (token, lp.rank, want[token].rank)
         assert [lp.logprob for lp in got.values()] == pytest.approx([lp.logprob for lp in want.values()], abs=1e-4)
 
 
