@@ -224,6 +224,33 @@ def stream_text(response: http.client.HTTPResponse, chat: bool) -> Iterator[tupl
     raise ClientError("the answer ended before the server's `data: [DONE]` (the stream broke off)")
 
 
+def answer_pieces(response: http.client.HTTPResponse, chat: bool) -> Iterator[tuple[str, str]]:
+    """`stream_text`'s pieces, or, from a server that answered with one JSON body although `stream` was asked
+    (some proxies and servers ignore it), that answer's (reasoning, text) at once."""
+    if not (response.getheader("Content-Type") or "").lower().startswith("application/json"):
+        yield from stream_text(response, chat)
+        return
+    try:
+        raw = response.read()
+    except TimeoutError:
+        raise ClientError(f"the server sent nothing for {READ_TIMEOUT_S:.0f} s") from None
+    except (OSError, http.client.HTTPException) as exc:
+        raise ClientError(f"the answer broke off ({exc!r})") from None
+    try:
+        choice = json.loads(raw)["choices"][0]
+        if chat:
+            message = choice["message"]
+            thought = message.get("reasoning")
+            if not isinstance(thought, str):
+                thought = message.get("reasoning_content")
+            text = message.get("content")
+        else:
+            thought, text = None, choice["text"]
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        raise ClientError(f"the server answered with JSON that is no completion: {raw[:200]!r}") from None
+    yield (thought if isinstance(thought, str) else ""), (text if isinstance(text, str) else "")
+
+
 def print_answer(client: Client, path: str, body: dict[str, Any], chat: bool, out: TextIO,
                  thoughts: TextIO | None = None) -> str:
     """Stream one answer to `out` as it arrives, ending with a newline; returns its text. A reasoning model's
@@ -233,7 +260,7 @@ def print_answer(client: Client, path: str, body: dict[str, Any], chat: bool, ou
     thinking = False
     try:
         with client.request("POST", path, body) as response:
-            for thought, piece in stream_text(response, chat):
+            for thought, piece in answer_pieces(response, chat):
                 if thought and thoughts is not None:
                     if not thinking:
                         thoughts.write("thinking: ")

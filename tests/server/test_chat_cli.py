@@ -303,6 +303,43 @@ def test_a_reasoning_models_thinking_goes_to_stderr_not_into_the_answer(
     assert err == "thinking: " + answer_text(2) + "\n"
 
 
+def test_a_server_that_ignores_stream_and_answers_json_is_read_too(capsys: pytest.CaptureFixture[str]) -> None:
+    """Some servers and proxies ignore `stream` and answer one JSON body: that failed as a stream cut short."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def _send(self, payload: dict) -> None:
+            data = json.dumps(payload).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            self._send({"object": "list", "data": [{"id": "m", "object": "model"}]})
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("content-length") or 0))
+            if self.path.endswith("/chat/completions"):
+                message = {"role": "assistant", "content": "Paris.", "reasoning_content": "The capital."}
+                self._send({"choices": [{"index": 0, "message": message, "finish_reason": "stop"}]})
+            else:
+                self._send({"choices": [{"index": 0, "text": " there was", "finish_reason": "length"}]})
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+    try:
+        assert run_cli(capsys, "chat", "--url", url, "-q", "capital?") == (0, "Paris.\n", "thinking: The capital.\n")
+        assert run_cli(capsys, "complete", "--url", url, "-q", "Once") == (0, " there was\n", "")
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
 def test_api_key_sources_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
     assert chat_cli.resolve_api_key(None) is None
     monkeypatch.setattr(envs, "VLLM_API_KEY", "vllm")
