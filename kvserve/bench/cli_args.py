@@ -25,6 +25,16 @@ DEFAULT_DURATION_S = 60.0
 VLLM_BACKENDS = {"vllm": "completions", "openai": "completions", "openai-chat": "chat"}
 # vLLM's `bench serve --dataset-name` values that name one of kvserve's datasets.
 VLLM_DATASETS = {"custom": "file"}
+# vLLM's length flags of its prefix_repetition and sonnet datasets: (flag, the DatasetConfig setting it gives,
+# vLLM's default). Used with their dataset only; with another they are ignored, as vLLM ignores them.
+VLLM_DATASET_LENGTHS: dict[str, tuple[tuple[str, str, int], ...]] = {
+    "prefix_repetition": (("--prefix-repetition-prefix-len", "prefix_len", 256),
+                          ("--prefix-repetition-suffix-len", "input_len", 256),
+                          ("--prefix-repetition-num-prefixes", "num_prefixes", 10),
+                          ("--prefix-repetition-output-len", "output_len", 128)),
+    "sonnet": (("--sonnet-input-len", "input_len", 550), ("--sonnet-output-len", "output_len", 150),
+               ("--sonnet-prefix-len", "prefix_len", 200)),
+}
 
 
 def _positive_list(kind: type, flag: str) -> Callable[[str], list[float]]:
@@ -123,10 +133,21 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     work = parser.add_argument_group("workload")
     work.add_argument("--dataset", "--dataset-name", dest="dataset", choices=(*DATASETS, *VLLM_DATASETS),
                       default="random",
-                      help="random prose, shared-prefix (prefix caching), file (JSONL; vLLM's name: custom), or "
-                      "sharegpt (a ShareGPT JSON file, sampled as vLLM samples it) (default random)")
+                      help="random prose, shared-prefix (prefix caching), file (JSONL; vLLM's name: custom), "
+                      "sharegpt (a ShareGPT JSON file, sampled as vLLM samples it), or vLLM's prefix_repetition, "
+                      "sonnet (a text file of lines) and burstgpt (the BurstGPT CSV) (default random)")
     work.add_argument("--dataset-path", default=None,
-                      help='--dataset file: JSONL with {"prompt": ...} or {"messages": [...]}, optional "output_len"')
+                      help='--dataset file: JSONL with {"prompt": ...} or {"messages": [...]}, optional '
+                      '"output_len"; sharegpt, sonnet, burstgpt: their file')
+    for name, flags in VLLM_DATASET_LENGTHS.items():
+        for flag, _setting, default in flags:
+            work.add_argument(flag, type=int, default=None,
+                              help=f"--dataset {name} (vLLM's flag): {_VLLM_LENGTH_HELP[flag]} (default {default})")
+    work.add_argument("--burstgpt-model", default=None,
+                      help="--dataset burstgpt: the CSV's Model whose rows are sent (default GPT-4, as vLLM)")
+    work.add_argument("--skip-chat-template", action="store_true",
+                      help="accepted for vLLM's command lines: kvserve bench sends the sonnet prompts without a "
+                      "chat template to the completions API in any case")
     work.add_argument("--sharegpt-output-len", type=int, default=None,
                       help="--dataset sharegpt: every request's max_tokens (default: the token count of the "
                       "conversation's answer)")
@@ -222,6 +243,36 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                      help="live progress bar (default: when stderr is a terminal)")
     out.add_argument("--disable-tqdm", dest="progress", action="store_false",
                      help="vLLM's name of --no-progress")
+
+
+_VLLM_LENGTH_HELP = {
+    "--prefix-repetition-prefix-len": "tokens of each shared prefix",
+    "--prefix-repetition-suffix-len": "tokens of each prompt's own suffix",
+    "--prefix-repetition-num-prefixes": "distinct prefixes, the --num-prompts spread evenly over them",
+    "--prefix-repetition-output-len": "max_tokens of each request",
+    "--sonnet-input-len": "most tokens of each prompt",
+    "--sonnet-output-len": "max_tokens of each request",
+    "--sonnet-prefix-len": "most tokens of the instruction and the file's first lines that every prompt starts with",
+}
+
+
+def _vllm_dataset_settings(ns: argparse.Namespace, name: str) -> dict[str, Any]:
+    """The DatasetConfig settings of vLLM's prefix_repetition and sonnet flags (their lengths are fixed, the
+    others' length flags not used), and of burstgpt's --burstgpt-model."""
+    settings: dict[str, Any] = {}
+    if name == "burstgpt" and ns.burstgpt_model is not None:
+        settings["burstgpt_model"] = ns.burstgpt_model
+    if name not in VLLM_DATASET_LENGTHS:
+        return settings
+    settings.update(input_dist="fixed", output_dist="fixed")
+    for flag, setting, default in VLLM_DATASET_LENGTHS[name]:
+        value = getattr(ns, flag.lstrip("-").replace("-", "_"))
+        if value is not None and value < 1:
+            raise BenchConfigError(f"{flag} must be at least 1, got {value}")
+        settings[setting] = default if value is None else value
+    if name == "prefix_repetition":
+        settings["num_prompts"] = ns.num_prompts
+    return settings
 
 
 # vLLM's `bench serve` names the end-to-end latency `e2el` (in --goodput and --percentile-metrics).
@@ -375,13 +426,16 @@ def _tokenizer(ns: argparse.Namespace) -> str | None:
 def config_from_args(ns: argparse.Namespace) -> BenchConfig:
     input_dist, output_dist, range_ratio = _lengths(ns)
     endpoint = _endpoint(ns)
-    dataset = DatasetConfig(
-        name=VLLM_DATASETS.get(ns.dataset, ns.dataset), input_len=ns.input_len, input_dist=input_dist,
+    name = VLLM_DATASETS.get(ns.dataset, ns.dataset)
+    settings: dict[str, Any] = dict(
+        name=name, input_len=ns.input_len, input_dist=input_dist,
         output_len=ns.max_tokens, output_dist=output_dist, range_ratio=range_ratio, language=ns.language,
         seed=ns.seed,
         max_model_len=ns.max_model_len, prefix_len=ns.prefix_len, num_prefixes=ns.num_prefixes,
         prefix_reuse=ns.prefix_reuse, path=ns.dataset_path, sharegpt_output_len=ns.sharegpt_output_len,
     )
+    settings.update(_vllm_dataset_settings(ns, name))
+    dataset = DatasetConfig(**settings)
     return BenchConfig(
         endpoint=endpoint, shapes=_shapes(ns), dataset=dataset, api=_api(ns, endpoint),
         model=ns.served_model_name if ns.served_model_name is not None else ns.model,

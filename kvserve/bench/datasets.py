@@ -1,6 +1,6 @@
 """Workloads: what each benchmark request asks for (its messages and `max_tokens`).
 
-Four datasets, chosen by name (`DATASETS`):
+Seven datasets, chosen by name (`DATASETS`):
 
 * `random` — real English/Chinese prose cut to a token length drawn from a `LengthDist`
   (`fixed`, `uniform`, `normal`, or the long-tailed `chat` preset), with a task line on top.
@@ -9,6 +9,8 @@ Four datasets, chosen by name (`DATASETS`):
 * `file` — a JSONL file, one request per line: `{"prompt": str}` or `{"messages": [...]}`, optionally
   with `"output_len"` (or `"max_tokens"`).
 * `sharegpt` — a ShareGPT JSON file, sampled as vLLM's benchmark samples it (`ShareGPTDataset`).
+* `prefix_repetition`, `sonnet`, `burstgpt` — vLLM's datasets of those names (`PrefixRepetitionDataset`,
+  `SonnetDataset`, `BurstGPTDataset`).
 
 A dataset is a pure function of (seed, run, index): `get(i, run=k)` returns the same request whatever the
 load shape or the order requests are issued in, so two benchmarks with the same seed send the same text.
@@ -24,6 +26,8 @@ lines as written: its later points and re-runs can hit the server's prefix cache
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import math
 import os
@@ -37,12 +41,17 @@ import numpy as np
 
 from kvserve.bench import corpus
 
-DATASETS = ("random", "shared-prefix", "file", "sharegpt")
+DATASETS = ("random", "shared-prefix", "file", "sharegpt", "prefix_repetition", "sonnet", "burstgpt")
 # vLLM's ShareGPT sampling: a conversation is kept when its prompt and answer have at least this many tokens,
 # the prompt at most SHAREGPT_MAX_PROMPT and both together at most SHAREGPT_MAX_TOTAL.
 SHAREGPT_MIN_LEN = 4
 SHAREGPT_MAX_PROMPT = 1024
 SHAREGPT_MAX_TOTAL = 2048
+# sonnet: the instruction that opens every prompt (vLLM's wording), then the file's lines.
+SONNET_INSTRUCTION = "Pick as many lines as you can from these poem lines:"
+# burstgpt: the columns read, and the Model whose rows are kept by default (vLLM's filter keeps GPT-4's).
+BURSTGPT_COLUMNS = ("Model", "Request tokens", "Response tokens")
+BURSTGPT_DEFAULT_MODEL = "GPT-4"
 LENGTH_DISTS = ("fixed", "uniform", "normal", "chat")
 LANGUAGES = ("en", "zh", "mixed")
 # Share of Chinese prompts under --language mixed.
@@ -58,8 +67,8 @@ CHAT_OUTPUT_CAP = 8
 # Tokens left for the chat template and special tokens when lengths are clipped to --max-model-len.
 TEMPLATE_MARGIN_TOKENS = 64
 
-# Random-number streams: measured requests, warm-up requests and shared prefixes never share draws.
-_STREAM_MEASURED, _STREAM_WARMUP, _STREAM_PREFIX = 0, 1, 2
+# Random-number streams: measured requests, warm-up requests, shared prefixes and orders never share draws.
+_STREAM_MEASURED, _STREAM_WARMUP, _STREAM_PREFIX, _STREAM_ORDER = 0, 1, 2, 3
 
 
 class DatasetError(ValueError):
@@ -144,6 +153,10 @@ class DatasetConfig:
     path: str | None = None
     # sharegpt: every request's max_tokens (None: the token count of the conversation's answer).
     sharegpt_output_len: int | None = None
+    # prefix_repetition: the requests of a run, spread evenly over the `num_prefixes` prefixes.
+    num_prompts: int | None = None
+    # burstgpt: the CSV's Model whose rows are sent.
+    burstgpt_model: str = BURSTGPT_DEFAULT_MODEL
     # None: a fresh random nonce per run (see the module docstring); tests pass a fixed one.
     run_nonce: str | None = field(default=None, compare=False)
 
@@ -161,6 +174,20 @@ class DatasetConfig:
         if self.name == "sharegpt" and not self.path:
             raise DatasetError("--dataset sharegpt needs --dataset-path FILE.json (e.g. "
                                "ShareGPT_V3_unfiltered_cleaned_split.json)")
+        for name, what in (("sonnet", "a text file of lines (e.g. vLLM's benchmarks/sonnet.txt)"),
+                           ("burstgpt", "the BurstGPT CSV (e.g. BurstGPT_without_fails_2.csv)")):
+            if self.name == name and not self.path:
+                raise DatasetError(f"--dataset {name} needs --dataset-path: {what}")
+        if self.name == "prefix_repetition":
+            if self.num_prompts is None:
+                raise DatasetError("--dataset prefix_repetition needs --num-prompts: the prompts are spread "
+                                   "evenly over the prefixes")
+            if self.num_prompts < self.num_prefixes:
+                raise DatasetError(f"--num-prompts ({self.num_prompts}) must be at least "
+                                   f"--prefix-repetition-num-prefixes ({self.num_prefixes})")
+        if self.name == "sonnet" and self.prefix_len > self.input_len:
+            raise DatasetError(f"--sonnet-prefix-len ({self.prefix_len}) must not exceed --sonnet-input-len "
+                               f"({self.input_len})")
         if self.sharegpt_output_len is not None and self.sharegpt_output_len < 1:
             raise DatasetError(f"--sharegpt-output-len must be at least 1, got {self.sharegpt_output_len}")
         if self.max_model_len is not None and self.max_model_len <= TEMPLATE_MARGIN_TOKENS + 1:
@@ -246,11 +273,12 @@ def _pick_language(config: DatasetConfig, rng: np.random.Generator) -> str:
 
 
 def _task_prompt(source: TextSource, language: str, header: str, num_tokens: int,
-                 rng: np.random.Generator) -> str:
+                 rng: np.random.Generator, context: str = "") -> str:
     """`header` + a task line + prose, `num_tokens` long in total as the tokenizer counts the whole (where
     the pieces' tokens merge at the joins, the prose is re-cut, so that the prompt is not longer than asked
     and, but for a few cases of merges, exactly as long). The task line is left out when it would take more
-    than half the budget; a budget below the header's own length gives the header + 1 token."""
+    than half the budget; a budget below the header's own length gives the header + 1 token. With `context`,
+    the length counted is what the text adds to `context` when it follows it (the text is not prefixed)."""
     instructions = corpus.CHINESE_INSTRUCTIONS if language == "zh" else corpus.ENGLISH_INSTRUCTIONS
     head = f"{header} {instructions[int(rng.integers(len(instructions)))]}\n\n"
     head_tokens = source.count(head)
@@ -259,12 +287,13 @@ def _task_prompt(source: TextSource, language: str, header: str, num_tokens: int
         head_tokens = source.count(head)
     start = source.start(language, rng)
     prose_len = max(1, num_tokens - head_tokens)
+    context_len = source.count(context) if context else 0
     best: str | None = None  # the longest prompt so far that is not over num_tokens
     best_len = 0
     tried: set[int] = set()
     for _ in range(_RECUT_TRIES):
         prompt = head + source.text(language, start, prose_len)
-        length = source.count(prompt)
+        length = source.count(context + prompt) - context_len
         if length <= num_tokens and (best is None or length > best_len):
             best, best_len = prompt, length
         tried.add(prose_len)
@@ -402,6 +431,62 @@ class SharedPrefixDataset(_SyntheticDataset):
         return BenchRequest(index, messages, output_len, self.config.prefix_len + input_len, language, shared)
 
 
+def _exact_task_prompt(source: TextSource, language: str, header: str, num_tokens: int,
+                       rng: np.random.Generator, context: str = "") -> str:
+    """`_task_prompt` redrawn (another task line and start in the prose) until it is exactly `num_tokens`
+    after `context`; where no draw is, the longest that is not over (or the last draw)."""
+    context_len = source.count(context) if context else 0
+    best: str | None = None
+    best_len = -1
+    for _ in range(_EXACT_TRIES):
+        text = _task_prompt(source, language, header, num_tokens, rng, context)
+        length = source.count(context + text) - context_len
+        if length == num_tokens:
+            return text
+        if best_len < length <= num_tokens:
+            best, best_len = text, length
+    return best if best is not None else text
+
+
+_EXACT_TRIES = 8
+
+
+class PrefixRepetitionDataset(SharedPrefixDataset):
+    """vLLM's prefix_repetition: `num_prompts` prompts spread evenly over `num_prefixes` prefixes of
+    `prefix_len` tokens (their counts differ by one at most; exactly num_prompts / num_prefixes each when it
+    divides), each prompt its prefix followed by a suffix of its own of `input_len` tokens, in an order
+    shuffled by the seed; `max_tokens` is `output_len`. The prompt is one user message (the completions API
+    sends it as it is): exactly prefix_len + input_len tokens by the local tokenizer, the prefix's tokens its
+    first prefix_len. The prefixes are shared-prefix's: shared within a run, new at each measured run and
+    the warm-up's own. Index i takes position i mod num_prompts of the order."""
+
+    def __init__(self, config: DatasetConfig, tokenizer: TextTokenizer) -> None:
+        super().__init__(config, tokenizer)
+        assert config.num_prompts is not None
+        order = np.arange(config.num_prompts) % config.num_prefixes
+        np.random.default_rng([config.seed, _STREAM_ORDER]).shuffle(order)
+        self._prefix_of = [int(k) for k in order]
+        self.size = config.num_prompts
+
+    def _system_prompt(self, rng: np.random.Generator, tag: str) -> tuple[str, str]:
+        language = _pick_language(self.config, rng)
+        return _exact_task_prompt(self.source, language, _reference(language, self.nonce, tag),
+                                  self.config.prefix_len, rng), language
+
+    def prefix_index(self, index: int) -> int:
+        """Which prefix request `index` has (0 .. num_prefixes - 1)."""
+        return self._prefix_of[index % len(self._prefix_of)]
+
+    def get(self, index: int, warmup: bool = False, run: int = 0) -> BenchRequest:
+        rng = _rng(self.config.seed, _STREAM_WARMUP if warmup else _STREAM_MEASURED, index)
+        tag = f"w{index}" if warmup else _tag(str(index), run)
+        prefix, language = self._prefixes(warmup, run)[self.prefix_index(index)]
+        suffix = _exact_task_prompt(self.source, language, "\n\n" + _reference(language, self.nonce, tag),
+                                    self.config.input_len, rng, context=prefix)
+        return BenchRequest(index, ({"role": "user", "content": prefix + suffix},), self.config.output_len,
+                            self.config.prefix_len + self.config.input_len, language, True)
+
+
 class FileDataset:
     """JSONL prompts, in file order; index i takes line i mod the number of lines."""
 
@@ -523,10 +608,166 @@ def _read_sharegpt(path: str) -> list[tuple[str, str]]:
     return pairs
 
 
+def _read_text(path: str) -> str:
+    if not os.path.isfile(path):
+        raise DatasetError(f"dataset file {path} does not exist")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as exc:
+        raise DatasetError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise DatasetError(f"cannot read dataset file {path}: {exc.strerror}") from None
+
+
+class SonnetDataset(_SyntheticDataset):
+    """vLLM's sonnet: a text file of lines (vLLM's benchmarks/sonnet.txt). Every prompt is a reference line and
+    SONNET_INSTRUCTION, then the file's first lines (as many whole lines as keep these at most `prefix_len`
+    tokens, wrapping round the file), the same in every request of a run, then lines drawn at random (with
+    replacement, by the seed) for as long as the prompt stays within `input_len` tokens: at most input_len
+    tokens by the local tokenizer and less by under one line's tokens (the first drawn line that would not
+    fit ends it). Blank lines are skipped. `max_tokens` is `output_len`. The prompt is one user message; the
+    completions API sends it as it is, without a chat template (vLLM applies the model's chat template to
+    sonnet prompts unless --skip-chat-template): use the chat endpoint for templated prompts. The reference
+    line holds the run's nonce, so the shared prefix is cold at each measured run (the warm-up has its own)."""
+
+    def __init__(self, config: DatasetConfig, tokenizer: TextTokenizer) -> None:
+        super().__init__(config, tokenizer)
+        assert config.path is not None
+        self._lines = [line.strip() + "\n" for line in _read_text(config.path).splitlines() if line.strip()]
+        if not self._lines:
+            raise DatasetError(f"dataset file {config.path} has no lines (the sonnet dataset takes a text file "
+                               "of lines)")
+        head = self._head("p")
+        head_len = self.source.count(head)
+        if head_len > config.prefix_len:
+            raise DatasetError(f"--sonnet-prefix-len {config.prefix_len} is shorter than the instruction that "
+                               f"opens each prompt ({head_len} tokens)")
+        # Each line's tokens where it follows a line (the estimate that picks lines; the prompt is counted whole).
+        self._line_len = [max(1, self.source.count(head + line) - head_len) for line in self._lines]
+        self._prefix_by_run: dict[str, tuple[str, int]] = {}
+
+    def _head(self, tag: str) -> str:
+        return f"{_reference('en', self.nonce, tag)} {SONNET_INSTRUCTION}\n"
+
+    def _first_lines(self, head: str) -> int:
+        """How many of the file's first lines (wrapping round it) fit after `head` within prefix_len tokens."""
+        count = 0
+        text = head
+        while True:
+            line = self._lines[count % len(self._lines)]
+            if self.source.count(text + line) > self.config.prefix_len:
+                return count
+            text += line
+            count += 1
+
+    def _prefix(self, warmup: bool, run: int) -> tuple[str, int]:
+        """The shared part of measured run `run` (or of the warm-up) and its token count; built on first use."""
+        key = "w" if warmup else str(run)
+        if key not in self._prefix_by_run:
+            head = self._head("w:p" if warmup else _tag("p", run))
+            lines = (self._lines[k % len(self._lines)] for k in range(self._first_lines(head)))
+            prefix = head + "".join(lines)
+            self._prefix_by_run[key] = prefix, self.source.count(prefix)
+        return self._prefix_by_run[key]
+
+    def get(self, index: int, warmup: bool = False, run: int = 0) -> BenchRequest:
+        rng = _rng(self.config.seed, _STREAM_WARMUP if warmup else _STREAM_MEASURED, index)
+        prefix, prefix_len = self._prefix(warmup, run)
+        budget = self.config.input_len - prefix_len
+        drawn: list[str] = []
+        while True:
+            k = int(rng.integers(len(self._lines)))
+            if self._line_len[k] > budget:
+                break
+            drawn.append(self._lines[k])
+            budget -= self._line_len[k]
+        text = prefix + "".join(drawn)
+        length = self.source.count(text)
+        while length > self.config.input_len and drawn:  # (the estimate missed merges at the joins)
+            drawn.pop()
+            text = prefix + "".join(drawn)
+            length = self.source.count(text)
+        return BenchRequest(index, ({"role": "user", "content": text},), self.config.output_len, length, "en",
+                            True)
+
+
+class BurstGPTDataset(_SyntheticDataset):
+    """vLLM's burstgpt: the BurstGPT CSV's rows of one Model (`burstgpt_model`; vLLM keeps GPT-4's) with
+    Response tokens > 0 (and, here, Request tokens > 0), in an order shuffled by the seed (vLLM samples rows by
+    the seed), cycling once used up. Each row is a prompt of its Request tokens (prose cut to that length, as
+    the random dataset's) with its Response tokens as max_tokens; --max-model-len clips them as it clips
+    the random dataset's."""
+
+    def __init__(self, config: DatasetConfig, tokenizer: TextTokenizer) -> None:
+        super().__init__(config, tokenizer)
+        assert config.path is not None
+        rows = _read_burstgpt(config.path, config.burstgpt_model)
+        order = np.random.default_rng([config.seed, _STREAM_ORDER]).permutation(len(rows))
+        self._rows = [rows[int(k)] for k in order]
+        self._max_output = config.output_dist_obj().max_len
+
+    def get(self, index: int, warmup: bool = False, run: int = 0) -> BenchRequest:
+        input_len, output_len = self._rows[index % len(self._rows)]
+        if self._max_output is not None:
+            output_len = min(output_len, self._max_output)
+        input_len = self.config.fit_input(input_len, output_len)
+        rng = _rng(self.config.seed, _STREAM_WARMUP if warmup else _STREAM_MEASURED, index)
+        language = _pick_language(self.config, rng)
+        tag = f"w{index}" if warmup else _tag(str(index), run)
+        text = _task_prompt(self.source, language, _reference(language, self.nonce, tag), input_len, rng)
+        return BenchRequest(index, ({"role": "user", "content": text},), output_len, input_len, language)
+
+
+def _read_burstgpt(path: str, model: str) -> list[tuple[int, int]]:
+    """(Request tokens, Response tokens) of the rows of `model` with both counts positive."""
+    text = _read_text(path)
+    reader = csv.DictReader(io.StringIO(text))
+    if not reader.fieldnames:
+        raise DatasetError(f"dataset file {path} is empty (the burstgpt dataset takes the BurstGPT CSV)")
+    columns = [name.strip() for name in reader.fieldnames]
+    for column in BURSTGPT_COLUMNS:
+        if column not in columns:
+            raise DatasetError(f"{path}: no {column!r} column (a BurstGPT CSV has {', '.join(BURSTGPT_COLUMNS)}; "
+                               f"this one has {', '.join(repr(c) for c in columns)})")
+    reader.fieldnames = columns
+    rows: list[tuple[int, int]] = []
+    models: dict[str, int] = {}
+    for row in reader:
+        name = (row.get("Model") or "").strip()
+        models[name] = models.get(name, 0) + 1
+        if name != model:
+            continue
+        lengths = [_token_count(row.get(column), path, reader.line_num, column) for column in BURSTGPT_COLUMNS[1:]]
+        if lengths[0] > 0 and lengths[1] > 0:
+            rows.append((lengths[0], lengths[1]))
+    if not rows:
+        seen = ", ".join(f"{name!r} ({count})" for name, count in sorted(models.items())) or "none"
+        raise DatasetError(f"{path}: no row of Model {model!r} with Request tokens and Response tokens above 0 "
+                           f"(rows by Model: {seen}; --burstgpt-model picks another)")
+    return rows
+
+
+def _token_count(cell: str | None, path: str, line: int, column: str) -> int:
+    try:
+        value = float((cell or "").strip())
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value == int(value)):
+        raise DatasetError(f"{path}:{line}: {column!r} must be a whole number of tokens, got {cell!r}")
+    return int(value)
+
+
 def make_dataset(config: DatasetConfig, tokenizer: Callable[[], TextTokenizer]) -> Dataset:
     """The dataset `config.name`; `tokenizer()` is called only by datasets that generate text or count it."""
     if config.name == "file":
         return FileDataset(config)
+    if config.name == "prefix_repetition":
+        return PrefixRepetitionDataset(config, tokenizer())
+    if config.name == "sonnet":
+        return SonnetDataset(config, tokenizer())
+    if config.name == "burstgpt":
+        return BurstGPTDataset(config, tokenizer())
     if config.name == "sharegpt":
         return ShareGPTDataset(config, tokenizer())  # (loaded before the run, not inside its first request)
     if config.name == "shared-prefix":
