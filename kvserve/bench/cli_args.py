@@ -141,9 +141,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                       '"output_len"; sharegpt, sonnet, burstgpt: their file')
     for name, flags in VLLM_DATASET_LENGTHS.items():
         for flag, _setting, default in flags:
-            work.add_argument(flag, type=int, default=None,
+            work.add_argument(flag, type=int, default=None, metavar="N",
                               help=f"--dataset {name} (vLLM's flag): {_VLLM_LENGTH_HELP[flag]} (default {default})")
-    work.add_argument("--burstgpt-model", default=None,
+    work.add_argument("--burstgpt-model", default=None, metavar="MODEL",
                       help="--dataset burstgpt: the CSV's Model whose rows are sent (default GPT-4, as vLLM)")
     work.add_argument("--skip-chat-template", action="store_true",
                       help="accepted for vLLM's command lines: kvserve bench sends the sonnet prompts without a "

@@ -115,6 +115,12 @@ def test_sonnet_prompts_are_the_files_lines_within_the_lengths(tokenizer, tmp_pa
     assert all(p.startswith(shared) for p in (dataset.get(i).prompt() for i in range(6)))
     assert 60 - longest - 2 <= len(_ids(tokenizer, shared)) <= 60
     assert len({tuple(p) for p in prompts}) == 6
+    # each measured run (sweep point) and the warm-up open with a reference line of their own: the shared
+    # prefix is cold at each; the lines are the same
+    heads = {dataset.get(0, run=1).prompt().split("\n")[0], dataset.get(0, warmup=True).prompt().split("\n")[0],
+             dataset.get(0).prompt().split("\n")[0]}
+    assert len(heads) == 3
+    assert dataset.get(0, run=1).prompt().split("\n")[1:] == dataset.get(0).prompt().split("\n")[1:]
     again = make_dataset(config, lambda: tokenizer)
     assert [again.get(i) for i in range(6)] == [dataset.get(i) for i in range(6)]
     other = make_dataset(DatasetConfig(name="sonnet", path=str(path), input_len=200, prefix_len=60, seed=2,
@@ -176,9 +182,11 @@ def test_burstgpt_rows_filtered_and_lengths_taken_from_the_csv(tokenizer, tmp_pa
     chatgpt = make_dataset(DatasetConfig(name="burstgpt", path=str(path), burstgpt_model="ChatGPT", run_nonce="n0"),
                            lambda: tokenizer)
     assert {(chatgpt.get(i).input_tokens, chatgpt.get(i).max_tokens) for i in range(3)} == {(77, 7)}
-    clipped = make_dataset(DatasetConfig(name="burstgpt", path=str(path), max_model_len=100, run_nonce="n0"),
+    long = _burstgpt_file(tmp_path, [("GPT-4", 30, 80), ("GPT-4", 50, 5)])
+    clipped = make_dataset(DatasetConfig(name="burstgpt", path=str(long), max_model_len=100, run_nonce="n0"),
                            lambda: tokenizer)
-    assert all(r.input_tokens + r.max_tokens + 64 <= 100 for r in (clipped.get(i) for i in range(5)))
+    # --max-model-len clips the rows' lengths to fit (prompt + output + 64 tokens of template)
+    assert sorted((r.input_tokens, r.max_tokens) for r in (clipped.get(i) for i in range(2))) == [(1, 35), (31, 5)]
 
 
 @pytest.mark.parametrize("content, message", [
