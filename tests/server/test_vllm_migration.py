@@ -1,5 +1,5 @@
 """A vLLM deployment moved to kvserve: VLLM_API_KEY keeps the server closed (unless KVSERVE_API_KEY is set,
-even empty), other VLLM_* variables and vLLM's harmless flags are reported at start,
+even empty), other VLLM_* variables and vLLM's harmless flags are reported at start, --max-model-len auto,
 --enable-force-include-usage, --disable-fastapi-docs, the start-up line at the default host, and HTTPS with
 --ssl-keyfile / --ssl-certfile."""
 
@@ -18,6 +18,8 @@ from .conftest import STARTUP_TIMEOUT_S, ServerProcess, read_sse
 
 VLLM_KEY = "key-from-vllm-env"
 FLAGS = ["--served-model-name", "tiny", "--max-model-len", "64", "--kv-cache-memory", "64MiB"]
+AUTO_BLOCKS = 5
+AUTO_LEN = AUTO_BLOCKS * 16  # the length --max-model-len auto settles on: what those blocks hold
 
 
 def _certificate(directory: Path) -> tuple[Path, Path]:
@@ -37,7 +39,10 @@ def servers(launch_server: Callable[..., ServerProcess], tiny_llama_dir: str,
     # KVSERVE_API_KEY unset (set, even empty, it would decide and VLLM_API_KEY would not be read)
     vllm_env = {"VLLM_API_KEY": VLLM_KEY, "KVSERVE_API_KEY": None, "VLLM_USE_V1": "1",
                 "VLLM_LOGGING_LEVEL": "DEBUG"}
-    launched = {"vllm": launch_server([tiny_llama_dir, *FLAGS, "--swap-space", "4", "--enable-force-include-usage",
+    # --max-model-len auto with a KV cache of AUTO_BLOCKS blocks, fewer tokens than the tiny model's 256 positions
+    vllm_flags = ["--served-model-name", "tiny", "--max-model-len", "auto", "--num-gpu-blocks-override",
+                  str(AUTO_BLOCKS)]
+    launched = {"vllm": launch_server([tiny_llama_dir, *vllm_flags, "--swap-space", "4", "--enable-force-include-usage",
                                        "--disable-fastapi-docs"], wait=False, env=vllm_env)}
     key, cert = _certificate(tmp_path_factory.mktemp("tls"))
     # the certificate is its own CA: the server asks for it from clients too (--ssl-cert-reqs 2: required)
@@ -78,6 +83,24 @@ def test_a_vllm_deployments_environment_and_flags(servers: dict[str, ServerProce
     # --disable-fastapi-docs
     for path in ("/docs", "/redoc", "/openapi.json"):
         assert httpx.get(base + path, headers=auth, timeout=10).status_code == 404, path
+
+    # --max-model-len auto: the API serves the length the engine settled on once the KV cache was sized
+    models = httpx.get(base + "/v1/models", headers=auth, timeout=10).json()
+    assert models["data"][0]["max_model_len"] == AUTO_LEN, models
+    assert f"max_model_len is lowered to {AUTO_LEN}" in server.log()
+    url = base + "/v1/completions"
+    ok = httpx.post(url, headers=auth, json={"model": "tiny", "prompt": [1] * (AUTO_LEN - 1), "max_tokens": 1,
+                                             "temperature": 0}, timeout=60)
+    assert ok.status_code == 200, ok.text
+    too_long = httpx.post(url, headers=auth, json={"model": "tiny", "prompt": [1] * AUTO_LEN, "max_tokens": 1},
+                          timeout=60)
+    assert too_long.status_code == 400, too_long.text
+    assert f"maximum context length is {AUTO_LEN} tokens" in too_long.json()["error"]["message"]
+    over = httpx.post(url, headers=auth, json={"model": "tiny", "prompt": [1] * 10, "max_tokens": AUTO_LEN},
+                      timeout=60)
+    assert over.status_code == 400, over.text
+    tokenized = httpx.post(base + "/tokenize", headers=auth, json={"model": "tiny", "prompt": "Hi"}, timeout=10)
+    assert tokenized.json()["max_model_len"] == AUTO_LEN
 
 
 def test_https_with_a_self_signed_certificate(servers: dict[str, ServerProcess]) -> None:
