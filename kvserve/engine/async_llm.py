@@ -255,7 +255,7 @@ class AsyncLLM:
                     return
         finally:
             if not finished:
-                self._abort(state, failed=engine_failed or caller_failed)
+                self._abort(state, failed=engine_failed, caller_failed=caller_failed)
             self._forget(state)
 
     def abort(self, request_id: str) -> None:
@@ -288,17 +288,21 @@ class AsyncLLM:
                 state.queue.put_nowait(final)
         return len(states)
 
-    def _abort(self, state: _RequestState, in_core: bool = True, failed: bool = False) -> RequestOutput | None:
+    def _abort(self, state: _RequestState, in_core: bool = True, failed: bool = False,
+               caller_failed: bool = False) -> RequestOutput | None:
         """End a live request: its samples counted as aborted (as failed with `failed`: see
-        `RequestStatsTracker.fail`), the core told (unless `in_core` is False: it was never sent there), the
-        request forgotten. Returns its last update (None if it had ended)."""
+        `RequestStatsTracker.fail`; with `caller_failed`, the caller's own error, every live sample as "error",
+        also one the core had not run yet: none was refused), the core told (unless `in_core` is False: it was
+        never sent there), the request forgotten. Returns its last update (None if it had ended)."""
         child_ids, final = self.output_processor.abort_request_with_output(state.core_id)
         if in_core:
             self.client.abort_requests(child_ids)
         now = time.time()
         iteration = IterationStats()
         for child_id in child_ids:
-            if failed:
+            if caller_failed:
+                self._tracker.finish(child_id, "error", now, iteration)
+            elif failed:
                 self._tracker.fail(child_id, now, iteration)
             else:
                 self._tracker.finish(child_id, "abort", now, iteration)

@@ -572,3 +572,29 @@ def test_a_stream_that_fails_in_the_server_counts_as_error_not_abort(monkeypatch
     assert "the server broke" in answer.text
     assert len(aborted) == 2  # both ended in the core
     assert _finished_by_reason(logger) == {"stop": 0.0, "length": 0.0, "abort": 1.0, "error": 1.0}
+
+
+def test_samples_not_yet_run_of_a_request_the_caller_fails_count_as_error(monkeypatch, smollm_tokenizer) -> None:
+    """An n=2 request whose server code fails after the first sample's first token, while the second still waits
+    in the core: both samples are counted, as "error" (the waiting one was not refused, as `fail` assumes of a
+    request that never ran; closed by a client that left, both count as "abort")."""
+    from kvserve.entrypoints.openai.serving_common import closing_updates
+
+    async def run() -> PrometheusStatLogger:
+        llm = await _engine(monkeypatch, smollm_tokenizer)
+        logger = PrometheusStatLogger("m", 256)
+        llm.stat_loggers.append(logger)
+        with pytest.raises(RuntimeError, match="the server broke"):
+            async with closing_updates(llm.generate("r", [1, 2], SamplingParams(n=2, max_tokens=8))) as updates:
+                first = asyncio.ensure_future(updates.__anext__())
+                while not llm.client.added:
+                    await asyncio.sleep(0.01)
+                llm.on_engine_outputs(_step(EngineCoreOutput(llm.client.added[0], [5], first_scheduled_time=1.0)))
+                await asyncio.wait_for(first, 5)
+                raise RuntimeError("the server broke")
+        assert sorted(llm.client.aborted) == sorted(llm.client.added)
+        return logger
+
+    logger = asyncio.run(run())
+    assert _finished_by_reason(logger) == {"stop": 0.0, "length": 0.0, "abort": 0.0, "error": 2.0}
+    assert _e2e_count(logger) == 2.0
