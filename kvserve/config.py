@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import os
 import random
 import re
@@ -747,7 +748,18 @@ def _token_count(name: str, value: int | str) -> int:
             return human_readable_int(value)
         except ConfigError as exc:
             raise ConfigError(f"{name}: {exc}") from None
-    return int(value)
+    # (a bool is an int to Python: True would be a count of 1; 2.5 would be cut to 2 unsaid)
+    wrong = ConfigError(f"{name} must be a whole number of tokens, got {value!r}")
+    if isinstance(value, bool):
+        raise wrong
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise wrong
+        return int(value)
+    try:
+        return operator.index(value)  # int, numpy's integers
+    except TypeError:
+        raise wrong from None
 
 
 def _model_limit_source(arch: Any) -> str:

@@ -77,6 +77,15 @@ def test_engine_args_take_vllms_automatic_max_model_len_too(tiny_model_dir: Call
     for value in (0, -2, "-5", "auto-ish"):
         with pytest.raises(ConfigError, match="max_model_len"):
             EngineArgs(model=path, device="cpu", max_model_len=value).create_engine_config()
+    # Lengths that are no whole number: True was read as 1 and 2.5 as 2, unsaid
+    for value in (True, 64.5, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="max_model_len must be a whole number of tokens"):
+            EngineArgs(model=path, device="cpu", max_model_len=value).create_engine_config()
+    for value in (True, 100.5):
+        with pytest.raises(ConfigError, match="max_num_batched_tokens must be a whole number of tokens"):
+            EngineArgs(model=path, device="cpu", max_num_batched_tokens=value).create_engine_config()
+    assert EngineArgs(model=path, device="cpu", max_model_len=64.0).create_engine_config(
+        ).model_config.max_model_len == 64
 
 
 def test_engine_args_auto_with_long_lengths_allowed(tiny_model_dir: Callable[..., str],
