@@ -37,6 +37,9 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
                                                             "properties": {"city": {"type": "string"}}}}}
 TWO_CALLS = ('Let me look that up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
              '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>\n')
+# an argument that writes the end tag: the string's text, not the block's end; the next call reads as usual
+TAG_IN_ARGUMENT = ('<tool_call>\n{"name": "write_doc", "arguments": {"text": "End a call with </tool_call>.", "n": 1}}'
+                   '\n</tool_call>\n<tool_call>{"name": "g", "arguments": {}}</tool_call>')
 TEXTS = [
     TWO_CALLS,
     "Just text, with  spaces \n and a trailing newline\n",
@@ -46,6 +49,9 @@ TEXTS = [
     "ends with a partial tag <tool_c",
     "   ",
     'Sure. <tool_call>{"name": "f", "arguments": {}}</tool_call> Done.',
+    TAG_IN_ARGUMENT,
+    '<tool_call>{"arguments": {"s": "a</tool_call>b"}, "name": "f"}</tool_call> c',  # a call read whole
+    '<tool_call>{"name": "f", "arguments": {"x": NaN, "s": "a</tool_call>b"}}</tool_call>',  # not JSON: ends there
 ]
 
 
@@ -115,6 +121,20 @@ def test_parse_two_calls_after_content():
      '<tool_call>{"name": "f", "arguments": "{\\"x\\": Infinity}"}</tool_call>', []),
     ("Sure.\xa0<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>", "Sure.\xa0", [{"name": "f", "arguments": "{}"}]),
     ("<tool_call>", "<tool_call>", []),
+    # an end tag within a string of the call's JSON is the string's text; outside one, or once the text is not
+    # JSON, it ends the block
+    (TAG_IN_ARGUMENT, None, [{"name": "write_doc", "arguments": '{"text": "End a call with </tool_call>.", "n": 1}'},
+                             {"name": "g", "arguments": "{}"}]),
+    ('<tool_call>{"arguments": {"s": "a</tool_call>b"}, "name": "f"}</tool_call> c', " c",
+     [{"name": "f", "arguments": '{"s": "a</tool_call>b"}'}]),
+    ('<tool_call>{"name": "f", "arguments": {"a</tool_call>": "\\"</tool_call>"}}</tool_call>', None,
+     [{"name": "f", "arguments": '{"a</tool_call>": "\\"</tool_call>"}'}]),
+    ('<tool_call>{"name": "f", "arguments": {"x": NaN, "s": "a</tool_call>b"}}</tool_call>', 'b"}}</tool_call>',
+     [{"name": "f", "arguments": '{"x": NaN, "s": "a'}]),
+    ('<tool_call>{"name": "f", "arguments": {"s": "a\\</tool_call> b', " b", [{"name": "f", "arguments": '{"s": "a\\'}]),
+    ('<tool_call>{"name": "f", "arguments": {"s": "a"} </tool_call>"}}</tool_call>', '"}}</tool_call>',
+     [{"name": "f", "arguments": '{"s": "a"}'}]),
+    ('<tool_call>{"name": "f"} "</tool_call>" x', '<tool_call>{"name": "f"} "</tool_call>" x', []),
 ])
 def test_parse_rules(text, content, functions):
     parsed = parse_tool_calls(text, "hermes")
@@ -320,6 +340,20 @@ def test_a_calls_arguments_stream_as_they_are_written():
     assert streamed[0]["content"] == message["content"] and finish == {0: "tool_calls"}
     assert _functions(streamed[0]["tool_calls"]) == _functions(message["tool_calls"])
     assert _empty_chunks(stream) == 0
+
+
+def test_an_end_tag_within_an_argument_is_the_arguments_text():
+    """A call whose argument writes ``</tool_call>`` keeps its whole arguments, in the response and in the
+    stream, and the call after it is read as usual."""
+    ctx, _ = _context([_tokens(TAG_IN_ARGUMENT)])
+    body = {"messages": [{"role": "user", "content": "Document the format."}], "tools": [WEATHER]}
+    expected = [{"name": "write_doc", "arguments": '{"text": "End a call with </tool_call>.", "n": 1}'},
+                {"name": "g", "arguments": "{}"}]
+    choice = _post(ctx, body).json()["choices"][0]
+    assert choice["message"]["content"] is None and _functions(choice["message"]["tool_calls"]) == expected
+    streamed, finish = _stream_messages(_post(ctx, {**body, "stream": True}))
+    assert finish == {0: "tool_calls"} and streamed[0]["content"] is None
+    assert _functions(streamed[0]["tool_calls"]) == expected
 
 
 @pytest.mark.parametrize("parser", ["hermes", "llama3_json"])

@@ -37,7 +37,13 @@ as they are certain, and `parse_tool_calls` is that stream fed the whole text at
 * whatever is not a call stays in the content as written (tags, ``<|python_tag|>``, separators and all,
   but for the ``;`` below), so nothing the model wrote is lost;
 * `hermes`: text outside the tags is content; a block left open at the end (the request ran out of
-  tokens) counts as closed there; text in a block after a streamed call's object is content;
+  tokens) counts as closed there; text in a block after a streamed call's object is content. A
+  ``</tool_call>`` within a string of the block's JSON (a model writing about tool calls in an argument)
+  is the string's text, not the block's end: it ends the block only where the block's text before it is
+  not the start of a JSON object whose string it continues (outside strings, after the call object's
+  closing brace, or once the text is not JSON: a stray character, an unescaped control character or
+  quote that breaks it, NaN). A string left open (a model that never closes it) runs to the end of the
+  response, the end tags in it included: its block is then cut short, or content, as written;
 * `llama3_json` and `pythonic`: calls are read only where the reply starts and right after each
   ``<|python_tag|>`` (for `pythonic`, also ``<|python_start|>``), where the text (after whitespace) must
   open the call (``{``, ``[``); the call ends at its matching bracket (brackets inside strings, Python's
@@ -460,6 +466,104 @@ class _StreamedCall:
         return False
 
 
+class _JsonScan:
+    """Whether a hermes block's text, fed as it comes, is so far the start of a JSON object (whitespace, the
+    object, whitespace), and whether it ends within one of the object's strings (`in_string`): a
+    ``</tool_call>`` there is the string's text. Looser than the streamed arguments' reading (the
+    characters a string's escapes write are not looked at), strict about the grammar.
+
+    NOTE: work per feed is proportional to its text: plain runs of a string are skipped at once, and once the
+    text is not JSON nothing more is looked at."""
+
+    def __init__(self) -> None:
+        self.valid = True
+        self._stack: list[str] = []
+        self._expect: Literal["object", "key", "key or end", "colon", "value", "value or end", "comma or end",
+                              "after"] = "object"
+        self._in_string = False
+        self._in_key = False
+        self._escape = 0  # the characters of an unfinished escape seen (``\`` 1, ``\u`` 2, ``\uXXX`` 5)
+        self._token: list[str] = []  # an unfinished number or literal
+
+    @property
+    def in_string(self) -> bool:
+        """Whether the text so far is JSON and ends within a string (not within an escape)."""
+        return self.valid and self._in_string and not self._escape
+
+    def feed(self, text: str) -> None:
+        i = 0
+        while self.valid and i < len(text):
+            if self._in_string and not self._escape:  # a run of plain characters at once
+                stop = _STRING_STOP.search(text, i)
+                j = len(text) if stop is None else stop.start()
+                if j > i:
+                    i = j
+                    continue
+            self.valid = self._step(text[i])
+            i += 1
+
+    def _step(self, char: str) -> bool:
+        if self._escape:
+            if self._escape == 1 and char in _SIMPLE_ESCAPES:
+                self._escape = 0
+            elif (self._escape == 1 and char == "u") or (2 <= self._escape < 5 and char in _HEX):
+                self._escape += 1
+            elif self._escape == 5 and char in _HEX:
+                self._escape = 0
+            else:
+                return False
+            return True
+        if self._in_string:
+            if char == "\\":
+                self._escape = 1
+            elif char == '"':
+                self._in_string = False
+                self._expect = "colon" if self._in_key else "comma or end"
+            else:
+                return False  # a control character
+            return True
+        if self._token:
+            if char in _NUMBER_CHARS or char in "aflnrstu":
+                if len(self._token) >= _NUMBER_LIMIT:
+                    return False
+                self._token.append(char)
+                return True
+            token = "".join(self._token)
+            self._token = []
+            if token not in _LITERALS and _NUMBER.fullmatch(token) is None:
+                return False
+            self._expect = "comma or end"
+        if char in _WHITESPACE:
+            return True
+        expect = self._expect
+        if expect == "object" and char == "{":
+            self._stack.append(char)
+            self._expect = "key or end"
+        elif expect in ("key", "key or end") and char == '"':
+            self._in_string = self._in_key = True
+        elif expect == "colon" and char == ":":
+            self._expect = "value"
+        elif expect == "comma or end" and char == ",":
+            self._expect = "key" if self._stack[-1] == "{" else "value"
+        elif (expect in ("key or end", "comma or end") and char == "}" and self._stack[-1:] == ["{"]) or (
+                expect in ("value or end", "comma or end") and char == "]" and self._stack[-1:] == ["["]):
+            self._stack.pop()
+            self._expect = "comma or end" if self._stack else "after"
+        elif expect in ("value", "value or end"):
+            if char in "{[":
+                self._stack.append(char)
+                self._expect = "key or end" if char == "{" else "value or end"
+            elif char == '"':
+                self._in_string, self._in_key = True, False
+            elif char == "-" or char.isdigit() or char in "tfn":
+                self._token = [char]
+            else:
+                return False
+        else:
+            return False
+        return True
+
+
 @dataclass
 class ToolCallPiece:
     """Part of a tool call: its first piece has its `name` (None on the others); `arguments` is the next text of
@@ -579,19 +683,26 @@ class HermesStream(ToolCallStream):
         self._body: list[str] = []  # the block's text searched already, while it may be read whole
         self._reader = _StreamedCall(allow_type=False)  # the block's call, streamed once it begins as one
         self._trailing: list[str] = []  # the block's text after a streamed call's object
+        self._json = _JsonScan()  # the block's text as JSON: whether an end tag is within a string
 
     def _advance(self, out: ToolCallDelta, final: bool) -> None:
         while True:
             if self._inside:
                 end = self._buffer.find(self._END)
-                if end < 0 and not final:
-                    keep = _partial_suffix(self._buffer, self._END)
-                    self._block_text(out, self._buffer[: len(self._buffer) - keep])
-                    self._buffer = self._buffer[len(self._buffer) - keep:]
+                if end >= 0:  # the text before the tag decides whether it is the block's end
+                    self._block_text(out, self._buffer[:end])
+                    self._buffer = self._buffer[end + len(self._END):]
+                    if self._json.in_string:  # within a string of the call's JSON: the string's text
+                        self._block_text(out, self._END)
+                    else:
+                        self._end_block(out, closed=True)
+                    continue
+                keep = 0 if final else _partial_suffix(self._buffer, self._END)
+                self._block_text(out, self._buffer[: len(self._buffer) - keep])
+                self._buffer = self._buffer[len(self._buffer) - keep:]
+                if not final:
                     return
-                self._block_text(out, self._buffer if end < 0 else self._buffer[:end])
-                self._buffer = "" if end < 0 else self._buffer[end + len(self._END):]
-                self._end_block(out, closed=end >= 0)
+                self._end_block(out, closed=False)
                 continue
             start = self._buffer.find(self._START)
             if start >= 0:
@@ -605,6 +716,7 @@ class HermesStream(ToolCallStream):
             return
 
     def _block_text(self, out: ToolCallDelta, text: str) -> None:
+        self._json.feed(text)
         reader = self._reader
         if reader.phase in ("head", "whole"):
             self._body.append(text)
@@ -635,7 +747,7 @@ class HermesStream(ToolCallStream):
             if trailing.strip(_WHITESPACE):  # text after the call's object, within the block: content
                 self._content(out, trailing)
         self._inside, self._body, self._trailing = False, [], []
-        self._reader = _StreamedCall(allow_type=False)
+        self._reader, self._json = _StreamedCall(allow_type=False), _JsonScan()
 
 
 class _LeadingCallStream(ToolCallStream):
