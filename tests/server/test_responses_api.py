@@ -155,6 +155,25 @@ def test_a_calls_last_arguments_and_the_text_after_it_in_one_chunk():
         assert output[1]["content"][0]["text"] == "\nDone."
 
 
+def test_output_items_follow_the_text_however_it_is_chunked():
+    """Calls and the text around them become items in the order the model wrote them, whether a chunk carries
+    whole calls and text together or the text comes a character at a time, streamed or not."""
+    call = '<tool_call>{{"name": "get_weather", "arguments": {{"city": "{}"}}}}</tool_call>'
+    text = call.format("Paris") + "\nChecking Zürich too. " + call.format("Zürich") + " Done."
+    body = {"input": "Weather in Paris and Zürich?", "tools": [TOOL]}
+    outputs = []
+    for pieces in ([text], list(text)):
+        ctx, _ = _context([pieces])
+        events = _events(_post(ctx, {**body, "stream": True}, "/v1/responses"))
+        added = [e["item"]["id"] for e in events if e["type"] == "response.output_item.added"]
+        assert added == [item["id"] for item in events[-1]["response"]["output"]]
+        outputs += [_post(ctx, body, "/v1/responses").json()["output"], events[-1]["response"]["output"]]
+    for output in outputs:
+        assert [item["type"] for item in output] == ["function_call", "message", "function_call", "message"]
+        assert [json.loads(output[i]["arguments"])["city"] for i in (0, 2)] == ["Paris", "Zürich"]
+        assert [output[i]["content"][0]["text"] for i in (1, 3)] == ["\nChecking Zürich too.", " Done."]
+
+
 def test_max_tool_calls_and_parallel_tool_calls_false_keep_the_first_call():
     for extra in ({"max_tool_calls": 1}, {"parallel_tool_calls": False}):
         ctx, _ = _context([_tokens(TWO_CALLS)])

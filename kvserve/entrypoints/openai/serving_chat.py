@@ -475,12 +475,16 @@ def _call_delta(piece: ToolCallPiece) -> dict[str, Any]:
 def _choice_deltas(ctx: ServingContext, chat: PreparedChat, update: RequestOutput, finished_sent: set[int],
                    num_tokens_by_choice: dict[int, int], tool_streams: dict[int, ToolCallStream] | None = None,
                    forced_started: set[int] | None = None,
-                   reasoning_streams: dict[int, ReasoningStream] | None = None) -> list[dict[str, Any]]:
+                   reasoning_streams: dict[int, ReasoningStream] | None = None,
+                   calls_placed: bool = False) -> list[dict[str, Any]]:
     """The chunk choices of one update: text deltas, logprobs, and each choice's finish (sent once). With
     `reasoning_streams` (--reasoning-parser), each choice's text goes through its `ReasoningStream` first,
     and only its content part goes on. With `tool_streams` (tool_choice "auto"), the text goes through each
     choice's `ToolCallStream`; under a forced tool_choice it is a tool call (`forced_started`: the choices
-    whose call has been opened). `num_tokens_by_choice` counts each choice's tokens (updated here)."""
+    whose call has been opened). `num_tokens_by_choice` counts each choice's tokens (updated here).
+    `calls_placed` (for the Responses API, whose items follow the order of the text; not a chat chunk's
+    field): a choice with tool calls read from the text also has `content_before_calls`, for each of its
+    delta's calls how much of its content comes before it."""
     choices = []
     forced_started = forced_started if forced_started is not None else set()
     for completion in update.outputs:
@@ -499,6 +503,7 @@ def _choice_deltas(ctx: ServingContext, chat: PreparedChat, update: RequestOutpu
                                      chat.num_top_logprobs or 0, chat.tokens_as_ids)
         text_delta, reasoning_delta = completion.text_delta, ""
         delta: dict[str, Any]
+        placed: list[int] | None = None
         if reasoning_streams is not None:  # what it holds back (part of a tag) is not sent as an empty content
             released = reasoning_streams.setdefault(completion.index, ReasoningStream()).feed(
                 text_delta, final=completion.finished)
@@ -534,10 +539,12 @@ def _choice_deltas(ctx: ServingContext, chat: PreparedChat, update: RequestOutpu
             tools = tool_streams[completion.index]
             found = tools.feed(text_delta, final=completion.finished)
             delta = {"content": found.content} if found.content else {}
-            calls = [_call_delta(piece) for piece in found.tool_calls
-                     if chat.max_tool_calls is None or piece.index < chat.max_tool_calls]
-            if calls:
-                delta["tool_calls"] = calls
+            pieces = [piece for piece in found.tool_calls
+                      if chat.max_tool_calls is None or piece.index < chat.max_tool_calls]
+            if pieces:
+                delta["tool_calls"] = [_call_delta(piece) for piece in pieces]
+                if calls_placed:
+                    placed = [piece.content_before for piece in pieces]
             # cut short: the engine's reason ("length"), unless the cut call is past max_tool_calls (not sent)
             cut = tools.last_call_cut and (chat.max_tool_calls is None or tools.num_tool_calls <= chat.max_tool_calls)
             if tools.num_tool_calls and not cut:
@@ -555,6 +562,8 @@ def _choice_deltas(ctx: ServingContext, chat: PreparedChat, update: RequestOutpu
             "logprobs": logprobs,
             "finish_reason": finish_reason if completion.finished else None,
         }
+        if placed is not None:
+            choice["content_before_calls"] = placed
         if chat.return_token_ids and not chat.hide_reasoning:
             choice["token_ids"] = list(completion.token_ids_delta)
         if completion.finished:

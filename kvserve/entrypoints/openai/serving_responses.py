@@ -536,6 +536,31 @@ class _Output:
         return events
 
 
+def _content_and_calls(out: _Output, delta: dict[str, Any], content_before_calls: list[int] | None,
+                       logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The events of a chat delta's content and tool calls, in the order the model wrote them, so that the
+    items are the same however the text was chunked: each call where `content_before_calls` puts it within
+    the content (a call under way first, before any text, where it is not given: the calls of a forced or
+    required tool_choice, which come without text). The chunk's logprobs go with its first text, or to the
+    message that is open when it has none (they belong to the message, not to a call)."""
+    content: str = delta.get("content") or ""
+    calls = delta.get("tool_calls", [])
+    places = content_before_calls if content_before_calls is not None else [0] * len(calls)
+    events: list[dict[str, Any]] = []
+    if not content and logprobs and out.open is not None and out.open["type"] == "message":
+        events += out.text("", logprobs)
+    written = 0
+    for call, place in zip(calls, places, strict=True):
+        if place > written:
+            events += out.text(content[written:place], logprobs if written == 0 else [])
+            written = place
+        if call["index"] in out.calls or "id" in call:  # more of a call under way, or a call's start
+            events += out.call(call)
+    if written < len(content):
+        events += out.text(content[written:], logprobs if written == 0 else [])
+    return events
+
+
 def _usage(num_prompt: int, num_cached: int, num_output: int, num_reasoning: int) -> dict[str, Any]:
     return {"input_tokens": num_prompt, "input_tokens_details": {"cached_tokens": num_cached},
             "output_tokens": num_output, "output_tokens_details": {"reasoning_tokens": num_reasoning},
@@ -631,23 +656,13 @@ class ResponseRun:
                     # tokens generated while thinking (the one that ends the reasoning included)
                     num_reasoning += sum(len(c.token_ids_delta) for c in update.outputs)
                 for choice in _choice_deltas(ctx, chat, update, finished_sent, num_tokens, tool_streams,
-                                             forced_started, reasoning_streams):
+                                             forced_started, reasoning_streams, calls_placed=True):
                     delta = choice["delta"]
                     events: list[dict[str, Any]] = []
                     if delta.get("reasoning"):
                         events += out.reasoning(delta["reasoning"])
                     logprobs = (choice["logprobs"] or {}).get("content") or [] if prep.logprobs else []
-                    # In order: the arguments of a call under way end before the text after it, which comes before
-                    # the calls that start after it.
-                    calls = delta.get("tool_calls", [])
-                    for call in calls:
-                        if call["index"] in out.calls:
-                            events += out.call(call)
-                    if delta.get("content") or (logprobs and out.open is not None and out.open["type"] == "message"):
-                        events += out.text(delta.get("content", ""), logprobs)
-                    for call in calls:
-                        if call["index"] not in out.calls and "id" in call:
-                            events += out.call(call)
+                    events += _content_and_calls(out, delta, choice.get("content_before_calls"), logprobs)
                     if choice["finish_reason"] is not None:
                         finish_reason = choice["finish_reason"]
                     for event in events:

@@ -572,11 +572,13 @@ class ToolCallPiece:
     index: int  # the call's index among the response's calls
     name: str | None
     arguments: str
+    content_before: int = 0  # how much of its delta's content the model wrote before it (the rest, after it)
 
 
 @dataclass
 class ToolCallDelta:
-    """What one `feed` releases: content text and pieces of tool calls, in order (one piece per call at most)."""
+    """What one `feed` releases: content text and pieces of tool calls, in order (one piece per call at most);
+    each piece's `content_before` places it within the content, as the model wrote them."""
 
     content: str = ""
     tool_calls: list[ToolCallPiece] = field(default_factory=list)
@@ -643,7 +645,7 @@ class ToolCallStream(ABC):
     def _start_call(self, out: ToolCallDelta, name: str) -> None:
         """Release a tool call's start (its arguments follow); the whitespace held before it goes with it."""
         self._held_space = []
-        out.tool_calls.append(ToolCallPiece(self.num_tool_calls, name, ""))
+        out.tool_calls.append(ToolCallPiece(self.num_tool_calls, name, "", len(out.content)))
         self.num_tool_calls += 1
         self.last_call_cut = False
 
@@ -654,7 +656,7 @@ class ToolCallStream(ABC):
         if out.tool_calls and out.tool_calls[-1].index == self.num_tool_calls - 1:
             out.tool_calls[-1].arguments += text
         else:
-            out.tool_calls.append(ToolCallPiece(self.num_tool_calls - 1, None, text))
+            out.tool_calls.append(ToolCallPiece(self.num_tool_calls - 1, None, text, len(out.content)))
 
     def _streamed_text(self, out: ToolCallDelta, call: _StreamedCall, text: str) -> int | None:
         """Feed `text` of a call's text to its reader, releasing the call's start when it begins to stream and
