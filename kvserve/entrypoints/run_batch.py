@@ -51,6 +51,7 @@ def add_run_batch_args(parser: argparse.ArgumentParser) -> None:
     answers: --served-model-name, --chat-template, --generation-config, ...; those of the HTTP listener are
     accepted and change nothing)."""
     from kvserve.entrypoints.openai.cli_args import add_server_args
+    from kvserve.entrypoints.vllm_compat import positive_int
 
     g = parser.add_argument_group("batch")
     g.add_argument("-i", "--input-file", required=True, metavar="PATH",
@@ -60,7 +61,7 @@ def add_run_batch_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--output-tmp-dir", default=None, metavar="DIR",
                    help="accepted for vLLM command lines (vLLM stages uploads there); kvserve writes the output "
                    "file directly, so this changes nothing")
-    g.add_argument("--max-concurrency", type=_positive, default=None, metavar="N",
+    g.add_argument("--max-concurrency", type=positive_int, default=None, metavar="N",
                    help="the most lines in flight at once (default: twice --max-num-seqs); the engine batches "
                    "those it holds continuously")
     g.add_argument("--enable-metrics", action="store_true",
@@ -70,16 +71,6 @@ def add_run_batch_args(parser: argparse.ArgumentParser) -> None:
     add_server_args(parser)
     # One log line per request is noise in a batch of thousands: off unless --enable-log-requests.
     parser.set_defaults(disable_log_requests=True, func=run_batch_command)
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 # ------------------------------------------------------------------------------------------ one line
