@@ -81,7 +81,7 @@ class RequestRecord:
     error_kind: str | None = None
     error: str | None = None
     status_code: int | None = None
-    # The x-request-id sent (--request-id-prefix; None: none sent).
+    # The x-request-id sent (--request-id-prefix, the command's default bench-<8 hex>-; None: none sent).
     request_id: str | None = None
     # The answer's text, kept with --save-detailed only (vLLM's generated_texts).
     generated_text: str | None = None
