@@ -251,7 +251,14 @@ def _num_kv_heads(cfg: dict[str, Any], family: _Family, num_heads: int) -> Any:
     missing (32 for Qwen2 and Qwen3, whatever their number of attention heads), num_attention_heads when it is
     null. (A checkpoint whose K/V projections do not fit that number fails to load in Transformers too.)"""
     if "num_key_value_heads" not in cfg:
-        return family.num_key_value_heads or num_heads
+        default = family.num_key_value_heads or num_heads
+        if isinstance(num_heads, int) and num_heads > 0 and num_heads % default:
+            raise ModelLoadError(
+                f"model config: no num_key_value_heads, and this family's default ({default}, as HF Transformers "
+                f"reads such a config) does not divide num_attention_heads ({num_heads}); add "
+                "num_key_value_heads to config.json (num_attention_heads for a model without grouped-query "
+                "attention)")
+        return default
     value = cfg["num_key_value_heads"]
     return num_heads if value is None else value
 

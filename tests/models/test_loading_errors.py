@@ -239,6 +239,17 @@ def test_num_key_value_heads_defaults_as_transformers(tmp_path: Path, tiny_model
     assert load_arch_config(model_dir).num_key_value_heads == expected
 
 
+def test_a_missing_num_key_value_heads_that_does_not_divide_says_so(tmp_path: Path, tiny_model_dir: Callable) -> None:
+    """Qwen2's default of 32 for a model of 14 heads: the message names the default and the key to add, where it
+    named a 32 the config does not hold."""
+    config = json.loads(Path(tiny_model_dir("qwen2"), "config.json").read_text())
+    config["num_attention_heads"] = 14
+    config["head_dim"] = 8
+    del config["num_key_value_heads"]
+    with pytest.raises(ModelLoadError, match=r"no num_key_value_heads, and this family's default \(32"):
+        load_arch_config(_write_config_only(tmp_path / "m", config))
+
+
 def test_legacy_rope_format_reads_like_transformers5(tmp_path: Path, tiny_model_dir: Callable) -> None:
     """Older config.json files carry `rope_theta` + `rope_scaling` with `type`; transformers 5 writes
     `rope_parameters`. Both describe the same model."""
