@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -89,6 +90,14 @@ def _pid_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, IndexError):
         return False
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Callable[..., str]) -> Any:
+    """The tiny llama checkpoint's HF tokenizer (the datasets' token counts)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir("llama"))
 
 
 @pytest.fixture(scope="module")

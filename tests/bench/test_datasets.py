@@ -22,13 +22,6 @@ from kvserve.bench.datasets import (
 )
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_dir("llama"))
-
-
 def _count(tokenizer, text: str) -> int:
     return len(tokenizer.encode(text, add_special_tokens=False))
 

@@ -23,13 +23,6 @@ from kvserve.bench.datasets import (
 from kvserve.entrypoints.cli import main
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_dir("llama"))
-
-
 def _ids(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
