@@ -70,7 +70,7 @@ import socket
 import sys
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TextIO
+from typing import Any, TextIO
 
 import aiohttp
 from aiohttp import web
@@ -458,23 +458,22 @@ async def _stop_replicas(replicas: Sequence[Replica], timeout_s: float) -> None:
         await asyncio.wait(outputs, timeout=5.0)
 
 
-async def _served_name(replica: Replica, api_key: str | None) -> str | None:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, IndexError):
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0)) as session:
-            async with session.get(replica.url + "/v1/models", headers=headers) as response:
-                return str((await response.json())["data"][0]["id"])
-    return None
-
-
-async def _served_length(replica: Replica, api_key: str | None) -> int | None:
-    """The max_model_len replica `replica` serves (its /v1/models), None when it cannot be read."""
+async def _first_model(replica: Replica, api_key: str | None) -> dict[str, Any] | None:
+    """The first model replica `replica` lists (its /v1/models: id, max_model_len, ...); None when it cannot be
+    read."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, IndexError, TypeError):
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0)) as session:
             async with session.get(replica.url + "/v1/models", headers=headers) as response:
-                return int((await response.json())["data"][0]["max_model_len"])
+                entry = (await response.json())["data"][0]
+                return entry if isinstance(entry, dict) else None
     return None
+
+
+def _served_length(entry: dict[str, Any] | None) -> int | None:
+    """The max_model_len a replica's first listed model has (None: not read)."""
+    length = None if entry is None else entry.get("max_model_len")
+    return length if isinstance(length, int) else None
 
 
 def unequal_lengths_warning(lengths: Mapping[int, int | None]) -> str | None:
@@ -538,10 +537,14 @@ async def serve_replicas(ns: argparse.Namespace, plans: Sequence[ReplicaPlan], s
         # Logged before the site starts, so that a client served first (one waiting in the backlog) finds it
         # in the log.
         host, port = sock.getsockname()[:2]
-        name = await _served_name(replicas[0], config.api_key) or "the model"
-        if is_auto_max_model_len(getattr(ns, "max_model_len", None)):
-            lengths = await asyncio.gather(*(_served_length(r, config.api_key) for r in replicas))
-            unequal = unequal_lengths_warning({r.plan.index: n for r, n in zip(replicas, lengths, strict=True)})
+        # With --max-model-len auto, every replica's length is compared (each sized its own KV cache).
+        auto_length = is_auto_max_model_len(getattr(ns, "max_model_len", None))
+        asked = replicas if auto_length else replicas[:1]
+        entries = await asyncio.gather(*(_first_model(r, config.api_key) for r in asked))
+        name = str(entries[0]["id"]) if entries[0] is not None and "id" in entries[0] else "the model"
+        if auto_length:
+            unequal = unequal_lengths_warning({r.plan.index: _served_length(entry)
+                                               for r, entry in zip(replicas, entries, strict=True)})
             if unequal is not None:
                 logger.warning("%s", unequal)
         local = " (this machine only; --host 0.0.0.0 to accept others)" if ns.host == LOCAL_HOST else ""
