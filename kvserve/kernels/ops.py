@@ -849,6 +849,21 @@ def penalise_rows_(
     impl(logits, rows, slots, seen, counts, repetition_penalties, frequency_penalties, presence_penalties)
 
 
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mixture-of-experts router's choice (see `reference.select_experts`); torch ops on every device."""
+    return reference.select_experts(router_logits, top_k, renormalize)
+
+
+def fused_moe(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """A mixture-of-experts MLP's experts (see `reference.fused_moe` for the contract): the Triton kernels on
+    CUDA tensors (graph-safe), the reference on CPU."""
+    module = _triton_module("triton_moe") if x.is_cuda else None
+    impl = module.fused_moe if module is not None else reference.fused_moe
+    return impl(x, w13, w2, topk_weights, topk_ids)
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -948,6 +963,7 @@ __all__ = [
     "set_prefill_fast_path",
     "get_elementwise_backend",
     "fp8_linear",
+    "fused_moe",
     "fp8_numerics",
     "fp8_matmul_fits",
     "linear",
@@ -956,6 +972,7 @@ __all__ = [
     "paged_attention",
     "reshape_and_cache",
     "rms_norm",
+    "select_experts",
     "rotary_embedding",
     "rotary_embedding_and_cache",
     "rotary_embedding_and_cache_padded",

@@ -204,6 +204,47 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :d]) * x[..., d:]
 
 
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mixture-of-experts router's choice: softmax over the experts in float32, the `top_k` largest, their
+    weights renormalised to sum to 1 when `renormalize` (Mixtral always; Qwen3-MoE's `norm_topk_prob`).
+
+    router_logits: ``[T, E]``; returns (weights float32 ``[T, top_k]``, expert ids int32 ``[T, top_k]``).
+    Graph-safe (no host sync)."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def fused_moe(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """The experts of a mixture-of-experts MLP with SiLU gating, for every token's chosen experts.
+
+    x ``[T, H]``; w13 ``[E, 2 * I, H]`` (each expert's gate rows, then its up rows); w2 ``[E, H, I]``;
+    topk_weights float32 ``[T, k]``; topk_ids int32 or int64 ``[T, k]`` in [0, E). Returns ``[T, H]`` in x's
+    dtype: ``out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(gate_e x[t]) * up_e x[t])`` with
+    ``e = topk_ids[t, j]``. Rounding as HF's sparse MoE blocks: each expert's matmuls and activation in x's
+    dtype, its output times the weight cast to that dtype, summed in that dtype in expert order.
+    (Host syncs: a CPU path and the GPU kernels' oracle, not a graph-safe one.)"""
+    num_experts = w13.shape[0]
+    inter = w2.shape[2]
+    out = torch.zeros_like(x)
+    ids = topk_ids.to(torch.int64)
+    weights = topk_weights.to(x.dtype)
+    hit = torch.zeros(num_experts, dtype=torch.bool, device=x.device)
+    hit[ids.reshape(-1)] = True
+    for expert in hit.nonzero().reshape(-1).tolist():
+        token, slot = (ids == expert).nonzero(as_tuple=True)
+        rows = x.index_select(0, token)
+        gate_up = F.linear(rows, w13[expert])
+        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        y = F.linear(act, w2[expert]) * weights[token, slot].unsqueeze(1)
+        out.index_add_(0, token, y)
+    return out
+
+
 def quantized_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) for a quantized layer's packed weight (`layers.quantization.PackedWeight`):
     its dense weight, dequantized in float32 and rounded to x's dtype, times x as `F.linear` computes it."""

@@ -1,0 +1,66 @@
+"""The mixture-of-experts reference (`reference.select_experts` / `reference.fused_moe`) against HF's own
+sparse MoE block, which the model's differential tests build on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.kernels import reference
+
+transformers = pytest.importorskip("transformers")
+qwen3_moe = pytest.importorskip("transformers.models.qwen3_moe.modeling_qwen3_moe")
+
+
+def _hf_block(dtype: torch.dtype, norm_topk_prob: bool) -> torch.nn.Module:
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=32, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=3, norm_topk_prob=norm_topk_prob
+    )
+    torch.manual_seed(0)
+    block = qwen3_moe.Qwen3MoeSparseMoeBlock(config)
+    for param in block.parameters():
+        torch.nn.init.normal_(param, std=0.2)
+    return block.to(dtype)
+
+
+def _stacked(block: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    experts = block.experts
+    if hasattr(experts, "gate_up_proj"):  # transformers 5: the experts' weights as two stacked tensors
+        return experts.gate_up_proj.detach(), experts.down_proj.detach()
+    w13 = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in experts])
+    return w13.detach(), torch.stack([e.down_proj.weight for e in experts]).detach()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_the_reference_moe_is_hf_sparse_moe_block(dtype: torch.dtype, norm_topk_prob: bool) -> None:
+    block = _hf_block(dtype, norm_topk_prob)
+    x = torch.randn(7, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
+    with torch.no_grad():
+        want = block(x.unsqueeze(0))
+        want = (want[0] if isinstance(want, tuple) else want).reshape(7, 32)
+        weights, ids = reference.select_experts(torch.nn.functional.linear(x, block.gate.weight), 3, norm_topk_prob)
+        w13, w2 = _stacked(block)
+        got = reference.fused_moe(x, w13, w2, weights, ids)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int32 and ids.shape == (7, 3)
+    if norm_topk_prob:
+        torch.testing.assert_close(weights.sum(-1), torch.ones(7), rtol=0, atol=1e-6)
+    torch.testing.assert_close(got, want)
+
+
+def test_tokens_routed_to_no_expert_get_zeros_and_each_choice_counts() -> None:
+    w13 = torch.randn(4, 8, 6)
+    w2 = torch.randn(4, 6, 4)
+    x = torch.randn(2, 6)
+    ids = torch.tensor([[1, 3], [1, 1]], dtype=torch.int32)  # the second token picks expert 1 twice
+    weights = torch.tensor([[0.25, 0.75], [0.5, 0.5]])
+    got = reference.fused_moe(x, w13, w2, weights, ids)
+
+    def expert(e: int, row: torch.Tensor) -> torch.Tensor:
+        gate_up = w13[e] @ row
+        return w2[e] @ (torch.nn.functional.silu(gate_up[:4]) * gate_up[4:])
+
+    torch.testing.assert_close(got[0], 0.25 * expert(1, x[0]) + 0.75 * expert(3, x[0]))
+    torch.testing.assert_close(got[1], expert(1, x[1]))
+    zero = reference.fused_moe(x, w13, w2, torch.zeros(2, 2), ids)
+    assert torch.equal(zero, torch.zeros_like(x))
