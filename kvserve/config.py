@@ -467,6 +467,12 @@ class EngineArgs:
                     f"pass --max-model-len {model_limit} or less (or set VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 to allow "
                     f"it, at the risk of wrong outputs past {model_limit} tokens)"
                 )
+        if arch.sliding_window is not None and max_model_len > arch.sliding_window:
+            raise ConfigError(
+                f"{arch.architecture}: its config.json sets sliding_window {arch.sliding_window}, and kvserve has no "
+                f"sliding-window attention: it serves the model only up to that length (where attention within the "
+                f"window is full attention); pass --max-model-len {arch.sliding_window} or less (max_model_len is "
+                f"{max_model_len})")
         if self.max_num_batched_tokens is not None:
             max_batched = _token_count("max_num_batched_tokens", self.max_num_batched_tokens)
         else:
@@ -672,6 +678,9 @@ def _check_quantization(asked: str | None, model_path: str, arch: Any) -> str | 
     if asked is None:
         return None
     held = "gguf" if model_path.endswith(".gguf") else (arch.quantization.method if arch.quantization else None)
+    if asked.lower() == "fp8" and held is None and arch.is_moe:
+        raise ConfigError(f"--quantization fp8 is not supported for mixture-of-experts models yet ({arch.architecture}: "
+                          "its experts have no fp8 path); drop the flag to serve the model in its own dtype")
     if asked.lower() == "fp8":
         if held == "fp8":
             return None  # an fp8 checkpoint: its own weights and scales, nothing quantized at load

@@ -1,8 +1,10 @@
 """The model's shape and flavour (`ArchConfig`), read from an HF `config.json` or from GGUF metadata.
 
-One frozen dataclass describes every supported decoder: Llama, Qwen2 (bias on q/k/v) and Qwen3 (RMSNorm on
-each q/k head, head_dim independent of hidden_size / num_heads). Model code reads only these fields, never
-the architecture name, so a GGUF and a safetensors checkpoint of one model build the same network.
+One frozen dataclass describes every supported decoder: Llama, Qwen2 (bias on q/k/v), Qwen3 (RMSNorm on
+each q/k head, head_dim independent of hidden_size / num_heads), and the mixture-of-experts Qwen3-MoE (Qwen3's
+attention) and Mixtral (Llama's), whose MLP is a routed set of experts in the layers `moe_layers` names. Model
+code reads only these fields, never the architecture name, so a GGUF and a safetensors checkpoint of one model
+build the same network.
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ class ArchConfig:
     "float16", "bfloat16" or "float32"; None where it says none, or for a GGUF file (--dtype auto reads it).
     kv_cache_scheme: the quantization_config declares per-layer KV-cache scales (compressed-tensors'
     `kv_cache_scheme`), which the checkpoint's tensors should then carry.
+    num_experts / num_experts_per_tok / moe_intermediate_size / norm_topk_prob: a mixture-of-experts model's
+    experts, how many each token is routed to, each expert's MLP width, and whether the chosen experts' weights
+    are renormalised to sum to 1 (Mixtral always; Qwen3-MoE's `norm_topk_prob`). moe_layers: the layers whose
+    MLP is the experts (the others have the dense MLP of `intermediate_size`); empty for a dense model.
     """
 
     architecture: str
@@ -61,6 +67,14 @@ class ArchConfig:
     quantization: QuantConfig | None = None
     config_dtype: str | None = None
     kv_cache_scheme: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
+    # Every layer attends within this many tokens (Mixtral's `sliding_window`), None for full attention. kvserve
+    # has no windowed attention: the engine config refuses a max_model_len past it (up to it the two are equal).
+    sliding_window: int | None = None
     # A --max-model-len past `max_positions` that the user allowed (KVSERVE_ALLOW_LONG_MAX_MODEL_LEN): the RoPE
     # table is built that long (set by the loader, never read from a checkpoint).
     long_max_model_len: int | None = None
@@ -87,11 +101,35 @@ class ArchConfig:
             check_rope_scaling(self.rope_scaling)
         except ValueError as exc:
             raise ModelLoadError(f"model config: {exc}") from None
+        if self.moe_layers:
+            self._check_experts()
         if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
             raise ModelLoadError(
                 f"rope_freqs has {len(self.rope_freq_factors)} values, expected head_dim/2 = "
                 f"{self.head_dim // 2}"
             )
+
+    def _check_experts(self) -> None:
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ModelLoadError(f"model config: {name} must be a positive integer, got {value!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ModelLoadError(f"model config: num_experts_per_tok ({self.num_experts_per_tok}) is more than the "
+                                 f"model's {self.num_experts} experts")
+        if self.hidden_act != "silu":
+            raise ModelLoadError(f"model config: hidden_act {self.hidden_act!r} in a mixture-of-experts model is not "
+                                 "supported (its experts run SiLU-gated MLPs)")
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether any layer's MLP is a mixture of experts."""
+        return bool(self.moe_layers)
+
+    @property
+    def has_dense_mlp(self) -> bool:
+        """Whether any layer's MLP is the dense one (of `intermediate_size`)."""
+        return len(self.moe_layers) < self.num_hidden_layers
 
     @property
     def max_positions(self) -> int:
@@ -135,6 +173,11 @@ class _Family:
     qkv_bias_always: bool  # Qwen2 hard-codes q/k/v bias; others follow `attention_bias`
     o_proj_bias_follows_attention_bias: bool
     qk_norm: bool
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    # "qwen3_moe" / "mixtral": a mixture-of-experts family, whose config keys `_moe_fields` reads; None: dense.
+    moe: str | None = None
+    attention_bias_key: bool = True  # False: the family's attention has no bias whatever config.json says
 
 
 _FAMILIES: dict[str, _Family] = {
@@ -150,7 +193,22 @@ _FAMILIES: dict[str, _Family] = {
         max_position_embeddings=32768, head_dim=128, num_key_value_heads=32, bos_token_id=None, eos_token_id=None,
         qkv_bias_always=False, o_proj_bias_follows_attention_bias=True, qk_norm=True,
     ),
+    # Qwen3MoeConfig: no head_dim default (hidden_size / num_attention_heads), 4 KV heads.
+    "Qwen3MoeForCausalLM": _Family(
+        max_position_embeddings=32768, head_dim=None, num_key_value_heads=4, bos_token_id=None, eos_token_id=None,
+        qkv_bias_always=False, o_proj_bias_follows_attention_bias=True, qk_norm=True, moe="qwen3_moe",
+    ),
+    # MixtralConfig: Llama's attention without any bias, RoPE theta 1e6, eps 1e-5, 8 KV heads.
+    "MixtralForCausalLM": _Family(
+        max_position_embeddings=4096 * 32, head_dim=None, num_key_value_heads=8, bos_token_id=1, eos_token_id=2,
+        qkv_bias_always=False, o_proj_bias_follows_attention_bias=False, qk_norm=False, rope_theta=1e6,
+        rms_norm_eps=1e-5, moe="mixtral", attention_bias_key=False,
+    ),
 }
+
+# GGUF architectures of mixture-of-experts models, which kvserve does not load yet (llama.cpp also writes Mixtral as
+# "llama" with an `expert_count`).
+GGUF_MOE_ARCHITECTURES = ("qwen3moe", "mixtral", "qwen2moe")
 
 # GGUF `general.architecture` -> HF architecture name.
 GGUF_ARCHITECTURES: dict[str, str] = {
@@ -185,7 +243,7 @@ def _from_hf_dir(path: str) -> ArchConfig:
         )
     architecture = architectures[0]
     family = _family(architecture)
-    sliding = _sliding_layers(cfg, family)
+    sliding = _sliding_layers(cfg, family) if family.moe is None else _moe_sliding_layers(cfg, family)
     if sliding:
         raise ModelLoadError(f"{path}: sliding-window attention layers are not supported yet (config.json gives "
                              f"{len(sliding)} layer(s) a window of {cfg.get('sliding_window', 4096)} tokens: "
@@ -199,9 +257,10 @@ def _from_hf_dir(path: str) -> ArchConfig:
     hidden_size = require("hidden_size")
     num_heads = require("num_attention_heads")
     max_position = int(cfg.get("max_position_embeddings") or family.max_position_embeddings)
-    rope_theta, rope_scaling = _rope_from_hf_config(cfg, max_position)
+    rope_theta, rope_scaling = _rope_from_hf_config(cfg, max_position, family.rope_theta)
     head_dim = cfg.get("head_dim") or family.head_dim or hidden_size // num_heads
-    attention_bias = bool(cfg.get("attention_bias", False))
+    attention_bias = family.attention_bias_key and bool(cfg.get("attention_bias", False))
+    moe = _moe_fields(cfg, family, path)
 
     generation = _read_json(os.path.join(path, "generation_config.json")) or {}
     raw_quant, quant_file = cfg.get("quantization_config"), "config.json"
@@ -218,6 +277,11 @@ def _from_hf_dir(path: str) -> ArchConfig:
     if raw_quant and is_kv_cache_only(raw_quant, f"{path}/{quant_file}"):
         raw_quant = None  # dense weights; the checkpoint's KV-cache scales are loaded with them
     quantization = parse_quant_config(raw_quant, f"{path}/{quant_file}") if raw_quant else None
+    if quantization is not None and family.moe is not None:
+        raise ModelLoadError(
+            f"{path}: {architecture} is a mixture-of-experts model, and kvserve does not load quantized "
+            f"({quantization.method}) checkpoints of those yet: use the unquantized (bfloat16 / float16) checkpoint"
+        )
     eos_ids = _merge_ids(generation.get("eos_token_id"), cfg.get("eos_token_id", family.eos_token_id))
     return ArchConfig(
         architecture=architecture,
@@ -228,7 +292,7 @@ def _from_hf_dir(path: str) -> ArchConfig:
         num_attention_heads=num_heads,
         num_key_value_heads=_num_kv_heads(cfg, family, num_heads),
         head_dim=head_dim,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", _DEFAULT_RMS_NORM_EPS)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", family.rms_norm_eps)),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         max_position_embeddings=max_position,
@@ -243,7 +307,69 @@ def _from_hf_dir(path: str) -> ArchConfig:
         quantization=quantization,
         config_dtype=_config_dtype(cfg),
         kv_cache_scheme=kv_cache_scheme,
+        **moe,
     )
+
+
+def _moe_fields(cfg: dict[str, Any], family: _Family, path: str) -> dict[str, Any]:
+    """ArchConfig's mixture-of-experts fields from config.json, with HF's config classes' defaults for missing
+    keys ({} for a dense family). Qwen3-MoE (Qwen3MoeConfig): num_experts (128; saved by Transformers 5 as
+    `num_local_experts`, its attribute_map's name), num_experts_per_tok (8), moe_intermediate_size (768),
+    norm_topk_prob (false), and layer i is MoE unless listed in mlp_only_layers, and when (i + 1) %
+    decoder_sparse_step == 0 (step 1) and num_experts > 0, as Qwen3MoeDecoderLayer decides. Mixtral
+    (MixtralConfig): num_local_experts (8), num_experts_per_tok (2), each expert intermediate_size wide, every
+    layer MoE, weights always renormalised."""
+    if family.moe is None:
+        return {}
+    num_layers = cfg.get("num_hidden_layers") if isinstance(cfg.get("num_hidden_layers"), int) else 0
+    if family.moe == "mixtral":
+        return {
+            "num_experts": cfg.get("num_local_experts", cfg.get("num_experts", 8)),
+            "num_experts_per_tok": cfg.get("num_experts_per_tok", 2),
+            "moe_intermediate_size": cfg.get("intermediate_size"),
+            "norm_topk_prob": True,
+            "moe_layers": tuple(range(num_layers)),
+            "sliding_window": _mixtral_window(cfg, path),
+        }
+    num_experts = cfg.get("num_experts", cfg.get("num_local_experts", 128))
+    step = cfg.get("decoder_sparse_step", 1)
+    dense = cfg.get("mlp_only_layers") or []
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise ModelLoadError(f"{path}/config.json: decoder_sparse_step must be a positive integer, got {step!r}")
+    if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
+        raise ModelLoadError(f"{path}/config.json: mlp_only_layers must be a list of layer indices, got {dense!r}")
+    sparse = isinstance(num_experts, int) and num_experts > 0
+    layers = tuple(i for i in range(num_layers) if sparse and i not in dense and (i + 1) % step == 0)
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": cfg.get("num_experts_per_tok", 8),
+        "moe_intermediate_size": cfg.get("moe_intermediate_size", 768),
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+        "moe_layers": layers,
+    }
+
+
+def _mixtral_window(cfg: dict[str, Any], path: str) -> int | None:
+    """Mixtral's `sliding_window` (every layer's; null in the released checkpoints): None, or the window, which
+    the engine config holds max_model_len to (`ArchConfig.sliding_window`)."""
+    window = cfg.get("sliding_window")
+    if window is None:
+        return None
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ModelLoadError(f"{path}/config.json: sliding_window must be a positive integer or null, got {window!r}")
+    return window
+
+
+def _moe_sliding_layers(cfg: dict[str, Any], family: _Family) -> list[int]:
+    """Qwen3-MoE's sliding-window layers: every layer with `use_sliding_window` and a `sliding_window` (default
+    4096; Qwen3MoeConfig has no max_window_layers). Mixtral's window is `ArchConfig.sliding_window`, not refused
+    here."""
+    if family.moe != "qwen3_moe" or not cfg.get("use_sliding_window"):
+        return []
+    if cfg.get("sliding_window", _DEFAULT_SLIDING_WINDOW) is None:
+        return []
+    num_layers = cfg.get("num_hidden_layers") if isinstance(cfg.get("num_hidden_layers"), int) else 0
+    return list(range(num_layers))
 
 
 def _num_kv_heads(cfg: dict[str, Any], family: _Family, num_heads: int) -> Any:
@@ -325,7 +451,9 @@ def _config_dtype(cfg: dict[str, Any]) -> str | None:
     return None
 
 
-def _rope_from_hf_config(cfg: dict[str, Any], max_position: int) -> tuple[float, dict[str, Any] | None]:
+def _rope_from_hf_config(
+    cfg: dict[str, Any], max_position: int, default_theta: float = 10000.0
+) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling) from transformers-5 `rope_parameters` or the older `rope_theta` +
     `rope_scaling` (whose type key is `type` or `rope_type`). Where config.json has both, a `rope_scaling`
     replaces `rope_parameters` whole, as Transformers 5 reads it: it is what users add to a config to turn on
@@ -335,7 +463,7 @@ def _rope_from_hf_config(cfg: dict[str, Any], max_position: int) -> tuple[float,
     params: dict[str, Any] = dict(source) if isinstance(source, dict) else {}
     if any(isinstance(value, dict) for value in params.values()):
         raise ModelLoadError("per-layer-type rope parameters are not supported")
-    theta = params.pop("rope_theta", None) or cfg.get("rope_theta") or _DEFAULT_ROPE_THETA
+    theta = params.pop("rope_theta", None) or cfg.get("rope_theta") or default_theta
     legacy_type = params.pop("type", None)
     rope_type = params.pop("rope_type", None) or legacy_type or "default"
     partial = params.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
@@ -366,6 +494,14 @@ def _from_gguf(path: str) -> ArchConfig:
             f"single file: merge the parts with `llama-gguf-split --merge <first part> merged.gguf` and pass merged.gguf"
         )
     gguf_arch = meta.get("general.architecture")
+    experts = meta.get(f"{gguf_arch}.expert_count")
+    if gguf_arch in GGUF_MOE_ARCHITECTURES or (isinstance(experts, int) and experts > 0):
+        raise ModelLoadError(
+            f"{os.path.basename(path)}: a mixture-of-experts GGUF file (architecture {gguf_arch!r}"
+            f"{f', {experts} experts' if isinstance(experts, int) else ''}): kvserve does not load MoE models from "
+            "GGUF yet; use the model's HF safetensors checkpoint (Qwen3MoeForCausalLM and MixtralForCausalLM load "
+            "from those)"
+        )
     architecture = GGUF_ARCHITECTURES.get(gguf_arch or "")
     if architecture is None:
         raise ModelLoadError(

@@ -1,9 +1,12 @@
-"""The Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3) over a paged KV cache.
+"""The Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3, Qwen3-MoE, Mixtral) over a paged KV cache.
 
 Module and parameter names mirror HF Transformers (``model.layers.N.self_attn...``) except for the fused
 projections: ``qkv_proj`` holds q_proj/k_proj/v_proj and ``mlp.gate_up_proj`` holds gate_proj/up_proj.
 Differences between the families are flags of `ArchConfig` (qkv bias, q/k norm, tied embeddings, RoPE
-scaling), so the three registered classes share this one implementation.
+scaling, which layers' MLP is a mixture of experts: `layers.moe`), so the registered classes share this one
+implementation. A mixture-of-experts layer's MLP is ``mlp`` for both MoE families (Mixtral's checkpoints name it
+``block_sparse_moe``), holding ``gate`` (the router) and ``experts.w13`` / ``experts.w2`` (every expert's
+weights stacked).
 
 Numerics follow HF's op order so float32 outputs match HF's: RMSNorm in float32 then cast, residual adds
 in the model dtype, RoPE from an HF-identical float32 table, attention scaled by head_dim ** -0.5.
@@ -26,6 +29,7 @@ from kvserve.layers.attention import Attention
 from kvserve.layers.attention_metadata import AttentionMetadata
 from kvserve.layers.embedding import LMHead, VocabEmbedding
 from kvserve.layers.linear import Linear, MergedLinear, QKVLinear
+from kvserve.layers.moe import FUSED, SparseMoeBlock
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.quantization import QuantConfig
 from kvserve.layers.rotary import RotaryEmbedding
@@ -71,6 +75,15 @@ _PACKED_SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx")
 # Rows of a tied checkpoint's lm_head.weight compared with the embedding's (`load_weights`).
 _TIED_ROWS_COMPARED = 8
 _LAYER_PREFIX = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# A mixture-of-experts layer's checkpoint tensors: one expert's projection (Qwen3-MoE's gate_proj / up_proj /
+# down_proj, Mixtral's w1 / w3 / w2, under `mlp` or Mixtral's `block_sparse_moe`), every expert's fused (as HF
+# Transformers 5 holds them), or the router.
+_EXPERT_TENSOR = re.compile(
+    r"(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
+_FUSED_EXPERTS_TENSOR = re.compile(r"(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)")
+_ROUTER_TENSOR = re.compile(r"(model\.layers\.\d+)\.block_sparse_moe\.gate\.weight")
+_EXPERT_PARTS = {"gate_proj": ("w13", "gate"), "w1": ("w13", "gate"), "up_proj": ("w13", "up"), "w3": ("w13", "up"),
+                 "down_proj": ("w2", "down"), "w2": ("w2", "down")}
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -208,13 +221,21 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
+def _moe_block(arch: ArchConfig, dtype: torch.dtype) -> SparseMoeBlock:
+    """A mixture-of-experts layer's MLP (this rank's share of each expert, `arch` being `layer_arch`)."""
+    names = ("w1", "w3", "w2") if arch.architecture == "MixtralForCausalLM" else ("gate_proj", "up_proj", "down_proj")
+    return SparseMoeBlock(arch.hidden_size, arch.num_experts, arch.num_experts_per_tok, arch.moe_intermediate_size,
+                          arch.norm_topk_prob, dtype, names)
+
+
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig, rotary_emb: RotaryEmbedding, dtype: torch.dtype, prefix: str = "") -> None:
+    def __init__(self, arch: ArchConfig, rotary_emb: RotaryEmbedding, dtype: torch.dtype, prefix: str = "",
+                 moe: bool = False) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.self_attn = LlamaAttention(arch, rotary_emb, dtype, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(arch, dtype, f"{prefix}.mlp")
+        self.mlp: nn.Module = _moe_block(arch, dtype) if moe else LlamaMLP(arch, dtype, f"{prefix}.mlp")
 
     def forward(
         self,
@@ -300,7 +321,8 @@ class LlamaModel(nn.Module):
             arch.rope_freq_factors,
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, rotary_emb, dtype, f"model.layers.{i}") for i in range(arch.num_hidden_layers)
+            LlamaDecoderLayer(arch, rotary_emb, dtype, f"model.layers.{i}", moe=i in arch.moe_layers)
+            for i in range(arch.num_hidden_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
 
@@ -415,7 +437,9 @@ class LlamaForCausalLM(CausalLM):
             if self.arch.tie_word_embeddings and ckpt_name == "lm_head.weight":
                 # Some exporters save the tied copy anyway; the embedding is the one we keep.
                 continue
-            param_name, shard_id = _param_name(ckpt_name)
+            param_name, shard_id = _expert_param_name(ckpt_name) if self.arch.is_moe else (None, None)
+            if param_name is None:
+                param_name, shard_id = _param_name(ckpt_name)
             param = params.get(param_name)
             if param is None and param_name.endswith(".weight") and f"{param_name}_fp8" in params:
                 param_name = f"{param_name}_fp8"  # an fp8 checkpoint's layer (`Linear.weight_fp8`)
@@ -458,12 +482,15 @@ class LlamaForCausalLM(CausalLM):
                 param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
             except ValueError as exc:
                 raise ModelLoadError(f"checkpoint tensor {ckpt_name!r}: {exc}") from None
-            loaded[param_name].add(shard_id)
+            if shard_id == FUSED:  # (every expert's)
+                loaded[param_name].update(param.shard_ids)  # type: ignore[attr-defined]
+            else:
+                loaded[param_name].add(shard_id)
         # A GPTQ checkpoint not in activation order may leave g_idx out (its rows are in group order, k //
         # group_size: what the load assumes without one, as vLLM does); an act-order one needs its order.
         optional = (".g_idx",) if quant is not None and quant.method == "gptq" and not quant.act_order else ()
         missing = [
-            f"{name} (shard {shard!r})" if shard is not None else name
+            _describe_missing(name, param, shard)
             for name, param in params.items()
             for shard in param.shard_ids  # type: ignore[attr-defined]
             if shard not in loaded[name] and not name.endswith(optional)
@@ -506,6 +533,40 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3: Llama with per-head q/k RMSNorm (ArchConfig.qk_norm) and an independent head_dim."""
+
+
+class Qwen3MoeForCausalLM(LlamaForCausalLM):
+    """Qwen3-MoE: Qwen3's attention, and a mixture of experts as the MLP of the layers ArchConfig.moe_layers names
+    (the others keep the dense MLP)."""
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    """Mixtral: Llama's attention, and a mixture of experts as every layer's MLP (`block_sparse_moe`)."""
+
+
+def _expert_param_name(ckpt_name: str) -> tuple[str | None, Hashable]:
+    """A mixture-of-experts checkpoint tensor -> (our parameter, shard id: (expert, part) or `FUSED`); (None,
+    None) for any other name."""
+    match = _EXPERT_TENSOR.fullmatch(ckpt_name)
+    if match is not None:
+        which, part = _EXPERT_PARTS[match.group(3)]
+        return f"{match.group(1)}.mlp.experts.{which}", (int(match.group(2)), part)
+    match = _FUSED_EXPERTS_TENSOR.fullmatch(ckpt_name)
+    if match is not None:
+        return f"{match.group(1)}.mlp.experts.{'w13' if match.group(2) == 'gate_up_proj' else 'w2'}", FUSED
+    match = _ROUTER_TENSOR.fullmatch(ckpt_name)
+    if match is not None:
+        return f"{match.group(1)}.mlp.gate.weight", None
+    return None, None
+
+
+def _describe_missing(name: str, param: torch.nn.Parameter, shard: Hashable) -> str:
+    """What a checkpoint lacks for shard `shard` of parameter `name`: the parameter's own description (an
+    expert's: the checkpoint tensor's name), else the name and shard."""
+    describe = getattr(param, "describe_shard", None)
+    if describe is not None:
+        return describe(name.rsplit(".", 1)[0], shard)
+    return f"{name} (shard {shard!r})" if shard is not None else name
 
 
 def _kv_scale_value(ckpt_name: str, tensor: torch.Tensor) -> float:

@@ -82,17 +82,18 @@ def load_model(model_config: ModelConfig, device: torch.device, kv_cache_dtype: 
     return model.eval()
 
 
-# The parameter attributes that only loading uses (layers.linear, layers.embedding, layers.quantization).
-_LOAD_HOOKS = ("weight_loader", "dummy_fill")
+# The parameter attributes that only loading uses (layers.linear, layers.embedding, layers.quantization,
+# layers.moe).
+_LOAD_HOOKS = ("weight_loader", "dummy_fill", "describe_shard")
 
 
 def release_load_hooks(model: torch.nn.Module) -> None:
     """Drop what only loading uses from every parameter of a loaded model: `weight_loader` and `dummy_fill`, bound
-    methods or closures of the layer that holds the parameter. Each is a reference cycle (layer -> parameter ->
-    method -> layer), which reference counting cannot free: a dropped model (an `LLM` gone out of scope) kept
-    its weights until the garbage collector's next full collection, which the few Python objects an engine
-    makes seldom start (`LLM`s made one after another in one process grew it by about 400 MB each with the
-    default model on CPU, and the test suite's workers to 6 GB)."""
+    methods or closures of the layer that holds the parameter (and the experts' `describe_shard`). Each is a
+    reference cycle (layer -> parameter -> method -> layer), which reference counting cannot free: a dropped model
+    (an `LLM` gone out of scope) kept its weights until the garbage collector's next full collection, which the
+    few Python objects an engine makes seldom start (`LLM`s made one after another in one process grew it by
+    about 400 MB each with the default model on CPU, and the test suite's workers to 6 GB)."""
     for param in model.parameters():
         for name in _LOAD_HOOKS:
             param.__dict__.pop(name, None)

@@ -69,11 +69,14 @@ class CausalLM(nn.Module, ABC):
 
 
 # HF `architectures[0]` -> (module, class). Qwen2/Qwen3 differ from Llama only in flags carried by
-# ArchConfig (qkv bias, q/k norm), so one decoder implementation serves all three.
+# ArchConfig (qkv bias, q/k norm), and Qwen3-MoE / Mixtral in their layers' MLP (a mixture of experts), so one
+# decoder implementation serves all five.
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("kvserve.model.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("kvserve.model.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("kvserve.model.llama", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("kvserve.model.llama", "Qwen3MoeForCausalLM"),
+    "MixtralForCausalLM": ("kvserve.model.llama", "MixtralForCausalLM"),
 }
 
 

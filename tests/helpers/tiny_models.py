@@ -116,6 +116,17 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
             },
         },
     ),
+    # Mixture of experts: 8 experts of width 32, 2 per token. Qwen3-MoE over 4 layers with layer 0 dense
+    # (mlp_only_layers, its MLP of intermediate_size 128) and renormalised router weights; the "-step" variant
+    # without renormalisation and with decoder_sparse_step 2 (layers 1 and 3 MoE, 0 and 2 dense).
+    "qwen3-moe": ("qwen3_moe", {"head_dim": 32, "num_hidden_layers": 4, "num_experts": 8, "num_experts_per_tok": 2,
+                                "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [0]}),
+    "qwen3-moe-step": ("qwen3_moe", {"head_dim": 32, "num_hidden_layers": 4, "num_experts": 8,
+                                     "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": False,
+                                     "decoder_sparse_step": 2}),
+    # Mixtral: every layer MoE, each expert intermediate_size (32) wide.
+    "mixtral": ("mixtral", {"num_hidden_layers": 3, "num_local_experts": 8, "num_experts_per_tok": 2,
+                            "intermediate_size": 32}),
 }
 
 _BASE_CONFIG: dict[str, Any] = {

@@ -31,7 +31,7 @@ NUM_BLOCKS = 12
 # gather, so they agree to a few ulps of the logits' magnitude (order 1-10).
 ATOL = 1e-4
 RTOL = 1e-5
-VARIANTS = ["llama", "llama3", "llama-tied", "qwen2", "qwen3"]
+VARIANTS = ["llama", "llama3", "llama-tied", "qwen2", "qwen3", "qwen3-moe", "qwen3-moe-step", "mixtral"]
 
 PROMPT = "The quick brown fox jumps over the lazy dog while the old cat sleeps on a warm mat by the door."
 OTHER_PROMPT = "Paged attention stores keys in blocks."
@@ -148,7 +148,7 @@ def test_decode_mixed_with_prefill_matches_hf(
     torch.testing.assert_close(prefill, _hf_logits(hf, other_ids), atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3", "qwen3-moe", "mixtral"])
 def test_output_rows_compute_only_those_rows(
     variant: str, tiny_pair: Callable, prompt_ids: list[int], other_ids: list[int]
 ) -> None:

@@ -1,0 +1,301 @@
+"""Mixture-of-experts models (Qwen3-MoE, Mixtral) against HF Transformers, and what kvserve refuses for them.
+
+Tiny random checkpoints (`helpers.tiny_models` variants "qwen3-moe": 4 layers, layer 0 dense through
+mlp_only_layers, 8 experts, 2 per token, renormalised weights; "qwen3-moe-step": decoder_sparse_step 2, no
+renormalisation; "mixtral": 3 layers, all MoE) through kvserve's offline LLM API: greedy tokens equal HF's in
+float32, bfloat16 logprobs within HF bfloat16's own error of HF float32, and engine settings that must not
+change the output (chunked prefill, prefix caching, preemption) leave it alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from kvserve import LLM, SamplingParams
+from kvserve.config import ConfigError, EngineArgs
+from kvserve.model.arch import load_arch_config
+from kvserve.model.paths import ModelLoadError
+
+MOE_VARIANTS = ["qwen3-moe", "qwen3-moe-step", "mixtral"]
+PROMPTS: list[Any] = [
+    "Hi",
+    "A longer prompt that spans more than one block of sixteen tokens, so that block tables matter here.",
+    "中文提示词也要一样。",
+    list(range(1000, 1040)),
+]
+
+
+def _greedy(llm: LLM, prompts: list[Any], num_new: int = 20) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=num_new, min_tokens=num_new)
+    llm.engine.core.check_invariants_every_step = True
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _hf_greedy(model: torch.nn.Module, prompt_ids: list[int], num_new: int) -> list[int]:
+    ids = torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_new,
+                             min_new_tokens=num_new, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def _hf(path: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").eval()
+
+
+# ------------------------------------------------------------------------------------------------ config
+
+
+def test_arch_config_reads_the_experts_as_hf_does(tiny_model_dir: Callable[..., str]) -> None:
+    """Which layers are MoE follows Qwen3MoeDecoderLayer's rule (not in mlp_only_layers, and (i + 1) %
+    decoder_sparse_step == 0); Transformers 5 saves num_experts as num_local_experts."""
+    qwen = load_arch_config(tiny_model_dir("qwen3-moe"))
+    assert (qwen.num_experts, qwen.num_experts_per_tok, qwen.moe_intermediate_size) == (8, 2, 32)
+    assert qwen.moe_layers == (1, 2, 3) and qwen.norm_topk_prob and qwen.qk_norm and qwen.head_dim == 32
+    assert qwen.intermediate_size == 128  # the dense layer 0's
+    step = load_arch_config(tiny_model_dir("qwen3-moe-step"))
+    assert step.moe_layers == (1, 3) and not step.norm_topk_prob
+    hf = _hf(tiny_model_dir("qwen3-moe-step"))
+    hf_moe = tuple(i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts"))
+    assert hf_moe == step.moe_layers
+    mixtral = load_arch_config(tiny_model_dir("mixtral"))
+    assert mixtral.moe_layers == (0, 1, 2) and mixtral.norm_topk_prob and not mixtral.qk_norm
+    assert (mixtral.num_experts, mixtral.moe_intermediate_size, mixtral.rope_theta) == (8, 32, 1e6)
+
+
+def test_missing_keys_take_hf_config_defaults(tmp_path: Path) -> None:
+    """Qwen3MoeConfig's defaults: 128 experts, 8 per token, width 768, no renormalisation, every layer MoE, no
+    head_dim default (hidden / heads), 4 KV heads; MixtralConfig's: 8 experts, 2 per token, rope_theta 1e6,
+    rms_norm_eps 1e-5, 8 KV heads."""
+    base = {"vocab_size": 100, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 8}
+    (tmp_path / "q").mkdir()
+    (tmp_path / "q" / "config.json").write_text(json.dumps({**base, "architectures": ["Qwen3MoeForCausalLM"]}))
+    qwen = load_arch_config(str(tmp_path / "q"))
+    assert (qwen.num_experts, qwen.num_experts_per_tok, qwen.moe_intermediate_size) == (128, 8, 768)
+    assert not qwen.norm_topk_prob and qwen.moe_layers == (0, 1)
+    assert (qwen.head_dim, qwen.num_key_value_heads, qwen.rope_theta) == (8, 4, 10000.0)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**base, "architectures": ["MixtralForCausalLM"]}))
+    mixtral = load_arch_config(str(tmp_path / "m"))
+    assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.moe_intermediate_size) == (8, 2, 128)
+    assert (mixtral.rope_theta, mixtral.rms_norm_eps, mixtral.num_key_value_heads) == (1e6, 1e-5, 8)
+    assert mixtral.max_position_embeddings == 4096 * 32 and mixtral.sliding_window is None
+
+
+# ------------------------------------------------------------------------------------------- vs HF
+
+
+@pytest.mark.parametrize("variant", MOE_VARIANTS)
+def test_greedy_tokens_match_hf(variant: str, tiny_model_dir: Callable[..., str]) -> None:
+    path = tiny_model_dir(variant)
+    hf = _hf(path)
+    llm = LLM(path, max_model_len=256, block_size=16)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=20, min_tokens=20), use_tqdm=False)
+    for out in outs:
+        assert list(out.outputs[0].token_ids) == _hf_greedy(hf, list(out.prompt_token_ids), 20), out.prompt
+
+
+def _teacher_forced_logprobs(model: torch.nn.Module, prompt: list[int], generated: list[int]) -> torch.Tensor:
+    ids = torch.tensor([prompt + generated[:-1]])
+    with torch.inference_mode():
+        logits = model(ids).logits[0, len(prompt) - 1:].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+@pytest.mark.parametrize("variant", ["qwen3-moe", "mixtral"])
+def test_bf16_logprobs_agree_with_hf(variant: str, tiny_model_dir: Callable[..., str]) -> None:
+    """kvserve in bfloat16, teacher-forced HF float32 and bfloat16 on kvserve's tokens: kvserve's top-5
+    logprobs are within twice HF bfloat16's own error of float32 (plus 0.02), its greedy token HF float32's
+    top-1 at 90% of the steps at least."""
+    path = tiny_model_dir(variant)
+    llm = LLM(path, dtype="bfloat16", max_model_len=256)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12, logprobs=5),
+                        use_tqdm=False)
+    hf32, hf16 = _hf(path), _hf(path, torch.bfloat16)
+    kv_err = hf_err = 0.0
+    agree = total = 0
+    for out in outs:
+        prompt, tokens = list(out.prompt_token_ids), list(out.outputs[0].token_ids)
+        ref = _teacher_forced_logprobs(hf32, prompt, tokens)
+        hf = _teacher_forced_logprobs(hf16, prompt, tokens)
+        for step, top in enumerate(out.outputs[0].logprobs):
+            ids = [t for t in top if top[t].rank <= 5]
+            kv_err = max(kv_err, max(abs(top[t].logprob - float(ref[step, t])) for t in ids))
+            ref_top = ref[step].topk(5).indices
+            hf_err = max(hf_err, float((hf[step, ref_top] - ref[step, ref_top]).abs().max()))
+            agree += int(tokens[step] == int(ref_top[0]))
+            total += 1
+    assert kv_err <= 2 * hf_err + 0.02, (kv_err, hf_err)
+    assert agree >= 0.9 * total, (agree, total)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"enable_prefix_caching": False},
+        {"max_num_batched_tokens": 24},  # prompts prefilled over several steps, mixed with decodes
+        {"num_kv_blocks": 10, "max_num_seqs": 4},  # too few blocks for every request: preemption
+    ],
+    ids=["no-prefix-cache", "chunked-prefill", "preemption"],
+)
+def test_engine_settings_do_not_change_greedy_output(settings: dict[str, Any],
+                                                     tiny_model_dir: Callable[..., str]) -> None:
+    path = tiny_model_dir("qwen3-moe")
+    prompts = [*PROMPTS, PROMPTS[1]]  # a repeat: a prefix-cache hit with caching on
+    reference = _greedy(LLM(path, max_model_len=128, block_size=16), prompts, 24)
+    llm = LLM(path, max_model_len=128, block_size=16, **settings)
+    assert _greedy(llm, prompts, 24) == reference
+    if "num_kv_blocks" in settings:
+        assert llm.engine.core.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
+
+
+def test_dummy_weights_load_every_expert(tiny_model_dir: Callable[..., str]) -> None:
+    """--load-format dummy fills the stacked experts (random, non-zero) and the model generates."""
+    llm = LLM(tiny_model_dir("mixtral"), load_format="dummy", max_model_len=64)
+    model = llm.engine.core.runner.model
+    w13 = model.model.layers[0].mlp.experts.w13
+    assert w13.shape == (8, 64, 64) and bool((w13 != 0).all())
+    assert len(_greedy(llm, ["Hi"], 4)[0]) == 4
+
+
+# ------------------------------------------------------------------------------------------------ loader
+
+
+def _rewrite(source: str, directory: Path, change: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]) -> str:
+    """A copy of checkpoint `source` in `directory` whose tensors are `change`d."""
+    out = shutil.copytree(source, directory)
+    weights = load_file(str(out / "model.safetensors"))
+    save_file(change(weights), str(out / "model.safetensors"), metadata={"format": "pt"})
+    return str(out)
+
+
+def _fuse_experts(weights: dict[str, torch.Tensor], num_experts: int, layers: list[int], prefix: str,
+                  names: tuple[str, str, str]) -> dict[str, torch.Tensor]:
+    """Per-expert tensors replaced by HF Transformers 5's fused ones (gate_up_proj [E, 2I, H], down_proj [E, H,
+    I]) under `model.layers.N.mlp.experts`."""
+    gate, up, down = names
+    for n in layers:
+        expert = f"model.layers.{n}.{prefix}.experts"
+        w13 = [torch.cat([weights.pop(f"{expert}.{e}.{gate}.weight"), weights.pop(f"{expert}.{e}.{up}.weight")])
+               for e in range(num_experts)]
+        w2 = [weights.pop(f"{expert}.{e}.{down}.weight") for e in range(num_experts)]
+        weights[f"model.layers.{n}.mlp.experts.gate_up_proj"] = torch.stack(w13)
+        weights[f"model.layers.{n}.mlp.experts.down_proj"] = torch.stack(w2)
+        if prefix != "mlp":
+            weights[f"model.layers.{n}.mlp.gate.weight"] = weights.pop(f"model.layers.{n}.{prefix}.gate.weight")
+    return weights
+
+
+@pytest.mark.parametrize("variant", ["qwen3-moe", "mixtral"])
+def test_fused_expert_tensors_load_as_per_expert_ones(variant: str, tiny_model_dir: Callable[..., str],
+                                                      tmp_path: Path) -> None:
+    """`save_pretrained` writes each expert apart (checked here); a checkpoint holding the experts fused, as
+    Transformers 5's modules hold them, gives the same model."""
+    source = tiny_model_dir(variant)
+    arch = load_arch_config(source)
+    mixtral = variant == "mixtral"
+    prefix, names = ("block_sparse_moe", ("w1", "w3", "w2")) if mixtral else ("mlp", ("gate_proj", "up_proj",
+                                                                                      "down_proj"))
+    keys = set(load_file(os.path.join(source, "model.safetensors")))
+    layer = arch.moe_layers[0]
+    assert f"model.layers.{layer}.{prefix}.experts.7.{names[1]}.weight" in keys
+    fused = _rewrite(source, tmp_path / "fused",
+                     lambda w: _fuse_experts(w, arch.num_experts, list(arch.moe_layers), prefix, names))
+    prompts = PROMPTS[:2]
+    assert _greedy(LLM(fused, max_model_len=128), prompts, 12) == _greedy(LLM(source, max_model_len=128), prompts, 12)
+
+
+def test_a_missing_expert_tensor_is_named(tiny_model_dir: Callable[..., str], tmp_path: Path) -> None:
+    source = tiny_model_dir("qwen3-moe")
+    missing = "model.layers.2.mlp.experts.5.up_proj.weight"
+    path = _rewrite(source, tmp_path / "m", lambda w: {k: v for k, v in w.items() if k != missing})
+    with pytest.raises(ModelLoadError, match=rf"checkpoint lacks weights for {missing.replace('.', '[.]')}$"):
+        LLM(path, max_model_len=64)
+
+
+def test_an_expert_past_the_configs_is_refused(tiny_model_dir: Callable[..., str], tmp_path: Path) -> None:
+    source = tiny_model_dir("mixtral")
+
+    def add(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        weights["model.layers.0.block_sparse_moe.experts.8.w1.weight"] = torch.zeros(32, 64)
+        return weights
+
+    path = _rewrite(source, tmp_path / "m", add)
+    with pytest.raises(ModelLoadError, match=r"experts\.8\.w1\.weight'.*expert 8 is not one of the model's 8 experts"):
+        LLM(path, max_model_len=64)
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+
+
+def _with_config(source: str, directory: Path, **changes: Any) -> str:
+    out = shutil.copytree(source, directory)
+    config = json.loads((out / "config.json").read_text())
+    config.update(changes)
+    (out / "config.json").write_text(json.dumps(config))
+    return str(out)
+
+
+@pytest.mark.parametrize("quant", [
+    {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+    {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True},
+    {"quant_method": "fp8", "activation_scheme": "dynamic"},
+], ids=["awq", "gptq", "fp8"])
+def test_quantized_moe_checkpoints_are_refused(quant: dict[str, Any], tiny_model_dir: Callable[..., str],
+                                               tmp_path: Path) -> None:
+    path = _with_config(tiny_model_dir("qwen3-moe"), tmp_path / "q", quantization_config=quant)
+    with pytest.raises(ModelLoadError, match=rf"Qwen3MoeForCausalLM is a mixture-of-experts model.*quantized "
+                                             rf"\({quant['quant_method']}\) checkpoints.*unquantized"):
+        load_arch_config(path)
+
+
+def test_online_fp8_is_refused_for_moe(tiny_model_dir: Callable[..., str]) -> None:
+    with pytest.raises(ConfigError, match=r"--quantization fp8 is not supported for mixture-of-experts models yet "
+                                          r"\(MixtralForCausalLM"):
+        EngineArgs(model=tiny_model_dir("mixtral"), device="cpu", quantization="fp8").create_engine_config()
+
+
+@pytest.mark.parametrize(("arch", "metadata"), [("qwen3moe", {}), ("llama", {"expert_count": 8})],
+                         ids=["qwen3moe", "mixtral-as-llama"])
+def test_moe_gguf_files_are_refused(arch: str, metadata: dict[str, Any], tmp_path: Path) -> None:
+    """llama.cpp writes Qwen3-MoE as "qwen3moe" and Mixtral as "llama" with an expert_count."""
+    from helpers.tiny_models import write_config_gguf
+
+    path = write_config_gguf(str(tmp_path / "moe.gguf"), arch, metadata)
+    with pytest.raises(ModelLoadError, match=rf"a mixture-of-experts GGUF file \(architecture '{arch}'.*HF "
+                                             r"safetensors checkpoint"):
+        load_arch_config(path)
+
+
+def test_qwen2_moe_is_an_unknown_architecture_naming_the_supported_ones(tiny_model_dir: Callable[..., str],
+                                                                        tmp_path: Path) -> None:
+    path = _with_config(tiny_model_dir("qwen3-moe"), tmp_path / "q2", architectures=["Qwen2MoeForCausalLM"])
+    with pytest.raises(ModelLoadError, match=r"unsupported model architecture 'Qwen2MoeForCausalLM'; supported: "
+                                             r".*MixtralForCausalLM.*Qwen3MoeForCausalLM"):
+        load_arch_config(path)
+
+
+def test_mixtral_sliding_window_holds_max_model_len(tiny_model_dir: Callable[..., str], tmp_path: Path) -> None:
+    """A Mixtral config with a sliding_window: served up to that length (where it is full attention), refused
+    past it with the flag to pass."""
+    path = _with_config(tiny_model_dir("mixtral"), tmp_path / "w", sliding_window=64, max_position_embeddings=256)
+    with pytest.raises(ConfigError, match=r"sliding_window 64.*pass --max-model-len 64 or less"):
+        EngineArgs(model=path, device="cpu").create_engine_config()
+    assert EngineArgs(model=path, device="cpu", max_model_len=64).create_engine_config()
+
+
+def test_qwen3_moe_sliding_window_layers_are_refused(tiny_model_dir: Callable[..., str], tmp_path: Path) -> None:
+    path = _with_config(tiny_model_dir("qwen3-moe"), tmp_path / "w", use_sliding_window=True, sliding_window=64)
+    with pytest.raises(ModelLoadError, match=r"sliding-window attention layers are not supported yet .*4 layer"):
+        load_arch_config(path)
