@@ -55,7 +55,7 @@ def _assert_same(one: list, split: list) -> None:
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=20, logprobs=3)
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama-tied", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "llama-tied", "qwen2", "qwen3", "qwen3-moe", "mixtral"])
 def test_two_ranks_match_one(tiny_model_dir: Callable[..., str], arch: str) -> None:
     # A small step budget: prompts are prefilled in chunks, mixed with other requests' decodes.
     path = tiny_model_dir(arch)
@@ -436,6 +436,44 @@ def test_row_and_merged_shards_recombine(monkeypatch: pytest.MonkeyPatch) -> Non
         monkeypatch.setattr(distributed, "all_reduce", lambda t: t)
         partial.append(row(x[:, rows]))
     torch.testing.assert_close(sum(partial), x @ down.T + bias)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["per-expert", "fused"])
+def test_expert_shards_recombine(monkeypatch: pytest.MonkeyPatch, fused: bool) -> None:
+    """Each rank holds its share of every expert's intermediate dim (gate and up rows, down columns), from
+    per-expert or fused checkpoint tensors; the ranks' partial outputs add up to the whole block's."""
+    from kvserve.layers.moe import FUSED, SparseMoeBlock
+
+    size, experts, hidden, inner = 2, 4, 6, 8
+    generator = torch.Generator().manual_seed(0)
+    gate, up = torch.randn(experts, inner, hidden, generator=generator), torch.randn(experts, inner, hidden,
+                                                                                    generator=generator)
+    down = torch.randn(experts, hidden, inner, generator=generator)
+    router = torch.randn(experts, hidden, generator=generator)
+    x = torch.randn(5, hidden, generator=generator)
+    monkeypatch.setattr(distributed, "all_reduce", lambda t: t)
+    blocks = []
+    for rank in range(size + 1):  # the last one: a single rank holding everything
+        rank_of, ranks = (rank, size) if rank < size else (0, 1)
+        share = inner // ranks
+        block = _build_rank(lambda: SparseMoeBlock(hidden, experts, 2, share, True, torch.float32),  # noqa: B023
+                            rank_of, ranks)
+        assert isinstance(block, SparseMoeBlock)
+        w13, w2 = block.experts.w13, block.experts.w2
+        block.gate.weight.weight_loader(block.gate.weight, router, None)  # type: ignore[attr-defined]
+        if fused:
+            w13.weight_loader(w13, torch.cat([gate, up], dim=1), FUSED)  # type: ignore[attr-defined]
+            w2.weight_loader(w2, down, FUSED)  # type: ignore[attr-defined]
+        else:
+            for e in range(experts):
+                w13.weight_loader(w13, gate[e], (e, "gate"))  # type: ignore[attr-defined]
+                w13.weight_loader(w13, up[e], (e, "up"))  # type: ignore[attr-defined]
+                w2.weight_loader(w2, down[e], (e, "down"))  # type: ignore[attr-defined]
+        rows = slice(rank_of * inner // ranks, (rank_of + 1) * inner // ranks)
+        assert torch.equal(w13, torch.cat([gate[:, rows], up[:, rows]], dim=1))
+        assert torch.equal(w2, down[:, :, rows])
+        blocks.append(block(x))
+    torch.testing.assert_close(blocks[0] + blocks[1], blocks[2])
 
 
 def test_a_wrong_checkpoint_shape_is_refused_on_every_rank() -> None:

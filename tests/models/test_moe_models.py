@@ -299,3 +299,11 @@ def test_qwen3_moe_sliding_window_layers_are_refused(tiny_model_dir: Callable[..
     path = _with_config(tiny_model_dir("qwen3-moe"), tmp_path / "w", use_sliding_window=True, sliding_window=64)
     with pytest.raises(ModelLoadError, match=r"sliding-window attention layers are not supported yet .*4 layer"):
         load_arch_config(path)
+
+
+def test_a_tensor_parallel_size_that_does_not_split_the_experts_is_refused(
+        tiny_model_dir: Callable[..., str], tmp_path: Path) -> None:
+    path = _with_config(tiny_model_dir("mixtral"), tmp_path / "tp", intermediate_size=30)
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=4 does not split the model: the experts' "
+                                          r"intermediate size \(30, each expert's MLP width\) is not divisible"):
+        EngineArgs(model=path, device="cpu", tensor_parallel_size=4).create_engine_config()
