@@ -71,7 +71,21 @@ SMOLLM2_135M = {
     "rope_theta": 100000.0, "rms_norm_eps": 1e-05, "vocab_size": 49152, "tie_word_embeddings": True,
     "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
 }
-MODEL_CONFIGS = {"qwen2.5-7b": QWEN25_7B, "qwen2.5-0.5b": QWEN25_05B, "smollm2-135m": SMOLLM2_135M, "tiny": TINY}
+# Qwen3-30B-A3B's config.json (a mixture of experts: 128 experts of width 768, 8 a token, in all 48 layers).
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+    "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "num_hidden_layers": 48, "num_attention_heads": 32,
+    "num_key_value_heads": 4, "head_dim": 128, "max_position_embeddings": 40960, "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-06, "vocab_size": 151936, "tie_word_embeddings": False, "hidden_act": "silu",
+    "bos_token_id": 151643, "eos_token_id": 151645, "use_sliding_window": False, "torch_dtype": "bfloat16",
+}
+# Its structure, small: for trying the scripts on a CPU.
+TINY_MOE = {**QWEN3_30B_A3B, "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 64,
+            "num_experts": 16, "num_experts_per_tok": 4, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 49152, "max_position_embeddings": 4096}
+MODEL_CONFIGS = {"qwen2.5-7b": QWEN25_7B, "qwen2.5-0.5b": QWEN25_05B, "smollm2-135m": SMOLLM2_135M, "tiny": TINY,
+                 "qwen3-30b-a3b": QWEN3_30B_A3B, "tiny-moe": TINY_MOE}
 
 COPY_TBPS = 4.28  # measured device-to-device copy on the H200 (PERFORMANCE.md)
 
@@ -134,9 +148,19 @@ def decode_floor_ms(config: dict[str, Any], batch: int, context: int, dtype_byte
     projections count bits / 8 bytes a weight plus a 2-byte scale and a 1-byte zero point per group and
     column, as kvserve stores them; with FP8_WEIGHTS one byte a weight and a 4-byte scale per output row."""
     h, i, layers, v = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"], config["vocab_size"]
-    head_dim = h // config["num_attention_heads"]
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or h // heads
     kv = config["num_key_value_heads"] * head_dim
-    projections = h * (h + 2 * kv) + h * h + 3 * h * i
+    q = heads * head_dim
+    mlp = 3 * h * i
+    if config.get("num_experts"):
+        # A mixture of experts (every layer's, as in QWEN3_30B_A3B): the router, and the experts the batch's tokens
+        # reach, counted as if each token picked its experts uniformly at random (the expected number of distinct
+        # ones), as the benchmarks' random weights route them about.
+        experts, top_k = config["num_experts"], config["num_experts_per_tok"]
+        reached = experts * (1 - (1 - top_k / experts) ** batch)
+        mlp = h * experts + reached * 3 * h * config["moe_intermediate_size"]
+    projections = h * (q + 2 * kv) + q * h + mlp
     projection_bytes = projections * dtype_bytes
     if quantization and quantization.get("quant_method") == "fp8":
         projection_bytes = projections + ((h + 2 * kv) + h + 2 * i + h) * 4  # + a float32 scale per output row
