@@ -22,8 +22,8 @@ header is forwarded, so backends started with --api-key check it themselves.
   makes it unknown again, so that a list the backend no longer serves is not kept. A poll that gets no
   answer (connection failure, timeout) keeps the list: the backend is down, or going down, which its
   /health marks, and one that comes back with another model answers the next poll.
-* A backend that refuses the connection, or answers 503 (draining, or its engine is gone), before any of
-  the answer was sent, is skipped and the request goes to the next one: nothing was generated yet. It is
+* A backend that refuses the connection, or answers 503 (draining, or its engine is gone) or what is no HTTP (a
+  port of another protocol), before any of the answer was sent, is skipped and the request goes to the next one: nothing was generated yet. It is
   marked unhealthy until its /health answers 200 again; when every backend is marked, each is still tried.
   A request on a pooled connection that the backend closed as it went out (its keep-alive timeout ending then)
   goes again on another connection (`RouterApp._send`); the backend is not marked.
@@ -562,6 +562,12 @@ class RouterApp:
                               "(--request-timeout)")
             except aiohttp.ClientConnectionError as exc:
                 outcome = self._refused(backend, _describe(exc), errors)
+                return None
+            except aiohttp.ClientResponseError as exc:
+                # An answer that is no HTTP (a port of another protocol, a gRPC one, say) or one aiohttp cannot read
+                # (a redirect loop, a header over its limits): no answer began, as for a broken connection.
+                outcome = self._refused(backend, f"its answer could not be read: {type(exc).__name__}: "
+                                        f"{' '.join(str(exc.message).split())}", errors)
                 return None
             # An answer the router reads whole before the client's starts (to tell whether to try the next
             # backend) that breaks off or goes silent: the backend failed before any of the answer was sent.

@@ -1203,6 +1203,53 @@ def test_an_error_answer_whose_body_breaks_off_goes_to_the_next_backend(caplog: 
     _run_quietly(body, caplog)
 
 
+@asynccontextmanager
+async def _not_http(health: bool) -> AsyncIterator[str]:
+    """A backend whose answers are no HTTP (a port of another protocol: an SSH banner here), bar a 200 to /health
+    when `health`; its URL."""
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError):
+            head = await reader.readuntil(b"\r\n\r\n")
+            ok = health and head.startswith(b"GET /health ")
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n" if ok else b"SSH-2.0-OpenSSH_8.9\r\n")
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+
+
+def test_a_backend_whose_answer_is_no_http_is_skipped_and_marked(caplog: pytest.LogCaptureFixture) -> None:
+    """A backend whose answer aiohttp cannot read (no HTTP: a port of another protocol, a gRPC one say): no answer
+    began, so the request goes to the next backend, the backend marked unhealthy; with none left, the router's
+    503 in the OpenAI format. (It was aiohttp's plain-text 500 with a traceback in the log, counted as
+    "client_closed", and the next backend was not tried.)"""
+    async def body() -> None:
+        async with _not_http(health=True) as odd:
+            live = FakeBackend("live")
+            async with routed([live], "round-robin", interval_s=60, dead_urls=(odd,)) as (app, base), \
+                    aiohttp.ClientSession() as session:
+                assert app.router.backends[0].healthy
+                results = [await _post(session, base) for _ in range(2)]
+                state = (await (await session.get(base + "/router/backends")).json())["backends"]
+                metrics = await (await session.get(base + "/metrics")).text()
+        assert [(status, headers["X-Backend"]) for status, headers, _ in results] == [(200, "live")] * 2, results
+        assert not state[0]["healthy"] and "Bad status line" in state[0]["last_error"], state
+        assert "kvserve_router:retries_total 1.0" in metrics and 'code="client_closed"' not in metrics, metrics
+        async with _not_http(health=False) as odd, routed([], dead_urls=(odd,)) as (_, base), \
+                aiohttp.ClientSession() as session:
+            response = await session.post(base + "/v1/completions", json={"prompt": "x", "stream": True})
+            error = (await response.json())["error"]
+            metrics = await (await session.get(base + "/metrics")).text()
+        assert response.status == 503 and set(error) == {"message", "type", "param", "code"}, error
+        assert "every backend failed" in error["message"] and "could not be read" in error["message"], error
+        assert "\n" not in error["message"] and 'code="client_closed"' not in metrics, metrics
+    _run_quietly(body, caplog)
+
+
 def test_a_pooled_connection_the_backend_closed_is_sent_again_on_another(caplog: pytest.LogCaptureFixture) -> None:
     """A backend that closes an idle connection as a request goes out on it (uvicorn's keep-alive timeout, 5 s,
     kvserve's and vLLM's, ending at that moment) did not take the request: it goes again on another connection, and
