@@ -371,8 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
         "down or draining. /health, /metrics and /router/backends report the router's state.",
     )
     route.add_argument("--backend", action="append", required=True, metavar="URL",
-                       help="a backend's base URL, e.g. http://10.0.0.5:8000 (repeat it, or give a comma-separated "
-                       "list)")
+                       help="a backend's address, e.g. http://10.0.0.5:8000, without /v1 (the router adds each request's "
+                       "path); repeat it, or give a comma-separated list")
     route.add_argument("--policy", choices=POLICIES, default="prefix",
                        help="prefix: requests whose prompts start alike share a backend (its prefix cache), with no "
                        "backend above 1.25x the average load; least-requests: the least busy backend; round-robin "

@@ -990,5 +990,35 @@ def parse_backends(values: Sequence[str]) -> list[str]:
                 part = "http://" + part
             if not part.startswith(("http://", "https://")):
                 raise ValueError(f"backend {part!r} is not an http(s) URL")
+            _check_backend_url(part)
             urls.append(part.rstrip("/"))
     return urls
+
+
+def _check_backend_url(url: str) -> None:
+    """ValueError for a backend URL the router cannot use as the base of the requests it forwards (each request's
+    path and query are added to it): one aiohttp cannot parse (a port that is no number, or out of range), one
+    without a host or port, with a query or fragment, or with credentials (aiohttp refuses them beside a client's
+    Authorization, which is forwarded), or one that ends in /v1 (a client's base_url: the router adds the /v1 of
+    each request's path itself, so every request and health check would miss)."""
+    from yarl import URL
+
+    try:
+        parsed = URL(url)
+        port = parsed.port
+    except ValueError as exc:
+        raise ValueError(f"backend {url!r} is not a valid URL: {exc}") from None
+    if not parsed.host:
+        raise ValueError(f"backend {url!r} has no host")
+    if port == 0:
+        raise ValueError(f"backend {url!r}: port 0 is no port to connect to")
+    if "?" in url or "#" in url:
+        raise ValueError(f"backend {url!r}: a backend's URL has no query or fragment (the router adds each "
+                         "request's path and query to it)")
+    if parsed.user is not None or parsed.password is not None:
+        raise ValueError(f"backend {str(parsed.with_user(None))!r}: credentials in a backend's URL are not supported "
+                         "(clients' Authorization headers are forwarded; --api-key is the router's own)")
+    if parsed.path.rstrip("/").endswith("/v1"):
+        raise ValueError(f"backend {url!r}: give the server's address without /v1 (e.g. "
+                         f"{str(parsed.with_path(parsed.path.rstrip('/')[:-3])).rstrip('/')}): the router adds each "
+                         "request's path, /v1/... included")

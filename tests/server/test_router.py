@@ -117,6 +117,16 @@ def test_bad_router_settings_are_refused() -> None:
         "http://10.0.0.1:8000", "http://b:9000", "https://c"]
     with pytest.raises(ValueError, match="not an http"):
         parse_backends(["ftp://x"])
+    assert parse_backends(["http://[::1]:8000", "http://gw/replica-1/"]) == ["http://[::1]:8000", "http://gw/replica-1"]
+    # Each request's path is added to a backend's URL: one these refuse was taken, and every request and health check
+    # missed (a client's base_url ending in /v1 sent /v1/v1/completions), or failed in aiohttp as a 500.
+    for url, why in [("http://a:notaport", "not a valid URL"), ("http://a:99999", "not a valid URL"),
+                     ("http://", "has no host"), ("http://a:0", "port 0"), ("http://a:1?x=1", "no query or fragment"),
+                     ("http://a:1#top", "no query or fragment"), ("http://user:pw@a:1", "credentials"),
+                     ("http://a:1/v1", r"without /v1 \(e.g. http://a:1\)"),
+                     ("http://gw/replica-1/v1/", r"without /v1 \(e.g. http://gw/replica-1\)")]:
+        with pytest.raises(ValueError, match=why):
+            parse_backends([url])
 
 
 # ------------------------------------------------------------------------------------------ proxy
