@@ -391,9 +391,9 @@ class RouterApp:
         try:
             async with self.session.get(backend.url + "/v1/models", headers=headers,
                                         timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as response:
-                if response.status in (401, 403):
-                    return web.Response(status=response.status, body=await response.read(),
-                                        content_type=response.content_type)
+                if response.status in (401, 403):  # as it came (its WWW-Authenticate, say)
+                    return _copy_headers(response, web.Response(status=response.status, reason=response.reason,
+                                                                body=await response.read()))
                 if response.status != 200:
                     return f"{backend.url}: {response.status}"
                 entries = (await response.json())["data"]

@@ -243,7 +243,8 @@ class FakeBackend:
     async def list_models(self, request: web.Request) -> web.Response:
         self.models_auth.append(request.headers.get("Authorization"))
         if self.api_key is not None and request.headers.get("Authorization") != f"Bearer {self.api_key}":
-            return web.json_response({"error": {"message": "bad key", "code": 401}}, status=401)
+            return web.json_response({"error": {"message": "bad key", "code": 401}}, status=401,
+                                     headers={"WWW-Authenticate": "Bearer"})  # (as the server's 401)
         if self.models_answer == "garbage":
             return web.Response(text="<html>models</html>", content_type="text/html")
         if self.models_answer == "hang":
@@ -587,6 +588,23 @@ def test_health_checks_send_the_routers_key_and_learn_the_models(caplog: pytest.
     text = _run_quietly(body, caplog)
     assert text.count("answers 401 to the router's /v1/models") == 1
     assert "give the router its API key (--api-key)" in text
+
+
+def test_listing_the_models_with_a_key_a_backend_refuses_passes_its_answer_on() -> None:
+    """GET /v1/models with a key a backend refuses: its 401 is the answer, as it came (body and headers, its
+    WWW-Authenticate included: it was left out)."""
+    async def body() -> None:
+        locked = FakeBackend("locked")
+        locked.api_key = "k"
+        async with routed([locked], interval_s=60, api_key="k") as (_, base), aiohttp.ClientSession() as session:
+            via = await session.get(base + "/v1/models", headers={"Authorization": "Bearer wrong"})
+            direct = await session.get(locked.url + "/v1/models", headers={"Authorization": "Bearer wrong"})
+            assert via.status == direct.status == 401
+            assert await via.read() == await direct.read()
+            assert via.headers["WWW-Authenticate"] == "Bearer" and via.content_type == "application/json"
+            allowed = await session.get(base + "/v1/models", headers={"Authorization": "Bearer k"})
+            assert allowed.status == 200 and [m["id"] for m in (await allowed.json())["data"]] == ["m"]
+    _run(body)
 
 
 def _complete(session: aiohttp.ClientSession, base: str, model: str) -> Awaitable[aiohttp.ClientResponse]:
