@@ -422,6 +422,26 @@ def test_a_dead_or_draining_backend_is_skipped_and_marked() -> None:
     _run(body)
 
 
+def test_an_error_answer_other_than_a_503_is_passed_on_as_it_came_and_not_sent_again() -> None:
+    """A backend's 4xx or 5xx answer other than a 503 is the client's (the request may be at fault, or ran): passed
+    on as it came, the request not sent to another backend, the backend not marked."""
+    async def body() -> None:
+        for status in (400, 401, 413, 422, 429, 500, 502, 504):
+            failing, other = FakeBackend("failing"), FakeBackend("other")
+            failing.status = status
+            async with routed([failing, other], "round-robin", interval_s=60) as (app, base), \
+                    aiohttp.ClientSession() as session:
+                via = await session.post(base + "/v1/completions", json={"prompt": "x", "stream": True})
+                direct = await session.post(failing.url + "/v1/completions", json={"prompt": "x", "stream": True})
+                metrics = await (await session.get(base + "/metrics")).text()
+                assert via.status == direct.status == status
+                assert await via.read() == await direct.read() and via.content_type == "application/json"
+            assert len(failing.seen) == 2 and not other.seen, status  # (the router's, then the direct one)
+            assert app.router.backends[0].healthy and "kvserve_router:retries_total 0.0" in metrics, metrics
+            assert f'kvserve_router:requests_total{{backend="{failing.url}",code="{status}"}} 1.0' in metrics
+    _run(body)
+
+
 def test_unreachable_backends_are_a_503_and_health_comes_back() -> None:
     async def body() -> None:
         backend = FakeBackend("a")
