@@ -272,9 +272,12 @@ def _cmd_route(ns: argparse.Namespace) -> int:
         raise ValueError(f"--health-check-interval must be positive, got {ns.health_check_interval}")
     if ns.request_timeout <= 0:
         raise ValueError(f"--request-timeout must be positive, got {ns.request_timeout}")
+    if ns.max_request_body_bytes <= 0:
+        raise ValueError(f"--max-request-body-bytes must be positive, got {ns.max_request_body_bytes}")
     api_key, _ = api_key_from(ns.api_key, envs.KVSERVE_API_KEY, envs.VLLM_API_KEY)
     config = RouterConfig(health_check_interval_s=ns.health_check_interval, request_timeout_s=ns.request_timeout,
-                          api_key=api_key, engine_metrics=ns.engine_metrics)
+                          max_body_bytes=ns.max_request_body_bytes, api_key=api_key,
+                          engine_metrics=ns.engine_metrics)
     return run_router(backends, ns.policy, ns.host, ns.port, config)
 
 
@@ -362,6 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
                       dest="triton_log_requests_flag", help=argparse.SUPPRESS)
     repo.set_defaults(func=_cmd_triton_repo)
 
+    from kvserve.entrypoints.openai.cli_args import DEFAULT_MAX_REQUEST_BODY_BYTES
     from kvserve.router.policies import POLICIES
 
     route = sub.add_parser(
@@ -384,6 +388,10 @@ def build_parser() -> argparse.ArgumentParser:
     route.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
                        help="the most a backend may stay silent, before its answer or between two chunks of it "
                        "(default 600: a long non-streamed completion sends nothing until done)")
+    route.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                       metavar="BYTES",
+                       help="larger request bodies get 413, as from kvserve serve's flag of that name (default "
+                       "32 MiB, its default); give the backends' own limit where they were started with a larger one")
     route.add_argument("--api-key", default=None,
                        help="the backends' API key, sent as `Authorization: Bearer <key>` with the router's own "
                        "polls of /health and /v1/models, which it needs to learn the models of backends started "

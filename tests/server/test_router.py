@@ -849,6 +849,14 @@ def test_route_command_reads_its_api_key_as_the_server_reads_its_own(monkeypatch
     assert not configs[-1].engine_metrics
     ns = build_parser().parse_args(["route", "--backend", "http://127.0.0.1:1", "--engine-metrics"])
     assert ns.func(ns) == 0 and configs[-1].engine_metrics  # (what it does: the test of engine_metrics)
+    # The request body limit: the server's default, and its flag (the router's was fixed: backends started with a
+    # larger --max-request-body-bytes could not be sent what they take).
+    assert configs[-1].max_body_bytes == 32 << 20
+    ns = build_parser().parse_args(["route", "--backend", "http://127.0.0.1:1", "--max-request-body-bytes", "1000"])
+    assert ns.func(ns) == 0 and configs[-1].max_body_bytes == 1000  # (what it does: the test of the 413)
+    ns = build_parser().parse_args(["route", "--backend", "http://127.0.0.1:1", "--max-request-body-bytes", "0"])
+    with pytest.raises(ValueError, match="--max-request-body-bytes must be positive, got 0"):
+        ns.func(ns)
 
 
 def test_ping_goes_to_a_backend() -> None:
