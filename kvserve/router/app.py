@@ -972,6 +972,8 @@ async def serve_router(router: RouterApp, host: str, port: int) -> int:
                 except OSError as e:  # (the port taken, the host not this machine's): said as the server says it
                     logger.error("cannot listen on %s:%d: %s", host, port, e)
                     return 1
+                if port == 0:  # the system picked it: said, as the server says the port it serves on
+                    logger.info("listening on port %d (--port 0: the system's pick)", runner.addresses[0][1])
                 await stop.wait()
             deadline = loop.call_later(SHUTDOWN_TIMEOUT_S, time_over)
         finally:

@@ -1432,6 +1432,30 @@ def test_ending_the_requests_in_flight_again_ends_each_once(monkeypatch: pytest.
     _run(body)
 
 
+def test_route_command_on_port_0_says_the_port_it_got() -> None:
+    """--port 0 (the system picks one, as the server takes it): the router says which, as the server does; it said
+    "routing http://127.0.0.1:0", the port it listened on to be found with ss or lsof."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvserve", "route", "--backend", "127.0.0.1:9", "--port", "0"],
+                            cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert proc.stdout is not None
+    try:
+        lines: list[str] = []
+        while not any("listening on port" in line for line in lines):
+            line = proc.stdout.readline().decode()
+            assert line, lines
+            lines.append(line)
+        found = re.search(r"listening on port (\d+) \(--port 0: the system's pick\)", lines[-1])
+        assert found, lines
+        health = httpx.get(f"http://127.0.0.1:{found.group(1)}/health", timeout=5)
+        assert health.status_code == 503 and "no healthy backend" in health.text  # (the router's own answer)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_route_command_a_signal_during_start_up_stops_it_cleanly() -> None:
     """A SIGTERM while the start-up health checks wait on a backend that does not answer: the router stops
     without serving, exits 0, with no traceback."""
