@@ -172,6 +172,7 @@ def check_data_parallel_flags(ns: argparse.Namespace) -> None:
     if ns.device not in (None, "cpu", "cuda"):
         raise ValueError(f"with --data-parallel-size > 1, --device is cpu or cuda (each replica takes its own "
                          f"GPUs), got {ns.device!r}")
+    router_config(ns)  # the router's settings (an API key it cannot send, say), refused before any replica starts
 
 
 # ----------------------------------------------------------------------------------------- replicas

@@ -230,6 +230,22 @@ def test_https_and_a_fixed_gpu_are_refused_with_replicas() -> None:
     check_data_parallel_flags(_serve("-dp", "2", "--device", "cuda"))
 
 
+def test_an_api_key_the_router_cannot_send_is_refused_before_the_replicas_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A key with a control character (a secret's last newline): no header can carry it. The replicas started, then
+    the router's first health check failed with aiohttp's "Forbidden control character detected in headers"."""
+    from kvserve import envs
+
+    monkeypatch.setattr(envs, "KVSERVE_API_KEY", None)
+    monkeypatch.setattr(envs, "VLLM_API_KEY", None)
+    with pytest.raises(ValueError, match="the API key holds a control character"):
+        check_data_parallel_flags(_serve("-dp", "2", "--api-key", "sekret\n"))
+    monkeypatch.setattr(envs, "KVSERVE_API_KEY", "sekret\r\n")
+    with pytest.raises(ValueError, match="the API key holds a control character"):
+        check_data_parallel_flags(_serve("-dp", "2"))
+    monkeypatch.setattr(envs, "KVSERVE_API_KEY", "sekret")
+    check_data_parallel_flags(_serve("-dp", "2"))
+
+
 # ------------------------------------------------------------------------------------------ the router
 
 
