@@ -6,7 +6,8 @@ body, streamed chunk by chunk (server-sent events pass through unchanged). The c
 header is forwarded, so backends started with --api-key check it themselves.
 
 * A request naming a `model` goes only to backends whose /v1/models lists it (404 when none does);
-  `GET /v1/models` merges the healthy backends' lists (each asked for up to HEALTH_TIMEOUT_S), and
+  `GET /v1/models` merges the healthy backends' lists (each asked for up to HEALTH_TIMEOUT_S, with the client's
+  headers: a browser's Origin gets the first answer's CORS headers, Access-Control-* and Vary, with the list), and
   `GET /v1/models/{model}` is routed by the model its path names. A backend whose list is not known (not reached yet,
   or its /v1/models does not answer the router with a list: one started with --api-key answers 401 to a
   router without that key, a warning once a backend) is tried for any model. When such a backend answers a
@@ -382,22 +383,30 @@ class RouterApp:
                                          for backend in self.router.healthy() or self.router.backends))
         merged: dict[str, object] = {}
         errors = []
+        cors: CIMultiDict[str] | None = None
         for answer in answers:
             if isinstance(answer, web.Response):  # the client's key refused: the backend's answer is the answer
                 return self._own(answer)
             if isinstance(answer, str):
                 errors.append(answer)
                 continue
-            for entry in answer:
+            entries, headers = answer
+            if cors is None:
+                cors = headers
+            for entry in entries:
                 merged.setdefault(entry["id"], entry)
         if not merged and errors:
             return self._own(_error(503, "no backend listed its models: " + "; ".join(errors)))
-        return self._own(web.json_response({"object": "list", "data": list(merged.values())}))
+        listing = web.json_response({"object": "list", "data": list(merged.values())})
+        if cors:  # a browser's request (its Origin forwarded): the backends' CORS answer, so that it may read this one
+            listing.headers.extend(cors)
+        return self._own(listing)
 
-    async def _list_models(self, backend: Backend,
-                           headers: CIMultiDict[str]) -> list[dict[str, Any]] | web.Response | str:
-        """A backend's /v1/models entries for a client's GET /v1/models; its answer when it refuses the client's key
-        (401, 403); else why it has no list (a reason for the 503 when none has)."""
+    async def _list_models(self, backend: Backend, headers: CIMultiDict[str]
+                           ) -> tuple[list[dict[str, Any]], CIMultiDict[str]] | web.Response | str:
+        """A backend's /v1/models entries for a client's GET /v1/models, with its answer's CORS headers
+        (Access-Control-*, Vary); its answer when it refuses the client's key (401, 403); else why it has no list
+        (a reason for the 503 when none has)."""
         assert self.session is not None
         try:
             async with self.session.get(backend.url + "/v1/models", headers=headers,
@@ -411,7 +420,8 @@ class RouterApp:
                 if not isinstance(entries, list) or not all(isinstance(e, dict) and isinstance(e.get("id"), str)
                                                             for e in entries):
                     raise TypeError("not a list of models")
-                return entries
+                return entries, CIMultiDict((name, value) for name, value in response.headers.items()
+                                            if name.lower().startswith("access-control-") or name.lower() == "vary")
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as exc:
             return f"{backend.url}: {type(exc).__name__}"
 

@@ -1704,6 +1704,14 @@ def test_route_command_in_front_of_a_real_server(tiny_server: ServerProcess) -> 
         assert streamed == direct.completions.create(**request).choices[0].text
         models = via.models.list()
         assert [m.id for m in models.data] == ["tiny"]
+        # A browser's request: the merged list carries the server's CORS answer (it had none: the browser could not
+        # read it, where it reads the server's own).
+        browser = {"Origin": "http://example.com"}
+        direct_list, routed_list = (httpx.get(url + "/v1/models", headers=browser, timeout=10)
+                                    for url in (tiny_server.base_url, base))
+        assert routed_list.status_code == 200 and direct_list.headers["access-control-allow-origin"] == "*"
+        assert routed_list.headers["access-control-allow-origin"] == "*", routed_list.headers
+        assert "access-control-allow-origin" not in httpx.get(base + "/v1/models", timeout=10).headers
         start = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0 and time.monotonic() - start < 30
