@@ -27,7 +27,7 @@ header is forwarded, so backends started with --api-key check it themselves.
   connection (or did not take it within CONNECT_TIMEOUT_S), dropped it before answering (it died, or was
   killed), answered 503 (draining, or its engine is gone) or what is no HTTP (a port of another protocol).
   That backend is marked unhealthy until its /health answers 200 again; when every backend is marked, each is
-  still tried. A dropped connection may have carried the request in: kvserve and vLLM abort a request whose
+  still tried, spread by the policy (`Router.order`). A dropped connection may have carried the request in: kvserve and vLLM abort a request whose
   connection closes (and a backend that died took it with it), so it does not run twice; only a backend whose
   side of the connection stays open (something in between that drops the router's side alone) may run it on,
   at the cost of its compute alone: the client, which saw none of that answer, gets one. A request on a pooled
@@ -328,7 +328,9 @@ class RouterApp:
         elif not ok and backend.healthy:
             logger.warning("backend %s is unhealthy (%s)", backend.url, why)
         backend.healthy = ok
-        if not ok:
+        if ok:
+            backend.refused = False
+        else:
             backend.last_error = why
 
     @property
@@ -528,6 +530,7 @@ class RouterApp:
     def _refused(self, backend: Backend, why: str, errors: list[str]) -> str:
         """Record that `backend` could not take a request (the next one gets it): the "retried" outcome."""
         backend.failures += 1
+        backend.refused = True
         self._set_health(backend, False, why)
         errors.append(f"{backend.url}: {why}")
         return "retried"

@@ -38,6 +38,9 @@ class Backend:
     in_flight: int = 0
     served: int = 0  # requests sent to it
     failures: int = 0  # requests it could not take (connection errors, 503s)
+    # A request could not be sent to it (`failures`) since it was last healthy: while no backend is healthy, it is
+    # tried after those marked by their health checks alone (a /health that timed out under load, say).
+    refused: bool = False
     last_error: str = ""
     models: set[str] | None = None  # what its /v1/models lists (None: not known yet)
     name: str = ""  # its `backend` label in the router's metrics ("": its url)
@@ -93,10 +96,17 @@ class Router:
 
     def order(self, key: str | None = None, model: str | None = None) -> list[Backend]:
         """The backends serving `model`, first choice first: the healthy ones by the policy, then (as a last
-        resort, in case they recovered since their last check) the others, fewest failures first."""
+        resort, in case they recovered since their last check) the others, fewest failures first. When none is
+        healthy, the others are ordered by the policy too (those a request could not be sent to since they were
+        healthy last): a /health that timed out on each (a load spike, a pause) leaves them all marked while they
+        serve, and the fewest failures first (all 0: the first listed) sent every request to one backend."""
         candidates = self.serving(model)
-        down = sorted((b for b in candidates if not b.healthy), key=lambda b: b.failures)
-        return self._by_policy([b for b in candidates if b.healthy], key) + down
+        live = [b for b in candidates if b.healthy]
+        if live:
+            return self._by_policy(live, key) + sorted((b for b in candidates if not b.healthy),
+                                                       key=lambda b: b.failures)
+        return (self._by_policy([b for b in candidates if not b.refused], key) +
+                self._by_policy([b for b in candidates if b.refused], key))
 
     def _by_policy(self, live: list[Backend], key: str | None) -> list[Backend]:
         if not live:

@@ -73,6 +73,28 @@ def test_prefix_policy_bounds_a_hot_prefix() -> None:
     router.check_invariants()
 
 
+def test_with_no_backend_healthy_the_policy_still_spreads_the_requests() -> None:
+    """Every backend marked by its health checks alone (a /health that timed out on each in a load spike, a pause)
+    while they serve: the requests are spread by the policy, as over healthy backends; those a request could not be
+    sent to since they were healthy last come after. (The fewest failures first, all 0, sent every request to the
+    first backend listed until a health check passed.) With some healthy, the others stay last resorts."""
+    for policy in ("round-robin", "least-requests", "prefix"):
+        router = Router(["http://a", "http://b", "http://c"], policy)
+        for backend in router.backends:
+            backend.healthy = False
+        firsts = []
+        for i in range(30):
+            chosen = router.order(f"prompt {i}")[0]
+            chosen.in_flight += 1  # (none finishing)
+            firsts.append(chosen.url)
+        assert {u: firsts.count(u) for u in set(firsts)} == {"http://a": 10, "http://b": 10, "http://c": 10}, policy
+        router.backends[0].refused = True  # a request could not be sent to it
+        assert all(router.order(f"prompt {i}")[-1].url == "http://a" for i in range(10)), policy
+        router.backends[1].healthy = True
+        router.backends[0].failures, router.backends[2].failures = 3, 1
+        assert [b.url for b in router.order("prompt")] == ["http://b", "http://c", "http://a"], policy
+
+
 def test_prefix_key_reads_completions_and_chats() -> None:
     long = "x" * (PREFIX_KEY_CHARS + 50)
     assert prefix_key({"prompt": long}) == long[:PREFIX_KEY_CHARS]
@@ -444,6 +466,31 @@ def test_an_error_answer_other_than_a_503_is_passed_on_as_it_came_and_not_sent_a
             assert len(failing.seen) == 2 and not other.seen, status  # (the router's, then the direct one)
             assert app.router.backends[0].healthy and "kvserve_router:retries_total 0.0" in metrics, metrics
             assert f'kvserve_router:requests_total{{backend="{failing.url}",code="{status}"}} 1.0' in metrics
+    _run(body)
+
+
+def test_with_every_backend_marked_by_its_health_check_the_requests_are_spread() -> None:
+    """Backends whose /health timed out (a load spike) while they serve: the next requests are spread over them by
+    the policy until a check passes; they all went to the first backend listed. One that refuses a request is then
+    tried after the others; a passing health check clears that."""
+    async def body() -> None:
+        backends = [FakeBackend(name, chunks=1, delay_s=0.2) for name in "abc"]
+        async with routed(backends, "least-requests", interval_s=60) as (app, base), \
+                aiohttp.ClientSession() as session:
+            for backend in app.router.backends:
+                app._set_health(backend, False, "/health failed: TimeoutError")
+            answers = await asyncio.gather(*(session.post(base + "/v1/completions", json={"prompt": "x",
+                                                                                          "stream": False})
+                                             for _ in range(12)))
+            assert [response.status for response in answers] == [200] * 12
+            assert [len(b.seen) for b in backends] == [4, 4, 4]
+            await backends[0].stop()  # refuses from now on
+            for _ in range(3):
+                assert (await _post(session, base))[0] == 200
+            assert app.router.backends[0].refused and app.router.order()[-1] is app.router.backends[0]
+            await backends[0].start()
+            await app.check_health()
+            assert app.router.backends[0].healthy and not app.router.backends[0].refused
     _run(body)
 
 
