@@ -95,6 +95,7 @@ from aiohttp.typedefs import Handler
 from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+from kvserve.entrypoints.openai.api_key import api_key_problem
 from kvserve.entrypoints.openai.sse import SSE_DONE, sse
 from kvserve.router.exposition import merge_expositions
 from kvserve.router.policies import Backend, Router, prefix_key
@@ -182,11 +183,11 @@ class RouterConfig:
             raise ValueError(f"the request timeout must be positive, got {self.request_timeout_s}")
         if self.max_body_bytes < 1:
             raise ValueError(f"the request body limit must be positive, got {self.max_body_bytes}")
-        if self.api_key is not None and any(ord(c) < 32 and c != "\t" or ord(c) == 127 for c in self.api_key):
-            # (aiohttp refuses to send it: the router failed at its first health check, with "Forbidden control
-            # character detected in headers" and no word of the key)
-            raise ValueError("the API key holds a control character (a line end, say, such as a key file's or "
-                             "secret's last newline): it cannot be sent in an Authorization header")
+        problem = None if self.api_key is None else api_key_problem(self.api_key)
+        if problem is not None:
+            # (a control character: aiohttp refused to send it, and the router failed at its first health check,
+            # with "Forbidden control character detected in headers" and no word of the key)
+            raise ValueError(problem)
 
 
 class RouterApp:

@@ -143,7 +143,10 @@ def test_bad_router_settings_are_refused() -> None:
     for key in ("sekret\n", "sek\x00ret", "sekret\x7f"):
         with pytest.raises(ValueError, match="the API key holds a control character"):
             RouterConfig(api_key=key)
-    assert RouterConfig(api_key="sek ret\té").api_key == "sek ret\té"
+    for key, why in [(" sekret", "white space"), ("sekret ", "white space"), ("sekrét", "outside ASCII")]:
+        with pytest.raises(ValueError, match=why):
+            RouterConfig(api_key=key)
+    assert RouterConfig(api_key="sek ret\t!").api_key == "sek ret\t!"
     assert parse_backends(["http://[::1]:8000", "http://gw/replica-1/"]) == ["http://[::1]:8000", "http://gw/replica-1"]
     # Each request's path is added to a backend's URL: one these refuse was taken, and every request and health check
     # missed (a client's base_url ending in /v1 sent /v1/v1/completions), or failed in aiohttp as a 500.

@@ -586,6 +586,29 @@ def test_api_key_sources_in_order(flag: str | None, kvserve_env: str | None, vll
     assert "secret" not in line
 
 
+@pytest.mark.parametrize("key, why", [
+    ("sekret\n", "control character"), ("sek\x00ret", "control character"), ("sekret\x7f", "control character"),
+    (" sekret", "white space"), ("sekret\t", "white space"), ("sekrét", "outside ASCII"),
+])
+def test_an_api_key_no_client_can_send_is_refused_at_start(monkeypatch: pytest.MonkeyPatch, key: str, why: str) -> None:
+    """A key no Authorization header can carry as it is (a secret's last newline, space at an end, a character
+    outside ASCII): the server started and answered 401 to every request, or failed comparing a key outside
+    ASCII. Refused from each source, naming it, before the engine starts (`server_engine_args`)."""
+    from kvserve import envs
+    from kvserve.entrypoints.openai.cli_args import api_key_from, server_engine_args
+
+    for flag, kvserve_env, vllm_env, source in [(key, None, None, "--api-key"), (None, key, None, "KVSERVE_API_KEY"),
+                                                (None, None, key, "VLLM_API_KEY")]:
+        with pytest.raises(ValueError, match=f"^{source}: the API key .*{why}"):
+            api_key_from(flag, kvserve_env, vllm_env)
+    monkeypatch.setattr(envs, "KVSERVE_API_KEY", None)
+    monkeypatch.setattr(envs, "VLLM_API_KEY", None)
+    with pytest.raises(ValueError, match=f"--api-key: the API key .*{why}"):
+        server_engine_args(_serve("--api-key", key))
+    assert api_key_from("sek ret\t!", None, None)[0] == "sek ret\t!"  # inside a key, space and tabs are sent
+    assert server_engine_args(_serve("--api-key", "sekret"))["model"] == "/models/m"  # a sendable key: taken
+
+
 def test_tokenizer_mode_hf_is_what_kvserve_does() -> None:
     """vLLM's `hf` tokenizer mode (the Hugging Face tokenizer) is what kvserve always loads: taken, as `auto`."""
     assert build_parser().parse_args(["serve", "--tokenizer-mode", "hf"]).tokenizer_mode == "hf"

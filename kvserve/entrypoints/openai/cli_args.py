@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from kvserve import envs
 from kvserve.entrypoints.cli import add_engine_args, add_generation_config_args, engine_args_from, port_number
+from kvserve.entrypoints.openai.api_key import api_key_problem  # (a light module)
 from kvserve.entrypoints.openai.reasoning_parsers import REASONING_PARSERS  # (a light module)
 from kvserve.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS  # (a light module)
 from kvserve.entrypoints.vllm_compat import add_ignored_server_args, positive_int
@@ -222,6 +223,7 @@ def server_engine_args(ns: argparse.Namespace) -> dict[str, object]:
         raise ValueError("--ssl-cert-reqs 1 or 2 needs --ssl-ca-certs, the CA certificates that client "
                          "certificates are checked against")
     check_ssl_files(ns.ssl_certfile, ns.ssl_keyfile, ns.ssl_ca_certs)
+    api_key_from(ns.api_key, envs.KVSERVE_API_KEY, envs.VLLM_API_KEY)  # a key no client can send, refused now
     if envs.KVSERVE_ENABLE_RESPONSES_API_STORE and getattr(ns, "api_server_count", 1) > 1:
         raise ValueError("the Responses API's store (KVSERVE_ENABLE_RESPONSES_API_STORE) keeps responses in one API "
                          "process's memory: with --api-server-count > 1 a follow-up (previous_response_id) would "
@@ -257,17 +259,26 @@ def api_key_from(flag: str | None, kvserve_env: str | None, vllm_env: str | None
     """(the API key, None for an open API; a log line saying where that came from, never the key). The first
     source that is set decides: --api-key (empty counts as not given, as in vLLM), then KVSERVE_API_KEY (None:
     unset; set empty: no key, so a VLLM_API_KEY left in a vLLM deployment's environment cannot add one), then
-    VLLM_API_KEY (empty: no key, as in vLLM)."""
+    VLLM_API_KEY (empty: no key, as in vLLM). ValueError for a key no client can send (`api_key_problem`), naming
+    its source."""
     if flag:
-        return flag, "API key from --api-key: /v1/* requires it"
+        return _usable_key(flag, "--api-key"), "API key from --api-key: /v1/* requires it"
     if kvserve_env is not None:
         if kvserve_env:
-            return kvserve_env, "API key from KVSERVE_API_KEY: /v1/* requires it"
+            return _usable_key(kvserve_env, "KVSERVE_API_KEY"), "API key from KVSERVE_API_KEY: /v1/* requires it"
         ignored = " (VLLM_API_KEY, also set, is not read)" if vllm_env else ""
         return None, f"no API key: KVSERVE_API_KEY is set empty{ignored}; /v1/* is open"
     if vllm_env:
-        return vllm_env, "API key from VLLM_API_KEY (no --api-key, KVSERVE_API_KEY unset): /v1/* requires it"
+        return (_usable_key(vllm_env, "VLLM_API_KEY"),
+                "API key from VLLM_API_KEY (no --api-key, KVSERVE_API_KEY unset): /v1/* requires it")
     return None, "no API key (no --api-key, KVSERVE_API_KEY or VLLM_API_KEY): /v1/* is open"
+
+
+def _usable_key(key: str, source: str) -> str:
+    problem = api_key_problem(key)
+    if problem is not None:
+        raise ValueError(f"{source}: {problem}")
+    return key
 
 
 def make_arg_parser(prog: str = "kvserve serve") -> argparse.ArgumentParser:
