@@ -6,8 +6,9 @@ can be captured in a CUDA graph):
 1. `align_by_expert`: the T * k (token, slot) pairs sorted by expert (a stable sort, so each expert's pairs
    keep token order), each expert's segment padded to a multiple of BLOCK_M. Gives `sorted_ids` (the pair
    index t * k + j, or the sentinel T * k for padding), `block_expert` (the expert of each BLOCK_M block, -1
-   past the used ones) and `num_blocks` (a one-element tensor). Torch ops with static shapes: counts by
-   scatter_add, cumsums, a searchsorted for the blocks' experts.
+   past the used ones) and `num_blocks` (a one-element tensor). Up to ALIGN_KERNEL_MAX_PAIRS pairs one
+   single-program Triton kernel (one launch: decode steps); past that, torch ops with static shapes
+   (counts by scatter_add, cumsums, a stable sort, a searchsorted for the blocks' experts).
    Blocks allocated: ceil(T k / BLOCK_M) + min(E, T k), a bound on sum_e ceil(count_e / BLOCK_M) since at most
    min(E, T k) experts have pairs and each pads by fewer than BLOCK_M rows.
 2. `_moe_gate_up_kernel`: one program per (block, BLOCK_N columns of I): gathers the block's x rows, multiplies
@@ -79,18 +80,75 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
 
 
+# Up to this many pairs (T k) `align_by_expert` runs `_align_kernel`, one program and one launch (decode steps:
+# Qwen3-30B-A3B's k = 8 at T <= 256 rows is 2,048 pairs); past it, the torch ops, whose dozen launches and
+# sort scale better than one program's walk over the pairs.
+ALIGN_KERNEL_MAX_PAIRS = 4096
+
+
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
+def _align_kernel(
+    ids_ptr, sorted_ids_ptr, block_expert_ptr, num_blocks_ptr, num_pairs, num_experts, max_blocks,
+    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """One program: per-expert counts, each expert's first block (cumsum of its padded block count), the
+    blocks' experts, then each pair written at its expert's start plus its rank among that expert's pairs."""
+    experts = tl.arange(0, E_PAD)
+    counts = tl.zeros((E_PAD,), dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    expert_blocks = (counts + (BLOCK_M - 1)) // BLOCK_M
+    blocks_end = tl.cumsum(expert_blocks, axis=0)
+    first_slot = (blocks_end - expert_blocks) * BLOCK_M
+    tl.store(num_blocks_ptr, tl.sum(expert_blocks, axis=0))
+    for start in range(0, max_blocks, CHUNK):
+        blocks = start + tl.arange(0, CHUNK)
+        # Experts past num_experts (padding) have no blocks: their end is the total, past every used block.
+        owner = tl.sum((blocks_end[None, :] <= blocks[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + blocks, tl.where(owner < num_experts, owner, -1), mask=blocks < max_blocks)
+    for start in range(0, max_blocks * BLOCK_M, CHUNK):
+        slots = start + tl.arange(0, CHUNK)
+        tl.store(sorted_ids_ptr + slots, num_pairs, mask=slots < max_blocks * BLOCK_M)
+    tl.debug_barrier()  # the sentinels are written before any pair overwrites its slot
+    seen = tl.zeros((E_PAD,), dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
+        hit = (ids[:, None] == experts[None, :]).to(tl.int32)
+        before = tl.cumsum(hit, axis=0) - hit  # this expert's pairs earlier in the chunk
+        slot = tl.sum(hit * (first_slot + seen)[None, :] + hit * before, axis=1)
+        tl.store(sorted_ids_ptr + slot, offs, mask=offs < num_pairs)
+        seen += tl.sum(hit, axis=0)
+
+
 def align_by_expert(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, use_kernel: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The pairs of `topk_ids` [T, k] grouped by expert, each expert's group padded to a multiple of block_m.
 
     Returns (sorted_ids int32 [max_blocks * block_m]: pair index t * k + j, or T * k for padding;
     block_expert int32 [max_blocks]: the expert of each block, -1 for unused blocks; num_blocks int32 [1]).
-    Experts with no pairs get no block. Graph-safe: shapes depend on T, k, E and block_m only."""
+    Within an expert the pairs keep their order; experts with no pairs get no block. Graph-safe: shapes
+    depend on T, k, E and block_m only. `use_kernel` picks `_align_kernel` or the torch ops (default: the
+    kernel up to ALIGN_KERNEL_MAX_PAIRS pairs); both give the same result."""
     device = topk_ids.device
-    ids = topk_ids.reshape(-1).to(torch.int64)
+    ids = topk_ids.reshape(-1)
     num_pairs = ids.numel()
     blocks = max_blocks(num_pairs, num_experts, block_m)
+    if use_kernel if use_kernel is not None else num_pairs <= ALIGN_KERNEL_MAX_PAIRS:
+        ids = ids if ids.is_contiguous() else ids.contiguous()
+        sorted_ids = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
+        block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
+        num_blocks = torch.empty(1, dtype=torch.int32, device=device)
+        e_pad = triton.next_power_of_2(num_experts)
+        _align_kernel[(1,)](
+            ids, sorted_ids, block_expert, num_blocks, num_pairs, num_experts, blocks,
+            BLOCK_M=block_m, E_PAD=e_pad, CHUNK=max(16, 8192 // e_pad), num_warps=4,
+        )
+        return sorted_ids, block_expert, num_blocks
+    ids = ids.to(torch.int64)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
     counts.scatter_add_(0, ids, torch.ones_like(ids))
     expert_blocks = (counts + (block_m - 1)) // block_m
@@ -107,7 +165,8 @@ def align_by_expert(
     return sorted_ids, block_expert, blocks_end[-1:].to(torch.int32)
 
 
-@triton.jit
+# num_pairs (T k) is not specialised: one compiled variant serves every batch size.
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_gate_up_kernel(
     x_ptr, w_ptr, act_ptr, sorted_ids_ptr, block_expert_ptr,
     num_pairs, K, N,
@@ -149,7 +208,7 @@ def _moe_gate_up_kernel(
     tl.store(a_ptrs, out, mask=m_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_down_kernel(
     act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr,
     num_pairs, K, N,

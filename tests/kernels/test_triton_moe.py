@@ -26,8 +26,8 @@ def _poison(poison_allocations):
     poison_allocations(triton_moe)
 
 
-def check_alignment(ids: torch.Tensor, num_experts: int, block_m: int) -> None:
-    sorted_ids, block_expert, num_blocks = align_by_expert(ids, num_experts, block_m)
+def check_alignment(ids: torch.Tensor, num_experts: int, block_m: int, use_kernel: bool) -> None:
+    sorted_ids, block_expert, num_blocks = align_by_expert(ids, num_experts, block_m, use_kernel=use_kernel)
     flat = ids.reshape(-1).long().cpu()
     num_pairs = flat.numel()
     blocks = max_blocks(num_pairs, num_experts, block_m)
@@ -67,16 +67,46 @@ def check_alignment(ids: torch.Tensor, num_experts: int, block_m: int) -> None:
         ([[1, 2]], 64, 16),  # E > T k
     ],
 )
-def test_align_by_expert(ids, num_experts, block_m):
-    check_alignment(torch.tensor(ids, dtype=torch.int32), num_experts, block_m)
-    check_alignment(torch.tensor(ids, dtype=torch.int64), num_experts, block_m)
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "torch"])
+def test_align_by_expert(ids, num_experts, block_m, use_kernel, device):
+    check_alignment(torch.tensor(ids, dtype=torch.int32, device=device), num_experts, block_m, use_kernel)
+    check_alignment(torch.tensor(ids, dtype=torch.int64, device=device), num_experts, block_m, use_kernel)
 
 
-def test_align_by_expert_random():
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "torch"])
+def test_align_by_expert_random(use_kernel, device):
+    """Several of the kernel's chunks of pairs (200 x 8 pairs, 64 a chunk at 128 experts), experts not a power
+    of two, more blocks than a chunk."""
     gen = torch.Generator().manual_seed(0)
-    for num_tokens, top_k, num_experts, block_m in [(37, 4, 16, 8), (200, 8, 128, 16), (9, 2, 3, 64)]:
+    for num_tokens, top_k, num_experts, block_m in [(37, 4, 16, 8), (200, 8, 128, 16), (9, 2, 3, 64),
+                                                    (300, 2, 5, 4)]:
         ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
-        check_alignment(ids, num_experts, block_m)
+        check_alignment(ids.to(device), num_experts, block_m, use_kernel)
+
+
+def test_align_paths_agree_and_default_by_size(monkeypatch, device):
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 6, (50, 3), generator=gen).to(device)
+    kernel = align_by_expert(ids, 6, 8, use_kernel=True)
+    ops = align_by_expert(ids, 6, 8, use_kernel=False)
+    for a, b in zip(kernel, ops, strict=True):
+        assert torch.equal(a, b)
+    launched = []
+    monkeypatch.setattr(triton_moe, "_align_kernel", _Recorder(launched))
+    monkeypatch.setattr(triton_moe, "ALIGN_KERNEL_MAX_PAIRS", 150)
+    align_by_expert(ids, 6, 8)
+    assert len(launched) == 1  # 150 pairs: the kernel
+    monkeypatch.setattr(triton_moe, "ALIGN_KERNEL_MAX_PAIRS", 149)
+    align_by_expert(ids, 6, 8)
+    assert len(launched) == 1  # past it: the torch ops
+
+
+class _Recorder:
+    def __init__(self, launches: list) -> None:
+        self.launches = launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append(grid)
 
 
 def operands(num_tokens, hidden, inter, num_experts, top_k, dtype, device, seed=0, ids=None):
@@ -102,8 +132,11 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("align", ["kernel", "torch"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_fused_moe_float32_matches_reference(case, device):
+def test_fused_moe_float32_matches_reference(case, align, device, monkeypatch):
+    if align == "torch":
+        monkeypatch.setattr(triton_moe, "ALIGN_KERNEL_MAX_PAIRS", 0)
     x, w13, w2, weights, ids = operands(**CASES[case], dtype=torch.float32, device=device)
     got = fused_moe(x, w13, w2, weights, ids, config=SMALL)
     torch.testing.assert_close(got, reference.fused_moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
@@ -168,5 +201,6 @@ def test_kernels_compile_for_hopper(dtype, compiler_for):
         x = torch.zeros(num_tokens, hidden, dtype=dtype)
         compiler.record(triton_moe, ["_moe_gate_up_kernel", "_moe_down_kernel", "_moe_sum_kernel"],
                         partial(fused_moe, x, w13, w2, weights, ids))
+        compiler.record(triton_moe, ["_align_kernel"], partial(align_by_expert, ids, num_experts, 16, True))
     compiled = compiler.compile_all()
     assert {entry["block_m"] for entry in compiled} >= {16, 64}
