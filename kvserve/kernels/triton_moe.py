@@ -52,17 +52,20 @@ class MoeConfig:
     num_stages: int
 
 
-# Tilings by average pairs per expert (T k / E), the number of rows an expert's tile holds. To be tuned on the
-# GPU (benchmarks/moe_kernel_bench.py).
-# * Decode (a few pairs per expert, e.g. Qwen3-30B-A3B's E=128, k=8 at T <= 64 rows: up to 4 each): the
-#   smallest tl.dot tile, 16 rows; the matmuls read each hit expert's weights once, so narrow N tiles spread
-#   those reads over more programs (SMs).
-# * Middle (up to 64 pairs per expert): 32-row tiles.
-# * Prefill (more): 64-row tiles and wider N, the weights re-read once per 64 pairs.
+# Tilings by average pairs per expert (T k / E), the number of rows an expert's tile holds. First sweep
+# (benchmarks/moe_kernel_bench.py --config, H100, Qwen3-30B-A3B's shape, bf16, one CUDA graph a call):
+# * Decode (up to 16 pairs per expert, e.g. E=128, k=8 at T <= 256 rows): the smallest tl.dot tile, 16 rows.
+#   Six tilings from 16 to 64 gate/up columns and block_k 64 to 256 were within 3% of each other at T = 1, 8,
+#   64 and 256 (the matmuls read each hit expert's weights once; narrow N tiles spread them over the SMs).
+# * Middle (up to 64): 32-row tiles (not swept yet).
+# * Prefill (up to 256): 64-row tiles; at T = 2048 (128 pairs per expert) 836 us against 816 for the best.
+# * Large prefill: 128-row tiles and 8 warps; at T = 8192 1,966 us against 2,184 for 64-row tiles.
 DECODE_CONFIG = MoeConfig(block_m=16, block_n_gate_up=32, block_n_down=64, block_k=128, num_warps=4, num_stages=3)
 MIDDLE_CONFIG = MoeConfig(block_m=32, block_n_gate_up=64, block_n_down=64, block_k=64, num_warps=4, num_stages=3)
 PREFILL_CONFIG = MoeConfig(block_m=64, block_n_gate_up=64, block_n_down=128, block_k=64, num_warps=4,
                            num_stages=3)
+LARGE_PREFILL_CONFIG = MoeConfig(block_m=128, block_n_gate_up=128, block_n_down=128, block_k=64, num_warps=8,
+                                 num_stages=3)
 
 
 def pick_config(num_tokens: int, top_k: int, num_experts: int) -> MoeConfig:
@@ -72,7 +75,9 @@ def pick_config(num_tokens: int, top_k: int, num_experts: int) -> MoeConfig:
         return DECODE_CONFIG
     if per_expert <= 64:
         return MIDDLE_CONFIG
-    return PREFILL_CONFIG
+    if per_expert <= 256:
+        return PREFILL_CONFIG
+    return LARGE_PREFILL_CONFIG
 
 
 def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
