@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: GPU correctness and benchmarks on the H200, run from the repository root.
 #   bash benchmarks/run_h200.sh <step>...
-# steps: s57 s54b s54a s53d s53c pdl53 s53b s53a s52d s52c s52b s52a s51b s51a s50e s50d s50c s50b s50a s49c ab49 s49t s49b s48 so47 so46 so45 gpu44 pen44 plp43 hfseeds43 gpu43 hf43 pen42 kernels41 final41 gpu40 kprof40 check40 final40 dab40 dsw40 dec39 check39 final39 pgt39b c1ab39 pgt39 sus39 place38 dpdl38 gap38 busy38 tma38 ncuattn36 pair36 last36 pw36 final36 ab36 fuse36 ncu36 fix35 graphs35 final35 diag35 pairs35 pairs34 lop34 swap34 quant33 tp32a tp32b tp32c asc31b asc31 api30c api30b api30 client29b api29 client29 pytest28 cublas28 firstburst28 firstpass28w firstpass28s firstpass28e firstpass28 sweep28 abclient27 gcprobe27 client27 mnbt27 rowq26 gcserve26 gc26 bisect26 hash25 capfail25b capfail25 offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
+# steps: s63 s57 s54b s54a s53d s53c pdl53 s53b s53a s52d s52c s52b s52a s51b s51a s50e s50d s50c s50b s50a s49c ab49 s49t s49b s48 so47 so46 so45 gpu44 pen44 plp43 hfseeds43 gpu43 hf43 pen42 kernels41 final41 gpu40 kprof40 check40 final40 dab40 dsw40 dec39 check39 final39 pgt39b c1ab39 pgt39 sus39 place38 dpdl38 gap38 busy38 tma38 ncuattn36 pair36 last36 pw36 final36 ab36 fuse36 ncu36 fix35 graphs35 final35 diag35 pairs35 pairs34 lop34 swap34 quant33 tp32a tp32b tp32c asc31b asc31 api30c api30b api30 client29b api29 client29 pytest28 cublas28 firstburst28 firstpass28w firstpass28s firstpass28e firstpass28 sweep28 abclient27 gcprobe27 client27 mnbt27 rowq26 gcserve26 gc26 bisect26 hash25 capfail25b capfail25 offloop24 pytest24 rowattn24 apipath24 layers23 apipath23b apipath23 apipath poisson22 mixed22 shared22 hostcopy22 pytest22c copy22 pytest22b start22 pytest22 pytest21 pw21d pw21c serve21 pw21b pw21 host20 ph20 gaps20 pytest20 split20 diag20 ws19 prune19 dec19 kprof19 fmlp18 early17 tprof17 lpt16 abpad16 ggufa ggufb layout1 review14 gatesmall2 tmaab gatesmall gateup2 gateab2 gateup gateab l2probe hfdiag3 sdpafix hfdiag2 hfdiag final12 final11 probe coldab coldw coldprof pytestlt tuneab2 tuneab ltalgos attnab3 attnab2 attnpf rows32 ttftrest mergeab splitab gemmsplit padcheck asweep padab rows decgraph gapdiag gemmdown64 pytestengine prefillab2 prefillab prefillprof gemm4 ttftclk gemm3 blasab confirm fuseab2 ttftrand2 pdlab2 pdlgemm pdlab ttftrand modload sharedab final ggufcheck gemm gemm2 skinnyab fuseab cascade3 gemmdown pattn cascade2 pytest engine engine2 eager hf kernels elementwise ab prefix2 prefixab cascade profile diag diag2 diag3
 #        async ttftab sweep serve (see the case below for what each runs)
 # Pass the local commit, written in literally (the device copy's git metadata can be stale, so a $(git ...) in
 # the command would read it there): KVSERVE_BENCH_COMMIT=<sha> bash ...
@@ -755,6 +755,22 @@ PY
         cp "$R/ncuattn36.log" "$OUT/"
         grep -a -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Waves Per|SM Active|Elapsed Cyc|Issue Slots|ncu rc|rror" \
           "$R/ncuattn36.log" | head -40 ;;
+    s63) # Session 63 (about 450 s on any GPU): mixture-of-experts models. The MoE kernel's and the MoE model's GPU
+        # tests with session 62's --max-model-len auto GPU test; the kernel's timings at Qwen3-30B-A3B's shape; the
+        # engine at that shape (random bf16 weights, 61 GB): start, decode at batch 1/8/64, the seeds' workload, the
+        # 256 sequences.
+        timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_gpu_moe.py tests/gpu/test_gpu_moe_model.py \
+          "tests/gpu/test_gpu_engine.py::test_max_model_len_auto_is_an_engine_started_with_the_length_the_cache_holds" \
+          > "$R/gpu63.log" 2>&1
+        echo "pytest rc=$?" >> "$R/gpu63.log"; cp "$R/gpu63.log" "$OUT/"
+        timeout 60 python3 benchmarks/moe_kernel_bench.py --out "$R/moe63" > "$R/moe63.log" 2>&1
+        echo "moe_kernel_bench rc=$?" >> "$R/moe63.log"; cp "$R/moe63.log" "$OUT/"
+        timeout 200 python3 benchmarks/engine_benchmarks.py --out "$R/s63_moe" --model qwen3-30b-a3b \
+          --sections start,decode,seeds,random256 --decode-batches 1,8,64 --decode-contexts 1024 > "$R/s63_moe.log" 2>&1
+        echo "engine_benchmarks rc=$?" >> "$R/s63_moe.log"; cp "$R/s63_moe.log" "$OUT/"
+        grep -a -E "^FAILED|^ERROR|^SKIPPED|passed|failed|rc=" "$R/gpu63.log" | tail -20 | cut -c1-220
+        tail -14 "$R/moe63.log" | cut -c1-150
+        grep -a -E "^engine start|^KV cache|^decode b|^seeds|^256|rc=|Error" "$R/s63_moe.log" | cut -c1-150 ;;
     s57) # Session 57 (about 110 s on an H200, then about 330 s on any GPU): s54b's targets' sections (H200 only), then
         # the GPU tests (tests/gpu and the KV-cache sizing test) at this commit: the first GPU run since a loaded
         # model's parameters dropped their loader methods (release_load_hooks, session 56).
