@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 # vLLM flags kvserve does not support -> what to do instead ("" where there is nothing to suggest).
 _TEXT_ONLY = "kvserve serves text-only models"
 _NO_LORA = "merge the adapter into the model's weights and serve the merged checkpoint"
+_NO_EXPERT_PARALLEL = ("mixture-of-experts models split over --tensor-parallel-size ranks as they are: each rank holds "
+                       "its share of every expert's width")
 UNSUPPORTED_VLLM_FLAGS: dict[str, str] = {
     "--enable-lora": _NO_LORA,
     "--lora-modules": _NO_LORA,
@@ -31,6 +33,8 @@ UNSUPPORTED_VLLM_FLAGS: dict[str, str] = {
     "--hf-overrides": "edit a copy of the model's config.json",
     "--rope-scaling": "set rope_scaling in a copy of the model's config.json",
     "--middleware": "kvserve loads no ASGI middleware by import path; put it in a proxy in front of the server",
+    "--enable-expert-parallel": _NO_EXPERT_PARALLEL,
+    "--enable-eplb": _NO_EXPERT_PARALLEL,
     "--calculate-kv-scales": "with --kv-cache-dtype fp8 kvserve stores K and V with scales of 1.0, vLLM's default "
                              "when the checkpoint has none",
 }
