@@ -15,11 +15,10 @@ from typing import Any
 
 import pytest
 import torch
+from test_gpu_engine import _generate_staggered
 
 from kvserve.config import EngineArgs
 from kvserve.engine.engine_core import EngineCore
-from kvserve.protocol.engine import EngineCoreRequest
-from kvserve.protocol.sampling_params import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,
@@ -55,23 +54,6 @@ def _core(path: str, enforce_eager: bool) -> EngineCore:
     return EngineCore(args.create_engine_config())
 
 
-def _generate(core: EngineCore, prompts: list[list[int]]) -> list[list[int]]:
-    """Greedy, EOS ignored; prompt i is added at step 2 * i, so prompts arrive while earlier ones decode
-    (mixed steps: the piecewise graphs) and decode-only steps follow (the decode graphs)."""
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
-    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    step = 0
-    while step <= 2 * (len(prompts) - 1) or core.has_unfinished_requests():
-        if step % 2 == 0 and step // 2 < len(prompts):
-            i = step // 2
-            core.add_request(EngineCoreRequest(req_id=str(i), prompt_token_ids=prompts[i], sampling_params=params,
-                                               max_tokens=NUM_NEW))
-        for out in core.step().outputs:
-            tokens[out.req_id].extend(out.new_token_ids)
-        step += 1
-    return [tokens[str(i)] for i in range(len(prompts))]
-
-
 def _assert_hf_agrees(hf: Any, prompt: list[int], tokens: list[int], tol: float = 1e-3) -> None:
     """HF's greedy choice after the prompt and each of kvserve's tokens is kvserve's next token, up to the
     first step where they part, which must be a near-tie in HF's logprobs."""
@@ -91,9 +73,9 @@ def test_qwen3_moe_graphs_match_eager_and_hf(moe_checkpoint: str) -> None:
     prompts = _prompts(6, seed=3)
     graph_core = _core(moe_checkpoint, enforce_eager=False)
     assert graph_core.runner.graphs is not None, "CUDA graphs were not captured"
-    with_graphs = _generate(graph_core, prompts)
+    with_graphs = _generate_staggered(graph_core, prompts, NUM_NEW, 2)
     del graph_core
-    eager = _generate(_core(moe_checkpoint, enforce_eager=True), prompts)
+    eager = _generate_staggered(_core(moe_checkpoint, enforce_eager=True), prompts, NUM_NEW, 2)
     assert with_graphs == eager
     assert all(len(t) == NUM_NEW for t in eager)
     hf = AutoModelForCausalLM.from_pretrained(moe_checkpoint, dtype=torch.float32).cuda().eval()
