@@ -82,6 +82,9 @@ _EXPERT_TENSOR = re.compile(
     r"(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
 _FUSED_EXPERTS_TENSOR = re.compile(r"(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)")
 _ROUTER_TENSOR = re.compile(r"(model\.layers\.\d+)\.block_sparse_moe\.gate\.weight")
+# Our name of a mixture-of-experts layer's router or experts (under `mlp`), for naming Mixtral's checkpoint tensor
+# (under `block_sparse_moe`) in messages.
+_MOE_PARAM = re.compile(r"(model\.layers\.\d+)\.mlp\.(gate\.weight|experts\.)")
 _EXPERT_PARTS = {"gate_proj": ("w13", "gate"), "w1": ("w13", "gate"), "up_proj": ("w13", "up"), "w3": ("w13", "up"),
                  "down_proj": ("w2", "down"), "w2": ("w2", "down")}
 
@@ -490,7 +493,7 @@ class LlamaForCausalLM(CausalLM):
         # group_size: what the load assumes without one, as vLLM does); an act-order one needs its order.
         optional = (".g_idx",) if quant is not None and quant.method == "gptq" and not quant.act_order else ()
         missing = [
-            _describe_missing(name, param, shard)
+            _describe_missing(name, param, shard, _checkpoint_moe_block(self.arch))
             for name, param in params.items()
             for shard in param.shard_ids  # type: ignore[attr-defined]
             if shard not in loaded[name] and not name.endswith(optional)
@@ -560,13 +563,22 @@ def _expert_param_name(ckpt_name: str) -> tuple[str | None, Hashable]:
     return None, None
 
 
-def _describe_missing(name: str, param: torch.nn.Parameter, shard: Hashable) -> str:
+def _checkpoint_moe_block(arch: ArchConfig) -> str:
+    """What the model's checkpoints call a mixture-of-experts layer's MLP: Mixtral's `block_sparse_moe`, else
+    `mlp` (ours for both)."""
+    return "block_sparse_moe" if arch.architecture == "MixtralForCausalLM" else "mlp"
+
+
+def _describe_missing(name: str, param: torch.nn.Parameter, shard: Hashable, moe_block: str = "mlp") -> str:
     """What a checkpoint lacks for shard `shard` of parameter `name`: the parameter's own description (an
-    expert's: the checkpoint tensor's name), else the name and shard."""
+    expert's: the checkpoint tensor's name), else the name and shard; a router's or expert's under `moe_block`,
+    the checkpoint's name of the layer's MLP (`_checkpoint_moe_block`)."""
     describe = getattr(param, "describe_shard", None)
     if describe is not None:
-        return describe(name.rsplit(".", 1)[0], shard)
-    return f"{name} (shard {shard!r})" if shard is not None else name
+        text = describe(name.rsplit(".", 1)[0], shard)
+    else:
+        text = f"{name} (shard {shard!r})" if shard is not None else name
+    return text if moe_block == "mlp" else _MOE_PARAM.sub(rf"\1.{moe_block}.\2", text)
 
 
 def _kv_scale_value(ckpt_name: str, tensor: torch.Tensor) -> float:

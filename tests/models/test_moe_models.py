@@ -224,6 +224,18 @@ def test_a_missing_expert_tensor_is_named(tiny_model_dir: Callable[..., str], tm
         LLM(path, max_model_len=64)
 
 
+@pytest.mark.parametrize("missing", ["model.layers.1.block_sparse_moe.experts.3.w3.weight",
+                                     "model.layers.1.block_sparse_moe.gate.weight"], ids=["expert", "router"])
+def test_a_missing_mixtral_tensor_is_named_as_its_checkpoints_name_it(
+        missing: str, tiny_model_dir: Callable[..., str], tmp_path: Path) -> None:
+    """Mixtral's checkpoints hold a layer's router and experts under block_sparse_moe (ours: mlp): the message
+    names the tensor the checkpoint lacks, not a name no Mixtral checkpoint has."""
+    source = tiny_model_dir("mixtral")
+    path = _rewrite(source, tmp_path / "m", lambda w: {k: v for k, v in w.items() if k != missing})
+    with pytest.raises(ModelLoadError, match=rf"checkpoint lacks weights for {missing.replace('.', '[.]')}$"):
+        LLM(path, max_model_len=64)
+
+
 def test_an_expert_past_the_configs_is_refused(tiny_model_dir: Callable[..., str], tmp_path: Path) -> None:
     source = tiny_model_dir("mixtral")
 
