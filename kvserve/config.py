@@ -453,6 +453,11 @@ class EngineArgs:
         auto_max_model_len = is_auto_max_model_len(self.max_model_len)
         if self.max_model_len is None or auto_max_model_len:
             max_model_len = model_limit
+            if auto_max_model_len and arch.sliding_window is not None and arch.sliding_window < model_limit:
+                # The longest length served (see the refusal below): auto asks for the longest there is.
+                logger.info("max_model_len auto: %s's sliding_window %d (kvserve serves it up to its window)",
+                            arch.architecture, arch.sliding_window)
+                max_model_len = arch.sliding_window
         else:
             max_model_len = _token_count("max_model_len", self.max_model_len)
             if max_model_len > model_limit and envs.KVSERVE_ALLOW_LONG_MAX_MODEL_LEN:

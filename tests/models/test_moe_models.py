@@ -307,6 +307,18 @@ def test_mixtral_sliding_window_holds_max_model_len(tiny_model_dir: Callable[...
     assert EngineArgs(model=path, device="cpu", max_model_len=64).create_engine_config()
 
 
+@pytest.mark.parametrize("value", ["auto", -1])
+def test_mixtral_sliding_window_is_max_model_len_auto(value: Any, tiny_model_dir: Callable[..., str],
+                                                      tmp_path: Path) -> None:
+    """max_model_len auto / -1 asks for the longest length served: a Mixtral sliding_window's (it was refused as
+    past the window, naming the model's 256), then lowered as usual to what the KV cache holds."""
+    path = _with_config(tiny_model_dir("mixtral"), tmp_path / "w", sliding_window=64, max_position_embeddings=256)
+    config = EngineArgs(model=path, device="cpu", max_model_len=value).create_engine_config()
+    assert config.model_config.max_model_len == 64 and config.model_config.max_model_len_auto
+    llm = LLM(path, max_model_len=value, num_gpu_blocks_override=3)  # 48 tokens: lowered past the window
+    assert llm.llm_engine.model_config.max_model_len == 48
+
+
 def test_qwen3_moe_sliding_window_layers_are_refused(tiny_model_dir: Callable[..., str], tmp_path: Path) -> None:
     path = _with_config(tiny_model_dir("qwen3-moe"), tmp_path / "w", use_sliding_window=True, sliding_window=64)
     with pytest.raises(ModelLoadError, match=r"sliding-window attention layers are not supported yet .*4 layer"):
