@@ -324,6 +324,7 @@ def add_ignored_engine_args(parser: argparse.ArgumentParser, data_parallel: bool
     p.add_argument("--max-parallel-loading-workers", type=int, default=None, help=hide)
     p.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, help=hide)
     p.add_argument("--max-cudagraph-capture-size", type=int, default=None, help=hide)
+    p.add_argument("--enable-expert-parallel", action="store_true", default=None, help=hide)
 
 
 def add_ignored_server_args(parser: argparse.ArgumentParser) -> None:
@@ -363,6 +364,8 @@ _IGNORED_WHY: dict[str, tuple[str, str]] = {
                                                "(--enforce-eager: none)"),
     "max_cudagraph_capture_size": ("--max-cudagraph-capture-size", "kvserve captures its own decode batch sizes, up "
                                                                    "to --max-num-seqs (--enforce-eager: none)"),
+    "enable_expert_parallel": ("--enable-expert-parallel", "a mixture-of-experts model's experts are split over the "
+                               "--tensor-parallel-size ranks by each expert's width (the same outputs)"),
     "enable_reasoning": ("--enable-reasoning", "--reasoning-parser turns reasoning on"),
     "enable_prompt_tokens_details": ("--enable-prompt-tokens-details",
                                      "usage always carries prompt_tokens_details.cached_tokens"),

@@ -274,6 +274,23 @@ def test_more_vllm_flags_that_change_nothing_are_noted_and_middleware_is_refused
         _exit_message(["serve", "m", "--middleware", "app.mw"], capsys)
 
 
+@pytest.mark.parametrize("command", [["serve", "/models/m"], ["generate", "--prompt", "x"],
+                                     ["triton-repo", "--name", "m"]])
+def test_enable_expert_parallel_is_accepted_and_noted(command: list[str]) -> None:
+    """vLLM's --enable-expert-parallel (in its recipes for Qwen3-MoE and Mixtral): kvserve splits each expert's
+    width over the tensor-parallel ranks instead, with the same outputs, so the flag changes nothing; it was
+    argparse's bare "unrecognized arguments" (LLM(enable_expert_parallel=True) a TypeError)."""
+    from kvserve.engine.llm import _engine_args
+    from kvserve.entrypoints.vllm_compat import ignored_flag_notes
+
+    ns = build_parser().parse_args([*command, "--enable-expert-parallel"])
+    assert ignored_flag_notes(ns) == ["--enable-expert-parallel ignored: a mixture-of-experts model's experts are "
+                                      "split over the --tensor-parallel-size ranks by each expert's width (the "
+                                      "same outputs)"]
+    assert engine_args_from(ns) == engine_args_from(build_parser().parse_args(command))
+    assert _engine_args({"enable_expert_parallel": True}) == {}
+
+
 @pytest.mark.parametrize("flags, chunked, prefix", [
     (["--enable-chunked-prefill", "False", "--enable-prefix-caching=false"], False, False),
     (["--enable-chunked-prefill", "true", "--enable-prefix-caching=TRUE"], True, True),
