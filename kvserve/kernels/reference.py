@@ -223,16 +223,18 @@ def fused_moe(
     """The experts of a mixture-of-experts MLP with SiLU gating, for every token's chosen experts.
 
     x ``[T, H]``; w13 ``[E, 2 * I, H]`` (each expert's gate rows, then its up rows); w2 ``[E, H, I]``;
-    topk_weights float32 ``[T, k]``; topk_ids int32 or int64 ``[T, k]`` in [0, E). Returns ``[T, H]`` in x's
-    dtype: ``out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(gate_e x[t]) * up_e x[t])`` with
+    topk_weights ``[T, k]`` float32 or x's dtype; topk_ids int32 or int64 ``[T, k]`` in [0, E). Returns ``[T, H]``
+    in x's dtype: ``out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(gate_e x[t]) * up_e x[t])`` with
     ``e = topk_ids[t, j]``. Rounding as HF's sparse MoE blocks: each expert's matmuls and activation in x's
-    dtype, its output times the weight cast to that dtype, summed in that dtype in expert order.
-    (Host syncs: a CPU path and the GPU kernels' oracle, not a graph-safe one.)"""
+    dtype, its output times the weight as given (the product in float32, rounded once to x's dtype: Mixtral's
+    router keeps its weights in float32, Qwen3-MoE's rounds them to x's dtype first, which its caller does),
+    summed in x's dtype in expert order. (Host syncs: a CPU path and the GPU kernels' oracle, not a graph-safe
+    one.)"""
     num_experts = w13.shape[0]
     inter = w2.shape[2]
     out = torch.zeros_like(x)
     ids = topk_ids.to(torch.int64)
-    weights = topk_weights.to(x.dtype)
+    weights = topk_weights.float()
     hit = torch.zeros(num_experts, dtype=torch.bool, device=x.device)
     hit[ids.reshape(-1)] = True
     for expert in hit.nonzero().reshape(-1).tolist():
@@ -240,7 +242,7 @@ def fused_moe(
         rows = x.index_select(0, token)
         gate_up = F.linear(rows, w13[expert])
         act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = F.linear(act, w2[expert]) * weights[token, slot].unsqueeze(1)
+        y = (F.linear(act, w2[expert]).float() * weights[token, slot].unsqueeze(1)).to(x.dtype)
         out.index_add_(0, token, y)
     return out
 

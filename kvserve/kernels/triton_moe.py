@@ -22,7 +22,8 @@ Programs whose block is unused (expert -1) return at once; padding rows are mask
 
 Rounding: the matmuls accumulate in float32. As in the reference, gate and up are rounded to x's dtype before
 the activation, silu(gate) is rounded before the multiply (`silu_mul`), the down projection's output is
-rounded to x's dtype, then multiplied by the routing weight cast to x's dtype and rounded again. The sum over
+rounded to x's dtype, then multiplied in float32 by the routing weight as given (float32, or x's dtype) and
+rounded again. The sum over
 the k slots differs: the reference adds the experts' outputs in x's dtype in expert order; here they are
 added in float32 and rounded once (closer to the exact sum; within a 16-bit dtype's rounding of the
 reference). float32 operands use IEEE float32 dot products (no TF32).
@@ -220,7 +221,8 @@ def _moe_down_kernel(
     stride_am, stride_we, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """y[pair, n] = (act[pair] . w[e, n]) * routing weight of the pair, each product rounded to y's dtype."""
+    """y[pair, n] = (act[pair] . w[e, n]) * routing weight of the pair: the dot product rounded to y's dtype, times
+    the weight as given in float32, rounded to y's dtype."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -243,7 +245,7 @@ def _moe_down_kernel(
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     DTYPE = y_ptr.dtype.element_ty
-    weight = tl.load(weights_ptr + rows, mask=m_ok, other=0.0).to(DTYPE).to(tl.float32)
+    weight = tl.load(weights_ptr + rows, mask=m_ok, other=0.0).to(tl.float32)
     out = (acc.to(DTYPE).to(tl.float32) * weight[:, None]).to(DTYPE)
     y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, out, mask=m_ok[:, None] & n_ok[None, :])
@@ -270,8 +272,8 @@ def fused_moe(
 ) -> torch.Tensor:
     """`reference.fused_moe`'s result (see the module docstring for the rounding), with no host sync.
 
-    x [T, H] (unit inner stride); w13 [E, 2 I, H]; w2 [E, H, I]; topk_weights [T, k]; topk_ids int32 or int64
-    [T, k]. `config` overrides the tiling `pick_config` chooses (for tuning and tests)."""
+    x [T, H] (unit inner stride); w13 [E, 2 I, H]; w2 [E, H, I]; topk_weights [T, k] (float32 or x's dtype);
+    topk_ids int32 or int64 [T, k]. `config` overrides the tiling `pick_config` chooses (for tuning and tests)."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2

@@ -122,15 +122,21 @@ class SparseMoeBlock(nn.Module):
     router weight times the expert's SiLU-gated MLP (summed over the tensor-parallel ranks)."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
-                 dtype: torch.dtype, expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> None:
+                 dtype: torch.dtype, expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                 round_weights: bool = True) -> None:
         super().__init__()
         self.top_k = top_k
         self.renormalize = renormalize
+        # HF's routers: Qwen3-MoE's rounds the chosen experts' weights to the model dtype, Mixtral's keeps them in
+        # float32 (each expert's output times its weight is then rounded once).
+        self.round_weights = round_weights
         self.gate = Linear(hidden_size, num_experts, False, dtype)  # replicated: every rank routes every token
         self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, dtype, expert_names)
         self.tp_size = distributed.tp_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = ops.select_experts(self.gate(x), self.top_k, self.renormalize)
+        if self.round_weights:
+            weights = weights.to(x.dtype)
         out = ops.fused_moe(x, self.experts.w13, self.experts.w2, weights, ids)
         return distributed.all_reduce(out) if self.tp_size > 1 else out

@@ -226,9 +226,10 @@ class LlamaMLP(nn.Module):
 
 def _moe_block(arch: ArchConfig, dtype: torch.dtype) -> SparseMoeBlock:
     """A mixture-of-experts layer's MLP (this rank's share of each expert, `arch` being `layer_arch`)."""
-    names = ("w1", "w3", "w2") if arch.architecture == "MixtralForCausalLM" else ("gate_proj", "up_proj", "down_proj")
+    mixtral = arch.architecture == "MixtralForCausalLM"
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     return SparseMoeBlock(arch.hidden_size, arch.num_experts, arch.num_experts_per_tok, arch.moe_intermediate_size,
-                          arch.norm_topk_prob, dtype, names)
+                          arch.norm_topk_prob, dtype, names, round_weights=not mixtral)
 
 
 class LlamaDecoderLayer(nn.Module):

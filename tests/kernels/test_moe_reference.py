@@ -41,7 +41,7 @@ def test_the_reference_moe_is_hf_sparse_moe_block(dtype: torch.dtype, norm_topk_
         want = (want[0] if isinstance(want, tuple) else want).reshape(7, 32)
         weights, ids = reference.select_experts(torch.nn.functional.linear(x, block.gate.weight), 3, norm_topk_prob)
         w13, w2 = _stacked(block)
-        got = reference.fused_moe(x, w13, w2, weights, ids)
+        got = reference.fused_moe(x, w13, w2, weights.to(dtype), ids)  # rounded as its router rounds them
     assert weights.dtype == torch.float32 and ids.dtype == torch.int32 and ids.shape == (7, 3)
     if norm_topk_prob:
         torch.testing.assert_close(weights.sum(-1), torch.ones(7), rtol=0, atol=1e-6)
@@ -64,3 +64,42 @@ def test_tokens_routed_to_no_expert_get_zeros_and_each_choice_counts() -> None:
     torch.testing.assert_close(got[1], expert(1, x[1]))
     zero = reference.fused_moe(x, w13, w2, torch.zeros(2, 2), ids)
     assert torch.equal(zero, torch.zeros_like(x))
+
+
+mixtral = pytest.importorskip("transformers.models.mixtral.modeling_mixtral")
+
+
+def _hf_mixtral_block(dtype: torch.dtype) -> torch.nn.Module:
+    config = transformers.MixtralConfig(hidden_size=64, intermediate_size=32, num_local_experts=8,
+                                        num_experts_per_tok=2)
+    torch.manual_seed(0)
+    block = mixtral.MixtralSparseMoeBlock(config)
+    for param in block.parameters():
+        torch.nn.init.normal_(param, std=0.2)
+    return block.to(dtype)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_the_layer_is_hf_sparse_moe_block_bit_for_bit_in_bfloat16(family: str) -> None:
+    """layers.moe.SparseMoeBlock (on CPU: the reference) gives HF's block's bfloat16 output exactly. Mixtral's
+    router keeps the chosen experts' weights in float32, so each expert's output times its weight is rounded
+    once; Qwen3-MoE's rounds them to bfloat16 first. (Mixtral's weights were rounded to bfloat16 as Qwen3-MoE's:
+    about a third of the outputs one bfloat16 step off HF's.)"""
+    from kvserve.layers.moe import SparseMoeBlock
+
+    dtype = torch.bfloat16
+    mixtral_family = family == "mixtral"
+    hf = _hf_mixtral_block(dtype) if mixtral_family else _hf_block(dtype, norm_topk_prob=True)
+    hidden, num_experts, top_k = (64, 8, 2) if mixtral_family else (32, 8, 3)
+    w13, w2 = _stacked(hf)
+    ours = SparseMoeBlock(hidden, num_experts, top_k, w2.shape[2], True, dtype, round_weights=not mixtral_family)
+    with torch.no_grad():
+        ours.gate.weight.copy_(hf.gate.weight)
+        ours.experts.w13.copy_(w13)
+        ours.experts.w2.copy_(w2)
+        x = torch.randn(64, hidden, generator=torch.Generator().manual_seed(1)).to(dtype)
+        want = hf(x.unsqueeze(0))
+        want = (want[0] if isinstance(want, tuple) else want).reshape(64, hidden)
+        got = ours(x)
+    assert got.dtype == dtype
+    assert torch.equal(got, want), f"{int((got != want).sum())} of {got.numel()} outputs differ"

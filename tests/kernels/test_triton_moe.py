@@ -142,11 +142,15 @@ def test_fused_moe_float32_matches_reference(case, align, device, monkeypatch):
     torch.testing.assert_close(got, reference.fused_moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("weights_dtype", ["float32", "x"], ids=["float32-weights", "x-dtype-weights"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", ["T3-k2", "many-padding"])
-def test_fused_moe_16_bit_matches_reference(case, dtype, device, skip_bf16_on_interpreter):
+def test_fused_moe_16_bit_matches_reference(case, dtype, weights_dtype, device, skip_bf16_on_interpreter):
+    """Routing weights as given: float32 (Mixtral's router) or rounded to x's dtype (Qwen3-MoE's)."""
     skip_bf16_on_interpreter(dtype)
     x, w13, w2, weights, ids = operands(**CASES[case], dtype=dtype, device=device)
+    if weights_dtype == "x":
+        weights = weights.to(dtype)
     got = fused_moe(x, w13, w2, weights, ids, config=SMALL)
     assert got.dtype == dtype and got.shape == x.shape
     want = reference.fused_moe(x, w13, w2, weights, ids)
