@@ -423,6 +423,8 @@ class LlamaForCausalLM(CausalLM):
         # layer -> {"k" / "v" / "kv": (value, checkpoint name)}
         kv_scales: dict[int, dict[str, tuple[float, str]]] = {}
         tied_rows: dict[str, torch.Tensor] = {}
+        # (router or experts' parameter, shard) -> the checkpoint tensor that filled it (`_check_moe_source`)
+        moe_sources: dict[tuple[str, Hashable], str] = {}
         for ckpt_name, tensor in weights:
             if ckpt_name.endswith(_IGNORED_SUFFIXES):
                 continue
@@ -482,6 +484,9 @@ class LlamaForCausalLM(CausalLM):
                 raise ModelLoadError(
                     f"checkpoint tensor {ckpt_name!r} matches no parameter of {type(self).__name__}"
                 )
+            if self.arch.is_moe and _MOE_PARAM.match(param_name):
+                _check_moe_source(moe_sources, ckpt_name, param_name, param, shard_id,
+                                  _checkpoint_moe_block(self.arch))
             try:
                 param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
             except ValueError as exc:
@@ -568,6 +573,21 @@ def _checkpoint_moe_block(arch: ArchConfig) -> str:
     """What the model's checkpoints call a mixture-of-experts layer's MLP: Mixtral's `block_sparse_moe`, else
     `mlp` (ours for both)."""
     return "block_sparse_moe" if arch.architecture == "MixtralForCausalLM" else "mlp"
+
+
+def _check_moe_source(sources: dict[tuple[str, Hashable], str], ckpt_name: str, param_name: str,
+                      param: torch.nn.Parameter, shard_id: Hashable, moe_block: str) -> None:
+    """ModelLoadError if another checkpoint tensor already filled what `ckpt_name` fills of a router or the
+    experts (`sources`: (parameter, shard) -> the tensor that filled it): a layer's experts held both apart and
+    fused, or a Mixtral router under both mlp and block_sparse_moe (the later one silently replaced the earlier).
+    `moe_block`: `_checkpoint_moe_block`."""
+    shards = param.shard_ids if shard_id == FUSED else (shard_id,)  # type: ignore[attr-defined]
+    for shard in shards:
+        earlier = sources.setdefault((param_name, shard), ckpt_name)
+        if earlier != ckpt_name:
+            what = _describe_missing(param_name, param, shard, moe_block)
+            raise ModelLoadError(f"checkpoint tensors {earlier!r} and {ckpt_name!r} both hold {what}: a checkpoint "
+                                 "holds each expert once, apart or fused")
 
 
 def _describe_missing(name: str, param: torch.nn.Parameter, shard: Hashable, moe_block: str = "mlp") -> str:

@@ -236,6 +236,30 @@ def test_a_missing_mixtral_tensor_is_named_as_its_checkpoints_name_it(
         LLM(path, max_model_len=64)
 
 
+@pytest.mark.parametrize("variant", ["qwen3-moe", "mixtral"])
+def test_a_tensor_held_twice_is_refused(variant: str, tiny_model_dir: Callable[..., str], tmp_path: Path) -> None:
+    """One layer's experts both apart and fused (Qwen3-MoE), or Mixtral's router under both block_sparse_moe and
+    mlp: refused naming both tensors; the one read last silently replaced the other."""
+    source = tiny_model_dir(variant)
+
+    def add(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if variant == "mixtral":
+            weights["model.layers.0.mlp.gate.weight"] = torch.zeros(8, 64)
+        else:
+            weights["model.layers.1.mlp.experts.down_proj"] = torch.zeros(8, 64, 32)
+        return weights
+
+    path = _rewrite(source, tmp_path / "m", add)
+    first, second = {
+        "mixtral": ("model.layers.0.block_sparse_moe.gate.weight", "model.layers.0.mlp.gate.weight"),
+        "qwen3-moe": ("model.layers.1.mlp.experts.0.down_proj.weight", "model.layers.1.mlp.experts.down_proj"),
+    }[variant]
+    with pytest.raises(ModelLoadError, match=r"checkpoint tensors '(.+)' and '(.+)' both hold .*a checkpoint holds "
+                                             r"each expert once") as info:
+        LLM(path, max_model_len=64)
+    assert {first, second} <= set(str(info.value).split("'"))
+
+
 def test_an_expert_past_the_configs_is_refused(tiny_model_dir: Callable[..., str], tmp_path: Path) -> None:
     source = tiny_model_dir("mixtral")
 
