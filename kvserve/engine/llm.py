@@ -36,6 +36,7 @@ _IGNORED_VLLM_ARGS: dict[str, tuple[Any, ...]] = {
     "distributed_executor_backend": (None, "mp", "uni"), "max_seq_len_to_capture": (),
     "disable_custom_all_reduce": (True, False), "preemption_mode": (None, "recompute"),
     "max_parallel_loading_workers": (), "max_cudagraph_capture_size": (), "enable_expert_parallel": (True, False),
+    "enable_eplb": (True, False),
     # offline only (no such flags here): no async output processing to turn off, the tokenizer is always
     # loaded, nothing is downloaded
     "disable_async_output_proc": (True, False), "skip_tokenizer_init": (False,), "hf_token": (None,),

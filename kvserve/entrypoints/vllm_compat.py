@@ -14,8 +14,6 @@ from collections.abc import Callable, Sequence
 # vLLM flags kvserve does not support -> what to do instead ("" where there is nothing to suggest).
 _TEXT_ONLY = "kvserve serves text-only models"
 _NO_LORA = "merge the adapter into the model's weights and serve the merged checkpoint"
-_NO_EXPERT_PARALLEL = ("mixture-of-experts models split over --tensor-parallel-size ranks as they are: each rank holds "
-                       "its share of every expert's width")
 UNSUPPORTED_VLLM_FLAGS: dict[str, str] = {
     "--enable-lora": _NO_LORA,
     "--lora-modules": _NO_LORA,
@@ -33,8 +31,6 @@ UNSUPPORTED_VLLM_FLAGS: dict[str, str] = {
     "--hf-overrides": "edit a copy of the model's config.json",
     "--rope-scaling": "set rope_scaling in a copy of the model's config.json",
     "--middleware": "kvserve loads no ASGI middleware by import path; put it in a proxy in front of the server",
-    "--enable-expert-parallel": _NO_EXPERT_PARALLEL,
-    "--enable-eplb": _NO_EXPERT_PARALLEL,
     "--calculate-kv-scales": "with --kv-cache-dtype fp8 kvserve stores K and V with scales of 1.0, vLLM's default "
                              "when the checkpoint has none",
 }
@@ -325,6 +321,7 @@ def add_ignored_engine_args(parser: argparse.ArgumentParser, data_parallel: bool
     p.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, help=hide)
     p.add_argument("--max-cudagraph-capture-size", type=int, default=None, help=hide)
     p.add_argument("--enable-expert-parallel", action="store_true", default=None, help=hide)
+    p.add_argument("--enable-eplb", action="store_true", default=None, help=hide)
 
 
 def add_ignored_server_args(parser: argparse.ArgumentParser) -> None:
@@ -366,6 +363,8 @@ _IGNORED_WHY: dict[str, tuple[str, str]] = {
                                                                    "to --max-num-seqs (--enforce-eager: none)"),
     "enable_expert_parallel": ("--enable-expert-parallel", "a mixture-of-experts model's experts are split over the "
                                "--tensor-parallel-size ranks by each expert's width (the same outputs)"),
+    "enable_eplb": ("--enable-eplb", "with every rank holding a share of every expert there is no expert placement "
+                    "to balance"),
     "enable_reasoning": ("--enable-reasoning", "--reasoning-parser turns reasoning on"),
     "enable_prompt_tokens_details": ("--enable-prompt-tokens-details",
                                      "usage always carries prompt_tokens_details.cached_tokens"),

@@ -215,8 +215,6 @@ def test_vllm_flag_values_that_would_matter_are_refused(flags: list[str], messag
     (["serve", "m", "--hf-overrides", "{}"], "--hf-overrides"),
     (["serve", "m", "--rope-scaling", "{}"], "--rope-scaling"),
     (["generate", "--prompt", "x", "--enable-lora"], "--enable-lora"),
-    (["serve", "m", "-tp", "2", "--enable-expert-parallel"], "--enable-expert-parallel"),
-    (["serve", "m", "--enable-eplb"], "--enable-eplb"),
 ])
 def test_unsupported_vllm_flags_are_refused_by_name(argv: list[str], flag: str,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
@@ -228,7 +226,6 @@ def test_unsupported_vllm_flags_are_refused_by_name(argv: list[str], flag: str,
 def test_alternatives_are_named_and_other_flags_keep_argparses_message(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--enforce-eager" in _exit_message(["serve", "m", "-O3"], capsys)
     assert "quantized checkpoint" in _exit_message(["serve", "m", "--cpu-offload-gb", "4"], capsys)
-    assert "--tensor-parallel-size" in _exit_message(["serve", "m", "--enable-expert-parallel"], capsys)
     err = _exit_message(["serve", "m", "--not-a-flag", "1"], capsys)
     assert "unrecognized arguments: --not-a-flag 1" in err and "vLLM" not in err
 
@@ -289,6 +286,10 @@ def test_enable_expert_parallel_is_accepted_and_noted(command: list[str]) -> Non
                                       "same outputs)"]
     assert engine_args_from(ns) == engine_args_from(build_parser().parse_args(command))
     assert _engine_args({"enable_expert_parallel": True}) == {}
+    ns = build_parser().parse_args([*command, "--enable-expert-parallel", "--enable-eplb"])
+    assert ignored_flag_notes(ns)[1].startswith("--enable-eplb ignored: ")
+    assert engine_args_from(ns) == engine_args_from(build_parser().parse_args(command))
+    assert _engine_args({"enable_expert_parallel": True, "enable_eplb": True}) == {}
 
 
 @pytest.mark.parametrize("flags, chunked, prefix", [
