@@ -453,10 +453,13 @@ class EngineArgs:
         auto_max_model_len = is_auto_max_model_len(self.max_model_len)
         if self.max_model_len is None or auto_max_model_len:
             max_model_len = model_limit
-            if auto_max_model_len and arch.sliding_window is not None and arch.sliding_window < model_limit:
-                # The longest length served (see the refusal below): auto asks for the longest there is.
-                logger.info("max_model_len auto: %s's sliding_window %d (kvserve serves it up to its window)",
-                            arch.architecture, arch.sliding_window)
+            if arch.sliding_window is not None and arch.sliding_window < model_limit:
+                # The longest length served (see the refusal below): the default and auto both ask for the longest
+                # there is.
+                logger.warning("max_model_len %s: %s's sliding_window, %d tokens of its %d (kvserve has no "
+                               "sliding-window attention and serves the model up to its window)",
+                               "auto" if auto_max_model_len else "by default", arch.architecture, arch.sliding_window,
+                               model_limit)
                 max_model_len = arch.sliding_window
         else:
             max_model_len = _token_count("max_model_len", self.max_model_len)

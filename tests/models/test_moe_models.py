@@ -323,12 +323,14 @@ def test_qwen2_moe_is_an_unknown_architecture_naming_the_supported_ones(tiny_mod
 
 
 def test_mixtral_sliding_window_holds_max_model_len(tiny_model_dir: Callable[..., str], tmp_path: Path) -> None:
-    """A Mixtral config with a sliding_window: served up to that length (where it is full attention), refused
-    past it with the flag to pass."""
+    """A Mixtral config with a sliding_window: served up to that length (where it is full attention), by default
+    (it was refused, though no --max-model-len was given), refused past it with the flag to pass."""
     path = _with_config(tiny_model_dir("mixtral"), tmp_path / "w", sliding_window=64, max_position_embeddings=256)
     with pytest.raises(ConfigError, match=r"sliding_window 64.*pass --max-model-len 64 or less"):
-        EngineArgs(model=path, device="cpu").create_engine_config()
-    assert EngineArgs(model=path, device="cpu", max_model_len=64).create_engine_config()
+        EngineArgs(model=path, device="cpu", max_model_len=65).create_engine_config()
+    assert EngineArgs(model=path, device="cpu", max_model_len=64).create_engine_config().model_config.max_model_len == 64
+    config = EngineArgs(model=path, device="cpu").create_engine_config()
+    assert config.model_config.max_model_len == 64 and not config.model_config.max_model_len_auto
 
 
 @pytest.mark.parametrize("value", ["auto", -1])
