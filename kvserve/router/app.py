@@ -27,15 +27,15 @@ header is forwarded, so backends started with --api-key check it themselves.
   connection (or did not take it within CONNECT_TIMEOUT_S), dropped it before answering (it died, or was
   killed), answered 503 (draining, or its engine is gone) or what is no HTTP (a port of another protocol).
   That backend is marked unhealthy until its /health answers 200 again; when every backend is marked, each is
-  still tried, spread by the policy (`Router.order`). A dropped connection may have carried the request in: kvserve and vLLM abort a request whose
-  connection closes (and a backend that died took it with it), so it does not run twice; only a backend whose
-  side of the connection stays open (something in between that drops the router's side alone) may run it on,
-  at the cost of its compute alone: the client, which saw none of that answer, gets one. A request on a pooled
-  connection that the backend closed as it went out (its keep-alive timeout ending then) goes again on another
-  connection (`RouterApp._send`); the backend is not marked. Nothing else is sent again (bar the 404s above):
-  once an answer has started, an error is the client's to see (it is passed on, or the stream ends); a
-  timeout is a 504, and any other status (4xx, 500) is passed on as it came. A
-  backend silent for `--request-timeout` seconds (before its answer or between two chunks) ends the
+  still tried, spread by the policy (`Router.order`). A dropped connection may have carried the request in:
+  kvserve and vLLM abort a request whose connection closes (and a backend that died took it with it), so it
+  does not run twice; only a backend whose side of the connection stays open (something in between that drops
+  the router's side alone) may run it on, at the cost of its compute alone: the client, which saw none of that
+  answer, gets one. A request on a pooled connection that the backend closed as it went out (its keep-alive
+  timeout ending then) goes again on another connection (`RouterApp._send`); the backend is not marked.
+  Nothing else is sent again (bar the 404s above): once an answer has started, an error is the client's to see
+  (it is passed on, or the stream ends); a timeout is a 504, and any other status (4xx, 500) is passed on as it
+  came. A backend silent for `--request-timeout` seconds (before its answer or between two chunks) ends the
   request: 504 before the answer (the replicas of `kvserve serve -dp N` have no such limit, as one server
   has none). A server-sent event stream (`text/event-stream`) is passed on in whole events: the bytes after
   its last event's end (a blank line; lines end in LF, CRLF or CR, as the SSE spec allows) are held back
