@@ -131,8 +131,8 @@ def all_gather(x: torch.Tensor) -> torch.Tensor:
 
 def check_tensor_parallel(arch: ArchConfig, size: int) -> None:
     """ValueError unless `arch` splits over `size` ranks: query heads and the MLP's width (the dense MLP's where a
-    layer has one, each expert's in a mixture-of-experts model) divide by it, and the KV heads either divide by it
-    or divide it (each KV head is then held by size / kv_heads ranks)."""
+    layer has one, each expert's and the shared expert's in a mixture-of-experts model) divide by it, and the KV
+    heads either divide by it or divide it (each KV head is then held by size / kv_heads ranks)."""
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be at least 1, got {size}")
     problems = []
@@ -142,6 +142,8 @@ def check_tensor_parallel(arch: ArchConfig, size: int) -> None:
         problems.append(f"intermediate_size ({arch.intermediate_size})")
     if arch.is_moe and arch.moe_intermediate_size % size:
         problems.append(f"the experts' intermediate size ({arch.moe_intermediate_size}, each expert's MLP width)")
+    if arch.is_moe and arch.shared_expert_intermediate_size % size:
+        problems.append(f"shared_expert_intermediate_size ({arch.shared_expert_intermediate_size})")
     kv = arch.num_key_value_heads
     if kv % size and size % kv:
         problems.append(f"num_key_value_heads ({kv}, which must divide by it or divide it)")
@@ -187,8 +189,8 @@ def first_kv_head(num_kv_heads: int, rank: int, size: int) -> int:
 
 
 def local_arch(arch: ArchConfig) -> ArchConfig:
-    """The shapes this rank's layers have: its query heads, KV heads and MLP width, and each expert's (the rest
-    unchanged)."""
+    """The shapes this rank's layers have: its query heads, KV heads and MLP width, each expert's and the shared
+    expert's (the rest unchanged)."""
     size = tp_size()
     if size == 1:
         return arch
@@ -199,4 +201,5 @@ def local_arch(arch: ArchConfig) -> ArchConfig:
         num_key_value_heads=max(arch.num_key_value_heads // size, 1),
         intermediate_size=arch.intermediate_size // size,
         moe_intermediate_size=arch.moe_intermediate_size // size,
+        shared_expert_intermediate_size=arch.shared_expert_intermediate_size // size,
     )

@@ -84,7 +84,8 @@ class Linear(nn.Module):
     """y = x @ weight.T + bias. weight: [output_size, input_size]; x: [..., input_size].
 
     row_parallel (with more than one rank): input_size is this rank's share of the input columns; the
-    checkpoint's weight holds all of them, and the output is summed over the ranks."""
+    checkpoint's weight holds all of them, and the output is summed over the ranks, unless `reduce_output` is
+    False: then the caller sums this rank's partial output (with others of its own) over the ranks, once."""
 
     weight: nn.Parameter | None
 
@@ -96,11 +97,13 @@ class Linear(nn.Module):
         dtype: torch.dtype,
         row_parallel: bool = False,
         quant: QuantConfig | None = None,
+        reduce_output: bool = True,
     ) -> None:
         super().__init__()
         group = distributed.tp_group()
         self.tp_rank, self.tp_size = group.rank, group.size
         self.row_parallel = row_parallel and self.tp_size > 1
+        self.reduce_output = reduce_output
         self.input_size = input_size
         self.output_size = output_size
         self.dtype = dtype
@@ -344,7 +347,7 @@ class Linear(nn.Module):
         else:
             assert self.weight is not None, "a quantized layer is used before finish_loading"
             out = ops.linear(x, self.weight, bias)
-        return distributed.all_reduce(out) if self.row_parallel else out
+        return distributed.all_reduce(out) if self.row_parallel and self.reduce_output else out
 
 
 class MergedLinear(Linear):

@@ -1,4 +1,5 @@
-"""A mixture-of-experts MLP (Qwen3-MoE's sparse block, Mixtral's block_sparse_moe): a router and the experts.
+"""A mixture-of-experts MLP (Qwen3-MoE's and Qwen2-MoE's sparse block, Mixtral's block_sparse_moe): a router and the
+experts, and Qwen2-MoE's shared expert.
 
 The router `gate` (hidden -> num_experts, no bias) is whole on every rank; `ops.select_experts` picks each
 token's top-k experts from its logits and `ops.fused_moe` runs them. The experts' weights are two stacked
@@ -10,7 +11,10 @@ Checkpoints store each expert apart (`experts.J.gate_proj` / `up_proj` / `down_p
 
 Tensor parallelism: each expert's intermediate dim I is split over the ranks as the dense MLP's is (rank r holds
 rows [r * I / n, (r + 1) * I / n) of every gate and up projection and those input columns of every down
-projection), and the ranks' partial outputs are summed once after the experts.
+projection), and the ranks' partial outputs are summed once after the experts. A shared expert (a dense MLP
+every token runs, given to `SparseMoeBlock` built not to sum its own output over the ranks) splits as the dense MLP
+does; its sigmoid gate (hidden -> 1) is whole on every rank, and its gated partial output joins the experts' in
+that one sum.
 """
 
 from __future__ import annotations
@@ -119,11 +123,13 @@ def _check_shape(got: tuple[int, ...], want: tuple[int, ...]) -> None:
 
 class SparseMoeBlock(nn.Module):
     """The routed experts of one layer: x [T, H] -> [T, H], the sum over each token's top_k experts of its
-    router weight times the expert's SiLU-gated MLP (summed over the tensor-parallel ranks)."""
+    router weight times the expert's SiLU-gated MLP, plus, with a `shared_expert` (x [T, H] -> this rank's
+    partial [T, H], not summed over the ranks), sigmoid(shared_expert_gate(x)) times its output (Qwen2-MoE's);
+    summed over the tensor-parallel ranks once."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
                  dtype: torch.dtype, expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
-                 round_weights: bool = True) -> None:
+                 round_weights: bool = True, shared_expert: nn.Module | None = None) -> None:
         super().__init__()
         self.top_k = top_k
         self.renormalize = renormalize
@@ -132,6 +138,9 @@ class SparseMoeBlock(nn.Module):
         self.round_weights = round_weights
         self.gate = Linear(hidden_size, num_experts, False, dtype)  # replicated: every rank routes every token
         self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, dtype, expert_names)
+        self.shared_expert = shared_expert
+        # replicated, as the router
+        self.shared_expert_gate = None if shared_expert is None else Linear(hidden_size, 1, False, dtype)
         self.tp_size = distributed.tp_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -139,4 +148,8 @@ class SparseMoeBlock(nn.Module):
         if self.round_weights:
             weights = weights.to(x.dtype)
         out = ops.fused_moe(x, self.experts.w13, self.experts.w2, weights, ids)
+        if self.shared_expert is not None:
+            assert self.shared_expert_gate is not None
+            # HF's op order in the model dtype: the gate's sigmoid times the shared output, added to the experts'.
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return distributed.all_reduce(out) if self.tp_size > 1 else out

@@ -2,7 +2,8 @@
 
 One frozen dataclass describes every supported decoder: Llama, Qwen2 (bias on q/k/v), Qwen3 (RMSNorm on
 each q/k head, head_dim independent of hidden_size / num_heads), and the mixture-of-experts Qwen3-MoE (Qwen3's
-attention) and Mixtral (Llama's), whose MLP is a routed set of experts in the layers `moe_layers` names. Model
+attention), Qwen2-MoE (Qwen2's, and a shared expert beside the routed ones) and Mixtral (Llama's), whose MLP is a
+routed set of experts in the layers `moe_layers` names. Model
 code reads only these fields, never the architecture name, so a GGUF and a safetensors checkpoint of one model
 build the same network.
 """
@@ -41,6 +42,8 @@ class ArchConfig:
     experts, how many each token is routed to, each expert's MLP width, and whether the chosen experts' weights
     are renormalised to sum to 1 (Mixtral always; Qwen3-MoE's `norm_topk_prob`). moe_layers: the layers whose
     MLP is the experts (the others have the dense MLP of `intermediate_size`); empty for a dense model.
+    shared_expert_intermediate_size: the width of the dense SiLU-gated MLP every MoE layer runs beside its routed
+    experts (Qwen2-MoE's shared expert, its output scaled by a sigmoid gate); 0 for none.
     """
 
     architecture: str
@@ -72,6 +75,7 @@ class ArchConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0
     # Every layer attends within this many tokens (Mixtral's `sliding_window`), None for full attention. kvserve
     # has no windowed attention: the engine config refuses a max_model_len past it (up to it the two are equal).
     sliding_window: int | None = None
@@ -117,6 +121,10 @@ class ArchConfig:
         if self.num_experts_per_tok > self.num_experts:
             raise ModelLoadError(f"model config: num_experts_per_tok ({self.num_experts_per_tok}) is more than the "
                                  f"model's {self.num_experts} experts")
+        shared = self.shared_expert_intermediate_size
+        if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+            raise ModelLoadError(f"model config: shared_expert_intermediate_size must be a non-negative integer, got "
+                                 f"{shared!r}")
         if self.hidden_act != "silu":
             raise ModelLoadError(f"model config: hidden_act {self.hidden_act!r} in a mixture-of-experts model is not "
                                  "supported (its experts run SiLU-gated MLPs)")
@@ -175,9 +183,12 @@ class _Family:
     qk_norm: bool
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
-    # "qwen3_moe" / "mixtral": a mixture-of-experts family, whose config keys `_moe_fields` reads; None: dense.
+    # "qwen3_moe" / "qwen2_moe" / "mixtral": a mixture-of-experts family, whose config keys `_moe_fields` reads;
+    # None: dense.
     moe: str | None = None
     attention_bias_key: bool = True  # False: the family's attention has no bias whatever config.json says
+    # True: q/k/v bias follows config.json's `qkv_bias`, default true (Qwen2MoeConfig's; `attention_bias` unread)
+    qkv_bias_key: bool = False
 
 
 _FAMILIES: dict[str, _Family] = {
@@ -197,6 +208,13 @@ _FAMILIES: dict[str, _Family] = {
     "Qwen3MoeForCausalLM": _Family(
         max_position_embeddings=32768, head_dim=None, num_key_value_heads=4, bos_token_id=None, eos_token_id=None,
         qkv_bias_always=False, o_proj_bias_follows_attention_bias=True, qk_norm=True, moe="qwen3_moe",
+    ),
+    # Qwen2MoeConfig: Qwen2's attention (q/k/v bias by `qkv_bias`, default true; no o_proj bias), head_dim hidden /
+    # heads unless config.json names one, 16 KV heads.
+    "Qwen2MoeForCausalLM": _Family(
+        max_position_embeddings=32768, head_dim=None, num_key_value_heads=16, bos_token_id=None, eos_token_id=None,
+        qkv_bias_always=False, o_proj_bias_follows_attention_bias=False, qk_norm=False, moe="qwen2_moe",
+        attention_bias_key=False, qkv_bias_key=True,
     ),
     # MixtralConfig: Llama's attention without any bias, RoPE theta 1e6, eps 1e-5, 8 KV heads.
     "MixtralForCausalLM": _Family(
@@ -297,7 +315,8 @@ def _from_hf_dir(path: str) -> ArchConfig:
         rope_scaling=rope_scaling,
         max_position_embeddings=max_position,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=family.qkv_bias_always or attention_bias,
+        attention_bias=family.qkv_bias_always or attention_bias or (family.qkv_bias_key
+                                                                     and bool(cfg.get("qkv_bias", True))),
         o_proj_bias=family.o_proj_bias_follows_attention_bias and attention_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         qk_norm=family.qk_norm,
@@ -316,7 +335,9 @@ def _moe_fields(cfg: dict[str, Any], family: _Family, path: str) -> dict[str, An
     keys ({} for a dense family). Qwen3-MoE (Qwen3MoeConfig): num_experts (128; saved by Transformers 5 as
     `num_local_experts`, its attribute_map's name), num_experts_per_tok (8), moe_intermediate_size (768),
     norm_topk_prob (false), and layer i is MoE unless listed in mlp_only_layers, and when (i + 1) %
-    decoder_sparse_step == 0 (step 1) and num_experts > 0, as Qwen3MoeDecoderLayer decides. Mixtral
+    decoder_sparse_step == 0 (step 1) and num_experts > 0, as Qwen3MoeDecoderLayer decides. Qwen2-MoE
+    (Qwen2MoeConfig): the same keys and layer rule with 60 experts, 4 per token, width 1408, and a shared expert
+    of shared_expert_intermediate_size (5632) in every MoE layer. Mixtral
     (MixtralConfig): num_local_experts (8), num_experts_per_tok (2), each expert intermediate_size wide, every
     layer MoE, weights always renormalised."""
     if family.moe is None:
@@ -331,7 +352,8 @@ def _moe_fields(cfg: dict[str, Any], family: _Family, path: str) -> dict[str, An
             "moe_layers": tuple(range(num_layers)),
             "sliding_window": _mixtral_window(cfg, path),
         }
-    num_experts = cfg.get("num_experts", cfg.get("num_local_experts", 128))
+    qwen2 = family.moe == "qwen2_moe"
+    num_experts = cfg.get("num_experts", cfg.get("num_local_experts", 60 if qwen2 else 128))
     step = cfg.get("decoder_sparse_step", 1)
     dense = cfg.get("mlp_only_layers") or []
     if not isinstance(step, int) or isinstance(step, bool) or step < 1:
@@ -340,13 +362,16 @@ def _moe_fields(cfg: dict[str, Any], family: _Family, path: str) -> dict[str, An
         raise ModelLoadError(f"{path}/config.json: mlp_only_layers must be a list of layer indices, got {dense!r}")
     sparse = isinstance(num_experts, int) and num_experts > 0
     layers = tuple(i for i in range(num_layers) if sparse and i not in dense and (i + 1) % step == 0)
-    return {
+    fields = {
         "num_experts": num_experts,
-        "num_experts_per_tok": cfg.get("num_experts_per_tok", 8),
-        "moe_intermediate_size": cfg.get("moe_intermediate_size", 768),
+        "num_experts_per_tok": cfg.get("num_experts_per_tok", 4 if qwen2 else 8),
+        "moe_intermediate_size": cfg.get("moe_intermediate_size", 1408 if qwen2 else 768),
         "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
         "moe_layers": layers,
     }
+    if qwen2:
+        fields["shared_expert_intermediate_size"] = cfg.get("shared_expert_intermediate_size", 5632)
+    return fields
 
 
 def _mixtral_window(cfg: dict[str, Any], path: str) -> int | None:
@@ -361,15 +386,23 @@ def _mixtral_window(cfg: dict[str, Any], path: str) -> int | None:
 
 
 def _moe_sliding_layers(cfg: dict[str, Any], family: _Family) -> list[int]:
-    """Qwen3-MoE's sliding-window layers: every layer with `use_sliding_window` and a `sliding_window` (default
-    4096; Qwen3MoeConfig has no max_window_layers). Mixtral's window is `ArchConfig.sliding_window`, not refused
-    here."""
-    if family.moe != "qwen3_moe" or not cfg.get("use_sliding_window"):
+    """The sliding-window layers of a config with `use_sliding_window` and a `sliding_window` (default 4096):
+    Qwen3-MoE's every layer (Qwen3MoeConfig has no max_window_layers); Qwen2-MoE's those `layer_types` marks
+    "sliding_attention", else, as Qwen2MoeConfig places them, every other layer (0, 2, ...) below
+    max_window_layers (28). Mixtral's window is `ArchConfig.sliding_window`, not refused here."""
+    if family.moe not in ("qwen3_moe", "qwen2_moe") or not cfg.get("use_sliding_window"):
         return []
     if cfg.get("sliding_window", _DEFAULT_SLIDING_WINDOW) is None:
         return []
     num_layers = cfg.get("num_hidden_layers") if isinstance(cfg.get("num_hidden_layers"), int) else 0
-    return list(range(num_layers))
+    if family.moe == "qwen3_moe":
+        return list(range(num_layers))
+    layer_types = cfg.get("layer_types")
+    if isinstance(layer_types, list):
+        return [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+    first_full = cfg.get("max_window_layers", _DEFAULT_MAX_WINDOW_LAYERS)
+    first_full = first_full if isinstance(first_full, int) else 0
+    return [i for i in range(num_layers) if i % 2 == 0 and i < first_full]
 
 
 def _num_kv_heads(cfg: dict[str, Any], family: _Family, num_heads: int) -> Any:
@@ -499,8 +532,8 @@ def _from_gguf(path: str) -> ArchConfig:
         raise ModelLoadError(
             f"{os.path.basename(path)}: a mixture-of-experts GGUF file (architecture {gguf_arch!r}"
             f"{f', {experts} experts' if isinstance(experts, int) else ''}): kvserve does not load MoE models from "
-            "GGUF yet; use the model's HF safetensors checkpoint (Qwen3MoeForCausalLM and MixtralForCausalLM load "
-            "from those)"
+            "GGUF yet; use the model's HF safetensors checkpoint (Qwen3MoeForCausalLM, Qwen2MoeForCausalLM and "
+            "MixtralForCausalLM load from those)"
         )
     architecture = GGUF_ARCHITECTURES.get(gguf_arch or "")
     if architecture is None:

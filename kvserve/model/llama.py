@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3, Qwen3-MoE, Mixtral) over a paged KV cache.
+"""The Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral) over a paged KV cache.
 
 Module and parameter names mirror HF Transformers (``model.layers.N.self_attn...``) except for the fused
 projections: ``qkv_proj`` holds q_proj/k_proj/v_proj and ``mlp.gate_up_proj`` holds gate_proj/up_proj.
@@ -6,7 +6,8 @@ Differences between the families are flags of `ArchConfig` (qkv bias, q/k norm, 
 scaling, which layers' MLP is a mixture of experts: `layers.moe`), so the registered classes share this one
 implementation. A mixture-of-experts layer's MLP is ``mlp`` for both MoE families (Mixtral's checkpoints name it
 ``block_sparse_moe``), holding ``gate`` (the router) and ``experts.w13`` / ``experts.w2`` (every expert's
-weights stacked).
+weights stacked); Qwen2-MoE's also ``shared_expert`` (a dense MLP, ``gate_up_proj`` / ``down_proj`` as above) and
+``shared_expert_gate``.
 
 Numerics follow HF's op order so float32 outputs match HF's: RMSNorm in float32 then cast, residual adds
 in the model dtype, RoPE from an HF-identical float32 table, attention scaled by head_dim ** -0.5.
@@ -206,14 +207,18 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: ArchConfig, dtype: torch.dtype, prefix: str = "") -> None:
+    """The dense MLP, this rank's share of `intermediate_size` (arch's unless given: Qwen2-MoE's shared expert's
+    width); its output is summed over the ranks unless `reduce_output` is False (the caller sums it, once)."""
+
+    def __init__(self, arch: ArchConfig, dtype: torch.dtype, prefix: str = "", intermediate_size: int | None = None,
+                 reduce_output: bool = True) -> None:
         super().__init__()
-        size = arch.intermediate_size
+        size = arch.intermediate_size if intermediate_size is None else intermediate_size
         self.gate_up_proj = MergedLinear(arch.hidden_size, [size, size], arch.mlp_bias, dtype,
                                          quant=_quant_for(arch, prefix, ("gate_proj", "up_proj")))
         self.act_fn = get_act_and_mul(arch.hidden_act)
         self.down_proj = Linear(size, arch.hidden_size, arch.mlp_bias, dtype, row_parallel=True,
-                                quant=_quant_for(arch, prefix, ("down_proj",)))
+                                quant=_quant_for(arch, prefix, ("down_proj",)), reduce_output=reduce_output)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj
@@ -224,12 +229,17 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
-def _moe_block(arch: ArchConfig, dtype: torch.dtype) -> SparseMoeBlock:
-    """A mixture-of-experts layer's MLP (this rank's share of each expert, `arch` being `layer_arch`)."""
+def _moe_block(arch: ArchConfig, dtype: torch.dtype, prefix: str = "") -> SparseMoeBlock:
+    """A mixture-of-experts layer's MLP (this rank's share of each expert, `arch` being `layer_arch`), with
+    Qwen2-MoE's shared expert where `arch` has one (its output summed over the ranks with the experts', once)."""
     mixtral = arch.architecture == "MixtralForCausalLM"
     names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    shared = None
+    if arch.shared_expert_intermediate_size:
+        shared = LlamaMLP(arch, dtype, f"{prefix}.shared_expert", arch.shared_expert_intermediate_size,
+                          reduce_output=False)
     return SparseMoeBlock(arch.hidden_size, arch.num_experts, arch.num_experts_per_tok, arch.moe_intermediate_size,
-                          arch.norm_topk_prob, dtype, names, round_weights=not mixtral)
+                          arch.norm_topk_prob, dtype, names, round_weights=not mixtral, shared_expert=shared)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -239,7 +249,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.self_attn = LlamaAttention(arch, rotary_emb, dtype, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.mlp: nn.Module = _moe_block(arch, dtype) if moe else LlamaMLP(arch, dtype, f"{prefix}.mlp")
+        self.mlp: nn.Module = _moe_block(arch, dtype, f"{prefix}.mlp") if moe else LlamaMLP(arch, dtype,
+                                                                                          f"{prefix}.mlp")
 
     def forward(
         self,
@@ -549,6 +560,11 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
     (the others keep the dense MLP)."""
 
 
+class Qwen2MoeForCausalLM(LlamaForCausalLM):
+    """Qwen2-MoE: Qwen2's attention, and in the layers ArchConfig.moe_layers names a mixture of experts plus a
+    shared expert (`mlp.shared_expert`, gated by sigmoid(`mlp.shared_expert_gate`)) as the MLP."""
+
+
 class MixtralForCausalLM(LlamaForCausalLM):
     """Mixtral: Llama's attention, and a mixture of experts as every layer's MLP (`block_sparse_moe`)."""
 
@@ -592,11 +608,16 @@ def _check_moe_source(sources: dict[tuple[str, Hashable], str], ckpt_name: str, 
 
 def _describe_missing(name: str, param: torch.nn.Parameter, shard: Hashable, moe_block: str = "mlp") -> str:
     """What a checkpoint lacks for shard `shard` of parameter `name`: the parameter's own description (an
-    expert's: the checkpoint tensor's name), else the name and shard; a router's or expert's under `moe_block`,
-    the checkpoint's name of the layer's MLP (`_checkpoint_moe_block`)."""
+    expert's: the checkpoint tensor's name), a fused projection's weight or bias shard as the checkpoint names it
+    (`mlp.gate_up_proj.weight` shard 1: `mlp.up_proj.weight`), else the name and shard; a router's or expert's
+    under `moe_block`, the checkpoint's name of the layer's MLP (`_checkpoint_moe_block`)."""
     describe = getattr(param, "describe_shard", None)
+    stacked = next(((fused, part) for fused, part, sid in _STACKED_PARAMS if f".{fused}." in name and sid == shard),
+                   None)
     if describe is not None:
         text = describe(name.rsplit(".", 1)[0], shard)
+    elif stacked is not None and name.endswith((".weight", ".bias")):
+        text = name.replace(f".{stacked[0]}.", f".{stacked[1]}.")
     else:
         text = f"{name} (shard {shard!r})" if shard is not None else name
     return text if moe_block == "mlp" else _MOE_PARAM.sub(rf"\1.{moe_block}.\2", text)

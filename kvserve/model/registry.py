@@ -69,13 +69,14 @@ class CausalLM(nn.Module, ABC):
 
 
 # HF `architectures[0]` -> (module, class). Qwen2/Qwen3 differ from Llama only in flags carried by
-# ArchConfig (qkv bias, q/k norm), and Qwen3-MoE / Mixtral in their layers' MLP (a mixture of experts), so one
-# decoder implementation serves all five.
+# ArchConfig (qkv bias, q/k norm), and Qwen3-MoE / Qwen2-MoE / Mixtral in their layers' MLP (a mixture of experts,
+# Qwen2-MoE's with a shared expert), so one decoder implementation serves all six.
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("kvserve.model.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("kvserve.model.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("kvserve.model.llama", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("kvserve.model.llama", "Qwen3MoeForCausalLM"),
+    "Qwen2MoeForCausalLM": ("kvserve.model.llama", "Qwen2MoeForCausalLM"),
     "MixtralForCausalLM": ("kvserve.model.llama", "MixtralForCausalLM"),
 }
 

@@ -55,7 +55,7 @@ def _assert_same(one: list, split: list) -> None:
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=20, logprobs=3)
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama-tied", "qwen2", "qwen3", "qwen3-moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["llama", "llama-tied", "qwen2", "qwen3", "qwen3-moe", "qwen2-moe", "mixtral"])
 def test_two_ranks_match_one(tiny_model_dir: Callable[..., str], arch: str) -> None:
     # A small step budget: prompts are prefilled in chunks, mixed with other requests' decodes.
     path = tiny_model_dir(arch)
@@ -474,6 +474,50 @@ def test_expert_shards_recombine(monkeypatch: pytest.MonkeyPatch, fused: bool) -
         assert torch.equal(w2, down[:, :, rows])
         blocks.append(block(x))
     torch.testing.assert_close(blocks[0] + blocks[1], blocks[2])
+
+
+def test_the_shared_expert_joins_the_experts_in_one_sum(monkeypatch: pytest.MonkeyPatch,
+                                                        tiny_model_dir: Callable[..., str]) -> None:
+    """Qwen2-MoE's MoE layer on 2 ranks: the shared expert's gate / up rows and down columns split as the dense
+    MLP's, its gate is whole on each rank, and the layer all-reduces once (the shared expert's down projection not
+    on its own): the ranks' partial outputs, each gated shared part included, add up to the whole layer's."""
+    from kvserve.model.arch import load_arch_config
+    from kvserve.model.llama import _moe_block
+
+    arch = load_arch_config(tiny_model_dir("qwen2-moe"))
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(5, arch.hidden_size, generator=generator)
+    calls: list[int] = []
+    monkeypatch.setattr(distributed, "all_reduce", lambda t: calls.append(1) or t)
+    weights: dict[str, torch.Tensor] = {}
+    outputs = []
+    for rank, size in ((0, 2), (1, 2), (0, 1)):
+        previous = distributed.set_group_for_building(distributed.TPGroup(rank, size))
+        try:
+            block = _moe_block(distributed.local_arch(arch), torch.float32, "model.layers.1.mlp")
+        finally:
+            distributed.set_group_for_building(previous)
+        assert block.shared_expert is not None and block.shared_expert_gate is not None
+        assert block.shared_expert.down_proj.weight.shape == (arch.hidden_size, 96 // size)
+        assert block.shared_expert_gate.weight.shape == (1, arch.hidden_size)
+        for name, param in block.named_parameters():
+            for shard in param.shard_ids:  # type: ignore[attr-defined]
+                key = f"{name}/{shard}"
+                if key not in weights:  # the whole checkpoint tensor behind this shard, drawn once
+                    if isinstance(shard, tuple):  # one expert's gate / up [I, H] or down [H, I]
+                        shape = (32, arch.hidden_size) if shard[1] != "down" else (arch.hidden_size, 32)
+                    elif name.endswith("gate_up_proj.weight"):
+                        shape = (96, arch.hidden_size)
+                    elif name.endswith("down_proj.weight"):
+                        shape = (arch.hidden_size, 96)
+                    else:
+                        shape = tuple(param.shape)
+                    weights[key] = torch.randn(shape, generator=generator) * 0.3
+                param.weight_loader(param, weights[key], shard)  # type: ignore[attr-defined]
+        calls.clear()
+        outputs.append(block(x))
+        assert len(calls) == (1 if size > 1 else 0), calls
+    torch.testing.assert_close(outputs[0] + outputs[1], outputs[2])
 
 
 def test_a_wrong_checkpoint_shape_is_refused_on_every_rank() -> None:

@@ -124,6 +124,15 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-moe-step": ("qwen3_moe", {"head_dim": 32, "num_hidden_layers": 4, "num_experts": 8,
                                      "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": False,
                                      "decoder_sparse_step": 2}),
+    # Qwen2-MoE: Qwen2's attention (q/k/v bias), 4 layers with layer 0 dense (mlp_only_layers), 8 experts of width
+    # 32, 2 per token, and a shared expert of width 96 in every MoE layer; renormalised router weights, and the
+    # "-nonorm" variant without.
+    "qwen2-moe": ("qwen2_moe", {"num_hidden_layers": 4, "num_experts": 8, "num_experts_per_tok": 2,
+                                "moe_intermediate_size": 32, "shared_expert_intermediate_size": 96,
+                                "norm_topk_prob": True, "mlp_only_layers": [0]}),
+    "qwen2-moe-nonorm": ("qwen2_moe", {"num_hidden_layers": 4, "num_experts": 8, "num_experts_per_tok": 2,
+                                       "moe_intermediate_size": 32, "shared_expert_intermediate_size": 96,
+                                       "norm_topk_prob": False, "mlp_only_layers": [0]}),
     # Mixtral: every layer MoE, each expert intermediate_size (32) wide.
     "mixtral": ("mixtral", {"num_hidden_layers": 3, "num_local_experts": 8, "num_experts_per_tok": 2,
                             "intermediate_size": 32}),

@@ -103,3 +103,50 @@ def test_the_layer_is_hf_sparse_moe_block_bit_for_bit_in_bfloat16(family: str) -
         got = ours(x)
     assert got.dtype == dtype
     assert torch.equal(got, want), f"{int((got != want).sum())} of {got.numel()} outputs differ"
+
+
+qwen2_moe = pytest.importorskip("transformers.models.qwen2_moe.modeling_qwen2_moe")
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_the_qwen2_moe_layer_is_hf_sparse_moe_block_bit_for_bit_in_bfloat16(norm_topk_prob: bool) -> None:
+    """Qwen2-MoE's block (the model's `_moe_block`: routed experts, and the shared expert, a dense MLP gated by
+    sigmoid(shared_expert_gate)) gives HF's Qwen2MoeSparseMoeBlock's bfloat16 output exactly; its router rounds
+    the chosen experts' weights to bfloat16 as Qwen3-MoE's does."""
+    from kvserve.model.arch import ArchConfig
+    from kvserve.model.llama import _moe_block
+
+    dtype, hidden, tokens = torch.bfloat16, 32, 64
+    config = transformers.Qwen2MoeConfig(hidden_size=hidden, moe_intermediate_size=16, num_experts=8,
+                                         num_experts_per_tok=3, shared_expert_intermediate_size=48,
+                                         norm_topk_prob=norm_topk_prob)
+    torch.manual_seed(0)
+    hf = qwen2_moe.Qwen2MoeSparseMoeBlock(config)
+    for param in hf.parameters():
+        torch.nn.init.normal_(param, std=0.2)
+    hf = hf.to(dtype)
+    arch = ArchConfig(architecture="Qwen2MoeForCausalLM", vocab_size=16, hidden_size=hidden, intermediate_size=64,
+                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, head_dim=8,
+                      rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=64,
+                      tie_word_embeddings=False, attention_bias=True, qk_norm=False, bos_token_id=None,
+                      eos_token_ids=(), num_experts=8, num_experts_per_tok=3, moe_intermediate_size=16,
+                      norm_topk_prob=norm_topk_prob, moe_layers=(0,), shared_expert_intermediate_size=48)
+    ours = _moe_block(arch, dtype, "model.layers.0.mlp")
+    assert ours.shared_expert is not None and ours.shared_expert_gate is not None
+    w13, w2 = _stacked(hf)
+    shared = hf.shared_expert
+    with torch.no_grad():
+        ours.gate.weight.copy_(hf.gate.weight)
+        ours.experts.w13.copy_(w13)
+        ours.experts.w2.copy_(w2)
+        ours.shared_expert.gate_up_proj.weight.copy_(torch.cat([shared.gate_proj.weight, shared.up_proj.weight]))
+        ours.shared_expert.down_proj.weight.copy_(shared.down_proj.weight)
+        ours.shared_expert_gate.weight.copy_(hf.shared_expert_gate.weight)
+        x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1)).to(dtype)
+        want = hf(x.unsqueeze(0)).reshape(tokens, hidden)
+        got = ours(x)
+        _, weights, ids = hf.gate(x)
+        without_shared = hf.experts(x, ids, weights)
+    assert got.dtype == dtype
+    assert torch.equal(got, want), f"{int((got != want).sum())} of {got.numel()} outputs differ"
+    assert not torch.equal(got, without_shared)  # the shared expert counts

@@ -1,10 +1,12 @@
-"""Mixture-of-experts models (Qwen3-MoE, Mixtral) against HF Transformers, and what kvserve refuses for them.
+"""Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral) against HF Transformers, and what kvserve refuses
+for them.
 
 Tiny random checkpoints (`helpers.tiny_models` variants "qwen3-moe": 4 layers, layer 0 dense through
 mlp_only_layers, 8 experts, 2 per token, renormalised weights; "qwen3-moe-step": decoder_sparse_step 2, no
-renormalisation; "mixtral": 3 layers, all MoE) through kvserve's offline LLM API: greedy tokens equal HF's in
-float32, bfloat16 logprobs within HF bfloat16's own error of HF float32, and engine settings that must not
-change the output (chunked prefill, prefix caching, preemption) leave it alone.
+renormalisation; "qwen2-moe" / "qwen2-moe-nonorm": as "qwen3-moe" with Qwen2's attention and a shared expert,
+with and without renormalisation; "mixtral": 3 layers, all MoE) through kvserve's offline LLM API: greedy tokens
+equal HF's in float32, bfloat16 logprobs within HF bfloat16's own error of HF float32, and engine settings that
+must not change the output (chunked prefill, prefix caching, preemption) leave it alone.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from kvserve.config import ConfigError, EngineArgs
 from kvserve.model.arch import load_arch_config
 from kvserve.model.paths import ModelLoadError
 
-MOE_VARIANTS = ["qwen3-moe", "qwen3-moe-step", "mixtral"]
+MOE_VARIANTS = ["qwen3-moe", "qwen3-moe-step", "qwen2-moe", "qwen2-moe-nonorm", "mixtral"]
 PROMPTS: list[Any] = [
     "Hi",
     "A longer prompt that spans more than one block of sixteen tokens, so that block tables matter here.",
@@ -71,12 +73,18 @@ def test_arch_config_reads_the_experts_as_hf_does(tiny_model_dir: Callable[..., 
     mixtral = load_arch_config(tiny_model_dir("mixtral"))
     assert mixtral.moe_layers == (0, 1, 2) and mixtral.norm_topk_prob and not mixtral.qk_norm
     assert (mixtral.num_experts, mixtral.moe_intermediate_size, mixtral.rope_theta) == (8, 32, 1e6)
+    qwen2 = load_arch_config(tiny_model_dir("qwen2-moe"))
+    assert (qwen2.num_experts, qwen2.moe_intermediate_size, qwen2.shared_expert_intermediate_size) == (8, 32, 96)
+    assert qwen2.moe_layers == (1, 2, 3) and qwen2.norm_topk_prob and qwen2.attention_bias and not qwen2.qk_norm
+    assert (qwen2.head_dim, qwen2.o_proj_bias, qwen.shared_expert_intermediate_size) == (16, False, 0)
+    assert not load_arch_config(tiny_model_dir("qwen2-moe-nonorm")).norm_topk_prob
 
 
 def test_missing_keys_take_hf_config_defaults(tmp_path: Path) -> None:
     """Qwen3MoeConfig's defaults: 128 experts, 8 per token, width 768, no renormalisation, every layer MoE, no
     head_dim default (hidden / heads), 4 KV heads; MixtralConfig's: 8 experts, 2 per token, rope_theta 1e6,
-    rms_norm_eps 1e-5, 8 KV heads."""
+    rms_norm_eps 1e-5, 8 KV heads; Qwen2MoeConfig's: 60 experts, 4 per token, width 1408, a shared expert 5632
+    wide, no renormalisation, 16 KV heads, q/k/v bias (`qkv_bias`)."""
     base = {"vocab_size": 100, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
             "num_attention_heads": 8}
     (tmp_path / "q").mkdir()
@@ -91,6 +99,14 @@ def test_missing_keys_take_hf_config_defaults(tmp_path: Path) -> None:
     assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.moe_intermediate_size) == (8, 2, 128)
     assert (mixtral.rope_theta, mixtral.rms_norm_eps, mixtral.num_key_value_heads) == (1e6, 1e-5, 8)
     assert mixtral.max_position_embeddings == 4096 * 32 and mixtral.sliding_window is None
+    (tmp_path / "q2").mkdir()
+    (tmp_path / "q2" / "config.json").write_text(json.dumps({**base, "num_attention_heads": 16,
+                                                             "architectures": ["Qwen2MoeForCausalLM"]}))
+    qwen2 = load_arch_config(str(tmp_path / "q2"))
+    assert (qwen2.num_experts, qwen2.num_experts_per_tok, qwen2.moe_intermediate_size) == (60, 4, 1408)
+    assert qwen2.shared_expert_intermediate_size == 5632 and not qwen2.norm_topk_prob and qwen2.moe_layers == (0, 1)
+    assert (qwen2.head_dim, qwen2.num_key_value_heads, qwen2.rope_theta) == (4, 16, 10000.0)
+    assert qwen2.attention_bias and not qwen2.o_proj_bias  # qkv_bias defaults to true
 
 
 # ------------------------------------------------------------------------------------------- vs HF
@@ -113,7 +129,7 @@ def _teacher_forced_logprobs(model: torch.nn.Module, prompt: list[int], generate
     return torch.log_softmax(logits, dim=-1)
 
 
-@pytest.mark.parametrize("variant", ["qwen3-moe", "mixtral"])
+@pytest.mark.parametrize("variant", ["qwen3-moe", "qwen2-moe", "mixtral"])
 def test_bf16_logprobs_agree_with_hf(variant: str, tiny_model_dir: Callable[..., str]) -> None:
     """kvserve in bfloat16, teacher-forced HF float32 and bfloat16 on kvserve's tokens: kvserve's top-5
     logprobs are within twice HF bfloat16's own error of float32 (plus 0.02), its greedy token HF float32's
@@ -216,6 +232,19 @@ def test_fused_expert_tensors_load_as_per_expert_ones(variant: str, tiny_model_d
     assert _greedy(LLM(fused, max_model_len=128), prompts, 12) == _greedy(LLM(source, max_model_len=128), prompts, 12)
 
 
+@pytest.mark.parametrize("missing", ["model.layers.1.mlp.shared_expert.up_proj.weight",
+                                     "model.layers.3.mlp.shared_expert_gate.weight",
+                                     "model.layers.2.mlp.experts.4.down_proj.weight"],
+                         ids=["shared-expert", "shared-expert-gate", "expert"])
+def test_a_missing_qwen2_moe_tensor_is_named_as_its_checkpoints_name_it(
+        missing: str, tiny_model_dir: Callable[..., str], tmp_path: Path) -> None:
+    source = tiny_model_dir("qwen2-moe")
+    assert missing in load_file(os.path.join(source, "model.safetensors"))
+    path = _rewrite(source, tmp_path / "m", lambda w: {k: v for k, v in w.items() if k != missing})
+    with pytest.raises(ModelLoadError, match=rf"checkpoint lacks weights for {missing.replace('.', '[.]')}$"):
+        LLM(path, max_model_len=64)
+
+
 def test_a_missing_expert_tensor_is_named(tiny_model_dir: Callable[..., str], tmp_path: Path) -> None:
     source = tiny_model_dir("qwen3-moe")
     missing = "model.layers.2.mlp.experts.5.up_proj.weight"
@@ -302,10 +331,10 @@ def test_online_fp8_is_refused_for_moe(tiny_model_dir: Callable[..., str]) -> No
         EngineArgs(model=tiny_model_dir("mixtral"), device="cpu", quantization="fp8").create_engine_config()
 
 
-@pytest.mark.parametrize(("arch", "metadata"), [("qwen3moe", {}), ("llama", {"expert_count": 8})],
-                         ids=["qwen3moe", "mixtral-as-llama"])
+@pytest.mark.parametrize(("arch", "metadata"), [("qwen3moe", {}), ("qwen2moe", {}), ("llama", {"expert_count": 8})],
+                         ids=["qwen3moe", "qwen2moe", "mixtral-as-llama"])
 def test_moe_gguf_files_are_refused(arch: str, metadata: dict[str, Any], tmp_path: Path) -> None:
-    """llama.cpp writes Qwen3-MoE as "qwen3moe" and Mixtral as "llama" with an expert_count."""
+    """llama.cpp writes Qwen3-MoE as "qwen3moe", Qwen2-MoE as "qwen2moe" and Mixtral as "llama" with an expert_count."""
     from helpers.tiny_models import write_config_gguf
 
     path = write_config_gguf(str(tmp_path / "moe.gguf"), arch, metadata)
@@ -314,12 +343,36 @@ def test_moe_gguf_files_are_refused(arch: str, metadata: dict[str, Any], tmp_pat
         load_arch_config(path)
 
 
-def test_qwen2_moe_is_an_unknown_architecture_naming_the_supported_ones(tiny_model_dir: Callable[..., str],
-                                                                        tmp_path: Path) -> None:
-    path = _with_config(tiny_model_dir("qwen3-moe"), tmp_path / "q2", architectures=["Qwen2MoeForCausalLM"])
-    with pytest.raises(ModelLoadError, match=r"unsupported model architecture 'Qwen2MoeForCausalLM'; supported: "
-                                             r".*MixtralForCausalLM.*Qwen3MoeForCausalLM"):
+def test_an_unknown_moe_architecture_names_the_supported_ones(tiny_model_dir: Callable[..., str],
+                                                              tmp_path: Path) -> None:
+    path = _with_config(tiny_model_dir("qwen3-moe"), tmp_path / "d", architectures=["DeepseekV2ForCausalLM"])
+    with pytest.raises(ModelLoadError, match=r"unsupported model architecture 'DeepseekV2ForCausalLM'; supported: "
+                                             r".*MixtralForCausalLM.*Qwen2MoeForCausalLM.*Qwen3MoeForCausalLM"):
         load_arch_config(path)
+
+
+def test_quantized_qwen2_moe_is_refused(tiny_model_dir: Callable[..., str], tmp_path: Path) -> None:
+    quant = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
+    path = _with_config(tiny_model_dir("qwen2-moe"), tmp_path / "q", quantization_config=quant)
+    with pytest.raises(ModelLoadError, match=r"Qwen2MoeForCausalLM is a mixture-of-experts model.*quantized "
+                                             r"\(gptq\) checkpoints"):
+        load_arch_config(path)
+
+
+@pytest.mark.parametrize(("changes", "layers"), [
+    ({}, 2),  # Qwen2MoeConfig's placement: every other layer (0, 2) below max_window_layers
+    ({"max_window_layers": 1}, 1),
+    ({"layer_types": ["full_attention", "sliding_attention", "full_attention", "full_attention"]}, 1),
+], ids=["alternate", "max-window-layers", "layer-types"])
+def test_qwen2_moe_sliding_window_layers_are_refused(changes: dict[str, Any], layers: int,
+                                                     tiny_model_dir: Callable[..., str], tmp_path: Path) -> None:
+    path = _with_config(tiny_model_dir("qwen2-moe"), tmp_path / "w",
+                        **{"use_sliding_window": True, "sliding_window": 64, "layer_types": None, **changes})
+    with pytest.raises(ModelLoadError, match=rf"sliding-window attention layers are not supported yet .*{layers} "
+                                             r"layer"):
+        load_arch_config(path)
+    plain = _with_config(tiny_model_dir("qwen2-moe"), tmp_path / "f", use_sliding_window=False, sliding_window=64)
+    assert load_arch_config(plain).moe_layers == (1, 2, 3)
 
 
 def test_mixtral_sliding_window_holds_max_model_len(tiny_model_dir: Callable[..., str], tmp_path: Path) -> None:
