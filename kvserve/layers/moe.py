@@ -7,7 +7,9 @@ parameters: `experts.w13` [E, 2 * I, H] (each expert's gate rows, then its up ro
 
 Checkpoints store each expert apart (`experts.J.gate_proj` / `up_proj` / `down_proj`, Mixtral's `w1` / `w3` /
 `w2`) or, as HF Transformers 5 holds them in memory, fused (`experts.gate_up_proj` [E, 2 * I, H],
-`experts.down_proj` [E, H, I]); `FusedExperts.weight_loader` places either form (shard ids below).
+`experts.down_proj` [E, H, I]), or, as GGUF files hold them, stacked per projection (`ffn_gate_exps` /
+`ffn_up_exps` [E, I, H], `ffn_down_exps` [E, H, I]); `FusedExperts.weight_loader` places any of these (shard
+ids below).
 
 Tensor parallelism: each expert's intermediate dim I is split over the ranks as the dense MLP's is (rank r holds
 rows [r * I / n, (r + 1) * I / n) of every gate and up projection and those input columns of every down
@@ -30,6 +32,10 @@ from kvserve.layers.linear import Linear
 
 # The shard id of a fused checkpoint tensor: every expert of `w13` (gate_up_proj) or of `w2` (down_proj).
 FUSED = "fused"
+# The shard ids of a stacked gate-only or up-only tensor [E, I, H] of `w13` (a GGUF file's ffn_gate_exps /
+# ffn_up_exps); a stacked down-only tensor is `w2`'s `FUSED`.
+FUSED_GATE = "fused_gate"
+FUSED_UP = "fused_up"
 # Per-expert shard ids are (expert, part), part one of these.
 _W13_PARTS = ("gate", "up")
 _W2_PART = "down"
@@ -82,6 +88,16 @@ class FusedExperts(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Hashable) -> None:
         size = self.intermediate_size
+        if shard_id in (FUSED_GATE, FUSED_UP):
+            if param is not self.w13:
+                raise ValueError(f"shard {shard_id!r} is not one of this parameter's")
+            if loaded.dim() != 3 or loaded.shape[0] != self.num_experts:
+                raise ValueError(f"a stacked experts tensor of shape {tuple(loaded.shape)}: expected "
+                                 f"[{self.num_experts}, intermediate, hidden] (one slice per expert)")
+            _check_shape(tuple(loaded.shape[2:]), tuple(param.shape[2:]))
+            offset = 0 if shard_id == FUSED_GATE else size
+            param.data.narrow(1, offset, size).copy_(self._rank_slice(loaded, 1))
+            return
         if shard_id == FUSED:
             if loaded.dim() != 3 or loaded.shape[0] != self.num_experts:
                 raise ValueError(f"a fused experts tensor of shape {tuple(loaded.shape)}: expected "
@@ -114,6 +130,17 @@ class FusedExperts(nn.Module):
             param.data[expert].narrow(0, _W13_PARTS.index(part) * size, size).copy_(self._rank_slice(loaded, 0))
         else:
             raise ValueError(f"shard {shard_id!r} is not one of this parameter's")
+
+
+def covered_shards(param: nn.Parameter, shard_id: Hashable) -> tuple[Hashable, ...]:
+    """The shards of `param` that loading a checkpoint tensor as `shard_id` fills: every expert's for `FUSED`,
+    every expert's gate (up) rows for `FUSED_GATE` (`FUSED_UP`), else `shard_id` alone."""
+    if shard_id == FUSED:
+        return tuple(param.shard_ids)  # type: ignore[attr-defined]
+    if shard_id in (FUSED_GATE, FUSED_UP):
+        part = _W13_PARTS[0] if shard_id == FUSED_GATE else _W13_PARTS[1]
+        return tuple(s for s in param.shard_ids if isinstance(s, tuple) and s[1] == part)  # type: ignore[attr-defined]
+    return (shard_id,)
 
 
 def _check_shape(got: tuple[int, ...], want: tuple[int, ...]) -> None:

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from kvserve.layers.activation import supported_activations
 from kvserve.layers.quantization import QuantConfig, is_kv_cache_only, parse_quant_config
 from kvserve.layers.rotary import check_rope_scaling
-from kvserve.model.gguf import check_tensor_types, read_gguf_info
+from kvserve.model.gguf import GGUFInfo, check_tensor_types, read_gguf_info
 from kvserve.model.gguf_rope import rope_scaling_from_gguf
 from kvserve.model.paths import ModelLoadError
 from kvserve.model.registry import is_supported_architecture, supported_architectures
@@ -224,16 +225,22 @@ _FAMILIES: dict[str, _Family] = {
     ),
 }
 
-# GGUF architectures of mixture-of-experts models, which kvserve does not load yet (llama.cpp also writes Mixtral as
-# "llama" with an `expert_count`).
-GGUF_MOE_ARCHITECTURES = ("qwen3moe", "mixtral", "qwen2moe")
+# GGUF architectures of mixture-of-experts models kvserve does not load from GGUF (it loads "qwen3moe", and Mixtral,
+# which llama.cpp writes as "llama" with an `expert_count`).
+GGUF_MOE_ARCHITECTURES = ("mixtral", "qwen2moe")
 
-# GGUF `general.architecture` -> HF architecture name.
+# GGUF `general.architecture` -> HF architecture name ("llama" with experts: `GGUF_LLAMA_MOE_ARCHITECTURE`).
 GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
+GGUF_LLAMA_MOE_ARCHITECTURE = "MixtralForCausalLM"
+# A mixture-of-experts layer's GGUF tensors (blk.N.<name>.weight): the router, and the experts stacked per
+# projection (older Mixtral files: each expert apart, blk.N.ffn_gate.E.weight and so on).
+_GGUF_ROUTER = "ffn_gate_inp"
+_GGUF_EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 _DEFAULT_ROPE_THETA = 10000.0
 _DEFAULT_RMS_NORM_EPS = 1e-6
@@ -528,14 +535,15 @@ def _from_gguf(path: str) -> ArchConfig:
         )
     gguf_arch = meta.get("general.architecture")
     experts = meta.get(f"{gguf_arch}.expert_count")
-    if gguf_arch in GGUF_MOE_ARCHITECTURES or (isinstance(experts, int) and experts > 0):
+    has_experts = isinstance(experts, int) and experts > 0
+    if gguf_arch in GGUF_MOE_ARCHITECTURES or (has_experts and gguf_arch not in ("llama", "qwen3moe")):
         raise ModelLoadError(
             f"{os.path.basename(path)}: a mixture-of-experts GGUF file (architecture {gguf_arch!r}"
-            f"{f', {experts} experts' if isinstance(experts, int) else ''}): kvserve does not load MoE models from "
-            "GGUF yet; use the model's HF safetensors checkpoint (Qwen3MoeForCausalLM, Qwen2MoeForCausalLM and "
-            "MixtralForCausalLM load from those)"
+            f"{f', {experts} experts' if isinstance(experts, int) else ''}): kvserve loads only Qwen3-MoE "
+            "(qwen3moe) and Mixtral (llama with experts) from GGUF; use the model's HF safetensors checkpoint (Qwen2-MoE loads from those)"
         )
-    architecture = GGUF_ARCHITECTURES.get(gguf_arch or "")
+    architecture = GGUF_LLAMA_MOE_ARCHITECTURE if gguf_arch == "llama" and has_experts \
+        else GGUF_ARCHITECTURES.get(gguf_arch or "")
     if architecture is None:
         raise ModelLoadError(
             f"{os.path.basename(path)}: GGUF architecture {gguf_arch!r} is not supported; supported: "
@@ -589,7 +597,45 @@ def _from_gguf(path: str) -> ArchConfig:
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=eos_ids,
         rope_freq_factors=info.rope_freqs,
+        **_gguf_moe_fields(path, info, family, key),
     )
+
+
+def _gguf_moe_fields(path: str, info: GGUFInfo, family: _Family, key: Callable[..., Any]) -> dict[str, Any]:
+    """ArchConfig's mixture-of-experts fields from GGUF metadata ({} for a dense family): `expert_count`,
+    `expert_used_count`, each expert's width (`expert_feed_forward_length`; Mixtral's files give only
+    `feed_forward_length`, every expert's), and the MoE layers: those holding a router (`ffn_gate_inp`), whose
+    experts must all be there. Renormalising the chosen experts' weights: `expert_weights_norm` where the file
+    has it; where not (llama.cpp's converter writes none for Qwen3-MoE), yes, as llama.cpp's qwen3moe graph always
+    renormalises (every released Qwen3-MoE has norm_topk_prob true); Mixtral always renormalises."""
+    if family.moe is None:
+        return {}
+    name = os.path.basename(path)
+    layers = tuple(layer for layer in range(key("block_count", 0))
+                   if f"blk.{layer}.{_GGUF_ROUTER}.weight" in info.tensor_types)
+    if not layers:
+        raise ModelLoadError(f"{name}: a mixture-of-experts GGUF file without any router tensor "
+                             f"(blk.N.{_GGUF_ROUTER}.weight)")
+    num_experts = key("expert_count")
+    if not isinstance(num_experts, int) or num_experts <= 0:
+        raise ModelLoadError(f"{name}: a mixture-of-experts GGUF file whose metadata gives no expert_count")
+    for layer in layers:
+        for tensor in _GGUF_EXPERT_TENSORS:
+            if f"blk.{layer}.{tensor}.weight" in info.tensor_types:
+                continue
+            apart = f"blk.{layer}.{tensor.replace('_exps', '')}.{{}}.weight"
+            if not all(apart.format(e) in info.tensor_types for e in range(num_experts)):
+                raise ModelLoadError(f"{name}: layer {layer} has a router ({_GGUF_ROUTER}) but no "
+                                     f"blk.{layer}.{tensor}.weight tensor (its experts' "
+                                     f"{tensor.split('_')[1]} projections): the file is incomplete")
+    norm = key("expert_weights_norm")
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": key("expert_used_count"),
+        "moe_intermediate_size": key("expert_feed_forward_length") or key("feed_forward_length"),
+        "norm_topk_prob": True if family.moe == "mixtral" or norm is None else bool(norm),
+        "moe_layers": layers,
+    }
 
 
 # --------------------------------------------------------------------------------------------- helpers

@@ -53,7 +53,19 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # A mixture-of-experts layer's router [E, H], and its experts stacked per projection (ffn_gate_exps /
+    # ffn_up_exps [E, I, H], ffn_down_exps [E, H, I] in PyTorch order), named as HF's fused experts are (no
+    # ".weight"), which the model's loader places whole (`kvserve.layers.moe.FUSED_GATE` / `FUSED_UP` / `FUSED`).
+    "ffn_gate_inp": "mlp.gate",
 }
+_STACKED_EXPERT_NAMES = {
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
+# Older llama.cpp files (Mixtral converted before the experts were stacked) hold each expert apart:
+# blk.N.ffn_gate.E.weight.
+_PER_EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
 
@@ -147,9 +159,15 @@ def gguf_to_hf_name(name: str) -> str | None:
     """HF parameter name for a GGUF tensor name, or None for tensors that are not parameters."""
     if name in _NON_PARAMETER_TENSORS:
         return None
+    match = _PER_EXPERT_RE.match(name)
+    if match is not None:
+        layer, part, expert = match.groups()
+        return f"model.layers.{layer}.mlp.experts.{expert}.{part}_proj.weight"
     match = _BLOCK_RE.match(name)
     if match is not None:
         layer, part, kind = match.groups()
+        if part in _STACKED_EXPERT_NAMES and kind == "weight":
+            return f"model.layers.{layer}.{_STACKED_EXPERT_NAMES[part]}"
         hf_part = _BLOCK_NAMES.get(part)
         if hf_part is None:
             raise ModelLoadError(f"unknown GGUF tensor {name!r}")
@@ -179,8 +197,9 @@ def iter_gguf_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, float32 CPU tensor) for every parameter tensor in the file, dequantized.
 
-    `unpermute_qk` is true for the llama architecture, whose q/k rows the converter permuted (Qwen2/Qwen3
-    GGUFs are written in HF's order).
+    `unpermute_qk` is true for the llama architecture (Llama, and Mixtral, which llama.cpp writes as llama),
+    whose q/k rows the converter permuted (Qwen2/Qwen3/Qwen3-MoE GGUFs are written in HF's order). A
+    mixture-of-experts layer's stacked experts come as one 3-D tensor per projection (`gguf_to_hf_name`).
     """
     reader = _open_reader(path)
     check_tensor_types(path, {t.name: t.tensor_type.name for t in reader.tensors})
@@ -189,8 +208,9 @@ def iter_gguf_weights(
         if hf_name is None:
             continue
         weights = dequantize(tensor.data, tensor.tensor_type)
-        # dequantize() returns [rows, cols] for block types but keeps F32/F16 in the reader's shape, which
-        # is already rows-first; reshape to the logical shape either way.
+        # dequantize() returns [..., rows, cols] for block types (a 3-D experts tensor: [E, rows, cols]) but
+        # keeps F32/F16 in the reader's shape, which is already in PyTorch order; reshape to the logical shape
+        # either way.
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         weights = weights.reshape(shape)
         if unpermute_qk and ".self_attn.q_proj." in hf_name:

@@ -30,7 +30,7 @@ from kvserve.layers.attention import Attention
 from kvserve.layers.attention_metadata import AttentionMetadata
 from kvserve.layers.embedding import LMHead, VocabEmbedding
 from kvserve.layers.linear import Linear, MergedLinear, QKVLinear
-from kvserve.layers.moe import FUSED, SparseMoeBlock
+from kvserve.layers.moe import FUSED, FUSED_GATE, FUSED_UP, SparseMoeBlock, covered_shards
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.quantization import QuantConfig
 from kvserve.layers.rotary import RotaryEmbedding
@@ -78,10 +78,11 @@ _TIED_ROWS_COMPARED = 8
 _LAYER_PREFIX = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # A mixture-of-experts layer's checkpoint tensors: one expert's projection (Qwen3-MoE's gate_proj / up_proj /
 # down_proj, Mixtral's w1 / w3 / w2, under `mlp` or Mixtral's `block_sparse_moe`), every expert's fused (as HF
-# Transformers 5 holds them), or the router.
+# Transformers 5 holds them) or stacked per projection (a GGUF file's, `experts.gate_proj` / `up_proj` /
+# `down_proj` as `gguf.gguf_to_hf_name` names them), or the router.
 _EXPERT_TENSOR = re.compile(
     r"(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
-_FUSED_EXPERTS_TENSOR = re.compile(r"(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)")
+_FUSED_EXPERTS_TENSOR = re.compile(r"(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|gate_proj|up_proj|down_proj)")
 _ROUTER_TENSOR = re.compile(r"(model\.layers\.\d+)\.block_sparse_moe\.gate\.weight")
 # Our name of a mixture-of-experts layer's router or experts (under `mlp`), for naming Mixtral's checkpoint tensor
 # (under `block_sparse_moe`) in messages.
@@ -502,10 +503,7 @@ class LlamaForCausalLM(CausalLM):
                 param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
             except ValueError as exc:
                 raise ModelLoadError(f"checkpoint tensor {ckpt_name!r}: {exc}") from None
-            if shard_id == FUSED:  # (every expert's)
-                loaded[param_name].update(param.shard_ids)  # type: ignore[attr-defined]
-            else:
-                loaded[param_name].add(shard_id)
+            loaded[param_name].update(covered_shards(param, shard_id))  # (every expert's for a fused tensor)
         # A GPTQ checkpoint not in activation order may leave g_idx out (its rows are in group order, k //
         # group_size: what the load assumes without one, as vLLM does); an act-order one needs its order.
         optional = (".g_idx",) if quant is not None and quant.method == "gptq" and not quant.act_order else ()
@@ -570,15 +568,18 @@ class MixtralForCausalLM(LlamaForCausalLM):
 
 
 def _expert_param_name(ckpt_name: str) -> tuple[str | None, Hashable]:
-    """A mixture-of-experts checkpoint tensor -> (our parameter, shard id: (expert, part) or `FUSED`); (None,
-    None) for any other name."""
+    """A mixture-of-experts checkpoint tensor -> (our parameter, shard id: (expert, part), `FUSED`, or for a
+    stacked gate-only / up-only tensor `FUSED_GATE` / `FUSED_UP`); (None, None) for any other name."""
     match = _EXPERT_TENSOR.fullmatch(ckpt_name)
     if match is not None:
         which, part = _EXPERT_PARTS[match.group(3)]
         return f"{match.group(1)}.mlp.experts.{which}", (int(match.group(2)), part)
     match = _FUSED_EXPERTS_TENSOR.fullmatch(ckpt_name)
     if match is not None:
-        return f"{match.group(1)}.mlp.experts.{'w13' if match.group(2) == 'gate_up_proj' else 'w2'}", FUSED
+        which = match.group(2)
+        if which == "down_proj":
+            return f"{match.group(1)}.mlp.experts.w2", FUSED
+        return f"{match.group(1)}.mlp.experts.w13", {"gate_up_proj": FUSED, "gate_proj": FUSED_GATE}.get(which, FUSED_UP)
     match = _ROUTER_TENSOR.fullmatch(ckpt_name)
     if match is not None:
         return f"{match.group(1)}.mlp.gate.weight", None
@@ -597,8 +598,7 @@ def _check_moe_source(sources: dict[tuple[str, Hashable], str], ckpt_name: str, 
     experts (`sources`: (parameter, shard) -> the tensor that filled it): a layer's experts held both apart and
     fused, or a Mixtral router under both mlp and block_sparse_moe (the later one silently replaced the earlier).
     `moe_block`: `_checkpoint_moe_block`."""
-    shards = param.shard_ids if shard_id == FUSED else (shard_id,)  # type: ignore[attr-defined]
-    for shard in shards:
+    for shard in covered_shards(param, shard_id):
         earlier = sources.setdefault((param_name, shard), ckpt_name)
         if earlier != ckpt_name:
             what = _describe_missing(param_name, param, shard, moe_block)

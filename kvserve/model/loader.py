@@ -168,8 +168,9 @@ def iter_weights(path: str, arch: ArchConfig) -> Iterator[tuple[str, torch.Tenso
     if path.endswith(".gguf"):
         return iter_gguf_weights(
             path,
-            # llama.cpp permutes q/k rows only for its llama architecture (see gguf.unpermute_qk_rows).
-            unpermute_qk=arch.architecture == "LlamaForCausalLM",
+            # llama.cpp permutes q/k rows only for its llama architecture, Mixtral included (see
+            # gguf.unpermute_qk_rows).
+            unpermute_qk=arch.architecture in ("LlamaForCausalLM", "MixtralForCausalLM"),
             num_heads=arch.num_attention_heads,
             num_kv_heads=arch.num_key_value_heads,
         )

@@ -11,7 +11,8 @@ checkpoint, for engine settings a GGUF file is refused (`--quantization fp8`).
 `write_gguf(checkpoint_dir, gguf_path)` re-exports such a checkpoint as a GGUF file the way llama.cpp's
 converter lays it out (tensor names, metadata including RoPE scaling, and the q/k row permutation for the
 llama architecture), with float32 tensors, so a model loaded from it must reproduce the HF checkpoint's
-logits.
+logits. Mixture-of-experts checkpoints (Qwen3-MoE as "qwen3moe", Mixtral as "llama" with an expert_count) get
+their experts stacked per projection as llama.cpp's converter stacks them, optionally as F16 or Q8_0.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import functools
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 from typing import Any
@@ -327,7 +329,16 @@ _HF_TO_GGUF_BLOCK = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+    "block_sparse_moe.gate": "ffn_gate_inp",
 }
+# HF model_type -> llama.cpp's architecture name, where they differ.
+_GGUF_ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}
+# One expert's projection in a checkpoint -> llama.cpp's stacked tensor of that projection.
+_EXPERT_TENSOR = re.compile(
+    r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
+_GGUF_EXPERTS = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps",
+                 "w3": "ffn_up_exps", "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
 _HF_TO_GGUF_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
 
@@ -411,8 +422,17 @@ def _llama3_rope_freqs(rope: dict[str, Any], head_dim: int) -> list[float]:
     return torch.tensor(divisors, dtype=torch.float32).tolist()
 
 
-def write_gguf(checkpoint_dir: str, gguf_path: str, rope_freqs: list[float] | None = None) -> str:
+def write_gguf(checkpoint_dir: str, gguf_path: str, rope_freqs: list[float] | None = None,
+               expert_type: str = "F32", leave_out: tuple[str, ...] = (), stack_experts: bool = True) -> str:
     """Re-export a tiny checkpoint (from `make_tiny_checkpoint`) as a float32 GGUF file; returns its path.
+
+    A mixture-of-experts checkpoint's experts are stacked per projection (blk.N.ffn_gate_exps / ffn_up_exps
+    [E, I, H], ffn_down_exps [E, H, I]) and written as `expert_type` ("F32", "F16" or "Q8_0"); its router is
+    blk.N.ffn_gate_inp. llama.cpp's converter writes no `expert_weights_norm` for Qwen3-MoE (llama.cpp then
+    renormalises); it is written here, false, for a checkpoint with norm_topk_prob false, so that the file holds
+    the same model. GGUF tensors named in `leave_out` are not written (for tests of incomplete files).
+    `stack_experts` false writes each expert apart (blk.N.ffn_gate.E.weight, ...), as older llama.cpp Mixtral
+    files hold them.
 
     RoPE scaling is written as llama.cpp's converter writes it: linear and YaRN as `{arch}.rope.scaling.*`
     metadata, Llama 3.1's as the `rope_freqs.weight` tensor of per-frequency divisors. Explicit `rope_freqs`
@@ -423,7 +443,7 @@ def write_gguf(checkpoint_dir: str, gguf_path: str, rope_freqs: list[float] | No
 
     with open(os.path.join(checkpoint_dir, "config.json"), encoding="utf-8") as f:
         cfg = json.load(f)
-    arch = cfg["model_type"]
+    arch = _GGUF_ARCH.get(cfg["model_type"], cfg["model_type"])
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     rope = cfg.get("rope_parameters") or {}
@@ -445,18 +465,39 @@ def write_gguf(checkpoint_dir: str, gguf_path: str, rope_freqs: list[float] | No
     writer.add_vocab_size(cfg["vocab_size"])
     writer.add_bos_token_id(cfg["bos_token_id"])
     writer.add_eos_token_id(cfg["eos_token_id"])
+    num_experts = cfg.get("num_local_experts", cfg.get("num_experts"))
+    if num_experts:
+        writer.add_expert_count(num_experts)
+        writer.add_expert_used_count(cfg["num_experts_per_tok"])
+        if cfg.get("moe_intermediate_size"):
+            writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if cfg["model_type"] == "qwen3_moe" and not cfg.get("norm_topk_prob", False):
+            writer.add_expert_weights_norm(False)
 
     tensors: dict[str, np.ndarray] = {}
     for file in sorted(os.listdir(checkpoint_dir)):
         if file.endswith(".safetensors"):
             tensors.update(load_file(os.path.join(checkpoint_dir, file)))
+    experts: dict[str, dict[int, np.ndarray]] = {}  # stacked GGUF name -> expert -> its projection
     for hf_name, value in sorted(tensors.items()):
         value = value.astype(np.float32)
+        match = _EXPERT_TENSOR.fullmatch(hf_name)
+        if match is not None:
+            layer, expert, part = match.groups()
+            experts.setdefault(f"blk.{layer}.{_GGUF_EXPERTS[part]}.weight", {})[int(expert)] = value
+            continue
         if arch == "llama" and ".self_attn.q_proj." in hf_name:
             value = _converter_permute(value, heads)
         elif arch == "llama" and ".self_attn.k_proj." in hf_name:
             value = _converter_permute(value, kv_heads)
-        writer.add_tensor(_gguf_name(hf_name), np.ascontiguousarray(value))
+        if _gguf_name(hf_name) not in leave_out:
+            writer.add_tensor(_gguf_name(hf_name), np.ascontiguousarray(value))
+    for name, by_expert in sorted(experts.items()):
+        if not stack_experts:
+            for expert, value in sorted(by_expert.items()):
+                writer.add_tensor(name.replace("_exps.", f".{expert}."), np.ascontiguousarray(value))
+        elif name not in leave_out:
+            _add_stacked_experts(writer, name, np.stack([by_expert[e] for e in sorted(by_expert)]), expert_type)
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
 
@@ -465,6 +506,18 @@ def write_gguf(checkpoint_dir: str, gguf_path: str, rope_freqs: list[float] | No
     writer.write_tensors_to_file()
     writer.close()
     return gguf_path
+
+
+def _add_stacked_experts(writer: Any, name: str, stacked: np.ndarray, expert_type: str) -> None:
+    """Write a stacked experts tensor [E, rows, cols] as `expert_type` ("F32", "F16" or "Q8_0", quantized
+    row by row with gguf's own quantizer, as llama.cpp's converter does)."""
+    import gguf
+
+    if expert_type == "Q8_0":
+        qtype = gguf.GGMLQuantizationType.Q8_0
+        writer.add_tensor(name, gguf.quants.quantize(stacked, qtype), raw_dtype=qtype)
+    else:
+        writer.add_tensor(name, np.ascontiguousarray(stacked.astype({"F32": np.float32, "F16": np.float16}[expert_type])))
 
 
 def _small_gguf_writer(gguf_path: str, arch: str, context_length: int = 64) -> Any:

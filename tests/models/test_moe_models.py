@@ -1,12 +1,14 @@
-"""Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral) against HF Transformers, and what kvserve refuses
-for them.
+"""Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral) against HF Transformers and from GGUF, and what kvserve
+refuses for them.
 
 Tiny random checkpoints (`helpers.tiny_models` variants "qwen3-moe": 4 layers, layer 0 dense through
 mlp_only_layers, 8 experts, 2 per token, renormalised weights; "qwen3-moe-step": decoder_sparse_step 2, no
 renormalisation; "qwen2-moe" / "qwen2-moe-nonorm": as "qwen3-moe" with Qwen2's attention and a shared expert,
 with and without renormalisation; "mixtral": 3 layers, all MoE) through kvserve's offline LLM API: greedy tokens
 equal HF's in float32, bfloat16 logprobs within HF bfloat16's own error of HF float32, and engine settings that
-must not change the output (chunked prefill, prefix caching, preemption) leave it alone.
+must not change the output (chunked prefill, prefix caching, preemption) leave it alone. The GGUF exports of
+"qwen3-moe", "qwen3-moe-step" and "mixtral" (`helpers.tiny_models.write_gguf`: experts stacked as llama.cpp writes
+them) generate the same greedy tokens.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -331,15 +334,107 @@ def test_online_fp8_is_refused_for_moe(tiny_model_dir: Callable[..., str]) -> No
         EngineArgs(model=tiny_model_dir("mixtral"), device="cpu", quantization="fp8").create_engine_config()
 
 
-@pytest.mark.parametrize(("arch", "metadata"), [("qwen3moe", {}), ("qwen2moe", {}), ("llama", {"expert_count": 8})],
-                         ids=["qwen3moe", "qwen2moe", "mixtral-as-llama"])
-def test_moe_gguf_files_are_refused(arch: str, metadata: dict[str, Any], tmp_path: Path) -> None:
-    """llama.cpp writes Qwen3-MoE as "qwen3moe", Qwen2-MoE as "qwen2moe" and Mixtral as "llama" with an expert_count."""
+@pytest.mark.parametrize(("arch", "metadata"), [("qwen2moe", {}), ("olmoe", {"expert_count": 8})],
+                         ids=["qwen2moe", "other-with-experts"])
+def test_other_moe_gguf_files_are_refused(arch: str, metadata: dict[str, Any], tmp_path: Path) -> None:
+    """kvserve loads Qwen3-MoE ("qwen3moe") and Mixtral ("llama" with an expert_count) from GGUF, no other
+    mixture-of-experts architecture."""
     from helpers.tiny_models import write_config_gguf
 
     path = write_config_gguf(str(tmp_path / "moe.gguf"), arch, metadata)
-    with pytest.raises(ModelLoadError, match=rf"a mixture-of-experts GGUF file \(architecture '{arch}'.*HF "
-                                             r"safetensors checkpoint"):
+    with pytest.raises(ModelLoadError, match=rf"a mixture-of-experts GGUF file \(architecture '{arch}'.*loads only "
+                                             r"Qwen3-MoE \(qwen3moe\) and Mixtral.*HF safetensors checkpoint"):
+        load_arch_config(path)
+
+
+# ------------------------------------------------------------------------------------------------ GGUF
+
+
+@pytest.fixture(scope="module")
+def moe_gguf(tiny_model_dir: Callable[..., str], tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
+    """`make(variant, **write_gguf options)`: the tiny MoE checkpoint re-exported as GGUF (cached)."""
+    from helpers.tiny_models import write_gguf
+
+    cache: dict[str, str] = {}
+
+    def make(variant: str, **options: Any) -> str:
+        key = json.dumps([variant, options], sort_keys=True)
+        if key not in cache:
+            path = str(tmp_path_factory.mktemp(f"gguf-{variant}") / f"{variant}.gguf")
+            cache[key] = write_gguf(tiny_model_dir(variant), path, **options)
+        return cache[key]
+
+    return make
+
+
+@pytest.mark.parametrize("variant", MOE_VARIANTS)
+def test_gguf_arch_config_equals_the_checkpoints(variant: str, tiny_model_dir: Callable[..., str],
+                                                 moe_gguf: Callable[..., str]) -> None:
+    """Qwen3-MoE's GGUF ("qwen3moe": the MoE layers are those with a router, layer 0 dense; no renormalisation
+    from expert_weights_norm false) and Mixtral's ("llama" with 8 experts) read as their config.json does."""
+    from_gguf, from_hf = load_arch_config(moe_gguf(variant)), load_arch_config(tiny_model_dir(variant))
+    assert from_gguf.architecture == from_hf.architecture
+    # GGUF stores eps as float32 and names no dtype.
+    assert from_gguf.rms_norm_eps == pytest.approx(from_hf.rms_norm_eps, rel=1e-6)
+    assert replace(from_gguf, rms_norm_eps=from_hf.rms_norm_eps, config_dtype=from_hf.config_dtype) == from_hf
+
+
+@pytest.mark.parametrize(("variant", "options"), [
+    ("qwen3-moe", {}), ("qwen3-moe-step", {}), ("mixtral", {}), ("mixtral", {"stack_experts": False}),
+], ids=["qwen3-moe", "qwen3-moe-step", "mixtral", "mixtral-experts-apart"])
+def test_gguf_greedy_tokens_equal_the_checkpoints(variant: str, options: dict[str, Any],
+                                                  tiny_model_dir: Callable[..., str],
+                                                  moe_gguf: Callable[..., str]) -> None:
+    """A float32 GGUF (experts stacked per projection, or each apart as older Mixtral files hold them; Mixtral's
+    q/k rows permuted as for Llama) generates the safetensors checkpoint's greedy tokens."""
+    checkpoint = tiny_model_dir(variant)
+    from_gguf = _greedy(LLM(moe_gguf(variant, **options), tokenizer=checkpoint, max_model_len=256), PROMPTS)
+    assert from_gguf == _greedy(LLM(checkpoint, max_model_len=256), PROMPTS)
+
+
+@pytest.mark.parametrize("expert_type", ["F16", "Q8_0"])
+@pytest.mark.parametrize("variant", ["qwen3-moe", "mixtral"])
+def test_gguf_typed_experts_load_as_gguf_dequantizes_them(variant: str, expert_type: str,
+                                                          tiny_model_dir: Callable[..., str],
+                                                          moe_gguf: Callable[..., str]) -> None:
+    """F16 and Q8_0 stacked experts [E, I, H] / [E, H, I] dequantize whole: every expert's gate, up and down rows
+    are the checkpoint's through that type's round trip (float16, or gguf's Q8_0 quantizer)."""
+    import gguf
+    import numpy as np
+
+    from kvserve.config import ModelConfig
+    from kvserve.model.loader import load_model
+
+    path = moe_gguf(variant, expert_type=expert_type)
+    model = load_model(ModelConfig(model=path, tokenizer=tiny_model_dir(variant), dtype="float32", max_model_len=64),
+                       torch.device("cpu"))
+    checkpoint = load_file(os.path.join(tiny_model_dir(variant), "model.safetensors"))
+    block, (gate, up, down) = ("block_sparse_moe", ("w1", "w3", "w2")) if variant == "mixtral" \
+        else ("mlp", ("gate_proj", "up_proj", "down_proj"))
+    layer = model.arch.moe_layers[-1]
+    experts = model.model.layers[layer].mlp.experts
+
+    def round_trip(part: str) -> torch.Tensor:
+        stacked = torch.stack([checkpoint[f"model.layers.{layer}.{block}.experts.{e}.{part}.weight"]
+                               for e in range(model.arch.num_experts)]).numpy()
+        if expert_type == "F16":
+            return torch.from_numpy(stacked.astype(np.float16).astype(np.float32))
+        qtype = gguf.GGMLQuantizationType.Q8_0
+        return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(stacked, qtype), qtype))
+
+    size = model.arch.moe_intermediate_size
+    torch.testing.assert_close(experts.w13[:, :size], round_trip(gate), atol=0, rtol=0)
+    torch.testing.assert_close(experts.w13[:, size:], round_trip(up), atol=0, rtol=0)
+    torch.testing.assert_close(experts.w2, round_trip(down), atol=0, rtol=0)
+    assert not torch.equal(experts.w2, torch.stack([
+        checkpoint[f"model.layers.{layer}.{block}.experts.{e}.{down}.weight"] for e in range(model.arch.num_experts)]))
+
+
+@pytest.mark.parametrize("missing", ["ffn_up_exps", "ffn_down_exps"])
+def test_gguf_missing_an_expert_tensor_is_a_clear_error(missing: str, moe_gguf: Callable[..., str]) -> None:
+    path = moe_gguf("qwen3-moe", leave_out=(f"blk.2.{missing}.weight",))
+    with pytest.raises(ModelLoadError, match=rf"qwen3-moe\.gguf: layer 2 has a router \(ffn_gate_inp\) but no "
+                                             rf"blk\.2\.{missing}\.weight tensor .*the file is incomplete"):
         load_arch_config(path)
 
 
@@ -410,3 +505,22 @@ def test_a_tensor_parallel_size_that_does_not_split_the_experts_is_refused(
     with pytest.raises(ConfigError, match=r"tensor_parallel_size=4 does not split the model: the experts' "
                                           r"intermediate size \(30, each expert's MLP width\) is not divisible"):
         EngineArgs(model=path, device="cpu", tensor_parallel_size=4).create_engine_config()
+
+
+def test_stacked_gate_and_up_tensors_fill_their_halves_of_w13() -> None:
+    """A GGUF file's ffn_gate_exps / ffn_up_exps [E, I, H] fill each expert's gate rows / up rows of w13 (and
+    count as every expert's gate / up shard); a wrong shape or the w2 parameter is refused."""
+    from kvserve.layers.moe import FUSED_GATE, FUSED_UP, FusedExperts, covered_shards
+
+    experts = FusedExperts(3, 8, 4, torch.float32)
+    gate, up = torch.randn(3, 4, 8), torch.randn(3, 4, 8)
+    experts.weight_loader(experts.w13, gate, FUSED_GATE)
+    experts.weight_loader(experts.w13, up, FUSED_UP)
+    assert torch.equal(experts.w13, torch.cat([gate, up], dim=1))
+    assert covered_shards(experts.w13, FUSED_UP) == ((0, "up"), (1, "up"), (2, "up"))
+    with pytest.raises(ValueError, match=r"dim 1 should be the experts' intermediate size 4"):
+        experts.weight_loader(experts.w13, torch.randn(3, 8, 8), FUSED_GATE)
+    with pytest.raises(ValueError, match=r"expected \[3, intermediate, hidden\]"):
+        experts.weight_loader(experts.w13, torch.randn(2, 4, 8), FUSED_UP)
+    with pytest.raises(ValueError, match=r"not one of this parameter's"):
+        experts.weight_loader(experts.w2, torch.randn(3, 4, 8), FUSED_GATE)
