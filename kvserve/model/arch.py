@@ -190,38 +190,42 @@ class _Family:
     attention_bias_key: bool = True  # False: the family's attention has no bias whatever config.json says
     # True: q/k/v bias follows config.json's `qkv_bias`, default true (Qwen2MoeConfig's; `attention_bias` unread)
     qkv_bias_key: bool = False
+    # The config class's intermediate_size where config.json lacks the key (the dense MLP's width; Mixtral's
+    # experts'); None: the key is required.
+    intermediate_size: int | None = None
 
 
 _FAMILIES: dict[str, _Family] = {
     "LlamaForCausalLM": _Family(
         max_position_embeddings=2048, head_dim=None, num_key_value_heads=None, bos_token_id=1, eos_token_id=2,
-        qkv_bias_always=False, o_proj_bias_follows_attention_bias=True, qk_norm=False,
+        qkv_bias_always=False, o_proj_bias_follows_attention_bias=True, qk_norm=False, intermediate_size=11008,
     ),
     "Qwen2ForCausalLM": _Family(
         max_position_embeddings=32768, head_dim=None, num_key_value_heads=32, bos_token_id=None, eos_token_id=None,
-        qkv_bias_always=True, o_proj_bias_follows_attention_bias=False, qk_norm=False,
+        qkv_bias_always=True, o_proj_bias_follows_attention_bias=False, qk_norm=False, intermediate_size=22016,
     ),
     "Qwen3ForCausalLM": _Family(
         max_position_embeddings=32768, head_dim=128, num_key_value_heads=32, bos_token_id=None, eos_token_id=None,
-        qkv_bias_always=False, o_proj_bias_follows_attention_bias=True, qk_norm=True,
+        qkv_bias_always=False, o_proj_bias_follows_attention_bias=True, qk_norm=True, intermediate_size=22016,
     ),
     # Qwen3MoeConfig: no head_dim default (hidden_size / num_attention_heads), 4 KV heads.
     "Qwen3MoeForCausalLM": _Family(
         max_position_embeddings=32768, head_dim=None, num_key_value_heads=4, bos_token_id=None, eos_token_id=None,
         qkv_bias_always=False, o_proj_bias_follows_attention_bias=True, qk_norm=True, moe="qwen3_moe",
+        intermediate_size=6144,
     ),
     # Qwen2MoeConfig: Qwen2's attention (q/k/v bias by `qkv_bias`, default true; no o_proj bias), head_dim hidden /
     # heads unless config.json names one, 16 KV heads.
     "Qwen2MoeForCausalLM": _Family(
         max_position_embeddings=32768, head_dim=None, num_key_value_heads=16, bos_token_id=None, eos_token_id=None,
         qkv_bias_always=False, o_proj_bias_follows_attention_bias=False, qk_norm=False, moe="qwen2_moe",
-        attention_bias_key=False, qkv_bias_key=True,
+        attention_bias_key=False, qkv_bias_key=True, intermediate_size=5632,
     ),
     # MixtralConfig: Llama's attention without any bias, RoPE theta 1e6, eps 1e-5, 8 KV heads.
     "MixtralForCausalLM": _Family(
         max_position_embeddings=4096 * 32, head_dim=None, num_key_value_heads=8, bos_token_id=1, eos_token_id=2,
         qkv_bias_always=False, o_proj_bias_follows_attention_bias=False, qk_norm=False, rope_theta=1e6,
-        rms_norm_eps=1e-5, moe="mixtral", attention_bias_key=False,
+        rms_norm_eps=1e-5, moe="mixtral", attention_bias_key=False, intermediate_size=14336,
     ),
 }
 
@@ -312,7 +316,7 @@ def _from_hf_dir(path: str) -> ArchConfig:
         architecture=architecture,
         vocab_size=require("vocab_size"),
         hidden_size=hidden_size,
-        intermediate_size=require("intermediate_size"),
+        intermediate_size=_intermediate_size(cfg, family, path),
         num_hidden_layers=require("num_hidden_layers"),
         num_attention_heads=num_heads,
         num_key_value_heads=_num_kv_heads(cfg, family, num_heads),
@@ -337,6 +341,15 @@ def _from_hf_dir(path: str) -> ArchConfig:
     )
 
 
+def _intermediate_size(cfg: dict[str, Any], family: _Family, path: str) -> Any:
+    """config.json's intermediate_size, or, where it lacks the key, the family's config class default, as HF reads
+    it (a MoE model whose every layer is MoE never uses it, but Mixtral's experts are that wide)."""
+    value = cfg.get("intermediate_size", family.intermediate_size)
+    if value is None:
+        raise ModelLoadError(f"{path}/config.json lacks 'intermediate_size'")
+    return value
+
+
 def _moe_fields(cfg: dict[str, Any], family: _Family, path: str) -> dict[str, Any]:
     """ArchConfig's mixture-of-experts fields from config.json, with HF's config classes' defaults for missing
     keys ({} for a dense family). Qwen3-MoE (Qwen3MoeConfig): num_experts (128; saved by Transformers 5 as
@@ -354,7 +367,7 @@ def _moe_fields(cfg: dict[str, Any], family: _Family, path: str) -> dict[str, An
         return {
             "num_experts": cfg.get("num_local_experts", cfg.get("num_experts", 8)),
             "num_experts_per_tok": cfg.get("num_experts_per_tok", 2),
-            "moe_intermediate_size": cfg.get("intermediate_size"),
+            "moe_intermediate_size": _intermediate_size(cfg, family, path),
             "norm_topk_prob": True,
             "moe_layers": tuple(range(num_layers)),
             "sliding_window": _mixtral_window(cfg, path),

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import ConfigError, EngineArgs
@@ -111,6 +111,26 @@ def test_missing_keys_take_hf_config_defaults(tmp_path: Path) -> None:
     assert qwen2.shared_expert_intermediate_size == 5632 and not qwen2.norm_topk_prob and qwen2.moe_layers == (0, 1)
     assert (qwen2.head_dim, qwen2.num_key_value_heads, qwen2.rope_theta) == (4, 16, 10000.0)
     assert qwen2.attention_bias and not qwen2.o_proj_bias  # qkv_bias defaults to true
+
+
+@pytest.mark.parametrize(("architecture", "model_type"), [
+    ("LlamaForCausalLM", "llama"), ("Qwen2ForCausalLM", "qwen2"), ("Qwen3ForCausalLM", "qwen3"),
+    ("Qwen3MoeForCausalLM", "qwen3_moe"), ("Qwen2MoeForCausalLM", "qwen2_moe"), ("MixtralForCausalLM", "mixtral"),
+])
+def test_a_missing_intermediate_size_is_hf_configs_default(architecture: str, model_type: str, tmp_path: Path) -> None:
+    """config.json without intermediate_size: the config class's default, as HF Transformers reads it (it was
+    refused as a missing key; Mixtral's experts are that wide)."""
+    config = {"architectures": [architecture], "model_type": model_type, "vocab_size": 100, "hidden_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    want = AutoConfig.from_pretrained(str(tmp_path)).intermediate_size
+    arch = load_arch_config(str(tmp_path))
+    assert arch.intermediate_size == want
+    if architecture == "MixtralForCausalLM":
+        assert arch.moe_intermediate_size == want
+    (tmp_path / "config.json").write_text(json.dumps({**config, "intermediate_size": None}))
+    with pytest.raises(ModelLoadError, match="lacks 'intermediate_size'"):
+        load_arch_config(str(tmp_path))
 
 
 # ------------------------------------------------------------------------------------------- vs HF
